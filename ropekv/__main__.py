@@ -1,0 +1,3 @@
+from ropekv.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,273 @@
+"""Array intake: NumPy, CuPy or any DLPack producer -> one internal :class:`ArrayView`.
+
+CuPy cannot import float8 through DLPack, so ropekv reads the DLPack capsule itself (legacy
+``dltensor`` and versioned ``dltensor_versioned`` capsules). The capsule is never consumed: it is
+kept alive beside the view, and when it is collected its own destructor releases the producer's
+tensor, as the protocol prescribes for an unconsumed capsule.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import ml_dtypes
+import numpy as np
+
+HOST = -1  # ArrayView.device of host memory
+
+FLOAT16 = np.dtype(np.float16)
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT32 = np.dtype(np.float32)
+FLOAT8_E4M3FN = np.dtype(ml_dtypes.float8_e4m3fn)
+FLOAT8_E5M2 = np.dtype(ml_dtypes.float8_e5m2)
+INT32 = np.dtype(np.int32)
+INT64 = np.dtype(np.int64)
+UINT32 = np.dtype(np.uint32)
+UINT8 = np.dtype(np.uint8)
+FP8_DTYPES = (FLOAT8_E4M3FN, FLOAT8_E5M2)
+
+# DLPack 1.1 (code, bits) -> dtype. Codes: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool,
+# 10 float8_e4m3fn, 12 float8_e5m2.
+_DL_DTYPES = {
+    (0, 8): np.dtype(np.int8),
+    (0, 16): np.dtype(np.int16),
+    (0, 32): INT32,
+    (0, 64): INT64,
+    (1, 8): UINT8,
+    (1, 16): np.dtype(np.uint16),
+    (1, 32): UINT32,
+    (1, 64): np.dtype(np.uint64),
+    (2, 16): FLOAT16,
+    (2, 32): FLOAT32,
+    (2, 64): np.dtype(np.float64),
+    (4, 16): BFLOAT16,
+    (6, 8): np.dtype(np.bool_),
+    (10, 8): FLOAT8_E4M3FN,
+    (12, 8): FLOAT8_E5M2,
+}
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+_DL_FLAG_READ_ONLY, _DL_FLAG_IS_COPIED = 1, 2
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [
+        ("major", ctypes.c_uint32),
+        ("minor", ctypes.c_uint32),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _DLTensor),
+    ]
+
+
+_capsule_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_get_pointer.restype = ctypes.c_void_p
+_capsule_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
+_capsule_is_valid.restype = ctypes.c_int
+_capsule_is_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+class ArrayView:
+    """What a kernel launch needs to know of an array, whatever produced it.
+
+    ``strides`` are in elements. ``device`` is the CUDA device id, or ``HOST``. ``host`` is a NumPy
+    array aliasing the memory of a host array (the CPU backend writes through it), else None.
+    ``owner`` keeps the producer's memory alive; ``array`` is the object the caller passed.
+    """
+
+    __slots__ = ("name", "ptr", "shape", "strides", "dtype", "device", "readonly", "owner",
+                 "host", "array")
+
+    def __init__(self, name, ptr, shape, strides, dtype, device, *, readonly=False, owner=None,
+                 host=None, array=None):
+        self.name = name
+        self.ptr = ptr
+        self.shape = shape
+        self.strides = strides
+        self.dtype = dtype
+        self.device = device
+        self.readonly = readonly
+        self.owner = owner
+        self.host = host
+        self.array = array
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def on_host(self):
+        return self.device == HOST
+
+    def is_c_contiguous(self):
+        expected = 1
+        for n, s in zip(reversed(self.shape), reversed(self.strides)):
+            if n != 1 and s != expected:
+                return False
+            expected *= n
+        return True
+
+    def where(self):
+        return "host memory" if self.on_host else f"CUDA device {self.device}"
+
+    def __repr__(self):
+        return (f"ArrayView({self.name}: shape={self.shape}, dtype={self.dtype}, "
+                f"strides={self.strides}, {self.where()})")
+
+
+def _element_strides(name, byte_strides, itemsize):
+    out = []
+    for s in byte_strides:
+        if s % itemsize:
+            raise BufferError(f"{name} has a byte stride of {s}, not a multiple of its item size "
+                              f"{itemsize}; ropekv cannot address it")
+        out.append(s // itemsize)
+    return tuple(out)
+
+
+def _from_numpy(a, name):
+    return ArrayView(name, a.ctypes.data, a.shape, _element_strides(name, a.strides, a.itemsize),
+                     a.dtype, HOST, readonly=not a.flags.writeable, owner=a, host=a, array=a)
+
+
+def _from_cupy(a, name):
+    return ArrayView(name, a.data.ptr, a.shape, _element_strides(name, a.strides, a.itemsize),
+                     a.dtype, a.device.id, owner=a, array=a)
+
+
+def _consumer_stream(stream_ptr):
+    # DLPack stream protocol for CUDA: 1 is the legacy default stream, 0 is not allowed.
+    if stream_ptr is None:
+        from ropekv._launch import current_stream_ptr
+
+        stream_ptr = current_stream_ptr()
+    return stream_ptr if stream_ptr else 1
+
+
+def _get_capsule(obj, name, device_type, stream_ptr):
+    kwargs = {}
+    if device_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+        kwargs["stream"] = _consumer_stream(stream_ptr)
+    try:
+        return obj.__dlpack__(max_version=(1, 1), **kwargs)
+    except TypeError:
+        # Producers older than the DLPack 1.0 Python API take no max_version.
+        try:
+            return obj.__dlpack__(**kwargs)
+        except Exception as exc:
+            raise BufferError(f"{name}: __dlpack__() failed: {exc}") from exc
+    except Exception as exc:
+        raise BufferError(f"{name}: __dlpack__() failed: {exc}") from exc
+
+
+def _host_array(ptr, shape, byte_strides, dtype, readonly):
+    """A NumPy array aliasing host memory at ``ptr`` (no copy)."""
+    if any(n == 0 for n in shape):
+        return np.empty(shape, dtype)
+    lo = sum((n - 1) * s for n, s in zip(shape, byte_strides) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(shape, byte_strides) if s > 0)
+    buf = (ctypes.c_char * (hi - lo + dtype.itemsize)).from_address(ptr + lo)
+    base = np.frombuffer(buf, np.uint8)
+    flat = np.ndarray(shape, dtype, buffer=base, offset=-lo, strides=byte_strides)
+    if readonly:
+        flat.flags.writeable = False
+    return flat
+
+
+def _from_dlpack(obj, name, stream_ptr):
+    try:
+        device_type, device_id = (int(x) for x in obj.__dlpack_device__())
+    except Exception as exc:
+        raise BufferError(f"{name}: __dlpack_device__() failed: {exc}") from exc
+    if device_type not in (_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED):
+        raise BufferError(f"{name} lives on DLPack device type {device_type}; ropekv accepts CPU "
+                          f"(1), CUDA (2), CUDA host (3) and CUDA managed (13) memory")
+    capsule = _get_capsule(obj, name, device_type, stream_ptr)
+    if _capsule_is_valid(capsule, b"dltensor_versioned"):
+        managed = _DLManagedTensorVersioned.from_address(
+            _capsule_get_pointer(capsule, b"dltensor_versioned"))
+        if managed.major != 1:
+            raise BufferError(f"{name}: DLPack version {managed.major}.{managed.minor} is not "
+                              f"supported (ropekv reads 1.x)")
+        flags = managed.flags
+    elif _capsule_is_valid(capsule, b"dltensor"):
+        managed = _DLManagedTensor.from_address(_capsule_get_pointer(capsule, b"dltensor"))
+        flags = 0
+    else:
+        raise BufferError(f"{name}: __dlpack__() returned {capsule!r}, not a DLPack capsule")
+    t = managed.dl_tensor
+    code, bits, lanes = t.dtype.code, t.dtype.bits, t.dtype.lanes
+    dtype = _DL_DTYPES.get((code, bits))
+    if dtype is None or lanes != 1:
+        raise TypeError(f"{name} has DLPack dtype (code={code}, bits={bits}, lanes={lanes}), "
+                        f"which ropekv does not read")
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    if t.strides:
+        strides = tuple(t.strides[i] for i in range(t.ndim))
+    else:
+        strides, acc = [], 1
+        for n in reversed(shape):
+            strides.append(acc)
+            acc *= n
+        strides = tuple(reversed(strides))
+    ptr = (t.data or 0) + t.byte_offset
+    readonly = bool(flags & (_DL_FLAG_READ_ONLY | _DL_FLAG_IS_COPIED))
+    if device_type in (_DL_CPU, _DL_CUDA_HOST):
+        byte_strides = tuple(s * dtype.itemsize for s in strides)
+        host = _host_array(ptr, shape, byte_strides, dtype, readonly)
+        return ArrayView(name, ptr, shape, strides, dtype, HOST, readonly=readonly,
+                         owner=(obj, capsule), host=host, array=obj)
+    return ArrayView(name, ptr, shape, strides, dtype, device_id, readonly=readonly,
+                     owner=(obj, capsule), array=obj)
+
+
+def is_cupy(obj):
+    return type(obj).__module__.startswith("cupy")
+
+
+def as_view(obj, name, stream_ptr=None):
+    """Wrap ``obj`` (NumPy, CuPy or DLPack array) as an :class:`ArrayView`, zero-copy.
+
+    ``stream_ptr`` is the CUDA stream ropekv will launch on: a DLPack producer is asked to order
+    its pending work before it (the DLPack stream protocol).
+    """
+    if isinstance(obj, ArrayView):
+        return obj
+    if isinstance(obj, np.ndarray):
+        return _from_numpy(obj, name)
+    if is_cupy(obj) and hasattr(obj, "data") and hasattr(obj, "device"):
+        return _from_cupy(obj, name)
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        return _from_dlpack(obj, name, stream_ptr)
+    raise TypeError(f"{name} must be a NumPy array, a CuPy array or an object with __dlpack__, "
+                    f"got {type(obj).__module__}.{type(obj).__qualname__}")

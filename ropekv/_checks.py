@@ -1,0 +1,110 @@
+"""Validation helpers: every op words its errors the same way.
+
+``TypeError`` for dtypes, ``ValueError`` for shapes, layouts, devices and values, ``BufferError``
+for memory ropekv cannot address. Each message names the argument, what was expected and what
+arrived.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ropekv._arrays import HOST, as_view
+
+
+def _dtype_names(dtypes):
+    return " or ".join(str(np.dtype(d)) for d in dtypes)
+
+
+def check_dtype(view, allowed):
+    if view.dtype not in allowed:
+        raise TypeError(f"{view.name} must have dtype {_dtype_names(allowed)}, got {view.dtype}")
+
+
+def check_same_dtype(view, other):
+    if view.dtype != other.dtype:
+        raise TypeError(f"{view.name} must have the dtype of {other.name} ({other.dtype}), "
+                        f"got {view.dtype}")
+
+
+def check_ndim(view, ndims, layout):
+    """``layout`` spells the expected shape, e.g. ``"(B, S, Hq, D)"``."""
+    ndims = (ndims,) if isinstance(ndims, int) else ndims
+    if view.ndim not in ndims:
+        raise ValueError(f"{view.name} must have shape {layout}, got {view.shape}")
+
+
+def check_shape(view, expected, layout=None):
+    """``expected`` is a tuple of ints or None (any size); ``layout`` names the dims."""
+    ok = len(view.shape) == len(expected) and all(
+        e is None or e == n for e, n in zip(expected, view.shape))
+    if not ok:
+        spelled = tuple("*" if e is None else e for e in expected)
+        spelled = str(spelled).replace("'", "")
+        where = f" {layout}" if layout else ""
+        raise ValueError(f"{view.name} must have shape{where} = {spelled}, got {view.shape}")
+
+
+def check_last_dim_contiguous(view):
+    if view.ndim and view.shape[-1] > 1 and view.strides[-1] != 1:
+        raise ValueError(f"{view.name} must be contiguous in its last dimension (stride 1), got "
+                         f"strides {view.strides} (in elements)")
+
+
+def check_contiguous(view):
+    if not view.is_c_contiguous():
+        raise ValueError(f"{view.name} must be C-contiguous, got shape {view.shape} with strides "
+                         f"{view.strides} (in elements)")
+
+
+def check_writable(view):
+    if view.readonly:
+        raise BufferError(f"{view.name} is written in place but its producer exported it "
+                          f"read-only (or as a copy)")
+
+
+def check_same_device(views):
+    """All views on one device; returns that device (``HOST`` or a CUDA id)."""
+    first = views[0]
+    for view in views[1:]:
+        if view.device != first.device:
+            raise ValueError(f"all arrays must be on one device: {first.name} is in "
+                             f"{first.where()}, {view.name} is in {view.where()}")
+    return first.device
+
+
+def check_positive_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_choice(value, name, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def views(stream_ptr, **arrays):
+    """``as_view`` each non-None keyword; None stays None."""
+    return {name: None if a is None else as_view(a, name, stream_ptr) for name, a in arrays.items()}
+
+
+def check_indices_enabled():
+    """``ROPEKV_CHECK_INDICES=1``: check index arrays on the host before launching."""
+    return os.environ.get("ROPEKV_CHECK_INDICES", "") not in ("", "0")
+
+
+def host_copy(view):
+    """A NumPy copy of a (small) index array, for ``ROPEKV_CHECK_INDICES``."""
+    if view.device == HOST:
+        return np.asarray(view.host)
+    import cupy
+
+    mem = cupy.cuda.UnownedMemory(view.ptr, view.size * view.dtype.itemsize, view.owner,
+                                  view.device)
+    arr = cupy.ndarray(view.shape, view.dtype, cupy.cuda.MemoryPointer(mem, 0),
+                       tuple(s * view.dtype.itemsize for s in view.strides))
+    return cupy.asnumpy(arr)

@@ -1,0 +1,122 @@
+"""Kernel loader: read ``kernels/<stem>.cu``, compile lazily with NVRTC, cache per device.
+
+Local headers (``#include "common.cuh"``) are inlined into the source text, so CuPy's disk cache,
+whose key is the source and the options but not the files behind ``-I``, sees every change.
+Nothing compiles at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ropekv._arrays import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, FLOAT32, INT32, INT64
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+OPTIONS = ("-std=c++17",)
+
+_LOCAL_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+# The C type each dtype has in the kernels.
+C_TYPES = {
+    FLOAT16: "__half",
+    BFLOAT16: "__nv_bfloat16",
+    FLOAT32: "float",
+    FLOAT8_E4M3FN: "__nv_fp8_e4m3",
+    FLOAT8_E5M2: "__nv_fp8_e5m2",
+    INT32: "int",
+    INT64: "long long",
+}
+
+
+def c_type(dtype):
+    return C_TYPES[np.dtype(dtype)]
+
+
+def c_bool(flag):
+    return "true" if flag else "false"
+
+
+def name_expression(kernel, *template_args):
+    """``kernel<arg, ...>`` spelled the same way for compile and lookup."""
+    return f"{kernel}<{', '.join(str(a) for a in template_args)}>"
+
+
+@functools.cache
+def read_source(stem):
+    """The source of ``kernels/<stem>.cu`` with its local headers inlined once each."""
+    seen = set()
+
+    def expand(path):
+        def include(match):
+            target = (path.parent / match.group(1)).resolve()
+            if target in seen:
+                return ""
+            seen.add(target)
+            return f"// begin {match.group(1)}\n{expand(target)}\n// end {match.group(1)}"
+
+        return _LOCAL_INCLUDE.sub(include, path.read_text())
+
+    return expand(KERNEL_DIR / f"{stem}.cu")
+
+
+def kernel_stems():
+    return sorted(p.stem for p in KERNEL_DIR.glob("*.cu"))
+
+
+@functools.cache
+def _header_options():
+    """``-I`` for the CUDA runtime headers when they come from a wheel (cuda_fp8.h and friends)."""
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except ImportError:
+        return ()
+    try:
+        path = find_nvidia_header_directory("cudart")
+    except Exception:
+        return ()
+    return (f"-I{path}",) if path else ()
+
+
+@functools.cache
+def _module(stem, expression, device_id):
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        module = cupy.RawModule(code=read_source(stem), options=OPTIONS + _header_options(),
+                                name_expressions=(expression,))
+        module.compile()
+    return module
+
+
+@functools.cache
+def get_kernel(stem, expression, device_id):
+    """The compiled kernel ``expression`` of ``kernels/<stem>.cu`` for one device (cached)."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return _module(stem, expression, device_id).get_function(expression)
+
+
+def compile_offline(stem, expressions, arch):
+    """Compile ``expressions`` of ``kernels/<stem>.cu`` for ``arch`` (e.g. ``"sm_90"``) with NVRTC
+    alone, without a GPU or driver. Returns ``{expression: lowered name}``; raises RuntimeError
+    with the compiler log on failure. Used by the compile tests and ``ropekv info``."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(read_source(stem), f"{stem}.cu", [], [])
+    try:
+        for expression in expressions:
+            nvrtc.addNameExpression(prog, expression)
+        options = [f"--gpu-architecture={arch}", *OPTIONS, *_header_options()]
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC failed on {stem}.cu for {arch}:\n"
+                               f"{nvrtc.getProgramLog(prog)}") from exc
+        return {e: nvrtc.getLoweredName(prog, e) for e in expressions}
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -1,0 +1,96 @@
+"""Streams, parameter structs and the launch itself. Only the op modules call into here."""
+
+from __future__ import annotations
+
+import functools
+import struct
+
+import numpy as np
+
+from ropekv._compile import get_kernel
+
+
+def current_stream_ptr():
+    import cupy
+
+    return cupy.cuda.get_current_stream().ptr
+
+
+@functools.lru_cache(maxsize=64)
+def _external_stream(ptr, device_id):
+    import cupy
+
+    return cupy.cuda.ExternalStream(ptr, device_id)
+
+
+def resolve_stream(stream, device_id):
+    """The CuPy stream to launch on: ``stream`` (a CuPy stream, a raw ``cudaStream_t`` int, or any
+    object with ``cuda_stream`` / ``__cuda_stream__``, such as ``torch.cuda.Stream``), or the current
+    CuPy stream when None."""
+    import cupy
+
+    if stream is None:
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, cupy.cuda.Stream | cupy.cuda.ExternalStream):
+        return stream
+    if isinstance(stream, int | np.integer):
+        return _external_stream(int(stream), device_id)
+    if hasattr(stream, "__cuda_stream__"):
+        return _external_stream(int(stream.__cuda_stream__()[1]), device_id)
+    if hasattr(stream, "cuda_stream"):
+        return _external_stream(int(stream.cuda_stream), device_id)
+    raise TypeError(f"stream must be None, a CuPy stream, an int cudaStream_t or an object with "
+                    f"cuda_stream, got {type(stream).__qualname__}")
+
+
+def stream_ptr_of(stream):
+    """The raw pointer of a ``stream=`` argument without importing CuPy for host calls."""
+    if stream is None:
+        return None
+    if isinstance(stream, int | np.integer):
+        return int(stream)
+    if hasattr(stream, "ptr"):
+        return int(stream.ptr)
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    if hasattr(stream, "cuda_stream"):
+        return int(stream.cuda_stream)
+    raise TypeError(f"stream must be None, a CuPy stream, an int cudaStream_t or an object with "
+                    f"cuda_stream, got {type(stream).__qualname__}")
+
+
+class ParamStruct:
+    """A C parameter struct passed by value, declared once as ``[(name, numpy type), ...]``.
+
+    The field order and types must match the struct in the ``.cu`` file; ``tests/test_compile.py``
+    checks that they do. Pointers are ``np.uint64``. Packing goes through ``struct`` (about a third
+    of the host time of filling a NumPy record field by field).
+    """
+
+    _CODES = {"u8": "Q", "i8": "q", "i4": "i", "u4": "I", "f4": "f"}
+
+    def __init__(self, c_name, fields):
+        self.c_name = c_name
+        self.fields = tuple(fields)
+        self.names = tuple(n for n, _ in self.fields)
+        self.dtype = np.dtype(list(self.fields), align=True)
+        fmt, end = "=", 0
+        for name in self.names:
+            field_dtype, offset = self.dtype.fields[name][:2]
+            fmt += "x" * (offset - end) + self._CODES[field_dtype.str[1:]]
+            end = offset + field_dtype.itemsize
+        self._struct = struct.Struct(fmt + "x" * (self.dtype.itemsize - end))
+
+    def pack(self, **values):
+        """The struct as a NumPy scalar for a kernel argument; every field must be given."""
+        raw = self._struct.pack(*(values[n] for n in self.names))
+        return np.frombuffer(raw, self.dtype)[0]
+
+
+def launch(stem, expression, device_id, grid, block, args, stream, shared_mem=0):
+    """Launch ``expression`` of ``kernels/<stem>.cu`` on ``stream`` (CuPy stream or None)."""
+    import cupy
+
+    kernel = get_kernel(stem, expression, device_id)
+    with cupy.cuda.Device(device_id), stream:
+        kernel(grid, block, args, shared_mem=shared_mem)

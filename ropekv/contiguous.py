@@ -1,0 +1,214 @@
+"""``apply_rope_write_kv``: RoPE on Q and K, and the K/V write into a contiguous cache."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from ropekv import _checks as ck
+from ropekv import reference
+from ropekv._arrays import (BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, FLOAT32, FP8_DTYPES,
+                            HOST, INT32)
+from ropekv._compile import c_bool, c_type, name_expression
+from ropekv._launch import ParamStruct, launch, resolve_stream, stream_ptr_of
+from ropekv._vector import aligned, vector_width
+
+STEM = "contiguous"
+KERNEL = "apply_rope_write_kv"
+BLOCK = 128
+INPUT_DTYPES = (FLOAT16, BFLOAT16)
+
+PARAMS = ParamStruct("RopeWriteKVParams", [
+    *((n, np.uint64) for n in ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids",
+                               "kv_scale")),
+    *((n, np.int64) for n in ("q_sb", "q_ss", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss",
+                              "v_sh", "c_sb", "c_skv", "c_sh", "c_st", "cs_sb", "cs_sp")),
+    *((n, np.int32) for n in ("B", "S", "Hq", "Hkv", "D", "R", "C", "P", "write_k_in_place")),
+])
+
+
+def expression(dtype, cache_dtype, is_neox, n):
+    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
+
+
+def instantiations():
+    """Every kernel instantiation a call can select (the compile tests build them all)."""
+    for dtype, is_neox, n in itertools.product(INPUT_DTYPES, (True, False), (8, 4, 2, 1)):
+        if not is_neox and n == 1:
+            continue
+        for cache_dtype in (dtype, *FP8_DTYPES):
+            yield expression(dtype, cache_dtype, is_neox, n)
+
+
+def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, position_ids=None,
+                        kv_scale=None, write_k_in_place=False, is_neox=True, stream=None):
+    """Apply RoPE to Q and K and write K/V into a contiguous KV cache, in one launch.
+
+    Mirrors TensorRT-Edge-LLM's ``launchApplyRopeWriteKV`` family. Its three launchers map onto
+    keywords of this one function:
+
+    ==========================================  ================================================
+    TensorRT-Edge-LLM                           ropekv
+    ==========================================  ================================================
+    ``launchApplyRopeWriteKV`` (prefill)        ``kv_end_lens=None or lens, write_k_in_place=True``
+    ``launchApplyRopeWriteKV`` (chunked/decode) ``kv_end_lens=lens`` (K roped only in the cache)
+    ``launchApplyRopeWriteKVTreeDecoding``      ``kv_end_lens=lens, position_ids=ids``
+    ``launchApplyRopeWriteKVSplitQKV``          ``kv_end_lens=lens`` (the default
+                                                ``write_k_in_place=False``)
+    ==========================================  ================================================
+
+    Parameters
+    ----------
+    q : array, (B, S, Hq, D), float16 or bfloat16
+        Queries, roped in place.
+    k, v : array, (B, S, Hkv, D), the dtype of ``q``
+        Keys and values; Hq is a multiple of Hkv. ``k`` is written only with
+        ``write_k_in_place=True``.
+    kv_cache : array, (B, 2, Hkv, C, D), the dtype of ``q``, float8_e4m3fn or float8_e5m2
+        ``kv_cache[:, 0]`` holds K (roped), ``kv_cache[:, 1]`` holds V. Written in place; only the
+        addressed slots change.
+    cos_sin_cache : array, (P, R) or (Bc, P, R) with Bc 1 or B, float32
+        ``[:R/2]`` cos, ``[R/2:]`` sin (see :func:`ropekv.cos_sin_cache`). R is even and at most D;
+        dims ``[R, D)`` pass through unrotated.
+    kv_end_lens : array, (B,), int32, optional
+        Cache end of each sequence after writing: token s lands in slot ``kv_end_lens[b] - S + s``.
+        None means slot ``s`` (prefill into an empty cache).
+    position_ids : array, (B, S), int32, optional
+        RoPE position of each token (tree decoding); by default the slot. A negative id marks
+        padding: that token is neither roped nor written.
+    kv_scale : array, (2,), float32, optional
+        K and V dequantization scales, required for fp8 caches: stored = fp8(x / scale), rounded
+        to nearest even and saturated to the largest finite value.
+    write_k_in_place : bool
+        Also write the roped K back into ``k``.
+    is_neox : bool
+        True rotates half-split pairs (i, i + R/2); False interleaved pairs (2i, 2i + 1).
+    stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
+        Stream to launch on; the current CuPy stream by default.
+
+    A token whose slot falls outside ``[0, C)`` or whose position falls outside ``[0, P)`` is
+    skipped (not roped, not written). With ``ROPEKV_CHECK_INDICES=1`` such a token raises
+    ``IndexError`` instead (checked on the host before the launch).
+
+    NumPy inputs run the NumPy reference on the host, with the same in-place writes.
+
+    Examples
+    --------
+    >>> import cupy as cp, ropekv
+    >>> B, S, Hq, Hkv, D, C = 2, 16, 32, 8, 128, 1024
+    >>> q = cp.random.randn(B, S, Hq, D).astype(cp.float16)
+    >>> k, v = (cp.random.randn(B, S, Hkv, D).astype(cp.float16) for _ in range(2))
+    >>> cache = cp.zeros((B, 2, Hkv, C, D), cp.float16)
+    >>> table = ropekv.cos_sin_cache(C, D, xp=cp)
+    >>> ropekv.apply_rope_write_kv(q, k, v, cache, table)
+    """
+    a = ck.views(stream_ptr_of(stream), q=q, k=k, v=v, kv_cache=kv_cache,
+                 cos_sin_cache=cos_sin_cache, kv_end_lens=kv_end_lens, position_ids=position_ids,
+                 kv_scale=kv_scale)
+    vq, vk, vv, vc, vt = (a[n] for n in ("q", "k", "v", "kv_cache", "cos_sin_cache"))
+    vlens, vpos, vscale = a["kv_end_lens"], a["position_ids"], a["kv_scale"]
+
+    ck.check_ndim(vq, 4, "(B, S, Hq, D)")
+    ck.check_dtype(vq, INPUT_DTYPES)
+    B, S, Hq, D = vq.shape
+    ck.check_ndim(vk, 4, "(B, S, Hkv, D)")
+    Hkv = vk.shape[2]
+    ck.check_shape(vk, (B, S, None, D), "(B, S, Hkv, D)")
+    ck.check_shape(vv, (B, S, Hkv, D), "(B, S, Hkv, D)")
+    for view in (vk, vv):
+        ck.check_same_dtype(view, vq)
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q's head count ({Hq}) must be a multiple of k's ({Hkv})")
+    ck.check_ndim(vc, 5, "(B, 2, Hkv, C, D)")
+    ck.check_shape(vc, (B, 2, Hkv, None, D), "(B, 2, Hkv, C, D)")
+    C = vc.shape[3]
+    if vc.dtype != vq.dtype:
+        ck.check_dtype(vc, (vq.dtype, *FP8_DTYPES))
+    ck.check_ndim(vt, (2, 3), "(P, R) or (Bc, P, R)")
+    ck.check_dtype(vt, (FLOAT32,))
+    if vt.ndim == 3 and vt.shape[0] not in (1, B):
+        raise ValueError(f"cos_sin_cache must have shape (P, R) or (Bc, P, R) with Bc 1 or "
+                         f"B={B}, got {vt.shape}")
+    P, R = vt.shape[-2:]
+    if R % 2 or not 0 < R <= D:
+        raise ValueError(f"cos_sin_cache's rotary dim R (its last dim) must be even and in "
+                         f"[2, D={D}], got {R}")
+    if vlens is not None:
+        ck.check_shape(vlens, (B,), "(B,)")
+        ck.check_dtype(vlens, (INT32,))
+        ck.check_contiguous(vlens)
+    if vpos is not None:
+        ck.check_shape(vpos, (B, S), "(B, S)")
+        ck.check_dtype(vpos, (INT32,))
+        ck.check_contiguous(vpos)
+    fp8 = vc.dtype in FP8_DTYPES
+    if fp8 and vscale is None:
+        raise ValueError(f"kv_scale (float32, shape (2,)) is required for a {vc.dtype} kv_cache")
+    if not fp8 and vscale is not None:
+        raise ValueError(f"kv_scale is only used with float8 caches, but kv_cache is {vc.dtype}")
+    if vscale is not None:
+        ck.check_shape(vscale, (2,), "(2,)")
+        ck.check_dtype(vscale, (FLOAT32,))
+        ck.check_contiguous(vscale)
+    for view in (vq, vk, vv, vc, vt):
+        ck.check_last_dim_contiguous(view)
+    for view in (vq, vc, *((vk,) if write_k_in_place else ())):
+        ck.check_writable(view)
+    present = [x for x in (vq, vk, vv, vc, vt, vlens, vpos, vscale) if x is not None]
+    device = ck.check_same_device(present)
+
+    if ck.check_indices_enabled():
+        _check_indices(vlens, vpos, B, S, C, P)
+    if B * S == 0:
+        return None
+    if device == HOST:
+        reference.apply_rope_write_kv(
+            vq.host, vk.host, vv.host, vc.host, vt.host,
+            None if vlens is None else vlens.host, None if vpos is None else vpos.host,
+            None if vscale is None else vscale.host, bool(write_k_in_place), bool(is_neox))
+        return None
+
+    def fits(n):
+        rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
+        cos_width = n if is_neox else n // 2
+        return (rot and (D - R) % n == 0 and all(aligned(x, n) for x in (vq, vk, vv, vc))
+                and aligned(vt, cos_width))
+
+    n = vector_width(vq.dtype.itemsize, fits)
+    if n is None:
+        raise ValueError(f"interleaved RoPE needs an even head dim D and rotary dim R, got D={D}, "
+                         f"R={R}")
+    table_strides = vt.strides if vt.ndim == 3 else (0, *vt.strides)
+    params = PARAMS.pack(
+        q=vq.ptr, k=vk.ptr, v=vv.ptr, cache=vc.ptr, cos_sin=vt.ptr,
+        kv_end_lens=0 if vlens is None else vlens.ptr,
+        position_ids=0 if vpos is None else vpos.ptr,
+        kv_scale=0 if vscale is None else vscale.ptr,
+        q_sb=vq.strides[0], q_ss=vq.strides[1], q_sh=vq.strides[2],
+        k_sb=vk.strides[0], k_ss=vk.strides[1], k_sh=vk.strides[2],
+        v_sb=vv.strides[0], v_ss=vv.strides[1], v_sh=vv.strides[2],
+        c_sb=vc.strides[0], c_skv=vc.strides[1], c_sh=vc.strides[2], c_st=vc.strides[3],
+        cs_sb=table_strides[0] if vt.ndim == 3 and vt.shape[0] > 1 else 0, cs_sp=table_strides[1],
+        B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=C, P=P, write_k_in_place=int(bool(write_k_in_place)))
+    launch(STEM, expression(vq.dtype, vc.dtype, bool(is_neox), n), device, (B * S,), (BLOCK,),
+           (params,), resolve_stream(stream, device))
+    return None
+
+
+def _check_indices(vlens, vpos, B, S, C, P):
+    lens = None if vlens is None else ck.host_copy(vlens).astype(np.int64)
+    pos = None if vpos is None else ck.host_copy(vpos).astype(np.int64)
+    for b in range(B):
+        start = 0 if lens is None else lens[b] - S
+        for s in range(S):
+            slot = start + s
+            p = slot if pos is None else pos[b, s]
+            if pos is not None and p < 0:
+                continue  # padding
+            if not 0 <= slot < C:
+                raise IndexError(f"token (b={b}, s={s}) lands in cache slot {slot}, outside "
+                                 f"[0, C={C}) (kv_end_lens[{b}]={lens[b] if lens is not None else None})")
+            if not 0 <= p < P:
+                raise IndexError(f"token (b={b}, s={s}) has RoPE position {p}, outside the "
+                                 f"cos_sin_cache's [0, P={P})")
