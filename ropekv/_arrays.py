@@ -9,6 +9,7 @@ tensor, as the protocol prescribes for an unconsumed capsule.
 from __future__ import annotations
 
 import ctypes
+import math
 
 import ml_dtypes
 import numpy as np
@@ -123,7 +124,7 @@ class ArrayView:
 
     @property
     def size(self):
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def on_host(self):

@@ -48,7 +48,7 @@ def check_shape(view, expected, layout=None):
 
 
 def check_last_dim_contiguous(view):
-    if view.ndim and view.shape[-1] > 1 and view.strides[-1] != 1:
+    if view.size and view.shape[-1] > 1 and view.strides[-1] != 1:
         raise ValueError(f"{view.name} must be contiguous in its last dimension (stride 1), got "
                          f"strides {view.strides} (in elements)")
 
@@ -108,3 +108,67 @@ def host_copy(view):
     arr = cupy.ndarray(view.shape, view.dtype, cupy.cuda.MemoryPointer(mem, 0),
                        tuple(s * view.dtype.itemsize for s in view.strides))
     return cupy.asnumpy(arr)
+
+
+# ---- Ragged batches over a paged cache (input_row_offsets, cache_lengths, block_table) -------
+
+
+def check_ragged_paged(offsets, cache_lengths, block_table):
+    """Validate the ragged-batch index arrays of the paged ops (MLA, QK-norm, fused QKV).
+
+    ``input_row_offsets`` int32 or uint32 ``(B + 1,)``, ``cache_lengths`` int32 ``(B,)`` and
+    ``block_table`` int32 ``(B, max_pages)`` (rows may be strided). Returns ``(B, max_pages)``.
+    """
+    from ropekv._arrays import INT32, UINT32
+
+    check_ndim(offsets, 1, "(B + 1,)")
+    check_dtype(offsets, (INT32, UINT32))
+    check_contiguous(offsets)
+    if offsets.shape[0] < 1:
+        raise ValueError(f"{offsets.name} must have shape (B + 1,) with at least one entry, got "
+                         f"{offsets.shape}")
+    B = offsets.shape[0] - 1
+    check_shape(cache_lengths, (B,), "(B,)")
+    check_dtype(cache_lengths, (INT32,))
+    check_contiguous(cache_lengths)
+    check_ndim(block_table, 2, "(B, max_pages)")
+    check_shape(block_table, (B, None), "(B, max_pages)")
+    check_dtype(block_table, (INT32,))
+    check_last_dim_contiguous(block_table)
+    return B, block_table.shape[1]
+
+
+def check_paged_indices(offsets, cache_lengths, block_table, page_size, num_pages, num_tokens,
+                        num_positions):
+    """``ROPEKV_CHECK_INDICES``: raise IndexError for the first token that the kernels would skip
+    (outside every request, position outside ``[0, num_positions)``, page outside the block table
+    or the cache), and for offsets that decrease or run past ``num_tokens``."""
+    from ropekv.reference import ragged_paged_slots
+
+    offs = host_copy(offsets).astype(np.uint32).astype(np.int64)
+    lens, table = host_copy(cache_lengths), host_copy(block_table)
+    if np.any(np.diff(offs) < 0):
+        b = int(np.argmax(np.diff(offs) < 0))
+        raise IndexError(f"{offsets.name} must not decrease, got {offs[b]} then {offs[b + 1]} at "
+                         f"[{b}], [{b + 1}]")
+    if offs[-1] > num_tokens:
+        raise IndexError(f"{offsets.name}[-1] = {offs[-1]} runs past the {num_tokens} tokens")
+    request, pos, page, _ = ragged_paged_slots(offs, lens, table, page_size, num_pages,
+                                               num_tokens)
+    for t in np.nonzero((request < 0) | (pos < 0) | (pos >= num_positions) | (page < 0))[0]:
+        t = int(t)
+        if request[t] < 0:
+            raise IndexError(f"token {t} belongs to no request of {offsets.name} "
+                             f"(offsets[0] = {offs[0]}, offsets[-1] = {offs[-1]})")
+        b, p = int(request[t]), int(pos[t])
+        if not 0 <= p < num_positions:
+            raise IndexError(f"token {t} (request {b}) has position {p} = {cache_lengths.name}"
+                             f"[{b}] + {t - offs[b]}, outside the cos_sin_cache's "
+                             f"[0, P={num_positions})")
+        index = p // page_size
+        if index >= table.shape[1]:
+            raise IndexError(f"token {t} (request {b}, position {p}) needs {block_table.name}"
+                             f"[{b}, {index}], past its {table.shape[1]} pages per request")
+        raise IndexError(f"token {t} (request {b}, position {p}) maps to page "
+                         f"{block_table.name}[{b}, {index}] = {table[b, index]}, outside "
+                         f"[0, num_pages={num_pages})")

@@ -16,31 +16,36 @@ def current_stream_ptr():
     return cupy.cuda.get_current_stream().ptr
 
 
+class _RawStream:
+    """A raw ``cudaStream_t`` spelled in the CUDA stream protocol."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
 @functools.lru_cache(maxsize=64)
 def _external_stream(ptr, device_id):
     import cupy
 
+    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14+
+        return cupy.cuda.Stream.from_external(_RawStream(ptr))
     return cupy.cuda.ExternalStream(ptr, device_id)
 
 
 def resolve_stream(stream, device_id):
     """The CuPy stream to launch on: ``stream`` (a CuPy stream, a raw ``cudaStream_t`` int, or any
-    object with ``cuda_stream`` / ``__cuda_stream__``, such as ``torch.cuda.Stream``), or the current
-    CuPy stream when None."""
+    object with ``__cuda_stream__`` / ``cuda_stream``, such as ``torch.cuda.Stream``), or the
+    current CuPy stream when None."""
     import cupy
 
     if stream is None:
         return cupy.cuda.get_current_stream()
-    if isinstance(stream, cupy.cuda.Stream | cupy.cuda.ExternalStream):
+    if isinstance(stream, cupy.cuda.stream._BaseStream):
         return stream
-    if isinstance(stream, int | np.integer):
-        return _external_stream(int(stream), device_id)
-    if hasattr(stream, "__cuda_stream__"):
-        return _external_stream(int(stream.__cuda_stream__()[1]), device_id)
-    if hasattr(stream, "cuda_stream"):
-        return _external_stream(int(stream.cuda_stream), device_id)
-    raise TypeError(f"stream must be None, a CuPy stream, an int cudaStream_t or an object with "
-                    f"cuda_stream, got {type(stream).__qualname__}")
+    return _external_stream(stream_ptr_of(stream), device_id)
 
 
 def stream_ptr_of(stream):
@@ -87,10 +92,17 @@ class ParamStruct:
         return np.frombuffer(raw, self.dtype)[0]
 
 
-def launch(stem, expression, device_id, grid, block, args, stream, shared_mem=0):
-    """Launch ``expression`` of ``kernels/<stem>.cu`` on ``stream`` (CuPy stream or None)."""
+def launch(stem, expression, device_id, grid, block, args, stream=None, shared_mem=0):
+    """Launch ``expression`` of ``kernels/<stem>.cu`` on device ``device_id``, on ``stream`` (any
+    form :func:`resolve_stream` takes; None is the current CuPy stream)."""
     import cupy
 
     kernel = get_kernel(stem, expression, device_id)
-    with cupy.cuda.Device(device_id), stream:
+    if cupy.cuda.runtime.getDevice() != device_id:
+        with cupy.cuda.Device(device_id):
+            return launch(stem, expression, device_id, grid, block, args, stream, shared_mem)
+    if stream is None:
+        kernel(grid, block, args, shared_mem=shared_mem)
+        return
+    with resolve_stream(stream, device_id):
         kernel(grid, block, args, shared_mem=shared_mem)

@@ -18,6 +18,37 @@ def _cmd_demo(args):
     return demo(backend=args.backend, steps=args.steps)
 
 
+def _names(choices, what):
+    """argparse type for ``--ops a,b`` / ``--ops a b``: comma-separated names from ``choices``."""
+
+    def parse(text):
+        names = [n for n in text.split(",") if n]
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {', '.join(bad) or repr(text)}; choose from {', '.join(choices)}")
+        return names
+
+    return parse
+
+
+def _flatten(lists):
+    return None if lists is None else list(dict.fromkeys(n for names in lists for n in names))
+
+
+def _cmd_bench(args):
+    from ropekv.bench import main
+
+    return main(ops=_flatten(args.ops), peers=_flatten(args.peers), quick=args.quick,
+                json_path=args.json, plot_path=args.plot)
+
+
+def _cmd_check(args):
+    from ropekv.check import check
+
+    return check(ops=_flatten(args.ops))
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="ropekv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -29,6 +60,31 @@ def build_parser():
                    help="auto: CUDA when a device is present, else the NumPy reference")
     p.add_argument("--steps", type=int, default=8, help="decode steps after the prefill")
     p.set_defaults(func=_cmd_demo)
+    ops = ("contiguous", "paged", "mla", "qknorm", "qkv")  # == ropekv.bench.OPS (no import here)
+    peers = ("flashinfer", "torch", "torch-compile", "cublas")  # == ropekv.bench.PEERS
+    p = sub.add_parser("bench", help="every op against its peers and the copy bandwidth, one run",
+                       description="Time every available op on its standard cases against "
+                                   "FlashInfer, PyTorch eager, torch.compile and cuBLAS (each "
+                                   "when importable), checking each peer's output against "
+                                   "ropekv's first, and against the device-to-device copy "
+                                   "bandwidth measured in the same run.")
+    p.add_argument("--ops", nargs="+", type=_names(ops, "op"), metavar="OP",
+                   help=f"ops to run (default: all that exist): {', '.join(ops)}")
+    p.add_argument("--peers", nargs="+", type=_names(peers, "peer"), metavar="PEER",
+                   help=f"peers to compare with (default: all; with --quick: torch, cublas): "
+                        f"{', '.join(peers)}")
+    p.add_argument("--quick", action="store_true",
+                   help="a few cases and repetitions (well under a minute)")
+    p.add_argument("--json", metavar="PATH", help="write every figure and the environment here")
+    p.add_argument("--plot", metavar="PATH",
+                   help="draw time against tokens per op to this PNG (needs matplotlib: "
+                        "pip install 'ropekv[plot]')")
+    p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("check", help="every available op on this GPU against the NumPy "
+                                     "reference, as a pass/fail table")
+    p.add_argument("--ops", nargs="+", type=_names(ops, "op"), metavar="OP",
+                   help=f"ops to check (default: all that exist): {', '.join(ops)}")
+    p.set_defaults(func=_cmd_check)
     return parser
 
 

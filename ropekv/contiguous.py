@@ -11,7 +11,7 @@ from ropekv import reference
 from ropekv._arrays import (BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, FLOAT32, FP8_DTYPES,
                             HOST, INT32)
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import ParamStruct, launch, resolve_stream, stream_ptr_of
+from ropekv._launch import ParamStruct, launch, stream_ptr_of
 from ropekv._vector import aligned, vector_width
 
 STEM = "contiguous"
@@ -30,6 +30,16 @@ PARAMS = ParamStruct("RopeWriteKVParams", [
 
 def expression(dtype, cache_dtype, is_neox, n):
     return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
+
+
+def block_size(D, R, n, is_neox):
+    """Threads per token: a whole number of head rows of ``items`` chunks each (the kernel's
+    ``hp`` heads in parallel), about BLOCK threads."""
+    items = ((R // 2) // n if is_neox else R // n) + (D - R) // n
+    if items > 256:
+        raise ValueError(f"head dim D={D} with rotary dim R={R} needs {items} threads per head "
+                         f"row, more than the 256 a block has")
+    return items * max(1, BLOCK // items)
 
 
 def instantiations():
@@ -191,8 +201,8 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
         c_sb=vc.strides[0], c_skv=vc.strides[1], c_sh=vc.strides[2], c_st=vc.strides[3],
         cs_sb=table_strides[0] if vt.ndim == 3 and vt.shape[0] > 1 else 0, cs_sp=table_strides[1],
         B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=C, P=P, write_k_in_place=int(bool(write_k_in_place)))
-    launch(STEM, expression(vq.dtype, vc.dtype, bool(is_neox), n), device, (B * S,), (BLOCK,),
-           (params,), resolve_stream(stream, device))
+    launch(STEM, expression(vq.dtype, vc.dtype, bool(is_neox), n), device, (B * S,),
+           (block_size(D, R, n, is_neox),), (params,), stream)
     return None
 
 

@@ -77,11 +77,34 @@ __device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
 }
 
 // Stores x * scale rounded to T (scale is 1 for non-quantized outputs).
+template <typename T>
+struct fp8_interpretation;
+template <>
+struct fp8_interpretation<__nv_fp8_e4m3> {
+  static constexpr __nv_fp8_interpretation_t value = __NV_E4M3;
+};
+template <>
+struct fp8_interpretation<__nv_fp8_e5m2> {
+  static constexpr __nv_fp8_interpretation_t value = __NV_E5M2;
+};
+
 template <typename T, int N>
 __device__ __forceinline__ void store_float(T* p, const float (&x)[N], float scale = 1.f) {
   Vec<T, N> v;
+  if constexpr (is_fp8<T>::value && N % 2 == 0) {
+    // two values per conversion instruction (cvt.rn.satfinite.*x2.f32 on sm_89+)
 #pragma unroll
-  for (int i = 0; i < N; ++i) v.v[i] = from_float<T>(is_fp8<T>::value ? x[i] * scale : x[i]);
+    for (int i = 0; i < N / 2; ++i) {
+      const __nv_fp8x2_storage_t two = __nv_cvt_float2_to_fp8x2(
+          make_float2(x[2 * i] * scale, x[2 * i + 1] * scale), __NV_SATFINITE,
+          fp8_interpretation<T>::value);
+      v.v[2 * i].__x = static_cast<__nv_fp8_storage_t>(two & 0xFF);
+      v.v[2 * i + 1].__x = static_cast<__nv_fp8_storage_t>(two >> 8);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v.v[i] = from_float<T>(is_fp8<T>::value ? x[i] * scale : x[i]);
+  }
   store<T, N>(p, v);
 }
 
@@ -119,6 +142,58 @@ __device__ __forceinline__ void rotate_interleaved(float (&a)[N], const float* c
     a[2 * k] = x * c[k] - y * s[k];
     a[2 * k + 1] = y * c[k] + x * s[k];
   }
+}
+
+// ---- Ragged batches over a paged cache (MAX / vLLM block-table convention) -------------------
+// Request b owns tokens [offsets[b], offsets[b + 1]); token t of request b sits at position
+// p = cache_lengths[b] + (t - offsets[b]), stored in page block_table[b, p / page_size], entry
+// p % page_size. Whatever the index values, nothing is read outside offsets[0..B],
+// cache_lengths[0..B) and row b of block_table[0..max_pages).
+
+// The request owning token t: the last b with offsets[b] <= t (so zero-length requests are passed
+// over), found by binary search; -1 when t lies before offsets[0] or at or past offsets[B], or the
+// offsets are not monotonic around t. Offsets are read as 32-bit unsigned: int32 and uint32 arrays
+// share one kernel (a negative int32 offset reads as a huge one, and so matches no token).
+__device__ __forceinline__ int ragged_request(const unsigned* offsets, int B, i64 t) {
+  int lo = 0, hi = B + 1;  // upper bound of t in offsets[0..B]
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (i64(offsets[mid]) <= t) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  const int b = lo - 1;
+  if (b < 0 || b >= B || t < i64(offsets[b]) || t >= i64(offsets[b + 1])) return -1;
+  return b;
+}
+
+struct PagedSlot {
+  int request;  // -1: the token belongs to no request (then pos and page are -1)
+  i64 pos;      // position of the token in its request's sequence (the RoPE position)
+  i64 page;     // page id, or -1 when p < 0, p / page_size >= max_pages or the id is outside
+                // [0, num_pages): the token must not be written
+  int entry;    // p % page_size
+};
+
+__device__ __forceinline__ PagedSlot paged_slot(const unsigned* offsets, const int* cache_lengths,
+                                                const int* block_table, i64 block_table_stride,
+                                                int B, int max_pages, int page_size,
+                                                i64 num_pages, i64 t) {
+  PagedSlot s{-1, -1, -1, 0};
+  const int b = ragged_request(offsets, B, t);
+  if (b < 0) return s;
+  s.request = b;
+  s.pos = i64(cache_lengths[b]) + (t - i64(offsets[b]));
+  if (s.pos < 0) return s;
+  const i64 index = s.pos / page_size;
+  if (index >= max_pages) return s;
+  const i64 page = block_table[b * block_table_stride + index];
+  if (page < 0 || page >= num_pages) return s;
+  s.page = page;
+  s.entry = int(s.pos - index * page_size);
+  return s;
 }
 
 }  // namespace ropekv

@@ -1,0 +1,420 @@
+"""``apply_rope_write_kv``: validation (CPU), the NumPy backend, and the CUDA kernel against the
+reference (GPU)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ropekv
+from ropekv import reference
+from tests.strategies import (cache_dtypes, gqa_heads, head_and_rotary_dims, input_dtypes,
+                              packed_views, random, seeds)
+from tests.tolerance import assert_bytes_equal, assert_close, to_numpy
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def make_case(seed, B=2, S=3, Hq=4, Hkv=2, D=64, R=64, C=16, P=32, dtype=np.float16,
+              cache_dtype=None, lens=True, pos=False, table_batch=None, packed=False):
+    """NumPy inputs of one call; every array freshly random (the cache too, to catch stray
+    writes)."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    cache_dtype = np.dtype(cache_dtype or dtype)
+    if packed:
+        q, k, v = packed_views(rng, (B, S), (Hq, Hkv, Hkv), D, dtype)
+    else:
+        q, k, v = (random(rng, (B, S, h, D), dtype) for h in (Hq, Hkv, Hkv))
+    table = ropekv.cos_sin_cache(P, R, base=rng.uniform(100, 1e6))
+    if table_batch:
+        table = np.stack([ropekv.cos_sin_cache(P, R, base=rng.uniform(100, 1e6))
+                          for _ in range(table_batch)])
+    args = dict(q=q, k=k, v=v, kv_cache=random(rng, (B, 2, Hkv, C, D), cache_dtype),
+                cos_sin_cache=table)
+    if lens:
+        args["kv_end_lens"] = rng.integers(S - 2, C + 3, B).astype(np.int32)
+    if pos:
+        args["position_ids"] = rng.integers(-2, P + 2, (B, S)).astype(np.int32)
+    if cache_dtype in reference.FP8_MAX:
+        args["kv_scale"] = rng.uniform(0.25, 2.0, 2).astype(np.float32)
+    return args
+
+
+def call(args, **kw):
+    a = dict(args)
+    return ropekv.apply_rope_write_kv(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("kv_cache"),
+                                      a.pop("cos_sin_cache"), **a, **kw)
+
+
+def copy_args(args):
+    return {n: x.copy() for n, x in args.items()}
+
+
+def addressed_slots(args, S):
+    """Boolean (B, C): slots the call may write."""
+    B, C = args["kv_cache"].shape[0], args["kv_cache"].shape[3]
+    P = args["cos_sin_cache"].shape[-2]
+    lens = args.get("kv_end_lens")
+    mask = np.zeros((B, C), bool)
+    for b in range(B):
+        start = 0 if lens is None else int(lens[b]) - S
+        for s in range(S):
+            slot = start + s
+            p = slot if args.get("position_ids") is None else args["position_ids"][b, s]
+            if 0 <= slot < C and 0 <= p < P:
+                mask[b, slot] = True
+    return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# NumPy backend
+
+
+def test_numpy_backend_matches_a_direct_rotation():
+    """The CPU path ropes q in place and writes roped K / V into the slots, checked against
+    complex-number rotation written independently here."""
+    args = make_case(1, lens=False)
+    before = copy_args(args)
+    call(args, write_k_in_place=True)
+    S, D = 3, 64
+    table = before["cos_sin_cache"][:S]
+    theta = np.arctan2(table[:, D // 2:], table[:, :D // 2]).astype(np.float64)
+
+    def rot(x):
+        x = x.astype(np.float64)
+        z = (x[..., :D // 2] + 1j * x[..., D // 2:]) * np.exp(1j * theta)[None, :, None]
+        return np.concatenate([z.real, z.imag], -1)
+
+    np.testing.assert_allclose(args["q"].astype(np.float64), rot(before["q"]), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(args["k"].astype(np.float64), rot(before["k"]), rtol=2e-3, atol=2e-3)
+    cache = args["kv_cache"].astype(np.float64)
+    np.testing.assert_allclose(cache[:, 0, :, :S].transpose(0, 2, 1, 3), rot(before["k"]),
+                               rtol=2e-3, atol=2e-3)
+    np.testing.assert_array_equal(args["kv_cache"][:, 1, :, :S].transpose(0, 2, 1, 3), before["v"])
+    assert_bytes_equal(args["kv_cache"][:, :, :, S:], before["kv_cache"][:, :, :, S:])
+
+
+def test_numpy_backend_skips_padding_and_out_of_range_tokens():
+    args = make_case(2, pos=True, S=6, C=8, P=8)
+    args["position_ids"][0, :] = [-1, 0, 9, 3, -5, 7]
+    args["kv_end_lens"][:] = [6, 10]  # sequence 1: slots 4..9, two past C
+    before = copy_args(args)
+    call(args)
+    mask = addressed_slots(before, 6)
+    assert mask[1].sum() == 4
+    cache, old = args["kv_cache"], before["kv_cache"]
+    for b in range(2):
+        for c in range(8):
+            if not mask[b, c]:
+                assert_bytes_equal(cache[b, :, :, c], old[b, :, :, c], f"slot ({b}, {c})")
+    # padded / skipped tokens leave q untouched
+    assert_bytes_equal(args["q"][0, [0, 2, 4]], before["q"][0, [0, 2, 4]])
+    assert_bytes_equal(args["q"][1, 4:], before["q"][1, 4:])
+
+
+def test_write_k_in_place_off_leaves_k():
+    args = make_case(3)
+    before = copy_args(args)
+    call(args)
+    assert_bytes_equal(args["k"], before["k"])
+    assert_bytes_equal(args["v"], before["v"])
+
+
+def test_check_indices_raises(monkeypatch):
+    monkeypatch.setenv("ROPEKV_CHECK_INDICES", "1")
+    args = make_case(4, C=16)
+    args["kv_end_lens"][:] = [3, 17]
+    with pytest.raises(IndexError, match=r"token \(b=1, s=2\) lands in cache slot 16"):
+        call(args)
+    args = make_case(4, pos=True, P=32)
+    args["kv_end_lens"][:] = [3, 3]
+    args["position_ids"][:] = 1
+    args["position_ids"][0, 1] = 40
+    with pytest.raises(IndexError, match=r"token \(b=0, s=1\) has RoPE position 40"):
+        call(args)
+    args["position_ids"][0, 1] = -1  # padding is not an error
+    call(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation: one test per rule, all before any launch
+
+
+def bad(match, exc=ValueError, **changes):
+    args = make_case(5)
+    args.update(changes)
+    with pytest.raises(exc, match=match):
+        call(args)
+
+
+def test_q_must_be_4d():
+    bad(r"q must have shape \(B, S, Hq, D\), got \(2, 3, 256\)", q=np.zeros((2, 3, 256), np.float16))
+
+
+def test_q_dtype():
+    bad("q must have dtype float16 or bfloat16, got float32", TypeError,
+        q=np.zeros((2, 3, 4, 64), np.float32))
+
+
+def test_k_shape():
+    bad(r"k must have shape \(B, S, Hkv, D\) = \(2, 3, \*, 64\), got \(2, 3, 2, 32\)",
+        k=np.zeros((2, 3, 2, 32), np.float16))
+
+
+def test_v_shape():
+    bad(r"v must have shape \(B, S, Hkv, D\) = \(2, 3, 2, 64\), got \(2, 3, 1, 64\)",
+        v=np.zeros((2, 3, 1, 64), np.float16))
+
+
+def test_k_dtype_must_match_q():
+    bad(r"k must have the dtype of q \(float16\), got bfloat16", TypeError,
+        k=np.zeros((2, 3, 2, 64), ml_dtypes.bfloat16))
+
+
+def test_head_counts():
+    bad(r"q's head count \(3\) must be a multiple of k's \(2\)",
+        q=np.zeros((2, 3, 3, 64), np.float16))
+
+
+def test_cache_shape():
+    bad(r"kv_cache must have shape \(B, 2, Hkv, C, D\) = \(2, 2, 2, \*, 64\), got \(2, 2, 2, 16, 32\)",
+        kv_cache=np.zeros((2, 2, 2, 16, 32), np.float16))
+
+
+def test_cache_dtype():
+    bad("kv_cache must have dtype float16 or float8_e4m3fn or float8_e5m2, got float32", TypeError,
+        kv_cache=np.zeros((2, 2, 2, 16, 64), np.float32))
+
+
+def test_table_dtype():
+    bad("cos_sin_cache must have dtype float32, got float64", TypeError,
+        cos_sin_cache=np.zeros((32, 64)))
+
+
+def test_table_batch():
+    bad(r"Bc 1 or B=2, got \(3, 32, 64\)", cos_sin_cache=np.zeros((3, 32, 64), np.float32))
+
+
+def test_rotary_dim():
+    bad(r"rotary dim R \(its last dim\) must be even and in \[2, D=64\], got 66",
+        cos_sin_cache=np.zeros((32, 66), np.float32))
+    bad("got 5", cos_sin_cache=np.zeros((32, 5), np.float32))
+
+
+def test_kv_end_lens_shape_and_dtype():
+    bad(r"kv_end_lens must have shape \(B,\) = \(2,\), got \(3,\)",
+        kv_end_lens=np.zeros(3, np.int32))
+    bad("kv_end_lens must have dtype int32, got int64", TypeError,
+        kv_end_lens=np.zeros(2, np.int64))
+
+
+def test_position_ids_shape_and_dtype():
+    bad(r"position_ids must have shape \(B, S\) = \(2, 3\), got \(2, 4\)",
+        position_ids=np.zeros((2, 4), np.int32))
+    bad("position_ids must have dtype int32, got float32", TypeError,
+        position_ids=np.zeros((2, 3), np.float32))
+
+
+def test_index_arrays_must_be_contiguous():
+    bad("kv_end_lens must be C-contiguous", kv_end_lens=np.zeros(4, np.int32)[::2])
+
+
+def test_fp8_cache_needs_kv_scale():
+    bad(r"kv_scale \(float32, shape \(2,\)\) is required for a float8_e4m3fn kv_cache",
+        kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3))
+
+
+def test_kv_scale_only_for_fp8():
+    bad("kv_scale is only used with float8 caches, but kv_cache is float16",
+        kv_scale=np.ones(2, np.float32))
+
+
+def test_kv_scale_shape():
+    bad(r"kv_scale must have shape \(2,\) = \(2,\), got \(3,\)",
+        kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3), kv_scale=np.ones(3, np.float32))
+
+
+def test_last_dim_must_be_contiguous():
+    bad(r"q must be contiguous in its last dimension \(stride 1\)",
+        q=np.zeros((2, 3, 4, 128), np.float16)[..., ::2])
+
+
+def test_read_only_q_is_refused():
+    q = np.zeros((2, 3, 4, 64), np.float16)
+    q.flags.writeable = False
+    bad("q is written in place but its producer exported it read-only", BufferError, q=q)
+
+
+def test_not_an_array_is_refused():
+    bad("v must be a NumPy array, a CuPy array or an object with __dlpack__", TypeError, v=[1, 2])
+
+
+def test_empty_batch_is_a_no_op():
+    args = make_case(6, B=0, lens=False)
+    call(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the kernel against the reference
+
+
+def to_device(x):
+    import cupy as cp
+
+    if x.dtype.itemsize == 1 and x.dtype.kind == "V" or x.dtype in (E4M3,) or \
+            x.dtype == np.dtype(ml_dtypes.float8_e5m2):
+        return cp.asarray(np.ascontiguousarray(x).view(np.uint8)).view(x.dtype)
+    return cp.asarray(x)
+
+
+def device_args(args):
+    """CuPy copies; packed q/k/v stay slices of one device buffer (strided)."""
+    import cupy as cp
+
+    out = {}
+    q = args["q"]
+    if q.base is not None and args["k"].base is q.base:
+        buf = cp.asarray(q.base)
+        Hq, Hkv = q.shape[2], args["k"].shape[2]
+        out.update(q=buf[:, :, :Hq], k=buf[:, :, Hq:Hq + Hkv], v=buf[:, :, Hq + Hkv:])
+    for n, x in args.items():
+        out.setdefault(n, to_device(x))
+    return out
+
+
+def check_against_reference(args, **kw):
+    expected = copy_args(args)
+    if args["q"].base is not None:  # keep the packed layout for the host run too
+        expected.update(q=args["q"].copy(), k=args["k"].copy(), v=args["v"].copy())
+    dev = device_args(args)
+    call(dev, **kw)
+    call(expected, **kw)
+    S = args["q"].shape[1]
+    mask = addressed_slots(args, S)
+    for name in ("q", "k", "v"):
+        assert_close(dev[name], expected[name], name)
+    got = to_numpy(dev["kv_cache"])
+    assert_close(got, expected["kv_cache"], "kv_cache")
+    untouched = ~mask
+    assert_bytes_equal(got.transpose(0, 3, 1, 2, 4)[untouched],
+                       args["kv_cache"].transpose(0, 3, 1, 2, 4)[untouched], "unaddressed slots")
+
+
+@pytest.mark.gpu
+@given(seed=seeds, dtype=input_dtypes, data=st.data(), heads=gqa_heads(),
+       dims=head_and_rotary_dims(), B=st.integers(1, 4), S=st.integers(1, 9),
+       extra_c=st.integers(0, 24), lens=st.booleans(), pos=st.booleans(),
+       table_batch=st.sampled_from([None, 1, "B"]), packed=st.booleans(),
+       write_k=st.booleans(), is_neox=st.booleans())
+def test_kernel_matches_reference(seed, dtype, data, heads, dims, B, S, extra_c, lens, pos,
+                                  table_batch, packed, write_k, is_neox):
+    cache_dtype = data.draw(cache_dtypes(dtype))
+    (Hq, Hkv), (D, R) = heads, dims
+    if not is_neox and (R % 2 or D % 2):
+        return
+    args = make_case(seed, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=S + extra_c, P=S + extra_c + 4,
+                     dtype=dtype, cache_dtype=cache_dtype, lens=lens, pos=pos, packed=packed,
+                     table_batch=B if table_batch == "B" else table_batch)
+    check_against_reference(args, write_k_in_place=write_k, is_neox=is_neox)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [np.float16, ml_dtypes.float8_e4m3fn,
+                                         ml_dtypes.float8_e5m2])
+def test_llama_prefill_and_decode_shapes(cache_dtype):
+    args = make_case(7, B=2, S=64, Hq=32, Hkv=8, D=128, R=128, C=256, P=512,
+                     cache_dtype=cache_dtype)
+    args["kv_end_lens"][:] = [64, 200]
+    check_against_reference(args)
+    args = make_case(8, B=16, S=1, Hq=32, Hkv=8, D=128, R=128, C=64, P=64,
+                     cache_dtype=cache_dtype)
+    check_against_reference(args)
+
+
+@pytest.mark.gpu
+def test_fp8_saturates_on_device():
+    args = make_case(9, cache_dtype=E4M3, lens=False)
+    args["v"][...] = np.float16(60000)
+    args["kv_scale"][:] = [1.0, 1.0]
+    check_against_reference(args)
+    cache = to_numpy(device_args(args)["kv_cache"])
+    assert cache.shape[0] == 2
+
+
+@pytest.mark.gpu
+def test_torch_tensors_in_place_zero_copy():
+    torch = pytest.importorskip("torch")
+    args = make_case(10, Hq=8, Hkv=2, D=128, R=128, cache_dtype=E4M3)
+    expected = copy_args(args)
+    call(expected, write_k_in_place=True)
+    dev = device_args(args)
+    t = {n: torch.from_dlpack(x) if x.dtype.itemsize > 1 or x.dtype.kind in "iuf" else None
+         for n, x in dev.items()}
+    cache_u8 = torch.from_dlpack(dev["kv_cache"].view(np.uint8))
+    t["kv_cache"] = cache_u8.view(torch.float8_e4m3fn)
+    ptr = t["kv_cache"].data_ptr()
+    call(t, write_k_in_place=True)
+    torch.cuda.synchronize()
+    assert t["kv_cache"].data_ptr() == ptr
+    assert_close(t["kv_cache"], expected["kv_cache"], "torch fp8 cache")
+    assert_close(t["q"], expected["q"], "torch q")
+    assert_close(t["k"], expected["k"], "torch k")
+
+
+@pytest.mark.gpu
+def test_jax_arrays_are_read_zero_copy():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    args = make_case(11, D=128, R=128)
+    expected = copy_args(args)
+    call(expected)
+    dev = device_args(args)
+    jk, jv = jnp.asarray(args["k"]), jnp.asarray(args["v"])
+    jt = jnp.asarray(args["cos_sin_cache"])
+    dev.update(k=jk, v=jv, cos_sin_cache=jt)
+    call(dev)
+    assert_close(dev["kv_cache"], expected["kv_cache"], "cache from JAX inputs")
+    assert_close(dev["q"], expected["q"], "q")
+
+
+@pytest.mark.gpu
+def test_explicit_stream():
+    import cupy as cp
+
+    args = make_case(12)
+    expected = copy_args(args)
+    call(expected)
+    dev = device_args(args)
+    stream = cp.cuda.Stream(non_blocking=True)
+    call(dev, stream=stream)
+    stream.synchronize()
+    assert_close(dev["kv_cache"], expected["kv_cache"])
+    dev2 = device_args(args)
+    call(dev2, stream=stream.ptr)
+    stream.synchronize()
+    assert_close(dev2["q"], expected["q"])
+
+
+@pytest.mark.gpu
+def test_hostile_indices_never_write_out_of_bounds():
+    """Extreme index values: nothing outside the addressed slots changes, nothing crashes."""
+    import cupy as cp
+
+    args = make_case(13, pos=True, S=4, C=8, P=8)
+    args["kv_end_lens"][:] = [np.iinfo(np.int32).max, np.iinfo(np.int32).min]
+    args["position_ids"][:] = np.iinfo(np.int32).max
+    check_against_reference(args)
+    cp.cuda.Device().synchronize()
+
+
+@pytest.mark.gpu
+def test_mixing_host_and_device_arrays_is_refused():
+    args = make_case(14)
+    dev = device_args(args)
+    dev["kv_cache"] = args["kv_cache"]
+    with pytest.raises(ValueError, match="q is in CUDA device 0, kv_cache is in host memory"):
+        call(dev)
