@@ -11,12 +11,13 @@ from ropekv import reference
 from ropekv._arrays import (BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, FLOAT32, FP8_DTYPES,
                             HOST, INT32)
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import ParamStruct, launch, stream_ptr_of
+from ropekv._launch import LaunchPlan, ParamStruct, PlanCache, stream_ptr_of
 from ropekv._vector import aligned, vector_width
 
 STEM = "contiguous"
 KERNEL = "apply_rope_write_kv"
 BLOCK = 128
+SMALL_BATCH_TOKENS = 1024
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 
 PARAMS = ParamStruct("RopeWriteKVParams", [
@@ -28,18 +29,26 @@ PARAMS = ParamStruct("RopeWriteKVParams", [
 ])
 
 
+# the pointer fields, in the order of the function's array arguments
+PTR_FIELDS = [PARAMS.names.index(n) for n in ("q", "k", "v", "cache", "cos_sin", "kv_end_lens",
+                                              "position_ids", "kv_scale")]
+_PLANS = PlanCache()
+
+
 def expression(dtype, cache_dtype, is_neox, n):
     return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
 
 
-def block_size(D, R, n, is_neox):
+def block_size(D, R, n, is_neox, tokens):
     """Threads per token: a whole number of head rows of ``items`` chunks each (the kernel's
-    ``hp`` heads in parallel), about BLOCK threads."""
+    ``hp`` heads in parallel). About 128 threads when there are many tokens (more blocks resident
+    per SM); 256 for few tokens (decode), where the per-thread chain of loads is the latency."""
     items = ((R // 2) // n if is_neox else R // n) + (D - R) // n
     if items > 256:
         raise ValueError(f"head dim D={D} with rotary dim R={R} needs {items} threads per head "
                          f"row, more than the 256 a block has")
-    return items * max(1, BLOCK // items)
+    target = 2 * BLOCK if tokens < SMALL_BATCH_TOKENS else BLOCK
+    return items * max(1, target // items)
 
 
 def instantiations():
@@ -113,6 +122,14 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
     >>> table = ropekv.cos_sin_cache(C, D, xp=cp)
     >>> ropekv.apply_rope_write_kv(q, k, v, cache, table)
     """
+    arrays = (q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale)
+    key, ptrs = _PLANS.signature(arrays, (bool(write_k_in_place), bool(is_neox)))
+    if key is not None and not ck.check_indices_enabled():
+        plan = _PLANS.get(key)
+        if plan is not None:
+            plan.launch(ptrs, stream)
+            return None
+
     a = ck.views(stream_ptr_of(stream), q=q, k=k, v=v, kv_cache=kv_cache,
                  cos_sin_cache=cos_sin_cache, kv_end_lens=kv_end_lens, position_ids=position_ids,
                  kv_scale=kv_scale)
@@ -190,7 +207,7 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
         raise ValueError(f"interleaved RoPE needs an even head dim D and rotary dim R, got D={D}, "
                          f"R={R}")
     table_strides = vt.strides if vt.ndim == 3 else (0, *vt.strides)
-    params = PARAMS.pack(
+    values = PARAMS.values(
         q=vq.ptr, k=vk.ptr, v=vv.ptr, cache=vc.ptr, cos_sin=vt.ptr,
         kv_end_lens=0 if vlens is None else vlens.ptr,
         position_ids=0 if vpos is None else vpos.ptr,
@@ -201,9 +218,17 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
         c_sb=vc.strides[0], c_skv=vc.strides[1], c_sh=vc.strides[2], c_st=vc.strides[3],
         cs_sb=table_strides[0] if vt.ndim == 3 and vt.shape[0] > 1 else 0, cs_sp=table_strides[1],
         B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=C, P=P, write_k_in_place=int(bool(write_k_in_place)))
-    launch(STEM, expression(vq.dtype, vc.dtype, bool(is_neox), n), device, (B * S,),
-           (block_size(D, R, n, is_neox),), (params,), stream)
+    plan = LaunchPlan(STEM, expression(vq.dtype, vc.dtype, bool(is_neox), n), device, (B * S,),
+                      (block_size(D, R, n, is_neox, B * S),), PARAMS, values, PTR_FIELDS)
+    plan.launch([x.ptr if x is not None else 0 for x in present_in_order(a)], stream)
+    if key is not None:
+        _PLANS.put(key, plan)
     return None
+
+
+def present_in_order(a):
+    return [a[n] for n in ("q", "k", "v", "kv_cache", "cos_sin_cache", "kv_end_lens",
+                           "position_ids", "kv_scale")]
 
 
 def _check_indices(vlens, vpos, B, S, C, P):

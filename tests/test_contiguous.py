@@ -418,3 +418,11 @@ def test_mixing_host_and_device_arrays_is_refused():
     dev["kv_cache"] = args["kv_cache"]
     with pytest.raises(ValueError, match="q is in CUDA device 0, kv_cache is in host memory"):
         call(dev)
+
+
+@pytest.mark.gpu
+def test_repeated_calls_with_new_arrays_of_one_layout():
+    """The second call of a layout replays a cached launch plan: it must use the new pointers."""
+    for seed in (15, 16, 17):
+        args = make_case(seed, cache_dtype=E4M3, pos=True)
+        check_against_reference(args)
