@@ -1,0 +1,210 @@
+// RoPE on Q and K, optional fp8 quantization, and the append of K/V into a paged cache
+// (FlashInfer's rope_quantize_fp8_append_paged_kv_cache, and the same without quantization).
+//
+// One block (or grid.y blocks) per token handles every head of it. The token's work is a flat list
+// of items, each one vector of N input elements (16 bytes at most), in five sections:
+//   Q rotary (Hq x R/N items; neox: R/2N, each a pair of vectors), Q pass-through (Hq x Dn/N)
+//     -> the q outputs
+//   K rotary (Hkv x ...), K pass-through (Hkv x Dn/N) -> the cache rows of the token's page slot
+//   V (Hkv x D/N; GQA/MHA only) -> the V cache row
+// Thread g of the token's blocks takes the items i = g (mod threads); within a section it loads U
+// items before it stores any, so several 16-byte loads are in flight per thread.
+#include "common.cuh"
+
+using namespace ropekv;
+
+// Field order and types mirror PARAMS in ropekv/paged.py.
+struct PagedParams {
+  const void* q_rope;         // (T, Hq, R) T
+  const void* q_nope;         // (T, Hq, Dn) T, null when Dn == 0
+  const void* k_rope;         // (T, Hkv, R) T; MLA (T, R) with Hkv = 1 and kr_sh = 0
+  const void* k_nope;         // (T, Hkv, Dn) T; MLA (T, Dn)
+  const void* v;              // (T, Hkv, R + Dn) T, null for MLA (Hv = 0)
+  void* q_rope_out;           // (T, Hq, R) OutT
+  void* q_nope_out;           // (T, Hq, Dn) OutT
+  void* kr_cache;             // rows of roped K: k_cache (GQA) or kpe_cache (MLA), OutT
+  void* kn_cache;             // rows of K nope: k_cache + R (GQA) or ckv_cache (MLA), OutT
+  void* v_cache;              // v_cache (GQA) or null
+  const float* cos_sin;       // (P, R) float32: cos in [0, R/2), sin in [R/2, R)
+  const void* pos_ids;        // (T,) RoPE position of each token
+  const void* batch_indices;  // (T,) request of each token, < 0: padding (no cache write)
+  const void* positions;      // (T,) position of each token inside its request
+  const void* kv_indptr;      // (B + 1,) first page-table entry of each request
+  const void* kv_indices;     // (I,) page-table entries: page ids
+  const float* q_scales;      // (Hq,) per-head quantization scales, or null (q_scale for all)
+  const float* kv_scales;     // (Hkv,) likewise for K and V
+  i64 qr_sn, qr_sh, qn_sn, qn_sh;      // input strides in elements (token, head)
+  i64 kr_sn, kr_sh, kn_sn, kn_sh, v_sn, v_sh;
+  i64 qro_sn, qro_sh, qno_sn, qno_sh;  // q output strides
+  i64 krc_sp, krc_se, krc_sh;          // cache strides (page, entry, head)
+  i64 knc_sp, knc_se, knc_sh;
+  i64 vc_sp, vc_se, vc_sh;
+  i64 cs_sp;                           // cos_sin row stride
+  i64 num_pages, num_indices;
+  float q_scale, kv_scale;
+  int Hq, Hkv, Hv, R, Dn, B, page_size, P;
+  int index64;  // bit k set: index array k is int64 (pos_ids, batch_indices, positions,
+                //   kv_indptr, kv_indices)
+};
+
+__device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
+  return is64 ? static_cast<const i64*>(p)[i] : i64(static_cast<const int*>(p)[i]);
+}
+
+// The cache slot (page, entry) of a token at `pos` of request `b`, page = -1 when it has none:
+// padding (b < 0), b outside [0, B), a negative position, kv_indptr[b] outside [0, I], a page-table
+// index kv_indptr[b] + pos / page_size outside [kv_indptr[b], min(kv_indptr[b + 1], I)), or a page
+// id outside [0, num_pages). Every read uses a clamped, always valid index and is checked after.
+__device__ __forceinline__ void find_slot(const PagedParams& p, i64 b, i64 pos, i64& page,
+                                          i64& entry) {
+  page = -1;
+  entry = 0;
+  if (p.B <= 0 || p.num_indices <= 0) return;
+  const bool b_ok = b >= 0 && b < p.B && pos >= 0;
+  const i64 bc = b_ok ? b : 0;
+  const i64 first = read_index(p.kv_indptr, bc, p.index64 & 8);
+  const i64 last = read_index(p.kv_indptr, bc + 1, p.index64 & 8);
+  const i64 idx = (b_ok ? pos : 0) / p.page_size;
+  const bool first_ok = first >= 0 && first <= p.num_indices;
+  const i64 hi = last < first ? first : (last < p.num_indices ? last : p.num_indices);
+  const bool it_ok = b_ok && first_ok && idx < hi - first;  // no overflow: 0 <= first <= hi
+  const i64 pg = read_index(p.kv_indices, it_ok ? first + idx : 0, p.index64 & 16);
+  if (it_ok && pg >= 0 && pg < p.num_pages) {
+    page = pg;
+    entry = pos % p.page_size;
+  }
+}
+
+// This thread's first index in a section of the token's flat item list that starts at `base`:
+// thread g handles the items i with i = g (mod stride).
+__device__ __forceinline__ int first_index(int g, int base, int stride) {
+  const int r = (g - base) % stride;
+  return r < 0 ? r + stride : r;
+}
+
+// Where a section writes: row `a` (stride sa) and entry `b` (stride sb) of `base`, a < 0: nowhere.
+// Q outputs: a = token, b = 0; cache rows: a = page, b = entry. Everything that depends on an
+// index value (the rotation's cos/sin row, the slot, whether to write at all) is only evaluated
+// after the section's first input loads are issued, so those loads overlap the index loads.
+template <typename OutT>
+struct Dest {
+  OutT* base;
+  i64 a, sa, b, sb, sh;
+};
+
+// One section: `heads` rows of `per_row` items, item (h, j) = N elements at src + h*src_sh + j*N
+// (and + R/2 for a neox rotary item) -> dst row + h*sh + j*N, rotated when ROT (cos/sin row
+// `pos_id` of the table, which must then lie in [0, P), else nothing is written), times the head's
+// scale when OutT is fp8. Each thread loads U items before it stores any, so U loads (2U for neox
+// rotary items) are in flight per thread; (h, j) advance by counters, not divisions.
+template <typename T, typename OutT, bool NEOX, int N, bool ROT, int U>
+__device__ __forceinline__ void section(const PagedParams& p, const T* src, i64 src_sh,
+                                        const Dest<OutT>& dst, int heads, int per_row,
+                                        const float* scales, float scale, i64 pos_id, int first,
+                                        int stride) {
+  const int count = heads * per_row;
+  if (first >= count) return;
+  int h = first / per_row;
+  int j = first - h * per_row;
+  const int dh = stride / per_row;
+  const int dj = stride - dh * per_row;
+  const int half_r = p.R >> 1;
+  constexpr bool PAIR = ROT && NEOX;  // two loads per item
+  for (int w = first; w < count; w += U * stride) {
+    // raw vectors in flight (half the registers of floats); converted once all are issued
+    Vec<T, N> va[U], vb[PAIR ? U : 1];
+    int hs[U], js[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      hs[u] = h;
+      js[u] = j;
+      if (w + u * stride < count) {
+        const T* s = src + h * src_sh + j * N;
+        va[u] = load<T, N>(s);
+        if constexpr (PAIR) vb[u] = load<T, N>(s + half_r);
+      }
+      h += dh;
+      j += dj;
+      if (j >= per_row) {
+        j -= per_row;
+        ++h;
+      }
+    }
+    if (dst.a < 0 || pos_id < 0 || pos_id >= p.P) continue;  // a token that writes nothing
+    const float* cos_sin = p.cos_sin + pos_id * p.cs_sp;
+    OutT* row = dst.base + dst.a * dst.sa + dst.b * dst.sb;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (w + u * stride < count) {
+        const float sc = scales ? __ldg(scales + hs[u]) : scale;
+        OutT* d = row + hs[u] * dst.sh + js[u] * N;
+        float a[N];
+#pragma unroll
+        for (int e = 0; e < N; ++e) a[e] = to_float(va[u].v[e]);
+        if constexpr (PAIR) {
+          float b[N];
+#pragma unroll
+          for (int e = 0; e < N; ++e) b[e] = to_float(vb[PAIR ? u : 0].v[e]);
+          rotate_neox<N>(a, b, cos_sin, half_r, js[u] * N);
+          store_float<OutT, N>(d + half_r, b, sc);
+        } else if constexpr (ROT) {
+          rotate_interleaved<N>(a, cos_sin, half_r, js[u] * N);
+        }
+        store_float<OutT, N>(d, a, sc);
+      }
+    }
+  }
+}
+
+// grid (T, splits): block x handles token x, its items split over the grid.y blocks; block: a
+// multiple of 32 up to 256 threads. U: pass-through items per batch, UR: rotary items per batch,
+// MINB: blocks of 256 threads per SM the register allocation must allow (__launch_bounds__).
+// Order: the token's index loads, then the Q sections (which need only pos_id), then the page
+// lookup (whose first loads have arrived by then), then the K/V sections.
+template <typename T, typename OutT, bool NEOX, int N, int U, int UR, int MINB>
+__global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const PagedParams p) {
+  const int t = blockIdx.x;
+  const i64 pos_id = read_index(p.pos_ids, t, p.index64 & 1);
+  const i64 b = read_index(p.batch_indices, t, p.index64 & 2);
+  const i64 pos = read_index(p.positions, t, p.index64 & 4);
+
+  const int ri = NEOX ? p.R / (2 * N) : p.R / N;  // rotary items per head row
+  const int ni = p.Dn / N;                         // pass-through items per head row
+  const int g = blockIdx.y * blockDim.x + threadIdx.x;
+  const int stride = gridDim.y * blockDim.x;
+
+  int base = 0;
+  section<T, OutT, NEOX, N, true, UR>(
+      p, static_cast<const T*>(p.q_rope) + t * p.qr_sn, p.qr_sh,
+      Dest<OutT>{static_cast<OutT*>(p.q_rope_out), t, p.qro_sn, 0, 0, p.qro_sh}, p.Hq, ri,
+      p.q_scales, p.q_scale, pos_id, first_index(g, base, stride), stride);
+  base += p.Hq * ri;
+  if (ni) {
+    section<T, OutT, NEOX, N, false, U>(
+        p, static_cast<const T*>(p.q_nope) + t * p.qn_sn, p.qn_sh,
+        Dest<OutT>{static_cast<OutT*>(p.q_nope_out), t, p.qno_sn, 0, 0, p.qno_sh}, p.Hq, ni,
+        p.q_scales, p.q_scale, pos_id, first_index(g, base, stride), stride);
+    base += p.Hq * ni;
+  }
+  const int end = base + p.Hkv * (ri + ni) + p.Hv * ((p.R + p.Dn) / N);
+  if (base + first_index(g, base, stride) >= end) return;  // no K/V item here (decode splits)
+  i64 page, entry;
+  find_slot(p, b, pos, page, entry);  // page -1: only Q is written
+  section<T, OutT, NEOX, N, true, UR>(
+      p, static_cast<const T*>(p.k_rope) + t * p.kr_sn, p.kr_sh,
+      Dest<OutT>{static_cast<OutT*>(p.kr_cache), page, p.krc_sp, entry, p.krc_se, p.krc_sh},
+      p.Hkv, ri, p.kv_scales, p.kv_scale, pos_id, first_index(g, base, stride), stride);
+  base += p.Hkv * ri;
+  if (ni) {
+    section<T, OutT, NEOX, N, false, U>(
+        p, static_cast<const T*>(p.k_nope) + t * p.kn_sn, p.kn_sh,
+        Dest<OutT>{static_cast<OutT*>(p.kn_cache), page, p.knc_sp, entry, p.knc_se, p.knc_sh},
+        p.Hkv, ni, p.kv_scales, p.kv_scale, pos_id, first_index(g, base, stride), stride);
+    base += p.Hkv * ni;
+  }
+  if (p.Hv)
+    section<T, OutT, NEOX, N, false, U>(
+        p, static_cast<const T*>(p.v) + t * p.v_sn, p.v_sh,
+        Dest<OutT>{static_cast<OutT*>(p.v_cache), page, p.vc_sp, entry, p.vc_se, p.vc_sh}, p.Hv,
+        (p.R + p.Dn) / N, p.kv_scales, p.kv_scale, pos_id, first_index(g, base, stride), stride);
+}
