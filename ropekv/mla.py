@@ -1,0 +1,372 @@
+"""``mla_rope_rmsnorm_append_paged_kv_cache``: MLA query RoPE, latent RMSNorm + RoPE, and the
+quantized write of the latent row into a paged cache, in one launch (Modular MAX's
+``fused_rope_rmsnorm_quantization_kernel``)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import numbers
+
+import numpy as np
+
+from ropekv import _checks as ck
+from ropekv import reference
+from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, as_view
+from ropekv._compile import c_bool, c_type, name_expression
+from ropekv._launch import ParamStruct, launch, resolve_stream, stream_ptr_of
+from ropekv._vector import aligned, vector_width
+
+STEM = "mla"
+KERNEL = "mla_rope_rmsnorm_append"
+BLOCK = 256
+INPUT_DTYPES = (FLOAT16, BFLOAT16)
+
+PARAMS = ParamStruct("MlaParams", [
+    *((n, np.uint64) for n in ("q", "q_out", "kv", "gamma", "cos_sin", "offsets",
+                               "cache_lengths", "block_table", "ckv", "kpe")),
+    *((n, np.int64) for n in ("q_st", "q_sh", "qo_st", "qo_sh", "kv_st", "cs_sp", "bt_sb",
+                              "ckv_sp", "ckv_se", "kpe_sp", "kpe_se", "num_pages")),
+    ("epsilon", np.float32),
+    ("inv_kv_scale", np.float32),
+    *((n, np.int32) for n in ("T", "B", "Hq", "L", "R", "P", "kv_norm_dim", "max_pages",
+                              "page_size", "gamma_f32", "tokens_per_block", "staged", "q_staged",
+                              "gamma_at", "meta_at", "stage_at", "stage_bytes", "kv_at",
+                              "cos_at")),
+])
+# Batches of up to this many requests have their offsets and cache lengths staged in shared
+# memory ((2B + 1) words, 32 KiB at most); larger ones are searched in global memory.
+MAX_STAGED_REQUESTS = 4095
+SHARED_LIMIT = 48 * 1024  # dynamic shared memory a launch gets without an opt-in
+# Blocks per SM the tokens are spread over. Measured on the H200 (DeepSeek-V3 shapes, 8192 tokens,
+# same run): 2 blocks per SM (32 tokens each) 131 us, one token per block 145 us, 4 per SM 166 us,
+# 5 per SM 176 us. (The kernel's __launch_bounds__(kBlock, 5) only caps its registers.)
+BLOCKS_PER_SM = 2
+MAX_TOKENS_PER_BLOCK = 64
+
+
+def expression(dtype, cache_dtype, is_neox, n):
+    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
+
+
+def instantiations():
+    """Every kernel instantiation a call can select (the compile tests build them all)."""
+    for dtype, is_neox, n in itertools.product(INPUT_DTYPES, (True, False), (8, 4, 2, 1)):
+        if not is_neox and n == 1:
+            continue
+        for cache_dtype in (dtype, *FP8_DTYPES):
+            yield expression(dtype, cache_dtype, is_neox, n)
+
+
+# ---- helpers shared with ropekv.qknorm ---------------------------------------------------------
+
+
+def check_float(value, name, *, positive):
+    """A finite real scalar (> 0 when ``positive``, else >= 0), as a Python float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} of type "
+                        f"{type(value).__name__}")
+    value = float(value)
+    ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
+    if not ok:
+        what = "positive" if positive else "non-negative"
+        raise ValueError(f"{name} must be a finite {what} number, got {value!r}")
+    return value
+
+
+def allocate_like(view, shape, dtype):
+    """A new array of ``shape``/``dtype`` in the array type of ``view``'s producer: NumPy for host
+    memory (a torch CPU tensor gets a torch tensor), the tensor's own ``new_empty`` for torch,
+    CuPy for CuPy and any other device producer."""
+    array = view.array
+    if type(array).__module__.startswith("torch"):
+        return array.new_empty(shape)
+    if view.on_host:
+        return np.empty(shape, dtype)
+    import cupy
+
+    with cupy.cuda.Device(view.device):
+        return cupy.empty(shape, dtype)
+
+
+def check_output(out, src):
+    """``out`` receives rows of ``src``: same shape and dtype, writable, contiguous last dim, and
+    either ``src`` itself (in place) or not overlapping it."""
+    ck.check_shape(out, src.shape, None)
+    ck.check_same_dtype(out, src)
+    ck.check_last_dim_contiguous(out)
+    ck.check_writable(out)
+    if out.ptr == src.ptr and out.strides == src.strides:
+        return
+    if _span(out)[0] < _span(src)[1] and _span(src)[0] < _span(out)[1] and out.size and src.size:
+        raise ValueError(f"{out.name} must be {src.name} itself (in place) or not overlap it; "
+                         f"it overlaps {src.name} partially")
+
+
+def _span(view):
+    """[lo, hi) byte range a view can touch."""
+    item = view.dtype.itemsize
+    lo = sum((n - 1) * s for n, s in zip(view.shape, view.strides) if s < 0) * item
+    hi = sum((n - 1) * s for n, s in zip(view.shape, view.strides) if s > 0) * item
+    return view.ptr + lo, view.ptr + hi + item
+
+
+def cache_scale(kv_scale, cache_dtype, name="kv_scale"):
+    """The dequantization scale of an fp8 cache (1.0 by default); None for 16-bit caches."""
+    if cache_dtype in FP8_DTYPES:
+        return 1.0 if kv_scale is None else check_float(kv_scale, name, positive=True)
+    if kv_scale is not None:
+        raise ValueError(f"{name} is only used with float8 caches, but the cache is "
+                         f"{cache_dtype}")
+    return None
+
+
+def _round16(n):
+    return (n + 15) // 16 * 16
+
+
+def staged_bytes(B):
+    """Shared memory for the ragged index arrays (``stage_ragged_async``): offsets and cache
+    lengths, or nothing for batches too large to stage (searched in global memory)."""
+    return (2 * B + 1) * 4 if B <= MAX_STAGED_REQUESTS else 0
+
+
+@functools.cache
+def sm_count(device):
+    import cupy
+
+    return cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+
+
+def tokens_per_block(T, device):
+    """Tokens per block: BLOCKS_PER_SM blocks per SM, each running its tokens through the
+    kernel's two-stage pipeline; one token per block for small batches (decode)."""
+    return max(1, min(MAX_TOKENS_PER_BLOCK, -(-T // (sm_count(device) * BLOCKS_PER_SM))))
+
+
+def smem_layout(*, Hq, L, R, itemsize, norm_dim, gamma_itemsize, B, tokens):
+    """Byte layout of the kernel's dynamic shared memory (``MlaParams``), every part on a 16-byte
+    boundary: [offsets, cache_lengths][gamma][per-token (pos, page, entry)][stage 0][stage 1],
+    a stage being [q row (Hq, R)][kv row (L + R)][cos/sin row (R) float32]. The q rows, then the
+    index arrays, are left out (read from global memory) when the whole would pass SHARED_LIMIT.
+    Returns ``(total bytes, fields of MlaParams)``."""
+    q_bytes = _round16(Hq * R * itemsize)
+    kv_bytes = _round16((L + R) * itemsize)
+    fixed = _round16(norm_dim * gamma_itemsize) + _round16(tokens * 12)
+    q_staged = fixed + 2 * (q_bytes + kv_bytes + _round16(R * 4)) <= SHARED_LIMIT
+    stage = (q_bytes if q_staged else 0) + kv_bytes + _round16(R * 4)
+    ragged = _round16(staged_bytes(B))
+    staged = bool(staged_bytes(B)) and ragged + fixed + 2 * stage <= SHARED_LIMIT
+    gamma_at = ragged if staged else 0
+    meta_at = gamma_at + _round16(norm_dim * gamma_itemsize)
+    stage_at = meta_at + _round16(tokens * 12)
+    kv_at = q_bytes if q_staged else 0  # the q row starts the stage
+    cos_at = kv_at + kv_bytes
+    fields = {"tokens_per_block": tokens, "staged": int(staged), "q_staged": int(q_staged),
+              "gamma_at": gamma_at, "meta_at": meta_at, "stage_at": stage_at,
+              "stage_bytes": stage, "kv_at": kv_at, "cos_at": cos_at}
+    return stage_at + 2 * stage, fields
+
+
+# ---- the operation ------------------------------------------------------------------------------
+
+
+def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, input_row_offsets,
+                                           cache_lengths, block_table, kv_cache, *, epsilon=1e-6,
+                                           kv_norm_dim=None, is_neox=False, kv_scale=None,
+                                           q_rope_out=None, stream=None):
+    """MLA: rope the query's rotary part, RMS-normalise and rope the latent kv row, and write it
+    (quantized) into a paged cache, over a ragged batch, in one launch.
+
+    Mirrors Modular MAX's ``fused_rope_rmsnorm_quantization_kernel``. Token ``t`` of request ``b``
+    (``input_row_offsets[b] <= t < input_row_offsets[b + 1]``) has position
+    ``p = cache_lengths[b] + t - input_row_offsets[b]`` and is written to page
+    ``block_table[b, p // page_size]``, entry ``p % page_size``.
+
+    Parameters
+    ----------
+    q_rope : array, (T, Hq, R), float16 or bfloat16
+        Rotary part of the queries.
+    kv : array, (T, L + R), the dtype of ``q_rope``
+        Latent rows: ``kv[:, :L]`` (``kv_lora_rank`` dims) then the R rotary key dims.
+    gamma : array, (kv_norm_dim,), the dtype of ``q_rope`` or float32
+        RMSNorm weight.
+    cos_sin_cache : array, (P, R), float32
+        ``[:R/2]`` cos, ``[R/2:]`` sin (see :func:`ropekv.cos_sin_cache`; MAX's interleaved
+        ``freqs_cis`` converts with :func:`ropekv.freqs_cis_to_cos_sin`).
+    input_row_offsets : array, (B + 1,), int32 or uint32
+        Request b owns tokens ``[offsets[b], offsets[b + 1])``; zero-length requests are allowed.
+    cache_lengths : array, (B,), int32
+        Tokens already cached per request.
+    block_table : array, (B, max_pages), int32
+        Page ids of each request (rows may be strided).
+    kv_cache : array (num_pages, page_size, L + R), or tuple (ckv, kpe)
+        MAX's one-head layout, or FlashInfer's ``ckv (num_pages, page_size, L)`` and
+        ``kpe (num_pages, page_size, R)``. dtype: that of ``q_rope``, float8_e4m3fn or
+        float8_e5m2. Written in place; only the addressed rows change.
+    epsilon : float
+        RMSNorm epsilon.
+    kv_norm_dim : int, optional
+        Normalised latent dims, in ``[1, L]``; default L. Dims ``[kv_norm_dim, L)`` pass through.
+    is_neox : bool
+        False (the MLA default) rotates interleaved pairs (2i, 2i + 1); True half-split pairs
+        (i, i + R/2).
+    kv_scale : float, optional
+        Dequantization scale of an fp8 cache (default 1.0): stored = fp8(x / kv_scale), round to
+        nearest even, saturating. Not accepted for 16-bit caches.
+    q_rope_out : array, (T, Hq, R), the dtype of ``q_rope``, optional
+        Receives the roped queries; ``q_rope`` itself means in place. By default a new array in the
+        caller's array type (CuPy, torch through its ``new_empty``, NumPy).
+    stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
+
+    Returns
+    -------
+    q_rope_out : array, (T, Hq, R)
+
+    The latent row is ``ckv = x[:n] / sqrt(mean(x[:n]^2) + epsilon) * gamma`` followed by
+    ``x[n:L]`` unchanged, ``kpe = rope(x[L:])``, all in float32 and rounded once. A token outside
+    every request, or whose position falls outside ``[0, P)``, has its q row copied unrotated and
+    writes nothing; a token whose page index falls outside the block table row or whose page id is
+    outside ``[0, num_pages)`` is roped but writes nothing. With ``ROPEKV_CHECK_INDICES=1`` such a
+    token raises ``IndexError`` instead (checked on the host first). Two tokens addressing one
+    cache row leave either's row. NumPy inputs run the NumPy reference on the host.
+
+    Examples
+    --------
+    >>> import cupy as cp, ropekv
+    >>> T, Hq, L, R, pages, page_size = 6, 16, 512, 64, 8, 16
+    >>> q_rope = cp.random.randn(T, Hq, R).astype(cp.float16)
+    >>> kv = cp.random.randn(T, L + R).astype(cp.float16)
+    >>> gamma = cp.ones(L, cp.float32)
+    >>> table = ropekv.cos_sin_cache(4096, R, xp=cp)
+    >>> offsets = cp.array([0, 4, 6], cp.int32)         # two requests: 4 and 2 new tokens
+    >>> lengths = cp.array([0, 10], cp.int32)           # the second has 10 tokens cached
+    >>> block_table = cp.array([[3, 0], [5, 1]], cp.int32)
+    >>> cache = cp.zeros((pages, page_size, L + R), cp.float16)
+    >>> q_out = ropekv.mla_rope_rmsnorm_append_paged_kv_cache(
+    ...     q_rope, kv, gamma, table, offsets, lengths, block_table, cache)
+    """
+    sp = stream_ptr_of(stream)
+    split = isinstance(kv_cache, tuple | list)
+    if split and len(kv_cache) != 2:
+        raise ValueError(f"kv_cache must be one array (num_pages, page_size, L + R) or a tuple "
+                         f"(ckv, kpe), got a {type(kv_cache).__name__} of {len(kv_cache)} arrays")
+    a = ck.views(sp, q_rope=q_rope, kv=kv, gamma=gamma, cos_sin_cache=cos_sin_cache,
+                 input_row_offsets=input_row_offsets, cache_lengths=cache_lengths,
+                 block_table=block_table, q_rope_out=q_rope_out,
+                 **({"ckv_cache": kv_cache[0], "kpe_cache": kv_cache[1]} if split
+                    else {"kv_cache": kv_cache}))
+    vq, vkv, vg, vt = a["q_rope"], a["kv"], a["gamma"], a["cos_sin_cache"]
+    voff, vlen, vbt = a["input_row_offsets"], a["cache_lengths"], a["block_table"]
+
+    ck.check_ndim(vq, 3, "(T, Hq, R)")
+    ck.check_dtype(vq, INPUT_DTYPES)
+    T, Hq, R = vq.shape
+    ck.check_ndim(vkv, 2, "(T, L + R)")
+    ck.check_same_dtype(vkv, vq)
+    if vkv.shape[0] != T:
+        raise ValueError(f"kv must have shape (T, L + R) with T={T} (q_rope's tokens), got "
+                         f"{vkv.shape}")
+    ck.check_ndim(vt, 2, "(P, R)")
+    ck.check_dtype(vt, (FLOAT32,))
+    P = vt.shape[0]
+    if vt.shape[1] != R or R % 2 or R == 0:
+        raise ValueError(f"cos_sin_cache must have shape (P, R) with R = q_rope's last dim "
+                         f"({R}), even and positive, got {vt.shape}")
+    L = vkv.shape[1] - R
+    if L <= 0:
+        raise ValueError(f"kv must have shape (T, L + R) with L > 0 and R = {R}, got {vkv.shape}")
+    n_norm = L if kv_norm_dim is None else kv_norm_dim
+    if isinstance(n_norm, bool) or not isinstance(n_norm, int | np.integer) or not (
+            0 < n_norm <= L):
+        raise ValueError(f"kv_norm_dim must be an integer in [1, L={L}], got {kv_norm_dim!r}")
+    n_norm = int(n_norm)
+    ck.check_shape(vg, (n_norm,), "(kv_norm_dim,)")
+    ck.check_dtype(vg, (vq.dtype, FLOAT32))
+    ck.check_contiguous(vg)
+    B, max_pages = ck.check_ragged_paged(voff, vlen, vbt)
+
+    if split:
+        vckv, vkpe = a["ckv_cache"], a["kpe_cache"]
+        ck.check_ndim(vckv, 3, "(num_pages, page_size, L)")
+        num_pages, page_size = vckv.shape[:2]
+        ck.check_shape(vckv, (None, None, L), "(num_pages, page_size, L)")
+        ck.check_shape(vkpe, (num_pages, page_size, R), "(num_pages, page_size, R)")
+        ck.check_same_dtype(vkpe, vckv)
+        caches = (vckv, vkpe)
+    else:
+        vc = a["kv_cache"]
+        ck.check_ndim(vc, 3, "(num_pages, page_size, L + R)")
+        ck.check_shape(vc, (None, None, L + R), "(num_pages, page_size, L + R)")
+        num_pages, page_size = vc.shape[:2]
+        caches = (vc,)
+    vcache = caches[0]
+    if vcache.dtype != vq.dtype:
+        ck.check_dtype(vcache, (vq.dtype, *FP8_DTYPES))
+    if page_size == 0:
+        raise ValueError(f"{vcache.name} must have a page_size (dim 1) of at least 1, got "
+                         f"{vcache.shape}")
+    scale = cache_scale(kv_scale, vcache.dtype)
+    epsilon = check_float(epsilon, "epsilon", positive=False)
+    for view in (vq, vkv, vt, *caches):
+        ck.check_last_dim_contiguous(view)
+    for view in caches:
+        ck.check_writable(view)
+
+    if a["q_rope_out"] is None:
+        out = allocate_like(vq, (T, Hq, R), vq.dtype)
+        vout = as_view(out, "q_rope_out", sp)
+    else:
+        out, vout = q_rope_out, a["q_rope_out"]
+        check_output(vout, vq)
+    device = ck.check_same_device([vq, vkv, vg, vt, voff, vlen, vbt, *caches, vout])
+
+    if ck.check_indices_enabled():
+        ck.check_paged_indices(voff, vlen, vbt, page_size, num_pages, T, P)
+    if T == 0:
+        return out
+    if device == HOST:
+        full = vcache.host
+        ckv_h, kpe_h = (vckv.host, vkpe.host) if split else (full[..., :L], full[..., L:])
+        reference.mla_rope_rmsnorm_append_paged_kv_cache(
+            vq.host, vkv.host, vg.host, vt.host, voff.host, vlen.host, vbt.host, ckv_h, kpe_h,
+            vout.host, epsilon, n_norm, bool(is_neox), 1.0 if scale is None else scale)
+        return out
+
+    def fits(n):
+        rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
+        return (rot and L % n == 0 and n_norm % n == 0
+                and all(aligned(x, n) for x in (vq, vout, vkv, vg, *caches))
+                and aligned(vt, n if is_neox else n // 2))
+
+    n = vector_width(vq.dtype.itemsize, fits)
+    if n is None:
+        raise ValueError(f"interleaved RoPE needs 4-byte aligned rows of q_rope, q_rope_out, kv "
+                         f"and the cache; got {vq}, {vout}, {vkv}, {vcache}")
+    tokens = tokens_per_block(T, device)
+    shared, layout = smem_layout(Hq=Hq, L=L, R=R, itemsize=vq.dtype.itemsize, norm_dim=n_norm,
+                                 gamma_itemsize=vg.dtype.itemsize, B=B, tokens=tokens)
+    if shared > SHARED_LIMIT:
+        raise ValueError(f"the latent row ({L + R} dims) and gamma ({n_norm} dims) need "
+                         f"{shared} bytes of shared memory, more than {SHARED_LIMIT}")
+    if split:
+        ckv_ptr, kpe_ptr = vckv.ptr, vkpe.ptr
+        ckv_s, kpe_s = vckv.strides, vkpe.strides
+    else:
+        ckv_ptr, kpe_ptr = vc.ptr, vc.ptr + L * vc.dtype.itemsize
+        ckv_s = kpe_s = vc.strides
+    params = PARAMS.pack(
+        q=vq.ptr, q_out=vout.ptr, kv=vkv.ptr, gamma=vg.ptr, cos_sin=vt.ptr, offsets=voff.ptr,
+        cache_lengths=vlen.ptr, block_table=vbt.ptr, ckv=ckv_ptr, kpe=kpe_ptr,
+        q_st=vq.strides[0], q_sh=vq.strides[1], qo_st=vout.strides[0], qo_sh=vout.strides[1],
+        kv_st=vkv.strides[0], cs_sp=vt.strides[0], bt_sb=vbt.strides[0],
+        ckv_sp=ckv_s[0], ckv_se=ckv_s[1], kpe_sp=kpe_s[0], kpe_se=kpe_s[1], num_pages=num_pages,
+        epsilon=epsilon, inv_kv_scale=1.0 / scale if scale else 1.0,
+        T=T, B=B, Hq=Hq, L=L, R=R, P=P, kv_norm_dim=n_norm, max_pages=max_pages,
+        page_size=page_size, gamma_f32=int(vg.dtype == FLOAT32), **layout)
+    launch(STEM, expression(vq.dtype, vcache.dtype, bool(is_neox), n), device,
+           (-(-T // tokens),), (BLOCK,), (params,), resolve_stream(stream, device),
+           shared_mem=shared)
+    return out
+

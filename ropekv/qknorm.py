@@ -1,0 +1,297 @@
+"""``qk_rmsnorm_rope_append_paged_kv_cache``: Qwen3-style per-head RMSNorm of Q and K, RoPE, and
+the K/V append into a paged cache over a ragged batch, in one launch."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from ropekv import _checks as ck
+from ropekv import reference
+from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, as_view
+from ropekv._compile import c_bool, c_type, name_expression
+from ropekv._launch import ParamStruct, launch, resolve_stream, stream_ptr_of
+from ropekv._vector import aligned, vector_width
+from ropekv.mla import (
+    SHARED_LIMIT,
+    _round16,
+    allocate_like,
+    cache_scale,
+    check_float,
+    check_output,
+    sm_count,
+    staged_bytes,
+)
+
+STEM = "qknorm"
+KERNEL = "qk_rmsnorm_rope_append"
+INPUT_DTYPES = (FLOAT16, BFLOAT16)
+KV_LAYOUTS = ("NHD", "HND")
+
+PARAMS = ParamStruct("QKNormParams", [
+    *((n, np.uint64) for n in ("q", "q_out", "k", "v", "q_gamma", "k_gamma", "cos_sin",
+                               "offsets", "cache_lengths", "block_table", "k_cache", "v_cache")),
+    *((n, np.int64) for n in ("q_st", "q_sh", "qo_st", "qo_sh", "k_st", "k_sh", "v_st", "v_sh",
+                              "cs_sp", "bt_sb", "kc_sp", "kc_se", "kc_sh", "vc_sp", "vc_se",
+                              "vc_sh", "num_pages")),
+    *((n, np.float32) for n in ("epsilon", "inv_k_scale", "inv_v_scale")),
+    *((n, np.int32) for n in ("T", "B", "Hq", "Hkv", "D", "R", "P", "max_pages", "page_size",
+                              "q_gamma_f32", "k_gamma_f32", "group", "tokens_per_block",
+                              "staged", "rows_staged", "q_gamma_at", "k_gamma_at", "meta_at",
+                              "stage_at", "stage_bytes", "k_at", "v_at", "cos_at")),
+])
+MAX_BLOCK = 512  # kMaxBlock in kernels/qknorm.cu
+HELD = 4  # kHeld: chunks per lane held in registers
+
+
+def expression(dtype, cache_dtype, is_neox, n):
+    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
+
+
+def instantiations():
+    """Every kernel instantiation a call can select (the compile tests build them all)."""
+    for dtype, is_neox, n in itertools.product(INPUT_DTYPES, (True, False), (8, 4, 2, 1)):
+        if not is_neox and n == 1:
+            continue
+        for cache_dtype in (dtype, *FP8_DTYPES):
+            yield expression(dtype, cache_dtype, is_neox, n)
+
+
+# Blocks per SM the tokens are spread over. Measured on the H200 (Qwen3 64/8/128, 8192 tokens,
+# same run): 4 per SM (16 tokens each) 211 us, 32 tokens per block 207 us, one token 299 us.
+BLOCKS_PER_SM = 4
+MAX_TOKENS_PER_BLOCK = 64
+
+
+def tokens_per_block(T, device):
+    """Tokens per block: enough blocks to fill every SM about BLOCKS_PER_SM times, each running
+    its tokens through the kernel's two-stage pipeline; one token per block for small batches."""
+    return max(1, min(MAX_TOKENS_PER_BLOCK, -(-T // (sm_count(device) * BLOCKS_PER_SM))))
+
+
+def smem_layout(*, Hq, Hkv, D, R, itemsize, q_gamma_itemsize, k_gamma_itemsize, B, tokens):
+    """Byte layout of the kernel's dynamic shared memory (``QKNormParams``), every part on a
+    16-byte boundary: [offsets, cache_lengths][q_gamma][k_gamma][per-token (pos, page, entry)]
+    [stage 0][stage 1], a stage being [q (Hq, D)][k (Hkv, D)][v (Hkv, D)][cos/sin row (R) fp32].
+    The rows, then the index arrays, are left out (read from global memory) when the whole would
+    pass SHARED_LIMIT. Returns ``(total bytes, fields of QKNormParams)``."""
+    q_bytes, kv_bytes = _round16(Hq * D * itemsize), _round16(Hkv * D * itemsize)
+    cos_bytes = _round16(R * 4)
+    fixed = (_round16(D * q_gamma_itemsize) + _round16(D * k_gamma_itemsize)
+             + _round16(tokens * 12))
+    rows_staged = fixed + 2 * (q_bytes + 2 * kv_bytes + cos_bytes) <= SHARED_LIMIT
+    rows_bytes = q_bytes + 2 * kv_bytes if rows_staged else 0
+    stage = rows_bytes + cos_bytes
+    ragged = _round16(staged_bytes(B))
+    staged = bool(staged_bytes(B)) and ragged + fixed + 2 * stage <= SHARED_LIMIT
+    q_gamma_at = ragged if staged else 0
+    k_gamma_at = q_gamma_at + _round16(D * q_gamma_itemsize)
+    meta_at = k_gamma_at + _round16(D * k_gamma_itemsize)
+    stage_at = meta_at + _round16(tokens * 12)
+    fields = {"tokens_per_block": tokens, "staged": int(staged), "rows_staged": int(rows_staged),
+              "q_gamma_at": q_gamma_at, "k_gamma_at": k_gamma_at, "meta_at": meta_at,
+              "stage_at": stage_at, "stage_bytes": stage, "k_at": q_bytes,
+              "v_at": q_bytes + kv_bytes, "cos_at": rows_bytes}
+    return stage_at + 2 * stage, fields
+
+
+def _kv_scales(kv_scale, cache_dtype):
+    """(k_scale, v_scale) from a float or a pair; None for 16-bit caches."""
+    if isinstance(kv_scale, tuple | list):
+        if len(kv_scale) != 2:
+            raise ValueError(f"kv_scale must be a float or a (k_scale, v_scale) pair, got "
+                             f"{len(kv_scale)} values")
+        k, v = (cache_scale(s, cache_dtype, f"kv_scale[{i}]") for i, s in enumerate(kv_scale))
+        return None if k is None else (k, v)
+    s = cache_scale(kv_scale, cache_dtype)
+    return None if s is None else (s, s)
+
+
+def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cache,
+                                          input_row_offsets, cache_lengths, block_table,
+                                          paged_kv_cache, *, epsilon=1e-6, is_neox=True,
+                                          kv_layout="NHD", kv_scale=None, q_out=None,
+                                          stream=None):
+    """Qwen3-style attention input: RMS-normalise each Q and K head, rope both, and append K/V to
+    a paged cache over a ragged batch, in one launch.
+
+    Token ``t`` of request ``b`` has position ``p = cache_lengths[b] + t - input_row_offsets[b]``
+    and is written to page ``block_table[b, p // page_size]``, entry ``p % page_size``, exactly as
+    in :func:`ropekv.mla_rope_rmsnorm_append_paged_kv_cache`.
+
+    Parameters
+    ----------
+    q : array, (T, Hq, D), float16 or bfloat16
+    k, v : array, (T, Hkv, D), the dtype of ``q``
+        Strided views (q, k, v sliced out of one packed qkv buffer) are read without copying.
+    q_gamma, k_gamma : array, (D,), the dtype of ``q`` or float32
+        RMSNorm weights of the Q and K heads.
+    cos_sin_cache : array, (P, R), float32
+        ``[:R/2]`` cos, ``[R/2:]`` sin; R even and at most D, dims ``[R, D)`` are normalised but not
+        rotated.
+    input_row_offsets : array, (B + 1,), int32 or uint32
+    cache_lengths : array, (B,), int32
+    block_table : array, (B, max_pages), int32
+    paged_kv_cache : tuple (k_cache, v_cache)
+        Each ``(num_pages, page_size, Hkv, D)`` for NHD or ``(num_pages, Hkv, page_size, D)`` for
+        HND; dtype that of ``q``, float8_e4m3fn or float8_e5m2. Written in place; only the
+        addressed rows change.
+    epsilon : float
+    is_neox : bool
+        True (Qwen3) rotates half-split pairs (i, i + R/2); False interleaved pairs.
+    kv_layout : "NHD" or "HND"
+    kv_scale : float or (float, float), optional
+        Dequantization scale(s) of an fp8 cache, for K and V (default 1.0): stored =
+        fp8(x / scale), round to nearest even, saturating. Not accepted for 16-bit caches.
+    q_out : array, (T, Hq, D), the dtype of ``q``, optional
+        Receives the normalised, roped queries; ``q`` itself means in place. By default a new
+        array in the caller's array type.
+    stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
+
+    Returns
+    -------
+    q_out : array, (T, Hq, D)
+
+    Each head row becomes ``rope(x / sqrt(mean(x^2) + epsilon) * gamma)``, in float32 and rounded
+    once (Hugging Face's Qwen3 rounds to the model dtype between the norm and the rope; this does
+    not). V is written unchanged (quantized for fp8 caches). A token outside every request, or
+    whose position falls outside ``[0, P)``, has its q row copied unchanged and writes nothing; a
+    token whose page is outside the block table row or the cache is normalised and roped but
+    writes nothing. ``ROPEKV_CHECK_INDICES=1`` raises ``IndexError`` for such tokens instead.
+    NumPy inputs run the NumPy reference on the host.
+
+    Examples
+    --------
+    >>> import cupy as cp, ropekv
+    >>> T, Hq, Hkv, D = 5, 32, 8, 128
+    >>> q = cp.random.randn(T, Hq, D).astype(cp.float16)
+    >>> k, v = (cp.random.randn(T, Hkv, D).astype(cp.float16) for _ in range(2))
+    >>> gamma = cp.ones(D, cp.float32)
+    >>> caches = tuple(cp.zeros((4, 16, Hkv, D), cp.float16) for _ in range(2))
+    >>> q_out = ropekv.qk_rmsnorm_rope_append_paged_kv_cache(
+    ...     q, k, v, gamma, gamma, ropekv.cos_sin_cache(4096, D, base=1e6, xp=cp),
+    ...     cp.array([0, 5], cp.int32), cp.array([7], cp.int32), cp.array([[2, 0]], cp.int32),
+    ...     caches)
+    """
+    sp = stream_ptr_of(stream)
+    if not isinstance(paged_kv_cache, tuple | list) or len(paged_kv_cache) != 2:
+        raise ValueError(f"paged_kv_cache must be a tuple (k_cache, v_cache), got "
+                         f"{type(paged_kv_cache).__name__}")
+    ck.check_choice(kv_layout, "kv_layout", KV_LAYOUTS)
+    a = ck.views(sp, q=q, k=k, v=v, q_gamma=q_gamma, k_gamma=k_gamma, cos_sin_cache=cos_sin_cache,
+                 input_row_offsets=input_row_offsets, cache_lengths=cache_lengths,
+                 block_table=block_table, k_cache=paged_kv_cache[0], v_cache=paged_kv_cache[1],
+                 q_out=q_out)
+    vq, vk, vv, vt = a["q"], a["k"], a["v"], a["cos_sin_cache"]
+    vqg, vkg, vkc, vvc = a["q_gamma"], a["k_gamma"], a["k_cache"], a["v_cache"]
+    voff, vlen, vbt = a["input_row_offsets"], a["cache_lengths"], a["block_table"]
+
+    ck.check_ndim(vq, 3, "(T, Hq, D)")
+    ck.check_dtype(vq, INPUT_DTYPES)
+    T, Hq, D = vq.shape
+    ck.check_ndim(vk, 3, "(T, Hkv, D)")
+    Hkv = vk.shape[1]
+    ck.check_shape(vk, (T, None, D), "(T, Hkv, D)")
+    ck.check_shape(vv, (T, Hkv, D), "(T, Hkv, D)")
+    for view in (vk, vv):
+        ck.check_same_dtype(view, vq)
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q's head count ({Hq}) must be a multiple of k's ({Hkv})")
+    for view in (vqg, vkg):
+        ck.check_shape(view, (D,), "(D,)")
+        ck.check_dtype(view, (vq.dtype, FLOAT32))
+        ck.check_contiguous(view)
+    ck.check_ndim(vt, 2, "(P, R)")
+    ck.check_dtype(vt, (FLOAT32,))
+    P, R = vt.shape
+    if R % 2 or not 0 < R <= D:
+        raise ValueError(f"cos_sin_cache's rotary dim R (its last dim) must be even and in "
+                         f"[2, D={D}], got {R}")
+    B, max_pages = ck.check_ragged_paged(voff, vlen, vbt)
+    layout = "(num_pages, page_size, Hkv, D)" if kv_layout == "NHD" else \
+        "(num_pages, Hkv, page_size, D)"
+    ck.check_ndim(vkc, 4, layout)
+    num_pages = vkc.shape[0]
+    page_size = vkc.shape[1] if kv_layout == "NHD" else vkc.shape[2]
+    expected = (num_pages, page_size, Hkv, D) if kv_layout == "NHD" else \
+        (num_pages, Hkv, page_size, D)
+    ck.check_shape(vkc, expected, f"{layout} for {kv_layout}")
+    ck.check_shape(vvc, expected, f"{layout} for {kv_layout}")
+    if vkc.dtype != vq.dtype:
+        ck.check_dtype(vkc, (vq.dtype, *FP8_DTYPES))
+    ck.check_same_dtype(vvc, vkc)
+    if page_size == 0:
+        raise ValueError(f"k_cache must have a page_size of at least 1, got {vkc.shape}")
+    scales = _kv_scales(kv_scale, vkc.dtype)
+    epsilon = check_float(epsilon, "epsilon", positive=False)
+    for view in (vq, vk, vv, vt, vkc, vvc):
+        ck.check_last_dim_contiguous(view)
+    for view in (vkc, vvc):
+        ck.check_writable(view)
+
+    if a["q_out"] is None:
+        out = allocate_like(vq, (T, Hq, D), vq.dtype)
+        vout = as_view(out, "q_out", sp)
+    else:
+        out, vout = q_out, a["q_out"]
+        check_output(vout, vq)
+    device = ck.check_same_device([vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vout])
+
+    if ck.check_indices_enabled():
+        ck.check_paged_indices(voff, vlen, vbt, page_size, num_pages, T, P)
+    if T == 0:
+        return out
+    k_scale, v_scale = scales if scales else (1.0, 1.0)
+    if device == HOST:
+        reference.qk_rmsnorm_rope_append_paged_kv_cache(
+            vq.host, vk.host, vv.host, vqg.host, vkg.host, vt.host, voff.host, vlen.host,
+            vbt.host, vkc.host, vvc.host, vout.host, epsilon, bool(is_neox), kv_layout, k_scale,
+            v_scale)
+        return out
+
+    def fits(n):
+        rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
+        return (rot and (D - R) % n == 0
+                and all(aligned(x, n) for x in (vq, vout, vk, vv, vqg, vkg, vkc, vvc))
+                and aligned(vt, n if is_neox else n // 2))
+
+    n = vector_width(vq.dtype.itemsize, fits)
+    if n is None:
+        raise ValueError(f"interleaved RoPE needs 4-byte aligned rows of q, q_out, k, v and the "
+                         f"caches; got {vq}, {vout}, {vk}, {vv}, {vkc}")
+    # lanes per head row: the fewest (a power of two) that hold a row in HELD chunks each
+    chunks = max((R // 2 if is_neox else R) // n + (D - R) // n, D // n)
+    per_lane = -(-chunks // HELD)
+    group = min(32, 1 << (per_lane - 1).bit_length())
+    rows = Hq + 2 * Hkv
+    block = min(MAX_BLOCK, -(-rows * group // 32) * 32)
+    tokens = tokens_per_block(T, device)
+    shared, layout = smem_layout(Hq=Hq, Hkv=Hkv, D=D, R=R, itemsize=vq.dtype.itemsize,
+                                 q_gamma_itemsize=vqg.dtype.itemsize,
+                                 k_gamma_itemsize=vkg.dtype.itemsize, B=B, tokens=tokens)
+    if shared > SHARED_LIMIT:
+        raise ValueError(f"head dim D={D} needs {shared} bytes of shared memory, more than "
+                         f"{SHARED_LIMIT}")
+    if kv_layout == "NHD":
+        kc = (vkc.strides[0], vkc.strides[1], vkc.strides[2])
+        vc = (vvc.strides[0], vvc.strides[1], vvc.strides[2])
+    else:
+        kc = (vkc.strides[0], vkc.strides[2], vkc.strides[1])
+        vc = (vvc.strides[0], vvc.strides[2], vvc.strides[1])
+    params = PARAMS.pack(
+        q=vq.ptr, q_out=vout.ptr, k=vk.ptr, v=vv.ptr, q_gamma=vqg.ptr, k_gamma=vkg.ptr,
+        cos_sin=vt.ptr, offsets=voff.ptr, cache_lengths=vlen.ptr, block_table=vbt.ptr,
+        k_cache=vkc.ptr, v_cache=vvc.ptr,
+        q_st=vq.strides[0], q_sh=vq.strides[1], qo_st=vout.strides[0], qo_sh=vout.strides[1],
+        k_st=vk.strides[0], k_sh=vk.strides[1], v_st=vv.strides[0], v_sh=vv.strides[1],
+        cs_sp=vt.strides[0], bt_sb=vbt.strides[0],
+        kc_sp=kc[0], kc_se=kc[1], kc_sh=kc[2], vc_sp=vc[0], vc_se=vc[1], vc_sh=vc[2],
+        num_pages=num_pages, epsilon=epsilon, inv_k_scale=1.0 / k_scale,
+        inv_v_scale=1.0 / v_scale, T=T, B=B, Hq=Hq, Hkv=Hkv, D=D, R=R, P=P, max_pages=max_pages,
+        page_size=page_size, q_gamma_f32=int(vqg.dtype == FLOAT32),
+        k_gamma_f32=int(vkg.dtype == FLOAT32), group=group, **layout)
+    launch(STEM, expression(vq.dtype, vkc.dtype, bool(is_neox), n), device,
+           (-(-T // tokens),), (block,), (params,), resolve_stream(stream, device),
+           shared_mem=shared)
+    return out

@@ -1,0 +1,597 @@
+"""``ropekv.mla_rope_rmsnorm_append_paged_kv_cache``: the reference's properties, the NumPy
+backend, every validation rule (CPU), and the kernel against the reference (GPU)."""
+
+from __future__ import annotations
+
+import itertools
+from unittest import mock
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ropekv
+from ropekv import mla as mla_module
+from ropekv import reference
+from tests.strategies import FP8_DTYPES, INPUT_DTYPES, seeds
+from tests.tolerance import assert_bytes_equal, assert_close, to_numpy
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+op = ropekv.mla_rope_rmsnorm_append_paged_kv_cache
+
+
+def random_cache_bytes(rng, shape, dtype):
+    """Cache contents that are not zeros: random finite values (so untouched bytes are visible)."""
+    return (rng.standard_normal(shape) * 0.5).astype(dtype)
+
+
+def make_case(seed, *, Hq=4, L=32, R=16, dtype=np.float16, cache_dtype=None, new=(3, 0, 2),
+              cached=(0, 5, 17), page_size=4, split=False, kv_norm_dim=None, gamma_f32=True,
+              offsets_dtype=np.int32, spare_pages=3, P=None, kv_scale=None):
+    """A ragged batch over a shuffled paged cache, as NumPy arrays (keyword arguments of the op).
+
+    Every request owns distinct pages (a random permutation), so no two tokens share a row."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    cache_dtype = dtype if cache_dtype is None else np.dtype(cache_dtype)
+    new, cached = np.asarray(new), np.asarray(cached)
+    B, T = len(new), int(new.sum())
+    ends = cached + new
+    pages_per = np.maximum(-(-ends // page_size), 1)
+    max_pages = int(pages_per.max()) + 1
+    num_pages = int(pages_per.sum()) + spare_pages
+    perm = rng.permutation(num_pages)
+    table = np.full((B, max_pages), -1, np.int32)
+    at = 0
+    for b in range(B):
+        table[b, :pages_per[b]] = perm[at:at + pages_per[b]]
+        at += pages_per[b]
+    P = int(ends.max()) + 8 if P is None else P
+    n = L if kv_norm_dim is None else kv_norm_dim
+    full = random_cache_bytes(rng, (num_pages, page_size, L + R), cache_dtype)
+    kv_cache = (np.ascontiguousarray(full[..., :L]), np.ascontiguousarray(full[..., L:])) \
+        if split else full
+    args = {
+        "q_rope": rng.standard_normal((T, Hq, R)).astype(dtype),
+        "kv": (rng.standard_normal((T, L + R)) * 2).astype(dtype),
+        "gamma": rng.uniform(0.5, 1.5, n).astype(np.float32 if gamma_f32 else dtype),
+        "cos_sin_cache": ropekv.cos_sin_cache(P, R),
+        "input_row_offsets": np.concatenate([[0], np.cumsum(new)]).astype(offsets_dtype),
+        "cache_lengths": cached.astype(np.int32),
+        "block_table": table,
+        "kv_cache": kv_cache,
+    }
+    kw = {"kv_norm_dim": kv_norm_dim}
+    if kv_scale is not None:
+        kw["kv_scale"] = kv_scale
+    return args, kw
+
+
+def copy_args(args):
+    out = {k: v.copy() if isinstance(v, np.ndarray) else tuple(x.copy() for x in v)
+           for k, v in args.items()}
+    return out
+
+
+def cache_parts(kv_cache, L):
+    if isinstance(kv_cache, tuple):
+        return kv_cache
+    return kv_cache[..., :L], kv_cache[..., L:]
+
+
+def expected(args, kw, is_neox=False, epsilon=1e-6):
+    """(q_rope_out, ckv, kpe) of the reference on copies of ``args``."""
+    a = copy_args(args)
+    L = a["kv"].shape[1] - a["q_rope"].shape[2]
+    ckv, kpe = cache_parts(a["kv_cache"], L)
+    q_out = np.empty_like(a["q_rope"])
+    cache = a["kv_cache"][0] if isinstance(a["kv_cache"], tuple) else a["kv_cache"]
+    scale = kw.get("kv_scale") or 1.0 if cache.dtype in FP8_DTYPES else 1.0
+    reference.mla_rope_rmsnorm_append_paged_kv_cache(
+        a["q_rope"], a["kv"], a["gamma"], a["cos_sin_cache"], a["input_row_offsets"],
+        a["cache_lengths"], a["block_table"], ckv, kpe, q_out, epsilon, kw.get("kv_norm_dim"),
+        is_neox, scale)
+    return q_out, np.array(ckv), np.array(kpe)
+
+
+def written_rows(args):
+    """Boolean mask (num_pages, page_size) of the cache rows the call addresses."""
+    cache = args["kv_cache"][0] if isinstance(args["kv_cache"], tuple) else args["kv_cache"]
+    num_pages, page_size = cache.shape[:2]
+    P = args["cos_sin_cache"].shape[0]
+    req, pos, page, entry = reference.ragged_paged_slots(
+        args["input_row_offsets"], args["cache_lengths"], args["block_table"], page_size,
+        num_pages, args["q_rope"].shape[0])
+    ok = (req >= 0) & (pos < P) & (page >= 0)
+    mask = np.zeros((num_pages, page_size), bool)
+    mask[page[ok], entry[ok]] = True
+    return mask
+
+
+# ---- CPU: the reference and the NumPy backend ------------------------------------------------
+
+
+def test_numpy_backend_writes_the_addressed_rows():
+    args, kw = make_case(0)
+    q_ref, ckv_ref, kpe_ref = expected(args, kw)
+    before = args["kv_cache"].copy()
+    out = op(**args, **kw)
+    assert isinstance(out, np.ndarray) and out.dtype == args["q_rope"].dtype
+    np.testing.assert_array_equal(out, q_ref)
+    L = args["kv"].shape[1] - args["q_rope"].shape[2]
+    np.testing.assert_array_equal(args["kv_cache"][..., :L], ckv_ref)
+    np.testing.assert_array_equal(args["kv_cache"][..., L:], kpe_ref)
+    mask = written_rows(args)
+    assert mask.sum() == 5
+    assert_bytes_equal(args["kv_cache"][~mask], before[~mask])
+
+
+@given(seed=seeds, is_neox=st.booleans(), split=st.booleans())
+def test_prefix_cached_run_equals_full_prefill(seed, is_neox, split):
+    full, kw = make_case(seed, new=(7, 5), cached=(0, 0), split=split)
+    first, second = copy_args(full), None
+    q_full = op(**full, **kw, is_neox=is_neox)
+    # Same tokens in two steps: 3 and 2 tokens first, then the rest after them.
+    offs = np.array([0, 3, 5], np.int32)
+    idx1 = np.r_[0:3, 7:9]
+    idx2 = np.r_[3:7, 9:12]
+    step1 = dict(first, q_rope=first["q_rope"][idx1], kv=first["kv"][idx1],
+                 input_row_offsets=offs)
+    q1 = op(**step1, **kw, is_neox=is_neox)
+    second = dict(step1, q_rope=first["q_rope"][idx2], kv=first["kv"][idx2],
+                  input_row_offsets=np.array([0, 4, 7], np.int32),
+                  cache_lengths=np.array([3, 2], np.int32))
+    q2 = op(**second, **kw, is_neox=is_neox)
+    np.testing.assert_array_equal(np.concatenate([q1, q2])[np.argsort(np.r_[idx1, idx2])], q_full)
+    caches_full = full["kv_cache"] if split else (full["kv_cache"],)
+    caches_steps = first["kv_cache"] if split else (first["kv_cache"],)
+    for a, b in zip(caches_steps, caches_full):
+        assert_bytes_equal(a, b)
+
+
+def test_position_zero_is_identity_on_rotary_dims():
+    args, kw = make_case(1, new=(1,), cached=(0,), kv_norm_dim=8)
+    out = op(**args, **kw)
+    np.testing.assert_array_equal(out, args["q_rope"])
+    L = args["kv"].shape[1] - args["q_rope"].shape[2]
+    page = args["block_table"][0, 0]
+    row = args["kv_cache"][page, 0]
+    np.testing.assert_array_equal(row[L:], args["kv"][0, L:])  # kpe: rope at 0
+    np.testing.assert_array_equal(row[8:L], args["kv"][0, 8:L])  # beyond kv_norm_dim: as is
+
+
+@given(seed=seeds)
+def test_normalised_rows_have_unit_rms(seed):
+    args, kw = make_case(seed, L=64)
+    args["gamma"] = np.ones_like(args["gamma"])
+    op(**args, **kw)
+    mask = written_rows(args)
+    rows = args["kv_cache"][mask][:, :64].astype(np.float64)
+    rms = np.sqrt(np.mean(rows * rows, axis=1))
+    np.testing.assert_allclose(rms, 1.0, rtol=2e-3)
+
+
+def test_fp8_cache_stores_x_over_kv_scale():
+    args, kw = make_case(2, cache_dtype=E4M3, kv_scale=0.25)
+    _q_ref, ckv, _kpe = expected(args, kw)
+    op(**args, **kw)
+    L = args["kv"].shape[1] - args["q_rope"].shape[2]
+    np.testing.assert_array_equal(args["kv_cache"][..., :L].view(np.uint8), ckv.view(np.uint8))
+    # position 0 row of request 0: kpe = fp8(k_pe / 0.25)
+    page = args["block_table"][0, 0]
+    want = reference.to_dtype(args["kv"][0, L:].astype(np.float64) / 0.25, E4M3)
+    np.testing.assert_array_equal(args["kv_cache"][page, 0, L:].view(np.uint8),
+                                  want.view(np.uint8))
+
+
+def test_in_place_q_and_uint32_offsets():
+    args, kw = make_case(3, offsets_dtype=np.uint32)
+    q_ref, _, _ = expected(args, kw)
+    q = args["q_rope"]
+    out = op(**args, **kw, q_rope_out=q)
+    assert out is q
+    np.testing.assert_array_equal(q, q_ref)
+
+
+def test_preallocated_output_is_returned():
+    args, kw = make_case(4)
+    q_ref, _, _ = expected(args, kw)
+    buf = np.zeros_like(args["q_rope"])
+    assert op(**args, **kw, q_rope_out=buf) is buf
+    np.testing.assert_array_equal(buf, q_ref)
+
+
+def test_out_of_range_tokens_are_skipped():
+    # request 0's second token runs past the table (P = 2), request 1's page is -1.
+    args, kw = make_case(5, new=(3, 1), cached=(0, 1), P=2)
+    args["block_table"][1] = -1
+    before = args["kv_cache"].copy()
+    out = op(**args, **kw)
+    np.testing.assert_array_equal(out[2], args["q_rope"][2])  # position 2 >= P: copied
+    assert not np.array_equal(out[1], args["q_rope"][1])  # position 1: roped
+    assert not np.array_equal(out[3], args["q_rope"][3])  # roped although not written
+    assert written_rows(args).sum() == 2
+    changed = np.any(args["kv_cache"].view(np.uint8) != before.view(np.uint8), axis=-1)
+    assert changed.sum() == 2
+
+
+@pytest.mark.parametrize("breakage", ["no_request", "position", "table", "page"])
+def test_check_indices_raises(monkeypatch, breakage):
+    args, kw = make_case(6)
+    if breakage == "no_request":
+        args["input_row_offsets"][-1] -= 1
+    elif breakage == "position":
+        args["cos_sin_cache"] = args["cos_sin_cache"][:4]
+    elif breakage == "table":
+        args["block_table"] = np.ascontiguousarray(args["block_table"][:, :1])
+    else:
+        args["block_table"][2, 17 // 4] = 10_000  # request 2 starts at position 17
+    monkeypatch.setenv("ROPEKV_CHECK_INDICES", "1")
+    with pytest.raises(IndexError):
+        op(**args, **kw)
+    monkeypatch.delenv("ROPEKV_CHECK_INDICES")
+    op(**args, **kw)  # skipped silently
+
+
+def test_zero_length_requests_and_empty_batch():
+    args, kw = make_case(7, new=(0, 0, 2, 0), cached=(3, 0, 1, 9))
+    q_ref, _, _ = expected(args, kw)
+    np.testing.assert_array_equal(op(**args, **kw), q_ref)
+    empty, kw = make_case(7, new=(0,), cached=(0,))
+    out = op(**empty, **kw)
+    assert out.shape == (0, 4, 16)
+
+
+def test_freqs_cis_table_converts():
+    rng = np.random.default_rng(0)
+    theta = rng.uniform(0, 6, (5, 8))
+    freqs_cis = np.stack([np.cos(theta), np.sin(theta)], -1).reshape(5, 16)
+    table = ropekv.freqs_cis_to_cos_sin(freqs_cis)
+    np.testing.assert_allclose(table[:, :8], np.cos(theta), rtol=1e-6)
+    np.testing.assert_allclose(table[:, 8:], np.sin(theta), rtol=1e-6)
+
+
+# ---- CPU: validation, one test per rule --------------------------------------------------------
+
+
+def bad(exc, match, kw_extra=None, **changes):
+    args, kw = make_case(8)
+    args.update(changes)
+    kw.update(kw_extra or {})
+    with pytest.raises(exc, match=match):
+        op(**args, **kw)
+
+
+def test_q_rope_must_be_3d():
+    bad(ValueError, r"q_rope must have shape \(T, Hq, R\)", q_rope=np.zeros((5, 64), np.float16))
+
+
+def test_q_rope_dtype():
+    bad(TypeError, "q_rope must have dtype", q_rope=np.zeros((5, 4, 16), np.float32))
+
+
+def test_kv_dtype_must_match():
+    bad(TypeError, "kv must have the dtype of q_rope", kv=np.zeros((5, 48), BF16))
+
+
+def test_kv_tokens_must_match():
+    bad(ValueError, r"kv must have shape \(T, L \+ R\) with T=5", kv=np.zeros((4, 48), np.float16))
+
+
+def test_kv_must_be_wider_than_r():
+    bad(ValueError, "L > 0", kv=np.zeros((5, 16), np.float16))
+
+
+def test_table_rotary_dim_must_match_q():
+    bad(ValueError, "cos_sin_cache must have shape", cos_sin_cache=ropekv.cos_sin_cache(32, 8))
+
+
+def test_table_dtype():
+    bad(TypeError, "cos_sin_cache must have dtype float32",
+        cos_sin_cache=ropekv.cos_sin_cache(32, 16).astype(np.float64))
+
+
+def test_kv_norm_dim_range():
+    bad(ValueError, r"kv_norm_dim must be an integer in \[1, L=32\]", kw_extra={"kv_norm_dim": 33})
+    bad(ValueError, "kv_norm_dim", kw_extra={"kv_norm_dim": 0})
+
+
+def test_gamma_shape_and_dtype():
+    bad(ValueError, r"gamma must have shape \(kv_norm_dim,\)", gamma=np.ones(31, np.float32))
+    bad(TypeError, "gamma must have dtype", gamma=np.ones(32, np.float64))
+
+
+def test_offsets_dtype_and_shape():
+    bad(TypeError, "input_row_offsets must have dtype",
+        input_row_offsets=np.array([0, 3, 3, 5], np.int64))
+    bad(ValueError, r"cache_lengths must have shape .*\(B,\)",
+        input_row_offsets=np.array([0, 5], np.int32))
+
+
+def test_cache_lengths_dtype():
+    bad(TypeError, "cache_lengths must have dtype int32",
+        cache_lengths=np.array([0, 5, 17], np.int64))
+
+
+def test_block_table_shape_and_dtype():
+    bad(ValueError, "block_table must have shape", block_table=np.zeros((2, 4), np.int32))
+    bad(TypeError, "block_table must have dtype int32", block_table=np.zeros((3, 4), np.int64))
+
+
+def test_cache_shape():
+    bad(ValueError, r"kv_cache must have shape \(num_pages, page_size, L \+ R\)",
+        kv_cache=np.zeros((4, 4, 40), np.float16))
+
+
+def test_split_cache_shapes_and_dtypes():
+    bad(ValueError, r"kpe_cache must have shape",
+        kv_cache=(np.zeros((8, 4, 32), np.float16), np.zeros((8, 4, 8), np.float16)))
+    bad(TypeError, "kpe_cache must have the dtype of ckv_cache",
+        kv_cache=(np.zeros((8, 4, 32), np.float16), np.zeros((8, 4, 16), BF16)))
+    bad(ValueError, r"tuple \(ckv, kpe\)", kv_cache=(np.zeros((8, 4, 32), np.float16),))
+
+
+def test_cache_dtype():
+    bad(TypeError, "kv_cache must have dtype", kv_cache=np.zeros((8, 4, 48), BF16))
+
+
+def test_kv_scale_only_for_fp8_and_positive():
+    bad(ValueError, "only used with float8 caches", kw_extra={"kv_scale": 0.5})
+    bad(ValueError, "kv_scale must be a finite positive", kw_extra={"kv_scale": 0.0},
+        kv_cache=np.zeros((16, 4, 48), E4M3))
+    bad(TypeError, "kv_scale must be a real number", kw_extra={"kv_scale": "1"},
+        kv_cache=np.zeros((16, 4, 48), E4M3))
+
+
+def test_epsilon():
+    bad(ValueError, "epsilon must be a finite non-negative", kw_extra={"epsilon": -1.0})
+
+
+def test_last_dim_must_be_contiguous():
+    q = np.zeros((5, 4, 32), np.float16)[:, :, ::2]
+    bad(ValueError, "q_rope must be contiguous in its last dimension", q_rope=q)
+
+
+def test_read_only_cache_is_refused():
+    args, kw = make_case(8)
+    args["kv_cache"].flags.writeable = False
+    with pytest.raises(BufferError, match="kv_cache is written in place"):
+        op(**args, **kw)
+
+
+def test_q_rope_out_shape_dtype_and_overlap():
+    bad(ValueError, "q_rope_out must have shape", kw_extra={
+        "q_rope_out": np.zeros((5, 4, 8), np.float16)})
+    bad(TypeError, "q_rope_out must have the dtype of q_rope", kw_extra={
+        "q_rope_out": np.zeros((5, 4, 16), BF16)})
+    args, kw = make_case(8)
+    buf = np.zeros((6, 4, 16), np.float16)
+    args["q_rope"] = buf[:5]
+    with pytest.raises(ValueError, match="overlaps q_rope partially"):
+        op(**args, **kw, q_rope_out=buf[1:])
+
+
+@pytest.mark.gpu
+def test_mixed_devices_are_refused():
+    import cupy as cp
+
+    args, kw = make_case(8)
+    args["gamma"] = cp.asarray(args["gamma"])
+    with pytest.raises(ValueError, match="one device"):
+        op(**args, **kw)
+
+
+# ---- GPU: the kernel against the reference ----------------------------------------------------
+
+
+def to_device(x):
+    import cupy as cp
+
+    if isinstance(x, tuple):
+        return tuple(to_device(y) for y in x)
+    if x.dtype in FP8_DTYPES:
+        return cp.asarray(np.ascontiguousarray(x).view(np.uint8)).view(x.dtype)
+    return cp.asarray(x)
+
+
+def check_on_device(args, kw, *, is_neox=False, in_place=False, strided=False, tokens=None):
+    """Run the kernel on copies of ``args`` and compare with the reference; ``tokens`` forces the
+    tokens per block (the kernel's pipeline runs only with more than one)."""
+    import cupy as cp
+
+    if tokens is not None:
+        with mock.patch.object(mla_module, "tokens_per_block", lambda T, device: tokens):
+            return check_on_device(args, kw, is_neox=is_neox, in_place=in_place, strided=strided)
+
+    q_ref, ckv_ref, kpe_ref = expected(args, kw, is_neox)
+    mask = written_rows(args)
+    dev = {k: to_device(v) for k, v in args.items()}
+    if strided:  # q_rope and kv sliced out of one packed buffer, as the projection emits them
+        T, Hq, R = args["q_rope"].shape
+        packed = np.zeros((T, Hq * R + args["kv"].shape[1] + 8), args["q_rope"].dtype)
+        packed[:, :Hq * R] = args["q_rope"].reshape(T, Hq * R)
+        packed[:, Hq * R + 8:] = args["kv"]
+        packed = cp.asarray(packed)
+        dev["q_rope"] = packed[:, :Hq * R].reshape(T, Hq, R)
+        dev["kv"] = packed[:, Hq * R + 8:]
+    extra = {"q_rope_out": dev["q_rope"]} if in_place else {}
+    out = op(**dev, **kw, is_neox=is_neox, **extra)
+    assert isinstance(out, cp.ndarray)
+    if in_place:
+        assert out is dev["q_rope"]
+    assert_close(out, q_ref, "q_rope_out")
+    L = args["kv"].shape[1] - args["q_rope"].shape[2]
+    ckv, kpe = cache_parts(dev["kv_cache"], L)
+    ckv0, kpe0 = cache_parts(args["kv_cache"], L)
+    ckv, kpe = to_numpy(ckv), to_numpy(kpe)
+    assert_close(ckv[mask], ckv_ref[mask], "ckv rows")
+    assert_close(kpe[mask], kpe_ref[mask], "kpe rows")
+    assert_bytes_equal(ckv[~mask], np.ascontiguousarray(ckv0)[~mask], "untouched ckv rows")
+    assert_bytes_equal(kpe[~mask], np.ascontiguousarray(kpe0)[~mask], "untouched kpe rows")
+
+
+# (Hq, L, R); 192 x 64 q rows are too large to stage twice in shared memory: read from global
+SHAPES = [(16, 256, 32), (32, 128, 64), (16, 128, 64), (4, 96, 32), (192, 64, 64)]
+
+
+@pytest.mark.gpu
+@given(seed=seeds, dtype=st.sampled_from(INPUT_DTYPES), data=st.data(),
+       shape=st.sampled_from(SHAPES), is_neox=st.sampled_from([False, False, True]),
+       split=st.booleans(), page_size=st.sampled_from([1, 16, 64]),
+       new=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+       gamma_f32=st.booleans(), in_place=st.booleans(), uint32=st.booleans(),
+       strided=st.booleans(), tokens=st.sampled_from([None, 1, 3, 64]))
+def test_kernel_matches_reference(seed, dtype, data, shape, is_neox, split, page_size, new,
+                                  gamma_f32, in_place, uint32, strided, tokens):
+    Hq, L, R = shape
+    cache_dtype = data.draw(st.sampled_from([dtype, *FP8_DTYPES]))
+    kv_norm_dim = data.draw(st.sampled_from([None, L - 32, 100 if L > 100 else L - 8, 36]))
+    cached = data.draw(st.lists(st.integers(0, 300), min_size=len(new), max_size=len(new)))
+    kv_scale = data.draw(st.sampled_from([None, 0.5, 3.0])) if cache_dtype in FP8_DTYPES else None
+    args, kw = make_case(seed, Hq=Hq, L=L, R=R, dtype=dtype, cache_dtype=cache_dtype, new=new,
+                         cached=cached, page_size=page_size, split=split,
+                         kv_norm_dim=kv_norm_dim, gamma_f32=gamma_f32,
+                         offsets_dtype=np.uint32 if uint32 else np.int32, kv_scale=kv_scale)
+    check_on_device(args, kw, is_neox=is_neox, in_place=in_place, strided=strided, tokens=tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [BF16, *FP8_DTYPES])
+@pytest.mark.parametrize("split", [False, True])
+def test_deepseek_v3_prefill_and_decode(cache_dtype, split):
+    prefill, kw = make_case(11, Hq=128, L=512, R=64, dtype=BF16, cache_dtype=cache_dtype,
+                            new=(37, 0, 64), cached=(0, 5, 130), page_size=64, split=split,
+                            gamma_f32=False)
+    check_on_device(prefill, kw)
+    decode, kw = make_case(12, Hq=128, L=512, R=64, dtype=BF16, cache_dtype=cache_dtype,
+                           new=(1,) * 8, cached=tuple(range(0, 800, 100)), page_size=64,
+                           split=split)
+    check_on_device(decode, kw, in_place=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_neox", [False, True])
+def test_deepseek_v3_long_prefill_runs_the_pipeline(is_neox):
+    # 1500 tokens: several tokens per block, so the two-stage pipeline runs at its default size
+    args, kw = make_case(16, Hq=128, L=512, R=64, dtype=BF16, cache_dtype=E4M3,
+                         new=(700, 0, 1, 799), cached=(0, 3, 0, 1000), page_size=64,
+                         kv_scale=0.75)
+    check_on_device(args, kw, is_neox=is_neox)
+
+
+@pytest.mark.gpu
+@given(seed=seeds, split=st.booleans(), is_neox=st.booleans())
+def test_prefix_cached_run_equals_full_prefill_on_device(seed, split, is_neox):
+    import cupy as cp
+
+    full, kw = make_case(seed, Hq=16, L=128, R=64, dtype=BF16, cache_dtype=E4M3, new=(19, 6),
+                         cached=(0, 0), page_size=16, split=split)
+    full_d = {k: to_device(v) for k, v in full.items()}
+    q_full = op(**full_d, **kw, is_neox=is_neox)
+    cut = (11, 2)
+    idx1 = np.r_[0:cut[0], 19:19 + cut[1]]
+    idx2 = np.r_[cut[0]:19, 19 + cut[1]:25]
+    steps = {k: to_device(v) for k, v in full.items()}
+    q1 = op(**dict(steps, q_rope=to_device(full["q_rope"][idx1]),
+                   kv=to_device(full["kv"][idx1]),
+                   input_row_offsets=cp.array([0, cut[0], sum(cut)], cp.int32)),
+            **kw, is_neox=is_neox)
+    q2 = op(**dict(steps, q_rope=to_device(full["q_rope"][idx2]),
+                   kv=to_device(full["kv"][idx2]),
+                   input_row_offsets=cp.array([0, 19 - cut[0], 25 - sum(cut)], cp.int32),
+                   cache_lengths=cp.array(cut, cp.int32)), **kw, is_neox=is_neox)
+    q_steps = np.concatenate([to_numpy(q1), to_numpy(q2)])[np.argsort(np.r_[idx1, idx2])]
+    assert_bytes_equal(q_steps, to_numpy(q_full), "q_rope_out")
+    a = steps["kv_cache"] if split else (steps["kv_cache"],)
+    b = full_d["kv_cache"] if split else (full_d["kv_cache"],)
+    for x, y in zip(a, b):
+        assert_bytes_equal(x, to_numpy(y))
+
+
+@pytest.mark.gpu
+def test_hostile_indices_never_write_out_of_bounds():
+    import cupy as cp
+
+    args, kw = make_case(13, Hq=8, L=64, R=32, new=(5, 3, 4), cached=(0, 0, 0), page_size=4,
+                         spare_pages=0)
+    args["cache_lengths"] = np.array([0, 2**31 - 3, -7], np.int32)
+    args["block_table"][0, :2] = [-5, 2**31 - 1]
+    args["input_row_offsets"] = np.array([0, 5, 2, 12], np.int32)  # decreasing
+    guard = 256
+    cache = args["kv_cache"]
+    buf = cp.asarray(np.concatenate([np.full(guard, 7, np.float16), cache.ravel(),
+                                     np.full(guard, 7, np.float16)]))
+    dev = {k: to_device(v) for k, v in args.items()}
+    dev["kv_cache"] = buf[guard:-guard].reshape(cache.shape)
+    q_ref, ckv_ref, _kpe_ref = expected(args, kw)
+    out = op(**dev, **kw)
+    assert_close(out, q_ref)
+    assert written_rows(args).sum() == 3  # tokens 9..11 (request 2, positions 0..2) only
+    host = to_numpy(buf)
+    assert (host[:guard] == 7).all() and (host[-guard:] == 7).all()
+    got = host[guard:-guard].reshape(cache.shape)
+    L = 64
+    mask = written_rows(args)
+    assert_close(got[..., :L][mask], ckv_ref[mask])
+    assert_bytes_equal(got[~mask], cache[~mask])
+
+
+@pytest.mark.gpu
+def test_torch_tensors_in_torch_out():
+    torch = pytest.importorskip("torch")
+    args, kw = make_case(14, Hq=16, L=128, R=64, dtype=BF16, cache_dtype=E4M3, new=(3, 4),
+                         cached=(2, 0), page_size=16)
+    q_ref, ckv_ref, kpe_ref = expected(args, kw)
+
+    def to_torch(x):
+        if x.dtype == E4M3:
+            return torch.from_numpy(x.view(np.uint8)).cuda().view(torch.float8_e4m3fn)
+        if x.dtype == BF16:
+            return torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16)
+        return torch.from_numpy(x).cuda()
+
+    dev = {k: to_torch(v) for k, v in args.items()}
+    out = op(**dev, **kw)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.is_cuda
+    torch.cuda.synchronize()
+    assert_close(out, q_ref)
+    got = to_numpy(dev["kv_cache"])
+    mask = written_rows(args)
+    assert_close(got[..., :128][mask], ckv_ref[mask])
+    assert_close(got[..., 128:][mask], kpe_ref[mask])
+
+
+@pytest.mark.gpu
+def test_batches_too_large_to_stage_search_global_memory():
+    from ropekv.mla import MAX_STAGED_REQUESTS
+
+    B = MAX_STAGED_REQUESTS + 100
+    new = np.zeros(B, np.int64)
+    new[[0, 17, 4000, B - 1]] = [3, 1, 2, 1]
+    args, kw = make_case(15, Hq=8, L=64, R=32, new=tuple(new), cached=tuple(np.arange(B) % 9),
+                         page_size=4, split=True)
+    check_on_device(args, kw)
+
+
+@pytest.mark.parametrize("Hq, R, B, tokens", [(128, 64, 4, 16), (192, 64, 4, 64), (128, 64, 3000, 1),
+                                              (8, 32, 5000, 2)])
+def test_shared_memory_layout_fits_and_does_not_overlap(Hq, R, B, tokens):
+    from ropekv.mla import SHARED_LIMIT, smem_layout
+
+    L = 512
+    total, f = smem_layout(Hq=Hq, L=L, R=R, itemsize=2, norm_dim=L, gamma_itemsize=4, B=B,
+                           tokens=tokens)
+    assert total <= SHARED_LIMIT
+    parts = [(0, (2 * B + 1) * 4 if f["staged"] else 0), (f["gamma_at"], L * 4),
+             (f["meta_at"], tokens * 12)]
+    for s in (0, 1):
+        base = f["stage_at"] + s * f["stage_bytes"]
+        parts += [(base, Hq * R * 2 if f["q_staged"] else 0), (base + f["kv_at"], (L + R) * 2),
+                  (base + f["cos_at"], R * 4)]
+    parts = sorted(p for p in parts if p[1])
+    assert all(start % 16 == 0 for start, _ in parts)
+    assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(parts))
+    assert parts[-1][0] + parts[-1][1] <= total

@@ -1,0 +1,335 @@
+"""``ropekv.qk_rmsnorm_rope_append_paged_kv_cache``: the reference's properties, the NumPy
+backend, the validation rules (CPU), and the kernel against the reference (GPU)."""
+
+from __future__ import annotations
+
+import itertools
+from unittest import mock
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ropekv
+from ropekv import qknorm as qknorm_module
+from ropekv import reference
+from tests.strategies import FP8_DTYPES, INPUT_DTYPES, seeds
+from tests.tolerance import assert_bytes_equal, assert_close, to_numpy
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+op = ropekv.qk_rmsnorm_rope_append_paged_kv_cache
+
+
+def make_case(seed, *, Hq=8, Hkv=2, D=32, R=None, dtype=np.float16, cache_dtype=None,
+              new=(3, 0, 2), cached=(0, 5, 17), page_size=4, layout="NHD", gamma_f32=True,
+              P=None, packed=False):
+    """A ragged batch over a shuffled paged cache (distinct pages per request), NumPy arrays."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    cache_dtype = dtype if cache_dtype is None else np.dtype(cache_dtype)
+    R = D if R is None else R
+    new, cached = np.asarray(new), np.asarray(cached)
+    B, T = len(new), int(new.sum())
+    ends = cached + new
+    pages_per = np.maximum(-(-ends // page_size), 1)
+    max_pages = int(pages_per.max()) + 1
+    num_pages = int(pages_per.sum()) + 2
+    perm = rng.permutation(num_pages)
+    table = np.full((B, max_pages), -1, np.int32)
+    at = 0
+    for b in range(B):
+        table[b, :pages_per[b]] = perm[at:at + pages_per[b]]
+        at += pages_per[b]
+    P = int(ends.max()) + 8 if P is None else P
+    shape = (num_pages, page_size, Hkv, D) if layout == "NHD" else (num_pages, Hkv, page_size, D)
+    caches = tuple((rng.standard_normal(shape) * 0.5).astype(cache_dtype) for _ in range(2))
+    qkv = (rng.standard_normal((T, Hq + 2 * Hkv, D)) * 3).astype(dtype)
+    if packed:  # views into one projection output
+        q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
+    else:
+        q, k, v = (np.ascontiguousarray(x) for x in
+                   (qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]))
+    gdt = np.float32 if gamma_f32 else dtype
+    args = {"q": q, "k": k, "v": v, "q_gamma": rng.uniform(0.5, 1.5, D).astype(gdt),
+                "k_gamma": rng.uniform(0.5, 1.5, D).astype(gdt),
+                "cos_sin_cache": ropekv.cos_sin_cache(P, R, base=1e6),
+                "input_row_offsets": np.concatenate([[0], np.cumsum(new)]).astype(np.int32),
+                "cache_lengths": cached.astype(np.int32), "block_table": table,
+                "paged_kv_cache": caches}
+    return args, {"kv_layout": layout}
+
+
+def expected(args, kw, is_neox=True, kv_scale=None, epsilon=1e-6):
+    kc, vc = (c.copy() for c in args["paged_kv_cache"])
+    q_out = np.empty_like(args["q"])
+    fp8 = kc.dtype in FP8_DTYPES
+    ks, vs = (kv_scale if isinstance(kv_scale, tuple) else (kv_scale or 1.0,) * 2) if fp8 \
+        else (1.0, 1.0)
+    reference.qk_rmsnorm_rope_append_paged_kv_cache(
+        args["q"], args["k"], args["v"], args["q_gamma"], args["k_gamma"],
+        args["cos_sin_cache"], args["input_row_offsets"], args["cache_lengths"],
+        args["block_table"], kc, vc, q_out, epsilon, is_neox, kw["kv_layout"], ks, vs)
+    return q_out, kc, vc
+
+
+def written_rows(args, kw):
+    kc = args["paged_kv_cache"][0]
+    nhd = kw["kv_layout"] == "NHD"
+    num_pages, page_size = kc.shape[0], kc.shape[1] if nhd else kc.shape[2]
+    P = args["cos_sin_cache"].shape[0]
+    req, pos, page, entry = reference.ragged_paged_slots(
+        args["input_row_offsets"], args["cache_lengths"], args["block_table"], page_size,
+        num_pages, args["q"].shape[0])
+    ok = (req >= 0) & (pos < P) & (page >= 0)
+    mask = np.zeros(kc.shape[:3], bool)  # (pages, entries, heads) or (pages, heads, entries)
+    if nhd:
+        mask[page[ok], entry[ok], :] = True
+    else:
+        mask[page[ok], :, entry[ok]] = True
+    return mask
+
+
+# ---- CPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_numpy_backend_matches_reference_and_leaves_other_rows(layout):
+    args, kw = make_case(0, layout=layout, cache_dtype=E4M3)
+    q_ref, kc_ref, vc_ref = expected(args, kw, kv_scale=(0.5, 2.0))
+    before = tuple(c.copy() for c in args["paged_kv_cache"])
+    out = op(**args, **kw, kv_scale=(0.5, 2.0))
+    np.testing.assert_array_equal(out, q_ref)
+    mask = written_rows(args, kw)
+    assert mask.sum() == 5 * 2
+    for got, ref, old in zip(args["paged_kv_cache"], (kc_ref, vc_ref), before):
+        assert_bytes_equal(got, ref)
+        assert_bytes_equal(got[~mask], old[~mask])
+
+
+def test_heads_are_normalised_then_roped():
+    args, kw = make_case(1, new=(1,), cached=(0,))  # position 0: rope is the identity
+    args["q_gamma"] = np.ones_like(args["q_gamma"])
+    out = op(**args, **kw).astype(np.float64)
+    np.testing.assert_allclose(np.sqrt(np.mean(out * out, axis=-1)), 1.0, rtol=2e-3)
+    x = args["q"].astype(np.float64)
+    want = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(out, want, rtol=1e-3, atol=1e-3)
+    page = args["block_table"][0, 0]
+    np.testing.assert_array_equal(args["paged_kv_cache"][1][page, 0], args["v"][0])
+
+
+@given(seed=seeds, layout=st.sampled_from(["NHD", "HND"]), is_neox=st.booleans())
+def test_prefix_cached_run_equals_full_prefill(seed, layout, is_neox):
+    full, kw = make_case(seed, new=(7, 5), cached=(0, 0), layout=layout)
+    steps = dict(full, paged_kv_cache=tuple(c.copy() for c in full["paged_kv_cache"]))
+    q_full = op(**full, **kw, is_neox=is_neox)
+    idx1, idx2 = np.r_[0:3, 7:9], np.r_[3:7, 9:12]
+    q1 = op(**dict(steps, q=steps["q"][idx1], k=steps["k"][idx1], v=steps["v"][idx1],
+                   input_row_offsets=np.array([0, 3, 5], np.int32)), **kw, is_neox=is_neox)
+    q2 = op(**dict(steps, q=steps["q"][idx2], k=steps["k"][idx2], v=steps["v"][idx2],
+                   input_row_offsets=np.array([0, 4, 7], np.int32),
+                   cache_lengths=np.array([3, 2], np.int32)), **kw, is_neox=is_neox)
+    np.testing.assert_array_equal(np.concatenate([q1, q2])[np.argsort(np.r_[idx1, idx2])],
+                                  q_full)
+    for a, b in zip(steps["paged_kv_cache"], full["paged_kv_cache"]):
+        assert_bytes_equal(a, b)
+
+
+def test_in_place_q():
+    args, kw = make_case(2, packed=True)
+    q_ref, _, _ = expected(args, kw)
+    out = op(**args, **kw, q_out=args["q"])
+    assert out is args["q"]
+    np.testing.assert_array_equal(args["q"], q_ref)
+
+
+def test_check_indices_raises(monkeypatch):
+    args, kw = make_case(3)
+    args["block_table"][2, 17 // 4] = 99
+    monkeypatch.setenv("ROPEKV_CHECK_INDICES", "1")
+    with pytest.raises(IndexError, match="outside"):
+        op(**args, **kw)
+
+
+def bad(exc, match, kw_extra=None, **changes):
+    args, kw = make_case(4)
+    args.update(changes)
+    kw.update(kw_extra or {})
+    with pytest.raises(exc, match=match):
+        op(**args, **kw)
+
+
+def test_q_shape_and_dtype():
+    bad(ValueError, r"q must have shape \(T, Hq, D\)", q=np.zeros((5, 256), np.float16))
+    bad(TypeError, "q must have dtype", q=np.zeros((5, 8, 32), np.float32))
+
+
+def test_k_v_shapes_and_heads():
+    bad(ValueError, r"v must have shape", v=np.zeros((5, 3, 32), np.float16))
+    bad(ValueError, "multiple of k's", k=np.zeros((5, 3, 32), np.float16),
+        v=np.zeros((5, 3, 32), np.float16))
+    bad(TypeError, "k must have the dtype of q", k=np.zeros((5, 2, 32), BF16))
+
+
+def test_gammas():
+    bad(ValueError, r"k_gamma must have shape \(D,\)", k_gamma=np.ones(16, np.float32))
+    bad(TypeError, "q_gamma must have dtype", q_gamma=np.ones(32, np.float64))
+
+
+def test_rotary_dim():
+    bad(ValueError, "must be even and in", cos_sin_cache=ropekv.cos_sin_cache(32, 64))
+
+
+def test_cache_tuple_layout_and_shape():
+    bad(ValueError, r"paged_kv_cache must be a tuple \(k_cache, v_cache\)",
+        paged_kv_cache=np.zeros((8, 4, 2, 32), np.float16))
+    bad(ValueError, "kv_layout must be one of", kw_extra={"kv_layout": "NDH"})
+    bad(ValueError, r"v_cache must have shape .*for NHD",
+        paged_kv_cache=(np.zeros((8, 4, 2, 32), np.float16), np.zeros((8, 2, 4, 32),
+                                                                       np.float16)))
+
+
+def test_cache_dtype_and_scale():
+    bad(TypeError, "k_cache must have dtype",
+        paged_kv_cache=tuple(np.zeros((12, 4, 2, 32), BF16) for _ in range(2)))
+    bad(ValueError, "only used with float8", kw_extra={"kv_scale": 2.0})
+    bad(ValueError, "kv_scale must be a float or a", kw_extra={"kv_scale": (1.0, 2.0, 3.0)},
+        paged_kv_cache=tuple(np.zeros((12, 4, 2, 32), E4M3) for _ in range(2)))
+
+
+def test_offsets_dtype():
+    bad(TypeError, "input_row_offsets must have dtype",
+        input_row_offsets=np.array([0, 3, 3, 5], np.float32))
+
+
+def test_q_out_overlap():
+    args, kw = make_case(5, packed=True)
+    with pytest.raises(ValueError, match="overlaps q partially"):
+        op(**args, **kw, q_out=args["q"].base[:, 1:9])  # one head further along
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+
+
+def to_device(x):
+    import cupy as cp
+
+    if isinstance(x, tuple):
+        return tuple(to_device(y) for y in x)
+    if x.dtype in FP8_DTYPES:
+        return cp.asarray(np.ascontiguousarray(x).view(np.uint8)).view(x.dtype)
+    return cp.asarray(x)
+
+
+def check_on_device(args, kw, *, is_neox=True, in_place=False, kv_scale=None, tokens=None):
+    """Run the kernel on copies of ``args`` and compare with the reference; ``tokens`` forces the
+    tokens per block (the kernel's pipeline runs only with more than one)."""
+    import cupy as cp
+
+    if tokens is not None:
+        with mock.patch.object(qknorm_module, "tokens_per_block", lambda T, device: tokens):
+            return check_on_device(args, kw, is_neox=is_neox, in_place=in_place,
+                                   kv_scale=kv_scale)
+
+    q_ref, kc_ref, vc_ref = expected(args, kw, is_neox, kv_scale)
+    mask = written_rows(args, kw)
+    dev = {k: to_device(v) for k, v in args.items() if k not in ("q", "k", "v")}
+    _T, Hq, _D = args["q"].shape
+    if args["q"].base is not None and args["q"].base is args["k"].base:  # keep the packing
+        qkv = cp.asarray(args["q"].base)
+        Hkv = args["k"].shape[1]
+        dev.update(q=qkv[:, :Hq], k=qkv[:, Hq:Hq + Hkv], v=qkv[:, Hq + Hkv:])
+    else:
+        dev.update(q=to_device(args["q"]), k=to_device(args["k"]), v=to_device(args["v"]))
+    extra = {"q_out": dev["q"]} if in_place else {}
+    out = op(**dev, **kw, is_neox=is_neox, kv_scale=kv_scale, **extra)
+    assert isinstance(out, cp.ndarray)
+    assert_close(out, q_ref, "q_out")
+    for got, ref, old, name in zip(dev["paged_kv_cache"], (kc_ref, vc_ref),
+                                   args["paged_kv_cache"], ("k_cache", "v_cache")):
+        got = to_numpy(got)
+        assert_close(got[mask], ref[mask], name)
+        assert_bytes_equal(got[~mask], old[~mask], f"untouched {name} rows")
+
+
+@pytest.mark.gpu
+@given(seed=seeds, dtype=st.sampled_from(INPUT_DTYPES), data=st.data(),
+       heads=st.sampled_from([(32, 4), (32, 8), (64, 4), (64, 8), (16, 16), (6, 2)]),
+       layout=st.sampled_from(["NHD", "HND"]), is_neox=st.sampled_from([True, True, False]),
+       page_size=st.sampled_from([1, 16, 32]),
+       new=st.lists(st.integers(0, 24), min_size=1, max_size=4), gamma_f32=st.booleans(),
+       in_place=st.booleans(), packed=st.booleans(), tokens=st.sampled_from([None, 1, 3, 64]))
+def test_kernel_matches_reference(seed, dtype, data, heads, layout, is_neox, page_size, new,
+                                  gamma_f32, in_place, packed, tokens):
+    Hq, Hkv = heads
+    D, R = data.draw(st.sampled_from([(128, 128), (128, 128), (64, 64), (128, 64), (256, 256),
+                                      (80, 40)]))
+    cache_dtype = data.draw(st.sampled_from([dtype, *FP8_DTYPES]))
+    cached = data.draw(st.lists(st.integers(0, 200), min_size=len(new), max_size=len(new)))
+    kv_scale = data.draw(st.sampled_from([None, 0.5, (2.0, 0.25)])) \
+        if cache_dtype in FP8_DTYPES else None
+    args, kw = make_case(seed, Hq=Hq, Hkv=Hkv, D=D, R=R, dtype=dtype, cache_dtype=cache_dtype,
+                         new=new, cached=cached, page_size=page_size, layout=layout,
+                         gamma_f32=gamma_f32, packed=packed)
+    check_on_device(args, kw, is_neox=is_neox, in_place=in_place and not packed,
+                    kv_scale=kv_scale, tokens=tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_qwen3_long_prefill_runs_the_pipeline(layout):
+    # 1300 tokens: several tokens per block, so the two-stage pipeline runs at its default size
+    args, kw = make_case(24, Hq=32, Hkv=4, D=128, dtype=BF16, cache_dtype=E4M3,
+                         new=(600, 0, 700), cached=(0, 2, 50), page_size=16, layout=layout,
+                         packed=True)
+    check_on_device(args, kw, kv_scale=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("cache_dtype", [BF16, E4M3])
+def test_qwen3_prefill_and_decode(layout, cache_dtype):
+    prefill, kw = make_case(21, Hq=64, Hkv=4, D=128, dtype=BF16, cache_dtype=cache_dtype,
+                            new=(40, 0, 25), cached=(0, 9, 100), page_size=16, layout=layout)
+    check_on_device(prefill, kw)
+    decode, kw = make_case(22, Hq=32, Hkv=8, D=128, dtype=BF16, cache_dtype=cache_dtype,
+                           new=(1,) * 6, cached=(0, 1, 15, 16, 17, 300), page_size=16,
+                           layout=layout, packed=True)
+    check_on_device(decode, kw)
+
+
+@pytest.mark.gpu
+def test_batches_too_large_to_stage_search_global_memory():
+    from ropekv.mla import MAX_STAGED_REQUESTS
+
+    B = MAX_STAGED_REQUESTS + 100
+    new = np.zeros(B, np.int64)
+    new[[0, 17, 4000, B - 1]] = [3, 1, 2, 1]
+    args, kw = make_case(23, Hq=8, Hkv=2, D=64, new=tuple(new), cached=tuple(np.arange(B) % 9),
+                         page_size=4, layout="HND")
+    check_on_device(args, kw)
+
+
+@pytest.mark.parametrize("Hq, Hkv, D, B, tokens", [(64, 8, 128, 4, 16), (64, 8, 256, 4, 64),
+                                                   (32, 4, 128, 3000, 1), (8, 2, 64, 5000, 2)])
+def test_shared_memory_layout_fits_and_does_not_overlap(Hq, Hkv, D, B, tokens):
+    from ropekv.mla import SHARED_LIMIT
+    from ropekv.qknorm import smem_layout
+
+    total, f = smem_layout(Hq=Hq, Hkv=Hkv, D=D, R=D, itemsize=2, q_gamma_itemsize=4,
+                           k_gamma_itemsize=2, B=B, tokens=tokens)
+    assert total <= SHARED_LIMIT
+    parts = [(0, (2 * B + 1) * 4 if f["staged"] else 0), (f["q_gamma_at"], D * 4),
+             (f["k_gamma_at"], D * 2), (f["meta_at"], tokens * 12)]
+    rows = f["rows_staged"]
+    for s in (0, 1):
+        base = f["stage_at"] + s * f["stage_bytes"]
+        parts += [(base, Hq * D * 2 * rows), (base + f["k_at"], Hkv * D * 2 * rows),
+                  (base + f["v_at"], Hkv * D * 2 * rows), (base + f["cos_at"], D * 4)]
+    parts = sorted(p for p in parts if p[1])
+    assert all(start % 16 == 0 for start, _ in parts)
+    assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(parts))
+    assert parts[-1][0] + parts[-1][1] <= total
