@@ -1,0 +1,559 @@
+// Fused QKV projection whose K/V rows land directly in a paged KV cache (MAX's
+// generic_fused_qkv_matmul_kv_cache_paged_ragged), with RoPE on Q and K in the epilogue.
+//
+//   qkv_gemv       decode: weight-streaming skinny GEMM (token tiles of up to 16), epilogue fused.
+//   qkv_epilogue   prefill: after cuBLAS wrote Q, K, V into temporaries, rope Q into `out` and
+//                  rope K / scatter K, V into their pages, in one launch.
+//   qkv_dequant    prefill with quantized weights: weights -> the input dtype, for cuBLAS.
+#include "common.cuh"
+
+using namespace ropekv;
+
+// Field order and types mirror PARAMS in ropekv/qkv.py.
+struct QkvParams {
+  const void* hidden;           // (T, K) T_in; gemv only
+  const void* weight;           // (N, K) T_in or fp8 e4m3, or (N, K/2) uint8 (two 4-bit values)
+  const void* weight_scales;    // fp8: (N,) float32; int4: (N, K/G) T_in; else null
+  const void* zero_points;      // int4: (N, K/G) uint8 (low 4 bits used), or null for 8
+  const void* q_tmp;            // epilogue: (T, Hq D) T_in from cuBLAS (may be `out` itself)
+  const void* k_tmp;            // epilogue: (T, Hkv D) KT (float32 or T_in), from cuBLAS
+  const void* v_tmp;            // epilogue: (T, Hkv D) KT
+  const unsigned* offsets;      // (B + 1,) int32 or uint32, read as uint32
+  const int* cache_lengths;     // (B,)
+  const int* block_table;       // (B, max_pages)
+  const float* cos_sin;         // (P, R) cos half then sin half, or null: no RoPE
+  void* out;                    // (T, Hq D) T_in: Q
+  void* k_cache;                // NHD (pages, page_size, Hkv, D) or HND (pages, Hkv, page_size, D)
+  void* v_cache;
+  i64 hidden_s0, weight_row_bytes, ws_s0, zp_s0, qt_s0, kt_s0, vt_s0, bt_s0, cs_s0, out_s0;
+  i64 k_page, k_entry, k_head;  // cache strides in elements (the head dim is contiguous)
+  i64 v_page, v_entry, v_head;
+  i64 num_pages;
+  int T, K, N, B, Hq, Hkv, D, R, P, page_size, max_pages, group_size, kc;
+  int is_neox, cache_code;      // cache_code: 0 the input dtype, 1 e4m3, 2 e5m2
+  float k_inv_scale, v_inv_scale;
+};
+
+enum { W_DENSE = 0, W_FP8 = 1, W_INT4 = 2 };
+
+// ---- Token addressing -----------------------------------------------------------------------
+
+// Where token t goes: its RoPE position (-1: no valid position, so Q is written unrotated and K/V
+// are not written) and the element offsets of its K and V cache rows at head 0 (-1: not written).
+struct TokenSlot {
+  int pos;
+  i64 k_off, v_off;
+};
+
+__device__ __forceinline__ TokenSlot token_slot(const QkvParams& p, int t) {
+  const PagedSlot s = paged_slot(p.offsets, p.cache_lengths, p.block_table, p.bt_s0, p.B,
+                                 p.max_pages, p.page_size, p.num_pages, t);
+  TokenSlot r{-1, -1, -1};
+  const bool valid = s.request >= 0 && s.pos >= 0 && (!p.cos_sin || s.pos < p.P) &&
+                     s.pos <= 0x7fffffff;
+  if (!valid) return r;
+  r.pos = int(s.pos);
+  if (s.page >= 0) {
+    r.k_off = s.page * p.k_page + i64(s.entry) * p.k_entry;
+    r.v_off = s.page * p.v_page + i64(s.entry) * p.v_entry;
+  }
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_cache(void* cache, i64 off, float x, int code) {
+  if (code == 0) {
+    static_cast<T*>(cache)[off] = from_float<T>(x);
+  } else if (code == 1) {
+    static_cast<__nv_fp8_e4m3*>(cache)[off] = from_float<__nv_fp8_e4m3>(x);
+  } else {
+    static_cast<__nv_fp8_e5m2*>(cache)[off] = from_float<__nv_fp8_e5m2>(x);
+  }
+}
+
+// Output rows come in pairs that RoPE rotates together, so one thread can finish both. Pair g of
+// [0, N/2) lies in head h = g / (D/2) (Q heads, then K, then V). neox: pairs (i, i + R/2) for
+// i < R/2, then the pass-through dims [R, D) two by two; interleaved (and V, or no RoPE):
+// (2i, 2i + 1). rot is the frequency index of a rotated pair, -1 for one that passes through.
+struct RowPair {
+  int head, da, db, rot;
+};
+
+__device__ __forceinline__ RowPair row_pair(int g, int D, int R, int Hq, int Hkv, bool rope,
+                                            bool neox) {
+  RowPair r;
+  const int half_d = D >> 1;
+  r.head = g / half_d;
+  const int i = g - r.head * half_d;
+  const bool roped = rope && r.head < Hq + Hkv;
+  r.rot = -1;
+  if (roped && neox) {
+    if (i < (R >> 1)) {
+      r.da = i;
+      r.db = i + (R >> 1);
+      r.rot = i;
+    } else {
+      r.da = R + 2 * (i - (R >> 1));
+      r.db = r.da + 1;
+    }
+  } else {
+    r.da = 2 * i;
+    r.db = r.da + 1;
+    if (roped && r.da < R) r.rot = i;
+  }
+  return r;
+}
+
+// Writes the pair (a, b) of token t: rotated at tok.pos when it is a rotary pair, then Q to out,
+// K / V to their cache rows (scaled for fp8 caches).
+template <typename T>
+__device__ __forceinline__ void write_pair(const QkvParams& p, const TokenSlot& tok, int t,
+                                           const RowPair& rp, float a, float b) {
+  if (rp.rot >= 0 && tok.pos >= 0) {
+    const float* cs = p.cos_sin + i64(tok.pos) * p.cs_s0;
+    const float c = cs[rp.rot], s = cs[(p.R >> 1) + rp.rot];
+    const float x = a, y = b;
+    a = x * c - y * s;
+    b = y * c + x * s;
+  }
+  if (rp.head < p.Hq) {
+    T* q = static_cast<T*>(p.out) + i64(t) * p.out_s0 + i64(rp.head) * p.D;
+    q[rp.da] = from_float<T>(a);
+    q[rp.db] = from_float<T>(b);
+  } else if (rp.head < p.Hq + p.Hkv) {
+    if (tok.k_off < 0) return;
+    const i64 row = tok.k_off + i64(rp.head - p.Hq) * p.k_head;
+    store_cache<T>(p.k_cache, row + rp.da, a * p.k_inv_scale, p.cache_code);
+    store_cache<T>(p.k_cache, row + rp.db, b * p.k_inv_scale, p.cache_code);
+  } else {
+    if (tok.v_off < 0) return;
+    const i64 row = tok.v_off + i64(rp.head - p.Hq - p.Hkv) * p.v_head;
+    store_cache<T>(p.v_cache, row + rp.da, a * p.v_inv_scale, p.cache_code);
+    store_cache<T>(p.v_cache, row + rp.db, b * p.v_inv_scale, p.cache_code);
+  }
+}
+
+// ---- Decode: weight-streaming skinny GEMM ---------------------------------------------------
+
+constexpr int GEMV_WARPS = 4;  // per block
+constexpr int GEMV_PAIRS = 2;  // row pairs per warp: 4 rows share each x read from shared memory
+constexpr int GEMV_ROWS = 2 * GEMV_PAIRS;
+
+__device__ __forceinline__ float bits16_to_float(const __half*, unsigned bits) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
+__device__ __forceinline__ float bits16_to_float(const __nv_bfloat16*, unsigned bits) {
+  return __uint_as_float(bits << 16);  // bf16 is the top half of a float32
+}
+
+// VB bytes of weight storage per load, kept as 32-bit words (byte arrays would be split into
+// one register per byte); VALS k values they hold.
+template <typename T, int WF, int VB>
+struct WeightVec {
+  static constexpr int VALS = WF == W_DENSE ? VB / int(sizeof(T)) : WF == W_FP8 ? VB : 2 * VB;
+  struct alignas(VB >= 4 ? VB : 4) Raw {
+    unsigned w[(VB + 3) / 4];
+  };
+  static __device__ __forceinline__ Raw load(const unsigned char* p) {
+    Raw r;
+    if constexpr (VB >= 4) {
+      r = *reinterpret_cast<const Raw*>(p);
+    } else if constexpr (VB == 2) {
+      r.w[0] = *reinterpret_cast<const unsigned short*>(p);
+    } else {
+      r.w[0] = *p;
+    }
+    return r;
+  }
+  static __device__ __forceinline__ Raw zero() {
+    Raw r;
+#pragma unroll
+    for (int i = 0; i < (VB + 3) / 4; ++i) r.w[i] = 0;
+    return r;
+  }
+  // k value i of the load (int4: q - zero given bias = 2^23 + zero, before the scale)
+  static __device__ __forceinline__ float value(const Raw& r, int i, float bias) {
+    if constexpr (WF == W_DENSE) {
+      const unsigned bits = (r.w[i >> 1] >> ((i & 1) * 16)) & 0xFFFFu;
+      return bits16_to_float(static_cast<const T*>(nullptr), bits);
+    } else if constexpr (WF == W_FP8) {
+      __nv_fp8_e4m3 e;
+      e.__x = static_cast<__nv_fp8_storage_t>((r.w[i >> 2] >> ((i & 3) * 8)) & 0xFFu);
+      return to_float(e);
+    } else {
+      // 2^23 + q as a float is exact; subtracting 2^23 + zero leaves q - zero exactly
+      const unsigned nib = (r.w[i >> 3] >> ((i & 7) * 4)) & 0xFu;
+      return __uint_as_float(0x4B000000u | nib) - bias;
+    }
+  }
+};
+
+// One block owns GEMV_WARPS * GEMV_PAIRS row pairs; each warp owns GEMV_PAIRS of them and streams
+// their weight rows once, lanes striding over k with VB-byte loads. The hidden rows of all TT
+// tokens are staged in shared memory as float32, p.kc k values at a time (tokens >= T are zero).
+// Accumulation is float32 per (row, token); a butterfly reduction gives every lane the sums and
+// lane t finishes token t (RoPE, Q store, paged K/V store).
+//   int4: value q of k = 2j + h is nibble h of byte j; w = (q - zero) * scale in float32, with
+//   one (scale, zero) per load (a load lies inside one group: the host makes VALS divide G).
+template <typename T, int WF, int VB, int TT, bool FAST_INT4>
+__global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
+  using WV = WeightVec<T, WF, VB>;
+  constexpr int VALS = WV::VALS;
+  // loads in flight per row and lane: enough bytes in flight, few enough registers
+  constexpr int U = TT <= 2 ? (WF == W_DENSE ? 4 : 2) : (TT <= 4 && WF == W_DENSE ? 2 : 1);
+  constexpr int SUB = VALS < 8 ? VALS : 8;  // k values decoded at once
+  // int4 with 16-byte loads at small token tiles: the cheaper decode below
+  constexpr bool FAST4 = WF == W_INT4 && VB == 16 && TT <= 4 && FAST_INT4;
+  extern __shared__ float xs[];        // (TT, kc), then FAST4: xsum (TT, kc / 32)
+  float* xsum = xs + TT * p.kc;
+  __shared__ TokenSlot slots[TT];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int pairs_total = p.N >> 1;
+  const int g0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_PAIRS;
+  const bool rope = p.cos_sin != nullptr;
+  const int t0 = blockIdx.y * TT;  // this block's token tile [t0, t0 + TT)
+  const int nt = min(TT, p.T - t0);
+
+  RowPair rps[GEMV_PAIRS];
+  const unsigned char* wrow[GEMV_ROWS];
+  int rown[GEMV_ROWS];
+  bool live[GEMV_PAIRS];
+#pragma unroll
+  for (int i = 0; i < GEMV_PAIRS; ++i) {
+    live[i] = g0 + i < pairs_total;
+    rps[i] = row_pair(live[i] ? g0 + i : 0, p.D, p.R, p.Hq, p.Hkv, rope, p.is_neox);
+    rown[2 * i] = rps[i].head * p.D + rps[i].da;
+    rown[2 * i + 1] = rps[i].head * p.D + rps[i].db;
+  }
+#pragma unroll
+  for (int r = 0; r < GEMV_ROWS; ++r) {
+    wrow[r] = static_cast<const unsigned char*>(p.weight) + i64(rown[r]) * p.weight_row_bytes;
+  }
+
+  float acc[GEMV_ROWS][TT];
+#pragma unroll
+  for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+    for (int t = 0; t < TT; ++t) acc[r][t] = 0.f;
+
+  const T* hidden = static_cast<const T*>(p.hidden) + i64(t0) * p.hidden_s0;
+  // 16-byte loads of the hidden rows when every row start of every chunk is 16-byte aligned
+  const bool x_vec = (reinterpret_cast<unsigned long long>(hidden) & 15) == 0 &&
+                     p.hidden_s0 % 8 == 0 && p.kc % 8 == 0 && p.K % 8 == 0;
+  for (int k0 = 0; k0 < p.K; k0 += p.kc) {
+    const int kc = min(p.kc, p.K - k0);
+    const int nv = kc / VALS;  // the host makes kc and K multiples of VALS
+    const i64 byte0 = WF == W_INT4 ? k0 / 2 : i64(k0) * (WF == W_DENSE ? int(sizeof(T)) : 1);
+    // Weight loads (and, for int4, their group's scale and zero) of U * 32 vectors from base.
+    typename WV::Raw raw[U][GEMV_ROWS];
+    float scale[U][GEMV_ROWS], bias[U][GEMV_ROWS];  // int4: bias = 2^23 + zero
+    auto issue = [&](int base) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = base + u * 32 + lane;
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; ++r) {
+          const bool on = v < nv && live[r >> 1];
+          raw[u][r] = on ? WV::load(wrow[r] + byte0 + i64(v) * VB) : WV::zero();
+          if constexpr (WF == W_INT4) {
+            const int grp = (k0 + v * VALS) / p.group_size;
+            scale[u][r] = on ? to_float(static_cast<const T*>(
+                                   p.weight_scales)[i64(rown[r]) * p.ws_s0 + grp])
+                             : 0.f;
+            bias[u][r] = 8388608.f + (on && p.zero_points
+                                          ? float(static_cast<const unsigned char*>(
+                                                      p.zero_points)[i64(rown[r]) * p.zp_s0 +
+                                                                     grp] &
+                                                  0xF)
+                                          : 8.f);
+          }
+        }
+      }
+    };
+    issue(0);  // the first loads go out before the hidden rows are staged, overlapping the two
+    if (k0 == 0 && threadIdx.x < TT) {  // token addressing, in the shadow of those loads
+      slots[threadIdx.x] =
+          int(threadIdx.x) < nt ? token_slot(p, t0 + threadIdx.x) : TokenSlot{-1, -1, -1};
+    }
+    __syncthreads();  // the previous chunk is consumed
+    // Stage x (TT, kc) as float32, XU independent loads in flight per thread.
+    constexpr int XU = 4;
+    if (x_vec) {
+      const int per_row = kc >> 3, total = TT * per_row;
+      for (int i0 = threadIdx.x; i0 < total; i0 += XU * blockDim.x) {
+        Vec<T, 8> xv[XU];
+#pragma unroll
+        for (int j = 0; j < XU; ++j) {
+          const int i = i0 + j * blockDim.x;
+          const int t = i / per_row, k = (i - t * per_row) * 8;
+          if (i < total && t < nt) {
+            xv[j] = load<T, 8>(hidden + i64(t) * p.hidden_s0 + k0 + k);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) xv[j].v[e] = from_float<T>(0.f);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < XU; ++j) {
+          const int i = i0 + j * blockDim.x;
+          const int t = i / per_row, k = (i - t * per_row) * 8;
+          if (i < total) {
+            float f[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) f[e] = to_float(xv[j].v[e]);
+            store_float<float, 8>(xs + t * p.kc + k, f);
+          }
+        }
+      }
+    } else {
+      const int total = TT * kc;
+      for (int i0 = threadIdx.x; i0 < total; i0 += XU * blockDim.x) {
+        float f[XU];
+#pragma unroll
+        for (int j = 0; j < XU; ++j) {
+          const int i = i0 + j * blockDim.x;
+          const int t = i / kc, k = i - t * kc;
+          f[j] = i < total && t < nt ? to_float(hidden[i64(t) * p.hidden_s0 + k0 + k]) : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < XU; ++j) {
+          const int i = i0 + j * blockDim.x;
+          const int t = i / kc, k = i - t * kc;
+          if (i < total) xs[t * p.kc + k] = f[j];
+        }
+      }
+    }
+    __syncthreads();
+    if constexpr (FAST4) {  // sum of x over each 32-value load, per token
+      const int per_row = p.kc / 32;
+      for (int i = threadIdx.x; i < TT * per_row; i += blockDim.x) {
+        const int t = i / per_row, c = i - t * per_row;
+        float sx = 0.f;
+        if (c * 32 < kc) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            float x[8];
+            load_float<float, 8>(xs + t * p.kc + c * 32 + j * 8, x);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sx += x[e];
+          }
+        }
+        xsum[i] = sx;
+      }
+      __syncthreads();
+    }
+    for (int base = 0;;) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = base + u * 32 + lane;
+        if (v >= nv) break;
+        if constexpr (FAST4) {
+          // 1 + q/16 is the float with q in the top 4 mantissa bits: one shift and one LOP3 per
+          // value, no conversion. sum (q - zero) x = 16 sum (1 + q/16) x - (16 + zero) sum x.
+          float part[GEMV_ROWS][TT];
+#pragma unroll
+          for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+            for (int t = 0; t < TT; ++t) part[r][t] = 0.f;
+#pragma unroll
+          for (int c = 0; c < VALS / 8; ++c) {
+            float w[GEMV_ROWS][8];
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r) {
+              const unsigned word = raw[u][r].w[c];
+#pragma unroll
+              for (int i = 0; i < 8; ++i) {
+                const unsigned m = i <= 4 ? word << (19 - 4 * i) : word >> (4 * i - 19);
+                w[r][i] = __uint_as_float((m & 0x00780000u) | 0x3F800000u);
+              }
+            }
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+              float x[8];
+              load_float<float, 8>(xs + t * p.kc + v * VALS + c * 8, x);
+#pragma unroll
+              for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int r = 0; r < GEMV_ROWS; ++r) part[r][t] = fmaf(w[r][i], x[i], part[r][t]);
+            }
+          }
+#pragma unroll
+          for (int t = 0; t < TT; ++t) {
+            const float sx = xsum[t * (p.kc / 32) + v];
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r) {
+              const float z16 = bias[u][r] - 8388592.f;  // (2^23 + zero) - (2^23 - 16), exact
+              acc[r][t] = fmaf(scale[u][r], fmaf(16.f, part[r][t], -z16 * sx), acc[r][t]);
+            }
+          }
+        } else {
+          // SUB k values at a time: decode them for every row, then one x read serves all rows.
+#pragma unroll
+          for (int c = 0; c < VALS / SUB; ++c) {
+            float w[GEMV_ROWS][SUB];
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r) {
+#pragma unroll
+              for (int i = 0; i < SUB; ++i) {
+                w[r][i] = WV::value(raw[u][r], c * SUB + i, bias[u][r]);
+                if constexpr (WF == W_INT4) w[r][i] *= scale[u][r];
+              }
+            }
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+              float x[SUB];
+              load_float<float, SUB>(xs + t * p.kc + v * VALS + c * SUB, x);
+#pragma unroll
+              for (int i = 0; i < SUB; ++i)
+#pragma unroll
+                for (int r = 0; r < GEMV_ROWS; ++r) acc[r][t] = fmaf(w[r][i], x[i], acc[r][t]);
+            }
+          }
+        }
+      }
+      base += 32 * U;
+      if (base >= nv) break;
+      issue(base);
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+    for (int t = 0; t < TT; ++t)
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1)
+        acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], off);
+
+  if (lane >= nt) return;
+  const TokenSlot tok = slots[lane];
+#pragma unroll
+  for (int i = 0; i < GEMV_PAIRS; ++i) {
+    if (!live[i]) continue;
+    float a = acc[2 * i][0], b = acc[2 * i + 1][0];
+#pragma unroll
+    for (int t = 1; t < TT; ++t) {  // lane t takes token t's sums (no dynamic register index)
+      a = lane == t ? acc[2 * i][t] : a;
+      b = lane == t ? acc[2 * i + 1][t] : b;
+    }
+    if constexpr (WF == W_FP8) {
+      const float* ws = static_cast<const float*>(p.weight_scales);
+      a *= ws[rown[2 * i]];
+      b *= ws[rown[2 * i + 1]];
+    }
+    write_pair<T>(p, tok, t0 + lane, rps[i], a, b);
+  }
+}
+
+// ---- Prefill epilogue: RoPE on Q into out, K/V from temporaries into their pages -------------
+
+// One block per token. Work items are N-wide chunks of head rows, as in contiguous.cu: for a
+// roped head, items [0, rot_items) rotate N pairs (neox: i0.. and R/2 + i0..; interleaved: N
+// consecutive elements), the rest copy N pass-through dims of [R, D).
+template <typename SrcT, typename T, typename CacheT, int N>
+__device__ __forceinline__ void epilogue_item(const SrcT* src, T* q_dst, CacheT* c_dst, int j,
+                                              int rot_items, const QkvParams& p, const float* cs,
+                                              float scale) {
+  const int half_r = p.R >> 1;
+  float a[N], b[N];
+  int e0, e1 = -1;
+  if (j < rot_items) {
+    if (p.is_neox) {
+      e0 = j * N;
+      e1 = half_r + e0;
+      load_float<SrcT, N>(src + e0, a);
+      load_float<SrcT, N>(src + e1, b);
+      rotate_neox<N>(a, b, cs, half_r, e0);
+    } else {
+      e0 = j * N;
+      load_float<SrcT, N>(src + e0, a);
+      if constexpr (N % 2 == 0) rotate_interleaved<N>(a, cs, half_r, e0);
+    }
+  } else {
+    e0 = p.R + (j - rot_items) * N;
+    load_float<SrcT, N>(src + e0, a);
+  }
+  if (q_dst) {
+    store_float<T, N>(q_dst + e0, a);
+    if (e1 >= 0) store_float<T, N>(q_dst + e1, b);
+  } else {
+    store_float<CacheT, N>(c_dst + e0, a, scale);
+    if (e1 >= 0) store_float<CacheT, N>(c_dst + e1, b, scale);
+  }
+}
+
+// KT: the dtype cuBLAS wrote K and V in (float32 for fp8 caches with RoPE: rounding K to 16 bits
+// before a rotation that cancels would move fp8 codes by more than one).
+template <typename T, typename CacheT, typename KT, int N>
+__global__ void __launch_bounds__(256) qkv_epilogue(const QkvParams p) {
+  const int t = blockIdx.x;
+  __shared__ TokenSlot slot;
+  if (threadIdx.x == 0) slot = token_slot(p, t);
+  __syncthreads();
+  const TokenSlot tok = slot;
+  const bool rope = p.cos_sin != nullptr && tok.pos >= 0;
+  const float* cs = rope ? p.cos_sin + i64(tok.pos) * p.cs_s0 : nullptr;
+  // A roped head row is rot_items rotating items then pass-through items; an unroped one copies.
+  const int rot_items = rope ? (p.is_neox ? (p.R >> 1) / N : p.R / N) : 0;
+  const int r_items = rope ? rot_items + (p.D - p.R) / N : p.D / N;
+  const int v_items = p.D / N;
+  const int q_end = p.Hq * r_items;
+  const int k_end = q_end + (tok.k_off >= 0 ? p.Hkv * r_items : 0);
+  const int end = k_end + (tok.v_off >= 0 ? p.Hkv * v_items : 0);
+  QkvParams pr = p;
+  if (!rope) pr.R = 0;  // unroped K rows copy all D dims
+  T* q = static_cast<T*>(p.out) + i64(t) * p.out_s0;
+  const T* qt = static_cast<const T*>(p.q_tmp) + i64(t) * p.qt_s0;
+  const KT* kt = static_cast<const KT*>(p.k_tmp) + i64(t) * p.kt_s0;
+  const KT* vt = static_cast<const KT*>(p.v_tmp) + i64(t) * p.vt_s0;
+  for (int w = threadIdx.x; w < end; w += blockDim.x) {
+    if (w < q_end) {
+      const int h = w / r_items;
+      epilogue_item<T, T, CacheT, N>(qt + i64(h) * p.D, q + i64(h) * p.D, nullptr,
+                                     w - h * r_items, rot_items, pr, cs, 1.f);
+    } else if (w < k_end) {
+      const int h = (w - q_end) / r_items;
+      CacheT* dst = static_cast<CacheT*>(p.k_cache) + tok.k_off + i64(h) * p.k_head;
+      epilogue_item<KT, T, CacheT, N>(kt + i64(h) * p.D, nullptr, dst, w - q_end - h * r_items,
+                                      rot_items, pr, cs, p.k_inv_scale);
+    } else {
+      const int h = (w - k_end) / v_items;
+      const int e0 = (w - k_end - h * v_items) * N;
+      float x[N];
+      load_float<KT, N>(vt + i64(h) * p.D + e0, x);
+      store_float<CacheT, N>(static_cast<CacheT*>(p.v_cache) + tok.v_off + i64(h) * p.v_head + e0,
+                             x, p.v_inv_scale);
+    }
+  }
+}
+
+// ---- Prefill with quantized weights: dequantize to the input dtype for cuBLAS -----------------
+
+// dst (N, K) T, contiguous. One thread per weight byte (fp8: one value; int4: two values).
+template <typename T, int WF>
+__global__ void __launch_bounds__(256) qkv_dequant(const QkvParams p) {
+  const i64 per_row = WF == W_INT4 ? p.K / 2 : p.K;
+  const i64 total = i64(p.N) * per_row;
+  T* dst = static_cast<T*>(p.out);
+  const unsigned char* w = static_cast<const unsigned char*>(p.weight);
+  for (i64 i = blockIdx.x * i64(blockDim.x) + threadIdx.x; i < total;
+       i += i64(gridDim.x) * blockDim.x) {
+    const i64 n = i / per_row, j = i - n * per_row;
+    const unsigned char byte = w[n * p.weight_row_bytes + j];
+    if constexpr (WF == W_FP8) {
+      __nv_fp8_e4m3 e;
+      e.__x = byte;
+      dst[n * p.K + j] = from_float<T>(to_float(e) * static_cast<const float*>(p.weight_scales)[n]);
+    } else {
+      const i64 grp = (2 * j) / p.group_size;
+      const float scale = to_float(static_cast<const T*>(p.weight_scales)[n * p.ws_s0 + grp]);
+      const float zero =
+          p.zero_points
+              ? float(static_cast<const unsigned char*>(p.zero_points)[n * p.zp_s0 + grp] & 0xF)
+              : 8.f;
+      dst[n * p.K + 2 * j] = from_float<T>((float(byte & 0xF) - zero) * scale);
+      dst[n * p.K + 2 * j + 1] = from_float<T>((float(byte >> 4) - zero) * scale);
+    }
+  }
+}

@@ -1,0 +1,566 @@
+"""``fused_qkv_matmul_append_paged_kv_cache``: the QKV projection whose K/V rows land directly in a
+paged KV cache (RoPE on Q and K in the epilogue), and ``pack_int4`` for 4-bit weights.
+
+Two paths, picked by the token count T:
+
+* decode (``T <= GEMV_MAX_TOKENS``): ropekv's own weight-streaming skinny GEMM (``qkv_gemv``),
+  one launch: every weight byte is read once, accumulation is float32, and the epilogue ropes and
+  writes Q to ``out`` and K/V to their pages.
+* prefill: cuBLAS (``cublasGemmEx``, float32 accumulation) writes Q|K|V into a temporary, then
+  one ropekv launch (``qkv_epilogue``) ropes Q into ``out`` and ropes/scatters K and V into their
+  pages. Quantized weights are first dequantized to the input dtype by a ropekv kernel
+  (``qkv_dequant``) into a temporary ``(N, K)`` buffer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+
+import numpy as np
+
+from ropekv import _checks as ck
+from ropekv import reference
+from ropekv._arrays import (
+    BFLOAT16,
+    FLOAT8_E4M3FN,
+    FLOAT16,
+    FLOAT32,
+    FP8_DTYPES,
+    HOST,
+    INT32,
+    UINT8,
+    UINT32,
+)
+from ropekv._compile import c_bool, c_type, name_expression
+from ropekv._launch import ParamStruct, launch, resolve_stream, stream_ptr_of
+from ropekv._vector import aligned
+
+STEM = "qkv"
+INPUT_DTYPES = (FLOAT16, BFLOAT16)
+LAYOUTS = ("NHD", "HND")
+W_DENSE, W_FP8, W_INT4 = 0, 1, 2
+
+# Token counts up to this run the fused skinny GEMM; larger ones cuBLAS + the ropekv epilogue.
+# Measured on the H200 (benchmarks/bench_qkv.py), Llama-3-8B fp16 projection: fused 17.4 / 17.6 /
+# 26.4 us at T = 1 / 2 / 4 (graph replay) against about 22 us for the cuBLAS GEMM alone; the
+# CUDA-core kernel loses from T = 4 on.
+GEMV_MAX_TOKENS = 2
+GEMV_TILES = (1, 2, 4, 8, 16)  # tokens per block (the token tile TT)
+# 4-bit weights at token tiles up to this can decode as 1 + q/16 floats (fewer instructions, see
+# qkv.cu). Off by default: on the H200 it measured slower than the plain decode at T = 1 (15.8 vs
+# 14.3 us under graph replay); the tests run both.
+FAST_INT4 = False
+FAST_INT4_MAX_TILE = 4
+GEMV_WARPS, GEMV_PAIRS = 4, 2  # mirror qkv.cu
+GEMV_SMEM = 46 * 1024  # staged hidden rows, float32, per block (below the 48 KiB default)
+EPILOGUE_BLOCK = 128
+EPILOGUE_WIDTHS = (8, 2, 1)
+DEQUANT_BLOCK = 256
+
+PARAMS = ParamStruct("QkvParams", [
+    *((n, np.uint64) for n in ("hidden", "weight", "weight_scales", "zero_points", "q_tmp",
+                               "k_tmp", "v_tmp", "offsets", "cache_lengths", "block_table",
+                               "cos_sin", "out", "k_cache", "v_cache")),
+    *((n, np.int64) for n in ("hidden_s0", "weight_row_bytes", "ws_s0", "zp_s0", "qt_s0", "kt_s0",
+                              "vt_s0", "bt_s0", "cs_s0", "out_s0", "k_page", "k_entry", "k_head",
+                              "v_page", "v_entry", "v_head", "num_pages")),
+    *((n, np.int32) for n in ("T", "K", "N", "B", "Hq", "Hkv", "D", "R", "P", "page_size",
+                              "max_pages", "group_size", "kc", "is_neox", "cache_code")),
+    *((n, np.float32) for n in ("k_inv_scale", "v_inv_scale")),
+])
+
+
+def _weight_bytes_min(dtype, fmt):
+    return dtype.itemsize if fmt == W_DENSE else 1
+
+
+def _fast_int4(fmt, vb, tt):
+    return fmt == W_INT4 and vb == 16 and tt <= FAST_INT4_MAX_TILE
+
+
+def gemv_expression(dtype, fmt, vb, tt, fast=True):
+    """``fast`` selects the cheaper 4-bit decode where it applies (see qkv.cu)."""
+    return name_expression("qkv_gemv", c_type(dtype), fmt, vb, tt,
+                           c_bool(fast and _fast_int4(fmt, vb, tt)))
+
+
+def epilogue_expression(dtype, cache_dtype, k_dtype, n):
+    return name_expression("qkv_epilogue", c_type(dtype), c_type(cache_dtype), c_type(k_dtype), n)
+
+
+def dequant_expression(dtype, fmt):
+    return name_expression("qkv_dequant", c_type(dtype), fmt)
+
+
+def instantiations():
+    """Every kernel instantiation a call can select (the compile tests build them all)."""
+    for dtype in INPUT_DTYPES:
+        for fmt, tt in itertools.product((W_DENSE, W_FP8, W_INT4), GEMV_TILES):
+            for vb in (16, _weight_bytes_min(dtype, fmt)):
+                yield gemv_expression(dtype, fmt, vb, tt)
+                if _fast_int4(fmt, vb, tt):
+                    yield gemv_expression(dtype, fmt, vb, tt, fast=False)
+        for cache_dtype, n in itertools.product((dtype, *FP8_DTYPES), EPILOGUE_WIDTHS):
+            yield epilogue_expression(dtype, cache_dtype, dtype, n)
+            if cache_dtype in FP8_DTYPES:
+                yield epilogue_expression(dtype, cache_dtype, FLOAT32, n)
+        for fmt in (W_FP8, W_INT4):
+            yield dequant_expression(dtype, fmt)
+
+
+# --------------------------------------------------------------------------------- pack_int4
+
+
+def pack_int4(w_int, *, signed=True):
+    """Pack 4-bit integer weights ``(N, K)`` into the ``uint8 (N, K/2)`` layout of
+    :func:`fused_qkv_matmul_append_paged_kv_cache`.
+
+    Packing: byte ``[n, j]`` holds k = 2j in its low nibble and k = 2j + 1 in its high nibble::
+
+        packed[n, j] = (q[n, 2j] & 0xF) | (q[n, 2j + 1] << 4)
+
+    The kernels dequantize ``w = (q - zero) * scale`` with ``zero`` from ``zero_points`` (8 when
+    None) and ``scale = weight_scales[n, k // group_size]``.
+
+    Parameters
+    ----------
+    w_int : integer array, (N, K), K even; NumPy or CuPy (the result is of the same kind)
+        signed=True: values in [-8, 7], stored as ``q = w + 8``, so the default zero point 8
+        recovers them (symmetric quantization, ``w * scale``). signed=False: values in [0, 15],
+        stored as they are (asymmetric quantization with explicit ``zero_points``).
+    signed : bool
+
+    Returns
+    -------
+    uint8 array (N, K/2).
+
+    Examples
+    --------
+    >>> import numpy as np, ropekv
+    >>> ropekv.pack_int4(np.array([[-8, 7, 0, 1]]))
+    array([[240, 152]], dtype=uint8)
+    """
+    xp = np
+    if type(w_int).__module__.startswith("cupy"):
+        import cupy as xp
+    arr = w_int
+    if arr.ndim != 2:
+        raise ValueError(f"w_int must have shape (N, K), got {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"w_int must have an integer dtype, got {arr.dtype}")
+    if arr.shape[1] % 2:
+        raise ValueError(f"w_int's K (its last dim) must be even, got {arr.shape[1]}")
+    lo, hi = (-8, 7) if signed else (0, 15)
+    if arr.size:
+        mn, mx = int(arr.min()), int(arr.max())
+        if mn < lo or mx > hi:
+            raise ValueError(f"w_int values must lie in [{lo}, {hi}] for signed={signed}, got "
+                             f"[{mn}, {mx}]")
+    q = arr.astype(xp.int16) + (8 if signed else 0)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).astype(xp.uint8)
+
+
+# --------------------------------------------------------------------------------- the op
+
+
+def _check_contiguous(view):
+    # empty arrays may carry stride 0, which ArrayView.is_c_contiguous reads as strided
+    if view.size:
+        ck.check_contiguous(view)
+
+
+def _scales(kv_scale):
+    """(k_scale, v_scale) floats from None, a float or a pair."""
+    if kv_scale is None:
+        return 1.0, 1.0
+    pair = (kv_scale, kv_scale) if isinstance(kv_scale, numbers.Real) else tuple(kv_scale)
+    if len(pair) != 2 or not all(isinstance(s, numbers.Real) and not isinstance(s, bool)
+                                 for s in pair):
+        raise ValueError(f"kv_scale must be a float or a (k_scale, v_scale) pair of floats, got "
+                         f"{kv_scale!r}")
+    if not all(math.isfinite(s) and s > 0 for s in pair):
+        raise ValueError(f"kv_scale must be positive and finite, got {kv_scale!r}")
+    return float(pair[0]), float(pair[1])
+
+
+def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offsets, cache_lengths,
+                                           block_table, paged_kv_cache, *, num_q_heads,
+                                           cos_sin_cache=None, is_neox=True, kv_layout="NHD",
+                                           kv_scale=None, weight_scales=None, group_size=None,
+                                           zero_points=None, out=None, stream=None):
+    """QKV projection with K/V appended to a paged KV cache and RoPE on Q and K (MAX's
+    ``generic_fused_qkv_matmul_kv_cache_paged_ragged``).
+
+    ``qkv = hidden_state @ W.T`` (float32 accumulation), rows of W ordered [Q heads | K heads |
+    V heads]; Q goes to ``out``, K and V to their pages. Decode-sized batches (T up to
+    ``ropekv.qkv.GEMV_MAX_TOKENS``) run one fused ropekv kernel that streams the weights once;
+    larger ones run cuBLAS then one ropekv epilogue launch (see the module docstring).
+
+    Parameters
+    ----------
+    hidden_state : array, (T, K), float16 or bfloat16
+        Tokens of all requests, ragged over ``input_row_offsets``.
+    weight : array, the ``nn.Linear`` layout, N = (Hq + 2 Hkv) D
+        One of: ``(N, K)`` in the dtype of ``hidden_state``; ``(N, K)`` float8_e4m3fn with
+        ``weight_scales (N,)`` float32 (w = fp8 * scale[n]); ``(N, K/2)`` uint8 holding two 4-bit
+        values per byte (see :func:`pack_int4`) with ``weight_scales (N, K/group_size)`` in the
+        input dtype and optional ``zero_points (N, K/group_size)`` uint8 (low 4 bits used, 8 when
+        None), w = (q - zero) * scale in float32.
+    input_row_offsets : array, (B + 1,), int32 or uint32
+        Request b owns tokens ``[offsets[b], offsets[b + 1])``.
+    cache_lengths : array, (B,), int32
+        Tokens already cached per request: token t of request b sits at position
+        ``p = cache_lengths[b] + t - offsets[b]``.
+    block_table : array, (B, max_pages), int32
+        Token at position p goes to page ``block_table[b, p // page_size]``, entry
+        ``p % page_size``.
+    paged_kv_cache : (k_cache, v_cache)
+        Each ``(num_pages, page_size, Hkv, D)`` (NHD) or ``(num_pages, Hkv, page_size, D)``
+        (HND), the input dtype, float8_e4m3fn or float8_e5m2 (both the same). Written in place;
+        Hkv and D come from here.
+    num_q_heads : int
+        Hq.
+    cos_sin_cache : array, (P, R), float32, optional
+        RoPE table, cos half then sin half (:func:`ropekv.cos_sin_cache`); R even, at most D,
+        dims [R, D) pass through. None: no RoPE.
+    is_neox : bool
+        Half-split pairs (i, i + R/2) when True, interleaved pairs (2i, 2i + 1) when False.
+    kv_layout : "NHD" or "HND"
+    kv_scale : float or (float, float), optional
+        Dequantization scale(s) of fp8 caches (K and V): stored = fp8(x / scale), round to
+        nearest even, saturating. 1.0 by default; only for fp8 caches.
+    weight_scales, group_size, zero_points : see ``weight``.
+    out : array, (T, Hq D), the input dtype, optional
+        Q (roped). Allocated when None (CuPy for device inputs, NumPy for host inputs).
+    stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
+
+    Returns
+    -------
+    out : (T, Hq D)
+
+    A token outside every request, at a negative position or (with RoPE) at a position outside
+    ``[0, P)`` has its Q row written unrotated and writes no K/V; a token with a valid position
+    but a block-table index or page id out of range is roped and writes no K/V. Nothing is read or
+    written out of bounds. With ``ROPEKV_CHECK_INDICES=1`` such tokens raise ``IndexError``.
+    NumPy inputs run the float64 NumPy reference on the host, with the same in-place writes.
+
+    Examples
+    --------
+    >>> import cupy as cp, ropekv
+    >>> T, K, Hq, Hkv, D, pages, ps = 4, 4096, 32, 8, 128, 64, 16
+    >>> x = cp.random.randn(T, K).astype(cp.float16)
+    >>> w = (cp.random.randn((Hq + 2 * Hkv) * D, K) / 64).astype(cp.float16)
+    >>> kc, vc = (cp.zeros((pages, ps, Hkv, D), cp.float16) for _ in range(2))
+    >>> offsets = cp.array([0, 1, 2, 3, 4], cp.int32)      # four decoding requests
+    >>> lengths = cp.array([5, 17, 0, 40], cp.int32)
+    >>> table = cp.arange(16, dtype=cp.int32).reshape(4, 4)
+    >>> q = ropekv.fused_qkv_matmul_append_paged_kv_cache(
+    ...     x, w, offsets, lengths, table, (kc, vc), num_q_heads=Hq,
+    ...     cos_sin_cache=ropekv.cos_sin_cache(4096, D, xp=cp))
+    """
+    if not isinstance(paged_kv_cache, tuple | list) or len(paged_kv_cache) != 2:
+        raise ValueError(f"paged_kv_cache must be a (k_cache, v_cache) pair, got "
+                         f"{type(paged_kv_cache).__qualname__}")
+    a = ck.views(stream_ptr_of(stream), hidden_state=hidden_state, weight=weight,
+                 input_row_offsets=input_row_offsets, cache_lengths=cache_lengths,
+                 block_table=block_table, k_cache=paged_kv_cache[0], v_cache=paged_kv_cache[1],
+                 cos_sin_cache=cos_sin_cache, weight_scales=weight_scales,
+                 zero_points=zero_points, out=out)
+    vx, vw, voff, vlen, vbt = (a[n] for n in ("hidden_state", "weight", "input_row_offsets",
+                                              "cache_lengths", "block_table"))
+    vk, vv, vt, vws, vzp, vout = (a[n] for n in ("k_cache", "v_cache", "cos_sin_cache",
+                                                 "weight_scales", "zero_points", "out"))
+
+    ck.check_ndim(vx, 2, "(T, K)")
+    ck.check_dtype(vx, INPUT_DTYPES)
+    T, K = vx.shape
+    if K == 0:
+        raise ValueError(f"hidden_state must have shape (T, K) with K > 0, got {vx.shape}")
+    dtype = vx.dtype
+    Hq = ck.check_positive_int(num_q_heads, "num_q_heads")
+    ck.check_choice(kv_layout, "kv_layout", LAYOUTS)
+    layout = "(num_pages, page_size, Hkv, D)" if kv_layout == "NHD" else \
+        "(num_pages, Hkv, page_size, D)"
+    ck.check_ndim(vk, 4, layout)
+    ck.check_shape(vv, vk.shape, layout)
+    num_pages, D = vk.shape[0], vk.shape[3]
+    page_size, Hkv = (vk.shape[1], vk.shape[2]) if kv_layout == "NHD" else \
+        (vk.shape[2], vk.shape[1])
+    if Hkv == 0 or D == 0 or page_size == 0 or D % 2:
+        raise ValueError(f"k_cache must have shape {layout} with Hkv, page_size > 0 and D even "
+                         f"and > 0, got {vk.shape}")
+    if vk.dtype != dtype:
+        ck.check_dtype(vk, (dtype, *FP8_DTYPES))
+    ck.check_same_dtype(vv, vk)
+    N = (Hq + 2 * Hkv) * D
+
+    # weight format
+    if vw.dtype == dtype:
+        fmt = W_DENSE
+        ck.check_shape(vw, (N, K), "(N = (Hq + 2 Hkv) D, K)")
+    elif vw.dtype == FLOAT8_E4M3FN:
+        fmt = W_FP8
+        ck.check_shape(vw, (N, K), "(N = (Hq + 2 Hkv) D, K)")
+    elif vw.dtype == UINT8:
+        fmt = W_INT4
+        if K % 2:
+            raise ValueError(f"4-bit weights need an even K, got hidden_state of shape {vx.shape}")
+        ck.check_shape(vw, (N, K // 2), "(N = (Hq + 2 Hkv) D, K / 2) for 4-bit weights")
+    else:
+        raise TypeError(f"weight must have dtype {dtype} (the input dtype), float8_e4m3fn or "
+                        f"uint8 (packed 4-bit), got {vw.dtype}")
+    if fmt == W_DENSE:
+        for name, given in (("weight_scales", vws), ("group_size", group_size),
+                            ("zero_points", vzp)):
+            if given is not None:
+                raise ValueError(f"{name} is only used with float8 or 4-bit weights, but weight "
+                                 f"is {vw.dtype}")
+    elif fmt == W_FP8:
+        for name, given in (("group_size", group_size), ("zero_points", vzp)):
+            if given is not None:
+                raise ValueError(f"{name} is only used with 4-bit weights, but weight is "
+                                 f"{vw.dtype}")
+        if vws is None:
+            raise ValueError(f"weight_scales (float32, shape ({N},)) is required for float8 "
+                             f"weights")
+        ck.check_shape(vws, (N,), "(N,)")
+        ck.check_dtype(vws, (FLOAT32,))
+        _check_contiguous(vws)
+    else:
+        G = ck.check_positive_int(group_size, "group_size") if group_size is not None else None
+        if G is None:
+            raise ValueError("group_size is required for 4-bit weights")
+        if G % 2 or K % G:
+            raise ValueError(f"group_size must be even and divide K={K}, got {G}")
+        if vws is None:
+            raise ValueError(f"weight_scales ({dtype}, shape ({N}, {K // G})) is required for "
+                             f"4-bit weights")
+        ck.check_shape(vws, (N, K // G), "(N, K / group_size)")
+        ck.check_dtype(vws, (dtype,))
+        if vzp is not None:
+            ck.check_shape(vzp, (N, K // G), "(N, K / group_size)")
+            ck.check_dtype(vzp, (UINT8,))
+
+    ck.check_ndim(voff, 1, "(B + 1,)")
+    if voff.shape[0] < 1:
+        raise ValueError(f"input_row_offsets must have shape (B + 1,), got {voff.shape}")
+    ck.check_dtype(voff, (INT32, UINT32))
+    _check_contiguous(voff)
+    B = voff.shape[0] - 1
+    ck.check_shape(vlen, (B,), "(B,)")
+    ck.check_dtype(vlen, (INT32,))
+    _check_contiguous(vlen)
+    ck.check_ndim(vbt, 2, "(B, max_pages)")
+    ck.check_shape(vbt, (B, None), "(B, max_pages)")
+    ck.check_dtype(vbt, (INT32,))
+
+    R = P = 0
+    if vt is not None:
+        ck.check_ndim(vt, 2, "(P, R)")
+        ck.check_dtype(vt, (FLOAT32,))
+        P, R = vt.shape
+        if R % 2 or not 0 < R <= D:
+            raise ValueError(f"cos_sin_cache's rotary dim R (its last dim) must be even and in "
+                             f"[2, D={D}], got {R}")
+    fp8 = vk.dtype in FP8_DTYPES
+    if not fp8 and kv_scale is not None:
+        raise ValueError(f"kv_scale is only used with float8 caches, but the cache is {vk.dtype}")
+    k_scale, v_scale = _scales(kv_scale)
+
+    if vout is not None:
+        ck.check_shape(vout, (T, Hq * D), "(T, Hq * D)")
+        ck.check_same_dtype(vout, vx)
+        ck.check_writable(vout)
+    for view in (vx, vw, vbt, vk, vv, vt, vws, vzp, vout):
+        if view is not None:
+            ck.check_last_dim_contiguous(view)
+    for view in (vk, vv):
+        ck.check_writable(view)
+    present = [x for x in (vx, vw, voff, vlen, vbt, vk, vv, vt, vws, vzp, vout) if x is not None]
+    device = ck.check_same_device(present)
+
+    if ck.check_indices_enabled():
+        _check_indices(voff, vlen, vbt, T, P if vt is not None else None, page_size, num_pages)
+
+    if device == HOST:
+        if out is None:
+            out = np.empty((T, Hq * D), dtype)
+            vout = ck.views(None, out=out)["out"]
+        if T:
+            reference.fused_qkv_matmul_append_paged_kv_cache(
+                vx.host, vw.host, voff.host, vlen.host, vbt.host, vk.host, vv.host, vout.host, Hq,
+                None if vt is None else vt.host, bool(is_neox), kv_layout, k_scale, v_scale,
+                None if vws is None else vws.host, group_size,
+                None if vzp is None else vzp.host)
+        return out
+
+    import cupy
+
+    cu_stream = resolve_stream(stream, device)
+    if out is None:
+        with cupy.cuda.Device(device), cu_stream:
+            out = _empty_like_caller(hidden_state, (T, Hq * D), dtype)
+        vout = ck.views(stream_ptr_of(stream), out=out)["out"]
+    if T == 0:
+        return out
+
+    ks, kp = vk.strides, vv.strides
+    fields = {
+        "hidden": vx.ptr, "weight": vw.ptr, "weight_scales": 0 if vws is None else vws.ptr,
+        "zero_points": 0 if vzp is None else vzp.ptr, "q_tmp": 0, "k_tmp": 0, "v_tmp": 0,
+        "offsets": voff.ptr,
+        "cache_lengths": vlen.ptr, "block_table": vbt.ptr, "cos_sin": 0 if vt is None else vt.ptr,
+        "out": vout.ptr, "k_cache": vk.ptr, "v_cache": vv.ptr,
+        "hidden_s0": vx.strides[0], "weight_row_bytes": vw.strides[0] * vw.dtype.itemsize,
+        "ws_s0": vws.strides[0] if vws is not None else 0,
+        "zp_s0": vzp.strides[0] if vzp is not None else 0, "qt_s0": 0, "kt_s0": 0, "vt_s0": 0,
+        "bt_s0": vbt.strides[0],
+        "cs_s0": vt.strides[0] if vt is not None else 0, "out_s0": vout.strides[0],
+        "k_page": ks[0], "k_entry": ks[1] if kv_layout == "NHD" else ks[2],
+        "k_head": ks[2] if kv_layout == "NHD" else ks[1],
+        "v_page": kp[0], "v_entry": kp[1] if kv_layout == "NHD" else kp[2],
+        "v_head": kp[2] if kv_layout == "NHD" else kp[1], "num_pages": num_pages,
+        "T": T, "K": K, "N": N, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "R": R, "P": P,
+        "page_size": page_size, "max_pages": vbt.shape[1], "group_size": group_size or 0, "kc": 0,
+        "is_neox": int(bool(is_neox)),
+        "cache_code": (0 if not fp8 else 1 if vk.dtype == FLOAT8_E4M3FN else 2),
+        "k_inv_scale": 1.0 / k_scale if fp8 else 1.0, "v_inv_scale": 1.0 / v_scale if fp8 else 1.0}
+
+    n = _epilogue_width(vout, vk, vv, vt, D, R, is_neox)
+    if T <= GEMV_MAX_TOKENS or n is None:
+        _launch_gemv(fields, vx, vw, fmt, T, K, N, device, cu_stream)
+    else:
+        _launch_prefill(fields, vx, vw, fmt, vk.dtype, n, T, K, N, Hq, Hkv, D, device, cu_stream)
+    return out
+
+
+def _empty_like_caller(obj, shape, dtype):
+    """A new device array of the caller's kind: torch for torch inputs, else CuPy."""
+    if type(obj).__module__.startswith("torch"):
+        import torch
+
+        names = {FLOAT16: torch.float16, BFLOAT16: torch.bfloat16}
+        return torch.empty(shape, dtype=names[dtype], device=obj.device)
+    import cupy
+
+    return cupy.empty(shape, dtype)
+
+
+def _gemv_width(vw, fmt, dtype, K, group_size):
+    """Bytes per weight load: 16 when K (and the group) split into 16-byte loads and every row
+    starts 16-byte aligned, else the smallest unit."""
+    vals = {W_DENSE: 16 // dtype.itemsize, W_FP8: 16, W_INT4: 32}[fmt]
+    ok = (K % vals == 0 and vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
+          and (fmt != W_INT4 or group_size % vals == 0))
+    return (16, vals) if ok else (_weight_bytes_min(dtype, fmt),
+                                  {W_DENSE: 1, W_FP8: 1, W_INT4: 2}[fmt])
+
+
+def _launch_gemv(fields, vx, vw, fmt, T, K, N, device, stream):
+    dtype = vx.dtype
+    vb, vals = _gemv_width(vw, fmt, dtype, K, fields["group_size"])
+    tt = next((t for t in GEMV_TILES if t >= T), GEMV_TILES[-1])
+    fast = FAST_INT4 and _fast_int4(fmt, vb, tt)
+    # shared memory: x (tt, kc) float32, and for the fast int4 decode its sums (tt, kc / 32)
+    kc = GEMV_SMEM * 32 // (tt * 4 * 33) if fast else GEMV_SMEM // (tt * 4)
+    kc = K if K <= kc else kc // vals * vals
+    smem = tt * kc * 4 + (tt * (kc // 32) * 4 if fast else 0)
+    pairs_per_block = GEMV_WARPS * GEMV_PAIRS
+    grid = ((N // 2 + pairs_per_block - 1) // pairs_per_block, (T + tt - 1) // tt)
+    params = PARAMS.pack(**{**fields, "kc": kc})
+    launch(STEM, gemv_expression(dtype, fmt, vb, tt, fast), device, grid, (GEMV_WARPS * 32,),
+           (params,), stream, shared_mem=smem)
+
+
+def _epilogue_width(vout, vk, vv, vt, D, R, is_neox):
+    """Widest vector for the prefill epilogue, or None (then the GEMV path runs instead)."""
+    for n in EPILOGUE_WIDTHS:
+        if vt is not None:
+            rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
+            if not rot or (D - R) % n or not aligned(vt, n if is_neox else max(n // 2, 1)):
+                continue
+        if D % n == 0 and all(aligned(x, n) for x in (vout, vk, vv)):
+            return n
+    return None
+
+
+_CUDA_R = {FLOAT16: 2, BFLOAT16: 14, FLOAT32: 0}  # cudaDataType
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_GEMM_DEFAULT = -1
+_ALPHA_BETA = np.array([1.0, 0.0], np.float32)
+
+
+def _gemm(a_ptr, lda, b_ptr, ldb, c_ptr, ldc, m, n, k, dtype, c_dtype, device, stream):
+    """Row-major C (n, m) = B (n, k) @ A (m, k)^T, float32 accumulation. In cuBLAS's column-major
+    terms: C^T (m x n) = A^T B^T with A (k x m, lda) read transposed and B (k x n, ldb)."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    with cupy.cuda.Device(device):
+        handle = cupy.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, stream.ptr)
+        cublas.setPointerMode(handle, 0)  # CUBLAS_POINTER_MODE_HOST: alpha, beta on the host
+        cublas.gemmEx(handle, 1, 0, m, n, k,  # op(A) = A^T, op(B) = B
+                      _ALPHA_BETA.ctypes.data, a_ptr, _CUDA_R[dtype], lda, b_ptr, _CUDA_R[dtype],
+                      ldb, _ALPHA_BETA.ctypes.data + 4, c_ptr, _CUDA_R[c_dtype], ldc,
+                      _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+
+
+def _launch_prefill(fields, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, device, stream):
+    """cuBLAS, then one epilogue launch. One GEMM into a (T, N) temporary in the input dtype; for
+    fp8 caches with RoPE, Q goes straight into ``out`` and K|V into a float32 temporary instead
+    (16-bit rounding before a cancelling rotation would cost fp8 codes)."""
+    import cupy
+
+    dtype = vx.dtype
+    k_dtype = FLOAT32 if fields["cos_sin"] and cache_dtype in FP8_DTYPES else dtype
+    with cupy.cuda.Device(device), stream:
+        if fmt == W_DENSE:
+            w_ptr, w_ld, w_tmp = vw.ptr, vw.strides[0], None
+        else:
+            w_tmp = cupy.empty((N, K), dtype)
+            params = PARAMS.pack(**{**fields, "out": w_tmp.data.ptr})
+            total = N * (K // 2 if fmt == W_INT4 else K)
+            grid = min((total + DEQUANT_BLOCK - 1) // DEQUANT_BLOCK, 132 * 16)
+            launch(STEM, dequant_expression(dtype, fmt), device, (grid,), (DEQUANT_BLOCK,),
+                   (params,), stream)
+            w_ptr, w_ld = w_tmp.data.ptr, K
+        row_bytes = w_ld * dtype.itemsize
+        x_ptr, x_ld = vx.ptr, vx.strides[0]
+        if k_dtype == dtype:
+            tmp = cupy.empty((T, N), dtype)
+            _gemm(w_ptr, w_ld, x_ptr, x_ld, tmp.data.ptr, N, N, T, K, dtype, dtype, device, stream)
+            isz = dtype.itemsize
+            q_ptr, q_ld = tmp.data.ptr, N
+            k_ptr, v_ptr, kv_ld = (tmp.data.ptr + Hq * D * isz, tmp.data.ptr + (Hq + Hkv) * D * isz,
+                                   N)
+        else:
+            tmp = cupy.empty((T, 2 * Hkv * D), k_dtype)
+            _gemm(w_ptr, w_ld, x_ptr, x_ld, fields["out"], fields["out_s0"], Hq * D, T, K, dtype,
+                  dtype, device, stream)
+            _gemm(w_ptr + Hq * D * row_bytes, w_ld, x_ptr, x_ld, tmp.data.ptr, 2 * Hkv * D,
+                  2 * Hkv * D, T, K, dtype, k_dtype, device, stream)
+            q_ptr, q_ld = fields["out"], fields["out_s0"]  # roped in place
+            k_ptr, v_ptr, kv_ld = tmp.data.ptr, tmp.data.ptr + Hkv * D * 4, 2 * Hkv * D
+        params = PARAMS.pack(**{**fields, "q_tmp": q_ptr, "qt_s0": q_ld, "k_tmp": k_ptr,
+                                "v_tmp": v_ptr, "kt_s0": kv_ld, "vt_s0": kv_ld})
+        launch(STEM, epilogue_expression(dtype, cache_dtype, k_dtype, n), device, (T,),
+               (EPILOGUE_BLOCK,), (params,), stream)
+        del w_tmp, tmp  # stream-ordered frees: later work on this stream may reuse them
+
+
+def _check_indices(voff, vlen, vbt, T, P, page_size, num_pages):
+    request, pos, page, _ = reference.ragged_paged_slots(
+        ck.host_copy(voff), ck.host_copy(vlen), ck.host_copy(vbt), page_size, num_pages, T)
+    for t in range(T):
+        if request[t] < 0:
+            raise IndexError(f"token {t} lies in no request of input_row_offsets")
+        if pos[t] < 0 or (P is not None and pos[t] >= P):
+            raise IndexError(f"token {t} (request {request[t]}) has position {pos[t]}, outside "
+                             f"[0, {P if P is not None else 'inf'})")
+        if page[t] < 0:
+            raise IndexError(f"token {t} (request {request[t]}, position {pos[t]}) has no valid "
+                             f"page in block_table (block index {pos[t] // page_size}, "
+                             f"num_pages {num_pages})")

@@ -1,0 +1,620 @@
+"""``fused_qkv_matmul_append_paged_kv_cache`` and ``pack_int4``: the reference against an
+independent loop, packing, every validation rule and the NumPy backend (CPU); both CUDA paths
+against the float64 reference (GPU)."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ropekv
+from ropekv import qkv as qkv_mod
+from ropekv import reference
+from tests.tolerance import assert_close, to_numpy
+
+F16 = np.dtype(np.float16)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E5M2 = np.dtype(ml_dtypes.float8_e5m2)
+
+
+def make_case(seed, lengths=(3, 1, 0, 2), K=96, Hq=4, Hkv=2, D=16, R=16, P=64, page_size=4,
+              layout="NHD", dtype=F16, cache_dtype=None, wfmt="dense", group_size=32,
+              zero_points=False, cached=None, bad_pages=False, is_neox=True, extra_tokens=0):
+    """NumPy arguments of one call (``args``) and its keywords (``kw``). Caches hold random bytes
+    so that stray writes show. ``R=None``: no RoPE."""
+    rng = np.random.default_rng(seed)
+    dtype, cache_dtype = np.dtype(dtype), np.dtype(cache_dtype or dtype)
+    B = len(lengths)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    T = int(offsets[-1]) + extra_tokens  # extra tokens belong to no request
+    if cached is None:
+        cached = rng.integers(0, 9, B)
+    cached = np.asarray(cached, np.int32)
+    need = [(int(c) + n + page_size - 1) // page_size for c, n in zip(cached, lengths)]
+    max_pages = max(need + [1]) + 1
+    num_pages = sum(need) + 3
+    table = np.full((B, max_pages), -1, np.int32)
+    perm = rng.permutation(num_pages)
+    start = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[start:start + n]
+        start += n
+    if bad_pages and B:
+        table[0, 0] = num_pages + 5  # out of range: skipped
+        table[-1, 0] = -7
+    N = (Hq + 2 * Hkv) * D
+    x = rng.standard_normal((T, K)).astype(dtype)
+    kw = {"num_q_heads": Hq, "kv_layout": layout, "is_neox": is_neox}
+    if wfmt == "dense":
+        weight = (rng.standard_normal((N, K)) / math.sqrt(K)).astype(dtype)
+    elif wfmt == "fp8":
+        weight = (rng.standard_normal((N, K)) * 8).astype(E4M3)
+        kw["weight_scales"] = (rng.uniform(0.5, 1.5, N) / (8 * math.sqrt(K))).astype(np.float32)
+    else:
+        weight = qkv_mod.pack_int4(rng.integers(-8, 8, (N, K)))
+        kw["group_size"] = group_size
+        kw["weight_scales"] = (rng.uniform(0.5, 1.5, (N, K // group_size))
+                               / (4.6 * math.sqrt(K))).astype(dtype)
+        if zero_points:
+            kw["zero_points"] = rng.integers(0, 256, (N, K // group_size)).astype(np.uint8)
+    shape = (num_pages, page_size, Hkv, D) if layout == "NHD" else (num_pages, Hkv, page_size, D)
+    nbytes = int(np.prod(shape)) * cache_dtype.itemsize
+    caches = tuple(rng.integers(0, 256, nbytes, np.uint8).view(cache_dtype)
+                   .reshape(shape) for _ in range(2))
+    if cache_dtype.itemsize == 1:  # no NaN codes, so comparisons stay simple
+        caches = tuple(np.where(np.isnan(c.astype(np.float32)), 0, c).astype(cache_dtype)
+                       for c in caches)
+        kw["kv_scale"] = (float(rng.uniform(0.3, 2.0)), float(rng.uniform(0.3, 2.0)))
+    if R is not None:
+        kw["cos_sin_cache"] = ropekv.cos_sin_cache(P, R, base=float(rng.uniform(100, 1e6)))
+    args = {"hidden_state": x, "weight": weight, "input_row_offsets": offsets,
+            "cache_lengths": cached,
+                "block_table": table, "paged_kv_cache": caches}
+    return args, kw
+
+
+def call(args, kw, **more):
+    return ropekv.fused_qkv_matmul_append_paged_kv_cache(**args, **kw, **more)
+
+
+def expected(args, kw):
+    """The reference on copies: (q, k_cache, v_cache)."""
+    k, v = (c.copy() for c in args["paged_kv_cache"])
+    T, Hq = args["hidden_state"].shape[0], kw["num_q_heads"]
+    out = np.empty((T, Hq * k.shape[3]), args["hidden_state"].dtype)
+    scale = kw.get("kv_scale") or (1.0, 1.0)
+    reference.fused_qkv_matmul_append_paged_kv_cache(
+        args["hidden_state"], args["weight"], args["input_row_offsets"], args["cache_lengths"],
+        args["block_table"], k, v, out, Hq, kw.get("cos_sin_cache"), kw.get("is_neox", True),
+        kw.get("kv_layout", "NHD"), scale[0], scale[1], kw.get("weight_scales"),
+        kw.get("group_size"), kw.get("zero_points"))
+    return out, k, v
+
+
+def written_mask(args, kw):
+    """Boolean (num_pages, page_size): cache entries the call writes."""
+    k = args["paged_kv_cache"][0]
+    nhd = kw.get("kv_layout", "NHD") == "NHD"
+    num_pages, page_size = k.shape[0], k.shape[1] if nhd else k.shape[2]
+    T = args["hidden_state"].shape[0]
+    request, pos, page, entry = reference.ragged_paged_slots(
+        args["input_row_offsets"], args["cache_lengths"], args["block_table"], page_size,
+        num_pages, T)
+    ok = (request >= 0) & (pos >= 0) & (page >= 0)
+    if kw.get("cos_sin_cache") is not None:
+        ok &= pos < kw["cos_sin_cache"].shape[0]
+    mask = np.zeros((num_pages, page_size), bool)
+    mask[page[ok], entry[ok]] = True
+    return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference, against an independent token-by-token loop
+
+
+def naive(args, kw):
+    x = args["hidden_state"].astype(np.float64)
+    w = reference.dequantize_weight(args["weight"], kw.get("weight_scales"),
+                                    kw.get("group_size"), kw.get("zero_points"))
+    k_cache, v_cache = (c.copy() for c in args["paged_kv_cache"])
+    Hq, nhd = kw["num_q_heads"], kw.get("kv_layout", "NHD") == "NHD"
+    D = k_cache.shape[3]
+    page_size, Hkv = (k_cache.shape[1], k_cache.shape[2]) if nhd else \
+        (k_cache.shape[2], k_cache.shape[1])
+    offsets, lens, table = (args[n] for n in ("input_row_offsets", "cache_lengths",
+                                              "block_table"))
+    table_cs = kw.get("cos_sin_cache")
+    q_out = np.zeros((x.shape[0], Hq * D))
+    for t in range(x.shape[0]):
+        y = w @ x[t]
+        heads = y.reshape(Hq + 2 * Hkv, D).copy()
+        b = next((b for b in range(len(lens)) if offsets[b] <= t < offsets[b + 1]), None)
+        p = None if b is None else int(lens[b]) + t - int(offsets[b])
+        if p is not None and table_cs is not None and p >= table_cs.shape[0]:
+            p = None
+        if p is not None and table_cs is not None:
+            R = table_cs.shape[1]
+            cos, sin = table_cs[p, :R // 2].astype(np.float64), table_cs[p, R // 2:]
+            for h in range(Hq + Hkv):  # rotate as complex numbers
+                row = heads[h]
+                if kw.get("is_neox", True):
+                    z = (row[:R // 2] + 1j * row[R // 2:R]) * (cos + 1j * sin)
+                    row[:R // 2], row[R // 2:R] = z.real, z.imag
+                else:
+                    z = (row[0:R:2] + 1j * row[1:R:2]) * (cos + 1j * sin)
+                    row[0:R:2], row[1:R:2] = z.real, z.imag
+        q_out[t] = heads[:Hq].reshape(-1)
+        if p is None or p // page_size >= table.shape[1]:
+            continue
+        page = table[b, p // page_size]
+        if not 0 <= page < k_cache.shape[0]:
+            continue
+        e = p % page_size
+        for h in range(Hkv):
+            for cache, row in ((k_cache, heads[Hq + h]), (v_cache, heads[Hq + Hkv + h])):
+                scale = (kw.get("kv_scale") or (1.0, 1.0))[cache is v_cache]
+                scale = scale if cache.dtype.itemsize == 1 else 1.0
+                val = reference.to_dtype(row / scale, cache.dtype)
+                if nhd:
+                    cache[page, e, h] = val
+                else:
+                    cache[page, h, e] = val
+    return reference.to_dtype(q_out, args["hidden_state"].dtype), k_cache, v_cache
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("is_neox, R", [(True, 16), (False, 16), (True, 8), (False, 6),
+                                        (True, None)])
+@pytest.mark.parametrize("wfmt", ["dense", "fp8", "int4"])
+def test_reference_matches_a_token_loop(layout, is_neox, R, wfmt):
+    args, kw = make_case(3, layout=layout, is_neox=is_neox, R=R, wfmt=wfmt, bad_pages=True,
+                         extra_tokens=2, zero_points=wfmt == "int4")
+    q, k, v = expected(args, kw)
+    qn, kn, vn = naive(args, kw)
+    np.testing.assert_array_equal(q, qn)
+    np.testing.assert_array_equal(k.view(np.uint8), kn.view(np.uint8))
+    np.testing.assert_array_equal(v.view(np.uint8), vn.view(np.uint8))
+
+
+def test_reference_skips_positions_past_the_table():
+    args, kw = make_case(4, lengths=(3,), cached=[62], P=64)  # positions 62, 63, 64
+    q, _, _ = expected(args, kw)
+    plain, _, _ = expected(args, {**kw, "cos_sin_cache": None})
+    np.testing.assert_array_equal(q[2], plain[2])  # unrotated
+    assert not np.array_equal(q[0], plain[0])
+    assert written_mask(args, kw).sum() == 2
+
+
+def test_reference_fp8_cache_divides_by_kv_scale():
+    args, kw = make_case(5, cache_dtype=E4M3, R=None)
+    kw["kv_scale"] = (0.5, 2.0)
+    _, k, v = expected(args, kw)
+    _, k1, v1 = expected(args, {**kw, "kv_scale": (1.0, 1.0)})
+    mask = written_mask(args, kw)
+    kf, k1f = k[mask].astype(np.float64), k1[mask].astype(np.float64)
+    small = np.abs(k1f) < 100  # away from saturation: 2x then rounded equals rounded then 2x
+    np.testing.assert_array_equal(kf[small], 2 * k1f[small])
+    assert np.abs(v[mask].astype(np.float64)).max() <= np.abs(v1[mask].astype(np.float64)).max()
+
+
+def test_dequantize_int4_formula():
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 16, (3, 8))
+    packed = qkv_mod.pack_int4(q, signed=False)
+    scales = np.array([[1, 2], [3, 4], [5, 6]], np.float16)
+    zeros = np.array([[0, 15], [8, 1], [0x17, 4]], np.uint8)  # 0x17: the low 4 bits, 7
+    w = reference.dequantize_weight(packed, scales, 4, zeros)
+    z = np.repeat(zeros & 0xF, 4, axis=1)
+    np.testing.assert_array_equal(w, (q - z) * np.repeat(scales.astype(np.float64), 4, axis=1))
+    w8 = reference.dequantize_weight(packed, scales, 4)
+    np.testing.assert_array_equal(w8, (q - 8) * np.repeat(scales.astype(np.float64), 4, axis=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# pack_int4
+
+
+def unpack(packed):
+    out = np.empty((packed.shape[0], 2 * packed.shape[1]), np.int64)
+    out[:, 0::2], out[:, 1::2] = packed & 0xF, packed >> 4
+    return out
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(1, 5), st.integers(1, 6), st.booleans())
+def test_pack_int4_round_trip(seed, n, half_k, signed):
+    rng = np.random.default_rng(seed)
+    lo, hi = (-8, 8) if signed else (0, 16)
+    w = rng.integers(lo, hi, (n, 2 * half_k)).astype(rng.choice([np.int8, np.int32, np.int64]))
+    packed = ropekv.pack_int4(w, signed=signed)
+    assert packed.dtype == np.uint8 and packed.shape == (n, half_k)
+    np.testing.assert_array_equal(unpack(packed) - (8 if signed else 0), w)
+
+
+def test_pack_int4_layout():
+    np.testing.assert_array_equal(ropekv.pack_int4(np.array([[-8, 7, 0, 1]])), [[0xF0, 0x98]])
+    np.testing.assert_array_equal(ropekv.pack_int4(np.array([[1, 2]]), signed=False), [[0x21]])
+
+
+@pytest.mark.parametrize("w, signed, exc, match", [
+    (np.array([[8, 0]]), True, ValueError, r"\[-8, 7\]"),
+    (np.array([[-1, 0]]), False, ValueError, r"\[0, 15\]"),
+    (np.array([[1, 2, 3]]), True, ValueError, "even"),
+    (np.array([1, 2]), True, ValueError, r"\(N, K\)"),
+    (np.array([[1.0, 2.0]]), True, TypeError, "integer"),
+])
+def test_pack_int4_rejects(w, signed, exc, match):
+    with pytest.raises(exc, match=match):
+        ropekv.pack_int4(w, signed=signed)
+
+
+# ---------------------------------------------------------------------------------------------
+# NumPy backend
+
+
+@pytest.mark.parametrize("wfmt", ["dense", "fp8", "int4"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_numpy_backend_is_the_reference(wfmt, layout):
+    args, kw = make_case(7, wfmt=wfmt, layout=layout, cache_dtype=E4M3, bad_pages=True,
+                         extra_tokens=1)
+    q_ref, k_ref, v_ref = expected(args, kw)
+    q = call(args, kw)
+    assert isinstance(q, np.ndarray) and q.dtype == F16
+    np.testing.assert_array_equal(q, q_ref)
+    np.testing.assert_array_equal(args["paged_kv_cache"][0].view(np.uint8), k_ref.view(np.uint8))
+    np.testing.assert_array_equal(args["paged_kv_cache"][1].view(np.uint8), v_ref.view(np.uint8))
+
+
+def test_numpy_backend_writes_out_in_place():
+    args, kw = make_case(8, dtype=BF16)
+    out = np.zeros((args["hidden_state"].shape[0], 4 * 16), BF16)
+    q_ref, _, _ = expected(args, kw)
+    assert call(args, kw, out=out) is out
+    np.testing.assert_array_equal(out.view(np.uint16), q_ref.view(np.uint16))
+
+
+def test_numpy_backend_uint32_offsets_and_empty_batch():
+    args, kw = make_case(9)
+    args["input_row_offsets"] = args["input_row_offsets"].astype(np.uint32)
+    q_ref, _, _ = expected(args, kw)
+    np.testing.assert_array_equal(call(args, kw), q_ref)
+    args, kw = make_case(9, lengths=())
+    assert call(args, kw).shape == (0, 64)
+
+
+def test_check_indices_raises(monkeypatch):
+    monkeypatch.setenv("ROPEKV_CHECK_INDICES", "1")
+    args, kw = make_case(10, bad_pages=True)
+    with pytest.raises(IndexError, match="no valid page"):
+        call(args, kw)
+    args, kw = make_case(10, extra_tokens=1)
+    with pytest.raises(IndexError, match="no request"):
+        call(args, kw)
+    args, kw = make_case(10, lengths=(2,), cached=[63], P=64)
+    with pytest.raises(IndexError, match="position 64"):
+        call(args, kw)
+    args, kw = make_case(10)
+    call(args, kw)  # valid indices pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: one case per rule, each raising before anything is written
+
+
+RULES = [
+    ("cache not a pair", lambda a, k: a.update(paged_kv_cache=a["paged_kv_cache"][0]),
+     ValueError, "pair"),
+    ("hidden 3-D", lambda a, k: a.update(hidden_state=a["hidden_state"][None]), ValueError,
+     r"hidden_state must have shape \(T, K\)"),
+    ("hidden float32", lambda a, k: a.update(hidden_state=a["hidden_state"].astype(np.float32)),
+     TypeError, "hidden_state must have dtype"),
+    ("K = 0", lambda a, k: a.update(hidden_state=a["hidden_state"][:, :0]), ValueError, "K > 0"),
+    ("num_q_heads 0", lambda a, k: k.update(num_q_heads=0), ValueError, "num_q_heads"),
+    ("num_q_heads bool", lambda a, k: k.update(num_q_heads=True), ValueError, "num_q_heads"),
+    ("layout", lambda a, k: k.update(kv_layout="NDH"), ValueError, "kv_layout"),
+    ("cache 3-D", lambda a, k: a.update(paged_kv_cache=tuple(c[0] for c in a["paged_kv_cache"])),
+     ValueError, "k_cache must have shape"),
+    ("v shape", lambda a, k: a.update(paged_kv_cache=(a["paged_kv_cache"][0],
+                                                      a["paged_kv_cache"][1][:-1])),
+     ValueError, "v_cache must have shape"),
+    ("D odd", lambda a, k: a.update(paged_kv_cache=tuple(c[..., :15] for c in
+                                                         a["paged_kv_cache"])),
+     ValueError, "D even"),
+    ("cache float32", lambda a, k: a.update(paged_kv_cache=tuple(c.astype(np.float32) for c in
+                                                                 a["paged_kv_cache"])),
+     TypeError, "k_cache must have dtype"),
+    ("v dtype", lambda a, k: a.update(paged_kv_cache=(
+        a["paged_kv_cache"][0], np.zeros(a["paged_kv_cache"][1].shape, BF16))),
+     TypeError, "v_cache must have the dtype of k_cache"),
+    ("weight shape", lambda a, k: a.update(weight=a["weight"][:-1]), ValueError,
+     "weight must have shape"),
+    ("weight float32", lambda a, k: a.update(weight=a["weight"].astype(np.float32)), TypeError,
+     "weight must have dtype"),
+    ("scales with dense", lambda a, k: k.update(weight_scales=np.ones(128, np.float32)),
+     ValueError, "weight_scales is only used"),
+    ("zero points with dense", lambda a, k: k.update(zero_points=np.ones((128, 3), np.uint8)),
+     ValueError, "zero_points is only used"),
+    ("kv_scale with fp16 cache", lambda a, k: k.update(kv_scale=1.0), ValueError,
+     "kv_scale is only used"),
+    ("offsets 2-D", lambda a, k: a.update(input_row_offsets=a["input_row_offsets"][None]),
+     ValueError, "input_row_offsets must have shape"),
+    ("offsets empty", lambda a, k: a.update(input_row_offsets=a["input_row_offsets"][:0]),
+     ValueError, "input_row_offsets must have shape"),
+    ("offsets int64", lambda a, k: a.update(
+        input_row_offsets=a["input_row_offsets"].astype(np.int64)), TypeError,
+     "input_row_offsets must have dtype"),
+    ("offsets strided", lambda a, k: a.update(
+        input_row_offsets=np.repeat(a["input_row_offsets"], 2)[::2]), ValueError,
+     "C-contiguous"),
+    ("lengths shape", lambda a, k: a.update(cache_lengths=a["cache_lengths"][:-1]), ValueError,
+     "cache_lengths must have shape"),
+    ("lengths int64", lambda a, k: a.update(cache_lengths=a["cache_lengths"].astype(np.int64)),
+     TypeError, "cache_lengths must have dtype"),
+    ("table 1-D", lambda a, k: a.update(block_table=a["block_table"][0]), ValueError,
+     "block_table must have shape"),
+    ("table rows", lambda a, k: a.update(block_table=a["block_table"][:-1]), ValueError,
+     "block_table must have shape"),
+    ("table int64", lambda a, k: a.update(block_table=a["block_table"].astype(np.int64)),
+     TypeError, "block_table must have dtype"),
+    ("cos_sin float64", lambda a, k: k.update(cos_sin_cache=k["cos_sin_cache"].astype(np.float64)),
+     TypeError, "cos_sin_cache must have dtype"),
+    ("cos_sin 3-D", lambda a, k: k.update(cos_sin_cache=k["cos_sin_cache"][None]), ValueError,
+     r"cos_sin_cache must have shape \(P, R\)"),
+    ("R odd", lambda a, k: k.update(cos_sin_cache=np.ascontiguousarray(
+        k["cos_sin_cache"][:, :5])), ValueError, "must be even"),
+    ("R > D", lambda a, k: k.update(cos_sin_cache=np.ones((8, 18), np.float32)), ValueError,
+     r"\[2, D=16\]"),
+    ("out shape", lambda a, k: k.update(out=np.empty((6, 63), F16)), ValueError,
+     "out must have shape"),
+    ("out dtype", lambda a, k: k.update(out=np.empty((6, 64), BF16)), TypeError,
+     "out must have the dtype"),
+    ("out read-only", lambda a, k: k.update(out=np.broadcast_to(np.empty(64, F16), (6, 64))),
+     BufferError, "out"),
+    ("hidden strided", lambda a, k: a.update(hidden_state=np.repeat(a["hidden_state"], 2,
+                                                                    axis=1)[:, ::2]),
+     ValueError, "hidden_state must be contiguous in its last dimension"),
+    ("cache read-only", lambda a, k: a.update(paged_kv_cache=tuple(
+        np.broadcast_to(c[:1], c.shape) for c in a["paged_kv_cache"])), BufferError, "k_cache"),
+]
+
+
+@pytest.mark.parametrize("mutate, exc, match", [r[1:] for r in RULES], ids=[r[0] for r in RULES])
+def test_validation(mutate, exc, match):
+    args, kw = make_case(11)
+    mutate(args, kw)
+    before = [c.copy() for c in args["paged_kv_cache"]]
+    with pytest.raises(exc, match=match):
+        call(args, kw)
+    for c, b in zip(args["paged_kv_cache"], before):
+        np.testing.assert_array_equal(np.asarray(c).view(np.uint8), b.view(np.uint8))
+
+
+QUANT_RULES = [
+    ("fp8 without scales", "fp8", lambda a, k: k.pop("weight_scales"), ValueError,
+     "weight_scales .* is required"),
+    ("fp8 scales shape", "fp8", lambda a, k: k.update(weight_scales=k["weight_scales"][:-1]),
+     ValueError, "weight_scales must have shape"),
+    ("fp8 scales dtype", "fp8", lambda a, k: k.update(
+        weight_scales=k["weight_scales"].astype(F16)), TypeError, "weight_scales must have dtype"),
+    ("fp8 group_size", "fp8", lambda a, k: k.update(group_size=32), ValueError,
+     "group_size is only used"),
+    ("fp8 e5m2 weight", "fp8", lambda a, k: a.update(weight=a["weight"].astype(E5M2)), TypeError,
+     "weight must have dtype"),
+    ("int4 without group", "int4", lambda a, k: k.pop("group_size"), ValueError,
+     "group_size is required"),
+    ("int4 odd group", "int4", lambda a, k: k.update(group_size=3), ValueError, "even and divide"),
+    ("int4 group not dividing", "int4", lambda a, k: k.update(group_size=64), ValueError,
+     "divide K=96"),
+    ("int4 without scales", "int4", lambda a, k: k.pop("weight_scales"), ValueError,
+     "weight_scales .* is required"),
+    ("int4 scales dtype", "int4", lambda a, k: k.update(
+        weight_scales=k["weight_scales"].astype(np.float32)), TypeError,
+     "weight_scales must have dtype"),
+    ("int4 scales shape", "int4", lambda a, k: k.update(weight_scales=k["weight_scales"][:, :2]),
+     ValueError, "weight_scales must have shape"),
+    ("int4 zero points shape", "int4", lambda a, k: k.update(
+        zero_points=np.zeros((128, 2), np.uint8)), ValueError, "zero_points must have shape"),
+    ("int4 zero points dtype", "int4", lambda a, k: k.update(
+        zero_points=np.zeros((128, 3), np.int32)), TypeError, "zero_points must have dtype"),
+    ("int4 weight unpacked", "int4", lambda a, k: a.update(
+        weight=np.zeros((128, 96), np.uint8)), ValueError, r"K / 2\) for 4-bit"),
+    ("int4 odd K", "int4", lambda a, k: a.update(hidden_state=a["hidden_state"][:, :95]),
+     ValueError, "even K"),
+    ("kv_scale negative", "fp8cache", lambda a, k: k.update(kv_scale=-1.0), ValueError,
+     "positive and finite"),
+    ("kv_scale triple", "fp8cache", lambda a, k: k.update(kv_scale=(1.0, 1.0, 1.0)), ValueError,
+     "pair of floats"),
+]
+
+
+@pytest.mark.parametrize("wfmt, mutate, exc, match", [r[1:] for r in QUANT_RULES],
+                         ids=[r[0] for r in QUANT_RULES])
+def test_validation_quantized(wfmt, mutate, exc, match):
+    if wfmt == "fp8cache":
+        args, kw = make_case(12, cache_dtype=E4M3)
+    else:
+        args, kw = make_case(12, wfmt=wfmt)
+    mutate(args, kw)
+    with pytest.raises(exc, match=match):
+        call(args, kw)
+
+
+def test_instantiations_cover_every_dispatch():
+    names = set(qkv_mod.instantiations())
+    assert len(names) == len(list(qkv_mod.instantiations()))
+    for dtype in (F16, BF16):
+        for fmt in (0, 1, 2):
+            for tt in qkv_mod.GEMV_TILES:
+                assert qkv_mod.gemv_expression(dtype, fmt, 16, tt) in names
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: both paths against the float64 reference
+
+
+def to_device(x):
+    import cupy as cp
+
+    if isinstance(x, tuple):
+        return tuple(to_device(c) for c in x)
+    if not isinstance(x, np.ndarray):
+        return x
+    if x.dtype.itemsize == 1 and x.dtype != np.uint8:
+        return cp.asarray(x.view(np.uint8)).view(x.dtype)
+    return cp.asarray(x)
+
+
+def rel_rows(actual, expect, D):
+    """Largest relative L2 error over rows of D values."""
+    a = to_numpy(actual).astype(np.float64).reshape(-1, D)
+    e = expect.astype(np.float64).reshape(-1, D)
+    den = np.maximum(np.linalg.norm(e, axis=1), 1e-6)
+    return float((np.linalg.norm(a - e, axis=1) / den).max(initial=0.0))
+
+
+def rounded_weights(args, kw):
+    """The call as the cuBLAS path computes it for quantized weights: weights dequantized, then
+    rounded to the input dtype (documented), so fp8 codes are compared against that."""
+    dtype = args["hidden_state"].dtype
+    w = reference.to_dtype(reference.dequantize_weight(
+        args["weight"], kw.get("weight_scales"), kw.get("group_size"), kw.get("zero_points")),
+        dtype)
+    kw = {n: x for n, x in kw.items() if n not in ("weight_scales", "group_size", "zero_points")}
+    return {**args, "weight": w}, kw
+
+
+def check_gpu(args, kw, out_given=False, monkeypatch=None, path=None):
+    if path is not None:
+        monkeypatch.setattr(qkv_mod, "GEMV_MAX_TOKENS", 1 << 30 if path == "gemv" else 0)
+    cublas = args["hidden_state"].shape[0] > qkv_mod.GEMV_MAX_TOKENS
+    if cublas and args["weight"].dtype != args["hidden_state"].dtype:
+        q_ref, k_ref, v_ref = expected(*rounded_weights(args, kw))
+    else:
+        q_ref, k_ref, v_ref = expected(args, kw)
+    originals = [c.copy() for c in args["paged_kv_cache"]]
+    dargs = {n: to_device(x) for n, x in args.items()}
+    dkw = {n: to_device(x) for n, x in kw.items()}
+    D = args["paged_kv_cache"][0].shape[3]
+    if out_given:
+        import cupy as cp
+
+        dkw["out"] = cp.full(q_ref.shape, 7, q_ref.dtype)
+    q = call(dargs, dkw)
+    if out_given:
+        assert q is dkw["out"]
+    assert rel_rows(q, q_ref, D) <= 1e-2
+    mask = written_mask(args, kw)
+    nhd = kw.get("kv_layout", "NHD") == "NHD"
+    for dc, ref, orig, what in zip(dargs["paged_kv_cache"], (k_ref, v_ref), originals, "kv"):
+        got = to_numpy(dc)
+        if not nhd:
+            got, ref, orig = (np.swapaxes(x, 1, 2) for x in (got, ref, orig))
+        np.testing.assert_array_equal(got[~mask].view(np.uint8), orig[~mask].view(np.uint8),
+                                      err_msg=f"{what} cache: unaddressed bytes changed")
+        if ref.dtype.itemsize == 1:
+            assert_close(np.ascontiguousarray(got[mask]), np.ascontiguousarray(ref[mask]),
+                         f"{what} cache")
+        else:
+            assert rel_rows(got[mask], ref[mask], D) <= 1e-2, f"{what} cache"
+
+
+LLAMA = {"K": 4096, "Hq": 32, "Hkv": 8, "D": 128, "R": 128, "P": 4096, "page_size": 16}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths, path", [((1,), None), ((1,) * 16, None), ((1,) * 7, "gemv"),
+                                           ((40, 0, 89), None), ((5, 2), "cublas")])
+@pytest.mark.parametrize("wfmt", ["dense", "int4", "fp8"])
+def test_gpu_llama3_8b(lengths, path, wfmt, monkeypatch):
+    args, kw = make_case(20, lengths=lengths, wfmt=wfmt, group_size=128,
+                         cached=[100 + 37 * i for i in range(len(lengths))], **LLAMA)
+    check_gpu(args, kw, monkeypatch=monkeypatch, path=path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("lengths", [(1,), (1, 2), (2, 0, 2)])
+def test_gpu_int4_decodes(fast, lengths, monkeypatch):
+    """Both 4-bit decodes of the fused kernel (1 + q/16 floats, and the plain one) with zero
+    points, at token tiles 1, 2 and 4."""
+    monkeypatch.setattr(qkv_mod, "FAST_INT4", fast)
+    args, kw = make_case(24, lengths=lengths, wfmt="int4", group_size=64, zero_points=True,
+                         dtype=BF16, cache_dtype=E4M3, cached=[5] * len(lengths),
+                         **{**LLAMA, "K": 1024})
+    check_gpu(args, kw, monkeypatch=monkeypatch, path="gemv")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("cache", ["same", "e4m3"])
+def test_gpu_k_8192(dtype, cache):
+    args, kw = make_case(21, lengths=(2, 1), K=8192, Hq=8, Hkv=2, D=128, R=64, P=512,
+                         page_size=16, dtype=dtype, cache_dtype=E4M3 if cache == "e4m3" else None)
+    check_gpu(args, kw)
+
+
+@pytest.mark.gpu
+@given(seed=st.integers(0, 2**32 - 1), K=st.sampled_from([96, 320]),
+       T=st.sampled_from([1, 7, 129]), dtype=st.sampled_from([F16, BF16]),
+       cache=st.sampled_from(["same", "e4m3", "e5m2"]), layout=st.sampled_from(["NHD", "HND"]),
+       rope=st.sampled_from(["neox", "interleaved", "partial", "none"]),
+       wfmt=st.sampled_from(["dense", "fp8", "int4"]), zero_points=st.booleans(),
+       path=st.sampled_from([None, "gemv", "cublas"]), page_size=st.sampled_from([1, 4, 16]),
+       out_given=st.booleans())
+def test_gpu_small_shapes(seed, K, T, dtype, cache, layout, rope, wfmt, zero_points, path,
+                          page_size, out_given):
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.integers(0, T + 1, 2))
+    lengths = (int(cuts[0]), int(cuts[1] - cuts[0]), 0, int(T - cuts[1]))
+    R = {"neox": 32, "interleaved": 32, "partial": 8, "none": None}[rope]
+    cache_dtype = {"same": None, "e4m3": E4M3, "e5m2": E5M2}[cache]
+    args, kw = make_case(seed, lengths=lengths, K=K, Hq=4, Hkv=2, D=32, R=R, P=256,
+                         page_size=page_size, layout=layout, dtype=dtype, cache_dtype=cache_dtype,
+                         wfmt=wfmt, group_size=32, zero_points=zero_points,
+                         is_neox=rope != "interleaved", bad_pages=bool(seed % 2),
+                         extra_tokens=int(seed % 3 == 0))
+    with pytest.MonkeyPatch.context() as mp:
+        check_gpu(args, kw, out_given=out_given, monkeypatch=mp, path=path)
+
+
+@pytest.mark.gpu
+def test_gpu_strided_hidden_and_caches_sliced_from_one_buffer():
+    import cupy as cp
+
+    args, kw = make_case(22, lengths=(3, 30), K=320, Hq=4, Hkv=2, D=32, R=32, P=256)
+    q_ref, k_ref, v_ref = expected(args, kw)
+    x = args["hidden_state"]
+    wide = np.zeros((x.shape[0], x.shape[1] + 64), x.dtype)
+    wide[:, 8:8 + x.shape[1]] = x
+    k, v = args["paged_kv_cache"]
+    both = cp.asarray(np.stack([k, v], axis=1))  # (pages, 2, ps, Hkv, D): one buffer
+    for path in ("gemv", "cublas"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(qkv_mod, "GEMV_MAX_TOKENS", 1 << 30 if path == "gemv" else 0)
+            dwide = cp.asarray(wide)
+            d = {n: to_device(a) for n, a in args.items()}
+            d["hidden_state"] = dwide[:, 8:8 + x.shape[1]]
+            fresh = both.copy()
+            d["paged_kv_cache"] = (fresh[:, 0], fresh[:, 1])
+            out_buf = cp.zeros((x.shape[0], 4 * 32 + 24), x.dtype)
+            out = out_buf[:, 16:16 + 4 * 32]  # a strided view, written in place
+            q = call(d, {n: to_device(a) for n, a in kw.items()}, out=out)
+            assert q is out
+            assert rel_rows(q, q_ref, 32) <= 1e-2
+            assert not out_buf[:, :16].any() and not out_buf[:, 16 + 128:].any()
+            mask = written_mask(args, kw)
+            assert rel_rows(to_numpy(fresh[:, 0])[mask], k_ref[mask], 32) <= 1e-2
+            assert rel_rows(to_numpy(fresh[:, 1])[mask], v_ref[mask], 32) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_rejects_mixed_devices():
+    args, kw = make_case(23)
+    args["hidden_state"] = to_device(args["hidden_state"])
+    with pytest.raises(ValueError, match="one device"):
+        call(args, kw)
