@@ -61,7 +61,7 @@ def build_parser():
     p.add_argument("--steps", type=int, default=8, help="decode steps after the prefill")
     p.set_defaults(func=_cmd_demo)
     ops = ("contiguous", "paged", "mla", "qknorm", "qkv")  # == ropekv.bench.OPS (no import here)
-    peers = ("flashinfer", "torch", "torch-compile", "cublas")  # == ropekv.bench.PEERS
+    peers = ("flashinfer", "torch", "torch-compile", "cublas", "steps")  # == bench.PEERS
     p = sub.add_parser("bench", help="every op against its peers and the copy bandwidth, one run",
                        description="Time every available op on its standard cases against "
                                    "FlashInfer, PyTorch eager, torch.compile and cuBLAS (each "
@@ -71,7 +71,8 @@ def build_parser():
     p.add_argument("--ops", nargs="+", type=_names(ops, "op"), metavar="OP",
                    help=f"ops to run (default: all that exist): {', '.join(ops)}")
     p.add_argument("--peers", nargs="+", type=_names(peers, "peer"), metavar="PEER",
-                   help=f"peers to compare with (default: all; with --quick: torch, cublas): "
+                   help=f"peers to compare with (default: all; with --quick: torch, cublas, "
+                        f"steps; steps = CuPy RMSNorm + ropekv's paged op, for mla): "
                         f"{', '.join(peers)}")
     p.add_argument("--quick", action="store_true",
                    help="a few cases and repetitions (well under a minute)")
