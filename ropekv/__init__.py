@@ -5,8 +5,15 @@ inputs run the NumPy reference on the host.
 """
 
 from ropekv.contiguous import apply_rope_write_kv
+from ropekv.mla import mla_rope_rmsnorm_append_paged_kv_cache
+from ropekv.paged import rope_append_paged_kv_cache, rope_quantize_fp8_append_paged_kv_cache
+from ropekv.qknorm import qk_rmsnorm_rope_append_paged_kv_cache
+from ropekv.qkv import fused_qkv_matmul_append_paged_kv_cache, pack_int4
 from ropekv.rope import cos_sin_cache, freqs_cis_to_cos_sin
 
 __version__ = "0.1.0"
 
-__all__ = ["apply_rope_write_kv", "cos_sin_cache", "freqs_cis_to_cos_sin"]
+__all__ = ["apply_rope_write_kv", "cos_sin_cache", "freqs_cis_to_cos_sin",
+           "mla_rope_rmsnorm_append_paged_kv_cache", "qk_rmsnorm_rope_append_paged_kv_cache",
+           "rope_append_paged_kv_cache", "rope_quantize_fp8_append_paged_kv_cache",
+           "fused_qkv_matmul_append_paged_kv_cache", "pack_int4"]

@@ -131,6 +131,8 @@ class ArrayView:
         return self.device == HOST
 
     def is_c_contiguous(self):
+        if self.size == 0:
+            return True
         expected = 1
         for n, s in zip(reversed(self.shape), reversed(self.strides)):
             if n != 1 and s != expected:

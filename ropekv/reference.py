@@ -83,3 +83,310 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, kv_end_lens=None, posi
         kv_cache[b, 0][:, slot] = to_dtype(k_rot / k_scale, kv_cache.dtype).transpose(1, 0, 2)
         v_val = v[b, s_idx].astype(np.float64) / v_scale
         kv_cache[b, 1][:, slot] = to_dtype(v_val, kv_cache.dtype).transpose(1, 0, 2)
+
+
+# ---- Ragged batches over a paged cache: MLA RoPE + RMSNorm, and QK-norm + RoPE ---------------
+
+
+def ragged_paged_slots(input_row_offsets, cache_lengths, block_table, page_size, num_pages,
+                       num_tokens):
+    """Where each of ``num_tokens`` tokens of a ragged batch goes, as the kernels compute it.
+
+    Returns int64 arrays ``(request, pos, page, entry)`` of shape ``(T,)``: request -1 for a token
+    outside every request (then pos and page are -1 too); page -1 when the position is negative,
+    past the block table's row or names a page outside ``[0, num_pages)``. Offsets are compared as
+    32-bit unsigned values and the request found by the kernels' binary search (the last b with
+    ``offsets[b] <= t``), so malformed offsets give the kernels' answer too.
+    """
+    offsets = np.asarray(input_row_offsets).astype(np.uint32).astype(np.int64)
+    lengths = np.asarray(cache_lengths, np.int64)
+    table = np.asarray(block_table)
+    B = offsets.shape[0] - 1
+    t = np.arange(num_tokens, dtype=np.int64)
+    lo, hi = np.zeros_like(t), np.full_like(t, B + 1)
+    while (lo < hi).any():
+        active = lo < hi
+        mid = (lo + hi) // 2
+        go = active & (offsets[np.minimum(mid, B)] <= t)
+        lo = np.where(go, mid + 1, lo)
+        hi = np.where(active & ~go, mid, hi)
+    b = lo - 1
+    bc = np.clip(b, 0, max(B - 1, 0))
+    inside = (b >= 0) & (b < B)
+    if B:
+        inside &= (offsets[bc] <= t) & (t < offsets[np.minimum(bc + 1, B)])
+    request = np.where(inside, b, -1)
+    pos = np.where(inside, lengths[bc] + t - offsets[bc] if B else -1, -1)
+    index = np.where(pos >= 0, pos // page_size, -1)
+    max_pages = table.shape[1] if table.ndim == 2 else 0
+    in_table = inside & (index >= 0) & (index < max_pages)
+    page = np.full_like(t, -1)
+    if in_table.any():
+        page[in_table] = table[bc[in_table], index[in_table]]
+    page = np.where(in_table & (page >= 0) & (page < num_pages), page, -1)
+    entry = np.where(page >= 0, pos - index * page_size, 0)
+    return request, pos, page, entry
+
+
+def rms_norm(x, gamma, epsilon):
+    """``x / sqrt(mean(x^2) + epsilon) * gamma`` over the last axis, float64."""
+    x = np.asarray(x, np.float64)
+    ms = np.mean(x * x, axis=-1, keepdims=True)
+    return x / np.sqrt(ms + epsilon) * np.asarray(gamma, np.float64)
+
+
+def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, input_row_offsets,
+                                           cache_lengths, block_table, ckv_cache, kpe_cache,
+                                           q_rope_out, epsilon=1e-6, kv_norm_dim=None,
+                                           is_neox=False, kv_scale=1.0):
+    """Reference of :func:`ropekv.mla_rope_rmsnorm_append_paged_kv_cache`, written in place.
+
+    ``ckv_cache (num_pages, page_size, L)`` and ``kpe_cache (num_pages, page_size, R)`` are the two
+    parts of the cache (views into one ``(num_pages, page_size, L + R)`` array for MAX's layout).
+    Tokens with no valid position have their q row copied unrotated and write nothing; tokens with
+    a valid position but no valid page are roped and write nothing.
+    """
+    T = q_rope.shape[0]
+    P, R = cos_sin_cache.shape
+    L = kv.shape[1] - R
+    n = L if kv_norm_dim is None else int(kv_norm_dim)
+    num_pages, page_size = ckv_cache.shape[:2]
+    request, pos, page, entry = ragged_paged_slots(input_row_offsets, cache_lengths, block_table,
+                                                   page_size, num_pages, T)
+    roped = (request >= 0) & (pos >= 0) & (pos < P)
+    write = roped & (page >= 0)
+    cos, sin = split_cos_sin(cos_sin_cache[np.where(roped, pos, 0)])
+    q = np.array(q_rope, np.float64)
+    q[roped] = rope(q[roped], cos[roped][:, None, :], sin[roped][:, None, :], is_neox)
+    q_rope_out[...] = to_dtype(q, q_rope_out.dtype)
+    if not write.any():
+        return
+    scale = float(kv_scale) if is_fp8(ckv_cache.dtype) else 1.0
+    x = np.asarray(kv[write], np.float64)
+    latent = x[:, :L].copy()
+    latent[:, :n] = rms_norm(latent[:, :n], gamma, epsilon)
+    pe = rope(x[:, L:], cos[write], sin[write], is_neox)
+    ckv_cache[page[write], entry[write]] = to_dtype(latent / scale, ckv_cache.dtype)
+    kpe_cache[page[write], entry[write]] = to_dtype(pe / scale, kpe_cache.dtype)
+
+
+def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cache,
+                                          input_row_offsets, cache_lengths, block_table, k_cache,
+                                          v_cache, q_out, epsilon=1e-6, is_neox=True,
+                                          kv_layout="NHD", k_scale=1.0, v_scale=1.0):
+    """Reference of :func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache`, written in place.
+
+    Caches are ``(num_pages, page_size, Hkv, D)`` (NHD) or ``(num_pages, Hkv, page_size, D)``
+    (HND). Tokens with no valid position have their q row copied unchanged and write nothing.
+    """
+    T = q.shape[0]
+    P = cos_sin_cache.shape[0]
+    num_pages = k_cache.shape[0]
+    page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
+    request, pos, page, entry = ragged_paged_slots(input_row_offsets, cache_lengths, block_table,
+                                                   page_size, num_pages, T)
+    roped = (request >= 0) & (pos >= 0) & (pos < P)
+    write = roped & (page >= 0)
+    cos, sin = split_cos_sin(cos_sin_cache[np.where(roped, pos, 0)])
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    qf = np.array(q, np.float64)
+    qf[roped] = rope(rms_norm(qf[roped], q_gamma, epsilon), cos[roped], sin[roped], is_neox)
+    q_out[...] = to_dtype(qf, q_out.dtype)
+    if not write.any():
+        return
+    fp8 = is_fp8(k_cache.dtype)
+    ks, vs = (float(k_scale), float(v_scale)) if fp8 else (1.0, 1.0)
+    kf = rope(rms_norm(np.asarray(k[write], np.float64), k_gamma, epsilon), cos[write],
+              sin[write], is_neox)
+    vf = np.asarray(v[write], np.float64)
+    pg, en = page[write], entry[write]
+    if kv_layout == "NHD":
+        k_cache[pg, en] = to_dtype(kf / ks, k_cache.dtype)
+        v_cache[pg, en] = to_dtype(vf / vs, v_cache.dtype)
+    else:  # advanced indices around a slice: the selection is (n, Hkv, D)
+        k_cache[pg, :, en] = to_dtype(kf / ks, k_cache.dtype)
+        v_cache[pg, :, en] = to_dtype(vf / vs, v_cache.dtype)
+
+
+# ---- Fused QKV projection with the K/V rows appended to a paged cache ------------------------
+
+
+def dequantize_weight(weight, weight_scales=None, group_size=None, zero_points=None):
+    """float64 ``(N, K)`` weights of :func:`ropekv.fused_qkv_matmul_append_paged_kv_cache`.
+
+    float16/bfloat16 weights as they are; float8 weights times their per-row ``weight_scales``
+    ``(N,)``; uint8 ``(N, K/2)`` 4-bit weights (low nibble = even k, high nibble = odd k) as
+    ``(w - zero) * scale`` with ``scale = weight_scales[n, k // group_size]`` and ``zero`` from
+    ``zero_points`` (4-bit values, 8 when None).
+    """
+    w = np.asarray(weight)
+    if w.dtype == np.uint8:
+        nib = np.empty((w.shape[0], 2 * w.shape[1]), np.float64)
+        nib[:, 0::2] = w & 0xF
+        nib[:, 1::2] = w >> 4
+        zero = 8.0
+        if zero_points is not None:
+            zero = np.repeat(np.asarray(zero_points, np.float64) % 16, group_size, axis=1)
+        scale = np.repeat(np.asarray(weight_scales, np.float64), group_size, axis=1)
+        return (nib - zero) * scale
+    w = w.astype(np.float64)
+    if weight_scales is not None:
+        w = w * np.asarray(weight_scales, np.float64)[:, None]
+    return w
+
+
+def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offsets, cache_lengths,
+                                           block_table, k_cache, v_cache, out, num_q_heads,
+                                           cos_sin_cache=None, is_neox=True, kv_layout="NHD",
+                                           k_scale=1.0, v_scale=1.0, weight_scales=None,
+                                           group_size=None, zero_points=None):
+    """Reference of :func:`ropekv.fused_qkv_matmul_append_paged_kv_cache`, written in place.
+
+    ``qkv = hidden_state @ W.T`` in float64 (W dequantized), rows ordered [Q heads | K heads |
+    V heads]. A token with a valid position (inside a request, ``p >= 0`` and, with a table,
+    ``p < P``) has Q and K roped at p; a token without one has its Q row written unrotated and
+    writes nothing; a token with a valid position but no valid page writes nothing.
+    """
+    T = hidden_state.shape[0]
+    Hq = int(num_q_heads)
+    num_pages, D = k_cache.shape[0], k_cache.shape[3]
+    page_size, Hkv = (k_cache.shape[1:3] if kv_layout == "NHD" else k_cache.shape[2:0:-1])
+    w = dequantize_weight(weight, weight_scales, group_size, zero_points)
+    qkv = np.asarray(hidden_state, np.float64) @ w.T
+    q = qkv[:, :Hq * D].reshape(T, Hq, D)
+    k = qkv[:, Hq * D:(Hq + Hkv) * D].reshape(T, Hkv, D)
+    v = qkv[:, (Hq + Hkv) * D:].reshape(T, Hkv, D)
+    request, pos, page, entry = ragged_paged_slots(input_row_offsets, cache_lengths, block_table,
+                                                   page_size, num_pages, T)
+    valid = (request >= 0) & (pos >= 0)
+    if cos_sin_cache is not None:
+        valid &= pos < cos_sin_cache.shape[0]
+        cos, sin = split_cos_sin(cos_sin_cache[np.where(valid, pos, 0)])
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q[valid] = rope(q[valid], cos[valid], sin[valid], is_neox)
+        k[valid] = rope(k[valid], cos[valid], sin[valid], is_neox)
+    out[...] = to_dtype(q.reshape(T, Hq * D), out.dtype)
+    write = valid & (page >= 0)
+    if not write.any():
+        return out
+    fp8 = is_fp8(k_cache.dtype)
+    ks, vs = (float(k_scale), float(v_scale)) if fp8 else (1.0, 1.0)
+    pg, en = page[write], entry[write]
+    if kv_layout == "NHD":
+        k_cache[pg, en] = to_dtype(k[write] / ks, k_cache.dtype)
+        v_cache[pg, en] = to_dtype(v[write] / vs, v_cache.dtype)
+    else:  # advanced indices around a slice: the selection is (n, Hkv, D)
+        k_cache[pg, :, en] = to_dtype(k[write] / ks, k_cache.dtype)
+        v_cache[pg, :, en] = to_dtype(v[write] / vs, v_cache.dtype)
+    return out
+
+
+# ---- FlashInfer-style paged append: kv_indptr / kv_indices, batch_indices / positions -------
+
+
+def paged_append_slots(kv_indices, kv_indptr, batch_indices, positions, page_size, num_pages):
+    """Where each token of :func:`ropekv.rope_append_paged_kv_cache` goes, as the kernel computes
+    it: int64 ``(page, entry)`` of shape ``(T,)``, page -1 for a token that writes no cache row.
+
+    Token i of request ``b = batch_indices[i]`` at ``p = positions[i]`` reads page-table entry
+    ``it = kv_indptr[b] + p // page_size`` and lands in page ``kv_indices[it]``, entry
+    ``p % page_size``. No row: ``b < 0`` (padding) or ``b >= B``, ``p < 0``, ``kv_indptr[b]``
+    outside ``[0, I]`` (I = len(kv_indices)), ``it`` outside ``[kv_indptr[b], min(kv_indptr[b + 1],
+    I))``, or a page id outside ``[0, num_pages)``.
+    """
+    indices = np.asarray(kv_indices).astype(np.int64)
+    indptr = np.asarray(kv_indptr).astype(np.int64)
+    b = np.asarray(batch_indices).astype(np.int64)
+    p = np.asarray(positions).astype(np.int64)
+    B, I = indptr.shape[0] - 1, indices.shape[0]
+    ok = (b >= 0) & (b < B) & (p >= 0) & (I > 0)
+    bc = np.where(ok, b, 0)
+    first = indptr[bc] if B > 0 else np.zeros_like(b)
+    last = indptr[bc + 1] if B > 0 else np.zeros_like(b)
+    ok &= (first >= 0) & (first <= I)
+    first = np.where(ok, first, 0)
+    hi = np.clip(last, first, I)  # first <= hi <= I: no overflow below
+    it = first + np.where(ok, p, 0) // page_size
+    ok &= np.where(ok, p, 0) // page_size < hi - first
+    page = np.full(b.shape, -1, np.int64)
+    page[ok] = indices[it[ok]]
+    ok &= (page >= 0) & (page < num_pages)
+    page = np.where(ok, page, -1)
+    entry = np.where(ok, p % page_size, 0)
+    return page, entry
+
+
+def _head_scales(scale, heads):
+    """A float or a ``(heads,)`` array -> float64 ``(heads, 1)``."""
+    return np.broadcast_to(np.asarray(scale, np.float64).reshape(-1, 1), (heads, 1))
+
+
+def rope_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
+                               paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions,
+                               is_neox=True, quant_scale_q=1.0, quant_scale_kv=1.0,
+                               page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None):
+    """Reference of :func:`ropekv.rope_append_paged_kv_cache` (and of the fp8 op), in place.
+
+    The q outputs and the cache rows have the cache dtype; with an fp8 cache every value is
+    multiplied by its scale (a float, or per head ``(Hq,)`` / ``(Hkv,)``) before rounding, otherwise
+    the scales are ignored. A token whose ``pos_ids`` falls outside the table is skipped whole (its
+    q rows are left as they are); a token without a cache slot (:func:`paged_append_slots`) has
+    its q rows written and no cache row. Returns ``(q_rope_out, q_nope_out)``, allocated when None.
+    """
+    T, Hq, R = q_rope.shape
+    mla = k_rope.ndim == 2
+    k_rope = k_rope[:, None] if mla else k_rope
+    Dn = 0 if q_nope is None else q_nope.shape[-1]
+    if q_nope is not None and mla:
+        k_nope = k_nope[:, None]
+    cache0, cache1 = paged_kv_cache
+    out = np.dtype(cache0.dtype)
+    if q_rope_out is None:
+        q_rope_out = np.empty((T, Hq, R), out)
+    if q_nope_out is None:
+        q_nope_out = np.empty((T, Hq, Dn), out)
+    fp8 = is_fp8(out)
+    Hkv = k_rope.shape[1]
+    qs = _head_scales(quant_scale_q if fp8 else 1.0, Hq)
+    ks = _head_scales(quant_scale_kv if fp8 else 1.0, Hkv)
+
+    pos = np.asarray(pos_ids).astype(np.int64)
+    tok = np.nonzero((pos >= 0) & (pos < cos_sin_cache.shape[0]))[0]
+    if tok.size == 0:
+        return q_rope_out, q_nope_out
+    cos, sin = split_cos_sin(cos_sin_cache[pos[tok]])
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    q_rope_out[tok] = to_dtype(rope(q_rope[tok], cos, sin, is_neox) * qs, out)
+    if Dn:
+        q_nope_out[tok] = to_dtype(np.asarray(q_nope[tok], np.float64) * qs, out)
+
+    num_pages = cache0.shape[0]
+    page, entry = paged_append_slots(kv_indices, kv_indptr, batch_indices, positions, page_size,
+                                     num_pages)
+    w = tok[page[tok] >= 0]
+    if w.size == 0:
+        return q_rope_out, q_nope_out
+    pg, en = page[w], entry[w]
+    wcos, wsin = split_cos_sin(cos_sin_cache[pos[w]])
+    k_rot = rope(k_rope[w], wcos[:, None, :], wsin[:, None, :], is_neox) * ks  # (n, Hkv, R)
+    k_rest = np.asarray(k_nope[w], np.float64) * ks if Dn else None
+    if mla:  # (ckv_cache (pages, ps, Dn), kpe_cache (pages, ps, R))
+        cache1[pg, en] = to_dtype(k_rot[:, 0], out)
+        if Dn:
+            cache0[pg, en] = to_dtype(k_rest[:, 0], out)
+        return q_rope_out, q_nope_out
+    k_row = k_rot if k_rest is None else np.concatenate([k_rot, k_rest], axis=-1)
+    v_row = np.asarray(v[w], np.float64) * ks
+    if kv_layout == "NHD":
+        cache0[pg, en] = to_dtype(k_row, out)
+        cache1[pg, en] = to_dtype(v_row, out)
+    else:  # advanced indices around a slice: the selection is (n, Hkv, D)
+        cache0[pg, :, en] = to_dtype(k_row, out)
+        cache1[pg, :, en] = to_dtype(v_row, out)
+    return q_rope_out, q_nope_out
+
+
+def rope_quantize_fp8_append_paged_kv_cache(*args, **kwargs):
+    """Reference of :func:`ropekv.rope_quantize_fp8_append_paged_kv_cache`: the same as
+    :func:`rope_append_paged_kv_cache` on fp8 caches."""
+    return rope_append_paged_kv_cache(*args, **kwargs)

@@ -426,3 +426,15 @@ def test_repeated_calls_with_new_arrays_of_one_layout():
     for seed in (15, 16, 17):
         args = make_case(seed, cache_dtype=E4M3, pos=True)
         check_against_reference(args)
+
+
+@pytest.mark.gpu
+def test_check_indices_reads_device_index_arrays(monkeypatch):
+    monkeypatch.setenv("ROPEKV_CHECK_INDICES", "1")
+    args = make_case(18, C=16)
+    args["kv_end_lens"][:] = [3, 40]
+    dev = device_args(args)
+    before = to_numpy(dev["kv_cache"]).copy()
+    with pytest.raises(IndexError, match=r"token \(b=1, s=0\) lands in cache slot 37"):
+        call(dev)
+    assert_bytes_equal(dev["kv_cache"], before, "cache after a refused call")
