@@ -13,7 +13,14 @@ from ropekv.rope import cos_sin_cache, freqs_cis_to_cos_sin
 
 __version__ = "0.1.0"
 
-__all__ = ["apply_rope_write_kv", "cos_sin_cache", "freqs_cis_to_cos_sin",
-           "mla_rope_rmsnorm_append_paged_kv_cache", "qk_rmsnorm_rope_append_paged_kv_cache",
-           "rope_append_paged_kv_cache", "rope_quantize_fp8_append_paged_kv_cache",
-           "fused_qkv_matmul_append_paged_kv_cache", "pack_int4"]
+__all__ = [
+    "apply_rope_write_kv",
+    "cos_sin_cache",
+    "freqs_cis_to_cos_sin",
+    "fused_qkv_matmul_append_paged_kv_cache",
+    "mla_rope_rmsnorm_append_paged_kv_cache",
+    "pack_int4",
+    "qk_rmsnorm_rope_append_paged_kv_cache",
+    "rope_append_paged_kv_cache",
+    "rope_quantize_fp8_append_paged_kv_cache",
+]

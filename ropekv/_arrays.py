@@ -102,8 +102,18 @@ class ArrayView:
     ``owner`` keeps the producer's memory alive; ``array`` is the object the caller passed.
     """
 
-    __slots__ = ("name", "ptr", "shape", "strides", "dtype", "device", "readonly", "owner",
-                 "host", "array")
+    __slots__ = (
+        "array",
+        "device",
+        "dtype",
+        "host",
+        "name",
+        "owner",
+        "ptr",
+        "readonly",
+        "shape",
+        "strides",
+    )
 
     def __init__(self, name, ptr, shape, strides, dtype, device, *, readonly=False, owner=None,
                  host=None, array=None):

@@ -119,7 +119,7 @@ class LaunchPlan:
     alignment: only their pointers are refilled. This keeps the host cost of a repeated call (a
     decode step) near that of the bare launch."""
 
-    __slots__ = ("stem", "expression", "device", "grid", "block", "params", "values", "ptr_fields")
+    __slots__ = ("block", "device", "expression", "grid", "params", "ptr_fields", "stem", "values")
 
     def __init__(self, stem, expression, device, grid, block, params, values, ptr_fields):
         self.stem, self.expression, self.device = stem, expression, device

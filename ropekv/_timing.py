@@ -13,7 +13,6 @@ import time
 
 import numpy as np
 
-
 _SPIN_SOURCE = r"""
 extern "C" __global__ void ropekv_spin(long long cycles) {
   const long long t0 = clock64();

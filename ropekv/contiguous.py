@@ -8,8 +8,14 @@ import numpy as np
 
 from ropekv import _checks as ck
 from ropekv import reference
-from ropekv._arrays import (BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, FLOAT32, FP8_DTYPES,
-                            HOST, INT32)
+from ropekv._arrays import (
+    BFLOAT16,
+    FLOAT16,
+    FLOAT32,
+    FP8_DTYPES,
+    HOST,
+    INT32,
+)
 from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import LaunchPlan, ParamStruct, PlanCache, stream_ptr_of
 from ropekv._vector import aligned, vector_width
@@ -128,7 +134,7 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
         plan = _PLANS.get(key)
         if plan is not None:
             plan.launch(ptrs, stream)
-            return None
+            return
 
     a = ck.views(stream_ptr_of(stream), q=q, k=k, v=v, kv_cache=kv_cache,
                  cos_sin_cache=cos_sin_cache, kv_end_lens=kv_end_lens, position_ids=position_ids,
@@ -188,13 +194,13 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
     if ck.check_indices_enabled():
         _check_indices(vlens, vpos, B, S, C, P)
     if B * S == 0:
-        return None
+        return
     if device == HOST:
         reference.apply_rope_write_kv(
             vq.host, vk.host, vv.host, vc.host, vt.host,
             None if vlens is None else vlens.host, None if vpos is None else vpos.host,
             None if vscale is None else vscale.host, bool(write_k_in_place), bool(is_neox))
-        return None
+        return
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
@@ -223,7 +229,7 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
     plan.launch([x.ptr if x is not None else 0 for x in present_in_order(a)], stream)
     if key is not None:
         _PLANS.put(key, plan)
-    return None
+    return
 
 
 def present_in_order(a):

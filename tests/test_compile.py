@@ -52,7 +52,7 @@ def test_kernels_compile(stem, arch):
 
 def c_struct_fields(source, name):
     """[(field name, declared C type)] of ``struct name { ... };`` in a kernel source."""
-    body = re.search(r"struct\s+" + name + r"\s*\{(.*?)\};", source, re.S)
+    body = re.search(r"struct\s+" + name + r"\s*\{(.*?)\};", source, re.DOTALL)
     assert body, f"struct {name} not found"
     fields = []
     for decl in re.sub(r"//[^\n]*", "", body.group(1)).split(";"):

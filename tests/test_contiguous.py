@@ -11,8 +11,15 @@ from hypothesis import strategies as st
 
 import ropekv
 from ropekv import reference
-from tests.strategies import (cache_dtypes, gqa_heads, head_and_rotary_dims, input_dtypes,
-                              packed_views, random, seeds)
+from tests.strategies import (
+    cache_dtypes,
+    gqa_heads,
+    head_and_rotary_dims,
+    input_dtypes,
+    packed_views,
+    random,
+    seeds,
+)
 from tests.tolerance import assert_bytes_equal, assert_close, to_numpy
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
