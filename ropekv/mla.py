@@ -4,7 +4,6 @@ quantized write of the latent row into a paged cache, in one launch (Modular MAX
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import numbers
@@ -15,7 +14,7 @@ from ropekv import _checks as ck
 from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, as_view
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import ParamStruct, launch, resolve_stream, stream_ptr_of
+from ropekv._launch import ParamStruct, launch, stream_ptr_of
 from ropekv._vector import aligned, vector_width
 
 STEM = "mla"
@@ -31,19 +30,8 @@ PARAMS = ParamStruct("MlaParams", [
     ("epsilon", np.float32),
     ("inv_kv_scale", np.float32),
     *((n, np.int32) for n in ("T", "B", "Hq", "L", "R", "P", "kv_norm_dim", "max_pages",
-                              "page_size", "gamma_f32", "tokens_per_block", "staged", "q_staged",
-                              "gamma_at", "meta_at", "stage_at", "stage_bytes", "kv_at",
-                              "cos_at")),
+                              "page_size", "gamma_f32")),
 ])
-# Batches of up to this many requests have their offsets and cache lengths staged in shared
-# memory ((2B + 1) words, 32 KiB at most); larger ones are searched in global memory.
-MAX_STAGED_REQUESTS = 4095
-SHARED_LIMIT = 48 * 1024  # dynamic shared memory a launch gets without an opt-in
-# Blocks per SM the tokens are spread over. Measured on the H200 (DeepSeek-V3 shapes, 8192 tokens,
-# same run): 2 blocks per SM (32 tokens each) 131 us, one token per block 145 us, 4 per SM 166 us,
-# 5 per SM 176 us. (The kernel's __launch_bounds__(kBlock, 5) only caps its registers.)
-BLOCKS_PER_SM = 2
-MAX_TOKENS_PER_BLOCK = 64
 
 
 def expression(dtype, cache_dtype, is_neox, n):
@@ -120,56 +108,6 @@ def cache_scale(kv_scale, cache_dtype, name="kv_scale"):
         raise ValueError(f"{name} is only used with float8 caches, but the cache is "
                          f"{cache_dtype}")
     return None
-
-
-def _round16(n):
-    return (n + 15) // 16 * 16
-
-
-def staged_bytes(B):
-    """Shared memory for the ragged index arrays (``stage_ragged_async``): offsets and cache
-    lengths, or nothing for batches too large to stage (searched in global memory)."""
-    return (2 * B + 1) * 4 if B <= MAX_STAGED_REQUESTS else 0
-
-
-@functools.cache
-def sm_count(device):
-    import cupy
-
-    return cupy.cuda.Device(device).attributes["MultiProcessorCount"]
-
-
-def tokens_per_block(T, device):
-    """Tokens per block: BLOCKS_PER_SM blocks per SM, each running its tokens through the
-    kernel's two-stage pipeline; one token per block for small batches (decode)."""
-    return max(1, min(MAX_TOKENS_PER_BLOCK, -(-T // (sm_count(device) * BLOCKS_PER_SM))))
-
-
-def smem_layout(*, Hq, L, R, itemsize, norm_dim, gamma_itemsize, B, tokens):
-    """Byte layout of the kernel's dynamic shared memory (``MlaParams``), every part on a 16-byte
-    boundary: [offsets, cache_lengths][gamma][per-token (pos, page, entry)][stage 0][stage 1],
-    a stage being [q row (Hq, R)][kv row (L + R)][cos/sin row (R) float32]. The q rows, then the
-    index arrays, are left out (read from global memory) when the whole would pass SHARED_LIMIT.
-    Returns ``(total bytes, fields of MlaParams)``."""
-    q_bytes = _round16(Hq * R * itemsize)
-    kv_bytes = _round16((L + R) * itemsize)
-    fixed = _round16(norm_dim * gamma_itemsize) + _round16(tokens * 12)
-    q_staged = fixed + 2 * (q_bytes + kv_bytes + _round16(R * 4)) <= SHARED_LIMIT
-    stage = (q_bytes if q_staged else 0) + kv_bytes + _round16(R * 4)
-    ragged = _round16(staged_bytes(B))
-    staged = bool(staged_bytes(B)) and ragged + fixed + 2 * stage <= SHARED_LIMIT
-    gamma_at = ragged if staged else 0
-    meta_at = gamma_at + _round16(norm_dim * gamma_itemsize)
-    stage_at = meta_at + _round16(tokens * 12)
-    kv_at = q_bytes if q_staged else 0  # the q row starts the stage
-    cos_at = kv_at + kv_bytes
-    fields = {"tokens_per_block": tokens, "staged": int(staged), "q_staged": int(q_staged),
-              "gamma_at": gamma_at, "meta_at": meta_at, "stage_at": stage_at,
-              "stage_bytes": stage, "kv_at": kv_at, "cos_at": cos_at}
-    return stage_at + 2 * stage, fields
-
-
-# ---- the operation ------------------------------------------------------------------------------
 
 
 def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, input_row_offsets,
@@ -344,12 +282,9 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     if n is None:
         raise ValueError(f"interleaved RoPE needs 4-byte aligned rows of q_rope, q_rope_out, kv "
                          f"and the cache; got {vq}, {vout}, {vkv}, {vcache}")
-    tokens = tokens_per_block(T, device)
-    shared, layout = smem_layout(Hq=Hq, L=L, R=R, itemsize=vq.dtype.itemsize, norm_dim=n_norm,
-                                 gamma_itemsize=vg.dtype.itemsize, B=B, tokens=tokens)
-    if shared > SHARED_LIMIT:
-        raise ValueError(f"the latent row ({L + R} dims) and gamma ({n_norm} dims) need "
-                         f"{shared} bytes of shared memory, more than {SHARED_LIMIT}")
+    if (R // 2 if is_neox else R) // n > BLOCK:
+        raise ValueError(f"rotary dim R={R} needs more than {BLOCK} threads per head row at a "
+                         f"vector width of {n}")
     if split:
         ckv_ptr, kpe_ptr = vckv.ptr, vkpe.ptr
         ckv_s, kpe_s = vckv.strides, vkpe.strides
@@ -364,9 +299,8 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
         ckv_sp=ckv_s[0], ckv_se=ckv_s[1], kpe_sp=kpe_s[0], kpe_se=kpe_s[1], num_pages=num_pages,
         epsilon=epsilon, inv_kv_scale=1.0 / scale if scale else 1.0,
         T=T, B=B, Hq=Hq, L=L, R=R, P=P, kv_norm_dim=n_norm, max_pages=max_pages,
-        page_size=page_size, gamma_f32=int(vg.dtype == FLOAT32), **layout)
-    launch(STEM, expression(vq.dtype, vcache.dtype, bool(is_neox), n), device,
-           (-(-T // tokens),), (BLOCK,), (params,), resolve_stream(stream, device),
-           shared_mem=shared)
+        page_size=page_size, gamma_f32=int(vg.dtype == FLOAT32))
+    launch(STEM, expression(vq.dtype, vcache.dtype, bool(is_neox), n), device, (T,), (BLOCK,),
+           (params,), stream)
     return out
 

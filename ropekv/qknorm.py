@@ -11,18 +11,9 @@ from ropekv import _checks as ck
 from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, as_view
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import ParamStruct, launch, resolve_stream, stream_ptr_of
+from ropekv._launch import ParamStruct, launch, stream_ptr_of
 from ropekv._vector import aligned, vector_width
-from ropekv.mla import (
-    SHARED_LIMIT,
-    _round16,
-    allocate_like,
-    cache_scale,
-    check_float,
-    check_output,
-    sm_count,
-    staged_bytes,
-)
+from ropekv.mla import allocate_like, cache_scale, check_float, check_output
 
 STEM = "qknorm"
 KERNEL = "qk_rmsnorm_rope_append"
@@ -37,12 +28,10 @@ PARAMS = ParamStruct("QKNormParams", [
                               "vc_sh", "num_pages")),
     *((n, np.float32) for n in ("epsilon", "inv_k_scale", "inv_v_scale")),
     *((n, np.int32) for n in ("T", "B", "Hq", "Hkv", "D", "R", "P", "max_pages", "page_size",
-                              "q_gamma_f32", "k_gamma_f32", "group", "tokens_per_block",
-                              "staged", "rows_staged", "q_gamma_at", "k_gamma_at", "meta_at",
-                              "stage_at", "stage_bytes", "k_at", "v_at", "cos_at")),
+                              "q_gamma_f32", "k_gamma_f32", "group")),
 ])
-MAX_BLOCK = 512  # kMaxBlock in kernels/qknorm.cu
-HELD = 4  # kHeld: chunks per lane held in registers
+BLOCK = 256
+MAX_GROUP = 32  # lanes per head row: one chunk each, a row within a warp
 
 
 def expression(dtype, cache_dtype, is_neox, n):
@@ -56,44 +45,6 @@ def instantiations():
             continue
         for cache_dtype in (dtype, *FP8_DTYPES):
             yield expression(dtype, cache_dtype, is_neox, n)
-
-
-# Blocks per SM the tokens are spread over. Measured on the H200 (Qwen3 64/8/128, 8192 tokens,
-# same run): 4 per SM (16 tokens each) 211 us, 32 tokens per block 207 us, one token 299 us.
-BLOCKS_PER_SM = 4
-MAX_TOKENS_PER_BLOCK = 64
-
-
-def tokens_per_block(T, device):
-    """Tokens per block: enough blocks to fill every SM about BLOCKS_PER_SM times, each running
-    its tokens through the kernel's two-stage pipeline; one token per block for small batches."""
-    return max(1, min(MAX_TOKENS_PER_BLOCK, -(-T // (sm_count(device) * BLOCKS_PER_SM))))
-
-
-def smem_layout(*, Hq, Hkv, D, R, itemsize, q_gamma_itemsize, k_gamma_itemsize, B, tokens):
-    """Byte layout of the kernel's dynamic shared memory (``QKNormParams``), every part on a
-    16-byte boundary: [offsets, cache_lengths][q_gamma][k_gamma][per-token (pos, page, entry)]
-    [stage 0][stage 1], a stage being [q (Hq, D)][k (Hkv, D)][v (Hkv, D)][cos/sin row (R) fp32].
-    The rows, then the index arrays, are left out (read from global memory) when the whole would
-    pass SHARED_LIMIT. Returns ``(total bytes, fields of QKNormParams)``."""
-    q_bytes, kv_bytes = _round16(Hq * D * itemsize), _round16(Hkv * D * itemsize)
-    cos_bytes = _round16(R * 4)
-    fixed = (_round16(D * q_gamma_itemsize) + _round16(D * k_gamma_itemsize)
-             + _round16(tokens * 12))
-    rows_staged = fixed + 2 * (q_bytes + 2 * kv_bytes + cos_bytes) <= SHARED_LIMIT
-    rows_bytes = q_bytes + 2 * kv_bytes if rows_staged else 0
-    stage = rows_bytes + cos_bytes
-    ragged = _round16(staged_bytes(B))
-    staged = bool(staged_bytes(B)) and ragged + fixed + 2 * stage <= SHARED_LIMIT
-    q_gamma_at = ragged if staged else 0
-    k_gamma_at = q_gamma_at + _round16(D * q_gamma_itemsize)
-    meta_at = k_gamma_at + _round16(D * k_gamma_itemsize)
-    stage_at = meta_at + _round16(tokens * 12)
-    fields = {"tokens_per_block": tokens, "staged": int(staged), "rows_staged": int(rows_staged),
-              "q_gamma_at": q_gamma_at, "k_gamma_at": k_gamma_at, "meta_at": meta_at,
-              "stage_at": stage_at, "stage_bytes": stage, "k_at": q_bytes,
-              "v_at": q_bytes + kv_bytes, "cos_at": rows_bytes}
-    return stage_at + 2 * stage, fields
 
 
 def _kv_scales(kv_scale, cache_dtype):
@@ -260,19 +211,13 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     if n is None:
         raise ValueError(f"interleaved RoPE needs 4-byte aligned rows of q, q_out, k, v and the "
                          f"caches; got {vq}, {vout}, {vk}, {vv}, {vkc}")
-    # lanes per head row: the fewest (a power of two) that hold a row in HELD chunks each
-    chunks = max((R // 2 if is_neox else R) // n + (D - R) // n, D // n)
-    per_lane = -(-chunks // HELD)
-    group = min(32, 1 << (per_lane - 1).bit_length())
-    rows = Hq + 2 * Hkv
-    block = min(MAX_BLOCK, -(-rows * group // 32) * 32)
-    tokens = tokens_per_block(T, device)
-    shared, layout = smem_layout(Hq=Hq, Hkv=Hkv, D=D, R=R, itemsize=vq.dtype.itemsize,
-                                 q_gamma_itemsize=vqg.dtype.itemsize,
-                                 k_gamma_itemsize=vkg.dtype.itemsize, B=B, tokens=tokens)
-    if shared > SHARED_LIMIT:
-        raise ValueError(f"head dim D={D} needs {shared} bytes of shared memory, more than "
-                         f"{SHARED_LIMIT}")
+    # lanes per head row: one chunk each, a power of two so a row's sum is a shuffle within a warp
+    items = (R // 2 if is_neox else R) // n + (D - R) // n
+    if items > MAX_GROUP:
+        raise ValueError(f"head dim D={D} at a vector width of {n} elements needs {items} lanes "
+                         f"per head row, more than {MAX_GROUP}; align the rows of q, k, v and the "
+                         f"caches to {16 // vq.dtype.itemsize * vq.dtype.itemsize} bytes")
+    group = 1 << (items - 1).bit_length()
     if kv_layout == "NHD":
         kc = (vkc.strides[0], vkc.strides[1], vkc.strides[2])
         vc = (vvc.strides[0], vvc.strides[1], vvc.strides[2])
@@ -290,8 +235,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
         num_pages=num_pages, epsilon=epsilon, inv_k_scale=1.0 / k_scale,
         inv_v_scale=1.0 / v_scale, T=T, B=B, Hq=Hq, Hkv=Hkv, D=D, R=R, P=P, max_pages=max_pages,
         page_size=page_size, q_gamma_f32=int(vqg.dtype == FLOAT32),
-        k_gamma_f32=int(vkg.dtype == FLOAT32), group=group, **layout)
-    launch(STEM, expression(vq.dtype, vkc.dtype, bool(is_neox), n), device,
-           (-(-T // tokens),), (block,), (params,), resolve_stream(stream, device),
-           shared_mem=shared)
+        k_gamma_f32=int(vkg.dtype == FLOAT32), group=group)
+    launch(STEM, expression(vq.dtype, vkc.dtype, bool(is_neox), n), device, (T,), (BLOCK,),
+           (params,), stream)
     return out

@@ -212,60 +212,13 @@ __device__ __forceinline__ PagedSlot paged_slot(const unsigned* offsets, const i
   return s;
 }
 
-// cp.async (sm_80 and newer): BYTES (4, 8 or 16, aligned to BYTES) from global to shared memory
-// without passing through registers, so a block can start all its staging copies at once.
-// Complete them with cp_async_wait_all() (or cp_async_commit() groups and cp_async_wait<n>()),
-// then __syncthreads().
-template <int BYTES>
-__device__ __forceinline__ void cp_async(void* shared, const void* global) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(global), "n"(BYTES)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
-
-// Closes the group of the cp.async copies this thread issued since the last commit.
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-
-// Waits until at most PENDING of this thread's most recent groups are still in flight.
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
-}
-
-// One UNIT-byte copy (UNIT-aligned): cp.async for UNIT >= 4, a plain 2-byte copy otherwise.
-template <int UNIT>
-__device__ __forceinline__ void copy_async(void* shared, const void* global) {
-  if constexpr (UNIT >= 4) {
-    cp_async<UNIT>(shared, global);
+// A weight vector (RMSNorm gamma) stored as T or as float32.
+template <typename T, int N>
+__device__ __forceinline__ void load_weight(const void* w, bool f32, int i0, float (&out)[N]) {
+  if (f32) {
+    load_float<float, N>(static_cast<const float*>(w) + i0, out);
   } else {
-    *static_cast<unsigned short*>(shared) = *static_cast<const unsigned short*>(global);
-  }
-}
-
-// Copies `bytes` bytes (a multiple of UNIT, both pointers UNIT-aligned) with the whole block.
-template <int UNIT>
-__device__ __forceinline__ void stage_async(void* shared, const void* global, int bytes) {
-  for (int i = threadIdx.x * UNIT; i < bytes; i += blockDim.x * UNIT) {
-    copy_async<UNIT>(static_cast<char*>(shared) + i, static_cast<const char*>(global) + i);
-  }
-}
-
-// Starts copying offsets[0..B] and cache_lengths[0..B) into shared memory (2B + 1 words: the
-// offsets, then the lengths), so that the binary search runs in shared memory: one round of
-// independent copies instead of a chain of dependent global loads. Every thread of the block
-// calls it, then waits for its copies and __syncthreads(); then search with
-// ragged_position(shared, (const int*)shared + B + 1, ...) or paged_slot(...).
-__device__ __forceinline__ void stage_ragged_async(const unsigned* offsets,
-                                                   const int* cache_lengths, int B,
-                                                   unsigned* shared) {
-  for (int i = threadIdx.x; i < 2 * B + 1; i += blockDim.x) {
-    const void* src = i <= B ? static_cast<const void*>(offsets + i)
-                             : static_cast<const void*>(cache_lengths + (i - B - 1));
-    cp_async<4>(shared + i, src);
+    load_float<T, N>(static_cast<const T*>(w) + i0, out);
   }
 }
 
