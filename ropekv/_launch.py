@@ -117,21 +117,52 @@ def launch(stem, expression, device_id, grid, block, args, stream=None, shared_m
 class LaunchPlan:
     """A validated launch, replayed while the arrays keep their shapes, strides, dtypes, device and
     alignment: only their pointers are refilled. This keeps the host cost of a repeated call (a
-    decode step) near that of the bare launch."""
+    decode step) near that of the bare launch.
+
+    ``pointers`` lists ``(field, argument, byte offset)``: on replay the parameter ``field`` is set
+    to ``ptrs[argument] + offset``."""
 
     __slots__ = ("block", "device", "expression", "grid", "params", "ptr_fields", "stem", "values")
 
-    def __init__(self, stem, expression, device, grid, block, params, values, ptr_fields):
+    def __init__(self, stem, expression, device, grid, block, params, values, pointers):
         self.stem, self.expression, self.device = stem, expression, device
         self.grid, self.block, self.params = grid, block, params
-        self.values, self.ptr_fields = values, ptr_fields
+        self.values = values
+        self.ptr_fields = [(params.names.index(f), arg, off) for f, arg, off in pointers]
 
     def launch(self, ptrs, stream):
         values = self.values.copy()
-        for field, ptr in zip(self.ptr_fields, ptrs):
-            values[field] = ptr
+        for field, arg, offset in self.ptr_fields:
+            values[field] = ptrs[arg] + offset
         launch(self.stem, self.expression, self.device, self.grid, self.block,
                (self.params.pack_values(values),), stream)
+
+
+def overlapping(a, b):
+    """Whether CuPy arrays ``a`` and ``b`` may share bytes (their byte ranges intersect)."""
+    def span(x):
+        lo = hi = x.data.ptr
+        for n, st in zip(x.shape, x.strides):
+            if n == 0:
+                return 0, 0
+            if st < 0:
+                lo += (n - 1) * st
+            else:
+                hi += (n - 1) * st
+        return lo, hi + x.itemsize
+
+    (a_lo, a_hi), (b_lo, b_hi) = span(a), span(b)
+    return a_lo < b_hi and b_lo < a_hi
+
+
+def new_device_array(shape, dtype, device):
+    """``cupy.empty`` on CUDA device ``device``."""
+    import cupy
+
+    if cupy.cuda.runtime.getDevice() == device:
+        return cupy.empty(shape, dtype)
+    with cupy.cuda.Device(device):
+        return cupy.empty(shape, dtype)
 
 
 class PlanCache:
@@ -144,8 +175,13 @@ class PlanCache:
     @staticmethod
     def signature(arrays, flags):
         """(key, pointers) for CuPy arrays (None allowed), or (None, None) when any argument is
-        something else (those take the full path every time)."""
+        something else, or a flag is unhashable (those take the full path every time)."""
         import sys
+
+        try:
+            hash(flags)
+        except TypeError:
+            return None, None
 
         cupy = sys.modules.get("cupy")
         if cupy is None:

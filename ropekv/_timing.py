@@ -104,9 +104,11 @@ def copy_bandwidth(nbytes=1 << 30, reps=20):
     src = cupy.empty(nbytes, cupy.uint8)
     dst = cupy.empty_like(src)
     src.fill(1)
-    us = median_us(lambda: dst.__setitem__(Ellipsis, src), warmup=3, reps=reps)
-    del src, dst
-    return 2 * nbytes / (us * 1e-6)
+
+    def copy():
+        dst[...] = src
+
+    return 2 * nbytes / (median_us(copy, warmup=3, reps=reps) * 1e-6)
 
 
 class L2Flusher:

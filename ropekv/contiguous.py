@@ -36,8 +36,8 @@ PARAMS = ParamStruct("RopeWriteKVParams", [
 
 
 # the pointer fields, in the order of the function's array arguments
-PTR_FIELDS = [PARAMS.names.index(n) for n in ("q", "k", "v", "cache", "cos_sin", "kv_end_lens",
-                                              "position_ids", "kv_scale")]
+PTR_FIELDS = [(n, i, 0) for i, n in enumerate(("q", "k", "v", "cache", "cos_sin", "kv_end_lens",
+                                                "position_ids", "kv_scale"))]
 _PLANS = PlanCache()
 
 
@@ -248,8 +248,9 @@ def _check_indices(vlens, vpos, B, S, C, P):
             if pos is not None and p < 0:
                 continue  # padding
             if not 0 <= slot < C:
+                end = "" if lens is None else f" (kv_end_lens[{b}]={lens[b]})"
                 raise IndexError(f"token (b={b}, s={s}) lands in cache slot {slot}, outside "
-                                 f"[0, C={C}) (kv_end_lens[{b}]={lens[b] if lens is not None else None})")
+                                 f"[0, C={C}){end}")
             if not 0 <= p < P:
                 raise IndexError(f"token (b={b}, s={s}) has RoPE position {p}, outside the "
                                  f"cos_sin_cache's [0, P={P})")

@@ -11,7 +11,8 @@ from ropekv import _checks as ck
 from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, as_view
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import ParamStruct, launch, stream_ptr_of
+from ropekv._launch import (LaunchPlan, ParamStruct, PlanCache, new_device_array, overlapping,
+                            stream_ptr_of)
 from ropekv._vector import aligned, vector_width
 from ropekv.mla import allocate_like, cache_scale, check_float, check_output
 
@@ -32,6 +33,9 @@ PARAMS = ParamStruct("QKNormParams", [
 ])
 BLOCK = 256
 MAX_GROUP = 32  # lanes per head row: one chunk each, a row within a warp
+
+
+_PLANS = PlanCache()
 
 
 def expression(dtype, cache_dtype, is_neox, n):
@@ -125,11 +129,27 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     ...     cp.array([0, 5], cp.int32), cp.array([7], cp.int32), cp.array([[2, 0]], cp.int32),
     ...     caches)
     """
-    sp = stream_ptr_of(stream)
     if not isinstance(paged_kv_cache, tuple | list) or len(paged_kv_cache) != 2:
         raise ValueError(f"paged_kv_cache must be a tuple (k_cache, v_cache), got "
                          f"{type(paged_kv_cache).__name__}")
     ck.check_choice(kv_layout, "kv_layout", KV_LAYOUTS)
+    # a repeated call (the same layouts) replays its launch plan
+    in_place = q_out is not None and q_out is q
+    given = q_out is not None and not in_place
+    key = None
+    if not ck.check_indices_enabled():
+        arrays = (q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
+                  block_table, *paged_kv_cache, q_out if given else None)
+        scale_key = tuple(kv_scale) if isinstance(kv_scale, list) else kv_scale
+        key, ptrs = _PLANS.signature(arrays, (in_place, given, bool(is_neox), kv_layout, epsilon,
+                                              scale_key))
+        plan = None if key is None else _PLANS.get(key)
+        if plan is not None and not (given and overlapping(q_out, q)):
+            out = (q if in_place else q_out if given else
+                   new_device_array(q.shape, q.dtype, plan.device))
+            plan.launch([*ptrs[:-1], out.data.ptr], stream)
+            return out
+    sp = stream_ptr_of(stream)
     a = ck.views(sp, q=q, k=k, v=v, q_gamma=q_gamma, k_gamma=k_gamma, cos_sin_cache=cos_sin_cache,
                  input_row_offsets=input_row_offsets, cache_lengths=cache_lengths,
                  block_table=block_table, k_cache=paged_kv_cache[0], v_cache=paged_kv_cache[1],
@@ -224,7 +244,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     else:
         kc = (vkc.strides[0], vkc.strides[2], vkc.strides[1])
         vc = (vvc.strides[0], vvc.strides[2], vvc.strides[1])
-    params = PARAMS.pack(
+    values = PARAMS.values(
         q=vq.ptr, q_out=vout.ptr, k=vk.ptr, v=vv.ptr, q_gamma=vqg.ptr, k_gamma=vkg.ptr,
         cos_sin=vt.ptr, offsets=voff.ptr, cache_lengths=vlen.ptr, block_table=vbt.ptr,
         k_cache=vkc.ptr, v_cache=vvc.ptr,
@@ -236,6 +256,12 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
         inv_v_scale=1.0 / v_scale, T=T, B=B, Hq=Hq, Hkv=Hkv, D=D, R=R, P=P, max_pages=max_pages,
         page_size=page_size, q_gamma_f32=int(vqg.dtype == FLOAT32),
         k_gamma_f32=int(vkg.dtype == FLOAT32), group=group)
-    launch(STEM, expression(vq.dtype, vkc.dtype, bool(is_neox), n), device, (T,), (BLOCK,),
-           (params,), stream)
+    names = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin", "offsets", "cache_lengths",
+             "block_table", "k_cache", "v_cache", "q_out")
+    plan = LaunchPlan(STEM, expression(vq.dtype, vkc.dtype, bool(is_neox), n), device, (T,),
+                      (BLOCK,), PARAMS, values, [(f, i, 0) for i, f in enumerate(names)])
+    plan.launch([x.ptr for x in (vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vout)],
+                stream)
+    if key is not None:
+        _PLANS.put(key, plan)
     return out

@@ -393,8 +393,9 @@ def to_device(x):
     return cp.asarray(x)
 
 
-def check_on_device(args, kw, *, is_neox=False, in_place=False, strided=False):
-    """Run the kernel on copies of ``args`` and compare with the reference."""
+def check_on_device(args, kw, *, is_neox=False, in_place=False, strided=False, given=False):
+    """Run the kernel on copies of ``args`` and compare with the reference (``given``: into a
+    pre-allocated output)."""
     import cupy as cp
 
     q_ref, ckv_ref, kpe_ref = expected(args, kw, is_neox)
@@ -409,10 +410,12 @@ def check_on_device(args, kw, *, is_neox=False, in_place=False, strided=False):
         dev["q_rope"] = packed[:, :Hq * R].reshape(T, Hq, R)
         dev["kv"] = packed[:, Hq * R + 8:]
     extra = {"q_rope_out": dev["q_rope"]} if in_place else {}
+    if given:
+        extra = {"q_rope_out": cp.full(dev["q_rope"].shape, np.nan, dev["q_rope"].dtype)}
     out = op(**dev, **kw, is_neox=is_neox, **extra)
     assert isinstance(out, cp.ndarray)
-    if in_place:
-        assert out is dev["q_rope"]
+    if extra:
+        assert out is extra["q_rope_out"]
     assert_close(out, q_ref, "q_rope_out")
     L = args["kv"].shape[1] - args["q_rope"].shape[2]
     ckv, kpe = cache_parts(dev["kv_cache"], L)
@@ -564,3 +567,16 @@ def test_large_ragged_batch():
     args, kw = make_case(15, Hq=8, L=64, R=32, new=tuple(new), cached=tuple(np.arange(B) % 9),
                          page_size=4, split=True)
     check_on_device(args, kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split, in_place, given", [(False, False, False), (True, True, False),
+                                                    (True, False, True)])
+def test_repeated_calls_replay_the_launch_plan_with_new_arrays(split, in_place, given):
+    """The second and later calls of one layout replay a cached launch: new pointers, new output
+    arrays, the same results as the reference."""
+    for seed in (30, 31, 32):
+        args, kw = make_case(seed, Hq=16, L=128, R=64, dtype=BF16, cache_dtype=E4M3,
+                             new=(5, 1, 3), cached=(0, 40, 7), page_size=16, split=split,
+                             kv_scale=0.5)
+        check_on_device(args, kw, in_place=in_place, given=given)

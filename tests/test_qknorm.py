@@ -221,8 +221,9 @@ def to_device(x):
     return cp.asarray(x)
 
 
-def check_on_device(args, kw, *, is_neox=True, in_place=False, kv_scale=None):
-    """Run the kernel on copies of ``args`` and compare with the reference."""
+def check_on_device(args, kw, *, is_neox=True, in_place=False, kv_scale=None, given=False):
+    """Run the kernel on copies of ``args`` and compare with the reference (``given``: into a
+    pre-allocated output)."""
     import cupy as cp
 
     q_ref, kc_ref, vc_ref = expected(args, kw, is_neox, kv_scale)
@@ -236,8 +237,12 @@ def check_on_device(args, kw, *, is_neox=True, in_place=False, kv_scale=None):
     else:
         dev.update(q=to_device(args["q"]), k=to_device(args["k"]), v=to_device(args["v"]))
     extra = {"q_out": dev["q"]} if in_place else {}
+    if given:
+        extra = {"q_out": cp.full(dev["q"].shape, np.nan, dev["q"].dtype)}
     out = op(**dev, **kw, is_neox=is_neox, kv_scale=kv_scale, **extra)
     assert isinstance(out, cp.ndarray)
+    if extra:
+        assert out is extra["q_out"]
     assert_close(out, q_ref, "q_out")
     for got, ref, old, name in zip(dev["paged_kv_cache"], (kc_ref, vc_ref),
                                    args["paged_kv_cache"], ("k_cache", "v_cache")):
@@ -300,3 +305,30 @@ def test_large_ragged_batch():
     args, kw = make_case(23, Hq=8, Hkv=2, D=64, new=tuple(new), cached=tuple(np.arange(B) % 9),
                          page_size=4, layout="HND")
     check_on_device(args, kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_place, given", [(False, False), (True, False), (False, True)])
+def test_repeated_calls_replay_the_launch_plan_with_new_arrays(in_place, given):
+    """The second and later calls of one layout replay a cached launch: new pointers, new output
+    arrays, the same results as the reference."""
+    for seed in (30, 31, 32):
+        args, kw = make_case(seed, Hq=32, Hkv=8, D=128, dtype=BF16, cache_dtype=E4M3,
+                             new=(5, 1, 3), cached=(0, 40, 7), page_size=16)
+        check_on_device(args, kw, in_place=in_place, kv_scale=(0.5, 2.0), given=given)
+
+
+@pytest.mark.gpu
+def test_replayed_call_still_refuses_a_partially_overlapping_output():
+    import cupy as cp
+
+    args, kw = make_case(33, Hq=8, Hkv=2, D=64, dtype=BF16, new=(4,), cached=(3,))
+    dev = {k: to_device(v) for k, v in args.items()}
+    buf = cp.zeros((2 * 4 * 8 * 64,), dev["q"].dtype)
+    q = buf[:4 * 8 * 64].reshape(4, 8, 64)
+    q[...] = dev["q"]
+    dev["q"] = q
+    for _ in range(2):  # the second call replays the launch plan
+        op(**dev, **kw, q_out=buf[4 * 8 * 64:].reshape(4, 8, 64))
+    with pytest.raises(ValueError, match="overlap"):
+        op(**dev, **kw, q_out=buf[64:64 + 4 * 8 * 64].reshape(4, 8, 64))
