@@ -122,12 +122,14 @@ class LaunchPlan:
     ``pointers`` lists ``(field, argument, byte offset)``: on replay the parameter ``field`` is set
     to ``ptrs[argument] + offset``."""
 
-    __slots__ = ("block", "device", "expression", "grid", "params", "ptr_fields", "stem", "values")
+    __slots__ = ("block", "device", "expression", "grid", "params", "ptr_fields", "shared_mem",
+                 "stem", "values")
 
-    def __init__(self, stem, expression, device, grid, block, params, values, pointers):
+    def __init__(self, stem, expression, device, grid, block, params, values, pointers,
+                 shared_mem=0):
         self.stem, self.expression, self.device = stem, expression, device
         self.grid, self.block, self.params = grid, block, params
-        self.values = values
+        self.values, self.shared_mem = values, shared_mem
         self.ptr_fields = [(params.names.index(f), arg, off) for f, arg, off in pointers]
 
     def launch(self, ptrs, stream):
@@ -135,7 +137,7 @@ class LaunchPlan:
         for field, arg, offset in self.ptr_fields:
             values[field] = ptrs[arg] + offset
         launch(self.stem, self.expression, self.device, self.grid, self.block,
-               (self.params.pack_values(values),), stream)
+               (self.params.pack_values(values),), stream, self.shared_mem)
 
 
 def overlapping(a, b):

@@ -34,7 +34,8 @@ from ropekv._arrays import (
     UINT32,
 )
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import ParamStruct, launch, resolve_stream, stream_ptr_of
+from ropekv._launch import (LaunchPlan, ParamStruct, PlanCache, launch, new_device_array,
+                            resolve_stream, stream_ptr_of)
 from ropekv._vector import aligned
 
 STEM = "qkv"
@@ -70,6 +71,15 @@ PARAMS = ParamStruct("QkvParams", [
                               "max_pages", "group_size", "kc", "is_neox", "cache_code")),
     *((n, np.float32) for n in ("k_inv_scale", "v_inv_scale")),
 ])
+
+
+# The fused decode kernel's pointer fields, in the order of the function's array arguments (the
+# launch plan refills them on a repeated call), and where a plan keeps Hq and D (the columns of a
+# new `out`).
+PLAN_POINTERS = ("hidden", "weight", "weight_scales", "zero_points", "offsets", "cache_lengths",
+                 "block_table", "cos_sin", "k_cache", "v_cache", "out")
+_HQ, _D = PARAMS.names.index("Hq"), PARAMS.names.index("D")
+_PLANS = PlanCache()
 
 
 def _weight_bytes_min(dtype, fmt):
@@ -263,6 +273,23 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     if not isinstance(paged_kv_cache, tuple | list) or len(paged_kv_cache) != 2:
         raise ValueError(f"paged_kv_cache must be a (k_cache, v_cache) pair, got "
                          f"{type(paged_kv_cache).__qualname__}")
+    # a repeated decode call (the same layouts) replays the launch plan of its fused kernel
+    key = None
+    if not ck.check_indices_enabled():
+        scale_key = tuple(kv_scale) if isinstance(kv_scale, list) else kv_scale
+        key, ptrs = _PLANS.signature(
+            (hidden_state, weight, weight_scales, zero_points, input_row_offsets, cache_lengths,
+             block_table, cos_sin_cache, *paged_kv_cache, out),
+            (num_q_heads, bool(is_neox), kv_layout, scale_key, group_size, GEMV_MAX_TOKENS,
+             FAST_INT4))  # the tuning switches too: a plan is one path
+        plan = None if key is None else _PLANS.get(key)
+        if plan is not None:
+            if out is None:
+                columns = plan.values[_HQ] * plan.values[_D]
+                out = new_device_array((hidden_state.shape[0], columns), hidden_state.dtype,
+                                       plan.device)
+            plan.launch([*ptrs[:-1], out.data.ptr], stream)
+            return out
     a = ck.views(stream_ptr_of(stream), hidden_state=hidden_state, weight=weight,
                  input_row_offsets=input_row_offsets, cache_lengths=cache_lengths,
                  block_table=block_table, k_cache=paged_kv_cache[0], v_cache=paged_kv_cache[1],
@@ -430,7 +457,9 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
 
     n = _epilogue_width(vout, vk, vv, vt, D, R, is_neox)
     if T <= GEMV_MAX_TOKENS or n is None:
-        _launch_gemv(fields, vx, vw, fmt, T, K, N, device, cu_stream)
+        plan = _launch_gemv(fields, vx, vw, fmt, T, K, N, device, cu_stream)
+        if key is not None:
+            _PLANS.put(key, plan)
     else:
         _launch_prefill(fields, vx, vw, fmt, vk.dtype, n, T, K, N, Hq, Hkv, D, device, cu_stream)
     return out
@@ -469,9 +498,12 @@ def _launch_gemv(fields, vx, vw, fmt, T, K, N, device, stream):
     smem = tt * kc * 4 + (tt * (kc // 32) * 4 if fast else 0)
     pairs_per_block = GEMV_WARPS * GEMV_PAIRS
     grid = ((N // 2 + pairs_per_block - 1) // pairs_per_block, (T + tt - 1) // tt)
-    params = PARAMS.pack(**{**fields, "kc": kc})
-    launch(STEM, gemv_expression(dtype, fmt, vb, tt, fast), device, grid, (GEMV_WARPS * 32,),
-           (params,), stream, shared_mem=smem)
+    values = PARAMS.values(**{**fields, "kc": kc})
+    plan = LaunchPlan(STEM, gemv_expression(dtype, fmt, vb, tt, fast), device, grid,
+                      (GEMV_WARPS * 32,), PARAMS, values,
+                      [(f, i, 0) for i, f in enumerate(PLAN_POINTERS)], shared_mem=smem)
+    plan.launch([fields[f] for f in PLAN_POINTERS], stream)
+    return plan
 
 
 def _epilogue_width(vout, vk, vv, vt, D, R, is_neox):

@@ -618,3 +618,15 @@ def test_gpu_rejects_mixed_devices():
     args["hidden_state"] = to_device(args["hidden_state"])
     with pytest.raises(ValueError, match="one device"):
         call(args, kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_given", [False, True])
+@pytest.mark.parametrize("wfmt", ["dense", "int4"])
+def test_gpu_repeated_decode_replays_the_launch_plan(out_given, wfmt):
+    """A decode step repeated with new arrays of one layout replays the cached launch of the fused
+    kernel: new pointers, new outputs, results still those of the reference."""
+    for seed in (40, 41, 42):
+        args, kw = make_case(seed, lengths=(1,), wfmt=wfmt, group_size=128, cached=[77],
+                             **{**LLAMA, "K": 1024})
+        check_gpu(args, kw, out_given=out_given)
