@@ -45,6 +45,17 @@ def name_expression(kernel, *template_args):
     return f"{kernel}<{', '.join(str(a) for a in template_args)}>"
 
 
+def rope_instantiations(expression, input_dtypes, fp8_dtypes):
+    """``expression(dtype, cache_dtype, is_neox, n)`` over the product every RoPE op selects from:
+    input dtype, output of that dtype or fp8, neox or interleaved, vector width 8/4/2/1 elements
+    (interleaved pairs need at least 2)."""
+    for dtype in input_dtypes:
+        for is_neox in (True, False):
+            for n in (8, 4, 2, 1) if is_neox else (8, 4, 2):
+                for cache_dtype in (dtype, *fp8_dtypes):
+                    yield expression(dtype, cache_dtype, is_neox, n)
+
+
 @functools.cache
 def read_source(stem):
     """The source of ``kernels/<stem>.cu`` with its local headers inlined once each."""

@@ -8,53 +8,16 @@ read plus the bytes written.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
 import numpy as np
 
-_SPIN_SOURCE = r"""
-extern "C" __global__ void ropekv_spin(long long cycles) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {
-  }
-}
-"""
-
-
-def _spin(us=60.0):
-    """Keep the GPU busy for about ``us`` microseconds, so the host work of the next call is
-    enqueued behind it and the events time the device work alone."""
-    import cupy
-
-    kernel = cupy.RawKernel(_SPIN_SOURCE, "ropekv_spin")
-    kernel((1,), (1,), (np.int64(us * 2000),))  # ~2 GHz SM clock
-
-
-def median_us(fn, *, warmup=10, reps=100, setup=None, spin_us=60.0):
-    """Median device time of ``fn()`` in microseconds (CUDA events around each call).
-
-    Before each call a short spin kernel is queued, so the start event fires only once ``fn``'s
-    host work (validation, launch) is done and its kernels are queued: the figure is device time,
-    not host time. ``setup(i)``, when given, runs before call i outside the timed region."""
-    import cupy
-
-    for i in range(warmup):
-        if setup:
-            setup(i)
-        fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for i in range(reps):
-        if setup:
-            setup(i)
-        _spin(spin_us)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
-    return statistics.median(times)
+def median_us(fn, *, warmup=10, reps=100, setup=None):
+    """Median device time of ``fn()`` in microseconds over ``reps`` calls: :func:`device_us` with
+    no time budget. ``setup(i)``, when given, runs before call i outside the timed region."""
+    return device_us(fn, warmup=warmup, reps=reps, flush=setup, budget_s=float("inf"))
 
 
 def graph_us(fn, *, calls=100, replays=20):
@@ -149,8 +112,6 @@ def _spin_kernel():
 def spin(us):
     """Keep the current stream busy for ``us`` microseconds (one thread spinning on the global
     timer), so that work enqueued behind it meanwhile starts back to back."""
-    import numpy as np
-
     _spin_kernel()((1,), (1,), (np.int64(us * 1e3),))  # on the current stream
 
 
@@ -177,7 +138,8 @@ def device_us(fn, *, warmup=5, reps=100, flush=None, budget_s=0.5):
     once_s = time.perf_counter() - t0
     spin_us = min(max(50.0, 3e6 * host_s), 20000.0)
     per_rep = once_s + spin_us * 1e-6 + (2e-4 if flush else 0.0)
-    reps = max(5, min(reps, int(budget_s / per_rep)))
+    if math.isfinite(budget_s):
+        reps = max(5, min(reps, int(budget_s / per_rep)))
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     times = []
     for i in range(reps):

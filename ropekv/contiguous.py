@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 
@@ -16,7 +15,7 @@ from ropekv._arrays import (
     HOST,
     INT32,
 )
-from ropekv._compile import c_bool, c_type, name_expression
+from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
 from ropekv._launch import LaunchPlan, ParamStruct, PlanCache, stream_ptr_of
 from ropekv._vector import aligned, vector_width
 
@@ -59,11 +58,7 @@ def block_size(D, R, n, is_neox, tokens):
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
-    for dtype, is_neox, n in itertools.product(INPUT_DTYPES, (True, False), (8, 4, 2, 1)):
-        if not is_neox and n == 1:
-            continue
-        for cache_dtype in (dtype, *FP8_DTYPES):
-            yield expression(dtype, cache_dtype, is_neox, n)
+    return rope_instantiations(expression, INPUT_DTYPES, FP8_DTYPES)
 
 
 def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, position_ids=None,

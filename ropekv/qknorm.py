@@ -3,14 +3,13 @@ the K/V append into a paged cache over a ragged batch, in one launch."""
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 
 from ropekv import _checks as ck
 from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, as_view
-from ropekv._compile import c_bool, c_type, name_expression
+from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
 from ropekv._launch import (LaunchPlan, ParamStruct, PlanCache, new_device_array, overlapping,
                             stream_ptr_of)
 from ropekv._vector import aligned, vector_width
@@ -44,11 +43,7 @@ def expression(dtype, cache_dtype, is_neox, n):
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
-    for dtype, is_neox, n in itertools.product(INPUT_DTYPES, (True, False), (8, 4, 2, 1)):
-        if not is_neox and n == 1:
-            continue
-        for cache_dtype in (dtype, *FP8_DTYPES):
-            yield expression(dtype, cache_dtype, is_neox, n)
+    return rope_instantiations(expression, INPUT_DTYPES, FP8_DTYPES)
 
 
 def _kv_scales(kv_scale, cache_dtype):

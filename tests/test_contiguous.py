@@ -20,7 +20,7 @@ from tests.strategies import (
     random,
     seeds,
 )
-from tests.tolerance import assert_bytes_equal, assert_close, to_numpy
+from tests.tolerance import assert_bytes_equal, assert_close, to_device, to_numpy
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -267,15 +267,6 @@ def test_empty_batch_is_a_no_op():
 
 # ---------------------------------------------------------------------------------------------
 # GPU: the kernel against the reference
-
-
-def to_device(x):
-    import cupy as cp
-
-    if x.dtype.itemsize == 1 and x.dtype.kind == "V" or x.dtype in (E4M3,) or \
-            x.dtype == np.dtype(ml_dtypes.float8_e5m2):
-        return cp.asarray(np.ascontiguousarray(x).view(np.uint8)).view(x.dtype)
-    return cp.asarray(x)
 
 
 def device_args(args):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import ropekv
 from ropekv import reference
 from tests.strategies import FP8_DTYPES, INPUT_DTYPES, seeds
-from tests.tolerance import assert_bytes_equal, assert_close, to_numpy
+from tests.tolerance import assert_bytes_equal, assert_close, to_device, to_numpy
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -381,16 +381,6 @@ def test_mixed_devices_are_refused():
 
 
 # ---- GPU: the kernel against the reference ----------------------------------------------------
-
-
-def to_device(x):
-    import cupy as cp
-
-    if isinstance(x, tuple):
-        return tuple(to_device(y) for y in x)
-    if x.dtype in FP8_DTYPES:
-        return cp.asarray(np.ascontiguousarray(x).view(np.uint8)).view(x.dtype)
-    return cp.asarray(x)
 
 
 def check_on_device(args, kw, *, is_neox=False, in_place=False, strided=False, given=False):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import ropekv
 from ropekv import reference
 from tests.strategies import random, seeds
-from tests.tolerance import assert_bytes_equal, assert_close, to_numpy
+from tests.tolerance import assert_bytes_equal, assert_close, to_device, to_numpy
 
 F16 = np.dtype(np.float16)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -618,16 +618,6 @@ def test_read_only_cache_is_refused():
 
 # ---------------------------------------------------------------------------------------------
 # GPU: the kernel against the reference
-
-
-def to_device(x):
-    import cupy as cp
-
-    if x is None or not isinstance(x, np.ndarray):
-        return x
-    if x.dtype in FP8:
-        return cp.asarray(np.ascontiguousarray(x).view(np.uint8)).view(x.dtype)
-    return cp.asarray(x)
 
 
 def device_args(args):

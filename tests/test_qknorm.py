@@ -3,7 +3,6 @@ backend, the validation rules (CPU), and the kernel against the reference (GPU).
 
 from __future__ import annotations
 
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from hypothesis import strategies as st
 import ropekv
 from ropekv import reference
 from tests.strategies import FP8_DTYPES, INPUT_DTYPES, seeds
-from tests.tolerance import assert_bytes_equal, assert_close, to_numpy
+from tests.tolerance import assert_bytes_equal, assert_close, to_device, to_numpy
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -209,16 +208,6 @@ def test_q_out_overlap():
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
-
-
-def to_device(x):
-    import cupy as cp
-
-    if isinstance(x, tuple):
-        return tuple(to_device(y) for y in x)
-    if x.dtype in FP8_DTYPES:
-        return cp.asarray(np.ascontiguousarray(x).view(np.uint8)).view(x.dtype)
-    return cp.asarray(x)
 
 
 def check_on_device(args, kw, *, is_neox=True, in_place=False, kv_scale=None, given=False):

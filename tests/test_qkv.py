@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import ropekv
 from ropekv import qkv as qkv_mod
 from ropekv import reference
-from tests.tolerance import assert_close, to_numpy
+from tests.tolerance import assert_close, to_device, to_numpy
 
 F16 = np.dtype(np.float16)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -455,18 +455,6 @@ def test_instantiations_cover_every_dispatch():
 
 # ---------------------------------------------------------------------------------------------
 # GPU: both paths against the float64 reference
-
-
-def to_device(x):
-    import cupy as cp
-
-    if isinstance(x, tuple):
-        return tuple(to_device(c) for c in x)
-    if not isinstance(x, np.ndarray):
-        return x
-    if x.dtype.itemsize == 1 and x.dtype != np.uint8:
-        return cp.asarray(x.view(np.uint8)).view(x.dtype)
-    return cp.asarray(x)
 
 
 def rel_rows(actual, expect, D):

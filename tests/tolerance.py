@@ -46,6 +46,20 @@ def to_numpy(x):
     return np.asarray(x)
 
 
+def to_device(x):
+    """A CuPy copy of a NumPy array (fp8 through a uint8 view, which CuPy can allocate), of each
+    array of a tuple; anything else (None, scalars) is returned as it is."""
+    import cupy as cp
+
+    if isinstance(x, tuple):
+        return tuple(to_device(y) for y in x)
+    if not isinstance(x, np.ndarray):
+        return x
+    if x.dtype in FP8:
+        return cp.asarray(np.ascontiguousarray(x).view(np.uint8)).view(x.dtype)
+    return cp.asarray(x)
+
+
 def fp8_ordinal(codes):
     """Map fp8 bytes to integers in which adjacent representable values differ by 1."""
     c = codes.view(np.uint8).astype(np.int32)
