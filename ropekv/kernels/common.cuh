@@ -115,6 +115,29 @@ __device__ __forceinline__ void store_float(T* p, const float (&x)[N], float sca
 //   interleaved: the chunk is elements [e0, e0 + N), pairs (e0 + 2k, e0 + 2k + 1) rotated by
 //         theta_{e0/2 + k}; b is unused.
 // x' = x cos - y sin, y' = y cos + x sin.
+// RoPE on one chunk whose cos/sin values are already in registers (loaded once per thread and
+// reused across heads): neox rotates a[k] with b[k] by angle k (M = N); interleaved rotates
+// a[2k] with a[2k + 1] by angle k (M = N / 2) and leaves b alone.
+template <bool NEOX, int N, int M>
+__device__ __forceinline__ void rotate_chunk(float (&a)[N], float (&b)[N], const float (&c)[M],
+                                             const float (&s)[M]) {
+  if constexpr (NEOX) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float x = a[k], y = b[k];
+      a[k] = x * c[k] - y * s[k];
+      b[k] = y * c[k] + x * s[k];
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) {
+      const float x = a[2 * k], y = a[2 * k + 1];
+      a[2 * k] = x * c[k] - y * s[k];
+      a[2 * k + 1] = y * c[k] + x * s[k];
+    }
+  }
+}
+
 template <int N>
 __device__ __forceinline__ void rotate_neox(float (&a)[N], float (&b)[N], const float* cos_sin,
                                             int half_r, int i0) {

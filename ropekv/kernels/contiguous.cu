@@ -83,21 +83,7 @@ __global__ void __launch_bounds__(256) apply_rope_write_kv(const RopeWriteKVPara
       for (int u = 0; u < 2; ++u) {
         if (hs[u] >= H || (!rotary && hs[u] < p.Hq)) continue;
         if (rotary) {
-          if constexpr (NEOX) {
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-              const float x = xa[u][i], y = xb[u][i];
-              xa[u][i] = x * c[i] - y * sn[i];
-              xb[u][i] = y * c[i] + x * sn[i];
-            }
-          } else {
-#pragma unroll
-            for (int i = 0; i < N / 2; ++i) {
-              const float x = xa[u][2 * i], y = xa[u][2 * i + 1];
-              xa[u][2 * i] = x * c[i] - y * sn[i];
-              xa[u][2 * i + 1] = y * c[i] + x * sn[i];
-            }
-          }
+          rotate_chunk<NEOX, N, M>(xa[u], xb[u], c, sn);
         }
         if (hs[u] < p.Hq) {  // Q: rotated in place
           T* row = q + hs[u] * p.q_sh;

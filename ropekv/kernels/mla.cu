@@ -107,21 +107,7 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParam
         const int hu = h + u * hp;
         if (hu >= p.Hq) continue;
         if (roped) {
-          if constexpr (NEOX) {
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-              const float x = xa[u][i], y = xb[u][i];
-              xa[u][i] = x * c[i] - y * sn[i];
-              xb[u][i] = y * c[i] + x * sn[i];
-            }
-          } else {
-#pragma unroll
-            for (int i = 0; i < N / 2; ++i) {
-              const float x = xa[u][2 * i], y = xa[u][2 * i + 1];
-              xa[u][2 * i] = x * c[i] - y * sn[i];
-              xa[u][2 * i + 1] = y * c[i] + x * sn[i];
-            }
-          }
+          rotate_chunk<NEOX, N, M>(xa[u], xb[u], c, sn);
         }
         store_float<T, N>(q_out + hu * p.qo_sh + ea, xa[u]);
         if (NEOX) store_float<T, N>(q_out + hu * p.qo_sh + eb, xb[u]);

@@ -122,23 +122,7 @@ __global__ void __launch_bounds__(256, 3) qk_rmsnorm_rope_append(const QKNormPar
 #pragma unroll
           for (int i = 0; i < N; ++i) b[i] *= rms * g[i];
         }
-        if (rotary) {
-          if constexpr (NEOX) {
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-              const float x = a[i], y = b[i];
-              a[i] = x * c[i] - y * sn[i];
-              b[i] = y * c[i] + x * sn[i];
-            }
-          } else {
-#pragma unroll
-            for (int i = 0; i < N / 2; ++i) {
-              const float x = a[2 * i], y = a[2 * i + 1];
-              a[2 * i] = x * c[i] - y * sn[i];
-              a[2 * i + 1] = y * c[i] + x * sn[i];
-            }
-          }
-        }
+        if (rotary) rotate_chunk<NEOX, N, M>(xa[u], xb[u], c, sn);
       }
       if (is_q) {
         store_float<T, N>(q_out + h * p.qo_sh + ea, xa[u]);
