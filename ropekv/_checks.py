@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from ropekv._arrays import HOST, as_view
+from ropekv._arrays import FLOAT32, HOST, as_view
 
 
 def _dtype_names(dtypes):
@@ -73,6 +73,18 @@ def check_same_device(views):
             raise ValueError(f"all arrays must be on one device: {first.name} is in "
                              f"{first.where()}, {view.name} is in {view.where()}")
     return first.device
+
+
+def check_cos_sin_cache(view, D, ndims=(2,), layout="(P, R)"):
+    """A float32 cos/sin table whose last dim, the rotary dim R, is even and in [2, D]; returns
+    ``(P, R)``."""
+    check_ndim(view, ndims, layout)
+    check_dtype(view, (FLOAT32,))
+    P, R = view.shape[-2:]
+    if R % 2 or not 0 < R <= D:
+        raise ValueError(f"{view.name}'s rotary dim R (its last dim) must be even and in "
+                         f"[2, D={D}], got {R}")
+    return P, R
 
 
 def check_positive_int(value, name):

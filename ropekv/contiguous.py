@@ -153,15 +153,10 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
     C = vc.shape[3]
     if vc.dtype != vq.dtype:
         ck.check_dtype(vc, (vq.dtype, *FP8_DTYPES))
-    ck.check_ndim(vt, (2, 3), "(P, R) or (Bc, P, R)")
-    ck.check_dtype(vt, (FLOAT32,))
+    P, R = ck.check_cos_sin_cache(vt, D, (2, 3), "(P, R) or (Bc, P, R)")
     if vt.ndim == 3 and vt.shape[0] not in (1, B):
         raise ValueError(f"cos_sin_cache must have shape (P, R) or (Bc, P, R) with Bc 1 or "
                          f"B={B}, got {vt.shape}")
-    P, R = vt.shape[-2:]
-    if R % 2 or not 0 < R <= D:
-        raise ValueError(f"cos_sin_cache's rotary dim R (its last dim) must be even and in "
-                         f"[2, D={D}], got {R}")
     if vlens is not None:
         ck.check_shape(vlens, (B,), "(B,)")
         ck.check_dtype(vlens, (INT32,))

@@ -91,6 +91,16 @@ def check_output(out, src):
                          f"it overlaps {src.name} partially")
 
 
+def resolve_output(given, vgiven, src, shape, name, stream_ptr):
+    """``(out, view)``: the caller's output (checked against ``src``: same shape and dtype,
+    writable, in place or not overlapping), or a new array of ``shape`` in the caller's type."""
+    if vgiven is None:
+        out = allocate_like(src, shape, src.dtype)
+        return out, as_view(out, name, stream_ptr)
+    check_output(vgiven, src)
+    return given, vgiven
+
+
 def _span(view):
     """[lo, hi) byte range a view can touch."""
     item = view.dtype.itemsize
@@ -266,12 +276,7 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     for view in caches:
         ck.check_writable(view)
 
-    if a["q_rope_out"] is None:
-        out = allocate_like(vq, (T, Hq, R), vq.dtype)
-        vout = as_view(out, "q_rope_out", sp)
-    else:
-        out, vout = q_rope_out, a["q_rope_out"]
-        check_output(vout, vq)
+    out, vout = resolve_output(q_rope_out, a["q_rope_out"], vq, (T, Hq, R), "q_rope_out", sp)
     device = ck.check_same_device([vq, vkv, vg, vt, voff, vlen, vbt, *caches, vout])
 
     if ck.check_indices_enabled():

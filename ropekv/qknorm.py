@@ -8,12 +8,12 @@ import numpy as np
 
 from ropekv import _checks as ck
 from ropekv import reference
-from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, as_view
+from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
 from ropekv._launch import (LaunchPlan, ParamStruct, PlanCache, new_device_array, overlapping,
                             stream_ptr_of)
 from ropekv._vector import aligned, vector_width
-from ropekv.mla import allocate_like, cache_scale, check_float, check_output
+from ropekv.mla import cache_scale, check_float, resolve_output
 
 STEM = "qknorm"
 KERNEL = "qk_rmsnorm_rope_append"
@@ -168,12 +168,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
         ck.check_shape(view, (D,), "(D,)")
         ck.check_dtype(view, (vq.dtype, FLOAT32))
         ck.check_contiguous(view)
-    ck.check_ndim(vt, 2, "(P, R)")
-    ck.check_dtype(vt, (FLOAT32,))
-    P, R = vt.shape
-    if R % 2 or not 0 < R <= D:
-        raise ValueError(f"cos_sin_cache's rotary dim R (its last dim) must be even and in "
-                         f"[2, D={D}], got {R}")
+    P, R = ck.check_cos_sin_cache(vt, D)
     B, max_pages = ck.check_ragged_paged(voff, vlen, vbt)
     layout = "(num_pages, page_size, Hkv, D)" if kv_layout == "NHD" else \
         "(num_pages, Hkv, page_size, D)"
@@ -196,12 +191,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     for view in (vkc, vvc):
         ck.check_writable(view)
 
-    if a["q_out"] is None:
-        out = allocate_like(vq, (T, Hq, D), vq.dtype)
-        vout = as_view(out, "q_out", sp)
-    else:
-        out, vout = q_out, a["q_out"]
-        check_output(vout, vq)
+    out, vout = resolve_output(q_out, a["q_out"], vq, (T, Hq, D), "q_out", sp)
     device = ck.check_same_device([vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vout])
 
     if ck.check_indices_enabled():

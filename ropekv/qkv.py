@@ -385,12 +385,7 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
 
     R = P = 0
     if vt is not None:
-        ck.check_ndim(vt, 2, "(P, R)")
-        ck.check_dtype(vt, (FLOAT32,))
-        P, R = vt.shape
-        if R % 2 or not 0 < R <= D:
-            raise ValueError(f"cos_sin_cache's rotary dim R (its last dim) must be even and in "
-                             f"[2, D={D}], got {R}")
+        P, R = ck.check_cos_sin_cache(vt, D)
     fp8 = vk.dtype in FP8_DTYPES
     if not fp8 and kv_scale is not None:
         raise ValueError(f"kv_scale is only used with float8 caches, but the cache is {vk.dtype}")
