@@ -1,15 +1,20 @@
-"""Array intake: NumPy, CuPy or any DLPack producer -> one internal :class:`ArrayView`.
+"""Array intake: NumPy, CuPy, torch, ``__cuda_array_interface__`` or any DLPack producer -> one
+internal :class:`ArrayView`, and the layout signature that keys launch plans.
 
-CuPy cannot import float8 through DLPack, so ropekv reads the DLPack capsule itself (legacy
-``dltensor`` and versioned ``dltensor_versioned`` capsules). The capsule is never consumed: it is
-kept alive beside the view, and when it is collected its own destructor releases the producer's
-tensor, as the protocol prescribes for an unconsumed capsule.
+CuPy arrays and torch tensors are read from their attributes (pointer, shape, strides, dtype,
+device): no capsule, and torch is never imported unless the caller passed a tensor. Objects with
+``__cuda_array_interface__`` (JAX's ``buffer_callback`` buffers, Numba) are read from it. Any other
+``__dlpack__`` producer goes through a capsule that ropekv reads itself (legacy ``dltensor`` and
+versioned ``dltensor_versioned``; CuPy cannot import float8 through DLPack). The capsule is never
+consumed: it is kept alive beside the view, and when it is collected its own destructor releases
+the producer's tensor, as the protocol prescribes for an unconsumed capsule.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -100,6 +105,7 @@ class ArrayView:
     ``strides`` are in elements. ``device`` is the CUDA device id, or ``HOST``. ``host`` is a NumPy
     array aliasing the memory of a host array (the CPU backend writes through it), else None.
     ``owner`` keeps the producer's memory alive; ``array`` is the object the caller passed.
+    ``legacy`` marks a legacy (unversioned) DLPack capsule, which carries no read-only flag.
     """
 
     __slots__ = (
@@ -107,6 +113,7 @@ class ArrayView:
         "device",
         "dtype",
         "host",
+        "legacy",
         "name",
         "owner",
         "ptr",
@@ -116,8 +123,9 @@ class ArrayView:
     )
 
     def __init__(self, name, ptr, shape, strides, dtype, device, *, readonly=False, owner=None,
-                 host=None, array=None):
+                 host=None, array=None, legacy=False):
         self.name = name
+        self.legacy = legacy
         self.ptr = ptr
         self.shape = shape
         self.strides = strides
@@ -174,8 +182,108 @@ def _from_numpy(a, name):
 
 
 def _from_cupy(a, name):
+    _note_type(type(a), "cupy")
     return ArrayView(name, a.data.ptr, a.shape, _element_strides(name, a.strides, a.itemsize),
                      a.dtype, a.device.id, owner=a, array=a)
+
+
+# ---- torch tensors, read from their attributes (torch is only ever touched when passed one) ----
+
+_TORCH_NAMES = {
+    "float16": FLOAT16, "bfloat16": BFLOAT16, "float32": FLOAT32, "float64": np.dtype(np.float64),
+    "float8_e4m3fn": FLOAT8_E4M3FN, "float8_e5m2": FLOAT8_E5M2, "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16), "int32": INT32, "int64": INT64, "uint8": UINT8,
+    "uint16": np.dtype(np.uint16), "uint32": UINT32, "uint64": np.dtype(np.uint64),
+    "bool": np.dtype(np.bool_),
+}
+_TORCH_TO_NUMPY = {}  # torch.dtype -> numpy dtype, filled on the first torch tensor
+_NUMPY_TO_TORCH = {}
+
+
+def _torch_maps():
+    if not _TORCH_TO_NUMPY:
+        torch = sys.modules["torch"]
+        for name, dtype in _TORCH_NAMES.items():
+            if hasattr(torch, name):
+                _TORCH_TO_NUMPY[getattr(torch, name)] = dtype
+                _NUMPY_TO_TORCH[dtype] = getattr(torch, name)
+    return _TORCH_TO_NUMPY
+
+
+def torch_dtype(dtype):
+    """The torch dtype of a NumPy dtype (torch already imported by the caller)."""
+    _torch_maps()
+    return _NUMPY_TO_TORCH[np.dtype(dtype)]
+
+
+def _from_torch(t, name):
+    dtype = _torch_maps().get(t.dtype)
+    if dtype is None:
+        raise TypeError(f"{name} has torch dtype {t.dtype}, which ropekv does not read")
+    torch = sys.modules["torch"]
+    if t.layout != torch.strided:
+        raise BufferError(f"{name} is a {t.layout} tensor; ropekv reads strided tensors only")
+    if t.is_neg() or t.is_conj():
+        raise BufferError(f"{name} carries a lazy negation/conjugation bit; pass "
+                          f"{name}.resolve_neg() / .resolve_conj()")
+    _note_type(type(t), "torch")
+    ptr, shape, strides = t.data_ptr(), tuple(t.shape), tuple(t.stride())
+    device = t.get_device()
+    if device < 0:
+        if t.device.type != "cpu":
+            raise BufferError(f"{name} is on torch device {t.device}; ropekv accepts CPU and CUDA "
+                              f"tensors")
+        host = _host_array(ptr, shape, tuple(s * dtype.itemsize for s in strides), dtype, False)
+        return ArrayView(name, ptr, shape, strides, dtype, HOST, owner=t, host=host, array=t)
+    return ArrayView(name, ptr, shape, strides, dtype, device, owner=t, array=t)
+
+
+# ---- __cuda_array_interface__ (JAX buffer_callback buffers, Numba, ...) ------------------------
+
+
+def _from_cai(obj, name, cai, stream_ptr):
+    try:
+        shape = tuple(int(n) for n in cai["shape"])
+        ptr, readonly = cai["data"]
+        typestr = cai["typestr"]
+    except Exception as exc:
+        raise BufferError(f"{name}: malformed __cuda_array_interface__: {exc}") from exc
+    dtype = np.dtype(typestr) if typestr[1:2] in ("f", "i", "u", "b") else None
+    if dtype is None or dtype.kind == "V":  # bfloat16 / float8 have no typestr: ask the object
+        try:
+            dtype = np.dtype(obj.dtype)
+        except Exception as exc:
+            raise TypeError(f"{name}: __cuda_array_interface__ typestr {typestr!r} names no dtype "
+                            f"ropekv reads, and the object has no usable .dtype") from exc
+    byte_strides = cai.get("strides")
+    if byte_strides is None:
+        strides, acc = [], 1
+        for n in reversed(shape):
+            strides.append(acc)
+            acc *= n
+        strides = tuple(reversed(strides))
+    else:
+        strides = _element_strides(name, byte_strides, dtype.itemsize)
+    mask = cai.get("mask")
+    if mask is not None:
+        raise BufferError(f"{name} has a __cuda_array_interface__ mask; ropekv reads unmasked "
+                          f"arrays only")
+    ptr = int(ptr or 0)
+    import cupy
+
+    if ptr:
+        device = cupy.cuda.runtime.pointerGetAttributes(ptr).device
+    else:
+        device = cupy.cuda.runtime.getDevice()
+    producer_stream = cai.get("stream")
+    if producer_stream is not None and stream_ptr is not None and producer_stream != stream_ptr:
+        # CAI v3: our stream must wait for the producer's work on its stream
+        with cupy.cuda.Device(device):
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record(cupy.cuda.ExternalStream(int(producer_stream), device))
+            cupy.cuda.ExternalStream(int(stream_ptr), device).wait_event(event)
+    return ArrayView(name, ptr, shape, strides, dtype, device, readonly=bool(readonly),
+                     owner=obj, array=obj)
 
 
 def _consumer_stream(stream_ptr):
@@ -235,7 +343,7 @@ def _from_dlpack(obj, name, stream_ptr):
         flags = managed.flags
     elif _capsule_is_valid(capsule, b"dltensor"):
         managed = _DLManagedTensor.from_address(_capsule_get_pointer(capsule, b"dltensor"))
-        flags = 0
+        flags = None  # a legacy capsule says nothing about read-only memory
     else:
         raise BufferError(f"{name}: __dlpack__() returned {capsule!r}, not a DLPack capsule")
     t = managed.dl_tensor
@@ -254,25 +362,32 @@ def _from_dlpack(obj, name, stream_ptr):
             acc *= n
         strides = tuple(reversed(strides))
     ptr = (t.data or 0) + t.byte_offset
-    readonly = bool(flags & (_DL_FLAG_READ_ONLY | _DL_FLAG_IS_COPIED))
+    legacy = flags is None
+    readonly = not legacy and bool(flags & (_DL_FLAG_READ_ONLY | _DL_FLAG_IS_COPIED))
     if device_type in (_DL_CPU, _DL_CUDA_HOST):
         byte_strides = tuple(s * dtype.itemsize for s in strides)
         host = _host_array(ptr, shape, byte_strides, dtype, readonly)
         return ArrayView(name, ptr, shape, strides, dtype, HOST, readonly=readonly,
-                         owner=(obj, capsule), host=host, array=obj)
+                         owner=(obj, capsule), host=host, array=obj, legacy=legacy)
     return ArrayView(name, ptr, shape, strides, dtype, device_id, readonly=readonly,
-                     owner=(obj, capsule), array=obj)
+                     owner=(obj, capsule), array=obj, legacy=legacy)
 
 
 def is_cupy(obj):
     return type(obj).__module__.startswith("cupy")
 
 
-def as_view(obj, name, stream_ptr=None):
-    """Wrap ``obj`` (NumPy, CuPy or DLPack array) as an :class:`ArrayView`, zero-copy.
+def is_torch(obj):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
 
-    ``stream_ptr`` is the CUDA stream ropekv will launch on: a DLPack producer is asked to order
-    its pending work before it (the DLPack stream protocol).
+
+def as_view(obj, name, stream_ptr=None):
+    """Wrap ``obj`` (NumPy, CuPy, torch, ``__cuda_array_interface__`` or DLPack array) as an
+    :class:`ArrayView`, zero-copy.
+
+    ``stream_ptr`` is the CUDA stream ropekv will launch on: a DLPack or CAI producer is asked to
+    order its pending work before it (the stream protocols).
     """
     if isinstance(obj, ArrayView):
         return obj
@@ -280,7 +395,68 @@ def as_view(obj, name, stream_ptr=None):
         return _from_numpy(obj, name)
     if is_cupy(obj) and hasattr(obj, "data") and hasattr(obj, "device"):
         return _from_cupy(obj, name)
+    if is_torch(obj):
+        return _from_torch(obj, name)
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        return _from_cai(obj, name, cai, stream_ptr)
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
         return _from_dlpack(obj, name, stream_ptr)
-    raise TypeError(f"{name} must be a NumPy array, a CuPy array or an object with __dlpack__, "
-                    f"got {type(obj).__module__}.{type(obj).__qualname__}")
+    raise TypeError(f"{name} must be a NumPy array, a CuPy array, a torch tensor or an object with "
+                    f"__cuda_array_interface__ or __dlpack__, got "
+                    f"{type(obj).__module__}.{type(obj).__qualname__}")
+
+
+# ---- layout signatures: the key of a launch plan ---------------------------------------------
+# CuPy arrays and torch tensors of the exact base types are read inline (the replay of a plan
+# costs little more than these attribute reads); any other object goes through as_view.
+
+CUPY, TORCH, OTHER = 1, 2, 4  # kinds of array in a call, OR-ed together
+
+
+class _Never:  # stands for cupy.ndarray / torch.Tensor until the caller first passes one
+    pass
+
+
+_CUPY_ARRAY = _Never
+_TORCH_TENSOR = _Never
+
+
+def _note_type(cls, kind):
+    global _CUPY_ARRAY, _TORCH_TENSOR
+    if kind == "cupy" and _CUPY_ARRAY is _Never:
+        _CUPY_ARRAY = sys.modules["cupy"].ndarray
+    elif kind == "torch" and _TORCH_TENSOR is _Never:
+        _TORCH_TENSOR = sys.modules["torch"].Tensor
+
+
+def signature(arrays, names, stream_ptr):
+    """``(key, ptrs, kinds, keep)`` of a call's array arguments (None allowed): ``key`` holds every
+    array's layout (shape, strides, dtype, device, pointer alignment; for other producers also the
+    read-only and legacy-capsule flags), never its identity or address. ``ptrs`` the data pointers
+    (0 for None), ``kinds`` the OR of CUPY / TORCH / OTHER, ``keep`` the views of other producers
+    (their capsules must live until the launch). Host arrays give device -1 in the key."""
+    key, ptrs, kinds, keep = [], [], 0, None
+    for a, name in zip(arrays, names):
+        if a is None:
+            key.append(None)
+            ptrs.append(0)
+            continue
+        cls = type(a)
+        if cls is _CUPY_ARRAY:
+            data = a.data
+            p = data.ptr
+            key.append((a.shape, a.strides, a.dtype, p & 15, data.device_id))
+            kinds |= CUPY
+        elif cls is _TORCH_TENSOR:
+            p = a.data_ptr()
+            key.append((1, a.shape, a.stride(), a.dtype, p & 15, a.get_device()))
+            kinds |= TORCH
+        else:
+            v = as_view(a, name, stream_ptr)
+            p = v.ptr
+            key.append((2, v.shape, v.strides, v.dtype, p & 15, v.device, v.readonly, v.legacy))
+            kinds |= TORCH if is_torch(a) else CUPY if is_cupy(a) else OTHER
+            keep = [v] if keep is None else [*keep, v]
+        ptrs.append(p)
+    return tuple(key), ptrs, kinds, keep

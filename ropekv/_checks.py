@@ -7,6 +7,9 @@ arrived.
 
 from __future__ import annotations
 
+import ctypes
+import math
+import numbers
 import os
 
 import numpy as np
@@ -63,6 +66,152 @@ def check_writable(view):
     if view.readonly:
         raise BufferError(f"{view.name} is written in place but its producer exported it "
                           f"read-only (or as a copy)")
+    if view.legacy and os.environ.get("ROPEKV_ALLOW_LEGACY_DLPACK_WRITES", "") in ("", "0"):
+        raise BufferError(
+            f"{view.name} is written in place but came through a legacy (unversioned) DLPack "
+            f"capsule, which cannot say whether the memory may be written (JAX arrays, for one, "
+            f"are immutable and export such capsules). Pass an array whose producer exports "
+            f"DLPack 1.x capsules or __cuda_array_interface__ (ropekv.jax runs ops inside "
+            f"jax.jit), or set ROPEKV_ALLOW_LEGACY_DLPACK_WRITES=1 if you own this memory")
+
+
+def check_element_aligned(view):
+    """A device array must start at a multiple of its item size (index and scale arrays are
+    loaded whole; data arrays at least element by element)."""
+    item = view.dtype.itemsize
+    if view.ptr % item and view.size:
+        raise BufferError(f"{view.name} starts at address {view.ptr:#x}, not a multiple of its "
+                          f"item size {item} ({view.dtype}); ropekv cannot load it")
+
+
+def check_write_strides(view):
+    """A written array has positive strides on every dimension of size > 1 and no two elements
+    at one address (a broadcast or overlapping view would make blocks race)."""
+    if view.size == 0:
+        return
+    dims = sorted((s, n, d) for d, (n, s) in enumerate(zip(view.shape, view.strides)) if n > 1)
+    reach = 0  # elements spanned by the dims of smaller stride
+    for stride, n, d in dims:
+        if stride <= 0:
+            raise ValueError(f"{view.name} is written but has stride {stride} in dimension {d} "
+                             f"(shape {view.shape}, strides {view.strides}): a written array "
+                             f"needs positive strides, not a broadcast or reversed view")
+        if stride <= reach:
+            raise ValueError(f"{view.name} is written but its strides {view.strides} (shape "
+                             f"{view.shape}) put several elements at one address")
+        reach += (n - 1) * stride
+
+
+def span(view):
+    """``[lo, hi)``: the byte offsets, relative to ``view.ptr``, that a non-empty view touches."""
+    item = view.dtype.itemsize
+    lo = sum((n - 1) * s for n, s in zip(view.shape, view.strides) if s < 0) * item
+    hi = sum((n - 1) * s for n, s in zip(view.shape, view.strides) if s > 0) * item
+    return lo, hi + item
+
+
+def shares_bytes(a, b):
+    """Whether two strided layouts ``(ptr, shape, strides in elements, itemsize)`` share a byte.
+
+    Exact: NumPy's solver runs on stand-in arrays at those addresses (built over a ctypes buffer
+    that is never read), so device pointers work as well as host ones."""
+    def lo_hi(ptr, shape, strides, item):
+        lo = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0) * item
+        hi = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0) * item
+        return ptr + lo, ptr + hi + item
+
+    (a_lo, a_hi), (b_lo, b_hi) = lo_hi(*a), lo_hi(*b)
+    if not (a_lo < b_hi and b_lo < a_hi):
+        return False
+    lo, hi = min(a_lo, b_lo), max(a_hi, b_hi)
+    buf = (ctypes.c_char * (hi - lo)).from_address(lo)
+
+    def stand_in(ptr, shape, strides, item):
+        return np.ndarray((*shape, item), np.uint8, buffer=buf, offset=ptr - lo,
+                          strides=(*(s * item for s in strides), 1))
+
+    try:
+        return bool(np.shares_memory(stand_in(*a), stand_in(*b), max_work=1 << 20))
+    except np.exceptions.TooHardError:
+        return True  # not provably disjoint
+
+
+def overlap_message(name, other, written, other_written):
+    what = "also written" if other_written else "read"
+    return (f"{name} is written in place but shares memory with {other} ({what} by this call); "
+            f"pass arrays that do not overlap")
+
+
+def check_no_overlap(views, written, inplace=()):
+    """No written array shares a byte with any other argument, except the pairs of ``inplace``
+    (index pairs) when they are the very same array (same pointer and layout)."""
+    for i in written:
+        a = views[i]
+        if a is None or a.size == 0:
+            continue
+        for j, b in enumerate(views):
+            if j == i or b is None or b.size == 0 or (j in written and j < i):
+                continue
+            same = a.ptr == b.ptr and a.shape == b.shape and a.strides == b.strides and \
+                a.dtype == b.dtype
+            if same and frozenset((i, j)) in inplace:
+                continue
+            if shares_bytes((a.ptr, a.shape, a.strides, a.dtype.itemsize),
+                            (b.ptr, b.shape, b.strides, b.dtype.itemsize)):
+                if frozenset((i, j)) in inplace:
+                    raise ValueError(f"{a.name} must be {b.name} itself (in place) or not "
+                                     f"overlap it; it overlaps {b.name} partially")
+                raise ValueError(overlap_message(a.name, b.name, True, j in written))
+
+
+def check_flag(value, name):
+    """A bool flag (``bool`` or ``numpy.bool_``), as a Python bool."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r} of type {type(value).__name__}")
+
+
+def check_float(value, name, *, positive):
+    """A finite real scalar (> 0 when ``positive``, else >= 0), as a Python float."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} of type "
+                        f"{type(value).__name__}")
+    value = float(value)
+    ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
+    if not ok:
+        what = "positive" if positive else "non-negative"
+        raise ValueError(f"{name} must be a finite {what} number, got {value!r}")
+    return value
+
+
+def check_scale_values(view):
+    """A scale array's values are positive and finite (read on the host: host arrays always, device
+    arrays under ``ROPEKV_CHECK_INDICES``, which already synchronises)."""
+    values = host_copy(view).astype(np.float64)
+    bad = ~(np.isfinite(values) & (values > 0))
+    if bad.any():
+        i = tuple(int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(f"{view.name} must hold positive finite scales, got {values[i]!r} at "
+                         f"{list(i)}")
+
+
+def check_unique_slots(rows, tokens, what="cache row"):
+    """``ROPEKV_CHECK_INDICES``: two tokens that write one cache row leave it undefined (its
+    16-byte pieces may come from either): raise ``IndexError`` naming both. ``rows`` is an (n, k)
+    int array of written rows' coordinates, ``tokens`` the n tokens writing them."""
+    if len(rows) < 2:
+        return
+    rows = np.asarray(rows, np.int64).reshape(len(rows), -1)
+    order = np.lexsort(rows.T[::-1])
+    sorted_rows = rows[order]
+    same = np.all(sorted_rows[1:] == sorted_rows[:-1], axis=1)
+    if same.any():
+        k = int(np.argmax(same))
+        t0, t1 = sorted((int(tokens[order[k]]), int(tokens[order[k + 1]])))
+        raise IndexError(f"tokens {t0} and {t1} both write {what} {tuple(sorted_rows[k])}: the "
+                         f"row's contents would be undefined")
 
 
 def check_same_device(views):
@@ -165,8 +314,8 @@ def check_paged_indices(offsets, cache_lengths, block_table, page_size, num_page
                          f"[{b}], [{b + 1}]")
     if offs[-1] > num_tokens:
         raise IndexError(f"{offsets.name}[-1] = {offs[-1]} runs past the {num_tokens} tokens")
-    request, pos, page, _ = ragged_paged_slots(offs, lens, table, page_size, num_pages,
-                                               num_tokens)
+    request, pos, page, entry = ragged_paged_slots(offs, lens, table, page_size, num_pages,
+                                                   num_tokens)
     for t in np.nonzero((request < 0) | (pos < 0) | (pos >= num_positions) | (page < 0))[0]:
         t = int(t)
         if request[t] < 0:
@@ -184,3 +333,6 @@ def check_paged_indices(offsets, cache_lengths, block_table, page_size, num_page
         raise IndexError(f"token {t} (request {b}, position {p}) maps to page "
                          f"{block_table.name}[{b}, {index}] = {table[b, index]}, outside "
                          f"[0, num_pages={num_pages})")
+    writes = page >= 0
+    check_unique_slots(np.stack([page[writes], entry[writes]], 1), np.flatnonzero(writes),
+                       "cache row (page, entry)")

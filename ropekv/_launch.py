@@ -1,19 +1,38 @@
-"""Streams, parameter structs and the launch itself. Only the op modules call into here."""
+"""The one call path of every op: intake, validation on the first call of a layout, a launch plan,
+and its replay.
+
+An op module declares an :class:`Op`: the names of its array arguments and a ``prepare`` function
+that validates the arrays of a first call and returns a :class:`Plan` (its kernel launches with
+their parameter records, the outputs to allocate, which arguments it writes, what it returns).
+Everything else lives here, once for every op:
+
+* the plan cache, keyed by the flags and the layout of every array (shape, strides, dtype, device,
+  pointer alignment; :func:`ropekv._arrays.signature`), never by object identity or address;
+* the checks every op shares (read-only, legacy DLPack capsules, element alignment, written
+  arrays' strides, overlap between written arrays and every other argument), run on the first
+  call of a layout; on replay, overlap is re-checked from the pointers alone;
+* the stream rule: ``stream=`` when given, else torch's current stream on the arrays' device when
+  any argument is a torch tensor, else CuPy's current stream on that device;
+* the launch: the driver's ``cuLaunchKernel`` (``cuLaunchKernelEx`` with programmatic dependent
+  launch when asked) on a parameter record whose pointer fields are refilled per call.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 import struct
+import sys
+import threading
 
 import numpy as np
 
+from ropekv import _arrays as ar
+from ropekv import _checks as ck
 from ropekv._compile import get_kernel
 
-
-def current_stream_ptr():
-    import cupy
-
-    return cupy.cuda.get_current_stream().ptr
+# ---------------------------------------------------------------------------------- streams
 
 
 class _RawStream:
@@ -26,33 +45,12 @@ class _RawStream:
         return (0, self.ptr)
 
 
-@functools.lru_cache(maxsize=64)
-def _external_stream(ptr, device_id):
-    import cupy
-
-    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14+
-        return cupy.cuda.Stream.from_external(_RawStream(ptr))
-    return cupy.cuda.ExternalStream(ptr, device_id)
-
-
-def resolve_stream(stream, device_id):
-    """The CuPy stream to launch on: ``stream`` (a CuPy stream, a raw ``cudaStream_t`` int, or any
-    object with ``__cuda_stream__`` / ``cuda_stream``, such as ``torch.cuda.Stream``), or the
-    current CuPy stream when None."""
-    import cupy
-
-    if stream is None:
-        return cupy.cuda.get_current_stream()
-    if isinstance(stream, cupy.cuda.stream._BaseStream):
-        return stream
-    return _external_stream(stream_ptr_of(stream), device_id)
-
-
 def stream_ptr_of(stream):
-    """The raw pointer of a ``stream=`` argument without importing CuPy for host calls."""
+    """The raw pointer of a ``stream=`` argument: a CuPy stream, an int ``cudaStream_t``, or any
+    object with ``__cuda_stream__`` / ``cuda_stream`` (``torch.cuda.Stream``). None stays None."""
     if stream is None:
         return None
-    if isinstance(stream, int | np.integer):
+    if isinstance(stream, int | np.integer) and not isinstance(stream, bool):
         return int(stream)
     if hasattr(stream, "ptr"):
         return int(stream.ptr)
@@ -61,15 +59,52 @@ def stream_ptr_of(stream):
     if hasattr(stream, "cuda_stream"):
         return int(stream.cuda_stream)
     raise TypeError(f"stream must be None, a CuPy stream, an int cudaStream_t or an object with "
-                    f"cuda_stream, got {type(stream).__qualname__}")
+                    f"__cuda_stream__ / cuda_stream, got {type(stream).__qualname__}")
+
+
+def current_stream_ptr(device=-1):
+    """CuPy's current stream on ``device`` (-1: the current device)."""
+    import cupy
+
+    return cupy.cuda.get_current_stream(device).ptr
+
+
+def _torch_stream_ptr(device):
+    torch = sys.modules["torch"]
+    try:
+        return torch._C._cuda_getCurrentRawStream(device)
+    except AttributeError:  # the private accessor moved: the public one costs a few us more
+        return torch.cuda.current_stream(device).cuda_stream
+
+
+def default_stream_ptr(kinds, device):
+    """The stream rule: torch's current stream when any argument is a torch tensor, else CuPy's;
+    both on ``device``."""
+    if kinds & ar.TORCH:
+        return _torch_stream_ptr(device)
+    return current_stream_ptr(device)
+
+
+@functools.lru_cache(maxsize=64)
+def cupy_stream(ptr, device):
+    """A CuPy stream object for a raw pointer (for CuPy allocations and cuBLAS on it)."""
+    import cupy
+
+    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14+
+        with cupy.cuda.Device(device):
+            return cupy.cuda.Stream.from_external(_RawStream(ptr))
+    return cupy.cuda.ExternalStream(ptr, device)
+
+
+# ---------------------------------------------------------------------------------- records
 
 
 class ParamStruct:
     """A C parameter struct passed by value, declared once as ``[(name, numpy type), ...]``.
 
     The field order and types must match the struct in the ``.cu`` file; ``tests/test_compile.py``
-    checks that they do. Pointers are ``np.uint64``. Packing goes through ``struct`` (about a third
-    of the host time of filling a NumPy record field by field).
+    checks that they do. Pointers are ``np.uint64`` and come first: a launch refills them per call
+    and keeps the rest of the record.
     """
 
     _CODES = {"u8": "Q", "i8": "q", "i4": "i", "u4": "I", "f4": "f"}
@@ -85,127 +120,347 @@ class ParamStruct:
             fmt += "x" * (offset - end) + self._CODES[field_dtype.str[1:]]
             end = offset + field_dtype.itemsize
         self._struct = struct.Struct(fmt + "x" * (self.dtype.itemsize - end))
+        kinds = [np.dtype(t) == np.uint64 for _, t in self.fields]
+        self.n_pointers = kinds.index(False) if False in kinds else len(kinds)
+        if any(kinds[self.n_pointers:]):
+            raise ValueError(f"{c_name}: pointer fields must come first")
 
     def values(self, **values):
         """The field values in declaration order; every field must be given."""
         return [values[n] for n in self.names]
 
     def pack_values(self, values):
-        """The struct as a NumPy scalar for a kernel argument, from values in field order."""
-        return np.frombuffer(self._struct.pack(*values), self.dtype)[0]
+        return self._struct.pack(*values)
 
     def pack(self, **values):
         return self.pack_values(self.values(**values))
 
 
-def launch(stem, expression, device_id, grid, block, args, stream=None, shared_mem=0):
-    """Launch ``expression`` of ``kernels/<stem>.cu`` on device ``device_id``, on ``stream`` (any
-    form :func:`resolve_stream` takes; None is the current CuPy stream)."""
-    import cupy
-
-    kernel = get_kernel(stem, expression, device_id)
-    if cupy.cuda.runtime.getDevice() != device_id:
-        with cupy.cuda.Device(device_id):
-            return launch(stem, expression, device_id, grid, block, args, stream, shared_mem)
-    if stream is None:
-        kernel(grid, block, args, shared_mem=shared_mem)
-        return
-    with resolve_stream(stream, device_id):
-        kernel(grid, block, args, shared_mem=shared_mem)
+_launch_kernel = None  # cupy_backends' cuLaunchKernel wrapper, bound on the first launch
 
 
-class LaunchPlan:
-    """A validated launch, replayed while the arrays keep their shapes, strides, dtypes, device and
-    alignment: only their pointers are refilled. This keeps the host cost of a repeated call (a
-    decode step) near that of the bare launch.
-
-    ``pointers`` lists ``(field, argument, byte offset)``: on replay the parameter ``field`` is set
-    to ``ptrs[argument] + offset``."""
-
-    __slots__ = ("block", "device", "expression", "grid", "params", "ptr_fields", "shared_mem",
-                 "stem", "values")
-
-    def __init__(self, stem, expression, device, grid, block, params, values, pointers,
-                 shared_mem=0):
-        self.stem, self.expression, self.device = stem, expression, device
-        self.grid, self.block, self.params = grid, block, params
-        self.values, self.shared_mem = values, shared_mem
-        self.ptr_fields = [(params.names.index(f), arg, off) for f, arg, off in pointers]
-
-    def launch(self, ptrs, stream):
-        values = self.values.copy()
-        for field, arg, offset in self.ptr_fields:
-            values[field] = ptrs[arg] + offset
-        launch(self.stem, self.expression, self.device, self.grid, self.block,
-               (self.params.pack_values(values),), stream, self.shared_mem)
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
 
 
-def overlapping(a, b):
-    """Whether CuPy arrays ``a`` and ``b`` may share bytes (their byte ranges intersect)."""
-    def span(x):
-        lo = hi = x.data.ptr
-        for n, st in zip(x.shape, x.strides):
-            if n == 0:
-                return 0, 0
-            if st < 0:
-                lo += (n - 1) * st
-            else:
-                hi += (n - 1) * st
-        return lo, hi + x.itemsize
-
-    (a_lo, a_hi), (b_lo, b_hi) = span(a), span(b)
-    return a_lo < b_hi and b_lo < a_hi
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
-def new_device_array(shape, dtype, device):
-    """``cupy.empty`` on CUDA device ``device``."""
-    import cupy
-
-    if cupy.cuda.runtime.getDevice() == device:
-        return cupy.empty(shape, dtype)
-    with cupy.cuda.Device(device):
-        return cupy.empty(shape, dtype)
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
-class PlanCache:
-    """Launch plans of one op keyed by the layout of its CuPy arguments."""
+@functools.cache
+def _cu_launch_kernel_ex():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuLaunchKernelEx
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
 
-    def __init__(self, maxsize=512):
-        self.maxsize = maxsize
+
+class Launch:
+    """One kernel launch of a plan: the compiled function on one device, its grid, block and
+    parameter record. The record's pointer fields are ``slots``: ``field -> (argument, byte
+    offset)``, filled per call with ``ptrs[argument] + offset`` (``ptrs`` lists the call's
+    arguments, then its outputs, then 0); a pointer field without a slot keeps ``values[field]``.
+
+    The record lives in the launch and is rewritten by the thread that made the launch; another
+    thread packs a record of its own, so two threads replaying one plan never share one.
+    """
+
+    __slots__ = ("argv", "block", "config", "func", "grid", "n_ptr", "owner", "pdl", "ptr_struct",
+                 "rec", "shared_mem", "slots", "tail")
+
+    def __init__(self, stem, expression, device, grid, block, params, values, slots,
+                 shared_mem=0, pdl=False):
+        import cupy
+
+        kernel = get_kernel(stem, expression, device)
+        with cupy.cuda.Device(device):
+            self.func = kernel.kernel.ptr
+            if shared_mem > 48 * 1024:
+                kernel.max_dynamic_shared_size_bytes = shared_mem
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.block = tuple(block) + (1,) * (3 - len(block))
+        self.shared_mem = shared_mem
+        n = self.n_ptr = params.n_pointers
+        pointer_names = params.names[:n]
+        self.slots = [slots[f] if f in slots else (-1, int(values.get(f, 0)))
+                      for f in pointer_names]
+        full = {**values, **{f: 0 for f in pointer_names}}
+        record = params.pack(**full)
+        self.tail = record[8 * n:]
+        self.ptr_struct = struct.Struct(f"={n}Q")
+        self.rec = ctypes.create_string_buffer(record, len(record))
+        self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.rec))
+        self.owner = threading.get_ident()
+        self.pdl = pdl
+        self.config = self._config() if pdl else None
+
+    def _config(self):
+        attr = _LaunchAttribute()
+        attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value = (1).to_bytes(4, "little") + bytes(60)
+        config = _LaunchConfig()
+        config.grid[:] = self.grid
+        config.block[:] = self.block
+        config.shared_mem = self.shared_mem
+        config.attrs = ctypes.pointer(attr)
+        config.num_attrs = 1
+        config._attr = attr  # keep it alive with the config
+        return config
+
+    def run(self, ptrs, stream_ptr):
+        global _launch_kernel
+        if threading.get_ident() == self.owner:
+            rec, argv = self.rec, self.argv
+        else:
+            rec = ctypes.create_string_buffer(8 * self.n_ptr + len(self.tail))
+            rec[8 * self.n_ptr:] = self.tail
+            argv = (ctypes.c_void_p * 1)(ctypes.addressof(rec))
+        self.ptr_struct.pack_into(rec, 0, *[ptrs[a] + o for a, o in self.slots])
+        if self.pdl:
+            config = self.config if rec is self.rec else self._config()
+            config.stream = stream_ptr
+            err = _cu_launch_kernel_ex()(ctypes.byref(config), self.func, argv, None)
+            if err:
+                raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+            return
+        if _launch_kernel is None:
+            from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
+        (gx, gy, gz), (bx, by, bz) = self.grid, self.block
+        _launch_kernel(self.func, gx, gy, gz, bx, by, bz, self.shared_mem, stream_ptr,
+                       ctypes.addressof(argv), 0)
+
+
+# ---------------------------------------------------------------------------------- plans
+
+
+class _BoolKey:
+    """A bool in a plan key: equal only to the same bool (True == 1 would let a plan validated for
+    the int 1 serve an argument that must be rejected)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return type(other) is _BoolKey and other.value == self.value
+
+    def __hash__(self):
+        return hash((_BoolKey, self.value))
+
+    def __repr__(self):
+        return repr(self.value)
+
+
+_BoolKey.__name__ = _BoolKey.__qualname__ = "bool"  # error messages name the caller's type
+
+
+def scalar_key(value):
+    """A scalar argument as it enters a plan key: its value, so two equal values share a plan and
+    a freed object's reused ``id`` never matters; bools stay distinct from ints, lists become
+    tuples. Validation sees this value too (a bool's repr and type name are kept)."""
+    if isinstance(value, bool | np.bool_):
+        return _BoolKey(bool(value))
+    if isinstance(value, list):
+        return tuple(scalar_key(v) for v in value)
+    return value
+
+
+class Output:
+    """An array a call allocates: an output the caller gave none of, in the caller's array type,
+    or a ``workspace`` (a CuPy temporary on the launch stream, freed after the launches are
+    queued: CuPy's pool reuses it only behind them on that stream)."""
+
+    __slots__ = ("dtype", "shape", "workspace")
+
+    def __init__(self, shape, dtype, workspace=False):
+        self.shape, self.dtype, self.workspace = tuple(shape), np.dtype(dtype), workspace
+
+    def allocate(self, kinds, device, stream_ptr):
+        if kinds & ar.TORCH and not self.workspace:
+            torch = sys.modules["torch"]
+            where = "cpu" if device == ar.HOST else torch.device("cuda", device)
+            return torch.empty(self.shape, dtype=ar.torch_dtype(self.dtype), device=where)
+        if device == ar.HOST:
+            return np.empty(self.shape, self.dtype)
+        import cupy
+
+        with cupy_stream(stream_ptr, device):  # CuPy's pool orders reuse on this stream
+            if self.dtype.itemsize == 1 and self.dtype.kind == "V":  # float8
+                return cupy.empty(self.shape, cupy.uint8).view(self.dtype)
+            return cupy.empty(self.shape, self.dtype)
+
+
+def pointer_of(array):
+    if isinstance(array, np.ndarray):
+        return array.ctypes.data
+    if ar.is_torch(array):
+        return array.data_ptr()
+    return array.data.ptr
+
+
+class Plan:
+    """What the first call of a layout validated: how to launch, and what to check on replay.
+
+    ``steps`` are :class:`Launch` es (or objects with the same ``run(ptrs, stream_ptr)``);
+    ``outputs`` the :class:`Output` s a call allocates, their pointers following the arguments'
+    in ``ptrs``; ``written`` the indices of the arguments the op writes; ``inplace`` pairs of
+    argument indices that may be the very same array (same pointer and layout); ``result(arrays,
+    outputs)`` gives the op's return value; ``host(views, output_views)`` runs the NumPy backend
+    (device ``HOST``). ``cacheable`` False keeps the plan out of the cache (a one-off layout).
+    """
+
+    def __init__(self, device, steps=(), *, outputs=(), written=(), inplace=(), result=None,
+                 host=None, cacheable=True):
+        self.device = device
+        self.steps = list(steps)
+        self.outputs = list(outputs)
+        self.written = tuple(written)
+        self.inplace = {frozenset(p) for p in inplace}
+        self.result = result
+        self.host = host
+        self.cacheable = cacheable
+        self.pairs = None  # set by finish(): (i, j, lo_i, hi_i, lo_j, hi_j) byte spans to check
+        self.checked = {}  # pointer tuples that passed the overlap check (a few, newest last)
+        self.exact = {}  # (i, j, pointer delta) -> whether the two arrays share bytes
+
+    def finish(self, views):
+        """Record the byte spans the replay's overlap check needs (from the first call)."""
+        self.views_layout = [None if v is None else (v.shape, v.strides, v.dtype.itemsize)
+                             for v in views]
+        pairs = []
+        for i in self.written:
+            for j, v in enumerate(views):
+                if j == i or v is None or views[i].size == 0 or v.size == 0:
+                    continue
+                if j in self.written and j < i:
+                    continue  # each written pair once
+                lo_i, hi_i = ck.span(views[i])
+                lo_j, hi_j = ck.span(v)
+                pairs.append((i, j, lo_i, hi_i, lo_j, hi_j))
+        self.pairs = pairs
+
+    def check_overlap(self, ptrs, names):
+        for i, j, lo_i, hi_i, lo_j, hi_j in self.pairs:
+            pi, pj = ptrs[i], ptrs[j]
+            if pi + lo_i < pj + hi_j and pj + lo_j < pi + hi_i:
+                key = (i, j, pj - pi)
+                shared = self.exact.get(key)
+                if shared is None:
+                    shared = self.exact[key] = ck.shares_bytes(
+                        (pi, *self.views_layout[i]), (pj, *self.views_layout[j]))
+                if shared and not (pi == pj and self.views_layout[i] == self.views_layout[j]
+                                   and frozenset((i, j)) in self.inplace):
+                    raise ValueError(ck.overlap_message(names[i], names[j], i in self.written,
+                                                        j in self.written))
+
+    def replay(self, arrays, ptrs, kinds, stream_ptr, names):
+        """Launch on new pointers (``ptrs`` of ``arrays``); returns the op's result."""
+        if self.pairs:
+            seen = tuple(ptrs)
+            if seen not in self.checked:
+                self.check_overlap(ptrs, names)
+                _bounded_put(self.checked, seen, True, 8)
+        device = self.device
+        if stream_ptr is None:
+            stream_ptr = default_stream_ptr(kinds, device)
+        runtime = _runtime()
+        previous = runtime.getDevice()
+        if previous != device:
+            runtime.setDevice(device)
+        try:
+            outs = [o.allocate(kinds, device, stream_ptr) for o in self.outputs]
+            if outs:
+                ptrs = [*ptrs, *(pointer_of(o) for o in outs)]
+            ptrs.append(0)
+            for step in self.steps:
+                step.run(ptrs, stream_ptr)
+        finally:
+            if previous != device:
+                runtime.setDevice(previous)
+        return None if self.result is None else self.result(arrays, outs)
+
+
+def _bounded_put(table, key, value, limit):
+    """``table[key] = value``, first dropping the oldest entry when ``limit`` is reached (other
+    threads may be doing the same: a vanished entry is fine)."""
+    while len(table) >= limit:
+        try:
+            table.pop(next(iter(table)), None)
+        except (StopIteration, RuntimeError):
+            break
+    table[key] = value
+
+
+@functools.cache
+def _runtime():
+    from cupy_backends.cuda.api import runtime
+
+    return runtime
+
+
+class Op:
+    """One public operation on the one call path: ``names`` of its array arguments, in the order
+    its wrapper passes them, and ``prepare(views, flags) -> Plan`` (validates a first call and
+    raises the named error of any bad input before anything launches)."""
+
+    MAX_PLANS = 256
+
+    def __init__(self, name, names, prepare):
+        self.name = name
+        self.names = tuple(names)
+        self.prepare = prepare
         self.plans = {}
 
-    @staticmethod
-    def signature(arrays, flags):
-        """(key, pointers) for CuPy arrays (None allowed), or (None, None) when any argument is
-        something else, or a flag is unhashable (those take the full path every time)."""
-        import sys
+    def __call__(self, arrays, flags, stream=None):
+        stream_ptr = stream_ptr_of(stream)
+        key = None
+        if os.environ.get("ROPEKV_CHECK_INDICES", "") in ("", "0"):  # else: index checks per call
+            try:
+                layout, ptrs, kinds, keep = ar.signature(arrays, self.names, stream_ptr)
+                key = (flags, layout)
+                plan = self.plans.get(key)
+            except TypeError:  # an unhashable flag: every call takes the first-call path
+                key = plan = None
+            if plan is not None:
+                return plan.replay(arrays, ptrs, kinds, stream_ptr, self.names)
+        return self.first_call(arrays, flags, stream_ptr, key)
 
-        try:
-            hash(flags)
-        except TypeError:
-            return None, None
-
-        cupy = sys.modules.get("cupy")
-        if cupy is None:
-            return None, None
-        ndarray = cupy.ndarray
-        key, ptrs = [flags], []
+    def first_call(self, arrays, flags, stream_ptr, key):
+        views = [None if a is None else ar.as_view(a, n, stream_ptr)
+                 for a, n in zip(arrays, self.names)]
+        plan = self.prepare(views, flags)
+        kinds = 0
         for a in arrays:
-            if a is None:
-                key.append(None)
-                ptrs.append(0)
-            elif type(a) is ndarray:
-                ptr = a.data.ptr
-                key.append((a.shape, a.strides, a.dtype, ptr & 15, a.data.device_id))
-                ptrs.append(ptr)
-            else:
-                return None, None
-        return tuple(key), ptrs
+            if a is not None:
+                kinds |= ar.TORCH if ar.is_torch(a) else ar.CUPY if ar.is_cupy(a) else ar.OTHER
+        plan.written = tuple(i for i in plan.written if views[i] is not None)
+        for i in plan.written:
+            ck.check_writable(views[i])
+            ck.check_write_strides(views[i])
+        present = [v for v in views if v is not None]
+        if plan.device != ar.HOST:
+            for v in present:
+                ck.check_element_aligned(v)
+        ck.check_no_overlap(views, plan.written, plan.inplace)
+        if plan.device == ar.HOST:
+            return self.run_host(plan, arrays, views, kinds, stream_ptr)
+        plan.finish(views)
+        if key is not None and plan.cacheable:
+            _bounded_put(self.plans, key, plan, self.MAX_PLANS)
+        ptrs = [0 if v is None else v.ptr for v in views]
+        return plan.replay(arrays, ptrs, kinds, stream_ptr, self.names)
 
-    def get(self, key):
-        return self.plans.get(key)
-
-    def put(self, key, plan):
-        if len(self.plans) >= self.maxsize:
-            self.plans.clear()
-        self.plans[key] = plan
+    def run_host(self, plan, arrays, views, kinds, stream_ptr):
+        outs = [o.allocate(kinds, ar.HOST, None) for o in plan.outputs]
+        out_views = [ar.as_view(o, f"output {i}") for i, o in enumerate(outs)]
+        if plan.host is not None:
+            plan.host(views, out_views)
+        return None if plan.result is None else plan.result(arrays, outs)

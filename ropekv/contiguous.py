@@ -14,9 +14,10 @@ from ropekv._arrays import (
     FP8_DTYPES,
     HOST,
     INT32,
+    INT64,
 )
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
-from ropekv._launch import LaunchPlan, ParamStruct, PlanCache, stream_ptr_of
+from ropekv._launch import Launch, Op, ParamStruct, Plan
 from ropekv._vector import aligned, vector_width
 
 STEM = "contiguous"
@@ -24,20 +25,21 @@ KERNEL = "apply_rope_write_kv"
 BLOCK = 128
 SMALL_BATCH_TOKENS = 1024
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
+INDEX_DTYPES = (INT32, INT64)
 
 PARAMS = ParamStruct("RopeWriteKVParams", [
     *((n, np.uint64) for n in ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids",
                                "kv_scale")),
     *((n, np.int64) for n in ("q_sb", "q_ss", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss",
                               "v_sh", "c_sb", "c_skv", "c_sh", "c_st", "cs_sb", "cs_sp")),
-    *((n, np.int32) for n in ("B", "S", "Hq", "Hkv", "D", "R", "C", "P", "write_k_in_place")),
+    *((n, np.int32) for n in ("B", "S", "Hq", "Hkv", "D", "R", "C", "P", "write_k_in_place",
+                              "index64")),
 ])
 
-
-# the pointer fields, in the order of the function's array arguments
-PTR_FIELDS = [(n, i, 0) for i, n in enumerate(("q", "k", "v", "cache", "cos_sin", "kv_end_lens",
-                                                "position_ids", "kv_scale"))]
-_PLANS = PlanCache()
+# the array arguments, in the order the public function hands them to the call path; each is
+# also the name of its kernel pointer field
+ARRAYS = ("q", "k", "v", "kv_cache", "cos_sin_cache", "kv_end_lens", "position_ids", "kv_scale")
+FIELDS = ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids", "kv_scale")
 
 
 def expression(dtype, cache_dtype, is_neox, n):
@@ -62,7 +64,8 @@ def instantiations():
 
 
 def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, position_ids=None,
-                        kv_scale=None, write_k_in_place=False, is_neox=True, stream=None):
+                        kv_scale=None, write_k_in_place=False, is_neox=True, enable_pdl=False,
+                        stream=None):
     """Apply RoPE to Q and K and write K/V into a contiguous KV cache, in one launch.
 
     Mirrors TensorRT-Edge-LLM's ``launchApplyRopeWriteKV`` family. Its three launchers map onto
@@ -91,10 +94,10 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
     cos_sin_cache : array, (P, R) or (Bc, P, R) with Bc 1 or B, float32
         ``[:R/2]`` cos, ``[R/2:]`` sin (see :func:`ropekv.cos_sin_cache`). R is even and at most D;
         dims ``[R, D)`` pass through unrotated.
-    kv_end_lens : array, (B,), int32, optional
+    kv_end_lens : array, (B,), int32 or int64, optional
         Cache end of each sequence after writing: token s lands in slot ``kv_end_lens[b] - S + s``.
         None means slot ``s`` (prefill into an empty cache).
-    position_ids : array, (B, S), int32, optional
+    position_ids : array, (B, S), int32 or int64, optional
         RoPE position of each token (tree decoding); by default the slot. A negative id marks
         padding: that token is neither roped nor written.
     kv_scale : array, (2,), float32, optional
@@ -104,8 +107,15 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
         Also write the roped K back into ``k``.
     is_neox : bool
         True rotates half-split pairs (i, i + R/2); False interleaved pairs (2i, 2i + 1).
+    enable_pdl : bool
+        Launch with programmatic dependent launch (Hopper and later): the kernel may start while
+        the previous kernel on the stream finishes, and waits for it before reading memory.
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
-        Stream to launch on; the current CuPy stream by default.
+        Stream to launch on; by default torch's current stream when an argument is a torch
+        tensor, else CuPy's current stream, on the arrays' device (``docs/conventions.md``).
+
+    ``q`` is written in place, so it must not overlap ``k``, ``v``, the cache or the table; no
+    written array may overlap another argument (``ValueError``).
 
     A token whose slot falls outside ``[0, C)`` or whose position falls outside ``[0, P)`` is
     skipped (not roped, not written). With ``ROPEKV_CHECK_INDICES=1`` such a token raises
@@ -123,19 +133,16 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
     >>> table = ropekv.cos_sin_cache(C, D, xp=cp)
     >>> ropekv.apply_rope_write_kv(q, k, v, cache, table)
     """
-    arrays = (q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale)
-    key, ptrs = _PLANS.signature(arrays, (bool(write_k_in_place), bool(is_neox)))
-    if key is not None and not ck.check_indices_enabled():
-        plan = _PLANS.get(key)
-        if plan is not None:
-            plan.launch(ptrs, stream)
-            return
+    return _OP((q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale),
+               (ck.check_flag(write_k_in_place, "write_k_in_place"),
+                ck.check_flag(is_neox, "is_neox"), ck.check_flag(enable_pdl, "enable_pdl")),
+               stream)
 
-    a = ck.views(stream_ptr_of(stream), q=q, k=k, v=v, kv_cache=kv_cache,
-                 cos_sin_cache=cos_sin_cache, kv_end_lens=kv_end_lens, position_ids=position_ids,
-                 kv_scale=kv_scale)
-    vq, vk, vv, vc, vt = (a[n] for n in ("q", "k", "v", "kv_cache", "cos_sin_cache"))
-    vlens, vpos, vscale = a["kv_end_lens"], a["position_ids"], a["kv_scale"]
+
+def _prepare(views, flags):
+    """Validate a first call; the launch plan (or the NumPy backend run)."""
+    write_k_in_place, is_neox, pdl = flags
+    vq, vk, vv, vc, vt, vlens, vpos, vscale = views
 
     ck.check_ndim(vq, 4, "(B, S, Hq, D)")
     ck.check_dtype(vq, INPUT_DTYPES)
@@ -147,7 +154,9 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
     for view in (vk, vv):
         ck.check_same_dtype(view, vq)
     if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"q's head count ({Hq}) must be a multiple of k's ({Hkv})")
+        raise ValueError(f"q's head count ({Hq}) must be a positive multiple of k's ({Hkv})")
+    if D == 0:
+        raise ValueError(f"q must have shape (B, S, Hq, D) with D > 0, got {vq.shape}")
     ck.check_ndim(vc, 5, "(B, 2, Hkv, C, D)")
     ck.check_shape(vc, (B, 2, Hkv, None, D), "(B, 2, Hkv, C, D)")
     C = vc.shape[3]
@@ -159,11 +168,11 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
                          f"B={B}, got {vt.shape}")
     if vlens is not None:
         ck.check_shape(vlens, (B,), "(B,)")
-        ck.check_dtype(vlens, (INT32,))
+        ck.check_dtype(vlens, INDEX_DTYPES)
         ck.check_contiguous(vlens)
     if vpos is not None:
         ck.check_shape(vpos, (B, S), "(B, S)")
-        ck.check_dtype(vpos, (INT32,))
+        ck.check_dtype(vpos, INDEX_DTYPES)
         ck.check_contiguous(vpos)
     fp8 = vc.dtype in FP8_DTYPES
     if fp8 and vscale is None:
@@ -176,21 +185,24 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
         ck.check_contiguous(vscale)
     for view in (vq, vk, vv, vc, vt):
         ck.check_last_dim_contiguous(view)
-    for view in (vq, vc, *((vk,) if write_k_in_place else ())):
-        ck.check_writable(view)
-    present = [x for x in (vq, vk, vv, vc, vt, vlens, vpos, vscale) if x is not None]
+    present = [x for x in views if x is not None]
     device = ck.check_same_device(present)
+    written = (0, 3, 1) if write_k_in_place else (0, 3)
 
+    if vscale is not None and (device == HOST or ck.check_indices_enabled()):
+        ck.check_scale_values(vscale)
     if ck.check_indices_enabled():
         _check_indices(vlens, vpos, B, S, C, P)
-    if B * S == 0:
-        return
     if device == HOST:
-        reference.apply_rope_write_kv(
-            vq.host, vk.host, vv.host, vc.host, vt.host,
-            None if vlens is None else vlens.host, None if vpos is None else vpos.host,
-            None if vscale is None else vscale.host, bool(write_k_in_place), bool(is_neox))
-        return
+        def host(v, _):
+            reference.apply_rope_write_kv(
+                vq.host, vk.host, vv.host, vc.host, vt.host,
+                None if vlens is None else vlens.host, None if vpos is None else vpos.host,
+                None if vscale is None else vscale.host, write_k_in_place, is_neox)
+
+        return Plan(HOST, written=written, host=host if B * S else None)
+    if B * S == 0:
+        return Plan(device, written=written)
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
@@ -199,48 +211,51 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
                 and aligned(vt, cos_width))
 
     n = vector_width(vq.dtype.itemsize, fits)
-    if n is None:
-        raise ValueError(f"interleaved RoPE needs an even head dim D and rotary dim R, got D={D}, "
-                         f"R={R}")
+    if n is None:  # only interleaved RoPE can get here (neox fits at width 1)
+        raise BufferError(f"interleaved RoPE reads element pairs: the rows of q, k, v and kv_cache "
+                          f"must start at even elements; got q {vq}, k {vk}, v {vv}, "
+                          f"kv_cache {vc}")
     table_strides = vt.strides if vt.ndim == 3 else (0, *vt.strides)
     values = PARAMS.values(
-        q=vq.ptr, k=vk.ptr, v=vv.ptr, cache=vc.ptr, cos_sin=vt.ptr,
-        kv_end_lens=0 if vlens is None else vlens.ptr,
-        position_ids=0 if vpos is None else vpos.ptr,
-        kv_scale=0 if vscale is None else vscale.ptr,
+        q=0, k=0, v=0, cache=0, cos_sin=0, kv_end_lens=0, position_ids=0, kv_scale=0,
         q_sb=vq.strides[0], q_ss=vq.strides[1], q_sh=vq.strides[2],
         k_sb=vk.strides[0], k_ss=vk.strides[1], k_sh=vk.strides[2],
         v_sb=vv.strides[0], v_ss=vv.strides[1], v_sh=vv.strides[2],
         c_sb=vc.strides[0], c_skv=vc.strides[1], c_sh=vc.strides[2], c_st=vc.strides[3],
         cs_sb=table_strides[0] if vt.ndim == 3 and vt.shape[0] > 1 else 0, cs_sp=table_strides[1],
-        B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=C, P=P, write_k_in_place=int(bool(write_k_in_place)))
-    plan = LaunchPlan(STEM, expression(vq.dtype, vc.dtype, bool(is_neox), n), device, (B * S,),
-                      (block_size(D, R, n, is_neox, B * S),), PARAMS, values, PTR_FIELDS)
-    plan.launch([x.ptr if x is not None else 0 for x in present_in_order(a)], stream)
-    if key is not None:
-        _PLANS.put(key, plan)
-    return
+        B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=C, P=P, write_k_in_place=int(write_k_in_place),
+        index64=(int(vlens is not None and vlens.dtype == INT64)
+                 | 2 * int(vpos is not None and vpos.dtype == INT64)))
+    launch = Launch(STEM, expression(vq.dtype, vc.dtype, is_neox, n), device, (B * S,),
+                    (block_size(D, R, n, is_neox, B * S),), PARAMS,
+                    dict(zip(PARAMS.names, values)),
+                    {f: (i, 0) for i, f in enumerate(FIELDS)}, pdl=pdl)
+    return Plan(device, [launch], written=written)
 
 
-def present_in_order(a):
-    return [a[n] for n in ("q", "k", "v", "kv_cache", "cos_sin_cache", "kv_end_lens",
-                           "position_ids", "kv_scale")]
+_OP = Op("apply_rope_write_kv", ARRAYS, _prepare)
 
 
 def _check_indices(vlens, vpos, B, S, C, P):
-    lens = None if vlens is None else ck.host_copy(vlens).astype(np.int64)
-    pos = None if vpos is None else ck.host_copy(vpos).astype(np.int64)
-    for b in range(B):
-        start = 0 if lens is None else lens[b] - S
-        for s in range(S):
-            slot = start + s
-            p = slot if pos is None else pos[b, s]
-            if pos is not None and p < 0:
-                continue  # padding
-            if not 0 <= slot < C:
-                end = "" if lens is None else f" (kv_end_lens[{b}]={lens[b]})"
-                raise IndexError(f"token (b={b}, s={s}) lands in cache slot {slot}, outside "
-                                 f"[0, C={C}){end}")
-            if not 0 <= p < P:
-                raise IndexError(f"token (b={b}, s={s}) has RoPE position {p}, outside the "
-                                 f"cos_sin_cache's [0, P={P})")
+    """``ROPEKV_CHECK_INDICES``: IndexError for the first token the kernel would skip (padding,
+    a negative position id, aside). Tokens never share a cache row here (b is a cache dim)."""
+    s = np.arange(S)
+    if vlens is None:
+        slot = np.broadcast_to(s, (B, S))
+    else:
+        lens = ck.host_copy(vlens).astype(np.int64)
+        slot = lens[:, None] - S + s[None, :]
+    pos = slot if vpos is None else ck.host_copy(vpos).astype(np.int64)
+    live = np.ones((B, S), bool) if vpos is None else pos >= 0
+    bad_slot = live & ((slot < 0) | (slot >= C))
+    bad_pos = live & ((pos < 0) | (pos >= P))
+    bad = np.flatnonzero(bad_slot | bad_pos)
+    if not bad.size:
+        return
+    b, t = divmod(int(bad[0]), S)
+    if bad_slot[b, t]:
+        end = "" if vlens is None else f" (kv_end_lens[{b}]={int(lens[b])})"
+        raise IndexError(f"token (b={b}, s={t}) lands in cache slot {int(slot[b, t])}, outside "
+                         f"[0, C={C}){end}")
+    raise IndexError(f"token (b={b}, s={t}) has RoPE position {int(pos[b, t])}, outside the "
+                     f"cos_sin_cache's [0, P={P})")

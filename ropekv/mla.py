@@ -4,17 +4,13 @@ quantized write of the latent row into a paged cache, in one launch (Modular MAX
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import numpy as np
 
 from ropekv import _checks as ck
 from ropekv import reference
-from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, as_view
+from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
-from ropekv._launch import (LaunchPlan, ParamStruct, PlanCache, new_device_array, overlapping,
-                            stream_ptr_of)
+from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
 from ropekv._vector import aligned, vector_width
 
 STEM = "mla"
@@ -34,8 +30,6 @@ PARAMS = ParamStruct("MlaParams", [
 ])
 
 
-_PLANS = PlanCache()
-
 
 def expression(dtype, cache_dtype, is_neox, n):
     return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
@@ -49,70 +43,18 @@ def instantiations():
 # ---- helpers shared with ropekv.qknorm ---------------------------------------------------------
 
 
-def check_float(value, name, *, positive):
-    """A finite real scalar (> 0 when ``positive``, else >= 0), as a Python float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r} of type "
-                        f"{type(value).__name__}")
-    value = float(value)
-    ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
-    if not ok:
-        what = "positive" if positive else "non-negative"
-        raise ValueError(f"{name} must be a finite {what} number, got {value!r}")
-    return value
-
-
-def allocate_like(view, shape, dtype):
-    """A new array of ``shape``/``dtype`` in the array type of ``view``'s producer: NumPy for host
-    memory (a torch CPU tensor gets a torch tensor), the tensor's own ``new_empty`` for torch,
-    CuPy for CuPy and any other device producer."""
-    array = view.array
-    if type(array).__module__.startswith("torch"):
-        return array.new_empty(shape)
-    if view.on_host:
-        return np.empty(shape, dtype)
-    import cupy
-
-    with cupy.cuda.Device(view.device):
-        return cupy.empty(shape, dtype)
-
-
 def check_output(out, src):
-    """``out`` receives rows of ``src``: same shape and dtype, writable, contiguous last dim, and
-    either ``src`` itself (in place) or not overlapping it."""
+    """``out`` receives rows of ``src``: same shape and dtype, contiguous last dim (it is written,
+    and may be ``src`` itself: the call path checks writability and overlap)."""
     ck.check_shape(out, src.shape, None)
     ck.check_same_dtype(out, src)
     ck.check_last_dim_contiguous(out)
-    ck.check_writable(out)
-    if out.ptr == src.ptr and out.strides == src.strides:
-        return
-    if _span(out)[0] < _span(src)[1] and _span(src)[0] < _span(out)[1] and out.size and src.size:
-        raise ValueError(f"{out.name} must be {src.name} itself (in place) or not overlap it; "
-                         f"it overlaps {src.name} partially")
-
-
-def resolve_output(given, vgiven, src, shape, name, stream_ptr):
-    """``(out, view)``: the caller's output (checked against ``src``: same shape and dtype,
-    writable, in place or not overlapping), or a new array of ``shape`` in the caller's type."""
-    if vgiven is None:
-        out = allocate_like(src, shape, src.dtype)
-        return out, as_view(out, name, stream_ptr)
-    check_output(vgiven, src)
-    return given, vgiven
-
-
-def _span(view):
-    """[lo, hi) byte range a view can touch."""
-    item = view.dtype.itemsize
-    lo = sum((n - 1) * s for n, s in zip(view.shape, view.strides) if s < 0) * item
-    hi = sum((n - 1) * s for n, s in zip(view.shape, view.strides) if s > 0) * item
-    return view.ptr + lo, view.ptr + hi + item
 
 
 def cache_scale(kv_scale, cache_dtype, name="kv_scale"):
     """The dequantization scale of an fp8 cache (1.0 by default); None for 16-bit caches."""
     if cache_dtype in FP8_DTYPES:
-        return 1.0 if kv_scale is None else check_float(kv_scale, name, positive=True)
+        return 1.0 if kv_scale is None else ck.check_float(kv_scale, name, positive=True)
     if kv_scale is not None:
         raise ValueError(f"{name} is only used with float8 caches, but the cache is "
                          f"{cache_dtype}")
@@ -122,7 +64,7 @@ def cache_scale(kv_scale, cache_dtype, name="kv_scale"):
 def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, input_row_offsets,
                                            cache_lengths, block_table, kv_cache, *, epsilon=1e-6,
                                            kv_norm_dim=None, is_neox=False, kv_scale=None,
-                                           q_rope_out=None, stream=None):
+                                           q_rope_out=None, enable_pdl=False, stream=None):
     """MLA: rope the query's rotary part, RMS-normalise and rope the latent kv row, and write it
     (quantized) into a paged cache, over a ragged batch, in one launch.
 
@@ -164,8 +106,11 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
         nearest even, saturating. Not accepted for 16-bit caches.
     q_rope_out : array, (T, Hq, R), the dtype of ``q_rope``, optional
         Receives the roped queries; ``q_rope`` itself means in place. By default a new array in the
-        caller's array type (CuPy, torch through its ``new_empty``, NumPy).
+        caller's array type (CuPy, torch, NumPy); any other array must not overlap an argument.
+    enable_pdl : bool
+        Launch with programmatic dependent launch (see :func:`ropekv.apply_rope_write_kv`).
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
+        By default torch's current stream for torch inputs, else CuPy's (``docs/conventions.md``).
 
     Returns
     -------
@@ -198,29 +143,19 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     if split and len(kv_cache) != 2:
         raise ValueError(f"kv_cache must be one array (num_pages, page_size, L + R) or a tuple "
                          f"(ckv, kpe), got a {type(kv_cache).__name__} of {len(kv_cache)} arrays")
-    # a repeated call (the same layouts) replays its launch plan
-    in_place = q_rope_out is not None and q_rope_out is q_rope
-    given = q_rope_out is not None and not in_place
-    key = None
-    if not ck.check_indices_enabled():
-        arrays = (q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table,
-                  *(kv_cache if split else (kv_cache, None)), q_rope_out if given else None)
-        key, ptrs = _PLANS.signature(arrays, (in_place, given, split, kv_norm_dim, bool(is_neox),
-                                              epsilon, kv_scale))
-        plan = None if key is None else _PLANS.get(key)
-        if plan is not None and not (given and overlapping(q_rope_out, q_rope)):
-            out = (q_rope if in_place else q_rope_out if given else
-                   new_device_array(q_rope.shape, q_rope.dtype, plan.device))
-            plan.launch([*ptrs[:-1], out.data.ptr], stream)
-            return out
-    sp = stream_ptr_of(stream)
-    a = ck.views(sp, q_rope=q_rope, kv=kv, gamma=gamma, cos_sin_cache=cos_sin_cache,
-                 input_row_offsets=input_row_offsets, cache_lengths=cache_lengths,
-                 block_table=block_table, q_rope_out=q_rope_out,
-                 **({"ckv_cache": kv_cache[0], "kpe_cache": kv_cache[1]} if split
-                    else {"kv_cache": kv_cache}))
-    vq, vkv, vg, vt = a["q_rope"], a["kv"], a["gamma"], a["cos_sin_cache"]
-    voff, vlen, vbt = a["input_row_offsets"], a["cache_lengths"], a["block_table"]
+    caches = tuple(kv_cache) if split else (kv_cache, None)
+    return (_SPLIT if split else _JOINED)(
+        (q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table, *caches,
+         q_rope_out),
+        (scalar_key(epsilon), scalar_key(kv_norm_dim), ck.check_flag(is_neox, "is_neox"),
+         scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl")), stream)
+
+
+def _prepare(views, flags):
+    """Validate a first call; the launch plan (or the NumPy backend run)."""
+    epsilon, kv_norm_dim, is_neox, kv_scale, pdl = flags
+    vq, vkv, vg, vt, voff, vlen, vbt, vc0, vc1, vgiven = views
+    split = vc1 is not None or vc0.name == "ckv_cache"
 
     ck.check_ndim(vq, 3, "(T, Hq, R)")
     ck.check_dtype(vq, INPUT_DTYPES)
@@ -240,8 +175,7 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     if L <= 0:
         raise ValueError(f"kv must have shape (T, L + R) with L > 0 and R = {R}, got {vkv.shape}")
     n_norm = L if kv_norm_dim is None else kv_norm_dim
-    if isinstance(n_norm, bool) or not isinstance(n_norm, int | np.integer) or not (
-            0 < n_norm <= L):
+    if not isinstance(n_norm, int | np.integer) or not 0 < n_norm <= L:
         raise ValueError(f"kv_norm_dim must be an integer in [1, L={L}], got {kv_norm_dim!r}")
     n_norm = int(n_norm)
     ck.check_shape(vg, (n_norm,), "(kv_norm_dim,)")
@@ -250,7 +184,10 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     B, max_pages = ck.check_ragged_paged(voff, vlen, vbt)
 
     if split:
-        vckv, vkpe = a["ckv_cache"], a["kpe_cache"]
+        vckv, vkpe = vc0, vc1
+        if vkpe is None:
+            raise ValueError("kv_cache must be one array or a tuple (ckv, kpe) of two arrays, got "
+                             "None for kpe")
         ck.check_ndim(vckv, 3, "(num_pages, page_size, L)")
         num_pages, page_size = vckv.shape[:2]
         ck.check_shape(vckv, (None, None, L), "(num_pages, page_size, L)")
@@ -258,7 +195,7 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
         ck.check_same_dtype(vkpe, vckv)
         caches = (vckv, vkpe)
     else:
-        vc = a["kv_cache"]
+        vc = vc0
         ck.check_ndim(vc, 3, "(num_pages, page_size, L + R)")
         ck.check_shape(vc, (None, None, L + R), "(num_pages, page_size, L + R)")
         num_pages, page_size = vc.shape[:2]
@@ -270,26 +207,35 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
         raise ValueError(f"{vcache.name} must have a page_size (dim 1) of at least 1, got "
                          f"{vcache.shape}")
     scale = cache_scale(kv_scale, vcache.dtype)
-    epsilon = check_float(epsilon, "epsilon", positive=False)
+    epsilon = ck.check_float(epsilon, "epsilon", positive=False)
     for view in (vq, vkv, vt, *caches):
         ck.check_last_dim_contiguous(view)
-    for view in caches:
-        ck.check_writable(view)
-
-    out, vout = resolve_output(q_rope_out, a["q_rope_out"], vq, (T, Hq, R), "q_rope_out", sp)
-    device = ck.check_same_device([vq, vkv, vg, vt, voff, vlen, vbt, *caches, vout])
+    if vgiven is not None:
+        check_output(vgiven, vq)
+    device = ck.check_same_device([x for x in views if x is not None])
+    written = (7, 8, 9) if split else (7, 9)
+    outputs = [] if vgiven is not None else [Output((T, Hq, R), vq.dtype)]
+    result = _given_or_new(9)
 
     if ck.check_indices_enabled():
         ck.check_paged_indices(voff, vlen, vbt, page_size, num_pages, T, P)
-    if T == 0:
-        return out
     if device == HOST:
-        full = vcache.host
-        ckv_h, kpe_h = (vckv.host, vkpe.host) if split else (full[..., :L], full[..., L:])
-        reference.mla_rope_rmsnorm_append_paged_kv_cache(
-            vq.host, vkv.host, vg.host, vt.host, voff.host, vlen.host, vbt.host, ckv_h, kpe_h,
-            vout.host, epsilon, n_norm, bool(is_neox), 1.0 if scale is None else scale)
-        return out
+        def host(v, outs):
+            vout = vgiven if vgiven is not None else outs[0]
+            if not T:
+                return
+            full = vcache.host
+            ckv_h, kpe_h = (vckv.host, vkpe.host) if split else (full[..., :L], full[..., L:])
+            reference.mla_rope_rmsnorm_append_paged_kv_cache(
+                vq.host, vkv.host, vg.host, vt.host, voff.host, vlen.host, vbt.host, ckv_h, kpe_h,
+                vout.host, epsilon, n_norm, is_neox, 1.0 if scale is None else scale)
+
+        return Plan(HOST, outputs=outputs, written=written, inplace=[(0, 9)], result=result,
+                    host=host)
+    if T == 0:
+        return Plan(device, outputs=outputs, written=written, inplace=[(0, 9)], result=result)
+
+    vout = vgiven if vgiven is not None else vq  # a new output is laid out (and aligned) as q
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
@@ -299,36 +245,47 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
 
     n = vector_width(vq.dtype.itemsize, fits)
     if n is None:
-        raise ValueError(f"interleaved RoPE needs 4-byte aligned rows of q_rope, q_rope_out, kv "
-                         f"and the cache; got {vq}, {vout}, {vkv}, {vcache}")
+        raise BufferError(f"interleaved RoPE reads element pairs: the rows of q_rope, q_rope_out, "
+                          f"kv and the cache must start at even elements; got {vq}, {vout}, "
+                          f"{vkv}, {vcache}")
     if (R // 2 if is_neox else R) // n > BLOCK:
         raise ValueError(f"rotary dim R={R} needs more than {BLOCK} threads per head row at a "
                          f"vector width of {n}")
-    if split:
-        ckv_ptr, kpe_ptr = vckv.ptr, vkpe.ptr
-        ckv_s, kpe_s = vckv.strides, vkpe.strides
+    if vgiven is None:
+        out_strides = (Hq * R, R)
     else:
-        ckv_ptr, kpe_ptr = vc.ptr, vc.ptr + L * vc.dtype.itemsize
-        ckv_s = kpe_s = vc.strides
-    values = PARAMS.values(
-        q=vq.ptr, q_out=vout.ptr, kv=vkv.ptr, gamma=vg.ptr, cos_sin=vt.ptr, offsets=voff.ptr,
-        cache_lengths=vlen.ptr, block_table=vbt.ptr, ckv=ckv_ptr, kpe=kpe_ptr,
-        q_st=vq.strides[0], q_sh=vq.strides[1], qo_st=vout.strides[0], qo_sh=vout.strides[1],
-        kv_st=vkv.strides[0], cs_sp=vt.strides[0], bt_sb=vbt.strides[0],
+        out_strides = vgiven.strides[:2]
+    ckv_s, kpe_s = (caches[0].strides, caches[-1].strides)
+    values = dict(zip(PARAMS.names, PARAMS.values(
+        q=0, q_out=0, kv=0, gamma=0, cos_sin=0, offsets=0, cache_lengths=0, block_table=0, ckv=0,
+        kpe=0, q_st=vq.strides[0], q_sh=vq.strides[1], qo_st=out_strides[0],
+        qo_sh=out_strides[1], kv_st=vkv.strides[0], cs_sp=vt.strides[0], bt_sb=vbt.strides[0],
         ckv_sp=ckv_s[0], ckv_se=ckv_s[1], kpe_sp=kpe_s[0], kpe_se=kpe_s[1], num_pages=num_pages,
         epsilon=epsilon, inv_kv_scale=1.0 / scale if scale else 1.0,
         T=T, B=B, Hq=Hq, L=L, R=R, P=P, kv_norm_dim=n_norm, max_pages=max_pages,
-        page_size=page_size, gamma_f32=int(vg.dtype == FLOAT32))
-    # pointer fields <- (argument of the plan's pointer list, byte offset)
-    kpe = (8, 0) if split else (7, L * vcache.dtype.itemsize)
-    pointers = [("q", 0, 0), ("kv", 1, 0), ("gamma", 2, 0), ("cos_sin", 3, 0), ("offsets", 4, 0),
-                ("cache_lengths", 5, 0), ("block_table", 6, 0), ("ckv", 7, 0), ("kpe", *kpe),
-                ("q_out", 9, 0)]
-    plan = LaunchPlan(STEM, expression(vq.dtype, vcache.dtype, bool(is_neox), n), device, (T,),
-                      (BLOCK,), PARAMS, values, pointers)
-    plan.launch([vq.ptr, vkv.ptr, vg.ptr, vt.ptr, voff.ptr, vlen.ptr, vbt.ptr, caches[0].ptr,
-                 caches[-1].ptr, vout.ptr], stream)
-    if key is not None:
-        _PLANS.put(key, plan)
-    return out
+        page_size=page_size, gamma_f32=int(vg.dtype == FLOAT32))))
+    # pointer fields <- (argument index, byte offset); a new q output comes after the arguments
+    slots = {"q": (0, 0), "kv": (1, 0), "gamma": (2, 0), "cos_sin": (3, 0), "offsets": (4, 0),
+             "cache_lengths": (5, 0), "block_table": (6, 0), "ckv": (7, 0),
+             "kpe": (8, 0) if split else (7, L * vcache.dtype.itemsize),
+             "q_out": (9, 0) if vgiven is not None else (10, 0)}
+    launch = Launch(STEM, expression(vq.dtype, vcache.dtype, is_neox, n), device, (T,),
+                    (BLOCK,), PARAMS, values, slots, pdl=pdl)
+    return Plan(device, [launch], outputs=outputs, written=written, inplace=[(0, 9)],
+                result=result)
 
+
+def _given_or_new(index):
+    """The result of an op with one optional output argument at ``index``: it, or the new one."""
+    def result(arrays, outs):
+        return arrays[index] if arrays[index] is not None else outs[0]
+
+    return result
+
+
+_NAMES = ("q_rope", "kv", "gamma", "cos_sin_cache", "input_row_offsets", "cache_lengths",
+          "block_table")
+_JOINED = Op("mla_rope_rmsnorm_append_paged_kv_cache",
+             (*_NAMES, "kv_cache", "kpe_cache", "q_rope_out"), _prepare)
+_SPLIT = Op("mla_rope_rmsnorm_append_paged_kv_cache",
+            (*_NAMES, "ckv_cache", "kpe_cache", "q_rope_out"), _prepare)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-import sys
-import weakref
+import numbers
 
 import numpy as np
 
@@ -23,10 +22,9 @@ from ropekv._arrays import (
     HOST,
     INT32,
     INT64,
-    as_view,
 )
-from ropekv._compile import c_bool, c_type, get_kernel, name_expression
-from ropekv._launch import ParamStruct, launch, resolve_stream, stream_ptr_of
+from ropekv._compile import c_bool, c_type, name_expression
+from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
 from ropekv._vector import aligned, vector_width
 
 STEM = "paged"
@@ -75,8 +73,6 @@ _DTYPE_NAMES = {
     "float8_e4m3fn": FLOAT8_E4M3FN, "float8_e5m2": FLOAT8_E5M2, "float16": FLOAT16,
     "half": FLOAT16, "bfloat16": BFLOAT16,
 }
-_TORCH_NAMES = {FLOAT16: "float16", BFLOAT16: "bfloat16", FLOAT8_E4M3FN: "float8_e4m3fn",
-                FLOAT8_E5M2: "float8_e5m2"}
 
 
 @functools.cache
@@ -144,19 +140,22 @@ def rope_quantize_fp8_append_paged_kv_cache(
         default that of ``q_rope_out``, else ``q_nope_out``, else the cache, else float8_e4m3fn.
     quant_scale_q, quant_scale_kv : float, or float32 array (Hq,) / (Hkv,)
         Quantization multiplies: stored = fp8(x * scale), round to nearest even, saturating to
-        the largest finite value. Arrays give one scale per head.
+        the largest finite value. Arrays give one scale per head. Scales must be positive and
+        finite (device arrays are checked under ``ROPEKV_CHECK_INDICES=1``).
     page_size : int
         Entries per page; must match the cache shape.
     kv_layout : {"NHD", "HND"}
         GQA/MHA cache layout; ignored for MLA.
     q_rope_out, q_nope_out : arrays, (nnz, Hq, R) / (nnz, Hq, Dn), the quantize dtype, optional
-        Written in place and returned when given; otherwise allocated in the array type of
-        ``q_rope`` (CuPy, torch or NumPy).
+        Written in place and returned when given (they must not overlap another argument, but
+        may be ``q_rope`` / ``q_nope`` themselves when the dtypes agree); otherwise allocated in
+        the caller's array type (CuPy, torch or NumPy).
     enable_pdl : bool
-        Accepted for compatibility; ropekv launches without programmatic dependent launch.
+        Launch with programmatic dependent launch (Hopper and later): the kernel may start while
+        the previous kernel on the stream finishes, and waits for it before reading memory.
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
-        Stream to launch on; by default torch's current stream for torch inputs, else the current
-        CuPy stream.
+        Stream to launch on; by default torch's current stream when an argument is a torch
+        tensor, else CuPy's current stream, on the arrays' device (``docs/conventions.md``).
 
     Returns
     -------
@@ -189,10 +188,10 @@ def rope_quantize_fp8_append_paged_kv_cache(
     ...     q, k, None, None, v, table, pos, cache, cp.arange(num_pages, dtype=cp.int32),
     ...     cp.array([0, 1], cp.int32), cp.zeros(T, cp.int32), pos)
     """
-    return _run(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
-                kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
-                quant_scale_q, quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out,
-                stream, quantize=True)
+    return _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
+                 kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
+                 quant_scale_q, quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out,
+                 enable_pdl, stream, quantize=True)
 
 
 def rope_append_paged_kv_cache(
@@ -222,10 +221,10 @@ def rope_append_paged_kv_cache(
     ...     q, k, None, None, v, table, pos, cache, cp.arange(num_pages, dtype=cp.int32),
     ...     cp.array([0, 1], cp.int32), cp.zeros(T, cp.int32), pos, kv_layout="HND")
     """
-    return _run(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
-                kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
-                quant_scale_q, quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out,
-                stream, quantize=False)
+    return _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
+                 kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
+                 quant_scale_q, quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out,
+                 enable_pdl, stream, quantize=False)
 
 
 def as_dtype(value, name="quantize_dtype"):
@@ -246,76 +245,55 @@ def as_dtype(value, name="quantize_dtype"):
                         f"torch dtype), got {value!r}") from None
 
 
-def _is_torch(obj):
-    return type(obj).__module__.startswith("torch")
+def _scale_arg(value, name):
+    """A scale argument as ``(flag, array)``: a number goes into the plan key as its value, an
+    array is an argument of the call."""
+    if isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be a float or a float32 array, got {value!r}")
+    if isinstance(value, numbers.Real):
+        return value, None
+    return None, value
 
 
-def _allocate(like, shape, dtype, device):
-    """An empty array of ``like``'s kind (torch, CuPy or NumPy) on ``device``."""
-    if _is_torch(like):
-        return like.new_empty(shape, dtype=getattr(sys.modules["torch"], _TORCH_NAMES[dtype]))
-    if device == HOST:
-        return np.empty(shape, dtype)
-    import cupy
-
-    if cupy.cuda.runtime.getDevice() != device:
-        with cupy.cuda.Device(device):
-            return _allocate(like, shape, dtype, device)
-    if dtype.itemsize == 1:
-        return cupy.empty(shape, cupy.uint8).view(dtype)
-    return cupy.empty(shape, dtype)
-
-
-def _scale(value, name, heads, views_out):
-    """A scale argument: a number -> (float, None); an array -> (1.0, view of shape (heads,))."""
-    if isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool):
-        return float(value), None
-    view = as_view(value, name)
-    ck.check_dtype(view, (FLOAT32,))
-    ck.check_shape(view, (heads,), "(Hq,)" if name == "quant_scale_q" else "(Hkv,)")
-    ck.check_contiguous(view)
-    views_out.append(view)
-    return 1.0, view
-
-
-def _run(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
-         kv_indptr, batch_indices, positions, is_neox, quantize_dtype, quant_scale_q,
-         quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out, stream, quantize):
-    torch_stream = stream is None and _is_torch(q_rope) and q_rope.is_cuda
-    if torch_stream:
-        stream = sys.modules["torch"].cuda.current_stream(q_rope.device).cuda_stream
-    key = None
-    if not ck.check_indices_enabled() and (torch_stream or not _is_torch(q_rope)):
-        try:  # the fast path: the same objects and scalars as an earlier validated call
-            key = (quantize, is_neox, quantize_dtype, page_size, kv_layout, stream, id(q_rope),
-                   id(k_rope), id(q_nope), id(k_nope), id(v), id(cos_sin_cache), id(pos_ids),
-                   id(paged_kv_cache[0]), id(paged_kv_cache[1]), id(kv_indices), id(kv_indptr),
-                   id(batch_indices), id(positions), id(q_rope_out), id(q_nope_out),
-                   quant_scale_q if type(quant_scale_q) in _NUMBERS else id(quant_scale_q),
-                   quant_scale_kv if type(quant_scale_kv) in _NUMBERS else id(quant_scale_kv),
-                   *TUNING.values())
-            plan = _PLANS.get(key)
-        except (TypeError, IndexError, KeyError):  # unhashable or malformed: the slow path says
-            key = plan = None
-        if plan is not None:
-            return plan[0](q_rope, q_rope_out, q_nope_out)
+def _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
+          kv_indptr, batch_indices, positions, is_neox, quantize_dtype, quant_scale_q,
+          quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out, enable_pdl, stream,
+          quantize):
     if not isinstance(paged_kv_cache, tuple | list) or len(paged_kv_cache) != 2:
         raise ValueError(f"paged_kv_cache must be a pair (k_cache, v_cache) or (ckv_cache, "
                          f"kpe_cache), got {type(paged_kv_cache).__qualname__}"
                          + (f" of length {len(paged_kv_cache)}"
                             if isinstance(paged_kv_cache, tuple | list) else ""))
-    mla = getattr(k_rope, "ndim", None) == 2
-    names = ("ckv_cache", "kpe_cache") if mla else ("k_cache", "v_cache")
-    a = ck.views(stream_ptr_of(stream), q_rope=q_rope, k_rope=k_rope, q_nope=q_nope,
-                 k_nope=k_nope, v=v, cos_sin_cache=cos_sin_cache, pos_ids=pos_ids,
-                 kv_indices=kv_indices, kv_indptr=kv_indptr, batch_indices=batch_indices,
-                 positions=positions, q_rope_out=q_rope_out, q_nope_out=q_nope_out,
-                 **{names[0]: paged_kv_cache[0], names[1]: paged_kv_cache[1]})
-    vqr, vkr, vqn, vkn, vv = (a[n] for n in ("q_rope", "k_rope", "q_nope", "k_nope", "v"))
-    vt, vpos, vind, vptr = (a[n] for n in ("cos_sin_cache", "pos_ids", "kv_indices", "kv_indptr"))
-    vbat, vposn, vqro, vqno = (a[n] for n in ("batch_indices", "positions", "q_rope_out",
-                                              "q_nope_out"))
-    vc0, vc1 = a[names[0]], a[names[1]]
+    q_scale, q_scales = _scale_arg(quant_scale_q, "quant_scale_q")
+    kv_scale, kv_scales = _scale_arg(quant_scale_kv, "quant_scale_kv")
+    op = _MLA if getattr(k_rope, "ndim", None) == 2 else _GQA
+    return op((q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, *paged_kv_cache,
+               kv_indices, kv_indptr, batch_indices, positions, q_rope_out, q_nope_out, q_scales,
+               kv_scales),
+              (quantize, ck.check_flag(is_neox, "is_neox"), scalar_key(quantize_dtype),
+               scalar_key(q_scale), scalar_key(kv_scale), scalar_key(page_size),
+               scalar_key(kv_layout), ck.check_flag(enable_pdl, "enable_pdl"),
+               tuple(TUNING.values())), stream)
+
+
+def _scales(view, value, name, heads):
+    """(scalar, view) of a validated scale: positive finite; an array of one per head."""
+    if view is None:
+        return ck.check_float(value, name, positive=True), None
+    ck.check_dtype(view, (FLOAT32,))
+    ck.check_shape(view, (heads,), "(Hq,)" if name == "quant_scale_q" else "(Hkv,)")
+    ck.check_contiguous(view)
+    if view.device == HOST or ck.check_indices_enabled():
+        ck.check_scale_values(view)
+    return 1.0, view
+
+
+def _prepare(views, flags):
+    """Validate a first call; the launch plan (or the NumPy backend run)."""
+    quantize, is_neox, quantize_dtype, q_scale, kv_scale, page_size, kv_layout, pdl, _ = flags
+    (vqr, vkr, vqn, vkn, vv, vt, vpos, vc0, vc1, vind, vptr, vbat, vposn, vqro, vqno, vqs,
+     vks) = views
+    mla = vkr.ndim == 2
 
     # -- inputs
     ck.check_ndim(vqr, 3, "(nnz, Hq, R)")
@@ -324,6 +302,8 @@ def _run(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cac
     if R == 0 or R % 2:
         raise ValueError(f"q_rope's rotary dim R (its last dim) must be even and positive, got "
                          f"{R}")
+    if Hq == 0:
+        raise ValueError(f"q_rope must have shape (nnz, Hq, R) with Hq > 0, got {vqr.shape}")
     ck.check_ndim(vkr, (2, 3), "(nnz, Hkv, R) (GQA/MHA) or (nnz, R) (MLA)")
     if mla:
         ck.check_shape(vkr, (T, R), "(nnz, R)")
@@ -331,6 +311,9 @@ def _run(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cac
     else:
         ck.check_shape(vkr, (T, None, R), "(nnz, Hkv, R)")
         Hkv = vkr.shape[1]
+        if Hkv == 0:
+            raise ValueError(f"k_rope must have shape (nnz, Hkv, R) with Hkv > 0, got "
+                             f"{vkr.shape}")
     if (vqn is None) != (vkn is None):
         raise ValueError(f"q_nope and k_nope must both be arrays or both be None, got q_nope "
                          f"{'None' if vqn is None else vqn.shape}, k_nope "
@@ -396,14 +379,15 @@ def _run(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cac
                             f"{view.dtype}")
 
     # -- cache shapes: strides (page, entry, head) of the K-rope, K-nope and V destinations
+    item = out_dtype.itemsize
     if mla:
         ck.check_ndim(vc0, 3, "(num_pages, page_size, no_rope_dim)")
         num_pages = vc0.shape[0]
         ck.check_shape(vc0, (num_pages, page_size, Dn), "(num_pages, page_size, no_rope_dim)")
         ck.check_shape(vc1, (num_pages, page_size, R), "(num_pages, page_size, rope_dim)")
-        kr = (vc1, 0, (vc1.strides[0], vc1.strides[1], 0))
-        kn = (vc0, 0, (vc0.strides[0], vc0.strides[1], 0))
-        vd = (None, 0, (0, 0, 0))
+        kr = ((8, 0), (vc1.strides[0], vc1.strides[1], 0))
+        kn = ((7, 0), (vc0.strides[0], vc0.strides[1], 0))
+        vd = ((-1, 0), (0, 0, 0))
     else:
         spelled = ("(num_pages, page_size, Hkv, head_dim)" if kv_layout == "NHD"
                    else "(num_pages, Hkv, page_size, head_dim)")
@@ -416,53 +400,64 @@ def _run(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cac
         k_st, v_st = vc0.strides, vc1.strides
         k_st = (k_st[0], k_st[1], k_st[2]) if kv_layout == "NHD" else (k_st[0], k_st[2], k_st[1])
         v_st = (v_st[0], v_st[1], v_st[2]) if kv_layout == "NHD" else (v_st[0], v_st[2], v_st[1])
-        kr, kn, vd = (vc0, 0, k_st), (vc0, R, k_st), (vc1, 0, v_st)
+        kr, kn, vd = ((7, 0), k_st), ((7, R * item), k_st), ((8, 0), v_st)
 
     # -- scales and outputs
-    scale_views = []
-    q_scale, vqs = _scale(quant_scale_q, "quant_scale_q", Hq, scale_views)
-    kv_scale, vks = _scale(quant_scale_kv, "quant_scale_kv", Hkv, scale_views)
-    outs = [x for x in (vqro, vqno) if x is not None]
+    q_scale, vqs = _scales(vqs, q_scale, "quant_scale_q", Hq)
+    kv_scale, vks = _scales(vks, kv_scale, "quant_scale_kv", Hkv)
     if vqro is not None:
         ck.check_shape(vqro, (T, Hq, R), "(nnz, Hq, R)")
     if vqno is not None:
         ck.check_shape(vqno, (T, Hq, Dn), "(nnz, Hq, no_rope_dim)")
-    for view in outs:
+    given_outs = [x for x in (vqro, vqno) if x is not None]
+    for view in given_outs:
         if view.dtype != out_dtype:
             raise TypeError(f"{view.name} must have the quantize dtype {out_dtype}, got "
                             f"{view.dtype}")
-    for view in (*inputs, vt, vc0, vc1, *outs):
+    for view in (*inputs, vt, vc0, vc1, *given_outs):
         ck.check_last_dim_contiguous(view)
-    for view in (vc0, vc1, *outs):
-        ck.check_writable(view)
-    device = ck.check_same_device([*inputs, vt, *indices, vc0, vc1, *outs, *scale_views])
+    device = ck.check_same_device([x for x in views if x is not None])
+    written = [7, 8] + [i for i, x in ((13, vqro), (14, vqno)) if x is not None]
+    inplace = [(0, 13), (2, 14)]
+    outputs, slot = [], 17  # new outputs' pointers follow the 17 arguments
+    out_slots = []
+    for view, shape in ((vqro, (T, Hq, R)), (vqno, (T, Hq, Dn))):
+        if view is None:
+            outputs.append(Output(shape, out_dtype))
+            out_slots.append(slot)
+            slot += 1
+        else:
+            out_slots.append(13 if view is vqro else 14)
+
+    def result(arrays, outs):
+        new = iter(outs)
+        return tuple(arrays[i] if arrays[i] is not None else next(new) for i in (13, 14))
 
     if ck.check_indices_enabled():
         _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages)
 
-    given = (q_rope_out is not None, q_nope_out is not None)
-    if q_rope_out is None:
-        q_rope_out = _allocate(q_rope, (T, Hq, R), out_dtype, device)
-        vqro = as_view(q_rope_out, "q_rope_out", stream_ptr_of(stream))
-    if q_nope_out is None:
-        q_nope_out = _allocate(q_rope, (T, Hq, Dn), out_dtype, device)
-        vqno = as_view(q_nope_out, "q_nope_out", stream_ptr_of(stream))
-    if T == 0:
-        return q_rope_out, q_nope_out
-
     if device == HOST:
-        def host(view):
-            return None if view is None else view.host
+        def host(v, outs):
+            new = iter(outs)
+            qro, qno = (x if x is not None else next(new) for x in (vqro, vqno))
+            if not T:
+                return
 
-        reference.rope_append_paged_kv_cache(
-            vqr.host, vkr.host, host(vqn), host(vkn), host(vv), vt.host, vpos.host,
-            (vc0.host, vc1.host), vind.host, vptr.host, vbat.host, vposn.host, bool(is_neox),
-            q_scale if vqs is None else vqs.host, kv_scale if vks is None else vks.host,
-            page_size, kv_layout, vqro.host, vqno.host)
-        return q_rope_out, q_nope_out
+            def h(view):
+                return None if view is None else view.host
 
-    is_neox = bool(is_neox)
-    data = [*inputs, vc0, vc1, vqro] + ([vqno] if Dn else [])
+            reference.rope_append_paged_kv_cache(
+                vqr.host, vkr.host, h(vqn), h(vkn), h(vv), vt.host, vpos.host,
+                (vc0.host, vc1.host), vind.host, vptr.host, vbat.host, vposn.host, is_neox,
+                q_scale if vqs is None else vqs.host, kv_scale if vks is None else vks.host,
+                page_size, kv_layout, qro.host, qno.host)
+
+        return Plan(HOST, outputs=outputs, written=written, inplace=inplace, result=result,
+                    host=host)
+    if T == 0:
+        return Plan(device, outputs=outputs, written=written, inplace=inplace, result=result)
+
+    data = [*inputs, vc0, vc1, *given_outs]
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
@@ -471,131 +466,53 @@ def _run(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cac
 
     n = vector_width(vqr.dtype.itemsize, fits)
     if n is None:  # only interleaved RoPE with misaligned pointers can get here (R is even)
-        raise ValueError("interleaved RoPE needs every row start aligned to a pair of elements")
+        raise BufferError("interleaved RoPE reads element pairs: every row of q_rope, k_rope, "
+                          "q_nope, k_nope, v, the caches and the q outputs must start at an even "
+                          "element")
     ri = R // (2 * n) if is_neox else R // n
     items = (Hq + Hkv) * (ri + Dn // n) + (0 if mla else Hkv * D // n)
     block, splits, shape = launch_shape(items, T, n)
-    itemsize = out_dtype.itemsize
     index64 = sum(1 << i for i, view in enumerate(indices) if view.dtype == INT64)
     zero2 = (0, 0)
     qn_st = vqn.strides[:2] if vqn is not None else zero2
     kn_in = (vkn.strides[0], 0 if mla else vkn.strides[1]) if vkn is not None else zero2
-    params = PARAMS.pack(
-        q_rope=vqr.ptr, q_nope=0 if vqn is None else vqn.ptr, k_rope=vkr.ptr,
-        k_nope=0 if vkn is None else vkn.ptr, v=0 if vv is None else vv.ptr,
-        q_rope_out=vqro.ptr, q_nope_out=vqno.ptr,
-        kr_cache=kr[0].ptr + kr[1] * itemsize, kn_cache=kn[0].ptr + kn[1] * itemsize,
-        v_cache=0 if vd[0] is None else vd[0].ptr, cos_sin=vt.ptr, pos_ids=vpos.ptr,
-        batch_indices=vbat.ptr, positions=vposn.ptr, kv_indptr=vptr.ptr, kv_indices=vind.ptr,
-        q_scales=0 if vqs is None else vqs.ptr, kv_scales=0 if vks is None else vks.ptr,
+    qro_st = vqro.strides[:2] if vqro is not None else (Hq * R, R)
+    qno_st = vqno.strides[:2] if vqno is not None else (Hq * Dn, Dn)
+    values = dict(zip(PARAMS.names, PARAMS.values(
+        q_rope=0, q_nope=0, k_rope=0, k_nope=0, v=0, q_rope_out=0, q_nope_out=0, kr_cache=0,
+        kn_cache=0, v_cache=0, cos_sin=0, pos_ids=0, batch_indices=0, positions=0, kv_indptr=0,
+        kv_indices=0, q_scales=0, kv_scales=0,
         qr_sn=vqr.strides[0], qr_sh=vqr.strides[1], qn_sn=qn_st[0], qn_sh=qn_st[1],
         kr_sn=vkr.strides[0], kr_sh=0 if mla else vkr.strides[1], kn_sn=kn_in[0],
         kn_sh=kn_in[1], v_sn=0 if vv is None else vv.strides[0],
-        v_sh=0 if vv is None else vv.strides[1], qro_sn=vqro.strides[0], qro_sh=vqro.strides[1],
-        qno_sn=vqno.strides[0], qno_sh=vqno.strides[1], krc_sp=kr[2][0], krc_se=kr[2][1],
-        krc_sh=kr[2][2], knc_sp=kn[2][0], knc_se=kn[2][1], knc_sh=kn[2][2], vc_sp=vd[2][0],
-        vc_se=vd[2][1], vc_sh=vd[2][2], cs_sp=vt.strides[0], num_pages=num_pages,
+        v_sh=0 if vv is None else vv.strides[1], qro_sn=qro_st[0], qro_sh=qro_st[1],
+        qno_sn=qno_st[0], qno_sh=qno_st[1], krc_sp=kr[1][0], krc_se=kr[1][1],
+        krc_sh=kr[1][2], knc_sp=kn[1][0], knc_se=kn[1][1], knc_sh=kn[1][2], vc_sp=vd[1][0],
+        vc_se=vd[1][1], vc_sh=vd[1][2], cs_sp=vt.strides[0], num_pages=num_pages,
         num_indices=vind.shape[0], q_scale=q_scale, kv_scale=kv_scale, Hq=Hq, Hkv=Hkv,
         Hv=0 if mla else Hkv, R=R, Dn=Dn, B=vptr.shape[0] - 1, page_size=page_size, P=P,
-        index64=index64)
-    expr = expression(vqr.dtype, out_dtype, is_neox, n, shape)
-    launch(STEM, expr, device, (T, splits), (block,), (params,), stream)
-    if key is not None:
-        arrays = (q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, *paged_kv_cache,
-                  kv_indices, kv_indptr, batch_indices, positions, q_rope_out if given[0] else None,
-                  q_nope_out if given[1] else None, quant_scale_q, quant_scale_kv, stream)
-        _remember(key, arrays, _Plan(
-            get_kernel(STEM, expr, device), (T, splits), (block,), params, device,
-            None if stream is None or torch_stream else resolve_stream(stream, device),
-            out_dtype, ((T, Hq, R), (T, Hq, Dn)), given))
-    return q_rope_out, q_nope_out
+        index64=index64)))
+    slots = {"q_rope": (0, 0), "k_rope": (1, 0), "q_nope": (2, 0), "k_nope": (3, 0),
+             "v": (4, 0), "cos_sin": (5, 0), "pos_ids": (6, 0), "kr_cache": kr[0],
+             "kn_cache": kn[0], "v_cache": vd[0], "kv_indices": (9, 0), "kv_indptr": (10, 0),
+             "batch_indices": (11, 0), "positions": (12, 0), "q_rope_out": (out_slots[0], 0),
+             "q_nope_out": (out_slots[1], 0), "q_scales": (15, 0), "kv_scales": (16, 0)}
+    launch = Launch(STEM, expression(vqr.dtype, out_dtype, is_neox, n, shape), device,
+                    (T, splits), (block,), PARAMS, values, slots, pdl=pdl)
+    return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace,
+                result=result)
 
 
-# ---- The eager fast path: a call whose arrays (the same objects) and scalars repeat those of an
-# earlier, validated call reuses its launch. Arrays are identified by id() while alive: a weak
-# reference to each drops the plan when any of them is collected, so an id is never reused while
-# its plan exists. Only what the validation read is cached (pointers, shapes, strides, dtypes, all
-# fixed for an array object); index values are read by the kernel on every call.
-
-_PLANS = {}
-_MAX_PLANS = 64
-_SCALARS = (int, float, np.number)
-_NUMBERS = (int, float)
-_POINTERS = {name: PARAMS.dtype.fields[name][1] // 8 for name in ("q_rope_out", "q_nope_out")}
-
-
-class _Plan:
-    """One validated launch: the kernel, its shape and its parameter record, launched through the
-    driver (one call, no per-call argument marshalling); new q outputs are allocated and their
-    pointers patched into the record on each call."""
-
-    __slots__ = ("__weakref__", "args", "args_ptr", "block", "device", "func", "given", "grid",
-                 "kernel", "out_dtype", "record", "shapes", "stream", "words")
-
-    def __init__(self, kernel, grid, block, params, device, stream, out_dtype, shapes, given):
-        import cupy
-
-        self.kernel, self.grid, self.block = kernel, grid, block
-        self.record = np.array([params], PARAMS.dtype)
-        self.words = self.record.view(np.uint64)  # pointer fields, patched for new outputs
-        self.args = np.array([self.record.ctypes.data], np.uint64)  # void* kernelParams[1]
-        self.args_ptr = int(self.args.ctypes.data)
-        with cupy.cuda.Device(device):
-            self.func = kernel.kernel.ptr
-        self.device, self.stream, self.out_dtype = device, stream, out_dtype
-        self.shapes, self.given = shapes, given
-
-    def __call__(self, q_rope, q_rope_out, q_nope_out):
-        # Not thread-safe for one plan: new output pointers are patched into its record.
-        import cupy
-        from cupy_backends.cuda.api import driver
-
-        previous = cupy.cuda.runtime.getDevice()
-        if previous != self.device:
-            cupy.cuda.runtime.setDevice(self.device)
-        try:
-            if not self.given[0]:
-                q_rope_out = _allocate(q_rope, self.shapes[0], self.out_dtype, self.device)
-                self.words[_POINTERS["q_rope_out"]] = _pointer(q_rope_out)
-            if not self.given[1]:
-                q_nope_out = _allocate(q_rope, self.shapes[1], self.out_dtype, self.device)
-                self.words[_POINTERS["q_nope_out"]] = _pointer(q_nope_out)
-            if self.stream is not None:
-                stream = self.stream.ptr
-            elif _is_torch(q_rope):
-                stream = sys.modules["torch"].cuda.current_stream(q_rope.device).cuda_stream
-            else:
-                stream = cupy.cuda.get_current_stream().ptr
-            (gx, gy), (bx,) = self.grid, self.block
-            driver.launchKernel(self.func, gx, gy, 1, bx, 1, 1, 0, stream, self.args_ptr, 0)
-        finally:
-            if previous != self.device:
-                cupy.cuda.runtime.setDevice(previous)
-        return q_rope_out, q_nope_out
-
-
-def _pointer(x):
-    return x.data_ptr() if _is_torch(x) else x.data.ptr
-
-
-def _remember(key, objects, plan):
-    """Cache ``plan`` under ``key`` while every object of ``objects`` lives."""
-    def forget(_, key=key):
-        _PLANS.pop(key, None)
-
-    try:
-        plan_refs = [weakref.ref(x, forget) for x in objects
-                     if x is not None and not isinstance(x, _SCALARS)]
-    except TypeError:  # an object without weak references: no plan
-        return
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[key] = (plan, plan_refs)
+_NAMES = ("q_rope", "k_rope", "q_nope", "k_nope", "v", "cos_sin_cache", "pos_ids")
+_TAIL = ("kv_indices", "kv_indptr", "batch_indices", "positions", "q_rope_out", "q_nope_out",
+         "quant_scale_q", "quant_scale_kv")
+_GQA = Op("rope_append_paged_kv_cache", (*_NAMES, "k_cache", "v_cache", *_TAIL), _prepare)
+_MLA = Op("rope_append_paged_kv_cache", (*_NAMES, "ckv_cache", "kpe_cache", *_TAIL), _prepare)
 
 
 def _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages):
     """``ROPEKV_CHECK_INDICES``: IndexError for the first token the kernel would skip (padding,
-    ``batch_indices < 0``, aside)."""
+    ``batch_indices < 0``, aside), and for two tokens writing one cache row."""
     pos, b, p = (ck.host_copy(x).astype(np.int64) for x in (vpos, vbat, vposn))
     indptr, indices = (ck.host_copy(x).astype(np.int64) for x in (vptr, vind))
     bad = np.nonzero((pos < 0) | (pos >= P))[0]
@@ -603,8 +520,8 @@ def _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages):
         i = int(bad[0])
         raise IndexError(f"token {i} has pos_ids[{i}] = {pos[i]}, outside the cos_sin_cache's "
                          f"[0, P={P})")
-    B = indptr.shape[0] - 1
-    page, _ = reference.paged_append_slots(indices, indptr, b, p, page_size, num_pages)
+    B, num_indices = indptr.shape[0] - 1, indices.shape[0]
+    page, entry = reference.paged_append_slots(indices, indptr, b, p, page_size, num_pages)
     for i in np.nonzero((b >= 0) & (page < 0))[0]:
         i = int(i)
         if b[i] >= B:
@@ -612,11 +529,19 @@ def _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages):
                              f"batch_size={B}) (kv_indptr has {B + 1} entries)")
         if p[i] < 0:
             raise IndexError(f"token {i} has a negative position, positions[{i}] = {p[i]}")
-        it = indptr[b[i]] + p[i] // page_size
-        if not indptr[b[i]] <= it < indptr[b[i] + 1] or not 0 <= it < indices.shape[0]:
+        first, last = indptr[b[i]], indptr[b[i] + 1]
+        if not 0 <= first <= num_indices:
+            raise IndexError(f"token {i} (request {b[i]}) starts its page-table entries at "
+                             f"kv_indptr[{b[i]}] = {first}, outside [0, {num_indices}] "
+                             f"(kv_indices has {num_indices} entries)")
+        it = first + p[i] // page_size
+        if not first <= it < min(last, num_indices):
             raise IndexError(
                 f"token {i} (request {b[i]}, position {p[i]}) needs page-table entry "
                 f"kv_indptr[{b[i]}] + {p[i]} // {page_size} = {it}, outside the request's "
-                f"[{indptr[b[i]]}, {indptr[b[i] + 1]}) or kv_indices' [0, {indices.shape[0]})")
+                f"[{first}, {last}) or kv_indices' [0, {num_indices})")
         raise IndexError(f"token {i} (request {b[i]}, position {p[i]}) maps to page "
                          f"kv_indices[{it}] = {indices[it]}, outside [0, num_pages={num_pages})")
+    writes = page >= 0
+    ck.check_unique_slots(np.stack([page[writes], entry[writes]], 1), np.flatnonzero(writes),
+                          "cache row (page, entry)")

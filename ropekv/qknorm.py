@@ -10,10 +10,9 @@ from ropekv import _checks as ck
 from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
-from ropekv._launch import (LaunchPlan, ParamStruct, PlanCache, new_device_array, overlapping,
-                            stream_ptr_of)
+from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
 from ropekv._vector import aligned, vector_width
-from ropekv.mla import cache_scale, check_float, resolve_output
+from ropekv.mla import _given_or_new, cache_scale, check_output
 
 STEM = "qknorm"
 KERNEL = "qk_rmsnorm_rope_append"
@@ -34,8 +33,6 @@ BLOCK = 256
 MAX_GROUP = 32  # lanes per head row: one chunk each, a row within a warp
 
 
-_PLANS = PlanCache()
-
 
 def expression(dtype, cache_dtype, is_neox, n):
     return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
@@ -48,7 +45,7 @@ def instantiations():
 
 def _kv_scales(kv_scale, cache_dtype):
     """(k_scale, v_scale) from a float or a pair; None for 16-bit caches."""
-    if isinstance(kv_scale, tuple | list):
+    if isinstance(kv_scale, tuple):
         if len(kv_scale) != 2:
             raise ValueError(f"kv_scale must be a float or a (k_scale, v_scale) pair, got "
                              f"{len(kv_scale)} values")
@@ -62,7 +59,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
                                           input_row_offsets, cache_lengths, block_table,
                                           paged_kv_cache, *, epsilon=1e-6, is_neox=True,
                                           kv_layout="NHD", kv_scale=None, q_out=None,
-                                          stream=None):
+                                          enable_pdl=False, stream=None):
     """Qwen3-style attention input: RMS-normalise each Q and K head, rope both, and append K/V to
     a paged cache over a ragged batch, in one launch.
 
@@ -96,8 +93,11 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
         fp8(x / scale), round to nearest even, saturating. Not accepted for 16-bit caches.
     q_out : array, (T, Hq, D), the dtype of ``q``, optional
         Receives the normalised, roped queries; ``q`` itself means in place. By default a new
-        array in the caller's array type.
+        array in the caller's array type; any other array must not overlap an argument.
+    enable_pdl : bool
+        Launch with programmatic dependent launch (see :func:`ropekv.apply_rope_write_kv`).
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
+        By default torch's current stream for torch inputs, else CuPy's (``docs/conventions.md``).
 
     Returns
     -------
@@ -127,31 +127,17 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     if not isinstance(paged_kv_cache, tuple | list) or len(paged_kv_cache) != 2:
         raise ValueError(f"paged_kv_cache must be a tuple (k_cache, v_cache), got "
                          f"{type(paged_kv_cache).__name__}")
+    return _OP((q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
+                block_table, *paged_kv_cache, q_out),
+               (scalar_key(epsilon), ck.check_flag(is_neox, "is_neox"), scalar_key(kv_layout),
+                scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl")), stream)
+
+
+def _prepare(views, flags):
+    """Validate a first call; the launch plan (or the NumPy backend run)."""
+    epsilon, is_neox, kv_layout, kv_scale, pdl = flags
     ck.check_choice(kv_layout, "kv_layout", KV_LAYOUTS)
-    # a repeated call (the same layouts) replays its launch plan
-    in_place = q_out is not None and q_out is q
-    given = q_out is not None and not in_place
-    key = None
-    if not ck.check_indices_enabled():
-        arrays = (q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
-                  block_table, *paged_kv_cache, q_out if given else None)
-        scale_key = tuple(kv_scale) if isinstance(kv_scale, list) else kv_scale
-        key, ptrs = _PLANS.signature(arrays, (in_place, given, bool(is_neox), kv_layout, epsilon,
-                                              scale_key))
-        plan = None if key is None else _PLANS.get(key)
-        if plan is not None and not (given and overlapping(q_out, q)):
-            out = (q if in_place else q_out if given else
-                   new_device_array(q.shape, q.dtype, plan.device))
-            plan.launch([*ptrs[:-1], out.data.ptr], stream)
-            return out
-    sp = stream_ptr_of(stream)
-    a = ck.views(sp, q=q, k=k, v=v, q_gamma=q_gamma, k_gamma=k_gamma, cos_sin_cache=cos_sin_cache,
-                 input_row_offsets=input_row_offsets, cache_lengths=cache_lengths,
-                 block_table=block_table, k_cache=paged_kv_cache[0], v_cache=paged_kv_cache[1],
-                 q_out=q_out)
-    vq, vk, vv, vt = a["q"], a["k"], a["v"], a["cos_sin_cache"]
-    vqg, vkg, vkc, vvc = a["q_gamma"], a["k_gamma"], a["k_cache"], a["v_cache"]
-    voff, vlen, vbt = a["input_row_offsets"], a["cache_lengths"], a["block_table"]
+    vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vgiven = views
 
     ck.check_ndim(vq, 3, "(T, Hq, D)")
     ck.check_dtype(vq, INPUT_DTYPES)
@@ -163,7 +149,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     for view in (vk, vv):
         ck.check_same_dtype(view, vq)
     if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"q's head count ({Hq}) must be a multiple of k's ({Hkv})")
+        raise ValueError(f"q's head count ({Hq}) must be a positive multiple of k's ({Hkv})")
     for view in (vqg, vkg):
         ck.check_shape(view, (D,), "(D,)")
         ck.check_dtype(view, (vq.dtype, FLOAT32))
@@ -185,26 +171,33 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     if page_size == 0:
         raise ValueError(f"k_cache must have a page_size of at least 1, got {vkc.shape}")
     scales = _kv_scales(kv_scale, vkc.dtype)
-    epsilon = check_float(epsilon, "epsilon", positive=False)
+    epsilon = ck.check_float(epsilon, "epsilon", positive=False)
     for view in (vq, vk, vv, vt, vkc, vvc):
         ck.check_last_dim_contiguous(view)
-    for view in (vkc, vvc):
-        ck.check_writable(view)
-
-    out, vout = resolve_output(q_out, a["q_out"], vq, (T, Hq, D), "q_out", sp)
-    device = ck.check_same_device([vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vout])
+    if vgiven is not None:
+        check_output(vgiven, vq)
+    device = ck.check_same_device([x for x in views if x is not None])
+    written, inplace = (9, 10, 11), [(0, 11)]
+    outputs = [] if vgiven is not None else [Output((T, Hq, D), vq.dtype)]
+    result = _given_or_new(11)
 
     if ck.check_indices_enabled():
         ck.check_paged_indices(voff, vlen, vbt, page_size, num_pages, T, P)
-    if T == 0:
-        return out
     k_scale, v_scale = scales if scales else (1.0, 1.0)
     if device == HOST:
-        reference.qk_rmsnorm_rope_append_paged_kv_cache(
-            vq.host, vk.host, vv.host, vqg.host, vkg.host, vt.host, voff.host, vlen.host,
-            vbt.host, vkc.host, vvc.host, vout.host, epsilon, bool(is_neox), kv_layout, k_scale,
-            v_scale)
-        return out
+        def host(v, outs):
+            vout = vgiven if vgiven is not None else outs[0]
+            if T:
+                reference.qk_rmsnorm_rope_append_paged_kv_cache(
+                    vq.host, vk.host, vv.host, vqg.host, vkg.host, vt.host, voff.host, vlen.host,
+                    vbt.host, vkc.host, vvc.host, vout.host, epsilon, is_neox, kv_layout,
+                    k_scale, v_scale)
+
+        return Plan(HOST, outputs=outputs, written=written, inplace=inplace, result=result,
+                    host=host)
+    if T == 0:
+        return Plan(device, outputs=outputs, written=written, inplace=inplace, result=result)
+    vout = vgiven if vgiven is not None else vq  # a new output is laid out (and aligned) as q
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
@@ -214,14 +207,15 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
 
     n = vector_width(vq.dtype.itemsize, fits)
     if n is None:
-        raise ValueError(f"interleaved RoPE needs 4-byte aligned rows of q, q_out, k, v and the "
-                         f"caches; got {vq}, {vout}, {vk}, {vv}, {vkc}")
+        raise BufferError(f"interleaved RoPE reads element pairs: the rows of q, q_out, k, v and "
+                          f"the caches must start at even elements; got {vq}, {vout}, {vk}, {vv}, "
+                          f"{vkc}")
     # lanes per head row: one chunk each, a power of two so a row's sum is a shuffle within a warp
     items = (R // 2 if is_neox else R) // n + (D - R) // n
     if items > MAX_GROUP:
-        raise ValueError(f"head dim D={D} at a vector width of {n} elements needs {items} lanes "
-                         f"per head row, more than {MAX_GROUP}; align the rows of q, k, v and the "
-                         f"caches to {16 // vq.dtype.itemsize * vq.dtype.itemsize} bytes")
+        raise BufferError(f"head dim D={D} at a vector width of {n} elements needs {items} lanes "
+                          f"per head row, more than {MAX_GROUP}; align the rows of q, k, v and "
+                          f"the caches to {16 // vq.dtype.itemsize * vq.dtype.itemsize} bytes")
     group = 1 << (items - 1).bit_length()
     if kv_layout == "NHD":
         kc = (vkc.strides[0], vkc.strides[1], vkc.strides[2])
@@ -229,24 +223,29 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     else:
         kc = (vkc.strides[0], vkc.strides[2], vkc.strides[1])
         vc = (vvc.strides[0], vvc.strides[2], vvc.strides[1])
-    values = PARAMS.values(
-        q=vq.ptr, q_out=vout.ptr, k=vk.ptr, v=vv.ptr, q_gamma=vqg.ptr, k_gamma=vkg.ptr,
-        cos_sin=vt.ptr, offsets=voff.ptr, cache_lengths=vlen.ptr, block_table=vbt.ptr,
-        k_cache=vkc.ptr, v_cache=vvc.ptr,
-        q_st=vq.strides[0], q_sh=vq.strides[1], qo_st=vout.strides[0], qo_sh=vout.strides[1],
+    out_strides = vgiven.strides[:2] if vgiven is not None else (Hq * D, D)
+    values = dict(zip(PARAMS.names, PARAMS.values(
+        q=0, q_out=0, k=0, v=0, q_gamma=0, k_gamma=0, cos_sin=0, offsets=0, cache_lengths=0,
+        block_table=0, k_cache=0, v_cache=0,
+        q_st=vq.strides[0], q_sh=vq.strides[1], qo_st=out_strides[0], qo_sh=out_strides[1],
         k_st=vk.strides[0], k_sh=vk.strides[1], v_st=vv.strides[0], v_sh=vv.strides[1],
         cs_sp=vt.strides[0], bt_sb=vbt.strides[0],
         kc_sp=kc[0], kc_se=kc[1], kc_sh=kc[2], vc_sp=vc[0], vc_se=vc[1], vc_sh=vc[2],
         num_pages=num_pages, epsilon=epsilon, inv_k_scale=1.0 / k_scale,
         inv_v_scale=1.0 / v_scale, T=T, B=B, Hq=Hq, Hkv=Hkv, D=D, R=R, P=P, max_pages=max_pages,
         page_size=page_size, q_gamma_f32=int(vqg.dtype == FLOAT32),
-        k_gamma_f32=int(vkg.dtype == FLOAT32), group=group)
-    names = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin", "offsets", "cache_lengths",
-             "block_table", "k_cache", "v_cache", "q_out")
-    plan = LaunchPlan(STEM, expression(vq.dtype, vkc.dtype, bool(is_neox), n), device, (T,),
-                      (BLOCK,), PARAMS, values, [(f, i, 0) for i, f in enumerate(names)])
-    plan.launch([x.ptr for x in (vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vout)],
-                stream)
-    if key is not None:
-        _PLANS.put(key, plan)
-    return out
+        k_gamma_f32=int(vkg.dtype == FLOAT32), group=group)))
+    fields = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin", "offsets", "cache_lengths",
+              "block_table", "k_cache", "v_cache", "q_out")
+    slots = {f: (i, 0) for i, f in enumerate(fields)}
+    if vgiven is None:
+        slots["q_out"] = (12, 0)  # the new output follows the 12 arguments
+    launch = Launch(STEM, expression(vq.dtype, vkc.dtype, is_neox, n), device, (T,), (BLOCK,),
+                    PARAMS, values, slots, pdl=pdl)
+    return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace,
+                result=result)
+
+
+_OP = Op("qk_rmsnorm_rope_append_paged_kv_cache",
+         ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets",
+          "cache_lengths", "block_table", "k_cache", "v_cache", "q_out"), _prepare)

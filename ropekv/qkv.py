@@ -34,8 +34,7 @@ from ropekv._arrays import (
     UINT32,
 )
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import (LaunchPlan, ParamStruct, PlanCache, launch, new_device_array,
-                            resolve_stream, stream_ptr_of)
+from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
 from ropekv._vector import aligned
 
 STEM = "qkv"
@@ -73,13 +72,13 @@ PARAMS = ParamStruct("QkvParams", [
 ])
 
 
-# The fused decode kernel's pointer fields, in the order of the function's array arguments (the
-# launch plan refills them on a repeated call), and where a plan keeps Hq and D (the columns of a
-# new `out`).
-PLAN_POINTERS = ("hidden", "weight", "weight_scales", "zero_points", "offsets", "cache_lengths",
-                 "block_table", "cos_sin", "k_cache", "v_cache", "out")
-_HQ, _D = PARAMS.names.index("Hq"), PARAMS.names.index("D")
-_PLANS = PlanCache()
+# The array arguments in the order the public function hands them to the call path, and the
+# kernel pointer field each fills.
+ARRAYS = ("hidden_state", "weight", "input_row_offsets", "cache_lengths", "block_table", "k_cache",
+          "v_cache", "cos_sin_cache", "weight_scales", "zero_points", "out")
+FIELDS = ("hidden", "weight", "offsets", "cache_lengths", "block_table", "k_cache", "v_cache",
+          "cos_sin", "weight_scales", "zero_points", "out")
+NEW = len(ARRAYS)  # ptrs index of the first array a call allocates (out, then workspaces)
 
 
 def _weight_bytes_min(dtype, fmt):
@@ -185,7 +184,8 @@ def _scales(kv_scale):
     """(k_scale, v_scale) floats from None, a float or a pair."""
     if kv_scale is None:
         return 1.0, 1.0
-    pair = (kv_scale, kv_scale) if isinstance(kv_scale, numbers.Real) else tuple(kv_scale)
+    pair = ((kv_scale, kv_scale) if isinstance(kv_scale, numbers.Real) else
+            tuple(kv_scale) if isinstance(kv_scale, tuple) else ())
     if len(pair) != 2 or not all(isinstance(s, numbers.Real) and not isinstance(s, bool)
                                  for s in pair):
         raise ValueError(f"kv_scale must be a float or a (k_scale, v_scale) pair of floats, got "
@@ -199,7 +199,8 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
                                            block_table, paged_kv_cache, *, num_q_heads,
                                            cos_sin_cache=None, is_neox=True, kv_layout="NHD",
                                            kv_scale=None, weight_scales=None, group_size=None,
-                                           zero_points=None, out=None, stream=None):
+                                           zero_points=None, out=None, enable_pdl=False,
+                                           stream=None):
     """QKV projection with K/V appended to a paged KV cache and RoPE on Q and K (MAX's
     ``generic_fused_qkv_matmul_kv_cache_paged_ragged``).
 
@@ -273,32 +274,17 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     if not isinstance(paged_kv_cache, tuple | list) or len(paged_kv_cache) != 2:
         raise ValueError(f"paged_kv_cache must be a (k_cache, v_cache) pair, got "
                          f"{type(paged_kv_cache).__qualname__}")
-    # a repeated decode call (the same layouts) replays the launch plan of its fused kernel
-    key = None
-    if not ck.check_indices_enabled():
-        scale_key = tuple(kv_scale) if isinstance(kv_scale, list) else kv_scale
-        key, ptrs = _PLANS.signature(
-            (hidden_state, weight, weight_scales, zero_points, input_row_offsets, cache_lengths,
-             block_table, cos_sin_cache, *paged_kv_cache, out),
-            (num_q_heads, bool(is_neox), kv_layout, scale_key, group_size, GEMV_MAX_TOKENS,
-             FAST_INT4))  # the tuning switches too: a plan is one path
-        plan = None if key is None else _PLANS.get(key)
-        if plan is not None:
-            if out is None:
-                columns = plan.values[_HQ] * plan.values[_D]
-                out = new_device_array((hidden_state.shape[0], columns), hidden_state.dtype,
-                                       plan.device)
-            plan.launch([*ptrs[:-1], out.data.ptr], stream)
-            return out
-    a = ck.views(stream_ptr_of(stream), hidden_state=hidden_state, weight=weight,
-                 input_row_offsets=input_row_offsets, cache_lengths=cache_lengths,
-                 block_table=block_table, k_cache=paged_kv_cache[0], v_cache=paged_kv_cache[1],
-                 cos_sin_cache=cos_sin_cache, weight_scales=weight_scales,
-                 zero_points=zero_points, out=out)
-    vx, vw, voff, vlen, vbt = (a[n] for n in ("hidden_state", "weight", "input_row_offsets",
-                                              "cache_lengths", "block_table"))
-    vk, vv, vt, vws, vzp, vout = (a[n] for n in ("k_cache", "v_cache", "cos_sin_cache",
-                                                 "weight_scales", "zero_points", "out"))
+    return _OP((hidden_state, weight, input_row_offsets, cache_lengths, block_table,
+                *paged_kv_cache, cos_sin_cache, weight_scales, zero_points, out),
+               (scalar_key(num_q_heads), ck.check_flag(is_neox, "is_neox"), scalar_key(kv_layout),
+                scalar_key(kv_scale), scalar_key(group_size), ck.check_flag(enable_pdl, "enable_pdl"),
+                GEMV_MAX_TOKENS, FAST_INT4), stream)
+
+
+def _prepare(views, flags):
+    """Validate a first call; the launch plan (GEMV or cuBLAS path) or the NumPy backend run."""
+    num_q_heads, is_neox, kv_layout, kv_scale, group_size, pdl, gemv_max, fast_int4 = flags
+    vx, vw, voff, vlen, vbt, vk, vv, vt, vws, vzp, vout = views
 
     ck.check_ndim(vx, 2, "(T, K)")
     ck.check_dtype(vx, INPUT_DTYPES)
@@ -322,8 +308,101 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
         ck.check_dtype(vk, (dtype, *FP8_DTYPES))
     ck.check_same_dtype(vv, vk)
     N = (Hq + 2 * Hkv) * D
+    fmt = _check_weight(vw, vws, vzp, group_size, dtype, N, K)
+    G = group_size if fmt == W_INT4 else None
 
-    # weight format
+    ck.check_ndim(voff, 1, "(B + 1,)")
+    if voff.shape[0] < 1:
+        raise ValueError(f"input_row_offsets must have shape (B + 1,), got {voff.shape}")
+    ck.check_dtype(voff, (INT32, UINT32))
+    _check_contiguous(voff)
+    B = voff.shape[0] - 1
+    ck.check_shape(vlen, (B,), "(B,)")
+    ck.check_dtype(vlen, (INT32,))
+    _check_contiguous(vlen)
+    ck.check_ndim(vbt, 2, "(B, max_pages)")
+    ck.check_shape(vbt, (B, None), "(B, max_pages)")
+    ck.check_dtype(vbt, (INT32,))
+
+    R = P = 0
+    if vt is not None:
+        P, R = ck.check_cos_sin_cache(vt, D)
+    fp8 = vk.dtype in FP8_DTYPES
+    if not fp8 and kv_scale is not None:
+        raise ValueError(f"kv_scale is only used with float8 caches, but the cache is {vk.dtype}")
+    k_scale, v_scale = _scales(kv_scale)
+
+    if vout is not None:
+        ck.check_shape(vout, (T, Hq * D), "(T, Hq * D)")
+        ck.check_same_dtype(vout, vx)
+    for view in (vx, vw, vbt, vk, vv, vt, vws, vzp, vout):
+        if view is not None:
+            ck.check_last_dim_contiguous(view)
+    # rows must not overlap: cuBLAS takes them as leading dimensions (and so does the GEMV kernel)
+    for view, cols in ((vx, K), (vw, vw.shape[1]), (vout, Hq * D)):
+        if view is not None and view.shape[0] > 1 and view.strides[0] < cols:
+            raise ValueError(f"{view.name}'s row stride must be at least its {cols} columns, got "
+                             f"strides {view.strides} (in elements) for shape {view.shape}")
+    device = ck.check_same_device([x for x in views if x is not None])
+    written = (5, 6, 10) if vout is not None else (5, 6)
+    outputs = [] if vout is not None else [Output((T, Hq * D), dtype)]
+
+    if ck.check_indices_enabled():
+        _check_indices(voff, vlen, vbt, T, P if vt is not None else None, page_size, num_pages)
+
+    if device == HOST:
+        def host(v, outs):
+            qout = vout if vout is not None else outs[0]
+            if T:
+                reference.fused_qkv_matmul_append_paged_kv_cache(
+                    vx.host, vw.host, voff.host, vlen.host, vbt.host, vk.host, vv.host,
+                    qout.host, Hq, None if vt is None else vt.host, is_neox, kv_layout, k_scale,
+                    v_scale, None if vws is None else vws.host, G,
+                    None if vzp is None else vzp.host)
+
+        return Plan(HOST, outputs=outputs, written=written, result=_result, host=host)
+    if T == 0:
+        return Plan(device, outputs=outputs, written=written, result=_result)
+
+    ks, kp = vk.strides, vv.strides
+    out_s0 = vout.strides[0] if vout is not None else Hq * D
+    fields = {
+        "hidden": 0, "weight": 0, "weight_scales": 0, "zero_points": 0, "q_tmp": 0, "k_tmp": 0,
+        "v_tmp": 0, "offsets": 0, "cache_lengths": 0, "block_table": 0, "cos_sin": 0, "out": 0,
+        "k_cache": 0, "v_cache": 0,
+        "hidden_s0": vx.strides[0], "weight_row_bytes": vw.strides[0] * vw.dtype.itemsize,
+        "ws_s0": vws.strides[0] if vws is not None else 0,
+        "zp_s0": vzp.strides[0] if vzp is not None else 0, "qt_s0": 0, "kt_s0": 0, "vt_s0": 0,
+        "bt_s0": vbt.strides[0],
+        "cs_s0": vt.strides[0] if vt is not None else 0, "out_s0": out_s0,
+        "k_page": ks[0], "k_entry": ks[1] if kv_layout == "NHD" else ks[2],
+        "k_head": ks[2] if kv_layout == "NHD" else ks[1],
+        "v_page": kp[0], "v_entry": kp[1] if kv_layout == "NHD" else kp[2],
+        "v_head": kp[2] if kv_layout == "NHD" else kp[1], "num_pages": num_pages,
+        "T": T, "K": K, "N": N, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "R": R, "P": P,
+        "page_size": page_size, "max_pages": vbt.shape[1], "group_size": G or 0, "kc": 0,
+        "is_neox": int(is_neox),
+        "cache_code": (0 if not fp8 else 1 if vk.dtype == FLOAT8_E4M3FN else 2),
+        "k_inv_scale": 1.0 / k_scale if fp8 else 1.0, "v_inv_scale": 1.0 / v_scale if fp8 else 1.0}
+    slots = {f: (i, 0) for i, f in enumerate(FIELDS)}
+    if vout is None:
+        slots["out"] = (NEW, 0)
+
+    n = _epilogue_width(vout, vk, vv, vt, D, R, is_neox)
+    if T <= gemv_max or n is None:
+        steps = [_gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl)]
+        return Plan(device, steps, outputs=outputs, written=written, result=_result)
+    steps, workspaces = _prefill(fields, slots, vx, vw, fmt, vk.dtype, n, T, K, N, Hq, Hkv, D,
+                                 device, len(outputs), pdl)
+    return Plan(device, steps, outputs=outputs + workspaces, written=written, result=_result)
+
+
+def _result(arrays, outs):
+    return arrays[10] if arrays[10] is not None else outs[0]
+
+
+def _check_weight(vw, vws, vzp, group_size, dtype, N, K):
+    """The weight format (W_DENSE, W_FP8, W_INT4), its scales and zero points checked."""
     if vw.dtype == dtype:
         fmt = W_DENSE
         ck.check_shape(vw, (N, K), "(N = (Hq + 2 Hkv) D, K)")
@@ -333,7 +412,7 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     elif vw.dtype == UINT8:
         fmt = W_INT4
         if K % 2:
-            raise ValueError(f"4-bit weights need an even K, got hidden_state of shape {vx.shape}")
+            raise ValueError(f"4-bit weights need an even K, got hidden_state with K={K}")
         ck.check_shape(vw, (N, K // 2), "(N = (Hq + 2 Hkv) D, K / 2) for 4-bit weights")
     else:
         raise TypeError(f"weight must have dtype {dtype} (the input dtype), float8_e4m3fn or "
@@ -369,107 +448,7 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
         if vzp is not None:
             ck.check_shape(vzp, (N, K // G), "(N, K / group_size)")
             ck.check_dtype(vzp, (UINT8,))
-
-    ck.check_ndim(voff, 1, "(B + 1,)")
-    if voff.shape[0] < 1:
-        raise ValueError(f"input_row_offsets must have shape (B + 1,), got {voff.shape}")
-    ck.check_dtype(voff, (INT32, UINT32))
-    _check_contiguous(voff)
-    B = voff.shape[0] - 1
-    ck.check_shape(vlen, (B,), "(B,)")
-    ck.check_dtype(vlen, (INT32,))
-    _check_contiguous(vlen)
-    ck.check_ndim(vbt, 2, "(B, max_pages)")
-    ck.check_shape(vbt, (B, None), "(B, max_pages)")
-    ck.check_dtype(vbt, (INT32,))
-
-    R = P = 0
-    if vt is not None:
-        P, R = ck.check_cos_sin_cache(vt, D)
-    fp8 = vk.dtype in FP8_DTYPES
-    if not fp8 and kv_scale is not None:
-        raise ValueError(f"kv_scale is only used with float8 caches, but the cache is {vk.dtype}")
-    k_scale, v_scale = _scales(kv_scale)
-
-    if vout is not None:
-        ck.check_shape(vout, (T, Hq * D), "(T, Hq * D)")
-        ck.check_same_dtype(vout, vx)
-        ck.check_writable(vout)
-    for view in (vx, vw, vbt, vk, vv, vt, vws, vzp, vout):
-        if view is not None:
-            ck.check_last_dim_contiguous(view)
-    for view in (vk, vv):
-        ck.check_writable(view)
-    present = [x for x in (vx, vw, voff, vlen, vbt, vk, vv, vt, vws, vzp, vout) if x is not None]
-    device = ck.check_same_device(present)
-
-    if ck.check_indices_enabled():
-        _check_indices(voff, vlen, vbt, T, P if vt is not None else None, page_size, num_pages)
-
-    if device == HOST:
-        if out is None:
-            out = np.empty((T, Hq * D), dtype)
-            vout = ck.views(None, out=out)["out"]
-        if T:
-            reference.fused_qkv_matmul_append_paged_kv_cache(
-                vx.host, vw.host, voff.host, vlen.host, vbt.host, vk.host, vv.host, vout.host, Hq,
-                None if vt is None else vt.host, bool(is_neox), kv_layout, k_scale, v_scale,
-                None if vws is None else vws.host, group_size,
-                None if vzp is None else vzp.host)
-        return out
-
-    import cupy
-
-    cu_stream = resolve_stream(stream, device)
-    if out is None:
-        with cupy.cuda.Device(device), cu_stream:
-            out = _empty_like_caller(hidden_state, (T, Hq * D), dtype)
-        vout = ck.views(stream_ptr_of(stream), out=out)["out"]
-    if T == 0:
-        return out
-
-    ks, kp = vk.strides, vv.strides
-    fields = {
-        "hidden": vx.ptr, "weight": vw.ptr, "weight_scales": 0 if vws is None else vws.ptr,
-        "zero_points": 0 if vzp is None else vzp.ptr, "q_tmp": 0, "k_tmp": 0, "v_tmp": 0,
-        "offsets": voff.ptr,
-        "cache_lengths": vlen.ptr, "block_table": vbt.ptr, "cos_sin": 0 if vt is None else vt.ptr,
-        "out": vout.ptr, "k_cache": vk.ptr, "v_cache": vv.ptr,
-        "hidden_s0": vx.strides[0], "weight_row_bytes": vw.strides[0] * vw.dtype.itemsize,
-        "ws_s0": vws.strides[0] if vws is not None else 0,
-        "zp_s0": vzp.strides[0] if vzp is not None else 0, "qt_s0": 0, "kt_s0": 0, "vt_s0": 0,
-        "bt_s0": vbt.strides[0],
-        "cs_s0": vt.strides[0] if vt is not None else 0, "out_s0": vout.strides[0],
-        "k_page": ks[0], "k_entry": ks[1] if kv_layout == "NHD" else ks[2],
-        "k_head": ks[2] if kv_layout == "NHD" else ks[1],
-        "v_page": kp[0], "v_entry": kp[1] if kv_layout == "NHD" else kp[2],
-        "v_head": kp[2] if kv_layout == "NHD" else kp[1], "num_pages": num_pages,
-        "T": T, "K": K, "N": N, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "R": R, "P": P,
-        "page_size": page_size, "max_pages": vbt.shape[1], "group_size": group_size or 0, "kc": 0,
-        "is_neox": int(bool(is_neox)),
-        "cache_code": (0 if not fp8 else 1 if vk.dtype == FLOAT8_E4M3FN else 2),
-        "k_inv_scale": 1.0 / k_scale if fp8 else 1.0, "v_inv_scale": 1.0 / v_scale if fp8 else 1.0}
-
-    n = _epilogue_width(vout, vk, vv, vt, D, R, is_neox)
-    if T <= GEMV_MAX_TOKENS or n is None:
-        plan = _launch_gemv(fields, vx, vw, fmt, T, K, N, device, cu_stream)
-        if key is not None:
-            _PLANS.put(key, plan)
-    else:
-        _launch_prefill(fields, vx, vw, fmt, vk.dtype, n, T, K, N, Hq, Hkv, D, device, cu_stream)
-    return out
-
-
-def _empty_like_caller(obj, shape, dtype):
-    """A new device array of the caller's kind: torch for torch inputs, else CuPy."""
-    if type(obj).__module__.startswith("torch"):
-        import torch
-
-        names = {FLOAT16: torch.float16, BFLOAT16: torch.bfloat16}
-        return torch.empty(shape, dtype=names[dtype], device=obj.device)
-    import cupy
-
-    return cupy.empty(shape, dtype)
+    return fmt
 
 
 def _gemv_width(vw, fmt, dtype, K, group_size):
@@ -482,33 +461,32 @@ def _gemv_width(vw, fmt, dtype, K, group_size):
                                   {W_DENSE: 1, W_FP8: 1, W_INT4: 2}[fmt])
 
 
-def _launch_gemv(fields, vx, vw, fmt, T, K, N, device, stream):
+def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl):
+    """The fused decode kernel: one launch."""
     dtype = vx.dtype
     vb, vals = _gemv_width(vw, fmt, dtype, K, fields["group_size"])
     tt = next((t for t in GEMV_TILES if t >= T), GEMV_TILES[-1])
-    fast = FAST_INT4 and _fast_int4(fmt, vb, tt)
+    fast = fast_int4 and _fast_int4(fmt, vb, tt)
     # shared memory: x (tt, kc) float32, and for the fast int4 decode its sums (tt, kc / 32)
     kc = GEMV_SMEM * 32 // (tt * 4 * 33) if fast else GEMV_SMEM // (tt * 4)
     kc = K if K <= kc else kc // vals * vals
     smem = tt * kc * 4 + (tt * (kc // 32) * 4 if fast else 0)
     pairs_per_block = GEMV_WARPS * GEMV_PAIRS
     grid = ((N // 2 + pairs_per_block - 1) // pairs_per_block, (T + tt - 1) // tt)
-    values = PARAMS.values(**{**fields, "kc": kc})
-    plan = LaunchPlan(STEM, gemv_expression(dtype, fmt, vb, tt, fast), device, grid,
-                      (GEMV_WARPS * 32,), PARAMS, values,
-                      [(f, i, 0) for i, f in enumerate(PLAN_POINTERS)], shared_mem=smem)
-    plan.launch([fields[f] for f in PLAN_POINTERS], stream)
-    return plan
+    return Launch(STEM, gemv_expression(dtype, fmt, vb, tt, fast), device, grid,
+                  (GEMV_WARPS * 32,), PARAMS, {**fields, "kc": kc}, slots, shared_mem=smem,
+                  pdl=pdl)
 
 
 def _epilogue_width(vout, vk, vv, vt, D, R, is_neox):
-    """Widest vector for the prefill epilogue, or None (then the GEMV path runs instead)."""
+    """Widest vector for the prefill epilogue, or None (then the GEMV path runs instead). A new
+    ``out`` (None here) is contiguous and aligned for every width that divides D."""
     for n in EPILOGUE_WIDTHS:
         if vt is not None:
             rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
             if not rot or (D - R) % n or not aligned(vt, n if is_neox else max(n // 2, 1)):
                 continue
-        if D % n == 0 and all(aligned(x, n) for x in (vout, vk, vv)):
+        if D % n == 0 and all(aligned(x, n) for x in (vout, vk, vv) if x is not None):
             return n
     return None
 
@@ -519,75 +497,92 @@ _CUBLAS_GEMM_DEFAULT = -1
 _ALPHA_BETA = np.array([1.0, 0.0], np.float32)
 
 
-def _gemm(a_ptr, lda, b_ptr, ldb, c_ptr, ldc, m, n, k, dtype, c_dtype, device, stream):
-    """Row-major C (n, m) = B (n, k) @ A (m, k)^T, float32 accumulation. In cuBLAS's column-major
-    terms: C^T (m x n) = A^T B^T with A (k x m, lda) read transposed and B (k x n, ldb)."""
-    import cupy
-    from cupy_backends.cuda.libs import cublas
+class _Gemm:
+    """A cuBLAS step of the prefill plan: row-major C (n, m) = B (n, k) @ A (m, k)^T, float32
+    accumulation, operands at ``(ptrs index, byte offset)`` slots. In cuBLAS's column-major terms:
+    C^T (m x n) = A^T B^T with A (k x m, lda) read transposed and B (k x n, ldb)."""
 
-    with cupy.cuda.Device(device):
-        handle = cupy.cuda.device.get_cublas_handle()
-        cublas.setStream(handle, stream.ptr)
+    def __init__(self, a, lda, b, ldb, c, ldc, m, n, k, dtype, c_dtype):
+        self.a, self.b, self.c = a, b, c
+        self.args = (m, n, k, lda, ldb, ldc, _CUDA_R[dtype], _CUDA_R[c_dtype])
+
+    def run(self, ptrs, stream_ptr):
+        import cupy
+        from cupy_backends.cuda.libs import cublas
+
+        m, n, k, lda, ldb, ldc, ab_type, c_type_ = self.args
+        handle = cupy.cuda.device.get_cublas_handle()  # the plan's device is current
+        cublas.setStream(handle, stream_ptr)
         cublas.setPointerMode(handle, 0)  # CUBLAS_POINTER_MODE_HOST: alpha, beta on the host
+        (a, ao), (b, bo), (c, co) = self.a, self.b, self.c
         cublas.gemmEx(handle, 1, 0, m, n, k,  # op(A) = A^T, op(B) = B
-                      _ALPHA_BETA.ctypes.data, a_ptr, _CUDA_R[dtype], lda, b_ptr, _CUDA_R[dtype],
-                      ldb, _ALPHA_BETA.ctypes.data + 4, c_ptr, _CUDA_R[c_dtype], ldc,
+                      _ALPHA_BETA.ctypes.data, ptrs[a] + ao, ab_type, lda, ptrs[b] + bo, ab_type,
+                      ldb, _ALPHA_BETA.ctypes.data + 4, ptrs[c] + co, c_type_, ldc,
                       _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
 
 
-def _launch_prefill(fields, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, device, stream):
-    """cuBLAS, then one epilogue launch. One GEMM into a (T, N) temporary in the input dtype; for
-    fp8 caches with RoPE, Q goes straight into ``out`` and K|V into a float32 temporary instead
-    (16-bit rounding before a cancelling rotation would cost fp8 codes)."""
-    import cupy
-
+def _prefill(fields, slots, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, device, n_out,
+             pdl):
+    """cuBLAS, then one epilogue launch: ``(steps, workspaces)``. One GEMM into a (T, N)
+    temporary in the input dtype; for fp8 caches with RoPE, Q goes straight into ``out`` and K|V
+    into a float32 temporary instead (16-bit rounding before a cancelling rotation would cost fp8
+    codes). Quantized weights are first dequantized into an (N, K) temporary."""
     dtype = vx.dtype
-    k_dtype = FLOAT32 if fields["cos_sin"] and cache_dtype in FP8_DTYPES else dtype
-    with cupy.cuda.Device(device), stream:
-        if fmt == W_DENSE:
-            w_ptr, w_ld, w_tmp = vw.ptr, vw.strides[0], None
-        else:
-            w_tmp = cupy.empty((N, K), dtype)
-            params = PARAMS.pack(**{**fields, "out": w_tmp.data.ptr})
-            total = N * (K // 2 if fmt == W_INT4 else K)
-            grid = min((total + DEQUANT_BLOCK - 1) // DEQUANT_BLOCK, 132 * 16)
-            launch(STEM, dequant_expression(dtype, fmt), device, (grid,), (DEQUANT_BLOCK,),
-                   (params,), stream)
-            w_ptr, w_ld = w_tmp.data.ptr, K
-        row_bytes = w_ld * dtype.itemsize
-        x_ptr, x_ld = vx.ptr, vx.strides[0]
-        if k_dtype == dtype:
-            tmp = cupy.empty((T, N), dtype)
-            _gemm(w_ptr, w_ld, x_ptr, x_ld, tmp.data.ptr, N, N, T, K, dtype, dtype, device, stream)
-            isz = dtype.itemsize
-            q_ptr, q_ld = tmp.data.ptr, N
-            k_ptr, v_ptr, kv_ld = (tmp.data.ptr + Hq * D * isz, tmp.data.ptr + (Hq + Hkv) * D * isz,
-                                   N)
-        else:
-            tmp = cupy.empty((T, 2 * Hkv * D), k_dtype)
-            _gemm(w_ptr, w_ld, x_ptr, x_ld, fields["out"], fields["out_s0"], Hq * D, T, K, dtype,
-                  dtype, device, stream)
-            _gemm(w_ptr + Hq * D * row_bytes, w_ld, x_ptr, x_ld, tmp.data.ptr, 2 * Hkv * D,
-                  2 * Hkv * D, T, K, dtype, k_dtype, device, stream)
-            q_ptr, q_ld = fields["out"], fields["out_s0"]  # roped in place
-            k_ptr, v_ptr, kv_ld = tmp.data.ptr, tmp.data.ptr + Hkv * D * 4, 2 * Hkv * D
-        params = PARAMS.pack(**{**fields, "q_tmp": q_ptr, "qt_s0": q_ld, "k_tmp": k_ptr,
-                                "v_tmp": v_ptr, "kt_s0": kv_ld, "vt_s0": kv_ld})
-        launch(STEM, epilogue_expression(dtype, cache_dtype, k_dtype, n), device, (T,),
-               (EPILOGUE_BLOCK,), (params,), stream)
-        del w_tmp, tmp  # stream-ordered frees: later work on this stream may reuse them
+    k_dtype = FLOAT32 if fields["R"] and cache_dtype in FP8_DTYPES else dtype
+    steps, workspaces = [], []
+    next_index = NEW + n_out  # workspaces' pointers follow the arguments and the new output
+    if fmt == W_DENSE:
+        w_slot, w_ld = slots["weight"], vw.strides[0]
+    else:
+        w_slot, w_ld = (next_index, 0), K
+        workspaces.append(Output((N, K), dtype, workspace=True))
+        next_index += 1
+        total = N * (K // 2 if fmt == W_INT4 else K)
+        grid = min((total + DEQUANT_BLOCK - 1) // DEQUANT_BLOCK, 132 * 16)
+        steps.append(Launch(STEM, dequant_expression(dtype, fmt), device, (grid,),
+                            (DEQUANT_BLOCK,), PARAMS, fields, {**slots, "out": w_slot}, pdl=pdl))
+    row_bytes = w_ld * dtype.itemsize
+    x_slot, x_ld = slots["hidden"], vx.strides[0]
+    tmp = (next_index, 0)
+    if k_dtype == dtype:
+        workspaces.append(Output((T, N), dtype, workspace=True))
+        steps.append(_Gemm(w_slot, w_ld, x_slot, x_ld, tmp, N, N, T, K, dtype, dtype))
+        isz = dtype.itemsize
+        q_slot, q_ld = tmp, N
+        k_slot, v_slot = (next_index, Hq * D * isz), (next_index, (Hq + Hkv) * D * isz)
+        kv_ld = N
+    else:
+        workspaces.append(Output((T, 2 * Hkv * D), k_dtype, workspace=True))
+        out_slot, out_ld = slots["out"], fields["out_s0"]
+        steps.append(_Gemm(w_slot, w_ld, x_slot, x_ld, out_slot, out_ld, Hq * D, T, K, dtype,
+                           dtype))
+        steps.append(_Gemm((w_slot[0], w_slot[1] + Hq * D * row_bytes), w_ld, x_slot, x_ld, tmp,
+                           2 * Hkv * D, 2 * Hkv * D, T, K, dtype, k_dtype))
+        q_slot, q_ld = out_slot, out_ld  # roped in place
+        k_slot, v_slot, kv_ld = tmp, (next_index, Hkv * D * 4), 2 * Hkv * D
+    steps.append(Launch(STEM, epilogue_expression(dtype, cache_dtype, k_dtype, n), device, (T,),
+                        (EPILOGUE_BLOCK,), PARAMS,
+                        {**fields, "qt_s0": q_ld, "kt_s0": kv_ld, "vt_s0": kv_ld},
+                        {**slots, "q_tmp": q_slot, "k_tmp": k_slot, "v_tmp": v_slot}, pdl=pdl))
+    return steps, workspaces
 
 
 def _check_indices(voff, vlen, vbt, T, P, page_size, num_pages):
-    request, pos, page, _ = reference.ragged_paged_slots(
+    request, pos, page, entry = reference.ragged_paged_slots(
         ck.host_copy(voff), ck.host_copy(vlen), ck.host_copy(vbt), page_size, num_pages, T)
-    for t in range(T):
+    for t in np.nonzero((request < 0) | (pos < 0) | (page < 0) |
+                        ((pos >= P) if P is not None else False))[0]:
+        t = int(t)
         if request[t] < 0:
             raise IndexError(f"token {t} lies in no request of input_row_offsets")
         if pos[t] < 0 or (P is not None and pos[t] >= P):
             raise IndexError(f"token {t} (request {request[t]}) has position {pos[t]}, outside "
                              f"[0, {P if P is not None else 'inf'})")
-        if page[t] < 0:
-            raise IndexError(f"token {t} (request {request[t]}, position {pos[t]}) has no valid "
-                             f"page in block_table (block index {pos[t] // page_size}, "
-                             f"num_pages {num_pages})")
+        raise IndexError(f"token {t} (request {request[t]}, position {pos[t]}) has no valid "
+                         f"page in block_table (block index {pos[t] // page_size}, "
+                         f"num_pages {num_pages})")
+    writes = page >= 0
+    ck.check_unique_slots(np.stack([page[writes], entry[writes]], 1), np.flatnonzero(writes),
+                          "cache row (page, entry)")
+
+_OP = Op("fused_qkv_matmul_append_paged_kv_cache", ARRAYS, _prepare)

@@ -148,8 +148,9 @@ def test_unknown_device_type():
 
 
 def test_not_an_array():
-    with pytest.raises(TypeError, match="q must be a NumPy array, a CuPy array or an object with "
-                                        "__dlpack__, got builtins.list"):
+    with pytest.raises(TypeError, match="q must be a NumPy array, a CuPy array, a torch tensor or "
+                                        "an object with __cuda_array_interface__ or __dlpack__, "
+                                        "got builtins.list"):
         ar.as_view([1.0, 2.0], "q")
 
 

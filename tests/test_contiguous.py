@@ -183,7 +183,7 @@ def test_k_dtype_must_match_q():
 
 
 def test_head_counts():
-    bad(r"q's head count \(3\) must be a multiple of k's \(2\)",
+    bad(r"q's head count \(3\) must be a positive multiple of k's \(2\)",
         q=np.zeros((2, 3, 3, 64), np.float16))
 
 
@@ -215,14 +215,14 @@ def test_rotary_dim():
 def test_kv_end_lens_shape_and_dtype():
     bad(r"kv_end_lens must have shape \(B,\) = \(2,\), got \(3,\)",
         kv_end_lens=np.zeros(3, np.int32))
-    bad("kv_end_lens must have dtype int32, got int64", TypeError,
-        kv_end_lens=np.zeros(2, np.int64))
+    bad("kv_end_lens must have dtype int32 or int64, got float32", TypeError,
+        kv_end_lens=np.zeros(2, np.float32))
 
 
 def test_position_ids_shape_and_dtype():
     bad(r"position_ids must have shape \(B, S\) = \(2, 3\), got \(2, 4\)",
         position_ids=np.zeros((2, 4), np.int32))
-    bad("position_ids must have dtype int32, got float32", TypeError,
+    bad("position_ids must have dtype int32 or int64, got float32", TypeError,
         position_ids=np.zeros((2, 3), np.float32))
 
 
@@ -257,7 +257,8 @@ def test_read_only_q_is_refused():
 
 
 def test_not_an_array_is_refused():
-    bad("v must be a NumPy array, a CuPy array or an object with __dlpack__", TypeError, v=[1, 2])
+    bad("v must be a NumPy array, a CuPy array, a torch tensor or an object with "
+               "__cuda_array_interface__ or __dlpack__", TypeError, v=[1, 2])
 
 
 def test_empty_batch_is_a_no_op():

@@ -23,6 +23,11 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 
 
+def read_only(a):
+    a.flags.writeable = False
+    return a
+
+
 def make_case(seed, lengths=(3, 1, 0, 2), K=96, Hq=4, Hkv=2, D=16, R=16, P=64, page_size=4,
               layout="NHD", dtype=F16, cache_dtype=None, wfmt="dense", group_size=32,
               zero_points=False, cached=None, bad_pages=False, is_neox=True, extra_tokens=0):
@@ -373,7 +378,7 @@ RULES = [
      "out must have shape"),
     ("out dtype", lambda a, k: k.update(out=np.empty((6, 64), BF16)), TypeError,
      "out must have the dtype"),
-    ("out read-only", lambda a, k: k.update(out=np.broadcast_to(np.empty(64, F16), (6, 64))),
+    ("out read-only", lambda a, k: k.update(out=read_only(np.empty((6, 64), F16))),
      BufferError, "out"),
     ("hidden strided", lambda a, k: a.update(hidden_state=np.repeat(a["hidden_state"], 2,
                                                                     axis=1)[:, ::2]),

@@ -11,8 +11,8 @@ struct RopeWriteKVParams {
   const void* v;            // (B, S, Hkv, D) T
   void* cache;              // (B, 2, Hkv, C, D) CacheT
   const float* cos_sin;     // (Bc, P, R) float32, cos half then sin half
-  const int* kv_end_lens;   // (B,) or null: cache end after writing
-  const int* position_ids;  // (B, S) or null: RoPE positions, < 0 marks padding
+  const void* kv_end_lens;   // (B,) int32 or int64, or null: cache end after writing
+  const void* position_ids;  // (B, S) int32 or int64, or null: RoPE positions, < 0 marks padding
   const float* kv_scale;    // (2,) dequantization scales of K and V (fp8 caches)
   i64 q_sb, q_ss, q_sh;     // strides in elements; the last dimension is contiguous
   i64 k_sb, k_ss, k_sh;
@@ -21,7 +21,12 @@ struct RopeWriteKVParams {
   i64 cs_sb, cs_sp;         // cs_sb is 0 for one table shared by the batch
   int B, S, Hq, Hkv, D, R, C, P;
   int write_k_in_place;
+  int index64;  // bit 0: kv_end_lens is int64, bit 1: position_ids is int64
 };
+
+__device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
+  return is64 ? static_cast<const i64*>(p)[i] : i64(static_cast<const int*>(p)[i]);
+}
 
 // One block per token (b, s). Thread t owns chunk j = t % items of a head row (a chunk of RoPE
 // pairs, or N pass-through dims of [R, D)) and walks the Q then K heads h = t / items, t / items +
@@ -35,14 +40,17 @@ __global__ void __launch_bounds__(256) apply_rope_write_kv(const RopeWriteKVPara
   const int token = blockIdx.x;
   const int b = token / p.S;
   const int s = token - b * p.S;
-  const i64 slot = p.kv_end_lens ? i64(p.kv_end_lens[b]) - p.S + s : i64(s);
-  const i64 pos = p.position_ids ? i64(p.position_ids[token]) : slot;
+  const i64 end = p.kv_end_lens ? read_index(p.kv_end_lens, b, p.index64 & 1) : i64(p.S);
+  const i64 slot = end < i64(p.S) - s ? -1 : end - p.S + s;  // no overflow at int64 extremes
+  const i64 pos = p.position_ids ? read_index(p.position_ids, token, p.index64 & 2) : slot;
   if (slot < 0 || slot >= p.C || pos < 0 || pos >= p.P) return;
 
   float k_scale = 1.f, v_scale = 1.f;
   if (is_fp8<CacheT>::value) {  // stored = fp8(x / scale)
     k_scale = 1.f / p.kv_scale[0];
     v_scale = 1.f / p.kv_scale[1];
+    // a scale outside (0, inf) (read on the device, unchecked by the host) writes nothing
+    if (!(k_scale > 0.f && k_scale < INFINITY && v_scale > 0.f && v_scale < INFINITY)) return;
   }
   const int half_r = p.R >> 1;
   const int rot_items = NEOX ? half_r / N : p.R / N;
