@@ -50,7 +50,8 @@ __global__ void __launch_bounds__(256) apply_rope_write_kv(const RopeWriteKVPara
     k_scale = 1.f / p.kv_scale[0];
     v_scale = 1.f / p.kv_scale[1];
     // a scale outside (0, inf) (read on the device, unchecked by the host) writes nothing
-    if (!(k_scale > 0.f && k_scale < INFINITY && v_scale > 0.f && v_scale < INFINITY)) return;
+    constexpr float kMax = 3.40282347e38f;  // FLT_MAX: NaN and inf fail the test below
+    if (!(k_scale > 0.f && k_scale <= kMax && v_scale > 0.f && v_scale <= kMax)) return;
   }
   const int half_r = p.R >> 1;
   const int rot_items = NEOX ? half_r / N : p.R / N;
