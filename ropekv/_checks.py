@@ -136,7 +136,12 @@ def shares_bytes(a, b):
         return True  # not provably disjoint
 
 
-def overlap_message(name, other, written, other_written):
+def overlap_message(name, other, other_written, inplace=False):
+    """The error for a written array ``name`` sharing bytes with ``other``; ``inplace``: the pair
+    may be one array (in place), which this is not."""
+    if inplace:
+        return (f"{name} must be {other} itself (in place) or not overlap it; it overlaps "
+                f"{other} partially")
     what = "also written" if other_written else "read"
     return (f"{name} is written in place but shares memory with {other} ({what} by this call); "
             f"pass arrays that do not overlap")
@@ -152,16 +157,14 @@ def check_no_overlap(views, written, inplace=()):
         for j, b in enumerate(views):
             if j == i or b is None or b.size == 0 or (j in written and j < i):
                 continue
+            pair = frozenset((i, j)) in inplace
             same = a.ptr == b.ptr and a.shape == b.shape and a.strides == b.strides and \
                 a.dtype == b.dtype
-            if same and frozenset((i, j)) in inplace:
+            if same and pair:
                 continue
             if shares_bytes((a.ptr, a.shape, a.strides, a.dtype.itemsize),
                             (b.ptr, b.shape, b.strides, b.dtype.itemsize)):
-                if frozenset((i, j)) in inplace:
-                    raise ValueError(f"{a.name} must be {b.name} itself (in place) or not "
-                                     f"overlap it; it overlaps {b.name} partially")
-                raise ValueError(overlap_message(a.name, b.name, True, j in written))
+                raise ValueError(overlap_message(a.name, b.name, j in written, pair))
 
 
 def check_flag(value, name):

@@ -283,19 +283,29 @@ class Output:
     def __init__(self, shape, dtype, workspace=False):
         self.shape, self.dtype, self.workspace = tuple(shape), np.dtype(dtype), workspace
 
-    def allocate(self, kinds, device, stream_ptr):
+    def allocate(self, kinds, device, stream_ptr, explicit=True):
+        """On ``device`` (current) for a launch on ``stream_ptr``; ``explicit`` False says that
+        stream is the caller's current one (CuPy's or torch's), where allocations already go."""
         if kinds & ar.TORCH and not self.workspace:
             torch = sys.modules["torch"]
             where = "cpu" if device == ar.HOST else torch.device("cuda", device)
-            return torch.empty(self.shape, dtype=ar.torch_dtype(self.dtype), device=where)
+            if not explicit or device == ar.HOST:
+                return torch.empty(self.shape, dtype=ar.torch_dtype(self.dtype), device=where)
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream_ptr, device=where)):
+                return torch.empty(self.shape, dtype=ar.torch_dtype(self.dtype), device=where)
         if device == ar.HOST:
             return np.empty(self.shape, self.dtype)
+        if explicit or kinds & ar.TORCH:  # CuPy's pool orders reuse on the stream it allocates on
+            with cupy_stream(stream_ptr, device):
+                return self._cupy()
+        return self._cupy()
+
+    def _cupy(self):
         import cupy
 
-        with cupy_stream(stream_ptr, device):  # CuPy's pool orders reuse on this stream
-            if self.dtype.itemsize == 1 and self.dtype.kind == "V":  # float8
-                return cupy.empty(self.shape, cupy.uint8).view(self.dtype)
-            return cupy.empty(self.shape, self.dtype)
+        if self.dtype.itemsize == 1 and self.dtype.kind == "V":  # float8
+            return cupy.empty(self.shape, cupy.uint8).view(self.dtype)
+        return cupy.empty(self.shape, self.dtype)
 
 
 def pointer_of(array):
@@ -356,10 +366,12 @@ class Plan:
                 if shared is None:
                     shared = self.exact[key] = ck.shares_bytes(
                         (pi, *self.views_layout[i]), (pj, *self.views_layout[j]))
-                if shared and not (pi == pj and self.views_layout[i] == self.views_layout[j]
-                                   and frozenset((i, j)) in self.inplace):
-                    raise ValueError(ck.overlap_message(names[i], names[j], i in self.written,
-                                                        j in self.written))
+                if shared:
+                    inplace = frozenset((i, j)) in self.inplace
+                    if not (inplace and pi == pj
+                            and self.views_layout[i] == self.views_layout[j]):
+                        raise ValueError(ck.overlap_message(names[i], names[j], j in self.written,
+                                                            inplace))
 
     def replay(self, arrays, ptrs, kinds, stream_ptr, names):
         """Launch on new pointers (``ptrs`` of ``arrays``); returns the op's result."""
@@ -369,14 +381,15 @@ class Plan:
                 self.check_overlap(ptrs, names)
                 _bounded_put(self.checked, seen, True, 8)
         device = self.device
-        if stream_ptr is None:
+        explicit = stream_ptr is not None
+        if not explicit:
             stream_ptr = default_stream_ptr(kinds, device)
         runtime = _runtime()
         previous = runtime.getDevice()
         if previous != device:
             runtime.setDevice(device)
         try:
-            outs = [o.allocate(kinds, device, stream_ptr) for o in self.outputs]
+            outs = [o.allocate(kinds, device, stream_ptr, explicit) for o in self.outputs]
             if outs:
                 ptrs = [*ptrs, *(pointer_of(o) for o in outs)]
             ptrs.append(0)
@@ -436,6 +449,9 @@ class Op:
     def first_call(self, arrays, flags, stream_ptr, key):
         views = [None if a is None else ar.as_view(a, n, stream_ptr)
                  for a, n in zip(arrays, self.names)]
+        for v in views:  # before the op's own checks, which pick vector widths from alignment
+            if v is not None and v.device != ar.HOST:
+                ck.check_element_aligned(v)
         plan = self.prepare(views, flags)
         kinds = 0
         for a in arrays:
@@ -445,10 +461,6 @@ class Op:
         for i in plan.written:
             ck.check_writable(views[i])
             ck.check_write_strides(views[i])
-        present = [v for v in views if v is not None]
-        if plan.device != ar.HOST:
-            for v in present:
-                ck.check_element_aligned(v)
         ck.check_no_overlap(views, plan.written, plan.inplace)
         if plan.device == ar.HOST:
             return self.run_host(plan, arrays, views, kinds, stream_ptr)
@@ -459,7 +471,7 @@ class Op:
         return plan.replay(arrays, ptrs, kinds, stream_ptr, self.names)
 
     def run_host(self, plan, arrays, views, kinds, stream_ptr):
-        outs = [o.allocate(kinds, ar.HOST, None) for o in plan.outputs]
+        outs = [o.allocate(kinds, ar.HOST, None, False) for o in plan.outputs]
         out_views = [ar.as_view(o, f"output {i}") for i, o in enumerate(outs)]
         if plan.host is not None:
             plan.host(views, out_views)

@@ -418,7 +418,7 @@ def _prepare(views, flags):
         ck.check_last_dim_contiguous(view)
     device = ck.check_same_device([x for x in views if x is not None])
     written = [7, 8] + [i for i, x in ((13, vqro), (14, vqno)) if x is not None]
-    inplace = [(0, 13), (2, 14)]
+    inplace = [(0, 13), (2, 14)] if out_dtype == vqr.dtype else []  # fp8 outputs never alias q
     outputs, slot = [], 17  # new outputs' pointers follow the 17 arguments
     out_slots = []
     for view, shape in ((vqro, (T, Hq, R)), (vqno, (T, Hq, Dn))):

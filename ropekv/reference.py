@@ -66,6 +66,8 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, kv_end_lens=None, posi
     k_scale, v_scale = (float(kv_scale[0]), float(kv_scale[1])) if fp8 else (1.0, 1.0)
     for b in range(B):
         start = 0 if kv_end_lens is None else int(kv_end_lens[b]) - S
+        if start >= C or start + S <= 0:  # every slot outside [0, C) (and int64-safe below)
+            continue
         slots = start + np.arange(S, dtype=np.int64)
         pos = slots if position_ids is None else np.asarray(position_ids[b], np.int64)
         keep = (slots >= 0) & (slots < C) & (pos >= 0) & (pos < P)

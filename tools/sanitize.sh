@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# compute-sanitizer over ropekv on a GPU machine: memcheck over the whole GPU test suite, then
+# racecheck, initcheck and synccheck over one call of every kernel (tools/sanitize_calls.py).
+# Every tool must report 0 errors (the script exits non-zero otherwise).
+#
+#   bash tools/sanitize.sh                 # everything
+#   bash tools/sanitize.sh memcheck -n 8   # only memcheck, extra pytest arguments after it
+#   bash tools/sanitize.sh calls           # only racecheck, initcheck and synccheck
+#
+# The memory pools are off (CuPy allocates with cudaMalloc, PyTorch without its caching allocator,
+# JAX without preallocation), so an access past an array's end leaves its allocation and is seen.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export ROPEKV_NO_MEMORY_POOL=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}" PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+what="${1:-all}"
+[ $# -gt 0 ] && shift
+sanitizer=(compute-sanitizer --error-exitcode 1 --target-processes all --print-limit 20)
+if [ "$what" = all ] || [ "$what" = memcheck ]; then
+  echo "== memcheck: the GPU test suite"
+  "${sanitizer[@]}" --tool memcheck --leak-check no \
+    python3 -m pytest -q -m gpu -p no:cacheprovider "$@"
+fi
+if [ "$what" = all ] || [ "$what" = calls ]; then
+  for tool in racecheck initcheck synccheck; do
+    echo "== $tool: one call of every kernel"
+    "${sanitizer[@]}" --tool "$tool" python3 tools/sanitize_calls.py
+  done
+fi
+echo "sanitizer: 0 errors"
