@@ -119,6 +119,7 @@ class ArrayView:
         "ptr",
         "readonly",
         "shape",
+        "size",
         "strides",
     )
 
@@ -135,14 +136,11 @@ class ArrayView:
         self.owner = owner
         self.host = host
         self.array = array
+        self.size = math.prod(shape)
 
     @property
     def ndim(self):
         return len(self.shape)
-
-    @property
-    def size(self):
-        return math.prod(self.shape)
 
     @property
     def on_host(self):
@@ -435,28 +433,39 @@ def signature(arrays, names, stream_ptr):
     array's layout (shape, strides, dtype, device, pointer alignment; for other producers also the
     read-only and legacy-capsule flags), never its identity or address. ``ptrs`` the data pointers
     (0 for None), ``kinds`` the OR of CUPY / TORCH / OTHER, ``keep`` the views of other producers
-    (their capsules must live until the launch). Host arrays give device -1 in the key."""
+    (their capsules must live until the launch). Host arrays give device -1 in the key.
+
+    This runs on every call: CuPy arrays and torch tensors of the exact base types are read inline,
+    anything else through :func:`as_view`."""
+    cupy_array, torch_tensor = _CUPY_ARRAY, _TORCH_TENSOR
     key, ptrs, kinds, keep = [], [], 0, None
-    for a, name in zip(arrays, names):
-        if a is None:
-            key.append(None)
-            ptrs.append(0)
-            continue
+    add_key, add_ptr = key.append, ptrs.append
+    for a in arrays:
         cls = type(a)
-        if cls is _CUPY_ARRAY:
+        if cls is cupy_array:
             data = a.data
             p = data.ptr
-            key.append((a.shape, a.strides, a.dtype, p & 15, data.device_id))
+            add_key((a.shape, a.strides, a.dtype, p & 15, data.device_id))
             kinds |= CUPY
-        elif cls is _TORCH_TENSOR:
+        elif cls is torch_tensor:
             p = a.data_ptr()
-            key.append((1, a.shape, a.stride(), a.dtype, p & 15, a.get_device()))
+            add_key((1, a.shape, a.stride(), a.dtype, p & 15, a.get_device()))
             kinds |= TORCH
+        elif a is None:
+            add_key(None)
+            p = 0
         else:
-            v = as_view(a, name, stream_ptr)
+            v = as_view(a, names[len(ptrs)], stream_ptr)
             p = v.ptr
-            key.append((2, v.shape, v.strides, v.dtype, p & 15, v.device, v.readonly, v.legacy))
-            kinds |= TORCH if is_torch(a) else CUPY if is_cupy(a) else OTHER
-            keep = [v] if keep is None else [*keep, v]
-        ptrs.append(p)
+            if cls is _CUPY_ARRAY:  # the first CuPy array / torch tensor ever seen: now known,
+                add_key((a.shape, a.strides, a.dtype, p & 15, a.data.device_id))  # same key
+                kinds |= CUPY
+            elif cls is _TORCH_TENSOR:
+                add_key((1, a.shape, a.stride(), a.dtype, p & 15, a.get_device()))
+                kinds |= TORCH
+            else:
+                add_key((2, v.shape, v.strides, v.dtype, p & 15, v.device, v.readonly, v.legacy))
+                kinds |= TORCH if is_torch(a) else CUPY if is_cupy(a) else OTHER
+                keep = [v] if keep is None else [*keep, v]
+        add_ptr(p)
     return tuple(key), ptrs, kinds, keep

@@ -149,13 +149,20 @@ def overlap_message(name, other, other_written, inplace=False):
 
 def check_no_overlap(views, written, inplace=()):
     """No written array shares a byte with any other argument, except the pairs of ``inplace``
-    (index pairs) when they are the very same array (same pointer and layout)."""
+    (index pairs) when they are the very same array (same pointer and layout). Byte spans are
+    compared first; the exact test runs only where two spans intersect."""
+    spans = [None if v is None or v.size == 0 else tuple(v.ptr + x for x in span(v))
+             for v in views]
     for i in written:
-        a = views[i]
-        if a is None or a.size == 0:
+        if spans[i] is None:
             continue
+        a = views[i]
+        a_lo, a_hi = spans[i]
         for j, b in enumerate(views):
-            if j == i or b is None or b.size == 0 or (j in written and j < i):
+            if j == i or spans[j] is None or (j in written and j < i):
+                continue
+            b_lo, b_hi = spans[j]
+            if not (a_lo < b_hi and b_lo < a_hi):
                 continue
             pair = frozenset((i, j)) in inplace
             same = a.ptr == b.ptr and a.shape == b.shape and a.strides == b.strides and \

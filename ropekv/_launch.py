@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import os
 import struct
 import sys
@@ -50,7 +51,7 @@ def stream_ptr_of(stream):
     object with ``__cuda_stream__`` / ``cuda_stream`` (``torch.cuda.Stream``). None stays None."""
     if stream is None:
         return None
-    if isinstance(stream, int | np.integer) and not isinstance(stream, bool):
+    if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
         return int(stream)
     if hasattr(stream, "ptr"):
         return int(stream.ptr)
@@ -62,11 +63,16 @@ def stream_ptr_of(stream):
                     f"__cuda_stream__ / cuda_stream, got {type(stream).__qualname__}")
 
 
+_GET_CURRENT_STREAM = []
+
+
 def current_stream_ptr(device=-1):
     """CuPy's current stream on ``device`` (-1: the current device)."""
-    import cupy
+    if not _GET_CURRENT_STREAM:
+        import cupy
 
-    return cupy.cuda.get_current_stream(device).ptr
+        _GET_CURRENT_STREAM.append(cupy.cuda.get_current_stream)
+    return _GET_CURRENT_STREAM[0](device).ptr
 
 
 def _torch_stream_ptr(device):
@@ -162,6 +168,17 @@ def _cu_launch_kernel_ex():
     return fn
 
 
+def function_pointer(stem, expression, device, shared_mem=0):
+    """The ``CUfunction`` of a kernel on ``device`` (compiled and loaded on first use)."""
+    import cupy
+
+    kernel = get_kernel(stem, expression, device)
+    with cupy.cuda.Device(device):
+        if shared_mem > 48 * 1024:
+            kernel.max_dynamic_shared_size_bytes = shared_mem
+        return kernel.kernel.ptr
+
+
 class Launch:
     """One kernel launch of a plan: the compiled function on one device, its grid, block and
     parameter record. The record's pointer fields are ``slots``: ``field -> (argument, byte
@@ -172,18 +189,12 @@ class Launch:
     thread packs a record of its own, so two threads replaying one plan never share one.
     """
 
-    __slots__ = ("argv", "block", "config", "func", "grid", "n_ptr", "owner", "pdl", "ptr_struct",
-                 "rec", "shared_mem", "slots", "tail")
+    __slots__ = ("argv", "argv_ptr", "block", "config", "func", "gather", "grid", "n_ptr",
+                 "offsets", "owner", "pdl", "ptr_struct", "rec", "shared_mem", "slots", "tail")
 
     def __init__(self, stem, expression, device, grid, block, params, values, slots,
                  shared_mem=0, pdl=False):
-        import cupy
-
-        kernel = get_kernel(stem, expression, device)
-        with cupy.cuda.Device(device):
-            self.func = kernel.kernel.ptr
-            if shared_mem > 48 * 1024:
-                kernel.max_dynamic_shared_size_bytes = shared_mem
+        self.func = function_pointer(stem, expression, device, shared_mem)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.shared_mem = shared_mem
@@ -197,7 +208,13 @@ class Launch:
         self.ptr_struct = struct.Struct(f"={n}Q")
         self.rec = ctypes.create_string_buffer(record, len(record))
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.rec))
+        self.argv_ptr = ctypes.addressof(self.argv)
         self.owner = threading.get_ident()
+        # pointer fields = ptrs gathered in one C call, plus the few non-zero offsets
+        indices = [a for a, _ in self.slots]
+        self.gather = (operator.itemgetter(*indices) if len(indices) > 1 else
+                       (lambda ptrs, i=indices[0]: (ptrs[i],)))
+        self.offsets = [(k, o) for k, (_, o) in enumerate(self.slots) if o]
         self.pdl = pdl
         self.config = self._config() if pdl else None
 
@@ -217,12 +234,18 @@ class Launch:
     def run(self, ptrs, stream_ptr):
         global _launch_kernel
         if threading.get_ident() == self.owner:
-            rec, argv = self.rec, self.argv
+            rec, argv, argv_ptr = self.rec, self.argv, self.argv_ptr
         else:
             rec = ctypes.create_string_buffer(8 * self.n_ptr + len(self.tail))
             rec[8 * self.n_ptr:] = self.tail
             argv = (ctypes.c_void_p * 1)(ctypes.addressof(rec))
-        self.ptr_struct.pack_into(rec, 0, *[ptrs[a] + o for a, o in self.slots])
+            argv_ptr = ctypes.addressof(argv)
+        values = self.gather(ptrs)
+        if self.offsets:
+            values = list(values)
+            for k, o in self.offsets:
+                values[k] += o
+        self.ptr_struct.pack_into(rec, 0, *values)
         if self.pdl:
             config = self.config if rec is self.rec else self._config()
             config.stream = stream_ptr
@@ -233,8 +256,7 @@ class Launch:
         if _launch_kernel is None:
             from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
         (gx, gy, gz), (bx, by, bz) = self.grid, self.block
-        _launch_kernel(self.func, gx, gy, gz, bx, by, bz, self.shared_mem, stream_ptr,
-                       ctypes.addressof(argv), 0)
+        _launch_kernel(self.func, gx, gy, gz, bx, by, bz, self.shared_mem, stream_ptr, argv_ptr, 0)
 
 
 # ---------------------------------------------------------------------------------- plans
@@ -266,11 +288,17 @@ def scalar_key(value):
     """A scalar argument as it enters a plan key: its value, so two equal values share a plan and
     a freed object's reused ``id`` never matters; bools stay distinct from ints, lists become
     tuples. Validation sees this value too (a bool's repr and type name are kept)."""
-    if isinstance(value, bool | np.bool_):
+    cls = value.__class__
+    if cls in _PLAIN:
+        return value
+    if cls is bool or cls is np.bool_:
         return _BoolKey(bool(value))
-    if isinstance(value, list):
+    if cls is list:
         return tuple(scalar_key(v) for v in value)
     return value
+
+
+_PLAIN = frozenset((float, int, str, type(None), tuple))
 
 
 class Output:
@@ -339,23 +367,17 @@ class Plan:
         self.cacheable = cacheable
         self.pairs = None  # set by finish(): (i, j, lo_i, hi_i, lo_j, hi_j) byte spans to check
         self.checked = {}  # pointer tuples that passed the overlap check (a few, newest last)
+        self.last_checked = None  # the newest of them, as a list
         self.exact = {}  # (i, j, pointer delta) -> whether the two arrays share bytes
 
     def finish(self, views):
         """Record the byte spans the replay's overlap check needs (from the first call)."""
         self.views_layout = [None if v is None else (v.shape, v.strides, v.dtype.itemsize)
                              for v in views]
-        pairs = []
-        for i in self.written:
-            for j, v in enumerate(views):
-                if j == i or v is None or views[i].size == 0 or v.size == 0:
-                    continue
-                if j in self.written and j < i:
-                    continue  # each written pair once
-                lo_i, hi_i = ck.span(views[i])
-                lo_j, hi_j = ck.span(v)
-                pairs.append((i, j, lo_i, hi_i, lo_j, hi_j))
-        self.pairs = pairs
+        spans = [None if v is None or v.size == 0 else ck.span(v) for v in views]
+        self.pairs = [(i, j, *spans[i], *spans[j]) for i in self.written if spans[i]
+                      for j in range(len(views))
+                      if j != i and spans[j] and not (j in self.written and j < i)]
 
     def check_overlap(self, ptrs, names):
         for i, j, lo_i, hi_i, lo_j, hi_j in self.pairs:
@@ -375,24 +397,28 @@ class Plan:
 
     def replay(self, arrays, ptrs, kinds, stream_ptr, names):
         """Launch on new pointers (``ptrs`` of ``arrays``); returns the op's result."""
-        if self.pairs:
+        if self.pairs and ptrs != self.last_checked:
             seen = tuple(ptrs)
             if seen not in self.checked:
                 self.check_overlap(ptrs, names)
                 _bounded_put(self.checked, seen, True, 8)
+            self.last_checked = ptrs
         device = self.device
         explicit = stream_ptr is not None
         if not explicit:
-            stream_ptr = default_stream_ptr(kinds, device)
-        runtime = _runtime()
+            stream_ptr = (_torch_stream_ptr(device) if kinds & ar.TORCH
+                          else current_stream_ptr(device))
+        runtime = _RUNTIME[0] or _runtime()
         previous = runtime.getDevice()
         if previous != device:
             runtime.setDevice(device)
         try:
-            outs = [o.allocate(kinds, device, stream_ptr, explicit) for o in self.outputs]
-            if outs:
-                ptrs = [*ptrs, *(pointer_of(o) for o in outs)]
-            ptrs.append(0)
+            if self.outputs:
+                outs = [o.allocate(kinds, device, stream_ptr, explicit) for o in self.outputs]
+                ptrs = [*ptrs, *map(pointer_of, outs), 0]
+            else:
+                outs = ()
+                ptrs.append(0)
             for step in self.steps:
                 step.run(ptrs, stream_ptr)
         finally:
@@ -412,11 +438,23 @@ def _bounded_put(table, key, value, limit):
     table[key] = value
 
 
-@functools.cache
+_RUNTIME = [None]
+
+
 def _runtime():
     from cupy_backends.cuda.api import runtime
 
+    _RUNTIME[0] = runtime
     return runtime
+
+
+# ROPEKV_CHECK_INDICES read without os.environ's per-call key encoding (its raw table stays in
+# step with os.environ, monkeypatch.setenv included)
+_environ_data = getattr(os.environ, "_data", None)
+if isinstance(_environ_data, dict) and isinstance(next(iter(_environ_data), b""), bytes):
+    _CHECK_INDICES_OFF, _ENV_KEY, _OFF = _environ_data.get, b"ROPEKV_CHECK_INDICES", (b"", b"0")
+else:  # another platform's os.environ
+    _CHECK_INDICES_OFF, _ENV_KEY, _OFF = os.environ.get, "ROPEKV_CHECK_INDICES", ("", "0")
 
 
 class Op:
@@ -435,7 +473,7 @@ class Op:
     def __call__(self, arrays, flags, stream=None):
         stream_ptr = stream_ptr_of(stream)
         key = None
-        if os.environ.get("ROPEKV_CHECK_INDICES", "") in ("", "0"):  # else: index checks per call
+        if _CHECK_INDICES_OFF(_ENV_KEY, b"") in _OFF:  # else: the first-call path checks indices
             try:
                 layout, ptrs, kinds, keep = ar.signature(arrays, self.names, stream_ptr)
                 key = (flags, layout)

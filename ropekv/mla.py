@@ -139,7 +139,7 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     >>> q_out = ropekv.mla_rope_rmsnorm_append_paged_kv_cache(
     ...     q_rope, kv, gamma, table, offsets, lengths, block_table, cache)
     """
-    split = isinstance(kv_cache, tuple | list)
+    split = isinstance(kv_cache, (tuple, list))
     if split and len(kv_cache) != 2:
         raise ValueError(f"kv_cache must be one array (num_pages, page_size, L + R) or a tuple "
                          f"(ckv, kpe), got a {type(kv_cache).__name__} of {len(kv_cache)} arrays")

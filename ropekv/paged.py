@@ -248,7 +248,10 @@ def as_dtype(value, name="quantize_dtype"):
 def _scale_arg(value, name):
     """A scale argument as ``(flag, array)``: a number goes into the plan key as its value, an
     array is an argument of the call."""
-    if isinstance(value, bool | np.bool_):
+    cls = value.__class__
+    if cls is float or cls is int:
+        return value, None
+    if cls is bool or cls is np.bool_:
         raise TypeError(f"{name} must be a float or a float32 array, got {value!r}")
     if isinstance(value, numbers.Real):
         return value, None
@@ -259,11 +262,11 @@ def _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_ca
           kv_indptr, batch_indices, positions, is_neox, quantize_dtype, quant_scale_q,
           quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out, enable_pdl, stream,
           quantize):
-    if not isinstance(paged_kv_cache, tuple | list) or len(paged_kv_cache) != 2:
+    if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
         raise ValueError(f"paged_kv_cache must be a pair (k_cache, v_cache) or (ckv_cache, "
                          f"kpe_cache), got {type(paged_kv_cache).__qualname__}"
                          + (f" of length {len(paged_kv_cache)}"
-                            if isinstance(paged_kv_cache, tuple | list) else ""))
+                            if isinstance(paged_kv_cache, (tuple, list)) else ""))
     q_scale, q_scales = _scale_arg(quant_scale_q, "quant_scale_q")
     kv_scale, kv_scales = _scale_arg(quant_scale_kv, "quant_scale_kv")
     op = _MLA if getattr(k_rope, "ndim", None) == 2 else _GQA

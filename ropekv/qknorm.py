@@ -124,7 +124,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     ...     cp.array([0, 5], cp.int32), cp.array([7], cp.int32), cp.array([[2, 0]], cp.int32),
     ...     caches)
     """
-    if not isinstance(paged_kv_cache, tuple | list) or len(paged_kv_cache) != 2:
+    if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
         raise ValueError(f"paged_kv_cache must be a tuple (k_cache, v_cache), got "
                          f"{type(paged_kv_cache).__name__}")
     return _OP((q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,

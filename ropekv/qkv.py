@@ -271,7 +271,7 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     ...     x, w, offsets, lengths, table, (kc, vc), num_q_heads=Hq,
     ...     cos_sin_cache=ropekv.cos_sin_cache(4096, D, xp=cp))
     """
-    if not isinstance(paged_kv_cache, tuple | list) or len(paged_kv_cache) != 2:
+    if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
         raise ValueError(f"paged_kv_cache must be a (k_cache, v_cache) pair, got "
                          f"{type(paged_kv_cache).__qualname__}")
     return _OP((hidden_state, weight, input_row_offsets, cache_lengths, block_table,

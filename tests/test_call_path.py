@@ -89,14 +89,32 @@ def flat(x):
     return [x]
 
 
+def assert_op_close(actual, expected, op, what):
+    """``assert_close``, except for the fused QKV op, whose cuBLAS path rounds the projection to
+    the input dtype (and quantized weights to it) before the epilogue: rows of the head dim are
+    compared by relative L2 error there (tests/test_qkv.py's measure)."""
+    if op != "qkv":
+        assert_close(actual, expected, what)
+        return
+    a = to_numpy(actual).astype(np.float64)
+    e = np.asarray(expected).astype(np.float64)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    D = 16 if a.shape[-1] % 16 == 0 else a.shape[-1]
+    a, e = a.reshape(-1, D), e.reshape(-1, D)
+    den = np.maximum(np.linalg.norm(e, axis=1), 1e-6)
+    err = float((np.linalg.norm(a - e, axis=1) / den).max(initial=0.0))
+    tol = 0.1 if np.asarray(expected).dtype.itemsize == 1 else 1e-2
+    assert err <= tol, f"{what}: relative row error {err:.3g} > {tol}"
+
+
 def assert_same(actual_kw, actual_out, expected_kw, expected_out, op):
     """The written arguments and the outputs of a device call against the NumPy backend's."""
     names = ["q", CACHE[op]] if op == "contiguous" else [CACHE[op]]
     for name in names:
         for a, e in zip(flat(actual_kw[name]), flat(expected_kw[name])):
-            assert_close(a, e, f"{op}: {name}")
+            assert_op_close(a, e, op, f"{op}: {name}")
     for a, e in zip(flat(actual_out), flat(expected_out)):
-        assert_close(a, to_numpy(e), f"{op}: output")
+        assert_op_close(a, to_numpy(e), op, f"{op}: output")
 
 
 # ---- CPU: the validation every op shares (the reproductions of the reliability review) ---------
