@@ -306,10 +306,11 @@ class Output:
     or a ``workspace`` (a CuPy temporary on the launch stream, freed after the launches are
     queued: CuPy's pool reuses it only behind them on that stream)."""
 
-    __slots__ = ("dtype", "shape", "workspace")
+    __slots__ = ("dtype", "shape", "size", "workspace")
 
     def __init__(self, shape, dtype, workspace=False):
         self.shape, self.dtype, self.workspace = tuple(shape), np.dtype(dtype), workspace
+        self.size = int(np.prod(self.shape))
 
     def allocate(self, kinds, device, stream_ptr, explicit=True):
         """On ``device`` (current) for a launch on ``stream_ptr``; ``explicit`` False says that
@@ -331,7 +332,7 @@ class Output:
     def _cupy(self):
         import cupy
 
-        if self.dtype.itemsize == 1 and self.dtype.kind == "V":  # float8
+        if self.dtype in ar.FP8_DTYPES:  # CuPy allocates float8 as bytes
             return cupy.empty(self.shape, cupy.uint8).view(self.dtype)
         return cupy.empty(self.shape, self.dtype)
 
@@ -368,6 +369,7 @@ class Plan:
         self.pairs = None  # set by finish(): (i, j, lo_i, hi_i, lo_j, hi_j) byte spans to check
         self.checked = {}  # pointer tuples that passed the overlap check (a few, newest last)
         self.last_checked = None  # the newest of them, as a list
+        self.empties = {}  # zero-size outputs, made once
         self.exact = {}  # (i, j, pointer delta) -> whether the two arrays share bytes
 
     def finish(self, views):
@@ -378,6 +380,15 @@ class Plan:
         self.pairs = [(i, j, *spans[i], *spans[j]) for i in self.written if spans[i]
                       for j in range(len(views))
                       if j != i and spans[j] and not (j in self.written and j < i)]
+
+    def empty_output(self, output, kinds, stream_ptr, explicit):
+        """A zero-size output (FlashInfer's q_nope_out without nope dims): made once per plan and
+        array kind, and handed out again (it holds nothing)."""
+        made = self.empties.get((id(output), kinds))
+        if made is None:
+            made = self.empties[(id(output), kinds)] = output.allocate(kinds, self.device,
+                                                                       stream_ptr, explicit)
+        return made
 
     def check_overlap(self, ptrs, names):
         for i, j, lo_i, hi_i, lo_j, hi_j in self.pairs:
@@ -414,7 +425,8 @@ class Plan:
             runtime.setDevice(device)
         try:
             if self.outputs:
-                outs = [o.allocate(kinds, device, stream_ptr, explicit) for o in self.outputs]
+                outs = [o.allocate(kinds, device, stream_ptr, explicit) if o.size else
+                        self.empty_output(o, kinds, stream_ptr, explicit) for o in self.outputs]
                 ptrs = [*ptrs, *map(pointer_of, outs), 0]
             else:
                 outs = ()
