@@ -120,6 +120,7 @@ class ArrayView:
         "readonly",
         "shape",
         "size",
+        "span",
         "strides",
     )
 
@@ -137,6 +138,14 @@ class ArrayView:
         self.host = host
         self.array = array
         self.size = math.prod(shape)
+        item = dtype.itemsize
+        lo = hi = 0  # the byte offsets, relative to ptr, that the view touches: [lo, hi)
+        for n, st in zip(shape, strides):
+            if st < 0:
+                lo += (n - 1) * st * item
+            else:
+                hi += (n - 1) * st * item
+        self.span = (lo, hi + item)
 
     @property
     def ndim(self):
@@ -181,8 +190,9 @@ def _from_numpy(a, name):
 
 def _from_cupy(a, name):
     _note_type(type(a), "cupy")
-    return ArrayView(name, a.data.ptr, a.shape, _element_strides(name, a.strides, a.itemsize),
-                     a.dtype, a.device.id, owner=a, array=a)
+    data = a.data
+    return ArrayView(name, data.ptr, a.shape, _element_strides(name, a.strides, a.itemsize),
+                     a.dtype, data.device_id, owner=a, array=a)
 
 
 # ---- torch tensors, read from their attributes (torch is only ever touched when passed one) ----

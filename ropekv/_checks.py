@@ -104,10 +104,7 @@ def check_write_strides(view):
 
 def span(view):
     """``[lo, hi)``: the byte offsets, relative to ``view.ptr``, that a non-empty view touches."""
-    item = view.dtype.itemsize
-    lo = sum((n - 1) * s for n, s in zip(view.shape, view.strides) if s < 0) * item
-    hi = sum((n - 1) * s for n, s in zip(view.shape, view.strides) if s > 0) * item
-    return lo, hi + item
+    return view.span
 
 
 def shares_bytes(a, b):
@@ -151,7 +148,7 @@ def check_no_overlap(views, written, inplace=()):
     """No written array shares a byte with any other argument, except the pairs of ``inplace``
     (index pairs) when they are the very same array (same pointer and layout). Byte spans are
     compared first; the exact test runs only where two spans intersect."""
-    spans = [None if v is None or v.size == 0 else tuple(v.ptr + x for x in span(v))
+    spans = [None if v is None or v.size == 0 else (v.ptr + v.span[0], v.ptr + v.span[1])
              for v in views]
     for i in written:
         if spans[i] is None:

@@ -365,7 +365,6 @@ def _prepare(views, flags):
         raise TypeError(f"{vc1.name} must have the dtype of {vc0.name} ({vc0.dtype}), got "
                         f"{vc1.dtype}")
     allowed = FP8_DTYPES if quantize else (vqr.dtype, *FP8_DTYPES)
-    spelled = " or ".join(map(str, allowed))
     out_dtype = as_dtype(quantize_dtype)
     if out_dtype is None:  # FlashInfer's order: q_rope_out, q_nope_out, then (ropekv) the cache
         given = next(x for x in (vqro, vqno, vc0) if x is not None)
@@ -373,9 +372,11 @@ def _prepare(views, flags):
         if out_dtype not in allowed:
             hint = (" (rope_append_paged_kv_cache writes float16/bfloat16 caches)" if quantize
                     else f" (float16/bfloat16 only as the input dtype {vqr.dtype})")
-            raise TypeError(f"{given.name} must have dtype {spelled}, got {out_dtype}{hint}")
+            raise TypeError(f"{given.name} must have dtype {' or '.join(map(str, allowed))}, "
+                            f"got {out_dtype}{hint}")
     elif out_dtype not in allowed:
-        raise TypeError(f"quantize_dtype must be {spelled}, got {out_dtype}")
+        raise TypeError(f"quantize_dtype must be {' or '.join(map(str, allowed))}, got "
+                        f"{out_dtype}")
     for view in (vc0, vc1):
         if view.dtype != out_dtype:
             raise TypeError(f"{view.name} must have the quantize dtype {out_dtype}, got "
