@@ -128,9 +128,11 @@ def _header_stamp(options):
     for option in options:
         if option.startswith("-I"):
             with os.scandir(option[2:]) as entries:
-                stamp += sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
-                                for e in entries if e.is_file())
-    return stamp
+                for entry in entries:
+                    if entry.is_file():
+                        st = entry.stat()
+                        stamp.append((option, entry.name, st.st_size, st.st_mtime_ns))
+    return sorted(stamp)
 
 
 def _offline_key(source, options, expressions, version):

@@ -7,6 +7,7 @@ import platform
 
 # CUDA runtime status codes that mean "no GPU here" rather than a fault.
 _INSUFFICIENT_DRIVER, _NO_DEVICE = 35, 100
+_NO_GPU = "no GPU found (the CUDA driver sees no device)"
 
 
 def _cuda_version(v):
@@ -25,11 +26,13 @@ def _no_device_reason(cupy, exc):
     if driver == 0:
         return "no GPU / no CUDA driver found"
     if status == _INSUFFICIENT_DRIVER:
+        runtime = rt.runtimeGetVersion()
+        fix = ("install ropekv[cuda12] instead of ropekv[cuda13], or update the driver"
+               if driver // 1000 < 13 <= runtime // 1000 else "update the driver")
         return (f"the CUDA driver ({_cuda_version(driver)}) is older than CuPy's CUDA runtime "
-                f"({_cuda_version(rt.runtimeGetVersion())}): update the driver, or install "
-                f"ropekv[cuda12] instead of ropekv[cuda13]")
+                f"({_cuda_version(runtime)}): {fix}")
     if status == _NO_DEVICE:
-        return "no GPU found (the CUDA driver sees no device)"
+        return _NO_GPU
     return f"no usable GPU ({type(exc).__name__}: {exc})"
 
 
@@ -44,7 +47,7 @@ def device_state():
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # noqa: BLE001 - CuPy raises CUDARuntimeError and friends
         return cupy, 0, _no_device_reason(cupy, exc)
-    return cupy, count, None if count else "no GPU found (the CUDA driver sees no device)"
+    return cupy, count, None if count else _NO_GPU
 
 
 def info():

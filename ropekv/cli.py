@@ -61,22 +61,20 @@ def _flatten(lists):
     return None if lists is None else list(dict.fromkeys(n for names in lists for n in names))
 
 
-def _gpu_missing(command):
-    """Print why ``command`` cannot run and return 1 when no CUDA device is usable, else None."""
+def _gpu_ready(command):
+    """True when a CUDA device is usable; else print why ``command`` cannot run."""
     from ropekv._info import device_state
 
     _, count, why = device_state()
-    if count:
-        return None
-    print(f"ropekv {command}: no CUDA device found; {NEEDS_GPU[command]}\n  reason: {why}",
-          file=sys.stderr)
-    return 1
+    if not count:
+        print(f"ropekv {command}: no CUDA device found; {NEEDS_GPU[command]}\n  reason: {why}",
+              file=sys.stderr)
+    return bool(count)
 
 
 def _cmd_bench(args):
-    missing = _gpu_missing("bench")
-    if missing:
-        return missing
+    if not _gpu_ready("bench"):
+        return 1
     from ropekv.bench import main
 
     return main(ops=_flatten(args.ops), peers=_flatten(args.peers), quick=args.quick,
@@ -84,9 +82,8 @@ def _cmd_bench(args):
 
 
 def _cmd_check(args):
-    missing = _gpu_missing("check")
-    if missing:
-        return missing
+    if not _gpu_ready("check"):
+        return 1
     from ropekv.check import check
 
     return check(ops=_flatten(args.ops))

@@ -128,7 +128,9 @@ def fake_cupy(driver, runtime=12090, count=None, status=None):
 @pytest.mark.parametrize("cupy, want", [
     (fake_cupy(driver=0, status=35), NO_DRIVER),
     (fake_cupy(driver=12020, runtime=13000, status=35),
-     "the CUDA driver (12.2) is older than CuPy's CUDA runtime (13.0)"),
+     "the CUDA driver (12.2) is older than CuPy's CUDA runtime (13.0): install ropekv[cuda12]"),
+    (fake_cupy(driver=13000, runtime=13020, status=35),
+     "the CUDA driver (13.0) is older than CuPy's CUDA runtime (13.2): update the driver"),
     (fake_cupy(driver=13000, status=100), "no GPU found (the CUDA driver sees no device)"),
     (fake_cupy(driver=13000, count=0), "no GPU found (the CUDA driver sees no device)"),
     (fake_cupy(driver=13000, status=999), "no usable GPU (CUDARuntimeError: cudaError 999)"),
