@@ -8,6 +8,9 @@ Nothing compiles at import time.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import os
 import re
 from pathlib import Path
 
@@ -112,22 +115,80 @@ def get_kernel(stem, expression, device_id):
         return _module(stem, expression, device_id).get_function(expression)
 
 
+def offline_cache_dir():
+    """Where :func:`compile_offline` keeps its results: ``$ROPEKV_CACHE_DIR``, else
+    ``~/.cache/ropekv`` (like CuPy's ``$CUPY_CACHE_DIR`` / ``~/.cupy/kernel_cache``)."""
+    return Path(os.environ.get("ROPEKV_CACHE_DIR") or Path.home() / ".cache" / "ropekv")
+
+
+def _header_stamp(options):
+    """Name, size and mtime of every file in each ``-I`` directory: a header upgraded in place
+    (same path, new wheel) changes the cache key."""
+    stamp = []
+    for option in options:
+        if option.startswith("-I"):
+            with os.scandir(option[2:]) as entries:
+                for entry in entries:
+                    if entry.is_file():
+                        st = entry.stat()
+                        stamp.append((option, entry.name, st.st_size, st.st_mtime_ns))
+    return sorted(stamp)
+
+
+def _offline_key(source, options, expressions, version):
+    """SHA-256 of everything the compile result depends on."""
+    text = json.dumps([source, options, list(expressions), version, _header_stamp(options)])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _read_cached(path, expressions):
+    try:
+        lowered = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return lowered if isinstance(lowered, dict) and set(lowered) == set(expressions) else None
+
+
+def _write_cached(path, lowered):
+    """Atomic write; a cache that cannot be written only costs the next run a compile."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(lowered))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def compile_offline(stem, expressions, arch):
     """Compile ``expressions`` of ``kernels/<stem>.cu`` for ``arch`` (e.g. ``"sm_90"``) with NVRTC
     alone, without a GPU or driver. Returns ``{expression: lowered name}``; raises RuntimeError
-    with the compiler log on failure. Used by the compile tests and ``ropekv info``."""
+    with the compiler log on failure. Used by the compile tests.
+
+    A successful result is kept on disk (:func:`offline_cache_dir`, ``offline/``), keyed by a hash
+    of the source with its headers inlined, the options, the expressions, the NVRTC version and
+    the CUDA headers' file stamps, so an unchanged kernel is not compiled again and a changed one
+    always is. Failures are never cached."""
     from cupy_backends.cuda.libs import nvrtc
 
-    prog = nvrtc.createProgram(read_source(stem), f"{stem}.cu", [], [])
+    source = read_source(stem)
+    options = [f"--gpu-architecture={arch}", *OPTIONS, *_header_options()]
+    key = _offline_key(source, options, expressions, nvrtc.getVersion())
+    path = offline_cache_dir() / "offline" / f"{stem}-{arch}-{key}.json"
+    cached = _read_cached(path, expressions)
+    if cached is not None:
+        return cached
+    prog = nvrtc.createProgram(source, f"{stem}.cu", [], [])
     try:
         for expression in expressions:
             nvrtc.addNameExpression(prog, expression)
-        options = [f"--gpu-architecture={arch}", *OPTIONS, *_header_options()]
         try:
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as exc:
             raise RuntimeError(f"NVRTC failed on {stem}.cu for {arch}:\n"
                                f"{nvrtc.getProgramLog(prog)}") from exc
-        return {e: nvrtc.getLoweredName(prog, e) for e in expressions}
+        lowered = {e: nvrtc.getLoweredName(prog, e) for e in expressions}
     finally:
         nvrtc.destroyProgram(prog)
+    _write_cached(path, lowered)
+    return lowered

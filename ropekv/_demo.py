@@ -17,16 +17,17 @@ HQ, HKV, D = 32, 8, 128
 SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
            "original_max_position_embeddings": 8192}
 BATCH, PROMPT, CAPACITY = 4, 256, 512
+MAX_STEPS = CAPACITY - PROMPT  # decode steps that fit in the cache (and the cos/sin table)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 def _pick_backend(requested):
-    from ropekv._info import backend_name
+    from ropekv._info import device_state
 
-    available = backend_name()
-    if requested == "cuda" and available != "cuda":
-        raise SystemExit("ropekv demo --backend cuda: no usable CUDA device (see `ropekv info`)")
-    return available if requested == "auto" else requested
+    _, count, why = device_state()
+    if requested == "cuda" and not count:
+        raise SystemExit(f"ropekv demo --backend cuda: {why} (see ropekv info)")
+    return ("cuda" if count else "numpy") if requested == "auto" else requested
 
 
 def _codes_close(got, want):
@@ -50,6 +51,10 @@ def _complex_rope(x, pos, table):
 
 
 def demo(backend="auto", steps=8):
+    """Run the demo; returns the exit code. ``steps``: decode steps, 0 to ``MAX_STEPS``."""
+    if not 0 <= steps <= MAX_STEPS:
+        raise ValueError(f"steps must be between 0 and {MAX_STEPS} (a {PROMPT}-token prompt in "
+                         f"a {CAPACITY}-token cache), got {steps}")
     backend = _pick_backend(backend)
     rng = np.random.default_rng(0)
     table = ropekv.cos_sin_cache(CAPACITY, D, base=500000.0, scaling=SCALING)
@@ -77,6 +82,8 @@ def demo(backend="auto", steps=8):
                    "scale": None if scale is None else cupy.asarray(scale)}
         lens = np.zeros(BATCH, np.int32)
         for phase, S, n_calls in (("prefill", PROMPT, 1), ("decode", 1, steps)):
+            if n_calls == 0:
+                continue
             total, ok = 0.0, True
             for _ in range(n_calls):
                 lens = lens + S

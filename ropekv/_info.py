@@ -5,23 +5,49 @@ from __future__ import annotations
 import os
 import platform
 
+# CUDA runtime status codes that mean "no GPU here" rather than a fault.
+_INSUFFICIENT_DRIVER, _NO_DEVICE = 35, 100
+_NO_GPU = "no GPU found (the CUDA driver sees no device)"
 
-def _cupy_state():
-    """(cupy module or None, device count, reason when no device)."""
+
+def _cuda_version(v):
+    """12090 -> '12.9'."""
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def _no_device_reason(cupy, exc):
+    """A plain sentence for why ``getDeviceCount`` raised ``exc``."""
+    rt = cupy.cuda.runtime
+    status = getattr(exc, "status", None)
+    try:
+        driver = rt.driverGetVersion()  # 0 when no driver is installed at all
+    except Exception:  # noqa: BLE001 - any failure here means no driver to ask
+        driver = 0
+    if driver == 0:
+        return "no GPU / no CUDA driver found"
+    if status == _INSUFFICIENT_DRIVER:
+        runtime = rt.runtimeGetVersion()
+        fix = ("install ropekv[cuda12] instead of ropekv[cuda13], or update the driver"
+               if driver // 1000 < 13 <= runtime // 1000 else "update the driver")
+        return (f"the CUDA driver ({_cuda_version(driver)}) is older than CuPy's CUDA runtime "
+                f"({_cuda_version(runtime)}): {fix}")
+    if status == _NO_DEVICE:
+        return _NO_GPU
+    return f"no usable GPU ({type(exc).__name__}: {exc})"
+
+
+def device_state():
+    """(cupy module or None, device count, reason when the count is 0)."""
     try:
         import cupy
-    except ImportError as exc:
-        return None, 0, f"CuPy is not installed ({exc}); pip install 'ropekv[cuda12]' or [cuda13]"
+    except ImportError:
+        return None, 0, ("CuPy is not installed (pip install 'ropekv[cuda12]' or "
+                         "'ropekv[cuda13]' for the CUDA kernels)")
     try:
-        return cupy, cupy.cuda.runtime.getDeviceCount(), None
-    except Exception as exc:
-        return cupy, 0, f"{type(exc).__name__}: {exc}"
-
-
-def backend_name():
-    """'cuda' when a CUDA device is usable, else 'numpy'."""
-    _, count, _ = _cupy_state()
-    return "cuda" if count else "numpy"
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - CuPy raises CUDARuntimeError and friends
+        return cupy, 0, _no_device_reason(cupy, exc)
+    return cupy, count, None if count else _NO_GPU
 
 
 def info():
@@ -30,7 +56,7 @@ def info():
 
     import ropekv
 
-    cupy, count, why = _cupy_state()
+    cupy, count, why = device_state()
     rows = [("ropekv", ropekv.__version__), ("python", platform.python_version()),
             ("numpy", np.__version__), ("ml_dtypes", ml_dtypes.__version__)]
     if cupy is not None:
@@ -39,7 +65,7 @@ def info():
             from cupy_backends.cuda.libs import nvrtc
 
             rows.append(("nvrtc", ".".join(map(str, nvrtc.getVersion()))))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a missing NVRTC wheel is one row, not a crash
             rows.append(("nvrtc", f"unavailable ({exc})"))
     else:
         rows.append(("cupy", "not installed"))
@@ -49,11 +75,11 @@ def info():
         rows.append(("cuda driver", str(rt.driverGetVersion())))
         for i in range(count):
             props = rt.getDeviceProperties(i)
-            rows.append((f"device {i}", f"{props['name'].decode()} (sm_{props['major']}"
-                                        f"{props['minor']}, {props['multiProcessorCount']} SMs, "
-                                        f"{props['totalGlobalMem'] / 2**30:.0f} GiB)"))
+            rows.append((f"device {i}", (f"{props['name'].decode()} (sm_{props['major']}"
+                                         f"{props['minor']}, {props['multiProcessorCount']} "
+                                         f"SMs, {props['totalGlobalMem'] / 2**30:.0f} GiB)")))
     else:
-        rows.append(("device", f"none ({why})"))
+        rows.append(("device", f"none: {why}"))
     cache_dir = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
     n = len(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else 0
     rows.append(("compile cache", f"{cache_dir} ({n} entries)"))

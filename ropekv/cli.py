@@ -5,6 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+import ropekv
+
+DESCRIPTION = ("Fused RoPE + KV-cache CUDA kernels for LLM inference. Without a GPU, NumPy inputs "
+               "run the NumPy reference: 'ropekv demo' works on any machine.")
+# What bench and check print when there is no GPU (as ropekv.bench / ropekv.check word it).
+NEEDS_GPU = {"bench": "the benchmark needs a CUDA GPU",
+             "check": "it needs a CUDA GPU (the NumPy reference alone has nothing to check "
+                      "against)"}
+
 
 def _cmd_info(args):
     from ropekv._info import info
@@ -16,6 +25,22 @@ def _cmd_demo(args):
     from ropekv._demo import demo
 
     return demo(backend=args.backend, steps=args.steps)
+
+
+def _int_range(low, high, why):
+    """argparse type: an integer in [low, high]; ``why`` explains the bounds in the error."""
+
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be between {low} and {high} ({why}), got {value}")
+        return value
+
+    return parse
 
 
 def _names(choices, what):
@@ -36,7 +61,20 @@ def _flatten(lists):
     return None if lists is None else list(dict.fromkeys(n for names in lists for n in names))
 
 
+def _gpu_ready(command):
+    """True when a CUDA device is usable; else print why ``command`` cannot run."""
+    from ropekv._info import device_state
+
+    _, count, why = device_state()
+    if not count:
+        print(f"ropekv {command}: no CUDA device found; {NEEDS_GPU[command]}\n  reason: {why}",
+              file=sys.stderr)
+    return bool(count)
+
+
 def _cmd_bench(args):
+    if not _gpu_ready("bench"):
+        return 1
     from ropekv.bench import main
 
     return main(ops=_flatten(args.ops), peers=_flatten(args.peers), quick=args.quick,
@@ -44,21 +82,28 @@ def _cmd_bench(args):
 
 
 def _cmd_check(args):
+    if not _gpu_ready("check"):
+        return 1
     from ropekv.check import check
 
     return check(ops=_flatten(args.ops))
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="ropekv", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    from ropekv._demo import CAPACITY, MAX_STEPS, PROMPT
+
+    parser = argparse.ArgumentParser(prog="ropekv", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"ropekv {ropekv.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("info", help="versions, device, compile cache, which backend would run")
     p.set_defaults(func=_cmd_info)
     p = sub.add_parser("demo", help="a Llama-3-8B-shaped prefill and decode through ropekv, "
                                     "checked against the reference")
     p.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto",
                    help="auto: CUDA when a device is present, else the NumPy reference")
-    p.add_argument("--steps", type=int, default=8, help="decode steps after the prefill")
+    p.add_argument("--steps", type=_int_range(0, MAX_STEPS, f"a {PROMPT}-token prompt in a "
+                                                           f"{CAPACITY}-token cache"),
+                   default=8, help=f"decode steps after the prefill, 0 to {MAX_STEPS} (default 8)")
     p.set_defaults(func=_cmd_demo)
     ops = ("contiguous", "paged", "mla", "qknorm", "qkv")  # == ropekv.bench.OPS (no import here)
     peers = ("flashinfer", "torch", "torch-compile", "cublas", "steps")  # == bench.PEERS
@@ -90,7 +135,11 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     return args.func(args) or 0
 
 

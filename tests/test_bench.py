@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ropekv import bench, check, cli, reference
+from ropekv import _info, bench, check, cli, reference
 from ropekv import bytes as nb
 
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
@@ -405,6 +405,7 @@ def test_bad_ops_and_peers_are_usage_errors(capsys):
 
 def test_ops_and_peers_parse_commas_and_spaces(monkeypatch):
     seen = {}
+    monkeypatch.setattr(_info, "device_state", lambda: (None, 1, None))  # pass cli's GPU check
     monkeypatch.setattr(bench, "main", lambda **kw: seen.update(kw) or 0)
     assert cli.main(["bench", "--ops", "paged,mla", "qkv", "--peers", "torch", "--quick",
                      "--json", "x.json"]) == 0

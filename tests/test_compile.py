@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import types
 
 import numpy as np
 import pytest
@@ -83,3 +84,62 @@ def test_local_headers_are_inlined():
     source = read_source("contiguous")
     assert '#include "common.cuh"' not in source
     assert "rotate_neox" in source
+
+
+# ---- the on-disk cache of compile_offline --------------------------------------------------------
+
+TINY = "template <typename T> __global__ void fill(T* p) { p[threadIdx.x] = T(1); }\n"
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    """compile_offline on a one-line kernel (``.source``, changeable), with an empty cache in
+    tmp_path and the list of NVRTC compiles it ran (``.compiles``)."""
+    from ropekv import _compile
+
+    state = types.SimpleNamespace(source=TINY, compiles=[])
+    real = nvrtc.compileProgram
+    monkeypatch.setenv("ROPEKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_compile, "read_source", lambda stem: state.source)
+    monkeypatch.setattr(nvrtc, "compileProgram",
+                        lambda *a: state.compiles.append(a) or real(*a))
+    return state
+
+
+def test_an_unchanged_kernel_compiles_once(tiny, tmp_path):
+    first = compile_offline("tiny", ["fill<float>"], "sm_80")
+    assert compile_offline("tiny", ["fill<float>"], "sm_80") == first
+    assert len(tiny.compiles) == 1
+    assert len(list((tmp_path / "offline").glob("tiny-sm_80-*.json"))) == 1
+
+
+def test_arch_and_expressions_are_part_of_the_key(tiny):
+    compile_offline("tiny", ["fill<float>"], "sm_80")
+    compile_offline("tiny", ["fill<float>"], "sm_90")
+    compile_offline("tiny", ["fill<float>", "fill<int>"], "sm_80")
+    assert len(tiny.compiles) == 3
+
+
+def test_a_changed_kernel_recompiles_and_its_error_is_not_hidden(tiny):
+    compile_offline("tiny", ["fill<float>"], "sm_80")
+    tiny.source = TINY.replace("T(1)", "T(1) +")
+    with pytest.raises(RuntimeError, match="NVRTC failed on tiny.cu for sm_80"):
+        compile_offline("tiny", ["fill<float>"], "sm_80")
+    with pytest.raises(RuntimeError):  # a failure is never cached
+        compile_offline("tiny", ["fill<float>"], "sm_80")
+    assert len(tiny.compiles) == 3
+
+
+def test_a_corrupt_entry_recompiles(tiny, tmp_path):
+    want = compile_offline("tiny", ["fill<float>"], "sm_80")
+    (entry,) = (tmp_path / "offline").glob("*.json")
+    entry.write_text("{not json")
+    assert compile_offline("tiny", ["fill<float>"], "sm_80") == want
+    assert len(tiny.compiles) == 2
+
+
+def test_an_unwritable_cache_still_compiles(tiny, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("ROPEKV_CACHE_DIR", str(blocker))
+    assert compile_offline("tiny", ["fill<float>"], "sm_80") == {"fill<float>": "_Z4fillIfEvPT_"}
