@@ -106,6 +106,19 @@ def qkv_output(hidden_state, k_cache, num_q_heads, kv_layout):
     return (hidden_state.shape[0], Hq * k_cache.shape[3]), hidden_state.dtype
 
 
+def check_qkv_graph_safe(T, where):
+    """Refuse to record a prefill-sized fused QKV call into a CUDA graph: more than
+    ``ropekv.qkv.GEMV_MAX_TOKENS`` tokens run cuBLAS on CuPy temporaries, and a graph would keep
+    their addresses after CuPy has freed them for reuse."""
+    from ropekv.qkv import GEMV_MAX_TOKENS
+
+    if T > GEMV_MAX_TOKENS:
+        raise ValueError(f"fused_qkv_matmul_append_paged_kv_cache cannot be recorded {where} with "
+                         f"hidden_state of T={T} tokens: calls of more than "
+                         f"ropekv.qkv.GEMV_MAX_TOKENS={GEMV_MAX_TOKENS} tokens run cuBLAS on CuPy "
+                         f"temporaries, which a graph cannot hold; run them outside the graph")
+
+
 def dtype_of_name(name):
     """The NumPy dtype of a framework dtype's name (``"bfloat16"``, ``"float8_e4m3fn"``, ...), or
     None when NumPy and ml_dtypes have no such dtype."""

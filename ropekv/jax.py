@@ -336,11 +336,14 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
 
     Returns ``(out, (k_cache, v_cache))``: Q ``(T, Hq * D)`` (a new array) and the new caches,
     aliasing the given ones (donate them for an in-place update). Prefill-sized calls (more than
-    ``ropekv.qkv.GEMV_MAX_TOKENS`` tokens) run cuBLAS with CuPy temporaries, allocated outside
-    XLA's memory pool.
+    ``ropekv.qkv.GEMV_MAX_TOKENS`` tokens) run cuBLAS on CuPy temporaries, allocated outside
+    XLA's memory pool, and refuse ``command_buffer_compatible=True`` (``ValueError``).
     """
     k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a (k_cache, v_cache) pair, "
                                              f"got {type(paged_kv_cache).__qualname__}")
+    if command_buffer_compatible:
+        fw.check_qkv_graph_safe(hidden_state.shape[0], "into XLA's command buffers "
+                                                       "(command_buffer_compatible=True)")
     shape, dtype = fw.qkv_output(_meta(hidden_state, "hidden_state"), _meta(k_cache, "k_cache"),
                                  num_q_heads, kv_layout)
 

@@ -475,6 +475,8 @@ def _qkv_ops():
              num_q_heads: int, cos_sin_cache: Optional[Tensor], is_neox: bool, kv_layout: str,
              kv_scale: Optional[List[float]], weight_scales: Optional[Tensor],
              group_size: Optional[int], zero_points: Optional[Tensor], out: Tensor) -> None:
+        if hidden_state.is_cuda and torch.cuda.is_current_stream_capturing():
+            fw.check_qkv_graph_safe(hidden_state.shape[0], "in a CUDA graph")
         _eager(ropekv.fused_qkv_matmul_append_paged_kv_cache, hidden_state, weight,
                input_row_offsets, cache_lengths, block_table, (k_cache, v_cache),
                num_q_heads=num_q_heads, cos_sin_cache=cos_sin_cache, is_neox=is_neox,
@@ -520,7 +522,8 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     Runs ``torch.ops.ropekv.fused_qkv_matmul_append_paged_kv_cache`` (allocates ``out``) or
     ``..._out`` (writes the given ``out``). ``kv_scale`` passes as a list of floats. No
     ``stream=``. Prefill-sized calls (more than ``ropekv.qkv.GEMV_MAX_TOKENS`` tokens) run cuBLAS
-    with CuPy temporaries: see ``docs/frameworks.md`` before capturing those in a CUDA graph.
+    on CuPy temporaries and raise ``ValueError`` under CUDA-graph capture; decode-sized calls
+    capture.
     """
     k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a (k_cache, v_cache) pair, "
                                              f"got {type(paged_kv_cache).__qualname__}")

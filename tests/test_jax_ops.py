@@ -288,6 +288,14 @@ def test_command_buffer_flag_is_accepted_on_the_host():
     assert_same(jax.tree_util.tree_leaves(got), expected(case))
 
 
+def test_command_buffers_refuse_a_prefill_qkv_call():
+    case = next(c for c in CASES if c.name == "qkv-prefill-given")
+    arrays, statics = split(case)
+    with pytest.raises(ValueError, match="cannot be recorded into XLA's command buffers"):
+        rj.fused_qkv_matmul_append_paged_kv_cache(**arrays, **statics,
+                                                  command_buffer_compatible=True)
+
+
 # ---- GPU -----------------------------------------------------------------------------------------
 
 
