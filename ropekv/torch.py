@@ -29,9 +29,11 @@ Every op declares exactly what it writes (``mutates_args``): the caches, ``q`` f
 and ``q_rope`` / ``q`` for the ``_in_place`` forms. Validation is the eager op's, with its
 messages: the fake implementations check the dims and dtypes they derive output shapes from, and
 the eager op checks everything when the op runs (under ``torch.compile`` an error a fake raises
-while tracing reaches the caller as dynamo's ``TorchRuntimeError`` quoting the eager message). No
-autograd formula is registered: the forward runs on tensors that require grad, and backward through
-an op raises torch's "no autograd formula was registered" error.
+while tracing reaches the caller as dynamo's ``TorchRuntimeError`` quoting the eager message). Torch
+accepts no autograd formula for an op that writes its arguments: eagerly the forward runs on tensors
+that require grad and backward through an op raises torch's "no autograd formula was registered"
+error; ``torch.compile`` with grad enabled raises it while compiling. Serve under
+``torch.inference_mode()`` or ``torch.no_grad()``.
 
 ``docs/frameworks.md`` has a compiled module and the rules for CUDA graphs (caches as module
 buffers, warm-up before capture).

@@ -260,6 +260,20 @@ def test_backward_through_an_op_raises():
         q_out.float().sum().backward()
 
 
+def test_compiling_needs_grad_mode_off_when_inputs_require_grad():
+    """An op that writes its arguments cannot carry an autograd formula: AOTAutograd refuses to
+    compile a graph that would differentiate through it; without grad mode it compiles."""
+    case = next(c for c in CASES if c.name == "qknorm")
+    fn = torch.compile(lambda a: case.run(rt, a), fullgraph=True, backend=compile_counter())
+    args = case.fresh(to_torch)
+    args["q"].requires_grad_(True)
+    with pytest.raises(Exception, match="no autograd formula"):
+        fn(args)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        assert_same(fn(args), case.run(ropekv, case.fresh()))
+
+
 # ---- GPU -----------------------------------------------------------------------------------------
 
 
