@@ -350,11 +350,14 @@ class XlaStreamTimer:
         self.spin_ns = 0
 
         def on_stream(action):
+            """A jitted call that runs ``action(stream)`` on XLA's stream. Its output (never
+            written, no copy) is what the caller waits on."""
             def callback(ctx, out, x):
                 with resolve_stream(ctx.stream, cupy.cuda.Device().id) as stream:
                     action(stream)
 
-            return jax.jit(buffer_callback(callback, (), has_side_effect=True))
+            return jax.jit(buffer_callback(callback, jax.ShapeDtypeStruct((1,), jnp.float32),
+                                           has_side_effect=True))
 
         def spin(stream):
             _spin_kernel()((1,), (1,), (np.int64(self.spin_ns),))  # on `stream`, the current
@@ -383,8 +386,7 @@ class XlaStreamTimer:
             self._start(self.dummy)
             for _ in range(calls):
                 out = run()
-            self._stop(self.dummy)
-            jax.block_until_ready(out)
+            jax.block_until_ready((out, self._stop(self.dummy)))
             self.stop.synchronize()
             times.append(cupy.cuda.get_elapsed_time(self.start, self.stop) * 1e3 / calls)
         return statistics.median(times), host_s / calls * 1e6

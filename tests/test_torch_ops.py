@@ -405,14 +405,17 @@ def test_reduce_overhead_mode_runs_the_op_in_a_cuda_graph():
 
 @pytest.mark.gpu
 def test_the_op_runs_on_the_current_torch_stream():
+    """The inputs land on a side stream after a long sleep; the op, called inside
+    ``torch.cuda.stream(side)``, sees them only if it runs on `side`."""
     case = next(c for c in CASES if c.name == "paged-fp8-gqa")
-    a = case.fresh(on("cuda"))
-    expected = case.run(ropekv, case.fresh())
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)  # the write must queue behind this on `side`
-        got = case.run(rt, a)
-        snapshot = [x.clone() for x in got]  # read on `side`, right after the op
+    other = negated(case)
+    a, late = case.fresh(on("cuda")), other.fresh(on("cuda"))
     torch.cuda.synchronize()
-    assert_close_all(snapshot, expected)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        _refill(a, late)
+        got = case.run(rt, a)
+        snapshot = [x.clone() for x in got]
+    torch.cuda.synchronize()
+    assert_close_all(snapshot, expected_on_device(other))
