@@ -26,9 +26,13 @@ CASES = cases()
 IDS = [c.name for c in CASES]
 
 
-def split(case, convert=jnp.asarray):
+def on_host(x):
+    return jax.device_put(x, jax.devices("cpu")[0])
+
+
+def split(case, convert=on_host):
     """(arrays, statics): the case's keyword arguments for ``ropekv.jax`` (no output arguments),
-    arrays converted (traced under jit), everything else static."""
+    arrays converted (on the host by default; traced under jit), everything else static."""
     arrays, statics = {}, {}
     for n, x in case.fresh().items():
         if n in OUTPUT_ARGS:
