@@ -1,0 +1,129 @@
+"""What the framework integrations (:mod:`ropekv.torch`, :mod:`ropekv.jax`) derive from array
+metadata alone: output shapes and dtypes, for torch fake tensors and JAX abstract values, which
+have no memory. Each derivation checks the dims and dtypes it reads with the eager ops' own
+``_checks`` helpers, so the messages are the eager ones; every other rule is checked by the eager
+op itself when the call runs. Imports neither framework.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+from ropekv import _checks as ck
+from ropekv._arrays import BFLOAT16, FLOAT16, FP8_DTYPES, HOST
+
+INPUT_DTYPES = (FLOAT16, BFLOAT16)
+_PAGED_LAYOUTS = {"NHD": "(num_pages, page_size, Hkv, D)", "HND": "(num_pages, Hkv, page_size, D)"}
+
+
+class MetaView:
+    """An array's metadata with the attributes of ``ropekv._arrays.ArrayView`` that the ``_checks``
+    helpers read (no pointer, no memory). ``strides`` are in elements, C-contiguous when None."""
+
+    __slots__ = ("device", "dtype", "name", "shape", "strides")
+    ptr = 0
+    readonly = False
+
+    def __init__(self, name, shape, dtype, strides=None, device=0):
+        self.name = name
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        if strides is None:
+            acc, strides = 1, []
+            for n in reversed(self.shape):
+                strides.append(acc)
+                acc *= n
+            strides = reversed(strides)
+        self.strides = tuple(strides)
+        self.device = device
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        return math.prod(self.shape)
+
+    def is_c_contiguous(self):
+        expected = 1
+        for n, s in zip(reversed(self.shape), reversed(self.strides)):
+            if n != 1 and s != expected:
+                return False
+            expected *= n
+        return True
+
+    def where(self):
+        return "host memory" if self.device == HOST else f"CUDA device {self.device}"
+
+
+def paged_q_outputs(q_rope, q_nope, cache, quantize_dtype, quantize):
+    """``(q_rope_out shape, q_nope_out shape, dtype)`` of the paged ops when they allocate their q
+    outputs: ``(nnz, Hq, R)`` and ``(nnz, Hq, Dn)`` (Dn = 0 without ``q_nope``) in the quantize
+    dtype, which is ``quantize_dtype`` or else the cache's (FlashInfer's order, no outputs
+    given). ``quantize_dtype`` is a NumPy dtype or None."""
+    ck.check_ndim(q_rope, 3, "(nnz, Hq, R)")
+    ck.check_dtype(q_rope, INPUT_DTYPES)
+    T, Hq, R = q_rope.shape
+    Dn = 0
+    if q_nope is not None:
+        ck.check_ndim(q_nope, 3, "(nnz, Hq, no_rope_dim)")
+        Dn = q_nope.shape[2]
+    allowed = FP8_DTYPES if quantize else (q_rope.dtype, *FP8_DTYPES)
+    spelled = " or ".join(map(str, allowed))
+    if quantize_dtype is not None:
+        if quantize_dtype not in allowed:
+            raise TypeError(f"quantize_dtype must be {spelled}, got {quantize_dtype}")
+        dtype = quantize_dtype
+    else:
+        dtype = cache.dtype
+        if dtype not in allowed:
+            hint = (" (rope_append_paged_kv_cache writes float16/bfloat16 caches)" if quantize
+                    else f" (float16/bfloat16 only as the input dtype {q_rope.dtype})")
+            raise TypeError(f"{cache.name} must have dtype {spelled}, got {dtype}{hint}")
+    return (T, Hq, R), (T, Hq, Dn), dtype
+
+
+def same_as_q(q, layout):
+    """``(shape, dtype)`` of an output shaped like the input ``q`` (MLA's ``q_rope_out``, QK-norm's
+    ``q_out``): a 3-D float16/bfloat16 array."""
+    ck.check_ndim(q, 3, layout)
+    ck.check_dtype(q, INPUT_DTYPES)
+    return q.shape, q.dtype
+
+
+def qkv_output(hidden_state, k_cache, num_q_heads, kv_layout):
+    """``(shape, dtype)`` of the fused QKV op's ``out``: ``(T, Hq * D)`` in the input dtype, D
+    being the cache's last dim."""
+    ck.check_ndim(hidden_state, 2, "(T, K)")
+    ck.check_dtype(hidden_state, INPUT_DTYPES)
+    Hq = ck.check_positive_int(num_q_heads, "num_q_heads")
+    ck.check_choice(kv_layout, "kv_layout", tuple(_PAGED_LAYOUTS))
+    ck.check_ndim(k_cache, 4, _PAGED_LAYOUTS[kv_layout])
+    return (hidden_state.shape[0], Hq * k_cache.shape[3]), hidden_state.dtype
+
+
+def check_qkv_graph_safe(T, where):
+    """Refuse to record a prefill-sized fused QKV call into a CUDA graph: more than
+    ``ropekv.qkv.GEMV_MAX_TOKENS`` tokens run cuBLAS on CuPy temporaries, and a graph would keep
+    their addresses after CuPy has freed them for reuse."""
+    from ropekv.qkv import GEMV_MAX_TOKENS
+
+    if T > GEMV_MAX_TOKENS:
+        raise ValueError(f"fused_qkv_matmul_append_paged_kv_cache cannot be recorded {where} with "
+                         f"hidden_state of T={T} tokens: calls of more than "
+                         f"ropekv.qkv.GEMV_MAX_TOKENS={GEMV_MAX_TOKENS} tokens run cuBLAS on CuPy "
+                         f"temporaries, which a graph cannot hold; run them outside the graph")
+
+
+def dtype_of_name(name):
+    """The NumPy dtype of a framework dtype's name (``"bfloat16"``, ``"float8_e4m3fn"``, ...), or
+    None when NumPy and ml_dtypes have no such dtype."""
+    name = str(name).rsplit(".", 1)[-1]
+    try:
+        return np.dtype(getattr(ml_dtypes, name, name))
+    except TypeError:
+        return None

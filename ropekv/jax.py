@@ -1,0 +1,366 @@
+"""ropekv's ops as functional JAX ops, callable inside ``jax.jit`` and ``jax.lax.scan``.
+
+``import ropekv.jax`` gives functions with the names and arguments of the eager ops that return
+the new cache(s) and their outputs instead of writing the caller's arrays::
+
+    q_rope_out, q_nope_out, (k_cache, v_cache) = ropekv.jax.rope_quantize_fp8_append_paged_kv_cache(
+        q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, (k_cache, v_cache), ...)
+
+Each call is one ``jax.experimental.buffer_callback``: XLA hands the callback its device buffers
+and its stream, and the callback runs the eager op on them (on XLA's stream; NumPy reference on
+CPU). Every cache is an input-output alias of the call, and so is ``q`` for
+``apply_rope_write_kv`` (``k`` too with ``write_k_in_place=True``): the output buffer starts as the
+input's contents and the op writes only the addressed rows into it. When the cache is donated
+(``jax.jit(step, donate_argnums=...)``) XLA hands the callback the input's own buffer and the update
+happens in place, with no copy; without donation XLA copies the cache first, as it must to keep the
+input unchanged. In a ``jax.lax.scan`` over decode steps the cache is the loop carry and stays in
+one buffer.
+
+Differences from the eager functions:
+
+* Functional: the caches (and ``q`` / ``k`` above) are returned, never written in the caller's
+  arrays; ``q_rope_out`` / ``q_nope_out`` / ``q_out`` / ``out`` arguments do not exist (the op
+  allocates its outputs; XLA owns the memory).
+* No ``stream=``: the op runs on XLA's stream.
+* Scalars (``epsilon``, ``kv_scale``, float scales, ``page_size``, layouts, flags) are static
+  Python values; arrays may be traced.
+* ``command_buffer_compatible=True`` lets XLA record the op into its CUDA graphs (command buffers)
+  instead of calling Python on every run: XLA runs the callback again, under stream capture,
+  whenever one of the op's buffer addresses changes, and replays the recording otherwise. It is off
+  by default: the first call of a layout must not happen under capture (it compiles the kernel),
+  and ``ROPEKV_CHECK_INDICES=1`` (host reads of index arrays) cannot run under capture.
+
+Not supported: ``jax.vmap`` (the op has no batching rule: call it on the whole batch) and autodiff
+(``jax.grad``, ``jax.jvp``: the op writes caches and has no derivative). Both raise
+``NotImplementedError`` naming the op. Validation is the eager op's: the shapes and dtypes of the
+outputs are derived at trace time with the eager messages; every other rule is checked when the
+call runs and reaches the caller as XLA's runtime error quoting the eager message.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+import ropekv
+from ropekv import _frameworks as fw
+from ropekv.paged import as_dtype
+
+__all__ = [
+    "apply_rope_write_kv",
+    "fused_qkv_matmul_append_paged_kv_cache",
+    "mla_rope_rmsnorm_append_paged_kv_cache",
+    "qk_rmsnorm_rope_append_paged_kv_cache",
+    "rope_append_paged_kv_cache",
+    "rope_quantize_fp8_append_paged_kv_cache",
+]
+
+_DL_CPU = 1  # DLPack device type of host memory
+
+
+# ---- one op call: a buffer_callback with its caches aliased ----------------------------------
+
+
+def _call(name, inputs, outputs, run, command_buffer_compatible):
+    """Run an eager op inside a JAX computation.
+
+    ``inputs``: ``[(key, array or None)]``. ``outputs``: ``[(key, spec)]`` where ``spec`` is a
+    ``jax.ShapeDtypeStruct`` (a new array) or the key of an input the output aliases (its buffer
+    then stands for that input in the eager call). ``run(arrays, stream)`` calls the eager op with
+    ``arrays`` (key -> buffer, the outputs included) on ``stream`` (None on the host). Returns the
+    outputs in order.
+    """
+    present = [(key, x) for key, x in inputs if x is not None]
+    keys = [key for key, _ in present]
+    position = {key: i for i, key in enumerate(keys)}
+    types, aliases = [], {}
+    for j, (_, spec) in enumerate(outputs):
+        if isinstance(spec, str):
+            x = present[position[spec]][1]
+            types.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
+            aliases[position[spec]] = j
+        else:
+            types.append(spec)
+    targets = [spec if isinstance(spec, str) else key for key, spec in outputs]
+
+    def callback(ctx, outs, *ins):
+        host = (ins or outs)[0].__dlpack_device__()[0] == _DL_CPU
+        # On the GPU the buffers go straight in (ropekv reads their __cuda_array_interface__ /
+        # DLPack); on the host ropekv's NumPy reference writes through np.asarray views.
+        view = np.asarray if host else _same
+        arrays = {key: view(b) for key, b in zip(keys, ins)}
+        arrays.update((key, view(b)) for key, b in zip(targets, outs))
+        run(arrays, None if host else ctx.stream)
+
+    fn = buffer_callback(callback, types, input_output_aliases=aliases,
+                         command_buffer_compatible=bool(command_buffer_compatible))
+    return _no_transforms(name, fn)(*(x for _, x in present))
+
+
+def _same(x):
+    return x
+
+
+def _no_transforms(name, fn):
+    """``fn`` with a clear error under ``jax.vmap`` and under differentiation."""
+    batched = jax.custom_batching.custom_vmap(fn)
+
+    @batched.def_vmap
+    def _vmap(axis_size, in_batched, *args):
+        raise NotImplementedError(
+            f"ropekv.jax.{name} does not support jax.vmap: the op writes whole caches through "
+            f"buffer aliases and has no batching rule; call it once on the whole batch (the "
+            f"ragged and batched layouts already carry a batch dimension)")
+
+    differentiable = jax.custom_jvp(batched)
+
+    @differentiable.defjvp
+    def _jvp(primals, tangents):
+        raise NotImplementedError(
+            f"ropekv.jax.{name} has no derivative (jax.grad / jax.jvp): it writes KV caches; "
+            f"apply jax.lax.stop_gradient to its inputs if they carry tangents")
+
+    return differentiable
+
+
+def _meta(x, name):
+    return fw.MetaView(name, x.shape, np.dtype(x.dtype))
+
+
+def _struct(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _pair(caches, message):
+    if not isinstance(caches, tuple | list) or len(caches) != 2:
+        raise ValueError(message)
+    return caches[0], caches[1]
+
+
+# ---- apply_rope_write_kv -----------------------------------------------------------------------
+
+
+def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, position_ids=None,
+                        kv_scale=None, write_k_in_place=False, is_neox=True,
+                        command_buffer_compatible=False):
+    """:func:`ropekv.apply_rope_write_kv` as a functional op.
+
+    Returns ``(q, kv_cache)``, the roped queries and the new cache, or ``(q, k, kv_cache)`` with
+    ``write_k_in_place=True`` (``k`` roped). All are input-output aliases: donate ``kv_cache`` (and
+    ``q``, ``k`` where they are jit arguments) to update them without a copy.
+    """
+    write_k = bool(write_k_in_place)
+    outputs = [("q", "q"), *((("k", "k"),) if write_k else ()), ("kv_cache", "kv_cache")]
+
+    def run(a, stream):
+        ropekv.apply_rope_write_kv(
+            a["q"], a["k"], a["v"], a["kv_cache"], a["cos_sin_cache"],
+            kv_end_lens=a.get("kv_end_lens"), position_ids=a.get("position_ids"),
+            kv_scale=a.get("kv_scale"), write_k_in_place=write_k, is_neox=bool(is_neox),
+            stream=stream)
+
+    inputs = [("q", q), ("k", k), ("v", v), ("kv_cache", kv_cache),
+              ("cos_sin_cache", cos_sin_cache), ("kv_end_lens", kv_end_lens),
+              ("position_ids", position_ids), ("kv_scale", kv_scale)]
+    return tuple(_call("apply_rope_write_kv", inputs, outputs, run, command_buffer_compatible))
+
+
+# ---- rope_quantize_fp8_append_paged_kv_cache / rope_append_paged_kv_cache ---------------------
+
+
+def _paged(name, eager, quantize, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
+           paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions, is_neox,
+           quantize_dtype, quant_scale_q, quant_scale_kv, page_size, kv_layout,
+           command_buffer_compatible):
+    shown = type(paged_kv_cache).__qualname__
+    if isinstance(paged_kv_cache, tuple | list):
+        shown += f" of length {len(paged_kv_cache)}"
+    cache0, cache1 = _pair(paged_kv_cache, f"paged_kv_cache must be a pair (k_cache, v_cache) or "
+                                           f"(ckv_cache, kpe_cache), got {shown}")
+    mla = len(getattr(k_rope, "shape", ())) == 2
+    out_dtype = None if quantize_dtype is None else as_dtype(quantize_dtype)
+    rope_shape, nope_shape, dtype = fw.paged_q_outputs(
+        _meta(q_rope, "q_rope"), None if q_nope is None else _meta(q_nope, "q_nope"),
+        _meta(cache0, "ckv_cache" if mla else "k_cache"), out_dtype, quantize)
+    scales = {}
+    for key, s in (("quant_scale_q", quant_scale_q), ("quant_scale_kv", quant_scale_kv)):
+        scales[key] = s if isinstance(s, int | float | np.integer | np.floating) else None
+
+    def run(a, stream):
+        eager(a["q_rope"], a["k_rope"], a.get("q_nope"), a.get("k_nope"), a.get("v"),
+              a["cos_sin_cache"], a["pos_ids"], (a["cache0"], a["cache1"]), a["kv_indices"],
+              a["kv_indptr"], a["batch_indices"], a["positions"], is_neox=bool(is_neox),
+              quantize_dtype=out_dtype,
+              quant_scale_q=_either(scales["quant_scale_q"], a.get("quant_scale_q")),
+              quant_scale_kv=_either(scales["quant_scale_kv"], a.get("quant_scale_kv")),
+              page_size=page_size, kv_layout=kv_layout, q_rope_out=a["q_rope_out"],
+              q_nope_out=a["q_nope_out"], stream=stream)
+
+    inputs = [("q_rope", q_rope), ("k_rope", k_rope), ("q_nope", q_nope), ("k_nope", k_nope),
+              ("v", v), ("cos_sin_cache", cos_sin_cache), ("pos_ids", pos_ids),
+              ("cache0", cache0), ("cache1", cache1), ("kv_indices", kv_indices),
+              ("kv_indptr", kv_indptr), ("batch_indices", batch_indices),
+              ("positions", positions),
+              ("quant_scale_q", None if scales["quant_scale_q"] is not None else quant_scale_q),
+              ("quant_scale_kv", None if scales["quant_scale_kv"] is not None
+               else quant_scale_kv)]
+    outputs = [("q_rope_out", _struct(rope_shape, dtype)),
+               ("q_nope_out", _struct(nope_shape, dtype)), ("cache0", "cache0"),
+               ("cache1", "cache1")]
+    q_rope_out, q_nope_out, new0, new1 = _call(name, inputs, outputs, run,
+                                               command_buffer_compatible)
+    return q_rope_out, q_nope_out, (new0, new1)
+
+
+def _either(number, array):
+    return number if number is not None else array
+
+
+def rope_quantize_fp8_append_paged_kv_cache(
+        q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
+        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=1.0,
+        quant_scale_kv=1.0, page_size=16, kv_layout="NHD", enable_pdl=False, *,
+        command_buffer_compatible=False):
+    """:func:`ropekv.rope_quantize_fp8_append_paged_kv_cache` (FlashInfer's arguments) as a
+    functional op.
+
+    Returns ``(q_rope_out, q_nope_out, (k_cache, v_cache))`` (``(ckv_cache, kpe_cache)`` for MLA):
+    the quantized queries in ``quantize_dtype`` (default: the cache dtype) and the new caches,
+    which alias the given ones (donate them for an in-place update). ``quant_scale_q`` /
+    ``quant_scale_kv`` are Python floats (static) or float32 arrays (one scale per head).
+    ``enable_pdl`` is accepted and ignored, as in the eager op.
+    """
+    return _paged("rope_quantize_fp8_append_paged_kv_cache",
+                  ropekv.rope_quantize_fp8_append_paged_kv_cache, True, q_rope, k_rope, q_nope,
+                  k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices, kv_indptr,
+                  batch_indices, positions, is_neox, quantize_dtype, quant_scale_q,
+                  quant_scale_kv, page_size, kv_layout, command_buffer_compatible)
+
+
+def rope_append_paged_kv_cache(
+        q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
+        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=1.0,
+        quant_scale_kv=1.0, page_size=16, kv_layout="NHD", enable_pdl=False, *,
+        command_buffer_compatible=False):
+    """:func:`ropekv.rope_append_paged_kv_cache` (16-bit or fp8 caches) as a functional op; the
+    same contract as :func:`rope_quantize_fp8_append_paged_kv_cache` here."""
+    return _paged("rope_append_paged_kv_cache", ropekv.rope_append_paged_kv_cache, False, q_rope,
+                  k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
+                  kv_indptr, batch_indices, positions, is_neox, quantize_dtype, quant_scale_q,
+                  quant_scale_kv, page_size, kv_layout, command_buffer_compatible)
+
+
+# ---- mla_rope_rmsnorm_append_paged_kv_cache ----------------------------------------------------
+
+
+def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, input_row_offsets,
+                                           cache_lengths, block_table, kv_cache, *, epsilon=1e-6,
+                                           kv_norm_dim=None, is_neox=False, kv_scale=None,
+                                           command_buffer_compatible=False):
+    """:func:`ropekv.mla_rope_rmsnorm_append_paged_kv_cache` as a functional op.
+
+    Returns ``(q_rope_out, kv_cache)``: the roped queries (a new array) and the new cache, one
+    array or a ``(ckv, kpe)`` pair like the given one, aliasing it (donate it for an in-place
+    update).
+    """
+    split = isinstance(kv_cache, tuple | list)
+    if split:
+        caches = _pair(kv_cache, f"kv_cache must be one array (num_pages, page_size, L + R) or a "
+                                 f"tuple (ckv, kpe), got a {type(kv_cache).__name__} of "
+                                 f"{len(kv_cache)} arrays")
+    else:
+        caches = (kv_cache, None)
+    shape, dtype = fw.same_as_q(_meta(q_rope, "q_rope"), "(T, Hq, R)")
+
+    def run(a, stream):
+        cache = (a["cache0"], a["cache1"]) if split else a["cache0"]
+        ropekv.mla_rope_rmsnorm_append_paged_kv_cache(
+            a["q_rope"], a["kv"], a["gamma"], a["cos_sin_cache"], a["input_row_offsets"],
+            a["cache_lengths"], a["block_table"], cache, epsilon=epsilon, kv_norm_dim=kv_norm_dim,
+            is_neox=bool(is_neox), kv_scale=kv_scale, q_rope_out=a["q_rope_out"], stream=stream)
+
+    inputs = [("q_rope", q_rope), ("kv", kv), ("gamma", gamma), ("cos_sin_cache", cos_sin_cache),
+              ("input_row_offsets", input_row_offsets), ("cache_lengths", cache_lengths),
+              ("block_table", block_table), ("cache0", caches[0]), ("cache1", caches[1])]
+    outputs = [("q_rope_out", _struct(shape, dtype)), ("cache0", "cache0"),
+               *((("cache1", "cache1"),) if split else ())]
+    q_rope_out, *new = _call("mla_rope_rmsnorm_append_paged_kv_cache", inputs, outputs, run,
+                             command_buffer_compatible)
+    return q_rope_out, tuple(new) if split else new[0]
+
+
+# ---- qk_rmsnorm_rope_append_paged_kv_cache -----------------------------------------------------
+
+
+def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cache,
+                                          input_row_offsets, cache_lengths, block_table,
+                                          paged_kv_cache, *, epsilon=1e-6, is_neox=True,
+                                          kv_layout="NHD", kv_scale=None,
+                                          command_buffer_compatible=False):
+    """:func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache` as a functional op.
+
+    Returns ``(q_out, (k_cache, v_cache))``: the normalised, roped queries (a new array) and the
+    new caches, aliasing the given ones (donate them for an in-place update).
+    """
+    k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a tuple (k_cache, "
+                                             f"v_cache), got {type(paged_kv_cache).__name__}")
+    shape, dtype = fw.same_as_q(_meta(q, "q"), "(T, Hq, D)")
+
+    def run(a, stream):
+        ropekv.qk_rmsnorm_rope_append_paged_kv_cache(
+            a["q"], a["k"], a["v"], a["q_gamma"], a["k_gamma"], a["cos_sin_cache"],
+            a["input_row_offsets"], a["cache_lengths"], a["block_table"],
+            (a["k_cache"], a["v_cache"]), epsilon=epsilon, is_neox=bool(is_neox),
+            kv_layout=kv_layout, kv_scale=kv_scale, q_out=a["q_out"], stream=stream)
+
+    inputs = [("q", q), ("k", k), ("v", v), ("q_gamma", q_gamma), ("k_gamma", k_gamma),
+              ("cos_sin_cache", cos_sin_cache), ("input_row_offsets", input_row_offsets),
+              ("cache_lengths", cache_lengths), ("block_table", block_table),
+              ("k_cache", k_cache), ("v_cache", v_cache)]
+    outputs = [("q_out", _struct(shape, dtype)), ("k_cache", "k_cache"), ("v_cache", "v_cache")]
+    q_out, new_k, new_v = _call("qk_rmsnorm_rope_append_paged_kv_cache", inputs, outputs, run,
+                                command_buffer_compatible)
+    return q_out, (new_k, new_v)
+
+
+# ---- fused_qkv_matmul_append_paged_kv_cache ----------------------------------------------------
+
+
+def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offsets, cache_lengths,
+                                           block_table, paged_kv_cache, *, num_q_heads,
+                                           cos_sin_cache=None, is_neox=True, kv_layout="NHD",
+                                           kv_scale=None, weight_scales=None, group_size=None,
+                                           zero_points=None, command_buffer_compatible=False):
+    """:func:`ropekv.fused_qkv_matmul_append_paged_kv_cache` as a functional op.
+
+    Returns ``(out, (k_cache, v_cache))``: Q ``(T, Hq * D)`` (a new array) and the new caches,
+    aliasing the given ones (donate them for an in-place update). Prefill-sized calls (more than
+    ``ropekv.qkv.GEMV_MAX_TOKENS`` tokens) run cuBLAS on CuPy temporaries, allocated outside
+    XLA's memory pool, and refuse ``command_buffer_compatible=True`` (``ValueError``).
+    """
+    k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a (k_cache, v_cache) pair, "
+                                             f"got {type(paged_kv_cache).__qualname__}")
+    if command_buffer_compatible:
+        fw.check_qkv_graph_safe(hidden_state.shape[0], "into XLA's command buffers "
+                                                       "(command_buffer_compatible=True)")
+    shape, dtype = fw.qkv_output(_meta(hidden_state, "hidden_state"), _meta(k_cache, "k_cache"),
+                                 num_q_heads, kv_layout)
+
+    def run(a, stream):
+        ropekv.fused_qkv_matmul_append_paged_kv_cache(
+            a["hidden_state"], a["weight"], a["input_row_offsets"], a["cache_lengths"],
+            a["block_table"], (a["k_cache"], a["v_cache"]), num_q_heads=num_q_heads,
+            cos_sin_cache=a.get("cos_sin_cache"), is_neox=bool(is_neox), kv_layout=kv_layout,
+            kv_scale=kv_scale, weight_scales=a.get("weight_scales"), group_size=group_size,
+            zero_points=a.get("zero_points"), out=a["out"], stream=stream)
+
+    inputs = [("hidden_state", hidden_state), ("weight", weight),
+              ("input_row_offsets", input_row_offsets), ("cache_lengths", cache_lengths),
+              ("block_table", block_table), ("k_cache", k_cache), ("v_cache", v_cache),
+              ("cos_sin_cache", cos_sin_cache), ("weight_scales", weight_scales),
+              ("zero_points", zero_points)]
+    outputs = [("out", _struct(shape, dtype)), ("k_cache", "k_cache"), ("v_cache", "v_cache")]
+    out, new_k, new_v = _call("fused_qkv_matmul_append_paged_kv_cache", inputs, outputs, run,
+                              command_buffer_compatible)
+    return out, (new_k, new_v)

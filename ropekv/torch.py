@@ -1,0 +1,539 @@
+"""ropekv's ops as PyTorch custom ops (``torch.library``), for ``torch.compile`` and CUDA graphs.
+
+``import ropekv.torch`` registers every op under the ``ropekv::`` namespace and gives Python
+functions with the names and arguments of the eager ops. Inside ``torch.compile(fullgraph=True)``
+they trace without a graph break (the op is opaque to the compiler, its outputs come from a fake
+implementation that touches no memory), and a second call with new tensors of the same shapes
+reuses the compiled graph. They can be captured in CUDA graphs (``torch.cuda.graph``,
+``torch.compile(mode="reduce-overhead")``). Each call runs the eager op on torch's current stream
+of the tensors' device; CPU tensors run the NumPy reference, as in eager ropekv.
+
+Differences from the eager functions:
+
+* No ``stream=`` argument: the op runs on ``torch.cuda.current_stream(device)``, like every torch
+  op, which is also the capture stream inside ``torch.cuda.graph``.
+* A custom op cannot return a tensor that aliases an input, so each eager function maps to a few
+  registered ops, and the Python function here picks one: outputs allocated by the op (returned),
+  outputs given by the caller (written in place, ``mutates_args``, returned by the Python function,
+  not by the op), or in place (``q_rope_out=q_rope``, ``q_out=q``).
+* ``paged_kv_cache`` / ``kv_cache`` tuples become two tensor arguments; a scale that may be a
+  number or a tensor becomes two arguments; ``kv_scale`` pairs become a list of floats.
+
+Each function ``f`` here runs ``torch.ops.ropekv.f``, whose outputs the op allocates and returns,
+or ``torch.ops.ropekv.f_out`` when the caller gives them; the MLA and QK-norm ops also have
+``f_in_place`` (``q_rope_out=q_rope``, ``q_out=q``), and ``apply_rope_write_kv`` has
+``apply_rope_write_kv_k_in_place`` for ``write_k_in_place=True``.
+
+Every op declares exactly what it writes (``mutates_args``): the caches, ``q`` for
+``apply_rope_write_kv`` (roped in place), ``k`` for its ``_k_in_place`` form, the given outputs,
+and ``q_rope`` / ``q`` for the ``_in_place`` forms. Validation is the eager op's, with its
+messages: the fake implementations check the dims and dtypes they derive output shapes from, and
+the eager op checks everything when the op runs (under ``torch.compile`` an error a fake raises
+while tracing reaches the caller as dynamo's ``TorchRuntimeError`` quoting the eager message). Torch
+accepts no autograd formula for an op that writes its arguments: eagerly the forward runs on tensors
+that require grad and backward through an op raises torch's "no autograd formula was registered"
+error; ``torch.compile`` with grad enabled raises it while compiling. Serve under
+``torch.inference_mode()`` or ``torch.no_grad()``.
+
+``docs/frameworks.md`` has a compiled module and the rules for CUDA graphs (caches as module
+buffers, warm-up before capture).
+"""
+
+# torch's schema inference reads typing.Optional / List / Tuple on every torch version we support
+# ruff: noqa: UP006, UP035, UP045
+from typing import List, Optional, Tuple
+
+import torch
+
+import ropekv
+from ropekv import _frameworks as fw
+from ropekv._arrays import HOST
+from ropekv.paged import as_dtype
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "apply_rope_write_kv",
+    "fused_qkv_matmul_append_paged_kv_cache",
+    "mla_rope_rmsnorm_append_paged_kv_cache",
+    "qk_rmsnorm_rope_append_paged_kv_cache",
+    "rope_append_paged_kv_cache",
+    "rope_quantize_fp8_append_paged_kv_cache",
+]
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def _stream(t):
+    """torch's current raw stream on ``t``'s device (None for CPU tensors)."""
+    if t.device.type == "cuda":
+        return torch.cuda.current_stream(t.device).cuda_stream
+    return None
+
+
+def _meta(t, name):
+    """A tensor's metadata (real or fake) for the shared derivations of ``ropekv._frameworks``."""
+    device = HOST if t.device.type == "cpu" else t.device.index
+    return fw.MetaView(name, t.shape, fw.dtype_of_name(t.dtype), t.stride(), device)
+
+
+def _torch_dtype(np_dtype):
+    return getattr(torch, np_dtype.name)
+
+
+def _scale_list(kv_scale, name="kv_scale"):
+    """``kv_scale`` (None, a number, or a pair) as the op's ``float[]?``; the eager op checks the
+    count and the values."""
+    if kv_scale is None:
+        return None
+    values = kv_scale if isinstance(kv_scale, (tuple, list)) else (kv_scale,)
+    for s in values:
+        if isinstance(s, bool) or not isinstance(s, (int, float)):
+            raise TypeError(f"{name} must be a float or a (k_scale, v_scale) pair of floats, got "
+                            f"{kv_scale!r}")
+    return [float(s) for s in values]
+
+
+def _scale_arg(kv_scale):
+    """The op's ``float[]?`` back to the eager op's ``kv_scale``: None, a float or a pair."""
+    if kv_scale is None:
+        return None
+    return kv_scale[0] if len(kv_scale) == 1 else tuple(kv_scale)
+
+
+def _pair(caches, message):
+    if not isinstance(caches, (tuple, list)) or len(caches) != 2:
+        raise ValueError(message)
+    return caches[0], caches[1]
+
+
+def _eager(fn, *args, **kwargs):
+    """Run the eager op ``fn``. A tensor that requires grad is passed detached (the same memory):
+    the ops have no derivative, and backward through one raises torch's "no autograd formula"
+    error, not an export error in the forward."""
+    def plain(x):
+        if isinstance(x, Tensor) and x.requires_grad:
+            return x.detach()
+        if isinstance(x, tuple):
+            return tuple(plain(y) for y in x)
+        return x
+
+    return fn(*(plain(a) for a in args), **{n: plain(a) for n, a in kwargs.items()})
+
+
+def _no_outputs(*args, **kwargs):
+    """The fake of an op that only writes its arguments."""
+
+
+# ---- apply_rope_write_kv -----------------------------------------------------------------------
+
+
+def _contiguous_op(write_k_in_place):
+    def op(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, cos_sin_cache: Tensor,
+           kv_end_lens: Optional[Tensor], position_ids: Optional[Tensor],
+           kv_scale: Optional[Tensor], is_neox: bool) -> None:
+        _eager(ropekv.apply_rope_write_kv, q, k, v, kv_cache, cos_sin_cache,
+               kv_end_lens=kv_end_lens, position_ids=position_ids, kv_scale=kv_scale,
+               write_k_in_place=write_k_in_place, is_neox=is_neox, stream=_stream(q))
+    return op
+
+
+_apply_rope_write_kv = torch.library.custom_op(
+    "ropekv::apply_rope_write_kv", _contiguous_op(False), mutates_args=("q", "kv_cache"))
+_apply_rope_write_kv_k_in_place = torch.library.custom_op(
+    "ropekv::apply_rope_write_kv_k_in_place", _contiguous_op(True),
+    mutates_args=("q", "k", "kv_cache"))
+_apply_rope_write_kv.register_fake(_no_outputs)
+_apply_rope_write_kv_k_in_place.register_fake(_no_outputs)
+
+
+def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, position_ids=None,
+                        kv_scale=None, write_k_in_place=False, is_neox=True):
+    """:func:`ropekv.apply_rope_write_kv` as a custom op: ``q`` roped in place, K/V written into
+    ``kv_cache`` (and the roped K into ``k`` with ``write_k_in_place=True``). Returns None.
+
+    Runs ``torch.ops.ropekv.apply_rope_write_kv`` (writes ``q`` and ``kv_cache``) or
+    ``torch.ops.ropekv.apply_rope_write_kv_k_in_place`` (also ``k``). No ``stream=``: torch's
+    current stream.
+    """
+    op = _apply_rope_write_kv_k_in_place if write_k_in_place else _apply_rope_write_kv
+    op(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, bool(is_neox))
+
+
+# ---- rope_quantize_fp8_append_paged_kv_cache / rope_append_paged_kv_cache ---------------------
+
+_PAGED_PAIR = "paged_kv_cache must be a pair (k_cache, v_cache) or (ckv_cache, kpe_cache), got {}"
+
+
+def _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize):
+    """Empty ``(q_rope_out, q_nope_out)`` of the shapes and dtype the eager op would allocate."""
+    cache_name = "ckv_cache" if k_rope.dim() == 2 else "k_cache"
+    rope_shape, nope_shape, dtype = fw.paged_q_outputs(
+        _meta(q_rope, "q_rope"), None if q_nope is None else _meta(q_nope, "q_nope"),
+        _meta(k_cache, cache_name), None if quantize_dtype is None else as_dtype(quantize_dtype),
+        quantize)
+    dtype = _torch_dtype(dtype)
+    return q_rope.new_empty(rope_shape, dtype=dtype), q_rope.new_empty(nope_shape, dtype=dtype)
+
+
+def _paged_ops(name, eager, quantize):
+    """The allocating and the ``_out`` op of one paged function."""
+    def allocating(q_rope: Tensor, k_rope: Tensor, q_nope: Optional[Tensor],
+                   k_nope: Optional[Tensor], v: Optional[Tensor], cos_sin_cache: Tensor,
+                   pos_ids: Tensor, k_cache: Tensor, v_cache: Tensor, kv_indices: Tensor,
+                   kv_indptr: Tensor, batch_indices: Tensor, positions: Tensor, is_neox: bool,
+                   quantize_dtype: Optional[torch.dtype], quant_scale_q: float,
+                   quant_scales_q: Optional[Tensor], quant_scale_kv: float,
+                   quant_scales_kv: Optional[Tensor], page_size: int,
+                   kv_layout: str) -> Tuple[Tensor, Tensor]:
+        q_rope_out, q_nope_out = _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype,
+                                                quantize)
+        into(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, k_cache, v_cache,
+             kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
+             quant_scale_q, quant_scales_q, quant_scale_kv, quant_scales_kv, page_size, kv_layout,
+             q_rope_out, q_nope_out)
+        return q_rope_out, q_nope_out
+
+    def into(q_rope: Tensor, k_rope: Tensor, q_nope: Optional[Tensor], k_nope: Optional[Tensor],
+             v: Optional[Tensor], cos_sin_cache: Tensor, pos_ids: Tensor, k_cache: Tensor,
+             v_cache: Tensor, kv_indices: Tensor, kv_indptr: Tensor, batch_indices: Tensor,
+             positions: Tensor, is_neox: bool, quantize_dtype: Optional[torch.dtype],
+             quant_scale_q: float, quant_scales_q: Optional[Tensor], quant_scale_kv: float,
+             quant_scales_kv: Optional[Tensor], page_size: int, kv_layout: str,
+             q_rope_out: Tensor, q_nope_out: Tensor) -> None:
+        _eager(eager, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
+               (k_cache, v_cache), kv_indices, kv_indptr, batch_indices, positions,
+               is_neox=is_neox, quantize_dtype=quantize_dtype,
+               quant_scale_q=quant_scale_q if quant_scales_q is None else quant_scales_q,
+               quant_scale_kv=quant_scale_kv if quant_scales_kv is None else quant_scales_kv,
+               page_size=page_size, kv_layout=kv_layout, q_rope_out=q_rope_out,
+               q_nope_out=q_nope_out, stream=_stream(q_rope))
+
+    def fake(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, k_cache, v_cache,
+             kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
+             quant_scale_q, quant_scales_q, quant_scale_kv, quant_scales_kv, page_size,
+             kv_layout):
+        return _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize)
+
+    op = torch.library.custom_op(f"ropekv::{name}", allocating,
+                                 mutates_args=("k_cache", "v_cache"))
+    op_out = torch.library.custom_op(
+        f"ropekv::{name}_out", into,
+        mutates_args=("k_cache", "v_cache", "q_rope_out", "q_nope_out"))
+    op.register_fake(fake)
+    op_out.register_fake(_no_outputs)
+    return op, op_out
+
+
+_rope_quantize_fp8 = _paged_ops("rope_quantize_fp8_append_paged_kv_cache",
+                                ropekv.rope_quantize_fp8_append_paged_kv_cache, True)
+_rope_append = _paged_ops("rope_append_paged_kv_cache", ropekv.rope_append_paged_kv_cache,
+                          False)
+
+
+def _paged_call(ops, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
+                kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
+                quant_scale_q, quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out):
+    shown = type(paged_kv_cache).__qualname__
+    if isinstance(paged_kv_cache, (tuple, list)):
+        shown += f" of length {len(paged_kv_cache)}"
+    k_cache, v_cache = _pair(paged_kv_cache, _PAGED_PAIR.format(shown))
+    if quantize_dtype is not None and not isinstance(quantize_dtype, torch.dtype):
+        quantize_dtype = _torch_dtype(as_dtype(quantize_dtype))
+    scales = []
+    for s in (quant_scale_q, quant_scale_kv):
+        scales += [1.0, s] if isinstance(s, Tensor) else [s, None]
+    args = (q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, k_cache, v_cache,
+            kv_indices, kv_indptr, batch_indices, positions, bool(is_neox), quantize_dtype,
+            *scales, page_size, kv_layout)
+    op, op_out = ops
+    if q_rope_out is None and q_nope_out is None:
+        return op(*args)
+    # The missing output gets the given one's dtype (or quantize_dtype), as in the eager op.
+    like = q_rope_out if q_rope_out is not None else q_nope_out
+    dtype = quantize_dtype if quantize_dtype is not None else like.dtype
+    T, Hq = q_rope.shape[0], q_rope.shape[1]
+    if q_rope_out is None:
+        q_rope_out = q_rope.new_empty((T, Hq, q_rope.shape[-1]), dtype=dtype)
+    if q_nope_out is None:
+        Dn = 0 if q_nope is None else q_nope.shape[-1]
+        q_nope_out = q_rope.new_empty((T, Hq, Dn), dtype=dtype)
+    op_out(*args, q_rope_out, q_nope_out)
+    return q_rope_out, q_nope_out
+
+
+def rope_quantize_fp8_append_paged_kv_cache(
+        q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
+        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=1.0,
+        quant_scale_kv=1.0, page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
+        enable_pdl=False):
+    """:func:`ropekv.rope_quantize_fp8_append_paged_kv_cache` (FlashInfer's arguments) as a custom
+    op; returns ``(q_rope_out, q_nope_out)``.
+
+    Without ``q_rope_out`` / ``q_nope_out`` runs ``torch.ops.ropekv.
+    rope_quantize_fp8_append_paged_kv_cache``, which allocates and returns them (writes the two
+    caches); with either, ``..._out``, which writes them (the other one is allocated here). A
+    tensor ``quant_scale_q`` / ``quant_scale_kv`` passes as the op's ``quant_scales_q`` /
+    ``quant_scales_kv``. ``enable_pdl`` is accepted and ignored, as in the eager op. No
+    ``stream=``.
+    """
+    return _paged_call(_rope_quantize_fp8, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
+                       pos_ids, paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions,
+                       is_neox, quantize_dtype, quant_scale_q, quant_scale_kv, page_size,
+                       kv_layout, q_rope_out, q_nope_out)
+
+
+def rope_append_paged_kv_cache(
+        q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
+        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=1.0,
+        quant_scale_kv=1.0, page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
+        enable_pdl=False):
+    """:func:`ropekv.rope_append_paged_kv_cache` as a custom op (16-bit or fp8 caches); the same
+    contract as :func:`rope_quantize_fp8_append_paged_kv_cache` here, through
+    ``torch.ops.ropekv.rope_append_paged_kv_cache`` and ``..._out``."""
+    return _paged_call(_rope_append, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
+                       paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions, is_neox,
+                       quantize_dtype, quant_scale_q, quant_scale_kv, page_size, kv_layout,
+                       q_rope_out, q_nope_out)
+
+
+# ---- mla_rope_rmsnorm_append_paged_kv_cache ----------------------------------------------------
+
+
+def _mla_ops():
+    name = "mla_rope_rmsnorm_append_paged_kv_cache"
+
+    def run(q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table,
+            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale, q_rope_out):
+        cache = kv_cache if kpe_cache is None else (kv_cache, kpe_cache)
+        _eager(ropekv.mla_rope_rmsnorm_append_paged_kv_cache, q_rope, kv, gamma, cos_sin_cache,
+               input_row_offsets, cache_lengths, block_table, cache, epsilon=epsilon,
+               kv_norm_dim=kv_norm_dim, is_neox=is_neox, kv_scale=kv_scale,
+               q_rope_out=q_rope_out, stream=_stream(q_rope))
+
+    def allocating(q_rope: Tensor, kv: Tensor, gamma: Tensor, cos_sin_cache: Tensor,
+                   input_row_offsets: Tensor, cache_lengths: Tensor, block_table: Tensor,
+                   kv_cache: Tensor, kpe_cache: Optional[Tensor], epsilon: float,
+                   kv_norm_dim: Optional[int], is_neox: bool,
+                   kv_scale: Optional[float]) -> Tensor:
+        out = _like_q(q_rope, "q_rope", "(T, Hq, R)")
+        run(q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table,
+            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale, out)
+        return out
+
+    def into(q_rope: Tensor, kv: Tensor, gamma: Tensor, cos_sin_cache: Tensor,
+             input_row_offsets: Tensor, cache_lengths: Tensor, block_table: Tensor,
+             kv_cache: Tensor, kpe_cache: Optional[Tensor], epsilon: float,
+             kv_norm_dim: Optional[int], is_neox: bool, kv_scale: Optional[float],
+             q_rope_out: Tensor) -> None:
+        run(q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table,
+            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale, q_rope_out)
+
+    def in_place(q_rope: Tensor, kv: Tensor, gamma: Tensor, cos_sin_cache: Tensor,
+                 input_row_offsets: Tensor, cache_lengths: Tensor, block_table: Tensor,
+                 kv_cache: Tensor, kpe_cache: Optional[Tensor], epsilon: float,
+                 kv_norm_dim: Optional[int], is_neox: bool, kv_scale: Optional[float]) -> None:
+        run(q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table,
+            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale, q_rope)
+
+    return _three_ops(name, allocating, into, in_place, ("kv_cache", "kpe_cache"), "q_rope",
+                      "q_rope_out", "(T, Hq, R)")
+
+
+def _like_q(q, name, layout):
+    """An empty output shaped like ``q`` (checked as the eager op's first checks would)."""
+    shape, dtype = fw.same_as_q(_meta(q, name), layout)
+    return q.new_empty(shape, dtype=_torch_dtype(dtype))
+
+
+def _three_ops(name, allocating, into, in_place, caches, q_name, out_name, layout):
+    """Register the allocating, ``_out`` and ``_in_place`` ops of an op with one q output."""
+    op = torch.library.custom_op(f"ropekv::{name}", allocating, mutates_args=caches)
+    op_out = torch.library.custom_op(f"ropekv::{name}_out", into,
+                                     mutates_args=(*caches, out_name))
+    op_in_place = torch.library.custom_op(f"ropekv::{name}_in_place", in_place,
+                                          mutates_args=(*caches, q_name))
+    op.register_fake(lambda q, *rest: _like_q(q, q_name, layout))
+    op_out.register_fake(_no_outputs)
+    op_in_place.register_fake(_no_outputs)
+    return op, op_out, op_in_place
+
+
+_mla = _mla_ops()
+
+
+def _pick(ops, q, out):
+    """(op, trailing args, result) for an op with one q output: allocating, in place, or into
+    the caller's tensor."""
+    op, op_out, op_in_place = ops
+    if out is None:
+        return op, (), None
+    if out is q:
+        return op_in_place, (), q
+    return op_out, (out,), out
+
+
+def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, input_row_offsets,
+                                           cache_lengths, block_table, kv_cache, *, epsilon=1e-6,
+                                           kv_norm_dim=None, is_neox=False, kv_scale=None,
+                                           q_rope_out=None):
+    """:func:`ropekv.mla_rope_rmsnorm_append_paged_kv_cache` as a custom op; returns
+    ``q_rope_out``.
+
+    ``kv_cache`` is one tensor or a ``(ckv, kpe)`` pair (the op's ``kv_cache`` and ``kpe_cache``).
+    Runs ``torch.ops.ropekv.mla_rope_rmsnorm_append_paged_kv_cache`` (allocates ``q_rope_out``),
+    ``..._out`` (writes the given ``q_rope_out``) or ``..._in_place`` (``q_rope_out=q_rope``).
+    No ``stream=``.
+    """
+    if isinstance(kv_cache, (tuple, list)):
+        ckv, kpe = _pair(kv_cache, f"kv_cache must be one array (num_pages, page_size, L + R) or "
+                                   f"a tuple (ckv, kpe), got a {type(kv_cache).__name__} of "
+                                   f"{len(kv_cache)} arrays")
+    else:
+        ckv, kpe = kv_cache, None
+    op, extra, result = _pick(_mla, q_rope, q_rope_out)
+    out = op(q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table, ckv,
+             kpe, epsilon, kv_norm_dim, bool(is_neox), kv_scale, *extra)
+    return out if result is None else result
+
+
+# ---- qk_rmsnorm_rope_append_paged_kv_cache -----------------------------------------------------
+
+
+def _qknorm_ops():
+    name = "qk_rmsnorm_rope_append_paged_kv_cache"
+
+    def run(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
+            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale, q_out):
+        _eager(ropekv.qk_rmsnorm_rope_append_paged_kv_cache, q, k, v, q_gamma, k_gamma,
+               cos_sin_cache, input_row_offsets, cache_lengths, block_table, (k_cache, v_cache),
+               epsilon=epsilon, is_neox=is_neox, kv_layout=kv_layout,
+               kv_scale=_scale_arg(kv_scale), q_out=q_out, stream=_stream(q))
+
+    def allocating(q: Tensor, k: Tensor, v: Tensor, q_gamma: Tensor, k_gamma: Tensor,
+                   cos_sin_cache: Tensor, input_row_offsets: Tensor, cache_lengths: Tensor,
+                   block_table: Tensor, k_cache: Tensor, v_cache: Tensor, epsilon: float,
+                   is_neox: bool, kv_layout: str, kv_scale: Optional[List[float]]) -> Tensor:
+        out = _like_q(q, "q", "(T, Hq, D)")
+        run(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
+            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale, out)
+        return out
+
+    def into(q: Tensor, k: Tensor, v: Tensor, q_gamma: Tensor, k_gamma: Tensor,
+             cos_sin_cache: Tensor, input_row_offsets: Tensor, cache_lengths: Tensor,
+             block_table: Tensor, k_cache: Tensor, v_cache: Tensor, epsilon: float, is_neox: bool,
+             kv_layout: str, kv_scale: Optional[List[float]], q_out: Tensor) -> None:
+        run(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
+            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale, q_out)
+
+    def in_place(q: Tensor, k: Tensor, v: Tensor, q_gamma: Tensor, k_gamma: Tensor,
+                 cos_sin_cache: Tensor, input_row_offsets: Tensor, cache_lengths: Tensor,
+                 block_table: Tensor, k_cache: Tensor, v_cache: Tensor, epsilon: float,
+                 is_neox: bool, kv_layout: str, kv_scale: Optional[List[float]]) -> None:
+        run(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
+            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale, q)
+
+    return _three_ops(name, allocating, into, in_place, ("k_cache", "v_cache"), "q", "q_out",
+                      "(T, Hq, D)")
+
+
+_qknorm = _qknorm_ops()
+
+
+def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cache,
+                                          input_row_offsets, cache_lengths, block_table,
+                                          paged_kv_cache, *, epsilon=1e-6, is_neox=True,
+                                          kv_layout="NHD", kv_scale=None, q_out=None):
+    """:func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache` as a custom op; returns ``q_out``.
+
+    Runs ``torch.ops.ropekv.qk_rmsnorm_rope_append_paged_kv_cache`` (allocates ``q_out``),
+    ``..._out`` (writes the given ``q_out``) or ``..._in_place`` (``q_out=q``). ``kv_scale`` (a
+    float or a pair) passes as a list of floats. No ``stream=``.
+    """
+    k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a tuple (k_cache, "
+                                             f"v_cache), got {type(paged_kv_cache).__name__}")
+    op, extra, result = _pick(_qknorm, q, q_out)
+    out = op(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
+             block_table, k_cache, v_cache, epsilon, bool(is_neox), kv_layout,
+             _scale_list(kv_scale), *extra)
+    return out if result is None else result
+
+
+# ---- fused_qkv_matmul_append_paged_kv_cache ----------------------------------------------------
+
+
+def _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout):
+    shape, dtype = fw.qkv_output(_meta(hidden_state, "hidden_state"), _meta(k_cache, "k_cache"),
+                                 num_q_heads, kv_layout)
+    return hidden_state.new_empty(shape, dtype=_torch_dtype(dtype))
+
+
+def _qkv_ops():
+    name = "fused_qkv_matmul_append_paged_kv_cache"
+
+    def into(hidden_state: Tensor, weight: Tensor, input_row_offsets: Tensor,
+             cache_lengths: Tensor, block_table: Tensor, k_cache: Tensor, v_cache: Tensor,
+             num_q_heads: int, cos_sin_cache: Optional[Tensor], is_neox: bool, kv_layout: str,
+             kv_scale: Optional[List[float]], weight_scales: Optional[Tensor],
+             group_size: Optional[int], zero_points: Optional[Tensor], out: Tensor) -> None:
+        if hidden_state.is_cuda and torch.cuda.is_current_stream_capturing():
+            fw.check_qkv_graph_safe(hidden_state.shape[0], "in a CUDA graph")
+        _eager(ropekv.fused_qkv_matmul_append_paged_kv_cache, hidden_state, weight,
+               input_row_offsets, cache_lengths, block_table, (k_cache, v_cache),
+               num_q_heads=num_q_heads, cos_sin_cache=cos_sin_cache, is_neox=is_neox,
+               kv_layout=kv_layout, kv_scale=_scale_arg(kv_scale), weight_scales=weight_scales,
+               group_size=group_size, zero_points=zero_points, out=out,
+               stream=_stream(hidden_state))
+
+    def allocating(hidden_state: Tensor, weight: Tensor, input_row_offsets: Tensor,
+                   cache_lengths: Tensor, block_table: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   num_q_heads: int, cos_sin_cache: Optional[Tensor], is_neox: bool,
+                   kv_layout: str, kv_scale: Optional[List[float]],
+                   weight_scales: Optional[Tensor], group_size: Optional[int],
+                   zero_points: Optional[Tensor]) -> Tensor:
+        out = _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout)
+        into(hidden_state, weight, input_row_offsets, cache_lengths, block_table, k_cache,
+             v_cache, num_q_heads, cos_sin_cache, is_neox, kv_layout, kv_scale, weight_scales,
+             group_size, zero_points, out)
+        return out
+
+    def fake(hidden_state, weight, input_row_offsets, cache_lengths, block_table, k_cache,
+             v_cache, num_q_heads, cos_sin_cache, is_neox, kv_layout, *rest):
+        return _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout)
+
+    op = torch.library.custom_op(f"ropekv::{name}", allocating,
+                                 mutates_args=("k_cache", "v_cache"))
+    op_out = torch.library.custom_op(f"ropekv::{name}_out", into,
+                                     mutates_args=("k_cache", "v_cache", "out"))
+    op.register_fake(fake)
+    op_out.register_fake(_no_outputs)
+    return op, op_out
+
+
+_qkv = _qkv_ops()
+
+
+def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offsets, cache_lengths,
+                                           block_table, paged_kv_cache, *, num_q_heads,
+                                           cos_sin_cache=None, is_neox=True, kv_layout="NHD",
+                                           kv_scale=None, weight_scales=None, group_size=None,
+                                           zero_points=None, out=None):
+    """:func:`ropekv.fused_qkv_matmul_append_paged_kv_cache` as a custom op; returns ``out``.
+
+    Runs ``torch.ops.ropekv.fused_qkv_matmul_append_paged_kv_cache`` (allocates ``out``) or
+    ``..._out`` (writes the given ``out``). ``kv_scale`` passes as a list of floats. No
+    ``stream=``. Prefill-sized calls (more than ``ropekv.qkv.GEMV_MAX_TOKENS`` tokens) run cuBLAS
+    on CuPy temporaries and raise ``ValueError`` under CUDA-graph capture; decode-sized calls
+    capture.
+    """
+    k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a (k_cache, v_cache) pair, "
+                                             f"got {type(paged_kv_cache).__qualname__}")
+    op, op_out = _qkv
+    args = (hidden_state, weight, input_row_offsets, cache_lengths, block_table, k_cache, v_cache,
+            num_q_heads, cos_sin_cache, bool(is_neox), kv_layout, _scale_list(kv_scale),
+            weight_scales, group_size, zero_points)
+    if out is None:
+        return op(*args)
+    op_out(*args, out)
+    return out

@@ -1,0 +1,354 @@
+"""``ropekv.jax``: jitted ops against the NumPy backend, donation without a cache copy, a
+``jax.lax.scan`` over decode steps, and the errors under vmap / grad (CPU, in CI when JAX is
+installed); the same on the GPU, where the donated cache must keep its address."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import pytest
+
+# torch and CuPy tests share the GPU with this process: XLA takes memory as it needs it
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+jax = pytest.importorskip("jax")
+pytest.importorskip("jax.experimental.buffer_callback")
+
+import jax.numpy as jnp
+
+import ropekv
+import ropekv.jax as rj
+from tests.framework_cases import E4M3, OUTPUT_ARGS, cases
+from tests.tolerance import assert_close
+
+CASES = cases()
+IDS = [c.name for c in CASES]
+
+
+def on_host(x):
+    return jax.device_put(x, jax.devices("cpu")[0])
+
+
+def split(case, convert=on_host):
+    """(arrays, statics): the case's keyword arguments for ``ropekv.jax`` (no output arguments),
+    arrays converted (on the host by default; traced under jit), everything else static."""
+    arrays, statics = {}, {}
+    for n, x in case.fresh().items():
+        if n in OUTPUT_ARGS:
+            continue
+        if isinstance(x, np.ndarray):
+            arrays[n] = convert(x)
+        elif isinstance(x, tuple) and x and isinstance(x[0], np.ndarray):
+            arrays[n] = tuple(convert(y) for y in x)
+        else:
+            statics[n] = x
+    return arrays, statics
+
+
+def expected(case):
+    """The eager NumPy results in the order ``ropekv.jax`` returns them (flattened): the
+    returned arrays and the caches, not the caller's output arguments, which JAX has none of."""
+    got = case.run(ropekv, case.fresh())
+    if case.op == "apply_rope_write_kv":
+        q, kv_cache, *k = got
+        return [q, *k, kv_cache]
+    given = sum(case.kwargs.get(n) is not None for n in OUTPUT_ARGS)
+    return got[:len(got) - given]
+
+
+def run_jitted(case, device=None, **jit):
+    arrays, statics = split(case, lambda x: jax.device_put(x, device))
+    fn = getattr(rj, case.op)
+    return jax.tree_util.tree_leaves(jax.jit(lambda a: fn(**a, **statics), **jit)(arrays))
+
+
+def assert_same(got, expected):
+    assert len(got) == len(expected)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        g = np.asarray(g)
+        assert g.shape == e.shape and g.dtype == e.dtype, f"result {i}: {g.shape} {g.dtype}"
+        assert np.array_equal(g.view(np.uint8), np.ascontiguousarray(e).view(np.uint8)), \
+            f"result {i}: bytes differ"
+
+
+# ---- CPU -----------------------------------------------------------------------------------------
+
+cpu = pytest.mark.skipif(not jax.devices("cpu"), reason="no JAX CPU device")
+
+
+@cpu
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_jitted_op_matches_the_numpy_backend(case):
+    assert_same(run_jitted(case, jax.devices("cpu")[0]), expected(case))
+
+
+@cpu
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_op_outside_jit_matches_the_numpy_backend(case):
+    arrays, statics = split(case, lambda x: jax.device_put(x, jax.devices("cpu")[0]))
+    got = jax.tree_util.tree_leaves(getattr(rj, case.op)(**arrays, **statics))
+    assert_same(got, expected(case))
+
+
+def paged_step(caches, q, k, v, table, pos, kv_indices, kv_indptr, batch):
+    R = table.shape[1]
+    q8, _, caches = rj.rope_quantize_fp8_append_paged_kv_cache(
+        q[..., :R], k[..., :R], q[..., R:], k[..., R:], v, table, pos, caches, kv_indices,
+        kv_indptr, batch, pos, page_size=caches[0].shape[1])
+    return caches, q8
+
+
+def paged_arrays(case, device):
+    a = case.fresh()
+    q = np.concatenate([a["q_rope"], a["q_nope"]], -1)
+    k = np.concatenate([a["k_rope"], a["k_nope"]], -1)
+    put = functools.partial(jax.device_put, device=device)
+    return (tuple(put(c) for c in a["paged_kv_cache"]), put(q), put(k), put(a["v"]),
+            put(a["cos_sin_cache"]), put(a["pos_ids"]), put(a["kv_indices"]),
+            put(a["kv_indptr"]), put(a["batch_indices"]))
+
+
+def check_donation_keeps_the_cache_buffer(device):
+    case = next(c for c in CASES if c.name == "paged-fp8-gqa")
+    caches, *rest = paged_arrays(case, device)
+    # JAX on the host may borrow a NumPy array's memory, which XLA does not reuse: the addresses
+    # are taken from the caches XLA owns (on the GPU, the device_put copies already are)
+    caches = tuple(jnp.copy(c) for c in caches)
+    pointers = [c.unsafe_buffer_pointer() for c in caches]
+    step = jax.jit(paged_step, donate_argnums=0)
+    expected_caches = tuple(np.array(c) for c in case.kwargs["paged_kv_cache"])
+    for _ in range(3):
+        caches, q8 = step(caches, *rest)
+        jax.block_until_ready(caches)
+        assert [c.unsafe_buffer_pointer() for c in caches] == pointers
+        ref = dict(case.fresh(), paged_kv_cache=expected_caches, quant_scale_q=1.0,
+                   quant_scale_kv=1.0)  # paged_step's scales
+        ref_q8, _ = ropekv.rope_quantize_fp8_append_paged_kv_cache(**ref)
+        assert_close(q8, ref_q8, "q_rope_out")
+        for got, want in zip(caches, expected_caches):
+            assert_close(got, want, "cache")
+    # no copy of the cache anywhere in the compiled step
+    hlo = step.lower(caches, *rest).compile().as_text()
+    assert " copy(" not in hlo and "copy-start" not in hlo
+
+
+@cpu
+def test_donated_cache_is_updated_in_its_own_buffer():
+    check_donation_keeps_the_cache_buffer(jax.devices("cpu")[0])
+
+
+@cpu
+def test_without_donation_the_input_cache_is_unchanged():
+    case = next(c for c in CASES if c.name == "paged-fp8-gqa")
+    caches, *rest = paged_arrays(case, jax.devices("cpu")[0])
+    before = [np.array(c) for c in caches]
+    new, _ = jax.jit(paged_step)(caches, *rest)
+    for c, b in zip(caches, before):
+        assert np.array_equal(np.asarray(c).view(np.uint8), b.view(np.uint8))
+    assert not all(np.array_equal(np.asarray(n).view(np.uint8), b.view(np.uint8))
+                   for n, b in zip(new, before))
+    # which costs XLA a copy of each cache (the donated step above has none)
+    assert jax.jit(paged_step).lower(caches, *rest).compile().as_text().count(" copy(") >= 2
+
+
+# ---- a jax.lax.scan over decode steps -----------------------------------------------------------
+
+
+def decode_problem(seed=0, steps=8, B=3, Hq=4, Hkv=2, R=16, Dn=16, page_size=4):
+    """``steps`` decode steps of B requests (one token each) over a shuffled paged fp8 cache: the
+    per-step inputs stacked along a leading axis, and the NumPy arguments of step i."""
+    rng = np.random.default_rng(seed)
+    D = R + Dn
+    prefix = rng.integers(0, 6, B)
+    pages = -(-(prefix + steps) // page_size)
+    num_pages = int(pages.sum()) + 2
+    kv_indices = rng.permutation(num_pages)[:pages.sum()].astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    q = rng.standard_normal((steps, B, Hq, D)).astype(np.float16)
+    k, v = (rng.standard_normal((steps, B, Hkv, D)).astype(np.float16) for _ in range(2))
+    pos = (prefix[None, :] + np.arange(steps)[:, None]).astype(np.int32)
+    caches = tuple((rng.standard_normal((num_pages, page_size, Hkv, D)) * 0.5).astype(E4M3)
+                   for _ in range(2))
+    table = ropekv.cos_sin_cache(int(pos.max()) + 4, R)
+    batch = np.arange(B, dtype=np.int32)
+    return {"q": q, "k": k, "v": v, "pos": pos, "caches": caches, "table": table,
+            "kv_indices": kv_indices, "kv_indptr": kv_indptr, "batch": batch, "R": R,
+            "page_size": page_size}
+
+
+def decode_eager(p):
+    """8 eager NumPy calls: the stacked q outputs and the final caches."""
+    caches = tuple(c.copy() for c in p["caches"])
+    R, outs = p["R"], []
+    for i in range(len(p["q"])):
+        q8, _ = ropekv.rope_quantize_fp8_append_paged_kv_cache(
+            p["q"][i][..., :R], p["k"][i][..., :R], p["q"][i][..., R:], p["k"][i][..., R:],
+            p["v"][i], p["table"], p["pos"][i], caches, p["kv_indices"], p["kv_indptr"],
+            p["batch"], p["pos"][i], page_size=p["page_size"])
+        outs.append(q8)
+    return np.stack(outs), caches
+
+
+def decode_scan(p, device, donate=True):
+    put = functools.partial(jax.device_put, device=device)
+
+    def run(caches, q, k, v, pos, table, kv_indices, kv_indptr, batch):
+        def body(caches, xs):
+            qi, ki, vi, pi = xs
+            return paged_step(caches, qi, ki, vi, table, pi, kv_indices, kv_indptr, batch)
+
+        return jax.lax.scan(body, caches, (q, k, v, pos))
+
+    run = jax.jit(run, donate_argnums=0 if donate else ())
+    caches = tuple(put(c) for c in p["caches"])
+    return run(caches, *(put(p[n]) for n in ("q", "k", "v", "pos", "table", "kv_indices",
+                                             "kv_indptr", "batch")))
+
+
+@cpu
+def test_scan_over_8_decode_steps_equals_8_eager_calls():
+    p = decode_problem()
+    q8, caches = decode_eager(p)
+    new_caches, q8s = decode_scan(p, jax.devices("cpu")[0])
+    assert_same([q8s, *new_caches], [q8, *caches])
+
+
+# ---- what is not supported, and errors ----------------------------------------------------------
+
+
+@cpu
+def test_vmap_raises_a_clear_error():
+    case = next(c for c in CASES if c.name == "qknorm")
+    arrays, statics = split(case)
+    batched = {n: (jnp.stack([x, x]) if n in ("q", "k", "v") else x) for n, x in arrays.items()}
+    axes = {n: (0 if n in ("q", "k", "v") else None) for n in arrays}
+    with pytest.raises(NotImplementedError,
+                       match="qk_rmsnorm_rope_append_paged_kv_cache does not support jax.vmap"):
+        jax.vmap(lambda a: rj.qk_rmsnorm_rope_append_paged_kv_cache(**a, **statics),
+                 in_axes=(axes,))(batched)
+
+
+@cpu
+def test_grad_raises_a_clear_error():
+    case = next(c for c in CASES if c.name == "qknorm")
+    arrays, statics = split(case)
+
+    def loss(q):
+        q_out, _ = rj.qk_rmsnorm_rope_append_paged_kv_cache(**dict(arrays, q=q), **statics)
+        return q_out.astype(jnp.float32).sum()
+
+    with pytest.raises(NotImplementedError, match="has no derivative"):
+        jax.grad(loss)(arrays["q"])
+    with pytest.raises(NotImplementedError, match="has no derivative"):
+        jax.jvp(loss, (arrays["q"],), (jnp.ones_like(arrays["q"]),))
+
+
+@cpu
+def test_stop_gradient_inputs_leave_other_gradients_alone():
+    case = next(c for c in CASES if c.name == "qknorm")
+    arrays, statics = split(case)
+    q_out = rj.qk_rmsnorm_rope_append_paged_kv_cache(**arrays, **statics)[0]
+
+    def loss(q, scale):
+        out, _ = rj.qk_rmsnorm_rope_append_paged_kv_cache(
+            **dict(arrays, q=jax.lax.stop_gradient(q)), **statics)
+        return (out.astype(jnp.float32) * scale).sum() + q.astype(jnp.float32).sum()
+
+    dq, dscale = jax.grad(loss, argnums=(0, 1))(arrays["q"], 1.0)
+    assert np.all(np.asarray(dq, np.float32) == 1)
+    assert dscale == pytest.approx(float(np.asarray(q_out, np.float32).sum()), rel=1e-5)
+
+
+@cpu
+def test_trace_time_errors_are_the_eager_ones():
+    case = next(c for c in CASES if c.name == "paged-fp8-gqa")
+    args = case.fresh()
+    args["q_rope"] = args["q_rope"].reshape(args["q_rope"].shape[0], -1)
+    with pytest.raises(ValueError) as eager:
+        ropekv.rope_quantize_fp8_append_paged_kv_cache(**args)
+    arrays, statics = split(case)
+    arrays["q_rope"] = arrays["q_rope"].reshape(arrays["q_rope"].shape[0], -1)
+    with pytest.raises(ValueError) as jitted:
+        jax.jit(lambda a: rj.rope_quantize_fp8_append_paged_kv_cache(**a, **statics))(arrays)
+    assert str(jitted.value) == str(eager.value)
+
+
+@cpu
+def test_run_time_errors_quote_the_eager_message():
+    case = next(c for c in CASES if c.name == "contiguous-f16")
+    args = case.fresh()
+    args["k"] = args["k"][:, :, :1].copy()
+    with pytest.raises(ValueError) as eager:
+        ropekv.apply_rope_write_kv(**args)
+    arrays, statics = split(case)
+    arrays["k"] = arrays["k"][:, :, :1]
+    with pytest.raises(Exception, match="ValueError") as jitted:
+        jax.block_until_ready(jax.jit(lambda a: rj.apply_rope_write_kv(**a, **statics))(arrays))
+    assert str(eager.value) in str(jitted.value)
+
+
+@cpu
+def test_command_buffer_flag_is_accepted_on_the_host():
+    case = next(c for c in CASES if c.name == "qkv-decode")
+    arrays, statics = split(case)
+    got = jax.jit(lambda a: rj.fused_qkv_matmul_append_paged_kv_cache(
+        **a, **statics, command_buffer_compatible=True))(arrays)
+    assert_same(jax.tree_util.tree_leaves(got), expected(case))
+
+
+def test_command_buffers_refuse_a_prefill_qkv_call():
+    case = next(c for c in CASES if c.name == "qkv-prefill-given")
+    arrays, statics = split(case)
+    with pytest.raises(ValueError, match="cannot be recorded into XLA's command buffers"):
+        rj.fused_qkv_matmul_append_paged_kv_cache(**arrays, **statics,
+                                                  command_buffer_compatible=True)
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+
+def gpu_device():
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX has no GPU backend here")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_gpu_jitted_op_matches_the_reference(case):
+    got = run_jitted(case, gpu_device())
+    for i, (g, e) in enumerate(zip(got, expected(case), strict=True)):
+        assert_close(np.asarray(g), e, f"result {i}")
+
+
+@pytest.mark.gpu
+def test_gpu_donated_cache_keeps_its_address():
+    check_donation_keeps_the_cache_buffer(gpu_device())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("command_buffer", [False, True])
+def test_gpu_scan_over_8_decode_steps_equals_8_eager_calls(command_buffer, monkeypatch):
+    device = gpu_device()
+    if command_buffer:  # record the op into XLA's command buffers (warm the kernel first)
+        decode_scan(decode_problem(), device)
+        original = rj.rope_quantize_fp8_append_paged_kv_cache
+        monkeypatch.setattr(rj, "rope_quantize_fp8_append_paged_kv_cache",
+                            lambda *a, **k: original(*a, **k, command_buffer_compatible=True))
+    p = decode_problem()
+    q8, caches = decode_eager(p)
+    new_caches, q8s = decode_scan(p, device)
+    assert_close(np.asarray(q8s), q8, "q outputs")
+    for got, want in zip(new_caches, caches):
+        assert_close(np.asarray(got), want, "cache")
+    # the same 8 steps one jitted call at a time, donated: the same bytes as the scan
+    step = jax.jit(paged_step, donate_argnums=0)
+    put = functools.partial(jax.device_put, device=device)
+    cs = tuple(put(c) for c in p["caches"])
+    for i in range(8):
+        cs, _ = step(cs, put(p["q"][i]), put(p["k"][i]), put(p["v"][i]), put(p["table"]),
+                     put(p["pos"][i]), put(p["kv_indices"]), put(p["kv_indptr"]),
+                     put(p["batch"]))
+    assert_same(list(cs), [np.asarray(c) for c in new_caches])

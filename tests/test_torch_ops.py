@@ -1,0 +1,421 @@
+"""``ropekv.torch``: registration, fake implementations, ``torch.library.opcheck``, eager and
+compiled calls against the NumPy backend (CPU, in CI when torch is installed), and the same on
+CUDA with CUDA graphs and ``mode="reduce-overhead"`` (GPU)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ropekv
+import ropekv.torch as rt
+from tests.framework_cases import cases
+from tests.tolerance import assert_close, to_numpy
+
+CASES = cases()
+IDS = [c.name for c in CASES]
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn,
+                 "float8_e5m2": torch.float8_e5m2}
+
+# every registered op and the arguments it writes
+MUTATIONS = {
+    "apply_rope_write_kv": {"q", "kv_cache"},
+    "apply_rope_write_kv_k_in_place": {"q", "k", "kv_cache"},
+    "rope_quantize_fp8_append_paged_kv_cache": {"k_cache", "v_cache"},
+    "rope_quantize_fp8_append_paged_kv_cache_out": {"k_cache", "v_cache", "q_rope_out",
+                                                    "q_nope_out"},
+    "rope_append_paged_kv_cache": {"k_cache", "v_cache"},
+    "rope_append_paged_kv_cache_out": {"k_cache", "v_cache", "q_rope_out", "q_nope_out"},
+    "mla_rope_rmsnorm_append_paged_kv_cache": {"kv_cache", "kpe_cache"},
+    "mla_rope_rmsnorm_append_paged_kv_cache_out": {"kv_cache", "kpe_cache", "q_rope_out"},
+    "mla_rope_rmsnorm_append_paged_kv_cache_in_place": {"kv_cache", "kpe_cache", "q_rope"},
+    "qk_rmsnorm_rope_append_paged_kv_cache": {"k_cache", "v_cache"},
+    "qk_rmsnorm_rope_append_paged_kv_cache_out": {"k_cache", "v_cache", "q_out"},
+    "qk_rmsnorm_rope_append_paged_kv_cache_in_place": {"k_cache", "v_cache", "q"},
+    "fused_qkv_matmul_append_paged_kv_cache": {"k_cache", "v_cache"},
+    "fused_qkv_matmul_append_paged_kv_cache_out": {"k_cache", "v_cache", "out"},
+}
+
+
+def to_torch(x, device="cpu"):
+    """A torch copy of a NumPy array (bfloat16 and fp8 through an integer view)."""
+    if x.dtype.name in _TORCH_DTYPES:
+        bits = np.uint8 if x.dtype.itemsize == 1 else np.int16
+        t = torch.from_numpy(np.ascontiguousarray(x).view(bits).copy())
+        return t.view(_TORCH_DTYPES[x.dtype.name]).to(device)
+    return torch.from_numpy(np.ascontiguousarray(x).copy()).to(device)
+
+
+def on(device):
+    return lambda x: to_torch(x, device)
+
+
+def assert_same(got, expected):
+    """Byte-identical arrays, one by one (the same reference or kernel ran on both sides)."""
+    assert len(got) == len(expected)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        g = to_numpy(g)
+        assert g.shape == e.shape and g.dtype == e.dtype, f"result {i}: {g.shape} {g.dtype}"
+        assert np.array_equal(g.view(np.uint8), np.ascontiguousarray(e).view(np.uint8)), \
+            f"result {i}: bytes differ"
+
+
+def negated(case):
+    """The case with new data of the same layouts: every 16-bit and fp8 array negated (exact)."""
+    import copy
+
+    other = copy.copy(case)
+
+    def flip(x):
+        if isinstance(x, tuple):
+            return tuple(flip(y) for y in x)
+        if isinstance(x, np.ndarray) and x.dtype.itemsize <= 2 and x.dtype.kind in "fV":
+            return -x
+        return x
+
+    other.kwargs = {n: flip(x) for n, x in case.kwargs.items()}
+    if case.in_place:
+        other.kwargs[case.in_place[0]] = other.kwargs[case.in_place[1]]
+    return other
+
+
+class Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records each ``ropekv::`` op a wrapper calls, with its arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "ropekv":
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def compile_counter():
+    """A fresh dynamo (the tests compile one lambda per case, one code object) and a counter."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    return CompileCounterWithBackend("inductor")
+
+
+# ---- CPU -----------------------------------------------------------------------------------------
+
+
+def test_every_op_is_registered_with_exactly_its_writes():
+    for name, writes in MUTATIONS.items():
+        schema = getattr(torch.ops.ropekv, name).default._schema
+        written = {a.name for a in schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write}
+        assert written == writes, name
+        assert not any(r.alias_info for r in schema.returns), f"{name} returns an alias"
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_custom_op_matches_the_numpy_backend(case):
+    expected = case.run(ropekv, case.fresh())
+    assert_same(case.run(rt, case.fresh(to_torch)), expected)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_opcheck(case):
+    recorder = Recorder()
+    with recorder:
+        case.run(rt, case.fresh(to_torch))
+    assert len(recorder.calls) == 1
+    func, args, kwargs = recorder.calls[0]
+    torch.library.opcheck(func, args, kwargs, test_utils=opcheck_utils(args))
+
+
+def opcheck_utils(args):
+    """Every opcheck test, but the schema test with float8 tensors: its mutation check calls
+    ``torch.allclose``, which torch does not implement for float8 (the registration test above
+    pins what each op writes)."""
+    flat = [x for a in args for x in (a if isinstance(a, list | tuple) else (a,))]
+    fp8 = any(isinstance(x, torch.Tensor) and x.dtype in FP8 for x in flat)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor",
+             "test_aot_dispatch_dynamic")
+    return utils[1:] if fp8 else utils
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_fake_implementations_give_the_output_shapes_and_dtypes(case):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    expected = case.run(ropekv, case.fresh())
+    mode = FakeTensorMode()
+    args = case.fresh(lambda x: mode.from_tensor(to_torch(x)))
+    with mode:
+        got = case.run(rt, args)
+    assert [(tuple(g.shape), to_numpy_dtype(g.dtype)) for g in got] == \
+        [(e.shape, e.dtype) for e in expected]
+
+
+def to_numpy_dtype(dtype):
+    names = {torch.bfloat16: ml_dtypes.bfloat16, torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
+             torch.float8_e5m2: ml_dtypes.float8_e5m2}
+    return np.dtype(names.get(dtype) or str(dtype).removeprefix("torch."))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_compiled_matches_the_numpy_backend_and_compiles_once(case):
+    counter = compile_counter()
+    fn = torch.compile(lambda a: case.run(rt, a), fullgraph=True, backend=counter)
+    for data in (case, negated(case)):
+        expected = data.run(ropekv, data.fresh())
+        assert_same(fn(data.fresh(to_torch)), expected)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in (
+    "contiguous-f16", "paged-fp8-gqa", "mla-split-given", "qknorm-fp8-in-place")], ids=str)
+def test_compiled_code_writes_the_caches_in_place(case):
+    """Inductor calls the op on the graph's own cache tensors: no clone, no copy back."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    _, code = run_and_get_code(torch.compile(lambda a: case.run(rt, a), fullgraph=True),
+                               case.fresh(to_torch))
+    code = "\n".join(code)
+    assert "torch.ops.ropekv." in code
+    assert "clone" not in code and "copy_" not in code
+
+
+# The same bad input through eager NumPy, the custom op, the fake (FakeTensorMode) and the
+# compiled op: one exception type and message. (rule, op case, argument, replacement)
+BAD = [
+    ("paged q_rope rank", "paged-fp8-gqa", "q_rope", lambda x: x.reshape(x.shape[0], -1)),
+    ("paged cache dtype", "paged-fp8-gqa", "paged_kv_cache",
+     lambda c: tuple(x.astype(np.float32) for x in c)),
+    ("mla q_rope dtype", "mla", "q_rope", lambda x: x.astype(np.float32)),
+    ("qknorm q rank", "qknorm", "q", lambda x: x.reshape(x.shape[0], -1)),
+    ("qkv hidden rank", "qkv-decode", "hidden_state", lambda x: x[None]),
+    ("qkv num_q_heads", "qkv-decode", "num_q_heads", lambda h: 0),
+    ("contiguous k shape", "contiguous-f16", "k", lambda x: x[:, :, :1]),
+    ("qknorm kv_scale on a 16-bit cache", "qknorm", "kv_scale", lambda s: 2.0),
+]
+
+
+def bad_case(name, arg, change):
+    import copy
+
+    case = copy.copy(next(c for c in CASES if c.name == name))
+    case.kwargs = dict(case.kwargs, **{arg: change(case.kwargs.get(arg))})
+    return case
+
+
+def error_of(fn):
+    """(type, message) of the error ``fn()`` raises."""
+    try:
+        fn()
+    except (TypeError, ValueError, BufferError) as exc:
+        return type(exc), str(exc)
+    raise AssertionError("no error raised")
+
+
+def compiled_error_of(fn, expected):
+    """The error of a compiled call: the eager one when the op raised it while running, or, when
+    a fake implementation raised it while dynamo traced, dynamo's ``TorchRuntimeError`` quoting
+    it (dynamo drops the original exception, its message keeps it)."""
+    try:
+        return error_of(fn)
+    except torch._dynamo.exc.TorchRuntimeError as exc:
+        kind, message = expected
+        assert f"got {kind.__name__}({message!r})" in str(exc), str(exc)
+        return expected
+
+
+@pytest.mark.parametrize("rule,name,arg,change", BAD, ids=[b[0] for b in BAD])
+def test_errors_are_the_eager_ones(rule, name, arg, change):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    case = bad_case(name, arg, change)
+    expected = error_of(lambda: case.run(ropekv, case.fresh()))
+    assert error_of(lambda: case.run(rt, case.fresh(to_torch))) == expected
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a: case.run(rt, a), fullgraph=True)
+    assert compiled_error_of(lambda: compiled(case.fresh(to_torch)), expected) == expected
+    mode = FakeTensorMode()
+    args = case.fresh(lambda x: mode.from_tensor(to_torch(x)))
+    with mode:
+        try:
+            case.run(rt, args)
+        except (TypeError, ValueError) as exc:  # what the fake checks, it words as eager does
+            assert (type(exc), str(exc)) == expected
+
+
+def test_backward_through_an_op_raises():
+    case = next(c for c in CASES if c.name == "qknorm")
+    args = case.fresh(to_torch)
+    args["q"].requires_grad_(True)
+    q_out = rt.qk_rmsnorm_rope_append_paged_kv_cache(**args)  # the forward runs
+    assert_same([q_out], case.run(ropekv, case.fresh())[:1])
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        q_out.float().sum().backward()
+
+
+def test_compiling_needs_grad_mode_off_when_inputs_require_grad():
+    """An op that writes its arguments cannot carry an autograd formula: AOTAutograd refuses to
+    compile a graph that would differentiate through it; without grad mode it compiles."""
+    case = next(c for c in CASES if c.name == "qknorm")
+    fn = torch.compile(lambda a: case.run(rt, a), fullgraph=True, backend=compile_counter())
+    args = case.fresh(to_torch)
+    args["q"].requires_grad_(True)
+    with pytest.raises(Exception, match="no autograd formula"):
+        fn(args)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        assert_same(fn(args), case.run(ropekv, case.fresh()))
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+
+def expected_on_device(case):
+    """The NumPy reference (what the kernels are checked against)."""
+    return case.run(ropekv, case.fresh())
+
+
+def assert_close_all(got, expected):
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert_close(g, e, f"result {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_cuda_eager_and_compiled_match_the_reference(case):
+    eager = case.run(rt, case.fresh(on("cuda")))
+    assert_close_all(eager, expected_on_device(case))
+    counter = compile_counter()
+    fn = torch.compile(lambda a: case.run(rt, a), fullgraph=True, backend=counter)
+    assert_same(fn(case.fresh(on("cuda"))), [to_numpy(x) for x in eager])
+    other = negated(case)
+    assert_close_all(fn(other.fresh(on("cuda"))), expected_on_device(other))
+    assert counter.frame_count == 1  # the second call, new tensors and data: no recompilation
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_cuda_opcheck(case):
+    recorder = Recorder()
+    with recorder:
+        case.run(rt, case.fresh(on("cuda")))
+    func, args, kwargs = recorder.calls[0]
+    torch.library.opcheck(func, args, kwargs, test_utils=opcheck_utils(args))
+
+
+def _refill(dst, src):
+    """Copy a fresh argument set into the tensors a graph captured."""
+    for n, x in src.items():
+        if isinstance(x, tuple):
+            for d, s in zip(dst[n], x):
+                if isinstance(s, torch.Tensor):
+                    d.copy_(s)
+        elif isinstance(x, torch.Tensor):
+            dst[n].copy_(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in CASES if not c.name.startswith("qkv-prefill")],
+                         ids=str)
+def test_cuda_graph_capture_and_replay_write_the_cache(case):
+    static = case.fresh(on("cuda"))
+    case.run(rt, case.fresh(on("cuda")))  # warm-up: compile the kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        results = case.run(rt, static)
+    for data in (case, negated(case)):
+        _refill(static, data.fresh(on("cuda")))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_all(results, expected_on_device(data))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_of_a_prefill_qkv_call_is_refused():
+    """Prefill-sized QKV calls run cuBLAS on CuPy temporaries that a graph cannot hold."""
+    case = next(c for c in CASES if c.name == "qkv-prefill-given")
+    static = case.fresh(on("cuda"))
+    case.run(rt, case.fresh(on("cuda")))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with (pytest.raises(ValueError, match="cannot be recorded in a CUDA graph"),
+          torch.cuda.graph(graph)):
+        case.run(rt, static)
+
+
+class PagedDecode(torch.nn.Module):
+    """A decode layer's cache write: the caches are buffers (static addresses, as CUDA graphs
+    need), q/k/v and the indices arrive per step."""
+
+    def __init__(self, k_cache, v_cache, table):
+        super().__init__()
+        self.register_buffer("k_cache", k_cache)
+        self.register_buffer("v_cache", v_cache)
+        self.register_buffer("table", table)
+
+    def forward(self, q, k, v, pos, kv_indices, kv_indptr, batch_indices):
+        R = self.table.shape[1]
+        q_rope, _ = rt.rope_quantize_fp8_append_paged_kv_cache(
+            q[..., :R], k[..., :R], q[..., R:], k[..., R:], v, self.table, pos,
+            (self.k_cache, self.v_cache), kv_indices, kv_indptr, batch_indices, pos,
+            page_size=self.k_cache.shape[1])
+        return q_rope
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_mode_runs_the_op_in_a_cuda_graph():
+    from torch._dynamo.utils import counters
+
+    case = next(c for c in CASES if c.name == "paged-fp8-gqa")
+    a = case.fresh(on("cuda"))
+    R = a["q_rope"].shape[2]
+    q = torch.cat([a["q_rope"], a["q_nope"]], -1)
+    k = torch.cat([a["k_rope"], a["k_nope"]], -1)
+    module = PagedDecode(*a["paged_kv_cache"], a["cos_sin_cache"]).cuda()
+    counters.clear()
+    step = torch.compile(module, mode="reduce-overhead", fullgraph=True)
+    k_ref, v_ref = (to_numpy(c).copy() for c in a["paged_kv_cache"])
+    for i in range(4):
+        sign = -1 if i % 2 else 1
+        args = (sign * q, sign * k, sign * a["v"], a["pos_ids"], a["kv_indices"], a["kv_indptr"],
+                a["batch_indices"])
+        q8 = step(*args).clone()
+        ref_caches = (k_ref, v_ref)
+        ref_q, _ = ropekv.rope_quantize_fp8_append_paged_kv_cache(
+            *(to_numpy(x) for x in (sign * q[..., :R], sign * k[..., :R], sign * q[..., R:],
+                                    sign * k[..., R:], sign * a["v"], a["cos_sin_cache"],
+                                    a["pos_ids"])),
+            ref_caches, *(to_numpy(x) for x in (a["kv_indices"], a["kv_indptr"],
+                                                a["batch_indices"], a["pos_ids"])),
+            page_size=module.k_cache.shape[1])
+        assert_close(q8, ref_q, f"step {i} q")
+        assert_close(module.k_cache, k_ref, f"step {i} k_cache")
+        assert_close(module.v_cache, v_ref, f"step {i} v_cache")
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.gpu
+def test_the_op_runs_on_the_current_torch_stream():
+    """The inputs land on a side stream after a long sleep; the op, called inside
+    ``torch.cuda.stream(side)``, sees them only if it runs on `side`."""
+    case = next(c for c in CASES if c.name == "paged-fp8-gqa")
+    other = negated(case)
+    a, late = case.fresh(on("cuda")), other.fresh(on("cuda"))
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        _refill(a, late)
+        got = case.run(rt, a)
+        snapshot = [x.clone() for x in got]
+    torch.cuda.synchronize()
+    assert_close_all(snapshot, expected_on_device(other))
