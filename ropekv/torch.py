@@ -65,13 +65,6 @@ __all__ = [
 # ---- helpers -----------------------------------------------------------------------------------
 
 
-def _stream(t):
-    """torch's current raw stream on ``t``'s device (None for CPU tensors)."""
-    if t.device.type == "cuda":
-        return torch.cuda.current_stream(t.device).cuda_stream
-    return None
-
-
 def _meta(t, name):
     """A tensor's metadata (real or fake) for the shared derivations of ``ropekv._frameworks``."""
     device = HOST if t.device.type == "cpu" else t.device.index
@@ -109,17 +102,11 @@ def _pair(caches, message):
 
 
 def _eager(fn, *args, **kwargs):
-    """Run the eager op ``fn``. A tensor that requires grad is passed detached (the same memory):
-    the ops have no derivative, and backward through one raises torch's "no autograd formula"
-    error, not an export error in the forward."""
-    def plain(x):
-        if isinstance(x, Tensor) and x.requires_grad:
-            return x.detach()
-        if isinstance(x, tuple):
-            return tuple(plain(y) for y in x)
-        return x
-
-    return fn(*(plain(a) for a in args), **{n: plain(a) for n, a in kwargs.items()})
+    """Run the eager op ``fn`` on torch's current stream (ropekv's default for torch tensors,
+    which is also the capture stream inside ``torch.cuda.graph``). Tensors that require grad are
+    read as they are: ropekv reads their memory, never their autograd history (the ops have no
+    derivative; backward through one raises torch's "no autograd formula" error)."""
+    return fn(*args, **kwargs)
 
 
 def _no_outputs(*args, **kwargs):
@@ -135,7 +122,7 @@ def _contiguous_op(write_k_in_place):
            kv_scale: Optional[Tensor], is_neox: bool) -> None:
         _eager(ropekv.apply_rope_write_kv, q, k, v, kv_cache, cos_sin_cache,
                kv_end_lens=kv_end_lens, position_ids=position_ids, kv_scale=kv_scale,
-               write_k_in_place=write_k_in_place, is_neox=is_neox, stream=_stream(q))
+               write_k_in_place=write_k_in_place, is_neox=is_neox)
     return op
 
 
@@ -208,7 +195,7 @@ def _paged_ops(name, eager, quantize):
                quant_scale_q=quant_scale_q if quant_scales_q is None else quant_scales_q,
                quant_scale_kv=quant_scale_kv if quant_scales_kv is None else quant_scales_kv,
                page_size=page_size, kv_layout=kv_layout, q_rope_out=q_rope_out,
-               q_nope_out=q_nope_out, stream=_stream(q_rope))
+               q_nope_out=q_nope_out)
 
     def fake(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, k_cache, v_cache,
              kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
@@ -310,7 +297,7 @@ def _mla_ops():
         _eager(ropekv.mla_rope_rmsnorm_append_paged_kv_cache, q_rope, kv, gamma, cos_sin_cache,
                input_row_offsets, cache_lengths, block_table, cache, epsilon=epsilon,
                kv_norm_dim=kv_norm_dim, is_neox=is_neox, kv_scale=kv_scale,
-               q_rope_out=q_rope_out, stream=_stream(q_rope))
+               q_rope_out=q_rope_out)
 
     def allocating(q_rope: Tensor, kv: Tensor, gamma: Tensor, cos_sin_cache: Tensor,
                    input_row_offsets: Tensor, cache_lengths: Tensor, block_table: Tensor,
@@ -409,7 +396,7 @@ def _qknorm_ops():
         _eager(ropekv.qk_rmsnorm_rope_append_paged_kv_cache, q, k, v, q_gamma, k_gamma,
                cos_sin_cache, input_row_offsets, cache_lengths, block_table, (k_cache, v_cache),
                epsilon=epsilon, is_neox=is_neox, kv_layout=kv_layout,
-               kv_scale=_scale_arg(kv_scale), q_out=q_out, stream=_stream(q))
+               kv_scale=_scale_arg(kv_scale), q_out=q_out)
 
     def allocating(q: Tensor, k: Tensor, v: Tensor, q_gamma: Tensor, k_gamma: Tensor,
                    cos_sin_cache: Tensor, input_row_offsets: Tensor, cache_lengths: Tensor,
@@ -483,8 +470,7 @@ def _qkv_ops():
                input_row_offsets, cache_lengths, block_table, (k_cache, v_cache),
                num_q_heads=num_q_heads, cos_sin_cache=cos_sin_cache, is_neox=is_neox,
                kv_layout=kv_layout, kv_scale=_scale_arg(kv_scale), weight_scales=weight_scales,
-               group_size=group_size, zero_points=zero_points, out=out,
-               stream=_stream(hidden_state))
+               group_size=group_size, zero_points=zero_points, out=out)
 
     def allocating(hidden_state: Tensor, weight: Tensor, input_row_offsets: Tensor,
                    cache_lengths: Tensor, block_table: Tensor, k_cache: Tensor, v_cache: Tensor,
