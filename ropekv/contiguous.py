@@ -71,15 +71,15 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
     Mirrors TensorRT-Edge-LLM's ``launchApplyRopeWriteKV`` family. Its three launchers map onto
     keywords of this one function:
 
-    ==========================================  ================================================
-    TensorRT-Edge-LLM                           ropekv
-    ==========================================  ================================================
-    ``launchApplyRopeWriteKV`` (prefill)        ``kv_end_lens=None or lens, write_k_in_place=True``
-    ``launchApplyRopeWriteKV`` (chunked/decode) ``kv_end_lens=lens`` (K roped only in the cache)
-    ``launchApplyRopeWriteKVTreeDecoding``      ``kv_end_lens=lens, position_ids=ids``
-    ``launchApplyRopeWriteKVSplitQKV``          ``kv_end_lens=lens`` (the default
-                                                ``write_k_in_place=False``)
-    ==========================================  ================================================
+    ===========================================  ================================================
+    TensorRT-Edge-LLM                            ropekv
+    ===========================================  ================================================
+    ``launchApplyRopeWriteKV`` (prefill)         ``kv_end_lens=None or lens, write_k_in_place=True``
+    ``launchApplyRopeWriteKV`` (chunked/decode)  ``kv_end_lens=lens`` (K roped only in the cache)
+    ``launchApplyRopeWriteKVTreeDecoding``       ``kv_end_lens=lens, position_ids=ids``
+    ``launchApplyRopeWriteKVSplitQKV``           ``kv_end_lens=lens`` (the default
+                                                 ``write_k_in_place=False``)
+    ===========================================  ================================================
 
     Parameters
     ----------
@@ -114,6 +114,13 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
         Stream to launch on; by default torch's current stream when an argument is a torch
         tensor, else CuPy's current stream, on the arrays' device (``docs/conventions.md``).
 
+    Returns
+    -------
+    None
+        Everything is written in place (``q``, the cache, and ``k`` with ``write_k_in_place``).
+
+    Notes
+    -----
     ``q`` is written in place, so it must not overlap ``k``, ``v``, the cache or the table; no
     written array may overlap another argument (``ValueError``).
 
@@ -125,13 +132,26 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
 
     Examples
     --------
-    >>> import cupy as cp, ropekv
+    With NumPy arrays (the NumPy reference, on the host):
+
+    >>> import numpy as np, ropekv
     >>> B, S, Hq, Hkv, D, C = 2, 16, 32, 8, 128, 1024
-    >>> q = cp.random.randn(B, S, Hq, D).astype(cp.float16)
-    >>> k, v = (cp.random.randn(B, S, Hkv, D).astype(cp.float16) for _ in range(2))
-    >>> cache = cp.zeros((B, 2, Hkv, C, D), cp.float16)
-    >>> table = ropekv.cos_sin_cache(C, D, xp=cp)
-    >>> ropekv.apply_rope_write_kv(q, k, v, cache, table)
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((B, S, Hq, D)).astype(np.float16)
+    >>> k, v = (rng.standard_normal((B, S, Hkv, D)).astype(np.float16) for _ in range(2))
+    >>> cache = np.zeros((B, 2, Hkv, C, D), np.float16)
+    >>> ropekv.apply_rope_write_kv(q, k, v, cache, ropekv.cos_sin_cache(C, D))
+    >>> bool((cache[:, 1, :, :S] == v.transpose(0, 2, 1, 3)).all())  # V in slots [0, S)
+    True
+
+    The same call with CuPy arrays runs the CUDA kernel (needs a GPU):
+
+    >>> import cupy as cp  # doctest: +SKIP
+    >>> q = cp.random.randn(B, S, Hq, D).astype(cp.float16)  # doctest: +SKIP
+    >>> k, v = (cp.random.randn(B, S, Hkv, D).astype(q.dtype) for _ in range(2))  # doctest: +SKIP
+    >>> cache = cp.zeros((B, 2, Hkv, C, D), cp.float16)  # doctest: +SKIP
+    >>> table = ropekv.cos_sin_cache(C, D, xp=cp)  # doctest: +SKIP
+    >>> ropekv.apply_rope_write_kv(q, k, v, cache, table)  # doctest: +SKIP
     """
     return _OP((q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale),
                (ck.check_flag(write_k_in_place, "write_k_in_place"),

@@ -115,7 +115,10 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     Returns
     -------
     q_rope_out : array, (T, Hq, R)
+        The roped queries (``q_rope_out`` itself when given).
 
+    Notes
+    -----
     The latent row is ``ckv = x[:n] / sqrt(mean(x[:n]^2) + epsilon) * gamma`` followed by
     ``x[n:L]`` unchanged, ``kpe = rope(x[L:])``, all in float32 and rounded once. A token outside
     every request, or whose position falls outside ``[0, P)``, has its q row copied unrotated and
@@ -126,18 +129,30 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
 
     Examples
     --------
-    >>> import cupy as cp, ropekv
+    With NumPy arrays (the NumPy reference, on the host):
+
+    >>> import numpy as np, ropekv
     >>> T, Hq, L, R, pages, page_size = 6, 16, 512, 64, 8, 16
-    >>> q_rope = cp.random.randn(T, Hq, R).astype(cp.float16)
-    >>> kv = cp.random.randn(T, L + R).astype(cp.float16)
-    >>> gamma = cp.ones(L, cp.float32)
-    >>> table = ropekv.cos_sin_cache(4096, R, xp=cp)
-    >>> offsets = cp.array([0, 4, 6], cp.int32)         # two requests: 4 and 2 new tokens
-    >>> lengths = cp.array([0, 10], cp.int32)           # the second has 10 tokens cached
-    >>> block_table = cp.array([[3, 0], [5, 1]], cp.int32)
-    >>> cache = cp.zeros((pages, page_size, L + R), cp.float16)
+    >>> rng = np.random.default_rng(0)
+    >>> q_rope = rng.standard_normal((T, Hq, R)).astype(np.float16)
+    >>> kv = rng.standard_normal((T, L + R)).astype(np.float16)
+    >>> gamma = np.ones(L, np.float32)
+    >>> table = ropekv.cos_sin_cache(4096, R)
+    >>> offsets = np.array([0, 4, 6], np.int32)         # two requests: 4 and 2 new tokens
+    >>> lengths = np.array([0, 10], np.int32)           # the second has 10 tokens cached
+    >>> block_table = np.array([[3, 0], [5, 1]], np.int32)
+    >>> cache = np.zeros((pages, page_size, L + R), np.float16)
     >>> q_out = ropekv.mla_rope_rmsnorm_append_paged_kv_cache(
     ...     q_rope, kv, gamma, table, offsets, lengths, block_table, cache)
+    >>> q_out.shape, bool(cache[5, 10:12].any()), bool(cache[5, 12:].any())  # rows 10, 11 of page 5
+    ((6, 16, 64), True, False)
+
+    The same call with CuPy arrays runs the CUDA kernel (needs a GPU):
+
+    >>> import cupy as cp  # doctest: +SKIP
+    >>> q_out = ropekv.mla_rope_rmsnorm_append_paged_kv_cache(  # doctest: +SKIP
+    ...     *(cp.asarray(x) for x in (q_rope, kv, gamma, table, offsets, lengths, block_table,
+    ...                               cache)))
     """
     split = isinstance(kv_cache, (tuple, list))
     if split and len(kv_cache) != 2:

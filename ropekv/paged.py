@@ -176,15 +176,33 @@ def rope_quantize_fp8_append_paged_kv_cache(
 
     Examples
     --------
-    >>> import cupy as cp, ml_dtypes, ropekv
+    With NumPy arrays (the NumPy reference, on the host): one request of four tokens in page 0.
+
+    >>> import ml_dtypes, numpy as np, ropekv
     >>> T, Hq, Hkv, D, page_size, num_pages = 4, 32, 8, 128, 16, 8
-    >>> q = cp.random.randn(T, Hq, D).astype(cp.float16)
-    >>> k, v = (cp.random.randn(T, Hkv, D).astype(cp.float16) for _ in range(2))
-    >>> cache = [cp.zeros((num_pages, page_size, Hkv, D), cp.uint8).view(ml_dtypes.float8_e4m3fn)
-    ...          for _ in range(2)]
-    >>> table = ropekv.cos_sin_cache(1024, D, xp=cp)
-    >>> pos = cp.arange(T, dtype=cp.int32)
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((T, Hq, D)).astype(np.float16)
+    >>> k, v = (rng.standard_normal((T, Hkv, D)).astype(np.float16) for _ in range(2))
+    >>> fp8 = ml_dtypes.float8_e4m3fn
+    >>> cache = [np.zeros((num_pages, page_size, Hkv, D), fp8) for _ in range(2)]
+    >>> pos = np.arange(T, dtype=np.int32)
     >>> q8, _ = ropekv.rope_quantize_fp8_append_paged_kv_cache(
+    ...     q, k, None, None, v, ropekv.cos_sin_cache(1024, D), pos, cache,
+    ...     np.arange(num_pages, dtype=np.int32), np.array([0, 1], np.int32),
+    ...     np.zeros(T, np.int32), pos)
+    >>> q8.shape, q8.dtype
+    ((4, 32, 128), dtype(float8_e4m3fn))
+
+    The same call with CuPy arrays runs the CUDA kernel (needs a GPU):
+
+    >>> import cupy as cp  # doctest: +SKIP
+    >>> q = cp.random.randn(T, Hq, D).astype(cp.float16)  # doctest: +SKIP
+    >>> k, v = (cp.random.randn(T, Hkv, D).astype(cp.float16) for _ in range(2))  # doctest: +SKIP
+    >>> cache = [cp.zeros((num_pages, page_size, Hkv, D), cp.uint8).view(fp8)  # doctest: +SKIP
+    ...          for _ in range(2)]
+    >>> table = ropekv.cos_sin_cache(1024, D, xp=cp)  # doctest: +SKIP
+    >>> pos = cp.arange(T, dtype=cp.int32)  # doctest: +SKIP
+    >>> q8, _ = ropekv.rope_quantize_fp8_append_paged_kv_cache(  # doctest: +SKIP
     ...     q, k, None, None, v, table, pos, cache, cp.arange(num_pages, dtype=cp.int32),
     ...     cp.array([0, 1], cp.int32), cp.zeros(T, cp.int32), pos)
     """
@@ -208,16 +226,67 @@ def rope_append_paged_kv_cache(
     behave exactly as in :func:`rope_quantize_fp8_append_paged_kv_cache`. ``quantize_dtype``, when
     given, must be the cache dtype.
 
+    Parameters
+    ----------
+    q_rope, k_rope, q_nope, k_nope, v : array or None
+        As in :func:`rope_quantize_fp8_append_paged_kv_cache`.
+    cos_sin_cache, pos_ids : array
+        As there.
+    paged_kv_cache : (k_cache, v_cache) or (ckv_cache, kpe_cache), written in place
+        As there; the dtype may also be that of ``q_rope`` (float16 or bfloat16).
+    kv_indices, kv_indptr, batch_indices, positions : array
+        As there.
+    is_neox : bool
+        As there.
+    quantize_dtype : dtype, optional
+        The cache dtype when given.
+    quant_scale_q, quant_scale_kv : float, or float32 array (Hq,) / (Hkv,)
+        As there, for fp8 caches; ignored for 16-bit caches.
+    page_size : int
+        Entries per page; must match the cache shape.
+    kv_layout : {"NHD", "HND"}
+        GQA/MHA cache layout; ignored for MLA.
+    q_rope_out, q_nope_out : array, optional
+        In the cache dtype; as there.
+    enable_pdl : bool
+        Accepted for compatibility.
+    stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
+        As there.
+
+    Returns
+    -------
+    (q_rope_out, q_nope_out)
+        The roped queries in the cache dtype; ``q_nope_out`` has shape (nnz, Hq, 0) when
+        ``q_nope`` is None.
+
     Examples
     --------
-    >>> import cupy as cp, ropekv
+    With NumPy arrays (the NumPy reference, on the host), a float16 cache in the HND layout:
+
+    >>> import numpy as np, ropekv
     >>> T, Hq, Hkv, D, page_size, num_pages = 4, 32, 8, 128, 16, 8
-    >>> q = cp.random.randn(T, Hq, D).astype(cp.float16)
-    >>> k, v = (cp.random.randn(T, Hkv, D).astype(cp.float16) for _ in range(2))
-    >>> cache = [cp.zeros((num_pages, Hkv, page_size, D), cp.float16) for _ in range(2)]
-    >>> table = ropekv.cos_sin_cache(1024, D, xp=cp)
-    >>> pos = cp.arange(T, dtype=cp.int32)
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((T, Hq, D)).astype(np.float16)
+    >>> k, v = (rng.standard_normal((T, Hkv, D)).astype(np.float16) for _ in range(2))
+    >>> cache = [np.zeros((num_pages, Hkv, page_size, D), np.float16) for _ in range(2)]
+    >>> pos = np.arange(T, dtype=np.int32)
     >>> q_roped, _ = ropekv.rope_append_paged_kv_cache(
+    ...     q, k, None, None, v, ropekv.cos_sin_cache(1024, D), pos, cache,
+    ...     np.arange(num_pages, dtype=np.int32), np.array([0, 1], np.int32),
+    ...     np.zeros(T, np.int32), pos, kv_layout="HND")
+    >>> bool((cache[1][0, :, :T] == v.transpose(1, 0, 2)).all())  # V in page 0, entries 0..3
+    True
+
+    The same call with CuPy arrays runs the CUDA kernel (needs a GPU):
+
+    >>> import cupy as cp  # doctest: +SKIP
+    >>> q = cp.random.randn(T, Hq, D).astype(cp.float16)  # doctest: +SKIP
+    >>> k, v = (cp.random.randn(T, Hkv, D).astype(cp.float16) for _ in range(2))  # doctest: +SKIP
+    >>> cache = [cp.zeros((num_pages, Hkv, page_size, D), cp.float16)  # doctest: +SKIP
+    ...          for _ in range(2)]
+    >>> table = ropekv.cos_sin_cache(1024, D, xp=cp)  # doctest: +SKIP
+    >>> pos = cp.arange(T, dtype=cp.int32)  # doctest: +SKIP
+    >>> q_roped, _ = ropekv.rope_append_paged_kv_cache(  # doctest: +SKIP
     ...     q, k, None, None, v, table, pos, cache, cp.arange(num_pages, dtype=cp.int32),
     ...     cp.array([0, 1], cp.int32), cp.zeros(T, cp.int32), pos, kv_layout="HND")
     """

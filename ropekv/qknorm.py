@@ -102,7 +102,10 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     Returns
     -------
     q_out : array, (T, Hq, D)
+        The normalised, roped queries (``q_out`` itself when given).
 
+    Notes
+    -----
     Each head row becomes ``rope(x / sqrt(mean(x^2) + epsilon) * gamma)``, in float32 and rounded
     once (Hugging Face's Qwen3 rounds to the model dtype between the norm and the rope; this does
     not). V is written unchanged (quantized for fp8 caches). A token outside every request, or
@@ -113,16 +116,31 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
 
     Examples
     --------
-    >>> import cupy as cp, ropekv
+    With NumPy arrays (the NumPy reference, on the host): one request, 7 tokens cached, 5 new
+    ones at positions 7..11 of page 2.
+
+    >>> import numpy as np, ropekv
     >>> T, Hq, Hkv, D = 5, 32, 8, 128
-    >>> q = cp.random.randn(T, Hq, D).astype(cp.float16)
-    >>> k, v = (cp.random.randn(T, Hkv, D).astype(cp.float16) for _ in range(2))
-    >>> gamma = cp.ones(D, cp.float32)
-    >>> caches = tuple(cp.zeros((4, 16, Hkv, D), cp.float16) for _ in range(2))
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((T, Hq, D)).astype(np.float16)
+    >>> k, v = (rng.standard_normal((T, Hkv, D)).astype(np.float16) for _ in range(2))
+    >>> gamma = np.ones(D, np.float32)
+    >>> caches = tuple(np.zeros((4, 16, Hkv, D), np.float16) for _ in range(2))
     >>> q_out = ropekv.qk_rmsnorm_rope_append_paged_kv_cache(
-    ...     q, k, v, gamma, gamma, ropekv.cos_sin_cache(4096, D, base=1e6, xp=cp),
-    ...     cp.array([0, 5], cp.int32), cp.array([7], cp.int32), cp.array([[2, 0]], cp.int32),
+    ...     q, k, v, gamma, gamma, ropekv.cos_sin_cache(4096, D, base=1e6),
+    ...     np.array([0, 5], np.int32), np.array([7], np.int32), np.array([[2, 0]], np.int32),
     ...     caches)
+    >>> q_out.shape, bool((caches[1][2, 7:12] == v).all())
+    ((5, 32, 128), True)
+
+    The same call with CuPy arrays runs the CUDA kernel (needs a GPU):
+
+    >>> import cupy as cp  # doctest: +SKIP
+    >>> dev = [cp.asarray(x) for x in (q, k, v, gamma, gamma)]  # doctest: +SKIP
+    >>> q_out = ropekv.qk_rmsnorm_rope_append_paged_kv_cache(  # doctest: +SKIP
+    ...     *dev, ropekv.cos_sin_cache(4096, D, base=1e6, xp=cp),
+    ...     cp.array([0, 5], cp.int32), cp.array([7], cp.int32), cp.array([[2, 0]], cp.int32),
+    ...     tuple(cp.zeros((4, 16, Hkv, D), cp.float16) for _ in range(2)))
     """
     if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
         raise ValueError(f"paged_kv_cache must be a tuple (k_cache, v_cache), got "

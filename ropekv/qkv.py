@@ -143,7 +143,8 @@ def pack_int4(w_int, *, signed=True):
 
     Returns
     -------
-    uint8 array (N, K/2).
+    array, (N, K/2), uint8
+        The packed weights, NumPy or CuPy like ``w_int``.
 
     Examples
     --------
@@ -242,15 +243,26 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     kv_scale : float or (float, float), optional
         Dequantization scale(s) of fp8 caches (K and V): stored = fp8(x / scale), round to
         nearest even, saturating. 1.0 by default; only for fp8 caches.
-    weight_scales, group_size, zero_points : see ``weight``.
+    weight_scales : array, optional
+        Per-row (fp8) or per-group (4-bit) weight scales; see ``weight``.
+    group_size : int, optional
+        Columns per 4-bit scale group; see ``weight``.
+    zero_points : array, optional
+        4-bit zero points; see ``weight``.
     out : array, (T, Hq D), the input dtype, optional
-        Q (roped). Allocated when None (CuPy for device inputs, NumPy for host inputs).
+        Q (roped). Allocated when None, in the caller's array type (torch, CuPy, NumPy).
+    enable_pdl : bool
+        Launch with programmatic dependent launch (see :func:`ropekv.apply_rope_write_kv`).
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
+        By default torch's current stream for torch inputs, else CuPy's (``docs/conventions.md``).
 
     Returns
     -------
-    out : (T, Hq D)
+    out : array, (T, Hq D)
+        Q, roped (``out`` itself when given).
 
+    Notes
+    -----
     A token outside every request, at a negative position or (with RoPE) at a position outside
     ``[0, P)`` has its Q row written unrotated and writes no K/V; a token with a valid position
     but a block-table index or page id out of range is roped and writes no K/V. Nothing is read or
@@ -259,17 +271,33 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
 
     Examples
     --------
-    >>> import cupy as cp, ropekv
-    >>> T, K, Hq, Hkv, D, pages, ps = 4, 4096, 32, 8, 128, 64, 16
-    >>> x = cp.random.randn(T, K).astype(cp.float16)
-    >>> w = (cp.random.randn((Hq + 2 * Hkv) * D, K) / 64).astype(cp.float16)
-    >>> kc, vc = (cp.zeros((pages, ps, Hkv, D), cp.float16) for _ in range(2))
-    >>> offsets = cp.array([0, 1, 2, 3, 4], cp.int32)      # four decoding requests
-    >>> lengths = cp.array([5, 17, 0, 40], cp.int32)
-    >>> table = cp.arange(16, dtype=cp.int32).reshape(4, 4)
+    With NumPy arrays (the NumPy reference, on the host), a small projection:
+
+    >>> import numpy as np, ropekv
+    >>> T, K, Hq, Hkv, D, pages, ps = 4, 256, 4, 2, 64, 16, 16
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((T, K)).astype(np.float16)
+    >>> w = (rng.standard_normal(((Hq + 2 * Hkv) * D, K)) / 16).astype(np.float16)
+    >>> kc, vc = (np.zeros((pages, ps, Hkv, D), np.float16) for _ in range(2))
+    >>> offsets = np.array([0, 1, 2, 3, 4], np.int32)      # four decoding requests
+    >>> lengths = np.array([5, 17, 0, 40], np.int32)
+    >>> table = np.arange(16, dtype=np.int32).reshape(4, 4)
     >>> q = ropekv.fused_qkv_matmul_append_paged_kv_cache(
     ...     x, w, offsets, lengths, table, (kc, vc), num_q_heads=Hq,
-    ...     cos_sin_cache=ropekv.cos_sin_cache(4096, D, xp=cp))
+    ...     cos_sin_cache=ropekv.cos_sin_cache(4096, D))
+    >>> q.shape, q.dtype
+    ((4, 256), dtype('float16'))
+
+    The same call with CuPy arrays runs the CUDA kernel (needs a GPU), here at Llama-3-8B size:
+
+    >>> import cupy as cp  # doctest: +SKIP
+    >>> T, K, Hq, Hkv, D, pages, ps = 4, 4096, 32, 8, 128, 64, 16
+    >>> x = cp.random.randn(T, K).astype(cp.float16)  # doctest: +SKIP
+    >>> w = (cp.random.randn((Hq + 2 * Hkv) * D, K) / 64).astype(cp.float16)  # doctest: +SKIP
+    >>> kc, vc = (cp.zeros((pages, ps, Hkv, D), cp.float16) for _ in range(2))  # doctest: +SKIP
+    >>> q = ropekv.fused_qkv_matmul_append_paged_kv_cache(  # doctest: +SKIP
+    ...     x, w, cp.asarray(offsets), cp.asarray(lengths), cp.asarray(table), (kc, vc),
+    ...     num_q_heads=Hq, cos_sin_cache=ropekv.cos_sin_cache(4096, D, xp=cp))
     """
     if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
         raise ValueError(f"paged_kv_cache must be a (k_cache, v_cache) pair, got "

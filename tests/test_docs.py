@@ -23,15 +23,7 @@ DOCS = ROOT / "docs"
 # Public functions whose docstrings wait for the fixes listed in DOCSTRING_FIXES.md (their modules
 # were being rewritten elsewhere). Until then their Sphinx warnings make the build test xfail and
 # their CuPy-only examples are not run. Applying the fixes, empty this set.
-PENDING = {
-    "apply_rope_write_kv",
-    "rope_quantize_fp8_append_paged_kv_cache",
-    "rope_append_paged_kv_cache",
-    "mla_rope_rmsnorm_append_paged_kv_cache",
-    "qk_rmsnorm_rope_append_paged_kv_cache",
-    "fused_qkv_matmul_append_paged_kv_cache",
-    "pack_int4",
-}
+PENDING = set()
 
 
 # ---- the Sphinx build ----------------------------------------------------------------------------
