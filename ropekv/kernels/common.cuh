@@ -9,6 +9,24 @@ namespace ropekv {
 
 typedef long long i64;
 
+// Programmatic Dependent Launch (sm_90+). A kernel launched with the programmatic stream
+// serialization attribute may start while the kernel before it on the stream is still running:
+// pdl_wait() blocks until that kernel has completed and its writes are visible, so every kernel
+// calls it before its first global memory access; pdl_launch_dependents() lets the next kernel
+// start its own prologue (it will wait in turn), so kernels call it first thing. Without the
+// attribute both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 // N elements of T moved as one access: 16 bytes at most per instruction, so a Vec<float, 8>
 // becomes two 16-byte loads. Callers guarantee the alignment (the Python side picks N).
 template <typename T, int N>
@@ -70,10 +88,14 @@ struct is_fp8<__nv_fp8_e5m2> {
 };
 
 template <typename T, int N>
-__device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
-  const Vec<T, N> v = load<T, N>(p);
+__device__ __forceinline__ void to_floats(const Vec<T, N>& v, float (&out)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = to_float(v.v[i]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
+  to_floats<T, N>(load<T, N>(p), out);
 }
 
 // Stores x * scale rounded to T (scale is 1 for non-quantized outputs).
@@ -90,9 +112,25 @@ struct fp8_interpretation<__nv_fp8_e5m2> {
 
 template <typename T, int N>
 __device__ __forceinline__ void store_float(T* p, const float (&x)[N], float scale = 1.f) {
+  if constexpr (is_fp8<T>::value && N % 4 == 0) {
+    // two values per conversion instruction (cvt.rn.satfinite.*x2.f32 on sm_89+), the pairs
+    // packed straight into 32-bit words (no per-byte repacking)
+    Vec<unsigned, N / 4> w;
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const unsigned lo = __nv_cvt_float2_to_fp8x2(
+          make_float2(x[4 * i] * scale, x[4 * i + 1] * scale), __NV_SATFINITE,
+          fp8_interpretation<T>::value);
+      const unsigned hi = __nv_cvt_float2_to_fp8x2(
+          make_float2(x[4 * i + 2] * scale, x[4 * i + 3] * scale), __NV_SATFINITE,
+          fp8_interpretation<T>::value);
+      w.v[i] = lo | (hi << 16);
+    }
+    store<unsigned, N / 4>(reinterpret_cast<unsigned*>(p), w);
+    return;
+  }
   Vec<T, N> v;
   if constexpr (is_fp8<T>::value && N % 2 == 0) {
-    // two values per conversion instruction (cvt.rn.satfinite.*x2.f32 on sm_89+)
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
       const __nv_fp8x2_storage_t two = __nv_cvt_float2_to_fp8x2(
