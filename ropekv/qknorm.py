@@ -28,10 +28,33 @@ PARAMS = ParamStruct("QKNormParams", [
                               "vc_sh", "num_pages")),
     *((n, np.float32) for n in ("epsilon", "inv_k_scale", "inv_v_scale")),
     *((n, np.int32) for n in ("T", "B", "Hq", "Hkv", "D", "R", "P", "max_pages", "page_size",
-                              "q_gamma_f32", "k_gamma_f32", "group")),
+                              "q_gamma_f32", "k_gamma_f32", "group", "rows")),
 ])
-BLOCK = 256
 MAX_GROUP = 32  # lanes per head row: one chunk each, a row within a warp
+ROWS_MAX = 4  # head rows one lane group holds (kRowsMax in the kernel)
+
+# Launch shape (H200). A token has H = Hq + 2 Hkv head rows (Q, K, V), one lane group per row.
+# Few tokens (decode): blocks of `block` threads, each lane group one row (or a few when that
+# keeps the grid within `wave_blocks`), a token's rows split over several blocks so the grid fills
+# the GPU. Many tokens (prefill): a block per token, `prefill_rows` rows per lane group, the fewest
+# whole warps that cover the token (at most `max_block` threads).
+TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 4, "max_block": 256}
+
+
+def launch_shape(T, H, group):
+    """(block, rows, splits) for T tokens of H head rows at ``group`` lanes per row: grid (T,
+    splits), rows per lane group."""
+    slots = TUNING["block"] // group
+    for rows in (1, 2, 4):
+        splits = -(-H // (slots * rows))
+        if T * splits <= TUNING["wave_blocks"]:
+            return TUNING["block"], -(-H // (slots * splits)), splits
+    per_warp = 32 // group
+    slots = -(-H // TUNING["prefill_rows"])
+    block = min(-(-slots // per_warp) * 32, TUNING["max_block"])
+    slots = block // group
+    rows = min(ROWS_MAX, -(-H // slots))
+    return block, rows, -(-H // (slots * rows))
 
 
 _PLANS = PlanCache()
@@ -223,6 +246,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
                          f"per head row, more than {MAX_GROUP}; align the rows of q, k, v and the "
                          f"caches to {16 // vq.dtype.itemsize * vq.dtype.itemsize} bytes")
     group = 1 << (items - 1).bit_length()
+    block, rows, splits = launch_shape(T, Hq + 2 * Hkv, group)
     if kv_layout == "NHD":
         kc = (vkc.strides[0], vkc.strides[1], vkc.strides[2])
         vc = (vvc.strides[0], vvc.strides[1], vvc.strides[2])
@@ -240,11 +264,12 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
         num_pages=num_pages, epsilon=epsilon, inv_k_scale=1.0 / k_scale,
         inv_v_scale=1.0 / v_scale, T=T, B=B, Hq=Hq, Hkv=Hkv, D=D, R=R, P=P, max_pages=max_pages,
         page_size=page_size, q_gamma_f32=int(vqg.dtype == FLOAT32),
-        k_gamma_f32=int(vkg.dtype == FLOAT32), group=group)
+        k_gamma_f32=int(vkg.dtype == FLOAT32), group=group, rows=rows)
     names = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin", "offsets", "cache_lengths",
              "block_table", "k_cache", "v_cache", "q_out")
-    plan = LaunchPlan(STEM, expression(vq.dtype, vkc.dtype, bool(is_neox), n), device, (T,),
-                      (BLOCK,), PARAMS, values, [(f, i, 0) for i, f in enumerate(names)])
+    plan = LaunchPlan(STEM, expression(vq.dtype, vkc.dtype, bool(is_neox), n), device,
+                      (T, splits), (block,), PARAMS, values,
+                      [(f, i, 0) for i, f in enumerate(names)])
     plan.launch([x.ptr for x in (vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vout)],
                 stream)
     if key is not None:
