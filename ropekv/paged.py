@@ -165,11 +165,11 @@ def rope_quantize_fp8_append_paged_kv_cache(
 
     Notes
     -----
-    A token whose ``pos_ids`` entry falls outside ``[0, P)`` is skipped whole (its q output rows are
-    not written). A token whose cache slot is invalid -- ``batch_indices`` outside ``[0, B)``, a
-    negative position, ``kv_indptr[b]`` outside ``[0, I]`` (I = len(kv_indices)), a page-table
-    index outside ``[kv_indptr[b], min(kv_indptr[b + 1], I))``, a page id outside
-    ``[0, num_pages)`` -- writes its q outputs but no cache row.
+    A token whose ``pos_ids`` entry falls outside ``[0, P)`` has its q outputs written unrotated
+    (quantized with the q scale) and no cache row. A token whose cache slot is invalid --
+    ``batch_indices`` outside ``[0, B)``, a negative position, ``kv_indptr[b]`` outside ``[0, I]``
+    (I = len(kv_indices)), a page-table index outside ``[kv_indptr[b], min(kv_indptr[b + 1],
+    I))``, a page id outside ``[0, num_pages)`` -- writes its q outputs but no cache row.
     Nothing is ever read or written out of bounds. With ``ROPEKV_CHECK_INDICES=1`` such tokens
     (padding aside) raise ``IndexError`` instead, checked on the host before the launch.
 

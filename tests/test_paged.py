@@ -145,14 +145,15 @@ def naive(args, is_neox=True):
 
     for i in range(T):
         p = int(a["pos_ids"][i])
-        if not 0 <= p < P:
-            qro[i] = qno[i] = 0
-            continue
+        roped = 0 <= p < P  # otherwise: q written unrotated, no cache row
         for h in range(Hq):
             s = scale(a["quant_scale_q"], h)
-            qro[i, h] = cast(rot(q_rope[i, h], p) * s)
+            x = rot(q_rope[i, h], p) if roped else q_rope[i, h].astype(np.float64)
+            qro[i, h] = cast(x * s)
             if Dn:
                 qno[i, h] = cast(a["q_nope"][i, h].astype(np.float64) * s)
+        if not roped:
+            continue
         b, pos = int(a["batch_indices"][i]), int(a["positions"][i])
         if not 0 <= b < B or pos < 0:
             continue
@@ -323,16 +324,27 @@ def test_padding_and_invalid_slots_write_q_but_no_cache_row():
         assert_bytes_equal(g, o)
 
 
-def test_out_of_table_positions_skip_the_token():
+def test_out_of_table_positions_write_q_unrotated_and_no_cache_row():
     args = make_case(11, T=4, cache_dtype=F16)
     args["pos_ids"][1] = args["cos_sin_cache"].shape[0]
     args["pos_ids"][2] = -1
     out = np.full((4, 4, 16), 7, F16)
     q, _ = call(args, quantize=False, q_rope_out=out)
     assert q is out
-    assert (out[1:3] == 7).all() and not (out[0] == 7).all()
+    np.testing.assert_array_equal(out[1:3], args["q_rope"][1:3])  # never left stale
+    assert not (out[0] == 7).all() and not (out[3] == 7).all()
     mask = written_rows(args)
     assert mask.sum() == 2
+
+
+def test_out_of_table_positions_quantize_q_with_its_scale():
+    args = make_case(13, T=3, Dn=8, cache_dtype=E4M3)
+    args["pos_ids"][:] = [-5, 0, 1 << 30]
+    args["quant_scale_q"] = 0.5
+    q, n = call(args)
+    for i in (0, 2):
+        assert_close(q[i], reference.to_dtype(args["q_rope"][i].astype(np.float64) * 0.5, E4M3))
+        assert_close(n[i], reference.to_dtype(args["q_nope"][i].astype(np.float64) * 0.5, E4M3))
 
 
 def test_mla_writes_ckv_and_kpe():
@@ -669,10 +681,8 @@ def check_against_reference(args, quantize, is_neox=True, prealloc=False):
     if prealloc:
         assert q is kw["q_rope_out"]
     assert type(q).__module__.startswith("cupy")
-    pos = args["pos_ids"].astype(np.int64)
-    valid = (pos >= 0) & (pos < args["cos_sin_cache"].shape[0])  # others: q rows not written
-    assert_close(to_numpy(q)[valid], exp_q[valid], "q_rope_out")
-    assert_close(to_numpy(n)[valid], exp_n[valid], "q_nope_out")
+    assert_close(to_numpy(q), exp_q, "q_rope_out")  # every row: unrotated without a position
+    assert_close(to_numpy(n), exp_n, "q_nope_out")
     check_caches(dev["paged_kv_cache"], expected["paged_kv_cache"], args["paged_kv_cache"], args)
 
 
@@ -825,7 +835,7 @@ def test_explicit_stream():
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: FlashInfer 0.5.3 on identical torch inputs
+# GPU: FlashInfer 0.7.2 on identical torch inputs
 
 
 def flashinfer_or_skip():
