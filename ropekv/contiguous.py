@@ -21,16 +21,24 @@ from ropekv._vector import aligned, vector_width
 
 STEM = "contiguous"
 KERNEL = "apply_rope_write_kv"
-BLOCK = 128
-SMALL_BATCH_TOKENS = 1024
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
+ROWS_MAX = 4  # head rows one lane group holds (kRowsMax in the kernel)
+MAX_ITEMS = 256  # chunks (lanes) per head row: one lane group fits a block
+
+# Launch shape (H200). A token has H = Hq + 2 Hkv head rows (Q, K, V), one lane group per row.
+# Few tokens (decode): blocks of about `block` threads, each lane group one row (or a few when that
+# keeps the grid within `wave_blocks`), a token's rows split over several blocks so the grid fills
+# the GPU. Many tokens (prefill): a block per token, `prefill_rows` rows per lane group (at most
+# `max_block` threads).
+TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 4, "max_block": 256}
 
 PARAMS = ParamStruct("RopeWriteKVParams", [
     *((n, np.uint64) for n in ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids",
                                "kv_scale")),
     *((n, np.int64) for n in ("q_sb", "q_ss", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss",
                               "v_sh", "c_sb", "c_skv", "c_sh", "c_st", "cs_sb", "cs_sp")),
-    *((n, np.int32) for n in ("B", "S", "Hq", "Hkv", "D", "R", "C", "P", "write_k_in_place")),
+    *((n, np.int32) for n in ("B", "S", "Hq", "Hkv", "D", "R", "C", "P", "write_k_in_place",
+                              "group", "rows")),
 ])
 
 
@@ -44,16 +52,17 @@ def expression(dtype, cache_dtype, is_neox, n):
     return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
 
 
-def block_size(D, R, n, is_neox, tokens):
-    """Threads per token: a whole number of head rows of ``items`` chunks each (the kernel's
-    ``hp`` heads in parallel). About 128 threads when there are many tokens (more blocks resident
-    per SM); 256 for few tokens (decode), where the per-thread chain of loads is the latency."""
-    items = ((R // 2) // n if is_neox else R // n) + (D - R) // n
-    if items > 256:
-        raise ValueError(f"head dim D={D} with rotary dim R={R} needs {items} threads per head "
-                         f"row, more than the 256 a block has")
-    target = 2 * BLOCK if tokens < SMALL_BATCH_TOKENS else BLOCK
-    return items * max(1, target // items)
+def launch_shape(T, H, group):
+    """(block, rows, splits) for T tokens of H head rows at ``group`` lanes per row: grid (T,
+    splits), ``rows`` rows per lane group."""
+    slots = max(1, TUNING["block"] // group)
+    for rows in (1, 2, 4):
+        splits = -(-H // (slots * rows))
+        if T * splits <= TUNING["wave_blocks"]:
+            return slots * group, -(-H // (slots * splits)), splits
+    slots = min(-(-H // TUNING["prefill_rows"]), max(1, TUNING["max_block"] // group))
+    rows = min(ROWS_MAX, -(-H // slots))
+    return slots * group, rows, -(-H // (slots * rows))
 
 
 def instantiations():
@@ -202,6 +211,11 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
     if n is None:
         raise ValueError(f"interleaved RoPE needs an even head dim D and rotary dim R, got D={D}, "
                          f"R={R}")
+    items = ((R // 2) // n if is_neox else R // n) + (D - R) // n
+    if items > MAX_ITEMS:
+        raise ValueError(f"head dim D={D} with rotary dim R={R} needs {items} threads per head "
+                         f"row, more than the {MAX_ITEMS} a block has")
+    block, rows, splits = launch_shape(B * S, Hq + 2 * Hkv, items)
     table_strides = vt.strides if vt.ndim == 3 else (0, *vt.strides)
     values = PARAMS.values(
         q=vq.ptr, k=vk.ptr, v=vv.ptr, cache=vc.ptr, cos_sin=vt.ptr,
@@ -213,9 +227,10 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
         v_sb=vv.strides[0], v_ss=vv.strides[1], v_sh=vv.strides[2],
         c_sb=vc.strides[0], c_skv=vc.strides[1], c_sh=vc.strides[2], c_st=vc.strides[3],
         cs_sb=table_strides[0] if vt.ndim == 3 and vt.shape[0] > 1 else 0, cs_sp=table_strides[1],
-        B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=C, P=P, write_k_in_place=int(bool(write_k_in_place)))
-    plan = LaunchPlan(STEM, expression(vq.dtype, vc.dtype, bool(is_neox), n), device, (B * S,),
-                      (block_size(D, R, n, is_neox, B * S),), PARAMS, values, PTR_FIELDS)
+        B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=C, P=P, write_k_in_place=int(bool(write_k_in_place)),
+        group=items, rows=rows)
+    plan = LaunchPlan(STEM, expression(vq.dtype, vc.dtype, bool(is_neox), n), device,
+                      (B * S, splits), (block,), PARAMS, values, PTR_FIELDS)
     plan.launch([x.ptr if x is not None else 0 for x in present_in_order(a)], stream)
     if key is not None:
         _PLANS.put(key, plan)
