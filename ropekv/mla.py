@@ -20,7 +20,12 @@ from ropekv._vector import aligned, vector_width
 STEM = "mla"
 KERNEL = "mla_rope_rmsnorm_append"
 BLOCK = 256
+HEADS_MAX = 4  # q heads one lane group holds (kHeadsMax in the kernel)
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
+# Launch shape (H200): a token's q heads are split over up to Hq / (BLOCK / items) blocks (one head
+# per lane group) while the grid stays within `wave_blocks`, over as few as HEADS_MAX allow
+# otherwise (prefill: a block per token).
+TUNING = {"wave_blocks": 660}
 
 PARAMS = ParamStruct("MlaParams", [
     *((n, np.uint64) for n in ("q", "q_out", "kv", "gamma", "cos_sin", "offsets",
@@ -30,8 +35,18 @@ PARAMS = ParamStruct("MlaParams", [
     ("epsilon", np.float32),
     ("inv_kv_scale", np.float32),
     *((n, np.int32) for n in ("T", "B", "Hq", "L", "R", "P", "kv_norm_dim", "max_pages",
-                              "page_size", "gamma_f32")),
+                              "page_size", "gamma_f32", "heads_per_block")),
 ])
+
+
+def launch_shape(T, Hq, items):
+    """(splits, heads per block) for T tokens of Hq q heads of ``items`` chunks each."""
+    groups = BLOCK // items
+    fewest = -(-Hq // (groups * HEADS_MAX))
+    most = -(-Hq // groups)
+    splits = max(fewest, min(most, -(-TUNING["wave_blocks"] // T)))
+    per_block = -(-Hq // splits)
+    return -(-Hq // per_block), per_block
 
 
 _PLANS = PlanCache()
@@ -304,6 +319,7 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     if (R // 2 if is_neox else R) // n > BLOCK:
         raise ValueError(f"rotary dim R={R} needs more than {BLOCK} threads per head row at a "
                          f"vector width of {n}")
+    splits, per_block = launch_shape(T, Hq, (R // 2 if is_neox else R) // n)
     if split:
         ckv_ptr, kpe_ptr = vckv.ptr, vkpe.ptr
         ckv_s, kpe_s = vckv.strides, vkpe.strides
@@ -318,14 +334,14 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
         ckv_sp=ckv_s[0], ckv_se=ckv_s[1], kpe_sp=kpe_s[0], kpe_se=kpe_s[1], num_pages=num_pages,
         epsilon=epsilon, inv_kv_scale=1.0 / scale if scale else 1.0,
         T=T, B=B, Hq=Hq, L=L, R=R, P=P, kv_norm_dim=n_norm, max_pages=max_pages,
-        page_size=page_size, gamma_f32=int(vg.dtype == FLOAT32))
+        page_size=page_size, gamma_f32=int(vg.dtype == FLOAT32), heads_per_block=per_block)
     # pointer fields <- (argument of the plan's pointer list, byte offset)
     kpe = (8, 0) if split else (7, L * vcache.dtype.itemsize)
     pointers = [("q", 0, 0), ("kv", 1, 0), ("gamma", 2, 0), ("cos_sin", 3, 0), ("offsets", 4, 0),
                 ("cache_lengths", 5, 0), ("block_table", 6, 0), ("ckv", 7, 0), ("kpe", *kpe),
                 ("q_out", 9, 0)]
-    plan = LaunchPlan(STEM, expression(vq.dtype, vcache.dtype, bool(is_neox), n), device, (T,),
-                      (BLOCK,), PARAMS, values, pointers)
+    plan = LaunchPlan(STEM, expression(vq.dtype, vcache.dtype, bool(is_neox), n), device,
+                      (T, splits), (BLOCK,), PARAMS, values, pointers)
     plan.launch([vq.ptr, vkv.ptr, vg.ptr, vt.ptr, voff.ptr, vlen.ptr, vbt.ptr, caches[0].ptr,
                  caches[-1].ptr, vout.ptr], stream)
     if key is not None:
