@@ -31,42 +31,52 @@ PARAMS = ParamStruct("QKNormParams", [
                               "q_gamma_f32", "k_gamma_f32", "group", "rows")),
 ])
 MAX_GROUP = 32  # lanes per head row: one chunk each, a row within a warp
-ROWS_MAX = 4  # head rows one lane group holds (kRowsMax in the kernel)
+ROWS = (1, 2, 4)  # kernels by the head rows one lane group can hold (their register budgets)
+MAX_BLOCK = 512  # __launch_bounds__
 
 # Launch shape (H200). A token has H = Hq + 2 Hkv head rows (Q, K, V), one lane group per row.
 # Few tokens (decode): blocks of `block` threads, each lane group one row (or a few when that
 # keeps the grid within `wave_blocks`), a token's rows split over several blocks so the grid fills
-# the GPU. Many tokens (prefill): a block per token, `prefill_rows` rows per lane group, the fewest
-# whole warps that cover the token (at most `max_block` threads).
-TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 4, "max_block": 256}
+# the GPU; below `narrow_below` tokens at a vector width of at most `narrow_width` elements (more
+# lanes per row, shorter per-thread work). Many tokens (prefill): `prefill_rows` rows per lane
+# group, the fewest whole warps that cover the token (at most `max_block` threads per block).
+TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 4, "max_block": 256,
+          "prefill_max_rows": 4, "narrow_below": 0, "narrow_width": 4}
+
+
+def kernel_rows(rows):
+    """The smallest kernel ROWS that holds ``rows`` rows per lane group."""
+    return next(r for r in ROWS if r >= rows)
 
 
 def launch_shape(T, H, group):
     """(block, rows, splits) for T tokens of H head rows at ``group`` lanes per row: grid (T,
-    splits), rows per lane group."""
+    splits), ``rows`` rows per lane group (the kernel's ROWS is ``kernel_rows(rows)``)."""
     slots = TUNING["block"] // group
-    for rows in (1, 2, 4):
+    for rows in ROWS:
         splits = -(-H // (slots * rows))
         if T * splits <= TUNING["wave_blocks"]:
             return TUNING["block"], -(-H // (slots * splits)), splits
     per_warp = 32 // group
     slots = -(-H // TUNING["prefill_rows"])
-    block = min(-(-slots // per_warp) * 32, TUNING["max_block"])
+    block = min(-(-slots // per_warp) * 32, TUNING["max_block"], MAX_BLOCK)
     slots = block // group
-    rows = min(ROWS_MAX, -(-H // slots))
+    rows = min(TUNING["prefill_max_rows"], ROWS[-1], -(-H // slots))
     return block, rows, -(-H // (slots * rows))
 
 
 _PLANS = PlanCache()
 
 
-def expression(dtype, cache_dtype, is_neox, n):
-    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
+def expression(dtype, cache_dtype, is_neox, n, rows=1):
+    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n, rows)
 
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
-    return rope_instantiations(expression, INPUT_DTYPES, FP8_DTYPES)
+    for rows in ROWS:
+        yield from rope_instantiations(
+            lambda *a, rows=rows: expression(*a, rows), INPUT_DTYPES, FP8_DTYPES)
 
 
 def _kv_scales(kv_scale, cache_dtype):
@@ -240,7 +250,15 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
         raise ValueError(f"interleaved RoPE needs 4-byte aligned rows of q, q_out, k, v and the "
                          f"caches; got {vq}, {vout}, {vk}, {vv}, {vkc}")
     # lanes per head row: one chunk each, a power of two so a row's sum is a shuffle within a warp
-    items = (R // 2 if is_neox else R) // n + (D - R) // n
+    def lanes(n):
+        return (R // 2 if is_neox else R) // n + (D - R) // n
+
+    if T < TUNING["narrow_below"]:  # decode: more lanes per row, less work per thread
+        narrow = vector_width(vq.dtype.itemsize, fits,
+                              tuple(w for w in (8, 4, 2, 1) if w <= TUNING["narrow_width"]))
+        if narrow and lanes(narrow) <= MAX_GROUP:
+            n = narrow
+    items = lanes(n)
     if items > MAX_GROUP:
         raise ValueError(f"head dim D={D} at a vector width of {n} elements needs {items} lanes "
                          f"per head row, more than {MAX_GROUP}; align the rows of q, k, v and the "
@@ -267,7 +285,8 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
         k_gamma_f32=int(vkg.dtype == FLOAT32), group=group, rows=rows)
     names = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin", "offsets", "cache_lengths",
              "block_table", "k_cache", "v_cache", "q_out")
-    plan = LaunchPlan(STEM, expression(vq.dtype, vkc.dtype, bool(is_neox), n), device,
+    plan = LaunchPlan(STEM, expression(vq.dtype, vkc.dtype, bool(is_neox), n,
+                                       kernel_rows(rows)), device,
                       (T, splits), (block,), PARAMS, values,
                       [(f, i, 0) for i, f in enumerate(names)])
     plan.launch([x.ptr for x in (vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vout)],

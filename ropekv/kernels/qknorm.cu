@@ -25,10 +25,9 @@ struct QKNormParams {
   float inv_k_scale, inv_v_scale;  // stored = fp8(x * inv_scale); 1 for 16-bit caches
   int T, B, Hq, Hkv, D, R, P, max_pages, page_size, q_gamma_f32, k_gamma_f32;
   int group;  // lanes per head row: a power of two <= 32 dividing blockDim.x
-  int rows;   // head rows each lane group holds, 1 ..= kRowsMax
+  int rows;   // head rows each lane group holds, 1 ..= ROWS
 };
 
-constexpr int kRowsMax = 4;     // head rows a lane group holds at once
 constexpr int kStageMax = 512;  // batches of up to this many requests are searched in shared memory
 constexpr int kMaxD = 512;      // the largest head dim (32 lanes of 8 neox pairs; the host checks)
 
@@ -37,6 +36,12 @@ template <typename T>
 __device__ __forceinline__ float weight_at(const void* w, int f32, int i) {
   return f32 ? static_cast<const float*>(w)[i] : to_float(static_cast<const T*>(w)[i]);
 }
+
+struct QKNormShared {
+  float gamma[3][kMaxD];  // q weights, k weights, ones (rows that are not normalised)
+  unsigned offsets[kStageMax + 1];
+  int lengths[kStageMax];
+};
 
 // A token's head rows are Q (Hq), K (Hkv) and V (Hkv): H = Hq + 2 Hkv rows of D dims. A row is cut
 // into `items` chunks: chunk j < rot_items holds RoPE pairs (neox: dims [jN, jN + N) and their
@@ -51,19 +56,18 @@ __device__ __forceinline__ float weight_at(const void* w, int f32, int i) {
 //   kStageMax requests, the offsets and cache lengths, into shared memory; the sums of squares;
 //   3. the token's request and position (a binary search over the offsets), then its page and its
 //   cos/sin values; 4. normalise, rope, store.
+// Step 4 is the same arithmetic for every row (V rows and rows of tokens without a position take
+// weights of one, no norm and the identity rotation), the stores predicated: the ROWS rows of a
+// thread are independent instruction streams the compiler interleaves. ROWS (1, 2 or 4) is
+// the rows a thread can hold, p.rows <= ROWS those it does (the others predicated off).
 // A token outside every request, or with a position outside [0, P), has its q row copied
 // unchanged and writes nothing; a token whose page is out of range is normalised and roped but
 // writes nothing.
-template <typename T, typename CacheT, bool NEOX, int N>
-__global__ void __launch_bounds__(256) qk_rmsnorm_rope_append(const QKNormParams p) {
-  __shared__ float s_gamma[2][kMaxD];
-  __shared__ unsigned s_offsets[kStageMax + 1];
-  __shared__ int s_lengths[kStageMax];
-  pdl_launch_dependents();
-
+template <typename T, typename CacheT, bool NEOX, int N, int ROWS>
+__device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh) {
   const i64 t = blockIdx.x;
   const int G = p.group;
-  const int U = p.rows;
+  const int U = ROWS == 1 ? 1 : p.rows;  // <= ROWS
   const int slots = blockDim.x / G;
   const int j = threadIdx.x & (G - 1);
   const int first = blockIdx.y * slots * U + threadIdx.x / G;  // row of u = 0; u adds u * slots
@@ -76,12 +80,12 @@ __global__ void __launch_bounds__(256) qk_rmsnorm_rope_append(const QKNormParams
   const bool pair = NEOX && rotary;  // two vectors per chunk
   const int ea = rotary ? j * N : p.R + (j - rot_items) * N;
   const int eb = ea + half_r;
+  const float inv_d = __fdividef(1.f, float(p.D));  // fast: no IEEE slow path on the chain
 
-  pdl_wait();
   // 1. this lane's chunks of its rows
-  Vec<T, N> va[kRowsMax], vb[kRowsMax];
+  Vec<T, N> va[ROWS], vb[ROWS];
 #pragma unroll
-  for (int u = 0; u < kRowsMax; ++u) {
+  for (int u = 0; u < ROWS; ++u) {
     const int h = first + u * slots;
     if (u >= U || h >= H || !has_chunk) continue;
     const T* row = h < p.Hq ? static_cast<const T*>(p.q) + t * p.q_st + h * p.q_sh
@@ -92,40 +96,42 @@ __global__ void __launch_bounds__(256) qk_rmsnorm_rope_append(const QKNormParams
     if (pair) vb[u] = load<T, N>(row + eb);
   }
 
-  // 2. weights and index arrays to shared memory: every load of a pass issued before any store
+  // 2. weights and index arrays to shared memory: every load issued before any store
   const bool staged = p.B <= kStageMax;
   const int n_stage = staged ? p.B + 1 : 0;
-  const int n_pass = p.D > n_stage ? p.D : n_stage;
-  for (int base = threadIdx.x; base < n_pass; base += 2 * blockDim.x) {
-    float gq[2], gk[2];
-    unsigned off[2];
-    int len[2];
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int i = base + k * blockDim.x;
-      if (i < p.D) {
-        gq[k] = weight_at<T>(p.q_gamma, p.q_gamma_f32, i);
-        gk[k] = weight_at<T>(p.k_gamma, p.k_gamma_f32, i);
-      }
-      if (i < n_stage) off[k] = p.offsets[i];
-      if (i < n_stage - 1) len[k] = p.cache_lengths[i];
+  {
+    const int i = threadIdx.x;
+    float gq = 1.f, gk = 1.f;
+    unsigned off = 0;
+    int len = 0;
+    if (i < p.D) {
+      gq = weight_at<T>(p.q_gamma, p.q_gamma_f32, i);
+      gk = weight_at<T>(p.k_gamma, p.k_gamma_f32, i);
     }
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int i = base + k * blockDim.x;
-      if (i < p.D) {
-        s_gamma[0][i] = gq[k];
-        s_gamma[1][i] = gk[k];
-      }
-      if (i < n_stage) s_offsets[i] = off[k];
-      if (i < n_stage - 1) s_lengths[i] = len[k];
+    if (i < n_stage) off = p.offsets[i];
+    if (i < n_stage - 1) len = p.cache_lengths[i];
+    if (i < p.D) {
+      sh.gamma[0][i] = gq;
+      sh.gamma[1][i] = gk;
+      sh.gamma[2][i] = 1.f;
     }
+    if (i < n_stage) sh.offsets[i] = off;
+    if (i < n_stage - 1) sh.lengths[i] = len;
+  }
+  for (int i = threadIdx.x + blockDim.x; i < p.D; i += blockDim.x) {  // D > blockDim.x
+    sh.gamma[0][i] = weight_at<T>(p.q_gamma, p.q_gamma_f32, i);
+    sh.gamma[1][i] = weight_at<T>(p.k_gamma, p.k_gamma_f32, i);
+    sh.gamma[2][i] = 1.f;
+  }
+  for (int i = threadIdx.x + blockDim.x; i < n_stage; i += blockDim.x) {  // B >= blockDim.x
+    sh.offsets[i] = p.offsets[i];
+    if (i < n_stage - 1) sh.lengths[i] = p.cache_lengths[i];
   }
 
-  // partial sums of squares of the rows (Q and K rows use them)
-  float ss[kRowsMax];
+  // partial sums of squares of the rows
+  float ss[ROWS];
 #pragma unroll
-  for (int u = 0; u < kRowsMax; ++u) {
+  for (int u = 0; u < ROWS; ++u) {
     ss[u] = 0.f;
     const int h = first + u * slots;
     if (u >= U || h >= H || !has_chunk) continue;
@@ -142,7 +148,7 @@ __global__ void __launch_bounds__(256) qk_rmsnorm_rope_append(const QKNormParams
   __syncthreads();
 
   // 3. request, position, page, cos/sin
-  PagedSlot slot = staged ? ragged_position(s_offsets, s_lengths, p.B, t)
+  PagedSlot slot = staged ? ragged_position(sh.offsets, sh.lengths, p.B, t)
                           : ragged_position(p.offsets, p.cache_lengths, p.B, t);
   const bool roped = slot.request >= 0 && slot.pos >= 0 && slot.pos < p.P;
   if (roped && first + (U - 1) * slots >= p.Hq)  // this group holds a K or V row
@@ -150,6 +156,11 @@ __global__ void __launch_bounds__(256) qk_rmsnorm_rope_append(const QKNormParams
   const bool write = slot.page >= 0;
   constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
   float c[M], sn[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    c[i] = 1.f;
+    sn[i] = 0.f;
+  }
   if (roped && rotary) {
     const float* cs = p.cos_sin + slot.pos * p.cs_sp + (NEOX ? ea : ea / 2);
     load_float<float, M>(cs, c);
@@ -158,49 +169,65 @@ __global__ void __launch_bounds__(256) qk_rmsnorm_rope_append(const QKNormParams
   // the row sums: shuffles within each G-lane group (U and G are block-uniform: every lane takes
   // part)
 #pragma unroll
-  for (int u = 0; u < kRowsMax; ++u) {
+  for (int u = 0; u < ROWS; ++u) {
     if (u >= U) break;
     for (int o = G >> 1; o; o >>= 1) ss[u] += __shfl_xor_sync(0xffffffffu, ss[u], o);
   }
 
   // 4. normalise, rope, store
+  CacheT* const k_row = static_cast<CacheT*>(p.k_cache) + slot.page * p.kc_sp +
+                        slot.entry * p.kc_se;
+  CacheT* const v_row = static_cast<CacheT*>(p.v_cache) + slot.page * p.vc_sp +
+                        slot.entry * p.vc_se;
+  T* const q_row = static_cast<T*>(p.q_out) + t * p.qo_st;
 #pragma unroll
-  for (int u = 0; u < kRowsMax; ++u) {
+  for (int u = 0; u < ROWS; ++u) {
     const int h = first + u * slots;
-    if (u >= U || h >= H || !has_chunk) continue;
-    float a[N], b[N];
-    to_floats<T, N>(va[u], a);
-    if (pair) to_floats<T, N>(vb[u], b);
-    if (h >= p.Hq + p.Hkv) {  // V: copied (quantized)
-      if (!write) continue;
-      CacheT* dst = static_cast<CacheT*>(p.v_cache) + slot.page * p.vc_sp + slot.entry * p.vc_se +
-                    (h - p.Hq - p.Hkv) * p.vc_sh;
-      store_float<CacheT, N>(dst + ea, a, p.inv_v_scale);
-      if (pair) store_float<CacheT, N>(dst + eb, b, p.inv_v_scale);
-      continue;
-    }
+    const bool live = u < U && h < H && has_chunk;
     const bool is_q = h < p.Hq;
-    if (!is_q && !write) continue;
-    if (roped) {  // a token without a position has its q copied unchanged
-      const float rms = rsqrtf(ss[u] / float(p.D) + p.epsilon);
-      const float* g = s_gamma[is_q ? 0 : 1];
+    const bool is_v = h >= p.Hq + p.Hkv;
+    const bool norm = roped && !is_v;  // V rows and rows without a position: copied
+    const float rms = norm ? rsqrtf(ss[u] * inv_d + p.epsilon) : 1.f;
+    const float* g = sh.gamma[norm ? (is_q ? 0 : 1) : 2];
+    float a[N], b[N], ga[N], gb[N];
+    to_floats<T, N>(va[u], a);
+    load_float<float, N>(g + ea, ga);
 #pragma unroll
-      for (int i = 0; i < N; ++i) a[i] *= rms * g[ea + i];
-      if (pair) {
+    for (int i = 0; i < N; ++i) a[i] *= rms * ga[i];
+    if (pair) {
+      to_floats<T, N>(vb[u], b);
+      load_float<float, N>(g + eb, gb);
 #pragma unroll
-        for (int i = 0; i < N; ++i) b[i] *= rms * g[eb + i];
-      }
-      if (rotary) rotate_chunk<NEOX, N, M>(a, b, c, sn);
+      for (int i = 0; i < N; ++i) b[i] *= rms * gb[i];
     }
+    if (rotary) {
+      float cu[M], su[M];
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        cu[i] = norm ? c[i] : 1.f;
+        su[i] = norm ? sn[i] : 0.f;
+      }
+      rotate_chunk<NEOX, N, M>(a, b, cu, su);
+    }
+    if (!live) continue;
     if (is_q) {
-      T* dst = static_cast<T*>(p.q_out) + t * p.qo_st + h * p.qo_sh;
+      T* dst = q_row + h * p.qo_sh;
       store_float<T, N>(dst + ea, a);
       if (pair) store_float<T, N>(dst + eb, b);
-    } else {
-      CacheT* dst = static_cast<CacheT*>(p.k_cache) + slot.page * p.kc_sp + slot.entry * p.kc_se +
-                    (h - p.Hq) * p.kc_sh;
-      store_float<CacheT, N>(dst + ea, a, p.inv_k_scale);
-      if (pair) store_float<CacheT, N>(dst + eb, b, p.inv_k_scale);
+    } else if (write) {
+      CacheT* dst = is_v ? v_row + (h - p.Hq - p.Hkv) * p.vc_sh : k_row + (h - p.Hq) * p.kc_sh;
+      const float scale = is_v ? p.inv_v_scale : p.inv_k_scale;
+      store_float<CacheT, N>(dst + ea, a, scale);
+      if (pair) store_float<CacheT, N>(dst + eb, b, scale);
     }
   }
+}
+
+// One kernel per ROWS (1, 2 or 4): the register budget follows the rows a thread holds.
+template <typename T, typename CacheT, bool NEOX, int N, int ROWS>
+__global__ void __launch_bounds__(512) qk_rmsnorm_rope_append(const QKNormParams p) {
+  __shared__ __align__(16) QKNormShared sh;
+  pdl_launch_dependents();
+  pdl_wait();
+  qk_rows<T, CacheT, NEOX, N, ROWS>(p, sh);
 }
