@@ -44,8 +44,33 @@ LAYOUTS = ("NHD", "HND")
 # flight), at vector width 8 only (other widths take "light"). max_block: threads per block;
 # min_blocks: below this many tokens a token's items are split over several blocks (grid.y), so
 # decode fills the GPU.
+#
+# Heads of at most `row_group` chunks (GQA / MHA head rows) take the row kernel instead: a lane
+# group per head row, every row of a thread loaded at once. Few tokens (decode): blocks of
+# `row_block` threads, one row per lane group (or a few, keeping the grid within `wave_blocks`),
+# a token's rows split over several blocks. Many tokens (prefill): `prefill_rows` rows per lane
+# group, a block per token (at most `max_row_block` threads).
 TUNING = {"light": (1, 1, 1), "heavy": (2, 2, 4), "heavy_from": 16, "max_block": 128,
-          "min_blocks": 512}
+          "min_blocks": 512, "row_group": 32, "row_block": 128, "wave_blocks": 660,
+          "prefill_rows": 4, "max_row_block": 256}
+ROW_KERNEL = "rope_append_paged_rows"
+ROWS = (1, 4)  # row kernels by the head rows one lane group can hold (their register budgets)
+
+
+def row_launch_shape(T, H, group):
+    """(block, rows, splits) of the row kernel for T tokens of H head rows at ``group`` lanes per
+    row: grid (T, splits), ``rows`` rows per lane group (the kernel's ROWS: 1 when rows is 1)."""
+    slots = max(1, TUNING["row_block"] // group)
+    splits = -(-H // slots)
+    if T * splits <= TUNING["wave_blocks"]:
+        return slots * group, 1, splits
+    for rows in (2, ROWS[-1]):
+        splits = -(-H // (slots * rows))
+        if T * splits <= TUNING["wave_blocks"]:
+            return slots * group, -(-H // (slots * splits)), splits
+    slots = min(-(-H // TUNING["prefill_rows"]), max(1, TUNING["max_row_block"] // group))
+    rows = min(ROWS[-1], -(-H // slots))
+    return slots * group, rows, -(-H // (slots * rows))
 
 
 def launch_shape(items, T, n):
@@ -68,7 +93,8 @@ PARAMS = ParamStruct("PagedParams", [
         "qro_sn", "qro_sh", "qno_sn", "qno_sh", "krc_sp", "krc_se", "krc_sh", "knc_sp", "knc_se",
         "knc_sh", "vc_sp", "vc_se", "vc_sh", "cs_sp", "num_pages", "num_indices")),
     ("q_scale", np.float32), ("kv_scale", np.float32),
-    *((n, np.int32) for n in ("Hq", "Hkv", "Hv", "R", "Dn", "B", "page_size", "P", "index64")),
+    *((n, np.int32) for n in ("Hq", "Hkv", "Hv", "R", "Dn", "B", "page_size", "P", "index64",
+                              "group", "rows")),
 ])
 
 _DTYPE_NAMES = {
@@ -81,6 +107,11 @@ _TORCH_NAMES = {FLOAT16: "float16", BFLOAT16: "bfloat16", FLOAT8_E4M3FN: "float8
 
 @functools.cache
 def expression(dtype, out_dtype, is_neox, n, shape):
+    """The section kernel of ``shape`` (unroll, rot_unroll, min blocks), or the row kernel when
+    ``shape`` is ``("rows", ROWS)``."""
+    if shape[0] == "rows":
+        return name_expression(ROW_KERNEL, c_type(dtype), c_type(out_dtype), c_bool(is_neox), n,
+                               shape[1])
     return name_expression(KERNEL, c_type(dtype), c_type(out_dtype), c_bool(is_neox), n, *shape)
 
 
@@ -90,7 +121,8 @@ def instantiations():
         if not is_neox and n == 1:
             continue
         shapes = (TUNING["light"], TUNING["heavy"]) if n == 8 else (TUNING["light"],)
-        for out_dtype, shape in itertools.product((dtype, *FP8_DTYPES), dict.fromkeys(shapes)):
+        shapes = (*dict.fromkeys(shapes), *(("rows", r) for r in ROWS))
+        for out_dtype, shape in itertools.product((dtype, *FP8_DTYPES), shapes):
             yield expression(dtype, out_dtype, is_neox, n, shape)
 
 
@@ -474,7 +506,12 @@ def _run(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cac
         raise ValueError("interleaved RoPE needs every row start aligned to a pair of elements")
     ri = R // (2 * n) if is_neox else R // n
     items = (Hq + Hkv) * (ri + Dn // n) + (0 if mla else Hkv * D // n)
-    block, splits, shape = launch_shape(items, T, n)
+    group = ri + Dn // n  # chunks of a head row
+    if group <= TUNING["row_group"]:
+        block, rows, splits = row_launch_shape(T, Hq + Hkv + (0 if mla else Hkv), group)
+        shape = ("rows", 1 if rows == 1 else ROWS[-1])
+    else:
+        (block, splits, shape), rows = launch_shape(items, T, n), 0
     itemsize = out_dtype.itemsize
     index64 = sum(1 << i for i, view in enumerate(indices) if view.dtype == INT64)
     zero2 = (0, 0)
@@ -497,7 +534,7 @@ def _run(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cac
         vc_se=vd[2][1], vc_sh=vd[2][2], cs_sp=vt.strides[0], num_pages=num_pages,
         num_indices=vind.shape[0], q_scale=q_scale, kv_scale=kv_scale, Hq=Hq, Hkv=Hkv,
         Hv=0 if mla else Hkv, R=R, Dn=Dn, B=vptr.shape[0] - 1, page_size=page_size, P=P,
-        index64=index64)
+        index64=index64, group=group, rows=rows)
     expr = expression(vqr.dtype, out_dtype, is_neox, n, shape)
     launch(STEM, expr, device, (T, splits), (block,), (params,), stream)
     if key is not None:

@@ -418,19 +418,27 @@ def test_check_indices_raises(monkeypatch):
             call(args)
 
 
-def test_launch_shape():
-    """Few items per thread (GQA, decode) take the light kernel shape, many (MLA's 128 query
-    heads) the heavy one at vector width 8; short batches split tokens over blocks."""
+def test_launch_shape(monkeypatch):
+    """The section kernel: few items per thread take the light shape, many (MLA's 128 query heads)
+    the heavy one at vector width 8; short batches split tokens over blocks. The row kernel
+    (GQA / MHA heads): decode splits a token's rows over blocks, prefill gives a block a token."""
     from ropekv import paged
 
+    monkeypatch.setitem(paged.TUNING, "min_blocks", 512)
     light, heavy = paged.TUNING["light"], paged.TUNING["heavy"]
     assert paged.launch_shape(448, 8192, 8) == (128, 1, light)
     assert paged.launch_shape(8772, 8192, 8) == (128, 1, heavy)
     assert paged.launch_shape(8772, 8192, 4) == (128, 1, light)
     assert paged.launch_shape(448, 64, 8) == (128, 4, light)
     assert paged.launch_shape(40, 1, 8) == (64, 1, light)
+    monkeypatch.setitem(paged.TUNING, "row_block", 128)
+    monkeypatch.setitem(paged.TUNING, "wave_blocks", 660)
+    assert paged.row_launch_shape(1, 48, 8) == (128, 1, 3)  # 16 rows a block
+    block, rows, splits = paged.row_launch_shape(8192, 48, 8)
+    assert splits == 1 and block // 8 * rows >= 48 and rows <= paged.ROWS[-1]
     spelled = tuple(f"{', '.join(map(str, shape))}>" for shape in (light, heavy))
-    assert all(e.endswith(spelled) for e in paged.instantiations())
+    for e in paged.instantiations():
+        assert e.endswith(spelled) or e.startswith(paged.ROW_KERNEL), e
 
 
 def test_empty_batch():
@@ -744,6 +752,7 @@ VARIANTS = ((4, 1, 4), (2, 2, 4), (4, 2, 3), (4, 1, 1), (2, 1, 6), (2, 1, 1), (1
 def test_every_launch_shape_matches_reference(variant, monkeypatch):
     from ropekv import paged
 
+    monkeypatch.setitem(paged.TUNING, "row_group", 0)  # the section kernel for every shape
     for block in (128, 256):
         monkeypatch.setitem(paged.TUNING, "light", variant)
         monkeypatch.setitem(paged.TUNING, "heavy", variant)
@@ -756,9 +765,34 @@ def test_every_launch_shape_matches_reference(variant, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_hostile_indices_never_write_out_of_bounds():
+@pytest.mark.parametrize("row_block, wave_blocks, prefill_rows",
+                         [(128, 660, 4), (64, 10**9, 4), (256, 0, 3), (32, 0, 1)])
+def test_every_row_kernel_shape_matches_reference(row_block, wave_blocks, prefill_rows,
+                                                   monkeypatch):
+    """The row kernel split over blocks (decode) and a block per token (prefill), rows per lane
+    group 1 to 4, GQA with a nope part, MHA, and MLA forced onto it."""
+    from ropekv import paged
+
+    for key, value in (("row_block", row_block), ("wave_blocks", wave_blocks),
+                       ("prefill_rows", prefill_rows), ("max_row_block", 256),
+                       ("row_group", 128)):
+        monkeypatch.setitem(paged.TUNING, key, value)
+    check_against_reference(make_case(52, T=77, B=3, Hq=32, Hkv=8, R=64, Dn=64, page_size=16,
+                                      packed=True), quantize=True)
+    check_against_reference(make_case(53, T=19, B=19, Hq=8, Hkv=8, R=128, page_size=16,
+                                      cache_dtype=F16), quantize=False)
+    check_against_reference(make_case(54, T=9, B=9, Hq=16, Hkv=1, R=64, Dn=512, mla=True,
+                                      dtype=BF16, page_size=16), quantize=True, is_neox=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row_group", [32, 0])
+def test_hostile_indices_never_write_out_of_bounds(row_group, monkeypatch):
     import cupy as cp
 
+    from ropekv import paged
+
+    monkeypatch.setitem(paged.TUNING, "row_group", row_group)  # row kernel, section kernel
     args = make_case(31, T=16, B=2)
     i32 = np.iinfo(np.int32)
     args["batch_indices"][:4] = [i32.max, i32.min, 2, -1]

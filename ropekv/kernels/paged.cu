@@ -45,6 +45,8 @@ struct PagedParams {
   int Hq, Hkv, Hv, R, Dn, B, page_size, P;
   int index64;  // bit k set: index array k is int64 (pos_ids, batch_indices, positions,
                 //   kv_indptr, kv_indices)
+  int group;    // row kernel: lanes per head row (one chunk each)
+  int rows;     // row kernel: head rows each lane group holds, 1 ..= ROWS
 };
 
 __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
@@ -64,22 +66,36 @@ __device__ __forceinline__ void find_slot(const PagedParams& p, i64 b, i64 pos, 
   const i64 bc = b_ok ? b : 0;
   const i64 first = read_index(p.kv_indptr, bc, p.index64 & 8);
   const i64 last = read_index(p.kv_indptr, bc + 1, p.index64 & 8);
-  const i64 idx = (b_ok ? pos : 0) / p.page_size;
+  const i64 idx = div_pos(b_ok ? pos : 0, p.page_size);
   const bool first_ok = first >= 0 && first <= p.num_indices;
   const i64 hi = last < first ? first : (last < p.num_indices ? last : p.num_indices);
   const bool it_ok = b_ok && first_ok && idx < hi - first;  // no overflow: 0 <= first <= hi
   const i64 pg = read_index(p.kv_indices, it_ok ? first + idx : 0, p.index64 & 16);
   if (it_ok && pg >= 0 && pg < p.num_pages) {
     page = pg;
-    entry = pos % p.page_size;
+    entry = pos - idx * p.page_size;
+  }
+}
+
+// q = x / d, r = x % d for 0 <= x, 0 < d: shifts when d is a power of two (the usual chunk and
+// thread counts), the division otherwise.
+__device__ __forceinline__ void divmod(int x, int d, int& q, int& r) {
+  if ((d & (d - 1)) == 0) {
+    const int s = __ffs(d) - 1;
+    q = x >> s;
+    r = x & (d - 1);
+  } else {
+    q = x / d;
+    r = x - q * d;
   }
 }
 
 // This thread's first index in a section of the token's flat item list that starts at `base`:
-// thread g handles the items i with i = g (mod stride).
+// thread g (0 <= g < stride) handles the items i with i = g (mod stride).
 __device__ __forceinline__ int first_index(int g, int base, int stride) {
-  const int r = (g - base) % stride;
-  return r < 0 ? r + stride : r;
+  int q, rb;
+  divmod(base, stride, q, rb);
+  return g >= rb ? g - rb : g - rb + stride;
 }
 
 // Where a section writes: row `a` (stride sa) and entry `b` (stride sb) of `base`. Q outputs: a =
@@ -131,13 +147,14 @@ __device__ __forceinline__ void section(const PagedParams& p, const T* src, i64 
   constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
   const bool rope = ROT && pos_id >= 0 && pos_id < p.P;
   const float* cos_sin = p.cos_sin + (rope ? pos_id : 0) * p.cs_sp;
-  if (stride % per_row == 0) {
-    const int dh = stride / per_row;
-    const int j = first % per_row;
+  int dh, dj, h0, j;
+  divmod(stride, per_row, dh, dj);
+  divmod(first, per_row, h0, j);
+  if (dj == 0) {
     const T* s0 = src + j * N;
     float fc[M], fs[M];
     bool have_cs = false;
-    for (int h = first / per_row; h < heads; h += U * dh) {
+    for (int h = h0; h < heads; h += U * dh) {
       // raw vectors in flight (half the registers of floats); converted once all are issued
       Vec<T, N> va[U], vb[PAIR ? U : 1];
 #pragma unroll
@@ -174,8 +191,8 @@ __device__ __forceinline__ void section(const PagedParams& p, const T* src, i64 
     return;
   }
   for (int w = first; w < count; w += stride) {
-    const int h = w / per_row;
-    const int j = w - h * per_row;
+    int h;
+    divmod(w, per_row, h, j);
     const T* s = src + h * src_sh + j * N;
     float a[N], bb[N];
     load_float<T, N>(s, a);
@@ -250,4 +267,118 @@ __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const Pa
         Dest<OutT>{static_cast<OutT*>(p.v_cache), -1, p.vc_sp, 0, p.vc_se, p.vc_sh}, p.Hv,
         (p.R + p.Dn) / N, p.kv_scales, p.kv_scale, pos_id, slot, b, pos,
         first_index(g, base, stride), stride);
+}
+
+// ---- The row kernel (heads whose chunks fit a lane group: GQA / MHA) ---------------------------
+// A token's head rows are Q (Hq), K (Hkv) and V (Hv): H = Hq + Hkv + Hv rows. A row is cut into
+// G = ri + ni chunks: chunk j < ri holds RoPE pairs (neox: dims [jN, jN + N) and their partners
+// R/2 further; interleaved: dims [jN, jN + N)) of the rope part, chunk ri + i the N dims [iN,
+// iN + N) of the nope part (V: dims R + iN). A group of G lanes holds one row, lane j chunk j; a
+// block of blockDim.x / G groups takes p.rows rows per group: grid (T, splits), splits = ceil(H /
+// (blockDim.x / G * p.rows)), so decode splits a token's rows over several blocks.
+// Order: every row this thread holds, its rows' scales and the token's three indices are loaded
+// at once; then the cos/sin values (they need pos_id) and the cache slot (kv_indptr, then
+// kv_indices); then every row is roped (V rows, pass-through chunks and tokens without a position:
+// the identity) and stored, the same arithmetic for all rows so a thread's rows interleave.
+// Q rows are always written (unrotated when pos_id lies outside [0, P)); K and V rows only when
+// pos_id lies in [0, P) and the token has a slot.
+template <typename T, typename OutT, bool NEOX, int N, int ROWS>
+__global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams p) {
+  pdl_launch_dependents();
+  const int t = blockIdx.x;
+  const int G = p.group;
+  const int U = ROWS == 1 ? 1 : p.rows;
+  const int slots = blockDim.x / G;
+  const int j = threadIdx.x % G;
+  const int first = blockIdx.y * slots * U + threadIdx.x / G;  // row of u = 0; u adds u * slots
+  const int half_r = p.R >> 1;
+  const int ri = NEOX ? p.R / (2 * N) : p.R / N;
+  const bool rotary = j < ri;
+  const bool pair = NEOX && rotary;
+  const int col = rotary ? j * N : (j - ri) * N;  // element of the rope / nope part
+  const int vcol = rotary ? col : p.R + col;       // element of a V row
+  const int Hk = p.Hq + p.Hkv;
+  const int H = Hk + p.Hv;
+
+  pdl_wait();
+  const i64 pos_id = read_index(p.pos_ids, t, p.index64 & 1);
+  const i64 b = read_index(p.batch_indices, t, p.index64 & 2);
+  const i64 pos = read_index(p.positions, t, p.index64 & 4);
+  Vec<T, N> va[ROWS], vb[ROWS];
+  float sc[ROWS];
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    const int h = first + u * slots;
+    sc[u] = 1.f;
+    if (u >= U || h >= H) continue;
+    const T* row;
+    if (h < p.Hq) {
+      row = rotary ? static_cast<const T*>(p.q_rope) + t * p.qr_sn + h * p.qr_sh
+                   : static_cast<const T*>(p.q_nope) + t * p.qn_sn + h * p.qn_sh;
+      if (is_fp8<OutT>::value) sc[u] = p.q_scales ? __ldg(p.q_scales + h) : p.q_scale;
+    } else if (h < Hk) {
+      row = rotary ? static_cast<const T*>(p.k_rope) + t * p.kr_sn + (h - p.Hq) * p.kr_sh
+                   : static_cast<const T*>(p.k_nope) + t * p.kn_sn + (h - p.Hq) * p.kn_sh;
+      if (is_fp8<OutT>::value) sc[u] = p.kv_scales ? __ldg(p.kv_scales + h - p.Hq) : p.kv_scale;
+    } else {
+      row = static_cast<const T*>(p.v) + t * p.v_sn + (h - Hk) * p.v_sh + (vcol - col);
+      if (is_fp8<OutT>::value) sc[u] = p.kv_scales ? __ldg(p.kv_scales + h - Hk) : p.kv_scale;
+    }
+    va[u] = load<T, N>(row + col);
+    if (pair) vb[u] = load<T, N>(row + col + half_r);
+  }
+
+  const bool rope = pos_id >= 0 && pos_id < p.P;
+  constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
+  float c[M], sn[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    c[i] = 1.f;
+    sn[i] = 0.f;
+  }
+  if (rope && rotary) {
+    const float* cs = p.cos_sin + pos_id * p.cs_sp + (NEOX ? col : col / 2);
+    load_float<float, M>(cs, c);
+    load_float<float, M>(cs + half_r, sn);
+  }
+  i64 page = -1, entry = 0;
+  if (rope && first + (U - 1) * slots >= p.Hq) find_slot(p, b, pos, page, entry);
+
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    const int h = first + u * slots;
+    const bool live = u < U && h < H;
+    const bool is_q = h < p.Hq;
+    const bool is_v = h >= Hk;
+    float a[N], bb[N];
+    to_floats<T, N>(va[u], a);
+    if (pair) to_floats<T, N>(vb[u], bb);
+    if (rotary) {
+      float cu[M], su[M];
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        cu[i] = is_v ? 1.f : c[i];
+        su[i] = is_v ? 0.f : sn[i];
+      }
+      rotate_chunk<NEOX, N, M>(a, bb, cu, su);
+    }
+    if (!live) continue;
+    OutT* d;
+    if (is_q) {
+      d = rotary ? static_cast<OutT*>(p.q_rope_out) + t * p.qro_sn + h * p.qro_sh
+                 : static_cast<OutT*>(p.q_nope_out) + t * p.qno_sn + h * p.qno_sh;
+    } else if (page < 0) {
+      continue;
+    } else if (!is_v) {
+      d = rotary ? static_cast<OutT*>(p.kr_cache) + page * p.krc_sp + entry * p.krc_se +
+                       (h - p.Hq) * p.krc_sh
+                 : static_cast<OutT*>(p.kn_cache) + page * p.knc_sp + entry * p.knc_se +
+                       (h - p.Hq) * p.knc_sh;
+    } else {
+      d = static_cast<OutT*>(p.v_cache) + page * p.vc_sp + entry * p.vc_se + (h - Hk) * p.vc_sh +
+          (vcol - col);
+    }
+    store_float<OutT, N>(d + col, a, sc[u]);
+    if (pair) store_float<OutT, N>(d + col + half_r, bb, sc[u]);
+  }
 }
