@@ -22,10 +22,12 @@ KERNEL = "mla_rope_rmsnorm_append"
 BLOCK = 256
 HEADS_MAX = 4  # q heads one lane group holds (kHeadsMax in the kernel)
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
-# Launch shape (H200): a token's q heads are split over up to Hq / (BLOCK / items) blocks (one head
-# per lane group) while the grid stays within `wave_blocks`, over as few as HEADS_MAX allow
-# otherwise (prefill: a block per token).
-TUNING = {"wave_blocks": 660}
+# Launch shape (H200). Below `split_below` tokens (decode) the split kernel: a token's q heads over
+# up to Hq / (BLOCK / items) blocks (one head per lane group) while the grid stays within
+# `wave_blocks`, over as few as HEADS_MAX allow otherwise. From `split_below` tokens (prefill) the
+# token kernel: a block per token walking its heads two at a time.
+TUNING = {"wave_blocks": 330, "split_below": 1024}
+SPLIT_KERNEL = "mla_rope_rmsnorm_append_split"
 
 PARAMS = ParamStruct("MlaParams", [
     *((n, np.uint64) for n in ("q", "q_out", "kv", "gamma", "cos_sin", "offsets",
@@ -52,13 +54,16 @@ def launch_shape(T, Hq, items):
 _PLANS = PlanCache()
 
 
-def expression(dtype, cache_dtype, is_neox, n):
-    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
+def expression(dtype, cache_dtype, is_neox, n, split=False):
+    return name_expression(SPLIT_KERNEL if split else KERNEL, c_type(dtype), c_type(cache_dtype),
+                           c_bool(is_neox), n)
 
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
-    return rope_instantiations(expression, INPUT_DTYPES, FP8_DTYPES)
+    for split in (False, True):
+        yield from rope_instantiations(lambda *a, split=split: expression(*a, split),
+                                       INPUT_DTYPES, FP8_DTYPES)
 
 
 # ---- helpers shared with ropekv.qknorm ---------------------------------------------------------
@@ -319,7 +324,8 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     if (R // 2 if is_neox else R) // n > BLOCK:
         raise ValueError(f"rotary dim R={R} needs more than {BLOCK} threads per head row at a "
                          f"vector width of {n}")
-    splits, per_block = launch_shape(T, Hq, (R // 2 if is_neox else R) // n)
+    split = T < TUNING["split_below"]
+    splits, per_block = launch_shape(T, Hq, (R // 2 if is_neox else R) // n) if split else (1, Hq)
     if split:
         ckv_ptr, kpe_ptr = vckv.ptr, vkpe.ptr
         ckv_s, kpe_s = vckv.strides, vkpe.strides
@@ -340,7 +346,7 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     pointers = [("q", 0, 0), ("kv", 1, 0), ("gamma", 2, 0), ("cos_sin", 3, 0), ("offsets", 4, 0),
                 ("cache_lengths", 5, 0), ("block_table", 6, 0), ("ckv", 7, 0), ("kpe", *kpe),
                 ("q_out", 9, 0)]
-    plan = LaunchPlan(STEM, expression(vq.dtype, vcache.dtype, bool(is_neox), n), device,
+    plan = LaunchPlan(STEM, expression(vq.dtype, vcache.dtype, bool(is_neox), n, split), device,
                       (T, splits), (BLOCK,), PARAMS, values, pointers)
     plan.launch([vq.ptr, vkv.ptr, vg.ptr, vt.ptr, voff.ptr, vlen.ptr, vbt.ptr, caches[0].ptr,
                  caches[-1].ptr, vout.ptr], stream)

@@ -37,7 +37,7 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// grid (T, splits): block (t, y) handles q heads [y * heads_per_block, ...) of token t, and block
+// Decode: grid (T, splits): block (t, y) handles q heads [y * heads_per_block, ...) of token t, and block
 // (t, 0) also its latent row. A q head row is cut into `items` chunks of RoPE pairs (neox: dims
 // [jN, jN + N) and their partners R/2 further; interleaved: dims [jN, jN + N)); lane group s of
 // kBlock / items lanes holds heads s, s + groups, ... (at most kHeadsMax), lane j chunk j. The
@@ -53,7 +53,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 //   rms = 1 / sqrt(sum_{i < n} x_i^2 / n + epsilon), n = kv_norm_dim
 //   ckv[i] = x_i * rms * gamma_i (i < n), x_i (n <= i < L);  kpe = rope(x[L:L+R])
 template <typename T, typename CacheT, bool NEOX, int N>
-__global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParams p) {
+__global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append_split(const MlaParams p) {
   __shared__ float partial[kBlock / 32];
   __shared__ unsigned s_offsets[kStageMax + 1];
   __shared__ int s_lengths[kStageMax];
@@ -153,6 +153,19 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParam
     load_float<float, M>(cs, c);
     load_float<float, M>(cs + half_r, sn);
   }
+  // the held latent chunk's weights (normalised dims) or cos/sin (rotary tail), beside the page
+  static_assert(kLatentMax == 1, "one held latent chunk per thread");
+  const int c0 = threadIdx.x;
+  float lw[N], lc[M], ls[M];
+  if (roped && c0 < row_chunks) {
+    if (c0 < norm_chunks) {
+      load_weight<T, N>(p.gamma, p.gamma_f32, c0 * N, lw);
+    } else if (c0 >= latent_chunks) {
+      const int e = (c0 - latent_chunks) * N;
+      load_float<float, M>(cos_sin + (NEOX ? e : e / 2), lc);
+      load_float<float, M>(cos_sin + half_r + (NEOX ? e : e / 2), ls);
+    }
+  }
 
   // 4. the q rows
 #pragma unroll
@@ -172,7 +185,7 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParam
   float total = 0.f;
 #pragma unroll
   for (int w = 0; w < kBlock / 32; ++w) total += partial[w];
-  const float rms = rsqrtf(total / float(p.kv_norm_dim) + p.epsilon);
+  const float rms = rsqrtf(total * __fdividef(1.f, float(p.kv_norm_dim)) + p.epsilon);
   CacheT* ckv = static_cast<CacheT*>(p.ckv) + slot.page * p.ckv_sp + slot.entry * p.ckv_se;
   CacheT* kpe = static_cast<CacheT*>(p.kpe) + slot.page * p.kpe_sp + slot.entry * p.kpe_se;
   auto write_chunk = [&](int c, float (&a)[N], float (&b)[N]) {
@@ -195,14 +208,22 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParam
     }
     store_float<CacheT, N>(kpe + i0, a, p.inv_kv_scale);
   };
-#pragma unroll
-  for (int k = 0; k < kLatentMax; ++k) {
-    const int c = threadIdx.x + k * kBlock;
-    if (c >= row_chunks) continue;
+  if (c0 < row_chunks) {
     float a[N], b[N];
-    to_floats<T, N>(la[k], a);
-    if (NEOX) to_floats<T, N>(lb[k], b);
-    write_chunk(c, a, b);
+    to_floats<T, N>(la[0], a);
+    if (NEOX) to_floats<T, N>(lb[0], b);
+    if (c0 < latent_chunks) {
+      if (c0 < norm_chunks) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) a[k] = a[k] * rms * lw[k];
+      }
+      store_float<CacheT, N>(ckv + c0 * N, a, p.inv_kv_scale);
+    } else {
+      const int i0 = (c0 - latent_chunks) * N;
+      rotate_chunk<NEOX, N, M>(a, b, lc, ls);
+      if (NEOX) store_float<CacheT, N>(kpe + half_r + i0, b, p.inv_kv_scale);
+      store_float<CacheT, N>(kpe + i0, a, p.inv_kv_scale);
+    }
   }
   for (int c = threadIdx.x + kLatentMax * kBlock; c < row_chunks; c += kBlock) {
     float a[N], b[N];
@@ -210,5 +231,128 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParam
     load_float<T, N>(c < latent_chunks ? kv + c * N : kv + p.L + i0, a);
     if (NEOX && c >= latent_chunks) load_float<T, N>(kv + p.L + half_r + i0, b);
     write_chunk(c, a, b);
+  }
+}
+
+// Prefill: one block per token, in an order that keeps loads in flight while the token's request and
+// position are looked up (a binary search over the offsets: a chain of dependent loads):
+//   1. each thread loads its chunks of the latent row's normalised dims and sums their squares;
+//   2. each thread starts loading its first two q head chunks: thread t owns chunk j = t % items
+//      of a head row (items = chunks of RoPE pairs per head) and walks the heads t / items,
+//      t / items + hp, ... two at a time (hp = blockDim.x / items);
+//   3. the request, position and page; then the cos/sin values, once per thread, and the q row is
+//      roped and stored, the next two heads loaded behind each pair -- the bulk of the bytes, and
+//      no barrier in the way;
+//   4. one barrier completes the sum of squares, and the latent row is normalised, roped and
+//      written to its page.
+// A token outside every request or with a position outside [0, P) has its q row copied unrotated
+// and writes nothing to the cache; a token whose page is out of range is roped, not written.
+//   rms = 1 / sqrt(sum_{i < n} x_i^2 / n + epsilon), n = kv_norm_dim
+//   ckv[i] = x_i * rms * gamma_i (i < n), x_i (n <= i < L);  kpe = rope(x[L:L+R])
+template <typename T, typename CacheT, bool NEOX, int N>
+__global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParams p) {
+  __shared__ float partial[kBlock / 32];
+  pdl_launch_dependents();
+  const i64 t = blockIdx.x;
+  const int half_r = p.R >> 1;
+  const T* kv = static_cast<const T*>(p.kv) + t * p.kv_st;
+  pdl_wait();
+
+  // 1. partial sum of squares of the normalised dims
+  const int norm_chunks = p.kv_norm_dim / N;
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < norm_chunks; c += kBlock) {
+    float x[N];
+    load_float<T, N>(kv + c * N, x);
+#pragma unroll
+    for (int k = 0; k < N; ++k) ss += x[k] * x[k];
+  }
+
+  // 2. the first q chunks
+  const int items = NEOX ? half_r / N : p.R / N;
+  const int hp = kBlock / items;
+  const int j = threadIdx.x % items;
+  const int h0 = threadIdx.x / items;
+  const bool active = h0 < hp;
+  const int ea = j * N, eb = ea + half_r;
+  const T* q = static_cast<const T*>(p.q) + t * p.q_st;
+  T* q_out = static_cast<T*>(p.q_out) + t * p.qo_st;
+  float xa[2][N], xb[2][N];
+  auto load_heads = [&](int h) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int hu = h + u * hp;
+      if (hu >= p.Hq) continue;
+      load_float<T, N>(q + hu * p.q_sh + ea, xa[u]);
+      if (NEOX) load_float<T, N>(q + hu * p.q_sh + eb, xb[u]);
+    }
+  };
+  if (active) load_heads(h0);
+
+  // 3. request, position, page; the q row
+  PagedSlot slot = ragged_position(p.offsets, p.cache_lengths, p.B, t);
+  const bool roped = slot.request >= 0 && slot.pos >= 0 && slot.pos < p.P;
+  if (roped) page_of(slot, p.block_table, p.bt_sb, p.max_pages, p.page_size, p.num_pages);
+  const float* cos_sin = p.cos_sin + (roped ? slot.pos : 0) * p.cs_sp;
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
+  if (active) {
+    constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
+    float c[M], sn[M];
+    if (roped) {
+      const float* cs = cos_sin + (NEOX ? ea : ea / 2);
+      load_float<float, M>(cs, c);
+      load_float<float, M>(cs + half_r, sn);
+    }
+    for (int h = h0; h < p.Hq; h += 2 * hp) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int hu = h + u * hp;
+        if (hu >= p.Hq) continue;
+        if (roped) {
+          rotate_chunk<NEOX, N, M>(xa[u], xb[u], c, sn);
+        }
+        store_float<T, N>(q_out + hu * p.qo_sh + ea, xa[u]);
+        if (NEOX) store_float<T, N>(q_out + hu * p.qo_sh + eb, xb[u]);
+      }
+      if (h + 2 * hp < p.Hq) load_heads(h + 2 * hp);
+    }
+  }
+
+  // 4. the latent row
+  __syncthreads();
+  if (slot.page < 0) return;
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kBlock / 32; ++w) total += partial[w];
+  const float rms = rsqrtf(total * __fdividef(1.f, float(p.kv_norm_dim)) + p.epsilon);
+  CacheT* ckv = static_cast<CacheT*>(p.ckv) + slot.page * p.ckv_sp + slot.entry * p.ckv_se;
+  CacheT* kpe = static_cast<CacheT*>(p.kpe) + slot.page * p.kpe_sp + slot.entry * p.kpe_se;
+  const int latent_chunks = p.L / N;
+  const T* pe = kv + p.L;
+  for (int c = threadIdx.x; c < latent_chunks + items; c += kBlock) {
+    float a[N];
+    if (c < latent_chunks) {
+      load_float<T, N>(kv + c * N, a);
+      if (c < norm_chunks) {
+        float g[N];
+        load_weight<T, N>(p.gamma, p.gamma_f32, c * N, g);
+#pragma unroll
+        for (int k = 0; k < N; ++k) a[k] = a[k] * rms * g[k];
+      }
+      store_float<CacheT, N>(ckv + c * N, a, p.inv_kv_scale);
+    } else {
+      const int i0 = (c - latent_chunks) * N;
+      load_float<T, N>(pe + i0, a);
+      if constexpr (NEOX) {
+        float b[N];
+        load_float<T, N>(pe + half_r + i0, b);
+        rotate_neox<N>(a, b, cos_sin, half_r, i0);
+        store_float<CacheT, N>(kpe + half_r + i0, b, p.inv_kv_scale);
+      } else {
+        rotate_interleaved<N>(a, cos_sin, half_r, i0);
+      }
+      store_float<CacheT, N>(kpe + i0, a, p.inv_kv_scale);
+    }
   }
 }
