@@ -76,46 +76,52 @@ def paged_variant_expressions():
 
 # ---- variants --------------------------------------------------------------------------------
 
-PAGED_LIGHT = ((1, 1, 1), (2, 2, 2), (2, 1, 2), (4, 2, 2), (4, 4, 1))
-PAGED_HEAVY = ((2, 2, 4), (2, 2, 3), (4, 4, 2), (4, 2, 2))
+PAGED_LIGHT = ((1, 1, 1),)
+PAGED_HEAVY = ((2, 2, 4), (2, 2, 3), (4, 4, 2))
 
 
 def variants(op, decode, name):
     """[(label, {TUNING key: value})] for one case; the first is the default."""
-    if op in ("qknorm", "contiguous"):
+    if op == "qknorm":
         if decode:
-            return [("default", {}), ("wave1320", {"wave_blocks": 1320}),
-                    ("wave2640", {"wave_blocks": 2640}), ("rows1", {"wave_blocks": 10 ** 9}),
-                    ("b256", {"block": 256}), ("b64", {"block": 64, "wave_blocks": 1320})]
+            return [("default", {}), ("narrow4", {"narrow_below": 512}),
+                    ("narrow4-w1320", {"narrow_below": 512, "wave_blocks": 1320}),
+                    ("w1320", {"wave_blocks": 1320}), ("b256", {"block": 256}),
+                    ("b64", {"block": 64, "wave_blocks": 1320})]
+        return [("default", {}),
+                ("r2-b320", {"prefill_rows": 2, "max_block": 320}),
+                ("r2-b160", {"prefill_rows": 2, "max_block": 160, "prefill_max_rows": 2}),
+                ("r3-b224", {"prefill_rows": 3}),
+                ("r4-b128", {"max_block": 128}),
+                ("r2-b128", {"prefill_rows": 2, "max_block": 128, "prefill_max_rows": 2})]
+    if op == "contiguous":
+        if decode:
+            return [("default", {}), ("b64", {"block": 64, "wave_blocks": 1320}),
+                    ("b64-w660", {"block": 64})]
         return [("default", {}), ("prows3", {"prefill_rows": 3}),
-                ("prows2", {"prefill_rows": 2}), ("prows4b128", {"max_block": 128}),
-                ("split-rows1", {"wave_blocks": 10 ** 9})]
+                ("prows2", {"prefill_rows": 2})]
     if op == "mla":
         if decode:
-            return [("default", {}), ("wave1320", {"wave_blocks": 1320}),
-                    ("wave330", {"wave_blocks": 330}), ("wave5280", {"wave_blocks": 5280})]
-        return [("default", {}), ("split4", {"wave_blocks": 10 ** 9})]
+            return [("default", {}), ("w660", {"wave_blocks": 660}),
+                    ("w165", {"wave_blocks": 165}), ("token", {"split_below": 0})]
+        return [("default", {}), ("split", {"split_below": 10 ** 9})]
     # paged
     mla = "mla" in name
-    if decode:
-        out = [("default", {})]
-        for mb in (2048, 8192, 32768):
-            out.append((f"min{mb}", {"min_blocks": mb}))
-            if mla:
-                out.append((f"min{mb}-hf2", {"min_blocks": mb, "heavy_from": 2}))
-                out.append((f"min{mb}-hf2-h442", {"min_blocks": mb, "heavy_from": 2,
-                                                   "heavy": (4, 4, 2)}))
-        return out
     if mla:
+        rows = [("rows-b288", {"row_group": 128, "row_block": 288}),
+                ("rows-b144", {"row_group": 128, "row_block": 144}),
+                ("rows-b576-w1320", {"row_group": 128, "row_block": 576, "wave_blocks": 1320})]
+        if decode:
+            return [("default", {}), ("min2048-hf2", {"min_blocks": 2048, "heavy_from": 2}),
+                    ("min1024", {"min_blocks": 1024}), *rows]
         return [("default", {})] + [(f"heavy{''.join(map(str, h))}", {"heavy": h})
-                                    for h in PAGED_HEAVY[1:]]
-    out = [("default", {})]
-    for light in PAGED_LIGHT:
-        for mb in (128, 256):
-            if (light, mb) != ((1, 1, 1), 128):
-                out.append((f"light{''.join(map(str, light))}-b{mb}",
-                            {"light": light, "max_block": mb}))
-    return out
+                                    for h in PAGED_HEAVY[1:3]] + rows
+    if decode:
+        return [("default", {}), ("section", {"row_group": 0}),
+                ("rb64-w1320", {"row_block": 64, "wave_blocks": 1320}),
+                ("rb256", {"row_block": 256}), ("w1320", {"wave_blocks": 1320})]
+    return [("default", {}), ("section", {"row_group": 0}), ("prows3", {"prefill_rows": 3}),
+            ("prows2", {"prefill_rows": 2}), ("mrb128", {"max_row_block": 128})]
 
 
 PAGED_CASES = {f"paged gqa fp16->e4m3 {T}x1{'' if T in (1, 64, 256) else ' (sweep)'}"
