@@ -106,22 +106,19 @@ def variants(op, decode, name):
                     ("w165", {"wave_blocks": 165}), ("token", {"split_below": 0})]
         return [("default", {}), ("split", {"split_below": 10 ** 9})]
     # paged
-    mla = "mla" in name
-    if mla:
-        rows = [("rows-b288", {"row_group": 128, "row_block": 288}),
-                ("rows-b144", {"row_group": 128, "row_block": 144}),
-                ("rows-b576-w1320", {"row_group": 128, "row_block": 576, "wave_blocks": 1320})]
+    if "mla" in name:
         if decode:
-            return [("default", {}), ("min2048-hf2", {"min_blocks": 2048, "heavy_from": 2}),
-                    ("min1024", {"min_blocks": 1024}), *rows]
-        return [("default", {})] + [(f"heavy{''.join(map(str, h))}", {"heavy": h})
-                                    for h in PAGED_HEAVY[1:3]] + rows
+            return [("default", {}), ("min512", {"many_from": 10 ** 9}),
+                    ("min1024", {"min_blocks": 1024, "many_from": 10 ** 9}),
+                    ("many128", {"many_from": 128}),
+                    ("min1024-hf2", {"min_blocks": 1024, "heavy_from": 2, "many_from": 10 ** 9})]
+        return [("default", {}), ("heavy223", {"heavy": (2, 2, 3)})]
     if decode:
         return [("default", {}), ("section", {"row_group": 0}),
-                ("rb64-w1320", {"row_block": 64, "wave_blocks": 1320}),
-                ("rb256", {"row_block": 256}), ("w1320", {"wave_blocks": 1320})]
+                ("rb128-w660", {"row_block": 128, "wave_blocks": 660}),
+                ("rbm256", {"row_block_many": 256})]
     return [("default", {}), ("section", {"row_group": 0}), ("prows3", {"prefill_rows": 3}),
-            ("prows2", {"prefill_rows": 2}), ("mrb128", {"max_row_block": 128})]
+            ("mrb128", {"max_row_block": 128})]
 
 
 PAGED_CASES = {f"paged gqa fp16->e4m3 {T}x1{'' if T in (1, 64, 256) else ' (sweep)'}"

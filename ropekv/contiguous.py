@@ -30,7 +30,7 @@ MAX_ITEMS = 256  # chunks (lanes) per head row: one lane group fits a block
 # keeps the grid within `wave_blocks`), a token's rows split over several blocks so the grid fills
 # the GPU. Many tokens (prefill): a block per token, `prefill_rows` rows per lane group (at most
 # `max_block` threads).
-TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 4, "max_block": 256}
+TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 3, "max_block": 256}
 
 PARAMS = ParamStruct("RopeWriteKVParams", [
     *((n, np.uint64) for n in ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids",

@@ -324,8 +324,9 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     if (R // 2 if is_neox else R) // n > BLOCK:
         raise ValueError(f"rotary dim R={R} needs more than {BLOCK} threads per head row at a "
                          f"vector width of {n}")
-    split = T < TUNING["split_below"]
-    splits, per_block = launch_shape(T, Hq, (R // 2 if is_neox else R) // n) if split else (1, Hq)
+    split_heads = T < TUNING["split_below"]
+    splits, per_block = (launch_shape(T, Hq, (R // 2 if is_neox else R) // n) if split_heads
+                         else (1, Hq))
     if split:
         ckv_ptr, kpe_ptr = vckv.ptr, vkpe.ptr
         ckv_s, kpe_s = vckv.strides, vkpe.strides
@@ -346,8 +347,8 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     pointers = [("q", 0, 0), ("kv", 1, 0), ("gamma", 2, 0), ("cos_sin", 3, 0), ("offsets", 4, 0),
                 ("cache_lengths", 5, 0), ("block_table", 6, 0), ("ckv", 7, 0), ("kpe", *kpe),
                 ("q_out", 9, 0)]
-    plan = LaunchPlan(STEM, expression(vq.dtype, vcache.dtype, bool(is_neox), n, split), device,
-                      (T, splits), (BLOCK,), PARAMS, values, pointers)
+    plan = LaunchPlan(STEM, expression(vq.dtype, vcache.dtype, bool(is_neox), n, split_heads),
+                      device, (T, splits), (BLOCK,), PARAMS, values, pointers)
     plan.launch([vq.ptr, vkv.ptr, vg.ptr, vt.ptr, voff.ptr, vlen.ptr, vbt.ptr, caches[0].ptr,
                  caches[-1].ptr, vout.ptr], stream)
     if key is not None:

@@ -40,8 +40,8 @@ MAX_BLOCK = 512  # __launch_bounds__
 # the GPU; below `narrow_below` tokens at a vector width of at most `narrow_width` elements (more
 # lanes per row, shorter per-thread work). Many tokens (prefill): `prefill_rows` rows per lane
 # group, the fewest whole warps that cover the token (at most `max_block` threads per block).
-TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 4, "max_block": 256,
-          "prefill_max_rows": 4, "narrow_below": 0, "narrow_width": 4}
+TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 2, "max_block": 160,
+          "prefill_max_rows": 2, "narrow_below": 32, "narrow_width": 4}
 
 
 def kernel_rows(rows):

@@ -98,7 +98,6 @@ __device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
   to_floats<T, N>(load<T, N>(p), out);
 }
 
-// Stores x * scale rounded to T (scale is 1 for non-quantized outputs).
 template <typename T>
 struct fp8_interpretation;
 template <>
@@ -110,8 +109,10 @@ struct fp8_interpretation<__nv_fp8_e5m2> {
   static constexpr __nv_fp8_interpretation_t value = __NV_E5M2;
 };
 
+// x * scale rounded to T (scale applies to fp8 only), as one vector of N elements.
 template <typename T, int N>
-__device__ __forceinline__ void store_float(T* p, const float (&x)[N], float scale = 1.f) {
+__device__ __forceinline__ Vec<T, N> pack_float(const float (&x)[N], float scale = 1.f) {
+  Vec<T, N> v;
   if constexpr (is_fp8<T>::value && N % 4 == 0) {
     // two values per conversion instruction (cvt.rn.satfinite.*x2.f32 on sm_89+), the pairs
     // packed straight into 32-bit words (no per-byte repacking)
@@ -126,10 +127,10 @@ __device__ __forceinline__ void store_float(T* p, const float (&x)[N], float sca
           fp8_interpretation<T>::value);
       w.v[i] = lo | (hi << 16);
     }
-    store<unsigned, N / 4>(reinterpret_cast<unsigned*>(p), w);
-    return;
+    static_assert(sizeof(w) == sizeof(v), "same bytes");
+    memcpy(&v, &w, sizeof(v));
+    return v;
   }
-  Vec<T, N> v;
   if constexpr (is_fp8<T>::value && N % 2 == 0) {
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
@@ -143,7 +144,13 @@ __device__ __forceinline__ void store_float(T* p, const float (&x)[N], float sca
 #pragma unroll
     for (int i = 0; i < N; ++i) v.v[i] = from_float<T>(is_fp8<T>::value ? x[i] * scale : x[i]);
   }
-  store<T, N>(p, v);
+  return v;
+}
+
+// Stores x * scale rounded to T (scale is 1 for non-quantized outputs).
+template <typename T, int N>
+__device__ __forceinline__ void store_float(T* p, const float (&x)[N], float scale = 1.f) {
+  store<T, N>(p, pack_float<T, N>(x, scale));
 }
 
 // RoPE on one chunk of a head row.

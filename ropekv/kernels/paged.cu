@@ -57,24 +57,42 @@ __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
 // padding (b < 0), b outside [0, B), a negative position, kv_indptr[b] outside [0, I], a page-table
 // index kv_indptr[b] + pos / page_size outside [kv_indptr[b], min(kv_indptr[b + 1], I)), or a page
 // id outside [0, num_pages). Every read uses a clamped, always valid index and is checked after.
-__device__ __forceinline__ void find_slot(const PagedParams& p, i64 b, i64 pos, i64& page,
-                                          i64& entry) {
+// The lookup in two steps, so that other work can go between the two dependent loads: begin reads
+// kv_indptr[b] and kv_indptr[b + 1] (clamped), end checks them and reads the page id.
+struct SlotLookup {
+  bool ok;
+  i64 first, last, idx, pos;
+};
+
+__device__ __forceinline__ SlotLookup slot_begin(const PagedParams& p, i64 b, i64 pos) {
+  SlotLookup s{false, 0, 0, 0, pos};
+  if (p.B <= 0 || p.num_indices <= 0) return s;
+  s.ok = b >= 0 && b < p.B && pos >= 0;
+  const i64 bc = s.ok ? b : 0;
+  s.first = read_index(p.kv_indptr, bc, p.index64 & 8);
+  s.last = read_index(p.kv_indptr, bc + 1, p.index64 & 8);
+  s.idx = div_pos(s.ok ? pos : 0, p.page_size);
+  return s;
+}
+
+__device__ __forceinline__ void slot_end(const PagedParams& p, const SlotLookup& s, i64& page,
+                                         i64& entry) {
   page = -1;
   entry = 0;
+  const bool first_ok = s.first >= 0 && s.first <= p.num_indices;
+  const i64 hi = s.last < s.first ? s.first : (s.last < p.num_indices ? s.last : p.num_indices);
+  const bool it_ok = s.ok && first_ok && s.idx < hi - s.first;  // no overflow: 0 <= first <= hi
   if (p.B <= 0 || p.num_indices <= 0) return;
-  const bool b_ok = b >= 0 && b < p.B && pos >= 0;
-  const i64 bc = b_ok ? b : 0;
-  const i64 first = read_index(p.kv_indptr, bc, p.index64 & 8);
-  const i64 last = read_index(p.kv_indptr, bc + 1, p.index64 & 8);
-  const i64 idx = div_pos(b_ok ? pos : 0, p.page_size);
-  const bool first_ok = first >= 0 && first <= p.num_indices;
-  const i64 hi = last < first ? first : (last < p.num_indices ? last : p.num_indices);
-  const bool it_ok = b_ok && first_ok && idx < hi - first;  // no overflow: 0 <= first <= hi
-  const i64 pg = read_index(p.kv_indices, it_ok ? first + idx : 0, p.index64 & 16);
+  const i64 pg = read_index(p.kv_indices, it_ok ? s.first + s.idx : 0, p.index64 & 16);
   if (it_ok && pg >= 0 && pg < p.num_pages) {
     page = pg;
-    entry = pos - idx * p.page_size;
+    entry = s.pos - s.idx * p.page_size;
   }
+}
+
+__device__ __forceinline__ void find_slot(const PagedParams& p, i64 b, i64 pos, i64& page,
+                                          i64& entry) {
+  slot_end(p, slot_begin(p, b, pos), page, entry);
 }
 
 // q = x / d, r = x % d for 0 <= x, 0 < d: shifts when d is a power of two (the usual chunk and
@@ -279,7 +297,8 @@ __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const Pa
 // Order: every row this thread holds, its rows' scales and the token's three indices are loaded
 // at once; then the cos/sin values (they need pos_id) and the cache slot (kv_indptr, then
 // kv_indices); then every row is roped (V rows, pass-through chunks and tokens without a position:
-// the identity) and stored, the same arithmetic for all rows so a thread's rows interleave.
+// the identity) and stored, the same arithmetic for all rows so a thread's rows interleave. (Q
+// rows stored before the slot lookup end no sooner: the K/V rows' chain is the kernel's length.)
 // Q rows are always written (unrotated when pos_id lies outside [0, P)); K and V rows only when
 // pos_id lies in [0, P) and the token has a slot.
 template <typename T, typename OutT, bool NEOX, int N, int ROWS>
