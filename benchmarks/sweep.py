@@ -166,7 +166,7 @@ def set_tuning(op, change, defaults):
         plans.clear()
 
 
-def run(ops, peers, json_path):
+def run(ops, peers, json_path, match=None):
     import cupy
 
     from ropekv import _timing
@@ -177,6 +177,8 @@ def run(ops, peers, json_path):
     flusher = _timing.L2ReadFlusher()
     results = []
     for spec in cases(ops):
+        if match and not any(m in spec.name for m in match):
+            continue
         t0 = time.perf_counter()
         row = {"op": spec.op, "name": spec.name, "decode": spec.decode, "bytes": spec.nbytes,
                "variants": {}, "peers": {}}
@@ -266,6 +268,7 @@ def main(argv=None):
     p.add_argument("--ops", nargs="+", default=["qknorm", "paged", "contiguous", "mla"])
     p.add_argument("--peers", nargs="+", default=["flashinfer", "flashinfer-cake"])
     p.add_argument("--json")
+    p.add_argument("--match", nargs="+", help="only the cases whose name contains one of these")
     args = ap.parse_args(argv)
     if args.cmd == "prof":
         prof(args.case, args.who)
@@ -273,7 +276,7 @@ def main(argv=None):
     if args.cmd == "precompile":
         extra = paged_variant_expressions() if "paged" in args.stems else ()
         return 0 if precompile(args.stems, extra) else 1
-    run(args.ops, args.peers, args.json)
+    run(args.ops, args.peers, args.json, args.match)
     return 0
 
 
