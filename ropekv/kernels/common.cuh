@@ -88,9 +88,36 @@ struct is_fp8<__nv_fp8_e5m2> {
 };
 
 template <typename T, int N>
-__device__ __forceinline__ void to_floats(const Vec<T, N>& v, float (&out)[N]) {
+struct ToFloats {
+  static __device__ __forceinline__ void run(const Vec<T, N>& v, float (&out)[N]) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_float(v.v[i]);
+    for (int i = 0; i < N; ++i) out[i] = to_float(v.v[i]);
+  }
+};
+
+// bf16 -> float32 is exact: the bits move to the upper half. Done on the 32-bit words the vector
+// was loaded as (the per-element conversion goes through 16-bit registers: more registers, more
+// instructions).
+template <int N>
+struct ToFloats<__nv_bfloat16, N> {
+  static __device__ __forceinline__ void run(const Vec<__nv_bfloat16, N>& v, float (&out)[N]) {
+    if constexpr (N % 2 == 0) {
+      const unsigned* w = reinterpret_cast<const unsigned*>(v.v);
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) {
+        out[2 * i] = __uint_as_float(w[i] << 16);
+        out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) out[i] = to_float(v.v[i]);
+    }
+  }
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void to_floats(const Vec<T, N>& v, float (&out)[N]) {
+  ToFloats<T, N>::run(v, out);
 }
 
 template <typename T, int N>
@@ -98,6 +125,7 @@ __device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
   to_floats<T, N>(load<T, N>(p), out);
 }
 
+// Stores x * scale rounded to T (scale is 1 for non-quantized outputs).
 template <typename T>
 struct fp8_interpretation;
 template <>
@@ -109,10 +137,8 @@ struct fp8_interpretation<__nv_fp8_e5m2> {
   static constexpr __nv_fp8_interpretation_t value = __NV_E5M2;
 };
 
-// x * scale rounded to T (scale applies to fp8 only), as one vector of N elements.
 template <typename T, int N>
-__device__ __forceinline__ Vec<T, N> pack_float(const float (&x)[N], float scale = 1.f) {
-  Vec<T, N> v;
+__device__ __forceinline__ void store_float(T* p, const float (&x)[N], float scale = 1.f) {
   if constexpr (is_fp8<T>::value && N % 4 == 0) {
     // two values per conversion instruction (cvt.rn.satfinite.*x2.f32 on sm_89+), the pairs
     // packed straight into 32-bit words (no per-byte repacking)
@@ -127,10 +153,10 @@ __device__ __forceinline__ Vec<T, N> pack_float(const float (&x)[N], float scale
           fp8_interpretation<T>::value);
       w.v[i] = lo | (hi << 16);
     }
-    static_assert(sizeof(w) == sizeof(v), "same bytes");
-    memcpy(&v, &w, sizeof(v));
-    return v;
+    store<unsigned, N / 4>(reinterpret_cast<unsigned*>(p), w);
+    return;
   }
+  Vec<T, N> v;
   if constexpr (is_fp8<T>::value && N % 2 == 0) {
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
@@ -144,13 +170,7 @@ __device__ __forceinline__ Vec<T, N> pack_float(const float (&x)[N], float scale
 #pragma unroll
     for (int i = 0; i < N; ++i) v.v[i] = from_float<T>(is_fp8<T>::value ? x[i] * scale : x[i]);
   }
-  return v;
-}
-
-// Stores x * scale rounded to T (scale is 1 for non-quantized outputs).
-template <typename T, int N>
-__device__ __forceinline__ void store_float(T* p, const float (&x)[N], float scale = 1.f) {
-  store<T, N>(p, pack_float<T, N>(x, scale));
+  store<T, N>(p, v);
 }
 
 // RoPE on one chunk of a head row.
