@@ -88,12 +88,9 @@ def variants(op, decode, name):
                     ("narrow4-w1320", {"narrow_below": 512, "wave_blocks": 1320}),
                     ("w1320", {"wave_blocks": 1320}), ("b256", {"block": 256}),
                     ("b64", {"block": 64, "wave_blocks": 1320})]
-        return [("default", {}),
-                ("r2-b320", {"prefill_rows": 2, "max_block": 320}),
-                ("r2-b160", {"prefill_rows": 2, "max_block": 160, "prefill_max_rows": 2}),
-                ("r3-b224", {"prefill_rows": 3}),
-                ("r4-b128", {"max_block": 128}),
-                ("r2-b128", {"prefill_rows": 2, "max_block": 128, "prefill_max_rows": 2})]
+        return [("default", {}), ("r2-b320", {"max_block": 320}),
+                ("r4-b160", {"prefill_rows": 4}), ("r2-b128", {"max_block": 128}),
+                ("r4-b256", {"prefill_rows": 4, "max_block": 256})]
     if op == "contiguous":
         if decode:
             return [("default", {}), ("b64", {"block": 64, "wave_blocks": 1320}),
@@ -108,10 +105,8 @@ def variants(op, decode, name):
     # paged
     if "mla" in name:
         if decode:
-            return [("default", {}), ("min512", {"many_from": 10 ** 9}),
-                    ("min1024", {"min_blocks": 1024, "many_from": 10 ** 9}),
-                    ("many128", {"many_from": 128}),
-                    ("min1024-hf2", {"min_blocks": 1024, "heavy_from": 2, "many_from": 10 ** 9})]
+            return [("default", {}), ("min512", {"min_blocks": 512}),
+                    ("min2048", {"min_blocks": 2048}), ("min1024-hf2", {"heavy_from": 2})]
         return [("default", {}), ("heavy223", {"heavy": (2, 2, 3)})]
     if decode:
         return [("default", {}), ("section", {"row_group": 0}),

@@ -26,7 +26,7 @@ INPUT_DTYPES = (FLOAT16, BFLOAT16)
 # up to Hq / (BLOCK / items) blocks (one head per lane group) while the grid stays within
 # `wave_blocks`, over as few as HEADS_MAX allow otherwise. From `split_below` tokens (prefill) the
 # token kernel: a block per token walking its heads two at a time.
-TUNING = {"wave_blocks": 330, "split_below": 1024}
+TUNING = {"wave_blocks": 165, "split_below": 1024}
 SPLIT_KERNEL = "mla_rope_rmsnorm_append_split"
 
 PARAMS = ParamStruct("MlaParams", [

@@ -43,19 +43,17 @@ LAYOUTS = ("NHD", "HND")
 # serves threads with at least heavy_from items per token (MLA's 128 query heads: more loads in
 # flight), at vector width 8 only (other widths take "light"). max_block: threads per block;
 # min_blocks: below this many tokens a token's items are split over several blocks (grid.y), so
-# decode fills the GPU; from `many_from` tokens `many_min_blocks` and `many_heavy_from` instead
-# (MLA's 256-token decode: more blocks, two items in flight per thread).
+# decode fills the GPU.
 #
 # Heads of at most `row_group` chunks (GQA / MHA head rows) take the row kernel instead: a lane
 # group per head row, every row of a thread loaded at once. Few tokens (decode): blocks of
-# `row_block` threads (`row_block_many` from `many_from` tokens), one row per lane group (or a
+# `row_block` threads (`row_block_many` from `row_block_below` tokens), one row per lane group (or a
 # few, keeping the grid within `wave_blocks`), a token's rows split over several blocks. Many
 # tokens (prefill): `prefill_rows` rows per lane group, a block per token (at most
 # `max_row_block` threads).
 TUNING = {"light": (1, 1, 1), "heavy": (2, 2, 4), "heavy_from": 16, "max_block": 128,
-          "min_blocks": 512, "many_from": 256, "many_min_blocks": 2048, "many_heavy_from": 2,
-          "row_group": 32, "row_block": 256, "row_block_many": 128, "wave_blocks": 1320,
-          "prefill_rows": 4, "max_row_block": 256}
+          "min_blocks": 1024, "row_group": 32, "row_block": 256, "row_block_below": 256,
+          "row_block_many": 128, "wave_blocks": 1320, "prefill_rows": 4, "max_row_block": 256}
 MAX_BLOCK = 512  # __launch_bounds__ of the row kernel
 ROW_KERNEL = "rope_append_paged_rows"
 ROWS = (1, 4)  # row kernels by the head rows one lane group can hold (their register budgets)
@@ -64,7 +62,7 @@ ROWS = (1, 4)  # row kernels by the head rows one lane group can hold (their reg
 def row_launch_shape(T, H, group):
     """(block, rows, splits) of the row kernel for T tokens of H head rows at ``group`` lanes per
     row: grid (T, splits), ``rows`` rows per lane group (the kernel's ROWS: 1 when rows is 1)."""
-    width = TUNING["row_block"] if T < TUNING["many_from"] else TUNING["row_block_many"]
+    width = TUNING["row_block"] if T < TUNING["row_block_below"] else TUNING["row_block_many"]
     slots = max(1, min(width, MAX_BLOCK) // group)
     splits = -(-H // slots)
     if T * splits <= TUNING["wave_blocks"]:
@@ -82,12 +80,10 @@ def row_launch_shape(T, H, group):
 def launch_shape(items, T, n):
     """(block, splits, kernel shape) for T tokens of ``items`` items each at vector width n."""
     block = min(TUNING["max_block"], -(-items // 32) * 32)
-    many = T >= TUNING["many_from"]
-    min_blocks = TUNING["many_min_blocks" if many else "min_blocks"]
     splits = 1
-    if T < min_blocks:
-        splits = max(1, min(-(-items // block), -(-min_blocks // T)))
-    heavy = n == 8 and items >= TUNING["many_heavy_from" if many else "heavy_from"] * block * splits
+    if T < TUNING["min_blocks"]:
+        splits = max(1, min(-(-items // block), -(-TUNING["min_blocks"] // T)))
+    heavy = n == 8 and items >= TUNING["heavy_from"] * block * splits
     return block, splits, TUNING["heavy" if heavy else "light"]
 
 

@@ -38,10 +38,11 @@ MAX_BLOCK = 512  # __launch_bounds__
 # Few tokens (decode): blocks of `block` threads, each lane group one row (or a few when that
 # keeps the grid within `wave_blocks`), a token's rows split over several blocks so the grid fills
 # the GPU; below `narrow_below` tokens at a vector width of at most `narrow_width` elements (more
-# lanes per row, shorter per-thread work). Many tokens (prefill): `prefill_rows` rows per lane
-# group, the fewest whole warps that cover the token (at most `max_block` threads per block).
+# lanes per row, shorter per-thread work). Many tokens (prefill): about `prefill_rows` rows per
+# lane group, a token's rows over as few blocks of at most `max_block` threads as that allows,
+# balanced (Qwen3-32B's 80 rows: 2 blocks of 40; Qwen3-8B's 48: 2 of 24).
 TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 2, "max_block": 160,
-          "prefill_max_rows": 2, "narrow_below": 32, "narrow_width": 4}
+          "narrow_below": 32, "narrow_width": 4}
 
 
 def kernel_rows(rows):
@@ -57,12 +58,14 @@ def launch_shape(T, H, group):
         splits = -(-H // (slots * rows))
         if T * splits <= TUNING["wave_blocks"]:
             return TUNING["block"], -(-H // (slots * splits)), splits
-    per_warp = 32 // group
-    slots = -(-H // TUNING["prefill_rows"])
-    block = min(-(-slots // per_warp) * 32, TUNING["max_block"], MAX_BLOCK)
-    slots = block // group
-    rows = min(TUNING["prefill_max_rows"], ROWS[-1], -(-H // slots))
-    return block, rows, -(-H // (slots * rows))
+    per_warp = 32 // group  # lane groups per warp: blocks are whole warps
+    target = TUNING["prefill_rows"]
+    max_slots = max(per_warp, min(TUNING["max_block"], MAX_BLOCK) // group // per_warp * per_warp)
+    splits = -(-H // (max_slots * target))
+    per_block = -(-H // splits)  # rows of one block, balanced
+    slots = min(max_slots, -(-per_block // (target * per_warp)) * per_warp)
+    rows = min(ROWS[-1], -(-per_block // slots))
+    return slots * group, rows, -(-H // (slots * rows))
 
 
 _PLANS = PlanCache()

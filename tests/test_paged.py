@@ -425,17 +425,12 @@ def test_launch_shape(monkeypatch):
     from ropekv import paged
 
     monkeypatch.setitem(paged.TUNING, "min_blocks", 512)
-    monkeypatch.setitem(paged.TUNING, "many_from", 10**9)
     light, heavy = paged.TUNING["light"], paged.TUNING["heavy"]
     assert paged.launch_shape(448, 8192, 8) == (128, 1, light)
     assert paged.launch_shape(8772, 8192, 8) == (128, 1, heavy)
     assert paged.launch_shape(8772, 8192, 4) == (128, 1, light)
     assert paged.launch_shape(448, 64, 8) == (128, 4, light)
     assert paged.launch_shape(40, 1, 8) == (64, 1, light)
-    monkeypatch.setitem(paged.TUNING, "many_from", 256)  # MLA's 256-token decode: more blocks
-    monkeypatch.setitem(paged.TUNING, "many_min_blocks", 2048)
-    monkeypatch.setitem(paged.TUNING, "many_heavy_from", 2)
-    assert paged.launch_shape(9288, 256, 8) == (128, 8, heavy)
     monkeypatch.setitem(paged.TUNING, "row_block", 128)
     monkeypatch.setitem(paged.TUNING, "row_block_many", 128)
     monkeypatch.setitem(paged.TUNING, "wave_blocks", 660)
