@@ -50,7 +50,7 @@ OP_FUNCTIONS = {
     "qkv": ("fused_qkv_matmul_append_paged_kv_cache",),
 }
 OPS = tuple(OP_FUNCTIONS)
-PEERS = ("flashinfer", "torch", "torch-compile", "cublas", "steps")
+PEERS = ("flashinfer", "flashinfer-cake", "torch", "torch-compile", "cublas", "steps")
 L2_FLUSH_BELOW = 120 << 20  # cases moving fewer bytes than this could be served from the 60 MB L2
 SAMPLE_TOKENS = 512  # tokens whose outputs are compared between runners in the bench
 
@@ -691,18 +691,34 @@ class QknormWL(_RaggedMixin, Workload):
     OUTPUTS = ("q_out", "k_cache", "v_cache")
 
     def build(self, B, S, prefix, Hq, Hkv, D, dtype, cache_dtype, page_size=16, layout="NHD",
-              is_neox=True, kv_scale=None, eps=1e-6):
+              is_neox=True, kv_scale=None, eps=1e-6, packed=False, gamma_dtype=None):
+        """``packed``: q, k, v are views of one (T, Hq + 2 Hkv, D) projection output ``qkv``, as
+        engines (and the Cake kernels) hold them; ``gamma_dtype``: that of the RMSNorm weights
+        (default the input dtype)."""
         g = self.g
         num_pages, seq = self.ragged(B, S, prefix, page_size)
         T = B * S
         self.D, self.layout, self.is_neox, self.eps = D, layout, is_neox, eps
-        self.fp8 = np.dtype(cache_dtype) in FP8
+        self.Hq, self.Hkv, self.B, self.T, self.S = Hq, Hkv, B, T, S
+        self.dtype, self.packed = np.dtype(dtype), packed
+        self.cache_dtype = np.dtype(cache_dtype)
+        self.fp8 = self.cache_dtype in FP8
         self.kv_scale = (kv_scale or 1.0) if self.fp8 else None
-        self.a["q"] = g.randn((T, Hq, D), dtype)
-        self.a["k"] = g.randn((T, Hkv, D), dtype)
-        self.a["v"] = g.randn((T, Hkv, D), dtype)
-        self.a["q_gamma"] = g.randn((D,), dtype, scale=0.1, offset=1.0)
-        self.a["k_gamma"] = g.randn((D,), dtype, scale=0.1, offset=1.0)
+        if packed:
+            qkv = g.randn((T, Hq + 2 * Hkv, D), dtype)
+            self.a["qkv"] = qkv
+            self.a["q"], self.a["k"] = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv]
+            self.a["v"] = qkv[:, Hq + Hkv:]
+        else:
+            self.a["q"] = g.randn((T, Hq, D), dtype)
+            self.a["k"] = g.randn((T, Hkv, D), dtype)
+            self.a["v"] = g.randn((T, Hkv, D), dtype)
+        gdt = dtype if gamma_dtype is None else gamma_dtype
+        self.gamma_f32 = np.dtype(gdt) == np.float32
+        self.a["q_gamma"] = g.randn((D,), gdt, scale=0.1, offset=1.0)
+        self.a["k_gamma"] = g.randn((D,), gdt, scale=0.1, offset=1.0)
+        # the sequence length after the append (the Cake kernels' seq_lens)
+        self.a["seq_lens"] = g.put(np.full(B, seq, np.int32))
         self.a["table"] = g.put(_cos_sin(seq, D))
         self.a["q_out"] = g.zeros((T, Hq, D), dtype)
         shape = ((num_pages, page_size, Hkv, D) if layout == "NHD"
@@ -743,6 +759,57 @@ class QknormWL(_RaggedMixin, Workload):
         return fn, (t["q"], t["k"], t["v"], t["q_gamma"], t["k_gamma"], t["table"],
                     t["input_row_offsets"], t["cache_lengths"], t["block_table"],
                     t["token_batch"], o["k_cache"], o["v_cache"], o["q_out"])
+
+    def flashinfer_cake_fn(self, t, o, po):
+        """FlashInfer 0.7.2's Cake kernels on the same packed qkv (heads (64, 8) or (8, 1), D 128,
+        NHD, float32 weights, norm then RoPE): (call, outputs, expect) or None. The bf16 kernel
+        writes q as bf16 (``clear_unused_last_page_rows=False``: the same work as ropekv); the fp8
+        kernel writes q as e4m3 (static scale 1.0), compared with ropekv's q rounded to e4m3."""
+        if not (self.packed and self.gamma_f32 and self.is_neox and self.layout == "NHD"
+                and self.D == 128 and (self.Hq, self.Hkv) in ((64, 8), (8, 1))
+                and self.dtype == BF16 and self.cache_dtype in (BF16, E4M3)):
+            return None
+        torch = _torch()
+        T, Hq = self.T, self.Hq
+        qkv = t["qkv"].view(T, -1)
+        common = (qkv, t["table"], t["seq_lens"], t["input_row_offsets"], t["block_table"])
+        weights = {"q_norm_weight": t["q_gamma"], "k_norm_weight": t["k_gamma"]}
+        if not self.fp8:
+            from flashinfer.cake_fused_qk_rope_append import (
+                cake_fused_qk_rmsnorm_rope_append_paged_kv_cache as cake)
+
+            def bf16():
+                cake(*common, o["k_cache"], o["v_cache"], num_q_heads=Hq, num_kv_heads=self.Hkv,
+                     qk_norm_policy=2, eps=self.eps, out_q=o["q_out"],
+                     clear_unused_last_page_rows=False, **weights)
+            return bf16, functools.partial(self.outputs, po), None
+        from flashinfer.cake_fused_qk_rope_fp8_append import (
+            cake_fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache as cake)
+
+        dev = qkv.device
+        out_q = torch.zeros((T, Hq, self.D), dtype=torch.float8_e4m3fn, device=dev)
+        scale = torch.full((1,), float(self.kv_scale), dtype=torch.float32, device=dev)
+        q_scale_inv = torch.ones(1, dtype=torch.float32, device=dev)
+        q_scale = torch.empty((0,), dtype=torch.float32, device=dev)
+        flag = torch.empty((self.B, self.Hkv), dtype=torch.int32, device=dev)
+
+        def fp8():
+            cake(*common, (o["k_cache"], o["v_cache"]), is_prefill=self.S > 1, k_scale=scale,
+                 v_scale=scale, quant_policy=2, q_scale_inv=q_scale_inv, qk_norm_policy=2,
+                 out_q=out_q, q_scale=q_scale, split_k_flag=flag, **weights)
+
+        tok = self.sample["q_out"][1][0]
+
+        def outputs():
+            out = self.outputs(po)
+            del out["q_out"]  # the peer's q is e4m3, in its own buffer
+            out["q_out_e4m3"] = to_numpy(out_q[torch.as_tensor(tok, device=dev)])
+            return out
+
+        def expect(expected):
+            return dict(expected, q_out_e4m3=expected["q_out"].astype(np.float32).astype(E4M3))
+
+        return fp8, outputs, expect
 
 
 class QkvWL(_RaggedMixin, Workload):
@@ -882,19 +949,24 @@ def _cp():
 LLAMA = {"Hq": 32, "Hkv": 8, "D": 128}  # Llama-3-8B attention
 DSV3 = {"Hq": 128, "L": 512, "R": 64}  # DeepSeek-V3 MLA
 QWEN3 = {"Hq": 32, "Hkv": 8, "D": 128}  # Qwen3-8B
-SWEEP = (1, 4, 16, 64, 256, 1024, 4096, 8192, 16384, 32768)
+QWEN3_32B = {"Hq": 64, "Hkv": 8, "D": 128}  # the Cake kernels' (64, 8) head configuration
+SWEEP = (1, 4, 16, 64, 128, 256, 1024, 4096, 8192, 16384, 32768)
+DECODE_SWEEP = (1, 4, 16, 64, 128, 256)  # tokens (one per request) of every op's decode sweep
 
 
 def _contiguous_specs():
     out = []
     for cache in (F16, E4M3):
-        for B, S, decode in ((8, 1024, False), (64, 1, True)):
+        series = f"contiguous fp16->{_dtname(cache)}"
+        for B, S in ((8, 1024), *((B, 1) for B in DECODE_SWEEP)):
+            decode = S == 1
             kw = dict(B=B, S=S, C=4096, dtype=F16, cache_dtype=cache, decode=decode, **LLAMA)
             out.append(CaseSpec(
-                "contiguous", f"contiguous fp16->{_dtname(cache)} {B}x{S}", B * S,
+                "contiguous", f"{series} {B}x{S}", B * S,
                 nbytes_of.contiguous_bytes(B * S, 32, 8, 128, 128, F16, cache),
-                _lazy(ContiguousWL, **kw), decode=decode, quick=(cache == F16),
-                compile=(cache == F16)))
+                _lazy(ContiguousWL, **kw), decode=decode,
+                quick=cache == F16 and B in (8, 64), compile=cache == F16 and B in (8, 64),
+                series=series if decode else ""))
     return out
 
 
@@ -920,6 +992,14 @@ def _paged_specs():
             headline = (B, S) in ((8, 1024), (64, 1))
             out.append(CaseSpec(**_paged_gqa(B, S, dtype, cache, quick=headline and cache == E4M3,
                                              compile=headline)))
+    # decode sweep of the fp16 -> fp16 case (fp16 -> e4m3 has the long sweep below)
+    for T in DECODE_SWEEP:
+        spec = CaseSpec(**_paged_gqa(T, 1, F16, F16))
+        spec.series = "paged gqa fp16->fp16"
+        if not any(s.name == spec.name for s in out):
+            out.append(spec)
+        else:
+            next(s for s in out if s.name == spec.name).series = spec.series
     for dtype, cache in ((BF16, BF16), (BF16, E4M3)):
         for B, S in ((8, 1024), (64, 1)):
             out.append(CaseSpec(**_paged_gqa(B, S, dtype, cache)))
@@ -933,26 +1013,28 @@ def _paged_specs():
             out.append(spec)
         else:
             next(s for s in out if s.name == spec.name).series = spec.series
-    for B, S in ((8, 1024), (4, 2048), (1, 1), (64, 1), (128, 1), (256, 1)):
+    for B, S in ((8, 1024), (4, 2048), *((B, 1) for B in DECODE_SWEEP)):
         T = B * S
         out.append(CaseSpec(
             "paged", f"paged mla bf16->e4m3 {B}x{S}", T,
             nbytes_of.paged_mla_bytes(T, 128, 512, 64, BF16, E4M3, E4M3),
             _lazy(PagedWL, B=B, S=S, prefix=1024, Hq=128, mla=True, L=512, R=64, dtype=BF16,
                   cache_dtype=E4M3, is_neox=False),
-            decode=S == 1, quick=(B, S) == (128, 1), compile=(B, S) in ((4, 2048), (128, 1))))
+            decode=S == 1, quick=(B, S) == (128, 1), compile=(B, S) in ((4, 2048), (128, 1)),
+            series="paged mla bf16->e4m3" if S == 1 else ""))
     return out
 
 
 def _mla_specs():
     out = []
-    for B, S in ((4, 2048), (128, 1)):
+    for B, S in ((4, 2048), *((B, 1) for B in DECODE_SWEEP)):
         T = B * S
         out.append(CaseSpec(
             "mla", f"mla rmsnorm bf16->e4m3 {B}x{S}", T,
             nbytes_of.mla_rmsnorm_bytes(T, 128, 512, 64, BF16, E4M3),
             _lazy(MlaWL, B=B, S=S, prefix=1024, dtype=BF16, cache_dtype=E4M3, **DSV3),
-            decode=S == 1, quick=S == 1, compile=True))
+            decode=S == 1, quick=B == 128, compile=B in (4, 128),
+            series="mla rmsnorm bf16->e4m3" if S == 1 else ""))
     return out
 
 
@@ -965,19 +1047,31 @@ def _qknorm_specs():
             nbytes_of.qknorm_bytes(T, 32, 8, 128, 128, BF16, cache),
             _lazy(QknormWL, B=B, S=S, prefix=1024, dtype=BF16, cache_dtype=cache, **QWEN3),
             decode=S == 1, quick=S == 1, compile=cache == E4M3))
+    # Qwen3-32B heads on one packed qkv with float32 weights: the Cake kernels' shapes
+    for cache in (BF16, E4M3):
+        series = f"qknorm qwen3-32b bf16->{_dtname(cache)}"
+        for B, S in ((8, 1024), *((B, 1) for B in DECODE_SWEEP)):
+            T = B * S
+            out.append(CaseSpec(
+                "qknorm", f"{series} {B}x{S}", T,
+                nbytes_of.qknorm_bytes(T, 64, 8, 128, 128, BF16, cache),
+                _lazy(QknormWL, B=B, S=S, prefix=1024, dtype=BF16, cache_dtype=cache,
+                      packed=True, gamma_dtype=np.float32, **QWEN3_32B),
+                decode=S == 1, series=series if S == 1 else ""))
     return out
 
 
 def _qkv_specs():
     out = []
-    for T in (8192, 1, 16, 64):
+    for T in (8192, *DECODE_SWEEP):
         B, S = (8, 1024) if T == 8192 else (T, 1)
         out.append(CaseSpec(
             "qkv", f"qkv fp16 K4096 N6144 T{T}", T,
             nbytes_of.qkv_bytes(T, 4096, 32, 8, 128, F16, F16, rotary_dim=128),
             _lazy(QkvWL, B=B, S=S, prefix=1024, K=4096, dtype=F16, cache_dtype=F16, **LLAMA),
-            decode=T <= 64, quick=T == 16, compile=T in (8192, 64),
-            flops=nbytes_of.qkv_flops(T, 4096, 32, 8, 128)))
+            decode=S == 1, quick=T == 16, compile=T in (8192, 64),
+            flops=nbytes_of.qkv_flops(T, 4096, 32, 8, 128),
+            series="qkv fp16 K4096 N6144" if S == 1 else ""))
     return out
 
 
@@ -1053,8 +1147,16 @@ def peer_availability():
             status["flashinfer"] = None
         except Exception as e:  # noqa: BLE001
             status["flashinfer"] = f"FlashInfer not importable ({type(e).__name__}: {e})"
+        try:
+            import flashinfer.cake_fused_qk_rope_append
+            import flashinfer.cake_fused_qk_rope_fp8_append  # noqa: F401
+
+            status["flashinfer-cake"] = None
+        except Exception as e:  # noqa: BLE001
+            status["flashinfer-cake"] = (f"FlashInfer's Cake kernels not importable (0.7.2 or "
+                                         f"later; {type(e).__name__}: {e})")
     else:
-        status["flashinfer"] = "needs PyTorch"
+        status["flashinfer"] = status["flashinfer-cake"] = "needs PyTorch"
     status["cublas"] = status["steps"] = None
     return status
 
@@ -1079,6 +1181,9 @@ class Runner:
     outputs: Callable[[], dict]
     reset: Callable[[], None] | None = None
     framework: str = "cupy"  # which graph capture times it
+    # maps ropekv's sampled outputs to what this runner's outputs are compared with (a peer that
+    # writes another dtype), or None
+    expect: Callable[[dict], dict] | None = None
 
 
 def _runners(w: Workload, spec: CaseSpec, peers):
@@ -1111,6 +1216,14 @@ def _runners(w: Workload, spec: CaseSpec, peers):
             to = {k: _to_torch(v) for k, v in po.items()}
             ti = {k: _to_torch(v) for k, v in w.a.items() if k not in po}
             reset = functools.partial(w.reset, po)
+            if peer == "flashinfer-cake":
+                made = w.flashinfer_cake_fn(ti, to, po) if isinstance(w, QknormWL) else None
+                if made is None:
+                    out[peer] = "-"
+                    continue
+                fn, outs, expect = made
+                out[peer] = Runner(peer, fn, outs, reset, "torch", expect)
+                continue
             if peer == "flashinfer":
                 made = w.flashinfer_fn(ti, to)
                 if made is None:
@@ -1208,6 +1321,29 @@ def time_runner(r: Runner, spec: CaseSpec, settings, flusher):
     res["l2_flushed"] = flush is not None
     res["us"] = res.get("graph_us", res["event_us"])
     return res
+
+
+def torch_host_us(w: Workload, calls):
+    """{"host_us_torch": host time per eager call of ropekv's call made with torch tensors viewing
+    the workload's arrays (DLPack, zero-copy)}; {} without PyTorch, {"host_torch_error": ...} when
+    the call fails on torch tensors."""
+    if peer_availability().get("torch"):
+        return {}
+    try:
+        torch = _torch()
+        tw = copy.copy(w)
+        tw.a = {k: _to_torch(v) for k, v in w.a.items()}
+        o = {k: _to_torch(v) for k, v in w.new_outputs().items()}
+        for _ in range(50):
+            tw.call(o)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            tw.call(o)
+        torch.cuda.synchronize()
+        return {"host_us_torch": (time.perf_counter() - t0) / calls * 1e6}
+    except Exception as e:  # noqa: BLE001 - reported, the case goes on
+        return {"host_torch_error": _one_line(e)}
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -1374,6 +1510,8 @@ def run_case(spec: CaseSpec, peers, settings, flusher, copy_bw):
         case["error"] = _one_line(e)
         case["seconds"] = time.perf_counter() - t
         return case
+    if spec.decode:
+        case["ropekv"].update(torch_host_us(w, settings["host_calls"]))
     us = case["ropekv"]["us"]
     case["ropekv"]["gbps"] = spec.nbytes / (us * 1e-6) / 1e9
     case["ropekv"]["pct_copy"] = 100 * spec.nbytes / (us * 1e-6) / copy_bw
@@ -1389,7 +1527,8 @@ def run_case(spec: CaseSpec, peers, settings, flusher, copy_bw):
             if r.reset:
                 r.reset()
             r.call()
-            mismatch = compare_all(r.outputs(), expected, w.compare_mode)
+            mismatch = compare_all(r.outputs(), r.expect(expected) if r.expect else expected,
+                                   w.compare_mode)
         except Exception as e:  # noqa: BLE001
             what = "skipped: compile failed" if name == "torch-compile" else "error"
             entry["status"] = f"{what}: {_one_line(e)}"

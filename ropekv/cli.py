@@ -106,7 +106,8 @@ def build_parser():
                    default=8, help=f"decode steps after the prefill, 0 to {MAX_STEPS} (default 8)")
     p.set_defaults(func=_cmd_demo)
     ops = ("contiguous", "paged", "mla", "qknorm", "qkv")  # == ropekv.bench.OPS (no import here)
-    peers = ("flashinfer", "torch", "torch-compile", "cublas", "steps")  # == bench.PEERS
+    peers = ("flashinfer", "flashinfer-cake", "torch", "torch-compile", "cublas",
+             "steps")  # == bench.PEERS
     p = sub.add_parser("bench", help="every op against its peers and the copy bandwidth, one run",
                        description="Time every available op on its standard cases against "
                                    "FlashInfer, PyTorch eager, torch.compile and cuBLAS (each "

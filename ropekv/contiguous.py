@@ -22,10 +22,17 @@ from ropekv._vector import aligned, vector_width
 
 STEM = "contiguous"
 KERNEL = "apply_rope_write_kv"
-BLOCK = 128
-SMALL_BATCH_TOKENS = 1024
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 INDEX_DTYPES = (INT32, INT64)
+ROWS_MAX = 4  # head rows one lane group holds (kRowsMax in the kernel)
+MAX_ITEMS = 256  # chunks (lanes) per head row: one lane group fits a block
+
+# Launch shape (H200). A token has H = Hq + 2 Hkv head rows (Q, K, V), one lane group per row.
+# Few tokens (decode): blocks of about `block` threads, each lane group one row (or a few when that
+# keeps the grid within `wave_blocks`), a token's rows split over several blocks so the grid fills
+# the GPU. Many tokens (prefill): a block per token, `prefill_rows` rows per lane group (at most
+# `max_block` threads).
+TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 3, "max_block": 256}
 
 PARAMS = ParamStruct("RopeWriteKVParams", [
     *((n, np.uint64) for n in ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids",
@@ -33,7 +40,7 @@ PARAMS = ParamStruct("RopeWriteKVParams", [
     *((n, np.int64) for n in ("q_sb", "q_ss", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss",
                               "v_sh", "c_sb", "c_skv", "c_sh", "c_st", "cs_sb", "cs_sp")),
     *((n, np.int32) for n in ("B", "S", "Hq", "Hkv", "D", "R", "C", "P", "write_k_in_place",
-                              "index64")),
+                              "group", "rows", "index64")),
 ])
 
 # the array arguments, in the order the public function hands them to the call path; each is
@@ -46,16 +53,17 @@ def expression(dtype, cache_dtype, is_neox, n):
     return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
 
 
-def block_size(D, R, n, is_neox, tokens):
-    """Threads per token: a whole number of head rows of ``items`` chunks each (the kernel's
-    ``hp`` heads in parallel). About 128 threads when there are many tokens (more blocks resident
-    per SM); 256 for few tokens (decode), where the per-thread chain of loads is the latency."""
-    items = ((R // 2) // n if is_neox else R // n) + (D - R) // n
-    if items > 256:
-        raise ValueError(f"head dim D={D} with rotary dim R={R} needs {items} threads per head "
-                         f"row, more than the 256 a block has")
-    target = 2 * BLOCK if tokens < SMALL_BATCH_TOKENS else BLOCK
-    return items * max(1, target // items)
+def launch_shape(T, H, group):
+    """(block, rows, splits) for T tokens of H head rows at ``group`` lanes per row: grid (T,
+    splits), ``rows`` rows per lane group."""
+    slots = max(1, TUNING["block"] // group)
+    for rows in (1, 2, 4):
+        splits = -(-H // (slots * rows))
+        if T * splits <= TUNING["wave_blocks"]:
+            return slots * group, -(-H // (slots * splits)), splits
+    slots = min(-(-H // TUNING["prefill_rows"]), max(1, TUNING["max_block"] // group))
+    rows = min(ROWS_MAX, -(-H // slots))
+    return slots * group, rows, -(-H // (slots * rows))
 
 
 def instantiations():
@@ -155,13 +163,14 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
     """
     return _OP((q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale),
                (ck.check_flag(write_k_in_place, "write_k_in_place"),
-                ck.check_flag(is_neox, "is_neox"), ck.check_flag(enable_pdl, "enable_pdl")),
+                ck.check_flag(is_neox, "is_neox"), ck.check_flag(enable_pdl, "enable_pdl"),
+                tuple(TUNING.values())),
                stream)
 
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
-    write_k_in_place, is_neox, pdl = flags
+    write_k_in_place, is_neox, pdl, _ = flags
     vq, vk, vv, vc, vt, vlens, vpos, vscale = views
 
     ck.check_ndim(vq, 4, "(B, S, Hq, D)")
@@ -235,6 +244,11 @@ def _prepare(views, flags):
         raise BufferError(f"interleaved RoPE reads element pairs: the rows of q, k, v and kv_cache "
                           f"must start at even elements; got q {vq}, k {vk}, v {vv}, "
                           f"kv_cache {vc}")
+    items = ((R // 2) // n if is_neox else R // n) + (D - R) // n
+    if items > MAX_ITEMS:
+        raise ValueError(f"head dim D={D} with rotary dim R={R} needs {items} threads per head "
+                         f"row, more than the {MAX_ITEMS} a block has")
+    block, rows, splits = launch_shape(B * S, Hq + 2 * Hkv, items)
     table_strides = vt.strides if vt.ndim == 3 else (0, *vt.strides)
     values = PARAMS.values(
         q=0, k=0, v=0, cache=0, cos_sin=0, kv_end_lens=0, position_ids=0, kv_scale=0,
@@ -244,10 +258,10 @@ def _prepare(views, flags):
         c_sb=vc.strides[0], c_skv=vc.strides[1], c_sh=vc.strides[2], c_st=vc.strides[3],
         cs_sb=table_strides[0] if vt.ndim == 3 and vt.shape[0] > 1 else 0, cs_sp=table_strides[1],
         B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=C, P=P, write_k_in_place=int(write_k_in_place),
-        index64=(int(vlens is not None and vlens.dtype == INT64)
+        group=items, rows=rows, index64=(int(vlens is not None and vlens.dtype == INT64)
                  | 2 * int(vpos is not None and vpos.dtype == INT64)))
-    launch = Launch(STEM, expression(vq.dtype, vc.dtype, is_neox, n), device, (B * S,),
-                    (block_size(D, R, n, is_neox, B * S),), PARAMS,
+    launch = Launch(STEM, expression(vq.dtype, vc.dtype, is_neox, n), device, (B * S, splits),
+                    (block,), PARAMS,
                     dict(zip(PARAMS.names, values)),
                     {f: (i, 0) for i, f in enumerate(FIELDS)}, pdl=pdl)
     return Plan(device, [launch], written=written)

@@ -16,7 +16,14 @@ from ropekv._vector import aligned, vector_width
 STEM = "mla"
 KERNEL = "mla_rope_rmsnorm_append"
 BLOCK = 256
+HEADS_MAX = 4  # q heads one lane group holds (kHeadsMax in the kernel)
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
+# Launch shape (H200). Below `split_below` tokens (decode) the split kernel: a token's q heads over
+# up to Hq / (BLOCK / items) blocks (one head per lane group) while the grid stays within
+# `wave_blocks`, over as few as HEADS_MAX allow otherwise. From `split_below` tokens (prefill) the
+# token kernel: a block per token walking its heads two at a time.
+TUNING = {"wave_blocks": 165, "split_below": 1024}
+SPLIT_KERNEL = "mla_rope_rmsnorm_append_split"
 
 PARAMS = ParamStruct("MlaParams", [
     *((n, np.uint64) for n in ("q", "q_out", "kv", "gamma", "cos_sin", "offsets",
@@ -26,18 +33,30 @@ PARAMS = ParamStruct("MlaParams", [
     ("epsilon", np.float32),
     ("inv_kv_scale", np.float32),
     *((n, np.int32) for n in ("T", "B", "Hq", "L", "R", "P", "kv_norm_dim", "max_pages",
-                              "page_size", "gamma_f32")),
+                              "page_size", "gamma_f32", "heads_per_block")),
 ])
 
 
+def launch_shape(T, Hq, items):
+    """(splits, heads per block) for T tokens of Hq q heads of ``items`` chunks each."""
+    groups = BLOCK // items
+    fewest = -(-Hq // (groups * HEADS_MAX))
+    most = -(-Hq // groups)
+    splits = max(fewest, min(most, -(-TUNING["wave_blocks"] // T)))
+    per_block = -(-Hq // splits)
+    return -(-Hq // per_block), per_block
 
-def expression(dtype, cache_dtype, is_neox, n):
-    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
+
+def expression(dtype, cache_dtype, is_neox, n, split=False):
+    return name_expression(SPLIT_KERNEL if split else KERNEL, c_type(dtype), c_type(cache_dtype),
+                           c_bool(is_neox), n)
 
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
-    return rope_instantiations(expression, INPUT_DTYPES, FP8_DTYPES)
+    for split in (False, True):
+        yield from rope_instantiations(lambda *a, split=split: expression(*a, split),
+                                       INPUT_DTYPES, FP8_DTYPES)
 
 
 # ---- helpers shared with ropekv.qknorm ---------------------------------------------------------
@@ -163,12 +182,13 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
         (q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table, *caches,
          q_rope_out),
         (scalar_key(epsilon), scalar_key(kv_norm_dim), ck.check_flag(is_neox, "is_neox"),
-         scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl")), stream)
+         scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl"), tuple(TUNING.values())),
+        stream)
 
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
-    epsilon, kv_norm_dim, is_neox, kv_scale, pdl = flags
+    epsilon, kv_norm_dim, is_neox, kv_scale, pdl, _ = flags
     vq, vkv, vg, vt, voff, vlen, vbt, vc0, vc1, vgiven = views
     split = vc1 is not None or vc0.name == "ckv_cache"
 
@@ -266,6 +286,9 @@ def _prepare(views, flags):
     if (R // 2 if is_neox else R) // n > BLOCK:
         raise ValueError(f"rotary dim R={R} needs more than {BLOCK} threads per head row at a "
                          f"vector width of {n}")
+    split_heads = T < TUNING["split_below"]
+    splits, per_block = (launch_shape(T, Hq, (R // 2 if is_neox else R) // n) if split_heads
+                         else (1, Hq))
     if vgiven is None:
         out_strides = (Hq * R, R)
     else:
@@ -278,14 +301,14 @@ def _prepare(views, flags):
         ckv_sp=ckv_s[0], ckv_se=ckv_s[1], kpe_sp=kpe_s[0], kpe_se=kpe_s[1], num_pages=num_pages,
         epsilon=epsilon, inv_kv_scale=1.0 / scale if scale else 1.0,
         T=T, B=B, Hq=Hq, L=L, R=R, P=P, kv_norm_dim=n_norm, max_pages=max_pages,
-        page_size=page_size, gamma_f32=int(vg.dtype == FLOAT32))))
+        page_size=page_size, gamma_f32=int(vg.dtype == FLOAT32), heads_per_block=per_block)))
     # pointer fields <- (argument index, byte offset); a new q output comes after the arguments
     slots = {"q": (0, 0), "kv": (1, 0), "gamma": (2, 0), "cos_sin": (3, 0), "offsets": (4, 0),
              "cache_lengths": (5, 0), "block_table": (6, 0), "ckv": (7, 0),
              "kpe": (8, 0) if split else (7, L * vcache.dtype.itemsize),
              "q_out": (9, 0) if vgiven is not None else (10, 0)}
-    launch = Launch(STEM, expression(vq.dtype, vcache.dtype, is_neox, n), device, (T,),
-                    (BLOCK,), PARAMS, values, slots, pdl=pdl)
+    launch = Launch(STEM, expression(vq.dtype, vcache.dtype, is_neox, n, split_heads), device,
+                    (T, splits), (BLOCK,), PARAMS, values, slots, pdl=pdl)
     return Plan(device, [launch], outputs=outputs, written=written, inplace=[(0, 9)],
                 result=result)
 

@@ -42,8 +42,37 @@ LAYOUTS = ("NHD", "HND")
 # flight), at vector width 8 only (other widths take "light"). max_block: threads per block;
 # min_blocks: below this many tokens a token's items are split over several blocks (grid.y), so
 # decode fills the GPU.
+#
+# Heads of at most `row_group` chunks (GQA / MHA head rows) take the row kernel instead: a lane
+# group per head row, every row of a thread loaded at once. Few tokens (decode): blocks of
+# `row_block` threads (`row_block_many` from `row_block_below` tokens), one row per lane group (or a
+# few, keeping the grid within `wave_blocks`), a token's rows split over several blocks. Many
+# tokens (prefill): `prefill_rows` rows per lane group, a block per token (at most
+# `max_row_block` threads).
 TUNING = {"light": (1, 1, 1), "heavy": (2, 2, 4), "heavy_from": 16, "max_block": 128,
-          "min_blocks": 512}
+          "min_blocks": 1024, "row_group": 32, "row_block": 256, "row_block_below": 256,
+          "row_block_many": 128, "wave_blocks": 1320, "prefill_rows": 4, "max_row_block": 256}
+MAX_BLOCK = 512  # __launch_bounds__ of the row kernel
+ROW_KERNEL = "rope_append_paged_rows"
+ROWS = (1, 4)  # row kernels by the head rows one lane group can hold (their register budgets)
+
+
+def row_launch_shape(T, H, group):
+    """(block, rows, splits) of the row kernel for T tokens of H head rows at ``group`` lanes per
+    row: grid (T, splits), ``rows`` rows per lane group (the kernel's ROWS: 1 when rows is 1)."""
+    width = TUNING["row_block"] if T < TUNING["row_block_below"] else TUNING["row_block_many"]
+    slots = max(1, min(width, MAX_BLOCK) // group)
+    splits = -(-H // slots)
+    if T * splits <= TUNING["wave_blocks"]:
+        return slots * group, 1, splits
+    for rows in (2, ROWS[-1]):
+        splits = -(-H // (slots * rows))
+        if T * splits <= TUNING["wave_blocks"]:
+            return slots * group, -(-H // (slots * splits)), splits
+    slots = min(-(-H // TUNING["prefill_rows"]),
+                max(1, min(TUNING["max_row_block"], MAX_BLOCK) // group))
+    rows = min(ROWS[-1], -(-H // slots))
+    return slots * group, rows, -(-H // (slots * rows))
 
 
 def launch_shape(items, T, n):
@@ -66,7 +95,8 @@ PARAMS = ParamStruct("PagedParams", [
         "qro_sn", "qro_sh", "qno_sn", "qno_sh", "krc_sp", "krc_se", "krc_sh", "knc_sp", "knc_se",
         "knc_sh", "vc_sp", "vc_se", "vc_sh", "cs_sp", "num_pages", "num_indices")),
     ("q_scale", np.float32), ("kv_scale", np.float32),
-    *((n, np.int32) for n in ("Hq", "Hkv", "Hv", "R", "Dn", "B", "page_size", "P", "index64")),
+    *((n, np.int32) for n in ("Hq", "Hkv", "Hv", "R", "Dn", "B", "page_size", "P", "index64",
+                              "group", "rows")),
 ])
 
 _DTYPE_NAMES = {
@@ -77,6 +107,11 @@ _DTYPE_NAMES = {
 
 @functools.cache
 def expression(dtype, out_dtype, is_neox, n, shape):
+    """The section kernel of ``shape`` (unroll, rot_unroll, min blocks), or the row kernel when
+    ``shape`` is ``("rows", ROWS)``."""
+    if shape[0] == "rows":
+        return name_expression(ROW_KERNEL, c_type(dtype), c_type(out_dtype), c_bool(is_neox), n,
+                               shape[1])
     return name_expression(KERNEL, c_type(dtype), c_type(out_dtype), c_bool(is_neox), n, *shape)
 
 
@@ -86,7 +121,8 @@ def instantiations():
         if not is_neox and n == 1:
             continue
         shapes = (TUNING["light"], TUNING["heavy"]) if n == 8 else (TUNING["light"],)
-        for out_dtype, shape in itertools.product((dtype, *FP8_DTYPES), dict.fromkeys(shapes)):
+        shapes = (*dict.fromkeys(shapes), *(("rows", r) for r in ROWS))
+        for out_dtype, shape in itertools.product((dtype, *FP8_DTYPES), shapes):
             yield expression(dtype, out_dtype, is_neox, n, shape)
 
 
@@ -164,11 +200,11 @@ def rope_quantize_fp8_append_paged_kv_cache(
 
     Notes
     -----
-    A token whose ``pos_ids`` entry falls outside ``[0, P)`` is skipped whole (its q output rows are
-    not written). A token whose cache slot is invalid -- ``batch_indices`` outside ``[0, B)``, a
-    negative position, ``kv_indptr[b]`` outside ``[0, I]`` (I = len(kv_indices)), a page-table
-    index outside ``[kv_indptr[b], min(kv_indptr[b + 1], I))``, a page id outside
-    ``[0, num_pages)`` -- writes its q outputs but no cache row.
+    A token whose ``pos_ids`` entry falls outside ``[0, P)`` has its q outputs written unrotated
+    (quantized with the q scale) and no cache row. A token whose cache slot is invalid --
+    ``batch_indices`` outside ``[0, B)``, a negative position, ``kv_indptr[b]`` outside ``[0, I]``
+    (I = len(kv_indices)), a page-table index outside ``[kv_indptr[b], min(kv_indptr[b + 1],
+    I))``, a page id outside ``[0, num_pages)`` -- writes its q outputs but no cache row.
     Nothing is ever read or written out of bounds. With ``ROPEKV_CHECK_INDICES=1`` such tokens
     (padding aside) raise ``IndexError`` instead, checked on the host before the launch.
 
@@ -544,7 +580,12 @@ def _prepare(views, flags):
                           "element")
     ri = R // (2 * n) if is_neox else R // n
     items = (Hq + Hkv) * (ri + Dn // n) + (0 if mla else Hkv * D // n)
-    block, splits, shape = launch_shape(items, T, n)
+    group = ri + Dn // n  # chunks of a head row
+    if group <= TUNING["row_group"]:
+        block, rows, splits = row_launch_shape(T, Hq + Hkv + (0 if mla else Hkv), group)
+        shape = ("rows", 1 if rows == 1 else ROWS[-1])
+    else:
+        (block, splits, shape), rows = launch_shape(items, T, n), 0
     index64 = sum(1 << i for i, view in enumerate(indices) if view.dtype == INT64)
     zero2 = (0, 0)
     qn_st = vqn.strides[:2] if vqn is not None else zero2
@@ -564,7 +605,7 @@ def _prepare(views, flags):
         vc_se=vd[1][1], vc_sh=vd[1][2], cs_sp=vt.strides[0], num_pages=num_pages,
         num_indices=vind.shape[0], q_scale=q_scale, kv_scale=kv_scale, Hq=Hq, Hkv=Hkv,
         Hv=0 if mla else Hkv, R=R, Dn=Dn, B=vptr.shape[0] - 1, page_size=page_size, P=P,
-        index64=index64)))
+        index64=index64, group=group, rows=rows)))
     slots = {"q_rope": (0, 0), "k_rope": (1, 0), "q_nope": (2, 0), "k_nope": (3, 0),
              "v": (4, 0), "cos_sin": (5, 0), "pos_ids": (6, 0), "kr_cache": kr[0],
              "kn_cache": kn[0], "v_cache": vd[0], "kv_indices": (9, 0), "kv_indptr": (10, 0),

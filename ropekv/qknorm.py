@@ -27,20 +27,56 @@ PARAMS = ParamStruct("QKNormParams", [
                               "vc_sh", "num_pages")),
     *((n, np.float32) for n in ("epsilon", "inv_k_scale", "inv_v_scale")),
     *((n, np.int32) for n in ("T", "B", "Hq", "Hkv", "D", "R", "P", "max_pages", "page_size",
-                              "q_gamma_f32", "k_gamma_f32", "group")),
+                              "q_gamma_f32", "k_gamma_f32", "group", "rows")),
 ])
-BLOCK = 256
 MAX_GROUP = 32  # lanes per head row: one chunk each, a row within a warp
+ROWS = (1, 2, 4)  # kernels by the head rows one lane group can hold (their register budgets)
+MAX_BLOCK = 512  # __launch_bounds__
+
+# Launch shape (H200). A token has H = Hq + 2 Hkv head rows (Q, K, V), one lane group per row.
+# Few tokens (decode): blocks of `block` threads, each lane group one row (or a few when that
+# keeps the grid within `wave_blocks`), a token's rows split over several blocks so the grid fills
+# the GPU; below `narrow_below` tokens at a vector width of at most `narrow_width` elements (more
+# lanes per row, shorter per-thread work). Many tokens (prefill): about `prefill_rows` rows per
+# lane group, a token's rows over as few blocks of at most `max_block` threads as that allows,
+# balanced (Qwen3-32B's 80 rows: 2 blocks of 40; Qwen3-8B's 48: 2 of 24).
+TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 2, "max_block": 160,
+          "narrow_below": 32, "narrow_width": 4}
+
+
+def kernel_rows(rows):
+    """The smallest kernel ROWS that holds ``rows`` rows per lane group."""
+    return next(r for r in ROWS if r >= rows)
+
+
+def launch_shape(T, H, group):
+    """(block, rows, splits) for T tokens of H head rows at ``group`` lanes per row: grid (T,
+    splits), ``rows`` rows per lane group (the kernel's ROWS is ``kernel_rows(rows)``)."""
+    slots = TUNING["block"] // group
+    for rows in ROWS:
+        splits = -(-H // (slots * rows))
+        if T * splits <= TUNING["wave_blocks"]:
+            return TUNING["block"], -(-H // (slots * splits)), splits
+    per_warp = 32 // group  # lane groups per warp: blocks are whole warps
+    target = TUNING["prefill_rows"]
+    max_slots = max(per_warp, min(TUNING["max_block"], MAX_BLOCK) // group // per_warp * per_warp)
+    splits = -(-H // (max_slots * target))
+    per_block = -(-H // splits)  # rows of one block, balanced
+    slots = min(max_slots, -(-per_block // (target * per_warp)) * per_warp)
+    rows = min(ROWS[-1], -(-per_block // slots))
+    return slots * group, rows, -(-H // (slots * rows))
 
 
 
-def expression(dtype, cache_dtype, is_neox, n):
-    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
+def expression(dtype, cache_dtype, is_neox, n, rows=1):
+    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n, rows)
 
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
-    return rope_instantiations(expression, INPUT_DTYPES, FP8_DTYPES)
+    for rows in ROWS:
+        yield from rope_instantiations(
+            lambda *a, rows=rows: expression(*a, rows), INPUT_DTYPES, FP8_DTYPES)
 
 
 def _kv_scales(kv_scale, cache_dtype):
@@ -148,12 +184,13 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     return _OP((q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
                 block_table, *paged_kv_cache, q_out),
                (scalar_key(epsilon), ck.check_flag(is_neox, "is_neox"), scalar_key(kv_layout),
-                scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl")), stream)
+                scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl"),
+                tuple(TUNING.values())), stream)
 
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
-    epsilon, is_neox, kv_layout, kv_scale, pdl = flags
+    epsilon, is_neox, kv_layout, kv_scale, pdl, _ = flags
     ck.check_choice(kv_layout, "kv_layout", KV_LAYOUTS)
     vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vgiven = views
 
@@ -229,12 +266,21 @@ def _prepare(views, flags):
                           f"the caches must start at even elements; got {vq}, {vout}, {vk}, {vv}, "
                           f"{vkc}")
     # lanes per head row: one chunk each, a power of two so a row's sum is a shuffle within a warp
-    items = (R // 2 if is_neox else R) // n + (D - R) // n
+    def lanes(n):
+        return (R // 2 if is_neox else R) // n + (D - R) // n
+
+    if T < TUNING["narrow_below"]:  # decode: more lanes per row, less work per thread
+        narrow = vector_width(vq.dtype.itemsize, fits,
+                              tuple(w for w in (8, 4, 2, 1) if w <= TUNING["narrow_width"]))
+        if narrow and lanes(narrow) <= MAX_GROUP:
+            n = narrow
+    items = lanes(n)
     if items > MAX_GROUP:
         raise BufferError(f"head dim D={D} at a vector width of {n} elements needs {items} lanes "
                           f"per head row, more than {MAX_GROUP}; align the rows of q, k, v and "
                           f"the caches to {16 // vq.dtype.itemsize * vq.dtype.itemsize} bytes")
     group = 1 << (items - 1).bit_length()
+    block, rows, splits = launch_shape(T, Hq + 2 * Hkv, group)
     if kv_layout == "NHD":
         kc = (vkc.strides[0], vkc.strides[1], vkc.strides[2])
         vc = (vvc.strides[0], vvc.strides[1], vvc.strides[2])
@@ -252,14 +298,14 @@ def _prepare(views, flags):
         num_pages=num_pages, epsilon=epsilon, inv_k_scale=1.0 / k_scale,
         inv_v_scale=1.0 / v_scale, T=T, B=B, Hq=Hq, Hkv=Hkv, D=D, R=R, P=P, max_pages=max_pages,
         page_size=page_size, q_gamma_f32=int(vqg.dtype == FLOAT32),
-        k_gamma_f32=int(vkg.dtype == FLOAT32), group=group)))
+        k_gamma_f32=int(vkg.dtype == FLOAT32), group=group, rows=rows)))
     fields = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin", "offsets", "cache_lengths",
               "block_table", "k_cache", "v_cache", "q_out")
     slots = {f: (i, 0) for i, f in enumerate(fields)}
     if vgiven is None:
         slots["q_out"] = (12, 0)  # the new output follows the 12 arguments
-    launch = Launch(STEM, expression(vq.dtype, vkc.dtype, is_neox, n), device, (T,), (BLOCK,),
-                    PARAMS, values, slots, pdl=pdl)
+    launch = Launch(STEM, expression(vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows)), device,
+                    (T, splits), (block,), PARAMS, values, slots, pdl=pdl)
     return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace,
                 result=result)
 

@@ -331,9 +331,10 @@ def rope_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
 
     The q outputs and the cache rows have the cache dtype; with an fp8 cache every value is
     multiplied by its scale (a float, or per head ``(Hq,)`` / ``(Hkv,)``) before rounding, otherwise
-    the scales are ignored. A token whose ``pos_ids`` falls outside the table is skipped whole (its
-    q rows are left as they are); a token without a cache slot (:func:`paged_append_slots`) has
-    its q rows written and no cache row. Returns ``(q_rope_out, q_nope_out)``, allocated when None.
+    the scales are ignored. A token whose ``pos_ids`` falls outside the table has its q rows
+    written unrotated (scaled and quantized like the others) and no cache row; a token without a
+    cache slot (:func:`paged_append_slots`) has its q rows written and no cache row. Returns
+    ``(q_rope_out, q_nope_out)``, allocated when None.
     """
     T, Hq, R = q_rope.shape
     mla = k_rope.ndim == 2
@@ -354,13 +355,15 @@ def rope_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
 
     pos = np.asarray(pos_ids).astype(np.int64)
     tok = np.nonzero((pos >= 0) & (pos < cos_sin_cache.shape[0]))[0]
+    q = np.array(q_rope, np.float64)
+    if tok.size:
+        cos, sin = split_cos_sin(cos_sin_cache[pos[tok]])
+        q[tok] = rope(q[tok], cos[:, None, :], sin[:, None, :], is_neox)
+    q_rope_out[...] = to_dtype(q * qs, out)
+    if Dn:
+        q_nope_out[...] = to_dtype(np.asarray(q_nope, np.float64) * qs, out)
     if tok.size == 0:
         return q_rope_out, q_nope_out
-    cos, sin = split_cos_sin(cos_sin_cache[pos[tok]])
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    q_rope_out[tok] = to_dtype(rope(q_rope[tok], cos, sin, is_neox) * qs, out)
-    if Dn:
-        q_nope_out[tok] = to_dtype(np.asarray(q_nope[tok], np.float64) * qs, out)
 
     num_pages = cache0.shape[0]
     page, entry = paged_append_slots(kv_indices, kv_indptr, batch_indices, positions, page_size,

@@ -128,8 +128,17 @@ def test_registry_covers_every_op_with_unique_names():
     assert {s.op for s in specs} == set(bench.OPS)
     for op in bench.OPS:
         assert any(s.quick for s in specs if s.op == op), op
-    sweep = sorted(s.tokens for s in specs if s.series)
+    sweep = sorted(s.tokens for s in specs if s.series == "paged gqa fp16->e4m3")
     assert sweep[0] == 1 and sweep[-1] == 32768 and len(sweep) == len(bench.SWEEP)
+    # every op with decode cases sweeps the decode token counts
+    for op in bench.OPS:
+        decode = [s for s in specs if s.op == op and s.decode]
+        if decode:
+            series = {s.series for s in decode if s.series}
+            assert series, op
+            for name in series:
+                tokens = sorted(s.tokens for s in specs if s.series == name and s.decode)
+                assert tokens == sorted(bench.DECODE_SWEEP), (name, tokens)
     assert all(s.decode == (s.tokens <= 256 and "x1" in s.name.split()[-1] or s.decode)
                for s in specs)
 

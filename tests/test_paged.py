@@ -143,14 +143,15 @@ def naive(args, is_neox=True):
 
     for i in range(T):
         p = int(a["pos_ids"][i])
-        if not 0 <= p < P:
-            qro[i] = qno[i] = 0
-            continue
+        roped = 0 <= p < P  # otherwise: q written unrotated, no cache row
         for h in range(Hq):
             s = scale(a["quant_scale_q"], h)
-            qro[i, h] = cast(rot(q_rope[i, h], p) * s)
+            x = rot(q_rope[i, h], p) if roped else q_rope[i, h].astype(np.float64)
+            qro[i, h] = cast(x * s)
             if Dn:
                 qno[i, h] = cast(a["q_nope"][i, h].astype(np.float64) * s)
+        if not roped:
+            continue
         b, pos = int(a["batch_indices"][i]), int(a["positions"][i])
         if not 0 <= b < B or pos < 0:
             continue
@@ -321,16 +322,27 @@ def test_padding_and_invalid_slots_write_q_but_no_cache_row():
         assert_bytes_equal(g, o)
 
 
-def test_out_of_table_positions_skip_the_token():
+def test_out_of_table_positions_write_q_unrotated_and_no_cache_row():
     args = make_case(11, T=4, cache_dtype=F16)
     args["pos_ids"][1] = args["cos_sin_cache"].shape[0]
     args["pos_ids"][2] = -1
     out = np.full((4, 4, 16), 7, F16)
     q, _ = call(args, quantize=False, q_rope_out=out)
     assert q is out
-    assert (out[1:3] == 7).all() and not (out[0] == 7).all()
+    np.testing.assert_array_equal(out[1:3], args["q_rope"][1:3])  # never left stale
+    assert not (out[0] == 7).all() and not (out[3] == 7).all()
     mask = written_rows(args)
     assert mask.sum() == 2
+
+
+def test_out_of_table_positions_quantize_q_with_its_scale():
+    args = make_case(13, T=3, Dn=8, cache_dtype=E4M3)
+    args["pos_ids"][:] = [-5, 0, 1 << 30]
+    args["quant_scale_q"] = 0.5
+    q, n = call(args)
+    for i in (0, 2):
+        assert_close(q[i], reference.to_dtype(args["q_rope"][i].astype(np.float64) * 0.5, E4M3))
+        assert_close(n[i], reference.to_dtype(args["q_nope"][i].astype(np.float64) * 0.5, E4M3))
 
 
 def test_mla_writes_ckv_and_kpe():
@@ -404,19 +416,28 @@ def test_check_indices_raises(monkeypatch):
             call(args)
 
 
-def test_launch_shape():
-    """Few items per thread (GQA, decode) take the light kernel shape, many (MLA's 128 query
-    heads) the heavy one at vector width 8; short batches split tokens over blocks."""
+def test_launch_shape(monkeypatch):
+    """The section kernel: few items per thread take the light shape, many (MLA's 128 query heads)
+    the heavy one at vector width 8; short batches split tokens over blocks. The row kernel
+    (GQA / MHA heads): decode splits a token's rows over blocks, prefill gives a block a token."""
     from ropekv import paged
 
+    monkeypatch.setitem(paged.TUNING, "min_blocks", 512)
     light, heavy = paged.TUNING["light"], paged.TUNING["heavy"]
     assert paged.launch_shape(448, 8192, 8) == (128, 1, light)
     assert paged.launch_shape(8772, 8192, 8) == (128, 1, heavy)
     assert paged.launch_shape(8772, 8192, 4) == (128, 1, light)
     assert paged.launch_shape(448, 64, 8) == (128, 4, light)
     assert paged.launch_shape(40, 1, 8) == (64, 1, light)
+    monkeypatch.setitem(paged.TUNING, "row_block", 128)
+    monkeypatch.setitem(paged.TUNING, "row_block_many", 128)
+    monkeypatch.setitem(paged.TUNING, "wave_blocks", 660)
+    assert paged.row_launch_shape(1, 48, 8) == (128, 1, 3)  # 16 rows a block
+    block, rows, splits = paged.row_launch_shape(8192, 48, 8)
+    assert splits == 1 and block // 8 * rows >= 48 and rows <= paged.ROWS[-1]
     spelled = tuple(f"{', '.join(map(str, shape))}>" for shape in (light, heavy))
-    assert all(e.endswith(spelled) for e in paged.instantiations())
+    for e in paged.instantiations():
+        assert e.endswith(spelled) or e.startswith(paged.ROW_KERNEL), e
 
 
 def test_empty_batch():
@@ -667,10 +688,8 @@ def check_against_reference(args, quantize, is_neox=True, prealloc=False):
     if prealloc:
         assert q is kw["q_rope_out"]
     assert type(q).__module__.startswith("cupy")
-    pos = args["pos_ids"].astype(np.int64)
-    valid = (pos >= 0) & (pos < args["cos_sin_cache"].shape[0])  # others: q rows not written
-    assert_close(to_numpy(q)[valid], exp_q[valid], "q_rope_out")
-    assert_close(to_numpy(n)[valid], exp_n[valid], "q_nope_out")
+    assert_close(to_numpy(q), exp_q, "q_rope_out")  # every row: unrotated without a position
+    assert_close(to_numpy(n), exp_n, "q_nope_out")
     check_caches(dev["paged_kv_cache"], expected["paged_kv_cache"], args["paged_kv_cache"], args)
 
 
@@ -732,6 +751,7 @@ VARIANTS = ((4, 1, 4), (2, 2, 4), (4, 2, 3), (4, 1, 1), (2, 1, 6), (2, 1, 1), (1
 def test_every_launch_shape_matches_reference(variant, monkeypatch):
     from ropekv import paged
 
+    monkeypatch.setitem(paged.TUNING, "row_group", 0)  # the section kernel for every shape
     for block in (128, 256):
         monkeypatch.setitem(paged.TUNING, "light", variant)
         monkeypatch.setitem(paged.TUNING, "heavy", variant)
@@ -744,9 +764,34 @@ def test_every_launch_shape_matches_reference(variant, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_hostile_indices_never_write_out_of_bounds():
+@pytest.mark.parametrize("row_block, wave_blocks, prefill_rows",
+                         [(128, 660, 4), (64, 10**9, 4), (256, 0, 3), (32, 0, 1)])
+def test_every_row_kernel_shape_matches_reference(row_block, wave_blocks, prefill_rows,
+                                                   monkeypatch):
+    """The row kernel split over blocks (decode) and a block per token (prefill), rows per lane
+    group 1 to 4, GQA with a nope part, MHA, and MLA forced onto it."""
+    from ropekv import paged
+
+    for key, value in (("row_block", row_block), ("wave_blocks", wave_blocks),
+                       ("prefill_rows", prefill_rows), ("max_row_block", 256),
+                       ("row_group", 128)):
+        monkeypatch.setitem(paged.TUNING, key, value)
+    check_against_reference(make_case(52, T=77, B=3, Hq=32, Hkv=8, R=64, Dn=64, page_size=16,
+                                      packed=True), quantize=True)
+    check_against_reference(make_case(53, T=19, B=19, Hq=8, Hkv=8, R=128, page_size=16,
+                                      cache_dtype=F16), quantize=False)
+    check_against_reference(make_case(54, T=9, B=9, Hq=16, Hkv=1, R=64, Dn=512, mla=True,
+                                      dtype=BF16, page_size=16), quantize=True, is_neox=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row_group", [32, 0])
+def test_hostile_indices_never_write_out_of_bounds(row_group, monkeypatch):
     import cupy as cp
 
+    from ropekv import paged
+
+    monkeypatch.setitem(paged.TUNING, "row_group", row_group)  # row kernel, section kernel
     args = make_case(31, T=16, B=2)
     i32 = np.iinfo(np.int32)
     args["batch_indices"][:4] = [i32.max, i32.min, 2, -1]
@@ -818,7 +863,7 @@ def test_explicit_stream():
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: FlashInfer 0.5.3 on identical torch inputs
+# GPU: FlashInfer 0.7.2 on identical torch inputs
 
 
 def flashinfer_or_skip():

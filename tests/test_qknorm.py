@@ -321,3 +321,95 @@ def test_replayed_call_still_refuses_a_partially_overlapping_output():
         op(**dev, **kw, q_out=buf[4 * 8 * 64:].reshape(4, 8, 64))
     with pytest.raises(ValueError, match="overlap"):
         op(**dev, **kw, q_out=buf[64:64 + 4 * 8 * 64].reshape(4, 8, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", ["decode", "prefill"])
+def test_hostile_indices_never_write_out_of_bounds(tokens):
+    """Malformed offsets, lengths and block-table entries: nothing outside the caches is written
+    (guard bytes around them stay), the other rows stay byte-identical, q rows of tokens without a
+    position are copied unchanged. Decode-sized batches split a token over several blocks."""
+    import cupy as cp
+
+    new = (1, 1, 1, 1) if tokens == "decode" else (5, 3, 4, 0)
+    args, kw = make_case(40, Hq=8, Hkv=2, D=64, dtype=BF16, new=new, cached=(0, 0, 0, 3),
+                         page_size=4, packed=True)
+    args["cache_lengths"] = np.array([0, 2**31 - 3, -7, 1], np.int32)
+    args["block_table"][0, :2] = [-5, 2**31 - 1]
+    args["input_row_offsets"][2] = args["input_row_offsets"][3] + 1  # not monotonic
+    guard = 256
+    kc, vc = args["paged_kv_cache"]
+    pad = np.full(guard, 7, BF16)
+    bufs = [cp.asarray(np.concatenate([pad, c.ravel(), pad])) for c in (kc, vc)]
+    dev = {k: to_device(v) for k, v in args.items() if k != "paged_kv_cache"}
+    qkv = cp.asarray(args["q"].base)
+    dev.update(q=qkv[:, :8], k=qkv[:, 8:10], v=qkv[:, 10:])
+    dev["paged_kv_cache"] = tuple(b[guard:-guard].reshape(c.shape) for b, c in zip(bufs, (kc, vc)))
+    q_ref, kc_ref, vc_ref = expected(args, kw)
+    out = op(**dev, **kw)
+    assert_close(out, q_ref, "q_out")
+    mask = written_rows(args, kw)
+    for buf, ref, old in zip(bufs, (kc_ref, vc_ref), (kc, vc)):
+        host = to_numpy(buf)
+        assert (host[:guard].view(np.uint16) == np.full(1, 7, BF16).view(np.uint16)).all()
+        assert (host[-guard:].view(np.uint16) == np.full(1, 7, BF16).view(np.uint16)).all()
+        got = host[guard:-guard].reshape(old.shape)
+        assert_close(got[mask], ref[mask])
+        assert_bytes_equal(got[~mask], old[~mask])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [BF16, E4M3])
+def test_matches_flashinfer_cake(cache_dtype):
+    """FlashInfer 0.7.2's Cake kernels (packed bf16 qkv, Qwen3-32B heads 64/8/128, NHD, float32
+    weights, norm then RoPE) on the same inputs: the same q (the fp8 kernel's q is e4m3) and the
+    same cache rows."""
+    torch = pytest.importorskip("torch")
+    try:
+        from flashinfer.cake_fused_qk_rope_append import (
+            cake_fused_qk_rmsnorm_rope_append_paged_kv_cache as cake_bf16)
+        from flashinfer.cake_fused_qk_rope_fp8_append import (
+            cake_fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache as cake_fp8)
+    except Exception as exc:  # noqa: BLE001 - not installed (0.7.2 or later), or its JIT failed
+        pytest.skip(f"FlashInfer's Cake kernels unavailable: {exc}")
+    import cupy as cp
+
+    new, cached = (1, 7, 0, 20), (5, 0, 3, 30)
+    args, kw = make_case(41, Hq=64, Hkv=8, D=128, dtype=BF16, cache_dtype=cache_dtype, new=new,
+                         cached=cached, page_size=16, packed=True)
+    q_ref, kc_ref, vc_ref = expected(args, kw)
+    T = args["q"].shape[0]
+    qkv = to_device(np.ascontiguousarray(args["q"].base))
+    dev = {k: to_device(v) for k, v in args.items() if k != "paged_kv_cache"}
+    dev.update(q=qkv[:, :64], k=qkv[:, 64:72], v=qkv[:, 72:])
+    ours = tuple(to_device(c) for c in args["paged_kv_cache"])
+    theirs = tuple(to_device(c) for c in args["paged_kv_cache"])
+    out = op(**{**dev, "paged_kv_cache": ours}, **kw)
+
+    def t(x):
+        if x.dtype == BF16:
+            return torch.from_dlpack(x.view(cp.int16)).view(torch.bfloat16)
+        if x.dtype == E4M3:
+            return torch.from_dlpack(x.view(cp.uint8)).view(torch.float8_e4m3fn)
+        return torch.from_dlpack(x)
+
+    seq_lens = to_device((np.asarray(cached) + np.asarray(new)).astype(np.int32))
+    common = (t(qkv).view(T, -1), t(dev["cos_sin_cache"]), t(seq_lens),
+              t(dev["input_row_offsets"]), t(dev["block_table"]))
+    weights = {"q_norm_weight": t(dev["q_gamma"]), "k_norm_weight": t(dev["k_gamma"])}
+    if cache_dtype == BF16:
+        q_fi = cake_bf16(*common, t(theirs[0]), t(theirs[1]), num_q_heads=64, num_kv_heads=8,
+                         qk_norm_policy=2, clear_unused_last_page_rows=False, **weights)
+        assert_close(out, q_ref, "q_out")
+        assert_close(q_fi, to_numpy(out), "q_out vs Cake")
+    else:
+        one = torch.ones(1, dtype=torch.float32, device=qkv.device.id)
+        q_fi, _, flag = cake_fp8(*common, (t(theirs[0]), t(theirs[1])), is_prefill=True,
+                                 k_scale=one, v_scale=one, quant_policy=2, q_scale_inv=one,
+                                 qk_norm_policy=2, **weights)
+        assert (flag.cpu().numpy() == 0).all()
+        assert_close(q_fi, to_numpy(out).astype(np.float32).astype(E4M3), "q_out vs Cake")
+    torch.cuda.synchronize()
+    mask = written_rows(args, kw)
+    for a, b in zip(ours, theirs):  # the fp8 kernel also zeroes the rest of each last page
+        assert_close(to_numpy(a)[mask], to_numpy(b)[mask], "cache rows vs Cake")

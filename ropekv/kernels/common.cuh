@@ -9,6 +9,24 @@ namespace ropekv {
 
 typedef long long i64;
 
+// Programmatic Dependent Launch (sm_90+). A kernel launched with the programmatic stream
+// serialization attribute may start while the kernel before it on the stream is still running:
+// pdl_wait() blocks until that kernel has completed and its writes are visible, so every kernel
+// calls it before its first global memory access; pdl_launch_dependents() lets the next kernel
+// start its own prologue (it will wait in turn), so kernels call it first thing. Without the
+// attribute both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 // N elements of T moved as one access: 16 bytes at most per instruction, so a Vec<float, 8>
 // becomes two 16-byte loads. Callers guarantee the alignment (the Python side picks N).
 template <typename T, int N>
@@ -70,10 +88,41 @@ struct is_fp8<__nv_fp8_e5m2> {
 };
 
 template <typename T, int N>
-__device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
-  const Vec<T, N> v = load<T, N>(p);
+struct ToFloats {
+  static __device__ __forceinline__ void run(const Vec<T, N>& v, float (&out)[N]) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_float(v.v[i]);
+    for (int i = 0; i < N; ++i) out[i] = to_float(v.v[i]);
+  }
+};
+
+// bf16 -> float32 is exact: the bits move to the upper half. Done on the 32-bit words the vector
+// was loaded as (the per-element conversion goes through 16-bit registers: more registers, more
+// instructions).
+template <int N>
+struct ToFloats<__nv_bfloat16, N> {
+  static __device__ __forceinline__ void run(const Vec<__nv_bfloat16, N>& v, float (&out)[N]) {
+    if constexpr (N % 2 == 0) {
+      const unsigned* w = reinterpret_cast<const unsigned*>(v.v);
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) {
+        out[2 * i] = __uint_as_float(w[i] << 16);
+        out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) out[i] = to_float(v.v[i]);
+    }
+  }
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void to_floats(const Vec<T, N>& v, float (&out)[N]) {
+  ToFloats<T, N>::run(v, out);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
+  to_floats<T, N>(load<T, N>(p), out);
 }
 
 // Stores x * scale rounded to T (scale is 1 for non-quantized outputs).
@@ -90,9 +139,25 @@ struct fp8_interpretation<__nv_fp8_e5m2> {
 
 template <typename T, int N>
 __device__ __forceinline__ void store_float(T* p, const float (&x)[N], float scale = 1.f) {
+  if constexpr (is_fp8<T>::value && N % 4 == 0) {
+    // two values per conversion instruction (cvt.rn.satfinite.*x2.f32 on sm_89+), the pairs
+    // packed straight into 32-bit words (no per-byte repacking)
+    Vec<unsigned, N / 4> w;
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const unsigned lo = __nv_cvt_float2_to_fp8x2(
+          make_float2(x[4 * i] * scale, x[4 * i + 1] * scale), __NV_SATFINITE,
+          fp8_interpretation<T>::value);
+      const unsigned hi = __nv_cvt_float2_to_fp8x2(
+          make_float2(x[4 * i + 2] * scale, x[4 * i + 3] * scale), __NV_SATFINITE,
+          fp8_interpretation<T>::value);
+      w.v[i] = lo | (hi << 16);
+    }
+    store<unsigned, N / 4>(reinterpret_cast<unsigned*>(p), w);
+    return;
+  }
   Vec<T, N> v;
   if constexpr (is_fp8<T>::value && N % 2 == 0) {
-    // two values per conversion instruction (cvt.rn.satfinite.*x2.f32 on sm_89+)
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
       const __nv_fp8x2_storage_t two = __nv_cvt_float2_to_fp8x2(
@@ -212,13 +277,19 @@ __device__ __forceinline__ PagedSlot ragged_position(const unsigned* offsets,
   return s;
 }
 
+// q = x / d for 0 <= x and d > 0: a 32-bit division when x fits (every realistic position), the
+// 64-bit routine (tens of instructions more on a decode's critical path) otherwise.
+__device__ __forceinline__ i64 div_pos(i64 x, int d) {
+  return x <= 0x7fffffff ? i64(unsigned(x) / unsigned(d)) : x / d;
+}
+
 // Fills s.page and s.entry from row s.request of the block table (page -1 when out of range).
 __device__ __forceinline__ void page_of(PagedSlot& s, const int* block_table,
                                         i64 block_table_stride, int max_pages, int page_size,
                                         i64 num_pages) {
   s.page = -1;
   if (s.request < 0 || s.pos < 0) return;
-  const i64 index = s.pos / page_size;
+  const i64 index = div_pos(s.pos, page_size);
   if (index >= max_pages) return;
   const i64 page = block_table[s.request * block_table_stride + index];
   if (page < 0 || page >= num_pages) return;

@@ -23,9 +23,13 @@ struct MlaParams {
   float epsilon;
   float inv_kv_scale;  // 1 / kv_scale: stored = fp8(x * inv_kv_scale); 1 for 16-bit caches
   int T, B, Hq, L, R, P, kv_norm_dim, max_pages, page_size, gamma_f32;
+  int heads_per_block;  // q heads of each of the grid.y blocks of a token (kHeadsMax per group)
 };
 
 constexpr int kBlock = 256;
+constexpr int kHeadsMax = 4;    // q heads a lane group holds at once
+constexpr int kLatentMax = 1;   // chunks of the latent row a thread holds (more are re-read)
+constexpr int kStageMax = 512;  // batches of up to this many requests are searched in shared memory
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -33,7 +37,204 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// One block per token, in an order that keeps loads in flight while the token's request and
+// Decode: grid (T, splits): block (t, y) handles q heads [y * heads_per_block, ...) of token t, and block
+// (t, 0) also its latent row. A q head row is cut into `items` chunks of RoPE pairs (neox: dims
+// [jN, jN + N) and their partners R/2 further; interleaved: dims [jN, jN + N)); lane group s of
+// kBlock / items lanes holds heads s, s + groups, ... (at most kHeadsMax), lane j chunk j. The
+// latent row is L / N chunks then the rotary tail's `items` chunks, chunk c in thread c mod kBlock.
+// Order, so that the dependent index loads overlap the data loads:
+//   1. every q chunk and latent chunk this thread holds; 2. the offsets and cache lengths (batches
+//   of at most kStageMax requests) into shared memory; the partial sums of squares of the
+//   normalised latent dims; one barrier; 3. the request, position (a binary search) and page, the
+//   cos/sin values, the RMSNorm weights; 4. the q rows roped and stored; 5. the latent row
+//   normalised, its tail roped, both written to the page.
+// A token outside every request or with a position outside [0, P) has its q row copied unrotated
+// and writes nothing to the cache; a token whose page is out of range is roped, not written.
+//   rms = 1 / sqrt(sum_{i < n} x_i^2 / n + epsilon), n = kv_norm_dim
+//   ckv[i] = x_i * rms * gamma_i (i < n), x_i (n <= i < L);  kpe = rope(x[L:L+R])
+template <typename T, typename CacheT, bool NEOX, int N>
+__global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append_split(const MlaParams p) {
+  __shared__ float partial[kBlock / 32];
+  __shared__ unsigned s_offsets[kStageMax + 1];
+  __shared__ int s_lengths[kStageMax];
+  pdl_launch_dependents();
+  const i64 t = blockIdx.x;
+  const int half_r = p.R >> 1;
+  const int items = NEOX ? half_r / N : p.R / N;
+  const int groups = kBlock / items;
+  const int j = threadIdx.x % items;
+  const int h0 = blockIdx.y * p.heads_per_block + threadIdx.x / items;
+  const int h_end = min(p.Hq, (blockIdx.y + 1) * p.heads_per_block);
+  const bool active = threadIdx.x / items < groups;
+  const int ea = j * N, eb = ea + half_r;
+  const bool latent = blockIdx.y == 0;
+  const int latent_chunks = p.L / N;
+  const int norm_chunks = p.kv_norm_dim / N;
+  const int row_chunks = latent ? latent_chunks + items : 0;
+  const T* kv = static_cast<const T*>(p.kv) + t * p.kv_st;
+  const T* q = static_cast<const T*>(p.q) + t * p.q_st;
+  T* q_out = static_cast<T*>(p.q_out) + t * p.qo_st;
+
+  pdl_wait();
+  // 1. q chunks and latent chunks
+  Vec<T, N> qa[kHeadsMax], qb[kHeadsMax];
+#pragma unroll
+  for (int u = 0; u < kHeadsMax; ++u) {
+    const int h = h0 + u * groups;
+    if (!active || h >= h_end) continue;
+    qa[u] = load<T, N>(q + h * p.q_sh + ea);
+    if (NEOX) qb[u] = load<T, N>(q + h * p.q_sh + eb);
+  }
+  Vec<T, N> la[kLatentMax], lb[kLatentMax];
+#pragma unroll
+  for (int k = 0; k < kLatentMax; ++k) {
+    const int c = threadIdx.x + k * kBlock;
+    if (c >= row_chunks) continue;
+    if (c < latent_chunks) {
+      la[k] = load<T, N>(kv + c * N);
+    } else {
+      const int i0 = (c - latent_chunks) * N;
+      la[k] = load<T, N>(kv + p.L + i0);
+      if (NEOX) lb[k] = load<T, N>(kv + p.L + half_r + i0);
+    }
+  }
+
+  // 2. offsets and lengths to shared memory (every load of a pass issued before any store)
+  const bool staged = p.B <= kStageMax;
+  const int n_stage = staged ? p.B + 1 : 0;
+  for (int base = threadIdx.x; base < n_stage; base += 2 * kBlock) {
+    unsigned off[2];
+    int len[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int i = base + k * kBlock;
+      if (i < n_stage) off[k] = p.offsets[i];
+      if (i < n_stage - 1) len[k] = p.cache_lengths[i];
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int i = base + k * kBlock;
+      if (i < n_stage) s_offsets[i] = off[k];
+      if (i < n_stage - 1) s_lengths[i] = len[k];
+    }
+  }
+  // partial sum of squares of the normalised dims
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < kLatentMax; ++k) {
+    const int c = threadIdx.x + k * kBlock;
+    if (c >= norm_chunks || c >= row_chunks) continue;
+    float x[N];
+    to_floats<T, N>(la[k], x);
+#pragma unroll
+    for (int i = 0; i < N; ++i) ss += x[i] * x[i];
+  }
+  for (int c = threadIdx.x + kLatentMax * kBlock; c < norm_chunks && latent; c += kBlock) {
+    float x[N];
+    load_float<T, N>(kv + c * N, x);
+#pragma unroll
+    for (int i = 0; i < N; ++i) ss += x[i] * x[i];
+  }
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
+  __syncthreads();
+
+  // 3. request, position, page, cos/sin
+  PagedSlot slot = staged ? ragged_position(s_offsets, s_lengths, p.B, t)
+                          : ragged_position(p.offsets, p.cache_lengths, p.B, t);
+  const bool roped = slot.request >= 0 && slot.pos >= 0 && slot.pos < p.P;
+  if (roped && latent)
+    page_of(slot, p.block_table, p.bt_sb, p.max_pages, p.page_size, p.num_pages);
+  const float* cos_sin = p.cos_sin + (roped ? slot.pos : 0) * p.cs_sp;
+  constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
+  float c[M], sn[M];
+  if (roped && active) {
+    const float* cs = cos_sin + (NEOX ? ea : ea / 2);
+    load_float<float, M>(cs, c);
+    load_float<float, M>(cs + half_r, sn);
+  }
+  // the held latent chunk's weights (normalised dims) or cos/sin (rotary tail), beside the page
+  static_assert(kLatentMax == 1, "one held latent chunk per thread");
+  const int c0 = threadIdx.x;
+  float lw[N], lc[M], ls[M];
+  if (roped && c0 < row_chunks) {
+    if (c0 < norm_chunks) {
+      load_weight<T, N>(p.gamma, p.gamma_f32, c0 * N, lw);
+    } else if (c0 >= latent_chunks) {
+      const int e = (c0 - latent_chunks) * N;
+      load_float<float, M>(cos_sin + (NEOX ? e : e / 2), lc);
+      load_float<float, M>(cos_sin + half_r + (NEOX ? e : e / 2), ls);
+    }
+  }
+
+  // 4. the q rows
+#pragma unroll
+  for (int u = 0; u < kHeadsMax; ++u) {
+    const int h = h0 + u * groups;
+    if (!active || h >= h_end) continue;
+    float a[N], b[N];
+    to_floats<T, N>(qa[u], a);
+    if (NEOX) to_floats<T, N>(qb[u], b);
+    if (roped) rotate_chunk<NEOX, N, M>(a, b, c, sn);
+    store_float<T, N>(q_out + h * p.qo_sh + ea, a);
+    if (NEOX) store_float<T, N>(q_out + h * p.qo_sh + eb, b);
+  }
+
+  // 5. the latent row
+  if (slot.page < 0) return;
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kBlock / 32; ++w) total += partial[w];
+  const float rms = rsqrtf(total * __fdividef(1.f, float(p.kv_norm_dim)) + p.epsilon);
+  CacheT* ckv = static_cast<CacheT*>(p.ckv) + slot.page * p.ckv_sp + slot.entry * p.ckv_se;
+  CacheT* kpe = static_cast<CacheT*>(p.kpe) + slot.page * p.kpe_sp + slot.entry * p.kpe_se;
+  auto write_chunk = [&](int c, float (&a)[N], float (&b)[N]) {
+    if (c < latent_chunks) {
+      if (c < norm_chunks) {
+        float g[N];
+        load_weight<T, N>(p.gamma, p.gamma_f32, c * N, g);
+#pragma unroll
+        for (int k = 0; k < N; ++k) a[k] = a[k] * rms * g[k];
+      }
+      store_float<CacheT, N>(ckv + c * N, a, p.inv_kv_scale);
+      return;
+    }
+    const int i0 = (c - latent_chunks) * N;
+    if constexpr (NEOX) {
+      rotate_neox<N>(a, b, cos_sin, half_r, i0);
+      store_float<CacheT, N>(kpe + half_r + i0, b, p.inv_kv_scale);
+    } else {
+      rotate_interleaved<N>(a, cos_sin, half_r, i0);
+    }
+    store_float<CacheT, N>(kpe + i0, a, p.inv_kv_scale);
+  };
+  if (c0 < row_chunks) {
+    float a[N], b[N];
+    to_floats<T, N>(la[0], a);
+    if (NEOX) to_floats<T, N>(lb[0], b);
+    if (c0 < latent_chunks) {
+      if (c0 < norm_chunks) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) a[k] = a[k] * rms * lw[k];
+      }
+      store_float<CacheT, N>(ckv + c0 * N, a, p.inv_kv_scale);
+    } else {
+      const int i0 = (c0 - latent_chunks) * N;
+      rotate_chunk<NEOX, N, M>(a, b, lc, ls);
+      if (NEOX) store_float<CacheT, N>(kpe + half_r + i0, b, p.inv_kv_scale);
+      store_float<CacheT, N>(kpe + i0, a, p.inv_kv_scale);
+    }
+  }
+  for (int c = threadIdx.x + kLatentMax * kBlock; c < row_chunks; c += kBlock) {
+    float a[N], b[N];
+    const int i0 = (c - latent_chunks) * N;
+    load_float<T, N>(c < latent_chunks ? kv + c * N : kv + p.L + i0, a);
+    if (NEOX && c >= latent_chunks) load_float<T, N>(kv + p.L + half_r + i0, b);
+    write_chunk(c, a, b);
+  }
+}
+
+// Prefill: one block per token, in an order that keeps loads in flight while the token's request and
 // position are looked up (a binary search over the offsets: a chain of dependent loads):
 //   1. each thread loads its chunks of the latent row's normalised dims and sums their squares;
 //   2. each thread starts loading its first two q head chunks: thread t owns chunk j = t % items
@@ -51,9 +252,11 @@ __device__ __forceinline__ float warp_sum(float x) {
 template <typename T, typename CacheT, bool NEOX, int N>
 __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParams p) {
   __shared__ float partial[kBlock / 32];
+  pdl_launch_dependents();
   const i64 t = blockIdx.x;
   const int half_r = p.R >> 1;
   const T* kv = static_cast<const T*>(p.kv) + t * p.kv_st;
+  pdl_wait();
 
   // 1. partial sum of squares of the normalised dims
   const int norm_chunks = p.kv_norm_dim / N;
@@ -122,7 +325,7 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParam
   float total = 0.f;
 #pragma unroll
   for (int w = 0; w < kBlock / 32; ++w) total += partial[w];
-  const float rms = rsqrtf(total / float(p.kv_norm_dim) + p.epsilon);
+  const float rms = rsqrtf(total * __fdividef(1.f, float(p.kv_norm_dim)) + p.epsilon);
   CacheT* ckv = static_cast<CacheT*>(p.ckv) + slot.page * p.ckv_sp + slot.entry * p.ckv_se;
   CacheT* kpe = static_cast<CacheT*>(p.kpe) + slot.page * p.kpe_sp + slot.entry * p.kpe_se;
   const int latent_chunks = p.L / N;

@@ -45,6 +45,8 @@ struct PagedParams {
   int Hq, Hkv, Hv, R, Dn, B, page_size, P;
   int index64;  // bit k set: index array k is int64 (pos_ids, batch_indices, positions,
                 //   kv_indptr, kv_indices)
+  int group;    // row kernel: lanes per head row (one chunk each)
+  int rows;     // row kernel: head rows each lane group holds, 1 ..= ROWS
 };
 
 __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
@@ -55,156 +57,347 @@ __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
 // padding (b < 0), b outside [0, B), a negative position, kv_indptr[b] outside [0, I], a page-table
 // index kv_indptr[b] + pos / page_size outside [kv_indptr[b], min(kv_indptr[b + 1], I)), or a page
 // id outside [0, num_pages). Every read uses a clamped, always valid index and is checked after.
-__device__ __forceinline__ void find_slot(const PagedParams& p, i64 b, i64 pos, i64& page,
-                                          i64& entry) {
+// The lookup in two steps, so that other work can go between the two dependent loads: begin reads
+// kv_indptr[b] and kv_indptr[b + 1] (clamped), end checks them and reads the page id.
+struct SlotLookup {
+  bool ok;
+  i64 first, last, idx, pos;
+};
+
+__device__ __forceinline__ SlotLookup slot_begin(const PagedParams& p, i64 b, i64 pos) {
+  SlotLookup s{false, 0, 0, 0, pos};
+  if (p.B <= 0 || p.num_indices <= 0) return s;
+  s.ok = b >= 0 && b < p.B && pos >= 0;
+  const i64 bc = s.ok ? b : 0;
+  s.first = read_index(p.kv_indptr, bc, p.index64 & 8);
+  s.last = read_index(p.kv_indptr, bc + 1, p.index64 & 8);
+  s.idx = div_pos(s.ok ? pos : 0, p.page_size);
+  return s;
+}
+
+__device__ __forceinline__ void slot_end(const PagedParams& p, const SlotLookup& s, i64& page,
+                                         i64& entry) {
   page = -1;
   entry = 0;
+  const bool first_ok = s.first >= 0 && s.first <= p.num_indices;
+  const i64 hi = s.last < s.first ? s.first : (s.last < p.num_indices ? s.last : p.num_indices);
+  const bool it_ok = s.ok && first_ok && s.idx < hi - s.first;  // no overflow: 0 <= first <= hi
   if (p.B <= 0 || p.num_indices <= 0) return;
-  const bool b_ok = b >= 0 && b < p.B && pos >= 0;
-  const i64 bc = b_ok ? b : 0;
-  const i64 first = read_index(p.kv_indptr, bc, p.index64 & 8);
-  const i64 last = read_index(p.kv_indptr, bc + 1, p.index64 & 8);
-  const i64 idx = (b_ok ? pos : 0) / p.page_size;
-  const bool first_ok = first >= 0 && first <= p.num_indices;
-  const i64 hi = last < first ? first : (last < p.num_indices ? last : p.num_indices);
-  const bool it_ok = b_ok && first_ok && idx < hi - first;  // no overflow: 0 <= first <= hi
-  const i64 pg = read_index(p.kv_indices, it_ok ? first + idx : 0, p.index64 & 16);
+  const i64 pg = read_index(p.kv_indices, it_ok ? s.first + s.idx : 0, p.index64 & 16);
   if (it_ok && pg >= 0 && pg < p.num_pages) {
     page = pg;
-    entry = pos % p.page_size;
+    entry = s.pos - s.idx * p.page_size;
+  }
+}
+
+__device__ __forceinline__ void find_slot(const PagedParams& p, i64 b, i64 pos, i64& page,
+                                          i64& entry) {
+  slot_end(p, slot_begin(p, b, pos), page, entry);
+}
+
+// q = x / d, r = x % d for 0 <= x, 0 < d: shifts when d is a power of two (the usual chunk and
+// thread counts), the division otherwise.
+__device__ __forceinline__ void divmod(int x, int d, int& q, int& r) {
+  if ((d & (d - 1)) == 0) {
+    const int s = __ffs(d) - 1;
+    q = x >> s;
+    r = x & (d - 1);
+  } else {
+    q = x / d;
+    r = x - q * d;
   }
 }
 
 // This thread's first index in a section of the token's flat item list that starts at `base`:
-// thread g handles the items i with i = g (mod stride).
+// thread g (0 <= g < stride) handles the items i with i = g (mod stride).
 __device__ __forceinline__ int first_index(int g, int base, int stride) {
-  const int r = (g - base) % stride;
-  return r < 0 ? r + stride : r;
+  int q, rb;
+  divmod(base, stride, q, rb);
+  return g >= rb ? g - rb : g - rb + stride;
 }
 
-// Where a section writes: row `a` (stride sa) and entry `b` (stride sb) of `base`, a < 0: nowhere.
-// Q outputs: a = token, b = 0; cache rows: a = page, b = entry. Everything that depends on an
-// index value (the rotation's cos/sin row, the slot, whether to write at all) is only evaluated
-// after the section's first input loads are issued, so those loads overlap the index loads.
+// Where a section writes: row `a` (stride sa) and entry `b` (stride sb) of `base`. Q outputs: a =
+// token, b = 0; cache rows: a = page, b = entry, both filled by find_slot (page -1: nowhere) once
+// the section's first input loads are issued, so those loads overlap the index loads.
 template <typename OutT>
 struct Dest {
   OutT* base;
   i64 a, sa, b, sb, sh;
 };
 
+// The token's cache slot, looked up by the first K/V section that runs in this thread.
+struct Slot {
+  bool found;
+  i64 page, entry;
+};
+
+// Fills dst.a / dst.b with the token's slot (looked up once per thread); false: no cache row.
+template <typename OutT>
+__device__ __forceinline__ bool cache_row(const PagedParams& p, Dest<OutT>& dst, Slot& slot, i64 b,
+                                          i64 pos) {
+  if (!slot.found) {
+    find_slot(p, b, pos, slot.page, slot.entry);
+    slot.found = true;
+  }
+  dst.a = slot.page;
+  dst.b = slot.entry;
+  return slot.page >= 0;
+}
+
 // One section: `heads` rows of `per_row` items, item (h, j) = N elements at src + h*src_sh + j*N
-// (and + R/2 for a neox rotary item) -> dst row + h*sh + j*N, rotated when ROT (cos/sin row
-// `pos_id` of the table, which must then lie in [0, P), else nothing is written), times the head's
-// scale when OutT is fp8. Each thread loads U items before it stores any, so U loads (2U for neox
-// rotary items) are in flight per thread; (h, j) advance by counters, not divisions.
-template <typename T, typename OutT, bool NEOX, int N, bool ROT, int U>
+// (and + R/2 for a neox rotary item) -> dst row + h*sh + j*N, times the head's scale when OutT is
+// fp8. ROT: rotated by cos/sin row `pos_id` of the table when that lies in [0, P), else written
+// unrotated. KV: cache rows, the slot looked up (into `slot`) after the section's first loads are
+// issued, so they overlap the index loads; nothing is written without a slot (the caller skips K/V
+// when pos_id is outside the table).
+// When the stride is a multiple of per_row (power-of-two rows: every usual shape) a thread's chunk
+// j never changes: it loads U items (2U vectors for neox rotary items) before it stores any, and
+// its cos/sin values once. Otherwise it walks its items one at a time.
+template <typename T, typename OutT, bool NEOX, int N, bool ROT, bool KV, int U>
 __device__ __forceinline__ void section(const PagedParams& p, const T* src, i64 src_sh,
-                                        const Dest<OutT>& dst, int heads, int per_row,
-                                        const float* scales, float scale, i64 pos_id, int first,
-                                        int stride) {
+                                        Dest<OutT> dst, int heads, int per_row,
+                                        const float* scales, float scale, i64 pos_id, Slot& slot,
+                                        i64 b, i64 pos, int first, int stride) {
   const int count = heads * per_row;
   if (first >= count) return;
-  int h = first / per_row;
-  int j = first - h * per_row;
-  const int dh = stride / per_row;
-  const int dj = stride - dh * per_row;
   const int half_r = p.R >> 1;
   constexpr bool PAIR = ROT && NEOX;  // two loads per item
-  for (int w = first; w < count; w += U * stride) {
-    // raw vectors in flight (half the registers of floats); converted once all are issued
-    Vec<T, N> va[U], vb[PAIR ? U : 1];
-    int hs[U], js[U];
+  constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
+  const bool rope = ROT && pos_id >= 0 && pos_id < p.P;
+  const float* cos_sin = p.cos_sin + (rope ? pos_id : 0) * p.cs_sp;
+  int dh, dj, h0, j;
+  divmod(stride, per_row, dh, dj);
+  divmod(first, per_row, h0, j);
+  if (dj == 0) {
+    const T* s0 = src + j * N;
+    float fc[M], fs[M];
+    bool have_cs = false;
+    for (int h = h0; h < heads; h += U * dh) {
+      // raw vectors in flight (half the registers of floats); converted once all are issued
+      Vec<T, N> va[U], vb[PAIR ? U : 1];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      hs[u] = h;
-      js[u] = j;
-      if (w + u * stride < count) {
-        const T* s = src + h * src_sh + j * N;
-        va[u] = load<T, N>(s);
-        if constexpr (PAIR) vb[u] = load<T, N>(s + half_r);
-      }
-      h += dh;
-      j += dj;
-      if (j >= per_row) {
-        j -= per_row;
-        ++h;
-      }
-    }
-    if (dst.a < 0 || pos_id < 0 || pos_id >= p.P) continue;  // a token that writes nothing
-    const float* cos_sin = p.cos_sin + pos_id * p.cs_sp;
-    OutT* row = dst.base + dst.a * dst.sa + dst.b * dst.sb;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (w + u * stride < count) {
-        const float sc = scales ? __ldg(scales + hs[u]) : scale;
-        OutT* d = row + hs[u] * dst.sh + js[u] * N;
-        float a[N];
-#pragma unroll
-        for (int e = 0; e < N; ++e) a[e] = to_float(va[u].v[e]);
-        if constexpr (PAIR) {
-          float b[N];
-#pragma unroll
-          for (int e = 0; e < N; ++e) b[e] = to_float(vb[PAIR ? u : 0].v[e]);
-          rotate_neox<N>(a, b, cos_sin, half_r, js[u] * N);
-          store_float<OutT, N>(d + half_r, b, sc);
-        } else if constexpr (ROT) {
-          rotate_interleaved<N>(a, cos_sin, half_r, js[u] * N);
+      for (int u = 0; u < U; ++u) {
+        if (h + u * dh < heads) {
+          va[u] = load<T, N>(s0 + (h + u * dh) * src_sh);
+          if constexpr (PAIR) vb[u] = load<T, N>(s0 + (h + u * dh) * src_sh + half_r);
         }
-        store_float<OutT, N>(d, a, sc);
+      }
+      if constexpr (KV) {
+        if (!cache_row(p, dst, slot, b, pos)) return;
+      }
+      if (rope && !have_cs) {
+        const int e = NEOX ? j * N : j * N / 2;
+        load_float<float, M>(cos_sin + e, fc);
+        load_float<float, M>(cos_sin + half_r + e, fs);
+        have_cs = true;
+      }
+      OutT* d0 = dst.base + dst.a * dst.sa + dst.b * dst.sb + j * N;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int hu = h + u * dh;
+        if (hu < heads) {
+          const float sc = scales ? __ldg(scales + hu) : scale;
+          float a[N], bb[N];
+          to_floats<T, N>(va[u], a);
+          if constexpr (PAIR) to_floats<T, N>(vb[PAIR ? u : 0], bb);
+          if (rope) rotate_chunk<NEOX, N, M>(a, bb, fc, fs);
+          if constexpr (PAIR) store_float<OutT, N>(d0 + hu * dst.sh + half_r, bb, sc);
+          store_float<OutT, N>(d0 + hu * dst.sh, a, sc);
+        }
       }
     }
+    return;
+  }
+  for (int w = first; w < count; w += stride) {
+    int h;
+    divmod(w, per_row, h, j);
+    const T* s = src + h * src_sh + j * N;
+    float a[N], bb[N];
+    load_float<T, N>(s, a);
+    if constexpr (PAIR) load_float<T, N>(s + half_r, bb);
+    if constexpr (KV) {
+      if (!cache_row(p, dst, slot, b, pos)) return;
+    }
+    if (rope) {
+      if constexpr (PAIR) {
+        rotate_neox<N>(a, bb, cos_sin, half_r, j * N);
+      } else if constexpr (ROT) {
+        rotate_interleaved<N>(a, cos_sin, half_r, j * N);
+      }
+    }
+    const float sc = scales ? __ldg(scales + h) : scale;
+    OutT* d = dst.base + dst.a * dst.sa + dst.b * dst.sb + h * dst.sh + j * N;
+    if constexpr (PAIR) store_float<OutT, N>(d + half_r, bb, sc);
+    store_float<OutT, N>(d, a, sc);
   }
 }
 
 // grid (T, splits): block x handles token x, its items split over the grid.y blocks; block: a
 // multiple of 32 up to 256 threads. U: pass-through items per batch, UR: rotary items per batch,
 // MINB: blocks of 256 threads per SM the register allocation must allow (__launch_bounds__).
-// Order: the token's index loads, then the Q sections (which need only pos_id), then the page
-// lookup (whose first loads have arrived by then), then the K/V sections.
+// Order: the token's index loads; the Q sections (rotary ones need only pos_id, pass-through ones
+// no index at all); the K/V sections, whose first loads are issued before the page lookup.
+// A token whose pos_id lies outside [0, P) has its q outputs written unrotated and no cache row.
 template <typename T, typename OutT, bool NEOX, int N, int U, int UR, int MINB>
 __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const PagedParams p) {
+  pdl_launch_dependents();
   const int t = blockIdx.x;
-  const i64 pos_id = read_index(p.pos_ids, t, p.index64 & 1);
-  const i64 b = read_index(p.batch_indices, t, p.index64 & 2);
-  const i64 pos = read_index(p.positions, t, p.index64 & 4);
-
   const int ri = NEOX ? p.R / (2 * N) : p.R / N;  // rotary items per head row
   const int ni = p.Dn / N;                         // pass-through items per head row
   const int g = blockIdx.y * blockDim.x + threadIdx.x;
   const int stride = gridDim.y * blockDim.x;
 
+  pdl_wait();
+  const i64 pos_id = read_index(p.pos_ids, t, p.index64 & 1);
+  const i64 b = read_index(p.batch_indices, t, p.index64 & 2);
+  const i64 pos = read_index(p.positions, t, p.index64 & 4);
+  Slot slot{false, -1, 0};
+
   int base = 0;
-  section<T, OutT, NEOX, N, true, UR>(
+  section<T, OutT, NEOX, N, true, false, UR>(
       p, static_cast<const T*>(p.q_rope) + t * p.qr_sn, p.qr_sh,
       Dest<OutT>{static_cast<OutT*>(p.q_rope_out), t, p.qro_sn, 0, 0, p.qro_sh}, p.Hq, ri,
-      p.q_scales, p.q_scale, pos_id, first_index(g, base, stride), stride);
+      p.q_scales, p.q_scale, pos_id, slot, b, pos, first_index(g, base, stride), stride);
   base += p.Hq * ri;
   if (ni) {
-    section<T, OutT, NEOX, N, false, U>(
+    section<T, OutT, NEOX, N, false, false, U>(
         p, static_cast<const T*>(p.q_nope) + t * p.qn_sn, p.qn_sh,
         Dest<OutT>{static_cast<OutT*>(p.q_nope_out), t, p.qno_sn, 0, 0, p.qno_sh}, p.Hq, ni,
-        p.q_scales, p.q_scale, pos_id, first_index(g, base, stride), stride);
+        p.q_scales, p.q_scale, pos_id, slot, b, pos, first_index(g, base, stride), stride);
     base += p.Hq * ni;
   }
-  const int end = base + p.Hkv * (ri + ni) + p.Hv * ((p.R + p.Dn) / N);
-  if (base + first_index(g, base, stride) >= end) return;  // no K/V item here (decode splits)
-  i64 page, entry;
-  find_slot(p, b, pos, page, entry);  // page -1: only Q is written
-  section<T, OutT, NEOX, N, true, UR>(
+  if (pos_id < 0 || pos_id >= p.P) return;  // no cache row
+  section<T, OutT, NEOX, N, true, true, UR>(
       p, static_cast<const T*>(p.k_rope) + t * p.kr_sn, p.kr_sh,
-      Dest<OutT>{static_cast<OutT*>(p.kr_cache), page, p.krc_sp, entry, p.krc_se, p.krc_sh},
-      p.Hkv, ri, p.kv_scales, p.kv_scale, pos_id, first_index(g, base, stride), stride);
+      Dest<OutT>{static_cast<OutT*>(p.kr_cache), -1, p.krc_sp, 0, p.krc_se, p.krc_sh}, p.Hkv, ri,
+      p.kv_scales, p.kv_scale, pos_id, slot, b, pos, first_index(g, base, stride), stride);
   base += p.Hkv * ri;
   if (ni) {
-    section<T, OutT, NEOX, N, false, U>(
+    section<T, OutT, NEOX, N, false, true, U>(
         p, static_cast<const T*>(p.k_nope) + t * p.kn_sn, p.kn_sh,
-        Dest<OutT>{static_cast<OutT*>(p.kn_cache), page, p.knc_sp, entry, p.knc_se, p.knc_sh},
-        p.Hkv, ni, p.kv_scales, p.kv_scale, pos_id, first_index(g, base, stride), stride);
+        Dest<OutT>{static_cast<OutT*>(p.kn_cache), -1, p.knc_sp, 0, p.knc_se, p.knc_sh}, p.Hkv,
+        ni, p.kv_scales, p.kv_scale, pos_id, slot, b, pos, first_index(g, base, stride), stride);
     base += p.Hkv * ni;
   }
   if (p.Hv)
-    section<T, OutT, NEOX, N, false, U>(
+    section<T, OutT, NEOX, N, false, true, U>(
         p, static_cast<const T*>(p.v) + t * p.v_sn, p.v_sh,
-        Dest<OutT>{static_cast<OutT*>(p.v_cache), page, p.vc_sp, entry, p.vc_se, p.vc_sh}, p.Hv,
-        (p.R + p.Dn) / N, p.kv_scales, p.kv_scale, pos_id, first_index(g, base, stride), stride);
+        Dest<OutT>{static_cast<OutT*>(p.v_cache), -1, p.vc_sp, 0, p.vc_se, p.vc_sh}, p.Hv,
+        (p.R + p.Dn) / N, p.kv_scales, p.kv_scale, pos_id, slot, b, pos,
+        first_index(g, base, stride), stride);
+}
+
+// ---- The row kernel (heads whose chunks fit a lane group: GQA / MHA) ---------------------------
+// A token's head rows are Q (Hq), K (Hkv) and V (Hv): H = Hq + Hkv + Hv rows. A row is cut into
+// G = ri + ni chunks: chunk j < ri holds RoPE pairs (neox: dims [jN, jN + N) and their partners
+// R/2 further; interleaved: dims [jN, jN + N)) of the rope part, chunk ri + i the N dims [iN,
+// iN + N) of the nope part (V: dims R + iN). A group of G lanes holds one row, lane j chunk j; a
+// block of blockDim.x / G groups takes p.rows rows per group: grid (T, splits), splits = ceil(H /
+// (blockDim.x / G * p.rows)), so decode splits a token's rows over several blocks.
+// Order: every row this thread holds, its rows' scales and the token's three indices are loaded
+// at once; then the cos/sin values (they need pos_id) and the cache slot (kv_indptr, then
+// kv_indices); then every row is roped (V rows, pass-through chunks and tokens without a position:
+// the identity) and stored, the same arithmetic for all rows so a thread's rows interleave. (Q
+// rows stored before the slot lookup end no sooner: the K/V rows' chain is the kernel's length.)
+// Q rows are always written (unrotated when pos_id lies outside [0, P)); K and V rows only when
+// pos_id lies in [0, P) and the token has a slot.
+template <typename T, typename OutT, bool NEOX, int N, int ROWS>
+__global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams p) {
+  pdl_launch_dependents();
+  const int t = blockIdx.x;
+  const int G = p.group;
+  const int U = ROWS == 1 ? 1 : p.rows;
+  const int slots = blockDim.x / G;
+  const int j = threadIdx.x % G;
+  const int first = blockIdx.y * slots * U + threadIdx.x / G;  // row of u = 0; u adds u * slots
+  const int half_r = p.R >> 1;
+  const int ri = NEOX ? p.R / (2 * N) : p.R / N;
+  const bool rotary = j < ri;
+  const bool pair = NEOX && rotary;
+  const int col = rotary ? j * N : (j - ri) * N;  // element of the rope / nope part
+  const int vcol = rotary ? col : p.R + col;       // element of a V row
+  const int Hk = p.Hq + p.Hkv;
+  const int H = Hk + p.Hv;
+
+  pdl_wait();
+  const i64 pos_id = read_index(p.pos_ids, t, p.index64 & 1);
+  const i64 b = read_index(p.batch_indices, t, p.index64 & 2);
+  const i64 pos = read_index(p.positions, t, p.index64 & 4);
+  Vec<T, N> va[ROWS], vb[ROWS];
+  float sc[ROWS];
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    const int h = first + u * slots;
+    sc[u] = 1.f;
+    if (u >= U || h >= H) continue;
+    const T* row;
+    if (h < p.Hq) {
+      row = rotary ? static_cast<const T*>(p.q_rope) + t * p.qr_sn + h * p.qr_sh
+                   : static_cast<const T*>(p.q_nope) + t * p.qn_sn + h * p.qn_sh;
+      if (is_fp8<OutT>::value) sc[u] = p.q_scales ? __ldg(p.q_scales + h) : p.q_scale;
+    } else if (h < Hk) {
+      row = rotary ? static_cast<const T*>(p.k_rope) + t * p.kr_sn + (h - p.Hq) * p.kr_sh
+                   : static_cast<const T*>(p.k_nope) + t * p.kn_sn + (h - p.Hq) * p.kn_sh;
+      if (is_fp8<OutT>::value) sc[u] = p.kv_scales ? __ldg(p.kv_scales + h - p.Hq) : p.kv_scale;
+    } else {
+      row = static_cast<const T*>(p.v) + t * p.v_sn + (h - Hk) * p.v_sh + (vcol - col);
+      if (is_fp8<OutT>::value) sc[u] = p.kv_scales ? __ldg(p.kv_scales + h - Hk) : p.kv_scale;
+    }
+    va[u] = load<T, N>(row + col);
+    if (pair) vb[u] = load<T, N>(row + col + half_r);
+  }
+
+  const bool rope = pos_id >= 0 && pos_id < p.P;
+  constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
+  float c[M], sn[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    c[i] = 1.f;
+    sn[i] = 0.f;
+  }
+  if (rope && rotary) {
+    const float* cs = p.cos_sin + pos_id * p.cs_sp + (NEOX ? col : col / 2);
+    load_float<float, M>(cs, c);
+    load_float<float, M>(cs + half_r, sn);
+  }
+  i64 page = -1, entry = 0;
+  if (rope && first + (U - 1) * slots >= p.Hq) find_slot(p, b, pos, page, entry);
+
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    const int h = first + u * slots;
+    const bool live = u < U && h < H;
+    const bool is_q = h < p.Hq;
+    const bool is_v = h >= Hk;
+    float a[N], bb[N];
+    to_floats<T, N>(va[u], a);
+    if (pair) to_floats<T, N>(vb[u], bb);
+    if (rotary) {
+      float cu[M], su[M];
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        cu[i] = is_v ? 1.f : c[i];
+        su[i] = is_v ? 0.f : sn[i];
+      }
+      rotate_chunk<NEOX, N, M>(a, bb, cu, su);
+    }
+    if (!live) continue;
+    OutT* d;
+    if (is_q) {
+      d = rotary ? static_cast<OutT*>(p.q_rope_out) + t * p.qro_sn + h * p.qro_sh
+                 : static_cast<OutT*>(p.q_nope_out) + t * p.qno_sn + h * p.qno_sh;
+    } else if (page < 0) {
+      continue;
+    } else if (!is_v) {
+      d = rotary ? static_cast<OutT*>(p.kr_cache) + page * p.krc_sp + entry * p.krc_se +
+                       (h - p.Hq) * p.krc_sh
+                 : static_cast<OutT*>(p.kn_cache) + page * p.knc_sp + entry * p.knc_se +
+                       (h - p.Hq) * p.knc_sh;
+    } else {
+      d = static_cast<OutT*>(p.v_cache) + page * p.vc_sp + entry * p.vc_se + (h - Hk) * p.vc_sh +
+          (vcol - col);
+    }
+    store_float<OutT, N>(d + col, a, sc[u]);
+    if (pair) store_float<OutT, N>(d + col + half_r, bb, sc[u]);
+  }
 }

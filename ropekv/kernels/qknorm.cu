@@ -25,124 +25,209 @@ struct QKNormParams {
   float inv_k_scale, inv_v_scale;  // stored = fp8(x * inv_scale); 1 for 16-bit caches
   int T, B, Hq, Hkv, D, R, P, max_pages, page_size, q_gamma_f32, k_gamma_f32;
   int group;  // lanes per head row: a power of two <= 32 dividing blockDim.x
+  int rows;   // head rows each lane group holds, 1 ..= ROWS
 };
 
-// One block per token. A head row of D dims is cut into `items` chunks: chunk j < rot_items holds
-// RoPE pairs (neox: dims [jN, jN + N) and their partners R/2 further; interleaved: dims
-// [jN, jN + N)), the rest N pass-through dims of [R, D). A group of G >= items lanes (G = p.group,
-// a power of two <= 32) owns one head row, lane j holding chunk j. The Q then K rows are walked
-// two per step, hp = blockDim.x / G rows side by side; the RMS of a row is a shuffle sum over its
-// group. V rows are plain copies spread over the block.
+constexpr int kStageMax = 512;  // batches of up to this many requests are searched in shared memory
+constexpr int kMaxD = 512;      // the largest head dim (32 lanes of 8 neox pairs; the host checks)
+
+// The RMSNorm weight element i as float32, whichever its storage.
+template <typename T>
+__device__ __forceinline__ float weight_at(const void* w, int f32, int i) {
+  return f32 ? static_cast<const float*>(w)[i] : to_float(static_cast<const T*>(w)[i]);
+}
+
+struct QKNormShared {
+  float gamma[3][kMaxD];  // q weights, k weights, ones (rows that are not normalised)
+  unsigned offsets[kStageMax + 1];
+  int lengths[kStageMax];
+};
+
+// A token's head rows are Q (Hq), K (Hkv) and V (Hkv): H = Hq + 2 Hkv rows of D dims. A row is cut
+// into `items` chunks: chunk j < rot_items holds RoPE pairs (neox: dims [jN, jN + N) and their
+// partners R/2 further; interleaved: dims [jN, jN + N)), the rest N pass-through dims of [R, D);
+// V rows are cut the same way. A group of G >= items lanes (G = p.group, a power of two <= 32)
+// holds one row, lane j chunk j; a block of blockDim.x / G groups takes p.rows rows per group, so
+// grid (T, splits) with splits = ceil(H / (blockDim.x / G * p.rows)): decode splits a token's rows
+// over several blocks (one row per group), prefill gives a block a whole token.
 //   y = rope(x / sqrt(mean(x^2) + epsilon) * gamma), in float32, rounded once.
+// Order, so that the dependent index loads overlap the row loads:
+//   1. the rows (they depend on nothing); 2. the RMSNorm weights and, for batches of at most
+//   kStageMax requests, the offsets and cache lengths, into shared memory; the sums of squares;
+//   3. the token's request and position (a binary search over the offsets), then its page and its
+//   cos/sin values; 4. normalise, rope, store.
+// Step 4 is the same arithmetic for every row (V rows and rows of tokens without a position take
+// weights of one, no norm and the identity rotation), the stores predicated: the ROWS rows of a
+// thread are independent instruction streams the compiler interleaves. ROWS (1, 2 or 4) is
+// the rows a thread can hold, p.rows <= ROWS those it does (the others predicated off).
 // A token outside every request, or with a position outside [0, P), has its q row copied
 // unchanged and writes nothing; a token whose page is out of range is normalised and roped but
 // writes nothing.
-template <typename T, typename CacheT, bool NEOX, int N>
-__global__ void __launch_bounds__(256, 3) qk_rmsnorm_rope_append(const QKNormParams p) {
+template <typename T, typename CacheT, bool NEOX, int N, int ROWS>
+__device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh) {
   const i64 t = blockIdx.x;
   const int G = p.group;
+  const int U = ROWS == 1 ? 1 : p.rows;  // <= ROWS
+  const int slots = blockDim.x / G;
+  const int j = threadIdx.x & (G - 1);
+  const int first = blockIdx.y * slots * U + threadIdx.x / G;  // row of u = 0; u adds u * slots
+  const int H = p.Hq + 2 * p.Hkv;
   const int half_r = p.R >> 1;
   const int rot_items = NEOX ? half_r / N : p.R / N;
   const int items = rot_items + (p.D - p.R) / N;
-  const int hp = blockDim.x / G;
-  const int j = threadIdx.x % G;
-  const int h0 = threadIdx.x / G;
-  const int H = p.Hq + p.Hkv;
   const bool has_chunk = j < items;
   const bool rotary = j < rot_items;
+  const bool pair = NEOX && rotary;  // two vectors per chunk
   const int ea = rotary ? j * N : p.R + (j - rot_items) * N;
   const int eb = ea + half_r;
+  const float inv_d = __fdividef(1.f, float(p.D));  // fast: no IEEE slow path on the chain
 
-  const T* q = static_cast<const T*>(p.q) + t * p.q_st;
-  T* q_out = static_cast<T*>(p.q_out) + t * p.qo_st;
-  const T* k = static_cast<const T*>(p.k) + t * p.k_st;
+  // 1. this lane's chunks of its rows
+  Vec<T, N> va[ROWS], vb[ROWS];
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    const int h = first + u * slots;
+    if (u >= U || h >= H || !has_chunk) continue;
+    const T* row = h < p.Hq ? static_cast<const T*>(p.q) + t * p.q_st + h * p.q_sh
+                   : h < p.Hq + p.Hkv
+                       ? static_cast<const T*>(p.k) + t * p.k_st + (h - p.Hq) * p.k_sh
+                       : static_cast<const T*>(p.v) + t * p.v_st + (h - p.Hq - p.Hkv) * p.v_sh;
+    va[u] = load<T, N>(row + ea);
+    if (pair) vb[u] = load<T, N>(row + eb);
+  }
 
-  // Rows of one step: loaded and their squares summed (shuffle within each G-lane group). The
-  // first step is loaded before the token's request and position are looked up (a chain of
-  // dependent loads), so both are in flight together.
-  float xa[2][N], xb[2][N], ss[2];
-  auto load_step = [&](int base) {
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      ss[u] = 0.f;
-      const int h = base + h0 + u * hp;
-      if (h >= H || !has_chunk) continue;
-      const T* row = h < p.Hq ? q + h * p.q_sh : k + (h - p.Hq) * p.k_sh;
-      load_float<T, N>(row + ea, xa[u]);
-      if (NEOX && rotary) load_float<T, N>(row + eb, xb[u]);
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        ss[u] += xa[u][i] * xa[u][i];
-        if (NEOX && rotary) ss[u] += xb[u][i] * xb[u][i];
-      }
+  // 2. weights and index arrays to shared memory: every load issued before any store
+  const bool staged = p.B <= kStageMax;
+  const int n_stage = staged ? p.B + 1 : 0;
+  {
+    const int i = threadIdx.x;
+    float gq = 1.f, gk = 1.f;
+    unsigned off = 0;
+    int len = 0;
+    if (i < p.D) {
+      gq = weight_at<T>(p.q_gamma, p.q_gamma_f32, i);
+      gk = weight_at<T>(p.k_gamma, p.k_gamma_f32, i);
     }
-  };
-  load_step(0);
+    if (i < n_stage) off = p.offsets[i];
+    if (i < n_stage - 1) len = p.cache_lengths[i];
+    if (i < p.D) {
+      sh.gamma[0][i] = gq;
+      sh.gamma[1][i] = gk;
+      sh.gamma[2][i] = 1.f;
+    }
+    if (i < n_stage) sh.offsets[i] = off;
+    if (i < n_stage - 1) sh.lengths[i] = len;
+  }
+  for (int i = threadIdx.x + blockDim.x; i < p.D; i += blockDim.x) {  // D > blockDim.x
+    sh.gamma[0][i] = weight_at<T>(p.q_gamma, p.q_gamma_f32, i);
+    sh.gamma[1][i] = weight_at<T>(p.k_gamma, p.k_gamma_f32, i);
+    sh.gamma[2][i] = 1.f;
+  }
+  for (int i = threadIdx.x + blockDim.x; i < n_stage; i += blockDim.x) {  // B >= blockDim.x
+    sh.offsets[i] = p.offsets[i];
+    if (i < n_stage - 1) sh.lengths[i] = p.cache_lengths[i];
+  }
 
-  PagedSlot slot = ragged_position(p.offsets, p.cache_lengths, p.B, t);
+  // partial sums of squares of the rows
+  float ss[ROWS];
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    ss[u] = 0.f;
+    const int h = first + u * slots;
+    if (u >= U || h >= H || !has_chunk) continue;
+    float x[N];
+    to_floats<T, N>(va[u], x);
+#pragma unroll
+    for (int i = 0; i < N; ++i) ss[u] += x[i] * x[i];
+    if (pair) {
+      to_floats<T, N>(vb[u], x);
+#pragma unroll
+      for (int i = 0; i < N; ++i) ss[u] += x[i] * x[i];
+    }
+  }
+  __syncthreads();
+
+  // 3. request, position, page, cos/sin
+  PagedSlot slot = staged ? ragged_position(sh.offsets, sh.lengths, p.B, t)
+                          : ragged_position(p.offsets, p.cache_lengths, p.B, t);
   const bool roped = slot.request >= 0 && slot.pos >= 0 && slot.pos < p.P;
-  if (roped) page_of(slot, p.block_table, p.bt_sb, p.max_pages, p.page_size, p.num_pages);
+  if (roped && first + (U - 1) * slots >= p.Hq)  // this group holds a K or V row
+    page_of(slot, p.block_table, p.bt_sb, p.max_pages, p.page_size, p.num_pages);
   const bool write = slot.page >= 0;
-  CacheT* k_cache = static_cast<CacheT*>(p.k_cache) + slot.page * p.kc_sp + slot.entry * p.kc_se;
-  CacheT* v_cache = static_cast<CacheT*>(p.v_cache) + slot.page * p.vc_sp + slot.entry * p.vc_se;
-
   constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
   float c[M], sn[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    c[i] = 1.f;
+    sn[i] = 0.f;
+  }
   if (roped && rotary) {
     const float* cs = p.cos_sin + slot.pos * p.cs_sp + (NEOX ? ea : ea / 2);
     load_float<float, M>(cs, c);
     load_float<float, M>(cs + half_r, sn);
   }
-
-  // A block-uniform number of steps, so every lane reaches every shuffle.
-  for (int base = 0; base < H; base += 2 * hp) {
-    if (base) load_step(base);
+  // the row sums: shuffles within each G-lane group (U and G are block-uniform: every lane takes
+  // part)
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      for (int o = G >> 1; o; o >>= 1) ss[u] += __shfl_xor_sync(0xffffffffu, ss[u], o);
-    }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int h = base + h0 + u * hp;
-      if (h >= H || !has_chunk) continue;
-      const bool is_q = h < p.Hq;
-      if (!is_q && !write) continue;
-      float* a = xa[u];
-      float* b = xb[u];
-      if (roped) {  // a token without a position has its q copied unchanged
-        const float rms = rsqrtf(ss[u] / float(p.D) + p.epsilon);
-        const void* gamma = is_q ? p.q_gamma : p.k_gamma;
-        const bool gamma_f32 = is_q ? p.q_gamma_f32 : p.k_gamma_f32;
-        float g[N];
-        load_weight<T, N>(gamma, gamma_f32, ea, g);
-#pragma unroll
-        for (int i = 0; i < N; ++i) a[i] *= rms * g[i];
-        if (NEOX && rotary) {
-          load_weight<T, N>(gamma, gamma_f32, eb, g);
-#pragma unroll
-          for (int i = 0; i < N; ++i) b[i] *= rms * g[i];
-        }
-        if (rotary) rotate_chunk<NEOX, N, M>(xa[u], xb[u], c, sn);
-      }
-      if (is_q) {
-        store_float<T, N>(q_out + h * p.qo_sh + ea, xa[u]);
-        if (NEOX && rotary) store_float<T, N>(q_out + h * p.qo_sh + eb, xb[u]);
-      } else {
-        CacheT* dst = k_cache + (h - p.Hq) * p.kc_sh;
-        store_float<CacheT, N>(dst + ea, xa[u], p.inv_k_scale);
-        if (NEOX && rotary) store_float<CacheT, N>(dst + eb, xb[u], p.inv_k_scale);
-      }
-    }
+  for (int u = 0; u < ROWS; ++u) {
+    if (u >= U) break;
+    for (int o = G >> 1; o; o >>= 1) ss[u] += __shfl_xor_sync(0xffffffffu, ss[u], o);
   }
 
-  if (!write) return;
-  const T* v = static_cast<const T*>(p.v) + t * p.v_st;
-  const int v_items = p.D / N;
-  for (int w = threadIdx.x; w < p.Hkv * v_items; w += blockDim.x) {
-    const int h = w / v_items;
-    const int e0 = (w - h * v_items) * N;
-    float x[N];
-    load_float<T, N>(v + h * p.v_sh + e0, x);
-    store_float<CacheT, N>(v_cache + h * p.vc_sh + e0, x, p.inv_v_scale);
+  // 4. normalise, rope, store
+  CacheT* const k_row = static_cast<CacheT*>(p.k_cache) + slot.page * p.kc_sp +
+                        slot.entry * p.kc_se;
+  CacheT* const v_row = static_cast<CacheT*>(p.v_cache) + slot.page * p.vc_sp +
+                        slot.entry * p.vc_se;
+  T* const q_row = static_cast<T*>(p.q_out) + t * p.qo_st;
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    const int h = first + u * slots;
+    const bool live = u < U && h < H && has_chunk;
+    const bool is_q = h < p.Hq;
+    const bool is_v = h >= p.Hq + p.Hkv;
+    const bool norm = roped && !is_v;  // V rows and rows without a position: copied
+    const float rms = norm ? rsqrtf(ss[u] * inv_d + p.epsilon) : 1.f;
+    const float* g = sh.gamma[norm ? (is_q ? 0 : 1) : 2];
+    float a[N], b[N], ga[N], gb[N];
+    to_floats<T, N>(va[u], a);
+    load_float<float, N>(g + ea, ga);
+#pragma unroll
+    for (int i = 0; i < N; ++i) a[i] *= rms * ga[i];
+    if (pair) {
+      to_floats<T, N>(vb[u], b);
+      load_float<float, N>(g + eb, gb);
+#pragma unroll
+      for (int i = 0; i < N; ++i) b[i] *= rms * gb[i];
+    }
+    if (rotary) {
+      float cu[M], su[M];
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        cu[i] = norm ? c[i] : 1.f;
+        su[i] = norm ? sn[i] : 0.f;
+      }
+      rotate_chunk<NEOX, N, M>(a, b, cu, su);
+    }
+    if (!live) continue;
+    if (is_q) {
+      T* dst = q_row + h * p.qo_sh;
+      store_float<T, N>(dst + ea, a);
+      if (pair) store_float<T, N>(dst + eb, b);
+    } else if (write) {
+      CacheT* dst = is_v ? v_row + (h - p.Hq - p.Hkv) * p.vc_sh : k_row + (h - p.Hq) * p.kc_sh;
+      const float scale = is_v ? p.inv_v_scale : p.inv_k_scale;
+      store_float<CacheT, N>(dst + ea, a, scale);
+      if (pair) store_float<CacheT, N>(dst + eb, b, scale);
+    }
   }
+}
+
+// One kernel per ROWS (1, 2 or 4): the register budget follows the rows a thread holds.
+template <typename T, typename CacheT, bool NEOX, int N, int ROWS>
+__global__ void __launch_bounds__(512) qk_rmsnorm_rope_append(const QKNormParams p) {
+  __shared__ __align__(16) QKNormShared sh;
+  pdl_launch_dependents();
+  pdl_wait();
+  qk_rows<T, CacheT, NEOX, N, ROWS>(p, sh);
 }

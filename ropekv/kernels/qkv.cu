@@ -197,6 +197,8 @@ struct WeightVec {
 //   one (scale, zero) per load (a load lies inside one group: the host makes VALS divide G).
 template <typename T, int WF, int VB, int TT, bool FAST_INT4>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
+  pdl_launch_dependents();
+  pdl_wait();
   using WV = WeightVec<T, WF, VB>;
   constexpr int VALS = WV::VALS;
   // loads in flight per row and lane: enough bytes in flight, few enough registers
@@ -487,6 +489,8 @@ __device__ __forceinline__ void epilogue_item(const SrcT* src, T* q_dst, CacheT*
 // before a rotation that cancels would move fp8 codes by more than one).
 template <typename T, typename CacheT, typename KT, int N>
 __global__ void __launch_bounds__(256) qkv_epilogue(const QkvParams p) {
+  pdl_launch_dependents();
+  pdl_wait();
   const int t = blockIdx.x;
   __shared__ TokenSlot slot;
   if (threadIdx.x == 0) slot = token_slot(p, t);
@@ -533,6 +537,8 @@ __global__ void __launch_bounds__(256) qkv_epilogue(const QkvParams p) {
 // dst (N, K) T, contiguous. One thread per weight byte (fp8: one value; int4: two values).
 template <typename T, int WF>
 __global__ void __launch_bounds__(256) qkv_dequant(const QkvParams p) {
+  pdl_launch_dependents();
+  pdl_wait();
   const i64 per_row = WF == W_INT4 ? p.K / 2 : p.K;
   const i64 total = i64(p.N) * per_row;
   T* dst = static_cast<T*>(p.out);
