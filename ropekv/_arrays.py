@@ -372,6 +372,10 @@ def _from_dlpack(obj, name, stream_ptr):
     ptr = (t.data or 0) + t.byte_offset
     legacy = flags is None
     readonly = not legacy and bool(flags & (_DL_FLAG_READ_ONLY | _DL_FLAG_IS_COPIED))
+    writeable = getattr(obj, "writeable", None)
+    if legacy and isinstance(writeable, bool):
+        # the producer says it itself (JAX's buffer_callback Buffers: outputs are writeable)
+        legacy, readonly = False, not writeable
     if device_type in (_DL_CPU, _DL_CUDA_HOST):
         byte_strides = tuple(s * dtype.itemsize for s in strides)
         host = _host_array(ptr, shape, byte_strides, dtype, readonly)
@@ -405,7 +409,10 @@ def as_view(obj, name, stream_ptr=None):
         return _from_cupy(obj, name)
     if is_torch(obj):
         return _from_torch(obj, name)
-    cai = getattr(obj, "__cuda_array_interface__", None)
+    try:  # JAX raises its own error (not AttributeError) for dtypes CAI cannot spell (float8)
+        cai = getattr(obj, "__cuda_array_interface__", None)
+    except Exception:  # noqa: BLE001 - then DLPack it is
+        cai = None
     if cai is not None:
         return _from_cai(obj, name, cai, stream_ptr)
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):

@@ -389,10 +389,12 @@ def test_explicit_stream():
     call(expected)
     dev = device_args(args)
     stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()  # the copies above ran on the null stream: s must see them
     call(dev, stream=stream)
     stream.synchronize()
     assert_close(dev["kv_cache"], expected["kv_cache"])
     dev2 = device_args(args)
+    cp.cuda.Device().synchronize()
     call(dev2, stream=stream.ptr)
     stream.synchronize()
     assert_close(dev2["q"], expected["q"])

@@ -852,6 +852,7 @@ def test_explicit_stream():
 
     args = make_case(34, T=50, Dn=16)
     dev = device_args(args)
+    cp.cuda.Device().synchronize()  # the copies ran on the null stream: order them first
     stream = cp.cuda.Stream(non_blocking=True)
     q, _ = call(dev, stream=stream)
     q2, _ = call(dev, stream=stream)  # the cached plan keeps the stream

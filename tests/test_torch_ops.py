@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 import ropekv
 import ropekv.torch as rt
 from tests.framework_cases import cases
+from tests.test_call_path import assert_op_close
 from tests.tolerance import assert_close, to_numpy
 
 CASES = cases()
@@ -282,21 +283,24 @@ def expected_on_device(case):
     return case.run(ropekv, case.fresh())
 
 
-def assert_close_all(got, expected):
+def assert_close_all(got, expected, case=None):
+    """``assert_close`` per result; the fused QKV op's cuBLAS path (prefill-sized calls) rounds
+    the projection before its epilogue, so its rows are compared by relative error."""
+    op = "qkv" if case is not None and case.op.startswith("fused_qkv") else ""
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert_close(g, e, f"result {i}")
+        assert_op_close(g, e, op, f"result {i}")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_cuda_eager_and_compiled_match_the_reference(case):
     eager = case.run(rt, case.fresh(on("cuda")))
-    assert_close_all(eager, expected_on_device(case))
+    assert_close_all(eager, expected_on_device(case), case)
     counter = compile_counter()
     fn = torch.compile(lambda a: case.run(rt, a), fullgraph=True, backend=counter)
     assert_same(fn(case.fresh(on("cuda"))), [to_numpy(x) for x in eager])
     other = negated(case)
-    assert_close_all(fn(other.fresh(on("cuda"))), expected_on_device(other))
+    assert_close_all(fn(other.fresh(on("cuda"))), expected_on_device(other), other)
     assert counter.frame_count == 1  # the second call, new tensors and data: no recompilation
 
 

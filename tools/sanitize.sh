@@ -24,7 +24,7 @@ fi
 if [ "$what" = all ] || [ "$what" = calls ]; then
   for tool in racecheck initcheck synccheck; do
     echo "== $tool: one call of every kernel"
-    "${sanitizer[@]}" --tool "$tool" python3 tools/sanitize_calls.py
+    "${sanitizer[@]}" --tool "$tool" python3 tools/sanitize_calls.py "$tool"
   done
 fi
 echo "sanitizer: 0 errors"
