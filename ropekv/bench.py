@@ -1397,9 +1397,9 @@ def environment():
 
 
 def git_revision():
-    """``git rev-parse`` of the checkout ropekv runs from, else ``$ROPEKV_GIT_REVISION`` (for a
-    copy of the tree without ``.git``, as on a remote GPU machine)."""
-    return _git_revision() or os.environ.get("ROPEKV_GIT_REVISION")
+    """``$ROPEKV_GIT_REVISION`` when set (a copy of the tree on a remote GPU machine may carry a
+    stale ``.git``), else ``git rev-parse`` of the checkout ropekv runs from."""
+    return os.environ.get("ROPEKV_GIT_REVISION") or _git_revision()
 
 
 def _git_revision():
