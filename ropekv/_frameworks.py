@@ -7,57 +7,28 @@ op itself when the call runs. Imports neither framework.
 
 from __future__ import annotations
 
-import math
 
 import ml_dtypes
 import numpy as np
 
 from ropekv import _checks as ck
-from ropekv._arrays import BFLOAT16, FLOAT16, FP8_DTYPES, HOST
+from ropekv._arrays import BFLOAT16, FLOAT16, FP8_DTYPES, ArrayView
 
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 _PAGED_LAYOUTS = {"NHD": "(num_pages, page_size, Hkv, D)", "HND": "(num_pages, Hkv, page_size, D)"}
 
 
-class MetaView:
-    """An array's metadata with the attributes of ``ropekv._arrays.ArrayView`` that the ``_checks``
-    helpers read (no pointer, no memory). ``strides`` are in elements, C-contiguous when None."""
-
-    __slots__ = ("device", "dtype", "name", "shape", "strides")
-    ptr = 0
-    readonly = False
-
-    def __init__(self, name, shape, dtype, strides=None, device=0):
-        self.name = name
-        self.shape = tuple(shape)
-        self.dtype = dtype
-        if strides is None:
-            acc, strides = 1, []
-            for n in reversed(self.shape):
-                strides.append(acc)
-                acc *= n
-            strides = reversed(strides)
-        self.strides = tuple(strides)
-        self.device = device
-
-    @property
-    def ndim(self):
-        return len(self.shape)
-
-    @property
-    def size(self):
-        return math.prod(self.shape)
-
-    def is_c_contiguous(self):
-        expected = 1
-        for n, s in zip(reversed(self.shape), reversed(self.strides)):
-            if n != 1 and s != expected:
-                return False
-            expected *= n
-        return True
-
-    def where(self):
-        return "host memory" if self.device == HOST else f"CUDA device {self.device}"
+def MetaView(name, shape, dtype, strides=None, device=0):  # noqa: N802 - stands for a class
+    """An array's metadata as a ``ropekv._arrays.ArrayView`` with no memory behind it (pointer 0),
+    for the ``_checks`` helpers. ``strides`` are in elements, C-contiguous when None."""
+    shape = tuple(shape)
+    if strides is None:
+        acc, strides = 1, []
+        for n in reversed(shape):
+            strides.append(acc)
+            acc *= n
+        strides = reversed(strides)
+    return ArrayView(name, 0, shape, tuple(strides), np.dtype(dtype), device)
 
 
 def paged_q_outputs(q_rope, q_nope, cache, quantize_dtype, quantize):
