@@ -55,30 +55,11 @@ TARGET_OVERHEAD_US, TARGET_PEER_RATIO, TARGET_JAX_US = 0.3, 1.15, 1.0
 
 
 def torch_graph_us(fn, calls, replays=20):
-    """Device time per call of ``fn()`` captured ``calls`` times in one CUDA graph."""
-    import torch
+    """Device time per call of ``fn()`` captured ``calls`` times in one CUDA graph (the timer of
+    ``ropekv bench``)."""
+    from ropekv.bench import _torch_graph_us
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3 / calls)
-    return statistics.median(times)
+    return _torch_graph_us(fn, calls, replays)
 
 
 def torch_queued_us(fn, calls, replays=10):

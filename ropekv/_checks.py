@@ -102,11 +102,6 @@ def check_write_strides(view):
         reach += (n - 1) * stride
 
 
-def span(view):
-    """``[lo, hi)``: the byte offsets, relative to ``view.ptr``, that a non-empty view touches."""
-    return view.span
-
-
 def shares_bytes(a, b):
     """Whether two strided layouts ``(ptr, shape, strides in elements, itemsize)`` share a byte.
 

@@ -83,14 +83,6 @@ def _torch_stream_ptr(device):
         return torch.cuda.current_stream(device).cuda_stream
 
 
-def default_stream_ptr(kinds, device):
-    """The stream rule: torch's current stream when any argument is a torch tensor, else CuPy's;
-    both on ``device``."""
-    if kinds & ar.TORCH:
-        return _torch_stream_ptr(device)
-    return current_stream_ptr(device)
-
-
 @functools.lru_cache(maxsize=64)
 def cupy_stream(ptr, device):
     """A CuPy stream object for a raw pointer (for CuPy allocations and cuBLAS on it)."""
@@ -376,7 +368,7 @@ class Plan:
         """Record the byte spans the replay's overlap check needs (from the first call)."""
         self.views_layout = [None if v is None else (v.shape, v.strides, v.dtype.itemsize)
                              for v in views]
-        spans = [None if v is None or v.size == 0 else ck.span(v) for v in views]
+        spans = [None if v is None or v.size == 0 else v.span for v in views]
         self.pairs = [(i, j, *spans[i], *spans[j]) for i in self.written if spans[i]
                       for j in range(len(views))
                       if j != i and spans[j] and not (j in self.written and j < i)]
@@ -416,7 +408,7 @@ class Plan:
             self.last_checked = ptrs
         device = self.device
         explicit = stream_ptr is not None
-        if not explicit:
+        if not explicit:  # the stream rule: torch's if any argument is a torch tensor, else CuPy's
             stream_ptr = (_torch_stream_ptr(device) if kinds & ar.TORCH
                           else current_stream_ptr(device))
         runtime = _RUNTIME[0] or _runtime()
