@@ -34,7 +34,7 @@ from ropekv._arrays import (
     UINT32,
 )
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
+from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, cupy_stream, scalar_key
 from ropekv._vector import aligned
 
 STEM = "qkv"
@@ -530,8 +530,8 @@ class _Gemm:
     accumulation, operands at ``(ptrs index, byte offset)`` slots. In cuBLAS's column-major terms:
     C^T (m x n) = A^T B^T with A (k x m, lda) read transposed and B (k x n, ldb)."""
 
-    def __init__(self, a, lda, b, ldb, c, ldc, m, n, k, dtype, c_dtype):
-        self.a, self.b, self.c = a, b, c
+    def __init__(self, a, lda, b, ldb, c, ldc, m, n, k, dtype, c_dtype, device):
+        self.a, self.b, self.c, self.device = a, b, c, device
         self.args = (m, n, k, lda, ldb, ldc, _CUDA_R[dtype], _CUDA_R[c_dtype])
 
     def run(self, ptrs, stream_ptr):
@@ -540,13 +540,16 @@ class _Gemm:
 
         m, n, k, lda, ldb, ldc, ab_type, c_type_ = self.args
         handle = cupy.cuda.device.get_cublas_handle()  # the plan's device is current
-        cublas.setStream(handle, stream_ptr)
-        cublas.setPointerMode(handle, 0)  # CUBLAS_POINTER_MODE_HOST: alpha, beta on the host
         (a, ao), (b, bo), (c, co) = self.a, self.b, self.c
-        cublas.gemmEx(handle, 1, 0, m, n, k,  # op(A) = A^T, op(B) = B
-                      _ALPHA_BETA.ctypes.data, ptrs[a] + ao, ab_type, lda, ptrs[b] + bo, ab_type,
-                      ldb, _ALPHA_BETA.ctypes.data + 4, ptrs[c] + co, c_type_, ldc,
-                      _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+        # CuPy's cuBLAS wrappers set the handle's stream to CuPy's current stream before every
+        # call, so the launch stream is made CuPy's current one around the GEMM (setting it on
+        # the handle alone would be undone: the GEMM would run unordered with the launch stream)
+        with cupy_stream(stream_ptr, self.device):
+            cublas.setPointerMode(handle, 0)  # CUBLAS_POINTER_MODE_HOST: alpha, beta on the host
+            cublas.gemmEx(handle, 1, 0, m, n, k,  # op(A) = A^T, op(B) = B
+                          _ALPHA_BETA.ctypes.data, ptrs[a] + ao, ab_type, lda, ptrs[b] + bo,
+                          ab_type, ldb, _ALPHA_BETA.ctypes.data + 4, ptrs[c] + co, c_type_, ldc,
+                          _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
 
 
 def _prefill(fields, slots, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, device, n_out,
@@ -574,7 +577,7 @@ def _prefill(fields, slots, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, de
     tmp = (next_index, 0)
     if k_dtype == dtype:
         workspaces.append(Output((T, N), dtype, workspace=True))
-        steps.append(_Gemm(w_slot, w_ld, x_slot, x_ld, tmp, N, N, T, K, dtype, dtype))
+        steps.append(_Gemm(w_slot, w_ld, x_slot, x_ld, tmp, N, N, T, K, dtype, dtype, device))
         isz = dtype.itemsize
         q_slot, q_ld = tmp, N
         k_slot, v_slot = (next_index, Hq * D * isz), (next_index, (Hq + Hkv) * D * isz)
@@ -583,9 +586,9 @@ def _prefill(fields, slots, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, de
         workspaces.append(Output((T, 2 * Hkv * D), k_dtype, workspace=True))
         out_slot, out_ld = slots["out"], fields["out_s0"]
         steps.append(_Gemm(w_slot, w_ld, x_slot, x_ld, out_slot, out_ld, Hq * D, T, K, dtype,
-                           dtype))
+                           dtype, device))
         steps.append(_Gemm((w_slot[0], w_slot[1] + Hq * D * row_bytes), w_ld, x_slot, x_ld, tmp,
-                           2 * Hkv * D, 2 * Hkv * D, T, K, dtype, k_dtype))
+                           2 * Hkv * D, 2 * Hkv * D, T, K, dtype, k_dtype, device))
         q_slot, q_ld = out_slot, out_ld  # roped in place
         k_slot, v_slot, kv_ld = tmp, (next_index, Hkv * D * 4), 2 * Hkv * D
     steps.append(Launch(STEM, epilogue_expression(dtype, cache_dtype, k_dtype, n), device, (T,),

@@ -8,6 +8,8 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests import sanitizer
+
 # deadline=None: the first call of each kernel instantiation compiles it.
 settings.register_profile("default", deadline=None, max_examples=25,
                           suppress_health_check=[HealthCheck.too_slow,
@@ -25,6 +27,9 @@ if os.environ.get("ROPEKV_NO_MEMORY_POOL", "") not in ("", "0"):
     import cupy
 
     cupy.cuda.set_allocator(None)
+
+if sanitizer.active():
+    sanitizer.setup_torch()
 
 
 @functools.cache

@@ -528,12 +528,15 @@ def test_swapped_torch_storage_is_written():
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
 def test_torch_current_stream_is_the_default(op):
-    """Inside ``torch.cuda.stream(s)`` the kernel runs on s, behind s's earlier work: an input
-    written on s after a long sleep is seen by the op."""
+    """Inside ``torch.cuda.stream(s)`` every kernel (and the QKV op's cuBLAS GEMM) runs on s,
+    behind s's earlier work: an input written on s after a long sleep is seen by the op. The plan
+    is made first, so the call under test is a replay (a first call compiles and loads kernels,
+    which waits for the device and would hide a launch on another stream)."""
     torch = torch_or_skip()
     fn, kw = CASES[op](28)
     expected = copy_kw(kw)
     out_expected = fn(**expected)
+    fn(**map_arrays(copy_kw(kw), to_torch))
     dev = map_arrays(kw, to_torch)
     name = {"contiguous": "v", "paged": "v", "mla": "kv", "qknorm": "v", "qkv": "hidden_state"}[op]
     real = dev[name].clone()
@@ -546,6 +549,42 @@ def test_torch_current_stream_is_the_default(op):
         out = fn(**dev)
     s.synchronize()
     assert_same(dev, out, expected, out_expected, op)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_explicit_stream_orders_every_step(op):
+    """``stream=`` with CuPy arrays while CuPy's current stream is another: every step of a
+    replayed plan (the QKV op's cuBLAS GEMM included) runs behind the stream's earlier work."""
+    import cupy as cp
+
+    fn, kw = CASES[op](30)
+    expected = copy_kw(kw)
+    out_expected = fn(**expected)
+    fn(**map_arrays(copy_kw(kw), to_device))  # the plan exists: the call below is a replay
+    dev = map_arrays(kw, to_device)
+    name = {"contiguous": "v", "paged": "v", "mla": "kv", "qknorm": "v", "qkv": "hidden_state"}[op]
+    target, real = dev[name], to_device(kw[name])
+    cp.cuda.runtime.memset(target.data.ptr, 0, target.nbytes)
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    _sleep_on(s)
+    cp.cuda.runtime.memcpyAsync(target.data.ptr, real.data.ptr, target.nbytes, 3, s.ptr)
+    out = fn(**dev, stream=s)
+    s.synchronize()
+    assert_same(dev, out, expected, out_expected, op)
+
+
+def _sleep_on(stream, cycles=50_000_000):
+    """A kernel that spins ``cycles`` clock cycles on ``stream`` (tens of ms)."""
+    import cupy as cp
+
+    kernel = cp.RawKernel(r"""
+    extern "C" __global__ void spin(long long cycles) {
+      long long start = clock64();
+      while (clock64() - start < cycles) {}
+    }""", "spin")
+    kernel((1,), (1,), (np.int64(cycles),), stream=stream)
 
 
 @pytest.mark.gpu

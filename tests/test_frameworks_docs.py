@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import sanitizer
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "docs" / "frameworks.md").read_text()
 TORCH_CODE, JAX_CODE = re.findall(r"```python\n(.*?)```", PAGE, re.DOTALL)
@@ -21,6 +23,8 @@ JAX_PRINTS = ["(8, 32, 128) float8_e4m3fn same cache buffer: True",
 
 
 def run(code, env=None):
+    if "torch" in code and sanitizer.active():
+        code = sanitizer.TORCH_SETUP + code
     done = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT,
                           capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
