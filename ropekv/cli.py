@@ -79,7 +79,7 @@ def _cmd_bench(args):
 
     return main(ops=_flatten(args.ops), peers=_flatten(args.peers), quick=args.quick,
                 json_path=args.json, plot_path=args.plot, cases=args.cases,
-                frameworks=args.frameworks)
+                frameworks=args.frameworks, tune=args.tune)
 
 
 def _cmd_check(args):
@@ -132,6 +132,10 @@ def build_parser():
                         "torch.compile (default and reduce-overhead modes) under CUDA graphs, "
                         "jax.jit with a donated cache (needs torch / JAX); alone it runs only "
                         "these, with --ops or --cases it runs those cases too")
+    p.add_argument("--tune", nargs="+", metavar="VARIANT",
+                   help="launch-shape variants timed beside ropekv's defaults on the cases of "
+                        "the ops they change, each 'op.key=value[,op.key=value]' over the op "
+                        "module's TUNING (e.g. paged.row_group=0 'paged.heavy=(2,2,3)')")
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment here")
     p.add_argument("--plot", metavar="PATH",
                    help="draw time against tokens per op to this PNG (needs matplotlib: "

@@ -17,7 +17,7 @@ import pytest
 
 from ropekv import _info, bench, check, cli, reference
 from ropekv import bytes as nb
-from ropekv.bench import cases, frameworks, report, runner
+from ropekv.bench import cases, frameworks, report, runner, tuning
 from ropekv.bench.workloads import base, qkv
 
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
@@ -535,6 +535,61 @@ def test_frameworks_without_torch_or_jax_are_skipped_not_errors():
     assert "skipped" in r and "error" not in r
 
 
+# ---- launch-shape variants (--tune) ----------------------------------------------------------
+
+
+def test_tune_variants_parse_and_validate():
+    assert tuning.parse("paged.heavy=(2,2,3),paged.row_group=0") == {
+        "paged": {"heavy": (2, 2, 3), "row_group": 0}}
+    assert tuning.parse("contiguous.block=64, mla.wave_blocks=660") == {
+        "contiguous": {"block": 64}, "mla": {"wave_blocks": 660}}
+    for bad, why in (("paged", "op.key=value"), ("nope.block=1", "unknown op 'nope'"),
+                     ("paged.block=x(", "Python literal"), ("", "empty variant")):
+        with pytest.raises(ValueError, match=why):
+            tuning.parse(bad)
+    import ropekv.contiguous as mod
+
+    key = next(iter(mod.TUNING))
+    tuning.validate({"contiguous": {key: 1}})
+    with pytest.raises(ValueError, match="has no not_a_knob"):
+        tuning.validate({"contiguous": {"not_a_knob": 1}})
+
+
+def test_tune_applies_and_restores_the_tuning():
+    import ropekv.contiguous as mod
+
+    key = next(iter(mod.TUNING))
+    before = dict(mod.TUNING)
+    with pytest.raises(RuntimeError):
+        with tuning.applied({"contiguous": {key: "changed"}}):
+            assert mod.TUNING[key] == "changed"
+            raise RuntimeError
+    assert mod.TUNING == before
+
+
+def test_tune_variants_run_as_runners(capsys, monkeypatch):
+    """On the NumPy backend a variant computes what the default does (the reference ignores launch
+    shapes): it is checked, timed, reported beside ropekv, and no peer in the speedup panel."""
+    import ropekv.contiguous as mod
+
+    key = next(iter(mod.TUNING))
+    before = dict(mod.TUNING)
+    label = f"contiguous.{key}={before[key]!r}"
+    variants = [(label, tuning.parse(label)), ("qkv only", {"qkv": {"x": 1}})]
+    result = bench.run(peers=[], specs=_small_specs()[:1], backend="numpy", tune=variants,
+                       log=lambda *a: None)
+    (case,) = result["cases"]
+    entry = case["peers"][f"ropekv[{label}]"]
+    assert entry["status"] == "ok" and entry["check"] == "ok" and entry["ratio"] > 0
+    assert "ropekv[qkv only]" not in case["peers"]
+    assert result["tune"][label] == {"contiguous": {key: before[key]}}
+    assert mod.TUNING == before
+    assert bench.speedups(result) == []
+    monkeypatch.setattr(runner, "gpu_status", lambda: (True, "Fake GPU"))
+    assert bench.main(tune=["contiguous.not_a_knob=1"]) == 1
+    assert "--tune: ropekv.contiguous.TUNING has no not_a_knob" in capsys.readouterr().err
+
+
 # ---- the package's structure ---------------------------------------------------------------------
 
 
@@ -650,7 +705,8 @@ def _ropekv(*args):
 def test_bench_help():
     out = _ropekv("bench", "--help")
     assert out.returncode == 0
-    for flag in ("--ops", "--peers", "--cases", "--quick", "--frameworks", "--json", "--plot"):
+    for flag in ("--ops", "--peers", "--cases", "--quick", "--frameworks", "--tune", "--json",
+                 "--plot"):
         assert flag in out.stdout
 
 
@@ -672,7 +728,7 @@ def test_ops_and_peers_parse_commas_and_spaces(monkeypatch):
                      "--json", "x.json"]) == 0
     assert seen == {"ops": ["paged", "mla", "qkv"], "peers": ["torch"], "quick": True,
                     "json_path": "x.json", "plot_path": None, "cases": None,
-                    "frameworks": False}
+                    "frameworks": False, "tune": None}
     seen.clear()
     assert cli.main(["bench", "--frameworks", "--cases", "qkv fp8w", "64x1"]) == 0
     assert seen["frameworks"] is True and seen["cases"] == ["qkv fp8w", "64x1"]
@@ -720,3 +776,12 @@ def test_bench_quick_runs(tmp_path):
     assert data["cases"] and all("ropekv" in c for c in data["cases"])
     assert data["copy_bandwidth"] > 1e11
     assert data["wall_s"] < 60
+    # every peer that ran agreed with ropekv (the quantized QKV weights against cuBLAS's fp16 GEMM
+    # on the dequantized weights included)
+    for c in data["cases"]:
+        for peer, e in c["peers"].items():
+            assert e["status"] in ("ok", "-") or e["status"].startswith("skipped"), (
+                c["name"], peer, e)
+    qkv_formats = {c["weight_format"] for c in data["cases"] if c["op"] == "qkv"}
+    assert qkv_formats == {"fp16", "fp8 e4m3 per-row", "int4 g128"}
+    assert all(c["peers"]["cublas"]["status"] == "ok" for c in data["cases"] if c["op"] == "qkv")

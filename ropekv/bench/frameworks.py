@@ -304,7 +304,9 @@ def _torch_line(r):
                  f"{r['peer_compiled_us']:7.2f} (fullgraph={r['peer_fullgraph']})  "
                  f"ratio {ratio:.2f} ({'ok' if ratio >= TARGET_PEER_RATIO else 'MISSED'} >= "
                  f"{TARGET_PEER_RATIO})")
-    elif "peer_error" in r:
+    if "peer_fullgraph_error" in r:
+        line += f"\n       FlashInfer under fullgraph=True: {r['peer_fullgraph_error']}"
+    if "peer_error" in r:
         line += f"\n       FlashInfer not timed: {r['peer_error']}"
     return line.split("\n")
 

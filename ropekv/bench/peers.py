@@ -76,14 +76,27 @@ class Runner:
     # maps ropekv's sampled outputs to what this runner's outputs are compared with (a peer that
     # writes another dtype), or None
     expect: Callable[[dict], dict] | None = None
+    # a context manager factory entered around this runner's check and timing (--tune variants)
+    context: Callable[[], Any] | None = None
 
 
-def make_runners(w, spec, peers, backend="cuda"):
-    """ropekv's runner and the wanted peers' (name -> Runner, or name -> why not)."""
+def make_runners(w, spec, peers, backend="cuda", variants=()):
+    """ropekv's runner and the wanted peers' (name -> Runner, or name -> why not); then one
+    ``ropekv[<label>]`` runner per ``--tune`` variant ``(label, changes)`` that changes this op."""
+    from ropekv.bench import tuning
+
+    framework = backend if backend == "numpy" else "cupy"
     o = w.new_outputs()
     ropekv = Runner("ropekv", lambda: w.call(o), lambda: w.outputs(o), lambda: w.reset(o),
-                    framework=backend if backend == "numpy" else "cupy")
+                    framework=framework)
     out: dict[str, Any] = {}
+    for label, changes in variants:
+        if w.op in changes:
+            vo = w.new_outputs()
+            out[f"ropekv[{label}]"] = Runner(
+                f"ropekv[{label}]", functools.partial(w.call, vo),
+                functools.partial(w.outputs, vo), functools.partial(w.reset, vo), framework,
+                context=functools.partial(tuning.applied, changes))
     avail = peer_availability(backend)
     for peer in peers:
         if avail.get(peer):

@@ -128,13 +128,14 @@ def write_json(result, path):
 
 def speedups(result):
     """[(case name, best peer, peer us / ropekv us)] of every case with a peer whose output
-    matched ropekv's: the fastest such peer (ratio above 1: ropekv is faster)."""
+    matched ropekv's: the fastest such peer (ratio above 1: ropekv is faster). ``--tune``
+    variants of ropekv itself are not peers."""
     out = []
     for c in result["cases"]:
         if "ropekv" not in c:
             continue
         timed = {p: e["us"] for p, e in c.get("peers", {}).items()
-                 if e.get("status") == "ok" and "us" in e}
+                 if e.get("status") == "ok" and "us" in e and not p.startswith("ropekv[")}
         if timed:
             peer = min(timed, key=timed.get)
             out.append((c["name"], peer, timed[peer] / c["ropekv"]["us"]))

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ropekv.bench import report as report_mod
+from ropekv.bench import tuning
 from ropekv.bench.arrays import _torch, gpu_status, one_line
 from ropekv.bench.cases import select_specs
 from ropekv.bench.compare import compare_all
@@ -103,14 +104,16 @@ def _settings(quick):
 
 
 def run(ops=None, peers=None, quick=False, log=progress, json_path=None, names=None,
-        specs=None, backend="cuda", frameworks=False):
+        specs=None, backend="cuda", frameworks=False, tune=()):
     """Run the benchmark; return the result dict (what ``--json`` writes; with ``json_path`` it is
     also written there after every case, so an interrupted run keeps what it measured).
 
     ``names``: only the cases whose name contains one of these strings; ``specs``: these cases
     instead of the registry's; ``frameworks``: also time the ops inside compiled programs
-    (:mod:`ropekv.bench.frameworks`). ``backend="numpy"`` builds the workloads with NumPy and times
-    host calls (the CPU tests of the runner; no copy bandwidth, no CUDA peers)."""
+    (:mod:`ropekv.bench.frameworks`); ``tune``: ``(label, changes)`` launch-shape variants
+    (:mod:`ropekv.bench.tuning`), each timed as a runner beside ropekv's default.
+    ``backend="numpy"`` builds the workloads with NumPy and times host calls (the CPU tests of
+    the runner; no copy bandwidth, no CUDA peers)."""
     t0 = time.perf_counter()
     explicit_peers = peers is not None
     if peers is None:
@@ -122,6 +125,8 @@ def run(ops=None, peers=None, quick=False, log=progress, json_path=None, names=N
                               "quick": quick, "peers": list(peers), "settings": settings}
     if backend != "cuda":
         result["backend"] = backend
+    if tune:
+        result["tune"] = {label: changes for label, changes in tune}
     result["environment"] = environment() if backend == "cuda" else {"python":
                                                                      platform.python_version()}
     result["missing_ops"] = [op for op in (ops or OPS) if not op_available(op)]
@@ -145,7 +150,8 @@ def run(ops=None, peers=None, quick=False, log=progress, json_path=None, names=N
                           "bytes": spec.nbytes, "decode": spec.decode, "peers": {},
                           "error": f"not run: the CUDA context was lost in '{lost}'"})
             continue
-        cases.append(run_case(spec, peers, settings, flusher, result["copy_bandwidth"], backend))
+        cases.append(run_case(spec, peers, settings, flusher, result["copy_bandwidth"], backend,
+                              tune))
         if context_lost(cases[-1]):
             lost = spec.name
         if json_path:
@@ -211,7 +217,7 @@ def context_lost(case_or_message):
     return any(k in t for t in texts for k in STICKY_ERRORS)
 
 
-def run_case(spec, peers, settings, flusher, copy_bw, backend="cuda"):
+def run_case(spec, peers, settings, flusher, copy_bw, backend="cuda", tune=()):
     case = {"op": spec.op, "name": spec.name, "tokens": spec.tokens, "bytes": spec.nbytes,
             "decode": spec.decode, "series": spec.series, "flops": spec.flops, "peers": {}}
     if spec.weight_bytes:
@@ -219,7 +225,7 @@ def run_case(spec, peers, settings, flusher, copy_bw, backend="cuda"):
     t = time.perf_counter()
     try:
         w = spec.make(np) if backend == "numpy" else spec.make()
-        ropekv, others = make_runners(w, spec, peers, backend)
+        ropekv, others = make_runners(w, spec, peers, backend, tune)
         ropekv.reset()
         ropekv.call()
         expected = ropekv.outputs()
@@ -243,30 +249,36 @@ def run_case(spec, peers, settings, flusher, copy_bw, backend="cuda"):
         if isinstance(r, str):
             entry["status"] = r
             continue
-        try:
-            if r.reset:
-                r.reset()
-            r.call()
-            mismatch = compare_all(r.outputs(), r.expect(expected) if r.expect else expected,
-                                   w.compare_mode)
-        except Exception as e:  # noqa: BLE001
-            what = "skipped: compile failed" if name == "torch-compile" else "error"
-            entry["status"] = f"{what}: {one_line(e)}"
-            continue
-        entry["check"] = "ok" if mismatch is None else f"MISMATCH: {mismatch}"
-        try:
-            entry.update(time_runner(r, spec, settings, flusher))
-            entry["ratio"] = entry["us"] / us
-            entry["status"] = "ok" if mismatch is None else "mismatch"
-        except Exception as e:  # noqa: BLE001
-            entry["status"] = f"error: {one_line(e)}"
+        with r.context() if r.context else contextlib.nullcontext():
+            _check_and_time(name, r, entry, w, spec, settings, flusher, expected, us)
     case["seconds"] = time.perf_counter() - t
     return case
 
 
+def _check_and_time(name, r, entry, w, spec, settings, flusher, expected, us):
+    """One peer: called once and compared with ropekv's ``expected`` outputs, then timed."""
+    try:
+        if r.reset:
+            r.reset()
+        r.call()
+        mismatch = compare_all(r.outputs(), r.expect(expected) if r.expect else expected,
+                               w.compare_mode)
+    except Exception as e:  # noqa: BLE001
+        what = "skipped: compile failed" if name == "torch-compile" else "error"
+        entry["status"] = f"{what}: {one_line(e)}"
+        return
+    entry["check"] = "ok" if mismatch is None else f"MISMATCH: {mismatch}"
+    try:
+        entry.update(time_runner(r, spec, settings, flusher))
+        entry["ratio"] = entry["us"] / us
+        entry["status"] = "ok" if mismatch is None else "mismatch"
+    except Exception as e:  # noqa: BLE001
+        entry["status"] = f"error: {one_line(e)}"
+
+
 def main(ops=None, peers=None, quick=False, json_path=None, plot_path=None, cases=None,
-         frameworks=False):
-    """``ropekv bench``: returns the exit code."""
+         frameworks=False, tune=None):
+    """``ropekv bench``: returns the exit code. ``tune``: variant texts (``op.key=value,...``)."""
     ok, device = gpu_status()
     if not ok:
         print(f"ropekv bench: {device}; the benchmark needs a CUDA GPU", file=sys.stderr)
@@ -278,9 +290,19 @@ def main(ops=None, peers=None, quick=False, json_path=None, plot_path=None, case
             print("ropekv bench: --plot needs matplotlib: pip install 'ropekv[plot]'",
                   file=sys.stderr)
             return 1
+    try:
+        variants = [(text, tuning.parse(text)) for text in tune or ()]
+        for _, changes in variants:
+            tuning.validate(changes)
+    except ValueError as e:
+        print(f"ropekv bench: --tune: {e}", file=sys.stderr)
+        return 1
     if frameworks and ops is None and not cases:
         ops = []  # --frameworks alone: only the framework cases
-    result = run(ops, peers, quick, json_path=json_path, names=cases, frameworks=frameworks)
+    if variants and ops is None:
+        ops = list(dict.fromkeys(op for _, changes in variants for op in changes))
+    result = run(ops, peers, quick, json_path=json_path, names=cases, frameworks=frameworks,
+                 tune=variants)
     if not result["cases"] and not result.get("frameworks"):
         why = (f"ops missing from this ropekv: {', '.join(result['missing_ops'])}"
                if result["missing_ops"] else "no case matches --ops / --cases")
