@@ -528,6 +528,15 @@ def test_frameworks_results_print():
     assert "skipped: JAX not importable" in text and "error: RuntimeError: boom" in text
 
 
+def test_a_frameworks_only_run_reports(monkeypatch):
+    fake = [{"case": "c", "framework": "jax", "skipped": "JAX backend cpu, not gpu"}]
+    monkeypatch.setattr(frameworks, "run", lambda calls: fake)
+    result = bench.run(peers=[], specs=[], backend="numpy", frameworks=True, log=lambda *a: None)
+    assert result["cases"] == [] and result["frameworks"] == fake
+    text = bench.report.text(result)
+    assert "Inside compiled programs" in text and "skipped: JAX backend cpu" in text
+
+
 def test_frameworks_without_torch_or_jax_are_skipped_not_errors():
     if _has_torch():
         pytest.skip("PyTorch is installed here")
