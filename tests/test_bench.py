@@ -537,6 +537,15 @@ def test_a_frameworks_only_run_reports(monkeypatch):
     assert "Inside compiled programs" in text and "skipped: JAX backend cpu" in text
 
 
+def test_a_failing_frameworks_run_is_an_error_entry(monkeypatch):
+    def boom(calls):
+        raise ImportError("cannot import name 'x'")
+
+    monkeypatch.setattr(frameworks, "run", boom)
+    result = bench.run(peers=[], specs=[], backend="numpy", frameworks=True, log=lambda *a: None)
+    assert result["frameworks"][0]["error"] == "ImportError: cannot import name 'x'"
+
+
 def test_frameworks_without_torch_or_jax_are_skipped_not_errors():
     if _has_torch():
         pytest.skip("PyTorch is installed here")
