@@ -135,7 +135,8 @@ def build_parser():
     p.add_argument("--tune", nargs="+", metavar="VARIANT",
                    help="launch-shape variants timed beside ropekv's defaults on the cases of "
                         "the ops they change, each 'op.key=value[,op.key=value]' over the op "
-                        "module's TUNING (e.g. paged.row_group=0 'paged.heavy=(2,2,3)')")
+                        "module's TUNING or its upper-case constants (e.g. paged.row_group=0 "
+                        "'paged.heavy=(2,2,3)' qkv.GEMV_MAX_TOKENS=1000)")
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment here")
     p.add_argument("--plot", metavar="PATH",
                    help="draw time against tokens per op to this PNG (needs matplotlib: "

@@ -569,20 +569,26 @@ def test_tune_variants_parse_and_validate():
 
     key = next(iter(mod.TUNING))
     tuning.validate({"contiguous": {key: 1}})
-    with pytest.raises(ValueError, match="has no not_a_knob"):
+    with pytest.raises(ValueError, match="has no TUNING key or constant not_a_knob"):
         tuning.validate({"contiguous": {"not_a_knob": 1}})
+    tuning.validate({"qkv": {"GEMV_MAX_TOKENS": 1000}})  # a module constant
+    with pytest.raises(ValueError, match="STEM"):
+        tuning.validate({"qkv": {"STEM": "x"}})  # not a number
 
 
 def test_tune_applies_and_restores_the_tuning():
     import ropekv.contiguous as mod
+    import ropekv.qkv as qkv_mod
 
     key = next(iter(mod.TUNING))
-    before = dict(mod.TUNING)
+    before, gemv = dict(mod.TUNING), qkv_mod.GEMV_MAX_TOKENS
     with pytest.raises(RuntimeError):
-        with tuning.applied({"contiguous": {key: "changed"}}):
+        with tuning.applied({"contiguous": {key: "changed"},
+                             "qkv": {"GEMV_MAX_TOKENS": gemv + 100}}):
             assert mod.TUNING[key] == "changed"
+            assert qkv_mod.GEMV_MAX_TOKENS == gemv + 100
             raise RuntimeError
-    assert mod.TUNING == before
+    assert mod.TUNING == before and qkv_mod.GEMV_MAX_TOKENS == gemv
 
 
 def test_tune_variants_run_as_runners(capsys, monkeypatch):
@@ -605,7 +611,8 @@ def test_tune_variants_run_as_runners(capsys, monkeypatch):
     assert bench.speedups(result) == []
     monkeypatch.setattr(runner, "gpu_status", lambda: (True, "Fake GPU"))
     assert bench.main(tune=["contiguous.not_a_knob=1"]) == 1
-    assert "--tune: ropekv.contiguous.TUNING has no not_a_knob" in capsys.readouterr().err
+    assert "--tune: ropekv.contiguous has no TUNING key or constant not_a_knob" in (
+        capsys.readouterr().err)
 
 
 # ---- the package's structure ---------------------------------------------------------------------
