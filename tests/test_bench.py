@@ -670,6 +670,21 @@ def test_benchmarks_folder_is_gone():
     assert not (pathlib.Path(ROOT) / "benchmarks").exists()
 
 
+def test_the_recorded_run_still_reads(tmp_path):
+    """docs/bench.json (written by an earlier ropekv bench) goes through today's report and plot:
+    the JSON schema only grew."""
+    result = json.loads((pathlib.Path(ROOT) / "docs" / "bench.json").read_text())
+    header, rows, _ = bench.table_rows(result)
+    assert len(rows) == len(result["cases"]) and header[0] == "case"
+    assert len(bench.speedups(result)) >= len(result["cases"]) // 2
+    for c in result["cases"]:
+        if c.get("decode") and "ropekv" in c:
+            assert "host_us" in c["ropekv"] and "host_us_torch" in c["ropekv"], c["name"]
+    assert "speedup over the best peer" in bench.report.text(result)
+    if _has_matplotlib():
+        bench.plot(result, str(tmp_path / "recorded.png"))
+
+
 def test_format_table_pads_columns():
     t = bench.format_table(["a", "bb"], [["xxx", 1]])
     assert t.splitlines() == ["| a   | bb |", "|-----|----|", "| xxx | 1  |"]
