@@ -139,8 +139,9 @@ def build_parser():
                         "'paged.heavy=(2,2,3)' qkv.GEMV_MAX_TOKENS=1000)")
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment here")
     p.add_argument("--plot", metavar="PATH",
-                   help="draw time against tokens per op to this PNG (needs matplotlib: "
-                        "pip install 'ropekv[plot]')")
+                   help="draw time against tokens per op, and ropekv's speedup over the best "
+                        "peer per case, to this PNG (needs matplotlib: pip install "
+                        "'ropekv[plot]')")
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("check", help="every available op on this GPU against the NumPy "
                                      "reference, as a pass/fail table")
