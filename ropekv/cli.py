@@ -78,7 +78,8 @@ def _cmd_bench(args):
     from ropekv.bench import main
 
     return main(ops=_flatten(args.ops), peers=_flatten(args.peers), quick=args.quick,
-                json_path=args.json, plot_path=args.plot)
+                json_path=args.json, plot_path=args.plot, cases=args.cases,
+                frameworks=args.frameworks, tune=args.tune)
 
 
 def _cmd_check(args):
@@ -105,7 +106,8 @@ def build_parser():
                                                            f"{CAPACITY}-token cache"),
                    default=8, help=f"decode steps after the prefill, 0 to {MAX_STEPS} (default 8)")
     p.set_defaults(func=_cmd_demo)
-    ops = ("contiguous", "paged", "mla", "qknorm", "qkv")  # == ropekv.bench.OPS (no import here)
+    ops = ("contiguous", "paged", "mla", "qknorm", "qkv")  # == ropekv.bench.OPS (not imported:
+    # the parser stays light)
     peers = ("flashinfer", "flashinfer-cake", "torch", "torch-compile", "cublas",
              "steps")  # == bench.PEERS
     p = sub.add_parser("bench", help="every op against its peers and the copy bandwidth, one run",
@@ -120,12 +122,26 @@ def build_parser():
                    help=f"peers to compare with (default: all; with --quick: torch, cublas, "
                         f"steps; steps = CuPy RMSNorm + ropekv's paged op, for mla): "
                         f"{', '.join(peers)}")
+    p.add_argument("--cases", nargs="+", metavar="TEXT",
+                   help="only the cases whose name contains one of these strings (e.g. "
+                        "'qkv fp8w' or '64x1')")
     p.add_argument("--quick", action="store_true",
                    help="a few cases and repetitions (well under a minute)")
+    p.add_argument("--frameworks", action="store_true",
+                   help="time ropekv inside compiled programs against its eager launch: "
+                        "torch.compile (default and reduce-overhead modes) under CUDA graphs, "
+                        "jax.jit with a donated cache (needs torch / JAX); alone it runs only "
+                        "these, with --ops or --cases it runs those cases too")
+    p.add_argument("--tune", nargs="+", metavar="VARIANT",
+                   help="launch-shape variants timed beside ropekv's defaults on the cases of "
+                        "the ops they change, each 'op.key=value[,op.key=value]' over the op "
+                        "module's TUNING or its upper-case constants (e.g. paged.row_group=0 "
+                        "'paged.heavy=(2,2,3)' qkv.GEMV_MAX_TOKENS=1000)")
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment here")
     p.add_argument("--plot", metavar="PATH",
-                   help="draw time against tokens per op to this PNG (needs matplotlib: "
-                        "pip install 'ropekv[plot]')")
+                   help="draw time against tokens per op, and ropekv's speedup over the best "
+                        "peer per case, to this PNG (needs matplotlib: pip install "
+                        "'ropekv[plot]')")
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("check", help="every available op on this GPU against the NumPy "
                                      "reference, as a pass/fail table")

@@ -1,10 +1,13 @@
-"""``ropekv bench`` and ``ropekv check``: byte accounting, case construction, the table / JSON
-writer and the command line on the CPU; on a GPU, both commands run and exit 0."""
+"""``ropekv bench`` and ``ropekv check``: byte accounting, case construction, the runner on the
+NumPy backend, the table / JSON / plot writers, the package's import structure and the command
+line on the CPU; on a GPU, both commands run and exit 0."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -14,6 +17,8 @@ import pytest
 
 from ropekv import _info, bench, check, cli, reference
 from ropekv import bytes as nb
+from ropekv.bench import cases, frameworks, report, runner, tuning
+from ropekv.bench.workloads import base, qkv
 
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -130,7 +135,8 @@ def test_registry_covers_every_op_with_unique_names():
         assert any(s.quick for s in specs if s.op == op), op
     sweep = sorted(s.tokens for s in specs if s.series == "paged gqa fp16->e4m3")
     assert sweep[0] == 1 and sweep[-1] == 32768 and len(sweep) == len(bench.SWEEP)
-    # every op with decode cases sweeps the decode token counts
+    # every op with decode cases sweeps the decode token counts (the QKV projection's quantized
+    # weight formats: 1, 16, 64 and 128 tokens)
     for op in bench.OPS:
         decode = [s for s in specs if s.op == op and s.decode]
         if decode:
@@ -138,7 +144,8 @@ def test_registry_covers_every_op_with_unique_names():
             assert series, op
             for name in series:
                 tokens = sorted(s.tokens for s in specs if s.series == name and s.decode)
-                assert tokens == sorted(bench.DECODE_SWEEP), (name, tokens)
+                want = (1, 16, 64, 128) if "w K4096" in name else bench.DECODE_SWEEP
+                assert tokens == sorted(want), (name, tokens)
     assert all(s.decode == (s.tokens <= 256 and "x1" in s.name.split()[-1] or s.decode)
                for s in specs)
 
@@ -155,10 +162,69 @@ def test_registry_holds_the_standard_cases():
 
 
 def test_missing_ops_register_no_case(monkeypatch):
-    monkeypatch.setattr(bench, "op_available", lambda op: op == "contiguous")
+    monkeypatch.setattr(base, "op_available", lambda op: op == "contiguous")
     assert {s.op for s in bench.select_specs()} == {"contiguous"}
     assert {s.op for s in bench.select_specs(["paged"])} == set()
     assert all(s.quick for s in bench.select_specs(quick=True))
+    assert {op for op, _, _ in bench.check_specs()} == {"contiguous"}
+
+
+def test_cases_filter_by_name():
+    got = [s.name for s in bench.select_specs(names=["qkv fp8w", "x2048"])]
+    assert got and all("qkv fp8w" in n or "x2048" in n for n in got)
+    assert any("x2048" in n for n in got) and any("fp8w" in n for n in got)
+    assert bench.select_specs(names=["no such case"]) == []
+
+
+def test_qkv_weight_format_cases():
+    """fp16 weights at 1-128 and 8192 tokens, fp8 (per-row) and 4-bit (group 128) weights at 1,
+    16, 64 and 128 (Llama-3-8B shapes), each with the cuBLAS peer, each knowing its weight bytes;
+    decode cases rotate over enough weight copies that graph replay cannot serve them from L2."""
+    specs = {s.name: s for s in bench.bench_specs() if s.op == "qkv"}
+    for label, tokens in (("fp16", (1, 16, 64, 128, 8192)), ("fp8w", (1, 16, 64, 128)),
+                          ("int4w", (1, 16, 64, 128))):
+        for T in tokens:
+            assert f"qkv {label} K4096 N6144 T{T}" in specs, (label, T)
+    N, K = 6144, 4096
+    fp16 = specs["qkv fp16 K4096 N6144 T1"]
+    fp8 = specs["qkv fp8w K4096 N6144 T1"]
+    int4 = specs["qkv int4w K4096 N6144 T1"]
+    assert fp16.weight_bytes == N * K * 2
+    assert fp8.weight_bytes == N * K + N * 4
+    assert int4.weight_bytes == N * K // 2 + N * K // 128 * 2
+    assert fp16.nbytes - fp8.nbytes == fp16.weight_bytes - fp8.weight_bytes
+    assert {s.weight_format for s in specs.values()} == set(qkv.WEIGHT_FORMATS.values())
+    # the built arrays hold what the spec counts (small shapes, NumPy backend)
+    for fmt in qkv.WEIGHT_FORMATS:
+        w = bench.QkvWL(np, B=2, S=1, prefix=3, K=256, Hq=4, Hkv=2, D=64, dtype=F16,
+                        cache_dtype=F16, weight_format=fmt, copies=3)
+        assert w.weight_bytes == qkv.weight_bytes(512, 256, fmt)
+        assert len(w.weight_copies) == 3
+        assert all(c is not w.a["weight"] and np.array_equal(c.view(np.uint8),
+                                                             w.a["weight"].view(np.uint8))
+                   for c in w.weight_copies[1:])
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "int4"])
+def test_qkv_quantized_weights_match_the_reference_dequantization(fmt):
+    """weight_ref (what the PyTorch and cuBLAS peers multiply by) is the reference's dequantized
+    weight rounded to fp16; the rotating call writes what one call writes."""
+    w = bench.QkvWL(np, seed=4, B=3, S=1, prefix=9, K=512, Hq=4, Hkv=2, D=64, dtype=F16,
+                    cache_dtype=F16, weight_format=fmt, copies=2)
+    a = w.a
+    want = reference.dequantize_weight(a["weight"], a["weight_scales"],
+                                       128 if fmt == "int4" else None)
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    got = a["weight_ref"].astype(np.float64)
+    assert np.allclose(got, want, rtol=1e-3, atol=1e-6)
+    outs = []
+    for _ in range(2):  # copy 0, then copy 1
+        o = w.new_outputs()
+        w.call(o)
+        outs.append(w.outputs(o, full=True))
+    assert w.turn == 2
+    for k in outs[0]:
+        assert np.array_equal(outs[0][k].view(np.uint8), outs[1][k].view(np.uint8)), k
 
 
 def test_check_cases_run_on_the_numpy_backend():
@@ -311,7 +377,7 @@ def test_table_reports_ratios_mismatches_and_errors():
     text = "\n".join(notes)
     assert "MISMATCH: q" in text and "RuntimeError: boom" in text and "ValueError: x" in text
     assert "cuBLAS in capture" in text
-    out = bench.report(_result())
+    out = bench.report.text(_result())
     assert "copy bandwidth: 4.20 TB/s" in out and "total wall time: 12.5 s" in out
     assert "ops not in this ropekv (no cases): qkv" in out
     assert out.count("\n| ") >= 4
@@ -338,6 +404,287 @@ def test_plot(tmp_path):
     assert path.stat().st_size > 1000
 
 
+def test_speedups_take_the_fastest_matching_peer():
+    got = bench.speedups(_result())
+    # case 1: flashinfer 120 (ok) beats torch 800 (a mismatch, left out); case 2: flashinfer 2.4
+    assert got == [("paged gqa fp16->e4m3 8x1024", "flashinfer", 1.5),
+                   ("paged gqa fp16->e4m3 64x1", "flashinfer", pytest.approx(1.2))]
+    assert "speedup over the best peer: 1.20x to 1.50x over 2 cases, 2 at or above 1" in (
+        bench.report.text(_result()))
+
+
+def test_plot_has_a_speedup_panel(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, path, **kw: saved.append(fig))
+    bench.plot(_result(), str(tmp_path / "x.png"))
+    (fig,) = saved
+    panel = next(ax for ax in fig.axes if ax.get_title().startswith("ropekv's speedup"))
+    assert [t.get_text() for t in panel.get_xticklabels()] == [
+        "paged gqa fp16->e4m3 8x1024", "paged gqa fp16->e4m3 64x1"]
+    dots = np.concatenate([c.get_offsets() for c in panel.collections])
+    assert np.allclose(sorted(dots[:, 1]), [1.2, 1.5])
+    assert any(np.allclose(line.get_ydata(), 1.0) for line in panel.get_lines())  # the line at 1
+
+
+def _small_specs():
+    """Two small cases (a prefill and a decode) of two ops, built with NumPy."""
+    return [
+        bench.CaseSpec("contiguous", "contiguous fp16->fp16 2x5", 10,
+                       nb.contiguous_bytes(10, 4, 2, 64, 64, F16, F16),
+                       base._lazy(bench.ContiguousWL, B=2, S=5, Hq=4, Hkv=2, D=64, C=16,
+                                  dtype=F16, cache_dtype=F16), series="contiguous fp16->fp16"),
+        bench.CaseSpec("qkv", "qkv int4w T2", 2, 1000,
+                       base._lazy(bench.QkvWL, B=2, S=1, prefix=3, K=256, Hq=4, Hkv=2, D=64,
+                                  dtype=F16, cache_dtype=F16, weight_format="int4", copies=2),
+                       decode=True, weight_bytes=qkv.weight_bytes(512, 256, "int4"),
+                       weight_format="int4 g128"),
+    ]
+
+
+def test_runner_on_the_numpy_backend(tmp_path):
+    """The whole run (cases built, ropekv and the PyTorch peer called and compared, timed) on the
+    host, then the report, the JSON and the plot from its result."""
+    path = tmp_path / "run.json"
+    logged = []
+    result = bench.run(peers=["torch", "flashinfer"], specs=_small_specs(), backend="numpy",
+                       json_path=str(path), log=lambda i, n, text: logged.append((i, n)))
+    assert logged[0] == (0, 3) and logged[-1] == (3, 3)
+    assert result["backend"] == "numpy" and result["copy_bandwidth"] > 0
+    assert result["peer_status"]["flashinfer"] == "needs the CUDA backend"
+    assert [c["name"] for c in result["cases"]] == ["contiguous fp16->fp16 2x5", "qkv int4w T2"]
+    for c in result["cases"]:
+        assert "error" not in c, c
+        assert {"op", "name", "tokens", "bytes", "decode", "series", "flops", "peers",
+                "ropekv", "seconds"} <= set(c)
+        r = c["ropekv"]
+        assert r["us"] > 0 and r["gbps"] > 0 and r["pct_copy"] > 0
+        assert c["peers"]["flashinfer"]["status"].startswith("skipped")
+        torch_peer = c["peers"]["torch"]
+        if "torch" in sys.modules or _has_torch():
+            assert torch_peer["status"] == "ok" and torch_peer["ratio"] > 0, torch_peer
+        else:
+            assert torch_peer["status"].startswith("skipped")
+    decode = result["cases"][1]
+    assert decode["weight_bytes"] == qkv.weight_bytes(512, 256, "int4")
+    assert decode["weight_format"] == "int4 g128"
+    assert decode["ropekv"]["host_us"] > 0 and decode["ropekv"]["pct_copy_weights"] > 0
+    assert json.loads(path.read_text())["partial"] is True  # written after every case
+    text = bench.report.text(result)
+    assert "contiguous fp16->fp16 2x5" in text and "(w " in text
+    assert "QKV projection by weight format" in text
+    bench.write_json(result, str(path))
+    data = json.loads(path.read_text())
+    assert data["cases"][1]["ropekv"]["pct_copy_weights"] == pytest.approx(
+        decode["ropekv"]["pct_copy_weights"])
+    if _has_matplotlib():
+        bench.plot(result, str(tmp_path / "run.png"))
+        assert (tmp_path / "run.png").stat().st_size > 1000
+
+
+def _has_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _has_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_a_broken_case_is_reported_and_the_run_goes_on():
+    def broken(xp=None):
+        raise ValueError("cannot build")
+
+    specs = [bench.CaseSpec("qkv", "broken", 1, 10, broken), *_small_specs()[:1]]
+    result = bench.run(peers=[], specs=specs, backend="numpy", log=lambda *a: None)
+    assert result["cases"][0]["error"] == "ValueError: cannot build"
+    assert "ropekv" in result["cases"][1]
+    assert "ValueError: cannot build" in bench.report.text(result)
+
+
+def test_frameworks_results_print():
+    torch_r = {"case": "paged gqa fp16->e4m3 64x1", "framework": "torch", "bare_us": 2.0,
+               "compiled_us": 2.1, "overhead_us": 0.1, "reduce_overhead_us": 4.0,
+               "peer_bare_us": 2.5, "peer_compiled_us": 2.6, "peer_fullgraph": True,
+               "peer_ratio": 2.6 / 2.1}
+    jax_r = {"case": "paged gqa fp16->e4m3 64x1", "framework": "jax", "kernel_us": 2.0,
+             "step_us": 2.5, "host_us": 30.0, "address_kept": True, "step_us_cmdbuf": 3.5,
+             "host_us_cmdbuf": 31.0, "address_kept_cmdbuf": False, "scan_us_per_step": 2.2}
+    text = "\n".join(report.frameworks_lines([
+        torch_r, jax_r, {"case": "all", "framework": "jax", "skipped": "JAX not importable"},
+        {"case": "qknorm", "framework": "torch", "error": "RuntimeError: boom"}]))
+    assert "overhead  +0.10 (ok <= 0.3)" in text and "ratio 1.24 (ok >= 1.15)" in text
+    assert "step (command buffer)     3.50 (MISSED <= 3.00)" in text
+    assert "skipped: JAX not importable" in text and "error: RuntimeError: boom" in text
+
+
+def test_a_frameworks_only_run_reports(monkeypatch):
+    fake = [{"case": "c", "framework": "jax", "skipped": "JAX backend cpu, not gpu"}]
+    monkeypatch.setattr(frameworks, "run", lambda calls: fake)
+    result = bench.run(peers=[], specs=[], backend="numpy", frameworks=True, log=lambda *a: None)
+    assert result["cases"] == [] and result["frameworks"] == fake
+    text = bench.report.text(result)
+    assert "Inside compiled programs" in text and "skipped: JAX backend cpu" in text
+
+
+def test_a_failing_frameworks_run_is_an_error_entry(monkeypatch):
+    def boom(calls):
+        raise ImportError("cannot import name 'x'")
+
+    monkeypatch.setattr(frameworks, "run", boom)
+    result = bench.run(peers=[], specs=[], backend="numpy", frameworks=True, log=lambda *a: None)
+    assert result["frameworks"][0]["error"] == "ImportError: cannot import name 'x'"
+
+
+def test_frameworks_without_torch_or_jax_are_skipped_not_errors():
+    if _has_torch():
+        pytest.skip("PyTorch is installed here")
+    (r,) = frameworks.bench_torch(4)
+    assert "skipped" in r and "error" not in r
+
+
+# ---- launch-shape variants (--tune) ----------------------------------------------------------
+
+
+def test_tune_variants_parse_and_validate():
+    assert tuning.parse("paged.heavy=(2,2,3),paged.row_group=0") == {
+        "paged": {"heavy": (2, 2, 3), "row_group": 0}}
+    assert tuning.parse("contiguous.block=64, mla.wave_blocks=660") == {
+        "contiguous": {"block": 64}, "mla": {"wave_blocks": 660}}
+    for bad, why in (("paged", "op.key=value"), ("nope.block=1", "unknown op 'nope'"),
+                     ("paged.block=x(", "Python literal"), ("", "empty variant")):
+        with pytest.raises(ValueError, match=why):
+            tuning.parse(bad)
+    import ropekv.contiguous as mod
+
+    key = next(iter(mod.TUNING))
+    tuning.validate({"contiguous": {key: 1}})
+    with pytest.raises(ValueError, match="has no TUNING key or constant not_a_knob"):
+        tuning.validate({"contiguous": {"not_a_knob": 1}})
+    tuning.validate({"qkv": {"GEMV_MAX_TOKENS": 1000}})  # a module constant
+    with pytest.raises(ValueError, match="STEM"):
+        tuning.validate({"qkv": {"STEM": "x"}})  # not a number
+
+
+def test_tune_applies_and_restores_the_tuning():
+    import ropekv.contiguous as mod
+    import ropekv.qkv as qkv_mod
+
+    key = next(iter(mod.TUNING))
+    before, gemv = dict(mod.TUNING), qkv_mod.GEMV_MAX_TOKENS
+    with pytest.raises(RuntimeError):
+        with tuning.applied({"contiguous": {key: "changed"},
+                             "qkv": {"GEMV_MAX_TOKENS": gemv + 100}}):
+            assert mod.TUNING[key] == "changed"
+            assert qkv_mod.GEMV_MAX_TOKENS == gemv + 100
+            raise RuntimeError
+    assert mod.TUNING == before and qkv_mod.GEMV_MAX_TOKENS == gemv
+
+
+def test_tune_variants_run_as_runners(capsys, monkeypatch):
+    """On the NumPy backend a variant computes what the default does (the reference ignores launch
+    shapes): it is checked, timed, reported beside ropekv, and no peer in the speedup panel."""
+    import ropekv.contiguous as mod
+
+    key = next(iter(mod.TUNING))
+    before = dict(mod.TUNING)
+    label = f"contiguous.{key}={before[key]!r}"
+    variants = [(label, tuning.parse(label)), ("qkv only", {"qkv": {"x": 1}})]
+    result = bench.run(peers=[], specs=_small_specs()[:1], backend="numpy", tune=variants,
+                       log=lambda *a: None)
+    (case,) = result["cases"]
+    entry = case["peers"][f"ropekv[{label}]"]
+    assert entry["status"] == "ok" and entry["check"] == "ok" and entry["ratio"] > 0
+    assert "ropekv[qkv only]" not in case["peers"]
+    assert result["tune"][label] == {"contiguous": {key: before[key]}}
+    assert mod.TUNING == before
+    assert bench.speedups(result) == []
+    monkeypatch.setattr(runner, "gpu_status", lambda: (True, "Fake GPU"))
+    assert bench.main(tune=["contiguous.not_a_knob=1"]) == 1
+    assert "--tune: ropekv.contiguous has no TUNING key or constant not_a_knob" in (
+        capsys.readouterr().err)
+
+
+# ---- the package's structure ---------------------------------------------------------------------
+
+
+def _imports(path):
+    """Every module name a Python file imports (at any level)."""
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def test_no_import_circle_between_bench_and_check():
+    """check imports bench; nothing in ropekv/bench imports check (at any level); each imports
+    cleanly in a fresh interpreter, and importing bench loads neither check, CuPy nor torch."""
+    pkg = pathlib.Path(bench.__file__).parent
+    files = sorted(pkg.rglob("*.py"))
+    assert len(files) >= 10
+    for f in files:
+        # ``from ropekv import check`` reads as ropekv.check here
+        bad = {n for n in _imports(f) if n == "ropekv.check" or n.startswith("ropekv.check.")}
+        assert not bad, (f, bad)
+    code = ("import sys; import ropekv.bench; "
+            "assert 'ropekv.check' not in sys.modules, 'check'; "
+            "assert 'cupy' not in sys.modules and 'torch' not in sys.modules, 'heavy'; "
+            "import ropekv.check")
+    for c in (code, "import ropekv.check; import ropekv.bench"):
+        out = subprocess.run([sys.executable, "-c", c], capture_output=True, text=True,
+                             env=dict(os.environ, PYTHONPATH=ROOT), timeout=120, check=False)
+        assert out.returncode == 0, out.stderr
+
+
+def test_public_names_stay_importable():
+    """Names that the tests, the tools and ``ropekv check`` use keep working."""
+    for name in ("bench_specs", "check_specs", "select_specs", "run", "main", "table_rows",
+                 "write_json", "plot", "format_table", "context_lost", "progress",
+                 "ContiguousWL", "PagedWL", "MlaWL", "QknormWL", "QkvWL", "OPS", "PEERS",
+                 "DECODE_SWEEP", "SWEEP", "OP_FUNCTIONS", "_runners", "_to_torch",
+                 "_torch_graph_us", "_RMSNORM_SRC", "speedups"):
+        assert hasattr(bench, name), name
+    for name in ("compare", "compare_all", "to_numpy", "to_device", "gpu_status", "check"):
+        assert hasattr(check, name), name
+    assert tuple(cli.build_parser()._subparsers._group_actions[0].choices["bench"]
+                 ._option_string_actions["--ops"].type("paged,qkv")) == ("paged", "qkv")
+    assert set(bench.OPS) == set(cases.base.OPS)
+
+
+def test_benchmarks_folder_is_gone():
+    assert not (pathlib.Path(ROOT) / "benchmarks").exists()
+
+
+def test_the_recorded_run_still_reads(tmp_path):
+    """docs/bench.json (written by an earlier ropekv bench) goes through today's report and plot:
+    the JSON schema only grew."""
+    result = json.loads((pathlib.Path(ROOT) / "docs" / "bench.json").read_text())
+    header, rows, _ = bench.table_rows(result)
+    assert len(rows) == len(result["cases"]) and header[0] == "case"
+    assert len(bench.speedups(result)) >= len(result["cases"]) // 2
+    for c in result["cases"]:
+        if c.get("decode") and "ropekv" in c:
+            assert "host_us" in c["ropekv"] and "host_us_torch" in c["ropekv"], c["name"]
+    assert "speedup over the best peer" in bench.report.text(result)
+    if _has_matplotlib():
+        bench.plot(result, str(tmp_path / "recorded.png"))
+
+
 def test_format_table_pads_columns():
     t = bench.format_table(["a", "bb"], [["xxx", 1]])
     assert t.splitlines() == ["| a   | bb |", "|-----|----|", "| xxx | 1  |"]
@@ -354,7 +701,7 @@ def test_context_lost_detection():
 
 def _fake_check(monkeypatch, outcomes):
     monkeypatch.setattr(check, "gpu_status", lambda: (True, "Fake GPU"))
-    monkeypatch.setattr(bench, "check_specs",
+    monkeypatch.setattr(check, "check_specs",
                         lambda: [(op, name, outcome) for op, name, outcome in outcomes])
 
     def run_one(outcome):
@@ -398,7 +745,8 @@ def _ropekv(*args):
 def test_bench_help():
     out = _ropekv("bench", "--help")
     assert out.returncode == 0
-    for flag in ("--ops", "--peers", "--quick", "--json", "--plot"):
+    for flag in ("--ops", "--peers", "--cases", "--quick", "--frameworks", "--tune", "--json",
+                 "--plot"):
         assert flag in out.stdout
 
 
@@ -419,12 +767,18 @@ def test_ops_and_peers_parse_commas_and_spaces(monkeypatch):
     assert cli.main(["bench", "--ops", "paged,mla", "qkv", "--peers", "torch", "--quick",
                      "--json", "x.json"]) == 0
     assert seen == {"ops": ["paged", "mla", "qkv"], "peers": ["torch"], "quick": True,
-                    "json_path": "x.json", "plot_path": None}
+                    "json_path": "x.json", "plot_path": None, "cases": None,
+                    "frameworks": False, "tune": None}
+    seen.clear()
+    assert cli.main(["bench", "--frameworks", "--cases", "qkv fp8w", "64x1"]) == 0
+    assert seen["frameworks"] is True and seen["cases"] == ["qkv fp8w", "64x1"]
+    assert seen["ops"] is None and seen["peers"] is None
 
 
 def test_without_a_gpu_both_commands_exit_nonzero_with_a_message(monkeypatch, capsys):
+    monkeypatch.setattr(_info, "device_state", lambda: (None, 1, None))  # pass cli's GPU check
     monkeypatch.setattr(check, "gpu_status", lambda: (False, "no CUDA device found"))
-    monkeypatch.setattr(bench, "gpu_status", lambda: (False, "no CUDA device found"))
+    monkeypatch.setattr(runner, "gpu_status", lambda: (False, "no CUDA device found"))
     assert cli.main(["bench", "--quick"]) == 1
     assert "no CUDA device found; the benchmark needs a CUDA GPU" in capsys.readouterr().err
     assert cli.main(["check"]) == 1
@@ -462,3 +816,12 @@ def test_bench_quick_runs(tmp_path):
     assert data["cases"] and all("ropekv" in c for c in data["cases"])
     assert data["copy_bandwidth"] > 1e11
     assert data["wall_s"] < 60
+    # every peer that ran agreed with ropekv (the quantized QKV weights against cuBLAS's fp16 GEMM
+    # on the dequantized weights included)
+    for c in data["cases"]:
+        for peer, e in c["peers"].items():
+            assert e["status"] in ("ok", "-") or e["status"].startswith("skipped"), (
+                c["name"], peer, e)
+    qkv_formats = {c["weight_format"] for c in data["cases"] if c["op"] == "qkv"}
+    assert qkv_formats == {"fp16", "fp8 e4m3 per-row", "int4 g128"}
+    assert all(c["peers"]["cublas"]["status"] == "ok" for c in data["cases"] if c["op"] == "qkv")

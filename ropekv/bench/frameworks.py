@@ -1,18 +1,14 @@
-"""Benchmark ropekv inside compiled programs: ``ropekv.torch`` custom ops under ``torch.compile``
-and CUDA graphs, and ``ropekv.jax`` ops under ``jax.jit`` with a donated cache (issue 12's targets).
+"""``ropekv bench --frameworks``: ropekv inside compiled programs, against its eager launch.
 
-    PYTHONPATH=. python benchmarks/bench_frameworks.py [--only torch|jax] [--calls 64]
-                                                       [--json out.json]
-
-Decode shapes of ``ropekv bench`` (Llama-3-8B attention, 1024 cached tokens, page size 16; MLA:
+Decode shapes of the standard cases (Llama-3-8B attention, 1024 cached tokens, page size 16; MLA:
 DeepSeek-V3). Device times are medians over CUDA-graph replays (torch) or over back-to-back steps
 queued behind a spin kernel on XLA's stream (JAX), in microseconds per call.
 
 torch, per op:
-  bare     the eager ropekv launch (torch tensors, ``stream=`` torch's) captured ``--calls`` times
+  bare     the eager ropekv launch (torch tensors, ``stream=`` torch's) captured ``calls`` times
            in one ``torch.cuda.CUDAGraph``: replay time / calls
   compiled a module whose forward calls the ``ropekv.torch`` op (caches, inputs and outputs are
-           buffers), ``torch.compile(fullgraph=True)``, its forward captured ``--calls`` times
+           buffers), ``torch.compile(fullgraph=True)``, its forward captured ``calls`` times
   overhead compiled - bare (target: at most 0.3 us)
   reduce   ``torch.compile(mode="reduce-overhead")``: one call = one graph launch, device time per
            call queued behind a spin kernel (graph launch included)
@@ -23,21 +19,18 @@ JAX, per op: the jitted decode step (the cache donated):
   kernel   the eager ropekv kernel on CuPy arrays under CuPy graph replay
   step     device time per jitted step, steps queued back to back behind a spin kernel on XLA's
            stream (target: at most kernel + 1 us); also with ``command_buffer_compatible=True``
-  scan     a ``jax.lax.scan`` over ``--calls`` steps in one jitted call, device time per step
+  scan     a ``jax.lax.scan`` over ``calls`` steps in one jitted call, device time per step
   host     wall time per jitted step, back to back
   address  whether the donated cache kept its buffer address across steps (no copy)
 
-JAX is told not to preallocate GPU memory (``XLA_PYTHON_CLIENT_PREALLOCATE=false``) so that
-torch, CuPy and XLA share the device.
+JAX is told not to preallocate GPU memory (``XLA_PYTHON_CLIENT_PREALLOCATE=false``, set when this
+module is imported, before JAX is) so that torch, CuPy and XLA share the device.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -45,6 +38,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np
 
 import ropekv
+from ropekv.bench.arrays import one_line
 
 LLAMA = {"Hq": 32, "Hkv": 8, "D": 128}
 PREFIX, PAGE = 1024, 16
@@ -57,7 +51,7 @@ TARGET_OVERHEAD_US, TARGET_PEER_RATIO, TARGET_JAX_US = 0.3, 1.15, 1.0
 def torch_graph_us(fn, calls, replays=20):
     """Device time per call of ``fn()`` captured ``calls`` times in one CUDA graph (the timer of
     ``ropekv bench``)."""
-    from ropekv.bench import _torch_graph_us
+    from ropekv.bench.timing import _torch_graph_us
 
     return _torch_graph_us(fn, calls, replays)
 
@@ -225,11 +219,13 @@ def torch_cases(device):
 
 
 def bench_torch(calls):
-    import torch
-
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001
+        return [{"case": "all", "framework": "torch", "skipped": f"PyTorch not importable "
+                                                                 f"({one_line(exc)})"}]
     if not torch.cuda.is_available():
-        print("torch: no CUDA device, skipped")
-        return []
+        return [{"case": "all", "framework": "torch", "skipped": "PyTorch sees no CUDA device"}]
 
     class Layer(torch.nn.Module):
         """One layer's call; every tensor a buffer (static addresses, as CUDA graphs need)."""
@@ -245,9 +241,11 @@ def bench_torch(calls):
 
     results = []
     for name, tensors, eager, op, peer in torch_cases("cuda"):
-        r = _torch_case(Layer, name, tensors, eager, op, peer, calls)
+        try:
+            r = _torch_case(Layer, name, tensors, eager, op, peer, calls)
+        except Exception as e:  # noqa: BLE001 - one broken case must not end the run
+            r = {"case": name, "framework": "torch", "error": one_line(e)}
         results.append(r)
-        print(_torch_line(r), flush=True)
     return results
 
 
@@ -267,6 +265,8 @@ def _torch_case(Layer, name, tensors, eager, op, peer, calls):
     r["reduce_overhead_us"] = torch_queued_us(reduce, calls)
     if peer is not None:
         r.update(_peer(Layer, tensors, peer, calls))
+        if "peer_compiled_us" in r:
+            r["peer_ratio"] = r["peer_compiled_us"] / r["compiled_us"]
     return r
 
 
@@ -283,14 +283,13 @@ def _peer(Layer, tensors, peer, calls):
             compiled()
             out["peer_fullgraph"] = True
         except Exception as exc:  # noqa: BLE001 - report and fall back to graph breaks
-            print(f"  FlashInfer under fullgraph=True: {type(exc).__name__}: "
-                  f"{str(exc).splitlines()[0]}")
+            out["peer_fullgraph_error"] = one_line(exc)
             torch._dynamo.reset()
             compiled = torch.compile(Layer(tensors, peer))
             out["peer_fullgraph"] = False
         out["peer_compiled_us"] = torch_graph_us(compiled, calls)
     except Exception as exc:  # noqa: BLE001 - any failure means: no peer in this run
-        out["peer_error"] = f"{type(exc).__name__}: {exc}"
+        out["peer_error"] = one_line(exc)
     return out
 
 
@@ -300,15 +299,16 @@ def _torch_line(r):
             f"({'ok' if r['overhead_us'] <= TARGET_OVERHEAD_US else 'MISSED'} <= "
             f"{TARGET_OVERHEAD_US})  reduce-overhead {r['reduce_overhead_us']:7.2f}")
     if "peer_compiled_us" in r:
-        ratio = r["peer_compiled_us"] / r["compiled_us"]
-        r["peer_ratio"] = ratio
+        ratio = r["peer_ratio"]
         line += (f"\n       FlashInfer bare {r['peer_bare_us']:7.2f}  compiled+graph "
                  f"{r['peer_compiled_us']:7.2f} (fullgraph={r['peer_fullgraph']})  "
                  f"ratio {ratio:.2f} ({'ok' if ratio >= TARGET_PEER_RATIO else 'MISSED'} >= "
                  f"{TARGET_PEER_RATIO})")
-    elif "peer_error" in r:
+    if "peer_fullgraph_error" in r:
+        line += f"\n       FlashInfer under fullgraph=True: {r['peer_fullgraph_error']}"
+    if "peer_error" in r:
         line += f"\n       FlashInfer not timed: {r['peer_error']}"
-    return line
+    return line.split("\n")
 
 
 # ---- JAX -----------------------------------------------------------------------------------------
@@ -324,7 +324,7 @@ class XlaStreamTimer:
         import jax.numpy as jnp
         from jax.experimental.buffer_callback import buffer_callback
 
-        from ropekv._launch import resolve_stream
+        from ropekv._launch import cupy_stream, stream_ptr_of
         from ropekv._timing import _spin_kernel
 
         self.start, self.stop = cupy.cuda.Event(), cupy.cuda.Event()
@@ -334,7 +334,8 @@ class XlaStreamTimer:
             """A jitted call that runs ``action(stream)`` on XLA's stream. Its output (never
             written, no copy) is what the caller waits on."""
             def callback(ctx, out, x):
-                with resolve_stream(ctx.stream, cupy.cuda.Device().id) as stream:
+                stream = cupy_stream(stream_ptr_of(ctx.stream), cupy.cuda.Device().id)
+                with stream:  # CuPy's current stream: XLA's, for the spin kernel
                     action(stream)
 
             return jax.jit(buffer_callback(callback, jax.ShapeDtypeStruct((1,), jnp.float32),
@@ -427,26 +428,34 @@ def bench_jax(calls):
     try:
         import jax
     except Exception as exc:  # noqa: BLE001
-        print(f"jax: not importable ({exc}), skipped")
-        return []
+        return [{"case": "all", "framework": "jax", "skipped": f"JAX not importable "
+                                                               f"({one_line(exc)})"}]
     if jax.default_backend() != "gpu":
-        print(f"jax: backend {jax.default_backend()}, not gpu, skipped")
-        return []
+        return [{"case": "all", "framework": "jax",
+                 "skipped": f"JAX backend {jax.default_backend()}, not gpu"}]
     from ropekv._timing import graph_us
 
-    timer = XlaStreamTimer()
+    try:
+        timer = XlaStreamTimer()
+    except Exception as e:  # noqa: BLE001 - reported; the torch results stand
+        return [{"case": "all", "framework": "jax", "error": f"stream timer: {one_line(e)}"}]
     results = []
     for name, host_caches, arrays, step, make_eager in jax_cases():
-        r = {"case": name, "framework": "jax", "kernel_us": graph_us(make_eager(), calls=calls)}
-        args = [arrays[n] for n in ("q", "k", "v", "table", "pos", "kv_indices", "kv_indptr",
-                                    "batch")]
-        for command_buffer in (False, True):
-            tag = "_cmdbuf" if command_buffer else ""
-            us, host_us, kept = _jax_steps(timer, step, host_caches, args, command_buffer, calls)
-            r[f"step_us{tag}"], r[f"host_us{tag}"], r[f"address_kept{tag}"] = us, host_us, kept
-        r["scan_us_per_step"] = _jax_scan(timer, step, host_caches, args, calls)
+        r = {"case": name, "framework": "jax"}
+        try:
+            r["kernel_us"] = graph_us(make_eager(), calls=calls)
+            args = [arrays[n] for n in ("q", "k", "v", "table", "pos", "kv_indices",
+                                        "kv_indptr", "batch")]
+            for command_buffer in (False, True):
+                tag = "_cmdbuf" if command_buffer else ""
+                us, host_us, kept = _jax_steps(timer, step, host_caches, args, command_buffer,
+                                               calls)
+                r[f"step_us{tag}"], r[f"host_us{tag}"] = us, host_us
+                r[f"address_kept{tag}"] = kept
+            r["scan_us_per_step"] = _jax_scan(timer, step, host_caches, args, calls)
+        except Exception as e:  # noqa: BLE001 - one broken case must not end the run
+            r["error"] = one_line(e)
         results.append(r)
-        print(_jax_line(r), flush=True)
     return results
 
 
@@ -504,25 +513,25 @@ def _jax_line(r):
                  f"{target:.2f})  host {r[f'host_us{tag}']:7.2f}  cache address kept: "
                  f"{r[f'address_kept{tag}']}")
     line += f"\n       scan, per step         {r['scan_us_per_step']:7.2f}"
-    return line
+    return line.split("\n")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("torch", "jax"))
-    parser.add_argument("--calls", type=int, default=64)
-    parser.add_argument("--json")
-    args = parser.parse_args(argv)
+def run(calls=64, only=None):
+    """Every framework case (``only``: "torch" or "jax"): a list of result dicts, one per case
+    (``error`` or ``skipped`` where it did not run)."""
     results = []
-    if args.only in (None, "torch"):
-        results += bench_torch(args.calls)
-    if args.only in (None, "jax"):
-        results += bench_jax(args.calls)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"calls": args.calls, "results": results}, f, indent=1)
-    return 0
+    if only in (None, "torch"):
+        results += bench_torch(calls)
+    if only in (None, "jax"):
+        results += bench_jax(calls)
+    return results
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def describe(r):
+    """The printed lines of one result."""
+    head = f"{r['framework']:6s} {r['case']:32s}"
+    if "skipped" in r:
+        return [f"{head} skipped: {r['skipped']}"]
+    if "error" in r:
+        return [f"{head} error: {r['error']}"]
+    return _torch_line(r) if r["framework"] == "torch" else _jax_line(r)

@@ -1,0 +1,164 @@
+"""The peers a case is timed against, and the :class:`Runner` record that the timing and the
+output check share (ropekv's call and each peer's, each on its own outputs).
+
+Peers: FlashInfer's fused paged op (or its two launches for 16-bit caches), FlashInfer's Cake
+kernels (QK-norm), PyTorch eager and ``torch.compile`` compositions of the same maths, cuBLAS (the
+QKV projection's GEMM alone, and GEMM + ropekv's paged append), and 'steps' (the MLA op from
+separate steps). A workload offers a peer by defining its method (``flashinfer_fn``,
+``flashinfer_cake_fn``, ``torch_fn``, ``cublas_peers``, ``steps_peer``); a peer it lacks shows as
+'-'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from ropekv.bench.arrays import _to_torch, _torch, one_line
+
+PEERS = ("flashinfer", "flashinfer-cake", "torch", "torch-compile", "cublas", "steps")
+
+
+@functools.cache
+def peer_availability(backend="cuda"):
+    """peer name -> None when it can run, else why not. On the NumPy backend only the PyTorch
+    compositions run (on the CPU)."""
+    status = {}
+    try:
+        import torch
+
+        status["torch"] = (None if backend == "numpy" or torch.cuda.is_available()
+                           else "PyTorch sees no CUDA device")
+    except Exception as e:  # noqa: BLE001
+        status["torch"] = f"PyTorch not importable ({type(e).__name__})"
+    if backend == "numpy":
+        for p in PEERS:
+            status.setdefault(p, "needs the CUDA backend")
+        return status
+    status["torch-compile"] = status["torch"]
+    if status["torch"] is None:
+        try:
+            import flashinfer.page
+            import flashinfer.rope
+
+            status["flashinfer"] = None
+        except Exception as e:  # noqa: BLE001
+            status["flashinfer"] = f"FlashInfer not importable ({type(e).__name__}: {e})"
+        try:
+            import flashinfer.cake_fused_qk_rope_append
+            import flashinfer.cake_fused_qk_rope_fp8_append  # noqa: F401
+
+            status["flashinfer-cake"] = None
+        except Exception as e:  # noqa: BLE001
+            status["flashinfer-cake"] = (f"FlashInfer's Cake kernels not importable (0.7.2 or "
+                                         f"later; {type(e).__name__}: {e})")
+    else:
+        status["flashinfer"] = status["flashinfer-cake"] = "needs PyTorch"
+    status["cublas"] = status["steps"] = None
+    return status
+
+
+def _compiled(fn):
+    """``torch.compile`` with dynamic shapes: one compilation serves every token count (dynamo
+    caches per code object, guarded on the closure's constants and the dtypes)."""
+    return _torch().compile(fn, dynamic=True)
+
+
+@dataclasses.dataclass
+class Runner:
+    name: str
+    call: Callable[[], Any]
+    outputs: Callable[[], dict]
+    reset: Callable[[], None] | None = None
+    framework: str = "cupy"  # which graph capture times it ("numpy": host timing only)
+    # maps ropekv's sampled outputs to what this runner's outputs are compared with (a peer that
+    # writes another dtype), or None
+    expect: Callable[[dict], dict] | None = None
+    # a context manager factory entered around this runner's check and timing (--tune variants)
+    context: Callable[[], Any] | None = None
+
+
+def make_runners(w, spec, peers, backend="cuda", variants=()):
+    """ropekv's runner and the wanted peers' (name -> Runner, or name -> why not); then one
+    ``ropekv[<label>]`` runner per ``--tune`` variant ``(label, changes)`` that changes this op."""
+    from ropekv.bench import tuning
+
+    framework = backend if backend == "numpy" else "cupy"
+    o = w.new_outputs()
+    ropekv = Runner("ropekv", lambda: w.call(o), lambda: w.outputs(o), lambda: w.reset(o),
+                    framework=framework)
+    out: dict[str, Any] = {}
+    for label, changes in variants:
+        if w.op in changes:
+            vo = w.new_outputs()
+            out[f"ropekv[{label}]"] = Runner(
+                f"ropekv[{label}]", functools.partial(w.call, vo),
+                functools.partial(w.outputs, vo), functools.partial(w.reset, vo), framework,
+                context=functools.partial(tuning.applied, changes))
+    avail = peer_availability(backend)
+    for peer in peers:
+        if avail.get(peer):
+            out[peer] = f"skipped: {avail[peer]}"
+            continue
+        try:
+            if peer == "steps":
+                made = w.steps_peer() if hasattr(w, "steps_peer") else None
+                if made is None:
+                    out[peer] = "-"
+                    continue
+                fn, outs, po = made
+                out[peer] = Runner(peer, fn, outs, lambda po=po: w.reset(po))
+                continue
+            if peer == "cublas":
+                made = w.cublas_peers() if hasattr(w, "cublas_peers") else {}
+                if not made:
+                    out[peer] = "-"
+                for name, (fn, outs, po) in made.items():
+                    out[name] = Runner(name, fn, outs, (lambda po=po: w.reset(po)) if po else None)
+                continue
+            po = w.new_outputs()
+            to = {k: _to_torch(v) for k, v in po.items()}
+            ti = {k: _to_torch(v) for k, v in w.a.items() if k not in po}
+            reset = functools.partial(w.reset, po)
+            if peer == "flashinfer-cake":
+                made = (w.flashinfer_cake_fn(ti, to, po) if hasattr(w, "flashinfer_cake_fn")
+                        else None)
+                if made is None:
+                    out[peer] = "-"
+                    continue
+                fn, outs, expect = made
+                out[peer] = Runner(peer, fn, outs, reset, "torch", expect)
+                continue
+            if peer == "flashinfer":
+                made = w.flashinfer_fn(ti, to)
+                if made is None:
+                    out[peer] = "-"
+                    continue
+                fn, extra_reset = made
+                if extra_reset is not None:
+                    def reset(a=reset, b=extra_reset):
+                        a()
+                        b()
+                out[peer] = Runner(peer, fn, functools.partial(w.outputs, po), reset, "torch")
+                continue
+            made = w.torch_fn(ti, to)
+            if made is None:
+                out[peer] = "-"
+                continue
+            fn, args = made
+            if peer == "torch-compile":
+                if not spec.compile:
+                    out[peer] = "-"
+                    continue
+                fn = _compiled(fn)
+            out[peer] = Runner(peer, functools.partial(fn, *args),
+                               functools.partial(w.outputs, po), reset,
+                               "numpy" if backend == "numpy" else "torch")
+        except Exception as e:  # noqa: BLE001 - a peer that cannot be set up is reported
+            out[peer] = f"error: {one_line(e)}"
+    return ropekv, out
+
+
+_runners = make_runners  # the name ropekv.bench used before it was a package

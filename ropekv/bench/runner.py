@@ -1,0 +1,325 @@
+"""The run: the copy bandwidth, then every selected case (each peer checked against ropekv, then
+timed), written to JSON after every case; the environment record; ``main`` of ``ropekv bench``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from ropekv.bench import report as report_mod
+from ropekv.bench import tuning
+from ropekv.bench.arrays import _torch, gpu_status, one_line
+from ropekv.bench.cases import select_specs
+from ropekv.bench.compare import compare_all
+from ropekv.bench.peers import PEERS, make_runners, peer_availability
+from ropekv.bench.timing import time_runner, torch_host_us
+from ropekv.bench.workloads import OPS, op_available
+
+_START = [None]
+
+
+def progress(i, n, text):
+    """A one-line progress bar on stderr (with the seconds since the first call)."""
+    if i == 0 or _START[0] is None:
+        _START[0] = time.perf_counter()
+    width = 24
+    done = int(width * i / max(n, 1))
+    line = (f"[{'#' * done}{'.' * (width - done)}] {i}/{n} "
+            f"{time.perf_counter() - _START[0]:6.1f} s  {text}")
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\033[K" + line[:150] + ("\n" if i >= n else ""))
+    else:
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _version(mod):
+    try:
+        return __import__(mod).__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def environment():
+    """GPU, driver and library versions, and the git revision when there is one."""
+    env = {"python": platform.python_version(), "ropekv": _version("ropekv"),
+           "numpy": np.__version__, "cupy": _version("cupy"), "torch": _version("torch"),
+           "flashinfer": _version("flashinfer")}
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        props = rt.getDeviceProperties(cupy.cuda.Device().id)
+        name = props["name"]
+        env["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
+        env["sm"] = f"{props['major']}{props['minor']}"
+        env["sms"] = props["multiProcessorCount"]
+        env["l2_bytes"] = props["l2CacheSize"]
+        d, r = rt.driverGetVersion(), rt.runtimeGetVersion()
+        env["cuda_driver_api"] = f"{d // 1000}.{d % 1000 // 10}"
+        env["cuda_runtime"] = f"{r // 1000}.{r % 1000 // 10}"
+    except Exception as e:  # noqa: BLE001
+        env["gpu_error"] = one_line(e)
+    with contextlib.suppress(Exception):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=False)
+        if out.returncode == 0:
+            env["driver"] = out.stdout.strip().splitlines()[0]
+    env["git_revision"] = git_revision()
+    return env
+
+
+def git_revision():
+    """``$ROPEKV_GIT_REVISION`` when set (a copy of the tree on a remote GPU machine may carry a
+    stale ``.git``), else ``git rev-parse`` of the checkout ropekv runs from."""
+    return os.environ.get("ROPEKV_GIT_REVISION") or _git_revision()
+
+
+def _git_revision():
+    here = os.path.dirname(os.path.abspath(__file__))  # ropekv/bench, inside the checkout
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"],
+                             capture_output=True, text=True, timeout=10, check=False)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10,
+                               check=False).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _settings(quick):
+    if quick:
+        return {"reps": 10, "graph_calls": 20, "host_calls": 50, "budget_s": 0.1}
+    return {"reps": 100, "graph_calls": 100, "host_calls": 500, "budget_s": 0.5}
+
+
+def run(ops=None, peers=None, quick=False, log=progress, json_path=None, names=None,
+        specs=None, backend="cuda", frameworks=False, tune=()):
+    """Run the benchmark; return the result dict (what ``--json`` writes; with ``json_path`` it is
+    also written there after every case, so an interrupted run keeps what it measured).
+
+    ``names``: only the cases whose name contains one of these strings; ``specs``: these cases
+    instead of the registry's; ``frameworks``: also time the ops inside compiled programs
+    (:mod:`ropekv.bench.frameworks`); ``tune``: ``(label, changes)`` launch-shape variants
+    (:mod:`ropekv.bench.tuning`), each timed as a runner beside ropekv's default.
+    ``backend="numpy"`` builds the workloads with NumPy and times host calls (the CPU tests of
+    the runner; no copy bandwidth, no CUDA peers)."""
+    t0 = time.perf_counter()
+    explicit_peers = peers is not None
+    if peers is None:
+        peers = ("torch", "cublas", "steps") if quick else PEERS
+    settings = _settings(quick)
+    if specs is None:
+        specs = select_specs(ops, quick, names)
+    result: dict[str, Any] = {"command": " ".join(["ropekv", "bench", *sys.argv[2:]]),
+                              "quick": quick, "peers": list(peers), "settings": settings}
+    if backend != "cuda":
+        result["backend"] = backend
+    if tune:
+        result["tune"] = {label: changes for label, changes in tune}
+    result["environment"] = environment() if backend == "cuda" else {"python":
+                                                                     platform.python_version()}
+    result["missing_ops"] = [op for op in (ops or OPS) if not op_available(op)]
+    avail = peer_availability(backend)
+    result["peer_status"] = {p: ("used" if p in peers and not avail.get(p) else
+                                 avail.get(p) or "not selected") for p in PEERS}
+    if quick and not explicit_peers:
+        for p in ("flashinfer", "torch-compile"):
+            result["peer_status"][p] = "not selected (--quick; name it in --peers to include)"
+    n = len(specs) + 1 + bool(frameworks)
+    log(0, n, "copy bandwidth (1 GiB device-to-device)")
+    result["copy_bytes"] = 2 << 30
+    result["copy_bandwidth"] = _copy_bandwidth(backend, quick)
+    flusher = _flusher(backend)
+    cases = []
+    lost = None  # the case after which the CUDA context was unusable
+    for i, spec in enumerate(specs):
+        log(i + 1, n, spec.name)
+        if lost:
+            cases.append({"op": spec.op, "name": spec.name, "tokens": spec.tokens,
+                          "bytes": spec.nbytes, "decode": spec.decode, "peers": {},
+                          "error": f"not run: the CUDA context was lost in '{lost}'"})
+            continue
+        cases.append(run_case(spec, peers, settings, flusher, result["copy_bandwidth"], backend,
+                              tune))
+        if context_lost(cases[-1]):
+            lost = spec.name
+        if json_path:
+            report_mod.write_json(dict(result, cases=cases, wall_s=time.perf_counter() - t0,
+                                       partial=True), json_path)
+        _free(backend)
+    result["cases"] = cases
+    if frameworks and not lost:
+        from ropekv.bench import frameworks as fw
+
+        log(n - 1, n, "frameworks: torch.compile, CUDA graphs, jax.jit")
+        try:
+            result["frameworks"] = fw.run(calls=20 if quick else 64)
+        except Exception as e:  # noqa: BLE001 - the cases measured so far stand
+            result["frameworks"] = [{"case": "all", "framework": "?", "error": one_line(e)}]
+    log(n, n, "done")
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def _copy_bandwidth(backend, quick):
+    """Read + write bytes per second of a 1 GiB device-to-device copy (64 MiB host copy on the
+    NumPy backend)."""
+    if backend == "numpy":
+        src = np.ones(64 << 20, np.uint8)
+        dst = np.empty_like(src)
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        return 2 * src.nbytes / max(time.perf_counter() - t, 1e-9)
+    from ropekv import _timing
+
+    return _timing.copy_bandwidth(1 << 30, reps=5 if quick else 20)
+
+
+def _flusher(backend):
+    if backend == "numpy":
+        return None
+    from ropekv import _timing
+
+    return _timing.L2ReadFlusher()
+
+
+def _free(backend):
+    if backend == "numpy":
+        return
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    if peer_availability().get("torch") is None:
+        _torch().cuda.empty_cache()
+
+
+STICKY_ERRORS = ("IllegalAddress", "ILLEGAL_ADDRESS", "LaunchFailure", "LAUNCH_FAILED",
+                 "IllegalInstruction", "ILLEGAL_INSTRUCTION", "MisalignedAddress",
+                 "MISALIGNED_ADDRESS", "illegal memory access")
+
+
+def context_lost(case_or_message):
+    """Whether an error left the CUDA context unusable (a sticky error: every later call in this
+    process fails with it, so later cases cannot run)."""
+    if isinstance(case_or_message, str):
+        texts = [case_or_message]
+    else:
+        texts = [case_or_message.get("error", "")]
+        texts += [e.get("status", "") for e in case_or_message.get("peers", {}).values()]
+    return any(k in t for t in texts for k in STICKY_ERRORS)
+
+
+def run_case(spec, peers, settings, flusher, copy_bw, backend="cuda", tune=()):
+    case = {"op": spec.op, "name": spec.name, "tokens": spec.tokens, "bytes": spec.nbytes,
+            "decode": spec.decode, "series": spec.series, "flops": spec.flops, "peers": {}}
+    if spec.weight_bytes:
+        case["weight_bytes"], case["weight_format"] = spec.weight_bytes, spec.weight_format
+    t = time.perf_counter()
+    try:
+        w = spec.make(np) if backend == "numpy" else spec.make()
+        ropekv, others = make_runners(w, spec, peers, backend, tune)
+        ropekv.reset()
+        ropekv.call()
+        expected = ropekv.outputs()
+        case["ropekv"] = time_runner(ropekv, spec, settings, flusher)
+    except Exception as e:  # noqa: BLE001 - one broken case must not end the run
+        case["error"] = one_line(e)
+        case["seconds"] = time.perf_counter() - t
+        return case
+    if spec.decode and backend == "cuda":
+        case["ropekv"].update(torch_host_us(w, settings["host_calls"]))
+    us = case["ropekv"]["us"]
+    case["ropekv"]["gbps"] = spec.nbytes / (us * 1e-6) / 1e9
+    case["ropekv"]["pct_copy"] = 100 * spec.nbytes / (us * 1e-6) / copy_bw
+    if spec.flops:
+        case["ropekv"]["tflops"] = spec.flops / (us * 1e-6) / 1e12
+    if spec.weight_bytes:
+        case["ropekv"]["pct_copy_weights"] = 100 * spec.weight_bytes / (us * 1e-6) / copy_bw
+    for name, r in others.items():
+        entry: dict[str, Any] = {}
+        case["peers"][name] = entry
+        if isinstance(r, str):
+            entry["status"] = r
+            continue
+        with r.context() if r.context else contextlib.nullcontext():
+            _check_and_time(name, r, entry, w, spec, settings, flusher, expected, us)
+    case["seconds"] = time.perf_counter() - t
+    return case
+
+
+def _check_and_time(name, r, entry, w, spec, settings, flusher, expected, us):
+    """One peer: called once and compared with ropekv's ``expected`` outputs, then timed."""
+    try:
+        if r.reset:
+            r.reset()
+        r.call()
+        mismatch = compare_all(r.outputs(), r.expect(expected) if r.expect else expected,
+                               w.compare_mode)
+    except Exception as e:  # noqa: BLE001
+        what = "skipped: compile failed" if name == "torch-compile" else "error"
+        entry["status"] = f"{what}: {one_line(e)}"
+        return
+    entry["check"] = "ok" if mismatch is None else f"MISMATCH: {mismatch}"
+    try:
+        entry.update(time_runner(r, spec, settings, flusher))
+        entry["ratio"] = entry["us"] / us
+        entry["status"] = "ok" if mismatch is None else "mismatch"
+    except Exception as e:  # noqa: BLE001
+        entry["status"] = f"error: {one_line(e)}"
+
+
+def main(ops=None, peers=None, quick=False, json_path=None, plot_path=None, cases=None,
+         frameworks=False, tune=None):
+    """``ropekv bench``: returns the exit code. ``tune``: variant texts (``op.key=value,...``)."""
+    ok, device = gpu_status()
+    if not ok:
+        print(f"ropekv bench: {device}; the benchmark needs a CUDA GPU", file=sys.stderr)
+        return 1
+    if plot_path:  # fail before the run, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("ropekv bench: --plot needs matplotlib: pip install 'ropekv[plot]'",
+                  file=sys.stderr)
+            return 1
+    try:
+        variants = [(text, tuning.parse(text)) for text in tune or ()]
+        for _, changes in variants:
+            tuning.validate(changes)
+    except ValueError as e:
+        print(f"ropekv bench: --tune: {e}", file=sys.stderr)
+        return 1
+    if frameworks and ops is None and not cases:
+        ops = []  # --frameworks alone: only the framework cases
+    if variants and ops is None:
+        ops = list(dict.fromkeys(op for _, changes in variants for op in changes))
+    result = run(ops, peers, quick, json_path=json_path, names=cases, frameworks=frameworks,
+                 tune=variants)
+    if not result["cases"] and not result.get("frameworks"):
+        why = (f"ops missing from this ropekv: {', '.join(result['missing_ops'])}"
+               if result["missing_ops"] else "no case matches --ops / --cases")
+        print(f"ropekv bench: no case to run ({why})", file=sys.stderr)
+        return 1
+    if json_path:
+        report_mod.write_json(result, json_path)
+    if plot_path and result["cases"]:
+        report_mod.plot(result, plot_path)
+    print(report_mod.text(result))
+    if json_path:
+        print(f"wrote {json_path}")
+    if plot_path and result["cases"]:
+        print(f"wrote {plot_path}")
+    errors = [c for c in result["cases"] if "error" in c]
+    errors += [f for f in result.get("frameworks", []) if "error" in f]
+    return 1 if errors else 0

@@ -1,0 +1,126 @@
+"""Timing of one runner on one case (``ropekv._timing`` holds the timers themselves).
+
+Prefill cases: CUDA events around each call, queued behind a spin kernel so the host's enqueueing
+stays out of the measurement, the L2 flushed by a read when the case's bytes would fit in it;
+median of many. Decode cases (launch-bound): per-call time under CUDA-graph replay (CuPy's graph
+for ropekv and CuPy peers, torch's for torch peers), plus host time per eager call, back to back,
+with CuPy arrays and (ropekv) with torch tensors viewing the same memory. On the NumPy backend
+(the CPU tests) a call's host time stands for all of these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from ropekv.bench.arrays import _to_torch, _torch, one_line
+from ropekv.bench.peers import peer_availability
+
+L2_FLUSH_BELOW = 120 << 20  # cases moving fewer bytes than this could be served from the 60 MB L2
+
+
+def _torch_graph_us(fn, calls, replays):
+    torch = _torch()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3 / calls)
+    del graph
+    return float(np.median(times))
+
+
+def _cupy_graph_us(fn, calls, replays):
+    """:func:`ropekv._timing.graph_us`, ending a capture that an exception interrupted."""
+    import cupy
+
+    from ropekv import _timing
+
+    try:
+        return _timing.graph_us(fn, calls=calls, replays=replays)
+    except Exception:
+        stream = cupy.cuda.get_current_stream()
+        if stream.is_capturing():
+            with contextlib.suppress(Exception):
+                stream.end_capture()
+        raise
+
+
+def time_runner(r, spec, settings, flusher):
+    """{"us": per-call device time, "graph_us", "host_us", "event_us" where measured}."""
+    if r.framework == "numpy":
+        return host_time(r.call, spec, settings)
+    from ropekv import _timing
+
+    res: dict[str, Any] = {}
+    if spec.decode:
+        try:
+            if r.framework == "torch":
+                res["graph_us"] = _torch_graph_us(r.call, settings["graph_calls"], 10)
+            else:
+                res["graph_us"] = _cupy_graph_us(r.call, settings["graph_calls"], 10)
+        except Exception as e:  # noqa: BLE001 - not capturable: fall back to events
+            res["graph_error"] = one_line(e)
+        res["host_us"] = _timing.eager_host_us(r.call, calls=settings["host_calls"])
+    flush = flusher if spec.nbytes < L2_FLUSH_BELOW else None
+    res["event_us"] = _timing.device_us(r.call, reps=settings["reps"], flush=flush,
+                                        budget_s=settings["budget_s"])
+    res["l2_flushed"] = flush is not None
+    res["us"] = res.get("graph_us", res["event_us"])
+    return res
+
+
+def torch_host_us(w, calls):
+    """{"host_us_torch": host time per eager call of ropekv's call made with torch tensors viewing
+    the workload's arrays (DLPack, zero-copy)}; {} without PyTorch, {"host_torch_error": ...} when
+    the call fails on torch tensors."""
+    if peer_availability().get("torch"):
+        return {}
+    try:
+        torch = _torch()
+        tw = copy.copy(w)
+        tw.a = {k: _to_torch(v) for k, v in w.a.items()}
+        o = {k: _to_torch(v) for k, v in w.new_outputs().items()}
+        for _ in range(50):
+            tw.call(o)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            tw.call(o)
+        torch.cuda.synchronize()
+        return {"host_us_torch": (time.perf_counter() - t0) / calls * 1e6}
+    except Exception as e:  # noqa: BLE001 - reported, the case goes on
+        return {"host_torch_error": one_line(e)}
+
+
+def host_time(fn, spec, settings):
+    """The NumPy backend's stand-in: median host time per call (``us``; ``host_us`` for decode)."""
+    fn()
+    times = []
+    for _ in range(max(3, settings["reps"] // 10)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    us = statistics.median(times)
+    return {"us": us, "event_us": us, "l2_flushed": False, **({"host_us": us} if spec.decode
+                                                              else {})}

@@ -1,0 +1,107 @@
+"""The contiguous-cache op (:func:`ropekv.apply_rope_write_kv`): workload and cases."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ropekv import bytes as nbytes_of
+from ropekv.bench.arrays import BF16, E4M3, E5M2, F16, FP8, _dtname
+from ropekv.bench.workloads.base import (
+    DECODE_SWEEP,
+    LLAMA,
+    CaseSpec,
+    Workload,
+    _cos_sin,
+    _fn,
+    _lazy,
+    _tcast,
+    _torch,
+    _trope,
+)
+
+
+class ContiguousWL(Workload):
+    """:func:`ropekv.apply_rope_write_kv`: (B, S) tokens into a (B, 2, Hkv, C, D) cache."""
+
+    op = "contiguous"
+    OUTPUTS = ("q", "cache")
+
+    def build(self, B, S, Hq, Hkv, D, C, dtype, cache_dtype, R=None, decode=False, is_neox=True,
+              kv_scale=(1.0, 1.0)):
+        g, R = self.g, R or D
+        self.B, self.S, self.R, self.is_neox = B, S, R, is_neox
+        self.a["q"] = g.randn((B, S, Hq, D), dtype)
+        self.a["k"] = g.randn((B, S, Hkv, D), dtype)
+        self.a["v"] = g.randn((B, S, Hkv, D), dtype)
+        self.a["cache"] = g.cache((B, 2, Hkv, C, D), cache_dtype, self.poison)
+        self.a["table"] = g.put(_cos_sin(C, R))
+        if decode:
+            lens = g.rng.integers(S, C + 1, size=B).astype(np.int32)
+            self.a["kv_end_lens"] = g.put(lens)
+        else:
+            lens = np.full(B, S, np.int32)
+        self.slots = lens[:, None].astype(np.int64) - S + np.arange(S)
+        if np.dtype(cache_dtype) in FP8:
+            self.a["kv_scale"] = g.put(np.asarray(kv_scale, np.float32))
+        tok = self._sample_tokens(B * S)
+        b, s = tok // S, tok % S
+        slot = self.slots[b, s]
+        self.sample = {"q": ("q", (b, s)), "k_rows": ("cache", (b, 0, slice(None), slot)),
+                       "v_rows": ("cache", (b, 1, slice(None), slot))}
+
+    def call(self, o):
+        a = self.a
+        _fn("apply_rope_write_kv")(o["q"], a["k"], a["v"], o["cache"], a["table"],
+                                   kv_end_lens=a.get("kv_end_lens"), kv_scale=a.get("kv_scale"),
+                                   is_neox=self.is_neox)
+
+    def torch_fn(self, t, o):
+        R, neox = self.R, self.is_neox
+        scale = t.get("kv_scale")
+        ks, vs = (scale[0], scale[1]) if scale is not None else (1.0, 1.0)
+        return _torch_contiguous, (o["q"], t["k"], t["v"], o["cache"], t["table"],
+                                   t.get("kv_end_lens"), ks, vs, R, neox)
+
+
+def _torch_contiguous(q, k, v, cache, table, lens, ks, vs, R, neox):
+    """RoPE, then K and V rows into the (B, 2, Hkv, C, D) cache, indexed as rows of D."""
+    torch = _torch()
+    B, S, Hkv, D = k.shape
+    C = cache.shape[3]
+    ar = torch.arange(S, device=q.device)
+    slots = ar[None, :].expand(B, S) if lens is None else lens.long()[:, None] - S + ar
+    cs = table[slots]
+    cos, sin = cs[..., None, :R // 2], cs[..., None, R // 2:]
+    q.copy_(_trope(q.float(), cos, sin, neox).to(q.dtype))
+    heads = torch.arange(Hkv, device=q.device)
+    b = torch.arange(B, device=q.device)[:, None, None]
+    rows = ((b * 2 * Hkv + heads) * C + slots[..., None]).reshape(-1)  # K rows, (B * S * Hkv,)
+    flat = cache.view(-1, D)
+    flat[rows] = _tcast(_trope(k.float(), cos, sin, neox) / ks, cache.dtype).reshape(-1, D)
+    flat[rows + Hkv * C] = _tcast(v.float() / vs, cache.dtype).reshape(-1, D)
+
+
+def specs():
+    out = []
+    for cache in (F16, E4M3):
+        series = f"contiguous fp16->{_dtname(cache)}"
+        for B, S in ((8, 1024), *((B, 1) for B in DECODE_SWEEP)):
+            decode = S == 1
+            kw = dict(B=B, S=S, C=4096, dtype=F16, cache_dtype=cache, decode=decode, **LLAMA)
+            out.append(CaseSpec(
+                "contiguous", f"{series} {B}x{S}", B * S,
+                nbytes_of.contiguous_bytes(B * S, 32, 8, 128, 128, F16, cache),
+                _lazy(ContiguousWL, **kw), decode=decode,
+                quick=cache == F16 and B in (8, 64), compile=cache == F16 and B in (8, 64),
+                series=series if decode else ""))
+    return out
+
+
+def check_cases(add):
+    """``ropekv check``'s cases: ``add(op, name, workload class, **build arguments)``."""
+    for dtype, cache, decode, neox in ((F16, F16, False, True), (BF16, E4M3, True, False),
+                                       (F16, E5M2, True, True)):
+        add("contiguous", f"{_dtname(dtype)}->{_dtname(cache)} {'decode' if decode else 'prefill'}"
+            f"{'' if neox else ' interleaved'}", ContiguousWL, B=3, S=1 if decode else 19, Hq=8,
+            Hkv=2, D=128, R=64 if decode else 128, C=64, dtype=dtype, cache_dtype=cache,
+            decode=decode, is_neox=neox, kv_scale=(0.5, 2.0))

@@ -1,0 +1,187 @@
+"""The QK-norm op (:func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache`): workload, PyTorch peer,
+FlashInfer's Cake kernels as a peer, cases."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ropekv import bytes as nbytes_of
+from ropekv.bench.arrays import BF16, E4M3, FP8, _dtname, _torch, to_numpy
+from ropekv.bench.workloads.base import (
+    DECODE_SWEEP,
+    QWEN3,
+    QWEN3_32B,
+    CaseSpec,
+    Workload,
+    _cos_sin,
+    _fn,
+    _lazy,
+    _RaggedMixin,
+    _tcast,
+    _torch_ragged_addr,
+    _trms,
+    _trope,
+)
+
+
+class QknormWL(_RaggedMixin, Workload):
+    """:func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache` (Qwen3-style QK-norm)."""
+
+    op = "qknorm"
+    OUTPUTS = ("q_out", "k_cache", "v_cache")
+
+    def build(self, B, S, prefix, Hq, Hkv, D, dtype, cache_dtype, page_size=16, layout="NHD",
+              is_neox=True, kv_scale=None, eps=1e-6, packed=False, gamma_dtype=None):
+        """``packed``: q, k, v are views of one (T, Hq + 2 Hkv, D) projection output ``qkv``, as
+        engines (and the Cake kernels) hold them; ``gamma_dtype``: that of the RMSNorm weights
+        (default the input dtype)."""
+        g = self.g
+        num_pages, seq = self.ragged(B, S, prefix, page_size)
+        T = B * S
+        self.D, self.layout, self.is_neox, self.eps = D, layout, is_neox, eps
+        self.Hq, self.Hkv, self.B, self.T, self.S = Hq, Hkv, B, T, S
+        self.dtype, self.packed = np.dtype(dtype), packed
+        self.cache_dtype = np.dtype(cache_dtype)
+        self.fp8 = self.cache_dtype in FP8
+        self.kv_scale = (kv_scale or 1.0) if self.fp8 else None
+        if packed:
+            qkv = g.randn((T, Hq + 2 * Hkv, D), dtype)
+            self.a["qkv"] = qkv
+            self.a["q"], self.a["k"] = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv]
+            self.a["v"] = qkv[:, Hq + Hkv:]
+        else:
+            self.a["q"] = g.randn((T, Hq, D), dtype)
+            self.a["k"] = g.randn((T, Hkv, D), dtype)
+            self.a["v"] = g.randn((T, Hkv, D), dtype)
+        gdt = dtype if gamma_dtype is None else gamma_dtype
+        self.gamma_f32 = np.dtype(gdt) == np.float32
+        self.a["q_gamma"] = g.randn((D,), gdt, scale=0.1, offset=1.0)
+        self.a["k_gamma"] = g.randn((D,), gdt, scale=0.1, offset=1.0)
+        # the sequence length after the append (the Cake kernels' seq_lens)
+        self.a["seq_lens"] = g.put(np.full(B, seq, np.int32))
+        self.a["table"] = g.put(_cos_sin(seq, D))
+        self.a["q_out"] = g.zeros((T, Hq, D), dtype)
+        shape = ((num_pages, page_size, Hkv, D) if layout == "NHD"
+                 else (num_pages, Hkv, page_size, D))
+        self.a["k_cache"] = g.cache(shape, cache_dtype, self.poison)
+        self.a["v_cache"] = g.cache(shape, cache_dtype, self.poison)
+        tok = self._sample_tokens(T)
+        rows = ((self.page[tok], self.entry[tok]) if layout == "NHD"
+                else (self.page[tok], slice(None), self.entry[tok]))
+        self.sample = {"q_out": ("q_out", (tok,)), "k_rows": ("k_cache", rows),
+                       "v_rows": ("v_cache", rows)}
+
+    def call(self, o):
+        a = self.a
+        return _fn("qk_rmsnorm_rope_append_paged_kv_cache")(
+            a["q"], a["k"], a["v"], a["q_gamma"], a["k_gamma"], a["table"],
+            a["input_row_offsets"], a["cache_lengths"], a["block_table"],
+            (o["k_cache"], o["v_cache"]), epsilon=self.eps, is_neox=self.is_neox,
+            kv_layout=self.layout, kv_scale=self.kv_scale, q_out=o["q_out"])
+
+    def torch_fn(self, t, o):
+        D, neox, eps, nhd = self.D, self.is_neox, self.eps, self.layout == "NHD"
+        scale = self.kv_scale or 1.0
+        ps = self.page_size
+
+        def fn(q, k, v, qg, kg, table, offsets, lens, block_table, b, kc, vc, q_out):
+            p, page, entry = _torch_ragged_addr(offsets, lens, block_table, b, ps)
+            cs = table[p]
+            cos, sin = cs[:, None, :D // 2], cs[:, None, D // 2:]
+            q_out.copy_(_trope(_trms(q.float(), qg, eps), cos, sin, neox).to(q_out.dtype))
+            kq = _tcast(_trope(_trms(k.float(), kg, eps), cos, sin, neox) / scale, kc.dtype)
+            vq = _tcast(v.float() / scale, vc.dtype)
+            if nhd:
+                kc[page, entry], vc[page, entry] = kq, vq
+            else:
+                kc[page, :, entry], vc[page, :, entry] = kq, vq
+
+        return fn, (t["q"], t["k"], t["v"], t["q_gamma"], t["k_gamma"], t["table"],
+                    t["input_row_offsets"], t["cache_lengths"], t["block_table"],
+                    t["token_batch"], o["k_cache"], o["v_cache"], o["q_out"])
+
+    def flashinfer_cake_fn(self, t, o, po):
+        """FlashInfer 0.7.2's Cake kernels on the same packed qkv (heads (64, 8) or (8, 1), D 128,
+        NHD, float32 weights, norm then RoPE): (call, outputs, expect) or None. The bf16 kernel
+        writes q as bf16 (``clear_unused_last_page_rows=False``: the same work as ropekv); the fp8
+        kernel writes q as e4m3 (static scale 1.0), compared with ropekv's q rounded to e4m3."""
+        if not (self.packed and self.gamma_f32 and self.is_neox and self.layout == "NHD"
+                and self.D == 128 and (self.Hq, self.Hkv) in ((64, 8), (8, 1))
+                and self.dtype == BF16 and self.cache_dtype in (BF16, E4M3)):
+            return None
+        torch = _torch()
+        T, Hq = self.T, self.Hq
+        qkv = t["qkv"].view(T, -1)
+        common = (qkv, t["table"], t["seq_lens"], t["input_row_offsets"], t["block_table"])
+        weights = {"q_norm_weight": t["q_gamma"], "k_norm_weight": t["k_gamma"]}
+        if not self.fp8:
+            from flashinfer.cake_fused_qk_rope_append import (
+                cake_fused_qk_rmsnorm_rope_append_paged_kv_cache as cake,
+            )
+
+            def bf16():
+                cake(*common, o["k_cache"], o["v_cache"], num_q_heads=Hq, num_kv_heads=self.Hkv,
+                     qk_norm_policy=2, eps=self.eps, out_q=o["q_out"],
+                     clear_unused_last_page_rows=False, **weights)
+            return bf16, functools.partial(self.outputs, po), None
+        from flashinfer.cake_fused_qk_rope_fp8_append import (
+            cake_fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache as cake,
+        )
+
+        dev = qkv.device
+        out_q = torch.zeros((T, Hq, self.D), dtype=torch.float8_e4m3fn, device=dev)
+        scale = torch.full((1,), float(self.kv_scale), dtype=torch.float32, device=dev)
+        q_scale_inv = torch.ones(1, dtype=torch.float32, device=dev)
+        q_scale = torch.empty((0,), dtype=torch.float32, device=dev)
+        flag = torch.empty((self.B, self.Hkv), dtype=torch.int32, device=dev)
+
+        def fp8():
+            cake(*common, (o["k_cache"], o["v_cache"]), is_prefill=self.S > 1, k_scale=scale,
+                 v_scale=scale, quant_policy=2, q_scale_inv=q_scale_inv, qk_norm_policy=2,
+                 out_q=out_q, q_scale=q_scale, split_k_flag=flag, **weights)
+
+        tok = self.sample["q_out"][1][0]
+
+        def outputs():
+            out = self.outputs(po)
+            del out["q_out"]  # the peer's q is e4m3, in its own buffer
+            out["q_out_e4m3"] = to_numpy(out_q[torch.as_tensor(tok, device=dev)])
+            return out
+
+        def expect(expected):
+            return dict(expected, q_out_e4m3=expected["q_out"].astype(np.float32).astype(E4M3))
+
+        return fp8, outputs, expect
+
+
+def specs():
+    out = []
+    for B, S, cache in ((8, 1024, BF16), (8, 1024, E4M3), (64, 1, E4M3)):
+        T = B * S
+        out.append(CaseSpec(
+            "qknorm", f"qknorm bf16->{_dtname(cache)} {B}x{S}", T,
+            nbytes_of.qknorm_bytes(T, 32, 8, 128, 128, BF16, cache),
+            _lazy(QknormWL, B=B, S=S, prefix=1024, dtype=BF16, cache_dtype=cache, **QWEN3),
+            decode=S == 1, quick=S == 1, compile=cache == E4M3))
+    # Qwen3-32B heads on one packed qkv with float32 weights: the Cake kernels' shapes
+    for cache in (BF16, E4M3):
+        series = f"qknorm qwen3-32b bf16->{_dtname(cache)}"
+        for B, S in ((8, 1024), *((B, 1) for B in DECODE_SWEEP)):
+            T = B * S
+            out.append(CaseSpec(
+                "qknorm", f"{series} {B}x{S}", T,
+                nbytes_of.qknorm_bytes(T, 64, 8, 128, 128, BF16, cache),
+                _lazy(QknormWL, B=B, S=S, prefix=1024, dtype=BF16, cache_dtype=cache,
+                      packed=True, gamma_dtype=np.float32, **QWEN3_32B),
+                decode=S == 1, series=series if S == 1 else ""))
+    return out
+
+
+def check_cases(add):
+    """``ropekv check``'s cases: ``add(op, name, workload class, **build arguments)``."""
+    for cache, layout in ((BF16, "NHD"), (E4M3, "HND")):
+        add("qknorm", f"bf16->{_dtname(cache)} {layout}", QknormWL, B=3, S=9, prefix=30, Hq=16,
+            Hkv=4, D=128, dtype=BF16, cache_dtype=cache, layout=layout,
+            kv_scale=0.5 if cache in FP8 else None)
