@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import sys
 
 import ml_dtypes
@@ -138,15 +137,17 @@ class ArrayView:
         self.owner = owner
         self.host = host
         self.array = array
-        self.size = math.prod(shape)
-        item = dtype.itemsize
-        lo = hi = 0  # the byte offsets, relative to ptr, that the view touches: [lo, hi)
+        size = 1
+        lo = hi = 0  # the elements, relative to ptr, that the view touches: [lo, hi]
         for n, st in zip(shape, strides):
+            size *= n
             if st < 0:
-                lo += (n - 1) * st * item
+                lo += (n - 1) * st
             else:
-                hi += (n - 1) * st * item
-        self.span = (lo, hi + item)
+                hi += (n - 1) * st
+        self.size = size
+        item = dtype.itemsize
+        self.span = (lo * item, (hi + 1) * item)  # in bytes: [lo, hi)
 
     @property
     def ndim(self):
@@ -175,6 +176,8 @@ class ArrayView:
 
 
 def _element_strides(name, byte_strides, itemsize):
+    if itemsize == 1:
+        return tuple(byte_strides)
     out = []
     for s in byte_strides:
         if s % itemsize:
@@ -190,7 +193,8 @@ def _from_numpy(a, name):
 
 
 def _from_cupy(a, name):
-    _note_type(type(a), "cupy")
+    if _CUPY_ARRAY is _Never:
+        _note_type(type(a), "cupy")
     data = a.data
     return ArrayView(name, data.ptr, a.shape, _element_strides(name, a.strides, a.itemsize),
                      a.dtype, data.device_id, owner=a, array=a)
@@ -235,7 +239,8 @@ def _from_torch(t, name):
     if t.is_neg() or t.is_conj():
         raise BufferError(f"{name} carries a lazy negation/conjugation bit; pass "
                           f"{name}.resolve_neg() / .resolve_conj()")
-    _note_type(type(t), "torch")
+    if _TORCH_TENSOR is _Never:
+        _note_type(type(t), "torch")
     ptr, shape, strides = t.data_ptr(), tuple(t.shape), tuple(t.stride())
     device = t.get_device()
     if device < 0:
@@ -402,7 +407,12 @@ def as_view(obj, name, stream_ptr=None):
     ``stream_ptr`` is the CUDA stream ropekv will launch on: a DLPack or CAI producer is asked to
     order its pending work before it (the stream protocols).
     """
-    if isinstance(obj, ArrayView):
+    cls = obj.__class__
+    if cls is _CUPY_ARRAY:
+        return _from_cupy(obj, name)
+    if cls is _TORCH_TENSOR:
+        return _from_torch(obj, name)
+    if cls is ArrayView:
         return obj
     if isinstance(obj, np.ndarray):
         return _from_numpy(obj, name)
