@@ -7,7 +7,9 @@ their parameter records, the outputs to allocate, which arguments it writes, wha
 Everything else lives here, once for every op:
 
 * the plan cache, keyed by the flags and the layout of every array (shape, strides, dtype, device,
-  pointer alignment; :func:`ropekv._arrays.signature`), never by object identity or address;
+  pointer alignment; :func:`ropekv._arrays.signature`, unrolled per argument count in
+  :func:`ropekv._arrays.fast_signature`), never by object identity or address; a call repeating
+  the newest replay's key (an engine's layers) is matched by value before any hashing of layouts;
 * the checks every op shares (read-only, legacy DLPack capsules, element alignment, written
   arrays' strides, overlap between written arrays and every other argument), run on the first
   call of a layout; on replay, overlap is re-checked from the pointers alone;
@@ -298,16 +300,14 @@ def scalar_key(value):
     a freed object's reused ``id`` never matters; bools stay distinct from ints, lists become
     tuples. Validation sees this value too (a bool's repr and type name are kept)."""
     cls = value.__class__
-    if cls in _PLAIN:
-        return value
-    if cls is bool or cls is np.bool_:
+    if cls is bool or cls is _NP_BOOL:
         return _BoolKey(bool(value))
     if cls is list:
         return tuple(scalar_key(v) for v in value)
     return value
 
 
-_PLAIN = frozenset((float, int, str, type(None), tuple))
+_NP_BOOL = np.bool_
 
 
 class Output:

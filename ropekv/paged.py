@@ -390,7 +390,7 @@ def _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_ca
                kv_indices, kv_indptr, batch_indices, positions, q_rope_out, q_nope_out, q_scales,
                kv_scales),
               (quantize, ck.check_flag(is_neox, "is_neox"), scalar_key(quantize_dtype),
-               scalar_key(q_scale), scalar_key(kv_scale), scalar_key(page_size),
+               q_scale, kv_scale, scalar_key(page_size),  # scales: reals, never bools
                scalar_key(kv_layout), ck.check_flag(enable_pdl, "enable_pdl"),
                tuple(TUNING.values())), stream)
 
