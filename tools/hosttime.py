@@ -85,6 +85,11 @@ def floor(sync, calls=20000):
         lambda: (a.data.ptr, a.shape, a.strides, a.dtype, a.data.device_id), sync, calls)
     out["torch tensor reads"] = per_call_us(
         lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()), sync, calls)
+    get_stream, get_device = cupy.cuda.get_current_stream, cupy.cuda.runtime.getDevice
+    out["cupy current stream"] = per_call_us(lambda: get_stream(0).ptr, sync, calls)
+    out["runtime.getDevice"] = per_call_us(get_device, sync, calls)
+    raw = torch._C._cuda_getCurrentRawStream
+    out["torch current stream"] = per_call_us(lambda: raw(0), sync, calls)
     out["empty lambda"] = per_call_us(lambda: None, sync, calls)
     for k, v in out.items():
         print(f"floor: {k:22s} {v:6.2f} us")
@@ -95,6 +100,7 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--cases", nargs="*", default=CASES)
+    parser.add_argument("--no-floor", action="store_true")
     args = parser.parse_args(argv)
     import cupy
     import torch
@@ -140,7 +146,8 @@ def main(argv=None):
             sync()
             print(f"==== first-call profile, cupy: {name}")
             pstats.Stats(prof, stream=sys.stdout).sort_stats("cumtime").print_stats(35)
-    floor(sync)
+    if not args.no_floor:
+        floor(sync)
     print(f"\n{'case':34s} {'first cupy':>11s} {'first torch':>12s} {'cupy':>9s} {'torch':>9s}")
     for name, first, first_t, cp_us, th_us in rows:
         print(f"{name:34s} {first:9.1f}us {first_t:10.1f}us {cp_us:7.2f}us {th_us:7.2f}us")
