@@ -452,9 +452,9 @@ class Plan:
             if self.outputs:
                 outs, out_ptrs = self.make_outputs(kinds, stream_ptr, explicit)
                 ptrs = [*ptrs, *out_ptrs, 0]
-            else:
+            else:  # a new list: ptrs stays last_checked as it was checked
                 outs = ()
-                ptrs.append(0)
+                ptrs = [*ptrs, 0]
             for step in self.steps:
                 step.run(ptrs, stream_ptr)
         finally:
@@ -556,7 +556,10 @@ class Op:
         kinds = 0
         for a in arrays:
             if a is not None:
-                kinds |= ar.TORCH if ar.is_torch(a) else ar.CUPY if ar.is_cupy(a) else ar.OTHER
+                cls = a.__class__
+                kinds |= (ar.CUPY if cls is ar._CUPY_ARRAY else ar.TORCH if cls is ar._TORCH_TENSOR
+                          else ar.TORCH if ar.is_torch(a) else ar.CUPY if ar.is_cupy(a)
+                          else ar.OTHER)
         plan.written = tuple(i for i in plan.written if views[i] is not None)
         for i in plan.written:
             ck.check_writable(views[i])
@@ -568,6 +571,9 @@ class Op:
         if key is not None and plan.cacheable:
             _bounded_put(self.plans, key, plan, self.MAX_PLANS)
         ptrs = [0 if v is None else v.ptr for v in views]
+        if plan.pairs:  # check_no_overlap above passed these pointers: the replay need not
+            plan.checked[tuple(ptrs)] = True
+            plan.last_checked = ptrs
         return plan.replay(arrays, ptrs, kinds, stream_ptr, self.names)
 
     def run_host(self, plan, arrays, views, kinds, stream_ptr):
