@@ -216,16 +216,11 @@ def install_stubs():
     lib = _stub_library()
     if lib is not None:
         fn = lib.cuLaunchKernel
-        fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
         _launch._launch_kernel = fn  # called as cupy_backends' launchKernel is
     else:
         _launch._launch_kernel = lambda *a: 0
     return lib
-
-
-def _plain(x):
-    """A bench workload array on the host, as a NumPy array (bfloat16 / float8 kept)."""
-    return x
 
 
 def host_workloads(names):
@@ -254,10 +249,6 @@ class Case:
 
     def __call__(self):
         return self.w.call(self.o)
-
-    def fresh_layout(self):
-        """The same call on new arrays of the same layout (new pointers)."""
-        return self
 
 
 def ops():
