@@ -13,7 +13,7 @@ the producer's tensor, as the protocol prescribes for an unconsumed capsule.
 from __future__ import annotations
 
 import ctypes
-import math
+import functools
 import sys
 
 import ml_dtypes
@@ -137,15 +137,17 @@ class ArrayView:
         self.owner = owner
         self.host = host
         self.array = array
-        self.size = math.prod(shape)
-        item = dtype.itemsize
-        lo = hi = 0  # the byte offsets, relative to ptr, that the view touches: [lo, hi)
+        size = 1
+        lo = hi = 0  # the elements, relative to ptr, that the view touches: [lo, hi]
         for n, st in zip(shape, strides):
+            size *= n
             if st < 0:
-                lo += (n - 1) * st * item
+                lo += (n - 1) * st
             else:
-                hi += (n - 1) * st * item
-        self.span = (lo, hi + item)
+                hi += (n - 1) * st
+        self.size = size
+        item = dtype.itemsize
+        self.span = (lo * item, (hi + 1) * item)  # in bytes: [lo, hi)
 
     @property
     def ndim(self):
@@ -174,6 +176,8 @@ class ArrayView:
 
 
 def _element_strides(name, byte_strides, itemsize):
+    if itemsize == 1:
+        return tuple(byte_strides)
     out = []
     for s in byte_strides:
         if s % itemsize:
@@ -189,7 +193,8 @@ def _from_numpy(a, name):
 
 
 def _from_cupy(a, name):
-    _note_type(type(a), "cupy")
+    if _CUPY_ARRAY is _Never:
+        _note_type(type(a), "cupy")
     data = a.data
     return ArrayView(name, data.ptr, a.shape, _element_strides(name, a.strides, a.itemsize),
                      a.dtype, data.device_id, owner=a, array=a)
@@ -234,7 +239,8 @@ def _from_torch(t, name):
     if t.is_neg() or t.is_conj():
         raise BufferError(f"{name} carries a lazy negation/conjugation bit; pass "
                           f"{name}.resolve_neg() / .resolve_conj()")
-    _note_type(type(t), "torch")
+    if _TORCH_TENSOR is _Never:
+        _note_type(type(t), "torch")
     ptr, shape, strides = t.data_ptr(), tuple(t.shape), tuple(t.stride())
     device = t.get_device()
     if device < 0:
@@ -401,7 +407,12 @@ def as_view(obj, name, stream_ptr=None):
     ``stream_ptr`` is the CUDA stream ropekv will launch on: a DLPack or CAI producer is asked to
     order its pending work before it (the stream protocols).
     """
-    if isinstance(obj, ArrayView):
+    cls = obj.__class__
+    if cls is _CUPY_ARRAY:
+        return _from_cupy(obj, name)
+    if cls is _TORCH_TENSOR:
+        return _from_torch(obj, name)
+    if cls is ArrayView:
         return obj
     if isinstance(obj, np.ndarray):
         return _from_numpy(obj, name)
@@ -486,3 +497,41 @@ def signature(arrays, names, stream_ptr):
                 keep = [v] if keep is None else [*keep, v]
         add_ptr(p)
     return tuple(key), ptrs, kinds, keep
+
+
+@functools.cache
+def fast_signature(n):
+    """A function of ``n`` arguments' tuple giving ``(key, ptrs, kinds)`` as :func:`signature`
+    does when every argument is None, a ``cupy.ndarray`` or a ``torch.Tensor`` of the exact base
+    type, else None (then :func:`signature` is the way).
+
+    Generated once per argument count, unrolled: on the replay of a plan, the cost of a call is
+    little more than these attribute reads, and a loop over the arguments would add half again.
+    """
+    lines = [f"def fast_signature_{n}(arrays):",
+             "    cupy_array, torch_tensor, kinds = _CUPY_ARRAY, _TORCH_TENSOR, 0"]
+    names = [f"a{i}" for i in range(n)]
+    lines.append(f"    {', '.join(names)}{',' if n == 1 else ''} = arrays")
+    for i in range(n):
+        a, p, k = f"a{i}", f"p{i}", f"k{i}"
+        lines += [
+            f"    if {a} is None:",
+            f"        {p} = 0",
+            f"        {k} = None",
+            f"    elif {a}.__class__ is cupy_array:",
+            f"        data = {a}.data",
+            f"        {p} = data.ptr",
+            f"        {k} = ({a}.shape, {a}.strides, {a}.dtype, {p} & 15, data.device_id)",
+            "        kinds |= CUPY",
+            f"    elif {a}.__class__ is torch_tensor:",
+            f"        {p} = {a}.data_ptr()",
+            f"        {k} = (1, {a}.shape, {a}.stride(), {a}.dtype, {p} & 15, {a}.get_device())",
+            "        kinds |= TORCH",
+            "    else:",
+            "        return None"]
+    keys = ", ".join(f"k{i}" for i in range(n))
+    ptrs = ", ".join(f"p{i}" for i in range(n))
+    lines.append(f"    return ({keys}{',' if n == 1 else ''}), [{ptrs}], kinds")
+    namespace = {}
+    exec(compile("\n".join(lines), f"<ropekv fast_signature {n}>", "exec"), globals(), namespace)
+    return namespace[f"fast_signature_{n}"]

@@ -7,7 +7,9 @@ their parameter records, the outputs to allocate, which arguments it writes, wha
 Everything else lives here, once for every op:
 
 * the plan cache, keyed by the flags and the layout of every array (shape, strides, dtype, device,
-  pointer alignment; :func:`ropekv._arrays.signature`), never by object identity or address;
+  pointer alignment; :func:`ropekv._arrays.signature`, unrolled per argument count in
+  :func:`ropekv._arrays.fast_signature`), never by object identity or address; a call repeating
+  the newest replay's key (an engine's layers) is matched by value before any hashing of layouts;
 * the checks every op shares (read-only, legacy DLPack capsules, element alignment, written
   arrays' strides, overlap between written arrays and every other argument), run on the first
   call of a layout; on replay, overlap is re-checked from the pointers alone;
@@ -63,24 +65,28 @@ def stream_ptr_of(stream):
                     f"__cuda_stream__ / cuda_stream, got {type(stream).__qualname__}")
 
 
-_GET_CURRENT_STREAM = []
-
-
 def current_stream_ptr(device=-1):
     """CuPy's current stream on ``device`` (-1: the current device)."""
-    if not _GET_CURRENT_STREAM:
+    global _cupy_current_stream
+    if _cupy_current_stream is None:
         import cupy
 
-        _GET_CURRENT_STREAM.append(cupy.cuda.get_current_stream)
-    return _GET_CURRENT_STREAM[0](device).ptr
+        _cupy_current_stream = cupy.cuda.get_current_stream
+    return _cupy_current_stream(device).ptr
+
+
+_cupy_current_stream = None  # cupy.cuda.get_current_stream, bound on the first call
+_torch_raw_stream = None  # torch's current raw stream of a device, bound on the first call
 
 
 def _torch_stream_ptr(device):
-    torch = sys.modules["torch"]
-    try:
-        return torch._C._cuda_getCurrentRawStream(device)
-    except AttributeError:  # the private accessor moved: the public one costs a few us more
-        return torch.cuda.current_stream(device).cuda_stream
+    global _torch_raw_stream
+    if _torch_raw_stream is None:
+        torch = sys.modules["torch"]
+        _torch_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if _torch_raw_stream is None:  # the private accessor moved: the public one costs more
+            _torch_raw_stream = lambda d: torch.cuda.current_stream(d).cuda_stream  # noqa: E731
+    return _torch_raw_stream(device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -160,8 +166,10 @@ def _cu_launch_kernel_ex():
     return fn
 
 
+@functools.cache
 def function_pointer(stem, expression, device, shared_mem=0):
-    """The ``CUfunction`` of a kernel on ``device`` (compiled and loaded on first use)."""
+    """The ``CUfunction`` of a kernel on ``device`` (compiled and loaded on first use; cached, as
+    the kernel is: a plan of a new layout looks it up without entering the device)."""
     import cupy
 
     kernel = get_kernel(stem, expression, device)
@@ -169,6 +177,18 @@ def function_pointer(stem, expression, device, shared_mem=0):
         if shared_mem > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = shared_mem
         return kernel.kernel.ptr
+
+
+def _driver_launch():
+    """cupy_backends' ``cuLaunchKernel`` wrapper (a C call, cheaper than ctypes' conversions)."""
+    global _launch_kernel
+    if _launch_kernel is None:
+        from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
+    return _launch_kernel
+
+
+_get_ident = threading.get_ident
+_pack_pointer = struct.Struct("=Q").pack_into
 
 
 class Launch:
@@ -181,8 +201,9 @@ class Launch:
     thread packs a record of its own, so two threads replaying one plan never share one.
     """
 
-    __slots__ = ("argv", "argv_ptr", "block", "config", "func", "gather", "grid", "n_ptr",
-                 "offsets", "owner", "pdl", "ptr_struct", "rec", "shared_mem", "slots", "tail")
+    __slots__ = ("argv", "argv_ptr", "block", "config", "func", "gather", "grid", "launch",
+                 "n_ptr", "offsets", "owner", "pack_into", "pdl", "rec", "shared_mem", "slots",
+                 "tail")
 
     def __init__(self, stem, expression, device, grid, block, params, values, slots,
                  shared_mem=0, pdl=False):
@@ -197,11 +218,11 @@ class Launch:
         full = {**values, **{f: 0 for f in pointer_names}}
         record = params.pack(**full)
         self.tail = record[8 * n:]
-        self.ptr_struct = struct.Struct(f"={n}Q")
+        self.pack_into = struct.Struct(f"={n}Q").pack_into
         self.rec = ctypes.create_string_buffer(record, len(record))
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.rec))
         self.argv_ptr = ctypes.addressof(self.argv)
-        self.owner = threading.get_ident()
+        self.owner = _get_ident()
         # pointer fields = ptrs gathered in one C call, plus the few non-zero offsets
         indices = [a for a, _ in self.slots]
         self.gather = (operator.itemgetter(*indices) if len(indices) > 1 else
@@ -209,6 +230,9 @@ class Launch:
         self.offsets = [(k, o) for k, (_, o) in enumerate(self.slots) if o]
         self.pdl = pdl
         self.config = self._config() if pdl else None
+        # the launch with everything but the stream and the record bound
+        self.launch = None if pdl else functools.partial(
+            _driver_launch(), self.func, *self.grid, *self.block, shared_mem)
 
     def _config(self):
         attr = _LaunchAttribute()
@@ -224,31 +248,26 @@ class Launch:
         return config
 
     def run(self, ptrs, stream_ptr):
-        global _launch_kernel
-        if threading.get_ident() == self.owner:
-            rec, argv, argv_ptr = self.rec, self.argv, self.argv_ptr
-        else:
+        if _get_ident() == self.owner:
+            rec, argv = self.rec, self.argv
+            argv_ptr = self.argv_ptr
+        else:  # another thread: a record of its own
             rec = ctypes.create_string_buffer(8 * self.n_ptr + len(self.tail))
             rec[8 * self.n_ptr:] = self.tail
             argv = (ctypes.c_void_p * 1)(ctypes.addressof(rec))
             argv_ptr = ctypes.addressof(argv)
         values = self.gather(ptrs)
-        if self.offsets:
-            values = list(values)
-            for k, o in self.offsets:
-                values[k] += o
-        self.ptr_struct.pack_into(rec, 0, *values)
-        if self.pdl:
-            config = self.config if rec is self.rec else self._config()
-            config.stream = stream_ptr
-            err = _cu_launch_kernel_ex()(ctypes.byref(config), self.func, argv, None)
-            if err:
-                raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+        self.pack_into(rec, 0, *values)
+        for k, o in self.offsets:  # the few pointer fields at an offset into their argument
+            _pack_pointer(rec, 8 * k, values[k] + o)
+        if self.launch is not None:
+            self.launch(stream_ptr, argv_ptr, 0)
             return
-        if _launch_kernel is None:
-            from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
-        (gx, gy, gz), (bx, by, bz) = self.grid, self.block
-        _launch_kernel(self.func, gx, gy, gz, bx, by, bz, self.shared_mem, stream_ptr, argv_ptr, 0)
+        config = self.config if rec is self.rec else self._config()
+        config.stream = stream_ptr
+        err = _cu_launch_kernel_ex()(ctypes.byref(config), self.func, argv, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
 
 
 # ---------------------------------------------------------------------------------- plans
@@ -281,16 +300,14 @@ def scalar_key(value):
     a freed object's reused ``id`` never matters; bools stay distinct from ints, lists become
     tuples. Validation sees this value too (a bool's repr and type name are kept)."""
     cls = value.__class__
-    if cls in _PLAIN:
-        return value
-    if cls is bool or cls is np.bool_:
+    if cls is bool or cls is _NP_BOOL:
         return _BoolKey(bool(value))
     if cls is list:
         return tuple(scalar_key(v) for v in value)
     return value
 
 
-_PLAIN = frozenset((float, int, str, type(None), tuple))
+_NP_BOOL = np.bool_
 
 
 class Output:
@@ -330,10 +347,13 @@ class Output:
 
 
 def pointer_of(array):
+    cls = array.__class__
+    if cls is ar._CUPY_ARRAY:
+        return array.data.ptr
+    if cls is ar._TORCH_TENSOR or ar.is_torch(array):
+        return array.data_ptr()
     if isinstance(array, np.ndarray):
         return array.ctypes.data
-    if ar.is_torch(array):
-        return array.data_ptr()
     return array.data.ptr
 
 
@@ -361,7 +381,7 @@ class Plan:
         self.pairs = None  # set by finish(): (i, j, lo_i, hi_i, lo_j, hi_j) byte spans to check
         self.checked = {}  # pointer tuples that passed the overlap check (a few, newest last)
         self.last_checked = None  # the newest of them, as a list
-        self.empties = {}  # zero-size outputs, made once
+        self.empties = {}  # array kinds -> zero-size outputs, made once (make_outputs)
         self.exact = {}  # (i, j, pointer delta) -> whether the two arrays share bytes
 
     def finish(self, views):
@@ -373,14 +393,25 @@ class Plan:
                       for j in range(len(views))
                       if j != i and spans[j] and not (j in self.written and j < i)]
 
-    def empty_output(self, output, kinds, stream_ptr, explicit):
-        """A zero-size output (FlashInfer's q_nope_out without nope dims): made once per plan and
-        array kind, and handed out again (it holds nothing)."""
-        made = self.empties.get((id(output), kinds))
-        if made is None:
-            made = self.empties[(id(output), kinds)] = output.allocate(kinds, self.device,
-                                                                       stream_ptr, explicit)
-        return made
+    def make_outputs(self, kinds, stream_ptr, explicit):
+        """The outputs of a call and their pointers. Zero-size ones (FlashInfer's q_nope_out
+        without nope dims) are made once per plan and array kind and handed out again (they hold
+        nothing); so are the lists when every output has zero size."""
+        empties = self.empties.get(kinds)
+        if empties is None:
+            outs = [None if o.size else o.allocate(kinds, self.device, stream_ptr, explicit)
+                    for o in self.outputs]
+            ptrs = [0 if x is None else pointer_of(x) for x in outs]
+            empties = self.empties[kinds] = (outs, ptrs, all(x is not None for x in outs))
+        outs, ptrs, complete = empties
+        if complete:
+            return outs, ptrs
+        outs, ptrs = list(outs), list(ptrs)
+        for i, o in enumerate(self.outputs):
+            if o.size:
+                outs[i] = o.allocate(kinds, self.device, stream_ptr, explicit)
+                ptrs[i] = pointer_of(outs[i])
+        return outs, ptrs
 
     def check_overlap(self, ptrs, names):
         for i, j, lo_i, hi_i, lo_j, hi_j in self.pairs:
@@ -407,22 +438,23 @@ class Plan:
                 _bounded_put(self.checked, seen, True, 8)
             self.last_checked = ptrs
         device = self.device
-        explicit = stream_ptr is not None
-        if not explicit:  # the stream rule: torch's if any argument is a torch tensor, else CuPy's
+        if stream_ptr is None:  # the stream rule: torch's if an argument is a torch tensor
+            explicit = False
             stream_ptr = (_torch_stream_ptr(device) if kinds & ar.TORCH
                           else current_stream_ptr(device))
+        else:
+            explicit = True
         runtime = _RUNTIME[0] or _runtime()
         previous = runtime.getDevice()
         if previous != device:
             runtime.setDevice(device)
         try:
             if self.outputs:
-                outs = [o.allocate(kinds, device, stream_ptr, explicit) if o.size else
-                        self.empty_output(o, kinds, stream_ptr, explicit) for o in self.outputs]
-                ptrs = [*ptrs, *map(pointer_of, outs), 0]
-            else:
+                outs, out_ptrs = self.make_outputs(kinds, stream_ptr, explicit)
+                ptrs = [*ptrs, *out_ptrs, 0]
+            else:  # a new list: ptrs stays last_checked as it was checked
                 outs = ()
-                ptrs.append(0)
+                ptrs = [*ptrs, 0]
             for step in self.steps:
                 step.run(ptrs, stream_ptr)
         finally:
@@ -461,6 +493,22 @@ else:  # another platform's os.environ
     _CHECK_INDICES_OFF, _ENV_KEY, _OFF = os.environ.get, "ROPEKV_CHECK_INDICES", ("", "0")
 
 
+class _Plans(dict):
+    """An op's plans by key ``(flags, layout)``, and ``last``: ``(hash of flags, flags, layout,
+    plan)`` of the newest replay. A call repeating it (an engine's layers, one layout) skips
+    hashing the layout; it matches on equal hashes and values, as a dict lookup would."""
+
+    _NONE = (None, None, None, None)
+
+    def __init__(self):
+        super().__init__()
+        self.last = self._NONE
+
+    def clear(self):
+        self.last = self._NONE
+        super().clear()
+
+
 class Op:
     """One public operation on the one call path: ``names`` of its array arguments, in the order
     its wrapper passes them, and ``prepare(views, flags) -> Plan`` (validates a first call and
@@ -472,21 +520,31 @@ class Op:
         self.name = name
         self.names = tuple(names)
         self.prepare = prepare
-        self.plans = {}
+        self.plans = _Plans()
+        self.signature = ar.fast_signature(len(self.names))
 
     def __call__(self, arrays, flags, stream=None):
-        stream_ptr = stream_ptr_of(stream)
-        key = None
+        stream_ptr = None if stream is None else stream_ptr_of(stream)
         if _CHECK_INDICES_OFF(_ENV_KEY, b"") in _OFF:  # else: the first-call path checks indices
-            try:
+            fast = self.signature(arrays)
+            if fast is None:  # an argument of another kind: its view (and capsule) lives here
                 layout, ptrs, kinds, keep = ar.signature(arrays, self.names, stream_ptr)
-                key = (flags, layout)
-                plan = self.plans.get(key)
+            else:
+                layout, ptrs, kinds = fast
+            try:
+                h = hash(flags)
             except TypeError:  # an unhashable flag: every call takes the first-call path
-                key = plan = None
-            if plan is not None:
-                return plan.replay(arrays, ptrs, kinds, stream_ptr, self.names)
-        return self.first_call(arrays, flags, stream_ptr, key)
+                return self.first_call(arrays, flags, stream_ptr, None)
+            plans = self.plans
+            last_h, last_flags, last_layout, plan = plans.last
+            if not (h == last_h and layout == last_layout and flags == last_flags):
+                key = (flags, layout)
+                plan = plans.get(key)
+                if plan is None:
+                    return self.first_call(arrays, flags, stream_ptr, key)
+                plans.last = (h, flags, layout, plan)
+            return plan.replay(arrays, ptrs, kinds, stream_ptr, self.names)
+        return self.first_call(arrays, flags, stream_ptr, None)
 
     def first_call(self, arrays, flags, stream_ptr, key):
         views = [None if a is None else ar.as_view(a, n, stream_ptr)
@@ -498,7 +556,10 @@ class Op:
         kinds = 0
         for a in arrays:
             if a is not None:
-                kinds |= ar.TORCH if ar.is_torch(a) else ar.CUPY if ar.is_cupy(a) else ar.OTHER
+                cls = a.__class__
+                kinds |= (ar.CUPY if cls is ar._CUPY_ARRAY else ar.TORCH if cls is ar._TORCH_TENSOR
+                          else ar.TORCH if ar.is_torch(a) else ar.CUPY if ar.is_cupy(a)
+                          else ar.OTHER)
         plan.written = tuple(i for i in plan.written if views[i] is not None)
         for i in plan.written:
             ck.check_writable(views[i])
@@ -510,6 +571,9 @@ class Op:
         if key is not None and plan.cacheable:
             _bounded_put(self.plans, key, plan, self.MAX_PLANS)
         ptrs = [0 if v is None else v.ptr for v in views]
+        if plan.pairs:  # check_no_overlap above passed these pointers: the replay need not
+            plan.checked[tuple(ptrs)] = True
+            plan.last_checked = ptrs
         return plan.replay(arrays, ptrs, kinds, stream_ptr, self.names)
 
     def run_host(self, plan, arrays, views, kinds, stream_ptr):

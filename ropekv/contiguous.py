@@ -18,6 +18,7 @@ from ropekv._arrays import (
 )
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
 from ropekv._launch import Launch, Op, ParamStruct, Plan
+from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import aligned, vector_width
 
 STEM = "contiguous"
@@ -71,9 +72,11 @@ def instantiations():
     return rope_instantiations(expression, INPUT_DTYPES, FP8_DTYPES)
 
 
-def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, position_ids=None,
-                        kv_scale=None, write_k_in_place=False, is_neox=True, enable_pdl=False,
-                        stream=None):
+def apply_rope_write_kv(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_cache: ArrayLike,
+                        cos_sin_cache: ArrayLike, *, kv_end_lens: ArrayLike | None = None,
+                        position_ids: ArrayLike | None = None, kv_scale: ArrayLike | None = None,
+                        write_k_in_place: bool = False, is_neox: bool = True,
+                        enable_pdl: bool = False, stream: StreamLike | None = None) -> None:
     """Apply RoPE to Q and K and write K/V into a contiguous KV cache, in one launch.
 
     Mirrors TensorRT-Edge-LLM's ``launchApplyRopeWriteKV`` family. Its three launchers map onto

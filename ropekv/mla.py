@@ -11,6 +11,7 @@ from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
 from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
+from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import aligned, vector_width
 
 STEM = "mla"
@@ -80,10 +81,14 @@ def cache_scale(kv_scale, cache_dtype, name="kv_scale"):
     return None
 
 
-def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, input_row_offsets,
-                                           cache_lengths, block_table, kv_cache, *, epsilon=1e-6,
-                                           kv_norm_dim=None, is_neox=False, kv_scale=None,
-                                           q_rope_out=None, enable_pdl=False, stream=None):
+def mla_rope_rmsnorm_append_paged_kv_cache(
+        q_rope: ArrayLike, kv: ArrayLike, gamma: ArrayLike, cos_sin_cache: ArrayLike,
+        input_row_offsets: ArrayLike, cache_lengths: ArrayLike, block_table: ArrayLike,
+        kv_cache: ArrayLike | tuple[ArrayLike, ArrayLike], *, epsilon: float = 1e-6,
+        kv_norm_dim: int | None = None, is_neox: bool = False, kv_scale: float | None = None,
+        q_rope_out: ArrayLike | None = None, enable_pdl: bool = False,
+        stream: StreamLike | None = None,
+) -> ArrayLike:
     """MLA: rope the query's rotary part, RMS-normalise and rope the latent kv row, and write it
     (quantized) into a paged cache, over a ragged batch, in one launch.
 

@@ -25,6 +25,7 @@ from ropekv._arrays import (
 )
 from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
+from ropekv._types import ArrayLike, DTypeLike, StreamLike
 from ropekv._vector import aligned, vector_width
 
 STEM = "paged"
@@ -127,10 +128,15 @@ def instantiations():
 
 
 def rope_quantize_fp8_append_paged_kv_cache(
-        q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
-        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=1.0,
-        quant_scale_kv=1.0, page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
-        enable_pdl=False, *, stream=None):
+        q_rope: ArrayLike, k_rope: ArrayLike, q_nope: ArrayLike | None, k_nope: ArrayLike | None,
+        v: ArrayLike | None, cos_sin_cache: ArrayLike, pos_ids: ArrayLike,
+        paged_kv_cache: tuple[ArrayLike, ArrayLike], kv_indices: ArrayLike, kv_indptr: ArrayLike,
+        batch_indices: ArrayLike, positions: ArrayLike, is_neox: bool = True,
+        quantize_dtype: DTypeLike | None = None, quant_scale_q: float | ArrayLike = 1.0,
+        quant_scale_kv: float | ArrayLike = 1.0, page_size: int = 16, kv_layout: str = "NHD",
+        q_rope_out: ArrayLike | None = None, q_nope_out: ArrayLike | None = None,
+        enable_pdl: bool = False, *, stream: StreamLike | None = None,
+) -> tuple[ArrayLike, ArrayLike]:
     """Apply RoPE to Q and K, quantize Q, K and V to fp8, and append K/V to a paged KV cache, in
     one launch.
 
@@ -249,10 +255,15 @@ def rope_quantize_fp8_append_paged_kv_cache(
 
 
 def rope_append_paged_kv_cache(
-        q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
-        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=1.0,
-        quant_scale_kv=1.0, page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
-        enable_pdl=False, *, stream=None):
+        q_rope: ArrayLike, k_rope: ArrayLike, q_nope: ArrayLike | None, k_nope: ArrayLike | None,
+        v: ArrayLike | None, cos_sin_cache: ArrayLike, pos_ids: ArrayLike,
+        paged_kv_cache: tuple[ArrayLike, ArrayLike], kv_indices: ArrayLike, kv_indptr: ArrayLike,
+        batch_indices: ArrayLike, positions: ArrayLike, is_neox: bool = True,
+        quantize_dtype: DTypeLike | None = None, quant_scale_q: float | ArrayLike = 1.0,
+        quant_scale_kv: float | ArrayLike = 1.0, page_size: int = 16, kv_layout: str = "NHD",
+        q_rope_out: ArrayLike | None = None, q_nope_out: ArrayLike | None = None,
+        enable_pdl: bool = False, *, stream: StreamLike | None = None,
+) -> tuple[ArrayLike, ArrayLike]:
     """Apply RoPE to Q and K and append K/V to a paged KV cache, in one launch, without
     quantization when the cache has the input dtype.
 
@@ -379,7 +390,7 @@ def _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_ca
                kv_indices, kv_indptr, batch_indices, positions, q_rope_out, q_nope_out, q_scales,
                kv_scales),
               (quantize, ck.check_flag(is_neox, "is_neox"), scalar_key(quantize_dtype),
-               scalar_key(q_scale), scalar_key(kv_scale), scalar_key(page_size),
+               q_scale, kv_scale, scalar_key(page_size),  # scales: reals, never bools
                scalar_key(kv_layout), ck.check_flag(enable_pdl, "enable_pdl"),
                tuple(TUNING.values())), stream)
 

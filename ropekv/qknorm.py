@@ -11,6 +11,7 @@ from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
 from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
+from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import aligned, vector_width
 from ropekv.mla import _given_or_new, cache_scale, check_output
 
@@ -91,11 +92,14 @@ def _kv_scales(kv_scale, cache_dtype):
     return None if s is None else (s, s)
 
 
-def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cache,
-                                          input_row_offsets, cache_lengths, block_table,
-                                          paged_kv_cache, *, epsilon=1e-6, is_neox=True,
-                                          kv_layout="NHD", kv_scale=None, q_out=None,
-                                          enable_pdl=False, stream=None):
+def qk_rmsnorm_rope_append_paged_kv_cache(
+        q: ArrayLike, k: ArrayLike, v: ArrayLike, q_gamma: ArrayLike, k_gamma: ArrayLike,
+        cos_sin_cache: ArrayLike, input_row_offsets: ArrayLike, cache_lengths: ArrayLike,
+        block_table: ArrayLike, paged_kv_cache: tuple[ArrayLike, ArrayLike], *,
+        epsilon: float = 1e-6, is_neox: bool = True, kv_layout: str = "NHD",
+        kv_scale: float | tuple[float, float] | None = None, q_out: ArrayLike | None = None,
+        enable_pdl: bool = False, stream: StreamLike | None = None,
+) -> ArrayLike:
     """Qwen3-style attention input: RMS-normalise each Q and K head, rope both, and append K/V to
     a paged cache over a ragged batch, in one launch.
 

@@ -35,6 +35,7 @@ from ropekv._arrays import (
 )
 from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, cupy_stream, scalar_key
+from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import aligned
 
 STEM = "qkv"
@@ -122,7 +123,7 @@ def instantiations():
 # --------------------------------------------------------------------------------- pack_int4
 
 
-def pack_int4(w_int, *, signed=True):
+def pack_int4(w_int: ArrayLike, *, signed: bool = True) -> ArrayLike:
     """Pack 4-bit integer weights ``(N, K)`` into the ``uint8 (N, K/2)`` layout of
     :func:`fused_qkv_matmul_append_paged_kv_cache`.
 
@@ -196,12 +197,15 @@ def _scales(kv_scale):
     return float(pair[0]), float(pair[1])
 
 
-def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offsets, cache_lengths,
-                                           block_table, paged_kv_cache, *, num_q_heads,
-                                           cos_sin_cache=None, is_neox=True, kv_layout="NHD",
-                                           kv_scale=None, weight_scales=None, group_size=None,
-                                           zero_points=None, out=None, enable_pdl=False,
-                                           stream=None):
+def fused_qkv_matmul_append_paged_kv_cache(
+        hidden_state: ArrayLike, weight: ArrayLike, input_row_offsets: ArrayLike,
+        cache_lengths: ArrayLike, block_table: ArrayLike,
+        paged_kv_cache: tuple[ArrayLike, ArrayLike], *, num_q_heads: int,
+        cos_sin_cache: ArrayLike | None = None, is_neox: bool = True, kv_layout: str = "NHD",
+        kv_scale: float | tuple[float, float] | None = None, weight_scales: ArrayLike | None = None,
+        group_size: int | None = None, zero_points: ArrayLike | None = None,
+        out: ArrayLike | None = None, enable_pdl: bool = False, stream: StreamLike | None = None,
+) -> ArrayLike:
     """QKV projection with K/V appended to a paged KV cache and RoPE on Q and K (MAX's
     ``generic_fused_qkv_matmul_kv_cache_paged_ragged``).
 

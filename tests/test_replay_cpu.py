@@ -1,0 +1,168 @@
+"""Plan replay on a CPU: every op called with stand-ins of CuPy arrays (and of torch tensors where
+torch is not installed) at fake device addresses, the driver stubbed (``tools/hostcost.py``'s
+fakes). What the GPU tests check with real memory, checked here on the records the launches get:
+a replay refills every pointer and adds no plan, a new layout makes a new plan, overlap is
+re-checked from pointers, ``plans.clear()`` forgets the newest plan too, and the unrolled
+signature agrees with the generic one."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ropekv
+from ropekv import _arrays as ar
+from ropekv import _launch
+from tests.test_call_path import CACHE, CASES, OPS, map_arrays
+
+_spec = importlib.util.spec_from_file_location(
+    "ropekv_hostcost", Path(__file__).resolve().parents[1] / "tools" / "hostcost.py")
+hostcost = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hostcost)
+
+
+DECODE = {"qkv": {"lengths": (1, 1)}}  # the kernel path (more tokens run cuBLAS, no CPU stub)
+
+
+def all_ops():
+    return [v for m in (ropekv.contiguous, ropekv.paged, ropekv.mla, ropekv.qknorm, ropekv.qkv)
+            for v in vars(m).values() if isinstance(v, _launch.Op)]
+
+
+class Launches:
+    """The stubbed ``cuLaunchKernel``: records each launch's stream and pointer fields."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv_ptr, extra):
+        rec = ctypes.c_uint64.from_address(argv_ptr).value
+        self.calls.append((stream, rec))
+
+    def pointers(self, k, n):
+        """The first ``n`` 8-byte fields of launch ``k``'s record, as it is now."""
+        return struct.unpack(f"={n}Q", ctypes.string_at(self.calls[k][1], 8 * n))
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    """The fakes of tools/hostcost.py in place of CuPy's array type and the driver; every op's
+    plans cleared before and after (a fake plan must never serve a real array)."""
+    for op in all_ops():
+        op.plans.clear()
+    launches = Launches()
+    monkeypatch.setattr(ar, "_CUPY_ARRAY", hostcost.FakeCupyArray)
+    monkeypatch.setattr(_launch, "function_pointer", lambda *a, **k: 0x1000)
+    monkeypatch.setattr(_launch, "current_stream_ptr", lambda device=-1: 0x5000)
+    monkeypatch.setattr(_launch, "_launch_kernel", launches)
+    monkeypatch.setattr(_launch, "_RUNTIME", [hostcost._Runtime])
+    monkeypatch.setattr(_launch.Output, "_cupy",
+                        lambda self: hostcost.FakeCupyArray(np.empty(self.shape, self.dtype)))
+    yield launches
+    for op in all_ops():
+        op.plans.clear()
+
+
+def fake_torch(monkeypatch):
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("torch is installed: its tensors are tested on the GPU")
+    torch = hostcost._fake_torch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(ar, "_TORCH_TENSOR", torch.Tensor)
+    monkeypatch.setattr(ar, "_TORCH_TO_NUMPY", {})
+    monkeypatch.setattr(ar, "_NUMPY_TO_TORCH", {})
+    monkeypatch.setattr(_launch, "_torch_raw_stream", lambda device: 0x7000)
+    return torch
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+@pytest.mark.parametrize("op", OPS)
+def test_replay_refills_every_pointer(op, kind, stubbed, monkeypatch):
+    convert = hostcost.to_cupy
+    if kind == "torch":
+        fake_torch(monkeypatch)
+        convert = hostcost.to_torch
+    fn, kw = CASES[op](41, **DECODE.get(op, {}))
+    seen = []
+    call = _launch.Op.__call__
+    monkeypatch.setattr(_launch.Op, "__call__",
+                        lambda self, arrays, *a: seen.append(arrays) or call(self, arrays, *a))
+    fn(**map_arrays(kw, convert))
+    assert sum(len(o.plans) for o in all_ops()) == 1 and stubbed.calls
+    n_first = len(stubbed.calls)
+    (op_obj,) = [o for o in all_ops() if o.plans]
+    plan = next(iter(op_obj.plans.values()))
+    for _ in range(2):  # new arrays of the same layout: a replay with their pointers
+        fn(**map_arrays(kw, convert))
+        assert sum(len(o.plans) for o in all_ops()) == 1
+        stream = stubbed.calls[-1][0]
+        assert stream == (0x7000 if kind == "torch" else 0x5000)  # the stream rule
+        ptrs = [0 if a is None else _ptr(a) for a in seen[-1]]
+        launch = plan.steps[-1]
+        fields = stubbed.pointers(len(stubbed.calls) - 1, launch.n_ptr)
+        filled = 0
+        for field, (arg, offset) in zip(fields, launch.slots):
+            if 0 <= arg < len(ptrs) and ptrs[arg]:
+                assert field == ptrs[arg] + offset, "a pointer field was not refilled"
+                filled += 1
+        assert filled >= 3
+    assert len(stubbed.calls) == 3 * n_first  # as many launches per call
+
+
+def _ptr(x):
+    return x.data.ptr if isinstance(x, hostcost.FakeCupyArray) else x.data_ptr()
+
+
+def test_a_new_layout_is_a_new_plan_and_clear_forgets_the_newest(stubbed):
+    fn, kw = CASES["qknorm"](42)
+    fn(**map_arrays(kw, hostcost.to_cupy))
+    fn(**map_arrays(kw, hostcost.to_cupy))
+    op = ropekv.qknorm._OP
+    assert len(op.plans) == 1 and op.plans.last[3] is not None
+    fn(**{**map_arrays(kw, hostcost.to_cupy), "epsilon": 1e-5})  # another flag value
+    assert len(op.plans) == 2
+    op.plans.clear()
+    assert op.plans.last[3] is None
+    fn(**map_arrays(kw, hostcost.to_cupy))
+    assert len(op.plans) == 1
+
+
+def test_replay_rechecks_overlap(stubbed):
+    fn, kw = CASES["qknorm"](43)
+    dev = map_arrays(kw, hostcost.to_cupy)
+    fn(**dev)
+    k = dev["paged_kv_cache"][0]
+    with pytest.raises(ValueError, match="k_cache is written in place but shares memory with "
+                                         "v_cache"):
+        fn(**{**dev, "paged_kv_cache": (k, k)})
+
+
+def test_bool_flag_never_replays_an_int_plan(stubbed):
+    """The newest-plan check compares flags as the dict does: True never takes the plan of 1."""
+    from tests.test_call_path import E4M3
+
+    fn, kw = CASES["qknorm"](44, cache_dtype=E4M3)
+    dev = map_arrays(kw, hostcost.to_cupy)
+    fn(**{**dev, "kv_scale": 1})
+    fn(**{**dev, "kv_scale": 1})  # the newest plan
+    with pytest.raises(TypeError, match="kv_scale must be a real number, got True"):
+        fn(**{**dev, "kv_scale": True})
+
+
+def test_fast_signature_agrees_with_signature(stubbed, monkeypatch):
+    arrays = [hostcost.to_cupy(np.zeros((4, 8), np.float16)), None,
+              hostcost.to_cupy(np.zeros((3, 5, 2), np.int32)[:, ::2])]
+    if importlib.util.find_spec("torch") is None:
+        fake_torch(monkeypatch)
+        arrays.append(hostcost.to_torch(np.zeros((2, 6), np.float32)))
+    names = [f"a{i}" for i in range(len(arrays))]
+    key, ptrs, kinds, keep = ar.signature(arrays, names, None)
+    assert ar.fast_signature(len(arrays))(arrays) == (key, ptrs, kinds)
+    assert ar.fast_signature(len(arrays))([*arrays[:-1], np.zeros(3)]) is None  # NumPy: generic
+    assert ar.fast_signature(1)((None,)) == ((None,), [0], 0)

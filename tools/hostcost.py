@@ -1,0 +1,334 @@
+"""Python host cost of ropekv's call path, measured on a CPU with no GPU.
+
+Every op's decode case of ``ropekv bench`` is built on the host (NumPy), and its arrays are
+replaced by stand-ins of CuPy arrays and torch tensors: objects with the same attributes (pointer,
+shape, strides, dtype, device) at fake device addresses. The driver is stubbed: kernels are never
+compiled or loaded (``function_pointer`` gives a dummy), the launch is a no-op C function called
+through the same ctypes / Cython wrapper (a compiled stub with ``cuLaunchKernel``'s signature when a
+C compiler is around, else a Python no-op), the current device and stream are constants. What is
+timed is then ropekv's own Python work per call: intake, plan key, plan lookup, overlap re-check,
+stream rule, record refill and the call into the launch wrapper.
+
+The stand-ins' attribute reads cost less than the real ones (a torch tensor's pointer, shape,
+strides, dtype and device took about 0.5 us on the H200 host, CuPy's about 0.33 us) and the real
+``cuLaunchKernel`` about 3.6 us, so a GPU host adds those to the figures here.
+
+Usage::
+
+    PYTHONPATH=$PWD python tools/hostcost.py              # replay and first-call costs per case
+    PYTHONPATH=$PWD python tools/hostcost.py --profile    # plus a cProfile of each replay
+    PYTHONPATH=$PWD python tools/hostcost.py --first-profile  # cProfile of the first calls
+
+Run it alone: it installs a stand-in ``torch`` module in ``sys.modules`` for its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import ctypes
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+import numpy as np
+
+CASES = ["contiguous fp16->fp16 64x1", "paged gqa fp16->e4m3 64x1", "paged gqa fp16->e4m3 1x1",
+         "paged mla bf16->e4m3 64x1", "mla rmsnorm bf16->e4m3 128x1", "qknorm bf16->e4m3 64x1",
+         "qkv fp16 K4096 N6144 T1", "qkv fp16 K4096 N6144 T16"]
+
+
+# ---- stand-ins of the frameworks -----------------------------------------------------------
+
+
+class _Memory:
+    """Fake device addresses, 256-byte aligned, never reused."""
+
+    next = 0x7F0000000000
+
+    @classmethod
+    def alloc(cls, nbytes):
+        p = cls.next
+        cls.next += (max(nbytes, 1) + 511) // 256 * 256
+        return p
+
+
+class _Data:
+    __slots__ = ("device_id", "ptr")
+
+    def __init__(self, ptr, device_id):
+        self.ptr, self.device_id = ptr, device_id
+
+
+class FakeCupyArray:
+    """Stands for ``cupy.ndarray``: the attributes ropekv reads."""
+
+    __slots__ = ("data", "device", "dtype", "itemsize", "ndim", "shape", "size", "strides")
+
+    def __init__(self, host):
+        self.shape, self.dtype, self.itemsize = host.shape, host.dtype, host.itemsize
+        self.strides, self.ndim, self.size = host.strides, host.ndim, host.size
+        self.data = _Data(_Memory.alloc(host.nbytes), 0)
+        self.device = 0
+
+
+FakeCupyArray.__module__ = "cupy._core.core"  # ropekv tells CuPy arrays by their module
+
+
+class _TorchDtype:
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"torch.{self.name}"
+
+
+class _TorchDevice:
+    def __init__(self, type_, index):
+        self.type, self.index = type_, index
+
+
+def _fake_torch():
+    torch = types.ModuleType("torch")
+    torch.__version__ = "0.0-hostcost"
+    for name in ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
+                 "int8", "int16", "int32", "int64", "uint8", "bool"):
+        setattr(torch, name, _TorchDtype(name))
+    torch.strided = object()
+
+    class Tensor:
+        """Stands for ``torch.Tensor`` (methods like torch's: ``data_ptr()``, ``stride()``)."""
+
+        __slots__ = ("_device", "_ptr", "_stride", "dtype", "layout", "ndim", "shape")
+
+        def __init__(self, host, dtype=None):
+            self.shape = torch.Size(host.shape)
+            self._stride = tuple(s // host.itemsize for s in host.strides)
+            self.dtype = dtype or getattr(torch, str(host.dtype))
+            self._ptr = _Memory.alloc(host.nbytes)
+            self._device = 0
+            self.layout = torch.strided
+            self.ndim = host.ndim
+
+        def data_ptr(self):
+            return self._ptr
+
+        def stride(self):
+            return self._stride
+
+        def get_device(self):
+            return self._device
+
+        def is_neg(self):
+            return False
+
+        def is_conj(self):
+            return False
+
+        @property
+        def device(self):
+            return _TorchDevice("cuda", self._device)
+
+    class Size(tuple):
+        pass
+
+    torch.Tensor, torch.Size = Tensor, Size
+    torch.device = lambda type_, index=None: _TorchDevice(type_, index)
+    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda device: 0)
+
+    def empty(shape, dtype=None, device=None):
+        np_dtype = next(k for k, v in _np_torch().items() if v is dtype)
+        return Tensor(np.empty(shape, np_dtype), dtype)
+
+    torch.empty = empty
+    return torch
+
+
+def _np_torch():
+    from ropekv import _arrays as ar
+
+    ar._torch_maps()
+    return ar._NUMPY_TO_TORCH
+
+
+def to_cupy(x):
+    return FakeCupyArray(x) if isinstance(x, np.ndarray) else x
+
+
+def to_torch(x):
+    if not isinstance(x, np.ndarray):
+        return x
+    torch = sys.modules["torch"]
+    return torch.Tensor(x, _np_torch()[np.dtype(x.dtype)])
+
+
+# ---- the stubbed driver ----------------------------------------------------------------------
+
+_STUB_C = r"""
+int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, unsigned smem, void* stream, void** params, void** extra) {
+  return 0;
+}
+int cuLaunchKernelEx(const void* config, void* f, void** params, void** extra) { return 0; }
+"""
+
+
+def _stub_library():
+    """A shared library with no-op ``cuLaunchKernel`` / ``cuLaunchKernelEx`` (None without cc)."""
+    folder = tempfile.mkdtemp(prefix="ropekv-hostcost-")
+    src, lib = os.path.join(folder, "stub.c"), os.path.join(folder, "libcudastub.so")
+    with open(src, "w") as f:
+        f.write(_STUB_C)
+    try:
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", lib, src], check=True,
+                       capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return ctypes.CDLL(lib)
+
+
+class _Runtime:
+    @staticmethod
+    def getDevice():  # noqa: N802 - CuPy's name
+        return 0
+
+    @staticmethod
+    def setDevice(device):  # noqa: N802
+        pass
+
+
+def install_stubs():
+    """Replace the framework modules and the driver; returns the stub library (or None)."""
+    sys.modules["torch"] = _fake_torch()
+    from ropekv import _arrays as ar
+    from ropekv import _launch
+
+    ar._CUPY_ARRAY = FakeCupyArray
+    ar._TORCH_TENSOR = sys.modules["torch"].Tensor
+    _launch.function_pointer = lambda *a, **k: 0x1000
+    _launch.current_stream_ptr = lambda device=-1: 0
+    _launch._RUNTIME[0] = _Runtime
+    _launch.Output._cupy = lambda self: FakeCupyArray(np.empty(self.shape, self.dtype))
+    lib = _stub_library()
+    if lib is not None:
+        fn = lib.cuLaunchKernel
+        fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        _launch._launch_kernel = fn  # called as cupy_backends' launchKernel is
+    else:
+        _launch._launch_kernel = lambda *a: 0
+    return lib
+
+
+def host_workloads(names):
+    """``{case: workload}`` of the bench cases, built on the host (NumPy)."""
+    from ropekv import bench
+
+    specs = {s.name: s for s in bench.bench_specs()}
+    module = sys.modules[type(specs[names[0]]).__module__]
+    saved = getattr(module, "_cp", None)
+    module._cp = lambda: np  # the workloads build on the host
+    try:
+        return {n: specs[n].make() for n in names}
+    finally:
+        module._cp = saved
+
+
+class Case:
+    """One workload's call on fake device arrays of one kind."""
+
+    def __init__(self, workload, convert):
+        import copy
+
+        self.w = copy.copy(workload)
+        self.w.a = {k: convert(v) for k, v in workload.a.items()}
+        self.o = {n: self.w.a[n] for n in workload.outputs_names}
+
+    def __call__(self):
+        return self.w.call(self.o)
+
+
+def ops():
+    import ropekv
+    from ropekv import _launch
+
+    return [v for m in (ropekv.contiguous, ropekv.paged, ropekv.mla, ropekv.qknorm, ropekv.qkv)
+            for v in vars(m).values() if isinstance(v, _launch.Op)]
+
+
+def per_call_us(fn, n):
+    for _ in range(200):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+    return best
+
+
+def first_call_us(fn, n=20):
+    times = []
+    for _ in range(n):
+        for op in ops():
+            op.plans.clear()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return float(np.median(times))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", action="store_true", help="cProfile each replay")
+    parser.add_argument("--first-profile", action="store_true", help="cProfile the first calls")
+    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--cases", nargs="*", default=CASES)
+    args = parser.parse_args(argv)
+    lib = install_stubs()
+    print(f"launch stub: {'compiled C (ctypes)' if lib else 'Python no-op'}")
+    workloads = host_workloads(args.cases)
+    rows = []
+    for name, w in workloads.items():
+        cupy_case, torch_case = Case(w, to_cupy), Case(w, to_torch)
+        try:
+            cupy_case()
+        except ImportError as exc:  # the cuBLAS path of the fused QKV op needs the library
+            print(f"{name}: skipped ({exc})")
+            continue
+        first = first_call_us(cupy_case)
+        first_t = first_call_us(torch_case)
+        cp_us = per_call_us(cupy_case, args.calls)
+        th_us = per_call_us(torch_case, args.calls)
+        rows.append((name, first, first_t, cp_us, th_us))
+        for label, case in (("cupy", cupy_case), ("torch", torch_case)):
+            if args.profile:
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(args.calls // 4):
+                    case()
+                prof.disable()
+                print(f"==== replay profile: {name} ({label})")
+                pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(14)
+            if args.first_profile:
+                prof = cProfile.Profile()
+                for _ in range(50):
+                    for op in ops():
+                        op.plans.clear()
+                    prof.enable()
+                    case()
+                    prof.disable()
+                print(f"==== first-call profile: {name} ({label})")
+                pstats.Stats(prof, stream=sys.stdout).sort_stats("cumtime").print_stats(30)
+    print(f"{'case':34s} {'first cupy':>11s} {'first torch':>12s} {'cupy':>8s} {'torch':>8s}")
+    for name, first, first_t, cp_us, th_us in rows:
+        print(f"{name:34s} {first:9.1f}us {first_t:10.1f}us {cp_us:6.2f}us {th_us:6.2f}us")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

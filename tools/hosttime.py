@@ -1,0 +1,157 @@
+"""Eager host time per call of every op's decode case on a GPU, CuPy arrays and torch tensors, and
+the host time of the first call of a new layout (kernels already compiled).
+
+Usage (on a GPU machine, from the repository root)::
+
+    PYTHONPATH=$PWD python tools/hosttime.py [--profile] [--calls N]
+
+Per case: ``first`` is the median over 10 first calls (every op's plans cleared before each, the
+call synchronised), ``cupy`` / ``torch`` the host time per call of back-to-back eager calls with
+CuPy arrays and with zero-copy torch views of them. ``--profile`` adds a cProfile of the torch
+replays and of the first calls of one case. The workloads are ``ropekv bench``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import pstats
+import sys
+import time
+
+CASES = ["contiguous fp16->fp16 64x1", "paged gqa fp16->e4m3 64x1", "paged gqa fp16->e4m3 1x1",
+         "paged mla bf16->e4m3 64x1", "mla rmsnorm bf16->e4m3 128x1", "qknorm bf16->e4m3 64x1",
+         "qkv fp16 K4096 N6144 T1", "qkv fp16 K4096 N6144 T16"]
+
+
+def ops():
+    import ropekv
+    from ropekv import _launch
+
+    return [v for m in (ropekv.contiguous, ropekv.paged, ropekv.mla, ropekv.qknorm, ropekv.qkv)
+            for v in vars(m).values() if isinstance(v, _launch.Op)]
+
+
+def first_call_us(fn, sync, n=10):
+    times = []
+    for _ in range(n):
+        for op in ops():
+            op.plans.clear()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def per_call_us(fn, sync, calls):
+    for _ in range(100):
+        fn()
+    sync()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def floor(sync, calls=20000):
+    """What a call cannot avoid: a bare launch of an empty kernel through the driver wrapper
+    ropekv uses, and the attribute reads of one CuPy array / one torch tensor."""
+    import cupy
+    import torch
+    from cupy_backends.cuda.api.driver import launchKernel
+
+    kernel = cupy.RawKernel('extern "C" __global__ void k(const long long* p) {}', "k")
+    kernel.compile()
+    func = kernel.kernel.ptr
+    rec = cupy.cuda.alloc_pinned_memory(8)
+    args = cupy.cuda.alloc_pinned_memory(8)
+    import ctypes
+
+    ctypes.c_uint64.from_address(args.ptr).value = rec.ptr
+    stream = cupy.cuda.get_current_stream().ptr
+    out = {"bare launchKernel": per_call_us(
+        lambda: launchKernel(func, 1, 1, 1, 32, 1, 1, 0, stream, args.ptr, 0), sync, calls)}
+    a = cupy.empty((64, 8, 128), cupy.float16)
+    t = torch.empty((64, 8, 128), dtype=torch.float16, device="cuda")
+    out["cupy array reads"] = per_call_us(
+        lambda: (a.data.ptr, a.shape, a.strides, a.dtype, a.data.device_id), sync, calls)
+    out["torch tensor reads"] = per_call_us(
+        lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()), sync, calls)
+    get_stream, get_device = cupy.cuda.get_current_stream, cupy.cuda.runtime.getDevice
+    out["cupy current stream"] = per_call_us(lambda: get_stream(0).ptr, sync, calls)
+    out["runtime.getDevice"] = per_call_us(get_device, sync, calls)
+    raw = torch._C._cuda_getCurrentRawStream
+    out["torch current stream"] = per_call_us(lambda: raw(0), sync, calls)
+    out["empty lambda"] = per_call_us(lambda: None, sync, calls)
+    for k, v in out.items():
+        print(f"floor: {k:22s} {v:6.2f} us")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--cases", nargs="*", default=CASES)
+    parser.add_argument("--no-floor", action="store_true")
+    args = parser.parse_args(argv)
+    import cupy
+    import torch
+
+    from ropekv import bench
+
+    def sync():
+        cupy.cuda.runtime.deviceSynchronize()
+
+    specs = {s.name: s for s in bench.bench_specs()}
+    rows = []
+    for name in args.cases:
+        w = specs[name].make()
+        o = w.new_outputs()
+        w.call(o)  # compiles
+        sync()
+        first = first_call_us(lambda: w.call(o), sync)
+        cp_us = per_call_us(lambda: w.call(o), sync, args.calls)
+        wt = copy.copy(w)
+        wt.a = {k: bench._to_torch(v) for k, v in w.a.items()}
+        ot = {k: bench._to_torch(v) for k, v in o.items()}
+        first_t = first_call_us(lambda: wt.call(ot), sync)
+        th_us = per_call_us(lambda: wt.call(ot), torch.cuda.synchronize, args.calls)
+        rows.append((name, first, first_t, cp_us, th_us))
+        print(f"{name:34s} first {first:7.1f} us (torch {first_t:7.1f})   cupy {cp_us:6.2f} us   "
+              f"torch {th_us:6.2f} us", flush=True)
+        if args.profile and name.startswith(("qknorm", "paged gqa fp16->e4m3 64x1")):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.calls):
+                wt.call(ot)
+            prof.disable()
+            torch.cuda.synchronize()
+            print(f"==== replay profile, torch: {name}")
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(20)
+            prof = cProfile.Profile()
+            for _ in range(30):
+                for op in ops():
+                    op.plans.clear()
+                prof.enable()
+                w.call(o)
+                prof.disable()
+            sync()
+            print(f"==== first-call profile, cupy: {name}")
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("cumtime").print_stats(35)
+    if not args.no_floor:
+        floor(sync)
+    print(f"\n{'case':34s} {'first cupy':>11s} {'first torch':>12s} {'cupy':>9s} {'torch':>9s}")
+    for name, first, first_t, cp_us, th_us in rows:
+        print(f"{name:34s} {first:9.1f}us {first_t:10.1f}us {cp_us:7.2f}us {th_us:7.2f}us")
+
+
+if __name__ == "__main__":
+    main()
