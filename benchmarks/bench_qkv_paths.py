@@ -81,7 +81,7 @@ def main():
 
     def report(case, what, us, wbytes=None, extra=""):
         rate = "" if wbytes is None else \
-            f"{wbytes / us / 1e6:7.0f} GB/s {wbytes / us * 1e6 / bw * 100:5.1f}% copy"
+            f"{wbytes / us / 1e6:5.2f} TB/s {wbytes / us * 1e6 / bw * 100:5.1f}% copy"
         print(f"{case:18s} {what:26s} {us:9.2f} us {rate} {extra}", flush=True)
         rows.append({"case": case, "what": what, "us": us, "weight_bytes": wbytes,
                      "extra": extra})
