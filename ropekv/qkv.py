@@ -239,9 +239,11 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     ``generic_fused_qkv_matmul_kv_cache_paged_ragged``).
 
     ``qkv = hidden_state @ W.T`` (float32 accumulation), rows of W ordered [Q heads | K heads |
-    V heads]; Q goes to ``out``, K and V to their pages. Decode-sized batches (T up to
-    ``ropekv.qkv.GEMV_MAX_TOKENS``) run one fused ropekv kernel that streams the weights once;
-    larger ones run cuBLAS then one ropekv epilogue launch (see the module docstring).
+    V heads]; Q goes to ``out``, K and V to their pages. Small batches run one fused ropekv
+    kernel that streams the weights once (CUDA cores up to ``ropekv.qkv.GEMV_MAX_TOKENS``
+    tokens, tensor cores up to ``MMA_MAX_TOKENS``, ``MMA_MAX_TOKENS_QUANTIZED`` for fp8 and
+    4-bit weights); larger ones run cuBLAS then one ropekv epilogue launch (see the module
+    docstring).
 
     Parameters
     ----------
