@@ -1,11 +1,16 @@
 """``fused_qkv_matmul_append_paged_kv_cache``: the QKV projection whose K/V rows land directly in a
 paged KV cache (RoPE on Q and K in the epilogue), and ``pack_int4`` for 4-bit weights.
 
-Two paths, picked by the token count T:
+Three paths, picked by the token count T:
 
-* decode (``T <= GEMV_MAX_TOKENS``): ropekv's own weight-streaming skinny GEMM (``qkv_gemv``),
-  one launch: every weight byte is read once, accumulation is float32, and the epilogue ropes and
-  writes Q to ``out`` and K/V to their pages.
+* small batches (``MMA_MIN_TOKENS <= T <= MMA_MAX_TOKENS``, ``MMA_MAX_TOKENS_QUANTIZED`` for fp8
+  and 4-bit weights, on sm_90 and newer, when D divides 128 and the weights and hidden rows allow
+  16-byte loads): ``qkv_mma``, one launch of tensor-core
+  (``mma.sync``) weight streaming, split-K over a cluster of CTAs (MMA_SPLIT) reduced through distributed
+  shared memory, with the epilogue (RoPE, Q to ``out``, K/V quantized into their pages) fused.
+* decode otherwise (``T <= GEMV_MAX_TOKENS``): ropekv's own weight-streaming skinny GEMM
+  (``qkv_gemv``), one launch: every weight byte is read once, accumulation is float32, and the
+  epilogue ropes and writes Q to ``out`` and K/V to their pages.
 * prefill: cuBLAS (``cublasGemmEx``, float32 accumulation) writes Q|K|V into a temporary, then
   one ropekv launch (``qkv_epilogue``) ropes Q into ``out`` and ropes/scatters K and V into their
   pages. Quantized weights are first dequantized to the input dtype by a ropekv kernel
@@ -14,6 +19,7 @@ Two paths, picked by the token count T:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
@@ -44,7 +50,7 @@ LAYOUTS = ("NHD", "HND")
 W_DENSE, W_FP8, W_INT4 = 0, 1, 2
 
 # Token counts up to this run the fused skinny GEMM; larger ones cuBLAS + the ropekv epilogue.
-# Measured on the H200 (benchmarks/bench_qkv.py), Llama-3-8B fp16 projection: fused 17.4 / 17.6 /
+# Measured on the H200 (then benchmarks/bench_qkv.py; now `ropekv bench --cases qkv`), Llama-3-8B fp16 projection: fused 17.4 / 17.6 /
 # 26.4 us at T = 1 / 2 / 4 (graph replay) against about 22 us for the cuBLAS GEMM alone; the
 # CUDA-core kernel loses from T = 4 on.
 GEMV_MAX_TOKENS = 2
@@ -56,6 +62,27 @@ FAST_INT4 = False
 FAST_INT4_MAX_TILE = 4
 GEMV_WARPS, GEMV_PAIRS = 4, 2  # mirror qkv.cu
 GEMV_SMEM = 46 * 1024  # staged hidden rows, float32, per block (below the 48 KiB default)
+# The tensor-core path (qkv_mma, sm_90+): token counts in [MMA_MIN_TOKENS, MMA_MAX_TOKENS]
+# (MMA_MAX_TOKENS_QUANTIZED for fp8 and 4-bit weights) run it where it applies (see _mma). Measured
+# on the H200 (docs/kernel-notes.md, QKV), Llama-3-8B projection: the CUDA-core qkv_gemv is faster
+# at 1-2 tokens; with fp16 / bf16 weights cuBLAS + the epilogue is as fast from 16 tokens on and
+# faster beyond; with quantized weights the cuBLAS path first dequantizes 25-50 MB and loses at
+# every measured count (up to 128).
+MMA_MIN_TOKENS = 3
+MMA_MAX_TOKENS = 16
+MMA_MAX_TOKENS_QUANTIZED = 128
+# Token tiles: the smallest of MMA_TILES holding T, else several of the largest (adjacent CTAs,
+# so the weights they share come from L2).
+MMA_TILES = (8, 16, 32, 64)
+MMA_ROWS, MMA_WARPS = 128, 4  # mirror qkv.cu
+# CTAs per cluster (the split of K). 4 and 8 measured the same on the H200 (the block scheduler
+# fills one GPC after the other with clusters either way).
+MMA_SPLIT = 8
+MMA_SPLITS = (4, 8)  # the compiled cluster sizes
+MMA_VALS = {W_DENSE: 8, W_FP8: 16, W_INT4: 32}  # k values per 16-byte weight load
+# Dynamic shared memory stays below the 48 KiB a kernel may use without opting in, static
+# shared memory (token slots, request offsets) included.
+MMA_SMEM_MAX = 44 * 1024
 EPILOGUE_BLOCK = 128
 EPILOGUE_WIDTHS = (8, 2, 1)
 DEQUANT_BLOCK = 256
@@ -96,6 +123,10 @@ def gemv_expression(dtype, fmt, vb, tt, fast=True):
                            c_bool(fast and _fast_int4(fmt, vb, tt)))
 
 
+def mma_expression(dtype, fmt, tn, split):
+    return name_expression("qkv_mma", c_type(dtype), fmt, tn, split)
+
+
 def epilogue_expression(dtype, cache_dtype, k_dtype, n):
     return name_expression("qkv_epilogue", c_type(dtype), c_type(cache_dtype), c_type(k_dtype), n)
 
@@ -112,6 +143,8 @@ def instantiations():
                 yield gemv_expression(dtype, fmt, vb, tt)
                 if _fast_int4(fmt, vb, tt):
                     yield gemv_expression(dtype, fmt, vb, tt, fast=False)
+        for fmt, tn, split in itertools.product((W_DENSE, W_FP8, W_INT4), MMA_TILES, MMA_SPLITS):
+            yield mma_expression(dtype, fmt, tn, split)
         for cache_dtype, n in itertools.product((dtype, *FP8_DTYPES), EPILOGUE_WIDTHS):
             yield epilogue_expression(dtype, cache_dtype, dtype, n)
             if cache_dtype in FP8_DTYPES:
@@ -210,9 +243,11 @@ def fused_qkv_matmul_append_paged_kv_cache(
     ``generic_fused_qkv_matmul_kv_cache_paged_ragged``).
 
     ``qkv = hidden_state @ W.T`` (float32 accumulation), rows of W ordered [Q heads | K heads |
-    V heads]; Q goes to ``out``, K and V to their pages. Decode-sized batches (T up to
-    ``ropekv.qkv.GEMV_MAX_TOKENS``) run one fused ropekv kernel that streams the weights once;
-    larger ones run cuBLAS then one ropekv epilogue launch (see the module docstring).
+    V heads]; Q goes to ``out``, K and V to their pages. Small batches run one fused ropekv
+    kernel that streams the weights once (CUDA cores up to ``ropekv.qkv.GEMV_MAX_TOKENS``
+    tokens, tensor cores up to ``MMA_MAX_TOKENS``, ``MMA_MAX_TOKENS_QUANTIZED`` for fp8 and
+    4-bit weights); larger ones run cuBLAS then one ropekv epilogue launch (see the module
+    docstring).
 
     Parameters
     ----------
@@ -310,12 +345,14 @@ def fused_qkv_matmul_append_paged_kv_cache(
                 *paged_kv_cache, cos_sin_cache, weight_scales, zero_points, out),
                (scalar_key(num_q_heads), ck.check_flag(is_neox, "is_neox"), scalar_key(kv_layout),
                 scalar_key(kv_scale), scalar_key(group_size), ck.check_flag(enable_pdl, "enable_pdl"),
-                GEMV_MAX_TOKENS, FAST_INT4), stream)
+                GEMV_MAX_TOKENS, FAST_INT4, MMA_MIN_TOKENS, MMA_MAX_TOKENS,
+                MMA_MAX_TOKENS_QUANTIZED, MMA_SPLIT), stream)
 
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (GEMV or cuBLAS path) or the NumPy backend run."""
-    num_q_heads, is_neox, kv_layout, kv_scale, group_size, pdl, gemv_max, fast_int4 = flags
+    (num_q_heads, is_neox, kv_layout, kv_scale, group_size, pdl, gemv_max, fast_int4, mma_min,
+     mma_max, mma_max_quantized, mma_split) = flags
     vx, vw, voff, vlen, vbt, vk, vv, vt, vws, vzp, vout = views
 
     ck.check_ndim(vx, 2, "(T, K)")
@@ -420,6 +457,10 @@ def _prepare(views, flags):
     if vout is None:
         slots["out"] = (NEW, 0)
 
+    if mma_min <= T <= (mma_max if fmt == W_DENSE else mma_max_quantized):
+        step = _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split)
+        if step is not None:
+            return Plan(device, [step], outputs=outputs, written=written, result=_result)
     n = _epilogue_width(vout, vk, vv, vt, D, R, is_neox)
     if T <= gemv_max or n is None:
         steps = [_gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl)]
@@ -507,6 +548,58 @@ def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl):
     grid = ((N // 2 + pairs_per_block - 1) // pairs_per_block, (T + tt - 1) // tt)
     return Launch(STEM, gemv_expression(dtype, fmt, vb, tt, fast), device, grid,
                   (GEMV_WARPS * 32,), PARAMS, {**fields, "kc": kc}, slots, shared_mem=smem,
+                  pdl=pdl)
+
+
+@functools.cache
+def _compute_capability(device):
+    import cupy
+
+    return int(cupy.cuda.Device(device).compute_capability)
+
+
+def mma_applies(K, D, fmt, group_size, compute_capability=90):
+    """Whether the shape can run the tensor-core path (given 16-byte aligned weight rows and hidden
+    rows, checked per call): thread-block clusters (sm_90), whole heads in a 128-row tile, K in
+    16-byte weight loads (and 4-bit groups of whole loads)."""
+    vals = MMA_VALS[fmt]
+    return (compute_capability >= 90 and MMA_ROWS % D == 0 and K % 8 == 0 and K % vals == 0
+            and (fmt != W_INT4 or group_size % vals == 0))
+
+
+def _mma_slice(K, fmt, split=None):
+    """K values per CTA of the cluster: K / split rounded up to whole chunks (4 loads)."""
+    split = split or MMA_SPLIT
+    chunk = 4 * MMA_VALS[fmt]
+    return -(-(-(-K // split)) // chunk) * chunk
+
+
+def _mma_smem(tn, kc):
+    """Dynamic shared memory of qkv_mma: the staged hidden rows (sw k values at a time), later
+    the float32 partial sums."""
+    sw = min(1024 if tn <= 16 else 512 if tn == 32 else 256, kc)
+    xs_stride = sw + 32 if sw % 64 == 0 else sw
+    return max(tn * xs_stride * 2, tn * (MMA_ROWS + 4) * 4)
+
+
+def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split):
+    """The tensor-core launch, or None where it does not apply."""
+    G = fields["group_size"]
+    if split not in MMA_SPLITS:
+        raise ValueError(f"ropekv.qkv.MMA_SPLIT must be one of {MMA_SPLITS}, got {split}")
+    if not mma_applies(K, D, fmt, G, _compute_capability(device)):
+        return None
+    if not (vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
+            and vx.ptr % 16 == 0 and (T == 1 or vx.strides[0] % 8 == 0)):
+        return None
+    tn = next((t for t in MMA_TILES if t >= T), MMA_TILES[-1])
+    kc = _mma_slice(K, fmt, split)
+    smem = _mma_smem(tn, kc)
+    if smem > MMA_SMEM_MAX:
+        return None
+    tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
+    return Launch(STEM, mma_expression(vx.dtype, fmt, tn, split), device, (split, tiles),
+                  (MMA_WARPS * 32,), PARAMS, {**fields, "kc": kc}, slots, shared_mem=smem,
                   pdl=pdl)
 
 

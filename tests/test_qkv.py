@@ -4,6 +4,7 @@ against the float64 reference (GPU)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import ml_dtypes
@@ -456,6 +457,28 @@ def test_instantiations_cover_every_dispatch():
         for fmt in (0, 1, 2):
             for tt in qkv_mod.GEMV_TILES:
                 assert qkv_mod.gemv_expression(dtype, fmt, 16, tt) in names
+            for tn in qkv_mod.MMA_TILES:
+                assert qkv_mod.mma_expression(dtype, fmt, tn, qkv_mod.MMA_SPLIT) in names
+
+
+def test_mma_applies_and_slices():
+    W = WEIGHT_FORMATS
+    assert qkv_mod.mma_applies(4096, 128, W["dense"], None)
+    assert qkv_mod.mma_applies(96, 32, W["int4"], 32)
+    assert not qkv_mod.mma_applies(4096, 128, W["dense"], None, compute_capability=80)
+    assert not qkv_mod.mma_applies(4096, 96, W["dense"], None)  # D must divide 128
+    assert not qkv_mod.mma_applies(4100, 128, W["dense"], None)  # K in 16-byte loads
+    assert not qkv_mod.mma_applies(4104, 128, W["fp8"], None)
+    assert not qkv_mod.mma_applies(4096, 128, W["int4"], 16)  # groups of whole loads
+    # each CTA of the cluster a whole number of chunks (4 loads), the cluster covering K
+    for K, fmt, split in itertools.product((96, 320, 4096, 8192, 14336), qkv_mod.MMA_VALS,
+                                           qkv_mod.MMA_SPLITS):
+        vals = qkv_mod.MMA_VALS[fmt]
+        kc = qkv_mod._mma_slice(K, fmt, split)
+        assert kc % (4 * vals) == 0 and kc * split >= K
+        assert (kc - 4 * vals) * split < K
+    assert qkv_mod._mma_slice(4096, W["dense"], 8) == 512
+    assert qkv_mod.MMA_SPLIT in qkv_mod.MMA_SPLITS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,11 +504,47 @@ def rounded_weights(args, kw):
     return {**args, "weight": w}, kw
 
 
+WEIGHT_FORMATS = {"dense": qkv_mod.W_DENSE, "fp8": qkv_mod.W_FP8, "int4": qkv_mod.W_INT4}
+
+
+def force_path(monkeypatch, path):
+    """Make the call take ``path`` ("mma", "gemv", "cublas"; None: the thresholds as shipped)."""
+    if path == "mma":
+        monkeypatch.setattr(qkv_mod, "MMA_MIN_TOKENS", 1)
+        monkeypatch.setattr(qkv_mod, "MMA_MAX_TOKENS", 1 << 30)
+        monkeypatch.setattr(qkv_mod, "MMA_MAX_TOKENS_QUANTIZED", 1 << 30)
+    elif path is not None:
+        monkeypatch.setattr(qkv_mod, "MMA_MAX_TOKENS", 0)
+        monkeypatch.setattr(qkv_mod, "MMA_MAX_TOKENS_QUANTIZED", 0)
+        monkeypatch.setattr(qkv_mod, "GEMV_MAX_TOKENS", 1 << 30 if path == "gemv" else 0)
+
+
+def taken_path(args, kw):
+    """The path a call of these (freshly allocated, so aligned) device arrays takes on this GPU."""
+    import cupy as cp
+
+    T, K = args["hidden_state"].shape
+    D = args["paged_kv_cache"][0].shape[3]
+    fmt = {args["hidden_state"].dtype: qkv_mod.W_DENSE, E4M3: qkv_mod.W_FP8,
+           np.dtype(np.uint8): qkv_mod.W_INT4}[args["weight"].dtype]
+    cc = int(cp.cuda.Device().compute_capability)
+    mma_max = (qkv_mod.MMA_MAX_TOKENS if fmt == qkv_mod.W_DENSE
+               else qkv_mod.MMA_MAX_TOKENS_QUANTIZED)
+    if (qkv_mod.MMA_MIN_TOKENS <= T <= mma_max
+            and qkv_mod.mma_applies(K, D, fmt, kw.get("group_size"), cc)):
+        return "mma"
+    return "gemv" if T <= qkv_mod.GEMV_MAX_TOKENS else "cublas"
+
+
 def check_gpu(args, kw, out_given=False, monkeypatch=None, path=None):
     if path is not None:
-        monkeypatch.setattr(qkv_mod, "GEMV_MAX_TOKENS", 1 << 30 if path == "gemv" else 0)
-    cublas = args["hidden_state"].shape[0] > qkv_mod.GEMV_MAX_TOKENS
-    if cublas and args["weight"].dtype != args["hidden_state"].dtype:
+        force_path(monkeypatch, path)
+    taken = taken_path(args, kw)
+    if path is not None:
+        assert taken == path, f"the case cannot take the {path} path"
+    # weights rounded to the input dtype: the cuBLAS path's dequantization, the mma path's 4-bit
+    if (taken == "cublas" and args["weight"].dtype != args["hidden_state"].dtype
+            or taken == "mma" and args["weight"].dtype == np.uint8):
         q_ref, k_ref, v_ref = expected(*rounded_weights(args, kw))
     else:
         q_ref, k_ref, v_ref = expected(args, kw)
@@ -521,12 +580,79 @@ LLAMA = {"K": 4096, "Hq": 32, "Hkv": 8, "D": 128, "R": 128, "P": 4096, "page_siz
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths, path", [((1,), None), ((1,) * 16, None), ((1,) * 7, "gemv"),
-                                           ((40, 0, 89), None), ((5, 2), "cublas")])
+                                           ((40, 0, 89), None), ((5, 2), "cublas"),
+                                           ((1,) * 64, "mma"), ((60, 0, 68), "mma")])
 @pytest.mark.parametrize("wfmt", ["dense", "int4", "fp8"])
 def test_gpu_llama3_8b(lengths, path, wfmt, monkeypatch):
     args, kw = make_case(20, lengths=lengths, wfmt=wfmt, group_size=128,
                          cached=[100 + 37 * i for i in range(len(lengths))], **LLAMA)
     check_gpu(args, kw, monkeypatch=monkeypatch, path=path)
+
+
+# token counts around every switch: GEMV_MAX_TOKENS / MMA_MIN_TOKENS, token tiles 8 / 16 / 32 /
+# 64, MMA_MAX_TOKENS (dense weights), two 64-token tiles, MMA_MAX_TOKENS_QUANTIZED
+SWITCH_TOKENS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", SWITCH_TOKENS)
+@pytest.mark.parametrize("wfmt", ["dense", "fp8", "int4"])
+def test_gpu_token_counts_around_switches(T, wfmt):
+    """The shipped thresholds at every token count around a switch, a Llama-like head layout
+    (D 128, whole heads in a tile), requests of mixed lengths with an empty one."""
+    cuts = sorted({0, T // 3, T // 3, T})  # an empty request
+    lengths = tuple(b - a for a, b in zip(cuts, cuts[1:])) + (0,)
+    dtype = BF16 if T % 2 else F16
+    args, kw = make_case(30 + T, lengths=lengths, wfmt=wfmt, group_size=128,
+                         zero_points=T % 3 == 0, dtype=dtype, cache_dtype=E4M3 if T % 4 == 1
+                         else None, cached=[50 + 7 * i for i in range(len(lengths))],
+                         K=1024, Hq=8, Hkv=2, D=128, R=128, P=512, page_size=16,
+                         layout="HND" if T % 5 == 0 else "NHD")
+    check_gpu(args, kw)
+
+
+@pytest.mark.gpu
+@given(seed=st.integers(0, 2**32 - 1), K=st.sampled_from([96, 320, 512, 2048]),
+       T=st.sampled_from(SWITCH_TOKENS), D=st.sampled_from([16, 32, 64, 128]),
+       heads=st.sampled_from([(4, 2), (6, 1), (3, 3)]), dtype=st.sampled_from([F16, BF16]),
+       cache=st.sampled_from(["same", "e4m3", "e5m2"]), layout=st.sampled_from(["NHD", "HND"]),
+       rope=st.sampled_from(["neox", "interleaved", "partial", "none"]),
+       wfmt=st.sampled_from(["dense", "fp8", "int4"]), zero_points=st.booleans(),
+       page_size=st.sampled_from([1, 4, 16]), out_given=st.booleans(),
+       split=st.sampled_from(qkv_mod.MMA_SPLITS))
+def test_gpu_mma_path(seed, K, T, D, heads, dtype, cache, layout, rope, wfmt, zero_points,
+                      page_size, out_given, split):
+    """The tensor-core path at any token count (forced), partial row tiles (N not a multiple of
+    128), K slices shorter than a chunk or empty, every weight format, hostile page tables and
+    tokens outside every request."""
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.integers(0, T + 1, 2))
+    lengths = (int(cuts[0]), int(cuts[1] - cuts[0]), 0, int(T - cuts[1]))
+    R = {"neox": D, "interleaved": D, "partial": D // 4 * 2 or 2, "none": None}[rope]
+    cache_dtype = {"same": None, "e4m3": E4M3, "e5m2": E5M2}[cache]
+    args, kw = make_case(seed, lengths=lengths, K=K, Hq=heads[0], Hkv=heads[1], D=D, R=R,
+                         P=256, page_size=page_size, layout=layout, dtype=dtype,
+                         cache_dtype=cache_dtype, wfmt=wfmt, group_size=32,
+                         zero_points=zero_points, is_neox=rope != "interleaved",
+                         bad_pages=bool(seed % 2), extra_tokens=int(seed % 3 == 0))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(qkv_mod, "MMA_SPLIT", split)
+        check_gpu(args, kw, out_given=out_given, monkeypatch=mp, path="mma")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 20, 70])
+def test_gpu_mma_many_requests(T):
+    """More requests than the mma kernel stages in shared memory (then it searches the offsets in
+    global memory), most of them empty, on either side of that limit."""
+    for B in (256, 300):
+        lengths = [0] * B
+        for i, b in enumerate(np.random.default_rng(B + T).choice(B, T)):
+            lengths[b] += 1
+        args, kw = make_case(50 + T, lengths=tuple(lengths), K=256, Hq=2, Hkv=1, D=64, R=64,
+                             P=512, page_size=16, wfmt="fp8", cached=[3] * B)
+        with pytest.MonkeyPatch.context() as mp:
+            check_gpu(args, kw, monkeypatch=mp, path="mma")
 
 
 @pytest.mark.gpu
@@ -586,9 +712,9 @@ def test_gpu_strided_hidden_and_caches_sliced_from_one_buffer():
     wide[:, 8:8 + x.shape[1]] = x
     k, v = args["paged_kv_cache"]
     both = cp.asarray(np.stack([k, v], axis=1))  # (pages, 2, ps, Hkv, D): one buffer
-    for path in ("gemv", "cublas"):
+    for path in ("mma", "gemv", "cublas"):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(qkv_mod, "GEMV_MAX_TOKENS", 1 << 30 if path == "gemv" else 0)
+            force_path(mp, path)
             dwide = cp.asarray(wide)
             d = {n: to_device(a) for n, a in args.items()}
             d["hidden_state"] = dwide[:, 8:8 + x.shape[1]]

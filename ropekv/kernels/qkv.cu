@@ -1,7 +1,10 @@
 // Fused QKV projection whose K/V rows land directly in a paged KV cache (MAX's
 // generic_fused_qkv_matmul_kv_cache_paged_ragged), with RoPE on Q and K in the epilogue.
 //
-//   qkv_gemv       decode: weight-streaming skinny GEMM (token tiles of up to 16), epilogue fused.
+//   qkv_mma        small batches (sm_90): tensor-core weight streaming, split-K over a cluster
+//                  reduced through distributed shared memory, epilogue fused; one launch.
+//   qkv_gemv       decode: weight-streaming skinny GEMM (token tiles of up to 16), epilogue fused
+//                  (GPUs without clusters, shapes the mma kernel does not take).
 //   qkv_epilogue   prefill: after cuBLAS wrote Q, K, V into temporaries, rope Q into `out` and
 //                  rope K / scatter K, V into their pages, in one launch.
 //   qkv_dequant    prefill with quantized weights: weights -> the input dtype, for cuBLAS.
@@ -446,6 +449,392 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
     }
     write_pair<T>(p, tok, t0 + lane, rps[i], a, b);
   }
+}
+
+// ---- Small batches: tensor-core weight streaming, split-K over a thread-block cluster ------
+//
+// qkv_mma<T, WF, TN, S>: one cluster of S CTAs per tile of MMA_ROWS output rows (whole heads:
+// the host makes D divide MMA_ROWS) and TN tokens; CTA `rank` of the cluster owns the K slice
+// [rank * kc, (rank + 1) * kc). mma.sync m16n8k16 with the weight rows as M (16 rows a tile) and
+// the tokens as N (8 a tile), float32 accumulation.
+//
+// Fragments straight from global memory: lane l (g = l / 4, c = l % 4) loads 16 bytes of weight
+// row g and of row g + 8 (ld.global.nc, no shuffles) holding VALS consecutive k values
+// [c * VALS, (c + 1) * VALS) of a chunk of 4 * VALS. The k order inside an mma does not change the
+// sum, so each lane's A values (rows g, g + 8) and B values (token g) need only name the same k
+// values at the same slots: the hidden rows are staged in shared memory in exactly that order, and
+// every B fragment is one 16-byte shared load. fp8 and 4-bit weights are dequantized in registers
+// to T before the mma (fp8 exactly, its per-row scale applied to the float32 sum; 4-bit as
+// (q - zero) * scale rounded once to T, as the cuBLAS path's dequantization does).
+//
+// The cluster then reduces its S partial sums through distributed shared memory: each CTA
+// stores its (TN, MMA_ROWS) float32 partial in its shared memory, and after a cluster barrier
+// every CTA finishes a 1/S share of the tile's (token, row pair) items: the sum over the
+// cluster, the fp8 weight scale, RoPE, Q to out, K/V to their pages (write_pair).
+constexpr int MMA_WARPS = 4;
+constexpr int MMA_ROWS = 128;          // rows per tile: 32 per warp (two m16 tiles)
+constexpr int MMA_MT = MMA_ROWS / (16 * MMA_WARPS);
+constexpr int MMA_PART_STRIDE = MMA_ROWS + 4;  // float32 partial row (conflict-free stores)
+constexpr int MMA_REQ_CAP = 256;       // requests whose offsets and lengths go to shared memory
+
+template <typename T>
+struct is_half {
+  static constexpr bool value = false;
+};
+template <>
+struct is_half<__half> {
+  static constexpr bool value = true;
+};
+
+__device__ __forceinline__ uint4 ldg_stream(const void* ptr) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(ptr));
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                         unsigned a3, unsigned b0, unsigned b1) {
+  if constexpr (is_half<T>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// Two e4m3 codes (the low 16 bits of x, k order) as a T pair, exactly.
+template <typename T>
+__device__ __forceinline__ unsigned fp8x2_to(unsigned x) {
+  unsigned h;
+  asm("{ .reg .b16 lo; mov.b32 {lo, _}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(h) : "r"(x));
+  if constexpr (is_half<T>::value) {
+    return h;
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+    return *reinterpret_cast<const unsigned*>(&b);
+  }
+}
+
+// 4-bit: nibbles i and i + 4 of word w (k values i, i + 4 of its 8) as a T pair of
+// (q - zero) * scale. magic holds 2^10 + q (fp16) or 2^7 + q (bf16) exactly; sub = magic's
+// offset + zero, so the difference q - zero is exact and the product is rounded once.
+template <typename T>
+__device__ __forceinline__ unsigned int4_pair(unsigned w, int i, unsigned sub, unsigned scale) {
+  constexpr unsigned MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
+  const unsigned m = ((w >> (4 * i)) & 0x000F000Fu) | MAGIC;
+  if constexpr (is_half<T>::value) {
+    const __half2 r = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&m),
+                                      *reinterpret_cast<const __half2*>(&sub)),
+                              *reinterpret_cast<const __half2*>(&scale));
+    return *reinterpret_cast<const unsigned*>(&r);
+  } else {
+    const __nv_bfloat162 r =
+        __hmul2(__hsub2(*reinterpret_cast<const __nv_bfloat162*>(&m),
+                        *reinterpret_cast<const __nv_bfloat162*>(&sub)),
+                *reinterpret_cast<const __nv_bfloat162*>(&scale));
+    return *reinterpret_cast<const unsigned*>(&r);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ unsigned pair_of(float x) {
+  const T h = from_float<T>(x);
+  const unsigned short bits = *reinterpret_cast<const unsigned short*>(&h);
+  return unsigned(bits) | (unsigned(bits) << 16);
+}
+
+// clusters exist from sm_90 on; the sm_80 build keeps an empty kernel (the host never picks it)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define MMA_CLUSTER_DIMS
+#else
+#define MMA_CLUSTER_DIMS __cluster_dims__(S, 1, 1)
+#endif
+
+// S: CTAs per cluster, along K (the host picks it to fill the GPCs, see qkv.py)
+template <typename T, int WF, int TN, int S>
+__global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE && TN == 64 ? 3 : 4)
+    qkv_mma(const QkvParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  pdl_launch_dependents();
+  pdl_wait();
+  constexpr int VALS = WF == W_DENSE ? 8 : WF == W_FP8 ? 16 : 32;  // k values per 16-byte load
+  constexpr int CH = 4 * VALS;                                    // k values per chunk (a quad)
+  constexpr int UNITS = VALS / 8;  // 16-byte units (8 T values) of B per lane and chunk
+  constexpr int NT = TN / 8;
+  // chunks in flight per lane (registers: 168 at most for 3 CTAs an SM)
+  constexpr int U = WF == W_INT4 ? 2 : TN <= 32 ? 4 : 2;
+  extern __shared__ __align__(16) unsigned char mma_smem[];
+  T* xs = reinterpret_cast<T*>(mma_smem);           // (TN, xs_stride): the hidden slice
+  float* part = reinterpret_cast<float*>(mma_smem);  // after the main loop: (TN, PART_STRIDE)
+  __shared__ TokenSlot slots[TN];
+  __shared__ unsigned req_off[MMA_REQ_CAP + 1];  // offsets and cache lengths when B is small
+  __shared__ int req_len[MMA_REQ_CAP];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int rank = blockIdx.x;  // == the rank in the cluster (cluster dims (S, 1, 1))
+  const int tiles_t = (p.T + TN - 1) / TN;
+  const int row0 = (blockIdx.y / tiles_t) * MMA_ROWS;  // token tiles of a row tile adjacent:
+  const int t0 = (blockIdx.y % tiles_t) * TN;           // they share the weights in L2
+  const int nt = min(TN, p.T - t0);
+  const int kbeg = rank * p.kc;
+  const int klen = max(0, min(p.kc, p.K - kbeg));
+  const int nchunks = (klen + CH - 1) / CH;
+  // The hidden slice is staged sw k values at a time (shared memory for 4 CTAs an SM at TN 64);
+  // sw is a multiple of the U chunks a step consumes, or the whole slice. Row stride 64 bytes
+  // mod 128, so the 8 token rows of a B load hit distinct banks.
+  constexpr int XW = TN <= 16 ? 1024 : TN == 32 ? 512 : 256;
+  const int sw = min(XW, p.kc);
+  const int xs_stride = sw % 64 == 0 ? sw + 32 : sw;
+
+  // ---- weight loads: U chunks in flight, refilled as they are consumed
+  const unsigned char* wrow[MMA_MT][2];
+  bool wlive[MMA_MT][2];
+  int wn[MMA_MT][2];
+#pragma unroll
+  for (int m = 0; m < MMA_MT; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = row0 + warp * (16 * MMA_MT) + m * 16 + h * 8 + g;
+      wn[m][h] = n;
+      wlive[m][h] = n < p.N;
+      wrow[m][h] = static_cast<const unsigned char*>(p.weight) +
+                   i64(wlive[m][h] ? n : 0) * p.weight_row_bytes;
+    }
+  uint4 a[U][MMA_MT][2];
+  unsigned zsub[U][MMA_MT][2], zscale[U][MMA_MT][2];  // 4-bit: (offset + zero, scale) T pairs
+  auto issue = [&](int u, int ci) {
+    const int k = kbeg + ci * CH + c * VALS;
+    const bool on = ci < nchunks && k < kbeg + klen;
+#pragma unroll
+    for (int m = 0; m < MMA_MT; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const bool live = on && wlive[m][h];
+        const i64 byte = WF == W_DENSE ? i64(k) * 2 : WF == W_FP8 ? i64(k) : i64(k >> 1);
+        a[u][m][h] = live ? ldg_stream(wrow[m][h] + byte) : make_uint4(0, 0, 0, 0);
+        if constexpr (WF == W_INT4) {
+          const int grp = k / p.group_size;
+          const T s = live ? static_cast<const T*>(p.weight_scales)[i64(wn[m][h]) * p.ws_s0 + grp]
+                           : from_float<T>(0.f);
+          const float z = live && p.zero_points
+                              ? float(static_cast<const unsigned char*>(
+                                          p.zero_points)[i64(wn[m][h]) * p.zp_s0 + grp] &
+                                      0xF)
+                              : 8.f;
+          const unsigned short sb = *reinterpret_cast<const unsigned short*>(&s);
+          zscale[u][m][h] = unsigned(sb) | (unsigned(sb) << 16);
+          zsub[u][m][h] = pair_of<T>((is_half<T>::value ? 1024.f : 128.f) + z);
+        }
+      }
+  };
+#pragma unroll
+  for (int u = 0; u < U; ++u) issue(u, u);
+
+  // Token addressing without stalling the stream: offsets and cache lengths are read into shared
+  // memory with the first hidden stage (one round trip for all), the request search runs there,
+  // and the block-table load of each token is issued at once but first used in the epilogue.
+  const bool req_smem = p.B <= MMA_REQ_CAP;
+  if (req_smem) {
+    for (int i = threadIdx.x; i <= p.B; i += blockDim.x) {
+      req_off[i] = p.offsets[i];
+      if (i < p.B) req_len[i] = p.cache_lengths[i];
+    }
+  }
+  // Stage the slice offsets [s0, s0 + sw) of the hidden rows (cp.async, zero past T and K): the
+  // 16-byte unit of k values [8u, 8u + 8) of lane c's share of chunk ch lands at
+  // ch * CH + u * 32 + c * 8, where lane c's B load of unit u finds it.
+  auto stage = [&](int s0) {
+    const T* hidden = static_cast<const T*>(p.hidden);
+    const int units_row = sw >> 3;
+    for (int i = threadIdx.x; i < TN * units_row; i += blockDim.x) {
+      const int t = i / units_row, kq = (i - t * units_row) * 8;  // offset in the stage
+      const bool on = t < nt && s0 + kq < klen;
+      const T* src = on ? hidden + i64(t0 + t) * p.hidden_s0 + kbeg + s0 + kq : hidden;
+      const int ch = kq / CH, pos = kq - ch * CH, lc = pos / VALS, j = (pos - lc * VALS) >> 3;
+      const unsigned dst = static_cast<unsigned>(
+          __cvta_generic_to_shared(xs + t * xs_stride + ch * CH + j * 32 + lc * 8));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                   :: "r"(dst), "l"(src), "r"(on ? 16 : 0) : "memory");
+    }
+    asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
+  };
+
+  float acc[MMA_MT][NT][4];
+#pragma unroll
+  for (int m = 0; m < MMA_MT; ++m)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
+
+  PagedSlot slot{-1, -1, -1, 0};  // threads < TN: token t0 + threadIdx.x
+  i64 bt_index = 0;
+  int bt_page = -1;
+  if (nchunks == 0 && threadIdx.x < TN && int(threadIdx.x) < nt) {  // an empty K slice
+    slot = ragged_position(p.offsets, p.cache_lengths, p.B, t0 + threadIdx.x);
+    if (slot.request >= 0 && slot.pos >= 0) {
+      bt_index = div_pos(slot.pos, p.page_size);
+      if (bt_index < p.max_pages) bt_page = p.block_table[slot.request * p.bt_s0 + bt_index];
+    }
+  }
+  int sbase = 0;  // slice offset of the staged k values
+  for (int base = 0; base < nchunks; base += U) {
+    if ((base * CH) % sw == 0) {  // the next sw values (the weights keep streaming meanwhile)
+      if (base) __syncthreads();
+      sbase = base * CH;
+      stage(sbase);
+      __syncthreads();
+      if (base == 0 && threadIdx.x < TN) {  // the request search, the block-table load issued
+        const int t = t0 + threadIdx.x;
+        slot = int(threadIdx.x) < nt
+                   ? (req_smem ? ragged_position(req_off, req_len, p.B, t)
+                               : ragged_position(p.offsets, p.cache_lengths, p.B, t))
+                   : PagedSlot{-1, -1, -1, 0};
+        if (slot.request >= 0 && slot.pos >= 0) {
+          bt_index = div_pos(slot.pos, p.page_size);
+          if (bt_index < p.max_pages) {
+            bt_page = p.block_table[slot.request * p.bt_s0 + bt_index];
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int ci = base + u;
+      if (ci >= nchunks) break;
+#pragma unroll
+      for (int j = 0; j < UNITS; ++j) {
+        // A fragments of unit j (two mmas): af[m][s][0..3] for mma s of the unit
+        unsigned af[MMA_MT][2][4];
+#pragma unroll
+        for (int m = 0; m < MMA_MT; ++m) {
+          unsigned r[2][4];  // [h][pair]: the unit's 4 T pairs of rows g (h 0) and g + 8 (h 1)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint4 v = a[u][m][h];
+            if constexpr (WF == W_DENSE) {
+              r[h][0] = v.x; r[h][1] = v.y; r[h][2] = v.z; r[h][3] = v.w;
+            } else if constexpr (WF == W_FP8) {
+              const unsigned w0 = j == 0 ? v.x : v.z, w1 = j == 0 ? v.y : v.w;
+              r[h][0] = fp8x2_to<T>(w0);
+              r[h][1] = fp8x2_to<T>(w0 >> 16);
+              r[h][2] = fp8x2_to<T>(w1);
+              r[h][3] = fp8x2_to<T>(w1 >> 16);
+            } else {
+              const unsigned w = j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+#pragma unroll
+              for (int i = 0; i < 4; ++i)
+                r[h][i] = int4_pair<T>(w, i, zsub[u][m][h], zscale[u][m][h]);
+            }
+          }
+#pragma unroll
+          for (int s = 0; s < 2; ++s) {
+            af[m][s][0] = r[0][2 * s];
+            af[m][s][1] = r[1][2 * s];
+            af[m][s][2] = r[0][2 * s + 1];
+            af[m][s][3] = r[1][2 * s + 1];
+          }
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          uint4 b = *reinterpret_cast<const uint4*>(xs + (n * 8 + g) * xs_stride +
+                                                    ci * CH - sbase + j * 32 + c * 8);
+          if constexpr (WF == W_INT4) {  // the 4-bit decode's order (0, 4), (1, 5), (2, 6), (3, 7)
+            const uint4 v = b;
+            b.x = __byte_perm(v.x, v.z, 0x5410);
+            b.y = __byte_perm(v.x, v.z, 0x7632);
+            b.z = __byte_perm(v.y, v.w, 0x5410);
+            b.w = __byte_perm(v.y, v.w, 0x7632);
+          }
+#pragma unroll
+          for (int m = 0; m < MMA_MT; ++m) {
+            mma16816<T>(acc[m][n], af[m][0][0], af[m][0][1], af[m][0][2], af[m][0][3], b.x, b.y);
+            mma16816<T>(acc[m][n], af[m][1][0], af[m][1][1], af[m][1][2], af[m][1][3], b.z, b.w);
+          }
+        }
+      }
+      issue(u, ci + U);
+    }
+  }
+
+  // ---- token slots finished (the block-table load has long landed), partial sums to shared
+  // memory, then the cluster's reduction and the epilogue
+  if (threadIdx.x < TN) {
+    TokenSlot r{-1, -1, -1};
+    if (slot.request >= 0 && slot.pos >= 0 && (!p.cos_sin || slot.pos < p.P) &&
+        slot.pos <= 0x7fffffff) {
+      r.pos = int(slot.pos);
+      if (bt_index < p.max_pages && bt_page >= 0 && bt_page < p.num_pages) {
+        const int entry = int(slot.pos - bt_index * p.page_size);
+        r.k_off = i64(bt_page) * p.k_page + i64(entry) * p.k_entry;
+        r.v_off = i64(bt_page) * p.v_page + i64(entry) * p.v_entry;
+      }
+    }
+    slots[threadIdx.x] = r;
+  }
+  __syncthreads();  // every warp is done with xs
+#pragma unroll
+  for (int m = 0; m < MMA_MT; ++m)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int rl = warp * (16 * MMA_MT) + m * 16 + g, tt = n * 8 + 2 * c;
+      part[tt * MMA_PART_STRIDE + rl] = acc[m][n][0];
+      part[(tt + 1) * MMA_PART_STRIDE + rl] = acc[m][n][1];
+      part[tt * MMA_PART_STRIDE + rl + 8] = acc[m][n][2];
+      part[(tt + 1) * MMA_PART_STRIDE + rl + 8] = acc[m][n][3];
+    }
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+  const bool rope = p.cos_sin != nullptr;
+  const unsigned part_addr = static_cast<unsigned>(__cvta_generic_to_shared(part));
+  unsigned remote[S];
+#pragma unroll
+  for (int r = 0; r < S; ++r)
+    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote[r]) : "r"(part_addr), "r"(r));
+  constexpr int PAIRS = MMA_ROWS / 2;
+  const int pairs_total = p.N >> 1;
+  for (int w = rank * blockDim.x + threadIdx.x; w < nt * PAIRS; w += S * blockDim.x) {
+    const int t = w / PAIRS, pl = w - t * PAIRS;
+    const int gp = (row0 >> 1) + pl;
+    if (gp >= pairs_total) continue;
+    const RowPair rp = row_pair(gp, p.D, p.R, p.Hq, p.Hkv, rope, p.is_neox);
+    const int na = rp.head * p.D + rp.da, nb = rp.head * p.D + rp.db;
+    const unsigned oa = unsigned(t * MMA_PART_STRIDE + na - row0) * 4u;
+    const unsigned ob = unsigned(t * MMA_PART_STRIDE + nb - row0) * 4u;
+    float va[S], vb[S];
+#pragma unroll
+    for (int r = 0; r < S; ++r) {
+      asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(va[r]) : "r"(remote[r] + oa));
+      asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(vb[r]) : "r"(remote[r] + ob));
+    }
+    float sa = 0.f, sb = 0.f;
+#pragma unroll
+    for (int r = 0; r < S; ++r) {
+      sa += va[r];
+      sb += vb[r];
+    }
+    if constexpr (WF == W_FP8) {
+      const float* ws = static_cast<const float*>(p.weight_scales);
+      sa *= ws[na];
+      sb *= ws[nb];
+    }
+    write_pair<T>(p, slots[t], t0 + t, rp, sa, sb);
+  }
+  // no CTA leaves while another may still read its shared memory
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+#endif
 }
 
 // ---- Prefill epilogue: RoPE on Q into out, K/V from temporaries into their pages -------------
