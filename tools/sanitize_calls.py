@@ -23,18 +23,25 @@ CALLS = [
     ("mla", {"cache_dtype": E4M3, "split": True}),
     ("qknorm", {}),
     ("qknorm", {"cache_dtype": E4M3, "layout": "HND"}),
-    ("qkv", {"lengths": (1,)}),  # the fused GEMV kernel
-    ("qkv", {}),  # cuBLAS and the epilogue
-    ("qkv", {"wfmt": "int4", "cache_dtype": E4M3}),  # dequantize, cuBLAS, fp8 epilogue
+    ("qkv", {"lengths": (1,)}),  # the CUDA-core GEMV kernel
     ("qkv", {"wfmt": "fp8", "lengths": (1, 1)}),
+    ("qkv", {}),  # 6 tokens: the tensor-core kernel (qkv_mma)
+    ("qkv", {"wfmt": "int4", "cache_dtype": E4M3}),  # qkv_mma, 4-bit weights, fp8 cache
+    ("qkv", {"lengths": (20, 5, 0, 3)}),  # 28 fp16 tokens: cuBLAS and the epilogue
+    ("qkv", {"wfmt": "int4", "cache_dtype": E4M3, "lengths": (100, 40)}),  # dequantize, cuBLAS
 ]
+
+
+def runs_cublas(case):
+    tokens = sum(case.get("lengths", (3, 1, 0, 2)))
+    quantized = case.get("wfmt", "dense") != "dense"
+    return tokens > (ropekv.qkv.MMA_MAX_TOKENS_QUANTIZED if quantized else ropekv.qkv.MMA_MAX_TOKENS)
 
 
 def main():
     tool = sys.argv[1] if len(sys.argv) > 1 else ""
     for op, case in CALLS:
-        tokens = sum(case.get("lengths", (3, 1, 0, 2)))
-        if tool == "initcheck" and op == "qkv" and tokens > ropekv.qkv.GEMV_MAX_TOKENS:
+        if tool == "initcheck" and op == "qkv" and runs_cublas(case):
             # The cuBLAS path: initcheck reports the epilogue's reads of the GEMM output as
             # uninitialised (it does not see cuBLAS's Hopper kernels store it, through the
             # tensor-memory engine); the results match the reference and memcheck runs it clean.
