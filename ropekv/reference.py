@@ -63,7 +63,9 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, kv_end_lens=None, posi
     table = cos_sin_cache if cos_sin_cache.ndim == 3 else cos_sin_cache[None]
     P = table.shape[1]
     fp8 = is_fp8(kv_cache.dtype)
-    k_scale, v_scale = (float(kv_scale[0]), float(kv_scale[1])) if fp8 else (1.0, 1.0)
+    # kv_scale: a number or 0-d array (one scale for K and V), or a pair / (2,) array
+    k_scale, v_scale = (np.broadcast_to(np.asarray(kv_scale, np.float64).reshape(-1), (2,))
+                        if fp8 else (1.0, 1.0))
     for b in range(B):
         start = 0 if kv_end_lens is None else int(kv_end_lens[b]) - S
         if start >= C or start + S <= 0:  # every slot outside [0, C) (and int64-safe below)

@@ -231,8 +231,50 @@ def test_index_arrays_must_be_contiguous():
 
 
 def test_fp8_cache_needs_kv_scale():
-    bad(r"kv_scale \(float32, shape \(2,\)\) is required for a float8_e4m3fn kv_cache",
-        kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3))
+    bad(r"kv_scale \(a number, a pair, or float32 of shape \(2,\) or \(\)\) is required for a "
+        r"float8_e4m3fn kv_cache", kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3))
+
+
+@pytest.mark.parametrize("scale", [0.5, 2, np.float32(0.5), np.array(0.5, np.float32),
+                                   (0.5, 2.0), np.array(0.5, np.float32)[None][0]])
+def test_kv_scale_as_constants_matches_the_array(scale):
+    """A number, a 0-d array or a pair is the same as the (2,) array it spells."""
+    args = make_case(11, cache_dtype=E4M3)
+    pair = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1), (2,)).copy()
+    ref = copy_args(args)
+    ref["kv_scale"] = pair
+    call(ref)
+    args["kv_scale"] = scale
+    call(args)
+    assert_bytes_equal(args["kv_cache"], ref["kv_cache"])
+    assert_bytes_equal(args["q"], ref["q"])
+
+
+def test_kv_scale_0d_array_is_one_scale_for_k_and_v():
+    args = make_case(12, cache_dtype=E4M3)
+    ref = copy_args(args)
+    ref["kv_scale"] = np.full(2, 0.75, np.float32)
+    call(ref)
+    args["kv_scale"] = np.array(0.75, np.float32)  # 0-d host array: a constant
+    call(args)
+    assert_bytes_equal(args["kv_cache"], ref["kv_cache"])
+
+
+@pytest.mark.parametrize("scale, exc, match", [
+    (True, TypeError, "kv_scale must be a real number, got True of type bool"),
+    (np.bool_(True), TypeError, "kv_scale must be a real number"),
+    (0.0, ValueError, "kv_scale must be a finite positive number, got 0.0"),
+    (float("nan"), ValueError, "kv_scale must be a finite positive number"),
+    ((1.0, -1.0), ValueError, r"kv_scale\[1\] must be a finite positive number"),
+    ((1.0, 2.0, 3.0), ValueError, "kv_scale must be a number, a"),
+    ("1.0", TypeError, "kv_scale must be a NumPy array, a CuPy array"),
+])
+def test_kv_scale_constants_are_checked(scale, exc, match):
+    bad(match, exc, kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3), kv_scale=scale)
+
+
+def test_kv_scale_constant_only_for_fp8():
+    bad("kv_scale is only used with float8 caches, but kv_cache is float16", kv_scale=1.0)
 
 
 def test_kv_scale_only_for_fp8():
@@ -241,8 +283,17 @@ def test_kv_scale_only_for_fp8():
 
 
 def test_kv_scale_shape():
-    bad(r"kv_scale must have shape \(2,\) = \(2,\), got \(3,\)",
+    bad(r"kv_scale must have shape \(2,\) or \(\) = \(2,\), got \(3,\)",
         kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3), kv_scale=np.ones(3, np.float32))
+    bad(r"kv_scale must have shape \(2,\) or \(\), got \(1, 2\)",
+        kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3), kv_scale=np.ones((1, 2), np.float32))
+
+
+def test_non_bool_flags_are_refused():
+    for flag in ("write_k_in_place", "is_neox", "enable_pdl"):
+        args = make_case(5)
+        with pytest.raises(TypeError, match=f"{flag} must be a bool, got 'no'"):
+            call(args, **{flag: "no"})
 
 
 def test_last_dim_must_be_contiguous():
@@ -342,6 +393,35 @@ def test_fp8_saturates_on_device():
     check_against_reference(args)
     cache = to_numpy(device_args(args)["kv_cache"])
     assert cache.shape[0] == 2
+
+
+@pytest.mark.gpu
+@given(seed=seeds, form=st.sampled_from(["float", "pair", "host 0-d", "device 0-d", "device (2,)"]),
+       cache_dtype=st.sampled_from([E4M3, np.dtype(ml_dtypes.float8_e5m2)]),
+       S=st.integers(1, 40))
+def test_kernel_kv_scale_forms_match_the_reference(seed, form, cache_dtype, S):
+    """Constant scales (a number, a pair, a 0-d host array) and device arrays ((2,), ()) give the
+    reference's cache; unaddressed slots stay."""
+    import cupy as cp
+
+    args = make_case(seed, S=S, Hq=8, Hkv=2, D=128, R=128, C=S + 8, P=S + 8,
+                     cache_dtype=cache_dtype)
+    k_s, v_s = (float(x) for x in args["kv_scale"])
+    scale = {"float": k_s, "pair": (k_s, v_s), "host 0-d": np.array(k_s, np.float32),
+             "device 0-d": cp.asarray(np.array(k_s, np.float32)),
+             "device (2,)": cp.asarray(args["kv_scale"])}[form]
+    if form in ("float", "host 0-d", "device 0-d"):
+        args["kv_scale"][:] = k_s
+    expected = copy_args(args)
+    call(expected)
+    dev = device_args({n: x for n, x in args.items() if n != "kv_scale"})
+    call(dev, kv_scale=scale)
+    assert_close(dev["q"], expected["q"], "q")
+    got = to_numpy(dev["kv_cache"])
+    assert_close(got, expected["kv_cache"], "kv_cache")
+    untouched = ~addressed_slots(args, S)
+    assert_bytes_equal(got.transpose(0, 3, 1, 2, 4)[untouched],
+                       args["kv_cache"].transpose(0, 3, 1, 2, 4)[untouched], "unaddressed slots")
 
 
 @pytest.mark.gpu
