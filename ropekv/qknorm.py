@@ -18,6 +18,7 @@ STEM = "qknorm"
 KERNEL = "qk_rmsnorm_rope_append"
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 KV_LAYOUTS = ("NHD", "HND")
+NORM_ORDERS = ("before_rope", "after_rope")
 
 PARAMS = ParamStruct("QKNormParams", [
     *((n, np.uint64) for n in ("q", "q_out", "k", "v", "q_gamma", "k_gamma", "cos_sin",
@@ -25,7 +26,7 @@ PARAMS = ParamStruct("QKNormParams", [
     *((n, np.int64) for n in ("q_st", "q_sh", "qo_st", "qo_sh", "k_st", "k_sh", "v_st", "v_sh",
                               "cs_sp", "bt_sb", "kc_sp", "kc_se", "kc_sh", "vc_sp", "vc_se",
                               "vc_sh", "num_pages")),
-    *((n, np.float32) for n in ("epsilon", "inv_k_scale", "inv_v_scale")),
+    *((n, np.float32) for n in ("epsilon", "weight_offset", "inv_k_scale", "inv_v_scale")),
     *((n, np.int32) for n in ("T", "B", "Hq", "Hkv", "D", "R", "P", "max_pages", "page_size",
                               "q_gamma_f32", "k_gamma_f32", "group", "rows")),
 ])
@@ -68,15 +69,18 @@ def launch_shape(T, H, group):
 
 
 
-def expression(dtype, cache_dtype, is_neox, n, rows=1):
-    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n, rows)
+def expression(dtype, cache_dtype, is_neox, n, rows=1, post=False):
+    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n, rows,
+                           c_bool(post))
 
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
     for rows in ROWS:
-        yield from rope_instantiations(
-            lambda *a, rows=rows: expression(*a, rows), INPUT_DTYPES, FP8_DTYPES)
+        for post in (False, True):
+            yield from rope_instantiations(
+                lambda *a, rows=rows, post=post: expression(*a, rows, post), INPUT_DTYPES,
+                FP8_DTYPES)
 
 
 def _kv_scales(kv_scale, cache_dtype):
@@ -95,6 +99,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
                                           input_row_offsets, cache_lengths, block_table,
                                           paged_kv_cache, *, epsilon=1e-6, is_neox=True,
                                           kv_layout="NHD", kv_scale=None, q_out=None,
+                                          norm_order="before_rope", weight_offset=0.0,
                                           enable_pdl=False, stream=None):
     """Qwen3-style attention input: RMS-normalise each Q and K head, rope both, and append K/V to
     a paged cache over a ragged batch, in one launch.
@@ -130,6 +135,16 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     q_out : array, (T, Hq, D), the dtype of ``q``, optional
         Receives the normalised, roped queries; ``q`` itself means in place. By default a new
         array in the caller's array type; any other array must not overlap an argument.
+    norm_order : "before_rope" or "after_rope"
+        ``"before_rope"`` (Qwen3, the default) normalises each head and then ropes it;
+        ``"after_rope"`` ropes first and normalises the rotated row (FlashInfer Cake's
+        ``qk_norm_policy=1``, TensorRT-Edge-LLM's ``qkNormPostRope``). A rotation keeps a row's
+        sum of squares, so the two differ only in where ``gamma`` meets the rotation.
+    weight_offset : float
+        Added to every ``q_gamma`` and ``k_gamma`` value in float32 before use: 0.0 (default)
+        uses the weights as they are, 1.0 gives Gemma's ``(1 + w)`` convention, whose
+        checkpoints store ``w`` centred on 0. A number, not a ``gemma=`` flag, so it states the
+        arithmetic rather than naming a model; finite and non-negative.
     enable_pdl : bool
         Launch with programmatic dependent launch (see :func:`ropekv.apply_rope_write_kv`).
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
@@ -142,8 +157,9 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
 
     Notes
     -----
-    Each head row becomes ``rope(x / sqrt(mean(x^2) + epsilon) * gamma)``, in float32 and rounded
-    once (Hugging Face's Qwen3 rounds to the model dtype between the norm and the rope; this does
+    Each head row becomes ``rope(x / sqrt(mean(x^2) + epsilon) * gamma)`` (``norm_order=
+    "after_rope"``: ``rope(x) / sqrt(mean(x^2) + epsilon) * gamma``) with ``gamma = weight +
+    weight_offset``, in float32 and rounded once (Hugging Face's Qwen3 rounds to the model dtype between the norm and the rope; this does
     not). V is written unchanged (quantized for fp8 caches). A token outside every request, or
     whose position falls outside ``[0, P)``, has its q row copied unchanged and writes nothing; a
     token whose page is outside the block table row or the cache is normalised and roped but
@@ -185,13 +201,17 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
                 block_table, *paged_kv_cache, q_out),
                (scalar_key(epsilon), ck.check_flag(is_neox, "is_neox"), scalar_key(kv_layout),
                 scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl"),
-                tuple(TUNING.values())), stream)
+                tuple(TUNING.values()), scalar_key(norm_order), scalar_key(weight_offset)),
+               stream)
 
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
-    epsilon, is_neox, kv_layout, kv_scale, pdl, _ = flags
+    epsilon, is_neox, kv_layout, kv_scale, pdl, _, norm_order, weight_offset = flags
     ck.check_choice(kv_layout, "kv_layout", KV_LAYOUTS)
+    ck.check_choice(norm_order, "norm_order", NORM_ORDERS)
+    post = norm_order == "after_rope"
+    weight_offset = ck.check_float(weight_offset, "weight_offset", positive=False)
     vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vgiven = views
 
     ck.check_ndim(vq, 3, "(T, Hq, D)")
@@ -246,7 +266,7 @@ def _prepare(views, flags):
                 reference.qk_rmsnorm_rope_append_paged_kv_cache(
                     vq.host, vk.host, vv.host, vqg.host, vkg.host, vt.host, voff.host, vlen.host,
                     vbt.host, vkc.host, vvc.host, vout.host, epsilon, is_neox, kv_layout,
-                    k_scale, v_scale)
+                    k_scale, v_scale, norm_order, weight_offset)
 
         return Plan(HOST, outputs=outputs, written=written, inplace=inplace, result=result,
                     host=host)
@@ -295,7 +315,8 @@ def _prepare(views, flags):
         k_st=vk.strides[0], k_sh=vk.strides[1], v_st=vv.strides[0], v_sh=vv.strides[1],
         cs_sp=vt.strides[0], bt_sb=vbt.strides[0],
         kc_sp=kc[0], kc_se=kc[1], kc_sh=kc[2], vc_sp=vc[0], vc_se=vc[1], vc_sh=vc[2],
-        num_pages=num_pages, epsilon=epsilon, inv_k_scale=1.0 / k_scale,
+        num_pages=num_pages, epsilon=epsilon, weight_offset=weight_offset,
+        inv_k_scale=1.0 / k_scale,
         inv_v_scale=1.0 / v_scale, T=T, B=B, Hq=Hq, Hkv=Hkv, D=D, R=R, P=P, max_pages=max_pages,
         page_size=page_size, q_gamma_f32=int(vqg.dtype == FLOAT32),
         k_gamma_f32=int(vkg.dtype == FLOAT32), group=group, rows=rows)))
@@ -304,8 +325,8 @@ def _prepare(views, flags):
     slots = {f: (i, 0) for i, f in enumerate(fields)}
     if vgiven is None:
         slots["q_out"] = (12, 0)  # the new output follows the 12 arguments
-    launch = Launch(STEM, expression(vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows)), device,
-                    (T, splits), (block,), PARAMS, values, slots, pdl=pdl)
+    launch = Launch(STEM, expression(vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows), post),
+                    device, (T, splits), (block,), PARAMS, values, slots, pdl=pdl)
     return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace,
                 result=result)
 

@@ -177,11 +177,14 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
 def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cache,
                                           input_row_offsets, cache_lengths, block_table, k_cache,
                                           v_cache, q_out, epsilon=1e-6, is_neox=True,
-                                          kv_layout="NHD", k_scale=1.0, v_scale=1.0):
+                                          kv_layout="NHD", k_scale=1.0, v_scale=1.0,
+                                          norm_order="before_rope", weight_offset=0.0):
     """Reference of :func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache`, written in place.
 
     Caches are ``(num_pages, page_size, Hkv, D)`` (NHD) or ``(num_pages, Hkv, page_size, D)``
     (HND). Tokens with no valid position have their q row copied unchanged and write nothing.
+    ``norm_order="after_rope"`` ropes first and normalises the rotated row; the weights are
+    ``gamma + weight_offset``.
     """
     T = q.shape[0]
     P = cos_sin_cache.shape[0]
@@ -193,15 +196,22 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     write = roped & (page >= 0)
     cos, sin = split_cos_sin(cos_sin_cache[np.where(roped, pos, 0)])
     cos, sin = cos[:, None, :], sin[:, None, :]
+    q_w = np.asarray(q_gamma, np.float64) + float(weight_offset)
+    k_w = np.asarray(k_gamma, np.float64) + float(weight_offset)
+
+    def norm_rope(x, w, c, s):
+        if norm_order == "after_rope":
+            return rms_norm(rope(x, c, s, is_neox), w, epsilon)
+        return rope(rms_norm(x, w, epsilon), c, s, is_neox)
+
     qf = np.array(q, np.float64)
-    qf[roped] = rope(rms_norm(qf[roped], q_gamma, epsilon), cos[roped], sin[roped], is_neox)
+    qf[roped] = norm_rope(qf[roped], q_w, cos[roped], sin[roped])
     q_out[...] = to_dtype(qf, q_out.dtype)
     if not write.any():
         return
     fp8 = is_fp8(k_cache.dtype)
     ks, vs = (float(k_scale), float(v_scale)) if fp8 else (1.0, 1.0)
-    kf = rope(rms_norm(np.asarray(k[write], np.float64), k_gamma, epsilon), cos[write],
-              sin[write], is_neox)
+    kf = norm_rope(np.asarray(k[write], np.float64), k_w, cos[write], sin[write])
     vf = np.asarray(v[write], np.float64)
     pg, en = page[write], entry[write]
     if kv_layout == "NHD":

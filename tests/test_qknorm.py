@@ -58,7 +58,7 @@ def make_case(seed, *, Hq=8, Hkv=2, D=32, R=None, dtype=np.float16, cache_dtype=
     return args, {"kv_layout": layout}
 
 
-def expected(args, kw, is_neox=True, kv_scale=None, epsilon=1e-6):
+def expected(args, kw, is_neox=True, kv_scale=None, epsilon=1e-6, **options):
     kc, vc = (c.copy() for c in args["paged_kv_cache"])
     q_out = np.empty_like(args["q"])
     fp8 = kc.dtype in FP8_DTYPES
@@ -67,7 +67,7 @@ def expected(args, kw, is_neox=True, kv_scale=None, epsilon=1e-6):
     reference.qk_rmsnorm_rope_append_paged_kv_cache(
         args["q"], args["k"], args["v"], args["q_gamma"], args["k_gamma"],
         args["cos_sin_cache"], args["input_row_offsets"], args["cache_lengths"],
-        args["block_table"], kc, vc, q_out, epsilon, is_neox, kw["kv_layout"], ks, vs)
+        args["block_table"], kc, vc, q_out, epsilon, is_neox, kw["kv_layout"], ks, vs, **options)
     return q_out, kc, vc
 
 
@@ -134,6 +134,57 @@ def test_prefix_cached_run_equals_full_prefill(seed, layout, is_neox):
         assert_bytes_equal(a, b)
 
 
+@given(seed=seeds, is_neox=st.booleans(), layout=st.sampled_from(["NHD", "HND"]))
+def test_norm_order_commutes_with_a_uniform_weight(seed, is_neox, layout):
+    """A weight of one value per row commutes with the rotation: both orders agree (reference),
+    and the NumPy backend is the reference."""
+    args, kw = make_case(seed, layout=layout)
+    args["q_gamma"][:] = 1.25
+    args["k_gamma"][:] = 0.75
+    outs = []
+    for order in ("before_rope", "after_rope"):
+        q_ref, kc_ref, vc_ref = expected(args, kw, is_neox, norm_order=order)
+        outs.append((q_ref, kc_ref, vc_ref))
+        run = dict(args, paged_kv_cache=tuple(c.copy() for c in args["paged_kv_cache"]))
+        q = op(**run, **kw, is_neox=is_neox, norm_order=order)
+        np.testing.assert_array_equal(q, q_ref)
+        for got, ref in zip(run["paged_kv_cache"], (kc_ref, vc_ref)):
+            assert_bytes_equal(got, ref)
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=2e-3,
+                                   atol=2e-3)
+
+
+def test_norm_after_rope_differs_with_a_varying_weight():
+    """The two orders are different maths when gamma varies along the row (not a no-op flag)."""
+    args, kw = make_case(6, new=(2,), cached=(5,))
+    before, _, _ = expected(args, kw)
+    after, _, _ = expected(args, kw, norm_order="after_rope")
+    x = args["q"].astype(np.float64)
+    table = args["cos_sin_cache"][5:7].astype(np.float64)
+    cos, sin = table[:, None, :16], table[:, None, 16:]
+    rot = reference.rope(x, cos, sin, True)
+    want = rot / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * args["q_gamma"]
+    np.testing.assert_allclose(after.astype(np.float64), want, rtol=2e-3, atol=2e-3)
+    assert np.abs(after.astype(np.float64) - before.astype(np.float64)).max() > 0.1
+
+
+@pytest.mark.parametrize("order", ["before_rope", "after_rope"])
+def test_weight_offset_adds_to_the_weights(order):
+    """Gemma's (1 + w): weight_offset=1 with w equals offset 0 with 1 + w (NumPy backend)."""
+    args, kw = make_case(7)
+    args["q_gamma"] = (args["q_gamma"] - 1).astype(np.float32)
+    args["k_gamma"] = (args["k_gamma"] - 1).astype(np.float32)
+    plain = dict(args, q_gamma=args["q_gamma"] + np.float32(1),
+                 k_gamma=args["k_gamma"] + np.float32(1),
+                 paged_kv_cache=tuple(c.copy() for c in args["paged_kv_cache"]))
+    q_gemma = op(**args, **kw, weight_offset=1.0, norm_order=order)
+    q_plain = op(**plain, **kw, norm_order=order)
+    np.testing.assert_array_equal(q_gemma, q_plain)
+    for a, b in zip(args["paged_kv_cache"], plain["paged_kv_cache"]):
+        assert_bytes_equal(a, b)
+
+
 def test_in_place_q():
     args, kw = make_case(2, packed=True)
     q_ref, _, _ = expected(args, kw)
@@ -196,6 +247,23 @@ def test_cache_dtype_and_scale():
         paged_kv_cache=tuple(np.zeros((12, 4, 2, 32), E4M3) for _ in range(2)))
 
 
+def test_norm_order_and_weight_offset_are_checked():
+    bad(ValueError, "norm_order must be one of 'before_rope', 'after_rope', got 'post'",
+        kw_extra={"norm_order": "post"})
+    bad(ValueError, "norm_order must be one of", kw_extra={"norm_order": True})
+    bad(TypeError, "weight_offset must be a real number, got True", kw_extra={"weight_offset": True})
+    bad(TypeError, "weight_offset must be a real number", kw_extra={"weight_offset": "1"})
+    bad(ValueError, "weight_offset must be a finite non-negative number",
+        kw_extra={"weight_offset": float("inf")})
+    bad(ValueError, "weight_offset must be a finite non-negative number",
+        kw_extra={"weight_offset": -1.0})
+
+
+def test_non_bool_flags_are_refused():
+    for flag in ("is_neox", "enable_pdl"):
+        bad(TypeError, f"{flag} must be a bool, got 1", kw_extra={flag: 1})
+
+
 def test_offsets_dtype():
     bad(TypeError, "input_row_offsets must have dtype",
         input_row_offsets=np.array([0, 3, 3, 5], np.float32))
@@ -210,12 +278,13 @@ def test_q_out_overlap():
 # ---- GPU ---------------------------------------------------------------------------------------
 
 
-def check_on_device(args, kw, *, is_neox=True, in_place=False, kv_scale=None, given=False):
+def check_on_device(args, kw, *, is_neox=True, in_place=False, kv_scale=None, given=False,
+                    **options):
     """Run the kernel on copies of ``args`` and compare with the reference (``given``: into a
-    pre-allocated output)."""
+    pre-allocated output; ``options``: the norm_order and weight_offset keywords)."""
     import cupy as cp
 
-    q_ref, kc_ref, vc_ref = expected(args, kw, is_neox, kv_scale)
+    q_ref, kc_ref, vc_ref = expected(args, kw, is_neox, kv_scale, **options)
     mask = written_rows(args, kw)
     dev = {k: to_device(v) for k, v in args.items() if k not in ("q", "k", "v")}
     _T, Hq, _D = args["q"].shape
@@ -228,7 +297,7 @@ def check_on_device(args, kw, *, is_neox=True, in_place=False, kv_scale=None, gi
     extra = {"q_out": dev["q"]} if in_place else {}
     if given:
         extra = {"q_out": cp.full(dev["q"].shape, np.nan, dev["q"].dtype)}
-    out = op(**dev, **kw, is_neox=is_neox, kv_scale=kv_scale, **extra)
+    out = op(**dev, **kw, is_neox=is_neox, kv_scale=kv_scale, **extra, **options)
     assert isinstance(out, cp.ndarray)
     if extra:
         assert out is extra["q_out"]
@@ -246,9 +315,11 @@ def check_on_device(args, kw, *, is_neox=True, in_place=False, kv_scale=None, gi
        layout=st.sampled_from(["NHD", "HND"]), is_neox=st.sampled_from([True, True, False]),
        page_size=st.sampled_from([1, 16, 32]),
        new=st.lists(st.integers(0, 24), min_size=1, max_size=4), gamma_f32=st.booleans(),
-       in_place=st.booleans(), packed=st.booleans())
+       in_place=st.booleans(), packed=st.booleans(),
+       norm_order=st.sampled_from(["before_rope", "after_rope"]),
+       weight_offset=st.sampled_from([0.0, 0.0, 1.0, 0.5]))
 def test_kernel_matches_reference(seed, dtype, data, heads, layout, is_neox, page_size, new,
-                                  gamma_f32, in_place, packed):
+                                  gamma_f32, in_place, packed, norm_order, weight_offset):
     Hq, Hkv = heads
     D, R = data.draw(st.sampled_from([(128, 128), (128, 128), (64, 64), (128, 64), (256, 256),
                                       (80, 40)]))
@@ -260,7 +331,7 @@ def test_kernel_matches_reference(seed, dtype, data, heads, layout, is_neox, pag
                          new=new, cached=cached, page_size=page_size, layout=layout,
                          gamma_f32=gamma_f32, packed=packed)
     check_on_device(args, kw, is_neox=is_neox, in_place=in_place and not packed,
-                    kv_scale=kv_scale)
+                    kv_scale=kv_scale, norm_order=norm_order, weight_offset=weight_offset)
 
 
 @pytest.mark.gpu
@@ -359,8 +430,18 @@ def test_hostile_indices_never_write_out_of_bounds(tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype", [BF16, E4M3])
-def test_matches_flashinfer_cake(cache_dtype):
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_gemma_style_rope_then_norm_decode_and_prefill(layout):
+    """Both options on at once, at decode and prefill launch shapes, bf16 weights."""
+    for new, cached, seed in (((1,) * 8, tuple(range(0, 80, 10)), 50), ((40, 3, 0), (0, 7, 2), 51)):
+        args, kw = make_case(seed, Hq=16, Hkv=8, D=256, dtype=BF16, new=new, cached=cached,
+                             page_size=16, layout=layout, gamma_f32=False, packed=True)
+        check_on_device(args, kw, norm_order="after_rope", weight_offset=1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype, policy", [(BF16, 2), (E4M3, 2), (BF16, 1)])
+def test_matches_flashinfer_cake(cache_dtype, policy):
     """FlashInfer 0.7.2's Cake kernels (packed bf16 qkv, Qwen3-32B heads 64/8/128, NHD, float32
     weights, norm then RoPE) on the same inputs: the same q (the fp8 kernel's q is e4m3) and the
     same cache rows."""
@@ -377,14 +458,15 @@ def test_matches_flashinfer_cake(cache_dtype):
     new, cached = (1, 7, 0, 20), (5, 0, 3, 30)
     args, kw = make_case(41, Hq=64, Hkv=8, D=128, dtype=BF16, cache_dtype=cache_dtype, new=new,
                          cached=cached, page_size=16, packed=True)
-    q_ref, kc_ref, vc_ref = expected(args, kw)
+    order = {1: "after_rope", 2: "before_rope"}[policy]  # Cake's qk_norm_policy
+    q_ref, kc_ref, vc_ref = expected(args, kw, norm_order=order)
     T = args["q"].shape[0]
     qkv = to_device(np.ascontiguousarray(args["q"].base))
     dev = {k: to_device(v) for k, v in args.items() if k != "paged_kv_cache"}
     dev.update(q=qkv[:, :64], k=qkv[:, 64:72], v=qkv[:, 72:])
     ours = tuple(to_device(c) for c in args["paged_kv_cache"])
     theirs = tuple(to_device(c) for c in args["paged_kv_cache"])
-    out = op(**{**dev, "paged_kv_cache": ours}, **kw)
+    out = op(**{**dev, "paged_kv_cache": ours}, **kw, norm_order=order)
 
     def t(x):
         if x.dtype == BF16:
@@ -399,7 +481,7 @@ def test_matches_flashinfer_cake(cache_dtype):
     weights = {"q_norm_weight": t(dev["q_gamma"]), "k_norm_weight": t(dev["k_gamma"])}
     if cache_dtype == BF16:
         q_fi = cake_bf16(*common, t(theirs[0]), t(theirs[1]), num_q_heads=64, num_kv_heads=8,
-                         qk_norm_policy=2, clear_unused_last_page_rows=False, **weights)
+                         qk_norm_policy=policy, clear_unused_last_page_rows=False, **weights)
         assert_close(out, q_ref, "q_out")
         assert_close(q_fi, to_numpy(out), "q_out vs Cake")
     else:

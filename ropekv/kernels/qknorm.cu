@@ -22,6 +22,7 @@ struct QKNormParams {
   i64 kc_sp, kc_se, kc_sh, vc_sp, vc_se, vc_sh;  // page, entry, head strides (layout-free)
   i64 num_pages;
   float epsilon;
+  float weight_offset;             // added to every q_gamma and k_gamma value (Gemma: 1)
   float inv_k_scale, inv_v_scale;  // stored = fp8(x * inv_scale); 1 for 16-bit caches
   int T, B, Hq, Hkv, D, R, P, max_pages, page_size, q_gamma_f32, k_gamma_f32;
   int group;  // lanes per head row: a power of two <= 32 dividing blockDim.x
@@ -50,7 +51,10 @@ struct QKNormShared {
 // holds one row, lane j chunk j; a block of blockDim.x / G groups takes p.rows rows per group, so
 // grid (T, splits) with splits = ceil(H / (blockDim.x / G * p.rows)): decode splits a token's rows
 // over several blocks (one row per group), prefill gives a block a whole token.
-//   y = rope(x / sqrt(mean(x^2) + epsilon) * gamma), in float32, rounded once.
+//   y = rope(x / sqrt(mean(x^2) + epsilon) * gamma), in float32, rounded once; with POST (norm
+//   after RoPE) y = rope(x) / sqrt(mean(x^2) + epsilon) * gamma: a rotation keeps the row's sum
+//   of squares, so the sums are the same and only the order of gamma and the rotation changes.
+//   gamma is the weight plus p.weight_offset (Gemma's (1 + w)), added once when it is staged.
 // Order, so that the dependent index loads overlap the row loads:
 //   1. the rows (they depend on nothing); 2. the RMSNorm weights and, for batches of at most
 //   kStageMax requests, the offsets and cache lengths, into shared memory; the sums of squares;
@@ -63,7 +67,7 @@ struct QKNormShared {
 // A token outside every request, or with a position outside [0, P), has its q row copied
 // unchanged and writes nothing; a token whose page is out of range is normalised and roped but
 // writes nothing.
-template <typename T, typename CacheT, bool NEOX, int N, int ROWS>
+template <typename T, typename CacheT, bool NEOX, int N, int ROWS, bool POST>
 __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh) {
   const i64 t = blockIdx.x;
   const int G = p.group;
@@ -105,8 +109,8 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
     unsigned off = 0;
     int len = 0;
     if (i < p.D) {
-      gq = weight_at<T>(p.q_gamma, p.q_gamma_f32, i);
-      gk = weight_at<T>(p.k_gamma, p.k_gamma_f32, i);
+      gq = weight_at<T>(p.q_gamma, p.q_gamma_f32, i) + p.weight_offset;
+      gk = weight_at<T>(p.k_gamma, p.k_gamma_f32, i) + p.weight_offset;
     }
     if (i < n_stage) off = p.offsets[i];
     if (i < n_stage - 1) len = p.cache_lengths[i];
@@ -119,8 +123,8 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
     if (i < n_stage - 1) sh.lengths[i] = len;
   }
   for (int i = threadIdx.x + blockDim.x; i < p.D; i += blockDim.x) {  // D > blockDim.x
-    sh.gamma[0][i] = weight_at<T>(p.q_gamma, p.q_gamma_f32, i);
-    sh.gamma[1][i] = weight_at<T>(p.k_gamma, p.k_gamma_f32, i);
+    sh.gamma[0][i] = weight_at<T>(p.q_gamma, p.q_gamma_f32, i) + p.weight_offset;
+    sh.gamma[1][i] = weight_at<T>(p.k_gamma, p.k_gamma_f32, i) + p.weight_offset;
     sh.gamma[2][i] = 1.f;
   }
   for (int i = threadIdx.x + blockDim.x; i < n_stage; i += blockDim.x) {  // B >= blockDim.x
@@ -191,24 +195,23 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
     const float* g = sh.gamma[norm ? (is_q ? 0 : 1) : 2];
     float a[N], b[N], ga[N], gb[N];
     to_floats<T, N>(va[u], a);
+    if (pair) to_floats<T, N>(vb[u], b);
+    float cu[M], su[M];
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      cu[i] = norm ? c[i] : 1.f;
+      su[i] = norm ? sn[i] : 0.f;
+    }
+    if (POST && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
     load_float<float, N>(g + ea, ga);
 #pragma unroll
     for (int i = 0; i < N; ++i) a[i] *= rms * ga[i];
     if (pair) {
-      to_floats<T, N>(vb[u], b);
       load_float<float, N>(g + eb, gb);
 #pragma unroll
       for (int i = 0; i < N; ++i) b[i] *= rms * gb[i];
     }
-    if (rotary) {
-      float cu[M], su[M];
-#pragma unroll
-      for (int i = 0; i < M; ++i) {
-        cu[i] = norm ? c[i] : 1.f;
-        su[i] = norm ? sn[i] : 0.f;
-      }
-      rotate_chunk<NEOX, N, M>(a, b, cu, su);
-    }
+    if (!POST && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
     if (!live) continue;
     if (is_q) {
       T* dst = q_row + h * p.qo_sh;
@@ -223,11 +226,12 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
   }
 }
 
-// One kernel per ROWS (1, 2 or 4): the register budget follows the rows a thread holds.
-template <typename T, typename CacheT, bool NEOX, int N, int ROWS>
+// One kernel per ROWS (1, 2 or 4): the register budget follows the rows a thread holds. POST:
+// RoPE then norm (FlashInfer Cake's qk_norm_policy 1, TensorRT-Edge-LLM's qkNormPostRope).
+template <typename T, typename CacheT, bool NEOX, int N, int ROWS, bool POST>
 __global__ void __launch_bounds__(512) qk_rmsnorm_rope_append(const QKNormParams p) {
   __shared__ __align__(16) QKNormShared sh;
   pdl_launch_dependents();
   pdl_wait();
-  qk_rows<T, CacheT, NEOX, N, ROWS>(p, sh);
+  qk_rows<T, CacheT, NEOX, N, ROWS, POST>(p, sh);
 }
