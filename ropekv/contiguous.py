@@ -19,6 +19,7 @@ from ropekv._arrays import (
 )
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
 from ropekv._launch import Launch, Op, ParamStruct, Plan, scalar_key
+from ropekv._mrope import check_mrope
 from ropekv._vector import aligned, vector_width
 
 STEM = "contiguous"
@@ -42,7 +43,8 @@ PARAMS = ParamStruct("RopeWriteKVParams", [
                               "v_sh", "c_sb", "c_skv", "c_sh", "c_st", "cs_sb", "cs_sp")),
     *((n, np.float32) for n in ("inv_k_scale", "inv_v_scale")),
     *((n, np.int32) for n in ("B", "S", "Hq", "Hkv", "D", "R", "C", "P", "write_k_in_place",
-                              "group", "rows", "index64", "v_scale_index")),
+                              "group", "rows", "index64", "v_scale_index", "mrope", "mrope_t",
+                              "mrope_h", "mrope_w", "mrope_interleaved")),
 ])
 
 # the array arguments, in the order the public function hands them to the call path; each is
@@ -74,8 +76,8 @@ def instantiations():
 
 
 def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, position_ids=None,
-                        kv_scale=None, write_k_in_place=False, is_neox=True, enable_pdl=False,
-                        stream=None):
+                        kv_scale=None, write_k_in_place=False, is_neox=True, mrope_section=None,
+                        mrope_interleaved=False, enable_pdl=False, stream=None):
     """Apply RoPE to Q and K and write K/V into a contiguous KV cache, in one launch.
 
     Mirrors TensorRT-Edge-LLM's ``launchApplyRopeWriteKV`` family. Its three launchers map onto
@@ -109,7 +111,9 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
         None means slot ``s`` (prefill into an empty cache).
     position_ids : array, (B, S), int32 or int64, optional
         RoPE position of each token (tree decoding); by default the slot. A negative id marks
-        padding: that token is neither roped nor written.
+        padding: that token is neither roped nor written. With ``mrope_section``: ``(3, B, S)``,
+        each token's temporal, height and width positions (required); a token with any of them
+        outside ``[0, P)`` is skipped.
     kv_scale : float, (float, float), or float32 array (2,) or (), optional
         K and V dequantization scales, required for fp8 caches: stored = fp8(x / scale), rounded
         to nearest even and saturated to the largest finite value. A number (or a 0-d NumPy
@@ -121,6 +125,13 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
         Also write the roped K back into ``k``.
     is_neox : bool
         True rotates half-split pairs (i, i + R/2); False interleaved pairs (2i, 2i + 1).
+    mrope_section : (int, int, int), optional
+        mRoPE (Qwen2-VL): ``(t, h, w)`` rotary half-dims per axis, summing to R/2; half-dim i
+        takes its angle from the temporal position for ``i < t``, height for ``t <= i < t + h``,
+        width otherwise (``docs/conventions.md``).
+    mrope_interleaved : bool
+        Qwen3-VL's interleaved mRoPE: height when ``i % 3 == 1`` and ``i < 3h``, width when
+        ``i % 3 == 2`` and ``i < 3w``, temporal otherwise.
     enable_pdl : bool
         Launch with programmatic dependent launch (Hopper and later): the kernel may start while
         the previous kernel on the stream finishes, and waits for it before reading memory.
@@ -171,7 +182,8 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
     return _OP((q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, scale_array),
                (ck.check_flag(write_k_in_place, "write_k_in_place"),
                 ck.check_flag(is_neox, "is_neox"), ck.check_flag(enable_pdl, "enable_pdl"),
-                scalar_key(scale), tuple(TUNING.values())),
+                scalar_key(scale), tuple(TUNING.values()), scalar_key(mrope_section),
+                ck.check_flag(mrope_interleaved, "mrope_interleaved")),
                stream)
 
 
@@ -202,7 +214,7 @@ def _constant_scales(value):
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
-    write_k_in_place, is_neox, pdl, const_scale, _ = flags
+    write_k_in_place, is_neox, pdl, const_scale, _, mrope_section, mrope_interleaved = flags
     vq, vk, vv, vc, vt, vlens, vpos, vscale = views
 
     ck.check_ndim(vq, 4, "(B, S, Hq, D)")
@@ -231,7 +243,8 @@ def _prepare(views, flags):
         ck.check_shape(vlens, (B,), "(B,)")
         ck.check_dtype(vlens, INDEX_DTYPES)
         ck.check_contiguous(vlens)
-    if vpos is not None:
+    sections = check_mrope(mrope_section, mrope_interleaved, R, vpos, (3, B, S), "(3, B, S)")
+    if vpos is not None and sections is None:
         ck.check_shape(vpos, (B, S), "(B, S)")
         ck.check_dtype(vpos, INDEX_DTYPES)
         ck.check_contiguous(vpos)
@@ -258,13 +271,14 @@ def _prepare(views, flags):
     if vscale is not None and (device == HOST or ck.check_indices_enabled()):
         ck.check_scale_values(vscale)
     if ck.check_indices_enabled():
-        _check_indices(vlens, vpos, B, S, C, P)
+        _check_indices(vlens, vpos, B, S, C, P, sections is not None)
     if device == HOST:
         def host(v, _):
             reference.apply_rope_write_kv(
                 vq.host, vk.host, vv.host, vc.host, vt.host,
                 None if vlens is None else vlens.host, None if vpos is None else vpos.host,
-                scales if vscale is None else vscale.host, write_k_in_place, is_neox)
+                scales if vscale is None else vscale.host, write_k_in_place, is_neox, sections,
+                mrope_interleaved)
 
         return Plan(HOST, written=written, host=host if B * S else None)
     if B * S == 0:
@@ -298,7 +312,9 @@ def _prepare(views, flags):
         B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=C, P=P, write_k_in_place=int(write_k_in_place),
         group=items, rows=rows, index64=(int(vlens is not None and vlens.dtype == INT64)
                  | 2 * int(vpos is not None and vpos.dtype == INT64)),
-        v_scale_index=int(vscale is not None and vscale.ndim == 1))
+        v_scale_index=int(vscale is not None and vscale.ndim == 1), mrope=int(bool(sections)),
+        mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
+        mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved))
     launch = Launch(STEM, expression(vq.dtype, vc.dtype, is_neox, n), device, (B * S, splits),
                     (block,), PARAMS,
                     dict(zip(PARAMS.names, values)),
@@ -309,9 +325,10 @@ def _prepare(views, flags):
 _OP = Op("apply_rope_write_kv", ARRAYS, _prepare)
 
 
-def _check_indices(vlens, vpos, B, S, C, P):
+def _check_indices(vlens, vpos, B, S, C, P, mrope=False):
     """``ROPEKV_CHECK_INDICES``: IndexError for the first token the kernel would skip (padding,
-    a negative position id, aside). Tokens never share a cache row here (b is a cache dim)."""
+    a negative position id, aside; with mRoPE, a negative id on any axis). Tokens never share a
+    cache row here (b is a cache dim)."""
     s = np.arange(S)
     if vlens is None:
         slot = np.broadcast_to(s, (B, S))
@@ -319,7 +336,10 @@ def _check_indices(vlens, vpos, B, S, C, P):
         lens = ck.host_copy(vlens).astype(np.int64)
         slot = lens[:, None] - S + s[None, :]
     pos = slot if vpos is None else ck.host_copy(vpos).astype(np.int64)
-    live = np.ones((B, S), bool) if vpos is None else pos >= 0
+    if mrope:  # the largest of the three positions stands for the token
+        live, pos = (pos >= 0).all(axis=0), pos.max(axis=0)
+    else:
+        live = np.ones((B, S), bool) if vpos is None else pos >= 0
     bad_slot = live & ((slot < 0) | (slot >= C))
     bad_pos = live & ((pos < 0) | (pos >= P))
     bad = np.flatnonzero(bad_slot | bad_pos)

@@ -33,7 +33,7 @@ PARAMS = ParamStruct("MlaParams", [
     ("epsilon", np.float32),
     ("inv_kv_scale", np.float32),
     *((n, np.int32) for n in ("T", "B", "Hq", "L", "R", "P", "kv_norm_dim", "max_pages",
-                              "page_size", "gamma_f32", "heads_per_block")),
+                              "page_size", "gamma_f32", "heads_per_block", "clear")),
 ])
 
 
@@ -83,7 +83,8 @@ def cache_scale(kv_scale, cache_dtype, name="kv_scale"):
 def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, input_row_offsets,
                                            cache_lengths, block_table, kv_cache, *, epsilon=1e-6,
                                            kv_norm_dim=None, is_neox=False, kv_scale=None,
-                                           q_rope_out=None, enable_pdl=False, stream=None):
+                                           q_rope_out=None, clear_unused_last_page_rows=False,
+                                           enable_pdl=False, stream=None):
     """MLA: rope the query's rotary part, RMS-normalise and rope the latent kv row, and write it
     (quantized) into a paged cache, over a ragged batch, in one launch.
 
@@ -126,6 +127,12 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     q_rope_out : array, (T, Hq, R), the dtype of ``q_rope``, optional
         Receives the roped queries; ``q_rope`` itself means in place. By default a new array in the
         caller's array type (CuPy, torch, NumPy); any other array must not overlap an argument.
+    clear_unused_last_page_rows : bool
+        Also zero the rows (ckv and kpe) of each request's last page past its new length
+        ``cache_lengths[b] + input_row_offsets[b + 1] - input_row_offsets[b]`` (FlashInfer Cake's
+        option of this name), so attention kernels reading whole pages meet zeros. Done by the
+        request's last token, so only when that token is written; a request with no new tokens
+        clears nothing; only the page the block table names for that token is touched.
     enable_pdl : bool
         Launch with programmatic dependent launch (see :func:`ropekv.apply_rope_write_kv`).
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
@@ -182,13 +189,14 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
         (q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table, *caches,
          q_rope_out),
         (scalar_key(epsilon), scalar_key(kv_norm_dim), ck.check_flag(is_neox, "is_neox"),
-         scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl"), tuple(TUNING.values())),
+         scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl"), tuple(TUNING.values()),
+         ck.check_flag(clear_unused_last_page_rows, "clear_unused_last_page_rows")),
         stream)
 
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
-    epsilon, kv_norm_dim, is_neox, kv_scale, pdl, _ = flags
+    epsilon, kv_norm_dim, is_neox, kv_scale, pdl, _, clear = flags
     vq, vkv, vg, vt, voff, vlen, vbt, vc0, vc1, vgiven = views
     split = vc1 is not None or vc0.name == "ckv_cache"
 
@@ -263,7 +271,7 @@ def _prepare(views, flags):
             ckv_h, kpe_h = (vckv.host, vkpe.host) if split else (full[..., :L], full[..., L:])
             reference.mla_rope_rmsnorm_append_paged_kv_cache(
                 vq.host, vkv.host, vg.host, vt.host, voff.host, vlen.host, vbt.host, ckv_h, kpe_h,
-                vout.host, epsilon, n_norm, is_neox, 1.0 if scale is None else scale)
+                vout.host, epsilon, n_norm, is_neox, 1.0 if scale is None else scale, clear)
 
         return Plan(HOST, outputs=outputs, written=written, inplace=[(0, 9)], result=result,
                     host=host)
@@ -301,7 +309,8 @@ def _prepare(views, flags):
         ckv_sp=ckv_s[0], ckv_se=ckv_s[1], kpe_sp=kpe_s[0], kpe_se=kpe_s[1], num_pages=num_pages,
         epsilon=epsilon, inv_kv_scale=1.0 / scale if scale else 1.0,
         T=T, B=B, Hq=Hq, L=L, R=R, P=P, kv_norm_dim=n_norm, max_pages=max_pages,
-        page_size=page_size, gamma_f32=int(vg.dtype == FLOAT32), heads_per_block=per_block)))
+        page_size=page_size, gamma_f32=int(vg.dtype == FLOAT32), heads_per_block=per_block,
+        clear=int(clear))))
     # pointer fields <- (argument index, byte offset); a new q output comes after the arguments
     slots = {"q": (0, 0), "kv": (1, 0), "gamma": (2, 0), "cos_sin": (3, 0), "offsets": (4, 0),
              "cache_lengths": (5, 0), "block_table": (6, 0), "ckv": (7, 0),

@@ -24,6 +24,7 @@ struct MlaParams {
   float inv_kv_scale;  // 1 / kv_scale: stored = fp8(x * inv_kv_scale); 1 for 16-bit caches
   int T, B, Hq, L, R, P, kv_norm_dim, max_pages, page_size, gamma_f32;
   int heads_per_block;  // q heads of each of the grid.y blocks of a token (kHeadsMax per group)
+  int clear;            // clear_unused_last_page_rows
 };
 
 constexpr int kBlock = 256;
@@ -52,6 +53,22 @@ __device__ __forceinline__ float warp_sum(float x) {
 // and writes nothing to the cache; a token whose page is out of range is roped, not written.
 //   rms = 1 / sqrt(sum_{i < n} x_i^2 / n + epsilon), n = kv_norm_dim
 //   ckv[i] = x_i * rms * gamma_i (i < n), x_i (n <= i < L);  kpe = rope(x[L:L+R])
+template <typename CacheT, int N>
+__device__ __forceinline__ void mla_clear_rest_of_page(const MlaParams& p, CacheT* ckv,
+                                                       CacheT* kpe, int entry) {
+  const int latent_chunks = p.L / N;
+  for (int c = threadIdx.x; c < latent_chunks + p.R / N; c += kBlock) {
+    if (c < latent_chunks) {
+      zero_rest_of_page<CacheT, N>(ckv, p.ckv_se, entry, p.page_size, c * N);
+    } else {
+      zero_rest_of_page<CacheT, N>(kpe, p.kpe_se, entry, p.page_size, (c - latent_chunks) * N);
+    }
+  }
+}
+
+// p.clear (clear_unused_last_page_rows): the last token of a request also zeroes the rest of its
+// page, ckv and kpe, after writing its own row (mla_clear_rest_of_page). A uniform flag rather
+// than a template: off, it costs one predicate at the end and no instantiations.
 template <typename T, typename CacheT, bool NEOX, int N>
 __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append_split(const MlaParams p) {
   __shared__ float partial[kBlock / 32];
@@ -232,6 +249,8 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append_split(const Ml
     if (NEOX && c >= latent_chunks) load_float<T, N>(kv + p.L + half_r + i0, b);
     write_chunk(c, a, b);
   }
+  if (p.clear && last_of_request(staged ? s_offsets : p.offsets, slot, t))
+    mla_clear_rest_of_page<CacheT, N>(p, ckv, kpe, slot.entry);
 }
 
 // Prefill: one block per token, in an order that keeps loads in flight while the token's request and
@@ -355,4 +374,6 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParam
       store_float<CacheT, N>(kpe + i0, a, p.inv_kv_scale);
     }
   }
+  if (p.clear && last_of_request(p.offsets, slot, t))
+    mla_clear_rest_of_page<CacheT, N>(p, ckv, kpe, slot.entry);
 }

@@ -26,7 +26,7 @@ struct PagedParams {
   void* kn_cache;             // rows of K nope: k_cache + R (GQA) or ckv_cache (MLA), OutT
   void* v_cache;              // v_cache (GQA) or null
   const float* cos_sin;       // (P, R) float32: cos in [0, R/2), sin in [R/2, R)
-  const void* pos_ids;        // (T,) RoPE position of each token
+  const void* pos_ids;        // (T,) RoPE position of each token; mRoPE: (3, T)
   const void* batch_indices;  // (T,) request of each token, < 0: padding (no cache write)
   const void* positions;      // (T,) position of each token inside its request
   const void* kv_indptr;      // (B + 1,) first page-table entry of each request
@@ -41,16 +41,31 @@ struct PagedParams {
   i64 vc_sp, vc_se, vc_sh;
   i64 cs_sp;                           // cos_sin row stride
   i64 num_pages, num_indices;
+  i64 pid_st;                          // pos_ids row stride (T) for mRoPE
   float q_scale, kv_scale;
   int Hq, Hkv, Hv, R, Dn, B, page_size, P;
   int index64;  // bit k set: index array k is int64 (pos_ids, batch_indices, positions,
                 //   kv_indptr, kv_indices)
   int group;    // row kernel: lanes per head row (one chunk each)
   int rows;     // row kernel: head rows each lane group holds, 1 ..= ROWS
+  int mrope;    // pos_ids is (3, T): mRoPE by sections (MRope in common.cuh)
+  int mrope_t, mrope_h, mrope_w, mrope_interleaved;
 };
 
 __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
   return is64 ? static_cast<const i64*>(p)[i] : i64(static_cast<const int*>(p)[i]);
+}
+
+__device__ __forceinline__ MRope mrope_of(const PagedParams& p) {
+  return MRope{p.mrope_t, p.mrope_h, p.mrope_w, p.mrope_interleaved};
+}
+
+// The RoPE position of token t (pos_ids[t]); with mRoPE (pos_ids (3, T)) its three positions in
+// mpos and 0 when all lie in [0, P), else -1 (the token has no position: q unrotated, no row).
+__device__ __forceinline__ i64 rope_position(const PagedParams& p, i64 t, i64 (&mpos)[3]) {
+  if (!p.mrope) return read_index(p.pos_ids, t, p.index64 & 1);
+  mrope_positions(p.pos_ids, p.index64 & 1, t, p.pid_st, mpos);
+  return mrope_in_range(mpos, p.P) ? 0 : -1;
 }
 
 // The cache slot (page, entry) of a token at `pos` of request `b`, page = -1 when it has none:
@@ -156,7 +171,8 @@ __device__ __forceinline__ bool cache_row(const PagedParams& p, Dest<OutT>& dst,
 template <typename T, typename OutT, bool NEOX, int N, bool ROT, bool KV, int U>
 __device__ __forceinline__ void section(const PagedParams& p, const T* src, i64 src_sh,
                                         Dest<OutT> dst, int heads, int per_row,
-                                        const float* scales, float scale, i64 pos_id, Slot& slot,
+                                        const float* scales, float scale, i64 pos_id,
+                                        const i64 (&mpos)[3], Slot& slot,
                                         i64 b, i64 pos, int first, int stride) {
   const int count = heads * per_row;
   if (first >= count) return;
@@ -187,8 +203,12 @@ __device__ __forceinline__ void section(const PagedParams& p, const T* src, i64 
       }
       if (rope && !have_cs) {
         const int e = NEOX ? j * N : j * N / 2;
-        load_float<float, M>(cos_sin + e, fc);
-        load_float<float, M>(cos_sin + half_r + e, fs);
+        if (p.mrope) {
+          load_mrope_cos_sin<M>(p.cos_sin, p.cs_sp, mpos, mrope_of(p), half_r, e, fc, fs);
+        } else {
+          load_float<float, M>(cos_sin + e, fc);
+          load_float<float, M>(cos_sin + half_r + e, fs);
+        }
         have_cs = true;
       }
       OutT* d0 = dst.base + dst.a * dst.sa + dst.b * dst.sb + j * N;
@@ -218,7 +238,12 @@ __device__ __forceinline__ void section(const PagedParams& p, const T* src, i64 
     if constexpr (KV) {
       if (!cache_row(p, dst, slot, b, pos)) return;
     }
-    if (rope) {
+    if (rope && p.mrope) {
+      float fc[M], fs[M];
+      load_mrope_cos_sin<M>(p.cos_sin, p.cs_sp, mpos, mrope_of(p), half_r,
+                            NEOX ? j * N : j * N / 2, fc, fs);
+      rotate_chunk<NEOX, N, M>(a, bb, fc, fs);
+    } else if (rope) {
       if constexpr (PAIR) {
         rotate_neox<N>(a, bb, cos_sin, half_r, j * N);
       } else if constexpr (ROT) {
@@ -248,7 +273,8 @@ __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const Pa
   const int stride = gridDim.y * blockDim.x;
 
   pdl_wait();
-  const i64 pos_id = read_index(p.pos_ids, t, p.index64 & 1);
+  i64 mpos[3];
+  const i64 pos_id = rope_position(p, t, mpos);
   const i64 b = read_index(p.batch_indices, t, p.index64 & 2);
   const i64 pos = read_index(p.positions, t, p.index64 & 4);
   Slot slot{false, -1, 0};
@@ -257,33 +283,33 @@ __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const Pa
   section<T, OutT, NEOX, N, true, false, UR>(
       p, static_cast<const T*>(p.q_rope) + t * p.qr_sn, p.qr_sh,
       Dest<OutT>{static_cast<OutT*>(p.q_rope_out), t, p.qro_sn, 0, 0, p.qro_sh}, p.Hq, ri,
-      p.q_scales, p.q_scale, pos_id, slot, b, pos, first_index(g, base, stride), stride);
+      p.q_scales, p.q_scale, pos_id, mpos, slot, b, pos, first_index(g, base, stride), stride);
   base += p.Hq * ri;
   if (ni) {
     section<T, OutT, NEOX, N, false, false, U>(
         p, static_cast<const T*>(p.q_nope) + t * p.qn_sn, p.qn_sh,
         Dest<OutT>{static_cast<OutT*>(p.q_nope_out), t, p.qno_sn, 0, 0, p.qno_sh}, p.Hq, ni,
-        p.q_scales, p.q_scale, pos_id, slot, b, pos, first_index(g, base, stride), stride);
+        p.q_scales, p.q_scale, pos_id, mpos, slot, b, pos, first_index(g, base, stride), stride);
     base += p.Hq * ni;
   }
   if (pos_id < 0 || pos_id >= p.P) return;  // no cache row
   section<T, OutT, NEOX, N, true, true, UR>(
       p, static_cast<const T*>(p.k_rope) + t * p.kr_sn, p.kr_sh,
       Dest<OutT>{static_cast<OutT*>(p.kr_cache), -1, p.krc_sp, 0, p.krc_se, p.krc_sh}, p.Hkv, ri,
-      p.kv_scales, p.kv_scale, pos_id, slot, b, pos, first_index(g, base, stride), stride);
+      p.kv_scales, p.kv_scale, pos_id, mpos, slot, b, pos, first_index(g, base, stride), stride);
   base += p.Hkv * ri;
   if (ni) {
     section<T, OutT, NEOX, N, false, true, U>(
         p, static_cast<const T*>(p.k_nope) + t * p.kn_sn, p.kn_sh,
         Dest<OutT>{static_cast<OutT*>(p.kn_cache), -1, p.knc_sp, 0, p.knc_se, p.knc_sh}, p.Hkv,
-        ni, p.kv_scales, p.kv_scale, pos_id, slot, b, pos, first_index(g, base, stride), stride);
+        ni, p.kv_scales, p.kv_scale, pos_id, mpos, slot, b, pos, first_index(g, base, stride), stride);
     base += p.Hkv * ni;
   }
   if (p.Hv)
     section<T, OutT, NEOX, N, false, true, U>(
         p, static_cast<const T*>(p.v) + t * p.v_sn, p.v_sh,
         Dest<OutT>{static_cast<OutT*>(p.v_cache), -1, p.vc_sp, 0, p.vc_se, p.vc_sh}, p.Hv,
-        (p.R + p.Dn) / N, p.kv_scales, p.kv_scale, pos_id, slot, b, pos,
+        (p.R + p.Dn) / N, p.kv_scales, p.kv_scale, pos_id, mpos, slot, b, pos,
         first_index(g, base, stride), stride);
 }
 
@@ -320,7 +346,8 @@ __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams 
   const int H = Hk + p.Hv;
 
   pdl_wait();
-  const i64 pos_id = read_index(p.pos_ids, t, p.index64 & 1);
+  i64 mpos[3];
+  const i64 pos_id = rope_position(p, t, mpos);
   const i64 b = read_index(p.batch_indices, t, p.index64 & 2);
   const i64 pos = read_index(p.positions, t, p.index64 & 4);
   Vec<T, N> va[ROWS], vb[ROWS];
@@ -355,7 +382,10 @@ __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams 
     c[i] = 1.f;
     sn[i] = 0.f;
   }
-  if (rope && rotary) {
+  if (rope && rotary && p.mrope) {
+    load_mrope_cos_sin<M>(p.cos_sin, p.cs_sp, mpos, mrope_of(p), half_r, NEOX ? col : col / 2, c,
+                          sn);
+  } else if (rope && rotary) {
     const float* cs = p.cos_sin + pos_id * p.cs_sp + (NEOX ? col : col / 2);
     load_float<float, M>(cs, c);
     load_float<float, M>(cs + half_r, sn);

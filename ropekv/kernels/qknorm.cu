@@ -18,15 +18,21 @@ struct QKNormParams {
   const int* block_table;    // (B, max_pages)
   void* k_cache;             // NHD (num_pages, page_size, Hkv, D), HND (num_pages, Hkv, page_size, D)
   void* v_cache;             // the same layout, CacheT
+  const void* position_ids;  // mRoPE: (3, T) int32 or int64 positions (temporal, height, width)
   i64 q_st, q_sh, qo_st, qo_sh, k_st, k_sh, v_st, v_sh, cs_sp, bt_sb;  // strides in elements
   i64 kc_sp, kc_se, kc_sh, vc_sp, vc_se, vc_sh;  // page, entry, head strides (layout-free)
   i64 num_pages;
+  i64 pid_st;  // position_ids row stride (T)
   float epsilon;
   float weight_offset;             // added to every q_gamma and k_gamma value (Gemma: 1)
   float inv_k_scale, inv_v_scale;  // stored = fp8(x * inv_scale); 1 for 16-bit caches
   int T, B, Hq, Hkv, D, R, P, max_pages, page_size, q_gamma_f32, k_gamma_f32;
   int group;  // lanes per head row: a power of two <= 32 dividing blockDim.x
   int rows;   // head rows each lane group holds, 1 ..= ROWS
+  int clear;  // clear_unused_last_page_rows
+  int mrope;  // rope from position_ids by sections (MRope); 0: from the cache position
+  int mrope_t, mrope_h, mrope_w, mrope_interleaved;
+  int pos64;  // position_ids is int64
 };
 
 constexpr int kStageMax = 512;  // batches of up to this many requests are searched in shared memory
@@ -154,10 +160,18 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
   // 3. request, position, page, cos/sin
   PagedSlot slot = staged ? ragged_position(sh.offsets, sh.lengths, p.B, t)
                           : ragged_position(p.offsets, p.cache_lengths, p.B, t);
-  const bool roped = slot.request >= 0 && slot.pos >= 0 && slot.pos < p.P;
+  // mRoPE: the rotation from the three positions, the slot still from the cache position
+  i64 mpos[3] = {0, 0, 0};
+  if (p.mrope) mrope_positions(p.position_ids, p.pos64, t, p.pid_st, mpos);
+  const bool roped = slot.request >= 0 && slot.pos >= 0 &&
+                     (p.mrope ? mrope_in_range(mpos, p.P) : slot.pos < p.P);
   if (roped && first + (U - 1) * slots >= p.Hq)  // this group holds a K or V row
     page_of(slot, p.block_table, p.bt_sb, p.max_pages, p.page_size, p.num_pages);
   const bool write = slot.page >= 0;
+  // p.clear: the last token of a request also zeroes the rest of its page, each lane its chunks
+  // (a uniform flag, not a template: the cost when off is one predicate, and no instantiations)
+  const bool clear = p.clear && write &&
+                     last_of_request(staged ? sh.offsets : p.offsets, slot, t);
   constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
   float c[M], sn[M];
 #pragma unroll
@@ -166,9 +180,14 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
     sn[i] = 0.f;
   }
   if (roped && rotary) {
-    const float* cs = p.cos_sin + slot.pos * p.cs_sp + (NEOX ? ea : ea / 2);
-    load_float<float, M>(cs, c);
-    load_float<float, M>(cs + half_r, sn);
+    if (p.mrope) {
+      const MRope m{p.mrope_t, p.mrope_h, p.mrope_w, p.mrope_interleaved};
+      load_mrope_cos_sin<M>(p.cos_sin, p.cs_sp, mpos, m, half_r, NEOX ? ea : ea / 2, c, sn);
+    } else {
+      const float* cs = p.cos_sin + slot.pos * p.cs_sp + (NEOX ? ea : ea / 2);
+      load_float<float, M>(cs, c);
+      load_float<float, M>(cs + half_r, sn);
+    }
   }
   // the row sums: shuffles within each G-lane group (U and G are block-uniform: every lane takes
   // part)
@@ -222,6 +241,11 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
       const float scale = is_v ? p.inv_v_scale : p.inv_k_scale;
       store_float<CacheT, N>(dst + ea, a, scale);
       if (pair) store_float<CacheT, N>(dst + eb, b, scale);
+      if (clear) {
+        const i64 se = is_v ? p.vc_se : p.kc_se;
+        zero_rest_of_page<CacheT, N>(dst, se, slot.entry, p.page_size, ea);
+        if (pair) zero_rest_of_page<CacheT, N>(dst, se, slot.entry, p.page_size, eb);
+      }
     }
   }
 }
