@@ -53,8 +53,11 @@ ARRAYS = ("q", "k", "v", "kv_cache", "cos_sin_cache", "kv_end_lens", "position_i
 FIELDS = ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids", "kv_scale")
 
 
-def expression(dtype, cache_dtype, is_neox, n):
-    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
+def expression(dtype, cache_dtype, is_neox, n, opts=False):
+    """``opts``: the kernel that reads the options (mRoPE, constant scales); the plain one has
+    them compiled out."""
+    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n,
+                           c_bool(opts))
 
 
 def launch_shape(T, H, group):
@@ -72,7 +75,9 @@ def launch_shape(T, H, group):
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
-    return rope_instantiations(expression, INPUT_DTYPES, FP8_DTYPES)
+    for opts in (False, True):
+        yield from rope_instantiations(lambda *a, o=opts: expression(*a, o), INPUT_DTYPES,
+                                       FP8_DTYPES)
 
 
 def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, position_ids=None,
@@ -315,8 +320,9 @@ def _prepare(views, flags):
         v_scale_index=int(vscale is not None and vscale.ndim == 1), mrope=int(bool(sections)),
         mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
         mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved))
-    launch = Launch(STEM, expression(vq.dtype, vc.dtype, is_neox, n), device, (B * S, splits),
-                    (block,), PARAMS,
+    opts = sections is not None or (fp8 and vscale is None)  # mRoPE, constant scales
+    launch = Launch(STEM, expression(vq.dtype, vc.dtype, is_neox, n, opts), device,
+                    (B * S, splits), (block,), PARAMS,
                     dict(zip(PARAMS.names, values)),
                     {f: (i, 0) for i, f in enumerate(FIELDS)}, pdl=pdl)
     return Plan(device, [launch], written=written)

@@ -47,16 +47,19 @@ def launch_shape(T, Hq, items):
     return -(-Hq // per_block), per_block
 
 
-def expression(dtype, cache_dtype, is_neox, n, split=False):
+def expression(dtype, cache_dtype, is_neox, n, split=False, opts=False):
+    """``opts``: the kernel that reads the options (tail clearing); the plain one has them
+    compiled out."""
     return name_expression(SPLIT_KERNEL if split else KERNEL, c_type(dtype), c_type(cache_dtype),
-                           c_bool(is_neox), n)
+                           c_bool(is_neox), n, c_bool(opts))
 
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
     for split in (False, True):
-        yield from rope_instantiations(lambda *a, split=split: expression(*a, split),
-                                       INPUT_DTYPES, FP8_DTYPES)
+        for opts in (False, True):
+            yield from rope_instantiations(lambda *a, s=split, o=opts: expression(*a, s, o),
+                                           INPUT_DTYPES, FP8_DTYPES)
 
 
 # ---- helpers shared with ropekv.qknorm ---------------------------------------------------------
@@ -316,8 +319,8 @@ def _prepare(views, flags):
              "cache_lengths": (5, 0), "block_table": (6, 0), "ckv": (7, 0),
              "kpe": (8, 0) if split else (7, L * vcache.dtype.itemsize),
              "q_out": (9, 0) if vgiven is not None else (10, 0)}
-    launch = Launch(STEM, expression(vq.dtype, vcache.dtype, is_neox, n, split_heads), device,
-                    (T, splits), (BLOCK,), PARAMS, values, slots, pdl=pdl)
+    launch = Launch(STEM, expression(vq.dtype, vcache.dtype, is_neox, n, split_heads, clear),
+                    device, (T, splits), (BLOCK,), PARAMS, values, slots, pdl=pdl)
     return Plan(device, [launch], outputs=outputs, written=written, inplace=[(0, 9)],
                 result=result)
 

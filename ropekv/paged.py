@@ -108,13 +108,15 @@ _DTYPE_NAMES = {
 
 
 @functools.cache
-def expression(dtype, out_dtype, is_neox, n, shape):
+def expression(dtype, out_dtype, is_neox, n, shape, mrope=False):
     """The section kernel of ``shape`` (unroll, rot_unroll, min blocks), or the row kernel when
-    ``shape`` is ``("rows", ROWS)``."""
+    ``shape`` is ``("rows", ROWS)``; ``mrope``: the one that reads mRoPE sections (the plain one
+    has mRoPE compiled out)."""
     if shape[0] == "rows":
         return name_expression(ROW_KERNEL, c_type(dtype), c_type(out_dtype), c_bool(is_neox), n,
-                               shape[1])
-    return name_expression(KERNEL, c_type(dtype), c_type(out_dtype), c_bool(is_neox), n, *shape)
+                               shape[1], c_bool(mrope))
+    return name_expression(KERNEL, c_type(dtype), c_type(out_dtype), c_bool(is_neox), n, *shape,
+                           c_bool(mrope))
 
 
 def instantiations():
@@ -124,8 +126,9 @@ def instantiations():
             continue
         shapes = (TUNING["light"], TUNING["heavy"]) if n == 8 else (TUNING["light"],)
         shapes = (*dict.fromkeys(shapes), *(("rows", r) for r in ROWS))
-        for out_dtype, shape in itertools.product((dtype, *FP8_DTYPES), shapes):
-            yield expression(dtype, out_dtype, is_neox, n, shape)
+        for out_dtype, shape, mrope in itertools.product((dtype, *FP8_DTYPES), shapes,
+                                                         (False, True)):
+            yield expression(dtype, out_dtype, is_neox, n, shape, mrope)
 
 
 def rope_quantize_fp8_append_paged_kv_cache(
@@ -633,8 +636,8 @@ def _prepare(views, flags):
              "kn_cache": kn[0], "v_cache": vd[0], "kv_indices": (9, 0), "kv_indptr": (10, 0),
              "batch_indices": (11, 0), "positions": (12, 0), "q_rope_out": (out_slots[0], 0),
              "q_nope_out": (out_slots[1], 0), "q_scales": (15, 0), "kv_scales": (16, 0)}
-    launch = Launch(STEM, expression(vqr.dtype, out_dtype, is_neox, n, shape), device,
-                    (T, splits), (block,), PARAMS, values, slots, pdl=pdl)
+    launch = Launch(STEM, expression(vqr.dtype, out_dtype, is_neox, n, shape, bool(sections)),
+                    device, (T, splits), (block,), PARAMS, values, slots, pdl=pdl)
     return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace,
                 result=result)
 

@@ -30,7 +30,8 @@ PARAMS = ParamStruct("QKNormParams", [
                               "vc_sh", "num_pages", "pid_st")),
     *((n, np.float32) for n in ("epsilon", "weight_offset", "inv_k_scale", "inv_v_scale")),
     *((n, np.int32) for n in ("T", "B", "Hq", "Hkv", "D", "R", "P", "max_pages", "page_size",
-                              "q_gamma_f32", "k_gamma_f32", "group", "rows", "clear", "mrope",
+                              "q_gamma_f32", "k_gamma_f32", "group", "rows", "post", "clear",
+                              "mrope",
                               "mrope_t", "mrope_h", "mrope_w", "mrope_interleaved", "pos64")),
 ])
 MAX_GROUP = 32  # lanes per head row: one chunk each, a row within a warp
@@ -72,17 +73,19 @@ def launch_shape(T, H, group):
 
 
 
-def expression(dtype, cache_dtype, is_neox, n, rows=1, post=False):
+def expression(dtype, cache_dtype, is_neox, n, rows=1, opts=False):
+    """``opts``: the kernel that reads the options (norm order, weight offset, tail clearing,
+    mRoPE); the plain one has them compiled out, so they cost nothing when off."""
     return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n, rows,
-                           c_bool(post))
+                           c_bool(opts))
 
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
     for rows in ROWS:
-        for post in (False, True):
+        for opts in (False, True):
             yield from rope_instantiations(
-                lambda *a, r=rows, p=post: expression(*a, r, p), INPUT_DTYPES, FP8_DTYPES)
+                lambda *a, r=rows, o=opts: expression(*a, r, o), INPUT_DTYPES, FP8_DTYPES)
 
 
 def _kv_scales(kv_scale, cache_dtype):
@@ -355,7 +358,8 @@ def _prepare(views, flags):
         inv_k_scale=1.0 / k_scale,
         inv_v_scale=1.0 / v_scale, T=T, B=B, Hq=Hq, Hkv=Hkv, D=D, R=R, P=P, max_pages=max_pages,
         page_size=page_size, q_gamma_f32=int(vqg.dtype == FLOAT32),
-        k_gamma_f32=int(vkg.dtype == FLOAT32), group=group, rows=rows, clear=int(clear),
+        k_gamma_f32=int(vkg.dtype == FLOAT32), group=group, rows=rows, post=int(post),
+        clear=int(clear),
         position_ids=0, pid_st=T, mrope=int(sections is not None),
         mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
         mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved),
@@ -367,7 +371,8 @@ def _prepare(views, flags):
         del slots["position_ids"]  # stays null
     if vgiven is None:
         slots["q_out"] = (13, 0)  # the new output follows the 13 arguments
-    launch = Launch(STEM, expression(vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows), post),
+    opts = post or weight_offset != 0.0 or clear or sections is not None
+    launch = Launch(STEM, expression(vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows), opts),
                     device, (T, splits), (block,), PARAMS, values, slots, pdl=pdl)
     return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace,
                 result=result)

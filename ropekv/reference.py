@@ -133,6 +133,25 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, kv_end_lens=None, posi
 # ---- Ragged batches over a paged cache: MLA RoPE + RMSNorm, and QK-norm + RoPE ---------------
 
 
+# ``status=`` codes of the ops that take ragged offsets: the first failing check (0: valid)
+STATUS_OK, STATUS_FIRST_NOT_ZERO, STATUS_DECREASING, STATUS_LAST_NOT_T = 0, 1, 2, 3
+
+
+def ragged_offsets_status(input_row_offsets, num_tokens):
+    """The ``status`` code of ``input_row_offsets`` (read as 32-bit unsigned, as the kernels do)
+    for a batch of ``num_tokens`` tokens: 1 when ``offsets[0] != 0``, else 2 when an offset is
+    smaller than the one before it, else 3 when ``offsets[-1] != num_tokens``, else 0. Valid
+    offsets are therefore within ``[0, num_tokens]``."""
+    offs = np.asarray(input_row_offsets).astype(np.uint32).astype(np.int64)
+    if offs[0] != 0:
+        return STATUS_FIRST_NOT_ZERO
+    if np.any(np.diff(offs) < 0):
+        return STATUS_DECREASING
+    if offs[-1] != num_tokens:
+        return STATUS_LAST_NOT_T
+    return STATUS_OK
+
+
 def ragged_paged_slots(input_row_offsets, cache_lengths, block_table, page_size, num_pages,
                        num_tokens):
     """Where each of ``num_tokens`` tokens of a ragged batch goes, as the kernels compute it.

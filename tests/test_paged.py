@@ -477,7 +477,8 @@ def test_launch_shape(monkeypatch):
     assert paged.row_launch_shape(1, 48, 8) == (128, 1, 3)  # 16 rows a block
     block, rows, splits = paged.row_launch_shape(8192, 48, 8)
     assert splits == 1 and block // 8 * rows >= 48 and rows <= paged.ROWS[-1]
-    spelled = tuple(f"{', '.join(map(str, shape))}>" for shape in (light, heavy))
+    spelled = tuple(f"{', '.join(map(str, shape))}, {mrope}>" for shape in (light, heavy)
+                    for mrope in ("false", "true"))
     for e in paged.instantiations():
         assert e.endswith(spelled) or e.startswith(paged.ROW_KERNEL), e
 

@@ -358,7 +358,8 @@ __device__ __forceinline__ bool mrope_in_range(const i64 (&pos)[3], int P) {
 
 // cos/sin of half-dims [i0, i0 + M) from the table rows of their axes (`table` row 0, rows
 // `row_stride` apart, cos at column i, sin at half_r + i). A text token (one position on all
-// three axes) takes the vector loads of plain RoPE; otherwise element by element.
+// three axes) takes the vector loads of plain RoPE; otherwise the chunk of all three rows, with
+// vector loads (in flight together), then each element picked by its axis.
 template <int M>
 __device__ __forceinline__ void load_mrope_cos_sin(const float* table, i64 row_stride,
                                                    const i64 (&pos)[3], const MRope& m,
@@ -370,11 +371,18 @@ __device__ __forceinline__ void load_mrope_cos_sin(const float* table, i64 row_s
     load_float<float, M>(row + half_r, s);
     return;
   }
+  float c3[3][M], s3[3][M];
+#pragma unroll
+  for (int a = 0; a < 3; ++a) {
+    const float* row = table + pos[a] * row_stride + i0;
+    load_float<float, M>(row, c3[a]);
+    load_float<float, M>(row + half_r, s3[a]);
+  }
 #pragma unroll
   for (int k = 0; k < M; ++k) {
-    const float* row = table + pos[mrope_axis(m, i0 + k)] * row_stride + i0 + k;
-    c[k] = row[0];
-    s[k] = row[half_r];
+    const int a = mrope_axis(m, i0 + k);
+    c[k] = a == 0 ? c3[0][k] : a == 1 ? c3[1][k] : c3[2][k];
+    s[k] = a == 0 ? s3[0][k] : a == 1 ? s3[1][k] : s3[2][k];
   }
 }
 

@@ -50,7 +50,9 @@ constexpr int kRowsMax = 4;  // head rows a lane group holds at once
 // go to the cache (quantized), their rotary dims back into k when asked; V rows are copied.
 // A token whose slot falls outside [0, C) or whose position falls outside [0, P) is skipped whole:
 // nothing is read through its indices, nothing is written.
-template <typename T, typename CacheT, bool NEOX, int N>
+// OPTS: the options (mRoPE, constant K/V scales) are read; without it they are compiled out and
+// the kernel is the plain one (an option costs nothing when off).
+template <typename T, typename CacheT, bool NEOX, int N, bool OPTS>
 __global__ void __launch_bounds__(256) apply_rope_write_kv(const RopeWriteKVParams p) {
   pdl_launch_dependents();
   const int token = blockIdx.x;
@@ -90,15 +92,16 @@ __global__ void __launch_bounds__(256) apply_rope_write_kv(const RopeWriteKVPara
   // 2. slot, position, scales, cos/sin
   const i64 end = p.kv_end_lens ? read_index(p.kv_end_lens, b, p.index64 & 1) : i64(p.S);
   const i64 slot = end < i64(p.S) - s ? -1 : end - p.S + s;  // no overflow at int64 extremes
-  i64 pos = p.position_ids && !p.mrope ? read_index(p.position_ids, token, p.index64 & 2) : slot;
+  const bool mrope = OPTS && p.mrope;
+  i64 pos = p.position_ids && !mrope ? read_index(p.position_ids, token, p.index64 & 2) : slot;
   i64 mpos[3] = {0, 0, 0};
-  if (p.mrope) {  // three positions, rows B * S apart; one outside [0, P) skips the token
+  if (mrope) {  // three positions, rows B * S apart; one outside [0, P) skips the token
     mrope_positions(p.position_ids, p.index64 & 2, token, i64(p.B) * p.S, mpos);
     pos = mrope_in_range(mpos, p.P) ? 0 : -1;
   }
   float k_scale = 1.f, v_scale = 1.f;
   if (is_fp8<CacheT>::value) {  // stored = fp8(x / scale)
-    if (p.kv_scale) {
+    if (!OPTS || p.kv_scale) {
       k_scale = 1.f / p.kv_scale[0];
       v_scale = 1.f / p.kv_scale[p.v_scale_index];
       // a scale outside (0, inf) (read on the device, unchecked by the host) writes nothing
@@ -112,7 +115,7 @@ __global__ void __launch_bounds__(256) apply_rope_write_kv(const RopeWriteKVPara
   if (slot < 0 || slot >= p.C || pos < 0 || pos >= p.P) return;
   constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
   float c[M], sn[M];
-  if (rotary && p.mrope) {
+  if (rotary && mrope) {
     const MRope m{p.mrope_t, p.mrope_h, p.mrope_w, p.mrope_interleaved};
     load_mrope_cos_sin<M>(p.cos_sin + b * p.cs_sb, p.cs_sp, mpos, m, half_r, NEOX ? ea : ea / 2,
                           c, sn);

@@ -66,10 +66,10 @@ __device__ __forceinline__ void mla_clear_rest_of_page(const MlaParams& p, Cache
   }
 }
 
-// p.clear (clear_unused_last_page_rows): the last token of a request also zeroes the rest of its
-// page, ckv and kpe, after writing its own row (mla_clear_rest_of_page). A uniform flag rather
-// than a template: off, it costs one predicate at the end and no instantiations.
-template <typename T, typename CacheT, bool NEOX, int N>
+// OPTS: p.clear (clear_unused_last_page_rows) is read: the last token of a request also zeroes
+// the rest of its page, ckv and kpe, after writing its own row (mla_clear_rest_of_page). Without
+// OPTS it is compiled out (costs nothing when off).
+template <typename T, typename CacheT, bool NEOX, int N, bool OPTS>
 __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append_split(const MlaParams p) {
   __shared__ float partial[kBlock / 32];
   __shared__ unsigned s_offsets[kStageMax + 1];
@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append_split(const Ml
     if (NEOX && c >= latent_chunks) load_float<T, N>(kv + p.L + half_r + i0, b);
     write_chunk(c, a, b);
   }
-  if (p.clear && last_of_request(staged ? s_offsets : p.offsets, slot, t))
+  if (OPTS && p.clear && last_of_request(staged ? s_offsets : p.offsets, slot, t))
     mla_clear_rest_of_page<CacheT, N>(p, ckv, kpe, slot.entry);
 }
 
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append_split(const Ml
 // and writes nothing to the cache; a token whose page is out of range is roped, not written.
 //   rms = 1 / sqrt(sum_{i < n} x_i^2 / n + epsilon), n = kv_norm_dim
 //   ckv[i] = x_i * rms * gamma_i (i < n), x_i (n <= i < L);  kpe = rope(x[L:L+R])
-template <typename T, typename CacheT, bool NEOX, int N>
+template <typename T, typename CacheT, bool NEOX, int N, bool OPTS>
 __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParams p) {
   __shared__ float partial[kBlock / 32];
   pdl_launch_dependents();
@@ -374,6 +374,6 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParam
       store_float<CacheT, N>(kpe + i0, a, p.inv_kv_scale);
     }
   }
-  if (p.clear && last_of_request(p.offsets, slot, t))
+  if (OPTS && p.clear && last_of_request(p.offsets, slot, t))
     mla_clear_rest_of_page<CacheT, N>(p, ckv, kpe, slot.entry);
 }

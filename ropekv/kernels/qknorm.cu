@@ -29,6 +29,7 @@ struct QKNormParams {
   int T, B, Hq, Hkv, D, R, P, max_pages, page_size, q_gamma_f32, k_gamma_f32;
   int group;  // lanes per head row: a power of two <= 32 dividing blockDim.x
   int rows;   // head rows each lane group holds, 1 ..= ROWS
+  int post;   // norm_order="after_rope": RoPE, then the norm
   int clear;  // clear_unused_last_page_rows
   int mrope;  // rope from position_ids by sections (MRope); 0: from the cache position
   int mrope_t, mrope_h, mrope_w, mrope_interleaved;
@@ -57,7 +58,7 @@ struct QKNormShared {
 // holds one row, lane j chunk j; a block of blockDim.x / G groups takes p.rows rows per group, so
 // grid (T, splits) with splits = ceil(H / (blockDim.x / G * p.rows)): decode splits a token's rows
 // over several blocks (one row per group), prefill gives a block a whole token.
-//   y = rope(x / sqrt(mean(x^2) + epsilon) * gamma), in float32, rounded once; with POST (norm
+//   y = rope(x / sqrt(mean(x^2) + epsilon) * gamma), in float32, rounded once; with p.post (norm
 //   after RoPE) y = rope(x) / sqrt(mean(x^2) + epsilon) * gamma: a rotation keeps the row's sum
 //   of squares, so the sums are the same and only the order of gamma and the rotation changes.
 //   gamma is the weight plus p.weight_offset (Gemma's (1 + w)), added once when it is staged.
@@ -73,7 +74,9 @@ struct QKNormShared {
 // A token outside every request, or with a position outside [0, P), has its q row copied
 // unchanged and writes nothing; a token whose page is out of range is normalised and roped but
 // writes nothing.
-template <typename T, typename CacheT, bool NEOX, int N, int ROWS, bool POST>
+// OPTS: the options (p.post, p.weight_offset, p.clear, p.mrope) are read; without it they are
+// compiled out and the kernel is the plain one (an option costs nothing when off).
+template <typename T, typename CacheT, bool NEOX, int N, int ROWS, bool OPTS>
 __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh) {
   const i64 t = blockIdx.x;
   const int G = p.group;
@@ -92,7 +95,10 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
   const int eb = ea + half_r;
   const float inv_d = __fdividef(1.f, float(p.D));  // fast: no IEEE slow path on the chain
 
-  // 1. this lane's chunks of its rows
+  // 1. this lane's chunks of its rows (and mRoPE's three positions: they depend on nothing)
+  const bool mrope = OPTS && p.mrope;
+  i64 mpos[3] = {0, 0, 0};
+  if (mrope) mrope_positions(p.position_ids, p.pos64, t, p.pid_st, mpos);
   Vec<T, N> va[ROWS], vb[ROWS];
 #pragma unroll
   for (int u = 0; u < ROWS; ++u) {
@@ -115,8 +121,8 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
     unsigned off = 0;
     int len = 0;
     if (i < p.D) {
-      gq = weight_at<T>(p.q_gamma, p.q_gamma_f32, i) + p.weight_offset;
-      gk = weight_at<T>(p.k_gamma, p.k_gamma_f32, i) + p.weight_offset;
+      gq = weight_at<T>(p.q_gamma, p.q_gamma_f32, i) + (OPTS ? p.weight_offset : 0.f);
+      gk = weight_at<T>(p.k_gamma, p.k_gamma_f32, i) + (OPTS ? p.weight_offset : 0.f);
     }
     if (i < n_stage) off = p.offsets[i];
     if (i < n_stage - 1) len = p.cache_lengths[i];
@@ -129,8 +135,8 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
     if (i < n_stage - 1) sh.lengths[i] = len;
   }
   for (int i = threadIdx.x + blockDim.x; i < p.D; i += blockDim.x) {  // D > blockDim.x
-    sh.gamma[0][i] = weight_at<T>(p.q_gamma, p.q_gamma_f32, i) + p.weight_offset;
-    sh.gamma[1][i] = weight_at<T>(p.k_gamma, p.k_gamma_f32, i) + p.weight_offset;
+    sh.gamma[0][i] = weight_at<T>(p.q_gamma, p.q_gamma_f32, i) + (OPTS ? p.weight_offset : 0.f);
+    sh.gamma[1][i] = weight_at<T>(p.k_gamma, p.k_gamma_f32, i) + (OPTS ? p.weight_offset : 0.f);
     sh.gamma[2][i] = 1.f;
   }
   for (int i = threadIdx.x + blockDim.x; i < n_stage; i += blockDim.x) {  // B >= blockDim.x
@@ -161,16 +167,13 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
   PagedSlot slot = staged ? ragged_position(sh.offsets, sh.lengths, p.B, t)
                           : ragged_position(p.offsets, p.cache_lengths, p.B, t);
   // mRoPE: the rotation from the three positions, the slot still from the cache position
-  i64 mpos[3] = {0, 0, 0};
-  if (p.mrope) mrope_positions(p.position_ids, p.pos64, t, p.pid_st, mpos);
   const bool roped = slot.request >= 0 && slot.pos >= 0 &&
-                     (p.mrope ? mrope_in_range(mpos, p.P) : slot.pos < p.P);
+                     (mrope ? mrope_in_range(mpos, p.P) : slot.pos < p.P);
   if (roped && first + (U - 1) * slots >= p.Hq)  // this group holds a K or V row
     page_of(slot, p.block_table, p.bt_sb, p.max_pages, p.page_size, p.num_pages);
   const bool write = slot.page >= 0;
   // p.clear: the last token of a request also zeroes the rest of its page, each lane its chunks
-  // (a uniform flag, not a template: the cost when off is one predicate, and no instantiations)
-  const bool clear = p.clear && write &&
+  const bool clear = OPTS && p.clear && write &&
                      last_of_request(staged ? sh.offsets : p.offsets, slot, t);
   constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
   float c[M], sn[M];
@@ -180,7 +183,7 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
     sn[i] = 0.f;
   }
   if (roped && rotary) {
-    if (p.mrope) {
+    if (mrope) {
       const MRope m{p.mrope_t, p.mrope_h, p.mrope_w, p.mrope_interleaved};
       load_mrope_cos_sin<M>(p.cos_sin, p.cs_sp, mpos, m, half_r, NEOX ? ea : ea / 2, c, sn);
     } else {
@@ -221,7 +224,8 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
       cu[i] = norm ? c[i] : 1.f;
       su[i] = norm ? sn[i] : 0.f;
     }
-    if (POST && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
+    const bool post = OPTS && p.post;
+    if (post && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
     load_float<float, N>(g + ea, ga);
 #pragma unroll
     for (int i = 0; i < N; ++i) a[i] *= rms * ga[i];
@@ -230,7 +234,7 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
 #pragma unroll
       for (int i = 0; i < N; ++i) b[i] *= rms * gb[i];
     }
-    if (!POST && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
+    if (!post && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
     if (!live) continue;
     if (is_q) {
       T* dst = q_row + h * p.qo_sh;
@@ -250,12 +254,12 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
   }
 }
 
-// One kernel per ROWS (1, 2 or 4): the register budget follows the rows a thread holds. POST:
-// RoPE then norm (FlashInfer Cake's qk_norm_policy 1, TensorRT-Edge-LLM's qkNormPostRope).
-template <typename T, typename CacheT, bool NEOX, int N, int ROWS, bool POST>
+// One kernel per ROWS (1, 2 or 4): the register budget follows the rows a thread holds. OPTS:
+// with the options (norm after RoPE, weight offset, tail clearing, mRoPE) read at run time.
+template <typename T, typename CacheT, bool NEOX, int N, int ROWS, bool OPTS>
 __global__ void __launch_bounds__(512) qk_rmsnorm_rope_append(const QKNormParams p) {
   __shared__ __align__(16) QKNormShared sh;
   pdl_launch_dependents();
   pdl_wait();
-  qk_rows<T, CacheT, NEOX, N, ROWS, POST>(p, sh);
+  qk_rows<T, CacheT, NEOX, N, ROWS, OPTS>(p, sh);
 }
