@@ -1,4 +1,5 @@
-"""Validation of the mRoPE keywords shared by the ops that take positions."""
+"""Validation of the option keywords shared by several ops: mRoPE (the ops that take
+positions) and ``status=`` (the ops that take ragged offsets)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,12 @@ def check_mrope_indices(vpos, P):
         raise IndexError(f"token {t} has {('temporal', 'height', 'width')[axis]} position "
                          f"{int(pos[axis, t])} (position_ids[{axis}, {t}]), outside the "
                          f"cos_sin_cache's [0, P={P})")
+
+
+def check_status(view):
+    """``status=``: an int32 array of one element (``(1,)`` or ``()``), written by the op."""
+    ck.check_ndim(view, (0, 1), "(1,)")
+    if view.ndim == 1:
+        ck.check_shape(view, (1,), "(1,)")
+    ck.check_dtype(view, (INT32,))
+    ck.check_element_aligned(view)

@@ -11,7 +11,7 @@ from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, INT64
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
 from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
-from ropekv._mrope import check_mrope, check_mrope_indices
+from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._vector import aligned, vector_width
 from ropekv.mla import _given_or_new, cache_scale, check_output
 
@@ -24,7 +24,7 @@ NORM_ORDERS = ("before_rope", "after_rope")
 PARAMS = ParamStruct("QKNormParams", [
     *((n, np.uint64) for n in ("q", "q_out", "k", "v", "q_gamma", "k_gamma", "cos_sin",
                                "offsets", "cache_lengths", "block_table", "k_cache", "v_cache",
-                               "position_ids")),
+                               "position_ids", "status")),
     *((n, np.int64) for n in ("q_st", "q_sh", "qo_st", "qo_sh", "k_st", "k_sh", "v_st", "v_sh",
                               "cs_sp", "bt_sb", "kc_sp", "kc_se", "kc_sh", "vc_sp", "vc_se",
                               "vc_sh", "num_pages", "pid_st")),
@@ -32,7 +32,8 @@ PARAMS = ParamStruct("QKNormParams", [
     *((n, np.int32) for n in ("T", "B", "Hq", "Hkv", "D", "R", "P", "max_pages", "page_size",
                               "q_gamma_f32", "k_gamma_f32", "group", "rows", "post", "clear",
                               "mrope",
-                              "mrope_t", "mrope_h", "mrope_w", "mrope_interleaved", "pos64")),
+                              "mrope_t", "mrope_h", "mrope_w", "mrope_interleaved", "pos64",
+                              "check")),
 ])
 MAX_GROUP = 32  # lanes per head row: one chunk each, a row within a warp
 ROWS = (1, 2, 4)  # kernels by the head rows one lane group can hold (their register budgets)
@@ -107,7 +108,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
                                           norm_order="before_rope", weight_offset=0.0,
                                           clear_unused_last_page_rows=False, position_ids=None,
                                           mrope_section=None, mrope_interleaved=False,
-                                          enable_pdl=False, stream=None):
+                                          status=None, enable_pdl=False, stream=None):
     """Qwen3-style attention input: RMS-normalise each Q and K head, rope both, and append K/V to
     a paged cache over a ragged batch, in one launch.
 
@@ -172,6 +173,13 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     mrope_interleaved : bool
         Qwen3-VL's interleaved layout instead: half-dim i uses height when ``i % 3 == 1`` and
         ``i < 3h``, width when ``i % 3 == 2`` and ``i < 3w``, temporal otherwise.
+    status : array, (1,), int32, optional
+        Validate ``input_row_offsets`` on the device first, without a host synchronisation (so
+        the call can be captured in a CUDA graph), as FlashInfer Cake's fp8 op does:
+        ``status[0]`` receives 0 when they are well formed, else the code of the first failing
+        check (1: ``offsets[0] != 0``; 2: an offset below the one before it; 3: ``offsets[-1]
+        != T``), and then nothing else is written (the caches, ``q_out`` and, when ``q_out``
+        is new, its contents undefined). Written in place.
     enable_pdl : bool
         Launch with programmatic dependent launch (see :func:`ropekv.apply_rope_write_kv`).
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
@@ -225,7 +233,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
         raise ValueError(f"paged_kv_cache must be a tuple (k_cache, v_cache), got "
                          f"{type(paged_kv_cache).__name__}")
     return _OP((q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
-                block_table, *paged_kv_cache, q_out, position_ids),
+                block_table, *paged_kv_cache, q_out, position_ids, status),
                (scalar_key(epsilon), ck.check_flag(is_neox, "is_neox"), scalar_key(kv_layout),
                 scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl"),
                 tuple(TUNING.values()), scalar_key(norm_order), scalar_key(weight_offset),
@@ -242,7 +250,7 @@ def _prepare(views, flags):
     ck.check_choice(norm_order, "norm_order", NORM_ORDERS)
     post = norm_order == "after_rope"
     weight_offset = ck.check_float(weight_offset, "weight_offset", positive=False)
-    vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vgiven, vpid = views
+    vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vgiven, vpid, vstatus = views
 
     ck.check_ndim(vq, 3, "(T, Hq, D)")
     ck.check_dtype(vq, INPUT_DTYPES)
@@ -285,8 +293,10 @@ def _prepare(views, flags):
         ck.check_last_dim_contiguous(view)
     if vgiven is not None:
         check_output(vgiven, vq)
+    if vstatus is not None:
+        check_status(vstatus)
     device = ck.check_same_device([x for x in views if x is not None])
-    written, inplace = (9, 10, 11), [(0, 11)]
+    written, inplace = (9, 10, 11) + ((13,) if vstatus is not None else ()), [(0, 11)]
     outputs = [] if vgiven is not None else [Output((T, Hq, D), vq.dtype)]
     result = _given_or_new(11)
 
@@ -300,6 +310,10 @@ def _prepare(views, flags):
     if device == HOST:
         def host(v, outs):
             vout = vgiven if vgiven is not None else outs[0]
+            if vstatus is not None:
+                vstatus.host[...] = reference.ragged_offsets_status(voff.host, T)
+                if vstatus.host.item():
+                    return
             if T:
                 reference.qk_rmsnorm_rope_append_paged_kv_cache(
                     vq.host, vk.host, vv.host, vqg.host, vkg.host, vt.host, voff.host, vlen.host,
@@ -309,7 +323,7 @@ def _prepare(views, flags):
 
         return Plan(HOST, outputs=outputs, written=written, inplace=inplace, result=result,
                     host=host)
-    if T == 0:
+    if T == 0 and vstatus is None:
         return Plan(device, outputs=outputs, written=written, inplace=inplace, result=result)
     vout = vgiven if vgiven is not None else vq  # a new output is laid out (and aligned) as q
 
@@ -339,7 +353,8 @@ def _prepare(views, flags):
                           f"per head row, more than {MAX_GROUP}; align the rows of q, k, v and "
                           f"the caches to {16 // vq.dtype.itemsize * vq.dtype.itemsize} bytes")
     group = 1 << (items - 1).bit_length()
-    block, rows, splits = launch_shape(T, Hq + 2 * Hkv, group)
+    # status= with no tokens: one block, which only validates
+    block, rows, splits = launch_shape(max(T, 1), Hq + 2 * Hkv, group)
     if kv_layout == "NHD":
         kc = (vkc.strides[0], vkc.strides[1], vkc.strides[2])
         vc = (vvc.strides[0], vvc.strides[1], vvc.strides[2])
@@ -363,22 +378,21 @@ def _prepare(views, flags):
         position_ids=0, pid_st=T, mrope=int(sections is not None),
         mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
         mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved),
-        pos64=int(vpid is not None and vpid.dtype == INT64))))
+        pos64=int(vpid is not None and vpid.dtype == INT64), status=0,
+        check=int(vstatus is not None))))
     fields = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin", "offsets", "cache_lengths",
-              "block_table", "k_cache", "v_cache", "q_out", "position_ids")
-    slots = {f: (i, 0) for i, f in enumerate(fields)}
-    if vpid is None:
-        del slots["position_ids"]  # stays null
+              "block_table", "k_cache", "v_cache", "q_out", "position_ids", "status")
+    slots = {f: (i, 0) for i, f in enumerate(fields) if views[i] is not None}  # None: null
     if vgiven is None:
-        slots["q_out"] = (13, 0)  # the new output follows the 13 arguments
-    opts = post or weight_offset != 0.0 or clear or sections is not None
+        slots["q_out"] = (14, 0)  # the new output follows the 14 arguments
+    opts = post or weight_offset != 0.0 or clear or sections is not None or vstatus is not None
     launch = Launch(STEM, expression(vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows), opts),
-                    device, (T, splits), (block,), PARAMS, values, slots, pdl=pdl)
+                    device, (max(T, 1), splits), (block,), PARAMS, values, slots, pdl=pdl)
     return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace,
                 result=result)
 
 
 _OP = Op("qk_rmsnorm_rope_append_paged_kv_cache",
          ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets",
-          "cache_lengths", "block_table", "k_cache", "v_cache", "q_out", "position_ids"),
-         _prepare)
+          "cache_lengths", "block_table", "k_cache", "v_cache", "q_out", "position_ids",
+          "status"), _prepare)

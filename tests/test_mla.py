@@ -148,6 +148,39 @@ def test_clear_unused_last_page_rows_zeroes_the_tails_only(split):
         assert_bytes_equal(got[~tail & ~written], old[~tail & ~written])
 
 
+def malform(offsets, kind):
+    offs = offsets.copy()
+    if kind == 1:
+        offs[0] = 1
+    elif kind == 2:
+        offs[1] = offs[2] + 1
+    elif kind == 3:
+        offs[-1] -= 1
+    return offs
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2, 3])
+def test_status_codes_and_no_writes_on_the_numpy_backend(kind):
+    args, kw = make_case(9, new=(3, 2, 2), cached=(0, 5, 17))
+    args["input_row_offsets"] = malform(args["input_row_offsets"], kind)
+    before = copy_args(args)
+    q_out = np.full_like(args["q_rope"], 7)
+    status = np.full(1, 99, np.int32)
+    op(**args, **kw, q_rope_out=q_out, status=status)
+    assert status[0] == kind == reference.ragged_offsets_status(args["input_row_offsets"], 7)
+    if kind:
+        assert (q_out == 7).all()
+        assert_bytes_equal(args["kv_cache"], before["kv_cache"])
+    else:
+        q_ref, _, _ = expected(before, kw)
+        np.testing.assert_array_equal(q_out, q_ref)
+
+
+def test_status_validation():
+    bad(TypeError, "status must have dtype int32, got uint32", {"status": np.zeros(1, np.uint32)})
+    bad(ValueError, r"status must have shape \(1,\)", {"status": np.zeros((1, 1), np.int32)})
+
+
 def test_numpy_backend_writes_the_addressed_rows():
     args, kw = make_case(0)
     q_ref, ckv_ref, kpe_ref = expected(args, kw)
@@ -579,6 +612,40 @@ def test_hostile_indices_never_write_out_of_bounds(clear):
     assert_close(got[..., :L][mask], ckv_ref[mask])
     assert_close(got[..., L:][mask], kpe_ref[mask])
     assert_bytes_equal(got[~mask], cache[~mask])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [0, 1, 2, 3])
+@pytest.mark.parametrize("T_new", [0, 1, 3, 300])  # no tokens; decode (split kernel); prefill
+def test_status_on_device(kind, T_new):
+    import cupy as cp
+
+    new = (T_new,) if T_new < 3 else (T_new // 3, T_new // 3, T_new - 2 * (T_new // 3))
+    if T_new == 0:
+        new = (0, 0)
+    args, kw = make_case(70 + kind, Hq=16, L=512, R=64, dtype=BF16, new=new,
+                         cached=tuple(range(3, 3 + len(new))), page_size=16)
+    if kind == 2 and len(new) < 2:
+        args["input_row_offsets"] = np.array([0, T_new, T_new], np.int32)
+        args["cache_lengths"] = np.array([3, 4], np.int32)
+        args["block_table"] = np.concatenate([args["block_table"]] * 2)
+    args["input_row_offsets"] = malform(args["input_row_offsets"], kind)
+    code = reference.ragged_offsets_status(args["input_row_offsets"], T_new)
+    dev = {k: to_device(v) for k, v in args.items()}
+    q_out = cp.full(dev["q_rope"].shape, 7, dev["q_rope"].dtype)
+    status = cp.full(1, 99, cp.int32)
+    op(**dev, **kw, q_rope_out=q_out, status=status)
+    assert int(status[0]) == code
+    if code:
+        assert kind and bool((q_out == 7).all())
+        assert_bytes_equal(to_numpy(dev["kv_cache"]), args["kv_cache"])
+    else:
+        q_ref, ckv_ref, kpe_ref = expected(args, kw)
+        assert_close(q_out, q_ref, "q_rope_out")
+        mask = written_rows(args)
+        got = to_numpy(dev["kv_cache"])
+        assert_close(got[..., :512][mask], ckv_ref[mask])
+        assert_bytes_equal(got[~mask], args["kv_cache"][~mask])
 
 
 @pytest.mark.gpu

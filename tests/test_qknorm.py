@@ -310,6 +310,59 @@ def test_mrope_check_indices_names_the_position(monkeypatch):
         op(**args, **kw, position_ids=ids, mrope_section=(4, 6, 6))
 
 
+def malform(offsets, kind):
+    """A copy of ``offsets`` that fails the ``kind`` check (the status code it must give)."""
+    offs = offsets.copy()
+    if kind == 1:
+        offs[0] = 1
+    elif kind == 2:
+        offs[1] = offs[2] + 1  # above the next one
+    elif kind == 3:
+        offs[-1] -= 1
+    return offs
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2, 3])
+def test_status_codes_and_no_writes_on_the_numpy_backend(kind):
+    args, kw = make_case(12, new=(3, 2, 2), cached=(0, 5, 17))
+    args["input_row_offsets"] = malform(args["input_row_offsets"], kind)
+    assert reference.ragged_offsets_status(args["input_row_offsets"], 7) == kind
+    before = tuple(c.copy() for c in args["paged_kv_cache"])
+    q_out = np.full_like(args["q"], 7)
+    status = np.full(1, 99, np.int32)
+    ref = None if kind else expected(args, kw)
+    op(**args, **kw, q_out=q_out, status=status)
+    assert status[0] == kind
+    if kind:
+        assert (q_out == 7).all()
+        for got, old in zip(args["paged_kv_cache"], before):
+            assert_bytes_equal(got, old)
+    else:
+        np.testing.assert_array_equal(q_out, ref[0])
+        for got, want in zip(args["paged_kv_cache"], ref[1:]):
+            assert_bytes_equal(got, want)
+
+
+def test_status_of_an_empty_batch():
+    args, kw = make_case(13, new=(0, 0), cached=(1, 2))
+    status = np.full(1, 99, np.int32)
+    op(**args, **kw, status=status)
+    assert status[0] == 0
+    args["input_row_offsets"] = np.array([0, 0, 2], np.int32)
+    op(**args, **kw, status=status)
+    assert status[0] == 3
+
+
+def test_status_validation():
+    bad(TypeError, "status must have dtype int32, got int64",
+        {"status": np.zeros(1, np.int64)})
+    bad(ValueError, r"status must have shape \(1,\) = \(1,\), got \(2,\)",
+        {"status": np.zeros(2, np.int32)})
+    ro = np.zeros(1, np.int32)
+    ro.flags.writeable = False
+    bad(BufferError, "status is written in place", {"status": ro})
+
+
 def test_in_place_q():
     args, kw = make_case(2, packed=True)
     q_ref, _, _ = expected(args, kw)
@@ -577,6 +630,79 @@ def test_hostile_indices_never_write_out_of_bounds(tokens, clear):
         got = host[guard:-guard].reshape(old.shape)
         assert_close(got[mask], ref[mask])
         assert_bytes_equal(got[~mask], old[~mask])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [0, 1, 2, 3])
+@pytest.mark.parametrize("B", [3, 700])  # offsets staged in shared memory, or read from global
+@pytest.mark.parametrize("T_new", [1, 40])
+def test_status_on_device(kind, B, T_new):
+    """Malformed offsets: status holds the code, no output byte changes (caches, a given
+    q_out); valid ones: status 0 and the reference's result."""
+    import cupy as cp
+
+    rng = np.random.default_rng(kind + B + T_new)
+    new = np.zeros(B, np.int64)
+    new[rng.choice(B, min(B, T_new), replace=False)] = 1
+    new[0] += T_new - new.sum()
+    args, kw = make_case(60 + kind, Hq=16, Hkv=4, D=128, dtype=BF16, new=tuple(new),
+                         cached=tuple(rng.integers(0, 40, B)), page_size=16)
+    args["input_row_offsets"] = malform(args["input_row_offsets"], kind)
+    dev = {k: to_device(v) for k, v in args.items()}
+    q_out = cp.full(dev["q"].shape, 7, dev["q"].dtype)
+    status = cp.full(1, 99, cp.int32)
+    op(**dev, **kw, q_out=q_out, status=status)
+    assert int(status[0]) == kind
+    if kind:
+        assert bool((q_out == 7).all())
+        for got, old in zip(dev["paged_kv_cache"], args["paged_kv_cache"]):
+            assert_bytes_equal(to_numpy(got), old, "cache after malformed offsets")
+    else:
+        q_ref, kc_ref, vc_ref = expected(args, kw)
+        assert_close(q_out, q_ref, "q_out")
+        mask = written_rows(args, kw)
+        for got, ref, old in zip(dev["paged_kv_cache"], (kc_ref, vc_ref),
+                                 args["paged_kv_cache"]):
+            got = to_numpy(got)
+            assert_close(got[mask], ref[mask])
+            assert_bytes_equal(got[~mask], old[~mask])
+
+
+@pytest.mark.gpu
+def test_status_in_a_captured_graph():
+    """The check runs on the device: one captured graph, replayed with valid then malformed
+    offsets written into the same array, reports 0 then 2 and writes nothing the second time."""
+    import cupy as cp
+
+    args, kw = make_case(64, Hq=16, Hkv=4, D=128, dtype=BF16, new=(1, 1, 1, 1),
+                         cached=(3, 9, 20, 30), page_size=16)
+    dev = {k: to_device(v) for k, v in args.items()}
+    q_out = cp.zeros(dev["q"].shape, dev["q"].dtype)
+    status = cp.full(1, 99, cp.int32)
+
+    def call():
+        op(**dev, **kw, q_out=q_out, status=status)
+
+    call()  # compile and plan outside the capture
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        call()
+        graph = stream.end_capture()
+        status.fill(99)
+        graph.launch(stream)
+        stream.synchronize()
+        assert int(status[0]) == 0
+        snapshot = [to_numpy(c) for c in dev["paged_kv_cache"]]
+        q_before = to_numpy(q_out)
+        dev["input_row_offsets"][1:3] = cp.asarray(np.array([3, 1], np.int32))  # decreasing
+        graph.launch(stream)
+        stream.synchronize()
+    assert int(status[0]) == 2
+    assert_bytes_equal(to_numpy(q_out), q_before)
+    for got, old in zip(dev["paged_kv_cache"], snapshot):
+        assert_bytes_equal(to_numpy(got), old)
 
 
 @pytest.mark.gpu

@@ -386,6 +386,21 @@ __device__ __forceinline__ void load_mrope_cos_sin(const float* table, i64 row_s
   }
 }
 
+// ---- status=: on-device validation of ragged offsets (graph-capturable, no host sync) ---------
+// The code of offsets[0..B] for a batch of T tokens (every thread of the block calls it, after
+// the offsets are readable): 1 offsets[0] != 0, 2 an offset below the one before it, 3
+// offsets[B] != T, 0 valid (then every offset lies in [0, T]). Read as 32-bit unsigned, as the
+// request search reads them. Every block computes the same code, so a block that finds the
+// offsets malformed writes nothing and no block needs to wait for another.
+__device__ __forceinline__ int ragged_offsets_status(const unsigned* offsets, int B, i64 T) {
+  bool decreasing = false;
+  for (int i = threadIdx.x; i < B; i += blockDim.x) decreasing |= offsets[i + 1] < offsets[i];
+  const bool first = __syncthreads_or(threadIdx.x == 0 && offsets[0] != 0u);
+  const bool dec = __syncthreads_or(decreasing);
+  const bool last = __syncthreads_or(threadIdx.x == 0 && i64(offsets[B]) != T);
+  return first ? 1 : dec ? 2 : last ? 3 : 0;
+}
+
 // A weight vector (RMSNorm gamma) stored as T or as float32.
 template <typename T, int N>
 __device__ __forceinline__ void load_weight(const void* w, bool f32, int i0, float (&out)[N]) {

@@ -17,6 +17,7 @@ struct MlaParams {
   const int* block_table;     // (B, max_pages)
   void* ckv;                  // (num_pages, page_size, L) CacheT
   void* kpe;                  // (num_pages, page_size, R) CacheT (ckv + L for MAX's layout)
+  int* status;                // status=: (1,) int32, the offsets' code (0 valid), or null
   i64 q_st, q_sh, qo_st, qo_sh, kv_st, cs_sp, bt_sb;  // strides in elements
   i64 ckv_sp, ckv_se, kpe_sp, kpe_se;
   i64 num_pages;
@@ -25,7 +26,19 @@ struct MlaParams {
   int T, B, Hq, L, R, P, kv_norm_dim, max_pages, page_size, gamma_f32;
   int heads_per_block;  // q heads of each of the grid.y blocks of a token (kHeadsMax per group)
   int clear;            // clear_unused_last_page_rows
+  int check;            // status=: validate the offsets first (the grid has at least one block)
 };
+
+// status= (OPTS kernels): every block validates the offsets before any load of token data; a
+// block writes nothing when they are malformed, and block (0, 0) writes the code. With no tokens
+// the grid is one block, which only validates. Returns whether the block goes on.
+template <bool OPTS>
+__device__ __forceinline__ bool mla_check(const MlaParams& p) {
+  if (!OPTS || !p.check) return true;
+  const int code = ragged_offsets_status(p.offsets, p.B, p.T);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *p.status = code;
+  return code == 0 && i64(blockIdx.x) < p.T;
+}
 
 constexpr int kBlock = 256;
 constexpr int kHeadsMax = 4;    // q heads a lane group holds at once
@@ -93,6 +106,7 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append_split(const Ml
   T* q_out = static_cast<T*>(p.q_out) + t * p.qo_st;
 
   pdl_wait();
+  if (!mla_check<OPTS>(p)) return;
   // 1. q chunks and latent chunks
   Vec<T, N> qa[kHeadsMax], qb[kHeadsMax];
 #pragma unroll
@@ -276,6 +290,7 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParam
   const int half_r = p.R >> 1;
   const T* kv = static_cast<const T*>(p.kv) + t * p.kv_st;
   pdl_wait();
+  if (!mla_check<OPTS>(p)) return;
 
   // 1. partial sum of squares of the normalised dims
   const int norm_chunks = p.kv_norm_dim / N;

@@ -19,6 +19,7 @@ struct QKNormParams {
   void* k_cache;             // NHD (num_pages, page_size, Hkv, D), HND (num_pages, Hkv, page_size, D)
   void* v_cache;             // the same layout, CacheT
   const void* position_ids;  // mRoPE: (3, T) int32 or int64 positions (temporal, height, width)
+  int* status;               // status=: (1,) int32, the offsets' code (0 valid), or null
   i64 q_st, q_sh, qo_st, qo_sh, k_st, k_sh, v_st, v_sh, cs_sp, bt_sb;  // strides in elements
   i64 kc_sp, kc_se, kc_sh, vc_sp, vc_se, vc_sh;  // page, entry, head strides (layout-free)
   i64 num_pages;
@@ -34,6 +35,7 @@ struct QKNormParams {
   int mrope;  // rope from position_ids by sections (MRope); 0: from the cache position
   int mrope_t, mrope_h, mrope_w, mrope_interleaved;
   int pos64;  // position_ids is int64
+  int check;  // status=: validate the offsets first (the grid has at least one token block)
 };
 
 constexpr int kStageMax = 512;  // batches of up to this many requests are searched in shared memory
@@ -88,7 +90,8 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
   const int half_r = p.R >> 1;
   const int rot_items = NEOX ? half_r / N : p.R / N;
   const int items = rot_items + (p.D - p.R) / N;
-  const bool has_chunk = j < items;
+  // with status= a batch of no tokens still launches one block: it only validates
+  const bool has_chunk = j < items && (!OPTS || t < p.T);
   const bool rotary = j < rot_items;
   const bool pair = NEOX && rotary;  // two vectors per chunk
   const int ea = rotary ? j * N : p.R + (j - rot_items) * N;
@@ -98,7 +101,7 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
   // 1. this lane's chunks of its rows (and mRoPE's three positions: they depend on nothing)
   const bool mrope = OPTS && p.mrope;
   i64 mpos[3] = {0, 0, 0};
-  if (mrope) mrope_positions(p.position_ids, p.pos64, t, p.pid_st, mpos);
+  if (mrope && t < p.T) mrope_positions(p.position_ids, p.pos64, t, p.pid_st, mpos);
   Vec<T, N> va[ROWS], vb[ROWS];
 #pragma unroll
   for (int u = 0; u < ROWS; ++u) {
@@ -162,6 +165,11 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
     }
   }
   __syncthreads();
+  if (OPTS && p.check) {  // status=: malformed offsets write nothing (every block agrees)
+    const int code = ragged_offsets_status(staged ? sh.offsets : p.offsets, p.B, p.T);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *p.status = code;
+    if (code) return;
+  }
 
   // 3. request, position, page, cos/sin
   PagedSlot slot = staged ? ragged_position(sh.offsets, sh.lengths, p.B, t)
