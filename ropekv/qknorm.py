@@ -74,17 +74,18 @@ def launch_shape(T, H, group):
 
 
 
-def expression(dtype, cache_dtype, is_neox, n, rows=1, opts=False):
-    """``opts``: the kernel that reads the options (norm order, weight offset, tail clearing,
-    mRoPE); the plain one has them compiled out, so they cost nothing when off."""
+def expression(dtype, cache_dtype, is_neox, n, rows=1, opts=0):
+    """``opts``: 0 the plain kernel (every option compiled out, so they cost nothing when off);
+    1 the one that reads the light options (norm order, weight offset, tail clearing, status);
+    2 that one with mRoPE too."""
     return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n, rows,
-                           c_bool(opts))
+                           int(opts))
 
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
     for rows in ROWS:
-        for opts in (False, True):
+        for opts in (0, 1, 2):
             yield from rope_instantiations(
                 lambda *a, r=rows, o=opts: expression(*a, r, o), INPUT_DTYPES, FP8_DTYPES)
 
@@ -385,7 +386,8 @@ def _prepare(views, flags):
     slots = {f: (i, 0) for i, f in enumerate(fields) if views[i] is not None}  # None: null
     if vgiven is None:
         slots["q_out"] = (14, 0)  # the new output follows the 14 arguments
-    opts = post or weight_offset != 0.0 or clear or sections is not None or vstatus is not None
+    opts = 2 if sections is not None else int(bool(
+        post or weight_offset != 0.0 or clear or vstatus is not None))
     launch = Launch(STEM, expression(vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows), opts),
                     device, (max(T, 1), splits), (block,), PARAMS, values, slots, pdl=pdl)
     return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace,

@@ -76,9 +76,10 @@ struct QKNormShared {
 // A token outside every request, or with a position outside [0, P), has its q row copied
 // unchanged and writes nothing; a token whose page is out of range is normalised and roped but
 // writes nothing.
-// OPTS: the options (p.post, p.weight_offset, p.clear, p.mrope) are read; without it they are
-// compiled out and the kernel is the plain one (an option costs nothing when off).
-template <typename T, typename CacheT, bool NEOX, int N, int ROWS, bool OPTS>
+// OPTS 0: the plain kernel, every option compiled out (an option costs nothing when off); 1: the
+// light options are read (p.post, p.weight_offset, p.clear, p.check); 2: mRoPE too (its three
+// positions and cos/sin rows cost registers the others should not pay for).
+template <typename T, typename CacheT, bool NEOX, int N, int ROWS, int OPTS>
 __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh) {
   const i64 t = blockIdx.x;
   const int G = p.group;
@@ -99,7 +100,7 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
   const float inv_d = __fdividef(1.f, float(p.D));  // fast: no IEEE slow path on the chain
 
   // 1. this lane's chunks of its rows (and mRoPE's three positions: they depend on nothing)
-  const bool mrope = OPTS && p.mrope;
+  const bool mrope = OPTS == 2 && p.mrope;
   i64 mpos[3] = {0, 0, 0};
   if (mrope && t < p.T) mrope_positions(p.position_ids, p.pos64, t, p.pid_st, mpos);
   Vec<T, N> va[ROWS], vb[ROWS];
@@ -264,7 +265,7 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
 
 // One kernel per ROWS (1, 2 or 4): the register budget follows the rows a thread holds. OPTS:
 // with the options (norm after RoPE, weight offset, tail clearing, mRoPE) read at run time.
-template <typename T, typename CacheT, bool NEOX, int N, int ROWS, bool OPTS>
+template <typename T, typename CacheT, bool NEOX, int N, int ROWS, int OPTS>
 __global__ void __launch_bounds__(512) qk_rmsnorm_rope_append(const QKNormParams p) {
   __shared__ __align__(16) QKNormShared sh;
   pdl_launch_dependents();
