@@ -196,11 +196,11 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     Each head row becomes ``rope(x / sqrt(mean(x^2) + epsilon) * gamma)`` (``norm_order=
     "after_rope"``: ``rope(x) / sqrt(mean(x^2) + epsilon) * gamma``) with ``gamma = weight +
     weight_offset``, in float32 and rounded once (Hugging Face's Qwen3 rounds to the model dtype
-    between the norm and the rope; this does not). V is written unchanged (quantized for fp8 caches). A token outside every request, or
-    whose position falls outside ``[0, P)``, has its q row copied unchanged and writes nothing; a
-    token whose page is outside the block table row or the cache is normalised and roped but
-    writes nothing. ``ROPEKV_CHECK_INDICES=1`` raises ``IndexError`` for such tokens instead.
-    NumPy inputs run the NumPy reference on the host.
+    between the norm and the rope; this does not). V is written unchanged (quantized for fp8
+    caches). A token outside every request, or whose position falls outside ``[0, P)``, has its q
+    row copied unchanged and writes nothing; a token whose page is outside the block table row or
+    the cache is normalised and roped but writes nothing. ``ROPEKV_CHECK_INDICES=1`` raises
+    ``IndexError`` for such tokens instead. NumPy inputs run the NumPy reference on the host.
 
     Examples
     --------

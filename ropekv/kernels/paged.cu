@@ -304,7 +304,8 @@ __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const Pa
     section<T, OutT, NEOX, N, false, true, U, MROPE>(
         p, static_cast<const T*>(p.k_nope) + t * p.kn_sn, p.kn_sh,
         Dest<OutT>{static_cast<OutT*>(p.kn_cache), -1, p.knc_sp, 0, p.knc_se, p.knc_sh}, p.Hkv,
-        ni, p.kv_scales, p.kv_scale, pos_id, mpos, slot, b, pos, first_index(g, base, stride), stride);
+        ni, p.kv_scales, p.kv_scale, pos_id, mpos, slot, b, pos, first_index(g, base, stride),
+        stride);
     base += p.Hkv * ni;
   }
   if (p.Hv)
