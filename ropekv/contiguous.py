@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 
 import numpy as np
 
@@ -17,7 +18,8 @@ from ropekv._arrays import (
     INT64,
 )
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
-from ropekv._launch import Launch, Op, ParamStruct, Plan
+from ropekv._launch import Launch, Op, ParamStruct, Plan, scalar_key
+from ropekv._mrope import check_mrope
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import aligned, vector_width
 
@@ -40,8 +42,10 @@ PARAMS = ParamStruct("RopeWriteKVParams", [
                                "kv_scale")),
     *((n, np.int64) for n in ("q_sb", "q_ss", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss",
                               "v_sh", "c_sb", "c_skv", "c_sh", "c_st", "cs_sb", "cs_sp")),
+    *((n, np.float32) for n in ("inv_k_scale", "inv_v_scale")),
     *((n, np.int32) for n in ("B", "S", "Hq", "Hkv", "D", "R", "C", "P", "write_k_in_place",
-                              "group", "rows", "index64")),
+                              "group", "rows", "index64", "v_scale_index", "mrope", "mrope_t",
+                              "mrope_h", "mrope_w", "mrope_interleaved")),
 ])
 
 # the array arguments, in the order the public function hands them to the call path; each is
@@ -50,8 +54,11 @@ ARRAYS = ("q", "k", "v", "kv_cache", "cos_sin_cache", "kv_end_lens", "position_i
 FIELDS = ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids", "kv_scale")
 
 
-def expression(dtype, cache_dtype, is_neox, n):
-    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
+def expression(dtype, cache_dtype, is_neox, n, opts=False):
+    """``opts``: the kernel that reads the options (mRoPE, constant scales); the plain one has
+    them compiled out."""
+    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n,
+                           c_bool(opts))
 
 
 def launch_shape(T, H, group):
@@ -69,14 +76,19 @@ def launch_shape(T, H, group):
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
-    return rope_instantiations(expression, INPUT_DTYPES, FP8_DTYPES)
+    for opts in (False, True):
+        yield from rope_instantiations(lambda *a, o=opts: expression(*a, o), INPUT_DTYPES,
+                                       FP8_DTYPES)
 
 
 def apply_rope_write_kv(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_cache: ArrayLike,
                         cos_sin_cache: ArrayLike, *, kv_end_lens: ArrayLike | None = None,
-                        position_ids: ArrayLike | None = None, kv_scale: ArrayLike | None = None,
+                        position_ids: ArrayLike | None = None,
+                        kv_scale: float | tuple[float, float] | ArrayLike | None = None,
                         write_k_in_place: bool = False, is_neox: bool = True,
-                        enable_pdl: bool = False, stream: StreamLike | None = None) -> None:
+                        mrope_section: tuple[int, int, int] | None = None,
+                        mrope_interleaved: bool = False, enable_pdl: bool = False,
+                        stream: StreamLike | None = None) -> None:
     """Apply RoPE to Q and K and write K/V into a contiguous KV cache, in one launch.
 
     Mirrors TensorRT-Edge-LLM's ``launchApplyRopeWriteKV`` family. Its three launchers map onto
@@ -110,14 +122,27 @@ def apply_rope_write_kv(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_cache: Arra
         None means slot ``s`` (prefill into an empty cache).
     position_ids : array, (B, S), int32 or int64, optional
         RoPE position of each token (tree decoding); by default the slot. A negative id marks
-        padding: that token is neither roped nor written.
-    kv_scale : array, (2,), float32, optional
+        padding: that token is neither roped nor written. With ``mrope_section``: ``(3, B, S)``,
+        each token's temporal, height and width positions (required); a token with any of them
+        outside ``[0, P)`` is skipped.
+    kv_scale : float, (float, float), or float32 array (2,) or (), optional
         K and V dequantization scales, required for fp8 caches: stored = fp8(x / scale), rounded
-        to nearest even and saturated to the largest finite value.
+        to nearest even and saturated to the largest finite value. A number (or a 0-d NumPy
+        array) is one scale for K and V, a pair one each; both enter the launch as constants.
+        A device array is read by the kernel (``(2,)``: K then V; ``()``: one for both), so it
+        may change between calls or graph replays; a scale that is not positive and finite
+        there makes the kernel write nothing.
     write_k_in_place : bool
         Also write the roped K back into ``k``.
     is_neox : bool
         True rotates half-split pairs (i, i + R/2); False interleaved pairs (2i, 2i + 1).
+    mrope_section : (int, int, int), optional
+        mRoPE (Qwen2-VL): ``(t, h, w)`` rotary half-dims per axis, summing to R/2; half-dim i
+        takes its angle from the temporal position for ``i < t``, height for ``t <= i < t + h``,
+        width otherwise (``docs/conventions.md``).
+    mrope_interleaved : bool
+        Qwen3-VL's interleaved mRoPE: height when ``i % 3 == 1`` and ``i < 3h``, width when
+        ``i % 3 == 2`` and ``i < 3w``, temporal otherwise.
     enable_pdl : bool
         Launch with programmatic dependent launch (Hopper and later): the kernel may start while
         the previous kernel on the stream finishes, and waits for it before reading memory.
@@ -164,16 +189,43 @@ def apply_rope_write_kv(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_cache: Arra
     >>> table = ropekv.cos_sin_cache(C, D, xp=cp)  # doctest: +SKIP
     >>> ropekv.apply_rope_write_kv(q, k, v, cache, table)  # doctest: +SKIP
     """
-    return _OP((q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale),
+    scale, scale_array = _scale_arg(kv_scale)
+    return _OP((q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, scale_array),
                (ck.check_flag(write_k_in_place, "write_k_in_place"),
                 ck.check_flag(is_neox, "is_neox"), ck.check_flag(enable_pdl, "enable_pdl"),
-                tuple(TUNING.values())),
+                scalar_key(scale), tuple(TUNING.values()), scalar_key(mrope_section),
+                ck.check_flag(mrope_interleaved, "mrope_interleaved")),
                stream)
+
+
+def _scale_arg(value):
+    """``kv_scale`` as ``(constant, array)``: a number, a pair or a 0-d NumPy array goes into the
+    plan key as its value(s), anything else is an array argument of the call."""
+    cls = value.__class__
+    if cls is float or cls is int or cls is tuple or cls is list:
+        return value, None
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        return value.item(), None
+    if isinstance(value, numbers.Real) or cls is bool or cls is np.bool_:
+        return value, None
+    return None, value
+
+
+def _constant_scales(value):
+    """(k_scale, v_scale) from a constant ``kv_scale``: positive finite numbers."""
+    if isinstance(value, tuple):
+        if len(value) != 2:
+            raise ValueError(f"kv_scale must be a number, a (k_scale, v_scale) pair or a float32 "
+                             f"array of shape (2,) or (), got {len(value)} values")
+        return tuple(ck.check_float(x, f"kv_scale[{i}]", positive=True)
+                     for i, x in enumerate(value))
+    s = ck.check_float(value, "kv_scale", positive=True)
+    return s, s
 
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
-    write_k_in_place, is_neox, pdl, _ = flags
+    write_k_in_place, is_neox, pdl, const_scale, _, mrope_section, mrope_interleaved = flags
     vq, vk, vv, vc, vt, vlens, vpos, vscale = views
 
     ck.check_ndim(vq, 4, "(B, S, Hq, D)")
@@ -202,17 +254,23 @@ def _prepare(views, flags):
         ck.check_shape(vlens, (B,), "(B,)")
         ck.check_dtype(vlens, INDEX_DTYPES)
         ck.check_contiguous(vlens)
-    if vpos is not None:
+    sections = check_mrope(mrope_section, mrope_interleaved, R, vpos, (3, B, S), "(3, B, S)")
+    if vpos is not None and sections is None:
         ck.check_shape(vpos, (B, S), "(B, S)")
         ck.check_dtype(vpos, INDEX_DTYPES)
         ck.check_contiguous(vpos)
     fp8 = vc.dtype in FP8_DTYPES
-    if fp8 and vscale is None:
-        raise ValueError(f"kv_scale (float32, shape (2,)) is required for a {vc.dtype} kv_cache")
-    if not fp8 and vscale is not None:
+    given = vscale is not None or const_scale is not None
+    if fp8 and not given:
+        raise ValueError(f"kv_scale (a number, a pair, or float32 of shape (2,) or ()) is "
+                         f"required for a {vc.dtype} kv_cache")
+    if not fp8 and given:
         raise ValueError(f"kv_scale is only used with float8 caches, but kv_cache is {vc.dtype}")
+    scales = _constant_scales(const_scale) if const_scale is not None else (1.0, 1.0)
     if vscale is not None:
-        ck.check_shape(vscale, (2,), "(2,)")
+        ck.check_ndim(vscale, (0, 1), "(2,) or ()")
+        if vscale.ndim == 1:
+            ck.check_shape(vscale, (2,), "(2,) or ()")
         ck.check_dtype(vscale, (FLOAT32,))
         ck.check_contiguous(vscale)
     for view in (vq, vk, vv, vc, vt):
@@ -224,13 +282,14 @@ def _prepare(views, flags):
     if vscale is not None and (device == HOST or ck.check_indices_enabled()):
         ck.check_scale_values(vscale)
     if ck.check_indices_enabled():
-        _check_indices(vlens, vpos, B, S, C, P)
+        _check_indices(vlens, vpos, B, S, C, P, sections is not None)
     if device == HOST:
         def host(v, _):
             reference.apply_rope_write_kv(
                 vq.host, vk.host, vv.host, vc.host, vt.host,
                 None if vlens is None else vlens.host, None if vpos is None else vpos.host,
-                None if vscale is None else vscale.host, write_k_in_place, is_neox)
+                scales if vscale is None else vscale.host, write_k_in_place, is_neox, sections,
+                mrope_interleaved)
 
         return Plan(HOST, written=written, host=host if B * S else None)
     if B * S == 0:
@@ -260,11 +319,16 @@ def _prepare(views, flags):
         v_sb=vv.strides[0], v_ss=vv.strides[1], v_sh=vv.strides[2],
         c_sb=vc.strides[0], c_skv=vc.strides[1], c_sh=vc.strides[2], c_st=vc.strides[3],
         cs_sb=table_strides[0] if vt.ndim == 3 and vt.shape[0] > 1 else 0, cs_sp=table_strides[1],
+        inv_k_scale=1.0 / scales[0], inv_v_scale=1.0 / scales[1],
         B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=C, P=P, write_k_in_place=int(write_k_in_place),
         group=items, rows=rows, index64=(int(vlens is not None and vlens.dtype == INT64)
-                 | 2 * int(vpos is not None and vpos.dtype == INT64)))
-    launch = Launch(STEM, expression(vq.dtype, vc.dtype, is_neox, n), device, (B * S, splits),
-                    (block,), PARAMS,
+                 | 2 * int(vpos is not None and vpos.dtype == INT64)),
+        v_scale_index=int(vscale is not None and vscale.ndim == 1), mrope=int(bool(sections)),
+        mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
+        mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved))
+    opts = sections is not None or (fp8 and vscale is None)  # mRoPE, constant scales
+    launch = Launch(STEM, expression(vq.dtype, vc.dtype, is_neox, n, opts), device,
+                    (B * S, splits), (block,), PARAMS,
                     dict(zip(PARAMS.names, values)),
                     {f: (i, 0) for i, f in enumerate(FIELDS)}, pdl=pdl)
     return Plan(device, [launch], written=written)
@@ -273,9 +337,10 @@ def _prepare(views, flags):
 _OP = Op("apply_rope_write_kv", ARRAYS, _prepare)
 
 
-def _check_indices(vlens, vpos, B, S, C, P):
+def _check_indices(vlens, vpos, B, S, C, P, mrope=False):
     """``ROPEKV_CHECK_INDICES``: IndexError for the first token the kernel would skip (padding,
-    a negative position id, aside). Tokens never share a cache row here (b is a cache dim)."""
+    a negative position id, aside; with mRoPE, a negative id on any axis). Tokens never share a
+    cache row here (b is a cache dim)."""
     s = np.arange(S)
     if vlens is None:
         slot = np.broadcast_to(s, (B, S))
@@ -283,7 +348,10 @@ def _check_indices(vlens, vpos, B, S, C, P):
         lens = ck.host_copy(vlens).astype(np.int64)
         slot = lens[:, None] - S + s[None, :]
     pos = slot if vpos is None else ck.host_copy(vpos).astype(np.int64)
-    live = np.ones((B, S), bool) if vpos is None else pos >= 0
+    if mrope:  # the largest of the three positions stands for the token
+        live, pos = (pos >= 0).all(axis=0), pos.max(axis=0)
+    else:
+        live = np.ones((B, S), bool) if vpos is None else pos >= 0
     bad_slot = live & ((slot < 0) | (slot >= C))
     bad_pos = live & ((pos < 0) | (pos >= P))
     bad = np.flatnonzero(bad_slot | bad_pos)

@@ -11,6 +11,7 @@ from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
 from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
+from ropekv._mrope import check_status
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import aligned, vector_width
 
@@ -28,13 +29,13 @@ SPLIT_KERNEL = "mla_rope_rmsnorm_append_split"
 
 PARAMS = ParamStruct("MlaParams", [
     *((n, np.uint64) for n in ("q", "q_out", "kv", "gamma", "cos_sin", "offsets",
-                               "cache_lengths", "block_table", "ckv", "kpe")),
+                               "cache_lengths", "block_table", "ckv", "kpe", "status")),
     *((n, np.int64) for n in ("q_st", "q_sh", "qo_st", "qo_sh", "kv_st", "cs_sp", "bt_sb",
                               "ckv_sp", "ckv_se", "kpe_sp", "kpe_se", "num_pages")),
     ("epsilon", np.float32),
     ("inv_kv_scale", np.float32),
     *((n, np.int32) for n in ("T", "B", "Hq", "L", "R", "P", "kv_norm_dim", "max_pages",
-                              "page_size", "gamma_f32", "heads_per_block")),
+                              "page_size", "gamma_f32", "heads_per_block", "clear", "check")),
 ])
 
 
@@ -48,16 +49,19 @@ def launch_shape(T, Hq, items):
     return -(-Hq // per_block), per_block
 
 
-def expression(dtype, cache_dtype, is_neox, n, split=False):
+def expression(dtype, cache_dtype, is_neox, n, split=False, opts=False):
+    """``opts``: the kernel that reads the options (tail clearing); the plain one has them
+    compiled out."""
     return name_expression(SPLIT_KERNEL if split else KERNEL, c_type(dtype), c_type(cache_dtype),
-                           c_bool(is_neox), n)
+                           c_bool(is_neox), n, c_bool(opts))
 
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
     for split in (False, True):
-        yield from rope_instantiations(lambda *a, split=split: expression(*a, split),
-                                       INPUT_DTYPES, FP8_DTYPES)
+        for opts in (False, True):
+            yield from rope_instantiations(lambda *a, s=split, o=opts: expression(*a, s, o),
+                                           INPUT_DTYPES, FP8_DTYPES)
 
 
 # ---- helpers shared with ropekv.qknorm ---------------------------------------------------------
@@ -86,7 +90,8 @@ def mla_rope_rmsnorm_append_paged_kv_cache(
         input_row_offsets: ArrayLike, cache_lengths: ArrayLike, block_table: ArrayLike,
         kv_cache: ArrayLike | tuple[ArrayLike, ArrayLike], *, epsilon: float = 1e-6,
         kv_norm_dim: int | None = None, is_neox: bool = False, kv_scale: float | None = None,
-        q_rope_out: ArrayLike | None = None, enable_pdl: bool = False,
+        q_rope_out: ArrayLike | None = None, clear_unused_last_page_rows: bool = False,
+        status: ArrayLike | None = None, enable_pdl: bool = False,
         stream: StreamLike | None = None,
 ) -> ArrayLike:
     """MLA: rope the query's rotary part, RMS-normalise and rope the latent kv row, and write it
@@ -131,6 +136,17 @@ def mla_rope_rmsnorm_append_paged_kv_cache(
     q_rope_out : array, (T, Hq, R), the dtype of ``q_rope``, optional
         Receives the roped queries; ``q_rope`` itself means in place. By default a new array in the
         caller's array type (CuPy, torch, NumPy); any other array must not overlap an argument.
+    clear_unused_last_page_rows : bool
+        Also zero the rows (ckv and kpe) of each request's last page past its new length
+        ``cache_lengths[b] + input_row_offsets[b + 1] - input_row_offsets[b]`` (FlashInfer Cake's
+        option of this name), so attention kernels reading whole pages meet zeros. Done by the
+        request's last token, so only when that token is written; a request with no new tokens
+        clears nothing; only the page the block table names for that token is touched.
+    status : array, (1,), int32, optional
+        Validate ``input_row_offsets`` on the device first (no host synchronisation, CUDA-graph
+        capturable): ``status[0]`` receives 0 when they are well formed, else the code of the
+        first failing check (1: ``offsets[0] != 0``; 2: an offset below the one before it; 3:
+        ``offsets[-1] != T``), and then nothing else is written (``docs/conventions.md``).
     enable_pdl : bool
         Launch with programmatic dependent launch (see :func:`ropekv.apply_rope_write_kv`).
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
@@ -185,16 +201,17 @@ def mla_rope_rmsnorm_append_paged_kv_cache(
     caches = tuple(kv_cache) if split else (kv_cache, None)
     return (_SPLIT if split else _JOINED)(
         (q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table, *caches,
-         q_rope_out),
+         q_rope_out, status),
         (scalar_key(epsilon), scalar_key(kv_norm_dim), ck.check_flag(is_neox, "is_neox"),
-         scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl"), tuple(TUNING.values())),
+         scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl"), tuple(TUNING.values()),
+         ck.check_flag(clear_unused_last_page_rows, "clear_unused_last_page_rows")),
         stream)
 
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
-    epsilon, kv_norm_dim, is_neox, kv_scale, pdl, _ = flags
-    vq, vkv, vg, vt, voff, vlen, vbt, vc0, vc1, vgiven = views
+    epsilon, kv_norm_dim, is_neox, kv_scale, pdl, _, clear = flags
+    vq, vkv, vg, vt, voff, vlen, vbt, vc0, vc1, vgiven, vstatus = views
     split = vc1 is not None or vc0.name == "ckv_cache"
 
     ck.check_ndim(vq, 3, "(T, Hq, R)")
@@ -252,8 +269,10 @@ def _prepare(views, flags):
         ck.check_last_dim_contiguous(view)
     if vgiven is not None:
         check_output(vgiven, vq)
+    if vstatus is not None:
+        check_status(vstatus)
     device = ck.check_same_device([x for x in views if x is not None])
-    written = (7, 8, 9) if split else (7, 9)
+    written = ((7, 8, 9) if split else (7, 9)) + ((10,) if vstatus is not None else ())
     outputs = [] if vgiven is not None else [Output((T, Hq, R), vq.dtype)]
     result = _given_or_new(9)
 
@@ -262,17 +281,21 @@ def _prepare(views, flags):
     if device == HOST:
         def host(v, outs):
             vout = vgiven if vgiven is not None else outs[0]
+            if vstatus is not None:
+                vstatus.host[...] = reference.ragged_offsets_status(voff.host, T)
+                if vstatus.host.item():
+                    return
             if not T:
                 return
             full = vcache.host
             ckv_h, kpe_h = (vckv.host, vkpe.host) if split else (full[..., :L], full[..., L:])
             reference.mla_rope_rmsnorm_append_paged_kv_cache(
                 vq.host, vkv.host, vg.host, vt.host, voff.host, vlen.host, vbt.host, ckv_h, kpe_h,
-                vout.host, epsilon, n_norm, is_neox, 1.0 if scale is None else scale)
+                vout.host, epsilon, n_norm, is_neox, 1.0 if scale is None else scale, clear)
 
         return Plan(HOST, outputs=outputs, written=written, inplace=[(0, 9)], result=result,
                     host=host)
-    if T == 0:
+    if T == 0 and vstatus is None:
         return Plan(device, outputs=outputs, written=written, inplace=[(0, 9)], result=result)
 
     vout = vgiven if vgiven is not None else vq  # a new output is laid out (and aligned) as q
@@ -292,7 +315,8 @@ def _prepare(views, flags):
         raise ValueError(f"rotary dim R={R} needs more than {BLOCK} threads per head row at a "
                          f"vector width of {n}")
     split_heads = T < TUNING["split_below"]
-    splits, per_block = (launch_shape(T, Hq, (R // 2 if is_neox else R) // n) if split_heads
+    splits, per_block = (launch_shape(max(T, 1), Hq, (R // 2 if is_neox else R) // n)
+                         if split_heads
                          else (1, Hq))
     if vgiven is None:
         out_strides = (Hq * R, R)
@@ -306,14 +330,18 @@ def _prepare(views, flags):
         ckv_sp=ckv_s[0], ckv_se=ckv_s[1], kpe_sp=kpe_s[0], kpe_se=kpe_s[1], num_pages=num_pages,
         epsilon=epsilon, inv_kv_scale=1.0 / scale if scale else 1.0,
         T=T, B=B, Hq=Hq, L=L, R=R, P=P, kv_norm_dim=n_norm, max_pages=max_pages,
-        page_size=page_size, gamma_f32=int(vg.dtype == FLOAT32), heads_per_block=per_block)))
+        page_size=page_size, gamma_f32=int(vg.dtype == FLOAT32), heads_per_block=per_block,
+        clear=int(clear), status=0, check=int(vstatus is not None))))
     # pointer fields <- (argument index, byte offset); a new q output comes after the arguments
     slots = {"q": (0, 0), "kv": (1, 0), "gamma": (2, 0), "cos_sin": (3, 0), "offsets": (4, 0),
              "cache_lengths": (5, 0), "block_table": (6, 0), "ckv": (7, 0),
              "kpe": (8, 0) if split else (7, L * vcache.dtype.itemsize),
-             "q_out": (9, 0) if vgiven is not None else (10, 0)}
-    launch = Launch(STEM, expression(vq.dtype, vcache.dtype, is_neox, n, split_heads), device,
-                    (T, splits), (BLOCK,), PARAMS, values, slots, pdl=pdl)
+             "q_out": (9, 0) if vgiven is not None else (11, 0)}
+    if vstatus is not None:
+        slots["status"] = (10, 0)
+    opts = clear or vstatus is not None  # status= with no tokens: one block, which validates
+    launch = Launch(STEM, expression(vq.dtype, vcache.dtype, is_neox, n, split_heads, opts),
+                    device, (max(T, 1), splits), (BLOCK,), PARAMS, values, slots, pdl=pdl)
     return Plan(device, [launch], outputs=outputs, written=written, inplace=[(0, 9)],
                 result=result)
 
@@ -329,6 +357,6 @@ def _given_or_new(index):
 _NAMES = ("q_rope", "kv", "gamma", "cos_sin_cache", "input_row_offsets", "cache_lengths",
           "block_table")
 _JOINED = Op("mla_rope_rmsnorm_append_paged_kv_cache",
-             (*_NAMES, "kv_cache", "kpe_cache", "q_rope_out"), _prepare)
+             (*_NAMES, "kv_cache", "kpe_cache", "q_rope_out", "status"), _prepare)
 _SPLIT = Op("mla_rope_rmsnorm_append_paged_kv_cache",
-            (*_NAMES, "ckv_cache", "kpe_cache", "q_rope_out"), _prepare)
+            (*_NAMES, "ckv_cache", "kpe_cache", "q_rope_out", "status"), _prepare)

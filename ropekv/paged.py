@@ -25,6 +25,7 @@ from ropekv._arrays import (
 )
 from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
+from ropekv._mrope import check_mrope, check_mrope_indices
 from ropekv._types import ArrayLike, DTypeLike, StreamLike
 from ropekv._vector import aligned, vector_width
 
@@ -94,10 +95,11 @@ PARAMS = ParamStruct("PagedParams", [
     *((n, np.int64) for n in (
         "qr_sn", "qr_sh", "qn_sn", "qn_sh", "kr_sn", "kr_sh", "kn_sn", "kn_sh", "v_sn", "v_sh",
         "qro_sn", "qro_sh", "qno_sn", "qno_sh", "krc_sp", "krc_se", "krc_sh", "knc_sp", "knc_se",
-        "knc_sh", "vc_sp", "vc_se", "vc_sh", "cs_sp", "num_pages", "num_indices")),
+        "knc_sh", "vc_sp", "vc_se", "vc_sh", "cs_sp", "num_pages", "num_indices", "pid_st")),
     ("q_scale", np.float32), ("kv_scale", np.float32),
     *((n, np.int32) for n in ("Hq", "Hkv", "Hv", "R", "Dn", "B", "page_size", "P", "index64",
-                              "group", "rows")),
+                              "group", "rows", "mrope", "mrope_t", "mrope_h", "mrope_w",
+                              "mrope_interleaved")),
 ])
 
 _DTYPE_NAMES = {
@@ -107,13 +109,15 @@ _DTYPE_NAMES = {
 
 
 @functools.cache
-def expression(dtype, out_dtype, is_neox, n, shape):
+def expression(dtype, out_dtype, is_neox, n, shape, mrope=False):
     """The section kernel of ``shape`` (unroll, rot_unroll, min blocks), or the row kernel when
-    ``shape`` is ``("rows", ROWS)``."""
+    ``shape`` is ``("rows", ROWS)``; ``mrope``: the one that reads mRoPE sections (the plain one
+    has mRoPE compiled out)."""
     if shape[0] == "rows":
         return name_expression(ROW_KERNEL, c_type(dtype), c_type(out_dtype), c_bool(is_neox), n,
-                               shape[1])
-    return name_expression(KERNEL, c_type(dtype), c_type(out_dtype), c_bool(is_neox), n, *shape)
+                               shape[1], c_bool(mrope))
+    return name_expression(KERNEL, c_type(dtype), c_type(out_dtype), c_bool(is_neox), n, *shape,
+                           c_bool(mrope))
 
 
 def instantiations():
@@ -123,8 +127,9 @@ def instantiations():
             continue
         shapes = (TUNING["light"], TUNING["heavy"]) if n == 8 else (TUNING["light"],)
         shapes = (*dict.fromkeys(shapes), *(("rows", r) for r in ROWS))
-        for out_dtype, shape in itertools.product((dtype, *FP8_DTYPES), shapes):
-            yield expression(dtype, out_dtype, is_neox, n, shape)
+        for out_dtype, shape, mrope in itertools.product((dtype, *FP8_DTYPES), shapes,
+                                                         (False, True)):
+            yield expression(dtype, out_dtype, is_neox, n, shape, mrope)
 
 
 def rope_quantize_fp8_append_paged_kv_cache(
@@ -135,7 +140,8 @@ def rope_quantize_fp8_append_paged_kv_cache(
         quantize_dtype: DTypeLike | None = None, quant_scale_q: float | ArrayLike = 1.0,
         quant_scale_kv: float | ArrayLike = 1.0, page_size: int = 16, kv_layout: str = "NHD",
         q_rope_out: ArrayLike | None = None, q_nope_out: ArrayLike | None = None,
-        enable_pdl: bool = False, *, stream: StreamLike | None = None,
+        enable_pdl: bool = False, *, mrope_section: tuple[int, int, int] | None = None,
+        mrope_interleaved: bool = False, stream: StreamLike | None = None,
 ) -> tuple[ArrayLike, ArrayLike]:
     """Apply RoPE to Q and K, quantize Q, K and V to fp8, and append K/V to a paged KV cache, in
     one launch.
@@ -160,7 +166,8 @@ def rope_quantize_fp8_append_paged_kv_cache(
     cos_sin_cache : array, (P, R), float32
         ``[:R/2]`` cos, ``[R/2:]`` sin per position (see :func:`ropekv.cos_sin_cache`).
     pos_ids : array, (nnz,), int32 or int64
-        RoPE position of each token.
+        RoPE position of each token; with ``mrope_section``, ``(3, nnz)``: each token's
+        temporal, height and width positions (a token with any outside ``[0, P)`` has none).
     paged_kv_cache : (k_cache, v_cache) or (ckv_cache, kpe_cache), written in place
         GQA/MHA: each ``(num_pages, page_size, Hkv, R + Dn)`` for ``kv_layout="NHD"`` or
         ``(num_pages, Hkv, page_size, R + Dn)`` for ``"HND"``. MLA: ``ckv_cache (num_pages,
@@ -192,6 +199,13 @@ def rope_quantize_fp8_append_paged_kv_cache(
         Written in place and returned when given (they must not overlap another argument, but
         may be ``q_rope`` / ``q_nope`` themselves when the dtypes agree); otherwise allocated in
         the caller's array type (CuPy, torch or NumPy).
+    mrope_section : (int, int, int), optional
+        mRoPE (Qwen2-VL): ``(t, h, w)`` rotary half-dims per axis summing to R/2; half-dim i
+        takes the temporal position for ``i < t``, height for ``t <= i < t + h``, width
+        otherwise; ``pos_ids`` is then ``(3, nnz)`` (``docs/conventions.md``).
+    mrope_interleaved : bool
+        Qwen3-VL's interleaved mRoPE (height when ``i % 3 == 1`` and ``i < 3h``, width when
+        ``i % 3 == 2`` and ``i < 3w``, temporal otherwise).
     enable_pdl : bool
         Launch with programmatic dependent launch (Hopper and later): the kernel may start while
         the previous kernel on the stream finishes, and waits for it before reading memory.
@@ -251,7 +265,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
     return _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
                  kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
                  quant_scale_q, quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out,
-                 enable_pdl, stream, quantize=True)
+                 enable_pdl, stream, quantize=True, mrope=(mrope_section, mrope_interleaved))
 
 
 def rope_append_paged_kv_cache(
@@ -262,7 +276,8 @@ def rope_append_paged_kv_cache(
         quantize_dtype: DTypeLike | None = None, quant_scale_q: float | ArrayLike = 1.0,
         quant_scale_kv: float | ArrayLike = 1.0, page_size: int = 16, kv_layout: str = "NHD",
         q_rope_out: ArrayLike | None = None, q_nope_out: ArrayLike | None = None,
-        enable_pdl: bool = False, *, stream: StreamLike | None = None,
+        enable_pdl: bool = False, *, mrope_section: tuple[int, int, int] | None = None,
+        mrope_interleaved: bool = False, stream: StreamLike | None = None,
 ) -> tuple[ArrayLike, ArrayLike]:
     """Apply RoPE to Q and K and append K/V to a paged KV cache, in one launch, without
     quantization when the cache has the input dtype.
@@ -295,6 +310,13 @@ def rope_append_paged_kv_cache(
         GQA/MHA cache layout; ignored for MLA.
     q_rope_out, q_nope_out : array, optional
         In the cache dtype; as there.
+    mrope_section : (int, int, int), optional
+        mRoPE (Qwen2-VL): ``(t, h, w)`` rotary half-dims per axis summing to R/2; half-dim i
+        takes the temporal position for ``i < t``, height for ``t <= i < t + h``, width
+        otherwise; ``pos_ids`` is then ``(3, nnz)`` (``docs/conventions.md``).
+    mrope_interleaved : bool
+        Qwen3-VL's interleaved mRoPE (height when ``i % 3 == 1`` and ``i < 3h``, width when
+        ``i % 3 == 2`` and ``i < 3w``, temporal otherwise).
     enable_pdl : bool
         Accepted for compatibility.
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
@@ -340,7 +362,7 @@ def rope_append_paged_kv_cache(
     return _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
                  kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
                  quant_scale_q, quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out,
-                 enable_pdl, stream, quantize=False)
+                 enable_pdl, stream, quantize=False, mrope=(mrope_section, mrope_interleaved))
 
 
 def as_dtype(value, name="quantize_dtype"):
@@ -377,7 +399,7 @@ def _scale_arg(value, name):
 def _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
           kv_indptr, batch_indices, positions, is_neox, quantize_dtype, quant_scale_q,
           quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out, enable_pdl, stream,
-          quantize):
+          quantize, mrope):
     if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
         raise ValueError(f"paged_kv_cache must be a pair (k_cache, v_cache) or (ckv_cache, "
                          f"kpe_cache), got {type(paged_kv_cache).__qualname__}"
@@ -392,7 +414,8 @@ def _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_ca
               (quantize, ck.check_flag(is_neox, "is_neox"), scalar_key(quantize_dtype),
                q_scale, kv_scale, scalar_key(page_size),  # scales: reals, never bools
                scalar_key(kv_layout), ck.check_flag(enable_pdl, "enable_pdl"),
-               tuple(TUNING.values())), stream)
+               tuple(TUNING.values()), scalar_key(mrope[0]),
+               ck.check_flag(mrope[1], "mrope_interleaved")), stream)
 
 
 def _scales(view, value, name, heads):
@@ -409,7 +432,8 @@ def _scales(view, value, name, heads):
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
-    quantize, is_neox, quantize_dtype, q_scale, kv_scale, page_size, kv_layout, pdl, _ = flags
+    (quantize, is_neox, quantize_dtype, q_scale, kv_scale, page_size, kv_layout, pdl, _,
+     mrope_section, mrope_interleaved) = flags
     (vqr, vkr, vqn, vkn, vv, vt, vpos, vc0, vc1, vind, vptr, vbat, vposn, vqro, vqno, vqs,
      vks) = views
     mla = vkr.ndim == 2
@@ -461,7 +485,8 @@ def _prepare(views, flags):
     ck.check_dtype(vt, (FLOAT32,))
     ck.check_shape(vt, (None, R), "(P, R)")
     P = vt.shape[0]
-    for view in (vpos, vbat, vposn):
+    sections = check_mrope(mrope_section, mrope_interleaved, R, vpos, (3, T), "(3, nnz)")
+    for view in (vbat, vposn) if sections else (vpos, vbat, vposn):
         ck.check_shape(view, (T,), "(nnz,)")
     for view in (vind, vptr):
         ck.check_ndim(view, 1, "(total_pages,)" if view is vind else "(batch_size + 1,)")
@@ -554,7 +579,7 @@ def _prepare(views, flags):
         return tuple(arrays[i] if arrays[i] is not None else next(new) for i in (13, 14))
 
     if ck.check_indices_enabled():
-        _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages)
+        _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages, sections)
 
     if device == HOST:
         def host(v, outs):
@@ -570,7 +595,7 @@ def _prepare(views, flags):
                 vqr.host, vkr.host, h(vqn), h(vkn), h(vv), vt.host, vpos.host,
                 (vc0.host, vc1.host), vind.host, vptr.host, vbat.host, vposn.host, is_neox,
                 q_scale if vqs is None else vqs.host, kv_scale if vks is None else vks.host,
-                page_size, kv_layout, qro.host, qno.host)
+                page_size, kv_layout, qro.host, qno.host, sections, mrope_interleaved)
 
         return Plan(HOST, outputs=outputs, written=written, inplace=inplace, result=result,
                     host=host)
@@ -616,14 +641,16 @@ def _prepare(views, flags):
         vc_se=vd[1][1], vc_sh=vd[1][2], cs_sp=vt.strides[0], num_pages=num_pages,
         num_indices=vind.shape[0], q_scale=q_scale, kv_scale=kv_scale, Hq=Hq, Hkv=Hkv,
         Hv=0 if mla else Hkv, R=R, Dn=Dn, B=vptr.shape[0] - 1, page_size=page_size, P=P,
-        index64=index64, group=group, rows=rows)))
+        index64=index64, group=group, rows=rows, pid_st=T, mrope=int(bool(sections)),
+        mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
+        mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved))))
     slots = {"q_rope": (0, 0), "k_rope": (1, 0), "q_nope": (2, 0), "k_nope": (3, 0),
              "v": (4, 0), "cos_sin": (5, 0), "pos_ids": (6, 0), "kr_cache": kr[0],
              "kn_cache": kn[0], "v_cache": vd[0], "kv_indices": (9, 0), "kv_indptr": (10, 0),
              "batch_indices": (11, 0), "positions": (12, 0), "q_rope_out": (out_slots[0], 0),
              "q_nope_out": (out_slots[1], 0), "q_scales": (15, 0), "kv_scales": (16, 0)}
-    launch = Launch(STEM, expression(vqr.dtype, out_dtype, is_neox, n, shape), device,
-                    (T, splits), (block,), PARAMS, values, slots, pdl=pdl)
+    launch = Launch(STEM, expression(vqr.dtype, out_dtype, is_neox, n, shape, bool(sections)),
+                    device, (T, splits), (block,), PARAMS, values, slots, pdl=pdl)
     return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace,
                 result=result)
 
@@ -635,10 +662,13 @@ _GQA = Op("rope_append_paged_kv_cache", (*_NAMES, "k_cache", "v_cache", *_TAIL),
 _MLA = Op("rope_append_paged_kv_cache", (*_NAMES, "ckv_cache", "kpe_cache", *_TAIL), _prepare)
 
 
-def _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages):
+def _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages, mrope=None):
     """``ROPEKV_CHECK_INDICES``: IndexError for the first token the kernel would skip (padding,
     ``batch_indices < 0``, aside), and for two tokens writing one cache row."""
+    if mrope:
+        check_mrope_indices(vpos, P)
     pos, b, p = (ck.host_copy(x).astype(np.int64) for x in (vpos, vbat, vposn))
+    pos = pos[0] if mrope else pos  # in range: checked
     indptr, indices = (ck.host_copy(x).astype(np.int64) for x in (vptr, vind))
     bad = np.nonzero((pos < 0) | (pos >= P))[0]
     if bad.size:

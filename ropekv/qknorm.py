@@ -8,9 +8,10 @@ import numpy as np
 
 from ropekv import _checks as ck
 from ropekv import reference
-from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST
+from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, INT64
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
 from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
+from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import aligned, vector_width
 from ropekv.mla import _given_or_new, cache_scale, check_output
@@ -19,16 +20,21 @@ STEM = "qknorm"
 KERNEL = "qk_rmsnorm_rope_append"
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 KV_LAYOUTS = ("NHD", "HND")
+NORM_ORDERS = ("before_rope", "after_rope")
 
 PARAMS = ParamStruct("QKNormParams", [
     *((n, np.uint64) for n in ("q", "q_out", "k", "v", "q_gamma", "k_gamma", "cos_sin",
-                               "offsets", "cache_lengths", "block_table", "k_cache", "v_cache")),
+                               "offsets", "cache_lengths", "block_table", "k_cache", "v_cache",
+                               "position_ids", "status")),
     *((n, np.int64) for n in ("q_st", "q_sh", "qo_st", "qo_sh", "k_st", "k_sh", "v_st", "v_sh",
                               "cs_sp", "bt_sb", "kc_sp", "kc_se", "kc_sh", "vc_sp", "vc_se",
-                              "vc_sh", "num_pages")),
-    *((n, np.float32) for n in ("epsilon", "inv_k_scale", "inv_v_scale")),
+                              "vc_sh", "num_pages", "pid_st")),
+    *((n, np.float32) for n in ("epsilon", "weight_offset", "inv_k_scale", "inv_v_scale")),
     *((n, np.int32) for n in ("T", "B", "Hq", "Hkv", "D", "R", "P", "max_pages", "page_size",
-                              "q_gamma_f32", "k_gamma_f32", "group", "rows")),
+                              "q_gamma_f32", "k_gamma_f32", "group", "rows", "post", "clear",
+                              "mrope",
+                              "mrope_t", "mrope_h", "mrope_w", "mrope_interleaved", "pos64",
+                              "check")),
 ])
 MAX_GROUP = 32  # lanes per head row: one chunk each, a row within a warp
 ROWS = (1, 2, 4)  # kernels by the head rows one lane group can hold (their register budgets)
@@ -69,15 +75,20 @@ def launch_shape(T, H, group):
 
 
 
-def expression(dtype, cache_dtype, is_neox, n, rows=1):
-    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n, rows)
+def expression(dtype, cache_dtype, is_neox, n, rows=1, opts=0):
+    """``opts``: 0 the plain kernel (every option compiled out, so they cost nothing when off);
+    1 the one that reads the light options (norm order, weight offset, tail clearing, status);
+    2 that one with mRoPE too."""
+    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n, rows,
+                           int(opts))
 
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
     for rows in ROWS:
-        yield from rope_instantiations(
-            lambda *a, rows=rows: expression(*a, rows), INPUT_DTYPES, FP8_DTYPES)
+        for opts in (0, 1, 2):
+            yield from rope_instantiations(
+                lambda *a, r=rows, o=opts: expression(*a, r, o), INPUT_DTYPES, FP8_DTYPES)
 
 
 def _kv_scales(kv_scale, cache_dtype):
@@ -98,7 +109,11 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
         block_table: ArrayLike, paged_kv_cache: tuple[ArrayLike, ArrayLike], *,
         epsilon: float = 1e-6, is_neox: bool = True, kv_layout: str = "NHD",
         kv_scale: float | tuple[float, float] | None = None, q_out: ArrayLike | None = None,
-        enable_pdl: bool = False, stream: StreamLike | None = None,
+        norm_order: str = "before_rope", weight_offset: float = 0.0,
+        clear_unused_last_page_rows: bool = False, position_ids: ArrayLike | None = None,
+        mrope_section: tuple[int, int, int] | None = None, mrope_interleaved: bool = False,
+        status: ArrayLike | None = None, enable_pdl: bool = False,
+        stream: StreamLike | None = None,
 ) -> ArrayLike:
     """Qwen3-style attention input: RMS-normalise each Q and K head, rope both, and append K/V to
     a paged cache over a ragged batch, in one launch.
@@ -134,6 +149,43 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
     q_out : array, (T, Hq, D), the dtype of ``q``, optional
         Receives the normalised, roped queries; ``q`` itself means in place. By default a new
         array in the caller's array type; any other array must not overlap an argument.
+    norm_order : "before_rope" or "after_rope"
+        ``"before_rope"`` (Qwen3, the default) normalises each head and then ropes it;
+        ``"after_rope"`` ropes first and normalises the rotated row (FlashInfer Cake's
+        ``qk_norm_policy=1``, TensorRT-Edge-LLM's ``qkNormPostRope``). A rotation keeps a row's
+        sum of squares, so the two differ only in where ``gamma`` meets the rotation.
+    weight_offset : float
+        Added to every ``q_gamma`` and ``k_gamma`` value in float32 before use: 0.0 (default)
+        uses the weights as they are, 1.0 gives Gemma's ``(1 + w)`` convention, whose
+        checkpoints store ``w`` centred on 0. A number, not a ``gemma=`` flag, so it states the
+        arithmetic rather than naming a model; finite and non-negative.
+    clear_unused_last_page_rows : bool
+        Also zero, in K and V, the rows of each request's last page past its new length
+        ``cache_lengths[b] + input_row_offsets[b + 1] - input_row_offsets[b]`` (FlashInfer Cake's
+        option of this name): attention kernels that read whole pages then meet zeros, not stale
+        values or NaN. Done by the request's last token, so only when that token is written; a
+        request with no new tokens clears nothing. Only the page the block table names for that
+        token is touched (two requests naming one page leave its rows undefined).
+    position_ids : array, (3, T), int32 or int64, optional
+        mRoPE (Qwen2-VL, Qwen3-VL): each token's temporal, height and width positions; required
+        with ``mrope_section`` and only used with it. They give the rotation; the cache slot
+        still comes from ``cache_lengths`` (the positions cannot name it: a vision token's three
+        positions are not its place in the sequence). A token with any of them outside
+        ``[0, P)`` is treated as a token without a position (q copied, nothing written).
+    mrope_section : (int, int, int), optional
+        ``(t, h, w)`` rotary half-dims per axis, summing to R/2 (Qwen2-VL / Qwen3-VL configs'
+        ``mrope_section``, e.g. ``(16, 24, 24)`` or ``(24, 20, 20)`` for R = 128). Half-dim i
+        uses the temporal position for ``i < t``, height for ``t <= i < t + h``, width otherwise.
+    mrope_interleaved : bool
+        Qwen3-VL's interleaved layout instead: half-dim i uses height when ``i % 3 == 1`` and
+        ``i < 3h``, width when ``i % 3 == 2`` and ``i < 3w``, temporal otherwise.
+    status : array, (1,), int32, optional
+        Validate ``input_row_offsets`` on the device first, without a host synchronisation (so
+        the call can be captured in a CUDA graph), as FlashInfer Cake's fp8 op does:
+        ``status[0]`` receives 0 when they are well formed, else the code of the first failing
+        check (1: ``offsets[0] != 0``; 2: an offset below the one before it; 3: ``offsets[-1]
+        != T``), and then nothing else is written (the caches, ``q_out`` and, when ``q_out``
+        is new, its contents undefined). Written in place.
     enable_pdl : bool
         Launch with programmatic dependent launch (see :func:`ropekv.apply_rope_write_kv`).
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
@@ -146,13 +198,14 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
 
     Notes
     -----
-    Each head row becomes ``rope(x / sqrt(mean(x^2) + epsilon) * gamma)``, in float32 and rounded
-    once (Hugging Face's Qwen3 rounds to the model dtype between the norm and the rope; this does
-    not). V is written unchanged (quantized for fp8 caches). A token outside every request, or
-    whose position falls outside ``[0, P)``, has its q row copied unchanged and writes nothing; a
-    token whose page is outside the block table row or the cache is normalised and roped but
-    writes nothing. ``ROPEKV_CHECK_INDICES=1`` raises ``IndexError`` for such tokens instead.
-    NumPy inputs run the NumPy reference on the host.
+    Each head row becomes ``rope(x / sqrt(mean(x^2) + epsilon) * gamma)`` (``norm_order=
+    "after_rope"``: ``rope(x) / sqrt(mean(x^2) + epsilon) * gamma``) with ``gamma = weight +
+    weight_offset``, in float32 and rounded once (Hugging Face's Qwen3 rounds to the model dtype
+    between the norm and the rope; this does not). V is written unchanged (quantized for fp8
+    caches). A token outside every request, or whose position falls outside ``[0, P)``, has its q
+    row copied unchanged and writes nothing; a token whose page is outside the block table row or
+    the cache is normalised and roped but writes nothing. ``ROPEKV_CHECK_INDICES=1`` raises
+    ``IndexError`` for such tokens instead. NumPy inputs run the NumPy reference on the host.
 
     Examples
     --------
@@ -186,17 +239,24 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
         raise ValueError(f"paged_kv_cache must be a tuple (k_cache, v_cache), got "
                          f"{type(paged_kv_cache).__name__}")
     return _OP((q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
-                block_table, *paged_kv_cache, q_out),
+                block_table, *paged_kv_cache, q_out, position_ids, status),
                (scalar_key(epsilon), ck.check_flag(is_neox, "is_neox"), scalar_key(kv_layout),
                 scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl"),
-                tuple(TUNING.values())), stream)
+                tuple(TUNING.values()), scalar_key(norm_order), scalar_key(weight_offset),
+                ck.check_flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"),
+                scalar_key(mrope_section), ck.check_flag(mrope_interleaved, "mrope_interleaved")),
+               stream)
 
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
-    epsilon, is_neox, kv_layout, kv_scale, pdl, _ = flags
+    (epsilon, is_neox, kv_layout, kv_scale, pdl, _, norm_order, weight_offset, clear,
+     mrope_section, mrope_interleaved) = flags
     ck.check_choice(kv_layout, "kv_layout", KV_LAYOUTS)
-    vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vgiven = views
+    ck.check_choice(norm_order, "norm_order", NORM_ORDERS)
+    post = norm_order == "after_rope"
+    weight_offset = ck.check_float(weight_offset, "weight_offset", positive=False)
+    vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vgiven, vpid, vstatus = views
 
     ck.check_ndim(vq, 3, "(T, Hq, D)")
     ck.check_dtype(vq, INPUT_DTYPES)
@@ -214,6 +274,10 @@ def _prepare(views, flags):
         ck.check_dtype(view, (vq.dtype, FLOAT32))
         ck.check_contiguous(view)
     P, R = ck.check_cos_sin_cache(vt, D)
+    sections = check_mrope(mrope_section, mrope_interleaved, R, vpid, (3, T), "(3, T)")
+    if sections is None and vpid is not None:
+        raise ValueError("position_ids is only used with mrope_section (the positions of a "
+                         "token come from cache_lengths and input_row_offsets otherwise)")
     B, max_pages = ck.check_ragged_paged(voff, vlen, vbt)
     layout = "(num_pages, page_size, Hkv, D)" if kv_layout == "NHD" else \
         "(num_pages, Hkv, page_size, D)"
@@ -235,26 +299,37 @@ def _prepare(views, flags):
         ck.check_last_dim_contiguous(view)
     if vgiven is not None:
         check_output(vgiven, vq)
+    if vstatus is not None:
+        check_status(vstatus)
     device = ck.check_same_device([x for x in views if x is not None])
-    written, inplace = (9, 10, 11), [(0, 11)]
+    written, inplace = (9, 10, 11) + ((13,) if vstatus is not None else ()), [(0, 11)]
     outputs = [] if vgiven is not None else [Output((T, Hq, D), vq.dtype)]
     result = _given_or_new(11)
 
     if ck.check_indices_enabled():
-        ck.check_paged_indices(voff, vlen, vbt, page_size, num_pages, T, P)
+        # with mRoPE the cache position needs no table row; the three positions are checked
+        ck.check_paged_indices(voff, vlen, vbt, page_size, num_pages, T,
+                               P if sections is None else np.iinfo(np.int64).max)
+        if sections is not None:
+            check_mrope_indices(vpid, P)
     k_scale, v_scale = scales if scales else (1.0, 1.0)
     if device == HOST:
         def host(v, outs):
             vout = vgiven if vgiven is not None else outs[0]
+            if vstatus is not None:
+                vstatus.host[...] = reference.ragged_offsets_status(voff.host, T)
+                if vstatus.host.item():
+                    return
             if T:
                 reference.qk_rmsnorm_rope_append_paged_kv_cache(
                     vq.host, vk.host, vv.host, vqg.host, vkg.host, vt.host, voff.host, vlen.host,
                     vbt.host, vkc.host, vvc.host, vout.host, epsilon, is_neox, kv_layout,
-                    k_scale, v_scale)
+                    k_scale, v_scale, norm_order, weight_offset, clear,
+                    None if vpid is None else vpid.host, sections, mrope_interleaved)
 
         return Plan(HOST, outputs=outputs, written=written, inplace=inplace, result=result,
                     host=host)
-    if T == 0:
+    if T == 0 and vstatus is None:
         return Plan(device, outputs=outputs, written=written, inplace=inplace, result=result)
     vout = vgiven if vgiven is not None else vq  # a new output is laid out (and aligned) as q
 
@@ -284,7 +359,8 @@ def _prepare(views, flags):
                           f"per head row, more than {MAX_GROUP}; align the rows of q, k, v and "
                           f"the caches to {16 // vq.dtype.itemsize * vq.dtype.itemsize} bytes")
     group = 1 << (items - 1).bit_length()
-    block, rows, splits = launch_shape(T, Hq + 2 * Hkv, group)
+    # status= with no tokens: one block, which only validates
+    block, rows, splits = launch_shape(max(T, 1), Hq + 2 * Hkv, group)
     if kv_layout == "NHD":
         kc = (vkc.strides[0], vkc.strides[1], vkc.strides[2])
         vc = (vvc.strides[0], vvc.strides[1], vvc.strides[2])
@@ -299,21 +375,31 @@ def _prepare(views, flags):
         k_st=vk.strides[0], k_sh=vk.strides[1], v_st=vv.strides[0], v_sh=vv.strides[1],
         cs_sp=vt.strides[0], bt_sb=vbt.strides[0],
         kc_sp=kc[0], kc_se=kc[1], kc_sh=kc[2], vc_sp=vc[0], vc_se=vc[1], vc_sh=vc[2],
-        num_pages=num_pages, epsilon=epsilon, inv_k_scale=1.0 / k_scale,
+        num_pages=num_pages, epsilon=epsilon, weight_offset=weight_offset,
+        inv_k_scale=1.0 / k_scale,
         inv_v_scale=1.0 / v_scale, T=T, B=B, Hq=Hq, Hkv=Hkv, D=D, R=R, P=P, max_pages=max_pages,
         page_size=page_size, q_gamma_f32=int(vqg.dtype == FLOAT32),
-        k_gamma_f32=int(vkg.dtype == FLOAT32), group=group, rows=rows)))
+        k_gamma_f32=int(vkg.dtype == FLOAT32), group=group, rows=rows, post=int(post),
+        clear=int(clear),
+        position_ids=0, pid_st=T, mrope=int(sections is not None),
+        mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
+        mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved),
+        pos64=int(vpid is not None and vpid.dtype == INT64), status=0,
+        check=int(vstatus is not None))))
     fields = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin", "offsets", "cache_lengths",
-              "block_table", "k_cache", "v_cache", "q_out")
-    slots = {f: (i, 0) for i, f in enumerate(fields)}
+              "block_table", "k_cache", "v_cache", "q_out", "position_ids", "status")
+    slots = {f: (i, 0) for i, f in enumerate(fields) if views[i] is not None}  # None: null
     if vgiven is None:
-        slots["q_out"] = (12, 0)  # the new output follows the 12 arguments
-    launch = Launch(STEM, expression(vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows)), device,
-                    (T, splits), (block,), PARAMS, values, slots, pdl=pdl)
+        slots["q_out"] = (14, 0)  # the new output follows the 14 arguments
+    opts = 2 if sections is not None else int(bool(
+        post or weight_offset != 0.0 or clear or vstatus is not None))
+    launch = Launch(STEM, expression(vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows), opts),
+                    device, (max(T, 1), splits), (block,), PARAMS, values, slots, pdl=pdl)
     return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace,
                 result=result)
 
 
 _OP = Op("qk_rmsnorm_rope_append_paged_kv_cache",
          ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets",
-          "cache_lengths", "block_table", "k_cache", "v_cache", "q_out"), _prepare)
+          "cache_lengths", "block_table", "k_cache", "v_cache", "q_out", "position_ids",
+          "status"), _prepare)

@@ -55,26 +55,69 @@ def split_cos_sin(rows):
     return rows[..., :half], rows[..., half:]
 
 
+def mrope_rows(half, mrope_section, interleaved=False):
+    """Which position (0 temporal, 1 height, 2 width) each rotary half-dim ``i`` of an mRoPE
+    rotation takes its angle from, int64 ``(half,)``.
+
+    Sections ``(t, h, w)`` count half-dims and sum to ``half``. Qwen2-VL (``interleaved=False``):
+    0 for ``i < t``, 1 for ``t <= i < t + h``, 2 otherwise. Qwen3-VL (``interleaved=True``): 1 when
+    ``i % 3 == 1`` and ``i < 3h``, 2 when ``i % 3 == 2`` and ``i < 3w``, 0 otherwise.
+    """
+    t, h, w = (int(x) for x in mrope_section)
+    i = np.arange(half, dtype=np.int64)
+    if interleaved:
+        rows = np.zeros(half, np.int64)
+        rows[(i % 3 == 1) & (i < 3 * h)] = 1
+        rows[(i % 3 == 2) & (i < 3 * w)] = 2
+        return rows
+    return np.where(i < t, 0, np.where(i < t + h, 1, 2)).astype(np.int64)
+
+
+def mrope_cos_sin(table, positions, mrope_section, interleaved=False):
+    """float64 ``(n, R/2)`` cos and sin of an mRoPE rotation: half-dim i of token j from table row
+    ``positions[mrope_rows(...)[i], j]`` (``positions`` ``(3, n)``, every value a valid row)."""
+    half = table.shape[-1] // 2
+    rows = np.asarray(positions, np.int64)[mrope_rows(half, mrope_section, interleaved)].T
+    cols = np.arange(half)
+    cos_sin = np.asarray(table, np.float64)
+    return cos_sin[rows, cols], cos_sin[rows, half + cols]
+
+
 def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, kv_end_lens=None, position_ids=None,
-                        kv_scale=None, write_k_in_place=False, is_neox=True):
-    """Reference of :func:`ropekv.apply_rope_write_kv` on NumPy arrays, written in place."""
+                        kv_scale=None, write_k_in_place=False, is_neox=True, mrope_section=None,
+                        mrope_interleaved=False):
+    """Reference of :func:`ropekv.apply_rope_write_kv` on NumPy arrays, written in place.
+
+    With ``mrope_section``, ``position_ids`` is ``(3, B, S)`` and a token is kept when its slot is
+    in ``[0, C)`` and all three positions are in ``[0, P)``."""
     B, S = q.shape[:2]
+    mrope = mrope_section is not None
     C = kv_cache.shape[3]
     table = cos_sin_cache if cos_sin_cache.ndim == 3 else cos_sin_cache[None]
     P = table.shape[1]
     fp8 = is_fp8(kv_cache.dtype)
-    k_scale, v_scale = (float(kv_scale[0]), float(kv_scale[1])) if fp8 else (1.0, 1.0)
+    # kv_scale: a number or 0-d array (one scale for K and V), or a pair / (2,) array
+    k_scale, v_scale = (np.broadcast_to(np.asarray(kv_scale, np.float64).reshape(-1), (2,))
+                        if fp8 else (1.0, 1.0))
     for b in range(B):
         start = 0 if kv_end_lens is None else int(kv_end_lens[b]) - S
         if start >= C or start + S <= 0:  # every slot outside [0, C) (and int64-safe below)
             continue
         slots = start + np.arange(S, dtype=np.int64)
-        pos = slots if position_ids is None else np.asarray(position_ids[b], np.int64)
-        keep = (slots >= 0) & (slots < C) & (pos >= 0) & (pos < P)
+        if mrope:
+            pos3 = np.asarray(position_ids[:, b], np.int64)  # (3, S)
+            keep = (slots >= 0) & (slots < C) & np.all((pos3 >= 0) & (pos3 < P), axis=0)
+        else:
+            pos = slots if position_ids is None else np.asarray(position_ids[b], np.int64)
+            keep = (slots >= 0) & (slots < C) & (pos >= 0) & (pos < P)
         if not keep.any():
             continue
-        s_idx, slot, p = np.nonzero(keep)[0], slots[keep], pos[keep]
-        cos, sin = split_cos_sin(table[b if table.shape[0] > 1 else 0][p])
+        s_idx, slot = np.nonzero(keep)[0], slots[keep]
+        rows = table[b if table.shape[0] > 1 else 0]
+        if mrope:
+            cos, sin = mrope_cos_sin(rows, pos3[:, keep], mrope_section, mrope_interleaved)
+        else:
+            cos, sin = split_cos_sin(rows[pos[keep]])
         cos, sin = cos[:, None, :], sin[:, None, :]
         q_rot = rope(q[b, s_idx].astype(np.float64), cos, sin, is_neox)
         k_rot = rope(k[b, s_idx].astype(np.float64), cos, sin, is_neox)
@@ -88,6 +131,25 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, kv_end_lens=None, posi
 
 
 # ---- Ragged batches over a paged cache: MLA RoPE + RMSNorm, and QK-norm + RoPE ---------------
+
+
+# ``status=`` codes of the ops that take ragged offsets: the first failing check (0: valid)
+STATUS_OK, STATUS_FIRST_NOT_ZERO, STATUS_DECREASING, STATUS_LAST_NOT_T = 0, 1, 2, 3
+
+
+def ragged_offsets_status(input_row_offsets, num_tokens):
+    """The ``status`` code of ``input_row_offsets`` (read as 32-bit unsigned, as the kernels do)
+    for a batch of ``num_tokens`` tokens: 1 when ``offsets[0] != 0``, else 2 when an offset is
+    smaller than the one before it, else 3 when ``offsets[-1] != num_tokens``, else 0. Valid
+    offsets are therefore within ``[0, num_tokens]``."""
+    offs = np.asarray(input_row_offsets).astype(np.uint32).astype(np.int64)
+    if offs[0] != 0:
+        return STATUS_FIRST_NOT_ZERO
+    if np.any(np.diff(offs) < 0):
+        return STATUS_DECREASING
+    if offs[-1] != num_tokens:
+        return STATUS_LAST_NOT_T
+    return STATUS_OK
 
 
 def ragged_paged_slots(input_row_offsets, cache_lengths, block_table, page_size, num_pages,
@@ -140,7 +202,8 @@ def rms_norm(x, gamma, epsilon):
 def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, input_row_offsets,
                                            cache_lengths, block_table, ckv_cache, kpe_cache,
                                            q_rope_out, epsilon=1e-6, kv_norm_dim=None,
-                                           is_neox=False, kv_scale=1.0):
+                                           is_neox=False, kv_scale=1.0,
+                                           clear_unused_last_page_rows=False):
     """Reference of :func:`ropekv.mla_rope_rmsnorm_append_paged_kv_cache`, written in place.
 
     ``ckv_cache (num_pages, page_size, L)`` and ``kpe_cache (num_pages, page_size, R)`` are the two
@@ -170,16 +233,27 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     pe = rope(x[:, L:], cos[write], sin[write], is_neox)
     ckv_cache[page[write], entry[write]] = to_dtype(latent / scale, ckv_cache.dtype)
     kpe_cache[page[write], entry[write]] = to_dtype(pe / scale, kpe_cache.dtype)
+    if clear_unused_last_page_rows:
+        clear_last_page_rows((ckv_cache, kpe_cache), input_row_offsets, request, page, entry,
+                             write)
 
 
 def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cache,
                                           input_row_offsets, cache_lengths, block_table, k_cache,
                                           v_cache, q_out, epsilon=1e-6, is_neox=True,
-                                          kv_layout="NHD", k_scale=1.0, v_scale=1.0):
+                                          kv_layout="NHD", k_scale=1.0, v_scale=1.0,
+                                          norm_order="before_rope", weight_offset=0.0,
+                                          clear_unused_last_page_rows=False, position_ids=None,
+                                          mrope_section=None, mrope_interleaved=False):
     """Reference of :func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache`, written in place.
 
     Caches are ``(num_pages, page_size, Hkv, D)`` (NHD) or ``(num_pages, Hkv, page_size, D)``
     (HND). Tokens with no valid position have their q row copied unchanged and write nothing.
+    ``norm_order="after_rope"`` ropes first and normalises the rotated row; the weights are
+    ``gamma + weight_offset``. ``clear_unused_last_page_rows``: see :func:`clear_last_page_rows`.
+    With ``mrope_section``, ``position_ids`` ``(3, T)`` gives the rotation (:func:`mrope_cos_sin`)
+    and a token is roped (and written) when all three are in ``[0, P)``; its cache slot still
+    comes from the cache lengths.
     """
     T = q.shape[0]
     P = cos_sin_cache.shape[0]
@@ -187,19 +261,32 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
     request, pos, page, entry = ragged_paged_slots(input_row_offsets, cache_lengths, block_table,
                                                    page_size, num_pages, T)
-    roped = (request >= 0) & (pos >= 0) & (pos < P)
+    if mrope_section is not None:
+        pos3 = np.asarray(position_ids, np.int64)
+        roped = (request >= 0) & (pos >= 0) & np.all((pos3 >= 0) & (pos3 < P), axis=0)
+        cos, sin = mrope_cos_sin(cos_sin_cache, np.where(roped, pos3, 0), mrope_section,
+                                 mrope_interleaved)
+    else:
+        roped = (request >= 0) & (pos >= 0) & (pos < P)
+        cos, sin = split_cos_sin(cos_sin_cache[np.where(roped, pos, 0)])
     write = roped & (page >= 0)
-    cos, sin = split_cos_sin(cos_sin_cache[np.where(roped, pos, 0)])
     cos, sin = cos[:, None, :], sin[:, None, :]
+    q_w = np.asarray(q_gamma, np.float64) + float(weight_offset)
+    k_w = np.asarray(k_gamma, np.float64) + float(weight_offset)
+
+    def norm_rope(x, w, c, s):
+        if norm_order == "after_rope":
+            return rms_norm(rope(x, c, s, is_neox), w, epsilon)
+        return rope(rms_norm(x, w, epsilon), c, s, is_neox)
+
     qf = np.array(q, np.float64)
-    qf[roped] = rope(rms_norm(qf[roped], q_gamma, epsilon), cos[roped], sin[roped], is_neox)
+    qf[roped] = norm_rope(qf[roped], q_w, cos[roped], sin[roped])
     q_out[...] = to_dtype(qf, q_out.dtype)
     if not write.any():
         return
     fp8 = is_fp8(k_cache.dtype)
     ks, vs = (float(k_scale), float(v_scale)) if fp8 else (1.0, 1.0)
-    kf = rope(rms_norm(np.asarray(k[write], np.float64), k_gamma, epsilon), cos[write],
-              sin[write], is_neox)
+    kf = norm_rope(np.asarray(k[write], np.float64), k_w, cos[write], sin[write])
     vf = np.asarray(v[write], np.float64)
     pg, en = page[write], entry[write]
     if kv_layout == "NHD":
@@ -208,6 +295,27 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     else:  # advanced indices around a slice: the selection is (n, Hkv, D)
         k_cache[pg, :, en] = to_dtype(kf / ks, k_cache.dtype)
         v_cache[pg, :, en] = to_dtype(vf / vs, v_cache.dtype)
+    if clear_unused_last_page_rows:
+        entry_axis = 1 if kv_layout == "NHD" else 2
+        clear_last_page_rows((k_cache, v_cache), input_row_offsets, request, page, entry, write,
+                             entry_axis)
+
+
+def clear_last_page_rows(caches, input_row_offsets, request, page, entry, written, entry_axis=1):
+    """``clear_unused_last_page_rows``: zero, in each cache, the entries after the one the last
+    token of each request wrote, to the end of that page (the rows past the request's new
+    length). The last token of request b is ``input_row_offsets[b + 1] - 1`` (offsets read as
+    32-bit unsigned, as the kernels do); a request whose last token is not written (no token, no
+    position, no page) clears nothing. ``entry_axis`` is the caches' page-entry axis."""
+    offsets = np.asarray(input_row_offsets).astype(np.uint32).astype(np.int64)
+    t = np.arange(len(request))
+    last = written & (request >= 0)
+    last[last] = offsets[request[last] + 1] == t[last] + 1
+    for tok in np.flatnonzero(last):
+        index = [slice(None)] * caches[0].ndim
+        index[0], index[entry_axis] = page[tok], slice(entry[tok] + 1, None)
+        for cache in caches:
+            cache[tuple(index)] = np.zeros((), cache.dtype)
 
 
 # ---- Fused QKV projection with the K/V rows appended to a paged cache ------------------------
@@ -326,7 +434,8 @@ def _head_scales(scale, heads):
 def rope_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
                                paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions,
                                is_neox=True, quant_scale_q=1.0, quant_scale_kv=1.0,
-                               page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None):
+                               page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
+                               mrope_section=None, mrope_interleaved=False):
     """Reference of :func:`ropekv.rope_append_paged_kv_cache` (and of the fp8 op), in place.
 
     The q outputs and the cache rows have the cache dtype; with an fp8 cache every value is
@@ -334,7 +443,8 @@ def rope_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
     the scales are ignored. A token whose ``pos_ids`` falls outside the table has its q rows
     written unrotated (scaled and quantized like the others) and no cache row; a token without a
     cache slot (:func:`paged_append_slots`) has its q rows written and no cache row. Returns
-    ``(q_rope_out, q_nope_out)``, allocated when None.
+    ``(q_rope_out, q_nope_out)``, allocated when None. With ``mrope_section``, ``pos_ids`` is
+    ``(3, T)`` and a token has a position when all three are in the table.
     """
     T, Hq, R = q_rope.shape
     mla = k_rope.ndim == 2
@@ -354,10 +464,20 @@ def rope_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
     ks = _head_scales(quant_scale_kv if fp8 else 1.0, Hkv)
 
     pos = np.asarray(pos_ids).astype(np.int64)
-    tok = np.nonzero((pos >= 0) & (pos < cos_sin_cache.shape[0]))[0]
+    P = cos_sin_cache.shape[0]
+    if mrope_section is not None:
+        tok = np.nonzero(np.all((pos >= 0) & (pos < P), axis=0))[0]
+
+        def cos_sin_of(t):
+            return mrope_cos_sin(cos_sin_cache, pos[:, t], mrope_section, mrope_interleaved)
+    else:
+        tok = np.nonzero((pos >= 0) & (pos < P))[0]
+
+        def cos_sin_of(t):
+            return split_cos_sin(cos_sin_cache[pos[t]])
     q = np.array(q_rope, np.float64)
     if tok.size:
-        cos, sin = split_cos_sin(cos_sin_cache[pos[tok]])
+        cos, sin = cos_sin_of(tok)
         q[tok] = rope(q[tok], cos[:, None, :], sin[:, None, :], is_neox)
     q_rope_out[...] = to_dtype(q * qs, out)
     if Dn:
@@ -372,7 +492,7 @@ def rope_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
     if w.size == 0:
         return q_rope_out, q_nope_out
     pg, en = page[w], entry[w]
-    wcos, wsin = split_cos_sin(cos_sin_cache[pos[w]])
+    wcos, wsin = cos_sin_of(w)
     k_rot = rope(k_rope[w], wcos[:, None, :], wsin[:, None, :], is_neox) * ks  # (n, Hkv, R)
     k_rest = np.asarray(k_nope[w], np.float64) * ks if Dn else None
     if mla:  # (ckv_cache (pages, ps, Dn), kpe_cache (pages, ps, R))

@@ -67,14 +67,35 @@ def addressed_slots(args, S):
     P = args["cos_sin_cache"].shape[-2]
     lens = args.get("kv_end_lens")
     mask = np.zeros((B, C), bool)
+    ids = args.get("position_ids")
     for b in range(B):
         start = 0 if lens is None else int(lens[b]) - S
         for s in range(S):
             slot = start + s
-            p = slot if args.get("position_ids") is None else args["position_ids"][b, s]
-            if 0 <= slot < C and 0 <= p < P:
+            if ids is not None and ids.ndim == 3:  # mRoPE: all three positions in range
+                ok = all(0 <= ids[a, b, s] < P for a in range(3))
+            else:
+                ok = 0 <= (slot if ids is None else ids[b, s]) < P
+            if 0 <= slot < C and ok:
                 mask[b, slot] = True
     return mask
+
+
+def mrope_ids(rng, B, S, P, bad_share=0.1):
+    """(3, B, S) int32 positions: image-like tokens (three positions), text-like ones (one), a
+    few out of range on one axis."""
+    ids = rng.integers(0, P, (3, B, S))
+    text = rng.random((B, S)) < 0.3
+    ids[:, text] = ids[0][text]
+    bad = rng.random((B, S)) < bad_share
+    ids[rng.integers(0, 3, bad.sum()), *np.nonzero(bad)] = rng.choice([-1, P, 2**31 - 1],
+                                                                     bad.sum())
+    return ids.astype(np.int32)
+
+
+def mrope_section_for(R, interleaved):
+    x = (R // 2) // 3
+    return (R // 2 - 2 * x, x, x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,10 +173,12 @@ def test_check_indices_raises(monkeypatch):
 
 
 def bad(match, exc=ValueError, **changes):
+    """``changes``: arguments replaced, or keywords (mrope_*) added."""
     args = make_case(5)
+    kw = {n: changes.pop(n) for n in list(changes) if n.startswith("mrope")}
     args.update(changes)
     with pytest.raises(exc, match=match):
-        call(args)
+        call(args, **kw)
 
 
 def test_q_must_be_4d():
@@ -231,8 +254,50 @@ def test_index_arrays_must_be_contiguous():
 
 
 def test_fp8_cache_needs_kv_scale():
-    bad(r"kv_scale \(float32, shape \(2,\)\) is required for a float8_e4m3fn kv_cache",
-        kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3))
+    bad(r"kv_scale \(a number, a pair, or float32 of shape \(2,\) or \(\)\) is required for a "
+        r"float8_e4m3fn kv_cache", kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3))
+
+
+@pytest.mark.parametrize("scale", [0.5, 2, np.float32(0.5), np.array(0.5, np.float32),
+                                   (0.5, 2.0), np.array(0.5, np.float32)[None][0]])
+def test_kv_scale_as_constants_matches_the_array(scale):
+    """A number, a 0-d array or a pair is the same as the (2,) array it spells."""
+    args = make_case(11, cache_dtype=E4M3)
+    pair = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1), (2,)).copy()
+    ref = copy_args(args)
+    ref["kv_scale"] = pair
+    call(ref)
+    args["kv_scale"] = scale
+    call(args)
+    assert_bytes_equal(args["kv_cache"], ref["kv_cache"])
+    assert_bytes_equal(args["q"], ref["q"])
+
+
+def test_kv_scale_0d_array_is_one_scale_for_k_and_v():
+    args = make_case(12, cache_dtype=E4M3)
+    ref = copy_args(args)
+    ref["kv_scale"] = np.full(2, 0.75, np.float32)
+    call(ref)
+    args["kv_scale"] = np.array(0.75, np.float32)  # 0-d host array: a constant
+    call(args)
+    assert_bytes_equal(args["kv_cache"], ref["kv_cache"])
+
+
+@pytest.mark.parametrize("scale, exc, match", [
+    (True, TypeError, "kv_scale must be a real number, got True of type bool"),
+    (np.bool_(True), TypeError, "kv_scale must be a real number"),
+    (0.0, ValueError, "kv_scale must be a finite positive number, got 0.0"),
+    (float("nan"), ValueError, "kv_scale must be a finite positive number"),
+    ((1.0, -1.0), ValueError, r"kv_scale\[1\] must be a finite positive number"),
+    ((1.0, 2.0, 3.0), ValueError, "kv_scale must be a number, a"),
+    ("1.0", TypeError, "kv_scale must be a NumPy array, a CuPy array"),
+])
+def test_kv_scale_constants_are_checked(scale, exc, match):
+    bad(match, exc, kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3), kv_scale=scale)
+
+
+def test_kv_scale_constant_only_for_fp8():
+    bad("kv_scale is only used with float8 caches, but kv_cache is float16", kv_scale=1.0)
 
 
 def test_kv_scale_only_for_fp8():
@@ -241,8 +306,72 @@ def test_kv_scale_only_for_fp8():
 
 
 def test_kv_scale_shape():
-    bad(r"kv_scale must have shape \(2,\) = \(2,\), got \(3,\)",
+    bad(r"kv_scale must have shape \(2,\) or \(\) = \(2,\), got \(3,\)",
         kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3), kv_scale=np.ones(3, np.float32))
+    bad(r"kv_scale must have shape \(2,\) or \(\), got \(1, 2\)",
+        kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3), kv_scale=np.ones((1, 2), np.float32))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mrope_of_text_tokens_is_plain_rope(interleaved):
+    """Three equal positions give the 1-D rotation, byte for byte."""
+    args = make_case(13, pos=True)
+    ref = copy_args(args)
+    call(ref)
+    args["position_ids"] = np.stack([args["position_ids"]] * 3)
+    call(args, mrope_section=mrope_section_for(64, interleaved), mrope_interleaved=interleaved)
+    for name in ("q", "kv_cache"):
+        assert_bytes_equal(args[name], ref[name])
+
+
+def test_mrope_rotates_image_tokens_by_their_sections():
+    """An image token's Q: half-dims [0, t) rotated by the temporal position, [t, t + h) by the
+    height, the rest by the width (checked against three plain rotations)."""
+    args = make_case(14, lens=False, S=1, B=1)
+    before = copy_args(args)
+    args["position_ids"] = np.array([3, 9, 20], np.int32).reshape(3, 1, 1)
+    call(args, mrope_section=(8, 12, 12))
+    rotated = []
+    for p in (3, 9, 20):
+        one = copy_args(before)
+        one["position_ids"] = np.array([[p]], np.int32)
+        call(one)
+        rotated.append(one["q"].astype(np.float64))
+    want = rotated[2].copy()
+    for lo, hi, a in ((0, 8, 0), (8, 20, 1)):
+        want[..., lo:hi] = rotated[a][..., lo:hi]
+        want[..., 32 + lo:32 + hi] = rotated[a][..., 32 + lo:32 + hi]
+    np.testing.assert_allclose(args["q"].astype(np.float64), want, rtol=2e-3, atol=2e-3)
+
+
+def test_mrope_validation():
+    ids = np.zeros((3, 2, 3), np.int32)
+    bad(r"mrope_section \(t, h, w\) must be non-negative and sum to R/2 = 32",
+        position_ids=ids, mrope_section=(8, 8, 8))
+    bad(r"position_ids \(3, B, S\) is required with mrope_section", mrope_section=(8, 12, 12))
+    bad(r"position_ids must have shape \(3, B, S\) = \(3, 2, 3\), got \(2, 3\)",
+        position_ids=np.zeros((2, 3), np.int32), mrope_section=(8, 12, 12))
+    bad(r"position_ids must have shape \(B, S\) = \(2, 3\), got \(3, 2, 3\)",
+        position_ids=ids)
+    bad("does not fit the interleaved layout", position_ids=ids, mrope_section=(0, 16, 16),
+        mrope_interleaved=True)
+    bad("mrope_interleaved must be a bool", TypeError, mrope_interleaved=1)
+
+
+def test_mrope_check_indices(monkeypatch):
+    args = make_case(15, lens=False)
+    args["position_ids"] = np.ones((3, 2, 3), np.int32)
+    args["position_ids"][1, 1, 2] = 99
+    monkeypatch.setenv("ROPEKV_CHECK_INDICES", "1")
+    with pytest.raises(IndexError, match=r"token \(b=1, s=2\) has RoPE position 99"):
+        call(args, mrope_section=(8, 12, 12))
+
+
+def test_non_bool_flags_are_refused():
+    for flag in ("write_k_in_place", "is_neox", "enable_pdl"):
+        args = make_case(5)
+        with pytest.raises(TypeError, match=f"{flag} must be a bool, got 'no'"):
+            call(args, **{flag: "no"})
 
 
 def test_last_dim_must_be_contiguous():
@@ -308,9 +437,10 @@ def check_against_reference(args, **kw):
        dims=head_and_rotary_dims(), B=st.integers(1, 4), S=st.integers(1, 9),
        extra_c=st.integers(0, 24), lens=st.booleans(), pos=st.booleans(),
        table_batch=st.sampled_from([None, 1, "B"]), packed=st.booleans(),
-       write_k=st.booleans(), is_neox=st.booleans())
+       write_k=st.booleans(), is_neox=st.booleans(),
+       mrope=st.sampled_from([None, None, "chunked", "interleaved"]))
 def test_kernel_matches_reference(seed, dtype, data, heads, dims, B, S, extra_c, lens, pos,
-                                  table_batch, packed, write_k, is_neox):
+                                  table_batch, packed, write_k, is_neox, mrope):
     cache_dtype = data.draw(cache_dtypes(dtype))
     (Hq, Hkv), (D, R) = heads, dims
     if not is_neox and (R % 2 or D % 2):
@@ -318,7 +448,14 @@ def test_kernel_matches_reference(seed, dtype, data, heads, dims, B, S, extra_c,
     args = make_case(seed, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=S + extra_c, P=S + extra_c + 4,
                      dtype=dtype, cache_dtype=cache_dtype, lens=lens, pos=pos, packed=packed,
                      table_batch=B if table_batch == "B" else table_batch)
-    check_against_reference(args, write_k_in_place=write_k, is_neox=is_neox)
+    kw = {}
+    if mrope:
+        args["position_ids"] = mrope_ids(np.random.default_rng(seed), B, S, S + extra_c + 4)
+        if data.draw(st.booleans()):
+            args["position_ids"] = args["position_ids"].astype(np.int64)
+        kw = {"mrope_section": mrope_section_for(R, mrope == "interleaved"),
+              "mrope_interleaved": mrope == "interleaved"}
+    check_against_reference(args, write_k_in_place=write_k, is_neox=is_neox, **kw)
 
 
 @pytest.mark.gpu
@@ -342,6 +479,35 @@ def test_fp8_saturates_on_device():
     check_against_reference(args)
     cache = to_numpy(device_args(args)["kv_cache"])
     assert cache.shape[0] == 2
+
+
+@pytest.mark.gpu
+@given(seed=seeds, form=st.sampled_from(["float", "pair", "host 0-d", "device 0-d", "device (2,)"]),
+       cache_dtype=st.sampled_from([E4M3, np.dtype(ml_dtypes.float8_e5m2)]),
+       S=st.integers(1, 40))
+def test_kernel_kv_scale_forms_match_the_reference(seed, form, cache_dtype, S):
+    """Constant scales (a number, a pair, a 0-d host array) and device arrays ((2,), ()) give the
+    reference's cache; unaddressed slots stay."""
+    import cupy as cp
+
+    args = make_case(seed, S=S, Hq=8, Hkv=2, D=128, R=128, C=S + 8, P=S + 8,
+                     cache_dtype=cache_dtype)
+    k_s, v_s = (float(x) for x in args["kv_scale"])
+    scale = {"float": k_s, "pair": (k_s, v_s), "host 0-d": np.array(k_s, np.float32),
+             "device 0-d": cp.asarray(np.array(k_s, np.float32)),
+             "device (2,)": cp.asarray(args["kv_scale"])}[form]
+    if form in ("float", "host 0-d", "device 0-d"):
+        args["kv_scale"][:] = k_s
+    expected = copy_args(args)
+    call(expected)
+    dev = device_args({n: x for n, x in args.items() if n != "kv_scale"})
+    call(dev, kv_scale=scale)
+    assert_close(dev["q"], expected["q"], "q")
+    got = to_numpy(dev["kv_cache"])
+    assert_close(got, expected["kv_cache"], "kv_cache")
+    untouched = ~addressed_slots(args, S)
+    assert_bytes_equal(got.transpose(0, 3, 1, 2, 4)[untouched],
+                       args["kv_cache"].transpose(0, 3, 1, 2, 4)[untouched], "unaddressed slots")
 
 
 @pytest.mark.gpu

@@ -78,7 +78,7 @@ def cache_parts(kv_cache, L):
     return kv_cache[..., :L], kv_cache[..., L:]
 
 
-def expected(args, kw, is_neox=False, epsilon=1e-6):
+def expected(args, kw, is_neox=False, epsilon=1e-6, clear=False):
     """(q_rope_out, ckv, kpe) of the reference on copies of ``args``."""
     a = copy_args(args)
     L = a["kv"].shape[1] - a["q_rope"].shape[2]
@@ -89,8 +89,25 @@ def expected(args, kw, is_neox=False, epsilon=1e-6):
     reference.mla_rope_rmsnorm_append_paged_kv_cache(
         a["q_rope"], a["kv"], a["gamma"], a["cos_sin_cache"], a["input_row_offsets"],
         a["cache_lengths"], a["block_table"], ckv, kpe, q_out, epsilon, kw.get("kv_norm_dim"),
-        is_neox, scale)
+        is_neox, scale, clear)
     return q_out, np.array(ckv), np.array(kpe)
+
+
+def tail_rows(args, page_size, num_pages):
+    """Boolean (num_pages, page_size): the rows of each request's last page past its new length
+    (requests with new tokens whose last page is in the table), from the lengths directly."""
+    offs = np.asarray(args["input_row_offsets"], np.int64)
+    lens, table = np.asarray(args["cache_lengths"], np.int64), args["block_table"]
+    mask = np.zeros((num_pages, page_size), bool)
+    for b in range(len(lens)):
+        n = offs[b + 1] - offs[b]
+        end = lens[b] + n
+        if n <= 0 or end % page_size == 0:
+            continue
+        page = table[b, (end - 1) // page_size]
+        if 0 <= page < num_pages:
+            mask[page, end % page_size:] = True
+    return mask
 
 
 def written_rows(args):
@@ -108,6 +125,60 @@ def written_rows(args):
 
 
 # ---- CPU: the reference and the NumPy backend ------------------------------------------------
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_clear_unused_last_page_rows_zeroes_the_tails_only(split):
+    """The rows past each request's new length on its last page become zeros; the written rows
+    are those of a call without the option; every other row keeps its bytes."""
+    args, kw = make_case(8, new=(3, 0, 2, 4), cached=(0, 5, 17, 4), split=split)
+    plain = copy_args(args)
+    op(**plain, **kw)
+    before = copy_args(args)
+    op(**args, **kw, clear_unused_last_page_rows=True)
+    L = args["kv"].shape[1] - args["q_rope"].shape[2]
+    num_pages, page_size = (args["kv_cache"][0] if split else args["kv_cache"]).shape[:2]
+    tail, written = tail_rows(args, page_size, num_pages), written_rows(args)
+    assert tail.sum() == 1 + 1 + 0 + 0  # request 0 ends at 3, request 2 at 19, request 3 at 8
+    assert not (tail & written).any()
+    for got, ref, old in zip(cache_parts(args["kv_cache"], L), cache_parts(plain["kv_cache"], L),
+                             cache_parts(before["kv_cache"], L)):
+        assert not np.asarray(got)[tail].view(np.uint8).any()
+        assert_bytes_equal(got[written], ref[written])
+        assert_bytes_equal(got[~tail & ~written], old[~tail & ~written])
+
+
+def malform(offsets, kind):
+    offs = offsets.copy()
+    if kind == 1:
+        offs[0] = 1
+    elif kind == 2:
+        offs[1] = offs[2] + 1
+    elif kind == 3:
+        offs[-1] -= 1
+    return offs
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2, 3])
+def test_status_codes_and_no_writes_on_the_numpy_backend(kind):
+    args, kw = make_case(9, new=(3, 2, 2), cached=(0, 5, 17))
+    args["input_row_offsets"] = malform(args["input_row_offsets"], kind)
+    before = copy_args(args)
+    q_out = np.full_like(args["q_rope"], 7)
+    status = np.full(1, 99, np.int32)
+    op(**args, **kw, q_rope_out=q_out, status=status)
+    assert status[0] == kind == reference.ragged_offsets_status(args["input_row_offsets"], 7)
+    if kind:
+        assert (q_out == 7).all()
+        assert_bytes_equal(args["kv_cache"], before["kv_cache"])
+    else:
+        q_ref, _, _ = expected(before, kw)
+        np.testing.assert_array_equal(q_out, q_ref)
+
+
+def test_status_validation():
+    bad(TypeError, "status must have dtype int32, got uint32", {"status": np.zeros(1, np.uint32)})
+    bad(ValueError, r"status must have shape \(1,\)", {"status": np.zeros((1, 1), np.int32)})
 
 
 def test_numpy_backend_writes_the_addressed_rows():
@@ -342,6 +413,11 @@ def test_kv_scale_only_for_fp8_and_positive():
         kv_cache=np.zeros((16, 4, 48), E4M3))
 
 
+def test_clear_flag_must_be_bool():
+    bad(TypeError, "clear_unused_last_page_rows must be a bool, got 1",
+        {"clear_unused_last_page_rows": 1})
+
+
 def test_epsilon():
     bad(ValueError, "epsilon must be a finite non-negative", kw_extra={"epsilon": -1.0})
 
@@ -383,13 +459,19 @@ def test_mixed_devices_are_refused():
 # ---- GPU: the kernel against the reference ----------------------------------------------------
 
 
-def check_on_device(args, kw, *, is_neox=False, in_place=False, strided=False, given=False):
+def check_on_device(args, kw, *, is_neox=False, in_place=False, strided=False, given=False,
+                    clear=False):
     """Run the kernel on copies of ``args`` and compare with the reference (``given``: into a
-    pre-allocated output)."""
+    pre-allocated output; ``clear``: clear_unused_last_page_rows, whose tail rows must be zero)."""
     import cupy as cp
 
-    q_ref, ckv_ref, kpe_ref = expected(args, kw, is_neox)
+    q_ref, ckv_ref, kpe_ref = expected(args, kw, is_neox, clear=clear)
     mask = written_rows(args)
+    if clear:
+        cache = args["kv_cache"][0] if isinstance(args["kv_cache"], tuple) else args["kv_cache"]
+        tail = tail_rows(args, cache.shape[1], cache.shape[0])
+        assert not ckv_ref[tail].view(np.uint8).any()
+        mask |= tail
     dev = {k: to_device(v) for k, v in args.items()}
     if strided:  # q_rope and kv sliced out of one packed buffer, as the projection emits them
         T, Hq, R = args["q_rope"].shape
@@ -402,7 +484,7 @@ def check_on_device(args, kw, *, is_neox=False, in_place=False, strided=False, g
     extra = {"q_rope_out": dev["q_rope"]} if in_place else {}
     if given:
         extra = {"q_rope_out": cp.full(dev["q_rope"].shape, np.nan, dev["q_rope"].dtype)}
-    out = op(**dev, **kw, is_neox=is_neox, **extra)
+    out = op(**dev, **kw, is_neox=is_neox, **extra, clear_unused_last_page_rows=clear)
     assert isinstance(out, cp.ndarray)
     if extra:
         assert out is extra["q_rope_out"]
@@ -427,9 +509,9 @@ SHAPES = [(16, 256, 32), (32, 128, 64), (16, 128, 64), (4, 96, 32), (192, 64, 64
        split=st.booleans(), page_size=st.sampled_from([1, 16, 64]),
        new=st.lists(st.integers(0, 40), min_size=1, max_size=4),
        gamma_f32=st.booleans(), in_place=st.booleans(), uint32=st.booleans(),
-       strided=st.booleans())
+       strided=st.booleans(), clear=st.booleans())
 def test_kernel_matches_reference(seed, dtype, data, shape, is_neox, split, page_size, new,
-                                  gamma_f32, in_place, uint32, strided):
+                                  gamma_f32, in_place, uint32, strided, clear):
     Hq, L, R = shape
     cache_dtype = data.draw(st.sampled_from([dtype, *FP8_DTYPES]))
     kv_norm_dim = data.draw(st.sampled_from([None, L - 32, 100 if L > 100 else L - 8, 36]))
@@ -439,7 +521,7 @@ def test_kernel_matches_reference(seed, dtype, data, shape, is_neox, split, page
                          cached=cached, page_size=page_size, split=split,
                          kv_norm_dim=kv_norm_dim, gamma_f32=gamma_f32,
                          offsets_dtype=np.uint32 if uint32 else np.int32, kv_scale=kv_scale)
-    check_on_device(args, kw, is_neox=is_neox, in_place=in_place, strided=strided)
+    check_on_device(args, kw, is_neox=is_neox, in_place=in_place, strided=strided, clear=clear)
 
 
 @pytest.mark.gpu
@@ -496,7 +578,10 @@ def test_prefix_cached_run_equals_full_prefill_on_device(seed, split, is_neox):
 
 
 @pytest.mark.gpu
-def test_hostile_indices_never_write_out_of_bounds():
+@pytest.mark.parametrize("clear", [False, True])
+def test_hostile_indices_never_write_out_of_bounds(clear):
+    """Malformed offsets, lengths and pages: guard bytes stay, only the reference's rows change
+    (with ``clear``: also the tail the last token of request 2 clears, rows 3.. of its page)."""
     import cupy as cp
 
     args, kw = make_case(13, Hq=8, L=64, R=32, new=(5, 3, 4), cached=(0, 0, 0), page_size=4,
@@ -510,8 +595,8 @@ def test_hostile_indices_never_write_out_of_bounds():
                                      np.full(guard, 7, np.float16)]))
     dev = {k: to_device(v) for k, v in args.items()}
     dev["kv_cache"] = buf[guard:-guard].reshape(cache.shape)
-    q_ref, ckv_ref, _kpe_ref = expected(args, kw)
-    out = op(**dev, **kw)
+    q_ref, ckv_ref, kpe_ref = expected(args, kw, clear=clear)
+    out = op(**dev, **kw, clear_unused_last_page_rows=clear)
     assert_close(out, q_ref)
     assert written_rows(args).sum() == 3  # tokens 9..11 (request 2, positions 0..2) only
     host = to_numpy(buf)
@@ -519,8 +604,48 @@ def test_hostile_indices_never_write_out_of_bounds():
     got = host[guard:-guard].reshape(cache.shape)
     L = 64
     mask = written_rows(args)
+    if clear:  # the tail of request 2's page: row 3 of page block_table[2, 0]
+        tail = np.zeros_like(mask)
+        tail[args["block_table"][2, 0], 3:] = True
+        assert not ckv_ref[tail].view(np.uint8).any() and not kpe_ref[tail].view(np.uint8).any()
+        mask |= tail
     assert_close(got[..., :L][mask], ckv_ref[mask])
+    assert_close(got[..., L:][mask], kpe_ref[mask])
     assert_bytes_equal(got[~mask], cache[~mask])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [0, 1, 2, 3])
+@pytest.mark.parametrize("T_new", [0, 1, 3, 300])  # no tokens; decode (split kernel); prefill
+def test_status_on_device(kind, T_new):
+    import cupy as cp
+
+    new = (T_new,) if T_new < 3 else (T_new // 3, T_new // 3, T_new - 2 * (T_new // 3))
+    if T_new == 0:
+        new = (0, 0)
+    args, kw = make_case(70 + kind, Hq=16, L=512, R=64, dtype=BF16, new=new,
+                         cached=tuple(range(3, 3 + len(new))), page_size=16)
+    if kind == 2 and len(new) < 2:
+        args["input_row_offsets"] = np.array([0, T_new, T_new], np.int32)
+        args["cache_lengths"] = np.array([3, 4], np.int32)
+        args["block_table"] = np.concatenate([args["block_table"]] * 2)
+    args["input_row_offsets"] = malform(args["input_row_offsets"], kind)
+    code = reference.ragged_offsets_status(args["input_row_offsets"], T_new)
+    dev = {k: to_device(v) for k, v in args.items()}
+    q_out = cp.full(dev["q_rope"].shape, 7, dev["q_rope"].dtype)
+    status = cp.full(1, 99, cp.int32)
+    op(**dev, **kw, q_rope_out=q_out, status=status)
+    assert int(status[0]) == code
+    if code:
+        assert kind and bool((q_out == 7).all())
+        assert_bytes_equal(to_numpy(dev["kv_cache"]), args["kv_cache"])
+    else:
+        q_ref, ckv_ref, kpe_ref = expected(args, kw)
+        assert_close(q_out, q_ref, "q_rope_out")
+        mask = written_rows(args)
+        got = to_numpy(dev["kv_cache"])
+        assert_close(got[..., :512][mask], ckv_ref[mask])
+        assert_bytes_equal(got[~mask], args["kv_cache"][~mask])
 
 
 @pytest.mark.gpu

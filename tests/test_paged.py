@@ -190,7 +190,8 @@ def written_rows(args):
                                                args["batch_indices"], args["positions"], ps,
                                                cache0.shape[0])
     pos = np.asarray(args["pos_ids"]).astype(np.int64)
-    ok = (page >= 0) & (pos >= 0) & (pos < args["cos_sin_cache"].shape[0])
+    ok = (pos >= 0) & (pos < args["cos_sin_cache"].shape[0])
+    ok = (page >= 0) & (ok.all(axis=0) if pos.ndim == 2 else ok)  # mRoPE: (3, T)
     mask = np.zeros((cache0.shape[0], ps), bool)
     mask[page[ok], entry[ok]] = True
     return mask
@@ -228,6 +229,47 @@ def test_reference_matches_a_per_token_loop(mla, is_neox, cache_dtype):
     assert_close(q, exp_q, "q_rope_out")
     assert_close(n, exp_n, "q_nope_out")
     check_caches(got["paged_kv_cache"], exp_cache, args["paged_kv_cache"], args)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mrope_of_text_tokens_is_plain_rope(interleaved):
+    """Three equal positions give the 1-D rotation, byte for byte (NumPy backend)."""
+    args = make_case(5, T=9, R=64, Dn=0, cache_dtype=F16)
+    plain = copy_args(args)
+    q0, _ = call(plain, quantize=False)
+    args["pos_ids"] = np.stack([args["pos_ids"]] * 3)
+    q1, _ = call(args, quantize=False, mrope_section=(12, 10, 10) if interleaved else (8, 12, 12),
+                 mrope_interleaved=interleaved)
+    assert_bytes_equal(q1, q0)
+    for a, b in zip(args["paged_kv_cache"], plain["paged_kv_cache"]):
+        assert_bytes_equal(a, b)
+
+
+@given(seed=seeds, interleaved=st.booleans(), mla=st.booleans())
+def test_mrope_reference_rows_and_skips(seed, interleaved, mla):
+    """The NumPy backend with mRoPE: tokens with a position outside the table on any axis have
+    unrotated q rows and no cache row; the others are written."""
+    args = make_case(seed % 997, T=11, R=32, Dn=16, mla=mla, cache_dtype=E4M3)
+    args, kw = with_mrope(args, np.random.default_rng(seed), interleaved, bad_share=0.3)
+    before = copy_args(args)
+    call(args, **kw)
+    mask = written_rows(before)
+    for g, o in zip(args["paged_kv_cache"], before["paged_kv_cache"]):
+        assert_bytes_equal(rows(g, ~mask, before), rows(o, ~mask, before))
+
+
+def test_mrope_validation():
+    args = make_case(6, T=5, R=16)
+    for kw, exc, match in [
+        ({"mrope_section": (4, 4, 4)}, ValueError, "must be non-negative and sum to R/2 = 8"),
+        ({"mrope_section": (2, 3, 3)}, ValueError,
+         r"pos_ids must have shape \(3, nnz\) = \(3, 5\), got \(5,\)"),
+        ({"mrope_section": (2, 3, 3), "mrope_interleaved": True}, ValueError,
+         "does not fit the interleaved layout"),
+        ({"mrope_interleaved": "no"}, TypeError, "mrope_interleaved must be a bool"),
+    ]:
+        with pytest.raises(exc, match=match):
+            call(copy_args(args), **kw)
 
 
 def test_position_zero_is_the_identity():
@@ -435,7 +477,8 @@ def test_launch_shape(monkeypatch):
     assert paged.row_launch_shape(1, 48, 8) == (128, 1, 3)  # 16 rows a block
     block, rows, splits = paged.row_launch_shape(8192, 48, 8)
     assert splits == 1 and block // 8 * rows >= 48 and rows <= paged.ROWS[-1]
-    spelled = tuple(f"{', '.join(map(str, shape))}>" for shape in (light, heavy))
+    spelled = tuple(f"{', '.join(map(str, shape))}, {mrope}>" for shape in (light, heavy)
+                    for mrope in ("false", "true"))
     for e in paged.instantiations():
         assert e.endswith(spelled) or e.startswith(paged.ROW_KERNEL), e
 
@@ -665,7 +708,20 @@ def device_args(args):
     return out
 
 
-def check_against_reference(args, quantize, is_neox=True, prealloc=False):
+def with_mrope(args, rng, interleaved, bad_share=0.1):
+    """``args`` with (3, T) mRoPE pos_ids (the temporal row the old pos_ids, the others random,
+    a few out of range) and the keywords that go with them."""
+    P, R = args["cos_sin_cache"].shape
+    T = args["pos_ids"].shape[0]
+    ids = np.stack([args["pos_ids"]] + [rng.integers(0, P, T) for _ in range(2)]).astype(np.int64)
+    bad = rng.random(T) < bad_share
+    ids[rng.integers(0, 3, bad.sum()), np.flatnonzero(bad)] = rng.choice([-1, P], bad.sum())
+    x = (R // 2) // 3
+    args = dict(args, pos_ids=ids.astype(args["pos_ids"].dtype))
+    return args, {"mrope_section": (R // 2 - 2 * x, x, x), "mrope_interleaved": interleaved}
+
+
+def check_against_reference(args, quantize, is_neox=True, prealloc=False, mrope=None):
     dev = device_args(args)
     T, Hq, R = args["q_rope"].shape
     Dn = 0 if args["q_nope"] is None else args["q_nope"].shape[-1]
@@ -683,8 +739,8 @@ def check_against_reference(args, quantize, is_neox=True, prealloc=False):
         expected["paged_kv_cache"], expected["kv_indices"], expected["kv_indptr"],
         expected["batch_indices"], expected["positions"], is_neox, expected["quant_scale_q"],
         expected["quant_scale_kv"], args["page_size"], args["kv_layout"],
-        np.zeros((T, Hq, R), out), np.zeros((T, Hq, Dn), out))
-    q, n = call(dev, quantize, is_neox=is_neox, **kw)
+        np.zeros((T, Hq, R), out), np.zeros((T, Hq, Dn), out), **(mrope or {}))
+    q, n = call(dev, quantize, is_neox=is_neox, **kw, **(mrope or {}))
     if prealloc:
         assert q is kw["q_rope_out"]
     assert type(q).__module__.startswith("cupy")
@@ -723,14 +779,18 @@ def cases(draw):
                      B=draw(st.integers(1, min(T, 8))), index_dtypes=idx,
                      padding=draw(st.sampled_from([0, 0, 3])), per_head=draw(st.booleans()),
                      **kw)
-    return case, quantize, draw(st.booleans()), draw(st.booleans())
+    return (case, quantize, draw(st.booleans()), draw(st.booleans()),
+            draw(st.sampled_from([None, None, "chunked", "interleaved"])))
 
 
 @pytest.mark.gpu
-@given(case=cases())
-def test_kernel_matches_reference(case):
-    args, quantize, is_neox, prealloc = case
-    check_against_reference(args, quantize, is_neox, prealloc)
+@given(case=cases(), seed=seeds)
+def test_kernel_matches_reference(case, seed):
+    args, quantize, is_neox, prealloc, mrope = case
+    kw = None
+    if mrope:
+        args, kw = with_mrope(args, np.random.default_rng(seed), mrope == "interleaved")
+    check_against_reference(args, quantize, is_neox, prealloc, kw)
 
 
 @pytest.mark.gpu

@@ -58,7 +58,7 @@ def make_case(seed, *, Hq=8, Hkv=2, D=32, R=None, dtype=np.float16, cache_dtype=
     return args, {"kv_layout": layout}
 
 
-def expected(args, kw, is_neox=True, kv_scale=None, epsilon=1e-6):
+def expected(args, kw, is_neox=True, kv_scale=None, epsilon=1e-6, **options):
     kc, vc = (c.copy() for c in args["paged_kv_cache"])
     q_out = np.empty_like(args["q"])
     fp8 = kc.dtype in FP8_DTYPES
@@ -67,11 +67,12 @@ def expected(args, kw, is_neox=True, kv_scale=None, epsilon=1e-6):
     reference.qk_rmsnorm_rope_append_paged_kv_cache(
         args["q"], args["k"], args["v"], args["q_gamma"], args["k_gamma"],
         args["cos_sin_cache"], args["input_row_offsets"], args["cache_lengths"],
-        args["block_table"], kc, vc, q_out, epsilon, is_neox, kw["kv_layout"], ks, vs)
+        args["block_table"], kc, vc, q_out, epsilon, is_neox, kw["kv_layout"], ks, vs, **options)
     return q_out, kc, vc
 
 
-def written_rows(args, kw):
+def written_rows(args, kw, position_ids=None):
+    """Mask of the rows the call writes (``position_ids``: mRoPE's, all three in [0, P))."""
     kc = args["paged_kv_cache"][0]
     nhd = kw["kv_layout"] == "NHD"
     num_pages, page_size = kc.shape[0], kc.shape[1] if nhd else kc.shape[2]
@@ -79,12 +80,42 @@ def written_rows(args, kw):
     req, pos, page, entry = reference.ragged_paged_slots(
         args["input_row_offsets"], args["cache_lengths"], args["block_table"], page_size,
         num_pages, args["q"].shape[0])
-    ok = (req >= 0) & (pos < P) & (page >= 0)
+    if position_ids is None:
+        ok = (req >= 0) & (pos < P) & (page >= 0)
+    else:
+        ok = (req >= 0) & np.all((position_ids >= 0) & (position_ids < P), axis=0) & (page >= 0)
     mask = np.zeros(kc.shape[:3], bool)  # (pages, entries, heads) or (pages, heads, entries)
     if nhd:
         mask[page[ok], entry[ok], :] = True
     else:
         mask[page[ok], :, entry[ok]] = True
+    return mask
+
+
+def tail_rows(args, kw, position_ids=None):
+    """Boolean mask like written_rows: each request's last-page rows past its new length (requests
+    with new tokens whose page is in the table, and with mRoPE ``position_ids`` whose last token
+    has its positions in [0, P)), from the lengths directly."""
+    kc = args["paged_kv_cache"][0]
+    nhd = kw["kv_layout"] == "NHD"
+    num_pages, page_size = kc.shape[0], kc.shape[1] if nhd else kc.shape[2]
+    offs = np.asarray(args["input_row_offsets"], np.int64)
+    lens, table = np.asarray(args["cache_lengths"], np.int64), args["block_table"]
+    mask = np.zeros(kc.shape[:3], bool)
+    for b in range(len(lens)):
+        end = lens[b] + offs[b + 1] - offs[b]
+        if offs[b + 1] == offs[b] or end % page_size == 0:
+            continue
+        P = args["cos_sin_cache"].shape[0]
+        if position_ids is not None and not np.all((position_ids[:, offs[b + 1] - 1] >= 0) &
+                                                   (position_ids[:, offs[b + 1] - 1] < P)):
+            continue
+        page = table[b, (end - 1) // page_size]
+        if 0 <= page < num_pages:
+            if nhd:
+                mask[page, end % page_size:, :] = True
+            else:
+                mask[page, :, end % page_size:] = True
     return mask
 
 
@@ -132,6 +163,204 @@ def test_prefix_cached_run_equals_full_prefill(seed, layout, is_neox):
                                   q_full)
     for a, b in zip(steps["paged_kv_cache"], full["paged_kv_cache"]):
         assert_bytes_equal(a, b)
+
+
+@given(seed=seeds, is_neox=st.booleans(), layout=st.sampled_from(["NHD", "HND"]))
+def test_norm_order_commutes_with_a_uniform_weight(seed, is_neox, layout):
+    """A weight of one value per row commutes with the rotation: both orders agree (reference),
+    and the NumPy backend is the reference."""
+    args, kw = make_case(seed, layout=layout)
+    args["q_gamma"][:] = 1.25
+    args["k_gamma"][:] = 0.75
+    outs = []
+    for order in ("before_rope", "after_rope"):
+        q_ref, kc_ref, vc_ref = expected(args, kw, is_neox, norm_order=order)
+        outs.append((q_ref, kc_ref, vc_ref))
+        run = dict(args, paged_kv_cache=tuple(c.copy() for c in args["paged_kv_cache"]))
+        q = op(**run, **kw, is_neox=is_neox, norm_order=order)
+        np.testing.assert_array_equal(q, q_ref)
+        for got, ref in zip(run["paged_kv_cache"], (kc_ref, vc_ref)):
+            assert_bytes_equal(got, ref)
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=2e-3,
+                                   atol=2e-3)
+
+
+def test_norm_after_rope_differs_with_a_varying_weight():
+    """The two orders are different maths when gamma varies along the row (not a no-op flag)."""
+    args, kw = make_case(6, new=(2,), cached=(5,))
+    before, _, _ = expected(args, kw)
+    after, _, _ = expected(args, kw, norm_order="after_rope")
+    x = args["q"].astype(np.float64)
+    table = args["cos_sin_cache"][5:7].astype(np.float64)
+    cos, sin = table[:, None, :16], table[:, None, 16:]
+    rot = reference.rope(x, cos, sin, True)
+    want = rot / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * args["q_gamma"]
+    np.testing.assert_allclose(after.astype(np.float64), want, rtol=2e-3, atol=2e-3)
+    assert np.abs(after.astype(np.float64) - before.astype(np.float64)).max() > 0.1
+
+
+@pytest.mark.parametrize("order", ["before_rope", "after_rope"])
+def test_weight_offset_adds_to_the_weights(order):
+    """Gemma's (1 + w): weight_offset=1 with w equals offset 0 with 1 + w (NumPy backend)."""
+    args, kw = make_case(7)
+    args["q_gamma"] = (args["q_gamma"] - 1).astype(np.float32)
+    args["k_gamma"] = (args["k_gamma"] - 1).astype(np.float32)
+    plain = dict(args, q_gamma=args["q_gamma"] + np.float32(1),
+                 k_gamma=args["k_gamma"] + np.float32(1),
+                 paged_kv_cache=tuple(c.copy() for c in args["paged_kv_cache"]))
+    q_gemma = op(**args, **kw, weight_offset=1.0, norm_order=order)
+    q_plain = op(**plain, **kw, norm_order=order)
+    np.testing.assert_array_equal(q_gemma, q_plain)
+    for a, b in zip(args["paged_kv_cache"], plain["paged_kv_cache"]):
+        assert_bytes_equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_clear_unused_last_page_rows_zeroes_the_tails_only(layout):
+    """K and V rows past each request's new length on its last page become zeros; written rows
+    are those of a call without the option; all other rows keep their bytes (NumPy backend)."""
+    args, kw = make_case(9, layout=layout, new=(3, 0, 2, 4), cached=(0, 5, 17, 4))
+    plain = dict(args, paged_kv_cache=tuple(c.copy() for c in args["paged_kv_cache"]))
+    before = tuple(c.copy() for c in args["paged_kv_cache"])
+    q_plain = op(**plain, **kw)
+    q = op(**args, **kw, clear_unused_last_page_rows=True)
+    np.testing.assert_array_equal(q, q_plain)
+    tail, written = tail_rows(args, kw), written_rows(args, kw)
+    assert tail.sum() == 2 * 2  # one row of 2 heads each for requests 0 (ends at 3) and 2 (19)
+    assert not (tail & written).any()
+    for got, ref, old in zip(args["paged_kv_cache"], plain["paged_kv_cache"], before):
+        assert not got[tail].view(np.uint8).any()
+        assert_bytes_equal(got[written], ref[written])
+        assert_bytes_equal(got[~tail & ~written], old[~tail & ~written])
+
+
+def mrope_case(rng, args, R, interleaved, text_share=0.3, bad_share=0.0):
+    """(position_ids (3, T) int32, mrope_section) for ``args``: image-like tokens with three
+    different positions, text-like ones with one (the cache position), a few out of range."""
+    half, T = R // 2, args["q"].shape[0]
+    x = half // 3
+    section = (half - 2 * x, x, x)
+    P = args["cos_sin_cache"].shape[0]
+    pos = rng.integers(0, P, (3, T))
+    text = rng.random(T) < text_share
+    pos[:, text] = pos[0, text]
+    bad = rng.random(T) < bad_share
+    pos[rng.integers(0, 3, T)[bad], np.flatnonzero(bad)] = rng.choice([-1, P, 2**31 - 1],
+                                                                      bad.sum())
+    return pos.astype(np.int32), section
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_mrope_of_text_tokens_is_plain_rope(interleaved, layout):
+    """Three equal positions (the cache position) give the 1-D rotation, byte for byte."""
+    args, kw = make_case(10, layout=layout)
+    req, pos, _, _ = reference.ragged_paged_slots(
+        args["input_row_offsets"], args["cache_lengths"], args["block_table"], 4, 12, 5)
+    plain = dict(args, paged_kv_cache=tuple(c.copy() for c in args["paged_kv_cache"]))
+    q_plain = op(**plain, **kw)
+    ids = np.stack([pos] * 3).astype(np.int64)
+    q = op(**args, **kw, position_ids=ids, mrope_section=(6, 5, 5) if interleaved else (4, 6, 6),
+           mrope_interleaved=interleaved)
+    np.testing.assert_array_equal(q, q_plain)
+    for a, b in zip(args["paged_kv_cache"], plain["paged_kv_cache"]):
+        assert_bytes_equal(a, b)
+
+
+@given(seed=seeds, interleaved=st.booleans())
+def test_mrope_backend_matches_reference_and_changes_image_tokens(seed, interleaved):
+    rng = np.random.default_rng(seed)
+    args, kw = make_case(seed % 1000, layout="NHD")
+    ids, section = mrope_case(rng, args, 32, interleaved, text_share=0.0)
+    q_ref, kc_ref, vc_ref = expected(args, kw, position_ids=ids, mrope_section=section,
+                                     mrope_interleaved=interleaved)
+    q = op(**args, **kw, position_ids=ids, mrope_section=section, mrope_interleaved=interleaved)
+    np.testing.assert_array_equal(q, q_ref)
+    for got, ref in zip(args["paged_kv_cache"], (kc_ref, vc_ref)):
+        assert_bytes_equal(got, ref)
+
+
+def test_mrope_validation():
+    ids = np.zeros((3, 5), np.int32)
+    bad(ValueError, r"mrope_section \(t, h, w\) must be non-negative and sum to R/2 = 16",
+        {"mrope_section": (4, 4, 4), "position_ids": ids})
+    bad(ValueError, "mrope_section must be three integers", {"mrope_section": (4.0, 6, 6),
+                                                             "position_ids": ids})
+    bad(ValueError, "mrope_section must be three integers", {"mrope_section": 16,
+                                                             "position_ids": ids})
+    bad(ValueError, "does not fit the interleaved layout",
+        {"mrope_section": (0, 8, 8), "mrope_interleaved": True, "position_ids": ids})
+    bad(ValueError, r"position_ids \(3, T\) is required with mrope_section",
+        {"mrope_section": (4, 6, 6)})
+    bad(ValueError, r"position_ids must have shape \(3, T\) = \(3, 5\), got \(5,\)",
+        {"mrope_section": (4, 6, 6), "position_ids": np.zeros(5, np.int32)})
+    bad(TypeError, "position_ids must have dtype int32 or int64, got float32",
+        {"mrope_section": (4, 6, 6), "position_ids": ids.astype(np.float32)})
+    bad(ValueError, "position_ids is only used with mrope_section", {"position_ids": ids})
+    bad(TypeError, "mrope_interleaved must be a bool", {"mrope_interleaved": "yes"})
+
+
+def test_mrope_check_indices_names_the_position(monkeypatch):
+    args, kw = make_case(11)
+    ids = np.ones((3, 5), np.int32)
+    ids[2, 3] = 10_000
+    monkeypatch.setenv("ROPEKV_CHECK_INDICES", "1")
+    with pytest.raises(IndexError, match=r"token 3 has width position 10000 \(position_ids"):
+        op(**args, **kw, position_ids=ids, mrope_section=(4, 6, 6))
+
+
+def malform(offsets, kind):
+    """A copy of ``offsets`` that fails the ``kind`` check (the status code it must give)."""
+    offs = offsets.copy()
+    if kind == 1:
+        offs[0] = 1
+    elif kind == 2:
+        offs[1] = offs[2] + 1  # above the next one
+    elif kind == 3:
+        offs[-1] -= 1
+    return offs
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2, 3])
+def test_status_codes_and_no_writes_on_the_numpy_backend(kind):
+    args, kw = make_case(12, new=(3, 2, 2), cached=(0, 5, 17))
+    args["input_row_offsets"] = malform(args["input_row_offsets"], kind)
+    assert reference.ragged_offsets_status(args["input_row_offsets"], 7) == kind
+    before = tuple(c.copy() for c in args["paged_kv_cache"])
+    q_out = np.full_like(args["q"], 7)
+    status = np.full(1, 99, np.int32)
+    ref = None if kind else expected(args, kw)
+    op(**args, **kw, q_out=q_out, status=status)
+    assert status[0] == kind
+    if kind:
+        assert (q_out == 7).all()
+        for got, old in zip(args["paged_kv_cache"], before):
+            assert_bytes_equal(got, old)
+    else:
+        np.testing.assert_array_equal(q_out, ref[0])
+        for got, want in zip(args["paged_kv_cache"], ref[1:]):
+            assert_bytes_equal(got, want)
+
+
+def test_status_of_an_empty_batch():
+    args, kw = make_case(13, new=(0, 0), cached=(1, 2))
+    status = np.full(1, 99, np.int32)
+    op(**args, **kw, status=status)
+    assert status[0] == 0
+    args["input_row_offsets"] = np.array([0, 0, 2], np.int32)
+    op(**args, **kw, status=status)
+    assert status[0] == 3
+
+
+def test_status_validation():
+    bad(TypeError, "status must have dtype int32, got int64",
+        {"status": np.zeros(1, np.int64)})
+    bad(ValueError, r"status must have shape \(1,\) = \(1,\), got \(2,\)",
+        {"status": np.zeros(2, np.int32)})
+    ro = np.zeros(1, np.int32)
+    ro.flags.writeable = False
+    bad(BufferError, "status is written in place", {"status": ro})
 
 
 def test_in_place_q():
@@ -196,6 +425,24 @@ def test_cache_dtype_and_scale():
         paged_kv_cache=tuple(np.zeros((12, 4, 2, 32), E4M3) for _ in range(2)))
 
 
+def test_norm_order_and_weight_offset_are_checked():
+    bad(ValueError, "norm_order must be one of 'before_rope', 'after_rope', got 'post'",
+        kw_extra={"norm_order": "post"})
+    bad(ValueError, "norm_order must be one of", kw_extra={"norm_order": True})
+    bad(TypeError, "weight_offset must be a real number, got True",
+        kw_extra={"weight_offset": True})
+    bad(TypeError, "weight_offset must be a real number", kw_extra={"weight_offset": "1"})
+    bad(ValueError, "weight_offset must be a finite non-negative number",
+        kw_extra={"weight_offset": float("inf")})
+    bad(ValueError, "weight_offset must be a finite non-negative number",
+        kw_extra={"weight_offset": -1.0})
+
+
+def test_non_bool_flags_are_refused():
+    for flag in ("is_neox", "enable_pdl", "clear_unused_last_page_rows"):
+        bad(TypeError, f"{flag} must be a bool, got 1", kw_extra={flag: 1})
+
+
 def test_offsets_dtype():
     bad(TypeError, "input_row_offsets must have dtype",
         input_row_offsets=np.array([0, 3, 3, 5], np.float32))
@@ -210,13 +457,19 @@ def test_q_out_overlap():
 # ---- GPU ---------------------------------------------------------------------------------------
 
 
-def check_on_device(args, kw, *, is_neox=True, in_place=False, kv_scale=None, given=False):
+def check_on_device(args, kw, *, is_neox=True, in_place=False, kv_scale=None, given=False,
+                    clear=False, **options):
     """Run the kernel on copies of ``args`` and compare with the reference (``given``: into a
-    pre-allocated output)."""
+    pre-allocated output; ``options``: the norm_order and weight_offset keywords)."""
     import cupy as cp
 
-    q_ref, kc_ref, vc_ref = expected(args, kw, is_neox, kv_scale)
-    mask = written_rows(args, kw)
+    q_ref, kc_ref, vc_ref = expected(args, kw, is_neox, kv_scale,
+                                     clear_unused_last_page_rows=clear, **options)
+    mask = written_rows(args, kw, options.get("position_ids"))
+    if clear:
+        tail = tail_rows(args, kw, options.get("position_ids"))
+        assert not kc_ref[tail].view(np.uint8).any()
+        mask |= tail
     dev = {k: to_device(v) for k, v in args.items() if k not in ("q", "k", "v")}
     _T, Hq, _D = args["q"].shape
     if args["q"].base is not None and args["q"].base is args["k"].base:  # keep the packing
@@ -228,7 +481,8 @@ def check_on_device(args, kw, *, is_neox=True, in_place=False, kv_scale=None, gi
     extra = {"q_out": dev["q"]} if in_place else {}
     if given:
         extra = {"q_out": cp.full(dev["q"].shape, np.nan, dev["q"].dtype)}
-    out = op(**dev, **kw, is_neox=is_neox, kv_scale=kv_scale, **extra)
+    out = op(**dev, **kw, is_neox=is_neox, kv_scale=kv_scale, **extra,
+             **{n: to_device(x) for n, x in options.items()}, clear_unused_last_page_rows=clear)
     assert isinstance(out, cp.ndarray)
     if extra:
         assert out is extra["q_out"]
@@ -246,9 +500,13 @@ def check_on_device(args, kw, *, is_neox=True, in_place=False, kv_scale=None, gi
        layout=st.sampled_from(["NHD", "HND"]), is_neox=st.sampled_from([True, True, False]),
        page_size=st.sampled_from([1, 16, 32]),
        new=st.lists(st.integers(0, 24), min_size=1, max_size=4), gamma_f32=st.booleans(),
-       in_place=st.booleans(), packed=st.booleans())
+       in_place=st.booleans(), packed=st.booleans(),
+       norm_order=st.sampled_from(["before_rope", "after_rope"]),
+       weight_offset=st.sampled_from([0.0, 0.0, 1.0, 0.5]), clear=st.booleans(),
+       mrope=st.sampled_from([None, None, "chunked", "interleaved"]))
 def test_kernel_matches_reference(seed, dtype, data, heads, layout, is_neox, page_size, new,
-                                  gamma_f32, in_place, packed):
+                                  gamma_f32, in_place, packed, norm_order, weight_offset, clear,
+                                  mrope):
     Hq, Hkv = heads
     D, R = data.draw(st.sampled_from([(128, 128), (128, 128), (64, 64), (128, 64), (256, 256),
                                       (80, 40)]))
@@ -259,8 +517,15 @@ def test_kernel_matches_reference(seed, dtype, data, heads, layout, is_neox, pag
     args, kw = make_case(seed, Hq=Hq, Hkv=Hkv, D=D, R=R, dtype=dtype, cache_dtype=cache_dtype,
                          new=new, cached=cached, page_size=page_size, layout=layout,
                          gamma_f32=gamma_f32, packed=packed)
+    options = {}
+    if mrope:
+        ids, section = mrope_case(np.random.default_rng(seed), args, R, mrope == "interleaved",
+                                  bad_share=0.1)
+        options = {"position_ids": ids.astype(data.draw(st.sampled_from([np.int32, np.int64]))),
+                   "mrope_section": section, "mrope_interleaved": mrope == "interleaved"}
     check_on_device(args, kw, is_neox=is_neox, in_place=in_place and not packed,
-                    kv_scale=kv_scale)
+                    kv_scale=kv_scale, norm_order=norm_order, weight_offset=weight_offset,
+                    clear=clear, **options)
 
 
 @pytest.mark.gpu
@@ -324,8 +589,9 @@ def test_replayed_call_still_refuses_a_partially_overlapping_output():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("clear", [False, True])
 @pytest.mark.parametrize("tokens", ["decode", "prefill"])
-def test_hostile_indices_never_write_out_of_bounds(tokens):
+def test_hostile_indices_never_write_out_of_bounds(tokens, clear):
     """Malformed offsets, lengths and block-table entries: nothing outside the caches is written
     (guard bytes around them stay), the other rows stay byte-identical, q rows of tokens without a
     position are copied unchanged. Decode-sized batches split a token over several blocks."""
@@ -336,6 +602,9 @@ def test_hostile_indices_never_write_out_of_bounds(tokens):
                          page_size=4, packed=True)
     args["cache_lengths"] = np.array([0, 2**31 - 3, -7, 1], np.int32)
     args["block_table"][0, :2] = [-5, 2**31 - 1]
+    if clear:  # request 0 on the two spare pages, so that its last token has a tail to clear
+        spare = np.setdiff1d(np.arange(args["paged_kv_cache"][0].shape[0]), args["block_table"])
+        args["block_table"][0, :2] = spare[:2]
     args["input_row_offsets"][2] = args["input_row_offsets"][3] + 1  # not monotonic
     guard = 256
     kc, vc = args["paged_kv_cache"]
@@ -345,10 +614,15 @@ def test_hostile_indices_never_write_out_of_bounds(tokens):
     qkv = cp.asarray(args["q"].base)
     dev.update(q=qkv[:, :8], k=qkv[:, 8:10], v=qkv[:, 10:])
     dev["paged_kv_cache"] = tuple(b[guard:-guard].reshape(c.shape) for b, c in zip(bufs, (kc, vc)))
-    q_ref, kc_ref, vc_ref = expected(args, kw)
-    out = op(**dev, **kw)
+    q_ref, kc_ref, vc_ref = expected(args, kw, clear_unused_last_page_rows=clear)
+    out = op(**dev, **kw, clear_unused_last_page_rows=clear)
     assert_close(out, q_ref, "q_out")
     mask = written_rows(args, kw)
+    if clear:  # the rows the reference clears (it models the kernels' request search)
+        changed = (kc_ref.view(np.uint8) != kc.view(np.uint8)).any(-1) & ~mask
+        assert changed.sum() == 3 * 2  # rows 1..3 (decode) or 1..3 of page 2 (prefill), 2 heads
+        assert not kc_ref[changed].view(np.uint8).any()
+        mask |= changed
     for buf, ref, old in zip(bufs, (kc_ref, vc_ref), (kc, vc)):
         host = to_numpy(buf)
         assert (host[:guard].view(np.uint16) == np.full(1, 7, BF16).view(np.uint16)).all()
@@ -359,8 +633,94 @@ def test_hostile_indices_never_write_out_of_bounds(tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype", [BF16, E4M3])
-def test_matches_flashinfer_cake(cache_dtype):
+@pytest.mark.parametrize("kind", [0, 1, 2, 3])
+@pytest.mark.parametrize("B", [3, 700])  # offsets staged in shared memory, or read from global
+@pytest.mark.parametrize("T_new", [1, 40])
+def test_status_on_device(kind, B, T_new):
+    """Malformed offsets: status holds the code, no output byte changes (caches, a given
+    q_out); valid ones: status 0 and the reference's result."""
+    import cupy as cp
+
+    rng = np.random.default_rng(kind + B + T_new)
+    new = np.zeros(B, np.int64)
+    new[rng.choice(B, min(B, T_new), replace=False)] = 1
+    new[0] += T_new - new.sum()
+    args, kw = make_case(60 + kind, Hq=16, Hkv=4, D=128, dtype=BF16, new=tuple(new),
+                         cached=tuple(rng.integers(0, 40, B)), page_size=16)
+    args["input_row_offsets"] = malform(args["input_row_offsets"], kind)
+    # the first failing check: lowering the last offset below an empty request's is a decrease
+    code = reference.ragged_offsets_status(args["input_row_offsets"], T_new)
+    assert (code != 0) == (kind != 0)
+    dev = {k: to_device(v) for k, v in args.items()}
+    q_out = cp.full(dev["q"].shape, 7, dev["q"].dtype)
+    status = cp.full(1, 99, cp.int32)
+    op(**dev, **kw, q_out=q_out, status=status)
+    assert int(status[0]) == code
+    if kind:
+        assert bool((q_out == 7).all())
+        for got, old in zip(dev["paged_kv_cache"], args["paged_kv_cache"]):
+            assert_bytes_equal(to_numpy(got), old, "cache after malformed offsets")
+    else:
+        q_ref, kc_ref, vc_ref = expected(args, kw)
+        assert_close(q_out, q_ref, "q_out")
+        mask = written_rows(args, kw)
+        for got, ref, old in zip(dev["paged_kv_cache"], (kc_ref, vc_ref),
+                                 args["paged_kv_cache"]):
+            got = to_numpy(got)
+            assert_close(got[mask], ref[mask])
+            assert_bytes_equal(got[~mask], old[~mask])
+
+
+@pytest.mark.gpu
+def test_status_in_a_captured_graph():
+    """The check runs on the device: one captured graph, replayed with valid then malformed
+    offsets written into the same array, reports 0 then 2 and writes nothing the second time."""
+    import cupy as cp
+
+    args, kw = make_case(64, Hq=16, Hkv=4, D=128, dtype=BF16, new=(1, 1, 1, 1),
+                         cached=(3, 9, 20, 30), page_size=16)
+    dev = {k: to_device(v) for k, v in args.items()}
+    q_out = cp.zeros(dev["q"].shape, dev["q"].dtype)
+    status = cp.full(1, 99, cp.int32)
+
+    def call():
+        op(**dev, **kw, q_out=q_out, status=status)
+
+    call()  # compile and plan outside the capture
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        call()
+        graph = stream.end_capture()
+        status.fill(99)
+        graph.launch(stream)
+        stream.synchronize()
+        assert int(status[0]) == 0
+        snapshot = [to_numpy(c) for c in dev["paged_kv_cache"]]
+        q_before = to_numpy(q_out)
+        dev["input_row_offsets"][1:3] = cp.asarray(np.array([3, 1], np.int32))  # decreasing
+        graph.launch(stream)
+        stream.synchronize()
+    assert int(status[0]) == 2
+    assert_bytes_equal(to_numpy(q_out), q_before)
+    for got, old in zip(dev["paged_kv_cache"], snapshot):
+        assert_bytes_equal(to_numpy(got), old)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_gemma_style_rope_then_norm_decode_and_prefill(layout):
+    """Both options on at once, at decode and prefill launch shapes, bf16 weights."""
+    for new, cached, seed in (((1,) * 8, tuple(range(0, 80, 10)), 50), ((40, 3, 0), (0, 7, 2), 51)):
+        args, kw = make_case(seed, Hq=16, Hkv=8, D=256, dtype=BF16, new=new, cached=cached,
+                             page_size=16, layout=layout, gamma_f32=False, packed=True)
+        check_on_device(args, kw, norm_order="after_rope", weight_offset=1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype, policy", [(BF16, 2), (E4M3, 2), (BF16, 1)])
+def test_matches_flashinfer_cake(cache_dtype, policy):
     """FlashInfer 0.7.2's Cake kernels (packed bf16 qkv, Qwen3-32B heads 64/8/128, NHD, float32
     weights, norm then RoPE) on the same inputs: the same q (the fp8 kernel's q is e4m3) and the
     same cache rows."""
@@ -377,14 +737,16 @@ def test_matches_flashinfer_cake(cache_dtype):
     new, cached = (1, 7, 0, 20), (5, 0, 3, 30)
     args, kw = make_case(41, Hq=64, Hkv=8, D=128, dtype=BF16, cache_dtype=cache_dtype, new=new,
                          cached=cached, page_size=16, packed=True)
-    q_ref, kc_ref, vc_ref = expected(args, kw)
+    order = {1: "after_rope", 2: "before_rope"}[policy]  # Cake's qk_norm_policy
+    q_ref, kc_ref, vc_ref = expected(args, kw, norm_order=order, clear_unused_last_page_rows=True)
     T = args["q"].shape[0]
     qkv = to_device(np.ascontiguousarray(args["q"].base))
     dev = {k: to_device(v) for k, v in args.items() if k != "paged_kv_cache"}
     dev.update(q=qkv[:, :64], k=qkv[:, 64:72], v=qkv[:, 72:])
     ours = tuple(to_device(c) for c in args["paged_kv_cache"])
     theirs = tuple(to_device(c) for c in args["paged_kv_cache"])
-    out = op(**{**dev, "paged_kv_cache": ours}, **kw)
+    out = op(**{**dev, "paged_kv_cache": ours}, **kw, norm_order=order,
+             clear_unused_last_page_rows=True)
 
     def t(x):
         if x.dtype == BF16:
@@ -399,7 +761,7 @@ def test_matches_flashinfer_cake(cache_dtype):
     weights = {"q_norm_weight": t(dev["q_gamma"]), "k_norm_weight": t(dev["k_gamma"])}
     if cache_dtype == BF16:
         q_fi = cake_bf16(*common, t(theirs[0]), t(theirs[1]), num_q_heads=64, num_kv_heads=8,
-                         qk_norm_policy=2, clear_unused_last_page_rows=False, **weights)
+                         qk_norm_policy=policy, clear_unused_last_page_rows=True, **weights)
         assert_close(out, q_ref, "q_out")
         assert_close(q_fi, to_numpy(out), "q_out vs Cake")
     else:
@@ -410,6 +772,9 @@ def test_matches_flashinfer_cake(cache_dtype):
         assert (flag.cpu().numpy() == 0).all()
         assert_close(q_fi, to_numpy(out).astype(np.float32).astype(E4M3), "q_out vs Cake")
     torch.cuda.synchronize()
-    mask = written_rows(args, kw)
-    for a, b in zip(ours, theirs):  # the fp8 kernel also zeroes the rest of each last page
+    # the written rows and the cleared tails agree (Cake also clears the last page of a request
+    # with no new tokens, request 2 here; ropekv leaves it: outside the mask)
+    mask = written_rows(args, kw) | tail_rows(args, kw)
+    for a, b, ref in zip(ours, theirs, (kc_ref, vc_ref)):
+        assert_close(to_numpy(a)[mask], ref[mask], "cache rows vs the reference")
         assert_close(to_numpy(a)[mask], to_numpy(b)[mask], "cache rows vs Cake")

@@ -72,3 +72,58 @@ def test_fp8_rounding_saturates_and_rounds_to_nearest_even():
     assert np.isnan(got[7])
     e5m2 = reference.to_dtype(np.array([1e6, -1e6]), ml_dtypes.float8_e5m2).astype(np.float64)
     np.testing.assert_array_equal(e5m2, [57344, -57344])
+
+
+# ---- mRoPE -------------------------------------------------------------------------------------
+
+
+def hf_style_mrope(table, pos3, section, interleaved):
+    """cos, sin (n, R/2) built the way Hugging Face's Qwen2-VL / Qwen3-VL code describes it:
+    per-axis tables (3, n, R/2), then chunks by section (Qwen2-VL) or a stride-3 overlay
+    (Qwen3-VL)."""
+    half = table.shape[1] // 2
+    per_axis = np.asarray(table, np.float64)[np.asarray(pos3)]  # (3, n, R)
+    out = []
+    for part in (per_axis[..., :half], per_axis[..., half:]):
+        if interleaved:
+            x = part[0].copy()
+            x[:, 1:3 * section[1]:3] = part[1][:, 1:3 * section[1]:3]
+            x[:, 2:3 * section[2]:3] = part[2][:, 2:3 * section[2]:3]
+        else:
+            bounds = np.cumsum([0, *section])
+            x = np.concatenate([part[a][:, bounds[a]:bounds[a + 1]] for a in range(3)], axis=1)
+        out.append(x)
+    return out
+
+
+@given(seed=seeds, interleaved=st.booleans(),
+       section=st.sampled_from([(16, 24, 24), (24, 20, 20), (2, 3, 3), (0, 4, 4), (8, 0, 0)]))
+def test_mrope_matches_the_hugging_face_layouts(seed, interleaved, section):
+    rng = np.random.default_rng(seed)
+    half = sum(section)
+    table = cos_sin_cache(64, 2 * half)
+    pos3 = rng.integers(0, 64, (3, 7))
+    cos, sin = reference.mrope_cos_sin(table, pos3, section, interleaved)
+    want_cos, want_sin = hf_style_mrope(table, pos3, section, interleaved)
+    np.testing.assert_array_equal(cos, want_cos)
+    np.testing.assert_array_equal(sin, want_sin)
+
+
+@given(seed=seeds, interleaved=st.booleans())
+def test_mrope_with_equal_positions_is_plain_rope(seed, interleaved):
+    """A text token has one position on all three axes: mRoPE is the 1-D rotation."""
+    rng = np.random.default_rng(seed)
+    table = cos_sin_cache(100, 128)
+    p = rng.integers(0, 100, 9)
+    cos, sin = reference.mrope_cos_sin(table, np.stack([p, p, p]), (24, 20, 20), interleaved)
+    want_cos, want_sin = reference.split_cos_sin(table[p])
+    np.testing.assert_array_equal(cos, want_cos)
+    np.testing.assert_array_equal(sin, want_sin)
+
+
+def test_mrope_rows_give_each_axis_its_section():
+    for interleaved in (False, True):
+        rows = reference.mrope_rows(64, (24, 20, 20), interleaved)
+        assert np.bincount(rows, minlength=3).tolist() == [24, 20, 20]
+    assert reference.mrope_rows(8, (2, 3, 3)).tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+    assert reference.mrope_rows(8, (2, 3, 3), True).tolist() == [0, 1, 2, 0, 1, 2, 0, 1]

@@ -306,6 +306,101 @@ __device__ __forceinline__ PagedSlot paged_slot(const unsigned* offsets, const i
   return s;
 }
 
+// Whether token t is the last of its request (s from ragged_position): the token at the request's
+// new length - 1, whose page is the request's last page. offsets[s.request + 1] is in bounds
+// (request < B).
+__device__ __forceinline__ bool last_of_request(const unsigned* offsets, const PagedSlot& s,
+                                                i64 t) {
+  return s.request >= 0 && i64(offsets[s.request + 1]) == t + 1;
+}
+
+// clear_unused_last_page_rows: zeroes the N elements at `e` of each row after `row` to the end
+// of its page (entries entry + 1 .. page_size - 1, `entry_stride` elements apart): the rows past
+// a request's new length on its last page. Zero bits are +0 in every cache dtype.
+template <typename CacheT, int N>
+__device__ __forceinline__ void zero_rest_of_page(CacheT* row, i64 entry_stride, int entry,
+                                                  int page_size, int e) {
+  Vec<CacheT, N> z;
+#pragma unroll
+  for (int i = 0; i < N; ++i) z.v[i] = from_float<CacheT>(0.f);
+  for (int r = 1; r < page_size - entry; ++r) store<CacheT, N>(row + r * entry_stride + e, z);
+}
+
+// ---- mRoPE (Qwen2-VL, Qwen3-VL): three positions per token --------------------------------------
+// Rotary half-dim i takes its angle from one of the token's temporal, height and width positions:
+// sections (t, h, w) of half-dims summing to R/2. Qwen2-VL (chunked): axis 0 for i < t, 1 for
+// i < t + h, else 2. Qwen3-VL (interleaved): axis 1 when i % 3 == 1 and i < 3h, 2 when i % 3 == 2
+// and i < 3w, else 0.
+struct MRope {
+  int t, h, w, interleaved;
+};
+
+__device__ __forceinline__ int mrope_axis(const MRope& m, int i) {
+  if (m.interleaved) {
+    const int r = i % 3;
+    return (r == 1 && i < 3 * m.h) ? 1 : (r == 2 && i < 3 * m.w) ? 2 : 0;
+  }
+  return i < m.t ? 0 : i < m.t + m.h ? 1 : 2;
+}
+
+// The three positions of item t of a (3, n) position array (int32 or int64, rows `stride` apart).
+__device__ __forceinline__ void mrope_positions(const void* ids, int is64, i64 t, i64 stride,
+                                                i64 (&pos)[3]) {
+#pragma unroll
+  for (int a = 0; a < 3; ++a)
+    pos[a] = is64 ? static_cast<const i64*>(ids)[a * stride + t]
+                  : i64(static_cast<const int*>(ids)[a * stride + t]);
+}
+
+__device__ __forceinline__ bool mrope_in_range(const i64 (&pos)[3], int P) {
+  return pos[0] >= 0 && pos[0] < P && pos[1] >= 0 && pos[1] < P && pos[2] >= 0 && pos[2] < P;
+}
+
+// cos/sin of half-dims [i0, i0 + M) from the table rows of their axes (`table` row 0, rows
+// `row_stride` apart, cos at column i, sin at half_r + i). A text token (one position on all
+// three axes) takes the vector loads of plain RoPE; otherwise the chunk of all three rows, with
+// vector loads (in flight together), then each element picked by its axis.
+template <int M>
+__device__ __forceinline__ void load_mrope_cos_sin(const float* table, i64 row_stride,
+                                                   const i64 (&pos)[3], const MRope& m,
+                                                   int half_r, int i0, float (&c)[M],
+                                                   float (&s)[M]) {
+  if (pos[0] == pos[1] && pos[1] == pos[2]) {
+    const float* row = table + pos[0] * row_stride + i0;
+    load_float<float, M>(row, c);
+    load_float<float, M>(row + half_r, s);
+    return;
+  }
+  float c3[3][M], s3[3][M];
+#pragma unroll
+  for (int a = 0; a < 3; ++a) {
+    const float* row = table + pos[a] * row_stride + i0;
+    load_float<float, M>(row, c3[a]);
+    load_float<float, M>(row + half_r, s3[a]);
+  }
+#pragma unroll
+  for (int k = 0; k < M; ++k) {
+    const int a = mrope_axis(m, i0 + k);
+    c[k] = a == 0 ? c3[0][k] : a == 1 ? c3[1][k] : c3[2][k];
+    s[k] = a == 0 ? s3[0][k] : a == 1 ? s3[1][k] : s3[2][k];
+  }
+}
+
+// ---- status=: on-device validation of ragged offsets (graph-capturable, no host sync) ---------
+// The code of offsets[0..B] for a batch of T tokens (every thread of the block calls it, after
+// the offsets are readable): 1 offsets[0] != 0, 2 an offset below the one before it, 3
+// offsets[B] != T, 0 valid (then every offset lies in [0, T]). Read as 32-bit unsigned, as the
+// request search reads them. Every block computes the same code, so a block that finds the
+// offsets malformed writes nothing and no block needs to wait for another.
+__device__ __forceinline__ int ragged_offsets_status(const unsigned* offsets, int B, i64 T) {
+  bool decreasing = false;
+  for (int i = threadIdx.x; i < B; i += blockDim.x) decreasing |= offsets[i + 1] < offsets[i];
+  const bool first = __syncthreads_or(threadIdx.x == 0 && offsets[0] != 0u);
+  const bool dec = __syncthreads_or(decreasing);
+  const bool last = __syncthreads_or(threadIdx.x == 0 && i64(offsets[B]) != T);
+  return first ? 1 : dec ? 2 : last ? 3 : 0;
+}
+
 // A weight vector (RMSNorm gamma) stored as T or as float32.
 template <typename T, int N>
 __device__ __forceinline__ void load_weight(const void* w, bool f32, int i0, float (&out)[N]) {

@@ -12,18 +12,24 @@ struct RopeWriteKVParams {
   void* cache;              // (B, 2, Hkv, C, D) CacheT
   const float* cos_sin;     // (Bc, P, R) float32, cos half then sin half
   const void* kv_end_lens;   // (B,) int32 or int64, or null: cache end after writing
-  const void* position_ids;  // (B, S) int32 or int64, or null: RoPE positions, < 0 padding
-  const float* kv_scale;    // (2,) dequantization scales of K and V (fp8 caches)
+  const void* position_ids;  // (B, S) int32 or int64, or null: RoPE positions, < 0 padding;
+                             // mRoPE: (3, B, S)
+  const float* kv_scale;    // (2,) or () dequantization scales of K and V (fp8 caches), or null
+                            // for scales given as constants (inv_k_scale, inv_v_scale)
   i64 q_sb, q_ss, q_sh;     // strides in elements; the last dimension is contiguous
   i64 k_sb, k_ss, k_sh;
   i64 v_sb, v_ss, v_sh;
   i64 c_sb, c_skv, c_sh, c_st;
   i64 cs_sb, cs_sp;         // cs_sb is 0 for one table shared by the batch
+  float inv_k_scale, inv_v_scale;  // stored = fp8(x * inv_scale) when kv_scale is null
   int B, S, Hq, Hkv, D, R, C, P;
   int write_k_in_place;
   int group;  // lanes per head row: one chunk each (blockDim.x is a multiple)
   int rows;   // head rows each lane group holds, 1 ..= kRowsMax
   int index64;  // bit 0: kv_end_lens is int64, bit 1: position_ids is int64
+  int v_scale_index;  // kv_scale[v_scale_index] is V's scale: 1 for (2,), 0 for one shared ()
+  int mrope;          // position_ids is (3, B, S): mRoPE by sections (MRope in common.cuh)
+  int mrope_t, mrope_h, mrope_w, mrope_interleaved;
 };
 
 __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
@@ -44,7 +50,9 @@ constexpr int kRowsMax = 4;  // head rows a lane group holds at once
 // go to the cache (quantized), their rotary dims back into k when asked; V rows are copied.
 // A token whose slot falls outside [0, C) or whose position falls outside [0, P) is skipped whole:
 // nothing is read through its indices, nothing is written.
-template <typename T, typename CacheT, bool NEOX, int N>
+// OPTS: the options (mRoPE, constant K/V scales) are read; without it they are compiled out and
+// the kernel is the plain one (an option costs nothing when off).
+template <typename T, typename CacheT, bool NEOX, int N, bool OPTS>
 __global__ void __launch_bounds__(256) apply_rope_write_kv(const RopeWriteKVParams p) {
   pdl_launch_dependents();
   const int token = blockIdx.x;
@@ -84,19 +92,34 @@ __global__ void __launch_bounds__(256) apply_rope_write_kv(const RopeWriteKVPara
   // 2. slot, position, scales, cos/sin
   const i64 end = p.kv_end_lens ? read_index(p.kv_end_lens, b, p.index64 & 1) : i64(p.S);
   const i64 slot = end < i64(p.S) - s ? -1 : end - p.S + s;  // no overflow at int64 extremes
-  const i64 pos = p.position_ids ? read_index(p.position_ids, token, p.index64 & 2) : slot;
+  const bool mrope = OPTS && p.mrope;
+  i64 pos = p.position_ids && !mrope ? read_index(p.position_ids, token, p.index64 & 2) : slot;
+  i64 mpos[3] = {0, 0, 0};
+  if (mrope) {  // three positions, rows B * S apart; one outside [0, P) skips the token
+    mrope_positions(p.position_ids, p.index64 & 2, token, i64(p.B) * p.S, mpos);
+    pos = mrope_in_range(mpos, p.P) ? 0 : -1;
+  }
   float k_scale = 1.f, v_scale = 1.f;
   if (is_fp8<CacheT>::value) {  // stored = fp8(x / scale)
-    k_scale = 1.f / p.kv_scale[0];
-    v_scale = 1.f / p.kv_scale[1];
-    // a scale outside (0, inf) (read on the device, unchecked by the host) writes nothing
-    constexpr float kMax = 3.40282347e38f;  // FLT_MAX: NaN and inf fail the test below
-    if (!(k_scale > 0.f && k_scale <= kMax && v_scale > 0.f && v_scale <= kMax)) return;
+    if (!OPTS || p.kv_scale) {
+      k_scale = 1.f / p.kv_scale[0];
+      v_scale = 1.f / p.kv_scale[p.v_scale_index];
+      // a scale outside (0, inf) (read on the device, unchecked by the host) writes nothing
+      constexpr float kMax = 3.40282347e38f;  // FLT_MAX: NaN and inf fail the test below
+      if (!(k_scale > 0.f && k_scale <= kMax && v_scale > 0.f && v_scale <= kMax)) return;
+    } else {  // constants, checked by the host
+      k_scale = p.inv_k_scale;
+      v_scale = p.inv_v_scale;
+    }
   }
   if (slot < 0 || slot >= p.C || pos < 0 || pos >= p.P) return;
   constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
   float c[M], sn[M];
-  if (rotary) {
+  if (rotary && mrope) {
+    const MRope m{p.mrope_t, p.mrope_h, p.mrope_w, p.mrope_interleaved};
+    load_mrope_cos_sin<M>(p.cos_sin + b * p.cs_sb, p.cs_sp, mpos, m, half_r, NEOX ? ea : ea / 2,
+                          c, sn);
+  } else if (rotary) {
     const float* cs = p.cos_sin + b * p.cs_sb + pos * p.cs_sp + (NEOX ? ea : ea / 2);
     load_float<float, M>(cs, c);
     load_float<float, M>(cs + half_r, sn);

@@ -17,6 +17,7 @@ struct MlaParams {
   const int* block_table;     // (B, max_pages)
   void* ckv;                  // (num_pages, page_size, L) CacheT
   void* kpe;                  // (num_pages, page_size, R) CacheT (ckv + L for MAX's layout)
+  int* status;                // status=: (1,) int32, the offsets' code (0 valid), or null
   i64 q_st, q_sh, qo_st, qo_sh, kv_st, cs_sp, bt_sb;  // strides in elements
   i64 ckv_sp, ckv_se, kpe_sp, kpe_se;
   i64 num_pages;
@@ -24,7 +25,20 @@ struct MlaParams {
   float inv_kv_scale;  // 1 / kv_scale: stored = fp8(x * inv_kv_scale); 1 for 16-bit caches
   int T, B, Hq, L, R, P, kv_norm_dim, max_pages, page_size, gamma_f32;
   int heads_per_block;  // q heads of each of the grid.y blocks of a token (kHeadsMax per group)
+  int clear;            // clear_unused_last_page_rows
+  int check;            // status=: validate the offsets first (the grid has at least one block)
 };
+
+// status= (OPTS kernels): every block validates the offsets before any load of token data; a
+// block writes nothing when they are malformed, and block (0, 0) writes the code. With no tokens
+// the grid is one block, which only validates. Returns whether the block goes on.
+template <bool OPTS>
+__device__ __forceinline__ bool mla_check(const MlaParams& p) {
+  if (!OPTS || !p.check) return true;
+  const int code = ragged_offsets_status(p.offsets, p.B, p.T);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *p.status = code;
+  return code == 0 && i64(blockIdx.x) < p.T;
+}
 
 constexpr int kBlock = 256;
 constexpr int kHeadsMax = 4;    // q heads a lane group holds at once
@@ -52,7 +66,23 @@ __device__ __forceinline__ float warp_sum(float x) {
 // and writes nothing to the cache; a token whose page is out of range is roped, not written.
 //   rms = 1 / sqrt(sum_{i < n} x_i^2 / n + epsilon), n = kv_norm_dim
 //   ckv[i] = x_i * rms * gamma_i (i < n), x_i (n <= i < L);  kpe = rope(x[L:L+R])
-template <typename T, typename CacheT, bool NEOX, int N>
+template <typename CacheT, int N>
+__device__ __forceinline__ void mla_clear_rest_of_page(const MlaParams& p, CacheT* ckv,
+                                                       CacheT* kpe, int entry) {
+  const int latent_chunks = p.L / N;
+  for (int c = threadIdx.x; c < latent_chunks + p.R / N; c += kBlock) {
+    if (c < latent_chunks) {
+      zero_rest_of_page<CacheT, N>(ckv, p.ckv_se, entry, p.page_size, c * N);
+    } else {
+      zero_rest_of_page<CacheT, N>(kpe, p.kpe_se, entry, p.page_size, (c - latent_chunks) * N);
+    }
+  }
+}
+
+// OPTS: p.clear (clear_unused_last_page_rows) is read: the last token of a request also zeroes
+// the rest of its page, ckv and kpe, after writing its own row (mla_clear_rest_of_page). Without
+// OPTS it is compiled out (costs nothing when off).
+template <typename T, typename CacheT, bool NEOX, int N, bool OPTS>
 __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append_split(const MlaParams p) {
   __shared__ float partial[kBlock / 32];
   __shared__ unsigned s_offsets[kStageMax + 1];
@@ -76,6 +106,7 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append_split(const Ml
   T* q_out = static_cast<T*>(p.q_out) + t * p.qo_st;
 
   pdl_wait();
+  if (!mla_check<OPTS>(p)) return;
   // 1. q chunks and latent chunks
   Vec<T, N> qa[kHeadsMax], qb[kHeadsMax];
 #pragma unroll
@@ -232,6 +263,8 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append_split(const Ml
     if (NEOX && c >= latent_chunks) load_float<T, N>(kv + p.L + half_r + i0, b);
     write_chunk(c, a, b);
   }
+  if (OPTS && p.clear && last_of_request(staged ? s_offsets : p.offsets, slot, t))
+    mla_clear_rest_of_page<CacheT, N>(p, ckv, kpe, slot.entry);
 }
 
 // Prefill: one block per token, in an order that keeps loads in flight while the token's request and
@@ -249,7 +282,7 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append_split(const Ml
 // and writes nothing to the cache; a token whose page is out of range is roped, not written.
 //   rms = 1 / sqrt(sum_{i < n} x_i^2 / n + epsilon), n = kv_norm_dim
 //   ckv[i] = x_i * rms * gamma_i (i < n), x_i (n <= i < L);  kpe = rope(x[L:L+R])
-template <typename T, typename CacheT, bool NEOX, int N>
+template <typename T, typename CacheT, bool NEOX, int N, bool OPTS>
 __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParams p) {
   __shared__ float partial[kBlock / 32];
   pdl_launch_dependents();
@@ -257,6 +290,7 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParam
   const int half_r = p.R >> 1;
   const T* kv = static_cast<const T*>(p.kv) + t * p.kv_st;
   pdl_wait();
+  if (!mla_check<OPTS>(p)) return;
 
   // 1. partial sum of squares of the normalised dims
   const int norm_chunks = p.kv_norm_dim / N;
@@ -355,4 +389,6 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParam
       store_float<CacheT, N>(kpe + i0, a, p.inv_kv_scale);
     }
   }
+  if (OPTS && p.clear && last_of_request(p.offsets, slot, t))
+    mla_clear_rest_of_page<CacheT, N>(p, ckv, kpe, slot.entry);
 }

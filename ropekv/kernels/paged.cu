@@ -26,7 +26,7 @@ struct PagedParams {
   void* kn_cache;             // rows of K nope: k_cache + R (GQA) or ckv_cache (MLA), OutT
   void* v_cache;              // v_cache (GQA) or null
   const float* cos_sin;       // (P, R) float32: cos in [0, R/2), sin in [R/2, R)
-  const void* pos_ids;        // (T,) RoPE position of each token
+  const void* pos_ids;        // (T,) RoPE position of each token; mRoPE: (3, T)
   const void* batch_indices;  // (T,) request of each token, < 0: padding (no cache write)
   const void* positions;      // (T,) position of each token inside its request
   const void* kv_indptr;      // (B + 1,) first page-table entry of each request
@@ -41,16 +41,33 @@ struct PagedParams {
   i64 vc_sp, vc_se, vc_sh;
   i64 cs_sp;                           // cos_sin row stride
   i64 num_pages, num_indices;
+  i64 pid_st;                          // pos_ids row stride (T) for mRoPE
   float q_scale, kv_scale;
   int Hq, Hkv, Hv, R, Dn, B, page_size, P;
   int index64;  // bit k set: index array k is int64 (pos_ids, batch_indices, positions,
                 //   kv_indptr, kv_indices)
   int group;    // row kernel: lanes per head row (one chunk each)
   int rows;     // row kernel: head rows each lane group holds, 1 ..= ROWS
+  int mrope;    // pos_ids is (3, T): mRoPE by sections (MRope in common.cuh)
+  int mrope_t, mrope_h, mrope_w, mrope_interleaved;
 };
 
 __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
   return is64 ? static_cast<const i64*>(p)[i] : i64(static_cast<const int*>(p)[i]);
+}
+
+__device__ __forceinline__ MRope mrope_of(const PagedParams& p) {
+  return MRope{p.mrope_t, p.mrope_h, p.mrope_w, p.mrope_interleaved};
+}
+
+// The RoPE position of token t (pos_ids[t]); with mRoPE (pos_ids (3, T)) its three positions in
+// mpos and 0 when all lie in [0, P), else -1 (the token has no position: q unrotated, no row).
+// MROPE: the kernel reads p.mrope; without it mRoPE is compiled out (it costs nothing when off).
+template <bool MROPE>
+__device__ __forceinline__ i64 rope_position(const PagedParams& p, i64 t, i64 (&mpos)[3]) {
+  if (!MROPE || !p.mrope) return read_index(p.pos_ids, t, p.index64 & 1);
+  mrope_positions(p.pos_ids, p.index64 & 1, t, p.pid_st, mpos);
+  return mrope_in_range(mpos, p.P) ? 0 : -1;
 }
 
 // The cache slot (page, entry) of a token at `pos` of request `b`, page = -1 when it has none:
@@ -153,10 +170,11 @@ __device__ __forceinline__ bool cache_row(const PagedParams& p, Dest<OutT>& dst,
 // When the stride is a multiple of per_row (power-of-two rows: every usual shape) a thread's chunk
 // j never changes: it loads U items (2U vectors for neox rotary items) before it stores any, and
 // its cos/sin values once. Otherwise it walks its items one at a time.
-template <typename T, typename OutT, bool NEOX, int N, bool ROT, bool KV, int U>
+template <typename T, typename OutT, bool NEOX, int N, bool ROT, bool KV, int U, bool MROPE>
 __device__ __forceinline__ void section(const PagedParams& p, const T* src, i64 src_sh,
                                         Dest<OutT> dst, int heads, int per_row,
-                                        const float* scales, float scale, i64 pos_id, Slot& slot,
+                                        const float* scales, float scale, i64 pos_id,
+                                        const i64 (&mpos)[3], Slot& slot,
                                         i64 b, i64 pos, int first, int stride) {
   const int count = heads * per_row;
   if (first >= count) return;
@@ -187,8 +205,12 @@ __device__ __forceinline__ void section(const PagedParams& p, const T* src, i64 
       }
       if (rope && !have_cs) {
         const int e = NEOX ? j * N : j * N / 2;
-        load_float<float, M>(cos_sin + e, fc);
-        load_float<float, M>(cos_sin + half_r + e, fs);
+        if (MROPE && p.mrope) {
+          load_mrope_cos_sin<M>(p.cos_sin, p.cs_sp, mpos, mrope_of(p), half_r, e, fc, fs);
+        } else {
+          load_float<float, M>(cos_sin + e, fc);
+          load_float<float, M>(cos_sin + half_r + e, fs);
+        }
         have_cs = true;
       }
       OutT* d0 = dst.base + dst.a * dst.sa + dst.b * dst.sb + j * N;
@@ -218,7 +240,12 @@ __device__ __forceinline__ void section(const PagedParams& p, const T* src, i64 
     if constexpr (KV) {
       if (!cache_row(p, dst, slot, b, pos)) return;
     }
-    if (rope) {
+    if (MROPE && rope && p.mrope) {
+      float fc[M], fs[M];
+      load_mrope_cos_sin<M>(p.cos_sin, p.cs_sp, mpos, mrope_of(p), half_r,
+                            NEOX ? j * N : j * N / 2, fc, fs);
+      rotate_chunk<NEOX, N, M>(a, bb, fc, fs);
+    } else if (rope) {
       if constexpr (PAIR) {
         rotate_neox<N>(a, bb, cos_sin, half_r, j * N);
       } else if constexpr (ROT) {
@@ -238,7 +265,7 @@ __device__ __forceinline__ void section(const PagedParams& p, const T* src, i64 
 // Order: the token's index loads; the Q sections (rotary ones need only pos_id, pass-through ones
 // no index at all); the K/V sections, whose first loads are issued before the page lookup.
 // A token whose pos_id lies outside [0, P) has its q outputs written unrotated and no cache row.
-template <typename T, typename OutT, bool NEOX, int N, int U, int UR, int MINB>
+template <typename T, typename OutT, bool NEOX, int N, int U, int UR, int MINB, bool MROPE>
 __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const PagedParams p) {
   pdl_launch_dependents();
   const int t = blockIdx.x;
@@ -248,42 +275,44 @@ __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const Pa
   const int stride = gridDim.y * blockDim.x;
 
   pdl_wait();
-  const i64 pos_id = read_index(p.pos_ids, t, p.index64 & 1);
+  i64 mpos[3];
+  const i64 pos_id = rope_position<MROPE>(p, t, mpos);
   const i64 b = read_index(p.batch_indices, t, p.index64 & 2);
   const i64 pos = read_index(p.positions, t, p.index64 & 4);
   Slot slot{false, -1, 0};
 
   int base = 0;
-  section<T, OutT, NEOX, N, true, false, UR>(
+  section<T, OutT, NEOX, N, true, false, UR, MROPE>(
       p, static_cast<const T*>(p.q_rope) + t * p.qr_sn, p.qr_sh,
       Dest<OutT>{static_cast<OutT*>(p.q_rope_out), t, p.qro_sn, 0, 0, p.qro_sh}, p.Hq, ri,
-      p.q_scales, p.q_scale, pos_id, slot, b, pos, first_index(g, base, stride), stride);
+      p.q_scales, p.q_scale, pos_id, mpos, slot, b, pos, first_index(g, base, stride), stride);
   base += p.Hq * ri;
   if (ni) {
-    section<T, OutT, NEOX, N, false, false, U>(
+    section<T, OutT, NEOX, N, false, false, U, MROPE>(
         p, static_cast<const T*>(p.q_nope) + t * p.qn_sn, p.qn_sh,
         Dest<OutT>{static_cast<OutT*>(p.q_nope_out), t, p.qno_sn, 0, 0, p.qno_sh}, p.Hq, ni,
-        p.q_scales, p.q_scale, pos_id, slot, b, pos, first_index(g, base, stride), stride);
+        p.q_scales, p.q_scale, pos_id, mpos, slot, b, pos, first_index(g, base, stride), stride);
     base += p.Hq * ni;
   }
   if (pos_id < 0 || pos_id >= p.P) return;  // no cache row
-  section<T, OutT, NEOX, N, true, true, UR>(
+  section<T, OutT, NEOX, N, true, true, UR, MROPE>(
       p, static_cast<const T*>(p.k_rope) + t * p.kr_sn, p.kr_sh,
       Dest<OutT>{static_cast<OutT*>(p.kr_cache), -1, p.krc_sp, 0, p.krc_se, p.krc_sh}, p.Hkv, ri,
-      p.kv_scales, p.kv_scale, pos_id, slot, b, pos, first_index(g, base, stride), stride);
+      p.kv_scales, p.kv_scale, pos_id, mpos, slot, b, pos, first_index(g, base, stride), stride);
   base += p.Hkv * ri;
   if (ni) {
-    section<T, OutT, NEOX, N, false, true, U>(
+    section<T, OutT, NEOX, N, false, true, U, MROPE>(
         p, static_cast<const T*>(p.k_nope) + t * p.kn_sn, p.kn_sh,
         Dest<OutT>{static_cast<OutT*>(p.kn_cache), -1, p.knc_sp, 0, p.knc_se, p.knc_sh}, p.Hkv,
-        ni, p.kv_scales, p.kv_scale, pos_id, slot, b, pos, first_index(g, base, stride), stride);
+        ni, p.kv_scales, p.kv_scale, pos_id, mpos, slot, b, pos, first_index(g, base, stride),
+        stride);
     base += p.Hkv * ni;
   }
   if (p.Hv)
-    section<T, OutT, NEOX, N, false, true, U>(
+    section<T, OutT, NEOX, N, false, true, U, MROPE>(
         p, static_cast<const T*>(p.v) + t * p.v_sn, p.v_sh,
         Dest<OutT>{static_cast<OutT*>(p.v_cache), -1, p.vc_sp, 0, p.vc_se, p.vc_sh}, p.Hv,
-        (p.R + p.Dn) / N, p.kv_scales, p.kv_scale, pos_id, slot, b, pos,
+        (p.R + p.Dn) / N, p.kv_scales, p.kv_scale, pos_id, mpos, slot, b, pos,
         first_index(g, base, stride), stride);
 }
 
@@ -301,7 +330,7 @@ __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const Pa
 // rows stored before the slot lookup end no sooner: the K/V rows' chain is the kernel's length.)
 // Q rows are always written (unrotated when pos_id lies outside [0, P)); K and V rows only when
 // pos_id lies in [0, P) and the token has a slot.
-template <typename T, typename OutT, bool NEOX, int N, int ROWS>
+template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE>
 __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams p) {
   pdl_launch_dependents();
   const int t = blockIdx.x;
@@ -320,7 +349,8 @@ __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams 
   const int H = Hk + p.Hv;
 
   pdl_wait();
-  const i64 pos_id = read_index(p.pos_ids, t, p.index64 & 1);
+  i64 mpos[3];
+  const i64 pos_id = rope_position<MROPE>(p, t, mpos);
   const i64 b = read_index(p.batch_indices, t, p.index64 & 2);
   const i64 pos = read_index(p.positions, t, p.index64 & 4);
   Vec<T, N> va[ROWS], vb[ROWS];
@@ -355,7 +385,10 @@ __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams 
     c[i] = 1.f;
     sn[i] = 0.f;
   }
-  if (rope && rotary) {
+  if (MROPE && rope && rotary && p.mrope) {
+    load_mrope_cos_sin<M>(p.cos_sin, p.cs_sp, mpos, mrope_of(p), half_r, NEOX ? col : col / 2, c,
+                          sn);
+  } else if (rope && rotary) {
     const float* cs = p.cos_sin + pos_id * p.cs_sp + (NEOX ? col : col / 2);
     load_float<float, M>(cs, c);
     load_float<float, M>(cs + half_r, sn);

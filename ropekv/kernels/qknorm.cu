@@ -18,14 +18,24 @@ struct QKNormParams {
   const int* block_table;    // (B, max_pages)
   void* k_cache;             // NHD (num_pages, page_size, Hkv, D), HND (num_pages, Hkv, page_size, D)
   void* v_cache;             // the same layout, CacheT
+  const void* position_ids;  // mRoPE: (3, T) int32 or int64 positions (temporal, height, width)
+  int* status;               // status=: (1,) int32, the offsets' code (0 valid), or null
   i64 q_st, q_sh, qo_st, qo_sh, k_st, k_sh, v_st, v_sh, cs_sp, bt_sb;  // strides in elements
   i64 kc_sp, kc_se, kc_sh, vc_sp, vc_se, vc_sh;  // page, entry, head strides (layout-free)
   i64 num_pages;
+  i64 pid_st;  // position_ids row stride (T)
   float epsilon;
+  float weight_offset;             // added to every q_gamma and k_gamma value (Gemma: 1)
   float inv_k_scale, inv_v_scale;  // stored = fp8(x * inv_scale); 1 for 16-bit caches
   int T, B, Hq, Hkv, D, R, P, max_pages, page_size, q_gamma_f32, k_gamma_f32;
   int group;  // lanes per head row: a power of two <= 32 dividing blockDim.x
   int rows;   // head rows each lane group holds, 1 ..= ROWS
+  int post;   // norm_order="after_rope": RoPE, then the norm
+  int clear;  // clear_unused_last_page_rows
+  int mrope;  // rope from position_ids by sections (MRope); 0: from the cache position
+  int mrope_t, mrope_h, mrope_w, mrope_interleaved;
+  int pos64;  // position_ids is int64
+  int check;  // status=: validate the offsets first (the grid has at least one token block)
 };
 
 constexpr int kStageMax = 512;  // batches of up to this many requests are searched in shared memory
@@ -50,7 +60,10 @@ struct QKNormShared {
 // holds one row, lane j chunk j; a block of blockDim.x / G groups takes p.rows rows per group, so
 // grid (T, splits) with splits = ceil(H / (blockDim.x / G * p.rows)): decode splits a token's rows
 // over several blocks (one row per group), prefill gives a block a whole token.
-//   y = rope(x / sqrt(mean(x^2) + epsilon) * gamma), in float32, rounded once.
+//   y = rope(x / sqrt(mean(x^2) + epsilon) * gamma), in float32, rounded once; with p.post (norm
+//   after RoPE) y = rope(x) / sqrt(mean(x^2) + epsilon) * gamma: a rotation keeps the row's sum
+//   of squares, so the sums are the same and only the order of gamma and the rotation changes.
+//   gamma is the weight plus p.weight_offset (Gemma's (1 + w)), added once when it is staged.
 // Order, so that the dependent index loads overlap the row loads:
 //   1. the rows (they depend on nothing); 2. the RMSNorm weights and, for batches of at most
 //   kStageMax requests, the offsets and cache lengths, into shared memory; the sums of squares;
@@ -63,7 +76,10 @@ struct QKNormShared {
 // A token outside every request, or with a position outside [0, P), has its q row copied
 // unchanged and writes nothing; a token whose page is out of range is normalised and roped but
 // writes nothing.
-template <typename T, typename CacheT, bool NEOX, int N, int ROWS>
+// OPTS 0: the plain kernel, every option compiled out (an option costs nothing when off); 1: the
+// light options are read (p.post, p.weight_offset, p.clear, p.check); 2: mRoPE too (its three
+// positions and cos/sin rows cost registers the others should not pay for).
+template <typename T, typename CacheT, bool NEOX, int N, int ROWS, int OPTS>
 __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh) {
   const i64 t = blockIdx.x;
   const int G = p.group;
@@ -75,14 +91,18 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
   const int half_r = p.R >> 1;
   const int rot_items = NEOX ? half_r / N : p.R / N;
   const int items = rot_items + (p.D - p.R) / N;
-  const bool has_chunk = j < items;
+  // with status= a batch of no tokens still launches one block: it only validates
+  const bool has_chunk = j < items && (!OPTS || t < p.T);
   const bool rotary = j < rot_items;
   const bool pair = NEOX && rotary;  // two vectors per chunk
   const int ea = rotary ? j * N : p.R + (j - rot_items) * N;
   const int eb = ea + half_r;
   const float inv_d = __fdividef(1.f, float(p.D));  // fast: no IEEE slow path on the chain
 
-  // 1. this lane's chunks of its rows
+  // 1. this lane's chunks of its rows (and mRoPE's three positions: they depend on nothing)
+  const bool mrope = OPTS == 2 && p.mrope;
+  i64 mpos[3] = {0, 0, 0};
+  if (mrope && t < p.T) mrope_positions(p.position_ids, p.pos64, t, p.pid_st, mpos);
   Vec<T, N> va[ROWS], vb[ROWS];
 #pragma unroll
   for (int u = 0; u < ROWS; ++u) {
@@ -105,8 +125,8 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
     unsigned off = 0;
     int len = 0;
     if (i < p.D) {
-      gq = weight_at<T>(p.q_gamma, p.q_gamma_f32, i);
-      gk = weight_at<T>(p.k_gamma, p.k_gamma_f32, i);
+      gq = weight_at<T>(p.q_gamma, p.q_gamma_f32, i) + (OPTS ? p.weight_offset : 0.f);
+      gk = weight_at<T>(p.k_gamma, p.k_gamma_f32, i) + (OPTS ? p.weight_offset : 0.f);
     }
     if (i < n_stage) off = p.offsets[i];
     if (i < n_stage - 1) len = p.cache_lengths[i];
@@ -119,8 +139,8 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
     if (i < n_stage - 1) sh.lengths[i] = len;
   }
   for (int i = threadIdx.x + blockDim.x; i < p.D; i += blockDim.x) {  // D > blockDim.x
-    sh.gamma[0][i] = weight_at<T>(p.q_gamma, p.q_gamma_f32, i);
-    sh.gamma[1][i] = weight_at<T>(p.k_gamma, p.k_gamma_f32, i);
+    sh.gamma[0][i] = weight_at<T>(p.q_gamma, p.q_gamma_f32, i) + (OPTS ? p.weight_offset : 0.f);
+    sh.gamma[1][i] = weight_at<T>(p.k_gamma, p.k_gamma_f32, i) + (OPTS ? p.weight_offset : 0.f);
     sh.gamma[2][i] = 1.f;
   }
   for (int i = threadIdx.x + blockDim.x; i < n_stage; i += blockDim.x) {  // B >= blockDim.x
@@ -146,14 +166,24 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
     }
   }
   __syncthreads();
+  if (OPTS && p.check) {  // status=: malformed offsets write nothing (every block agrees)
+    const int code = ragged_offsets_status(staged ? sh.offsets : p.offsets, p.B, p.T);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *p.status = code;
+    if (code) return;
+  }
 
   // 3. request, position, page, cos/sin
   PagedSlot slot = staged ? ragged_position(sh.offsets, sh.lengths, p.B, t)
                           : ragged_position(p.offsets, p.cache_lengths, p.B, t);
-  const bool roped = slot.request >= 0 && slot.pos >= 0 && slot.pos < p.P;
+  // mRoPE: the rotation from the three positions, the slot still from the cache position
+  const bool roped = slot.request >= 0 && slot.pos >= 0 &&
+                     (mrope ? mrope_in_range(mpos, p.P) : slot.pos < p.P);
   if (roped && first + (U - 1) * slots >= p.Hq)  // this group holds a K or V row
     page_of(slot, p.block_table, p.bt_sb, p.max_pages, p.page_size, p.num_pages);
   const bool write = slot.page >= 0;
+  // p.clear: the last token of a request also zeroes the rest of its page, each lane its chunks
+  const bool clear = OPTS && p.clear && write &&
+                     last_of_request(staged ? sh.offsets : p.offsets, slot, t);
   constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
   float c[M], sn[M];
 #pragma unroll
@@ -162,9 +192,14 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
     sn[i] = 0.f;
   }
   if (roped && rotary) {
-    const float* cs = p.cos_sin + slot.pos * p.cs_sp + (NEOX ? ea : ea / 2);
-    load_float<float, M>(cs, c);
-    load_float<float, M>(cs + half_r, sn);
+    if (mrope) {
+      const MRope m{p.mrope_t, p.mrope_h, p.mrope_w, p.mrope_interleaved};
+      load_mrope_cos_sin<M>(p.cos_sin, p.cs_sp, mpos, m, half_r, NEOX ? ea : ea / 2, c, sn);
+    } else {
+      const float* cs = p.cos_sin + slot.pos * p.cs_sp + (NEOX ? ea : ea / 2);
+      load_float<float, M>(cs, c);
+      load_float<float, M>(cs + half_r, sn);
+    }
   }
   // the row sums: shuffles within each G-lane group (U and G are block-uniform: every lane takes
   // part)
@@ -191,24 +226,24 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
     const float* g = sh.gamma[norm ? (is_q ? 0 : 1) : 2];
     float a[N], b[N], ga[N], gb[N];
     to_floats<T, N>(va[u], a);
+    if (pair) to_floats<T, N>(vb[u], b);
+    float cu[M], su[M];
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      cu[i] = norm ? c[i] : 1.f;
+      su[i] = norm ? sn[i] : 0.f;
+    }
+    const bool post = OPTS && p.post;
+    if (post && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
     load_float<float, N>(g + ea, ga);
 #pragma unroll
     for (int i = 0; i < N; ++i) a[i] *= rms * ga[i];
     if (pair) {
-      to_floats<T, N>(vb[u], b);
       load_float<float, N>(g + eb, gb);
 #pragma unroll
       for (int i = 0; i < N; ++i) b[i] *= rms * gb[i];
     }
-    if (rotary) {
-      float cu[M], su[M];
-#pragma unroll
-      for (int i = 0; i < M; ++i) {
-        cu[i] = norm ? c[i] : 1.f;
-        su[i] = norm ? sn[i] : 0.f;
-      }
-      rotate_chunk<NEOX, N, M>(a, b, cu, su);
-    }
+    if (!post && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
     if (!live) continue;
     if (is_q) {
       T* dst = q_row + h * p.qo_sh;
@@ -219,15 +254,21 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
       const float scale = is_v ? p.inv_v_scale : p.inv_k_scale;
       store_float<CacheT, N>(dst + ea, a, scale);
       if (pair) store_float<CacheT, N>(dst + eb, b, scale);
+      if (clear) {
+        const i64 se = is_v ? p.vc_se : p.kc_se;
+        zero_rest_of_page<CacheT, N>(dst, se, slot.entry, p.page_size, ea);
+        if (pair) zero_rest_of_page<CacheT, N>(dst, se, slot.entry, p.page_size, eb);
+      }
     }
   }
 }
 
-// One kernel per ROWS (1, 2 or 4): the register budget follows the rows a thread holds.
-template <typename T, typename CacheT, bool NEOX, int N, int ROWS>
+// One kernel per ROWS (1, 2 or 4): the register budget follows the rows a thread holds. OPTS:
+// with the options (norm after RoPE, weight offset, tail clearing, mRoPE) read at run time.
+template <typename T, typename CacheT, bool NEOX, int N, int ROWS, int OPTS>
 __global__ void __launch_bounds__(512) qk_rmsnorm_rope_append(const QKNormParams p) {
   __shared__ __align__(16) QKNormShared sh;
   pdl_launch_dependents();
   pdl_wait();
-  qk_rows<T, CacheT, NEOX, N, ROWS>(p, sh);
+  qk_rows<T, CacheT, NEOX, N, ROWS, OPTS>(p, sh);
 }
