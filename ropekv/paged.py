@@ -36,8 +36,8 @@ INDEX_DTYPES = (INT32, INT64)
 WIDTHS = (8, 4, 2, 1)
 LAYOUTS = ("NHD", "HND")
 
-# Launch shape, from benchmarks/bench_paged.py --sweep on the H200. A kernel shape is (unroll,
-# rot_unroll, min_blocks_per_sm): pass-through / rotary items each thread loads before it stores,
+# Launch shape, from a sweep on the H200 (`ropekv bench --tune paged.KEY=...` repeats it). A kernel
+# shape is (unroll, rot_unroll, min_blocks_per_sm): pass-through / rotary items each thread loads before it stores,
 # and the __launch_bounds__ occupancy hint (template arguments). "light" serves tokens with few
 # items per thread (GQA prefill and decode: latency-bound, one item per batch is fastest); "heavy"
 # serves threads with at least heavy_from items per token (MLA's 128 query heads: more loads in

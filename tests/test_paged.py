@@ -802,7 +802,7 @@ def test_llama_prefill_and_decode_shapes(cache_dtype):
         check_against_reference(args, quantize=cache_dtype in FP8)
 
 
-# the launch shapes benchmarks/bench_paged.py --sweep times: (unroll, rot_unroll, min blocks/SM)
+# the launch shapes `ropekv bench --tune` times: (unroll, rot_unroll, min blocks/SM)
 VARIANTS = ((4, 1, 4), (2, 2, 4), (4, 2, 3), (4, 1, 1), (2, 1, 6), (2, 1, 1), (1, 1, 8), (1, 1, 1))
 
 

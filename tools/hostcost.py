@@ -210,6 +210,9 @@ def install_stubs():
     ar._CUPY_ARRAY = FakeCupyArray
     ar._TORCH_TENSOR = sys.modules["torch"].Tensor
     _launch.function_pointer = lambda *a, **k: 0x1000
+    import ropekv.qkv
+
+    ropekv.qkv._compute_capability = lambda device: 90  # a Hopper GPU, as on the H200
     _launch.current_stream_ptr = lambda device=-1: 0
     _launch._RUNTIME[0] = _Runtime
     _launch.Output._cupy = lambda self: FakeCupyArray(np.empty(self.shape, self.dtype))

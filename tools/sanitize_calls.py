@@ -35,7 +35,8 @@ CALLS = [
 def runs_cublas(case):
     tokens = sum(case.get("lengths", (3, 1, 0, 2)))
     quantized = case.get("wfmt", "dense") != "dense"
-    return tokens > (ropekv.qkv.MMA_MAX_TOKENS_QUANTIZED if quantized else ropekv.qkv.MMA_MAX_TOKENS)
+    qkv = ropekv.qkv
+    return tokens > (qkv.MMA_MAX_TOKENS_QUANTIZED if quantized else qkv.MMA_MAX_TOKENS)
 
 
 def main():
