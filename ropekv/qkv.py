@@ -51,8 +51,8 @@ W_DENSE, W_FP8, W_INT4 = 0, 1, 2
 
 # Token counts up to this run the CUDA-core skinny GEMM (qkv_gemv); the tensor-core kernel and
 # cuBLAS take over above (MMA_* below). Measured on the H200 (`ropekv bench --cases qkv` times it),
-# Llama-3-8B fp16 projection: fused 17.4 / 17.6 / 26.4 us at T = 1 / 2 / 4 (graph replay) against about 22 us for the cuBLAS GEMM alone; the
-# CUDA-core kernel loses from T = 4 on.
+# Llama-3-8B fp16 projection: fused 17.4 / 17.6 / 26.4 us at T = 1 / 2 / 4 (graph replay) against
+# about 22 us for the cuBLAS GEMM alone; the CUDA-core kernel loses from T = 4 on.
 GEMV_MAX_TOKENS = 2
 GEMV_TILES = (1, 2, 4, 8, 16)  # tokens per block (the token tile TT)
 # 4-bit weights at token tiles up to this can decode as 1 + q/16 floats (fewer instructions, see
