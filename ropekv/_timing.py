@@ -8,6 +8,7 @@ read plus the bytes written.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -29,8 +30,13 @@ def graph_us(fn, *, calls=100, replays=20):
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
-        for _ in range(calls):
-            fn()
+        try:
+            for _ in range(calls):
+                fn()
+        except BaseException:  # end the capture: an open one breaks every later CUDA call
+            with contextlib.suppress(Exception):
+                stream.end_capture()
+            raise
         graph = stream.end_capture()
         graph.upload(stream)
         for _ in range(3):

@@ -825,3 +825,27 @@ def test_bench_quick_runs(tmp_path):
     qkv_formats = {c["weight_format"] for c in data["cases"] if c["op"] == "qkv"}
     assert qkv_formats == {"fp16", "fp8 e4m3 per-row", "int4 g128"}
     assert all(c["peers"]["cublas"]["status"] == "ok" for c in data["cases"] if c["op"] == "qkv")
+
+
+@pytest.mark.gpu
+def test_graph_timing_ends_a_capture_an_exception_interrupts(monkeypatch):
+    """A call that cannot be captured (cuBLAS through CuPy) raises, and the capture it interrupted
+    is ended: an open capture would break every later synchronising call (cuRAND's, say)."""
+    import cupy as cp
+
+    from ropekv import _timing
+
+    made = []
+
+    class Recorded(cp.cuda.Stream):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(cp.cuda, "Stream", Recorded)
+    a = cp.ones((64, 64), cp.float32)
+    with pytest.raises(Exception):
+        _timing.graph_us(lambda: a @ a, calls=2, replays=1)
+    assert made and not made[-1].is_capturing()
+    cp.random.standard_normal(4)
+    cp.cuda.Device().synchronize()

@@ -10,7 +10,6 @@ with CuPy arrays and (ropekv) with torch tensors viewing the same memory. On the
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import statistics
 import time
@@ -51,19 +50,10 @@ def _torch_graph_us(fn, calls, replays):
 
 
 def _cupy_graph_us(fn, calls, replays):
-    """:func:`ropekv._timing.graph_us`, ending a capture that an exception interrupted."""
-    import cupy
-
+    """:func:`ropekv._timing.graph_us` (which ends a capture an exception interrupts)."""
     from ropekv import _timing
 
-    try:
-        return _timing.graph_us(fn, calls=calls, replays=replays)
-    except Exception:
-        stream = cupy.cuda.get_current_stream()
-        if stream.is_capturing():
-            with contextlib.suppress(Exception):
-                stream.end_capture()
-        raise
+    return _timing.graph_us(fn, calls=calls, replays=replays)
 
 
 def time_runner(r, spec, settings, flusher):
