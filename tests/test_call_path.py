@@ -13,7 +13,7 @@ import pytest
 import ropekv
 from ropekv import _arrays as ar
 from ropekv import _checks as ck
-from ropekv import _launch
+from ropekv import _launch, _timing
 from tests import test_contiguous as tc
 from tests import test_mla as tm
 from tests import test_paged as tp
@@ -525,6 +525,10 @@ def test_swapped_torch_storage_is_written():
     assert_same(dev, out, expected, out_expected, "paged")
 
 
+# per op, an input the stream tests write on the launch stream only after a long spin
+LATE_INPUT = {"contiguous": "v", "paged": "v", "mla": "kv", "qknorm": "v", "qkv": "hidden_state"}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
 def test_torch_current_stream_is_the_default(op):
@@ -538,7 +542,7 @@ def test_torch_current_stream_is_the_default(op):
     out_expected = fn(**expected)
     fn(**map_arrays(copy_kw(kw), to_torch))
     dev = map_arrays(kw, to_torch)
-    name = {"contiguous": "v", "paged": "v", "mla": "kv", "qknorm": "v", "qkv": "hidden_state"}[op]
+    name = LATE_INPUT[op]
     real = dev[name].clone()
     dev[name].zero_()
     torch.cuda.synchronize()
@@ -563,28 +567,17 @@ def test_explicit_stream_orders_every_step(op):
     out_expected = fn(**expected)
     fn(**map_arrays(copy_kw(kw), to_device))  # the plan exists: the call below is a replay
     dev = map_arrays(kw, to_device)
-    name = {"contiguous": "v", "paged": "v", "mla": "kv", "qknorm": "v", "qkv": "hidden_state"}[op]
+    name = LATE_INPUT[op]
     target, real = dev[name], to_device(kw[name])
     cp.cuda.runtime.memset(target.data.ptr, 0, target.nbytes)
     cp.cuda.Device().synchronize()
     s = cp.cuda.Stream(non_blocking=True)
-    _sleep_on(s)
+    with s:
+        _timing.spin(25_000)  # 25 ms on s
     cp.cuda.runtime.memcpyAsync(target.data.ptr, real.data.ptr, target.nbytes, 3, s.ptr)
     out = fn(**dev, stream=s)
     s.synchronize()
     assert_same(dev, out, expected, out_expected, op)
-
-
-def _sleep_on(stream, cycles=50_000_000):
-    """A kernel that spins ``cycles`` clock cycles on ``stream`` (tens of ms)."""
-    import cupy as cp
-
-    kernel = cp.RawKernel(r"""
-    extern "C" __global__ void spin(long long cycles) {
-      long long start = clock64();
-      while (clock64() - start < cycles) {}
-    }""", "spin")
-    kernel((1,), (1,), (np.int64(cycles),), stream=stream)
 
 
 @pytest.mark.gpu

@@ -117,6 +117,21 @@ def torch_cases(device):
     cases = []
     Hq, Hkv, D = LLAMA["Hq"], LLAMA["Hkv"], LLAMA["D"]
 
+    def add(name, t, function, args, flashinfer=None):
+        """A case calling ``function`` on ``args(t) -> (positional, keywords)``: eagerly
+        (``ropekv.<function>`` on a given stream) and as the torch op (``ropekv.torch``)."""
+        eager_fn, op_fn = getattr(ropekv, function), getattr(rt, function)
+
+        def eager(t, stream):
+            a, kw = args(t)
+            eager_fn(*a, **kw, stream=stream)
+
+        def op(t):
+            a, kw = args(t)
+            return op_fn(*a, **kw)
+
+        cases.append((name, t, eager, op, flashinfer))
+
     # paged GQA fp16 -> e4m3, 64 x 1 (FlashInfer's op)
     B = 64
     per, num_pages, ids = pages(B, PREFIX + 1)
@@ -135,14 +150,6 @@ def torch_cases(device):
                 {"page_size": PAGE, "quantize_dtype": e4m3, "q_rope_out": t.q_out,
                  "q_nope_out": t.q_nope_out})
 
-    def paged_eager(t, stream):
-        a, kw = paged_args(t)
-        ropekv.rope_quantize_fp8_append_paged_kv_cache(*a, **kw, stream=stream)
-
-    def paged_op(t):
-        a, kw = paged_args(t)
-        return rt.rope_quantize_fp8_append_paged_kv_cache(*a, **kw)
-
     def paged_flashinfer(t):
         import flashinfer.rope
 
@@ -150,7 +157,8 @@ def torch_cases(device):
         return flashinfer.rope.rope_quantize_fp8_append_paged_kv_cache(
             *a, **{**kw, "q_nope_out": None})
 
-    cases.append(("paged gqa fp16->e4m3 64x1", t, paged_eager, paged_op, paged_flashinfer))
+    add("paged gqa fp16->e4m3 64x1", t, "rope_quantize_fp8_append_paged_kv_cache", paged_args,
+        paged_flashinfer)
 
     # contiguous fp16 -> fp16, 64 x 1, C = 4096
     C = 4096
@@ -158,14 +166,8 @@ def torch_cases(device):
          "cache": torch.zeros(B, 2, Hkv, C, D, device=device, dtype=f16),
          "table": table(C, D), "lens": ints(np.full(B, PREFIX + 1))}
 
-    def contiguous_eager(t, stream):
-        ropekv.apply_rope_write_kv(t.q, t.k, t.v, t.cache, t.table, kv_end_lens=t.lens,
-                                   stream=stream)
-
-    def contiguous_op(t):
-        rt.apply_rope_write_kv(t.q, t.k, t.v, t.cache, t.table, kv_end_lens=t.lens)
-
-    cases.append(("contiguous fp16->fp16 64x1", t, contiguous_eager, contiguous_op, None))
+    add("contiguous fp16->fp16 64x1", t, "apply_rope_write_kv",
+        lambda t: ((t.q, t.k, t.v, t.cache, t.table), {"kv_end_lens": t.lens}))
 
     # QK-norm bf16 -> e4m3, 64 x 1 (Qwen3-8B)
     per, num_pages, ids = pages(B, PREFIX + 1)
@@ -182,15 +184,7 @@ def torch_cases(device):
         return ((t.q, t.k, t.v, t.q_gamma, t.k_gamma, t.table, t.offsets, t.lengths,
                  t.block_table, (t.k_cache, t.v_cache)), {"q_out": t.q_out})
 
-    def qknorm_eager(t, stream):
-        a, kw = qknorm_args(t)
-        ropekv.qk_rmsnorm_rope_append_paged_kv_cache(*a, **kw, stream=stream)
-
-    def qknorm_op(t):
-        a, kw = qknorm_args(t)
-        return rt.qk_rmsnorm_rope_append_paged_kv_cache(*a, **kw)
-
-    cases.append(("qknorm bf16->e4m3 64x1", t, qknorm_eager, qknorm_op, None))
+    add("qknorm bf16->e4m3 64x1", t, "qk_rmsnorm_rope_append_paged_kv_cache", qknorm_args)
 
     # MLA RMSNorm bf16 -> e4m3, 128 x 1 (DeepSeek-V3: Hq 128, L 512, R 64)
     B, L, R, Hm = 128, 512, 64, 128
@@ -206,15 +200,7 @@ def torch_cases(device):
         return ((t.q, t.kv, t.gamma, t.table, t.offsets, t.lengths, t.block_table, t.cache),
                 {"q_rope_out": t.q_out})
 
-    def mla_eager(t, stream):
-        a, kw = mla_args(t)
-        ropekv.mla_rope_rmsnorm_append_paged_kv_cache(*a, **kw, stream=stream)
-
-    def mla_op(t):
-        a, kw = mla_args(t)
-        return rt.mla_rope_rmsnorm_append_paged_kv_cache(*a, **kw)
-
-    cases.append(("mla rmsnorm bf16->e4m3 128x1", t, mla_eager, mla_op, None))
+    add("mla rmsnorm bf16->e4m3 128x1", t, "mla_rope_rmsnorm_append_paged_kv_cache", mla_args)
     return cases
 
 

@@ -49,13 +49,6 @@ def _torch_graph_us(fn, calls, replays):
     return float(np.median(times))
 
 
-def _cupy_graph_us(fn, calls, replays):
-    """:func:`ropekv._timing.graph_us` (which ends a capture an exception interrupts)."""
-    from ropekv import _timing
-
-    return _timing.graph_us(fn, calls=calls, replays=replays)
-
-
 def time_runner(r, spec, settings, flusher):
     """{"us": per-call device time, "graph_us", "host_us", "event_us" where measured}."""
     if r.framework == "numpy":
@@ -68,7 +61,8 @@ def time_runner(r, spec, settings, flusher):
             if r.framework == "torch":
                 res["graph_us"] = _torch_graph_us(r.call, settings["graph_calls"], 10)
             else:
-                res["graph_us"] = _cupy_graph_us(r.call, settings["graph_calls"], 10)
+                res["graph_us"] = _timing.graph_us(r.call, calls=settings["graph_calls"],
+                                                   replays=10)
         except Exception as e:  # noqa: BLE001 - not capturable: fall back to events
             res["graph_error"] = one_line(e)
         res["host_us"] = _timing.eager_host_us(r.call, calls=settings["host_calls"])
