@@ -15,18 +15,48 @@ FP8_MAX = {
 }
 
 
+INT8 = np.dtype(np.int8)
+
+# The largest code of each quantized type: a computed scale maps a row's largest |x| onto it
+# (int8 is symmetric: [-127, 127]).
+MAX_CODE = {**FP8_MAX, INT8: 127.0}
+
+
 def is_fp8(dtype):
     return np.dtype(dtype) in FP8_MAX
 
 
 def to_dtype(x, dtype):
     """Round float64 ``x`` to ``dtype``: nearest even; fp8 saturates to its largest finite value
-    (infinities too), NaN stays NaN."""
+    (infinities too), NaN stays NaN; int8 saturates to [-127, 127] and NaN becomes 0."""
     dtype = np.dtype(dtype)
+    if dtype == INT8:
+        x = np.nan_to_num(np.asarray(x, np.float64), nan=0.0)
+        return np.clip(np.rint(x), -127, 127).astype(INT8)
     if dtype in FP8_MAX:
         limit = FP8_MAX[dtype]
         x = np.clip(x, -limit, limit)
     return np.asarray(x, np.float64).astype(dtype)
+
+
+def quantize_rows(x, dtype):
+    """Quantize each row (last axis) of float64 ``x`` with its own computed scale (dynamic fp8 Q,
+    per-token-head KV scales; ``docs/conventions.md``): ``a = max(max|x|, 1e-6)`` (NaN
+    elements ignored), stored ``= to_dtype(x * (max_code / a))``; returns ``(stored, scale)``
+    with the float64 dequantization scales ``a / max_code`` of shape ``x.shape[:-1]``."""
+    code = MAX_CODE[np.dtype(dtype)]
+    x = np.asarray(x, np.float64)
+    amax = np.fmax.reduce(np.abs(x), axis=-1, initial=0.0) if x.shape[-1] else np.zeros(
+        x.shape[:-1])
+    a = np.fmax(amax, 1e-6)
+    with np.errstate(invalid="ignore"):
+        stored = to_dtype(x * (code / a)[..., None], dtype)
+    return stored, a / code
+
+
+def dequantize_rows(stored, scale):
+    """float64 values of rows stored with per-row scales (the inverse of :func:`quantize_rows`)."""
+    return np.asarray(stored, np.float64) * np.asarray(scale, np.float64)[..., None]
 
 
 def rope(x, cos, sin, is_neox):

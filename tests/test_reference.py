@@ -127,3 +127,37 @@ def test_mrope_rows_give_each_axis_its_section():
         assert np.bincount(rows, minlength=3).tolist() == [24, 20, 20]
     assert reference.mrope_rows(8, (2, 3, 3)).tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
     assert reference.mrope_rows(8, (2, 3, 3), True).tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
+
+
+@given(seed=seeds, dtype=st.sampled_from([ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
+                                          np.int8]))
+def test_quantize_rows_maps_each_rows_amax_onto_the_largest_code(seed, dtype):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((5, 3, 16)) * rng.uniform(1e-3, 1e3, (5, 3, 1))
+    stored, scale = reference.quantize_rows(x, dtype)
+    code = reference.MAX_CODE[np.dtype(dtype)]
+    np.testing.assert_allclose(scale, np.abs(x).max(-1) / code, rtol=1e-12)
+    # the largest element lands on the largest code, with its sign
+    top = np.abs(x).argmax(-1)[..., None]
+    got = np.take_along_axis(stored.astype(np.float64), top, -1)[..., 0]
+    np.testing.assert_array_equal(np.abs(got), code)
+    # and every element comes back within half a step of the type at its magnitude
+    err = np.abs(reference.dequantize_rows(stored, scale) - x)
+    if dtype == np.int8:
+        bound = 0.5 * scale[..., None]
+    else:  # half an ulp of the mantissa, or half the smallest subnormal step
+        mant, sub = (3, 2.0 ** -9) if dtype == ml_dtypes.float8_e4m3fn else (2, 2.0 ** -16)
+        bound = np.maximum(2.0 ** -(mant + 1) * np.abs(x), 0.5 * sub * scale[..., None])
+    assert (err <= bound * (1 + 1e-9)).all()
+
+
+def test_quantize_rows_edge_rows():
+    x = np.array([[1.0, -2.0, np.nan, 0.5], [0.0, 0.0, 0.0, 0.0], [np.inf, 1.0, 2.0, 3.0]])
+    s8, sc8 = reference.quantize_rows(x, np.int8)
+    assert s8.tolist() == [[64, -127, 0, 32], [0, 0, 0, 0], [0, 0, 0, 0]]  # NaN -> 0 in int8
+    np.testing.assert_allclose(sc8[:2], [2.0 / 127, 1e-6 / 127])
+    assert np.isinf(sc8[2])
+    s, sc = reference.quantize_rows(x, ml_dtypes.float8_e4m3fn)
+    f = s.astype(np.float64)
+    assert f[0].tolist()[:2] == [224.0, -448.0] and np.isnan(f[0, 2])  # NaN stays NaN in fp8
+    assert np.isnan(f[2, 0]) and (f[2, 1:] == 0).all()

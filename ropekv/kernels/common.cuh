@@ -49,6 +49,7 @@ __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) { return static_cast<float>(x); }
 __device__ __forceinline__ float to_float(__nv_fp8_e5m2 x) { return static_cast<float>(x); }
+__device__ __forceinline__ float to_float(signed char x) { return static_cast<float>(x); }
 
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
@@ -59,6 +60,12 @@ __device__ __forceinline__ __half from_float<__half>(float x) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
+}
+// int8 (caches with per-token-head scales): round to nearest even, saturate to [-127, 127]
+// (symmetric, so -x always has a code); NaN becomes 0 (cvt.rni.s32.f32 gives 0 for NaN).
+template <>
+__device__ __forceinline__ signed char from_float<signed char>(float x) {
+  return static_cast<signed char>(max(-127, min(127, __float2int_rn(x))));
 }
 // fp8: round to nearest even, out-of-range values (and +-inf) saturate to the largest finite.
 template <>
@@ -86,6 +93,49 @@ template <>
 struct is_fp8<__nv_fp8_e5m2> {
   static constexpr bool value = true;
 };
+
+// Stored types whose values are codes of a scale: fp8 and int8.
+template <typename T>
+struct is_quantized {
+  static constexpr bool value = is_fp8<T>::value;
+};
+template <>
+struct is_quantized<signed char> {
+  static constexpr bool value = true;
+};
+
+// The largest code of a quantized type: what a computed scale maps a row's largest |x| onto.
+template <typename T>
+__device__ __forceinline__ constexpr float max_code();
+template <>
+__device__ __forceinline__ constexpr float max_code<__nv_fp8_e4m3>() { return 448.f; }
+template <>
+__device__ __forceinline__ constexpr float max_code<__nv_fp8_e5m2>() { return 57344.f; }
+template <>
+__device__ __forceinline__ constexpr float max_code<signed char>() { return 127.f; }
+
+// Computed scales (dynamic fp8 Q, per-token-head KV scales; docs/conventions.md): for a row whose
+// largest magnitude is amax, a = max(amax, 1e-6), the dequantization scale a / max_code is what
+// the caller receives and the row is stored as T(x * (max_code / a)). fmaxf drops a NaN amax (a
+// row of NaN gets a = 1e-6); an infinite amax gives scale inf and mul 0 (inf * 0 = NaN codes).
+struct RowScale {
+  float mul;    // what the row is multiplied by before rounding to T
+  float scale;  // the dequantization scale written beside it
+};
+template <typename T>
+__device__ __forceinline__ RowScale row_scale(float amax) {
+  const float a = fmaxf(amax, 1e-6f);
+  return {max_code<T>() / a, a / max_code<T>()};
+}
+
+// Largest value over LANES consecutive lanes of a warp (LANES a power of two, at most 32; every
+// lane of the warp must call it). fmaxf drops NaN, as row_scale expects.
+template <int LANES>
+__device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+  for (int o = LANES / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
 
 template <typename T, int N>
 struct ToFloats {
@@ -125,7 +175,7 @@ __device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
   to_floats<T, N>(load<T, N>(p), out);
 }
 
-// Stores x * scale rounded to T (scale is 1 for non-quantized outputs).
+// Stores x * scale rounded to T (scale is 1 for non-quantized outputs, ignored for 16-bit T).
 template <typename T>
 struct fp8_interpretation;
 template <>
@@ -168,7 +218,9 @@ __device__ __forceinline__ void store_float(T* p, const float (&x)[N], float sca
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) v.v[i] = from_float<T>(is_fp8<T>::value ? x[i] * scale : x[i]);
+    for (int i = 0; i < N; ++i) {
+      v.v[i] = from_float<T>(is_quantized<T>::value ? x[i] * scale : x[i]);
+    }
   }
   store<T, N>(p, v);
 }
