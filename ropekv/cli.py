@@ -79,7 +79,7 @@ def _cmd_bench(args):
 
     return main(ops=_flatten(args.ops), peers=_flatten(args.peers), quick=args.quick,
                 json_path=args.json, plot_path=args.plot, cases=args.cases,
-                frameworks=args.frameworks, tune=args.tune)
+                frameworks=args.frameworks, tune=args.tune, options=args.options)
 
 
 def _cmd_check(args):
@@ -137,6 +137,10 @@ def build_parser():
                         "the ops they change, each 'op.key=value[,op.key=value]' over the op "
                         "module's TUNING or its upper-case constants (e.g. paged.row_group=0 "
                         "'paged.heavy=(2,2,3)' qkv.GEMV_MAX_TOKENS=1000)")
+    p.add_argument("--options", action="store_true",
+                   help="also time each case with each option of its op on (status=, "
+                        "clear_unused_last_page_rows, mRoPE, ...), as runners 'ropekv[+option]' "
+                        "whose ratio is the option's cost")
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment here")
     p.add_argument("--plot", metavar="PATH",
                    help="draw time against tokens per op, and ropekv's speedup over the best "

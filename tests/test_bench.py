@@ -768,7 +768,10 @@ def test_ops_and_peers_parse_commas_and_spaces(monkeypatch):
                      "--json", "x.json"]) == 0
     assert seen == {"ops": ["paged", "mla", "qkv"], "peers": ["torch"], "quick": True,
                     "json_path": "x.json", "plot_path": None, "cases": None,
-                    "frameworks": False, "tune": None}
+                    "frameworks": False, "tune": None, "options": False}
+    seen.clear()
+    assert cli.main(["bench", "--options", "--ops", "mla"]) == 0
+    assert seen["options"] is True and seen["ops"] == ["mla"]
     seen.clear()
     assert cli.main(["bench", "--frameworks", "--cases", "qkv fp8w", "64x1"]) == 0
     assert seen["frameworks"] is True and seen["cases"] == ["qkv fp8w", "64x1"]
@@ -849,3 +852,36 @@ def test_graph_timing_ends_a_capture_an_exception_interrupts(monkeypatch):
     assert made and not made[-1].is_capturing()
     cp.random.standard_normal(4)
     cp.cuda.Device().synchronize()
+
+
+def test_options_run_as_runners_and_report_their_cost(monkeypatch):
+    """``--options``: each option of the case's op runs as ``ropekv[+option]`` beside the plain
+    call, is checked against it when it leaves the sampled rows alone, only timed when it does
+    not, and the report gives its cost; option runners are not peers."""
+    spec = bench.CaseSpec("mla", "mla tiny 3x2", 6, 1, base._lazy(
+        bench.MlaWL, B=3, S=2, prefix=5, Hq=4, L=64, R=32, dtype=np.float16,
+        cache_dtype=np.float16))
+    plain = bench.MlaWL.options
+
+    def options(self):
+        out = plain(self)
+        out["clear, unchecked"] = (out["clear"][0], False)
+        return out
+
+    monkeypatch.setattr(bench.MlaWL, "options", options)
+    result = bench.run(peers=[], specs=[spec], backend="numpy", options=True, log=lambda *a: None)
+    (case,) = result["cases"]
+    assert "error" not in case, case
+    assert result["options"] is True
+    for label in ("status", "clear"):
+        entry = case["peers"][f"ropekv[+{label}]"]
+        assert entry["status"] == "ok" and entry["check"] == "ok" and entry["ratio"] > 0, entry
+    entry = case["peers"]["ropekv[+clear, unchecked]"]
+    assert entry["status"] == "ok" and entry["check"].startswith("not compared"), entry
+    assert set(bench.report.option_costs(result)) == {"status", "clear", "clear, unchecked"}
+    text = bench.report.text(result)
+    assert "Options on" in text and "status" in text
+    assert bench.speedups(result) == []
+    # without --options no option runner
+    result = bench.run(peers=[], specs=[spec], backend="numpy", log=lambda *a: None)
+    assert not any(p.startswith("ropekv[+") for p in result["cases"][0]["peers"])

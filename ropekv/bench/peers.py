@@ -80,9 +80,11 @@ class Runner:
     context: Callable[[], Any] | None = None
 
 
-def make_runners(w, spec, peers, backend="cuda", variants=()):
+def make_runners(w, spec, peers, backend="cuda", variants=(), options=False):
     """ropekv's runner and the wanted peers' (name -> Runner, or name -> why not); then one
-    ``ropekv[<label>]`` runner per ``--tune`` variant ``(label, changes)`` that changes this op."""
+    ``ropekv[<label>]`` runner per ``--tune`` variant ``(label, changes)`` that changes this op,
+    and with ``options`` one ``ropekv[+<option>]`` runner per option of the workload
+    (:meth:`Workload.options`)."""
     from ropekv.bench import tuning
 
     framework = backend if backend == "numpy" else "cupy"
@@ -97,6 +99,13 @@ def make_runners(w, spec, peers, backend="cuda", variants=()):
                 f"ropekv[{label}]", functools.partial(w.call, vo),
                 functools.partial(w.outputs, vo), functools.partial(w.reset, vo), framework,
                 context=functools.partial(tuning.applied, changes))
+    if options:
+        for label, (extra, checked) in w.options().items():
+            vo = w.new_outputs()
+            out[f"ropekv[+{label}]"] = Runner(
+                f"ropekv[+{label}]", functools.partial(w.call, vo, **extra),
+                functools.partial(w.outputs, vo), functools.partial(w.reset, vo), framework,
+                expect=None if checked else _unchecked)
     avail = peer_availability(backend)
     for peer in peers:
         if avail.get(peer):
@@ -159,6 +168,14 @@ def make_runners(w, spec, peers, backend="cuda", variants=()):
         except Exception as e:  # noqa: BLE001 - a peer that cannot be set up is reported
             out[peer] = f"error: {one_line(e)}"
     return ropekv, out
+
+
+UNCHECKED = "not compared: the option changes the outputs"
+
+
+def _unchecked(expected):
+    """The ``expect`` of an option runner whose outputs differ from the plain call's by design."""
+    return UNCHECKED
 
 
 _runners = make_runners  # the name ropekv.bench used before it was a package

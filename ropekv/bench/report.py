@@ -114,6 +114,7 @@ def text(result):
         ratios = [s for _, _, s in best]
         lines.append(f"speedup over the best peer: {min(ratios):.2f}x to {max(ratios):.2f}x over "
                      f"{len(ratios)} cases, {sum(s >= 1 for s in ratios)} at or above 1")
+    lines += options_lines(result)
     lines += qkv_lines(result)
     lines += frameworks_lines(result.get("frameworks", []))
     lines.append(f"total wall time: {result['wall_s']:.1f} s")
@@ -140,6 +141,33 @@ def speedups(result):
             peer = min(timed, key=timed.get)
             out.append((c["name"], peer, timed[peer] / c["ropekv"]["us"]))
     return out
+
+
+def option_costs(result):
+    """{option label: [(case name, time with it on / the plain call's)]} of a ``--options`` run
+    (the ``ropekv[+label]`` runners that ran)."""
+    out = {}
+    for c in result["cases"]:
+        for p, e in c.get("peers", {}).items():
+            if p.startswith("ropekv[+") and "ratio" in e and e.get("status") == "ok":
+                out.setdefault(p[len("ropekv[+"):-1], []).append((c["name"], e["ratio"]))
+    return out
+
+
+def options_lines(result):
+    """One line per option: its cost when on (ratio to the plain call on the same case), the
+    range over the cases and how many stay within 10%."""
+    costs = option_costs(result)
+    if not costs:
+        return []
+    lines = ["", "Options on (ropekv[+option] time / the plain call's, same case; the goal: "
+                 "within 1.10x):"]
+    for label, rows in costs.items():
+        ratios = [r for _, r in rows]
+        worst = max(rows, key=lambda x: x[1])
+        lines.append(f"  {label:16s} {min(ratios):.2f}x to {max(ratios):.2f}x over {len(rows)} "
+                     f"cases, {sum(r <= 1.10 for r in ratios)} within 1.10x (worst: {worst[0]})")
+    return lines
 
 
 def qkv_lines(result):

@@ -18,7 +18,7 @@ from ropekv.bench import tuning
 from ropekv.bench.arrays import _torch, gpu_status, one_line
 from ropekv.bench.cases import select_specs
 from ropekv.bench.compare import compare_all
-from ropekv.bench.peers import PEERS, make_runners, peer_availability
+from ropekv.bench.peers import PEERS, UNCHECKED, make_runners, peer_availability
 from ropekv.bench.timing import time_runner, torch_host_us
 from ropekv.bench.workloads import OPS, op_available
 
@@ -104,14 +104,15 @@ def _settings(quick):
 
 
 def run(ops=None, peers=None, quick=False, log=progress, json_path=None, names=None,
-        specs=None, backend="cuda", frameworks=False, tune=()):
+        specs=None, backend="cuda", frameworks=False, tune=(), options=False):
     """Run the benchmark; return the result dict (what ``--json`` writes; with ``json_path`` it is
     also written there after every case, so an interrupted run keeps what it measured).
 
     ``names``: only the cases whose name contains one of these strings; ``specs``: these cases
     instead of the registry's; ``frameworks``: also time the ops inside compiled programs
     (:mod:`ropekv.bench.frameworks`); ``tune``: ``(label, changes)`` launch-shape variants
-    (:mod:`ropekv.bench.tuning`), each timed as a runner beside ropekv's default.
+    (:mod:`ropekv.bench.tuning`), each timed as a runner beside ropekv's default; ``options``:
+    also each case with each option of its op on (``ropekv[+option]`` runners).
     ``backend="numpy"`` builds the workloads with NumPy and times host calls (the CPU tests of
     the runner; no copy bandwidth, no CUDA peers)."""
     t0 = time.perf_counter()
@@ -127,6 +128,8 @@ def run(ops=None, peers=None, quick=False, log=progress, json_path=None, names=N
         result["backend"] = backend
     if tune:
         result["tune"] = {label: changes for label, changes in tune}
+    if options:
+        result["options"] = True
     result["environment"] = environment() if backend == "cuda" else {"python":
                                                                      platform.python_version()}
     result["missing_ops"] = [op for op in (ops or OPS) if not op_available(op)]
@@ -151,7 +154,7 @@ def run(ops=None, peers=None, quick=False, log=progress, json_path=None, names=N
                           "error": f"not run: the CUDA context was lost in '{lost}'"})
             continue
         cases.append(run_case(spec, peers, settings, flusher, result["copy_bandwidth"], backend,
-                              tune))
+                              tune, options))
         if context_lost(cases[-1]):
             lost = spec.name
         if json_path:
@@ -220,7 +223,7 @@ def context_lost(case_or_message):
     return any(k in t for t in texts for k in STICKY_ERRORS)
 
 
-def run_case(spec, peers, settings, flusher, copy_bw, backend="cuda", tune=()):
+def run_case(spec, peers, settings, flusher, copy_bw, backend="cuda", tune=(), options=False):
     case = {"op": spec.op, "name": spec.name, "tokens": spec.tokens, "bytes": spec.nbytes,
             "decode": spec.decode, "series": spec.series, "flops": spec.flops, "peers": {}}
     if spec.weight_bytes:
@@ -228,7 +231,7 @@ def run_case(spec, peers, settings, flusher, copy_bw, backend="cuda", tune=()):
     t = time.perf_counter()
     try:
         w = spec.make(np) if backend == "numpy" else spec.make()
-        ropekv, others = make_runners(w, spec, peers, backend, tune)
+        ropekv, others = make_runners(w, spec, peers, backend, tune, options)
         ropekv.reset()
         ropekv.call()
         expected = ropekv.outputs()
@@ -264,13 +267,15 @@ def _check_and_time(name, r, entry, w, spec, settings, flusher, expected, us):
         if r.reset:
             r.reset()
         r.call()
-        mismatch = compare_all(r.outputs(), r.expect(expected) if r.expect else expected,
-                               w.compare_mode)
+        want = r.expect(expected) if r.expect else expected
+        mismatch = (None if want is UNCHECKED else
+                    compare_all(r.outputs(), want, w.compare_mode))
     except Exception as e:  # noqa: BLE001
         what = "skipped: compile failed" if name == "torch-compile" else "error"
         entry["status"] = f"{what}: {one_line(e)}"
         return
-    entry["check"] = "ok" if mismatch is None else f"MISMATCH: {mismatch}"
+    entry["check"] = (UNCHECKED if want is UNCHECKED else
+                      "ok" if mismatch is None else f"MISMATCH: {mismatch}")
     try:
         entry.update(time_runner(r, spec, settings, flusher))
         entry["ratio"] = entry["us"] / us
@@ -280,8 +285,9 @@ def _check_and_time(name, r, entry, w, spec, settings, flusher, expected, us):
 
 
 def main(ops=None, peers=None, quick=False, json_path=None, plot_path=None, cases=None,
-         frameworks=False, tune=None):
-    """``ropekv bench``: returns the exit code. ``tune``: variant texts (``op.key=value,...``)."""
+         frameworks=False, tune=None, options=False):
+    """``ropekv bench``: returns the exit code. ``tune``: variant texts (``op.key=value,...``);
+    ``options``: time each case's op options too."""
     ok, device = gpu_status()
     if not ok:
         print(f"ropekv bench: {device}; the benchmark needs a CUDA GPU", file=sys.stderr)
@@ -305,7 +311,7 @@ def main(ops=None, peers=None, quick=False, json_path=None, plot_path=None, case
     if variants and ops is None:
         ops = list(dict.fromkeys(op for _, changes in variants for op in changes))
     result = run(ops, peers, quick, json_path=json_path, names=cases, frameworks=frameworks,
-                 tune=variants)
+                 tune=variants, options=options)
     if not result["cases"] and not result.get("frameworks"):
         why = (f"ops missing from this ropekv: {', '.join(result['missing_ops'])}"
                if result["missing_ops"] else "no case matches --ops / --cases")

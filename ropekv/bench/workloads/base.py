@@ -71,6 +71,15 @@ class Workload:
     def call(self, o):
         raise NotImplementedError
 
+    def options(self):
+        """``ropekv bench --options``: the op's options this case can time, ``{label: (extra
+        keyword arguments of the call, checked)}``. Each runs as the runner ``ropekv[+label]``
+        beside the plain call; its ratio is the cost of the option when on. ``checked``: the
+        option leaves the sampled outputs as the plain call writes them, so they are compared;
+        one that changes them (another norm order, say) is timed only (its results are the GPU
+        tests' business)."""
+        return {}
+
     def torch_fn(self, t, o):
         """A callable running the same maths in PyTorch on torch views ``t`` (inputs) and ``o``
         (outputs); None when there is no such composition."""

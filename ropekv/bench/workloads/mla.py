@@ -56,13 +56,18 @@ class MlaWL(_RaggedMixin, Workload):
         self.sample = {"q_rope_out": ("q_rope_out", (tok,)), "ckv_rows": ("ckv", rows),
                        "kpe_rows": ("kpe", rows)}
 
-    def call(self, o):
+    def call(self, o, **options):
         a = self.a
         return _fn("mla_rope_rmsnorm_append_paged_kv_cache")(
             a["q_rope"], a["kv"], a["gamma"], a["table"], a["input_row_offsets"],
             a["cache_lengths"], a["block_table"], (o["ckv"], o["kpe"]), epsilon=self.eps,
             kv_norm_dim=self.kv_norm_dim, is_neox=self.is_neox, kv_scale=self.kv_scale,
-            q_rope_out=o["q_rope_out"])
+            q_rope_out=o["q_rope_out"], **options)
+
+    def options(self):
+        # neither changes the sampled rows: the tail cleared lies past each request's new rows
+        return {"status": ({"status": self.g.zeros((1,), np.int32)}, True),
+                "clear": ({"clear_unused_last_page_rows": True}, True)}
 
     def torch_fn(self, t, o):
         torch = _torch()
