@@ -18,6 +18,11 @@ Usage::
     PYTHONPATH=$PWD python tools/hostcost.py              # replay and first-call costs per case
     PYTHONPATH=$PWD python tools/hostcost.py --profile    # plus a cProfile of each replay
     PYTHONPATH=$PWD python tools/hostcost.py --first-profile  # cProfile of the first calls
+    PYTHONPATH=$PWD python tools/hostcost.py --layers 32  # also multi-layer caches (layer_idx)
+
+``--layers N`` adds, for the ops with multi-layer caches, rows of the same case on caches of N
+layers called with ``layer_idx`` cycling over them (an engine's step), and rows of the one-layer
+call through the same wrapper with ``layer_idx=None``, which isolates the wrapper's own cost.
 
 Run it alone: it installs a stand-in ``torch`` module in ``sys.modules`` for its own process.
 """
@@ -254,6 +259,52 @@ class Case:
         return self.w.call(self.o)
 
 
+LAYERED = {"qk_rmsnorm_rope_append_paged_kv_cache": ("k_cache", "v_cache"),
+           "fused_qkv_matmul_append_paged_kv_cache": ("k_cache", "v_cache"),
+           "mla_rope_rmsnorm_append_paged_kv_cache": ("ckv", "kpe")}
+
+
+class LayeredCase(Case):
+    """A case on caches of ``layers`` layers, each call the next ``layer_idx`` (``layers`` None:
+    the one-layer caches, ``layer_idx=None``, through the same wrapper)."""
+
+    def __init__(self, workload, convert, name, layers):
+        import ropekv
+
+        super().__init__(workload, convert)
+        self.layers, self.turn = layers, 0
+        if layers is not None:
+            for c in LAYERED[name]:
+                one = workload.a[c]
+                self.o[c] = convert(np.zeros((layers, *one.shape), one.dtype))
+        self.fn = getattr(ropekv, name)
+        self.name = name
+
+    def __call__(self):
+        import ropekv
+
+        layer = None
+        if self.layers is not None:
+            layer = self.turn
+            self.turn = layer + 1 if layer + 1 < self.layers else 0
+        fn = self.fn
+        setattr(ropekv, self.name, lambda *a, **k: fn(*a, layer_idx=layer, **k))
+        try:
+            return self.w.call(self.o)
+        finally:
+            setattr(ropekv, self.name, fn)
+
+
+def layered_name(w):
+    for name, caches in LAYERED.items():
+        if all(c in w.a for c in caches) and type(w).__module__.endswith(
+                {"qk_rmsnorm_rope_append_paged_kv_cache": "qknorm",
+                 "fused_qkv_matmul_append_paged_kv_cache": "qkv",
+                 "mla_rope_rmsnorm_append_paged_kv_cache": "mla"}[name]):
+            return name
+    return None
+
+
 def ops():
     import ropekv
     from ropekv import _launch
@@ -278,7 +329,7 @@ def first_call_us(fn, n=20):
     times = []
     for _ in range(n):
         for op in ops():
-            op.plans.clear()
+            op.clear()
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
@@ -291,6 +342,8 @@ def main(argv=None):
     parser.add_argument("--first-profile", action="store_true", help="cProfile the first calls")
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--cases", nargs="*", default=CASES)
+    parser.add_argument("--layers", type=int, default=0,
+                        help="also time multi-layer caches of this many layers (layer_idx)")
     args = parser.parse_args(argv)
     lib = install_stubs()
     print(f"launch stub: {'compiled C (ctypes)' if lib else 'Python no-op'}")
@@ -308,6 +361,12 @@ def main(argv=None):
         cp_us = per_call_us(cupy_case, args.calls)
         th_us = per_call_us(torch_case, args.calls)
         rows.append((name, first, first_t, cp_us, th_us))
+        op_name = layered_name(w) if args.layers else None
+        if op_name is not None:
+            for label, layers in (("wrapper, one layer", None), (f"{args.layers} layers", args.layers)):
+                lc, lt = (LayeredCase(w, f, op_name, layers) for f in (to_cupy, to_torch))
+                rows.append((f"  {label}", first_call_us(lc), first_call_us(lt),
+                             per_call_us(lc, args.calls), per_call_us(lt, args.calls)))
         for label, case in (("cupy", cupy_case), ("torch", torch_case)):
             if args.profile:
                 prof = cProfile.Profile()
@@ -321,7 +380,7 @@ def main(argv=None):
                 prof = cProfile.Profile()
                 for _ in range(50):
                     for op in ops():
-                        op.plans.clear()
+                        op.clear()
                     prof.enable()
                     case()
                     prof.disable()

@@ -37,7 +37,7 @@ def first_call_us(fn, sync, n=10):
     times = []
     for _ in range(n):
         for op in ops():
-            op.plans.clear()
+            op.clear()
         sync()
         t0 = time.perf_counter()
         fn()
@@ -139,7 +139,7 @@ def main(argv=None):
             prof = cProfile.Profile()
             for _ in range(30):
                 for op in ops():
-                    op.plans.clear()
+                    op.clear()
                 prof.enable()
                 w.call(o)
                 prof.disable()
