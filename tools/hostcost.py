@@ -363,7 +363,8 @@ def main(argv=None):
         rows.append((name, first, first_t, cp_us, th_us))
         op_name = layered_name(w) if args.layers else None
         if op_name is not None:
-            for label, layers in (("wrapper, one layer", None), (f"{args.layers} layers", args.layers)):
+            for label, layers in (("wrapper, one layer", None),
+                                  (f"{args.layers} layers", args.layers)):
                 lc, lt = (LayeredCase(w, f, op_name, layers) for f in (to_cupy, to_torch))
                 rows.append((f"  {label}", first_call_us(lc), first_call_us(lt),
                              per_call_us(lc, args.calls), per_call_us(lt, args.calls)))
