@@ -83,17 +83,23 @@ def qkv_output(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx=None):
 
 def layer_index(layer_idx):
     """``layer_idx`` as the eager ops take it (None or an int; the eager ``TypeError``
-    otherwise): the framework ops pass it on as a static int."""
-    return None if layer_idx is None else ck.check_layer_idx(layer_idx)
+    otherwise): the framework ops pass it on as a static int. The common cases are plain
+    ``is`` / ``type`` tests, which ``torch.compile`` traces without a graph break."""
+    if layer_idx is None or type(layer_idx) is int:
+        return layer_idx
+    return ck.check_layer_idx(layer_idx)
 
 
 def mrope_list(section):
     """``mrope_section`` as a list of three ints (None stays None), for an op schema; anything
-    else gets the eager op's message."""
+    else gets the eager op's message (plain ``type`` tests first, as :func:`layer_index`)."""
     if section is None:
         return None
-    if not isinstance(section, tuple | list) or len(section) != 3 or not all(
-            isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+    if type(section) in (tuple, list) and len(section) == 3 and all(
+            type(x) is int for x in section):
+        return list(section)
+    if not isinstance(section, (tuple, list)) or len(section) != 3 or not all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
             for x in section):
         raise ValueError(f"mrope_section must be three integers (t, h, w), got {section!r}")
     return [int(x) for x in section]
