@@ -264,35 +264,46 @@ LAYERED = {"qk_rmsnorm_rope_append_paged_kv_cache": ("k_cache", "v_cache"),
            "mla_rope_rmsnorm_append_paged_kv_cache": ("ckv", "kpe")}
 
 
+class Cycling:
+    """An op called with ``layer_idx`` cycling over ``layers`` layers (None: ``layer_idx=None``),
+    as an engine's step calls it once per layer."""
+
+    def __init__(self, fn, layers):
+        self.fn, self.layers, self.turn = fn, layers, 0
+
+    def __call__(self, *args, **kwargs):
+        layer = None
+        if self.layers is not None:
+            layer = self.turn
+            self.turn = layer + 1 if layer + 1 < self.layers else 0
+        return self.fn(*args, layer_idx=layer, **kwargs)
+
+
 class LayeredCase(Case):
-    """A case on caches of ``layers`` layers, each call the next ``layer_idx`` (``layers`` None:
-    the one-layer caches, ``layer_idx=None``, through the same wrapper)."""
+    """A case on caches of ``layers`` layers called through :class:`Cycling` (``layers`` None:
+    the one-layer caches through the same wrapper). ``install()`` puts the wrapper in place of
+    the op in ``ropekv`` (the workloads look the op up there on each call)."""
 
     def __init__(self, workload, convert, name, layers):
         import ropekv
 
         super().__init__(workload, convert)
-        self.layers, self.turn = layers, 0
         if layers is not None:
             for c in LAYERED[name]:
                 one = workload.a[c]
                 self.o[c] = convert(np.zeros((layers, *one.shape), one.dtype))
-        self.fn = getattr(ropekv, name)
-        self.name = name
+        self.name, self.fn = name, getattr(ropekv, name)
+        self.wrapper = Cycling(self.fn, layers)
 
-    def __call__(self):
+    def install(self):
         import ropekv
 
-        layer = None
-        if self.layers is not None:
-            layer = self.turn
-            self.turn = layer + 1 if layer + 1 < self.layers else 0
-        fn = self.fn
-        setattr(ropekv, self.name, lambda *a, **k: fn(*a, layer_idx=layer, **k))
-        try:
-            return self.w.call(self.o)
-        finally:
-            setattr(ropekv, self.name, fn)
+        setattr(ropekv, self.name, self.wrapper)
+
+    def uninstall(self):
+        import ropekv
+
+        setattr(ropekv, self.name, self.fn)
 
 
 def layered_name(w):
@@ -366,8 +377,12 @@ def main(argv=None):
             for label, layers in (("wrapper, one layer", None),
                                   (f"{args.layers} layers", args.layers)):
                 lc, lt = (LayeredCase(w, f, op_name, layers) for f in (to_cupy, to_torch))
-                rows.append((f"  {label}", first_call_us(lc), first_call_us(lt),
-                             per_call_us(lc, args.calls), per_call_us(lt, args.calls)))
+                lc.install()
+                try:
+                    rows.append((f"  {label}", first_call_us(lc), first_call_us(lt),
+                                 per_call_us(lc, args.calls), per_call_us(lt, args.calls)))
+                finally:
+                    lc.uninstall()
         for label, case in (("cupy", cupy_case), ("torch", torch_case)):
             if args.profile:
                 prof = cProfile.Profile()
