@@ -259,7 +259,8 @@ def test_replay_rechecks_overlap_with_every_layer(stubbed):  # noqa: F811
 
 
 def _run_device(op, seed, num_layers, layer, convert, cache_dtype=None, **more):
-    extra = dict(DECODE.get(op, {})) if op == "qkv" and more.pop("decode", False) else {}
+    decode = more.pop("decode", False)
+    extra = dict(DECODE.get(op, {})) if decode else {}
     if cache_dtype is not None:
         extra["cache_dtype"] = cache_dtype
     fn, kw = case(op, seed, **extra, **more)

@@ -75,7 +75,8 @@ def layered_rows(w, o, layers, sync, calls):
         ol = dict(o)
         if n is not None:
             for c in caches:
-                ol[c] = cupy.zeros((n, *o[c].shape), cupy.uint8).view(o[c].dtype)
+                shape = (n, *o[c].shape[:-1], o[c].shape[-1] * o[c].dtype.itemsize)
+                ol[c] = cupy.zeros(shape, cupy.uint8).view(o[c].dtype)  # fp8 as bytes
         wt = copy.copy(w)
         wt.a = {k: bench._to_torch(v) for k, v in w.a.items()}
         ot = {k: bench._to_torch(v) for k, v in ol.items()}
