@@ -338,3 +338,17 @@ def check_paged_indices(offsets, cache_lengths, block_table, page_size, num_page
     writes = page >= 0
     check_unique_slots(np.stack([page[writes], entry[writes]], 1), np.flatnonzero(writes),
                        "cache row (page, entry)")
+
+
+def check_layer_idx(value):
+    """``layer_idx`` of a multi-layer cache: an ``int`` (or NumPy integer), not a bool; as a
+    Python int (its range is checked against the arrays' layer count)."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        raise TypeError(f"layer_idx must be an int, got {value!r} of type "
+                        f"{type(value).__name__}")
+    return int(value)
+
+
+def layer_range_message(layer_idx, num_layers, name, shape):
+    return (f"layer_idx must be in [0, num_layers) = [0, {num_layers}), the leading dimension "
+            f"of {name} (shape {shape}), got {layer_idx}")

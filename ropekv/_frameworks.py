@@ -66,15 +66,48 @@ def same_as_q(q, layout):
     return q.shape, q.dtype
 
 
-def qkv_output(hidden_state, k_cache, num_q_heads, kv_layout):
+def qkv_output(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx=None):
     """``(shape, dtype)`` of the fused QKV op's ``out``: ``(T, Hq * D)`` in the input dtype, D
-    being the cache's last dim."""
+    being the cache's last dim (with ``layer_idx``, the cache has a leading layer dimension)."""
     ck.check_ndim(hidden_state, 2, "(T, K)")
     ck.check_dtype(hidden_state, INPUT_DTYPES)
     Hq = ck.check_positive_int(num_q_heads, "num_q_heads")
     ck.check_choice(kv_layout, "kv_layout", tuple(_PAGED_LAYOUTS))
-    ck.check_ndim(k_cache, 4, _PAGED_LAYOUTS[kv_layout])
-    return (hidden_state.shape[0], Hq * k_cache.shape[3]), hidden_state.dtype
+    layout = _PAGED_LAYOUTS[kv_layout]
+    if layer_idx is None:
+        ck.check_ndim(k_cache, 4, layout)
+    else:
+        ck.check_ndim(k_cache, 5, f"(num_layers, {layout[1:]}")
+    return (hidden_state.shape[0], Hq * k_cache.shape[-1]), hidden_state.dtype
+
+
+def layer_index(layer_idx):
+    """``layer_idx`` as the eager ops take it (None or an int; the eager ``TypeError``
+    otherwise): the framework ops pass it on as a static int. The common cases are plain
+    ``is`` / ``type`` tests, which ``torch.compile`` traces without a graph break."""
+    if layer_idx is None or type(layer_idx) is int:
+        return layer_idx
+    return ck.check_layer_idx(layer_idx)
+
+
+def mrope_list(section):
+    """``mrope_section`` as a list of three ints (None stays None), for an op schema; anything
+    else gets the eager op's message (plain ``type`` tests first, as :func:`layer_index`)."""
+    if section is None:
+        return None
+    if type(section) in (tuple, list) and len(section) == 3 and all(
+            type(x) is int for x in section):
+        return list(section)
+    if not isinstance(section, (tuple, list)) or len(section) != 3 or not all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+            for x in section):
+        raise ValueError(f"mrope_section must be three integers (t, h, w), got {section!r}")
+    return [int(x) for x in section]
+
+
+def mrope_tuple(section):
+    """An op schema's ``mrope_section`` back to the eager op's tuple."""
+    return None if section is None else tuple(section)
 
 
 def check_qkv_graph_safe(T, where):

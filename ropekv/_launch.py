@@ -16,7 +16,12 @@ Everything else lives here, once for every op:
 * the stream rule: ``stream=`` when given, else torch's current stream on the arrays' device when
   any argument is a torch tensor, else CuPy's current stream on that device;
 * the launch: the driver's ``cuLaunchKernel`` (``cuLaunchKernelEx`` with programmatic dependent
-  launch when asked) on a parameter record whose pointer fields are refilled per call.
+  launch when asked) on a parameter record whose pointer fields are refilled per call;
+* multi-layer caches (``docs/conventions.md``): an op names the arguments that may carry a leading
+  ``(num_layers, ...)`` dimension (``Op(..., layered=...)``); a call with ``layer_idx`` validates
+  the arrays of that layer (its ``prepare`` never sees the layer dimension), and its plan, keyed
+  by layout as any other, serves every layer: a replay checks ``layer_idx`` against the layer count
+  and adds ``layer_idx`` times each array's layer stride to its pointer (:class:`Layers`).
 """
 
 from __future__ import annotations
@@ -383,6 +388,7 @@ class Plan:
         self.last_checked = None  # the newest of them, as a list
         self.empties = {}  # array kinds -> zero-size outputs, made once (make_outputs)
         self.exact = {}  # (i, j, pointer delta) -> whether the two arrays share bytes
+        self.layers = None  # a Layers when the plan serves multi-layer arrays (layer_idx)
 
     def finish(self, views):
         """Record the byte spans the replay's overlap check needs (from the first call)."""
@@ -429,8 +435,11 @@ class Plan:
                         raise ValueError(ck.overlap_message(names[i], names[j], j in self.written,
                                                             inplace))
 
-    def replay(self, arrays, ptrs, kinds, stream_ptr, names):
-        """Launch on new pointers (``ptrs`` of ``arrays``); returns the op's result."""
+    def replay(self, arrays, ptrs, kinds, stream_ptr, names, layer=None):
+        """Launch on new pointers (``ptrs`` of ``arrays``; of layer ``layer`` of the multi-layer
+        ones when given); returns the op's result."""
+        if layer is not None and not 0 <= layer < self.layers.count:
+            raise ValueError(self.layers.range_message(layer))
         if self.pairs and ptrs != self.last_checked:
             seen = tuple(ptrs)
             if seen not in self.checked:
@@ -455,6 +464,9 @@ class Plan:
             else:  # a new list: ptrs stays last_checked as it was checked
                 outs = ()
                 ptrs = [*ptrs, 0]
+            if layer is not None:  # the layer's pointers (the checks above saw whole arrays)
+                for i, stride in self.layers.strides:
+                    ptrs[i] += layer * stride
             for step in self.steps:
                 step.run(ptrs, stream_ptr)
         finally:
@@ -509,22 +521,102 @@ class _Plans(dict):
         super().clear()
 
 
+class Layers:
+    """The layer dimension of a plan's multi-layer arguments (a call with ``layer_idx``).
+
+    ``strides``: ``(argument index, bytes per layer)`` of each multi-layer array the call passed;
+    ``count`` their layer count. The plan's checks and vector widths were chosen for one layer's
+    arrays; they hold for every layer whose arrays start at the same alignment, which is every
+    layer when each layer stride is a multiple of 16 bytes (``strict`` False, the usual case).
+    Otherwise only the layers of the validated offset alignment replay the plan; the others take
+    the first-call path (uncached).
+    """
+
+    __slots__ = ("count", "name", "shape", "strict", "strides", "validated")
+
+    def __init__(self, count, strides, layer, name, shape):
+        self.count, self.name, self.shape = count, name, shape
+        self.strides = tuple(strides)
+        self.strict = any(s & 15 for _, s in self.strides)
+        self.validated = self.alignment(layer)
+
+    def alignment(self, layer):
+        return tuple(layer * s & 15 for _, s in self.strides)
+
+    def misaligned(self, layer):
+        return self.strict and self.alignment(layer) != self.validated
+
+    def range_message(self, layer):
+        return ck.layer_range_message(layer, self.count, self.name, self.shape)
+
+
+def select_layer(views, indices, layer):
+    """``(views, Layers)``: ``views`` with each multi-layer array (the ``indices`` given) replaced
+    by a view of its layer ``layer``; ValueError when one has no leading dimension, when their
+    layer counts differ or when ``layer`` is out of range."""
+    given = [(i, views[i]) for i in indices if views[i] is not None]
+    if not given:
+        raise ValueError("layer_idx is given but no multi-layer array is")
+    first = given[0][1]
+    for _, v in given:
+        if v.ndim == 0:
+            raise ValueError(f"{v.name} must have a leading layer dimension (num_layers, ...) "
+                             f"with layer_idx, got shape {v.shape}")
+        if v.shape[0] != first.shape[0]:
+            raise ValueError(f"{v.name} must have as many layers as {first.name} "
+                             f"({first.shape[0]}) with layer_idx, got shape {v.shape}")
+    count = first.shape[0]
+    if not 0 <= layer < count:
+        raise ValueError(ck.layer_range_message(layer, count, first.name, first.shape))
+    out, strides = list(views), []
+    for i, v in given:
+        stride = v.strides[0] * v.dtype.itemsize
+        strides.append((i, stride))
+        out[i] = ar.ArrayView(v.name, v.ptr + layer * stride, v.shape[1:], v.strides[1:],
+                              v.dtype, v.device, readonly=v.readonly, owner=v.owner,
+                              host=None if v.host is None else v.host[layer], array=v.array,
+                              legacy=v.legacy)
+    return out, Layers(count, strides, layer, first.name, first.shape)
+
+
 class Op:
     """One public operation on the one call path: ``names`` of its array arguments, in the order
     its wrapper passes them, and ``prepare(views, flags) -> Plan`` (validates a first call and
-    raises the named error of any bad input before anything launches)."""
+    raises the named error of any bad input before anything launches). ``layered`` names the
+    arguments that carry a leading ``(num_layers, ...)`` dimension when a call gives
+    ``layer_idx`` (caches, and any per-layer array beside them, such as scale arrays); ``prepare``
+    then sees one layer of each. Plans of such calls live in ``layer_plans``, one per layout for
+    every layer."""
 
     MAX_PLANS = 256
 
-    def __init__(self, name, names, prepare):
+    def __init__(self, name, names, prepare, layered=()):
         self.name = name
         self.names = tuple(names)
         self.prepare = prepare
         self.plans = _Plans()
+        self.layer_plans = _Plans()
+        unknown = set(layered) - set(self.names)
+        if unknown:
+            raise ValueError(f"{name}: layered names no argument: {sorted(unknown)}")
+        self.layered = tuple(self.names.index(n) for n in layered)
         self.signature = ar.fast_signature(len(self.names))
 
-    def __call__(self, arrays, flags, stream=None):
+    def clear(self):
+        """Forget every plan (of one-layer and of multi-layer calls)."""
+        self.plans.clear()
+        self.layer_plans.clear()
+
+    def __call__(self, arrays, flags, stream=None, layer_idx=None):
         stream_ptr = None if stream is None else stream_ptr_of(stream)
+        if layer_idx is None:
+            plans = self.plans
+        else:
+            if layer_idx.__class__ is not int:
+                layer_idx = ck.check_layer_idx(layer_idx)
+            if not self.layered:
+                raise TypeError(f"{self.name} takes no layer_idx")
+            plans = self.layer_plans
         if _CHECK_INDICES_OFF(_ENV_KEY, b"") in _OFF:  # else: the first-call path checks indices
             fast = self.signature(arrays)
             if fast is None:  # an argument of another kind: its view (and capsule) lives here
@@ -534,25 +626,35 @@ class Op:
             try:
                 h = hash(flags)
             except TypeError:  # an unhashable flag: every call takes the first-call path
-                return self.first_call(arrays, flags, stream_ptr, None)
-            plans = self.plans
+                return self.first_call(arrays, flags, stream_ptr, None, layer_idx)
             last_h, last_flags, last_layout, plan = plans.last
             if not (h == last_h and layout == last_layout and flags == last_flags):
                 key = (flags, layout)
                 plan = plans.get(key)
                 if plan is None:
-                    return self.first_call(arrays, flags, stream_ptr, key)
+                    return self.first_call(arrays, flags, stream_ptr, key, layer_idx)
                 plans.last = (h, flags, layout, plan)
-            return plan.replay(arrays, ptrs, kinds, stream_ptr, self.names)
-        return self.first_call(arrays, flags, stream_ptr, None)
+            if layer_idx is not None and plan.layers.misaligned(layer_idx):
+                return self.first_call(arrays, flags, stream_ptr, None, layer_idx)
+            return plan.replay(arrays, ptrs, kinds, stream_ptr, self.names, layer_idx)
+        return self.first_call(arrays, flags, stream_ptr, None, layer_idx)
 
-    def first_call(self, arrays, flags, stream_ptr, key):
+    def first_call(self, arrays, flags, stream_ptr, key, layer=None):
+        """Validate and plan a call (``layer``: its ``layer_idx``), cache the plan under ``key``
+        (None: not cached) and launch it. The shared checks (writability, strides, overlap) see
+        whole arrays, every layer of a multi-layer one: what a replay re-checks from pointers
+        holds for every layer alike."""
         views = [None if a is None else ar.as_view(a, n, stream_ptr)
                  for a, n in zip(arrays, self.names)]
         for v in views:  # before the op's own checks, which pick vector widths from alignment
             if v is not None and v.device != ar.HOST:
                 ck.check_element_aligned(v)
-        plan = self.prepare(views, flags)
+        layers = None
+        op_views = views
+        if layer is not None:
+            op_views, layers = select_layer(views, self.layered, layer)
+        plan = self.prepare(op_views, flags)
+        plan.layers = layers
         kinds = 0
         for a in arrays:
             if a is not None:
@@ -566,15 +668,16 @@ class Op:
             ck.check_write_strides(views[i])
         ck.check_no_overlap(views, plan.written, plan.inplace)
         if plan.device == ar.HOST:
-            return self.run_host(plan, arrays, views, kinds, stream_ptr)
+            return self.run_host(plan, arrays, op_views, kinds, stream_ptr)
         plan.finish(views)
         if key is not None and plan.cacheable:
-            _bounded_put(self.plans, key, plan, self.MAX_PLANS)
+            _bounded_put(self.plans if layer is None else self.layer_plans, key, plan,
+                         self.MAX_PLANS)
         ptrs = [0 if v is None else v.ptr for v in views]
         if plan.pairs:  # check_no_overlap above passed these pointers: the replay need not
             plan.checked[tuple(ptrs)] = True
             plan.last_checked = ptrs
-        return plan.replay(arrays, ptrs, kinds, stream_ptr, self.names)
+        return plan.replay(arrays, ptrs, kinds, stream_ptr, self.names, layer)
 
     def run_host(self, plan, arrays, views, kinds, stream_ptr):
         outs = [o.allocate(kinds, ar.HOST, None, False) for o in plan.outputs]

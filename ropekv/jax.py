@@ -142,13 +142,14 @@ def _pair(caches, message):
 
 
 def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, position_ids=None,
-                        kv_scale=None, write_k_in_place=False, is_neox=True,
-                        command_buffer_compatible=False):
+                        kv_scale=None, write_k_in_place=False, is_neox=True, mrope_section=None,
+                        mrope_interleaved=False, command_buffer_compatible=False):
     """:func:`ropekv.apply_rope_write_kv` as a functional op.
 
     Returns ``(q, kv_cache)``, the roped queries and the new cache, or ``(q, k, kv_cache)`` with
     ``write_k_in_place=True`` (``k`` roped). All are input-output aliases: donate ``kv_cache`` (and
-    ``q``, ``k`` where they are jit arguments) to update them without a copy.
+    ``q``, ``k`` where they are jit arguments) to update them without a copy. mRoPE:
+    ``position_ids (3, B, S)`` with a static ``mrope_section`` (and ``mrope_interleaved``).
     """
     write_k = bool(write_k_in_place)
     outputs = [("q", "q"), *((("k", "k"),) if write_k else ()), ("kv_cache", "kv_cache")]
@@ -158,7 +159,7 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
             a["q"], a["k"], a["v"], a["kv_cache"], a["cos_sin_cache"],
             kv_end_lens=a.get("kv_end_lens"), position_ids=a.get("position_ids"),
             kv_scale=a.get("kv_scale"), write_k_in_place=write_k, is_neox=bool(is_neox),
-            stream=stream)
+            mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, stream=stream)
 
     inputs = [("q", q), ("k", k), ("v", v), ("kv_cache", kv_cache),
               ("cos_sin_cache", cos_sin_cache), ("kv_end_lens", kv_end_lens),
@@ -171,8 +172,8 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
 
 def _paged(name, eager, quantize, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
            paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions, is_neox,
-           quantize_dtype, quant_scale_q, quant_scale_kv, page_size, kv_layout,
-           command_buffer_compatible):
+           quantize_dtype, quant_scale_q, quant_scale_kv, page_size, kv_layout, mrope_section,
+           mrope_interleaved, command_buffer_compatible):
     shown = type(paged_kv_cache).__qualname__
     if isinstance(paged_kv_cache, tuple | list):
         shown += f" of length {len(paged_kv_cache)}"
@@ -195,7 +196,8 @@ def _paged(name, eager, quantize, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cac
               quant_scale_q=_either(scales["quant_scale_q"], a.get("quant_scale_q")),
               quant_scale_kv=_either(scales["quant_scale_kv"], a.get("quant_scale_kv")),
               page_size=page_size, kv_layout=kv_layout, q_rope_out=a["q_rope_out"],
-              q_nope_out=a["q_nope_out"], stream=stream)
+              q_nope_out=a["q_nope_out"], mrope_section=mrope_section,
+              mrope_interleaved=mrope_interleaved, stream=stream)
 
     inputs = [("q_rope", q_rope), ("k_rope", k_rope), ("q_nope", q_nope), ("k_nope", k_nope),
               ("v", v), ("cos_sin_cache", cos_sin_cache), ("pos_ids", pos_ids),
@@ -221,7 +223,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
         q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
         kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=1.0,
         quant_scale_kv=1.0, page_size=16, kv_layout="NHD", enable_pdl=False, *,
-        command_buffer_compatible=False):
+        mrope_section=None, mrope_interleaved=False, command_buffer_compatible=False):
     """:func:`ropekv.rope_quantize_fp8_append_paged_kv_cache` (FlashInfer's arguments) as a
     functional op.
 
@@ -229,26 +231,29 @@ def rope_quantize_fp8_append_paged_kv_cache(
     the quantized queries in ``quantize_dtype`` (default: the cache dtype) and the new caches,
     which alias the given ones (donate them for an in-place update). ``quant_scale_q`` /
     ``quant_scale_kv`` are Python floats (static) or float32 arrays (one scale per head).
-    ``enable_pdl`` is accepted and ignored, as in the eager op.
+    ``enable_pdl`` is accepted and ignored, as in the eager op. mRoPE: ``pos_ids (3, nnz)`` with
+    a static ``mrope_section`` (and ``mrope_interleaved``).
     """
     return _paged("rope_quantize_fp8_append_paged_kv_cache",
                   ropekv.rope_quantize_fp8_append_paged_kv_cache, True, q_rope, k_rope, q_nope,
                   k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices, kv_indptr,
                   batch_indices, positions, is_neox, quantize_dtype, quant_scale_q,
-                  quant_scale_kv, page_size, kv_layout, command_buffer_compatible)
+                  quant_scale_kv, page_size, kv_layout, mrope_section, mrope_interleaved,
+                  command_buffer_compatible)
 
 
 def rope_append_paged_kv_cache(
         q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
         kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=1.0,
         quant_scale_kv=1.0, page_size=16, kv_layout="NHD", enable_pdl=False, *,
-        command_buffer_compatible=False):
+        mrope_section=None, mrope_interleaved=False, command_buffer_compatible=False):
     """:func:`ropekv.rope_append_paged_kv_cache` (16-bit or fp8 caches) as a functional op; the
     same contract as :func:`rope_quantize_fp8_append_paged_kv_cache` here."""
     return _paged("rope_append_paged_kv_cache", ropekv.rope_append_paged_kv_cache, False, q_rope,
                   k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
                   kv_indptr, batch_indices, positions, is_neox, quantize_dtype, quant_scale_q,
-                  quant_scale_kv, page_size, kv_layout, command_buffer_compatible)
+                  quant_scale_kv, page_size, kv_layout, mrope_section, mrope_interleaved,
+                  command_buffer_compatible)
 
 
 # ---- mla_rope_rmsnorm_append_paged_kv_cache ----------------------------------------------------
@@ -257,13 +262,17 @@ def rope_append_paged_kv_cache(
 def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, input_row_offsets,
                                            cache_lengths, block_table, kv_cache, *, epsilon=1e-6,
                                            kv_norm_dim=None, is_neox=False, kv_scale=None,
-                                           command_buffer_compatible=False):
+                                           clear_unused_last_page_rows=False, status=None,
+                                           layer_idx=None, command_buffer_compatible=False):
     """:func:`ropekv.mla_rope_rmsnorm_append_paged_kv_cache` as a functional op.
 
     Returns ``(q_rope_out, kv_cache)``: the roped queries (a new array) and the new cache, one
     array or a ``(ckv, kpe)`` pair like the given one, aliasing it (donate it for an in-place
-    update).
+    update); with ``status``, ``(q_rope_out, kv_cache, status)``, the new status aliasing the
+    given one. ``clear_unused_last_page_rows`` is static; ``layer_idx`` (a static int) writes one
+    layer of caches with a leading ``(num_layers, ...)`` dimension, as the eager op.
     """
+    layer_idx = fw.layer_index(layer_idx)
     split = isinstance(kv_cache, tuple | list)
     if split:
         caches = _pair(kv_cache, f"kv_cache must be one array (num_pages, page_size, L + R) or a "
@@ -278,16 +287,21 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
         ropekv.mla_rope_rmsnorm_append_paged_kv_cache(
             a["q_rope"], a["kv"], a["gamma"], a["cos_sin_cache"], a["input_row_offsets"],
             a["cache_lengths"], a["block_table"], cache, epsilon=epsilon, kv_norm_dim=kv_norm_dim,
-            is_neox=bool(is_neox), kv_scale=kv_scale, q_rope_out=a["q_rope_out"], stream=stream)
+            is_neox=bool(is_neox), kv_scale=kv_scale, q_rope_out=a["q_rope_out"],
+            clear_unused_last_page_rows=clear_unused_last_page_rows, status=a.get("status"),
+            layer_idx=layer_idx, stream=stream)
 
     inputs = [("q_rope", q_rope), ("kv", kv), ("gamma", gamma), ("cos_sin_cache", cos_sin_cache),
               ("input_row_offsets", input_row_offsets), ("cache_lengths", cache_lengths),
-              ("block_table", block_table), ("cache0", caches[0]), ("cache1", caches[1])]
+              ("block_table", block_table), ("cache0", caches[0]), ("cache1", caches[1]),
+              ("status", status)]
     outputs = [("q_rope_out", _struct(shape, dtype)), ("cache0", "cache0"),
-               *((("cache1", "cache1"),) if split else ())]
+               *((("cache1", "cache1"),) if split else ()),
+               *((("status", "status"),) if status is not None else ())]
     q_rope_out, *new = _call("mla_rope_rmsnorm_append_paged_kv_cache", inputs, outputs, run,
                              command_buffer_compatible)
-    return q_rope_out, tuple(new) if split else new[0]
+    new_status = (new.pop(),) if status is not None else ()
+    return (q_rope_out, tuple(new) if split else new[0], *new_status)
 
 
 # ---- qk_rmsnorm_rope_append_paged_kv_cache -----------------------------------------------------
@@ -297,12 +311,22 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
                                           input_row_offsets, cache_lengths, block_table,
                                           paged_kv_cache, *, epsilon=1e-6, is_neox=True,
                                           kv_layout="NHD", kv_scale=None,
+                                          norm_order="before_rope", weight_offset=0.0,
+                                          clear_unused_last_page_rows=False, position_ids=None,
+                                          mrope_section=None, mrope_interleaved=False,
+                                          status=None, layer_idx=None,
                                           command_buffer_compatible=False):
     """:func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache` as a functional op.
 
     Returns ``(q_out, (k_cache, v_cache))``: the normalised, roped queries (a new array) and the
-    new caches, aliasing the given ones (donate them for an in-place update).
+    new caches, aliasing the given ones (donate them for an in-place update); with ``status``,
+    ``(q_out, (k_cache, v_cache), status)``, the new status aliasing the given one. Options as
+    the eager op: ``norm_order``, ``weight_offset``, ``clear_unused_last_page_rows``,
+    ``mrope_section`` and ``mrope_interleaved`` are static, ``position_ids`` an array;
+    ``layer_idx`` (a static int) writes one layer of caches with a leading
+    ``(num_layers, ...)`` dimension.
     """
+    layer_idx = fw.layer_index(layer_idx)
     k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a tuple (k_cache, "
                                              f"v_cache), got {type(paged_kv_cache).__name__}")
     shape, dtype = fw.same_as_q(_meta(q, "q"), "(T, Hq, D)")
@@ -312,16 +336,22 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
             a["q"], a["k"], a["v"], a["q_gamma"], a["k_gamma"], a["cos_sin_cache"],
             a["input_row_offsets"], a["cache_lengths"], a["block_table"],
             (a["k_cache"], a["v_cache"]), epsilon=epsilon, is_neox=bool(is_neox),
-            kv_layout=kv_layout, kv_scale=kv_scale, q_out=a["q_out"], stream=stream)
+            kv_layout=kv_layout, kv_scale=kv_scale, q_out=a["q_out"], norm_order=norm_order,
+            weight_offset=weight_offset, clear_unused_last_page_rows=clear_unused_last_page_rows,
+            position_ids=a.get("position_ids"), mrope_section=mrope_section,
+            mrope_interleaved=mrope_interleaved, status=a.get("status"), layer_idx=layer_idx,
+            stream=stream)
 
     inputs = [("q", q), ("k", k), ("v", v), ("q_gamma", q_gamma), ("k_gamma", k_gamma),
               ("cos_sin_cache", cos_sin_cache), ("input_row_offsets", input_row_offsets),
               ("cache_lengths", cache_lengths), ("block_table", block_table),
-              ("k_cache", k_cache), ("v_cache", v_cache)]
-    outputs = [("q_out", _struct(shape, dtype)), ("k_cache", "k_cache"), ("v_cache", "v_cache")]
-    q_out, new_k, new_v = _call("qk_rmsnorm_rope_append_paged_kv_cache", inputs, outputs, run,
-                                command_buffer_compatible)
-    return q_out, (new_k, new_v)
+              ("k_cache", k_cache), ("v_cache", v_cache), ("position_ids", position_ids),
+              ("status", status)]
+    outputs = [("q_out", _struct(shape, dtype)), ("k_cache", "k_cache"), ("v_cache", "v_cache"),
+               *((("status", "status"),) if status is not None else ())]
+    q_out, new_k, new_v, *new_status = _call("qk_rmsnorm_rope_append_paged_kv_cache", inputs,
+                                             outputs, run, command_buffer_compatible)
+    return (q_out, (new_k, new_v), *new_status)
 
 
 # ---- fused_qkv_matmul_append_paged_kv_cache ----------------------------------------------------
@@ -331,21 +361,25 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
                                            block_table, paged_kv_cache, *, num_q_heads,
                                            cos_sin_cache=None, is_neox=True, kv_layout="NHD",
                                            kv_scale=None, weight_scales=None, group_size=None,
-                                           zero_points=None, command_buffer_compatible=False):
+                                           zero_points=None, layer_idx=None,
+                                           command_buffer_compatible=False):
     """:func:`ropekv.fused_qkv_matmul_append_paged_kv_cache` as a functional op.
 
     Returns ``(out, (k_cache, v_cache))``: Q ``(T, Hq * D)`` (a new array) and the new caches,
     aliasing the given ones (donate them for an in-place update). Prefill-sized calls (more than
     ``ropekv.qkv.GEMV_MAX_TOKENS`` tokens) run cuBLAS on CuPy temporaries, allocated outside
     XLA's memory pool, and refuse ``command_buffer_compatible=True`` (``ValueError``).
+    ``layer_idx`` (a static int) writes one layer of caches with a leading ``(num_layers, ...)``
+    dimension, as the eager op.
     """
+    layer_idx = fw.layer_index(layer_idx)
     k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a (k_cache, v_cache) pair, "
                                              f"got {type(paged_kv_cache).__qualname__}")
     if command_buffer_compatible:
         fw.check_qkv_graph_safe(hidden_state.shape[0], "into XLA's command buffers "
                                                        "(command_buffer_compatible=True)")
     shape, dtype = fw.qkv_output(_meta(hidden_state, "hidden_state"), _meta(k_cache, "k_cache"),
-                                 num_q_heads, kv_layout)
+                                 num_q_heads, kv_layout, layer_idx)
 
     def run(a, stream):
         ropekv.fused_qkv_matmul_append_paged_kv_cache(
@@ -353,7 +387,7 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
             a["block_table"], (a["k_cache"], a["v_cache"]), num_q_heads=num_q_heads,
             cos_sin_cache=a.get("cos_sin_cache"), is_neox=bool(is_neox), kv_layout=kv_layout,
             kv_scale=kv_scale, weight_scales=a.get("weight_scales"), group_size=group_size,
-            zero_points=a.get("zero_points"), out=a["out"], stream=stream)
+            zero_points=a.get("zero_points"), out=a["out"], layer_idx=layer_idx, stream=stream)
 
     inputs = [("hidden_state", hidden_state), ("weight", weight),
               ("input_row_offsets", input_row_offsets), ("cache_lengths", cache_lengths),

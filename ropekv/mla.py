@@ -91,7 +91,7 @@ def mla_rope_rmsnorm_append_paged_kv_cache(
         kv_cache: ArrayLike | tuple[ArrayLike, ArrayLike], *, epsilon: float = 1e-6,
         kv_norm_dim: int | None = None, is_neox: bool = False, kv_scale: float | None = None,
         q_rope_out: ArrayLike | None = None, clear_unused_last_page_rows: bool = False,
-        status: ArrayLike | None = None, enable_pdl: bool = False,
+        status: ArrayLike | None = None, layer_idx: int | None = None, enable_pdl: bool = False,
         stream: StreamLike | None = None,
 ) -> ArrayLike:
     """MLA: rope the query's rotary part, RMS-normalise and rope the latent kv row, and write it
@@ -147,6 +147,10 @@ def mla_rope_rmsnorm_append_paged_kv_cache(
         capturable): ``status[0]`` receives 0 when they are well formed, else the code of the
         first failing check (1: ``offsets[0] != 0``; 2: an offset below the one before it; 3:
         ``offsets[-1] != T``), and then nothing else is written (``docs/conventions.md``).
+    layer_idx : int, optional
+        Multi-layer caches: ``kv_cache`` (or ``ckv`` and ``kpe``) then carry a leading
+        ``(num_layers, ...)`` dimension, and only layer ``layer_idx`` (an int in
+        ``[0, num_layers)``) is written (``docs/conventions.md``, "Multi-layer caches").
     enable_pdl : bool
         Launch with programmatic dependent launch (see :func:`ropekv.apply_rope_write_kv`).
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
@@ -205,7 +209,7 @@ def mla_rope_rmsnorm_append_paged_kv_cache(
         (scalar_key(epsilon), scalar_key(kv_norm_dim), ck.check_flag(is_neox, "is_neox"),
          scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl"), tuple(TUNING.values()),
          ck.check_flag(clear_unused_last_page_rows, "clear_unused_last_page_rows")),
-        stream)
+        stream, layer_idx)
 
 
 def _prepare(views, flags):
@@ -357,6 +361,8 @@ def _given_or_new(index):
 _NAMES = ("q_rope", "kv", "gamma", "cos_sin_cache", "input_row_offsets", "cache_lengths",
           "block_table")
 _JOINED = Op("mla_rope_rmsnorm_append_paged_kv_cache",
-             (*_NAMES, "kv_cache", "kpe_cache", "q_rope_out", "status"), _prepare)
+             (*_NAMES, "kv_cache", "kpe_cache", "q_rope_out", "status"), _prepare,
+             layered=("kv_cache", "kpe_cache"))
 _SPLIT = Op("mla_rope_rmsnorm_append_paged_kv_cache",
-            (*_NAMES, "ckv_cache", "kpe_cache", "q_rope_out", "status"), _prepare)
+            (*_NAMES, "ckv_cache", "kpe_cache", "q_rope_out", "status"), _prepare,
+            layered=("ckv_cache", "kpe_cache"))

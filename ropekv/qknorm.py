@@ -112,7 +112,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
         norm_order: str = "before_rope", weight_offset: float = 0.0,
         clear_unused_last_page_rows: bool = False, position_ids: ArrayLike | None = None,
         mrope_section: tuple[int, int, int] | None = None, mrope_interleaved: bool = False,
-        status: ArrayLike | None = None, enable_pdl: bool = False,
+        status: ArrayLike | None = None, layer_idx: int | None = None, enable_pdl: bool = False,
         stream: StreamLike | None = None,
 ) -> ArrayLike:
     """Qwen3-style attention input: RMS-normalise each Q and K head, rope both, and append K/V to
@@ -186,6 +186,10 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
         check (1: ``offsets[0] != 0``; 2: an offset below the one before it; 3: ``offsets[-1]
         != T``), and then nothing else is written (the caches, ``q_out`` and, when ``q_out``
         is new, its contents undefined). Written in place.
+    layer_idx : int, optional
+        Multi-layer caches: ``k_cache`` and ``v_cache`` then carry a leading
+        ``(num_layers, ...)`` dimension, and only layer ``layer_idx`` (an int in
+        ``[0, num_layers)``) is written (``docs/conventions.md``, "Multi-layer caches").
     enable_pdl : bool
         Launch with programmatic dependent launch (see :func:`ropekv.apply_rope_write_kv`).
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
@@ -245,7 +249,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
                 tuple(TUNING.values()), scalar_key(norm_order), scalar_key(weight_offset),
                 ck.check_flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"),
                 scalar_key(mrope_section), ck.check_flag(mrope_interleaved, "mrope_interleaved")),
-               stream)
+               stream, layer_idx)
 
 
 def _prepare(views, flags):
@@ -402,4 +406,4 @@ def _prepare(views, flags):
 _OP = Op("qk_rmsnorm_rope_append_paged_kv_cache",
          ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets",
           "cache_lengths", "block_table", "k_cache", "v_cache", "q_out", "position_ids",
-          "status"), _prepare)
+          "status"), _prepare, layered=("k_cache", "v_cache"))

@@ -237,7 +237,8 @@ def fused_qkv_matmul_append_paged_kv_cache(
         cos_sin_cache: ArrayLike | None = None, is_neox: bool = True, kv_layout: str = "NHD",
         kv_scale: float | tuple[float, float] | None = None, weight_scales: ArrayLike | None = None,
         group_size: int | None = None, zero_points: ArrayLike | None = None,
-        out: ArrayLike | None = None, enable_pdl: bool = False, stream: StreamLike | None = None,
+        out: ArrayLike | None = None, layer_idx: int | None = None, enable_pdl: bool = False,
+        stream: StreamLike | None = None,
 ) -> ArrayLike:
     """QKV projection with K/V appended to a paged KV cache and RoPE on Q and K (MAX's
     ``generic_fused_qkv_matmul_kv_cache_paged_ragged``).
@@ -290,6 +291,11 @@ def fused_qkv_matmul_append_paged_kv_cache(
         4-bit zero points; see ``weight``.
     out : array, (T, Hq D), the input dtype, optional
         Q (roped). Allocated when None, in the caller's array type (torch, CuPy, NumPy).
+    layer_idx : int, optional
+        Multi-layer caches (MAX's ``kv_collection`` with ``layer_idx``): ``k_cache`` and
+        ``v_cache`` then carry a leading ``(num_layers, ...)`` dimension, and only layer
+        ``layer_idx`` (an int in ``[0, num_layers)``) is written; its other bytes, and every other
+        layer's, stay as they were (``docs/conventions.md``, "Multi-layer caches").
     enable_pdl : bool
         Launch with programmatic dependent launch (see :func:`ropekv.apply_rope_write_kv`).
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
@@ -346,7 +352,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
                (scalar_key(num_q_heads), ck.check_flag(is_neox, "is_neox"), scalar_key(kv_layout),
                 scalar_key(kv_scale), scalar_key(group_size), ck.check_flag(enable_pdl, "enable_pdl"),
                 GEMV_MAX_TOKENS, FAST_INT4, MMA_MIN_TOKENS, MMA_MAX_TOKENS,
-                MMA_MAX_TOKENS_QUANTIZED, MMA_SPLIT), stream)
+                MMA_MAX_TOKENS_QUANTIZED, MMA_SPLIT), stream, layer_idx)
 
 
 def _prepare(views, flags):
@@ -713,4 +719,5 @@ def _check_indices(voff, vlen, vbt, T, P, page_size, num_pages):
     ck.check_unique_slots(np.stack([page[writes], entry[writes]], 1), np.flatnonzero(writes),
                           "cache row (page, entry)")
 
-_OP = Op("fused_qkv_matmul_append_paged_kv_cache", ARRAYS, _prepare)
+_OP = Op("fused_qkv_matmul_append_paged_kv_cache", ARRAYS, _prepare,
+         layered=("k_cache", "v_cache"))

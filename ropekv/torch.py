@@ -26,14 +26,16 @@ or ``torch.ops.ropekv.f_out`` when the caller gives them; the MLA and QK-norm op
 
 Every op declares exactly what it writes (``mutates_args``): the caches, ``q`` for
 ``apply_rope_write_kv`` (roped in place), ``k`` for its ``_k_in_place`` form, the given outputs,
-and ``q_rope`` / ``q`` for the ``_in_place`` forms. Validation is the eager op's, with its
-messages: the fake implementations check the dims and dtypes they derive output shapes from, and
-the eager op checks everything when the op runs (under ``torch.compile`` an error a fake raises
-while tracing reaches the caller as dynamo's ``TorchRuntimeError`` quoting the eager message). Torch
-accepts no autograd formula for an op that writes its arguments: eagerly the forward runs on tensors
-that require grad and backward through an op raises torch's "no autograd formula was registered"
-error; ``torch.compile`` with grad enabled raises it while compiling. Serve under
-``torch.inference_mode()`` or ``torch.no_grad()``.
+``q_rope`` / ``q`` for the ``_in_place`` forms, and ``status`` (MLA, QK-norm; written when given).
+With ``layer_idx`` the caches are whole ``(num_layers, ...)`` tensors, one layer written.
+
+Validation is the eager op's, with its messages: the fake implementations check the dims and
+dtypes they derive output shapes from, and the eager op checks everything when the op runs (under
+``torch.compile`` an error a fake raises while tracing reaches the caller as dynamo's
+``TorchRuntimeError`` quoting the eager message). Torch accepts no autograd formula for an op that
+writes its arguments: eagerly the forward runs on tensors that require grad and backward through
+an op raises torch's "no autograd formula was registered" error; ``torch.compile`` with grad
+enabled raises it while compiling. Serve under ``torch.inference_mode()`` or ``torch.no_grad()``.
 
 ``docs/frameworks.md`` has a compiled module and the rules for CUDA graphs (caches as module
 buffers, warm-up before capture).
@@ -46,6 +48,7 @@ from typing import List, Optional, Tuple
 import torch
 
 import ropekv
+from ropekv import _checks as ck
 from ropekv import _frameworks as fw
 from ropekv._arrays import HOST
 from ropekv.paged import as_dtype
@@ -101,6 +104,11 @@ def _pair(caches, message):
     return caches[0], caches[1]
 
 
+def _flag(value, name):
+    """A bool option, checked as the eager op checks it (torch's schema would take an int)."""
+    return ck.check_flag(value, name)
+
+
 def _eager(fn, *args, **kwargs):
     """Run the eager op ``fn`` on torch's current stream (ropekv's default for torch tensors,
     which is also the capture stream inside ``torch.cuda.graph``). Tensors that require grad are
@@ -119,10 +127,12 @@ def _no_outputs(*args, **kwargs):
 def _contiguous_op(write_k_in_place):
     def op(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, cos_sin_cache: Tensor,
            kv_end_lens: Optional[Tensor], position_ids: Optional[Tensor],
-           kv_scale: Optional[Tensor], is_neox: bool) -> None:
+           kv_scale: Optional[Tensor], is_neox: bool, mrope_section: Optional[List[int]],
+           mrope_interleaved: bool) -> None:
         _eager(ropekv.apply_rope_write_kv, q, k, v, kv_cache, cos_sin_cache,
                kv_end_lens=kv_end_lens, position_ids=position_ids, kv_scale=kv_scale,
-               write_k_in_place=write_k_in_place, is_neox=is_neox)
+               write_k_in_place=write_k_in_place, is_neox=is_neox,
+               mrope_section=fw.mrope_tuple(mrope_section), mrope_interleaved=mrope_interleaved)
     return op
 
 
@@ -136,16 +146,19 @@ _apply_rope_write_kv_k_in_place.register_fake(_no_outputs)
 
 
 def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, position_ids=None,
-                        kv_scale=None, write_k_in_place=False, is_neox=True):
+                        kv_scale=None, write_k_in_place=False, is_neox=True, mrope_section=None,
+                        mrope_interleaved=False):
     """:func:`ropekv.apply_rope_write_kv` as a custom op: ``q`` roped in place, K/V written into
     ``kv_cache`` (and the roped K into ``k`` with ``write_k_in_place=True``). Returns None.
 
     Runs ``torch.ops.ropekv.apply_rope_write_kv`` (writes ``q`` and ``kv_cache``) or
     ``torch.ops.ropekv.apply_rope_write_kv_k_in_place`` (also ``k``). No ``stream=``: torch's
-    current stream.
+    current stream. mRoPE: ``position_ids (3, B, S)`` with ``mrope_section`` (a list of ints in
+    the op's schema) and ``mrope_interleaved``.
     """
     op = _apply_rope_write_kv_k_in_place if write_k_in_place else _apply_rope_write_kv
-    op(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, bool(is_neox))
+    op(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, bool(is_neox),
+       fw.mrope_list(mrope_section), _flag(mrope_interleaved, "mrope_interleaved"))
 
 
 # ---- rope_quantize_fp8_append_paged_kv_cache / rope_append_paged_kv_cache ---------------------
@@ -172,14 +185,15 @@ def _paged_ops(name, eager, quantize):
                    kv_indptr: Tensor, batch_indices: Tensor, positions: Tensor, is_neox: bool,
                    quantize_dtype: Optional[torch.dtype], quant_scale_q: float,
                    quant_scales_q: Optional[Tensor], quant_scale_kv: float,
-                   quant_scales_kv: Optional[Tensor], page_size: int,
-                   kv_layout: str) -> Tuple[Tensor, Tensor]:
+                   quant_scales_kv: Optional[Tensor], page_size: int, kv_layout: str,
+                   mrope_section: Optional[List[int]],
+                   mrope_interleaved: bool) -> Tuple[Tensor, Tensor]:
         q_rope_out, q_nope_out = _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype,
                                                 quantize)
         into(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, k_cache, v_cache,
              kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
              quant_scale_q, quant_scales_q, quant_scale_kv, quant_scales_kv, page_size, kv_layout,
-             q_rope_out, q_nope_out)
+             mrope_section, mrope_interleaved, q_rope_out, q_nope_out)
         return q_rope_out, q_nope_out
 
     def into(q_rope: Tensor, k_rope: Tensor, q_nope: Optional[Tensor], k_nope: Optional[Tensor],
@@ -188,6 +202,7 @@ def _paged_ops(name, eager, quantize):
              positions: Tensor, is_neox: bool, quantize_dtype: Optional[torch.dtype],
              quant_scale_q: float, quant_scales_q: Optional[Tensor], quant_scale_kv: float,
              quant_scales_kv: Optional[Tensor], page_size: int, kv_layout: str,
+             mrope_section: Optional[List[int]], mrope_interleaved: bool,
              q_rope_out: Tensor, q_nope_out: Tensor) -> None:
         _eager(eager, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
                (k_cache, v_cache), kv_indices, kv_indptr, batch_indices, positions,
@@ -195,12 +210,13 @@ def _paged_ops(name, eager, quantize):
                quant_scale_q=quant_scale_q if quant_scales_q is None else quant_scales_q,
                quant_scale_kv=quant_scale_kv if quant_scales_kv is None else quant_scales_kv,
                page_size=page_size, kv_layout=kv_layout, q_rope_out=q_rope_out,
-               q_nope_out=q_nope_out)
+               q_nope_out=q_nope_out, mrope_section=fw.mrope_tuple(mrope_section),
+               mrope_interleaved=mrope_interleaved)
 
     def fake(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, k_cache, v_cache,
              kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
              quant_scale_q, quant_scales_q, quant_scale_kv, quant_scales_kv, page_size,
-             kv_layout):
+             kv_layout, mrope_section, mrope_interleaved):
         return _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize)
 
     op = torch.library.custom_op(f"ropekv::{name}", allocating,
@@ -221,7 +237,8 @@ _rope_append = _paged_ops("rope_append_paged_kv_cache", ropekv.rope_append_paged
 
 def _paged_call(ops, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
                 kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
-                quant_scale_q, quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out):
+                quant_scale_q, quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out,
+                mrope_section, mrope_interleaved):
     shown = type(paged_kv_cache).__qualname__
     if isinstance(paged_kv_cache, (tuple, list)):
         shown += f" of length {len(paged_kv_cache)}"
@@ -233,7 +250,8 @@ def _paged_call(ops, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, 
         scales += [1.0, s] if isinstance(s, Tensor) else [s, None]
     args = (q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, k_cache, v_cache,
             kv_indices, kv_indptr, batch_indices, positions, bool(is_neox), quantize_dtype,
-            *scales, page_size, kv_layout)
+            *scales, page_size, kv_layout, fw.mrope_list(mrope_section),
+            _flag(mrope_interleaved, "mrope_interleaved"))
     op, op_out = ops
     if q_rope_out is None and q_nope_out is None:
         return op(*args)
@@ -254,7 +272,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
         q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
         kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=1.0,
         quant_scale_kv=1.0, page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
-        enable_pdl=False):
+        enable_pdl=False, *, mrope_section=None, mrope_interleaved=False):
     """:func:`ropekv.rope_quantize_fp8_append_paged_kv_cache` (FlashInfer's arguments) as a custom
     op; returns ``(q_rope_out, q_nope_out)``.
 
@@ -263,26 +281,27 @@ def rope_quantize_fp8_append_paged_kv_cache(
     caches); with either, ``..._out``, which writes them (the other one is allocated here). A
     tensor ``quant_scale_q`` / ``quant_scale_kv`` passes as the op's ``quant_scales_q`` /
     ``quant_scales_kv``. ``enable_pdl`` is accepted and ignored, as in the eager op. No
-    ``stream=``.
+    ``stream=``. mRoPE: ``pos_ids (3, nnz)`` with ``mrope_section`` (a list of ints in the op's
+    schema) and ``mrope_interleaved``.
     """
     return _paged_call(_rope_quantize_fp8, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
                        pos_ids, paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions,
                        is_neox, quantize_dtype, quant_scale_q, quant_scale_kv, page_size,
-                       kv_layout, q_rope_out, q_nope_out)
+                       kv_layout, q_rope_out, q_nope_out, mrope_section, mrope_interleaved)
 
 
 def rope_append_paged_kv_cache(
         q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
         kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=1.0,
         quant_scale_kv=1.0, page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
-        enable_pdl=False):
+        enable_pdl=False, *, mrope_section=None, mrope_interleaved=False):
     """:func:`ropekv.rope_append_paged_kv_cache` as a custom op (16-bit or fp8 caches); the same
     contract as :func:`rope_quantize_fp8_append_paged_kv_cache` here, through
     ``torch.ops.ropekv.rope_append_paged_kv_cache`` and ``..._out``."""
     return _paged_call(_rope_append, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
                        paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions, is_neox,
                        quantize_dtype, quant_scale_q, quant_scale_kv, page_size, kv_layout,
-                       q_rope_out, q_nope_out)
+                       q_rope_out, q_nope_out, mrope_section, mrope_interleaved)
 
 
 # ---- mla_rope_rmsnorm_append_paged_kv_cache ----------------------------------------------------
@@ -292,40 +311,49 @@ def _mla_ops():
     name = "mla_rope_rmsnorm_append_paged_kv_cache"
 
     def run(q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table,
-            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale, q_rope_out):
+            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale, clear, status,
+            layer_idx, q_rope_out):
         cache = kv_cache if kpe_cache is None else (kv_cache, kpe_cache)
         _eager(ropekv.mla_rope_rmsnorm_append_paged_kv_cache, q_rope, kv, gamma, cos_sin_cache,
                input_row_offsets, cache_lengths, block_table, cache, epsilon=epsilon,
                kv_norm_dim=kv_norm_dim, is_neox=is_neox, kv_scale=kv_scale,
-               q_rope_out=q_rope_out)
+               q_rope_out=q_rope_out, clear_unused_last_page_rows=clear, status=status,
+               layer_idx=layer_idx)
 
     def allocating(q_rope: Tensor, kv: Tensor, gamma: Tensor, cos_sin_cache: Tensor,
                    input_row_offsets: Tensor, cache_lengths: Tensor, block_table: Tensor,
                    kv_cache: Tensor, kpe_cache: Optional[Tensor], epsilon: float,
-                   kv_norm_dim: Optional[int], is_neox: bool,
-                   kv_scale: Optional[float]) -> Tensor:
+                   kv_norm_dim: Optional[int], is_neox: bool, kv_scale: Optional[float],
+                   clear_unused_last_page_rows: bool, status: Optional[Tensor],
+                   layer_idx: Optional[int]) -> Tensor:
         out = _like_q(q_rope, "q_rope", "(T, Hq, R)")
         run(q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table,
-            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale, out)
+            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale,
+            clear_unused_last_page_rows, status, layer_idx, out)
         return out
 
     def into(q_rope: Tensor, kv: Tensor, gamma: Tensor, cos_sin_cache: Tensor,
              input_row_offsets: Tensor, cache_lengths: Tensor, block_table: Tensor,
              kv_cache: Tensor, kpe_cache: Optional[Tensor], epsilon: float,
              kv_norm_dim: Optional[int], is_neox: bool, kv_scale: Optional[float],
-             q_rope_out: Tensor) -> None:
+             clear_unused_last_page_rows: bool, status: Optional[Tensor],
+             layer_idx: Optional[int], q_rope_out: Tensor) -> None:
         run(q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table,
-            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale, q_rope_out)
+            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale,
+            clear_unused_last_page_rows, status, layer_idx, q_rope_out)
 
     def in_place(q_rope: Tensor, kv: Tensor, gamma: Tensor, cos_sin_cache: Tensor,
                  input_row_offsets: Tensor, cache_lengths: Tensor, block_table: Tensor,
                  kv_cache: Tensor, kpe_cache: Optional[Tensor], epsilon: float,
-                 kv_norm_dim: Optional[int], is_neox: bool, kv_scale: Optional[float]) -> None:
+                 kv_norm_dim: Optional[int], is_neox: bool, kv_scale: Optional[float],
+                 clear_unused_last_page_rows: bool, status: Optional[Tensor],
+                 layer_idx: Optional[int]) -> None:
         run(q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table,
-            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale, q_rope)
+            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale,
+            clear_unused_last_page_rows, status, layer_idx, q_rope)
 
-    return _three_ops(name, allocating, into, in_place, ("kv_cache", "kpe_cache"), "q_rope",
-                      "q_rope_out", "(T, Hq, R)")
+    return _three_ops(name, allocating, into, in_place, ("kv_cache", "kpe_cache", "status"),
+                      "q_rope", "q_rope_out", "(T, Hq, R)")
 
 
 def _like_q(q, name, layout):
@@ -364,14 +392,17 @@ def _pick(ops, q, out):
 def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, input_row_offsets,
                                            cache_lengths, block_table, kv_cache, *, epsilon=1e-6,
                                            kv_norm_dim=None, is_neox=False, kv_scale=None,
-                                           q_rope_out=None):
+                                           q_rope_out=None, clear_unused_last_page_rows=False,
+                                           status=None, layer_idx=None):
     """:func:`ropekv.mla_rope_rmsnorm_append_paged_kv_cache` as a custom op; returns
     ``q_rope_out``.
 
     ``kv_cache`` is one tensor or a ``(ckv, kpe)`` pair (the op's ``kv_cache`` and ``kpe_cache``).
     Runs ``torch.ops.ropekv.mla_rope_rmsnorm_append_paged_kv_cache`` (allocates ``q_rope_out``),
     ``..._out`` (writes the given ``q_rope_out``) or ``..._in_place`` (``q_rope_out=q_rope``).
-    No ``stream=``.
+    No ``stream=``. ``status`` (an int32 tensor of one element) is written in place (every form
+    declares it mutated); ``layer_idx`` writes one layer of caches with a leading
+    ``(num_layers, ...)`` dimension, as the eager op.
     """
     if isinstance(kv_cache, (tuple, list)):
         ckv, kpe = _pair(kv_cache, f"kv_cache must be one array (num_pages, page_size, L + R) or "
@@ -381,7 +412,9 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
         ckv, kpe = kv_cache, None
     op, extra, result = _pick(_mla, q_rope, q_rope_out)
     out = op(q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table, ckv,
-             kpe, epsilon, kv_norm_dim, bool(is_neox), kv_scale, *extra)
+             kpe, epsilon, kv_norm_dim, bool(is_neox), kv_scale,
+             _flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"), status,
+             fw.layer_index(layer_idx), *extra)
     return out if result is None else result
 
 
@@ -392,37 +425,61 @@ def _qknorm_ops():
     name = "qk_rmsnorm_rope_append_paged_kv_cache"
 
     def run(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
-            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale, q_out):
+            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale, options,
+            q_out):
+        (norm_order, weight_offset, clear, position_ids, mrope_section, mrope_interleaved,
+         status, layer_idx) = options
         _eager(ropekv.qk_rmsnorm_rope_append_paged_kv_cache, q, k, v, q_gamma, k_gamma,
                cos_sin_cache, input_row_offsets, cache_lengths, block_table, (k_cache, v_cache),
                epsilon=epsilon, is_neox=is_neox, kv_layout=kv_layout,
-               kv_scale=_scale_arg(kv_scale), q_out=q_out)
+               kv_scale=_scale_arg(kv_scale), q_out=q_out, norm_order=norm_order,
+               weight_offset=weight_offset, clear_unused_last_page_rows=clear,
+               position_ids=position_ids, mrope_section=fw.mrope_tuple(mrope_section),
+               mrope_interleaved=mrope_interleaved, status=status, layer_idx=layer_idx)
 
     def allocating(q: Tensor, k: Tensor, v: Tensor, q_gamma: Tensor, k_gamma: Tensor,
                    cos_sin_cache: Tensor, input_row_offsets: Tensor, cache_lengths: Tensor,
                    block_table: Tensor, k_cache: Tensor, v_cache: Tensor, epsilon: float,
-                   is_neox: bool, kv_layout: str, kv_scale: Optional[List[float]]) -> Tensor:
+                   is_neox: bool, kv_layout: str, kv_scale: Optional[List[float]],
+                   norm_order: str, weight_offset: float, clear_unused_last_page_rows: bool,
+                   position_ids: Optional[Tensor], mrope_section: Optional[List[int]],
+                   mrope_interleaved: bool, status: Optional[Tensor],
+                   layer_idx: Optional[int]) -> Tensor:
         out = _like_q(q, "q", "(T, Hq, D)")
         run(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
-            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale, out)
+            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale,
+            (norm_order, weight_offset, clear_unused_last_page_rows, position_ids,
+             mrope_section, mrope_interleaved, status, layer_idx), out)
         return out
 
     def into(q: Tensor, k: Tensor, v: Tensor, q_gamma: Tensor, k_gamma: Tensor,
              cos_sin_cache: Tensor, input_row_offsets: Tensor, cache_lengths: Tensor,
              block_table: Tensor, k_cache: Tensor, v_cache: Tensor, epsilon: float, is_neox: bool,
-             kv_layout: str, kv_scale: Optional[List[float]], q_out: Tensor) -> None:
+             kv_layout: str, kv_scale: Optional[List[float]], norm_order: str,
+             weight_offset: float, clear_unused_last_page_rows: bool,
+             position_ids: Optional[Tensor], mrope_section: Optional[List[int]],
+             mrope_interleaved: bool, status: Optional[Tensor], layer_idx: Optional[int],
+             q_out: Tensor) -> None:
         run(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
-            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale, q_out)
+            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale,
+            (norm_order, weight_offset, clear_unused_last_page_rows, position_ids,
+             mrope_section, mrope_interleaved, status, layer_idx), q_out)
 
     def in_place(q: Tensor, k: Tensor, v: Tensor, q_gamma: Tensor, k_gamma: Tensor,
                  cos_sin_cache: Tensor, input_row_offsets: Tensor, cache_lengths: Tensor,
                  block_table: Tensor, k_cache: Tensor, v_cache: Tensor, epsilon: float,
-                 is_neox: bool, kv_layout: str, kv_scale: Optional[List[float]]) -> None:
+                 is_neox: bool, kv_layout: str, kv_scale: Optional[List[float]],
+                 norm_order: str, weight_offset: float, clear_unused_last_page_rows: bool,
+                 position_ids: Optional[Tensor], mrope_section: Optional[List[int]],
+                 mrope_interleaved: bool, status: Optional[Tensor],
+                 layer_idx: Optional[int]) -> None:
         run(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
-            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale, q)
+            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale,
+            (norm_order, weight_offset, clear_unused_last_page_rows, position_ids,
+             mrope_section, mrope_interleaved, status, layer_idx), q)
 
-    return _three_ops(name, allocating, into, in_place, ("k_cache", "v_cache"), "q", "q_out",
-                      "(T, Hq, D)")
+    return _three_ops(name, allocating, into, in_place, ("k_cache", "v_cache", "status"), "q",
+                      "q_out", "(T, Hq, D)")
 
 
 _qknorm = _qknorm_ops()
@@ -431,28 +488,38 @@ _qknorm = _qknorm_ops()
 def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cache,
                                           input_row_offsets, cache_lengths, block_table,
                                           paged_kv_cache, *, epsilon=1e-6, is_neox=True,
-                                          kv_layout="NHD", kv_scale=None, q_out=None):
+                                          kv_layout="NHD", kv_scale=None, q_out=None,
+                                          norm_order="before_rope", weight_offset=0.0,
+                                          clear_unused_last_page_rows=False, position_ids=None,
+                                          mrope_section=None, mrope_interleaved=False,
+                                          status=None, layer_idx=None):
     """:func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache` as a custom op; returns ``q_out``.
 
     Runs ``torch.ops.ropekv.qk_rmsnorm_rope_append_paged_kv_cache`` (allocates ``q_out``),
     ``..._out`` (writes the given ``q_out``) or ``..._in_place`` (``q_out=q``). ``kv_scale`` (a
-    float or a pair) passes as a list of floats. No ``stream=``.
+    float or a pair) passes as a list of floats, ``mrope_section`` as a list of ints. No
+    ``stream=``. ``status`` (an int32 tensor of one element) is written in place (every form
+    declares it mutated); ``layer_idx`` writes one layer of caches with a leading
+    ``(num_layers, ...)`` dimension, as the eager op.
     """
     k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a tuple (k_cache, "
                                              f"v_cache), got {type(paged_kv_cache).__name__}")
     op, extra, result = _pick(_qknorm, q, q_out)
     out = op(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
              block_table, k_cache, v_cache, epsilon, bool(is_neox), kv_layout,
-             _scale_list(kv_scale), *extra)
+             _scale_list(kv_scale), norm_order, weight_offset,
+             _flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"), position_ids,
+             fw.mrope_list(mrope_section), _flag(mrope_interleaved, "mrope_interleaved"), status,
+             fw.layer_index(layer_idx), *extra)
     return out if result is None else result
 
 
 # ---- fused_qkv_matmul_append_paged_kv_cache ----------------------------------------------------
 
 
-def _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout):
+def _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx):
     shape, dtype = fw.qkv_output(_meta(hidden_state, "hidden_state"), _meta(k_cache, "k_cache"),
-                                 num_q_heads, kv_layout)
+                                 num_q_heads, kv_layout, layer_idx)
     return hidden_state.new_empty(shape, dtype=_torch_dtype(dtype))
 
 
@@ -463,30 +530,32 @@ def _qkv_ops():
              cache_lengths: Tensor, block_table: Tensor, k_cache: Tensor, v_cache: Tensor,
              num_q_heads: int, cos_sin_cache: Optional[Tensor], is_neox: bool, kv_layout: str,
              kv_scale: Optional[List[float]], weight_scales: Optional[Tensor],
-             group_size: Optional[int], zero_points: Optional[Tensor], out: Tensor) -> None:
+             group_size: Optional[int], zero_points: Optional[Tensor],
+             layer_idx: Optional[int], out: Tensor) -> None:
         if hidden_state.is_cuda and torch.cuda.is_current_stream_capturing():
             fw.check_qkv_graph_safe(hidden_state.shape[0], "in a CUDA graph")
         _eager(ropekv.fused_qkv_matmul_append_paged_kv_cache, hidden_state, weight,
                input_row_offsets, cache_lengths, block_table, (k_cache, v_cache),
                num_q_heads=num_q_heads, cos_sin_cache=cos_sin_cache, is_neox=is_neox,
                kv_layout=kv_layout, kv_scale=_scale_arg(kv_scale), weight_scales=weight_scales,
-               group_size=group_size, zero_points=zero_points, out=out)
+               group_size=group_size, zero_points=zero_points, out=out, layer_idx=layer_idx)
 
     def allocating(hidden_state: Tensor, weight: Tensor, input_row_offsets: Tensor,
                    cache_lengths: Tensor, block_table: Tensor, k_cache: Tensor, v_cache: Tensor,
                    num_q_heads: int, cos_sin_cache: Optional[Tensor], is_neox: bool,
                    kv_layout: str, kv_scale: Optional[List[float]],
                    weight_scales: Optional[Tensor], group_size: Optional[int],
-                   zero_points: Optional[Tensor]) -> Tensor:
-        out = _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout)
+                   zero_points: Optional[Tensor], layer_idx: Optional[int]) -> Tensor:
+        out = _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx)
         into(hidden_state, weight, input_row_offsets, cache_lengths, block_table, k_cache,
              v_cache, num_q_heads, cos_sin_cache, is_neox, kv_layout, kv_scale, weight_scales,
-             group_size, zero_points, out)
+             group_size, zero_points, layer_idx, out)
         return out
 
     def fake(hidden_state, weight, input_row_offsets, cache_lengths, block_table, k_cache,
-             v_cache, num_q_heads, cos_sin_cache, is_neox, kv_layout, *rest):
-        return _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout)
+             v_cache, num_q_heads, cos_sin_cache, is_neox, kv_layout, kv_scale, weight_scales,
+             group_size, zero_points, layer_idx):
+        return _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx)
 
     op = torch.library.custom_op(f"ropekv::{name}", allocating,
                                  mutates_args=("k_cache", "v_cache"))
@@ -504,21 +573,22 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
                                            block_table, paged_kv_cache, *, num_q_heads,
                                            cos_sin_cache=None, is_neox=True, kv_layout="NHD",
                                            kv_scale=None, weight_scales=None, group_size=None,
-                                           zero_points=None, out=None):
+                                           zero_points=None, out=None, layer_idx=None):
     """:func:`ropekv.fused_qkv_matmul_append_paged_kv_cache` as a custom op; returns ``out``.
 
     Runs ``torch.ops.ropekv.fused_qkv_matmul_append_paged_kv_cache`` (allocates ``out``) or
     ``..._out`` (writes the given ``out``). ``kv_scale`` passes as a list of floats. No
     ``stream=``. Prefill-sized calls (more than ``ropekv.qkv.GEMV_MAX_TOKENS`` tokens) run cuBLAS
     on CuPy temporaries and raise ``ValueError`` under CUDA-graph capture; decode-sized calls
-    capture.
+    capture. ``layer_idx`` writes one layer of caches with a leading ``(num_layers, ...)``
+    dimension, as the eager op.
     """
     k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a (k_cache, v_cache) pair, "
                                              f"got {type(paged_kv_cache).__qualname__}")
     op, op_out = _qkv
     args = (hidden_state, weight, input_row_offsets, cache_lengths, block_table, k_cache, v_cache,
             num_q_heads, cos_sin_cache, bool(is_neox), kv_layout, _scale_list(kv_scale),
-            weight_scales, group_size, zero_points)
+            weight_scales, group_size, zero_points, fw.layer_index(layer_idx))
     if out is None:
         return op(*args)
     op_out(*args, out)

@@ -22,6 +22,8 @@ WRITES = {
     "fused_qkv_matmul_append_paged_kv_cache": ("paged_kv_cache",),
 }
 OUTPUT_ARGS = ("q_rope_out", "q_nope_out", "q_out", "out")
+# written when given (the ops that validate their offsets on the device), after the caches
+STATUS = "status"
 
 
 class Case:
@@ -52,6 +54,8 @@ class Case:
         names = list(WRITES[self.op])
         if self.op == "apply_rope_write_kv" and kwargs.get("write_k_in_place"):
             names.append("k")
+        if kwargs.get(STATUS) is not None:
+            names.append(STATUS)
         names += [n for n in OUTPUT_ARGS if kwargs.get(n) is not None]
         flat = []
         for n in names:
@@ -109,6 +113,48 @@ def _ragged(name, module, op, seed, out=None, call=None, **kw):
     return Case(name, op, args, in_place)
 
 
+def _mrope(case, interleaved):
+    """``case`` with mRoPE positions ((3, B, S) or (3, T)) and the keywords that go with them,
+    from the op tests' own builders."""
+    rng = np.random.default_rng(len(case.name))
+    a = case.kwargs
+    R = a["cos_sin_cache"].shape[-1]
+    if case.op == "apply_rope_write_kv":
+        B, S = a["q"].shape[:2]
+        a["position_ids"] = test_contiguous.mrope_ids(rng, B, S, a["cos_sin_cache"].shape[0])
+        section = test_contiguous.mrope_section_for(R, interleaved)
+    elif case.op.startswith("rope_"):
+        args, kw = test_paged.with_mrope(a, rng, interleaved)
+        a.update(args)
+        section = kw["mrope_section"]
+    else:
+        a["position_ids"], section = test_qknorm.mrope_case(rng, a, R, interleaved)
+    a.update(mrope_section=section, mrope_interleaved=interleaved)
+    return case
+
+
+def _layers(case, num_layers, layer):
+    """``case`` on caches of ``num_layers`` layers (random bytes, layer ``layer`` the case's
+    cache) written through ``layer_idx``."""
+    rng = np.random.default_rng(num_layers + layer)
+    name = WRITES[case.op][0]
+    caches = case.kwargs[name]
+
+    def layered(c):
+        full = (rng.standard_normal((num_layers, *c.shape)) * 0.5).astype(c.dtype)
+        full[layer] = c
+        return full
+
+    case.kwargs[name] = (tuple(layered(c) for c in caches) if isinstance(caches, tuple)
+                         else layered(caches))
+    case.kwargs["layer_idx"] = layer
+    return case
+
+
+def _status():
+    return np.full(1, 99, np.int32)  # not 0: the op must write it
+
+
 def cases():
     """Every op with each of its registered forms (allocating, given outputs, in place)."""
     quant, plain = "rope_quantize_fp8_append_paged_kv_cache", "rope_append_paged_kv_cache"
@@ -135,4 +181,25 @@ def cases():
                 cache_dtype=E4M3, call={"kv_scale": (0.5, 2.0)}),
         _ragged("qkv-decode", test_qkv, qkv, 15, lengths=(1, 1)),
         _ragged("qkv-prefill-given", test_qkv, qkv, 16, out="given"),
+        # issue 14's options (mRoPE, status, tail clearing, QK-norm variants) and multi-layer
+        # caches (layer_idx)
+        _mrope(_contiguous("contiguous-mrope", 17, D=32, R=32), False),
+        _mrope(_contiguous("contiguous-fp8-mrope-interleaved", 18, D=32, R=32,
+                           cache_dtype=E4M3), True),
+        _mrope(_paged("paged-fp8-mrope-interleaved", 19, quant, Dn=16), True),
+        _mrope(_paged("paged-f16-mrope-given", 20, plain, cache_dtype=np.float16,
+                      q_rope_out=True), False),
+        _ragged("mla-options", test_mla, mla, 21, out="given",
+                call={"clear_unused_last_page_rows": True, "status": _status()}),
+        _layers(_ragged("mla-split-layers", test_mla, mla, 22, split=True, cache_dtype=E4M3),
+                3, 1),
+        _ragged("qknorm-options-given", test_qknorm, qknorm, 23, out="given",
+                call={"norm_order": "after_rope", "weight_offset": 1.0,
+                      "clear_unused_last_page_rows": True, "status": _status()}),
+        _mrope(_ragged("qknorm-mrope-in-place", test_qknorm, qknorm, 24, out="in_place"), True),
+        _mrope(_ragged("qknorm-mrope", test_qknorm, qknorm, 25, call={"status": _status()}),
+               False),
+        _layers(_ragged("qknorm-fp8-layers", test_qknorm, qknorm, 26, cache_dtype=E4M3,
+                        call={"kv_scale": 0.5}), 4, 3),
+        _layers(_ragged("qkv-decode-layers", test_qkv, qkv, 27, lengths=(1, 1)), 2, 0),
     ]

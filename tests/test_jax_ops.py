@@ -298,6 +298,62 @@ def test_command_buffer_flag_is_accepted_on_the_host():
     assert_same(jax.tree_util.tree_leaves(got), expected(case))
 
 
+@cpu
+@pytest.mark.parametrize("name", ["qknorm-options-given", "mla-options"])
+def test_status_reports_bad_offsets_and_the_caches_stay(name):
+    """Malformed ``input_row_offsets`` (one above the next): the returned status is 2 and the
+    returned caches hold the given ones' bytes."""
+    import copy
+
+    case = copy.copy(next(c for c in CASES if c.name == name))
+    offsets = case.kwargs["input_row_offsets"].copy()
+    offsets[1] = offsets[2] + 1
+    case.kwargs = dict(case.kwargs, input_row_offsets=offsets)
+    arrays, statics = split(case)
+    fn = getattr(rj, case.op)
+    *_, caches, status = jax.jit(lambda a: fn(**a, **statics))(arrays)
+    assert int(np.asarray(status)[0]) == 2
+    given = case.kwargs["paged_kv_cache" if "paged_kv_cache" in case.kwargs else "kv_cache"]
+    for got, want in zip(jax.tree_util.tree_leaves(caches), jax.tree_util.tree_leaves(given)):
+        assert np.array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+
+
+@cpu
+@pytest.mark.parametrize("name,bad", [("qknorm-fp8-layers", True), ("qkv-decode-layers", 1.0),
+                                      ("mla-split-layers", "1")])
+def test_layer_idx_type_errors_are_the_eager_ones(name, bad):
+    case = next(c for c in CASES if c.name == name)
+    with pytest.raises(TypeError) as eager:
+        case.run(ropekv, dict(case.fresh(), layer_idx=bad))
+    arrays, statics = split(case)
+    fn = getattr(rj, case.op)
+    with pytest.raises(TypeError) as jitted:
+        jax.jit(lambda a: fn(**a, **dict(statics, layer_idx=bad)))(arrays)
+    assert str(jitted.value) == str(eager.value)
+
+
+@cpu
+def test_donated_multi_layer_cache_is_updated_in_its_own_buffer():
+    """One layer of a donated (num_layers, ...) cache written in place: no copy of the cache."""
+    case = next(c for c in CASES if c.name == "qknorm-fp8-layers")
+    arrays, statics = split(case)
+    caches = tuple(jnp.copy(c) for c in arrays.pop("paged_kv_cache"))
+    pointers = [c.unsafe_buffer_pointer() for c in caches]
+
+    def step(caches, a):
+        q_out, caches = rj.qk_rmsnorm_rope_append_paged_kv_cache(**a, paged_kv_cache=caches,
+                                                                 **statics)
+        return caches, q_out
+
+    jitted = jax.jit(step, donate_argnums=0)
+    new, q_out = jitted(caches, arrays)
+    jax.block_until_ready(new)
+    assert [c.unsafe_buffer_pointer() for c in new] == pointers
+    assert_same([q_out, *new], expected(case))
+    hlo = jitted.lower(new, arrays).compile().as_text()
+    assert " copy(" not in hlo and "copy-start" not in hlo
+
+
 def test_command_buffers_refuse_a_prefill_qkv_call():
     case = next(c for c in CASES if c.name == "qkv-prefill-given")
     arrays, statics = split(case)

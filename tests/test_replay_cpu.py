@@ -55,7 +55,7 @@ def stubbed(monkeypatch):
     """The fakes of tools/hostcost.py in place of CuPy's array type and the driver; every op's
     plans cleared before and after (a fake plan must never serve a real array)."""
     for op in all_ops():
-        op.plans.clear()
+        op.clear()
     launches = Launches()
     monkeypatch.setattr(ar, "_CUPY_ARRAY", hostcost.FakeCupyArray)
     monkeypatch.setattr(_launch, "function_pointer", lambda *a, **k: 0x1000)
@@ -66,7 +66,7 @@ def stubbed(monkeypatch):
                         lambda self: hostcost.FakeCupyArray(np.empty(self.shape, self.dtype)))
     yield launches
     for op in all_ops():
-        op.plans.clear()
+        op.clear()
 
 
 def fake_torch(monkeypatch):

@@ -31,12 +31,14 @@ MUTATIONS = {
                                                     "q_nope_out"},
     "rope_append_paged_kv_cache": {"k_cache", "v_cache"},
     "rope_append_paged_kv_cache_out": {"k_cache", "v_cache", "q_rope_out", "q_nope_out"},
-    "mla_rope_rmsnorm_append_paged_kv_cache": {"kv_cache", "kpe_cache"},
-    "mla_rope_rmsnorm_append_paged_kv_cache_out": {"kv_cache", "kpe_cache", "q_rope_out"},
-    "mla_rope_rmsnorm_append_paged_kv_cache_in_place": {"kv_cache", "kpe_cache", "q_rope"},
-    "qk_rmsnorm_rope_append_paged_kv_cache": {"k_cache", "v_cache"},
-    "qk_rmsnorm_rope_append_paged_kv_cache_out": {"k_cache", "v_cache", "q_out"},
-    "qk_rmsnorm_rope_append_paged_kv_cache_in_place": {"k_cache", "v_cache", "q"},
+    "mla_rope_rmsnorm_append_paged_kv_cache": {"kv_cache", "kpe_cache", "status"},
+    "mla_rope_rmsnorm_append_paged_kv_cache_out": {"kv_cache", "kpe_cache", "status",
+                                                   "q_rope_out"},
+    "mla_rope_rmsnorm_append_paged_kv_cache_in_place": {"kv_cache", "kpe_cache", "status",
+                                                        "q_rope"},
+    "qk_rmsnorm_rope_append_paged_kv_cache": {"k_cache", "v_cache", "status"},
+    "qk_rmsnorm_rope_append_paged_kv_cache_out": {"k_cache", "v_cache", "status", "q_out"},
+    "qk_rmsnorm_rope_append_paged_kv_cache_in_place": {"k_cache", "v_cache", "status", "q"},
     "fused_qkv_matmul_append_paged_kv_cache": {"k_cache", "v_cache"},
     "fused_qkv_matmul_append_paged_kv_cache_out": {"k_cache", "v_cache", "out"},
 }
@@ -200,6 +202,13 @@ BAD = [
     ("qkv num_q_heads", "qkv-decode", "num_q_heads", lambda h: 0),
     ("contiguous k shape", "contiguous-f16", "k", lambda x: x[:, :, :1]),
     ("qknorm kv_scale on a 16-bit cache", "qknorm", "kv_scale", lambda s: 2.0),
+    ("qknorm norm_order", "qknorm", "norm_order", lambda _: "sideways"),
+    ("qknorm mrope_section sum", "qknorm-mrope", "mrope_section", lambda s: (4, 4, 4)),
+    ("qknorm layer_idx range", "qknorm-fp8-layers", "layer_idx", lambda i: 4),
+    ("qkv layer_idx range", "qkv-decode-layers", "layer_idx", lambda i: -1),
+    ("mla status dtype", "mla-options", "status", lambda s: s.astype(np.int64)),
+    ("paged mrope_section sum", "paged-fp8-mrope-interleaved", "mrope_section",
+     lambda s: (1, 1, 1)),
 ]
 
 
@@ -249,6 +258,42 @@ def test_errors_are_the_eager_ones(rule, name, arg, change):
             case.run(rt, args)
         except (TypeError, ValueError) as exc:  # what the fake checks, it words as eager does
             assert (type(exc), str(exc)) == expected
+
+
+@pytest.mark.parametrize("name,bad", [("qknorm-fp8-layers", True), ("qkv-decode-layers", 1.0),
+                                      ("mla-split-layers", "1")])
+def test_layer_idx_type_errors_are_the_eager_ones(name, bad):
+    """Checked before the op (torch's int schema would take a bool), with the eager message."""
+    case = bad_case(name, "layer_idx", lambda i: bad)
+    expected = error_of(lambda: case.run(ropekv, case.fresh()))
+    assert expected[0] is TypeError
+    assert error_of(lambda: case.run(rt, case.fresh(to_torch))) == expected
+
+
+@pytest.mark.parametrize("name", ["qknorm-options-given", "mla-options"])
+def test_status_reports_bad_offsets_and_nothing_is_written(name):
+    """Malformed ``input_row_offsets`` (one above the next): status 2, the caches and the given
+    q output untouched, through the custom op as through the eager one."""
+    case = malformed(name)
+    for ops, convert in ((ropekv, np.asarray), (rt, to_torch)):
+        args = case.fresh(convert)
+        others = [x for x in case.written(args) if x is not args["status"]]
+        before = [to_numpy(x).copy() for x in others]
+        case.run(ops, args)
+        assert int(to_numpy(args["status"])[0]) == 2
+        for x, b in zip(others, before):
+            assert np.array_equal(to_numpy(x).view(np.uint8), b.view(np.uint8))
+
+
+def malformed(name):
+    """A copy of a case with a ``status`` whose offsets fail check 2 (an offset above the next)."""
+    import copy
+
+    case = copy.copy(next(c for c in CASES if c.name == name))
+    offsets = case.kwargs["input_row_offsets"].copy()
+    offsets[1] = offsets[2] + 1
+    case.kwargs = dict(case.kwargs, input_row_offsets=offsets)
+    return case
 
 
 def test_backward_through_an_op_raises():

@@ -18,6 +18,11 @@ Usage::
     PYTHONPATH=$PWD python tools/hostcost.py              # replay and first-call costs per case
     PYTHONPATH=$PWD python tools/hostcost.py --profile    # plus a cProfile of each replay
     PYTHONPATH=$PWD python tools/hostcost.py --first-profile  # cProfile of the first calls
+    PYTHONPATH=$PWD python tools/hostcost.py --layers 32  # also multi-layer caches (layer_idx)
+
+``--layers N`` adds, for the ops with multi-layer caches, rows of the same case on caches of N
+layers called with ``layer_idx`` cycling over them (an engine's step), and rows of the one-layer
+call through the same wrapper with ``layer_idx=None``, which isolates the wrapper's own cost.
 
 Run it alone: it installs a stand-in ``torch`` module in ``sys.modules`` for its own process.
 """
@@ -254,6 +259,63 @@ class Case:
         return self.w.call(self.o)
 
 
+LAYERED = {"qk_rmsnorm_rope_append_paged_kv_cache": ("k_cache", "v_cache"),
+           "fused_qkv_matmul_append_paged_kv_cache": ("k_cache", "v_cache"),
+           "mla_rope_rmsnorm_append_paged_kv_cache": ("ckv", "kpe")}
+
+
+class Cycling:
+    """An op called with ``layer_idx`` cycling over ``layers`` layers (None: ``layer_idx=None``),
+    as an engine's step calls it once per layer."""
+
+    def __init__(self, fn, layers):
+        self.fn, self.layers, self.turn = fn, layers, 0
+
+    def __call__(self, *args, **kwargs):
+        layer = None
+        if self.layers is not None:
+            layer = self.turn
+            self.turn = layer + 1 if layer + 1 < self.layers else 0
+        return self.fn(*args, layer_idx=layer, **kwargs)
+
+
+class LayeredCase(Case):
+    """A case on caches of ``layers`` layers called through :class:`Cycling` (``layers`` None:
+    the one-layer caches through the same wrapper). ``install()`` puts the wrapper in place of
+    the op in ``ropekv`` (the workloads look the op up there on each call)."""
+
+    def __init__(self, workload, convert, name, layers):
+        import ropekv
+
+        super().__init__(workload, convert)
+        if layers is not None:
+            for c in LAYERED[name]:
+                one = workload.a[c]
+                self.o[c] = convert(np.zeros((layers, *one.shape), one.dtype))
+        self.name, self.fn = name, getattr(ropekv, name)
+        self.wrapper = Cycling(self.fn, layers)
+
+    def install(self):
+        import ropekv
+
+        setattr(ropekv, self.name, self.wrapper)
+
+    def uninstall(self):
+        import ropekv
+
+        setattr(ropekv, self.name, self.fn)
+
+
+def layered_name(w):
+    for name, caches in LAYERED.items():
+        if all(c in w.a for c in caches) and type(w).__module__.endswith(
+                {"qk_rmsnorm_rope_append_paged_kv_cache": "qknorm",
+                 "fused_qkv_matmul_append_paged_kv_cache": "qkv",
+                 "mla_rope_rmsnorm_append_paged_kv_cache": "mla"}[name]):
+            return name
+    return None
+
+
 def ops():
     import ropekv
     from ropekv import _launch
@@ -278,7 +340,7 @@ def first_call_us(fn, n=20):
     times = []
     for _ in range(n):
         for op in ops():
-            op.plans.clear()
+            op.clear()
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
@@ -291,6 +353,8 @@ def main(argv=None):
     parser.add_argument("--first-profile", action="store_true", help="cProfile the first calls")
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--cases", nargs="*", default=CASES)
+    parser.add_argument("--layers", type=int, default=0,
+                        help="also time multi-layer caches of this many layers (layer_idx)")
     args = parser.parse_args(argv)
     lib = install_stubs()
     print(f"launch stub: {'compiled C (ctypes)' if lib else 'Python no-op'}")
@@ -308,6 +372,17 @@ def main(argv=None):
         cp_us = per_call_us(cupy_case, args.calls)
         th_us = per_call_us(torch_case, args.calls)
         rows.append((name, first, first_t, cp_us, th_us))
+        op_name = layered_name(w) if args.layers else None
+        if op_name is not None:
+            for label, layers in (("wrapper, one layer", None),
+                                  (f"{args.layers} layers", args.layers)):
+                lc, lt = (LayeredCase(w, f, op_name, layers) for f in (to_cupy, to_torch))
+                lc.install()
+                try:
+                    rows.append((f"  {label}", first_call_us(lc), first_call_us(lt),
+                                 per_call_us(lc, args.calls), per_call_us(lt, args.calls)))
+                finally:
+                    lc.uninstall()
         for label, case in (("cupy", cupy_case), ("torch", torch_case)):
             if args.profile:
                 prof = cProfile.Profile()
@@ -321,7 +396,7 @@ def main(argv=None):
                 prof = cProfile.Profile()
                 for _ in range(50):
                     for op in ops():
-                        op.plans.clear()
+                        op.clear()
                     prof.enable()
                     case()
                     prof.disable()

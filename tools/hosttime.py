@@ -3,12 +3,15 @@ the host time of the first call of a new layout (kernels already compiled).
 
 Usage (on a GPU machine, from the repository root)::
 
-    PYTHONPATH=$PWD python tools/hosttime.py [--profile] [--calls N]
+    PYTHONPATH=$PWD python tools/hosttime.py [--profile] [--calls N] [--layers N]
 
 Per case: ``first`` is the median over 10 first calls (every op's plans cleared before each, the
 call synchronised), ``cupy`` / ``torch`` the host time per call of back-to-back eager calls with
 CuPy arrays and with zero-copy torch views of them. ``--profile`` adds a cProfile of the torch
 replays and of the first calls of one case. The workloads are ``ropekv bench``'s.
+``--layers N`` adds, for the ops with multi-layer caches, the same case on caches of N layers
+called with ``layer_idx`` cycling over them through a small wrapper, and the one-layer call
+through the same wrapper (``layer_idx=None``), which isolates the wrapper's own cost.
 """
 
 from __future__ import annotations
@@ -33,11 +36,68 @@ def ops():
             for v in vars(m).values() if isinstance(v, _launch.Op)]
 
 
+LAYERED = {"qk_rmsnorm_rope_append_paged_kv_cache": ("qknorm", ("k_cache", "v_cache")),
+           "fused_qkv_matmul_append_paged_kv_cache": ("qkv", ("k_cache", "v_cache")),
+           "mla_rope_rmsnorm_append_paged_kv_cache": ("mla", ("ckv", "kpe"))}
+
+
+class Cycling:
+    """An op called with ``layer_idx`` cycling over ``layers`` layers (None: ``layer_idx=None``),
+    as an engine's step calls it once per layer."""
+
+    def __init__(self, fn, layers):
+        self.fn, self.layers, self.turn = fn, layers, 0
+
+    def __call__(self, *args, **kwargs):
+        layer = None
+        if self.layers is not None:
+            layer = self.turn
+            self.turn = layer + 1 if layer + 1 < self.layers else 0
+        return self.fn(*args, layer_idx=layer, **kwargs)
+
+
+def layered_rows(w, o, layers, sync, calls):
+    """(label, first, first torch, cupy, torch) rows of a case through :class:`Cycling`, on its
+    one-layer caches and on caches of ``layers`` layers; [] for an op without layers."""
+    import cupy
+    import torch
+
+    import ropekv
+    from ropekv import bench
+
+    module = type(w).__module__.rsplit(".", 1)[-1]
+    found = [(n, c) for n, (m, c) in LAYERED.items() if m == module]
+    if not found:
+        return []
+    name, caches = found[0]
+    fn, rows = getattr(ropekv, name), []
+    for label, n in (("wrapper, one layer", None), (f"{layers} layers", layers)):
+        ol = dict(o)
+        if n is not None:
+            for c in caches:
+                shape = (n, *o[c].shape[:-1], o[c].shape[-1] * o[c].dtype.itemsize)
+                ol[c] = cupy.zeros(shape, cupy.uint8).view(o[c].dtype)  # fp8 as bytes
+        wt = copy.copy(w)
+        wt.a = {k: bench._to_torch(v) for k, v in w.a.items()}
+        ot = {k: bench._to_torch(v) for k, v in ol.items()}
+        setattr(ropekv, name, Cycling(fn, n))
+        try:
+            w.call(ol)
+            sync()
+            rows.append((f"  {label}", first_call_us(lambda: w.call(ol), sync),
+                         first_call_us(lambda: wt.call(ot), sync),
+                         per_call_us(lambda: w.call(ol), sync, calls),
+                         per_call_us(lambda: wt.call(ot), torch.cuda.synchronize, calls)))
+        finally:
+            setattr(ropekv, name, fn)
+    return rows
+
+
 def first_call_us(fn, sync, n=10):
     times = []
     for _ in range(n):
         for op in ops():
-            op.plans.clear()
+            op.clear()
         sync()
         t0 = time.perf_counter()
         fn()
@@ -101,6 +161,8 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--cases", nargs="*", default=CASES)
     parser.add_argument("--no-floor", action="store_true")
+    parser.add_argument("--layers", type=int, default=0,
+                        help="also time multi-layer caches of this many layers (layer_idx)")
     args = parser.parse_args(argv)
     import cupy
     import torch
@@ -127,6 +189,8 @@ def main(argv=None):
         rows.append((name, first, first_t, cp_us, th_us))
         print(f"{name:34s} first {first:7.1f} us (torch {first_t:7.1f})   cupy {cp_us:6.2f} us   "
               f"torch {th_us:6.2f} us", flush=True)
+        if args.layers:
+            rows += layered_rows(w, o, args.layers, sync, args.calls)
         if args.profile and name.startswith(("qknorm", "paged gqa fp16->e4m3 64x1")):
             prof = cProfile.Profile()
             prof.enable()
@@ -139,7 +203,7 @@ def main(argv=None):
             prof = cProfile.Profile()
             for _ in range(30):
                 for op in ops():
-                    op.plans.clear()
+                    op.clear()
                 prof.enable()
                 w.call(o)
                 prof.disable()
