@@ -37,7 +37,11 @@ MAX_ITEMS = 256  # chunks (lanes) per head row: one lane group fits a block
 # keeps the grid within `wave_blocks`), a token's rows split over several blocks so the grid fills
 # the GPU. Many tokens (prefill): a block per token, `prefill_rows` rows per lane group (at most
 # `max_block` threads).
-TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 3, "max_block": 256}
+# Computed scales (more registers: ~110 against the plain kernel's 80) take 4 rows per lane group
+# in prefill (`scaled_prefill_rows`): 6 blocks of 96 threads an SM hold as many rows in flight as
+# the plain kernel's 6 of 128 at 3 rows.
+TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 3, "max_block": 256,
+          "scaled_prefill_rows": 4}
 
 PARAMS = ParamStruct("RopeWriteKVParams", [
     *((n, np.uint64) for n in ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids",
@@ -61,10 +65,12 @@ FIELDS = ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids", "kv_
           "q_scale_out", "cache_scales")
 Q_OUT = ARRAYS.index("q_out")
 
-# kernel specialisations: every option compiled out; mRoPE and constant K/V scales read; and the
-# quantized-output options (q_out, its static or dynamic scales, per-token-head K/V scales) with
-# those of MODE_OPTS too
-MODE_PLAIN, MODE_OPTS, MODE_QUANT = 0, 1, 2
+# kernel specialisations (MODE in the kernel): every option compiled out; mRoPE and constant K/V
+# scales read; the quantized outputs (q_out, static scales) with constant K/V scales read but
+# no mRoPE, in four: static scales only, computed Q scales, computed K/V scales, both computed;
+# and every option at run time, mRoPE included (MODE_ALL)
+(MODE_PLAIN, MODE_OPTS, MODE_QUANT, MODE_Q_ROWS, MODE_KV_ROWS, MODE_BOTH_ROWS,
+ MODE_ALL) = range(7)
 
 
 def _c_type(dtype):
@@ -73,20 +79,21 @@ def _c_type(dtype):
 
 def expression(dtype, cache_dtype, is_neox, n, mode=MODE_PLAIN, q_dtype=None):
     """The kernel of one specialisation (``mode``); ``q_dtype``: the Q output's dtype (that of
-    ``dtype`` unless MODE_QUANT writes fp8 queries)."""
+    ``dtype`` unless a quantized-output mode writes fp8 queries)."""
     return name_expression(KERNEL, _c_type(dtype), _c_type(cache_dtype),
                            _c_type(q_dtype or dtype), c_bool(is_neox), n, mode)
 
 
-def launch_shape(T, H, group):
+def launch_shape(T, H, group, prefill_rows=None):
     """(block, rows, splits) for T tokens of H head rows at ``group`` lanes per row: grid (T,
-    splits), ``rows`` rows per lane group."""
+    splits), ``rows`` rows per lane group (``prefill_rows`` in prefill, by default TUNING's)."""
     slots = max(1, TUNING["block"] // group)
     for rows in (1, 2, 4):
         splits = -(-H // (slots * rows))
         if T * splits <= TUNING["wave_blocks"]:
             return slots * group, -(-H // (slots * splits)), splits
-    slots = min(-(-H // TUNING["prefill_rows"]), max(1, TUNING["max_block"] // group))
+    slots = min(-(-H // (prefill_rows or TUNING["prefill_rows"])),
+                max(1, TUNING["max_block"] // group))
     rows = min(ROWS_MAX, -(-H // slots))
     return slots * group, rows, -(-H // (slots * rows))
 
@@ -99,9 +106,14 @@ def instantiations():
                 for cache_dtype in (dtype, *FP8_DTYPES):
                     for mode in (MODE_PLAIN, MODE_OPTS):
                         yield expression(dtype, cache_dtype, is_neox, n, mode)
+                for mode in range(MODE_QUANT, MODE_BOTH_ROWS + 1):
+                    q_rows, kv_rows = mode in (MODE_Q_ROWS, MODE_BOTH_ROWS), mode >= MODE_KV_ROWS
+                    for cache_dtype in SCALED_CACHE_DTYPES if kv_rows else (dtype, *FP8_DTYPES):
+                        for q_dtype in FP8_DTYPES if q_rows else (dtype, *FP8_DTYPES):
+                            yield expression(dtype, cache_dtype, is_neox, n, mode, q_dtype)
                 for cache_dtype in (dtype, *SCALED_CACHE_DTYPES):
                     for q_dtype in (dtype, *FP8_DTYPES):
-                        yield expression(dtype, cache_dtype, is_neox, n, MODE_QUANT, q_dtype)
+                        yield expression(dtype, cache_dtype, is_neox, n, MODE_ALL, q_dtype)
 
 
 def pow2(n):
@@ -409,8 +421,12 @@ def _prepare(views, flags):
     if B * S == 0:
         return Plan(device, written=written, inplace=[(0, Q_OUT)], result=result)
     quant = vqo is not None or vcs is not None
-    mode = MODE_QUANT if quant else MODE_OPTS if sections is not None or (
-        fp8 and vscale is None) else MODE_PLAIN
+    if quant and sections is not None:
+        mode = MODE_ALL
+    elif quant:
+        mode = MODE_QUANT + (vqs is not None) + 2 * (vcs is not None)
+    else:
+        mode = MODE_OPTS if sections is not None or (fp8 and vscale is None) else MODE_PLAIN
     launch = _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections,
                      mrope_interleaved, scales, q_static, P, R)
     return Plan(device, [launch], written=written, inplace=[(0, Q_OUT)], result=result)
@@ -441,7 +457,8 @@ def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope
                          f"row, more than the {MAX_ITEMS} a block has")
     dynamic = vqs is not None or vcs is not None
     group = pow2(items) if dynamic else items  # computed scales reduce over aligned lane groups
-    block, rows, splits = launch_shape(B * S, Hq + 2 * Hkv, group)
+    block, rows, splits = launch_shape(B * S, Hq + 2 * Hkv, group,
+                                       TUNING["scaled_prefill_rows"] if dynamic else None)
     table_strides = vt.strides if vt.ndim == 3 else (0, *vt.strides)
     qs_strides = vqs.strides if vqs is not None else (0, 0, 0)
     cs_strides = vcs.strides if vcs is not None else (0, 0, 0, 0)

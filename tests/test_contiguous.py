@@ -650,11 +650,12 @@ def quant_copy(args):
     """A deep copy keeping ``q_out is q`` and the scale arrays' strides."""
     out = {}
     for n, x in args.items():
-        if n == "q_out" and x is args["q"]:
-            continue
-        out[n] = x.copy() if not isinstance(x, np.ndarray) or x.base is None or n not in (
-            "q_scale_out", "kv_cache_scales") else x.base.copy()[tuple(
-                slice(0, s) for s in x.shape)]
+        if not isinstance(x, np.ndarray):  # q_scale
+            out[n] = x
+        elif n in ("q_scale_out", "kv_cache_scales") and x.base is not None:
+            out[n] = x.base.copy()[tuple(slice(0, s) for s in x.shape)]
+        elif not (n == "q_out" and x is args["q"]):
+            out[n] = x.copy()
     if "q_out" in args and args["q_out"] is args["q"]:
         out["q_out"] = out["q"]
     return out

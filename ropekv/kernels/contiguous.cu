@@ -16,9 +16,9 @@ struct RopeWriteKVParams {
                              // mRoPE: (3, B, S)
   const float* kv_scale;    // (2,) or () dequantization scales of K and V (fp8 caches), or null
                             // for scales given as constants (inv_k_scale, inv_v_scale)
-  void* q_out;              // MODE 2: (B, S, Hq, D) QT, the roped queries (q itself in place)
-  float* q_scale_out;       // MODE 2: (B, S, Hq) float32 computed Q scales (q_dynamic)
-  float* cache_scales;      // MODE 2: (B, 2, Hkv, C) float32 computed K/V scales (kv_dynamic)
+  void* q_out;              // MODE >= 2: (B, S, Hq, D) QT, the roped queries (q itself in place)
+  float* q_scale_out;       // (B, S, Hq) float32 computed Q scales, or null
+  float* cache_scales;      // (B, 2, Hkv, C) float32 computed K/V scales, or null
   i64 q_sb, q_ss, q_sh;     // strides in elements; the last dimension is contiguous
   i64 k_sb, k_ss, k_sh;
   i64 v_sb, v_ss, v_sh;
@@ -28,7 +28,7 @@ struct RopeWriteKVParams {
   i64 qs_sb, qs_ss, qs_sh;  // q_scale_out
   i64 ks_sb, ks_skv, ks_sh, ks_st;  // cache_scales
   float inv_k_scale, inv_v_scale;  // stored = fp8(x * inv_scale) when kv_scale is null
-  float inv_q_scale;        // MODE 2, fp8 QT without q_dynamic: stored = fp8(q * inv_q_scale)
+  float inv_q_scale;        // fp8 QT with a static scale: stored = fp8(q * inv_q_scale)
   int B, S, Hq, Hkv, D, R, C, P;
   int write_k_in_place;
   int group;  // lanes per head row: one chunk each (blockDim.x is a multiple)
@@ -37,10 +37,10 @@ struct RopeWriteKVParams {
   int v_scale_index;  // kv_scale[v_scale_index] is V's scale: 1 for (2,), 0 for one shared ()
   int mrope;          // position_ids is (3, B, S): mRoPE by sections (MRope in common.cuh)
   int mrope_t, mrope_h, mrope_w, mrope_interleaved;
-  int items;      // chunks per head row (= group, or less where MODE 2 pads groups to a power of 2)
-  int q_full;     // MODE 2: whole Q rows go to q_out, skipped tokens' rows unrotated
-  int q_dynamic;  // MODE 2: each Q row quantized with its computed scale
-  int kv_dynamic;  // MODE 2: each K and V row quantized with its computed scale
+  int items;  // chunks per head row (= group, or less where computed scales pad groups to 2^k)
+  int q_full;     // MODE >= 2: whole Q rows go to q_out, skipped tokens' rows unrotated
+  int q_dynamic;  // MODE 6: computed Q scales (MODE 3, 5: always; 2, 4: never)
+  int kv_dynamic;  // MODE 6: computed K/V scales (MODE 4, 5: always; 2, 3: never)
 };
 
 __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
@@ -49,6 +49,21 @@ __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
 
 constexpr int kRowsMax = 4;  // head rows a lane group holds at once
 constexpr int kMaxBlock = 256;
+
+// An opaque copy of a loaded vector: the compiler must convert it anew (the asm "changes" it)
+// instead of keeping values derived from it earlier.
+template <typename T, int N>
+__device__ __forceinline__ void launder(Vec<T, N>& x) {
+  if constexpr (sizeof(x) % 4 == 0) {
+    unsigned* w = reinterpret_cast<unsigned*>(&x);
+#pragma unroll
+    for (int i = 0; i < int(sizeof(x) / 4); ++i) asm volatile("" : "+r"(w[i]));
+  } else {
+    unsigned short* w = reinterpret_cast<unsigned short*>(&x);
+#pragma unroll
+    for (int i = 0; i < int(sizeof(x) / 2); ++i) asm volatile("" : "+h"(w[i]));
+  }
+}
 
 // Largest value of each of a lane group's rows over its G lanes (G a power of two, groups aligned
 // to G; every thread of the block calls it, lanes without a row passing 0). Values are >= 0 and
@@ -59,8 +74,10 @@ __device__ __forceinline__ void group_row_max(float (&v)[kRowsMax], int G, int U
     const unsigned mask = blockDim.x - base >= 32 ? 0xffffffffu
                                                   : (1u << (blockDim.x - base)) - 1u;
 #pragma unroll
-    for (int u = 0; u < kRowsMax; ++u)
+    for (int u = 0; u < kRowsMax; ++u) {
+      if (u >= U) break;  // U is the block's: uniform
       for (int o = G >> 1; o > 0; o >>= 1) v[u] = fmaxf(v[u], __shfl_xor_sync(mask, v[u], o));
+    }
     return;
   }
   __shared__ unsigned m[kRowsMax * (kMaxBlock / 64)];
@@ -90,15 +107,24 @@ __device__ __forceinline__ void group_row_max(float (&v)[kRowsMax], int G, int U
 // nothing is read through its indices, nothing is written.
 // MODE (docs/conventions.md, "Options cost nothing when off"): 0 the plain kernel, every option
 // compiled out; 1 reads mRoPE and constant K/V scales; 2 adds the quantized outputs: Q goes to
-// q_out (QT; whole rows when q_full, a skipped token's row unrotated) with a static scale or a
-// computed one per row (q_dynamic), and K/V rows may be quantized with computed scales
-// (kv_dynamic). A computed scale needs the row's amax before its first store: the rows are
-// converted (and roped) once for the amax, reduced over the lane group (padded to a power of
-// two), and converted again for the stores (registers kept for the loaded vectors only).
+// q_out (QT; whole rows when q_full, a skipped token's row unrotated) with a static scale; 3 the
+// same with a computed scale per Q row, 4 with static Q and computed K/V scales, 5 with both
+// computed; none of 2-5 reads mRoPE positions (mRoPE's three cos/sin rows cost ~40 registers,
+// the prefill's occupancy), and 6, every quantized option read at run time, does. A computed
+// scale needs the row's amax before its first store: the rows are converted
+// (and roped) once for the amax, reduced over the lane group (padded to a power of two), and
+// converted again for the stores from the loaded vectors, laundered so that the compiler does
+// not keep the first pass's floats alive instead (registers: occupancy is the prefill's lever).
 template <typename T, typename CacheT, typename QT, bool NEOX, int N, int MODE>
 __global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWriteKVParams p) {
   constexpr bool OPTS = MODE >= 1;
-  constexpr bool QUANT = MODE == 2;
+  constexpr bool QUANT = MODE >= 2;
+  // computed Q scales, computed K/V scales (quantized types only: the flags of MODE 6 are
+  // only set for them)
+  const bool qdyn = is_quantized<QT>::value && (MODE == 6 ? p.q_dynamic != 0
+                                                          : MODE == 3 || MODE == 5);
+  const bool kvdyn = is_quantized<CacheT>::value && (MODE == 6 ? p.kv_dynamic != 0
+                                                               : MODE == 4 || MODE == 5);
   pdl_launch_dependents();
   const int token = blockIdx.x;
   const int b = token / p.S;
@@ -139,16 +165,15 @@ __global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWrite
   // 2. slot, position, scales, cos/sin
   const i64 end = p.kv_end_lens ? read_index(p.kv_end_lens, b, p.index64 & 1) : i64(p.S);
   const i64 slot = end < i64(p.S) - s ? -1 : end - p.S + s;  // no overflow at int64 extremes
-  const bool mrope = OPTS && p.mrope;
+  const bool mrope = (MODE == 1 || MODE == 6) && p.mrope;
   i64 pos = p.position_ids && !mrope ? read_index(p.position_ids, token, p.index64 & 2) : slot;
   i64 mpos[3] = {0, 0, 0};
   if (mrope) {  // three positions, rows B * S apart; one outside [0, P) skips the token
     mrope_positions(p.position_ids, p.index64 & 2, token, i64(p.B) * p.S, mpos);
     pos = mrope_in_range(mpos, p.P) ? 0 : -1;
   }
-  const bool kv_dynamic = QUANT && p.kv_dynamic;
   float k_scale = 1.f, v_scale = 1.f;
-  if (is_fp8<CacheT>::value && !kv_dynamic) {  // stored = fp8(x / scale)
+  if (is_fp8<CacheT>::value && !kvdyn) {  // stored = fp8(x / scale)
     if (!OPTS || p.kv_scale) {
       k_scale = 1.f / p.kv_scale[0];
       v_scale = 1.f / p.kv_scale[p.v_scale_index];
@@ -188,25 +213,24 @@ __global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWrite
 
   // computed scales: each row's amax (a row whose scale is static reduces a 0 nobody reads)
   float amax[kRowsMax];
-  if constexpr (QUANT) {
-    const bool q_dyn = p.q_dynamic;
-    if (q_dyn || kv_dynamic) {
+  if (qdyn || kvdyn) {
 #pragma unroll
-      for (int u = 0; u < kRowsMax; ++u) {
-        const int h = first + u * slots;
-        amax[u] = 0.f;
-        if (!writes(u, h) || (h < p.Hq ? !q_dyn : !kv_dynamic)) continue;
-        float a[N], bb[N];
-        row_floats(u, a, bb);
-        if (rotary && valid && h < p.Hq + p.Hkv) rotate_chunk<NEOX, N, M>(a, bb, c, sn);
+    for (int u = 0; u < kRowsMax; ++u) {
+      const int h = first + u * slots;
+      amax[u] = 0.f;
+      if (!writes(u, h) || (h < p.Hq ? !qdyn : !kvdyn)) continue;
+      float a[N], bb[N];
+      row_floats(u, a, bb);
+      if (rotary && valid && h < p.Hq + p.Hkv) rotate_chunk<NEOX, N, M>(a, bb, c, sn);
 #pragma unroll
-        for (int i = 0; i < N; ++i) {
-          amax[u] = fmaxf(amax[u], fabsf(a[i]));
-          if (pair) amax[u] = fmaxf(amax[u], fabsf(bb[i]));
-        }
+      for (int i = 0; i < N; ++i) {
+        amax[u] = fmaxf(amax[u], fabsf(a[i]));
+        if (pair) amax[u] = fmaxf(amax[u], fabsf(bb[i]));
       }
-      group_row_max(amax, G, U);
+      launder(va[u]);  // the stores convert again (above)
+      if (pair) launder(vb[u]);
     }
+    group_row_max(amax, G, U);
   }
 
   // 3. rope, store
@@ -220,8 +244,8 @@ __global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWrite
       const int hv = h - p.Hq - p.Hkv;
       CacheT* dst = k_cache + p.c_skv + hv * p.c_sh;
       float mul = v_scale;
-      if constexpr (QUANT && is_quantized<CacheT>::value) {
-        if (kv_dynamic) {
+      if constexpr (is_quantized<CacheT>::value) {
+        if (kvdyn) {
           const RowScale r = row_scale<CacheT>(amax[u]);
           mul = r.mul;
           if (j == 0)
@@ -238,7 +262,7 @@ __global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWrite
         QT* row = static_cast<QT*>(p.q_out) + b * p.qo_sb + s * p.qo_ss + h * p.qo_sh;
         float mul = p.inv_q_scale;
         if constexpr (is_quantized<QT>::value) {
-          if (p.q_dynamic) {
+          if (qdyn) {
             const RowScale r = row_scale<QT>(amax[u]);
             mul = r.mul;
             if (j == 0) p.q_scale_out[b * p.qs_sb + s * p.qs_ss + h * p.qs_sh] = r.scale;
@@ -255,8 +279,8 @@ __global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWrite
       const int hk = h - p.Hq;
       CacheT* dst = k_cache + hk * p.c_sh;
       float mul = k_scale;
-      if constexpr (QUANT && is_quantized<CacheT>::value) {
-        if (kv_dynamic) {
+      if constexpr (is_quantized<CacheT>::value) {
+        if (kvdyn) {
           const RowScale r = row_scale<CacheT>(amax[u]);
           mul = r.mul;
           if (j == 0) p.cache_scales[b * p.ks_sb + hk * p.ks_sh + slot * p.ks_st] = r.scale;
