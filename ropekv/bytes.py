@@ -33,10 +33,14 @@ def rope_kv_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype
     return tokens * per_token
 
 
-def contiguous_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype, cache_dtype):
-    """:func:`ropekv.apply_rope_write_kv`: q is roped in place (read and written in its dtype)."""
-    return rope_kv_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype, dtype,
-                         cache_dtype)
+def contiguous_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype, cache_dtype,
+                     q_out_dtype=None, q_scales=False, kv_scales=False):
+    """:func:`ropekv.apply_rope_write_kv`: q is roped in place (read and written in its dtype), or
+    read and written to a ``q_out`` of ``q_out_dtype``; computed scales add a float32 per token
+    and Q head (``q_scales``) and per token and K/V head (``kv_scales``)."""
+    scales = tokens * 4 * (num_q_heads * bool(q_scales) + 2 * num_kv_heads * bool(kv_scales))
+    return rope_kv_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype,
+                         q_out_dtype or dtype, cache_dtype) + scales
 
 
 def paged_mla_bytes(tokens, num_q_heads, kv_lora_rank, rope_dim, dtype, q_out_dtype, cache_dtype):

@@ -17,7 +17,7 @@ from ropekv._arrays import (
     INT32,
     INT64,
 )
-from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
+from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import Launch, Op, ParamStruct, Plan, scalar_key
 from ropekv._mrope import check_mrope
 from ropekv._types import ArrayLike, StreamLike
@@ -27,6 +27,8 @@ STEM = "contiguous"
 KERNEL = "apply_rope_write_kv"
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 INDEX_DTYPES = (INT32, INT64)
+INT8 = np.dtype(np.int8)
+SCALED_CACHE_DTYPES = (*FP8_DTYPES, INT8)  # caches that may carry per-token-head scales
 ROWS_MAX = 4  # head rows one lane group holds (kRowsMax in the kernel)
 MAX_ITEMS = 256  # chunks (lanes) per head row: one lane group fits a block
 
@@ -35,50 +37,87 @@ MAX_ITEMS = 256  # chunks (lanes) per head row: one lane group fits a block
 # keeps the grid within `wave_blocks`), a token's rows split over several blocks so the grid fills
 # the GPU. Many tokens (prefill): a block per token, `prefill_rows` rows per lane group (at most
 # `max_block` threads).
-TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 3, "max_block": 256}
+# Computed scales (more registers: ~110 against the plain kernel's 80) take 4 rows per lane group
+# in prefill (`scaled_prefill_rows`): 6 blocks of 96 threads an SM hold as many rows in flight as
+# the plain kernel's 6 of 128 at 3 rows.
+TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 3, "max_block": 256,
+          "scaled_prefill_rows": 4}
 
 PARAMS = ParamStruct("RopeWriteKVParams", [
     *((n, np.uint64) for n in ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids",
-                               "kv_scale")),
+                               "kv_scale", "q_out", "q_scale_out", "cache_scales")),
     *((n, np.int64) for n in ("q_sb", "q_ss", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss",
-                              "v_sh", "c_sb", "c_skv", "c_sh", "c_st", "cs_sb", "cs_sp")),
-    *((n, np.float32) for n in ("inv_k_scale", "inv_v_scale")),
+                              "v_sh", "c_sb", "c_skv", "c_sh", "c_st", "cs_sb", "cs_sp", "qo_sb",
+                              "qo_ss", "qo_sh", "qs_sb", "qs_ss", "qs_sh", "ks_sb", "ks_skv",
+                              "ks_sh", "ks_st")),
+    *((n, np.float32) for n in ("inv_k_scale", "inv_v_scale", "inv_q_scale")),
     *((n, np.int32) for n in ("B", "S", "Hq", "Hkv", "D", "R", "C", "P", "write_k_in_place",
                               "group", "rows", "index64", "v_scale_index", "mrope", "mrope_t",
-                              "mrope_h", "mrope_w", "mrope_interleaved")),
+                              "mrope_h", "mrope_w", "mrope_interleaved", "items", "q_full",
+                              "q_dynamic", "kv_dynamic")),
 ])
 
 # the array arguments, in the order the public function hands them to the call path; each is
 # also the name of its kernel pointer field
-ARRAYS = ("q", "k", "v", "kv_cache", "cos_sin_cache", "kv_end_lens", "position_ids", "kv_scale")
-FIELDS = ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids", "kv_scale")
+ARRAYS = ("q", "k", "v", "kv_cache", "cos_sin_cache", "kv_end_lens", "position_ids", "kv_scale",
+          "q_out", "q_scale_out", "kv_cache_scales")
+FIELDS = ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids", "kv_scale", "q_out",
+          "q_scale_out", "cache_scales")
+Q_OUT = ARRAYS.index("q_out")
+
+# kernel specialisations (MODE in the kernel): every option compiled out; mRoPE and constant K/V
+# scales read; the quantized outputs (q_out, static scales) with constant K/V scales read but
+# no mRoPE, in four: static scales only, computed Q scales, computed K/V scales, both computed;
+# and every option at run time, mRoPE included (MODE_ALL)
+(MODE_PLAIN, MODE_OPTS, MODE_QUANT, MODE_Q_ROWS, MODE_KV_ROWS, MODE_BOTH_ROWS,
+ MODE_ALL) = range(7)
 
 
-def expression(dtype, cache_dtype, is_neox, n, opts=False):
-    """``opts``: the kernel that reads the options (mRoPE, constant scales); the plain one has
-    them compiled out."""
-    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n,
-                           c_bool(opts))
+def _c_type(dtype):
+    return "signed char" if np.dtype(dtype) == INT8 else c_type(dtype)
 
 
-def launch_shape(T, H, group):
+def expression(dtype, cache_dtype, is_neox, n, mode=MODE_PLAIN, q_dtype=None):
+    """The kernel of one specialisation (``mode``); ``q_dtype``: the Q output's dtype (that of
+    ``dtype`` unless a quantized-output mode writes fp8 queries)."""
+    return name_expression(KERNEL, _c_type(dtype), _c_type(cache_dtype),
+                           _c_type(q_dtype or dtype), c_bool(is_neox), n, mode)
+
+
+def launch_shape(T, H, group, prefill_rows=None):
     """(block, rows, splits) for T tokens of H head rows at ``group`` lanes per row: grid (T,
-    splits), ``rows`` rows per lane group."""
+    splits), ``rows`` rows per lane group (``prefill_rows`` in prefill, by default TUNING's)."""
     slots = max(1, TUNING["block"] // group)
     for rows in (1, 2, 4):
         splits = -(-H // (slots * rows))
         if T * splits <= TUNING["wave_blocks"]:
             return slots * group, -(-H // (slots * splits)), splits
-    slots = min(-(-H // TUNING["prefill_rows"]), max(1, TUNING["max_block"] // group))
+    slots = min(-(-H // (prefill_rows or TUNING["prefill_rows"])),
+                max(1, TUNING["max_block"] // group))
     rows = min(ROWS_MAX, -(-H // slots))
     return slots * group, rows, -(-H // (slots * rows))
 
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
-    for opts in (False, True):
-        yield from rope_instantiations(lambda *a, o=opts: expression(*a, o), INPUT_DTYPES,
-                                       FP8_DTYPES)
+    for dtype in INPUT_DTYPES:
+        for is_neox in (True, False):
+            for n in (8, 4, 2, 1) if is_neox else (8, 4, 2):
+                for cache_dtype in (dtype, *FP8_DTYPES):
+                    for mode in (MODE_PLAIN, MODE_OPTS):
+                        yield expression(dtype, cache_dtype, is_neox, n, mode)
+                for mode in range(MODE_QUANT, MODE_BOTH_ROWS + 1):
+                    q_rows, kv_rows = mode in (MODE_Q_ROWS, MODE_BOTH_ROWS), mode >= MODE_KV_ROWS
+                    for cache_dtype in SCALED_CACHE_DTYPES if kv_rows else (dtype, *FP8_DTYPES):
+                        for q_dtype in FP8_DTYPES if q_rows else (dtype, *FP8_DTYPES):
+                            yield expression(dtype, cache_dtype, is_neox, n, mode, q_dtype)
+                for cache_dtype in (dtype, *SCALED_CACHE_DTYPES):
+                    for q_dtype in (dtype, *FP8_DTYPES):
+                        yield expression(dtype, cache_dtype, is_neox, n, MODE_ALL, q_dtype)
+
+
+def pow2(n):
+    return 1 << max(0, n - 1).bit_length()
 
 
 def apply_rope_write_kv(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_cache: ArrayLike,
@@ -87,8 +126,10 @@ def apply_rope_write_kv(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_cache: Arra
                         kv_scale: float | tuple[float, float] | ArrayLike | None = None,
                         write_k_in_place: bool = False, is_neox: bool = True,
                         mrope_section: tuple[int, int, int] | None = None,
-                        mrope_interleaved: bool = False, enable_pdl: bool = False,
-                        stream: StreamLike | None = None) -> None:
+                        mrope_interleaved: bool = False, q_out: ArrayLike | None = None,
+                        q_scale: float | None = None, q_scale_out: ArrayLike | None = None,
+                        kv_cache_scales: ArrayLike | None = None, enable_pdl: bool = False,
+                        stream: StreamLike | None = None) -> ArrayLike | None:
     """Apply RoPE to Q and K and write K/V into a contiguous KV cache, in one launch.
 
     Mirrors TensorRT-Edge-LLM's ``launchApplyRopeWriteKV`` family. Its three launchers map onto
@@ -107,13 +148,13 @@ def apply_rope_write_kv(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_cache: Arra
     Parameters
     ----------
     q : array, (B, S, Hq, D), float16 or bfloat16
-        Queries, roped in place.
+        Queries, roped in place (only read when ``q_out`` is another array).
     k, v : array, (B, S, Hkv, D), the dtype of ``q``
         Keys and values; Hq is a multiple of Hkv. ``k`` is written only with
         ``write_k_in_place=True``.
-    kv_cache : array, (B, 2, Hkv, C, D), the dtype of ``q``, float8_e4m3fn or float8_e5m2
+    kv_cache : array, (B, 2, Hkv, C, D), the dtype of ``q``, float8_e4m3fn, float8_e5m2 or int8
         ``kv_cache[:, 0]`` holds K (roped), ``kv_cache[:, 1]`` holds V. Written in place; only the
-        addressed slots change.
+        addressed slots change. int8 only with ``kv_cache_scales``.
     cos_sin_cache : array, (P, R) or (Bc, P, R) with Bc 1 or B, float32
         ``[:R/2]`` cos, ``[R/2:]`` sin (see :func:`ropekv.cos_sin_cache`). R is even and at most D;
         dims ``[R, D)`` pass through unrotated.
@@ -131,7 +172,7 @@ def apply_rope_write_kv(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_cache: Arra
         array) is one scale for K and V, a pair one each; both enter the launch as constants.
         A device array is read by the kernel (``(2,)``: K then V; ``()``: one for both), so it
         may change between calls or graph replays; a scale that is not positive and finite
-        there makes the kernel write nothing.
+        there makes the kernel write nothing. Not with ``kv_cache_scales``.
     write_k_in_place : bool
         Also write the roped K back into ``k``.
     is_neox : bool
@@ -143,6 +184,24 @@ def apply_rope_write_kv(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_cache: Arra
     mrope_interleaved : bool
         Qwen3-VL's interleaved mRoPE: height when ``i % 3 == 1`` and ``i < 3h``, width when
         ``i % 3 == 2`` and ``i < 3w``, temporal otherwise.
+    q_out : array, (B, S, Hq, D), the dtype of ``q``, float8_e4m3fn or float8_e5m2, optional
+        Receives the roped queries instead of ``q`` (then ``q`` is only read). Every token's row
+        is written: a token skipped for its slot or position gets its row as it came, unrotated
+        (quantized like the others). ``q_out is q`` is the in-place default.
+    q_scale : float, optional
+        Static dequantization scale of an fp8 ``q_out``: stored = fp8(q / q_scale), rounded to
+        nearest even and saturated (default 1.0). Only with an fp8 ``q_out``; not with
+        ``q_scale_out``.
+    q_scale_out : array, (B, S, Hq), float32, optional
+        Dynamic scales of an fp8 ``q_out``: each token's Q head is quantized with its own scale
+        ``max(amax, 1e-6) / max_code`` (amax: the row's largest magnitude after RoPE; max_code
+        448 for e4m3, 57344 for e5m2), written here (``docs/conventions.md``, "Computed
+        scales"): ``q ~ q_out * q_scale_out[..., None]``.
+    kv_cache_scales : array, (B, 2, Hkv, C), float32, optional
+        Per-token-head cache scales (K then V, as the cache): each written K and V row is
+        quantized with its own computed scale (as ``q_scale_out``, with int8's max code 127),
+        which lands in the same slot here; slots not written keep their scales. Needs a
+        float8 or int8 cache; replaces ``kv_scale``.
     enable_pdl : bool
         Launch with programmatic dependent launch (Hopper and later): the kernel may start while
         the previous kernel on the stream finishes, and waits for it before reading memory.
@@ -152,13 +211,15 @@ def apply_rope_write_kv(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_cache: Arra
 
     Returns
     -------
-    None
-        Everything is written in place (``q``, the cache, and ``k`` with ``write_k_in_place``).
+    array or None
+        ``q_out`` when given; otherwise None (everything is written in place: ``q``, the cache,
+        and ``k`` with ``write_k_in_place``).
 
     Notes
     -----
-    ``q`` is written in place, so it must not overlap ``k``, ``v``, the cache or the table; no
-    written array may overlap another argument (``ValueError``).
+    ``q`` (or ``q_out``) is written in place, so it must not overlap ``k``, ``v``, the cache or
+    the table; no written array may overlap another argument (``ValueError``), except ``q_out``
+    that is ``q`` itself.
 
     A token whose slot falls outside ``[0, C)`` or whose position falls outside ``[0, P)`` is
     skipped (not roped, not written). With ``ROPEKV_CHECK_INDICES=1`` such a token raises
@@ -188,14 +249,30 @@ def apply_rope_write_kv(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_cache: Arra
     >>> cache = cp.zeros((B, 2, Hkv, C, D), cp.float16)  # doctest: +SKIP
     >>> table = ropekv.cos_sin_cache(C, D, xp=cp)  # doctest: +SKIP
     >>> ropekv.apply_rope_write_kv(q, k, v, cache, table)  # doctest: +SKIP
+
+    fp8 queries with a scale per token and head, and an int8 cache with per-token-head scales:
+
+    >>> import ml_dtypes
+    >>> q_fp8 = np.zeros(q.shape, ml_dtypes.float8_e4m3fn)
+    >>> q_scales = np.zeros((B, S, Hq), np.float32)
+    >>> cache8 = np.zeros((B, 2, Hkv, C, D), np.int8)
+    >>> cache_scales = np.zeros((B, 2, Hkv, C), np.float32)
+    >>> out = ropekv.apply_rope_write_kv(
+    ...     q, k, v, cache8, ropekv.cos_sin_cache(C, D), q_out=q_fp8, q_scale_out=q_scales,
+    ...     kv_cache_scales=cache_scales)
+    >>> out is q_fp8, bool((q_scales > 0).all())
+    (True, True)
     """
     scale, scale_array = _scale_arg(kv_scale)
-    return _OP((q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, scale_array),
-               (ck.check_flag(write_k_in_place, "write_k_in_place"),
-                ck.check_flag(is_neox, "is_neox"), ck.check_flag(enable_pdl, "enable_pdl"),
-                scalar_key(scale), tuple(TUNING.values()), scalar_key(mrope_section),
-                ck.check_flag(mrope_interleaved, "mrope_interleaved")),
-               stream)
+    in_place = q_out is q  # the plain in-place call: q_out is not a second array
+    out = _OP((q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, scale_array,
+               None if in_place else q_out, q_scale_out, kv_cache_scales),
+              (ck.check_flag(write_k_in_place, "write_k_in_place"),
+               ck.check_flag(is_neox, "is_neox"), ck.check_flag(enable_pdl, "enable_pdl"),
+               scalar_key(scale), tuple(TUNING.values()), scalar_key(mrope_section),
+               ck.check_flag(mrope_interleaved, "mrope_interleaved"), scalar_key(q_scale)),
+              stream)
+    return q if in_place else out
 
 
 def _scale_arg(value):
@@ -223,10 +300,54 @@ def _constant_scales(value):
     return s, s
 
 
+def _check_quantized_outputs(vq, vc, vqo, q_scale, vqs, vcs, kv_scale_given):
+    """q_out, q_scale, q_scale_out and kv_cache_scales against q and the cache; returns the
+    static Q scale (1.0 when none applies)."""
+    B, S, Hq, D = vq.shape
+    Hkv, C = vc.shape[2], vc.shape[3]
+    q_fp8 = vqo is not None and vqo.dtype in FP8_DTYPES
+    if vqo is not None:
+        ck.check_ndim(vqo, 4, "(B, S, Hq, D)")
+        ck.check_shape(vqo, (B, S, Hq, D), "(B, S, Hq, D)")
+        if vqo.dtype != vq.dtype:
+            ck.check_dtype(vqo, (vq.dtype, *FP8_DTYPES))
+        ck.check_last_dim_contiguous(vqo)
+    if q_scale is not None:
+        if not q_fp8:
+            raise ValueError(f"q_scale is only used with a float8 q_out, but q_out is "
+                             f"{'not given' if vqo is None else vqo.dtype}")
+        if vqs is not None:
+            raise ValueError("q_scale (a static scale) and q_scale_out (dynamic scales) exclude "
+                             "each other: give one")
+        q_scale = ck.check_float(q_scale, "q_scale", positive=True)
+    if vqs is not None:
+        if not q_fp8:
+            raise ValueError(f"q_scale_out is only used with a float8 q_out, but q_out is "
+                             f"{'not given' if vqo is None else vqo.dtype}")
+        ck.check_ndim(vqs, 3, "(B, S, Hq)")
+        ck.check_shape(vqs, (B, S, Hq), "(B, S, Hq)")
+        ck.check_dtype(vqs, (FLOAT32,))
+    if vcs is not None:
+        if vc.dtype not in SCALED_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_scales needs a float8 or int8 kv_cache, but kv_cache is "
+                             f"{vc.dtype}")
+        if kv_scale_given:
+            raise ValueError("kv_scale (static scales) and kv_cache_scales (per-token-head "
+                             "scales) exclude each other: give one")
+        ck.check_ndim(vcs, 4, "(B, 2, Hkv, C)")
+        ck.check_shape(vcs, (B, 2, Hkv, C), "(B, 2, Hkv, C)")
+        ck.check_dtype(vcs, (FLOAT32,))
+    elif vc.dtype == INT8:
+        raise ValueError("an int8 kv_cache needs kv_cache_scales (B, 2, Hkv, C) float32: int8 "
+                         "rows are stored with per-token-head scales only")
+    return 1.0 if q_scale is None else q_scale
+
+
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
-    write_k_in_place, is_neox, pdl, const_scale, _, mrope_section, mrope_interleaved = flags
-    vq, vk, vv, vc, vt, vlens, vpos, vscale = views
+    (write_k_in_place, is_neox, pdl, const_scale, _, mrope_section, mrope_interleaved,
+     q_scale) = flags
+    vq, vk, vv, vc, vt, vlens, vpos, vscale, vqo, vqs, vcs = views
 
     ck.check_ndim(vq, 4, "(B, S, Hq, D)")
     ck.check_dtype(vq, INPUT_DTYPES)
@@ -245,7 +366,7 @@ def _prepare(views, flags):
     ck.check_shape(vc, (B, 2, Hkv, None, D), "(B, 2, Hkv, C, D)")
     C = vc.shape[3]
     if vc.dtype != vq.dtype:
-        ck.check_dtype(vc, (vq.dtype, *FP8_DTYPES))
+        ck.check_dtype(vc, (vq.dtype, *SCALED_CACHE_DTYPES))
     P, R = ck.check_cos_sin_cache(vt, D, (2, 3), "(P, R) or (Bc, P, R)")
     if vt.ndim == 3 and vt.shape[0] not in (1, B):
         raise ValueError(f"cos_sin_cache must have shape (P, R) or (Bc, P, R) with Bc 1 or "
@@ -261,9 +382,10 @@ def _prepare(views, flags):
         ck.check_contiguous(vpos)
     fp8 = vc.dtype in FP8_DTYPES
     given = vscale is not None or const_scale is not None
-    if fp8 and not given:
-        raise ValueError(f"kv_scale (a number, a pair, or float32 of shape (2,) or ()) is "
-                         f"required for a {vc.dtype} kv_cache")
+    q_static = _check_quantized_outputs(vq, vc, vqo, q_scale, vqs, vcs, given)
+    if fp8 and not given and vcs is None:
+        raise ValueError(f"kv_scale (a number, a pair, or float32 of shape (2,) or ()) or "
+                         f"kv_cache_scales is required for a {vc.dtype} kv_cache")
     if not fp8 and given:
         raise ValueError(f"kv_scale is only used with float8 caches, but kv_cache is {vc.dtype}")
     scales = _constant_scales(const_scale) if const_scale is not None else (1.0, 1.0)
@@ -277,7 +399,9 @@ def _prepare(views, flags):
         ck.check_last_dim_contiguous(view)
     present = [x for x in views if x is not None]
     device = ck.check_same_device(present)
-    written = (0, 3, 1) if write_k_in_place else (0, 3)
+    written = ((Q_OUT, 9, 10) if vqo is not None else (0, 9, 10)) + (3,)
+    written += (1,) if write_k_in_place else ()
+    result = (lambda arrays, outs: arrays[Q_OUT]) if vqo is not None else None
 
     if vscale is not None and (device == HOST or ck.check_indices_enabled()):
         ck.check_scale_values(vscale)
@@ -289,49 +413,81 @@ def _prepare(views, flags):
                 vq.host, vk.host, vv.host, vc.host, vt.host,
                 None if vlens is None else vlens.host, None if vpos is None else vpos.host,
                 scales if vscale is None else vscale.host, write_k_in_place, is_neox, sections,
-                mrope_interleaved)
+                mrope_interleaved, None if vqo is None else vqo.host, q_static,
+                None if vqs is None else vqs.host, None if vcs is None else vcs.host)
 
-        return Plan(HOST, written=written, host=host if B * S else None)
+        return Plan(HOST, written=written, inplace=[(0, Q_OUT)], result=result,
+                    host=host if B * S else None)
     if B * S == 0:
-        return Plan(device, written=written)
+        return Plan(device, written=written, inplace=[(0, Q_OUT)], result=result)
+    quant = vqo is not None or vcs is not None
+    if quant and sections is not None:
+        mode = MODE_ALL
+    elif quant:
+        mode = MODE_QUANT + (vqs is not None) + 2 * (vcs is not None)
+    else:
+        mode = MODE_OPTS if sections is not None or (fp8 and vscale is None) else MODE_PLAIN
+    launch = _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections,
+                     mrope_interleaved, scales, q_static, P, R)
+    return Plan(device, [launch], written=written, inplace=[(0, Q_OUT)], result=result)
+
+
+def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope_interleaved,
+            scales, q_static, P, R):
+    """The kernel launch of a validated call."""
+    vq, vk, vv, vc, vt, vlens, vpos, vscale, vqo, vqs, vcs = views
+    B, S, Hq, D = vq.shape
+    Hkv, C = vk.shape[2], vc.shape[3]
+    vout = vq if vqo is None else vqo
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
         cos_width = n if is_neox else n // 2
-        return (rot and (D - R) % n == 0 and all(aligned(x, n) for x in (vq, vk, vv, vc))
+        return (rot and (D - R) % n == 0 and all(aligned(x, n) for x in (vq, vk, vv, vc, vout))
                 and aligned(vt, cos_width))
 
     n = vector_width(vq.dtype.itemsize, fits)
     if n is None:  # only interleaved RoPE can get here (neox fits at width 1)
-        raise BufferError(f"interleaved RoPE reads element pairs: the rows of q, k, v and kv_cache "
-                          f"must start at even elements; got q {vq}, k {vk}, v {vv}, "
-                          f"kv_cache {vc}")
+        raise BufferError(f"interleaved RoPE reads element pairs: the rows of q, k, v, kv_cache "
+                          f"and q_out must start at even elements; got q {vq}, k {vk}, v {vv}, "
+                          f"kv_cache {vc}, q_out {vqo}")
     items = ((R // 2) // n if is_neox else R // n) + (D - R) // n
     if items > MAX_ITEMS:
         raise ValueError(f"head dim D={D} with rotary dim R={R} needs {items} threads per head "
                          f"row, more than the {MAX_ITEMS} a block has")
-    block, rows, splits = launch_shape(B * S, Hq + 2 * Hkv, items)
+    dynamic = vqs is not None or vcs is not None
+    group = pow2(items) if dynamic else items  # computed scales reduce over aligned lane groups
+    block, rows, splits = launch_shape(B * S, Hq + 2 * Hkv, group,
+                                       TUNING["scaled_prefill_rows"] if dynamic else None)
     table_strides = vt.strides if vt.ndim == 3 else (0, *vt.strides)
+    qs_strides = vqs.strides if vqs is not None else (0, 0, 0)
+    cs_strides = vcs.strides if vcs is not None else (0, 0, 0, 0)
     values = PARAMS.values(
-        q=0, k=0, v=0, cache=0, cos_sin=0, kv_end_lens=0, position_ids=0, kv_scale=0,
+        q=0, k=0, v=0, cache=0, cos_sin=0, kv_end_lens=0, position_ids=0, kv_scale=0, q_out=0,
+        q_scale_out=0, cache_scales=0,
         q_sb=vq.strides[0], q_ss=vq.strides[1], q_sh=vq.strides[2],
         k_sb=vk.strides[0], k_ss=vk.strides[1], k_sh=vk.strides[2],
         v_sb=vv.strides[0], v_ss=vv.strides[1], v_sh=vv.strides[2],
         c_sb=vc.strides[0], c_skv=vc.strides[1], c_sh=vc.strides[2], c_st=vc.strides[3],
         cs_sb=table_strides[0] if vt.ndim == 3 and vt.shape[0] > 1 else 0, cs_sp=table_strides[1],
-        inv_k_scale=1.0 / scales[0], inv_v_scale=1.0 / scales[1],
+        qo_sb=vout.strides[0], qo_ss=vout.strides[1], qo_sh=vout.strides[2],
+        qs_sb=qs_strides[0], qs_ss=qs_strides[1], qs_sh=qs_strides[2],
+        ks_sb=cs_strides[0], ks_skv=cs_strides[1], ks_sh=cs_strides[2], ks_st=cs_strides[3],
+        inv_k_scale=1.0 / scales[0], inv_v_scale=1.0 / scales[1], inv_q_scale=1.0 / q_static,
         B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=C, P=P, write_k_in_place=int(write_k_in_place),
-        group=items, rows=rows, index64=(int(vlens is not None and vlens.dtype == INT64)
+        group=group, rows=rows, index64=(int(vlens is not None and vlens.dtype == INT64)
                  | 2 * int(vpos is not None and vpos.dtype == INT64)),
         v_scale_index=int(vscale is not None and vscale.ndim == 1), mrope=int(bool(sections)),
         mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
-        mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved))
-    opts = sections is not None or (fp8 and vscale is None)  # mRoPE, constant scales
-    launch = Launch(STEM, expression(vq.dtype, vc.dtype, is_neox, n, opts), device,
-                    (B * S, splits), (block,), PARAMS,
-                    dict(zip(PARAMS.names, values)),
-                    {f: (i, 0) for i, f in enumerate(FIELDS)}, pdl=pdl)
-    return Plan(device, [launch], written=written)
+        mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved),
+        items=items, q_full=int(vqo is not None), q_dynamic=int(vqs is not None),
+        kv_dynamic=int(vcs is not None))
+    slots = {f: (i, 0) for i, f in enumerate(FIELDS) if views[i] is not None}
+    if vqo is None:
+        slots["q_out"] = (0, 0)  # Q roped in place: the kernel writes through q_out = q
+    return Launch(STEM, expression(vq.dtype, vc.dtype, is_neox, n, mode, vout.dtype), device,
+                  (B * S, splits), (block,), PARAMS, dict(zip(PARAMS.names, values)), slots,
+                  pdl=pdl)
 
 
 _OP = Op("apply_rope_write_kv", ARRAYS, _prepare)

@@ -115,20 +115,32 @@ def mrope_cos_sin(table, positions, mrope_section, interleaved=False):
 
 def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, kv_end_lens=None, position_ids=None,
                         kv_scale=None, write_k_in_place=False, is_neox=True, mrope_section=None,
-                        mrope_interleaved=False):
+                        mrope_interleaved=False, q_out=None, q_scale=None, q_scale_out=None,
+                        kv_cache_scales=None):
     """Reference of :func:`ropekv.apply_rope_write_kv` on NumPy arrays, written in place.
 
     With ``mrope_section``, ``position_ids`` is ``(3, B, S)`` and a token is kept when its slot is
-    in ``[0, C)`` and all three positions are in ``[0, P)``."""
+    in ``[0, C)`` and all three positions are in ``[0, P)``.
+
+    Without ``q_out``, the kept tokens' q rows are roped in place and the others keep theirs. With
+    ``q_out`` (``(B, S, Hq, D)``) every token's row is written there: roped when the token is
+    kept, as it came otherwise; in q_out's dtype, an fp8 one divided by ``q_scale`` (default 1)
+    or, with ``q_scale_out`` (``(B, S, Hq)``), quantized per row (:func:`quantize_rows`) with the
+    row's scale written to ``q_scale_out``. With ``kv_cache_scales`` (``(B, 2, Hkv, C)``) each
+    written K and V row is quantized per row and its scale written to the same slot there;
+    ``kv_scale`` is then unused. Returns ``q_out``.
+    """
     B, S = q.shape[:2]
     mrope = mrope_section is not None
     C = kv_cache.shape[3]
     table = cos_sin_cache if cos_sin_cache.ndim == 3 else cos_sin_cache[None]
     P = table.shape[1]
     fp8 = is_fp8(kv_cache.dtype)
+    per_row = kv_cache_scales is not None
     # kv_scale: a number or 0-d array (one scale for K and V), or a pair / (2,) array
     k_scale, v_scale = (np.broadcast_to(np.asarray(kv_scale, np.float64).reshape(-1), (2,))
-                        if fp8 else (1.0, 1.0))
+                        if fp8 and not per_row else (1.0, 1.0))
+    q_rows = None if q_out is None else np.array(q, np.float64)  # every token's q_out row
     for b in range(B):
         start = 0 if kv_end_lens is None else int(kv_end_lens[b]) - S
         if start >= C or start + S <= 0:  # every slot outside [0, C) (and int64-safe below)
@@ -151,13 +163,29 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, kv_end_lens=None, posi
         cos, sin = cos[:, None, :], sin[:, None, :]
         q_rot = rope(q[b, s_idx].astype(np.float64), cos, sin, is_neox)
         k_rot = rope(k[b, s_idx].astype(np.float64), cos, sin, is_neox)
-        q[b, s_idx] = to_dtype(q_rot, q.dtype)
+        if q_rows is None:
+            q[b, s_idx] = to_dtype(q_rot, q.dtype)
+        else:
+            q_rows[b, s_idx] = q_rot
         if write_k_in_place:
             k[b, s_idx] = to_dtype(k_rot, k.dtype)
         # rows are (n, Hkv, D); the cache holds (Hkv, C, D) per sequence and K/V
-        kv_cache[b, 0][:, slot] = to_dtype(k_rot / k_scale, kv_cache.dtype).transpose(1, 0, 2)
-        v_val = v[b, s_idx].astype(np.float64) / v_scale
-        kv_cache[b, 1][:, slot] = to_dtype(v_val, kv_cache.dtype).transpose(1, 0, 2)
+        v_val = v[b, s_idx].astype(np.float64)
+        for kv, val, scale in ((0, k_rot, k_scale), (1, v_val, v_scale)):
+            if per_row:
+                stored, row_scales = quantize_rows(val, kv_cache.dtype)
+                kv_cache_scales[b, kv][:, slot] = row_scales.T
+            else:
+                stored = to_dtype(val / scale, kv_cache.dtype)
+            kv_cache[b, kv][:, slot] = stored.transpose(1, 0, 2)
+    if q_out is not None:
+        if q_scale_out is not None:
+            stored, q_scale_out[...] = quantize_rows(q_rows, q_out.dtype)
+        else:
+            divisor = float(1.0 if q_scale is None else q_scale) if is_fp8(q_out.dtype) else 1.0
+            stored = to_dtype(q_rows / divisor, q_out.dtype)
+        q_out[...] = stored
+    return q_out
 
 
 # ---- Ragged batches over a paged cache: MLA RoPE + RMSNorm, and QK-norm + RoPE ---------------

@@ -216,8 +216,8 @@ def test_cache_shape():
 
 
 def test_cache_dtype():
-    bad("kv_cache must have dtype float16 or float8_e4m3fn or float8_e5m2, got float32", TypeError,
-        kv_cache=np.zeros((2, 2, 2, 16, 64), np.float32))
+    bad("kv_cache must have dtype float16 or float8_e4m3fn or float8_e5m2 or int8, got float32",
+        TypeError, kv_cache=np.zeros((2, 2, 2, 16, 64), np.float32))
 
 
 def test_table_dtype():
@@ -254,8 +254,8 @@ def test_index_arrays_must_be_contiguous():
 
 
 def test_fp8_cache_needs_kv_scale():
-    bad(r"kv_scale \(a number, a pair, or float32 of shape \(2,\) or \(\)\) is required for a "
-        r"float8_e4m3fn kv_cache", kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3))
+    bad(r"kv_scale \(a number, a pair, or float32 of shape \(2,\) or \(\)\) or kv_cache_scales is "
+        r"required for a float8_e4m3fn kv_cache", kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3))
 
 
 @pytest.mark.parametrize("scale", [0.5, 2, np.float32(0.5), np.array(0.5, np.float32),
@@ -605,3 +605,361 @@ def test_check_indices_reads_device_index_arrays(monkeypatch):
     with pytest.raises(IndexError, match=r"token \(b=1, s=0\) lands in cache slot 37"):
         call(dev)
     assert_bytes_equal(dev["kv_cache"], before, "cache after a refused call")
+
+
+# ---------------------------------------------------------------------------------------------
+# q_out, fp8 queries (static or dynamic scales), per-token-head KV scales (issue 14)
+
+E5M2 = np.dtype(ml_dtypes.float8_e5m2)
+INT8 = np.dtype(np.int8)
+Q_MODES = ("self", "copy", "static e4m3", "static e5m2", "dynamic e4m3", "dynamic e5m2")
+
+
+def quant_case(seed, q_mode=None, kv_dtype=None, strided=False, **kw):
+    """``make_case`` plus the new outputs: ``q_mode`` one of Q_MODES (None: q roped in place),
+    ``kv_dtype`` an fp8 or int8 cache with ``kv_cache_scales``. Outputs start as random bytes
+    (stray writes show); with ``strided`` the scale arrays are slices of larger ones."""
+    rng = np.random.default_rng(seed + 1)
+    args = make_case(seed, **kw)
+    B, S, Hq, D = args["q"].shape
+    Hkv, C = args["kv_cache"].shape[2], args["kv_cache"].shape[3]
+
+    def scales(shape):
+        full = rng.uniform(-3, 3, (*shape[:-1], shape[-1] + 3 if strided else shape[-1]))
+        return full.astype(np.float32)[..., :shape[-1]]
+
+    if q_mode == "self":
+        args["q_out"] = args["q"]
+    elif q_mode is not None:
+        dtype = args["q"].dtype if q_mode == "copy" else np.dtype(
+            getattr(ml_dtypes, "float8_" + {"e4m3": "e4m3fn", "e5m2": "e5m2"}[q_mode[-4:]]))
+        args["q_out"] = rng.integers(0, 256, (B, S, Hq, D), np.uint8).view(dtype) \
+            if dtype.itemsize == 1 else random(rng, (B, S, Hq, D), dtype)
+        if q_mode.startswith("static"):
+            args["q_scale"] = float(rng.uniform(0.01, 0.5))
+        elif q_mode.startswith("dynamic"):
+            args["q_scale_out"] = scales((B, S, Hq))
+    if kv_dtype is not None:
+        args.pop("kv_scale", None)
+        args["kv_cache"] = rng.integers(0, 256, (B, 2, Hkv, C, D), np.uint8).view(kv_dtype)
+        args["kv_cache_scales"] = scales((B, 2, Hkv, C))
+    return args
+
+
+def quant_copy(args):
+    """A deep copy keeping ``q_out is q`` and the scale arrays' strides."""
+    out = {}
+    for n, x in args.items():
+        if not isinstance(x, np.ndarray):  # q_scale
+            out[n] = x
+        elif n in ("q_scale_out", "kv_cache_scales") and x.base is not None:
+            out[n] = x.base.copy()[tuple(slice(0, s) for s in x.shape)]
+        elif not (n == "q_out" and x is args["q"]):
+            out[n] = x.copy()
+    if "q_out" in args and args["q_out"] is args["q"]:
+        out["q_out"] = out["q"]
+    return out
+
+
+def assert_codes_close(actual, expected, what):
+    """int8 codes equal or adjacent (float32 kernel against the float64 reference)."""
+    a, e = to_numpy(actual).astype(np.int32), np.asarray(expected).astype(np.int32)
+    bad = np.argwhere(np.abs(a - e) > 1)
+    assert bad.size == 0, f"{what}: {len(bad)} int8 codes differ by more than one"
+
+
+def assert_output_close(actual, expected, what):
+    if np.dtype(expected.dtype) == INT8:
+        assert_codes_close(actual, expected, what)
+    else:
+        assert_close(actual, expected, what)
+
+
+def test_numpy_q_out_receives_the_roped_queries_and_q_is_only_read():
+    args = make_case(20, pos=True, S=6, C=8, P=8)
+    args["position_ids"][0, :2] = [-1, 9]  # two skipped tokens
+    ref = copy_args(args)
+    call(ref)  # in place
+    q = args["q"].copy()
+    q.flags.writeable = False  # q is only read
+    args["q"] = q
+    q_out = np.zeros_like(q)
+    got = call(args, q_out=q_out)
+    assert got is q_out
+    assert_bytes_equal(args["q"], make_case(20, pos=True, S=6, C=8, P=8)["q"], "q")
+    assert_bytes_equal(q_out, ref["q"], "q_out (skipped tokens: q as it came)")
+    assert_bytes_equal(args["kv_cache"], ref["kv_cache"])
+
+
+def test_numpy_q_out_is_q_is_the_in_place_call():
+    args = make_case(21, pos=True)
+    ref = copy_args(args)
+    assert call(ref) is None
+    got = call(args, q_out=args["q"])
+    assert got is args["q"]
+    assert_bytes_equal(args["q"], ref["q"])
+    assert_bytes_equal(args["kv_cache"], ref["kv_cache"])
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_numpy_fp8_q_out_static_and_dynamic_scales(fp8):
+    """Static: stored = fp8(q / q_scale); dynamic: per row, max |code| is max_code and the row
+    dequantizes to the roped q."""
+    args = make_case(22, lens=False)
+    ref = copy_args(args)
+    call(ref)
+    roped = ref["q"].astype(np.float64)
+    static = np.zeros(args["q"].shape, fp8)
+    call(copy_args(args), q_out=static, q_scale=0.25)
+    assert_close(static, reference.to_dtype(roped / 0.25, fp8), "static q_out")  # adjacent codes
+    dyn, scales = np.zeros(args["q"].shape, fp8), np.zeros(args["q"].shape[:3], np.float32)
+    call(copy_args(args), q_out=dyn, q_scale_out=scales)
+    amax = np.abs(roped).max(-1)
+    np.testing.assert_allclose(scales, amax / reference.MAX_CODE[np.dtype(fp8)], rtol=2e-3)
+    np.testing.assert_array_equal(np.abs(dyn.astype(np.float64)).max(-1),
+                                  reference.MAX_CODE[np.dtype(fp8)])
+    err = np.abs(reference.dequantize_rows(dyn, scales) - roped)
+    assert (err <= 0.13 * np.abs(roped) + 1e-3 * amax[..., None]).all()
+
+
+@pytest.mark.parametrize("cache_dtype", [E4M3, E5M2, INT8])
+def test_numpy_per_token_head_kv_scales(cache_dtype):
+    """Each written K/V row dequantizes to the 16-bit cache's row; unwritten slots keep their
+    bytes in the cache and in the scales."""
+    args = quant_case(23, kv_dtype=cache_dtype, pos=True, S=5, C=9, P=12)
+    plain = make_case(23, pos=True, S=5, C=9, P=12)
+    call(plain)
+    before = quant_copy(args)
+    call(args)
+    mask = addressed_slots(args, 5)
+    cache, scales = args["kv_cache"], args["kv_cache_scales"]
+    assert mask.any() and not mask.all()
+    for b, c in zip(*np.nonzero(mask)):
+        want = plain["kv_cache"][b, :, :, c].astype(np.float64)  # (2, Hkv, D)
+        got = reference.dequantize_rows(cache[b, :, :, c], scales[b, :, :, c])
+        np.testing.assert_allclose(got, want, rtol=0.13, atol=0.01 * np.abs(want).max())
+        if cache_dtype == INT8:
+            assert (np.abs(cache[b, :, :, c].astype(int)).max(-1) == 127).all()
+    for b, c in zip(*np.nonzero(~mask)):
+        assert_bytes_equal(np.ascontiguousarray(cache[b, :, :, c]),
+                           before["kv_cache"][b, :, :, c], "cache slot")
+        assert_bytes_equal(np.ascontiguousarray(scales[b, :, :, c]),
+                           before["kv_cache_scales"][b, :, :, c], "scales")
+
+
+def test_numpy_q_out_on_q_memory_is_in_place():
+    """A second view of q's memory with q's layout is allowed, as in place."""
+    args = make_case(24, pos=True)
+    ref = copy_args(args)
+    call(ref)
+    call(args, q_out=args["q"][:])
+    assert_bytes_equal(args["q"], ref["q"])
+
+
+def qbad(match, exc=ValueError, q_mode=None, kv_dtype=None, **changes):
+    args = quant_case(25, q_mode, kv_dtype)
+    args.update(changes)
+    for n in [n for n, x in args.items() if x is None]:
+        del args[n]
+    with pytest.raises(exc, match=match):
+        call(args)
+
+
+def test_q_out_shape():
+    qbad(r"q_out must have shape \(B, S, Hq, D\) = \(2, 3, 4, 64\), got \(2, 3, 4, 32\)",
+         q_out=np.zeros((2, 3, 4, 32), np.float16))
+    qbad(r"q_out must have shape \(B, S, Hq, D\), got \(2, 3, 256\)",
+         q_out=np.zeros((2, 3, 256), np.float16))
+
+
+def test_q_out_dtype():
+    qbad("q_out must have dtype float16 or float8_e4m3fn or float8_e5m2, got bfloat16",
+         TypeError, q_out=np.zeros((2, 3, 4, 64), ml_dtypes.bfloat16))
+    qbad("q_out must have dtype .*, got int8", TypeError, q_out=np.zeros((2, 3, 4, 64), np.int8))
+
+
+def test_q_out_last_dim_contiguous():
+    qbad(r"q_out must be contiguous in its last dimension",
+         q_out=np.zeros((2, 3, 4, 128), np.float16)[..., ::2])
+
+
+def test_q_out_must_not_overlap_other_arguments():
+    args = make_case(26)
+    on_cache = args["kv_cache"].reshape(-1)[:2 * 3 * 4 * 64].reshape(2, 3, 4, 64)
+    with pytest.raises(ValueError, match="q_out"):
+        call(args, q_out=on_cache)
+
+
+def test_q_out_read_only_is_refused():
+    q_out = np.zeros((2, 3, 4, 64), np.float16)
+    q_out.flags.writeable = False
+    qbad("q_out is written in place but its producer exported it read-only", BufferError,
+         q_out=q_out)
+
+
+def test_fp8_q_out_on_q_memory_is_refused():
+    args = make_case(27)
+    with pytest.raises(ValueError, match="q_out"):
+        call(args, q_out=args["q"].view(np.uint8)[..., :64].view(E4M3))
+
+
+def test_q_scale_rules():
+    qbad("q_scale is only used with a float8 q_out, but q_out is not given", q_scale=0.5)
+    qbad("q_scale is only used with a float8 q_out, but q_out is float16", q_mode="copy",
+         q_scale=0.5)
+    qbad("q_scale must be a finite positive number, got 0.0", q_mode="static e4m3", q_scale=0.0)
+    qbad("q_scale must be a real number", TypeError, q_mode="static e4m3", q_scale="1")
+    qbad("q_scale .* and q_scale_out .* exclude each other", q_mode="dynamic e4m3", q_scale=0.5)
+
+
+def test_q_scale_out_rules():
+    qbad("q_scale_out is only used with a float8 q_out, but q_out is not given",
+         q_scale_out=np.zeros((2, 3, 4), np.float32))
+    qbad("q_scale_out is only used with a float8 q_out, but q_out is float16", q_mode="copy",
+         q_scale_out=np.zeros((2, 3, 4), np.float32))
+    qbad(r"q_scale_out must have shape \(B, S, Hq\) = \(2, 3, 4\), got \(2, 3, 5\)",
+         q_mode="dynamic e5m2", q_scale_out=np.zeros((2, 3, 5), np.float32))
+    qbad(r"q_scale_out must have shape \(B, S, Hq\), got \(6, 4\)",
+         q_mode="dynamic e5m2", q_scale_out=np.zeros((6, 4), np.float32))
+    qbad("q_scale_out must have dtype float32, got float16", TypeError, q_mode="dynamic e5m2",
+         q_scale_out=np.zeros((2, 3, 4), np.float16))
+    ro = np.zeros((2, 3, 4), np.float32)
+    ro.flags.writeable = False
+    qbad("q_scale_out is written in place", BufferError, q_mode="dynamic e5m2", q_scale_out=ro)
+
+
+def test_kv_cache_scales_rules():
+    qbad("kv_cache_scales needs a float8 or int8 kv_cache, but kv_cache is float16",
+         kv_cache_scales=np.zeros((2, 2, 2, 16), np.float32))
+    qbad("kv_scale .* and kv_cache_scales .* exclude each other", kv_dtype=E4M3,
+         kv_scale=np.ones(2, np.float32))
+    qbad("kv_scale .* and kv_cache_scales .* exclude each other", kv_dtype=E4M3, kv_scale=1.0)
+    qbad(r"kv_cache_scales must have shape \(B, 2, Hkv, C\) = \(2, 2, 2, 16\), got "
+         r"\(2, 2, 2, 15\)", kv_dtype=INT8, kv_cache_scales=np.zeros((2, 2, 2, 15), np.float32))
+    qbad(r"kv_cache_scales must have shape \(B, 2, Hkv, C\), got \(2, 2, 2\)", kv_dtype=INT8,
+         kv_cache_scales=np.zeros((2, 2, 2), np.float32))
+    qbad("kv_cache_scales must have dtype float32, got float64", TypeError, kv_dtype=INT8,
+         kv_cache_scales=np.zeros((2, 2, 2, 16)))
+    qbad("an int8 kv_cache needs kv_cache_scales", kv_dtype=INT8, kv_cache_scales=None)
+
+
+def test_kv_cache_scales_must_not_overlap_the_cache():
+    args = quant_case(28, kv_dtype=INT8)
+    args["kv_cache_scales"] = args["kv_cache"].view(np.uint8).reshape(-1)[:2 * 2 * 2 * 16 * 4] \
+        .view(np.float32).reshape(2, 2, 2, 16)
+    with pytest.raises(ValueError, match="kv_cache_scales"):
+        call(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the new outputs against the reference
+
+
+def check_quant_against_reference(args, **kw):
+    """Kernel and reference on copies of ``args``; every output compared, q unchanged when
+    q_out is another array, unaddressed cache slots and scales byte-identical."""
+    import cupy as cp
+
+    expected = quant_copy(args)
+    call(expected, **kw)
+    dev = device_args({n: x for n, x in args.items() if n != "q_out" or x is not args["q"]})
+    if "q_out" in args and args["q_out"] is args["q"]:
+        dev["q_out"] = dev["q"]
+    for n in ("q_scale_out", "kv_cache_scales"):  # keep the strided layouts on the device
+        if n in args and args[n].base is not None:
+            dev[n] = cp.asarray(args[n].base)[tuple(slice(0, s) for s in args[n].shape)]
+    got_out = call(dev, **kw)
+    if "q_out" in args:
+        assert got_out is dev["q_out"]
+        assert_output_close(dev["q_out"], expected["q_out"], "q_out")
+        if args["q_out"] is not args["q"]:
+            assert_bytes_equal(dev["q"], args["q"], "q (only read)")
+    else:
+        assert got_out is None
+        assert_close(dev["q"], expected["q"], "q")
+    for name in ("k", "v"):
+        assert_close(dev[name], expected[name], name)
+    if "q_scale_out" in args:
+        assert_close(dev["q_scale_out"], expected["q_scale_out"], "q_scale_out")
+    got = to_numpy(dev["kv_cache"])
+    assert_output_close(got, expected["kv_cache"], "kv_cache")
+    untouched = ~addressed_slots(args, args["q"].shape[1])
+    assert_bytes_equal(got.transpose(0, 3, 1, 2, 4)[untouched],
+                       args["kv_cache"].transpose(0, 3, 1, 2, 4)[untouched], "unaddressed slots")
+    if "kv_cache_scales" in args:
+        got_s = to_numpy(dev["kv_cache_scales"])
+        written = addressed_slots(args, args["q"].shape[1])
+        assert_close(got_s.transpose(0, 3, 1, 2)[written],
+                     expected["kv_cache_scales"].transpose(0, 3, 1, 2)[written], "kv scales")
+        assert_bytes_equal(np.ascontiguousarray(got_s.transpose(0, 3, 1, 2)[untouched]),
+                           np.ascontiguousarray(args["kv_cache_scales"].transpose(
+                               0, 3, 1, 2)[untouched]), "unaddressed scales")
+
+
+@pytest.mark.gpu
+@given(seed=seeds, dtype=input_dtypes, data=st.data(), heads=gqa_heads(),
+       dims=head_and_rotary_dims(), B=st.integers(1, 4), S=st.integers(1, 9),
+       extra_c=st.integers(0, 24), lens=st.booleans(), pos=st.booleans(),
+       table_batch=st.sampled_from([None, 1, "B"]), packed=st.booleans(),
+       write_k=st.booleans(), is_neox=st.booleans(),
+       mrope=st.sampled_from([None, None, "chunked", "interleaved"]),
+       q_mode=st.sampled_from((None, *Q_MODES)),
+       kv_dtype=st.sampled_from([None, E4M3, E5M2, INT8]), strided=st.booleans())
+def test_kernel_quantized_outputs_match_reference(seed, dtype, data, heads, dims, B, S, extra_c,
+                                                  lens, pos, table_batch, packed, write_k,
+                                                  is_neox, mrope, q_mode, kv_dtype, strided):
+    (Hq, Hkv), (D, R) = heads, dims
+    if not is_neox and (R % 2 or D % 2):
+        return
+    cache_dtype = data.draw(cache_dtypes(dtype)) if kv_dtype is None else None
+    args = quant_case(seed, q_mode, kv_dtype, strided, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R,
+                      C=S + extra_c, P=S + extra_c + 4, dtype=dtype, cache_dtype=cache_dtype,
+                      lens=lens, pos=pos, packed=packed,
+                      table_batch=B if table_batch == "B" else table_batch)
+    kw = {}
+    if mrope:
+        args["position_ids"] = mrope_ids(np.random.default_rng(seed), B, S, S + extra_c + 4)
+        kw = {"mrope_section": mrope_section_for(R, mrope == "interleaved"),
+              "mrope_interleaved": mrope == "interleaved"}
+    check_quant_against_reference(args, write_k_in_place=write_k, is_neox=is_neox, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_mode", Q_MODES)
+@pytest.mark.parametrize("kv_dtype", [None, E4M3, INT8])
+def test_llama_quantized_prefill_and_decode(q_mode, kv_dtype):
+    """Llama shapes (one group of 16 lanes a row, prefill and decode launch shapes), and a
+    head dim whose rows need more than a warp (the shared-memory row reduction)."""
+    for seed, shape in ((30, dict(B=2, S=64, Hq=32, Hkv=8, D=128, R=128, C=256, P=512)),
+                        (31, dict(B=16, S=1, Hq=32, Hkv=8, D=128, R=128, C=64, P=64)),
+                        (32, dict(B=3, S=5, Hq=4, Hkv=2, D=256, R=6, C=16, P=32))):
+        args = quant_case(seed, q_mode, kv_dtype, pos=True, **shape)
+        check_quant_against_reference(args)
+
+
+@pytest.mark.gpu
+def test_dynamic_scales_of_extreme_rows():
+    """A zero row gets scale 1e-6 / max_code; a huge one saturates nothing (its own scale); an
+    infinity gives scale inf, as the reference."""
+    args = quant_case(33, "dynamic e4m3", INT8, lens=False, Hq=4, Hkv=2, D=128, R=128)
+    args["q"][0, 0, 0] = 0
+    args["q"][0, 0, 1] = np.float16(60000)
+    args["v"][0, 1, 0] = 0
+    args["v"][1, 2, 1, 5] = np.float16(np.inf)
+    check_quant_against_reference(args)
+
+
+@pytest.mark.gpu
+def test_quantized_outputs_replay_with_new_arrays():
+    """A replayed plan writes the new q_out and scale arrays (pointers refilled)."""
+    for seed in (34, 35, 36):
+        args = quant_case(seed, "dynamic e5m2", E4M3, pos=True)
+        check_quant_against_reference(args)
+
+
+@pytest.mark.gpu
+def test_quantized_hostile_indices_never_write_out_of_bounds():
+    args = quant_case(37, "dynamic e4m3", INT8, pos=True, S=4, C=8, P=8)
+    args["kv_end_lens"][:] = [np.iinfo(np.int32).max, np.iinfo(np.int32).min]
+    args["position_ids"][:] = np.iinfo(np.int32).max
+    check_quant_against_reference(args)
