@@ -29,15 +29,17 @@ PARAMS = ParamStruct("QKNormParams", [
                                "position_ids", "status", "q_scale_out", "k_scales", "v_scales")),
     *((n, np.int64) for n in ("q_st", "q_sh", "qo_st", "qo_sh", "k_st", "k_sh", "v_st", "v_sh",
                               "cs_sp", "bt_sb", "kc_sp", "kc_se", "kc_sh", "vc_sp", "vc_se",
-                              "vc_sh", "num_pages", "pid_st", "qs_st", "qs_sh", "ks_sp", "ks_se",
-                              "ks_sh", "vs_sp", "vs_se", "vs_sh")),
-    *((n, np.float32) for n in ("epsilon", "weight_offset", "inv_k_scale", "inv_v_scale",
-                                "inv_q_scale")),
+                              "vc_sh", "num_pages", "pid_st")),
+    *((n, np.float32) for n in ("epsilon", "weight_offset", "inv_k_scale", "inv_v_scale")),
     *((n, np.int32) for n in ("T", "B", "Hq", "Hkv", "D", "R", "P", "max_pages", "page_size",
                               "q_gamma_f32", "k_gamma_f32", "group", "rows", "post", "clear",
                               "mrope",
                               "mrope_t", "mrope_h", "mrope_w", "mrope_interleaved", "pos64",
-                              "check", "q_dynamic", "kv_dynamic")),
+                              "check")),
+    # the quantizing kernels' fields, last (the plain kernels' fields keep their offsets)
+    ("q_dynamic", np.int32), ("kv_dynamic", np.int32), ("inv_q_scale", np.float32),
+    *((n, np.int64) for n in ("qs_st", "qs_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se",
+                              "vs_sh")),
 ])
 MAX_GROUP = 32  # lanes per head row: one chunk each, a row within a warp
 ROWS = (1, 2, 4)  # kernels by the head rows one lane group can hold (their register budgets)
@@ -83,8 +85,9 @@ def expression(dtype, cache_dtype, is_neox, n, rows=1, opts=0, q_dtype=None):
     1 the one that reads the light options (norm order, weight offset, tail clearing, status);
     2 that one with mRoPE too. ``q_dtype``: None for those; else the dtype q is stored in, and
     the kernel also compiles in fp8 q and computed scales (fp8 q with a static or dynamic scale,
-    per-token-head KV scales); those kernels come with ``opts`` 1 or 2 only (the light options'
-    few instructions are not worth a third set of quantizing kernels)."""
+    per-token-head KV scales); those kernels come with ``opts`` 0 or 2 only: quantizing alone
+    runs without the options' code, with any other option it runs the kernel of them all (a
+    third set of quantizing kernels would cost compile time for little)."""
     quant = q_dtype is not None
     return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype),
                            c_type(q_dtype if quant else dtype), c_bool(is_neox), n, rows,
@@ -98,7 +101,7 @@ def instantiations():
             yield from rope_instantiations(
                 lambda *a, r=rows, o=opts: expression(*a, r, o), INPUT_DTYPES, FP8_DTYPES)
     for rows in ROWS:
-        for opts in (1, 2):
+        for opts in (0, 2):
             for dtype in INPUT_DTYPES:
                 for q_dtype, cache_dtype in quant_pairs(dtype):
                     for is_neox in (True, False):
@@ -568,8 +571,8 @@ def _prepare(views, flags):
         post or weight_offset != 0.0 or clear or vstatus is not None))
     # fp8 q or computed scales: a quantizing kernel (the others compile none of it)
     quant = q_dtype != vq.dtype or kv_dynamic
-    if quant:
-        opts = max(opts, 1)
+    if quant and opts:
+        opts = 2
     launch = Launch(STEM, expression(vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows), opts,
                                      q_dtype if quant else None),
                     device, (max(T, 1), splits), (block,), PARAMS, values, slots, pdl=pdl)

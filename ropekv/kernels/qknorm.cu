@@ -27,12 +27,9 @@ struct QKNormParams {
   i64 kc_sp, kc_se, kc_sh, vc_sp, vc_se, vc_sh;  // page, entry, head strides (layout-free)
   i64 num_pages;
   i64 pid_st;  // position_ids row stride (T)
-  i64 qs_st, qs_sh;                              // q_scale_out strides in elements
-  i64 ks_sp, ks_se, ks_sh, vs_sp, vs_se, vs_sh;  // scale arrays: page, entry, head strides
   float epsilon;
   float weight_offset;             // added to every q_gamma and k_gamma value (Gemma: 1)
   float inv_k_scale, inv_v_scale;  // stored = fp8(x * inv_scale); 1 for 16-bit caches
-  float inv_q_scale;               // fp8 q, static scale: stored = fp8(q * inv_q_scale)
   int T, B, Hq, Hkv, D, R, P, max_pages, page_size, q_gamma_f32, k_gamma_f32;
   int group;  // lanes per head row: a power of two <= 32 dividing blockDim.x
   int rows;   // head rows each lane group holds, 1 ..= ROWS
@@ -42,9 +39,20 @@ struct QKNormParams {
   int mrope_t, mrope_h, mrope_w, mrope_interleaved;
   int pos64;  // position_ids is int64
   int check;  // status=: validate the offsets first (the grid has at least one token block)
-  int q_dynamic;   // q_scale_out: each q row quantized with its computed scale (QUANT kernels)
-  int kv_dynamic;  // k_scales, v_scales: each written K and V row likewise (QUANT kernels)
+  // the quantizing kernels' fields, last (placed before the others, they moved the fields the
+  // plain kernels read and cost those two registers)
+  int q_dynamic;      // q_scale_out: each q row quantized with its computed scale
+  int kv_dynamic;     // k_scales, v_scales: each written K and V row likewise
+  float inv_q_scale;  // fp8 q, static scale: stored = fp8(q * inv_q_scale)
+  i64 qs_st, qs_sh;   // q_scale_out strides in elements
+  i64 ks_sp, ks_se, ks_sh, vs_sp, vs_se, vs_sh;  // scale arrays: page, entry, head strides
 };
+
+// The quantizing kernels with ROWS <= 2 hold every row of a thread before their shuffles (1) or
+// go row by row (0): more registers against more independent work in flight.
+#ifndef ROPEKV_QKNORM_ROWS_FIRST
+#define ROPEKV_QKNORM_ROWS_FIRST 1
+#endif
 
 constexpr int kStageMax = 512;  // batches of up to this many requests are searched in shared memory
 constexpr int kMaxD = 512;      // the largest head dim (32 lanes of 8 neox pairs; the host checks)
@@ -87,7 +95,7 @@ struct QKNormShared {
 // OPTS 0: the plain kernel, every option compiled out (an option costs nothing when off); 1: the
 // light options are read (p.post, p.weight_offset, p.clear, p.check); 2: mRoPE too (its three
 // positions and cos/sin rows cost registers the others should not pay for).
-// QUANT (with OPTS 1 or 2): q is stored as QT (fp8 with a static scale, or with p.q_dynamic a
+// QUANT (with OPTS 0 or 2): q is stored as QT (fp8 with a static scale, or with p.q_dynamic a
 // computed scale per row) and, with p.kv_dynamic, K and V rows with computed scales. A computed
 // scale needs the row's largest magnitude after the norm and RoPE: one more max-shuffle over the
 // row's G lanes. Without QUANT, QT is T and none of it is compiled.
@@ -228,93 +236,178 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
   CacheT* const v_row = static_cast<CacheT*>(p.v_cache) + slot.page * p.vc_sp +
                         slot.entry * p.vc_se;
   QT* const q_row = static_cast<QT*>(p.q_out) + t * p.qo_st;
+  if constexpr (!QUANT) {
+    // the loop as it was before the quantizing kernels existed, kept apart (not through the
+    // lambdas above, which cost the plain kernels registers): options off cost nothing
 #pragma unroll
-  for (int u = 0; u < ROWS; ++u) {
-    const int h = first + u * slots;
-    const bool live = u < U && h < H && has_chunk;
-    const bool is_q = h < p.Hq;
-    const bool is_v = h >= p.Hq + p.Hkv;
-    const bool norm = roped && !is_v;  // V rows and rows without a position: copied
-    const float rms = norm ? rsqrtf(ss[u] * inv_d + p.epsilon) : 1.f;
-    const float* g = sh.gamma[norm ? (is_q ? 0 : 1) : 2];
-    float a[N], b[N], ga[N], gb[N];
-    to_floats<T, N>(va[u], a);
-    if (pair) to_floats<T, N>(vb[u], b);
-    float cu[M], su[M];
+    for (int u = 0; u < ROWS; ++u) {
+      const int h = first + u * slots;
+      const bool live = u < U && h < H && has_chunk;
+      const bool is_q = h < p.Hq;
+      const bool is_v = h >= p.Hq + p.Hkv;
+      const bool norm = roped && !is_v;  // V rows and rows without a position: copied
+      const float rms = norm ? rsqrtf(ss[u] * inv_d + p.epsilon) : 1.f;
+      const float* g = sh.gamma[norm ? (is_q ? 0 : 1) : 2];
+      float a[N], b[N], ga[N], gb[N];
+      to_floats<T, N>(va[u], a);
+      if (pair) to_floats<T, N>(vb[u], b);
+      float cu[M], su[M];
 #pragma unroll
-    for (int i = 0; i < M; ++i) {
-      cu[i] = norm ? c[i] : 1.f;
-      su[i] = norm ? sn[i] : 0.f;
+      for (int i = 0; i < M; ++i) {
+        cu[i] = norm ? c[i] : 1.f;
+        su[i] = norm ? sn[i] : 0.f;
+      }
+      const bool post = OPTS && p.post;
+      if (post && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
+      load_float<float, N>(g + ea, ga);
+#pragma unroll
+      for (int i = 0; i < N; ++i) a[i] *= rms * ga[i];
+      if (pair) {
+        load_float<float, N>(g + eb, gb);
+#pragma unroll
+        for (int i = 0; i < N; ++i) b[i] *= rms * gb[i];
+      }
+      if (!post && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
+      if (!live) continue;
+      if (is_q) {
+        T* dst = q_row + h * p.qo_sh;
+        store_float<T, N>(dst + ea, a);
+        if (pair) store_float<T, N>(dst + eb, b);
+      } else if (write) {
+        CacheT* dst = is_v ? v_row + (h - p.Hq - p.Hkv) * p.vc_sh : k_row + (h - p.Hq) * p.kc_sh;
+        const float scale = is_v ? p.inv_v_scale : p.inv_k_scale;
+        store_float<CacheT, N>(dst + ea, a, scale);
+        if (pair) store_float<CacheT, N>(dst + eb, b, scale);
+        if (clear) {
+          const i64 se = is_v ? p.vc_se : p.kc_se;
+          zero_rest_of_page<CacheT, N>(dst, se, slot.entry, p.page_size, ea);
+          if (pair) zero_rest_of_page<CacheT, N>(dst, se, slot.entry, p.page_size, eb);
+        }
+      }
     }
-    const bool post = OPTS && p.post;
-    if (post && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
-    load_float<float, N>(g + ea, ga);
+  } else {
+    // row u's chunk normalised and roped, in float32
+    auto norm_rope = [&](int u, float (&a)[N], float (&b)[N]) {
+      const int h = first + u * slots;
+      const bool is_q = h < p.Hq;
+      const bool is_v = h >= p.Hq + p.Hkv;
+      const bool norm = roped && !is_v;  // V rows and rows without a position: copied
+      const float rms = norm ? rsqrtf(ss[u] * inv_d + p.epsilon) : 1.f;
+      const float* g = sh.gamma[norm ? (is_q ? 0 : 1) : 2];
+      float ga[N], gb[N];
+      to_floats<T, N>(va[u], a);
+      if (pair) to_floats<T, N>(vb[u], b);
+      float cu[M], su[M];
 #pragma unroll
-    for (int i = 0; i < N; ++i) a[i] *= rms * ga[i];
-    if (pair) {
-      load_float<float, N>(g + eb, gb);
+      for (int i = 0; i < M; ++i) {
+        cu[i] = norm ? c[i] : 1.f;
+        su[i] = norm ? sn[i] : 0.f;
+      }
+      const bool post = OPTS && p.post;
+      if (post && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
+      load_float<float, N>(g + ea, ga);
 #pragma unroll
-      for (int i = 0; i < N; ++i) b[i] *= rms * gb[i];
-    }
-    if (!post && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
-    // computed scales: the row's largest magnitude (NaN ignored: fmaxf) over its G lanes; every
-    // lane takes part (U and G are block-uniform), lanes without a chunk with 0
-    float amax = 0.f;
-    if constexpr (QUANT) {
-      if (live) {
+      for (int i = 0; i < N; ++i) a[i] *= rms * ga[i];
+      if (pair) {
+        load_float<float, N>(g + eb, gb);
 #pragma unroll
-        for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(a[i]));
+        for (int i = 0; i < N; ++i) b[i] *= rms * gb[i];
+      }
+      if (!post && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
+    };
+    // the chunk's stores (amax: the row's largest magnitude, for computed scales)
+    auto store_row = [&](int u, const float (&a)[N], const float (&b)[N], float amax) {
+      const int h = first + u * slots;
+      if (!(u < U && h < H && has_chunk)) return;
+      const bool is_q = h < p.Hq;
+      const bool is_v = h >= p.Hq + p.Hkv;
+      if (is_q) {
+        QT* dst = q_row + h * p.qo_sh;
+        float mul = 1.f;  // 16-bit q: unused
+        if constexpr (is_quantized<QT>::value) {
+          mul = p.inv_q_scale;
+          if (p.q_dynamic) {
+            const RowScale rs = row_scale<QT>(amax);
+            mul = rs.mul;
+            if (j == 0) p.q_scale_out[t * p.qs_st + h * p.qs_sh] = rs.scale;
+          }
+        }
+        store_float<QT, N>(dst + ea, a, mul);
+        if (pair) store_float<QT, N>(dst + eb, b, mul);
+      } else if (write) {
+        const int kh = is_v ? h - p.Hq - p.Hkv : h - p.Hq;  // the KV head
+        CacheT* dst = is_v ? v_row + kh * p.vc_sh : k_row + kh * p.kc_sh;
+        float scale = is_v ? p.inv_v_scale : p.inv_k_scale;
+        float* scale_slot = nullptr;  // per-token-head KV scales: this row's slot
+        if constexpr (is_quantized<CacheT>::value) {
+          if (p.kv_dynamic) {
+            const RowScale rs = row_scale<CacheT>(amax);
+            scale = rs.mul;
+            scale_slot = is_v ? p.v_scales + slot.page * p.vs_sp + slot.entry * p.vs_se +
+                                    kh * p.vs_sh
+                              : p.k_scales + slot.page * p.ks_sp + slot.entry * p.ks_se +
+                                    kh * p.ks_sh;
+            if (j == 0) *scale_slot = rs.scale;
+          }
+        }
+        store_float<CacheT, N>(dst + ea, a, scale);
+        if (pair) store_float<CacheT, N>(dst + eb, b, scale);
+        if (clear) {
+          const i64 se = is_v ? p.vc_se : p.kc_se;
+          zero_rest_of_page<CacheT, N>(dst, se, slot.entry, p.page_size, ea);
+          if (pair) zero_rest_of_page<CacheT, N>(dst, se, slot.entry, p.page_size, eb);
+          if (scale_slot && j == 0) {  // a stale NaN scale times a zero code is NaN
+            const i64 sse = is_v ? p.vs_se : p.ks_se;
+            for (int r = 1; r < p.page_size - slot.entry; ++r) scale_slot[r * sse] = 0.f;
+          }
+        }
+      }
+    };
+    // computed scales need each row's largest magnitude (NaN ignored: fmaxf) over its G lanes
+    // before its first store (every lane takes part in the shuffles: U and G are
+    // block-uniform; lanes without a chunk bring 0)
+    auto chunk_max = [&](int u, const float (&a)[N], const float (&b)[N]) {
+      float m = 0.f;
+      if (u < U && first + u * slots < H && has_chunk) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) m = fmaxf(m, fabsf(a[i]));
         if (pair) {
 #pragma unroll
-          for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(b[i]));
+          for (int i = 0; i < N; ++i) m = fmaxf(m, fabsf(b[i]));
         }
       }
-      if (u < U) {
-        for (int o = G >> 1; o; o >>= 1) {
-          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      return m;
+    };
+    if constexpr (ROPEKV_QKNORM_ROWS_FIRST && ROWS <= 2) {
+      // every row of the thread first (independent chains), their shuffles together, the stores
+      // (at ROWS 4 the rows would not fit in registers)
+      float a[ROWS][N], b[ROWS][N], amax[ROWS];
+#pragma unroll
+      for (int u = 0; u < ROWS; ++u) {
+        norm_rope(u, a[u], b[u]);
+        amax[u] = chunk_max(u, a[u], b[u]);
+      }
+      for (int o = G >> 1; o; o >>= 1) {
+#pragma unroll
+        for (int u = 0; u < ROWS; ++u) {
+          if (u < U) amax[u] = fmaxf(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], o));
         }
       }
-    }
-    if (!live) continue;
-    if (is_q) {
-      QT* dst = q_row + h * p.qo_sh;
-      float mul = 1.f;  // 16-bit q: unused
-      if constexpr (QUANT && is_quantized<QT>::value) {
-        mul = p.inv_q_scale;
-        if (p.q_dynamic) {
-          const RowScale rs = row_scale<QT>(amax);
-          mul = rs.mul;
-          if (j == 0) p.q_scale_out[t * p.qs_st + h * p.qs_sh] = rs.scale;
+#pragma unroll
+      for (int u = 0; u < ROWS; ++u) store_row(u, a[u], b[u], amax[u]);
+    } else {
+      // row by row (fewer registers)
+#pragma unroll
+      for (int u = 0; u < ROWS; ++u) {
+        float a[N], b[N];
+        norm_rope(u, a, b);
+        float amax = chunk_max(u, a, b);
+        if (u < U) {
+          for (int o = G >> 1; o; o >>= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+          }
         }
-      }
-      store_float<QT, N>(dst + ea, a, mul);
-      if (pair) store_float<QT, N>(dst + eb, b, mul);
-    } else if (write) {
-      const int kh = is_v ? h - p.Hq - p.Hkv : h - p.Hq;  // the KV head
-      CacheT* dst = is_v ? v_row + kh * p.vc_sh : k_row + kh * p.kc_sh;
-      float scale = is_v ? p.inv_v_scale : p.inv_k_scale;
-      float* scale_slot = nullptr;  // per-token-head KV scales: this row's slot
-      if constexpr (QUANT && is_quantized<CacheT>::value) {
-        if (p.kv_dynamic) {
-          const RowScale rs = row_scale<CacheT>(amax);
-          scale = rs.mul;
-          scale_slot = is_v ? p.v_scales + slot.page * p.vs_sp + slot.entry * p.vs_se +
-                                  kh * p.vs_sh
-                            : p.k_scales + slot.page * p.ks_sp + slot.entry * p.ks_se +
-                                  kh * p.ks_sh;
-          if (j == 0) *scale_slot = rs.scale;
-        }
-      }
-      store_float<CacheT, N>(dst + ea, a, scale);
-      if (pair) store_float<CacheT, N>(dst + eb, b, scale);
-      if (clear) {
-        const i64 se = is_v ? p.vc_se : p.kc_se;
-        zero_rest_of_page<CacheT, N>(dst, se, slot.entry, p.page_size, ea);
-        if (pair) zero_rest_of_page<CacheT, N>(dst, se, slot.entry, p.page_size, eb);
-        if (QUANT && scale_slot && j == 0) {  // a stale NaN scale times a zero code is NaN
-          const i64 sse = is_v ? p.vs_se : p.ks_se;
-          for (int r = 1; r < p.page_size - slot.entry; ++r) scale_slot[r * sse] = 0.f;
-        }
+        store_row(u, a, b, amax);
       }
     }
   }
