@@ -921,6 +921,36 @@ def test_kv_cache_scales_quantize_each_written_row(cache_dtype, layout, clear):
         assert_bytes_equal(got, want[name], name)
 
 
+@given(seed=seeds, layout=st.sampled_from(["NHD", "HND"]),
+       cache_dtype=st.sampled_from([E4M3, E5M2, INT8]))
+def test_quantized_prefix_cached_run_equals_full_prefill(seed, layout, cache_dtype):
+    """Computed scales belong to rows, not to calls: a prefill split over two calls writes the
+    same fp8 q, q scales, cache codes and cache scales as one call (NumPy backend)."""
+    full, kw = make_case(seed, new=(7, 5), cached=(0, 0), layout=layout)
+    full = with_cache(full, cache_dtype)
+    q_dtype = None if cache_dtype == INT8 else E4M3
+    quant = quant_arrays(full, kw, q_dynamic=q_dtype is not None, kv_dynamic=True, seed=seed)
+    steps = dict(full, paged_kv_cache=tuple(c.copy() for c in full["paged_kv_cache"]))
+    step_scales = tuple(x.copy() for x in quant["kv_cache_scales"])
+    q_full = op(**full, **kw, q_out_dtype=q_dtype, **quant)
+    idx1, idx2 = np.r_[0:3, 7:9], np.r_[3:7, 9:12]
+    outs, q_scales = [], []
+    for idx, offs, lens in ((idx1, [0, 3, 5], [0, 0]), (idx2, [0, 4, 7], [3, 2])):
+        qs = {} if q_dtype is None else {"q_scale_out": np.zeros((len(idx), 8), np.float32)}
+        outs.append(op(**dict(steps, q=steps["q"][idx], k=steps["k"][idx], v=steps["v"][idx],
+                              input_row_offsets=np.array(offs, np.int32),
+                              cache_lengths=np.array(lens, np.int32)), **kw,
+                       q_out_dtype=q_dtype, kv_cache_scales=step_scales, **qs))
+        q_scales.append(qs.get("q_scale_out"))
+    order = np.argsort(np.r_[idx1, idx2])
+    assert_bytes_equal(np.concatenate(outs)[order], q_full)
+    if q_dtype is not None:
+        assert_bytes_equal(np.concatenate(q_scales)[order], quant["q_scale_out"])
+    for a, b in zip((*steps["paged_kv_cache"], *step_scales),
+                    (*full["paged_kv_cache"], *quant["kv_cache_scales"])):
+        assert_bytes_equal(a, b)
+
+
 @pytest.mark.parametrize("kind", [1, 2, 3])
 def test_quantized_outputs_untouched_on_a_failing_status(kind):
     """status= with malformed offsets (NumPy backend): q_out, q_scale_out, the caches and their
