@@ -32,6 +32,7 @@ C_TYPES = {
     FLOAT8_E5M2: "__nv_fp8_e5m2",
     INT32: "int",
     INT64: "long long",
+    np.dtype(np.int8): "signed char",  # int8 caches (per-token-head scales)
 }
 
 

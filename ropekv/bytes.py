@@ -64,11 +64,17 @@ def mla_rmsnorm_bytes(tokens, num_q_heads, kv_lora_rank, rope_dim, dtype, cache_
     return tokens * per_token + norm * i
 
 
-def qknorm_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype, cache_dtype):
+def qknorm_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype, cache_dtype,
+                 q_out_dtype=None, q_scales=False, kv_scales=False):
     """:func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache`: as :func:`rope_kv_bytes` with q out
-    in the input dtype, plus the two ``(D,)`` norm weights once."""
-    return (rope_kv_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype, dtype,
-                          cache_dtype) + 2 * head_dim * _size(dtype))
+    in ``q_out_dtype`` (default the input dtype), plus the two ``(D,)`` norm weights once, plus
+    the float32 computed scales written: one per q row (``q_scales``, dynamic fp8 q) and one per
+    K and V row (``kv_scales``, per-token-head KV scales)."""
+    q_out_dtype = dtype if q_out_dtype is None else q_out_dtype
+    scales = tokens * 4 * ((num_q_heads if q_scales else 0) + (2 * num_kv_heads if kv_scales
+                                                               else 0))
+    return (rope_kv_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype,
+                          q_out_dtype, cache_dtype) + 2 * head_dim * _size(dtype) + scales)
 
 
 def qkv_bytes(tokens, hidden, num_q_heads, num_kv_heads, head_dim, dtype, cache_dtype,

@@ -14,8 +14,9 @@ from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
 from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import aligned, vector_width
-from ropekv.mla import _given_or_new, cache_scale, check_output
+from ropekv.mla import _given_or_new, cache_scale
 
+INT8 = reference.INT8
 STEM = "qknorm"
 KERNEL = "qk_rmsnorm_rope_append"
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
@@ -25,7 +26,7 @@ NORM_ORDERS = ("before_rope", "after_rope")
 PARAMS = ParamStruct("QKNormParams", [
     *((n, np.uint64) for n in ("q", "q_out", "k", "v", "q_gamma", "k_gamma", "cos_sin",
                                "offsets", "cache_lengths", "block_table", "k_cache", "v_cache",
-                               "position_ids", "status")),
+                               "position_ids", "status", "q_scale_out", "k_scales", "v_scales")),
     *((n, np.int64) for n in ("q_st", "q_sh", "qo_st", "qo_sh", "k_st", "k_sh", "v_st", "v_sh",
                               "cs_sp", "bt_sb", "kc_sp", "kc_se", "kc_sh", "vc_sp", "vc_se",
                               "vc_sh", "num_pages", "pid_st")),
@@ -35,6 +36,10 @@ PARAMS = ParamStruct("QKNormParams", [
                               "mrope",
                               "mrope_t", "mrope_h", "mrope_w", "mrope_interleaved", "pos64",
                               "check")),
+    # the quantizing kernels' fields, last (the plain kernels' fields keep their offsets)
+    ("q_dynamic", np.int32), ("kv_dynamic", np.int32), ("inv_q_scale", np.float32),
+    *((n, np.int64) for n in ("qs_st", "qs_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se",
+                              "vs_sh")),
 ])
 MAX_GROUP = 32  # lanes per head row: one chunk each, a row within a warp
 ROWS = (1, 2, 4)  # kernels by the head rows one lane group can hold (their register budgets)
@@ -75,12 +80,18 @@ def launch_shape(T, H, group):
 
 
 
-def expression(dtype, cache_dtype, is_neox, n, rows=1, opts=0):
+def expression(dtype, cache_dtype, is_neox, n, rows=1, opts=0, q_dtype=None):
     """``opts``: 0 the plain kernel (every option compiled out, so they cost nothing when off);
     1 the one that reads the light options (norm order, weight offset, tail clearing, status);
-    2 that one with mRoPE too."""
-    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n, rows,
-                           int(opts))
+    2 that one with mRoPE too. ``q_dtype``: None for those; else the dtype q is stored in, and
+    the kernel also compiles in fp8 q and computed scales (fp8 q with a static or dynamic scale,
+    per-token-head KV scales); those kernels come with ``opts`` 0 or 2 only: quantizing alone
+    runs without the options' code, with any other option it runs the kernel of them all (a
+    third set of quantizing kernels would cost compile time for little)."""
+    quant = q_dtype is not None
+    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype),
+                           c_type(q_dtype if quant else dtype), c_bool(is_neox), n, rows,
+                           int(opts), c_bool(quant))
 
 
 def instantiations():
@@ -89,6 +100,21 @@ def instantiations():
         for opts in (0, 1, 2):
             yield from rope_instantiations(
                 lambda *a, r=rows, o=opts: expression(*a, r, o), INPUT_DTYPES, FP8_DTYPES)
+    for rows in ROWS:
+        for opts in (0, 2):
+            for dtype in INPUT_DTYPES:
+                for q_dtype, cache_dtype in quant_pairs(dtype):
+                    for is_neox in (True, False):
+                        for n in (8, 4, 2, 1) if is_neox else (8, 4, 2):
+                            yield expression(dtype, cache_dtype, is_neox, n, rows, opts, q_dtype)
+
+
+def quant_pairs(dtype):
+    """(q dtype, cache dtype) of the quantizing kernels for inputs of ``dtype``: q in ``dtype``
+    with an fp8 or int8 cache (per-token-head scales), or fp8 q with a cache in ``dtype`` or
+    fp8. fp8 q with an int8 cache (no attention kernel reads that pair) is refused."""
+    yield from ((dtype, c) for c in (*FP8_DTYPES, INT8))
+    yield from ((q, c) for q in FP8_DTYPES for c in (dtype, *FP8_DTYPES))
 
 
 def _kv_scales(kv_scale, cache_dtype):
@@ -109,6 +135,9 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
         block_table: ArrayLike, paged_kv_cache: tuple[ArrayLike, ArrayLike], *,
         epsilon: float = 1e-6, is_neox: bool = True, kv_layout: str = "NHD",
         kv_scale: float | tuple[float, float] | None = None, q_out: ArrayLike | None = None,
+        q_out_dtype: object = None, q_scale: float | None = None,
+        q_scale_out: ArrayLike | None = None,
+        kv_cache_scales: tuple[ArrayLike, ArrayLike] | None = None,
         norm_order: str = "before_rope", weight_offset: float = 0.0,
         clear_unused_last_page_rows: bool = False, position_ids: ArrayLike | None = None,
         mrope_section: tuple[int, int, int] | None = None, mrope_interleaved: bool = False,
@@ -137,18 +166,45 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
     block_table : array, (B, max_pages), int32
     paged_kv_cache : tuple (k_cache, v_cache)
         Each ``(num_pages, page_size, Hkv, D)`` for NHD or ``(num_pages, Hkv, page_size, D)`` for
-        HND; dtype that of ``q``, float8_e4m3fn or float8_e5m2. Written in place; only the
-        addressed rows change.
+        HND; dtype that of ``q``, float8_e4m3fn or float8_e5m2 (or int8, with
+        ``kv_cache_scales``). Written in place; only the addressed rows change.
     epsilon : float
     is_neox : bool
         True (Qwen3) rotates half-split pairs (i, i + R/2); False interleaved pairs.
     kv_layout : "NHD" or "HND"
     kv_scale : float or (float, float), optional
         Dequantization scale(s) of an fp8 cache, for K and V (default 1.0): stored =
-        fp8(x / scale), round to nearest even, saturating. Not accepted for 16-bit caches.
-    q_out : array, (T, Hq, D), the dtype of ``q``, optional
-        Receives the normalised, roped queries; ``q`` itself means in place. By default a new
-        array in the caller's array type; any other array must not overlap an argument.
+        fp8(x / scale), round to nearest even, saturating. Not accepted for 16-bit caches, nor
+        with ``kv_cache_scales``.
+    q_out : array, (T, Hq, D), the dtype of ``q``, float8_e4m3fn or float8_e5m2, optional
+        Receives the normalised, roped queries; ``q`` itself means in place (same dtype). By
+        default a new array of ``q_out_dtype`` in the caller's array type; any other array must
+        not overlap an argument. An fp8 ``q_out`` stores each row quantized (``q_scale`` or
+        ``q_scale_out``).
+    q_out_dtype : dtype or str, optional
+        The dtype of the new ``q_out``: ``q``'s (the default), ``float8_e4m3fn`` or
+        ``float8_e5m2`` (a NumPy / ml_dtypes dtype, or its name). With a given ``q_out`` it may
+        be left out, or must be that array's dtype.
+    q_scale : float, optional
+        Static dequantization scale of an fp8 ``q_out`` (default 1.0): stored =
+        fp8(q / q_scale), round to nearest even, saturating (finite, positive; a constant of
+        the launch, as ``kv_scale``). Not accepted for a 16-bit ``q_out``, nor with
+        ``q_scale_out``.
+    q_scale_out : array, (T, Hq), float32, optional
+        Dynamic fp8 queries (FlashInfer Cake's ``quant_policy=1``): each q row (one token's
+        head) is stored as ``fp8(q * (max_code / a))`` with ``a = max(max|q|, 1e-6)`` over the
+        row after the norm and RoPE (``max_code`` 448 for e4m3, 57344 for e5m2), and its
+        dequantization scale ``a / max_code`` is written here, so ``q ~ q_out * q_scale_out[...,
+        None]`` (``docs/conventions.md``, "Computed scales"). Needs an fp8 ``q_out``; written in
+        place, every row (those of tokens without a position too).
+    kv_cache_scales : tuple (k_scales, v_scales), optional
+        Per-token-head KV scales: float32 arrays of the caches' shape without D (NHD
+        ``(num_pages, page_size, Hkv)``, HND ``(num_pages, Hkv, page_size)``). Each written K and
+        V row is quantized with its own computed scale (as ``q_scale_out``'s rows, ``max_code``
+        127 for int8) and that dequantization scale is written to the same slot here; slots the
+        call does not write keep their bytes (with ``clear_unused_last_page_rows`` the cleared
+        rows' slots become 0). The caches must be float8_e4m3fn, float8_e5m2 or int8; replaces
+        ``kv_scale``. Written in place.
     norm_order : "before_rope" or "after_rope"
         ``"before_rope"`` (Qwen3, the default) normalises each head and then ropes it;
         ``"after_rope"`` ropes first and normalises the rotated row (FlashInfer Cake's
@@ -187,9 +243,10 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
         != T``), and then nothing else is written (the caches, ``q_out`` and, when ``q_out``
         is new, its contents undefined). Written in place.
     layer_idx : int, optional
-        Multi-layer caches: ``k_cache`` and ``v_cache`` then carry a leading
-        ``(num_layers, ...)`` dimension, and only layer ``layer_idx`` (an int in
-        ``[0, num_layers)``) is written (``docs/conventions.md``, "Multi-layer caches").
+        Multi-layer caches: ``k_cache`` and ``v_cache`` (and ``kv_cache_scales``' arrays, when
+        given) then carry a leading ``(num_layers, ...)`` dimension, and only layer
+        ``layer_idx`` (an int in ``[0, num_layers)``) is written (``docs/conventions.md``,
+        "Multi-layer caches").
     enable_pdl : bool
         Launch with programmatic dependent launch (see :func:`ropekv.apply_rope_write_kv`).
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
@@ -198,7 +255,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
     Returns
     -------
     q_out : array, (T, Hq, D)
-        The normalised, roped queries (``q_out`` itself when given).
+        The normalised, roped queries (``q_out`` itself when given), in ``q_out_dtype``.
 
     Notes
     -----
@@ -230,6 +287,17 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
     >>> q_out.shape, bool((caches[1][2, 7:12] == v).all())
     ((5, 32, 128), True)
 
+    fp8 queries with a dynamic scale per token and head (each row's largest value maps onto
+    e4m3's largest code, 448; ``q_out * q_scale_out[..., None]`` recovers the queries):
+
+    >>> q_scale_out = np.empty((T, Hq), np.float32)
+    >>> q8 = ropekv.qk_rmsnorm_rope_append_paged_kv_cache(
+    ...     q, k, v, gamma, gamma, ropekv.cos_sin_cache(4096, D, base=1e6),
+    ...     np.array([0, 5], np.int32), np.array([7], np.int32), np.array([[2, 0]], np.int32),
+    ...     caches, q_out_dtype="float8_e4m3fn", q_scale_out=q_scale_out)
+    >>> q8.dtype.name, float(np.abs(q8.astype(np.float32)).max())
+    ('float8_e4m3fn', 448.0)
+
     The same call with CuPy arrays runs the CUDA kernel (needs a GPU):
 
     >>> import cupy as cp  # doctest: +SKIP
@@ -242,25 +310,111 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
     if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
         raise ValueError(f"paged_kv_cache must be a tuple (k_cache, v_cache), got "
                          f"{type(paged_kv_cache).__name__}")
+    if kv_cache_scales is not None and (not isinstance(kv_cache_scales, (tuple, list))
+                                        or len(kv_cache_scales) != 2):
+        raise ValueError(f"kv_cache_scales must be a tuple (k_scales, v_scales), got "
+                         f"{type(kv_cache_scales).__name__}")
+    kv_cache_scales = (None, None) if kv_cache_scales is None else kv_cache_scales
     return _OP((q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
-                block_table, *paged_kv_cache, q_out, position_ids, status),
+                block_table, *paged_kv_cache, q_out, position_ids, status, q_scale_out,
+                *kv_cache_scales),
                (scalar_key(epsilon), ck.check_flag(is_neox, "is_neox"), scalar_key(kv_layout),
                 scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl"),
                 tuple(TUNING.values()), scalar_key(norm_order), scalar_key(weight_offset),
                 ck.check_flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"),
-                scalar_key(mrope_section), ck.check_flag(mrope_interleaved, "mrope_interleaved")),
+                scalar_key(mrope_section), ck.check_flag(mrope_interleaved, "mrope_interleaved"),
+                _dtype_key(q_out_dtype), scalar_key(q_scale)),
                stream, layer_idx)
+
+
+def _dtype_key(value):
+    """``q_out_dtype`` as it enters the plan key: a dtype, a name or None (validated later)."""
+    if value is None or isinstance(value, (str, np.dtype)):
+        return value
+    if type(value).__module__ == "torch":  # torch.float8_e4m3fn: its name
+        return str(value).removeprefix("torch.")
+    try:
+        return np.dtype(value)
+    except TypeError:
+        return repr(value)  # refused by validation
+
+
+def _q_out_dtype(value, vq, vgiven):
+    """The dtype q is stored in: ``q_out_dtype`` (``q``'s dtype or fp8, as a dtype or its name)
+    and a given ``q_out``'s dtype, which must agree."""
+    allowed = (vq.dtype, *FP8_DTYPES)
+    names = " or ".join(str(d) for d in allowed)
+    dtype = None
+    if value is not None:
+        try:
+            dtype = np.dtype(value)
+        except TypeError:
+            dtype = None
+        if dtype not in allowed:
+            raise TypeError(f"q_out_dtype must be {names} (a dtype or its name), got {value!r}")
+    if vgiven is None:
+        return vq.dtype if dtype is None else dtype
+    ck.check_shape(vgiven, vq.shape, None)
+    ck.check_dtype(vgiven, allowed)
+    if dtype is not None and dtype != vgiven.dtype:
+        raise TypeError(f"q_out_dtype ({dtype}) must be the dtype of the given q_out "
+                        f"({vgiven.dtype}) or None")
+    ck.check_last_dim_contiguous(vgiven)
+    return vgiven.dtype
+
+
+def _q_quant(q_dtype, q_scale, vqs, T, Hq):
+    """(q_scale, dynamic) of the q output: its static scale (1.0 for fp8; None for 16-bit) and
+    whether ``q_scale_out`` receives computed scales."""
+    fp8 = q_dtype in FP8_DTYPES
+    if vqs is not None:
+        if not fp8:
+            raise ValueError(f"q_scale_out receives the scales of an fp8 q_out, but q_out is "
+                             f"{q_dtype} (pass q_out_dtype='float8_e4m3fn' or an fp8 q_out)")
+        if q_scale is not None:
+            raise ValueError("q_scale (a static scale) and q_scale_out (dynamic scales) exclude "
+                             "each other; pass one")
+        ck.check_shape(vqs, (T, Hq), "(T, Hq)")
+        ck.check_dtype(vqs, (FLOAT32,))
+        return None, True
+    if not fp8:
+        if q_scale is not None:
+            raise ValueError(f"q_scale is only used with an fp8 q_out, but q_out is {q_dtype}")
+        return None, False
+    return (1.0 if q_scale is None else ck.check_float(q_scale, "q_scale", positive=True)), False
+
+
+def _cache_scale_arrays(vks, vvs, vkc, kv_scale, expected, layout):
+    """Whether per-token-head KV scales are given, after checking them against the caches
+    (``expected``: the caches' shape, spelled ``layout``)."""
+    if vks is None:
+        if vkc.dtype == INT8:
+            raise TypeError("int8 caches need per-token-head scales: pass kv_cache_scales="
+                            "(k_scales, v_scales)")
+        return False
+    if vkc.dtype not in (*FP8_DTYPES, INT8):
+        raise TypeError(f"kv_cache_scales quantize the cache rows: k_cache must have dtype "
+                        f"float8_e4m3fn or float8_e5m2 or int8, got {vkc.dtype}")
+    if kv_scale is not None:
+        raise ValueError("kv_scale (static cache scales) and kv_cache_scales (per-token-head "
+                         "scales) exclude each other; pass one")
+    spelled = layout.replace(", D)", ")")
+    for view in (vks, vvs):
+        ck.check_shape(view, expected[:3], spelled)
+        ck.check_dtype(view, (FLOAT32,))
+    return True
 
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
     (epsilon, is_neox, kv_layout, kv_scale, pdl, _, norm_order, weight_offset, clear,
-     mrope_section, mrope_interleaved) = flags
+     mrope_section, mrope_interleaved, q_out_dtype, q_scale) = flags
     ck.check_choice(kv_layout, "kv_layout", KV_LAYOUTS)
     ck.check_choice(norm_order, "norm_order", NORM_ORDERS)
     post = norm_order == "after_rope"
     weight_offset = ck.check_float(weight_offset, "weight_offset", positive=False)
-    vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vgiven, vpid, vstatus = views
+    (vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vgiven, vpid, vstatus, vqs, vks,
+     vvs) = views
 
     ck.check_ndim(vq, 3, "(T, Hq, D)")
     ck.check_dtype(vq, INPUT_DTYPES)
@@ -292,22 +446,29 @@ def _prepare(views, flags):
         (num_pages, Hkv, page_size, D)
     ck.check_shape(vkc, expected, f"{layout} for {kv_layout}")
     ck.check_shape(vvc, expected, f"{layout} for {kv_layout}")
+    kv_dynamic = _cache_scale_arrays(vks, vvs, vkc, kv_scale, expected,
+                                     f"{layout} for {kv_layout}")
     if vkc.dtype != vq.dtype:
-        ck.check_dtype(vkc, (vq.dtype, *FP8_DTYPES))
+        ck.check_dtype(vkc, (vq.dtype, *FP8_DTYPES, *((INT8,) if kv_dynamic else ())))
     ck.check_same_dtype(vvc, vkc)
     if page_size == 0:
         raise ValueError(f"k_cache must have a page_size of at least 1, got {vkc.shape}")
-    scales = _kv_scales(kv_scale, vkc.dtype)
+    scales = None if kv_dynamic else _kv_scales(kv_scale, vkc.dtype)
     epsilon = ck.check_float(epsilon, "epsilon", positive=False)
     for view in (vq, vk, vv, vt, vkc, vvc):
         ck.check_last_dim_contiguous(view)
-    if vgiven is not None:
-        check_output(vgiven, vq)
+    q_dtype = _q_out_dtype(q_out_dtype, vq, vgiven)
+    q_scale, q_dynamic = _q_quant(q_dtype, q_scale, vqs, T, Hq)
+    if q_dtype in FP8_DTYPES and vkc.dtype == INT8:
+        raise TypeError(f"an fp8 q_out ({q_dtype}) with an int8 cache is not supported (no "
+                        f"attention kernel reads that pair); use an fp8 cache or a {vq.dtype} "
+                        f"q_out")
     if vstatus is not None:
         check_status(vstatus)
     device = ck.check_same_device([x for x in views if x is not None])
-    written, inplace = (9, 10, 11) + ((13,) if vstatus is not None else ()), [(0, 11)]
-    outputs = [] if vgiven is not None else [Output((T, Hq, D), vq.dtype)]
+    written = [i for i in (9, 10, 11, 13, 14, 15, 16) if i == 11 or views[i] is not None]
+    inplace = [(0, 11)]
+    outputs = [] if vgiven is not None else [Output((T, Hq, D), q_dtype)]
     result = _given_or_new(11)
 
     if ck.check_indices_enabled():
@@ -329,7 +490,9 @@ def _prepare(views, flags):
                     vq.host, vk.host, vv.host, vqg.host, vkg.host, vt.host, voff.host, vlen.host,
                     vbt.host, vkc.host, vvc.host, vout.host, epsilon, is_neox, kv_layout,
                     k_scale, v_scale, norm_order, weight_offset, clear,
-                    None if vpid is None else vpid.host, sections, mrope_interleaved)
+                    None if vpid is None else vpid.host, sections, mrope_interleaved,
+                    1.0 if q_scale is None else q_scale,
+                    *(None if x is None else x.host for x in (vqs, vks, vvs)))
 
         return Plan(HOST, outputs=outputs, written=written, inplace=inplace, result=result,
                     host=host)
@@ -372,6 +535,15 @@ def _prepare(views, flags):
         kc = (vkc.strides[0], vkc.strides[2], vkc.strides[1])
         vc = (vvc.strides[0], vvc.strides[2], vvc.strides[1])
     out_strides = vgiven.strides[:2] if vgiven is not None else (Hq * D, D)
+
+    def entry_strides(view):  # (page, entry, head) of a scale array, whatever the layout
+        if view is None:
+            return (0, 0, 0)
+        st = view.strides
+        return (st[0], st[1], st[2]) if kv_layout == "NHD" else (st[0], st[2], st[1])
+
+    ks_st, vs_st = entry_strides(vks), entry_strides(vvs)
+    qs_st = vqs.strides if vqs is not None else (0, 0)
     values = dict(zip(PARAMS.names, PARAMS.values(
         q=0, q_out=0, k=0, v=0, q_gamma=0, k_gamma=0, cos_sin=0, offsets=0, cache_lengths=0,
         block_table=0, k_cache=0, v_cache=0,
@@ -389,15 +561,25 @@ def _prepare(views, flags):
         mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
         mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved),
         pos64=int(vpid is not None and vpid.dtype == INT64), status=0,
-        check=int(vstatus is not None))))
+        check=int(vstatus is not None), q_scale_out=0, k_scales=0, v_scales=0,
+        qs_st=qs_st[0], qs_sh=qs_st[1], ks_sp=ks_st[0], ks_se=ks_st[1], ks_sh=ks_st[2],
+        vs_sp=vs_st[0], vs_se=vs_st[1], vs_sh=vs_st[2],
+        inv_q_scale=1.0 / q_scale if q_scale is not None else 1.0,
+        q_dynamic=int(q_dynamic), kv_dynamic=int(kv_dynamic))))
     fields = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin", "offsets", "cache_lengths",
-              "block_table", "k_cache", "v_cache", "q_out", "position_ids", "status")
+              "block_table", "k_cache", "v_cache", "q_out", "position_ids", "status",
+              "q_scale_out", "k_scales", "v_scales")
     slots = {f: (i, 0) for i, f in enumerate(fields) if views[i] is not None}  # None: null
     if vgiven is None:
-        slots["q_out"] = (14, 0)  # the new output follows the 14 arguments
+        slots["q_out"] = (len(fields), 0)  # the new output follows the arguments
     opts = 2 if sections is not None else int(bool(
         post or weight_offset != 0.0 or clear or vstatus is not None))
-    launch = Launch(STEM, expression(vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows), opts),
+    # fp8 q or computed scales: a quantizing kernel (the others compile none of it)
+    quant = q_dtype != vq.dtype or kv_dynamic
+    if quant and opts:
+        opts = 2
+    launch = Launch(STEM, expression(vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows), opts,
+                                     q_dtype if quant else None),
                     device, (max(T, 1), splits), (block,), PARAMS, values, slots, pdl=pdl)
     return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace,
                 result=result)
@@ -406,4 +588,5 @@ def _prepare(views, flags):
 _OP = Op("qk_rmsnorm_rope_append_paged_kv_cache",
          ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets",
           "cache_lengths", "block_table", "k_cache", "v_cache", "q_out", "position_ids",
-          "status"), _prepare, layered=("k_cache", "v_cache"))
+          "status", "q_scale_out", "k_scales", "v_scales"), _prepare,
+         layered=("k_cache", "v_cache", "k_scales", "v_scales"))

@@ -302,7 +302,9 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
                                           kv_layout="NHD", k_scale=1.0, v_scale=1.0,
                                           norm_order="before_rope", weight_offset=0.0,
                                           clear_unused_last_page_rows=False, position_ids=None,
-                                          mrope_section=None, mrope_interleaved=False):
+                                          mrope_section=None, mrope_interleaved=False,
+                                          q_scale=1.0, q_scale_out=None, k_scales=None,
+                                          v_scales=None):
     """Reference of :func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache`, written in place.
 
     Caches are ``(num_pages, page_size, Hkv, D)`` (NHD) or ``(num_pages, Hkv, page_size, D)``
@@ -312,6 +314,13 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     With ``mrope_section``, ``position_ids`` ``(3, T)`` gives the rotation (:func:`mrope_cos_sin`)
     and a token is roped (and written) when all three are in ``[0, P)``; its cache slot still
     comes from the cache lengths.
+
+    fp8 queries (``q_out`` of an fp8 dtype): every q row (those copied unchanged too) is stored
+    as ``fp8(q / q_scale)``, or, with ``q_scale_out`` (float32 ``(T, Hq)``, written), quantized
+    with its own computed scale (:func:`quantize_rows`), which lands in ``q_scale_out``.
+    Per-token-head KV scales (``k_scales``, ``v_scales``: the caches' shape without D, written):
+    each written K and V row is quantized with its computed scale, written to the same slot; the
+    static ``k_scale`` / ``v_scale`` are then unused. Cleared tail rows get scale 0.
     """
     T = q.shape[0]
     P = cos_sin_cache.shape[0]
@@ -339,7 +348,11 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
 
     qf = np.array(q, np.float64)
     qf[roped] = norm_rope(qf[roped], q_w, cos[roped], sin[roped])
-    q_out[...] = to_dtype(qf, q_out.dtype)
+    if q_scale_out is not None:
+        q_out[...], q_scale_out[...] = quantize_rows(qf, q_out.dtype)
+    else:
+        q_out[...] = to_dtype(qf / (float(q_scale) if is_fp8(q_out.dtype) else 1.0),
+                              q_out.dtype)
     if not write.any():
         return
     fp8 = is_fp8(k_cache.dtype)
@@ -347,16 +360,18 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     kf = norm_rope(np.asarray(k[write], np.float64), k_w, cos[write], sin[write])
     vf = np.asarray(v[write], np.float64)
     pg, en = page[write], entry[write]
-    if kv_layout == "NHD":
-        k_cache[pg, en] = to_dtype(kf / ks, k_cache.dtype)
-        v_cache[pg, en] = to_dtype(vf / vs, v_cache.dtype)
-    else:  # advanced indices around a slice: the selection is (n, Hkv, D)
-        k_cache[pg, :, en] = to_dtype(kf / ks, k_cache.dtype)
-        v_cache[pg, :, en] = to_dtype(vf / vs, v_cache.dtype)
+    # the slot of each written row: (n, Hkv, D) selections either way
+    at = (pg, en) if kv_layout == "NHD" else (pg, slice(None), en)
+    if k_scales is not None:
+        k_cache[at], k_scales[at] = quantize_rows(kf, k_cache.dtype)
+        v_cache[at], v_scales[at] = quantize_rows(vf, v_cache.dtype)
+    else:
+        k_cache[at] = to_dtype(kf / ks, k_cache.dtype)
+        v_cache[at] = to_dtype(vf / vs, v_cache.dtype)
     if clear_unused_last_page_rows:
         entry_axis = 1 if kv_layout == "NHD" else 2
-        clear_last_page_rows((k_cache, v_cache), input_row_offsets, request, page, entry, write,
-                             entry_axis)
+        arrays = (k_cache, v_cache) + (() if k_scales is None else (k_scales, v_scales))
+        clear_last_page_rows(arrays, input_row_offsets, request, page, entry, write, entry_axis)
 
 
 def clear_last_page_rows(caches, input_row_offsets, request, page, entry, written, entry_axis=1):
@@ -364,15 +379,16 @@ def clear_last_page_rows(caches, input_row_offsets, request, page, entry, writte
     token of each request wrote, to the end of that page (the rows past the request's new
     length). The last token of request b is ``input_row_offsets[b + 1] - 1`` (offsets read as
     32-bit unsigned, as the kernels do); a request whose last token is not written (no token, no
-    position, no page) clears nothing. ``entry_axis`` is the caches' page-entry axis."""
+    position, no page) clears nothing. ``entry_axis`` is the caches' page-entry axis (per-token
+    scale arrays, the caches' shape without D, are cleared alike)."""
     offsets = np.asarray(input_row_offsets).astype(np.uint32).astype(np.int64)
     t = np.arange(len(request))
     last = written & (request >= 0)
     last[last] = offsets[request[last] + 1] == t[last] + 1
     for tok in np.flatnonzero(last):
-        index = [slice(None)] * caches[0].ndim
-        index[0], index[entry_axis] = page[tok], slice(entry[tok] + 1, None)
-        for cache in caches:
+        for cache in caches:  # caches, or their scale arrays (the same leading axes)
+            index = [slice(None)] * cache.ndim
+            index[0], index[entry_axis] = page[tok], slice(entry[tok] + 1, None)
             cache[tuple(index)] = np.zeros((), cache.dtype)
 
 

@@ -60,6 +60,16 @@ def test_qknorm_bytes_add_the_two_norm_weights_once():
         nb.rope_kv_bytes(5, 32, 8, 128, 128, BF16, BF16, BF16) + 2 * 128 * 2)
 
 
+def test_qknorm_bytes_of_fp8_q_and_computed_scales():
+    plain = nb.qknorm_bytes(5, 32, 8, 128, 128, BF16, E4M3)
+    fp8_q = nb.qknorm_bytes(5, 32, 8, 128, 128, BF16, E4M3, q_out_dtype=E4M3)
+    assert fp8_q == plain - 5 * 32 * 128  # one byte less per q element
+    assert nb.qknorm_bytes(5, 32, 8, 128, 128, BF16, E4M3, q_out_dtype=E4M3,
+                           q_scales=True) == fp8_q + 5 * 32 * 4
+    assert nb.qknorm_bytes(5, 32, 8, 128, 128, BF16, E4M3, kv_scales=True) == (
+        plain + 5 * 2 * 8 * 4)
+
+
 def test_qkv_bytes_and_flops():
     K, T = 4096, 1
     n = nb.qkv_bytes(T, K, 32, 8, 128, F16, F16)

@@ -778,3 +778,556 @@ def test_matches_flashinfer_cake(cache_dtype, policy):
     for a, b, ref in zip(ours, theirs, (kc_ref, vc_ref)):
         assert_close(to_numpy(a)[mask], ref[mask], "cache rows vs the reference")
         assert_close(to_numpy(a)[mask], to_numpy(b)[mask], "cache rows vs Cake")
+
+
+# ---- Quantized outputs: fp8 q (static or dynamic scales), per-token-head KV scales ----------
+
+E5M2 = np.dtype(ml_dtypes.float8_e5m2)
+INT8 = np.dtype(np.int8)
+MAX_CODE = {E4M3: 448.0, E5M2: 57344.0, INT8: 127.0}
+# half a step of the code grid, relative: fp8 mantissas of 3 (e4m3) and 2 (e5m2) bits, int8 at
+# its largest code; below the normal range the absolute step rules (in units of the scale)
+HALF_STEP = {E4M3: 2.0**-4, E5M2: 2.0**-3}
+SUBNORMAL_STEP = {E4M3: 2.0**-9, E5M2: 2.0**-16, INT8: 1.0}
+
+
+def quant_arrays(args, kw, *, q_dynamic=False, kv_dynamic=False, seed=0):
+    """Scale arrays of a quantizing call, filled with stale values (NaN among them) so that
+    every slot the call must not write can be compared byte for byte."""
+    rng = np.random.default_rng(seed)
+    T, Hq, _ = args["q"].shape
+    out = {}
+    if q_dynamic:
+        out["q_scale_out"] = np.full((T, Hq), -3.0, np.float32)
+    if kv_dynamic:
+        shape = args["paged_kv_cache"][0].shape[:3]
+
+        def stale():
+            x = rng.uniform(0.5, 2.0, shape).astype(np.float32)
+            x[rng.random(shape) < 0.2] = np.nan
+            return x
+        out["kv_cache_scales"] = (stale(), stale())
+    return out
+
+
+def expected_quant(args, kw, quant, *, is_neox=True, kv_scale=None, q_dtype=None, q_scale=None,
+                   epsilon=1e-6, **options):
+    """The reference's outputs of a quantizing call: a dict of q_out, k_cache, v_cache and the
+    scale arrays (copies of those in ``quant``, written)."""
+    kc, vc = (c.copy() for c in args["paged_kv_cache"])
+    q_out = np.empty(args["q"].shape, args["q"].dtype if q_dtype is None else q_dtype)
+    qs = quant.get("q_scale_out")
+    qs = None if qs is None else qs.copy()
+    ks, vs = (None, None) if "kv_cache_scales" not in quant else (
+        x.copy() for x in quant["kv_cache_scales"])
+    fp8 = kc.dtype in FP8_DTYPES and ks is None
+    k_s, v_s = (kv_scale if isinstance(kv_scale, tuple) else (kv_scale or 1.0,) * 2) if fp8 \
+        else (1.0, 1.0)
+    reference.qk_rmsnorm_rope_append_paged_kv_cache(
+        args["q"], args["k"], args["v"], args["q_gamma"], args["k_gamma"],
+        args["cos_sin_cache"], args["input_row_offsets"], args["cache_lengths"],
+        args["block_table"], kc, vc, q_out, epsilon, is_neox, kw["kv_layout"], k_s, v_s,
+        **options, q_scale=1.0 if q_scale is None else q_scale, q_scale_out=qs, k_scales=ks,
+        v_scales=vs)
+    return {"q_out": q_out, "k_cache": kc, "v_cache": vc, "q_scale_out": qs, "k_scales": ks,
+            "v_scales": vs}
+
+
+def with_cache(args, dtype):
+    """``args`` with fresh caches of ``dtype`` (zeros) in the same layout."""
+    shape = args["paged_kv_cache"][0].shape
+    return dict(args, paged_kv_cache=tuple(np.zeros(shape, dtype) for _ in range(2)))
+
+
+def assert_dequantizes_to(codes, scales, want, dtype, what):
+    """``codes * scales`` (per row) within half a code step of ``want`` (float64)."""
+    got = reference.dequantize_rows(codes, scales)
+    scale = np.asarray(scales, np.float64)[..., None]
+    if dtype == INT8:
+        tol = 0.5 * scale * (1 + 1e-6) + 1e-6 * np.abs(want)
+    else:
+        tol = HALF_STEP[dtype] * np.abs(want) + SUBNORMAL_STEP[dtype] * scale
+    err = np.abs(got - want)
+    bad = np.argwhere(err > tol + 2e-3 * np.abs(want))  # + the 16-bit rounding of ``want``
+    assert bad.size == 0, f"{what}: {len(bad)} values off, first at {tuple(bad[0])}"
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("q_dtype", [E4M3, E5M2])
+def test_fp8_q_dequantizes_to_the_16_bit_result(q_dtype, dynamic):
+    """fp8 q (NumPy backend): the caches are those of the 16-bit call, q's codes times their
+    scale give its q within half a code step; a dynamic row's largest code is the largest code
+    (its amax maps onto it) and its scale that amax over it."""
+    args, kw = make_case(70, Hq=8, Hkv=2, D=64, new=(3, 1, 4), cached=(0, 6, 9))
+    plain = dict(args, paged_kv_cache=tuple(c.copy() for c in args["paged_kv_cache"]))
+    q16 = op(**plain, **kw).astype(np.float64)
+    quant = quant_arrays(args, kw, q_dynamic=dynamic)
+    scale = {} if dynamic else {"q_scale": 0.25}
+    q8 = op(**args, **kw, q_out_dtype=q_dtype.name, **quant, **scale)
+    assert q8.dtype == q_dtype
+    for a, b in zip(args["paged_kv_cache"], plain["paged_kv_cache"]):
+        assert_bytes_equal(a, b)
+    scales = quant["q_scale_out"] if dynamic else np.full(q8.shape[:2], 0.25)
+    assert_dequantizes_to(q8, scales, q16, q_dtype, "q")
+    if dynamic:
+        codes = np.abs(q8.astype(np.float64)).max(-1)
+        np.testing.assert_array_equal(codes, MAX_CODE[q_dtype])
+        np.testing.assert_allclose(quant["q_scale_out"], np.abs(q16).max(-1) / MAX_CODE[q_dtype],
+                                   rtol=2e-3)
+    want = expected_quant(args, kw, quant_arrays(args, kw, q_dynamic=dynamic), q_dtype=q_dtype,
+                          **scale)
+    assert_bytes_equal(q8, want["q_out"])
+    if dynamic:
+        assert_bytes_equal(quant["q_scale_out"], want["q_scale_out"])
+
+
+@pytest.mark.parametrize("clear", [False, True])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("cache_dtype", [E4M3, E5M2, INT8])
+def test_kv_cache_scales_quantize_each_written_row(cache_dtype, layout, clear):
+    """Per-token-head KV scales (NumPy backend): each written row's codes times its scale give
+    the 16-bit cache row within half a step, its largest code is the largest code; cleared tail
+    rows have zero codes and scale 0; every other slot keeps its bytes, in the caches and in the
+    scale arrays."""
+    args, kw = make_case(71, layout=layout, new=(3, 0, 2, 4), cached=(0, 5, 17, 4))
+    args = with_cache(args, cache_dtype)
+    args["paged_kv_cache"] = tuple(
+        (np.random.default_rng(i).standard_normal(args["paged_kv_cache"][0].shape) * 20)
+        .astype(cache_dtype) for i in range(2))
+    plain = with_cache(args, args["q"].dtype)
+    q16 = op(**plain, **kw, clear_unused_last_page_rows=clear)
+    quant = quant_arrays(args, kw, kv_dynamic=True)
+    before = [c.copy() for c in (*args["paged_kv_cache"], *quant["kv_cache_scales"])]
+    q = op(**args, **kw, **quant, clear_unused_last_page_rows=clear)
+    np.testing.assert_array_equal(q, q16)
+    written = written_rows(args, kw)
+    tail = tail_rows(args, kw) if clear else np.zeros_like(written)
+    assert written.sum() == 9 * 2 and tail.sum() == (2 * 2 if clear else 0)
+    for codes, scales, want, old_c, old_s in zip(args["paged_kv_cache"], quant["kv_cache_scales"],
+                                                 plain["paged_kv_cache"], before[:2], before[2:]):
+        assert_dequantizes_to(codes[written], scales[written],
+                              want[written].astype(np.float64), cache_dtype, "cache rows")
+        np.testing.assert_array_equal(np.abs(codes[written].astype(np.float64)).max(-1),
+                                      MAX_CODE[cache_dtype])
+        assert not codes[tail].view(np.uint8).any() and not scales[tail].view(np.uint8).any()
+        keep = ~written & ~tail
+        assert_bytes_equal(codes[keep], old_c[keep])
+        assert_bytes_equal(scales[keep], old_s[keep])
+    want = expected_quant(dict(args, paged_kv_cache=tuple(before[:2])), kw,
+                          {"kv_cache_scales": tuple(before[2:])},
+                          clear_unused_last_page_rows=clear)
+    for got, name in zip((*args["paged_kv_cache"], *quant["kv_cache_scales"]),
+                         ("k_cache", "v_cache", "k_scales", "v_scales")):
+        assert_bytes_equal(got, want[name], name)
+
+
+@given(seed=seeds, layout=st.sampled_from(["NHD", "HND"]),
+       cache_dtype=st.sampled_from([E4M3, E5M2, INT8]))
+def test_quantized_prefix_cached_run_equals_full_prefill(seed, layout, cache_dtype):
+    """Computed scales belong to rows, not to calls: a prefill split over two calls writes the
+    same fp8 q, q scales, cache codes and cache scales as one call (NumPy backend)."""
+    full, kw = make_case(seed, new=(7, 5), cached=(0, 0), layout=layout)
+    full = with_cache(full, cache_dtype)
+    q_dtype = None if cache_dtype == INT8 else E4M3
+    quant = quant_arrays(full, kw, q_dynamic=q_dtype is not None, kv_dynamic=True, seed=seed)
+    steps = dict(full, paged_kv_cache=tuple(c.copy() for c in full["paged_kv_cache"]))
+    step_scales = tuple(x.copy() for x in quant["kv_cache_scales"])
+    q_full = op(**full, **kw, q_out_dtype=q_dtype, **quant)
+    idx1, idx2 = np.r_[0:3, 7:9], np.r_[3:7, 9:12]
+    outs, q_scales = [], []
+    for idx, offs, lens in ((idx1, [0, 3, 5], [0, 0]), (idx2, [0, 4, 7], [3, 2])):
+        qs = {} if q_dtype is None else {"q_scale_out": np.zeros((len(idx), 8), np.float32)}
+        outs.append(op(**dict(steps, q=steps["q"][idx], k=steps["k"][idx], v=steps["v"][idx],
+                              input_row_offsets=np.array(offs, np.int32),
+                              cache_lengths=np.array(lens, np.int32)), **kw,
+                       q_out_dtype=q_dtype, kv_cache_scales=step_scales, **qs))
+        q_scales.append(qs.get("q_scale_out"))
+    order = np.argsort(np.r_[idx1, idx2])
+    assert_bytes_equal(np.concatenate(outs)[order], q_full)
+    if q_dtype is not None:
+        assert_bytes_equal(np.concatenate(q_scales)[order], quant["q_scale_out"])
+    for a, b in zip((*steps["paged_kv_cache"], *step_scales),
+                    (*full["paged_kv_cache"], *quant["kv_cache_scales"])):
+        assert_bytes_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", [1, 2, 3])
+def test_quantized_outputs_untouched_on_a_failing_status(kind):
+    """status= with malformed offsets (NumPy backend): q_out, q_scale_out, the caches and their
+    scale arrays keep every byte."""
+    args, kw = make_case(72, new=(3, 2, 2), cached=(0, 5, 17), cache_dtype=E4M3)
+    args["input_row_offsets"] = malform(args["input_row_offsets"], kind)
+    quant = quant_arrays(args, kw, q_dynamic=True, kv_dynamic=True)
+    q_out = np.full(args["q"].shape, 7, E4M3)
+    before = [x.copy() for x in (q_out, quant["q_scale_out"], *args["paged_kv_cache"],
+                                 *quant["kv_cache_scales"])]
+    status = np.full(1, 99, np.int32)
+    op(**args, **kw, q_out=q_out, status=status, **quant)
+    assert status[0] == kind
+    for got, old in zip((q_out, quant["q_scale_out"], *args["paged_kv_cache"],
+                         *quant["kv_cache_scales"]), before):
+        assert_bytes_equal(got, old)
+
+
+def test_q_out_dtype_spellings():
+    """A dtype, its name, the ml_dtypes type, or a given fp8 q_out (with or without a matching
+    q_out_dtype) select the same output."""
+    outs = []
+    for spelling in (E4M3, "float8_e4m3fn", ml_dtypes.float8_e4m3fn):
+        args, kw = make_case(73)
+        outs.append(op(**args, **kw, q_out_dtype=spelling))
+    for dtype in (None, "float8_e4m3fn"):
+        args, kw = make_case(73)
+        given = np.zeros(args["q"].shape, E4M3)
+        assert op(**args, **kw, q_out=given, q_out_dtype=dtype) is given
+        outs.append(given)
+    args, kw = make_case(73)
+    assert op(**args, **kw, q_out_dtype="float16").dtype == np.float16  # q's own dtype
+    for out in outs:
+        assert out.dtype == E4M3
+        assert_bytes_equal(out, outs[0])
+
+
+def test_fp8_q_validation():
+    bad(TypeError, r"q_out_dtype must be float16 or float8_e4m3fn or float8_e5m2 \(a dtype or "
+        r"its name\), got 'float32'", {"q_out_dtype": "float32"})
+    bad(TypeError, "q_out_dtype must be", {"q_out_dtype": "e4m3"})
+    bad(TypeError, r"q_out_dtype \(float8_e5m2\) must be the dtype of the given q_out "
+        r"\(float8_e4m3fn\)", {"q_out_dtype": "float8_e5m2", "q_out": np.zeros((5, 8, 32), E4M3)})
+    bad(TypeError, "q_out must have dtype float16 or float8_e4m3fn or float8_e5m2, got float32",
+        {"q_out": np.zeros((5, 8, 32), np.float32)})
+    bad(ValueError, r"q_out must have shape = \(5, 8, 32\)", {"q_out": np.zeros((5, 8, 16), E4M3)})
+    bad(ValueError, "q_scale is only used with an fp8 q_out, but q_out is float16",
+        {"q_scale": 0.5})
+    bad(ValueError, "q_scale must be a finite positive number", {"q_scale": 0.0,
+                                                                 "q_out_dtype": E4M3})
+    bad(TypeError, "q_scale must be a real number", {"q_scale": "1", "q_out_dtype": E4M3})
+    qs = np.zeros((5, 8), np.float32)
+    bad(ValueError, "q_scale_out receives the scales of an fp8 q_out, but q_out is float16",
+        {"q_scale_out": qs})
+    bad(ValueError, "q_scale .* and q_scale_out .* exclude each other",
+        {"q_scale_out": qs, "q_scale": 1.0, "q_out_dtype": E4M3})
+    bad(ValueError, r"q_scale_out must have shape \(T, Hq\) = \(5, 8\), got \(8, 5\)",
+        {"q_scale_out": qs.T.copy(), "q_out_dtype": E4M3})
+    bad(TypeError, "q_scale_out must have dtype float32, got float16",
+        {"q_scale_out": qs.astype(np.float16), "q_out_dtype": E4M3})
+    ro = qs.copy()
+    ro.flags.writeable = False
+    bad(BufferError, "q_scale_out is written in place", {"q_scale_out": ro, "q_out_dtype": E4M3})
+    bad(ValueError, "q_scale_out is written but has stride 0",
+        {"q_scale_out": np.lib.stride_tricks.as_strided(np.zeros(8, np.float32), (5, 8),
+                                                         (0, 4)), "q_out_dtype": E4M3})
+
+
+def test_kv_cache_scales_validation():
+    fp8 = tuple(np.zeros((12, 4, 2, 32), E4M3) for _ in range(2))
+    int8 = tuple(np.zeros((12, 4, 2, 32), INT8) for _ in range(2))
+    sc = tuple(np.zeros((12, 4, 2), np.float32) for _ in range(2))
+    bad(ValueError, r"kv_cache_scales must be a tuple \(k_scales, v_scales\), got ndarray",
+        {"kv_cache_scales": sc[0]}, paged_kv_cache=fp8)
+    bad(TypeError, "kv_cache_scales quantize the cache rows: k_cache must have dtype "
+        "float8_e4m3fn or float8_e5m2 or int8, got float16", {"kv_cache_scales": sc})
+    bad(TypeError, "int8 caches need per-token-head scales", paged_kv_cache=int8)
+    bad(ValueError, "kv_scale .* and kv_cache_scales .* exclude each other",
+        {"kv_cache_scales": sc, "kv_scale": 0.5}, paged_kv_cache=fp8)
+    bad(ValueError, r"k_scales must have shape \(num_pages, page_size, Hkv\) for NHD = "
+        r"\(12, 4, 2\), got \(12, 2, 4\)",
+        {"kv_cache_scales": (np.zeros((12, 2, 4), np.float32), sc[1])}, paged_kv_cache=fp8)
+    bad(ValueError, r"v_scales must have shape \(num_pages, Hkv, page_size\) for HND",
+        {"kv_cache_scales": (np.zeros((12, 2, 4), np.float32), sc[1]), "kv_layout": "HND"},
+        paged_kv_cache=tuple(np.zeros((12, 2, 4, 32), E4M3) for _ in range(2)))
+    bad(TypeError, "v_scales must have dtype float32, got float64",
+        {"kv_cache_scales": (sc[0], sc[1].astype(np.float64))}, paged_kv_cache=fp8)
+    ro = sc[1].copy()
+    ro.flags.writeable = False
+    bad(BufferError, "v_scales is written in place",
+        {"kv_cache_scales": (sc[0], ro)}, paged_kv_cache=fp8)
+    both = np.zeros((12, 4, 2), np.float32)
+    bad(ValueError, "k_scales is written in place but shares memory with v_scales",
+        {"kv_cache_scales": (both, both)}, paged_kv_cache=fp8)
+    bad(TypeError, "an fp8 q_out .* with an int8 cache is not supported",
+        {"kv_cache_scales": sc, "q_out_dtype": E4M3}, paged_kv_cache=int8)
+
+
+def assert_codes_close(got, want, what):
+    """Quantized codes: fp8 equal or adjacent (assert_close); int8 within one (a float32 kernel
+    and the float64 reference may round a value at .5 either way)."""
+    got = to_numpy(got)
+    if want.dtype == INT8:
+        diff = np.abs(got.astype(np.int32) - want.astype(np.int32))
+        assert diff.max(initial=0) <= 1, f"{what}: int8 codes differ by {diff.max()}"
+    else:
+        assert_close(got, want, what)
+
+
+def assert_scales_close(got, want, what):
+    """Computed scales (float32): a float32 kernel's row maximum against the float64 one."""
+    got = to_numpy(got).astype(np.float64)
+    np.testing.assert_allclose(got, want.astype(np.float64), rtol=1e-4, atol=0, equal_nan=True,
+                               err_msg=what)
+
+
+def check_quant_on_device(args, kw, quant, *, is_neox=True, kv_scale=None, q_dtype=None,
+                          q_scale=None, given=False, clear=False, status=False, **options):
+    """Run a quantizing call on device copies of ``args`` and ``quant`` (quant_arrays) and compare
+    every output with the reference; the slots the call must not write keep their bytes (caches
+    and scale arrays)."""
+    import cupy as cp
+
+    want = expected_quant(args, kw, quant, is_neox=is_neox, kv_scale=kv_scale, q_dtype=q_dtype,
+                          q_scale=q_scale, clear_unused_last_page_rows=clear, **options)
+    mask = written_rows(args, kw, options.get("position_ids"))
+    if clear:
+        mask |= tail_rows(args, kw, options.get("position_ids"))
+    dev = {k: to_device(v) for k, v in args.items() if k not in ("q", "k", "v")}
+    Hq, Hkv = args["q"].shape[1], args["k"].shape[1]
+    if args["q"].base is not None and args["q"].base is args["k"].base:  # keep the packing
+        qkv = cp.asarray(args["q"].base)
+        dev.update(q=qkv[:, :Hq], k=qkv[:, Hq:Hq + Hkv], v=qkv[:, Hq + Hkv:])
+    else:
+        dev.update(q=to_device(args["q"]), k=to_device(args["k"]), v=to_device(args["v"]))
+    dq = {k: to_device(v) for k, v in quant.items()}
+    extra = {"q_out_dtype": q_dtype}
+    if given:
+        extra = {"q_out": to_device(np.full(args["q"].shape, np.nan, want["q_out"].dtype))}
+    if status:
+        extra["status"] = cp.full(1, 99, cp.int32)
+    out = op(**dev, **kw, is_neox=is_neox, kv_scale=kv_scale, q_scale=q_scale, **extra, **dq,
+             **{n: to_device(x) for n, x in options.items()}, clear_unused_last_page_rows=clear)
+    if given:
+        assert out is extra["q_out"]
+    if status:
+        assert int(extra["status"][0]) == 0
+    assert_codes_close(out, want["q_out"], "q_out")
+    if "q_scale_out" in quant:
+        assert_scales_close(dq["q_scale_out"], want["q_scale_out"], "q_scale_out")
+    caches = dev["paged_kv_cache"]
+    scales = dq.get("kv_cache_scales", (None, None))
+    for i, name in enumerate(("k", "v")):
+        got, ref, old = to_numpy(caches[i]), want[f"{name}_cache"], args["paged_kv_cache"][i]
+        assert_codes_close(got[mask], ref[mask], f"{name}_cache")
+        assert_bytes_equal(got[~mask], old[~mask], f"untouched {name}_cache rows")
+        if scales[i] is not None:
+            got_s, old_s = to_numpy(scales[i]), quant["kv_cache_scales"][i]
+            assert_scales_close(got_s[mask], want[f"{name}_scales"][mask], f"{name}_scales")
+            assert_bytes_equal(got_s[~mask], old_s[~mask], f"untouched {name}_scales")
+
+
+@pytest.mark.gpu
+@given(seed=seeds, dtype=st.sampled_from(INPUT_DTYPES), data=st.data(),
+       heads=st.sampled_from([(32, 4), (64, 8), (16, 16), (6, 2)]),
+       layout=st.sampled_from(["NHD", "HND"]), is_neox=st.sampled_from([True, True, False]),
+       page_size=st.sampled_from([1, 16, 32]),
+       new=st.lists(st.integers(0, 24), min_size=1, max_size=4),
+       q_mode=st.sampled_from([None, "static", "dynamic", "dynamic"]),
+       q_dtype=st.sampled_from([E4M3, E4M3, E5M2]),
+       kv_mode=st.sampled_from([None, E4M3, E5M2, INT8, INT8]), given_q=st.booleans(),
+       packed=st.booleans(), norm_order=st.sampled_from(["before_rope", "after_rope"]),
+       weight_offset=st.sampled_from([0.0, 0.0, 1.0]), clear=st.booleans(),
+       status=st.booleans(), mrope=st.sampled_from([None, None, "chunked", "interleaved"]))
+def test_quantizing_kernel_matches_reference(seed, dtype, data, heads, layout, is_neox,
+                                             page_size, new, q_mode, q_dtype, kv_mode, given_q,
+                                             packed, norm_order, weight_offset, clear, status,
+                                             mrope):
+    """fp8 q (static or dynamic scales) and per-token-head KV scales, alone and together, with
+    every other option (norm order, weight offset, tail clearing, status, mRoPE, NHD/HND,
+    neox/interleaved, packed strided views, a given or new q_out)."""
+    if q_mode is None and kv_mode is None:
+        kv_mode = E4M3
+    if q_mode is not None and kv_mode == INT8:
+        kv_mode = E5M2  # fp8 q with an int8 cache is refused
+    Hq, Hkv = heads
+    D, R = data.draw(st.sampled_from([(128, 128), (128, 128), (64, 64), (128, 64), (256, 256),
+                                      (80, 40)]))
+    cache_dtype = kv_mode if kv_mode is not None else data.draw(
+        st.sampled_from([dtype, *FP8_DTYPES]))
+    cached = data.draw(st.lists(st.integers(0, 200), min_size=len(new), max_size=len(new)))
+    kv_scale = data.draw(st.sampled_from([None, 0.5, (2.0, 0.25)])) \
+        if kv_mode is None and cache_dtype in FP8_DTYPES else None
+    args, kw = make_case(seed, Hq=Hq, Hkv=Hkv, D=D, R=R, dtype=dtype, cache_dtype=cache_dtype,
+                         new=new, cached=cached, page_size=page_size, layout=layout,
+                         gamma_f32=True, packed=packed)
+    if cache_dtype == INT8:
+        args["paged_kv_cache"] = tuple(np.random.default_rng(seed + i).integers(
+            -127, 128, args["paged_kv_cache"][0].shape).astype(INT8) for i in range(2))
+    options = {}
+    if mrope:
+        ids, section = mrope_case(np.random.default_rng(seed), args, R, mrope == "interleaved",
+                                  bad_share=0.1)
+        options = {"position_ids": ids, "mrope_section": section,
+                   "mrope_interleaved": mrope == "interleaved"}
+    quant = quant_arrays(args, kw, q_dynamic=q_mode == "dynamic", kv_dynamic=kv_mode is not None,
+                         seed=seed)
+    check_quant_on_device(args, kw, quant, is_neox=is_neox, kv_scale=kv_scale,
+                          q_dtype=None if q_mode is None else q_dtype,
+                          q_scale=0.125 if q_mode == "static" else None,
+                          given=given_q, clear=clear, status=status, norm_order=norm_order,
+                          weight_offset=weight_offset, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv", [E4M3, INT8])
+def test_quantized_qwen3_decode_and_prefill(layout, kv):
+    """The launch shapes of serving: Qwen3-32B heads at decode (rows split over blocks) and a
+    long prefill (two rows per lane group), packed bf16 qkv, dynamic fp8 q with an fp8 cache or
+    bf16 q with an int8 cache, both with per-token-head scales."""
+    q_dtype = E4M3 if kv != INT8 else None
+    for new, cached, seed in (((1,) * 64, tuple(range(0, 640, 10)), 80),
+                              ((600, 0, 700), (0, 2, 50), 81), ((1,) * 200, (7,) * 200, 82)):
+        args, kw = make_case(seed, Hq=64, Hkv=8, D=128, dtype=BF16, cache_dtype=kv, new=new,
+                             cached=cached, page_size=16, layout=layout, packed=True)
+        quant = quant_arrays(args, kw, q_dynamic=q_dtype is not None, kv_dynamic=True, seed=seed)
+        check_quant_on_device(args, kw, quant, q_dtype=q_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [1, 2, 3])
+@pytest.mark.parametrize("T_new", [1, 40])
+def test_quantized_outputs_untouched_on_a_failing_status_on_device(kind, T_new):
+    """Malformed offsets: status holds the code and q_out, q_scale_out, the caches and their
+    scale arrays keep every byte."""
+    import cupy as cp
+
+    new = (T_new, 0, 0) if T_new > 1 else (1, 0, 0)
+    args, kw = make_case(90 + kind, Hq=16, Hkv=4, D=128, dtype=BF16, cache_dtype=E4M3, new=new,
+                         cached=(3, 9, 20), page_size=16)
+    args["input_row_offsets"] = malform(args["input_row_offsets"], kind)
+    code = reference.ragged_offsets_status(args["input_row_offsets"], T_new)
+    assert code != 0
+    quant = quant_arrays(args, kw, q_dynamic=True, kv_dynamic=True)
+    dev = {k: to_device(v) for k, v in args.items()}
+    dq = {k: to_device(v) for k, v in quant.items()}
+    q_out = to_device(np.full(args["q"].shape, 7, E4M3))
+    status = cp.full(1, 99, cp.int32)
+    op(**dev, **kw, q_out=q_out, status=status, **dq)
+    assert int(status[0]) == code
+    assert bool((q_out.view(cp.uint8) == np.full(1, 7, E4M3).view(np.uint8)[0]).all())
+    for got, old in zip((dq["q_scale_out"], *dev["paged_kv_cache"], *dq["kv_cache_scales"]),
+                        (quant["q_scale_out"], *args["paged_kv_cache"],
+                         *quant["kv_cache_scales"])):
+        assert_bytes_equal(to_numpy(got), old, "after malformed offsets")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clear", [False, True])
+@pytest.mark.parametrize("tokens", ["decode", "prefill"])
+def test_quantized_hostile_indices_never_write_out_of_bounds(tokens, clear):
+    """Malformed offsets, lengths and block-table entries with per-token-head scales and dynamic
+    fp8 q: guard bytes around the caches, the scale arrays and q_scale_out stay; every slot but
+    the written (and cleared) ones keeps its bytes."""
+    import cupy as cp
+
+    new = (1, 1, 1, 1) if tokens == "decode" else (5, 3, 4, 0)
+    args, kw = make_case(41, Hq=8, Hkv=2, D=64, dtype=BF16, cache_dtype=E4M3, new=new,
+                         cached=(0, 0, 0, 3), page_size=4, packed=True)
+    args["cache_lengths"] = np.array([0, 2**31 - 3, -7, 1], np.int32)
+    args["block_table"][0, :2] = [-5, 2**31 - 1]
+    if clear:
+        spare = np.setdiff1d(np.arange(args["paged_kv_cache"][0].shape[0]), args["block_table"])
+        args["block_table"][0, :2] = spare[:2]
+    args["input_row_offsets"][2] = args["input_row_offsets"][3] + 1  # not monotonic
+    quant = quant_arrays(args, kw, q_dynamic=True, kv_dynamic=True)
+    want = expected_quant(args, kw, quant, q_dtype=E4M3, clear_unused_last_page_rows=clear)
+    guard = 64
+
+    def guarded(x):  # a device copy of x inside a buffer of guard bytes (0x5A)
+        raw = np.concatenate([np.full(guard, 0x5A, np.uint8), x.view(np.uint8).ravel(),
+                              np.full(guard, 0x5A, np.uint8)])
+        buf = cp.asarray(raw)
+        return buf, buf[guard:-guard].view(x.dtype if x.dtype not in FP8_DTYPES else cp.uint8)
+
+    bufs, dev = [], {}
+    for name, x in (("k", args["paged_kv_cache"][0]), ("v", args["paged_kv_cache"][1]),
+                    ("ks", quant["kv_cache_scales"][0]), ("vs", quant["kv_cache_scales"][1]),
+                    ("qs", quant["q_scale_out"])):
+        buf, view = guarded(x)
+        if x.dtype in FP8_DTYPES:
+            view = view.view(x.dtype)
+        bufs.append(buf)
+        dev[name] = view.reshape(x.shape)
+    rest = {k: to_device(v) for k, v in args.items() if k not in ("q", "k", "v",
+                                                                   "paged_kv_cache")}
+    qkv = cp.asarray(args["q"].base)
+    out = op(q=qkv[:, :8], k=qkv[:, 8:10], v=qkv[:, 10:], **rest, **kw,
+             paged_kv_cache=(dev["k"], dev["v"]), kv_cache_scales=(dev["ks"], dev["vs"]),
+             q_scale_out=dev["qs"], q_out_dtype=E4M3, clear_unused_last_page_rows=clear)
+    assert_codes_close(out, want["q_out"], "q_out")
+    assert_scales_close(dev["qs"], want["q_scale_out"], "q_scale_out")
+    for buf in bufs:
+        host = to_numpy(buf)
+        assert (host[:guard] == 0x5A).all() and (host[-guard:] == 0x5A).all(), "guard bytes"
+    mask = written_rows(args, kw)
+    for name, i in (("k", 0), ("v", 1)):
+        old_c, old_s = args["paged_kv_cache"][i], quant["kv_cache_scales"][i]
+        changed = ((want[f"{name}_cache"].view(np.uint8) != old_c.view(np.uint8)).any(-1)
+                   | (want[f"{name}_scales"].view(np.uint32) != old_s.view(np.uint32)))
+        m = mask | changed  # the rows the reference writes or clears
+        got_c, got_s = to_numpy(dev[name]), to_numpy(dev[f"{name}s"])
+        assert_codes_close(got_c[m], want[f"{name}_cache"][m], f"{name}_cache")
+        assert_scales_close(got_s[m], want[f"{name}_scales"][m], f"{name}_scales")
+        assert_bytes_equal(got_c[~m], old_c[~m], f"untouched {name}_cache rows")
+        assert_bytes_equal(got_s[~m], old_s[~m], f"untouched {name}_scales")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_prefill", [False, True])
+def test_dynamic_fp8_q_matches_flashinfer_cake(is_prefill):
+    """FlashInfer 0.7.2's Cake fp8 kernel with quant_policy=1 (dynamic per-token-per-head q
+    scales) on the same inputs (packed bf16 qkv, Qwen3-32B heads, NHD, e4m3 cache, float32
+    weights, norm then RoPE): the same e4m3 q codes (or adjacent) and scales. Cake's prefill
+    scales are laid out (B, Hq, round_up(max_seqlen, 128)) by the token's index in its request:
+    mapped onto ropekv's (T, Hq)."""
+    torch = pytest.importorskip("torch")
+    try:
+        from flashinfer.cake_fused_qk_rope_fp8_append import (
+            cake_fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache as cake_fp8)
+    except Exception as exc:  # noqa: BLE001 - not installed (0.7.2 or later), or its JIT failed
+        pytest.skip(f"FlashInfer's Cake kernels unavailable: {exc}")
+    import cupy as cp
+
+    new, cached = ((1, 1, 1, 1), (5, 0, 3, 30)) if not is_prefill else ((1, 7, 20, 130),
+                                                                      (5, 0, 3, 30))
+    args, kw = make_case(42, Hq=64, Hkv=8, D=128, dtype=BF16, cache_dtype=E4M3, new=new,
+                         cached=cached, page_size=16, packed=True)
+    T = args["q"].shape[0]
+    qkv = to_device(np.ascontiguousarray(args["q"].base))
+    dev = {k: to_device(v) for k, v in args.items() if k != "paged_kv_cache"}
+    dev.update(q=qkv[:, :64], k=qkv[:, 64:72], v=qkv[:, 72:])
+    ours = tuple(to_device(c) for c in args["paged_kv_cache"])
+    theirs = tuple(to_device(c) for c in args["paged_kv_cache"])
+    q_scale_out = cp.zeros((T, 64), cp.float32)
+    out = op(**{**dev, "paged_kv_cache": ours}, **kw, q_out_dtype=E4M3, q_scale_out=q_scale_out)
+
+    def t(x):
+        if x.dtype == BF16:
+            return torch.from_dlpack(x.view(cp.int16)).view(torch.bfloat16)
+        if x.dtype == E4M3:
+            return torch.from_dlpack(x.view(cp.uint8)).view(torch.float8_e4m3fn)
+        return torch.from_dlpack(x)
+
+    seq_lens = to_device((np.asarray(cached) + np.asarray(new)).astype(np.int32))
+    one = torch.ones(1, dtype=torch.float32, device=qkv.device.id)
+    max_seqlen = max(new)
+    q_fi, scale_fi, flag = cake_fp8(
+        t(qkv).view(T, -1), t(dev["cos_sin_cache"]), t(seq_lens), t(dev["input_row_offsets"]),
+        t(dev["block_table"]), (t(theirs[0]), t(theirs[1])), is_prefill=is_prefill,
+        k_scale=one, v_scale=one, quant_policy=1, max_seqlen=max_seqlen, qk_norm_policy=2,
+        q_norm_weight=t(dev["q_gamma"]), k_norm_weight=t(dev["k_gamma"]))
+    torch.cuda.synchronize()
+    assert (flag.cpu().numpy() == 0).all()
+    scale_fi = scale_fi.cpu().numpy()
+    if is_prefill:  # (B, Hq, aligned) by the index inside the request -> (T, Hq)
+        offs = args["input_row_offsets"].astype(np.int64)
+        b = np.searchsorted(offs, np.arange(T), side="right") - 1
+        scale_fi = scale_fi[b, :, np.arange(T) - offs[b]]
+    want = expected_quant(args, kw, {"q_scale_out": np.zeros((T, 64), np.float32)},
+                          q_dtype=E4M3)
+    assert_codes_close(out, want["q_out"], "q_out vs the reference")
+    assert_scales_close(q_scale_out, want["q_scale_out"], "q_scale_out vs the reference")
+    assert_codes_close(q_fi, to_numpy(out), "q_out vs Cake")
+    np.testing.assert_allclose(scale_fi, to_numpy(q_scale_out), rtol=1e-3,
+                               err_msg="q scales vs Cake")
+    mask = written_rows(args, kw)
+    for a, b in zip(ours, theirs):
+        assert_codes_close(to_numpy(a)[mask], to_numpy(b)[mask], "cache rows vs Cake")

@@ -30,13 +30,15 @@ class QknormWL(_RaggedMixin, Workload):
     """:func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache` (Qwen3-style QK-norm)."""
 
     op = "qknorm"
-    OUTPUTS = ("q_out", "k_cache", "v_cache")
+    OUTPUTS = ("q_out", "k_cache", "v_cache", "q_scale_out", "k_scales", "v_scales")
 
     def build(self, B, S, prefix, Hq, Hkv, D, dtype, cache_dtype, page_size=16, layout="NHD",
-              is_neox=True, kv_scale=None, eps=1e-6, packed=False, gamma_dtype=None):
+              is_neox=True, kv_scale=None, eps=1e-6, packed=False, gamma_dtype=None,
+              q_out_dtype=None, q_dynamic=False, kv_dynamic=False):
         """``packed``: q, k, v are views of one (T, Hq + 2 Hkv, D) projection output ``qkv``, as
         engines (and the Cake kernels) hold them; ``gamma_dtype``: that of the RMSNorm weights
-        (default the input dtype)."""
+        (default the input dtype); ``q_out_dtype``: q's output dtype (fp8: static scale 1.0, or
+        per row with ``q_dynamic``); ``kv_dynamic``: per-token-head KV scales."""
         g = self.g
         num_pages, seq = self.ragged(B, S, prefix, page_size)
         T = B * S
@@ -45,7 +47,10 @@ class QknormWL(_RaggedMixin, Workload):
         self.dtype, self.packed = np.dtype(dtype), packed
         self.cache_dtype = np.dtype(cache_dtype)
         self.fp8 = self.cache_dtype in FP8
-        self.kv_scale = (kv_scale or 1.0) if self.fp8 else None
+        self.kv_dynamic, self.q_dynamic = kv_dynamic, q_dynamic
+        self.q_out_dtype = self.dtype if q_out_dtype is None else np.dtype(q_out_dtype)
+        self.quant = kv_dynamic or self.q_out_dtype != self.dtype
+        self.kv_scale = (kv_scale or 1.0) if self.fp8 and not kv_dynamic else None
         if packed:
             qkv = g.randn((T, Hq + 2 * Hkv, D), dtype)
             self.a["qkv"] = qkv
@@ -62,26 +67,39 @@ class QknormWL(_RaggedMixin, Workload):
         # the sequence length after the append (the Cake kernels' seq_lens)
         self.a["seq_lens"] = g.put(np.full(B, seq, np.int32))
         self.a["table"] = g.put(_cos_sin(seq, D))
-        self.a["q_out"] = g.zeros((T, Hq, D), dtype)
+        self.a["q_out"] = g.zeros((T, Hq, D), self.q_out_dtype)
         shape = ((num_pages, page_size, Hkv, D) if layout == "NHD"
                  else (num_pages, Hkv, page_size, D))
         self.a["k_cache"] = g.cache(shape, cache_dtype, self.poison)
         self.a["v_cache"] = g.cache(shape, cache_dtype, self.poison)
+        if q_dynamic:
+            self.a["q_scale_out"] = g.zeros((T, Hq), np.float32)
+        if kv_dynamic:
+            self.a["k_scales"] = g.zeros(shape[:3], np.float32)
+            self.a["v_scales"] = g.zeros(shape[:3], np.float32)
         tok = self._sample_tokens(T)
         rows = ((self.page[tok], self.entry[tok]) if layout == "NHD"
                 else (self.page[tok], slice(None), self.entry[tok]))
         self.sample = {"q_out": ("q_out", (tok,)), "k_rows": ("k_cache", rows),
-                       "v_rows": ("v_cache", rows)}
+                       "v_rows": ("v_cache", rows), "q_scale": ("q_scale_out", (tok,)),
+                       "k_scale_rows": ("k_scales", rows), "v_scale_rows": ("v_scales", rows)}
 
     def call(self, o):
         a = self.a
+        quant = {}
+        if self.q_dynamic:
+            quant["q_scale_out"] = o["q_scale_out"]
+        if self.kv_dynamic:
+            quant["kv_cache_scales"] = (o["k_scales"], o["v_scales"])
         return _fn("qk_rmsnorm_rope_append_paged_kv_cache")(
             a["q"], a["k"], a["v"], a["q_gamma"], a["k_gamma"], a["table"],
             a["input_row_offsets"], a["cache_lengths"], a["block_table"],
             (o["k_cache"], o["v_cache"]), epsilon=self.eps, is_neox=self.is_neox,
-            kv_layout=self.layout, kv_scale=self.kv_scale, q_out=o["q_out"])
+            kv_layout=self.layout, kv_scale=self.kv_scale, q_out=o["q_out"], **quant)
 
     def torch_fn(self, t, o):
+        if self.quant:  # no PyTorch composition of the quantized outputs
+            return None
         D, neox, eps, nhd = self.D, self.is_neox, self.eps, self.layout == "NHD"
         scale = self.kv_scale or 1.0
         ps = self.page_size
@@ -106,11 +124,16 @@ class QknormWL(_RaggedMixin, Workload):
         """FlashInfer 0.7.2's Cake kernels on the same packed qkv (heads (64, 8) or (8, 1), D 128,
         NHD, float32 weights, norm then RoPE): (call, outputs, expect) or None. The bf16 kernel
         writes q as bf16 (``clear_unused_last_page_rows=False``: the same work as ropekv); the fp8
-        kernel writes q as e4m3 (static scale 1.0), compared with ropekv's q rounded to e4m3."""
+        kernel writes q as e4m3 (static scale 1.0), compared with ropekv's q rounded to e4m3, or
+        with ``q_dynamic`` with dynamic scales (``quant_policy=1``), compared with ropekv's e4m3
+        q and its scales (Cake's prefill layout mapped onto ropekv's (T, Hq))."""
         if not (self.packed and self.gamma_f32 and self.is_neox and self.layout == "NHD"
                 and self.D == 128 and (self.Hq, self.Hkv) in ((64, 8), (8, 1))
-                and self.dtype == BF16 and self.cache_dtype in (BF16, E4M3)):
+                and self.dtype == BF16 and self.cache_dtype in (BF16, E4M3)
+                and not self.kv_dynamic and (not self.quant or self.q_dynamic)):
             return None
+        if self.q_dynamic:
+            return self._cake_dynamic(t, o, po)
         torch = _torch()
         T, Hq = self.T, self.Hq
         qkv = t["qkv"].view(T, -1)
@@ -155,6 +178,42 @@ class QknormWL(_RaggedMixin, Workload):
 
         return fp8, outputs, expect
 
+    def _cake_dynamic(self, t, o, po):
+        """The Cake fp8 kernel with dynamic q scales (``quant_policy=1``): decode (one token per
+        request) lays the scales out (T, Hq), prefill (B, Hq, round_up(max_seqlen, 128)) by the
+        token's index in its request."""
+        from flashinfer.cake_fused_qk_rope_fp8_append import (
+            cake_fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache as cake,
+        )
+
+        torch = _torch()
+        T, Hq, B, S = self.T, self.Hq, self.B, self.S
+        qkv = t["qkv"].view(T, -1)
+        dev = qkv.device
+        prefill = S > 1
+        scale_shape = (B, Hq, -(-S // 128) * 128) if prefill else (T, Hq)
+        q_scale = torch.zeros(scale_shape, dtype=torch.float32, device=dev)
+        flag = torch.empty((B, self.Hkv), dtype=torch.int32, device=dev)
+        scale = torch.ones(1, dtype=torch.float32, device=dev)
+
+        def fp8():
+            cake(qkv, t["table"], t["seq_lens"], t["input_row_offsets"], t["block_table"],
+                 (o["k_cache"], o["v_cache"]), is_prefill=prefill, k_scale=scale,
+                 v_scale=scale, quant_policy=1, max_seqlen=S, qk_norm_policy=2,
+                 q_norm_weight=t["q_gamma"], k_norm_weight=t["k_gamma"], out_q=o["q_out"],
+                 q_scale=q_scale, split_k_flag=flag)
+
+        tok = self.sample["q_out"][1][0]
+
+        def outputs():
+            out = self.outputs(po)
+            scales = to_numpy(q_scale)
+            # every request has S tokens: token t is request t // S, index t % S
+            out["q_scale"] = scales[tok // S, :, tok % S] if prefill else scales[tok]
+            return out
+
+        return fp8, outputs, None
+
 
 def specs():
     out = []
@@ -176,6 +235,26 @@ def specs():
                 _lazy(QknormWL, B=B, S=S, prefix=1024, dtype=BF16, cache_dtype=cache,
                       packed=True, gamma_dtype=np.float32, **QWEN3_32B),
                 decode=S == 1, series=series if S == 1 else ""))
+    # fp8 q with dynamic per-token-per-head scales (the Cake fp8 kernel's quant_policy=1), e4m3
+    # cache with a static scale; per-token-head KV scales (against the static-scale rows above)
+    series = "qknorm qwen3-32b bf16->e4m3 q e4m3 dynamic"
+    for B, S in ((8, 1024), *((B, 1) for B in DECODE_SWEEP)):
+        T = B * S
+        out.append(CaseSpec(
+            "qknorm", f"{series} {B}x{S}", T,
+            nbytes_of.qknorm_bytes(T, 64, 8, 128, 128, BF16, E4M3, q_out_dtype=E4M3,
+                                   q_scales=True),
+            _lazy(QknormWL, B=B, S=S, prefix=1024, dtype=BF16, cache_dtype=E4M3, packed=True,
+                  gamma_dtype=np.float32, q_out_dtype=E4M3, q_dynamic=True, **QWEN3_32B),
+            decode=S == 1, series=series if S == 1 else ""))
+    for B, S in ((8, 1024), (64, 1)):
+        T = B * S
+        out.append(CaseSpec(
+            "qknorm", f"qknorm qwen3-32b bf16->e4m3 kv scales per token-head {B}x{S}", T,
+            nbytes_of.qknorm_bytes(T, 64, 8, 128, 128, BF16, E4M3, kv_scales=True),
+            _lazy(QknormWL, B=B, S=S, prefix=1024, dtype=BF16, cache_dtype=E4M3, packed=True,
+                  gamma_dtype=np.float32, kv_dynamic=True, **QWEN3_32B),
+            decode=S == 1))
     return out
 
 
@@ -185,3 +264,10 @@ def check_cases(add):
         add("qknorm", f"bf16->{_dtname(cache)} {layout}", QknormWL, B=3, S=9, prefix=30, Hq=16,
             Hkv=4, D=128, dtype=BF16, cache_dtype=cache, layout=layout,
             kv_scale=0.5 if cache in FP8 else None)
+    # quantized outputs: dynamic fp8 q; per-token-head KV scales (fp8 codes compare as adjacent,
+    # int8 codes exactly, so the check takes e5m2)
+    add("qknorm", "bf16->e4m3 q e4m3 dynamic NHD", QknormWL, B=3, S=9, prefix=30, Hq=16, Hkv=4,
+        D=128, dtype=BF16, cache_dtype=E4M3, q_out_dtype=E4M3, q_dynamic=True)
+    add("qknorm", "bf16->e5m2 kv scales per token-head HND", QknormWL, B=3, S=9, prefix=30,
+        Hq=16, Hkv=4, D=128, dtype=BF16, cache_dtype=np.dtype("float8_e5m2"), layout="HND",
+        kv_dynamic=True)
