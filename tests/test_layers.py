@@ -319,3 +319,54 @@ def test_device_odd_layer_stride():
         fn(**dev, layer_idx=layer)
         cp.cuda.get_current_stream().synchronize()
         assert_layer_written("qknorm", before, dev, one, layer, "odd stride")
+
+
+# ---- per-token-head KV scales carry the layer dimension too (the QK-norm op) -------------------
+
+
+def _layered_scales_call(convert, seed=5, num_layers=3, layer=1, layout="NHD"):
+    fn, kw = case("qknorm", seed, cache_dtype=E4M3, layout=layout)
+    shape = kw["paged_kv_cache"][0].shape[:-1]
+    rng = np.random.default_rng(seed)
+    scales = tuple(rng.uniform(1, 2, shape).astype(np.float32) for _ in range(2))
+    one = copy_kw(dict(kw, kv_cache_scales=scales))
+    expected_out = fn(**one)
+    multi = layered(kw, "qknorm", num_layers, layer, seed)
+    full = []
+    for s in scales:
+        f = rng.uniform(3, 4, (num_layers, *shape)).astype(np.float32)
+        f[layer] = s
+        full.append(f)
+    multi["kv_cache_scales"] = tuple(full)
+    before = copy_kw(multi)
+    dev = map_arrays(multi, convert)
+    out = fn(**dev, layer_idx=layer)
+    assert_layer_written("qknorm", before, dev, one, layer, "layered scales")
+    for b, a, e in zip(before["kv_cache_scales"], dev["kv_cache_scales"],
+                       one["kv_cache_scales"]):
+        a = to_numpy(a)
+        others = [i for i in range(num_layers) if i != layer]
+        assert np.array_equal(a[others], b[others]), "another layer's scales changed"
+        np.testing.assert_allclose(a[layer], e, rtol=1e-6)
+    assert_op_close(out, expected_out, "qknorm", "layered scales: q")
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_numpy_layered_kv_cache_scales(layout):
+    _layered_scales_call(lambda x: x, layout=layout)
+
+
+def test_layered_kv_cache_scales_need_the_layer_dimension():
+    fn, kw = case("qknorm", 6, cache_dtype=E4M3)
+    shape = kw["paged_kv_cache"][0].shape[:-1]
+    multi = layered(kw, "qknorm", 3, 0)
+    one_layer = tuple(np.ones(shape, np.float32) for _ in range(2))
+    with pytest.raises(ValueError, match="k_scales"):
+        fn(**multi, kv_cache_scales=one_layer, layer_idx=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_device_layered_kv_cache_scales(layout):
+    for layer in (1, 2):  # one plan, replayed on another layer
+        _layered_scales_call(to_device, seed=7 + layer, layer=layer, layout=layout)
