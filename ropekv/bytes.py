@@ -33,6 +33,13 @@ def rope_kv_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype
     return tokens * per_token
 
 
+def computed_scale_bytes(tokens, q_heads=0, kv_heads=0):
+    """The float32 scales an op computes and writes (docs/conventions.md, "Computed scales"):
+    one per token and Q head (dynamic fp8 Q, ``q_heads``) and one per written K row and V row
+    (per-token-head KV scales, ``kv_heads``). Add to the op's own count."""
+    return tokens * (q_heads + 2 * kv_heads) * 4
+
+
 def contiguous_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype, cache_dtype):
     """:func:`ropekv.apply_rope_write_kv`: q is roped in place (read and written in its dtype)."""
     return rope_kv_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype, dtype,

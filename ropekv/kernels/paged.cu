@@ -33,6 +33,11 @@ struct PagedParams {
   const void* kv_indices;     // (I,) page-table entries: page ids
   const float* q_scales;      // (Hq,) per-head quantization scales, or null (q_scale for all)
   const float* kv_scales;     // (Hkv,) likewise for K and V
+  // options (the OPTS row kernel only; null when not given)
+  float* q_scale_out;         // (T, Hq) float32: computed dequantization scale of each Q row
+  float* k_scales;            // per-token-head K scales, (page, entry, head) strides ks_*
+  float* v_scales;            // likewise for V (strides vs_*)
+  int* status;                // (1,) int32: kv_indptr's code (0 valid, 4-6), or null
   i64 qr_sn, qr_sh, qn_sn, qn_sh;      // input strides in elements (token, head)
   i64 kr_sn, kr_sh, kn_sn, kn_sh, v_sn, v_sh;
   i64 qro_sn, qro_sh, qno_sn, qno_sh;  // q output strides
@@ -42,6 +47,8 @@ struct PagedParams {
   i64 cs_sp;                           // cos_sin row stride
   i64 num_pages, num_indices;
   i64 pid_st;                          // pos_ids row stride (T) for mRoPE
+  i64 qso_sn, qso_sh;                  // q_scale_out strides (token, head)
+  i64 ks_sp, ks_se, ks_sh, vs_sp, vs_se, vs_sh;  // scale array strides (page, entry, head)
   float q_scale, kv_scale;
   int Hq, Hkv, Hv, R, Dn, B, page_size, P;
   int index64;  // bit k set: index array k is int64 (pos_ids, batch_indices, positions,
@@ -50,6 +57,7 @@ struct PagedParams {
   int rows;     // row kernel: head rows each lane group holds, 1 ..= ROWS
   int mrope;    // pos_ids is (3, T): mRoPE by sections (MRope in common.cuh)
   int mrope_t, mrope_h, mrope_w, mrope_interleaved;
+  int T;       // tokens (OPTS: a batch of none launches one block that only validates)
 };
 
 __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
@@ -316,6 +324,103 @@ __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const Pa
         first_index(g, base, stride), stride);
 }
 
+// ---- status=: on-device validation of kv_indptr (graph-capturable, no host sync) -------------
+// The code of kv_indptr[0..B] (every thread of the block calls it): 4 kv_indptr[0] != 0, 5 an
+// entry below the one before it, 6 kv_indptr[B] > I (the length of kv_indices), 0 valid (then
+// every entry lies in [0, I]). Entries are compared as signed 64-bit values. Every block reaches
+// the same code, so none waits for another.
+__device__ __forceinline__ int paged_indptr_status(const PagedParams& p) {
+  const int is64 = p.index64 & 8;
+  bool decreasing = false;
+  for (int i = threadIdx.x; i < p.B; i += blockDim.x)
+    decreasing |= read_index(p.kv_indptr, i + 1, is64) < read_index(p.kv_indptr, i, is64);
+  const bool first = __syncthreads_or(threadIdx.x == 0 && read_index(p.kv_indptr, 0, is64) != 0);
+  const bool dec = __syncthreads_or(decreasing);
+  const bool last =
+      __syncthreads_or(threadIdx.x == 0 && read_index(p.kv_indptr, p.B, is64) > p.num_indices);
+  return first ? 4 : dec ? 5 : last ? 6 : 0;
+}
+
+// RoPE on a row kernel's chunk; V rows (is_v) take the identity, as the same arithmetic for every
+// row lets a thread's rows interleave.
+template <bool NEOX, int N, int M>
+__device__ __forceinline__ void rotate_row_chunk(float (&a)[N], float (&bb)[N], const float (&c)[M],
+                                                 const float (&sn)[M], bool is_v) {
+  float cu[M], su[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    cu[i] = is_v ? 1.f : c[i];
+    su[i] = is_v ? 0.f : sn[i];
+  }
+  rotate_chunk<NEOX, N, M>(a, bb, cu, su);
+}
+
+// Where head row h of token t goes (Q rows: the q outputs; K / V rows: their cache row in `page`,
+// `entry`), the element of the row's part at which chunk `col` lands; null when the K / V row has
+// no slot (page < 0).
+template <typename OutT>
+__device__ __forceinline__ OutT* row_dest(const PagedParams& p, int t, int h, i64 page,
+                                          i64 entry, bool rotary, int col, int vcol) {
+  const int Hk = p.Hq + p.Hkv;
+  if (h < p.Hq) {
+    return rotary ? static_cast<OutT*>(p.q_rope_out) + t * p.qro_sn + h * p.qro_sh
+                  : static_cast<OutT*>(p.q_nope_out) + t * p.qno_sn + h * p.qno_sh;
+  }
+  if (page < 0) return nullptr;
+  if (h < Hk) {
+    return rotary ? static_cast<OutT*>(p.kr_cache) + page * p.krc_sp + entry * p.krc_se +
+                        (h - p.Hq) * p.krc_sh
+                  : static_cast<OutT*>(p.kn_cache) + page * p.knc_sp + entry * p.knc_se +
+                        (h - p.Hq) * p.knc_sh;
+  }
+  return static_cast<OutT*>(p.v_cache) + page * p.vc_sp + entry * p.vc_se + (h - Hk) * p.vc_sh +
+         (vcol - col);
+}
+
+// Where the computed scale of head row h goes (a stored row: K / V rows have page >= 0): Q rows
+// with q_scale_out, K and V rows with per-token-head scales; null otherwise.
+__device__ __forceinline__ float* scale_dest(const PagedParams& p, int t, int h, i64 page,
+                                             i64 entry) {
+  const int Hk = p.Hq + p.Hkv;
+  if (h < p.Hq) return p.q_scale_out ? p.q_scale_out + t * p.qso_sn + h * p.qso_sh : nullptr;
+  if (!p.k_scales) return nullptr;
+  return h < Hk ? p.k_scales + page * p.ks_sp + entry * p.ks_se + (h - p.Hq) * p.ks_sh
+                : p.v_scales + page * p.vs_sp + entry * p.vs_se + (h - Hk) * p.vs_sh;
+}
+
+// Computed scales: amax[u] = the largest |x| of row u of this thread's lane group (0 when the
+// call computes no scale). The G lanes of a row need not share a warp (G need not be a power of
+// two: MLA's 576-dim Q rows take 68 lanes), so they meet in shared memory: non-negative floats
+// order as their bits do, and fmaxf has dropped NaN, as row_scale expects. Every thread of the
+// block calls it (barriers).
+template <typename OutT, int N, int ROWS>
+__device__ __forceinline__ void row_maxima(const PagedParams& p, const float (&a)[ROWS][N],
+                                           const float (&bb)[ROWS][N], bool pair, int slots,
+                                           int U, int H, int first, float (&amax)[ROWS]) {
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) amax[u] = 0.f;
+  if (!is_quantized<OutT>::value || !(p.q_scale_out || p.k_scales)) return;  // uniform
+  __shared__ float row_max[2048];  // slots * ROWS <= 512 * 4
+  const int group = threadIdx.x / p.group;
+  for (int i = threadIdx.x; i < slots * ROWS; i += blockDim.x) row_max[i] = 0.f;
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    if (u >= U || first + u * slots >= H || group >= slots) continue;
+    float m = 0.f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      m = fmaxf(m, fabsf(a[u][k]));
+      if (pair) m = fmaxf(m, fabsf(bb[u][k]));
+    }
+    atomicMax(reinterpret_cast<int*>(row_max) + group * ROWS + u, __float_as_int(m));
+  }
+  __syncthreads();
+  if (group >= slots) return;
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) amax[u] = row_max[group * ROWS + u];
+}
+
 // ---- The row kernel (heads whose chunks fit a lane group: GQA / MHA) ---------------------------
 // A token's head rows are Q (Hq), K (Hkv) and V (Hv): H = Hq + Hkv + Hv rows. A row is cut into
 // G = ri + ni chunks: chunk j < ri holds RoPE pairs (neox: dims [jN, jN + N) and their partners
@@ -330,7 +435,15 @@ __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const Pa
 // rows stored before the slot lookup end no sooner: the K/V rows' chain is the kernel's length.)
 // Q rows are always written (unrotated when pos_id lies outside [0, P)); K and V rows only when
 // pos_id lies in [0, P) and the token has a slot.
-template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE>
+// OPTS (the option variant; the plain kernel has all of this compiled out):
+// - status=: every block checks kv_indptr (paged_indptr_status) while its rows load; with a
+//   nonzero code no block stores anything, and block (0, 0) writes the code.
+// - computed scales (q_scale_out: Q rows; k_scales / v_scales: K and V rows): the largest |x| of
+//   each row after RoPE over its G lanes, reduced in shared memory (G need not be a power of two
+//   nor fit a warp: MLA's 576-dim Q rows take 68 lanes), the row stored as x * (max_code / a) and
+//   a / max_code written by the row's lane 0 (row_scale, docs/conventions.md "Computed scales").
+//   Rows without a computed scale keep the static one.
+template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE, bool OPTS>
 __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams p) {
   pdl_launch_dependents();
   const int t = blockIdx.x;
@@ -349,6 +462,13 @@ __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams 
   const int H = Hk + p.Hv;
 
   pdl_wait();
+  if constexpr (OPTS) {
+    if (t >= p.T) {  // status= with no tokens: the one block only validates
+      const int code = p.status ? paged_indptr_status(p) : 0;
+      if (p.status && blockIdx.y == 0 && threadIdx.x == 0) *p.status = code;
+      return;
+    }
+  }
   i64 mpos[3];
   const i64 pos_id = rope_position<MROPE>(p, t, mpos);
   const i64 b = read_index(p.batch_indices, t, p.index64 & 2);
@@ -364,17 +484,26 @@ __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams 
     if (h < p.Hq) {
       row = rotary ? static_cast<const T*>(p.q_rope) + t * p.qr_sn + h * p.qr_sh
                    : static_cast<const T*>(p.q_nope) + t * p.qn_sn + h * p.qn_sh;
-      if (is_fp8<OutT>::value) sc[u] = p.q_scales ? __ldg(p.q_scales + h) : p.q_scale;
+      if (is_quantized<OutT>::value) sc[u] = p.q_scales ? __ldg(p.q_scales + h) : p.q_scale;
     } else if (h < Hk) {
       row = rotary ? static_cast<const T*>(p.k_rope) + t * p.kr_sn + (h - p.Hq) * p.kr_sh
                    : static_cast<const T*>(p.k_nope) + t * p.kn_sn + (h - p.Hq) * p.kn_sh;
-      if (is_fp8<OutT>::value) sc[u] = p.kv_scales ? __ldg(p.kv_scales + h - p.Hq) : p.kv_scale;
+      if (is_quantized<OutT>::value)
+        sc[u] = p.kv_scales ? __ldg(p.kv_scales + h - p.Hq) : p.kv_scale;
     } else {
       row = static_cast<const T*>(p.v) + t * p.v_sn + (h - Hk) * p.v_sh + (vcol - col);
-      if (is_fp8<OutT>::value) sc[u] = p.kv_scales ? __ldg(p.kv_scales + h - Hk) : p.kv_scale;
+      if (is_quantized<OutT>::value)
+        sc[u] = p.kv_scales ? __ldg(p.kv_scales + h - Hk) : p.kv_scale;
     }
     va[u] = load<T, N>(row + col);
     if (pair) vb[u] = load<T, N>(row + col + half_r);
+  }
+  if constexpr (OPTS) {
+    if (p.status) {  // every block reaches the same code: a malformed table writes nothing
+      const int code = paged_indptr_status(p);
+      if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *p.status = code;
+      if (code) return;
+    }
   }
 
   const bool rope = pos_id >= 0 && pos_id < p.P;
@@ -396,41 +525,72 @@ __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams 
   i64 page = -1, entry = 0;
   if (rope && first + (U - 1) * slots >= p.Hq) find_slot(p, b, pos, page, entry);
 
+  if constexpr (!OPTS) {  // the plain kernel, as before the options existed
 #pragma unroll
-  for (int u = 0; u < ROWS; ++u) {
-    const int h = first + u * slots;
-    const bool live = u < U && h < H;
-    const bool is_q = h < p.Hq;
-    const bool is_v = h >= Hk;
-    float a[N], bb[N];
-    to_floats<T, N>(va[u], a);
-    if (pair) to_floats<T, N>(vb[u], bb);
-    if (rotary) {
-      float cu[M], su[M];
+    for (int u = 0; u < ROWS; ++u) {
+      const int h = first + u * slots;
+      const bool live = u < U && h < H;
+      const bool is_q = h < p.Hq;
+      const bool is_v = h >= Hk;
+      float a[N], bb[N];
+      to_floats<T, N>(va[u], a);
+      if (pair) to_floats<T, N>(vb[u], bb);
+      if (rotary) {
+        float cu[M], su[M];
 #pragma unroll
-      for (int i = 0; i < M; ++i) {
-        cu[i] = is_v ? 1.f : c[i];
-        su[i] = is_v ? 0.f : sn[i];
+        for (int i = 0; i < M; ++i) {
+          cu[i] = is_v ? 1.f : c[i];
+          su[i] = is_v ? 0.f : sn[i];
+        }
+        rotate_chunk<NEOX, N, M>(a, bb, cu, su);
       }
-      rotate_chunk<NEOX, N, M>(a, bb, cu, su);
+      if (!live) continue;
+      OutT* d;
+      if (is_q) {
+        d = rotary ? static_cast<OutT*>(p.q_rope_out) + t * p.qro_sn + h * p.qro_sh
+                   : static_cast<OutT*>(p.q_nope_out) + t * p.qno_sn + h * p.qno_sh;
+      } else if (page < 0) {
+        continue;
+      } else if (!is_v) {
+        d = rotary ? static_cast<OutT*>(p.kr_cache) + page * p.krc_sp + entry * p.krc_se +
+                         (h - p.Hq) * p.krc_sh
+                   : static_cast<OutT*>(p.kn_cache) + page * p.knc_sp + entry * p.knc_se +
+                         (h - p.Hq) * p.knc_sh;
+      } else {
+        d = static_cast<OutT*>(p.v_cache) + page * p.vc_sp + entry * p.vc_se +
+            (h - Hk) * p.vc_sh + (vcol - col);
+      }
+      store_float<OutT, N>(d + col, a, sc[u]);
+      if (pair) store_float<OutT, N>(d + col + half_r, bb, sc[u]);
     }
-    if (!live) continue;
-    OutT* d;
-    if (is_q) {
-      d = rotary ? static_cast<OutT*>(p.q_rope_out) + t * p.qro_sn + h * p.qro_sh
-                 : static_cast<OutT*>(p.q_nope_out) + t * p.qno_sn + h * p.qno_sh;
-    } else if (page < 0) {
-      continue;
-    } else if (!is_v) {
-      d = rotary ? static_cast<OutT*>(p.kr_cache) + page * p.krc_sp + entry * p.krc_se +
-                       (h - p.Hq) * p.krc_sh
-                 : static_cast<OutT*>(p.kn_cache) + page * p.knc_sp + entry * p.knc_se +
-                       (h - p.Hq) * p.knc_sh;
-    } else {
-      d = static_cast<OutT*>(p.v_cache) + page * p.vc_sp + entry * p.vc_se + (h - Hk) * p.vc_sh +
-          (vcol - col);
+  } else {
+    // every row roped first: computed scales need each row's largest |x| before any store
+    float a[ROWS][N], bb[ROWS][N];
+#pragma unroll
+    for (int u = 0; u < ROWS; ++u) {
+      to_floats<T, N>(va[u], a[u]);
+      if (pair) to_floats<T, N>(vb[u], bb[u]);
+      if (rotary) rotate_row_chunk<NEOX, N, M>(a[u], bb[u], c, sn, first + u * slots >= Hk);
     }
-    store_float<OutT, N>(d + col, a, sc[u]);
-    if (pair) store_float<OutT, N>(d + col + half_r, bb, sc[u]);
+    float amax[ROWS];
+    row_maxima<OutT, N, ROWS>(p, a, bb, pair, slots, U, H, first, amax);
+#pragma unroll
+    for (int u = 0; u < ROWS; ++u) {
+      const int h = first + u * slots;
+      if (u >= U || h >= H) continue;
+      OutT* d = row_dest<OutT>(p, t, h, page, entry, rotary, col, vcol);
+      if (!d) continue;
+      float mul = sc[u];
+      if constexpr (is_quantized<OutT>::value) {
+        float* dst = scale_dest(p, t, h, page, entry);  // null: the row keeps its static scale
+        if (dst) {
+          const RowScale rs = row_scale<OutT>(amax[u]);
+          mul = rs.mul;
+          if (j == 0) *dst = rs.scale;
+        }
+      }
+      store_float<OutT, N>(d + col, a[u], mul);
+      if (pair) store_float<OutT, N>(d + col + half_r, bb[u], mul);
+    }
   }
 }
