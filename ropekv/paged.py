@@ -126,8 +126,8 @@ def expression(dtype, out_dtype, is_neox, n, shape, mrope=False, opts=False):
     has mRoPE compiled out); ``opts``: the row kernel that reads the options (computed scales,
     status), compiled out of the plain one."""
     if shape[0] == "rows":
-        return name_expression(ROW_KERNEL, c_type(dtype), _c_type(out_dtype), c_bool(is_neox), n,
-                               shape[1], c_bool(mrope), c_bool(opts))
+        return name_expression(ROW_KERNEL + ("_opts" if opts else ""), c_type(dtype),
+                               _c_type(out_dtype), c_bool(is_neox), n, shape[1], c_bool(mrope))
     return name_expression(KERNEL, c_type(dtype), c_type(out_dtype), c_bool(is_neox), n, *shape,
                            c_bool(mrope))
 

@@ -334,10 +334,10 @@ __device__ __forceinline__ int paged_indptr_status(const PagedParams& p) {
   bool decreasing = false;
   for (int i = threadIdx.x; i < p.B; i += blockDim.x)
     decreasing |= read_index(p.kv_indptr, i + 1, is64) < read_index(p.kv_indptr, i, is64);
-  const bool first = __syncthreads_or(threadIdx.x == 0 && read_index(p.kv_indptr, 0, is64) != 0);
+  // every thread reads the two ends itself (one address each: broadcast loads), so one barrier
+  const bool first = read_index(p.kv_indptr, 0, is64) != 0;
+  const bool last = read_index(p.kv_indptr, p.B, is64) > p.num_indices;
   const bool dec = __syncthreads_or(decreasing);
-  const bool last =
-      __syncthreads_or(threadIdx.x == 0 && read_index(p.kv_indptr, p.B, is64) > p.num_indices);
   return first ? 4 : dec ? 5 : last ? 6 : 0;
 }
 
@@ -388,35 +388,57 @@ __device__ __forceinline__ float* scale_dest(const PagedParams& p, int t, int h,
                 : p.v_scales + page * p.vs_sp + entry * p.vs_se + (h - Hk) * p.vs_sh;
 }
 
-// Computed scales: amax[u] = the largest |x| of row u of this thread's lane group (0 when the
-// call computes no scale). The G lanes of a row need not share a warp (G need not be a power of
-// two: MLA's 576-dim Q rows take 68 lanes), so they meet in shared memory: non-negative floats
-// order as their bits do, and fmaxf has dropped NaN, as row_scale expects. Every thread of the
-// block calls it (barriers).
-template <typename OutT, int N, int ROWS>
-__device__ __forceinline__ void row_maxima(const PagedParams& p, const float (&a)[ROWS][N],
-                                           const float (&bb)[ROWS][N], bool pair, int slots,
-                                           int U, int H, int first, float (&amax)[ROWS]) {
+// Computed scales: amax[u] = the largest |x| of row u of this thread's lane group after RoPE (0
+// when the call computes no scale). The rows are roped here once more than they are stored (the
+// stores rope them again): holding every roped row in floats until its scale is known costs more
+// registers than the arithmetic. A lane group of G lanes, G a power of two up to 32, sits inside
+// one warp (the block is a whole number of groups): xor shuffles over the group. Other widths
+// (lane groups that straddle warps: 12 lanes for D 128 with R 64, MLA's 68) meet in shared memory,
+// where non-negative floats order as their bits do. fmaxf drops NaN, as row_scale expects. Every
+// thread of the block calls it (shuffles, barriers).
+template <typename T, typename OutT, bool NEOX, int N, int M, int ROWS>
+__device__ __forceinline__ void row_maxima(const PagedParams& p, const Vec<T, N> (&va)[ROWS],
+                                           const Vec<T, N> (&vb)[ROWS], const float (&c)[M],
+                                           const float (&sn)[M], bool pair, bool rotary,
+                                           int first, int slots, int U, int H, int Hk,
+                                           float (&amax)[ROWS]) {
 #pragma unroll
   for (int u = 0; u < ROWS; ++u) amax[u] = 0.f;
   if (!is_quantized<OutT>::value || !(p.q_scale_out || p.k_scales)) return;  // uniform
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    const int h = first + u * slots;
+    if (u >= U || h >= H) continue;
+    float a[N], bb[N];
+    to_floats<T, N>(va[u], a);
+    if (pair) to_floats<T, N>(vb[u], bb);
+    if (rotary) rotate_row_chunk<NEOX, N, M>(a, bb, c, sn, h >= Hk);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      amax[u] = fmaxf(amax[u], fabsf(a[k]));
+      if (pair) amax[u] = fmaxf(amax[u], fabsf(bb[k]));
+    }
+  }
+  const int G = p.group;
+  if (G <= 32 && (G & (G - 1)) == 0) {
+    const int base = threadIdx.x & ~31;  // lanes of this warp inside the block
+    const int lanes = blockDim.x - base < 32 ? blockDim.x - base : 32;
+    const unsigned mask = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
+#pragma unroll
+    for (int u = 0; u < ROWS; ++u)
+      for (int o = G >> 1; o > 0; o >>= 1)
+        amax[u] = fmaxf(amax[u], __shfl_xor_sync(mask, amax[u], o));
+    return;
+  }
   __shared__ float row_max[2048];  // slots * ROWS <= 512 * 4
-  const int group = threadIdx.x / p.group;
+  const int group = threadIdx.x / G;
   for (int i = threadIdx.x; i < slots * ROWS; i += blockDim.x) row_max[i] = 0.f;
   __syncthreads();
 #pragma unroll
-  for (int u = 0; u < ROWS; ++u) {
-    if (u >= U || first + u * slots >= H || group >= slots) continue;
-    float m = 0.f;
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      m = fmaxf(m, fabsf(a[u][k]));
-      if (pair) m = fmaxf(m, fabsf(bb[u][k]));
-    }
-    atomicMax(reinterpret_cast<int*>(row_max) + group * ROWS + u, __float_as_int(m));
-  }
+  for (int u = 0; u < ROWS; ++u)
+    if (u < U && first + u * slots < H)
+      atomicMax(reinterpret_cast<int*>(row_max) + group * ROWS + u, __float_as_int(amax[u]));
   __syncthreads();
-  if (group >= slots) return;
 #pragma unroll
   for (int u = 0; u < ROWS; ++u) amax[u] = row_max[group * ROWS + u];
 }
@@ -436,15 +458,15 @@ __device__ __forceinline__ void row_maxima(const PagedParams& p, const float (&a
 // Q rows are always written (unrotated when pos_id lies outside [0, P)); K and V rows only when
 // pos_id lies in [0, P) and the token has a slot.
 // OPTS (the option variant; the plain kernel has all of this compiled out):
-// - status=: every block checks kv_indptr (paged_indptr_status) while its rows load; with a
-//   nonzero code no block stores anything, and block (0, 0) writes the code.
+// - status=: every block checks kv_indptr (paged_indptr_status) after its loads are issued
+//   (the cos/sin and page-table loads too); with a nonzero code no block stores anything, and
+//   block (0, 0) writes the code.
 // - computed scales (q_scale_out: Q rows; k_scales / v_scales: K and V rows): the largest |x| of
-//   each row after RoPE over its G lanes, reduced in shared memory (G need not be a power of two
-//   nor fit a warp: MLA's 576-dim Q rows take 68 lanes), the row stored as x * (max_code / a) and
+//   each row after RoPE over its G lanes (row_maxima), the row stored as x * (max_code / a) and
 //   a / max_code written by the row's lane 0 (row_scale, docs/conventions.md "Computed scales").
 //   Rows without a computed scale keep the static one.
 template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE, bool OPTS>
-__global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams p) {
+__device__ __forceinline__ void paged_rows(const PagedParams p) {
   pdl_launch_dependents();
   const int t = blockIdx.x;
   const int G = p.group;
@@ -498,14 +520,6 @@ __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams 
     va[u] = load<T, N>(row + col);
     if (pair) vb[u] = load<T, N>(row + col + half_r);
   }
-  if constexpr (OPTS) {
-    if (p.status) {  // every block reaches the same code: a malformed table writes nothing
-      const int code = paged_indptr_status(p);
-      if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *p.status = code;
-      if (code) return;
-    }
-  }
-
   const bool rope = pos_id >= 0 && pos_id < p.P;
   constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
   float c[M], sn[M];
@@ -564,20 +578,23 @@ __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams 
       if (pair) store_float<OutT, N>(d + col + half_r, bb, sc[u]);
     }
   } else {
-    // every row roped first: computed scales need each row's largest |x| before any store
-    float a[ROWS][N], bb[ROWS][N];
-#pragma unroll
-    for (int u = 0; u < ROWS; ++u) {
-      to_floats<T, N>(va[u], a[u]);
-      if (pair) to_floats<T, N>(vb[u], bb[u]);
-      if (rotary) rotate_row_chunk<NEOX, N, M>(a[u], bb[u], c, sn, first + u * slots >= Hk);
-    }
+    // the plain loop, with each row's computed scale where it has one
     float amax[ROWS];
-    row_maxima<OutT, N, ROWS>(p, a, bb, pair, slots, U, H, first, amax);
+    row_maxima<T, OutT, NEOX, N, M, ROWS>(p, va, vb, c, sn, pair, rotary, first, slots, U, H, Hk,
+                                          amax);
+    if (p.status) {  // every block reaches the same code: a malformed table writes nothing
+      const int code = paged_indptr_status(p);
+      if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *p.status = code;
+      if (code) return;
+    }
 #pragma unroll
     for (int u = 0; u < ROWS; ++u) {
       const int h = first + u * slots;
       if (u >= U || h >= H) continue;
+      float a[N], bb[N];
+      to_floats<T, N>(va[u], a);
+      if (pair) to_floats<T, N>(vb[u], bb);
+      if (rotary) rotate_row_chunk<NEOX, N, M>(a, bb, c, sn, h >= Hk);
       OutT* d = row_dest<OutT>(p, t, h, page, entry, rotary, col, vcol);
       if (!d) continue;
       float mul = sc[u];
@@ -589,8 +606,29 @@ __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams 
           if (j == 0) *dst = rs.scale;
         }
       }
-      store_float<OutT, N>(d + col, a[u], mul);
-      if (pair) store_float<OutT, N>(d + col + half_r, bb[u], mul);
+      store_float<OutT, N>(d + col, a, mul);
+      if (pair) store_float<OutT, N>(d + col + half_r, bb, mul);
     }
   }
+}
+
+// The plain row kernel (every option of the op off) and the option kernel. The option kernel's
+// register cap keeps it at the plain kernel's occupancy (96 registers: 7 blocks of 96 threads an
+// SM in prefill; uncapped, computed scales take 110 and cost an eighth of the blocks). mRoPE's
+// three cos/sin rows need more (the plain mRoPE kernel takes 118; 96 would spill).
+#if defined(__CUDACC_VER_MAJOR__) && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
+#define ROPEKV_OPTS_BOUNDS __maxnreg__(MROPE ? 128 : 96)
+#else
+#define ROPEKV_OPTS_BOUNDS __launch_bounds__(512)
+#endif
+
+template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE>
+__global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams p) {
+  paged_rows<T, OutT, NEOX, N, ROWS, MROPE, false>(p);
+}
+
+template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE>
+__global__ void ROPEKV_OPTS_BOUNDS rope_append_paged_rows_opts(const PagedParams p) {
+  paged_rows<T, OutT, NEOX, N, ROWS, MROPE, true>(p);
 }

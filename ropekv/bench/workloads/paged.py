@@ -94,23 +94,37 @@ class PagedWL(Workload):
                        "q_scale_out": ("q_scale_out", (tok,)),
                        "k_scales_rows": ("k_scales", rows), "v_scales_rows": ("v_scales", rows)}
 
-    def call(self, o):
+    def call(self, o, **options):
         a = self.a
         name = OP_FUNCTIONS["paged"][0 if self.quantized else 1]
-        options = {}
+        kw = {"quant_scale_q": self.scales[0], "quant_scale_kv": self.scales[1]}
         if self.q_dyn:
-            options["q_scale_out"] = o["q_scale_out"]
+            kw.update(q_scale_out=o["q_scale_out"], quant_scale_q=None)
         if self.kv_dyn:
-            options["kv_cache_scales"] = (o["k_scales"], o["v_scales"])
+            kw.update(kv_cache_scales=(o["k_scales"], o["v_scales"]), quant_scale_kv=None)
+        kw.update(options)
         return _fn(name)(
             a["q_rope"], a["k_rope"], a["q_nope"], a["k_nope"], a["v"], a["table"], a["pos_ids"],
             (o["cache0"], o["cache1"]), a["kv_indices"], a["kv_indptr"], a["batch_indices"],
             a["positions"], is_neox=self.is_neox,
             quantize_dtype=self.cache_dtype if self.quantized else None,
-            quant_scale_q=None if self.q_dyn else self.scales[0],
-            quant_scale_kv=None if self.kv_dyn else self.scales[1], page_size=self.page_size,
-            kv_layout=self.layout, q_rope_out=o["q_rope_out"], q_nope_out=o.get("q_nope_out"),
-            **options)
+            page_size=self.page_size, kv_layout=self.layout, q_rope_out=o["q_rope_out"],
+            q_nope_out=o.get("q_nope_out"), **kw)
+
+    def options(self):
+        """``ropekv bench --options``: status= (leaves the outputs as the plain call writes
+        them), and on fp8 GQA caches the computed scales (they change the outputs: timed only)."""
+        out = {"status": ({"status": self.g.zeros((1,), np.int32)}, True)}
+        if self.fp8 and not (self.mla or self.q_dyn or self.kv_dyn):
+            T, Hq = self.a["q_rope"].shape[:2]
+            q_scales = {"q_scale_out": self.g.zeros((T, Hq), np.float32), "quant_scale_q": None}
+            shape = self.a["cache0"].shape[:-1]
+            kv_scales = {"kv_cache_scales": (self.g.zeros(shape, np.float32),
+                                             self.g.zeros(shape, np.float32)),
+                         "quant_scale_kv": None}
+            out["dynamic q"] = (q_scales, False)
+            out["kv scales"] = (kv_scales, False)
+        return out
 
     def torch_fn(self, t, o):
         if self.q_dyn or self.kv_dyn:
