@@ -88,21 +88,26 @@ def launch_shape(items, T, n):
     return block, splits, TUNING["heavy" if heavy else "light"]
 
 
+_POINTERS = ("q_rope", "q_nope", "k_rope", "k_nope", "v", "q_rope_out", "q_nope_out", "kr_cache",
+             "kn_cache", "v_cache", "cos_sin", "pos_ids", "batch_indices", "positions",
+             "kv_indptr", "kv_indices", "q_scales", "kv_scales")
+_STRIDES = ("qr_sn", "qr_sh", "qn_sn", "qn_sh", "kr_sn", "kr_sh", "kn_sn", "kn_sh", "v_sn", "v_sh",
+            "qro_sn", "qro_sh", "qno_sn", "qno_sh", "krc_sp", "krc_se", "krc_sh", "knc_sp",
+            "knc_se", "knc_sh", "vc_sp", "vc_se", "vc_sh", "cs_sp", "num_pages", "num_indices",
+            "pid_st")
+_INTS = ("Hq", "Hkv", "Hv", "R", "Dn", "B", "page_size", "P", "index64", "group", "rows", "mrope",
+         "mrope_t", "mrope_h", "mrope_w", "mrope_interleaved")
 PARAMS = ParamStruct("PagedParams", [
-    *((n, np.uint64) for n in (
-        "q_rope", "q_nope", "k_rope", "k_nope", "v", "q_rope_out", "q_nope_out", "kr_cache",
-        "kn_cache", "v_cache", "cos_sin", "pos_ids", "batch_indices", "positions", "kv_indptr",
-        "kv_indices", "q_scales", "kv_scales", "q_scale_out", "k_scales", "v_scales",
-        "status")),
-    *((n, np.int64) for n in (
-        "qr_sn", "qr_sh", "qn_sn", "qn_sh", "kr_sn", "kr_sh", "kn_sn", "kn_sh", "v_sn", "v_sh",
-        "qro_sn", "qro_sh", "qno_sn", "qno_sh", "krc_sp", "krc_se", "krc_sh", "knc_sp", "knc_se",
-        "knc_sh", "vc_sp", "vc_se", "vc_sh", "cs_sp", "num_pages", "num_indices", "pid_st",
-        "qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se", "vs_sh")),
-    ("q_scale", np.float32), ("kv_scale", np.float32),
-    *((n, np.int32) for n in ("Hq", "Hkv", "Hv", "R", "Dn", "B", "page_size", "P", "index64",
-                              "group", "rows", "mrope", "mrope_t", "mrope_h", "mrope_w",
-                              "mrope_interleaved", "T")),
+    *((n, np.uint64) for n in _POINTERS), *((n, np.int64) for n in _STRIDES),
+    ("q_scale", np.float32), ("kv_scale", np.float32), *((n, np.int32) for n in _INTS),
+])
+# The option kernel's record: the plain one's fields with the options' pointers and strides (a
+# struct of its own, so the plain kernel's record stays as it was before the options).
+OPTS_PARAMS = ParamStruct("PagedOptsParams", [
+    *((n, np.uint64) for n in (*_POINTERS, "q_scale_out", "k_scales", "v_scales", "status")),
+    *((n, np.int64) for n in (*_STRIDES, "qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp",
+                              "vs_se", "vs_sh")),
+    ("q_scale", np.float32), ("kv_scale", np.float32), *((n, np.int32) for n in (*_INTS, "T")),
 ])
 
 _DTYPE_NAMES = {
@@ -759,7 +764,7 @@ def _prepare(views, flags):
     kn_in = (vkn.strides[0], 0 if mla else vkn.strides[1]) if vkn is not None else zero2
     qro_st = vqro.strides[:2] if vqro is not None else (Hq * R, R)
     qno_st = vqno.strides[:2] if vqno is not None else (Hq * Dn, Dn)
-    values = dict(zip(PARAMS.names, PARAMS.values(
+    values = dict(
         q_rope=0, q_nope=0, k_rope=0, k_nope=0, v=0, q_rope_out=0, q_nope_out=0, kr_cache=0,
         kn_cache=0, v_cache=0, cos_sin=0, pos_ids=0, batch_indices=0, positions=0, kv_indptr=0,
         kv_indices=0, q_scales=0, kv_scales=0,
@@ -775,7 +780,7 @@ def _prepare(views, flags):
         index64=index64, group=group, rows=rows, pid_st=T, mrope=int(bool(sections)),
         mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
         mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved),
-        q_scale_out=0, k_scales=0, v_scales=0, status=0, T=T, **scale_st)))
+        q_scale_out=0, k_scales=0, v_scales=0, status=0, T=T, **scale_st)
     slots = {"q_rope": (0, 0), "k_rope": (1, 0), "q_nope": (2, 0), "k_nope": (3, 0),
              "v": (4, 0), "cos_sin": (5, 0), "pos_ids": (6, 0), "kr_cache": kr[0],
              "kn_cache": kn[0], "v_cache": vd[0], "kv_indices": (9, 0), "kv_indptr": (10, 0),
@@ -784,7 +789,8 @@ def _prepare(views, flags):
              "q_scale_out": (17, 0), "k_scales": (18, 0), "v_scales": (19, 0), "status": (20, 0)}
     launch = Launch(STEM, expression(vqr.dtype, out_dtype, is_neox, n, shape, bool(sections),
                                      opts),
-                    device, (max(T, 1), splits), (block,), PARAMS, values, slots, pdl=pdl)
+                    device, (max(T, 1), splits), (block,), OPTS_PARAMS if opts else PARAMS, values,
+                    slots, pdl=pdl)
     return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace,
                 result=result)
 

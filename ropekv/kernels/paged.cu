@@ -33,11 +33,6 @@ struct PagedParams {
   const void* kv_indices;     // (I,) page-table entries: page ids
   const float* q_scales;      // (Hq,) per-head quantization scales, or null (q_scale for all)
   const float* kv_scales;     // (Hkv,) likewise for K and V
-  // options (the OPTS row kernel only; null when not given)
-  float* q_scale_out;         // (T, Hq) float32: computed dequantization scale of each Q row
-  float* k_scales;            // per-token-head K scales, (page, entry, head) strides ks_*
-  float* v_scales;            // likewise for V (strides vs_*)
-  int* status;                // (1,) int32: kv_indptr's code (0 valid, 4-6), or null
   i64 qr_sn, qr_sh, qn_sn, qn_sh;      // input strides in elements (token, head)
   i64 kr_sn, kr_sh, kn_sn, kn_sh, v_sn, v_sh;
   i64 qro_sn, qro_sh, qno_sn, qno_sh;  // q output strides
@@ -47,8 +42,6 @@ struct PagedParams {
   i64 cs_sp;                           // cos_sin row stride
   i64 num_pages, num_indices;
   i64 pid_st;                          // pos_ids row stride (T) for mRoPE
-  i64 qso_sn, qso_sh;                  // q_scale_out strides (token, head)
-  i64 ks_sp, ks_se, ks_sh, vs_sp, vs_se, vs_sh;  // scale array strides (page, entry, head)
   float q_scale, kv_scale;
   int Hq, Hkv, Hv, R, Dn, B, page_size, P;
   int index64;  // bit k set: index array k is int64 (pos_ids, batch_indices, positions,
@@ -57,22 +50,70 @@ struct PagedParams {
   int rows;     // row kernel: head rows each lane group holds, 1 ..= ROWS
   int mrope;    // pos_ids is (3, T): mRoPE by sections (MRope in common.cuh)
   int mrope_t, mrope_h, mrope_w, mrope_interleaved;
-  int T;       // tokens (OPTS: a batch of none launches one block that only validates)
+};
+
+// The option kernel's parameters: PagedParams's fields (same names and meanings) with the
+// options' pointers and strides added. A struct of its own keeps the plain kernel's parameter
+// record (and the constant-bank lines its first instructions read) exactly as before the options.
+// Field order and types mirror OPTS_PARAMS in ropekv/paged.py.
+struct PagedOptsParams {
+  const void* q_rope;
+  const void* q_nope;
+  const void* k_rope;
+  const void* k_nope;
+  const void* v;
+  void* q_rope_out;
+  void* q_nope_out;
+  void* kr_cache;
+  void* kn_cache;
+  void* v_cache;
+  const float* cos_sin;
+  const void* pos_ids;
+  const void* batch_indices;
+  const void* positions;
+  const void* kv_indptr;
+  const void* kv_indices;
+  const float* q_scales;
+  const float* kv_scales;
+  float* q_scale_out;  // (T, Hq) float32: computed dequantization scale of each Q row, or null
+  float* k_scales;     // per-token-head K scales, (page, entry, head) strides ks_*, or null
+  float* v_scales;     // likewise for V (strides vs_*)
+  int* status;         // (1,) int32: kv_indptr's code (0 valid, 4-6), or null
+  i64 qr_sn, qr_sh, qn_sn, qn_sh;
+  i64 kr_sn, kr_sh, kn_sn, kn_sh, v_sn, v_sh;
+  i64 qro_sn, qro_sh, qno_sn, qno_sh;
+  i64 krc_sp, krc_se, krc_sh;
+  i64 knc_sp, knc_se, knc_sh;
+  i64 vc_sp, vc_se, vc_sh;
+  i64 cs_sp;
+  i64 num_pages, num_indices;
+  i64 pid_st;
+  i64 qso_sn, qso_sh;                            // q_scale_out strides (token, head)
+  i64 ks_sp, ks_se, ks_sh, vs_sp, vs_se, vs_sh;  // scale array strides (page, entry, head)
+  float q_scale, kv_scale;
+  int Hq, Hkv, Hv, R, Dn, B, page_size, P;
+  int index64;
+  int group;
+  int rows;
+  int mrope;
+  int mrope_t, mrope_h, mrope_w, mrope_interleaved;
+  int T;  // tokens (a batch of none with status= launches one block that only validates)
 };
 
 __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
   return is64 ? static_cast<const i64*>(p)[i] : i64(static_cast<const int*>(p)[i]);
 }
 
-__device__ __forceinline__ MRope mrope_of(const PagedParams& p) {
+template <class P>
+__device__ __forceinline__ MRope mrope_of(const P& p) {
   return MRope{p.mrope_t, p.mrope_h, p.mrope_w, p.mrope_interleaved};
 }
 
 // The RoPE position of token t (pos_ids[t]); with mRoPE (pos_ids (3, T)) its three positions in
 // mpos and 0 when all lie in [0, P), else -1 (the token has no position: q unrotated, no row).
 // MROPE: the kernel reads p.mrope; without it mRoPE is compiled out (it costs nothing when off).
-template <bool MROPE>
-__device__ __forceinline__ i64 rope_position(const PagedParams& p, i64 t, i64 (&mpos)[3]) {
+template <bool MROPE, class P>
+__device__ __forceinline__ i64 rope_position(const P& p, i64 t, i64 (&mpos)[3]) {
   if (!MROPE || !p.mrope) return read_index(p.pos_ids, t, p.index64 & 1);
   mrope_positions(p.pos_ids, p.index64 & 1, t, p.pid_st, mpos);
   return mrope_in_range(mpos, p.P) ? 0 : -1;
@@ -89,7 +130,8 @@ struct SlotLookup {
   i64 first, last, idx, pos;
 };
 
-__device__ __forceinline__ SlotLookup slot_begin(const PagedParams& p, i64 b, i64 pos) {
+template <class P>
+__device__ __forceinline__ SlotLookup slot_begin(const P& p, i64 b, i64 pos) {
   SlotLookup s{false, 0, 0, 0, pos};
   if (p.B <= 0 || p.num_indices <= 0) return s;
   s.ok = b >= 0 && b < p.B && pos >= 0;
@@ -100,8 +142,8 @@ __device__ __forceinline__ SlotLookup slot_begin(const PagedParams& p, i64 b, i6
   return s;
 }
 
-__device__ __forceinline__ void slot_end(const PagedParams& p, const SlotLookup& s, i64& page,
-                                         i64& entry) {
+template <class P>
+__device__ __forceinline__ void slot_end(const P& p, const SlotLookup& s, i64& page, i64& entry) {
   page = -1;
   entry = 0;
   const bool first_ok = s.first >= 0 && s.first <= p.num_indices;
@@ -115,8 +157,8 @@ __device__ __forceinline__ void slot_end(const PagedParams& p, const SlotLookup&
   }
 }
 
-__device__ __forceinline__ void find_slot(const PagedParams& p, i64 b, i64 pos, i64& page,
-                                          i64& entry) {
+template <class P>
+__device__ __forceinline__ void find_slot(const P& p, i64 b, i64 pos, i64& page, i64& entry) {
   slot_end(p, slot_begin(p, b, pos), page, entry);
 }
 
@@ -329,7 +371,7 @@ __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const Pa
 // entry below the one before it, 6 kv_indptr[B] > I (the length of kv_indices), 0 valid (then
 // every entry lies in [0, I]). Entries are compared as signed 64-bit values. Every block reaches
 // the same code, so none waits for another.
-__device__ __forceinline__ int paged_indptr_status(const PagedParams& p) {
+__device__ __forceinline__ int paged_indptr_status(const PagedOptsParams& p) {
   const int is64 = p.index64 & 8;
   bool decreasing = false;
   for (int i = threadIdx.x; i < p.B; i += blockDim.x)
@@ -359,7 +401,7 @@ __device__ __forceinline__ void rotate_row_chunk(float (&a)[N], float (&bb)[N], 
 // `entry`), the element of the row's part at which chunk `col` lands; null when the K / V row has
 // no slot (page < 0).
 template <typename OutT>
-__device__ __forceinline__ OutT* row_dest(const PagedParams& p, int t, int h, i64 page,
+__device__ __forceinline__ OutT* row_dest(const PagedOptsParams& p, int t, int h, i64 page,
                                           i64 entry, bool rotary, int col, int vcol) {
   const int Hk = p.Hq + p.Hkv;
   if (h < p.Hq) {
@@ -379,7 +421,7 @@ __device__ __forceinline__ OutT* row_dest(const PagedParams& p, int t, int h, i6
 
 // Where the computed scale of head row h goes (a stored row: K / V rows have page >= 0): Q rows
 // with q_scale_out, K and V rows with per-token-head scales; null otherwise.
-__device__ __forceinline__ float* scale_dest(const PagedParams& p, int t, int h, i64 page,
+__device__ __forceinline__ float* scale_dest(const PagedOptsParams& p, int t, int h, i64 page,
                                              i64 entry) {
   const int Hk = p.Hq + p.Hkv;
   if (h < p.Hq) return p.q_scale_out ? p.q_scale_out + t * p.qso_sn + h * p.qso_sh : nullptr;
@@ -397,7 +439,7 @@ __device__ __forceinline__ float* scale_dest(const PagedParams& p, int t, int h,
 // where non-negative floats order as their bits do. fmaxf drops NaN, as row_scale expects. Every
 // thread of the block calls it (shuffles, barriers).
 template <typename T, typename OutT, bool NEOX, int N, int M, int ROWS>
-__device__ __forceinline__ void row_maxima(const PagedParams& p, const Vec<T, N> (&va)[ROWS],
+__device__ __forceinline__ void row_maxima(const PagedOptsParams& p, const Vec<T, N> (&va)[ROWS],
                                            const Vec<T, N> (&vb)[ROWS], const float (&c)[M],
                                            const float (&sn)[M], bool pair, bool rotary,
                                            int first, int slots, int U, int H, int Hk,
@@ -465,8 +507,8 @@ __device__ __forceinline__ void row_maxima(const PagedParams& p, const Vec<T, N>
 //   each row after RoPE over its G lanes (row_maxima), the row stored as x * (max_code / a) and
 //   a / max_code written by the row's lane 0 (row_scale, docs/conventions.md "Computed scales").
 //   Rows without a computed scale keep the static one.
-template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE, bool OPTS>
-__device__ __forceinline__ void paged_rows(const PagedParams p) {
+template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE, bool OPTS, class P>
+__device__ __forceinline__ void paged_rows(const P p) {
   pdl_launch_dependents();
   const int t = blockIdx.x;
   const int G = p.group;
@@ -629,6 +671,6 @@ __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams 
 }
 
 template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE>
-__global__ void ROPEKV_OPTS_BOUNDS rope_append_paged_rows_opts(const PagedParams p) {
+__global__ void ROPEKV_OPTS_BOUNDS rope_append_paged_rows_opts(const PagedOptsParams p) {
   paged_rows<T, OutT, NEOX, N, ROWS, MROPE, true>(p);
 }
