@@ -844,6 +844,94 @@ def test_read_only_cache_is_refused():
         call(args)
 
 
+def bad_option(match, exc=ValueError, quantize=True, q_dyn=False, kv_dyn=False, case=None,
+               **changes):
+    """One validation rule of the options: ``changes`` applied after ``with_options``."""
+    args = with_options(case or make_case(20, Dn=8), np.random.default_rng(5), q_dyn, kv_dyn)
+    args.update(changes)
+    with pytest.raises(exc, match=match):
+        call(args, quantize=quantize)
+
+
+def test_q_scale_out_excludes_quant_scale_q():
+    bad_option("quant_scale_q and q_scale_out are exclusive", q_dyn=True, quant_scale_q=1.0)
+    bad_option("quant_scale_q and q_scale_out are exclusive", q_dyn=True,
+               quant_scale_q=np.ones(4, np.float32))
+
+
+def test_q_scale_out_needs_an_fp8_dtype():
+    fp16 = make_case(20, Dn=8, cache_dtype=F16)
+    bad_option("q_scale_out .* needs an fp8 quantize dtype", TypeError, quantize=False,
+               q_dyn=True, case=fp16)
+    int8 = make_case(20, Dn=8)
+    int8["paged_kv_cache"] = tuple(c.view(I8) for c in int8["paged_kv_cache"])
+    bad_option("q_scale_out .* needs an fp8 quantize dtype", TypeError, q_dyn=True, kv_dyn=True,
+               case=int8)
+
+
+def test_q_scale_out_dtype_and_shape():
+    bad_option("q_scale_out must have dtype float32", TypeError, q_dyn=True,
+               q_scale_out=np.zeros((7, 4), np.float16))
+    bad_option(r"q_scale_out must have shape \(nnz, Hq\)", q_dyn=True,
+               q_scale_out=np.zeros((7, 5), np.float32))
+
+
+def test_kv_cache_scales_exclude_quant_scale_kv():
+    bad_option("quant_scale_kv and kv_cache_scales are exclusive", kv_dyn=True,
+               quant_scale_kv=2.0)
+
+
+def test_kv_cache_scales_refused_for_mla():
+    mla = make_case(20, Dn=8, mla=True, Hkv=1)
+    args = dict(mla, quant_scale_kv=None,
+                kv_cache_scales=tuple(np.zeros(c.shape[:-1], np.float32)
+                                      for c in mla["paged_kv_cache"]))
+    with pytest.raises(ValueError, match="no heads to scale"):
+        call(args)
+
+
+def test_kv_cache_scales_need_a_quantized_cache():
+    fp16 = make_case(20, Dn=8, cache_dtype=F16)
+    bad_option("need an fp8 or int8 cache", TypeError, quantize=False, kv_dyn=True, case=fp16)
+
+
+def test_int8_cache_needs_kv_cache_scales():
+    int8 = make_case(20, Dn=8)
+    int8["paged_kv_cache"] = tuple(c.view(I8) for c in int8["paged_kv_cache"])
+    bad_option("int8 caches need kv_cache_scales", TypeError, case=int8)
+    bad_option("int8 caches need kv_cache_scales", TypeError, quantize_dtype="int8")
+
+
+def test_kv_cache_scales_is_a_pair():
+    bad_option("kv_cache_scales must be a pair", kv_dyn=True,
+               kv_cache_scales=np.zeros((10, 4, 2), np.float32))
+    bad_option("kv_cache_scales must be a pair", kv_dyn=True,
+               kv_cache_scales=(np.zeros((10, 4, 2), np.float32), None))
+
+
+def test_kv_cache_scales_shape_follows_layout_and_dtype():
+    args = with_options(make_case(20, Dn=8), np.random.default_rng(6), kv_dyn=True)
+    num_pages = args["paged_kv_cache"][0].shape[0]
+    hnd = (np.zeros((num_pages, 2, 4), np.float32),) * 2
+    bad_option(r"k_scales must have shape \(num_pages, page_size, Hkv\) for NHD", kv_dyn=True,
+               kv_cache_scales=hnd)
+    bad_option("v_scales must have dtype float32", TypeError, kv_dyn=True,
+               kv_cache_scales=(args["kv_cache_scales"][0],
+                                np.zeros((num_pages, 4, 2), np.float16)))
+
+
+def test_status_dtype_and_shape():
+    bad_option("status must have dtype int32", TypeError, status=np.zeros(1, np.int64))
+    bad_option(r"status must have shape \(1,\)", status=np.zeros(2, np.int32))
+
+
+def test_option_arrays_must_not_overlap_the_caches():
+    args = with_options(make_case(20, Dn=8), np.random.default_rng(7), kv_dyn=True)
+    k_scales = args["kv_cache_scales"][0]
+    with pytest.raises(ValueError, match="overlap|share"):
+        call(dict(args, kv_cache_scales=(k_scales, k_scales)))
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the kernel against the reference
 
