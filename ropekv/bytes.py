@@ -33,14 +33,22 @@ def rope_kv_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype
     return tokens * per_token
 
 
+def computed_scale_bytes(tokens, q_heads=0, kv_heads=0):
+    """The float32 scales an op computes and writes (docs/conventions.md, "Computed scales"):
+    one per token and Q head (dynamic fp8 Q, ``q_heads``) and one per written K row and V row
+    (per-token-head KV scales, ``kv_heads``). Add to the op's own count."""
+    return tokens * (q_heads + 2 * kv_heads) * 4
+
+
 def contiguous_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype, cache_dtype,
                      q_out_dtype=None, q_scales=False, kv_scales=False):
     """:func:`ropekv.apply_rope_write_kv`: q is roped in place (read and written in its dtype), or
-    read and written to a ``q_out`` of ``q_out_dtype``; computed scales add a float32 per token
-    and Q head (``q_scales``) and per token and K/V head (``kv_scales``)."""
-    scales = tokens * 4 * (num_q_heads * bool(q_scales) + 2 * num_kv_heads * bool(kv_scales))
-    return rope_kv_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype,
-                         q_out_dtype or dtype, cache_dtype) + scales
+    read and written to a ``q_out`` of ``q_out_dtype``; plus the computed scales
+    (:func:`computed_scale_bytes`) of ``q_scales`` and ``kv_scales``."""
+    return (rope_kv_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype,
+                          q_out_dtype or dtype, cache_dtype)
+            + computed_scale_bytes(tokens, num_q_heads * bool(q_scales),
+                                   num_kv_heads * bool(kv_scales)))
 
 
 def paged_mla_bytes(tokens, num_q_heads, kv_lora_rank, rope_dim, dtype, q_out_dtype, cache_dtype):
@@ -71,10 +79,10 @@ def qknorm_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype,
     the float32 computed scales written: one per q row (``q_scales``, dynamic fp8 q) and one per
     K and V row (``kv_scales``, per-token-head KV scales)."""
     q_out_dtype = dtype if q_out_dtype is None else q_out_dtype
-    scales = tokens * 4 * ((num_q_heads if q_scales else 0) + (2 * num_kv_heads if kv_scales
-                                                               else 0))
     return (rope_kv_bytes(tokens, num_q_heads, num_kv_heads, head_dim, rotary_dim, dtype,
-                          q_out_dtype, cache_dtype) + 2 * head_dim * _size(dtype) + scales)
+                          q_out_dtype, cache_dtype) + 2 * head_dim * _size(dtype)
+            + computed_scale_bytes(tokens, num_q_heads * bool(q_scales),
+                                   num_kv_heads * bool(kv_scales)))
 
 
 def qkv_bytes(tokens, hidden, num_q_heads, num_kv_heads, head_dim, dtype, cache_dtype,

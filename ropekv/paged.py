@@ -25,11 +25,12 @@ from ropekv._arrays import (
 )
 from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
-from ropekv._mrope import check_mrope, check_mrope_indices
+from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._types import ArrayLike, DTypeLike, StreamLike
 from ropekv._vector import aligned, vector_width
 
 STEM = "paged"
+INT8 = reference.INT8  # int8 caches: with per-token-head scales only
 KERNEL = "rope_append_paged_kv_cache"
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 INDEX_DTYPES = (INT32, INT64)
@@ -87,35 +88,51 @@ def launch_shape(items, T, n):
     return block, splits, TUNING["heavy" if heavy else "light"]
 
 
+_POINTERS = ("q_rope", "q_nope", "k_rope", "k_nope", "v", "q_rope_out", "q_nope_out", "kr_cache",
+             "kn_cache", "v_cache", "cos_sin", "pos_ids", "batch_indices", "positions",
+             "kv_indptr", "kv_indices", "q_scales", "kv_scales")
+_STRIDES = ("qr_sn", "qr_sh", "qn_sn", "qn_sh", "kr_sn", "kr_sh", "kn_sn", "kn_sh", "v_sn", "v_sh",
+            "qro_sn", "qro_sh", "qno_sn", "qno_sh", "krc_sp", "krc_se", "krc_sh", "knc_sp",
+            "knc_se", "knc_sh", "vc_sp", "vc_se", "vc_sh", "cs_sp", "num_pages", "num_indices",
+            "pid_st")
+_INTS = ("Hq", "Hkv", "Hv", "R", "Dn", "B", "page_size", "P", "index64", "group", "rows", "mrope",
+         "mrope_t", "mrope_h", "mrope_w", "mrope_interleaved")
 PARAMS = ParamStruct("PagedParams", [
-    *((n, np.uint64) for n in (
-        "q_rope", "q_nope", "k_rope", "k_nope", "v", "q_rope_out", "q_nope_out", "kr_cache",
-        "kn_cache", "v_cache", "cos_sin", "pos_ids", "batch_indices", "positions", "kv_indptr",
-        "kv_indices", "q_scales", "kv_scales")),
-    *((n, np.int64) for n in (
-        "qr_sn", "qr_sh", "qn_sn", "qn_sh", "kr_sn", "kr_sh", "kn_sn", "kn_sh", "v_sn", "v_sh",
-        "qro_sn", "qro_sh", "qno_sn", "qno_sh", "krc_sp", "krc_se", "krc_sh", "knc_sp", "knc_se",
-        "knc_sh", "vc_sp", "vc_se", "vc_sh", "cs_sp", "num_pages", "num_indices", "pid_st")),
-    ("q_scale", np.float32), ("kv_scale", np.float32),
-    *((n, np.int32) for n in ("Hq", "Hkv", "Hv", "R", "Dn", "B", "page_size", "P", "index64",
-                              "group", "rows", "mrope", "mrope_t", "mrope_h", "mrope_w",
-                              "mrope_interleaved")),
+    *((n, np.uint64) for n in _POINTERS), *((n, np.int64) for n in _STRIDES),
+    ("q_scale", np.float32), ("kv_scale", np.float32), *((n, np.int32) for n in _INTS),
+])
+# The option kernel's record: the plain one's fields with the options' pointers and strides (a
+# struct of its own, so the plain kernel's record stays as it was before the options).
+OPTS_PARAMS = ParamStruct("PagedOptsParams", [
+    *((n, np.uint64) for n in (*_POINTERS, "q_scale_out", "k_scales", "v_scales", "status")),
+    *((n, np.int64) for n in (*_STRIDES, "qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp",
+                              "vs_se", "vs_sh")),
+    ("q_scale", np.float32), ("kv_scale", np.float32), *((n, np.int32) for n in (*_INTS, "T")),
 ])
 
 _DTYPE_NAMES = {
     "float8_e4m3fn": FLOAT8_E4M3FN, "float8_e5m2": FLOAT8_E5M2, "float16": FLOAT16,
-    "half": FLOAT16, "bfloat16": BFLOAT16,
+    "half": FLOAT16, "bfloat16": BFLOAT16, "int8": INT8,
 }
+# status= codes of kv_indptr (1-3 are the ragged offsets' codes; docs/conventions.md)
+STATUS_CODES = {reference.STATUS_INDPTR_FIRST_NOT_ZERO: "kv_indptr[0] != 0",
+                reference.STATUS_INDPTR_DECREASING: "an entry of kv_indptr below the one before",
+                reference.STATUS_INDPTR_PAST_INDICES: "kv_indptr[-1] > len(kv_indices)"}
+
+
+def _c_type(dtype):
+    return "signed char" if dtype == INT8 else c_type(dtype)
 
 
 @functools.cache
-def expression(dtype, out_dtype, is_neox, n, shape, mrope=False):
+def expression(dtype, out_dtype, is_neox, n, shape, mrope=False, opts=False):
     """The section kernel of ``shape`` (unroll, rot_unroll, min blocks), or the row kernel when
     ``shape`` is ``("rows", ROWS)``; ``mrope``: the one that reads mRoPE sections (the plain one
-    has mRoPE compiled out)."""
+    has mRoPE compiled out); ``opts``: the row kernel that reads the options (computed scales,
+    status), compiled out of the plain one."""
     if shape[0] == "rows":
-        return name_expression(ROW_KERNEL, c_type(dtype), c_type(out_dtype), c_bool(is_neox), n,
-                               shape[1], c_bool(mrope))
+        return name_expression(ROW_KERNEL + ("_opts" if opts else ""), c_type(dtype),
+                               _c_type(out_dtype), c_bool(is_neox), n, shape[1], c_bool(mrope))
     return name_expression(KERNEL, c_type(dtype), c_type(out_dtype), c_bool(is_neox), n, *shape,
                            c_bool(mrope))
 
@@ -130,6 +147,9 @@ def instantiations():
         for out_dtype, shape, mrope in itertools.product((dtype, *FP8_DTYPES), shapes,
                                                          (False, True)):
             yield expression(dtype, out_dtype, is_neox, n, shape, mrope)
+        for out_dtype, rows, mrope in itertools.product((dtype, *FP8_DTYPES, INT8), ROWS,
+                                                        (False, True)):
+            yield expression(dtype, out_dtype, is_neox, n, ("rows", rows), mrope, True)
 
 
 def rope_quantize_fp8_append_paged_kv_cache(
@@ -137,11 +157,14 @@ def rope_quantize_fp8_append_paged_kv_cache(
         v: ArrayLike | None, cos_sin_cache: ArrayLike, pos_ids: ArrayLike,
         paged_kv_cache: tuple[ArrayLike, ArrayLike], kv_indices: ArrayLike, kv_indptr: ArrayLike,
         batch_indices: ArrayLike, positions: ArrayLike, is_neox: bool = True,
-        quantize_dtype: DTypeLike | None = None, quant_scale_q: float | ArrayLike = 1.0,
-        quant_scale_kv: float | ArrayLike = 1.0, page_size: int = 16, kv_layout: str = "NHD",
-        q_rope_out: ArrayLike | None = None, q_nope_out: ArrayLike | None = None,
-        enable_pdl: bool = False, *, mrope_section: tuple[int, int, int] | None = None,
-        mrope_interleaved: bool = False, stream: StreamLike | None = None,
+        quantize_dtype: DTypeLike | None = None, quant_scale_q: float | ArrayLike | None = None,
+        quant_scale_kv: float | ArrayLike | None = None, page_size: int = 16,
+        kv_layout: str = "NHD", q_rope_out: ArrayLike | None = None,
+        q_nope_out: ArrayLike | None = None, enable_pdl: bool = False, *,
+        mrope_section: tuple[int, int, int] | None = None, mrope_interleaved: bool = False,
+        q_scale_out: ArrayLike | None = None,
+        kv_cache_scales: tuple[ArrayLike, ArrayLike] | None = None,
+        status: ArrayLike | None = None, stream: StreamLike | None = None,
 ) -> tuple[ArrayLike, ArrayLike]:
     """Apply RoPE to Q and K, quantize Q, K and V to fp8, and append K/V to a paged KV cache, in
     one launch.
@@ -172,7 +195,8 @@ def rope_quantize_fp8_append_paged_kv_cache(
         GQA/MHA: each ``(num_pages, page_size, Hkv, R + Dn)`` for ``kv_layout="NHD"`` or
         ``(num_pages, Hkv, page_size, R + Dn)`` for ``"HND"``. MLA: ``ckv_cache (num_pages,
         page_size, Dn)`` and ``kpe_cache (num_pages, page_size, R)``. float8_e4m3fn or
-        float8_e5m2, the quantize dtype. Only the addressed rows change.
+        float8_e5m2, the quantize dtype; int8 with ``kv_cache_scales``. Only the addressed rows
+        change.
     kv_indices : array, (I,), int32 or int64
         Page ids of every request's pages, concatenated.
     kv_indptr : array, (B + 1,), int32 or int64
@@ -185,12 +209,16 @@ def rope_quantize_fp8_append_paged_kv_cache(
     is_neox : bool
         True rotates half-split pairs (i, i + R/2); False interleaved pairs (2i, 2i + 1).
     quantize_dtype : dtype, optional
-        float8_e4m3fn or float8_e5m2, as a NumPy/ml_dtypes dtype, a string or a torch dtype. By
-        default that of ``q_rope_out``, else ``q_nope_out``, else the cache, else float8_e4m3fn.
-    quant_scale_q, quant_scale_kv : float, or float32 array (Hq,) / (Hkv,)
+        float8_e4m3fn or float8_e5m2 (int8 with ``kv_cache_scales``), as a NumPy/ml_dtypes
+        dtype, a string or a torch dtype. By default that of ``q_rope_out``, else
+        ``q_nope_out``, else the cache. The q outputs and the caches have this dtype.
+    quant_scale_q, quant_scale_kv : float, or float32 array (Hq,) / (Hkv,), optional
         Quantization multiplies: stored = fp8(x * scale), round to nearest even, saturating to
-        the largest finite value. Arrays give one scale per head. Scales must be positive and
-        finite (device arrays are checked under ``ROPEKV_CHECK_INDICES=1``).
+        the largest finite value (int8 q outputs: to [-127, 127]). Arrays give one scale per
+        head. Scales must be positive and finite (device arrays are checked under
+        ``ROPEKV_CHECK_INDICES=1``). None (the default) is 1.0; giving one together with the
+        computed scales that replace it (``q_scale_out``, ``kv_cache_scales``) is a
+        ``ValueError``.
     page_size : int
         Entries per page; must match the cache shape.
     kv_layout : {"NHD", "HND"}
@@ -206,6 +234,28 @@ def rope_quantize_fp8_append_paged_kv_cache(
     mrope_interleaved : bool
         Qwen3-VL's interleaved mRoPE (height when ``i % 3 == 1`` and ``i < 3h``, width when
         ``i % 3 == 2`` and ``i < 3w``, temporal otherwise).
+    q_scale_out : array, (nnz, Hq), float32, optional, written
+        Dynamic fp8 queries (fp8 quantize dtype only): each token's Q head is quantized with its
+        own scale, computed from the largest magnitude of its rope and nope dims together after
+        RoPE (``a = max(amax, 1e-6)``, stored = fp8(q * max_code / a), max_code 448 for e4m3,
+        57344 for e5m2), and the **dequantization** scale ``a / max_code`` is written here
+        (q ~ stored * scale), shared by that row of ``q_rope_out`` and ``q_nope_out``. Replaces
+        ``quant_scale_q`` (``docs/conventions.md``, "Computed scales" and "fp8 queries").
+    kv_cache_scales : (k_scales, v_scales), float32 arrays, optional, written
+        Per-token-head KV scales (GQA/MHA caches only: the MLA cache has no heads to scale): each
+        of the cache's shape without its last dim, ``(num_pages, page_size, Hkv)`` for NHD,
+        ``(num_pages, Hkv, page_size)`` for HND. Each written K row (rope and nope dims together,
+        after RoPE) and V row is quantized with its computed scale (as ``q_scale_out``'s) and that
+        dequantization scale is written to the same (page, entry, head) of its array; other
+        entries keep their bytes. The cache may then be fp8 or int8 (max_code 127, round to
+        nearest even, NaN stored as 0). Replaces ``quant_scale_kv``.
+    status : array, (1,), int32, optional, written
+        Validate ``kv_indptr`` on the device, in the same launch, with no host synchronisation
+        (CUDA-graph capturable): ``status[0]`` receives 0 when ``kv_indptr[0] == 0``, it never
+        decreases and ``kv_indptr[-1] <= len(kv_indices)``, else 4, 5 or 6 for the first failing
+        check, in that order; with a nonzero code nothing else is written (caches, scale arrays
+        and given q outputs keep every byte; new q outputs hold undefined values). Tokens with
+        bad indices under a valid ``kv_indptr`` are still skipped one by one.
     enable_pdl : bool
         Launch with programmatic dependent launch (Hopper and later): the kernel may start while
         the previous kernel on the stream finishes, and waits for it before reading memory.
@@ -265,7 +315,8 @@ def rope_quantize_fp8_append_paged_kv_cache(
     return _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
                  kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
                  quant_scale_q, quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out,
-                 enable_pdl, stream, quantize=True, mrope=(mrope_section, mrope_interleaved))
+                 enable_pdl, stream, quantize=True, mrope=(mrope_section, mrope_interleaved),
+                 options=(q_scale_out, kv_cache_scales, status))
 
 
 def rope_append_paged_kv_cache(
@@ -273,18 +324,22 @@ def rope_append_paged_kv_cache(
         v: ArrayLike | None, cos_sin_cache: ArrayLike, pos_ids: ArrayLike,
         paged_kv_cache: tuple[ArrayLike, ArrayLike], kv_indices: ArrayLike, kv_indptr: ArrayLike,
         batch_indices: ArrayLike, positions: ArrayLike, is_neox: bool = True,
-        quantize_dtype: DTypeLike | None = None, quant_scale_q: float | ArrayLike = 1.0,
-        quant_scale_kv: float | ArrayLike = 1.0, page_size: int = 16, kv_layout: str = "NHD",
-        q_rope_out: ArrayLike | None = None, q_nope_out: ArrayLike | None = None,
-        enable_pdl: bool = False, *, mrope_section: tuple[int, int, int] | None = None,
-        mrope_interleaved: bool = False, stream: StreamLike | None = None,
+        quantize_dtype: DTypeLike | None = None, quant_scale_q: float | ArrayLike | None = None,
+        quant_scale_kv: float | ArrayLike | None = None, page_size: int = 16,
+        kv_layout: str = "NHD", q_rope_out: ArrayLike | None = None,
+        q_nope_out: ArrayLike | None = None, enable_pdl: bool = False, *,
+        mrope_section: tuple[int, int, int] | None = None, mrope_interleaved: bool = False,
+        q_scale_out: ArrayLike | None = None,
+        kv_cache_scales: tuple[ArrayLike, ArrayLike] | None = None,
+        status: ArrayLike | None = None, stream: StreamLike | None = None,
 ) -> tuple[ArrayLike, ArrayLike]:
     """Apply RoPE to Q and K and append K/V to a paged KV cache, in one launch, without
     quantization when the cache has the input dtype.
 
     The same arguments and semantics as :func:`rope_quantize_fp8_append_paged_kv_cache`, except
     that the cache may also be float16/bfloat16 (the dtype of ``q_rope``): then the q outputs and
-    cache rows are the roped values rounded to that dtype and the scales are ignored. fp8 caches
+    cache rows are the roped values rounded to that dtype and the scales are ignored (computed
+    scales need an fp8 or int8 cache). fp8 caches
     behave exactly as in :func:`rope_quantize_fp8_append_paged_kv_cache`. ``quantize_dtype``, when
     given, must be the cache dtype.
 
@@ -302,8 +357,8 @@ def rope_append_paged_kv_cache(
         As there.
     quantize_dtype : dtype, optional
         The cache dtype when given.
-    quant_scale_q, quant_scale_kv : float, or float32 array (Hq,) / (Hkv,)
-        As there, for fp8 caches; ignored for 16-bit caches.
+    quant_scale_q, quant_scale_kv : float, or float32 array (Hq,) / (Hkv,), optional
+        As there, for fp8 (and int8) caches; ignored for 16-bit caches.
     page_size : int
         Entries per page; must match the cache shape.
     kv_layout : {"NHD", "HND"}
@@ -317,6 +372,12 @@ def rope_append_paged_kv_cache(
     mrope_interleaved : bool
         Qwen3-VL's interleaved mRoPE (height when ``i % 3 == 1`` and ``i < 3h``, width when
         ``i % 3 == 2`` and ``i < 3w``, temporal otherwise).
+    q_scale_out : array, (nnz, Hq), float32, optional, written
+        As there: dynamic per-token-head Q scales, with an fp8 cache only.
+    kv_cache_scales : (k_scales, v_scales), float32 arrays, optional, written
+        As there: per-token-head KV scales, with an fp8 or int8 cache (GQA/MHA only).
+    status : array, (1,), int32, optional, written
+        As there: ``kv_indptr`` validated on the device, codes 4-6, nothing written on failure.
     enable_pdl : bool
         Accepted for compatibility.
     stream : CuPy stream, int ``cudaStream_t`` or object with ``cuda_stream``, optional
@@ -362,7 +423,8 @@ def rope_append_paged_kv_cache(
     return _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
                  kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
                  quant_scale_q, quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out,
-                 enable_pdl, stream, quantize=False, mrope=(mrope_section, mrope_interleaved))
+                 enable_pdl, stream, quantize=False, mrope=(mrope_section, mrope_interleaved),
+                 options=(q_scale_out, kv_cache_scales, status))
 
 
 def as_dtype(value, name="quantize_dtype"):
@@ -387,7 +449,7 @@ def _scale_arg(value, name):
     """A scale argument as ``(flag, array)``: a number goes into the plan key as its value, an
     array is an argument of the call."""
     cls = value.__class__
-    if cls is float or cls is int:
+    if value is None or cls is float or cls is int:  # None: not given (1.0)
         return value, None
     if cls is bool or cls is np.bool_:
         raise TypeError(f"{name} must be a float or a float32 array, got {value!r}")
@@ -399,7 +461,7 @@ def _scale_arg(value, name):
 def _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
           kv_indptr, batch_indices, positions, is_neox, quantize_dtype, quant_scale_q,
           quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out, enable_pdl, stream,
-          quantize, mrope):
+          quantize, mrope, options):
     if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
         raise ValueError(f"paged_kv_cache must be a pair (k_cache, v_cache) or (ckv_cache, "
                          f"kpe_cache), got {type(paged_kv_cache).__qualname__}"
@@ -407,10 +469,19 @@ def _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_ca
                             if isinstance(paged_kv_cache, (tuple, list)) else ""))
     q_scale, q_scales = _scale_arg(quant_scale_q, "quant_scale_q")
     kv_scale, kv_scales = _scale_arg(quant_scale_kv, "quant_scale_kv")
+    q_scale_out, kv_cache_scales, status = options
+    if kv_cache_scales is None:
+        kv_cache_scales = (None, None)
+    elif not isinstance(kv_cache_scales, (tuple, list)) or len(kv_cache_scales) != 2 or any(
+            x is None for x in kv_cache_scales):
+        raise ValueError(f"kv_cache_scales must be a pair of arrays (k_scales, v_scales), got "
+                         f"{type(kv_cache_scales).__qualname__}"
+                         + (f" of length {len(kv_cache_scales)}"
+                            if isinstance(kv_cache_scales, (tuple, list)) else ""))
     op = _MLA if getattr(k_rope, "ndim", None) == 2 else _GQA
     return op((q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, *paged_kv_cache,
                kv_indices, kv_indptr, batch_indices, positions, q_rope_out, q_nope_out, q_scales,
-               kv_scales),
+               kv_scales, q_scale_out, *kv_cache_scales, status),
               (quantize, ck.check_flag(is_neox, "is_neox"), scalar_key(quantize_dtype),
                q_scale, kv_scale, scalar_key(page_size),  # scales: reals, never bools
                scalar_key(kv_layout), ck.check_flag(enable_pdl, "enable_pdl"),
@@ -430,13 +501,49 @@ def _scales(view, value, name, heads):
     return 1.0, view
 
 
+def _check_options(vqso, vksc, vvsc, vstatus, out_dtype, mla, T, Hq, Hkv, num_pages, page_size,
+                   kv_layout):
+    """Validate ``q_scale_out``, ``kv_cache_scales`` and ``status``; their strides (elements)
+    as PARAMS fields (zeros for those not given)."""
+    st = dict.fromkeys(("qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se", "vs_sh"),
+                       0)
+    if vqso is not None:
+        if out_dtype not in FP8_DTYPES:
+            raise TypeError(f"q_scale_out (dynamic fp8 queries) needs an fp8 quantize dtype "
+                            f"(float8_e4m3fn or float8_e5m2), got {out_dtype}")
+        ck.check_dtype(vqso, (FLOAT32,))
+        ck.check_ndim(vqso, 2, "(nnz, Hq)")
+        ck.check_shape(vqso, (T, Hq), "(nnz, Hq)")
+        st.update(qso_sn=vqso.strides[0], qso_sh=vqso.strides[1])
+    if vksc is not None:
+        if mla:
+            raise ValueError("kv_cache_scales (per-token-head KV scales) are for GQA/MHA caches: "
+                             "the MLA caches (ckv_cache, kpe_cache) hold one latent row per "
+                             "token and have no heads to scale; use quant_scale_kv")
+        spelled = ("(num_pages, page_size, Hkv)" if kv_layout == "NHD"
+                   else "(num_pages, Hkv, page_size)")
+        shape = ((num_pages, page_size, Hkv) if kv_layout == "NHD"
+                 else (num_pages, Hkv, page_size))
+        for view, pre in ((vksc, "ks"), (vvsc, "vs")):
+            ck.check_dtype(view, (FLOAT32,))
+            ck.check_ndim(view, 3, spelled)
+            ck.check_shape(view, shape, f"{spelled} for {kv_layout}")
+            sp, a, b = view.strides
+            se, sh = (a, b) if kv_layout == "NHD" else (b, a)
+            st.update({f"{pre}_sp": sp, f"{pre}_se": se, f"{pre}_sh": sh})
+    if vstatus is not None:
+        check_status(vstatus)
+    return st
+
+
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
     (quantize, is_neox, quantize_dtype, q_scale, kv_scale, page_size, kv_layout, pdl, _,
      mrope_section, mrope_interleaved) = flags
     (vqr, vkr, vqn, vkn, vv, vt, vpos, vc0, vc1, vind, vptr, vbat, vposn, vqro, vqno, vqs,
-     vks) = views
+     vks, vqso, vksc, vvsc, vstatus) = views
     mla = vkr.ndim == 2
+    kv_dyn = vksc is not None
 
     # -- inputs
     ck.check_ndim(vqr, 3, "(nnz, Hq, R)")
@@ -506,18 +613,23 @@ def _prepare(views, flags):
         raise TypeError(f"{vc1.name} must have the dtype of {vc0.name} ({vc0.dtype}), got "
                         f"{vc1.dtype}")
     allowed = FP8_DTYPES if quantize else (vqr.dtype, *FP8_DTYPES)
+    if kv_dyn:
+        allowed = (*FP8_DTYPES, INT8)  # computed scales need a quantized cache
     out_dtype = as_dtype(quantize_dtype)
     if out_dtype is None:  # FlashInfer's order: q_rope_out, q_nope_out, then (ropekv) the cache
         given = next(x for x in (vqro, vqno, vc0) if x is not None)
         out_dtype = given.dtype
         if out_dtype not in allowed:
-            hint = (" (rope_append_paged_kv_cache writes float16/bfloat16 caches)" if quantize
-                    else f" (float16/bfloat16 only as the input dtype {vqr.dtype})")
+            hint = (" (per-token-head kv_cache_scales need an fp8 or int8 cache)" if kv_dyn
+                    else " (int8 caches need kv_cache_scales)" if out_dtype == INT8
+                    else " (rope_append_paged_kv_cache writes float16/bfloat16 caches)"
+                    if quantize else f" (float16/bfloat16 only as the input dtype {vqr.dtype})")
             raise TypeError(f"{given.name} must have dtype {' or '.join(map(str, allowed))}, "
                             f"got {out_dtype}{hint}")
     elif out_dtype not in allowed:
+        hint = " (int8 caches need kv_cache_scales)" if out_dtype == INT8 else ""
         raise TypeError(f"quantize_dtype must be {' or '.join(map(str, allowed))}, got "
-                        f"{out_dtype}")
+                        f"{out_dtype}{hint}")
     for view in (vc0, vc1):
         if view.dtype != out_dtype:
             raise TypeError(f"{view.name} must have the quantize dtype {out_dtype}, got "
@@ -548,8 +660,18 @@ def _prepare(views, flags):
         kr, kn, vd = ((7, 0), k_st), ((7, R * item), k_st), ((8, 0), v_st)
 
     # -- scales and outputs
-    q_scale, vqs = _scales(vqs, q_scale, "quant_scale_q", Hq)
-    kv_scale, vks = _scales(vks, kv_scale, "quant_scale_kv", Hkv)
+    if vqso is not None and (q_scale is not None or vqs is not None):
+        raise ValueError("quant_scale_q and q_scale_out are exclusive: q_scale_out receives the "
+                         "computed per-token-head Q scales, which replace the static one; leave "
+                         "quant_scale_q None")
+    if kv_dyn and (kv_scale is not None or vks is not None):
+        raise ValueError("quant_scale_kv and kv_cache_scales are exclusive: the per-token-head "
+                         "scales are computed per written row and replace the static one; leave "
+                         "quant_scale_kv None")
+    q_scale, vqs = _scales(vqs, 1.0 if q_scale is None else q_scale, "quant_scale_q", Hq)
+    kv_scale, vks = _scales(vks, 1.0 if kv_scale is None else kv_scale, "quant_scale_kv", Hkv)
+    scale_st = _check_options(vqso, vksc, vvsc, vstatus, out_dtype, mla, T, Hq, Hkv, num_pages,
+                              page_size, kv_layout)
     if vqro is not None:
         ck.check_shape(vqro, (T, Hq, R), "(nnz, Hq, R)")
     if vqno is not None:
@@ -562,9 +684,11 @@ def _prepare(views, flags):
     for view in (*inputs, vt, vc0, vc1, *given_outs):
         ck.check_last_dim_contiguous(view)
     device = ck.check_same_device([x for x in views if x is not None])
-    written = [7, 8] + [i for i, x in ((13, vqro), (14, vqno)) if x is not None]
+    written = [7, 8] + [i for i, x in ((13, vqro), (14, vqno)) if x is not None] + [
+        i for i, x in ((17, vqso), (18, vksc), (19, vvsc), (20, vstatus)) if x is not None]
     inplace = [(0, 13), (2, 14)] if out_dtype == vqr.dtype else []  # fp8 outputs never alias q
-    outputs, slot = [], 17  # new outputs' pointers follow the 17 arguments
+    opts = vqso is not None or kv_dyn or vstatus is not None
+    outputs, slot = [], 21  # new outputs' pointers follow the 21 arguments
     out_slots = []
     for view, shape in ((vqro, (T, Hq, R)), (vqno, (T, Hq, Dn))):
         if view is None:
@@ -585,21 +709,26 @@ def _prepare(views, flags):
         def host(v, outs):
             new = iter(outs)
             qro, qno = (x if x is not None else next(new) for x in (vqro, vqno))
-            if not T:
-                return
 
             def h(view):
                 return None if view is None else view.host
 
+            if vstatus is not None:
+                vstatus.host[...] = reference.paged_indptr_status(vptr.host, vind.shape[0])
+                if vstatus.host.item():
+                    return
+            if not T:
+                return
             reference.rope_append_paged_kv_cache(
                 vqr.host, vkr.host, h(vqn), h(vkn), h(vv), vt.host, vpos.host,
                 (vc0.host, vc1.host), vind.host, vptr.host, vbat.host, vposn.host, is_neox,
                 q_scale if vqs is None else vqs.host, kv_scale if vks is None else vks.host,
-                page_size, kv_layout, qro.host, qno.host, sections, mrope_interleaved)
+                page_size, kv_layout, qro.host, qno.host, sections, mrope_interleaved,
+                q_scale_out=h(vqso), kv_cache_scales=(h(vksc), h(vvsc)) if kv_dyn else None)
 
         return Plan(HOST, outputs=outputs, written=written, inplace=inplace, result=result,
                     host=host)
-    if T == 0:
+    if T == 0 and vstatus is None:
         return Plan(device, outputs=outputs, written=written, inplace=inplace, result=result)
 
     data = [*inputs, vc0, vc1, *given_outs]
@@ -617,8 +746,15 @@ def _prepare(views, flags):
     ri = R // (2 * n) if is_neox else R // n
     items = (Hq + Hkv) * (ri + Dn // n) + (0 if mla else Hkv * D // n)
     group = ri + Dn // n  # chunks of a head row
-    if group <= TUNING["row_group"]:
-        block, rows, splits = row_launch_shape(T, Hq + Hkv + (0 if mla else Hkv), group)
+    if opts and group > MAX_BLOCK:
+        raise BufferError(f"q_scale_out, kv_cache_scales and status run the row kernel, a lane "
+                          f"per {n} elements of a head row: rows of {D} elements need {group} "
+                          f"lanes, more than {MAX_BLOCK}; align the rows of the inputs, caches "
+                          f"and q outputs to {16 // vqr.dtype.itemsize * vqr.dtype.itemsize} "
+                          f"bytes")
+    if group <= TUNING["row_group"] or opts:  # the options live in the row kernel only
+        # status= with no tokens: one block, which only validates
+        block, rows, splits = row_launch_shape(max(T, 1), Hq + Hkv + (0 if mla else Hkv), group)
         shape = ("rows", 1 if rows == 1 else ROWS[-1])
     else:
         (block, splits, shape), rows = launch_shape(items, T, n), 0
@@ -628,7 +764,7 @@ def _prepare(views, flags):
     kn_in = (vkn.strides[0], 0 if mla else vkn.strides[1]) if vkn is not None else zero2
     qro_st = vqro.strides[:2] if vqro is not None else (Hq * R, R)
     qno_st = vqno.strides[:2] if vqno is not None else (Hq * Dn, Dn)
-    values = dict(zip(PARAMS.names, PARAMS.values(
+    values = dict(
         q_rope=0, q_nope=0, k_rope=0, k_nope=0, v=0, q_rope_out=0, q_nope_out=0, kr_cache=0,
         kn_cache=0, v_cache=0, cos_sin=0, pos_ids=0, batch_indices=0, positions=0, kv_indptr=0,
         kv_indices=0, q_scales=0, kv_scales=0,
@@ -643,21 +779,25 @@ def _prepare(views, flags):
         Hv=0 if mla else Hkv, R=R, Dn=Dn, B=vptr.shape[0] - 1, page_size=page_size, P=P,
         index64=index64, group=group, rows=rows, pid_st=T, mrope=int(bool(sections)),
         mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
-        mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved))))
+        mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved),
+        q_scale_out=0, k_scales=0, v_scales=0, status=0, T=T, **scale_st)
     slots = {"q_rope": (0, 0), "k_rope": (1, 0), "q_nope": (2, 0), "k_nope": (3, 0),
              "v": (4, 0), "cos_sin": (5, 0), "pos_ids": (6, 0), "kr_cache": kr[0],
              "kn_cache": kn[0], "v_cache": vd[0], "kv_indices": (9, 0), "kv_indptr": (10, 0),
              "batch_indices": (11, 0), "positions": (12, 0), "q_rope_out": (out_slots[0], 0),
-             "q_nope_out": (out_slots[1], 0), "q_scales": (15, 0), "kv_scales": (16, 0)}
-    launch = Launch(STEM, expression(vqr.dtype, out_dtype, is_neox, n, shape, bool(sections)),
-                    device, (T, splits), (block,), PARAMS, values, slots, pdl=pdl)
+             "q_nope_out": (out_slots[1], 0), "q_scales": (15, 0), "kv_scales": (16, 0),
+             "q_scale_out": (17, 0), "k_scales": (18, 0), "v_scales": (19, 0), "status": (20, 0)}
+    launch = Launch(STEM, expression(vqr.dtype, out_dtype, is_neox, n, shape, bool(sections),
+                                     opts),
+                    device, (max(T, 1), splits), (block,), OPTS_PARAMS if opts else PARAMS, values,
+                    slots, pdl=pdl)
     return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace,
                 result=result)
 
 
 _NAMES = ("q_rope", "k_rope", "q_nope", "k_nope", "v", "cos_sin_cache", "pos_ids")
 _TAIL = ("kv_indices", "kv_indptr", "batch_indices", "positions", "q_rope_out", "q_nope_out",
-         "quant_scale_q", "quant_scale_kv")
+         "quant_scale_q", "quant_scale_kv", "q_scale_out", "k_scales", "v_scales", "status")
 _GQA = Op("rope_append_paged_kv_cache", (*_NAMES, "k_cache", "v_cache", *_TAIL), _prepare)
 _MLA = Op("rope_append_paged_kv_cache", (*_NAMES, "ckv_cache", "kpe_cache", *_TAIL), _prepare)
 

@@ -500,6 +500,25 @@ def paged_append_slots(kv_indices, kv_indptr, batch_indices, positions, page_siz
     return page, entry
 
 
+# ``status=`` codes of the FlashInfer-style paged ops' kv_indptr (after the ragged offsets' 1-3)
+STATUS_INDPTR_FIRST_NOT_ZERO, STATUS_INDPTR_DECREASING, STATUS_INDPTR_PAST_INDICES = 4, 5, 6
+
+
+def paged_indptr_status(kv_indptr, num_indices):
+    """The ``status`` code of ``kv_indptr`` (values as signed 64-bit integers, as the kernel reads
+    them) over ``num_indices`` page-table entries: 4 when ``kv_indptr[0] != 0``, else 5 when an
+    entry is smaller than the one before it, else 6 when ``kv_indptr[-1] > num_indices``, else 0
+    (then every entry lies in ``[0, num_indices]``)."""
+    indptr = np.asarray(kv_indptr).astype(np.int64)
+    if indptr[0] != 0:
+        return STATUS_INDPTR_FIRST_NOT_ZERO
+    if np.any(np.diff(indptr) < 0):
+        return STATUS_INDPTR_DECREASING
+    if indptr[-1] > num_indices:
+        return STATUS_INDPTR_PAST_INDICES
+    return STATUS_OK
+
+
 def _head_scales(scale, heads):
     """A float or a ``(heads,)`` array -> float64 ``(heads, 1)``."""
     return np.broadcast_to(np.asarray(scale, np.float64).reshape(-1, 1), (heads, 1))
@@ -509,7 +528,8 @@ def rope_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
                                paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions,
                                is_neox=True, quant_scale_q=1.0, quant_scale_kv=1.0,
                                page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
-                               mrope_section=None, mrope_interleaved=False):
+                               mrope_section=None, mrope_interleaved=False, q_scale_out=None,
+                               kv_cache_scales=None):
     """Reference of :func:`ropekv.rope_append_paged_kv_cache` (and of the fp8 op), in place.
 
     The q outputs and the cache rows have the cache dtype; with an fp8 cache every value is
@@ -519,6 +539,13 @@ def rope_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
     cache slot (:func:`paged_append_slots`) has its q rows written and no cache row. Returns
     ``(q_rope_out, q_nope_out)``, allocated when None. With ``mrope_section``, ``pos_ids`` is
     ``(3, T)`` and a token has a position when all three are in the table.
+
+    ``q_scale_out`` (float32 ``(T, Hq)``, fp8 outputs): each Q head row, its rope and nope dims
+    together, is quantized with its computed scale (:func:`quantize_rows`) instead of the static
+    one, and the dequantization scale is written there. ``kv_cache_scales`` (``(k_scales,
+    v_scales)``, float32, the caches' shape without the last dim; GQA/MHA): every written K row
+    (rope and nope together) and V row likewise, its scale written at the row's (page, entry,
+    head); the caches may then be int8 too.
     """
     T, Hq, R = q_rope.shape
     mla = k_rope.ndim == 2
@@ -532,10 +559,10 @@ def rope_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
         q_rope_out = np.empty((T, Hq, R), out)
     if q_nope_out is None:
         q_nope_out = np.empty((T, Hq, Dn), out)
-    fp8 = is_fp8(out)
+    fp8 = out in MAX_CODE  # quantized: fp8, or int8 (with kv_cache_scales)
     Hkv = k_rope.shape[1]
     qs = _head_scales(quant_scale_q if fp8 else 1.0, Hq)
-    ks = _head_scales(quant_scale_kv if fp8 else 1.0, Hkv)
+    ks = _head_scales(quant_scale_kv if fp8 and kv_cache_scales is None else 1.0, Hkv)
 
     pos = np.asarray(pos_ids).astype(np.int64)
     P = cos_sin_cache.shape[0]
@@ -553,9 +580,15 @@ def rope_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
     if tok.size:
         cos, sin = cos_sin_of(tok)
         q[tok] = rope(q[tok], cos[:, None, :], sin[:, None, :], is_neox)
-    q_rope_out[...] = to_dtype(q * qs, out)
-    if Dn:
-        q_nope_out[...] = to_dtype(np.asarray(q_nope, np.float64) * qs, out)
+    if q_scale_out is not None:
+        row = q if not Dn else np.concatenate([q, np.asarray(q_nope, np.float64)], axis=-1)
+        stored, scale = quantize_rows(row, out)
+        q_rope_out[...], q_nope_out[...] = stored[..., :R], stored[..., R:]
+        q_scale_out[...] = scale.astype(np.float32)
+    else:
+        q_rope_out[...] = to_dtype(q * qs, out)
+        if Dn:
+            q_nope_out[...] = to_dtype(np.asarray(q_nope, np.float64) * qs, out)
     if tok.size == 0:
         return q_rope_out, q_nope_out
 
@@ -576,12 +609,21 @@ def rope_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
         return q_rope_out, q_nope_out
     k_row = k_rot if k_rest is None else np.concatenate([k_rot, k_rest], axis=-1)
     v_row = np.asarray(v[w], np.float64) * ks
+    if kv_cache_scales is not None:  # computed per row: ks is 1
+        (k_row, k_sc), (v_row, v_sc) = quantize_rows(k_row, out), quantize_rows(v_row, out)
+        k_scales, v_scales = kv_cache_scales
+        if kv_layout == "NHD":
+            k_scales[pg, en], v_scales[pg, en] = k_sc, v_sc
+        else:
+            k_scales[pg, :, en], v_scales[pg, :, en] = k_sc, v_sc
+    else:
+        k_row, v_row = to_dtype(k_row, out), to_dtype(v_row, out)
     if kv_layout == "NHD":
-        cache0[pg, en] = to_dtype(k_row, out)
-        cache1[pg, en] = to_dtype(v_row, out)
+        cache0[pg, en] = k_row
+        cache1[pg, en] = v_row
     else:  # advanced indices around a slice: the selection is (n, Hkv, D)
-        cache0[pg, :, en] = to_dtype(k_row, out)
-        cache1[pg, :, en] = to_dtype(v_row, out)
+        cache0[pg, :, en] = k_row
+        cache1[pg, :, en] = v_row
     return q_rope_out, q_nope_out
 
 

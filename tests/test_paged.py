@@ -20,6 +20,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 FP8 = (E4M3, E5M2)
+I8 = np.dtype(np.int8)
+F32 = np.dtype(np.float32)
 INDEX_NAMES = ("pos_ids", "batch_indices", "positions", "kv_indptr", "kv_indices")
 OPS = {True: ropekv.rope_quantize_fp8_append_paged_kv_cache,
        False: ropekv.rope_append_paged_kv_cache}
@@ -91,7 +93,7 @@ def make_case(seed, *, T=7, Hq=4, Hkv=2, R=16, Dn=0, mla=False, dtype=F16, cache
 def copy_args(args):
     out = {}
     for n, x in args.items():
-        if n == "paged_kv_cache":
+        if isinstance(x, tuple):  # paged_kv_cache, kv_cache_scales
             out[n] = tuple(c.copy() for c in x)
         elif isinstance(x, np.ndarray):
             out[n] = x.copy()
@@ -197,6 +199,16 @@ def written_rows(args):
     return mask
 
 
+# status= codes of malformed kv_indptr tables (4: first entry, 5: decreasing, 6: past kv_indices)
+BAD_INDPTR = [([1, 2, 4], 4), ([0, 3, 2], 5), ([0, 2, 99], 6), ([-1, 2, 4], 4),
+              ([0, -5, 4], 5), ([0, 4, 2], 5)]
+
+
+def malformed(args, indptr):
+    """``args`` with another kv_indptr (of the same dtype)."""
+    return dict(args, kv_indptr=np.asarray(indptr, args["kv_indptr"].dtype))
+
+
 def rows(cache, mask, args):
     """The (page, entry) rows of a cache selected by ``mask``, whatever the layout."""
     if cache.ndim == 4 and args["kv_layout"] == "HND":
@@ -204,12 +216,36 @@ def rows(cache, mask, args):
     return cache[mask]
 
 
-def check_caches(got, expected, original, args):
+def scale_rows(scales, mask, args):
+    """The (page, entry) entries of a per-token-head scale array selected by ``mask``: (n, Hkv)."""
+    if args["kv_layout"] == "HND":
+        scales = scales.transpose(0, 2, 1)
+    return scales[mask]
+
+
+def assert_codes_close(actual, expected, what):
+    """int8 codes: equal or adjacent (a float32 kernel and a float64 reference may round a value
+    at .5 either way)."""
+    diff = np.abs(to_numpy(actual).astype(np.int32) - expected.astype(np.int32))
+    assert diff.max(initial=0) <= 1, f"{what}: int8 codes differ by {diff.max()}"
+
+
+def check_caches(got, expected, original, args, scales=None):
+    """Written rows against the reference, other rows byte-identical; ``scales``: (got,
+    expected, original) per-token-head scale pairs, checked the same way."""
     mask = written_rows(args)
     for g, e, o, name in zip(got, expected, original, ("cache 0", "cache 1")):
         g = to_numpy(g)
-        assert_close(rows(g, mask, args), rows(e, mask, args), f"{name} written rows")
+        if e.dtype == I8:
+            assert_codes_close(rows(g, mask, args), rows(e, mask, args), f"{name} written rows")
+        else:
+            assert_close(rows(g, mask, args), rows(e, mask, args), f"{name} written rows")
         assert_bytes_equal(rows(g, ~mask, args), rows(o, ~mask, args), f"{name} other rows")
+    for g, e, o, name in zip(*(scales or ((), (), ())), ("k_scales", "v_scales")):
+        g = to_numpy(g)
+        assert_close(scale_rows(g, mask, args), scale_rows(e, mask, args), f"{name} written")
+        assert_bytes_equal(scale_rows(g, ~mask, args), scale_rows(o, ~mask, args),
+                           f"{name} other entries")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,6 +525,136 @@ def test_empty_batch():
     assert q.shape == (0, 4, 16) and n.shape == (0, 4, 0)
 
 
+def exact_rows(args, is_neox=True):
+    """float64 q rows (rope | nope) and written K / V rows of ``naive``: the case run with
+    float64 caches and unit scales (no rounding), so a test can quantize them itself."""
+    a = copy_args(args)
+    a["paged_kv_cache"] = tuple(np.zeros(c.shape, np.float64) for c in args["paged_kv_cache"])
+    a["quant_scale_q"] = a["quant_scale_kv"] = 1.0
+    for name in ("q_scale_out", "kv_cache_scales", "status"):
+        a.pop(name, None)
+    qro, qno, caches = naive(a, is_neox)
+    return np.concatenate([qro, qno], axis=-1), caches
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("out", FP8)
+def test_dynamic_q_quantizes_each_head_row_with_its_own_scale(mla, is_neox, out):
+    """q_scale_out: each token's Q head, rope and nope dims together, is quantize_rows of the
+    exact roped row; both outputs share the row's scale; the static q scale is not applied."""
+    args = with_options(make_case(80, T=9, R=16, Dn=8, mla=mla, cache_dtype=out, padding=2),
+                        np.random.default_rng(0), q_dyn=True)
+    exact, _ = exact_rows(args, is_neox)
+    got = copy_args(args)
+    q, n = call(got, is_neox=is_neox)
+    stored, scale = reference.quantize_rows(exact, out)
+    assert_close(q, stored[..., :16], "q_rope_out")
+    assert_close(n, stored[..., 16:], "q_nope_out")
+    assert got["q_scale_out"].dtype == F32
+    np.testing.assert_allclose(got["q_scale_out"], scale, rtol=1e-6)
+    # the dequantized rows are within fp8 rounding of the exact ones; the largest is max_code
+    deq = reference.dequantize_rows(np.concatenate([q, n], -1), got["q_scale_out"])
+    assert np.all(np.abs(deq - exact) <= np.abs(exact) / 8 + got["q_scale_out"][..., None])
+    codes = np.abs(np.concatenate([q, n], -1).astype(np.float64)).max(-1)
+    np.testing.assert_array_equal(codes, reference.MAX_CODE[out])
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("out", [E4M3, E5M2, I8])
+@pytest.mark.parametrize("quantize", [True, False])
+def test_kv_cache_scales_quantize_each_written_row(kv_layout, out, quantize):
+    """kv_cache_scales: every written K row (rope and nope together) and V row is quantize_rows
+    of the exact row, its scale at the row's (page, entry, head); other rows and entries keep
+    their bytes; Q keeps its static scale."""
+    rng = np.random.default_rng(1)
+    case = make_case(81, T=11, R=16, Dn=8, cache_dtype=out if out != I8 else E4M3, padding=2,
+                     kv_layout=kv_layout)
+    if out == I8:
+        case["paged_kv_cache"] = tuple(c.view(I8) for c in case["paged_kv_cache"])
+    args = with_options(case, rng, kv_dyn=True)
+    exact_q, exact = exact_rows(args)
+    got = copy_args(args)
+    q, _ = call(got, quantize=quantize)
+    expected_q = reference.to_dtype(exact_q[..., :16] * args["quant_scale_q"], out)
+    np.testing.assert_array_equal(q.view(np.uint8), expected_q.view(np.uint8))
+    mask = written_rows(args)
+    assert 0 < mask.sum() < mask.size
+    for g, e, sg, so, o in zip(got["paged_kv_cache"], exact, got["kv_cache_scales"],
+                               args["kv_cache_scales"], args["paged_kv_cache"]):
+        stored, scale = reference.quantize_rows(rows(e, mask, args), out)
+        np.testing.assert_array_equal(rows(g, mask, args).view(np.uint8), stored.view(np.uint8))
+        np.testing.assert_allclose(scale_rows(sg, mask, args), scale, rtol=1e-6)
+        assert_bytes_equal(rows(g, ~mask, args), rows(o, ~mask, args), "other rows")
+        assert_bytes_equal(scale_rows(sg, ~mask, args), scale_rows(so, ~mask, args),
+                           "other scale entries")
+
+
+def test_dynamic_q_and_kv_scales_together_with_mrope():
+    rng = np.random.default_rng(2)
+    base = make_case(82, T=12, R=24, Dn=8, padding=1)
+    args, kw = with_mrope(base, rng, interleaved=False)
+    args = with_options(args, rng, q_dyn=True, kv_dyn=True)
+    got = copy_args(args)
+    call(got, **kw)
+    expected = copy_args(args)
+    reference.rope_append_paged_kv_cache(
+        *(expected[n] for n in ("q_rope", "k_rope", "q_nope", "k_nope", "v", "cos_sin_cache",
+                                "pos_ids", "paged_kv_cache", "kv_indices", "kv_indptr",
+                                "batch_indices", "positions")), True, 1.0, 1.0, 4, "NHD",
+        None, None, **kw, q_scale_out=expected["q_scale_out"],
+        kv_cache_scales=expected["kv_cache_scales"])
+    for name in ("q_scale_out",):
+        np.testing.assert_array_equal(got[name], expected[name])
+    for g, e in zip((*got["paged_kv_cache"], *got["kv_cache_scales"]),
+                    (*expected["paged_kv_cache"], *expected["kv_cache_scales"])):
+        np.testing.assert_array_equal(g.view(np.uint8), e.view(np.uint8))
+
+
+def test_default_scales_are_one():
+    a = make_case(83)
+    b = copy_args(a)
+    a["quant_scale_q"] = a["quant_scale_kv"] = 1.0
+    del b["quant_scale_q"], b["quant_scale_kv"]
+    qa, _ = call(a)
+    qb, _ = call(b)
+    np.testing.assert_array_equal(qa.view(np.uint8), qb.view(np.uint8))
+    for x, y in zip(a["paged_kv_cache"], b["paged_kv_cache"]):
+        np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
+@pytest.mark.parametrize("indptr, code", BAD_INDPTR + [([0, 2, 4], 0), ([0, 0, 0], 0)])
+def test_indptr_status_reference(indptr, code):
+    for dtype in (np.int32, np.int64):
+        assert reference.paged_indptr_status(np.asarray(indptr, dtype), 4) == code
+
+
+@pytest.mark.parametrize("indptr, code", BAD_INDPTR)
+def test_status_failure_writes_nothing_on_the_host(indptr, code):
+    args = with_options(malformed(make_case(84, T=9, B=2, Dn=8), indptr),
+                        np.random.default_rng(3), True, True, True)
+    got = copy_args(args)
+    q_out = np.full((9, 4, 16), 3, np.uint8).view(E4M3)
+    call(got, q_rope_out=q_out)
+    assert got["status"][0] == code
+    assert np.all(q_out.view(np.uint8) == 3)
+    for g, o in zip((*got["paged_kv_cache"], *got["kv_cache_scales"], got["q_scale_out"]),
+                    (*args["paged_kv_cache"], *args["kv_cache_scales"], args["q_scale_out"])):
+        assert_bytes_equal(g, o, "untouched")
+
+
+def test_status_of_a_valid_table_is_zero_on_the_host():
+    args = with_options(make_case(85, Dn=8), np.random.default_rng(4), status=True)
+    got = copy_args(args)
+    q, _ = call(got)
+    assert got["status"][0] == 0
+    expected, _ = call(copy_args(make_case(85, Dn=8)))
+    np.testing.assert_array_equal(q.view(np.uint8), expected.view(np.uint8))
+    empty = dict(malformed(make_case(86, T=0, B=1), [0, 9]), status=np.zeros(1, np.int32))
+    call(empty)
+    assert empty["status"][0] == 6
+
+
 # ---------------------------------------------------------------------------------------------
 # Validation: one test per rule
 
@@ -678,6 +844,94 @@ def test_read_only_cache_is_refused():
         call(args)
 
 
+def bad_option(match, exc=ValueError, quantize=True, q_dyn=False, kv_dyn=False, case=None,
+               **changes):
+    """One validation rule of the options: ``changes`` applied after ``with_options``."""
+    args = with_options(case or make_case(20, Dn=8), np.random.default_rng(5), q_dyn, kv_dyn)
+    args.update(changes)
+    with pytest.raises(exc, match=match):
+        call(args, quantize=quantize)
+
+
+def test_q_scale_out_excludes_quant_scale_q():
+    bad_option("quant_scale_q and q_scale_out are exclusive", q_dyn=True, quant_scale_q=1.0)
+    bad_option("quant_scale_q and q_scale_out are exclusive", q_dyn=True,
+               quant_scale_q=np.ones(4, np.float32))
+
+
+def test_q_scale_out_needs_an_fp8_dtype():
+    fp16 = make_case(20, Dn=8, cache_dtype=F16)
+    bad_option("q_scale_out .* needs an fp8 quantize dtype", TypeError, quantize=False,
+               q_dyn=True, case=fp16)
+    int8 = make_case(20, Dn=8)
+    int8["paged_kv_cache"] = tuple(c.view(I8) for c in int8["paged_kv_cache"])
+    bad_option("q_scale_out .* needs an fp8 quantize dtype", TypeError, q_dyn=True, kv_dyn=True,
+               case=int8)
+
+
+def test_q_scale_out_dtype_and_shape():
+    bad_option("q_scale_out must have dtype float32", TypeError, q_dyn=True,
+               q_scale_out=np.zeros((7, 4), np.float16))
+    bad_option(r"q_scale_out must have shape \(nnz, Hq\)", q_dyn=True,
+               q_scale_out=np.zeros((7, 5), np.float32))
+
+
+def test_kv_cache_scales_exclude_quant_scale_kv():
+    bad_option("quant_scale_kv and kv_cache_scales are exclusive", kv_dyn=True,
+               quant_scale_kv=2.0)
+
+
+def test_kv_cache_scales_refused_for_mla():
+    mla = make_case(20, Dn=8, mla=True, Hkv=1)
+    args = dict(mla, quant_scale_kv=None,
+                kv_cache_scales=tuple(np.zeros(c.shape[:-1], np.float32)
+                                      for c in mla["paged_kv_cache"]))
+    with pytest.raises(ValueError, match="no heads to scale"):
+        call(args)
+
+
+def test_kv_cache_scales_need_a_quantized_cache():
+    fp16 = make_case(20, Dn=8, cache_dtype=F16)
+    bad_option("need an fp8 or int8 cache", TypeError, quantize=False, kv_dyn=True, case=fp16)
+
+
+def test_int8_cache_needs_kv_cache_scales():
+    int8 = make_case(20, Dn=8)
+    int8["paged_kv_cache"] = tuple(c.view(I8) for c in int8["paged_kv_cache"])
+    bad_option("int8 caches need kv_cache_scales", TypeError, case=int8)
+    bad_option("int8 caches need kv_cache_scales", TypeError, quantize_dtype="int8")
+
+
+def test_kv_cache_scales_is_a_pair():
+    bad_option("kv_cache_scales must be a pair", kv_dyn=True,
+               kv_cache_scales=np.zeros((10, 4, 2), np.float32))
+    bad_option("kv_cache_scales must be a pair", kv_dyn=True,
+               kv_cache_scales=(np.zeros((10, 4, 2), np.float32), None))
+
+
+def test_kv_cache_scales_shape_follows_layout_and_dtype():
+    args = with_options(make_case(20, Dn=8), np.random.default_rng(6), kv_dyn=True)
+    num_pages = args["paged_kv_cache"][0].shape[0]
+    hnd = (np.zeros((num_pages, 2, 4), np.float32),) * 2
+    bad_option(r"k_scales must have shape \(num_pages, page_size, Hkv\) for NHD", kv_dyn=True,
+               kv_cache_scales=hnd)
+    bad_option("v_scales must have dtype float32", TypeError, kv_dyn=True,
+               kv_cache_scales=(args["kv_cache_scales"][0],
+                                np.zeros((num_pages, 4, 2), np.float16)))
+
+
+def test_status_dtype_and_shape():
+    bad_option("status must have dtype int32", TypeError, status=np.zeros(1, np.int64))
+    bad_option(r"status must have shape \(1,\)", status=np.zeros(2, np.int32))
+
+
+def test_option_arrays_must_not_overlap_the_caches():
+    args = with_options(make_case(20, Dn=8), np.random.default_rng(7), kv_dyn=True)
+    k_scales = args["kv_cache_scales"][0]
+    with pytest.raises(ValueError, match="overlap|share"):
+        call(dict(args, kv_cache_scales=(k_scales, k_scales)))
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the kernel against the reference
 
@@ -721,6 +975,24 @@ def with_mrope(args, rng, interleaved, bad_share=0.1):
     return args, {"mrope_section": (R // 2 - 2 * x, x, x), "mrope_interleaved": interleaved}
 
 
+def with_options(args, rng, q_dyn=False, kv_dyn=False, status=False):
+    """``args`` with the option arrays: ``q_scale_out`` (dynamic Q), ``kv_cache_scales``
+    (per-token-head KV scales; random bytes, to catch stray writes) and ``status``, and the
+    static scales they replace left out."""
+    T, Hq, _ = args["q_rope"].shape
+    args = dict(args)
+    if q_dyn:
+        args["q_scale_out"] = random_bytes(rng, (T, Hq), F32)
+        args["quant_scale_q"] = None
+    if kv_dyn:
+        shape = args["paged_kv_cache"][0].shape[:-1]
+        args["kv_cache_scales"] = tuple(random_bytes(rng, shape, F32) for _ in range(2))
+        args["quant_scale_kv"] = None
+    if status:
+        args["status"] = np.full((1,), -7, np.int32)
+    return args
+
+
 def check_against_reference(args, quantize, is_neox=True, prealloc=False, mrope=None):
     dev = device_args(args)
     T, Hq, R = args["q_rope"].shape
@@ -733,20 +1005,31 @@ def check_against_reference(args, quantize, is_neox=True, prealloc=False, mrope=
         kw["q_rope_out"] = cp.zeros((T, Hq, R + 8), cp.uint8).view(out)[..., 4:R + 4] \
             if out.itemsize == 1 else cp.zeros((T, Hq, R), out)
     expected = copy_args(args)
+    one = (lambda x: 1.0 if x is None else x)  # noqa: E731
     exp_q, exp_n = reference.rope_append_paged_kv_cache(
         expected["q_rope"], expected["k_rope"], expected["q_nope"], expected["k_nope"],
         expected["v"], expected["cos_sin_cache"], expected["pos_ids"],
         expected["paged_kv_cache"], expected["kv_indices"], expected["kv_indptr"],
-        expected["batch_indices"], expected["positions"], is_neox, expected["quant_scale_q"],
-        expected["quant_scale_kv"], args["page_size"], args["kv_layout"],
-        np.zeros((T, Hq, R), out), np.zeros((T, Hq, Dn), out), **(mrope or {}))
+        expected["batch_indices"], expected["positions"], is_neox, one(expected["quant_scale_q"]),
+        one(expected["quant_scale_kv"]), args["page_size"], args["kv_layout"],
+        np.zeros((T, Hq, R), out), np.zeros((T, Hq, Dn), out), **(mrope or {}),
+        q_scale_out=expected.get("q_scale_out"), kv_cache_scales=expected.get("kv_cache_scales"))
     q, n = call(dev, quantize, is_neox=is_neox, **kw, **(mrope or {}))
     if prealloc:
         assert q is kw["q_rope_out"]
     assert type(q).__module__.startswith("cupy")
-    assert_close(to_numpy(q), exp_q, "q_rope_out")  # every row: unrotated without a position
-    assert_close(to_numpy(n), exp_n, "q_nope_out")
-    check_caches(dev["paged_kv_cache"], expected["paged_kv_cache"], args["paged_kv_cache"], args)
+    if "status" in args:
+        assert int(to_numpy(dev["status"])[0]) == 0, "status of a well-formed kv_indptr"
+    check = assert_codes_close if out == I8 else assert_close
+    check(to_numpy(q), exp_q, "q_rope_out")  # every row: unrotated without a position
+    check(to_numpy(n), exp_n, "q_nope_out")
+    if "q_scale_out" in args:
+        assert_close(dev["q_scale_out"], expected["q_scale_out"], "q_scale_out")
+    scales = None
+    if "kv_cache_scales" in args:
+        scales = (dev["kv_cache_scales"], expected["kv_cache_scales"], args["kv_cache_scales"])
+    check_caches(dev["paged_kv_cache"], expected["paged_kv_cache"], args["paged_kv_cache"], args,
+                 scales)
 
 
 GQA_HEADS = [(32, 8), (64, 8), (24, 6), (64, 16), (8, 8)]
@@ -791,6 +1074,125 @@ def test_kernel_matches_reference(case, seed):
     if mrope:
         args, kw = with_mrope(args, np.random.default_rng(seed), mrope == "interleaved")
     check_against_reference(args, quantize, is_neox, prealloc, kw)
+
+
+@st.composite
+def option_cases(draw):
+    """A case of ``cases`` with some of the options on: dynamic Q (fp8 outputs), per-token-head
+    KV scales (GQA/MHA; fp8 or int8 caches) and status, alone and together."""
+    args, quantize, is_neox, prealloc, mrope = draw(cases())
+    out = args["paged_kv_cache"][0].dtype
+    mla = args["k_rope"].ndim == 2
+    q_dyn = out in FP8 and draw(st.booleans())
+    kv_dyn = not mla and out.itemsize == 1 and draw(st.booleans())
+    if kv_dyn and draw(st.integers(0, 2)) == 0:  # int8: with per-token-head scales only
+        kv_dyn, q_dyn = True, False
+        args = dict(args, paged_kv_cache=tuple(c.view(I8) for c in args["paged_kv_cache"]))
+    status = draw(st.booleans()) or not (q_dyn or kv_dyn)
+    return args, quantize, is_neox, prealloc, mrope, (q_dyn, kv_dyn, status)
+
+
+@pytest.mark.gpu
+@given(case=option_cases(), seed=seeds)
+def test_options_match_reference(case, seed):
+    """q_scale_out, kv_cache_scales and status (the option kernel) against the reference, with
+    mRoPE, layouts, rope styles, nope dims, packed inputs and padding drawn as in the plain test;
+    every untouched cache row and scale entry byte-identical."""
+    args, quantize, is_neox, prealloc, mrope, (q_dyn, kv_dyn, status) = case
+    rng = np.random.default_rng(seed)
+    kw = None
+    if mrope:
+        args, kw = with_mrope(args, rng, mrope == "interleaved")
+    args = with_options(args, rng, q_dyn, kv_dyn, status)
+    check_against_reference(args, quantize, is_neox, prealloc, kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row_block, wave_blocks, prefill_rows",
+                         [(256, 1320, 4), (64, 0, 4), (32, 0, 1), (512, 10**9, 4)])
+def test_options_on_every_row_kernel_shape(row_block, wave_blocks, prefill_rows, monkeypatch):
+    """Computed scales reduce a row over its lane group in shared memory: groups split over
+    blocks, 1 or 4 rows a group, lane groups that are not a power of two (D 128 with R 64: 12
+    lanes) and MLA's 68-lane Q rows."""
+    from ropekv import paged
+
+    for key, value in (("row_block", row_block), ("wave_blocks", wave_blocks),
+                       ("prefill_rows", prefill_rows), ("max_row_block", 512)):
+        monkeypatch.setitem(paged.TUNING, key, value)
+    rng = np.random.default_rng(60)
+    gqa = make_case(61, T=77, B=3, Hq=32, Hkv=8, R=64, Dn=64, page_size=16, packed=True)
+    check_against_reference(with_options(gqa, rng, True, True, True), quantize=True)
+    hnd = make_case(62, T=19, B=5, Hq=8, Hkv=8, R=128, page_size=16, kv_layout="HND",
+                    cache_dtype=I8)
+    check_against_reference(with_options(hnd, rng, False, True, True), quantize=False)
+    mla = make_case(63, T=9, B=9, Hq=16, Hkv=1, R=64, Dn=512, mla=True, dtype=BF16,
+                    page_size=16)
+    check_against_reference(with_options(mla, rng, True, False, True), quantize=True,
+                            is_neox=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("indptr, code", BAD_INDPTR)
+@pytest.mark.parametrize("options", [(False, False), (True, True)])
+def test_status_failure_writes_nothing(indptr, code, options):
+    """A malformed kv_indptr: status holds the first failing check's code and the caches, the
+    scale arrays and the given q outputs keep every byte."""
+    import cupy as cp
+
+    rng = np.random.default_rng(70)
+    args = make_case(71, T=40, B=2, Hq=8, Hkv=2, R=64, Dn=64, page_size=4)
+    args = with_options(malformed(args, indptr), rng, *options, status=True)
+    dev = device_args(args)
+    T, Hq, R = args["q_rope"].shape
+    q_out = cp.asarray(random_bytes(rng, (T, Hq, R), np.uint8)).view(E4M3)
+    n_out = cp.asarray(random_bytes(rng, (T, Hq, 64), np.uint8)).view(E4M3)
+    before = [to_numpy(x).copy() for x in (q_out, n_out)]
+    call(dev, q_rope_out=q_out, q_nope_out=n_out)
+    assert int(dev["status"].get()[0]) == code
+    for got, old, name in zip((q_out, n_out), before, ("q_rope_out", "q_nope_out")):
+        assert_bytes_equal(got, old, name)
+    for got, old in zip(dev["paged_kv_cache"], args["paged_kv_cache"]):
+        assert_bytes_equal(got, old, "cache")
+    for name in ("q_scale_out", "kv_cache_scales"):
+        if name in args:
+            for got, old in zip(*((dev[name], args[name]) if name == "kv_cache_scales"
+                                  else ((dev[name],), (args[name],)))):
+                assert_bytes_equal(got, old, name)
+
+
+@pytest.mark.gpu
+def test_status_of_an_empty_batch_is_written():
+    """No tokens: one block validates and writes the code (0 or the failing check's)."""
+    for indptr, code in (([0, 0], 0), ([0, 5], 6), ([2, 2], 4)):
+        args = make_case(72, T=0, B=1)
+        args = dict(malformed(args, indptr), status=np.full((1,), -7, np.int32))
+        dev = device_args(args)
+        call(dev)
+        assert int(dev["status"].get()[0]) == code
+
+
+@pytest.mark.gpu
+def test_hostile_indices_with_options_never_write_out_of_bounds():
+    import cupy as cp
+
+    args = make_case(31, T=16, B=2, Hq=8, Hkv=2, R=32, Dn=32)
+    i32 = np.iinfo(np.int32)
+    args["batch_indices"][:4] = [i32.max, i32.min, 2, -1]
+    args["positions"][4:8] = [i32.max, i32.min, -1, 1 << 20]
+    args["kv_indices"][::2] = i32.min
+    args["pos_ids"][8:10] = [i32.max, i32.min]
+    check_against_reference(with_options(args, np.random.default_rng(73), True, True, True),
+                            quantize=True)
+    cp.cuda.Device().synchronize()
+
+
+@pytest.mark.gpu
+def test_dynamic_scales_decode_and_prefill_shapes():
+    """Llama-like decode (64 requests of one token) and prefill with both computed scales."""
+    rng = np.random.default_rng(74)
+    for T, B in ((512, 2), (64, 64)):
+        args = make_case(75, T=T, B=B, Hq=32, Hkv=8, R=128, page_size=16, packed=True)
+        check_against_reference(with_options(args, rng, True, True, False), quantize=True)
 
 
 @pytest.mark.gpu

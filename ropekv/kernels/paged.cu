@@ -52,19 +52,68 @@ struct PagedParams {
   int mrope_t, mrope_h, mrope_w, mrope_interleaved;
 };
 
+// The option kernel's parameters: PagedParams's fields (same names and meanings) with the
+// options' pointers and strides added. A struct of its own keeps the plain kernel's parameter
+// record (and the constant-bank lines its first instructions read) exactly as before the options.
+// Field order and types mirror OPTS_PARAMS in ropekv/paged.py.
+struct PagedOptsParams {
+  const void* q_rope;
+  const void* q_nope;
+  const void* k_rope;
+  const void* k_nope;
+  const void* v;
+  void* q_rope_out;
+  void* q_nope_out;
+  void* kr_cache;
+  void* kn_cache;
+  void* v_cache;
+  const float* cos_sin;
+  const void* pos_ids;
+  const void* batch_indices;
+  const void* positions;
+  const void* kv_indptr;
+  const void* kv_indices;
+  const float* q_scales;
+  const float* kv_scales;
+  float* q_scale_out;  // (T, Hq) float32: computed dequantization scale of each Q row, or null
+  float* k_scales;     // per-token-head K scales, (page, entry, head) strides ks_*, or null
+  float* v_scales;     // likewise for V (strides vs_*)
+  int* status;         // (1,) int32: kv_indptr's code (0 valid, 4-6), or null
+  i64 qr_sn, qr_sh, qn_sn, qn_sh;
+  i64 kr_sn, kr_sh, kn_sn, kn_sh, v_sn, v_sh;
+  i64 qro_sn, qro_sh, qno_sn, qno_sh;
+  i64 krc_sp, krc_se, krc_sh;
+  i64 knc_sp, knc_se, knc_sh;
+  i64 vc_sp, vc_se, vc_sh;
+  i64 cs_sp;
+  i64 num_pages, num_indices;
+  i64 pid_st;
+  i64 qso_sn, qso_sh;                            // q_scale_out strides (token, head)
+  i64 ks_sp, ks_se, ks_sh, vs_sp, vs_se, vs_sh;  // scale array strides (page, entry, head)
+  float q_scale, kv_scale;
+  int Hq, Hkv, Hv, R, Dn, B, page_size, P;
+  int index64;
+  int group;
+  int rows;
+  int mrope;
+  int mrope_t, mrope_h, mrope_w, mrope_interleaved;
+  int T;  // tokens (a batch of none with status= launches one block that only validates)
+};
+
 __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
   return is64 ? static_cast<const i64*>(p)[i] : i64(static_cast<const int*>(p)[i]);
 }
 
-__device__ __forceinline__ MRope mrope_of(const PagedParams& p) {
+template <class P>
+__device__ __forceinline__ MRope mrope_of(const P& p) {
   return MRope{p.mrope_t, p.mrope_h, p.mrope_w, p.mrope_interleaved};
 }
 
 // The RoPE position of token t (pos_ids[t]); with mRoPE (pos_ids (3, T)) its three positions in
 // mpos and 0 when all lie in [0, P), else -1 (the token has no position: q unrotated, no row).
 // MROPE: the kernel reads p.mrope; without it mRoPE is compiled out (it costs nothing when off).
-template <bool MROPE>
-__device__ __forceinline__ i64 rope_position(const PagedParams& p, i64 t, i64 (&mpos)[3]) {
+template <bool MROPE, class P>
+__device__ __forceinline__ i64 rope_position(const P& p, i64 t, i64 (&mpos)[3]) {
   if (!MROPE || !p.mrope) return read_index(p.pos_ids, t, p.index64 & 1);
   mrope_positions(p.pos_ids, p.index64 & 1, t, p.pid_st, mpos);
   return mrope_in_range(mpos, p.P) ? 0 : -1;
@@ -81,7 +130,8 @@ struct SlotLookup {
   i64 first, last, idx, pos;
 };
 
-__device__ __forceinline__ SlotLookup slot_begin(const PagedParams& p, i64 b, i64 pos) {
+template <class P>
+__device__ __forceinline__ SlotLookup slot_begin(const P& p, i64 b, i64 pos) {
   SlotLookup s{false, 0, 0, 0, pos};
   if (p.B <= 0 || p.num_indices <= 0) return s;
   s.ok = b >= 0 && b < p.B && pos >= 0;
@@ -92,8 +142,8 @@ __device__ __forceinline__ SlotLookup slot_begin(const PagedParams& p, i64 b, i6
   return s;
 }
 
-__device__ __forceinline__ void slot_end(const PagedParams& p, const SlotLookup& s, i64& page,
-                                         i64& entry) {
+template <class P>
+__device__ __forceinline__ void slot_end(const P& p, const SlotLookup& s, i64& page, i64& entry) {
   page = -1;
   entry = 0;
   const bool first_ok = s.first >= 0 && s.first <= p.num_indices;
@@ -107,8 +157,8 @@ __device__ __forceinline__ void slot_end(const PagedParams& p, const SlotLookup&
   }
 }
 
-__device__ __forceinline__ void find_slot(const PagedParams& p, i64 b, i64 pos, i64& page,
-                                          i64& entry) {
+template <class P>
+__device__ __forceinline__ void find_slot(const P& p, i64 b, i64 pos, i64& page, i64& entry) {
   slot_end(p, slot_begin(p, b, pos), page, entry);
 }
 
@@ -316,6 +366,125 @@ __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const Pa
         first_index(g, base, stride), stride);
 }
 
+// ---- status=: on-device validation of kv_indptr (graph-capturable, no host sync) -------------
+// The code of kv_indptr[0..B] (every thread of the block calls it): 4 kv_indptr[0] != 0, 5 an
+// entry below the one before it, 6 kv_indptr[B] > I (the length of kv_indices), 0 valid (then
+// every entry lies in [0, I]). Entries are compared as signed 64-bit values. Every block reaches
+// the same code, so none waits for another.
+__device__ __forceinline__ int paged_indptr_status(const PagedOptsParams& p) {
+  const int is64 = p.index64 & 8;
+  bool decreasing = false;
+  for (int i = threadIdx.x; i < p.B; i += blockDim.x)
+    decreasing |= read_index(p.kv_indptr, i + 1, is64) < read_index(p.kv_indptr, i, is64);
+  // every thread reads the two ends itself (one address each: broadcast loads), so one barrier
+  const bool first = read_index(p.kv_indptr, 0, is64) != 0;
+  const bool last = read_index(p.kv_indptr, p.B, is64) > p.num_indices;
+  const bool dec = __syncthreads_or(decreasing);
+  return first ? 4 : dec ? 5 : last ? 6 : 0;
+}
+
+// RoPE on a row kernel's chunk; V rows (is_v) take the identity, as the same arithmetic for every
+// row lets a thread's rows interleave.
+template <bool NEOX, int N, int M>
+__device__ __forceinline__ void rotate_row_chunk(float (&a)[N], float (&bb)[N], const float (&c)[M],
+                                                 const float (&sn)[M], bool is_v) {
+  float cu[M], su[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    cu[i] = is_v ? 1.f : c[i];
+    su[i] = is_v ? 0.f : sn[i];
+  }
+  rotate_chunk<NEOX, N, M>(a, bb, cu, su);
+}
+
+// Where head row h of token t goes (Q rows: the q outputs; K / V rows: their cache row in `page`,
+// `entry`), the element of the row's part at which chunk `col` lands; null when the K / V row has
+// no slot (page < 0).
+template <typename OutT>
+__device__ __forceinline__ OutT* row_dest(const PagedOptsParams& p, int t, int h, i64 page,
+                                          i64 entry, bool rotary, int col, int vcol) {
+  const int Hk = p.Hq + p.Hkv;
+  if (h < p.Hq) {
+    return rotary ? static_cast<OutT*>(p.q_rope_out) + t * p.qro_sn + h * p.qro_sh
+                  : static_cast<OutT*>(p.q_nope_out) + t * p.qno_sn + h * p.qno_sh;
+  }
+  if (page < 0) return nullptr;
+  if (h < Hk) {
+    return rotary ? static_cast<OutT*>(p.kr_cache) + page * p.krc_sp + entry * p.krc_se +
+                        (h - p.Hq) * p.krc_sh
+                  : static_cast<OutT*>(p.kn_cache) + page * p.knc_sp + entry * p.knc_se +
+                        (h - p.Hq) * p.knc_sh;
+  }
+  return static_cast<OutT*>(p.v_cache) + page * p.vc_sp + entry * p.vc_se + (h - Hk) * p.vc_sh +
+         (vcol - col);
+}
+
+// Where the computed scale of head row h goes (a stored row: K / V rows have page >= 0): Q rows
+// with q_scale_out, K and V rows with per-token-head scales; null otherwise.
+__device__ __forceinline__ float* scale_dest(const PagedOptsParams& p, int t, int h, i64 page,
+                                             i64 entry) {
+  const int Hk = p.Hq + p.Hkv;
+  if (h < p.Hq) return p.q_scale_out ? p.q_scale_out + t * p.qso_sn + h * p.qso_sh : nullptr;
+  if (!p.k_scales) return nullptr;
+  return h < Hk ? p.k_scales + page * p.ks_sp + entry * p.ks_se + (h - p.Hq) * p.ks_sh
+                : p.v_scales + page * p.vs_sp + entry * p.vs_se + (h - Hk) * p.vs_sh;
+}
+
+// Computed scales: amax[u] = the largest |x| of row u of this thread's lane group after RoPE (0
+// when the call computes no scale). The rows are roped here once more than they are stored (the
+// stores rope them again): holding every roped row in floats until its scale is known costs more
+// registers than the arithmetic. A lane group of G lanes, G a power of two up to 32, sits inside
+// one warp (the block is a whole number of groups): xor shuffles over the group. Other widths
+// (lane groups that straddle warps: 12 lanes for D 128 with R 64, MLA's 68) meet in shared memory,
+// where non-negative floats order as their bits do. fmaxf drops NaN, as row_scale expects. Every
+// thread of the block calls it (shuffles, barriers).
+template <typename T, typename OutT, bool NEOX, int N, int M, int ROWS>
+__device__ __forceinline__ void row_maxima(const PagedOptsParams& p, const Vec<T, N> (&va)[ROWS],
+                                           const Vec<T, N> (&vb)[ROWS], const float (&c)[M],
+                                           const float (&sn)[M], bool pair, bool rotary,
+                                           int first, int slots, int U, int H, int Hk,
+                                           float (&amax)[ROWS]) {
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) amax[u] = 0.f;
+  if (!is_quantized<OutT>::value || !(p.q_scale_out || p.k_scales)) return;  // uniform
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    const int h = first + u * slots;
+    if (u >= U || h >= H) continue;
+    float a[N], bb[N];
+    to_floats<T, N>(va[u], a);
+    if (pair) to_floats<T, N>(vb[u], bb);
+    if (rotary) rotate_row_chunk<NEOX, N, M>(a, bb, c, sn, h >= Hk);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      amax[u] = fmaxf(amax[u], fabsf(a[k]));
+      if (pair) amax[u] = fmaxf(amax[u], fabsf(bb[k]));
+    }
+  }
+  const int G = p.group;
+  if (G <= 32 && (G & (G - 1)) == 0) {
+    const int base = threadIdx.x & ~31;  // lanes of this warp inside the block
+    const int lanes = blockDim.x - base < 32 ? blockDim.x - base : 32;
+    const unsigned mask = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
+#pragma unroll
+    for (int u = 0; u < ROWS; ++u)
+      for (int o = G >> 1; o > 0; o >>= 1)
+        amax[u] = fmaxf(amax[u], __shfl_xor_sync(mask, amax[u], o));
+    return;
+  }
+  __shared__ float row_max[2048];  // slots * ROWS <= 512 * 4
+  const int group = threadIdx.x / G;
+  for (int i = threadIdx.x; i < slots * ROWS; i += blockDim.x) row_max[i] = 0.f;
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u)
+    if (u < U && first + u * slots < H)
+      atomicMax(reinterpret_cast<int*>(row_max) + group * ROWS + u, __float_as_int(amax[u]));
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) amax[u] = row_max[group * ROWS + u];
+}
+
 // ---- The row kernel (heads whose chunks fit a lane group: GQA / MHA) ---------------------------
 // A token's head rows are Q (Hq), K (Hkv) and V (Hv): H = Hq + Hkv + Hv rows. A row is cut into
 // G = ri + ni chunks: chunk j < ri holds RoPE pairs (neox: dims [jN, jN + N) and their partners
@@ -330,8 +499,16 @@ __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const Pa
 // rows stored before the slot lookup end no sooner: the K/V rows' chain is the kernel's length.)
 // Q rows are always written (unrotated when pos_id lies outside [0, P)); K and V rows only when
 // pos_id lies in [0, P) and the token has a slot.
-template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE>
-__global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams p) {
+// OPTS (the option variant; the plain kernel has all of this compiled out):
+// - status=: every block checks kv_indptr (paged_indptr_status) after its loads are issued
+//   (the cos/sin and page-table loads too); with a nonzero code no block stores anything, and
+//   block (0, 0) writes the code.
+// - computed scales (q_scale_out: Q rows; k_scales / v_scales: K and V rows): the largest |x| of
+//   each row after RoPE over its G lanes (row_maxima), the row stored as x * (max_code / a) and
+//   a / max_code written by the row's lane 0 (row_scale, docs/conventions.md "Computed scales").
+//   Rows without a computed scale keep the static one.
+template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE, bool OPTS, class P>
+__device__ __forceinline__ void paged_rows(const P p) {
   pdl_launch_dependents();
   const int t = blockIdx.x;
   const int G = p.group;
@@ -349,6 +526,13 @@ __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams 
   const int H = Hk + p.Hv;
 
   pdl_wait();
+  if constexpr (OPTS) {
+    if (t >= p.T) {  // status= with no tokens: the one block only validates
+      const int code = p.status ? paged_indptr_status(p) : 0;
+      if (p.status && blockIdx.y == 0 && threadIdx.x == 0) *p.status = code;
+      return;
+    }
+  }
   i64 mpos[3];
   const i64 pos_id = rope_position<MROPE>(p, t, mpos);
   const i64 b = read_index(p.batch_indices, t, p.index64 & 2);
@@ -364,19 +548,20 @@ __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams 
     if (h < p.Hq) {
       row = rotary ? static_cast<const T*>(p.q_rope) + t * p.qr_sn + h * p.qr_sh
                    : static_cast<const T*>(p.q_nope) + t * p.qn_sn + h * p.qn_sh;
-      if (is_fp8<OutT>::value) sc[u] = p.q_scales ? __ldg(p.q_scales + h) : p.q_scale;
+      if (is_quantized<OutT>::value) sc[u] = p.q_scales ? __ldg(p.q_scales + h) : p.q_scale;
     } else if (h < Hk) {
       row = rotary ? static_cast<const T*>(p.k_rope) + t * p.kr_sn + (h - p.Hq) * p.kr_sh
                    : static_cast<const T*>(p.k_nope) + t * p.kn_sn + (h - p.Hq) * p.kn_sh;
-      if (is_fp8<OutT>::value) sc[u] = p.kv_scales ? __ldg(p.kv_scales + h - p.Hq) : p.kv_scale;
+      if (is_quantized<OutT>::value)
+        sc[u] = p.kv_scales ? __ldg(p.kv_scales + h - p.Hq) : p.kv_scale;
     } else {
       row = static_cast<const T*>(p.v) + t * p.v_sn + (h - Hk) * p.v_sh + (vcol - col);
-      if (is_fp8<OutT>::value) sc[u] = p.kv_scales ? __ldg(p.kv_scales + h - Hk) : p.kv_scale;
+      if (is_quantized<OutT>::value)
+        sc[u] = p.kv_scales ? __ldg(p.kv_scales + h - Hk) : p.kv_scale;
     }
     va[u] = load<T, N>(row + col);
     if (pair) vb[u] = load<T, N>(row + col + half_r);
   }
-
   const bool rope = pos_id >= 0 && pos_id < p.P;
   constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
   float c[M], sn[M];
@@ -396,41 +581,96 @@ __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams 
   i64 page = -1, entry = 0;
   if (rope && first + (U - 1) * slots >= p.Hq) find_slot(p, b, pos, page, entry);
 
+  if constexpr (!OPTS) {  // the plain kernel, as before the options existed
 #pragma unroll
-  for (int u = 0; u < ROWS; ++u) {
-    const int h = first + u * slots;
-    const bool live = u < U && h < H;
-    const bool is_q = h < p.Hq;
-    const bool is_v = h >= Hk;
-    float a[N], bb[N];
-    to_floats<T, N>(va[u], a);
-    if (pair) to_floats<T, N>(vb[u], bb);
-    if (rotary) {
-      float cu[M], su[M];
+    for (int u = 0; u < ROWS; ++u) {
+      const int h = first + u * slots;
+      const bool live = u < U && h < H;
+      const bool is_q = h < p.Hq;
+      const bool is_v = h >= Hk;
+      float a[N], bb[N];
+      to_floats<T, N>(va[u], a);
+      if (pair) to_floats<T, N>(vb[u], bb);
+      if (rotary) {
+        float cu[M], su[M];
 #pragma unroll
-      for (int i = 0; i < M; ++i) {
-        cu[i] = is_v ? 1.f : c[i];
-        su[i] = is_v ? 0.f : sn[i];
+        for (int i = 0; i < M; ++i) {
+          cu[i] = is_v ? 1.f : c[i];
+          su[i] = is_v ? 0.f : sn[i];
+        }
+        rotate_chunk<NEOX, N, M>(a, bb, cu, su);
       }
-      rotate_chunk<NEOX, N, M>(a, bb, cu, su);
+      if (!live) continue;
+      OutT* d;
+      if (is_q) {
+        d = rotary ? static_cast<OutT*>(p.q_rope_out) + t * p.qro_sn + h * p.qro_sh
+                   : static_cast<OutT*>(p.q_nope_out) + t * p.qno_sn + h * p.qno_sh;
+      } else if (page < 0) {
+        continue;
+      } else if (!is_v) {
+        d = rotary ? static_cast<OutT*>(p.kr_cache) + page * p.krc_sp + entry * p.krc_se +
+                         (h - p.Hq) * p.krc_sh
+                   : static_cast<OutT*>(p.kn_cache) + page * p.knc_sp + entry * p.knc_se +
+                         (h - p.Hq) * p.knc_sh;
+      } else {
+        d = static_cast<OutT*>(p.v_cache) + page * p.vc_sp + entry * p.vc_se +
+            (h - Hk) * p.vc_sh + (vcol - col);
+      }
+      store_float<OutT, N>(d + col, a, sc[u]);
+      if (pair) store_float<OutT, N>(d + col + half_r, bb, sc[u]);
     }
-    if (!live) continue;
-    OutT* d;
-    if (is_q) {
-      d = rotary ? static_cast<OutT*>(p.q_rope_out) + t * p.qro_sn + h * p.qro_sh
-                 : static_cast<OutT*>(p.q_nope_out) + t * p.qno_sn + h * p.qno_sh;
-    } else if (page < 0) {
-      continue;
-    } else if (!is_v) {
-      d = rotary ? static_cast<OutT*>(p.kr_cache) + page * p.krc_sp + entry * p.krc_se +
-                       (h - p.Hq) * p.krc_sh
-                 : static_cast<OutT*>(p.kn_cache) + page * p.knc_sp + entry * p.knc_se +
-                       (h - p.Hq) * p.knc_sh;
-    } else {
-      d = static_cast<OutT*>(p.v_cache) + page * p.vc_sp + entry * p.vc_se + (h - Hk) * p.vc_sh +
-          (vcol - col);
+  } else {
+    // the plain loop, with each row's computed scale where it has one
+    float amax[ROWS];
+    row_maxima<T, OutT, NEOX, N, M, ROWS>(p, va, vb, c, sn, pair, rotary, first, slots, U, H, Hk,
+                                          amax);
+    if (p.status) {  // every block reaches the same code: a malformed table writes nothing
+      const int code = paged_indptr_status(p);
+      if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *p.status = code;
+      if (code) return;
     }
-    store_float<OutT, N>(d + col, a, sc[u]);
-    if (pair) store_float<OutT, N>(d + col + half_r, bb, sc[u]);
+#pragma unroll
+    for (int u = 0; u < ROWS; ++u) {
+      const int h = first + u * slots;
+      if (u >= U || h >= H) continue;
+      float a[N], bb[N];
+      to_floats<T, N>(va[u], a);
+      if (pair) to_floats<T, N>(vb[u], bb);
+      if (rotary) rotate_row_chunk<NEOX, N, M>(a, bb, c, sn, h >= Hk);
+      OutT* d = row_dest<OutT>(p, t, h, page, entry, rotary, col, vcol);
+      if (!d) continue;
+      float mul = sc[u];
+      if constexpr (is_quantized<OutT>::value) {
+        float* dst = scale_dest(p, t, h, page, entry);  // null: the row keeps its static scale
+        if (dst) {
+          const RowScale rs = row_scale<OutT>(amax[u]);
+          mul = rs.mul;
+          if (j == 0) *dst = rs.scale;
+        }
+      }
+      store_float<OutT, N>(d + col, a, mul);
+      if (pair) store_float<OutT, N>(d + col + half_r, bb, mul);
+    }
   }
+}
+
+// The plain row kernel (every option of the op off) and the option kernel. The option kernel's
+// register cap keeps it at the plain kernel's occupancy (96 registers: 7 blocks of 96 threads an
+// SM in prefill; uncapped, computed scales take 110 and cost an eighth of the blocks). mRoPE's
+// three cos/sin rows need more (the plain mRoPE kernel takes 118; 96 would spill).
+#if defined(__CUDACC_VER_MAJOR__) && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
+#define ROPEKV_OPTS_BOUNDS __maxnreg__(MROPE ? 128 : 96)
+#else
+#define ROPEKV_OPTS_BOUNDS __launch_bounds__(512)
+#endif
+
+template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE>
+__global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams p) {
+  paged_rows<T, OutT, NEOX, N, ROWS, MROPE, false>(p);
+}
+
+template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE>
+__global__ void ROPEKV_OPTS_BOUNDS rope_append_paged_rows_opts(const PagedOptsParams p) {
+  paged_rows<T, OutT, NEOX, N, ROWS, MROPE, true>(p);
 }

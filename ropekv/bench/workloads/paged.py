@@ -27,17 +27,22 @@ class PagedWL(Workload):
     """The FlashInfer-compatible paged op: GQA/MHA (3-D ``k_rope``) or MLA (2-D ``k_rope``)."""
 
     op = "paged"
-    OUTPUTS = ("q_rope_out", "q_nope_out", "cache0", "cache1")
+    OUTPUTS = ("q_rope_out", "q_nope_out", "cache0", "cache1", "q_scale_out", "k_scales",
+               "v_scales")
 
     def build(self, B, S, prefix, Hq, dtype, cache_dtype, Hkv=8, D=128, R=None, mla=False, L=512,
               page_size=16, layout="NHD", index_dtype=np.int32, is_neox=True, scales=(1.0, 1.0),
-              spare_pages=0):
+              spare_pages=0, q_dyn=False, kv_dyn=False):
+        """``q_dyn``: dynamic fp8 Q (``q_scale_out``); ``kv_dyn``: per-token-head KV scales
+        (``kv_cache_scales``; the cache may be int8). Both have no peer."""
         g = self.g
         T, seq = B * S, prefix + S
         self.mla, self.layout, self.page_size, self.is_neox = mla, layout, page_size, is_neox
         self.dtype, self.cache_dtype = np.dtype(dtype), np.dtype(cache_dtype)
+        self.quantized = self.cache_dtype in FP8 or self.cache_dtype == np.int8
         self.fp8 = self.cache_dtype in FP8
         self.scales = scales
+        self.q_dyn, self.kv_dyn = q_dyn, kv_dyn
         per = -(-seq // page_size)
         ids, num_pages = _pages(B, per, g, spare=spare_pages)
         batch = np.repeat(np.arange(B), S)
@@ -76,24 +81,55 @@ class PagedWL(Workload):
         self.a["q_rope_out"] = g.zeros(self.a["q_rope"].shape, cache_dtype)
         if self.a["q_nope"] is not None:
             self.a["q_nope_out"] = g.zeros(self.a["q_nope"].shape, cache_dtype)
+        if q_dyn:
+            self.a["q_scale_out"] = g.zeros((T, Hq), np.float32)
+        if kv_dyn:
+            for name in ("k_scales", "v_scales"):
+                self.a[name] = g.zeros(self.a["cache0"].shape[:-1], np.float32)
         tok = self._sample_tokens(T)
         page, entry = self.page[tok], self.entry[tok]
         rows = (page, entry) if mla or layout == "NHD" else (page, slice(None), entry)
         self.sample = {"q_rope_out": ("q_rope_out", (tok,)), "q_nope_out": ("q_nope_out", (tok,)),
-                       "cache0_rows": ("cache0", rows), "cache1_rows": ("cache1", rows)}
+                       "cache0_rows": ("cache0", rows), "cache1_rows": ("cache1", rows),
+                       "q_scale_out": ("q_scale_out", (tok,)),
+                       "k_scales_rows": ("k_scales", rows), "v_scales_rows": ("v_scales", rows)}
 
-    def call(self, o):
+    def call(self, o, **options):
         a = self.a
-        name = OP_FUNCTIONS["paged"][0 if self.fp8 else 1]
+        name = OP_FUNCTIONS["paged"][0 if self.quantized else 1]
+        kw = {"quant_scale_q": self.scales[0], "quant_scale_kv": self.scales[1]}
+        if self.q_dyn:
+            kw.update(q_scale_out=o["q_scale_out"], quant_scale_q=None)
+        if self.kv_dyn:
+            kw.update(kv_cache_scales=(o["k_scales"], o["v_scales"]), quant_scale_kv=None)
+        kw.update(options)
         return _fn(name)(
             a["q_rope"], a["k_rope"], a["q_nope"], a["k_nope"], a["v"], a["table"], a["pos_ids"],
             (o["cache0"], o["cache1"]), a["kv_indices"], a["kv_indptr"], a["batch_indices"],
             a["positions"], is_neox=self.is_neox,
-            quantize_dtype=self.cache_dtype if self.fp8 else None, quant_scale_q=self.scales[0],
-            quant_scale_kv=self.scales[1], page_size=self.page_size, kv_layout=self.layout,
-            q_rope_out=o["q_rope_out"], q_nope_out=o.get("q_nope_out"))
+            quantize_dtype=self.cache_dtype if self.quantized else None,
+            page_size=self.page_size, kv_layout=self.layout, q_rope_out=o["q_rope_out"],
+            q_nope_out=o.get("q_nope_out"), **kw)
+
+    def options(self):
+        """``ropekv bench --options``: status= (leaves the outputs as the plain call writes
+        them), and on fp8 GQA caches the computed scales (they change the outputs: timed only)."""
+        out = {"status": ({"status": self.g.zeros((1,), np.int32)}, True)}
+        if self.fp8 and not (self.mla or self.q_dyn or self.kv_dyn):
+            T, Hq = self.a["q_rope"].shape[:2]
+            q_scales = {"q_scale_out": self.g.zeros((T, Hq), np.float32), "quant_scale_q": None}
+            shape = self.a["cache0"].shape[:-1]
+            kv_scales = {"kv_cache_scales": (self.g.zeros(shape, np.float32),
+                                             self.g.zeros(shape, np.float32)),
+                         "quant_scale_kv": None}
+            out["dynamic q"] = (q_scales, False)
+            out["kv scales"] = (kv_scales, False)
+        return out
 
     def torch_fn(self, t, o):
+        if self.q_dyn or self.kv_dyn:
+            return None  # computed scales: no composition of the peers'
+
         ps, neox, mla, nhd = self.page_size, self.is_neox, self.mla, self.layout == "NHD"
         sq, skv = self.scales if self.fp8 else (1.0, 1.0)
         R = self.R
@@ -137,6 +173,8 @@ class PagedWL(Workload):
             rope_quantize_fp8_append_paged_kv_cache,
         )
 
+        if self.q_dyn or self.kv_dyn:
+            return None  # FlashInfer 0.5.3 has no computed scales
         caches = (o["cache0"], o["cache1"])
         if self.fp8:
             def fused():
@@ -173,13 +211,17 @@ class PagedWL(Workload):
         return two_launches, reset
 
 
-def _paged_gqa(B, S, dtype, cache, prefix=1024, **extra):
+def _paged_gqa(B, S, dtype, cache, prefix=1024, q_dyn=False, kv_dyn=False, **extra):
     T = B * S
-    qout = cache if cache in FP8 else dtype
-    return dict(op="paged", name=f"paged gqa {_dtname(dtype)}->{_dtname(cache)} {B}x{S}",
-                tokens=T, nbytes=nbytes_of.rope_kv_bytes(T, 32, 8, 128, 128, dtype, qout, cache),
+    quantized = cache in FP8 or np.dtype(cache) == np.int8
+    qout = cache if quantized else dtype
+    tag = (" dynamic q" if q_dyn else "") + (" kv scales" if kv_dyn else "")
+    return dict(op="paged", name=f"paged gqa {_dtname(dtype)}->{_dtname(cache)} {B}x{S}{tag}",
+                tokens=T,
+                nbytes=nbytes_of.rope_kv_bytes(T, 32, 8, 128, 128, dtype, qout, cache)
+                + nbytes_of.computed_scale_bytes(T, 32 if q_dyn else 0, 8 if kv_dyn else 0),
                 make=_lazy(PagedWL, B=B, S=S, prefix=prefix, dtype=dtype, cache_dtype=cache,
-                           **LLAMA),
+                           q_dyn=q_dyn, kv_dyn=kv_dyn, **LLAMA),
                 decode=S == 1, **extra)
 
 
@@ -202,6 +244,12 @@ def specs():
     for dtype, cache in ((BF16, BF16), (BF16, E4M3)):
         for B, S in ((8, 1024), (64, 1)):
             out.append(CaseSpec(**_paged_gqa(B, S, dtype, cache)))
+    # computed scales (issue 14), against the static fp16 -> e4m3 cases of the same shapes
+    # ("paged gqa fp16->e4m3 8x1024", "... 64x1", "... 1x1"): `--cases "paged gqa fp16->e4m3"`
+    for B, S in ((8, 1024), (64, 1), (1, 1)):
+        for q_dyn, kv_dyn in ((True, False), (False, True), (True, True)):
+            out.append(CaseSpec(**_paged_gqa(B, S, F16, E4M3, q_dyn=q_dyn, kv_dyn=kv_dyn)))
+        out.append(CaseSpec(**_paged_gqa(B, S, F16, np.dtype(np.int8), kv_dyn=True)))
     # token sweep of the fp16 -> e4m3 case for the plot (requests of at most 1024 new tokens)
     for T in SWEEP:
         B, S = (T, 1) if T <= 256 else (T // min(T, 1024), min(T, 1024))
@@ -235,5 +283,8 @@ def check_cases(add):
             f"{np.dtype(idx).name}", PagedWL, B=3, S=19, prefix=37, Hq=8, Hkv=2, D=128,
             R=128 if cache != E5M2 else 64, dtype=dtype, cache_dtype=cache, page_size=ps,
             layout=layout, index_dtype=idx, scales=(0.5, 2.0), spare_pages=5)
+    add("paged", "gqa fp16->e4m3 HND page 16 dynamic q, kv scales", PagedWL, B=3, S=19,
+        prefix=37, Hq=8, Hkv=2, D=128, R=64, dtype=F16, cache_dtype=E4M3, page_size=16,
+        layout="HND", spare_pages=5, q_dyn=True, kv_dyn=True)
     add("paged", "mla bf16->e4m3 page 16", PagedWL, B=2, S=11, prefix=20, Hq=16, mla=True, L=512,
         R=64, dtype=BF16, cache_dtype=E4M3, is_neox=False, scales=(1.0, 0.5), spare_pages=3)
