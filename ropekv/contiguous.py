@@ -73,15 +73,12 @@ Q_OUT = ARRAYS.index("q_out")
  MODE_ALL) = range(7)
 
 
-def _c_type(dtype):
-    return "signed char" if np.dtype(dtype) == INT8 else c_type(dtype)
-
 
 def expression(dtype, cache_dtype, is_neox, n, mode=MODE_PLAIN, q_dtype=None):
     """The kernel of one specialisation (``mode``); ``q_dtype``: the Q output's dtype (that of
     ``dtype`` unless a quantized-output mode writes fp8 queries)."""
-    return name_expression(KERNEL, _c_type(dtype), _c_type(cache_dtype),
-                           _c_type(q_dtype or dtype), c_bool(is_neox), n, mode)
+    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype),
+                           c_type(q_dtype or dtype), c_bool(is_neox), n, mode)
 
 
 def launch_shape(T, H, group, prefill_rows=None):

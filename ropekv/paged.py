@@ -120,9 +120,6 @@ STATUS_CODES = {reference.STATUS_INDPTR_FIRST_NOT_ZERO: "kv_indptr[0] != 0",
                 reference.STATUS_INDPTR_PAST_INDICES: "kv_indptr[-1] > len(kv_indices)"}
 
 
-def _c_type(dtype):
-    return "signed char" if dtype == INT8 else c_type(dtype)
-
 
 @functools.cache
 def expression(dtype, out_dtype, is_neox, n, shape, mrope=False, opts=False):
@@ -132,7 +129,7 @@ def expression(dtype, out_dtype, is_neox, n, shape, mrope=False, opts=False):
     status), compiled out of the plain one."""
     if shape[0] == "rows":
         return name_expression(ROW_KERNEL + ("_opts" if opts else ""), c_type(dtype),
-                               _c_type(out_dtype), c_bool(is_neox), n, shape[1], c_bool(mrope))
+                               c_type(out_dtype), c_bool(is_neox), n, shape[1], c_bool(mrope))
     return name_expression(KERNEL, c_type(dtype), c_type(out_dtype), c_bool(is_neox), n, *shape,
                            c_bool(mrope))
 
