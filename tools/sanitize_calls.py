@@ -1,4 +1,5 @@
-"""One call of every ropekv kernel on the GPU, each checked against the NumPy backend: the
+"""One call of every ropekv kernel on the GPU (the option kernels with computed scales and status=
+too), each checked against the NumPy backend: the
 workload of ``tools/sanitize.sh``'s racecheck, initcheck and synccheck passes."""
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import numpy as np
 
 import ropekv
 
-from tests.test_call_path import check_device_call
-from tests.tolerance import to_device
+from tests.test_call_path import (CASES, assert_op_close, assert_same, check_device_call,
+                                  copy_kw, flat, map_arrays)
+from tests.tolerance import to_device, to_numpy
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 CALLS = [
@@ -32,6 +34,52 @@ CALLS = [
 ]
 
 
+def _scales(shape):
+    return np.zeros(shape, np.float32)
+
+
+def _computed_scales(op, kw):
+    """The call arguments that switch on issue 14's computed scales (dynamic fp8 q,
+    per-token-head KV scales) and, where the op takes it, status=."""
+    if op == "paged":
+        caches, q = kw["paged_kv_cache"], kw["q_rope"]
+        return {"quant_scale_q": None, "quant_scale_kv": None,
+                "q_scale_out": _scales(q.shape[:2]),
+                "kv_cache_scales": tuple(_scales(c.shape[:-1]) for c in caches),
+                "status": np.full(1, 7, np.int32)}
+    if op == "qknorm":
+        caches, q = kw["paged_kv_cache"], kw["q"]
+        return {"q_out_dtype": E4M3, "q_scale_out": _scales(q.shape[:2]),
+                "kv_cache_scales": tuple(_scales(c.shape[:-1]) for c in caches),
+                "status": np.full(1, 7, np.int32)}
+    q, cache = kw["q"], kw["kv_cache"]
+    return {"kv_scale": None, "q_out": np.zeros(q.shape, E4M3),
+            "q_scale_out": _scales(q.shape[:3]), "kv_cache_scales": _scales(cache.shape[:-1])}
+
+
+# the option kernels with computed scales, each against the NumPy backend
+SCALED = [("paged", {"cache_dtype": E4M3}), ("qknorm", {"cache_dtype": E4M3, "layout": "HND"}),
+          ("contiguous", {"cache_dtype": E4M3})]
+
+
+def check_scaled_call(op, case):
+    fn, kw = CASES[op](0, **case)
+    kw.update(_computed_scales(op, kw))
+    expected = copy_kw(kw)
+    out_expected = fn(**expected)
+    dev = map_arrays(kw, to_device)
+    out = fn(**dev)
+    assert_same(dev, out, expected, out_expected, op)
+    for name in ("q_scale_out", "kv_cache_scales", "q_out", "status"):
+        if name in kw:
+            for a, e in zip(flat(dev[name]), flat(expected[name])):
+                a = to_numpy(a)
+                if name == "q_out":
+                    assert_op_close(a, e, op, f"{op}: {name}")
+                else:
+                    np.testing.assert_allclose(a, e, rtol=1e-5, err_msg=f"{op}: {name}")
+
+
 def runs_cublas(case):
     tokens = sum(case.get("lengths", (3, 1, 0, 2)))
     quantized = case.get("wfmt", "dense") != "dense"
@@ -50,6 +98,9 @@ def main():
             continue
         check_device_call(op, 0, to_device, **case)
         print(f"ok {op} {case}")
+    for op, case in SCALED:
+        check_scaled_call(op, case)
+        print(f"ok {op} {case} with computed scales")
 
 
 if __name__ == "__main__":
