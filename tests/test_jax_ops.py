@@ -19,8 +19,7 @@ import jax.numpy as jnp
 
 import ropekv
 import ropekv.jax as rj
-from tests.framework_cases import E4M3, OUTPUT_ARGS, cases
-from tests.test_call_path import assert_op_close
+from tests.framework_cases import E4M3, OUTPUT_ARGS, assert_result_close, cases
 from tests.tolerance import assert_close
 
 CASES = cases()
@@ -32,11 +31,16 @@ def on_host(x):
 
 
 def split(case, convert=on_host):
-    """(arrays, statics): the case's keyword arguments for ``ropekv.jax`` (no output arguments),
-    arrays converted (on the host by default; traced under jit), everything else static."""
+    """(arrays, statics): the case's keyword arguments for ``ropekv.jax`` (no output arguments
+    but the contiguous op's ``q_out``, which is an input-output alias there; a given QK-norm
+    ``q_out`` becomes its dtype, ``q_out_dtype``), arrays converted (on the host by default;
+    traced under jit), everything else static."""
     arrays, statics = {}, {}
     for n, x in case.fresh().items():
-        if n in OUTPUT_ARGS:
+        if n == "q_out" and case.op == "qk_rmsnorm_rope_append_paged_kv_cache":
+            statics.setdefault("q_out_dtype", x.dtype)
+            continue
+        if n in OUTPUT_ARGS and not (n == "q_out" and case.op == "apply_rope_write_kv"):
             continue
         if isinstance(x, np.ndarray):
             arrays[n] = convert(x)
@@ -50,10 +54,14 @@ def split(case, convert=on_host):
 def expected(case):
     """The eager NumPy results in the order ``ropekv.jax`` returns them (flattened): the
     returned arrays and the caches, not the caller's output arguments, which JAX has none of."""
+    if case.op == "apply_rope_write_kv":  # (q or q_out, k?, kv_cache, q_scale_out?, scales?)
+        a = case.fresh()
+        ropekv.apply_rope_write_kv(**a)
+        names = ["q_out" if a.get("q_out") is not None else "q",
+                 *(["k"] if a.get("write_k_in_place") else []), "kv_cache", "q_scale_out",
+                 "kv_cache_scales"]
+        return [a[n] for n in names if a.get(n) is not None]
     got = case.run(ropekv, case.fresh())
-    if case.op == "apply_rope_write_kv":
-        q, kv_cache, *k = got
-        return [q, *k, kv_cache]
     given = sum(case.kwargs.get(n) is not None for n in OUTPUT_ARGS)
     return got[:len(got) - given]
 
@@ -314,23 +322,33 @@ def test_command_buffer_flag_is_accepted_on_the_host():
 
 
 @cpu
-@pytest.mark.parametrize("name", ["qknorm-options-given", "mla-options"])
+@pytest.mark.parametrize("name", ["qknorm-options-given", "mla-options",
+                                  "paged-int8-kv-scales-hnd-given",
+                                  "qknorm-fp8-q-dynamic-kv-scales"])
 def test_status_reports_bad_offsets_and_the_caches_stay(name):
-    """Malformed ``input_row_offsets`` (one above the next): the returned status is 2 and the
-    returned caches hold the given ones' bytes."""
+    """Malformed offsets (``input_row_offsets`` one above the next: code 2; ``kv_indptr[0] !=
+    0``: code 4): the returned status holds the code, and every other returned alias (caches,
+    scale arrays) the given array's bytes."""
     import copy
 
     case = copy.copy(next(c for c in CASES if c.name == name))
-    offsets = case.kwargs["input_row_offsets"].copy()
-    offsets[1] = offsets[2] + 1
-    case.kwargs = dict(case.kwargs, input_row_offsets=offsets)
+    if "kv_indptr" in case.kwargs:
+        indptr = case.kwargs["kv_indptr"].copy()
+        indptr[0] = 1
+        case.kwargs, code = dict(case.kwargs, kv_indptr=indptr), 4
+    else:
+        offsets = case.kwargs["input_row_offsets"].copy()
+        offsets[1] = offsets[2] + 1
+        case.kwargs, code = dict(case.kwargs, input_row_offsets=offsets), 2
     arrays, statics = split(case)
     fn = getattr(rj, case.op)
-    *_, caches, status = jax.jit(lambda a: fn(**a, **statics))(arrays)
-    assert int(np.asarray(status)[0]) == 2
-    given = case.kwargs["paged_kv_cache" if "paged_kv_cache" in case.kwargs else "kv_cache"]
-    for got, want in zip(jax.tree_util.tree_leaves(caches), jax.tree_util.tree_leaves(given)):
-        assert np.array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+    got = jax.tree_util.tree_leaves(jax.jit(lambda a: fn(**a, **statics))(arrays))
+    given = case.written(case.fresh(), status=False, outputs=False)
+    *aliases, status = got[len(got) - len(given) - 1:]
+    assert int(np.asarray(status)[0]) == code
+    assert len(aliases) == len(given)
+    for alias, want in zip(aliases, given):
+        assert np.array_equal(np.asarray(alias).view(np.uint8), want.view(np.uint8))
 
 
 @cpu
@@ -391,9 +409,8 @@ def gpu_device():
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_gpu_jitted_op_matches_the_reference(case):
     got = run_jitted(case, gpu_device())
-    op = "qkv" if case.op.startswith("fused_qkv") else ""  # rows by relative error (cuBLAS path)
     for i, (g, e) in enumerate(zip(got, expected(case), strict=True)):
-        assert_op_close(np.asarray(g), e, op, f"result {i}")
+        assert_result_close(np.asarray(g), e, case, f"result {i}")
 
 
 @pytest.mark.gpu
