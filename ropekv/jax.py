@@ -156,13 +156,16 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
 
     With ``q_out`` (an array ``(B, S, Hq, D)`` of ``q``'s dtype or fp8, every row of which the op
     writes), the roped queries go there instead: the first result is the new ``q_out``, aliasing
-    the given one, and ``q`` is only read. ``q_scale`` (fp8 ``q_out``) is static.
+    the given one, and ``q`` is only read. ``q_scale`` (fp8 ``q_out``) is static, and so is
+    ``kv_scale`` when it is a number or a pair (an array is read by the kernel).
     ``q_scale_out`` ``(B, S, Hq)`` and ``kv_cache_scales`` ``(B, 2, Hkv, C)`` (float32) are
     input-output aliases too, returned after the cache in that order when given:
     ``q8, kv_cache, q_scales, kv_scales = rj.apply_rope_write_kv(..., q_out=q8, q_scale_out=qs,
     kv_cache_scales=ks)``.
     """
     write_k = bool(write_k_in_place)
+    # a number or a pair of numbers is static (constants of the launch); an array an input
+    static_scale = kv_scale is None or isinstance(kv_scale, int | float | tuple | list)
     q_key = "q" if q_out is None else "q_out"
     outputs = [(q_key, q_key), *((("k", "k"),) if write_k else ()), ("kv_cache", "kv_cache"),
                *((("q_scale_out", "q_scale_out"),) if q_scale_out is not None else ()),
@@ -173,14 +176,16 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
         ropekv.apply_rope_write_kv(
             a["q"], a["k"], a["v"], a["kv_cache"], a["cos_sin_cache"],
             kv_end_lens=a.get("kv_end_lens"), position_ids=a.get("position_ids"),
-            kv_scale=a.get("kv_scale"), write_k_in_place=write_k, is_neox=bool(is_neox),
+            kv_scale=kv_scale if static_scale else a["kv_scale"], write_k_in_place=write_k,
+            is_neox=bool(is_neox),
             mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
             q_out=a.get("q_out"), q_scale=q_scale, q_scale_out=a.get("q_scale_out"),
             kv_cache_scales=a.get("kv_cache_scales"), stream=stream)
 
     inputs = [("q", q), ("k", k), ("v", v), ("kv_cache", kv_cache),
               ("cos_sin_cache", cos_sin_cache), ("kv_end_lens", kv_end_lens),
-              ("position_ids", position_ids), ("kv_scale", kv_scale), ("q_out", q_out),
+              ("position_ids", position_ids),
+              ("kv_scale", None if static_scale else kv_scale), ("q_out", q_out),
               ("q_scale_out", q_scale_out), ("kv_cache_scales", kv_cache_scales)]
     return tuple(_call("apply_rope_write_kv", inputs, outputs, run, command_buffer_compatible))
 

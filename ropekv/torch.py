@@ -130,10 +130,12 @@ def _no_outputs(*args, **kwargs):
 def _contiguous_ops(write_k_in_place):
     """The in-place op (``q`` roped in place) and the ``_out`` op (the given ``q_out`` written,
     ``q`` only read) of one ``write_k_in_place`` value."""
-    def run(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, is_neox,
-            mrope_section, mrope_interleaved, q_scale, q_scale_out, kv_cache_scales, q_out):
+    def run(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, kv_scales,
+            is_neox, mrope_section, mrope_interleaved, q_scale, q_scale_out, kv_cache_scales,
+            q_out):
         _eager(ropekv.apply_rope_write_kv, q, k, v, kv_cache, cos_sin_cache,
-               kv_end_lens=kv_end_lens, position_ids=position_ids, kv_scale=kv_scale,
+               kv_end_lens=kv_end_lens, position_ids=position_ids,
+               kv_scale=_scale_arg(kv_scale) if kv_scales is None else kv_scales,
                write_k_in_place=write_k_in_place, is_neox=is_neox,
                mrope_section=fw.mrope_tuple(mrope_section), mrope_interleaved=mrope_interleaved,
                q_out=q_out, q_scale=q_scale, q_scale_out=q_scale_out,
@@ -141,19 +143,23 @@ def _contiguous_ops(write_k_in_place):
 
     def in_place(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, cos_sin_cache: Tensor,
                  kv_end_lens: Optional[Tensor], position_ids: Optional[Tensor],
-                 kv_scale: Optional[Tensor], is_neox: bool, mrope_section: Optional[List[int]],
-                 mrope_interleaved: bool, q_scale: Optional[float],
-                 q_scale_out: Optional[Tensor], kv_cache_scales: Optional[Tensor]) -> None:
-        run(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, is_neox,
-            mrope_section, mrope_interleaved, q_scale, q_scale_out, kv_cache_scales, None)
+                 kv_scale: Optional[List[float]], kv_scales: Optional[Tensor], is_neox: bool,
+                 mrope_section: Optional[List[int]], mrope_interleaved: bool,
+                 q_scale: Optional[float], q_scale_out: Optional[Tensor],
+                 kv_cache_scales: Optional[Tensor]) -> None:
+        run(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, kv_scales,
+            is_neox, mrope_section, mrope_interleaved, q_scale, q_scale_out, kv_cache_scales,
+            None)
 
     def into(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, cos_sin_cache: Tensor,
              kv_end_lens: Optional[Tensor], position_ids: Optional[Tensor],
-             kv_scale: Optional[Tensor], is_neox: bool, mrope_section: Optional[List[int]],
-             mrope_interleaved: bool, q_scale: Optional[float], q_scale_out: Optional[Tensor],
+             kv_scale: Optional[List[float]], kv_scales: Optional[Tensor], is_neox: bool,
+             mrope_section: Optional[List[int]], mrope_interleaved: bool,
+             q_scale: Optional[float], q_scale_out: Optional[Tensor],
              kv_cache_scales: Optional[Tensor], q_out: Tensor) -> None:
-        run(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, is_neox,
-            mrope_section, mrope_interleaved, q_scale, q_scale_out, kv_cache_scales, q_out)
+        run(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, kv_scales,
+            is_neox, mrope_section, mrope_interleaved, q_scale, q_scale_out, kv_cache_scales,
+            q_out)
 
     name = "ropekv::apply_rope_write_kv" + ("_k_in_place" if write_k_in_place else "")
     written = ("k", "kv_cache", "q_scale_out", "kv_cache_scales") if write_k_in_place else (
@@ -182,14 +188,23 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
     ``torch.ops.ropekv.apply_rope_write_kv_k_in_place`` (also ``k``); with a ``q_out`` that is not
     ``q``, their ``_out`` forms, which write ``q_out`` (fp8 too, with ``q_scale`` or
     ``q_scale_out``) and only read ``q``. ``q_scale_out`` and ``kv_cache_scales`` are written in
-    place when given (every form declares them mutated). No ``stream=``: torch's current stream.
+    place when given (every form declares them mutated). ``kv_scale``: a float or a pair (the
+    op's list of floats, constants of the launch) or a tensor (the op's ``kv_scales``, read by the
+    kernel). No ``stream=``: torch's current stream.
     mRoPE: ``position_ids (3, B, S)`` with ``mrope_section`` (a list of ints in the op's schema)
     and ``mrope_interleaved``.
     """
     ops = _apply_rope_write_kv_k_in_place if write_k_in_place else _apply_rope_write_kv
-    args = (q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, bool(is_neox),
-            fw.mrope_list(mrope_section), _flag(mrope_interleaved, "mrope_interleaved"), q_scale,
-            q_scale_out, kv_cache_scales)
+    if isinstance(kv_scale, Tensor):
+        kv_scale, kv_scales = None, kv_scale
+    else:  # numbers (a 0-d or (2,) NumPy array too): constants of the launch, as eagerly
+        kv_scales = None
+        if type(kv_scale).__module__ == "numpy" and getattr(kv_scale, "ndim", 2) <= 1:
+            kv_scale = tuple(kv_scale.reshape(-1).tolist())
+        kv_scale = _scale_list(kv_scale)
+    args = (q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, kv_scales,
+            bool(is_neox), fw.mrope_list(mrope_section),
+            _flag(mrope_interleaved, "mrope_interleaved"), q_scale, q_scale_out, kv_cache_scales)
     if q_out is None or q_out is q:
         ops[0](*args)
     else:

@@ -95,7 +95,7 @@ class Case:
 
 
 def _contiguous(name, seed, **kw):
-    call = {n: kw.pop(n) for n in ("write_k_in_place", "is_neox") if n in kw}
+    call = {n: kw.pop(n) for n in ("write_k_in_place", "is_neox", "kv_scale") if n in kw}
     return Case(name, "apply_rope_write_kv", {**test_contiguous.make_case(seed, **kw), **call})
 
 
@@ -266,6 +266,8 @@ def cases():
         # issue 14's fp8 queries (static and dynamic scales), per-token-head KV scales (fp8 and
         # int8 caches) and the paged ops' device-side status
         _quant_contiguous("contiguous-q-out", 28, q_mode="copy"),
+        _contiguous("contiguous-fp8-float-kv-scale-pair", 38, D=32, R=16, cache_dtype=E4M3,
+                    kv_scale=(0.5, 2.0)),
         _quant_contiguous("contiguous-fp8-q-dynamic-int8-kv-scales", 29, q_mode="dynamic e4m3",
                           kv_dtype=INT8),
         _quant_contiguous("contiguous-fp8-q-static-kv-scales-k-in-place", 30,

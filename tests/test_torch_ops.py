@@ -214,6 +214,26 @@ BAD = [
     ("mla status dtype", "mla-options", "status", lambda s: s.astype(np.int64)),
     ("paged mrope_section sum", "paged-fp8-mrope-interleaved", "mrope_section",
      lambda s: (1, 1, 1)),
+    # issue 14's computed scales and fp8 queries (some checked by the fakes, the rest eagerly)
+    ("qknorm q_out_dtype", "qknorm-fp8-q-dynamic-kv-scales", "q_out_dtype", lambda _: "int8"),
+    ("qknorm q_scale with q_scale_out", "qknorm-fp8-q-dynamic-kv-scales", "q_scale",
+     lambda _: 2.0),
+    ("qknorm kv_cache_scales shape", "qknorm-int8-kv-scales-in-place", "kv_cache_scales",
+     lambda s: tuple(x[:-1] for x in s)),
+    ("paged static q scale with q_scale_out", "paged-fp8-computed-scales-status",
+     "quant_scale_q", lambda _: 2.0),
+    ("paged int8 cache without kv_cache_scales", "paged-int8-kv-scales-hnd-given",
+     "kv_cache_scales", lambda _: None),
+    ("paged int8 quantize_dtype without kv_cache_scales", "paged-fp8-gqa", "quantize_dtype",
+     lambda _: np.int8),
+    ("paged kv_cache_scales dtype", "paged-fp8-computed-scales-status", "kv_cache_scales",
+     lambda s: tuple(x.astype(np.float16) for x in s)),
+    ("paged status dtype", "paged-fp8-computed-scales-status", "status",
+     lambda s: s.astype(np.int64)),
+    ("contiguous q_scale_out with a 16-bit q_out", "contiguous-q-out", "q_scale_out",
+     lambda _: np.zeros((2, 3, 4), np.float32)),
+    ("contiguous kv_cache_scales on a 16-bit cache", "contiguous-q-out", "kv_cache_scales",
+     lambda _: np.zeros((2, 2, 2, 16), np.float32)),
 ]
 
 
@@ -237,12 +257,17 @@ def error_of(fn):
 def compiled_error_of(fn, expected):
     """The error of a compiled call: the eager one when the op raised it while running, or, when
     a fake implementation raised it while dynamo traced, dynamo's ``TorchRuntimeError`` quoting
-    it (dynamo drops the original exception, its message keeps it)."""
+    it (dynamo drops the original exception, its message keeps it); when the Python function
+    raised it while dynamo traced it (a ``q_out_dtype`` it converts), dynamo's ``Unsupported``
+    ("Observed exception") quoting it."""
+    kind, message = expected
     try:
         return error_of(fn)
     except torch._dynamo.exc.TorchRuntimeError as exc:
-        kind, message = expected
         assert f"got {kind.__name__}({message!r})" in str(exc), str(exc)
+        return expected
+    except torch._dynamo.exc.Unsupported as exc:
+        assert f"raised exception {kind.__name__}(" in str(exc) and message in str(exc), str(exc)
         return expected
 
 
