@@ -7,12 +7,12 @@ op itself when the call runs. Imports neither framework.
 
 from __future__ import annotations
 
-
 import ml_dtypes
 import numpy as np
 
 from ropekv import _checks as ck
 from ropekv._arrays import BFLOAT16, FLOAT16, FP8_DTYPES, ArrayView
+from ropekv.reference import INT8
 
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 _PAGED_LAYOUTS = {"NHD": "(num_pages, page_size, Hkv, D)", "HND": "(num_pages, Hkv, page_size, D)"}
@@ -31,11 +31,12 @@ def MetaView(name, shape, dtype, strides=None, device=0):  # noqa: N802 - stands
     return ArrayView(name, 0, shape, tuple(strides), np.dtype(dtype), device)
 
 
-def paged_q_outputs(q_rope, q_nope, cache, quantize_dtype, quantize):
+def paged_q_outputs(q_rope, q_nope, cache, quantize_dtype, quantize, kv_dyn=False):
     """``(q_rope_out shape, q_nope_out shape, dtype)`` of the paged ops when they allocate their q
     outputs: ``(nnz, Hq, R)`` and ``(nnz, Hq, Dn)`` (Dn = 0 without ``q_nope``) in the quantize
     dtype, which is ``quantize_dtype`` or else the cache's (FlashInfer's order, no outputs
-    given). ``quantize_dtype`` is a NumPy dtype or None."""
+    given). ``quantize_dtype`` is a NumPy dtype or None; ``kv_dyn``: ``kv_cache_scales`` given
+    (the cache, and so the q outputs, may then be int8 and not 16-bit)."""
     ck.check_ndim(q_rope, 3, "(nnz, Hq, R)")
     ck.check_dtype(q_rope, INPUT_DTYPES)
     T, Hq, R = q_rope.shape
@@ -44,16 +45,21 @@ def paged_q_outputs(q_rope, q_nope, cache, quantize_dtype, quantize):
         ck.check_ndim(q_nope, 3, "(nnz, Hq, no_rope_dim)")
         Dn = q_nope.shape[2]
     allowed = FP8_DTYPES if quantize else (q_rope.dtype, *FP8_DTYPES)
+    if kv_dyn:
+        allowed = (*FP8_DTYPES, INT8)
     spelled = " or ".join(map(str, allowed))
     if quantize_dtype is not None:
         if quantize_dtype not in allowed:
-            raise TypeError(f"quantize_dtype must be {spelled}, got {quantize_dtype}")
+            hint = " (int8 caches need kv_cache_scales)" if quantize_dtype == INT8 else ""
+            raise TypeError(f"quantize_dtype must be {spelled}, got {quantize_dtype}{hint}")
         dtype = quantize_dtype
     else:
         dtype = cache.dtype
         if dtype not in allowed:
-            hint = (" (rope_append_paged_kv_cache writes float16/bfloat16 caches)" if quantize
-                    else f" (float16/bfloat16 only as the input dtype {q_rope.dtype})")
+            hint = (" (per-token-head kv_cache_scales need an fp8 or int8 cache)" if kv_dyn
+                    else " (int8 caches need kv_cache_scales)" if dtype == INT8
+                    else " (rope_append_paged_kv_cache writes float16/bfloat16 caches)"
+                    if quantize else f" (float16/bfloat16 only as the input dtype {q_rope.dtype})")
             raise TypeError(f"{cache.name} must have dtype {spelled}, got {dtype}{hint}")
     return (T, Hq, R), (T, Hq, Dn), dtype
 
@@ -64,6 +70,16 @@ def same_as_q(q, layout):
     ck.check_ndim(q, 3, layout)
     ck.check_dtype(q, INPUT_DTYPES)
     return q.shape, q.dtype
+
+
+def qknorm_q_output(q, q_out_dtype):
+    """``(shape, dtype)`` of the QK-norm op's new ``q_out``: ``q``'s shape in ``q_out_dtype``
+    (``q``'s dtype by default, or fp8; a dtype, its name or a torch dtype), with the eager
+    op's checks and messages."""
+    from ropekv.qknorm import _dtype_key, _q_out_dtype
+
+    shape, _ = same_as_q(q, "(T, Hq, D)")
+    return shape, _q_out_dtype(_dtype_key(q_out_dtype), q, None)
 
 
 def qkv_output(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx=None):

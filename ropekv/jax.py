@@ -9,8 +9,10 @@ the new cache(s) and their outputs instead of writing the caller's arrays::
 Each call is one ``jax.experimental.buffer_callback``: XLA hands the callback its device buffers
 and its stream, and the callback runs the eager op on them (on XLA's stream; NumPy reference on
 CPU). Every cache is an input-output alias of the call, and so is ``q`` for
-``apply_rope_write_kv`` (``k`` too with ``write_k_in_place=True``): the output buffer starts as the
-input's contents and the op writes only the addressed rows into it. When the cache is donated
+``apply_rope_write_kv`` (``k`` too with ``write_k_in_place=True``; ``q_out`` instead of ``q`` when
+given), and every array the eager op writes when given (``status``, ``q_scale_out``,
+``kv_cache_scales``), returned after the caches: the output buffer starts as the input's contents
+and the op writes only the addressed rows into it. When the cache is donated
 (``jax.jit(step, donate_argnums=...)``) XLA hands the callback the input's own buffer and the update
 happens in place, with no copy; without donation XLA copies the cache first, as it must to keep the
 input unchanged. In a ``jax.lax.scan`` over decode steps the cache is the loop carry and stays in
@@ -19,8 +21,8 @@ one buffer.
 Differences from the eager functions:
 
 * Functional: the caches (and ``q`` / ``k`` above) are returned, never written in the caller's
-  arrays; ``q_rope_out`` / ``q_nope_out`` / ``q_out`` / ``out`` arguments do not exist (the op
-  allocates its outputs; XLA owns the memory).
+  arrays; ``q_rope_out`` / ``q_nope_out`` / ``out`` arguments and the QK-norm op's ``q_out`` do
+  not exist (the op allocates its outputs, QK-norm's in ``q_out_dtype``; XLA owns the memory).
 * No ``stream=``: the op runs on XLA's stream.
 * Scalars (``epsilon``, ``kv_scale``, float scales, ``page_size``, layouts, flags) are static
   Python values; arrays may be traced.
@@ -143,27 +145,48 @@ def _pair(caches, message):
 
 def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, position_ids=None,
                         kv_scale=None, write_k_in_place=False, is_neox=True, mrope_section=None,
-                        mrope_interleaved=False, command_buffer_compatible=False):
+                        mrope_interleaved=False, q_out=None, q_scale=None, q_scale_out=None,
+                        kv_cache_scales=None, command_buffer_compatible=False):
     """:func:`ropekv.apply_rope_write_kv` as a functional op.
 
     Returns ``(q, kv_cache)``, the roped queries and the new cache, or ``(q, k, kv_cache)`` with
     ``write_k_in_place=True`` (``k`` roped). All are input-output aliases: donate ``kv_cache`` (and
     ``q``, ``k`` where they are jit arguments) to update them without a copy. mRoPE:
     ``position_ids (3, B, S)`` with a static ``mrope_section`` (and ``mrope_interleaved``).
+
+    With ``q_out`` (an array ``(B, S, Hq, D)`` of ``q``'s dtype or fp8, every row of which the op
+    writes), the roped queries go there instead: the first result is the new ``q_out``, aliasing
+    the given one, and ``q`` is only read. ``q_scale`` (fp8 ``q_out``) is static, and so is
+    ``kv_scale`` when it is a number or a pair (an array is read by the kernel).
+    ``q_scale_out`` ``(B, S, Hq)`` and ``kv_cache_scales`` ``(B, 2, Hkv, C)`` (float32) are
+    input-output aliases too, returned after the cache in that order when given:
+    ``q8, kv_cache, q_scales, kv_scales = rj.apply_rope_write_kv(..., q_out=q8, q_scale_out=qs,
+    kv_cache_scales=ks)``.
     """
     write_k = bool(write_k_in_place)
-    outputs = [("q", "q"), *((("k", "k"),) if write_k else ()), ("kv_cache", "kv_cache")]
+    # a number or a pair of numbers is static (constants of the launch); an array an input
+    static_scale = kv_scale is None or isinstance(kv_scale, int | float | tuple | list)
+    q_key = "q" if q_out is None else "q_out"
+    outputs = [(q_key, q_key), *((("k", "k"),) if write_k else ()), ("kv_cache", "kv_cache"),
+               *((("q_scale_out", "q_scale_out"),) if q_scale_out is not None else ()),
+               *((("kv_cache_scales", "kv_cache_scales"),) if kv_cache_scales is not None
+                 else ())]
 
     def run(a, stream):
         ropekv.apply_rope_write_kv(
             a["q"], a["k"], a["v"], a["kv_cache"], a["cos_sin_cache"],
             kv_end_lens=a.get("kv_end_lens"), position_ids=a.get("position_ids"),
-            kv_scale=a.get("kv_scale"), write_k_in_place=write_k, is_neox=bool(is_neox),
-            mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, stream=stream)
+            kv_scale=kv_scale if static_scale else a["kv_scale"], write_k_in_place=write_k,
+            is_neox=bool(is_neox),
+            mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
+            q_out=a.get("q_out"), q_scale=q_scale, q_scale_out=a.get("q_scale_out"),
+            kv_cache_scales=a.get("kv_cache_scales"), stream=stream)
 
     inputs = [("q", q), ("k", k), ("v", v), ("kv_cache", kv_cache),
               ("cos_sin_cache", cos_sin_cache), ("kv_end_lens", kv_end_lens),
-              ("position_ids", position_ids), ("kv_scale", kv_scale)]
+              ("position_ids", position_ids),
+              ("kv_scale", None if static_scale else kv_scale), ("q_out", q_out),
+              ("q_scale_out", q_scale_out), ("kv_cache_scales", kv_cache_scales)]
     return tuple(_call("apply_rope_write_kv", inputs, outputs, run, command_buffer_compatible))
 
 
@@ -172,47 +195,79 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
 
 def _paged(name, eager, quantize, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
            paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions, is_neox,
-           quantize_dtype, quant_scale_q, quant_scale_kv, page_size, kv_layout, mrope_section,
-           mrope_interleaved, command_buffer_compatible):
+           quantize_dtype, quant_scale_q, quant_scale_kv, page_size, kv_layout, options,
+           command_buffer_compatible):
+    mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status = options
     shown = type(paged_kv_cache).__qualname__
     if isinstance(paged_kv_cache, tuple | list):
         shown += f" of length {len(paged_kv_cache)}"
     cache0, cache1 = _pair(paged_kv_cache, f"paged_kv_cache must be a pair (k_cache, v_cache) or "
                                            f"(ckv_cache, kpe_cache), got {shown}")
+    scales = kv_cache_scales is not None
+    if scales and (not isinstance(kv_cache_scales, tuple | list) or len(kv_cache_scales) != 2
+                   or any(x is None for x in kv_cache_scales)):
+        raise ValueError(f"kv_cache_scales must be a pair of arrays (k_scales, v_scales), got "
+                         f"{type(kv_cache_scales).__qualname__}"
+                         + (f" of length {len(kv_cache_scales)}"
+                            if isinstance(kv_cache_scales, tuple | list) else ""))
+    k_scales, v_scales = kv_cache_scales if scales else (None, None)
     mla = len(getattr(k_rope, "shape", ())) == 2
     out_dtype = None if quantize_dtype is None else as_dtype(quantize_dtype)
     rope_shape, nope_shape, dtype = fw.paged_q_outputs(
         _meta(q_rope, "q_rope"), None if q_nope is None else _meta(q_nope, "q_nope"),
-        _meta(cache0, "ckv_cache" if mla else "k_cache"), out_dtype, quantize)
-    scales = {}
+        _meta(cache0, "ckv_cache" if mla else "k_cache"), out_dtype, quantize, scales)
+    numbers = {}  # static scales (None: not given, or an array)
     for key, s in (("quant_scale_q", quant_scale_q), ("quant_scale_kv", quant_scale_kv)):
-        scales[key] = s if isinstance(s, int | float | np.integer | np.floating) else None
+        numbers[key] = s if isinstance(s, int | float | np.integer | np.floating) else None
 
     def run(a, stream):
         eager(a["q_rope"], a["k_rope"], a.get("q_nope"), a.get("k_nope"), a.get("v"),
               a["cos_sin_cache"], a["pos_ids"], (a["cache0"], a["cache1"]), a["kv_indices"],
               a["kv_indptr"], a["batch_indices"], a["positions"], is_neox=bool(is_neox),
               quantize_dtype=out_dtype,
-              quant_scale_q=_either(scales["quant_scale_q"], a.get("quant_scale_q")),
-              quant_scale_kv=_either(scales["quant_scale_kv"], a.get("quant_scale_kv")),
+              quant_scale_q=_either(numbers["quant_scale_q"], a.get("quant_scale_q")),
+              quant_scale_kv=_either(numbers["quant_scale_kv"], a.get("quant_scale_kv")),
               page_size=page_size, kv_layout=kv_layout, q_rope_out=a["q_rope_out"],
               q_nope_out=a["q_nope_out"], mrope_section=mrope_section,
-              mrope_interleaved=mrope_interleaved, stream=stream)
+              mrope_interleaved=mrope_interleaved, q_scale_out=a.get("q_scale_out"),
+              kv_cache_scales=(a["k_scales"], a["v_scales"]) if scales else None,
+              status=a.get("status"), stream=stream)
 
     inputs = [("q_rope", q_rope), ("k_rope", k_rope), ("q_nope", q_nope), ("k_nope", k_nope),
               ("v", v), ("cos_sin_cache", cos_sin_cache), ("pos_ids", pos_ids),
               ("cache0", cache0), ("cache1", cache1), ("kv_indices", kv_indices),
               ("kv_indptr", kv_indptr), ("batch_indices", batch_indices),
               ("positions", positions),
-              ("quant_scale_q", None if scales["quant_scale_q"] is not None else quant_scale_q),
-              ("quant_scale_kv", None if scales["quant_scale_kv"] is not None
-               else quant_scale_kv)]
+              ("quant_scale_q", None if numbers["quant_scale_q"] is not None else quant_scale_q),
+              ("quant_scale_kv", None if numbers["quant_scale_kv"] is not None
+               else quant_scale_kv),
+              ("q_scale_out", q_scale_out), ("k_scales", k_scales), ("v_scales", v_scales),
+              ("status", status)]
     outputs = [("q_rope_out", _struct(rope_shape, dtype)),
                ("q_nope_out", _struct(nope_shape, dtype)), ("cache0", "cache0"),
-               ("cache1", "cache1")]
-    q_rope_out, q_nope_out, new0, new1 = _call(name, inputs, outputs, run,
-                                               command_buffer_compatible)
-    return q_rope_out, q_nope_out, (new0, new1)
+               ("cache1", "cache1"), *_aliases(q_scale_out=q_scale_out, k_scales=k_scales,
+                                              v_scales=v_scales, status=status)]
+    q_rope_out, q_nope_out, new0, new1, *new = _call(name, inputs, outputs, run,
+                                                     command_buffer_compatible)
+    return (q_rope_out, q_nope_out, (new0, new1), *_regroup(new, q_scale_out, scales, status))
+
+
+def _aliases(**arrays):
+    """``(key, key)`` outputs for the given written arrays (those not None), in order."""
+    return [(key, key) for key, x in arrays.items() if x is not None]
+
+
+def _regroup(new, q_scale_out, scales, status):
+    """The returned written arrays after the caches: ``q_scale_out``, the ``(k_scales,
+    v_scales)`` pair, ``status``, each only when given."""
+    out = []
+    if q_scale_out is not None:
+        out.append(new.pop(0))
+    if scales:
+        out.append((new.pop(0), new.pop(0)))
+    if status is not None:
+        out.append(new.pop(0))
+    return out
 
 
 def _either(number, array):
@@ -221,9 +276,10 @@ def _either(number, array):
 
 def rope_quantize_fp8_append_paged_kv_cache(
         q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
-        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=1.0,
-        quant_scale_kv=1.0, page_size=16, kv_layout="NHD", enable_pdl=False, *,
-        mrope_section=None, mrope_interleaved=False, command_buffer_compatible=False):
+        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=None,
+        quant_scale_kv=None, page_size=16, kv_layout="NHD", enable_pdl=False, *,
+        mrope_section=None, mrope_interleaved=False, q_scale_out=None, kv_cache_scales=None,
+        status=None, command_buffer_compatible=False):
     """:func:`ropekv.rope_quantize_fp8_append_paged_kv_cache` (FlashInfer's arguments) as a
     functional op.
 
@@ -232,27 +288,35 @@ def rope_quantize_fp8_append_paged_kv_cache(
     which alias the given ones (donate them for an in-place update). ``quant_scale_q`` /
     ``quant_scale_kv`` are Python floats (static) or float32 arrays (one scale per head).
     ``enable_pdl`` is accepted and ignored, as in the eager op. mRoPE: ``pos_ids (3, nnz)`` with
-    a static ``mrope_section`` (and ``mrope_interleaved``).
+    a static ``mrope_section`` (and ``mrope_interleaved``). The scales default to None (1.0) as
+    in the eager op; leave them None when computed scales replace them.
+
+    ``q_scale_out`` ``(nnz, Hq)``, ``kv_cache_scales`` (a pair of float32 arrays) and ``status``
+    ``(1,)`` int32 are input-output aliases like the caches, returned after them in that order
+    when given: ``q8, q8_nope, caches, q_scales, (k_scales, v_scales), status = ...``.
     """
     return _paged("rope_quantize_fp8_append_paged_kv_cache",
                   ropekv.rope_quantize_fp8_append_paged_kv_cache, True, q_rope, k_rope, q_nope,
                   k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices, kv_indptr,
                   batch_indices, positions, is_neox, quantize_dtype, quant_scale_q,
-                  quant_scale_kv, page_size, kv_layout, mrope_section, mrope_interleaved,
+                  quant_scale_kv, page_size, kv_layout,
+                  (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status),
                   command_buffer_compatible)
 
 
 def rope_append_paged_kv_cache(
         q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
-        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=1.0,
-        quant_scale_kv=1.0, page_size=16, kv_layout="NHD", enable_pdl=False, *,
-        mrope_section=None, mrope_interleaved=False, command_buffer_compatible=False):
+        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=None,
+        quant_scale_kv=None, page_size=16, kv_layout="NHD", enable_pdl=False, *,
+        mrope_section=None, mrope_interleaved=False, q_scale_out=None, kv_cache_scales=None,
+        status=None, command_buffer_compatible=False):
     """:func:`ropekv.rope_append_paged_kv_cache` (16-bit or fp8 caches) as a functional op; the
     same contract as :func:`rope_quantize_fp8_append_paged_kv_cache` here."""
     return _paged("rope_append_paged_kv_cache", ropekv.rope_append_paged_kv_cache, False, q_rope,
                   k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
                   kv_indptr, batch_indices, positions, is_neox, quantize_dtype, quant_scale_q,
-                  quant_scale_kv, page_size, kv_layout, mrope_section, mrope_interleaved,
+                  quant_scale_kv, page_size, kv_layout,
+                  (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status),
                   command_buffer_compatible)
 
 
@@ -310,7 +374,8 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
 def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cache,
                                           input_row_offsets, cache_lengths, block_table,
                                           paged_kv_cache, *, epsilon=1e-6, is_neox=True,
-                                          kv_layout="NHD", kv_scale=None,
+                                          kv_layout="NHD", kv_scale=None, q_out_dtype=None,
+                                          q_scale=None, q_scale_out=None, kv_cache_scales=None,
                                           norm_order="before_rope", weight_offset=0.0,
                                           clear_unused_last_page_rows=False, position_ids=None,
                                           mrope_section=None, mrope_interleaved=False,
@@ -318,26 +383,36 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
                                           command_buffer_compatible=False):
     """:func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache` as a functional op.
 
-    Returns ``(q_out, (k_cache, v_cache))``: the normalised, roped queries (a new array) and the
-    new caches, aliasing the given ones (donate them for an in-place update); with ``status``,
-    ``(q_out, (k_cache, v_cache), status)``, the new status aliasing the given one. Options as
-    the eager op: ``norm_order``, ``weight_offset``, ``clear_unused_last_page_rows``,
-    ``mrope_section`` and ``mrope_interleaved`` are static, ``position_ids`` an array;
-    ``layer_idx`` (a static int) writes one layer of caches with a leading
-    ``(num_layers, ...)`` dimension.
+    Returns ``(q_out, (k_cache, v_cache))``: the normalised, roped queries (a new array, in the
+    static ``q_out_dtype``: ``q``'s or fp8) and the new caches, aliasing the given ones (donate
+    them for an in-place update). ``q_scale_out`` ``(T, Hq)``, ``kv_cache_scales`` (a pair of
+    float32 arrays) and ``status`` ``(1,)`` int32 are input-output aliases too, returned after
+    the caches in that order when given: ``q8, caches, q_scales, (k_scales, v_scales), status =
+    ...``. Options as the eager op: ``q_scale``, ``norm_order``, ``weight_offset``,
+    ``clear_unused_last_page_rows``, ``mrope_section`` and ``mrope_interleaved`` are static,
+    ``position_ids`` an array; ``layer_idx`` (a static int) writes one layer of caches (and of
+    ``kv_cache_scales``' arrays) with a leading ``(num_layers, ...)`` dimension.
     """
     layer_idx = fw.layer_index(layer_idx)
     k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a tuple (k_cache, "
                                              f"v_cache), got {type(paged_kv_cache).__name__}")
-    shape, dtype = fw.same_as_q(_meta(q, "q"), "(T, Hq, D)")
+    scales = kv_cache_scales is not None
+    if scales and (not isinstance(kv_cache_scales, tuple | list) or len(kv_cache_scales) != 2):
+        raise ValueError(f"kv_cache_scales must be a tuple (k_scales, v_scales), got "
+                         f"{type(kv_cache_scales).__name__}")
+    k_scales, v_scales = kv_cache_scales if scales else (None, None)
+    shape, dtype = fw.qknorm_q_output(_meta(q, "q"), q_out_dtype)
 
     def run(a, stream):
         ropekv.qk_rmsnorm_rope_append_paged_kv_cache(
             a["q"], a["k"], a["v"], a["q_gamma"], a["k_gamma"], a["cos_sin_cache"],
             a["input_row_offsets"], a["cache_lengths"], a["block_table"],
             (a["k_cache"], a["v_cache"]), epsilon=epsilon, is_neox=bool(is_neox),
-            kv_layout=kv_layout, kv_scale=kv_scale, q_out=a["q_out"], norm_order=norm_order,
-            weight_offset=weight_offset, clear_unused_last_page_rows=clear_unused_last_page_rows,
+            kv_layout=kv_layout, kv_scale=kv_scale, q_out=a["q_out"], q_scale=q_scale,
+            q_scale_out=a.get("q_scale_out"),
+            kv_cache_scales=(a["k_scales"], a["v_scales"]) if scales else None,
+            norm_order=norm_order, weight_offset=weight_offset,
+            clear_unused_last_page_rows=clear_unused_last_page_rows,
             position_ids=a.get("position_ids"), mrope_section=mrope_section,
             mrope_interleaved=mrope_interleaved, status=a.get("status"), layer_idx=layer_idx,
             stream=stream)
@@ -346,12 +421,14 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
               ("cos_sin_cache", cos_sin_cache), ("input_row_offsets", input_row_offsets),
               ("cache_lengths", cache_lengths), ("block_table", block_table),
               ("k_cache", k_cache), ("v_cache", v_cache), ("position_ids", position_ids),
+              ("q_scale_out", q_scale_out), ("k_scales", k_scales), ("v_scales", v_scales),
               ("status", status)]
     outputs = [("q_out", _struct(shape, dtype)), ("k_cache", "k_cache"), ("v_cache", "v_cache"),
-               *((("status", "status"),) if status is not None else ())]
-    q_out, new_k, new_v, *new_status = _call("qk_rmsnorm_rope_append_paged_kv_cache", inputs,
-                                             outputs, run, command_buffer_compatible)
-    return (q_out, (new_k, new_v), *new_status)
+               *_aliases(q_scale_out=q_scale_out, k_scales=k_scales, v_scales=v_scales,
+                         status=status)]
+    q_out, new_k, new_v, *new = _call("qk_rmsnorm_rope_append_paged_kv_cache", inputs,
+                                      outputs, run, command_buffer_compatible)
+    return (q_out, (new_k, new_v), *_regroup(new, q_scale_out, scales, status))
 
 
 # ---- fused_qkv_matmul_append_paged_kv_cache ----------------------------------------------------

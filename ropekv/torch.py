@@ -22,12 +22,15 @@ Differences from the eager functions:
 Each function ``f`` here runs ``torch.ops.ropekv.f``, whose outputs the op allocates and returns,
 or ``torch.ops.ropekv.f_out`` when the caller gives them; the MLA and QK-norm ops also have
 ``f_in_place`` (``q_rope_out=q_rope``, ``q_out=q``), and ``apply_rope_write_kv`` has
-``apply_rope_write_kv_k_in_place`` for ``write_k_in_place=True``.
+``apply_rope_write_kv_k_in_place`` for ``write_k_in_place=True``, each with an ``_out`` form for a
+``q_out`` that is not ``q``.
 
 Every op declares exactly what it writes (``mutates_args``): the caches, ``q`` for
 ``apply_rope_write_kv`` (roped in place), ``k`` for its ``_k_in_place`` form, the given outputs,
-``q_rope`` / ``q`` for the ``_in_place`` forms, and ``status`` (MLA, QK-norm; written when given).
-With ``layer_idx`` the caches are whole ``(num_layers, ...)`` tensors, one layer written.
+``q_rope`` / ``q`` for the ``_in_place`` forms, and the arrays written when given: ``status``
+(paged, MLA, QK-norm), ``q_scale_out`` and ``kv_cache_scales`` (``k_scales`` / ``v_scales`` in the
+paged and QK-norm ops' schemas). With ``layer_idx`` the caches are whole ``(num_layers, ...)``
+tensors, one layer written.
 
 Validation is the eager op's, with its messages: the fake implementations check the dims and
 dtypes they derive output shapes from, and the eager op checks everything when the op runs (under
@@ -124,41 +127,89 @@ def _no_outputs(*args, **kwargs):
 # ---- apply_rope_write_kv -----------------------------------------------------------------------
 
 
-def _contiguous_op(write_k_in_place):
-    def op(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, cos_sin_cache: Tensor,
-           kv_end_lens: Optional[Tensor], position_ids: Optional[Tensor],
-           kv_scale: Optional[Tensor], is_neox: bool, mrope_section: Optional[List[int]],
-           mrope_interleaved: bool) -> None:
+def _contiguous_ops(write_k_in_place):
+    """The in-place op (``q`` roped in place) and the ``_out`` op (the given ``q_out`` written,
+    ``q`` only read) of one ``write_k_in_place`` value."""
+    def run(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, kv_scales,
+            is_neox, mrope_section, mrope_interleaved, q_scale, q_scale_out, kv_cache_scales,
+            q_out):
         _eager(ropekv.apply_rope_write_kv, q, k, v, kv_cache, cos_sin_cache,
-               kv_end_lens=kv_end_lens, position_ids=position_ids, kv_scale=kv_scale,
+               kv_end_lens=kv_end_lens, position_ids=position_ids,
+               kv_scale=_scale_arg(kv_scale) if kv_scales is None else kv_scales,
                write_k_in_place=write_k_in_place, is_neox=is_neox,
-               mrope_section=fw.mrope_tuple(mrope_section), mrope_interleaved=mrope_interleaved)
-    return op
+               mrope_section=fw.mrope_tuple(mrope_section), mrope_interleaved=mrope_interleaved,
+               q_out=q_out, q_scale=q_scale, q_scale_out=q_scale_out,
+               kv_cache_scales=kv_cache_scales)
+
+    def in_place(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, cos_sin_cache: Tensor,
+                 kv_end_lens: Optional[Tensor], position_ids: Optional[Tensor],
+                 kv_scale: Optional[List[float]], kv_scales: Optional[Tensor], is_neox: bool,
+                 mrope_section: Optional[List[int]], mrope_interleaved: bool,
+                 q_scale: Optional[float], q_scale_out: Optional[Tensor],
+                 kv_cache_scales: Optional[Tensor]) -> None:
+        run(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, kv_scales,
+            is_neox, mrope_section, mrope_interleaved, q_scale, q_scale_out, kv_cache_scales,
+            None)
+
+    def into(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, cos_sin_cache: Tensor,
+             kv_end_lens: Optional[Tensor], position_ids: Optional[Tensor],
+             kv_scale: Optional[List[float]], kv_scales: Optional[Tensor], is_neox: bool,
+             mrope_section: Optional[List[int]], mrope_interleaved: bool,
+             q_scale: Optional[float], q_scale_out: Optional[Tensor],
+             kv_cache_scales: Optional[Tensor], q_out: Tensor) -> None:
+        run(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, kv_scales,
+            is_neox, mrope_section, mrope_interleaved, q_scale, q_scale_out, kv_cache_scales,
+            q_out)
+
+    name = "ropekv::apply_rope_write_kv" + ("_k_in_place" if write_k_in_place else "")
+    written = ("k", "kv_cache", "q_scale_out", "kv_cache_scales") if write_k_in_place else (
+        "kv_cache", "q_scale_out", "kv_cache_scales")
+    op = torch.library.custom_op(name, in_place, mutates_args=("q", *written))
+    op_out = torch.library.custom_op(name + "_out", into, mutates_args=(*written, "q_out"))
+    op.register_fake(_no_outputs)
+    op_out.register_fake(_no_outputs)
+    return op, op_out
 
 
-_apply_rope_write_kv = torch.library.custom_op(
-    "ropekv::apply_rope_write_kv", _contiguous_op(False), mutates_args=("q", "kv_cache"))
-_apply_rope_write_kv_k_in_place = torch.library.custom_op(
-    "ropekv::apply_rope_write_kv_k_in_place", _contiguous_op(True),
-    mutates_args=("q", "k", "kv_cache"))
-_apply_rope_write_kv.register_fake(_no_outputs)
-_apply_rope_write_kv_k_in_place.register_fake(_no_outputs)
+_apply_rope_write_kv = _contiguous_ops(False)
+_apply_rope_write_kv_k_in_place = _contiguous_ops(True)
 
 
 def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, position_ids=None,
                         kv_scale=None, write_k_in_place=False, is_neox=True, mrope_section=None,
-                        mrope_interleaved=False):
-    """:func:`ropekv.apply_rope_write_kv` as a custom op: ``q`` roped in place, K/V written into
-    ``kv_cache`` (and the roped K into ``k`` with ``write_k_in_place=True``). Returns None.
+                        mrope_interleaved=False, q_out=None, q_scale=None, q_scale_out=None,
+                        kv_cache_scales=None):
+    """:func:`ropekv.apply_rope_write_kv` as a custom op: ``q`` roped in place (or the roped
+    queries written into the given ``q_out``), K/V written into ``kv_cache`` (and the roped K into
+    ``k`` with ``write_k_in_place=True``). Returns ``q_out`` when given, else None, as the eager
+    op.
 
     Runs ``torch.ops.ropekv.apply_rope_write_kv`` (writes ``q`` and ``kv_cache``) or
-    ``torch.ops.ropekv.apply_rope_write_kv_k_in_place`` (also ``k``). No ``stream=``: torch's
-    current stream. mRoPE: ``position_ids (3, B, S)`` with ``mrope_section`` (a list of ints in
-    the op's schema) and ``mrope_interleaved``.
+    ``torch.ops.ropekv.apply_rope_write_kv_k_in_place`` (also ``k``); with a ``q_out`` that is not
+    ``q``, their ``_out`` forms, which write ``q_out`` (fp8 too, with ``q_scale`` or
+    ``q_scale_out``) and only read ``q``. ``q_scale_out`` and ``kv_cache_scales`` are written in
+    place when given (every form declares them mutated). ``kv_scale``: a float or a pair (the
+    op's list of floats, constants of the launch) or a tensor (the op's ``kv_scales``, read by the
+    kernel). No ``stream=``: torch's current stream.
+    mRoPE: ``position_ids (3, B, S)`` with ``mrope_section`` (a list of ints in the op's schema)
+    and ``mrope_interleaved``.
     """
-    op = _apply_rope_write_kv_k_in_place if write_k_in_place else _apply_rope_write_kv
-    op(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, bool(is_neox),
-       fw.mrope_list(mrope_section), _flag(mrope_interleaved, "mrope_interleaved"))
+    ops = _apply_rope_write_kv_k_in_place if write_k_in_place else _apply_rope_write_kv
+    if isinstance(kv_scale, Tensor):
+        kv_scale, kv_scales = None, kv_scale
+    else:  # numbers (a 0-d or (2,) NumPy array too): constants of the launch, as eagerly
+        kv_scales = None
+        if type(kv_scale).__module__ == "numpy" and getattr(kv_scale, "ndim", 2) <= 1:
+            kv_scale = tuple(kv_scale.reshape(-1).tolist())
+        kv_scale = _scale_list(kv_scale)
+    args = (q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, kv_scales,
+            bool(is_neox), fw.mrope_list(mrope_section),
+            _flag(mrope_interleaved, "mrope_interleaved"), q_scale, q_scale_out, kv_cache_scales)
+    if q_out is None or q_out is q:
+        ops[0](*args)
+    else:
+        ops[1](*args, q_out)
+    return q_out
 
 
 # ---- rope_quantize_fp8_append_paged_kv_cache / rope_append_paged_kv_cache ---------------------
@@ -166,44 +217,29 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
 _PAGED_PAIR = "paged_kv_cache must be a pair (k_cache, v_cache) or (ckv_cache, kpe_cache), got {}"
 
 
-def _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize):
+def _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize, kv_dyn):
     """Empty ``(q_rope_out, q_nope_out)`` of the shapes and dtype the eager op would allocate."""
     cache_name = "ckv_cache" if k_rope.dim() == 2 else "k_cache"
     rope_shape, nope_shape, dtype = fw.paged_q_outputs(
         _meta(q_rope, "q_rope"), None if q_nope is None else _meta(q_nope, "q_nope"),
         _meta(k_cache, cache_name), None if quantize_dtype is None else as_dtype(quantize_dtype),
-        quantize)
+        quantize, kv_dyn)
     dtype = _torch_dtype(dtype)
     return q_rope.new_empty(rope_shape, dtype=dtype), q_rope.new_empty(nope_shape, dtype=dtype)
 
 
 def _paged_ops(name, eager, quantize):
     """The allocating and the ``_out`` op of one paged function."""
-    def allocating(q_rope: Tensor, k_rope: Tensor, q_nope: Optional[Tensor],
-                   k_nope: Optional[Tensor], v: Optional[Tensor], cos_sin_cache: Tensor,
-                   pos_ids: Tensor, k_cache: Tensor, v_cache: Tensor, kv_indices: Tensor,
-                   kv_indptr: Tensor, batch_indices: Tensor, positions: Tensor, is_neox: bool,
-                   quantize_dtype: Optional[torch.dtype], quant_scale_q: float,
-                   quant_scales_q: Optional[Tensor], quant_scale_kv: float,
-                   quant_scales_kv: Optional[Tensor], page_size: int, kv_layout: str,
-                   mrope_section: Optional[List[int]],
-                   mrope_interleaved: bool) -> Tuple[Tensor, Tensor]:
-        q_rope_out, q_nope_out = _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype,
-                                                quantize)
-        into(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, k_cache, v_cache,
-             kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
-             quant_scale_q, quant_scales_q, quant_scale_kv, quant_scales_kv, page_size, kv_layout,
-             mrope_section, mrope_interleaved, q_rope_out, q_nope_out)
-        return q_rope_out, q_nope_out
-
     def into(q_rope: Tensor, k_rope: Tensor, q_nope: Optional[Tensor], k_nope: Optional[Tensor],
              v: Optional[Tensor], cos_sin_cache: Tensor, pos_ids: Tensor, k_cache: Tensor,
              v_cache: Tensor, kv_indices: Tensor, kv_indptr: Tensor, batch_indices: Tensor,
              positions: Tensor, is_neox: bool, quantize_dtype: Optional[torch.dtype],
-             quant_scale_q: float, quant_scales_q: Optional[Tensor], quant_scale_kv: float,
-             quant_scales_kv: Optional[Tensor], page_size: int, kv_layout: str,
-             mrope_section: Optional[List[int]], mrope_interleaved: bool,
-             q_rope_out: Tensor, q_nope_out: Tensor) -> None:
+             quant_scale_q: Optional[float], quant_scales_q: Optional[Tensor],
+             quant_scale_kv: Optional[float], quant_scales_kv: Optional[Tensor], page_size: int,
+             kv_layout: str, mrope_section: Optional[List[int]], mrope_interleaved: bool,
+             q_scale_out: Optional[Tensor], k_scales: Optional[Tensor],
+             v_scales: Optional[Tensor], status: Optional[Tensor], q_rope_out: Tensor,
+             q_nope_out: Tensor) -> None:
         _eager(eager, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
                (k_cache, v_cache), kv_indices, kv_indptr, batch_indices, positions,
                is_neox=is_neox, quantize_dtype=quantize_dtype,
@@ -211,19 +247,41 @@ def _paged_ops(name, eager, quantize):
                quant_scale_kv=quant_scale_kv if quant_scales_kv is None else quant_scales_kv,
                page_size=page_size, kv_layout=kv_layout, q_rope_out=q_rope_out,
                q_nope_out=q_nope_out, mrope_section=fw.mrope_tuple(mrope_section),
-               mrope_interleaved=mrope_interleaved)
+               mrope_interleaved=mrope_interleaved, q_scale_out=q_scale_out,
+               kv_cache_scales=None if k_scales is None else (k_scales, v_scales),
+               status=status)
+
+    def allocating(q_rope: Tensor, k_rope: Tensor, q_nope: Optional[Tensor],
+                   k_nope: Optional[Tensor], v: Optional[Tensor], cos_sin_cache: Tensor,
+                   pos_ids: Tensor, k_cache: Tensor, v_cache: Tensor, kv_indices: Tensor,
+                   kv_indptr: Tensor, batch_indices: Tensor, positions: Tensor, is_neox: bool,
+                   quantize_dtype: Optional[torch.dtype], quant_scale_q: Optional[float],
+                   quant_scales_q: Optional[Tensor], quant_scale_kv: Optional[float],
+                   quant_scales_kv: Optional[Tensor], page_size: int, kv_layout: str,
+                   mrope_section: Optional[List[int]], mrope_interleaved: bool,
+                   q_scale_out: Optional[Tensor], k_scales: Optional[Tensor],
+                   v_scales: Optional[Tensor], status: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        q_rope_out, q_nope_out = _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype,
+                                                quantize, k_scales is not None)
+        into(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, k_cache, v_cache,
+             kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
+             quant_scale_q, quant_scales_q, quant_scale_kv, quant_scales_kv, page_size, kv_layout,
+             mrope_section, mrope_interleaved, q_scale_out, k_scales, v_scales, status,
+             q_rope_out, q_nope_out)
+        return q_rope_out, q_nope_out
 
     def fake(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, k_cache, v_cache,
              kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
              quant_scale_q, quant_scales_q, quant_scale_kv, quant_scales_kv, page_size,
-             kv_layout, mrope_section, mrope_interleaved):
-        return _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize)
+             kv_layout, mrope_section, mrope_interleaved, q_scale_out, k_scales, v_scales,
+             status):
+        return _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize,
+                              k_scales is not None)
 
-    op = torch.library.custom_op(f"ropekv::{name}", allocating,
-                                 mutates_args=("k_cache", "v_cache"))
-    op_out = torch.library.custom_op(
-        f"ropekv::{name}_out", into,
-        mutates_args=("k_cache", "v_cache", "q_rope_out", "q_nope_out"))
+    written = ("k_cache", "v_cache", "q_scale_out", "k_scales", "v_scales", "status")
+    op = torch.library.custom_op(f"ropekv::{name}", allocating, mutates_args=written)
+    op_out = torch.library.custom_op(f"ropekv::{name}_out", into,
+                                     mutates_args=(*written, "q_rope_out", "q_nope_out"))
     op.register_fake(fake)
     op_out.register_fake(_no_outputs)
     return op, op_out
@@ -235,10 +293,25 @@ _rope_append = _paged_ops("rope_append_paged_kv_cache", ropekv.rope_append_paged
                           False)
 
 
+def _scale_pair(scales):
+    """``kv_cache_scales`` as the op's two tensor arguments, with the eager op's message for
+    anything but a pair of arrays."""
+    if scales is None:
+        return None, None
+    if not isinstance(scales, (tuple, list)) or len(scales) != 2 or any(
+            x is None for x in scales):
+        raise ValueError(f"kv_cache_scales must be a pair of arrays (k_scales, v_scales), got "
+                         f"{type(scales).__qualname__}"
+                         + (f" of length {len(scales)}" if isinstance(scales, (tuple, list))
+                            else ""))
+    return scales[0], scales[1]
+
+
 def _paged_call(ops, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
                 kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
                 quant_scale_q, quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out,
-                mrope_section, mrope_interleaved):
+                options):
+    mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status = options
     shown = type(paged_kv_cache).__qualname__
     if isinstance(paged_kv_cache, (tuple, list)):
         shown += f" of length {len(paged_kv_cache)}"
@@ -246,12 +319,13 @@ def _paged_call(ops, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, 
     if quantize_dtype is not None and not isinstance(quantize_dtype, torch.dtype):
         quantize_dtype = _torch_dtype(as_dtype(quantize_dtype))
     scales = []
-    for s in (quant_scale_q, quant_scale_kv):
-        scales += [1.0, s] if isinstance(s, Tensor) else [s, None]
+    for s in (quant_scale_q, quant_scale_kv):  # None stays None: computed scales replace it
+        scales += [None, s] if isinstance(s, Tensor) else [s, None]
     args = (q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, k_cache, v_cache,
             kv_indices, kv_indptr, batch_indices, positions, bool(is_neox), quantize_dtype,
             *scales, page_size, kv_layout, fw.mrope_list(mrope_section),
-            _flag(mrope_interleaved, "mrope_interleaved"))
+            _flag(mrope_interleaved, "mrope_interleaved"), q_scale_out,
+            *_scale_pair(kv_cache_scales), status)
     op, op_out = ops
     if q_rope_out is None and q_nope_out is None:
         return op(*args)
@@ -270,9 +344,10 @@ def _paged_call(ops, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, 
 
 def rope_quantize_fp8_append_paged_kv_cache(
         q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
-        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=1.0,
-        quant_scale_kv=1.0, page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
-        enable_pdl=False, *, mrope_section=None, mrope_interleaved=False):
+        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=None,
+        quant_scale_kv=None, page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
+        enable_pdl=False, *, mrope_section=None, mrope_interleaved=False, q_scale_out=None,
+        kv_cache_scales=None, status=None):
     """:func:`ropekv.rope_quantize_fp8_append_paged_kv_cache` (FlashInfer's arguments) as a custom
     op; returns ``(q_rope_out, q_nope_out)``.
 
@@ -282,26 +357,32 @@ def rope_quantize_fp8_append_paged_kv_cache(
     tensor ``quant_scale_q`` / ``quant_scale_kv`` passes as the op's ``quant_scales_q`` /
     ``quant_scales_kv``. ``enable_pdl`` is accepted and ignored, as in the eager op. No
     ``stream=``. mRoPE: ``pos_ids (3, nnz)`` with ``mrope_section`` (a list of ints in the op's
-    schema) and ``mrope_interleaved``.
+    schema) and ``mrope_interleaved``. ``q_scale_out``, ``kv_cache_scales`` (a pair, the op's
+    ``k_scales`` and ``v_scales``) and ``status`` are written in place when given (both forms
+    declare them mutated). ``quant_scale_q`` / ``quant_scale_kv`` default to None (1.0), as in
+    the eager op, and stay None when the computed scales replace them.
     """
     return _paged_call(_rope_quantize_fp8, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
                        pos_ids, paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions,
                        is_neox, quantize_dtype, quant_scale_q, quant_scale_kv, page_size,
-                       kv_layout, q_rope_out, q_nope_out, mrope_section, mrope_interleaved)
+                       kv_layout, q_rope_out, q_nope_out,
+                       (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status))
 
 
 def rope_append_paged_kv_cache(
         q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
-        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=1.0,
-        quant_scale_kv=1.0, page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
-        enable_pdl=False, *, mrope_section=None, mrope_interleaved=False):
+        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=None,
+        quant_scale_kv=None, page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
+        enable_pdl=False, *, mrope_section=None, mrope_interleaved=False, q_scale_out=None,
+        kv_cache_scales=None, status=None):
     """:func:`ropekv.rope_append_paged_kv_cache` as a custom op (16-bit or fp8 caches); the same
     contract as :func:`rope_quantize_fp8_append_paged_kv_cache` here, through
     ``torch.ops.ropekv.rope_append_paged_kv_cache`` and ``..._out``."""
     return _paged_call(_rope_append, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
                        paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions, is_neox,
                        quantize_dtype, quant_scale_q, quant_scale_kv, page_size, kv_layout,
-                       q_rope_out, q_nope_out, mrope_section, mrope_interleaved)
+                       q_rope_out, q_nope_out,
+                       (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status))
 
 
 # ---- mla_rope_rmsnorm_append_paged_kv_cache ----------------------------------------------------
@@ -362,14 +443,15 @@ def _like_q(q, name, layout):
     return q.new_empty(shape, dtype=_torch_dtype(dtype))
 
 
-def _three_ops(name, allocating, into, in_place, caches, q_name, out_name, layout):
-    """Register the allocating, ``_out`` and ``_in_place`` ops of an op with one q output."""
+def _three_ops(name, allocating, into, in_place, caches, q_name, out_name, layout, fake=None):
+    """Register the allocating, ``_out`` and ``_in_place`` ops of an op with one q output (the
+    allocating op's fake: ``fake``, by default an empty tensor like ``q``)."""
     op = torch.library.custom_op(f"ropekv::{name}", allocating, mutates_args=caches)
     op_out = torch.library.custom_op(f"ropekv::{name}_out", into,
                                      mutates_args=(*caches, out_name))
     op_in_place = torch.library.custom_op(f"ropekv::{name}_in_place", in_place,
                                           mutates_args=(*caches, q_name))
-    op.register_fake(lambda q, *rest: _like_q(q, q_name, layout))
+    op.register_fake(fake or (lambda q, *rest: _like_q(q, q_name, layout)))
     op_out.register_fake(_no_outputs)
     op_in_place.register_fake(_no_outputs)
     return op, op_out, op_in_place
@@ -421,6 +503,12 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
 # ---- qk_rmsnorm_rope_append_paged_kv_cache -----------------------------------------------------
 
 
+def _qknorm_out(q, q_out_dtype):
+    """An empty ``q_out`` in ``q_out_dtype`` (checked as the eager op checks it)."""
+    shape, dtype = fw.qknorm_q_output(_meta(q, "q"), q_out_dtype)
+    return q.new_empty(shape, dtype=_torch_dtype(dtype))
+
+
 def _qknorm_ops():
     name = "qk_rmsnorm_rope_append_paged_kv_cache"
 
@@ -428,14 +516,17 @@ def _qknorm_ops():
             block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale, options,
             q_out):
         (norm_order, weight_offset, clear, position_ids, mrope_section, mrope_interleaved,
-         status, layer_idx) = options
+         q_out_dtype, q_scale, q_scale_out, k_scales, v_scales, status, layer_idx) = options
         _eager(ropekv.qk_rmsnorm_rope_append_paged_kv_cache, q, k, v, q_gamma, k_gamma,
                cos_sin_cache, input_row_offsets, cache_lengths, block_table, (k_cache, v_cache),
                epsilon=epsilon, is_neox=is_neox, kv_layout=kv_layout,
-               kv_scale=_scale_arg(kv_scale), q_out=q_out, norm_order=norm_order,
-               weight_offset=weight_offset, clear_unused_last_page_rows=clear,
-               position_ids=position_ids, mrope_section=fw.mrope_tuple(mrope_section),
-               mrope_interleaved=mrope_interleaved, status=status, layer_idx=layer_idx)
+               kv_scale=_scale_arg(kv_scale), q_out=q_out, q_out_dtype=q_out_dtype,
+               q_scale=q_scale, q_scale_out=q_scale_out,
+               kv_cache_scales=None if k_scales is None else (k_scales, v_scales),
+               norm_order=norm_order, weight_offset=weight_offset,
+               clear_unused_last_page_rows=clear, position_ids=position_ids,
+               mrope_section=fw.mrope_tuple(mrope_section), mrope_interleaved=mrope_interleaved,
+               status=status, layer_idx=layer_idx)
 
     def allocating(q: Tensor, k: Tensor, v: Tensor, q_gamma: Tensor, k_gamma: Tensor,
                    cos_sin_cache: Tensor, input_row_offsets: Tensor, cache_lengths: Tensor,
@@ -443,13 +534,16 @@ def _qknorm_ops():
                    is_neox: bool, kv_layout: str, kv_scale: Optional[List[float]],
                    norm_order: str, weight_offset: float, clear_unused_last_page_rows: bool,
                    position_ids: Optional[Tensor], mrope_section: Optional[List[int]],
-                   mrope_interleaved: bool, status: Optional[Tensor],
-                   layer_idx: Optional[int]) -> Tensor:
-        out = _like_q(q, "q", "(T, Hq, D)")
+                   mrope_interleaved: bool, q_out_dtype: Optional[torch.dtype],
+                   q_scale: Optional[float], q_scale_out: Optional[Tensor],
+                   k_scales: Optional[Tensor], v_scales: Optional[Tensor],
+                   status: Optional[Tensor], layer_idx: Optional[int]) -> Tensor:
+        out = _qknorm_out(q, q_out_dtype)
         run(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
             block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale,
             (norm_order, weight_offset, clear_unused_last_page_rows, position_ids,
-             mrope_section, mrope_interleaved, status, layer_idx), out)
+             mrope_section, mrope_interleaved, q_out_dtype, q_scale, q_scale_out, k_scales,
+             v_scales, status, layer_idx), out)
         return out
 
     def into(q: Tensor, k: Tensor, v: Tensor, q_gamma: Tensor, k_gamma: Tensor,
@@ -458,12 +552,15 @@ def _qknorm_ops():
              kv_layout: str, kv_scale: Optional[List[float]], norm_order: str,
              weight_offset: float, clear_unused_last_page_rows: bool,
              position_ids: Optional[Tensor], mrope_section: Optional[List[int]],
-             mrope_interleaved: bool, status: Optional[Tensor], layer_idx: Optional[int],
+             mrope_interleaved: bool, q_out_dtype: Optional[torch.dtype],
+             q_scale: Optional[float], q_scale_out: Optional[Tensor], k_scales: Optional[Tensor],
+             v_scales: Optional[Tensor], status: Optional[Tensor], layer_idx: Optional[int],
              q_out: Tensor) -> None:
         run(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
             block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale,
             (norm_order, weight_offset, clear_unused_last_page_rows, position_ids,
-             mrope_section, mrope_interleaved, status, layer_idx), q_out)
+             mrope_section, mrope_interleaved, q_out_dtype, q_scale, q_scale_out, k_scales,
+             v_scales, status, layer_idx), q_out)
 
     def in_place(q: Tensor, k: Tensor, v: Tensor, q_gamma: Tensor, k_gamma: Tensor,
                  cos_sin_cache: Tensor, input_row_offsets: Tensor, cache_lengths: Tensor,
@@ -471,15 +568,22 @@ def _qknorm_ops():
                  is_neox: bool, kv_layout: str, kv_scale: Optional[List[float]],
                  norm_order: str, weight_offset: float, clear_unused_last_page_rows: bool,
                  position_ids: Optional[Tensor], mrope_section: Optional[List[int]],
-                 mrope_interleaved: bool, status: Optional[Tensor],
-                 layer_idx: Optional[int]) -> None:
+                 mrope_interleaved: bool, q_out_dtype: Optional[torch.dtype],
+                 q_scale: Optional[float], q_scale_out: Optional[Tensor],
+                 k_scales: Optional[Tensor], v_scales: Optional[Tensor],
+                 status: Optional[Tensor], layer_idx: Optional[int]) -> None:
         run(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
             block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale,
             (norm_order, weight_offset, clear_unused_last_page_rows, position_ids,
-             mrope_section, mrope_interleaved, status, layer_idx), q)
+             mrope_section, mrope_interleaved, q_out_dtype, q_scale, q_scale_out, k_scales,
+             v_scales, status, layer_idx), q)
 
-    return _three_ops(name, allocating, into, in_place, ("k_cache", "v_cache", "status"), "q",
-                      "q_out", "(T, Hq, D)")
+    def fake(q, *args):
+        return _qknorm_out(q, args[20])  # q_out_dtype
+
+    return _three_ops(name, allocating, into, in_place,
+                      ("k_cache", "v_cache", "q_scale_out", "k_scales", "v_scales", "status"),
+                      "q", "q_out", "(T, Hq, D)", fake)
 
 
 _qknorm = _qknorm_ops()
@@ -489,27 +593,40 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
                                           input_row_offsets, cache_lengths, block_table,
                                           paged_kv_cache, *, epsilon=1e-6, is_neox=True,
                                           kv_layout="NHD", kv_scale=None, q_out=None,
-                                          norm_order="before_rope", weight_offset=0.0,
-                                          clear_unused_last_page_rows=False, position_ids=None,
-                                          mrope_section=None, mrope_interleaved=False,
-                                          status=None, layer_idx=None):
+                                          q_out_dtype=None, q_scale=None, q_scale_out=None,
+                                          kv_cache_scales=None, norm_order="before_rope",
+                                          weight_offset=0.0, clear_unused_last_page_rows=False,
+                                          position_ids=None, mrope_section=None,
+                                          mrope_interleaved=False, status=None, layer_idx=None):
     """:func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache` as a custom op; returns ``q_out``.
 
-    Runs ``torch.ops.ropekv.qk_rmsnorm_rope_append_paged_kv_cache`` (allocates ``q_out``),
-    ``..._out`` (writes the given ``q_out``) or ``..._in_place`` (``q_out=q``). ``kv_scale`` (a
-    float or a pair) passes as a list of floats, ``mrope_section`` as a list of ints. No
-    ``stream=``. ``status`` (an int32 tensor of one element) is written in place (every form
-    declares it mutated); ``layer_idx`` writes one layer of caches with a leading
-    ``(num_layers, ...)`` dimension, as the eager op.
+    Runs ``torch.ops.ropekv.qk_rmsnorm_rope_append_paged_kv_cache`` (allocates ``q_out``, in
+    ``q_out_dtype``: ``q``'s or fp8), ``..._out`` (writes the given ``q_out``) or
+    ``..._in_place`` (``q_out=q``). ``kv_scale`` (a float or a pair) passes as a list of floats,
+    ``mrope_section`` as a list of ints, ``q_out_dtype`` as a torch dtype (a NumPy dtype or a
+    name is converted). No ``stream=``. ``q_scale_out``, ``kv_cache_scales`` (a pair, the op's
+    ``k_scales`` and ``v_scales``) and ``status`` (an int32 tensor of one element) are written
+    in place when given (every form declares them mutated); ``layer_idx`` writes one layer of
+    caches with a leading ``(num_layers, ...)`` dimension (and of ``kv_cache_scales``' arrays),
+    as the eager op.
     """
     k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a tuple (k_cache, "
                                              f"v_cache), got {type(paged_kv_cache).__name__}")
+    if kv_cache_scales is not None and (not isinstance(kv_cache_scales, (tuple, list))
+                                        or len(kv_cache_scales) != 2):
+        raise ValueError(f"kv_cache_scales must be a tuple (k_scales, v_scales), got "
+                         f"{type(kv_cache_scales).__name__}")
+    k_scales, v_scales = (None, None) if kv_cache_scales is None else kv_cache_scales
+    if q_out_dtype is not None and not isinstance(q_out_dtype, torch.dtype):
+        # a NumPy dtype or a name: checked (the eager message) and passed as a torch dtype
+        q_out_dtype = _torch_dtype(fw.qknorm_q_output(_meta(q, "q"), q_out_dtype)[1])
     op, extra, result = _pick(_qknorm, q, q_out)
     out = op(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
              block_table, k_cache, v_cache, epsilon, bool(is_neox), kv_layout,
              _scale_list(kv_scale), norm_order, weight_offset,
              _flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"), position_ids,
-             fw.mrope_list(mrope_section), _flag(mrope_interleaved, "mrope_interleaved"), status,
+             fw.mrope_list(mrope_section), _flag(mrope_interleaved, "mrope_interleaved"),
+             q_out_dtype, q_scale, q_scale_out, k_scales, v_scales, status,
              fw.layer_index(layer_idx), *extra)
     return out if result is None else result
 

@@ -8,9 +8,12 @@ import ml_dtypes
 import numpy as np
 
 from tests import test_contiguous, test_mla, test_paged, test_qknorm, test_qkv
+from tests.test_call_path import assert_op_close
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 BF16 = np.dtype(ml_dtypes.bfloat16)
+INT8 = np.dtype(np.int8)
 
 # the arguments each op writes (besides the arrays it returns)
 WRITES = {
@@ -22,8 +25,21 @@ WRITES = {
     "fused_qkv_matmul_append_paged_kv_cache": ("paged_kv_cache",),
 }
 OUTPUT_ARGS = ("q_rope_out", "q_nope_out", "q_out", "out")
-# written when given (the ops that validate their offsets on the device), after the caches
+# written when given, after the caches: computed scales, and the status of the ops that
+# validate their offsets on the device
 STATUS = "status"
+WRITTEN_OPTIONS = ("q_scale_out", "kv_cache_scales", STATUS)
+
+
+def assert_result_close(actual, expected, case, what):
+    """One device result of ``case`` against the NumPy reference's: int8 codes equal or adjacent
+    (the kernels compute scales in float32, the reference in float64), the fused QKV op's rows
+    by relative error (``tests/test_call_path.assert_op_close``), the rest by
+    ``tests/tolerance.assert_close``."""
+    if np.dtype(expected.dtype) == INT8:
+        test_contiguous.assert_codes_close(actual, expected, what)
+    else:
+        assert_op_close(actual, expected, "qkv" if case.op.startswith("fused_qkv") else "", what)
 
 
 class Case:
@@ -49,14 +65,16 @@ class Case:
             out[self.in_place[0]] = out[self.in_place[1]]
         return out
 
-    def written(self, kwargs):
-        """The arrays the call writes in ``kwargs`` (after the call), in a fixed order."""
+    def written(self, kwargs, status=True, outputs=True):
+        """The arrays the call writes in ``kwargs`` (after the call), in a fixed order: the
+        caches (and ``q`` / ``k``), the computed scales, ``status`` and the output arguments
+        (those two left out with ``status=False`` / ``outputs=False``)."""
         names = list(WRITES[self.op])
         if self.op == "apply_rope_write_kv" and kwargs.get("write_k_in_place"):
             names.append("k")
-        if kwargs.get(STATUS) is not None:
-            names.append(STATUS)
-        names += [n for n in OUTPUT_ARGS if kwargs.get(n) is not None]
+        names += [n for n in WRITTEN_OPTIONS if kwargs.get(n) is not None
+                  and (status or n != STATUS)]
+        names += [n for n in OUTPUT_ARGS if outputs and kwargs.get(n) is not None]
         flat = []
         for n in names:
             x = kwargs[n]
@@ -77,7 +95,7 @@ class Case:
 
 
 def _contiguous(name, seed, **kw):
-    call = {n: kw.pop(n) for n in ("write_k_in_place", "is_neox") if n in kw}
+    call = {n: kw.pop(n) for n in ("write_k_in_place", "is_neox", "kv_scale") if n in kw}
     return Case(name, "apply_rope_write_kv", {**test_contiguous.make_case(seed, **kw), **call})
 
 
@@ -147,12 +165,55 @@ def _layers(case, num_layers, layer):
 
     case.kwargs[name] = (tuple(layered(c) for c in caches) if isinstance(caches, tuple)
                          else layered(caches))
+    if case.kwargs.get("kv_cache_scales") is not None:  # they carry the layer dimension too
+        case.kwargs["kv_cache_scales"] = tuple(layered(c) for c in case.kwargs["kv_cache_scales"])
     case.kwargs["layer_idx"] = layer
     return case
 
 
 def _status():
     return np.full(1, 99, np.int32)  # not 0: the op must write it
+
+
+def _scales(rng, shape):
+    """A scale array the op writes, starting as random values (stray or missing writes show)."""
+    return rng.uniform(-3, 3, shape).astype(np.float32)
+
+
+def _quant_contiguous(name, seed, write_k_in_place=False, **kw):
+    """The contiguous op with ``q_out`` / ``q_scale`` / ``q_scale_out`` / ``kv_cache_scales``
+    (``tests/test_contiguous.quant_case``)."""
+    args = test_contiguous.quant_case(seed, **kw)
+    return Case(name, "apply_rope_write_kv", {**args, "write_k_in_place": write_k_in_place})
+
+
+def _computed_scales(case, q_scale_out=False, kv_cache_scales=False, status=False):
+    """A paged or QK-norm ``case`` with the arrays of issue 14 the op writes: dynamic Q scales
+    ``(T, Hq)``, per-token-head KV scales (the caches' shape without D) and ``status``. The
+    static scales they replace are dropped (their default, None)."""
+    rng = np.random.default_rng(len(case.name))
+    a = case.kwargs
+    q = a["q_rope"] if "q_rope" in a else a["q"]
+    if q_scale_out:
+        a.pop("quant_scale_q", None)
+        a["q_scale_out"] = _scales(rng, q.shape[:2])
+    if kv_cache_scales:
+        a.pop("quant_scale_kv", None)
+        a.pop("kv_scale", None)
+        a["kv_cache_scales"] = tuple(_scales(rng, c.shape[:-1]) for c in a["paged_kv_cache"])
+    if status:
+        a["status"] = _status()
+    return case
+
+
+def _with_q_out(case, dtype, **call):
+    """A QK-norm ``case`` with a given ``q_out`` of ``dtype`` (random bytes) and ``call``."""
+    rng = np.random.default_rng(len(case.name))
+    q = case.kwargs["q"]
+    case.kwargs["q_out"] = rng.integers(0, 256, (*q.shape[:-1], q.shape[-1] * dtype.itemsize),
+                                        np.uint8).view(dtype)
+    case.kwargs.update(call)
+    return case
 
 
 def cases():
@@ -202,4 +263,30 @@ def cases():
         _layers(_ragged("qknorm-fp8-layers", test_qknorm, qknorm, 26, cache_dtype=E4M3,
                         call={"kv_scale": 0.5}), 4, 3),
         _layers(_ragged("qkv-decode-layers", test_qkv, qkv, 27, lengths=(1, 1)), 2, 0),
+        # issue 14's fp8 queries (static and dynamic scales), per-token-head KV scales (fp8 and
+        # int8 caches) and the paged ops' device-side status
+        _quant_contiguous("contiguous-q-out", 28, q_mode="copy"),
+        _contiguous("contiguous-fp8-float-kv-scale-pair", 38, D=32, R=16, cache_dtype=E4M3,
+                    kv_scale=(0.5, 2.0)),
+        _quant_contiguous("contiguous-fp8-q-dynamic-int8-kv-scales", 29, q_mode="dynamic e4m3",
+                          kv_dtype=INT8),
+        _quant_contiguous("contiguous-fp8-q-static-kv-scales-k-in-place", 30,
+                          q_mode="static e5m2", kv_dtype=E4M3, write_k_in_place=True),
+        _computed_scales(_paged("paged-fp8-computed-scales-status", 31, quant, Dn=16),
+                         q_scale_out=True, kv_cache_scales=True, status=True),
+        _computed_scales(_paged("paged-fp8-q-dynamic-given", 32, quant, Dn=16, per_head=True,
+                                q_rope_out=True, q_nope_out=True), q_scale_out=True),
+        _computed_scales(_paged("paged-int8-kv-scales-hnd-given", 33, plain, cache_dtype=INT8,
+                                kv_layout="HND", q_rope_out=True), kv_cache_scales=True,
+                         status=True),
+        _computed_scales(_ragged("qknorm-fp8-q-dynamic-kv-scales", test_qknorm, qknorm, 34,
+                                 cache_dtype=E4M3, call={"q_out_dtype": "float8_e4m3fn"}),
+                         q_scale_out=True, kv_cache_scales=True, status=True),
+        _computed_scales(_ragged("qknorm-int8-kv-scales-in-place", test_qknorm, qknorm, 37,
+                                 out="in_place", cache_dtype=INT8), kv_cache_scales=True),
+        _with_q_out(_ragged("qknorm-fp8-q-static-given", test_qknorm, qknorm, 35,
+                            cache_dtype=E4M3), E5M2, q_scale=2.0, kv_scale=0.5),
+        _layers(_computed_scales(_ragged("qknorm-kv-scales-layers", test_qknorm, qknorm, 36,
+                                         cache_dtype=E4M3, layout="HND"),
+                                 kv_cache_scales=True), 3, 2),
     ]

@@ -12,8 +12,7 @@ torch = pytest.importorskip("torch")
 
 import ropekv
 import ropekv.torch as rt
-from tests.framework_cases import cases
-from tests.test_call_path import assert_op_close
+from tests.framework_cases import assert_result_close, cases
 from tests.tolerance import assert_close, to_numpy
 
 CASES = cases()
@@ -23,22 +22,26 @@ _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3f
                  "float8_e5m2": torch.float8_e5m2}
 
 # every registered op and the arguments it writes
+_SCALES = {"q_scale_out", "kv_cache_scales"}
+_PAGED = {"k_cache", "v_cache", "q_scale_out", "k_scales", "v_scales", "status"}
+_QKNORM = {"k_cache", "v_cache", "q_scale_out", "k_scales", "v_scales", "status"}
 MUTATIONS = {
-    "apply_rope_write_kv": {"q", "kv_cache"},
-    "apply_rope_write_kv_k_in_place": {"q", "k", "kv_cache"},
-    "rope_quantize_fp8_append_paged_kv_cache": {"k_cache", "v_cache"},
-    "rope_quantize_fp8_append_paged_kv_cache_out": {"k_cache", "v_cache", "q_rope_out",
-                                                    "q_nope_out"},
-    "rope_append_paged_kv_cache": {"k_cache", "v_cache"},
-    "rope_append_paged_kv_cache_out": {"k_cache", "v_cache", "q_rope_out", "q_nope_out"},
+    "apply_rope_write_kv": {"q", "kv_cache", *_SCALES},
+    "apply_rope_write_kv_out": {"q_out", "kv_cache", *_SCALES},
+    "apply_rope_write_kv_k_in_place": {"q", "k", "kv_cache", *_SCALES},
+    "apply_rope_write_kv_k_in_place_out": {"q_out", "k", "kv_cache", *_SCALES},
+    "rope_quantize_fp8_append_paged_kv_cache": _PAGED,
+    "rope_quantize_fp8_append_paged_kv_cache_out": {*_PAGED, "q_rope_out", "q_nope_out"},
+    "rope_append_paged_kv_cache": _PAGED,
+    "rope_append_paged_kv_cache_out": {*_PAGED, "q_rope_out", "q_nope_out"},
     "mla_rope_rmsnorm_append_paged_kv_cache": {"kv_cache", "kpe_cache", "status"},
     "mla_rope_rmsnorm_append_paged_kv_cache_out": {"kv_cache", "kpe_cache", "status",
                                                    "q_rope_out"},
     "mla_rope_rmsnorm_append_paged_kv_cache_in_place": {"kv_cache", "kpe_cache", "status",
                                                         "q_rope"},
-    "qk_rmsnorm_rope_append_paged_kv_cache": {"k_cache", "v_cache", "status"},
-    "qk_rmsnorm_rope_append_paged_kv_cache_out": {"k_cache", "v_cache", "status", "q_out"},
-    "qk_rmsnorm_rope_append_paged_kv_cache_in_place": {"k_cache", "v_cache", "status", "q"},
+    "qk_rmsnorm_rope_append_paged_kv_cache": _QKNORM,
+    "qk_rmsnorm_rope_append_paged_kv_cache_out": {*_QKNORM, "q_out"},
+    "qk_rmsnorm_rope_append_paged_kv_cache_in_place": {*_QKNORM, "q"},
     "fused_qkv_matmul_append_paged_kv_cache": {"k_cache", "v_cache"},
     "fused_qkv_matmul_append_paged_kv_cache_out": {"k_cache", "v_cache", "out"},
 }
@@ -177,7 +180,9 @@ def test_compiled_matches_the_numpy_backend_and_compiles_once(case):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.name in (
-    "contiguous-f16", "paged-fp8-gqa", "mla-split-given", "qknorm-fp8-in-place")], ids=str)
+    "contiguous-f16", "paged-fp8-gqa", "mla-split-given", "qknorm-fp8-in-place",
+    "contiguous-fp8-q-dynamic-int8-kv-scales", "paged-fp8-computed-scales-status",
+    "qknorm-fp8-q-dynamic-kv-scales")], ids=str)
 def test_compiled_code_writes_the_caches_in_place(case):
     """Inductor calls the op on the graph's own cache tensors: no clone, no copy back."""
     from torch._inductor.utils import run_and_get_code
@@ -209,6 +214,26 @@ BAD = [
     ("mla status dtype", "mla-options", "status", lambda s: s.astype(np.int64)),
     ("paged mrope_section sum", "paged-fp8-mrope-interleaved", "mrope_section",
      lambda s: (1, 1, 1)),
+    # issue 14's computed scales and fp8 queries (some checked by the fakes, the rest eagerly)
+    ("qknorm q_out_dtype", "qknorm-fp8-q-dynamic-kv-scales", "q_out_dtype", lambda _: "int8"),
+    ("qknorm q_scale with q_scale_out", "qknorm-fp8-q-dynamic-kv-scales", "q_scale",
+     lambda _: 2.0),
+    ("qknorm kv_cache_scales shape", "qknorm-int8-kv-scales-in-place", "kv_cache_scales",
+     lambda s: tuple(x[:-1] for x in s)),
+    ("paged static q scale with q_scale_out", "paged-fp8-computed-scales-status",
+     "quant_scale_q", lambda _: 2.0),
+    ("paged int8 cache without kv_cache_scales", "paged-int8-kv-scales-hnd-given",
+     "kv_cache_scales", lambda _: None),
+    ("paged int8 quantize_dtype without kv_cache_scales", "paged-fp8-gqa", "quantize_dtype",
+     lambda _: np.int8),
+    ("paged kv_cache_scales dtype", "paged-fp8-computed-scales-status", "kv_cache_scales",
+     lambda s: tuple(x.astype(np.float16) for x in s)),
+    ("paged status dtype", "paged-fp8-computed-scales-status", "status",
+     lambda s: s.astype(np.int64)),
+    ("contiguous q_scale_out with a 16-bit q_out", "contiguous-q-out", "q_scale_out",
+     lambda _: np.zeros((2, 3, 4), np.float32)),
+    ("contiguous kv_cache_scales on a 16-bit cache", "contiguous-q-out", "kv_cache_scales",
+     lambda _: np.zeros((2, 2, 2, 16), np.float32)),
 ]
 
 
@@ -232,12 +257,17 @@ def error_of(fn):
 def compiled_error_of(fn, expected):
     """The error of a compiled call: the eager one when the op raised it while running, or, when
     a fake implementation raised it while dynamo traced, dynamo's ``TorchRuntimeError`` quoting
-    it (dynamo drops the original exception, its message keeps it)."""
+    it (dynamo drops the original exception, its message keeps it); when the Python function
+    raised it while dynamo traced it (a ``q_out_dtype`` it converts), dynamo's ``Unsupported``
+    ("Observed exception") quoting it."""
+    kind, message = expected
     try:
         return error_of(fn)
     except torch._dynamo.exc.TorchRuntimeError as exc:
-        kind, message = expected
         assert f"got {kind.__name__}({message!r})" in str(exc), str(exc)
+        return expected
+    except torch._dynamo.exc.Unsupported as exc:
+        assert f"raised exception {kind.__name__}(" in str(exc) and message in str(exc), str(exc)
         return expected
 
 
@@ -270,30 +300,38 @@ def test_layer_idx_type_errors_are_the_eager_ones(name, bad):
     assert error_of(lambda: case.run(rt, case.fresh(to_torch))) == expected
 
 
-@pytest.mark.parametrize("name", ["qknorm-options-given", "mla-options"])
+@pytest.mark.parametrize("name", ["qknorm-options-given", "mla-options",
+                                  "paged-int8-kv-scales-hnd-given"])
 def test_status_reports_bad_offsets_and_nothing_is_written(name):
-    """Malformed ``input_row_offsets`` (one above the next): status 2, the caches and the given
-    q output untouched, through the custom op as through the eager one."""
-    case = malformed(name)
+    """Malformed offsets (``input_row_offsets``: one above the next, code 2; the paged ops'
+    ``kv_indptr``: not starting at 0, code 4): the status code, and the caches, the scale arrays
+    and the given q output untouched, through the custom op as through the eager one."""
+    case, code = malformed(name)
     for ops, convert in ((ropekv, np.asarray), (rt, to_torch)):
         args = case.fresh(convert)
         others = [x for x in case.written(args) if x is not args["status"]]
         before = [to_numpy(x).copy() for x in others]
         case.run(ops, args)
-        assert int(to_numpy(args["status"])[0]) == 2
+        assert int(to_numpy(args["status"])[0]) == code
         for x, b in zip(others, before):
             assert np.array_equal(to_numpy(x).view(np.uint8), b.view(np.uint8))
 
 
 def malformed(name):
-    """A copy of a case with a ``status`` whose offsets fail check 2 (an offset above the next)."""
+    """A copy of a case with a ``status`` whose offsets fail a check, and the code it names:
+    ``input_row_offsets`` with an offset above the next (2), or ``kv_indptr[0] != 0`` (4)."""
     import copy
 
     case = copy.copy(next(c for c in CASES if c.name == name))
+    if "kv_indptr" in case.kwargs:
+        indptr = case.kwargs["kv_indptr"].copy()
+        indptr[0] = 1
+        case.kwargs = dict(case.kwargs, kv_indptr=indptr)
+        return case, 4
     offsets = case.kwargs["input_row_offsets"].copy()
     offsets[1] = offsets[2] + 1
     case.kwargs = dict(case.kwargs, input_row_offsets=offsets)
-    return case
+    return case, 2
 
 
 def test_backward_through_an_op_raises():
@@ -328,12 +366,12 @@ def expected_on_device(case):
     return case.run(ropekv, case.fresh())
 
 
-def assert_close_all(got, expected, case=None):
-    """``assert_close`` per result; the fused QKV op's cuBLAS path (prefill-sized calls) rounds
-    the projection before its epilogue, so its rows are compared by relative error."""
-    op = "qkv" if case is not None and case.op.startswith("fused_qkv") else ""
+def assert_close_all(got, expected, case):
+    """``assert_result_close`` per result (int8 codes may be adjacent; the fused QKV op's cuBLAS
+    path, for prefill-sized calls, rounds the projection before its epilogue, so its rows are
+    compared by relative error)."""
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert_op_close(g, e, op, f"result {i}")
+        assert_result_close(g, e, case, f"result {i}")
 
 
 @pytest.mark.gpu
@@ -384,7 +422,7 @@ def test_cuda_graph_capture_and_replay_write_the_cache(case):
         _refill(static, data.fresh(on("cuda")))
         graph.replay()
         torch.cuda.synchronize()
-        assert_close_all(results, expected_on_device(data))
+        assert_close_all(results, expected_on_device(data), data)
 
 
 @pytest.mark.gpu
@@ -467,4 +505,4 @@ def test_the_op_runs_on_the_current_torch_stream():
         got = case.run(rt, a)
         snapshot = [x.clone() for x in got]
     torch.cuda.synchronize()
-    assert_close_all(snapshot, expected_on_device(other))
+    assert_close_all(snapshot, expected_on_device(other), other)
