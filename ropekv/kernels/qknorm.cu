@@ -105,7 +105,9 @@ __device__ __forceinline__ float computed_scale(float rms, float amax, float& mu
 // QUANT (with OPTS 0 or 2): q is stored as QT (fp8 with a static scale, or with p.q_dynamic a
 // computed scale per row) and, with p.kv_dynamic, K and V rows with computed scales. A computed
 // scale needs the row's largest magnitude after the norm and RoPE: one more max-shuffle over the
-// row's G lanes. Without QUANT, QT is T and none of it is compiled.
+// row's G lanes, beside the row sum's (these kernels defer the norm's 1/rms to the store, so the
+// maximum does not wait for the sum; step 4 says how). Without QUANT, QT is T and none of it is
+// compiled.
 template <typename T, typename CacheT, typename QT, bool NEOX, int N, int ROWS, int OPTS,
           bool QUANT>
 __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh) {
