@@ -895,3 +895,32 @@ def test_options_run_as_runners_and_report_their_cost(monkeypatch):
     # without --options no option runner
     result = bench.run(peers=[], specs=[spec], backend="numpy", log=lambda *a: None)
     assert not any(p.startswith("ropekv[+") for p in result["cases"][0]["peers"])
+
+
+def test_qknorm_options_time_the_computed_scales():
+    """The QK-norm workload's options on an fp8 cache with static scales: dynamic fp8 q and
+    per-token-head KV scales run (NumPy backend) as unchecked runners (they change the outputs)
+    and write their scales; a case that already computes scales, or a 16-bit cache, has none."""
+    from ropekv.bench.workloads.qknorm import QknormWL
+
+    kw = {"B": 2, "S": 3, "prefix": 5, "Hq": 4, "Hkv": 2, "D": 64, "dtype": BF16}
+    spec = bench.CaseSpec("qknorm", "qknorm tiny 2x3", 6, 1,
+                          base._lazy(QknormWL, cache_dtype=E4M3, **kw))
+    result = bench.run(peers=[], specs=[spec], backend="numpy", options=True, log=lambda *a: None)
+    (case,) = result["cases"]
+    assert "error" not in case, case
+    for label in ("dynamic q", "kv scales"):
+        entry = case["peers"][f"ropekv[+{label}]"]
+        assert entry["status"] == "ok" and entry["check"].startswith("not compared"), entry
+    w = QknormWL(np, cache_dtype=E4M3, **kw)
+    opts = w.options()
+    assert set(opts) == {"dynamic q", "kv scales"}
+    for extra, checked in opts.values():
+        assert not checked
+        w.call(w.new_outputs(), **extra)
+    q_scales = opts["dynamic q"][0]["q_scale_out"]
+    assert q_scales.shape == (6, 4) and (q_scales > 0).all()
+    k_scales, v_scales = opts["kv scales"][0]["kv_cache_scales"]
+    assert (k_scales > 0).sum() == (v_scales > 0).sum() == 6 * 2  # one per token and KV head
+    assert QknormWL(np, cache_dtype=E4M3, kv_dynamic=True, **kw).options() == {}
+    assert QknormWL(np, cache_dtype=BF16, **kw).options() == {}

@@ -63,6 +63,19 @@ struct QKNormShared {
   int lengths[kStageMax];
 };
 
+// The quantizing kernels' computed scale of a row y = rms * y' whose largest |y'| is amax:
+// a = max(rms * amax, 1e-6), returns the scale a / max_code and sets mul (what y' is multiplied
+// by before rounding) to rms * max_code / a, by a fast division (no IEEE slow path on the chain;
+// within 2 ulp): a >= 1e-6 is inside its range up to 2^126, beyond it both sides are scaled by
+// 2^-4 (an infinite amax: scale inf, values times 0, as the IEEE division gives).
+template <typename C>
+__device__ __forceinline__ float computed_scale(float rms, float amax, float& mul) {
+  const float a = fmaxf(rms * amax, 1e-6f);
+  const float k = a < 0x1p126f ? 1.f : 0x1p-4f;
+  mul = rms * __fdividef(max_code<C>() * k, a * k);
+  return a * (1.f / max_code<C>());
+}
+
 // A token's head rows are Q (Hq), K (Hkv) and V (Hkv): H = Hq + 2 Hkv rows of D dims. A row is cut
 // into `items` chunks: chunk j < rot_items holds RoPE pairs (neox: dims [jN, jN + N) and their
 // partners R/2 further; interleaved: dims [jN, jN + N)), the rest N pass-through dims of [R, D);
@@ -92,7 +105,9 @@ struct QKNormShared {
 // QUANT (with OPTS 0 or 2): q is stored as QT (fp8 with a static scale, or with p.q_dynamic a
 // computed scale per row) and, with p.kv_dynamic, K and V rows with computed scales. A computed
 // scale needs the row's largest magnitude after the norm and RoPE: one more max-shuffle over the
-// row's G lanes. Without QUANT, QT is T and none of it is compiled.
+// row's G lanes, beside the row sum's (these kernels defer the norm's 1/rms to the store, so the
+// maximum does not wait for the sum; step 4 says how). Without QUANT, QT is T and none of it is
+// compiled.
 template <typename T, typename CacheT, typename QT, bool NEOX, int N, int ROWS, int OPTS,
           bool QUANT>
 __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh) {
@@ -217,11 +232,13 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
     }
   }
   // the row sums: shuffles within each G-lane group (U and G are block-uniform: every lane takes
-  // part)
+  // part). The quantizing kernels do them later, beside the row maxima's.
+  if constexpr (!QUANT) {
 #pragma unroll
-  for (int u = 0; u < ROWS; ++u) {
-    if (u >= U) break;
-    for (int o = G >> 1; o; o >>= 1) ss[u] += __shfl_xor_sync(0xffffffffu, ss[u], o);
+    for (int u = 0; u < ROWS; ++u) {
+      if (u >= U) break;
+      for (int o = G >> 1; o; o >>= 1) ss[u] += __shfl_xor_sync(0xffffffffu, ss[u], o);
+    }
   }
 
   // 4. normalise, rope, store
@@ -280,13 +297,19 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
       }
     }
   } else {
-    // row u's chunk normalised and roped, in float32
-    auto norm_rope = [&](int u, float (&a)[N], float (&b)[N]) {
+    // The quantizing kernels defer the norm's 1/rms: a row is y' = rope(x * gamma) (or
+    // rope(x) * gamma after RoPE), its largest magnitude amax' = max|y'| needs no row sum, so the
+    // row maxima and the row sums are reduced in one set of shuffles (independent chains), and
+    // the stored value is y' times one multiplier per row, m = rms * (the output's scale): the
+    // 1/rms product costs no pass of its own (1 multiply per element less than normalising
+    // first). y = rms * y', so the row's amax is rms * amax' (the float32 rounding moves by an
+    // ulp, well inside the tolerances: codes equal or adjacent, scales within 1e-4).
+    // row u's chunk times its weights and roped (not normalised), in float32
+    auto weigh_rope = [&](int u, float (&a)[N], float (&b)[N]) {
       const int h = first + u * slots;
       const bool is_q = h < p.Hq;
       const bool is_v = h >= p.Hq + p.Hkv;
       const bool norm = roped && !is_v;  // V rows and rows without a position: copied
-      const float rms = norm ? rsqrtf(ss[u] * inv_d + p.epsilon) : 1.f;
       const float* g = sh.gamma[norm ? (is_q ? 0 : 1) : 2];
       float ga[N], gb[N];
       to_floats<T, N>(va[u], a);
@@ -301,29 +324,56 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
       if (post && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
       load_float<float, N>(g + ea, ga);
 #pragma unroll
-      for (int i = 0; i < N; ++i) a[i] *= rms * ga[i];
+      for (int i = 0; i < N; ++i) a[i] *= ga[i];
       if (pair) {
         load_float<float, N>(g + eb, gb);
 #pragma unroll
-        for (int i = 0; i < N; ++i) b[i] *= rms * gb[i];
+        for (int i = 0; i < N; ++i) b[i] *= gb[i];
       }
       if (!post && rotary) rotate_chunk<NEOX, N, M>(a, b, cu, su);
     };
-    // the chunk's stores (amax: the row's largest magnitude, for computed scales)
-    auto store_row = [&](int u, const float (&a)[N], const float (&b)[N], float amax) {
+    // whether row u is stored with a computed scale (only those need their amax)
+    auto computed = [&](int u) {
+      const int h = first + u * slots;
+      return h < p.Hq ? is_quantized<QT>::value && p.q_dynamic
+                      : is_quantized<CacheT>::value && p.kv_dynamic;
+    };
+    // this lane's largest |y'| of row u: a tree (depth log2 of the values, not their count);
+    // fmaxf drops NaN. 0 for rows without a computed scale or a chunk.
+    auto chunk_max = [&](int u, const float (&a)[N], const float (&b)[N]) {
+      if (!(u < U && first + u * slots < H && has_chunk && computed(u))) return 0.f;
+      float m[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) m[i] = pair ? fmaxf(fabsf(a[i]), fabsf(b[i])) : fabsf(a[i]);
+#pragma unroll
+      for (int w = N / 2; w > 0; w >>= 1) {
+#pragma unroll
+        for (int i = 0; i < w; ++i) m[i] = fmaxf(m[i], m[i + w]);
+      }
+      return m[0];
+    };
+    // row u's stores: y' times m (rms times the output's scale); ss and amax reduced
+    auto store_row = [&](int u, float (&a)[N], float (&b)[N], float ss_u, float amax) {
       const int h = first + u * slots;
       if (!(u < U && h < H && has_chunk)) return;
       const bool is_q = h < p.Hq;
       const bool is_v = h >= p.Hq + p.Hkv;
+      const float rms = roped && !is_v ? rsqrtf(ss_u * inv_d + p.epsilon) : 1.f;
       if (is_q) {
         QT* dst = q_row + h * p.qo_sh;
-        float mul = 1.f;  // 16-bit q: unused
+        float mul = rms;
         if constexpr (is_quantized<QT>::value) {
-          mul = p.inv_q_scale;
+          mul = rms * p.inv_q_scale;
           if (p.q_dynamic) {
-            const RowScale rs = row_scale<QT>(amax);
-            mul = rs.mul;
-            if (j == 0) p.q_scale_out[t * p.qs_st + h * p.qs_sh] = rs.scale;
+            const float scale = computed_scale<QT>(rms, amax, mul);
+            if (j == 0) p.q_scale_out[t * p.qs_st + h * p.qs_sh] = scale;
+          }
+        } else {  // 16-bit q: stored as it is (store_float applies no multiplier)
+#pragma unroll
+          for (int i = 0; i < N; ++i) a[i] *= mul;
+          if (pair) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) b[i] *= mul;
           }
         }
         store_float<QT, N>(dst + ea, a, mul);
@@ -331,21 +381,28 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
       } else if (write) {
         const int kh = is_v ? h - p.Hq - p.Hkv : h - p.Hq;  // the KV head
         CacheT* dst = is_v ? v_row + kh * p.vc_sh : k_row + kh * p.kc_sh;
-        float scale = is_v ? p.inv_v_scale : p.inv_k_scale;
+        float mul = rms;
         float* scale_slot = nullptr;  // per-token-head KV scales: this row's slot
         if constexpr (is_quantized<CacheT>::value) {
+          mul = rms * (is_v ? p.inv_v_scale : p.inv_k_scale);
           if (p.kv_dynamic) {
-            const RowScale rs = row_scale<CacheT>(amax);
-            scale = rs.mul;
+            const float scale = computed_scale<CacheT>(rms, amax, mul);
             scale_slot = is_v ? p.v_scales + slot.page * p.vs_sp + slot.entry * p.vs_se +
                                     kh * p.vs_sh
                               : p.k_scales + slot.page * p.ks_sp + slot.entry * p.ks_se +
                                     kh * p.ks_sh;
-            if (j == 0) *scale_slot = rs.scale;
+            if (j == 0) *scale_slot = scale;
+          }
+        } else {  // 16-bit cache (with fp8 q)
+#pragma unroll
+          for (int i = 0; i < N; ++i) a[i] *= mul;
+          if (pair) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) b[i] *= mul;
           }
         }
-        store_float<CacheT, N>(dst + ea, a, scale);
-        if (pair) store_float<CacheT, N>(dst + eb, b, scale);
+        store_float<CacheT, N>(dst + ea, a, mul);
+        if (pair) store_float<CacheT, N>(dst + eb, b, mul);
         if (clear) {
           const i64 se = is_v ? p.vc_se : p.kc_se;
           zero_rest_of_page<CacheT, N>(dst, se, slot.entry, p.page_size, ea);
@@ -357,53 +414,41 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
         }
       }
     };
-    // computed scales need each row's largest magnitude (NaN ignored: fmaxf) over its G lanes
-    // before its first store (every lane takes part in the shuffles: U and G are
-    // block-uniform; lanes without a chunk bring 0)
-    auto chunk_max = [&](int u, const float (&a)[N], const float (&b)[N]) {
-      float m = 0.f;
-      if (u < U && first + u * slots < H && has_chunk) {
-#pragma unroll
-        for (int i = 0; i < N; ++i) m = fmaxf(m, fabsf(a[i]));
-        if (pair) {
-#pragma unroll
-          for (int i = 0; i < N; ++i) m = fmaxf(m, fabsf(b[i]));
-        }
-      }
-      return m;
-    };
     if constexpr (ROWS <= 2) {
-      // every row of the thread first (independent chains), their shuffles together, the stores
-      // (at ROWS 4 the rows would not fit in registers: 128 and spills; row by row 103-116).
-      // Measured on the H200 (Qwen3-32B, 8 x 1024): 125.8 us against 129.2 row by row for
-      // dynamic fp8 q, 131.1 against 127.9 for per-token-head KV scales: about even
+      // every row of the thread first (independent chains), then the row sums' and maxima's
+      // shuffles together (every lane takes part: U and G are block-uniform; lanes without a
+      // chunk bring 0), then the stores (at ROWS 4 the rows would not fit in registers)
       float a[ROWS][N], b[ROWS][N], amax[ROWS];
 #pragma unroll
       for (int u = 0; u < ROWS; ++u) {
-        norm_rope(u, a[u], b[u]);
+        weigh_rope(u, a[u], b[u]);
         amax[u] = chunk_max(u, a[u], b[u]);
       }
       for (int o = G >> 1; o; o >>= 1) {
 #pragma unroll
         for (int u = 0; u < ROWS; ++u) {
-          if (u < U) amax[u] = fmaxf(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], o));
+          if (u < U) {
+            ss[u] += __shfl_xor_sync(0xffffffffu, ss[u], o);
+            amax[u] = fmaxf(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], o));
+          }
         }
       }
 #pragma unroll
-      for (int u = 0; u < ROWS; ++u) store_row(u, a[u], b[u], amax[u]);
+      for (int u = 0; u < ROWS; ++u) store_row(u, a[u], b[u], ss[u], amax[u]);
     } else {
       // row by row (fewer registers)
 #pragma unroll
       for (int u = 0; u < ROWS; ++u) {
         float a[N], b[N];
-        norm_rope(u, a, b);
+        weigh_rope(u, a, b);
         float amax = chunk_max(u, a, b);
         if (u < U) {
           for (int o = G >> 1; o; o >>= 1) {
+            ss[u] += __shfl_xor_sync(0xffffffffu, ss[u], o);
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
           }
         }
-        store_row(u, a, b, amax);
+        store_row(u, a, b, ss[u], amax);
       }
     }
   }

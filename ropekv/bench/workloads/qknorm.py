@@ -84,18 +84,36 @@ class QknormWL(_RaggedMixin, Workload):
                        "v_rows": ("v_cache", rows), "q_scale": ("q_scale_out", (tok,)),
                        "k_scale_rows": ("k_scales", rows), "v_scale_rows": ("v_scales", rows)}
 
-    def call(self, o):
+    def call(self, o, **options):
         a = self.a
-        quant = {}
+        kw = {"kv_scale": self.kv_scale, "q_out": o["q_out"]}
         if self.q_dynamic:
-            quant["q_scale_out"] = o["q_scale_out"]
+            kw["q_scale_out"] = o["q_scale_out"]
         if self.kv_dynamic:
-            quant["kv_cache_scales"] = (o["k_scales"], o["v_scales"])
+            kw["kv_cache_scales"] = (o["k_scales"], o["v_scales"])
+        kw.update(options)
         return _fn("qk_rmsnorm_rope_append_paged_kv_cache")(
             a["q"], a["k"], a["v"], a["q_gamma"], a["k_gamma"], a["table"],
             a["input_row_offsets"], a["cache_lengths"], a["block_table"],
             (o["k_cache"], o["v_cache"]), epsilon=self.eps, is_neox=self.is_neox,
-            kv_layout=self.layout, kv_scale=self.kv_scale, q_out=o["q_out"], **quant)
+            kv_layout=self.layout, **kw)
+
+    def options(self):
+        """``ropekv bench --options``: on fp8 caches with static scales and a 16-bit q, the
+        computed scales: dynamic fp8 q (an e4m3 q_out and its per-row scales: fewer bytes than
+        the plain call's q) and per-token-head KV scales (the same bytes but the scales), timed
+        only (they change the outputs)."""
+        if not self.fp8 or self.quant:
+            return {}
+        T, Hq, D = self.T, self.Hq, self.D
+        shape = self.a["k_cache"].shape[:3]
+        return {
+            "dynamic q": ({"q_out": self.g.zeros((T, Hq, D), E4M3),
+                           "q_scale_out": self.g.zeros((T, Hq), np.float32)}, False),
+            "kv scales": ({"kv_scale": None,
+                           "kv_cache_scales": (self.g.zeros(shape, np.float32),
+                                               self.g.zeros(shape, np.float32))}, False),
+        }
 
     def torch_fn(self, t, o):
         if self.quant:  # no PyTorch composition of the quantized outputs
