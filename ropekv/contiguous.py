@@ -25,6 +25,7 @@ from ropekv._vector import aligned, vector_width
 
 STEM = "contiguous"
 KERNEL = "apply_rope_write_kv"
+KERNEL_SCALED = "apply_rope_write_kv_scaled"  # MODE 3-5: the computed scales, registers capped
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 INDEX_DTYPES = (INT32, INT64)
 INT8 = np.dtype(np.int8)
@@ -77,7 +78,8 @@ Q_OUT = ARRAYS.index("q_out")
 def expression(dtype, cache_dtype, is_neox, n, mode=MODE_PLAIN, q_dtype=None):
     """The kernel of one specialisation (``mode``); ``q_dtype``: the Q output's dtype (that of
     ``dtype`` unless a quantized-output mode writes fp8 queries)."""
-    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype),
+    kernel = KERNEL_SCALED if MODE_Q_ROWS <= mode <= MODE_BOTH_ROWS else KERNEL
+    return name_expression(kernel, c_type(dtype), c_type(cache_dtype),
                            c_type(q_dtype or dtype), c_bool(is_neox), n, mode)
 
 
@@ -422,8 +424,11 @@ def _prepare(views, flags):
         mode = MODE_ALL
     elif quant:
         mode = MODE_QUANT + (vqs is not None) + 2 * (vcs is not None)
-    else:
-        mode = MODE_OPTS if sections is not None or (fp8 and vscale is None) else MODE_PLAIN
+    elif sections is not None:
+        mode = MODE_OPTS
+    else:  # constant K/V scales: the quantized-output kernel (Q in place through q_out = q), whose
+        # code reads no mRoPE (80 registers against MODE_OPTS' 120)
+        mode = MODE_QUANT if fp8 and vscale is None else MODE_PLAIN
     launch = _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections,
                      mrope_interleaved, scales, q_static, P, R)
     return Plan(device, [launch], written=written, inplace=[(0, Q_OUT)], result=result)
