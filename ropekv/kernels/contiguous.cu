@@ -48,6 +48,8 @@ __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
 }
 
 constexpr int kRowsMax = 4;  // head rows a lane group holds at once
+// ... in the computed-scale MODEs 3-5 (their registers: a block of 2-row groups in prefill)
+constexpr int kScaledRowsMax = 2;
 constexpr int kMaxBlock = 256;
 
 // Largest value of a lane group's row over its G lanes (G a power of two, groups aligned to G).
@@ -138,6 +140,7 @@ __device__ __forceinline__ void rope_write_kv(const RopeWriteKVParams& p) {
                                                           : MODE == 3 || MODE == 5);
   const bool kvdyn = is_quantized<CacheT>::value && (MODE == 6 ? p.kv_dynamic != 0
                                                                : MODE == 4 || MODE == 5);
+  constexpr int kRows = MODE >= 3 && MODE <= 5 ? kScaledRowsMax : kRowsMax;
   pdl_launch_dependents();
   const int token = blockIdx.x;
   const int b = token / p.S;
@@ -163,9 +166,9 @@ __device__ __forceinline__ void rope_write_kv(const RopeWriteKVParams& p) {
 
   pdl_wait();
   // 1. this lane's chunks of its rows (Q rows: rotary chunks only, unless q_full)
-  Vec<T, N> va[kRowsMax], vb[kRowsMax];
+  Vec<T, N> va[kRows], vb[kRows];
 #pragma unroll
-  for (int u = 0; u < kRowsMax; ++u) {
+  for (int u = 0; u < kRows; ++u) {
     const int h = first + u * slots;
     if (u >= U || h >= H || !live || (h < p.Hq && !rotary && !q_full)) continue;
     const T* row = h < p.Hq             ? q + h * p.q_sh
@@ -285,7 +288,7 @@ __device__ __forceinline__ void rope_write_kv(const RopeWriteKVParams& p) {
     };
     GroupMax gm(G);
 #pragma unroll
-    for (int u = 0; u < kRowsMax; ++u) {
+    for (int u = 0; u < kRows; ++u) {
       if (u >= U) break;  // U is the block's: uniform
       const int h = first + u * slots;
       const bool w = writes(u, h);
@@ -303,7 +306,7 @@ __device__ __forceinline__ void rope_write_kv(const RopeWriteKVParams& p) {
         }
       }
       amax = gm.reduce(amax, u);
-      if (u + 1 < kRowsMax) {  // row u + 1 converts after this row's amax: one row's floats
+      if (u + 1 < kRows) {  // row u + 1 converts after this row's amax: one row's floats
         chain(va[u + 1], amax);
         if (pair) chain(vb[u + 1], amax);
       }
@@ -314,7 +317,7 @@ __device__ __forceinline__ void rope_write_kv(const RopeWriteKVParams& p) {
 
   // 3. rope, store
 #pragma unroll
-  for (int u = 0; u < kRowsMax; ++u) {
+  for (int u = 0; u < kRows; ++u) {
     const int h = first + u * slots;
     if (!writes(u, h)) continue;
     float a[N], bb[N];
@@ -364,7 +367,7 @@ __global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWrite
 
 #if defined(__CUDACC_VER_MAJOR__) && \
     (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
-#define ROPEKV_SCALED_BOUNDS __maxnreg__(96)
+#define ROPEKV_SCALED_BOUNDS __maxnreg__(80)
 #else
 #define ROPEKV_SCALED_BOUNDS __launch_bounds__(kMaxBlock)
 #endif

@@ -76,11 +76,18 @@ class ContiguousWL(Workload):
 
     def options(self):
         """``ropekv bench --options``: on an fp8 cache with a (2,) device kv_scale, the same
-        scales as constants (the MODE 2 kernel; outputs unchanged, so checked)."""
+        scales as constants (the MODE 2 kernel; outputs unchanged, so checked). The computed
+        scales' cases get their static counterpart, the same bytes moved (outputs differ: timed
+        only): fp8 Q with a static q_scale, an e4m3 cache with static kv_scale."""
+        out = {}
         scale = self.a.get("kv_scale")
-        if scale is None:
-            return {}
-        return {"kv_scale const": ({"kv_scale": tuple(float(x) for x in _host(scale))}, True)}
+        if scale is not None:
+            out["kv_scale const"] = ({"kv_scale": tuple(float(x) for x in _host(scale))}, True)
+        if "q_scale_out" in self.a:
+            out["static q_scale"] = ({"q_scale_out": None, "q_scale": 1.0}, False)
+        if "cache_scales" in self.a and self.a["cache"].dtype in FP8:
+            out["static kv_scale"] = ({"kv_cache_scales": None, "kv_scale": (1.0, 1.0)}, False)
+        return out
 
     def torch_fn(self, t, o):
         if "q_out" in self.a or "cache_scales" in self.a:  # no PyTorch composition of these
