@@ -128,8 +128,9 @@ __device__ __forceinline__ RowScale fast_row_scale(float amax) {
 // the prefill's occupancy), and 6, every quantized option read at run time, does. A computed
 // scale needs the row's amax before its first store (3a): row by row, the lane converts and
 // ropes its chunk once, the lane group reduces the row's amax, and the lane stores from the same
-// floats; the next row's vectors are tied to this row's amax (chain) so that only one row's
-// floats are live across the reduction (the others wait as loaded 16-bit vectors).
+// floats; the next row's vectors are tied to this row's amax (chain), so that the compiler does
+// not convert rows ahead across the reduction (the others wait as loaded 16-bit vectors; ptxas's
+// register count was the same without it, the measured build has it).
 template <typename T, typename CacheT, typename QT, bool NEOX, int N, int MODE>
 __device__ __forceinline__ void rope_write_kv(const RopeWriteKVParams& p) {
   constexpr bool OPTS = MODE >= 1;
@@ -306,7 +307,7 @@ __device__ __forceinline__ void rope_write_kv(const RopeWriteKVParams& p) {
         }
       }
       amax = gm.reduce(amax, u);
-      if (u + 1 < kRows) {  // row u + 1 converts after this row's amax: one row's floats
+      if (u + 1 < kRows) {  // row u + 1 converts after this row's amax
         chain(va[u + 1], amax);
         if (pair) chain(vb[u + 1], amax);
       }
@@ -357,9 +358,10 @@ __device__ __forceinline__ void rope_write_kv(const RopeWriteKVParams& p) {
   }
 }
 
-// The kernels: MODE 0-2 and 6, and the computed-scale MODEs 3-5 under a register cap (ptxas
-// gives them ~110 registers otherwise: 18 resident warps an SM instead of 24; a separate entry
-// because any cap or block-count hint on the one template changes the plain kernel's code too).
+// The kernels: MODE 0-2 and 6, and the computed-scale MODEs 3-5 under a register cap of 80, the
+// plain kernel's count (uncapped, ptxas gives them ~100 with 2 rows a group, ~110 with 4; capped
+// at 80 with 2 rows nothing spills on sm_90). A separate entry because any cap or block-count hint
+// on the one template changes the plain kernel's code too.
 template <typename T, typename CacheT, typename QT, bool NEOX, int N, int MODE>
 __global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWriteKVParams p) {
   rope_write_kv<T, CacheT, QT, NEOX, N, MODE>(p);
