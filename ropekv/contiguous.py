@@ -25,11 +25,13 @@ from ropekv._vector import aligned, vector_width
 
 STEM = "contiguous"
 KERNEL = "apply_rope_write_kv"
+KERNEL_SCALED = "apply_rope_write_kv_scaled"  # MODE 3-5: the computed scales, registers capped
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 INDEX_DTYPES = (INT32, INT64)
 INT8 = np.dtype(np.int8)
 SCALED_CACHE_DTYPES = (*FP8_DTYPES, INT8)  # caches that may carry per-token-head scales
 ROWS_MAX = 4  # head rows one lane group holds (kRowsMax in the kernel)
+SCALED_ROWS_MAX = 2  # ... in the computed-scale kernels, MODE 3-5 (kScaledRowsMax)
 MAX_ITEMS = 256  # chunks (lanes) per head row: one lane group fits a block
 
 # Launch shape (H200). A token has H = Hq + 2 Hkv head rows (Q, K, V), one lane group per row.
@@ -37,11 +39,12 @@ MAX_ITEMS = 256  # chunks (lanes) per head row: one lane group fits a block
 # keeps the grid within `wave_blocks`), a token's rows split over several blocks so the grid fills
 # the GPU. Many tokens (prefill): a block per token, `prefill_rows` rows per lane group (at most
 # `max_block` threads).
-# Computed scales (more registers: ~110 against the plain kernel's 80) take 4 rows per lane group
-# in prefill (`scaled_prefill_rows`): 6 blocks of 96 threads an SM hold as many rows in flight as
-# the plain kernel's 6 of 128 at 3 rows.
+# Computed scales take `scaled_prefill_rows` rows per lane group in prefill; their kernels
+# without mRoPE (MODE 3-5) hold at most 2 rows (80 registers, the plain kernel's occupancy:
+# Llama's 48 rows are 4 blocks of 192 threads an SM); MODE 6 (computed scales with mRoPE, ~125
+# registers) holds 4 (`mrope_scaled_prefill_rows`).
 TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 3, "max_block": 256,
-          "scaled_prefill_rows": 4}
+          "scaled_prefill_rows": 2, "mrope_scaled_prefill_rows": 4}
 
 PARAMS = ParamStruct("RopeWriteKVParams", [
     *((n, np.uint64) for n in ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids",
@@ -77,21 +80,25 @@ Q_OUT = ARRAYS.index("q_out")
 def expression(dtype, cache_dtype, is_neox, n, mode=MODE_PLAIN, q_dtype=None):
     """The kernel of one specialisation (``mode``); ``q_dtype``: the Q output's dtype (that of
     ``dtype`` unless a quantized-output mode writes fp8 queries)."""
-    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype),
+    kernel = KERNEL_SCALED if MODE_Q_ROWS <= mode <= MODE_BOTH_ROWS else KERNEL
+    return name_expression(kernel, c_type(dtype), c_type(cache_dtype),
                            c_type(q_dtype or dtype), c_bool(is_neox), n, mode)
 
 
-def launch_shape(T, H, group, prefill_rows=None):
+def launch_shape(T, H, group, prefill_rows=None, rows_max=ROWS_MAX):
     """(block, rows, splits) for T tokens of H head rows at ``group`` lanes per row: grid (T,
-    splits), ``rows`` rows per lane group (``prefill_rows`` in prefill, by default TUNING's)."""
+    splits), ``rows`` rows per lane group (``prefill_rows`` in prefill, by default TUNING's; at
+    most ``rows_max``, what the kernel holds)."""
     slots = max(1, TUNING["block"] // group)
     for rows in (1, 2, 4):
+        if rows > rows_max:
+            break
         splits = -(-H // (slots * rows))
         if T * splits <= TUNING["wave_blocks"]:
             return slots * group, -(-H // (slots * splits)), splits
-    slots = min(-(-H // (prefill_rows or TUNING["prefill_rows"])),
+    slots = min(-(-H // min(rows_max, prefill_rows or TUNING["prefill_rows"])),
                 max(1, TUNING["max_block"] // group))
-    rows = min(ROWS_MAX, -(-H // slots))
+    rows = min(rows_max, -(-H // slots))
     return slots * group, rows, -(-H // (slots * rows))
 
 
@@ -422,8 +429,11 @@ def _prepare(views, flags):
         mode = MODE_ALL
     elif quant:
         mode = MODE_QUANT + (vqs is not None) + 2 * (vcs is not None)
-    else:
-        mode = MODE_OPTS if sections is not None or (fp8 and vscale is None) else MODE_PLAIN
+    elif sections is not None:
+        mode = MODE_OPTS
+    else:  # constant K/V scales: the quantized-output kernel (Q in place through q_out = q), whose
+        # code reads no mRoPE (80 registers against MODE_OPTS' 120)
+        mode = MODE_QUANT if fp8 and vscale is None else MODE_PLAIN
     launch = _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections,
                      mrope_interleaved, scales, q_static, P, R)
     return Plan(device, [launch], written=written, inplace=[(0, Q_OUT)], result=result)
@@ -454,8 +464,12 @@ def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope
                          f"row, more than the {MAX_ITEMS} a block has")
     dynamic = vqs is not None or vcs is not None
     group = pow2(items) if dynamic else items  # computed scales reduce over aligned lane groups
+    scaled = MODE_Q_ROWS <= mode <= MODE_BOTH_ROWS  # the 2-row, 80-register kernels
     block, rows, splits = launch_shape(B * S, Hq + 2 * Hkv, group,
-                                       TUNING["scaled_prefill_rows"] if dynamic else None)
+                                       TUNING["scaled_prefill_rows"] if scaled
+                                       else TUNING["mrope_scaled_prefill_rows"] if dynamic
+                                       else None,
+                                       SCALED_ROWS_MAX if scaled else ROWS_MAX)
     table_strides = vt.strides if vt.ndim == 3 else (0, *vt.strides)
     qs_strides = vqs.strides if vqs is not None else (0, 0, 0)
     cs_strides = vcs.strides if vcs is not None else (0, 0, 0, 0)

@@ -963,3 +963,29 @@ def test_quantized_hostile_indices_never_write_out_of_bounds():
     args["kv_end_lens"][:] = [np.iinfo(np.int32).max, np.iinfo(np.int32).min]
     args["position_ids"][:] = np.iinfo(np.int32).max
     check_quant_against_reference(args)
+
+
+@given(T=st.integers(1, 20000), H=st.integers(1, 200), group=st.sampled_from([1, 2, 4, 8, 16, 32]),
+       prefill_rows=st.sampled_from([None, 1, 2, 3, 4]), rows_max=st.sampled_from([2, 4]))
+def test_launch_shape_covers_every_row_within_rows_max(T, H, group, prefill_rows, rows_max):
+    """Every head row has a lane group, no group holds more rows than its kernel does (2 in the
+    computed-scale kernels, MODE 3-5), and a block never passes 256 threads."""
+    from ropekv import contiguous
+
+    block, rows, splits = contiguous.launch_shape(T, H, group, prefill_rows, rows_max)
+    assert block % group == 0 and group <= block <= 256
+    assert 1 <= rows <= rows_max
+    assert (block // group) * rows * splits >= H
+
+
+def test_computed_scale_modes_use_the_register_capped_kernel():
+    from ropekv import contiguous as c
+
+    f16, e4 = np.dtype(np.float16), np.dtype(ml_dtypes.float8_e4m3fn)
+    for mode in (c.MODE_Q_ROWS, c.MODE_KV_ROWS, c.MODE_BOTH_ROWS):
+        assert c.expression(f16, e4, True, 8, mode, e4).startswith(c.KERNEL_SCALED + "<")
+    for mode in (c.MODE_PLAIN, c.MODE_OPTS, c.MODE_QUANT, c.MODE_ALL):
+        assert c.expression(f16, e4, True, 8, mode, e4).startswith(c.KERNEL + "<")
+    # Llama prefill (48 rows of 8 lanes): 2 rows a group, 192 threads
+    assert c.launch_shape(8192, 48, 8, c.TUNING["scaled_prefill_rows"],
+                          c.SCALED_ROWS_MAX) == (192, 2, 1)

@@ -48,49 +48,63 @@ __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
 }
 
 constexpr int kRowsMax = 4;  // head rows a lane group holds at once
+// ... in the computed-scale MODEs 3-5 (their registers: a block of 2-row groups in prefill)
+constexpr int kScaledRowsMax = 2;
 constexpr int kMaxBlock = 256;
 
-// An opaque copy of a loaded vector: the compiler must convert it anew (the asm "changes" it)
-// instead of keeping values derived from it earlier.
-template <typename T, int N>
-__device__ __forceinline__ void launder(Vec<T, N>& x) {
+// Largest value of a lane group's row over its G lanes (G a power of two, groups aligned to G).
+// Every thread of the block calls reduce(v, u) for u = 0, 1, ... in turn (lanes without a row
+// passing 0). Values are >= 0 and never NaN, so their bits order as unsigned integers (the
+// shared-memory path for G > 32: one slot per lane group and row, zeroed once).
+struct GroupMax {
+  int G;
+  unsigned mask;  // the lanes of this warp (a last, partial warp holds whole groups only)
+  __device__ __forceinline__ explicit GroupMax(int g) : G(g) {
+    const int base = threadIdx.x & ~31;
+    mask = blockDim.x - base >= 32 ? 0xffffffffu : (1u << (blockDim.x - base)) - 1u;
+    if (G > 32) {
+      if (threadIdx.x < kRowsMax * (blockDim.x / G)) slots()[threadIdx.x] = 0u;
+      __syncthreads();
+    }
+  }
+  static __device__ __forceinline__ unsigned* slots() {
+    __shared__ unsigned m[kRowsMax * (kMaxBlock / 64)];
+    return m;
+  }
+  __device__ __forceinline__ float reduce(float v, int u) const {
+    if (G <= 32) {
+      for (int o = G >> 1; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(mask, v, o));
+      return v;
+    }
+    unsigned* m = slots() + u * (blockDim.x / G) + threadIdx.x / G;
+    if (v > 0.f) atomicMax(m, __float_as_uint(v));
+    __syncthreads();
+    return __uint_as_float(*m);
+  }
+};
+
+// x unchanged, but (to the compiler) computed from dep: what is derived from x waits for dep.
+template <typename T, int Nv>
+__device__ __forceinline__ void chain(Vec<T, Nv>& x, float dep) {
   if constexpr (sizeof(x) % 4 == 0) {
     unsigned* w = reinterpret_cast<unsigned*>(&x);
 #pragma unroll
-    for (int i = 0; i < int(sizeof(x) / 4); ++i) asm volatile("" : "+r"(w[i]));
+    for (int i = 0; i < int(sizeof(x) / 4); ++i) asm volatile("" : "+r"(w[i]) : "f"(dep));
   } else {
     unsigned short* w = reinterpret_cast<unsigned short*>(&x);
 #pragma unroll
-    for (int i = 0; i < int(sizeof(x) / 2); ++i) asm volatile("" : "+h"(w[i]));
+    for (int i = 0; i < int(sizeof(x) / 2); ++i) asm volatile("" : "+h"(w[i]) : "f"(dep));
   }
 }
 
-// Largest value of each of a lane group's rows over its G lanes (G a power of two, groups aligned
-// to G; every thread of the block calls it, lanes without a row passing 0). Values are >= 0 and
-// never NaN, so their bits order as unsigned integers (the shared-memory path for G > 32).
-__device__ __forceinline__ void group_row_max(float (&v)[kRowsMax], int G, int U) {
-  if (G <= 32) {
-    const int base = threadIdx.x & ~31;  // a last, partial warp holds whole groups only
-    const unsigned mask = blockDim.x - base >= 32 ? 0xffffffffu
-                                                  : (1u << (blockDim.x - base)) - 1u;
-#pragma unroll
-    for (int u = 0; u < kRowsMax; ++u) {
-      if (u >= U) break;  // U is the block's: uniform
-      for (int o = G >> 1; o > 0; o >>= 1) v[u] = fmaxf(v[u], __shfl_xor_sync(mask, v[u], o));
-    }
-    return;
-  }
-  __shared__ unsigned m[kRowsMax * (kMaxBlock / 64)];
-  const int slots = blockDim.x / G, slot = threadIdx.x / G;
-  if (threadIdx.x < kRowsMax * slots) m[threadIdx.x] = 0u;
-  __syncthreads();
-#pragma unroll
-  for (int u = 0; u < kRowsMax; ++u)
-    if (u < U && v[u] > 0.f) atomicMax(&m[u * slots + slot], __float_as_uint(v[u]));
-  __syncthreads();
-#pragma unroll
-  for (int u = 0; u < kRowsMax; ++u)
-    if (u < U) v[u] = __uint_as_float(m[u * slots + slot]);
+// row_scale (common.cuh) without its two IEEE divisions (each a call into a slow path): mul =
+// max_code * rcp(a) by the fast division, scale = a * (1 / max_code). Both within a few ulp of
+// the exact quotients (the tests compare dequantized rows and scales with float32 tolerance);
+// a = inf still gives scale inf and mul 0.
+template <typename T>
+__device__ __forceinline__ RowScale fast_row_scale(float amax) {
+  const float a = fmaxf(amax, 1e-6f);
+  return {__fdividef(max_code<T>(), a), a * (1.f / max_code<T>())};
 }
 
 // A token's head rows are Q (Hq), K (Hkv) and V (Hkv): H = Hq + 2 Hkv rows of D dims, each cut
@@ -107,16 +121,18 @@ __device__ __forceinline__ void group_row_max(float (&v)[kRowsMax], int G, int U
 // nothing is read through its indices, nothing is written.
 // MODE (docs/conventions.md, "Options cost nothing when off"): 0 the plain kernel, every option
 // compiled out; 1 reads mRoPE and constant K/V scales; 2 adds the quantized outputs: Q goes to
-// q_out (QT; whole rows when q_full, a skipped token's row unrotated) with a static scale; 3 the
-// same with a computed scale per Q row, 4 with static Q and computed K/V scales, 5 with both
+// q_out (QT; whole rows when q_full, a skipped token's row unrotated) with a static scale (also
+// the kernel of constant K/V scales without mRoPE: Q in place through q_out = q); 3 the same
+// with a computed scale per Q row, 4 with static Q and computed K/V scales, 5 with both
 // computed; none of 2-5 reads mRoPE positions (mRoPE's three cos/sin rows cost ~40 registers,
 // the prefill's occupancy), and 6, every quantized option read at run time, does. A computed
-// scale needs the row's amax before its first store: the rows are converted
-// (and roped) once for the amax, reduced over the lane group (padded to a power of two), and
-// converted again for the stores from the loaded vectors, laundered so that the compiler does
-// not keep the first pass's floats alive instead (registers: occupancy is the prefill's lever).
+// scale needs the row's amax before its first store (3a): row by row, the lane converts and
+// ropes its chunk once, the lane group reduces the row's amax, and the lane stores from the same
+// floats; the next row's vectors are tied to this row's amax (chain), so that the compiler does
+// not convert rows ahead across the reduction (the others wait as loaded 16-bit vectors; ptxas's
+// register count was the same without it, the measured build has it).
 template <typename T, typename CacheT, typename QT, bool NEOX, int N, int MODE>
-__global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWriteKVParams p) {
+__device__ __forceinline__ void rope_write_kv(const RopeWriteKVParams& p) {
   constexpr bool OPTS = MODE >= 1;
   constexpr bool QUANT = MODE >= 2;
   // computed Q scales, computed K/V scales (quantized types only: the flags of MODE 6 are
@@ -125,6 +141,7 @@ __global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWrite
                                                           : MODE == 3 || MODE == 5);
   const bool kvdyn = is_quantized<CacheT>::value && (MODE == 6 ? p.kv_dynamic != 0
                                                                : MODE == 4 || MODE == 5);
+  constexpr int kRows = MODE >= 3 && MODE <= 5 ? kScaledRowsMax : kRowsMax;
   pdl_launch_dependents();
   const int token = blockIdx.x;
   const int b = token / p.S;
@@ -150,9 +167,9 @@ __global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWrite
 
   pdl_wait();
   // 1. this lane's chunks of its rows (Q rows: rotary chunks only, unless q_full)
-  Vec<T, N> va[kRowsMax], vb[kRowsMax];
+  Vec<T, N> va[kRows], vb[kRows];
 #pragma unroll
-  for (int u = 0; u < kRowsMax; ++u) {
+  for (int u = 0; u < kRows; ++u) {
     const int h = first + u * slots;
     if (u >= U || h >= H || !live || (h < p.Hq && !rotary && !q_full)) continue;
     const T* row = h < p.Hq             ? q + h * p.q_sh
@@ -211,31 +228,97 @@ __global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWrite
     return QUANT ? (h < p.Hq || valid) : true;
   };
 
-  // computed scales: each row's amax (a row whose scale is static reduces a 0 nobody reads)
-  float amax[kRowsMax];
-  if (qdyn || kvdyn) {
-#pragma unroll
-    for (int u = 0; u < kRowsMax; ++u) {
-      const int h = first + u * slots;
-      amax[u] = 0.f;
-      if (!writes(u, h) || (h < p.Hq ? !qdyn : !kvdyn)) continue;
-      float a[N], bb[N];
-      row_floats(u, a, bb);
-      if (rotary && valid && h < p.Hq + p.Hkv) rotate_chunk<NEOX, N, M>(a, bb, c, sn);
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        amax[u] = fmaxf(amax[u], fabsf(a[i]));
-        if (pair) amax[u] = fmaxf(amax[u], fabsf(bb[i]));
+  // 3a. computed scales (MODE 3-5, 6 with them)
+  if (MODE >= 3 && (qdyn || kvdyn)) {
+    // store row h's roped floats; amax: the row's largest magnitude (read only where its scale is
+    // computed)
+    auto store_row = [&](int h, float (&a)[N], float (&bb)[N], float amax) {
+      if (h >= p.Hq + p.Hkv) {  // V: copied (quantized)
+        const int hv = h - p.Hq - p.Hkv;
+        CacheT* dst = k_cache + p.c_skv + hv * p.c_sh;
+        float mul = v_scale;
+        if constexpr (is_quantized<CacheT>::value) {
+          if (kvdyn) {
+            const RowScale r = fast_row_scale<CacheT>(amax);
+            mul = r.mul;
+            if (j == 0)
+              p.cache_scales[b * p.ks_sb + p.ks_skv + hv * p.ks_sh + slot * p.ks_st] = r.scale;
+          }
+        }
+        store_float<CacheT, N>(dst + ea, a, mul);
+        if (pair) store_float<CacheT, N>(dst + eb, bb, mul);
+        return;
       }
-      launder(va[u]);  // the stores convert again (above)
-      if (pair) launder(vb[u]);
+      if (h < p.Hq) {  // Q: rotated in place, or to q_out
+        if constexpr (QUANT) {
+          QT* row = static_cast<QT*>(p.q_out) + b * p.qo_sb + s * p.qo_ss + h * p.qo_sh;
+          float mul = p.inv_q_scale;
+          if constexpr (is_quantized<QT>::value) {
+            if (qdyn) {
+              const RowScale r = fast_row_scale<QT>(amax);
+              mul = r.mul;
+              if (j == 0) p.q_scale_out[b * p.qs_sb + s * p.qs_ss + h * p.qs_sh] = r.scale;
+            }
+          }
+          store_float<QT, N>(row + ea, a, mul);
+          if (pair) store_float<QT, N>(row + eb, bb, mul);
+        } else {
+          T* row = q + h * p.q_sh;
+          store_float<T, N>(row + ea, a);
+          if (pair) store_float<T, N>(row + eb, bb);
+        }
+      } else {  // K: to the cache (quantized), and back into k when asked
+        const int hk = h - p.Hq;
+        CacheT* dst = k_cache + hk * p.c_sh;
+        float mul = k_scale;
+        if constexpr (is_quantized<CacheT>::value) {
+          if (kvdyn) {
+            const RowScale r = fast_row_scale<CacheT>(amax);
+            mul = r.mul;
+            if (j == 0) p.cache_scales[b * p.ks_sb + hk * p.ks_sh + slot * p.ks_st] = r.scale;
+          }
+        }
+        store_float<CacheT, N>(dst + ea, a, mul);
+        if (pair) store_float<CacheT, N>(dst + eb, bb, mul);
+        if (p.write_k_in_place && rotary) {
+          T* row = k + hk * p.k_sh;
+          store_float<T, N>(row + ea, a);
+          if (pair) store_float<T, N>(row + eb, bb);
+        }
+      }
+    };
+    GroupMax gm(G);
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      if (u >= U) break;  // U is the block's: uniform
+      const int h = first + u * slots;
+      const bool w = writes(u, h);
+      float a[N], bb[N];
+      float amax = 0.f;
+      if (w) {
+        row_floats(u, a, bb);
+        if (h < p.Hq + p.Hkv && rotary && valid) rotate_chunk<NEOX, N, M>(a, bb, c, sn);
+        if (h < p.Hq ? qdyn : kvdyn) {
+#pragma unroll
+          for (int i = 0; i < N; ++i) {
+            amax = fmaxf(amax, fabsf(a[i]));
+            if (pair) amax = fmaxf(amax, fabsf(bb[i]));
+          }
+        }
+      }
+      amax = gm.reduce(amax, u);
+      if (u + 1 < kRows) {  // row u + 1 converts after this row's amax
+        chain(va[u + 1], amax);
+        if (pair) chain(vb[u + 1], amax);
+      }
+      if (w) store_row(h, a, bb, amax);
     }
-    group_row_max(amax, G, U);
+    return;
   }
 
   // 3. rope, store
 #pragma unroll
-  for (int u = 0; u < kRowsMax; ++u) {
+  for (int u = 0; u < kRows; ++u) {
     const int h = first + u * slots;
     if (!writes(u, h)) continue;
     float a[N], bb[N];
@@ -243,15 +326,7 @@ __global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWrite
     if (h >= p.Hq + p.Hkv) {  // V: copied (quantized)
       const int hv = h - p.Hq - p.Hkv;
       CacheT* dst = k_cache + p.c_skv + hv * p.c_sh;
-      float mul = v_scale;
-      if constexpr (is_quantized<CacheT>::value) {
-        if (kvdyn) {
-          const RowScale r = row_scale<CacheT>(amax[u]);
-          mul = r.mul;
-          if (j == 0)
-            p.cache_scales[b * p.ks_sb + p.ks_skv + hv * p.ks_sh + slot * p.ks_st] = r.scale;
-        }
-      }
+      const float mul = v_scale;
       store_float<CacheT, N>(dst + ea, a, mul);
       if (pair) store_float<CacheT, N>(dst + eb, bb, mul);
       continue;
@@ -260,14 +335,7 @@ __global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWrite
     if (h < p.Hq) {  // Q: rotated in place, or to q_out
       if constexpr (QUANT) {
         QT* row = static_cast<QT*>(p.q_out) + b * p.qo_sb + s * p.qo_ss + h * p.qo_sh;
-        float mul = p.inv_q_scale;
-        if constexpr (is_quantized<QT>::value) {
-          if (qdyn) {
-            const RowScale r = row_scale<QT>(amax[u]);
-            mul = r.mul;
-            if (j == 0) p.q_scale_out[b * p.qs_sb + s * p.qs_ss + h * p.qs_sh] = r.scale;
-          }
-        }
+        const float mul = p.inv_q_scale;
         store_float<QT, N>(row + ea, a, mul);
         if (pair) store_float<QT, N>(row + eb, bb, mul);
       } else {
@@ -278,14 +346,7 @@ __global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWrite
     } else {  // K: to the cache (quantized), and back into k when asked
       const int hk = h - p.Hq;
       CacheT* dst = k_cache + hk * p.c_sh;
-      float mul = k_scale;
-      if constexpr (is_quantized<CacheT>::value) {
-        if (kvdyn) {
-          const RowScale r = row_scale<CacheT>(amax[u]);
-          mul = r.mul;
-          if (j == 0) p.cache_scales[b * p.ks_sb + hk * p.ks_sh + slot * p.ks_st] = r.scale;
-        }
-      }
+      const float mul = k_scale;
       store_float<CacheT, N>(dst + ea, a, mul);
       if (pair) store_float<CacheT, N>(dst + eb, bb, mul);
       if (p.write_k_in_place && rotary) {
@@ -295,4 +356,26 @@ __global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWrite
       }
     }
   }
+}
+
+// The kernels: MODE 0-2 and 6, and the computed-scale MODEs 3-5 under a register cap of 80, the
+// plain kernel's count (uncapped, ptxas gives them ~100 with 2 rows a group, ~110 with 4; capped
+// at 80 with 2 rows nothing spills on sm_90). A separate entry because any cap or block-count hint
+// on the one template changes the plain kernel's code too.
+template <typename T, typename CacheT, typename QT, bool NEOX, int N, int MODE>
+__global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv(const RopeWriteKVParams p) {
+  rope_write_kv<T, CacheT, QT, NEOX, N, MODE>(p);
+}
+
+#if defined(__CUDACC_VER_MAJOR__) && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
+#define ROPEKV_SCALED_BOUNDS __maxnreg__(80)
+#else
+#define ROPEKV_SCALED_BOUNDS __launch_bounds__(kMaxBlock)
+#endif
+
+template <typename T, typename CacheT, typename QT, bool NEOX, int N, int MODE>
+__global__ void ROPEKV_SCALED_BOUNDS apply_rope_write_kv_scaled(const RopeWriteKVParams p) {
+  static_assert(MODE >= 3 && MODE <= 5, "the computed-scale modes");
+  rope_write_kv<T, CacheT, QT, NEOX, N, MODE>(p);
 }

@@ -65,13 +65,29 @@ class ContiguousWL(Workload):
         if kv_rows:
             self.sample["kv_scales"] = ("cache_scales", (b, slice(None), slice(None), slot))
 
-    def call(self, o):
+    def call(self, o, **options):
         a = self.a
+        kw = dict(kv_end_lens=a.get("kv_end_lens"), kv_scale=a.get("kv_scale"),
+                  is_neox=self.is_neox, q_out=o.get("q_out"), q_scale_out=o.get("q_scale_out"),
+                  kv_cache_scales=o.get("cache_scales"))
+        kw.update(options)
         _fn("apply_rope_write_kv")(o.get("q", a["q"]), a["k"], a["v"], o["cache"], a["table"],
-                                   kv_end_lens=a.get("kv_end_lens"), kv_scale=a.get("kv_scale"),
-                                   is_neox=self.is_neox, q_out=o.get("q_out"),
-                                   q_scale_out=o.get("q_scale_out"),
-                                   kv_cache_scales=o.get("cache_scales"))
+                                   **kw)
+
+    def options(self):
+        """``ropekv bench --options``: on an fp8 cache with a (2,) device kv_scale, the same
+        scales as constants (the MODE 2 kernel; outputs unchanged, so checked). The computed
+        scales' cases get their static counterpart, the same bytes moved (outputs differ: timed
+        only): fp8 Q with a static q_scale, an e4m3 cache with static kv_scale."""
+        out = {}
+        scale = self.a.get("kv_scale")
+        if scale is not None:
+            out["kv_scale const"] = ({"kv_scale": tuple(float(x) for x in _host(scale))}, True)
+        if "q_scale_out" in self.a:
+            out["static q_scale"] = ({"q_scale_out": None, "q_scale": 1.0}, False)
+        if "cache_scales" in self.a and self.a["cache"].dtype in FP8:
+            out["static kv_scale"] = ({"kv_cache_scales": None, "kv_scale": (1.0, 1.0)}, False)
+        return out
 
     def torch_fn(self, t, o):
         if "q_out" in self.a or "cache_scales" in self.a:  # no PyTorch composition of these
@@ -81,6 +97,10 @@ class ContiguousWL(Workload):
         ks, vs = (scale[0], scale[1]) if scale is not None else (1.0, 1.0)
         return _torch_contiguous, (o["q"], t["k"], t["v"], o["cache"], t["table"],
                                    t.get("kv_end_lens"), ks, vs, R, neox)
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 def _torch_contiguous(q, k, v, cache, table, lens, ks, vs, R, neox):
