@@ -51,30 +51,32 @@ LAYOUTS = ("NHD", "HND")
 # `row_block` threads (`row_block_many` from `row_block_below` tokens), one row per lane group (or a
 # few, keeping the grid within `wave_blocks`), a token's rows split over several blocks. Many
 # tokens (prefill): `prefill_rows` rows per lane group, a block per token (at most
-# `max_row_block` threads).
+# `max_row_block` threads). The option kernel holds at most `opts_rows` rows per lane group.
 TUNING = {"light": (1, 1, 1), "heavy": (2, 2, 4), "heavy_from": 16, "max_block": 128,
           "min_blocks": 1024, "row_group": 32, "row_block": 256, "row_block_below": 256,
-          "row_block_many": 128, "wave_blocks": 1320, "prefill_rows": 4, "max_row_block": 256}
+          "row_block_many": 128, "wave_blocks": 1320, "prefill_rows": 4, "max_row_block": 256,
+          "opts_rows": 4}
 MAX_BLOCK = 512  # __launch_bounds__ of the row kernel
 ROW_KERNEL = "rope_append_paged_rows"
 ROWS = (1, 4)  # row kernels by the head rows one lane group can hold (their register budgets)
 
 
-def row_launch_shape(T, H, group):
+def row_launch_shape(T, H, group, max_rows=ROWS[-1]):
     """(block, rows, splits) of the row kernel for T tokens of H head rows at ``group`` lanes per
-    row: grid (T, splits), ``rows`` rows per lane group (the kernel's ROWS: 1 when rows is 1)."""
+    row: grid (T, splits), ``rows`` rows per lane group (the kernel's ROWS: 1 when rows is 1), at
+    most ``max_rows``."""
     width = TUNING["row_block"] if T < TUNING["row_block_below"] else TUNING["row_block_many"]
     slots = max(1, min(width, MAX_BLOCK) // group)
     splits = -(-H // slots)
-    if T * splits <= TUNING["wave_blocks"]:
+    if T * splits <= TUNING["wave_blocks"] or max_rows < 2:
         return slots * group, 1, splits
-    for rows in (2, ROWS[-1]):
+    for rows in (2, ROWS[-1]) if max_rows >= ROWS[-1] else (2,):
         splits = -(-H // (slots * rows))
         if T * splits <= TUNING["wave_blocks"]:
             return slots * group, -(-H // (slots * splits)), splits
-    slots = min(-(-H // TUNING["prefill_rows"]),
+    slots = min(-(-H // min(TUNING["prefill_rows"], max_rows)),
                 max(1, min(TUNING["max_row_block"], MAX_BLOCK) // group))
-    rows = min(ROWS[-1], -(-H // slots))
+    rows = min(ROWS[-1], max_rows, -(-H // slots))
     return slots * group, rows, -(-H // (slots * rows))
 
 
@@ -751,7 +753,8 @@ def _prepare(views, flags):
                           f"bytes")
     if group <= TUNING["row_group"] or opts:  # the options live in the row kernel only
         # status= with no tokens: one block, which only validates
-        block, rows, splits = row_launch_shape(max(T, 1), Hq + Hkv + (0 if mla else Hkv), group)
+        block, rows, splits = row_launch_shape(max(T, 1), Hq + Hkv + (0 if mla else Hkv), group,
+                                               TUNING["opts_rows"] if opts else ROWS[-1])
         shape = ("rows", 1 if rows == 1 else ROWS[-1])
     else:
         (block, splits, shape), rows = launch_shape(items, T, n), 0

@@ -157,6 +157,33 @@ __device__ __forceinline__ void slot_end(const P& p, const SlotLookup& s, i64& p
   }
 }
 
+// slot_end in two steps, so that other work can go between the page id's load and its use:
+// slot_page issues the load (the raw id, ok false: no page), slot_check validates it.
+struct SlotPage {
+  bool ok;
+  i64 pg, entry;
+};
+
+template <class P>
+__device__ __forceinline__ SlotPage slot_page(const P& p, const SlotLookup& s) {
+  SlotPage r{false, -1, 0};
+  const bool first_ok = s.first >= 0 && s.first <= p.num_indices;
+  const i64 hi = s.last < s.first ? s.first : (s.last < p.num_indices ? s.last : p.num_indices);
+  const bool it_ok = s.ok && first_ok && s.idx < hi - s.first;  // no overflow: 0 <= first <= hi
+  if (p.B <= 0 || p.num_indices <= 0) return r;
+  r.pg = read_index(p.kv_indices, it_ok ? s.first + s.idx : 0, p.index64 & 16);
+  r.ok = it_ok;
+  r.entry = s.pos - s.idx * p.page_size;
+  return r;
+}
+
+template <class P>
+__device__ __forceinline__ void slot_check(const P& p, const SlotPage& r, i64& page, i64& entry) {
+  const bool ok = r.ok && r.pg >= 0 && r.pg < p.num_pages;
+  page = ok ? r.pg : -1;
+  entry = ok ? r.entry : 0;
+}
+
 template <class P>
 __device__ __forceinline__ void find_slot(const P& p, i64 b, i64 pos, i64& page, i64& entry) {
   slot_end(p, slot_begin(p, b, pos), page, entry);
@@ -367,20 +394,37 @@ __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const Pa
 }
 
 // ---- status=: on-device validation of kv_indptr (graph-capturable, no host sync) -------------
-// The code of kv_indptr[0..B] (every thread of the block calls it): 4 kv_indptr[0] != 0, 5 an
-// entry below the one before it, 6 kv_indptr[B] > I (the length of kv_indices), 0 valid (then
-// every entry lies in [0, I]). Entries are compared as signed 64-bit values. Every block reaches
-// the same code, so none waits for another.
-__device__ __forceinline__ int paged_indptr_status(const PagedOptsParams& p) {
+// The code of kv_indptr[0..B]: 4 kv_indptr[0] != 0, 5 an entry below the one before it, 6
+// kv_indptr[B] > I (the length of kv_indices), 0 valid (then every entry lies in [0, I]). Entries
+// are compared as signed 64-bit values. B <= 32: a warp's lanes hold every pair and vote, no
+// barrier; else the block's threads share the pairs and meet at a barrier. Every warp or block
+// reaches the same code, so none waits for another. In two steps, so that the table's loads go
+// out beside the page lookup's and the vote comes after the rows arrive: status_begin, then
+// status_end, each called by every thread of the block.
+struct StatusCheck {
+  bool first, last, dec;
+};
+
+__device__ __forceinline__ unsigned warp_lanes_mask() {
+  const int base = threadIdx.x & ~31;  // lanes of this warp inside the block
+  const int lanes = blockDim.x - base < 32 ? blockDim.x - base : 32;
+  return lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
+}
+
+__device__ __forceinline__ StatusCheck status_begin(const PagedOptsParams& p) {
   const int is64 = p.index64 & 8;
+  const bool warp = p.B <= 32;  // uniform
   bool decreasing = false;
-  for (int i = threadIdx.x; i < p.B; i += blockDim.x)
+  for (int i = warp ? threadIdx.x & 31 : threadIdx.x; i < p.B; i += warp ? 32 : blockDim.x)
     decreasing |= read_index(p.kv_indptr, i + 1, is64) < read_index(p.kv_indptr, i, is64);
-  // every thread reads the two ends itself (one address each: broadcast loads), so one barrier
-  const bool first = read_index(p.kv_indptr, 0, is64) != 0;
-  const bool last = read_index(p.kv_indptr, p.B, is64) > p.num_indices;
-  const bool dec = __syncthreads_or(decreasing);
-  return first ? 4 : dec ? 5 : last ? 6 : 0;
+  // every thread reads the two ends itself (one address each: broadcast loads)
+  return {read_index(p.kv_indptr, 0, is64) != 0,
+          read_index(p.kv_indptr, p.B, is64) > p.num_indices, decreasing};
+}
+
+__device__ __forceinline__ int status_end(const PagedOptsParams& p, const StatusCheck& c) {
+  const bool dec = p.B <= 32 ? __any_sync(warp_lanes_mask(), c.dec) : __syncthreads_or(c.dec);
+  return c.first ? 4 : dec ? 5 : c.last ? 6 : 0;
 }
 
 // RoPE on a row kernel's chunk; V rows (is_v) take the identity, as the same arithmetic for every
@@ -431,10 +475,11 @@ __device__ __forceinline__ float* scale_dest(const PagedOptsParams& p, int t, in
 }
 
 // Computed scales: amax[u] = the largest |x| of row u of this thread's lane group after RoPE (0
-// when the call computes no scale). The rows are roped here once more than they are stored (the
-// stores rope them again): holding every roped row in floats until its scale is known costs more
-// registers than the arithmetic. A lane group of G lanes, G a power of two up to 32, sits inside
-// one warp (the block is a whole number of groups): xor shuffles over the group. Other widths
+// when the call computes no scale); ra / rb: the roped row (ROWS == 1: the stores take it; with
+// more rows the stores rope them again, as holding every roped row in floats until its scale is
+// known costs more registers than the arithmetic: 96 would spill). A lane group of G lanes, G a
+// power of two up to 32, sits inside one warp (the block is a whole number of groups): xor
+// shuffles over the group, every row's step at once. Other widths
 // (lane groups that straddle warps: 12 lanes for D 128 with R 64, MLA's 68) meet in shared memory,
 // where non-negative floats order as their bits do. fmaxf drops NaN, as row_scale expects. Every
 // thread of the block calls it (shuffles, barriers).
@@ -443,33 +488,40 @@ __device__ __forceinline__ void row_maxima(const PagedOptsParams& p, const Vec<T
                                            const Vec<T, N> (&vb)[ROWS], const float (&c)[M],
                                            const float (&sn)[M], bool pair, bool rotary,
                                            int first, int slots, int U, int H, int Hk,
-                                           float (&amax)[ROWS]) {
+                                           float (&amax)[ROWS], float (&ra)[ROWS][N],
+                                           float (&rb)[ROWS][N]) {
+  const auto rope_row = [&](int u) {
+    to_floats<T, N>(va[u], ra[u]);
+    if (pair) to_floats<T, N>(vb[u], rb[u]);
+    if (rotary) rotate_row_chunk<NEOX, N, M>(ra[u], rb[u], c, sn, first + u * slots >= Hk);
+  };
 #pragma unroll
   for (int u = 0; u < ROWS; ++u) amax[u] = 0.f;
+  if constexpr (ROWS == 1) rope_row(0);
   if (!is_quantized<OutT>::value || !(p.q_scale_out || p.k_scales)) return;  // uniform
 #pragma unroll
   for (int u = 0; u < ROWS; ++u) {
     const int h = first + u * slots;
     if (u >= U || h >= H) continue;
-    float a[N], bb[N];
-    to_floats<T, N>(va[u], a);
-    if (pair) to_floats<T, N>(vb[u], bb);
-    if (rotary) rotate_row_chunk<NEOX, N, M>(a, bb, c, sn, h >= Hk);
+    if constexpr (ROWS > 1) rope_row(u);  // one row's floats live at a time
+    float m[N];  // a tree of maxima: log2(N) + 1 dependent steps, not 2N
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      amax[u] = fmaxf(amax[u], fabsf(a[k]));
-      if (pair) amax[u] = fmaxf(amax[u], fabsf(bb[k]));
-    }
+    for (int k = 0; k < N; ++k)
+      m[k] = pair ? fmaxf(fabsf(ra[u][k]), fabsf(rb[u][k])) : fabsf(ra[u][k]);
+#pragma unroll
+    for (int w = N / 2; w > 0; w /= 2)
+#pragma unroll
+      for (int k = 0; k < w; ++k) m[k] = fmaxf(m[k], m[k + w]);
+    amax[u] = m[0];
   }
   const int G = p.group;
   if (G <= 32 && (G & (G - 1)) == 0) {
-    const int base = threadIdx.x & ~31;  // lanes of this warp inside the block
-    const int lanes = blockDim.x - base < 32 ? blockDim.x - base : 32;
-    const unsigned mask = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
+    const unsigned mask = warp_lanes_mask();
+    // one step for every row at once: log2(G) dependent shuffles, not ROWS times as many
+    for (int o = G >> 1; o > 0; o >>= 1) {
 #pragma unroll
-    for (int u = 0; u < ROWS; ++u)
-      for (int o = G >> 1; o > 0; o >>= 1)
-        amax[u] = fmaxf(amax[u], __shfl_xor_sync(mask, amax[u], o));
+      for (int u = 0; u < ROWS; ++u) amax[u] = fmaxf(amax[u], __shfl_xor_sync(mask, amax[u], o));
+    }
     return;
   }
   __shared__ float row_max[2048];  // slots * ROWS <= 512 * 4
@@ -500,13 +552,15 @@ __device__ __forceinline__ void row_maxima(const PagedOptsParams& p, const Vec<T
 // Q rows are always written (unrotated when pos_id lies outside [0, P)); K and V rows only when
 // pos_id lies in [0, P) and the token has a slot.
 // OPTS (the option variant; the plain kernel has all of this compiled out):
-// - status=: every block checks kv_indptr (paged_indptr_status) after its loads are issued
-//   (the cos/sin and page-table loads too); with a nonzero code no block stores anything, and
-//   block (0, 0) writes the code.
+// - order: the rows, cos/sin and kv_indptr[b] loads, status='s kv_indptr loads beside them, the
+//   page id's load (kv_indices), then the rows' maxima and scales while it is in flight, then the
+//   status vote, the page id's checks and the stores.
+// - status=: every warp or block checks kv_indptr (status_begin / status_end); with a nonzero
+//   code no block stores anything, and block (0, 0) writes the code.
 // - computed scales (q_scale_out: Q rows; k_scales / v_scales: K and V rows): the largest |x| of
-//   each row after RoPE over its G lanes (row_maxima), the row stored as x * (max_code / a) and
-//   a / max_code written by the row's lane 0 (row_scale, docs/conventions.md "Computed scales").
-//   Rows without a computed scale keep the static one.
+//   each row after RoPE over its G lanes (row_maxima), the row stored as x * (max_code / a) (one
+//   reciprocal) and a / max_code written by the row's lane 0 (docs/conventions.md "Computed
+//   scales"). Rows without a computed scale keep the static one.
 template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE, bool OPTS, class P>
 __device__ __forceinline__ void paged_rows(const P p) {
   pdl_launch_dependents();
@@ -528,7 +582,7 @@ __device__ __forceinline__ void paged_rows(const P p) {
   pdl_wait();
   if constexpr (OPTS) {
     if (t >= p.T) {  // status= with no tokens: the one block only validates
-      const int code = p.status ? paged_indptr_status(p) : 0;
+      const int code = p.status ? status_end(p, status_begin(p)) : 0;
       if (p.status && blockIdx.y == 0 && threadIdx.x == 0) *p.status = code;
       return;
     }
@@ -579,9 +633,8 @@ __device__ __forceinline__ void paged_rows(const P p) {
     load_float<float, M>(cs + half_r, sn);
   }
   i64 page = -1, entry = 0;
-  if (rope && first + (U - 1) * slots >= p.Hq) find_slot(p, b, pos, page, entry);
-
   if constexpr (!OPTS) {  // the plain kernel, as before the options existed
+    if (rope && first + (U - 1) * slots >= p.Hq) find_slot(p, b, pos, page, entry);
 #pragma unroll
     for (int u = 0; u < ROWS; ++u) {
       const int h = first + u * slots;
@@ -620,32 +673,50 @@ __device__ __forceinline__ void paged_rows(const P p) {
       if (pair) store_float<OutT, N>(d + col + half_r, bb, sc[u]);
     }
   } else {
-    // the plain loop, with each row's computed scale where it has one
-    float amax[ROWS];
+    // kv_indptr[b] (the page lookup) and status='s kv_indptr loads go out together; the page id's
+    // load then overlaps the rows' maxima and scales, and is checked only before the stores
+    SlotLookup look{false, 0, 0, 0, pos};
+    if (rope && first + (U - 1) * slots >= p.Hq) look = slot_begin(p, b, pos);
+    StatusCheck check{false, false, false};
+    if (p.status) check = status_begin(p);
+    const SlotPage sp = slot_page(p, look);
+    float amax[ROWS], ra[ROWS][N], rb[ROWS][N];
     row_maxima<T, OutT, NEOX, N, M, ROWS>(p, va, vb, c, sn, pair, rotary, first, slots, U, H, Hk,
-                                          amax);
+                                          amax, ra, rb);
     if (p.status) {  // every block reaches the same code: a malformed table writes nothing
-      const int code = paged_indptr_status(p);
+      const int code = status_end(p, check);
       if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *p.status = code;
       if (code) return;
     }
+    slot_check(p, sp, page, entry);
+    // the plain loop, with each row's computed scale where it has one
 #pragma unroll
     for (int u = 0; u < ROWS; ++u) {
       const int h = first + u * slots;
       if (u >= U || h >= H) continue;
       float a[N], bb[N];
-      to_floats<T, N>(va[u], a);
-      if (pair) to_floats<T, N>(vb[u], bb);
-      if (rotary) rotate_row_chunk<NEOX, N, M>(a, bb, c, sn, h >= Hk);
+      if constexpr (ROWS == 1) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          a[k] = ra[u][k];
+          bb[k] = rb[u][k];
+        }
+      } else {
+        to_floats<T, N>(va[u], a);
+        if (pair) to_floats<T, N>(vb[u], bb);
+        if (rotary) rotate_row_chunk<NEOX, N, M>(a, bb, c, sn, h >= Hk);
+      }
       OutT* d = row_dest<OutT>(p, t, h, page, entry, rotary, col, vcol);
       if (!d) continue;
       float mul = sc[u];
       if constexpr (is_quantized<OutT>::value) {
         float* dst = scale_dest(p, t, h, page, entry);  // null: the row keeps its static scale
         if (dst) {
-          const RowScale rs = row_scale<OutT>(amax[u]);
-          mul = rs.mul;
-          if (j == 0) *dst = rs.scale;
+          // max_code / a through one reciprocal (the IEEE division's longer sequence sat on
+          // every row's path to its stores); the scale written keeps a / max_code exactly
+          const float a = fmaxf(amax[u], 1e-6f);
+          mul = max_code<OutT>() * __frcp_rn(a);
+          if (j == 0) *dst = a / max_code<OutT>();
         }
       }
       store_float<OutT, N>(d + col, a, mul);
