@@ -3,7 +3,10 @@ parameter struct declared in Python matches its C struct field for field."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
+import multiprocessing
+import os
 import re
 import types
 
@@ -42,11 +45,46 @@ def test_every_kernel_file_has_an_op_module():
         assert list(module.instantiations()), f"ropekv.{stem} lists no instantiations"
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("stem", STEMS)
-def test_kernels_compile(stem, arch):
+ARCHS = ("sm_80", "sm_90")
+CHUNK = 64  # instantiations per NVRTC program: small enough to spread a kernel over the CPUs
+
+
+def _chunks(stem):
     expressions = list(op_module(stem).instantiations())
-    lowered = compile_offline(stem, expressions, arch)
+    return [expressions[i:i + CHUNK] for i in range(0, len(expressions), CHUNK)]
+
+
+@pytest.fixture(scope="module")
+def compiled(request):
+    """``compiled(stem, arch)``: the lowered names of every instantiation of ``stem``. The
+    selected (stem, arch) tests' compiles all start on the first use, in chunks, on a pool of
+    one process per CPU (a cold run compiles a few thousand instantiations); each test then
+    waits for its own chunks. One CPU: in this process, as each test asks."""
+    wanted = [item.callspec.params for item in request.session.items
+              if getattr(item, "originalname", "") == "test_kernels_compile"]
+    keys = list(dict.fromkeys((p["stem"], p["arch"]) for p in wanted))
+    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if (workers or 1) < 2 or len(keys) < 2:
+        yield lambda stem, arch: [compile_offline(stem, c, arch) for c in _chunks(stem)]
+        return
+    jobs = [(stem, chunk, arch) for stem, arch in keys for chunk in _chunks(stem)]
+    jobs.sort(key=lambda j: -len(j[1]))  # the full chunks first: the pool ends together
+    context = multiprocessing.get_context("spawn")  # no forked copy of a loaded NVRTC
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        futures = {}
+        for stem, chunk, arch in jobs:
+            futures.setdefault((stem, arch), []).append(
+                pool.submit(compile_offline, stem, chunk, arch))
+        yield lambda stem, arch: [f.result() for f in futures[(stem, arch)]]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("stem", STEMS)
+def test_kernels_compile(stem, arch, compiled):
+    expressions = list(op_module(stem).instantiations())
+    lowered = {}
+    for part in compiled(stem, arch):
+        lowered.update(part)
     assert set(lowered) == set(expressions)
     assert all(lowered.values())
 
