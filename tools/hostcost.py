@@ -259,9 +259,11 @@ class Case:
         return self.w.call(self.o)
 
 
-LAYERED = {"qk_rmsnorm_rope_append_paged_kv_cache": ("k_cache", "v_cache"),
-           "fused_qkv_matmul_append_paged_kv_cache": ("k_cache", "v_cache"),
-           "mla_rope_rmsnorm_append_paged_kv_cache": ("ckv", "kpe")}
+# the ops that take layer_idx: their bench workload module and the cache arrays that gain a
+# leading layer dimension (tools/hosttime.py uses the same table)
+LAYERED = {"qk_rmsnorm_rope_append_paged_kv_cache": ("qknorm", ("k_cache", "v_cache")),
+           "fused_qkv_matmul_append_paged_kv_cache": ("qkv", ("k_cache", "v_cache")),
+           "mla_rope_rmsnorm_append_paged_kv_cache": ("mla", ("ckv", "kpe"))}
 
 
 class Cycling:
@@ -289,7 +291,7 @@ class LayeredCase(Case):
 
         super().__init__(workload, convert)
         if layers is not None:
-            for c in LAYERED[name]:
+            for c in LAYERED[name][1]:
                 one = workload.a[c]
                 self.o[c] = convert(np.zeros((layers, *one.shape), one.dtype))
         self.name, self.fn = name, getattr(ropekv, name)
@@ -307,11 +309,9 @@ class LayeredCase(Case):
 
 
 def layered_name(w):
-    for name, caches in LAYERED.items():
-        if all(c in w.a for c in caches) and type(w).__module__.endswith(
-                {"qk_rmsnorm_rope_append_paged_kv_cache": "qknorm",
-                 "fused_qkv_matmul_append_paged_kv_cache": "qkv",
-                 "mla_rope_rmsnorm_append_paged_kv_cache": "mla"}[name]):
+    module = type(w).__module__.rsplit(".", 1)[-1]
+    for name, (op_module, caches) in LAYERED.items():
+        if module == op_module and all(c in w.a for c in caches):
             return name
     return None
 

@@ -23,37 +23,9 @@ import pstats
 import sys
 import time
 
-CASES = ["contiguous fp16->fp16 64x1", "paged gqa fp16->e4m3 64x1", "paged gqa fp16->e4m3 1x1",
-         "paged mla bf16->e4m3 64x1", "mla rmsnorm bf16->e4m3 128x1", "qknorm bf16->e4m3 64x1",
-         "qkv fp16 K4096 N6144 T1", "qkv fp16 K4096 N6144 T16"]
-
-
-def ops():
-    import ropekv
-    from ropekv import _launch
-
-    return [v for m in (ropekv.contiguous, ropekv.paged, ropekv.mla, ropekv.qknorm, ropekv.qkv)
-            for v in vars(m).values() if isinstance(v, _launch.Op)]
-
-
-LAYERED = {"qk_rmsnorm_rope_append_paged_kv_cache": ("qknorm", ("k_cache", "v_cache")),
-           "fused_qkv_matmul_append_paged_kv_cache": ("qkv", ("k_cache", "v_cache")),
-           "mla_rope_rmsnorm_append_paged_kv_cache": ("mla", ("ckv", "kpe"))}
-
-
-class Cycling:
-    """An op called with ``layer_idx`` cycling over ``layers`` layers (None: ``layer_idx=None``),
-    as an engine's step calls it once per layer."""
-
-    def __init__(self, fn, layers):
-        self.fn, self.layers, self.turn = fn, layers, 0
-
-    def __call__(self, *args, **kwargs):
-        layer = None
-        if self.layers is not None:
-            layer = self.turn
-            self.turn = layer + 1 if layer + 1 < self.layers else 0
-        return self.fn(*args, layer_idx=layer, **kwargs)
+# the cases, the ops and the layer_idx wrapper of the CPU harness (tools/, this script's
+# folder, is on sys.path); importing it installs no stub
+from hostcost import CASES, LAYERED, Cycling, layered_name, ops
 
 
 def layered_rows(w, o, layers, sync, calls):
@@ -65,11 +37,10 @@ def layered_rows(w, o, layers, sync, calls):
     import ropekv
     from ropekv import bench
 
-    module = type(w).__module__.rsplit(".", 1)[-1]
-    found = [(n, c) for n, (m, c) in LAYERED.items() if m == module]
-    if not found:
+    name = layered_name(w)
+    if name is None:
         return []
-    name, caches = found[0]
+    caches = LAYERED[name][1]
     fn, rows = getattr(ropekv, name), []
     for label, n in (("wrapper, one layer", None), (f"{layers} layers", layers)):
         ol = dict(o)
