@@ -83,6 +83,10 @@ def info():
     cache_dir = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
     n = len(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else 0
     rows.append(("compile cache", f"{cache_dir} ({n} entries)"))
+    from ropekv import _native
+
+    _native.load()
+    rows.append(("plan replay", _native.state()))
     backend = "cuda" if count else "numpy"
     rows.append(("backend", "CUDA kernels for device arrays; NumPy arrays run the NumPy reference"
                  if backend == "cuda" else "NumPy reference (no CUDA device)"))

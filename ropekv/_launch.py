@@ -17,6 +17,11 @@ Everything else lives here, once for every op:
   any argument is a torch tensor, else CuPy's current stream on that device;
 * the launch: the driver's ``cuLaunchKernel`` (``cuLaunchKernelEx`` with programmatic dependent
   launch when asked) on a parameter record whose pointer fields are refilled per call;
+* the replay in C (``_native.c``, built on first use by ``_native.py``; Python when it cannot be
+  built): a repeated call of a known layout, with CuPy arrays or torch tensors, is read, matched,
+  checked for overlap and launched there, with the same keys, plans and stream rule as the Python
+  replay below (which serves everything else: first calls, other array kinds, cuBLAS steps,
+  arrays whose ranges touch a written one);
 * multi-layer caches (``docs/conventions.md``): an op names the arguments that may carry a leading
   ``(num_layers, ...)`` dimension (``Op(..., layered=...)``); a call with ``layer_idx`` validates
   the arrays of that layer (its ``prepare`` never sees the layer dimension), and its plan, keyed
@@ -389,6 +394,7 @@ class Plan:
         self.empties = {}  # array kinds -> zero-size outputs, made once (make_outputs)
         self.exact = {}  # (i, j, pointer delta) -> whether the two arrays share bytes
         self.layers = None  # a Layers when the plan serves multi-layer arrays (layer_idx)
+        self.native = None  # its launches as C data, when the C replay serves it (_native.c)
 
     def finish(self, views):
         """Record the byte spans the replay's overlap check needs (from the first call)."""
@@ -505,6 +511,67 @@ else:  # another platform's os.environ
     _CHECK_INDICES_OFF, _ENV_KEY, _OFF = os.environ.get, "ROPEKV_CHECK_INDICES", ("", "0")
 
 
+def _launch_failed(code):
+    """Raise the error of a failed launch of the C replay (CuPy's driver error where CuPy has it:
+    the Python path's launch raises that one)."""
+    try:
+        from cupy_backends.cuda.api.driver import CUDADriverError
+
+        error = CUDADriverError(code)  # it asks the driver for the code's name
+    except Exception:  # noqa: BLE001 - no CuPy or no driver to name it: the code alone
+        error = RuntimeError(f"cuLaunchKernel failed with CUresult {code}")
+    raise error
+
+
+_MISS = object()  # the C replay's answer "take the Python path"
+_UNBOUND = object()  # Op.caller before its first call
+
+
+def _native_launchers():
+    """The addresses of the driver's ``cuLaunchKernel`` and ``cuLaunchKernelEx`` (the library CuPy
+    loaded; the process has one). OSError without a driver."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    return (ctypes.cast(lib.cuLaunchKernel, ctypes.c_void_p).value,
+            ctypes.cast(lib.cuLaunchKernelEx, ctypes.c_void_p).value)
+
+
+_native_module = [_UNBOUND]  # the configured C replay module, or None
+
+
+def native_module():
+    """The C replay (``_native.c``) with the driver's launch functions bound, or None when it
+    cannot be built or there is no driver (then every call replays in Python)."""
+    module = _native_module[0]
+    if module is _UNBOUND:
+        from ropekv import _native
+
+        module = _native.load()
+        if module is not None:
+            try:
+                module.configure(*_native_launchers())
+            except OSError:
+                module = None
+        _native_module[0] = module
+    return module
+
+
+def native_plan(plan, n_args):
+    """``plan``'s launches as C data (``_native.NativePlan``), or None when the C replay cannot
+    serve it (no C replay, a step that is not a :class:`Launch`, such as a cuBLAS call)."""
+    module = native_module()
+    if module is None or not all(type(s) is Launch for s in plan.steps):
+        return None
+    steps = [(s.func, s.grid, s.block, s.shared_mem, s.pdl, s.slots, s.tail) for s in plan.steps]
+    layers = plan.layers
+    if layers is not None:
+        layers = (layers.count, layers.strict, layers.strides)
+    try:
+        return module.NativePlan(plan.device, n_args, len(plan.outputs), steps, plan.pairs or (),
+                                 layers)
+    except ValueError:  # a record or an argument count the C replay does not take
+        return None
+
+
 class _Plans(dict):
     """An op's plans by key ``(flags, layout)``, and ``last``: ``(hash of flags, flags, layout,
     plan)`` of the newest replay. A call repeating it (an engine's layers, one layout) skips
@@ -601,6 +668,14 @@ class Op:
             raise ValueError(f"{name}: layered names no argument: {sorted(unknown)}")
         self.layered = tuple(self.names.index(n) for n in layered)
         self.signature = ar.fast_signature(len(self.names))
+        self.caller = _UNBOUND  # the C replay of this op's plans (None: Python only)
+
+    def bind_caller(self):
+        """The C replay of this op (``_native.Caller``), or None; bound on the first call."""
+        module = native_module()
+        self.caller = None if module is None else module.Caller(
+            self.names, vars(ar), globals(), _MISS)
+        return self.caller
 
     def clear(self):
         """Forget every plan (of one-layer and of multi-layer calls)."""
@@ -618,6 +693,13 @@ class Op:
                 raise TypeError(f"{self.name} takes no layer_idx")
             plans = self.layer_plans
         if _CHECK_INDICES_OFF(_ENV_KEY, b"") in _OFF:  # else: the first-call path checks indices
+            caller = self.caller
+            if caller is _UNBOUND:
+                caller = self.bind_caller()
+            if caller is not None:  # the replay in C; a new layout or array kind: on in Python
+                done = caller(arrays, flags, stream_ptr, layer_idx, plans)
+                if done is not _MISS:
+                    return done
             fast = self.signature(arrays)
             if fast is None:  # an argument of another kind: its view (and capsule) lives here
                 layout, ptrs, kinds, keep = ar.signature(arrays, self.names, stream_ptr)
@@ -671,6 +753,8 @@ class Op:
             return self.run_host(plan, arrays, op_views, kinds, stream_ptr)
         plan.finish(views)
         if key is not None and plan.cacheable:
+            if self.caller is not None:
+                plan.native = native_plan(plan, len(views))
             _bounded_put(self.plans if layer is None else self.layer_plans, key, plan,
                          self.MAX_PLANS)
         ptrs = [0 if v is None else v.ptr for v in views]

@@ -35,28 +35,71 @@ def all_ops():
             for v in vars(m).values() if isinstance(v, _launch.Op)]
 
 
+_RECORD_MAX = 4096  # the C replay's parameter record lives in a buffer of this size
+
+_C_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7,
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+
 class Launches:
-    """The stubbed ``cuLaunchKernel``: records each launch's stream and pointer fields."""
+    """The stubbed ``cuLaunchKernel``: records each launch's stream and pointer fields, from the
+    Python replay (called as CuPy's wrapper is) and from the C replay (``c_launch``, a C function
+    pointer to the same recorder; its record lives on the C stack, so it is copied)."""
 
     def __init__(self):
         self.calls = []
+        self.copies = []
+        self.c_launch = _C_LAUNCH(self._from_c)
+        self.fail = 0  # a CUresult to answer with
 
     def __call__(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv_ptr, extra):
         rec = ctypes.c_uint64.from_address(argv_ptr).value
         self.calls.append((stream, rec))
+        if self.fail:
+            from cupy_backends.cuda.api.driver import CUDADriverError
+
+            raise CUDADriverError(self.fail)
+
+    def _from_c(self, func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        rec = ctypes.c_uint64.from_address(params).value
+        copy = ctypes.create_string_buffer(ctypes.string_at(rec, _RECORD_MAX), _RECORD_MAX)
+        self.copies.append(copy)
+        self.calls.append((stream or 0, ctypes.addressof(copy)))
+        return self.fail
 
     def pointers(self, k, n):
         """The first ``n`` 8-byte fields of launch ``k``'s record, as it is now."""
         return struct.unpack(f"={n}Q", ctypes.string_at(self.calls[k][1], 8 * n))
 
 
-@pytest.fixture
-def stubbed(monkeypatch):
+def use_c_replay(monkeypatch, launches):
+    """Every op replays its plans in C (``ropekv/_native.c``), launching into ``launches``."""
+    from ropekv import _native
+
+    module = _native.load()
+    if module is None:
+        pytest.fail(f"the C replay did not build: {_native.state()}")
+    address = ctypes.cast(launches.c_launch, ctypes.c_void_p).value
+    monkeypatch.setattr(_launch, "_native_launchers", lambda: (address, None))
+    _launch._native_module[0] = _launch._UNBOUND
+    for op in all_ops():
+        op.caller = _launch._UNBOUND
+
+
+@pytest.fixture(params=["python", "c"])
+def stubbed(request, monkeypatch):
     """The fakes of tools/hostcost.py in place of CuPy's array type and the driver; every op's
-    plans cleared before and after (a fake plan must never serve a real array)."""
+    plans cleared before and after (a fake plan must never serve a real array). Each test runs
+    with the Python replay and with the C one."""
     for op in all_ops():
         op.clear()
     launches = Launches()
+    launches.replay = request.param
+    if request.param == "c":
+        use_c_replay(monkeypatch, launches)
+    else:
+        for op in all_ops():
+            op.caller = None
     monkeypatch.setattr(ar, "_CUPY_ARRAY", hostcost.FakeCupyArray)
     monkeypatch.setattr(_launch, "function_pointer", lambda *a, **k: 0x1000)
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device=-1: 0x5000)
@@ -67,6 +110,8 @@ def stubbed(monkeypatch):
     yield launches
     for op in all_ops():
         op.clear()
+        op.caller = _launch._UNBOUND  # bound again, to the real driver, on the next call
+    _launch._native_module[0] = _launch._UNBOUND
 
 
 def fake_torch(monkeypatch):
@@ -113,6 +158,8 @@ def test_replay_refills_every_pointer(op, kind, stubbed, monkeypatch):
                 filled += 1
         assert filled >= 3
     assert len(stubbed.calls) == 3 * n_first  # as many launches per call
+    # the replays (not the first call) went through the replay under test
+    assert len(stubbed.copies) == (2 * n_first if stubbed.replay == "c" else 0)
 
 
 def _ptr(x):

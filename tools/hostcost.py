@@ -226,9 +226,27 @@ def install_stubs():
         fn = lib.cuLaunchKernel
         fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
         _launch._launch_kernel = fn  # called as cupy_backends' launchKernel is
+        # the C replay (ropekv/_native.c) launches through the stub's functions
+        _launch._native_launchers = lambda: tuple(
+            ctypes.cast(f, ctypes.c_void_p).value for f in (lib.cuLaunchKernel,
+                                                           lib.cuLaunchKernelEx))
     else:
         _launch._launch_kernel = lambda *a: 0
+        _launch._native_launchers = _no_driver
     return lib
+
+
+def _no_driver():
+    raise OSError("no C launch stub: the Python replay is timed")
+
+
+def use_replay(kind):
+    """Time the C replay (``"c"``) or the Python one (``"python"``): rebinds every op."""
+    from ropekv import _launch
+
+    for op in ops():
+        op.clear()
+        op.caller = None if kind == "python" else _launch._UNBOUND
 
 
 def host_workloads(names):
@@ -355,9 +373,13 @@ def main(argv=None):
     parser.add_argument("--cases", nargs="*", default=CASES)
     parser.add_argument("--layers", type=int, default=0,
                         help="also time multi-layer caches of this many layers (layer_idx)")
+    parser.add_argument("--replay", choices=("c", "python"), default="c",
+                        help="the C replay of plans (ropekv/_native.c, the default where it "
+                             "builds) or the Python one")
     args = parser.parse_args(argv)
     lib = install_stubs()
     print(f"launch stub: {'compiled C (ctypes)' if lib else 'Python no-op'}")
+    use_replay(args.replay)
     workloads = host_workloads(args.cases)
     rows = []
     for name, w in workloads.items():
@@ -402,6 +424,9 @@ def main(argv=None):
                     prof.disable()
                 print(f"==== first-call profile: {name} ({label})")
                 pstats.Stats(prof, stream=sys.stdout).sort_stats("cumtime").print_stats(30)
+    from ropekv import _native
+
+    print(f"replay: {_native.state() if args.replay == 'c' else 'Python plan replay (--replay python)'}")
     print(f"{'case':34s} {'first cupy':>11s} {'first torch':>12s} {'cupy':>8s} {'torch':>8s}")
     for name, first, first_t, cp_us, th_us in rows:
         print(f"{name:34s} {first:9.1f}us {first_t:10.1f}us {cp_us:6.2f}us {th_us:6.2f}us")

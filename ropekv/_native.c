@@ -1,0 +1,800 @@
+/* The replay of a launch plan in C: ropekv's hot call path without the interpreter in it.
+ *
+ * ropekv/_launch.py owns the call path and its semantics; this file repeats, in C, the one part of
+ * it that runs on every call of a known layout (Op.__call__ -> Plan.replay -> Launch.run):
+ *
+ *   read each argument's layout and pointer (CuPy arrays and torch tensors of the exact base
+ *   types; anything else answers MISS and takes the Python path), find the plan of that layout
+ *   (the newest one by value, else the op's plan table), check written arrays against every other
+ *   argument from pointers alone (any range that touches hands the call to Plan.replay, which
+ *   checks exactly), pick the stream (ropekv's stream rule, through _launch's own functions), enter
+ *   the plan's device, allocate outputs (Plan.make_outputs), refill each launch's parameter record
+ *   on the C stack and call the driver's cuLaunchKernel / cuLaunchKernelEx.
+ *
+ * The keys it builds are the same Python objects _arrays.fast_signature builds, so the plans a
+ * first call stores serve both paths. Nothing here validates a layout: that stays on the first
+ * call, in Python. ropekv/_native.py compiles this file with the system C compiler on first use
+ * and falls back to the Python path when it cannot; tests/test_native.py checks, launch record by
+ * launch record, that both paths launch the same.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ---- the driver's launch entry points, set by configure() ----------------------------------- */
+
+typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                         unsigned by, unsigned bz, unsigned smem, void *stream, void **params,
+                         void **extra);
+
+typedef struct { /* CUlaunchAttribute */
+  int id;
+  char pad[4];
+  char value[64];
+} LaunchAttribute;
+
+typedef struct { /* CUlaunchConfig */
+  unsigned grid[3], block[3], smem;
+  void *stream;
+  LaunchAttribute *attrs;
+  unsigned num_attrs;
+} LaunchConfig;
+
+typedef int (*launch_ex_fn)(const LaunchConfig *config, void *f, void **params, void **extra);
+
+static launch_fn cu_launch = NULL;
+static launch_ex_fn cu_launch_ex = NULL;
+
+#define PROGRAMMATIC_STREAM_SERIALIZATION 6 /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIAL... */
+#define RECORD_MAX 4096 /* bytes of one parameter record; a plan with a larger one stays Python */
+#define MAX_ARGS 64     /* array arguments of one op, outputs included */
+
+enum { CUPY = 1, TORCH = 2 }; /* _arrays.CUPY / TORCH */
+
+static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *s_data_ptr,
+    *s_stride, *s_get_device, *s_last, *s_native, *s_replay, *s_make_outputs, *s_result,
+    *s_getDevice, *s_setDevice, *s_cupy_array, *s_torch_tensor, *s_current_stream_ptr,
+    *s_torch_stream_ptr, *s_runtime, *s_launch_failed, *one;
+
+/* ---- a plan's launches, as C data ----------------------------------------------------------- */
+
+typedef struct {
+  int arg;     /* -1: a constant pointer field (off); else an index into the call's pointers */
+  int64_t off; /* bytes added to that pointer */
+} Slot;
+
+typedef struct {
+  void *func;
+  unsigned grid[3], block[3], smem;
+  int pdl;
+  int n_ptr;
+  Slot *slots;
+  Py_ssize_t tail_len;
+  char *tail; /* the record after its pointer fields (scalars), fixed for the plan */
+} Step;
+
+typedef struct {
+  PyObject_HEAD
+  int device;
+  int n_args, n_outputs;
+  int n_steps;
+  Step *steps;
+  int n_pairs;
+  int64_t (*pairs)[6]; /* (i, j, lo_i, hi_i, lo_j, hi_j): written array i against argument j */
+  int n_layered;
+  int *layer_arg;
+  int64_t *layer_stride;
+  int64_t layer_count; /* 0: the plan serves one-layer calls only */
+  int layer_strict;    /* some layer stride is not a multiple of 16: the Python path decides */
+} NativePlan;
+
+static void plan_dealloc(NativePlan *self) {
+  if (self->steps) {
+    for (int s = 0; s < self->n_steps; s++) {
+      PyMem_Free(self->steps[s].slots);
+      PyMem_Free(self->steps[s].tail);
+    }
+    PyMem_Free(self->steps);
+  }
+  PyMem_Free(self->pairs);
+  PyMem_Free(self->layer_arg);
+  PyMem_Free(self->layer_stride);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int read_uints(PyObject *seq, unsigned out[3], const char *what) {
+  PyObject *t = PySequence_Tuple(seq);
+  if (!t) return -1;
+  if (PyTuple_GET_SIZE(t) != 3) {
+    Py_DECREF(t);
+    PyErr_Format(PyExc_ValueError, "%s must have 3 entries", what);
+    return -1;
+  }
+  for (int k = 0; k < 3; k++) {
+    unsigned long v = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(t, k));
+    if (v == (unsigned long)-1 && PyErr_Occurred()) {
+      Py_DECREF(t);
+      return -1;
+    }
+    out[k] = (unsigned)v;
+  }
+  Py_DECREF(t);
+  return 0;
+}
+
+/* NativePlan(device, n_args, n_outputs, steps, pairs, layers)
+ *   steps: [(func, grid, block, smem, pdl, [(arg, off), ...], tail bytes), ...]
+ *   pairs: [(i, j, lo_i, hi_i, lo_j, hi_j), ...]
+ *   layers: None or (count, strict, [(arg, stride), ...]) */
+static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+  int device, n_args, n_outputs;
+  PyObject *steps, *pairs, *layers;
+  if (!PyArg_ParseTuple(args, "iiiOOO", &device, &n_args, &n_outputs, &steps, &pairs, &layers))
+    return NULL;
+  if (n_args < 0 || n_outputs < 0 || n_args + n_outputs > MAX_ARGS) {
+    PyErr_SetString(PyExc_ValueError, "too many arguments for a native plan");
+    return NULL;
+  }
+  NativePlan *self = (NativePlan *)type->tp_alloc(type, 0);
+  if (!self) return NULL;
+  self->device = device;
+  self->n_args = n_args;
+  self->n_outputs = n_outputs;
+  PyObject *seq = PySequence_Fast(steps, "steps must be a sequence");
+  if (!seq) goto fail;
+  self->n_steps = (int)PySequence_Fast_GET_SIZE(seq);
+  self->steps = PyMem_Calloc(self->n_steps ? self->n_steps : 1, sizeof(Step));
+  if (!self->steps) {
+    Py_DECREF(seq);
+    PyErr_NoMemory();
+    goto fail;
+  }
+  for (int s = 0; s < self->n_steps; s++) {
+    Step *st = &self->steps[s];
+    PyObject *func, *grid, *block, *slots, *tail;
+    unsigned smem;
+    int pdl;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, s), "OOOIpOS", &func, &grid, &block,
+                          &smem, &pdl, &slots, &tail)) {
+      Py_DECREF(seq);
+      goto fail;
+    }
+    st->func = PyLong_AsVoidPtr(func);
+    if (PyErr_Occurred() || read_uints(grid, st->grid, "grid") ||
+        read_uints(block, st->block, "block")) {
+      Py_DECREF(seq);
+      goto fail;
+    }
+    st->smem = smem;
+    st->pdl = pdl;
+    PyObject *sl = PySequence_Fast(slots, "slots must be a sequence");
+    if (!sl) {
+      Py_DECREF(seq);
+      goto fail;
+    }
+    st->n_ptr = (int)PySequence_Fast_GET_SIZE(sl);
+    st->tail_len = PyBytes_GET_SIZE(tail);
+    if (8 * (Py_ssize_t)st->n_ptr + st->tail_len > RECORD_MAX) {
+      Py_DECREF(sl);
+      Py_DECREF(seq);
+      PyErr_SetString(PyExc_ValueError, "parameter record too large for a native plan");
+      goto fail;
+    }
+    st->slots = PyMem_Calloc(st->n_ptr ? st->n_ptr : 1, sizeof(Slot));
+    st->tail = PyMem_Malloc(st->tail_len ? st->tail_len : 1);
+    if (!st->slots || !st->tail) {
+      Py_DECREF(sl);
+      Py_DECREF(seq);
+      PyErr_NoMemory();
+      goto fail;
+    }
+    memcpy(st->tail, PyBytes_AS_STRING(tail), st->tail_len);
+    for (int k = 0; k < st->n_ptr; k++) {
+      long long off;
+      if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(sl, k), "iL", &st->slots[k].arg, &off)) {
+        Py_DECREF(sl);
+        Py_DECREF(seq);
+        goto fail;
+      }
+      st->slots[k].off = off;
+      if (st->slots[k].arg < -1 || st->slots[k].arg >= n_args + n_outputs) {
+        Py_DECREF(sl);
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "slot names no argument");
+        goto fail;
+      }
+    }
+    Py_DECREF(sl);
+  }
+  Py_DECREF(seq);
+
+  seq = PySequence_Fast(pairs, "pairs must be a sequence");
+  if (!seq) goto fail;
+  self->n_pairs = (int)PySequence_Fast_GET_SIZE(seq);
+  self->pairs = PyMem_Calloc(self->n_pairs ? self->n_pairs : 1, sizeof(int64_t[6]));
+  if (!self->pairs) {
+    Py_DECREF(seq);
+    PyErr_NoMemory();
+    goto fail;
+  }
+  for (int p = 0; p < self->n_pairs; p++) {
+    long long v[6];
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, p), "LLLLLL", &v[0], &v[1], &v[2], &v[3],
+                          &v[4], &v[5])) {
+      Py_DECREF(seq);
+      goto fail;
+    }
+    if (v[0] < 0 || v[0] >= n_args || v[1] < 0 || v[1] >= n_args) {
+      Py_DECREF(seq);
+      PyErr_SetString(PyExc_ValueError, "pair names no argument");
+      goto fail;
+    }
+    for (int k = 0; k < 6; k++) self->pairs[p][k] = v[k];
+  }
+  Py_DECREF(seq);
+
+  if (layers != Py_None) {
+    long long count;
+    int strict;
+    PyObject *strides;
+    if (!PyArg_ParseTuple(layers, "LpO", &count, &strict, &strides)) goto fail;
+    seq = PySequence_Fast(strides, "layer strides must be a sequence");
+    if (!seq) goto fail;
+    self->layer_count = count;
+    self->layer_strict = strict;
+    self->n_layered = (int)PySequence_Fast_GET_SIZE(seq);
+    self->layer_arg = PyMem_Calloc(self->n_layered ? self->n_layered : 1, sizeof(int));
+    self->layer_stride = PyMem_Calloc(self->n_layered ? self->n_layered : 1, sizeof(int64_t));
+    if (!self->layer_arg || !self->layer_stride) {
+      Py_DECREF(seq);
+      PyErr_NoMemory();
+      goto fail;
+    }
+    for (int k = 0; k < self->n_layered; k++) {
+      long long stride;
+      if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, k), "iL", &self->layer_arg[k],
+                            &stride)) {
+        Py_DECREF(seq);
+        goto fail;
+      }
+      if (self->layer_arg[k] < 0 || self->layer_arg[k] >= n_args) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "layer stride names no argument");
+        goto fail;
+      }
+      self->layer_stride[k] = stride;
+    }
+    Py_DECREF(seq);
+  }
+  return (PyObject *)self;
+fail:
+  Py_DECREF(self);
+  return NULL;
+}
+
+static PyTypeObject NativePlanType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ropekv._native_ext.NativePlan",
+    .tp_basicsize = sizeof(NativePlan),
+    .tp_dealloc = (destructor)plan_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A launch plan's launches as C data (built by ropekv._launch; no Python API).",
+    .tp_new = plan_new,
+};
+
+/* ---- the call ------------------------------------------------------------------------------- */
+
+typedef struct {
+  PyObject_HEAD
+  vectorcallfunc vectorcall; /* caller_call: the type's instances are called through it */
+  PyObject *names;        /* the op's argument names (Plan.replay's error messages) */
+  PyObject *arrays_dict;  /* ropekv._arrays.__dict__: _CUPY_ARRAY, _TORCH_TENSOR */
+  PyObject *launch_dict;  /* ropekv._launch.__dict__: the stream rule, _RUNTIME, errors */
+  PyObject *miss;         /* the answer "take the Python path" */
+} Caller;
+
+static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
+                             PyObject *kwnames);
+
+static void caller_dealloc(Caller *self) {
+  Py_XDECREF(self->names);
+  Py_XDECREF(self->arrays_dict);
+  Py_XDECREF(self->launch_dict);
+  Py_XDECREF(self->miss);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *caller_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+  PyObject *names, *arrays_dict, *launch_dict, *miss;
+  if (!PyArg_ParseTuple(args, "O!O!O!O", &PyTuple_Type, &names, &PyDict_Type, &arrays_dict,
+                        &PyDict_Type, &launch_dict, &miss))
+    return NULL;
+  Caller *self = (Caller *)type->tp_alloc(type, 0);
+  if (!self) return NULL;
+  Py_INCREF(names);
+  Py_INCREF(arrays_dict);
+  Py_INCREF(launch_dict);
+  Py_INCREF(miss);
+  self->names = names;
+  self->arrays_dict = arrays_dict;
+  self->launch_dict = launch_dict;
+  self->miss = miss;
+  self->vectorcall = (vectorcallfunc)caller_call;
+  return (PyObject *)self;
+}
+
+/* *out = the int `o` (a new reference, consumed; NULL: an error is set). */
+static int as_u64(PyObject *o, uint64_t *out) {
+  if (!o) return -1;
+  unsigned long long v = PyLong_AsUnsignedLongLong(o);
+  Py_DECREF(o);
+  if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+  *out = v;
+  return 0;
+}
+
+static int as_u64_borrowed(PyObject *o, uint64_t *out) {
+  Py_INCREF(o);
+  return as_u64(o, out);
+}
+
+/* The layout key of one argument (as _arrays.fast_signature builds it) and its pointer; NULL with
+ * no error set: not a CuPy array nor a torch tensor of the base type (the Python path reads it). */
+static PyObject *read_array(PyObject *a, PyObject *cupy_cls, PyObject *torch_cls, uint64_t *ptr,
+                            int *kinds) {
+  PyObject *cls = (PyObject *)Py_TYPE(a);
+  if (cls == cupy_cls) {
+    PyObject *data = PyObject_GetAttr(a, s_data);
+    if (!data) return NULL;
+    PyObject *p = PyObject_GetAttr(data, s_ptr);
+    PyObject *dev = p ? PyObject_GetAttr(data, s_device_id) : NULL;
+    Py_DECREF(data);
+    if (!dev || as_u64(p, ptr)) {
+      Py_XDECREF(dev);
+      return NULL;
+    }
+    PyObject *shape = PyObject_GetAttr(a, s_shape);
+    PyObject *strides = shape ? PyObject_GetAttr(a, s_strides) : NULL;
+    PyObject *dtype = strides ? PyObject_GetAttr(a, s_dtype) : NULL;
+    PyObject *align = dtype ? PyLong_FromLong((long)(*ptr & 15)) : NULL;
+    PyObject *key = align ? PyTuple_Pack(5, shape, strides, dtype, align, dev) : NULL;
+    Py_XDECREF(shape);
+    Py_XDECREF(strides);
+    Py_XDECREF(dtype);
+    Py_XDECREF(align);
+    Py_DECREF(dev);
+    *kinds |= CUPY;
+    return key;
+  }
+  if (cls == torch_cls) {
+    if (as_u64(PyObject_CallMethodNoArgs(a, s_data_ptr), ptr)) return NULL;
+    PyObject *shape = PyObject_GetAttr(a, s_shape);
+    PyObject *stride = shape ? PyObject_CallMethodNoArgs(a, s_stride) : NULL;
+    PyObject *dtype = stride ? PyObject_GetAttr(a, s_dtype) : NULL;
+    PyObject *align = dtype ? PyLong_FromLong((long)(*ptr & 15)) : NULL;
+    PyObject *dev = align ? PyObject_CallMethodNoArgs(a, s_get_device) : NULL;
+    PyObject *key = dev ? PyTuple_Pack(6, one, shape, stride, dtype, align, dev) : NULL;
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    Py_XDECREF(dtype);
+    Py_XDECREF(align);
+    Py_XDECREF(dev);
+    *kinds |= TORCH;
+    return key;
+  }
+  return NULL;
+}
+
+static PyObject *ptr_list(const uint64_t *ptrs, int n) {
+  PyObject *list = PyList_New(n);
+  if (!list) return NULL;
+  for (int i = 0; i < n; i++) {
+    PyObject *v = PyLong_FromUnsignedLongLong(ptrs[i]);
+    if (!v) {
+      Py_DECREF(list);
+      return NULL;
+    }
+    PyList_SET_ITEM(list, i, v);
+  }
+  return list;
+}
+
+/* A call from Python's global dict `d` (a borrowed function) with one argument. */
+static PyObject *call_global(PyObject *d, PyObject *name, PyObject *arg) {
+  PyObject *fn = PyDict_GetItemWithError(d, name);
+  if (!fn) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "ropekv._launch lost %S", name);
+    return NULL;
+  }
+  return PyObject_CallOneArg(fn, arg);
+}
+
+/* The launches of `plan` (its steps) with pointers `ptrs` (arguments, then outputs). */
+static int launch_steps(Caller *self, NativePlan *plan, const uint64_t *ptrs, void *stream) {
+  _Alignas(16) unsigned char rec[RECORD_MAX];
+  for (int s = 0; s < plan->n_steps; s++) {
+    Step *st = &plan->steps[s];
+    uint64_t *fields = (uint64_t *)rec;
+    for (int k = 0; k < st->n_ptr; k++) {
+      Slot sl = st->slots[k];
+      fields[k] = (sl.arg < 0 ? 0 : ptrs[sl.arg]) + (uint64_t)sl.off;
+    }
+    memcpy(rec + 8 * st->n_ptr, st->tail, st->tail_len);
+    void *params[1] = {rec};
+    int err;
+    if (!st->pdl) {
+      if (!cu_launch) {
+        PyErr_SetString(PyExc_RuntimeError, "ropekv native launcher not configured");
+        return -1;
+      }
+      err = cu_launch(st->func, st->grid[0], st->grid[1], st->grid[2], st->block[0],
+                      st->block[1], st->block[2], st->smem, stream, params, NULL);
+    } else {
+      if (!cu_launch_ex) {
+        PyErr_SetString(PyExc_RuntimeError, "ropekv native launcher not configured");
+        return -1;
+      }
+      LaunchAttribute attr;
+      memset(&attr, 0, sizeof attr);
+      attr.id = PROGRAMMATIC_STREAM_SERIALIZATION;
+      attr.value[0] = 1;
+      LaunchConfig config;
+      memset(&config, 0, sizeof config);
+      memcpy(config.grid, st->grid, sizeof st->grid);
+      memcpy(config.block, st->block, sizeof st->block);
+      config.smem = st->smem;
+      config.stream = stream;
+      config.attrs = &attr;
+      config.num_attrs = 1;
+      err = cu_launch_ex(&config, st->func, params, NULL);
+    }
+    if (err) {
+      PyObject *code = PyLong_FromLong(err);
+      PyObject *r = code ? call_global(self->launch_dict, s_launch_failed, code) : NULL;
+      Py_XDECREF(code);
+      Py_XDECREF(r);
+      if (!PyErr_Occurred())
+        PyErr_Format(PyExc_RuntimeError, "cuLaunchKernel failed with CUresult %d", err);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+/* Caller(arrays, flags, stream_ptr, layer, plans) -> the op's result, or MISS. */
+static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
+                             PyObject *kwnames) {
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  if (nargs != 5 || kwnames) {
+    PyErr_SetString(PyExc_TypeError, "Caller(arrays, flags, stream_ptr, layer, plans)");
+    return NULL;
+  }
+  PyObject *arrays = args[0], *flags = args[1], *stream_arg = args[2], *layer_arg = args[3],
+           *plans = args[4];
+  if (!PyTuple_CheckExact(arrays) || PyTuple_GET_SIZE(arrays) > MAX_ARGS) {
+    Py_INCREF(self->miss);
+    return self->miss;
+  }
+  int n = (int)PyTuple_GET_SIZE(arrays);
+  PyObject *cupy_cls = PyDict_GetItemWithError(self->arrays_dict, s_cupy_array);
+  PyObject *torch_cls = cupy_cls ? PyDict_GetItemWithError(self->arrays_dict, s_torch_tensor)
+                                 : NULL;
+  if (!torch_cls) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "ropekv._arrays lost a type");
+    return NULL;
+  }
+
+  /* -- intake: every argument's key and pointer */
+  uint64_t ptrs[MAX_ARGS + 1];
+  int kinds = 0;
+  PyObject *layout = PyTuple_New(n);
+  if (!layout) return NULL;
+  for (int i = 0; i < n; i++) {
+    PyObject *a = PyTuple_GET_ITEM(arrays, i), *key;
+    if (a == Py_None) {
+      ptrs[i] = 0;
+      Py_INCREF(Py_None);
+      key = Py_None;
+    } else {
+      key = read_array(a, cupy_cls, torch_cls, &ptrs[i], &kinds);
+      if (!key) {
+        Py_DECREF(layout);
+        if (PyErr_Occurred()) return NULL;
+        Py_INCREF(self->miss);
+        return self->miss;
+      }
+    }
+    PyTuple_SET_ITEM(layout, i, key);
+  }
+
+  /* -- the plan: the newest replay's, matched by value, else the table's */
+  PyObject *result = NULL, *plan = NULL, *native = NULL, *outs = NULL;
+  Py_hash_t h = PyObject_Hash(flags);
+  if (h == -1) { /* an unhashable flag: the Python path takes it */
+    PyErr_Clear();
+    goto miss;
+  }
+  PyObject *last = PyObject_GetAttr(plans, s_last);
+  if (!last) goto done;
+  if (PyTuple_Check(last) && PyTuple_GET_SIZE(last) == 4 &&
+      PyLong_Check(PyTuple_GET_ITEM(last, 0)) &&
+      PyLong_AsSsize_t(PyTuple_GET_ITEM(last, 0)) == h) {
+    int same = PyObject_RichCompareBool(layout, PyTuple_GET_ITEM(last, 2), Py_EQ);
+    if (same > 0) same = PyObject_RichCompareBool(flags, PyTuple_GET_ITEM(last, 1), Py_EQ);
+    if (same < 0) {
+      Py_DECREF(last);
+      goto done;
+    }
+    if (same) {
+      plan = PyTuple_GET_ITEM(last, 3);
+      Py_INCREF(plan);
+    }
+  }
+  Py_DECREF(last);
+  if (PyErr_Occurred()) goto done; /* PyLong_AsSsize_t of a huge hash cannot be: hashes fit */
+  if (!plan) {
+    PyObject *key = PyTuple_Pack(2, flags, layout);
+    if (!key) goto done;
+    if (!PyDict_Check(plans)) {
+      Py_DECREF(key);
+      PyErr_SetString(PyExc_TypeError, "plans must be a dict");
+      goto done;
+    }
+    plan = PyDict_GetItemWithError(plans, key);
+    Py_DECREF(key);
+    if (!plan) {
+      if (PyErr_Occurred()) goto done;
+      goto miss;
+    }
+    Py_INCREF(plan);
+    PyObject *hv = PyLong_FromSsize_t(h);
+    PyObject *newest = hv ? PyTuple_Pack(4, hv, flags, layout, plan) : NULL;
+    Py_XDECREF(hv);
+    if (!newest || PyObject_SetAttr(plans, s_last, newest)) {
+      Py_XDECREF(newest);
+      goto done;
+    }
+    Py_DECREF(newest);
+  }
+
+  native = PyObject_GetAttr(plan, s_native);
+  if (!native) goto done;
+  NativePlan *np = Py_IS_TYPE(native, &NativePlanType) ? (NativePlan *)native : NULL;
+  long long layer = -1;
+  if (layer_arg != Py_None) {
+    layer = PyLong_AsLongLong(layer_arg);
+    if (layer == -1 && PyErr_Occurred()) goto done;
+    /* a misaligned layer of a strict plan is a first call: the Python path decides */
+    if (np && np->layer_strict) goto miss;
+    if (np && !(np->layer_count > 0 && layer >= 0 && layer < np->layer_count)) np = NULL;
+  }
+  if (np && np->n_args != n) np = NULL;
+  if (np) { /* overlap: any written range that touches another argument's goes to Plan.replay */
+    for (int p = 0; p < np->n_pairs; p++) {
+      int64_t *q = np->pairs[p];
+      int64_t pi = (int64_t)ptrs[q[0]], pj = (int64_t)ptrs[q[1]];
+      if (pi + q[2] < pj + q[5] && pj + q[4] < pi + q[3]) {
+        np = NULL;
+        break;
+      }
+    }
+  }
+  if (!np) { /* Plan.replay: the exact overlap check, the layer range, any kind of step */
+    PyObject *plist = ptr_list(ptrs, n);
+    PyObject *pykinds = plist ? PyLong_FromLong(kinds) : NULL;
+    PyObject *layer_obj = layer_arg;
+    if (pykinds) {
+      PyObject *call_args[] = {plan, arrays, plist, pykinds, stream_arg, self->names, layer_obj};
+      result = PyObject_VectorcallMethod(s_replay, call_args,
+                                         7, NULL);
+    }
+    Py_XDECREF(plist);
+    Py_XDECREF(pykinds);
+    goto done;
+  }
+
+  /* -- the stream rule, the device */
+  int explicit_stream = stream_arg != Py_None;
+  uint64_t stream;
+  PyObject *dev_obj = PyLong_FromLong(np->device);
+  if (!dev_obj) goto done;
+  if (explicit_stream) {
+    if (as_u64_borrowed(stream_arg, &stream)) {
+      Py_DECREF(dev_obj);
+      goto done;
+    }
+  } else if (as_u64(call_global(self->launch_dict,
+                                kinds & TORCH ? s_torch_stream_ptr : s_current_stream_ptr,
+                                dev_obj),
+                    &stream)) {
+    Py_DECREF(dev_obj);
+    goto done;
+  }
+  PyObject *runtime_box = PyDict_GetItemWithError(self->launch_dict, s_runtime);
+  PyObject *runtime = runtime_box && PyList_Check(runtime_box) && PyList_GET_SIZE(runtime_box)
+                          ? PyList_GET_ITEM(runtime_box, 0)
+                          : NULL;
+  if (!runtime || runtime == Py_None) {
+    Py_DECREF(dev_obj);
+    if (PyErr_Occurred()) goto done;
+    goto miss; /* the runtime is bound by the first launch, in Python */
+  }
+  Py_INCREF(runtime);
+  PyObject *prev_obj = PyObject_CallMethodNoArgs(runtime, s_getDevice);
+  long previous = prev_obj ? PyLong_AsLong(prev_obj) : -1;
+  Py_XDECREF(prev_obj);
+  if (previous == -1 && PyErr_Occurred()) {
+    Py_DECREF(runtime);
+    Py_DECREF(dev_obj);
+    goto done;
+  }
+  int switched = previous != np->device;
+  if (switched) {
+    PyObject *r = PyObject_CallMethodOneArg(runtime, s_setDevice, dev_obj);
+    if (!r) {
+      Py_DECREF(runtime);
+      Py_DECREF(dev_obj);
+      goto done;
+    }
+    Py_DECREF(r);
+  }
+  Py_DECREF(dev_obj);
+
+  /* -- outputs, layer offsets, launches */
+  int ok = 0;
+  if (np->n_outputs) {
+    PyObject *stream_obj = PyLong_FromUnsignedLongLong(stream);
+    PyObject *kinds_obj = stream_obj ? PyLong_FromLong(kinds) : NULL;
+    PyObject *made = NULL;
+    if (kinds_obj) {
+      PyObject *call_args[] = {plan, kinds_obj, stream_obj,
+                               explicit_stream ? Py_True : Py_False};
+      made = PyObject_VectorcallMethod(s_make_outputs, call_args,
+                                       4, NULL);
+    }
+    Py_XDECREF(stream_obj);
+    Py_XDECREF(kinds_obj);
+    if (made && PyTuple_Check(made) && PyTuple_GET_SIZE(made) == 2) {
+      PyObject *out_ptrs = PySequence_Fast(PyTuple_GET_ITEM(made, 1), "output pointers");
+      if (out_ptrs && PySequence_Fast_GET_SIZE(out_ptrs) == np->n_outputs) {
+        ok = 1;
+        for (int k = 0; k < np->n_outputs && ok; k++) {
+          ok = as_u64_borrowed(PySequence_Fast_GET_ITEM(out_ptrs, k), &ptrs[n + k]) == 0;
+        }
+      } else if (out_ptrs) {
+        PyErr_SetString(PyExc_RuntimeError, "make_outputs gave another count of outputs");
+      }
+      Py_XDECREF(out_ptrs);
+      if (ok) {
+        outs = PyTuple_GET_ITEM(made, 0);
+        Py_INCREF(outs);
+      }
+    } else if (made) {
+      PyErr_SetString(PyExc_RuntimeError, "make_outputs must give (outputs, pointers)");
+    }
+    Py_XDECREF(made);
+  } else {
+    outs = PyTuple_New(0);
+    ok = outs != NULL;
+  }
+  if (ok) {
+    for (int k = 0; k < np->n_layered && layer >= 0; k++)
+      ptrs[np->layer_arg[k]] += (uint64_t)(layer * np->layer_stride[k]);
+    ok = launch_steps(self, np, ptrs, (void *)(uintptr_t)stream) == 0;
+  }
+  if (switched) { /* back to the caller's device, keeping any error of the launch */
+    PyObject *exc_type, *exc_value, *exc_tb;
+    PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+    PyObject *prev = PyLong_FromLong(previous);
+    PyObject *r = prev ? PyObject_CallMethodOneArg(runtime, s_setDevice, prev) : NULL;
+    Py_XDECREF(prev);
+    Py_XDECREF(r);
+    if (exc_type) {
+      PyErr_Clear();
+      PyErr_Restore(exc_type, exc_value, exc_tb);
+    } else if (!r) {
+      ok = 0;
+    }
+  }
+  Py_DECREF(runtime);
+  if (!ok) goto done;
+
+  /* -- the op's result */
+  PyObject *make_result = PyObject_GetAttr(plan, s_result);
+  if (!make_result) goto done;
+  if (make_result == Py_None) {
+    result = make_result;
+  } else {
+    result = PyObject_CallFunctionObjArgs(make_result, arrays, outs, NULL);
+    Py_DECREF(make_result);
+  }
+  goto done;
+
+miss:
+  Py_INCREF(self->miss);
+  result = self->miss;
+done:
+  Py_DECREF(layout);
+  Py_XDECREF(plan);
+  Py_XDECREF(native);
+  Py_XDECREF(outs);
+  return result;
+}
+
+static PyTypeObject CallerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ropekv._native_ext.Caller",
+    .tp_basicsize = sizeof(Caller),
+    .tp_dealloc = (destructor)caller_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "An op's replay in C: Caller(names, arrays_dict, launch_dict, miss)"
+              "(arrays, flags, stream_ptr, layer, plans).",
+    .tp_new = caller_new,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Caller, vectorcall),
+};
+
+/* ---- module --------------------------------------------------------------------------------- */
+
+static PyObject *configure(PyObject *mod, PyObject *args) {
+  PyObject *launch, *launch_ex;
+  if (!PyArg_ParseTuple(args, "OO", &launch, &launch_ex)) return NULL;
+  void *l = launch == Py_None ? NULL : PyLong_AsVoidPtr(launch);
+  if (PyErr_Occurred()) return NULL;
+  void *lx = launch_ex == Py_None ? NULL : PyLong_AsVoidPtr(launch_ex);
+  if (PyErr_Occurred()) return NULL;
+  cu_launch = (launch_fn)l;
+  cu_launch_ex = (launch_ex_fn)lx;
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"configure", configure, METH_VARARGS,
+     "configure(cuLaunchKernel address, cuLaunchKernelEx address or None)"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_native_ext",
+                                       "ropekv's plan replay in C (see ropekv/_native.c)", -1,
+                                       methods};
+
+#define INTERN(var, text)                                   \
+  do {                                                      \
+    if (!((var) = PyUnicode_InternFromString(text))) return NULL; \
+  } while (0)
+
+PyMODINIT_FUNC PyInit__native_ext(void) {
+  INTERN(s_data, "data");
+  INTERN(s_ptr, "ptr");
+  INTERN(s_shape, "shape");
+  INTERN(s_strides, "strides");
+  INTERN(s_dtype, "dtype");
+  INTERN(s_device_id, "device_id");
+  INTERN(s_data_ptr, "data_ptr");
+  INTERN(s_stride, "stride");
+  INTERN(s_get_device, "get_device");
+  INTERN(s_last, "last");
+  INTERN(s_native, "native");
+  INTERN(s_replay, "replay");
+  INTERN(s_make_outputs, "make_outputs");
+  INTERN(s_result, "result");
+  INTERN(s_getDevice, "getDevice");
+  INTERN(s_setDevice, "setDevice");
+  INTERN(s_cupy_array, "_CUPY_ARRAY");
+  INTERN(s_torch_tensor, "_TORCH_TENSOR");
+  INTERN(s_current_stream_ptr, "current_stream_ptr");
+  INTERN(s_torch_stream_ptr, "_torch_stream_ptr");
+  INTERN(s_runtime, "_RUNTIME");
+  INTERN(s_launch_failed, "_launch_failed");
+  if (!(one = PyLong_FromLong(1))) return NULL;
+  if (PyType_Ready(&NativePlanType) < 0 || PyType_Ready(&CallerType) < 0) return NULL;
+  PyObject *m = PyModule_Create(&moduledef);
+  if (!m) return NULL;
+  Py_INCREF(&NativePlanType);
+  Py_INCREF(&CallerType);
+  if (PyModule_AddObject(m, "NativePlan", (PyObject *)&NativePlanType) ||
+      PyModule_AddObject(m, "Caller", (PyObject *)&CallerType)) {
+    Py_DECREF(m);
+    return NULL;
+  }
+  return m;
+}

@@ -1,0 +1,321 @@
+"""The C replay of launch plans (``ropekv/_native.c``) against the Python one, on a CPU: the same
+launches, byte for byte, for every op and array kind; the driver's errors; the device switch;
+threads; the calls it hands back to Python. ``tests/test_replay_cpu.py`` runs its tests with both
+replays too. The fakes (arrays at fake device addresses, a stubbed driver) are those of
+``tools/hostcost.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+import types
+
+import numpy as np
+import pytest
+
+from ropekv import _launch, _native
+from tests.test_call_path import CASES, OPS, map_arrays
+from tests.test_replay_cpu import (DECODE, Launches, all_ops, fake_torch, hostcost,  # noqa: F401
+                                   stubbed)
+
+_C_LAUNCH_EX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_void_p)
+
+
+class _Attribute(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
+
+
+class Recorder:
+    """Both launch entry points of the driver, for both replays: each launch as (function, grid,
+    block, shared memory, stream, attributes, record bytes)."""
+
+    def __init__(self, record_size):
+        self.size = record_size  # bytes of the records compared
+        self.launches = []
+        self.fail = 0
+        self.c_launch = ctypes.CFUNCTYPE(
+            ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p)(self._c)
+        self.c_launch_ex = _C_LAUNCH_EX(self._c_ex)
+
+    def _record(self, func, grid, block, smem, stream, attrs, params):
+        rec = ctypes.c_uint64.from_address(params).value
+        self.launches.append((func, tuple(grid), tuple(block), smem, stream or 0, attrs,
+                              ctypes.string_at(rec, self.size)))
+
+    def python(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv_ptr, extra):
+        self._record(func, (gx, gy, gz), (bx, by, bz), smem, stream, (), argv_ptr)
+        if self.fail:
+            from cupy_backends.cuda.api.driver import CUDADriverError
+
+            raise CUDADriverError(self.fail)
+
+    def _c(self, func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        self._record(func, (gx, gy, gz), (bx, by, bz), smem, stream, (), params)
+        return self.fail
+
+    def _attrs(self, config):
+        return tuple((config.attrs[k].id, config.attrs[k].value[:4])
+                     for k in range(config.num_attrs))
+
+    def python_ex(self, config_ref, func, argv, extra):
+        config = config_ref._obj
+        self._record(func, config.grid, config.block, config.shared_mem, config.stream,
+                     self._attrs(config), ctypes.addressof(argv))
+        return self.fail
+
+    def _c_ex(self, config_ptr, func, params, extra):
+        config = _Config.from_address(config_ptr)
+        self._record(func, config.grid, config.block, config.shared_mem, config.stream,
+                     self._attrs(config), params)
+        return self.fail
+
+
+class _Runtime:
+    """CuPy's runtime functions of the current device, with a log of device switches."""
+
+    def __init__(self, current=0):
+        self.current, self.log = current, []
+
+    def getDevice(self):  # noqa: N802 - CuPy's name
+        return self.current
+
+    def setDevice(self, device):  # noqa: N802
+        self.log.append(device)
+        self.current = device
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """The fakes of tools/hostcost.py, every op cleared; yields a function that selects the
+    replay (``"c"`` / ``"python"``) with a :class:`Recorder` behind both launch functions."""
+    for op in all_ops():
+        op.clear()
+    from ropekv import _arrays as ar
+
+    runtime = _Runtime()
+    monkeypatch.setattr(ar, "_CUPY_ARRAY", hostcost.FakeCupyArray)
+    monkeypatch.setattr(_launch, "function_pointer", lambda *a, **k: 0x1000)
+    monkeypatch.setattr(_launch, "current_stream_ptr", lambda device=-1: 0x5000)
+    monkeypatch.setattr(_launch, "_RUNTIME", [runtime])
+    monkeypatch.setattr(_launch.Output, "_cupy",
+                        lambda self: hostcost.FakeCupyArray(np.empty(self.shape, self.dtype)))
+    monkeypatch.setattr(_launch, "cupy_stream", lambda ptr, device: contextlib.nullcontext())
+    module = _native.load()
+    if module is None:
+        pytest.fail(f"the C replay did not build: {_native.state()}")
+    recorder = Recorder(0)
+
+    def select(replay):
+        monkeypatch.setattr(_launch, "_launch_kernel", recorder.python)
+        monkeypatch.setattr(_launch, "_cu_launch_kernel_ex", lambda: recorder.python_ex)
+        launchers = tuple(ctypes.cast(f, ctypes.c_void_p).value
+                          for f in (recorder.c_launch, recorder.c_launch_ex))
+        monkeypatch.setattr(_launch, "_native_launchers", lambda: launchers)
+        _launch._native_module[0] = _launch._UNBOUND
+        for op in all_ops():
+            op.caller = None if replay == "python" else _launch._UNBOUND
+        return recorder
+
+    select.runtime = runtime
+    yield select
+    for op in all_ops():
+        op.clear()
+        op.caller = _launch._UNBOUND
+    _launch._native_module[0] = _launch._UNBOUND
+
+
+def _record_size(op_name):
+    """The largest parameter record of the op's plans (compared byte for byte)."""
+    return max(len(s.rec) for op in all_ops() for table in (op.plans, op.layer_plans)
+               for p in table.values() for s in p.steps)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("stream", [None, 0x6000])
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+@pytest.mark.parametrize("op", OPS)
+def test_c_replay_launches_what_the_python_replay_launches(op, kind, stream, pdl, fakes,
+                                                           monkeypatch):
+    """Same arrays, same outputs' addresses: the same launches, record bytes included."""
+    convert = hostcost.to_cupy
+    if kind == "torch":
+        if importlib.util.find_spec("torch") is None:
+            fake_torch(monkeypatch)
+        else:
+            pytest.skip("torch is installed: its tensors are tested on the GPU")
+        convert = hostcost.to_torch
+    fn, kw = CASES[op](51, **DECODE.get(op, {}))
+    extra = {"enable_pdl": True} if pdl else {}
+    if kind == "torch":  # outputs allocated on an explicit stream
+        torch = sys.modules["torch"]
+        monkeypatch.setattr(torch, "cuda", types.SimpleNamespace(
+            stream=lambda s: contextlib.nullcontext(),
+            ExternalStream=lambda ptr, device=None: ptr), raising=False)
+        monkeypatch.setattr(torch, "device", lambda *a: a, raising=False)
+    if stream is not None:
+        extra["stream"] = stream
+    recorder = fakes("c")
+    fn(**map_arrays(kw, convert), **extra)  # the first call plans (and launches in Python)
+    recorder.size = _record_size(op)
+    if op == "qkv":  # the C replay serves the kernel path; a cuBLAS step stays in Python
+        (plan,) = [p for o in all_ops() for p in o.plans.values()]
+        assert plan.native is not None
+    second = map_arrays(kw, convert)
+    mark = hostcost._Memory.next  # the outputs of both replays get the same fake addresses
+    start = len(recorder.launches)
+    fn(**second, **extra)
+    by_c = recorder.launches[start:]
+    fakes("python")
+    for o in all_ops():  # the plan of the first call, replayed in Python
+        o.caller = None
+    hostcost._Memory.next = mark
+    start = len(recorder.launches)
+    fn(**second, **extra)
+    by_python = recorder.launches[start:]
+    assert by_c and by_c == by_python
+    expected_stream = stream if stream is not None else 0x7000 if kind == "torch" else 0x5000
+    assert all(launch[4] == expected_stream for launch in by_c)
+    assert all(bool(launch[5]) == pdl for launch in by_c)
+
+
+def test_replay_switches_to_the_plan_device_and_back(fakes):
+    fn, kw = CASES["qknorm"](52)
+    fakes("c")
+    dev = map_arrays(kw, hostcost.to_cupy)
+    fn(**dev)
+    fakes.runtime.current = 3  # another device is current: the plan's (0) is entered and left
+    fakes.runtime.log.clear()
+    fn(**map_arrays(kw, hostcost.to_cupy))
+    assert fakes.runtime.log == [0, 3] and fakes.runtime.current == 3
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_a_failed_launch_raises_the_driver_error_and_restores_the_device(fakes, pdl):
+    fn, kw = CASES["qknorm"](53)
+    recorder = fakes("c")
+    fn(**map_arrays(kw, hostcost.to_cupy), enable_pdl=pdl)
+    fakes.runtime.current = 2
+    recorder.fail = 700  # CUDA_ERROR_ILLEGAL_ADDRESS
+    # CuPy's driver error where a driver names the code, else a RuntimeError with the code
+    with pytest.raises(RuntimeError, match="CUDA_ERROR_ILLEGAL_ADDRESS|CUresult 700"):
+        fn(**map_arrays(kw, hostcost.to_cupy), enable_pdl=pdl)
+    assert fakes.runtime.current == 2 and fakes.runtime.log == [0, 2]
+
+
+def test_two_threads_replay_one_plan_with_their_own_pointers(fakes):
+    fn, kw = CASES["paged"](54)
+    recorder = fakes("c")
+    fn(**map_arrays(kw, hostcost.to_cupy))
+    recorder.size = _record_size("paged")
+    (plan,) = [p for o in all_ops() for p in o.plans.values()]
+    n_ptr = plan.steps[0].n_ptr
+    calls, errors = [], []
+
+    def work():
+        try:
+            for _ in range(50):
+                arrays = map_arrays(kw, hostcost.to_cupy)
+                calls.append([(a.data.ptr, a.data.ptr + a.size * a.itemsize)
+                              for a in _flat(arrays.values())])
+                fn(**arrays)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors and len(recorder.launches) == 1 + 4 * 50 * len(plan.steps)
+    # each launch's pointer fields lie in the arrays of one call: no record mixes two calls
+    # (fields in no call's arrays, such as allocated outputs, say nothing)
+    for launch in recorder.launches[1:]:
+        fields = np.frombuffer(launch[6][:8 * n_ptr], np.uint64).tolist()
+        owners = None
+        for f in fields:
+            mine = {k for k, spans in enumerate(calls) if any(lo <= f <= hi for lo, hi in spans)}
+            if mine:
+                owners = mine if owners is None else owners & mine
+        assert owners, "a record holds pointers of two calls"
+
+
+def _flat(values):
+    for v in values:
+        if isinstance(v, tuple):
+            yield from _flat(v)
+        elif isinstance(v, hostcost.FakeCupyArray):
+            yield v
+
+
+def test_an_array_of_another_kind_takes_the_python_path(fakes):
+    module = _native.load()
+    caller = module.Caller(("a", "b"), vars(sys.modules["ropekv._arrays"]), vars(_launch),
+                           _launch._MISS)
+    plans = _launch._Plans()
+    assert caller((None, np.zeros(3)), (), None, None, plans) is _launch._MISS
+    assert caller([None, None], (), None, None, plans) is _launch._MISS  # not a tuple
+    assert caller((None, None), ([],), None, None, plans) is _launch._MISS  # unhashable flags
+    assert caller((None, None), (), None, None, plans) is _launch._MISS  # no plan yet
+
+
+def test_multi_layer_replay_and_a_layer_out_of_range(fakes):
+    fn, kw = CASES["qknorm"](55)
+    recorder = fakes("c")
+    dev = map_arrays(kw, hostcost.to_cupy)
+    k, v = kw["paged_kv_cache"]
+    layers = 4
+    caches = tuple(hostcost.to_cupy(np.zeros((layers, *c.shape), c.dtype)) for c in (k, v))
+    dev["paged_kv_cache"] = caches
+    fn(**dev, layer_idx=1)
+    recorder.size = _record_size("qknorm")
+    plan = next(iter(next(o for o in all_ops() if o.layer_plans).layer_plans.values()))
+    assert plan.native is not None
+    k_cache = next(o for o in all_ops() if o.layer_plans).names.index("k_cache")
+    slot = [i for i, (arg, _) in enumerate(plan.steps[0].slots) if arg == k_cache]
+    assert slot, "the k cache's pointer field"
+    for layer in (3, 0, 2):
+        start = len(recorder.launches)
+        fn(**dev, layer_idx=layer)
+        field = np.frombuffer(recorder.launches[start][6][:8 * (slot[0] + 1)], np.uint64)[-1]
+        stride = caches[0].strides[0]
+        assert field == caches[0].data.ptr + layer * stride + plan.steps[0].slots[slot[0]][1]
+    with pytest.raises(ValueError, match="layer_idx"):
+        fn(**dev, layer_idx=layers)
+
+
+def test_native_source_compiles_cleanly(tmp_path):
+    """The C replay builds without a warning (``-Wall -Wextra -Werror``) where there is a C
+    compiler and Python's headers (CI's machine has both)."""
+    include = sysconfig.get_paths()["include"]
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler: ropekv replays plans in Python here")
+    out = tmp_path / "ext.so"
+    done = subprocess.run([cc, "-O2", "-std=c11", "-shared", "-fPIC", "-Wall", "-Wextra",
+                           "-Werror", "-Wno-unused-parameter", "-Wno-missing-field-initializers",
+                           "-Wno-cast-function-type", f"-I{include}",
+                           str(_native._SOURCE), "-o", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_native_off_by_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("ROPEKV_NATIVE", "0")
+    monkeypatch.setattr(_native, "_tried", False)
+    monkeypatch.setattr(_native, "_state", {"module": None, "reason": "", "path": None})
+    assert _native.load() is None
+    assert "ROPEKV_NATIVE=0" in _native.state()
