@@ -524,7 +524,7 @@ def _launch_failed(code):
 
 
 _MISS = object()  # the C replay's answer "take the Python path"
-_UNBOUND = object()  # Op.caller before its first call
+_UNBOUND = object()  # native_module() before its first call
 
 
 def _native_launchers():
@@ -545,12 +545,14 @@ def native_module():
     if module is _UNBOUND:
         from ropekv import _native
 
-        module = _native.load()
-        if module is not None:
-            try:
-                module.configure(*_native_launchers())
-            except OSError:
-                module = None
+        try:
+            launchers = _native_launchers()  # no driver: nothing to build the C replay for
+        except OSError:
+            module = None
+        else:
+            module = _native.load()
+            if module is not None:
+                module.configure(*launchers)
         _native_module[0] = module
     return module
 
@@ -668,14 +670,21 @@ class Op:
             raise ValueError(f"{name}: layered names no argument: {sorted(unknown)}")
         self.layered = tuple(self.names.index(n) for n in layered)
         self.signature = ar.fast_signature(len(self.names))
-        self.caller = _UNBOUND  # the C replay of this op's plans (None: Python only)
+        self.caller = None  # the C replay of this op's plans (_native.Caller), when bound
+        self.caller_bound = False  # bound with the first plan of a device call (first_call)
 
     def bind_caller(self):
-        """The C replay of this op (``_native.Caller``), or None; bound on the first call."""
+        """Bind the C replay of this op (``_native.Caller``; None where it cannot be had)."""
         module = native_module()
         self.caller = None if module is None else module.Caller(
             self.names, vars(ar), globals(), _MISS)
-        return self.caller
+        self.caller_bound = True
+
+    def reset_caller(self, native=True):
+        """Drop the C replay: bound again with the next device plan (``native``), or never (every
+        plan replays in Python)."""
+        self.caller = None
+        self.caller_bound = not native
 
     def clear(self):
         """Forget every plan (of one-layer and of multi-layer calls)."""
@@ -694,8 +703,6 @@ class Op:
             plans = self.layer_plans
         if _CHECK_INDICES_OFF(_ENV_KEY, b"") in _OFF:  # else: the first-call path checks indices
             caller = self.caller
-            if caller is _UNBOUND:
-                caller = self.bind_caller()
             if caller is not None:  # the replay in C; a new layout or array kind: on in Python
                 done = caller(arrays, flags, stream_ptr, layer_idx, plans)
                 if done is not _MISS:
@@ -753,6 +760,8 @@ class Op:
             return self.run_host(plan, arrays, op_views, kinds, stream_ptr)
         plan.finish(views)
         if key is not None and plan.cacheable:
+            if not self.caller_bound:
+                self.bind_caller()
             if self.caller is not None:
                 plan.native = native_plan(plan, len(views))
             _bounded_put(self.plans if layer is None else self.layer_plans, key, plan,

@@ -127,14 +127,14 @@ def fakes(monkeypatch):
         monkeypatch.setattr(_launch, "_native_launchers", lambda: launchers)
         _launch._native_module[0] = _launch._UNBOUND
         for op in all_ops():
-            op.caller = None if replay == "python" else _launch._UNBOUND
+            op.reset_caller(native=replay != "python")
         return recorder
 
     select.runtime = runtime
     yield select
     for op in all_ops():
         op.clear()
-        op.caller = _launch._UNBOUND
+        op.reset_caller()
     _launch._native_module[0] = _launch._UNBOUND
 
 
@@ -179,9 +179,7 @@ def test_c_replay_launches_what_the_python_replay_launches(op, kind, stream, pdl
     start = len(recorder.launches)
     fn(**second, **extra)
     by_c = recorder.launches[start:]
-    fakes("python")
-    for o in all_ops():  # the plan of the first call, replayed in Python
-        o.caller = None
+    fakes("python")  # the plan of the first call, replayed in Python
     hostcost._Memory.next = mark
     start = len(recorder.launches)
     fn(**second, **extra)

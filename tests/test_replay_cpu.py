@@ -83,7 +83,7 @@ def use_c_replay(monkeypatch, launches):
     monkeypatch.setattr(_launch, "_native_launchers", lambda: (address, None))
     _launch._native_module[0] = _launch._UNBOUND
     for op in all_ops():
-        op.caller = _launch._UNBOUND
+        op.reset_caller()
 
 
 @pytest.fixture(params=["python", "c"])
@@ -99,7 +99,7 @@ def stubbed(request, monkeypatch):
         use_c_replay(monkeypatch, launches)
     else:
         for op in all_ops():
-            op.caller = None
+            op.reset_caller(native=False)
     monkeypatch.setattr(ar, "_CUPY_ARRAY", hostcost.FakeCupyArray)
     monkeypatch.setattr(_launch, "function_pointer", lambda *a, **k: 0x1000)
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device=-1: 0x5000)
@@ -110,7 +110,7 @@ def stubbed(request, monkeypatch):
     yield launches
     for op in all_ops():
         op.clear()
-        op.caller = _launch._UNBOUND  # bound again, to the real driver, on the next call
+        op.reset_caller()  # bound again, to the real driver, with the next plan
     _launch._native_module[0] = _launch._UNBOUND
 
 

@@ -246,7 +246,7 @@ def use_replay(kind):
 
     for op in ops():
         op.clear()
-        op.caller = None if kind == "python" else _launch._UNBOUND
+        op.reset_caller(native=kind != "python")
 
 
 def host_workloads(names):
