@@ -310,13 +310,13 @@ def fused_qkv_matmul_append_paged_kv_cache(
         token is touched (two requests naming one page leave its rows undefined).
     status : array, (1,), int32, optional
         Validate ``input_row_offsets`` on the device first, without a host synchronisation (so
-        a decode-sized call can be captured in a CUDA graph): ``status[0]`` receives 0 when they
-        are well formed, else the code of the first failing check (1: ``offsets[0] != 0``; 2:
-        an offset below the one before it; 3: ``offsets[-1] != T``), and then nothing else is
-        written (the caches and a given ``out`` keep every byte; a new ``out`` holds undefined
-        values). Every path validates in its own launch before it writes (the cuBLAS path's
-        GEMMs write only temporaries then). A batch of no tokens still validates and writes the
-        code. Written in place.
+        a call on the fused kernels can be captured in a CUDA graph): ``status[0]`` receives 0
+        when they are well formed, else the code of the first failing check (1: ``offsets[0] !=
+        0``; 2: an offset below the one before it; 3: ``offsets[-1] != T``), and then nothing
+        else is written (the caches and a given ``out`` keep every byte; a new ``out`` holds
+        undefined values). Every path validates in the launch that writes (the cuBLAS path's
+        GEMMs write only temporaries before it). A batch of no tokens still validates and writes
+        the code. Written in place.
     layer_idx : int, optional
         Multi-layer caches (MAX's ``kv_collection`` with ``layer_idx``): ``k_cache`` and
         ``v_cache`` then carry a leading ``(num_layers, ...)`` dimension, and only layer

@@ -1019,7 +1019,9 @@ __global__ void __launch_bounds__(256) qkv_epilogue(const QkvParams p) {
       load_float<KT, N>(vt + i64(h) * p.D + e0, x);
       CacheT* dst = static_cast<CacheT*>(p.v_cache) + tok.v_off + i64(h) * p.v_head;
       store_float<CacheT, N>(dst + e0, x, p.v_inv_scale);
-      if constexpr (OPTS) zero_rest_of_page<CacheT, N>(dst, p.v_entry, clear_entry, p.page_size, e0);
+      if constexpr (OPTS) {
+        zero_rest_of_page<CacheT, N>(dst, p.v_entry, clear_entry, p.page_size, e0);
+      }
     }
   }
 }
