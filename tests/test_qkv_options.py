@@ -576,3 +576,24 @@ def test_gpu_status_in_a_captured_graph(path, monkeypatch):
     assert_bytes_equal(out, q_before)
     for got, old in zip(dev["paged_kv_cache"], snapshot):
         assert_bytes_equal(got, old)
+
+
+# ---------------------------------------------------------------------------------------------
+# ropekv bench --options
+
+
+def test_bench_times_the_options_beside_the_plain_call():
+    """``ropekv bench --options`` on a QKV case: ``ropekv[+status]`` and ``ropekv[+clear]`` run
+    beside the plain call and are checked against it (neither changes the sampled rows)."""
+    from ropekv import bench
+    from ropekv.bench.workloads import base
+
+    spec = bench.CaseSpec("qkv", "qkv tiny 3x2", 6, 1, base._lazy(
+        bench.QkvWL, B=3, S=2, prefix=5, K=64, Hq=2, Hkv=1, D=32, dtype=np.float16,
+        cache_dtype=np.float16))
+    result = bench.run(peers=[], specs=[spec], backend="numpy", options=True, log=lambda *a: None)
+    (case,) = result["cases"]
+    assert "error" not in case, case
+    for label in ("status", "clear"):
+        entry = case["peers"][f"ropekv[+{label}]"]
+        assert entry["status"] == "ok" and entry["check"] == "ok" and entry["ratio"] > 0, entry
