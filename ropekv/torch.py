@@ -28,8 +28,8 @@ or ``torch.ops.ropekv.f_out`` when the caller gives them; the MLA and QK-norm op
 Every op declares exactly what it writes (``mutates_args``): the caches, ``q`` for
 ``apply_rope_write_kv`` (roped in place), ``k`` for its ``_k_in_place`` form, the given outputs,
 ``q_rope`` / ``q`` for the ``_in_place`` forms, and the arrays written when given: ``status``
-(paged, MLA, QK-norm), ``q_scale_out`` and ``kv_cache_scales`` (``k_scales`` / ``v_scales`` in the
-paged and QK-norm ops' schemas). With ``layer_idx`` the caches are whole ``(num_layers, ...)``
+(paged, MLA, QK-norm, fused QKV), ``q_scale_out`` and ``kv_cache_scales`` (``k_scales`` /
+``v_scales`` in the paged and QK-norm ops' schemas). With ``layer_idx`` the caches are whole ``(num_layers, ...)``
 tensors, one layer written.
 
 Validation is the eager op's, with its messages: the fake implementations check the dims and
