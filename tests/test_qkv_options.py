@@ -6,6 +6,8 @@ offsets, a captured graph)."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -360,12 +362,16 @@ def _case_for(path, seed, **kw):
 
 
 def check_options(args, kw, monkeypatch, path, clear, status_given, out_given=False):
-    """One call on ``path`` with the options against the reference: q, the written rows, the
-    cleared tails (zero bytes) and every other cache byte unchanged; status 0."""
+    """One call on ``path`` (None: the shipped thresholds) with the options against the
+    reference: q, the written rows, the cleared tails (zero bytes) and every other cache byte
+    unchanged; status 0."""
     import cupy as cp
 
-    force_path(monkeypatch, path)
-    assert taken_path(args, kw) == path, f"the case cannot take the {path} path"
+    if path is None:
+        path = taken_path(args, kw)
+    else:
+        force_path(monkeypatch, path)
+        assert taken_path(args, kw) == path, f"the case cannot take the {path} path"
     rounded = (path == "cublas" and args["weight"].dtype != args["hidden_state"].dtype
                or path == "mma" and args["weight"].dtype == np.uint8)
     q_ref, k_ref, v_ref = expected(*(rounded_weights(args, kw) if rounded else (args, kw)),
@@ -482,6 +488,22 @@ def test_gpu_clear_on_every_path(seed, path, T, D, dtype, cache, layout, rope, w
                          cached=tuple(int(c) for c in rng.integers(0, 3 * page_size + 2, 5)))
     with pytest.MonkeyPatch.context() as mp:
         check_options(args, kw, mp, path, True, status_given, out_given)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", SWITCH_TOKENS)
+@pytest.mark.parametrize("wfmt", ["dense", "fp8", "int4"])
+def test_gpu_options_at_the_shipped_switches(T, wfmt, monkeypatch):
+    """Both options at every token count around a switch, the thresholds as shipped (each call
+    takes the path a user's would), requests of mixed lengths with an empty one, fp8 caches and
+    HND at some counts (as tests/test_qkv.py's test_gpu_token_counts_around_switches)."""
+    cuts = sorted({0, T // 3, T})
+    lengths = tuple(b - a for a, b in itertools.pairwise(cuts)) + (0,)
+    args, kw = make_case(130 + T, lengths=lengths, wfmt=wfmt, group_size=128,
+                         dtype=BF16 if T % 2 else F16, cache_dtype=E4M3 if T % 4 == 1 else None,
+                         cached=[50 + 7 * i for i in range(len(lengths))], K=1024, Hq=8, Hkv=2,
+                         D=128, R=128, P=512, page_size=16, layout="HND" if T % 5 == 0 else "NHD")
+    check_options(args, kw, monkeypatch, None, True, True, out_given=T % 2 == 0)
 
 
 @pytest.mark.gpu
