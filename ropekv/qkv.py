@@ -15,6 +15,11 @@ Three paths, picked by the token count T:
   one ropekv launch (``qkv_epilogue``) ropes Q into ``out`` and ropes/scatters K and V into their
   pages. Quantized weights are first dequantized to the input dtype by a ropekv kernel
   (``qkv_dequant``) into a temporary ``(N, K)`` buffer.
+
+``status=`` and ``clear_unused_last_page_rows`` run each path's options kernel (``qkv_gemv``,
+``qkv_mma`` and ``qkv_epilogue`` with their ``OPTS`` flag; the plain ones compile them out). With
+``status`` the offsets are validated in the launch that writes: the fused kernels before their
+epilogue, the prefill path in ``qkv_epilogue``, its GEMMs then writing only temporaries (Q too).
 """
 
 from __future__ import annotations
