@@ -318,6 +318,7 @@ def scalar_key(value):
 
 
 _NP_BOOL = np.bool_
+_NP_DTYPE = np.dtype  # (the C replay reads these two from this module)
 
 
 class Output:
@@ -648,6 +649,41 @@ def select_layer(views, indices, layer):
     return out, Layers(count, strides, layer, first.name, first.shape)
 
 
+# How a scalar argument enters a plan key (``Op(..., flags=[(name, kind), ...])``)
+AS_IS = 0  # as given (already a key: a tuple of tuning values, a validated scale)
+KEY = 1  # scalar_key(value): compared by value, bools kept apart from ints, lists as tuples
+FLAG = 2  # check_flag(value, name): a bool (TypeError otherwise)
+# or a function of the value: a dtype-like argument, returned as is when None, a str or a NumPy
+# dtype (the C replay takes those as they come; anything else goes through the function)
+
+
+def _normalizer(spec):
+    """The function that turns a call's scalar arguments into its plan's flags (one per entry of
+    ``spec``), unrolled: it runs on every call the C replay does not take."""
+    lines, env = ["def normalize(flags):", "    (" + "".join(f"v{i}, " for i in
+                                                             range(len(spec))) + ") = flags"], {}
+    out = []
+    for i, (name, kind) in enumerate(spec):
+        if kind == AS_IS:
+            out.append(f"v{i}")
+        elif kind == KEY:
+            out.append(f"v{i} if v{i}.__class__ in plain else scalar_key(v{i})")
+        elif kind == FLAG:
+            out.append(f"v{i} if v{i} is True or v{i} is False else check_flag(v{i}, {name!r})")
+        else:
+            env[f"f{i}"] = kind
+            out.append(f"f{i}(v{i})")
+    lines.append(f"    return ({', '.join(out)},)")
+    env.update(scalar_key=scalar_key, check_flag=ck.check_flag,
+               plain=frozenset((float, int, str, tuple, type(None))))
+    exec(compile("\n".join(lines), "<ropekv flags>", "exec"), env)
+    return env["normalize"]
+
+
+def _given(flags):
+    return flags
+
+
 class Op:
     """One public operation on the one call path: ``names`` of its array arguments, in the order
     its wrapper passes them, and ``prepare(views, flags) -> Plan`` (validates a first call and
@@ -655,14 +691,24 @@ class Op:
     arguments that carry a leading ``(num_layers, ...)`` dimension when a call gives
     ``layer_idx`` (caches, and any per-layer array beside them, such as scale arrays); ``prepare``
     then sees one layer of each. Plans of such calls live in ``layer_plans``, one per layout for
-    every layer."""
+    every layer.
+
+    ``flags`` names the scalar arguments the wrapper passes, in order, each with how it enters
+    the plan key (:data:`AS_IS`, :data:`KEY`, :data:`FLAG` or a function, above): the wrapper
+    passes them as the caller gave them, and ``prepare`` sees them normalized. The C replay takes
+    a call whose values are already normal as it comes (a bool flag that is a bool, a key that is
+    no bool and no list); any other goes through the normalization (and its errors) in Python."""
 
     MAX_PLANS = 256
 
-    def __init__(self, name, names, prepare, layered=()):
+    def __init__(self, name, names, prepare, layered=(), flags=()):
         self.name = name
         self.names = tuple(names)
         self.prepare = prepare
+        self.flag_names = tuple(n for n, _ in flags)
+        kinds = [k if k in (AS_IS, KEY, FLAG) else 3 for _, k in flags]
+        self.flag_kinds = tuple(kinds) if flags else None  # None: the wrapper normalizes
+        self.normalize = _normalizer(flags) if flags else _given
         self.plans = _Plans()
         self.layer_plans = _Plans()
         unknown = set(layered) - set(self.names)
@@ -677,7 +723,7 @@ class Op:
         """Bind the C replay of this op (``_native.Caller``; None where it cannot be had)."""
         module = native_module()
         self.caller = None if module is None else module.Caller(
-            self.names, vars(ar), globals(), _MISS)
+            self.names, self.flag_kinds, vars(ar), globals(), _MISS)
         self.caller_bound = True
 
     def reset_caller(self, native=True):
@@ -707,6 +753,7 @@ class Op:
                 done = caller(arrays, flags, stream_ptr, layer_idx, plans)
                 if done is not _MISS:
                     return done
+            flags = self.normalize(flags)
             fast = self.signature(arrays)
             if fast is None:  # an argument of another kind: its view (and capsule) lives here
                 layout, ptrs, kinds, keep = ar.signature(arrays, self.names, stream_ptr)
@@ -726,7 +773,7 @@ class Op:
             if layer_idx is not None and plan.layers.misaligned(layer_idx):
                 return self.first_call(arrays, flags, stream_ptr, None, layer_idx)
             return plan.replay(arrays, ptrs, kinds, stream_ptr, self.names, layer_idx)
-        return self.first_call(arrays, flags, stream_ptr, None, layer_idx)
+        return self.first_call(arrays, self.normalize(flags), stream_ptr, None, layer_idx)
 
     def first_call(self, arrays, flags, stream_ptr, key, layer=None):
         """Validate and plan a call (``layer``: its ``layer_idx``), cache the plan under ``key``

@@ -18,7 +18,7 @@ from ropekv._arrays import (
     INT64,
 )
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import Launch, Op, ParamStruct, Plan, scalar_key
+from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, ParamStruct, Plan
 from ropekv._mrope import check_mrope
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import aligned, vector_width
@@ -271,10 +271,8 @@ def apply_rope_write_kv(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_cache: Arra
     in_place = q_out is q  # the plain in-place call: q_out is not a second array
     out = _OP((q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, scale_array,
                None if in_place else q_out, q_scale_out, kv_cache_scales),
-              (ck.check_flag(write_k_in_place, "write_k_in_place"),
-               ck.check_flag(is_neox, "is_neox"), ck.check_flag(enable_pdl, "enable_pdl"),
-               scalar_key(scale), tuple(TUNING.values()), scalar_key(mrope_section),
-               ck.check_flag(mrope_interleaved, "mrope_interleaved"), scalar_key(q_scale)),
+              (write_k_in_place, is_neox, enable_pdl, scale, tuple(TUNING.values()),
+               mrope_section, mrope_interleaved, q_scale),
               stream)
     return q if in_place else out
 
@@ -501,7 +499,10 @@ def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope
                   pdl=pdl)
 
 
-_OP = Op("apply_rope_write_kv", ARRAYS, _prepare)
+_OP = Op("apply_rope_write_kv", ARRAYS, _prepare,
+         flags=[("write_k_in_place", FLAG), ("is_neox", FLAG), ("enable_pdl", FLAG),
+                ("kv_scale", KEY), ("tuning", AS_IS), ("mrope_section", KEY),
+                ("mrope_interleaved", FLAG), ("q_scale", KEY)])
 
 
 def _check_indices(vlens, vpos, B, S, C, P, mrope=False):

@@ -10,7 +10,7 @@ from ropekv import _checks as ck
 from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
-from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
+from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_status
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import aligned, vector_width
@@ -206,9 +206,8 @@ def mla_rope_rmsnorm_append_paged_kv_cache(
     return (_SPLIT if split else _JOINED)(
         (q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table, *caches,
          q_rope_out, status),
-        (scalar_key(epsilon), scalar_key(kv_norm_dim), ck.check_flag(is_neox, "is_neox"),
-         scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl"), tuple(TUNING.values()),
-         ck.check_flag(clear_unused_last_page_rows, "clear_unused_last_page_rows")),
+        (epsilon, kv_norm_dim, is_neox, kv_scale, enable_pdl, tuple(TUNING.values()),
+         clear_unused_last_page_rows),
         stream, layer_idx)
 
 
@@ -360,9 +359,11 @@ def _given_or_new(index):
 
 _NAMES = ("q_rope", "kv", "gamma", "cos_sin_cache", "input_row_offsets", "cache_lengths",
           "block_table")
+_FLAGS = [("epsilon", KEY), ("kv_norm_dim", KEY), ("is_neox", FLAG), ("kv_scale", KEY),
+          ("enable_pdl", FLAG), ("tuning", AS_IS), ("clear_unused_last_page_rows", FLAG)]
 _JOINED = Op("mla_rope_rmsnorm_append_paged_kv_cache",
              (*_NAMES, "kv_cache", "kpe_cache", "q_rope_out", "status"), _prepare,
-             layered=("kv_cache", "kpe_cache"))
+             layered=("kv_cache", "kpe_cache"), flags=_FLAGS)
 _SPLIT = Op("mla_rope_rmsnorm_append_paged_kv_cache",
             (*_NAMES, "ckv_cache", "kpe_cache", "q_rope_out", "status"), _prepare,
-            layered=("ckv_cache", "kpe_cache"))
+            layered=("ckv_cache", "kpe_cache"), flags=_FLAGS)

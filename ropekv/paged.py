@@ -24,7 +24,7 @@ from ropekv._arrays import (
     INT64,
 )
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
+from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._types import ArrayLike, DTypeLike, StreamLike
 from ropekv._vector import aligned, vector_width
@@ -481,11 +481,8 @@ def _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_ca
     return op((q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, *paged_kv_cache,
                kv_indices, kv_indptr, batch_indices, positions, q_rope_out, q_nope_out, q_scales,
                kv_scales, q_scale_out, *kv_cache_scales, status),
-              (quantize, ck.check_flag(is_neox, "is_neox"), scalar_key(quantize_dtype),
-               q_scale, kv_scale, scalar_key(page_size),  # scales: reals, never bools
-               scalar_key(kv_layout), ck.check_flag(enable_pdl, "enable_pdl"),
-               tuple(TUNING.values()), scalar_key(mrope[0]),
-               ck.check_flag(mrope[1], "mrope_interleaved")), stream)
+              (quantize, is_neox, quantize_dtype, q_scale, kv_scale, page_size, kv_layout,
+               enable_pdl, tuple(TUNING.values()), mrope[0], mrope[1]), stream)
 
 
 def _scales(view, value, name, heads):
@@ -798,8 +795,14 @@ def _prepare(views, flags):
 _NAMES = ("q_rope", "k_rope", "q_nope", "k_nope", "v", "cos_sin_cache", "pos_ids")
 _TAIL = ("kv_indices", "kv_indptr", "batch_indices", "positions", "q_rope_out", "q_nope_out",
          "quant_scale_q", "quant_scale_kv", "q_scale_out", "k_scales", "v_scales", "status")
-_GQA = Op("rope_append_paged_kv_cache", (*_NAMES, "k_cache", "v_cache", *_TAIL), _prepare)
-_MLA = Op("rope_append_paged_kv_cache", (*_NAMES, "ckv_cache", "kpe_cache", *_TAIL), _prepare)
+_FLAGS = [("quantize", AS_IS), ("is_neox", FLAG), ("quantize_dtype", KEY),
+          ("quant_scale_q", AS_IS), ("quant_scale_kv", AS_IS),  # scales: reals, never bools
+          ("page_size", KEY), ("kv_layout", KEY), ("enable_pdl", FLAG), ("tuning", AS_IS),
+          ("mrope_section", KEY), ("mrope_interleaved", FLAG)]
+_GQA = Op("rope_append_paged_kv_cache", (*_NAMES, "k_cache", "v_cache", *_TAIL), _prepare,
+          flags=_FLAGS)
+_MLA = Op("rope_append_paged_kv_cache", (*_NAMES, "ckv_cache", "kpe_cache", *_TAIL), _prepare,
+          flags=_FLAGS)
 
 
 def _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages, mrope=None):

@@ -10,7 +10,7 @@ from ropekv import _checks as ck
 from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, INT64
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
-from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
+from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import aligned, vector_width
@@ -318,12 +318,9 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
     return _OP((q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
                 block_table, *paged_kv_cache, q_out, position_ids, status, q_scale_out,
                 *kv_cache_scales),
-               (scalar_key(epsilon), ck.check_flag(is_neox, "is_neox"), scalar_key(kv_layout),
-                scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl"),
-                tuple(TUNING.values()), scalar_key(norm_order), scalar_key(weight_offset),
-                ck.check_flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"),
-                scalar_key(mrope_section), ck.check_flag(mrope_interleaved, "mrope_interleaved"),
-                _dtype_key(q_out_dtype), scalar_key(q_scale)),
+               (epsilon, is_neox, kv_layout, kv_scale, enable_pdl, tuple(TUNING.values()),
+                norm_order, weight_offset, clear_unused_last_page_rows, mrope_section,
+                mrope_interleaved, q_out_dtype, q_scale),
                stream, layer_idx)
 
 
@@ -589,4 +586,9 @@ _OP = Op("qk_rmsnorm_rope_append_paged_kv_cache",
          ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets",
           "cache_lengths", "block_table", "k_cache", "v_cache", "q_out", "position_ids",
           "status", "q_scale_out", "k_scales", "v_scales"), _prepare,
-         layered=("k_cache", "v_cache", "k_scales", "v_scales"))
+         layered=("k_cache", "v_cache", "k_scales", "v_scales"),
+         flags=[("epsilon", KEY), ("is_neox", FLAG), ("kv_layout", KEY), ("kv_scale", KEY),
+                ("enable_pdl", FLAG), ("tuning", AS_IS), ("norm_order", KEY),
+                ("weight_offset", KEY), ("clear_unused_last_page_rows", FLAG),
+                ("mrope_section", KEY), ("mrope_interleaved", FLAG), ("q_out_dtype", _dtype_key),
+                ("q_scale", KEY)])

@@ -40,7 +40,7 @@ from ropekv._arrays import (
     UINT32,
 )
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, cupy_stream, scalar_key
+from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan, cupy_stream
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import aligned
 
@@ -349,8 +349,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
                          f"{type(paged_kv_cache).__qualname__}")
     return _OP((hidden_state, weight, input_row_offsets, cache_lengths, block_table,
                 *paged_kv_cache, cos_sin_cache, weight_scales, zero_points, out),
-               (scalar_key(num_q_heads), ck.check_flag(is_neox, "is_neox"), scalar_key(kv_layout),
-                scalar_key(kv_scale), scalar_key(group_size), ck.check_flag(enable_pdl, "enable_pdl"),
+               (num_q_heads, is_neox, kv_layout, kv_scale, group_size, enable_pdl,
                 GEMV_MAX_TOKENS, FAST_INT4, MMA_MIN_TOKENS, MMA_MAX_TOKENS,
                 MMA_MAX_TOKENS_QUANTIZED, MMA_SPLIT), stream, layer_idx)
 
@@ -720,4 +719,9 @@ def _check_indices(voff, vlen, vbt, T, P, page_size, num_pages):
                           "cache row (page, entry)")
 
 _OP = Op("fused_qkv_matmul_append_paged_kv_cache", ARRAYS, _prepare,
-         layered=("k_cache", "v_cache"))
+         layered=("k_cache", "v_cache"),
+         flags=[("num_q_heads", KEY), ("is_neox", FLAG), ("kv_layout", KEY), ("kv_scale", KEY),
+                ("group_size", KEY), ("enable_pdl", FLAG),
+                *((name, AS_IS) for name in ("GEMV_MAX_TOKENS", "FAST_INT4", "MMA_MIN_TOKENS",
+                                             "MMA_MAX_TOKENS", "MMA_MAX_TOKENS_QUANTIZED",
+                                             "MMA_SPLIT"))])
