@@ -532,11 +532,13 @@ def _native_launchers():
     """The addresses of the driver's ``cuLaunchKernel`` and ``cuLaunchKernelEx`` (the library CuPy
     loaded; the process has one). OSError without a driver."""
     lib = ctypes.CDLL("libcuda.so.1")
+    ex = getattr(lib, "cuLaunchKernelEx", None)  # CUDA 12.0+ drivers
     return (ctypes.cast(lib.cuLaunchKernel, ctypes.c_void_p).value,
-            ctypes.cast(lib.cuLaunchKernelEx, ctypes.c_void_p).value)
+            None if ex is None else ctypes.cast(ex, ctypes.c_void_p).value)
 
 
 _native_module = [_UNBOUND]  # the configured C replay module, or None
+_native_has_ex = [False]  # whether it has cuLaunchKernelEx (launches with enable_pdl=True)
 
 
 def native_module():
@@ -554,6 +556,7 @@ def native_module():
             module = _native.load()
             if module is not None:
                 module.configure(*launchers)
+                _native_has_ex[0] = launchers[1] is not None
         _native_module[0] = module
     return module
 
@@ -563,6 +566,8 @@ def native_plan(plan, n_args):
     serve it (no C replay, a step that is not a :class:`Launch`, such as a cuBLAS call)."""
     module = native_module()
     if module is None or not all(type(s) is Launch for s in plan.steps):
+        return None
+    if not _native_has_ex[0] and any(s.pdl for s in plan.steps):
         return None
     steps = [(s.func, s.grid, s.block, s.shared_mem, s.pdl, s.slots, s.tail) for s in plan.steps]
     layers = plan.layers

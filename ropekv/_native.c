@@ -431,18 +431,17 @@ static int launch_steps(Caller *self, NativePlan *plan, const uint64_t *ptrs, vo
     memcpy(rec + 8 * st->n_ptr, st->tail, st->tail_len);
     void *params[1] = {rec};
     int err;
+    if (!(st->pdl ? (void *)cu_launch_ex : (void *)cu_launch)) {
+      PyErr_SetString(PyExc_RuntimeError, "ropekv's C replay has no driver launch function");
+      return -1;
+    }
     if (!st->pdl) {
-      if (!cu_launch) {
-        PyErr_SetString(PyExc_RuntimeError, "ropekv native launcher not configured");
-        return -1;
-      }
+      /* the driver call runs without the GIL (other threads may go on; the record is ours) */
+      Py_BEGIN_ALLOW_THREADS
       err = cu_launch(st->func, st->grid[0], st->grid[1], st->grid[2], st->block[0],
                       st->block[1], st->block[2], st->smem, stream, params, NULL);
+      Py_END_ALLOW_THREADS
     } else {
-      if (!cu_launch_ex) {
-        PyErr_SetString(PyExc_RuntimeError, "ropekv native launcher not configured");
-        return -1;
-      }
       LaunchAttribute attr;
       memset(&attr, 0, sizeof attr);
       attr.id = PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -455,7 +454,9 @@ static int launch_steps(Caller *self, NativePlan *plan, const uint64_t *ptrs, vo
       config.stream = stream;
       config.attrs = &attr;
       config.num_attrs = 1;
+      Py_BEGIN_ALLOW_THREADS
       err = cu_launch_ex(&config, st->func, params, NULL);
+      Py_END_ALLOW_THREADS
     }
     if (err) {
       PyObject *code = PyLong_FromLong(err);

@@ -341,3 +341,19 @@ def test_scalar_arguments_the_c_replay_does_not_take_as_they_come(fakes):
     with pytest.raises(TypeError, match="enable_pdl must be a bool"):
         fn(**dev, is_neox=True, epsilon=1e-5, enable_pdl="yes")
     assert len(op.plans) == 1
+
+
+def test_without_cuLaunchKernelEx_pdl_plans_replay_in_python(fakes, monkeypatch):
+    """An old driver (no ``cuLaunchKernelEx``): plans that launch with programmatic dependent
+    launch stay with the Python replay, the others take the C one."""
+    recorder = fakes("c")
+    address = ctypes.cast(recorder.c_launch, ctypes.c_void_p).value
+    monkeypatch.setattr(_launch, "_native_launchers", lambda: (address, None))
+    fn, kw = CASES["qknorm"](57)
+    fn(**map_arrays(kw, hostcost.to_cupy), enable_pdl=True)
+    fn(**map_arrays(kw, hostcost.to_cupy), enable_pdl=False)
+    plans = {p.steps[0].pdl: p for o in all_ops() for p in o.plans.values()}
+    assert plans[True].native is None and plans[False].native is not None
+    start = len(recorder.launches)
+    fn(**map_arrays(kw, hostcost.to_cupy), enable_pdl=True)  # the Python replay's launch
+    assert len(recorder.launches) == start + len(plans[True].steps)
