@@ -222,11 +222,10 @@ class Launch:
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.shared_mem = shared_mem
         n = self.n_ptr = params.n_pointers
-        pointer_names = params.names[:n]
-        self.slots = [slots[f] if f in slots else (-1, int(values.get(f, 0)))
-                      for f in pointer_names]
-        full = {**values, **{f: 0 for f in pointer_names}}
-        record = params.pack(**full)
+        names, get = params.names, values.get
+        self.slots = [slots[f] if f in slots else (-1, int(get(f, 0))) for f in names[:n]]
+        # the record with its pointer fields zero (refilled per call); every other field given
+        record = params.pack_values([*(0,) * n, *[values[f] for f in names[n:]]])
         self.tail = record[8 * n:]
         self.pack_into = struct.Struct(f"={n}Q").pack_into
         self.rec = ctypes.create_string_buffer(record, len(record))
