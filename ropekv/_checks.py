@@ -14,7 +14,10 @@ import os
 
 import numpy as np
 
-from ropekv._arrays import FLOAT32, HOST, as_view
+from ropekv._arrays import FLOAT32, FP8_DTYPES, HOST, as_view
+
+INT8 = np.dtype(np.int8)
+SCALED_CACHE_DTYPES = (*FP8_DTYPES, INT8)  # caches that may carry per-token-head scales
 
 
 def _dtype_names(dtypes):
@@ -197,6 +200,54 @@ def check_scale_values(view):
         i = tuple(int(x) for x in np.argwhere(bad)[0])
         raise ValueError(f"{view.name} must hold positive finite scales, got {values[i]!r} at "
                          f"{list(i)}")
+
+
+def check_q_scales(q_dtype, q_name, static_name, static_given, dynamic, shape=None,
+                   layout=None, *, static_needs_fp8=True, hint=""):
+    """The scales of a quantized q output: a static scale (``static_name``, ``static_given``) or
+    dynamic ones written to ``q_scale_out`` (``dynamic``: its view or None, of ``shape`` spelled
+    ``layout``), never both, and each only with a float8 q (``q_dtype``, None when the call has
+    no q output; ``q_name`` names where that dtype comes from; ``hint`` ends the message).
+    ``static_needs_fp8=False``: the op ignores a static scale without quantization (FlashInfer's
+    paged ops). The static value itself is the op's to check (its forms differ)."""
+    fp8 = q_dtype in FP8_DTYPES
+    if dynamic is not None:
+        if not fp8:
+            raise ValueError(f"q_scale_out is only used with a float8 {q_name}, but {q_name} is "
+                             f"{'not given' if q_dtype is None else q_dtype}{hint}")
+        if static_given:
+            raise ValueError(f"{static_name} (a static scale) and q_scale_out (dynamic scales) "
+                             f"exclude each other: give one")
+        check_scale_array(dynamic, shape, layout)
+    elif static_given and static_needs_fp8 and not fp8:
+        raise ValueError(f"{static_name} is only used with a float8 {q_name}, but {q_name} is "
+                         f"{'not given' if q_dtype is None else q_dtype}{hint}")
+
+
+def check_cache_scales(cache_dtype, cache_name, static_name, static_given, given, layout):
+    """Per-token-head KV scales (``kv_cache_scales``; ``given``: whether passed, spelled
+    ``layout``) against the cache dtype (``cache_dtype``, named ``cache_name``) and the static
+    cache scales (``static_name``, ``static_given``): they need a float8 or int8 cache, an int8
+    cache needs them, and they exclude static scales. All ``ValueError``: each rule ties one
+    argument to another's presence or dtype (as ``kv_scale`` required for a float8 cache); a
+    dtype that no argument makes valid stays the op's ``TypeError``."""
+    if given:
+        if cache_dtype not in SCALED_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_scales needs a float8 or int8 {cache_name}, but "
+                             f"{cache_name} is {cache_dtype}")
+        if static_given:
+            raise ValueError(f"{static_name} (static scales) and kv_cache_scales (per-token-head "
+                             f"scales) exclude each other: give one")
+    elif cache_dtype == INT8:
+        raise ValueError(f"an int8 {cache_name} needs kv_cache_scales {layout} float32: int8 "
+                         f"rows are stored with per-token-head scales only")
+
+
+def check_scale_array(view, shape, layout):
+    """A float32 scale array of ``shape`` (spelled ``layout``)."""
+    check_ndim(view, len(shape), layout)
+    check_shape(view, shape, layout)
+    check_dtype(view, (FLOAT32,))
 
 
 def check_unique_slots(rows, tokens, what="cache row"):

@@ -28,8 +28,7 @@ KERNEL = "apply_rope_write_kv"
 KERNEL_SCALED = "apply_rope_write_kv_scaled"  # MODE 3-5: the computed scales, registers capped
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 INDEX_DTYPES = (INT32, INT64)
-INT8 = np.dtype(np.int8)
-SCALED_CACHE_DTYPES = (*FP8_DTYPES, INT8)  # caches that may carry per-token-head scales
+SCALED_CACHE_DTYPES = ck.SCALED_CACHE_DTYPES  # caches that may carry per-token-head scales
 ROWS_MAX = 4  # head rows one lane group holds (kRowsMax in the kernel)
 SCALED_ROWS_MAX = 2  # ... in the computed-scale kernels, MODE 3-5 (kScaledRowsMax)
 MAX_ITEMS = 256  # chunks (lanes) per head row: one lane group fits a block
@@ -309,41 +308,20 @@ def _check_quantized_outputs(vq, vc, vqo, q_scale, vqs, vcs, kv_scale_given):
     static Q scale (1.0 when none applies)."""
     B, S, Hq, D = vq.shape
     Hkv, C = vc.shape[2], vc.shape[3]
-    q_fp8 = vqo is not None and vqo.dtype in FP8_DTYPES
     if vqo is not None:
         ck.check_ndim(vqo, 4, "(B, S, Hq, D)")
         ck.check_shape(vqo, (B, S, Hq, D), "(B, S, Hq, D)")
         if vqo.dtype != vq.dtype:
             ck.check_dtype(vqo, (vq.dtype, *FP8_DTYPES))
         ck.check_last_dim_contiguous(vqo)
-    if q_scale is not None:
-        if not q_fp8:
-            raise ValueError(f"q_scale is only used with a float8 q_out, but q_out is "
-                             f"{'not given' if vqo is None else vqo.dtype}")
-        if vqs is not None:
-            raise ValueError("q_scale (a static scale) and q_scale_out (dynamic scales) exclude "
-                             "each other: give one")
-        q_scale = ck.check_float(q_scale, "q_scale", positive=True)
-    if vqs is not None:
-        if not q_fp8:
-            raise ValueError(f"q_scale_out is only used with a float8 q_out, but q_out is "
-                             f"{'not given' if vqo is None else vqo.dtype}")
-        ck.check_ndim(vqs, 3, "(B, S, Hq)")
-        ck.check_shape(vqs, (B, S, Hq), "(B, S, Hq)")
-        ck.check_dtype(vqs, (FLOAT32,))
+    ck.check_q_scales(None if vqo is None else vqo.dtype, "q_out", "q_scale", q_scale is not None,
+                      vqs, (B, S, Hq), "(B, S, Hq)")
+    ck.check_cache_scales(vc.dtype, "kv_cache", "kv_scale", kv_scale_given, vcs is not None,
+                          "(B, 2, Hkv, C)")
     if vcs is not None:
-        if vc.dtype not in SCALED_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_scales needs a float8 or int8 kv_cache, but kv_cache is "
-                             f"{vc.dtype}")
-        if kv_scale_given:
-            raise ValueError("kv_scale (static scales) and kv_cache_scales (per-token-head "
-                             "scales) exclude each other: give one")
-        ck.check_ndim(vcs, 4, "(B, 2, Hkv, C)")
-        ck.check_shape(vcs, (B, 2, Hkv, C), "(B, 2, Hkv, C)")
-        ck.check_dtype(vcs, (FLOAT32,))
-    elif vc.dtype == INT8:
-        raise ValueError("an int8 kv_cache needs kv_cache_scales (B, 2, Hkv, C) float32: int8 "
-                         "rows are stored with per-token-head scales only")
+        ck.check_scale_array(vcs, (B, 2, Hkv, C), "(B, 2, Hkv, C)")
+    if q_scale is not None:
+        q_scale = ck.check_float(q_scale, "q_scale", positive=True)
     return 1.0 if q_scale is None else q_scale
 
 

@@ -500,19 +500,19 @@ def _scales(view, value, name, heads):
     return 1.0, view
 
 
-def _check_options(vqso, vksc, vvsc, vstatus, out_dtype, mla, T, Hq, Hkv, num_pages, page_size,
-                   kv_layout):
-    """Validate ``q_scale_out``, ``kv_cache_scales`` and ``status``; their strides (elements)
-    as PARAMS fields (zeros for those not given)."""
+def _spelled(quantize, vqr, kv_dyn):
+    """The cache dtypes an error names: those of the op (int8 only with ``kv_cache_scales``)."""
+    dtypes = (*FP8_DTYPES, INT8) if kv_dyn else FP8_DTYPES if quantize else (vqr.dtype,
+                                                                             *FP8_DTYPES)
+    return " or ".join(map(str, dtypes))
+
+
+def _check_options(vqso, vksc, vvsc, vstatus, mla, Hkv, num_pages, page_size, kv_layout):
+    """Validate ``kv_cache_scales`` and ``status`` (``q_scale_out``: ``ck.check_q_scales``); the
+    option arrays' strides (elements) as PARAMS fields (zeros for those not given)."""
     st = dict.fromkeys(("qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se", "vs_sh"),
                        0)
     if vqso is not None:
-        if out_dtype not in FP8_DTYPES:
-            raise TypeError(f"q_scale_out (dynamic fp8 queries) needs an fp8 quantize dtype "
-                            f"(float8_e4m3fn or float8_e5m2), got {out_dtype}")
-        ck.check_dtype(vqso, (FLOAT32,))
-        ck.check_ndim(vqso, 2, "(nnz, Hq)")
-        ck.check_shape(vqso, (T, Hq), "(nnz, Hq)")
         st.update(qso_sn=vqso.strides[0], qso_sh=vqso.strides[1])
     if vksc is not None:
         if mla:
@@ -524,9 +524,7 @@ def _check_options(vqso, vksc, vvsc, vstatus, out_dtype, mla, T, Hq, Hkv, num_pa
         shape = ((num_pages, page_size, Hkv) if kv_layout == "NHD"
                  else (num_pages, Hkv, page_size))
         for view, pre in ((vksc, "ks"), (vvsc, "vs")):
-            ck.check_dtype(view, (FLOAT32,))
-            ck.check_ndim(view, 3, spelled)
-            ck.check_shape(view, shape, f"{spelled} for {kv_layout}")
+            ck.check_scale_array(view, shape, f"{spelled} for {kv_layout}")
             sp, a, b = view.strides
             se, sh = (a, b) if kv_layout == "NHD" else (b, a)
             st.update({f"{pre}_sp": sp, f"{pre}_se": se, f"{pre}_sh": sh})
@@ -611,24 +609,26 @@ def _prepare(views, flags):
     if vc0.dtype != vc1.dtype:
         raise TypeError(f"{vc1.name} must have the dtype of {vc0.name} ({vc0.dtype}), got "
                         f"{vc1.dtype}")
-    allowed = FP8_DTYPES if quantize else (vqr.dtype, *FP8_DTYPES)
-    if kv_dyn:
-        allowed = (*FP8_DTYPES, INT8)  # computed scales need a quantized cache
+    # int8 comes with computed scales only (GQA/MHA), and they need a quantized cache: those
+    # rules are ValueErrors (check_cache_scales); a dtype no argument makes valid is a TypeError
+    allowed = (*(FP8_DTYPES if quantize else (vqr.dtype, *FP8_DTYPES)),
+               *(() if mla else (INT8,)))
     out_dtype = as_dtype(quantize_dtype)
     if out_dtype is None:  # FlashInfer's order: q_rope_out, q_nope_out, then (ropekv) the cache
         given = next(x for x in (vqro, vqno, vc0) if x is not None)
-        out_dtype = given.dtype
+        out_dtype, source = given.dtype, given.name
         if out_dtype not in allowed:
-            hint = (" (per-token-head kv_cache_scales need an fp8 or int8 cache)" if kv_dyn
-                    else " (int8 caches need kv_cache_scales)" if out_dtype == INT8
-                    else " (rope_append_paged_kv_cache writes float16/bfloat16 caches)"
-                    if quantize else f" (float16/bfloat16 only as the input dtype {vqr.dtype})")
-            raise TypeError(f"{given.name} must have dtype {' or '.join(map(str, allowed))}, "
+            hint = (" (rope_append_paged_kv_cache writes float16/bfloat16 caches)" if quantize
+                    else f" (float16/bfloat16 only as the input dtype {vqr.dtype})")
+            raise TypeError(f"{given.name} must have dtype {_spelled(quantize, vqr, kv_dyn)}, "
                             f"got {out_dtype}{hint}")
     elif out_dtype not in allowed:
-        hint = " (int8 caches need kv_cache_scales)" if out_dtype == INT8 else ""
-        raise TypeError(f"quantize_dtype must be {' or '.join(map(str, allowed))}, got "
-                        f"{out_dtype}{hint}")
+        raise TypeError(f"quantize_dtype must be {_spelled(quantize, vqr, kv_dyn)}, got "
+                        f"{out_dtype}")
+    else:
+        source = "quantize_dtype"
+    ck.check_cache_scales(out_dtype, source, "quant_scale_kv",
+                          kv_scale is not None or vks is not None, kv_dyn, "(k_scales, v_scales)")
     for view in (vc0, vc1):
         if view.dtype != out_dtype:
             raise TypeError(f"{view.name} must have the quantize dtype {out_dtype}, got "
@@ -659,18 +659,12 @@ def _prepare(views, flags):
         kr, kn, vd = ((7, 0), k_st), ((7, R * item), k_st), ((8, 0), v_st)
 
     # -- scales and outputs
-    if vqso is not None and (q_scale is not None or vqs is not None):
-        raise ValueError("quant_scale_q and q_scale_out are exclusive: q_scale_out receives the "
-                         "computed per-token-head Q scales, which replace the static one; leave "
-                         "quant_scale_q None")
-    if kv_dyn and (kv_scale is not None or vks is not None):
-        raise ValueError("quant_scale_kv and kv_cache_scales are exclusive: the per-token-head "
-                         "scales are computed per written row and replace the static one; leave "
-                         "quant_scale_kv None")
+    ck.check_q_scales(out_dtype, source, "quant_scale_q", q_scale is not None or vqs is not None,
+                      vqso, (T, Hq), "(nnz, Hq)", static_needs_fp8=False)
     q_scale, vqs = _scales(vqs, 1.0 if q_scale is None else q_scale, "quant_scale_q", Hq)
     kv_scale, vks = _scales(vks, 1.0 if kv_scale is None else kv_scale, "quant_scale_kv", Hkv)
-    scale_st = _check_options(vqso, vksc, vvsc, vstatus, out_dtype, mla, T, Hq, Hkv, num_pages,
-                              page_size, kv_layout)
+    scale_st = _check_options(vqso, vksc, vvsc, vstatus, mla, Hkv, num_pages, page_size,
+                              kv_layout)
     if vqro is not None:
         ck.check_shape(vqro, (T, Hq, R), "(nnz, Hq, R)")
     if vqno is not None:

@@ -366,20 +366,11 @@ def _q_out_dtype(value, vq, vgiven):
 def _q_quant(q_dtype, q_scale, vqs, T, Hq):
     """(q_scale, dynamic) of the q output: its static scale (1.0 for fp8; None for 16-bit) and
     whether ``q_scale_out`` receives computed scales."""
-    fp8 = q_dtype in FP8_DTYPES
+    ck.check_q_scales(q_dtype, "q_out", "q_scale", q_scale is not None, vqs, (T, Hq), "(T, Hq)",
+                      hint=" (pass q_out_dtype='float8_e4m3fn' or an fp8 q_out)")
     if vqs is not None:
-        if not fp8:
-            raise ValueError(f"q_scale_out receives the scales of an fp8 q_out, but q_out is "
-                             f"{q_dtype} (pass q_out_dtype='float8_e4m3fn' or an fp8 q_out)")
-        if q_scale is not None:
-            raise ValueError("q_scale (a static scale) and q_scale_out (dynamic scales) exclude "
-                             "each other; pass one")
-        ck.check_shape(vqs, (T, Hq), "(T, Hq)")
-        ck.check_dtype(vqs, (FLOAT32,))
         return None, True
-    if not fp8:
-        if q_scale is not None:
-            raise ValueError(f"q_scale is only used with an fp8 q_out, but q_out is {q_dtype}")
+    if q_dtype not in FP8_DTYPES:
         return None, False
     return (1.0 if q_scale is None else ck.check_float(q_scale, "q_scale", positive=True)), False
 
@@ -387,21 +378,13 @@ def _q_quant(q_dtype, q_scale, vqs, T, Hq):
 def _cache_scale_arrays(vks, vvs, vkc, kv_scale, expected, layout):
     """Whether per-token-head KV scales are given, after checking them against the caches
     (``expected``: the caches' shape, spelled ``layout``)."""
+    ck.check_cache_scales(vkc.dtype, "k_cache", "kv_scale", kv_scale is not None,
+                          vks is not None, "(k_scales, v_scales)")
     if vks is None:
-        if vkc.dtype == INT8:
-            raise TypeError("int8 caches need per-token-head scales: pass kv_cache_scales="
-                            "(k_scales, v_scales)")
         return False
-    if vkc.dtype not in (*FP8_DTYPES, INT8):
-        raise TypeError(f"kv_cache_scales quantize the cache rows: k_cache must have dtype "
-                        f"float8_e4m3fn or float8_e5m2 or int8, got {vkc.dtype}")
-    if kv_scale is not None:
-        raise ValueError("kv_scale (static cache scales) and kv_cache_scales (per-token-head "
-                         "scales) exclude each other; pass one")
     spelled = layout.replace(", D)", ")")
     for view in (vks, vvs):
-        ck.check_shape(view, expected[:3], spelled)
-        ck.check_dtype(view, (FLOAT32,))
+        ck.check_scale_array(view, expected[:3], spelled)
     return True
 
 
@@ -446,10 +429,10 @@ def _prepare(views, flags):
         (num_pages, Hkv, page_size, D)
     ck.check_shape(vkc, expected, f"{layout} for {kv_layout}")
     ck.check_shape(vvc, expected, f"{layout} for {kv_layout}")
+    if vkc.dtype != vq.dtype:
+        ck.check_dtype(vkc, (vq.dtype, *FP8_DTYPES, INT8))
     kv_dynamic = _cache_scale_arrays(vks, vvs, vkc, kv_scale, expected,
                                      f"{layout} for {kv_layout}")
-    if vkc.dtype != vq.dtype:
-        ck.check_dtype(vkc, (vq.dtype, *FP8_DTYPES, *((INT8,) if kv_dynamic else ())))
     ck.check_same_dtype(vvc, vkc)
     if page_size == 0:
         raise ValueError(f"k_cache must have a page_size of at least 1, got {vkc.shape}")

@@ -238,6 +238,81 @@ def test_ragged_ops_kv_scales_are_checked(op, kv_scale):
         fn(**kw)
 
 
+def scale_case(op, cache, q_fp8=False, q_static=False, q_dynamic=False, kv_static=False,
+               kv_dynamic=False):
+    """A call of ``op`` (the ops with fp8 queries and per-token-head KV scales) on caches of dtype
+    ``cache``, with the q and KV scale arguments asked for, each in the op's spelling: a float8
+    q (``q_fp8``; the contiguous op gets a 16-bit ``q_out`` otherwise, so that a q output
+    exists), a static q scale, ``q_scale_out``, a static KV scale, ``kv_cache_scales``."""
+    fn, kw = CASES[op](40)
+    static_q, static_kv = "q_scale", "kv_scale"
+    if op == "contiguous":
+        kw.pop("kv_scale", None)
+        kw["kv_cache"] = np.zeros(kw["kv_cache"].shape, cache)
+        kw["q_out"] = np.zeros(kw["q"].shape, E4M3 if q_fp8 else kw["q"].dtype)
+        q, scales = kw["q"], np.zeros(kw["kv_cache"].shape[:-1], np.float32)
+    else:
+        kw["paged_kv_cache"] = tuple(np.zeros(c.shape, cache) for c in kw["paged_kv_cache"])
+        scales = tuple(np.zeros(c.shape[:-1], np.float32) for c in kw["paged_kv_cache"])
+        if op == "qknorm":
+            q = kw["q"]
+            kw["q_out_dtype"] = E4M3 if q_fp8 else None
+        else:  # paged: q is stored in the cache dtype; a 16-bit cache needs the unquantized op
+            q, static_q, static_kv = kw["q_rope"], "quant_scale_q", "quant_scale_kv"
+            kw["quant_scale_q"] = kw["quant_scale_kv"] = None
+            if cache.itemsize == 2:
+                fn = ropekv.rope_append_paged_kv_cache
+    if q_static:
+        kw[static_q] = 0.5
+    if q_dynamic:
+        kw["q_scale_out"] = np.zeros(q.shape[:-1], np.float32)
+    if kv_static:
+        kw[static_kv] = 1.0
+    if kv_dynamic:
+        kw["kv_cache_scales"] = scales
+    return fn, kw
+
+
+F16, INT8 = np.dtype(np.float16), np.dtype(np.int8)
+# rule: (the bad call, the message every op words alike, the call put right)
+SCALE_RULES = {
+    "int8 cache without kv_cache_scales": (
+        dict(cache=INT8), r"an int8 \w+ needs kv_cache_scales",
+        dict(cache=INT8, kv_dynamic=True)),
+    "kv_cache_scales with a 16-bit cache": (
+        dict(cache=F16, kv_dynamic=True),
+        r"kv_cache_scales needs a float8 or int8 (\w+), but \1 is float16",
+        dict(cache=E4M3, kv_dynamic=True)),
+    "q_scale_out with a 16-bit q": (
+        dict(cache=F16, q_dynamic=True),
+        r"q_scale_out is only used with a float8 (\w+), but \1 is float16",
+        dict(cache=E4M3, kv_static=True, q_fp8=True, q_dynamic=True)),
+    "static and dynamic q scales": (
+        dict(cache=E4M3, kv_static=True, q_fp8=True, q_static=True, q_dynamic=True),
+        r"\w+ \(a static scale\) and q_scale_out \(dynamic scales\) exclude each other",
+        dict(cache=E4M3, kv_static=True, q_fp8=True, q_dynamic=True)),
+    "static and per-token-head KV scales": (
+        dict(cache=E4M3, kv_static=True, kv_dynamic=True),
+        r"\w+ \(static scales\) and kv_cache_scales \(per-token-head scales\) exclude each "
+        r"other",
+        dict(cache=E4M3, kv_dynamic=True)),
+}
+
+
+@pytest.mark.parametrize("rule", list(SCALE_RULES))
+@pytest.mark.parametrize("op", ["contiguous", "qknorm", "paged"])
+def test_scale_rules_raise_one_error_in_every_op(op, rule):
+    """Issue 14: one bad combination of a dtype and the scale arguments gets the same error type
+    and wording in every op (ValueError: a rule between arguments, not a dtype that nothing makes
+    valid), and the call put right passes."""
+    bad_call, match, fixed = SCALE_RULES[rule]
+    fn, kw = scale_case(op, **bad_call)
+    with pytest.raises(ValueError, match=match):
+        fn(**kw)
+    fn, kw = scale_case(op, **fixed)
+    fn(**kw)
+
+
 @pytest.mark.parametrize("T", [5, 600])  # below and above the paged op's decode split
 def test_paged_empty_heads_are_a_named_error(T):
     fn, kw = paged_case(10, T=T, Hq=2, Hkv=2, R=16, cache_dtype=E4M3)
