@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from ropekv._arrays import FLOAT32, FP8_DTYPES, HOST, as_view
+from ropekv._arrays import FLOAT32, FP8_DTYPES, HOST, INT32, UINT32, as_view
 
 INT8 = np.dtype(np.int8)
 SCALED_CACHE_DTYPES = (*FP8_DTYPES, INT8)  # caches that may carry per-token-head scales
@@ -36,21 +36,28 @@ def check_same_dtype(view, other):
 
 
 def check_ndim(view, ndims, layout):
-    """``layout`` spells the expected shape, e.g. ``"(B, S, Hq, D)"``."""
-    ndims = (ndims,) if isinstance(ndims, int) else ndims
-    if view.ndim not in ndims:
+    """``ndims`` an int or a tuple of them; ``layout`` spells the expected shape, e.g.
+    ``"(B, S, Hq, D)"``."""
+    n = len(view.shape)
+    if n != ndims and not (ndims.__class__ is tuple and n in ndims):
         raise ValueError(f"{view.name} must have shape {layout}, got {view.shape}")
 
 
 def check_shape(view, expected, layout=None):
     """``expected`` is a tuple of ints or None (any size); ``layout`` names the dims."""
-    ok = len(view.shape) == len(expected) and all(
-        e is None or e == n for e, n in zip(expected, view.shape))
-    if not ok:
-        spelled = tuple("*" if e is None else e for e in expected)
-        spelled = str(spelled).replace("'", "")
-        where = f" {layout}" if layout else ""
-        raise ValueError(f"{view.name} must have shape{where} = {spelled}, got {view.shape}")
+    shape = view.shape
+    if shape == expected:  # fully given and equal: the common case, one tuple comparison
+        return
+    if len(shape) == len(expected):
+        for e, n in zip(expected, shape):
+            if e is not None and e != n:
+                break
+        else:
+            return
+    spelled = tuple("*" if e is None else e for e in expected)
+    spelled = str(spelled).replace("'", "")
+    where = f" {layout}" if layout else ""
+    raise ValueError(f"{view.name} must have shape{where} = {spelled}, got {view.shape}")
 
 
 def check_last_dim_contiguous(view):
@@ -91,6 +98,14 @@ def check_write_strides(view):
     """A written array has positive strides on every dimension of size > 1 and no two elements
     at one address (a broadcast or overlapping view would make blocks race)."""
     if view.size == 0:
+        return
+    reach = 0  # elements spanned by the dims of smaller stride
+    for n, stride in zip(reversed(view.shape), reversed(view.strides)):
+        if n > 1:
+            if stride <= reach:
+                break  # not innermost-first with room for each: the general test below
+            reach += (n - 1) * stride
+    else:
         return
     dims = sorted((s, n, d) for d, (n, s) in enumerate(zip(view.shape, view.strides)) if n > 1)
     reach = 0  # elements spanned by the dims of smaller stride
@@ -153,12 +168,12 @@ def check_no_overlap(views, written, inplace=()):
             continue
         a = views[i]
         a_lo, a_hi = spans[i]
-        for j, b in enumerate(views):
-            if j == i or spans[j] is None or (j in written and j < i):
+        for j, span in enumerate(spans):
+            # disjoint spans first: most pairs stop there
+            if span is None or not (a_lo < span[1] and span[0] < a_hi) or j == i or (
+                    j < i and j in written):
                 continue
-            b_lo, b_hi = spans[j]
-            if not (a_lo < b_hi and b_lo < a_hi):
-                continue
+            b = views[j]
             pair = frozenset((i, j)) in inplace
             same = a.ptr == b.ptr and a.shape == b.shape and a.strides == b.strides and \
                 a.dtype == b.dtype
@@ -180,7 +195,9 @@ def check_flag(value, name):
 
 def check_float(value, name, *, positive):
     """A finite real scalar (> 0 when ``positive``, else >= 0), as a Python float."""
-    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
+    cls = value.__class__
+    if cls is not float and cls is not int and (
+            isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real)):
         raise TypeError(f"{name} must be a real number, got {value!r} of type "
                         f"{type(value).__name__}")
     value = float(value)
@@ -268,10 +285,14 @@ def check_unique_slots(rows, tokens, what="cache row"):
 
 
 def check_same_device(views):
-    """All views on one device; returns that device (``HOST`` or a CUDA id)."""
-    first = views[0]
-    for view in views[1:]:
-        if view.device != first.device:
+    """All views (None: not given) on one device; returns that device (``HOST`` or a CUDA id)."""
+    first = None
+    for view in views:
+        if view is None:
+            continue
+        if first is None:
+            first = view
+        elif view.device != first.device:
             raise ValueError(f"all arrays must be on one device: {first.name} is in "
                              f"{first.where()}, {view.name} is in {view.where()}")
     return first.device
@@ -290,7 +311,8 @@ def check_cos_sin_cache(view, D, ndims=(2,), layout="(P, R)"):
 
 
 def check_positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+    if value.__class__ is not int and (isinstance(value, bool)
+                                       or not isinstance(value, int | np.integer)) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
@@ -308,7 +330,18 @@ def views(stream_ptr, **arrays):
 
 def check_indices_enabled():
     """``ROPEKV_CHECK_INDICES=1``: check index arrays on the host before launching."""
-    return os.environ.get("ROPEKV_CHECK_INDICES", "") not in ("", "0")
+    return _env_get(_CHECK_INDICES_KEY, _EMPTY) not in _OFF
+
+
+# os.environ read without its per-call key encoding and value decoding (its raw table stays in
+# step with os.environ, monkeypatch.setenv included)
+_environ_data = getattr(os.environ, "_data", None)
+if isinstance(_environ_data, dict) and isinstance(next(iter(_environ_data), b""), bytes):
+    _env_get, _CHECK_INDICES_KEY, _EMPTY, _OFF = (_environ_data.get, b"ROPEKV_CHECK_INDICES",
+                                                  b"", (b"", b"0"))
+else:  # another platform's os.environ
+    _env_get, _CHECK_INDICES_KEY, _EMPTY, _OFF = (os.environ.get, "ROPEKV_CHECK_INDICES", "",
+                                                  ("", "0"))
 
 
 def host_copy(view):
@@ -333,8 +366,6 @@ def check_ragged_paged(offsets, cache_lengths, block_table):
     ``input_row_offsets`` int32 or uint32 ``(B + 1,)``, ``cache_lengths`` int32 ``(B,)`` and
     ``block_table`` int32 ``(B, max_pages)`` (rows may be strided). Returns ``(B, max_pages)``.
     """
-    from ropekv._arrays import INT32, UINT32
-
     check_ndim(offsets, 1, "(B + 1,)")
     check_dtype(offsets, (INT32, UINT32))
     check_contiguous(offsets)

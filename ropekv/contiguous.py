@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import numpy as np
@@ -21,7 +22,7 @@ from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import Launch, Op, ParamStruct, Plan, scalar_key
 from ropekv._mrope import check_mrope
 from ropekv._types import ArrayLike, StreamLike
-from ropekv._vector import aligned, vector_width
+from ropekv._vector import aligned, all_aligned, vector_width
 
 STEM = "contiguous"
 KERNEL = "apply_rope_write_kv"
@@ -76,6 +77,7 @@ Q_OUT = ARRAYS.index("q_out")
 
 
 
+@functools.cache  # a plan's lookup spells it once per first call
 def expression(dtype, cache_dtype, is_neox, n, mode=MODE_PLAIN, q_dtype=None):
     """The kernel of one specialisation (``mode``); ``q_dtype``: the Q output's dtype (that of
     ``dtype`` unless a quantized-output mode writes fp8 queries)."""
@@ -338,8 +340,8 @@ def _prepare(views, flags):
     Hkv = vk.shape[2]
     ck.check_shape(vk, (B, S, None, D), "(B, S, Hkv, D)")
     ck.check_shape(vv, (B, S, Hkv, D), "(B, S, Hkv, D)")
-    for view in (vk, vv):
-        ck.check_same_dtype(view, vq)
+    ck.check_same_dtype(vk, vq)
+    ck.check_same_dtype(vv, vq)
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q's head count ({Hq}) must be a positive multiple of k's ({Hkv})")
     if D == 0:
@@ -379,15 +381,15 @@ def _prepare(views, flags):
         ck.check_contiguous(vscale)
     for view in (vq, vk, vv, vc, vt):
         ck.check_last_dim_contiguous(view)
-    present = [x for x in views if x is not None]
-    device = ck.check_same_device(present)
+    device = ck.check_same_device(views)
     written = ((Q_OUT, 9, 10) if vqo is not None else (0, 9, 10)) + (3,)
     written += (1,) if write_k_in_place else ()
     result = (lambda arrays, outs: arrays[Q_OUT]) if vqo is not None else None
 
-    if vscale is not None and (device == HOST or ck.check_indices_enabled()):
+    check_indices = ck.check_indices_enabled()
+    if vscale is not None and (device == HOST or check_indices):
         ck.check_scale_values(vscale)
-    if ck.check_indices_enabled():
+    if check_indices:
         _check_indices(vlens, vpos, B, S, C, P, sections is not None)
     if device == HOST:
         def host(v, _):
@@ -425,10 +427,12 @@ def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope
     Hkv, C = vk.shape[2], vc.shape[3]
     vout = vq if vqo is None else vqo
 
+    data = (vq, vk, vv, vc, vout)
+
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
         cos_width = n if is_neox else n // 2
-        return (rot and (D - R) % n == 0 and all(aligned(x, n) for x in (vq, vk, vv, vc, vout))
+        return (rot and (D - R) % n == 0 and all_aligned(data, n)
                 and aligned(vt, cos_width))
 
     n = vector_width(vq.dtype.itemsize, fits)
@@ -451,7 +455,7 @@ def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope
     table_strides = vt.strides if vt.ndim == 3 else (0, *vt.strides)
     qs_strides = vqs.strides if vqs is not None else (0, 0, 0)
     cs_strides = vcs.strides if vcs is not None else (0, 0, 0, 0)
-    values = PARAMS.values(
+    values = dict(  # every field of PARAMS (Launch packs them by name)
         q=0, k=0, v=0, cache=0, cos_sin=0, kv_end_lens=0, position_ids=0, kv_scale=0, q_out=0,
         q_scale_out=0, cache_scales=0,
         q_sb=vq.strides[0], q_ss=vq.strides[1], q_sh=vq.strides[2],
@@ -475,8 +479,7 @@ def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope
     if vqo is None:
         slots["q_out"] = (0, 0)  # Q roped in place: the kernel writes through q_out = q
     return Launch(STEM, expression(vq.dtype, vc.dtype, is_neox, n, mode, vout.dtype), device,
-                  (B * S, splits), (block,), PARAMS, dict(zip(PARAMS.names, values)), slots,
-                  pdl=pdl)
+                  (B * S, splits), (block,), PARAMS, values, slots, pdl=pdl)
 
 
 _OP = Op("apply_rope_write_kv", ARRAYS, _prepare)

@@ -27,7 +27,7 @@ from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
 from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._types import ArrayLike, DTypeLike, StreamLike
-from ropekv._vector import aligned, vector_width
+from ropekv._vector import aligned, all_aligned, vector_width
 
 STEM = "paged"
 INT8 = reference.INT8  # int8 caches: with per-token-head scales only
@@ -36,6 +36,11 @@ INPUT_DTYPES = (FLOAT16, BFLOAT16)
 INDEX_DTYPES = (INT32, INT64)
 WIDTHS = (8, 4, 2, 1)
 LAYOUTS = ("NHD", "HND")
+# a GQA/MHA cache's shape per layout, and as errors spell it
+CACHE_LAYOUTS = {
+    layout: (spelled, f"{spelled} for {layout}")
+    for layout, spelled in (("NHD", "(num_pages, page_size, Hkv, head_dim)"),
+                            ("HND", "(num_pages, Hkv, page_size, head_dim)"))}
 
 # Launch shape, from a sweep on the H200 (`ropekv bench --tune paged.KEY=...` repeats it). A kernel
 # shape is (unroll, rot_unroll, min_blocks_per_sm): pass-through / rotary items each thread loads before it stores,
@@ -583,8 +588,9 @@ def _prepare(views, flags):
                              f"Hkv, head_dim) = ({T}, {Hkv}, {D}), got None")
         ck.check_shape(vv, (T, Hkv, D), "(nnz, Hkv, head_dim)")
     inputs = [x for x in (vqr, vkr, vqn, vkn, vv) if x is not None]
-    for view in inputs[1:]:
-        ck.check_same_dtype(view, vqr)
+    for view in inputs:
+        if view.dtype != vqr.dtype:
+            ck.check_same_dtype(view, vqr)
     ck.check_ndim(vt, 2, "(P, R)")
     ck.check_dtype(vt, (FLOAT32,))
     ck.check_shape(vt, (None, R), "(P, R)")
@@ -592,8 +598,8 @@ def _prepare(views, flags):
     sections = check_mrope(mrope_section, mrope_interleaved, R, vpos, (3, T), "(3, nnz)")
     for view in (vbat, vposn) if sections else (vpos, vbat, vposn):
         ck.check_shape(view, (T,), "(nnz,)")
-    for view in (vind, vptr):
-        ck.check_ndim(view, 1, "(total_pages,)" if view is vind else "(batch_size + 1,)")
+    ck.check_ndim(vind, 1, "(total_pages,)")
+    ck.check_ndim(vptr, 1, "(batch_size + 1,)")
     if vptr.shape[0] < 1:
         raise ValueError(f"kv_indptr must have shape (batch_size + 1,), at least one entry, got "
                          f"{vptr.shape}")
@@ -645,17 +651,16 @@ def _prepare(views, flags):
         kn = ((7, 0), (vc0.strides[0], vc0.strides[1], 0))
         vd = ((-1, 0), (0, 0, 0))
     else:
-        spelled = ("(num_pages, page_size, Hkv, head_dim)" if kv_layout == "NHD"
-                   else "(num_pages, Hkv, page_size, head_dim)")
+        nhd = kv_layout == "NHD"
+        spelled, spelled_for = CACHE_LAYOUTS[kv_layout]
         ck.check_ndim(vc0, 4, spelled)
         num_pages = vc0.shape[0]
-        shape = (num_pages, page_size, Hkv, D) if kv_layout == "NHD" else (num_pages, Hkv,
-                                                                            page_size, D)
-        ck.check_shape(vc0, shape, f"{spelled} for {kv_layout}")
-        ck.check_shape(vc1, shape, f"{spelled} for {kv_layout}")
+        shape = (num_pages, page_size, Hkv, D) if nhd else (num_pages, Hkv, page_size, D)
+        ck.check_shape(vc0, shape, spelled_for)
+        ck.check_shape(vc1, shape, spelled_for)
         k_st, v_st = vc0.strides, vc1.strides
-        k_st = (k_st[0], k_st[1], k_st[2]) if kv_layout == "NHD" else (k_st[0], k_st[2], k_st[1])
-        v_st = (v_st[0], v_st[1], v_st[2]) if kv_layout == "NHD" else (v_st[0], v_st[2], v_st[1])
+        k_st = (k_st[0], k_st[1], k_st[2]) if nhd else (k_st[0], k_st[2], k_st[1])
+        v_st = (v_st[0], v_st[1], v_st[2]) if nhd else (v_st[0], v_st[2], v_st[1])
         kr, kn, vd = ((7, 0), k_st), ((7, R * item), k_st), ((8, 0), v_st)
 
     # -- scales and outputs
@@ -676,7 +681,7 @@ def _prepare(views, flags):
                             f"{view.dtype}")
     for view in (*inputs, vt, vc0, vc1, *given_outs):
         ck.check_last_dim_contiguous(view)
-    device = ck.check_same_device([x for x in views if x is not None])
+    device = ck.check_same_device(views)
     written = [7, 8] + [i for i, x in ((13, vqro), (14, vqno)) if x is not None] + [
         i for i, x in ((17, vqso), (18, vksc), (19, vvsc), (20, vstatus)) if x is not None]
     inplace = [(0, 13), (2, 14)] if out_dtype == vqr.dtype else []  # fp8 outputs never alias q
@@ -728,7 +733,7 @@ def _prepare(views, flags):
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
-        return (rot and Dn % n == 0 and all(aligned(x, n) for x in data)
+        return (rot and Dn % n == 0 and all_aligned(data, n)
                 and aligned(vt, n if is_neox else n // 2))
 
     n = vector_width(vqr.dtype.itemsize, fits)
@@ -752,7 +757,10 @@ def _prepare(views, flags):
         shape = ("rows", 1 if rows == 1 else ROWS[-1])
     else:
         (block, splits, shape), rows = launch_shape(items, T, n), 0
-    index64 = sum(1 << i for i, view in enumerate(indices) if view.dtype == INT64)
+    index64 = 0
+    for i, view in enumerate(indices):
+        if view.dtype == INT64:
+            index64 |= 1 << i
     zero2 = (0, 0)
     qn_st = vqn.strides[:2] if vqn is not None else zero2
     kn_in = (vkn.strides[0], 0 if mla else vkn.strides[1]) if vkn is not None else zero2

@@ -3,6 +3,7 @@ the K/V append into a paged cache over a ragged batch, in one launch."""
 
 from __future__ import annotations
 
+import functools
 
 import numpy as np
 
@@ -13,7 +14,7 @@ from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
 from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
 from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._types import ArrayLike, StreamLike
-from ropekv._vector import aligned, vector_width
+from ropekv._vector import aligned, all_aligned, vector_width
 from ropekv.mla import _given_or_new, cache_scale
 
 INT8 = reference.INT8
@@ -21,6 +22,10 @@ STEM = "qknorm"
 KERNEL = "qk_rmsnorm_rope_append"
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 KV_LAYOUTS = ("NHD", "HND")
+# a cache's shape per layout, and as errors spell it
+CACHE_LAYOUTS = {layout: (spelled, f"{spelled} for {layout}")
+                 for layout, spelled in (("NHD", "(num_pages, page_size, Hkv, D)"),
+                                         ("HND", "(num_pages, Hkv, page_size, D)"))}
 NORM_ORDERS = ("before_rope", "after_rope")
 
 PARAMS = ParamStruct("QKNormParams", [
@@ -80,6 +85,7 @@ def launch_shape(T, H, group):
 
 
 
+@functools.cache  # a plan's lookup spells it once per first call
 def expression(dtype, cache_dtype, is_neox, n, rows=1, opts=0, q_dtype=None):
     """``opts``: 0 the plain kernel (every option compiled out, so they cost nothing when off);
     1 the one that reads the light options (norm order, weight offset, tail clearing, status);
@@ -343,7 +349,6 @@ def _q_out_dtype(value, vq, vgiven):
     """The dtype q is stored in: ``q_out_dtype`` (``q``'s dtype or fp8, as a dtype or its name)
     and a given ``q_out``'s dtype, which must agree."""
     allowed = (vq.dtype, *FP8_DTYPES)
-    names = " or ".join(str(d) for d in allowed)
     dtype = None
     if value is not None:
         try:
@@ -351,6 +356,7 @@ def _q_out_dtype(value, vq, vgiven):
         except TypeError:
             dtype = None
         if dtype not in allowed:
+            names = " or ".join(str(d) for d in allowed)
             raise TypeError(f"q_out_dtype must be {names} (a dtype or its name), got {value!r}")
     if vgiven is None:
         return vq.dtype if dtype is None else dtype
@@ -383,8 +389,9 @@ def _cache_scale_arrays(vks, vvs, vkc, kv_scale, expected, layout):
     if vks is None:
         return False
     spelled = layout.replace(", D)", ")")
-    for view in (vks, vvs):
-        ck.check_scale_array(view, expected[:3], spelled)
+    shape = expected[:3]
+    ck.check_scale_array(vks, shape, spelled)
+    ck.check_scale_array(vvs, shape, spelled)
     return True
 
 
@@ -406,13 +413,14 @@ def _prepare(views, flags):
     Hkv = vk.shape[1]
     ck.check_shape(vk, (T, None, D), "(T, Hkv, D)")
     ck.check_shape(vv, (T, Hkv, D), "(T, Hkv, D)")
-    for view in (vk, vv):
-        ck.check_same_dtype(view, vq)
+    ck.check_same_dtype(vk, vq)
+    ck.check_same_dtype(vv, vq)
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q's head count ({Hq}) must be a positive multiple of k's ({Hkv})")
+    gamma_dtypes = (vq.dtype, FLOAT32)
     for view in (vqg, vkg):
         ck.check_shape(view, (D,), "(D,)")
-        ck.check_dtype(view, (vq.dtype, FLOAT32))
+        ck.check_dtype(view, gamma_dtypes)
         ck.check_contiguous(view)
     P, R = ck.check_cos_sin_cache(vt, D)
     sections = check_mrope(mrope_section, mrope_interleaved, R, vpid, (3, T), "(3, T)")
@@ -420,19 +428,17 @@ def _prepare(views, flags):
         raise ValueError("position_ids is only used with mrope_section (the positions of a "
                          "token come from cache_lengths and input_row_offsets otherwise)")
     B, max_pages = ck.check_ragged_paged(voff, vlen, vbt)
-    layout = "(num_pages, page_size, Hkv, D)" if kv_layout == "NHD" else \
-        "(num_pages, Hkv, page_size, D)"
+    nhd = kv_layout == "NHD"
+    layout, spelled = CACHE_LAYOUTS[kv_layout]
     ck.check_ndim(vkc, 4, layout)
     num_pages = vkc.shape[0]
-    page_size = vkc.shape[1] if kv_layout == "NHD" else vkc.shape[2]
-    expected = (num_pages, page_size, Hkv, D) if kv_layout == "NHD" else \
-        (num_pages, Hkv, page_size, D)
-    ck.check_shape(vkc, expected, f"{layout} for {kv_layout}")
-    ck.check_shape(vvc, expected, f"{layout} for {kv_layout}")
+    page_size = vkc.shape[1] if nhd else vkc.shape[2]
+    expected = (num_pages, page_size, Hkv, D) if nhd else (num_pages, Hkv, page_size, D)
+    ck.check_shape(vkc, expected, spelled)
+    ck.check_shape(vvc, expected, spelled)
     if vkc.dtype != vq.dtype:
         ck.check_dtype(vkc, (vq.dtype, *FP8_DTYPES, INT8))
-    kv_dynamic = _cache_scale_arrays(vks, vvs, vkc, kv_scale, expected,
-                                     f"{layout} for {kv_layout}")
+    kv_dynamic = _cache_scale_arrays(vks, vvs, vkc, kv_scale, expected, spelled)
     ck.check_same_dtype(vvc, vkc)
     if page_size == 0:
         raise ValueError(f"k_cache must have a page_size of at least 1, got {vkc.shape}")
@@ -448,7 +454,7 @@ def _prepare(views, flags):
                         f"q_out")
     if vstatus is not None:
         check_status(vstatus)
-    device = ck.check_same_device([x for x in views if x is not None])
+    device = ck.check_same_device(views)
     written = [i for i in (9, 10, 11, 13, 14, 15, 16) if i == 11 or views[i] is not None]
     inplace = [(0, 11)]
     outputs = [] if vgiven is not None else [Output((T, Hq, D), q_dtype)]
@@ -483,10 +489,11 @@ def _prepare(views, flags):
         return Plan(device, outputs=outputs, written=written, inplace=inplace, result=result)
     vout = vgiven if vgiven is not None else vq  # a new output is laid out (and aligned) as q
 
+    data = (vq, vout, vk, vv, vqg, vkg, vkc, vvc)
+
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
-        return (rot and (D - R) % n == 0
-                and all(aligned(x, n) for x in (vq, vout, vk, vv, vqg, vkg, vkc, vvc))
+        return (rot and (D - R) % n == 0 and all_aligned(data, n)
                 and aligned(vt, n if is_neox else n // 2))
 
     n = vector_width(vq.dtype.itemsize, fits)
@@ -500,7 +507,7 @@ def _prepare(views, flags):
 
     if T < TUNING["narrow_below"]:  # decode: more lanes per row, less work per thread
         narrow = vector_width(vq.dtype.itemsize, fits,
-                              tuple(w for w in (8, 4, 2, 1) if w <= TUNING["narrow_width"]))
+                              tuple([w for w in (8, 4, 2, 1) if w <= TUNING["narrow_width"]]))
         if narrow and lanes(narrow) <= MAX_GROUP:
             n = narrow
     items = lanes(n)
@@ -527,7 +534,7 @@ def _prepare(views, flags):
 
     ks_st, vs_st = entry_strides(vks), entry_strides(vvs)
     qs_st = vqs.strides if vqs is not None else (0, 0)
-    values = dict(zip(PARAMS.names, PARAMS.values(
+    values = dict(  # every field of PARAMS (Launch packs them by name)
         q=0, q_out=0, k=0, v=0, q_gamma=0, k_gamma=0, cos_sin=0, offsets=0, cache_lengths=0,
         block_table=0, k_cache=0, v_cache=0,
         q_st=vq.strides[0], q_sh=vq.strides[1], qo_st=out_strides[0], qo_sh=out_strides[1],
@@ -548,13 +555,10 @@ def _prepare(views, flags):
         qs_st=qs_st[0], qs_sh=qs_st[1], ks_sp=ks_st[0], ks_se=ks_st[1], ks_sh=ks_st[2],
         vs_sp=vs_st[0], vs_se=vs_st[1], vs_sh=vs_st[2],
         inv_q_scale=1.0 / q_scale if q_scale is not None else 1.0,
-        q_dynamic=int(q_dynamic), kv_dynamic=int(kv_dynamic))))
-    fields = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin", "offsets", "cache_lengths",
-              "block_table", "k_cache", "v_cache", "q_out", "position_ids", "status",
-              "q_scale_out", "k_scales", "v_scales")
-    slots = {f: (i, 0) for i, f in enumerate(fields) if views[i] is not None}  # None: null
+        q_dynamic=int(q_dynamic), kv_dynamic=int(kv_dynamic))
+    slots = {f: (i, 0) for i, f in enumerate(FIELDS) if views[i] is not None}  # None: null
     if vgiven is None:
-        slots["q_out"] = (len(fields), 0)  # the new output follows the arguments
+        slots["q_out"] = (len(FIELDS), 0)  # the new output follows the arguments
     opts = 2 if sections is not None else int(bool(
         post or weight_offset != 0.0 or clear or vstatus is not None))
     # fp8 q or computed scales: a quantizing kernel (the others compile none of it)
@@ -568,6 +572,10 @@ def _prepare(views, flags):
                 result=result)
 
 
+# the PARAMS pointer field of each argument, in argument order
+FIELDS = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin", "offsets", "cache_lengths",
+          "block_table", "k_cache", "v_cache", "q_out", "position_ids", "status", "q_scale_out",
+          "k_scales", "v_scales")
 _OP = Op("qk_rmsnorm_rope_append_paged_kv_cache",
          ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets",
           "cache_lengths", "block_table", "k_cache", "v_cache", "q_out", "position_ids",
