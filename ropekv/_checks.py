@@ -60,10 +60,12 @@ def check_shape(view, expected, layout=None):
     raise ValueError(f"{view.name} must have shape{where} = {spelled}, got {view.shape}")
 
 
-def check_last_dim_contiguous(view):
-    if view.size and view.shape[-1] > 1 and view.strides[-1] != 1:
-        raise ValueError(f"{view.name} must be contiguous in its last dimension (stride 1), got "
-                         f"strides {view.strides} (in elements)")
+def check_last_dim_contiguous(*views):
+    """Each view (None: not given) has stride 1 in its last dimension."""
+    for view in views:
+        if view is not None and view.size and view.shape[-1] > 1 and view.strides[-1] != 1:
+            raise ValueError(f"{view.name} must be contiguous in its last dimension (stride 1), "
+                             f"got strides {view.strides} (in elements)")
 
 
 def check_contiguous(view):

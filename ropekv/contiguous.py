@@ -284,7 +284,7 @@ def _scale_arg(value):
     """``kv_scale`` as ``(constant, array)``: a number, a pair or a 0-d NumPy array goes into the
     plan key as its value(s), anything else is an array argument of the call."""
     cls = value.__class__
-    if cls is float or cls is int or cls is tuple or cls is list:
+    if value is None or cls is float or cls is int or cls is tuple or cls is list:
         return value, None
     if isinstance(value, np.ndarray) and value.ndim == 0:
         return value.item(), None
@@ -379,8 +379,7 @@ def _prepare(views, flags):
             ck.check_shape(vscale, (2,), "(2,) or ()")
         ck.check_dtype(vscale, (FLOAT32,))
         ck.check_contiguous(vscale)
-    for view in (vq, vk, vv, vc, vt):
-        ck.check_last_dim_contiguous(view)
+    ck.check_last_dim_contiguous(vq, vk, vv, vc, vt)
     device = ck.check_same_device(views)
     written = ((Q_OUT, 9, 10) if vqo is not None else (0, 9, 10)) + (3,)
     written += (1,) if write_k_in_place else ()

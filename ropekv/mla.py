@@ -273,8 +273,7 @@ def _prepare(views, flags):
                          f"{vcache.shape}")
     scale = cache_scale(kv_scale, vcache.dtype)
     epsilon = ck.check_float(epsilon, "epsilon", positive=False)
-    for view in (vq, vkv, vt, *caches):
-        ck.check_last_dim_contiguous(view)
+    ck.check_last_dim_contiguous(vq, vkv, vt, *caches)
     if vgiven is not None:
         check_output(vgiven, vq)
     if vstatus is not None:

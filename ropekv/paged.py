@@ -679,8 +679,7 @@ def _prepare(views, flags):
         if view.dtype != out_dtype:
             raise TypeError(f"{view.name} must have the quantize dtype {out_dtype}, got "
                             f"{view.dtype}")
-    for view in (*inputs, vt, vc0, vc1, *given_outs):
-        ck.check_last_dim_contiguous(view)
+    ck.check_last_dim_contiguous(*inputs, vt, vc0, vc1, *given_outs)
     device = ck.check_same_device(views)
     written = [7, 8] + [i for i, x in ((13, vqro), (14, vqno)) if x is not None] + [
         i for i, x in ((17, vqso), (18, vksc), (19, vvsc), (20, vstatus)) if x is not None]

@@ -444,8 +444,7 @@ def _prepare(views, flags):
         raise ValueError(f"k_cache must have a page_size of at least 1, got {vkc.shape}")
     scales = None if kv_dynamic else _kv_scales(kv_scale, vkc.dtype)
     epsilon = ck.check_float(epsilon, "epsilon", positive=False)
-    for view in (vq, vk, vv, vt, vkc, vvc):
-        ck.check_last_dim_contiguous(view)
+    ck.check_last_dim_contiguous(vq, vk, vv, vt, vkc, vvc)
     q_dtype = _q_out_dtype(q_out_dtype, vq, vgiven)
     q_scale, q_dynamic = _q_quant(q_dtype, q_scale, vqs, T, Hq)
     if q_dtype in FP8_DTYPES and vkc.dtype == INT8:

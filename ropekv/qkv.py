@@ -413,9 +413,7 @@ def _prepare(views, flags):
     if vout is not None:
         ck.check_shape(vout, (T, Hq * D), "(T, Hq * D)")
         ck.check_same_dtype(vout, vx)
-    for view in (vx, vw, vbt, vk, vv, vt, vws, vzp, vout):
-        if view is not None:
-            ck.check_last_dim_contiguous(view)
+    ck.check_last_dim_contiguous(vx, vw, vbt, vk, vv, vt, vws, vzp, vout)
     # rows must not overlap: cuBLAS takes them as leading dimensions (and so does the GEMV kernel)
     for view, cols in ((vx, K), (vw, vw.shape[1]), (vout, Hq * D)):
         if view is not None and view.shape[0] > 1 and view.strides[0] < cols:

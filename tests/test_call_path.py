@@ -9,6 +9,8 @@ import threading
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ropekv
 from ropekv import _arrays as ar
@@ -473,6 +475,56 @@ def test_shares_bytes_is_exact_for_interleaved_views():
     assert ck.shares_bytes(lay[0], lay[0])
     shifted = (lay[1][0] - 2, *lay[1][1:])  # V moved back one element: its first overlaps K
     assert ck.shares_bytes(lay[0], shifted)
+
+
+def _layouts(min_stride=-6):
+    """Small layouts (shape, strides in elements), strides of any sign, zero included."""
+    return st.integers(1, 4).flatmap(lambda nd: st.tuples(
+        st.tuples(*[st.integers(0, 4)] * nd), st.tuples(*[st.integers(min_stride, 40)] * nd)))
+
+
+def _view(shape, strides):
+    return ar.ArrayView("x", 1 << 20, shape, strides, np.dtype(np.float16), 0)
+
+
+@settings(max_examples=300)
+@given(layout=_layouts())
+def test_written_strides_rule_is_the_sorted_test(layout):
+    """check_write_strides' one-pass path for innermost-first layouts accepts exactly what the
+    general rule (dims by increasing stride, each past the reach of the smaller ones) accepts."""
+    shape, strides = layout
+    reach, ok = 0, True
+    for stride, n in sorted((s, n) for n, s in zip(shape, strides) if n > 1):
+        ok = ok and stride > reach
+        reach += (n - 1) * stride
+    ok = ok or 0 in shape
+    if ok:
+        ck.check_write_strides(_view(shape, strides))
+    else:
+        with pytest.raises(ValueError, match="x is written but"):
+            ck.check_write_strides(_view(shape, strides))
+
+
+@settings(max_examples=300)
+@given(layout=_layouts(min_stride=0))
+def test_c_contiguity_is_numpys(layout):
+    shape, strides = layout
+    base = np.zeros(1024, np.float16)
+    a = np.lib.stride_tricks.as_strided(base, shape, tuple(s * 2 for s in strides))
+    assert _view(shape, strides).is_c_contiguous() == a.flags.c_contiguous
+
+
+@settings(max_examples=300)
+@given(layout=_layouts(), expected=st.lists(st.one_of(st.none(), st.integers(0, 4)), max_size=4))
+def test_check_shape_matches_each_given_dim(layout, expected):
+    shape, strides = layout
+    expected = tuple(expected)
+    ok = len(shape) == len(expected) and all(e is None or e == n for e, n in zip(expected, shape))
+    if ok:
+        ck.check_shape(_view(shape, strides), expected)
+    else:
+        with pytest.raises(ValueError, match=r"x must have shape = "):
+            ck.check_shape(_view(shape, strides), expected)
 
 
 def test_interleaved_k_and_v_caches_of_one_buffer_are_accepted():
