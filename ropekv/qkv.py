@@ -106,6 +106,7 @@ ARRAYS = ("hidden_state", "weight", "input_row_offsets", "cache_lengths", "block
           "v_cache", "cos_sin_cache", "weight_scales", "zero_points", "out")
 FIELDS = ("hidden", "weight", "offsets", "cache_lengths", "block_table", "k_cache", "v_cache",
           "cos_sin", "weight_scales", "zero_points", "out")
+_SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS)}  # pointer fields <- (argument, byte offset)
 NEW = len(ARRAYS)  # ptrs index of the first array a call allocates (out, then workspaces)
 
 
@@ -459,7 +460,7 @@ def _prepare(views, flags):
         "is_neox": int(is_neox),
         "cache_code": (0 if not fp8 else 1 if vk.dtype == FLOAT8_E4M3FN else 2),
         "k_inv_scale": 1.0 / k_scale if fp8 else 1.0, "v_inv_scale": 1.0 / v_scale if fp8 else 1.0}
-    slots = {f: (i, 0) for i, f in enumerate(FIELDS)}
+    slots = dict(_SLOTS)
     if vout is None:
         slots["out"] = (NEW, 0)
 
@@ -467,8 +468,8 @@ def _prepare(views, flags):
         step = _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split)
         if step is not None:
             return Plan(device, [step], outputs=outputs, written=written, result=_result)
-    n = _epilogue_width(vout, vk, vv, vt, D, R, is_neox)
-    if T <= gemv_max or n is None:
+    n = None if T <= gemv_max else _epilogue_width(vout, vk, vv, vt, D, R, is_neox)
+    if n is None:  # decode, or no vector width for the prefill epilogue
         steps = [_gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl)]
         return Plan(device, steps, outputs=outputs, written=written, result=_result)
     steps, workspaces = _prefill(fields, slots, vx, vw, fmt, vk.dtype, n, T, K, N, Hq, Hkv, D,
