@@ -454,26 +454,29 @@ def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope
     table_strides = vt.strides if vt.ndim == 3 else (0, *vt.strides)
     qs_strides = vqs.strides if vqs is not None else (0, 0, 0)
     cs_strides = vcs.strides if vcs is not None else (0, 0, 0, 0)
-    values = dict(  # every field of PARAMS (Launch packs them by name)
-        q=0, k=0, v=0, cache=0, cos_sin=0, kv_end_lens=0, position_ids=0, kv_scale=0, q_out=0,
-        q_scale_out=0, cache_scales=0,
-        q_sb=vq.strides[0], q_ss=vq.strides[1], q_sh=vq.strides[2],
-        k_sb=vk.strides[0], k_ss=vk.strides[1], k_sh=vk.strides[2],
-        v_sb=vv.strides[0], v_ss=vv.strides[1], v_sh=vv.strides[2],
-        c_sb=vc.strides[0], c_skv=vc.strides[1], c_sh=vc.strides[2], c_st=vc.strides[3],
-        cs_sb=table_strides[0] if vt.ndim == 3 and vt.shape[0] > 1 else 0, cs_sp=table_strides[1],
-        qo_sb=vout.strides[0], qo_ss=vout.strides[1], qo_sh=vout.strides[2],
-        qs_sb=qs_strides[0], qs_ss=qs_strides[1], qs_sh=qs_strides[2],
-        ks_sb=cs_strides[0], ks_skv=cs_strides[1], ks_sh=cs_strides[2], ks_st=cs_strides[3],
-        inv_k_scale=1.0 / scales[0], inv_v_scale=1.0 / scales[1], inv_q_scale=1.0 / q_static,
-        B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=C, P=P, write_k_in_place=int(write_k_in_place),
-        group=group, rows=rows, index64=(int(vlens is not None and vlens.dtype == INT64)
-                 | 2 * int(vpos is not None and vpos.dtype == INT64)),
-        v_scale_index=int(vscale is not None and vscale.ndim == 1), mrope=int(bool(sections)),
-        mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
-        mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved),
-        items=items, q_full=int(vqo is not None), q_dynamic=int(vqs is not None),
-        kv_dynamic=int(vcs is not None))
+    values = {  # every field of PARAMS (Launch packs them by name)
+        "q": 0, "k": 0, "v": 0, "cache": 0, "cos_sin": 0, "kv_end_lens": 0, "position_ids": 0,
+        "kv_scale": 0, "q_out": 0, "q_scale_out": 0, "cache_scales": 0, "q_sb": vq.strides[0],
+        "q_ss": vq.strides[1], "q_sh": vq.strides[2], "k_sb": vk.strides[0], "k_ss": vk.strides[1],
+        "k_sh": vk.strides[2], "v_sb": vv.strides[0], "v_ss": vv.strides[1], "v_sh": vv.strides[2],
+        "c_sb": vc.strides[0], "c_skv": vc.strides[1], "c_sh": vc.strides[2],
+        "c_st": vc.strides[3],
+        "cs_sb": table_strides[0] if vt.ndim == 3 and vt.shape[0] > 1 else 0,
+        "cs_sp": table_strides[1], "qo_sb": vout.strides[0], "qo_ss": vout.strides[1],
+        "qo_sh": vout.strides[2], "qs_sb": qs_strides[0], "qs_ss": qs_strides[1],
+        "qs_sh": qs_strides[2], "ks_sb": cs_strides[0], "ks_skv": cs_strides[1],
+        "ks_sh": cs_strides[2], "ks_st": cs_strides[3], "inv_k_scale": 1.0 / scales[0],
+        "inv_v_scale": 1.0 / scales[1], "inv_q_scale": 1.0 / q_static, "B": B, "S": S, "Hq": Hq,
+        "Hkv": Hkv, "D": D, "R": R, "C": C, "P": P, "write_k_in_place": int(write_k_in_place),
+        "group": group, "rows": rows,
+        "index64": (int(vlens is not None and vlens.dtype == INT64)
+                    | 2 * int(vpos is not None and vpos.dtype == INT64)),
+        "v_scale_index": int(vscale is not None and vscale.ndim == 1),
+        "mrope": int(bool(sections)), "mrope_t": sections[0] if sections else 0,
+        "mrope_h": sections[1] if sections else 0, "mrope_w": sections[2] if sections else 0,
+        "mrope_interleaved": int(mrope_interleaved), "items": items,
+        "q_full": int(vqo is not None), "q_dynamic": int(vqs is not None),
+        "kv_dynamic": int(vcs is not None)}
     slots = {f: (i, 0) for i, f in enumerate(FIELDS) if views[i] is not None}
     if vqo is None:
         slots["q_out"] = (0, 0)  # Q roped in place: the kernel writes through q_out = q

@@ -331,15 +331,16 @@ def _prepare(views, flags):
     else:
         out_strides = vgiven.strides[:2]
     ckv_s, kpe_s = (caches[0].strides, caches[-1].strides)
-    values = dict(  # every field of PARAMS (Launch packs them by name)
-        q=0, q_out=0, kv=0, gamma=0, cos_sin=0, offsets=0, cache_lengths=0, block_table=0, ckv=0,
-        kpe=0, q_st=vq.strides[0], q_sh=vq.strides[1], qo_st=out_strides[0],
-        qo_sh=out_strides[1], kv_st=vkv.strides[0], cs_sp=vt.strides[0], bt_sb=vbt.strides[0],
-        ckv_sp=ckv_s[0], ckv_se=ckv_s[1], kpe_sp=kpe_s[0], kpe_se=kpe_s[1], num_pages=num_pages,
-        epsilon=epsilon, inv_kv_scale=1.0 / scale if scale else 1.0,
-        T=T, B=B, Hq=Hq, L=L, R=R, P=P, kv_norm_dim=n_norm, max_pages=max_pages,
-        page_size=page_size, gamma_f32=int(vg.dtype == FLOAT32), heads_per_block=per_block,
-        clear=int(clear), status=0, check=int(vstatus is not None))
+    values = {  # every field of PARAMS (Launch packs them by name)
+        "q": 0, "q_out": 0, "kv": 0, "gamma": 0, "cos_sin": 0, "offsets": 0, "cache_lengths": 0,
+        "block_table": 0, "ckv": 0, "kpe": 0, "q_st": vq.strides[0], "q_sh": vq.strides[1],
+        "qo_st": out_strides[0], "qo_sh": out_strides[1], "kv_st": vkv.strides[0],
+        "cs_sp": vt.strides[0], "bt_sb": vbt.strides[0], "ckv_sp": ckv_s[0], "ckv_se": ckv_s[1],
+        "kpe_sp": kpe_s[0], "kpe_se": kpe_s[1], "num_pages": num_pages, "epsilon": epsilon,
+        "inv_kv_scale": 1.0 / scale if scale else 1.0, "T": T, "B": B, "Hq": Hq, "L": L, "R": R,
+        "P": P, "kv_norm_dim": n_norm, "max_pages": max_pages, "page_size": page_size,
+        "gamma_f32": int(vg.dtype == FLOAT32), "heads_per_block": per_block, "clear": int(clear),
+        "status": 0, "check": int(vstatus is not None)}
     # pointer fields <- (argument index, byte offset); a new q output comes after the arguments
     slots = {"q": (0, 0), "kv": (1, 0), "gamma": (2, 0), "cos_sin": (3, 0), "offsets": (4, 0),
              "cache_lengths": (5, 0), "block_table": (6, 0), "ckv": (7, 0),

@@ -533,28 +533,26 @@ def _prepare(views, flags):
 
     ks_st, vs_st = entry_strides(vks), entry_strides(vvs)
     qs_st = vqs.strides if vqs is not None else (0, 0)
-    values = dict(  # every field of PARAMS (Launch packs them by name)
-        q=0, q_out=0, k=0, v=0, q_gamma=0, k_gamma=0, cos_sin=0, offsets=0, cache_lengths=0,
-        block_table=0, k_cache=0, v_cache=0,
-        q_st=vq.strides[0], q_sh=vq.strides[1], qo_st=out_strides[0], qo_sh=out_strides[1],
-        k_st=vk.strides[0], k_sh=vk.strides[1], v_st=vv.strides[0], v_sh=vv.strides[1],
-        cs_sp=vt.strides[0], bt_sb=vbt.strides[0],
-        kc_sp=kc[0], kc_se=kc[1], kc_sh=kc[2], vc_sp=vc[0], vc_se=vc[1], vc_sh=vc[2],
-        num_pages=num_pages, epsilon=epsilon, weight_offset=weight_offset,
-        inv_k_scale=1.0 / k_scale,
-        inv_v_scale=1.0 / v_scale, T=T, B=B, Hq=Hq, Hkv=Hkv, D=D, R=R, P=P, max_pages=max_pages,
-        page_size=page_size, q_gamma_f32=int(vqg.dtype == FLOAT32),
-        k_gamma_f32=int(vkg.dtype == FLOAT32), group=group, rows=rows, post=int(post),
-        clear=int(clear),
-        position_ids=0, pid_st=T, mrope=int(sections is not None),
-        mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
-        mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved),
-        pos64=int(vpid is not None and vpid.dtype == INT64), status=0,
-        check=int(vstatus is not None), q_scale_out=0, k_scales=0, v_scales=0,
-        qs_st=qs_st[0], qs_sh=qs_st[1], ks_sp=ks_st[0], ks_se=ks_st[1], ks_sh=ks_st[2],
-        vs_sp=vs_st[0], vs_se=vs_st[1], vs_sh=vs_st[2],
-        inv_q_scale=1.0 / q_scale if q_scale is not None else 1.0,
-        q_dynamic=int(q_dynamic), kv_dynamic=int(kv_dynamic))
+    values = {  # every field of PARAMS (Launch packs them by name)
+        "q": 0, "q_out": 0, "k": 0, "v": 0, "q_gamma": 0, "k_gamma": 0, "cos_sin": 0, "offsets": 0,
+        "cache_lengths": 0, "block_table": 0, "k_cache": 0, "v_cache": 0, "q_st": vq.strides[0],
+        "q_sh": vq.strides[1], "qo_st": out_strides[0], "qo_sh": out_strides[1],
+        "k_st": vk.strides[0], "k_sh": vk.strides[1], "v_st": vv.strides[0], "v_sh": vv.strides[1],
+        "cs_sp": vt.strides[0], "bt_sb": vbt.strides[0], "kc_sp": kc[0], "kc_se": kc[1],
+        "kc_sh": kc[2], "vc_sp": vc[0], "vc_se": vc[1], "vc_sh": vc[2], "num_pages": num_pages,
+        "epsilon": epsilon, "weight_offset": weight_offset, "inv_k_scale": 1.0 / k_scale,
+        "inv_v_scale": 1.0 / v_scale, "T": T, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "R": R, "P": P,
+        "max_pages": max_pages, "page_size": page_size, "q_gamma_f32": int(vqg.dtype == FLOAT32),
+        "k_gamma_f32": int(vkg.dtype == FLOAT32), "group": group, "rows": rows, "post": int(post),
+        "clear": int(clear), "position_ids": 0, "pid_st": T, "mrope": int(sections is not None),
+        "mrope_t": sections[0] if sections else 0, "mrope_h": sections[1] if sections else 0,
+        "mrope_w": sections[2] if sections else 0, "mrope_interleaved": int(mrope_interleaved),
+        "pos64": int(vpid is not None and vpid.dtype == INT64), "status": 0,
+        "check": int(vstatus is not None), "q_scale_out": 0, "k_scales": 0, "v_scales": 0,
+        "qs_st": qs_st[0], "qs_sh": qs_st[1], "ks_sp": ks_st[0], "ks_se": ks_st[1],
+        "ks_sh": ks_st[2], "vs_sp": vs_st[0], "vs_se": vs_st[1], "vs_sh": vs_st[2],
+        "inv_q_scale": 1.0 / q_scale if q_scale is not None else 1.0, "q_dynamic": int(q_dynamic),
+        "kv_dynamic": int(kv_dynamic)}
     slots = {f: (i, 0) for i, f in enumerate(FIELDS) if views[i] is not None}  # None: null
     if vgiven is None:
         slots["q_out"] = (len(FIELDS), 0)  # the new output follows the arguments
