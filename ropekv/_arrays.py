@@ -187,8 +187,8 @@ _new = object.__new__
 
 def _device_view(name, ptr, shape, strides, dtype, device, obj):
     """``ArrayView(name, ptr, shape, strides, dtype, device, owner=obj, array=obj)``, built
-    without the keyword handling of a class call (the CuPy and torch readers, on every argument
-    of a first call)."""
+    without the keyword handling of a class call (the torch reader, on every argument of a first
+    call)."""
     v = _new(ArrayView)
     v.name, v.ptr, v.shape, v.strides, v.dtype, v.device = name, ptr, shape, strides, dtype, device
     v.readonly = v.legacy = False
@@ -216,11 +216,32 @@ def _from_numpy(a, name):
 
 
 def _from_cupy(a, name):
+    """One pass over the byte strides gives the element strides, the size and the byte span (the
+    reader of every CuPy argument of a first call; _element_strides, _extent and _device_view in
+    one)."""
     if _CUPY_ARRAY is _Never:
         _note_type(type(a), "cupy")
-    data = a.data
-    return _device_view(name, data.ptr, a.shape, _element_strides(name, a.strides, a.itemsize),
-                        a.dtype, data.device_id, a)
+    data, item = a.data, a.itemsize
+    shape, byte_strides = a.shape, a.strides
+    strides = []
+    size = 1
+    lo = hi = 0  # bytes
+    for n, s in zip(shape, byte_strides):
+        if s % item:
+            _element_strides(name, byte_strides, item)  # raises, naming the stride
+        strides.append(s // item)
+        size *= n
+        if s < 0:
+            lo += (n - 1) * s
+        else:
+            hi += (n - 1) * s
+    v = _new(ArrayView)
+    v.name, v.ptr, v.shape, v.strides = name, data.ptr, shape, tuple(strides)
+    v.dtype, v.device, v.readonly, v.legacy = a.dtype, data.device_id, False, False
+    v.owner = v.array = a
+    v.host = None
+    v.size, v.span = size, (lo, hi + item)
+    return v
 
 
 # ---- torch tensors, read from their attributes (torch is only ever touched when passed one) ----

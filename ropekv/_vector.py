@@ -6,20 +6,11 @@ from __future__ import annotations
 def aligned(view, n_elements):
     """True when ``view``'s pointer and every stride but the last are multiples of an access of
     ``n_elements`` (capped at 16 bytes), so row starts stay aligned for that access."""
-    item = view.dtype.itemsize
-    access = n_elements * item
-    if access > 16:
-        access = 16
-    if view.ptr % access:
-        return False
-    for s in view.strides[:-1]:
-        if s * item % access:
-            return False
-    return True
+    return all_aligned((view,), n_elements)
 
 
 def all_aligned(views, n_elements):
-    """``aligned(view, n_elements)`` for every view (one call, no generator)."""
+    """``aligned(view, n_elements)`` for every view of ``views`` (one loop, no generator)."""
     for view in views:
         item = view.dtype.itemsize
         access = n_elements * item
