@@ -185,19 +185,6 @@ def _extent(shape, strides, itemsize):
 _new = object.__new__
 
 
-def _device_view(name, ptr, shape, strides, dtype, device, obj):
-    """``ArrayView(name, ptr, shape, strides, dtype, device, owner=obj, array=obj)``, built
-    without the keyword handling of a class call (the torch reader, on every argument of a first
-    call)."""
-    v = _new(ArrayView)
-    v.name, v.ptr, v.shape, v.strides, v.dtype, v.device = name, ptr, shape, strides, dtype, device
-    v.readonly = v.legacy = False
-    v.owner = v.array = obj
-    v.host = None
-    v.size, v.span = _extent(shape, strides, dtype.itemsize)
-    return v
-
-
 def _element_strides(name, byte_strides, itemsize):
     if itemsize == 1:
         return tuple(byte_strides)
@@ -217,8 +204,8 @@ def _from_numpy(a, name):
 
 def _from_cupy(a, name):
     """One pass over the byte strides gives the element strides, the size and the byte span (the
-    reader of every CuPy argument of a first call; _element_strides, _extent and _device_view in
-    one)."""
+    reader of every CuPy argument of a first call: _element_strides, _extent and the view
+    built without the keyword handling of a class call, in one)."""
     if _CUPY_ARRAY is _Never:
         _note_type(type(a), "cupy")
     data, item = a.data, a.itemsize
@@ -293,7 +280,13 @@ def _from_torch(t, name):
                               f"tensors")
         host = _host_array(ptr, shape, tuple(s * dtype.itemsize for s in strides), dtype, False)
         return ArrayView(name, ptr, shape, strides, dtype, HOST, owner=t, host=host, array=t)
-    return _device_view(name, ptr, shape, strides, dtype, device, t)
+    v = _new(ArrayView)  # no keyword handling of a class call: every tensor of a first call
+    v.name, v.ptr, v.shape, v.strides, v.dtype, v.device = name, ptr, shape, strides, dtype, device
+    v.readonly = v.legacy = False
+    v.owner = v.array = t
+    v.host = None
+    v.size, v.span = _extent(shape, strides, dtype.itemsize)
+    return v
 
 
 # ---- __cuda_array_interface__ (JAX buffer_callback buffers, Numba, ...) ------------------------

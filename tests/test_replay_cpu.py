@@ -168,19 +168,27 @@ def test_fast_signature_agrees_with_signature(stubbed, monkeypatch):
     assert ar.fast_signature(1)((None,)) == ((None,), [0], 0)
 
 
-def test_cupy_reader_agrees_with_the_numpy_reader(stubbed):
-    """The CuPy reader's one pass (element strides, size, byte span) gives the NumPy reader's
-    view of the same layout: strided, reversed, transposed, broadcast and empty arrays."""
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_device_readers_agree_with_the_numpy_reader(kind, stubbed, monkeypatch):
+    """The CuPy reader's one pass (element strides, size, byte span) and the torch reader give
+    the NumPy reader's view of the same layout: strided, reversed, transposed, broadcast and
+    empty arrays."""
+    convert, ptr = hostcost.to_cupy, lambda x: x.data.ptr
+    if kind == "torch":
+        fake_torch(monkeypatch)
+        convert, ptr = hostcost.to_torch, lambda x: x.data_ptr()
     base = np.zeros((6, 5, 4), np.float16)
     for host in (base, base[:, ::2], base[::-1, :, 1:], base.transpose(2, 0, 1),
                  np.broadcast_to(base[:1], (6, 5, 4)), base[:0], base[2, 3]):
-        dev = hostcost.to_cupy(host)
+        dev = convert(host)
         view, ref = ar.as_view(dev, "x"), ar.as_view(host, "x")
         assert (view.shape, view.strides, view.size, view.span, view.dtype) == (
             ref.shape, ref.strides, ref.size, ref.span, ref.dtype)
         assert (view.ptr, view.device, view.host, view.readonly, view.legacy) == (
-            dev.data.ptr, 0, None, False, False)
+            ptr(dev), 0, None, False, False)
         assert view.owner is dev and view.array is dev
+    if kind == "torch":  # torch strides are elements: no odd byte stride to refuse
+        return
     odd = hostcost.to_cupy(np.lib.stride_tricks.as_strided(np.zeros(16, np.float16), (3,), (3,)))
     with pytest.raises(BufferError, match="x has a byte stride of 3, not a multiple of its item "
                                           "size 2"):
