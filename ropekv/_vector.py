@@ -13,9 +13,7 @@ def all_aligned(views, n_elements):
     """``aligned(view, n_elements)`` for every view of ``views`` (one loop, no generator)."""
     for view in views:
         item = view.dtype.itemsize
-        access = n_elements * item
-        if access > 16:
-            access = 16
+        access = min(16, n_elements * item)
         if view.ptr % access:
             return False
         for s in view.strides[:-1]:

@@ -279,25 +279,25 @@ F16, INT8 = np.dtype(np.float16), np.dtype(np.int8)
 # rule: (the bad call, the message every op words alike, the call put right)
 SCALE_RULES = {
     "int8 cache without kv_cache_scales": (
-        dict(cache=INT8), r"an int8 \w+ needs kv_cache_scales",
-        dict(cache=INT8, kv_dynamic=True)),
+        {"cache": INT8}, r"an int8 \w+ needs kv_cache_scales",
+        {"cache": INT8, "kv_dynamic": True}),
     "kv_cache_scales with a 16-bit cache": (
-        dict(cache=F16, kv_dynamic=True),
+        {"cache": F16, "kv_dynamic": True},
         r"kv_cache_scales needs a float8 or int8 (\w+), but \1 is float16",
-        dict(cache=E4M3, kv_dynamic=True)),
+        {"cache": E4M3, "kv_dynamic": True}),
     "q_scale_out with a 16-bit q": (
-        dict(cache=F16, q_dynamic=True),
+        {"cache": F16, "q_dynamic": True},
         r"q_scale_out is only used with a float8 (\w+), but \1 is float16",
-        dict(cache=E4M3, kv_static=True, q_fp8=True, q_dynamic=True)),
+        {"cache": E4M3, "kv_static": True, "q_fp8": True, "q_dynamic": True}),
     "static and dynamic q scales": (
-        dict(cache=E4M3, kv_static=True, q_fp8=True, q_static=True, q_dynamic=True),
+        {"cache": E4M3, "kv_static": True, "q_fp8": True, "q_static": True, "q_dynamic": True},
         r"\w+ \(a static scale\) and q_scale_out \(dynamic scales\) exclude each other",
-        dict(cache=E4M3, kv_static=True, q_fp8=True, q_dynamic=True)),
+        {"cache": E4M3, "kv_static": True, "q_fp8": True, "q_dynamic": True}),
     "static and per-token-head KV scales": (
-        dict(cache=E4M3, kv_static=True, kv_dynamic=True),
-        r"\w+ \(static scales\) and kv_cache_scales \(per-token-head scales\) exclude each "
-        r"other",
-        dict(cache=E4M3, kv_dynamic=True)),
+        {"cache": E4M3, "kv_static": True, "kv_dynamic": True},
+        (r"\w+ \(static scales\) and kv_cache_scales \(per-token-head scales\) exclude each "
+         r"other"),
+        {"cache": E4M3, "kv_dynamic": True}),
 }
 
 
