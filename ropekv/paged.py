@@ -781,8 +781,9 @@ def _prepare(views, flags):
         "B": vptr.shape[0] - 1, "page_size": page_size, "P": P, "index64": index64, "group": group,
         "rows": rows, "pid_st": T, "mrope": int(bool(sections)),
         "mrope_t": sections[0] if sections else 0, "mrope_h": sections[1] if sections else 0,
-        "mrope_w": sections[2] if sections else 0, "mrope_interleaved": int(mrope_interleaved),
-        "q_scale_out": 0, "k_scales": 0, "v_scales": 0, "status": 0, "T": T, **scale_st}
+        "mrope_w": sections[2] if sections else 0, "mrope_interleaved": int(mrope_interleaved)}
+    if opts:  # the fields OPTS_PARAMS adds (Launch reads only its struct's fields)
+        values.update(scale_st, q_scale_out=0, k_scales=0, v_scales=0, status=0, T=T)
     slots = {"q_rope": (0, 0), "k_rope": (1, 0), "q_nope": (2, 0), "k_nope": (3, 0),
              "v": (4, 0), "cos_sin": (5, 0), "pos_ids": (6, 0), "kr_cache": kr[0],
              "kn_cache": kn[0], "v_cache": vd[0], "kv_indices": (9, 0), "kv_indptr": (10, 0),

@@ -193,3 +193,15 @@ def test_device_readers_agree_with_the_numpy_reader(kind, stubbed, monkeypatch):
     with pytest.raises(BufferError, match="x has a byte stride of 3, not a multiple of its item "
                                           "size 2"):
         ar.as_view(odd, "x")
+
+
+def test_paged_option_kernel_plan_on_stand_ins(stubbed):
+    """The paged op's option kernel (computed scales, status) gets a record of its own struct,
+    built and launched on stand-ins: every field of OPTS_PARAMS given."""
+    from tests import test_paged as tp
+
+    args = tp.with_options(tp.make_case(20, Dn=8), np.random.default_rng(5), q_dyn=True,
+                           kv_dyn=True, status=True)
+    tp.call(map_arrays(args, hostcost.to_cupy))
+    (plan,) = [p for o in all_ops() for p in o.plans.values()]
+    assert plan.steps[0].n_ptr == ropekv.paged.OPTS_PARAMS.n_pointers and stubbed.calls
