@@ -163,17 +163,16 @@ def check_no_overlap(views, written, inplace=()):
     """No written array shares a byte with any other argument, except the pairs of ``inplace``
     (index pairs) when they are the very same array (same pointer and layout). Byte spans are
     compared first; the exact test runs only where two spans intersect."""
-    spans = [None if v is None or v.size == 0 else (v.ptr + v.span[0], v.ptr + v.span[1])
-             for v in views]
+    spans = [(j, v.ptr + v.span[0], v.ptr + v.span[1]) for j, v in enumerate(views)
+             if v is not None and v.size]  # only the arrays given, and not empty
     for i in written:
-        if spans[i] is None:
-            continue
         a = views[i]
-        a_lo, a_hi = spans[i]
-        for j, span in enumerate(spans):
+        if a is None or a.size == 0:
+            continue
+        a_lo, a_hi = a.ptr + a.span[0], a.ptr + a.span[1]
+        for j, b_lo, b_hi in spans:
             # disjoint spans first: most pairs stop there
-            if span is None or not (a_lo < span[1] and span[0] < a_hi) or j == i or (
-                    j < i and j in written):
+            if not (a_lo < b_hi and b_lo < a_hi) or j == i or (j < i and j in written):
                 continue
             b = views[j]
             pair = frozenset((i, j)) in inplace
