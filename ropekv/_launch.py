@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import operator
-import os
 import struct
 import sys
 import threading
@@ -43,6 +43,7 @@ import numpy as np
 
 from ropekv import _arrays as ar
 from ropekv import _checks as ck
+from ropekv._checks import _CHECK_INDICES_KEY, _EMPTY, _OFF, _env_get  # ROPEKV_CHECK_INDICES
 from ropekv._compile import get_kernel
 
 # ---------------------------------------------------------------------------------- streams
@@ -329,7 +330,7 @@ class Output:
 
     def __init__(self, shape, dtype, workspace=False):
         self.shape, self.dtype, self.workspace = tuple(shape), np.dtype(dtype), workspace
-        self.size = int(np.prod(self.shape))
+        self.size = math.prod(self.shape)
 
     def allocate(self, kinds, device, stream_ptr, explicit=True):
         """On ``device`` (current) for a launch on ``stream_ptr``; ``explicit`` False says that
@@ -500,15 +501,6 @@ def _runtime():
 
     _RUNTIME[0] = runtime
     return runtime
-
-
-# ROPEKV_CHECK_INDICES read without os.environ's per-call key encoding (its raw table stays in
-# step with os.environ, monkeypatch.setenv included)
-_environ_data = getattr(os.environ, "_data", None)
-if isinstance(_environ_data, dict) and isinstance(next(iter(_environ_data), b""), bytes):
-    _CHECK_INDICES_OFF, _ENV_KEY, _OFF = _environ_data.get, b"ROPEKV_CHECK_INDICES", (b"", b"0")
-else:  # another platform's os.environ
-    _CHECK_INDICES_OFF, _ENV_KEY, _OFF = os.environ.get, "ROPEKV_CHECK_INDICES", ("", "0")
 
 
 def _launch_failed(code):
@@ -751,7 +743,7 @@ class Op:
             if not self.layered:
                 raise TypeError(f"{self.name} takes no layer_idx")
             plans = self.layer_plans
-        if _CHECK_INDICES_OFF(_ENV_KEY, b"") in _OFF:  # else: the first-call path checks indices
+        if _env_get(_CHECK_INDICES_KEY, _EMPTY) in _OFF:  # else: the first call checks indices
             caller = self.caller
             if caller is not None:  # the replay in C; a new layout or array kind: on in Python
                 done = caller(arrays, flags, stream_ptr, layer_idx, plans)
