@@ -137,17 +137,7 @@ class ArrayView:
         self.owner = owner
         self.host = host
         self.array = array
-        size = 1
-        lo = hi = 0  # the elements, relative to ptr, that the view touches: [lo, hi]
-        for n, st in zip(shape, strides):
-            size *= n
-            if st < 0:
-                lo += (n - 1) * st
-            else:
-                hi += (n - 1) * st
-        self.size = size
-        item = dtype.itemsize
-        self.span = (lo * item, (hi + 1) * item)  # in bytes: [lo, hi)
+        self.size, self.span = _extent(shape, strides, dtype.itemsize)
 
     @property
     def ndim(self):
@@ -160,6 +150,9 @@ class ArrayView:
     def is_c_contiguous(self):
         if self.size == 0:
             return True
+        strides = self.strides
+        if len(strides) == 1:  # index arrays
+            return strides[0] == 1 or self.shape[0] == 1
         expected = 1
         for n, s in zip(reversed(self.shape), reversed(self.strides)):
             if n != 1 and s != expected:
@@ -173,6 +166,23 @@ class ArrayView:
     def __repr__(self):
         return (f"ArrayView({self.name}: shape={self.shape}, dtype={self.dtype}, "
                 f"strides={self.strides}, {self.where()})")
+
+
+def _extent(shape, strides, itemsize):
+    """``(size, span)`` of a layout: its element count, and the bytes ``[lo, hi)`` relative to
+    its pointer that it touches."""
+    size = 1
+    lo = hi = 0  # in elements: [lo, hi]
+    for n, st in zip(shape, strides):
+        size *= n
+        if st < 0:
+            lo += (n - 1) * st
+        else:
+            hi += (n - 1) * st
+    return size, (lo * itemsize, (hi + 1) * itemsize)
+
+
+_new = object.__new__
 
 
 def _element_strides(name, byte_strides, itemsize):
@@ -193,11 +203,32 @@ def _from_numpy(a, name):
 
 
 def _from_cupy(a, name):
+    """One pass over the byte strides gives the element strides, the size and the byte span (the
+    reader of every CuPy argument of a first call: _element_strides, _extent and the view
+    built without the keyword handling of a class call, in one)."""
     if _CUPY_ARRAY is _Never:
         _note_type(type(a), "cupy")
-    data = a.data
-    return ArrayView(name, data.ptr, a.shape, _element_strides(name, a.strides, a.itemsize),
-                     a.dtype, data.device_id, owner=a, array=a)
+    data, item = a.data, a.itemsize
+    shape, byte_strides = a.shape, a.strides
+    strides = []
+    size = 1
+    lo = hi = 0  # bytes
+    for n, s in zip(shape, byte_strides):
+        if s % item:
+            _element_strides(name, byte_strides, item)  # raises, naming the stride
+        strides.append(s // item)
+        size *= n
+        if s < 0:
+            lo += (n - 1) * s
+        else:
+            hi += (n - 1) * s
+    v = _new(ArrayView)
+    v.name, v.ptr, v.shape, v.strides = name, data.ptr, shape, tuple(strides)
+    v.dtype, v.device, v.readonly, v.legacy = a.dtype, data.device_id, False, False
+    v.owner = v.array = a
+    v.host = None
+    v.size, v.span = size, (lo, hi + item)
+    return v
 
 
 # ---- torch tensors, read from their attributes (torch is only ever touched when passed one) ----
@@ -230,7 +261,7 @@ def torch_dtype(dtype):
 
 
 def _from_torch(t, name):
-    dtype = _torch_maps().get(t.dtype)
+    dtype = (_TORCH_TO_NUMPY or _torch_maps()).get(t.dtype)
     if dtype is None:
         raise TypeError(f"{name} has torch dtype {t.dtype}, which ropekv does not read")
     torch = sys.modules["torch"]
@@ -249,7 +280,13 @@ def _from_torch(t, name):
                               f"tensors")
         host = _host_array(ptr, shape, tuple(s * dtype.itemsize for s in strides), dtype, False)
         return ArrayView(name, ptr, shape, strides, dtype, HOST, owner=t, host=host, array=t)
-    return ArrayView(name, ptr, shape, strides, dtype, device, owner=t, array=t)
+    v = _new(ArrayView)  # no keyword handling of a class call: every tensor of a first call
+    v.name, v.ptr, v.shape, v.strides, v.dtype, v.device = name, ptr, shape, strides, dtype, device
+    v.readonly = v.legacy = False
+    v.owner = v.array = t
+    v.host = None
+    v.size, v.span = _extent(shape, strides, dtype.itemsize)
+    return v
 
 
 # ---- __cuda_array_interface__ (JAX buffer_callback buffers, Numba, ...) ------------------------

@@ -14,7 +14,10 @@ import os
 
 import numpy as np
 
-from ropekv._arrays import FLOAT32, HOST, as_view
+from ropekv._arrays import FLOAT32, FP8_DTYPES, HOST, INT32, UINT32, as_view
+
+INT8 = np.dtype(np.int8)
+SCALED_CACHE_DTYPES = (*FP8_DTYPES, INT8)  # caches that may carry per-token-head scales
 
 
 def _dtype_names(dtypes):
@@ -33,27 +36,36 @@ def check_same_dtype(view, other):
 
 
 def check_ndim(view, ndims, layout):
-    """``layout`` spells the expected shape, e.g. ``"(B, S, Hq, D)"``."""
-    ndims = (ndims,) if isinstance(ndims, int) else ndims
-    if view.ndim not in ndims:
+    """``ndims`` an int or a tuple of them; ``layout`` spells the expected shape, e.g.
+    ``"(B, S, Hq, D)"``."""
+    n = len(view.shape)
+    if n != ndims and not (ndims.__class__ is tuple and n in ndims):
         raise ValueError(f"{view.name} must have shape {layout}, got {view.shape}")
 
 
 def check_shape(view, expected, layout=None):
     """``expected`` is a tuple of ints or None (any size); ``layout`` names the dims."""
-    ok = len(view.shape) == len(expected) and all(
-        e is None or e == n for e, n in zip(expected, view.shape))
-    if not ok:
-        spelled = tuple("*" if e is None else e for e in expected)
-        spelled = str(spelled).replace("'", "")
-        where = f" {layout}" if layout else ""
-        raise ValueError(f"{view.name} must have shape{where} = {spelled}, got {view.shape}")
+    shape = view.shape
+    if shape == expected:  # fully given and equal: the common case, one tuple comparison
+        return
+    if len(shape) == len(expected):
+        for e, n in zip(expected, shape):
+            if e is not None and e != n:
+                break
+        else:
+            return
+    spelled = tuple("*" if e is None else e for e in expected)
+    spelled = str(spelled).replace("'", "")
+    where = f" {layout}" if layout else ""
+    raise ValueError(f"{view.name} must have shape{where} = {spelled}, got {view.shape}")
 
 
-def check_last_dim_contiguous(view):
-    if view.size and view.shape[-1] > 1 and view.strides[-1] != 1:
-        raise ValueError(f"{view.name} must be contiguous in its last dimension (stride 1), got "
-                         f"strides {view.strides} (in elements)")
+def check_last_dim_contiguous(*views):
+    """Each view (None: not given) has stride 1 in its last dimension."""
+    for view in views:
+        if view is not None and view.size and view.shape[-1] > 1 and view.strides[-1] != 1:
+            raise ValueError(f"{view.name} must be contiguous in its last dimension (stride 1), "
+                             f"got strides {view.strides} (in elements)")
 
 
 def check_contiguous(view):
@@ -88,6 +100,14 @@ def check_write_strides(view):
     """A written array has positive strides on every dimension of size > 1 and no two elements
     at one address (a broadcast or overlapping view would make blocks race)."""
     if view.size == 0:
+        return
+    reach = 0  # elements spanned by the dims of smaller stride
+    for n, stride in zip(reversed(view.shape), reversed(view.strides)):
+        if n > 1:
+            if stride <= reach:
+                break  # not innermost-first with room for each: the general test below
+            reach += (n - 1) * stride
+    else:
         return
     dims = sorted((s, n, d) for d, (n, s) in enumerate(zip(view.shape, view.strides)) if n > 1)
     reach = 0  # elements spanned by the dims of smaller stride
@@ -143,19 +163,18 @@ def check_no_overlap(views, written, inplace=()):
     """No written array shares a byte with any other argument, except the pairs of ``inplace``
     (index pairs) when they are the very same array (same pointer and layout). Byte spans are
     compared first; the exact test runs only where two spans intersect."""
-    spans = [None if v is None or v.size == 0 else (v.ptr + v.span[0], v.ptr + v.span[1])
-             for v in views]
+    spans = [(j, v.ptr + v.span[0], v.ptr + v.span[1]) for j, v in enumerate(views)
+             if v is not None and v.size]  # only the arrays given, and not empty
     for i in written:
-        if spans[i] is None:
-            continue
         a = views[i]
-        a_lo, a_hi = spans[i]
-        for j, b in enumerate(views):
-            if j == i or spans[j] is None or (j in written and j < i):
+        if a is None or a.size == 0:
+            continue
+        a_lo, a_hi = a.ptr + a.span[0], a.ptr + a.span[1]
+        for j, b_lo, b_hi in spans:
+            # disjoint spans first: most pairs stop there
+            if not (a_lo < b_hi and b_lo < a_hi) or j == i or (j < i and j in written):
                 continue
-            b_lo, b_hi = spans[j]
-            if not (a_lo < b_hi and b_lo < a_hi):
-                continue
+            b = views[j]
             pair = frozenset((i, j)) in inplace
             same = a.ptr == b.ptr and a.shape == b.shape and a.strides == b.strides and \
                 a.dtype == b.dtype
@@ -177,7 +196,9 @@ def check_flag(value, name):
 
 def check_float(value, name, *, positive):
     """A finite real scalar (> 0 when ``positive``, else >= 0), as a Python float."""
-    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
+    cls = value.__class__
+    if cls is not float and cls is not int and (
+            isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real)):
         raise TypeError(f"{name} must be a real number, got {value!r} of type "
                         f"{type(value).__name__}")
     value = float(value)
@@ -199,6 +220,54 @@ def check_scale_values(view):
                          f"{list(i)}")
 
 
+def check_q_scales(q_dtype, q_name, static_name, static_given, dynamic, shape=None,
+                   layout=None, *, static_needs_fp8=True, hint=""):
+    """The scales of a quantized q output: a static scale (``static_name``, ``static_given``) or
+    dynamic ones written to ``q_scale_out`` (``dynamic``: its view or None, of ``shape`` spelled
+    ``layout``), never both, and each only with a float8 q (``q_dtype``, None when the call has
+    no q output; ``q_name`` names where that dtype comes from; ``hint`` ends the message).
+    ``static_needs_fp8=False``: the op ignores a static scale without quantization (FlashInfer's
+    paged ops). The static value itself is the op's to check (its forms differ)."""
+    fp8 = q_dtype in FP8_DTYPES
+    if dynamic is not None:
+        if not fp8:
+            raise ValueError(f"q_scale_out is only used with a float8 {q_name}, but {q_name} is "
+                             f"{'not given' if q_dtype is None else q_dtype}{hint}")
+        if static_given:
+            raise ValueError(f"{static_name} (a static scale) and q_scale_out (dynamic scales) "
+                             f"exclude each other: give one")
+        check_scale_array(dynamic, shape, layout)
+    elif static_given and static_needs_fp8 and not fp8:
+        raise ValueError(f"{static_name} is only used with a float8 {q_name}, but {q_name} is "
+                         f"{'not given' if q_dtype is None else q_dtype}{hint}")
+
+
+def check_cache_scales(cache_dtype, cache_name, static_name, static_given, given, layout):
+    """Per-token-head KV scales (``kv_cache_scales``; ``given``: whether passed, spelled
+    ``layout``) against the cache dtype (``cache_dtype``, named ``cache_name``) and the static
+    cache scales (``static_name``, ``static_given``): they need a float8 or int8 cache, an int8
+    cache needs them, and they exclude static scales. All ``ValueError``: each rule ties one
+    argument to another's presence or dtype (as ``kv_scale`` required for a float8 cache); a
+    dtype that no argument makes valid stays the op's ``TypeError``."""
+    if given:
+        if cache_dtype not in SCALED_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_scales needs a float8 or int8 {cache_name}, but "
+                             f"{cache_name} is {cache_dtype}")
+        if static_given:
+            raise ValueError(f"{static_name} (static scales) and kv_cache_scales (per-token-head "
+                             f"scales) exclude each other: give one")
+    elif cache_dtype == INT8:
+        raise ValueError(f"an int8 {cache_name} needs kv_cache_scales {layout} float32: int8 "
+                         f"rows are stored with per-token-head scales only")
+
+
+def check_scale_array(view, shape, layout):
+    """A float32 scale array of ``shape`` (spelled ``layout``)."""
+    check_ndim(view, len(shape), layout)
+    check_shape(view, shape, layout)
+    check_dtype(view, (FLOAT32,))
+
+
 def check_unique_slots(rows, tokens, what="cache row"):
     """``ROPEKV_CHECK_INDICES``: two tokens that write one cache row leave it undefined (its
     16-byte pieces may come from either): raise ``IndexError`` naming both. ``rows`` is an (n, k)
@@ -217,10 +286,14 @@ def check_unique_slots(rows, tokens, what="cache row"):
 
 
 def check_same_device(views):
-    """All views on one device; returns that device (``HOST`` or a CUDA id)."""
-    first = views[0]
-    for view in views[1:]:
-        if view.device != first.device:
+    """All views (None: not given) on one device; returns that device (``HOST`` or a CUDA id)."""
+    first = None
+    for view in views:
+        if view is None:
+            continue
+        if first is None:
+            first = view
+        elif view.device != first.device:
             raise ValueError(f"all arrays must be on one device: {first.name} is in "
                              f"{first.where()}, {view.name} is in {view.where()}")
     return first.device
@@ -239,7 +312,8 @@ def check_cos_sin_cache(view, D, ndims=(2,), layout="(P, R)"):
 
 
 def check_positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+    if value.__class__ is not int and (isinstance(value, bool)
+                                       or not isinstance(value, int | np.integer)) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
@@ -257,7 +331,18 @@ def views(stream_ptr, **arrays):
 
 def check_indices_enabled():
     """``ROPEKV_CHECK_INDICES=1``: check index arrays on the host before launching."""
-    return os.environ.get("ROPEKV_CHECK_INDICES", "") not in ("", "0")
+    return _env_get(_CHECK_INDICES_KEY, _EMPTY) not in _OFF
+
+
+# os.environ read without its per-call key encoding and value decoding (its raw table stays in
+# step with os.environ, monkeypatch.setenv included)
+_environ_data = getattr(os.environ, "_data", None)
+if isinstance(_environ_data, dict) and isinstance(next(iter(_environ_data), b""), bytes):
+    _env_get, _CHECK_INDICES_KEY, _EMPTY, _OFF = (_environ_data.get, b"ROPEKV_CHECK_INDICES",
+                                                  b"", (b"", b"0"))
+else:  # another platform's os.environ
+    _env_get, _CHECK_INDICES_KEY, _EMPTY, _OFF = (os.environ.get, "ROPEKV_CHECK_INDICES", "",
+                                                  ("", "0"))
 
 
 def host_copy(view):
@@ -282,8 +367,6 @@ def check_ragged_paged(offsets, cache_lengths, block_table):
     ``input_row_offsets`` int32 or uint32 ``(B + 1,)``, ``cache_lengths`` int32 ``(B,)`` and
     ``block_table`` int32 ``(B, max_pages)`` (rows may be strided). Returns ``(B, max_pages)``.
     """
-    from ropekv._arrays import INT32, UINT32
-
     check_ndim(offsets, 1, "(B + 1,)")
     check_dtype(offsets, (INT32, UINT32))
     check_contiguous(offsets)

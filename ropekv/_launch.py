@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import operator
-import os
 import struct
 import sys
 import threading
@@ -43,6 +43,7 @@ import numpy as np
 
 from ropekv import _arrays as ar
 from ropekv import _checks as ck
+from ropekv._checks import _CHECK_INDICES_KEY, _EMPTY, _OFF, _env_get  # ROPEKV_CHECK_INDICES
 from ropekv._compile import get_kernel
 
 # ---------------------------------------------------------------------------------- streams
@@ -222,11 +223,10 @@ class Launch:
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.shared_mem = shared_mem
         n = self.n_ptr = params.n_pointers
-        pointer_names = params.names[:n]
-        self.slots = [slots[f] if f in slots else (-1, int(values.get(f, 0)))
-                      for f in pointer_names]
-        full = {**values, **{f: 0 for f in pointer_names}}
-        record = params.pack(**full)
+        names, get = params.names, values.get
+        self.slots = [slots[f] if f in slots else (-1, int(get(f, 0))) for f in names[:n]]
+        # the record with its pointer fields zero (refilled per call); every other field given
+        record = params.pack_values([*(0,) * n, *[values[f] for f in names[n:]]])
         self.tail = record[8 * n:]
         self.pack_into = struct.Struct(f"={n}Q").pack_into
         self.rec = ctypes.create_string_buffer(record, len(record))
@@ -318,6 +318,7 @@ def scalar_key(value):
 
 
 _NP_BOOL = np.bool_
+_NP_DTYPE = np.dtype  # (the C replay reads these two from this module)
 
 
 class Output:
@@ -329,7 +330,7 @@ class Output:
 
     def __init__(self, shape, dtype, workspace=False):
         self.shape, self.dtype, self.workspace = tuple(shape), np.dtype(dtype), workspace
-        self.size = int(np.prod(self.shape))
+        self.size = math.prod(self.shape)
 
     def allocate(self, kinds, device, stream_ptr, explicit=True):
         """On ``device`` (current) for a launch on ``stream_ptr``; ``explicit`` False says that
@@ -502,15 +503,6 @@ def _runtime():
     return runtime
 
 
-# ROPEKV_CHECK_INDICES read without os.environ's per-call key encoding (its raw table stays in
-# step with os.environ, monkeypatch.setenv included)
-_environ_data = getattr(os.environ, "_data", None)
-if isinstance(_environ_data, dict) and isinstance(next(iter(_environ_data), b""), bytes):
-    _CHECK_INDICES_OFF, _ENV_KEY, _OFF = _environ_data.get, b"ROPEKV_CHECK_INDICES", (b"", b"0")
-else:  # another platform's os.environ
-    _CHECK_INDICES_OFF, _ENV_KEY, _OFF = os.environ.get, "ROPEKV_CHECK_INDICES", ("", "0")
-
-
 def _launch_failed(code):
     """Raise the error of a failed launch of the C replay (CuPy's driver error where CuPy has it:
     the Python path's launch raises that one)."""
@@ -531,11 +523,13 @@ def _native_launchers():
     """The addresses of the driver's ``cuLaunchKernel`` and ``cuLaunchKernelEx`` (the library CuPy
     loaded; the process has one). OSError without a driver."""
     lib = ctypes.CDLL("libcuda.so.1")
+    ex = getattr(lib, "cuLaunchKernelEx", None)  # CUDA 12.0+ drivers
     return (ctypes.cast(lib.cuLaunchKernel, ctypes.c_void_p).value,
-            ctypes.cast(lib.cuLaunchKernelEx, ctypes.c_void_p).value)
+            None if ex is None else ctypes.cast(ex, ctypes.c_void_p).value)
 
 
 _native_module = [_UNBOUND]  # the configured C replay module, or None
+_native_has_ex = [False]  # whether it has cuLaunchKernelEx (launches with enable_pdl=True)
 
 
 def native_module():
@@ -553,6 +547,7 @@ def native_module():
             module = _native.load()
             if module is not None:
                 module.configure(*launchers)
+                _native_has_ex[0] = launchers[1] is not None
         _native_module[0] = module
     return module
 
@@ -562,6 +557,8 @@ def native_plan(plan, n_args):
     serve it (no C replay, a step that is not a :class:`Launch`, such as a cuBLAS call)."""
     module = native_module()
     if module is None or not all(type(s) is Launch for s in plan.steps):
+        return None
+    if not _native_has_ex[0] and any(s.pdl for s in plan.steps):
         return None
     steps = [(s.func, s.grid, s.block, s.shared_mem, s.pdl, s.slots, s.tail) for s in plan.steps]
     layers = plan.layers
@@ -648,6 +645,41 @@ def select_layer(views, indices, layer):
     return out, Layers(count, strides, layer, first.name, first.shape)
 
 
+# How a scalar argument enters a plan key (``Op(..., flags=[(name, kind), ...])``)
+AS_IS = 0  # as given (already a key: a tuple of tuning values, a validated scale)
+KEY = 1  # scalar_key(value): compared by value, bools kept apart from ints, lists as tuples
+FLAG = 2  # check_flag(value, name): a bool (TypeError otherwise)
+# or a function of the value: a dtype-like argument, returned as is when None, a str or a NumPy
+# dtype (the C replay takes those as they come; anything else goes through the function)
+
+
+def _normalizer(spec):
+    """The function that turns a call's scalar arguments into its plan's flags (one per entry of
+    ``spec``), unrolled: it runs on every call the C replay does not take."""
+    lines, env = ["def normalize(flags):", "    (" + "".join(f"v{i}, " for i in
+                                                             range(len(spec))) + ") = flags"], {}
+    out = []
+    for i, (name, kind) in enumerate(spec):
+        if kind == AS_IS:
+            out.append(f"v{i}")
+        elif kind == KEY:
+            out.append(f"v{i} if v{i}.__class__ in plain else scalar_key(v{i})")
+        elif kind == FLAG:
+            out.append(f"v{i} if v{i} is True or v{i} is False else check_flag(v{i}, {name!r})")
+        else:
+            env[f"f{i}"] = kind
+            out.append(f"f{i}(v{i})")
+    lines.append(f"    return ({', '.join(out)},)")
+    env.update(scalar_key=scalar_key, check_flag=ck.check_flag,
+               plain=frozenset((float, int, str, tuple, type(None))))
+    exec(compile("\n".join(lines), "<ropekv flags>", "exec"), env)
+    return env["normalize"]
+
+
+def _given(flags):
+    return flags
+
+
 class Op:
     """One public operation on the one call path: ``names`` of its array arguments, in the order
     its wrapper passes them, and ``prepare(views, flags) -> Plan`` (validates a first call and
@@ -655,14 +687,24 @@ class Op:
     arguments that carry a leading ``(num_layers, ...)`` dimension when a call gives
     ``layer_idx`` (caches, and any per-layer array beside them, such as scale arrays); ``prepare``
     then sees one layer of each. Plans of such calls live in ``layer_plans``, one per layout for
-    every layer."""
+    every layer.
+
+    ``flags`` names the scalar arguments the wrapper passes, in order, each with how it enters
+    the plan key (:data:`AS_IS`, :data:`KEY`, :data:`FLAG` or a function, above): the wrapper
+    passes them as the caller gave them, and ``prepare`` sees them normalized. The C replay takes
+    a call whose values are already normal as it comes (a bool flag that is a bool, a key that is
+    no bool and no list); any other goes through the normalization (and its errors) in Python."""
 
     MAX_PLANS = 256
 
-    def __init__(self, name, names, prepare, layered=()):
+    def __init__(self, name, names, prepare, layered=(), flags=()):
         self.name = name
         self.names = tuple(names)
         self.prepare = prepare
+        self.flag_names = tuple(n for n, _ in flags)
+        kinds = [k if k in (AS_IS, KEY, FLAG) else 3 for _, k in flags]
+        self.flag_kinds = tuple(kinds) if flags else None  # None: the wrapper normalizes
+        self.normalize = _normalizer(flags) if flags else _given
         self.plans = _Plans()
         self.layer_plans = _Plans()
         unknown = set(layered) - set(self.names)
@@ -677,7 +719,7 @@ class Op:
         """Bind the C replay of this op (``_native.Caller``; None where it cannot be had)."""
         module = native_module()
         self.caller = None if module is None else module.Caller(
-            self.names, vars(ar), globals(), _MISS)
+            self.names, self.flag_kinds, vars(ar), globals(), _MISS)
         self.caller_bound = True
 
     def reset_caller(self, native=True):
@@ -701,12 +743,13 @@ class Op:
             if not self.layered:
                 raise TypeError(f"{self.name} takes no layer_idx")
             plans = self.layer_plans
-        if _CHECK_INDICES_OFF(_ENV_KEY, b"") in _OFF:  # else: the first-call path checks indices
+        if _env_get(_CHECK_INDICES_KEY, _EMPTY) in _OFF:  # else: the first call checks indices
             caller = self.caller
             if caller is not None:  # the replay in C; a new layout or array kind: on in Python
                 done = caller(arrays, flags, stream_ptr, layer_idx, plans)
                 if done is not _MISS:
                     return done
+            flags = self.normalize(flags)
             fast = self.signature(arrays)
             if fast is None:  # an argument of another kind: its view (and capsule) lives here
                 layout, ptrs, kinds, keep = ar.signature(arrays, self.names, stream_ptr)
@@ -726,7 +769,7 @@ class Op:
             if layer_idx is not None and plan.layers.misaligned(layer_idx):
                 return self.first_call(arrays, flags, stream_ptr, None, layer_idx)
             return plan.replay(arrays, ptrs, kinds, stream_ptr, self.names, layer_idx)
-        return self.first_call(arrays, flags, stream_ptr, None, layer_idx)
+        return self.first_call(arrays, self.normalize(flags), stream_ptr, None, layer_idx)
 
     def first_call(self, arrays, flags, stream_ptr, key, layer=None):
         """Validate and plan a call (``layer``: its ``layer_idx``), cache the plan under ``key``

@@ -56,7 +56,7 @@ enum { CUPY = 1, TORCH = 2 }; /* _arrays.CUPY / TORCH */
 static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *s_data_ptr,
     *s_stride, *s_get_device, *s_last, *s_native, *s_replay, *s_make_outputs, *s_result,
     *s_getDevice, *s_setDevice, *s_cupy_array, *s_torch_tensor, *s_current_stream_ptr,
-    *s_torch_stream_ptr, *s_runtime, *s_launch_failed, *one;
+    *s_torch_stream_ptr, *s_runtime, *s_launch_failed, *s_np_bool, *s_np_dtype, *one;
 
 /* ---- a plan's launches, as C data ----------------------------------------------------------- */
 
@@ -289,6 +289,7 @@ typedef struct {
   PyObject_HEAD
   vectorcallfunc vectorcall; /* caller_call: the type's instances are called through it */
   PyObject *names;        /* the op's argument names (Plan.replay's error messages) */
+  PyObject *kinds;        /* how each scalar argument enters the key (Op.flag_kinds), or None */
   PyObject *arrays_dict;  /* ropekv._arrays.__dict__: _CUPY_ARRAY, _TORCH_TENSOR */
   PyObject *launch_dict;  /* ropekv._launch.__dict__: the stream rule, _RUNTIME, errors */
   PyObject *miss;         /* the answer "take the Python path" */
@@ -299,6 +300,7 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
 
 static void caller_dealloc(Caller *self) {
   Py_XDECREF(self->names);
+  Py_XDECREF(self->kinds);
   Py_XDECREF(self->arrays_dict);
   Py_XDECREF(self->launch_dict);
   Py_XDECREF(self->miss);
@@ -306,12 +308,18 @@ static void caller_dealloc(Caller *self) {
 }
 
 static PyObject *caller_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-  PyObject *names, *arrays_dict, *launch_dict, *miss;
-  if (!PyArg_ParseTuple(args, "O!O!O!O", &PyTuple_Type, &names, &PyDict_Type, &arrays_dict,
-                        &PyDict_Type, &launch_dict, &miss))
+  PyObject *names, *kinds, *arrays_dict, *launch_dict, *miss;
+  if (!PyArg_ParseTuple(args, "O!OO!O!O", &PyTuple_Type, &names, &kinds, &PyDict_Type,
+                        &arrays_dict, &PyDict_Type, &launch_dict, &miss))
     return NULL;
+  if (kinds != Py_None && !PyTuple_CheckExact(kinds)) {
+    PyErr_SetString(PyExc_TypeError, "kinds must be a tuple of ints or None");
+    return NULL;
+  }
   Caller *self = (Caller *)type->tp_alloc(type, 0);
   if (!self) return NULL;
+  Py_INCREF(kinds);
+  self->kinds = kinds;
   Py_INCREF(names);
   Py_INCREF(arrays_dict);
   Py_INCREF(launch_dict);
@@ -423,18 +431,17 @@ static int launch_steps(Caller *self, NativePlan *plan, const uint64_t *ptrs, vo
     memcpy(rec + 8 * st->n_ptr, st->tail, st->tail_len);
     void *params[1] = {rec};
     int err;
+    if (!(st->pdl ? (void *)cu_launch_ex : (void *)cu_launch)) {
+      PyErr_SetString(PyExc_RuntimeError, "ropekv's C replay has no driver launch function");
+      return -1;
+    }
     if (!st->pdl) {
-      if (!cu_launch) {
-        PyErr_SetString(PyExc_RuntimeError, "ropekv native launcher not configured");
-        return -1;
-      }
+      /* the driver call runs without the GIL (other threads may go on; the record is ours) */
+      Py_BEGIN_ALLOW_THREADS
       err = cu_launch(st->func, st->grid[0], st->grid[1], st->grid[2], st->block[0],
                       st->block[1], st->block[2], st->smem, stream, params, NULL);
+      Py_END_ALLOW_THREADS
     } else {
-      if (!cu_launch_ex) {
-        PyErr_SetString(PyExc_RuntimeError, "ropekv native launcher not configured");
-        return -1;
-      }
       LaunchAttribute attr;
       memset(&attr, 0, sizeof attr);
       attr.id = PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -447,7 +454,9 @@ static int launch_steps(Caller *self, NativePlan *plan, const uint64_t *ptrs, vo
       config.stream = stream;
       config.attrs = &attr;
       config.num_attrs = 1;
+      Py_BEGIN_ALLOW_THREADS
       err = cu_launch_ex(&config, st->func, params, NULL);
+      Py_END_ALLOW_THREADS
     }
     if (err) {
       PyObject *code = PyLong_FromLong(err);
@@ -462,6 +471,39 @@ static int launch_steps(Caller *self, NativePlan *plan, const uint64_t *ptrs, vo
   return 0;
 }
 
+enum { AS_IS = 0, KEY = 1, FLAG = 2, DTYPE = 3 }; /* _launch's flag kinds */
+
+/* 1 when every scalar argument already is what its normalization would give (Op.normalize), so
+ * the call's values are its plan's flags; 0: the Python path normalizes (and raises); -1 error. */
+static int flags_are_normal(Caller *self, PyObject *flags) {
+  if (self->kinds == Py_None) return 1;
+  Py_ssize_t n = PyTuple_GET_SIZE(self->kinds);
+  if (!PyTuple_CheckExact(flags) || PyTuple_GET_SIZE(flags) != n) return 0;
+  PyObject *np_bool = NULL, *np_dtype = NULL;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *v = PyTuple_GET_ITEM(flags, i);
+    long kind = PyLong_AsLong(PyTuple_GET_ITEM(self->kinds, i));
+    if (kind == -1 && PyErr_Occurred()) return -1;
+    if (kind == FLAG) {
+      if (v != Py_True && v != Py_False) return 0;
+    } else if (kind == KEY) {
+      if (PyBool_Check(v) || PyList_Check(v)) return 0;
+      if (!(PyFloat_CheckExact(v) || PyLong_CheckExact(v) || PyUnicode_CheckExact(v) ||
+            PyTuple_CheckExact(v) || v == Py_None)) {
+        if (!np_bool && !(np_bool = PyDict_GetItemWithError(self->launch_dict, s_np_bool)))
+          return PyErr_Occurred() ? -1 : 0;
+        if (Py_IS_TYPE(v, (PyTypeObject *)np_bool)) return 0;
+      }
+    } else if (kind == DTYPE) {
+      if (v == Py_None || PyUnicode_CheckExact(v)) continue;
+      if (!np_dtype && !(np_dtype = PyDict_GetItemWithError(self->launch_dict, s_np_dtype)))
+        return PyErr_Occurred() ? -1 : 0;
+      if (!PyType_Check(np_dtype) || !PyObject_TypeCheck(v, (PyTypeObject *)np_dtype)) return 0;
+    }
+  }
+  return 1;
+}
+
 /* Caller(arrays, flags, stream_ptr, layer, plans) -> the op's result, or MISS. */
 static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
                              PyObject *kwnames) {
@@ -473,6 +515,12 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
   PyObject *arrays = args[0], *flags = args[1], *stream_arg = args[2], *layer_arg = args[3],
            *plans = args[4];
   if (!PyTuple_CheckExact(arrays) || PyTuple_GET_SIZE(arrays) > MAX_ARGS) {
+    Py_INCREF(self->miss);
+    return self->miss;
+  }
+  int normal = flags_are_normal(self, flags);
+  if (normal <= 0) {
+    if (normal < 0) return NULL;
     Py_INCREF(self->miss);
     return self->miss;
   }
@@ -727,7 +775,7 @@ static PyTypeObject CallerType = {
     .tp_basicsize = sizeof(Caller),
     .tp_dealloc = (destructor)caller_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_doc = "An op's replay in C: Caller(names, arrays_dict, launch_dict, miss)"
+    .tp_doc = "An op's replay in C: Caller(names, kinds, arrays_dict, launch_dict, miss)"
               "(arrays, flags, stream_ptr, layer, plans).",
     .tp_new = caller_new,
     .tp_call = PyVectorcall_Call,
@@ -785,6 +833,8 @@ PyMODINIT_FUNC PyInit__native_ext(void) {
   INTERN(s_torch_stream_ptr, "_torch_stream_ptr");
   INTERN(s_runtime, "_RUNTIME");
   INTERN(s_launch_failed, "_launch_failed");
+  INTERN(s_np_bool, "_NP_BOOL");
+  INTERN(s_np_dtype, "_NP_DTYPE");
   if (!(one = PyLong_FromLong(1))) return NULL;
   if (PyType_Ready(&NativePlanType) < 0 || PyType_Ready(&CallerType) < 0) return NULL;
   PyObject *m = PyModule_Create(&moduledef);

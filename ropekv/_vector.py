@@ -6,10 +6,20 @@ from __future__ import annotations
 def aligned(view, n_elements):
     """True when ``view``'s pointer and every stride but the last are multiples of an access of
     ``n_elements`` (capped at 16 bytes), so row starts stay aligned for that access."""
-    access = min(16, n_elements * view.dtype.itemsize)
-    if view.ptr % access:
-        return False
-    return all((s * view.dtype.itemsize) % access == 0 for s in view.strides[:-1])
+    return all_aligned((view,), n_elements)
+
+
+def all_aligned(views, n_elements):
+    """``aligned(view, n_elements)`` for every view of ``views`` (one loop, no generator)."""
+    for view in views:
+        item = view.dtype.itemsize
+        access = min(16, n_elements * item)
+        if view.ptr % access:
+            return False
+        for s in view.strides[:-1]:
+            if s * item % access:
+                return False
+    return True
 
 
 def vector_width(itemsize, fits, widths=(8, 4, 2, 1)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import numpy as np
@@ -18,18 +19,17 @@ from ropekv._arrays import (
     INT64,
 )
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import Launch, Op, ParamStruct, Plan, scalar_key
+from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, ParamStruct, Plan
 from ropekv._mrope import check_mrope
 from ropekv._types import ArrayLike, StreamLike
-from ropekv._vector import aligned, vector_width
+from ropekv._vector import aligned, all_aligned, vector_width
 
 STEM = "contiguous"
 KERNEL = "apply_rope_write_kv"
 KERNEL_SCALED = "apply_rope_write_kv_scaled"  # MODE 3-5: the computed scales, registers capped
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 INDEX_DTYPES = (INT32, INT64)
-INT8 = np.dtype(np.int8)
-SCALED_CACHE_DTYPES = (*FP8_DTYPES, INT8)  # caches that may carry per-token-head scales
+SCALED_CACHE_DTYPES = ck.SCALED_CACHE_DTYPES  # caches that may carry per-token-head scales
 ROWS_MAX = 4  # head rows one lane group holds (kRowsMax in the kernel)
 SCALED_ROWS_MAX = 2  # ... in the computed-scale kernels, MODE 3-5 (kScaledRowsMax)
 MAX_ITEMS = 256  # chunks (lanes) per head row: one lane group fits a block
@@ -77,6 +77,7 @@ Q_OUT = ARRAYS.index("q_out")
 
 
 
+@functools.cache  # a plan's lookup spells it once per first call
 def expression(dtype, cache_dtype, is_neox, n, mode=MODE_PLAIN, q_dtype=None):
     """The kernel of one specialisation (``mode``); ``q_dtype``: the Q output's dtype (that of
     ``dtype`` unless a quantized-output mode writes fp8 queries)."""
@@ -271,10 +272,8 @@ def apply_rope_write_kv(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_cache: Arra
     in_place = q_out is q  # the plain in-place call: q_out is not a second array
     out = _OP((q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, scale_array,
                None if in_place else q_out, q_scale_out, kv_cache_scales),
-              (ck.check_flag(write_k_in_place, "write_k_in_place"),
-               ck.check_flag(is_neox, "is_neox"), ck.check_flag(enable_pdl, "enable_pdl"),
-               scalar_key(scale), tuple(TUNING.values()), scalar_key(mrope_section),
-               ck.check_flag(mrope_interleaved, "mrope_interleaved"), scalar_key(q_scale)),
+              (write_k_in_place, is_neox, enable_pdl, scale, tuple(TUNING.values()),
+               mrope_section, mrope_interleaved, q_scale),
               stream)
     return q if in_place else out
 
@@ -283,7 +282,7 @@ def _scale_arg(value):
     """``kv_scale`` as ``(constant, array)``: a number, a pair or a 0-d NumPy array goes into the
     plan key as its value(s), anything else is an array argument of the call."""
     cls = value.__class__
-    if cls is float or cls is int or cls is tuple or cls is list:
+    if value is None or cls is float or cls is int or cls is tuple or cls is list:
         return value, None
     if isinstance(value, np.ndarray) and value.ndim == 0:
         return value.item(), None
@@ -309,41 +308,20 @@ def _check_quantized_outputs(vq, vc, vqo, q_scale, vqs, vcs, kv_scale_given):
     static Q scale (1.0 when none applies)."""
     B, S, Hq, D = vq.shape
     Hkv, C = vc.shape[2], vc.shape[3]
-    q_fp8 = vqo is not None and vqo.dtype in FP8_DTYPES
     if vqo is not None:
         ck.check_ndim(vqo, 4, "(B, S, Hq, D)")
         ck.check_shape(vqo, (B, S, Hq, D), "(B, S, Hq, D)")
         if vqo.dtype != vq.dtype:
             ck.check_dtype(vqo, (vq.dtype, *FP8_DTYPES))
         ck.check_last_dim_contiguous(vqo)
-    if q_scale is not None:
-        if not q_fp8:
-            raise ValueError(f"q_scale is only used with a float8 q_out, but q_out is "
-                             f"{'not given' if vqo is None else vqo.dtype}")
-        if vqs is not None:
-            raise ValueError("q_scale (a static scale) and q_scale_out (dynamic scales) exclude "
-                             "each other: give one")
-        q_scale = ck.check_float(q_scale, "q_scale", positive=True)
-    if vqs is not None:
-        if not q_fp8:
-            raise ValueError(f"q_scale_out is only used with a float8 q_out, but q_out is "
-                             f"{'not given' if vqo is None else vqo.dtype}")
-        ck.check_ndim(vqs, 3, "(B, S, Hq)")
-        ck.check_shape(vqs, (B, S, Hq), "(B, S, Hq)")
-        ck.check_dtype(vqs, (FLOAT32,))
+    ck.check_q_scales(None if vqo is None else vqo.dtype, "q_out", "q_scale", q_scale is not None,
+                      vqs, (B, S, Hq), "(B, S, Hq)")
+    ck.check_cache_scales(vc.dtype, "kv_cache", "kv_scale", kv_scale_given, vcs is not None,
+                          "(B, 2, Hkv, C)")
     if vcs is not None:
-        if vc.dtype not in SCALED_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_scales needs a float8 or int8 kv_cache, but kv_cache is "
-                             f"{vc.dtype}")
-        if kv_scale_given:
-            raise ValueError("kv_scale (static scales) and kv_cache_scales (per-token-head "
-                             "scales) exclude each other: give one")
-        ck.check_ndim(vcs, 4, "(B, 2, Hkv, C)")
-        ck.check_shape(vcs, (B, 2, Hkv, C), "(B, 2, Hkv, C)")
-        ck.check_dtype(vcs, (FLOAT32,))
-    elif vc.dtype == INT8:
-        raise ValueError("an int8 kv_cache needs kv_cache_scales (B, 2, Hkv, C) float32: int8 "
-                         "rows are stored with per-token-head scales only")
+        ck.check_scale_array(vcs, (B, 2, Hkv, C), "(B, 2, Hkv, C)")
+    if q_scale is not None:
+        q_scale = ck.check_float(q_scale, "q_scale", positive=True)
     return 1.0 if q_scale is None else q_scale
 
 
@@ -360,8 +338,8 @@ def _prepare(views, flags):
     Hkv = vk.shape[2]
     ck.check_shape(vk, (B, S, None, D), "(B, S, Hkv, D)")
     ck.check_shape(vv, (B, S, Hkv, D), "(B, S, Hkv, D)")
-    for view in (vk, vv):
-        ck.check_same_dtype(view, vq)
+    ck.check_same_dtype(vk, vq)
+    ck.check_same_dtype(vv, vq)
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q's head count ({Hq}) must be a positive multiple of k's ({Hkv})")
     if D == 0:
@@ -399,17 +377,16 @@ def _prepare(views, flags):
             ck.check_shape(vscale, (2,), "(2,) or ()")
         ck.check_dtype(vscale, (FLOAT32,))
         ck.check_contiguous(vscale)
-    for view in (vq, vk, vv, vc, vt):
-        ck.check_last_dim_contiguous(view)
-    present = [x for x in views if x is not None]
-    device = ck.check_same_device(present)
+    ck.check_last_dim_contiguous(vq, vk, vv, vc, vt)
+    device = ck.check_same_device(views)
     written = ((Q_OUT, 9, 10) if vqo is not None else (0, 9, 10)) + (3,)
     written += (1,) if write_k_in_place else ()
     result = (lambda arrays, outs: arrays[Q_OUT]) if vqo is not None else None
 
-    if vscale is not None and (device == HOST or ck.check_indices_enabled()):
+    check_indices = ck.check_indices_enabled()
+    if vscale is not None and (device == HOST or check_indices):
         ck.check_scale_values(vscale)
-    if ck.check_indices_enabled():
+    if check_indices:
         _check_indices(vlens, vpos, B, S, C, P, sections is not None)
     if device == HOST:
         def host(v, _):
@@ -447,10 +424,12 @@ def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope
     Hkv, C = vk.shape[2], vc.shape[3]
     vout = vq if vqo is None else vqo
 
+    data = (vq, vk, vv, vc, vout)
+
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
         cos_width = n if is_neox else n // 2
-        return (rot and (D - R) % n == 0 and all(aligned(x, n) for x in (vq, vk, vv, vc, vout))
+        return (rot and (D - R) % n == 0 and all_aligned(data, n)
                 and aligned(vt, cos_width))
 
     n = vector_width(vq.dtype.itemsize, fits)
@@ -473,35 +452,40 @@ def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope
     table_strides = vt.strides if vt.ndim == 3 else (0, *vt.strides)
     qs_strides = vqs.strides if vqs is not None else (0, 0, 0)
     cs_strides = vcs.strides if vcs is not None else (0, 0, 0, 0)
-    values = PARAMS.values(
-        q=0, k=0, v=0, cache=0, cos_sin=0, kv_end_lens=0, position_ids=0, kv_scale=0, q_out=0,
-        q_scale_out=0, cache_scales=0,
-        q_sb=vq.strides[0], q_ss=vq.strides[1], q_sh=vq.strides[2],
-        k_sb=vk.strides[0], k_ss=vk.strides[1], k_sh=vk.strides[2],
-        v_sb=vv.strides[0], v_ss=vv.strides[1], v_sh=vv.strides[2],
-        c_sb=vc.strides[0], c_skv=vc.strides[1], c_sh=vc.strides[2], c_st=vc.strides[3],
-        cs_sb=table_strides[0] if vt.ndim == 3 and vt.shape[0] > 1 else 0, cs_sp=table_strides[1],
-        qo_sb=vout.strides[0], qo_ss=vout.strides[1], qo_sh=vout.strides[2],
-        qs_sb=qs_strides[0], qs_ss=qs_strides[1], qs_sh=qs_strides[2],
-        ks_sb=cs_strides[0], ks_skv=cs_strides[1], ks_sh=cs_strides[2], ks_st=cs_strides[3],
-        inv_k_scale=1.0 / scales[0], inv_v_scale=1.0 / scales[1], inv_q_scale=1.0 / q_static,
-        B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=C, P=P, write_k_in_place=int(write_k_in_place),
-        group=group, rows=rows, index64=(int(vlens is not None and vlens.dtype == INT64)
-                 | 2 * int(vpos is not None and vpos.dtype == INT64)),
-        v_scale_index=int(vscale is not None and vscale.ndim == 1), mrope=int(bool(sections)),
-        mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
-        mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved),
-        items=items, q_full=int(vqo is not None), q_dynamic=int(vqs is not None),
-        kv_dynamic=int(vcs is not None))
+    values = {  # every field of PARAMS (Launch packs them by name)
+        "q": 0, "k": 0, "v": 0, "cache": 0, "cos_sin": 0, "kv_end_lens": 0, "position_ids": 0,
+        "kv_scale": 0, "q_out": 0, "q_scale_out": 0, "cache_scales": 0, "q_sb": vq.strides[0],
+        "q_ss": vq.strides[1], "q_sh": vq.strides[2], "k_sb": vk.strides[0], "k_ss": vk.strides[1],
+        "k_sh": vk.strides[2], "v_sb": vv.strides[0], "v_ss": vv.strides[1], "v_sh": vv.strides[2],
+        "c_sb": vc.strides[0], "c_skv": vc.strides[1], "c_sh": vc.strides[2],
+        "c_st": vc.strides[3],
+        "cs_sb": table_strides[0] if vt.ndim == 3 and vt.shape[0] > 1 else 0,
+        "cs_sp": table_strides[1], "qo_sb": vout.strides[0], "qo_ss": vout.strides[1],
+        "qo_sh": vout.strides[2], "qs_sb": qs_strides[0], "qs_ss": qs_strides[1],
+        "qs_sh": qs_strides[2], "ks_sb": cs_strides[0], "ks_skv": cs_strides[1],
+        "ks_sh": cs_strides[2], "ks_st": cs_strides[3], "inv_k_scale": 1.0 / scales[0],
+        "inv_v_scale": 1.0 / scales[1], "inv_q_scale": 1.0 / q_static, "B": B, "S": S, "Hq": Hq,
+        "Hkv": Hkv, "D": D, "R": R, "C": C, "P": P, "write_k_in_place": int(write_k_in_place),
+        "group": group, "rows": rows,
+        "index64": (int(vlens is not None and vlens.dtype == INT64)
+                    | 2 * int(vpos is not None and vpos.dtype == INT64)),
+        "v_scale_index": int(vscale is not None and vscale.ndim == 1),
+        "mrope": int(bool(sections)), "mrope_t": sections[0] if sections else 0,
+        "mrope_h": sections[1] if sections else 0, "mrope_w": sections[2] if sections else 0,
+        "mrope_interleaved": int(mrope_interleaved), "items": items,
+        "q_full": int(vqo is not None), "q_dynamic": int(vqs is not None),
+        "kv_dynamic": int(vcs is not None)}
     slots = {f: (i, 0) for i, f in enumerate(FIELDS) if views[i] is not None}
     if vqo is None:
         slots["q_out"] = (0, 0)  # Q roped in place: the kernel writes through q_out = q
     return Launch(STEM, expression(vq.dtype, vc.dtype, is_neox, n, mode, vout.dtype), device,
-                  (B * S, splits), (block,), PARAMS, dict(zip(PARAMS.names, values)), slots,
-                  pdl=pdl)
+                  (B * S, splits), (block,), PARAMS, values, slots, pdl=pdl)
 
 
-_OP = Op("apply_rope_write_kv", ARRAYS, _prepare)
+_OP = Op("apply_rope_write_kv", ARRAYS, _prepare,
+         flags=[("write_k_in_place", FLAG), ("is_neox", FLAG), ("enable_pdl", FLAG),
+                ("kv_scale", KEY), ("tuning", AS_IS), ("mrope_section", KEY),
+                ("mrope_interleaved", FLAG), ("q_scale", KEY)])
 
 
 def _check_indices(vlens, vpos, B, S, C, P, mrope=False):

@@ -4,16 +4,18 @@ quantized write of the latent row into a paged cache, in one launch (Modular MAX
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ropekv import _checks as ck
 from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
-from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
+from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_status
 from ropekv._types import ArrayLike, StreamLike
-from ropekv._vector import aligned, vector_width
+from ropekv._vector import aligned, all_aligned, vector_width
 
 STEM = "mla"
 KERNEL = "mla_rope_rmsnorm_append"
@@ -49,6 +51,7 @@ def launch_shape(T, Hq, items):
     return -(-Hq // per_block), per_block
 
 
+@functools.cache  # a plan's lookup spells it once per first call
 def expression(dtype, cache_dtype, is_neox, n, split=False, opts=False):
     """``opts``: the kernel that reads the options (tail clearing); the plain one has them
     compiled out."""
@@ -206,9 +209,8 @@ def mla_rope_rmsnorm_append_paged_kv_cache(
     return (_SPLIT if split else _JOINED)(
         (q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table, *caches,
          q_rope_out, status),
-        (scalar_key(epsilon), scalar_key(kv_norm_dim), ck.check_flag(is_neox, "is_neox"),
-         scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl"), tuple(TUNING.values()),
-         ck.check_flag(clear_unused_last_page_rows, "clear_unused_last_page_rows")),
+        (epsilon, kv_norm_dim, is_neox, kv_scale, enable_pdl, tuple(TUNING.values()),
+         clear_unused_last_page_rows),
         stream, layer_idx)
 
 
@@ -236,7 +238,8 @@ def _prepare(views, flags):
     if L <= 0:
         raise ValueError(f"kv must have shape (T, L + R) with L > 0 and R = {R}, got {vkv.shape}")
     n_norm = L if kv_norm_dim is None else kv_norm_dim
-    if not isinstance(n_norm, int | np.integer) or not 0 < n_norm <= L:
+    if n_norm.__class__ is not int and not isinstance(n_norm, int | np.integer) or not (
+            0 < n_norm <= L):
         raise ValueError(f"kv_norm_dim must be an integer in [1, L={L}], got {kv_norm_dim!r}")
     n_norm = int(n_norm)
     ck.check_shape(vg, (n_norm,), "(kv_norm_dim,)")
@@ -269,13 +272,12 @@ def _prepare(views, flags):
                          f"{vcache.shape}")
     scale = cache_scale(kv_scale, vcache.dtype)
     epsilon = ck.check_float(epsilon, "epsilon", positive=False)
-    for view in (vq, vkv, vt, *caches):
-        ck.check_last_dim_contiguous(view)
+    ck.check_last_dim_contiguous(vq, vkv, vt, *caches)
     if vgiven is not None:
         check_output(vgiven, vq)
     if vstatus is not None:
         check_status(vstatus)
-    device = ck.check_same_device([x for x in views if x is not None])
+    device = ck.check_same_device(views)
     written = ((7, 8, 9) if split else (7, 9)) + ((10,) if vstatus is not None else ())
     outputs = [] if vgiven is not None else [Output((T, Hq, R), vq.dtype)]
     result = _given_or_new(9)
@@ -304,10 +306,11 @@ def _prepare(views, flags):
 
     vout = vgiven if vgiven is not None else vq  # a new output is laid out (and aligned) as q
 
+    data = (vq, vout, vkv, vg, *caches)
+
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
-        return (rot and L % n == 0 and n_norm % n == 0
-                and all(aligned(x, n) for x in (vq, vout, vkv, vg, *caches))
+        return (rot and L % n == 0 and n_norm % n == 0 and all_aligned(data, n)
                 and aligned(vt, n if is_neox else n // 2))
 
     n = vector_width(vq.dtype.itemsize, fits)
@@ -327,15 +330,16 @@ def _prepare(views, flags):
     else:
         out_strides = vgiven.strides[:2]
     ckv_s, kpe_s = (caches[0].strides, caches[-1].strides)
-    values = dict(zip(PARAMS.names, PARAMS.values(
-        q=0, q_out=0, kv=0, gamma=0, cos_sin=0, offsets=0, cache_lengths=0, block_table=0, ckv=0,
-        kpe=0, q_st=vq.strides[0], q_sh=vq.strides[1], qo_st=out_strides[0],
-        qo_sh=out_strides[1], kv_st=vkv.strides[0], cs_sp=vt.strides[0], bt_sb=vbt.strides[0],
-        ckv_sp=ckv_s[0], ckv_se=ckv_s[1], kpe_sp=kpe_s[0], kpe_se=kpe_s[1], num_pages=num_pages,
-        epsilon=epsilon, inv_kv_scale=1.0 / scale if scale else 1.0,
-        T=T, B=B, Hq=Hq, L=L, R=R, P=P, kv_norm_dim=n_norm, max_pages=max_pages,
-        page_size=page_size, gamma_f32=int(vg.dtype == FLOAT32), heads_per_block=per_block,
-        clear=int(clear), status=0, check=int(vstatus is not None))))
+    values = {  # every field of PARAMS (Launch packs them by name)
+        "q": 0, "q_out": 0, "kv": 0, "gamma": 0, "cos_sin": 0, "offsets": 0, "cache_lengths": 0,
+        "block_table": 0, "ckv": 0, "kpe": 0, "q_st": vq.strides[0], "q_sh": vq.strides[1],
+        "qo_st": out_strides[0], "qo_sh": out_strides[1], "kv_st": vkv.strides[0],
+        "cs_sp": vt.strides[0], "bt_sb": vbt.strides[0], "ckv_sp": ckv_s[0], "ckv_se": ckv_s[1],
+        "kpe_sp": kpe_s[0], "kpe_se": kpe_s[1], "num_pages": num_pages, "epsilon": epsilon,
+        "inv_kv_scale": 1.0 / scale if scale else 1.0, "T": T, "B": B, "Hq": Hq, "L": L, "R": R,
+        "P": P, "kv_norm_dim": n_norm, "max_pages": max_pages, "page_size": page_size,
+        "gamma_f32": int(vg.dtype == FLOAT32), "heads_per_block": per_block, "clear": int(clear),
+        "status": 0, "check": int(vstatus is not None)}
     # pointer fields <- (argument index, byte offset); a new q output comes after the arguments
     slots = {"q": (0, 0), "kv": (1, 0), "gamma": (2, 0), "cos_sin": (3, 0), "offsets": (4, 0),
              "cache_lengths": (5, 0), "block_table": (6, 0), "ckv": (7, 0),
@@ -360,9 +364,11 @@ def _given_or_new(index):
 
 _NAMES = ("q_rope", "kv", "gamma", "cos_sin_cache", "input_row_offsets", "cache_lengths",
           "block_table")
+_FLAGS = [("epsilon", KEY), ("kv_norm_dim", KEY), ("is_neox", FLAG), ("kv_scale", KEY),
+          ("enable_pdl", FLAG), ("tuning", AS_IS), ("clear_unused_last_page_rows", FLAG)]
 _JOINED = Op("mla_rope_rmsnorm_append_paged_kv_cache",
              (*_NAMES, "kv_cache", "kpe_cache", "q_rope_out", "status"), _prepare,
-             layered=("kv_cache", "kpe_cache"))
+             layered=("kv_cache", "kpe_cache"), flags=_FLAGS)
 _SPLIT = Op("mla_rope_rmsnorm_append_paged_kv_cache",
             (*_NAMES, "ckv_cache", "kpe_cache", "q_rope_out", "status"), _prepare,
-            layered=("ckv_cache", "kpe_cache"))
+            layered=("ckv_cache", "kpe_cache"), flags=_FLAGS)

@@ -24,10 +24,10 @@ from ropekv._arrays import (
     INT64,
 )
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
+from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._types import ArrayLike, DTypeLike, StreamLike
-from ropekv._vector import aligned, vector_width
+from ropekv._vector import aligned, all_aligned, vector_width
 
 STEM = "paged"
 INT8 = reference.INT8  # int8 caches: with per-token-head scales only
@@ -36,6 +36,11 @@ INPUT_DTYPES = (FLOAT16, BFLOAT16)
 INDEX_DTYPES = (INT32, INT64)
 WIDTHS = (8, 4, 2, 1)
 LAYOUTS = ("NHD", "HND")
+# a GQA/MHA cache's shape per layout, and as errors spell it
+CACHE_LAYOUTS = {
+    layout: (spelled, f"{spelled} for {layout}")
+    for layout, spelled in (("NHD", "(num_pages, page_size, Hkv, head_dim)"),
+                            ("HND", "(num_pages, Hkv, page_size, head_dim)"))}
 
 # Launch shape, from a sweep on the H200 (`ropekv bench --tune paged.KEY=...` repeats it). A kernel
 # shape is (unroll, rot_unroll, min_blocks_per_sm): pass-through / rotary items each thread loads before it stores,
@@ -481,11 +486,8 @@ def _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_ca
     return op((q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, *paged_kv_cache,
                kv_indices, kv_indptr, batch_indices, positions, q_rope_out, q_nope_out, q_scales,
                kv_scales, q_scale_out, *kv_cache_scales, status),
-              (quantize, ck.check_flag(is_neox, "is_neox"), scalar_key(quantize_dtype),
-               q_scale, kv_scale, scalar_key(page_size),  # scales: reals, never bools
-               scalar_key(kv_layout), ck.check_flag(enable_pdl, "enable_pdl"),
-               tuple(TUNING.values()), scalar_key(mrope[0]),
-               ck.check_flag(mrope[1], "mrope_interleaved")), stream)
+              (quantize, is_neox, quantize_dtype, q_scale, kv_scale, page_size, kv_layout,
+               enable_pdl, tuple(TUNING.values()), mrope[0], mrope[1]), stream)
 
 
 def _scales(view, value, name, heads):
@@ -500,19 +502,19 @@ def _scales(view, value, name, heads):
     return 1.0, view
 
 
-def _check_options(vqso, vksc, vvsc, vstatus, out_dtype, mla, T, Hq, Hkv, num_pages, page_size,
-                   kv_layout):
-    """Validate ``q_scale_out``, ``kv_cache_scales`` and ``status``; their strides (elements)
-    as PARAMS fields (zeros for those not given)."""
+def _spelled(quantize, vqr, kv_dyn):
+    """The cache dtypes an error names: those of the op (int8 only with ``kv_cache_scales``)."""
+    dtypes = (*FP8_DTYPES, INT8) if kv_dyn else FP8_DTYPES if quantize else (vqr.dtype,
+                                                                             *FP8_DTYPES)
+    return " or ".join(map(str, dtypes))
+
+
+def _check_options(vqso, vksc, vvsc, vstatus, mla, Hkv, num_pages, page_size, kv_layout):
+    """Validate ``kv_cache_scales`` and ``status`` (``q_scale_out``: ``ck.check_q_scales``); the
+    option arrays' strides (elements) as PARAMS fields (zeros for those not given)."""
     st = dict.fromkeys(("qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se", "vs_sh"),
                        0)
     if vqso is not None:
-        if out_dtype not in FP8_DTYPES:
-            raise TypeError(f"q_scale_out (dynamic fp8 queries) needs an fp8 quantize dtype "
-                            f"(float8_e4m3fn or float8_e5m2), got {out_dtype}")
-        ck.check_dtype(vqso, (FLOAT32,))
-        ck.check_ndim(vqso, 2, "(nnz, Hq)")
-        ck.check_shape(vqso, (T, Hq), "(nnz, Hq)")
         st.update(qso_sn=vqso.strides[0], qso_sh=vqso.strides[1])
     if vksc is not None:
         if mla:
@@ -524,9 +526,7 @@ def _check_options(vqso, vksc, vvsc, vstatus, out_dtype, mla, T, Hq, Hkv, num_pa
         shape = ((num_pages, page_size, Hkv) if kv_layout == "NHD"
                  else (num_pages, Hkv, page_size))
         for view, pre in ((vksc, "ks"), (vvsc, "vs")):
-            ck.check_dtype(view, (FLOAT32,))
-            ck.check_ndim(view, 3, spelled)
-            ck.check_shape(view, shape, f"{spelled} for {kv_layout}")
+            ck.check_scale_array(view, shape, f"{spelled} for {kv_layout}")
             sp, a, b = view.strides
             se, sh = (a, b) if kv_layout == "NHD" else (b, a)
             st.update({f"{pre}_sp": sp, f"{pre}_se": se, f"{pre}_sh": sh})
@@ -585,8 +585,9 @@ def _prepare(views, flags):
                              f"Hkv, head_dim) = ({T}, {Hkv}, {D}), got None")
         ck.check_shape(vv, (T, Hkv, D), "(nnz, Hkv, head_dim)")
     inputs = [x for x in (vqr, vkr, vqn, vkn, vv) if x is not None]
-    for view in inputs[1:]:
-        ck.check_same_dtype(view, vqr)
+    for view in inputs:
+        if view.dtype != vqr.dtype:
+            ck.check_same_dtype(view, vqr)
     ck.check_ndim(vt, 2, "(P, R)")
     ck.check_dtype(vt, (FLOAT32,))
     ck.check_shape(vt, (None, R), "(P, R)")
@@ -594,8 +595,8 @@ def _prepare(views, flags):
     sections = check_mrope(mrope_section, mrope_interleaved, R, vpos, (3, T), "(3, nnz)")
     for view in (vbat, vposn) if sections else (vpos, vbat, vposn):
         ck.check_shape(view, (T,), "(nnz,)")
-    for view in (vind, vptr):
-        ck.check_ndim(view, 1, "(total_pages,)" if view is vind else "(batch_size + 1,)")
+    ck.check_ndim(vind, 1, "(total_pages,)")
+    ck.check_ndim(vptr, 1, "(batch_size + 1,)")
     if vptr.shape[0] < 1:
         raise ValueError(f"kv_indptr must have shape (batch_size + 1,), at least one entry, got "
                          f"{vptr.shape}")
@@ -611,24 +612,26 @@ def _prepare(views, flags):
     if vc0.dtype != vc1.dtype:
         raise TypeError(f"{vc1.name} must have the dtype of {vc0.name} ({vc0.dtype}), got "
                         f"{vc1.dtype}")
-    allowed = FP8_DTYPES if quantize else (vqr.dtype, *FP8_DTYPES)
-    if kv_dyn:
-        allowed = (*FP8_DTYPES, INT8)  # computed scales need a quantized cache
+    # int8 comes with computed scales only (GQA/MHA), and they need a quantized cache: those
+    # rules are ValueErrors (check_cache_scales); a dtype no argument makes valid is a TypeError
+    allowed = (*(FP8_DTYPES if quantize else (vqr.dtype, *FP8_DTYPES)),
+               *(() if mla else (INT8,)))
     out_dtype = as_dtype(quantize_dtype)
     if out_dtype is None:  # FlashInfer's order: q_rope_out, q_nope_out, then (ropekv) the cache
         given = next(x for x in (vqro, vqno, vc0) if x is not None)
-        out_dtype = given.dtype
+        out_dtype, source = given.dtype, given.name
         if out_dtype not in allowed:
-            hint = (" (per-token-head kv_cache_scales need an fp8 or int8 cache)" if kv_dyn
-                    else " (int8 caches need kv_cache_scales)" if out_dtype == INT8
-                    else " (rope_append_paged_kv_cache writes float16/bfloat16 caches)"
-                    if quantize else f" (float16/bfloat16 only as the input dtype {vqr.dtype})")
-            raise TypeError(f"{given.name} must have dtype {' or '.join(map(str, allowed))}, "
+            hint = (" (rope_append_paged_kv_cache writes float16/bfloat16 caches)" if quantize
+                    else f" (float16/bfloat16 only as the input dtype {vqr.dtype})")
+            raise TypeError(f"{given.name} must have dtype {_spelled(quantize, vqr, kv_dyn)}, "
                             f"got {out_dtype}{hint}")
     elif out_dtype not in allowed:
-        hint = " (int8 caches need kv_cache_scales)" if out_dtype == INT8 else ""
-        raise TypeError(f"quantize_dtype must be {' or '.join(map(str, allowed))}, got "
-                        f"{out_dtype}{hint}")
+        raise TypeError(f"quantize_dtype must be {_spelled(quantize, vqr, kv_dyn)}, got "
+                        f"{out_dtype}")
+    else:
+        source = "quantize_dtype"
+    ck.check_cache_scales(out_dtype, source, "quant_scale_kv",
+                          kv_scale is not None or vks is not None, kv_dyn, "(k_scales, v_scales)")
     for view in (vc0, vc1):
         if view.dtype != out_dtype:
             raise TypeError(f"{view.name} must have the quantize dtype {out_dtype}, got "
@@ -645,32 +648,25 @@ def _prepare(views, flags):
         kn = ((7, 0), (vc0.strides[0], vc0.strides[1], 0))
         vd = ((-1, 0), (0, 0, 0))
     else:
-        spelled = ("(num_pages, page_size, Hkv, head_dim)" if kv_layout == "NHD"
-                   else "(num_pages, Hkv, page_size, head_dim)")
+        nhd = kv_layout == "NHD"
+        spelled, spelled_for = CACHE_LAYOUTS[kv_layout]
         ck.check_ndim(vc0, 4, spelled)
         num_pages = vc0.shape[0]
-        shape = (num_pages, page_size, Hkv, D) if kv_layout == "NHD" else (num_pages, Hkv,
-                                                                            page_size, D)
-        ck.check_shape(vc0, shape, f"{spelled} for {kv_layout}")
-        ck.check_shape(vc1, shape, f"{spelled} for {kv_layout}")
+        shape = (num_pages, page_size, Hkv, D) if nhd else (num_pages, Hkv, page_size, D)
+        ck.check_shape(vc0, shape, spelled_for)
+        ck.check_shape(vc1, shape, spelled_for)
         k_st, v_st = vc0.strides, vc1.strides
-        k_st = (k_st[0], k_st[1], k_st[2]) if kv_layout == "NHD" else (k_st[0], k_st[2], k_st[1])
-        v_st = (v_st[0], v_st[1], v_st[2]) if kv_layout == "NHD" else (v_st[0], v_st[2], v_st[1])
+        k_st = (k_st[0], k_st[1], k_st[2]) if nhd else (k_st[0], k_st[2], k_st[1])
+        v_st = (v_st[0], v_st[1], v_st[2]) if nhd else (v_st[0], v_st[2], v_st[1])
         kr, kn, vd = ((7, 0), k_st), ((7, R * item), k_st), ((8, 0), v_st)
 
     # -- scales and outputs
-    if vqso is not None and (q_scale is not None or vqs is not None):
-        raise ValueError("quant_scale_q and q_scale_out are exclusive: q_scale_out receives the "
-                         "computed per-token-head Q scales, which replace the static one; leave "
-                         "quant_scale_q None")
-    if kv_dyn and (kv_scale is not None or vks is not None):
-        raise ValueError("quant_scale_kv and kv_cache_scales are exclusive: the per-token-head "
-                         "scales are computed per written row and replace the static one; leave "
-                         "quant_scale_kv None")
+    ck.check_q_scales(out_dtype, source, "quant_scale_q", q_scale is not None or vqs is not None,
+                      vqso, (T, Hq), "(nnz, Hq)", static_needs_fp8=False)
     q_scale, vqs = _scales(vqs, 1.0 if q_scale is None else q_scale, "quant_scale_q", Hq)
     kv_scale, vks = _scales(vks, 1.0 if kv_scale is None else kv_scale, "quant_scale_kv", Hkv)
-    scale_st = _check_options(vqso, vksc, vvsc, vstatus, out_dtype, mla, T, Hq, Hkv, num_pages,
-                              page_size, kv_layout)
+    scale_st = _check_options(vqso, vksc, vvsc, vstatus, mla, Hkv, num_pages, page_size,
+                              kv_layout)
     if vqro is not None:
         ck.check_shape(vqro, (T, Hq, R), "(nnz, Hq, R)")
     if vqno is not None:
@@ -680,9 +676,8 @@ def _prepare(views, flags):
         if view.dtype != out_dtype:
             raise TypeError(f"{view.name} must have the quantize dtype {out_dtype}, got "
                             f"{view.dtype}")
-    for view in (*inputs, vt, vc0, vc1, *given_outs):
-        ck.check_last_dim_contiguous(view)
-    device = ck.check_same_device([x for x in views if x is not None])
+    ck.check_last_dim_contiguous(*inputs, vt, vc0, vc1, *given_outs)
+    device = ck.check_same_device(views)
     written = [7, 8] + [i for i, x in ((13, vqro), (14, vqno)) if x is not None] + [
         i for i, x in ((17, vqso), (18, vksc), (19, vvsc), (20, vstatus)) if x is not None]
     inplace = [(0, 13), (2, 14)] if out_dtype == vqr.dtype else []  # fp8 outputs never alias q
@@ -734,7 +729,7 @@ def _prepare(views, flags):
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
-        return (rot and Dn % n == 0 and all(aligned(x, n) for x in data)
+        return (rot and Dn % n == 0 and all_aligned(data, n)
                 and aligned(vt, n if is_neox else n // 2))
 
     n = vector_width(vqr.dtype.itemsize, fits)
@@ -758,29 +753,34 @@ def _prepare(views, flags):
         shape = ("rows", 1 if rows == 1 else ROWS[-1])
     else:
         (block, splits, shape), rows = launch_shape(items, T, n), 0
-    index64 = sum(1 << i for i, view in enumerate(indices) if view.dtype == INT64)
+    index64 = 0
+    for i, view in enumerate(indices):
+        if view.dtype == INT64:
+            index64 |= 1 << i
     zero2 = (0, 0)
     qn_st = vqn.strides[:2] if vqn is not None else zero2
     kn_in = (vkn.strides[0], 0 if mla else vkn.strides[1]) if vkn is not None else zero2
     qro_st = vqro.strides[:2] if vqro is not None else (Hq * R, R)
     qno_st = vqno.strides[:2] if vqno is not None else (Hq * Dn, Dn)
-    values = dict(
-        q_rope=0, q_nope=0, k_rope=0, k_nope=0, v=0, q_rope_out=0, q_nope_out=0, kr_cache=0,
-        kn_cache=0, v_cache=0, cos_sin=0, pos_ids=0, batch_indices=0, positions=0, kv_indptr=0,
-        kv_indices=0, q_scales=0, kv_scales=0,
-        qr_sn=vqr.strides[0], qr_sh=vqr.strides[1], qn_sn=qn_st[0], qn_sh=qn_st[1],
-        kr_sn=vkr.strides[0], kr_sh=0 if mla else vkr.strides[1], kn_sn=kn_in[0],
-        kn_sh=kn_in[1], v_sn=0 if vv is None else vv.strides[0],
-        v_sh=0 if vv is None else vv.strides[1], qro_sn=qro_st[0], qro_sh=qro_st[1],
-        qno_sn=qno_st[0], qno_sh=qno_st[1], krc_sp=kr[1][0], krc_se=kr[1][1],
-        krc_sh=kr[1][2], knc_sp=kn[1][0], knc_se=kn[1][1], knc_sh=kn[1][2], vc_sp=vd[1][0],
-        vc_se=vd[1][1], vc_sh=vd[1][2], cs_sp=vt.strides[0], num_pages=num_pages,
-        num_indices=vind.shape[0], q_scale=q_scale, kv_scale=kv_scale, Hq=Hq, Hkv=Hkv,
-        Hv=0 if mla else Hkv, R=R, Dn=Dn, B=vptr.shape[0] - 1, page_size=page_size, P=P,
-        index64=index64, group=group, rows=rows, pid_st=T, mrope=int(bool(sections)),
-        mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
-        mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved),
-        q_scale_out=0, k_scales=0, v_scales=0, status=0, T=T, **scale_st)
+    values = {
+        "q_rope": 0, "q_nope": 0, "k_rope": 0, "k_nope": 0, "v": 0, "q_rope_out": 0,
+        "q_nope_out": 0, "kr_cache": 0, "kn_cache": 0, "v_cache": 0, "cos_sin": 0, "pos_ids": 0,
+        "batch_indices": 0, "positions": 0, "kv_indptr": 0, "kv_indices": 0, "q_scales": 0,
+        "kv_scales": 0, "qr_sn": vqr.strides[0], "qr_sh": vqr.strides[1], "qn_sn": qn_st[0],
+        "qn_sh": qn_st[1], "kr_sn": vkr.strides[0], "kr_sh": 0 if mla else vkr.strides[1],
+        "kn_sn": kn_in[0], "kn_sh": kn_in[1], "v_sn": 0 if vv is None else vv.strides[0],
+        "v_sh": 0 if vv is None else vv.strides[1], "qro_sn": qro_st[0], "qro_sh": qro_st[1],
+        "qno_sn": qno_st[0], "qno_sh": qno_st[1], "krc_sp": kr[1][0], "krc_se": kr[1][1],
+        "krc_sh": kr[1][2], "knc_sp": kn[1][0], "knc_se": kn[1][1], "knc_sh": kn[1][2],
+        "vc_sp": vd[1][0], "vc_se": vd[1][1], "vc_sh": vd[1][2], "cs_sp": vt.strides[0],
+        "num_pages": num_pages, "num_indices": vind.shape[0], "q_scale": q_scale,
+        "kv_scale": kv_scale, "Hq": Hq, "Hkv": Hkv, "Hv": 0 if mla else Hkv, "R": R, "Dn": Dn,
+        "B": vptr.shape[0] - 1, "page_size": page_size, "P": P, "index64": index64, "group": group,
+        "rows": rows, "pid_st": T, "mrope": int(bool(sections)),
+        "mrope_t": sections[0] if sections else 0, "mrope_h": sections[1] if sections else 0,
+        "mrope_w": sections[2] if sections else 0, "mrope_interleaved": int(mrope_interleaved)}
+    if opts:  # the fields OPTS_PARAMS adds (Launch reads only its struct's fields)
+        values.update(scale_st, q_scale_out=0, k_scales=0, v_scales=0, status=0, T=T)
     slots = {"q_rope": (0, 0), "k_rope": (1, 0), "q_nope": (2, 0), "k_nope": (3, 0),
              "v": (4, 0), "cos_sin": (5, 0), "pos_ids": (6, 0), "kr_cache": kr[0],
              "kn_cache": kn[0], "v_cache": vd[0], "kv_indices": (9, 0), "kv_indptr": (10, 0),
@@ -798,8 +798,14 @@ def _prepare(views, flags):
 _NAMES = ("q_rope", "k_rope", "q_nope", "k_nope", "v", "cos_sin_cache", "pos_ids")
 _TAIL = ("kv_indices", "kv_indptr", "batch_indices", "positions", "q_rope_out", "q_nope_out",
          "quant_scale_q", "quant_scale_kv", "q_scale_out", "k_scales", "v_scales", "status")
-_GQA = Op("rope_append_paged_kv_cache", (*_NAMES, "k_cache", "v_cache", *_TAIL), _prepare)
-_MLA = Op("rope_append_paged_kv_cache", (*_NAMES, "ckv_cache", "kpe_cache", *_TAIL), _prepare)
+_FLAGS = [("quantize", AS_IS), ("is_neox", FLAG), ("quantize_dtype", KEY),
+          ("quant_scale_q", AS_IS), ("quant_scale_kv", AS_IS),  # scales: reals, never bools
+          ("page_size", KEY), ("kv_layout", KEY), ("enable_pdl", FLAG), ("tuning", AS_IS),
+          ("mrope_section", KEY), ("mrope_interleaved", FLAG)]
+_GQA = Op("rope_append_paged_kv_cache", (*_NAMES, "k_cache", "v_cache", *_TAIL), _prepare,
+          flags=_FLAGS)
+_MLA = Op("rope_append_paged_kv_cache", (*_NAMES, "ckv_cache", "kpe_cache", *_TAIL), _prepare,
+          flags=_FLAGS)
 
 
 def _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages, mrope=None):

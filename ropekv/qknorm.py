@@ -3,6 +3,7 @@ the K/V append into a paged cache over a ragged batch, in one launch."""
 
 from __future__ import annotations
 
+import functools
 
 import numpy as np
 
@@ -10,10 +11,10 @@ from ropekv import _checks as ck
 from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, INT64
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
-from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, scalar_key
+from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._types import ArrayLike, StreamLike
-from ropekv._vector import aligned, vector_width
+from ropekv._vector import aligned, all_aligned, vector_width
 from ropekv.mla import _given_or_new, cache_scale
 
 INT8 = reference.INT8
@@ -21,6 +22,10 @@ STEM = "qknorm"
 KERNEL = "qk_rmsnorm_rope_append"
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 KV_LAYOUTS = ("NHD", "HND")
+# a cache's shape per layout, and as errors spell it
+CACHE_LAYOUTS = {layout: (spelled, f"{spelled} for {layout}")
+                 for layout, spelled in (("NHD", "(num_pages, page_size, Hkv, D)"),
+                                         ("HND", "(num_pages, Hkv, page_size, D)"))}
 NORM_ORDERS = ("before_rope", "after_rope")
 
 PARAMS = ParamStruct("QKNormParams", [
@@ -80,6 +85,7 @@ def launch_shape(T, H, group):
 
 
 
+@functools.cache  # a plan's lookup spells it once per first call
 def expression(dtype, cache_dtype, is_neox, n, rows=1, opts=0, q_dtype=None):
     """``opts``: 0 the plain kernel (every option compiled out, so they cost nothing when off);
     1 the one that reads the light options (norm order, weight offset, tail clearing, status);
@@ -318,12 +324,9 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
     return _OP((q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
                 block_table, *paged_kv_cache, q_out, position_ids, status, q_scale_out,
                 *kv_cache_scales),
-               (scalar_key(epsilon), ck.check_flag(is_neox, "is_neox"), scalar_key(kv_layout),
-                scalar_key(kv_scale), ck.check_flag(enable_pdl, "enable_pdl"),
-                tuple(TUNING.values()), scalar_key(norm_order), scalar_key(weight_offset),
-                ck.check_flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"),
-                scalar_key(mrope_section), ck.check_flag(mrope_interleaved, "mrope_interleaved"),
-                _dtype_key(q_out_dtype), scalar_key(q_scale)),
+               (epsilon, is_neox, kv_layout, kv_scale, enable_pdl, tuple(TUNING.values()),
+                norm_order, weight_offset, clear_unused_last_page_rows, mrope_section,
+                mrope_interleaved, q_out_dtype, q_scale),
                stream, layer_idx)
 
 
@@ -343,7 +346,6 @@ def _q_out_dtype(value, vq, vgiven):
     """The dtype q is stored in: ``q_out_dtype`` (``q``'s dtype or fp8, as a dtype or its name)
     and a given ``q_out``'s dtype, which must agree."""
     allowed = (vq.dtype, *FP8_DTYPES)
-    names = " or ".join(str(d) for d in allowed)
     dtype = None
     if value is not None:
         try:
@@ -351,6 +353,7 @@ def _q_out_dtype(value, vq, vgiven):
         except TypeError:
             dtype = None
         if dtype not in allowed:
+            names = " or ".join(str(d) for d in allowed)
             raise TypeError(f"q_out_dtype must be {names} (a dtype or its name), got {value!r}")
     if vgiven is None:
         return vq.dtype if dtype is None else dtype
@@ -366,20 +369,11 @@ def _q_out_dtype(value, vq, vgiven):
 def _q_quant(q_dtype, q_scale, vqs, T, Hq):
     """(q_scale, dynamic) of the q output: its static scale (1.0 for fp8; None for 16-bit) and
     whether ``q_scale_out`` receives computed scales."""
-    fp8 = q_dtype in FP8_DTYPES
+    ck.check_q_scales(q_dtype, "q_out", "q_scale", q_scale is not None, vqs, (T, Hq), "(T, Hq)",
+                      hint=" (pass q_out_dtype='float8_e4m3fn' or an fp8 q_out)")
     if vqs is not None:
-        if not fp8:
-            raise ValueError(f"q_scale_out receives the scales of an fp8 q_out, but q_out is "
-                             f"{q_dtype} (pass q_out_dtype='float8_e4m3fn' or an fp8 q_out)")
-        if q_scale is not None:
-            raise ValueError("q_scale (a static scale) and q_scale_out (dynamic scales) exclude "
-                             "each other; pass one")
-        ck.check_shape(vqs, (T, Hq), "(T, Hq)")
-        ck.check_dtype(vqs, (FLOAT32,))
         return None, True
-    if not fp8:
-        if q_scale is not None:
-            raise ValueError(f"q_scale is only used with an fp8 q_out, but q_out is {q_dtype}")
+    if q_dtype not in FP8_DTYPES:
         return None, False
     return (1.0 if q_scale is None else ck.check_float(q_scale, "q_scale", positive=True)), False
 
@@ -387,21 +381,14 @@ def _q_quant(q_dtype, q_scale, vqs, T, Hq):
 def _cache_scale_arrays(vks, vvs, vkc, kv_scale, expected, layout):
     """Whether per-token-head KV scales are given, after checking them against the caches
     (``expected``: the caches' shape, spelled ``layout``)."""
+    ck.check_cache_scales(vkc.dtype, "k_cache", "kv_scale", kv_scale is not None,
+                          vks is not None, "(k_scales, v_scales)")
     if vks is None:
-        if vkc.dtype == INT8:
-            raise TypeError("int8 caches need per-token-head scales: pass kv_cache_scales="
-                            "(k_scales, v_scales)")
         return False
-    if vkc.dtype not in (*FP8_DTYPES, INT8):
-        raise TypeError(f"kv_cache_scales quantize the cache rows: k_cache must have dtype "
-                        f"float8_e4m3fn or float8_e5m2 or int8, got {vkc.dtype}")
-    if kv_scale is not None:
-        raise ValueError("kv_scale (static cache scales) and kv_cache_scales (per-token-head "
-                         "scales) exclude each other; pass one")
     spelled = layout.replace(", D)", ")")
-    for view in (vks, vvs):
-        ck.check_shape(view, expected[:3], spelled)
-        ck.check_dtype(view, (FLOAT32,))
+    shape = expected[:3]
+    ck.check_scale_array(vks, shape, spelled)
+    ck.check_scale_array(vvs, shape, spelled)
     return True
 
 
@@ -423,13 +410,14 @@ def _prepare(views, flags):
     Hkv = vk.shape[1]
     ck.check_shape(vk, (T, None, D), "(T, Hkv, D)")
     ck.check_shape(vv, (T, Hkv, D), "(T, Hkv, D)")
-    for view in (vk, vv):
-        ck.check_same_dtype(view, vq)
+    ck.check_same_dtype(vk, vq)
+    ck.check_same_dtype(vv, vq)
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q's head count ({Hq}) must be a positive multiple of k's ({Hkv})")
+    gamma_dtypes = (vq.dtype, FLOAT32)
     for view in (vqg, vkg):
         ck.check_shape(view, (D,), "(D,)")
-        ck.check_dtype(view, (vq.dtype, FLOAT32))
+        ck.check_dtype(view, gamma_dtypes)
         ck.check_contiguous(view)
     P, R = ck.check_cos_sin_cache(vt, D)
     sections = check_mrope(mrope_section, mrope_interleaved, R, vpid, (3, T), "(3, T)")
@@ -437,26 +425,23 @@ def _prepare(views, flags):
         raise ValueError("position_ids is only used with mrope_section (the positions of a "
                          "token come from cache_lengths and input_row_offsets otherwise)")
     B, max_pages = ck.check_ragged_paged(voff, vlen, vbt)
-    layout = "(num_pages, page_size, Hkv, D)" if kv_layout == "NHD" else \
-        "(num_pages, Hkv, page_size, D)"
+    nhd = kv_layout == "NHD"
+    layout, spelled = CACHE_LAYOUTS[kv_layout]
     ck.check_ndim(vkc, 4, layout)
     num_pages = vkc.shape[0]
-    page_size = vkc.shape[1] if kv_layout == "NHD" else vkc.shape[2]
-    expected = (num_pages, page_size, Hkv, D) if kv_layout == "NHD" else \
-        (num_pages, Hkv, page_size, D)
-    ck.check_shape(vkc, expected, f"{layout} for {kv_layout}")
-    ck.check_shape(vvc, expected, f"{layout} for {kv_layout}")
-    kv_dynamic = _cache_scale_arrays(vks, vvs, vkc, kv_scale, expected,
-                                     f"{layout} for {kv_layout}")
+    page_size = vkc.shape[1] if nhd else vkc.shape[2]
+    expected = (num_pages, page_size, Hkv, D) if nhd else (num_pages, Hkv, page_size, D)
+    ck.check_shape(vkc, expected, spelled)
+    ck.check_shape(vvc, expected, spelled)
     if vkc.dtype != vq.dtype:
-        ck.check_dtype(vkc, (vq.dtype, *FP8_DTYPES, *((INT8,) if kv_dynamic else ())))
+        ck.check_dtype(vkc, (vq.dtype, *FP8_DTYPES, INT8))
+    kv_dynamic = _cache_scale_arrays(vks, vvs, vkc, kv_scale, expected, spelled)
     ck.check_same_dtype(vvc, vkc)
     if page_size == 0:
         raise ValueError(f"k_cache must have a page_size of at least 1, got {vkc.shape}")
     scales = None if kv_dynamic else _kv_scales(kv_scale, vkc.dtype)
     epsilon = ck.check_float(epsilon, "epsilon", positive=False)
-    for view in (vq, vk, vv, vt, vkc, vvc):
-        ck.check_last_dim_contiguous(view)
+    ck.check_last_dim_contiguous(vq, vk, vv, vt, vkc, vvc)
     q_dtype = _q_out_dtype(q_out_dtype, vq, vgiven)
     q_scale, q_dynamic = _q_quant(q_dtype, q_scale, vqs, T, Hq)
     if q_dtype in FP8_DTYPES and vkc.dtype == INT8:
@@ -465,7 +450,7 @@ def _prepare(views, flags):
                         f"q_out")
     if vstatus is not None:
         check_status(vstatus)
-    device = ck.check_same_device([x for x in views if x is not None])
+    device = ck.check_same_device(views)
     written = [i for i in (9, 10, 11, 13, 14, 15, 16) if i == 11 or views[i] is not None]
     inplace = [(0, 11)]
     outputs = [] if vgiven is not None else [Output((T, Hq, D), q_dtype)]
@@ -500,10 +485,11 @@ def _prepare(views, flags):
         return Plan(device, outputs=outputs, written=written, inplace=inplace, result=result)
     vout = vgiven if vgiven is not None else vq  # a new output is laid out (and aligned) as q
 
+    data = (vq, vout, vk, vv, vqg, vkg, vkc, vvc)
+
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
-        return (rot and (D - R) % n == 0
-                and all(aligned(x, n) for x in (vq, vout, vk, vv, vqg, vkg, vkc, vvc))
+        return (rot and (D - R) % n == 0 and all_aligned(data, n)
                 and aligned(vt, n if is_neox else n // 2))
 
     n = vector_width(vq.dtype.itemsize, fits)
@@ -517,7 +503,7 @@ def _prepare(views, flags):
 
     if T < TUNING["narrow_below"]:  # decode: more lanes per row, less work per thread
         narrow = vector_width(vq.dtype.itemsize, fits,
-                              tuple(w for w in (8, 4, 2, 1) if w <= TUNING["narrow_width"]))
+                              tuple([w for w in (8, 4, 2, 1) if w <= TUNING["narrow_width"]]))
         if narrow and lanes(narrow) <= MAX_GROUP:
             n = narrow
     items = lanes(n)
@@ -544,34 +530,29 @@ def _prepare(views, flags):
 
     ks_st, vs_st = entry_strides(vks), entry_strides(vvs)
     qs_st = vqs.strides if vqs is not None else (0, 0)
-    values = dict(zip(PARAMS.names, PARAMS.values(
-        q=0, q_out=0, k=0, v=0, q_gamma=0, k_gamma=0, cos_sin=0, offsets=0, cache_lengths=0,
-        block_table=0, k_cache=0, v_cache=0,
-        q_st=vq.strides[0], q_sh=vq.strides[1], qo_st=out_strides[0], qo_sh=out_strides[1],
-        k_st=vk.strides[0], k_sh=vk.strides[1], v_st=vv.strides[0], v_sh=vv.strides[1],
-        cs_sp=vt.strides[0], bt_sb=vbt.strides[0],
-        kc_sp=kc[0], kc_se=kc[1], kc_sh=kc[2], vc_sp=vc[0], vc_se=vc[1], vc_sh=vc[2],
-        num_pages=num_pages, epsilon=epsilon, weight_offset=weight_offset,
-        inv_k_scale=1.0 / k_scale,
-        inv_v_scale=1.0 / v_scale, T=T, B=B, Hq=Hq, Hkv=Hkv, D=D, R=R, P=P, max_pages=max_pages,
-        page_size=page_size, q_gamma_f32=int(vqg.dtype == FLOAT32),
-        k_gamma_f32=int(vkg.dtype == FLOAT32), group=group, rows=rows, post=int(post),
-        clear=int(clear),
-        position_ids=0, pid_st=T, mrope=int(sections is not None),
-        mrope_t=sections[0] if sections else 0, mrope_h=sections[1] if sections else 0,
-        mrope_w=sections[2] if sections else 0, mrope_interleaved=int(mrope_interleaved),
-        pos64=int(vpid is not None and vpid.dtype == INT64), status=0,
-        check=int(vstatus is not None), q_scale_out=0, k_scales=0, v_scales=0,
-        qs_st=qs_st[0], qs_sh=qs_st[1], ks_sp=ks_st[0], ks_se=ks_st[1], ks_sh=ks_st[2],
-        vs_sp=vs_st[0], vs_se=vs_st[1], vs_sh=vs_st[2],
-        inv_q_scale=1.0 / q_scale if q_scale is not None else 1.0,
-        q_dynamic=int(q_dynamic), kv_dynamic=int(kv_dynamic))))
-    fields = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin", "offsets", "cache_lengths",
-              "block_table", "k_cache", "v_cache", "q_out", "position_ids", "status",
-              "q_scale_out", "k_scales", "v_scales")
-    slots = {f: (i, 0) for i, f in enumerate(fields) if views[i] is not None}  # None: null
+    values = {  # every field of PARAMS (Launch packs them by name)
+        "q": 0, "q_out": 0, "k": 0, "v": 0, "q_gamma": 0, "k_gamma": 0, "cos_sin": 0, "offsets": 0,
+        "cache_lengths": 0, "block_table": 0, "k_cache": 0, "v_cache": 0, "q_st": vq.strides[0],
+        "q_sh": vq.strides[1], "qo_st": out_strides[0], "qo_sh": out_strides[1],
+        "k_st": vk.strides[0], "k_sh": vk.strides[1], "v_st": vv.strides[0], "v_sh": vv.strides[1],
+        "cs_sp": vt.strides[0], "bt_sb": vbt.strides[0], "kc_sp": kc[0], "kc_se": kc[1],
+        "kc_sh": kc[2], "vc_sp": vc[0], "vc_se": vc[1], "vc_sh": vc[2], "num_pages": num_pages,
+        "epsilon": epsilon, "weight_offset": weight_offset, "inv_k_scale": 1.0 / k_scale,
+        "inv_v_scale": 1.0 / v_scale, "T": T, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "R": R, "P": P,
+        "max_pages": max_pages, "page_size": page_size, "q_gamma_f32": int(vqg.dtype == FLOAT32),
+        "k_gamma_f32": int(vkg.dtype == FLOAT32), "group": group, "rows": rows, "post": int(post),
+        "clear": int(clear), "position_ids": 0, "pid_st": T, "mrope": int(sections is not None),
+        "mrope_t": sections[0] if sections else 0, "mrope_h": sections[1] if sections else 0,
+        "mrope_w": sections[2] if sections else 0, "mrope_interleaved": int(mrope_interleaved),
+        "pos64": int(vpid is not None and vpid.dtype == INT64), "status": 0,
+        "check": int(vstatus is not None), "q_scale_out": 0, "k_scales": 0, "v_scales": 0,
+        "qs_st": qs_st[0], "qs_sh": qs_st[1], "ks_sp": ks_st[0], "ks_se": ks_st[1],
+        "ks_sh": ks_st[2], "vs_sp": vs_st[0], "vs_se": vs_st[1], "vs_sh": vs_st[2],
+        "inv_q_scale": 1.0 / q_scale if q_scale is not None else 1.0, "q_dynamic": int(q_dynamic),
+        "kv_dynamic": int(kv_dynamic)}
+    slots = {f: (i, 0) for i, f in enumerate(FIELDS) if views[i] is not None}  # None: null
     if vgiven is None:
-        slots["q_out"] = (len(fields), 0)  # the new output follows the arguments
+        slots["q_out"] = (len(FIELDS), 0)  # the new output follows the arguments
     opts = 2 if sections is not None else int(bool(
         post or weight_offset != 0.0 or clear or vstatus is not None))
     # fp8 q or computed scales: a quantizing kernel (the others compile none of it)
@@ -585,8 +566,17 @@ def _prepare(views, flags):
                 result=result)
 
 
+# the PARAMS pointer field of each argument, in argument order
+FIELDS = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin", "offsets", "cache_lengths",
+          "block_table", "k_cache", "v_cache", "q_out", "position_ids", "status", "q_scale_out",
+          "k_scales", "v_scales")
 _OP = Op("qk_rmsnorm_rope_append_paged_kv_cache",
          ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets",
           "cache_lengths", "block_table", "k_cache", "v_cache", "q_out", "position_ids",
           "status", "q_scale_out", "k_scales", "v_scales"), _prepare,
-         layered=("k_cache", "v_cache", "k_scales", "v_scales"))
+         layered=("k_cache", "v_cache", "k_scales", "v_scales"),
+         flags=[("epsilon", KEY), ("is_neox", FLAG), ("kv_layout", KEY), ("kv_scale", KEY),
+                ("enable_pdl", FLAG), ("tuning", AS_IS), ("norm_order", KEY),
+                ("weight_offset", KEY), ("clear_unused_last_page_rows", FLAG),
+                ("mrope_section", KEY), ("mrope_interleaved", FLAG), ("q_out_dtype", _dtype_key),
+                ("q_scale", KEY)])

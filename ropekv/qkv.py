@@ -45,10 +45,10 @@ from ropekv._arrays import (
     UINT32,
 )
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import Launch, Op, Output, ParamStruct, Plan, cupy_stream, scalar_key
+from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan, cupy_stream
 from ropekv._mrope import check_status
 from ropekv._types import ArrayLike, StreamLike
-from ropekv._vector import aligned
+from ropekv._vector import aligned, all_aligned
 
 STEM = "qkv"
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
@@ -114,6 +114,7 @@ ARRAYS = ("hidden_state", "weight", "input_row_offsets", "cache_lengths", "block
 FIELDS = ("hidden", "weight", "offsets", "cache_lengths", "block_table", "k_cache", "v_cache",
           "cos_sin", "weight_scales", "zero_points", "out", "status")
 OUT, STATUS = ARRAYS.index("out"), ARRAYS.index("status")
+_SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS)}  # pointer fields <- (argument, byte offset)
 NEW = len(ARRAYS)  # ptrs index of the first array a call allocates (out, then workspaces)
 
 
@@ -129,21 +130,25 @@ def _fast_int4(fmt, vb, tt):
 # the plain one (False) has them compiled out, so they cost nothing when off.
 
 
+@functools.cache  # the expressions: a plan's lookup spells one once per first call
 def gemv_expression(dtype, fmt, vb, tt, fast=True, opts=False):
     """``fast`` selects the cheaper 4-bit decode where it applies (see qkv.cu)."""
     return name_expression("qkv_gemv", c_type(dtype), fmt, vb, tt,
                            c_bool(fast and _fast_int4(fmt, vb, tt)), c_bool(opts))
 
 
+@functools.cache
 def mma_expression(dtype, fmt, tn, split, opts=False):
     return name_expression("qkv_mma", c_type(dtype), fmt, tn, split, c_bool(opts))
 
 
+@functools.cache
 def epilogue_expression(dtype, cache_dtype, k_dtype, n, opts=False):
     return name_expression("qkv_epilogue", c_type(dtype), c_type(cache_dtype), c_type(k_dtype), n,
                            c_bool(opts))
 
 
+@functools.cache
 def dequant_expression(dtype, fmt):
     return name_expression("qkv_dequant", c_type(dtype), fmt)
 
@@ -380,11 +385,10 @@ def fused_qkv_matmul_append_paged_kv_cache(
                          f"{type(paged_kv_cache).__qualname__}")
     return _OP((hidden_state, weight, input_row_offsets, cache_lengths, block_table,
                 *paged_kv_cache, cos_sin_cache, weight_scales, zero_points, out, status),
-               (scalar_key(num_q_heads), ck.check_flag(is_neox, "is_neox"), scalar_key(kv_layout),
-                scalar_key(kv_scale), scalar_key(group_size), ck.check_flag(enable_pdl, "enable_pdl"),
+               (num_q_heads, is_neox, kv_layout, kv_scale, group_size, enable_pdl,
                 GEMV_MAX_TOKENS, FAST_INT4, MMA_MIN_TOKENS, MMA_MAX_TOKENS,
                 MMA_MAX_TOKENS_QUANTIZED, MMA_SPLIT,
-                ck.check_flag(clear_unused_last_page_rows, "clear_unused_last_page_rows")),
+                clear_unused_last_page_rows),
                stream, layer_idx)
 
 
@@ -402,13 +406,12 @@ def _prepare(views, flags):
     dtype = vx.dtype
     Hq = ck.check_positive_int(num_q_heads, "num_q_heads")
     ck.check_choice(kv_layout, "kv_layout", LAYOUTS)
-    layout = "(num_pages, page_size, Hkv, D)" if kv_layout == "NHD" else \
-        "(num_pages, Hkv, page_size, D)"
+    nhd = kv_layout == "NHD"
+    layout = "(num_pages, page_size, Hkv, D)" if nhd else "(num_pages, Hkv, page_size, D)"
     ck.check_ndim(vk, 4, layout)
     ck.check_shape(vv, vk.shape, layout)
     num_pages, D = vk.shape[0], vk.shape[3]
-    page_size, Hkv = (vk.shape[1], vk.shape[2]) if kv_layout == "NHD" else \
-        (vk.shape[2], vk.shape[1])
+    page_size, Hkv = (vk.shape[1], vk.shape[2]) if nhd else (vk.shape[2], vk.shape[1])
     if Hkv == 0 or D == 0 or page_size == 0 or D % 2:
         raise ValueError(f"k_cache must have shape {layout} with Hkv, page_size > 0 and D even "
                          f"and > 0, got {vk.shape}")
@@ -443,9 +446,7 @@ def _prepare(views, flags):
     if vout is not None:
         ck.check_shape(vout, (T, Hq * D), "(T, Hq * D)")
         ck.check_same_dtype(vout, vx)
-    for view in (vx, vw, vbt, vk, vv, vt, vws, vzp, vout):
-        if view is not None:
-            ck.check_last_dim_contiguous(view)
+    ck.check_last_dim_contiguous(vx, vw, vbt, vk, vv, vt, vws, vzp, vout)
     # rows must not overlap: cuBLAS takes them as leading dimensions (and so does the GEMV kernel)
     for view, cols in ((vx, K), (vw, vw.shape[1]), (vout, Hq * D)):
         if view is not None and view.shape[0] > 1 and view.strides[0] < cols:
@@ -453,7 +454,7 @@ def _prepare(views, flags):
                              f"strides {view.strides} (in elements) for shape {view.shape}")
     if vstatus is not None:
         check_status(vstatus)
-    device = ck.check_same_device([x for x in views if x is not None])
+    device = ck.check_same_device(views)
     written = (5, 6, *((OUT,) if vout is not None else ()),
                *((STATUS,) if vstatus is not None else ()))
     outputs = [] if vout is not None else [Output((T, Hq * D), dtype)]
@@ -490,17 +491,16 @@ def _prepare(views, flags):
         "zp_s0": vzp.strides[0] if vzp is not None else 0, "qt_s0": 0, "kt_s0": 0, "vt_s0": 0,
         "bt_s0": vbt.strides[0],
         "cs_s0": vt.strides[0] if vt is not None else 0, "out_s0": out_s0,
-        "k_page": ks[0], "k_entry": ks[1] if kv_layout == "NHD" else ks[2],
-        "k_head": ks[2] if kv_layout == "NHD" else ks[1],
-        "v_page": kp[0], "v_entry": kp[1] if kv_layout == "NHD" else kp[2],
-        "v_head": kp[2] if kv_layout == "NHD" else kp[1], "num_pages": num_pages,
+        "k_page": ks[0], "k_entry": ks[1] if nhd else ks[2], "k_head": ks[2] if nhd else ks[1],
+        "v_page": kp[0], "v_entry": kp[1] if nhd else kp[2], "v_head": kp[2] if nhd else kp[1],
+        "num_pages": num_pages,
         "T": T, "K": K, "N": N, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "R": R, "P": P,
         "page_size": page_size, "max_pages": vbt.shape[1], "group_size": G or 0, "kc": 0,
         "is_neox": int(is_neox),
         "cache_code": (0 if not fp8 else 1 if vk.dtype == FLOAT8_E4M3FN else 2),
         "k_inv_scale": 1.0 / k_scale if fp8 else 1.0, "v_inv_scale": 1.0 / v_scale if fp8 else 1.0,
         "status": 0, "check": int(vstatus is not None), "clear": int(clear)}
-    slots = {f: (i, 0) for i, f in enumerate(FIELDS)}
+    slots = dict(_SLOTS)
     if vout is None:
         slots["out"] = (NEW, 0)
     opts = bool(clear or vstatus is not None)  # the kernels that read the options
@@ -509,9 +509,10 @@ def _prepare(views, flags):
         step = _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split, opts)
         if step is not None:
             return Plan(device, [step], outputs=outputs, written=written, result=_result)
-    n = _epilogue_width(vout, vk, vv, vt, D, R, is_neox)
-    # status= with no tokens: one block of the GEMV kernel, which only validates
-    if T <= gemv_max or n is None or T == 0:
+    # decode, no vector width for the prefill epilogue, or status= with no tokens (one block of
+    # the GEMV kernel, which only validates)
+    n = None if T <= gemv_max else _epilogue_width(vout, vk, vv, vt, D, R, is_neox)
+    if n is None:
         steps = [_gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl, opts)]
         return Plan(device, steps, outputs=outputs, written=written, result=_result)
     steps, workspaces = _prefill(fields, slots, vx, vw, fmt, vk.dtype, n, T, K, N, Hq, Hkv, D,
@@ -576,18 +577,19 @@ def _check_weight(vw, vws, vzp, group_size, dtype, N, K):
 def _gemv_width(vw, fmt, dtype, K, group_size):
     """Bytes per weight load: 16 when K (and the group) split into 16-byte loads and every row
     starts 16-byte aligned, else the smallest unit."""
-    vals = {W_DENSE: 16 // dtype.itemsize, W_FP8: 16, W_INT4: 32}[fmt]
+    vals = 16 // dtype.itemsize if fmt == W_DENSE else 16 if fmt == W_FP8 else 32
     ok = (K % vals == 0 and vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
           and (fmt != W_INT4 or group_size % vals == 0))
-    return (16, vals) if ok else (_weight_bytes_min(dtype, fmt),
-                                  {W_DENSE: 1, W_FP8: 1, W_INT4: 2}[fmt])
+    return (16, vals) if ok else (_weight_bytes_min(dtype, fmt), 2 if fmt == W_INT4 else 1)
 
 
 def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl, opts=False):
     """The fused decode kernel: one launch (T == 0, status=: one block, which validates)."""
     dtype = vx.dtype
     vb, vals = _gemv_width(vw, fmt, dtype, K, fields["group_size"])
-    tt = next((t for t in GEMV_TILES if t >= T), GEMV_TILES[-1])
+    for tt in GEMV_TILES:  # the smallest tile that holds T tokens, else the largest
+        if tt >= T:
+            break
     fast = fast_int4 and _fast_int4(fmt, vb, tt)
     # shared memory: x (tt, kc) float32, and for the fast int4 decode its sums (tt, kc / 32)
     kc = GEMV_SMEM * 32 // (tt * 4 * 33) if fast else GEMV_SMEM // (tt * 4)
@@ -655,12 +657,13 @@ def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, opts=False)
 def _epilogue_width(vout, vk, vv, vt, D, R, is_neox):
     """Widest vector for the prefill epilogue, or None (then the GEMV path runs instead). A new
     ``out`` (None here) is contiguous and aligned for every width that divides D."""
+    data = (vk, vv) if vout is None else (vout, vk, vv)
     for n in EPILOGUE_WIDTHS:
         if vt is not None:
             rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
             if not rot or (D - R) % n or not aligned(vt, n if is_neox else max(n // 2, 1)):
                 continue
-        if D % n == 0 and all(aligned(x, n) for x in (vout, vk, vv) if x is not None):
+        if D % n == 0 and all_aligned(data, n):
             return n
     return None
 
@@ -768,4 +771,10 @@ def _check_indices(voff, vlen, vbt, T, P, page_size, num_pages):
                           "cache row (page, entry)")
 
 _OP = Op("fused_qkv_matmul_append_paged_kv_cache", ARRAYS, _prepare,
-         layered=("k_cache", "v_cache"))
+         layered=("k_cache", "v_cache"),
+         flags=[("num_q_heads", KEY), ("is_neox", FLAG), ("kv_layout", KEY), ("kv_scale", KEY),
+                ("group_size", KEY), ("enable_pdl", FLAG),
+                *((name, AS_IS) for name in ("GEMV_MAX_TOKENS", "FAST_INT4", "MMA_MIN_TOKENS",
+                                             "MMA_MAX_TOKENS", "MMA_MAX_TOKENS_QUANTIZED",
+                                             "MMA_SPLIT")),
+                ("clear_unused_last_page_rows", FLAG)])

@@ -9,6 +9,8 @@ import threading
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ropekv
 from ropekv import _arrays as ar
@@ -238,6 +240,81 @@ def test_ragged_ops_kv_scales_are_checked(op, kv_scale):
         fn(**kw)
 
 
+def scale_case(op, cache, q_fp8=False, q_static=False, q_dynamic=False, kv_static=False,
+               kv_dynamic=False):
+    """A call of ``op`` (the ops with fp8 queries and per-token-head KV scales) on caches of dtype
+    ``cache``, with the q and KV scale arguments asked for, each in the op's spelling: a float8
+    q (``q_fp8``; the contiguous op gets a 16-bit ``q_out`` otherwise, so that a q output
+    exists), a static q scale, ``q_scale_out``, a static KV scale, ``kv_cache_scales``."""
+    fn, kw = CASES[op](40)
+    static_q, static_kv = "q_scale", "kv_scale"
+    if op == "contiguous":
+        kw.pop("kv_scale", None)
+        kw["kv_cache"] = np.zeros(kw["kv_cache"].shape, cache)
+        kw["q_out"] = np.zeros(kw["q"].shape, E4M3 if q_fp8 else kw["q"].dtype)
+        q, scales = kw["q"], np.zeros(kw["kv_cache"].shape[:-1], np.float32)
+    else:
+        kw["paged_kv_cache"] = tuple(np.zeros(c.shape, cache) for c in kw["paged_kv_cache"])
+        scales = tuple(np.zeros(c.shape[:-1], np.float32) for c in kw["paged_kv_cache"])
+        if op == "qknorm":
+            q = kw["q"]
+            kw["q_out_dtype"] = E4M3 if q_fp8 else None
+        else:  # paged: q is stored in the cache dtype; a 16-bit cache needs the unquantized op
+            q, static_q, static_kv = kw["q_rope"], "quant_scale_q", "quant_scale_kv"
+            kw["quant_scale_q"] = kw["quant_scale_kv"] = None
+            if cache.itemsize == 2:
+                fn = ropekv.rope_append_paged_kv_cache
+    if q_static:
+        kw[static_q] = 0.5
+    if q_dynamic:
+        kw["q_scale_out"] = np.zeros(q.shape[:-1], np.float32)
+    if kv_static:
+        kw[static_kv] = 1.0
+    if kv_dynamic:
+        kw["kv_cache_scales"] = scales
+    return fn, kw
+
+
+F16, INT8 = np.dtype(np.float16), np.dtype(np.int8)
+# rule: (the bad call, the message every op words alike, the call put right)
+SCALE_RULES = {
+    "int8 cache without kv_cache_scales": (
+        {"cache": INT8}, r"an int8 \w+ needs kv_cache_scales",
+        {"cache": INT8, "kv_dynamic": True}),
+    "kv_cache_scales with a 16-bit cache": (
+        {"cache": F16, "kv_dynamic": True},
+        r"kv_cache_scales needs a float8 or int8 (\w+), but \1 is float16",
+        {"cache": E4M3, "kv_dynamic": True}),
+    "q_scale_out with a 16-bit q": (
+        {"cache": F16, "q_dynamic": True},
+        r"q_scale_out is only used with a float8 (\w+), but \1 is float16",
+        {"cache": E4M3, "kv_static": True, "q_fp8": True, "q_dynamic": True}),
+    "static and dynamic q scales": (
+        {"cache": E4M3, "kv_static": True, "q_fp8": True, "q_static": True, "q_dynamic": True},
+        r"\w+ \(a static scale\) and q_scale_out \(dynamic scales\) exclude each other",
+        {"cache": E4M3, "kv_static": True, "q_fp8": True, "q_dynamic": True}),
+    "static and per-token-head KV scales": (
+        {"cache": E4M3, "kv_static": True, "kv_dynamic": True},
+        (r"\w+ \(static scales\) and kv_cache_scales \(per-token-head scales\) exclude each "
+         r"other"),
+        {"cache": E4M3, "kv_dynamic": True}),
+}
+
+
+@pytest.mark.parametrize("rule", list(SCALE_RULES))
+@pytest.mark.parametrize("op", ["contiguous", "qknorm", "paged"])
+def test_scale_rules_raise_one_error_in_every_op(op, rule):
+    """Issue 14: one bad combination of a dtype and the scale arguments gets the same error type
+    and wording in every op (ValueError: a rule between arguments, not a dtype that nothing makes
+    valid), and the call put right passes."""
+    bad_call, match, fixed = SCALE_RULES[rule]
+    fn, kw = scale_case(op, **bad_call)
+    with pytest.raises(ValueError, match=match):
+        fn(**kw)
+    fn, kw = scale_case(op, **fixed)
+    fn(**kw)
+
+
 @pytest.mark.parametrize("T", [5, 600])  # below and above the paged op's decode split
 def test_paged_empty_heads_are_a_named_error(T):
     fn, kw = paged_case(10, T=T, Hq=2, Hkv=2, R=16, cache_dtype=E4M3)
@@ -398,6 +475,56 @@ def test_shares_bytes_is_exact_for_interleaved_views():
     assert ck.shares_bytes(lay[0], lay[0])
     shifted = (lay[1][0] - 2, *lay[1][1:])  # V moved back one element: its first overlaps K
     assert ck.shares_bytes(lay[0], shifted)
+
+
+def _layouts(min_stride=-6):
+    """Small layouts (shape, strides in elements), strides of any sign, zero included."""
+    return st.integers(1, 4).flatmap(lambda nd: st.tuples(
+        st.tuples(*[st.integers(0, 4)] * nd), st.tuples(*[st.integers(min_stride, 40)] * nd)))
+
+
+def _view(shape, strides):
+    return ar.ArrayView("x", 1 << 20, shape, strides, np.dtype(np.float16), 0)
+
+
+@settings(max_examples=300)
+@given(layout=_layouts())
+def test_written_strides_rule_is_the_sorted_test(layout):
+    """check_write_strides' one-pass path for innermost-first layouts accepts exactly what the
+    general rule (dims by increasing stride, each past the reach of the smaller ones) accepts."""
+    shape, strides = layout
+    reach, ok = 0, True
+    for stride, n in sorted((s, n) for n, s in zip(shape, strides) if n > 1):
+        ok = ok and stride > reach
+        reach += (n - 1) * stride
+    ok = ok or 0 in shape
+    if ok:
+        ck.check_write_strides(_view(shape, strides))
+    else:
+        with pytest.raises(ValueError, match="x is written but"):
+            ck.check_write_strides(_view(shape, strides))
+
+
+@settings(max_examples=300)
+@given(layout=_layouts(min_stride=0))
+def test_c_contiguity_is_numpys(layout):
+    shape, strides = layout
+    base = np.zeros(1024, np.float16)
+    a = np.lib.stride_tricks.as_strided(base, shape, tuple(s * 2 for s in strides))
+    assert _view(shape, strides).is_c_contiguous() == a.flags.c_contiguous
+
+
+@settings(max_examples=300)
+@given(layout=_layouts(), expected=st.lists(st.one_of(st.none(), st.integers(0, 4)), max_size=4))
+def test_check_shape_matches_each_given_dim(layout, expected):
+    shape, strides = layout
+    expected = tuple(expected)
+    ok = len(shape) == len(expected) and all(e is None or e == n for e, n in zip(expected, shape))
+    if ok:
+        ck.check_shape(_view(shape, strides), expected)
+    else:
+        with pytest.raises(ValueError, match=r"x must have shape = "):
+            ck.check_shape(_view(shape, strides), expected)
 
 
 def test_interleaved_k_and_v_caches_of_one_buffer_are_accepted():

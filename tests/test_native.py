@@ -261,7 +261,7 @@ def _flat(values):
 
 def test_an_array_of_another_kind_takes_the_python_path(fakes):
     module = _native.load()
-    caller = module.Caller(("a", "b"), vars(sys.modules["ropekv._arrays"]), vars(_launch),
+    caller = module.Caller(("a", "b"), None, vars(sys.modules["ropekv._arrays"]), vars(_launch),
                            _launch._MISS)
     plans = _launch._Plans()
     assert caller((None, np.zeros(3)), (), None, None, plans) is _launch._MISS
@@ -317,3 +317,43 @@ def test_native_off_by_environment(monkeypatch, tmp_path):
     monkeypatch.setattr(_native, "_state", {"module": None, "reason": "", "path": None})
     assert _native.load() is None
     assert "ROPEKV_NATIVE=0" in _native.state()
+
+
+def test_scalar_arguments_the_c_replay_does_not_take_as_they_come(fakes):
+    """A bool flag given as ``numpy.bool_`` or a key given as a list is normalized in Python (and
+    replays the same plan); a bad one raises as on the first call, whichever replay runs."""
+    fn, kw = CASES["qknorm"](56)
+    recorder = fakes("c")
+    fn(**map_arrays(kw, hostcost.to_cupy), is_neox=True, epsilon=1e-5)
+    recorder.size = _record_size("qknorm")
+    (op,) = [o for o in all_ops() if o.plans]
+    dev = map_arrays(kw, hostcost.to_cupy)
+    mark = hostcost._Memory.next
+    start = len(recorder.launches)
+    fn(**dev, is_neox=True, epsilon=1e-5)  # the C replay
+    hostcost._Memory.next = mark
+    fn(**dev, is_neox=np.bool_(True), epsilon=1e-5)  # normalized in Python: the same plan
+    assert len(op.plans) == 1
+    n = (len(recorder.launches) - start) // 2
+    assert n and recorder.launches[start:start + n] == recorder.launches[start + n:]
+    with pytest.raises(TypeError, match="is_neox must be a bool"):
+        fn(**dev, is_neox=1, epsilon=1e-5)
+    with pytest.raises(TypeError, match="enable_pdl must be a bool"):
+        fn(**dev, is_neox=True, epsilon=1e-5, enable_pdl="yes")
+    assert len(op.plans) == 1
+
+
+def test_without_cuLaunchKernelEx_pdl_plans_replay_in_python(fakes, monkeypatch):
+    """An old driver (no ``cuLaunchKernelEx``): plans that launch with programmatic dependent
+    launch stay with the Python replay, the others take the C one."""
+    recorder = fakes("c")
+    address = ctypes.cast(recorder.c_launch, ctypes.c_void_p).value
+    monkeypatch.setattr(_launch, "_native_launchers", lambda: (address, None))
+    fn, kw = CASES["qknorm"](57)
+    fn(**map_arrays(kw, hostcost.to_cupy), enable_pdl=True)
+    fn(**map_arrays(kw, hostcost.to_cupy), enable_pdl=False)
+    plans = {p.steps[0].pdl: p for o in all_ops() for p in o.plans.values()}
+    assert plans[True].native is None and plans[False].native is not None
+    start = len(recorder.launches)
+    fn(**map_arrays(kw, hostcost.to_cupy), enable_pdl=True)  # the Python replay's launch
+    assert len(recorder.launches) == start + len(plans[True].steps)

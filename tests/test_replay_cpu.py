@@ -213,3 +213,42 @@ def test_fast_signature_agrees_with_signature(stubbed, monkeypatch):
     assert ar.fast_signature(len(arrays))(arrays) == (key, ptrs, kinds)
     assert ar.fast_signature(len(arrays))([*arrays[:-1], np.zeros(3)]) is None  # NumPy: generic
     assert ar.fast_signature(1)((None,)) == ((None,), [0], 0)
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_device_readers_agree_with_the_numpy_reader(kind, stubbed, monkeypatch):
+    """The CuPy reader's one pass (element strides, size, byte span) and the torch reader give
+    the NumPy reader's view of the same layout: strided, reversed, transposed, broadcast and
+    empty arrays."""
+    convert, ptr = hostcost.to_cupy, lambda x: x.data.ptr
+    if kind == "torch":
+        fake_torch(monkeypatch)
+        convert, ptr = hostcost.to_torch, lambda x: x.data_ptr()
+    base = np.zeros((6, 5, 4), np.float16)
+    for host in (base, base[:, ::2], base[::-1, :, 1:], base.transpose(2, 0, 1),
+                 np.broadcast_to(base[:1], (6, 5, 4)), base[:0], base[2, 3]):
+        dev = convert(host)
+        view, ref = ar.as_view(dev, "x"), ar.as_view(host, "x")
+        assert (view.shape, view.strides, view.size, view.span, view.dtype) == (
+            ref.shape, ref.strides, ref.size, ref.span, ref.dtype)
+        assert (view.ptr, view.device, view.host, view.readonly, view.legacy) == (
+            ptr(dev), 0, None, False, False)
+        assert view.owner is dev and view.array is dev
+    if kind == "torch":  # torch strides are elements: no odd byte stride to refuse
+        return
+    odd = hostcost.to_cupy(np.lib.stride_tricks.as_strided(np.zeros(16, np.float16), (3,), (3,)))
+    with pytest.raises(BufferError, match="x has a byte stride of 3, not a multiple of its item "
+                                          "size 2"):
+        ar.as_view(odd, "x")
+
+
+def test_paged_option_kernel_plan_on_stand_ins(stubbed):
+    """The paged op's option kernel (computed scales, status) gets a record of its own struct,
+    built and launched on stand-ins: every field of OPTS_PARAMS given."""
+    from tests import test_paged as tp
+
+    args = tp.with_options(tp.make_case(20, Dn=8), np.random.default_rng(5), q_dyn=True,
+                           kv_dyn=True, status=True)
+    tp.call(map_arrays(args, hostcost.to_cupy))
+    (plan,) = [p for o in all_ops() for p in o.plans.values()]
+    assert plan.steps[0].n_ptr == ropekv.paged.OPTS_PARAMS.n_pointers and stubbed.calls

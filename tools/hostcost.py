@@ -242,8 +242,6 @@ def _no_driver():
 
 def use_replay(kind):
     """Time the C replay (``"c"``) or the Python one (``"python"``): rebinds every op."""
-    from ropekv import _launch
-
     for op in ops():
         op.clear()
         op.reset_caller(native=kind != "python")

@@ -4,6 +4,7 @@ the host time of the first call of a new layout (kernels already compiled).
 Usage (on a GPU machine, from the repository root)::
 
     PYTHONPATH=$PWD python tools/hosttime.py [--profile] [--calls N] [--layers N]
+                                             [--replay c|python]
 
 Per case: ``first`` is the median over 10 first calls (every op's plans cleared before each, the
 call synchronised), ``cupy`` / ``torch`` the host time per call of back-to-back eager calls with
@@ -134,11 +135,18 @@ def main(argv=None):
     parser.add_argument("--no-floor", action="store_true")
     parser.add_argument("--layers", type=int, default=0,
                         help="also time multi-layer caches of this many layers (layer_idx)")
+    parser.add_argument("--replay", choices=("c", "python"), default="c",
+                        help="the C replay of plans (ropekv/_native.c, the default where it "
+                             "builds) or the Python one")
     args = parser.parse_args(argv)
     import cupy
     import torch
 
-    from ropekv import bench
+    from ropekv import _native, bench
+
+    for op in ops():
+        op.clear()
+        op.reset_caller(native=args.replay == "c")
 
     def sync():
         cupy.cuda.runtime.deviceSynchronize()
@@ -183,7 +191,8 @@ def main(argv=None):
             pstats.Stats(prof, stream=sys.stdout).sort_stats("cumtime").print_stats(35)
     if not args.no_floor:
         floor(sync)
-    print(f"\n{'case':34s} {'first cupy':>11s} {'first torch':>12s} {'cupy':>9s} {'torch':>9s}")
+    print(f"\nreplay: {_native.state() if args.replay == 'c' else 'Python (--replay python)'}")
+    print(f"{'case':34s} {'first cupy':>11s} {'first torch':>12s} {'cupy':>9s} {'torch':>9s}")
     for name, first, first_t, cp_us, th_us in rows:
         print(f"{name:34s} {first:9.1f}us {first_t:10.1f}us {cp_us:7.2f}us {th_us:7.2f}us")
 

@@ -91,7 +91,10 @@ def text(result):
               f"{env.get('torch')}, FlashInfer {env.get('flashinfer')}, ropekv "
               f"{env.get('ropekv')} @ {env.get('git_revision') or 'unknown revision'})"),
              (f"copy bandwidth: {result['copy_bandwidth'] / 1e12:.2f} TB/s (1 GiB "
-              f"device-to-device, read + write bytes)"), ""]
+              f"device-to-device, read + write bytes)")]
+    if "plan_replay" in env:
+        lines.append(f"plan replay: {env['plan_replay']}")
+    lines.append("")
     header, rows, notes = table_rows(result)
     lines.append(format_table(header, rows))
     lines += ["", ("Times in us per call (median). [graph]: per-call time under CUDA-graph "

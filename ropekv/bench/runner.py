@@ -162,6 +162,10 @@ def run(ops=None, peers=None, quick=False, log=progress, json_path=None, names=N
                                        partial=True), json_path)
         _free(backend)
     result["cases"] = cases
+    if backend == "cuda":  # known once a call has planned: host times depend on it
+        from ropekv import _native
+
+        result["environment"]["plan_replay"] = _native.state()
     if frameworks and not lost:
         from ropekv.bench import frameworks as fw
 
