@@ -357,3 +357,75 @@ def test_without_cuLaunchKernelEx_pdl_plans_replay_in_python(fakes, monkeypatch)
     start = len(recorder.launches)
     fn(**map_arrays(kw, hostcost.to_cupy), enable_pdl=True)  # the Python replay's launch
     assert len(recorder.launches) == start + len(plans[True].steps)
+
+
+# ---- GPU: the C replay on a real device ---------------------------------------------------------
+
+
+def _device_ops():
+    import ropekv
+
+    return [v for m in (ropekv.contiguous, ropekv.paged, ropekv.mla, ropekv.qknorm, ropekv.qkv)
+            for v in vars(m).values() if isinstance(v, _launch.Op)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+@pytest.mark.parametrize("op", OPS)
+def test_gpu_replays_in_c_and_matches_the_reference_and_the_python_replay(op, kind):
+    """On a GPU machine with a C compiler the replay of every op runs in C (a build that fails
+    there would quietly cost microseconds per call: this test says so instead); its outputs
+    equal the NumPy backend's and, bit for bit, the Python replay's."""
+    from tests.test_call_path import assert_same, copy_kw
+    from tests.tolerance import to_device, to_numpy
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: ropekv replays plans in Python here")
+    convert = to_device
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        from ropekv.bench import _to_torch
+
+        convert = lambda x: _to_torch(to_device(x))  # noqa: E731
+        sync = torch.cuda.synchronize
+    else:
+        import cupy
+
+        sync = cupy.cuda.runtime.deviceSynchronize
+    fn, kw = CASES[op](60, **DECODE.get(op, {}))
+    expected = copy_kw(kw)
+    out_expected = fn(**expected)
+    fn(**map_arrays(copy_kw(kw), convert))  # plans
+    by_c = map_arrays(copy_kw(kw), convert)
+    out_c = fn(**by_c)
+    sync()
+    ops = [o for o in _device_ops() if o.plans]
+    assert ops and all(o.caller is not None for o in ops), _native.state()
+    assert all(p.native is not None for o in ops for p in o.plans.values()
+               if all(type(s) is _launch.Launch for s in p.steps))
+    assert_same(by_c, out_c, expected, out_expected, op)
+    try:
+        for o in _device_ops():
+            o.reset_caller(native=False)
+        by_python = map_arrays(copy_kw(kw), convert)
+        out_python = fn(**by_python)
+        sync()
+    finally:
+        for o in _device_ops():
+            o.reset_caller()
+    for a, b in zip(_flat_any((by_c, out_c)), _flat_any((by_python, out_python))):
+        a, b = (np.ascontiguousarray(to_numpy(x)) for x in (a, b))
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def _flat_any(x):
+    if x is None or isinstance(x, (str, bytes, int, float, bool)):
+        return
+    if isinstance(x, dict):
+        for k in sorted(x):
+            yield from _flat_any(x[k])
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _flat_any(y)
+    elif hasattr(x, "shape") and hasattr(x, "dtype"):
+        yield x
