@@ -28,14 +28,7 @@ _C_LAUNCH_EX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, 
                                 ctypes.c_void_p)
 
 
-class _Attribute(ctypes.Structure):  # CUlaunchAttribute
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
-
-
-class _Config(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
+_Config = _launch._LaunchConfig  # CUlaunchConfig, as the Python replay spells it
 
 
 class Recorder:
