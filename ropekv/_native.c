@@ -613,9 +613,10 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
   if (layer_arg != Py_None) {
     layer = PyLong_AsLongLong(layer_arg);
     if (layer == -1 && PyErr_Occurred()) goto done;
-    /* a misaligned layer of a strict plan is a first call: the Python path decides */
-    if (np && np->layer_strict) goto miss;
-    if (np && !(np->layer_count > 0 && layer >= 0 && layer < np->layer_count)) np = NULL;
+    /* the Python path decides a layer out of range (its error), a layer of a plan whose layer
+     * strides change the arrays' alignment (perhaps a first call), and any layer of a plan
+     * without launches in C */
+    if (!np || np->layer_strict || !(layer >= 0 && layer < np->layer_count)) goto miss;
   }
   if (np && np->n_args != n) np = NULL;
   if (np) { /* overlap: any written range that touches another argument's goes to Plan.replay */

@@ -422,3 +422,36 @@ def _flat_any(x):
             yield from _flat_any(y)
     elif hasattr(x, "shape") and hasattr(x, "dtype"):
         yield x
+
+
+@pytest.mark.parametrize("c_launches", [True, False])
+def test_a_layer_that_changes_alignment_is_planned_again_in_python(fakes, monkeypatch,
+                                                                   c_launches):
+    """Caches whose layer stride is no multiple of 16 bytes: a layer of another alignment than
+    the planned one is validated again (its vector widths may differ), never replayed, whether
+    or not the plan has launches in C."""
+    fn, kw = CASES["qknorm"](58)
+    fakes("c")
+    dev = map_arrays(kw, hostcost.to_cupy)
+    layers = 9
+    caches = []
+    for c in kw["paged_kv_cache"]:
+        per = c.size + 1  # one element of padding per layer: a 2-byte shift for fp16
+        flat = np.zeros(layers * per, c.dtype)
+        view = np.lib.stride_tricks.as_strided(flat, (layers, *c.shape),
+                                               (per * c.itemsize, *c.strides))
+        caches.append(hostcost.to_cupy(view))
+    dev["paged_kv_cache"] = tuple(caches)
+    fn(**dev, layer_idx=0)
+    (op,) = [o for o in all_ops() if o.layer_plans]
+    (plan,) = op.layer_plans.values()
+    assert plan.layers.strict
+    if not c_launches:
+        plan.native = None
+    firsts = []
+    first_call = _launch.Op.first_call
+    monkeypatch.setattr(_launch.Op, "first_call",
+                        lambda self, *a, **k: firsts.append(a[-1]) or first_call(self, *a, **k))
+    for layer in (1, 8, 2):  # layer 8 starts 8 * 2 bytes on from layer 0's alignment: a replay
+        fn(**dev, layer_idx=layer)
+    assert firsts == [1, 2]
