@@ -56,7 +56,7 @@ enum { CUPY = 1, TORCH = 2 }; /* _arrays.CUPY / TORCH */
 static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *s_data_ptr,
     *s_stride, *s_get_device, *s_last, *s_native, *s_replay, *s_make_outputs, *s_result,
     *s_getDevice, *s_setDevice, *s_cupy_array, *s_torch_tensor, *s_current_stream_ptr,
-    *s_torch_stream_ptr, *s_runtime, *s_launch_failed, *s_np_bool, *s_np_dtype, *one;
+    *s_torch_stream_ptr, *s_runtime, *s_launch_failed, *s_np_bool, *s_np_dtype, *s_empties, *one;
 
 /* ---- a plan's launches, as C data ----------------------------------------------------------- */
 
@@ -613,9 +613,10 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
   if (layer_arg != Py_None) {
     layer = PyLong_AsLongLong(layer_arg);
     if (layer == -1 && PyErr_Occurred()) goto done;
-    /* a misaligned layer of a strict plan is a first call: the Python path decides */
-    if (np && np->layer_strict) goto miss;
-    if (np && !(np->layer_count > 0 && layer >= 0 && layer < np->layer_count)) np = NULL;
+    /* the Python path decides a layer out of range (its error), a layer of a plan whose layer
+     * strides change the arrays' alignment (perhaps a first call), and any layer of a plan
+     * without launches in C */
+    if (!np || np->layer_strict || !(layer >= 0 && layer < np->layer_count)) goto miss;
   }
   if (np && np->n_args != n) np = NULL;
   if (np) { /* overlap: any written range that touches another argument's goes to Plan.replay */
@@ -695,11 +696,20 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
     PyObject *stream_obj = PyLong_FromUnsignedLongLong(stream);
     PyObject *kinds_obj = stream_obj ? PyLong_FromLong(kinds) : NULL;
     PyObject *made = NULL;
-    if (kinds_obj) {
+    if (kinds_obj) { /* outputs of zero size only (made once per array kind): Plan.empties */
+      PyObject *empties = PyObject_GetAttr(plan, s_empties);
+      PyObject *e = empties && PyDict_CheckExact(empties)
+                        ? PyDict_GetItemWithError(empties, kinds_obj)
+                        : NULL;
+      if (e && PyTuple_CheckExact(e) && PyTuple_GET_SIZE(e) == 3 &&
+          PyTuple_GET_ITEM(e, 2) == Py_True)
+        made = PyTuple_Pack(2, PyTuple_GET_ITEM(e, 0), PyTuple_GET_ITEM(e, 1));
+      Py_XDECREF(empties);
+    }
+    if (kinds_obj && !made && !PyErr_Occurred()) {
       PyObject *call_args[] = {plan, kinds_obj, stream_obj,
                                explicit_stream ? Py_True : Py_False};
-      made = PyObject_VectorcallMethod(s_make_outputs, call_args,
-                                       4, NULL);
+      made = PyObject_VectorcallMethod(s_make_outputs, call_args, 4, NULL);
     }
     Py_XDECREF(stream_obj);
     Py_XDECREF(kinds_obj);
@@ -835,6 +845,7 @@ PyMODINIT_FUNC PyInit__native_ext(void) {
   INTERN(s_launch_failed, "_launch_failed");
   INTERN(s_np_bool, "_NP_BOOL");
   INTERN(s_np_dtype, "_NP_DTYPE");
+  INTERN(s_empties, "empties");
   if (!(one = PyLong_FromLong(1))) return NULL;
   if (PyType_Ready(&NativePlanType) < 0 || PyType_Ready(&CallerType) < 0) return NULL;
   PyObject *m = PyModule_Create(&moduledef);

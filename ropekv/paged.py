@@ -692,9 +692,20 @@ def _prepare(views, flags):
         else:
             out_slots.append(13 if view is vqro else 14)
 
-    def result(arrays, outs):
-        new = iter(outs)
-        return tuple(arrays[i] if arrays[i] is not None else next(new) for i in (13, 14))
+    # (q_rope_out, q_nope_out): the caller's where given (a plan's layout fixes which), else the
+    # outputs the call allocated, in that order
+    if vqro is not None and vqno is not None:
+        def result(arrays, outs):
+            return arrays[13], arrays[14]
+    elif vqro is not None:
+        def result(arrays, outs):
+            return arrays[13], outs[0]
+    elif vqno is not None:
+        def result(arrays, outs):
+            return outs[0], arrays[14]
+    else:
+        def result(arrays, outs):
+            return outs[0], outs[1]
 
     if ck.check_indices_enabled():
         _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages, sections)

@@ -28,14 +28,7 @@ _C_LAUNCH_EX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, 
                                 ctypes.c_void_p)
 
 
-class _Attribute(ctypes.Structure):  # CUlaunchAttribute
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
-
-
-class _Config(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
+_Config = _launch._LaunchConfig  # CUlaunchConfig, as the Python replay spells it
 
 
 class Recorder:
@@ -357,3 +350,108 @@ def test_without_cuLaunchKernelEx_pdl_plans_replay_in_python(fakes, monkeypatch)
     start = len(recorder.launches)
     fn(**map_arrays(kw, hostcost.to_cupy), enable_pdl=True)  # the Python replay's launch
     assert len(recorder.launches) == start + len(plans[True].steps)
+
+
+# ---- GPU: the C replay on a real device ---------------------------------------------------------
+
+
+def _device_ops():
+    import ropekv
+
+    return [v for m in (ropekv.contiguous, ropekv.paged, ropekv.mla, ropekv.qknorm, ropekv.qkv)
+            for v in vars(m).values() if isinstance(v, _launch.Op)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+@pytest.mark.parametrize("op", OPS)
+def test_gpu_replays_in_c_and_matches_the_reference_and_the_python_replay(op, kind):
+    """On a GPU machine with a C compiler the replay of every op runs in C (a build that fails
+    there would quietly cost microseconds per call: this test says so instead); its outputs
+    equal the NumPy backend's and, bit for bit, the Python replay's."""
+    from tests.test_call_path import assert_same, copy_kw
+    from tests.tolerance import to_device, to_numpy
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: ropekv replays plans in Python here")
+    convert = to_device
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        from ropekv.bench import _to_torch
+
+        convert = lambda x: _to_torch(to_device(x))  # noqa: E731
+        sync = torch.cuda.synchronize
+    else:
+        import cupy
+
+        sync = cupy.cuda.runtime.deviceSynchronize
+    fn, kw = CASES[op](60, **DECODE.get(op, {}))
+    expected = copy_kw(kw)
+    out_expected = fn(**expected)
+    fn(**map_arrays(copy_kw(kw), convert))  # plans
+    by_c = map_arrays(copy_kw(kw), convert)
+    out_c = fn(**by_c)
+    sync()
+    ops = [o for o in _device_ops() if o.plans]
+    assert ops and all(o.caller is not None for o in ops), _native.state()
+    assert all(p.native is not None for o in ops for p in o.plans.values()
+               if all(type(s) is _launch.Launch for s in p.steps))
+    assert_same(by_c, out_c, expected, out_expected, op)
+    try:
+        for o in _device_ops():
+            o.reset_caller(native=False)
+        by_python = map_arrays(copy_kw(kw), convert)
+        out_python = fn(**by_python)
+        sync()
+    finally:
+        for o in _device_ops():
+            o.reset_caller()
+    for a, b in zip(_flat_any((by_c, out_c)), _flat_any((by_python, out_python))):
+        a, b = (np.ascontiguousarray(to_numpy(x)) for x in (a, b))
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def _flat_any(x):
+    if x is None or isinstance(x, (str, bytes, int, float, bool)):
+        return
+    if isinstance(x, dict):
+        for k in sorted(x):
+            yield from _flat_any(x[k])
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _flat_any(y)
+    elif hasattr(x, "shape") and hasattr(x, "dtype"):
+        yield x
+
+
+@pytest.mark.parametrize("c_launches", [True, False])
+def test_a_layer_that_changes_alignment_is_planned_again_in_python(fakes, monkeypatch,
+                                                                   c_launches):
+    """Caches whose layer stride is no multiple of 16 bytes: a layer of another alignment than
+    the planned one is validated again (its vector widths may differ), never replayed, whether
+    or not the plan has launches in C."""
+    fn, kw = CASES["qknorm"](58)
+    fakes("c")
+    dev = map_arrays(kw, hostcost.to_cupy)
+    layers = 9
+    caches = []
+    for c in kw["paged_kv_cache"]:
+        per = c.size + 1  # one element of padding per layer: a 2-byte shift for fp16
+        flat = np.zeros(layers * per, c.dtype)
+        view = np.lib.stride_tricks.as_strided(flat, (layers, *c.shape),
+                                               (per * c.itemsize, *c.strides))
+        caches.append(hostcost.to_cupy(view))
+    dev["paged_kv_cache"] = tuple(caches)
+    fn(**dev, layer_idx=0)
+    (op,) = [o for o in all_ops() if o.layer_plans]
+    (plan,) = op.layer_plans.values()
+    assert plan.layers.strict
+    if not c_launches:
+        plan.native = None
+    firsts = []
+    first_call = _launch.Op.first_call
+    monkeypatch.setattr(_launch.Op, "first_call",
+                        lambda self, *a, **k: firsts.append(a[-1]) or first_call(self, *a, **k))
+    for layer in (1, 8, 2):  # layer 8 starts 8 * 2 bytes on from layer 0's alignment: a replay
+        fn(**dev, layer_idx=layer)
+    assert firsts == [1, 2]
