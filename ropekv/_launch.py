@@ -402,9 +402,10 @@ class Plan:
         self.views_layout = [None if v is None else (v.shape, v.strides, v.dtype.itemsize)
                              for v in views]
         spans = [None if v is None or v.size == 0 else v.span for v in views]
-        self.pairs = [(i, j, *spans[i], *spans[j]) for i in self.written if spans[i]
-                      for j in range(len(views))
-                      if j != i and spans[j] and not (j in self.written and j < i)]
+        given = [j for j, span in enumerate(spans) if span]  # the arrays given, not empty
+        written = self.written
+        self.pairs = [(i, j, *spans[i], *spans[j]) for i in written if spans[i] for j in given
+                      if j != i and not (j < i and j in written)]
 
     def make_outputs(self, kinds, stream_ptr, explicit):
         """The outputs of a call and their pointers. Zero-size ones (FlashInfer's q_nope_out
