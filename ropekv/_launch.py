@@ -140,15 +140,9 @@ class ParamStruct:
         if any(kinds[self.n_pointers:]):
             raise ValueError(f"{c_name}: pointer fields must come first")
 
-    def values(self, **values):
-        """The field values in declaration order; every field must be given."""
-        return [values[n] for n in self.names]
-
     def pack_values(self, values):
+        """The record of the field values, given in declaration order."""
         return self._struct.pack(*values)
-
-    def pack(self, **values):
-        return self.pack_values(self.values(**values))
 
 
 _launch_kernel = None  # cupy_backends' cuLaunchKernel wrapper, bound on the first launch
@@ -652,6 +646,7 @@ KEY = 1  # scalar_key(value): compared by value, bools kept apart from ints, lis
 FLAG = 2  # check_flag(value, name): a bool (TypeError otherwise)
 # or a function of the value: a dtype-like argument, returned as is when None, a str or a NumPy
 # dtype (the C replay takes those as they come; anything else goes through the function)
+_DTYPE_LIKE = 3  # the C replay's name (_native.c's DTYPE) for the kind given as a function
 
 
 def _normalizer(spec):
@@ -702,8 +697,7 @@ class Op:
         self.name = name
         self.names = tuple(names)
         self.prepare = prepare
-        self.flag_names = tuple(n for n, _ in flags)
-        kinds = [k if k in (AS_IS, KEY, FLAG) else 3 for _, k in flags]
+        kinds = [k if k in (AS_IS, KEY, FLAG) else _DTYPE_LIKE for _, k in flags]
         self.flag_kinds = tuple(kinds) if flags else None  # None: the wrapper normalizes
         self.normalize = _normalizer(flags) if flags else _given
         self.plans = _Plans()
