@@ -140,15 +140,9 @@ class ParamStruct:
         if any(kinds[self.n_pointers:]):
             raise ValueError(f"{c_name}: pointer fields must come first")
 
-    def values(self, **values):
-        """The field values in declaration order; every field must be given."""
-        return [values[n] for n in self.names]
-
     def pack_values(self, values):
+        """The record of the field values, given in declaration order."""
         return self._struct.pack(*values)
-
-    def pack(self, **values):
-        return self.pack_values(self.values(**values))
 
 
 _launch_kernel = None  # cupy_backends' cuLaunchKernel wrapper, bound on the first launch
@@ -402,9 +396,10 @@ class Plan:
         self.views_layout = [None if v is None else (v.shape, v.strides, v.dtype.itemsize)
                              for v in views]
         spans = [None if v is None or v.size == 0 else v.span for v in views]
-        self.pairs = [(i, j, *spans[i], *spans[j]) for i in self.written if spans[i]
-                      for j in range(len(views))
-                      if j != i and spans[j] and not (j in self.written and j < i)]
+        given = [j for j, span in enumerate(spans) if span]  # the arrays given, not empty
+        written = self.written
+        self.pairs = [(i, j, *spans[i], *spans[j]) for i in written if spans[i] for j in given
+                      if j != i and not (j < i and j in written)]
 
     def make_outputs(self, kinds, stream_ptr, explicit):
         """The outputs of a call and their pointers. Zero-size ones (FlashInfer's q_nope_out
@@ -651,6 +646,7 @@ KEY = 1  # scalar_key(value): compared by value, bools kept apart from ints, lis
 FLAG = 2  # check_flag(value, name): a bool (TypeError otherwise)
 # or a function of the value: a dtype-like argument, returned as is when None, a str or a NumPy
 # dtype (the C replay takes those as they come; anything else goes through the function)
+_DTYPE_LIKE = 3  # the C replay's name (_native.c's DTYPE) for the kind given as a function
 
 
 def _normalizer(spec):
@@ -701,8 +697,7 @@ class Op:
         self.name = name
         self.names = tuple(names)
         self.prepare = prepare
-        self.flag_names = tuple(n for n, _ in flags)
-        kinds = [k if k in (AS_IS, KEY, FLAG) else 3 for _, k in flags]
+        kinds = [k if k in (AS_IS, KEY, FLAG) else _DTYPE_LIKE for _, k in flags]
         self.flag_kinds = tuple(kinds) if flags else None  # None: the wrapper normalizes
         self.normalize = _normalizer(flags) if flags else _given
         self.plans = _Plans()

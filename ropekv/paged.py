@@ -471,8 +471,13 @@ def _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_ca
                          f"kpe_cache), got {type(paged_kv_cache).__qualname__}"
                          + (f" of length {len(paged_kv_cache)}"
                             if isinstance(paged_kv_cache, (tuple, list)) else ""))
-    q_scale, q_scales = _scale_arg(quant_scale_q, "quant_scale_q")
-    kv_scale, kv_scales = _scale_arg(quant_scale_kv, "quant_scale_kv")
+    # a scale that is None or a float enters the key as it is (the common call: no function call)
+    q_scale, q_scales = ((quant_scale_q, None) if quant_scale_q is None
+                         or quant_scale_q.__class__ is float
+                         else _scale_arg(quant_scale_q, "quant_scale_q"))
+    kv_scale, kv_scales = ((quant_scale_kv, None) if quant_scale_kv is None
+                           or quant_scale_kv.__class__ is float
+                           else _scale_arg(quant_scale_kv, "quant_scale_kv"))
     q_scale_out, kv_cache_scales, status = options
     if kv_cache_scales is None:
         kv_cache_scales = (None, None)

@@ -19,7 +19,7 @@ import pytest
 import ropekv
 from ropekv import _arrays as ar
 from ropekv import _launch
-from tests.test_call_path import CACHE, CASES, OPS, map_arrays
+from tests.test_call_path import CASES, OPS, map_arrays
 
 _spec = importlib.util.spec_from_file_location(
     "ropekv_hostcost", Path(__file__).resolve().parents[1] / "tools" / "hostcost.py")
