@@ -438,7 +438,8 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
                                            block_table, paged_kv_cache, *, num_q_heads,
                                            cos_sin_cache=None, is_neox=True, kv_layout="NHD",
                                            kv_scale=None, weight_scales=None, group_size=None,
-                                           zero_points=None, layer_idx=None,
+                                           zero_points=None, clear_unused_last_page_rows=False,
+                                           status=None, layer_idx=None,
                                            command_buffer_compatible=False):
     """:func:`ropekv.fused_qkv_matmul_append_paged_kv_cache` as a functional op.
 
@@ -447,7 +448,9 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     ``ropekv.qkv.GEMV_MAX_TOKENS`` tokens) run cuBLAS on CuPy temporaries, allocated outside
     XLA's memory pool, and refuse ``command_buffer_compatible=True`` (``ValueError``).
     ``layer_idx`` (a static int) writes one layer of caches with a leading ``(num_layers, ...)``
-    dimension, as the eager op.
+    dimension, as the eager op. ``clear_unused_last_page_rows`` is static; with ``status`` (an
+    ``(1,)`` int32 array, an input-output alias like the caches) the result is ``(out, (k_cache,
+    v_cache), status)``.
     """
     layer_idx = fw.layer_index(layer_idx)
     k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a (k_cache, v_cache) pair, "
@@ -464,14 +467,17 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
             a["block_table"], (a["k_cache"], a["v_cache"]), num_q_heads=num_q_heads,
             cos_sin_cache=a.get("cos_sin_cache"), is_neox=bool(is_neox), kv_layout=kv_layout,
             kv_scale=kv_scale, weight_scales=a.get("weight_scales"), group_size=group_size,
-            zero_points=a.get("zero_points"), out=a["out"], layer_idx=layer_idx, stream=stream)
+            zero_points=a.get("zero_points"), out=a["out"],
+            clear_unused_last_page_rows=clear_unused_last_page_rows, status=a.get("status"),
+            layer_idx=layer_idx, stream=stream)
 
     inputs = [("hidden_state", hidden_state), ("weight", weight),
               ("input_row_offsets", input_row_offsets), ("cache_lengths", cache_lengths),
               ("block_table", block_table), ("k_cache", k_cache), ("v_cache", v_cache),
               ("cos_sin_cache", cos_sin_cache), ("weight_scales", weight_scales),
-              ("zero_points", zero_points)]
-    outputs = [("out", _struct(shape, dtype)), ("k_cache", "k_cache"), ("v_cache", "v_cache")]
-    out, new_k, new_v = _call("fused_qkv_matmul_append_paged_kv_cache", inputs, outputs, run,
-                              command_buffer_compatible)
-    return out, (new_k, new_v)
+              ("zero_points", zero_points), ("status", status)]
+    outputs = [("out", _struct(shape, dtype)), ("k_cache", "k_cache"), ("v_cache", "v_cache"),
+               *_aliases(status=status)]
+    out, new_k, new_v, *new = _call("fused_qkv_matmul_append_paged_kv_cache", inputs, outputs,
+                                    run, command_buffer_compatible)
+    return (out, (new_k, new_v), *new)

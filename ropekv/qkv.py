@@ -15,6 +15,11 @@ Three paths, picked by the token count T:
   one ropekv launch (``qkv_epilogue``) ropes Q into ``out`` and ropes/scatters K and V into their
   pages. Quantized weights are first dequantized to the input dtype by a ropekv kernel
   (``qkv_dequant``) into a temporary ``(N, K)`` buffer.
+
+``status=`` and ``clear_unused_last_page_rows`` run each path's options kernel (``qkv_gemv``,
+``qkv_mma`` and ``qkv_epilogue`` with their ``OPTS`` flag; the plain ones compile them out). With
+``status`` the offsets are validated in the launch that writes: the fused kernels before their
+epilogue, the prefill path in ``qkv_epilogue``, its GEMMs then writing only temporaries (Q too).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from ropekv._arrays import (
 )
 from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan, cupy_stream
+from ropekv._mrope import check_status
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import aligned, all_aligned
 
@@ -90,22 +96,24 @@ DEQUANT_BLOCK = 256
 PARAMS = ParamStruct("QkvParams", [
     *((n, np.uint64) for n in ("hidden", "weight", "weight_scales", "zero_points", "q_tmp",
                                "k_tmp", "v_tmp", "offsets", "cache_lengths", "block_table",
-                               "cos_sin", "out", "k_cache", "v_cache")),
+                               "cos_sin", "out", "k_cache", "v_cache", "status")),
     *((n, np.int64) for n in ("hidden_s0", "weight_row_bytes", "ws_s0", "zp_s0", "qt_s0", "kt_s0",
                               "vt_s0", "bt_s0", "cs_s0", "out_s0", "k_page", "k_entry", "k_head",
                               "v_page", "v_entry", "v_head", "num_pages")),
     *((n, np.int32) for n in ("T", "K", "N", "B", "Hq", "Hkv", "D", "R", "P", "page_size",
                               "max_pages", "group_size", "kc", "is_neox", "cache_code")),
     *((n, np.float32) for n in ("k_inv_scale", "v_inv_scale")),
+    ("check", np.int32), ("clear", np.int32),  # the OPTS kernels' flags
 ])
 
 
 # The array arguments in the order the public function hands them to the call path, and the
 # kernel pointer field each fills.
 ARRAYS = ("hidden_state", "weight", "input_row_offsets", "cache_lengths", "block_table", "k_cache",
-          "v_cache", "cos_sin_cache", "weight_scales", "zero_points", "out")
+          "v_cache", "cos_sin_cache", "weight_scales", "zero_points", "out", "status")
 FIELDS = ("hidden", "weight", "offsets", "cache_lengths", "block_table", "k_cache", "v_cache",
-          "cos_sin", "weight_scales", "zero_points", "out")
+          "cos_sin", "weight_scales", "zero_points", "out", "status")
+OUT, STATUS = ARRAYS.index("out"), ARRAYS.index("status")
 _SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS)}  # pointer fields <- (argument, byte offset)
 NEW = len(ARRAYS)  # ptrs index of the first array a call allocates (out, then workspaces)
 
@@ -118,21 +126,26 @@ def _fast_int4(fmt, vb, tt):
     return fmt == W_INT4 and vb == 16 and tt <= FAST_INT4_MAX_TILE
 
 
+# ``opts`` below: the kernel that reads the options (``status=``, ``clear_unused_last_page_rows``);
+# the plain one (False) has them compiled out, so they cost nothing when off.
+
+
 @functools.cache  # the expressions: a plan's lookup spells one once per first call
-def gemv_expression(dtype, fmt, vb, tt, fast=True):
+def gemv_expression(dtype, fmt, vb, tt, fast=True, opts=False):
     """``fast`` selects the cheaper 4-bit decode where it applies (see qkv.cu)."""
     return name_expression("qkv_gemv", c_type(dtype), fmt, vb, tt,
-                           c_bool(fast and _fast_int4(fmt, vb, tt)))
+                           c_bool(fast and _fast_int4(fmt, vb, tt)), c_bool(opts))
 
 
 @functools.cache
-def mma_expression(dtype, fmt, tn, split):
-    return name_expression("qkv_mma", c_type(dtype), fmt, tn, split)
+def mma_expression(dtype, fmt, tn, split, opts=False):
+    return name_expression("qkv_mma", c_type(dtype), fmt, tn, split, c_bool(opts))
 
 
 @functools.cache
-def epilogue_expression(dtype, cache_dtype, k_dtype, n):
-    return name_expression("qkv_epilogue", c_type(dtype), c_type(cache_dtype), c_type(k_dtype), n)
+def epilogue_expression(dtype, cache_dtype, k_dtype, n, opts=False):
+    return name_expression("qkv_epilogue", c_type(dtype), c_type(cache_dtype), c_type(k_dtype), n,
+                           c_bool(opts))
 
 
 @functools.cache
@@ -142,18 +155,19 @@ def dequant_expression(dtype, fmt):
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
-    for dtype in INPUT_DTYPES:
+    for dtype, opts in itertools.product(INPUT_DTYPES, (False, True)):
         for fmt, tt in itertools.product((W_DENSE, W_FP8, W_INT4), GEMV_TILES):
             for vb in (16, _weight_bytes_min(dtype, fmt)):
-                yield gemv_expression(dtype, fmt, vb, tt)
+                yield gemv_expression(dtype, fmt, vb, tt, opts=opts)
                 if _fast_int4(fmt, vb, tt):
-                    yield gemv_expression(dtype, fmt, vb, tt, fast=False)
+                    yield gemv_expression(dtype, fmt, vb, tt, fast=False, opts=opts)
         for fmt, tn, split in itertools.product((W_DENSE, W_FP8, W_INT4), MMA_TILES, MMA_SPLITS):
-            yield mma_expression(dtype, fmt, tn, split)
+            yield mma_expression(dtype, fmt, tn, split, opts)
         for cache_dtype, n in itertools.product((dtype, *FP8_DTYPES), EPILOGUE_WIDTHS):
-            yield epilogue_expression(dtype, cache_dtype, dtype, n)
+            yield epilogue_expression(dtype, cache_dtype, dtype, n, opts)
             if cache_dtype in FP8_DTYPES:
-                yield epilogue_expression(dtype, cache_dtype, FLOAT32, n)
+                yield epilogue_expression(dtype, cache_dtype, FLOAT32, n, opts)
+    for dtype in INPUT_DTYPES:
         for fmt in (W_FP8, W_INT4):
             yield dequant_expression(dtype, fmt)
 
@@ -242,7 +256,8 @@ def fused_qkv_matmul_append_paged_kv_cache(
         cos_sin_cache: ArrayLike | None = None, is_neox: bool = True, kv_layout: str = "NHD",
         kv_scale: float | tuple[float, float] | None = None, weight_scales: ArrayLike | None = None,
         group_size: int | None = None, zero_points: ArrayLike | None = None,
-        out: ArrayLike | None = None, layer_idx: int | None = None, enable_pdl: bool = False,
+        out: ArrayLike | None = None, clear_unused_last_page_rows: bool = False,
+        status: ArrayLike | None = None, layer_idx: int | None = None, enable_pdl: bool = False,
         stream: StreamLike | None = None,
 ) -> ArrayLike:
     """QKV projection with K/V appended to a paged KV cache and RoPE on Q and K (MAX's
@@ -296,6 +311,22 @@ def fused_qkv_matmul_append_paged_kv_cache(
         4-bit zero points; see ``weight``.
     out : array, (T, Hq D), the input dtype, optional
         Q (roped). Allocated when None, in the caller's array type (torch, CuPy, NumPy).
+    clear_unused_last_page_rows : bool
+        Also zero, in K and V, the rows of each request's last page past its new length
+        ``cache_lengths[b] + input_row_offsets[b + 1] - input_row_offsets[b]`` (FlashInfer Cake's
+        option of this name): attention kernels that read whole pages then meet zeros, not stale
+        values or NaN. Done by the request's last token, so only when that token is written; a
+        request with no new tokens clears nothing. Only the page the block table names for that
+        token is touched (two requests naming one page leave its rows undefined).
+    status : array, (1,), int32, optional
+        Validate ``input_row_offsets`` on the device first, without a host synchronisation (so
+        a call on the fused kernels can be captured in a CUDA graph): ``status[0]`` receives 0
+        when they are well formed, else the code of the first failing check (1: ``offsets[0] !=
+        0``; 2: an offset below the one before it; 3: ``offsets[-1] != T``), and then nothing
+        else is written (the caches and a given ``out`` keep every byte; a new ``out`` holds
+        undefined values). Every path validates in the launch that writes (the cuBLAS path's
+        GEMMs write only temporaries before it). A batch of no tokens still validates and writes
+        the code. Written in place.
     layer_idx : int, optional
         Multi-layer caches (MAX's ``kv_collection`` with ``layer_idx``): ``k_cache`` and
         ``v_cache`` then carry a leading ``(num_layers, ...)`` dimension, and only layer
@@ -353,17 +384,19 @@ def fused_qkv_matmul_append_paged_kv_cache(
         raise ValueError(f"paged_kv_cache must be a (k_cache, v_cache) pair, got "
                          f"{type(paged_kv_cache).__qualname__}")
     return _OP((hidden_state, weight, input_row_offsets, cache_lengths, block_table,
-                *paged_kv_cache, cos_sin_cache, weight_scales, zero_points, out),
+                *paged_kv_cache, cos_sin_cache, weight_scales, zero_points, out, status),
                (num_q_heads, is_neox, kv_layout, kv_scale, group_size, enable_pdl,
                 GEMV_MAX_TOKENS, FAST_INT4, MMA_MIN_TOKENS, MMA_MAX_TOKENS,
-                MMA_MAX_TOKENS_QUANTIZED, MMA_SPLIT), stream, layer_idx)
+                MMA_MAX_TOKENS_QUANTIZED, MMA_SPLIT,
+                clear_unused_last_page_rows),
+               stream, layer_idx)
 
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (GEMV or cuBLAS path) or the NumPy backend run."""
     (num_q_heads, is_neox, kv_layout, kv_scale, group_size, pdl, gemv_max, fast_int4, mma_min,
-     mma_max, mma_max_quantized, mma_split) = flags
-    vx, vw, voff, vlen, vbt, vk, vv, vt, vws, vzp, vout = views
+     mma_max, mma_max_quantized, mma_split, clear) = flags
+    vx, vw, voff, vlen, vbt, vk, vv, vt, vws, vzp, vout, vstatus = views
 
     ck.check_ndim(vx, 2, "(T, K)")
     ck.check_dtype(vx, INPUT_DTYPES)
@@ -419,8 +452,11 @@ def _prepare(views, flags):
         if view is not None and view.shape[0] > 1 and view.strides[0] < cols:
             raise ValueError(f"{view.name}'s row stride must be at least its {cols} columns, got "
                              f"strides {view.strides} (in elements) for shape {view.shape}")
+    if vstatus is not None:
+        check_status(vstatus)
     device = ck.check_same_device(views)
-    written = (5, 6, 10) if vout is not None else (5, 6)
+    written = (5, 6, *((OUT,) if vout is not None else ()),
+               *((STATUS,) if vstatus is not None else ()))
     outputs = [] if vout is not None else [Output((T, Hq * D), dtype)]
 
     if ck.check_indices_enabled():
@@ -429,15 +465,19 @@ def _prepare(views, flags):
     if device == HOST:
         def host(v, outs):
             qout = vout if vout is not None else outs[0]
+            if vstatus is not None:
+                vstatus.host[...] = reference.ragged_offsets_status(voff.host, T)
+                if vstatus.host.item():
+                    return
             if T:
                 reference.fused_qkv_matmul_append_paged_kv_cache(
                     vx.host, vw.host, voff.host, vlen.host, vbt.host, vk.host, vv.host,
                     qout.host, Hq, None if vt is None else vt.host, is_neox, kv_layout, k_scale,
                     v_scale, None if vws is None else vws.host, G,
-                    None if vzp is None else vzp.host)
+                    None if vzp is None else vzp.host, clear)
 
         return Plan(HOST, outputs=outputs, written=written, result=_result, host=host)
-    if T == 0:
+    if T == 0 and vstatus is None:
         return Plan(device, outputs=outputs, written=written, result=_result)
 
     ks, kp = vk.strides, vv.strides
@@ -458,26 +498,30 @@ def _prepare(views, flags):
         "page_size": page_size, "max_pages": vbt.shape[1], "group_size": G or 0, "kc": 0,
         "is_neox": int(is_neox),
         "cache_code": (0 if not fp8 else 1 if vk.dtype == FLOAT8_E4M3FN else 2),
-        "k_inv_scale": 1.0 / k_scale if fp8 else 1.0, "v_inv_scale": 1.0 / v_scale if fp8 else 1.0}
+        "k_inv_scale": 1.0 / k_scale if fp8 else 1.0, "v_inv_scale": 1.0 / v_scale if fp8 else 1.0,
+        "status": 0, "check": int(vstatus is not None), "clear": int(clear)}
     slots = dict(_SLOTS)
     if vout is None:
         slots["out"] = (NEW, 0)
+    opts = bool(clear or vstatus is not None)  # the kernels that read the options
 
-    if mma_min <= T <= (mma_max if fmt == W_DENSE else mma_max_quantized):
-        step = _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split)
+    if T and mma_min <= T <= (mma_max if fmt == W_DENSE else mma_max_quantized):
+        step = _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split, opts)
         if step is not None:
             return Plan(device, [step], outputs=outputs, written=written, result=_result)
+    # decode, no vector width for the prefill epilogue, or status= with no tokens (one block of
+    # the GEMV kernel, which only validates)
     n = None if T <= gemv_max else _epilogue_width(vout, vk, vv, vt, D, R, is_neox)
-    if n is None:  # decode, or no vector width for the prefill epilogue
-        steps = [_gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl)]
+    if n is None:
+        steps = [_gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl, opts)]
         return Plan(device, steps, outputs=outputs, written=written, result=_result)
     steps, workspaces = _prefill(fields, slots, vx, vw, fmt, vk.dtype, n, T, K, N, Hq, Hkv, D,
-                                 device, len(outputs), pdl)
+                                 device, len(outputs), pdl, opts, vstatus is not None)
     return Plan(device, steps, outputs=outputs + workspaces, written=written, result=_result)
 
 
 def _result(arrays, outs):
-    return arrays[10] if arrays[10] is not None else outs[0]
+    return arrays[OUT] if arrays[OUT] is not None else outs[0]
 
 
 def _check_weight(vw, vws, vzp, group_size, dtype, N, K):
@@ -539,8 +583,8 @@ def _gemv_width(vw, fmt, dtype, K, group_size):
     return (16, vals) if ok else (_weight_bytes_min(dtype, fmt), 2 if fmt == W_INT4 else 1)
 
 
-def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl):
-    """The fused decode kernel: one launch."""
+def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl, opts=False):
+    """The fused decode kernel: one launch (T == 0, status=: one block, which validates)."""
     dtype = vx.dtype
     vb, vals = _gemv_width(vw, fmt, dtype, K, fields["group_size"])
     for tt in GEMV_TILES:  # the smallest tile that holds T tokens, else the largest
@@ -552,8 +596,8 @@ def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl):
     kc = K if K <= kc else kc // vals * vals
     smem = tt * kc * 4 + (tt * (kc // 32) * 4 if fast else 0)
     pairs_per_block = GEMV_WARPS * GEMV_PAIRS
-    grid = ((N // 2 + pairs_per_block - 1) // pairs_per_block, (T + tt - 1) // tt)
-    return Launch(STEM, gemv_expression(dtype, fmt, vb, tt, fast), device, grid,
+    grid = ((N // 2 + pairs_per_block - 1) // pairs_per_block, (T + tt - 1) // tt) if T else (1, 1)
+    return Launch(STEM, gemv_expression(dtype, fmt, vb, tt, fast, opts), device, grid,
                   (GEMV_WARPS * 32,), PARAMS, {**fields, "kc": kc}, slots, shared_mem=smem,
                   pdl=pdl)
 
@@ -589,7 +633,7 @@ def _mma_smem(tn, kc):
     return max(tn * xs_stride * 2, tn * (MMA_ROWS + 4) * 4)
 
 
-def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split):
+def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, opts=False):
     """The tensor-core launch, or None where it does not apply."""
     G = fields["group_size"]
     if split not in MMA_SPLITS:
@@ -605,7 +649,7 @@ def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split):
     if smem > MMA_SMEM_MAX:
         return None
     tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
-    return Launch(STEM, mma_expression(vx.dtype, fmt, tn, split), device, (split, tiles),
+    return Launch(STEM, mma_expression(vx.dtype, fmt, tn, split, opts), device, (split, tiles),
                   (MMA_WARPS * 32,), PARAMS, {**fields, "kc": kc}, slots, shared_mem=smem,
                   pdl=pdl)
 
@@ -658,11 +702,13 @@ class _Gemm:
 
 
 def _prefill(fields, slots, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, device, n_out,
-             pdl):
+             pdl, opts=False, status=False):
     """cuBLAS, then one epilogue launch: ``(steps, workspaces)``. One GEMM into a (T, N)
     temporary in the input dtype; for fp8 caches with RoPE, Q goes straight into ``out`` and K|V
     into a float32 temporary instead (16-bit rounding before a cancelling rotation would cost fp8
-    codes). Quantized weights are first dequantized into an (N, K) temporary."""
+    codes); with ``status`` Q goes into a temporary there too, so that nothing the caller sees is
+    written before the epilogue has validated the offsets. Quantized weights are first
+    dequantized into an (N, K) temporary."""
     dtype = vx.dtype
     k_dtype = FLOAT32 if fields["R"] and cache_dtype in FP8_DTYPES else dtype
     steps, workspaces = [], []
@@ -689,15 +735,18 @@ def _prefill(fields, slots, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, de
         kv_ld = N
     else:
         workspaces.append(Output((T, 2 * Hkv * D), k_dtype, workspace=True))
-        out_slot, out_ld = slots["out"], fields["out_s0"]
-        steps.append(_Gemm(w_slot, w_ld, x_slot, x_ld, out_slot, out_ld, Hq * D, T, K, dtype,
+        if status:  # Q through a temporary of its own (the caller's out untouched on failure)
+            workspaces.append(Output((T, Hq * D), dtype, workspace=True))
+            q_slot, q_ld = (next_index + 1, 0), Hq * D
+        else:
+            q_slot, q_ld = slots["out"], fields["out_s0"]  # roped in place
+        steps.append(_Gemm(w_slot, w_ld, x_slot, x_ld, q_slot, q_ld, Hq * D, T, K, dtype,
                            dtype, device))
         steps.append(_Gemm((w_slot[0], w_slot[1] + Hq * D * row_bytes), w_ld, x_slot, x_ld, tmp,
                            2 * Hkv * D, 2 * Hkv * D, T, K, dtype, k_dtype, device))
-        q_slot, q_ld = out_slot, out_ld  # roped in place
         k_slot, v_slot, kv_ld = tmp, (next_index, Hkv * D * 4), 2 * Hkv * D
-    steps.append(Launch(STEM, epilogue_expression(dtype, cache_dtype, k_dtype, n), device, (T,),
-                        (EPILOGUE_BLOCK,), PARAMS,
+    steps.append(Launch(STEM, epilogue_expression(dtype, cache_dtype, k_dtype, n, opts), device,
+                        (T,), (EPILOGUE_BLOCK,), PARAMS,
                         {**fields, "qt_s0": q_ld, "kt_s0": kv_ld, "vt_s0": kv_ld},
                         {**slots, "q_tmp": q_slot, "k_tmp": k_slot, "v_tmp": v_slot}, pdl=pdl))
     return steps, workspaces
@@ -727,4 +776,5 @@ _OP = Op("fused_qkv_matmul_append_paged_kv_cache", ARRAYS, _prepare,
                 ("group_size", KEY), ("enable_pdl", FLAG),
                 *((name, AS_IS) for name in ("GEMV_MAX_TOKENS", "FAST_INT4", "MMA_MIN_TOKENS",
                                              "MMA_MAX_TOKENS", "MMA_MAX_TOKENS_QUANTIZED",
-                                             "MMA_SPLIT"))])
+                                             "MMA_SPLIT")),
+                ("clear_unused_last_page_rows", FLAG)])

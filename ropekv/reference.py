@@ -423,13 +423,16 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
                                            block_table, k_cache, v_cache, out, num_q_heads,
                                            cos_sin_cache=None, is_neox=True, kv_layout="NHD",
                                            k_scale=1.0, v_scale=1.0, weight_scales=None,
-                                           group_size=None, zero_points=None):
+                                           group_size=None, zero_points=None,
+                                           clear_unused_last_page_rows=False):
     """Reference of :func:`ropekv.fused_qkv_matmul_append_paged_kv_cache`, written in place.
 
     ``qkv = hidden_state @ W.T`` in float64 (W dequantized), rows ordered [Q heads | K heads |
     V heads]. A token with a valid position (inside a request, ``p >= 0`` and, with a table,
     ``p < P``) has Q and K roped at p; a token without one has its Q row written unrotated and
     writes nothing; a token with a valid position but no valid page writes nothing.
+    ``clear_unused_last_page_rows``: see :func:`clear_last_page_rows`. (``status=`` is checked by
+    the caller with :func:`ragged_offsets_status` first: on a nonzero code nothing is called.)
     """
     T = hidden_state.shape[0]
     Hq = int(num_q_heads)
@@ -462,6 +465,9 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     else:  # advanced indices around a slice: the selection is (n, Hkv, D)
         k_cache[pg, :, en] = to_dtype(k[write] / ks, k_cache.dtype)
         v_cache[pg, :, en] = to_dtype(v[write] / vs, v_cache.dtype)
+    if clear_unused_last_page_rows:
+        clear_last_page_rows((k_cache, v_cache), input_row_offsets, request, page, entry, write,
+                             1 if kv_layout == "NHD" else 2)
     return out
 
 

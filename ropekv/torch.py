@@ -28,8 +28,8 @@ or ``torch.ops.ropekv.f_out`` when the caller gives them; the MLA and QK-norm op
 Every op declares exactly what it writes (``mutates_args``): the caches, ``q`` for
 ``apply_rope_write_kv`` (roped in place), ``k`` for its ``_k_in_place`` form, the given outputs,
 ``q_rope`` / ``q`` for the ``_in_place`` forms, and the arrays written when given: ``status``
-(paged, MLA, QK-norm), ``q_scale_out`` and ``kv_cache_scales`` (``k_scales`` / ``v_scales`` in the
-paged and QK-norm ops' schemas). With ``layer_idx`` the caches are whole ``(num_layers, ...)``
+(paged, MLA, QK-norm, fused QKV), ``q_scale_out`` and ``kv_cache_scales`` (``k_scales`` /
+``v_scales`` in the paged and QK-norm ops' schemas). With ``layer_idx`` the caches are whole ``(num_layers, ...)``
 tensors, one layer written.
 
 Validation is the eager op's, with its messages: the fake implementations check the dims and
@@ -648,6 +648,7 @@ def _qkv_ops():
              num_q_heads: int, cos_sin_cache: Optional[Tensor], is_neox: bool, kv_layout: str,
              kv_scale: Optional[List[float]], weight_scales: Optional[Tensor],
              group_size: Optional[int], zero_points: Optional[Tensor],
+             clear_unused_last_page_rows: bool, status: Optional[Tensor],
              layer_idx: Optional[int], out: Tensor) -> None:
         if hidden_state.is_cuda and torch.cuda.is_current_stream_capturing():
             fw.check_qkv_graph_safe(hidden_state.shape[0], "in a CUDA graph")
@@ -655,29 +656,32 @@ def _qkv_ops():
                input_row_offsets, cache_lengths, block_table, (k_cache, v_cache),
                num_q_heads=num_q_heads, cos_sin_cache=cos_sin_cache, is_neox=is_neox,
                kv_layout=kv_layout, kv_scale=_scale_arg(kv_scale), weight_scales=weight_scales,
-               group_size=group_size, zero_points=zero_points, out=out, layer_idx=layer_idx)
+               group_size=group_size, zero_points=zero_points, out=out,
+               clear_unused_last_page_rows=clear_unused_last_page_rows, status=status,
+               layer_idx=layer_idx)
 
     def allocating(hidden_state: Tensor, weight: Tensor, input_row_offsets: Tensor,
                    cache_lengths: Tensor, block_table: Tensor, k_cache: Tensor, v_cache: Tensor,
                    num_q_heads: int, cos_sin_cache: Optional[Tensor], is_neox: bool,
                    kv_layout: str, kv_scale: Optional[List[float]],
                    weight_scales: Optional[Tensor], group_size: Optional[int],
-                   zero_points: Optional[Tensor], layer_idx: Optional[int]) -> Tensor:
+                   zero_points: Optional[Tensor], clear_unused_last_page_rows: bool,
+                   status: Optional[Tensor], layer_idx: Optional[int]) -> Tensor:
         out = _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx)
         into(hidden_state, weight, input_row_offsets, cache_lengths, block_table, k_cache,
              v_cache, num_q_heads, cos_sin_cache, is_neox, kv_layout, kv_scale, weight_scales,
-             group_size, zero_points, layer_idx, out)
+             group_size, zero_points, clear_unused_last_page_rows, status, layer_idx, out)
         return out
 
     def fake(hidden_state, weight, input_row_offsets, cache_lengths, block_table, k_cache,
              v_cache, num_q_heads, cos_sin_cache, is_neox, kv_layout, kv_scale, weight_scales,
-             group_size, zero_points, layer_idx):
+             group_size, zero_points, clear_unused_last_page_rows, status, layer_idx):
         return _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx)
 
     op = torch.library.custom_op(f"ropekv::{name}", allocating,
-                                 mutates_args=("k_cache", "v_cache"))
+                                 mutates_args=("k_cache", "v_cache", "status"))
     op_out = torch.library.custom_op(f"ropekv::{name}_out", into,
-                                     mutates_args=("k_cache", "v_cache", "out"))
+                                     mutates_args=("k_cache", "v_cache", "status", "out"))
     op.register_fake(fake)
     op_out.register_fake(_no_outputs)
     return op, op_out
@@ -690,22 +694,27 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
                                            block_table, paged_kv_cache, *, num_q_heads,
                                            cos_sin_cache=None, is_neox=True, kv_layout="NHD",
                                            kv_scale=None, weight_scales=None, group_size=None,
-                                           zero_points=None, out=None, layer_idx=None):
+                                           zero_points=None, out=None,
+                                           clear_unused_last_page_rows=False, status=None,
+                                           layer_idx=None):
     """:func:`ropekv.fused_qkv_matmul_append_paged_kv_cache` as a custom op; returns ``out``.
 
     Runs ``torch.ops.ropekv.fused_qkv_matmul_append_paged_kv_cache`` (allocates ``out``) or
     ``..._out`` (writes the given ``out``). ``kv_scale`` passes as a list of floats. No
     ``stream=``. Prefill-sized calls (more than ``ropekv.qkv.GEMV_MAX_TOKENS`` tokens) run cuBLAS
     on CuPy temporaries and raise ``ValueError`` under CUDA-graph capture; decode-sized calls
-    capture. ``layer_idx`` writes one layer of caches with a leading ``(num_layers, ...)``
-    dimension, as the eager op.
+    capture. ``status`` (an int32 tensor of one element) is written in place (both forms
+    declare it mutated); ``layer_idx`` writes one layer of caches with a leading
+    ``(num_layers, ...)`` dimension, as the eager op.
     """
     k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a (k_cache, v_cache) pair, "
                                              f"got {type(paged_kv_cache).__qualname__}")
     op, op_out = _qkv
     args = (hidden_state, weight, input_row_offsets, cache_lengths, block_table, k_cache, v_cache,
             num_q_heads, cos_sin_cache, bool(is_neox), kv_layout, _scale_list(kv_scale),
-            weight_scales, group_size, zero_points, fw.layer_index(layer_idx))
+            weight_scales, group_size, zero_points,
+            _flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"), status,
+            fw.layer_index(layer_idx))
     if out is None:
         return op(*args)
     op_out(*args, out)

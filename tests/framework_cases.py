@@ -263,6 +263,9 @@ def cases():
         _layers(_ragged("qknorm-fp8-layers", test_qknorm, qknorm, 26, cache_dtype=E4M3,
                         call={"kv_scale": 0.5}), 4, 3),
         _layers(_ragged("qkv-decode-layers", test_qkv, qkv, 27, lengths=(1, 1)), 2, 0),
+        # decode-sized (the fused kernel; a CUDA graph can hold it, cuBLAS's temporaries not)
+        _ragged("qkv-options-given", test_qkv, qkv, 39, out="given", lengths=(1, 1),
+                call={"clear_unused_last_page_rows": True, "status": _status()}),
         # issue 14's fp8 queries (static and dynamic scales), per-token-head KV scales (fp8 and
         # int8 caches) and the paged ops' device-side status
         _quant_contiguous("contiguous-q-out", 28, q_mode="copy"),

@@ -345,7 +345,7 @@ def test_command_buffer_flag_is_accepted_on_the_host():
 @cpu
 @pytest.mark.parametrize("name", ["qknorm-options-given", "mla-options",
                                   "paged-int8-kv-scales-hnd-given",
-                                  "qknorm-fp8-q-dynamic-kv-scales"])
+                                  "qknorm-fp8-q-dynamic-kv-scales", "qkv-options-given"])
 def test_status_reports_bad_offsets_and_the_caches_stay(name):
     """Malformed offsets (``input_row_offsets`` one above the next: code 2; ``kv_indptr[0] !=
     0``: code 4): the returned status holds the code, and every other returned alias (caches,

@@ -42,8 +42,8 @@ MUTATIONS = {
     "qk_rmsnorm_rope_append_paged_kv_cache": _QKNORM,
     "qk_rmsnorm_rope_append_paged_kv_cache_out": {*_QKNORM, "q_out"},
     "qk_rmsnorm_rope_append_paged_kv_cache_in_place": {*_QKNORM, "q"},
-    "fused_qkv_matmul_append_paged_kv_cache": {"k_cache", "v_cache"},
-    "fused_qkv_matmul_append_paged_kv_cache_out": {"k_cache", "v_cache", "out"},
+    "fused_qkv_matmul_append_paged_kv_cache": {"k_cache", "v_cache", "status"},
+    "fused_qkv_matmul_append_paged_kv_cache_out": {"k_cache", "v_cache", "status", "out"},
 }
 
 
@@ -301,7 +301,7 @@ def test_layer_idx_type_errors_are_the_eager_ones(name, bad):
 
 
 @pytest.mark.parametrize("name", ["qknorm-options-given", "mla-options",
-                                  "paged-int8-kv-scales-hnd-given"])
+                                  "paged-int8-kv-scales-hnd-given", "qkv-options-given"])
 def test_status_reports_bad_offsets_and_nothing_is_written(name):
     """Malformed offsets (``input_row_offsets``: one above the next, code 2; the paged ops'
     ``kv_indptr``: not starting at 0, code 4): the status code, and the caches, the scale arrays

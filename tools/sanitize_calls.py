@@ -1,5 +1,6 @@
 """One call of every ropekv kernel on the GPU (the option kernels with computed scales and status=
-too), each checked against the NumPy backend: the
+too, and the fused QKV op's with status= and tail clearing), each checked against the NumPy
+backend: the
 workload of ``tools/sanitize.sh``'s racecheck, initcheck and synccheck passes."""
 
 from __future__ import annotations
@@ -80,6 +81,25 @@ def check_scaled_call(op, case):
                     np.testing.assert_allclose(a, e, rtol=1e-5, err_msg=f"{op}: {name}")
 
 
+# the fused QKV op's options kernels (status= and clear_unused_last_page_rows), one call per path:
+# qkv_gemv, qkv_mma, cuBLAS and qkv_epilogue (fp8 cache with RoPE: Q through its own temporary)
+OPTIONED = [("qkv", {"lengths": (1,)}), ("qkv", {}),
+            ("qkv", {"cache_dtype": E4M3, "lengths": (20, 5, 0, 3)})]
+
+
+def check_optioned_call(op, case):
+    fn, kw = CASES[op](0, **case)
+    kw.update(status=np.full(1, 7, np.int32), clear_unused_last_page_rows=True)
+    expected = copy_kw(kw)
+    out_expected = fn(**expected)
+    assert expected["status"][0] == 0
+    dev = map_arrays(kw, to_device)
+    out = fn(**dev)
+    assert_same(dev, out, expected, out_expected, op)
+    np.testing.assert_array_equal(to_numpy(dev["status"]), expected["status"],
+                                  err_msg=f"{op}: status")
+
+
 def runs_cublas(case):
     tokens = sum(case.get("lengths", (3, 1, 0, 2)))
     quantized = case.get("wfmt", "dense") != "dense"
@@ -101,6 +121,12 @@ def main():
     for op, case in SCALED:
         check_scaled_call(op, case)
         print(f"ok {op} {case} with computed scales")
+    for op, case in OPTIONED:
+        if tool == "initcheck" and runs_cublas(case):  # as above
+            print(f"skipped under initcheck: {op} {case} with status= and tail clearing")
+            continue
+        check_optioned_call(op, case)
+        print(f"ok {op} {case} with status= and tail clearing")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@
 //   qkv_epilogue   prefill: after cuBLAS wrote Q, K, V into temporaries, rope Q into `out` and
 //                  rope K / scatter K, V into their pages, in one launch.
 //   qkv_dequant    prefill with quantized weights: weights -> the input dtype, for cuBLAS.
+//
+// OPTS (qkv_gemv, qkv_mma, qkv_epilogue): the kernel reads the options, status= (p.check: the
+// offsets validated on the device before anything is written) and clear_unused_last_page_rows
+// (p.clear); without OPTS none of their code is compiled, so the options cost nothing when off.
 #include "common.cuh"
 
 using namespace ropekv;
@@ -28,6 +32,7 @@ struct QkvParams {
   void* out;                    // (T, Hq D) T_in: Q
   void* k_cache;                // NHD (pages, page_size, Hkv, D) or HND (pages, Hkv, page_size, D)
   void* v_cache;
+  int* status;                  // status= (OPTS kernels): (1,) int32, the offsets' code, or null
   i64 hidden_s0, weight_row_bytes, ws_s0, zp_s0, qt_s0, kt_s0, vt_s0, bt_s0, cs_s0, out_s0;
   i64 k_page, k_entry, k_head;  // cache strides in elements (the head dim is contiguous)
   i64 v_page, v_entry, v_head;
@@ -35,6 +40,8 @@ struct QkvParams {
   int T, K, N, B, Hq, Hkv, D, R, P, page_size, max_pages, group_size, kc;
   int is_neox, cache_code;      // cache_code: 0 the input dtype, 1 e4m3, 2 e5m2
   float k_inv_scale, v_inv_scale;
+  int check;                    // OPTS kernels: status= given, validate the offsets first
+  int clear;                    // OPTS kernels: clear_unused_last_page_rows
 };
 
 enum { W_DENSE = 0, W_FP8 = 1, W_INT4 = 2 };
@@ -48,9 +55,12 @@ struct TokenSlot {
   i64 k_off, v_off;
 };
 
-__device__ __forceinline__ TokenSlot token_slot(const QkvParams& p, int t) {
-  const PagedSlot s = paged_slot(p.offsets, p.cache_lengths, p.block_table, p.bt_s0, p.B,
-                                 p.max_pages, p.page_size, p.num_pages, t);
+__device__ __forceinline__ PagedSlot qkv_paged_slot(const QkvParams& p, int t) {
+  return paged_slot(p.offsets, p.cache_lengths, p.block_table, p.bt_s0, p.B, p.max_pages,
+                    p.page_size, p.num_pages, t);
+}
+
+__device__ __forceinline__ TokenSlot token_slot_of(const QkvParams& p, const PagedSlot& s) {
   TokenSlot r{-1, -1, -1};
   const bool valid = s.request >= 0 && s.pos >= 0 && (!p.cos_sin || s.pos < p.P) &&
                      s.pos <= 0x7fffffff;
@@ -61,6 +71,34 @@ __device__ __forceinline__ TokenSlot token_slot(const QkvParams& p, int t) {
     r.v_off = s.page * p.v_page + i64(s.entry) * p.v_entry;
   }
   return r;
+}
+
+__device__ __forceinline__ TokenSlot token_slot(const QkvParams& p, int t) {
+  return token_slot_of(p, qkv_paged_slot(p, t));
+}
+
+// status= (OPTS kernels): every block validates the offsets (all its threads call this, at a
+// block-uniform point before any of its writes); block (0, 0) stores the code. Every block
+// computes the same code, so a block that finds the offsets malformed returns at once and none
+// waits for another (nor, in qkv_mma, for its cluster: all of the cluster's CTAs return).
+// Returns whether the block may write.
+template <bool OPTS>
+__device__ __forceinline__ bool qkv_check(const QkvParams& p, const unsigned* offsets) {
+  if (!OPTS || !p.check) return true;
+  const int code = ragged_offsets_status(offsets, p.B, p.T);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *p.status = code;
+  return code == 0;
+}
+
+// clear_unused_last_page_rows (OPTS kernels): the rows after token t's own on its page that the
+// writer of each of its K/V elements also zeroes: page_size - entry - 1 when t is the last token
+// of its request and is written (tok.k_off >= 0), else 0 (s from ragged_position / paged_slot,
+// entry its row on the page).
+__device__ __forceinline__ int rest_of_page(const QkvParams& p, const unsigned* offsets,
+                                            const PagedSlot& s, const TokenSlot& tok, int entry,
+                                            int t) {
+  return p.clear && tok.k_off >= 0 && last_of_request(offsets, s, t) ? p.page_size - 1 - entry
+                                                                     : 0;
 }
 
 template <typename T>
@@ -108,10 +146,12 @@ __device__ __forceinline__ RowPair row_pair(int g, int D, int R, int Hq, int Hkv
 }
 
 // Writes the pair (a, b) of token t: rotated at tok.pos when it is a rotary pair, then Q to out,
-// K / V to their cache rows (scaled for fp8 caches).
+// K / V to their cache rows (scaled for fp8 caches). rest (clear_unused_last_page_rows, see
+// rest_of_page; the plain kernels pass a constant 0): the pair's elements of that many rows after
+// the token's are zeroed too (zero bits are +0 in every cache dtype).
 template <typename T>
 __device__ __forceinline__ void write_pair(const QkvParams& p, const TokenSlot& tok, int t,
-                                           const RowPair& rp, float a, float b) {
+                                           const RowPair& rp, float a, float b, int rest = 0) {
   if (rp.rot >= 0 && tok.pos >= 0) {
     const float* cs = p.cos_sin + i64(tok.pos) * p.cs_s0;
     const float c = cs[rp.rot], s = cs[(p.R >> 1) + rp.rot];
@@ -128,11 +168,19 @@ __device__ __forceinline__ void write_pair(const QkvParams& p, const TokenSlot& 
     const i64 row = tok.k_off + i64(rp.head - p.Hq) * p.k_head;
     store_cache<T>(p.k_cache, row + rp.da, a * p.k_inv_scale, p.cache_code);
     store_cache<T>(p.k_cache, row + rp.db, b * p.k_inv_scale, p.cache_code);
+    for (int r = 1; r <= rest; ++r) {
+      store_cache<T>(p.k_cache, row + r * p.k_entry + rp.da, 0.f, p.cache_code);
+      store_cache<T>(p.k_cache, row + r * p.k_entry + rp.db, 0.f, p.cache_code);
+    }
   } else {
     if (tok.v_off < 0) return;
     const i64 row = tok.v_off + i64(rp.head - p.Hq - p.Hkv) * p.v_head;
     store_cache<T>(p.v_cache, row + rp.da, a * p.v_inv_scale, p.cache_code);
     store_cache<T>(p.v_cache, row + rp.db, b * p.v_inv_scale, p.cache_code);
+    for (int r = 1; r <= rest; ++r) {
+      store_cache<T>(p.v_cache, row + r * p.v_entry + rp.da, 0.f, p.cache_code);
+      store_cache<T>(p.v_cache, row + r * p.v_entry + rp.db, 0.f, p.cache_code);
+    }
   }
 }
 
@@ -198,7 +246,10 @@ struct WeightVec {
 // lane t finishes token t (RoPE, Q store, paged K/V store).
 //   int4: value q of k = 2j + h is nibble h of byte j; w = (q - zero) * scale in float32, with
 //   one (scale, zero) per load (a load lies inside one group: the host makes VALS divide G).
-template <typename T, int WF, int VB, int TT, bool FAST_INT4>
+//   OPTS: status= validates the offsets once the first weight loads are in flight (a batch of no
+//   tokens launches one block, which only validates); the last token of a request clears the
+//   rest of its page, each lane the elements of the pairs it writes.
+template <typename T, int WF, int VB, int TT, bool FAST_INT4, bool OPTS>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
   pdl_launch_dependents();
   pdl_wait();
@@ -212,6 +263,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
   extern __shared__ float xs[];        // (TT, kc), then FAST4: xsum (TT, kc / 32)
   float* xsum = xs + TT * p.kc;
   __shared__ TokenSlot slots[TT];
+  __shared__ int rests[OPTS ? TT : 1];  // OPTS: the rows each token clears (rest_of_page)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int pairs_total = p.N >> 1;
@@ -277,9 +329,20 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
       }
     };
     issue(0);  // the first loads go out before the hidden rows are staged, overlapping the two
+    if constexpr (OPTS) {
+      if (k0 == 0 && (!qkv_check<OPTS>(p, p.offsets) || nt <= 0)) return;
+    }
     if (k0 == 0 && threadIdx.x < TT) {  // token addressing, in the shadow of those loads
-      slots[threadIdx.x] =
-          int(threadIdx.x) < nt ? token_slot(p, t0 + threadIdx.x) : TokenSlot{-1, -1, -1};
+      if constexpr (OPTS) {
+        const int tl = threadIdx.x;
+        const PagedSlot s = tl < nt ? qkv_paged_slot(p, t0 + tl) : PagedSlot{-1, -1, -1, 0};
+        const TokenSlot tok = token_slot_of(p, s);
+        slots[tl] = tok;
+        rests[tl] = rest_of_page(p, p.offsets, s, tok, s.entry, t0 + tl);
+      } else {
+        slots[threadIdx.x] =
+            int(threadIdx.x) < nt ? token_slot(p, t0 + threadIdx.x) : TokenSlot{-1, -1, -1};
+      }
     }
     __syncthreads();  // the previous chunk is consumed
     // Stage x (TT, kc) as float32, XU independent loads in flight per thread.
@@ -447,7 +510,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
       a *= ws[rown[2 * i]];
       b *= ws[rown[2 * i + 1]];
     }
-    write_pair<T>(p, tok, t0 + lane, rps[i], a, b);
+    write_pair<T>(p, tok, t0 + lane, rps[i], a, b, OPTS ? rests[lane] : 0);
   }
 }
 
@@ -561,8 +624,11 @@ __device__ __forceinline__ unsigned pair_of(float x) {
 #define MMA_CLUSTER_DIMS __cluster_dims__(S, 1, 1)
 #endif
 
-// S: CTAs per cluster, along K (the host picks it to fill the GPCs, see qkv.py)
-template <typename T, int WF, int TN, int S>
+// S: CTAs per cluster, along K (the host picks it to fill the GPCs, see qkv.py).
+// OPTS: status= validates the offsets once the first weight loads are in flight, before the main
+// loop (every CTA of every cluster, so all of a cluster's CTAs return together on failure); the
+// last token of a request clears the rest of its page in the epilogue (write_pair).
+template <typename T, int WF, int TN, int S, bool OPTS>
 __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE && TN == 64 ? 3 : 4)
     qkv_mma(const QkvParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -578,6 +644,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
   T* xs = reinterpret_cast<T*>(mma_smem);           // (TN, xs_stride): the hidden slice
   float* part = reinterpret_cast<float*>(mma_smem);  // after the main loop: (TN, PART_STRIDE)
   __shared__ TokenSlot slots[TN];
+  __shared__ int rests[OPTS ? TN : 1];  // OPTS: the rows each token clears (rest_of_page)
   __shared__ unsigned req_off[MMA_REQ_CAP + 1];  // offsets and cache lengths when B is small
   __shared__ int req_len[MMA_REQ_CAP];
 
@@ -649,6 +716,12 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
     for (int i = threadIdx.x; i <= p.B; i += blockDim.x) {
       req_off[i] = p.offsets[i];
       if (i < p.B) req_len[i] = p.cache_lengths[i];
+    }
+  }
+  if constexpr (OPTS) {
+    if (p.check) {
+      __syncthreads();  // the staged offsets are readable
+      if (!qkv_check<OPTS>(p, req_smem ? req_off : p.offsets)) return;
     }
   }
   // Stage the slice offsets [s0, s0 + sw) of the hidden rows (cp.async, zero past T and K): the
@@ -772,16 +845,21 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
   // memory, then the cluster's reduction and the epilogue
   if (threadIdx.x < TN) {
     TokenSlot r{-1, -1, -1};
+    int entry = 0;
     if (slot.request >= 0 && slot.pos >= 0 && (!p.cos_sin || slot.pos < p.P) &&
         slot.pos <= 0x7fffffff) {
       r.pos = int(slot.pos);
       if (bt_index < p.max_pages && bt_page >= 0 && bt_page < p.num_pages) {
-        const int entry = int(slot.pos - bt_index * p.page_size);
+        entry = int(slot.pos - bt_index * p.page_size);
         r.k_off = i64(bt_page) * p.k_page + i64(entry) * p.k_entry;
         r.v_off = i64(bt_page) * p.v_page + i64(entry) * p.v_entry;
       }
     }
     slots[threadIdx.x] = r;
+    if constexpr (OPTS) {  // the staged offsets are readable once the main loop has run
+      rests[threadIdx.x] = rest_of_page(p, req_smem && nchunks > 0 ? req_off : p.offsets, slot,
+                                        r, entry, t0 + threadIdx.x);
+    }
   }
   __syncthreads();  // every warp is done with xs
 #pragma unroll
@@ -829,7 +907,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
       sa *= ws[na];
       sb *= ws[nb];
     }
-    write_pair<T>(p, slots[t], t0 + t, rp, sa, sb);
+    write_pair<T>(p, slots[t], t0 + t, rp, sa, sb, OPTS ? rests[t] : 0);
   }
   // no CTA leaves while another may still read its shared memory
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
@@ -842,10 +920,14 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
 // One block per token. Work items are N-wide chunks of head rows, as in contiguous.cu: for a
 // roped head, items [0, rot_items) rotate N pairs (neox: i0.. and R/2 + i0..; interleaved: N
 // consecutive elements), the rest copy N pass-through dims of [R, D).
+// clear_entry (clear_unused_last_page_rows, cache rows only): the rows of c_dst's page after
+// entry clear_entry (entry_stride elements apart) are zeroed at the same elements;
+// p.page_size - 1 clears nothing.
 template <typename SrcT, typename T, typename CacheT, int N>
 __device__ __forceinline__ void epilogue_item(const SrcT* src, T* q_dst, CacheT* c_dst, int j,
                                               int rot_items, const QkvParams& p, const float* cs,
-                                              float scale) {
+                                              float scale, i64 entry_stride = 0,
+                                              int clear_entry = 0) {
   const int half_r = p.R >> 1;
   float a[N], b[N];
   int e0, e1 = -1;
@@ -871,20 +953,39 @@ __device__ __forceinline__ void epilogue_item(const SrcT* src, T* q_dst, CacheT*
   } else {
     store_float<CacheT, N>(c_dst + e0, a, scale);
     if (e1 >= 0) store_float<CacheT, N>(c_dst + e1, b, scale);
+    if (entry_stride) {
+      zero_rest_of_page<CacheT, N>(c_dst, entry_stride, clear_entry, p.page_size, e0);
+      if (e1 >= 0) zero_rest_of_page<CacheT, N>(c_dst, entry_stride, clear_entry, p.page_size, e1);
+    }
   }
 }
 
 // KT: the dtype cuBLAS wrote K and V in (float32 for fp8 caches with RoPE: rounding K to 16 bits
 // before a rotation that cancels would move fp8 codes by more than one).
-template <typename T, typename CacheT, typename KT, int N>
+// OPTS: status= validates the offsets first (the temporaries cuBLAS wrote are the op's own, so
+// nothing the caller sees has changed yet); the last token of a request clears the rest of its
+// page, K and V, each thread at the elements it writes.
+template <typename T, typename CacheT, typename KT, int N, bool OPTS>
 __global__ void __launch_bounds__(256) qkv_epilogue(const QkvParams p) {
   pdl_launch_dependents();
   pdl_wait();
   const int t = blockIdx.x;
+  if (!qkv_check<OPTS>(p, p.offsets)) return;
   __shared__ TokenSlot slot;
-  if (threadIdx.x == 0) slot = token_slot(p, t);
+  __shared__ int rest_s;  // OPTS: the rows this token clears (rest_of_page)
+  if (threadIdx.x == 0) {
+    if constexpr (OPTS) {
+      const PagedSlot s = qkv_paged_slot(p, t);
+      slot = token_slot_of(p, s);
+      rest_s = rest_of_page(p, p.offsets, s, slot, s.entry, t);
+    } else {
+      slot = token_slot(p, t);
+    }
+  }
   __syncthreads();
   const TokenSlot tok = slot;
+  // OPTS: the entry after which the page is cleared (page_size - 1: nothing to clear)
+  const int clear_entry = OPTS ? p.page_size - 1 - rest_s : 0;
   const bool rope = p.cos_sin != nullptr && tok.pos >= 0;
   const float* cs = rope ? p.cos_sin + i64(tok.pos) * p.cs_s0 : nullptr;
   // A roped head row is rot_items rotating items then pass-through items; an unroped one copies.
@@ -909,14 +1010,18 @@ __global__ void __launch_bounds__(256) qkv_epilogue(const QkvParams p) {
       const int h = (w - q_end) / r_items;
       CacheT* dst = static_cast<CacheT*>(p.k_cache) + tok.k_off + i64(h) * p.k_head;
       epilogue_item<KT, T, CacheT, N>(kt + i64(h) * p.D, nullptr, dst, w - q_end - h * r_items,
-                                      rot_items, pr, cs, p.k_inv_scale);
+                                      rot_items, pr, cs, p.k_inv_scale, OPTS ? p.k_entry : 0,
+                                      clear_entry);
     } else {
       const int h = (w - k_end) / v_items;
       const int e0 = (w - k_end - h * v_items) * N;
       float x[N];
       load_float<KT, N>(vt + i64(h) * p.D + e0, x);
-      store_float<CacheT, N>(static_cast<CacheT*>(p.v_cache) + tok.v_off + i64(h) * p.v_head + e0,
-                             x, p.v_inv_scale);
+      CacheT* dst = static_cast<CacheT*>(p.v_cache) + tok.v_off + i64(h) * p.v_head;
+      store_float<CacheT, N>(dst + e0, x, p.v_inv_scale);
+      if constexpr (OPTS) {
+        zero_rest_of_page<CacheT, N>(dst, p.v_entry, clear_entry, p.page_size, e0);
+      }
     }
   }
 }

@@ -103,7 +103,7 @@ class QkvWL(_RaggedMixin, Workload):
         """Bytes of the weights and their scales: what one call streams."""
         return sum(self.a[n].nbytes for n in ("weight", "weight_scales") if n in self.a)
 
-    def call(self, o):
+    def call(self, o, **options):
         a = self.a
         weight = a["weight"]
         if len(self.weight_copies) > 1 and weight is self.weight_copies[0]:
@@ -116,7 +116,12 @@ class QkvWL(_RaggedMixin, Workload):
             a["hidden"], weight, a["input_row_offsets"], a["cache_lengths"],
             a["block_table"], (o["k_cache"], o["v_cache"]), num_q_heads=self.Hq,
             cos_sin_cache=a["table"], is_neox=True, kv_layout=self.layout,
-            kv_scale=self.kv_scale, out=o["q_out"], **kw)
+            kv_scale=self.kv_scale, out=o["q_out"], **kw, **options)
+
+    def options(self):
+        # neither changes the sampled rows: the tail cleared lies past each request's new rows
+        return {"status": ({"status": self.g.zeros((1,), np.int32)}, True),
+                "clear": ({"clear_unused_last_page_rows": True}, True)}
 
     def torch_fn(self, t, o):
         torch = _torch()
