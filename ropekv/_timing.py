@@ -52,18 +52,32 @@ def graph_us(fn, *, calls=100, replays=20):
     return statistics.median(times)
 
 
-def eager_host_us(fn, *, calls=2000):
-    """Host time per call of ``calls`` back-to-back eager calls (the launch-bound path)."""
-    import cupy
+HOST_BURST = 100  # calls per timed burst: below the driver's queue of pending launches
 
+
+def eager_host_us(fn, *, calls=2000, sync=None):
+    """Host time per call of back-to-back eager calls (the launch-bound path): ``calls`` calls
+    in bursts of :data:`HOST_BURST`, each burst timed from its first call to its last call's
+    return, the device synchronised before each burst and outside the timing. A burst stays
+    below the driver's queue of pending launches, so a kernel slower than the host never makes
+    a call wait for the device: what is timed is the host's own work. The median over bursts.
+    ``sync``: what waits for the calls (default: the whole device, through CuPy)."""
+    if sync is None:
+        import cupy
+
+        sync = cupy.cuda.runtime.deviceSynchronize
     for _ in range(50):
         fn()
-    cupy.cuda.get_current_stream().synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    cupy.cuda.get_current_stream().synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    sync()
+    burst = min(HOST_BURST, calls)
+    times = []
+    for _ in range(max(1, calls // burst)):
+        t0 = time.perf_counter()
+        for _ in range(burst):
+            fn()
+        times.append((time.perf_counter() - t0) / burst * 1e6)
+        sync()
+    return statistics.median(times)
 
 
 def copy_bandwidth(nbytes=1 << 30, reps=20):

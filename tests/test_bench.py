@@ -253,6 +253,43 @@ def test_check_cases_run_on_the_numpy_backend():
                    for k in before), name
 
 
+def test_bound_calls_make_the_workloads_call_with_arguments_built_once():
+    """Host time is measured on ``Workload.bound``: one partial of the ropekv function whose
+    call writes what the workload's own call writes (every case, options included)."""
+    import functools
+
+    import ropekv
+
+    for op, name, build in bench.check_specs():
+        w = build()
+        for extra in [{}] + [e for e, _ in w.options().values()]:
+            o_call, o_bound = w.new_outputs(), w.new_outputs()
+            w.call(o_call, **extra)
+            bound = w.bound(o_bound, **extra)
+            assert isinstance(bound, functools.partial), name
+            assert bound.func is getattr(ropekv, bound.func.__name__), name
+            assert all(np.array_equal(w.outputs(o_bound, full=True)[k].view(np.uint8),
+                                      w.new_outputs()[k].view(np.uint8))
+                       for k in o_bound), f"{name}: binding called ropekv"
+            bound()
+            for k, v in w.outputs(o_call, full=True).items():
+                got = w.outputs(o_bound, full=True)[k]
+                assert np.array_equal(got.view(np.uint8), v.view(np.uint8)), (name, extra, k)
+
+
+def test_eager_host_time_is_timed_in_bursts_with_the_sync_outside():
+    from ropekv import _timing
+
+    log = []
+    us = _timing.eager_host_us(lambda: log.append("call"), calls=350,
+                               sync=lambda: log.append("sync"))
+    assert us > 0
+    calls = log[50:]
+    assert log[:50] == ["call"] * 50 and calls[0] == "sync"
+    bursts = "".join("c" if x == "call" else "|" for x in calls[1:]).split("|")[:-1]
+    assert bursts == ["c" * _timing.HOST_BURST] * (350 // _timing.HOST_BURST)
+
+
 def _torch_outputs(w):
     o = w.new_outputs()
     to = {k: bench._to_torch(v) for k, v in o.items()}

@@ -6,9 +6,11 @@ Usage (on a GPU machine, from the repository root)::
     PYTHONPATH=$PWD python tools/hosttime.py [--profile] [--calls N] [--layers N]
                                              [--replay c|python]
 
-Per case: ``first`` is the median over 10 first calls (every op's plans cleared before each, the
-call synchronised), ``cupy`` / ``torch`` the host time per call of back-to-back eager calls with
-CuPy arrays and with zero-copy torch views of them. ``--profile`` adds a cProfile of the torch
+Per case: ``first`` is the median host time over 10 first calls (every op's plans cleared before
+each; timed to the call's return, the device synchronised outside the timing), ``cupy`` /
+``torch`` the host time per call of back-to-back eager calls with CuPy arrays and with zero-copy
+torch views of them (bursts below the launch queue: the host's own work, whatever the kernel's
+time). Both time the ropekv call with its arguments built once (``Workload.bound``). ``--profile`` adds a cProfile of the torch
 replays and of the first calls of one case. The workloads are ``ropekv bench``'s.
 ``--layers N`` adds, for the ops with multi-layer caches, the same case on caches of N layers
 called with ``layer_idx`` cycling over them through a small wrapper, and the one-layer call
@@ -66,6 +68,8 @@ def layered_rows(w, o, layers, sync, calls):
 
 
 def first_call_us(fn, sync, n=10):
+    """Median host time of a first call (every op's plans cleared before it): from the call to
+    its return, the device synchronised before and after, outside the timing."""
     times = []
     for _ in range(n):
         for op in ops():
@@ -73,24 +77,18 @@ def first_call_us(fn, sync, n=10):
         sync()
         t0 = time.perf_counter()
         fn()
-        sync()
         times.append((time.perf_counter() - t0) * 1e6)
+        sync()
     times.sort()
     return times[len(times) // 2]
 
 
 def per_call_us(fn, sync, calls):
-    for _ in range(100):
-        fn()
-    sync()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    return best
+    """Host time per eager call, back to back (``ropekv._timing.eager_host_us``: bursts below
+    the driver's launch queue, so what is timed is the host's own work)."""
+    from ropekv import _timing
+
+    return _timing.eager_host_us(fn, calls=calls, sync=sync)
 
 
 def floor(sync, calls=20000):
@@ -158,13 +156,15 @@ def main(argv=None):
         o = w.new_outputs()
         w.call(o)  # compiles
         sync()
-        first = first_call_us(lambda: w.call(o), sync)
-        cp_us = per_call_us(lambda: w.call(o), sync, args.calls)
+        call = w.bound(o)  # the ropekv call, its arguments built once
+        first = first_call_us(call, sync)
+        cp_us = per_call_us(call, sync, args.calls)
         wt = copy.copy(w)
         wt.a = {k: bench._to_torch(v) for k, v in w.a.items()}
         ot = {k: bench._to_torch(v) for k, v in o.items()}
-        first_t = first_call_us(lambda: wt.call(ot), sync)
-        th_us = per_call_us(lambda: wt.call(ot), torch.cuda.synchronize, args.calls)
+        call_t = wt.bound(ot)
+        first_t = first_call_us(call_t, sync)
+        th_us = per_call_us(call_t, torch.cuda.synchronize, args.calls)
         rows.append((name, first, first_t, cp_us, th_us))
         print(f"{name:34s} first {first:7.1f} us (torch {first_t:7.1f})   cupy {cp_us:6.2f} us   "
               f"torch {th_us:6.2f} us", flush=True)

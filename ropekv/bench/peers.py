@@ -78,6 +78,9 @@ class Runner:
     expect: Callable[[dict], dict] | None = None
     # a context manager factory entered around this runner's check and timing (--tune variants)
     context: Callable[[], Any] | None = None
+    # what host time is measured on (ropekv: its call with the arguments built once), or None:
+    # ``call``
+    host_call: Callable[[], Any] | None = None
 
 
 def make_runners(w, spec, peers, backend="cuda", variants=(), options=False):
@@ -90,7 +93,7 @@ def make_runners(w, spec, peers, backend="cuda", variants=(), options=False):
     framework = backend if backend == "numpy" else "cupy"
     o = w.new_outputs()
     ropekv = Runner("ropekv", lambda: w.call(o), lambda: w.outputs(o), lambda: w.reset(o),
-                    framework=framework)
+                    framework=framework, host_call=w.bound(o))
     out: dict[str, Any] = {}
     for label, changes in variants:
         if w.op in changes:
@@ -98,14 +101,14 @@ def make_runners(w, spec, peers, backend="cuda", variants=(), options=False):
             out[f"ropekv[{label}]"] = Runner(
                 f"ropekv[{label}]", functools.partial(w.call, vo),
                 functools.partial(w.outputs, vo), functools.partial(w.reset, vo), framework,
-                context=functools.partial(tuning.applied, changes))
+                context=functools.partial(tuning.applied, changes), host_call=w.bound(vo))
     if options:
         for label, (extra, checked) in w.options().items():
             vo = w.new_outputs()
             out[f"ropekv[+{label}]"] = Runner(
                 f"ropekv[+{label}]", functools.partial(w.call, vo, **extra),
                 functools.partial(w.outputs, vo), functools.partial(w.reset, vo), framework,
-                expect=None if checked else _unchecked)
+                expect=None if checked else _unchecked, host_call=w.bound(vo, **extra))
     avail = peer_availability(backend)
     for peer in peers:
         if avail.get(peer):

@@ -3,8 +3,10 @@
 Prefill cases: CUDA events around each call, queued behind a spin kernel so the host's enqueueing
 stays out of the measurement, the L2 flushed by a read when the case's bytes would fit in it;
 median of many. Decode cases (launch-bound): per-call time under CUDA-graph replay (CuPy's graph
-for ropekv and CuPy peers, torch's for torch peers), plus host time per eager call, back to back,
-with CuPy arrays and (ropekv) with torch tensors viewing the same memory. On the NumPy backend
+for ropekv and CuPy peers, torch's for torch peers), plus host time per eager call, back to back
+(``_timing.eager_host_us``: bursts below the launch queue, the host's own work), with CuPy arrays
+and (ropekv) with torch tensors viewing the same memory; ropekv's host time is that of its call
+with the arguments built once (``Workload.bound``). On the NumPy backend
 (the CPU tests) a call's host time stands for all of these.
 """
 
@@ -65,7 +67,8 @@ def time_runner(r, spec, settings, flusher):
                                                    replays=10)
         except Exception as e:  # noqa: BLE001 - not capturable: fall back to events
             res["graph_error"] = one_line(e)
-        res["host_us"] = _timing.eager_host_us(r.call, calls=settings["host_calls"])
+        res["host_us"] = _timing.eager_host_us(r.host_call or r.call,
+                                               calls=settings["host_calls"])
     flush = flusher if spec.nbytes < L2_FLUSH_BELOW else None
     res["event_us"] = _timing.device_us(r.call, reps=settings["reps"], flush=flush,
                                         budget_s=settings["budget_s"])
@@ -85,14 +88,10 @@ def torch_host_us(w, calls):
         tw = copy.copy(w)
         tw.a = {k: _to_torch(v) for k, v in w.a.items()}
         o = {k: _to_torch(v) for k, v in w.new_outputs().items()}
-        for _ in range(50):
-            tw.call(o)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            tw.call(o)
-        torch.cuda.synchronize()
-        return {"host_us_torch": (time.perf_counter() - t0) / calls * 1e6}
+        from ropekv import _timing
+
+        return {"host_us_torch": _timing.eager_host_us(tw.bound(o), calls=calls,
+                                                       sync=torch.cuda.synchronize)}
     except Exception as e:  # noqa: BLE001 - reported, the case goes on
         return {"host_torch_error": one_line(e)}
 
