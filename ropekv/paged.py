@@ -132,13 +132,13 @@ STATUS_CODES = {reference.STATUS_INDPTR_FIRST_NOT_ZERO: "kv_indptr[0] != 0",
 def expression(dtype, out_dtype, is_neox, n, shape, mrope=False, opts=False):
     """The section kernel of ``shape`` (unroll, rot_unroll, min blocks), or the row kernel when
     ``shape`` is ``("rows", ROWS)``; ``mrope``: the one that reads mRoPE sections (the plain one
-    has mRoPE compiled out); ``opts``: the row kernel that reads the options (computed scales,
-    status), compiled out of the plain one."""
+    has mRoPE compiled out); ``opts``: the kernel that reads the options, compiled out of the
+    plain one (the row kernel: computed scales and status; the section kernel: status only)."""
     if shape[0] == "rows":
         return name_expression(ROW_KERNEL + ("_opts" if opts else ""), c_type(dtype),
                                c_type(out_dtype), c_bool(is_neox), n, shape[1], c_bool(mrope))
-    return name_expression(KERNEL, c_type(dtype), c_type(out_dtype), c_bool(is_neox), n, *shape,
-                           c_bool(mrope))
+    return name_expression(KERNEL + ("_status" if opts else ""), c_type(dtype), c_type(out_dtype),
+                           c_bool(is_neox), n, *shape, c_bool(mrope))
 
 
 def instantiations():
@@ -151,6 +151,8 @@ def instantiations():
         for out_dtype, shape, mrope in itertools.product((dtype, *FP8_DTYPES), shapes,
                                                          (False, True)):
             yield expression(dtype, out_dtype, is_neox, n, shape, mrope)
+            if shape[0] != "rows":  # status= alone on heads too wide for a lane group
+                yield expression(dtype, out_dtype, is_neox, n, shape, mrope, True)
         for out_dtype, rows, mrope in itertools.product((dtype, *FP8_DTYPES, INT8), ROWS,
                                                         (False, True)):
             yield expression(dtype, out_dtype, is_neox, n, ("rows", rows), mrope, True)
@@ -756,13 +758,17 @@ def _prepare(views, flags):
     ri = R // (2 * n) if is_neox else R // n
     items = (Hq + Hkv) * (ri + Dn // n) + (0 if mla else Hkv * D // n)
     group = ri + Dn // n  # chunks of a head row
-    if opts and group > MAX_BLOCK:
+    # the options live in the row kernel, but for status= alone on heads too wide for a lane
+    # group (MLA's 576-element rows), which the section kernel checks as it is (its _status
+    # variant; the row kernel at 72 lanes a row ran such calls at half the bandwidth)
+    status_only = vstatus is not None and vqso is None and not kv_dyn and T > 0
+    if opts and not status_only and group > MAX_BLOCK:
         raise BufferError(f"q_scale_out, kv_cache_scales and status run the row kernel, a lane "
                           f"per {n} elements of a head row: rows of {D} elements need {group} "
                           f"lanes, more than {MAX_BLOCK}; align the rows of the inputs, caches "
                           f"and q outputs to {16 // vqr.dtype.itemsize * vqr.dtype.itemsize} "
                           f"bytes")
-    if group <= TUNING["row_group"] or opts:  # the options live in the row kernel only
+    if group <= TUNING["row_group"] or (opts and not status_only):
         # status= with no tokens: one block, which only validates
         block, rows, splits = row_launch_shape(max(T, 1), Hq + Hkv + (0 if mla else Hkv), group,
                                                TUNING["opts_rows"] if opts else ROWS[-1])

@@ -1146,6 +1146,54 @@ def test_status_failure_writes_nothing(indptr, code, options):
                 assert_bytes_equal(got, old, name)
 
 
+def _bad_indptrs(indptr, num_indices):
+    """(kv_indptr, code) pairs breaking a valid table of any length each way: a first entry
+    other than 0 (4), an entry below the one before it (5), a last one past kv_indices (6)."""
+    first = np.array(indptr)
+    first[0] = 1
+    down = np.array(indptr)
+    down[len(down) // 2] = down[len(down) // 2 + 1] + 1
+    last = np.array(indptr)
+    last[-1] = num_indices + 1
+    return [(first, 4), (down, 5), (last, 6)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [9, 40])
+def test_status_alone_in_the_section_kernel(B, monkeypatch):
+    """status= as the only option where the call runs the section kernel (MLA's 576-element
+    rows): its status variant runs, writes the reference's outputs and code 0 on a valid table,
+    and on a malformed one the code and nothing else (B 9: a warp's vote; 40: the block's)."""
+    import cupy as cp
+
+    from ropekv import paged
+
+    seen = []
+    real = paged.Launch
+    monkeypatch.setattr(paged, "Launch", lambda stem, expression, *a, **k: (
+        seen.append(expression), real(stem, expression, *a, **k))[1])
+    paged._MLA.clear()
+    rng = np.random.default_rng(80 + B)
+    mla = make_case(81, T=B, B=B, Hq=16, Hkv=1, R=64, Dn=512, mla=True, dtype=BF16,
+                    page_size=16)
+    check_against_reference(with_options(mla, rng, status=True), quantize=True, is_neox=False)
+    assert seen and all(e.startswith(paged.KERNEL + "_status<") for e in seen), seen
+    for indptr, code in _bad_indptrs(mla["kv_indptr"], mla["kv_indices"].shape[0]):
+        args = with_options(malformed(mla, indptr), rng, status=True)
+        dev = device_args(args)
+        T, Hq, R = args["q_rope"].shape
+        q_out = cp.asarray(random_bytes(rng, (T, Hq, R), np.uint8)).view(E4M3)
+        n_out = cp.asarray(random_bytes(rng, (T, Hq, 512), np.uint8)).view(E4M3)
+        before = [to_numpy(x).copy() for x in (q_out, n_out)]
+        call(dev, is_neox=False, q_rope_out=q_out, q_nope_out=n_out)
+        assert int(dev["status"].get()[0]) == code, (indptr, code)
+        for got, old, name in zip((q_out, n_out), before, ("q_rope_out", "q_nope_out")):
+            assert_bytes_equal(got, old, name)
+        for got, old in zip(dev["paged_kv_cache"], args["paged_kv_cache"]):
+            assert_bytes_equal(got, old, "cache")
+    assert all(e.startswith(paged.KERNEL + "_status<") for e in seen), seen
+
+
 @pytest.mark.gpu
 def test_status_of_an_empty_batch_is_written():
     """No tokens: one block validates and writes the code (0 or the failing check's)."""

@@ -1,7 +1,7 @@
 """One call of every ropekv kernel on the GPU (the option kernels with computed scales and status=
-too, and the fused QKV op's with status= and tail clearing), each checked against the NumPy
-backend: the
-workload of ``tools/sanitize.sh``'s racecheck, initcheck and synccheck passes."""
+too, the paged section kernel with status= alone, and the fused QKV op's with status= and tail
+clearing), each checked against the NumPy backend: the workload of ``tools/sanitize.sh``'s
+racecheck, initcheck and synccheck passes."""
 
 from __future__ import annotations
 
@@ -100,6 +100,24 @@ def check_optioned_call(op, case):
                                   err_msg=f"{op}: status")
 
 
+# status= alone where the paged op runs its section kernel (MLA's 576-element rows): the
+# section kernel's status variant
+STATUS_ALONE = [("paged", {"cache_dtype": E4M3, "mla": True, "Hkv": 1, "R": 64, "Dn": 512})]
+
+
+def check_status_alone_call(op, case):
+    fn, kw = CASES[op](0, **case)
+    kw["status"] = np.full(1, 7, np.int32)
+    expected = copy_kw(kw)
+    out_expected = fn(**expected)
+    dev = map_arrays(kw, to_device)
+    out = fn(**dev)
+    assert_same(dev, out, expected, out_expected, op)
+    assert expected["status"][0] == 0
+    np.testing.assert_array_equal(to_numpy(dev["status"]), expected["status"],
+                                  err_msg=f"{op}: status")
+
+
 def runs_cublas(case):
     tokens = sum(case.get("lengths", (3, 1, 0, 2)))
     quantized = case.get("wfmt", "dense") != "dense"
@@ -121,6 +139,9 @@ def main():
     for op, case in SCALED:
         check_scaled_call(op, case)
         print(f"ok {op} {case} with computed scales")
+    for op, case in STATUS_ALONE:
+        check_status_alone_call(op, case)
+        print(f"ok {op} {case} with status= alone")
     for op, case in OPTIONED:
         if tool == "initcheck" and runs_cublas(case):  # as above
             print(f"skipped under initcheck: {op} {case} with status= and tail clearing")

@@ -226,8 +226,8 @@ struct Slot {
 };
 
 // Fills dst.a / dst.b with the token's slot (looked up once per thread); false: no cache row.
-template <typename OutT>
-__device__ __forceinline__ bool cache_row(const PagedParams& p, Dest<OutT>& dst, Slot& slot, i64 b,
+template <typename OutT, class P>
+__device__ __forceinline__ bool cache_row(const P& p, Dest<OutT>& dst, Slot& slot, i64 b,
                                           i64 pos) {
   if (!slot.found) {
     find_slot(p, b, pos, slot.page, slot.entry);
@@ -247,8 +247,9 @@ __device__ __forceinline__ bool cache_row(const PagedParams& p, Dest<OutT>& dst,
 // When the stride is a multiple of per_row (power-of-two rows: every usual shape) a thread's chunk
 // j never changes: it loads U items (2U vectors for neox rotary items) before it stores any, and
 // its cos/sin values once. Otherwise it walks its items one at a time.
-template <typename T, typename OutT, bool NEOX, int N, bool ROT, bool KV, int U, bool MROPE>
-__device__ __forceinline__ void section(const PagedParams& p, const T* src, i64 src_sh,
+template <typename T, typename OutT, bool NEOX, int N, bool ROT, bool KV, int U, bool MROPE,
+          class P>
+__device__ __forceinline__ void section(const P& p, const T* src, i64 src_sh,
                                         Dest<OutT> dst, int heads, int per_row,
                                         const float* scales, float scale, i64 pos_id,
                                         const i64 (&mpos)[3], Slot& slot,
@@ -336,14 +337,55 @@ __device__ __forceinline__ void section(const PagedParams& p, const T* src, i64 
   }
 }
 
+// ---- status=: on-device validation of kv_indptr (graph-capturable, no host sync) -------------
+// The code of kv_indptr[0..B]: 4 kv_indptr[0] != 0, 5 an entry below the one before it, 6
+// kv_indptr[B] > I (the length of kv_indices), 0 valid (then every entry lies in [0, I]). Entries
+// are compared as signed 64-bit values. B <= 32: a warp's lanes hold every pair and vote, no
+// barrier; else the block's threads share the pairs and meet at a barrier. Every warp or block
+// reaches the same code, so none waits for another. In two steps, so that the table's loads go
+// out beside the page lookup's and the vote comes after the rows arrive: status_begin, then
+// status_end, each called by every thread of the block.
+struct StatusCheck {
+  bool first, last, dec;
+};
+
+__device__ __forceinline__ unsigned warp_lanes_mask() {
+  const int base = threadIdx.x & ~31;  // lanes of this warp inside the block
+  const int lanes = blockDim.x - base < 32 ? blockDim.x - base : 32;
+  return lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
+}
+
+template <class P>
+__device__ __forceinline__ StatusCheck status_begin(const P& p) {
+  const int is64 = p.index64 & 8;
+  const bool warp = p.B <= 32;  // uniform
+  bool decreasing = false;
+  for (int i = warp ? threadIdx.x & 31 : threadIdx.x; i < p.B; i += warp ? 32 : blockDim.x)
+    decreasing |= read_index(p.kv_indptr, i + 1, is64) < read_index(p.kv_indptr, i, is64);
+  // every thread reads the two ends itself (one address each: broadcast loads)
+  return {read_index(p.kv_indptr, 0, is64) != 0,
+          read_index(p.kv_indptr, p.B, is64) > p.num_indices, decreasing};
+}
+
+template <class P>
+__device__ __forceinline__ int status_end(const P& p, const StatusCheck& c) {
+  const bool dec = p.B <= 32 ? __any_sync(warp_lanes_mask(), c.dec) : __syncthreads_or(c.dec);
+  return c.first ? 4 : dec ? 5 : c.last ? 6 : 0;
+}
+
 // grid (T, splits): block x handles token x, its items split over the grid.y blocks; block: a
 // multiple of 32 up to 256 threads. U: pass-through items per batch, UR: rotary items per batch,
 // MINB: blocks of 256 threads per SM the register allocation must allow (__launch_bounds__).
 // Order: the token's index loads; the Q sections (rotary ones need only pos_id, pass-through ones
 // no index at all); the K/V sections, whose first loads are issued before the page lookup.
 // A token whose pos_id lies outside [0, P) has its q outputs written unrotated and no cache row.
-template <typename T, typename OutT, bool NEOX, int N, int U, int UR, int MINB, bool MROPE>
-__global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const PagedParams p) {
+// STATUS (rope_append_paged_kv_cache_status, the section kernel of a call whose only option is
+// status=): every block checks kv_indptr (status_begin / status_end, below) beside its index
+// loads and before its first store; with a nonzero code no block stores anything and block (0, 0)
+// writes the code. The plain kernel has it compiled out.
+template <typename T, typename OutT, bool NEOX, int N, int U, int UR, bool MROPE, bool STATUS,
+          class P>
+__device__ __forceinline__ void paged_sections(const P p) {
   pdl_launch_dependents();
   const int t = blockIdx.x;
   const int ri = NEOX ? p.R / (2 * N) : p.R / N;  // rotary items per head row
@@ -352,10 +394,17 @@ __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const Pa
   const int stride = gridDim.y * blockDim.x;
 
   pdl_wait();
+  StatusCheck check{false, false, false};
+  if constexpr (STATUS) check = status_begin(p);  // beside the token's index loads
   i64 mpos[3];
   const i64 pos_id = rope_position<MROPE>(p, t, mpos);
   const i64 b = read_index(p.batch_indices, t, p.index64 & 2);
   const i64 pos = read_index(p.positions, t, p.index64 & 4);
+  if constexpr (STATUS) {  // the vote before any store
+    const int code = status_end(p, check);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *p.status = code;
+    if (code) return;
+  }
   Slot slot{false, -1, 0};
 
   int base = 0;
@@ -391,40 +440,6 @@ __global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const Pa
         Dest<OutT>{static_cast<OutT*>(p.v_cache), -1, p.vc_sp, 0, p.vc_se, p.vc_sh}, p.Hv,
         (p.R + p.Dn) / N, p.kv_scales, p.kv_scale, pos_id, mpos, slot, b, pos,
         first_index(g, base, stride), stride);
-}
-
-// ---- status=: on-device validation of kv_indptr (graph-capturable, no host sync) -------------
-// The code of kv_indptr[0..B]: 4 kv_indptr[0] != 0, 5 an entry below the one before it, 6
-// kv_indptr[B] > I (the length of kv_indices), 0 valid (then every entry lies in [0, I]). Entries
-// are compared as signed 64-bit values. B <= 32: a warp's lanes hold every pair and vote, no
-// barrier; else the block's threads share the pairs and meet at a barrier. Every warp or block
-// reaches the same code, so none waits for another. In two steps, so that the table's loads go
-// out beside the page lookup's and the vote comes after the rows arrive: status_begin, then
-// status_end, each called by every thread of the block.
-struct StatusCheck {
-  bool first, last, dec;
-};
-
-__device__ __forceinline__ unsigned warp_lanes_mask() {
-  const int base = threadIdx.x & ~31;  // lanes of this warp inside the block
-  const int lanes = blockDim.x - base < 32 ? blockDim.x - base : 32;
-  return lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
-}
-
-__device__ __forceinline__ StatusCheck status_begin(const PagedOptsParams& p) {
-  const int is64 = p.index64 & 8;
-  const bool warp = p.B <= 32;  // uniform
-  bool decreasing = false;
-  for (int i = warp ? threadIdx.x & 31 : threadIdx.x; i < p.B; i += warp ? 32 : blockDim.x)
-    decreasing |= read_index(p.kv_indptr, i + 1, is64) < read_index(p.kv_indptr, i, is64);
-  // every thread reads the two ends itself (one address each: broadcast loads)
-  return {read_index(p.kv_indptr, 0, is64) != 0,
-          read_index(p.kv_indptr, p.B, is64) > p.num_indices, decreasing};
-}
-
-__device__ __forceinline__ int status_end(const PagedOptsParams& p, const StatusCheck& c) {
-  const bool dec = p.B <= 32 ? __any_sync(warp_lanes_mask(), c.dec) : __syncthreads_or(c.dec);
-  return c.first ? 4 : dec ? 5 : c.last ? 6 : 0;
 }
 
 // RoPE on a row kernel's chunk; V rows (is_v) take the identity, as the same arithmetic for every
@@ -735,6 +750,17 @@ __device__ __forceinline__ void paged_rows(const P p) {
 #else
 #define ROPEKV_OPTS_BOUNDS __launch_bounds__(512)
 #endif
+
+template <typename T, typename OutT, bool NEOX, int N, int U, int UR, int MINB, bool MROPE>
+__global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const PagedParams p) {
+  paged_sections<T, OutT, NEOX, N, U, UR, MROPE, false>(p);
+}
+
+template <typename T, typename OutT, bool NEOX, int N, int U, int UR, int MINB, bool MROPE>
+__global__ void __launch_bounds__(256, MINB)
+    rope_append_paged_kv_cache_status(const PagedOptsParams p) {
+  paged_sections<T, OutT, NEOX, N, U, UR, MROPE, true>(p);
+}
 
 template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE>
 __global__ void __launch_bounds__(512) rope_append_paged_rows(const PagedParams p) {
