@@ -89,8 +89,9 @@ def call(args, kw, **more):
     return ropekv.fused_qkv_matmul_append_paged_kv_cache(**args, **kw, **more)
 
 
-def expected(args, kw):
-    """The reference on copies: (q, k_cache, v_cache)."""
+def expected(args, kw, clear=False):
+    """The reference on copies, with ``clear_unused_last_page_rows`` (``clear``): (q, k_cache,
+    v_cache)."""
     k, v = (c.copy() for c in args["paged_kv_cache"])
     T, Hq = args["hidden_state"].shape[0], kw["num_q_heads"]
     out = np.empty((T, Hq * k.shape[3]), args["hidden_state"].dtype)
@@ -99,7 +100,7 @@ def expected(args, kw):
         args["hidden_state"], args["weight"], args["input_row_offsets"], args["cache_lengths"],
         args["block_table"], k, v, out, Hq, kw.get("cos_sin_cache"), kw.get("is_neox", True),
         kw.get("kv_layout", "NHD"), scale[0], scale[1], kw.get("weight_scales"),
-        kw.get("group_size"), kw.get("zero_points"))
+        kw.get("group_size"), kw.get("zero_points"), clear)
     return out, k, v
 
 

@@ -25,6 +25,7 @@ from tests.test_qkv import (
     LLAMA,
     SWITCH_TOKENS,
     call,
+    expected,
     force_path,
     make_case,
     read_only,
@@ -49,20 +50,6 @@ def malform(offsets, kind):
     elif kind == 3:
         offs[-1] -= 1
     return offs
-
-
-def expected(args, kw, clear=False):
-    """The reference on copies, with ``clear_unused_last_page_rows``: (q, k_cache, v_cache)."""
-    k, v = (c.copy() for c in args["paged_kv_cache"])
-    T, Hq = args["hidden_state"].shape[0], kw["num_q_heads"]
-    out = np.empty((T, Hq * k.shape[3]), args["hidden_state"].dtype)
-    scale = kw.get("kv_scale") or (1.0, 1.0)
-    reference.fused_qkv_matmul_append_paged_kv_cache(
-        args["hidden_state"], args["weight"], args["input_row_offsets"], args["cache_lengths"],
-        args["block_table"], k, v, out, Hq, kw.get("cos_sin_cache"), kw.get("is_neox", True),
-        kw.get("kv_layout", "NHD"), scale[0], scale[1], kw.get("weight_scales"),
-        kw.get("group_size"), kw.get("zero_points"), clear)
-    return out, k, v
 
 
 def tail_mask(args, kw):
