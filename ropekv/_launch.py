@@ -543,6 +543,7 @@ def native_module():
             if module is not None:
                 module.configure(*launchers)
                 _native_has_ex[0] = launchers[1] is not None
+                _native.configure_cupy_reads(module)
         _native_module[0] = module
     return module
 

@@ -4,8 +4,10 @@
  * it that runs on every call of a known layout (Op.__call__ -> Plan.replay -> Launch.run):
  *
  *   read each argument's layout and pointer (CuPy arrays and torch tensors of the exact base
- *   types; anything else answers MISS and takes the Python path), find the plan of that layout
- *   (the newest one by value, else the op's plan table), check written arrays against every other
+ *   types, CuPy's from the array's struct where _native.py found and checked its offsets;
+ *   anything else answers MISS and takes the Python path), find the plan of that layout (the
+ *   newest replay's when every key equals its key, compared while reading, else the op's plan
+ *   table), check written arrays against every other
  *   argument from pointers alone (any range that touches hands the call to Plan.replay, which
  *   checks exactly), pick the stream (ropekv's stream rule, through _launch's own functions), enter
  *   the plan's device, allocate outputs (Plan.make_outputs), refill each launch's parameter record
@@ -394,6 +396,166 @@ static PyObject *read_array(PyObject *a, PyObject *cupy_cls, PyObject *torch_cls
   return NULL;
 }
 
+/* ---- CuPy arrays read from their object struct ------------------------------------------------
+ * A cupy.ndarray's pointer, shape, strides and dtype through its attributes cost about 0.3 us
+ * (two tuples built per call); read from the object they cost a few nanoseconds. CuPy declares the
+ * struct in cupy/_core/core.pxd (size, then the shape and strides as std::vector<Py_ssize_t>, the
+ * dtype and the MemoryPointer `data`, whose first field is `ptr`); ropekv/_native.py finds the
+ * offsets on arrays it makes (matching the values the attributes give), checks this file's reads
+ * against the attributes on several layouts, and only then configures them here. Only the exact
+ * types so configured are read this way; anything else goes through the attributes. */
+
+typedef struct {
+  PyObject *array_type;   /* cupy.ndarray (a strong reference), or NULL: raw reads are off */
+  PyObject *pointer_type; /* cupy.cuda.memory.MemoryPointer */
+  Py_ssize_t shape, strides, dtype, data, ptr; /* byte offsets: (begin, end) pairs for the two
+                                                  vectors, object pointers, the intptr_t ptr */
+} RawCupy;
+
+static RawCupy raw = {NULL, NULL, 0, 0, 0, 0, 0};
+
+typedef struct {
+  const Py_ssize_t *shape, *strides;
+  Py_ssize_t ndim;
+  PyObject *dtype, *data; /* borrowed from the array */
+  uint64_t ptr;
+} RawView;
+
+#define AT(obj, off, type) (*(type *)((char *)(obj) + (off)))
+
+/* 1: `a` read into *v; 0: not readable this way (the attributes are). */
+static int raw_view(PyObject *a, RawView *v) {
+  if (!raw.array_type || (PyObject *)Py_TYPE(a) != raw.array_type) return 0;
+  const Py_ssize_t *sb = AT(a, raw.shape, const Py_ssize_t *),
+                   *se = AT(a, raw.shape + 8, const Py_ssize_t *),
+                   *tb = AT(a, raw.strides, const Py_ssize_t *),
+                   *te = AT(a, raw.strides + 8, const Py_ssize_t *);
+  Py_ssize_t ndim = se - sb;
+  PyObject *data = AT(a, raw.data, PyObject *), *dtype = AT(a, raw.dtype, PyObject *);
+  if (ndim < 0 || ndim > 64 /* CuPy's MAX_NDIM */ || te - tb != ndim || !data || !dtype ||
+      (PyObject *)Py_TYPE(data) != raw.pointer_type)
+    return 0;
+  v->shape = sb;
+  v->strides = tb;
+  v->ndim = ndim;
+  v->dtype = dtype;
+  v->data = data;
+  v->ptr = (uint64_t)AT(data, raw.ptr, intptr_t);
+  return 1;
+}
+
+static PyObject *ssize_tuple(const Py_ssize_t *values, Py_ssize_t n) {
+  PyObject *t = PyTuple_New(n);
+  for (Py_ssize_t i = 0; t && i < n; i++) {
+    PyObject *x = PyLong_FromSsize_t(values[i]);
+    if (!x) {
+      Py_CLEAR(t);
+      break;
+    }
+    PyTuple_SET_ITEM(t, i, x);
+  }
+  return t;
+}
+
+/* The key of a raw view, as read_array builds it from the attributes. */
+static PyObject *raw_key(const RawView *v) {
+  PyObject *dev = PyObject_GetAttr(v->data, s_device_id);
+  PyObject *shape = dev ? ssize_tuple(v->shape, v->ndim) : NULL;
+  PyObject *strides = shape ? ssize_tuple(v->strides, v->ndim) : NULL;
+  PyObject *align = strides ? PyLong_FromLong((long)(v->ptr & 15)) : NULL;
+  PyObject *key = align ? PyTuple_Pack(5, shape, strides, v->dtype, align, dev) : NULL;
+  Py_XDECREF(dev);
+  Py_XDECREF(shape);
+  Py_XDECREF(strides);
+  Py_XDECREF(align);
+  return key;
+}
+
+static int ssize_tuple_equals(PyObject *t, const Py_ssize_t *values, Py_ssize_t n) {
+  if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != n) return 0;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *x = PyTuple_GET_ITEM(t, i);
+    if (!PyLong_CheckExact(x)) return 0;
+    Py_ssize_t value = PyLong_AsSsize_t(x);
+    if (value == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return 0;
+    }
+    if (value != values[i]) return 0;
+  }
+  return 1;
+}
+
+/* 1 when the key read_array would build for the raw view equals `entry` (a key of an earlier
+ * call), 0 when not, -1 on error; it builds no key. */
+static int raw_key_equals(const RawView *v, PyObject *entry) {
+  if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5) return 0;
+  if (!ssize_tuple_equals(PyTuple_GET_ITEM(entry, 0), v->shape, v->ndim) ||
+      !ssize_tuple_equals(PyTuple_GET_ITEM(entry, 1), v->strides, v->ndim))
+    return 0;
+  PyObject *align = PyTuple_GET_ITEM(entry, 3);
+  if (!PyLong_CheckExact(align) || PyLong_AsLong(align) != (long)(v->ptr & 15)) return 0;
+  PyObject *dtype = PyTuple_GET_ITEM(entry, 2);
+  if (dtype != v->dtype) {
+    int same = PyObject_RichCompareBool(dtype, v->dtype, Py_EQ);
+    if (same <= 0) return same;
+  }
+  PyObject *dev = PyObject_GetAttr(v->data, s_device_id);
+  if (!dev) return -1;
+  int same = PyObject_RichCompareBool(dev, PyTuple_GET_ITEM(entry, 4), Py_EQ);
+  Py_DECREF(dev);
+  return same;
+}
+
+/* configure_cupy(array_type, pointer_type, shape, strides, dtype, data, ptr) or
+ * configure_cupy(None): raw reads of CuPy arrays on (offsets found by _native.py) or off. */
+static PyObject *configure_cupy(PyObject *mod, PyObject *args) {
+  PyObject *array_type, *pointer_type = Py_None;
+  Py_ssize_t off[5] = {0, 0, 0, 0, 0};
+  if (!PyArg_ParseTuple(args, "O|Onnnnn", &array_type, &pointer_type, &off[0], &off[1], &off[2],
+                        &off[3], &off[4]))
+    return NULL;
+  Py_CLEAR(raw.array_type);
+  Py_CLEAR(raw.pointer_type);
+  if (array_type == Py_None) Py_RETURN_NONE;
+  if (!PyType_Check(array_type) || !PyType_Check(pointer_type)) {
+    PyErr_SetString(PyExc_TypeError, "configure_cupy takes two types and five offsets");
+    return NULL;
+  }
+  Py_ssize_t sizes[2] = {((PyTypeObject *)array_type)->tp_basicsize,
+                         ((PyTypeObject *)pointer_type)->tp_basicsize};
+  if (off[0] < 16 || off[0] + 16 > sizes[0] || off[1] < 16 || off[1] + 16 > sizes[0] ||
+      off[2] < 16 || off[2] + 8 > sizes[0] || off[3] < 16 || off[3] + 8 > sizes[0] ||
+      off[4] < 16 || off[4] + 8 > sizes[1] || (off[0] | off[1] | off[2] | off[3] | off[4]) & 7) {
+    PyErr_SetString(PyExc_ValueError, "configure_cupy: an offset outside the struct");
+    return NULL;
+  }
+  Py_INCREF(array_type);
+  Py_INCREF(pointer_type);
+  raw.array_type = array_type;
+  raw.pointer_type = pointer_type;
+  raw.shape = off[0];
+  raw.strides = off[1];
+  raw.dtype = off[2];
+  raw.data = off[3];
+  raw.ptr = off[4];
+  Py_RETURN_NONE;
+}
+
+/* raw_layout(a) -> (shape, strides, dtype, ptr) read from the struct, or None (not readable so) */
+static PyObject *raw_layout(PyObject *mod, PyObject *a) {
+  RawView v;
+  if (!raw_view(a, &v)) Py_RETURN_NONE;
+  PyObject *shape = ssize_tuple(v.shape, v.ndim);
+  PyObject *strides = shape ? ssize_tuple(v.strides, v.ndim) : NULL;
+  PyObject *ptr = strides ? PyLong_FromUnsignedLongLong(v.ptr) : NULL;
+  PyObject *r = ptr ? PyTuple_Pack(4, shape, strides, v.dtype, ptr) : NULL;
+  Py_XDECREF(shape);
+  Py_XDECREF(strides);
+  Py_XDECREF(ptr);
+  return r;
+}
+
 static PyObject *ptr_list(const uint64_t *ptrs, int n) {
   PyObject *list = PyList_New(n);
   if (!list) return NULL;
@@ -533,55 +695,79 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
     return NULL;
   }
 
-  /* -- intake: every argument's key and pointer */
+  /* -- the newest replay of this op: its flags equal these, its layout is matched while reading */
+  PyObject *result = NULL, *plan = NULL, *native = NULL, *outs = NULL, *layout = NULL;
+  PyObject *last = PyObject_GetAttr(plans, s_last), *last_layout = NULL;
+  if (!last) return NULL;
+  if (PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 4 &&
+      PyTuple_CheckExact(PyTuple_GET_ITEM(last, 2)) &&
+      PyTuple_GET_SIZE(PyTuple_GET_ITEM(last, 2)) == n) {
+    int same = PyObject_RichCompareBool(flags, PyTuple_GET_ITEM(last, 1), Py_EQ);
+    if (same < 0) goto done;
+    if (same) last_layout = PyTuple_GET_ITEM(last, 2);
+  }
+
+  /* -- intake: every argument's key and pointer; a key equal to the newest replay's is that key */
   uint64_t ptrs[MAX_ARGS + 1];
-  int kinds = 0;
-  PyObject *layout = PyTuple_New(n);
-  if (!layout) return NULL;
+  int kinds = 0, matching = last_layout != NULL;
+  layout = PyTuple_New(n);
+  if (!layout) goto done;
   for (int i = 0; i < n; i++) {
-    PyObject *a = PyTuple_GET_ITEM(arrays, i), *key;
+    PyObject *a = PyTuple_GET_ITEM(arrays, i), *key, *entry = matching ? PyTuple_GET_ITEM(
+                                                                             last_layout, i)
+                                                                       : NULL;
+    RawView v;
     if (a == Py_None) {
       ptrs[i] = 0;
       Py_INCREF(Py_None);
       key = Py_None;
+      matching = matching && entry == Py_None;
+    } else if (raw_view(a, &v)) {
+      ptrs[i] = v.ptr;
+      kinds |= CUPY;
+      int same = matching ? raw_key_equals(&v, entry) : 0;
+      if (same < 0) goto done;
+      if (same) {
+        Py_INCREF(entry);
+        key = entry;
+      } else {
+        matching = 0;
+        if (!(key = raw_key(&v))) goto done;
+      }
     } else {
       key = read_array(a, cupy_cls, torch_cls, &ptrs[i], &kinds);
       if (!key) {
-        Py_DECREF(layout);
-        if (PyErr_Occurred()) return NULL;
-        Py_INCREF(self->miss);
-        return self->miss;
+        if (PyErr_Occurred()) goto done;
+        goto miss;
+      }
+      if (matching) {
+        int same = PyObject_RichCompareBool(key, entry, Py_EQ);
+        if (same < 0) {
+          Py_DECREF(key);
+          goto done;
+        }
+        if (same) {
+          Py_DECREF(key);
+          Py_INCREF(entry);
+          key = entry;
+        } else {
+          matching = 0;
+        }
       }
     }
     PyTuple_SET_ITEM(layout, i, key);
   }
 
-  /* -- the plan: the newest replay's, matched by value, else the table's */
-  PyObject *result = NULL, *plan = NULL, *native = NULL, *outs = NULL;
-  Py_hash_t h = PyObject_Hash(flags);
-  if (h == -1) { /* an unhashable flag: the Python path takes it */
-    PyErr_Clear();
-    goto miss;
-  }
-  PyObject *last = PyObject_GetAttr(plans, s_last);
-  if (!last) goto done;
-  if (PyTuple_Check(last) && PyTuple_GET_SIZE(last) == 4 &&
-      PyLong_Check(PyTuple_GET_ITEM(last, 0)) &&
-      PyLong_AsSsize_t(PyTuple_GET_ITEM(last, 0)) == h) {
-    int same = PyObject_RichCompareBool(layout, PyTuple_GET_ITEM(last, 2), Py_EQ);
-    if (same > 0) same = PyObject_RichCompareBool(flags, PyTuple_GET_ITEM(last, 1), Py_EQ);
-    if (same < 0) {
-      Py_DECREF(last);
-      goto done;
+  /* -- the plan: the newest replay's when every key matched, else the table's */
+  if (matching) {
+    plan = PyTuple_GET_ITEM(last, 3);
+    Py_INCREF(plan);
+  } else {
+    Py_hash_t h = PyObject_Hash(flags);
+    if (h == -1) { /* an unhashable flag: the Python path takes it */
+      PyErr_Clear();
+      goto miss;
     }
-    if (same) {
-      plan = PyTuple_GET_ITEM(last, 3);
-      Py_INCREF(plan);
-    }
-  }
-  Py_DECREF(last);
-  if (PyErr_Occurred()) goto done; /* PyLong_AsSsize_t of a huge hash cannot be: hashes fit */
-  if (!plan) {
     PyObject *key = PyTuple_Pack(2, flags, layout);
     if (!key) goto done;
     if (!PyDict_Check(plans)) {
@@ -773,7 +959,8 @@ miss:
   Py_INCREF(self->miss);
   result = self->miss;
 done:
-  Py_DECREF(layout);
+  Py_XDECREF(layout);
+  Py_DECREF(last);
   Py_XDECREF(plan);
   Py_XDECREF(native);
   Py_XDECREF(outs);
@@ -809,6 +996,11 @@ static PyObject *configure(PyObject *mod, PyObject *args) {
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(cuLaunchKernel address, cuLaunchKernelEx address or None)"},
+    {"configure_cupy", configure_cupy, METH_VARARGS,
+     "configure_cupy(ndarray type, MemoryPointer type, shape, strides, dtype, data, ptr offsets) "
+     "or configure_cupy(None): read CuPy arrays from their struct, or not"},
+    {"raw_layout", raw_layout, METH_O,
+     "raw_layout(a) -> (shape, strides, dtype, ptr) read from a CuPy array's struct, or None"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_native_ext",

@@ -6,6 +6,11 @@ headers, ``ROPEKV_NATIVE=0``); every op then replays its plans in Python (``rope
 with the same results, a few microseconds slower per call. ``state()`` says which, and why
 (``ropekv info`` prints it).
 
+CuPy arrays are read from their object struct (``raw_layout``), at offsets that
+``configure_cupy_reads`` finds on arrays it makes and checks against the arrays' attributes before
+turning the reads on (``ROPEKV_NATIVE_CUPY=0`` keeps the attributes); torch tensors are always read
+through their attributes.
+
 The build goes to ``$ROPEKV_CACHE_DIR/native`` (default ``~/.cache/ropekv/native``), one file per
 (source, Python ABI), written under a temporary name and renamed into place, so concurrent first
 uses on one machine do not trip over each other. Compiling takes about a second, once.
@@ -13,6 +18,7 @@ uses on one machine do not trip over each other. Compiling takes about a second,
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -20,6 +26,7 @@ import os
 import shlex
 import subprocess
 import sys
+import struct
 import sysconfig
 import tempfile
 import threading
@@ -28,7 +35,7 @@ from pathlib import Path
 _SOURCE = Path(__file__).with_name("_native.c")
 _MODULE = "ropekv._native_ext"
 _lock = threading.Lock()
-_state = {"module": None, "reason": "not loaded yet", "path": None}
+_state = {"module": None, "reason": "not loaded yet", "path": None, "cupy": "not probed yet"}
 _tried = False
 
 
@@ -107,7 +114,93 @@ def load():
 
 
 def state() -> str:
-    """One line: the C replay in use (and its file), or why not."""
+    """One line: the C replay in use (and its file, and how it reads CuPy arrays), or why not."""
     if _state["module"] is not None:
-        return f"C plan replay ({_state['path']})"
+        cupy = _state["cupy"]
+        reads = ("CuPy arrays read from their struct" if cupy is None
+                 else f"CuPy arrays read through their attributes: {cupy}")
+        return f"C plan replay ({_state['path']}; {reads})"
     return f"Python plan replay ({_state['reason']})"
+
+
+# ---- CuPy arrays read from their struct ------------------------------------------------------
+
+
+def _words(obj, nbytes):
+    """The first ``nbytes`` of ``obj``'s own struct, as signed 64-bit words."""
+    return struct.unpack(f"{nbytes // 8}q", ctypes.string_at(id(obj), nbytes // 8 * 8))
+
+
+def _common(found, what):
+    """The one offset in every probe's set of candidates."""
+    common = set.intersection(*found)
+    if len(common) != 1:
+        raise LookupError(f"{what} at {len(common)} places of the struct (expected one)")
+    return common.pop()
+
+
+def _probes(cupy):
+    """CuPy arrays of distinct layouts: views with offsets, 0-d, empty, broadcast, reversed, fp8."""
+    import ml_dtypes
+
+    base = cupy.empty((7, 9, 11), cupy.float16)
+    flat = cupy.empty(1000, cupy.uint8)
+    return [base[1:6, ::2, 3:], base[2, 1:], base[3, 4, 5], base[::-1, 2], base.T[1:],
+            cupy.empty((0, 3), cupy.int32), cupy.broadcast_to(base[0, 0, 1:4], (5, 3)),
+            flat[16:80].view(ml_dtypes.float8_e4m3fn).reshape(4, 16),
+            cupy.empty((2, 3, 4, 5, 6), cupy.float32)[:, 1]]
+
+
+def find_cupy_offsets(cupy):
+    """``(shape, strides, dtype, data, ptr)``: byte offsets of a ``cupy.ndarray``'s shape and
+    strides vectors (their begin and end pointers), its dtype and MemoryPointer, and that
+    pointer's address, found on arrays made here: each is the one place of the struct that holds
+    the value the attributes give, for every probe. LookupError when not so."""
+    probes = _probes(cupy)
+    size = type(probes[0]).__basicsize__
+    pointer_size = type(probes[0].data).__basicsize__
+    words = [_words(a, size) for a in probes]
+    dtype = _common([{8 * k for k, w in enumerate(ws) if w == id(a.dtype)}
+                     for a, ws in zip(probes, words)], "the dtype")
+    data = _common([{8 * k for k, w in enumerate(ws) if w == id(a.data)}
+                    for a, ws in zip(probes, words)], "the MemoryPointer")
+    moved = [a for a in probes if a.data.ptr != a.data.mem.ptr]  # views: ptr is not the base's
+    ptr = _common([{8 * k for k, w in enumerate(_words(a.data, pointer_size)) if w == a.data.ptr}
+                   for a in moved], "the data pointer")
+    # vectors: (begin, end) word pairs whose distance is ndim words in every probe, read only then
+    pairs = set.intersection(*[
+        {k for k in range(len(ws) - 1)
+         if ws[k + 1] - ws[k] == 8 * a.ndim and (a.ndim == 0 or ws[k] > 4096)}
+        for a, ws in zip(probes, words)])
+
+    def holding(attr):
+        return {8 * k for k in pairs
+                if all(struct.unpack(f"{a.ndim}q", ctypes.string_at(ws[k], 8 * a.ndim))
+                       == getattr(a, attr) for a, ws in zip(probes, words))}
+
+    return _common([holding("shape")], "the shape"), _common([holding("strides")], "the strides"), \
+        dtype, data, ptr
+
+
+def configure_cupy_reads(module) -> None:
+    """Turn on the C replay's struct reads of CuPy arrays when the offsets are found and its
+    reads give what the attributes do on every probe (``_state["cupy"]``: None, else why not)."""
+    if os.environ.get("ROPEKV_NATIVE_CUPY", "1") == "0":
+        _state["cupy"] = "disabled by ROPEKV_NATIVE_CUPY=0"
+        return
+    module.configure_cupy(None)
+    try:
+        import cupy
+
+        offsets = find_cupy_offsets(cupy)
+        module.configure_cupy(cupy.ndarray, cupy.cuda.MemoryPointer, *offsets)
+        for a in _probes(cupy):
+            got = module.raw_layout(a)
+            want = (a.shape, a.strides, a.dtype, a.data.ptr)
+            if got != want:
+                raise LookupError(f"a struct read gave {got}, the attributes {want}")
+    except Exception as exc:  # noqa: BLE001 - any failure keeps the attributes
+        module.configure_cupy(None)
+        _state["cupy"] = f"{type(exc).__name__}: {exc}"
+    else:
+        _state["cupy"] = None

@@ -447,3 +447,96 @@ def test_a_layer_that_changes_alignment_is_planned_again_in_python(fakes, monkey
     for layer in (1, 8, 2):  # layer 8 starts 8 * 2 bytes on from layer 0's alignment: a replay
         fn(**dev, layer_idx=layer)
     assert firsts == [1, 2]
+
+
+def _struct_probe_cases(cupy):
+    """CuPy arrays of every layout a caller can make (the probe's own are in _native._probes)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(7)
+    base = cupy.zeros((6, 5, 8, 3), cupy.float32)
+    cases = [base, base[1:4], base[:, ::2], base[..., 1], base[2, 3, 4, 1], base.T,
+             base[::-1, :, ::-3], cupy.zeros((0,), cupy.int64), cupy.zeros((3, 0, 2), cupy.uint8),
+             cupy.broadcast_to(base[0, 0, 0], (7, 3)), cupy.zeros(5, cupy.bool_),
+             cupy.zeros((4, 64), cupy.uint8)[1:, 16:].view(ml_dtypes.float8_e5m2),
+             cupy.asfortranarray(cupy.zeros((3, 4), cupy.float16))]
+    for _ in range(20):  # random slices of a random-rank array
+        ndim = int(rng.integers(1, 6))
+        a = cupy.zeros(tuple(int(x) for x in rng.integers(1, 6, ndim)), cupy.float16)
+        cases.append(a[tuple(slice(int(rng.integers(0, n)), None, int(rng.choice([1, 2, -1])))
+                             for n in a.shape)])
+    return cases
+
+
+@pytest.mark.gpu
+def test_gpu_cupy_arrays_are_read_from_their_struct_as_their_attributes_give():
+    """On a GPU machine the C replay reads CuPy arrays from their struct (the probe found the
+    offsets and checked them), and those reads equal the attributes on every layout; other types,
+    subclasses of ``cupy.ndarray`` included, are not read that way."""
+    cupy = pytest.importorskip("cupy")
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: ropekv replays plans in Python here")
+    module = _launch.native_module()
+    assert module is not None, _native.state()
+    assert _native._state["cupy"] is None, _native.state()
+    for a in _struct_probe_cases(cupy):
+        assert module.raw_layout(a) == (a.shape, a.strides, a.dtype, a.data.ptr), (a.shape,
+                                                                                   a.strides)
+
+    class Sub(cupy.ndarray):
+        pass
+
+    assert module.raw_layout(cupy.zeros(3).view(Sub)) is None
+    assert module.raw_layout(np.zeros(3)) is None
+    assert module.raw_layout(None) is None
+
+
+@pytest.mark.gpu
+def test_gpu_replay_sees_a_cupy_array_reshaped_in_place():
+    """A CuPy array's shape set in place between two calls (``a.shape = ...``) reaches the replay
+    (it reads the struct on every call, it keeps nothing of an array between calls): the new
+    layout is validated, and refused, instead of replaying the old plan."""
+    cupy = pytest.importorskip("cupy")
+    from tests.test_call_path import copy_kw
+    from tests.tolerance import to_device
+
+    for o in _device_ops():
+        o.clear()
+    fn, kw = CASES["paged"](61, **DECODE.get("paged", {}))
+    args = map_arrays(copy_kw(kw), to_device)
+    fn(**args)
+    fn(**args)  # a replay
+    cupy.cuda.runtime.deviceSynchronize()
+    q = args["q_rope"]
+    T, H, R = q.shape
+    q.shape = (T * H, R)
+    with pytest.raises(ValueError, match="q_rope"):
+        fn(**args)
+    q.shape = (T, H, R)
+    fn(**args)
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def test_struct_reads_off_by_environment(monkeypatch):
+    """``ROPEKV_NATIVE_CUPY=0`` keeps the C replay on the arrays' attributes, and says so."""
+    module = _native.load()
+    if module is None:
+        pytest.skip(f"no C replay here: {_native.state()}")
+    monkeypatch.setenv("ROPEKV_NATIVE_CUPY", "0")
+    monkeypatch.setitem(_native._state, "cupy", None)
+    try:
+        _native.configure_cupy_reads(module)
+        assert module.raw_layout(types.SimpleNamespace()) is None
+        assert "ROPEKV_NATIVE_CUPY=0" in _native.state()
+    finally:
+        monkeypatch.delenv("ROPEKV_NATIVE_CUPY")
+        _launch._native_module[0] = _launch._UNBOUND  # probed again by the next device call
+
+
+def test_struct_reads_refuse_offsets_outside_the_struct():
+    module = _native.load()
+    if module is None:
+        pytest.skip(f"no C replay here: {_native.state()}")
+    with pytest.raises(ValueError, match="outside the struct"):
+        module.configure_cupy(np.ndarray, np.ndarray, 4096, 40, 48, 56, 16)
+    module.configure_cupy(None)
