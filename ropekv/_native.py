@@ -151,12 +151,11 @@ def _probes(cupy):
             cupy.empty((2, 3, 4, 5, 6), cupy.float32)[:, 1]]
 
 
-def find_cupy_offsets(cupy):
+def find_cupy_offsets(probes):
     """``(shape, strides, dtype, data, ptr)``: byte offsets of a ``cupy.ndarray``'s shape and
     strides vectors (their begin and end pointers), its dtype and MemoryPointer, and that
-    pointer's address, found on arrays made here: each is the one place of the struct that holds
-    the value the attributes give, for every probe. LookupError when not so."""
-    probes = _probes(cupy)
+    pointer's address, found on the ``probes`` (:func:`_probes`): each is the one place of the
+    struct that holds the value the attributes give, for every probe. LookupError when not so."""
     size = type(probes[0]).__basicsize__
     pointer_size = type(probes[0].data).__basicsize__
     words = [_words(a, size) for a in probes]
@@ -185,16 +184,16 @@ def find_cupy_offsets(cupy):
 def configure_cupy_reads(module) -> None:
     """Turn on the C replay's struct reads of CuPy arrays when the offsets are found and its
     reads give what the attributes do on every probe (``_state["cupy"]``: None, else why not)."""
+    module.configure_cupy(None)  # off until found and checked (or for good, by the environment)
     if os.environ.get("ROPEKV_NATIVE_CUPY", "1") == "0":
         _state["cupy"] = "disabled by ROPEKV_NATIVE_CUPY=0"
         return
-    module.configure_cupy(None)
     try:
         import cupy
 
-        offsets = find_cupy_offsets(cupy)
-        module.configure_cupy(cupy.ndarray, cupy.cuda.MemoryPointer, *offsets)
-        for a in _probes(cupy):
+        probes = _probes(cupy)
+        module.configure_cupy(cupy.ndarray, cupy.cuda.MemoryPointer, *find_cupy_offsets(probes))
+        for a in probes:  # the C reads against the attributes, every probe
             got = module.raw_layout(a)
             want = (a.shape, a.strides, a.dtype, a.data.ptr)
             if got != want:

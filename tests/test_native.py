@@ -492,6 +492,28 @@ def test_gpu_cupy_arrays_are_read_from_their_struct_as_their_attributes_give():
 
 
 @pytest.mark.gpu
+def test_gpu_struct_reads_turned_off_by_environment_are_off(monkeypatch):
+    """``ROPEKV_NATIVE_CUPY=0`` turns struct reads that were on off (the C replay reads CuPy
+    arrays through their attributes), and a probe without it turns them on again."""
+    cupy = pytest.importorskip("cupy")
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: ropekv replays plans in Python here")
+    module = _launch.native_module()
+    assert module is not None, _native.state()
+    a = cupy.zeros((4, 3), cupy.float16)[1:]
+    assert module.raw_layout(a) is not None, _native.state()
+    monkeypatch.setenv("ROPEKV_NATIVE_CUPY", "0")
+    try:
+        _native.configure_cupy_reads(module)
+        assert module.raw_layout(a) is None
+        assert "ROPEKV_NATIVE_CUPY=0" in _native.state()
+    finally:
+        monkeypatch.delenv("ROPEKV_NATIVE_CUPY")
+        _native.configure_cupy_reads(module)
+    assert module.raw_layout(a) == (a.shape, a.strides, a.dtype, a.data.ptr), _native.state()
+
+
+@pytest.mark.gpu
 def test_gpu_replay_sees_a_cupy_array_reshaped_in_place():
     """A CuPy array's shape set in place between two calls (``a.shape = ...``) reaches the replay
     (it reads the struct on every call, it keeps nothing of an array between calls): the new
@@ -518,7 +540,8 @@ def test_gpu_replay_sees_a_cupy_array_reshaped_in_place():
 
 
 def test_struct_reads_off_by_environment(monkeypatch):
-    """``ROPEKV_NATIVE_CUPY=0`` keeps the C replay on the arrays' attributes, and says so."""
+    """``ROPEKV_NATIVE_CUPY=0`` keeps the C replay on the arrays' attributes, and says so (the
+    GPU test above checks the reads themselves)."""
     module = _native.load()
     if module is None:
         pytest.skip(f"no C replay here: {_native.state()}")
@@ -526,7 +549,6 @@ def test_struct_reads_off_by_environment(monkeypatch):
     monkeypatch.setitem(_native._state, "cupy", None)
     try:
         _native.configure_cupy_reads(module)
-        assert module.raw_layout(types.SimpleNamespace()) is None
         assert "ROPEKV_NATIVE_CUPY=0" in _native.state()
     finally:
         monkeypatch.delenv("ROPEKV_NATIVE_CUPY")
