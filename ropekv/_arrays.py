@@ -260,7 +260,23 @@ def torch_dtype(dtype):
     return _NUMPY_TO_TORCH[np.dtype(dtype)]
 
 
+_RAW_TORCH = [None]  # the C replay's raw_layout while its struct reads of torch tensors are on
+
+
 def _from_torch(t, name):
+    raw = _RAW_TORCH[0]
+    layout = None if raw is None else raw(t)
+    if layout is not None and layout[4] >= 0:  # a plain strided GPU tensor, read from its struct
+        shape, strides, dtype, ptr, device = layout
+        dtype = _TORCH_TO_NUMPY.get(dtype) if _TORCH_TO_NUMPY else _torch_maps().get(dtype)
+        if dtype is not None:
+            v = _new(ArrayView)
+            v.name, v.ptr, v.shape, v.strides, v.dtype = name, ptr, shape, strides, dtype
+            v.device, v.readonly, v.legacy = device, False, False
+            v.owner = v.array = t
+            v.host = None
+            v.size, v.span = _extent(shape, strides, dtype.itemsize)
+            return v
     dtype = (_TORCH_TO_NUMPY or _torch_maps()).get(t.dtype)
     if dtype is None:
         raise TypeError(f"{name} has torch dtype {t.dtype}, which ropekv does not read")

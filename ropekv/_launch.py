@@ -525,6 +525,7 @@ def _native_launchers():
 
 _native_module = [_UNBOUND]  # the configured C replay module, or None
 _native_has_ex = [False]  # whether it has cuLaunchKernelEx (launches with enable_pdl=True)
+_torch_probed = [False]  # whether that module's torch struct reads were probed (torch_reads)
 
 
 def native_module():
@@ -545,7 +546,19 @@ def native_module():
                 _native_has_ex[0] = launchers[1] is not None
                 _native.configure_cupy_reads(module)
         _native_module[0] = module
+        _torch_probed[0] = False
     return module
+
+
+def torch_reads(device):
+    """Probe the C replay's struct reads of torch tensors on ``device`` (once per process, on the
+    first plan of a call with torch tensors: torch may be imported but never used on a GPU)."""
+    module = native_module()
+    if module is not None and not _torch_probed[0]:
+        from ropekv import _native
+
+        _torch_probed[0] = True
+        _native.configure_torch_reads(module, device)
 
 
 def native_plan(plan, n_args):
@@ -803,8 +816,15 @@ class Op:
                 self.bind_caller()
             if self.caller is not None:
                 plan.native = native_plan(plan, len(views))
+                if kinds & ar.TORCH and not _torch_probed[0]:
+                    torch_reads(plan.device)
             _bounded_put(self.plans if layer is None else self.layer_plans, key, plan,
                          self.MAX_PLANS)
+        if plan.native is not None:  # cached with launches in C: the C replay launches it
+            done = self.caller(arrays, flags, stream_ptr, layer,
+                               self.plans if layer is None else self.layer_plans)
+            if done is not _MISS:
+                return done
         ptrs = [0 if v is None else v.ptr for v in views]
         if plan.pairs:  # check_no_overlap above passed these pointers: the replay need not
             plan.checked[tuple(ptrs)] = True

@@ -414,18 +414,91 @@ typedef struct {
 
 static RawCupy raw = {NULL, NULL, 0, 0, 0, 0, 0};
 
+/* ---- torch tensors read from their TensorImpl -------------------------------------------------
+ * A torch.Tensor's data_ptr(), shape, stride(), dtype and get_device() cost about 0.45 us per
+ * tensor on the H200's host (five calls, two tuples built); the values sit in the tensor's C++
+ * TensorImpl, which the Python object holds (torch >= 2.10: an at::Tensor, one pointer). The
+ * offsets are torch's C++ ABI, so none is written here: ropekv/_native.py finds each on tensors it
+ * makes (the one place that holds what the attributes give), checks these reads against the
+ * attributes and checks that the tensors it must leave to the attributes are left to them, and
+ * only then configures them. A tensor is read this way only when it is of the exact configured
+ * type, its dispatch key set is the plain dense one of the probes (no Python subclass or mode key,
+ * no functionalization, batching, lazy negation or conjugation, no inference tensor), it is on a
+ * device of the configured type, its dtype is one of the probed ones, and its storage has no
+ * mutable-data-pointer check (copy-on-write storages and storages that must not be written give
+ * the pointer through data_ptr(), which materializes or raises). Anything else: the attributes. */
+
+#define RAW_DTYPES 32
+
+typedef struct {
+  PyObject *tensor_type; /* torch.Tensor (a strong reference), or NULL: raw reads are off */
+  Py_ssize_t impl;       /* the TensorImpl pointer, in the Python object */
+  /* in the TensorImpl: the storage pointer, the ndim word (the sizes follow it, inline up to
+   * `cap` dimensions and then the strides; beyond, a pointer to sizes then strides), the storage
+   * offset and numel words, the dtype's uint16 index, the device bytes (type, index, engaged) and
+   * the dispatch key set */
+  Py_ssize_t storage, ndim, cap, offset, numel, dtype, device, keyset;
+  Py_ssize_t data, check; /* in the StorageImpl: the data pointer, the mutable-data check byte */
+  uint64_t keyset_value;
+  int device_type;
+  int n_dtypes;
+  unsigned dtype_index[RAW_DTYPES];
+  int64_t itemsize[RAW_DTYPES];
+  PyObject *dtypes[RAW_DTYPES]; /* strong references */
+} RawTorch;
+
+static RawTorch rt;
+
 typedef struct {
   const Py_ssize_t *shape, *strides;
   Py_ssize_t ndim;
-  PyObject *dtype, *data; /* borrowed from the array */
+  PyObject *dtype, *data; /* borrowed; data: a CuPy array's MemoryPointer, NULL for a tensor */
+  int torch, device;      /* a torch tensor, and its device index */
   uint64_t ptr;
 } RawView;
 
 #define AT(obj, off, type) (*(type *)((char *)(obj) + (off)))
 
-/* 1: `a` read into *v; 0: not readable this way (the attributes are). */
+/* 1: the torch tensor `a` read into *v; 0: not readable this way (the attributes are). */
+static int torch_view(PyObject *a, RawView *v) {
+  const char *impl = AT(a, rt.impl, const char *);
+  if (!impl || AT(impl, rt.keyset, uint64_t) != rt.keyset_value) return 0;
+  const unsigned char *dev = (const unsigned char *)impl + rt.device;
+  if (dev[0] != rt.device_type || dev[2] != 1) return 0;
+  unsigned index = AT(impl, rt.dtype, uint16_t);
+  int d = 0;
+  while (d < rt.n_dtypes && rt.dtype_index[d] != index) d++;
+  const char *storage = AT(impl, rt.storage, const char *);
+  if (d == rt.n_dtypes || !storage || AT(storage, rt.check, unsigned char)) return 0;
+  Py_ssize_t ndim = AT(impl, rt.ndim, Py_ssize_t);
+  if (ndim < 0 || ndim > 64) return 0;
+  if (ndim <= rt.cap) {
+    v->shape = (const Py_ssize_t *)(impl + rt.ndim + 8);
+    v->strides = v->shape + rt.cap;
+  } else {
+    v->shape = AT(impl, rt.ndim + 8, const Py_ssize_t *);
+    if (!v->shape) return 0;
+    v->strides = v->shape + ndim;
+  }
+  v->ndim = ndim;
+  v->dtype = rt.dtypes[d];
+  v->data = NULL;
+  v->torch = 1;
+  v->device = (signed char)dev[1]; /* -1: none (a CPU tensor) */
+  /* TensorImpl::data(): null for an empty tensor, else the storage's data plus the offset */
+  v->ptr = AT(impl, rt.numel, int64_t) == 0
+               ? 0
+               : (uint64_t)AT(storage, rt.data, uintptr_t) +
+                     (uint64_t)(AT(impl, rt.offset, int64_t) * rt.itemsize[d]);
+  return 1;
+}
+
+/* 1: `a` (a CuPy array or a torch tensor of a configured type) read into *v; 0: not readable this
+ * way (the attributes are). */
 static int raw_view(PyObject *a, RawView *v) {
-  if (!raw.array_type || (PyObject *)Py_TYPE(a) != raw.array_type) return 0;
+  PyObject *cls = (PyObject *)Py_TYPE(a);
+  if (cls == rt.tensor_type) return torch_view(a, v);
+  if (!raw.array_type || cls != raw.array_type) return 0;
   const Py_ssize_t *sb = AT(a, raw.shape, const Py_ssize_t *),
                    *se = AT(a, raw.shape + 8, const Py_ssize_t *),
                    *tb = AT(a, raw.strides, const Py_ssize_t *),
@@ -440,6 +513,8 @@ static int raw_view(PyObject *a, RawView *v) {
   v->ndim = ndim;
   v->dtype = dtype;
   v->data = data;
+  v->torch = 0;
+  v->device = -1;
   v->ptr = (uint64_t)AT(data, raw.ptr, intptr_t);
   return 1;
 }
@@ -457,13 +532,20 @@ static PyObject *ssize_tuple(const Py_ssize_t *values, Py_ssize_t n) {
   return t;
 }
 
+/* The device of a raw view, as its key holds it (a new reference). */
+static PyObject *raw_device(const RawView *v) {
+  return v->torch ? PyLong_FromLong(v->device) : PyObject_GetAttr(v->data, s_device_id);
+}
+
 /* The key of a raw view, as read_array builds it from the attributes. */
 static PyObject *raw_key(const RawView *v) {
-  PyObject *dev = PyObject_GetAttr(v->data, s_device_id);
+  PyObject *dev = raw_device(v);
   PyObject *shape = dev ? ssize_tuple(v->shape, v->ndim) : NULL;
   PyObject *strides = shape ? ssize_tuple(v->strides, v->ndim) : NULL;
   PyObject *align = strides ? PyLong_FromLong((long)(v->ptr & 15)) : NULL;
-  PyObject *key = align ? PyTuple_Pack(5, shape, strides, v->dtype, align, dev) : NULL;
+  PyObject *key = !align   ? NULL
+                  : v->torch ? PyTuple_Pack(6, one, shape, strides, v->dtype, align, dev)
+                             : PyTuple_Pack(5, shape, strides, v->dtype, align, dev);
   Py_XDECREF(dev);
   Py_XDECREF(shape);
   Py_XDECREF(strides);
@@ -471,8 +553,9 @@ static PyObject *raw_key(const RawView *v) {
   return key;
 }
 
+/* 1 when the tuple `t` (a torch.Size too) holds exactly these ints. */
 static int ssize_tuple_equals(PyObject *t, const Py_ssize_t *values, Py_ssize_t n) {
-  if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != n) return 0;
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != n) return 0;
   for (Py_ssize_t i = 0; i < n; i++) {
     PyObject *x = PyTuple_GET_ITEM(t, i);
     if (!PyLong_CheckExact(x)) return 0;
@@ -489,20 +572,27 @@ static int ssize_tuple_equals(PyObject *t, const Py_ssize_t *values, Py_ssize_t 
 /* 1 when the key read_array would build for the raw view equals `entry` (a key of an earlier
  * call), 0 when not, -1 on error; it builds no key. */
 static int raw_key_equals(const RawView *v, PyObject *entry) {
-  if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5) return 0;
-  if (!ssize_tuple_equals(PyTuple_GET_ITEM(entry, 0), v->shape, v->ndim) ||
-      !ssize_tuple_equals(PyTuple_GET_ITEM(entry, 1), v->strides, v->ndim))
+  Py_ssize_t at = v->torch; /* a tensor's key starts with 1 */
+  if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5 + at) return 0;
+  if (at && PyTuple_GET_ITEM(entry, 0) != one) {
+    int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 0), one, Py_EQ);
+    if (same <= 0) return same;
+  }
+  if (!ssize_tuple_equals(PyTuple_GET_ITEM(entry, at), v->shape, v->ndim) ||
+      !ssize_tuple_equals(PyTuple_GET_ITEM(entry, at + 1), v->strides, v->ndim))
     return 0;
-  PyObject *align = PyTuple_GET_ITEM(entry, 3);
+  PyObject *align = PyTuple_GET_ITEM(entry, at + 3);
   if (!PyLong_CheckExact(align) || PyLong_AsLong(align) != (long)(v->ptr & 15)) return 0;
-  PyObject *dtype = PyTuple_GET_ITEM(entry, 2);
+  PyObject *dtype = PyTuple_GET_ITEM(entry, at + 2);
   if (dtype != v->dtype) {
     int same = PyObject_RichCompareBool(dtype, v->dtype, Py_EQ);
     if (same <= 0) return same;
   }
-  PyObject *dev = PyObject_GetAttr(v->data, s_device_id);
+  PyObject *want = PyTuple_GET_ITEM(entry, at + 4);
+  if (v->torch) return PyLong_CheckExact(want) && PyLong_AsLong(want) == v->device;
+  PyObject *dev = raw_device(v);
   if (!dev) return -1;
-  int same = PyObject_RichCompareBool(dev, PyTuple_GET_ITEM(entry, 4), Py_EQ);
+  int same = PyObject_RichCompareBool(dev, want, Py_EQ);
   Py_DECREF(dev);
   return same;
 }
@@ -542,14 +632,92 @@ static PyObject *configure_cupy(PyObject *mod, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* raw_layout(a) -> (shape, strides, dtype, ptr) read from the struct, or None (not readable so) */
+static void torch_off(void) {
+  Py_CLEAR(rt.tensor_type);
+  for (int d = 0; d < rt.n_dtypes; d++) Py_CLEAR(rt.dtypes[d]);
+  rt.n_dtypes = 0;
+}
+
+#define TORCH_STRUCT_MAX 1024 /* bytes: every TensorImpl / StorageImpl offset lies below this */
+
+/* configure_torch(tensor_type, (impl, storage, ndim, cap, offset, numel, dtype, device, keyset,
+ * data, check), keyset_value, device_type, ((dtype index, dtype, itemsize), ...)) or
+ * configure_torch(None): raw reads of torch tensors on (all found by _native.py) or off. */
+static PyObject *configure_torch(PyObject *mod, PyObject *args) {
+  PyObject *tensor_type, *dtypes = NULL;
+  Py_ssize_t o[11];
+  unsigned long long keyset = 0;
+  int device_type = 0;
+  if (!PyArg_ParseTuple(args, "O|(nnnnnnnnnnn)KiO!", &tensor_type, &o[0], &o[1], &o[2], &o[3],
+                        &o[4], &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &keyset, &device_type,
+                        &PyTuple_Type, &dtypes))
+    return NULL;
+  torch_off();
+  if (tensor_type == Py_None) Py_RETURN_NONE;
+  if (!PyType_Check(tensor_type) || !dtypes) {
+    PyErr_SetString(PyExc_TypeError, "configure_torch takes a type, offsets, a key set, a device "
+                                     "type and dtypes");
+    return NULL;
+  }
+  Py_ssize_t basic = ((PyTypeObject *)tensor_type)->tp_basicsize;
+  int bad = o[0] < 16 || o[0] + 8 > basic || o[0] & 7 || o[3] < 1 || o[3] > 16 ||
+            device_type < 0 || device_type > 127 || PyTuple_GET_SIZE(dtypes) > RAW_DTYPES;
+  for (int k = 1; k < 11; k++) {
+    if (k == 3) continue;
+    Py_ssize_t end = o[k] + (k == 2 ? 8 * (1 + 2 * o[3]) : k == 6 ? 2 : k == 7 ? 3 : k == 10 ? 1 : 8);
+    int align = k == 6 ? 1 : k == 7 || k == 10 ? 0 : 7;
+    bad |= o[k] < 8 || end > TORCH_STRUCT_MAX || (o[k] & align);
+  }
+  if (bad) {
+    PyErr_SetString(PyExc_ValueError, "configure_torch: an offset outside the struct");
+    return NULL;
+  }
+  for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(dtypes); d++) {
+    unsigned index;
+    PyObject *dtype;
+    long long itemsize;
+    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(dtypes, d), "IOL", &index, &dtype, &itemsize)) {
+      torch_off();
+      return NULL;
+    }
+    if (index > 0xffff || itemsize < 1 || itemsize > 16) {
+      torch_off();
+      PyErr_SetString(PyExc_ValueError, "configure_torch: a dtype index or itemsize out of range");
+      return NULL;
+    }
+    Py_INCREF(dtype);
+    rt.dtypes[d] = dtype;
+    rt.dtype_index[d] = index;
+    rt.itemsize[d] = itemsize;
+    rt.n_dtypes = (int)d + 1;
+  }
+  rt.impl = o[0];
+  rt.storage = o[1];
+  rt.ndim = o[2];
+  rt.cap = o[3];
+  rt.offset = o[4];
+  rt.numel = o[5];
+  rt.dtype = o[6];
+  rt.device = o[7];
+  rt.keyset = o[8];
+  rt.data = o[9];
+  rt.check = o[10];
+  rt.keyset_value = keyset;
+  rt.device_type = device_type;
+  Py_INCREF(tensor_type);
+  rt.tensor_type = tensor_type;
+  Py_RETURN_NONE;
+}
+
+/* raw_layout(a) -> (shape, strides, dtype, ptr, device) read from a CuPy array's or a torch
+ * tensor's struct (device: a tensor's index, -1 for a CuPy array), or None (not readable so). */
 static PyObject *raw_layout(PyObject *mod, PyObject *a) {
   RawView v;
   if (!raw_view(a, &v)) Py_RETURN_NONE;
   PyObject *shape = ssize_tuple(v.shape, v.ndim);
   PyObject *strides = shape ? ssize_tuple(v.strides, v.ndim) : NULL;
   PyObject *ptr = strides ? PyLong_FromUnsignedLongLong(v.ptr) : NULL;
-  PyObject *r = ptr ? PyTuple_Pack(4, shape, strides, v.dtype, ptr) : NULL;
+  PyObject *r = ptr ? Py_BuildValue("(OOOOi)", shape, strides, v.dtype, ptr, v.device) : NULL;
   Py_XDECREF(shape);
   Py_XDECREF(strides);
   Py_XDECREF(ptr);
@@ -724,7 +892,7 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
       matching = matching && entry == Py_None;
     } else if (raw_view(a, &v)) {
       ptrs[i] = v.ptr;
-      kinds |= CUPY;
+      kinds |= v.torch ? TORCH : CUPY;
       int same = matching ? raw_key_equals(&v, entry) : 0;
       if (same < 0) goto done;
       if (same) {
@@ -999,8 +1167,12 @@ static PyMethodDef methods[] = {
     {"configure_cupy", configure_cupy, METH_VARARGS,
      "configure_cupy(ndarray type, MemoryPointer type, shape, strides, dtype, data, ptr offsets) "
      "or configure_cupy(None): read CuPy arrays from their struct, or not"},
+    {"configure_torch", configure_torch, METH_VARARGS,
+     "configure_torch(Tensor type, offsets, key set, device type, dtypes) or "
+     "configure_torch(None): read torch tensors from their TensorImpl, or not"},
     {"raw_layout", raw_layout, METH_O,
-     "raw_layout(a) -> (shape, strides, dtype, ptr) read from a CuPy array's struct, or None"},
+     "raw_layout(a) -> (shape, strides, dtype, ptr, device) read from a CuPy array's or a torch "
+     "tensor's struct, or None"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_native_ext",

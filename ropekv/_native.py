@@ -8,8 +8,11 @@ with the same results, a few microseconds slower per call. ``state()`` says whic
 
 CuPy arrays are read from their object struct (``raw_layout``), at offsets that
 ``configure_cupy_reads`` finds on arrays it makes and checks against the arrays' attributes before
-turning the reads on (``ROPEKV_NATIVE_CUPY=0`` keeps the attributes); torch tensors are always read
-through their attributes.
+turning the reads on (``ROPEKV_NATIVE_CUPY=0`` keeps the attributes). torch tensors are read from
+their C++ TensorImpl the same way, at offsets ``configure_torch_reads`` finds on tensors it makes
+on the device of the first call with torch tensors (``ROPEKV_NATIVE_TORCH=0`` keeps the
+attributes). Either falls back to the attributes for good when a probe does not find or confirm
+its offsets, and ``state()`` says why.
 
 The build goes to ``$ROPEKV_CACHE_DIR/native`` (default ``~/.cache/ropekv/native``), one file per
 (source, Python ABI), written under a temporary name and renamed into place, so concurrent first
@@ -35,7 +38,8 @@ from pathlib import Path
 _SOURCE = Path(__file__).with_name("_native.c")
 _MODULE = "ropekv._native_ext"
 _lock = threading.Lock()
-_state = {"module": None, "reason": "not loaded yet", "path": None, "cupy": "not probed yet"}
+_state = {"module": None, "reason": "not loaded yet", "path": None, "cupy": "not probed yet",
+          "torch": "not probed yet"}
 _tried = False
 
 
@@ -116,9 +120,11 @@ def load():
 def state() -> str:
     """One line: the C replay in use (and its file, and how it reads CuPy arrays), or why not."""
     if _state["module"] is not None:
-        cupy = _state["cupy"]
+        cupy, torch = _state["cupy"], _state["torch"]
         reads = ("CuPy arrays read from their struct" if cupy is None
                  else f"CuPy arrays read through their attributes: {cupy}")
+        reads += ("; torch tensors read from their TensorImpl" if torch is None
+                  else f"; torch tensors read through their attributes: {torch}")
         return f"C plan replay ({_state['path']}; {reads})"
     return f"Python plan replay ({_state['reason']})"
 
@@ -195,7 +201,7 @@ def configure_cupy_reads(module) -> None:
         module.configure_cupy(cupy.ndarray, cupy.cuda.MemoryPointer, *find_cupy_offsets(probes))
         for a in probes:  # the C reads against the attributes, every probe
             got = module.raw_layout(a)
-            want = (a.shape, a.strides, a.dtype, a.data.ptr)
+            want = (a.shape, a.strides, a.dtype, a.data.ptr, -1)
             if got != want:
                 raise LookupError(f"a struct read gave {got}, the attributes {want}")
     except Exception as exc:  # noqa: BLE001 - any failure keeps the attributes
@@ -203,3 +209,167 @@ def configure_cupy_reads(module) -> None:
         _state["cupy"] = f"{type(exc).__name__}: {exc}"
     else:
         _state["cupy"] = None
+
+
+# ---- torch tensors read from their TensorImpl -------------------------------------------------
+# torch's C++ structs have no Python-visible layout, so every offset is found the way CuPy's are:
+# as the one place holding the value an attribute gives, on every probe tensor. What this relies
+# on of torch (each checked on the probes, else the attributes stay): the Python object holds the
+# TensorImpl pointer that ``Tensor._cdata`` gives (torch >= 2.10); the TensorImpl declares its
+# storage, then the SizesAndStrides (ndim, then the sizes and strides inline up to a capacity, else
+# behind a pointer), storage_offset_, numel_, data_type_ (a uint16 index), device_opt_ (type,
+# index, engaged) and, last, key_set_; a StorageImpl holds its data pointer and the one flag byte
+# that routes data_ptr() through a check (copy-on-write, throw or warn on mutable access).
+
+_SCAN_BYTES = 384  # of a TensorImpl scanned for its key set, its last field (it is ~180 bytes)
+_STORAGE_BYTES = 80  # of a StorageImpl searched for the data pointer and the check byte
+_DEVICE_TYPES = {"cpu": 0, "cuda": 1}  # c10::DeviceType codes
+
+
+def _uwords(address, nbytes):
+    """``nbytes`` at ``address`` as unsigned 64-bit words."""
+    return struct.unpack(f"{nbytes // 8}Q", ctypes.string_at(address, nbytes // 8 * 8))
+
+
+def _torch_probes(torch, device):
+    """torch tensors of distinct layouts on ``device``: views with storage offsets, 0-d, empty,
+    broadcast (stride 0), transposed, fp8, and 4 to 7 dimensions (sizes outside the TensorImpl)."""
+    base = torch.empty((7, 9, 11), dtype=torch.float16, device=device)
+    flat = torch.empty(1000, dtype=torch.uint8, device=device)
+    return [base[1:6, ::2, 3:], base[2, 1:], base[3, 4, 5], base.transpose(0, 2)[1:], base[1:4, 5],
+            torch.empty((0, 3), dtype=torch.int32, device=device), base[0, 0, 1:4].expand(5, 3),
+            flat[16:80].view(torch.float8_e4m3fn).view(4, 16), flat[40:].view(torch.int64),
+            torch.empty((2, 3, 4, 5, 6), dtype=torch.float32, device=device)[:, 1],
+            torch.empty((3, 2, 3, 2, 3, 2), dtype=torch.bfloat16, device=device)[1:],
+            torch.empty((2,) * 7, dtype=torch.float32, device=device).transpose(0, 6)[1:]]
+
+
+def find_torch_offsets(torch, probes):
+    """The TensorImpl's offsets, as ``configure_torch`` takes them (impl, storage, ndim, cap,
+    offset, numel, dtype, device, keyset; the storage's two come from
+    :func:`find_storage_offsets`), and the probes' key set, found on ``probes``
+    (:func:`_torch_probes`, all on one device). LookupError when any is not found once."""
+    basic = type(probes[0]).__basicsize__
+    impl = _common([{8 * k for k, w in enumerate(_uwords(id(t), basic)) if w == t._cdata}
+                    for t in probes], "the TensorImpl pointer")
+    keysets = {torch._C._dispatch_keys(t).raw_repr() for t in probes}
+    if len(keysets) != 1:
+        raise LookupError(f"the probes have {len(keysets)} dispatch key sets (expected one)")
+    keyset_value = keysets.pop()
+    found = []
+    for t in probes:  # the key set is the TensorImpl's last field: read no further than it
+        words = _uwords(t._cdata, _SCAN_BYTES)
+        found.append({next((8 * k for k, w in enumerate(words) if w == keyset_value), -1)})
+    keyset = _common(found, "the key set")
+    if keyset < 0:
+        raise LookupError("the key set is not in the TensorImpl's first bytes")
+    words = [_uwords(t._cdata, keyset) for t in probes]
+    storage = _common([{8 * k for k, w in enumerate(ws) if w == t.untyped_storage()._cdata}
+                       for t, ws in zip(probes, words)], "the storage pointer")
+    small = [(t.dim(), tuple(t.shape), tuple(t.stride()), ws)
+             for t, ws in zip(probes, words) if 1 <= t.dim() <= 3]
+    ndim = _common([{8 * k for k in range(len(ws) - n) if ws[k] == n and ws[k + 1:k + 1 + n] == shape}
+                    for n, shape, _, ws in small], "the sizes")
+    k = ndim // 8 + 1
+    cap = _common([{c for c in range(3, 17) if ws[k + c:k + c + n] == strides}
+                   for n, _, strides, ws in small], "the inline strides")
+    offset = _common([{8 * k for k, w in enumerate(ws) if w == t.storage_offset()}
+                      for t, ws in zip(probes, words)], "the storage offset")
+    numel = _common([{8 * k for k, w in enumerate(ws) if w == t.numel()}
+                     for t, ws in zip(probes, words)], "numel")
+    raw = [ctypes.string_at(t._cdata, keyset) for t in probes]
+    after = range(numel + 8, keyset)  # data_type_ and device_opt_ lie between numel_ and key_set_
+
+    def dtype_at(b):  # the same uint16 for the same dtype, different ones for different dtypes
+        seen = {}
+        for t, r in zip(probes, raw):
+            seen.setdefault(t.dtype, set()).add(int.from_bytes(r[b:b + 2], "little"))
+        return all(len(v) == 1 for v in seen.values()) and \
+            len(set.union(*seen.values())) == len(seen)
+
+    dtype = _common([{b for b in after[::2] if b + 2 <= keyset and dtype_at(b)}], "the dtype")
+    device = _common([{b for b in after if r[b:b + 3] == bytes(
+        (_DEVICE_TYPES[t.device.type], (-1 if t.device.index is None else t.device.index) & 255, 1))}
+                      for t, r in zip(probes, raw)], "the device")
+    return (impl, storage, ndim, cap, offset, numel, dtype, device, keyset), keyset_value
+
+
+def find_storage_offsets(torch, device):
+    """``(data, check)``: a StorageImpl's data pointer (the one word that holds it in a storage
+    whose deleter context is not that pointer, a NumPy array's on the CPU) and its
+    mutable-data-pointer check byte (the one byte that both the throw and the warn flag set)."""
+    import numpy as np
+
+    host = torch.from_numpy(np.empty(16, np.float32))
+    data = _common([{8 * k for k, w in enumerate(_uwords(host.untyped_storage()._cdata,
+                                                         _STORAGE_BYTES))
+                     if w == host.untyped_storage().data_ptr()}], "the storage's data pointer")
+    changed = []
+    for flag in (torch._C._set_throw_on_mutable_data_ptr,
+                 torch._C._set_warn_deprecated_on_mutable_data_ptr):
+        t = torch.empty(4, device=device)
+        before = ctypes.string_at(t.untyped_storage()._cdata, _STORAGE_BYTES)
+        flag(t)
+        after = ctypes.string_at(t.untyped_storage()._cdata, _STORAGE_BYTES)
+        changed.append({b for b in range(data + 8, _STORAGE_BYTES) if before[b] != after[b]})
+    return data, _common(changed, "the storage's check byte")
+
+
+def _refused(torch, device):
+    """Tensors the struct reads must leave to the attributes: one that must not be written, an
+    inference tensor, a lazy negation."""
+    must_not_write = torch.empty(4, device=device)
+    torch._C._set_throw_on_mutable_data_ptr(must_not_write)
+    with torch.inference_mode():
+        inference = torch.empty(4, device=device)
+    return [must_not_write, inference, torch._neg_view(torch.empty(4, device=device))]
+
+
+def configure_torch_reads(module, device) -> None:
+    """Turn on the C replay's struct reads of torch tensors on devices of ``device``'s type (a
+    torch device or index) when the offsets are found on tensors made there, its reads give what
+    the attributes do on every probe and it leaves the tensors it must to the attributes
+    (``_state["torch"]``: None, else why not). The first calls of new layouts read torch tensors
+    through them too (``_arrays._from_torch``). ``device`` None: off."""
+    from ropekv import _arrays
+
+    module.configure_torch(None)
+    _arrays._RAW_TORCH[0] = None
+    if device is None:
+        _state["torch"] = "not probed yet"
+        return
+    if os.environ.get("ROPEKV_NATIVE_TORCH", "1") == "0":
+        _state["torch"] = "disabled by ROPEKV_NATIVE_TORCH=0"
+        return
+    try:
+        torch = sys.modules["torch"]
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        probes = _torch_probes(torch, device)
+        offsets, keyset_value = find_torch_offsets(torch, probes)
+        storage = find_storage_offsets(torch, device)
+        dtype_at = offsets[6]
+        dtypes = []
+        for name in _arrays._TORCH_NAMES:
+            dtype = getattr(torch, name, None)
+            if dtype is not None:
+                t = torch.empty(16, dtype=torch.uint8, device=device).view(dtype)
+                index = int.from_bytes(ctypes.string_at(t._cdata + dtype_at, 2), "little")
+                dtypes.append((index, dtype, t.element_size()))
+        module.configure_torch(torch.Tensor, (*offsets, *storage), keyset_value,
+                               _DEVICE_TYPES[device.type], tuple(dtypes))
+        checks = probes + [torch.empty(16, dtype=torch.uint8, device=device).view(d)
+                           for _, d, _ in dtypes]
+        for t in checks:  # the C reads against the attributes, every probe
+            got = module.raw_layout(t)
+            want = (tuple(t.shape), t.stride(), t.dtype, t.data_ptr(), t.get_device())
+            if got != want:
+                raise LookupError(f"a struct read gave {got}, the attributes {want}")
+        for t in _refused(torch, device):
+            if module.raw_layout(t) is not None:
+                raise LookupError("a struct read took a tensor it must leave to the attributes")
+    except Exception as exc:  # noqa: BLE001 - any failure keeps the attributes
+        module.configure_torch(None)
+        _state["torch"] = f"{type(exc).__name__}: {exc}"
+    else:
+        _state["torch"] = None
+        _arrays._RAW_TORCH[0] = module.raw_layout

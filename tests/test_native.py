@@ -480,8 +480,8 @@ def test_gpu_cupy_arrays_are_read_from_their_struct_as_their_attributes_give():
     assert module is not None, _native.state()
     assert _native._state["cupy"] is None, _native.state()
     for a in _struct_probe_cases(cupy):
-        assert module.raw_layout(a) == (a.shape, a.strides, a.dtype, a.data.ptr), (a.shape,
-                                                                                   a.strides)
+        assert module.raw_layout(a) == (a.shape, a.strides, a.dtype, a.data.ptr, -1), (a.shape,
+                                                                                       a.strides)
 
     class Sub(cupy.ndarray):
         pass
@@ -510,7 +510,7 @@ def test_gpu_struct_reads_turned_off_by_environment_are_off(monkeypatch):
     finally:
         monkeypatch.delenv("ROPEKV_NATIVE_CUPY")
         _native.configure_cupy_reads(module)
-    assert module.raw_layout(a) == (a.shape, a.strides, a.dtype, a.data.ptr), _native.state()
+    assert module.raw_layout(a) == (a.shape, a.strides, a.dtype, a.data.ptr, -1), _native.state()
 
 
 @pytest.mark.gpu
@@ -562,3 +562,140 @@ def test_struct_reads_refuse_offsets_outside_the_struct():
     with pytest.raises(ValueError, match="outside the struct"):
         module.configure_cupy(np.ndarray, np.ndarray, 4096, 40, 48, 56, 16)
     module.configure_cupy(None)
+
+
+# ---- torch tensors read from their TensorImpl -------------------------------------------------
+
+
+def _torch_cases(torch, device):
+    """torch tensors of every layout a caller can make (the probe's own are in
+    _native._torch_probes): views, permutations, stride 0, 0-d, empty, 5 to 8 dimensions, every
+    dtype ropekv reads, random slices."""
+    from ropekv import _arrays
+
+    rng = np.random.default_rng(11)
+    base = torch.zeros((6, 5, 8, 3), device=device)
+    cases = [base, base[1:4], base[:, ::2], base[..., 1], base[2, 3, 4, 1], base.permute(3, 1, 0, 2),
+             base.mT, torch.zeros(0, dtype=torch.int64, device=device),
+             torch.zeros((3, 0, 2), dtype=torch.uint8, device=device), base[0, 0, 0].expand(7, 3),
+             torch.zeros((2, 3, 2, 3, 2), device=device)[:, 1:],
+             torch.zeros((2,) * 8, dtype=torch.float16, device=device).permute(7, 6, 5, 4, 3, 2, 1, 0),
+             torch.zeros((4, 64), dtype=torch.uint8, device=device)[1:, 16:].view(torch.float8_e5m2)]
+    cases += [torch.zeros(8, dtype=getattr(torch, name), device=device)[1:]
+              for name in _arrays._TORCH_NAMES if hasattr(torch, name)]
+    for _ in range(20):  # random slices of a random-rank tensor
+        ndim = int(rng.integers(1, 7))
+        a = torch.zeros(tuple(int(x) for x in rng.integers(1, 6, ndim)), dtype=torch.bfloat16,
+                        device=device)
+        cases.append(a[tuple(slice(int(rng.integers(0, n)), None, int(rng.choice([1, 2, 3])))
+                             for n in a.shape)])
+    return cases
+
+
+def _attributes(t):
+    return tuple(t.shape), t.stride(), t.dtype, t.data_ptr(), t.get_device()
+
+
+@contextlib.contextmanager
+def _torch_reads_on(module, device):
+    """The struct reads of torch tensors probed on ``device`` (a CPU works as well as a GPU: the
+    TensorImpl is one C++ class), off again afterwards (probed again by the next device call)."""
+    try:
+        _native.configure_torch_reads(module, device)
+        yield
+    finally:
+        _native.configure_torch_reads(module, None)
+        _launch._torch_probed[0] = False
+
+
+def _check_torch_reads(module, torch, device):
+    for t in _torch_cases(torch, device):
+        assert module.raw_layout(t) == _attributes(t), (t.shape, t.stride(), t.dtype)
+    t = torch.zeros((4, 6), device=device)
+    swapped = torch.zeros((3, 2), dtype=torch.float16, device=device)[1:]
+    t.data = swapped  # same object, another storage and layout: read as it is now
+    assert module.raw_layout(t) == _attributes(swapped)
+    t.as_strided_((2, 2), (1, 2), 1)
+    assert module.raw_layout(t) == _attributes(t)
+
+    # left to the attributes: another type, a tensor that must not be written, copy-on-write
+    # storage (data_ptr() copies it first), an inference tensor, a lazy negation
+    refused = [torch.nn.Parameter(torch.zeros(3, device=device)), torch.zeros(3, device=device)]
+    torch._C._set_throw_on_mutable_data_ptr(refused[1])
+    shared = torch.zeros(5, device=device)
+    refused += [shared, torch._lazy_clone(shared), torch._neg_view(torch.zeros(3, device=device))]
+    with torch.inference_mode():
+        refused.append(torch.zeros(3, device=device))
+    for t in refused:
+        assert module.raw_layout(t) is None, t
+
+
+def test_torch_struct_reads_equal_the_attributes():
+    """The offsets of a torch tensor's fields are found on tensors the probe makes (here on the
+    CPU; the TensorImpl is the same class on a GPU), and the C reads give what the attributes do on
+    every layout, a tensor whose ``.data`` was swapped or which was restrided in place included;
+    the tensors whose pointer only ``data_ptr()`` may give are left to the attributes."""
+    torch = pytest.importorskip("torch")
+    module = _native.load()
+    if module is None:
+        pytest.skip(f"no C replay here: {_native.state()}")
+    with _torch_reads_on(module, "cpu"):
+        assert _native._state["torch"] is None, _native.state()
+        assert "torch tensors read from their TensorImpl" in _native.state()
+        _check_torch_reads(module, torch, "cpu")
+    assert module.raw_layout(torch.zeros(3)) is None
+
+
+def test_torch_struct_reads_off_by_environment(monkeypatch):
+    torch = pytest.importorskip("torch")
+    module = _native.load()
+    if module is None:
+        pytest.skip(f"no C replay here: {_native.state()}")
+    monkeypatch.setenv("ROPEKV_NATIVE_TORCH", "0")
+    with _torch_reads_on(module, "cpu"):
+        assert "ROPEKV_NATIVE_TORCH=0" in _native.state()
+        assert module.raw_layout(torch.zeros(3)) is None
+
+
+def test_torch_struct_reads_refuse_offsets_outside_the_struct():
+    module = _native.load()
+    if module is None:
+        pytest.skip(f"no C replay here: {_native.state()}")
+    good = (16, 16, 56, 5, 144, 152, 160, 162, 168, 16, 59)
+    for at, bad in [(0, 8), (0, 4096), (2, 1020), (3, 0), (6, 161), (9, 12)]:
+        offsets = list(good)
+        offsets[at] = bad
+        with pytest.raises(ValueError, match="outside the struct"):
+            module.configure_torch(types.SimpleNamespace, tuple(offsets), 0, 1, ())
+    module.configure_torch(None)
+
+
+def test_torch_struct_probe_failure_keeps_the_attributes(monkeypatch):
+    """A probe that finds no offset (a torch of another layout) turns nothing on and says why."""
+    torch = pytest.importorskip("torch")
+    module = _native.load()
+    if module is None:
+        pytest.skip(f"no C replay here: {_native.state()}")
+    monkeypatch.setattr(_native, "_SCAN_BYTES", 16)  # the key set lies further on
+    with _torch_reads_on(module, "cpu"):
+        assert "key set" in _native._state["torch"]
+        assert module.raw_layout(torch.zeros(3)) is None
+
+
+@pytest.mark.gpu
+def test_gpu_torch_tensors_are_read_from_their_tensorimpl():
+    """On a GPU machine the first call with torch tensors turns the struct reads on (probed on that
+    device), and they give what the attributes do on every layout of CUDA tensors."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    from tests.test_call_path import copy_kw, to_torch
+
+    fn, kw = CASES["contiguous"](62, **DECODE.get("contiguous", {}))
+    fn(**map_arrays(copy_kw(kw), to_torch))
+    module = _launch.native_module()
+    assert module is not None, _native.state()
+    assert _launch._torch_probed[0] and _native._state["torch"] is None, _native.state()
+    _check_torch_reads(module, torch, "cuda")
+    with _torch_reads_on(module, "cuda"):
+        _check_torch_reads(module, torch, "cuda")
