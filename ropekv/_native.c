@@ -4,8 +4,9 @@
  * it that runs on every call of a known layout (Op.__call__ -> Plan.replay -> Launch.run):
  *
  *   read each argument's layout and pointer (CuPy arrays and torch tensors of the exact base
- *   types, CuPy's from the array's struct where _native.py found and checked its offsets;
- *   anything else answers MISS and takes the Python path), find the plan of that layout (the
+ *   types, from the array's struct or the tensor's TensorImpl where _native.py found and checked
+ *   the offsets, else through their attributes; anything else answers MISS and takes the Python
+ *   path), find the plan of that layout (the
  *   newest replay's when every key equals its key, compared while reading, else the op's plan
  *   table), check written arrays against every other
  *   argument from pointers alone (any range that touches hands the call to Plan.replay, which
