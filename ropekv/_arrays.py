@@ -183,6 +183,9 @@ def _extent(shape, strides, itemsize):
 
 
 _new = object.__new__
+# the C replay's view_fields (ropekv/_native.c) once it is loaded: the fields of an ArrayView of a
+# CuPy array or torch tensor its struct reads take, read in one call (None for any other)
+_VIEW_FIELDS = [None]
 
 
 def _element_strides(name, byte_strides, itemsize):
@@ -208,6 +211,15 @@ def _from_cupy(a, name):
     built without the keyword handling of a class call, in one)."""
     if _CUPY_ARRAY is _Never:
         _note_type(type(a), "cupy")
+    fields = None if _VIEW_FIELDS[0] is None else _VIEW_FIELDS[0](a)
+    if fields is not None:  # read from its struct
+        v = _new(ArrayView)
+        v.ptr, v.shape, v.strides, v.dtype, v.device, v.size, lo, hi = fields
+        v.name, v.span = name, (lo, hi)
+        v.readonly = v.legacy = False
+        v.owner = v.array = a
+        v.host = None
+        return v
     data, item = a.data, a.itemsize
     shape, byte_strides = a.shape, a.strides
     strides = []
@@ -260,22 +272,17 @@ def torch_dtype(dtype):
     return _NUMPY_TO_TORCH[np.dtype(dtype)]
 
 
-_RAW_TORCH = [None]  # the C replay's raw_layout while its struct reads of torch tensors are on
-
-
 def _from_torch(t, name):
-    raw = _RAW_TORCH[0]
-    layout = None if raw is None else raw(t)
-    if layout is not None and layout[4] >= 0:  # a plain strided GPU tensor, read from its struct
-        shape, strides, dtype, ptr, device = layout
-        dtype = _TORCH_TO_NUMPY.get(dtype) if _TORCH_TO_NUMPY else _torch_maps().get(dtype)
+    fields = None if _VIEW_FIELDS[0] is None else _VIEW_FIELDS[0](t)
+    if fields is not None and fields[4] >= 0:  # a plain strided GPU tensor, read from its struct
+        dtype = (_TORCH_TO_NUMPY or _torch_maps()).get(fields[3])
         if dtype is not None:
             v = _new(ArrayView)
-            v.name, v.ptr, v.shape, v.strides, v.dtype = name, ptr, shape, strides, dtype
-            v.device, v.readonly, v.legacy = device, False, False
+            v.ptr, v.shape, v.strides, _, v.device, v.size, lo, hi = fields
+            v.name, v.dtype, v.span = name, dtype, (lo, hi)
+            v.readonly = v.legacy = False
             v.owner = v.array = t
             v.host = None
-            v.size, v.span = _extent(shape, strides, dtype.itemsize)
             return v
     dtype = (_TORCH_TO_NUMPY or _torch_maps()).get(t.dtype)
     if dtype is None:

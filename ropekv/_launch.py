@@ -343,12 +343,26 @@ class Output:
                 return self._cupy()
         return self._cupy()
 
+    def empty(self, kinds, device):
+        """This zero-size output, made once per process for its array type, device, shape and
+        dtype (it holds nothing, so every call and plan may hand out the same one; a first call
+        then allocates nothing for it)."""
+        key = (bool(kinds & ar.TORCH) and not self.workspace, device, self.shape, self.dtype)
+        out = _EMPTY_OUTPUTS.get(key)
+        if out is None:
+            out = self.allocate(kinds, device, None, False)
+            _bounded_put(_EMPTY_OUTPUTS, key, out, 64)
+        return out
+
     def _cupy(self):
         import cupy
 
         if self.dtype in ar.FP8_DTYPES:  # CuPy allocates float8 as bytes
             return cupy.empty(self.shape, cupy.uint8).view(self.dtype)
         return cupy.empty(self.shape, self.dtype)
+
+
+_EMPTY_OUTPUTS = {}  # (torch, device, shape, dtype) -> a zero-size output (Output.empty)
 
 
 def pointer_of(array):
@@ -407,7 +421,7 @@ class Plan:
         nothing); so are the lists when every output has zero size."""
         empties = self.empties.get(kinds)
         if empties is None:
-            outs = [None if o.size else o.allocate(kinds, self.device, stream_ptr, explicit)
+            outs = [None if o.size else o.empty(kinds, self.device)
                     for o in self.outputs]
             ptrs = [0 if x is None else pointer_of(x) for x in outs]
             empties = self.empties[kinds] = (outs, ptrs, all(x is not None for x in outs))
@@ -545,6 +559,7 @@ def native_module():
                 module.configure(*launchers)
                 _native_has_ex[0] = launchers[1] is not None
                 _native.configure_cupy_reads(module)
+                ar._VIEW_FIELDS[0] = module.view_fields  # first calls read arrays through it
         _native_module[0] = module
         _torch_probed[0] = False
     return module

@@ -455,6 +455,7 @@ typedef struct {
   Py_ssize_t ndim;
   PyObject *dtype, *data; /* borrowed; data: a CuPy array's MemoryPointer, NULL for a tensor */
   int torch, device;      /* a torch tensor, and its device index */
+  Py_ssize_t item;        /* a tensor's item size (0 for a CuPy array: its dtype says) */
   uint64_t ptr;
 } RawView;
 
@@ -486,6 +487,7 @@ static int torch_view(PyObject *a, RawView *v) {
   v->data = NULL;
   v->torch = 1;
   v->device = (signed char)dev[1]; /* -1: none (a CPU tensor) */
+  v->item = (Py_ssize_t)rt.itemsize[d];
   /* TensorImpl::data(): null for an empty tensor, else the storage's data plus the offset */
   v->ptr = AT(impl, rt.numel, int64_t) == 0
                ? 0
@@ -516,6 +518,7 @@ static int raw_view(PyObject *a, RawView *v) {
   v->data = data;
   v->torch = 0;
   v->device = -1;
+  v->item = 0;
   v->ptr = (uint64_t)AT(data, raw.ptr, intptr_t);
   return 1;
 }
@@ -722,6 +725,60 @@ static PyObject *raw_layout(PyObject *mod, PyObject *a) {
   Py_XDECREF(shape);
   Py_XDECREF(strides);
   Py_XDECREF(ptr);
+  return r;
+}
+
+/* view_fields(a) -> (ptr, shape, element strides, dtype, device, size, lo, hi) of a CuPy array or
+ * torch tensor read from its struct, as _arrays builds an ArrayView of it (dtype: the array's own,
+ * a NumPy or torch dtype; [lo, hi): the bytes it touches relative to ptr), or None: not readable
+ * so, or a CuPy byte stride that is no multiple of the item size (the attributes say which). */
+static PyObject *view_fields(PyObject *mod, PyObject *a) {
+  RawView v;
+  if (!raw_view(a, &v)) Py_RETURN_NONE;
+  Py_ssize_t item;
+  if (v.torch) {
+    item = v.item;
+  } else {
+    PyObject *it = PyObject_GetAttrString(v.dtype, "itemsize");
+    item = it ? PyLong_AsSsize_t(it) : -1;
+    Py_XDECREF(it);
+    if (item == -1 && PyErr_Occurred()) return NULL;
+    if (item <= 0) Py_RETURN_NONE;
+  }
+  PyObject *shape = ssize_tuple(v.shape, v.ndim), *strides = shape ? PyTuple_New(v.ndim) : NULL;
+  Py_ssize_t size = 1, lo = 0, hi = 0;
+  for (Py_ssize_t k = 0; strides && k < v.ndim; k++) {
+    Py_ssize_t n = v.shape[k], st = v.strides[k], bytes;
+    if (v.torch) {
+      bytes = st * item;
+    } else {
+      if (st % item) {
+        Py_DECREF(shape);
+        Py_DECREF(strides);
+        Py_RETURN_NONE;
+      }
+      bytes = st;
+      st /= item;
+    }
+    PyObject *x = PyLong_FromSsize_t(st);
+    if (!x) {
+      Py_CLEAR(strides);
+      break;
+    }
+    PyTuple_SET_ITEM(strides, k, x);
+    size *= n;
+    if (bytes < 0)
+      lo += (n - 1) * bytes;
+    else
+      hi += (n - 1) * bytes;
+  }
+  PyObject *dev = strides ? raw_device(&v) : NULL;
+  PyObject *r = dev ? Py_BuildValue("(KOOOOnnn)", (unsigned long long)v.ptr, shape, strides,
+                                    v.dtype, dev, size, lo, hi + item)
+                    : NULL;
+  Py_XDECREF(shape);
+  Py_XDECREF(strides);
+  Py_XDECREF(dev);
   return r;
 }
 
@@ -1171,6 +1228,9 @@ static PyMethodDef methods[] = {
     {"configure_torch", configure_torch, METH_VARARGS,
      "configure_torch(Tensor type, offsets, key set, device type, dtypes) or "
      "configure_torch(None): read torch tensors from their TensorImpl, or not"},
+    {"view_fields", view_fields, METH_O,
+     "view_fields(a) -> (ptr, shape, element strides, dtype, device, size, lo, hi) of a CuPy "
+     "array or torch tensor read from its struct, or None"},
     {"raw_layout", raw_layout, METH_O,
      "raw_layout(a) -> (shape, strides, dtype, ptr, device) read from a CuPy array's or a torch "
      "tensor's struct, or None"},

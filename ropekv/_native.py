@@ -330,11 +330,8 @@ def configure_torch_reads(module, device) -> None:
     torch device or index) when the offsets are found on tensors made there, its reads give what
     the attributes do on every probe and it leaves the tensors it must to the attributes
     (``_state["torch"]``: None, else why not). The first calls of new layouts read torch tensors
-    through them too (``_arrays._from_torch``). ``device`` None: off."""
-    from ropekv import _arrays
-
+    through them too (``_arrays._from_torch``, through ``view_fields``). ``device`` None: off."""
     module.configure_torch(None)
-    _arrays._RAW_TORCH[0] = None
     if device is None:
         _state["torch"] = "not probed yet"
         return
@@ -342,6 +339,8 @@ def configure_torch_reads(module, device) -> None:
         _state["torch"] = "disabled by ROPEKV_NATIVE_TORCH=0"
         return
     try:
+        from ropekv import _arrays
+
         torch = sys.modules["torch"]
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         probes = _torch_probes(torch, device)
@@ -372,4 +371,3 @@ def configure_torch_reads(module, device) -> None:
         _state["torch"] = f"{type(exc).__name__}: {exc}"
     else:
         _state["torch"] = None
-        _arrays._RAW_TORCH[0] = module.raw_layout

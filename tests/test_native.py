@@ -102,6 +102,7 @@ def fakes(monkeypatch):
     monkeypatch.setattr(_launch, "function_pointer", lambda *a, **k: 0x1000)
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device=-1: 0x5000)
     monkeypatch.setattr(_launch, "_RUNTIME", [runtime])
+    monkeypatch.setattr(_launch, "_EMPTY_OUTPUTS", {})  # fake zero-size outputs stay here
     monkeypatch.setattr(_launch.Output, "_cupy",
                         lambda self: hostcost.FakeCupyArray(np.empty(self.shape, self.dtype)))
     monkeypatch.setattr(_launch, "cupy_stream", lambda ptr, device: contextlib.nullcontext())
@@ -482,6 +483,11 @@ def test_gpu_cupy_arrays_are_read_from_their_struct_as_their_attributes_give():
     for a in _struct_probe_cases(cupy):
         assert module.raw_layout(a) == (a.shape, a.strides, a.dtype, a.data.ptr, -1), (a.shape,
                                                                                        a.strides)
+        assert module.view_fields(a) == _fields(a.data.ptr, a.shape,
+                                                [s // a.itemsize for s in a.strides], a.dtype,
+                                                a.data.device_id, a.itemsize)
+    odd = cupy.lib.stride_tricks.as_strided(cupy.zeros(8, cupy.float16), (3,), (3,))
+    assert module.view_fields(odd) is None  # a byte stride the attributes path names in its error
 
     class Sub(cupy.ndarray):
         pass
@@ -608,9 +614,19 @@ def _torch_reads_on(module, device):
         _launch._torch_probed[0] = False
 
 
+def _fields(ptr, shape, strides, dtype, device, itemsize):
+    """What view_fields must give for a layout (element strides), as _arrays computes it."""
+    from ropekv import _arrays
+
+    size, span = _arrays._extent(shape, strides, itemsize)
+    return (ptr, tuple(shape), tuple(strides), dtype, device, size, *span)
+
+
 def _check_torch_reads(module, torch, device):
     for t in _torch_cases(torch, device):
         assert module.raw_layout(t) == _attributes(t), (t.shape, t.stride(), t.dtype)
+        assert module.view_fields(t) == _fields(t.data_ptr(), t.shape, t.stride(), t.dtype,
+                                                t.get_device(), t.element_size())
     t = torch.zeros((4, 6), device=device)
     swapped = torch.zeros((3, 2), dtype=torch.float16, device=device)[1:]
     t.data = swapped  # same object, another storage and layout: read as it is now

@@ -101,6 +101,7 @@ def stubbed(request, monkeypatch):
         for op in all_ops():
             op.reset_caller(native=False)
     monkeypatch.setattr(ar, "_CUPY_ARRAY", hostcost.FakeCupyArray)
+    monkeypatch.setattr(_launch, "_EMPTY_OUTPUTS", {})  # fake zero-size outputs stay here
     monkeypatch.setattr(_launch, "function_pointer", lambda *a, **k: 0x1000)
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device=-1: 0x5000)
     monkeypatch.setattr(_launch, "_launch_kernel", launches)
