@@ -188,6 +188,17 @@ _new = object.__new__
 _VIEW_FIELDS = [None]
 
 
+def _struct_view(fields, name, dtype, array):
+    """The view of a device array from ``_VIEW_FIELDS[0](array)`` (``dtype`` its NumPy dtype)."""
+    v = _new(ArrayView)
+    v.ptr, v.shape, v.strides, _, v.device, v.size, lo, hi = fields
+    v.name, v.dtype, v.span = name, dtype, (lo, hi)
+    v.readonly = v.legacy = False
+    v.owner = v.array = array
+    v.host = None
+    return v
+
+
 def _element_strides(name, byte_strides, itemsize):
     if itemsize == 1:
         return tuple(byte_strides)
@@ -213,13 +224,7 @@ def _from_cupy(a, name):
         _note_type(type(a), "cupy")
     fields = None if _VIEW_FIELDS[0] is None else _VIEW_FIELDS[0](a)
     if fields is not None:  # read from its struct
-        v = _new(ArrayView)
-        v.ptr, v.shape, v.strides, v.dtype, v.device, v.size, lo, hi = fields
-        v.name, v.span = name, (lo, hi)
-        v.readonly = v.legacy = False
-        v.owner = v.array = a
-        v.host = None
-        return v
+        return _struct_view(fields, name, fields[3], a)
     data, item = a.data, a.itemsize
     shape, byte_strides = a.shape, a.strides
     strides = []
@@ -277,13 +282,7 @@ def _from_torch(t, name):
     if fields is not None and fields[4] >= 0:  # a plain strided GPU tensor, read from its struct
         dtype = (_TORCH_TO_NUMPY or _torch_maps()).get(fields[3])
         if dtype is not None:
-            v = _new(ArrayView)
-            v.ptr, v.shape, v.strides, _, v.device, v.size, lo, hi = fields
-            v.name, v.dtype, v.span = name, dtype, (lo, hi)
-            v.readonly = v.legacy = False
-            v.owner = v.array = t
-            v.host = None
-            return v
+            return _struct_view(fields, name, dtype, t)
     dtype = (_TORCH_TO_NUMPY or _torch_maps()).get(t.dtype)
     if dtype is None:
         raise TypeError(f"{name} has torch dtype {t.dtype}, which ropekv does not read")

@@ -826,18 +826,17 @@ class Op:
         if plan.device == ar.HOST:
             return self.run_host(plan, arrays, op_views, kinds, stream_ptr)
         plan.finish(views)
+        plans = self.plans if layer is None else self.layer_plans
         if key is not None and plan.cacheable:
             if not self.caller_bound:
                 self.bind_caller()
             if self.caller is not None:
                 plan.native = native_plan(plan, len(views))
-                if kinds & ar.TORCH and not _torch_probed[0]:
+                if kinds & ar.TORCH:
                     torch_reads(plan.device)
-            _bounded_put(self.plans if layer is None else self.layer_plans, key, plan,
-                         self.MAX_PLANS)
+            _bounded_put(plans, key, plan, self.MAX_PLANS)
         if plan.native is not None:  # cached with launches in C: the C replay launches it
-            done = self.caller(arrays, flags, stream_ptr, layer,
-                               self.plans if layer is None else self.layer_plans)
+            done = self.caller(arrays, flags, stream_ptr, layer, plans)
             if done is not _MISS:
                 return done
         ptrs = [0 if v is None else v.ptr for v in views]
