@@ -34,6 +34,7 @@ from tests.test_qkv import (
     taken_path,
     written_mask,
 )
+from tests.test_qknorm import check_status_in_graph
 from tests.tolerance import assert_close, to_device, to_numpy
 
 hostcost = replay_cpu.hostcost
@@ -562,29 +563,9 @@ def test_gpu_status_in_a_captured_graph(path, monkeypatch):
     out = cp.zeros((sum(lengths), 256), args["hidden_state"].dtype)
     status = cp.full(1, 99, cp.int32)
 
-    def run():
-        call(dev, dkw, out=out, status=status, clear_unused_last_page_rows=True)
-
-    run()  # compile and plan outside the capture
-    cp.cuda.Device().synchronize()
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        run()
-        graph = stream.end_capture()
-        status.fill(99)
-        graph.launch(stream)
-        stream.synchronize()
-        assert int(status[0]) == 0
-        snapshot = [to_numpy(c) for c in dev["paged_kv_cache"]]
-        q_before = to_numpy(out)
-        dev["input_row_offsets"][1:3] = cp.asarray(np.array([3, 1], np.int32))  # decreasing
-        graph.launch(stream)
-        stream.synchronize()
-    assert int(status[0]) == 2
-    assert_bytes_equal(out, q_before)
-    for got, old in zip(dev["paged_kv_cache"], snapshot):
-        assert_bytes_equal(got, old)
+    check_status_in_graph(
+        lambda: call(dev, dkw, out=out, status=status, clear_unused_last_page_rows=True), dev, out,
+        status)
 
 
 # ---------------------------------------------------------------------------------------------
