@@ -19,9 +19,9 @@ Everything else lives here, once for every op:
   launch when asked) on a parameter record whose pointer fields are refilled per call;
 * the replay in C (``_native.c``, built on first use by ``_native.py``; Python when it cannot be
   built): a repeated call of a known layout, with CuPy arrays or torch tensors, is read, matched,
-  checked for overlap and launched there, with the same keys, plans and stream rule as the Python
-  replay below (which serves everything else: first calls, other array kinds, cuBLAS steps,
-  arrays whose ranges touch a written one);
+  checked for overlap and launched there (kernels and cuBLAS GEMMs), with the same keys, plans
+  and stream rule as the Python replay below (which serves everything else: first calls, other
+  array kinds, arrays whose ranges touch a written one);
 * multi-layer caches (``docs/conventions.md``): an op names the arguments that may carry a leading
   ``(num_layers, ...)`` dimension (``Op(..., layered=...)``); a call with ``layer_idx`` validates
   the arrays of that layer (its ``prepare`` never sees the layer dimension), and its plan, keyed
@@ -272,6 +272,112 @@ class Launch:
         err = _cu_launch_kernel_ex()(ctypes.byref(config), self.func, argv, None)
         if err:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+
+
+# ---------------------------------------------------------------------------------- cuBLAS
+
+
+class Gemm:
+    """A cuBLAS step of a plan (``cublasGemmEx``, float32 accumulation): row-major
+    ``C (n, m) = B (n, k) @ A (m, k)^T``, operands at ``(argument, byte offset)`` slots of the
+    call's pointers, as a :class:`Launch`'s pointer fields. In cuBLAS's column-major terms:
+    ``C^T (m x n) = A^T B^T`` with A (k x m, ``lda``) read transposed and B (k x n, ``ldb``).
+
+    Both replays make the same three calls on the calling thread's CuPy cuBLAS handle of the
+    plan's device (current during the steps): ``cublasSetStream`` (the launch stream),
+    ``cublasSetPointerMode`` (alpha = 1 and beta = 0 on the host), ``cublasGemmEx``. CuPy's own
+    cuBLAS calls set the handle's stream again before each call, so nothing of CuPy's is
+    disturbed."""
+
+    __slots__ = ("a", "b", "c", "args")
+
+    def __init__(self, a, lda, b, ldb, c, ldc, m, n, k, dtype, c_dtype):
+        self.a, self.b, self.c = a, b, c
+        self.args = (m, n, k, lda, ldb, ldc, _CUDA_R[dtype], _CUDA_R[c_dtype])
+
+    def run(self, ptrs, stream_ptr):
+        set_stream, set_pointer_mode, gemm_ex = _cublas_calls()
+        m, n, k, lda, ldb, ldc, ab_type, c_type = self.args
+        (a, ao), (b, bo), (c, co) = self.a, self.b, self.c
+        handle = _cublas_handle()
+        status = (set_stream(handle, stream_ptr) or set_pointer_mode(handle, 0)
+                  or gemm_ex(handle, 1, 0, m, n, k, _ALPHA, ptrs[a] + ao, ab_type, lda,
+                             ptrs[b] + bo, ab_type, ldb, _BETA, ptrs[c] + co, c_type, ldc,
+                             _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT))
+        if status:
+            _cublas_failed(status)
+
+
+_CUDA_R = {ar.FLOAT16: 2, ar.BFLOAT16: 14, ar.FLOAT32: 0}  # cudaDataType
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_GEMM_DEFAULT = -1
+_ALPHA_BETA = (ctypes.c_float * 2)(1.0, 0.0)  # CUBLAS_POINTER_MODE_HOST: read at the call
+_ALPHA = ctypes.addressof(_ALPHA_BETA)
+_BETA = _ALPHA + 4
+_CUBLAS_LIB = "libcublas.so"
+_CUBLAS_SYMBOLS = ("cublasSetStream_v2", "cublasSetPointerMode_v2", "cublasGemmEx")
+
+
+def _cublas_handle():
+    """The calling thread's CuPy cuBLAS handle of the current device."""
+    import cupy
+
+    return cupy.cuda.device.get_cublas_handle()
+
+
+def _cublas_failed(status):
+    """Raise a failed cuBLAS call's error (CuPy's, as its wrappers raise it, where CuPy has it)."""
+    try:
+        from cupy_backends.cuda.libs.cublas import CUBLASError
+
+        error = CUBLASError(status)
+    except Exception:  # noqa: BLE001 - no CuPy cuBLAS to name it: the status alone
+        error = RuntimeError(f"cuBLAS failed with status {status}")
+    raise error
+
+
+@functools.cache
+def cublas_entry_points():
+    """The addresses of ``cublasSetStream_v2``, ``cublasSetPointerMode_v2`` and ``cublasGemmEx`` in
+    the cuBLAS library CuPy loaded (a handle of CuPy's is only good with that very library): its
+    path in ``/proc/self/maps``, else its soname (``dlopen`` of a loaded library's soname returns
+    that library). OSError when CuPy's cuBLAS cannot be loaded or found."""
+    try:
+        from cupy_backends.cuda.api import runtime
+        from cupy_backends.cuda.libs import cublas  # noqa: F401 - loads CuPy's libcublas
+    except ImportError as e:
+        raise OSError(f"CuPy's cuBLAS cannot be loaded: {e}") from None
+    name = f"{_CUBLAS_LIB}.{runtime.runtimeGetVersion() // 1000}"
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(None, 5)  # address perms offset dev inode [path]
+                path = fields[5].strip() if len(fields) == 6 else ""
+                if path.rsplit("/", 1)[-1].startswith(_CUBLAS_LIB + "."):
+                    name = path
+                    break
+    except OSError:
+        pass
+    lib = ctypes.CDLL(name)
+    return tuple(ctypes.cast(getattr(lib, s), ctypes.c_void_p).value for s in _CUBLAS_SYMBOLS)
+
+
+_CUBLAS_CALLS = [None]
+
+
+def _cublas_calls():
+    """The three cuBLAS functions of :class:`Gemm` as ctypes calls (the Python replay's)."""
+    calls = _CUBLAS_CALLS[0]
+    if calls is None:
+        c_int, c_void_p = ctypes.c_int, ctypes.c_void_p
+        set_stream, set_pointer_mode, gemm_ex = cublas_entry_points()
+        calls = _CUBLAS_CALLS[0] = (
+            ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p)(set_stream),
+            ctypes.CFUNCTYPE(c_int, c_void_p, c_int)(set_pointer_mode),
+            ctypes.CFUNCTYPE(c_int, c_void_p, c_int, c_int, c_int, c_int, c_int, c_void_p,
+                             c_void_p, c_int, c_int, c_void_p, c_int, c_int, c_void_p, c_void_p,
+                             c_int, c_int, c_int, c_int)(gemm_ex))
+    return calls
 
 
 # ---------------------------------------------------------------------------------- plans
@@ -540,6 +646,7 @@ def _native_launchers():
 _native_module = [_UNBOUND]  # the configured C replay module, or None
 _native_has_ex = [False]  # whether it has cuLaunchKernelEx (launches with enable_pdl=True)
 _torch_probed = [False]  # whether that module's torch struct reads were probed (torch_reads)
+_native_cublas_bound = [None]  # whether that module has the cuBLAS functions (_native_cublas)
 
 
 def native_module():
@@ -562,7 +669,22 @@ def native_module():
                 ar._VIEW_FIELDS[0] = module.view_fields  # first calls read arrays through it
         _native_module[0] = module
         _torch_probed[0] = False
+        _native_cublas_bound[0] = None
     return module
+
+
+def _native_cublas(module):
+    """Whether the C replay has the cuBLAS functions of :class:`Gemm` (bound on the first plan
+    with a GEMM; False for good when CuPy's cuBLAS cannot be found)."""
+    bound = _native_cublas_bound[0]
+    if bound is None:
+        try:
+            module.configure_cublas(*cublas_entry_points())
+            bound = True
+        except (OSError, AttributeError, ValueError):
+            bound = False
+        _native_cublas_bound[0] = bound
+    return bound
 
 
 def torch_reads(device):
@@ -577,14 +699,19 @@ def torch_reads(device):
 
 
 def native_plan(plan, n_args):
-    """``plan``'s launches as C data (``_native.NativePlan``), or None when the C replay cannot
-    serve it (no C replay, a step that is not a :class:`Launch`, such as a cuBLAS call)."""
+    """``plan``'s steps as C data (``_native.NativePlan``), or None when the C replay cannot
+    serve it (no C replay, a step that is neither a :class:`Launch` nor a :class:`Gemm`, a GEMM
+    without CuPy's cuBLAS at hand, a PDL launch without ``cuLaunchKernelEx``)."""
     module = native_module()
-    if module is None or not all(type(s) is Launch for s in plan.steps):
+    kinds = {type(s) for s in plan.steps}
+    if module is None or not kinds <= {Launch, Gemm}:
         return None
-    if not _native_has_ex[0] and any(s.pdl for s in plan.steps):
+    if Gemm in kinds and not _native_cublas(module):
         return None
-    steps = [(s.func, s.grid, s.block, s.shared_mem, s.pdl, s.slots, s.tail) for s in plan.steps]
+    if not _native_has_ex[0] and any(s.pdl for s in plan.steps if type(s) is Launch):
+        return None
+    steps = [(s.func, s.grid, s.block, s.shared_mem, s.pdl, s.slots, s.tail) if type(s) is Launch
+             else ((s.a, s.b, s.c), s.args) for s in plan.steps]
     layers = plan.layers
     if layers is not None:
         layers = (layers.count, layers.strict, layers.strides)

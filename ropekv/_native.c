@@ -12,7 +12,8 @@
  *   argument from pointers alone (any range that touches hands the call to Plan.replay, which
  *   checks exactly), pick the stream (ropekv's stream rule, through _launch's own functions), enter
  *   the plan's device, allocate outputs (Plan.make_outputs), refill each launch's parameter record
- *   on the C stack and call the driver's cuLaunchKernel / cuLaunchKernelEx.
+ *   on the C stack and call the driver's cuLaunchKernel / cuLaunchKernelEx (a cuBLAS step,
+ *   _launch.Gemm: cublasSetStream, cublasSetPointerMode, cublasGemmEx on CuPy's handle).
  *
  * The keys it builds are the same Python objects _arrays.fast_signature builds, so the plans a
  * first call stores serve both paths. Nothing here validates a layout: that stays on the first
@@ -50,6 +51,22 @@ typedef int (*launch_ex_fn)(const LaunchConfig *config, void *f, void **params, 
 static launch_fn cu_launch = NULL;
 static launch_ex_fn cu_launch_ex = NULL;
 
+/* ---- cuBLAS, set by configure_cublas() (plans with a _launch.Gemm step) ----------------------- */
+
+typedef int (*cublas_set_stream_fn)(void *handle, void *stream);
+typedef int (*cublas_set_pointer_mode_fn)(void *handle, int mode);
+typedef int (*cublas_gemm_ex_fn)(void *handle, int transa, int transb, int m, int n, int k,
+                                 const void *alpha, const void *a, int a_type, int lda,
+                                 const void *b, int b_type, int ldb, const void *beta, void *c,
+                                 int c_type, int ldc, int compute_type, int algo);
+
+static cublas_set_stream_fn cublas_set_stream = NULL;
+static cublas_set_pointer_mode_fn cublas_set_pointer_mode = NULL;
+static cublas_gemm_ex_fn cublas_gemm_ex = NULL;
+static const float alpha_beta[2] = {1.0f, 0.0f}; /* CUBLAS_POINTER_MODE_HOST */
+#define CUBLAS_COMPUTE_32F 68
+#define CUBLAS_GEMM_DEFAULT (-1)
+
 #define PROGRAMMATIC_STREAM_SERIALIZATION 6 /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIAL... */
 #define RECORD_MAX 4096 /* bytes of one parameter record; a plan with a larger one stays Python */
 #define MAX_ARGS 64     /* array arguments of one op, outputs included */
@@ -59,7 +76,8 @@ enum { CUPY = 1, TORCH = 2 }; /* _arrays.CUPY / TORCH */
 static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *s_data_ptr,
     *s_stride, *s_get_device, *s_last, *s_native, *s_replay, *s_make_outputs, *s_result,
     *s_getDevice, *s_setDevice, *s_cupy_array, *s_torch_tensor, *s_current_stream_ptr,
-    *s_torch_stream_ptr, *s_runtime, *s_launch_failed, *s_np_bool, *s_np_dtype, *s_empties, *one;
+    *s_torch_stream_ptr, *s_runtime, *s_launch_failed, *s_np_bool, *s_np_dtype, *s_empties, *one,
+    *s_cublas_handle, *s_cublas_failed;
 
 /* ---- a plan's launches, as C data ----------------------------------------------------------- */
 
@@ -69,6 +87,8 @@ typedef struct {
 } Slot;
 
 typedef struct {
+  int gemm;    /* 0: a kernel launch; 1: a cuBLAS GEMM (_launch.Gemm): slots a, b, c, then args */
+  int args[8]; /* a GEMM's m, n, k, lda, ldb, ldc, A/B data type, C data type */
   void *func;
   unsigned grid[3], block[3], smem;
   int pdl;
@@ -156,33 +176,55 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   }
   for (int s = 0; s < self->n_steps; s++) {
     Step *st = &self->steps[s];
-    PyObject *func, *grid, *block, *slots, *tail;
-    unsigned smem;
-    int pdl;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, s), "OOOIpOS", &func, &grid, &block,
-                          &smem, &pdl, &slots, &tail)) {
+    PyObject *item = PySequence_Fast_GET_ITEM(seq, s);
+    PyObject *func = NULL, *grid = NULL, *block = NULL, *slots = NULL, *tail = NULL;
+    unsigned smem = 0;
+    int pdl = 0;
+    if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 2) { /* a GEMM: (slots, args) */
+      int *g = st->args;
+      if (!PyArg_ParseTuple(item, "O(iiiiiiii)", &slots, &g[0], &g[1], &g[2], &g[3], &g[4],
+                            &g[5], &g[6], &g[7])) {
+        Py_DECREF(seq);
+        goto fail;
+      }
+      if (!cublas_gemm_ex) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "a GEMM step before configure_cublas()");
+        goto fail;
+      }
+      st->gemm = 1;
+    } else if (!PyArg_ParseTuple(item, "OOOIpOS", &func, &grid, &block, &smem, &pdl, &slots,
+                                 &tail)) {
       Py_DECREF(seq);
       goto fail;
     }
-    st->func = PyLong_AsVoidPtr(func);
-    if (PyErr_Occurred() || read_uints(grid, st->grid, "grid") ||
-        read_uints(block, st->block, "block")) {
-      Py_DECREF(seq);
-      goto fail;
-    }
-    st->smem = smem;
-    st->pdl = pdl;
     PyObject *sl = PySequence_Fast(slots, "slots must be a sequence");
     if (!sl) {
       Py_DECREF(seq);
       goto fail;
     }
     st->n_ptr = (int)PySequence_Fast_GET_SIZE(sl);
-    st->tail_len = PyBytes_GET_SIZE(tail);
-    if (8 * (Py_ssize_t)st->n_ptr + st->tail_len > RECORD_MAX) {
+    const char *bad = NULL;
+    if (st->gemm) {
+      if (st->n_ptr != 3) bad = "a GEMM step has 3 slots";
+    } else {
+      st->func = PyLong_AsVoidPtr(func);
+      if (PyErr_Occurred() || read_uints(grid, st->grid, "grid") ||
+          read_uints(block, st->block, "block")) {
+        Py_DECREF(sl);
+        Py_DECREF(seq);
+        goto fail;
+      }
+      st->smem = smem;
+      st->pdl = pdl;
+      st->tail_len = PyBytes_GET_SIZE(tail);
+      if (8 * (Py_ssize_t)st->n_ptr + st->tail_len > RECORD_MAX)
+        bad = "parameter record too large for a native plan";
+    }
+    if (bad) {
       Py_DECREF(sl);
       Py_DECREF(seq);
-      PyErr_SetString(PyExc_ValueError, "parameter record too large for a native plan");
+      PyErr_SetString(PyExc_ValueError, bad);
       goto fail;
     }
     st->slots = PyMem_Calloc(st->n_ptr ? st->n_ptr : 1, sizeof(Slot));
@@ -193,7 +235,7 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
       PyErr_NoMemory();
       goto fail;
     }
-    memcpy(st->tail, PyBytes_AS_STRING(tail), st->tail_len);
+    if (tail) memcpy(st->tail, PyBytes_AS_STRING(tail), st->tail_len);
     for (int k = 0; k < st->n_ptr; k++) {
       long long off;
       if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(sl, k), "iL", &st->slots[k].arg, &off)) {
@@ -202,7 +244,7 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         goto fail;
       }
       st->slots[k].off = off;
-      if (st->slots[k].arg < -1 || st->slots[k].arg >= n_args + n_outputs) {
+      if (st->slots[k].arg < (st->gemm ? 0 : -1) || st->slots[k].arg >= n_args + n_outputs) {
         Py_DECREF(sl);
         Py_DECREF(seq);
         PyErr_SetString(PyExc_ValueError, "slot names no argument");
@@ -797,13 +839,47 @@ static PyObject *ptr_list(const uint64_t *ptrs, int n) {
 }
 
 /* A call from Python's global dict `d` (a borrowed function) with one argument. */
+/* The function `name` of ropekv._launch (`d`: its globals) called with `arg` (NULL: none). */
 static PyObject *call_global(PyObject *d, PyObject *name, PyObject *arg) {
   PyObject *fn = PyDict_GetItemWithError(d, name);
   if (!fn) {
     if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "ropekv._launch lost %S", name);
     return NULL;
   }
-  return PyObject_CallOneArg(fn, arg);
+  return arg ? PyObject_CallOneArg(fn, arg) : PyObject_CallNoArgs(fn);
+}
+
+/* A GEMM step (_launch.Gemm.run, the same three calls) on the calling thread's CuPy cuBLAS handle
+ * of the current device (the plan's). */
+static int run_gemm(Caller *self, const Step *st, const uint64_t *ptrs, void *stream) {
+  PyObject *h = call_global(self->launch_dict, s_cublas_handle, NULL);
+  if (!h) return -1;
+  void *handle = PyLong_AsVoidPtr(h);
+  Py_DECREF(h);
+  if (PyErr_Occurred()) return -1;
+  const int *g = st->args;
+  const Slot *sl = st->slots;
+  int status;
+  Py_BEGIN_ALLOW_THREADS
+  status = cublas_set_stream(handle, stream);
+  if (!status) status = cublas_set_pointer_mode(handle, 0);
+  if (!status)
+    status = cublas_gemm_ex(handle, 1, 0, g[0], g[1], g[2], &alpha_beta[0],
+                            (const void *)(uintptr_t)(ptrs[sl[0].arg] + (uint64_t)sl[0].off), g[6],
+                            g[3], (const void *)(uintptr_t)(ptrs[sl[1].arg] + (uint64_t)sl[1].off),
+                            g[6], g[4], &alpha_beta[1],
+                            (void *)(uintptr_t)(ptrs[sl[2].arg] + (uint64_t)sl[2].off), g[7], g[5],
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  Py_END_ALLOW_THREADS
+  if (status) {
+    PyObject *code = PyLong_FromLong(status);
+    PyObject *r = code ? call_global(self->launch_dict, s_cublas_failed, code) : NULL;
+    Py_XDECREF(code);
+    Py_XDECREF(r);
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "cuBLAS failed with status %d", status);
+    return -1;
+  }
+  return 0;
 }
 
 /* The launches of `plan` (its steps) with pointers `ptrs` (arguments, then outputs). */
@@ -811,6 +887,10 @@ static int launch_steps(Caller *self, NativePlan *plan, const uint64_t *ptrs, vo
   _Alignas(16) unsigned char rec[RECORD_MAX];
   for (int s = 0; s < plan->n_steps; s++) {
     Step *st = &plan->steps[s];
+    if (st->gemm) {
+      if (run_gemm(self, st, ptrs, stream)) return -1;
+      continue;
+    }
     uint64_t *fields = (uint64_t *)rec;
     for (int k = 0; k < st->n_ptr; k++) {
       Slot sl = st->slots[k];
@@ -1219,9 +1299,31 @@ static PyObject *configure(PyObject *mod, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+static PyObject *configure_cublas(PyObject *mod, PyObject *args) {
+  PyObject *set_stream, *set_pointer_mode, *gemm_ex;
+  if (!PyArg_ParseTuple(args, "OOO", &set_stream, &set_pointer_mode, &gemm_ex)) return NULL;
+  void *f[3];
+  PyObject *given[3] = {set_stream, set_pointer_mode, gemm_ex};
+  for (int k = 0; k < 3; k++) {
+    f[k] = PyLong_AsVoidPtr(given[k]);
+    if (PyErr_Occurred()) return NULL;
+    if (!f[k]) {
+      PyErr_SetString(PyExc_ValueError, "configure_cublas needs three function addresses");
+      return NULL;
+    }
+  }
+  cublas_set_stream = (cublas_set_stream_fn)f[0];
+  cublas_set_pointer_mode = (cublas_set_pointer_mode_fn)f[1];
+  cublas_gemm_ex = (cublas_gemm_ex_fn)f[2];
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(cuLaunchKernel address, cuLaunchKernelEx address or None)"},
+    {"configure_cublas", configure_cublas, METH_VARARGS,
+     "configure_cublas(cublasSetStream_v2, cublasSetPointerMode_v2, cublasGemmEx addresses): "
+     "plans may then have GEMM steps"},
     {"configure_cupy", configure_cupy, METH_VARARGS,
      "configure_cupy(ndarray type, MemoryPointer type, shape, strides, dtype, data, ptr offsets) "
      "or configure_cupy(None): read CuPy arrays from their struct, or not"},
@@ -1271,6 +1373,8 @@ PyMODINIT_FUNC PyInit__native_ext(void) {
   INTERN(s_np_bool, "_NP_BOOL");
   INTERN(s_np_dtype, "_NP_DTYPE");
   INTERN(s_empties, "empties");
+  INTERN(s_cublas_handle, "_cublas_handle");
+  INTERN(s_cublas_failed, "_cublas_failed");
   if (!(one = PyLong_FromLong(1))) return NULL;
   if (PyType_Ready(&NativePlanType) < 0 || PyType_Ready(&CallerType) < 0) return NULL;
   PyObject *m = PyModule_Create(&moduledef);

@@ -45,7 +45,7 @@ from ropekv._arrays import (
     UINT32,
 )
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan, cupy_stream
+from ropekv._launch import AS_IS, FLAG, KEY, Gemm, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_status
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import aligned, all_aligned
@@ -668,39 +668,6 @@ def _epilogue_width(vout, vk, vv, vt, D, R, is_neox):
     return None
 
 
-_CUDA_R = {FLOAT16: 2, BFLOAT16: 14, FLOAT32: 0}  # cudaDataType
-_CUBLAS_COMPUTE_32F = 68
-_CUBLAS_GEMM_DEFAULT = -1
-_ALPHA_BETA = np.array([1.0, 0.0], np.float32)
-
-
-class _Gemm:
-    """A cuBLAS step of the prefill plan: row-major C (n, m) = B (n, k) @ A (m, k)^T, float32
-    accumulation, operands at ``(ptrs index, byte offset)`` slots. In cuBLAS's column-major terms:
-    C^T (m x n) = A^T B^T with A (k x m, lda) read transposed and B (k x n, ldb)."""
-
-    def __init__(self, a, lda, b, ldb, c, ldc, m, n, k, dtype, c_dtype, device):
-        self.a, self.b, self.c, self.device = a, b, c, device
-        self.args = (m, n, k, lda, ldb, ldc, _CUDA_R[dtype], _CUDA_R[c_dtype])
-
-    def run(self, ptrs, stream_ptr):
-        import cupy
-        from cupy_backends.cuda.libs import cublas
-
-        m, n, k, lda, ldb, ldc, ab_type, c_type_ = self.args
-        handle = cupy.cuda.device.get_cublas_handle()  # the plan's device is current
-        (a, ao), (b, bo), (c, co) = self.a, self.b, self.c
-        # CuPy's cuBLAS wrappers set the handle's stream to CuPy's current stream before every
-        # call, so the launch stream is made CuPy's current one around the GEMM (setting it on
-        # the handle alone would be undone: the GEMM would run unordered with the launch stream)
-        with cupy_stream(stream_ptr, self.device):
-            cublas.setPointerMode(handle, 0)  # CUBLAS_POINTER_MODE_HOST: alpha, beta on the host
-            cublas.gemmEx(handle, 1, 0, m, n, k,  # op(A) = A^T, op(B) = B
-                          _ALPHA_BETA.ctypes.data, ptrs[a] + ao, ab_type, lda, ptrs[b] + bo,
-                          ab_type, ldb, _ALPHA_BETA.ctypes.data + 4, ptrs[c] + co, c_type_, ldc,
-                          _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
-
-
 def _prefill(fields, slots, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, device, n_out,
              pdl, opts=False, status=False):
     """cuBLAS, then one epilogue launch: ``(steps, workspaces)``. One GEMM into a (T, N)
@@ -728,7 +695,7 @@ def _prefill(fields, slots, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, de
     tmp = (next_index, 0)
     if k_dtype == dtype:
         workspaces.append(Output((T, N), dtype, workspace=True))
-        steps.append(_Gemm(w_slot, w_ld, x_slot, x_ld, tmp, N, N, T, K, dtype, dtype, device))
+        steps.append(Gemm(w_slot, w_ld, x_slot, x_ld, tmp, N, N, T, K, dtype, dtype))
         isz = dtype.itemsize
         q_slot, q_ld = tmp, N
         k_slot, v_slot = (next_index, Hq * D * isz), (next_index, (Hq + Hkv) * D * isz)
@@ -740,10 +707,9 @@ def _prefill(fields, slots, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, de
             q_slot, q_ld = (next_index + 1, 0), Hq * D
         else:
             q_slot, q_ld = slots["out"], fields["out_s0"]  # roped in place
-        steps.append(_Gemm(w_slot, w_ld, x_slot, x_ld, q_slot, q_ld, Hq * D, T, K, dtype,
-                           dtype, device))
-        steps.append(_Gemm((w_slot[0], w_slot[1] + Hq * D * row_bytes), w_ld, x_slot, x_ld, tmp,
-                           2 * Hkv * D, 2 * Hkv * D, T, K, dtype, k_dtype, device))
+        steps.append(Gemm(w_slot, w_ld, x_slot, x_ld, q_slot, q_ld, Hq * D, T, K, dtype, dtype))
+        steps.append(Gemm((w_slot[0], w_slot[1] + Hq * D * row_bytes), w_ld, x_slot, x_ld, tmp,
+                          2 * Hkv * D, 2 * Hkv * D, T, K, dtype, k_dtype))
         k_slot, v_slot, kv_ld = tmp, (next_index, Hkv * D * 4), 2 * Hkv * D
     steps.append(Launch(STEM, epilogue_expression(dtype, cache_dtype, k_dtype, n, opts), device,
                         (T,), (EPILOGUE_BLOCK,), PARAMS,

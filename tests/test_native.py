@@ -19,10 +19,11 @@ import types
 import numpy as np
 import pytest
 
+import ropekv.qkv
 from ropekv import _launch, _native
 from tests.test_call_path import CASES, OPS, map_arrays
-from tests.test_replay_cpu import (_C_LAUNCH, DECODE, Launches, all_ops,  # noqa: F401
-                                   fake_torch, hostcost, stubbed)
+from tests.test_replay_cpu import (_C_LAUNCH, DECODE, FAKE_CUBLAS_HANDLE, PREFILL,  # noqa: F401
+                                   Gemms, Launches, all_ops, fake_torch, hostcost, stubbed)
 
 _C_LAUNCH_EX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_void_p)
@@ -110,6 +111,8 @@ def fakes(monkeypatch):
     if module is None:
         pytest.fail(f"the C replay did not build: {_native.state()}")
     recorder = Recorder(0)
+    recorder.gemms = Gemms()
+    recorder.gemms.install(monkeypatch)
 
     def select(replay):
         monkeypatch.setattr(_launch, "_launch_kernel", recorder.python)
@@ -133,16 +136,18 @@ def fakes(monkeypatch):
 def _record_size(op_name):
     """The largest parameter record of the op's plans (compared byte for byte)."""
     return max(len(s.rec) for op in all_ops() for table in (op.plans, op.layer_plans)
-               for p in table.values() for s in p.steps)
+               for p in table.values() for s in p.steps if type(s) is _launch.Launch)
 
 
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("stream", [None, 0x6000])
 @pytest.mark.parametrize("kind", ["cupy", "torch"])
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", [*OPS, "qkv prefill", "qkv prefill e4m3"])
 def test_c_replay_launches_what_the_python_replay_launches(op, kind, stream, pdl, fakes,
                                                            monkeypatch):
-    """Same arrays, same outputs' addresses: the same launches, record bytes included."""
+    """Same arrays, same outputs' addresses: the same launches, record bytes included, and the
+    same cuBLAS calls (the QKV op's prefill path: one GEMM, or two with an fp8 cache)."""
+    op, *path = op.split()
     convert = hostcost.to_cupy
     if kind == "torch":
         if importlib.util.find_spec("torch") is None:
@@ -150,7 +155,12 @@ def test_c_replay_launches_what_the_python_replay_launches(op, kind, stream, pdl
         else:
             pytest.skip("torch is installed: its tensors are tested on the GPU")
         convert = hostcost.to_torch
-    fn, kw = CASES[op](51, **DECODE.get(op, {}))
+    if path:
+        monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device: 90)
+        cache_dtype = _launch.ar.FLOAT8_E4M3FN if path[1:] == ["e4m3"] else None
+        fn, kw = CASES[op](51, **PREFILL[op], cache_dtype=cache_dtype)
+    else:
+        fn, kw = CASES[op](51, **DECODE.get(op, {}))
     extra = {"enable_pdl": True} if pdl else {}
     if kind == "torch":  # outputs allocated on an explicit stream
         torch = sys.modules["torch"]
@@ -163,23 +173,35 @@ def test_c_replay_launches_what_the_python_replay_launches(op, kind, stream, pdl
     recorder = fakes("c")
     fn(**map_arrays(kw, convert), **extra)  # the first call plans (and launches in Python)
     recorder.size = _record_size(op)
-    if op == "qkv":  # the C replay serves the kernel path; a cuBLAS step stays in Python
-        (plan,) = [p for o in all_ops() for p in o.plans.values()]
-        assert plan.native is not None
+    (plan,) = [p for o in all_ops() for p in o.plans.values()]
+    assert plan.native is not None  # the C replay serves every step, cuBLAS GEMMs included
+    gemm_steps = sum(type(s) is _launch.Gemm for s in plan.steps)
+    assert gemm_steps == (0 if not path else 1 if len(path) == 1 else 2)
     second = map_arrays(kw, convert)
+    gemms = recorder.gemms.calls
     mark = hostcost._Memory.next  # the outputs of both replays get the same fake addresses
-    start = len(recorder.launches)
+    start, gemm_start = len(recorder.launches), len(gemms)
     fn(**second, **extra)
-    by_c = recorder.launches[start:]
+    by_c, gemms_by_c = recorder.launches[start:], gemms[gemm_start:]
     fakes("python")  # the plan of the first call, replayed in Python
     hostcost._Memory.next = mark
-    start = len(recorder.launches)
+    start, gemm_start = len(recorder.launches), len(gemms)
     fn(**second, **extra)
-    by_python = recorder.launches[start:]
+    by_python, gemms_by_python = recorder.launches[start:], gemms[gemm_start:]
     assert by_c and by_c == by_python
+    assert gemms_by_c == gemms_by_python
     expected_stream = stream if stream is not None else 0x7000 if kind == "torch" else 0x5000
     assert all(launch[4] == expected_stream for launch in by_c)
     assert all(bool(launch[5]) == pdl for launch in by_c)
+    # each GEMM: the launch stream on the thread's handle, host pointer mode, then cublasGemmEx
+    # with alpha 1, beta 0, float32 accumulation and the default algorithm
+    assert len(gemms_by_c) == 3 * gemm_steps
+    for k in range(gemm_steps):
+        stream_call, mode_call, gemm = gemms_by_c[3 * k:3 * k + 3]
+        assert stream_call == ("stream", FAKE_CUBLAS_HANDLE, expected_stream)
+        assert mode_call == ("mode", FAKE_CUBLAS_HANDLE, 0)
+        assert gemm[:4] == ("gemm", FAKE_CUBLAS_HANDLE, 1, 0)
+        assert gemm[7] == 1.0 and gemm[14] == 0.0 and gemm[18:] == (68, -1)
 
 
 def test_replay_switches_to_the_plan_device_and_back(fakes):
@@ -355,11 +377,12 @@ def _device_ops():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["cupy", "torch"])
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", [*OPS, "qkv prefill"])
 def test_gpu_replays_in_c_and_matches_the_reference_and_the_python_replay(op, kind):
     """On a GPU machine with a C compiler the replay of every op runs in C (a build that fails
-    there would quietly cost microseconds per call: this test says so instead); its outputs
-    equal the NumPy backend's and, bit for bit, the Python replay's."""
+    there would quietly cost microseconds per call: this test says so instead), the QKV op's
+    cuBLAS path included; its outputs equal the NumPy backend's and, bit for bit, the Python
+    replay's."""
     from tests.test_call_path import assert_same, copy_kw
     from tests.tolerance import to_device, to_numpy
 
@@ -376,7 +399,8 @@ def test_gpu_replays_in_c_and_matches_the_reference_and_the_python_replay(op, ki
         import cupy
 
         sync = cupy.cuda.runtime.deviceSynchronize
-    fn, kw = CASES[op](60, **DECODE.get(op, {}))
+    op, *path = op.split()
+    fn, kw = CASES[op](60, **(PREFILL if path else DECODE).get(op, {}))
     expected = copy_kw(kw)
     out_expected = fn(**expected)
     for o in _device_ops():  # plans of earlier tests may predate a reset of their op's replay
@@ -387,8 +411,10 @@ def test_gpu_replays_in_c_and_matches_the_reference_and_the_python_replay(op, ki
     sync()
     ops = [o for o in _device_ops() if o.plans]
     assert ops and all(o.caller is not None for o in ops), _native.state()
-    assert all(p.native is not None for o in ops for p in o.plans.values()
-               if all(type(s) is _launch.Launch for s in p.steps))
+    assert all(p.native is not None for o in ops for p in o.plans.values()), _native.state()
+    if path:
+        assert any(type(s) is _launch.Gemm for o in ops for p in o.plans.values()
+                   for s in p.steps)
     assert_same(by_c, out_c, expected, out_expected, op)
     try:
         for o in _device_ops():

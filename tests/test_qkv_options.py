@@ -300,10 +300,6 @@ def test_prefill_gemms_write_no_caller_array_with_status(status, cache, stubbed,
     Q goes through a temporary of its own then), and the epilogue is the options kernel; without
     it the plan is as before (fp8 caches with RoPE: Q straight into ``out``)."""
     names = _record_expressions(monkeypatch)
-    gemms = []
-    monkeypatch.setattr(qkv_mod._Gemm, "run",
-                        lambda self, ptrs, stream: gemms.append((ptrs[self.c[0]] + self.c[1],
-                                                                 self.args)))
     args, kw = make_case(12, lengths=(20, 5, 0, 3), cache_dtype=E4M3 if cache == "e4m3" else None)
     out = hostcost.to_cupy(np.zeros((28, 64), F16))
     more = {"status": np.zeros(1, np.int32)} if status else {}
@@ -311,7 +307,8 @@ def test_prefill_gemms_write_no_caller_array_with_status(status, cache, stubbed,
     ropekv.fused_qkv_matmul_append_paged_kv_cache(**dev, out=out)
     assert names[-1].startswith("qkv_epilogue<") and names[-1].endswith(
         "true>" if status else "false>")
-    targets = [c for c, _ in gemms]
+    gemms = [call for call in stubbed.gemms.calls if call[0] == "gemm"]
+    targets = [call[15] for call in gemms]  # C
     out_ptr = out.data.ptr
     into_out = [c for c in targets if out_ptr <= c < out_ptr + 28 * 64 * 2]
     if status or cache == "same":

@@ -27,7 +27,8 @@ hostcost = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(hostcost)
 
 
-DECODE = {"qkv": {"lengths": (1, 1)}}  # the kernel path (more tokens run cuBLAS, no CPU stub)
+DECODE = {"qkv": {"lengths": (1, 1)}}  # the kernel path (more tokens run cuBLAS: Gemms below)
+PREFILL = {"qkv": {"lengths": (40, 30)}}  # the cuBLAS path (GEMMs, then the epilogue kernel)
 
 
 def all_ops():
@@ -72,6 +73,52 @@ class Launches:
         return struct.unpack(f"={n}Q", ctypes.string_at(self.calls[k][1], 8 * n))
 
 
+_C_SET_STREAM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_C_SET_POINTER_MODE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+_C_GEMM_EX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int] * 5, ctypes.c_void_p,
+                              ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                              ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                              *[ctypes.c_int] * 4)
+FAKE_CUBLAS_HANDLE = 0x9000
+
+
+class Gemms:
+    """The stubbed cuBLAS functions of ``_launch.Gemm``, for both replays (C function pointers):
+    ``calls`` holds ``("stream", handle, stream)``, ``("mode", handle, mode)`` and ``("gemm",
+    handle, transa, transb, m, n, k, alpha, A, A type, lda, B, B type, ldb, beta, C, C type, ldc,
+    compute type, algo)`` with alpha and beta read as floats; ``fail`` is a status to answer the
+    GEMM with."""
+
+    def __init__(self):
+        self.calls = []
+        self.fail = 0
+        self.functions = (_C_SET_STREAM(self._stream), _C_SET_POINTER_MODE(self._mode),
+                          _C_GEMM_EX(self._gemm))
+
+    def _stream(self, handle, stream):
+        self.calls.append(("stream", handle, stream or 0))
+        return 0
+
+    def _mode(self, handle, mode):
+        self.calls.append(("mode", handle, mode))
+        return 0
+
+    def _gemm(self, handle, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c, ct, ldc,
+              compute, algo):
+        alpha, beta = (ctypes.c_float.from_address(x).value for x in (alpha, beta))
+        self.calls.append(("gemm", handle, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta,
+                           c, ct, ldc, compute, algo))
+        return self.fail
+
+    def install(self, monkeypatch):
+        """Both replays call these functions, on a fake handle."""
+        addresses = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in self.functions)
+        monkeypatch.setattr(_launch, "cublas_entry_points", lambda: addresses)
+        monkeypatch.setattr(_launch, "_cublas_handle", lambda: FAKE_CUBLAS_HANDLE)
+        monkeypatch.setattr(_launch, "_CUBLAS_CALLS", [None])
+        monkeypatch.setattr(_launch, "_native_cublas_bound", [None])
+
+
 def use_c_replay(monkeypatch, launches):
     """Every op replays its plans in C (``ropekv/_native.c``), launching into ``launches``."""
     from ropekv import _native
@@ -108,6 +155,8 @@ def stubbed(request, monkeypatch):
     monkeypatch.setattr(_launch, "_RUNTIME", [hostcost._Runtime])
     monkeypatch.setattr(_launch.Output, "_cupy",
                         lambda self: hostcost.FakeCupyArray(np.empty(self.shape, self.dtype)))
+    launches.gemms = Gemms()
+    launches.gemms.install(monkeypatch)
     yield launches
     for op in all_ops():
         op.clear()
