@@ -535,7 +535,7 @@ def signature(arrays, names, stream_ptr):
             p = data.ptr
             add_key((a.shape, a.strides, a.dtype, p & 15, data.device_id))
             kinds |= CUPY
-        elif cls is torch_tensor:
+        elif cls is torch_tensor and not a.is_neg():  # a lazy negation: as_view refuses it
             p = a.data_ptr()
             add_key((1, a.shape, a.stride(), a.dtype, p & 15, a.get_device()))
             kinds |= TORCH
@@ -584,6 +584,8 @@ def fast_signature(n):
             f"        {k} = ({a}.shape, {a}.strides, {a}.dtype, {p} & 15, data.device_id)",
             "        kinds |= CUPY",
             f"    elif {a}.__class__ is torch_tensor:",
+            f"        if {a}.is_neg():",  # not in the key: signature's as_view refuses it
+            "            return None",
             f"        {p} = {a}.data_ptr()",
             f"        {k} = (1, {a}.shape, {a}.stride(), {a}.dtype, {p} & 15, {a}.get_device())",
             "        kinds |= TORCH",

@@ -77,7 +77,7 @@ static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *
     *s_stride, *s_get_device, *s_last, *s_native, *s_replay, *s_make_outputs, *s_result,
     *s_getDevice, *s_setDevice, *s_cupy_array, *s_torch_tensor, *s_current_stream_ptr,
     *s_torch_stream_ptr, *s_runtime, *s_launch_failed, *s_np_bool, *s_np_dtype, *s_empties, *one,
-    *s_cublas_handle, *s_cublas_failed;
+    *s_cublas_handle, *s_cublas_failed, *s_is_neg;
 
 /* ---- a plan's launches, as C data ----------------------------------------------------------- */
 
@@ -421,6 +421,13 @@ static PyObject *read_array(PyObject *a, PyObject *cupy_cls, PyObject *torch_cls
     return key;
   }
   if (cls == torch_cls) {
+    /* a lazy negation is not in the key: such a tensor goes to the first-call path, which
+       refuses it (the struct reads refuse it by its key set) */
+    PyObject *neg = PyObject_CallMethodNoArgs(a, s_is_neg);
+    if (!neg) return NULL;
+    int negated = PyObject_IsTrue(neg);
+    Py_DECREF(neg);
+    if (negated) return NULL; /* -1: its error; 1: a miss */
     if (as_u64(PyObject_CallMethodNoArgs(a, s_data_ptr), ptr)) return NULL;
     PyObject *shape = PyObject_GetAttr(a, s_shape);
     PyObject *stride = shape ? PyObject_CallMethodNoArgs(a, s_stride) : NULL;
@@ -1375,6 +1382,7 @@ PyMODINIT_FUNC PyInit__native_ext(void) {
   INTERN(s_empties, "empties");
   INTERN(s_cublas_handle, "_cublas_handle");
   INTERN(s_cublas_failed, "_cublas_failed");
+  INTERN(s_is_neg, "is_neg");
   if (!(one = PyLong_FromLong(1))) return NULL;
   if (PyType_Ready(&NativePlanType) < 0 || PyType_Ready(&CallerType) < 0) return NULL;
   PyObject *m = PyModule_Create(&moduledef);

@@ -21,7 +21,7 @@ import pytest
 
 import ropekv.qkv
 from ropekv import _launch, _native
-from tests.test_call_path import CASES, OPS, map_arrays
+from tests.test_call_path import CACHE, CASES, OPS, map_arrays
 from tests.test_replay_cpu import (_C_LAUNCH, DECODE, FAKE_CUBLAS_HANDLE, PREFILL,  # noqa: F401
                                    Gemms, Launches, all_ops, fake_torch, hostcost, stubbed)
 
@@ -741,3 +741,32 @@ def test_gpu_torch_tensors_are_read_from_their_tensorimpl():
     _check_torch_reads(module, torch, "cuda")
     with _torch_reads_on(module, "cuda"):
         _check_torch_reads(module, torch, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_gpu_a_negated_torch_view_of_a_planned_layout_is_refused(op):
+    """A lazy negation (``torch._neg_view``) of a tensor whose layout has a plan: refused with
+    the first call's BufferError, on the C replay (struct reads refuse its key set, the attribute
+    path sees the bit), and nothing is written."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or not hasattr(torch, "_neg_view"):
+        pytest.skip("needs torch with CUDA and torch._neg_view")
+    from tests.test_call_path import LATE_INPUT, copy_kw, to_torch
+
+    fn, kw = CASES[op](63, **DECODE.get(op, {}))
+    fn(**map_arrays(copy_kw(kw), to_torch))  # plans
+    args = map_arrays(copy_kw(kw), to_torch)
+    fn(**args)  # replays
+    torch.cuda.synchronize()
+    name = LATE_INPUT[op]
+    cache = args[CACHE[op]]
+    before = [c.clone() for c in (cache if isinstance(cache, (tuple, list)) else (cache,))]
+    args[name] = torch._neg_view(args[name])
+    assert args[name].is_neg()
+    with pytest.raises(BufferError, match=f"{name} carries a lazy negation"):
+        fn(**args)
+    torch.cuda.synchronize()
+    after = cache if isinstance(cache, (tuple, list)) else (cache,)
+    for b, a in zip(before, after):
+        assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))

@@ -19,7 +19,7 @@ import pytest
 import ropekv
 from ropekv import _arrays as ar
 from ropekv import _launch
-from tests.test_call_path import CASES, OPS, map_arrays
+from tests.test_call_path import CASES, LATE_INPUT, OPS, map_arrays
 
 _spec = importlib.util.spec_from_file_location(
     "ropekv_hostcost", Path(__file__).resolve().parents[1] / "tools" / "hostcost.py")
@@ -174,6 +174,27 @@ def fake_torch(monkeypatch):
     monkeypatch.setattr(ar, "_NUMPY_TO_TORCH", {})
     monkeypatch.setattr(_launch, "_torch_raw_stream", lambda device: 0x7000)
     return torch
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_negated_torch_tensor_of_a_planned_layout_is_refused(op, stubbed, monkeypatch):
+    """A lazy negation (``x.neg()``: a bit on the tensor, its bytes as they were) is not in the
+    layout key, so a replay would launch on the bytes as they are. The call is refused as a first
+    call refuses it, though its layout has a plan, and nothing launches."""
+    fake_torch(monkeypatch)
+    fn, kw = CASES[op](43, **DECODE.get(op, {}))
+    fn(**map_arrays(kw, hostcost.to_torch))
+    fn(**map_arrays(kw, hostcost.to_torch))  # a replay: the plan serves this layout
+    launched = len(stubbed.calls)
+    args = map_arrays(kw, hostcost.to_torch)
+    name = LATE_INPUT[op]
+    args[name]._neg = True
+    with pytest.raises(BufferError, match=f"{name} carries a lazy negation"):
+        fn(**args)
+    assert len(stubbed.calls) == launched
+    args[name]._neg = False
+    fn(**args)
+    assert len(stubbed.calls) > launched
 
 
 @pytest.mark.parametrize("kind", ["cupy", "torch"])

@@ -108,7 +108,7 @@ def _fake_torch():
     class Tensor:
         """Stands for ``torch.Tensor`` (methods like torch's: ``data_ptr()``, ``stride()``)."""
 
-        __slots__ = ("_device", "_ptr", "_stride", "dtype", "layout", "ndim", "shape")
+        __slots__ = ("_device", "_neg", "_ptr", "_stride", "dtype", "layout", "ndim", "shape")
 
         def __init__(self, host, dtype=None):
             self.shape = torch.Size(host.shape)
@@ -116,6 +116,7 @@ def _fake_torch():
             self.dtype = dtype or getattr(torch, str(host.dtype))
             self._ptr = _Memory.alloc(host.nbytes)
             self._device = 0
+            self._neg = False  # a lazy negation bit (x.neg() views)
             self.layout = torch.strided
             self.ndim = host.ndim
 
@@ -129,7 +130,7 @@ def _fake_torch():
             return self._device
 
         def is_neg(self):
-            return False
+            return self._neg
 
         def is_conj(self):
             return False
