@@ -442,15 +442,19 @@ class Plan:
         self.layers = None  # a Layers when the plan serves multi-layer arrays (layer_idx)
         self.native = None  # its launches as C data, when the C replay serves it (_native.c)
 
-    def finish(self, views):
-        """Record the byte spans the replay's overlap check needs (from the first call)."""
+    def finish(self, views, pairs=None):
+        """Record what the replay's overlap check needs (from the first call): the written arrays'
+        pairs with their byte spans, ``pairs`` when :func:`ropekv._checks.check_no_overlap` gave
+        them for these views and ``written``, and the layouts of the arrays."""
         self.views_layout = [None if v is None else (v.shape, v.strides, v.dtype.itemsize)
                              for v in views]
-        spans = [None if v is None or v.size == 0 else v.span for v in views]
-        given = [j for j, span in enumerate(spans) if span]  # the arrays given, not empty
-        written = self.written
-        self.pairs = [(i, j, *spans[i], *spans[j]) for i in written if spans[i] for j in given
-                      if j != i and not (j < i and j in written)]
+        if pairs is None:
+            spans = [None if v is None or v.size == 0 else v.span for v in views]
+            given = [j for j, span in enumerate(spans) if span]  # the arrays given, not empty
+            written = self.written
+            pairs = [(i, j, *spans[i], *spans[j]) for i in written if spans[i] for j in given
+                     if j != i and not (j < i and j in written)]
+        self.pairs = pairs
 
     def make_outputs(self, kinds, stream_ptr, explicit):
         """The outputs of a call and their pointers. Zero-size ones (FlashInfer's q_nope_out
@@ -859,10 +863,10 @@ class Op:
         for i in plan.written:
             ck.check_writable(views[i])
             ck.check_write_strides(views[i])
-        ck.check_no_overlap(views, plan.written, plan.inplace)
+        pairs = ck.check_no_overlap(views, plan.written, plan.inplace)
         if plan.device == ar.HOST:
             return self.run_host(plan, arrays, op_views, kinds, stream_ptr)
-        plan.finish(views)
+        plan.finish(views, pairs)
         plans = self.plans if layer is None else self.layer_plans
         if key is not None and plan.cacheable:
             if not self.caller_bound:
