@@ -843,27 +843,31 @@ class Op:
         holds for every layer alike."""
         views = [None if a is None else ar.as_view(a, n, stream_ptr)
                  for a, n in zip(arrays, self.names)]
-        for v in views:  # before the op's own checks, which pick vector widths from alignment
-            if v is not None and v.device != ar.HOST:
-                ck.check_element_aligned(v)
+        # element alignment before the op's own checks, which pick vector widths from alignment;
+        # the kinds of array in the same pass (one loop over the arguments, not two)
+        kinds = 0
+        cupy_array, torch_tensor = ar._CUPY_ARRAY, ar._TORCH_TENSOR
+        for a, v in zip(arrays, views):
+            if v is not None:
+                if v.ptr % v.dtype.itemsize and v.device != ar.HOST:  # misaligned: raises
+                    ck.check_element_aligned(v)  # (unless empty)
+                cls = a.__class__
+                kinds |= (ar.CUPY if cls is cupy_array else ar.TORCH if cls is torch_tensor
+                          else ar.TORCH if ar.is_torch(a) else ar.CUPY if ar.is_cupy(a)
+                          else ar.OTHER)
         layers = None
         op_views = views
         if layer is not None:
             op_views, layers = select_layer(views, self.layered, layer)
         plan = self.prepare(op_views, flags)
         plan.layers = layers
-        kinds = 0
-        for a in arrays:
-            if a is not None:
-                cls = a.__class__
-                kinds |= (ar.CUPY if cls is ar._CUPY_ARRAY else ar.TORCH if cls is ar._TORCH_TENSOR
-                          else ar.TORCH if ar.is_torch(a) else ar.CUPY if ar.is_cupy(a)
-                          else ar.OTHER)
-        plan.written = tuple(i for i in plan.written if views[i] is not None)
-        for i in plan.written:
-            ck.check_writable(views[i])
-            ck.check_write_strides(views[i])
-        pairs = ck.check_no_overlap(views, plan.written, plan.inplace)
+        written = plan.written = tuple([i for i in plan.written if views[i] is not None])
+        for i in written:
+            v = views[i]
+            if v.readonly or v.legacy:  # else writable: no call
+                ck.check_writable(v)
+            ck.check_write_strides(v)
+        pairs = ck.check_no_overlap(views, written, plan.inplace)
         if plan.device == ar.HOST:
             return self.run_host(plan, arrays, op_views, kinds, stream_ptr)
         plan.finish(views, pairs)
