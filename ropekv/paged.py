@@ -500,6 +500,8 @@ def _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_ca
 def _scales(view, value, name, heads):
     """(scalar, view) of a validated scale: positive finite; an array of one per head."""
     if view is None:
+        if value.__class__ is float and 0.0 < value < _INF:  # valid as it is (NaN fails too)
+            return value, None
         return ck.check_float(value, name, positive=True), None
     ck.check_dtype(view, (FLOAT32,))
     ck.check_shape(view, (heads,), "(Hq,)" if name == "quant_scale_q" else "(Hkv,)")
@@ -519,6 +521,8 @@ def _spelled(quantize, vqr, kv_dyn):
 def _check_options(vqso, vksc, vvsc, vstatus, mla, Hkv, num_pages, page_size, kv_layout):
     """Validate ``kv_cache_scales`` and ``status`` (``q_scale_out``: ``ck.check_q_scales``); the
     option arrays' strides (elements) as PARAMS fields (zeros for those not given)."""
+    if vqso is None and vksc is None and vstatus is None:  # no options: nothing to check
+        return _NO_OPTIONS
     st = dict.fromkeys(("qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se", "vs_sh"),
                        0)
     if vqso is not None:
@@ -600,8 +604,10 @@ def _prepare(views, flags):
     ck.check_shape(vt, (None, R), "(P, R)")
     P = vt.shape[0]
     sections = check_mrope(mrope_section, mrope_interleaved, R, vpos, (3, T), "(3, nnz)")
+    tokens = (T,)
     for view in (vbat, vposn) if sections else (vpos, vbat, vposn):
-        ck.check_shape(view, (T,), "(nnz,)")
+        if view.shape != tokens:  # (the checker raises; a test first: this runs per first call)
+            ck.check_shape(view, tokens, "(nnz,)")
     ck.check_ndim(vind, 1, "(total_pages,)")
     ck.check_ndim(vptr, 1, "(batch_size + 1,)")
     if vptr.shape[0] < 1:
@@ -609,8 +615,10 @@ def _prepare(views, flags):
                          f"{vptr.shape}")
     indices = (vpos, vbat, vposn, vptr, vind)
     for view in indices:
-        ck.check_dtype(view, INDEX_DTYPES)
-        if view.size > 1:  # an empty array may report any stride
+        if view.dtype not in INDEX_DTYPES:
+            ck.check_dtype(view, INDEX_DTYPES)  # raises
+        # an empty array may report any stride; a 1-D one of stride 1 is contiguous (no call)
+        if view.size > 1 and view.strides != _UNIT_STRIDE:
             ck.check_contiguous(view)
 
     # -- cache and output dtype
@@ -817,6 +825,10 @@ def _prepare(views, flags):
                 result=result)
 
 
+_UNIT_STRIDE = (1,)
+_INF = float("inf")
+_NO_OPTIONS = dict.fromkeys(("qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se",
+                             "vs_sh"), 0)  # _check_options without options (read, never written)
 _NAMES = ("q_rope", "k_rope", "q_nope", "k_nope", "v", "cos_sin_cache", "pos_ids")
 _TAIL = ("kv_indices", "kv_indptr", "batch_indices", "positions", "q_rope_out", "q_nope_out",
          "quant_scale_q", "quant_scale_kv", "q_scale_out", "k_scales", "v_scales", "status")
