@@ -841,8 +841,7 @@ class Op:
         (None: not cached) and launch it. The shared checks (writability, strides, overlap) see
         whole arrays, every layer of a multi-layer one: what a replay re-checks from pointers
         holds for every layer alike."""
-        views = [None if a is None else ar.as_view(a, n, stream_ptr)
-                 for a, n in zip(arrays, self.names)]
+        views = ar.as_views(arrays, self.names, stream_ptr)
         # element alignment before the op's own checks, which pick vector widths from alignment;
         # the kinds of array in the same pass (one loop over the arguments, not two)
         kinds = 0
