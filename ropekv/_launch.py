@@ -880,6 +880,9 @@ class Op:
                     torch_reads(plan.device)
             _bounded_put(plans, key, plan, self.MAX_PLANS)
         if plan.native is not None:  # cached with launches in C: the C replay launches it
+            # as the newest replay, which the C replay matches by value with no hashing of the
+            # layout (and sets itself on a table hit)
+            plans.last = (hash(flags), flags, key[1], plan)
             done = self.caller(arrays, flags, stream_ptr, layer, plans)
             if done is not _MISS:
                 return done
