@@ -141,7 +141,7 @@ class ParamStruct:
             raise ValueError(f"{c_name}: pointer fields must come first")
         # the record past its pointer fields (8 bytes each, first, so no padding before the rest),
         # packed from a dict of values: made once per struct, as a first call packs a record
-        rest = self.names[n:]
+        self.pointer_names, rest = self.names[:n], self.names[n:]
         self._tail_struct = struct.Struct("=" + fmt[1 + n:] + "x" * (self.dtype.itemsize - end))
         self._rest = (operator.itemgetter(*rest) if len(rest) > 1 else
                       (lambda values, name=rest[0]: (values[name],)) if rest else
@@ -235,9 +235,8 @@ class Launch:
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.shared_mem = shared_mem
         n = self.n_ptr = params.n_pointers
-        get = values.get
-        self.slots = [slots[f] if f in slots else (-1, int(get(f, 0)))
-                      for f in params.names[:n]]
+        get, slot = values.get, slots.get  # (a slot is a non-empty tuple)
+        self.slots = [slot(f) or (-1, int(get(f, 0))) for f in params.pointer_names]
         self.tail = params.pack_tail(values)  # every other field, as given
         self.pack_into = params.pack_pointers
         self.pdl = pdl

@@ -792,11 +792,8 @@ def _prepare(views, flags):
     kn_in = (vkn.strides[0], 0 if mla else vkn.strides[1]) if vkn is not None else zero2
     qro_st = vqro.strides[:2] if vqro is not None else (Hq * R, R)
     qno_st = vqno.strides[:2] if vqno is not None else (Hq * Dn, Dn)
-    values = {
-        "q_rope": 0, "q_nope": 0, "k_rope": 0, "k_nope": 0, "v": 0, "q_rope_out": 0,
-        "q_nope_out": 0, "kr_cache": 0, "kn_cache": 0, "v_cache": 0, "cos_sin": 0, "pos_ids": 0,
-        "batch_indices": 0, "positions": 0, "kv_indptr": 0, "kv_indices": 0, "q_scales": 0,
-        "kv_scales": 0, "qr_sn": vqr.strides[0], "qr_sh": vqr.strides[1], "qn_sn": qn_st[0],
+    values = {  # the fields past the pointers (every pointer field has a slot, below)
+        "qr_sn": vqr.strides[0], "qr_sh": vqr.strides[1], "qn_sn": qn_st[0],
         "qn_sh": qn_st[1], "kr_sn": vkr.strides[0], "kr_sh": 0 if mla else vkr.strides[1],
         "kn_sn": kn_in[0], "kn_sh": kn_in[1], "v_sn": 0 if vv is None else vv.strides[0],
         "v_sh": 0 if vv is None else vv.strides[1], "qro_sn": qro_st[0], "qro_sh": qro_st[1],
@@ -810,7 +807,7 @@ def _prepare(views, flags):
         "mrope_t": sections[0] if sections else 0, "mrope_h": sections[1] if sections else 0,
         "mrope_w": sections[2] if sections else 0, "mrope_interleaved": int(mrope_interleaved)}
     if opts:  # the fields OPTS_PARAMS adds (Launch reads only its struct's fields)
-        values.update(scale_st, q_scale_out=0, k_scales=0, v_scales=0, status=0, T=T)
+        values.update(scale_st, T=T)
     slots = {"q_rope": (0, 0), "k_rope": (1, 0), "q_nope": (2, 0), "k_nope": (3, 0),
              "v": (4, 0), "cos_sin": (5, 0), "pos_ids": (6, 0), "kr_cache": kr[0],
              "kn_cache": kn[0], "v_cache": vd[0], "kv_indices": (9, 0), "kv_indptr": (10, 0),
