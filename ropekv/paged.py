@@ -693,8 +693,8 @@ def _prepare(views, flags):
                             f"{view.dtype}")
     ck.check_last_dim_contiguous(*inputs, vt, vc0, vc1, *given_outs)
     device = ck.check_same_device(views)
-    written = [7, 8] + [i for i, x in ((13, vqro), (14, vqno)) if x is not None] + [
-        i for i, x in ((17, vqso), (18, vksc), (19, vvsc), (20, vstatus)) if x is not None]
+    written = [7, 8, *[i for i, x in ((13, vqro), (14, vqno), (17, vqso), (18, vksc), (19, vvsc),
+                                      (20, vstatus)) if x is not None]]
     inplace = [(0, 13), (2, 14)] if out_dtype == vqr.dtype else []  # fp8 outputs never alias q
     opts = vqso is not None or kv_dyn or vstatus is not None
     outputs, slot = [], 21  # new outputs' pointers follow the 21 arguments
