@@ -234,7 +234,7 @@ class Launch:
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.shared_mem = shared_mem
-        n = self.n_ptr = params.n_pointers
+        self.n_ptr = params.n_pointers
         get, slot = values.get, slots.get  # (a slot is a non-empty tuple)
         self.slots = [slot(f) or (-1, int(get(f, 0))) for f in params.pointer_names]
         self.tail = params.pack_tail(values)  # every other field, as given
