@@ -847,7 +847,7 @@ class Op:
         cupy_array, torch_tensor = ar._CUPY_ARRAY, ar._TORCH_TENSOR
         for a, v in zip(arrays, views):
             if v is not None:
-                if v.ptr % v.dtype.itemsize and v.device != ar.HOST:  # misaligned: raises
+                if v.device != ar.HOST and v.ptr % v.dtype.itemsize:  # misaligned: raises
                     ck.check_element_aligned(v)  # (unless empty)
                 cls = a.__class__
                 kinds |= (ar.CUPY if cls is cupy_array else ar.TORCH if cls is torch_tensor
