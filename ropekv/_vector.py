@@ -14,7 +14,7 @@ def all_aligned(views, n_elements):
     for view in views:
         item = view.dtype.itemsize
         access = n_elements * item
-        if access > 16:  # min(16, ...) without the call: this runs per array of a first call
+        if access > 16:  # noqa: PLR1730 - not min(): this runs per array of every first call
             access = 16
         if view.ptr % access:
             return False
