@@ -492,6 +492,16 @@ def as_view(obj, name, stream_ptr=None):
                     f"{type(obj).__module__}.{type(obj).__qualname__}")
 
 
+def as_views(arrays, names, stream_ptr=None):
+    """:func:`as_view` of each array of ``arrays`` (named by ``names``); None stays None. CuPy
+    arrays and torch tensors of the exact base types go to their readers directly (a first call
+    reads every argument: one call less per array)."""
+    cupy_array, torch_tensor = _CUPY_ARRAY, _TORCH_TENSOR
+    return [None if a is None else _from_cupy(a, n) if a.__class__ is cupy_array
+            else _from_torch(a, n) if a.__class__ is torch_tensor else as_view(a, n, stream_ptr)
+            for a, n in zip(arrays, names)]
+
+
 # ---- layout signatures: the key of a launch plan ---------------------------------------------
 # CuPy arrays and torch tensors of the exact base types are read inline (the Python replay of a plan
 # costs little more than these attribute reads; the C replay, _native.c, reads the same keys);

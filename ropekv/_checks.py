@@ -162,17 +162,29 @@ def overlap_message(name, other, other_written, inplace=False):
 def check_no_overlap(views, written, inplace=()):
     """No written array shares a byte with any other argument, except the pairs of ``inplace``
     (index pairs) when they are the very same array (same pointer and layout). Byte spans are
-    compared first; the exact test runs only where two spans intersect."""
-    spans = [(j, v.ptr + v.span[0], v.ptr + v.span[1]) for j, v in enumerate(views)
-             if v is not None and v.size]  # only the arrays given, and not empty
+    compared first; the exact test runs only where two spans intersect.
+
+    Returns the pairs it compared, ``(i, j, lo_i, hi_i, lo_j, hi_j)``: written array ``i``
+    against argument ``j`` (both given, not empty) with their byte spans relative to their
+    pointers, which a plan's replay re-checks on new pointers (``Plan.finish``)."""
+    # (j, lo, hi, absolute lo, absolute hi) of the arrays given, not empty
+    spans = []
+    for j, v in enumerate(views):
+        if v is not None and v.size:
+            lo, hi = v.span
+            spans.append((j, lo, hi, v.ptr + lo, v.ptr + hi))
+    pairs = []
     for i in written:
         a = views[i]
         if a is None or a.size == 0:
             continue
-        a_lo, a_hi = a.ptr + a.span[0], a.ptr + a.span[1]
-        for j, b_lo, b_hi in spans:
-            # disjoint spans first: most pairs stop there
-            if not (a_lo < b_hi and b_lo < a_hi) or j == i or (j < i and j in written):
+        a_lo, a_hi = a.span
+        a_first, a_end = a.ptr + a_lo, a.ptr + a_hi
+        for j, b_lo, b_hi, b_first, b_end in spans:
+            if j == i or (j < i and j in written):
+                continue
+            pairs.append((i, j, a_lo, a_hi, b_lo, b_hi))
+            if not (a_first < b_end and b_first < a_end):  # disjoint spans: most pairs stop here
                 continue
             b = views[j]
             pair = frozenset((i, j)) in inplace
@@ -183,6 +195,7 @@ def check_no_overlap(views, written, inplace=()):
             if shares_bytes((a.ptr, a.shape, a.strides, a.dtype.itemsize),
                             (b.ptr, b.shape, b.strides, b.dtype.itemsize)):
                 raise ValueError(overlap_message(a.name, b.name, j in written, pair))
+    return pairs
 
 
 def check_flag(value, name):

@@ -136,13 +136,26 @@ class ParamStruct:
             end = offset + field_dtype.itemsize
         self._struct = struct.Struct(fmt + "x" * (self.dtype.itemsize - end))
         kinds = [np.dtype(t) == np.uint64 for _, t in self.fields]
-        self.n_pointers = kinds.index(False) if False in kinds else len(kinds)
-        if any(kinds[self.n_pointers:]):
+        n = self.n_pointers = kinds.index(False) if False in kinds else len(kinds)
+        if any(kinds[n:]):
             raise ValueError(f"{c_name}: pointer fields must come first")
+        # the record past its pointer fields (8 bytes each, first, so no padding before the rest),
+        # packed from a dict of values: made once per struct, as a first call packs a record
+        self.pointer_names, rest = self.names[:n], self.names[n:]
+        self._tail_struct = struct.Struct("=" + fmt[1 + n:] + "x" * (self.dtype.itemsize - end))
+        self._rest = (operator.itemgetter(*rest) if len(rest) > 1 else
+                      (lambda values, name=rest[0]: (values[name],)) if rest else
+                      (lambda values: ()))
+        self.pack_pointers = struct.Struct(f"={n}Q").pack_into
 
     def pack_values(self, values):
         """The record of the field values, given in declaration order."""
         return self._struct.pack(*values)
+
+    def pack_tail(self, values):
+        """The record past its pointer fields, of ``values`` (``{field: value}``, every field
+        that is no pointer given)."""
+        return self._tail_struct.pack(*self._rest(values))
 
 
 _launch_kernel = None  # cupy_backends' cuLaunchKernel wrapper, bound on the first launch
@@ -193,6 +206,7 @@ def _driver_launch():
 
 
 _get_ident = threading.get_ident
+_build_lock = threading.Lock()  # Launch._build
 _pack_pointer = struct.Struct("=Q").pack_into
 
 
@@ -201,13 +215,17 @@ class Launch:
     parameter record. The record's pointer fields are ``slots``: ``field -> (argument, byte
     offset)``, filled per call with ``ptrs[argument] + offset`` (``ptrs`` lists the call's
     arguments, then its outputs, then 0); a pointer field without a slot keeps ``values[field]``.
+    ``tail`` is the record past its pointer fields.
 
-    The record lives in the launch and is rewritten by the thread that made the launch; another
-    thread packs a record of its own, so two threads replaying one plan never share one.
+    What the Python replay (:meth:`run`) needs beyond that (the ctypes record, its argument
+    vector, the gather of pointers, the bound launch) is built on its first run, or on the first
+    read of ``rec``: a plan the C replay serves never needs it, and a first call skips its cost.
+    The record lives in the launch and is rewritten by the thread that built it; another thread
+    packs a record of its own, so two threads replaying one plan never share one.
     """
 
-    __slots__ = ("argv", "argv_ptr", "block", "config", "func", "gather", "grid", "launch",
-                 "n_ptr", "offsets", "owner", "pack_into", "pdl", "rec", "shared_mem", "slots",
+    __slots__ = ("_rec", "argv", "argv_ptr", "block", "config", "func", "gather", "grid",
+                 "launch", "n_ptr", "offsets", "owner", "pack_into", "pdl", "shared_mem", "slots",
                  "tail")
 
     def __init__(self, stem, expression, device, grid, block, params, values, slots,
@@ -216,27 +234,41 @@ class Launch:
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.shared_mem = shared_mem
-        n = self.n_ptr = params.n_pointers
-        names, get = params.names, values.get
-        self.slots = [slots[f] if f in slots else (-1, int(get(f, 0))) for f in names[:n]]
-        # the record with its pointer fields zero (refilled per call); every other field given
-        record = params.pack_values([*(0,) * n, *[values[f] for f in names[n:]]])
-        self.tail = record[8 * n:]
-        self.pack_into = struct.Struct(f"={n}Q").pack_into
-        self.rec = ctypes.create_string_buffer(record, len(record))
-        self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.rec))
-        self.argv_ptr = ctypes.addressof(self.argv)
-        self.owner = _get_ident()
-        # pointer fields = ptrs gathered in one C call, plus the few non-zero offsets
-        indices = [a for a, _ in self.slots]
-        self.gather = (operator.itemgetter(*indices) if len(indices) > 1 else
-                       (lambda ptrs, i=indices[0]: (ptrs[i],)))
-        self.offsets = [(k, o) for k, (_, o) in enumerate(self.slots) if o]
+        self.n_ptr = params.n_pointers
+        get, slot = values.get, slots.get  # (a slot is a non-empty tuple)
+        self.slots = [slot(f) or (-1, int(get(f, 0))) for f in params.pointer_names]
+        self.tail = params.pack_tail(values)  # every other field, as given
+        self.pack_into = params.pack_pointers
         self.pdl = pdl
-        self.config = self._config() if pdl else None
-        # the launch with everything but the stream and the record bound
-        self.launch = None if pdl else functools.partial(
-            _driver_launch(), self.func, *self.grid, *self.block, shared_mem)
+        self._rec = None  # the Python replay's record and the rest: _build, on the first run
+
+    @property
+    def rec(self):
+        """The parameter record (a ctypes buffer) the Python replay refills per call."""
+        if self._rec is None:
+            self._build()
+        return self._rec
+
+    def _build(self):
+        with _build_lock:  # once, by the first thread: run() reads _rec, set last, unlocked
+            if self._rec is not None:
+                return
+            n = self.n_ptr
+            rec = ctypes.create_string_buffer(8 * n + len(self.tail))
+            rec[8 * n:] = self.tail  # pointer fields zero, refilled per call
+            self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(rec))
+            self.argv_ptr = ctypes.addressof(self.argv)
+            self.owner = _get_ident()
+            # pointer fields = ptrs gathered in one C call, plus the few non-zero offsets
+            indices = [a for a, _ in self.slots]
+            self.gather = (operator.itemgetter(*indices) if len(indices) > 1 else
+                           (lambda ptrs, i=indices[0]: (ptrs[i],)))
+            self.offsets = [(k, o) for k, (_, o) in enumerate(self.slots) if o]
+            self.config = self._config() if self.pdl else None
+            # the launch with everything but the stream and the record bound
+            self.launch = None if self.pdl else functools.partial(
+                _driver_launch(), self.func, *self.grid, *self.block, self.shared_mem)
+            self._rec = rec
 
     def _config(self):
         attr = _LaunchAttribute()
@@ -252,8 +284,12 @@ class Launch:
         return config
 
     def run(self, ptrs, stream_ptr):
+        rec = self._rec
+        if rec is None:
+            self._build()
+            rec = self._rec
         if _get_ident() == self.owner:
-            rec, argv = self.rec, self.argv
+            argv = self.argv
             argv_ptr = self.argv_ptr
         else:  # another thread: a record of its own
             rec = ctypes.create_string_buffer(8 * self.n_ptr + len(self.tail))
@@ -267,7 +303,7 @@ class Launch:
         if self.launch is not None:
             self.launch(stream_ptr, argv_ptr, 0)
             return
-        config = self.config if rec is self.rec else self._config()
+        config = self.config if rec is self._rec else self._config()
         config.stream = stream_ptr
         err = _cu_launch_kernel_ex()(ctypes.byref(config), self.func, argv, None)
         if err:
@@ -511,15 +547,19 @@ class Plan:
         self.layers = None  # a Layers when the plan serves multi-layer arrays (layer_idx)
         self.native = None  # its launches as C data, when the C replay serves it (_native.c)
 
-    def finish(self, views):
-        """Record the byte spans the replay's overlap check needs (from the first call)."""
+    def finish(self, views, pairs=None):
+        """Record what the replay's overlap check needs (from the first call): the written arrays'
+        pairs with their byte spans, ``pairs`` when :func:`ropekv._checks.check_no_overlap` gave
+        them for these views and ``written``, and the layouts of the arrays."""
         self.views_layout = [None if v is None else (v.shape, v.strides, v.dtype.itemsize)
                              for v in views]
-        spans = [None if v is None or v.size == 0 else v.span for v in views]
-        given = [j for j, span in enumerate(spans) if span]  # the arrays given, not empty
-        written = self.written
-        self.pairs = [(i, j, *spans[i], *spans[j]) for i in written if spans[i] for j in given
-                      if j != i and not (j < i and j in written)]
+        if pairs is None:
+            spans = [None if v is None or v.size == 0 else v.span for v in views]
+            given = [j for j, span in enumerate(spans) if span]  # the arrays given, not empty
+            written = self.written
+            pairs = [(i, j, *spans[i], *spans[j]) for i in written if spans[i] for j in given
+                     if j != i and not (j < i and j in written)]
+        self.pairs = pairs
 
     def make_outputs(self, kinds, stream_ptr, explicit):
         """The outputs of a call and their pointers. Zero-size ones (FlashInfer's q_nope_out
@@ -927,32 +967,35 @@ class Op:
         (None: not cached) and launch it. The shared checks (writability, strides, overlap) see
         whole arrays, every layer of a multi-layer one: what a replay re-checks from pointers
         holds for every layer alike."""
-        views = [None if a is None else ar.as_view(a, n, stream_ptr)
-                 for a, n in zip(arrays, self.names)]
-        for v in views:  # before the op's own checks, which pick vector widths from alignment
-            if v is not None and v.device != ar.HOST:
-                ck.check_element_aligned(v)
+        views = ar.as_views(arrays, self.names, stream_ptr)
+        # element alignment before the op's own checks, which pick vector widths from alignment;
+        # the kinds of array in the same pass (one loop over the arguments, not two)
+        kinds = 0
+        cupy_array, torch_tensor = ar._CUPY_ARRAY, ar._TORCH_TENSOR
+        for a, v in zip(arrays, views):
+            if v is not None:
+                if v.device != ar.HOST and v.ptr % v.dtype.itemsize:  # misaligned: raises
+                    ck.check_element_aligned(v)  # (unless empty)
+                cls = a.__class__
+                kinds |= (ar.CUPY if cls is cupy_array else ar.TORCH if cls is torch_tensor
+                          else ar.TORCH if ar.is_torch(a) else ar.CUPY if ar.is_cupy(a)
+                          else ar.OTHER)
         layers = None
         op_views = views
         if layer is not None:
             op_views, layers = select_layer(views, self.layered, layer)
         plan = self.prepare(op_views, flags)
         plan.layers = layers
-        kinds = 0
-        for a in arrays:
-            if a is not None:
-                cls = a.__class__
-                kinds |= (ar.CUPY if cls is ar._CUPY_ARRAY else ar.TORCH if cls is ar._TORCH_TENSOR
-                          else ar.TORCH if ar.is_torch(a) else ar.CUPY if ar.is_cupy(a)
-                          else ar.OTHER)
-        plan.written = tuple(i for i in plan.written if views[i] is not None)
-        for i in plan.written:
-            ck.check_writable(views[i])
-            ck.check_write_strides(views[i])
-        ck.check_no_overlap(views, plan.written, plan.inplace)
+        written = plan.written = tuple([i for i in plan.written if views[i] is not None])
+        for i in written:
+            v = views[i]
+            if v.readonly or v.legacy:  # else writable: no call
+                ck.check_writable(v)
+            ck.check_write_strides(v)
+        pairs = ck.check_no_overlap(views, written, plan.inplace)
         if plan.device == ar.HOST:
             return self.run_host(plan, arrays, op_views, kinds, stream_ptr)
-        plan.finish(views)
+        plan.finish(views, pairs)
         plans = self.plans if layer is None else self.layer_plans
         if key is not None and plan.cacheable:
             if not self.caller_bound:
@@ -963,6 +1006,9 @@ class Op:
                     torch_reads(plan.device)
             _bounded_put(plans, key, plan, self.MAX_PLANS)
         if plan.native is not None:  # cached with launches in C: the C replay launches it
+            # as the newest replay, which the C replay matches by value with no hashing of the
+            # layout (and sets itself on a table hit)
+            plans.last = (hash(flags), flags, key[1], plan)
             done = self.caller(arrays, flags, stream_ptr, layer, plans)
             if done is not _MISS:
                 return done

@@ -13,7 +13,9 @@ def all_aligned(views, n_elements):
     """``aligned(view, n_elements)`` for every view of ``views`` (one loop, no generator)."""
     for view in views:
         item = view.dtype.itemsize
-        access = min(16, n_elements * item)
+        access = n_elements * item
+        if access > 16:  # noqa: PLR1730 - not min(): this runs per array of every first call
+            access = 16
         if view.ptr % access:
             return False
         for s in view.strides[:-1]:

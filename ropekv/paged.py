@@ -500,6 +500,8 @@ def _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_ca
 def _scales(view, value, name, heads):
     """(scalar, view) of a validated scale: positive finite; an array of one per head."""
     if view is None:
+        if value.__class__ is float and 0.0 < value < _INF:  # valid as it is (NaN fails too)
+            return value, None
         return ck.check_float(value, name, positive=True), None
     ck.check_dtype(view, (FLOAT32,))
     ck.check_shape(view, (heads,), "(Hq,)" if name == "quant_scale_q" else "(Hkv,)")
@@ -519,6 +521,8 @@ def _spelled(quantize, vqr, kv_dyn):
 def _check_options(vqso, vksc, vvsc, vstatus, mla, Hkv, num_pages, page_size, kv_layout):
     """Validate ``kv_cache_scales`` and ``status`` (``q_scale_out``: ``ck.check_q_scales``); the
     option arrays' strides (elements) as PARAMS fields (zeros for those not given)."""
+    if vqso is None and vksc is None and vstatus is None:  # no options: nothing to check
+        return _NO_OPTIONS
     st = dict.fromkeys(("qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se", "vs_sh"),
                        0)
     if vqso is not None:
@@ -600,8 +604,10 @@ def _prepare(views, flags):
     ck.check_shape(vt, (None, R), "(P, R)")
     P = vt.shape[0]
     sections = check_mrope(mrope_section, mrope_interleaved, R, vpos, (3, T), "(3, nnz)")
+    tokens = (T,)
     for view in (vbat, vposn) if sections else (vpos, vbat, vposn):
-        ck.check_shape(view, (T,), "(nnz,)")
+        if view.shape != tokens:  # (the checker raises; a test first: this runs per first call)
+            ck.check_shape(view, tokens, "(nnz,)")
     ck.check_ndim(vind, 1, "(total_pages,)")
     ck.check_ndim(vptr, 1, "(batch_size + 1,)")
     if vptr.shape[0] < 1:
@@ -609,8 +615,10 @@ def _prepare(views, flags):
                          f"{vptr.shape}")
     indices = (vpos, vbat, vposn, vptr, vind)
     for view in indices:
-        ck.check_dtype(view, INDEX_DTYPES)
-        if view.size > 1:  # an empty array may report any stride
+        if view.dtype not in INDEX_DTYPES:
+            ck.check_dtype(view, INDEX_DTYPES)  # raises
+        # an empty array may report any stride; a 1-D one of stride 1 is contiguous (no call)
+        if view.size > 1 and view.strides != _UNIT_STRIDE:
             ck.check_contiguous(view)
 
     # -- cache and output dtype
@@ -685,8 +693,8 @@ def _prepare(views, flags):
                             f"{view.dtype}")
     ck.check_last_dim_contiguous(*inputs, vt, vc0, vc1, *given_outs)
     device = ck.check_same_device(views)
-    written = [7, 8] + [i for i, x in ((13, vqro), (14, vqno)) if x is not None] + [
-        i for i, x in ((17, vqso), (18, vksc), (19, vvsc), (20, vstatus)) if x is not None]
+    written = [7, 8, *[i for i, x in ((13, vqro), (14, vqno), (17, vqso), (18, vksc), (19, vvsc),
+                                      (20, vstatus)) if x is not None]]
     inplace = [(0, 13), (2, 14)] if out_dtype == vqr.dtype else []  # fp8 outputs never alias q
     opts = vqso is not None or kv_dyn or vstatus is not None
     outputs, slot = [], 21  # new outputs' pointers follow the 21 arguments
@@ -784,11 +792,8 @@ def _prepare(views, flags):
     kn_in = (vkn.strides[0], 0 if mla else vkn.strides[1]) if vkn is not None else zero2
     qro_st = vqro.strides[:2] if vqro is not None else (Hq * R, R)
     qno_st = vqno.strides[:2] if vqno is not None else (Hq * Dn, Dn)
-    values = {
-        "q_rope": 0, "q_nope": 0, "k_rope": 0, "k_nope": 0, "v": 0, "q_rope_out": 0,
-        "q_nope_out": 0, "kr_cache": 0, "kn_cache": 0, "v_cache": 0, "cos_sin": 0, "pos_ids": 0,
-        "batch_indices": 0, "positions": 0, "kv_indptr": 0, "kv_indices": 0, "q_scales": 0,
-        "kv_scales": 0, "qr_sn": vqr.strides[0], "qr_sh": vqr.strides[1], "qn_sn": qn_st[0],
+    values = {  # the fields past the pointers (every pointer field has a slot, below)
+        "qr_sn": vqr.strides[0], "qr_sh": vqr.strides[1], "qn_sn": qn_st[0],
         "qn_sh": qn_st[1], "kr_sn": vkr.strides[0], "kr_sh": 0 if mla else vkr.strides[1],
         "kn_sn": kn_in[0], "kn_sh": kn_in[1], "v_sn": 0 if vv is None else vv.strides[0],
         "v_sh": 0 if vv is None else vv.strides[1], "qro_sn": qro_st[0], "qro_sh": qro_st[1],
@@ -802,7 +807,7 @@ def _prepare(views, flags):
         "mrope_t": sections[0] if sections else 0, "mrope_h": sections[1] if sections else 0,
         "mrope_w": sections[2] if sections else 0, "mrope_interleaved": int(mrope_interleaved)}
     if opts:  # the fields OPTS_PARAMS adds (Launch reads only its struct's fields)
-        values.update(scale_st, q_scale_out=0, k_scales=0, v_scales=0, status=0, T=T)
+        values.update(scale_st, T=T)
     slots = {"q_rope": (0, 0), "k_rope": (1, 0), "q_nope": (2, 0), "k_nope": (3, 0),
              "v": (4, 0), "cos_sin": (5, 0), "pos_ids": (6, 0), "kr_cache": kr[0],
              "kn_cache": kn[0], "v_cache": vd[0], "kv_indices": (9, 0), "kv_indptr": (10, 0),
@@ -817,6 +822,10 @@ def _prepare(views, flags):
                 result=result)
 
 
+_UNIT_STRIDE = (1,)
+_INF = float("inf")
+_NO_OPTIONS = dict.fromkeys(("qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se",
+                             "vs_sh"), 0)  # _check_options without options (read, never written)
 _NAMES = ("q_rope", "k_rope", "q_nope", "k_nope", "v", "cos_sin_cache", "pos_ids")
 _TAIL = ("kv_indices", "kv_indptr", "batch_indices", "positions", "q_rope_out", "q_nope_out",
          "quant_scale_q", "quant_scale_kv", "q_scale_out", "k_scales", "v_scales", "status")

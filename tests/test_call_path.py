@@ -467,6 +467,56 @@ def test_param_structs_put_pointers_first():
         _launch.ParamStruct("Bad", [("a", np.int32), ("p", np.uint64)])
 
 
+def _param_structs():
+    import importlib
+
+    for stem in ("contiguous", "paged", "mla", "qknorm", "qkv"):
+        module = importlib.import_module(f"ropekv.{stem}")
+        yield from (v for v in vars(module).values() if isinstance(v, _launch.ParamStruct))
+
+
+def test_param_struct_tail_is_the_record_past_its_pointers(monkeypatch):
+    """pack_tail (a first call's record, from a dict) gives the bytes pack_values gives past the
+    pointer fields, for every op's struct; a Launch's record (built on its first read) is its
+    pointer fields zeroed, then that tail."""
+    monkeypatch.setattr(_launch, "function_pointer", lambda *a, **k: 0x1000)
+    monkeypatch.setattr(_launch, "_launch_kernel", lambda *a: 0)  # no driver needed
+    structs = list(_param_structs())
+    assert structs
+    for params in structs:
+        n = params.n_pointers
+        values = {}
+        for k, (name, t) in enumerate(params.fields[n:]):
+            kind = np.dtype(t).kind
+            values[name] = 0.5 + k if kind == "f" else -(k + 1) if kind == "i" and k % 2 else k + 1
+        record = params.pack_values([*(0,) * n, *(values[f] for f in params.names[n:])])
+        assert len(record) == params.dtype.itemsize
+        assert params.pack_tail(values) == record[8 * n:]
+        values.update(dict.fromkeys(params.names[:n], 7))  # pointers without a slot: as given
+        launch = _launch.Launch("stem", "kernel<>", 0, (1,), (32,), params, values, {})
+        assert launch.slots == [(-1, 7)] * n
+        assert launch.tail == record[8 * n:]
+        assert bytes(launch.rec) == bytes(8 * n) + record[8 * n:]
+
+
+def test_overlap_check_gives_the_plans_pairs():
+    """check_no_overlap returns the pairs Plan.finish would build itself (written array against
+    every other argument given and not empty, each written pair once), in the same order."""
+    buf = np.zeros(4096, np.uint8)
+    arrays = [buf[0:64], None, buf[128:256].view(np.float16), buf[256:256], buf[512:1024],
+              buf[1024:1032].view(np.int32), None, buf[2048:4096].view(np.float32)]
+    views = [None if a is None else ar.as_view(a, f"a{i}") for i, a in enumerate(arrays)]
+    for written in [(0,), (4, 7), (7, 0, 4), (3, 2), (2, 3, 5)]:
+        pairs = ck.check_no_overlap(views, written)
+        plan = _launch.Plan(ar.HOST, written=written)
+        plan.finish(views)  # builds them itself
+        assert pairs == plan.pairs
+        plan.finish(views, pairs)
+        assert plan.pairs is pairs
+        assert plan.views_layout[2] == (views[2].shape, views[2].strides, 2)
+    assert ck.check_no_overlap(views, (3,)) == []  # an empty written array is never compared
+
+
 def test_shares_bytes_is_exact_for_interleaved_views():
     kv = np.zeros((6, 2, 4, 8), np.float16)  # one buffer holding K and V page by page
     k, v = ck.views(None, k=kv[:, 0], v=kv[:, 1]).values()

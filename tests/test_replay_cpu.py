@@ -324,3 +324,43 @@ def test_paged_option_kernel_plan_on_stand_ins(stubbed):
     tp.call(map_arrays(args, hostcost.to_cupy))
     (plan,) = [p for o in all_ops() for p in o.plans.values()]
     assert plan.steps[0].n_ptr == ropekv.paged.OPTS_PARAMS.n_pointers and stubbed.calls
+
+
+def test_python_replay_builds_its_record_once_for_threads(monkeypatch):
+    """A launch builds the Python replay's record on its first run (a first call served by the C
+    replay never does); threads running a fresh launch at once each launch their own pointers,
+    and one of them owns the record that is kept."""
+    import threading
+
+    seen, lock = [], threading.Lock()
+
+    def launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, argv_ptr, extra):
+        rec = ctypes.c_uint64.from_address(argv_ptr).value  # read now: a thread's own record
+        with lock:
+            seen.append((stream, struct.unpack("=3Q", ctypes.string_at(rec, 24))))
+
+    monkeypatch.setattr(_launch, "function_pointer", lambda *a, **k: 0x1000)
+    monkeypatch.setattr(_launch, "_launch_kernel", launch_kernel)
+    params = _launch.ParamStruct("P", [("a", np.uint64), ("b", np.uint64), ("c", np.uint64),
+                                       ("n", np.int32)])
+    launch = _launch.Launch("stem", "kernel<>", 0, (1,), (32,), params, {"n": 5},
+                            {"a": (0, 0), "b": (1, 16), "c": (2, 0)})
+    assert launch._rec is None  # nothing of the Python replay built yet
+    start = threading.Barrier(8)
+
+    def work(t):
+        start.wait()
+        for k in range(50):
+            base = (t << 32) + (k << 12)
+            launch.run([base, base + 256, base + 512], t)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(seen) == 8 * 50
+    for stream, (a, b, c) in seen:
+        assert a >> 32 == stream and b == a + 256 + 16 and c == a + 512
+    assert launch.owner in {th.ident for th in threads}
+    assert bytes(launch.rec)[24:] == struct.pack("=i", 5) + bytes(len(launch.rec) - 28)
