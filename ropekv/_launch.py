@@ -671,6 +671,17 @@ def _launch_failed(code):
 
 
 _MISS = object()  # the C replay's answer "take the Python path"
+
+
+class _NewLayout:
+    """The C replay's answer for a call it read whole (its flags already normal, every argument
+    None, a CuPy array or a torch tensor) whose layout has no plan: ``layout``, the key the Python
+    path would build, so that the first call need not read the arguments twice."""
+
+    __slots__ = ("layout",)
+
+    def __init__(self, layout):
+        self.layout = layout
 _UNBOUND = object()  # native_module() before its first call
 
 
@@ -939,6 +950,9 @@ class Op:
             if caller is not None:  # the replay in C; a new layout or array kind: on in Python
                 done = caller(arrays, flags, stream_ptr, layer_idx, plans)
                 if done is not _MISS:
+                    if done.__class__ is _NewLayout:  # read in C, not planned: its key as read
+                        return self.first_call(arrays, flags, stream_ptr, (flags, done.layout),
+                                               layer_idx)
                     return done
             flags = self.normalize(flags)
             fast = self.signature(arrays)

@@ -77,7 +77,7 @@ static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *
     *s_stride, *s_get_device, *s_last, *s_native, *s_replay, *s_make_outputs, *s_result,
     *s_getDevice, *s_setDevice, *s_cupy_array, *s_torch_tensor, *s_current_stream_ptr,
     *s_torch_stream_ptr, *s_runtime, *s_launch_failed, *s_np_bool, *s_np_dtype, *s_empties, *one,
-    *s_cublas_handle, *s_cublas_failed, *s_is_neg;
+    *s_cublas_handle, *s_cublas_failed, *s_is_neg, *s_new_layout;
 
 /* ---- a plan's launches, as C data ----------------------------------------------------------- */
 
@@ -979,7 +979,8 @@ static int flags_are_normal(Caller *self, PyObject *flags) {
   return 1;
 }
 
-/* Caller(arrays, flags, stream_ptr, layer, plans) -> the op's result, or MISS. */
+/* Caller(arrays, flags, stream_ptr, layer, plans) -> the op's result, MISS, or _NewLayout(layout)
+ * when every argument was read and its layout has no plan. */
 static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
                              PyObject *kwnames) {
   Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
@@ -1090,9 +1091,9 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
     }
     plan = PyDict_GetItemWithError(plans, key);
     Py_DECREF(key);
-    if (!plan) {
-      if (PyErr_Occurred()) goto done;
-      goto miss;
+    if (!plan) { /* a new layout: Op.__call__ plans it with the key read here (_NewLayout) */
+      if (!PyErr_Occurred()) result = call_global(self->launch_dict, s_new_layout, layout);
+      goto done;
     }
     Py_INCREF(plan);
     PyObject *hv = PyLong_FromSsize_t(h);
@@ -1383,6 +1384,7 @@ PyMODINIT_FUNC PyInit__native_ext(void) {
   INTERN(s_cublas_handle, "_cublas_handle");
   INTERN(s_cublas_failed, "_cublas_failed");
   INTERN(s_is_neg, "is_neg");
+  INTERN(s_new_layout, "_NewLayout");
   if (!(one = PyLong_FromLong(1))) return NULL;
   if (PyType_Ready(&NativePlanType) < 0 || PyType_Ready(&CallerType) < 0) return NULL;
   PyObject *m = PyModule_Create(&moduledef);

@@ -273,7 +273,12 @@ def test_an_array_of_another_kind_takes_the_python_path(fakes):
     assert caller((None, np.zeros(3)), (), None, None, plans) is _launch._MISS
     assert caller([None, None], (), None, None, plans) is _launch._MISS  # not a tuple
     assert caller((None, None), ([],), None, None, plans) is _launch._MISS  # unhashable flags
-    assert caller((None, None), (), None, None, plans) is _launch._MISS  # no plan yet
+    new = caller((None, None), (), None, None, plans)  # read whole, no plan yet: its key
+    assert type(new) is _launch._NewLayout and new.layout == (None, None)
+    a = hostcost.FakeCupyArray(np.zeros((2, 3), np.float16))
+    new = caller((a, None), (), None, None, plans)
+    assert type(new) is _launch._NewLayout
+    assert new.layout == _launch.ar.signature((a, None), ("a", "b"), None)[0]
 
 
 def test_multi_layer_replay_and_a_layer_out_of_range(fakes):
