@@ -527,11 +527,14 @@ class Plan:
     argument indices that may be the very same array (same pointer and layout); ``result(arrays,
     outputs)`` gives the op's return value; ``host(views, output_views)`` runs the NumPy backend
     (device ``HOST``). ``cacheable`` False keeps the plan out of the cache (a one-off layout).
+    ``capture_refusal``: the ValueError message of a call on a stream being captured into a CUDA
+    graph, for plans a graph cannot hold (workspaces freed when the call returns).
     """
 
     def __init__(self, device, steps=(), *, outputs=(), written=(), inplace=(), result=None,
-                 host=None, cacheable=True):
+                 host=None, cacheable=True, capture_refusal=None):
         self.device = device
+        self.capture_refusal = capture_refusal
         self.steps = list(steps)
         self.outputs = list(outputs)
         self.written = tuple(written)
@@ -615,6 +618,8 @@ class Plan:
                           else current_stream_ptr(device))
         else:
             explicit = True
+        if self.capture_refusal is not None and stream_capturing(stream_ptr):
+            raise ValueError(self.capture_refusal)
         runtime = _RUNTIME[0] or _runtime()
         previous = runtime.getDevice()
         if previous != device:
@@ -668,6 +673,30 @@ def _launch_failed(code):
     except Exception:  # noqa: BLE001 - no CuPy or no driver to name it: the code alone
         error = RuntimeError(f"cuLaunchKernel failed with CUresult {code}")
     raise error
+
+
+@functools.cache
+def _cu_stream_is_capturing():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuStreamIsCapturing
+    fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def stream_capturing(stream_ptr):
+    """Whether the stream is capturing work into a CUDA graph (``cuStreamIsCapturing``)."""
+    status = ctypes.c_int(0)
+    err = _cu_stream_is_capturing()(stream_ptr, ctypes.byref(status))
+    if err:
+        try:
+            from cupy_backends.cuda.api.driver import CUDADriverError
+
+            error = CUDADriverError(err)
+        except Exception:  # noqa: BLE001 - no CuPy to name it: the code alone
+            error = RuntimeError(f"cuStreamIsCapturing failed with CUresult {err}")
+        raise error
+    return status.value != 0
 
 
 _MISS = object()  # the C replay's answer "take the Python path"
@@ -768,7 +797,7 @@ def native_plan(plan, n_args):
         layers = (layers.count, layers.strict, layers.strides)
     try:
         return module.NativePlan(plan.device, n_args, len(plan.outputs), steps, plan.pairs or (),
-                                 layers)
+                                 layers, plan.capture_refusal is not None)
     except ValueError:  # a record or an argument count the C replay does not take
         return None
 

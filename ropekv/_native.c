@@ -77,7 +77,7 @@ static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *
     *s_stride, *s_get_device, *s_last, *s_native, *s_replay, *s_make_outputs, *s_result,
     *s_getDevice, *s_setDevice, *s_cupy_array, *s_torch_tensor, *s_current_stream_ptr,
     *s_torch_stream_ptr, *s_runtime, *s_launch_failed, *s_np_bool, *s_np_dtype, *s_empties, *one,
-    *s_cublas_handle, *s_cublas_failed, *s_is_neg, *s_new_layout;
+    *s_cublas_handle, *s_cublas_failed, *s_is_neg, *s_new_layout, *s_stream_capturing;
 
 /* ---- a plan's launches, as C data ----------------------------------------------------------- */
 
@@ -111,6 +111,7 @@ typedef struct {
   int64_t *layer_stride;
   int64_t layer_count; /* 0: the plan serves one-layer calls only */
   int layer_strict;    /* some layer stride is not a multiple of 16: the Python path decides */
+  int no_capture;      /* a call on a capturing stream goes to Plan.replay, which refuses it */
 } NativePlan;
 
 static void plan_dealloc(NativePlan *self) {
@@ -152,9 +153,10 @@ static int read_uints(PyObject *seq, unsigned out[3], const char *what) {
  *   pairs: [(i, j, lo_i, hi_i, lo_j, hi_j), ...]
  *   layers: None or (count, strict, [(arg, stride), ...]) */
 static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-  int device, n_args, n_outputs;
+  int device, n_args, n_outputs, no_capture = 0;
   PyObject *steps, *pairs, *layers;
-  if (!PyArg_ParseTuple(args, "iiiOOO", &device, &n_args, &n_outputs, &steps, &pairs, &layers))
+  if (!PyArg_ParseTuple(args, "iiiOOO|p", &device, &n_args, &n_outputs, &steps, &pairs, &layers,
+                        &no_capture))
     return NULL;
   if (n_args < 0 || n_outputs < 0 || n_args + n_outputs > MAX_ARGS) {
     PyErr_SetString(PyExc_ValueError, "too many arguments for a native plan");
@@ -163,6 +165,7 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   NativePlan *self = (NativePlan *)type->tp_alloc(type, 0);
   if (!self) return NULL;
   self->device = device;
+  self->no_capture = no_capture;
   self->n_args = n_args;
   self->n_outputs = n_outputs;
   PyObject *seq = PySequence_Fast(steps, "steps must be a sequence");
@@ -1160,6 +1163,19 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
     Py_DECREF(dev_obj);
     goto done;
   }
+  if (np->no_capture) { /* a capturing stream: Plan.replay raises the plan's refusal */
+    PyObject *stream_obj = PyLong_FromUnsignedLongLong(stream);
+    PyObject *r = stream_obj ? call_global(self->launch_dict, s_stream_capturing, stream_obj)
+                             : NULL;
+    Py_XDECREF(stream_obj);
+    int capturing = r ? PyObject_IsTrue(r) : -1;
+    Py_XDECREF(r);
+    if (capturing) {
+      Py_DECREF(dev_obj);
+      if (capturing < 0) goto done;
+      goto miss;
+    }
+  }
   PyObject *runtime_box = PyDict_GetItemWithError(self->launch_dict, s_runtime);
   PyObject *runtime = runtime_box && PyList_Check(runtime_box) && PyList_GET_SIZE(runtime_box)
                           ? PyList_GET_ITEM(runtime_box, 0)
@@ -1385,6 +1401,7 @@ PyMODINIT_FUNC PyInit__native_ext(void) {
   INTERN(s_cublas_failed, "_cublas_failed");
   INTERN(s_is_neg, "is_neg");
   INTERN(s_new_layout, "_NewLayout");
+  INTERN(s_stream_capturing, "stream_capturing");
   if (!(one = PyLong_FromLong(1))) return NULL;
   if (PyType_Ready(&NativePlanType) < 0 || PyType_Ready(&CallerType) < 0) return NULL;
   PyObject *m = PyModule_Create(&moduledef);

@@ -517,7 +517,12 @@ def _prepare(views, flags):
         return Plan(device, steps, outputs=outputs, written=written, result=_result)
     steps, workspaces = _prefill(fields, slots, vx, vw, fmt, vk.dtype, n, T, K, N, Hq, Hkv, D,
                                  device, len(outputs), pdl, opts, vstatus is not None)
-    return Plan(device, steps, outputs=outputs + workspaces, written=written, result=_result)
+    refusal = (f"fused_qkv_matmul_append_paged_kv_cache cannot be recorded in a CUDA graph with "
+               f"hidden_state of T={T} tokens: calls of more than ropekv.qkv.GEMV_MAX_TOKENS="
+               f"{gemv_max} tokens run cuBLAS on temporaries freed when the call returns, which "
+               f"a graph cannot hold; run them outside the graph")
+    return Plan(device, steps, outputs=outputs + workspaces, written=written, result=_result,
+                capture_refusal=refusal)
 
 
 def _result(arrays, outs):

@@ -775,3 +775,29 @@ def test_gpu_a_negated_torch_view_of_a_planned_layout_is_refused(op):
     after = cache if isinstance(cache, (tuple, list)) else (cache,)
     for b, a in zip(before, after):
         assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_gpu_a_prefill_qkv_call_in_a_stream_capture_is_refused():
+    """The cuBLAS path's workspaces are freed when the call returns: a call on a stream being
+    captured into a CUDA graph is refused (ValueError) before it allocates or launches anything,
+    and the same call outside the capture runs."""
+    import cupy
+
+    from tests.test_call_path import copy_kw
+    from tests.tolerance import to_device
+
+    fn, kw = CASES["qkv"](64, **PREFILL["qkv"])
+    fn(**map_arrays(copy_kw(kw), to_device))  # plans (the C replay serves it from now on)
+    args = map_arrays(copy_kw(kw), to_device)
+    cupy.cuda.runtime.deviceSynchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            with pytest.raises(ValueError, match="cannot be recorded in a CUDA graph"):
+                fn(**args)
+        finally:
+            stream.end_capture()
+        fn(**args)
+    stream.synchronize()

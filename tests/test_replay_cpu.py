@@ -92,6 +92,7 @@ class Gemms:
     def __init__(self):
         self.calls = []
         self.fail = 0
+        self.capturing = False  # what the stubbed cuStreamIsCapturing says of every stream
         self.functions = (_C_SET_STREAM(self._stream), _C_SET_POINTER_MODE(self._mode),
                           _C_GEMM_EX(self._gemm))
 
@@ -117,6 +118,7 @@ class Gemms:
         monkeypatch.setattr(_launch, "_cublas_handle", lambda: FAKE_CUBLAS_HANDLE)
         monkeypatch.setattr(_launch, "_CUBLAS_CALLS", [None])
         monkeypatch.setattr(_launch, "_native_cublas_bound", [None])
+        monkeypatch.setattr(_launch, "stream_capturing", lambda stream: self.capturing)
 
 
 def use_c_replay(monkeypatch, launches):
@@ -174,6 +176,35 @@ def fake_torch(monkeypatch):
     monkeypatch.setattr(ar, "_NUMPY_TO_TORCH", {})
     monkeypatch.setattr(_launch, "_torch_raw_stream", lambda device: 0x7000)
     return torch
+
+
+def test_a_prefill_qkv_call_on_a_capturing_stream_is_refused(stubbed, monkeypatch):
+    """The cuBLAS path runs on workspaces freed when the call returns: a CUDA graph cannot hold
+    it. A call on a stream being captured is refused before anything is allocated or launched,
+    on its first call and on replay; the same call outside a capture runs."""
+    monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device: 90)
+    fn, kw = CASES["qkv"](44, **PREFILL["qkv"])
+    gemms = stubbed.gemms
+    gemms.capturing = True
+    for _ in range(2):
+        with pytest.raises(ValueError, match="cannot be recorded in a CUDA graph with "
+                                             "hidden_state of T=70 tokens"):
+            fn(**map_arrays(kw, hostcost.to_cupy))
+    assert not stubbed.calls and not gemms.calls
+    gemms.capturing = False
+    fn(**map_arrays(kw, hostcost.to_cupy))
+    fn(**map_arrays(kw, hostcost.to_cupy))
+    assert len(stubbed.calls) == 2 and len(gemms.calls) == 6
+    gemms.capturing = True  # a replay of the plan: refused too
+    with pytest.raises(ValueError, match="cannot be recorded in a CUDA graph"):
+        fn(**map_arrays(kw, hostcost.to_cupy))
+    assert len(stubbed.calls) == 2 and len(gemms.calls) == 6
+    gemms.capturing = False
+    fn, kw = CASES["qkv"](44, **DECODE["qkv"])  # the fused kernels: capturable, no check
+    monkeypatch.setattr(_launch, "stream_capturing", lambda stream: pytest.fail("checked"))
+    fn(**map_arrays(kw, hostcost.to_cupy))
+    fn(**map_arrays(kw, hostcost.to_cupy))
+    assert len(stubbed.calls) == 4
 
 
 @pytest.mark.parametrize("op", OPS)
