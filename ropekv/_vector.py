@@ -31,3 +31,24 @@ def vector_width(itemsize, fits, widths=(8, 4, 2, 1)):
         if n * itemsize <= 16 and fits(n):
             return n
     return None
+
+
+def widest_aligned(views):
+    """The largest ``n`` with ``all_aligned(views, n)`` for every power of two up to it (16:
+    every width), in one pass: a first call that tries several widths reads each view once.
+
+    An access of ``min(n * itemsize, 16)`` bytes (a power of two) divides a pointer and every
+    stride but the last exactly when it divides their bitwise or, so a view allows ``n`` up to
+    the lowest set bit of that or (below 16 bytes), in elements."""
+    widest = 16
+    for view in views:
+        item = view.dtype.itemsize
+        bits = view.ptr
+        for s in view.strides[:-1]:
+            bits |= s * item
+        bits &= 15  # an access is at most 16 bytes: 16-byte aligned allows every width
+        if bits:
+            n = (bits & -bits) // item
+            if n < widest:
+                widest = n
+    return widest

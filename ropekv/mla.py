@@ -10,7 +10,7 @@ import numpy as np
 
 from ropekv import _checks as ck
 from ropekv import reference
-from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST
+from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, INT32, UINT32
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
 from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_status
@@ -76,6 +76,24 @@ def check_output(out, src):
     ck.check_shape(out, src.shape, None)
     ck.check_same_dtype(out, src)
     ck.check_last_dim_contiguous(out)
+
+
+def ragged_paged(offsets, cache_lengths, block_table):
+    """``ck.check_ragged_paged`` (``(B, max_pages)``), its checkers run only where a test of the
+    common layout fails (this runs on every first call): offsets int32 or uint32 and lengths
+    int32, both 1-D of stride 1, the table int32 ``(B, max_pages)`` with rows of stride 1."""
+    shape = offsets.shape  # (each array read only once those before it pass, as the checkers do)
+    if (len(shape) == 1 and offsets.dtype in _OFFSET_DTYPES and offsets.strides == _UNIT_STRIDE
+            and shape[0] >= 1 and cache_lengths.shape == (shape[0] - 1,)
+            and cache_lengths.dtype == INT32 and cache_lengths.strides == _UNIT_STRIDE
+            and len(block_table.shape) == 2 and block_table.shape[0] == shape[0] - 1
+            and block_table.dtype == INT32 and block_table.strides[1] == 1):
+        return block_table.shape
+    return ck.check_ragged_paged(offsets, cache_lengths, block_table)
+
+
+_OFFSET_DTYPES = (INT32, UINT32)
+_UNIT_STRIDE = (1,)
 
 
 def cache_scale(kv_scale, cache_dtype, name="kv_scale"):
