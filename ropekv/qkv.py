@@ -671,7 +671,9 @@ def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, opts=False)
     if not (vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
             and vx.ptr % 16 == 0 and (T == 1 or vx.strides[0] % 8 == 0)):
         return None
-    tn = next((t for t in MMA_TILES if t >= T), MMA_TILES[-1])
+    for tn in MMA_TILES:  # the smallest tile that holds T tokens, else the largest (no generator)
+        if tn >= T:
+            break
     kc = _mma_slice(K, fmt, split)
     smem = _mma_smem(tn, kc)
     if smem > MMA_SMEM_MAX:
