@@ -313,7 +313,7 @@ def _prepare(views, flags):
     device = ck.check_same_device(views)
     written = ((7, 8, 9) if split else (7, 9)) + ((10,) if vstatus is not None else ())
     outputs = [] if vgiven is not None else [Output((T, Hq, R), vq.dtype)]
-    result = _given_or_new(9)
+    result = _RESULT
 
     if ck.check_indices_enabled():
         ck.check_paged_indices(voff, vlen, vbt, page_size, num_pages, T, P)
@@ -378,10 +378,9 @@ def _prepare(views, flags):
         "gamma_f32": int(vg.dtype == FLOAT32), "heads_per_block": per_block, "clear": int(clear),
         "check": int(vstatus is not None)}
     # pointer fields <- (argument index, byte offset); a new q output comes after the arguments
-    slots = {"q": (0, 0), "kv": (1, 0), "gamma": (2, 0), "cos_sin": (3, 0), "offsets": (4, 0),
-             "cache_lengths": (5, 0), "block_table": (6, 0), "ckv": (7, 0),
-             "kpe": (8, 0) if split else (7, L * vcache.dtype.itemsize),
-             "q_out": (9, 0) if vgiven is not None else (11, 0)}
+    slots = dict(_SLOTS)
+    slots["kpe"] = (8, 0) if split else (7, L * vcache.dtype.itemsize)
+    slots["q_out"] = (9, 0) if vgiven is not None else (11, 0)
     if vstatus is not None:
         slots["status"] = (10, 0)
     opts = clear or vstatus is not None  # status= with no tokens: one block, which validates
@@ -399,6 +398,11 @@ def _given_or_new(index):
     return result
 
 
+# made once (a first call copies or reads them): the result, and the slots of the arguments
+# every call gives
+_RESULT = _given_or_new(9)
+_SLOTS = {"q": (0, 0), "kv": (1, 0), "gamma": (2, 0), "cos_sin": (3, 0), "offsets": (4, 0),
+          "cache_lengths": (5, 0), "block_table": (6, 0), "ckv": (7, 0)}
 _NAMES = ("q_rope", "kv", "gamma", "cos_sin_cache", "input_row_offsets", "cache_lengths",
           "block_table")
 _FLAGS = [("epsilon", KEY), ("kv_norm_dim", KEY), ("is_neox", FLAG), ("kv_scale", KEY),
