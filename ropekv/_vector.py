@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from math import gcd
+
 
 def aligned(view, n_elements):
     """True when ``view``'s pointer and every stride but the last are multiples of an access of
@@ -31,3 +33,23 @@ def vector_width(itemsize, fits, widths=(8, 4, 2, 1)):
         if n * itemsize <= 16 and fits(n):
             return n
     return None
+
+
+def widest_aligned(views):
+    """The largest ``n`` with ``all_aligned(views, n)`` for every power of two up to it (16:
+    every width), in one pass: a first call that tries several widths reads each view once.
+
+    An access of ``min(n * itemsize, 16)`` bytes (a power of two) divides a pointer and every
+    stride but the last exactly when it divides their bitwise or (or their gcd: both have the
+    same lowest set bit), so a view allows ``n`` up to that lowest set bit (below 16 bytes), in
+    elements."""
+    widest = 16
+    for view in views:
+        item = view.dtype.itemsize
+        # (an access is at most 16 bytes: 16-byte aligned allows every width)
+        bits = (view.ptr | gcd(*view.strides[:-1]) * item) & 15
+        if bits:
+            n = (bits & -bits) // item
+            if n < widest:
+                widest = n
+    return widest

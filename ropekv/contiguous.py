@@ -22,7 +22,7 @@ from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, ParamStruct, Plan
 from ropekv._mrope import check_mrope
 from ropekv._types import ArrayLike, StreamLike
-from ropekv._vector import aligned, all_aligned, vector_width
+from ropekv._vector import vector_width, widest_aligned
 
 STEM = "contiguous"
 KERNEL = "apply_rope_write_kv"
@@ -30,6 +30,7 @@ KERNEL_SCALED = "apply_rope_write_kv_scaled"  # MODE 3-5: the computed scales, r
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 INDEX_DTYPES = (INT32, INT64)
 SCALED_CACHE_DTYPES = ck.SCALED_CACHE_DTYPES  # caches that may carry per-token-head scales
+INT8 = ck.INT8
 ROWS_MAX = 4  # head rows one lane group holds (kRowsMax in the kernel)
 SCALED_ROWS_MAX = 2  # ... in the computed-scale kernels, MODE 3-5 (kScaledRowsMax)
 MAX_ITEMS = 256  # chunks (lanes) per head row: one lane group fits a block
@@ -306,6 +307,8 @@ def _constant_scales(value):
 def _check_quantized_outputs(vq, vc, vqo, q_scale, vqs, vcs, kv_scale_given):
     """q_out, q_scale, q_scale_out and kv_cache_scales against q and the cache; returns the
     static Q scale (1.0 when none applies)."""
+    if vqo is None and vqs is None and vcs is None and q_scale is None and vc.dtype != INT8:
+        return 1.0  # nothing given to check (an int8 cache demands kv_cache_scales)
     B, S, Hq, D = vq.shape
     Hkv, C = vc.shape[2], vc.shape[3]
     if vqo is not None:
@@ -325,12 +328,8 @@ def _check_quantized_outputs(vq, vc, vqo, q_scale, vqs, vcs, kv_scale_given):
     return 1.0 if q_scale is None else q_scale
 
 
-def _prepare(views, flags):
-    """Validate a first call; the launch plan (or the NumPy backend run)."""
-    (write_k_in_place, is_neox, pdl, const_scale, _, mrope_section, mrope_interleaved,
-     q_scale) = flags
-    vq, vk, vv, vc, vt, vlens, vpos, vscale, vqo, vqs, vcs = views
-
+def _check_qkv(vq, vk, vv):
+    """The checks of q, k and v, in order (each raises its own message)."""
     ck.check_ndim(vq, 4, "(B, S, Hq, D)")
     ck.check_dtype(vq, INPUT_DTYPES)
     B, S, Hq, D = vq.shape
@@ -340,20 +339,42 @@ def _prepare(views, flags):
     ck.check_shape(vv, (B, S, Hkv, D), "(B, S, Hkv, D)")
     ck.check_same_dtype(vk, vq)
     ck.check_same_dtype(vv, vq)
+
+
+def _prepare(views, flags):
+    """Validate a first call; the launch plan (or the NumPy backend run)."""
+    (write_k_in_place, is_neox, pdl, const_scale, _, mrope_section, mrope_interleaved,
+     q_scale) = flags
+    vq, vk, vv, vc, vt, vlens, vpos, vscale, vqo, vqs, vcs = views
+
+    # Tests of the common case first, read in the checkers' order; the checkers (which raise
+    # their own messages) only where a test fails: this runs on every first call.
+    if not (len(vq.shape) == 4 and vq.dtype in INPUT_DTYPES and len(vk.shape) == 4
+            and vk.shape[:2] == vq.shape[:2] and vk.shape[3] == vq.shape[3]
+            and vv.shape == vk.shape and vk.dtype == vq.dtype and vv.dtype == vq.dtype):
+        _check_qkv(vq, vk, vv)
+    B, S, Hq, D = vq.shape
+    Hkv = vk.shape[2]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q's head count ({Hq}) must be a positive multiple of k's ({Hkv})")
     if D == 0:
         raise ValueError(f"q must have shape (B, S, Hq, D) with D > 0, got {vq.shape}")
-    ck.check_ndim(vc, 5, "(B, 2, Hkv, C, D)")
-    ck.check_shape(vc, (B, 2, Hkv, None, D), "(B, 2, Hkv, C, D)")
+    if not (len(vc.shape) == 5 and vc.shape[:3] == (B, 2, Hkv) and vc.shape[4] == D):
+        ck.check_ndim(vc, 5, "(B, 2, Hkv, C, D)")
+        ck.check_shape(vc, (B, 2, Hkv, None, D), "(B, 2, Hkv, C, D)")
     C = vc.shape[3]
     if vc.dtype != vq.dtype:
         ck.check_dtype(vc, (vq.dtype, *SCALED_CACHE_DTYPES))
-    P, R = ck.check_cos_sin_cache(vt, D, (2, 3), "(P, R) or (Bc, P, R)")
+    if (len(vt.shape) in _TABLE_NDIMS and vt.dtype == FLOAT32 and vt.shape[-1] % 2 == 0
+            and 0 < vt.shape[-1] <= D):
+        P, R = vt.shape[-2:]
+    else:
+        P, R = ck.check_cos_sin_cache(vt, D, _TABLE_NDIMS, "(P, R) or (Bc, P, R)")
     if vt.ndim == 3 and vt.shape[0] not in (1, B):
         raise ValueError(f"cos_sin_cache must have shape (P, R) or (Bc, P, R) with Bc 1 or "
                          f"B={B}, got {vt.shape}")
-    if vlens is not None:
+    if vlens is not None and (vlens.shape != (B,) or vlens.dtype not in INDEX_DTYPES
+                              or vlens.strides != _UNIT_STRIDE):  # (stride 1: contiguous)
         ck.check_shape(vlens, (B,), "(B,)")
         ck.check_dtype(vlens, INDEX_DTYPES)
         ck.check_contiguous(vlens)
@@ -377,7 +398,9 @@ def _prepare(views, flags):
             ck.check_shape(vscale, (2,), "(2,) or ()")
         ck.check_dtype(vscale, (FLOAT32,))
         ck.check_contiguous(vscale)
-    ck.check_last_dim_contiguous(vq, vk, vv, vc, vt)
+    if (vq.strides[-1] != 1 or vk.strides[-1] != 1 or vv.strides[-1] != 1
+            or vc.strides[-1] != 1 or vt.strides[-1] != 1):  # (a test first, as above)
+        ck.check_last_dim_contiguous(vq, vk, vv, vc, vt)
     device = ck.check_same_device(views)
     written = ((Q_OUT, 9, 10) if vqo is not None else (0, 9, 10)) + (3,)
     written += (1,) if write_k_in_place else ()
@@ -424,13 +447,15 @@ def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope
     Hkv, C = vk.shape[2], vc.shape[3]
     vout = vq if vqo is None else vqo
 
-    data = (vq, vk, vv, vc, vout)
+    # the widest n for which the data rows (and the table's) are aligned, read once for every
+    # width tried: all_aligned(data, n) is n <= widest
+    widest = widest_aligned((vq, vk, vv, vc) if vout is vq else (vq, vk, vv, vc, vout))
+    table_widest = widest_aligned((vt,))
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
         cos_width = n if is_neox else n // 2
-        return (rot and (D - R) % n == 0 and all_aligned(data, n)
-                and aligned(vt, cos_width))
+        return rot and (D - R) % n == 0 and n <= widest and cos_width <= table_widest
 
     n = vector_width(vq.dtype.itemsize, fits)
     if n is None:  # only interleaved RoPE can get here (neox fits at width 1)
@@ -450,37 +475,54 @@ def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope
                                        else None,
                                        SCALED_ROWS_MAX if scaled else ROWS_MAX)
     table_strides = vt.strides if vt.ndim == 3 else (0, *vt.strides)
-    qs_strides = vqs.strides if vqs is not None else (0, 0, 0)
-    cs_strides = vcs.strides if vcs is not None else (0, 0, 0, 0)
-    values = {  # every field of PARAMS (Launch packs them by name)
-        "q": 0, "k": 0, "v": 0, "cache": 0, "cos_sin": 0, "kv_end_lens": 0, "position_ids": 0,
-        "kv_scale": 0, "q_out": 0, "q_scale_out": 0, "cache_scales": 0, "q_sb": vq.strides[0],
-        "q_ss": vq.strides[1], "q_sh": vq.strides[2], "k_sb": vk.strides[0], "k_ss": vk.strides[1],
-        "k_sh": vk.strides[2], "v_sb": vv.strides[0], "v_ss": vv.strides[1], "v_sh": vv.strides[2],
-        "c_sb": vc.strides[0], "c_skv": vc.strides[1], "c_sh": vc.strides[2],
-        "c_st": vc.strides[3],
+    q_st, k_st, v_st, c_st, qo_st = vq.strides, vk.strides, vv.strides, vc.strides, vout.strides
+    values = {  # the fields past the pointers (every given pointer has a slot, below; the
+        # others are null)
+        "q_sb": q_st[0], "q_ss": q_st[1], "q_sh": q_st[2], "k_sb": k_st[0], "k_ss": k_st[1],
+        "k_sh": k_st[2], "v_sb": v_st[0], "v_ss": v_st[1], "v_sh": v_st[2], "c_sb": c_st[0],
+        "c_skv": c_st[1], "c_sh": c_st[2], "c_st": c_st[3],
         "cs_sb": table_strides[0] if vt.ndim == 3 and vt.shape[0] > 1 else 0,
-        "cs_sp": table_strides[1], "qo_sb": vout.strides[0], "qo_ss": vout.strides[1],
-        "qo_sh": vout.strides[2], "qs_sb": qs_strides[0], "qs_ss": qs_strides[1],
-        "qs_sh": qs_strides[2], "ks_sb": cs_strides[0], "ks_skv": cs_strides[1],
-        "ks_sh": cs_strides[2], "ks_st": cs_strides[3], "inv_k_scale": 1.0 / scales[0],
+        "cs_sp": table_strides[1], "qo_sb": qo_st[0], "qo_ss": qo_st[1], "qo_sh": qo_st[2],
+        "inv_k_scale": 1.0 / scales[0],
         "inv_v_scale": 1.0 / scales[1], "inv_q_scale": 1.0 / q_static, "B": B, "S": S, "Hq": Hq,
         "Hkv": Hkv, "D": D, "R": R, "C": C, "P": P, "write_k_in_place": int(write_k_in_place),
         "group": group, "rows": rows,
         "index64": (int(vlens is not None and vlens.dtype == INT64)
                     | 2 * int(vpos is not None and vpos.dtype == INT64)),
-        "v_scale_index": int(vscale is not None and vscale.ndim == 1),
-        "mrope": int(bool(sections)), "mrope_t": sections[0] if sections else 0,
-        "mrope_h": sections[1] if sections else 0, "mrope_w": sections[2] if sections else 0,
-        "mrope_interleaved": int(mrope_interleaved), "items": items,
-        "q_full": int(vqo is not None), "q_dynamic": int(vqs is not None),
-        "kv_dynamic": int(vcs is not None)}
-    slots = {f: (i, 0) for i, f in enumerate(FIELDS) if views[i] is not None}
+        "mrope_interleaved": int(mrope_interleaved), "items": items}
+    slots = dict(_ARGUMENT_SLOTS)  # q .. cos_sin_cache, all given (checked)
+    for i in range(len(_ARGUMENT_SLOTS), len(FIELDS)):
+        if views[i] is not None:
+            slots[FIELDS[i]] = (i, 0)
     if vqo is None:
         slots["q_out"] = (0, 0)  # Q roped in place: the kernel writes through q_out = q
+    if vqo is None and vqs is None and vcs is None and vscale is None and not sections:
+        values.update(_NO_OPTIONS)
+    else:
+        qs_strides = vqs.strides if vqs is not None else (0, 0, 0)
+        cs_strides = vcs.strides if vcs is not None else (0, 0, 0, 0)
+        values.update({
+            "qs_sb": qs_strides[0], "qs_ss": qs_strides[1], "qs_sh": qs_strides[2],
+            "ks_sb": cs_strides[0], "ks_skv": cs_strides[1], "ks_sh": cs_strides[2],
+            "ks_st": cs_strides[3], "mrope": int(bool(sections)),
+            "mrope_t": sections[0] if sections else 0, "mrope_h": sections[1] if sections else 0,
+            "mrope_w": sections[2] if sections else 0,
+            "v_scale_index": int(vscale is not None and vscale.ndim == 1),
+            "q_full": int(vqo is not None), "q_dynamic": int(vqs is not None),
+            "kv_dynamic": int(vcs is not None)})
     return Launch(STEM, expression(vq.dtype, vc.dtype, is_neox, n, mode, vout.dtype), device,
                   (B * S, splits), (block,), PARAMS, values, slots, pdl=pdl)
 
+
+# made once (a first call copies or reads them): the slots of the arguments every call gives
+# (q .. cos_sin_cache), the option fields when no option is used (no q_out, computed scales,
+# mRoPE or kv_scale array)
+_ARGUMENT_SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS[:ARRAYS.index("kv_end_lens")])}
+_NO_OPTIONS = dict.fromkeys(("qs_sb", "qs_ss", "qs_sh", "ks_sb", "ks_skv", "ks_sh", "ks_st",
+                             "mrope", "mrope_t", "mrope_h", "mrope_w", "v_scale_index",
+                             "q_full", "q_dynamic", "kv_dynamic"), 0)
+_TABLE_NDIMS = (2, 3)
+_UNIT_STRIDE = (1,)
 
 _OP = Op("apply_rope_write_kv", ARRAYS, _prepare,
          flags=[("write_k_in_place", FLAG), ("is_neox", FLAG), ("enable_pdl", FLAG),

@@ -10,12 +10,12 @@ import numpy as np
 
 from ropekv import _checks as ck
 from ropekv import reference
-from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST
+from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, INT32, UINT32
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
 from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_status
 from ropekv._types import ArrayLike, StreamLike
-from ropekv._vector import aligned, all_aligned, vector_width
+from ropekv._vector import vector_width, widest_aligned
 
 STEM = "mla"
 KERNEL = "mla_rope_rmsnorm_append"
@@ -76,6 +76,25 @@ def check_output(out, src):
     ck.check_shape(out, src.shape, None)
     ck.check_same_dtype(out, src)
     ck.check_last_dim_contiguous(out)
+
+
+def ragged_paged(offsets, cache_lengths, block_table):
+    """``ck.check_ragged_paged`` (``(B, max_pages)``), its checkers run only where a test of the
+    common layout fails (this runs on every first call): offsets int32 or uint32 and lengths
+    int32, both 1-D of stride 1, the table int32 ``(B, max_pages)`` with rows of stride 1."""
+    shape = offsets.shape  # (each array read only once those before it pass, as the checkers do)
+    if (len(shape) == 1 and offsets.dtype in _OFFSET_DTYPES and offsets.strides == _UNIT_STRIDE
+            and shape[0] >= 1 and cache_lengths.shape == (shape[0] - 1,)
+            and cache_lengths.dtype == INT32 and cache_lengths.strides == _UNIT_STRIDE
+            and len(block_table.shape) == 2 and block_table.shape[0] == shape[0] - 1
+            and block_table.dtype == INT32 and block_table.strides[1] == 1):
+        return block_table.shape
+    return ck.check_ragged_paged(offsets, cache_lengths, block_table)
+
+
+_OFFSET_DTYPES = (INT32, UINT32)
+_UNIT_STRIDE = (1,)
+_INF = float("inf")
 
 
 def cache_scale(kv_scale, cache_dtype, name="kv_scale"):
@@ -220,16 +239,21 @@ def _prepare(views, flags):
     vq, vkv, vg, vt, voff, vlen, vbt, vc0, vc1, vgiven, vstatus = views
     split = vc1 is not None or vc0.name == "ckv_cache"
 
-    ck.check_ndim(vq, 3, "(T, Hq, R)")
-    ck.check_dtype(vq, INPUT_DTYPES)
+    # Tests of the common case first, read in the checkers' order; the checkers (which raise
+    # their own messages) only where a test fails: this runs on every first call.
+    if not (len(vq.shape) == 3 and vq.dtype in INPUT_DTYPES and len(vkv.shape) == 2
+            and vkv.dtype == vq.dtype):
+        ck.check_ndim(vq, 3, "(T, Hq, R)")
+        ck.check_dtype(vq, INPUT_DTYPES)
+        ck.check_ndim(vkv, 2, "(T, L + R)")
+        ck.check_same_dtype(vkv, vq)
     T, Hq, R = vq.shape
-    ck.check_ndim(vkv, 2, "(T, L + R)")
-    ck.check_same_dtype(vkv, vq)
     if vkv.shape[0] != T:
         raise ValueError(f"kv must have shape (T, L + R) with T={T} (q_rope's tokens), got "
                          f"{vkv.shape}")
-    ck.check_ndim(vt, 2, "(P, R)")
-    ck.check_dtype(vt, (FLOAT32,))
+    if not (len(vt.shape) == 2 and vt.dtype == FLOAT32):
+        ck.check_ndim(vt, 2, "(P, R)")
+        ck.check_dtype(vt, (FLOAT32,))
     P = vt.shape[0]
     if vt.shape[1] != R or R % 2 or R == 0:
         raise ValueError(f"cos_sin_cache must have shape (P, R) with R = q_rope's last dim "
@@ -242,26 +266,32 @@ def _prepare(views, flags):
             0 < n_norm <= L):
         raise ValueError(f"kv_norm_dim must be an integer in [1, L={L}], got {kv_norm_dim!r}")
     n_norm = int(n_norm)
-    ck.check_shape(vg, (n_norm,), "(kv_norm_dim,)")
-    ck.check_dtype(vg, (vq.dtype, FLOAT32))
-    ck.check_contiguous(vg)
-    B, max_pages = ck.check_ragged_paged(voff, vlen, vbt)
+    gamma_dtypes = (vq.dtype, FLOAT32)
+    if (vg.shape != (n_norm,) or vg.dtype not in gamma_dtypes
+            or vg.strides != _UNIT_STRIDE):  # (stride 1: contiguous)
+        ck.check_shape(vg, (n_norm,), "(kv_norm_dim,)")
+        ck.check_dtype(vg, gamma_dtypes)
+        ck.check_contiguous(vg)
+    B, max_pages = ragged_paged(voff, vlen, vbt)
 
     if split:
         vckv, vkpe = vc0, vc1
         if vkpe is None:
             raise ValueError("kv_cache must be one array or a tuple (ckv, kpe) of two arrays, got "
                              "None for kpe")
-        ck.check_ndim(vckv, 3, "(num_pages, page_size, L)")
+        if not (len(vckv.shape) == 3 and vckv.shape[2] == L
+                and vkpe.shape == (*vckv.shape[:2], R) and vkpe.dtype == vckv.dtype):
+            ck.check_ndim(vckv, 3, "(num_pages, page_size, L)")
+            ck.check_shape(vckv, (None, None, L), "(num_pages, page_size, L)")
+            ck.check_shape(vkpe, (*vckv.shape[:2], R), "(num_pages, page_size, R)")
+            ck.check_same_dtype(vkpe, vckv)
         num_pages, page_size = vckv.shape[:2]
-        ck.check_shape(vckv, (None, None, L), "(num_pages, page_size, L)")
-        ck.check_shape(vkpe, (num_pages, page_size, R), "(num_pages, page_size, R)")
-        ck.check_same_dtype(vkpe, vckv)
         caches = (vckv, vkpe)
     else:
         vc = vc0
-        ck.check_ndim(vc, 3, "(num_pages, page_size, L + R)")
-        ck.check_shape(vc, (None, None, L + R), "(num_pages, page_size, L + R)")
+        if not (len(vc.shape) == 3 and vc.shape[2] == L + R):
+            ck.check_ndim(vc, 3, "(num_pages, page_size, L + R)")
+            ck.check_shape(vc, (None, None, L + R), "(num_pages, page_size, L + R)")
         num_pages, page_size = vc.shape[:2]
         caches = (vc,)
     vcache = caches[0]
@@ -271,8 +301,11 @@ def _prepare(views, flags):
         raise ValueError(f"{vcache.name} must have a page_size (dim 1) of at least 1, got "
                          f"{vcache.shape}")
     scale = cache_scale(kv_scale, vcache.dtype)
-    epsilon = ck.check_float(epsilon, "epsilon", positive=False)
-    ck.check_last_dim_contiguous(vq, vkv, vt, *caches)
+    if not (epsilon.__class__ is float and 0.0 <= epsilon < _INF):  # (NaN fails)
+        epsilon = ck.check_float(epsilon, "epsilon", positive=False)
+    if (vq.strides[-1] != 1 or vkv.strides[-1] != 1 or vt.strides[-1] != 1
+            or vcache.strides[-1] != 1 or caches[-1].strides[-1] != 1):
+        ck.check_last_dim_contiguous(vq, vkv, vt, *caches)
     if vgiven is not None:
         check_output(vgiven, vq)
     if vstatus is not None:
@@ -280,7 +313,7 @@ def _prepare(views, flags):
     device = ck.check_same_device(views)
     written = ((7, 8, 9) if split else (7, 9)) + ((10,) if vstatus is not None else ())
     outputs = [] if vgiven is not None else [Output((T, Hq, R), vq.dtype)]
-    result = _given_or_new(9)
+    result = _RESULT
 
     if ck.check_indices_enabled():
         ck.check_paged_indices(voff, vlen, vbt, page_size, num_pages, T, P)
@@ -306,12 +339,16 @@ def _prepare(views, flags):
 
     vout = vgiven if vgiven is not None else vq  # a new output is laid out (and aligned) as q
 
-    data = (vq, vout, vkv, vg, *caches)
+    # the widest n for which the data rows (and the table's) are aligned, read once for every
+    # width tried: all_aligned(data, n) is n <= widest
+    widest = widest_aligned((vq, vkv, vg, *caches) if vout is vq else
+                            (vq, vout, vkv, vg, *caches))
+    table_widest = widest_aligned((vt,))
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
-        return (rot and L % n == 0 and n_norm % n == 0 and all_aligned(data, n)
-                and aligned(vt, n if is_neox else n // 2))
+        return (rot and L % n == 0 and n_norm % n == 0 and n <= widest
+                and (n if is_neox else n // 2) <= table_widest)
 
     n = vector_width(vq.dtype.itemsize, fits)
     if n is None:
@@ -330,21 +367,20 @@ def _prepare(views, flags):
     else:
         out_strides = vgiven.strides[:2]
     ckv_s, kpe_s = (caches[0].strides, caches[-1].strides)
-    values = {  # every field of PARAMS (Launch packs them by name)
-        "q": 0, "q_out": 0, "kv": 0, "gamma": 0, "cos_sin": 0, "offsets": 0, "cache_lengths": 0,
-        "block_table": 0, "ckv": 0, "kpe": 0, "q_st": vq.strides[0], "q_sh": vq.strides[1],
+    values = {  # the fields past the pointers (every given pointer has a slot, below; status
+        # is null without one)
+        "q_st": vq.strides[0], "q_sh": vq.strides[1],
         "qo_st": out_strides[0], "qo_sh": out_strides[1], "kv_st": vkv.strides[0],
         "cs_sp": vt.strides[0], "bt_sb": vbt.strides[0], "ckv_sp": ckv_s[0], "ckv_se": ckv_s[1],
         "kpe_sp": kpe_s[0], "kpe_se": kpe_s[1], "num_pages": num_pages, "epsilon": epsilon,
         "inv_kv_scale": 1.0 / scale if scale else 1.0, "T": T, "B": B, "Hq": Hq, "L": L, "R": R,
         "P": P, "kv_norm_dim": n_norm, "max_pages": max_pages, "page_size": page_size,
         "gamma_f32": int(vg.dtype == FLOAT32), "heads_per_block": per_block, "clear": int(clear),
-        "status": 0, "check": int(vstatus is not None)}
+        "check": int(vstatus is not None)}
     # pointer fields <- (argument index, byte offset); a new q output comes after the arguments
-    slots = {"q": (0, 0), "kv": (1, 0), "gamma": (2, 0), "cos_sin": (3, 0), "offsets": (4, 0),
-             "cache_lengths": (5, 0), "block_table": (6, 0), "ckv": (7, 0),
-             "kpe": (8, 0) if split else (7, L * vcache.dtype.itemsize),
-             "q_out": (9, 0) if vgiven is not None else (11, 0)}
+    slots = dict(_SLOTS)
+    slots["kpe"] = (8, 0) if split else (7, L * vcache.dtype.itemsize)
+    slots["q_out"] = (9, 0) if vgiven is not None else (11, 0)
     if vstatus is not None:
         slots["status"] = (10, 0)
     opts = clear or vstatus is not None  # status= with no tokens: one block, which validates
@@ -362,6 +398,11 @@ def _given_or_new(index):
     return result
 
 
+# made once (a first call copies or reads them): the result, and the slots of the arguments
+# every call gives
+_RESULT = _given_or_new(9)
+_SLOTS = {"q": (0, 0), "kv": (1, 0), "gamma": (2, 0), "cos_sin": (3, 0), "offsets": (4, 0),
+          "cache_lengths": (5, 0), "block_table": (6, 0), "ckv": (7, 0)}
 _NAMES = ("q_rope", "kv", "gamma", "cos_sin_cache", "input_row_offsets", "cache_lengths",
           "block_table")
 _FLAGS = [("epsilon", KEY), ("kv_norm_dim", KEY), ("is_neox", FLAG), ("kv_scale", KEY),

@@ -14,8 +14,8 @@ from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
 from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._types import ArrayLike, StreamLike
-from ropekv._vector import aligned, all_aligned, vector_width
-from ropekv.mla import _given_or_new, cache_scale
+from ropekv._vector import vector_width, widest_aligned
+from ropekv.mla import _given_or_new, cache_scale, ragged_paged
 
 INT8 = reference.INT8
 STEM = "qknorm"
@@ -345,6 +345,8 @@ def _dtype_key(value):
 def _q_out_dtype(value, vq, vgiven):
     """The dtype q is stored in: ``q_out_dtype`` (``q``'s dtype or fp8, as a dtype or its name)
     and a given ``q_out``'s dtype, which must agree."""
+    if value is None and vgiven is None:  # the default: q's dtype
+        return vq.dtype
     allowed = (vq.dtype, *FP8_DTYPES)
     dtype = None
     if value is not None:
@@ -369,6 +371,8 @@ def _q_out_dtype(value, vq, vgiven):
 def _q_quant(q_dtype, q_scale, vqs, T, Hq):
     """(q_scale, dynamic) of the q output: its static scale (1.0 for fp8; None for 16-bit) and
     whether ``q_scale_out`` receives computed scales."""
+    if vqs is None and q_scale is None:  # no scale given: check_q_scales has nothing to check
+        return (1.0 if q_dtype in FP8_DTYPES else None), False
     ck.check_q_scales(q_dtype, "q_out", "q_scale", q_scale is not None, vqs, (T, Hq), "(T, Hq)",
                       hint=" (pass q_out_dtype='float8_e4m3fn' or an fp8 q_out)")
     if vqs is not None:
@@ -381,6 +385,8 @@ def _q_quant(q_dtype, q_scale, vqs, T, Hq):
 def _cache_scale_arrays(vks, vvs, vkc, kv_scale, expected, layout):
     """Whether per-token-head KV scales are given, after checking them against the caches
     (``expected``: the caches' shape, spelled ``layout``)."""
+    if vks is None and vkc.dtype != INT8:  # none given, none needed: nothing to check
+        return False
     ck.check_cache_scales(vkc.dtype, "k_cache", "kv_scale", kv_scale is not None,
                           vks is not None, "(k_scales, v_scales)")
     if vks is None:
@@ -392,17 +398,8 @@ def _cache_scale_arrays(vks, vvs, vkc, kv_scale, expected, layout):
     return True
 
 
-def _prepare(views, flags):
-    """Validate a first call; the launch plan (or the NumPy backend run)."""
-    (epsilon, is_neox, kv_layout, kv_scale, pdl, _, norm_order, weight_offset, clear,
-     mrope_section, mrope_interleaved, q_out_dtype, q_scale) = flags
-    ck.check_choice(kv_layout, "kv_layout", KV_LAYOUTS)
-    ck.check_choice(norm_order, "norm_order", NORM_ORDERS)
-    post = norm_order == "after_rope"
-    weight_offset = ck.check_float(weight_offset, "weight_offset", positive=False)
-    (vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vgiven, vpid, vstatus, vqs, vks,
-     vvs) = views
-
+def _check_qkv(vq, vk, vv):
+    """The checks of q, k and v, in order (each raises its own message)."""
     ck.check_ndim(vq, 3, "(T, Hq, D)")
     ck.check_dtype(vq, INPUT_DTYPES)
     T, Hq, D = vq.shape
@@ -412,19 +409,43 @@ def _prepare(views, flags):
     ck.check_shape(vv, (T, Hkv, D), "(T, Hkv, D)")
     ck.check_same_dtype(vk, vq)
     ck.check_same_dtype(vv, vq)
+
+
+def _prepare(views, flags):
+    """Validate a first call; the launch plan (or the NumPy backend run)."""
+    (epsilon, is_neox, kv_layout, kv_scale, pdl, _, norm_order, weight_offset, clear,
+     mrope_section, mrope_interleaved, q_out_dtype, q_scale) = flags
+    ck.check_choice(kv_layout, "kv_layout", KV_LAYOUTS)
+    ck.check_choice(norm_order, "norm_order", NORM_ORDERS)
+    post = norm_order == "after_rope"
+    if not (weight_offset.__class__ is float and 0.0 <= weight_offset < _INF):  # (NaN fails)
+        weight_offset = ck.check_float(weight_offset, "weight_offset", positive=False)
+    (vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vgiven, vpid, vstatus, vqs, vks,
+     vvs) = views
+
+    # Tests of the common case first, read in the checkers' order; the checkers (which raise
+    # their own messages) only where a test fails: this runs on every first call.
+    if not (len(vq.shape) == 3 and vq.dtype in INPUT_DTYPES and len(vk.shape) == 3
+            and vk.shape[0] == vq.shape[0] and vk.shape[2] == vq.shape[2]
+            and vv.shape == vk.shape and vk.dtype == vq.dtype and vv.dtype == vq.dtype):
+        _check_qkv(vq, vk, vv)
+    T, Hq, D = vq.shape
+    Hkv = vk.shape[1]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q's head count ({Hq}) must be a positive multiple of k's ({Hkv})")
-    gamma_dtypes = (vq.dtype, FLOAT32)
+    gamma_dtypes, gamma_shape = (vq.dtype, FLOAT32), (D,)
     for view in (vqg, vkg):
-        ck.check_shape(view, (D,), "(D,)")
-        ck.check_dtype(view, gamma_dtypes)
-        ck.check_contiguous(view)
+        if (view.shape != gamma_shape or view.dtype not in gamma_dtypes
+                or view.strides != _UNIT_STRIDE):  # (stride 1: contiguous)
+            ck.check_shape(view, gamma_shape, "(D,)")
+            ck.check_dtype(view, gamma_dtypes)
+            ck.check_contiguous(view)
     P, R = ck.check_cos_sin_cache(vt, D)
     sections = check_mrope(mrope_section, mrope_interleaved, R, vpid, (3, T), "(3, T)")
     if sections is None and vpid is not None:
         raise ValueError("position_ids is only used with mrope_section (the positions of a "
                          "token come from cache_lengths and input_row_offsets otherwise)")
-    B, max_pages = ck.check_ragged_paged(voff, vlen, vbt)
+    B, max_pages = ragged_paged(voff, vlen, vbt)
     nhd = kv_layout == "NHD"
     layout, spelled = CACHE_LAYOUTS[kv_layout]
     ck.check_ndim(vkc, 4, layout)
@@ -440,7 +461,8 @@ def _prepare(views, flags):
     if page_size == 0:
         raise ValueError(f"k_cache must have a page_size of at least 1, got {vkc.shape}")
     scales = None if kv_dynamic else _kv_scales(kv_scale, vkc.dtype)
-    epsilon = ck.check_float(epsilon, "epsilon", positive=False)
+    if not (epsilon.__class__ is float and 0.0 <= epsilon < _INF):
+        epsilon = ck.check_float(epsilon, "epsilon", positive=False)
     ck.check_last_dim_contiguous(vq, vk, vv, vt, vkc, vvc)
     q_dtype = _q_out_dtype(q_out_dtype, vq, vgiven)
     q_scale, q_dynamic = _q_quant(q_dtype, q_scale, vqs, T, Hq)
@@ -485,12 +507,15 @@ def _prepare(views, flags):
         return Plan(device, outputs=outputs, written=written, inplace=inplace, result=result)
     vout = vgiven if vgiven is not None else vq  # a new output is laid out (and aligned) as q
 
-    data = (vq, vout, vk, vv, vqg, vkg, vkc, vvc)
+    # the widest n for which the data rows (and the table's) are aligned, read once for every
+    # width tried: all_aligned(data, n) is n <= widest
+    widest = widest_aligned((vq, vout, vk, vv, vqg, vkg, vkc, vvc))
+    table_widest = widest_aligned((vt,))
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
-        return (rot and (D - R) % n == 0 and all_aligned(data, n)
-                and aligned(vt, n if is_neox else n // 2))
+        return (rot and (D - R) % n == 0 and n <= widest
+                and (n if is_neox else n // 2) <= table_widest)
 
     n = vector_width(vq.dtype.itemsize, fits)
     if n is None:
@@ -521,38 +546,45 @@ def _prepare(views, flags):
         kc = (vkc.strides[0], vkc.strides[2], vkc.strides[1])
         vc = (vvc.strides[0], vvc.strides[2], vvc.strides[1])
     out_strides = vgiven.strides[:2] if vgiven is not None else (Hq * D, D)
-
-    def entry_strides(view):  # (page, entry, head) of a scale array, whatever the layout
-        if view is None:
-            return (0, 0, 0)
-        st = view.strides
-        return (st[0], st[1], st[2]) if kv_layout == "NHD" else (st[0], st[2], st[1])
-
-    ks_st, vs_st = entry_strides(vks), entry_strides(vvs)
-    qs_st = vqs.strides if vqs is not None else (0, 0)
-    values = {  # every field of PARAMS (Launch packs them by name)
-        "q": 0, "q_out": 0, "k": 0, "v": 0, "q_gamma": 0, "k_gamma": 0, "cos_sin": 0, "offsets": 0,
-        "cache_lengths": 0, "block_table": 0, "k_cache": 0, "v_cache": 0, "q_st": vq.strides[0],
-        "q_sh": vq.strides[1], "qo_st": out_strides[0], "qo_sh": out_strides[1],
-        "k_st": vk.strides[0], "k_sh": vk.strides[1], "v_st": vv.strides[0], "v_sh": vv.strides[1],
-        "cs_sp": vt.strides[0], "bt_sb": vbt.strides[0], "kc_sp": kc[0], "kc_se": kc[1],
-        "kc_sh": kc[2], "vc_sp": vc[0], "vc_se": vc[1], "vc_sh": vc[2], "num_pages": num_pages,
-        "epsilon": epsilon, "weight_offset": weight_offset, "inv_k_scale": 1.0 / k_scale,
+    values = {  # the fields past the pointers (every given pointer has a slot, below; the
+        # others are null)
+        "q_st": vq.strides[0], "q_sh": vq.strides[1], "qo_st": out_strides[0],
+        "qo_sh": out_strides[1], "k_st": vk.strides[0], "k_sh": vk.strides[1],
+        "v_st": vv.strides[0], "v_sh": vv.strides[1], "cs_sp": vt.strides[0],
+        "bt_sb": vbt.strides[0], "kc_sp": kc[0], "kc_se": kc[1], "kc_sh": kc[2], "vc_sp": vc[0],
+        "vc_se": vc[1], "vc_sh": vc[2], "num_pages": num_pages, "epsilon": epsilon,
+        "weight_offset": weight_offset, "inv_k_scale": 1.0 / k_scale,
         "inv_v_scale": 1.0 / v_scale, "T": T, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "R": R, "P": P,
         "max_pages": max_pages, "page_size": page_size, "q_gamma_f32": int(vqg.dtype == FLOAT32),
         "k_gamma_f32": int(vkg.dtype == FLOAT32), "group": group, "rows": rows, "post": int(post),
-        "clear": int(clear), "position_ids": 0, "pid_st": T, "mrope": int(sections is not None),
-        "mrope_t": sections[0] if sections else 0, "mrope_h": sections[1] if sections else 0,
-        "mrope_w": sections[2] if sections else 0, "mrope_interleaved": int(mrope_interleaved),
-        "pos64": int(vpid is not None and vpid.dtype == INT64), "status": 0,
-        "check": int(vstatus is not None), "q_scale_out": 0, "k_scales": 0, "v_scales": 0,
-        "qs_st": qs_st[0], "qs_sh": qs_st[1], "ks_sp": ks_st[0], "ks_se": ks_st[1],
-        "ks_sh": ks_st[2], "vs_sp": vs_st[0], "vs_se": vs_st[1], "vs_sh": vs_st[2],
+        "clear": int(clear), "pid_st": T, "mrope_interleaved": int(mrope_interleaved),
         "inv_q_scale": 1.0 / q_scale if q_scale is not None else 1.0, "q_dynamic": int(q_dynamic),
         "kv_dynamic": int(kv_dynamic)}
-    slots = {f: (i, 0) for i, f in enumerate(FIELDS) if views[i] is not None}  # None: null
-    if vgiven is None:
-        slots["q_out"] = (len(FIELDS), 0)  # the new output follows the arguments
+    # the optional arrays' pointers and fields (their zeros, read only, when none is given)
+    slots = dict(_ARGUMENT_SLOTS)  # q .. v_cache, all given (checked above)
+    slots["q_out"] = _GIVEN_OUTPUT if vgiven is not None else _NEW_OUTPUT
+    if vpid is None and vstatus is None and vqs is None and vks is None and vvs is None:
+        values.update(_NO_OPTIONS)
+    else:
+        for i in range(_Q_OUT + 1, len(FIELDS)):
+            if views[i] is not None:
+                slots[FIELDS[i]] = (i, 0)
+
+        def entry_strides(view):  # (page, entry, head) of a scale array, whatever the layout
+            if view is None:
+                return (0, 0, 0)
+            st = view.strides
+            return (st[0], st[1], st[2]) if kv_layout == "NHD" else (st[0], st[2], st[1])
+
+        ks_st, vs_st = entry_strides(vks), entry_strides(vvs)
+        qs_st = vqs.strides if vqs is not None else (0, 0)
+        values.update({
+            "mrope": int(sections is not None), "mrope_t": sections[0] if sections else 0,
+            "mrope_h": sections[1] if sections else 0, "mrope_w": sections[2] if sections else 0,
+            "pos64": int(vpid is not None and vpid.dtype == INT64),
+            "check": int(vstatus is not None), "qs_st": qs_st[0], "qs_sh": qs_st[1],
+            "ks_sp": ks_st[0], "ks_se": ks_st[1], "ks_sh": ks_st[2], "vs_sp": vs_st[0],
+            "vs_se": vs_st[1], "vs_sh": vs_st[2]})
     opts = 2 if sections is not None else int(bool(
         post or weight_offset != 0.0 or clear or vstatus is not None))
     # fp8 q or computed scales: a quantizing kernel (the others compile none of it)
@@ -570,6 +602,17 @@ def _prepare(views, flags):
 FIELDS = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin", "offsets", "cache_lengths",
           "block_table", "k_cache", "v_cache", "q_out", "position_ids", "status", "q_scale_out",
           "k_scales", "v_scales")
+# made once (a first call copies or reads them): the slots of the arguments every call gives
+# (q .. v_cache), q_out's (a new one follows the arguments), the option fields when no option
+# array is given (mRoPE is off without position_ids: check_mrope demands them)
+_Q_OUT = FIELDS.index("q_out")
+_ARGUMENT_SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS[:_Q_OUT])}
+_GIVEN_OUTPUT, _NEW_OUTPUT = (_Q_OUT, 0), (len(FIELDS), 0)
+_NO_OPTIONS = {"mrope": 0, "mrope_t": 0, "mrope_h": 0, "mrope_w": 0, "pos64": 0, "check": 0,
+               "qs_st": 0, "qs_sh": 0, "ks_sp": 0, "ks_se": 0, "ks_sh": 0, "vs_sp": 0,
+               "vs_se": 0, "vs_sh": 0}
+_UNIT_STRIDE = (1,)
+_INF = float("inf")
 _OP = Op("qk_rmsnorm_rope_append_paged_kv_cache",
          ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets",
           "cache_lengths", "block_table", "k_cache", "v_cache", "q_out", "position_ids",

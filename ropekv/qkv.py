@@ -228,6 +228,26 @@ def pack_int4(w_int: ArrayLike, *, signed: bool = True) -> ArrayLike:
 # --------------------------------------------------------------------------------- the op
 
 
+def _check_ragged(voff, vlen, vbt):
+    """The checks of the ragged-batch index arrays, in order (each raises its own message)."""
+    ck.check_ndim(voff, 1, "(B + 1,)")
+    if voff.shape[0] < 1:
+        raise ValueError(f"input_row_offsets must have shape (B + 1,), got {voff.shape}")
+    ck.check_dtype(voff, (INT32, UINT32))
+    _check_contiguous(voff)
+    B = voff.shape[0] - 1
+    ck.check_shape(vlen, (B,), "(B,)")
+    ck.check_dtype(vlen, (INT32,))
+    _check_contiguous(vlen)
+    ck.check_ndim(vbt, 2, "(B, max_pages)")
+    ck.check_shape(vbt, (B, None), "(B, max_pages)")
+    ck.check_dtype(vbt, (INT32,))
+
+
+_OFFSET_DTYPES = (INT32, UINT32)
+_UNIT_STRIDE = (1,)
+
+
 def _check_contiguous(view):
     # empty arrays may carry stride 0, which ArrayView.is_c_contiguous reads as strided
     if view.size:
@@ -398,18 +418,25 @@ def _prepare(views, flags):
      mma_max, mma_max_quantized, mma_split, clear) = flags
     vx, vw, voff, vlen, vbt, vk, vv, vt, vws, vzp, vout, vstatus = views
 
-    ck.check_ndim(vx, 2, "(T, K)")
-    ck.check_dtype(vx, INPUT_DTYPES)
+    # Tests of the common case first, read in the checkers' order; the checkers (which raise
+    # their own messages) only where a test fails: this runs on every first call.
+    if not (len(vx.shape) == 2 and vx.dtype in INPUT_DTYPES):
+        ck.check_ndim(vx, 2, "(T, K)")
+        ck.check_dtype(vx, INPUT_DTYPES)
     T, K = vx.shape
     if K == 0:
         raise ValueError(f"hidden_state must have shape (T, K) with K > 0, got {vx.shape}")
     dtype = vx.dtype
-    Hq = ck.check_positive_int(num_q_heads, "num_q_heads")
+    if num_q_heads.__class__ is int and num_q_heads > 0:
+        Hq = num_q_heads
+    else:
+        Hq = ck.check_positive_int(num_q_heads, "num_q_heads")
     ck.check_choice(kv_layout, "kv_layout", LAYOUTS)
     nhd = kv_layout == "NHD"
     layout = "(num_pages, page_size, Hkv, D)" if nhd else "(num_pages, Hkv, page_size, D)"
-    ck.check_ndim(vk, 4, layout)
-    ck.check_shape(vv, vk.shape, layout)
+    if not (len(vk.shape) == 4 and vv.shape == vk.shape):
+        ck.check_ndim(vk, 4, layout)
+        ck.check_shape(vv, vk.shape, layout)
     num_pages, D = vk.shape[0], vk.shape[3]
     page_size, Hkv = (vk.shape[1], vk.shape[2]) if nhd else (vk.shape[2], vk.shape[1])
     if Hkv == 0 or D == 0 or page_size == 0 or D % 2:
@@ -422,22 +449,20 @@ def _prepare(views, flags):
     fmt = _check_weight(vw, vws, vzp, group_size, dtype, N, K)
     G = group_size if fmt == W_INT4 else None
 
-    ck.check_ndim(voff, 1, "(B + 1,)")
-    if voff.shape[0] < 1:
-        raise ValueError(f"input_row_offsets must have shape (B + 1,), got {voff.shape}")
-    ck.check_dtype(voff, (INT32, UINT32))
-    _check_contiguous(voff)
+    if not (len(voff.shape) == 1 and voff.shape[0] >= 1 and voff.dtype in _OFFSET_DTYPES
+            and voff.strides == _UNIT_STRIDE and vlen.shape == (voff.shape[0] - 1,)
+            and vlen.dtype == INT32 and vlen.strides == _UNIT_STRIDE and len(vbt.shape) == 2
+            and vbt.shape[0] == voff.shape[0] - 1 and vbt.dtype == INT32):
+        _check_ragged(voff, vlen, vbt)
     B = voff.shape[0] - 1
-    ck.check_shape(vlen, (B,), "(B,)")
-    ck.check_dtype(vlen, (INT32,))
-    _check_contiguous(vlen)
-    ck.check_ndim(vbt, 2, "(B, max_pages)")
-    ck.check_shape(vbt, (B, None), "(B, max_pages)")
-    ck.check_dtype(vbt, (INT32,))
 
     R = P = 0
     if vt is not None:
-        P, R = ck.check_cos_sin_cache(vt, D)
+        if (len(vt.shape) == 2 and vt.dtype == FLOAT32 and vt.shape[1] % 2 == 0
+                and 0 < vt.shape[1] <= D):
+            P, R = vt.shape
+        else:
+            P, R = ck.check_cos_sin_cache(vt, D)
     fp8 = vk.dtype in FP8_DTYPES
     if not fp8 and kv_scale is not None:
         raise ValueError(f"kv_scale is only used with float8 caches, but the cache is {vk.dtype}")
@@ -446,7 +471,11 @@ def _prepare(views, flags):
     if vout is not None:
         ck.check_shape(vout, (T, Hq * D), "(T, Hq * D)")
         ck.check_same_dtype(vout, vx)
-    ck.check_last_dim_contiguous(vx, vw, vbt, vk, vv, vt, vws, vzp, vout)
+    if (vx.strides[-1] != 1 or vw.strides[-1] != 1 or vbt.strides[-1] != 1
+            or vk.strides[-1] != 1 or vv.strides[-1] != 1
+            or (vt is not None and vt.strides[-1] != 1) or vws is not None or vzp is not None
+            or (vout is not None and vout.strides[-1] != 1)):  # (a test first, as above)
+        ck.check_last_dim_contiguous(vx, vw, vbt, vk, vv, vt, vws, vzp, vout)
     # rows must not overlap: cuBLAS takes them as leading dimensions (and so does the GEMV kernel)
     for view, cols in ((vx, K), (vw, vw.shape[1]), (vout, Hq * D)):
         if view is not None and view.shape[0] > 1 and view.strides[0] < cols:
@@ -482,10 +511,7 @@ def _prepare(views, flags):
 
     ks, kp = vk.strides, vv.strides
     out_s0 = vout.strides[0] if vout is not None else Hq * D
-    fields = {
-        "hidden": 0, "weight": 0, "weight_scales": 0, "zero_points": 0, "q_tmp": 0, "k_tmp": 0,
-        "v_tmp": 0, "offsets": 0, "cache_lengths": 0, "block_table": 0, "cos_sin": 0, "out": 0,
-        "k_cache": 0, "v_cache": 0,
+    fields = {  # the fields past the pointers (a launch's pointers have slots, or are null)
         "hidden_s0": vx.strides[0], "weight_row_bytes": vw.strides[0] * vw.dtype.itemsize,
         "ws_s0": vws.strides[0] if vws is not None else 0,
         "zp_s0": vzp.strides[0] if vzp is not None else 0, "qt_s0": 0, "kt_s0": 0, "vt_s0": 0,
@@ -499,7 +525,7 @@ def _prepare(views, flags):
         "is_neox": int(is_neox),
         "cache_code": (0 if not fp8 else 1 if vk.dtype == FLOAT8_E4M3FN else 2),
         "k_inv_scale": 1.0 / k_scale if fp8 else 1.0, "v_inv_scale": 1.0 / v_scale if fp8 else 1.0,
-        "status": 0, "check": int(vstatus is not None), "clear": int(clear)}
+        "check": int(vstatus is not None), "clear": int(clear)}
     slots = dict(_SLOTS)
     if vout is None:
         slots["out"] = (NEW, 0)
@@ -546,6 +572,8 @@ def _check_weight(vw, vws, vzp, group_size, dtype, N, K):
         raise TypeError(f"weight must have dtype {dtype} (the input dtype), float8_e4m3fn or "
                         f"uint8 (packed 4-bit), got {vw.dtype}")
     if fmt == W_DENSE:
+        if vws is None and group_size is None and vzp is None:  # (the common case: no loop)
+            return fmt
         for name, given in (("weight_scales", vws), ("group_size", group_size),
                             ("zero_points", vzp)):
             if given is not None:
@@ -648,7 +676,9 @@ def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, opts=False)
     if not (vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
             and vx.ptr % 16 == 0 and (T == 1 or vx.strides[0] % 8 == 0)):
         return None
-    tn = next((t for t in MMA_TILES if t >= T), MMA_TILES[-1])
+    for tn in MMA_TILES:  # the smallest tile that holds T tokens, else the largest (no generator)
+        if tn >= T:
+            break
     kc = _mma_slice(K, fmt, split)
     smem = _mma_smem(tn, kc)
     if smem > MMA_SMEM_MAX:
