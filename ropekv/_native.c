@@ -859,6 +859,17 @@ static PyObject *call_global(PyObject *d, PyObject *name, PyObject *arg) {
   return arg ? PyObject_CallOneArg(fn, arg) : PyObject_CallNoArgs(fn);
 }
 
+/* Raise the error of a failed driver or cuBLAS call: _launch's `raiser` (CuPy's error where CuPy
+ * has one), else a RuntimeError "<what> <code>". Returns -1. */
+static int call_failed(Caller *self, PyObject *raiser, int code, const char *what) {
+  PyObject *c = PyLong_FromLong(code);
+  PyObject *r = c ? call_global(self->launch_dict, raiser, c) : NULL;
+  Py_XDECREF(c);
+  Py_XDECREF(r);
+  if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "%s %d", what, code);
+  return -1;
+}
+
 /* A GEMM step (_launch.Gemm.run, the same three calls) on the calling thread's CuPy cuBLAS handle
  * of the current device (the plan's). */
 static int run_gemm(Caller *self, const Step *st, const uint64_t *ptrs, void *stream) {
@@ -881,15 +892,7 @@ static int run_gemm(Caller *self, const Step *st, const uint64_t *ptrs, void *st
                             (void *)(uintptr_t)(ptrs[sl[2].arg] + (uint64_t)sl[2].off), g[7], g[5],
                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   Py_END_ALLOW_THREADS
-  if (status) {
-    PyObject *code = PyLong_FromLong(status);
-    PyObject *r = code ? call_global(self->launch_dict, s_cublas_failed, code) : NULL;
-    Py_XDECREF(code);
-    Py_XDECREF(r);
-    if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "cuBLAS failed with status %d", status);
-    return -1;
-  }
-  return 0;
+  return status ? call_failed(self, s_cublas_failed, status, "cuBLAS failed with status") : 0;
 }
 
 /* The launches of `plan` (its steps) with pointers `ptrs` (arguments, then outputs). */
@@ -936,15 +939,7 @@ static int launch_steps(Caller *self, NativePlan *plan, const uint64_t *ptrs, vo
       err = cu_launch_ex(&config, st->func, params, NULL);
       Py_END_ALLOW_THREADS
     }
-    if (err) {
-      PyObject *code = PyLong_FromLong(err);
-      PyObject *r = code ? call_global(self->launch_dict, s_launch_failed, code) : NULL;
-      Py_XDECREF(code);
-      Py_XDECREF(r);
-      if (!PyErr_Occurred())
-        PyErr_Format(PyExc_RuntimeError, "cuLaunchKernel failed with CUresult %d", err);
-      return -1;
-    }
+    if (err) return call_failed(self, s_launch_failed, err, "cuLaunchKernel failed with CUresult");
   }
   return 0;
 }

@@ -228,6 +228,23 @@ def test_a_failed_launch_raises_the_driver_error_and_restores_the_device(fakes, 
     assert fakes.runtime.current == 2 and fakes.runtime.log == [0, 2]
 
 
+@pytest.mark.parametrize("replay", ["c", "python"])
+def test_a_failed_cublas_call_raises_its_status_and_restores_the_device(fakes, replay,
+                                                                        monkeypatch):
+    monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device: 90)
+    fn, kw = CASES["qkv"](56, **PREFILL["qkv"])
+    recorder = fakes(replay)
+    fn(**map_arrays(kw, hostcost.to_cupy))
+    launched = len(recorder.launches)
+    fakes.runtime.current = 2
+    recorder.gemms.fail = 13  # CUBLAS_STATUS_EXECUTION_FAILED
+    # CuPy's cuBLAS error where CuPy's cuBLAS loads, else a RuntimeError with the status
+    with pytest.raises(Exception, match="CUBLAS_STATUS_EXECUTION_FAILED|status 13"):
+        fn(**map_arrays(kw, hostcost.to_cupy))
+    assert fakes.runtime.current == 2 and fakes.runtime.log == [0, 2]
+    assert len(recorder.launches) == launched  # the epilogue after the GEMM never launched
+
+
 def test_two_threads_replay_one_plan_with_their_own_pointers(fakes):
     fn, kw = CASES["paged"](54)
     recorder = fakes("c")
