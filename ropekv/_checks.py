@@ -207,9 +207,14 @@ def check_flag(value, name):
     raise TypeError(f"{name} must be a bool, got {value!r} of type {type(value).__name__}")
 
 
+_INF = math.inf
+
+
 def check_float(value, name, *, positive):
     """A finite real scalar (> 0 when ``positive``, else >= 0), as a Python float."""
     cls = value.__class__
+    if cls is float and (0.0 < value if positive else 0.0 <= value) and value < _INF:
+        return value  # the common case, valid as it is (NaN fails both tests)
     if cls is not float and cls is not int and (
             isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real)):
         raise TypeError(f"{name} must be a real number, got {value!r} of type "
@@ -380,6 +385,8 @@ def check_ragged_paged(offsets, cache_lengths, block_table):
     ``input_row_offsets`` int32 or uint32 ``(B + 1,)``, ``cache_lengths`` int32 ``(B,)`` and
     ``block_table`` int32 ``(B, max_pages)`` (rows may be strided). Returns ``(B, max_pages)``.
     """
+    if _common_ragged_paged(offsets, cache_lengths, block_table):
+        return block_table.shape
     check_ndim(offsets, 1, "(B + 1,)")
     check_dtype(offsets, (INT32, UINT32))
     check_contiguous(offsets)
@@ -395,6 +402,23 @@ def check_ragged_paged(offsets, cache_lengths, block_table):
     check_dtype(block_table, (INT32,))
     check_last_dim_contiguous(block_table)
     return B, block_table.shape[1]
+
+
+def _common_ragged_paged(offsets, cache_lengths, block_table):
+    """Whether the index arrays have the common valid layout, which the checkers of
+    :func:`check_ragged_paged` would pass (it runs on every first call): offsets int32 or uint32
+    and lengths int32, both 1-D of stride 1, the table int32 ``(B, max_pages)`` with rows of
+    stride 1. Each array is read only once those before it pass, as the checkers read them."""
+    shape = offsets.shape
+    return (len(shape) == 1 and offsets.dtype in _OFFSET_DTYPES and offsets.strides == UNIT_STRIDE
+            and shape[0] >= 1 and cache_lengths.shape == (shape[0] - 1,)
+            and cache_lengths.dtype == INT32 and cache_lengths.strides == UNIT_STRIDE
+            and len(block_table.shape) == 2 and block_table.shape[0] == shape[0] - 1
+            and block_table.dtype == INT32 and block_table.strides[1] == 1)
+
+
+_OFFSET_DTYPES = (INT32, UINT32)
+UNIT_STRIDE = (1,)  # the strides of a 1-D array of stride 1 (contiguous)
 
 
 def check_paged_indices(offsets, cache_lengths, block_table, page_size, num_pages, num_tokens,

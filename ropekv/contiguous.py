@@ -374,7 +374,7 @@ def _prepare(views, flags):
         raise ValueError(f"cos_sin_cache must have shape (P, R) or (Bc, P, R) with Bc 1 or "
                          f"B={B}, got {vt.shape}")
     if vlens is not None and (vlens.shape != (B,) or vlens.dtype not in INDEX_DTYPES
-                              or vlens.strides != _UNIT_STRIDE):  # (stride 1: contiguous)
+                              or vlens.strides != ck.UNIT_STRIDE):  # (stride 1: contiguous)
         ck.check_shape(vlens, (B,), "(B,)")
         ck.check_dtype(vlens, INDEX_DTYPES)
         ck.check_contiguous(vlens)
@@ -522,7 +522,6 @@ _NO_OPTIONS = dict.fromkeys(("qs_sb", "qs_ss", "qs_sh", "ks_sb", "ks_skv", "ks_s
                              "mrope", "mrope_t", "mrope_h", "mrope_w", "v_scale_index",
                              "q_full", "q_dynamic", "kv_dynamic"), 0)
 _TABLE_NDIMS = (2, 3)
-_UNIT_STRIDE = (1,)
 
 _OP = Op("apply_rope_write_kv", ARRAYS, _prepare,
          flags=[("write_k_in_place", FLAG), ("is_neox", FLAG), ("enable_pdl", FLAG),

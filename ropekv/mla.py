@@ -10,7 +10,7 @@ import numpy as np
 
 from ropekv import _checks as ck
 from ropekv import reference
-from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, INT32, UINT32
+from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
 from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_status
@@ -78,23 +78,6 @@ def check_output(out, src):
     ck.check_last_dim_contiguous(out)
 
 
-def ragged_paged(offsets, cache_lengths, block_table):
-    """``ck.check_ragged_paged`` (``(B, max_pages)``), its checkers run only where a test of the
-    common layout fails (this runs on every first call): offsets int32 or uint32 and lengths
-    int32, both 1-D of stride 1, the table int32 ``(B, max_pages)`` with rows of stride 1."""
-    shape = offsets.shape  # (each array read only once those before it pass, as the checkers do)
-    if (len(shape) == 1 and offsets.dtype in _OFFSET_DTYPES and offsets.strides == _UNIT_STRIDE
-            and shape[0] >= 1 and cache_lengths.shape == (shape[0] - 1,)
-            and cache_lengths.dtype == INT32 and cache_lengths.strides == _UNIT_STRIDE
-            and len(block_table.shape) == 2 and block_table.shape[0] == shape[0] - 1
-            and block_table.dtype == INT32 and block_table.strides[1] == 1):
-        return block_table.shape
-    return ck.check_ragged_paged(offsets, cache_lengths, block_table)
-
-
-_OFFSET_DTYPES = (INT32, UINT32)
-_UNIT_STRIDE = (1,)
-_INF = float("inf")
 
 
 def cache_scale(kv_scale, cache_dtype, name="kv_scale"):
@@ -268,11 +251,11 @@ def _prepare(views, flags):
     n_norm = int(n_norm)
     gamma_dtypes = (vq.dtype, FLOAT32)
     if (vg.shape != (n_norm,) or vg.dtype not in gamma_dtypes
-            or vg.strides != _UNIT_STRIDE):  # (stride 1: contiguous)
+            or vg.strides != ck.UNIT_STRIDE):  # (stride 1: contiguous)
         ck.check_shape(vg, (n_norm,), "(kv_norm_dim,)")
         ck.check_dtype(vg, gamma_dtypes)
         ck.check_contiguous(vg)
-    B, max_pages = ragged_paged(voff, vlen, vbt)
+    B, max_pages = ck.check_ragged_paged(voff, vlen, vbt)
 
     if split:
         vckv, vkpe = vc0, vc1
@@ -301,8 +284,7 @@ def _prepare(views, flags):
         raise ValueError(f"{vcache.name} must have a page_size (dim 1) of at least 1, got "
                          f"{vcache.shape}")
     scale = cache_scale(kv_scale, vcache.dtype)
-    if not (epsilon.__class__ is float and 0.0 <= epsilon < _INF):  # (NaN fails)
-        epsilon = ck.check_float(epsilon, "epsilon", positive=False)
+    epsilon = ck.check_float(epsilon, "epsilon", positive=False)
     if (vq.strides[-1] != 1 or vkv.strides[-1] != 1 or vt.strides[-1] != 1
             or vcache.strides[-1] != 1 or caches[-1].strides[-1] != 1):
         ck.check_last_dim_contiguous(vq, vkv, vt, *caches)

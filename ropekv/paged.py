@@ -500,8 +500,6 @@ def _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_ca
 def _scales(view, value, name, heads):
     """(scalar, view) of a validated scale: positive finite; an array of one per head."""
     if view is None:
-        if value.__class__ is float and 0.0 < value < _INF:  # valid as it is (NaN fails too)
-            return value, None
         return ck.check_float(value, name, positive=True), None
     ck.check_dtype(view, (FLOAT32,))
     ck.check_shape(view, (heads,), "(Hq,)" if name == "quant_scale_q" else "(Hkv,)")
@@ -618,7 +616,7 @@ def _prepare(views, flags):
         if view.dtype not in INDEX_DTYPES:
             ck.check_dtype(view, INDEX_DTYPES)  # raises
         # an empty array may report any stride; a 1-D one of stride 1 is contiguous (no call)
-        if view.size > 1 and view.strides != _UNIT_STRIDE:
+        if view.size > 1 and view.strides != ck.UNIT_STRIDE:
             ck.check_contiguous(view)
 
     # -- cache and output dtype
@@ -822,8 +820,6 @@ def _prepare(views, flags):
                 result=result)
 
 
-_UNIT_STRIDE = (1,)
-_INF = float("inf")
 _NO_OPTIONS = dict.fromkeys(("qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se",
                              "vs_sh"), 0)  # _check_options without options (read, never written)
 _NAMES = ("q_rope", "k_rope", "q_nope", "k_nope", "v", "cos_sin_cache", "pos_ids")

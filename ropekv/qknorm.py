@@ -15,7 +15,7 @@ from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Pl
 from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import vector_width, widest_aligned
-from ropekv.mla import _given_or_new, cache_scale, ragged_paged
+from ropekv.mla import _given_or_new, cache_scale
 
 INT8 = reference.INT8
 STEM = "qknorm"
@@ -418,8 +418,7 @@ def _prepare(views, flags):
     ck.check_choice(kv_layout, "kv_layout", KV_LAYOUTS)
     ck.check_choice(norm_order, "norm_order", NORM_ORDERS)
     post = norm_order == "after_rope"
-    if not (weight_offset.__class__ is float and 0.0 <= weight_offset < _INF):  # (NaN fails)
-        weight_offset = ck.check_float(weight_offset, "weight_offset", positive=False)
+    weight_offset = ck.check_float(weight_offset, "weight_offset", positive=False)
     (vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vgiven, vpid, vstatus, vqs, vks,
      vvs) = views
 
@@ -436,7 +435,7 @@ def _prepare(views, flags):
     gamma_dtypes, gamma_shape = (vq.dtype, FLOAT32), (D,)
     for view in (vqg, vkg):
         if (view.shape != gamma_shape or view.dtype not in gamma_dtypes
-                or view.strides != _UNIT_STRIDE):  # (stride 1: contiguous)
+                or view.strides != ck.UNIT_STRIDE):  # (stride 1: contiguous)
             ck.check_shape(view, gamma_shape, "(D,)")
             ck.check_dtype(view, gamma_dtypes)
             ck.check_contiguous(view)
@@ -445,7 +444,7 @@ def _prepare(views, flags):
     if sections is None and vpid is not None:
         raise ValueError("position_ids is only used with mrope_section (the positions of a "
                          "token come from cache_lengths and input_row_offsets otherwise)")
-    B, max_pages = ragged_paged(voff, vlen, vbt)
+    B, max_pages = ck.check_ragged_paged(voff, vlen, vbt)
     nhd = kv_layout == "NHD"
     layout, spelled = CACHE_LAYOUTS[kv_layout]
     ck.check_ndim(vkc, 4, layout)
@@ -461,8 +460,7 @@ def _prepare(views, flags):
     if page_size == 0:
         raise ValueError(f"k_cache must have a page_size of at least 1, got {vkc.shape}")
     scales = None if kv_dynamic else _kv_scales(kv_scale, vkc.dtype)
-    if not (epsilon.__class__ is float and 0.0 <= epsilon < _INF):
-        epsilon = ck.check_float(epsilon, "epsilon", positive=False)
+    epsilon = ck.check_float(epsilon, "epsilon", positive=False)
     ck.check_last_dim_contiguous(vq, vk, vv, vt, vkc, vvc)
     q_dtype = _q_out_dtype(q_out_dtype, vq, vgiven)
     q_scale, q_dynamic = _q_quant(q_dtype, q_scale, vqs, T, Hq)
@@ -611,8 +609,6 @@ _GIVEN_OUTPUT, _NEW_OUTPUT = (_Q_OUT, 0), (len(FIELDS), 0)
 _NO_OPTIONS = {"mrope": 0, "mrope_t": 0, "mrope_h": 0, "mrope_w": 0, "pos64": 0, "check": 0,
                "qs_st": 0, "qs_sh": 0, "ks_sp": 0, "ks_se": 0, "ks_sh": 0, "vs_sp": 0,
                "vs_se": 0, "vs_sh": 0}
-_UNIT_STRIDE = (1,)
-_INF = float("inf")
 _OP = Op("qk_rmsnorm_rope_append_paged_kv_cache",
          ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets",
           "cache_lengths", "block_table", "k_cache", "v_cache", "q_out", "position_ids",

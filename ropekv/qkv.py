@@ -245,7 +245,6 @@ def _check_ragged(voff, vlen, vbt):
 
 
 _OFFSET_DTYPES = (INT32, UINT32)
-_UNIT_STRIDE = (1,)
 
 
 def _check_contiguous(view):
@@ -450,8 +449,8 @@ def _prepare(views, flags):
     G = group_size if fmt == W_INT4 else None
 
     if not (len(voff.shape) == 1 and voff.shape[0] >= 1 and voff.dtype in _OFFSET_DTYPES
-            and voff.strides == _UNIT_STRIDE and vlen.shape == (voff.shape[0] - 1,)
-            and vlen.dtype == INT32 and vlen.strides == _UNIT_STRIDE and len(vbt.shape) == 2
+            and voff.strides == ck.UNIT_STRIDE and vlen.shape == (voff.shape[0] - 1,)
+            and vlen.dtype == INT32 and vlen.strides == ck.UNIT_STRIDE and len(vbt.shape) == 2
             and vbt.shape[0] == voff.shape[0] - 1 and vbt.dtype == INT32):
         _check_ragged(voff, vlen, vbt)
     B = voff.shape[0] - 1

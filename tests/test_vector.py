@@ -1,10 +1,11 @@
 """The shortcuts a first call's validation takes: ``_vector.widest_aligned`` against
-``all_aligned`` for every width, and ``mla.ragged_paged`` against ``check_ragged_paged`` (the same
-result, or the same error and message)."""
+``all_aligned`` for every width, ``check_ragged_paged`` and ``check_float`` with their common-case
+test against their checkers alone (the same result, or the same error and message)."""
 
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import numpy as np
@@ -13,7 +14,6 @@ import pytest
 from ropekv import _checks as ck
 from ropekv._arrays import ArrayView
 from ropekv._vector import all_aligned, widest_aligned
-from ropekv.mla import ragged_paged
 
 
 def view(name, ptr, shape, strides, dtype, device=0):
@@ -36,11 +36,12 @@ def test_widest_aligned_is_all_aligned():
             assert all_aligned(views, n) == (n <= widest), (views, n, widest)
 
 
-def _outcome(fn, *args):
+def _outcome(fn, *args, **kwargs):
     try:
-        return tuple(fn(*args))
+        result = fn(*args, **kwargs)
     except (TypeError, ValueError) as e:
         return type(e), str(e)
+    return tuple(result) if isinstance(result, tuple) else (type(result), result)
 
 
 def _index_arrays():
@@ -77,5 +78,17 @@ def _index_arrays():
 
 
 @pytest.mark.parametrize("arrays", list(_index_arrays()))
-def test_ragged_paged_is_check_ragged_paged(arrays):
-    assert _outcome(ragged_paged, *arrays) == _outcome(ck.check_ragged_paged, *arrays)
+def test_check_ragged_paged_shortcut_is_its_checkers(arrays, monkeypatch):
+    shortcut = _outcome(ck.check_ragged_paged, *arrays)
+    monkeypatch.setattr(ck, "_common_ragged_paged", lambda *a: False)
+    assert shortcut == _outcome(ck.check_ragged_paged, *arrays)
+
+
+@pytest.mark.parametrize("positive", [False, True])
+@pytest.mark.parametrize("value", [1.5, 0.0, -0.0, -1.0, 1e308, float("inf"), float("-inf"),
+                                   float("nan"), 2, np.float32(0.5), np.float64(3.0), True, "1"])
+def test_check_float_shortcut_is_its_checks(value, positive, monkeypatch):
+    shortcut = _outcome(ck.check_float, value, "x", positive=positive)
+    monkeypatch.setattr(ck, "_INF", -math.inf)  # the common-case test never passes
+    checks = _outcome(ck.check_float, value, "x", positive=positive)
+    assert shortcut == checks
