@@ -307,7 +307,7 @@ class Launch:
         config.stream = stream_ptr
         err = _cu_launch_kernel_ex()(ctypes.byref(config), self.func, argv, None)
         if err:
-            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+            _driver_failed(err, "cuLaunchKernelEx")
 
 
 # ---------------------------------------------------------------------------------- cuBLAS
@@ -663,15 +663,15 @@ def _runtime():
     return runtime
 
 
-def _launch_failed(code):
-    """Raise the error of a failed launch of the C replay (CuPy's driver error where CuPy has it:
-    the Python path's launch raises that one)."""
+def _driver_failed(code, call="cuLaunchKernel"):
+    """Raise the error of a failed driver call (a launch of either replay, the capture query):
+    CuPy's driver error where CuPy has it (the Python replay's launch wrapper raises that one)."""
     try:
         from cupy_backends.cuda.api.driver import CUDADriverError
 
         error = CUDADriverError(code)  # it asks the driver for the code's name
     except Exception:  # noqa: BLE001 - no CuPy or no driver to name it: the code alone
-        error = RuntimeError(f"cuLaunchKernel failed with CUresult {code}")
+        error = RuntimeError(f"{call} failed with CUresult {code}")
     raise error
 
 
@@ -689,13 +689,7 @@ def stream_capturing(stream_ptr):
     status = ctypes.c_int(0)
     err = _cu_stream_is_capturing()(stream_ptr, ctypes.byref(status))
     if err:
-        try:
-            from cupy_backends.cuda.api.driver import CUDADriverError
-
-            error = CUDADriverError(err)
-        except Exception:  # noqa: BLE001 - no CuPy to name it: the code alone
-            error = RuntimeError(f"cuStreamIsCapturing failed with CUresult {err}")
-        raise error
+        _driver_failed(err, "cuStreamIsCapturing")
     return status.value != 0
 
 
@@ -711,6 +705,8 @@ class _NewLayout:
 
     def __init__(self, layout):
         self.layout = layout
+
+
 _UNBOUND = object()  # native_module() before its first call
 
 

@@ -6,9 +6,8 @@
  *   read each argument's layout and pointer (CuPy arrays and torch tensors of the exact base
  *   types, from the array's struct or the tensor's TensorImpl where _native.py found and checked
  *   the offsets, else through their attributes; anything else answers MISS and takes the Python
- *   path), find the plan of that layout (the
- *   newest replay's when every key equals its key, compared while reading, else the op's plan
- *   table), check written arrays against every other
+ *   path), find the plan of that layout (the newest replay's when every key equals its key,
+ *   compared while reading, else the op's plan table), check written arrays against every other
  *   argument from pointers alone (any range that touches hands the call to Plan.replay, which
  *   checks exactly), pick the stream (ropekv's stream rule, through _launch's own functions), enter
  *   the plan's device, allocate outputs (Plan.make_outputs), refill each launch's parameter record
@@ -76,8 +75,9 @@ enum { CUPY = 1, TORCH = 2 }; /* _arrays.CUPY / TORCH */
 static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *s_data_ptr,
     *s_stride, *s_get_device, *s_last, *s_native, *s_replay, *s_make_outputs, *s_result,
     *s_getDevice, *s_setDevice, *s_cupy_array, *s_torch_tensor, *s_current_stream_ptr,
-    *s_torch_stream_ptr, *s_runtime, *s_launch_failed, *s_np_bool, *s_np_dtype, *s_empties, *one,
-    *s_cublas_handle, *s_cublas_failed, *s_is_neg, *s_new_layout, *s_stream_capturing;
+    *s_torch_stream_ptr, *s_runtime, *s_driver_failed, *s_np_bool, *s_np_dtype, *s_empties, *one,
+    *s_cublas_handle, *s_cublas_failed, *s_is_neg, *s_new_layout, *s_stream_capturing,
+    *s_itemsize;
 
 /* ---- a plan's launches, as C data ----------------------------------------------------------- */
 
@@ -791,7 +791,7 @@ static PyObject *view_fields(PyObject *mod, PyObject *a) {
   if (v.torch) {
     item = v.item;
   } else {
-    PyObject *it = PyObject_GetAttrString(v.dtype, "itemsize");
+    PyObject *it = PyObject_GetAttr(v.dtype, s_itemsize);
     item = it ? PyLong_AsSsize_t(it) : -1;
     Py_XDECREF(it);
     if (item == -1 && PyErr_Occurred()) return NULL;
@@ -848,7 +848,6 @@ static PyObject *ptr_list(const uint64_t *ptrs, int n) {
   return list;
 }
 
-/* A call from Python's global dict `d` (a borrowed function) with one argument. */
 /* The function `name` of ropekv._launch (`d`: its globals) called with `arg` (NULL: none). */
 static PyObject *call_global(PyObject *d, PyObject *name, PyObject *arg) {
   PyObject *fn = PyDict_GetItemWithError(d, name);
@@ -939,7 +938,7 @@ static int launch_steps(Caller *self, NativePlan *plan, const uint64_t *ptrs, vo
       err = cu_launch_ex(&config, st->func, params, NULL);
       Py_END_ALLOW_THREADS
     }
-    if (err) return call_failed(self, s_launch_failed, err, "cuLaunchKernel failed with CUresult");
+    if (err) return call_failed(self, s_driver_failed, err, "cuLaunchKernel failed with CUresult");
   }
   return 0;
 }
@@ -1388,7 +1387,7 @@ PyMODINIT_FUNC PyInit__native_ext(void) {
   INTERN(s_current_stream_ptr, "current_stream_ptr");
   INTERN(s_torch_stream_ptr, "_torch_stream_ptr");
   INTERN(s_runtime, "_RUNTIME");
-  INTERN(s_launch_failed, "_launch_failed");
+  INTERN(s_driver_failed, "_driver_failed");
   INTERN(s_np_bool, "_NP_BOOL");
   INTERN(s_np_dtype, "_NP_DTYPE");
   INTERN(s_empties, "empties");
@@ -1397,6 +1396,7 @@ PyMODINIT_FUNC PyInit__native_ext(void) {
   INTERN(s_is_neg, "is_neg");
   INTERN(s_new_layout, "_NewLayout");
   INTERN(s_stream_capturing, "stream_capturing");
+  INTERN(s_itemsize, "itemsize");
   if (!(one = PyLong_FromLong(1))) return NULL;
   if (PyType_Ready(&NativePlanType) < 0 || PyType_Ready(&CallerType) < 0) return NULL;
   PyObject *m = PyModule_Create(&moduledef);

@@ -215,10 +215,12 @@ def test_replay_switches_to_the_plan_device_and_back(fakes):
     assert fakes.runtime.log == [0, 3] and fakes.runtime.current == 3
 
 
-@pytest.mark.parametrize("pdl", [False, True])
-def test_a_failed_launch_raises_the_driver_error_and_restores_the_device(fakes, pdl):
+@pytest.mark.parametrize(("replay", "pdl"), [("c", False), ("c", True), ("python", True)])
+def test_a_failed_launch_raises_the_driver_error_and_restores_the_device(fakes, replay, pdl):
+    """Both replays raise the same error (the Python replay's launch without PDL goes through
+    CuPy's wrapper, which raises CuPy's)."""
     fn, kw = CASES["qknorm"](53)
-    recorder = fakes("c")
+    recorder = fakes(replay)
     fn(**map_arrays(kw, hostcost.to_cupy), enable_pdl=pdl)
     fakes.runtime.current = 2
     recorder.fail = 700  # CUDA_ERROR_ILLEGAL_ADDRESS
