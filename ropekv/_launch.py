@@ -458,20 +458,23 @@ _NP_DTYPE = np.dtype  # (the C replay reads these two from this module)
 
 
 class Output:
-    """An array a call allocates: an output the caller gave none of, in the caller's array type,
-    or a ``workspace`` (a CuPy temporary on the launch stream, freed after the launches are
-    queued: CuPy's pool reuses it only behind them on that stream)."""
+    """An array a call allocates: an output the caller gave none of, or a temporary of the
+    launches (the fused QKV op's cuBLAS path), freed once they are queued. Both come from the
+    caller's allocator, torch's when an argument is a torch tensor, else CuPy's, on the launch
+    stream: the pool hands a freed temporary out again only behind those launches on that stream,
+    and a torch caller's temporaries stay in torch's pool (``torch.cuda.memory_allocated`` counts
+    them, ``torch.cuda.empty_cache`` returns them)."""
 
-    __slots__ = ("dtype", "shape", "size", "workspace")
+    __slots__ = ("dtype", "shape", "size")
 
-    def __init__(self, shape, dtype, workspace=False):
-        self.shape, self.dtype, self.workspace = tuple(shape), np.dtype(dtype), workspace
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.size = math.prod(self.shape)
 
     def allocate(self, kinds, device, stream_ptr, explicit=True):
         """On ``device`` (current) for a launch on ``stream_ptr``; ``explicit`` False says that
         stream is the caller's current one (CuPy's or torch's), where allocations already go."""
-        if kinds & ar.TORCH and not self.workspace:
+        if kinds & ar.TORCH:
             torch = sys.modules["torch"]
             where = "cpu" if device == ar.HOST else torch.device("cuda", device)
             if not explicit or device == ar.HOST:
@@ -480,7 +483,7 @@ class Output:
                 return torch.empty(self.shape, dtype=ar.torch_dtype(self.dtype), device=where)
         if device == ar.HOST:
             return np.empty(self.shape, self.dtype)
-        if explicit or kinds & ar.TORCH:  # CuPy's pool orders reuse on the stream it allocates on
+        if explicit:  # CuPy's pool orders reuse on the stream it allocates on
             with cupy_stream(stream_ptr, device):
                 return self._cupy()
         return self._cupy()
@@ -489,7 +492,7 @@ class Output:
         """This zero-size output, made once per process for its array type, device, shape and
         dtype (it holds nothing, so every call and plan may hand out the same one; a first call
         then allocates nothing for it)."""
-        key = (bool(kinds & ar.TORCH) and not self.workspace, device, self.shape, self.dtype)
+        key = (bool(kinds & ar.TORCH), device, self.shape, self.dtype)
         out = _EMPTY_OUTPUTS.get(key)
         if out is None:
             out = self.allocate(kinds, device, None, False)

@@ -718,7 +718,7 @@ def _prefill(fields, slots, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, de
         w_slot, w_ld = slots["weight"], vw.strides[0]
     else:
         w_slot, w_ld = (next_index, 0), K
-        workspaces.append(Output((N, K), dtype, workspace=True))
+        workspaces.append(Output((N, K), dtype))
         next_index += 1
         total = N * (K // 2 if fmt == W_INT4 else K)
         grid = min((total + DEQUANT_BLOCK - 1) // DEQUANT_BLOCK, 132 * 16)
@@ -728,16 +728,16 @@ def _prefill(fields, slots, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, de
     x_slot, x_ld = slots["hidden"], vx.strides[0]
     tmp = (next_index, 0)
     if k_dtype == dtype:
-        workspaces.append(Output((T, N), dtype, workspace=True))
+        workspaces.append(Output((T, N), dtype))
         steps.append(Gemm(w_slot, w_ld, x_slot, x_ld, tmp, N, N, T, K, dtype, dtype))
         isz = dtype.itemsize
         q_slot, q_ld = tmp, N
         k_slot, v_slot = (next_index, Hq * D * isz), (next_index, (Hq + Hkv) * D * isz)
         kv_ld = N
     else:
-        workspaces.append(Output((T, 2 * Hkv * D), k_dtype, workspace=True))
+        workspaces.append(Output((T, 2 * Hkv * D), k_dtype))
         if status:  # Q through a temporary of its own (the caller's out untouched on failure)
-            workspaces.append(Output((T, Hq * D), dtype, workspace=True))
+            workspaces.append(Output((T, Hq * D), dtype))
             q_slot, q_ld = (next_index + 1, 0), Hq * D
         else:
             q_slot, q_ld = slots["out"], fields["out_s0"]  # roped in place

@@ -820,3 +820,39 @@ def test_gpu_a_prefill_qkv_call_in_a_stream_capture_is_refused():
             stream.end_capture()
         fn(**args)
     stream.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("explicit", [False, True])
+def test_gpu_torch_prefill_qkv_temporaries_live_in_torchs_pool(explicit):
+    """A prefill QKV call with torch tensors takes its temporaries (the cuBLAS output) and its
+    new output from torch's caching allocator, on its launch stream (torch's current one, or
+    ``stream=``), not from CuPy's pool; its result matches the reference."""
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    from ropekv.bench import _to_torch
+    from tests.test_call_path import assert_same, copy_kw
+    from tests.tolerance import to_device
+
+    for o in _device_ops():
+        o.clear()
+    fn, kw = CASES["qkv"](66, **PREFILL["qkv"])
+    expected = copy_kw(kw)
+    out_expected = fn(**expected)
+    convert = lambda x: _to_torch(to_device(x))  # noqa: E731 (torch views of CuPy arrays)
+    extra = {"stream": torch.cuda.Stream()} if explicit else {}
+    fn(**map_arrays(copy_kw(kw), convert), **extra)  # plans
+    torch.cuda.synchronize()
+    args = map_arrays(copy_kw(kw), convert)
+    pool = cupy.get_default_memory_pool()
+    cupy_bytes = pool.total_bytes()
+    count = torch.cuda.memory_stats()["allocation.all.allocated"]
+    out = fn(**args, **extra)
+    made = torch.cuda.memory_stats()["allocation.all.allocated"] - count
+    torch.cuda.synchronize()
+    (plan,) = [p for o in _device_ops() for p in o.plans.values()]
+    assert any(type(s) is _launch.Gemm for s in plan.steps)
+    assert made == sum(1 for o in plan.outputs if o.size) >= 2  # out and the temporary, by torch
+    assert pool.total_bytes() == cupy_bytes  # CuPy's pool neither grew nor was used
+    assert_same(args, out, expected, out_expected, "qkv")

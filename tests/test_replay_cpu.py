@@ -207,6 +207,43 @@ def test_a_prefill_qkv_call_on_a_capturing_stream_is_refused(stubbed, monkeypatc
     assert len(stubbed.calls) == 4
 
 
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_prefill_temporaries_come_from_the_callers_allocator(kind, stubbed, monkeypatch):
+    """The cuBLAS path's temporaries (the GEMM's output, read by the epilogue) are allocated per
+    call from the caller's allocator: torch's for torch tensors (they stay in torch's pool), CuPy's
+    for CuPy arrays; the GEMM writes into the temporary of that very call, first call and
+    replay alike."""
+    monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device: 90)
+    convert = hostcost.to_cupy
+    allocated = []
+    if kind == "torch":
+        torch = fake_torch(monkeypatch)
+        convert = hostcost.to_torch
+        empty = torch.empty
+
+        def torch_empty(shape, dtype=None, device=None):
+            allocated.append(empty(shape, dtype, device))
+            return allocated[-1]
+
+        monkeypatch.setattr(torch, "empty", torch_empty)
+        monkeypatch.setattr(_launch.Output, "_cupy", lambda self: pytest.fail("CuPy allocated"))
+    else:
+        def cupy_empty(self):
+            allocated.append(hostcost.FakeCupyArray(np.empty(self.shape, self.dtype)))
+            return allocated[-1]
+
+        monkeypatch.setattr(_launch.Output, "_cupy", cupy_empty)
+    fn, kw = CASES["qkv"](45, **PREFILL["qkv"])
+    T = sum(PREFILL["qkv"]["lengths"])
+    for call in range(3):  # the first call, then replays
+        args = map_arrays(kw, convert)
+        del allocated[:]
+        fn(**args)
+        gemm = [c for c in stubbed.gemms.calls if c[0] == "gemm"][-1]
+        (temporary,) = [a for a in allocated if _ptr(a) == gemm[15]]  # the GEMM's C
+        assert tuple(temporary.shape) == (T, gemm[4])  # (T, N): Q|K|V
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_a_negated_torch_tensor_of_a_planned_layout_is_refused(op, stubbed, monkeypatch):
     """A lazy negation (``x.neg()``: a bit on the tensor, its bytes as they were) is not in the
