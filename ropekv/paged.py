@@ -27,7 +27,7 @@ from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._types import ArrayLike, DTypeLike, StreamLike
-from ropekv._vector import aligned, all_aligned, vector_width
+from ropekv._vector import vector_width, widest_aligned
 
 STEM = "paged"
 INT8 = reference.INT8  # int8 caches: with per-token-head scales only
@@ -749,12 +749,15 @@ def _prepare(views, flags):
     if T == 0 and vstatus is None:
         return Plan(device, outputs=outputs, written=written, inplace=inplace, result=result)
 
-    data = [*inputs, vc0, vc1, *given_outs]
+    # the widest n for which the data rows (and the table's) are aligned, read once for every
+    # width tried: all_aligned(data, n) is n <= widest
+    widest = widest_aligned((*inputs, vc0, vc1, *given_outs))
+    table_widest = widest_aligned((vt,))
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
-        return (rot and Dn % n == 0 and all_aligned(data, n)
-                and aligned(vt, n if is_neox else n // 2))
+        return (rot and Dn % n == 0 and n <= widest
+                and (n if is_neox else n // 2) <= table_widest)
 
     n = vector_width(vqr.dtype.itemsize, fits)
     if n is None:  # only interleaved RoPE with misaligned pointers can get here (R is even)
