@@ -1006,19 +1006,12 @@ class Op:
         (None: not cached) and launch it. The shared checks (writability, strides, overlap) see
         whole arrays, every layer of a multi-layer one: what a replay re-checks from pointers
         holds for every layer alike."""
-        views = ar.as_views(arrays, self.names, stream_ptr)
-        # element alignment before the op's own checks, which pick vector widths from alignment;
-        # the kinds of array in the same pass (one loop over the arguments, not two)
-        kinds = 0
-        cupy_array, torch_tensor = ar._CUPY_ARRAY, ar._TORCH_TENSOR
-        for a, v in zip(arrays, views):
-            if v is not None:
-                if v.device != ar.HOST and v.ptr % v.dtype.itemsize:  # misaligned: raises
-                    ck.check_element_aligned(v)  # (unless empty)
-                cls = a.__class__
-                kinds |= (ar.CUPY if cls is cupy_array else ar.TORCH if cls is torch_tensor
-                          else ar.TORCH if ar.is_torch(a) else ar.CUPY if ar.is_cupy(a)
-                          else ar.OTHER)
+        # the views and kinds of array in one pass over the arguments; element alignment, once
+        # every argument is read, before the op's own checks (they pick vector widths from it)
+        views, kinds, misaligned = ar.read_arguments(arrays, self.names, stream_ptr)
+        if misaligned is not None:
+            for v in misaligned:
+                ck.check_element_aligned(v)  # raises (unless empty)
         layers = None
         op_views = views
         if layer is not None:
