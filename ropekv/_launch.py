@@ -779,15 +779,23 @@ def native_plan(plan, n_args):
     serve it (no C replay, a step that is neither a :class:`Launch` nor a :class:`Gemm`, a GEMM
     without CuPy's cuBLAS at hand, a PDL launch without ``cuLaunchKernelEx``)."""
     module = native_module()
-    kinds = {type(s) for s in plan.steps}
-    if module is None or not kinds <= {Launch, Gemm}:
+    if module is None:
         return None
-    if Gemm in kinds and not _native_cublas(module):
+    steps, gemm, pdl = [], False, False  # the steps as C data, in one pass over them
+    for s in plan.steps:
+        cls = type(s)
+        if cls is Launch:
+            steps.append((s.func, s.grid, s.block, s.shared_mem, s.pdl, s.slots, s.tail))
+            pdl = pdl or s.pdl
+        elif cls is Gemm:
+            steps.append(((s.a, s.b, s.c), s.args))
+            gemm = True
+        else:
+            return None
+    if gemm and not _native_cublas(module):
         return None
-    if not _native_has_ex[0] and any(s.pdl for s in plan.steps if type(s) is Launch):
+    if pdl and not _native_has_ex[0]:
         return None
-    steps = [(s.func, s.grid, s.block, s.shared_mem, s.pdl, s.slots, s.tail) if type(s) is Launch
-             else ((s.a, s.b, s.c), s.args) for s in plan.steps]
     layers = plan.layers
     if layers is not None:
         layers = (layers.count, layers.strict, layers.strides)
