@@ -217,14 +217,20 @@ def _from_numpy(a, name):
 
 
 def _from_cupy(a, name):
-    """One pass over the byte strides gives the element strides, the size and the byte span (the
-    reader of every CuPy argument of a first call: _element_strides, _extent and the view
-    built without the keyword handling of a class call, in one)."""
+    """The view of a CuPy array: read from its struct where the C replay's ``view_fields`` takes
+    it, else from its attributes."""
     if _CUPY_ARRAY is _Never:
         _note_type(type(a), "cupy")
     fields = None if _VIEW_FIELDS[0] is None else _VIEW_FIELDS[0](a)
     if fields is not None:  # read from its struct
         return _struct_view(fields, name, fields[3], a)
+    return _cupy_attributes(a, name)
+
+
+def _cupy_attributes(a, name):
+    """The view of a CuPy array read from its attributes (no struct read): one pass over the byte
+    strides gives the element strides, the size and the byte span (_element_strides, _extent and
+    the view built without the keyword handling of a class call, in one)."""
     data, item = a.data, a.itemsize
     shape, byte_strides = a.shape, a.strides
     strides = []
@@ -492,14 +498,38 @@ def as_view(obj, name, stream_ptr=None):
                     f"{type(obj).__module__}.{type(obj).__qualname__}")
 
 
-def as_views(arrays, names, stream_ptr=None):
-    """:func:`as_view` of each array of ``arrays`` (named by ``names``); None stays None. CuPy
-    arrays and torch tensors of the exact base types go to their readers directly (a first call
-    reads every argument: one call less per array)."""
-    cupy_array, torch_tensor = _CUPY_ARRAY, _TORCH_TENSOR
-    return [None if a is None else _from_cupy(a, n) if a.__class__ is cupy_array
-            else _from_torch(a, n) if a.__class__ is torch_tensor else as_view(a, n, stream_ptr)
-            for a, n in zip(arrays, names)]
+def read_arguments(arrays, names, stream_ptr=None):
+    """A first call's arguments read in one pass: ``(views, kinds, misaligned)``, the
+    :func:`as_view` of each array of ``arrays`` (named by ``names``; None stays None), the OR of
+    their kinds (``CUPY`` / ``TORCH`` / ``OTHER``, as :func:`signature` gives them) and the device
+    arrays whose pointer is no multiple of their item size, in argument order (None when there is
+    none: the caller checks those once every argument is read, as it would in a pass of its own).
+
+    CuPy arrays and torch tensors of the exact base types go to their readers directly, a CuPy
+    array straight to its struct read when the C replay has one (a first call reads every
+    argument: a call less per array)."""
+    cupy_array, torch_tensor, fields_of = _CUPY_ARRAY, _TORCH_TENSOR, _VIEW_FIELDS[0]
+    views, kinds, misaligned = [], 0, None
+    for a, name in zip(arrays, names):
+        if a is None:
+            views.append(None)
+            continue
+        cls = a.__class__
+        if cls is cupy_array:
+            fields = None if fields_of is None else fields_of(a)
+            v = (_cupy_attributes(a, name) if fields is None
+                 else _struct_view(fields, name, fields[3], a))
+            kinds |= CUPY
+        elif cls is torch_tensor:
+            v = _from_torch(a, name)
+            kinds |= TORCH
+        else:
+            v = as_view(a, name, stream_ptr)
+            kinds |= TORCH if is_torch(a) else CUPY if is_cupy(a) else OTHER
+        if v.device != HOST and v.ptr % v.dtype.itemsize:
+            misaligned = [v] if misaligned is None else [*misaligned, v]
+        views.append(v)
+    return views, kinds, misaligned
 
 
 # ---- layout signatures: the key of a launch plan ---------------------------------------------

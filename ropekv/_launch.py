@@ -782,15 +782,23 @@ def native_plan(plan, n_args):
     serve it (no C replay, a step that is neither a :class:`Launch` nor a :class:`Gemm`, a GEMM
     without CuPy's cuBLAS at hand, a PDL launch without ``cuLaunchKernelEx``)."""
     module = native_module()
-    kinds = {type(s) for s in plan.steps}
-    if module is None or not kinds <= {Launch, Gemm}:
+    if module is None:
         return None
-    if Gemm in kinds and not _native_cublas(module):
+    steps, gemm, pdl = [], False, False  # the steps as C data, in one pass over them
+    for s in plan.steps:
+        cls = type(s)
+        if cls is Launch:
+            steps.append((s.func, s.grid, s.block, s.shared_mem, s.pdl, s.slots, s.tail))
+            pdl = pdl or s.pdl
+        elif cls is Gemm:
+            steps.append(((s.a, s.b, s.c), s.args))
+            gemm = True
+        else:
+            return None
+    if gemm and not _native_cublas(module):
         return None
-    if not _native_has_ex[0] and any(s.pdl for s in plan.steps if type(s) is Launch):
+    if pdl and not _native_has_ex[0]:
         return None
-    steps = [(s.func, s.grid, s.block, s.shared_mem, s.pdl, s.slots, s.tail) if type(s) is Launch
-             else ((s.a, s.b, s.c), s.args) for s in plan.steps]
     layers = plan.layers
     if layers is not None:
         layers = (layers.count, layers.strict, layers.strides)
@@ -1009,19 +1017,12 @@ class Op:
         (None: not cached) and launch it. The shared checks (writability, strides, overlap) see
         whole arrays, every layer of a multi-layer one: what a replay re-checks from pointers
         holds for every layer alike."""
-        views = ar.as_views(arrays, self.names, stream_ptr)
-        # element alignment before the op's own checks, which pick vector widths from alignment;
-        # the kinds of array in the same pass (one loop over the arguments, not two)
-        kinds = 0
-        cupy_array, torch_tensor = ar._CUPY_ARRAY, ar._TORCH_TENSOR
-        for a, v in zip(arrays, views):
-            if v is not None:
-                if v.device != ar.HOST and v.ptr % v.dtype.itemsize:  # misaligned: raises
-                    ck.check_element_aligned(v)  # (unless empty)
-                cls = a.__class__
-                kinds |= (ar.CUPY if cls is cupy_array else ar.TORCH if cls is torch_tensor
-                          else ar.TORCH if ar.is_torch(a) else ar.CUPY if ar.is_cupy(a)
-                          else ar.OTHER)
+        # the views and kinds of array in one pass over the arguments; element alignment, once
+        # every argument is read, before the op's own checks (they pick vector widths from it)
+        views, kinds, misaligned = ar.read_arguments(arrays, self.names, stream_ptr)
+        if misaligned is not None:
+            for v in misaligned:
+                ck.check_element_aligned(v)  # raises (unless empty)
         layers = None
         op_views = views
         if layer is not None:

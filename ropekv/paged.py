@@ -27,7 +27,7 @@ from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._types import ArrayLike, DTypeLike, StreamLike
-from ropekv._vector import aligned, all_aligned, vector_width
+from ropekv._vector import vector_width, widest_aligned
 
 STEM = "paged"
 INT8 = reference.INT8  # int8 caches: with per-token-head scales only
@@ -691,8 +691,7 @@ def _prepare(views, flags):
                             f"{view.dtype}")
     ck.check_last_dim_contiguous(*inputs, vt, vc0, vc1, *given_outs)
     device = ck.check_same_device(views)
-    written = [7, 8, *[i for i, x in ((13, vqro), (14, vqno), (17, vqso), (18, vksc), (19, vvsc),
-                                      (20, vstatus)) if x is not None]]
+    written = [i for i in _WRITTEN if views[i] is not None]  # (the caches are given: read above)
     inplace = [(0, 13), (2, 14)] if out_dtype == vqr.dtype else []  # fp8 outputs never alias q
     opts = vqso is not None or kv_dyn or vstatus is not None
     outputs, slot = [], 21  # new outputs' pointers follow the 21 arguments
@@ -749,12 +748,15 @@ def _prepare(views, flags):
     if T == 0 and vstatus is None:
         return Plan(device, outputs=outputs, written=written, inplace=inplace, result=result)
 
-    data = [*inputs, vc0, vc1, *given_outs]
+    # the widest n for which the data rows (and the table's) are aligned, read once for every
+    # width tried: all_aligned(data, n) is n <= widest
+    widest = widest_aligned((*inputs, vc0, vc1, *given_outs))
+    table_widest = widest_aligned((vt,))
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
-        return (rot and Dn % n == 0 and all_aligned(data, n)
-                and aligned(vt, n if is_neox else n // 2))
+        return (rot and Dn % n == 0 and n <= widest
+                and (n if is_neox else n // 2) <= table_widest)
 
     n = vector_width(vqr.dtype.itemsize, fits)
     if n is None:  # only interleaved RoPE with misaligned pointers can get here (R is even)
@@ -806,12 +808,9 @@ def _prepare(views, flags):
         "mrope_w": sections[2] if sections else 0, "mrope_interleaved": int(mrope_interleaved)}
     if opts:  # the fields OPTS_PARAMS adds (Launch reads only its struct's fields)
         values.update(scale_st, T=T)
-    slots = {"q_rope": (0, 0), "k_rope": (1, 0), "q_nope": (2, 0), "k_nope": (3, 0),
-             "v": (4, 0), "cos_sin": (5, 0), "pos_ids": (6, 0), "kr_cache": kr[0],
-             "kn_cache": kn[0], "v_cache": vd[0], "kv_indices": (9, 0), "kv_indptr": (10, 0),
-             "batch_indices": (11, 0), "positions": (12, 0), "q_rope_out": (out_slots[0], 0),
-             "q_nope_out": (out_slots[1], 0), "q_scales": (15, 0), "kv_scales": (16, 0),
-             "q_scale_out": (17, 0), "k_scales": (18, 0), "v_scales": (19, 0), "status": (20, 0)}
+    slots = dict(_ARGUMENT_SLOTS)  # and those that depend on the call:
+    slots["kr_cache"], slots["kn_cache"], slots["v_cache"] = kr[0], kn[0], vd[0]
+    slots["q_rope_out"], slots["q_nope_out"] = (out_slots[0], 0), (out_slots[1], 0)
     launch = Launch(STEM, expression(vqr.dtype, out_dtype, is_neox, n, shape, bool(sections),
                                      opts),
                     device, (max(T, 1), splits), (block,), OPTS_PARAMS if opts else PARAMS, values,
@@ -820,6 +819,14 @@ def _prepare(views, flags):
                 result=result)
 
 
+# made once (a first call copies or reads them): the arguments written when given (the caches
+# always), the pointer fields' slots that are the same for every call (an argument at offset 0)
+_WRITTEN = (7, 8, 13, 14, 17, 18, 19, 20)
+_ARGUMENT_SLOTS = {
+    "q_rope": (0, 0), "k_rope": (1, 0), "q_nope": (2, 0), "k_nope": (3, 0), "v": (4, 0),
+    "cos_sin": (5, 0), "pos_ids": (6, 0), "kv_indices": (9, 0), "kv_indptr": (10, 0),
+    "batch_indices": (11, 0), "positions": (12, 0), "q_scales": (15, 0), "kv_scales": (16, 0),
+    "q_scale_out": (17, 0), "k_scales": (18, 0), "v_scales": (19, 0), "status": (20, 0)}
 _NO_OPTIONS = dict.fromkeys(("qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se",
                              "vs_sh"), 0)  # _check_options without options (read, never written)
 _NAMES = ("q_rope", "k_rope", "q_nope", "k_nope", "v", "cos_sin_cache", "pos_ids")

@@ -432,3 +432,56 @@ def test_python_replay_builds_its_record_once_for_threads(monkeypatch):
         assert a >> 32 == stream and b == a + 256 + 16 and c == a + 512
     assert launch.owner in {th.ident for th in threads}
     assert bytes(launch.rec)[24:] == struct.pack("=i", 5) + bytes(len(launch.rec) - 28)
+
+
+def _misaligned(x, offset=1):
+    """A fake CuPy array of ``x``'s layout, its pointer moved by ``offset`` bytes."""
+    a = hostcost.FakeCupyArray(x)
+    a.data = hostcost._Data(a.data.ptr + offset, 0)
+    return a
+
+
+@pytest.mark.parametrize("struct_reads", [False, True])
+def test_read_arguments_is_each_view_and_the_kinds(stubbed, monkeypatch, struct_reads):
+    """A first call's one pass over its arguments gives each argument's as_view, the kinds
+    signature() gives, and the misaligned device arrays in argument order (empty ones too: their
+    checker lets them pass)."""
+    torch = fake_torch(monkeypatch)
+    f16 = np.zeros((4, 8), np.float16)
+    arrays = [hostcost.FakeCupyArray(f16), None, np.zeros(3, np.int32), _misaligned(f16),
+              torch.Tensor(np.zeros((2, 2), np.float32)), _misaligned(f16[:0]), None]
+    names = [f"a{i}" for i in range(len(arrays))]
+    if struct_reads:  # as the C replay's view_fields reads a CuPy array (the others: None)
+        def fields(a):
+            if a.__class__ is not hostcost.FakeCupyArray:
+                return None
+            v = ar._cupy_attributes(a, "x")
+            return (v.ptr, v.shape, v.strides, v.dtype, v.device, v.size, *v.span)
+
+        monkeypatch.setattr(ar, "_VIEW_FIELDS", [fields])
+    views, kinds, misaligned = ar.read_arguments(arrays, names)
+    for a, n, v in zip(arrays, names, views):
+        if a is None:
+            assert v is None
+            continue
+        w = ar.as_view(a, n)
+        assert [getattr(v, k) for k in ar.ArrayView.__slots__] == \
+            [getattr(w, k) for k in ar.ArrayView.__slots__]
+    assert kinds == ar.signature(arrays, names, None)[2] == ar.CUPY | ar.TORCH | ar.OTHER
+    assert misaligned == [views[3], views[5]]
+    assert ar.read_arguments(arrays[:3], names[:3])[2] is None  # none misaligned
+
+
+@pytest.mark.parametrize("op", ["paged", "qknorm"])
+def test_first_misaligned_argument_is_named_once_all_are_read(op, stubbed):
+    """Element alignment is checked once every argument is read, in argument order: an empty
+    misaligned array passes, the first non-empty one is named, and an argument that cannot be
+    read at all is named before any misaligned one."""
+    fn, kw = CASES[op](40)
+    dev = map_arrays(kw, hostcost.to_cupy)
+    first, second = [n for n, x in kw.items() if isinstance(x, np.ndarray) and x.itemsize > 1
+                     and x.size][:2]
+    with pytest.raises(BufferError, match=f"^{second} starts at address"):
+        fn(**{**dev, first: _misaligned(kw[first][:0]), second: _misaligned(kw[second])})
+    with pytest.raises(TypeError, match=f"^{second} must be a NumPy array"):
+        fn(**{**dev, first: _misaligned(kw[first]), second: object()})
