@@ -553,18 +553,12 @@ class Plan:
         self.layers = None  # a Layers when the plan serves multi-layer arrays (layer_idx)
         self.native = None  # its launches as C data, when the C replay serves it (_native.c)
 
-    def finish(self, views, pairs=None):
-        """Record what the replay's overlap check needs (from the first call): the written arrays'
-        pairs with their byte spans, ``pairs`` when :func:`ropekv._checks.check_no_overlap` gave
-        them for these views and ``written``, and the layouts of the arrays."""
+    def finish(self, views, pairs):
+        """Record what the replay's overlap check needs (from the first call): the layouts of the
+        arrays, and ``pairs``, the written arrays' pairs with their byte spans as
+        :func:`ropekv._checks.check_no_overlap` gave them for these views and ``written``."""
         self.views_layout = [None if v is None else (v.shape, v.strides, v.dtype.itemsize)
                              for v in views]
-        if pairs is None:
-            spans = [None if v is None or v.size == 0 else v.span for v in views]
-            given = [j for j, span in enumerate(spans) if span]  # the arrays given, not empty
-            written = self.written
-            pairs = [(i, j, *spans[i], *spans[j]) for i in written if spans[i] for j in given
-                     if j != i and not (j < i and j in written)]
         self.pairs = pairs
 
     def make_outputs(self, kinds, stream_ptr, explicit):

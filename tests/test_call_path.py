@@ -500,17 +500,20 @@ def test_param_struct_tail_is_the_record_past_its_pointers(monkeypatch):
 
 
 def test_overlap_check_gives_the_plans_pairs():
-    """check_no_overlap returns the pairs Plan.finish would build itself (written array against
-    every other argument given and not empty, each written pair once), in the same order."""
+    """check_no_overlap returns the pairs a plan's replay re-checks: each written array against
+    every other argument given and not empty, each written pair once, in that order, with their
+    byte spans relative to their pointers."""
     buf = np.zeros(4096, np.uint8)
     arrays = [buf[0:64], None, buf[128:256].view(np.float16), buf[256:256], buf[512:1024],
               buf[1024:1032].view(np.int32), None, buf[2048:4096].view(np.float32)]
     views = [None if a is None else ar.as_view(a, f"a{i}") for i, a in enumerate(arrays)]
+    spans = [None if v is None or v.size == 0 else v.span for v in views]
+    given = [j for j, span in enumerate(spans) if span]  # the arrays given, not empty
     for written in [(0,), (4, 7), (7, 0, 4), (3, 2), (2, 3, 5)]:
         pairs = ck.check_no_overlap(views, written)
+        assert pairs == [(i, j, *spans[i], *spans[j]) for i in written if spans[i] for j in given
+                         if j != i and not (j < i and j in written)]
         plan = _launch.Plan(ar.HOST, written=written)
-        plan.finish(views)  # builds them itself
-        assert pairs == plan.pairs
         plan.finish(views, pairs)
         assert plan.pairs is pairs
         assert plan.views_layout[2] == (views[2].shape, views[2].strides, 2)
