@@ -385,7 +385,7 @@ def check_ragged_paged(offsets, cache_lengths, block_table):
     ``input_row_offsets`` int32 or uint32 ``(B + 1,)``, ``cache_lengths`` int32 ``(B,)`` and
     ``block_table`` int32 ``(B, max_pages)`` (rows may be strided). Returns ``(B, max_pages)``.
     """
-    if _common_ragged_paged(offsets, cache_lengths, block_table):
+    if common_ragged_paged(offsets, cache_lengths, block_table):
         return block_table.shape
     check_ndim(offsets, 1, "(B + 1,)")
     check_dtype(offsets, (INT32, UINT32))
@@ -404,11 +404,12 @@ def check_ragged_paged(offsets, cache_lengths, block_table):
     return B, block_table.shape[1]
 
 
-def _common_ragged_paged(offsets, cache_lengths, block_table):
+def common_ragged_paged(offsets, cache_lengths, block_table):
     """Whether the index arrays have the common valid layout, which the checkers of
-    :func:`check_ragged_paged` would pass (it runs on every first call): offsets int32 or uint32
-    and lengths int32, both 1-D of stride 1, the table int32 ``(B, max_pages)`` with rows of
-    stride 1. Each array is read only once those before it pass, as the checkers read them."""
+    :func:`check_ragged_paged` (and the fused QKV op's own, ``qkv._check_ragged``) would pass:
+    offsets int32 or uint32 and lengths int32, both 1-D of stride 1, the table int32
+    ``(B, max_pages)`` with rows of stride 1. Each array is read only once those before it pass,
+    as the checkers read them (this runs on every first call)."""
     shape = offsets.shape
     return (len(shape) == 1 and offsets.dtype in _OFFSET_DTYPES and offsets.strides == UNIT_STRIDE
             and shape[0] >= 1 and cache_lengths.shape == (shape[0] - 1,)

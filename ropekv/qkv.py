@@ -244,9 +244,6 @@ def _check_ragged(voff, vlen, vbt):
     ck.check_dtype(vbt, (INT32,))
 
 
-_OFFSET_DTYPES = (INT32, UINT32)
-
-
 def _check_contiguous(view):
     # empty arrays may carry stride 0, which ArrayView.is_c_contiguous reads as strided
     if view.size:
@@ -448,10 +445,7 @@ def _prepare(views, flags):
     fmt = _check_weight(vw, vws, vzp, group_size, dtype, N, K)
     G = group_size if fmt == W_INT4 else None
 
-    if not (len(voff.shape) == 1 and voff.shape[0] >= 1 and voff.dtype in _OFFSET_DTYPES
-            and voff.strides == ck.UNIT_STRIDE and vlen.shape == (voff.shape[0] - 1,)
-            and vlen.dtype == INT32 and vlen.strides == ck.UNIT_STRIDE and len(vbt.shape) == 2
-            and vbt.shape[0] == voff.shape[0] - 1 and vbt.dtype == INT32):
+    if not ck.common_ragged_paged(voff, vlen, vbt):
         _check_ragged(voff, vlen, vbt)
     B = voff.shape[0] - 1
 

@@ -1,6 +1,7 @@
 """The shortcuts a first call's validation takes: ``_vector.widest_aligned`` against
 ``all_aligned`` for every width, ``check_ragged_paged`` and ``check_float`` with their common-case
-test against their checkers alone (the same result, or the same error and message)."""
+test against their checkers alone (the same result, or the same error and message); the fused QKV
+op's ragged-array checkers pass whatever that common-case test passes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from ropekv import _checks as ck
+from ropekv import qkv
 from ropekv._arrays import ArrayView
 from ropekv._vector import all_aligned, widest_aligned
 
@@ -80,7 +82,9 @@ def _index_arrays():
 @pytest.mark.parametrize("arrays", list(_index_arrays()))
 def test_check_ragged_paged_shortcut_is_its_checkers(arrays, monkeypatch):
     shortcut = _outcome(ck.check_ragged_paged, *arrays)
-    monkeypatch.setattr(ck, "_common_ragged_paged", lambda *a: False)
+    if ck.common_ragged_paged(*arrays):  # the fused QKV op's checkers pass it too
+        assert _outcome(qkv._check_ragged, *arrays) == (type(None), None)
+    monkeypatch.setattr(ck, "common_ragged_paged", lambda *a: False)
     assert shortcut == _outcome(ck.check_ragged_paged, *arrays)
 
 
