@@ -5,27 +5,6 @@ from __future__ import annotations
 from math import gcd
 
 
-def aligned(view, n_elements):
-    """True when ``view``'s pointer and every stride but the last are multiples of an access of
-    ``n_elements`` (capped at 16 bytes), so row starts stay aligned for that access."""
-    return all_aligned((view,), n_elements)
-
-
-def all_aligned(views, n_elements):
-    """``aligned(view, n_elements)`` for every view of ``views`` (one loop, no generator)."""
-    for view in views:
-        item = view.dtype.itemsize
-        access = n_elements * item
-        if access > 16:  # noqa: PLR1730 - not min(): this runs per array of every first call
-            access = 16
-        if view.ptr % access:
-            return False
-        for s in view.strides[:-1]:
-            if s * item % access:
-                return False
-    return True
-
-
 def vector_width(itemsize, fits, widths=(8, 4, 2, 1)):
     """The widest ``n`` (in elements of ``itemsize`` bytes, at most 16 bytes) with ``fits(n)``, or
     None when no width fits."""
@@ -36,8 +15,11 @@ def vector_width(itemsize, fits, widths=(8, 4, 2, 1)):
 
 
 def widest_aligned(views):
-    """The largest ``n`` with ``all_aligned(views, n)`` for every power of two up to it (16:
-    every width), in one pass: a first call that tries several widths reads each view once.
+    """The widest access every view of ``views`` is aligned for, in elements (16: every width): a
+    power of two ``n`` fits exactly when ``n <= widest_aligned(views)``, that is when each view's
+    pointer and every stride but its last are multiples of an access of ``n`` elements (capped at
+    16 bytes), so row starts stay aligned for it. One pass: a first call that tries several
+    widths reads each view once.
 
     An access of ``min(n * itemsize, 16)`` bytes (a power of two) divides a pointer and every
     stride but the last exactly when it divides their bitwise or (or their gcd: both have the

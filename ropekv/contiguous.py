@@ -448,7 +448,7 @@ def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope
     vout = vq if vqo is None else vqo
 
     # the widest n for which the data rows (and the table's) are aligned, read once for every
-    # width tried: all_aligned(data, n) is n <= widest
+    # width tried (widest_aligned)
     widest = widest_aligned((vq, vk, vv, vc) if vout is vq else (vq, vk, vv, vc, vout))
     table_widest = widest_aligned((vt,))
 

@@ -322,7 +322,7 @@ def _prepare(views, flags):
     vout = vgiven if vgiven is not None else vq  # a new output is laid out (and aligned) as q
 
     # the widest n for which the data rows (and the table's) are aligned, read once for every
-    # width tried: all_aligned(data, n) is n <= widest
+    # width tried (widest_aligned)
     widest = widest_aligned((vq, vkv, vg, *caches) if vout is vq else
                             (vq, vout, vkv, vg, *caches))
     table_widest = widest_aligned((vt,))

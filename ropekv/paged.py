@@ -749,7 +749,7 @@ def _prepare(views, flags):
         return Plan(device, outputs=outputs, written=written, inplace=inplace, result=result)
 
     # the widest n for which the data rows (and the table's) are aligned, read once for every
-    # width tried: all_aligned(data, n) is n <= widest
+    # width tried (widest_aligned)
     widest = widest_aligned((*inputs, vc0, vc1, *given_outs))
     table_widest = widest_aligned((vt,))
 

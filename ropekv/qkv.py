@@ -48,7 +48,7 @@ from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import AS_IS, FLAG, KEY, Gemm, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_status
 from ropekv._types import ArrayLike, StreamLike
-from ropekv._vector import aligned, all_aligned
+from ropekv._vector import widest_aligned
 
 STEM = "qkv"
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
@@ -685,13 +685,15 @@ def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, opts=False)
 def _epilogue_width(vout, vk, vv, vt, D, R, is_neox):
     """Widest vector for the prefill epilogue, or None (then the GEMV path runs instead). A new
     ``out`` (None here) is contiguous and aligned for every width that divides D."""
-    data = (vk, vv) if vout is None else (vout, vk, vv)
+    # the widest n for which the rows (and the table's) are aligned, read once for every width
+    widest = widest_aligned((vk, vv) if vout is None else (vout, vk, vv))
+    table_widest = 16 if vt is None else widest_aligned((vt,))
     for n in EPILOGUE_WIDTHS:
         if vt is not None:
             rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
-            if not rot or (D - R) % n or not aligned(vt, n if is_neox else max(n // 2, 1)):
+            if not rot or (D - R) % n or (n if is_neox else max(n // 2, 1)) > table_widest:
                 continue
-        if D % n == 0 and all_aligned(data, n):
+        if D % n == 0 and n <= widest:
             return n
     return None
 

@@ -15,11 +15,21 @@ import pytest
 from ropekv import _checks as ck
 from ropekv import qkv
 from ropekv._arrays import ArrayView
-from ropekv._vector import all_aligned, widest_aligned
+from ropekv._vector import widest_aligned
 
 
 def view(name, ptr, shape, strides, dtype, device=0):
     return ArrayView(name, ptr, tuple(shape), tuple(strides), np.dtype(dtype), device)
+
+
+def all_aligned(views, n_elements):
+    """The definition: every view's pointer and every stride but its last are multiples of an
+    access of ``n_elements`` (capped at 16 bytes)."""
+    for v in views:
+        access = min(16, n_elements * v.dtype.itemsize)
+        if v.ptr % access or any(s * v.dtype.itemsize % access for s in v.strides[:-1]):
+            return False
+    return True
 
 
 def test_widest_aligned_is_all_aligned():
