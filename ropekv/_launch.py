@@ -531,7 +531,7 @@ class Plan:
     outputs)`` gives the op's return value; ``host(views, output_views)`` runs the NumPy backend
     (device ``HOST``). ``cacheable`` False keeps the plan out of the cache (a one-off layout).
     ``capture_refusal``: the ValueError message of a call on a stream being captured into a CUDA
-    graph, for plans a graph cannot hold (workspaces freed when the call returns).
+    graph, for plans a graph cannot hold (temporaries freed when the call returns).
     """
 
     def __init__(self, device, steps=(), *, outputs=(), written=(), inplace=(), result=None,

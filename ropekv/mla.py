@@ -78,8 +78,6 @@ def check_output(out, src):
     ck.check_last_dim_contiguous(out)
 
 
-
-
 def cache_scale(kv_scale, cache_dtype, name="kv_scale"):
     """The dequantization scale of an fp8 cache (1.0 by default); None for 16-bit caches."""
     if cache_dtype in FP8_DTYPES:
