@@ -192,7 +192,8 @@ def function_pointer(stem, expression, device, shared_mem=0):
 
     kernel = get_kernel(stem, expression, device)
     with cupy.cuda.Device(device):
-        if shared_mem > 48 * 1024:
+        # past 48 KiB of shared memory a block (static included) needs the kernel's opt-in
+        if shared_mem and shared_mem + kernel.shared_size_bytes > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = shared_mem
         return kernel.kernel.ptr
 

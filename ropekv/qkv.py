@@ -8,6 +8,12 @@ Three paths, picked by the token count T:
   16-byte loads): ``qkv_mma``, one launch of tensor-core
   (``mma.sync``) weight streaming, split-K over a cluster of CTAs (MMA_SPLIT) reduced through distributed
   shared memory, with the epilogue (RoPE, Q to ``out``, K/V quantized into their pages) fused.
+  From ``TILED_MIN_TOKENS`` tokens on, fp8 (and fp16 / bf16) weights with K a whole number of
+  stages (``TILED_BK``) run ``qkv_mma_tiled`` instead: the same split and epilogue, with the
+  weights and hidden rows staged in shared memory (cp.async, ``TILED_STAGES`` deep) and shared
+  by all the warps of a CTA. (With fp16 / bf16 weights the tensor-core path ends at
+  ``MMA_MAX_TOKENS`` = 16 tokens, below ``TILED_MIN_TOKENS``: from there cuBLAS + the epilogue is
+  faster, so the tiled kernel runs for them only when ``MMA_MAX_TOKENS`` is raised.)
 * decode otherwise (``T <= GEMV_MAX_TOKENS``): ropekv's own weight-streaming skinny GEMM
   (``qkv_gemv``), one launch: every weight byte is read once, accumulation is float32, and the
   epilogue ropes and writes Q to ``out`` and K/V to their pages.
@@ -17,7 +23,8 @@ Three paths, picked by the token count T:
   (``qkv_dequant``) into a temporary ``(N, K)`` buffer.
 
 ``status=`` and ``clear_unused_last_page_rows`` run each path's options kernel (``qkv_gemv``,
-``qkv_mma`` and ``qkv_epilogue`` with their ``OPTS`` flag; the plain ones compile them out). With
+``qkv_mma``, ``qkv_mma_tiled`` and ``qkv_epilogue`` with their ``OPTS`` flag; the plain ones
+compile them out). With
 ``status`` the offsets are validated in the launch that writes: the fused kernels before their
 epilogue, the prefill path in ``qkv_epilogue``, its GEMMs then writing only temporaries (Q too).
 """
@@ -80,6 +87,24 @@ MMA_MAX_TOKENS_QUANTIZED = 128
 # Token tiles: the smallest of MMA_TILES holding T, else several of the largest (adjacent CTAs,
 # so the weights they share come from L2).
 MMA_TILES = (8, 16, 32, 64)
+# qkv_mma_tiled (tensor-core path calls of at least TILED_MIN_TOKENS tokens, fp8 or fp16 / bf16
+# weights): token tiles of TILED_TILES up to TILED_MAX_TILE (as above), 2 x tile / 32 warps a
+# CTA; TILED_STAGES stages of TILED_BK k values in shared memory; split-K over clusters of the
+# largest of TILED_SPLITS (at most TILED_SPLIT) that keeps the grid within one wave of
+# TILED_CTAS_PER_SM CTAs an SM: a weight-streaming kernel is as fast as its busiest SM. Measured
+# on the H200 (docs/kernel-notes.md), Llama-3-8B projection, fp8 weights: 24.0 / 42.1 us at 64 /
+# 128 tokens against qkv_mma's 48.5 / 72.1 (graph replay); at 16 tokens 17.4 against 18.1. With
+# fp16 weights cuBLAS + the epilogue stays faster from 24 tokens on (24.6 against 28.3 at 64).
+TILED_MIN_TOKENS = 17
+TILED_TILES = (32, 64, 128)
+TILED_MAX_TILE = 64
+TILED_STAGES = 3
+TILED_KGROUPS = 1  # warp groups along k (1 or 2): 2 x tile / 32 x TILED_KGROUPS warps a CTA
+TILED_SPLIT = 8
+TILED_SPLITS = (1, 2, 4, 8)  # the compiled cluster sizes
+TILED_CTAS_PER_SM = 2  # at 3 stages (shared memory)
+TILED_FORMATS = (W_DENSE, W_FP8)
+TILED_BK = {W_DENSE: 64, W_FP8: 128}  # k values per stage (128-byte weight rows), as in qkv.cu
 MMA_ROWS, MMA_WARPS = 128, 4  # mirror qkv.cu
 # CTAs per cluster (the split of K). 4 and 8 measured the same on the H200 (the block scheduler
 # fills one GPC after the other with clusters either way).
@@ -143,6 +168,12 @@ def mma_expression(dtype, fmt, tn, split, opts=False):
 
 
 @functools.cache
+def tiled_expression(dtype, fmt, tn, split, stages, kgroups, opts=False):
+    return name_expression("qkv_mma_tiled", c_type(dtype), fmt, tn, split, stages, kgroups,
+                           c_bool(opts))
+
+
+@functools.cache
 def epilogue_expression(dtype, cache_dtype, k_dtype, n, opts=False):
     return name_expression("qkv_epilogue", c_type(dtype), c_type(cache_dtype), c_type(k_dtype), n,
                            c_bool(opts))
@@ -163,6 +194,8 @@ def instantiations():
                     yield gemv_expression(dtype, fmt, vb, tt, fast=False, opts=opts)
         for fmt, tn, split in itertools.product((W_DENSE, W_FP8, W_INT4), MMA_TILES, MMA_SPLITS):
             yield mma_expression(dtype, fmt, tn, split, opts)
+        for fmt, tn, split in itertools.product(TILED_FORMATS, TILED_TILES, TILED_SPLITS):
+            yield tiled_expression(dtype, fmt, tn, split, TILED_STAGES, TILED_KGROUPS, opts)
         for cache_dtype, n in itertools.product((dtype, *FP8_DTYPES), EPILOGUE_WIDTHS):
             yield epilogue_expression(dtype, cache_dtype, dtype, n, opts)
             if cache_dtype in FP8_DTYPES:
@@ -404,6 +437,8 @@ def fused_qkv_matmul_append_paged_kv_cache(
                (num_q_heads, is_neox, kv_layout, kv_scale, group_size, enable_pdl,
                 GEMV_MAX_TOKENS, FAST_INT4, MMA_MIN_TOKENS, MMA_MAX_TOKENS,
                 MMA_MAX_TOKENS_QUANTIZED, MMA_SPLIT,
+                (TILED_MIN_TOKENS, TILED_MAX_TILE, TILED_STAGES, TILED_SPLIT,
+                 TILED_CTAS_PER_SM, TILED_KGROUPS),
                 clear_unused_last_page_rows),
                stream, layer_idx)
 
@@ -411,7 +446,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
 def _prepare(views, flags):
     """Validate a first call; the launch plan (GEMV or cuBLAS path) or the NumPy backend run."""
     (num_q_heads, is_neox, kv_layout, kv_scale, group_size, pdl, gemv_max, fast_int4, mma_min,
-     mma_max, mma_max_quantized, mma_split, clear) = flags
+     mma_max, mma_max_quantized, mma_split, tiled, clear) = flags
     vx, vw, voff, vlen, vbt, vk, vv, vt, vws, vzp, vout, vstatus = views
 
     # Tests of the common case first, read in the checkers' order; the checkers (which raise
@@ -525,7 +560,7 @@ def _prepare(views, flags):
     opts = bool(clear or vstatus is not None)  # the kernels that read the options
 
     if T and mma_min <= T <= (mma_max if fmt == W_DENSE else mma_max_quantized):
-        step = _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split, opts)
+        step = _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split, tiled, opts)
         if step is not None:
             return Plan(device, [step], outputs=outputs, written=written, result=_result)
     # decode, no vector width for the prefill epilogue, or status= with no tokens (one block of
@@ -635,6 +670,13 @@ def _compute_capability(device):
     return int(cupy.cuda.Device(device).compute_capability)
 
 
+@functools.cache
+def _sm_count(device):
+    import cupy
+
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
 def mma_applies(K, D, fmt, group_size, compute_capability=90):
     """Whether the shape can run the tensor-core path (given 16-byte aligned weight rows and hidden
     rows, checked per call): thread-block clusters (sm_90), whole heads in a 128-row tile, K in
@@ -659,16 +701,57 @@ def _mma_smem(tn, kc):
     return max(tn * xs_stride * 2, tn * (MMA_ROWS + 4) * 4)
 
 
-def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, opts=False):
-    """The tensor-core launch, or None where it does not apply."""
+def _tiled_smem(tn, stages, fmt):
+    """Dynamic shared memory of qkv_mma_tiled: the stages (128-byte weight rows, hidden rows of
+    TILED_BK values), later the float32 partial sums."""
+    return max(stages * (MMA_ROWS * 128 + tn * TILED_BK[fmt] * 2), tn * (MMA_ROWS + 4) * 4)
+
+
+def _tiled_split(tiles, split, wave):
+    """The largest of TILED_SPLITS up to ``split`` whose grid of ``tiles`` clusters fits one wave
+    of ``wave`` CTAs (1 when none does)."""
+    best = 1
+    for s in TILED_SPLITS:
+        if s <= split and tiles * s <= wave:
+            best = s
+    return best
+
+
+def tiled_applies(K, fmt, T, tiled_min=None):
+    """Whether a call that takes the tensor-core path runs qkv_mma_tiled: fp16 / bf16 or fp8
+    weights, at least ``tiled_min`` (TILED_MIN_TOKENS) tokens, K slices of whole stages."""
+    tiled_min = TILED_MIN_TOKENS if tiled_min is None else tiled_min
+    return fmt in TILED_BK and T >= tiled_min and K % TILED_BK[fmt] == 0
+
+
+def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts=False):
+    """The tensor-core launch (qkv_mma, or qkv_mma_tiled from ``tiled``'s token count on for
+    fp16 / bf16 weights), or None where it does not apply."""
     G = fields["group_size"]
+    tiled_min, max_tile, stages, tiled_split, per_sm, kgroups = tiled
     if split not in MMA_SPLITS:
         raise ValueError(f"ropekv.qkv.MMA_SPLIT must be one of {MMA_SPLITS}, got {split}")
+    if tiled_split not in TILED_SPLITS:
+        raise ValueError(f"ropekv.qkv.TILED_SPLIT must be one of {TILED_SPLITS}, got "
+                         f"{tiled_split}")
     if not mma_applies(K, D, fmt, G, _compute_capability(device)):
         return None
     if not (vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
             and vx.ptr % 16 == 0 and (T == 1 or vx.strides[0] % 8 == 0)):
         return None
+    if tiled_applies(K, fmt, T, tiled_min):
+        for tn in TILED_TILES:  # as below, up to max_tile
+            if tn >= T or tn >= max_tile:
+                break
+        tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
+        tiled_split = _tiled_split(tiles, tiled_split, per_sm * _sm_count(device))
+        bk = TILED_BK[fmt]
+        kc = -(-(-(-K // tiled_split)) // bk) * bk
+        return Launch(STEM, tiled_expression(vx.dtype, fmt, tn, tiled_split, stages, kgroups,
+                                             opts),
+                      device, (tiled_split, tiles), (2 * tn * kgroups,), PARAMS,
+                      {**fields, "kc": kc}, slots, shared_mem=_tiled_smem(tn, stages, fmt),
+                      pdl=pdl)
     for tn in MMA_TILES:  # the smallest tile that holds T tokens, else the largest (no generator)
         if tn >= T:
             break
@@ -773,4 +856,4 @@ _OP = Op("fused_qkv_matmul_append_paged_kv_cache", ARRAYS, _prepare,
                 *((name, AS_IS) for name in ("GEMV_MAX_TOKENS", "FAST_INT4", "MMA_MIN_TOKENS",
                                              "MMA_MAX_TOKENS", "MMA_MAX_TOKENS_QUANTIZED",
                                              "MMA_SPLIT")),
-                ("clear_unused_last_page_rows", FLAG)])
+                ("TILED_*", AS_IS), ("clear_unused_last_page_rows", FLAG)])

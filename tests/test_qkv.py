@@ -460,6 +460,11 @@ def test_instantiations_cover_every_dispatch():
                 assert qkv_mod.gemv_expression(dtype, fmt, 16, tt) in names
             for tn in qkv_mod.MMA_TILES:
                 assert qkv_mod.mma_expression(dtype, fmt, tn, qkv_mod.MMA_SPLIT) in names
+        for tn, opts in itertools.product(qkv_mod.TILED_TILES, (False, True)):
+            for split in qkv_mod.TILED_SPLITS:
+                for fmt in qkv_mod.TILED_FORMATS:
+                    assert qkv_mod.tiled_expression(dtype, fmt, tn, split, qkv_mod.TILED_STAGES,
+                                                    qkv_mod.TILED_KGROUPS, opts) in names
 
 
 def test_mma_applies_and_slices():
@@ -480,6 +485,24 @@ def test_mma_applies_and_slices():
         assert (kc - 4 * vals) * split < K
     assert qkv_mod._mma_slice(4096, W["dense"], 8) == 512
     assert qkv_mod.MMA_SPLIT in qkv_mod.MMA_SPLITS
+
+
+def test_tiled_applies_and_splits():
+    W = WEIGHT_FORMATS
+    assert qkv_mod.tiled_applies(4096, W["dense"], qkv_mod.TILED_MIN_TOKENS)
+    assert not qkv_mod.tiled_applies(4096, W["dense"], qkv_mod.TILED_MIN_TOKENS - 1)
+    assert qkv_mod.tiled_applies(4096, W["fp8"], 64)
+    assert not qkv_mod.tiled_applies(4096, W["int4"], 64)  # fp16 / bf16 or fp8 weights
+    assert not qkv_mod.tiled_applies(4104, W["dense"], 64)  # K in whole stages
+    assert not qkv_mod.tiled_applies(4160, W["fp8"], 64)  # (128 fp8 values a stage)
+    # Llama-3-8B (48 row tiles) on 132 SMs at 3 CTAs each: one wave of 384 CTAs from 64 to 512
+    # tokens (tiles of 64), then the whole K in one CTA
+    wave = 3 * 132
+    assert [qkv_mod._tiled_split(48 * t, 8, wave) for t in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    assert qkv_mod._tiled_split(48, 4, wave) == 4  # never above TILED_SPLIT
+    assert qkv_mod._tiled_split(3 * 48, 8, wave) == 2  # the largest that fits
+    assert qkv_mod.TILED_SPLIT in qkv_mod.TILED_SPLITS and qkv_mod.TILED_MAX_TILE in \
+        qkv_mod.TILED_TILES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,11 +532,13 @@ WEIGHT_FORMATS = {"dense": qkv_mod.W_DENSE, "fp8": qkv_mod.W_FP8, "int4": qkv_mo
 
 
 def force_path(monkeypatch, path):
-    """Make the call take ``path`` ("mma", "gemv", "cublas"; None: the thresholds as shipped)."""
-    if path == "mma":
+    """Make the call take ``path`` ("mma": qkv_mma; "tiled": qkv_mma_tiled, at any token count;
+    "gemv", "cublas"; None: the thresholds as shipped)."""
+    if path in ("mma", "tiled"):
         monkeypatch.setattr(qkv_mod, "MMA_MIN_TOKENS", 1)
         monkeypatch.setattr(qkv_mod, "MMA_MAX_TOKENS", 1 << 30)
         monkeypatch.setattr(qkv_mod, "MMA_MAX_TOKENS_QUANTIZED", 1 << 30)
+        monkeypatch.setattr(qkv_mod, "TILED_MIN_TOKENS", 1 if path == "tiled" else 1 << 30)
     elif path is not None:
         monkeypatch.setattr(qkv_mod, "MMA_MAX_TOKENS", 0)
         monkeypatch.setattr(qkv_mod, "MMA_MAX_TOKENS_QUANTIZED", 0)
@@ -533,7 +558,7 @@ def taken_path(args, kw):
                else qkv_mod.MMA_MAX_TOKENS_QUANTIZED)
     if (qkv_mod.MMA_MIN_TOKENS <= T <= mma_max
             and qkv_mod.mma_applies(K, D, fmt, kw.get("group_size"), cc)):
-        return "mma"
+        return "tiled" if qkv_mod.tiled_applies(K, fmt, T) else "mma"
     return "gemv" if T <= qkv_mod.GEMV_MAX_TOKENS else "cublas"
 
 
@@ -590,9 +615,25 @@ def test_gpu_llama3_8b(lengths, path, wfmt, monkeypatch):
     check_gpu(args, kw, monkeypatch=monkeypatch, path=path)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(1,) * 5, (1,) * 64, (60, 0, 68), (1,) * 256, (100, 157),
+                                     (300, 0, 300, 424)])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("wfmt", ["dense", "fp8"])
+def test_gpu_llama3_8b_tiled(lengths, dtype, wfmt, monkeypatch):
+    """qkv_mma_tiled at Llama-3-8B's projection: one token tile of each size (32 at 5 tokens,
+    64, 128, 256), several 256-token tiles, prefill-like requests."""
+    args, kw = make_case(25, lengths=lengths, dtype=dtype, cache_dtype=E4M3 if dtype == BF16
+                         else None, cached=[100 + 37 * i for i in range(len(lengths))],
+                         wfmt=wfmt, **{**LLAMA, "P": 8192})
+    check_gpu(args, kw, monkeypatch=monkeypatch, path="tiled")
+
+
 # token counts around every switch: GEMV_MAX_TOKENS / MMA_MIN_TOKENS, token tiles 8 / 16 / 32 /
-# 64, MMA_MAX_TOKENS (dense weights), two 64-token tiles, MMA_MAX_TOKENS_QUANTIZED
-SWITCH_TOKENS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129]
+# 64 / 128 / 256, TILED_MIN_TOKENS, MMA_MAX_TOKENS_QUANTIZED, MMA_MAX_TOKENS (dense weights),
+# two 64-token tiles (qkv_mma) and two 256-token tiles (qkv_mma_tiled)
+SWITCH_TOKENS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256,
+                 257]
 
 
 @pytest.mark.gpu
@@ -613,19 +654,20 @@ def test_gpu_token_counts_around_switches(T, wfmt):
 
 
 @pytest.mark.gpu
-@given(seed=st.integers(0, 2**32 - 1), K=st.sampled_from([96, 320, 512, 2048]),
+@given(seed=st.integers(0, 2**32 - 1), K=st.sampled_from([96, 192, 320, 512, 2048]),
        T=st.sampled_from(SWITCH_TOKENS), D=st.sampled_from([16, 32, 64, 128]),
        heads=st.sampled_from([(4, 2), (6, 1), (3, 3)]), dtype=st.sampled_from([F16, BF16]),
        cache=st.sampled_from(["same", "e4m3", "e5m2"]), layout=st.sampled_from(["NHD", "HND"]),
        rope=st.sampled_from(["neox", "interleaved", "partial", "none"]),
        wfmt=st.sampled_from(["dense", "fp8", "int4"]), zero_points=st.booleans(),
        page_size=st.sampled_from([1, 4, 16]), out_given=st.booleans(),
-       split=st.sampled_from(qkv_mod.MMA_SPLITS))
+       split=st.sampled_from(qkv_mod.MMA_SPLITS), stages=st.sampled_from([2, 3, 4]),
+       tiled=st.booleans())
 def test_gpu_mma_path(seed, K, T, D, heads, dtype, cache, layout, rope, wfmt, zero_points,
-                      page_size, out_given, split):
-    """The tensor-core path at any token count (forced), partial row tiles (N not a multiple of
-    128), K slices shorter than a chunk or empty, every weight format, hostile page tables and
-    tokens outside every request."""
+                      page_size, out_given, split, stages, tiled):
+    """Both tensor-core kernels at any token count (forced; qkv_mma_tiled where it applies),
+    partial row tiles (N not a multiple of 128), K slices shorter than a chunk or a stage or
+    empty, every weight format, hostile page tables and tokens outside every request."""
     rng = np.random.default_rng(seed)
     cuts = np.sort(rng.integers(0, T + 1, 2))
     lengths = (int(cuts[0]), int(cuts[1] - cuts[0]), 0, int(T - cuts[1]))
@@ -638,22 +680,31 @@ def test_gpu_mma_path(seed, K, T, D, heads, dtype, cache, layout, rope, wfmt, ze
                          bad_pages=bool(seed % 2), extra_tokens=int(seed % 3 == 0))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(qkv_mod, "MMA_SPLIT", split)
-        check_gpu(args, kw, out_given=out_given, monkeypatch=mp, path="mma")
+        mp.setattr(qkv_mod, "TILED_SPLIT", split)
+        mp.setattr(qkv_mod, "TILED_STAGES", stages)
+        mp.setattr(qkv_mod, "TILED_MAX_TILE", (32, 64, 128)[seed % 3])
+        mp.setattr(qkv_mod, "TILED_CTAS_PER_SM", (3, 1000)[seed % 2])  # the split cut or not
+        mp.setattr(qkv_mod, "TILED_KGROUPS", 1 + seed % 5 % 2)
+        fmt = WEIGHT_FORMATS[wfmt]
+        path = "tiled" if tiled and qkv_mod.tiled_applies(K, fmt, T, 1) else "mma"
+        check_gpu(args, kw, out_given=out_given, monkeypatch=mp, path=path)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("wfmt", ["fp8", "dense"])
 @pytest.mark.parametrize("T", [1, 20, 70])
-def test_gpu_mma_many_requests(T):
-    """More requests than the mma kernel stages in shared memory (then it searches the offsets in
-    global memory), most of them empty, on either side of that limit."""
+def test_gpu_mma_many_requests(T, wfmt):
+    """More requests than the mma kernels stage in shared memory (then they search the offsets in
+    global memory), most of them empty, on either side of that limit (dense weights from 20
+    tokens: qkv_mma_tiled)."""
     for B in (256, 300):
         lengths = [0] * B
         for i, b in enumerate(np.random.default_rng(B + T).choice(B, T)):
             lengths[b] += 1
         args, kw = make_case(50 + T, lengths=tuple(lengths), K=256, Hq=2, Hkv=1, D=64, R=64,
-                             P=512, page_size=16, wfmt="fp8", cached=[3] * B)
+                             P=512, page_size=16, wfmt=wfmt, cached=[3] * B)
         with pytest.MonkeyPatch.context() as mp:
-            check_gpu(args, kw, monkeypatch=mp, path="mma")
+            check_gpu(args, kw, monkeypatch=mp, path="tiled" if wfmt == "dense" else "mma")
 
 
 @pytest.mark.gpu
@@ -706,14 +757,14 @@ def test_gpu_small_shapes(seed, K, T, dtype, cache, layout, rope, wfmt, zero_poi
 def test_gpu_strided_hidden_and_caches_sliced_from_one_buffer():
     import cupy as cp
 
-    args, kw = make_case(22, lengths=(3, 30), K=320, Hq=4, Hkv=2, D=32, R=32, P=256)
+    args, kw = make_case(22, lengths=(3, 30), K=384, Hq=4, Hkv=2, D=32, R=32, P=256)
     q_ref, k_ref, v_ref = expected(args, kw)
     x = args["hidden_state"]
     wide = np.zeros((x.shape[0], x.shape[1] + 64), x.dtype)
     wide[:, 8:8 + x.shape[1]] = x
     k, v = args["paged_kv_cache"]
     both = cp.asarray(np.stack([k, v], axis=1))  # (pages, 2, ps, Hkv, D): one buffer
-    for path in ("mma", "gemv", "cublas"):
+    for path in ("mma", "tiled", "gemv", "cublas"):
         with pytest.MonkeyPatch.context() as mp:
             force_path(mp, path)
             dwide = cp.asarray(wide)

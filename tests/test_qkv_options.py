@@ -300,6 +300,7 @@ def test_prefill_gemms_write_no_caller_array_with_status(status, cache, stubbed,
     Q goes through a temporary of its own then), and the epilogue is the options kernel; without
     it the plan is as before (fp8 caches with RoPE: Q straight into ``out``)."""
     names = _record_expressions(monkeypatch)
+    force_path(monkeypatch, "cublas")
     args, kw = make_case(12, lengths=(20, 5, 0, 3), cache_dtype=E4M3 if cache == "e4m3" else None)
     out = hostcost.to_cupy(np.zeros((28, 64), F16))
     more = {"status": np.zeros(1, np.int32)} if status else {}
@@ -337,7 +338,7 @@ def test_instantiations_cover_the_options_kernels():
 # GPU: every path against the reference
 
 
-PATHS = ["mma", "gemv", "cublas"]
+PATHS = ["mma", "tiled", "gemv", "cublas"]
 
 
 def _case_for(path, seed, **kw):
@@ -399,7 +400,7 @@ def test_gpu_status_on_every_path(path, kind, B, cache, monkeypatch):
     valid ones: status 0 and the reference's result."""
     import cupy as cp
 
-    T = {"mma": 12, "gemv": 2, "cublas": 40}[path]
+    T = {"mma": 12, "tiled": 40, "gemv": 2, "cublas": 40}[path]
     rng = np.random.default_rng(kind + B + T)
     lengths = np.zeros(B, np.int64)
     lengths[rng.choice(B, min(B, T), replace=False)] = 1
@@ -462,6 +463,8 @@ def test_gpu_clear_on_every_path(seed, path, T, D, dtype, cache, layout, rope, w
     """clear_unused_last_page_rows on each path at token counts around the switches: ragged
     batches with empty requests, requests ending anywhere on a page, every weight format, fp8
     caches, partial and no RoPE; against the reference, tails zero, other bytes unchanged."""
+    if path == "tiled" and wfmt == "int4":  # qkv_mma_tiled takes fp16 / bf16 or fp8 weights
+        wfmt = "fp8"
     rng = np.random.default_rng(seed)
     cuts = np.sort(rng.integers(0, T + 1, 3))
     lengths = (int(cuts[0]), 0, int(cuts[1] - cuts[0]), int(cuts[2] - cuts[1]), int(T - cuts[2]))
@@ -492,12 +495,13 @@ def test_gpu_options_at_the_shipped_switches(T, wfmt, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("wfmt", ["dense", "int4"])
+@pytest.mark.parametrize("path, wfmt", [(p, w) for p in PATHS for w in ("dense", "int4")
+                                        if p != "tiled"] + [("tiled", "dense"), ("tiled", "fp8")])
 def test_gpu_llama3_8b_with_options(path, wfmt, monkeypatch):
     """Llama-3-8B's projection with both options on: decode (gemv), a small batch (mma) and a
     prefill (cuBLAS), requests ending mid-page."""
-    lengths = {"gemv": (1, 1), "mma": (5, 0, 7), "cublas": (60, 0, 69)}[path]
+    lengths = {"gemv": (1, 1), "mma": (5, 0, 7), "tiled": (60, 0, 69),
+               "cublas": (60, 0, 69)}[path]
     args, kw = make_case(80, lengths=lengths, wfmt=wfmt, group_size=128,
                          cached=[100 + 37 * i for i in range(len(lengths))], **LLAMA)
     check_options(args, kw, monkeypatch, path, True, True)
@@ -514,7 +518,8 @@ def test_gpu_hostile_offsets_never_write_out_of_bounds(path, clear, monkeypatch)
 
     force_path(monkeypatch, path)
     # request 0 ends mid-page (entry 0 or 2 of 4), so that with clear its last token has a tail
-    lengths = {"mma": (3, 2, 4, 1), "gemv": (1, 0, 1, 0), "cublas": (11, 4, 7, 2)}[path]
+    lengths = {"mma": (3, 2, 4, 1), "tiled": (11, 4, 7, 2), "gemv": (1, 0, 1, 0),
+               "cublas": (11, 4, 7, 2)}[path]
     args, kw = _case_for(path, 90, lengths=lengths, cached=(0, 0, 0, 3), page_size=4,
                          dtype=BF16)
     kc, vc = args["paged_kv_cache"]
@@ -545,7 +550,7 @@ def test_gpu_hostile_offsets_never_write_out_of_bounds(path, clear, monkeypatch)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["gemv", "mma"])
+@pytest.mark.parametrize("path", ["gemv", "mma", "tiled"])
 def test_gpu_status_in_a_captured_graph(path, monkeypatch):
     """The check runs on the device: one captured graph of a fused path, replayed with valid then
     malformed offsets written into the same array, reports 0 then 2 and writes nothing the second

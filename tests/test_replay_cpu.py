@@ -28,7 +28,8 @@ _spec.loader.exec_module(hostcost)
 
 
 DECODE = {"qkv": {"lengths": (1, 1)}}  # the kernel path (more tokens run cuBLAS: Gemms below)
-PREFILL = {"qkv": {"lengths": (40, 30)}}  # the cuBLAS path (GEMMs, then the epilogue kernel)
+# the cuBLAS path (GEMMs, then the epilogue kernel): more tokens than the tensor-core kernels take
+PREFILL = {"qkv": {"lengths": (ropekv.qkv.MMA_MAX_TOKENS, 30)}}
 
 
 def all_ops():
@@ -188,7 +189,8 @@ def test_a_prefill_qkv_call_on_a_capturing_stream_is_refused(stubbed, monkeypatc
     gemms.capturing = True
     for _ in range(2):
         with pytest.raises(ValueError, match="cannot be recorded in a CUDA graph with "
-                                             "hidden_state of T=70 tokens"):
+                                             f"hidden_state of T={sum(PREFILL['qkv']['lengths'])} "
+                                             "tokens"):
             fn(**map_arrays(kw, hostcost.to_cupy))
     assert not stubbed.calls and not gemms.calls
     gemms.capturing = False

@@ -3,6 +3,9 @@
 //
 //   qkv_mma        small batches (sm_90): tensor-core weight streaming, split-K over a cluster
 //                  reduced through distributed shared memory, epilogue fused; one launch.
+//   qkv_mma_tiled  larger batches, fp16 / bf16 or fp8 weights (sm_90): the same split and
+//                  epilogue, the weights and hidden rows staged in shared memory and shared by
+//                  the warps.
 //   qkv_gemv       decode: weight-streaming skinny GEMM (token tiles of up to 16), epilogue fused
 //                  (GPUs without clusters, shapes the mma kernel does not take).
 //   qkv_epilogue   prefill: after cuBLAS wrote Q, K, V into temporaries, rope Q into `out` and
@@ -617,6 +620,131 @@ __device__ __forceinline__ unsigned pair_of(float x) {
   return unsigned(bits) | (unsigned(bits) << 16);
 }
 
+// ---- Shared by the two tensor-core kernels: token slots of a tile, the cluster's reduction ----
+
+// The tile a CTA works on: rows [row0, row0 + MMA_ROWS), tokens [t0, t0 + nt), the K slice
+// [kbeg, kbeg + klen) of its rank in the cluster (cluster dims (S, 1, 1)). The token tiles of a
+// row tile are adjacent in the grid, so they share the weights in L2.
+struct ClusterTile {
+  int rank, row0, t0, nt, kbeg, klen;
+};
+
+template <int TN>
+__device__ __forceinline__ ClusterTile cluster_tile(const QkvParams& p) {
+  ClusterTile r;
+  r.rank = blockIdx.x;
+  const int tiles_t = (p.T + TN - 1) / TN;
+  r.row0 = (blockIdx.y / tiles_t) * MMA_ROWS;
+  r.t0 = (blockIdx.y % tiles_t) * TN;
+  r.nt = min(TN, p.T - r.t0);
+  r.kbeg = r.rank * p.kc;
+  r.klen = max(0, min(p.kc, p.K - r.kbeg));
+  return r;
+}
+
+// Offsets and cache lengths into shared memory when B is small (MMA_REQ_CAP requests at most),
+// so that the request search runs there: whether they went.
+__device__ __forceinline__ bool stage_requests(const QkvParams& p, unsigned* off, int* len) {
+  if (p.B > MMA_REQ_CAP) return false;
+  for (int i = threadIdx.x; i <= p.B; i += blockDim.x) {
+    off[i] = p.offsets[i];
+    if (i < p.B) len[i] = p.cache_lengths[i];
+  }
+  return true;
+}
+
+// Token t's request search (threads < TN, before the main loop) and its block-table load, issued
+// at once but first used after the main loop (finish_slot), so that neither stalls the stream.
+struct PendingSlot {
+  PagedSlot s;
+  i64 bt_index;
+  int bt_page;
+};
+
+__device__ __forceinline__ PendingSlot pending_slot(const QkvParams& p, const unsigned* offsets,
+                                                    const int* lengths, int t, bool live) {
+  PendingSlot r{live ? ragged_position(offsets, lengths, p.B, t) : PagedSlot{-1, -1, -1, 0}, 0,
+                -1};
+  if (r.s.request >= 0 && r.s.pos >= 0) {
+    r.bt_index = div_pos(r.s.pos, p.page_size);
+    if (r.bt_index < p.max_pages) r.bt_page = p.block_table[r.s.request * p.bt_s0 + r.bt_index];
+  }
+  return r;
+}
+
+// The token's slot (slots[i]) and, OPTS, the rows it clears (rests[i]); offsets as the search
+// read them (shared or global memory).
+template <bool OPTS>
+__device__ __forceinline__ void finish_slot(const QkvParams& p, const PendingSlot& ps,
+                                            const unsigned* offsets, int i, int t,
+                                            TokenSlot* slots, int* rests) {
+  const PagedSlot& slot = ps.s;
+  TokenSlot r{-1, -1, -1};
+  int entry = 0;
+  if (slot.request >= 0 && slot.pos >= 0 && (!p.cos_sin || slot.pos < p.P) &&
+      slot.pos <= 0x7fffffff) {
+    r.pos = int(slot.pos);
+    if (ps.bt_index < p.max_pages && ps.bt_page >= 0 && ps.bt_page < p.num_pages) {
+      entry = int(slot.pos - ps.bt_index * p.page_size);
+      r.k_off = i64(ps.bt_page) * p.k_page + i64(entry) * p.k_entry;
+      r.v_off = i64(ps.bt_page) * p.v_page + i64(entry) * p.v_entry;
+    }
+  }
+  slots[i] = r;
+  if constexpr (OPTS) rests[i] = rest_of_page(p, offsets, slot, r, entry, t);
+}
+
+// The cluster's reduction and the epilogue. Every CTA has stored its (TN, MMA_ROWS) float32
+// partial sums in `part` (row stride MMA_PART_STRIDE) and its token slots; after a cluster
+// barrier each CTA finishes a 1/S share of the tile's (token, row pair) items: the sum over the
+// cluster (mapa + ld.shared::cluster), the fp8 weight scale, RoPE, Q to out, K/V to their pages
+// (write_pair); a last cluster barrier keeps every CTA's shared memory alive until all have read.
+template <typename T, int WF, int S, bool OPTS>
+__device__ __forceinline__ void cluster_epilogue(const QkvParams& p, const float* part,
+                                                 const TokenSlot* slots, const int* rests,
+                                                 int row0, int t0, int nt, int rank) {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+  const bool rope = p.cos_sin != nullptr;
+  const unsigned part_addr = static_cast<unsigned>(__cvta_generic_to_shared(part));
+  unsigned remote[S];
+#pragma unroll
+  for (int r = 0; r < S; ++r)
+    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote[r]) : "r"(part_addr), "r"(r));
+  constexpr int PAIRS = MMA_ROWS / 2;
+  const int pairs_total = p.N >> 1;
+  for (int w = rank * blockDim.x + threadIdx.x; w < nt * PAIRS; w += S * blockDim.x) {
+    const int t = w / PAIRS, pl = w - t * PAIRS;
+    const int gp = (row0 >> 1) + pl;
+    if (gp >= pairs_total) continue;
+    const RowPair rp = row_pair(gp, p.D, p.R, p.Hq, p.Hkv, rope, p.is_neox);
+    const int na = rp.head * p.D + rp.da, nb = rp.head * p.D + rp.db;
+    const unsigned oa = unsigned(t * MMA_PART_STRIDE + na - row0) * 4u;
+    const unsigned ob = unsigned(t * MMA_PART_STRIDE + nb - row0) * 4u;
+    float va[S], vb[S];
+#pragma unroll
+    for (int r = 0; r < S; ++r) {
+      asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(va[r]) : "r"(remote[r] + oa));
+      asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(vb[r]) : "r"(remote[r] + ob));
+    }
+    float sa = 0.f, sb = 0.f;
+#pragma unroll
+    for (int r = 0; r < S; ++r) {
+      sa += va[r];
+      sb += vb[r];
+    }
+    if constexpr (WF == W_FP8) {
+      const float* ws = static_cast<const float*>(p.weight_scales);
+      sa *= ws[na];
+      sb *= ws[nb];
+    }
+    write_pair<T>(p, slots[t], t0 + t, rp, sa, sb, OPTS ? rests[t] : 0);
+  }
+  // no CTA leaves while another may still read its shared memory
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+}
+
 // clusters exist from sm_90 on; the sm_80 build keeps an empty kernel (the host never picks it)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define MMA_CLUSTER_DIMS
@@ -649,13 +777,9 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
   __shared__ int req_len[MMA_REQ_CAP];
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int rank = blockIdx.x;  // == the rank in the cluster (cluster dims (S, 1, 1))
-  const int tiles_t = (p.T + TN - 1) / TN;
-  const int row0 = (blockIdx.y / tiles_t) * MMA_ROWS;  // token tiles of a row tile adjacent:
-  const int t0 = (blockIdx.y % tiles_t) * TN;           // they share the weights in L2
-  const int nt = min(TN, p.T - t0);
-  const int kbeg = rank * p.kc;
-  const int klen = max(0, min(p.kc, p.K - kbeg));
+  const ClusterTile tile = cluster_tile<TN>(p);
+  const int rank = tile.rank, row0 = tile.row0, t0 = tile.t0, nt = tile.nt, kbeg = tile.kbeg;
+  const int klen = tile.klen;
   const int nchunks = (klen + CH - 1) / CH;
   // The hidden slice is staged sw k values at a time (shared memory for 4 CTAs an SM at TN 64);
   // sw is a multiple of the U chunks a step consumes, or the whole slice. Row stride 64 bytes
@@ -711,13 +835,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
   // Token addressing without stalling the stream: offsets and cache lengths are read into shared
   // memory with the first hidden stage (one round trip for all), the request search runs there,
   // and the block-table load of each token is issued at once but first used in the epilogue.
-  const bool req_smem = p.B <= MMA_REQ_CAP;
-  if (req_smem) {
-    for (int i = threadIdx.x; i <= p.B; i += blockDim.x) {
-      req_off[i] = p.offsets[i];
-      if (i < p.B) req_len[i] = p.cache_lengths[i];
-    }
-  }
+  const bool req_smem = stage_requests(p, req_off, req_len);
   if constexpr (OPTS) {
     if (p.check) {
       __syncthreads();  // the staged offsets are readable
@@ -743,23 +861,11 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
     asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
   };
 
-  float acc[MMA_MT][NT][4];
-#pragma unroll
-  for (int m = 0; m < MMA_MT; ++m)
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
+  float acc[MMA_MT][NT][4] = {};
 
-  PagedSlot slot{-1, -1, -1, 0};  // threads < TN: token t0 + threadIdx.x
-  i64 bt_index = 0;
-  int bt_page = -1;
-  if (nchunks == 0 && threadIdx.x < TN && int(threadIdx.x) < nt) {  // an empty K slice
-    slot = ragged_position(p.offsets, p.cache_lengths, p.B, t0 + threadIdx.x);
-    if (slot.request >= 0 && slot.pos >= 0) {
-      bt_index = div_pos(slot.pos, p.page_size);
-      if (bt_index < p.max_pages) bt_page = p.block_table[slot.request * p.bt_s0 + bt_index];
-    }
+  PendingSlot slot{{-1, -1, -1, 0}, 0, -1};  // threads < TN: token t0 + threadIdx.x
+  if (nchunks == 0 && threadIdx.x < TN) {  // an empty K slice
+    slot = pending_slot(p, p.offsets, p.cache_lengths, t0 + threadIdx.x, int(threadIdx.x) < nt);
   }
   int sbase = 0;  // slice offset of the staged k values
   for (int base = 0; base < nchunks; base += U) {
@@ -769,17 +875,9 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
       stage(sbase);
       __syncthreads();
       if (base == 0 && threadIdx.x < TN) {  // the request search, the block-table load issued
-        const int t = t0 + threadIdx.x;
-        slot = int(threadIdx.x) < nt
-                   ? (req_smem ? ragged_position(req_off, req_len, p.B, t)
-                               : ragged_position(p.offsets, p.cache_lengths, p.B, t))
-                   : PagedSlot{-1, -1, -1, 0};
-        if (slot.request >= 0 && slot.pos >= 0) {
-          bt_index = div_pos(slot.pos, p.page_size);
-          if (bt_index < p.max_pages) {
-            bt_page = p.block_table[slot.request * p.bt_s0 + bt_index];
-          }
-        }
+        slot = pending_slot(p, req_smem ? req_off : p.offsets,
+                            req_smem ? req_len : p.cache_lengths, t0 + threadIdx.x,
+                            int(threadIdx.x) < nt);
       }
     }
 #pragma unroll
@@ -844,22 +942,8 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
   // ---- token slots finished (the block-table load has long landed), partial sums to shared
   // memory, then the cluster's reduction and the epilogue
   if (threadIdx.x < TN) {
-    TokenSlot r{-1, -1, -1};
-    int entry = 0;
-    if (slot.request >= 0 && slot.pos >= 0 && (!p.cos_sin || slot.pos < p.P) &&
-        slot.pos <= 0x7fffffff) {
-      r.pos = int(slot.pos);
-      if (bt_index < p.max_pages && bt_page >= 0 && bt_page < p.num_pages) {
-        entry = int(slot.pos - bt_index * p.page_size);
-        r.k_off = i64(bt_page) * p.k_page + i64(entry) * p.k_entry;
-        r.v_off = i64(bt_page) * p.v_page + i64(entry) * p.v_entry;
-      }
-    }
-    slots[threadIdx.x] = r;
-    if constexpr (OPTS) {  // the staged offsets are readable once the main loop has run
-      rests[threadIdx.x] = rest_of_page(p, req_smem && nchunks > 0 ? req_off : p.offsets, slot,
-                                        r, entry, t0 + threadIdx.x);
-    }
+    finish_slot<OPTS>(p, slot, req_smem && nchunks > 0 ? req_off : p.offsets, threadIdx.x,
+                      t0 + threadIdx.x, slots, rests);
   }
   __syncthreads();  // every warp is done with xs
 #pragma unroll
@@ -872,46 +956,233 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
       part[tt * MMA_PART_STRIDE + rl + 8] = acc[m][n][2];
       part[(tt + 1) * MMA_PART_STRIDE + rl + 8] = acc[m][n][3];
     }
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
-               ::: "memory");
-  const bool rope = p.cos_sin != nullptr;
-  const unsigned part_addr = static_cast<unsigned>(__cvta_generic_to_shared(part));
-  unsigned remote[S];
+  cluster_epilogue<T, WF, S, OPTS>(p, part, slots, rests, row0, t0, nt, rank);
+#endif
+}
+
+// ---- Larger batches, fp16 / bf16 or fp8 weights: both operands staged in shared memory -------
+//
+// qkv_mma_tiled<T, WF, TN, S, STAGES, KG>: the tiles, the cluster split of K and the epilogue of
+// qkv_mma, but the weights are no longer held by one warp each: a CTA stages BK k values of its
+// MMA_ROWS weight rows (128 bytes a row: 64 fp16 / bf16 values or 128 fp8 ones) and of its TN
+// hidden rows per stage (cp.async, STAGES stages in the ring), and its 2 x TN / 32 x KG warps
+// share them, each computing 64 rows x 32 tokens of a 1/KG share of each stage's k values from
+// ldmatrix fragments (the KG groups' sums added at the end). Each staged weight byte feeds
+// TN / 32 warps, where qkv_mma streams every token tile's weights through registers again.
+// Staged rows hold 16-byte chunks, chunk c of row r at c ^ (r % 8): the 8 rows an ldmatrix phase
+// reads fall in 8 different bank groups. Rows past N, tokens past the tile and k values past the
+// slice are zero-filled (no read); the host makes every slice a whole number of stages.
+//
+// fp8 weights: an ldmatrix of the fp8 tile gives lane (g, c) the 4 values k = 4c .. 4c + 3 of
+// rows g and g + 8 (and 16 + 4c .. of the next 16 k values), converted exactly to T pairs. The k
+// order inside an mma does not change its sum, so the mma's k slots (2c, 2c + 1) and (2c + 8,
+// 2c + 9) stand for k = (4c, 4c + 1) and (4c + 2, 4c + 3): the hidden values of those k are one
+// 8-byte shared load. The per-row scale is applied to the float32 sum (cluster_epilogue).
+constexpr int TILED_WM = 64, TILED_WN = 32;  // a warp's rows and tokens
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool on) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+               :: "r"(dst), "l"(src), "r"(on ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ uint2 lds64(unsigned addr) {
+  uint2 r;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "r"(addr));
+  return r;
+}
+
+// Byte offset of 16-byte chunk ch of row r in a staged tile of ROW-byte rows.
+template <int ROW>
+__device__ __forceinline__ unsigned tiled_at(int r, int ch) {
+  return unsigned(r * ROW + ((ch ^ (r & 7)) << 4));
+}
+
+template <typename T, int WF, int TN, int S, int STAGES, int KG, bool OPTS>
+__global__ void MMA_CLUSTER_DIMS
+__launch_bounds__(TN * 2 * KG, TN * KG >= 256 ? 1 : TN * KG >= 64 ? 2 : 4)
+    qkv_mma_tiled(const QkvParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  pdl_launch_dependents();
+  pdl_wait();
+  static_assert(WF == W_DENSE || WF == W_FP8, "fp16 / bf16 or fp8 weights");
+  constexpr bool FP8 = WF == W_FP8;
+  constexpr int BK = FP8 ? 128 : 64;  // k values per stage
+  constexpr int A_ROW = 128, B_ROW = BK * 2;  // staged row bytes
+  constexpr int THREADS = TN * 2 * KG;
+  constexpr int WARPS_N = TN / TILED_WN;               // warps along the tokens (2 along rows)
+  constexpr int KSTEPS = 4 / KG;  // k steps of a stage per warp (16 k values, 32 for fp8)
+  constexpr int MT = TILED_WM / 16, NT = TILED_WN / 8;  // mma tiles of a warp
+  constexpr int A_CHUNKS = A_ROW / 16, B_CHUNKS = B_ROW / 16;
+  constexpr int A_BYTES = MMA_ROWS * A_ROW;
+  constexpr int STAGE_BYTES = A_BYTES + TN * B_ROW;
+  constexpr int A_STEP = THREADS / A_CHUNKS, B_STEP = THREADS / B_CHUNKS;  // rows apart
+  constexpr int A_LOADS = MMA_ROWS / A_STEP, B_LOADS = TN / B_STEP;
+  static_assert(MMA_ROWS == 2 * TILED_WM && A_LOADS * A_STEP == MMA_ROWS &&
+                B_LOADS * B_STEP == TN && KSTEPS * KG == 4, "tile shape");
+  extern __shared__ __align__(16) unsigned char mma_smem[];
+  float* part = reinterpret_cast<float*>(mma_smem);  // after the main loop: (TN, PART_STRIDE)
+  __shared__ TokenSlot slots[TN];
+  __shared__ int rests[OPTS ? TN : 1];
+  __shared__ unsigned req_off[MMA_REQ_CAP + 1];
+  __shared__ int req_len[MMA_REQ_CAP];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int kg = warp / (2 * WARPS_N), wk = warp - kg * 2 * WARPS_N;
+  const int wm = wk / WARPS_N, wn = wk - wm * WARPS_N;
+  const ClusterTile tile = cluster_tile<TN>(p);
+  const int rank = tile.rank, row0 = tile.row0, t0 = tile.t0, nt = tile.nt, kbeg = tile.kbeg;
+  const int kend = kbeg + tile.klen;
+  const int nk = (kend - kbeg + BK - 1) / BK;
+  const unsigned smem0 = static_cast<unsigned>(__cvta_generic_to_shared(mma_smem));
+
+  // Each thread copies one chunk column of rows r, r + STEP, ... of every stage, k advancing by
+  // a stage: the weights' chunk of BK / A_CHUNKS k values, the hidden rows' of 8.
+  const int ra = threadIdx.x / A_CHUNKS, ca = threadIdx.x % A_CHUNKS;
+  const int rb = threadIdx.x / B_CHUNKS, cb = threadIdx.x % B_CHUNKS;
+  const int ka = kbeg + ca * (BK / A_CHUNKS), kb = kbeg + cb * 8;
+  const unsigned char* a_src = static_cast<const unsigned char*>(p.weight) +
+                               i64(row0 + ra) * p.weight_row_bytes + i64(ka) * (FP8 ? 1 : 2);
+  const i64 a_step = i64(A_STEP) * p.weight_row_bytes;
+  const unsigned char* b_src = static_cast<const unsigned char*>(p.hidden) +
+                               (i64(t0 + rb) * p.hidden_s0 + kb) * 2;
+  const i64 b_step = i64(B_STEP) * p.hidden_s0 * 2;
+  auto load = [&](int stage, int ks) {
+    const unsigned base = smem0 + stage * STAGE_BYTES;
+    const int dk = ks * BK;
 #pragma unroll
-  for (int r = 0; r < S; ++r)
-    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote[r]) : "r"(part_addr), "r"(r));
-  constexpr int PAIRS = MMA_ROWS / 2;
-  const int pairs_total = p.N >> 1;
-  for (int w = rank * blockDim.x + threadIdx.x; w < nt * PAIRS; w += S * blockDim.x) {
-    const int t = w / PAIRS, pl = w - t * PAIRS;
-    const int gp = (row0 >> 1) + pl;
-    if (gp >= pairs_total) continue;
-    const RowPair rp = row_pair(gp, p.D, p.R, p.Hq, p.Hkv, rope, p.is_neox);
-    const int na = rp.head * p.D + rp.da, nb = rp.head * p.D + rp.db;
-    const unsigned oa = unsigned(t * MMA_PART_STRIDE + na - row0) * 4u;
-    const unsigned ob = unsigned(t * MMA_PART_STRIDE + nb - row0) * 4u;
-    float va[S], vb[S];
+    for (int j = 0; j < A_LOADS; ++j) {
+      const bool on = ka + dk < kend && row0 + ra + j * A_STEP < p.N;
+      cp_async16(base + tiled_at<A_ROW>(ra + j * A_STEP, ca),
+                 on ? a_src + j * a_step + dk * (FP8 ? 1 : 2) : p.weight, on);
+    }
 #pragma unroll
-    for (int r = 0; r < S; ++r) {
-      asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(va[r]) : "r"(remote[r] + oa));
-      asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(vb[r]) : "r"(remote[r] + ob));
+    for (int j = 0; j < B_LOADS; ++j) {
+      const bool on = kb + dk < kend && rb + j * B_STEP < nt;
+      cp_async16(base + A_BYTES + tiled_at<B_ROW>(rb + j * B_STEP, cb),
+                 on ? b_src + j * b_step + dk * 2 : p.hidden, on);
     }
-    float sa = 0.f, sb = 0.f;
+  };
 #pragma unroll
-    for (int r = 0; r < S; ++r) {
-      sa += va[r];
-      sb += vb[r];
-    }
-    if constexpr (WF == W_FP8) {
-      const float* ws = static_cast<const float*>(p.weight_scales);
-      sa *= ws[na];
-      sb *= ws[nb];
-    }
-    write_pair<T>(p, slots[t], t0 + t, rp, sa, sb, OPTS ? rests[t] : 0);
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nk) load(s, s);
+    asm volatile("cp.async.commit_group;" ::: "memory");
   }
-  // no CTA leaves while another may still read its shared memory
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
-               ::: "memory");
+
+  // Token addressing while the first stages land: offsets and cache lengths into shared memory
+  // (when B is small), status= validated before anything is written, the request search and
+  // the block-table loads issued (finished after the main loop).
+  const bool req_smem = stage_requests(p, req_off, req_len);
+  __syncthreads();
+  const unsigned* offsets = req_smem ? req_off : p.offsets;
+  if (!qkv_check<OPTS>(p, offsets)) {  // every CTA of the cluster returns
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    return;
+  }
+  PendingSlot slot{{-1, -1, -1, 0}, 0, -1};
+  if (threadIdx.x < TN) {
+    slot = pending_slot(p, offsets, req_smem ? req_len : p.cache_lengths, t0 + threadIdx.x,
+                        int(threadIdx.x) < nt);
+  }
+
+  float acc[MT][NT][4] = {};
+
+  // ldmatrix rows: A tiles of 16 rows (lanes 0-15 the low 16 bytes of a k step, 16-31 the high
+  // 16); dense B: pairs of 8-token tiles (lanes 0-7 / 8-15: tokens 0-7 low / high k, 16-31:
+  // tokens 8-15); fp8 B: token g of each 8-token tile, 8 bytes at 8c of each 32-byte half.
+  const int a_row = wm * TILED_WM + (lane & 15), a_half = lane >> 4;
+  const int b_row = wn * TILED_WN + ((lane >> 4) << 3) + (lane & 7), b_half = (lane >> 3) & 1;
+  for (int ks = 0; ks < nk; ++ks) {
+    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2) : "memory");
+    __syncthreads();  // stage ks landed for every thread; stage ks - 1 is free again
+    if (ks + STAGES - 1 < nk) load((ks + STAGES - 1) % STAGES, ks + STAGES - 1);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    const unsigned a_base = smem0 + (ks % STAGES) * STAGE_BYTES, b_base = a_base + A_BYTES;
+    // fragments double-buffered: the loads of k step kk + 1 are in flight during kk's mmas
+    unsigned af[2][MT][4], bf[2][NT][2 * (FP8 ? 2 : 1)];
+    auto fragments = [&](int buf, int kk) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+        ldmatrix_x4(af[buf][m], a_base + tiled_at<A_ROW>(a_row + m * 16, 2 * kk + a_half));
+      if constexpr (FP8) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const int t = wn * TILED_WN + n * 8 + g;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint2 v = lds64(b_base + tiled_at<B_ROW>(t, 4 * kk + 2 * h + (c >> 1)) +
+                                  (c & 1) * 8);
+            bf[buf][n][2 * h] = v.x;
+            bf[buf][n][2 * h + 1] = v.y;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < NT / 2; ++j) {
+          unsigned r[4];
+          ldmatrix_x4(r, b_base + tiled_at<B_ROW>(b_row + j * 16, 2 * kk + b_half));
+          bf[buf][2 * j][0] = r[0];
+          bf[buf][2 * j][1] = r[1];
+          bf[buf][2 * j + 1][0] = r[2];
+          bf[buf][2 * j + 1][1] = r[3];
+        }
+      }
+    };
+    fragments(0, kg * KSTEPS);
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+      if (kk + 1 < KSTEPS) fragments((kk + 1) & 1, kg * KSTEPS + kk + 1);
+      const int u = kk & 1;
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        const unsigned* x = af[u][m];
+        if constexpr (FP8) {
+          const unsigned lo[4] = {fp8x2_to<T>(x[0]), fp8x2_to<T>(x[1]), fp8x2_to<T>(x[0] >> 16),
+                                  fp8x2_to<T>(x[1] >> 16)};
+          const unsigned hi[4] = {fp8x2_to<T>(x[2]), fp8x2_to<T>(x[3]), fp8x2_to<T>(x[2] >> 16),
+                                  fp8x2_to<T>(x[3] >> 16)};
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            mma16816<T>(acc[m][n], lo[0], lo[1], lo[2], lo[3], bf[u][n][0], bf[u][n][1]);
+            mma16816<T>(acc[m][n], hi[0], hi[1], hi[2], hi[3], bf[u][n][2], bf[u][n][3]);
+          }
+        } else {
+#pragma unroll
+          for (int n = 0; n < NT; ++n)
+            mma16816<T>(acc[m][n], x[0], x[1], x[2], x[3], bf[u][n][0], bf[u][n][1]);
+        }
+      }
+    }
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+
+  if (threadIdx.x < TN) finish_slot<OPTS>(p, slot, offsets, threadIdx.x, t0 + threadIdx.x, slots,
+                                          rests);
+  __syncthreads();  // every warp is done with the stages
+#pragma unroll
+  for (int g2 = 0; g2 < KG; ++g2) {  // the k groups' sums, one group after the other
+    if (kg == g2) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const int rl = wm * TILED_WM + m * 16 + g, tt = wn * TILED_WN + n * 8 + 2 * c;
+          float* d = part + tt * MMA_PART_STRIDE + rl;
+          const float* a = acc[m][n];
+          d[0] = g2 ? d[0] + a[0] : a[0];
+          d[MMA_PART_STRIDE] = g2 ? d[MMA_PART_STRIDE] + a[1] : a[1];
+          d[8] = g2 ? d[8] + a[2] : a[2];
+          d[MMA_PART_STRIDE + 8] = g2 ? d[MMA_PART_STRIDE + 8] + a[3] : a[3];
+        }
+    }
+    if (KG > 1) __syncthreads();
+  }
+  cluster_epilogue<T, WF, S, OPTS>(p, part, slots, rests, row0, t0, nt, rank);
 #endif
 }
 
