@@ -725,8 +725,8 @@ def tiled_applies(K, fmt, T, tiled_min=None):
 
 
 def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts=False):
-    """The tensor-core launch (qkv_mma, or qkv_mma_tiled from ``tiled``'s token count on for
-    fp16 / bf16 weights), or None where it does not apply."""
+    """The tensor-core launch (qkv_mma, or qkv_mma_tiled where :func:`tiled_applies`: from
+    ``tiled``'s token count on, fp8 or fp16 / bf16 weights), or None where neither applies."""
     G = fields["group_size"]
     tiled_min, max_tile, stages, tiled_split, per_sm, kgroups = tiled
     if split not in MMA_SPLITS:
