@@ -30,6 +30,7 @@ CALLS = [
     ("qkv", {"wfmt": "fp8", "lengths": (1, 1)}),
     ("qkv", {}),  # 6 tokens: the tensor-core kernel (qkv_mma)
     ("qkv", {"wfmt": "int4", "cache_dtype": E4M3}),  # qkv_mma, 4-bit weights, fp8 cache
+    ("qkv", {"wfmt": "fp8", "K": 256, "lengths": (20, 5, 0, 3)}),  # 28 tokens: qkv_mma_tiled
     ("qkv", {"lengths": (20, 5, 0, 3)}),  # 28 fp16 tokens: cuBLAS and the epilogue
     ("qkv", {"wfmt": "int4", "cache_dtype": E4M3, "lengths": (100, 40)}),  # dequantize, cuBLAS
 ]
@@ -82,8 +83,10 @@ def check_scaled_call(op, case):
 
 
 # the fused QKV op's options kernels (status= and clear_unused_last_page_rows), one call per path:
-# qkv_gemv, qkv_mma, cuBLAS and qkv_epilogue (fp8 cache with RoPE: Q through its own temporary)
+# qkv_gemv, qkv_mma, qkv_mma_tiled, cuBLAS and qkv_epilogue (fp8 cache with RoPE: Q through its
+# own temporary)
 OPTIONED = [("qkv", {"lengths": (1,)}), ("qkv", {}),
+            ("qkv", {"wfmt": "fp8", "K": 256, "lengths": (20, 5, 0, 3)}),
             ("qkv", {"cache_dtype": E4M3, "lengths": (20, 5, 0, 3)})]
 
 
