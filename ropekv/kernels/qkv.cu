@@ -622,6 +622,13 @@ __device__ __forceinline__ unsigned pair_of(float x) {
 
 // ---- Shared by the two tensor-core kernels: token slots of a tile, the cluster's reduction ----
 
+// 16 bytes from global to shared memory, asynchronously (cp.async); zeros and no read when !on.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool on) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+               :: "r"(dst), "l"(src), "r"(on ? 16 : 0) : "memory");
+}
+
+
 // The tile a CTA works on: rows [row0, row0 + MMA_ROWS), tokens [t0, t0 + nt), the K slice
 // [kbeg, kbeg + klen) of its rank in the cluster (cluster dims (S, 1, 1)). The token tiles of a
 // row tile are adjacent in the grid, so they share the weights in L2.
@@ -855,8 +862,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
       const int ch = kq / CH, pos = kq - ch * CH, lc = pos / VALS, j = (pos - lc * VALS) >> 3;
       const unsigned dst = static_cast<unsigned>(
           __cvta_generic_to_shared(xs + t * xs_stride + ch * CH + j * 32 + lc * 8));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                   :: "r"(dst), "l"(src), "r"(on ? 16 : 0) : "memory");
+      cp_async16(dst, src, on);
     }
     asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
   };
@@ -979,11 +985,6 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
 // 2c + 9) stand for k = (4c, 4c + 1) and (4c + 2, 4c + 3): the hidden values of those k are one
 // 8-byte shared load. The per-row scale is applied to the float32 sum (cluster_epilogue).
 constexpr int TILED_WM = 64, TILED_WN = 32;  // a warp's rows and tokens
-
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool on) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-               :: "r"(dst), "l"(src), "r"(on ? 16 : 0) : "memory");
-}
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
