@@ -686,11 +686,14 @@ def mma_applies(K, D, fmt, group_size, compute_capability=90):
             and (fmt != W_INT4 or group_size % vals == 0))
 
 
+def _slice(K, split, unit):
+    """K values per CTA of a cluster of ``split``: K / split rounded up to whole ``unit``s."""
+    return -(-(-(-K // split)) // unit) * unit
+
+
 def _mma_slice(K, fmt, split=None):
-    """K values per CTA of the cluster: K / split rounded up to whole chunks (4 loads)."""
-    split = split or MMA_SPLIT
-    chunk = 4 * MMA_VALS[fmt]
-    return -(-(-(-K // split)) // chunk) * chunk
+    """qkv_mma's K values per CTA of the cluster: whole chunks (4 loads)."""
+    return _slice(K, split or MMA_SPLIT, 4 * MMA_VALS[fmt])
 
 
 def _mma_smem(tn, kc):
@@ -739,27 +742,26 @@ def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts
     if not (vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
             and vx.ptr % 16 == 0 and (T == 1 or vx.strides[0] % 8 == 0)):
         return None
-    if tiled_applies(K, fmt, T, tiled_min):
-        for tn in TILED_TILES:  # as below, up to max_tile
-            if tn >= T or tn >= max_tile:
-                break
-        tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
+    tiled = tiled_applies(K, fmt, T, tiled_min)
+    # the smallest token tile that holds T tokens, else the largest (no generator); the tiled
+    # kernel's up to max_tile
+    tile_sizes, largest = (TILED_TILES, max_tile) if tiled else (MMA_TILES, MMA_TILES[-1])
+    for tn in tile_sizes:
+        if tn >= T or tn >= largest:
+            break
+    tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
+    if tiled:
         tiled_split = _tiled_split(tiles, tiled_split, per_sm * _sm_count(device))
-        bk = TILED_BK[fmt]
-        kc = -(-(-(-K // tiled_split)) // bk) * bk
+        kc = _slice(K, tiled_split, TILED_BK[fmt])
         return Launch(STEM, tiled_expression(vx.dtype, fmt, tn, tiled_split, stages, kgroups,
                                              opts),
                       device, (tiled_split, tiles), (2 * tn * kgroups,), PARAMS,
                       {**fields, "kc": kc}, slots, shared_mem=_tiled_smem(tn, stages, fmt),
                       pdl=pdl)
-    for tn in MMA_TILES:  # the smallest tile that holds T tokens, else the largest (no generator)
-        if tn >= T:
-            break
     kc = _mma_slice(K, fmt, split)
     smem = _mma_smem(tn, kc)
     if smem > MMA_SMEM_MAX:
         return None
-    tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
     return Launch(STEM, mma_expression(vx.dtype, fmt, tn, split, opts), device, (split, tiles),
                   (MMA_WARPS * 32,), PARAMS, {**fields, "kc": kc}, slots, shared_mem=smem,
                   pdl=pdl)
