@@ -451,6 +451,60 @@ def test_gpu_status_of_an_empty_batch(path, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("cache", ["same", "e4m3"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("shift", [1, 16])  # elements: head rows off 16-byte alignment, or on it
+def test_gpu_clear_into_cache_views(path, cache, layout, shift, monkeypatch):
+    """clear_unused_last_page_rows into caches that are views of wider buffers (each head row
+    ``shift`` elements into a row of D + 32), so that the kernels' 16-byte zero stores meet row
+    starts off 16-byte alignment (shift 1) and on it (16, fp16: 32 bytes): the tails zero, the
+    written rows the reference's, every other byte of the buffers (the columns around the views
+    included) unchanged."""
+    import cupy as cp
+
+    T = {"mma": 12, "tiled": 40, "gemv": 2, "cublas": 40}[path]
+    lengths = (T // 3, 0, T - T // 3)
+    args, kw = _case_for(path, 90 + shift, lengths=lengths, cached=(3, 40, 21), layout=layout,
+                         cache_dtype=E4M3 if cache == "e4m3" else None, wfmt="fp8")
+    force_path(monkeypatch, path)
+    assert taken_path(args, kw) == path
+    rounded = path == "cublas"  # cuBLAS multiplies the weights rounded to the input dtype
+    q_ref, k_ref, v_ref = expected(*(rounded_weights(args, kw) if rounded else (args, kw)),
+                                   clear=True)
+    D = args["paged_kv_cache"][0].shape[3]
+    rng = np.random.default_rng(shift)
+    bufs, views = [], []
+    for c in args["paged_kv_cache"]:
+        wide = rng.integers(0, 256, c.shape[:3] + ((D + 32) * c.itemsize,), np.uint8)
+        wide = wide.view(c.dtype)
+        wide[..., shift:shift + D] = c
+        buf = cp.asarray(wide)
+        bufs.append((wide, buf))
+        views.append(buf[..., shift:shift + D])
+    dargs = {n: to_device(x) for n, x in args.items()}
+    dargs["paged_kv_cache"] = tuple(views)
+    q = call(dargs, {n: to_device(x) for n, x in kw.items()}, clear_unused_last_page_rows=True)
+    assert rel_rows(q, q_ref, D) <= 1e-2
+    written, tail = written_mask(args, kw), tail_mask(args, kw)
+    assert tail.any() and written.any()
+    for (wide, buf), ref, orig, what in zip(bufs, (k_ref, v_ref), args["paged_kv_cache"], "kv"):
+        got = to_numpy(buf)
+        around = np.ones(got.shape[-1], bool)
+        around[shift:shift + D] = False
+        assert_bytes_equal(got[..., around], wide[..., around], f"{what}: bytes around the view")
+        got, ref, orig = (rows(x, kw) for x in (got[..., shift:shift + D], ref, orig))
+        keep = ~written & ~tail
+        assert_bytes_equal(got[keep], orig[keep], f"{what} cache: unaddressed bytes changed")
+        assert not got[tail].view(np.uint8).any(), f"{what} cache: a tail row not cleared"
+        if ref.dtype.itemsize == 1:
+            assert_close(np.ascontiguousarray(got[written]), np.ascontiguousarray(ref[written]),
+                         f"{what} cache")
+        else:
+            assert rel_rows(got[written], ref[written], D) <= 1e-2, f"{what} cache"
+
+
+@pytest.mark.gpu
 @given(seed=st.integers(0, 2**32 - 1), path=st.sampled_from(PATHS),
        T=st.sampled_from(SWITCH_TOKENS), D=st.sampled_from([32, 64, 128]),
        dtype=st.sampled_from([F16, BF16]), cache=st.sampled_from(["same", "e4m3", "e5m2"]),

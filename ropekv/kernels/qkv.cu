@@ -93,8 +93,8 @@ __device__ __forceinline__ bool qkv_check(const QkvParams& p, const unsigned* of
   return code == 0;
 }
 
-// clear_unused_last_page_rows (OPTS kernels): the rows after token t's own on its page that the
-// writer of each of its K/V elements also zeroes: page_size - entry - 1 when t is the last token
+// clear_unused_last_page_rows (OPTS kernels): the rows after token t's own on its page that are
+// zeroed at its K/V elements: page_size - entry - 1 when t is the last token
 // of its request and is written (tok.k_off >= 0), else 0 (s from ragged_position / paged_slot,
 // entry its row on the page).
 __device__ __forceinline__ int rest_of_page(const QkvParams& p, const unsigned* offsets,
@@ -149,12 +149,10 @@ __device__ __forceinline__ RowPair row_pair(int g, int D, int R, int Hq, int Hkv
 }
 
 // Writes the pair (a, b) of token t: rotated at tok.pos when it is a rotary pair, then Q to out,
-// K / V to their cache rows (scaled for fp8 caches). rest (clear_unused_last_page_rows, see
-// rest_of_page; the plain kernels pass a constant 0): the pair's elements of that many rows after
-// the token's are zeroed too (zero bits are +0 in every cache dtype).
+// K / V to their cache rows (scaled for fp8 caches).
 template <typename T>
 __device__ __forceinline__ void write_pair(const QkvParams& p, const TokenSlot& tok, int t,
-                                           const RowPair& rp, float a, float b, int rest = 0) {
+                                           const RowPair& rp, float a, float b) {
   if (rp.rot >= 0 && tok.pos >= 0) {
     const float* cs = p.cos_sin + i64(tok.pos) * p.cs_s0;
     const float c = cs[rp.rot], s = cs[(p.R >> 1) + rp.rot];
@@ -171,19 +169,39 @@ __device__ __forceinline__ void write_pair(const QkvParams& p, const TokenSlot& 
     const i64 row = tok.k_off + i64(rp.head - p.Hq) * p.k_head;
     store_cache<T>(p.k_cache, row + rp.da, a * p.k_inv_scale, p.cache_code);
     store_cache<T>(p.k_cache, row + rp.db, b * p.k_inv_scale, p.cache_code);
-    for (int r = 1; r <= rest; ++r) {
-      store_cache<T>(p.k_cache, row + r * p.k_entry + rp.da, 0.f, p.cache_code);
-      store_cache<T>(p.k_cache, row + r * p.k_entry + rp.db, 0.f, p.cache_code);
-    }
   } else {
     if (tok.v_off < 0) return;
     const i64 row = tok.v_off + i64(rp.head - p.Hq - p.Hkv) * p.v_head;
     store_cache<T>(p.v_cache, row + rp.da, a * p.v_inv_scale, p.cache_code);
     store_cache<T>(p.v_cache, row + rp.db, b * p.v_inv_scale, p.cache_code);
-    for (int r = 1; r <= rest; ++r) {
-      store_cache<T>(p.v_cache, row + r * p.v_entry + rp.da, 0.f, p.cache_code);
-      store_cache<T>(p.v_cache, row + r * p.v_entry + rp.db, 0.f, p.cache_code);
-    }
+  }
+}
+
+// clear_unused_last_page_rows: the cache row of head h (a K or V head, h >= Hq), r rows after
+// token tok's own (tok written: rest_of_page > 0 only then), as a byte pointer.
+template <typename T>
+__device__ __forceinline__ unsigned char* rest_row(const QkvParams& p, const TokenSlot& tok,
+                                                   int h, int r) {
+  const bool is_k = h < p.Hq + p.Hkv;
+  const i64 off = is_k ? tok.k_off + i64(h - p.Hq) * p.k_head + i64(r) * p.k_entry
+                       : tok.v_off + i64(h - p.Hq - p.Hkv) * p.v_head + i64(r) * p.v_entry;
+  const int es = p.cache_code == 0 ? int(sizeof(T)) : 1;
+  return static_cast<unsigned char*>(is_k ? p.k_cache : p.v_cache) + off * es;
+}
+
+// The pair's two elements of the row r rows after token tok's own, zeroed (zero bits are +0 in
+// every cache dtype); Q pairs have no cache row.
+template <typename T>
+__device__ __forceinline__ void zero_pair_rest(const QkvParams& p, const TokenSlot& tok,
+                                               const RowPair& rp, int r) {
+  if (rp.head < p.Hq || rp.head >= p.Hq + 2 * p.Hkv) return;
+  unsigned char* row = rest_row<T>(p, tok, rp.head, r);
+  if (p.cache_code == 0) {
+    reinterpret_cast<T*>(row)[rp.da] = from_float<T>(0.f);
+    reinterpret_cast<T*>(row)[rp.db] = from_float<T>(0.f);
+  } else {
+    row[rp.da] = 0;
+    row[rp.db] = 0;
   }
 }
 
@@ -251,7 +269,7 @@ struct WeightVec {
 //   one (scale, zero) per load (a load lies inside one group: the host makes VALS divide G).
 //   OPTS: status= validates the offsets once the first weight loads are in flight (a batch of no
 //   tokens launches one block, which only validates); the last token of a request clears the
-//   rest of its page, each lane the elements of the pairs it writes.
+//   rest of its page at the warp's pairs, the (token, row) items spread over the lanes.
 template <typename T, int WF, int VB, int TT, bool FAST_INT4, bool OPTS>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
   pdl_launch_dependents();
@@ -497,6 +515,18 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
       for (int off = 16; off > 0; off >>= 1)
         acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], off);
 
+  if constexpr (OPTS) {
+    // The rows the tokens clear (rests), as (token, row) items spread over the warp's lanes: each
+    // zeroes the warp's pairs in one row, rather than each token's lane row after row.
+    const int per = p.clear ? p.page_size - 1 : 0;
+    for (int u = lane; u < nt * per; u += 32) {
+      const int t = u / per, r = u - t * per + 1;
+      if (r > rests[t]) continue;
+#pragma unroll
+      for (int i = 0; i < GEMV_PAIRS; ++i)
+        if (live[i]) zero_pair_rest<T>(p, slots[t], rps[i], r);
+    }
+  }
   if (lane >= nt) return;
   const TokenSlot tok = slots[lane];
 #pragma unroll
@@ -513,7 +543,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
       a *= ws[rown[2 * i]];
       b *= ws[rown[2 * i + 1]];
     }
-    write_pair<T>(p, tok, t0 + lane, rps[i], a, b, OPTS ? rests[lane] : 0);
+    write_pair<T>(p, tok, t0 + lane, rps[i], a, b);
   }
 }
 
@@ -701,11 +731,44 @@ __device__ __forceinline__ void finish_slot(const QkvParams& p, const PendingSlo
   if constexpr (OPTS) rests[i] = rest_of_page(p, offsets, slot, r, entry, t);
 }
 
+// clear_unused_last_page_rows in the cluster epilogue: the rows token t clears (rests[t], after
+// its own) of the K / V heads in the tile's rows [row0, row0 + MMA_ROWS) (whole heads), zeroed in
+// 16-byte chunks. Warp `warp` of the cluster's `warps` takes every warps-th token, its lanes that
+// token's (row, head, chunk) items: a token clears up to page_size - 1 rows of D elements, which
+// one thread per pair would store element by element, one row after another. A chunk of a row
+// that does not start 16-byte aligned (strided cache views) is zeroed byte by byte.
+template <typename T>
+__device__ __forceinline__ void clear_tile_rests(const QkvParams& p, const TokenSlot* slots,
+                                                 const int* rests, int row0, int nt, int warp,
+                                                 int warps, int lane) {
+  const int h0 = max(row0 / p.D, p.Hq);
+  const int h1 = min((row0 + MMA_ROWS) / p.D, p.Hq + 2 * p.Hkv);
+  if (h0 >= h1) return;  // Q heads only
+  const int row_bytes = p.D * (p.cache_code == 0 ? int(sizeof(T)) : 1);
+  const int chunks = (row_bytes + 15) >> 4;
+  const int per_row = (h1 - h0) * chunks;  // items of one cleared row
+  for (int t = warp; t < nt; t += warps) {
+    const int n = rests[t] * per_row;
+    for (int u = lane; u < n; u += 32) {
+      const int r = u / per_row, hc = u - r * per_row;
+      const int hl = hc / chunks, b0 = (hc - hl * chunks) << 4;
+      unsigned char* row = rest_row<T>(p, slots[t], h0 + hl, r + 1);
+      const int nb = min(16, row_bytes - b0);
+      if (nb == 16 && (reinterpret_cast<unsigned long long>(row) & 15) == 0) {
+        *reinterpret_cast<uint4*>(row + b0) = make_uint4(0u, 0u, 0u, 0u);
+      } else {
+        for (int b = 0; b < nb; ++b) row[b0 + b] = 0;
+      }
+    }
+  }
+}
+
 // The cluster's reduction and the epilogue. Every CTA has stored its (TN, MMA_ROWS) float32
 // partial sums in `part` (row stride MMA_PART_STRIDE) and its token slots; after a cluster
 // barrier each CTA finishes a 1/S share of the tile's (token, row pair) items: the sum over the
 // cluster (mapa + ld.shared::cluster), the fp8 weight scale, RoPE, Q to out, K/V to their pages
-// (write_pair); a last cluster barrier keeps every CTA's shared memory alive until all have read.
+// (write_pair); OPTS, the rows the tokens clear (clear_tile_rests). A last cluster barrier keeps
+// every CTA's shared memory alive until all have read.
 template <typename T, int WF, int S, bool OPTS>
 __device__ __forceinline__ void cluster_epilogue(const QkvParams& p, const float* part,
                                                  const TokenSlot* slots, const int* rests,
@@ -745,7 +808,13 @@ __device__ __forceinline__ void cluster_epilogue(const QkvParams& p, const float
       sa *= ws[na];
       sb *= ws[nb];
     }
-    write_pair<T>(p, slots[t], t0 + t, rp, sa, sb, OPTS ? rests[t] : 0);
+    write_pair<T>(p, slots[t], t0 + t, rp, sa, sb);
+  }
+  if constexpr (OPTS) {
+    if (p.clear) {
+      const int gt = rank * blockDim.x + threadIdx.x;
+      clear_tile_rests<T>(p, slots, rests, row0, nt, gt >> 5, (S * blockDim.x) >> 5, gt & 31);
+    }
   }
   // no CTA leaves while another may still read its shared memory
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
@@ -762,7 +831,7 @@ __device__ __forceinline__ void cluster_epilogue(const QkvParams& p, const float
 // S: CTAs per cluster, along K (the host picks it to fill the GPCs, see qkv.py).
 // OPTS: status= validates the offsets once the first weight loads are in flight, before the main
 // loop (every CTA of every cluster, so all of a cluster's CTAs return together on failure); the
-// last token of a request clears the rest of its page in the epilogue (write_pair).
+// last token of a request clears the rest of its page in the epilogue (clear_tile_rests).
 template <typename T, int WF, int TN, int S, bool OPTS>
 __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE && TN == 64 ? 3 : 4)
     qkv_mma(const QkvParams p) {
