@@ -7,6 +7,8 @@ op itself when the call runs. Imports neither framework.
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
@@ -126,17 +128,30 @@ def mrope_tuple(section):
     return None if section is None else tuple(section)
 
 
-def check_qkv_graph_safe(T, where):
-    """Refuse to record a prefill-sized fused QKV call into a CUDA graph: more than
-    ``ropekv.qkv.GEMV_MAX_TOKENS`` tokens run cuBLAS on CuPy temporaries, and a graph would keep
-    their addresses after CuPy has freed them for reuse."""
-    from ropekv.qkv import GEMV_MAX_TOKENS
+def check_qkv_graph_safe(hidden, weight, k_cache, group_size, where):
+    """Refuse to record a fused QKV call that runs cuBLAS into a CUDA graph (its temporaries are
+    freed when the call returns, and a graph would keep their addresses): ``ropekv.qkv.graph_safe``
+    on the shapes and dtypes (MetaViews), with the compute capability of the least capable
+    visible GPU (90 where there is none, so that host-only tracing takes the sm_90 rule)."""
+    from ropekv import qkv
 
-    if T > GEMV_MAX_TOKENS:
+    T, K = hidden.shape[0], hidden.shape[-1]
+    fmt = (qkv.W_INT4 if weight.dtype == np.uint8
+           else qkv.W_FP8 if weight.dtype == ml_dtypes.float8_e4m3fn else qkv.W_DENSE)
+    if not qkv.graph_safe(T, K, k_cache.shape[-1], fmt, group_size, _least_capability()):
         raise ValueError(f"fused_qkv_matmul_append_paged_kv_cache cannot be recorded {where} with "
-                         f"hidden_state of T={T} tokens: calls of more than "
-                         f"ropekv.qkv.GEMV_MAX_TOKENS={GEMV_MAX_TOKENS} tokens run cuBLAS on CuPy "
-                         f"temporaries, which a graph cannot hold; run them outside the graph")
+                         f"hidden_state of T={T} tokens: {qkv.GRAPH_RULE}")
+
+
+@functools.cache
+def _least_capability():
+    try:
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+        return min(int(cupy.cuda.Device(i).compute_capability) for i in range(n)) if n else 90
+    except Exception:  # noqa: BLE001 - no CUDA runtime (a host-only trace): the sm_90 rule
+        return 90
 
 
 def dtype_of_name(name):

@@ -444,9 +444,11 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     """:func:`ropekv.fused_qkv_matmul_append_paged_kv_cache` as a functional op.
 
     Returns ``(out, (k_cache, v_cache))``: Q ``(T, Hq * D)`` (a new array) and the new caches,
-    aliasing the given ones (donate them for an in-place update). Prefill-sized calls (more than
-    ``ropekv.qkv.GEMV_MAX_TOKENS`` tokens) run cuBLAS on CuPy temporaries, allocated outside
-    XLA's memory pool, and refuse ``command_buffer_compatible=True`` (``ValueError``).
+    aliasing the given ones (donate them for an in-place update). Calls that run cuBLAS (see
+    ``ropekv.qkv.graph_safe``: above ``GEMV_MAX_TOKENS`` tokens, or on sm_90 above
+    ``MMA_MAX_TOKENS`` with fp16 / bf16 weights and ``MMA_MAX_TOKENS_QUANTIZED`` with fp8 and 4-bit
+    weights) use CuPy temporaries, allocated outside XLA's memory pool, and refuse
+    ``command_buffer_compatible=True`` (``ValueError``) when traced.
     ``layer_idx`` (a static int) writes one layer of caches with a leading ``(num_layers, ...)``
     dimension, as the eager op. ``clear_unused_last_page_rows`` is static; with ``status`` (an
     ``(1,)`` int32 array, an input-output alias like the caches) the result is ``(out, (k_cache,
@@ -456,8 +458,9 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a (k_cache, v_cache) pair, "
                                              f"got {type(paged_kv_cache).__qualname__}")
     if command_buffer_compatible:
-        fw.check_qkv_graph_safe(hidden_state.shape[0], "into XLA's command buffers "
-                                                       "(command_buffer_compatible=True)")
+        fw.check_qkv_graph_safe(_meta(hidden_state, "hidden_state"), _meta(weight, "weight"),
+                                _meta(k_cache, "k_cache"), group_size,
+                                "into XLA's command buffers (command_buffer_compatible=True)")
     shape, dtype = fw.qkv_output(_meta(hidden_state, "hidden_state"), _meta(k_cache, "k_cache"),
                                  num_q_heads, kv_layout, layer_idx)
 

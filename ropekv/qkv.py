@@ -572,11 +572,17 @@ def _prepare(views, flags):
     steps, workspaces = _prefill(fields, slots, vx, vw, fmt, vk.dtype, n, T, K, N, Hq, Hkv, D,
                                  device, len(outputs), pdl, opts, vstatus is not None)
     refusal = (f"fused_qkv_matmul_append_paged_kv_cache cannot be recorded in a CUDA graph with "
-               f"hidden_state of T={T} tokens: calls of more than ropekv.qkv.GEMV_MAX_TOKENS="
-               f"{gemv_max} tokens run cuBLAS on temporaries freed when the call returns, which "
-               f"a graph cannot hold; run them outside the graph")
+               f"hidden_state of T={T} tokens: {GRAPH_RULE}")
     return Plan(device, steps, outputs=outputs + workspaces, written=written, result=_result,
                 capture_refusal=refusal)
+
+
+# Why a call is refused under CUDA-graph capture (the plans' and the frameworks' messages).
+GRAPH_RULE = ("this call runs cuBLAS on temporaries freed when it returns, which a graph cannot "
+              "hold. Calls of up to ropekv.qkv.GEMV_MAX_TOKENS tokens, and on sm_90 of up to "
+              "MMA_MAX_TOKENS (fp16 / bf16 weights) or MMA_MAX_TOKENS_QUANTIZED (fp8 and 4-bit "
+              "weights) tokens with 16-byte aligned weight and hidden rows, run one kernel and "
+              "can be recorded; run this one outside the graph")
 
 
 def _result(arrays, outs):
@@ -675,6 +681,21 @@ def _sm_count(device):
     import cupy
 
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
+def graph_safe(T, K, D, fmt, group_size, compute_capability):
+    """Whether a call of ``T`` tokens runs one ropekv kernel and no temporaries, so that a CUDA
+    graph can hold it, given contiguous arrays at 16-byte aligned addresses: up to
+    ``GEMV_MAX_TOKENS`` tokens (the CUDA-core kernel), or the tensor-core path where it applies
+    (sm_90; up to ``MMA_MAX_TOKENS`` tokens with fp16 / bf16 weights, ``MMA_MAX_TOKENS_QUANTIZED``
+    with fp8 and 4-bit). Larger calls run cuBLAS on temporaries freed when the call returns;
+    their plans refuse a capturing stream (``ValueError``), as does a call whose arrays are
+    not so aligned and so takes the cuBLAS path."""
+    if T <= GEMV_MAX_TOKENS:
+        return True
+    top = MMA_MAX_TOKENS if fmt == W_DENSE else MMA_MAX_TOKENS_QUANTIZED
+    return (MMA_MIN_TOKENS <= T <= top
+            and mma_applies(K, D, fmt, group_size or 0, compute_capability))
 
 
 def mma_applies(K, D, fmt, group_size, compute_capability=90):

@@ -416,6 +416,26 @@ def test_command_buffers_refuse_a_prefill_qkv_call():
                                                   command_buffer_compatible=True)
 
 
+@cpu
+@pytest.mark.parametrize("capability", [90, 80])
+def test_command_buffers_take_a_small_qkv_batch_where_it_runs_one_kernel(capability,
+                                                                          monkeypatch):
+    """Six tokens run the tensor-core kernel on sm_90 (one launch, no temporaries): recorded;
+    on sm_80 they run cuBLAS: refused when traced."""
+    import ropekv._frameworks as fw
+
+    monkeypatch.setattr(fw, "_least_capability", lambda: capability)
+    case = next(c for c in CASES if c.name == "qkv-batch")
+    arrays, statics = split(case)
+    fn = jax.jit(lambda a: rj.fused_qkv_matmul_append_paged_kv_cache(
+        **a, **statics, command_buffer_compatible=True))
+    if capability == 80:
+        with pytest.raises(ValueError, match="cannot be recorded into XLA's command buffers"):
+            fn(arrays)
+    else:
+        assert_same(jax.tree_util.tree_leaves(fn(arrays)), expected(case))
+
+
 # ---- GPU -----------------------------------------------------------------------------------------
 
 
@@ -432,6 +452,22 @@ def test_gpu_jitted_op_matches_the_reference(case):
     got = run_jitted(case, gpu_device())
     for i, (g, e) in enumerate(zip(got, expected(case), strict=True)):
         assert_result_close(np.asarray(g), e, case, f"result {i}")
+
+
+@pytest.mark.gpu
+def test_gpu_command_buffers_record_a_small_qkv_batch():
+    """A small batch (the tensor-core kernel on sm_90) with command_buffer_compatible=True:
+    the reference's results, warm (the kernel compiled outside XLA's capture) and again."""
+    case = next(c for c in CASES if c.name == "qkv-batch")
+    device = gpu_device()
+    run_jitted(case, device)  # compiles the kernel and makes the plan, outside any capture
+    arrays, statics = split(case, lambda x: jax.device_put(x, device))
+    fn = jax.jit(lambda a: rj.fused_qkv_matmul_append_paged_kv_cache(
+        **a, **statics, command_buffer_compatible=True))
+    for _ in range(2):
+        got = jax.tree_util.tree_leaves(fn(arrays))
+        for i, (g, e) in enumerate(zip(got, expected(case), strict=True)):
+            assert_result_close(np.asarray(g), e, case, f"result {i}")
 
 
 @pytest.mark.gpu

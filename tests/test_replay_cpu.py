@@ -209,6 +209,34 @@ def test_a_prefill_qkv_call_on_a_capturing_stream_is_refused(stubbed, monkeypatc
     assert len(stubbed.calls) == 4
 
 
+@pytest.mark.parametrize("wfmt, D", [("dense", 16), ("fp8", 16), ("int4", 16), ("dense", 256)])
+def test_graph_safe_is_what_the_plans_refuse(wfmt, D, stubbed, monkeypatch):
+    """ropekv.qkv.graph_safe (the frameworks' check before a capture) names exactly the calls
+    whose plans take a capturing stream: on sm_90 and sm_80, at token counts around every
+    switch, each weight format, and a head size the tensor-core kernels do not take."""
+    gemms = stubbed.gemms
+    monkeypatch.setattr(ropekv.qkv, "_sm_count", lambda device: 132)  # the tiled kernel's grid
+    for cc in (90, 80):
+        monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device, cc=cc: cc)
+        for op in all_ops():  # the plans of the other capability (not part of their keys)
+            op.plans.clear()
+        for T in sorted({1, 2, 3, 16, 17, 40, 128, 129}):
+            fn, kw = CASES["qkv"](45, lengths=(T,), wfmt=wfmt, K=128, D=D, R=D, P=512,
+                                  group_size=32)
+            fmt = {"dense": ropekv.qkv.W_DENSE, "fp8": ropekv.qkv.W_FP8,
+                   "int4": ropekv.qkv.W_INT4}[wfmt]
+            safe = ropekv.qkv.graph_safe(T, 128, D, fmt, 32, cc)
+            gemms.capturing = True
+            try:
+                if safe:
+                    fn(**map_arrays(kw, hostcost.to_cupy))
+                else:
+                    with pytest.raises(ValueError, match="cannot be recorded in a CUDA graph"):
+                        fn(**map_arrays(kw, hostcost.to_cupy))
+            finally:
+                gemms.capturing = False
+
+
 @pytest.mark.parametrize("kind", ["cupy", "torch"])
 def test_prefill_temporaries_come_from_the_callers_allocator(kind, stubbed, monkeypatch):
     """The cuBLAS path's temporaries (the GEMM's output, read by the epilogue) are allocated per
