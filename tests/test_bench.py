@@ -961,3 +961,30 @@ def test_qknorm_options_time_the_computed_scales():
     assert (k_scales > 0).sum() == (v_scales > 0).sum() == 6 * 2  # one per token and KV head
     assert QknormWL(np, cache_dtype=E4M3, kv_dynamic=True, **kw).options() == {}
     assert QknormWL(np, cache_dtype=BF16, **kw).options() == {}
+
+
+def test_source_digest_names_the_code_that_ran(tmp_path, monkeypatch):
+    """The JSON's source_digest is the package's sources, not the git state a copied tree carries:
+    the same for a byte-identical copy elsewhere, another after one kernel byte changes, blind to
+    caches; ROPEKV_GIT_REVISION overrides the revision label."""
+    import shutil
+
+    import ropekv
+
+    pkg = pathlib.Path(ropekv.__file__).resolve().parent
+    copy = tmp_path / "ropekv"
+    shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    digest = runner.source_digest()
+    assert len(digest) == 12 and runner.source_digest(str(copy)) == digest
+    (copy / "__pycache__").mkdir(exist_ok=True)
+    (copy / "__pycache__" / "x.pyc").write_bytes(b"stale")
+    (copy / "notes.txt").write_text("not a source")
+    assert runner.source_digest(str(copy)) == digest
+    kernel = copy / "kernels" / "qkv.cu"
+    kernel.write_bytes(kernel.read_bytes() + b" ")
+    assert runner.source_digest(str(copy)) != digest
+    monkeypatch.setenv("ROPEKV_GIT_REVISION", "0123456789ab")
+    assert runner.git_revision() == "0123456789ab"
+    text = report.text({**_result(), "environment": {"git_revision": "abc",
+                                                     "source_digest": digest}})
+    assert f"@ abc, sources {digest}" in text

@@ -89,7 +89,8 @@ def text(result):
     lines = [(f"ropekv bench on {env.get('gpu', '?')} (driver {env.get('driver', '?')}, CUDA "
               f"runtime {env.get('cuda_runtime', '?')}, CuPy {env.get('cupy')}, torch "
               f"{env.get('torch')}, FlashInfer {env.get('flashinfer')}, ropekv "
-              f"{env.get('ropekv')} @ {env.get('git_revision') or 'unknown revision'})"),
+              f"{env.get('ropekv')} @ {env.get('git_revision') or 'unknown revision'}, sources "
+              f"{env.get('source_digest') or '?'})"),
              (f"copy bandwidth: {result['copy_bandwidth'] / 1e12:.2f} TB/s (1 GiB "
               f"device-to-device, read + write bytes)")]
     if "plan_replay" in env:

@@ -73,7 +73,30 @@ def environment():
         if out.returncode == 0:
             env["driver"] = out.stdout.strip().splitlines()[0]
     env["git_revision"] = git_revision()
+    env["source_digest"] = source_digest()
     return env
+
+
+def source_digest(root=None):
+    """A digest of the code that ran: SHA-256 (12 hex digits) over the relative paths and bytes
+    of ropekv's sources (``.py``, ``.c``, ``.cu``, ``.cuh`` under the package), whatever git
+    state the copy carries. The same digest from a checkout of a commit
+    (``python -c "import ropekv.bench as b; print(b.source_digest())"``) proves that commit ran."""
+    import hashlib
+
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ropekv/
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(filenames):
+            if name.endswith((".py", ".c", ".cu", ".cuh")):
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, root).replace(os.sep, "/")
+                with open(path, "rb") as f:
+                    data = f.read()
+                h.update(f"{rel}\0{len(data)}\0".encode())
+                h.update(data)
+    return h.hexdigest()[:12]
 
 
 def git_revision():
