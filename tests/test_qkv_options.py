@@ -461,11 +461,9 @@ def test_gpu_clear_into_cache_views(path, cache, layout, shift, monkeypatch):
     starts off 16-byte alignment (shift 1) and on it (16, fp16: 32 bytes): the tails zero, the
     written rows the reference's, every other byte of the buffers (the columns around the views
     included) unchanged."""
-    import cupy as cp
-
     T = {"mma": 12, "tiled": 40, "gemv": 2, "cublas": 40}[path]
     lengths = (T // 3, 0, T - T // 3)
-    args, kw = _case_for(path, 90 + shift, lengths=lengths, cached=(3, 40, 21), layout=layout,
+    args, kw = _case_for(path, 90 + shift, lengths=lengths, cached=(5, 40, 22), layout=layout,
                          cache_dtype=E4M3 if cache == "e4m3" else None, wfmt="fp8")
     force_path(monkeypatch, path)
     assert taken_path(args, kw) == path
@@ -479,7 +477,7 @@ def test_gpu_clear_into_cache_views(path, cache, layout, shift, monkeypatch):
         wide = rng.integers(0, 256, c.shape[:3] + ((D + 32) * c.itemsize,), np.uint8)
         wide = wide.view(c.dtype)
         wide[..., shift:shift + D] = c
-        buf = cp.asarray(wide)
+        buf = to_device(wide)
         bufs.append((wide, buf))
         views.append(buf[..., shift:shift + D])
     dargs = {n: to_device(x) for n, x in args.items()}

@@ -731,29 +731,40 @@ __device__ __forceinline__ void finish_slot(const QkvParams& p, const PendingSlo
   if constexpr (OPTS) rests[i] = rest_of_page(p, offsets, slot, r, entry, t);
 }
 
-// clear_unused_last_page_rows in the cluster epilogue: the rows token t clears (rests[t], after
-// its own) of the K / V heads in the tile's rows [row0, row0 + MMA_ROWS) (whole heads), zeroed in
-// 16-byte chunks. Warp `warp` of the cluster's `warps` takes every warps-th token, its lanes that
-// token's (row, head, chunk) items: a token clears up to page_size - 1 rows of D elements, which
-// one thread per pair would store element by element, one row after another. A chunk of a row
-// that does not start 16-byte aligned (strided cache views) is zeroed byte by byte.
+// clear_unused_last_page_rows in the cluster epilogue: the rows each token of the tile clears
+// (rests[t], after its own on its page) at every K and V head, zeroed in 16-byte chunks. A token
+// tile's rows are shared by the CTAs of all its row tiles (they reach their epilogues together,
+// and no cleared row is any tile's output), not left to the few that own K / V rows: warp w of
+// those W warps takes the (token, head) rows w, w + W, ... Its lanes cover 32 / chunks rows of
+// `chunks` 16-byte chunks at a time (chunks = D x element size / 16: a power of two up to 16, as
+// D divides MMA_ROWS), with no division in the row loop. A row that does not start 16-byte
+// aligned (a strided cache view) is zeroed byte by byte.
 template <typename T>
-__device__ __forceinline__ void clear_tile_rests(const QkvParams& p, const TokenSlot* slots,
-                                                 const int* rests, int row0, int nt, int warp,
-                                                 int warps, int lane) {
-  const int h0 = max(row0 / p.D, p.Hq);
-  const int h1 = min((row0 + MMA_ROWS) / p.D, p.Hq + 2 * p.Hkv);
-  if (h0 >= h1) return;  // Q heads only
-  const int row_bytes = p.D * (p.cache_code == 0 ? int(sizeof(T)) : 1);
-  const int chunks = (row_bytes + 15) >> 4;
-  const int per_row = (h1 - h0) * chunks;  // items of one cleared row
-  for (int t = warp; t < nt; t += warps) {
-    const int n = rests[t] * per_row;
-    for (int u = lane; u < n; u += 32) {
-      const int r = u / per_row, hc = u - r * per_row;
-      const int hl = hc / chunks, b0 = (hc - hl * chunks) << 4;
-      unsigned char* row = rest_row<T>(p, slots[t], h0 + hl, r + 1);
-      const int nb = min(16, row_bytes - b0);
+__device__ __forceinline__ void clear_rests(const QkvParams& p, const TokenSlot* slots,
+                                            const int* rests, int row0, int nt, int rank,
+                                            int S) {
+  const int es = p.cache_code == 0 ? int(sizeof(T)) : 1;
+  const int row_bytes = p.D * es;
+  const int lc = row_bytes > 16 ? __ffs(row_bytes >> 4) - 1 : 0;  // log2(chunks)
+  const int lane = threadIdx.x & 31;
+  const int sub = lane >> lc, b0 = (lane & ((1 << lc) - 1)) << 4;  // the lane's row, bytes
+  const int nb = min(16, row_bytes - b0);
+  const int warps = blockDim.x >> 5;
+  const int tiles_r = (p.N + MMA_ROWS - 1) / MMA_ROWS;
+  const int W = tiles_r * S * warps;
+  const int heads = 2 * p.Hkv;
+  for (int w = ((row0 / MMA_ROWS) * S + rank) * warps + (threadIdx.x >> 5); w < nt * heads;
+       w += W) {
+    const int t = w / heads, h = w - t * heads;
+    const int rest = rests[t];
+    if (rest <= 0) continue;
+    const bool is_k = h < p.Hkv;
+    const TokenSlot& tok = slots[t];
+    const i64 off = is_k ? tok.k_off + i64(h) * p.k_head : tok.v_off + i64(h - p.Hkv) * p.v_head;
+    const i64 step = (is_k ? p.k_entry : p.v_entry) * es;
+    unsigned char* base = static_cast<unsigned char*>(is_k ? p.k_cache : p.v_cache) + off * es;
+    for (int r = 1 + sub; r <= rest; r += 32 >> lc) {
+      unsigned char* row = base + r * step;
       if (nb == 16 && (reinterpret_cast<unsigned long long>(row) & 15) == 0) {
         *reinterpret_cast<uint4*>(row + b0) = make_uint4(0u, 0u, 0u, 0u);
       } else {
@@ -767,7 +778,7 @@ __device__ __forceinline__ void clear_tile_rests(const QkvParams& p, const Token
 // partial sums in `part` (row stride MMA_PART_STRIDE) and its token slots; after a cluster
 // barrier each CTA finishes a 1/S share of the tile's (token, row pair) items: the sum over the
 // cluster (mapa + ld.shared::cluster), the fp8 weight scale, RoPE, Q to out, K/V to their pages
-// (write_pair); OPTS, the rows the tokens clear (clear_tile_rests). A last cluster barrier keeps
+// (write_pair); OPTS, the rows the tokens clear (clear_rests). A last cluster barrier keeps
 // every CTA's shared memory alive until all have read.
 template <typename T, int WF, int S, bool OPTS>
 __device__ __forceinline__ void cluster_epilogue(const QkvParams& p, const float* part,
@@ -811,10 +822,7 @@ __device__ __forceinline__ void cluster_epilogue(const QkvParams& p, const float
     write_pair<T>(p, slots[t], t0 + t, rp, sa, sb);
   }
   if constexpr (OPTS) {
-    if (p.clear) {
-      const int gt = rank * blockDim.x + threadIdx.x;
-      clear_tile_rests<T>(p, slots, rests, row0, nt, gt >> 5, (S * blockDim.x) >> 5, gt & 31);
-    }
+    if (p.clear) clear_rests<T>(p, slots, rests, row0, nt, rank, S);
   }
   // no CTA leaves while another may still read its shared memory
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
@@ -831,7 +839,7 @@ __device__ __forceinline__ void cluster_epilogue(const QkvParams& p, const float
 // S: CTAs per cluster, along K (the host picks it to fill the GPCs, see qkv.py).
 // OPTS: status= validates the offsets once the first weight loads are in flight, before the main
 // loop (every CTA of every cluster, so all of a cluster's CTAs return together on failure); the
-// last token of a request clears the rest of its page in the epilogue (clear_tile_rests).
+// last token of a request clears the rest of its page in the epilogue (clear_rests).
 template <typename T, int WF, int TN, int S, bool OPTS>
 __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE && TN == 64 ? 3 : 4)
     qkv_mma(const QkvParams p) {
