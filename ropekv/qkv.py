@@ -8,10 +8,10 @@ Three paths, picked by the token count T:
   16-byte loads): ``qkv_mma``, one launch of tensor-core
   (``mma.sync``) weight streaming, split-K over a cluster of CTAs (MMA_SPLIT) reduced through distributed
   shared memory, with the epilogue (RoPE, Q to ``out``, K/V quantized into their pages) fused.
-  From ``TILED_MIN_TOKENS`` tokens on, fp8 (and fp16 / bf16) weights with K a whole number of
-  stages (``TILED_BK``) run ``qkv_mma_tiled`` instead: the same split and epilogue, with the
-  weights and hidden rows staged in shared memory (cp.async, ``TILED_STAGES`` deep) and shared
-  by all the warps of a CTA. (With fp16 / bf16 weights the tensor-core path ends at
+  From ``TILED_MIN_TOKENS`` tokens on, fp8 and 4-bit (and fp16 / bf16) weights with K a whole
+  number of stages (``TILED_BK``) run ``qkv_mma_tiled`` instead: the same split and epilogue,
+  with the weights and hidden rows staged in shared memory (cp.async, ``TILED_STAGES`` deep) and
+  shared by all the warps of a CTA. (With fp16 / bf16 weights the tensor-core path ends at
   ``MMA_MAX_TOKENS`` = 16 tokens, below ``TILED_MIN_TOKENS``: from there cuBLAS + the epilogue is
   faster, so the tiled kernel runs for them only when ``MMA_MAX_TOKENS`` is raised.)
 * decode otherwise (``T <= GEMV_MAX_TOKENS``): ropekv's own weight-streaming skinny GEMM
@@ -87,8 +87,8 @@ MMA_MAX_TOKENS_QUANTIZED = 128
 # Token tiles: the smallest of MMA_TILES holding T, else several of the largest (adjacent CTAs,
 # so the weights they share come from L2).
 MMA_TILES = (8, 16, 32, 64)
-# qkv_mma_tiled (tensor-core path calls of at least TILED_MIN_TOKENS tokens, fp8 or fp16 / bf16
-# weights): token tiles of TILED_TILES up to TILED_MAX_TILE (as above), 2 x tile / 32 warps a
+# qkv_mma_tiled (tensor-core path calls of at least TILED_MIN_TOKENS tokens, every weight
+# format): token tiles of TILED_TILES up to TILED_MAX_TILE (as above), 2 x tile / 32 warps a
 # CTA; TILED_STAGES stages of TILED_BK k values in shared memory; split-K over clusters of the
 # largest of TILED_SPLITS (at most TILED_SPLIT) that keeps the grid within one wave of
 # TILED_CTAS_PER_SM CTAs an SM: a weight-streaming kernel is as fast as its busiest SM. Measured
@@ -103,8 +103,11 @@ TILED_KGROUPS = 1  # warp groups along k (1 or 2): 2 x tile / 32 x TILED_KGROUPS
 TILED_SPLIT = 8
 TILED_SPLITS = (1, 2, 4, 8)  # the compiled cluster sizes
 TILED_CTAS_PER_SM = 2  # at 3 stages (shared memory)
-TILED_FORMATS = (W_DENSE, W_FP8)
-TILED_BK = {W_DENSE: 64, W_FP8: 128}  # k values per stage (128-byte weight rows), as in qkv.cu
+TILED_FORMATS = (W_DENSE, W_FP8, W_INT4)
+# k values per stage and the bytes of a staged weight row, as in qkv.cu (4-bit: 64-byte rows,
+# and per row and 32 k values an 8-byte {scale, offset + zero} entry)
+TILED_BK = {W_DENSE: 64, W_FP8: 128, W_INT4: 128}
+TILED_ROW_BYTES = {W_DENSE: 128, W_FP8: 128, W_INT4: 64}
 MMA_ROWS, MMA_WARPS = 128, 4  # mirror qkv.cu
 # CTAs per cluster (the split of K). 4 and 8 measured the same on the H200 (the block scheduler
 # fills one GPC after the other with clusters either way).
@@ -726,9 +729,12 @@ def _mma_smem(tn, kc):
 
 
 def _tiled_smem(tn, stages, fmt):
-    """Dynamic shared memory of qkv_mma_tiled: the stages (128-byte weight rows, hidden rows of
-    TILED_BK values), later the float32 partial sums."""
-    return max(stages * (MMA_ROWS * 128 + tn * TILED_BK[fmt] * 2), tn * (MMA_ROWS + 4) * 4)
+    """Dynamic shared memory of qkv_mma_tiled: the stages (weight rows of TILED_ROW_BYTES, hidden
+    rows of TILED_BK values, 4-bit scale entries), later the float32 partial sums."""
+    bk = TILED_BK[fmt]
+    scales = MMA_ROWS * (bk // 32) * 8 if fmt == W_INT4 else 0
+    stage = MMA_ROWS * TILED_ROW_BYTES[fmt] + tn * bk * 2 + scales
+    return max(stages * stage, tn * (MMA_ROWS + 4) * 4)
 
 
 def _tiled_split(tiles, split, wave):
@@ -742,15 +748,16 @@ def _tiled_split(tiles, split, wave):
 
 
 def tiled_applies(K, fmt, T, tiled_min=None):
-    """Whether a call that takes the tensor-core path runs qkv_mma_tiled: fp16 / bf16 or fp8
-    weights, at least ``tiled_min`` (TILED_MIN_TOKENS) tokens, K slices of whole stages."""
+    """Whether a call that takes the tensor-core path runs qkv_mma_tiled: at least ``tiled_min``
+    (TILED_MIN_TOKENS) tokens, K slices of whole stages (TILED_BK; 4-bit groups are whole
+    32-value chunks, as :func:`mma_applies` requires)."""
     tiled_min = TILED_MIN_TOKENS if tiled_min is None else tiled_min
     return fmt in TILED_BK and T >= tiled_min and K % TILED_BK[fmt] == 0
 
 
 def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts=False):
     """The tensor-core launch (qkv_mma, or qkv_mma_tiled where :func:`tiled_applies`: from
-    ``tiled``'s token count on, fp8 or fp16 / bf16 weights), or None where neither applies."""
+    ``tiled``'s token count on), or None where neither applies."""
     G = fields["group_size"]
     tiled_min, max_tile, stages, tiled_split, per_sm, kgroups = tiled
     if split not in MMA_SPLITS:

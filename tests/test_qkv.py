@@ -492,9 +492,28 @@ def test_tiled_applies_and_splits():
     assert qkv_mod.tiled_applies(4096, W["dense"], qkv_mod.TILED_MIN_TOKENS)
     assert not qkv_mod.tiled_applies(4096, W["dense"], qkv_mod.TILED_MIN_TOKENS - 1)
     assert qkv_mod.tiled_applies(4096, W["fp8"], 64)
-    assert not qkv_mod.tiled_applies(4096, W["int4"], 64)  # fp16 / bf16 or fp8 weights
+    assert qkv_mod.tiled_applies(4096, W["int4"], 64)
+    assert qkv_mod.tiled_applies(4096, W["int4"], qkv_mod.MMA_MAX_TOKENS_QUANTIZED)
+    assert not qkv_mod.tiled_applies(4096, W["int4"], qkv_mod.TILED_MIN_TOKENS - 1)
     assert not qkv_mod.tiled_applies(4104, W["dense"], 64)  # K in whole stages
     assert not qkv_mod.tiled_applies(4160, W["fp8"], 64)  # (128 fp8 values a stage)
+    assert not qkv_mod.tiled_applies(4160, W["int4"], 64)  # (128 4-bit values a stage)
+    assert qkv_mod.tiled_applies(384, W["int4"], 64)  # groups of 96: 32-value chunks
+    assert set(qkv_mod.TILED_FORMATS) == set(W.values()) == set(qkv_mod.TILED_BK)
+    # shared memory: stages of 128 weight rows (64-byte rows for 4-bit, with an 8-byte scale
+    # entry per row and 32 k values) and of the token tile's hidden rows
+    assert qkv_mod._tiled_smem(64, 3, W["fp8"]) == 3 * (128 * 128 + 64 * 256)
+    assert qkv_mod._tiled_smem(64, 3, W["dense"]) == 3 * (128 * 128 + 64 * 128)
+    assert qkv_mod._tiled_smem(64, 3, W["int4"]) == 3 * (128 * 64 + 64 * 256 + 128 * 4 * 8)
+    assert qkv_mod._tiled_smem(128, 1, W["int4"]) == 128 * 132 * 4  # the partial sums
+    # every compiled tile at 2-4 stages fits a block's 227 KiB (static shared memory: < 8 KiB);
+    # the shipped tile TILED_CTAS_PER_SM times an SM's 228 KiB (1 KiB reserved a block)
+    for fmt, tn, stages in itertools.product(qkv_mod.TILED_FORMATS, qkv_mod.TILED_TILES,
+                                             (2, 3, 4)):
+        assert qkv_mod._tiled_smem(tn, stages, fmt) + 8 * 1024 <= 227 * 1024
+    for fmt in qkv_mod.TILED_FORMATS:
+        smem = qkv_mod._tiled_smem(qkv_mod.TILED_MAX_TILE, qkv_mod.TILED_STAGES, fmt)
+        assert qkv_mod.TILED_CTAS_PER_SM * (smem + 8 * 1024) <= 228 * 1024
     # Llama-3-8B (48 row tiles) on 132 SMs at 3 CTAs each: one wave of 384 CTAs from 64 to 512
     # tokens (tiles of 64), then the whole K in one CTA
     wave = 3 * 132
@@ -568,9 +587,10 @@ def check_gpu(args, kw, out_given=False, monkeypatch=None, path=None):
     taken = taken_path(args, kw)
     if path is not None:
         assert taken == path, f"the case cannot take the {path} path"
-    # weights rounded to the input dtype: the cuBLAS path's dequantization, the mma path's 4-bit
+    # weights rounded to the input dtype: the cuBLAS path's dequantization, the tensor-core
+    # kernels' 4-bit
     if (taken == "cublas" and args["weight"].dtype != args["hidden_state"].dtype
-            or taken == "mma" and args["weight"].dtype == np.uint8):
+            or taken in ("mma", "tiled") and args["weight"].dtype == np.uint8):
         q_ref, k_ref, v_ref = expected(*rounded_weights(args, kw))
     else:
         q_ref, k_ref, v_ref = expected(args, kw)
@@ -628,6 +648,44 @@ def test_gpu_llama3_8b_tiled(lengths, dtype, wfmt, monkeypatch):
     args, kw = make_case(25, lengths=lengths, dtype=dtype, cache_dtype=E4M3 if dtype == BF16
                          else None, cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
                          wfmt=wfmt, **{**LLAMA, "P": 8192})
+    check_gpu(args, kw, monkeypatch=monkeypatch, path="tiled")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(1,) * 5, (1,) * 64, (60, 0, 68), (100, 157)])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_gpu_llama3_8b_tiled_int4(lengths, dtype, group_size, zero_points, monkeypatch):
+    """qkv_mma_tiled with 4-bit weights at Llama-3-8B's projection: groups of 32 (a group per
+    32-value chunk) and 128, with and without zero points, token tiles of 32 and 64 and several
+    64-token tiles (the tiled kernel forced past MMA_MAX_TOKENS_QUANTIZED)."""
+    args, kw = make_case(26 + group_size, lengths=lengths, dtype=dtype, wfmt="int4",
+                         group_size=group_size, zero_points=zero_points,
+                         cache_dtype=E4M3 if dtype == BF16 else None,
+                         cached=[100 + 37 * i for i in range(len(lengths))], **{**LLAMA, "P": 8192})
+    check_gpu(args, kw, monkeypatch=monkeypatch, path="tiled")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [17, 33, 64, 128])
+@pytest.mark.parametrize("tile", [32, 64, 128])
+@pytest.mark.parametrize("kgroups", [1, 2])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_gpu_tiled_int4_settings(T, tile, kgroups, stages, monkeypatch):
+    """qkv_mma_tiled with 4-bit weights under every token tile, k-group count and stage count:
+    K slices of one to several stages (splits of 1 to 8), a partial row tile (N = 320), groups
+    of 64 and zero points, tokens outside every request."""
+    monkeypatch.setattr(qkv_mod, "TILED_MAX_TILE", tile)
+    monkeypatch.setattr(qkv_mod, "TILED_KGROUPS", kgroups)
+    monkeypatch.setattr(qkv_mod, "TILED_STAGES", stages)
+    monkeypatch.setattr(qkv_mod, "TILED_CTAS_PER_SM", 1000)  # the split as TILED_SPLIT says
+    monkeypatch.setattr(qkv_mod, "TILED_SPLIT", (1, 2, 4, 8)[(T + tile // 32) % 4])
+    lengths = (T // 2, 0, T - T // 2 - 1)
+    args, kw = make_case(27 + T + tile, lengths=lengths, dtype=BF16 if T % 2 else F16,
+                         wfmt="int4", group_size=64, zero_points=True, K=1536, Hq=3, Hkv=1,
+                         D=64, R=64, P=512, page_size=16, extra_tokens=1,
+                         cached=[5 * i for i in range(len(lengths))])
     check_gpu(args, kw, monkeypatch=monkeypatch, path="tiled")
 
 

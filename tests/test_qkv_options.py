@@ -359,7 +359,7 @@ def check_options(args, kw, monkeypatch, path, clear, status_given, out_given=Fa
         force_path(monkeypatch, path)
         assert taken_path(args, kw) == path, f"the case cannot take the {path} path"
     rounded = (path == "cublas" and args["weight"].dtype != args["hidden_state"].dtype
-               or path == "mma" and args["weight"].dtype == np.uint8)
+               or path in ("mma", "tiled") and args["weight"].dtype == np.uint8)
     q_ref, k_ref, v_ref = expected(*(rounded_weights(args, kw) if rounded else (args, kw)),
                                    clear=clear)
     originals = [c.copy() for c in args["paged_kv_cache"]]
@@ -515,8 +515,6 @@ def test_gpu_clear_on_every_path(seed, path, T, D, dtype, cache, layout, rope, w
     """clear_unused_last_page_rows on each path at token counts around the switches: ragged
     batches with empty requests, requests ending anywhere on a page, every weight format, fp8
     caches, partial and no RoPE; against the reference, tails zero, other bytes unchanged."""
-    if path == "tiled" and wfmt == "int4":  # qkv_mma_tiled takes fp16 / bf16 or fp8 weights
-        wfmt = "fp8"
     rng = np.random.default_rng(seed)
     cuts = np.sort(rng.integers(0, T + 1, 3))
     lengths = (int(cuts[0]), 0, int(cuts[1] - cuts[0]), int(cuts[2] - cuts[1]), int(T - cuts[2]))
@@ -547,8 +545,8 @@ def test_gpu_options_at_the_shipped_switches(T, wfmt, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path, wfmt", [(p, w) for p in PATHS for w in ("dense", "int4")
-                                        if p != "tiled"] + [("tiled", "dense"), ("tiled", "fp8")])
+@pytest.mark.parametrize("path, wfmt", [(p, w) for p in PATHS for w in ("dense", "int4")]
+                         + [("tiled", "fp8")])
 def test_gpu_llama3_8b_with_options(path, wfmt, monkeypatch):
     """Llama-3-8B's projection with both options on: decode (gemv), a small batch (mma) and a
     prefill (cuBLAS), requests ending mid-page."""

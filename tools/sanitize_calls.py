@@ -31,6 +31,8 @@ CALLS = [
     ("qkv", {}),  # 6 tokens: the tensor-core kernel (qkv_mma)
     ("qkv", {"wfmt": "int4", "cache_dtype": E4M3}),  # qkv_mma, 4-bit weights, fp8 cache
     ("qkv", {"wfmt": "fp8", "K": 256, "lengths": (20, 5, 0, 3)}),  # 28 tokens: qkv_mma_tiled
+    # qkv_mma_tiled, 4-bit: 4 stages a CTA (split 8), so the ring turns over
+    ("qkv", {"wfmt": "int4", "zero_points": True, "K": 4096, "lengths": (20, 5, 0, 3)}),
     ("qkv", {"lengths": (20, 5, 0, 3)}),  # 28 fp16 tokens: cuBLAS and the epilogue
     ("qkv", {"wfmt": "int4", "cache_dtype": E4M3, "lengths": (100, 40)}),  # dequantize, cuBLAS
 ]
@@ -87,6 +89,7 @@ def check_scaled_call(op, case):
 # own temporary)
 OPTIONED = [("qkv", {"lengths": (1,)}), ("qkv", {}),
             ("qkv", {"wfmt": "fp8", "K": 256, "lengths": (20, 5, 0, 3)}),
+            ("qkv", {"wfmt": "int4", "K": 4096, "lengths": (20, 5, 0, 3)}),
             ("qkv", {"cache_dtype": E4M3, "lengths": (20, 5, 0, 3)})]
 
 

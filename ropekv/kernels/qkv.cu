@@ -3,9 +3,8 @@
 //
 //   qkv_mma        small batches (sm_90): tensor-core weight streaming, split-K over a cluster
 //                  reduced through distributed shared memory, epilogue fused; one launch.
-//   qkv_mma_tiled  larger batches, fp16 / bf16 or fp8 weights (sm_90): the same split and
-//                  epilogue, the weights and hidden rows staged in shared memory and shared by
-//                  the warps.
+//   qkv_mma_tiled  larger batches (sm_90): the same split and epilogue, the weights and hidden
+//                  rows staged in shared memory and shared by the warps.
 //   qkv_gemv       decode: weight-streaming skinny GEMM (token tiles of up to 16), epilogue fused
 //                  (GPUs without clusters, shapes the mma kernel does not take).
 //   qkv_epilogue   prefill: after cuBLAS wrote Q, K, V into temporaries, rope Q into `out` and
@@ -1043,7 +1042,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
 #endif
 }
 
-// ---- Larger batches, fp16 / bf16 or fp8 weights: both operands staged in shared memory -------
+// ---- Larger batches: both operands staged in shared memory --------------------------------
 //
 // qkv_mma_tiled<T, WF, TN, S, STAGES, KG>: the tiles, the cluster split of K and the epilogue of
 // qkv_mma, but the weights are no longer held by one warp each: a CTA stages BK k values of its
@@ -1061,6 +1060,19 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
 // order inside an mma does not change its sum, so the mma's k slots (2c, 2c + 1) and (2c + 8,
 // 2c + 9) stand for k = (4c, 4c + 1) and (4c + 2, 4c + 3): the hidden values of those k are one
 // 8-byte shared load. The per-row scale is applied to the float32 sum (cluster_epilogue).
+//
+// 4-bit weights: a stage holds BK = 128 k values as 64-byte weight rows (4 chunks of 32 values;
+// chunk c of row r at c ^ (r / 2 % 4): the 8 rows of an ldmatrix phase, two per 128 bytes, fall
+// in 8 bank groups). An ldmatrix 32-bit element gives lane (g, c) the 8 nibbles k = 8c .. 8c + 7
+// of a chunk (rows g and g + 8), which int4_pair turns into the T pairs (8c + i, 8c + i + 4),
+// i < 4: two mmas, whose k slots (2c, 2c + 1) and (2c + 8, 2c + 9) stand for k (8c + 2s,
+// 8c + 2s + 4) and (8c + 2s + 1, 8c + 2s + 5) in mma s. The hidden values of k 8c .. 8c + 7 are one
+// 16-byte shared load (chunk c ^ (4 (r % 2) + r / 2 % 4) of token row r: the two rows of a
+// quarter warp in different bank groups), permuted as in qkv_mma. Each stage also holds, per
+// weight row and chunk, the chunk's group's scale and offset + zero as T pairs (8 bytes; the
+// chunk lies in one group, G being a multiple of 32), which the threads load from global memory
+// a stage ahead (when they issue the stage's copies) and store when the next stage is issued.
+// w = (q - zero) * scale is rounded once to T, as in qkv_mma; rows past N have scale 0.
 constexpr int TILED_WM = 64, TILED_WN = 32;  // a warp's rows and tokens
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
@@ -1075,34 +1087,71 @@ __device__ __forceinline__ uint2 lds64(unsigned addr) {
   return r;
 }
 
+__device__ __forceinline__ uint4 lds128(unsigned addr) {
+  uint4 r;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(addr));
+  return r;
+}
+
 // Byte offset of 16-byte chunk ch of row r in a staged tile of ROW-byte rows.
 template <int ROW>
 __device__ __forceinline__ unsigned tiled_at(int r, int ch) {
   return unsigned(r * ROW + ((ch ^ (r & 7)) << 4));
 }
 
+// 4-bit stages: the same for the 64-byte weight rows and for the 256-byte hidden rows (see above).
+__device__ __forceinline__ unsigned int4_a_at(int r, int ch) {
+  return unsigned(r * 64 + ((ch ^ ((r >> 1) & 3)) << 4));
+}
+__device__ __forceinline__ unsigned int4_b_at(int r, int ch) {
+  return unsigned(r * 256 + ((ch ^ (((r & 1) << 2) | ((r >> 1) & 3))) << 4));
+}
+template <int WF, int ROW>
+__device__ __forceinline__ unsigned a_at(int r, int ch) {
+  if constexpr (WF == W_INT4) {
+    return int4_a_at(r, ch);
+  } else {
+    return tiled_at<ROW>(r, ch);
+  }
+}
+template <int WF, int ROW>
+__device__ __forceinline__ unsigned b_at(int r, int ch) {
+  if constexpr (WF == W_INT4) {
+    return int4_b_at(r, ch);
+  } else {
+    return tiled_at<ROW>(r, ch);
+  }
+}
+
 template <typename T, int WF, int TN, int S, int STAGES, int KG, bool OPTS>
 __global__ void MMA_CLUSTER_DIMS
-__launch_bounds__(TN * 2 * KG, TN * KG >= 256 ? 1 : TN * KG >= 64 ? 2 : 4)
+__launch_bounds__(TN * 2 * KG,
+                  TN * KG >= (WF == W_INT4 ? 128 : 256) ? 1 : TN * KG >= 64 ? 2 : 4)
     qkv_mma_tiled(const QkvParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   pdl_launch_dependents();
   pdl_wait();
-  static_assert(WF == W_DENSE || WF == W_FP8, "fp16 / bf16 or fp8 weights");
-  constexpr bool FP8 = WF == W_FP8;
-  constexpr int BK = FP8 ? 128 : 64;  // k values per stage
-  constexpr int A_ROW = 128, B_ROW = BK * 2;  // staged row bytes
+  constexpr bool FP8 = WF == W_FP8, INT4 = WF == W_INT4;
+  constexpr int BK = WF == W_DENSE ? 64 : 128;  // k values per stage
+  constexpr int A_ROW = INT4 ? 64 : 128, B_ROW = BK * 2;  // staged row bytes
   constexpr int THREADS = TN * 2 * KG;
   constexpr int WARPS_N = TN / TILED_WN;               // warps along the tokens (2 along rows)
-  constexpr int KSTEPS = 4 / KG;  // k steps of a stage per warp (16 k values, 32 for fp8)
+  // k steps of a stage per warp (32 bytes of a weight row: 16 k values, 32 fp8, 64 4-bit)
+  constexpr int KSTEPS = A_ROW / 32 / KG;
   constexpr int MT = TILED_WM / 16, NT = TILED_WN / 8;  // mma tiles of a warp
   constexpr int A_CHUNKS = A_ROW / 16, B_CHUNKS = B_ROW / 16;
   constexpr int A_BYTES = MMA_ROWS * A_ROW;
-  constexpr int STAGE_BYTES = A_BYTES + TN * B_ROW;
+  // 4-bit: per weight row and chunk of 32 k values, {scale, offset + zero} as T pairs
+  constexpr int S_CHUNKS = INT4 ? BK / 32 : 0, S_ENTRIES = MMA_ROWS * S_CHUNKS;
+  constexpr int S_LOADS = INT4 ? S_ENTRIES / THREADS : 0;  // entries per thread and stage
+  constexpr int STAGE_BYTES = A_BYTES + TN * B_ROW + S_ENTRIES * 8;
   constexpr int A_STEP = THREADS / A_CHUNKS, B_STEP = THREADS / B_CHUNKS;  // rows apart
   constexpr int A_LOADS = MMA_ROWS / A_STEP, B_LOADS = TN / B_STEP;
   static_assert(MMA_ROWS == 2 * TILED_WM && A_LOADS * A_STEP == MMA_ROWS &&
-                B_LOADS * B_STEP == TN && KSTEPS * KG == 4, "tile shape");
+                B_LOADS * B_STEP == TN && KSTEPS * KG * 32 == A_ROW &&
+                S_LOADS * THREADS == S_ENTRIES && THREADS % 4 == 0, "tile shape");
   extern __shared__ __align__(16) unsigned char mma_smem[];
   float* part = reinterpret_cast<float*>(mma_smem);  // after the main loop: (TN, PART_STRIDE)
   __shared__ TokenSlot slots[TN];
@@ -1125,7 +1174,8 @@ __launch_bounds__(TN * 2 * KG, TN * KG >= 256 ? 1 : TN * KG >= 64 ? 2 : 4)
   const int rb = threadIdx.x / B_CHUNKS, cb = threadIdx.x % B_CHUNKS;
   const int ka = kbeg + ca * (BK / A_CHUNKS), kb = kbeg + cb * 8;
   const unsigned char* a_src = static_cast<const unsigned char*>(p.weight) +
-                               i64(row0 + ra) * p.weight_row_bytes + i64(ka) * (FP8 ? 1 : 2);
+                               i64(row0 + ra) * p.weight_row_bytes +
+                               (INT4 ? i64(ka) / 2 : i64(ka) * (FP8 ? 1 : 2));
   const i64 a_step = i64(A_STEP) * p.weight_row_bytes;
   const unsigned char* b_src = static_cast<const unsigned char*>(p.hidden) +
                                (i64(t0 + rb) * p.hidden_s0 + kb) * 2;
@@ -1136,20 +1186,68 @@ __launch_bounds__(TN * 2 * KG, TN * KG >= 256 ? 1 : TN * KG >= 64 ? 2 : 4)
 #pragma unroll
     for (int j = 0; j < A_LOADS; ++j) {
       const bool on = ka + dk < kend && row0 + ra + j * A_STEP < p.N;
-      cp_async16(base + tiled_at<A_ROW>(ra + j * A_STEP, ca),
-                 on ? a_src + j * a_step + dk * (FP8 ? 1 : 2) : p.weight, on);
+      cp_async16(base + a_at<WF, A_ROW>(ra + j * A_STEP, ca),
+                 on ? a_src + j * a_step + (INT4 ? dk / 2 : dk * (FP8 ? 1 : 2)) : p.weight, on);
     }
 #pragma unroll
     for (int j = 0; j < B_LOADS; ++j) {
       const bool on = kb + dk < kend && rb + j * B_STEP < nt;
-      cp_async16(base + A_BYTES + tiled_at<B_ROW>(rb + j * B_STEP, cb),
+      cp_async16(base + A_BYTES + b_at<WF, B_ROW>(rb + j * B_STEP, cb),
                  on ? b_src + j * b_step + dk * 2 : p.hidden, on);
+    }
+  };
+  // 4-bit: thread i loads the entries of chunk i % 4 of rows i / 4 + j * THREADS / 4 of a stage
+  // (the scale's bits and the zero point; 0 and anything past N or the slice) into registers
+  // (scale_issue), and stores them as T pairs when the next stage is issued (scale_store).
+  unsigned s_bits[S_LOADS > 0 ? S_LOADS : 1], s_zero[S_LOADS > 0 ? S_LOADS : 1];
+  auto scale_issue = [&](int ks) {
+    if constexpr (INT4) {
+      const int k = kbeg + ks * BK + (threadIdx.x & 3) * 32;
+      const int grp = k / p.group_size;
+#pragma unroll
+      for (int j = 0; j < S_LOADS; ++j) {
+        const int n = row0 + (threadIdx.x >> 2) + j * (THREADS / 4);
+        const bool on = k < kend && n < p.N;
+        s_bits[j] = on ? unsigned(__ldg(static_cast<const unsigned short*>(p.weight_scales) +
+                                        i64(n) * p.ws_s0 + grp))
+                       : 0u;
+        s_zero[j] = on && p.zero_points
+                        ? unsigned(__ldg(static_cast<const unsigned char*>(p.zero_points) +
+                                         i64(n) * p.zp_s0 + grp))
+                        : 8u;
+      }
+    }
+  };
+  auto scale_store = [&](int stage) {
+    if constexpr (INT4) {
+      constexpr unsigned MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;  // 1024, 128
+      const unsigned base = smem0 + stage * STAGE_BYTES + A_BYTES + TN * B_ROW +
+                            (threadIdx.x >> 2) * (S_CHUNKS * 8) + (threadIdx.x & 3) * 8;
+#pragma unroll
+      for (int j = 0; j < S_LOADS; ++j) {
+        // offset + zero as a T pair: 1024 + z (fp16) or 128 + z (bf16) is the bits MAGIC + z
+        const unsigned sub = MAGIC + (s_zero[j] & 0xFu) * 0x00010001u;
+        const unsigned scale = s_bits[j] * 0x00010001u;
+        asm volatile("st.shared.v2.u32 [%0], {%1, %2};"
+                     :: "r"(base + j * (THREADS / 4) * (S_CHUNKS * 8)), "r"(scale), "r"(sub)
+                     : "memory");
+      }
     }
   };
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < nk) load(s, s);
     asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  if constexpr (INT4) {  // the first stages' scales: all but the last stored at once
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) {
+      if (s < nk) {
+        scale_issue(s);
+        scale_store(s);
+      }
+    }
+    if (STAGES - 2 < nk) scale_issue(STAGES - 2);
   }
 
   // Token addressing while the first stages land: offsets and cache lengths into shared memory
@@ -1172,22 +1270,50 @@ __launch_bounds__(TN * 2 * KG, TN * KG >= 256 ? 1 : TN * KG >= 64 ? 2 : 4)
 
   // ldmatrix rows: A tiles of 16 rows (lanes 0-15 the low 16 bytes of a k step, 16-31 the high
   // 16); dense B: pairs of 8-token tiles (lanes 0-7 / 8-15: tokens 0-7 low / high k, 16-31:
-  // tokens 8-15); fp8 B: token g of each 8-token tile, 8 bytes at 8c of each 32-byte half.
+  // tokens 8-15); fp8 B: token g of each 8-token tile, 8 bytes at 8c of each 32-byte half;
+  // 4-bit B: token g, 16 bytes at 16c of each 64-byte half.
   const int a_row = wm * TILED_WM + (lane & 15), a_half = lane >> 4;
   const int b_row = wn * TILED_WN + ((lane >> 4) << 3) + (lane & 7), b_half = (lane >> 3) & 1;
   for (int ks = 0; ks < nk; ++ks) {
     asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2) : "memory");
+    // 4-bit: the scales of stage ks + STAGES - 2, loaded when it was issued (its buffer was
+    // last read at ks - 2; read first after this iteration's barrier)
+    if (INT4 && ks + STAGES - 2 < nk) scale_store((ks + STAGES - 2) % STAGES);
     __syncthreads();  // stage ks landed for every thread; stage ks - 1 is free again
-    if (ks + STAGES - 1 < nk) load((ks + STAGES - 1) % STAGES, ks + STAGES - 1);
+    if (ks + STAGES - 1 < nk) {
+      load((ks + STAGES - 1) % STAGES, ks + STAGES - 1);
+      scale_issue(ks + STAGES - 1);
+    }
     asm volatile("cp.async.commit_group;" ::: "memory");
     const unsigned a_base = smem0 + (ks % STAGES) * STAGE_BYTES, b_base = a_base + A_BYTES;
+    const unsigned s_base = b_base + TN * B_ROW;  // 4-bit: the scale entries
     // fragments double-buffered: the loads of k step kk + 1 are in flight during kk's mmas
-    unsigned af[2][MT][4], bf[2][NT][2 * (FP8 ? 2 : 1)];
+    unsigned af[2][MT][4], bf[2][NT][INT4 ? 8 : 2 * (FP8 ? 2 : 1)];
+    uint4 sf[INT4 ? 2 : 1][MT][2];  // 4-bit: rows g, g + 8: {scale, sub} of the k step's chunks
     auto fragments = [&](int buf, int kk) {
 #pragma unroll
       for (int m = 0; m < MT; ++m)
-        ldmatrix_x4(af[buf][m], a_base + tiled_at<A_ROW>(a_row + m * 16, 2 * kk + a_half));
-      if constexpr (FP8) {
+        ldmatrix_x4(af[buf][m], a_base + a_at<WF, A_ROW>(a_row + m * 16, 2 * kk + a_half));
+      if constexpr (INT4) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const int t = wn * TILED_WN + n * 8 + g;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // the 4-bit decode's order (0, 4), (1, 5), (2, 6), (3, 7)
+            const uint4 v = lds128(b_base + int4_b_at(t, 8 * kk + 4 * h + c));
+            bf[buf][n][4 * h] = __byte_perm(v.x, v.z, 0x5410);
+            bf[buf][n][4 * h + 1] = __byte_perm(v.x, v.z, 0x7632);
+            bf[buf][n][4 * h + 2] = __byte_perm(v.y, v.w, 0x5410);
+            bf[buf][n][4 * h + 3] = __byte_perm(v.y, v.w, 0x7632);
+          }
+        }
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            sf[buf][m][h] = lds128(s_base + (wm * TILED_WM + m * 16 + h * 8 + g) * (S_CHUNKS * 8) +
+                                   kk * 16);
+      } else if constexpr (FP8) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
           const int t = wn * TILED_WN + n * 8 + g;
@@ -1219,7 +1345,26 @@ __launch_bounds__(TN * 2 * KG, TN * KG >= 256 ? 1 : TN * KG >= 64 ? 2 : 4)
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
         const unsigned* x = af[u][m];
-        if constexpr (FP8) {
+        if constexpr (INT4) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // chunk 2 kk + h: x[2h] row g, x[2h + 1] row g + 8
+            const uint4 sg = sf[u][m][0], s8 = sf[u][m][1];
+            const unsigned scale_g = h ? sg.z : sg.x, sub_g = h ? sg.w : sg.y;
+            const unsigned scale_8 = h ? s8.z : s8.x, sub_8 = h ? s8.w : s8.y;
+            unsigned wg[4], w8[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              wg[i] = int4_pair<T>(x[2 * h], i, sub_g, scale_g);
+              w8[i] = int4_pair<T>(x[2 * h + 1], i, sub_8, scale_8);
+            }
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+              const unsigned* b = bf[u][n] + 4 * h;
+              mma16816<T>(acc[m][n], wg[0], w8[0], wg[1], w8[1], b[0], b[1]);
+              mma16816<T>(acc[m][n], wg[2], w8[2], wg[3], w8[3], b[2], b[3]);
+            }
+          }
+        } else if constexpr (FP8) {
           const unsigned lo[4] = {fp8x2_to<T>(x[0]), fp8x2_to<T>(x[1]), fp8x2_to<T>(x[0] >> 16),
                                   fp8x2_to<T>(x[1] >> 16)};
           const unsigned hi[4] = {fp8x2_to<T>(x[2]), fp8x2_to<T>(x[3]), fp8x2_to<T>(x[2] >> 16),
