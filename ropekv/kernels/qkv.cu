@@ -621,12 +621,17 @@ __device__ __forceinline__ unsigned fp8x2_to(unsigned x) {
   }
 }
 
+// 4-bit: the T pair (2^10, 2^10) (fp16) or (2^7, 2^7) (bf16), whose low mantissa bits take a
+// nibble q exactly (2^10 + q, 2^7 + q).
+template <typename T>
+constexpr unsigned INT4_MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
+
 // 4-bit: nibbles i and i + 4 of word w (k values i, i + 4 of its 8) as a T pair of
 // (q - zero) * scale. magic holds 2^10 + q (fp16) or 2^7 + q (bf16) exactly; sub = magic's
 // offset + zero, so the difference q - zero is exact and the product is rounded once.
 template <typename T>
 __device__ __forceinline__ unsigned int4_pair(unsigned w, int i, unsigned sub, unsigned scale) {
-  constexpr unsigned MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
+  constexpr unsigned MAGIC = INT4_MAGIC<T>;
   const unsigned m = ((w >> (4 * i)) & 0x000F000Fu) | MAGIC;
   if constexpr (is_half<T>::value) {
     const __half2 r = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&m),
@@ -640,6 +645,13 @@ __device__ __forceinline__ unsigned int4_pair(unsigned w, int i, unsigned sub, u
                 *reinterpret_cast<const __nv_bfloat162*>(&scale));
     return *reinterpret_cast<const unsigned*>(&r);
   }
+}
+
+// 4-bit: a 16-byte load of 8 T values (k = 8c .. 8c + 7 of a chunk) as the pairs that
+// int4_pair's words multiply: (0, 4), (1, 5), (2, 6), (3, 7).
+__device__ __forceinline__ uint4 int4_order(uint4 v) {
+  return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+                    __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
 }
 
 template <typename T>
@@ -1003,13 +1015,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
         for (int n = 0; n < NT; ++n) {
           uint4 b = *reinterpret_cast<const uint4*>(xs + (n * 8 + g) * xs_stride +
                                                     ci * CH - sbase + j * 32 + c * 8);
-          if constexpr (WF == W_INT4) {  // the 4-bit decode's order (0, 4), (1, 5), (2, 6), (3, 7)
-            const uint4 v = b;
-            b.x = __byte_perm(v.x, v.z, 0x5410);
-            b.y = __byte_perm(v.x, v.z, 0x7632);
-            b.z = __byte_perm(v.y, v.w, 0x5410);
-            b.w = __byte_perm(v.y, v.w, 0x7632);
-          }
+          if constexpr (WF == W_INT4) b = int4_order(b);
 #pragma unroll
           for (int m = 0; m < MMA_MT; ++m) {
             mma16816<T>(acc[m][n], af[m][0][0], af[m][0][1], af[m][0][2], af[m][0][3], b.x, b.y);
@@ -1220,7 +1226,7 @@ __launch_bounds__(TN * 2 * KG,
   };
   auto scale_store = [&](int stage) {
     if constexpr (INT4) {
-      constexpr unsigned MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;  // 1024, 128
+      constexpr unsigned MAGIC = INT4_MAGIC<T>;  // 1024, 128
       const unsigned base = smem0 + stage * STAGE_BYTES + A_BYTES + TN * B_ROW +
                             (threadIdx.x >> 2) * (S_CHUNKS * 8) + (threadIdx.x & 3) * 8;
 #pragma unroll
@@ -1299,12 +1305,12 @@ __launch_bounds__(TN * 2 * KG,
         for (int n = 0; n < NT; ++n) {
           const int t = wn * TILED_WN + n * 8 + g;
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {  // the 4-bit decode's order (0, 4), (1, 5), (2, 6), (3, 7)
-            const uint4 v = lds128(b_base + int4_b_at(t, 8 * kk + 4 * h + c));
-            bf[buf][n][4 * h] = __byte_perm(v.x, v.z, 0x5410);
-            bf[buf][n][4 * h + 1] = __byte_perm(v.x, v.z, 0x7632);
-            bf[buf][n][4 * h + 2] = __byte_perm(v.y, v.w, 0x5410);
-            bf[buf][n][4 * h + 3] = __byte_perm(v.y, v.w, 0x7632);
+          for (int h = 0; h < 2; ++h) {
+            const uint4 v = int4_order(lds128(b_base + int4_b_at(t, 8 * kk + 4 * h + c)));
+            bf[buf][n][4 * h] = v.x;
+            bf[buf][n][4 * h + 1] = v.y;
+            bf[buf][n][4 * h + 2] = v.z;
+            bf[buf][n][4 * h + 3] = v.w;
           }
         }
 #pragma unroll
