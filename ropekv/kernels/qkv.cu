@@ -177,7 +177,8 @@ __device__ __forceinline__ void write_pair(const QkvParams& p, const TokenSlot& 
 }
 
 // clear_unused_last_page_rows: the cache row of head h (a K or V head, h >= Hq), r rows after
-// token tok's own (tok written: rest_of_page > 0 only then), as a byte pointer.
+// token tok's own (tok written: rest_of_page > 0 only then), as a byte pointer (r = 0: the
+// token's own row, from which clear_rests steps).
 template <typename T>
 __device__ __forceinline__ unsigned char* rest_row(const QkvParams& p, const TokenSlot& tok,
                                                    int h, int r) {
@@ -769,11 +770,8 @@ __device__ __forceinline__ void clear_rests(const QkvParams& p, const TokenSlot*
     const int t = w / heads, h = w - t * heads;
     const int rest = rests[t];
     if (rest <= 0) continue;
-    const bool is_k = h < p.Hkv;
-    const TokenSlot& tok = slots[t];
-    const i64 off = is_k ? tok.k_off + i64(h) * p.k_head : tok.v_off + i64(h - p.Hkv) * p.v_head;
-    const i64 step = (is_k ? p.k_entry : p.v_entry) * es;
-    unsigned char* base = static_cast<unsigned char*>(is_k ? p.k_cache : p.v_cache) + off * es;
+    const i64 step = (h < p.Hkv ? p.k_entry : p.v_entry) * es;
+    unsigned char* base = rest_row<T>(p, slots[t], p.Hq + h, 0);
     for (int r = 1 + sub; r <= rest; r += 32 >> lc) {
       unsigned char* row = base + r * step;
       if (nb == 16 && (reinterpret_cast<unsigned long long>(row) & 15) == 0) {
