@@ -803,32 +803,107 @@ __device__ __forceinline__ void cluster_epilogue(const QkvParams& p, const float
     asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote[r]) : "r"(part_addr), "r"(r));
   constexpr int PAIRS = MMA_ROWS / 2;
   const int pairs_total = p.N >> 1;
-  for (int w = rank * blockDim.x + threadIdx.x; w < nt * PAIRS; w += S * blockDim.x) {
-    const int t = w / PAIRS, pl = w - t * PAIRS;
-    const int gp = (row0 >> 1) + pl;
-    if (gp >= pairs_total) continue;
-    const RowPair rp = row_pair(gp, p.D, p.R, p.Hq, p.Hkv, rope, p.is_neox);
-    const int na = rp.head * p.D + rp.da, nb = rp.head * p.D + rp.db;
-    const unsigned oa = unsigned(t * MMA_PART_STRIDE + na - row0) * 4u;
-    const unsigned ob = unsigned(t * MMA_PART_STRIDE + nb - row0) * 4u;
-    float va[S], vb[S];
+  // Four pairs an item where they come as two runs of 4 rows (neox, rotated pairs: rows
+  // da .. da + 3 and db .. db + 3) or one run of 8 (interleaved and pass-through pairs: da, db
+  // alternating): every head a whole number of 8-row runs (D % 8 == 0) and the rotated dims too
+  // (R % 8 == 0), so no run crosses a head or the rotary boundary. Their partial sums are read as
+  // float4s from each CTA of the cluster, and all loads of an item are issued before its first
+  // use: a quarter of the items, each waiting once.
+  if (p.D % 8 == 0 && (!rope || p.R % 8 == 0)) {
+    constexpr int V = 4, ITEMS = PAIRS / V;
+    for (int w = rank * blockDim.x + threadIdx.x; w < nt * ITEMS; w += S * blockDim.x) {
+      const int t = w / ITEMS, m = w - t * ITEMS;
+      const int gp = (row0 >> 1) + m * V;
+      if (gp >= pairs_total) continue;  // (N / 2 is a multiple of 4: the item is whole)
+      const RowPair rp = row_pair(gp, p.D, p.R, p.Hq, p.Hkv, rope, p.is_neox);
+      const bool split = rp.db != rp.da + 1;  // two runs of 4, else one of 8
+      const int na = rp.head * p.D + rp.da;
+      const int nb = split ? rp.head * p.D + rp.db : na + 4;
+      const unsigned oa = unsigned(t * MMA_PART_STRIDE + na - row0) * 4u;
+      const unsigned ob = unsigned(t * MMA_PART_STRIDE + nb - row0) * 4u;
+      const TokenSlot tok = slots[t];
+      const bool rot = rp.rot >= 0 && tok.pos >= 0;
+      float c[V], sn[V];
+      if (rot) {
+        const float* cs = p.cos_sin + i64(tok.pos) * p.cs_s0 + rp.rot;
 #pragma unroll
-    for (int r = 0; r < S; ++r) {
-      asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(va[r]) : "r"(remote[r] + oa));
-      asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(vb[r]) : "r"(remote[r] + ob));
-    }
-    float sa = 0.f, sb = 0.f;
+        for (int j = 0; j < V; ++j) {
+          c[j] = cs[j];
+          sn[j] = cs[(p.R >> 1) + j];
+        }
+      }
+      float4 x[S], y[S];
 #pragma unroll
-    for (int r = 0; r < S; ++r) {
-      sa += va[r];
-      sb += vb[r];
+      for (int r = 0; r < S; ++r) {
+        asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(x[r].x), "=f"(x[r].y), "=f"(x[r].z), "=f"(x[r].w)
+                     : "r"(remote[r] + oa));
+        asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(y[r].x), "=f"(y[r].y), "=f"(y[r].z), "=f"(y[r].w)
+                     : "r"(remote[r] + ob));
+      }
+      float4 sx = x[0], sy = y[0];
+#pragma unroll
+      for (int r = 1; r < S; ++r) {
+        sx.x += x[r].x; sx.y += x[r].y; sx.z += x[r].z; sx.w += x[r].w;
+        sy.x += y[r].x; sy.y += y[r].y; sy.z += y[r].z; sy.w += y[r].w;
+      }
+      // the pairs' (a, b): split, rows na + j and nb + j; else rows na + 2j and na + 2j + 1
+      float a[V] = {sx.x, sx.y, sx.z, sx.w}, b[V] = {sy.x, sy.y, sy.z, sy.w};
+      if (!split) {
+        a[0] = sx.x; b[0] = sx.y; a[1] = sx.z; b[1] = sx.w;
+        a[2] = sy.x; b[2] = sy.y; a[3] = sy.z; b[3] = sy.w;
+      }
+      if constexpr (WF == W_FP8) {
+        const float* ws = static_cast<const float*>(p.weight_scales);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          a[j] *= ws[split ? na + j : na + 2 * j];
+          b[j] *= ws[split ? nb + j : na + 2 * j + 1];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        if (rot) {
+          const float xa = a[j], yb = b[j];
+          a[j] = xa * c[j] - yb * sn[j];
+          b[j] = yb * c[j] + xa * sn[j];
+        }
+        RowPair q = rp;
+        q.da += split ? j : 2 * j;
+        q.db += split ? j : 2 * j;
+        q.rot = -1;  // rotated above
+        write_pair<T>(p, tok, t0 + t, q, a[j], b[j]);
+      }
     }
-    if constexpr (WF == W_FP8) {
-      const float* ws = static_cast<const float*>(p.weight_scales);
-      sa *= ws[na];
-      sb *= ws[nb];
+  } else {
+    for (int w = rank * blockDim.x + threadIdx.x; w < nt * PAIRS; w += S * blockDim.x) {
+      const int t = w / PAIRS, pl = w - t * PAIRS;
+      const int gp = (row0 >> 1) + pl;
+      if (gp >= pairs_total) continue;
+      const RowPair rp = row_pair(gp, p.D, p.R, p.Hq, p.Hkv, rope, p.is_neox);
+      const int na = rp.head * p.D + rp.da, nb = rp.head * p.D + rp.db;
+      const unsigned oa = unsigned(t * MMA_PART_STRIDE + na - row0) * 4u;
+      const unsigned ob = unsigned(t * MMA_PART_STRIDE + nb - row0) * 4u;
+      float va[S], vb[S];
+#pragma unroll
+      for (int r = 0; r < S; ++r) {
+        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(va[r]) : "r"(remote[r] + oa));
+        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(vb[r]) : "r"(remote[r] + ob));
+      }
+      float sa = 0.f, sb = 0.f;
+#pragma unroll
+      for (int r = 0; r < S; ++r) {
+        sa += va[r];
+        sb += vb[r];
+      }
+      if constexpr (WF == W_FP8) {
+        const float* ws = static_cast<const float*>(p.weight_scales);
+        sa *= ws[na];
+        sb *= ws[nb];
+      }
+      write_pair<T>(p, slots[t], t0 + t, rp, sa, sb);
     }
-    write_pair<T>(p, slots[t], t0 + t, rp, sa, sb);
   }
   if constexpr (OPTS) {
     if (p.clear) clear_rests<T>(p, slots, rests, row0, nt, rank, S);
