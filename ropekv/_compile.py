@@ -96,6 +96,15 @@ def _header_options():
     return (f"-I{path}",) if path else ()
 
 
+# Kernels built on architecture-specific instructions (sm_90a's wgmma): they compile for the
+# device's "a" target, which CuPy's compiler never selects, so NVRTC builds their cubin here.
+ARCH_SPECIFIC = ("qkv_wgmma<",)
+
+
+def arch_specific(expression):
+    return expression.startswith(ARCH_SPECIFIC)
+
+
 @functools.cache
 def _module(stem, expression, device_id):
     import cupy
@@ -113,6 +122,10 @@ def get_kernel(stem, expression, device_id):
     import cupy
 
     with cupy.cuda.Device(device_id):
+        if arch_specific(expression):
+            arch = f"sm_{cupy.cuda.Device(device_id).compute_capability}a"
+            path, lowered = compile_cubin(stem, expression, arch)
+            return cupy.RawModule(path=str(path)).get_function(lowered)
         return _module(stem, expression, device_id).get_function(expression)
 
 
@@ -193,3 +206,37 @@ def compile_offline(stem, expressions, arch):
         nvrtc.destroyProgram(prog)
     _write_cached(path, lowered)
     return lowered
+
+
+def compile_cubin(stem, expression, arch):
+    """The cubin of one kernel of ``kernels/<stem>.cu`` for ``arch`` (e.g. ``"sm_90a"``), built by
+    NVRTC and kept on disk beside :func:`compile_offline`'s results (same key): ``(path, lowered
+    name)``."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    source = read_source(stem)
+    options = [f"--gpu-architecture={arch}", *OPTIONS, *_header_options()]
+    key = _offline_key(source, options, [expression], nvrtc.getVersion())
+    base = offline_cache_dir() / "cubin" / f"{stem}-{arch}-{key}"
+    path, name_path = base.with_suffix(".cubin"), base.with_suffix(".json")
+    cached = _read_cached(name_path, [expression])
+    if cached is not None and path.is_file():
+        return path, cached[expression]
+    prog = nvrtc.createProgram(source, f"{stem}.cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, expression)
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC failed on {stem}.cu for {arch}:\n"
+                               f"{nvrtc.getProgramLog(prog)}") from exc
+        lowered = nvrtc.getLoweredName(prog, expression)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(cubin)
+    os.replace(tmp, path)
+    _write_cached(name_path, {expression: lowered})
+    return path, lowered

@@ -446,8 +446,8 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     Returns ``(out, (k_cache, v_cache))``: Q ``(T, Hq * D)`` (a new array) and the new caches,
     aliasing the given ones (donate them for an in-place update). Calls that run cuBLAS (see
     ``ropekv.qkv.graph_safe``: above ``GEMV_MAX_TOKENS`` tokens, or on sm_90 above
-    ``MMA_MAX_TOKENS`` with fp16 / bf16 weights and ``MMA_MAX_TOKENS_QUANTIZED`` with fp8 and 4-bit
-    weights) use CuPy temporaries, allocated outside XLA's memory pool, and refuse
+    ``WGMMA_MAX_TOKENS`` with fp16 / bf16 weights and ``MMA_MAX_TOKENS_QUANTIZED`` with fp8 and
+    4-bit weights) use CuPy temporaries, allocated outside XLA's memory pool, and refuse
     ``command_buffer_compatible=True`` (``ValueError``) when traced.
     ``layer_idx`` (a static int) writes one layer of caches with a leading ``(num_layers, ...)``
     dimension, as the eager op. ``clear_unused_last_page_rows`` is static; with ``status`` (an

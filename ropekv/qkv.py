@@ -1,8 +1,14 @@
 """``fused_qkv_matmul_append_paged_kv_cache``: the QKV projection whose K/V rows land directly in a
 paged KV cache (RoPE on Q and K in the epilogue), and ``pack_int4`` for 4-bit weights.
 
-Three paths, picked by the token count T:
+Three paths, picked by the token count T (and, on sm_90, a fourth kernel for 16-bit weights):
 
+* fp16 / bf16 weights, ``WGMMA_MIN_TOKENS <= T <= WGMMA_MAX_TOKENS`` (1 to 128), on sm_90
+  devices, K a multiple of 64 and 16-byte aligned rows: ``qkv_wgmma``, one launch: the weights
+  and hidden rows staged in shared memory (cp.async) and multiplied by Hopper's warpgroup MMA
+  (``wgmma``, an sm_90a instruction; the kernel is compiled for that target), split-K over a
+  cluster and the epilogue fused as below. Faster than every other path up to 96 tokens, even
+  with cuBLAS + the epilogue at 128 (docs/kernel-notes.md).
 * small batches (``MMA_MIN_TOKENS <= T <= MMA_MAX_TOKENS``, ``MMA_MAX_TOKENS_QUANTIZED`` for fp8
   and 4-bit weights, on sm_90 and newer, when D divides 128 and the weights and hidden rows allow
   16-byte loads): ``qkv_mma``, one launch of tensor-core
@@ -11,9 +17,9 @@ Three paths, picked by the token count T:
   From ``TILED_MIN_TOKENS`` tokens on, fp8 and 4-bit (and fp16 / bf16) weights with K a whole
   number of stages (``TILED_BK``) run ``qkv_mma_tiled`` instead: the same split and epilogue,
   with the weights and hidden rows staged in shared memory (cp.async, ``TILED_STAGES`` deep) and
-  shared by all the warps of a CTA. (With fp16 / bf16 weights the tensor-core path ends at
-  ``MMA_MAX_TOKENS`` = 16 tokens, below ``TILED_MIN_TOKENS``: from there cuBLAS + the epilogue is
-  faster, so the tiled kernel runs for them only when ``MMA_MAX_TOKENS`` is raised.)
+  shared by all the warps of a CTA. 16-bit weights take these two kernels only where
+  ``qkv_wgmma`` does not apply (another GPU, K not a multiple of 64), and the tiled kernel only
+  when ``MMA_MAX_TOKENS`` is raised (it is slower than cuBLAS + the epilogue there).
 * decode otherwise (``T <= GEMV_MAX_TOKENS``): ropekv's own weight-streaming skinny GEMM
   (``qkv_gemv``), one launch: every weight byte is read once, accumulation is float32, and the
   epilogue ropes and writes Q to ``out`` and K/V to their pages.
@@ -23,7 +29,7 @@ Three paths, picked by the token count T:
   (``qkv_dequant``) into a temporary ``(N, K)`` buffer.
 
 ``status=`` and ``clear_unused_last_page_rows`` run each path's options kernel (``qkv_gemv``,
-``qkv_mma``, ``qkv_mma_tiled`` and ``qkv_epilogue`` with their ``OPTS`` flag; the plain ones
+``qkv_mma``, ``qkv_mma_tiled``, ``qkv_wgmma`` and ``qkv_epilogue`` with their ``OPTS`` flag; the plain ones
 compile them out). With
 ``status`` the offsets are validated in the launch that writes: the fused kernels before their
 epilogue, the prefill path in ``qkv_epilogue``, its GEMMs then writing only temporaries (Q too).
@@ -109,6 +115,24 @@ TILED_FORMATS = (W_DENSE, W_FP8, W_INT4)
 TILED_BK = {W_DENSE: 64, W_FP8: 128, W_INT4: 128}
 TILED_ROW_BYTES = {W_DENSE: 128, W_FP8: 128, W_INT4: 64}
 MMA_ROWS, MMA_WARPS = 128, 4  # mirror qkv.cu
+# qkv_wgmma (fp16 / bf16 weights on sm_90 devices: wgmma is an sm_90a instruction, compiled for
+# that target): calls of WGMMA_MIN_TOKENS to WGMMA_MAX_TOKENS tokens with K a whole number of
+# stages (64 x WGMMA_ATOMS k values) and 16-byte aligned rows. Token tiles of WGMMA_TILES up to
+# WGMMA_MAX_TILE (the smallest holding T, else several of the largest), two warpgroups a CTA,
+# WGMMA_STAGES stages in shared memory, split-K over clusters of the largest of TILED_SPLITS (at
+# most WGMMA_SPLIT) whose grid fits one wave of the CTAs an SM holds. Measured on the H200
+# (docs/kernel-notes.md), Llama-3-8B projection, graph replay against cuBLAS + the epilogue:
+# faster up to 96 tokens, even at 128, slower from 192 on (41.7 against about 32 us at 256).
+WGMMA_MIN_TOKENS = 1
+WGMMA_MAX_TOKENS = 128
+WGMMA_TILES = (32, 64, 128)
+WGMMA_MAX_TILE = 128
+WGMMA_STAGES = 4
+WGMMA_ATOMS = 1
+WGMMA_SPLIT = 8
+WGMMA_THREADS = 256  # mirror qkv.cu
+WGMMA_CAPABILITY = 90  # the one compute capability whose "a" target has wgmma
+SM_SHARED_BYTES = 228 * 1024  # shared memory an SM of sm_90 holds (each CTA reserves 1 KiB)
 # CTAs per cluster (the split of K). 4 and 8 measured the same on the H200 (the block scheduler
 # fills one GPC after the other with clusters either way).
 MMA_SPLIT = 8
@@ -177,6 +201,11 @@ def tiled_expression(dtype, fmt, tn, split, stages, kgroups, opts=False):
 
 
 @functools.cache
+def wgmma_expression(dtype, tn, split, stages, atoms, opts=False):
+    return name_expression("qkv_wgmma", c_type(dtype), tn, split, stages, atoms, c_bool(opts))
+
+
+@functools.cache
 def epilogue_expression(dtype, cache_dtype, k_dtype, n, opts=False):
     return name_expression("qkv_epilogue", c_type(dtype), c_type(cache_dtype), c_type(k_dtype), n,
                            c_bool(opts))
@@ -199,6 +228,8 @@ def instantiations():
             yield mma_expression(dtype, fmt, tn, split, opts)
         for fmt, tn, split in itertools.product(TILED_FORMATS, TILED_TILES, TILED_SPLITS):
             yield tiled_expression(dtype, fmt, tn, split, TILED_STAGES, TILED_KGROUPS, opts)
+        for tn, split in itertools.product(WGMMA_TILES, TILED_SPLITS):
+            yield wgmma_expression(dtype, tn, split, WGMMA_STAGES, WGMMA_ATOMS, opts)
         for cache_dtype, n in itertools.product((dtype, *FP8_DTYPES), EPILOGUE_WIDTHS):
             yield epilogue_expression(dtype, cache_dtype, dtype, n, opts)
             if cache_dtype in FP8_DTYPES:
@@ -442,6 +473,8 @@ def fused_qkv_matmul_append_paged_kv_cache(
                 MMA_MAX_TOKENS_QUANTIZED, MMA_SPLIT,
                 (TILED_MIN_TOKENS, TILED_MAX_TILE, TILED_STAGES, TILED_SPLIT,
                  TILED_CTAS_PER_SM, TILED_KGROUPS),
+                (WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS, WGMMA_MAX_TILE, WGMMA_STAGES, WGMMA_ATOMS,
+                 WGMMA_SPLIT),
                 clear_unused_last_page_rows),
                stream, layer_idx)
 
@@ -449,7 +482,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
 def _prepare(views, flags):
     """Validate a first call; the launch plan (GEMV or cuBLAS path) or the NumPy backend run."""
     (num_q_heads, is_neox, kv_layout, kv_scale, group_size, pdl, gemv_max, fast_int4, mma_min,
-     mma_max, mma_max_quantized, mma_split, tiled, clear) = flags
+     mma_max, mma_max_quantized, mma_split, tiled, wgmma, clear) = flags
     vx, vw, voff, vlen, vbt, vk, vv, vt, vws, vzp, vout, vstatus = views
 
     # Tests of the common case first, read in the checkers' order; the checkers (which raise
@@ -562,6 +595,11 @@ def _prepare(views, flags):
         slots["out"] = (NEW, 0)
     opts = bool(clear or vstatus is not None)  # the kernels that read the options
 
+    if (fmt == W_DENSE and wgmma_shape(T, K, D, wgmma)
+            and _compute_capability(device) == WGMMA_CAPABILITY):
+        step = _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts)
+        if step is not None:
+            return Plan(device, [step], outputs=outputs, written=written, result=_result)
     if T and mma_min <= T <= (mma_max if fmt == W_DENSE else mma_max_quantized):
         step = _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split, tiled, opts)
         if step is not None:
@@ -583,9 +621,10 @@ def _prepare(views, flags):
 # Why a call is refused under CUDA-graph capture (the plans' and the frameworks' messages).
 GRAPH_RULE = ("this call runs cuBLAS on temporaries freed when it returns, which a graph cannot "
               "hold. Calls of up to ropekv.qkv.GEMV_MAX_TOKENS tokens, and on sm_90 of up to "
-              "MMA_MAX_TOKENS (fp16 / bf16 weights) or MMA_MAX_TOKENS_QUANTIZED (fp8 and 4-bit "
-              "weights) tokens with 16-byte aligned weight and hidden rows, run one kernel and "
-              "can be recorded; run this one outside the graph")
+              "WGMMA_MAX_TOKENS (fp16 / bf16 weights, K a multiple of 64) or "
+              "MMA_MAX_TOKENS_QUANTIZED (fp8 and 4-bit weights) tokens with 16-byte aligned "
+              "weight and hidden rows, run one kernel and can be recorded; run this one outside "
+              "the graph")
 
 
 def _result(arrays, outs):
@@ -690,11 +729,13 @@ def graph_safe(T, K, D, fmt, group_size, compute_capability):
     """Whether a call of ``T`` tokens runs one ropekv kernel and no temporaries, so that a CUDA
     graph can hold it, given contiguous arrays at 16-byte aligned addresses: up to
     ``GEMV_MAX_TOKENS`` tokens (the CUDA-core kernel), or the tensor-core path where it applies
-    (sm_90; up to ``MMA_MAX_TOKENS`` tokens with fp16 / bf16 weights, ``MMA_MAX_TOKENS_QUANTIZED``
-    with fp8 and 4-bit). Larger calls run cuBLAS on temporaries freed when the call returns;
-    their plans refuse a capturing stream (``ValueError``), as does a call whose arrays are
-    not so aligned and so takes the cuBLAS path."""
+    (sm_90; up to ``WGMMA_MAX_TOKENS`` tokens with fp16 / bf16 weights, K a multiple of 64,
+    ``MMA_MAX_TOKENS_QUANTIZED`` with fp8 and 4-bit). Larger calls run cuBLAS on temporaries
+    freed when the call returns; their plans refuse a capturing stream (``ValueError``), as does
+    a call whose arrays are not so aligned and so takes the cuBLAS path."""
     if T <= GEMV_MAX_TOKENS:
+        return True
+    if fmt == W_DENSE and wgmma_applies(T, K, D, compute_capability, wgmma_settings()):
         return True
     top = MMA_MAX_TOKENS if fmt == W_DENSE else MMA_MAX_TOKENS_QUANTIZED
     return (MMA_MIN_TOKENS <= T <= top
@@ -753,6 +794,59 @@ def tiled_applies(K, fmt, T, tiled_min=None):
     32-value chunks, as :func:`mma_applies` requires)."""
     tiled_min = TILED_MIN_TOKENS if tiled_min is None else tiled_min
     return fmt in TILED_BK and T >= tiled_min and K % TILED_BK[fmt] == 0
+
+
+def wgmma_settings():
+    """The WGMMA_* settings as the call passes them (the flags' tuple)."""
+    return (WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS, WGMMA_MAX_TILE, WGMMA_STAGES, WGMMA_ATOMS,
+            WGMMA_SPLIT)
+
+
+def wgmma_shape(T, K, D, wgmma):
+    """Whether a call with fp16 / bf16 weights has a shape qkv_wgmma takes (given 16-byte aligned
+    rows, checked per call): ``wgmma``'s token range, whole heads in a 128-row tile, K in whole
+    stages."""
+    lo, hi, _, _, atoms, _ = wgmma
+    return lo <= T <= hi and MMA_ROWS % D == 0 and K % (64 * atoms) == 0
+
+
+def wgmma_applies(T, K, D, compute_capability, wgmma):
+    """:func:`wgmma_shape` on a device of ``compute_capability``: sm_90 alone (wgmma is an sm_90a
+    instruction; later GPUs run the other paths)."""
+    return compute_capability == WGMMA_CAPABILITY and wgmma_shape(T, K, D, wgmma)
+
+
+def _wgmma_smem(tn, stages, atoms):
+    """Dynamic shared memory of qkv_wgmma: the stages (128-byte weight and hidden rows of 64 k
+    values an atom), later the float32 partial sums, and 1 KiB to align the stages to 1024
+    bytes."""
+    return max(stages * atoms * (MMA_ROWS + tn) * 128, tn * (MMA_ROWS + 4) * 4) + 1024
+
+
+def _wgmma_per_sm(tn, smem):
+    """CTAs of qkv_wgmma an SM holds: its launch bound (1 at 128-token tiles, else 2) and its
+    shared memory (the dynamic part, about 6 KiB static, 1 KiB reserved)."""
+    return min(1 if tn >= 128 else 2, SM_SHARED_BYTES // (smem + 7 * 1024))
+
+
+def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False):
+    """The qkv_wgmma launch, or None where the rows are not 16-byte aligned."""
+    _, _, max_tile, stages, atoms, split = wgmma
+    if split not in TILED_SPLITS:
+        raise ValueError(f"ropekv.qkv.WGMMA_SPLIT must be one of {TILED_SPLITS}, got {split}")
+    if not (vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
+            and vx.ptr % 16 == 0 and vx.strides[0] % 8 == 0):
+        return None
+    for tn in WGMMA_TILES:  # the smallest tile that holds T tokens, else the largest
+        if tn >= T or tn >= max_tile:
+            break
+    tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
+    smem = _wgmma_smem(tn, stages, atoms)
+    split = _tiled_split(tiles, split, _wgmma_per_sm(tn, smem) * _sm_count(device))
+    kc = _slice(K, split, 64 * atoms)
+    return Launch(STEM, wgmma_expression(vx.dtype, tn, split, stages, atoms, opts), device,
+                  (split, tiles), (WGMMA_THREADS,), PARAMS, {**fields, "kc": kc}, slots,
+                  shared_mem=smem, pdl=pdl)
 
 
 def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts=False):
@@ -886,4 +980,4 @@ _OP = Op("fused_qkv_matmul_append_paged_kv_cache", ARRAYS, _prepare,
                 *((name, AS_IS) for name in ("GEMV_MAX_TOKENS", "FAST_INT4", "MMA_MIN_TOKENS",
                                              "MMA_MAX_TOKENS", "MMA_MAX_TOKENS_QUANTIZED",
                                              "MMA_SPLIT")),
-                ("TILED_*", AS_IS), ("clear_unused_last_page_rows", FLAG)])
+                ("TILED_*", AS_IS), ("WGMMA_*", AS_IS), ("clear_unused_last_page_rows", FLAG)])

@@ -701,7 +701,7 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     Runs ``torch.ops.ropekv.fused_qkv_matmul_append_paged_kv_cache`` (allocates ``out``) or
     ``..._out`` (writes the given ``out``). ``kv_scale`` passes as a list of floats. No
     ``stream=``. Calls that run cuBLAS on CuPy temporaries (see ``ropekv.qkv.graph_safe``: above
-    ``GEMV_MAX_TOKENS`` tokens, or on sm_90 above ``MMA_MAX_TOKENS`` with fp16 / bf16 weights and
+    ``GEMV_MAX_TOKENS`` tokens, or on sm_90 above ``WGMMA_MAX_TOKENS`` with fp16 / bf16 weights and
     ``MMA_MAX_TOKENS_QUANTIZED`` with fp8 and 4-bit weights) raise ``ValueError`` under
     CUDA-graph capture; calls that run one fused kernel capture. ``status`` (an int32 tensor of
     one element) is written in place (both forms declare it mutated); ``layer_idx`` writes one

@@ -1,5 +1,6 @@
-"""Every kernel instantiation compiles through NVRTC for sm_80 and sm_90, without a GPU, and every
-parameter struct declared in Python matches its C struct field for field."""
+"""Every kernel instantiation compiles through NVRTC for sm_80 and sm_90 (those built on
+architecture-specific instructions also for sm_90a, the target they run on), without a GPU, and
+every parameter struct declared in Python matches its C struct field for field."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import types
 import numpy as np
 import pytest
 
-from ropekv._compile import compile_offline, kernel_stems, read_source
+from ropekv._compile import arch_specific, compile_offline, kernel_stems, read_source
 from ropekv._launch import ParamStruct
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
@@ -46,12 +47,24 @@ def test_every_kernel_file_has_an_op_module():
 
 
 ARCHS = ("sm_80", "sm_90")
+ARCH_SPECIFIC = "sm_90a"  # the target of the arch_specific kernels (wgmma)
 CHUNK = 64  # instantiations per NVRTC program: small enough to spread a kernel over the CPUs
 
 
-def _chunks(stem):
-    expressions = list(op_module(stem).instantiations())
+def _expressions(stem, arch):
+    expressions = op_module(stem).instantiations()
+    if arch == ARCH_SPECIFIC:
+        return [e for e in expressions if arch_specific(e)]
+    return list(expressions)
+
+
+def _chunks(stem, arch):
+    expressions = _expressions(stem, arch)
     return [expressions[i:i + CHUNK] for i in range(0, len(expressions), CHUNK)]
+
+
+COMPILES = [(stem, arch) for stem in STEMS for arch in ARCHS] + [
+    (stem, ARCH_SPECIFIC) for stem in STEMS if _expressions(stem, ARCH_SPECIFIC)]
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +78,9 @@ def compiled(request):
     keys = list(dict.fromkeys((p["stem"], p["arch"]) for p in wanted))
     workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if (workers or 1) < 2 or len(keys) < 2:
-        yield lambda stem, arch: [compile_offline(stem, c, arch) for c in _chunks(stem)]
+        yield lambda stem, arch: [compile_offline(stem, c, arch) for c in _chunks(stem, arch)]
         return
-    jobs = [(stem, chunk, arch) for stem, arch in keys for chunk in _chunks(stem)]
+    jobs = [(stem, chunk, arch) for stem, arch in keys for chunk in _chunks(stem, arch)]
     jobs.sort(key=lambda j: -len(j[1]))  # the full chunks first: the pool ends together
     context = multiprocessing.get_context("spawn")  # no forked copy of a loaded NVRTC
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
@@ -78,15 +91,37 @@ def compiled(request):
         yield lambda stem, arch: [f.result() for f in futures[(stem, arch)]]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("stem", STEMS)
+@pytest.mark.parametrize("stem, arch", COMPILES)
 def test_kernels_compile(stem, arch, compiled):
-    expressions = list(op_module(stem).instantiations())
+    expressions = _expressions(stem, arch)
     lowered = {}
     for part in compiled(stem, arch):
         lowered.update(part)
     assert set(lowered) == set(expressions)
     assert all(lowered.values())
+
+
+def _ptx(stem, expression, arch):
+    prog = nvrtc.createProgram(read_source(stem), f"{stem}.cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, expression)
+        from ropekv._compile import OPTIONS, _header_options
+        nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *OPTIONS, *_header_options()])
+        return nvrtc.getPTX(prog).decode()
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def test_wgmma_kernels_have_their_body_on_sm_90a_only():
+    """qkv_wgmma's instructions exist on sm_90a alone: its body is compiled there (the wgmma
+    instructions are in the PTX) and left out for sm_90 (a host never picks that build)."""
+    from ropekv import qkv
+
+    expression = qkv.wgmma_expression(np.dtype(np.float16), 64, 4, qkv.WGMMA_STAGES,
+                                      qkv.WGMMA_ATOMS)
+    assert arch_specific(expression)
+    assert "wgmma.mma_async" in _ptx("qkv", expression, "compute_90a")
+    assert "wgmma.mma_async" not in _ptx("qkv", expression, "compute_90")
 
 
 def c_struct_fields(source, name):

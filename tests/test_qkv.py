@@ -552,7 +552,13 @@ WEIGHT_FORMATS = {"dense": qkv_mod.W_DENSE, "fp8": qkv_mod.W_FP8, "int4": qkv_mo
 
 def force_path(monkeypatch, path):
     """Make the call take ``path`` ("mma": qkv_mma; "tiled": qkv_mma_tiled, at any token count;
-    "gemv", "cublas"; None: the thresholds as shipped)."""
+    "wgmma": qkv_wgmma, at any token count; "gemv", "cublas"; None: the thresholds as shipped)."""
+    if path == "wgmma":
+        monkeypatch.setattr(qkv_mod, "WGMMA_MIN_TOKENS", 1)
+        monkeypatch.setattr(qkv_mod, "WGMMA_MAX_TOKENS", 1 << 30)
+        return
+    if path is not None:
+        monkeypatch.setattr(qkv_mod, "WGMMA_MAX_TOKENS", 0)
     if path in ("mma", "tiled"):
         monkeypatch.setattr(qkv_mod, "MMA_MIN_TOKENS", 1)
         monkeypatch.setattr(qkv_mod, "MMA_MAX_TOKENS", 1 << 30)
@@ -573,6 +579,9 @@ def taken_path(args, kw):
     fmt = {args["hidden_state"].dtype: qkv_mod.W_DENSE, E4M3: qkv_mod.W_FP8,
            np.dtype(np.uint8): qkv_mod.W_INT4}[args["weight"].dtype]
     cc = int(cp.cuda.Device().compute_capability)
+    if (fmt == qkv_mod.W_DENSE and qkv_mod.WGMMA_MIN_TOKENS <= T <= qkv_mod.WGMMA_MAX_TOKENS
+            and qkv_mod.wgmma_applies(T, K, D, cc, qkv_mod.wgmma_settings())):
+        return "wgmma"
     mma_max = (qkv_mod.MMA_MAX_TOKENS if fmt == qkv_mod.W_DENSE
                else qkv_mod.MMA_MAX_TOKENS_QUANTIZED)
     if (qkv_mod.MMA_MIN_TOKENS <= T <= mma_max
@@ -649,6 +658,40 @@ def test_gpu_llama3_8b_tiled(lengths, dtype, wfmt, monkeypatch):
                          else None, cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
                          wfmt=wfmt, **{**LLAMA, "P": 8192})
     check_gpu(args, kw, monkeypatch=monkeypatch, path="tiled")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(1,) * 5, (1,) * 17, (1,) * 64, (60, 0, 68), (1,) * 256,
+                                     (100, 157), (300, 0, 300, 424)])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_gpu_llama3_8b_wgmma(lengths, dtype, monkeypatch):
+    """qkv_wgmma at Llama-3-8B's projection: token tiles of 32 (5 and 17 tokens), 64 and 128,
+    several 128-token tiles, prefill-like requests; bf16 into fp8 caches."""
+    args, kw = make_case(28, lengths=lengths, dtype=dtype, cache_dtype=E4M3 if dtype == BF16
+                         else None, cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
+                         **{**LLAMA, "P": 8192})
+    check_gpu(args, kw, monkeypatch=monkeypatch, path="wgmma")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [17, 33, 64, 128, 200])
+@pytest.mark.parametrize("tile", [32, 64, 128])
+@pytest.mark.parametrize("stages, atoms", [(2, 1), (3, 2), (4, 1)])
+def test_gpu_wgmma_settings(T, tile, stages, atoms, monkeypatch):
+    """qkv_wgmma under every token tile, stage count and stage width: K slices of one to several
+    stages (splits of 1 to 8, a slice past K's end), a partial row tile (N = 320), tokens
+    outside every request, interleaved RoPE on part of the head."""
+    monkeypatch.setattr(qkv_mod, "WGMMA_MAX_TILE", tile)
+    monkeypatch.setattr(qkv_mod, "WGMMA_STAGES", stages)
+    monkeypatch.setattr(qkv_mod, "WGMMA_ATOMS", atoms)
+    monkeypatch.setattr(qkv_mod, "SM_SHARED_BYTES", 1 << 30)  # the split as WGMMA_SPLIT says
+    monkeypatch.setattr(qkv_mod, "WGMMA_SPLIT", (1, 2, 4, 8)[(T + tile // 32 + stages) % 4])
+    lengths = (T // 2, 0, T - T // 2 - 1)
+    args, kw = make_case(29 + T + tile, lengths=lengths, dtype=BF16 if T % 2 else F16,
+                         K=1536 if atoms == 1 else 1664, Hq=3, Hkv=1, D=64, R=32, P=512,
+                         page_size=16, extra_tokens=1, is_neox=bool(T % 3),
+                         cached=[5 * i for i in range(len(lengths))])
+    check_gpu(args, kw, monkeypatch=monkeypatch, path="wgmma")
 
 
 @pytest.mark.gpu

@@ -338,7 +338,7 @@ def test_instantiations_cover_the_options_kernels():
 # GPU: every path against the reference
 
 
-PATHS = ["mma", "tiled", "gemv", "cublas"]
+PATHS = ["mma", "tiled", "wgmma", "gemv", "cublas"]  # wgmma: 16-bit weights only
 
 
 def _case_for(path, seed, **kw):
@@ -400,7 +400,7 @@ def test_gpu_status_on_every_path(path, kind, B, cache, monkeypatch):
     valid ones: status 0 and the reference's result."""
     import cupy as cp
 
-    T = {"mma": 12, "tiled": 40, "gemv": 2, "cublas": 40}[path]
+    T = {"mma": 12, "tiled": 40, "wgmma": 40, "gemv": 2, "cublas": 40}[path]
     rng = np.random.default_rng(kind + B + T)
     lengths = np.zeros(B, np.int64)
     lengths[rng.choice(B, min(B, T), replace=False)] = 1
@@ -461,10 +461,11 @@ def test_gpu_clear_into_cache_views(path, cache, layout, shift, monkeypatch):
     starts off 16-byte alignment (shift 1) and on it (16, fp16: 32 bytes): the tails zero, the
     written rows the reference's, every other byte of the buffers (the columns around the views
     included) unchanged."""
-    T = {"mma": 12, "tiled": 40, "gemv": 2, "cublas": 40}[path]
+    T = {"mma": 12, "tiled": 40, "wgmma": 40, "gemv": 2, "cublas": 40}[path]
     lengths = (T // 3, 0, T - T // 3)
     args, kw = _case_for(path, 90 + shift, lengths=lengths, cached=(5, 40, 22), layout=layout,
-                         cache_dtype=E4M3 if cache == "e4m3" else None, wfmt="fp8")
+                         cache_dtype=E4M3 if cache == "e4m3" else None,
+                         wfmt="dense" if path == "wgmma" else "fp8")
     force_path(monkeypatch, path)
     assert taken_path(args, kw) == path
     rounded = path == "cublas"  # cuBLAS multiplies the weights rounded to the input dtype
@@ -515,6 +516,8 @@ def test_gpu_clear_on_every_path(seed, path, T, D, dtype, cache, layout, rope, w
     """clear_unused_last_page_rows on each path at token counts around the switches: ragged
     batches with empty requests, requests ending anywhere on a page, every weight format, fp8
     caches, partial and no RoPE; against the reference, tails zero, other bytes unchanged."""
+    if path == "wgmma":
+        wfmt = "dense"  # (16-bit weights only)
     rng = np.random.default_rng(seed)
     cuts = np.sort(rng.integers(0, T + 1, 3))
     lengths = (int(cuts[0]), 0, int(cuts[1] - cuts[0]), int(cuts[2] - cuts[1]), int(T - cuts[2]))
@@ -545,12 +548,12 @@ def test_gpu_options_at_the_shipped_switches(T, wfmt, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path, wfmt", [(p, w) for p in PATHS for w in ("dense", "int4")]
-                         + [("tiled", "fp8")])
+@pytest.mark.parametrize("path, wfmt", [(p, w) for p in PATHS for w in ("dense", "int4")
+                                        if (p, w) != ("wgmma", "int4")] + [("tiled", "fp8")])
 def test_gpu_llama3_8b_with_options(path, wfmt, monkeypatch):
     """Llama-3-8B's projection with both options on: decode (gemv), a small batch (mma) and a
     prefill (cuBLAS), requests ending mid-page."""
-    lengths = {"gemv": (1, 1), "mma": (5, 0, 7), "tiled": (60, 0, 69),
+    lengths = {"gemv": (1, 1), "mma": (5, 0, 7), "tiled": (60, 0, 69), "wgmma": (60, 0, 69),
                "cublas": (60, 0, 69)}[path]
     args, kw = make_case(80, lengths=lengths, wfmt=wfmt, group_size=128,
                          cached=[100 + 37 * i for i in range(len(lengths))], **LLAMA)
@@ -568,8 +571,8 @@ def test_gpu_hostile_offsets_never_write_out_of_bounds(path, clear, monkeypatch)
 
     force_path(monkeypatch, path)
     # request 0 ends mid-page (entry 0 or 2 of 4), so that with clear its last token has a tail
-    lengths = {"mma": (3, 2, 4, 1), "tiled": (11, 4, 7, 2), "gemv": (1, 0, 1, 0),
-               "cublas": (11, 4, 7, 2)}[path]
+    lengths = {"mma": (3, 2, 4, 1), "tiled": (11, 4, 7, 2), "wgmma": (11, 4, 7, 2),
+               "gemv": (1, 0, 1, 0), "cublas": (11, 4, 7, 2)}[path]
     args, kw = _case_for(path, 90, lengths=lengths, cached=(0, 0, 0, 3), page_size=4,
                          dtype=BF16)
     kc, vc = args["paged_kv_cache"]

@@ -151,6 +151,9 @@ def stubbed(request, monkeypatch):
         for op in all_ops():
             op.reset_caller(native=False)
     monkeypatch.setattr(ar, "_CUPY_ARRAY", hostcost.FakeCupyArray)
+    # a Hopper GPU, as tools/hostcost.py's stubs say (the QKV op's plans ask)
+    monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device: 90)
+    monkeypatch.setattr(ropekv.qkv, "_sm_count", lambda device: 132)
     monkeypatch.setattr(_launch, "_EMPTY_OUTPUTS", {})  # fake zero-size outputs stay here
     monkeypatch.setattr(_launch, "function_pointer", lambda *a, **k: 0x1000)
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device=-1: 0x5000)
@@ -220,7 +223,7 @@ def test_graph_safe_is_what_the_plans_refuse(wfmt, D, stubbed, monkeypatch):
         monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device, cc=cc: cc)
         for op in all_ops():  # the plans of the other capability (not part of their keys)
             op.plans.clear()
-        for T in sorted({1, 2, 3, 16, 17, 40, 128, 129}):
+        for T in sorted({1, 2, 3, 16, 17, 40, 128, 129, 256}):
             fn, kw = CASES["qkv"](45, lengths=(T,), wfmt=wfmt, K=128, D=D, R=D, P=512,
                                   group_size=32)
             fmt = {"dense": ropekv.qkv.W_DENSE, "fp8": ropekv.qkv.W_FP8,

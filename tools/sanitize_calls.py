@@ -33,7 +33,9 @@ CALLS = [
     ("qkv", {"wfmt": "fp8", "K": 256, "lengths": (20, 5, 0, 3)}),  # 28 tokens: qkv_mma_tiled
     # qkv_mma_tiled, 4-bit: 4 stages a CTA (split 8), so the ring turns over
     ("qkv", {"wfmt": "int4", "zero_points": True, "K": 4096, "lengths": (20, 5, 0, 3)}),
-    ("qkv", {"lengths": (20, 5, 0, 3)}),  # 28 fp16 tokens: cuBLAS and the epilogue
+    # qkv_wgmma: 28 fp16 tokens, 8 stages a CTA (split 8), so the ring turns over
+    ("qkv", {"K": 4096, "lengths": (20, 5, 0, 3)}),
+    ("qkv", {"lengths": (20, 5, 0, 3)}),  # 28 fp16 tokens, K = 96: cuBLAS and the epilogue
     ("qkv", {"wfmt": "int4", "cache_dtype": E4M3, "lengths": (100, 40)}),  # dequantize, cuBLAS
 ]
 
@@ -85,11 +87,12 @@ def check_scaled_call(op, case):
 
 
 # the fused QKV op's options kernels (status= and clear_unused_last_page_rows), one call per path:
-# qkv_gemv, qkv_mma, qkv_mma_tiled, cuBLAS and qkv_epilogue (fp8 cache with RoPE: Q through its
-# own temporary)
+# qkv_gemv, qkv_mma, qkv_mma_tiled, qkv_wgmma, cuBLAS and qkv_epilogue (fp8 cache with RoPE: Q
+# through its own temporary)
 OPTIONED = [("qkv", {"lengths": (1,)}), ("qkv", {}),
             ("qkv", {"wfmt": "fp8", "K": 256, "lengths": (20, 5, 0, 3)}),
             ("qkv", {"wfmt": "int4", "K": 4096, "lengths": (20, 5, 0, 3)}),
+            ("qkv", {"K": 4096, "lengths": (20, 5, 0, 3)}),
             ("qkv", {"cache_dtype": E4M3, "lengths": (20, 5, 0, 3)})]
 
 
@@ -117,6 +120,9 @@ def runs_cublas(case):
     tokens = sum(case.get("lengths", (3, 1, 0, 2)))
     quantized = case.get("wfmt", "dense") != "dense"
     qkv = ropekv.qkv
+    if (not quantized and qkv.WGMMA_MIN_TOKENS <= tokens <= qkv.WGMMA_MAX_TOKENS
+            and case.get("K", 96) % 64 == 0):
+        return False  # qkv_wgmma
     return tokens > (qkv.MMA_MAX_TOKENS_QUANTIZED if quantized else qkv.MMA_MAX_TOKENS)
 
 

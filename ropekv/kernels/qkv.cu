@@ -5,13 +5,15 @@
 //                  reduced through distributed shared memory, epilogue fused; one launch.
 //   qkv_mma_tiled  larger batches (sm_90): the same split and epilogue, the weights and hidden
 //                  rows staged in shared memory and shared by the warps.
+//   qkv_wgmma      16-bit weights, 1-128 tokens (sm_90a): the same split, staging and epilogue,
+//                  the products taken by Hopper's warpgroup MMA from the staged tiles.
 //   qkv_gemv       decode: weight-streaming skinny GEMM (token tiles of up to 16), epilogue fused
 //                  (GPUs without clusters, shapes the mma kernel does not take).
 //   qkv_epilogue   prefill: after cuBLAS wrote Q, K, V into temporaries, rope Q into `out` and
 //                  rope K / scatter K, V into their pages, in one launch.
 //   qkv_dequant    prefill with quantized weights: weights -> the input dtype, for cuBLAS.
 //
-// OPTS (qkv_gemv, qkv_mma, qkv_epilogue): the kernel reads the options, status= (p.check: the
+// OPTS (qkv_gemv, qkv_mma, qkv_mma_tiled, qkv_wgmma, qkv_epilogue): the kernel reads the options, status= (p.check: the
 // offsets validated on the device before anything is written) and clear_unused_last_page_rows
 // (p.clear); without OPTS none of their code is compiled, so the options cost nothing when off.
 #include "common.cuh"
@@ -1485,6 +1487,289 @@ __launch_bounds__(TN * 2 * KG,
     if (KG > 1) __syncthreads();
   }
   cluster_epilogue<T, WF, S, OPTS>(p, part, slots, rests, row0, t0, nt, rank);
+#endif
+}
+
+// ---- qkv_wgmma: 16-bit weights at 17-128 tokens, Hopper's warpgroup MMA ----------------------
+//
+// qkv_wgmma<T, TN, S, STAGES, KA>: qkv_mma_tiled's tiles, cluster split of K and epilogue for
+// fp16 / bf16 weights, with the products taken by wgmma (sm_90a) straight from the staged tiles:
+// no ldmatrix, no fragments in registers. A CTA is two warpgroups; warpgroup h owns weight rows
+// [64 h, 64 h + 64) of the 128-row tile and all TN tokens: per k16 step one
+// wgmma.m64nTNk16 whose A (64 weight rows) and B (TN hidden rows) are read from shared memory
+// through matrix descriptors. The float32 sums stay in registers (TN / 2 a thread) until the
+// cluster reduction.
+//
+// Stages: KA atoms of 64 k values; an atom is 128-byte rows (the weights' MMA_ROWS, then the
+// hidden rows' TN), 16-byte chunk c of row r at c ^ (r % 8), every atom 1024-byte aligned: the
+// 128-byte swizzle that a K-major wgmma descriptor names (layout type 1, 8-row groups 1024 bytes
+// apart). The k16 step j of an atom starts 32 j bytes into it; the hardware applies the swizzle
+// to the address it forms, which is why the atoms sit on 1024-byte boundaries.
+//
+// Pipeline (all 256 threads copy, cp.async, STAGES - 1 stages ahead): wait for this thread's
+// copies of stage ks, make them visible to the async proxy (fence.proxy.async), wait for this
+// warpgroup's wgmmas of stage ks - 1, barrier (stage ks landed for everyone, stage ks - 1 no
+// longer read), issue the copies of stage ks + STAGES - 1 into ks - 1's buffer, issue stage ks's
+// wgmmas and commit them; they run while the next iteration waits for its copies.
+//
+// Accumulator layout of wgmma.m64nNk16 (f32): thread (warp w of the warpgroup, lane g * 4 + c)
+// holds, for n8 tile j, d[4j] = (row 16w + g, token 8j + 2c), d[4j + 1] = (16w + g, 8j + 2c + 1),
+// d[4j + 2] = (16w + g + 8, 8j + 2c), d[4j + 3] = (16w + g + 8, 8j + 2c + 1): mma.sync's C
+// fragments, one m16 tile a warp. They go to `part` as qkv_mma_tiled's do.
+// The wgmma instructions exist on sm_90a only: the kernel has a body only there (the host picks
+// it only on sm_90 devices, whose module it compiles for sm_90a; see qkv.py).
+template <int N>
+struct Wgmma;  // Wgmma<N>::run<T>(d, a, b): d += A B^T, wgmma.m64nNk16, both K-major
+
+template <>
+struct Wgmma<32> {
+  template <typename T>
+  static __device__ __forceinline__ void run(float (&d)[16], unsigned long long a,
+                                             unsigned long long b) {
+    if constexpr (is_half<T>::value) {
+      asm volatile("{.reg .pred p; setp.eq.u32 p, 1, 1;"
+                   "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+                   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                   "%16, %17, p, 1, 1, 0, 0;}"
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                     "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                     "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                   : "l"(a), "l"(b));
+    } else {
+      asm volatile("{.reg .pred p; setp.eq.u32 p, 1, 1;"
+                   "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+                   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                   "%16, %17, p, 1, 1, 0, 0;}"
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                     "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                     "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                   : "l"(a), "l"(b));
+    }
+  }
+};
+
+template <>
+struct Wgmma<64> {
+  template <typename T>
+  static __device__ __forceinline__ void run(float (&d)[32], unsigned long long a,
+                                             unsigned long long b) {
+    if constexpr (is_half<T>::value) {
+      asm volatile("{.reg .pred p; setp.eq.u32 p, 1, 1;"
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+                   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                   "%32, %33, p, 1, 1, 0, 0;}"
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                     "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                     "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                     "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                     "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                     "+f"(d[30]), "+f"(d[31])
+                   : "l"(a), "l"(b));
+    } else {
+      asm volatile("{.reg .pred p; setp.eq.u32 p, 1, 1;"
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+                   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                   "%32, %33, p, 1, 1, 0, 0;}"
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                     "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                     "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                     "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                     "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                     "+f"(d[30]), "+f"(d[31])
+                   : "l"(a), "l"(b));
+    }
+  }
+};
+
+template <>
+struct Wgmma<128> {
+  template <typename T>
+  static __device__ __forceinline__ void run(float (&d)[64], unsigned long long a,
+                                             unsigned long long b) {
+    if constexpr (is_half<T>::value) {
+      asm volatile("{.reg .pred p; setp.eq.u32 p, 1, 1;"
+                   "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+                   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                   "%64, %65, p, 1, 1, 0, 0;}"
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                     "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                     "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                     "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                     "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                     "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                     "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                     "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                     "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+                     "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+                     "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                   : "l"(a), "l"(b));
+    } else {
+      asm volatile("{.reg .pred p; setp.eq.u32 p, 1, 1;"
+                   "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+                   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                   "%64, %65, p, 1, 1, 0, 0;}"
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                     "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                     "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                     "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                     "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                     "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                     "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                     "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                     "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+                     "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+                     "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                   : "l"(a), "l"(b));
+    }
+  }
+};
+
+
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: start address,
+// leading byte offset 16 (unused by this layout), 8-row groups 1024 bytes apart, layout type 1.
+__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) |
+         ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {  // keep d out of reordering
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+constexpr int WGMMA_THREADS = 256;  // two warpgroups: 64 weight rows each
+
+template <typename T, int TN, int S, int STAGES, int KA, bool OPTS>
+__global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, TN >= 128 ? 1 : 2)
+    qkv_wgmma(const QkvParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  pdl_launch_dependents();
+  pdl_wait();
+  constexpr int BK = 64 * KA;                       // k values per stage
+  constexpr int A_ATOM = MMA_ROWS * 128, B_ATOM = TN * 128;
+  constexpr int STAGE_BYTES = KA * (A_ATOM + B_ATOM);
+  constexpr int A_STEP = WGMMA_THREADS / 8, B_STEP = WGMMA_THREADS / 8;  // rows apart
+  constexpr int A_LOADS = MMA_ROWS / A_STEP, B_LOADS = TN / B_STEP;
+  constexpr int R = TN / 2;  // accumulators a thread
+  static_assert(TN % 32 == 0 && B_LOADS * B_STEP == TN && B_ATOM % 1024 == 0, "tile shape");
+  extern __shared__ __align__(16) unsigned char mma_smem[];
+  __shared__ TokenSlot slots[TN];
+  __shared__ int rests[OPTS ? TN : 1];
+  __shared__ unsigned req_off[MMA_REQ_CAP + 1];
+  __shared__ int req_len[MMA_REQ_CAP];
+
+  // the stages start at the first 1024-byte boundary (the host adds 1 KB to the size)
+  const unsigned raw0 = static_cast<unsigned>(__cvta_generic_to_shared(mma_smem));
+  const unsigned smem0 = (raw0 + 1023u) & ~1023u;
+  float* part = reinterpret_cast<float*>(mma_smem + (smem0 - raw0));
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int wg = warp >> 2, w4 = warp & 3;
+  const ClusterTile tile = cluster_tile<TN>(p);
+  const int rank = tile.rank, row0 = tile.row0, t0 = tile.t0, nt = tile.nt, kbeg = tile.kbeg;
+  const int kend = kbeg + tile.klen;
+  const int nk = (kend - kbeg + BK - 1) / BK;
+
+  // Each thread copies chunk column cc (8 k values) of rows r, r + 32, ... of every atom.
+  const int rr = threadIdx.x >> 3, cc = threadIdx.x & 7;
+  const int kc0 = kbeg + cc * 8;
+  const unsigned char* a_src = static_cast<const unsigned char*>(p.weight) +
+                               i64(row0 + rr) * p.weight_row_bytes + i64(kc0) * 2;
+  const i64 a_step = i64(A_STEP) * p.weight_row_bytes;
+  const unsigned char* b_src = static_cast<const unsigned char*>(p.hidden) +
+                               (i64(t0 + rr) * p.hidden_s0 + kc0) * 2;
+  const i64 b_step = i64(B_STEP) * p.hidden_s0 * 2;
+  auto load = [&](int stage, int ks) {
+    const unsigned base = smem0 + stage * STAGE_BYTES;
+#pragma unroll
+    for (int a = 0; a < KA; ++a) {
+      const int dk = ks * BK + a * 64;
+      const unsigned abase = base + a * A_ATOM, bbase = base + KA * A_ATOM + a * B_ATOM;
+#pragma unroll
+      for (int j = 0; j < A_LOADS; ++j) {
+        const bool on = kc0 + dk < kend && row0 + rr + j * A_STEP < p.N;
+        cp_async16(abase + tiled_at<128>(rr + j * A_STEP, cc),
+                   on ? a_src + j * a_step + dk * 2 : p.weight, on);
+      }
+#pragma unroll
+      for (int j = 0; j < B_LOADS; ++j) {
+        const bool on = kc0 + dk < kend && rr + j * B_STEP < nt;
+        cp_async16(bbase + tiled_at<128>(rr + j * B_STEP, cc),
+                   on ? b_src + j * b_step + dk * 2 : p.hidden, on);
+      }
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nk) load(s, s);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+
+  // Token addressing while the first stages land (as in qkv_mma_tiled).
+  const bool req_smem = stage_requests(p, req_off, req_len);
+  __syncthreads();
+  const unsigned* offsets = req_smem ? req_off : p.offsets;
+  if (!qkv_check<OPTS>(p, offsets)) {  // every CTA of the cluster returns
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    return;
+  }
+  PendingSlot slot{{-1, -1, -1, 0}, 0, -1};
+  if (threadIdx.x < TN) {
+    slot = pending_slot(p, offsets, req_smem ? req_len : p.cache_lengths, t0 + threadIdx.x,
+                        int(threadIdx.x) < nt);
+  }
+
+  float acc[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) acc[i] = 0.f;
+  for (int ks = 0; ks < nk; ++ks) {
+    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2) : "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    fence_regs(acc);
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    fence_regs(acc);
+    __syncthreads();  // stage ks landed for every thread; stage ks - 1 is free again
+    if (ks + STAGES - 1 < nk) load((ks + STAGES - 1) % STAGES, ks + STAGES - 1);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    const unsigned base = smem0 + (ks % STAGES) * STAGE_BYTES;
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int a = 0; a < KA; ++a) {
+      const unsigned long long da = sw128_desc(base + a * A_ATOM + wg * 64 * 128);
+      const unsigned long long db = sw128_desc(base + KA * A_ATOM + a * B_ATOM);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)  // k16 step j: 32 bytes into the rows (2 in 16-byte units)
+        Wgmma<TN>::template run<T>(acc, da + 2 * j, db + 2 * j);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  }
+  fence_regs(acc);
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  fence_regs(acc);
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+
+  if (threadIdx.x < TN) finish_slot<OPTS>(p, slot, offsets, threadIdx.x, t0 + threadIdx.x, slots,
+                                          rests);
+  __syncthreads();  // every warpgroup is done with the stages (part overlays them)
+  const int rl = wg * 64 + w4 * 16 + g;
+#pragma unroll
+  for (int j = 0; j < TN / 8; ++j) {
+    float* d = part + (8 * j + 2 * c) * MMA_PART_STRIDE + rl;
+    d[0] = acc[4 * j];
+    d[MMA_PART_STRIDE] = acc[4 * j + 1];
+    d[8] = acc[4 * j + 2];
+    d[MMA_PART_STRIDE + 8] = acc[4 * j + 3];
+  }
+  cluster_epilogue<T, W_DENSE, S, OPTS>(p, part, slots, rests, row0, t0, nt, rank);
 #endif
 }
 

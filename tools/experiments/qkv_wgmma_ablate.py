@@ -1,0 +1,83 @@
+"""Where qkv_wgmma's time goes: the kernel with a part of it cut out of its source (timing only;
+the outputs of a cut kernel are wrong), Llama-3-8B projection, fp16 weights rotated over 4 copies
+(200 MB), graph replay of 4 calls. On a GPU machine:
+``PYTHONPATH=. python3 tools/experiments/qkv_wgmma_ablate.py VARIANT T...``
+
+VARIANT: ``full``; ``noload`` (only the first stages are copied, the main loop's copies cut);
+``noloop`` (no main loop: launch, token addressing, epilogue); ``noepi`` (no cluster epilogue,
+its barriers included). Settings from the environment: STAGES, ATOMS, TILE, SPLIT (the WGMMA_*
+constants) and PERSM (the CTAs an SM is taken to hold, which sets the split)."""
+import os
+import sys
+
+import ropekv._compile as C
+
+CUTS = {
+    "full": [],
+    "noload": [("if (ks + STAGES - 1 < nk) load((ks + STAGES - 1) % STAGES, ks + STAGES - 1);",
+                "")],
+    "noloop": [("const int nk = (kend - kbeg + BK - 1) / BK;\n\n  // Each thread copies",
+                "const int nk = 0;\n\n  // Each thread copies")],
+    "noepi": [("cluster_epilogue<T, W_DENSE, S, OPTS>(p, part, slots, rests, row0, t0, nt, rank);",
+               "")],
+}
+variant = sys.argv[1]
+source = C.read_source("qkv")
+for old, new in CUTS[variant]:
+    assert source.count(old) == 1, old
+    source = source.replace(old, new)
+read = C.read_source
+C.read_source = lambda stem: source if stem == "qkv" else read(stem)
+
+import cupy as cp  # noqa: E402
+
+import ropekv  # noqa: E402
+from ropekv import qkv as Q  # noqa: E402
+
+Q.WGMMA_MIN_TOKENS, Q.WGMMA_MAX_TOKENS = 1, 1 << 30
+SETTINGS = {"STAGES": "WGMMA_STAGES", "ATOMS": "WGMMA_ATOMS", "TILE": "WGMMA_MAX_TILE",
+            "SPLIT": "WGMMA_SPLIT"}
+for env, name in SETTINGS.items():
+    if env in os.environ:
+        setattr(Q, name, int(os.environ[env]))
+if "PERSM" in os.environ:
+    Q._wgmma_per_sm = lambda tn, smem: int(os.environ["PERSM"])
+K, Hq, Hkv, D, ps = 4096, 32, 8, 128, 16
+N = (Hq + 2 * Hkv) * D
+ws = [(cp.random.standard_normal((N, K), cp.float32) / 64).astype(cp.float16) for _ in range(4)]
+cs = ropekv.cos_sin_cache(8192, D, xp=cp)
+out = []
+for T in [int(t) for t in sys.argv[2:]]:
+    x = cp.random.standard_normal((T, K), cp.float32).astype(cp.float16)
+    pages = T * 8
+    kc, vc = (cp.zeros((pages, ps, Hkv, D), cp.float16) for _ in range(2))
+    off = cp.arange(T + 1, dtype=cp.int32)
+    lens = cp.full(T, 100, cp.int32)
+    table = cp.arange(pages, dtype=cp.int32).reshape(T, 8)
+
+    def f(w):
+        Q.fused_qkv_matmul_append_paged_kv_cache(x, w, off, lens, table, (kc, vc),
+                                                 num_q_heads=Hq, cos_sin_cache=cs)
+
+    for i in range(8):
+        f(ws[i % 4])
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        for i in range(4):
+            f(ws[i])
+        g = s.end_capture()
+    g.launch(s)
+    s.synchronize()
+    times = []
+    for _ in range(7):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(s)
+        for _ in range(10):
+            g.launch(s)
+        b.record(s)
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) * 1000 / 40)
+    out.append(f"T{T}={sorted(times)[3]:.1f}")
+given = " ".join(f"{k}={os.environ[k]}" for k in (*SETTINGS, "PERSM") if k in os.environ)
+print(variant, given, " ".join(out), flush=True)
