@@ -29,8 +29,8 @@ Three paths, picked by the token count T (and, on sm_90, a fourth kernel for 16-
   (``qkv_dequant``) into a temporary ``(N, K)`` buffer.
 
 ``status=`` and ``clear_unused_last_page_rows`` run each path's options kernel (``qkv_gemv``,
-``qkv_mma``, ``qkv_mma_tiled``, ``qkv_wgmma`` and ``qkv_epilogue`` with their ``OPTS`` flag; the plain ones
-compile them out). With
+``qkv_mma``, ``qkv_mma_tiled``, ``qkv_wgmma`` and ``qkv_epilogue`` with their ``OPTS`` flag;
+the plain ones compile them out). With
 ``status`` the offsets are validated in the launch that writes: the fused kernels before their
 epilogue, the prefill path in ``qkv_epilogue``, its GEMMs then writing only temporaries (Q too).
 """
