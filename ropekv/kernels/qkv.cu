@@ -790,8 +790,11 @@ __device__ __forceinline__ void clear_rests(const QkvParams& p, const TokenSlot*
 // barrier each CTA finishes a 1/S share of the tile's (token, row pair) items: the sum over the
 // cluster (mapa + ld.shared::cluster), the fp8 weight scale, RoPE, Q to out, K/V to their pages
 // (write_pair); OPTS, the rows the tokens clear (clear_rests). A last cluster barrier keeps
-// every CTA's shared memory alive until all have read.
-template <typename T, int WF, int S, bool OPTS>
+// every CTA's shared memory alive until all have read. VEC: items of four pairs where the head
+// allows (below); qkv_mma keeps one pair an item: its tiles are of at most 16 tokens at the
+// token counts it serves, and the vector loop's registers made it spill more (8% slower at 16
+// tokens with fp8 weights).
+template <typename T, int WF, int S, bool OPTS, bool VEC>
 __device__ __forceinline__ void cluster_epilogue(const QkvParams& p, const float* part,
                                                  const TokenSlot* slots, const int* rests,
                                                  int row0, int t0, int nt, int rank) {
@@ -811,7 +814,7 @@ __device__ __forceinline__ void cluster_epilogue(const QkvParams& p, const float
   // (R % 8 == 0), so no run crosses a head or the rotary boundary. Their partial sums are read as
   // float4s from each CTA of the cluster, and all loads of an item are issued before its first
   // use: a quarter of the items, each waiting once.
-  if (p.D % 8 == 0 && (!rope || p.R % 8 == 0)) {
+  if (VEC && p.D % 8 == 0 && (!rope || p.R % 8 == 0)) {
     constexpr int V = 4, ITEMS = PAIRS / V;
     for (int w = rank * blockDim.x + threadIdx.x; w < nt * ITEMS; w += S * blockDim.x) {
       const int t = w / ITEMS, m = w - t * ITEMS;
@@ -1119,7 +1122,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
       part[tt * MMA_PART_STRIDE + rl + 8] = acc[m][n][2];
       part[(tt + 1) * MMA_PART_STRIDE + rl + 8] = acc[m][n][3];
     }
-  cluster_epilogue<T, WF, S, OPTS>(p, part, slots, rests, row0, t0, nt, rank);
+  cluster_epilogue<T, WF, S, OPTS, false>(p, part, slots, rests, row0, t0, nt, rank);
 #endif
 }
 
@@ -1486,7 +1489,7 @@ __launch_bounds__(TN * 2 * KG,
     }
     if (KG > 1) __syncthreads();
   }
-  cluster_epilogue<T, WF, S, OPTS>(p, part, slots, rests, row0, t0, nt, rank);
+  cluster_epilogue<T, WF, S, OPTS, true>(p, part, slots, rests, row0, t0, nt, rank);
 #endif
 }
 
@@ -1769,7 +1772,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, TN >= 128 ? 1 
     d[8] = acc[4 * j + 2];
     d[MMA_PART_STRIDE + 8] = acc[4 * j + 3];
   }
-  cluster_epilogue<T, W_DENSE, S, OPTS>(p, part, slots, rests, row0, t0, nt, rank);
+  cluster_epilogue<T, W_DENSE, S, OPTS, true>(p, part, slots, rests, row0, t0, nt, rank);
 #endif
 }
 
