@@ -192,6 +192,16 @@ def compile_offline(stem, expressions, arch):
     cached = _read_cached(path, expressions)
     if cached is not None:
         return cached
+    lowered, _ = _nvrtc_compile(stem, source, expressions, options, arch)
+    _write_cached(path, lowered)
+    return lowered
+
+
+def _nvrtc_compile(stem, source, expressions, options, arch, cubin=False):
+    """NVRTC on ``source``: ``({expression: lowered name}, the cubin or None)``; RuntimeError
+    with the compiler log on failure."""
+    from cupy_backends.cuda.libs import nvrtc
+
     prog = nvrtc.createProgram(source, f"{stem}.cu", [], [])
     try:
         for expression in expressions:
@@ -202,10 +212,9 @@ def compile_offline(stem, expressions, arch):
             raise RuntimeError(f"NVRTC failed on {stem}.cu for {arch}:\n"
                                f"{nvrtc.getProgramLog(prog)}") from exc
         lowered = {e: nvrtc.getLoweredName(prog, e) for e in expressions}
+        return lowered, nvrtc.getCUBIN(prog) if cubin else None
     finally:
         nvrtc.destroyProgram(prog)
-    _write_cached(path, lowered)
-    return lowered
 
 
 def compile_cubin(stem, expression, arch):
@@ -222,18 +231,8 @@ def compile_cubin(stem, expression, arch):
     cached = _read_cached(name_path, [expression])
     if cached is not None and path.is_file():
         return path, cached[expression]
-    prog = nvrtc.createProgram(source, f"{stem}.cu", [], [])
-    try:
-        nvrtc.addNameExpression(prog, expression)
-        try:
-            nvrtc.compileProgram(prog, options)
-        except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"NVRTC failed on {stem}.cu for {arch}:\n"
-                               f"{nvrtc.getProgramLog(prog)}") from exc
-        lowered = nvrtc.getLoweredName(prog, expression)
-        cubin = nvrtc.getCUBIN(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    names, cubin = _nvrtc_compile(stem, source, [expression], options, arch, cubin=True)
+    lowered = names[expression]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_bytes(cubin)

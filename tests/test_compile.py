@@ -216,3 +216,20 @@ def test_an_unwritable_cache_still_compiles(tiny, tmp_path, monkeypatch):
     blocker.write_text("")
     monkeypatch.setenv("ROPEKV_CACHE_DIR", str(blocker))
     assert compile_offline("tiny", ["fill<float>"], "sm_80") == {"fill<float>": "_Z4fillIfEvPT_"}
+
+
+def test_a_cubin_is_built_once_and_kept(tiny, tmp_path):
+    """compile_cubin (the arch-specific kernels' loader builds their cubin with it): a cubin file
+    and the lowered name, compiled once per source and arch; a lost cubin file is built again."""
+    from ropekv._compile import compile_cubin
+
+    path, lowered = compile_cubin("tiny", "fill<float>", "sm_90a")
+    assert path.is_file() and path.read_bytes()[:4] == b"\x7fELF"  # a cubin is an ELF file
+    assert "fill" in lowered
+    assert compile_cubin("tiny", "fill<float>", "sm_90a") == (path, lowered)
+    assert len(tiny.compiles) == 1
+    path.unlink()
+    assert compile_cubin("tiny", "fill<float>", "sm_90a") == (path, lowered)
+    assert len(tiny.compiles) == 2 and path.is_file()
+    compile_cubin("tiny", "fill<float>", "sm_90")  # another arch: another cubin
+    assert len(tiny.compiles) == 3
