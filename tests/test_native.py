@@ -848,6 +848,9 @@ def test_gpu_torch_prefill_qkv_temporaries_live_in_torchs_pool(explicit):
     fn(**map_arrays(copy_kw(kw), convert), **extra)  # plans
     torch.cuda.synchronize()
     args = map_arrays(copy_kw(kw), convert)
+    # the inputs were copied on CuPy's stream; the call may run on a non-blocking torch stream,
+    # which does not wait for it (the caller orders its producers with stream=, as here)
+    cupy.cuda.runtime.deviceSynchronize()
     pool = cupy.get_default_memory_pool()
     cupy_bytes = pool.total_bytes()
     count = torch.cuda.memory_stats()["allocation.all.allocated"]
