@@ -1521,93 +1521,49 @@ __launch_bounds__(TN * 2 * KG,
 // fragments, one m16 tile a warp. They go to `part` as qkv_mma_tiled's do.
 // The wgmma instructions exist on sm_90a only: the kernel has a body only there (the host picks
 // it only on sm_90 devices, whose module it compiles for sm_90a; see qkv.py).
-template <int N>
-struct Wgmma;  // Wgmma<N>::run<T>(d, a, b): d += A B^T, wgmma.m64nNk16, both K-major
-// (the operand lists are spelled out per N; T picks the instruction's input type)
 
-#define QKV_WGMMA_32(TY) \
-  asm volatile("{.reg .pred p; setp.eq.u32 p, 1, 1;" \
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " {" \
-               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
-               "%16, %17, p, 1, 1, 0, 0;}" \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), \
-                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
-                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
-               : "l"(a), "l"(b))
-template <>
-struct Wgmma<32> {
-  template <typename T>
-  static __device__ __forceinline__ void run(float (&d)[16], unsigned long long a,
-                                             unsigned long long b) {
-    if constexpr (is_half<T>::value) {
-      QKV_WGMMA_32("f16");
-    } else {
-      QKV_WGMMA_32("bf16");
-    }
+// wgmma.m64nNk16 (N = 32, 64, 128), d += A B^T with both operands K-major and read through the
+// shared-memory descriptors a and b; T picks the input type. Inline asm needs its operand lists
+// spelled out: the N / 2 accumulators (%0 ..) from these pieces, then the two descriptors.
+#define QKV_D8(i) \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define QKV_D16(i) QKV_D8(i), QKV_D8(i + 8)
+#define QKV_R0 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define QKV_R16 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define QKV_R32 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+#define QKV_R48 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define QKV_ASM(N, TY, REGS, DESCS, ...) \
+  asm volatile("{.reg .pred p; setp.eq.u32 p, 1, 1; wgmma.mma_async.sync.aligned.m64n" #N \
+               "k16.f32." TY "." TY " {" REGS "}, " DESCS ", p, 1, 1, 0, 0;}" \
+               : __VA_ARGS__ : "l"(a), "l"(b))
+#define QKV_WGMMA(N, REGS, DESCS, ...) \
+  if constexpr (is_half<T>::value) { \
+    QKV_ASM(N, "f16", REGS, DESCS, __VA_ARGS__); \
+  } else { \
+    QKV_ASM(N, "bf16", REGS, DESCS, __VA_ARGS__); \
   }
-};
-#undef QKV_WGMMA_32
-
-#define QKV_WGMMA_64(TY) \
-  asm volatile("{.reg .pred p; setp.eq.u32 p, 1, 1;" \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" \
-               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-               "%32, %33, p, 1, 1, 0, 0;}" \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), \
-                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
-                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), \
-                 "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), \
-                 "+f"(d[30]), "+f"(d[31]) \
-               : "l"(a), "l"(b))
-template <>
-struct Wgmma<64> {
-  template <typename T>
-  static __device__ __forceinline__ void run(float (&d)[32], unsigned long long a,
+template <int N, typename T>
+__device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], unsigned long long a,
                                              unsigned long long b) {
-    if constexpr (is_half<T>::value) {
-      QKV_WGMMA_64("f16");
-    } else {
-      QKV_WGMMA_64("bf16");
-    }
+  static_assert(N == 32 || N == 64 || N == 128, "wgmma tile");
+  if constexpr (N == 32) {
+    QKV_WGMMA(32, QKV_R0, "%16, %17", QKV_D16(0))
+  } else if constexpr (N == 64) {
+    QKV_WGMMA(64, QKV_R0 ", " QKV_R16, "%32, %33", QKV_D16(0), QKV_D16(16))
+  } else {
+    QKV_WGMMA(128, QKV_R0 ", " QKV_R16 ", " QKV_R32 ", " QKV_R48, "%64, %65", QKV_D16(0),
+              QKV_D16(16), QKV_D16(32), QKV_D16(48))
   }
-};
-#undef QKV_WGMMA_64
-
-#define QKV_WGMMA_128(TY) \
-  asm volatile("{.reg .pred p; setp.eq.u32 p, 1, 1;" \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" \
-               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-               "%64, %65, p, 1, 1, 0, 0;}" \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), \
-                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
-                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), \
-                 "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), \
-                 "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), \
-                 "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
-                 "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-                 "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), \
-                 "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), \
-                 "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
-               : "l"(a), "l"(b))
-template <>
-struct Wgmma<128> {
-  template <typename T>
-  static __device__ __forceinline__ void run(float (&d)[64], unsigned long long a,
-                                             unsigned long long b) {
-    if constexpr (is_half<T>::value) {
-      QKV_WGMMA_128("f16");
-    } else {
-      QKV_WGMMA_128("bf16");
-    }
-  }
-};
-#undef QKV_WGMMA_128
+}
+#undef QKV_WGMMA
+#undef QKV_ASM
+#undef QKV_R48
+#undef QKV_R32
+#undef QKV_R16
+#undef QKV_R0
+#undef QKV_D16
+#undef QKV_D8
 
 
 // Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: start address,
@@ -1725,7 +1681,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, TN >= 128 ? 1 
       const unsigned long long db = sw128_desc(base + KA * A_ATOM + a * B_ATOM);
 #pragma unroll
       for (int j = 0; j < 4; ++j)  // k16 step j: 32 bytes into the rows (2 in 16-byte units)
-        Wgmma<TN>::template run<T>(acc, da + 2 * j, db + 2 * j);
+        wgmma_m64k16<TN, T>(acc, da + 2 * j, db + 2 * j);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
   }
