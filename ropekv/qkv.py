@@ -118,14 +118,15 @@ MMA_ROWS, MMA_WARPS = 128, 4  # mirror qkv.cu
 # qkv_wgmma (fp16 / bf16 weights on sm_90 devices: wgmma is an sm_90a instruction, compiled for
 # that target): calls of WGMMA_MIN_TOKENS to WGMMA_MAX_TOKENS tokens with K a whole number of
 # stages (64 x WGMMA_ATOMS k values) and 16-byte aligned rows. Token tiles of WGMMA_TILES up to
-# WGMMA_MAX_TILE (the smallest holding T, else several of the largest), two warpgroups a CTA,
-# WGMMA_STAGES stages in shared memory, split-K over clusters of the largest of TILED_SPLITS (at
-# most WGMMA_SPLIT) whose grid fits one wave of the CTAs an SM holds. Measured on the H200
-# (docs/kernel-notes.md), Llama-3-8B projection, graph replay against cuBLAS + the epilogue:
-# faster up to 96 tokens, even at 128, slower from 192 on (41.7 against about 32 us at 256).
+# WGMMA_MAX_TILE (T split evenly over as few tiles as hold it, each the smallest that holds its
+# share), two warpgroups a CTA, two CTAs an SM, at most WGMMA_STAGES stages in shared memory (3
+# at tiles of 96 and 128 tokens, so that two CTAs fit), split-K over clusters of the largest of
+# TILED_SPLITS (at most WGMMA_SPLIT) whose grid fits one wave. Measured on the H200
+# (docs/kernel-notes.md), Llama-3-8B projection, against cuBLAS + the epilogue: faster up to 128
+# tokens (24.4 against 27.0-27.7 us at 128), slower above (33.5-35 against 27.5-31 us at 144-256).
 WGMMA_MIN_TOKENS = 1
 WGMMA_MAX_TOKENS = 128
-WGMMA_TILES = (32, 64, 128)
+WGMMA_TILES = (32, 64, 96, 128)
 WGMMA_MAX_TILE = 128
 WGMMA_STAGES = 4
 WGMMA_ATOMS = 1
@@ -229,7 +230,8 @@ def instantiations():
         for fmt, tn, split in itertools.product(TILED_FORMATS, TILED_TILES, TILED_SPLITS):
             yield tiled_expression(dtype, fmt, tn, split, TILED_STAGES, TILED_KGROUPS, opts)
         for tn, split in itertools.product(WGMMA_TILES, TILED_SPLITS):
-            yield wgmma_expression(dtype, tn, split, WGMMA_STAGES, WGMMA_ATOMS, opts)
+            yield wgmma_expression(dtype, tn, split, _wgmma_stages(tn, WGMMA_STAGES, WGMMA_ATOMS),
+                                   WGMMA_ATOMS, opts)
         for cache_dtype, n in itertools.product((dtype, *FP8_DTYPES), EPILOGUE_WIDTHS):
             yield epilogue_expression(dtype, cache_dtype, dtype, n, opts)
             if cache_dtype in FP8_DTYPES:
@@ -824,9 +826,18 @@ def _wgmma_smem(tn, stages, atoms):
 
 
 def _wgmma_per_sm(tn, smem):
-    """CTAs of qkv_wgmma an SM holds: its launch bound (1 at 128-token tiles, else 2) and its
-    shared memory (the dynamic part, about 6 KiB static, 1 KiB reserved)."""
-    return min(1 if tn >= 128 else 2, SM_SHARED_BYTES // (smem + 7 * 1024))
+    """CTAs of qkv_wgmma an SM holds: its launch bound (2) and its shared memory (the dynamic
+    part, about 6 KiB static, 1 KiB reserved)."""
+    return min(2, SM_SHARED_BYTES // (smem + 7 * 1024))
+
+
+def _wgmma_stages(tn, stages, atoms):
+    """The stages of a ``tn``-token tile: ``stages`` (WGMMA_STAGES), fewer where that many would
+    keep a second CTA off the SM (3 at tiles of 128 tokens on sm_90: two CTAs an SM hide each
+    other's waits, 36.4 against 41.8 us at 256 tokens), never fewer than 2."""
+    while stages > 2 and _wgmma_per_sm(tn, _wgmma_smem(tn, stages, atoms)) < 2:
+        stages -= 1
+    return stages
 
 
 def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False):
@@ -837,10 +848,12 @@ def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False):
     if not (vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
             and vx.ptr % 16 == 0 and vx.strides[0] % 8 == 0):
         return None
-    for tn in WGMMA_TILES:  # the smallest tile that holds T tokens, else the largest
-        if tn >= T or tn >= max_tile:
+    share = -(-T // -(-T // max_tile))  # T over as few tiles of at most max_tile as hold it
+    for tn in WGMMA_TILES:  # the smallest tile that holds a share, at most max_tile
+        if tn >= share or tn >= max_tile:
             break
     tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
+    stages = _wgmma_stages(tn, stages, atoms)
     smem = _wgmma_smem(tn, stages, atoms)
     split = _tiled_split(tiles, split, _wgmma_per_sm(tn, smem) * _sm_count(device))
     kc = _slice(K, split, 64 * atoms)

@@ -661,12 +661,13 @@ def test_gpu_llama3_8b_tiled(lengths, dtype, wfmt, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [(1,) * 5, (1,) * 17, (1,) * 64, (60, 0, 68), (1,) * 256,
-                                     (100, 157), (300, 0, 300, 424)])
+@pytest.mark.parametrize("lengths", [(1,) * 5, (1,) * 17, (1,) * 64, (1,) * 90, (60, 0, 68),
+                                     (80, 0, 80), (1,) * 256, (100, 157), (300, 0, 300, 424)])
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_gpu_llama3_8b_wgmma(lengths, dtype, monkeypatch):
-    """qkv_wgmma at Llama-3-8B's projection: token tiles of 32 (5 and 17 tokens), 64 and 128,
-    several 128-token tiles, prefill-like requests; bf16 into fp8 caches."""
+    """qkv_wgmma at Llama-3-8B's projection: token tiles of 32 (5 and 17 tokens), 64, 96 (90
+    tokens; 160 as two tiles of 80) and 128, several 128-token tiles, prefill-like requests; bf16
+    into fp8 caches."""
     args, kw = make_case(28, lengths=lengths, dtype=dtype, cache_dtype=E4M3 if dtype == BF16
                          else None, cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
                          **{**LLAMA, "P": 8192})
@@ -675,7 +676,7 @@ def test_gpu_llama3_8b_wgmma(lengths, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [17, 33, 64, 128, 200])
-@pytest.mark.parametrize("tile", [32, 64, 128])
+@pytest.mark.parametrize("tile", [32, 64, 96, 128])
 @pytest.mark.parametrize("stages, atoms", [(2, 1), (3, 2), (4, 1)])
 def test_gpu_wgmma_settings(T, tile, stages, atoms, monkeypatch):
     """qkv_wgmma under every token tile, stage count and stage width: K slices of one to several

@@ -178,6 +178,45 @@ __device__ __forceinline__ void write_pair(const QkvParams& p, const TokenSlot& 
   }
 }
 
+// Writes N consecutive elements [d0, d0 + N) of token t's row of one head (RoPE already
+// applied): Q to out, K / V to their cache rows (scaled for fp8 caches), as write_pair stores
+// them, but in one vector store where the address is aligned to it, else element by element.
+template <typename T, int N>
+__device__ __forceinline__ void write_run(const QkvParams& p, const TokenSlot& tok, int t,
+                                          int head, int d0, const float (&v)[N]) {
+  if (head < p.Hq) {
+    T* q = static_cast<T*>(p.out) + i64(t) * p.out_s0 + i64(head) * p.D + d0;
+    if ((reinterpret_cast<unsigned long long>(q) & (N * sizeof(T) - 1)) == 0) {
+      store_float<T, N>(q, v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < N; ++j) q[j] = from_float<T>(v[j]);
+    }
+    return;
+  }
+  const bool is_k = head < p.Hq + p.Hkv;
+  const i64 row = is_k ? tok.k_off : tok.v_off;
+  if (row < 0) return;
+  const i64 e = row + (is_k ? i64(head - p.Hq) * p.k_head : i64(head - p.Hq - p.Hkv) * p.v_head) +
+                d0;
+  void* cache = is_k ? p.k_cache : p.v_cache;
+  const float scale = is_k ? p.k_inv_scale : p.v_inv_scale;
+  float w[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) w[j] = v[j] * scale;
+  const int es = p.cache_code == 0 ? int(sizeof(T)) : 1;
+  if (((reinterpret_cast<unsigned long long>(cache) + e * es) & (N * es - 1)) != 0) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) store_cache<T>(cache, e + j, w[j], p.cache_code);
+  } else if (p.cache_code == 0) {
+    store_float<T, N>(static_cast<T*>(cache) + e, w);
+  } else if (p.cache_code == 1) {
+    store_float<__nv_fp8_e4m3, N>(static_cast<__nv_fp8_e4m3*>(cache) + e, w);
+  } else {
+    store_float<__nv_fp8_e5m2, N>(static_cast<__nv_fp8_e5m2*>(cache) + e, w);
+  }
+}
+
 // clear_unused_last_page_rows: the cache row of head h (a K or V head, h >= Hq), r rows after
 // token tok's own (tok written: rest_of_page > 0 only then), as a byte pointer (r = 0: the
 // token's own row, from which clear_rests steps).
@@ -791,9 +830,10 @@ __device__ __forceinline__ void clear_rests(const QkvParams& p, const TokenSlot*
 // cluster (mapa + ld.shared::cluster), the fp8 weight scale, RoPE, Q to out, K/V to their pages
 // (write_pair); OPTS, the rows the tokens clear (clear_rests). A last cluster barrier keeps
 // every CTA's shared memory alive until all have read. VEC: items of four pairs where the head
-// allows (below); qkv_mma keeps one pair an item: its tiles are of at most 16 tokens at the
-// token counts it serves, and the vector loop's registers made it spill more (8% slower at 16
-// tokens with fp8 weights).
+// allows (below), their runs stored as vectors (write_run: scalar stores were 3.3 of the 7.7 us
+// the epilogue took at 256 tokens); qkv_mma keeps one pair an item: its tiles are of at most 16
+// tokens at the token counts it serves, and the vector loop's registers made it spill more (8%
+// slower at 16 tokens with fp8 weights).
 template <typename T, int WF, int S, bool OPTS, bool VEC>
 __device__ __forceinline__ void cluster_epilogue(const QkvParams& p, const float* part,
                                                  const TokenSlot* slots, const int* rests,
@@ -867,18 +907,20 @@ __device__ __forceinline__ void cluster_epilogue(const QkvParams& p, const float
           b[j] *= ws[split ? nb + j : na + 2 * j + 1];
         }
       }
+      if (rot) {
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        if (rot) {
+        for (int j = 0; j < V; ++j) {
           const float xa = a[j], yb = b[j];
           a[j] = xa * c[j] - yb * sn[j];
           b[j] = yb * c[j] + xa * sn[j];
         }
-        RowPair q = rp;
-        q.da += split ? j : 2 * j;
-        q.db += split ? j : 2 * j;
-        q.rot = -1;  // rotated above
-        write_pair<T>(p, tok, t0 + t, q, a[j], b[j]);
+      }
+      if (split) {  // rows na .. na + 3 and nb .. nb + 3
+        write_run<T, V>(p, tok, t0 + t, rp.head, rp.da, a);
+        write_run<T, V>(p, tok, t0 + t, rp.head, rp.db, b);
+      } else {  // rows na .. na + 7, the pairs' elements alternating
+        const float v[2 * V] = {a[0], b[0], a[1], b[1], a[2], b[2], a[3], b[3]};
+        write_run<T, 2 * V>(p, tok, t0 + t, rp.head, rp.da, v);
       }
     }
   } else {
@@ -1501,7 +1543,9 @@ __launch_bounds__(TN * 2 * KG,
 // [64 h, 64 h + 64) of the 128-row tile and all TN tokens: per k16 step one
 // wgmma.m64nTNk16 whose A (64 weight rows) and B (TN hidden rows) are read from shared memory
 // through matrix descriptors. The float32 sums stay in registers (TN / 2 a thread) until the
-// cluster reduction.
+// cluster reduction. Token tiles of 32, 64, 96 or 128; two CTAs an SM (launch bound; the host
+// gives tiles of 96 and 128 tokens 3 stages so that their shared memory fits twice: 2 CTAs hide
+// each other's barrier and copy waits).
 //
 // Stages: KA atoms of 64 k values; an atom is 128-byte rows (the weights' MMA_ROWS, then the
 // hidden rows' TN), 16-byte chunk c of row r at c ^ (r % 8), every atom 1024-byte aligned: the
@@ -1522,7 +1566,7 @@ __launch_bounds__(TN * 2 * KG,
 // The wgmma instructions exist on sm_90a only: the kernel has a body only there (the host picks
 // it only on sm_90 devices, whose module it compiles for sm_90a; see qkv.py).
 
-// wgmma.m64nNk16 (N = 32, 64, 128), d += A B^T with both operands K-major and read through the
+// wgmma.m64nNk16 (N = 32, 64, 96, 128), d += A B^T with both operands K-major and read through the
 // shared-memory descriptors a and b; T picks the input type. Inline asm needs its operand lists
 // spelled out: the N / 2 accumulators (%0 ..) from these pieces, then the two descriptors.
 #define QKV_D8(i) \
@@ -1546,11 +1590,14 @@ __launch_bounds__(TN * 2 * KG,
 template <int N, typename T>
 __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], unsigned long long a,
                                              unsigned long long b) {
-  static_assert(N == 32 || N == 64 || N == 128, "wgmma tile");
+  static_assert(N == 32 || N == 64 || N == 96 || N == 128, "wgmma tile");
   if constexpr (N == 32) {
     QKV_WGMMA(32, QKV_R0, "%16, %17", QKV_D16(0))
   } else if constexpr (N == 64) {
     QKV_WGMMA(64, QKV_R0 ", " QKV_R16, "%32, %33", QKV_D16(0), QKV_D16(16))
+  } else if constexpr (N == 96) {
+    QKV_WGMMA(96, QKV_R0 ", " QKV_R16 ", " QKV_R32, "%48, %49", QKV_D16(0), QKV_D16(16),
+              QKV_D16(32))
   } else {
     QKV_WGMMA(128, QKV_R0 ", " QKV_R16 ", " QKV_R32 ", " QKV_R48, "%64, %65", QKV_D16(0),
               QKV_D16(16), QKV_D16(32), QKV_D16(48))
@@ -1582,7 +1629,7 @@ __device__ __forceinline__ void fence_regs(float (&d)[R]) {  // keep d out of re
 constexpr int WGMMA_THREADS = 256;  // two warpgroups: 64 weight rows each
 
 template <typename T, int TN, int S, int STAGES, int KA, bool OPTS>
-__global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, TN >= 128 ? 1 : 2)
+__global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, 2)
     qkv_wgmma(const QkvParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   pdl_launch_dependents();
