@@ -123,7 +123,8 @@ MMA_ROWS, MMA_WARPS = 128, 4  # mirror qkv.cu
 # at tiles of 96 and 128 tokens, so that two CTAs fit), split-K over clusters of the largest of
 # TILED_SPLITS (at most WGMMA_SPLIT) whose grid fits one wave. Measured on the H200
 # (docs/kernel-notes.md), Llama-3-8B projection, against cuBLAS + the epilogue: faster up to 128
-# tokens (24.4 against 27.0-27.7 us at 128), slower above (33.5-35 against 27.5-31 us at 144-256).
+# tokens (24.4 against 27.7 us at 128); above, 33.4-35.1 us against 27.7-35.5 (slower at 144-160
+# and 256 tokens, even at 192-224), so 129+ tokens keep cuBLAS.
 WGMMA_MIN_TOKENS = 1
 WGMMA_MAX_TOKENS = 128
 WGMMA_TILES = (32, 64, 96, 128)

@@ -5,8 +5,9 @@ the outputs of a cut kernel are wrong), Llama-3-8B projection, fp16 weights rota
 
 VARIANT: ``full``; ``noload`` (only the first stages are copied, the main loop's copies cut);
 ``noloop`` (no main loop: launch, token addressing, epilogue); ``noepi`` (no cluster epilogue,
-its barriers included). Settings from the environment: STAGES, ATOMS, TILE, SPLIT (the WGMMA_*
-constants) and PERSM (the CTAs an SM is taken to hold, which sets the split)."""
+its barriers included); ``nostore`` (the epilogue's neox runs computed but not stored);
+``noitems`` (the epilogue's barriers alone). Settings from the environment: STAGES, ATOMS, TILE,
+SPLIT (the WGMMA_* constants) and PERSM (the CTAs an SM is taken to hold, which sets the split)."""
 import os
 import sys
 
@@ -18,8 +19,15 @@ CUTS = {
                 "")],
     "noloop": [("const int nk = (kend - kbeg + BK - 1) / BK;\n\n  // Each thread copies",
                 "const int nk = 0;\n\n  // Each thread copies")],
-    "noepi": [("cluster_epilogue<T, W_DENSE, S, OPTS>(p, part, slots, rests, row0, t0, nt, rank);",
-               "")],
+    "noepi": [("cluster_epilogue<T, W_DENSE, S, OPTS, true>(p, part, slots, rests, row0, t0, nt, "
+               "rank);", "")],
+    "nostore": [("        write_run<T, V>(p, tok, t0 + t, rp.head, rp.da, a);\n"
+                 "        write_run<T, V>(p, tok, t0 + t, rp.head, rp.db, b);",
+                 "        if (a[0] == 12345.f)\n"
+                 "          write_run<T, V>(p, tok, t0 + t, rp.head, rp.da, a);\n"
+                 "        if (b[0] == 12345.f)\n"
+                 "          write_run<T, V>(p, tok, t0 + t, rp.head, rp.db, b);")],
+    "noitems": [("w < nt * ITEMS; w += S * blockDim.x)", "w < 0; w += S * blockDim.x)")],
 }
 variant = sys.argv[1]
 source = C.read_source("qkv")

@@ -1,0 +1,91 @@
+"""qkv_wgmma forced on at each token count given (Llama-3-8B projection, fp16 weights rotated over
+4 copies), timed under graph replay and eagerly with events; ``--cublas`` first times the cuBLAS
+path (cuBLAS + qkv_epilogue, eager events) and checks Q and both caches of the two against each
+other. ``PATCH="old=>new"`` replaces a string of qkv.cu first (an experiment). A/B of two trees: run
+it once with each on ``PYTHONPATH``. On a GPU machine:
+``PYTHONPATH=. python3 tools/experiments/qkv_wgmma_ab.py [--cublas] 16 64 128 256``."""
+import sys
+import cupy as cp
+import os
+import ropekv
+from ropekv import qkv as Q, _compile
+if os.environ.get("PATCH"):
+    old, new = os.environ["PATCH"].split("=>")
+    src = _compile.read_source("qkv")
+    assert src.count(old) == 1, old
+    src = src.replace(old, new)
+    orig = _compile.read_source
+    _compile.read_source = lambda stem: src if stem == "qkv" else orig(stem)
+print("ropekv from", ropekv.__file__)
+K, Hq, Hkv, D, ps = 4096, 32, 8, 128, 16
+N = (Hq + 2 * Hkv) * D
+args = sys.argv[1:]
+cub = "--cublas" in args
+args = [a for a in args if not a.startswith("--")]
+dt = cp.float16
+cp.random.seed(0)
+ws = [(cp.random.standard_normal((N, K), cp.float32) / 64).astype(dt) for _ in range(4)]
+cs = ropekv.cos_sin_cache(8192, D, xp=cp)
+def case(T):
+    cp.random.seed(T)
+    x = cp.random.standard_normal((T, K), cp.float32).astype(dt)
+    pages = T * 8
+    kc, vc = (cp.zeros((pages, ps, Hkv, D), dt) for _ in range(2))
+    off = cp.arange(T + 1, dtype=cp.int32)
+    lens = cp.full(T, 100, cp.int32)
+    table = cp.arange(pages, dtype=cp.int32).reshape(T, 8)
+    def f(w):
+        return Q.fused_qkv_matmul_append_paged_kv_cache(
+            x, w, off, lens, table, (kc, vc), num_q_heads=Hq, cos_sin_cache=cs)
+    return f, kc, vc
+def graph_us(f):
+    for i in range(8):
+        f(ws[i % 4])
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        for i in range(4):
+            f(ws[i])
+        g = s.end_capture()
+    g.launch(s)
+    s.synchronize()
+    t = []
+    for _ in range(9):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(s)
+        for _ in range(10):
+            g.launch(s)
+        b.record(s)
+        b.synchronize()
+        t.append(cp.cuda.get_elapsed_time(a, b) * 1000 / 40)
+    return sorted(t)[4]
+def event_us(f):
+    for i in range(8):
+        f(ws[i % 4])
+    t = []
+    for _ in range(9):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        for i in range(40):
+            f(ws[i % 4])
+        b.record()
+        b.synchronize()
+        t.append(cp.cuda.get_elapsed_time(a, b) * 1000 / 40)
+    return sorted(t)[4]
+for T in [int(t) for t in args]:
+    line = f"T {T:4d}"
+    if cub:
+        Q.WGMMA_MAX_TOKENS, Q.MMA_MAX_TOKENS = 0, 16
+        f, kc, vc = case(T)
+        q0, k0, v0 = f(ws[0]).copy(), kc.copy(), vc.copy()
+        line += f"  cublas {event_us(f):6.1f}"
+        Q.MMA_MAX_TOKENS = 16
+    Q.WGMMA_MIN_TOKENS, Q.WGMMA_MAX_TOKENS = 1, 1 << 30
+    f, kc, vc = case(T)
+    q = f(ws[0])
+    if cub:
+        d = max(float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max())
+                for a, b in ((q, q0), (kc, k0), (vc, v0)))
+        line += f" (max diff {d:.3g})"
+    line += f"  wgmma {graph_us(f):6.1f} ev {event_us(f):6.1f}"
+    print(line, flush=True)
