@@ -784,6 +784,29 @@ __device__ __forceinline__ void finish_slot(const QkvParams& p, const PendingSlo
   if constexpr (OPTS) rests[i] = rest_of_page(p, offsets, slot, r, entry, t);
 }
 
+// Token addressing of a tile while its first stages land (qkv_mma_tiled, qkv_wgmma): offsets and
+// cache lengths into shared memory (when B is small), status= validated before anything is
+// written, and threads < TN start their token's request search and block-table load (finished
+// after the main loop by finish_slot). `offsets` is where the search reads them. False when the
+// check fails: every CTA of the cluster must then return, its copies drained here.
+template <bool OPTS, int TN>
+__device__ __forceinline__ bool tile_addressing(const QkvParams& p, unsigned* req_off,
+                                                int* req_len, int t0, int nt,
+                                                const unsigned*& offsets, PendingSlot& slot) {
+  const bool req_smem = stage_requests(p, req_off, req_len);
+  __syncthreads();
+  offsets = req_smem ? req_off : p.offsets;
+  if (!qkv_check<OPTS>(p, offsets)) {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    return false;
+  }
+  if (threadIdx.x < TN) {
+    slot = pending_slot(p, offsets, req_smem ? req_len : p.cache_lengths, t0 + threadIdx.x,
+                        int(threadIdx.x) < nt);
+  }
+  return true;
+}
+
 // clear_unused_last_page_rows in the cluster epilogue: the rows each token of the tile clears
 // (rests[t], after its own on its page) at every K and V head, zeroed in 16-byte chunks. A token
 // tile's rows are shared by the CTAs of all its row tiles (they reach their epilogues together,
@@ -1376,21 +1399,10 @@ __launch_bounds__(TN * 2 * KG,
     if (STAGES - 2 < nk) scale_issue(STAGES - 2);
   }
 
-  // Token addressing while the first stages land: offsets and cache lengths into shared memory
-  // (when B is small), status= validated before anything is written, the request search and
-  // the block-table loads issued (finished after the main loop).
-  const bool req_smem = stage_requests(p, req_off, req_len);
-  __syncthreads();
-  const unsigned* offsets = req_smem ? req_off : p.offsets;
-  if (!qkv_check<OPTS>(p, offsets)) {  // every CTA of the cluster returns
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    return;
-  }
+  // Token addressing while the first stages land.
+  const unsigned* offsets;
   PendingSlot slot{{-1, -1, -1, 0}, 0, -1};
-  if (threadIdx.x < TN) {
-    slot = pending_slot(p, offsets, req_smem ? req_len : p.cache_lengths, t0 + threadIdx.x,
-                        int(threadIdx.x) < nt);
-  }
+  if (!tile_addressing<OPTS, TN>(p, req_off, req_len, t0, nt, offsets, slot)) return;
 
   float acc[MT][NT][4] = {};
 
@@ -1694,19 +1706,10 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, 2)
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
 
-  // Token addressing while the first stages land (as in qkv_mma_tiled).
-  const bool req_smem = stage_requests(p, req_off, req_len);
-  __syncthreads();
-  const unsigned* offsets = req_smem ? req_off : p.offsets;
-  if (!qkv_check<OPTS>(p, offsets)) {  // every CTA of the cluster returns
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    return;
-  }
+  // Token addressing while the first stages land.
+  const unsigned* offsets;
   PendingSlot slot{{-1, -1, -1, 0}, 0, -1};
-  if (threadIdx.x < TN) {
-    slot = pending_slot(p, offsets, req_smem ? req_len : p.cache_lengths, t0 + threadIdx.x,
-                        int(threadIdx.x) < nt);
-  }
+  if (!tile_addressing<OPTS, TN>(p, req_off, req_len, t0, nt, offsets, slot)) return;
 
   float acc[R];
 #pragma unroll
