@@ -826,7 +826,7 @@ def _wgmma_smem(tn, stages, atoms):
     return max(stages * atoms * (MMA_ROWS + tn) * 128, tn * (MMA_ROWS + 4) * 4) + 1024
 
 
-def _wgmma_per_sm(tn, smem):
+def _wgmma_per_sm(smem):
     """CTAs of qkv_wgmma an SM holds: its launch bound (2) and its shared memory (the dynamic
     part, about 6 KiB static, 1 KiB reserved)."""
     return min(2, SM_SHARED_BYTES // (smem + 7 * 1024))
@@ -834,9 +834,9 @@ def _wgmma_per_sm(tn, smem):
 
 def _wgmma_stages(tn, stages, atoms):
     """The stages of a ``tn``-token tile: ``stages`` (WGMMA_STAGES), fewer where that many would
-    keep a second CTA off the SM (3 at tiles of 128 tokens on sm_90: two CTAs an SM hide each
-    other's waits, 36.4 against 41.8 us at 256 tokens), never fewer than 2."""
-    while stages > 2 and _wgmma_per_sm(tn, _wgmma_smem(tn, stages, atoms)) < 2:
+    keep a second CTA off the SM (3 at tiles of 96 and 128 tokens on sm_90: two CTAs an SM hide
+    each other's waits, 36.4 against 41.8 us at 256 tokens), never fewer than 2."""
+    while stages > 2 and _wgmma_per_sm(_wgmma_smem(tn, stages, atoms)) < 2:
         stages -= 1
     return stages
 
@@ -856,7 +856,7 @@ def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False):
     tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
     stages = _wgmma_stages(tn, stages, atoms)
     smem = _wgmma_smem(tn, stages, atoms)
-    split = _tiled_split(tiles, split, _wgmma_per_sm(tn, smem) * _sm_count(device))
+    split = _tiled_split(tiles, split, _wgmma_per_sm(smem) * _sm_count(device))
     kc = _slice(K, split, 64 * atoms)
     return Launch(STEM, wgmma_expression(vx.dtype, tn, split, stages, atoms, opts), device,
                   (split, tiles), (WGMMA_THREADS,), PARAMS, {**fields, "kc": kc}, slots,

@@ -40,6 +40,7 @@ C.read_source = lambda stem: source if stem == "qkv" else read(stem)
 import cupy as cp  # noqa: E402
 
 import ropekv  # noqa: E402
+from qkv_timing import graph_us  # noqa: E402
 from ropekv import qkv as Q  # noqa: E402
 
 Q.WGMMA_MIN_TOKENS, Q.WGMMA_MAX_TOKENS = 1, 1 << 30
@@ -49,7 +50,7 @@ for env, name in SETTINGS.items():
     if env in os.environ:
         setattr(Q, name, int(os.environ[env]))
 if "PERSM" in os.environ:
-    Q._wgmma_per_sm = lambda tn, smem: int(os.environ["PERSM"])
+    Q._wgmma_per_sm = lambda smem: int(os.environ["PERSM"])
 K, Hq, Hkv, D, ps = 4096, 32, 8, 128, 16
 N = (Hq + 2 * Hkv) * D
 ws = [(cp.random.standard_normal((N, K), cp.float32) / 64).astype(cp.float16) for _ in range(4)]
@@ -67,25 +68,6 @@ for T in [int(t) for t in sys.argv[2:]]:
         Q.fused_qkv_matmul_append_paged_kv_cache(x, w, off, lens, table, (kc, vc),
                                                  num_q_heads=Hq, cos_sin_cache=cs)
 
-    for i in range(8):
-        f(ws[i % 4])
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        s.begin_capture()
-        for i in range(4):
-            f(ws[i])
-        g = s.end_capture()
-    g.launch(s)
-    s.synchronize()
-    times = []
-    for _ in range(7):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(s)
-        for _ in range(10):
-            g.launch(s)
-        b.record(s)
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) * 1000 / 40)
-    out.append(f"T{T}={sorted(times)[3]:.1f}")
+    out.append(f"T{T}={graph_us(f, ws):.1f}")
 given = " ".join(f"{k}={os.environ[k]}" for k in (*SETTINGS, "PERSM") if k in os.environ)
 print(variant, given, " ".join(out), flush=True)
