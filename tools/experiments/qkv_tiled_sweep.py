@@ -4,6 +4,7 @@ GPU machine: ``PYTHONPATH=. python3 tools/experiments/qkv_tiled_sweep.py 17 32 6
 import sys
 import cupy as cp
 import ropekv
+from qkv_timing import event_us
 from ropekv import qkv as Q
 
 K, Hq, Hkv, D, ps = 4096, 32, 8, 128, 16
@@ -25,17 +26,7 @@ def run(T, label, **patch):
         f = lambda w: Q.fused_qkv_matmul_append_paged_kv_cache(
             x, w, off, lens, table, (kc, vc), num_q_heads=Hq, cos_sin_cache=cs)
         ref = f(ws[0]).copy()
-        for i in range(8):
-            f(ws[i % 4])
-        times = []
-        for rep in range(5):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record()
-            for i in range(40):
-                f(ws[i % 4])
-            b.record(); b.synchronize()
-            times.append(cp.cuda.get_elapsed_time(a, b) * 1000 / 40)
-        return sorted(times)[2], ref
+        return event_us(f, ws, 5), ref
     finally:
         for k, v in old.items():
             setattr(Q, k, v)

@@ -8,6 +8,7 @@ import sys
 import cupy as cp
 import os
 import ropekv
+from qkv_timing import event_us, graph_us
 from ropekv import qkv as Q, _compile
 if os.environ.get("PATCH"):
     old, new = os.environ["PATCH"].split("=>")
@@ -38,47 +39,13 @@ def case(T):
         return Q.fused_qkv_matmul_append_paged_kv_cache(
             x, w, off, lens, table, (kc, vc), num_q_heads=Hq, cos_sin_cache=cs)
     return f, kc, vc
-def graph_us(f):
-    for i in range(8):
-        f(ws[i % 4])
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        s.begin_capture()
-        for i in range(4):
-            f(ws[i])
-        g = s.end_capture()
-    g.launch(s)
-    s.synchronize()
-    t = []
-    for _ in range(9):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(s)
-        for _ in range(10):
-            g.launch(s)
-        b.record(s)
-        b.synchronize()
-        t.append(cp.cuda.get_elapsed_time(a, b) * 1000 / 40)
-    return sorted(t)[4]
-def event_us(f):
-    for i in range(8):
-        f(ws[i % 4])
-    t = []
-    for _ in range(9):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        for i in range(40):
-            f(ws[i % 4])
-        b.record()
-        b.synchronize()
-        t.append(cp.cuda.get_elapsed_time(a, b) * 1000 / 40)
-    return sorted(t)[4]
 for T in [int(t) for t in args]:
     line = f"T {T:4d}"
     if cub:
         Q.WGMMA_MAX_TOKENS, Q.MMA_MAX_TOKENS = 0, 16
         f, kc, vc = case(T)
         q0, k0, v0 = f(ws[0]).copy(), kc.copy(), vc.copy()
-        line += f"  cublas {event_us(f):6.1f}"
+        line += f"  cublas {event_us(f, ws, 9):6.1f}"
         Q.MMA_MAX_TOKENS = 16
     Q.WGMMA_MIN_TOKENS, Q.WGMMA_MAX_TOKENS = 1, 1 << 30
     f, kc, vc = case(T)
@@ -87,5 +54,5 @@ for T in [int(t) for t in args]:
         d = max(float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max())
                 for a, b in ((q, q0), (kc, k0), (vc, v0)))
         line += f" (max diff {d:.3g})"
-    line += f"  wgmma {graph_us(f):6.1f} ev {event_us(f):6.1f}"
+    line += f"  wgmma {graph_us(f, ws, 9):6.1f} ev {event_us(f, ws, 9):6.1f}"
     print(line, flush=True)

@@ -8,6 +8,7 @@ import sys
 import cupy as cp
 
 import ropekv
+from qkv_timing import event_us
 from ropekv import qkv as Q
 
 K, Hq, Hkv, D, ps = 4096, 32, 8, 128, 16
@@ -50,18 +51,7 @@ def run(T, patch):
             x, w, off, lens, table, (kc, vc), num_q_heads=Hq, cos_sin_cache=cs)
         ref = f(ws[0]).copy()
         kref = kc.copy()
-        for i in range(8):
-            f(ws[i % 4])
-        times = []
-        for _ in range(7):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record()
-            for i in range(40):
-                f(ws[i % 4])
-            b.record()
-            b.synchronize()
-            times.append(cp.cuda.get_elapsed_time(a, b) * 1000 / 40)
-        return sorted(times)[3], ref, kref
+        return event_us(f, ws), ref, kref
     finally:
         for k, v in old.items():
             setattr(Q, k, v)
