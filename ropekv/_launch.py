@@ -532,13 +532,16 @@ class Plan:
     outputs)`` gives the op's return value; ``host(views, output_views)`` runs the NumPy backend
     (device ``HOST``). ``cacheable`` False keeps the plan out of the cache (a one-off layout).
     ``capture_refusal``: the ValueError message of a call on a stream being captured into a CUDA
-    graph, for plans a graph cannot hold (temporaries freed when the call returns).
+    graph, for plans a graph cannot hold (temporaries freed when the call returns);
+    ``capture_plan``: the plan such a call runs instead, where one exists (one kernel, no
+    temporaries: the fused QKV kernels beyond the token counts they win at eagerly).
     """
 
     def __init__(self, device, steps=(), *, outputs=(), written=(), inplace=(), result=None,
-                 host=None, cacheable=True, capture_refusal=None):
+                 host=None, cacheable=True, capture_refusal=None, capture_plan=None):
         self.device = device
         self.capture_refusal = capture_refusal
+        self.capture_plan = capture_plan
         self.steps = list(steps)
         self.outputs = list(outputs)
         self.written = tuple(written)
@@ -610,6 +613,7 @@ class Plan:
                 _bounded_put(self.checked, seen, True, 8)
             self.last_checked = ptrs
         device = self.device
+        given = stream_ptr
         if stream_ptr is None:  # the stream rule: torch's if an argument is a torch tensor
             explicit = False
             stream_ptr = (_torch_stream_ptr(device) if kinds & ar.TORCH
@@ -617,7 +621,12 @@ class Plan:
         else:
             explicit = True
         if self.capture_refusal is not None and stream_capturing(stream_ptr):
-            raise ValueError(self.capture_refusal)
+            alternative = self.capture_plan
+            if alternative is None:
+                raise ValueError(self.capture_refusal)
+            # the same arguments (their overlap checked above), launched as one kernel
+            alternative.layers = self.layers
+            return alternative.replay(arrays, ptrs, kinds, given, names, layer)
         runtime = _RUNTIME[0] or _runtime()
         previous = runtime.getDevice()
         if previous != device:

@@ -111,7 +111,8 @@ typedef struct {
   int64_t *layer_stride;
   int64_t layer_count; /* 0: the plan serves one-layer calls only */
   int layer_strict;    /* some layer stride is not a multiple of 16: the Python path decides */
-  int no_capture;      /* a call on a capturing stream goes to Plan.replay, which refuses it */
+  int no_capture;      /* a call on a capturing stream goes to Plan.replay (refusal or
+                          capture plan) */
 } NativePlan;
 
 static void plan_dealloc(NativePlan *self) {
@@ -1157,7 +1158,8 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
     Py_DECREF(dev_obj);
     goto done;
   }
-  if (np->no_capture) { /* a capturing stream: Plan.replay raises the plan's refusal */
+  if (np->no_capture) { /* a capturing stream: Plan.replay refuses it or runs the
+                          plan's capture plan */
     PyObject *stream_obj = PyLong_FromUnsignedLongLong(stream);
     PyObject *r = stream_obj ? call_global(self->launch_dict, s_stream_capturing, stream_obj)
                              : NULL;

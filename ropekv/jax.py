@@ -445,10 +445,12 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
 
     Returns ``(out, (k_cache, v_cache))``: Q ``(T, Hq * D)`` (a new array) and the new caches,
     aliasing the given ones (donate them for an in-place update). Calls that run cuBLAS (see
-    ``ropekv.qkv.graph_safe``: above ``GEMV_MAX_TOKENS`` tokens, or on sm_90 above
-    ``WGMMA_MAX_TOKENS`` with fp16 / bf16 weights and ``MMA_MAX_TOKENS_QUANTIZED`` with fp8 and
-    4-bit weights) use CuPy temporaries, allocated outside XLA's memory pool, and refuse
-    ``command_buffer_compatible=True`` (``ValueError``) when traced.
+    ``ropekv.qkv``: above ``GEMV_MAX_TOKENS`` tokens, or on sm_90 above ``WGMMA_MAX_TOKENS`` with
+    fp16 / bf16 weights and ``MMA_MAX_TOKENS_QUANTIZED`` with fp8 and 4-bit weights) use CuPy
+    temporaries, allocated outside XLA's memory pool; under capture they run the fused kernel
+    instead, up to ``GRAPH_MAX_TOKENS`` tokens on sm_90. Those that cannot be captured
+    (``ropekv.qkv.graph_safe``) refuse ``command_buffer_compatible=True`` (``ValueError``) when
+    traced.
     ``layer_idx`` (a static int) writes one layer of caches with a leading ``(num_layers, ...)``
     dimension, as the eager op. ``clear_unused_last_page_rows`` is static; with ``status`` (an
     ``(1,)`` int32 array, an input-output alias like the caches) the result is ``(out, (k_cache,

@@ -28,6 +28,11 @@ Three paths, picked by the token count T (and, on sm_90, a fourth kernel for 16-
   pages. Quantized weights are first dequantized to the input dtype by a ropekv kernel
   (``qkv_dequant``) into a temporary ``(N, K)`` buffer.
 
+A call on a stream being captured into a CUDA graph cannot take the prefill path (a graph cannot
+hold its temporaries): up to ``GRAPH_MAX_TOKENS`` tokens it runs the fused kernel above that would
+take it with its token cap raised (``qkv_wgmma`` for 16-bit weights, ``qkv_mma_tiled`` /
+``qkv_mma`` for the others; see :func:`graph_safe`), and beyond it is refused (``ValueError``).
+
 ``status=`` and ``clear_unused_last_page_rows`` run each path's options kernel (``qkv_gemv``,
 ``qkv_mma``, ``qkv_mma_tiled``, ``qkv_wgmma`` and ``qkv_epilogue`` with their ``OPTS`` flag;
 the plain ones compile them out). With
@@ -134,6 +139,12 @@ WGMMA_ATOMS = 1
 WGMMA_SPLIT = 8
 WGMMA_THREADS = 256  # mirror qkv.cu
 WGMMA_CAPABILITY = 90  # the one compute capability whose "a" target has wgmma
+# Under CUDA-graph capture, a call of up to GRAPH_MAX_TOKENS tokens that eagerly runs cuBLAS on
+# temporaries (freed when the call returns, which a graph cannot hold) runs the fused kernel that
+# would take it with its token cap raised: qkv_wgmma for fp16 / bf16 weights, the tensor-core
+# kernels for the others (sm_90). Slower than cuBLAS + the epilogue eagerly, but one launch.
+# Measured on the H200 (docs/performance.md, "CUDA graphs of 129-512 tokens").
+GRAPH_MAX_TOKENS = 512
 SM_SHARED_BYTES = 228 * 1024  # shared memory an SM of sm_90 holds (each CTA reserves 1 KiB)
 # CTAs per cluster (the split of K). 4 and 8 measured the same on the H200 (the block scheduler
 # fills one GPC after the other with clusters either way).
@@ -478,14 +489,14 @@ def fused_qkv_matmul_append_paged_kv_cache(
                  TILED_CTAS_PER_SM, TILED_KGROUPS),
                 (WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS, WGMMA_MAX_TILE, WGMMA_STAGES, WGMMA_ATOMS,
                  WGMMA_SPLIT),
-                clear_unused_last_page_rows),
+                GRAPH_MAX_TOKENS, clear_unused_last_page_rows),
                stream, layer_idx)
 
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (GEMV or cuBLAS path) or the NumPy backend run."""
     (num_q_heads, is_neox, kv_layout, kv_scale, group_size, pdl, gemv_max, fast_int4, mma_min,
-     mma_max, mma_max_quantized, mma_split, tiled, wgmma, clear) = flags
+     mma_max, mma_max_quantized, mma_split, tiled, wgmma, graph_max, clear) = flags
     vx, vw, voff, vlen, vbt, vk, vv, vt, vws, vzp, vout, vstatus = views
 
     # Tests of the common case first, read in the checkers' order; the checkers (which raise
@@ -598,15 +609,23 @@ def _prepare(views, flags):
         slots["out"] = (NEW, 0)
     opts = bool(clear or vstatus is not None)  # the kernels that read the options
 
-    if (fmt == W_DENSE and wgmma_shape(T, K, D, wgmma)
-            and _compute_capability(device) == WGMMA_CAPABILITY):
-        step = _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts)
-        if step is not None:
-            return Plan(device, [step], outputs=outputs, written=written, result=_result)
-    if T and mma_min <= T <= (mma_max if fmt == W_DENSE else mma_max_quantized):
-        step = _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split, tiled, opts)
-        if step is not None:
-            return Plan(device, [step], outputs=outputs, written=written, result=_result)
+    def fused(wgmma, mma_max):
+        """The one fused launch that takes the call (qkv_wgmma, else the tensor-core kernels up
+        to ``mma_max`` tokens), or None."""
+        if (fmt == W_DENSE and wgmma_shape(T, K, D, wgmma)
+                and _compute_capability(device) == WGMMA_CAPABILITY):
+            step = _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts)
+            if step is not None:
+                return step
+        if T and mma_min <= T <= mma_max:
+            return _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split, tiled,
+                        opts)
+        return None
+
+    mma_top = mma_max if fmt == W_DENSE else mma_max_quantized
+    step = fused(wgmma, mma_top)
+    if step is not None:
+        return Plan(device, [step], outputs=outputs, written=written, result=_result)
     # decode, no vector width for the prefill epilogue, or status= with no tokens (one block of
     # the GEMV kernel, which only validates)
     n = None if T <= gemv_max else _epilogue_width(vout, vk, vv, vt, D, R, is_neox)
@@ -615,19 +634,27 @@ def _prepare(views, flags):
         return Plan(device, steps, outputs=outputs, written=written, result=_result)
     steps, workspaces = _prefill(fields, slots, vx, vw, fmt, vk.dtype, n, T, K, N, Hq, Hkv, D,
                                  device, len(outputs), pdl, opts, vstatus is not None)
+    # under CUDA-graph capture, up to graph_max tokens: the fused kernel that would take the call
+    # with its token cap raised (slower than cuBLAS eagerly there, but one launch and no
+    # temporaries, which a graph can hold)
+    step = None
+    if T <= graph_max:
+        lo, hi, *rest = wgmma
+        step = fused((lo, max(hi, graph_max), *rest), max(mma_top, graph_max))
+    capture_plan = None if step is None else Plan(device, [step], outputs=outputs,
+                                                  written=written, result=_result)
     refusal = (f"fused_qkv_matmul_append_paged_kv_cache cannot be recorded in a CUDA graph with "
                f"hidden_state of T={T} tokens: {GRAPH_RULE}")
     return Plan(device, steps, outputs=outputs + workspaces, written=written, result=_result,
-                capture_refusal=refusal)
+                capture_refusal=refusal, capture_plan=capture_plan)
 
 
 # Why a call is refused under CUDA-graph capture (the plans' and the frameworks' messages).
 GRAPH_RULE = ("this call runs cuBLAS on temporaries freed when it returns, which a graph cannot "
               "hold. Calls of up to ropekv.qkv.GEMV_MAX_TOKENS tokens, and on sm_90 of up to "
-              "WGMMA_MAX_TOKENS (fp16 / bf16 weights, K a multiple of 64) or "
-              "MMA_MAX_TOKENS_QUANTIZED (fp8 and 4-bit weights) tokens with 16-byte aligned "
-              "weight and hidden rows, run one kernel and can be recorded; run this one outside "
-              "the graph")
+              "GRAPH_MAX_TOKENS tokens with 16-byte aligned weight and hidden rows and heads "
+              "that divide 128 rows (fp16 / bf16 weights: K a multiple of 64, or of 8), run one "
+              "kernel and can be recorded; run this one outside the graph")
 
 
 def _result(arrays, outs):
@@ -729,18 +756,22 @@ def _sm_count(device):
 
 
 def graph_safe(T, K, D, fmt, group_size, compute_capability):
-    """Whether a call of ``T`` tokens runs one ropekv kernel and no temporaries, so that a CUDA
-    graph can hold it, given contiguous arrays at 16-byte aligned addresses: up to
-    ``GEMV_MAX_TOKENS`` tokens (the CUDA-core kernel), or the tensor-core path where it applies
-    (sm_90; up to ``WGMMA_MAX_TOKENS`` tokens with fp16 / bf16 weights, K a multiple of 64,
-    ``MMA_MAX_TOKENS_QUANTIZED`` with fp8 and 4-bit). Larger calls run cuBLAS on temporaries
-    freed when the call returns; their plans refuse a capturing stream (``ValueError``), as does
-    a call whose arrays are not so aligned and so takes the cuBLAS path."""
+    """Whether a call of ``T`` tokens can be recorded in a CUDA graph (one ropekv kernel, no
+    temporaries), given contiguous arrays at 16-byte aligned addresses: up to
+    ``GEMV_MAX_TOKENS`` tokens (the CUDA-core kernel), or where the tensor-core kernels apply
+    (sm_90, heads that divide 128 rows) up to ``GRAPH_MAX_TOKENS``. Eagerly, fp16 / bf16 weights
+    run ``qkv_wgmma`` up to ``WGMMA_MAX_TOKENS`` and fp8 / 4-bit weights the tensor-core kernels
+    up to ``MMA_MAX_TOKENS_QUANTIZED``, cuBLAS beyond (faster there, on temporaries freed when the
+    call returns); a call on a capturing stream runs the fused kernel instead, up to
+    ``GRAPH_MAX_TOKENS``. Larger calls, and calls whose arrays are not so aligned, refuse a
+    capturing stream (``ValueError``)."""
     if T <= GEMV_MAX_TOKENS:
         return True
-    if fmt == W_DENSE and wgmma_applies(T, K, D, compute_capability, wgmma_settings()):
+    lo, hi, *rest = wgmma_settings()
+    wgmma = (lo, max(hi, GRAPH_MAX_TOKENS), *rest)
+    if fmt == W_DENSE and wgmma_applies(T, K, D, compute_capability, wgmma):
         return True
-    top = MMA_MAX_TOKENS if fmt == W_DENSE else MMA_MAX_TOKENS_QUANTIZED
+    top = max(MMA_MAX_TOKENS if fmt == W_DENSE else MMA_MAX_TOKENS_QUANTIZED, GRAPH_MAX_TOKENS)
     return (MMA_MIN_TOKENS <= T <= top
             and mma_applies(K, D, fmt, group_size or 0, compute_capability))
 
@@ -994,4 +1025,5 @@ _OP = Op("fused_qkv_matmul_append_paged_kv_cache", ARRAYS, _prepare,
                 *((name, AS_IS) for name in ("GEMV_MAX_TOKENS", "FAST_INT4", "MMA_MIN_TOKENS",
                                              "MMA_MAX_TOKENS", "MMA_MAX_TOKENS_QUANTIZED",
                                              "MMA_SPLIT")),
-                ("TILED_*", AS_IS), ("WGMMA_*", AS_IS), ("clear_unused_last_page_rows", FLAG)])
+                ("TILED_*", AS_IS), ("WGMMA_*", AS_IS), ("GRAPH_MAX_TOKENS", AS_IS),
+                ("clear_unused_last_page_rows", FLAG)])

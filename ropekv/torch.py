@@ -650,7 +650,8 @@ def _qkv_ops():
              group_size: Optional[int], zero_points: Optional[Tensor],
              clear_unused_last_page_rows: bool, status: Optional[Tensor],
              layer_idx: Optional[int], out: Tensor) -> None:
-        # a call that runs cuBLAS refuses a capturing stream itself (its plan's capture_refusal)
+        # a call that runs cuBLAS takes a capturing stream itself: its plan's capture plan (the
+        # fused kernel), or its refusal
         _eager(ropekv.fused_qkv_matmul_append_paged_kv_cache, hidden_state, weight,
                input_row_offsets, cache_lengths, block_table, (k_cache, v_cache),
                num_q_heads=num_q_heads, cos_sin_cache=cos_sin_cache, is_neox=is_neox,
@@ -700,12 +701,11 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
 
     Runs ``torch.ops.ropekv.fused_qkv_matmul_append_paged_kv_cache`` (allocates ``out``) or
     ``..._out`` (writes the given ``out``). ``kv_scale`` passes as a list of floats. No
-    ``stream=``. Calls that run cuBLAS on CuPy temporaries (see ``ropekv.qkv.graph_safe``: above
-    ``GEMV_MAX_TOKENS`` tokens, or on sm_90 above ``WGMMA_MAX_TOKENS`` with fp16 / bf16 weights and
-    ``MMA_MAX_TOKENS_QUANTIZED`` with fp8 and 4-bit weights) raise ``ValueError`` under
-    CUDA-graph capture; calls that run one fused kernel capture. ``status`` (an int32 tensor of
-    one element) is written in place (both forms declare it mutated); ``layer_idx`` writes one
-    layer of caches with a leading ``(num_layers, ...)`` dimension, as the eager op.
+    ``stream=``. Calls that run cuBLAS on temporaries eagerly run the fused kernel under
+    CUDA-graph capture, up to ``ropekv.qkv.GRAPH_MAX_TOKENS`` tokens on sm_90; beyond (see
+    ``ropekv.qkv.graph_safe``) they raise ``ValueError`` under capture. ``status`` (an int32
+    tensor of one element) is written in place (both forms declare it mutated); ``layer_idx``
+    writes one layer of caches with a leading ``(num_layers, ...)`` dimension, as the eager op.
     """
     k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a (k_cache, v_cache) pair, "
                                              f"got {type(paged_kv_cache).__qualname__}")

@@ -241,8 +241,14 @@ def cases():
         _ragged("qknorm-fp8-in-place", test_qknorm, qknorm, 14, out="in_place",
                 cache_dtype=E4M3, call={"kv_scale": (0.5, 2.0)}),
         _ragged("qkv-decode", test_qkv, qkv, 15, lengths=(1, 1)),
-        # more tokens than the fused kernels take (cuBLAS, then the epilogue): no CUDA graph
-        _ragged("qkv-prefill-given", test_qkv, qkv, 16, out="given", lengths=(90, 10, 0, 80)),
+        # more tokens than the fused kernels take, even under capture (cuBLAS, then the
+        # epilogue): no CUDA graph
+        _ragged("qkv-prefill-given", test_qkv, qkv, 16, out="given", lengths=(300, 10, 0, 250),
+                P=1024),
+        # cuBLAS eagerly, the fused kernel under CUDA-graph capture (sm_90, up to
+        # ropekv.qkv.GRAPH_MAX_TOKENS)
+        _ragged("qkv-graph-batch", test_qkv, qkv, 29, lengths=(90, 1, 0, 109), K=128,
+                P=512),
         # a small batch: one fused kernel (the tensor cores on sm_90), which a graph can hold
         _ragged("qkv-batch", test_qkv, qkv, 28, lengths=(3, 1, 0, 2)),
         # issue 14's options (mRoPE, status, tail clearing, QK-norm variants) and multi-layer

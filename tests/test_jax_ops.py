@@ -418,14 +418,16 @@ def test_command_buffers_refuse_a_prefill_qkv_call():
 
 @cpu
 @pytest.mark.parametrize("capability", [90, 80])
-def test_command_buffers_take_a_small_qkv_batch_where_it_runs_one_kernel(capability,
-                                                                          monkeypatch):
-    """Six tokens run the tensor-core kernel on sm_90 (one launch, no temporaries): recorded;
-    on sm_80 they run cuBLAS: refused when traced."""
+@pytest.mark.parametrize("name", ["qkv-batch", "qkv-graph-batch"])
+def test_command_buffers_take_a_qkv_batch_where_it_runs_one_kernel(name, capability,
+                                                                    monkeypatch):
+    """Six tokens run the tensor-core kernel on sm_90 (one launch, no temporaries), 200 tokens
+    do under capture (cuBLAS eagerly): recorded; on sm_80 both run cuBLAS: refused when
+    traced."""
     import ropekv._frameworks as fw
 
     monkeypatch.setattr(fw, "_least_capability", lambda: capability)
-    case = next(c for c in CASES if c.name == "qkv-batch")
+    case = next(c for c in CASES if c.name == name)
     arrays, statics = split(case)
     fn = jax.jit(lambda a: rj.fused_qkv_matmul_append_paged_kv_cache(
         **a, **statics, command_buffer_compatible=True))
@@ -455,10 +457,12 @@ def test_gpu_jitted_op_matches_the_reference(case):
 
 
 @pytest.mark.gpu
-def test_gpu_command_buffers_record_a_small_qkv_batch():
-    """A small batch (the tensor-core kernel on sm_90) with command_buffer_compatible=True:
-    the reference's results, warm (the kernel compiled outside XLA's capture) and again."""
-    case = next(c for c in CASES if c.name == "qkv-batch")
+@pytest.mark.parametrize("name", ["qkv-batch", "qkv-graph-batch"])
+def test_gpu_command_buffers_record_a_qkv_batch(name):
+    """A small batch (the tensor-core kernel on sm_90) and one of 200 tokens (cuBLAS eagerly, the
+    fused kernel when captured) with command_buffer_compatible=True: the reference's results,
+    warm (the kernels compiled outside XLA's capture) and again."""
+    case = next(c for c in CASES if c.name == name)
     device = gpu_device()
     run_jitted(case, device)  # compiles the kernel and makes the plan, outside any capture
     arrays, statics = split(case, lambda x: jax.device_put(x, device))

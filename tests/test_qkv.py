@@ -606,7 +606,6 @@ def check_gpu(args, kw, out_given=False, monkeypatch=None, path=None):
     originals = [c.copy() for c in args["paged_kv_cache"]]
     dargs = {n: to_device(x) for n, x in args.items()}
     dkw = {n: to_device(x) for n, x in kw.items()}
-    D = args["paged_kv_cache"][0].shape[3]
     if out_given:
         import cupy as cp
 
@@ -614,10 +613,18 @@ def check_gpu(args, kw, out_given=False, monkeypatch=None, path=None):
     q = call(dargs, dkw)
     if out_given:
         assert q is dkw["out"]
+    check_results(args, kw, q, dargs["paged_kv_cache"], originals, (q_ref, k_ref, v_ref))
+
+
+def check_results(args, kw, q, caches, originals, refs):
+    """Q within 1% of the reference's rows, the caches' written rows too (fp8 codes equal or
+    adjacent), every other cache byte unchanged from ``originals``."""
+    q_ref, k_ref, v_ref = refs
+    D = args["paged_kv_cache"][0].shape[3]
     assert rel_rows(q, q_ref, D) <= 1e-2
     mask = written_mask(args, kw)
     nhd = kw.get("kv_layout", "NHD") == "NHD"
-    for dc, ref, orig, what in zip(dargs["paged_kv_cache"], (k_ref, v_ref), originals, "kv"):
+    for dc, ref, orig, what in zip(caches, (k_ref, v_ref), originals, "kv"):
         got = to_numpy(dc)
         if not nhd:
             got, ref, orig = (np.swapaxes(x, 1, 2) for x in (got, ref, orig))
@@ -672,6 +679,51 @@ def test_gpu_llama3_8b_wgmma(lengths, dtype, monkeypatch):
                          else None, cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
                          **{**LLAMA, "P": 8192})
     check_gpu(args, kw, monkeypatch=monkeypatch, path="wgmma")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(100, 0, 57), (1,) * 256, (200, 312)])
+@pytest.mark.parametrize("dtype, wfmt", [(F16, "dense"), (BF16, "dense"), (F16, "fp8")])
+def test_gpu_capture_runs_the_fused_kernel_beyond_its_eager_range(lengths, dtype, wfmt):
+    """On sm_90 a call of 129 to GRAPH_MAX_TOKENS tokens runs cuBLAS + the epilogue eagerly and,
+    on a stream being captured into a CUDA graph, the fused kernel (qkv_wgmma for 16-bit weights,
+    qkv_mma_tiled for fp8): the graph, replayed on new hidden rows copied into the captured array
+    and on the caches as they were, writes Q and both caches as the reference says, and no other
+    cache byte. The eager call (the plan, built outside the capture) is checked too."""
+    import cupy as cp
+
+    if int(cp.cuda.Device().compute_capability) != qkv_mod.WGMMA_CAPABILITY:
+        pytest.skip("calls of this size are captured on sm_90 only")
+    T = sum(lengths)
+    assert qkv_mod.MMA_MAX_TOKENS_QUANTIZED < T <= qkv_mod.GRAPH_MAX_TOKENS
+    args, kw = make_case(31 + T, lengths=lengths, dtype=dtype, wfmt=wfmt,
+                         cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
+                         **{**LLAMA, "P": 8192})
+    assert taken_path(args, kw) == "cublas"
+    originals = [c.copy() for c in args["paged_kv_cache"]]
+    dargs = {n: to_device(x) for n, x in args.items()}
+    dkw = {n: to_device(x) for n, x in kw.items()}
+    out = dkw["out"] = cp.full((T, kw["num_q_heads"] * LLAMA["D"]), 7, dtype)  # no allocation
+    eager = rounded_weights(args, kw) if wfmt != "dense" else (args, kw)  # cuBLAS dequantizes
+    check_results(args, kw, call(dargs, dkw), dargs["paged_kv_cache"], originals,
+                  expected(*eager))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        assert call(dargs, dkw) is out
+        graph = stream.end_capture()
+    rng = np.random.default_rng(T)
+    for _ in range(2):
+        hidden = rng.standard_normal(args["hidden_state"].shape).astype(dtype)
+        for dc, orig in zip(dargs["paged_kv_cache"], originals):
+            cp.copyto(dc, to_device(orig))
+        cp.copyto(dargs["hidden_state"], to_device(hidden))
+        out.fill(7)
+        cp.cuda.Device().synchronize()  # (those ran on the current stream, not the graph's)
+        graph.launch(stream)
+        stream.synchronize()
+        new = {**args, "hidden_state": hidden}
+        check_results(new, kw, out, dargs["paged_kv_cache"], originals, expected(new, kw))
 
 
 @pytest.mark.gpu

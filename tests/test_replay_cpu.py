@@ -182,34 +182,50 @@ def fake_torch(monkeypatch):
     return torch
 
 
-def test_a_prefill_qkv_call_on_a_capturing_stream_is_refused(stubbed, monkeypatch):
-    """The cuBLAS path runs on workspaces freed when the call returns: a CUDA graph cannot hold
-    it. A call on a stream being captured is refused before anything is allocated or launched,
-    on its first call and on replay; the same call outside a capture runs."""
-    monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device: 90)
+def test_a_prefill_qkv_call_on_a_capturing_stream_runs_one_kernel(stubbed, monkeypatch):
+    """The cuBLAS path runs on temporaries freed when the call returns, which a CUDA graph cannot
+    hold. On a stream being captured, a call of up to GRAPH_MAX_TOKENS tokens runs the fused
+    tensor-core kernel instead (one launch, no GEMM, nothing allocated but Q), on its first call
+    and on a replay of the eager call's plan; the same call outside a capture runs cuBLAS + the
+    epilogue. Beyond GRAPH_MAX_TOKENS a call on a capturing stream is refused before anything is
+    allocated or launched."""
+    T = sum(PREFILL["qkv"]["lengths"])
+    kernels, allocated = [], []
+    monkeypatch.setattr(_launch, "function_pointer",
+                        lambda stem, expr, *a, **k: kernels.append(expr) or 0x1000)
+    monkeypatch.setattr(_launch.Output, "_cupy", lambda self: allocated.append(self.shape) or
+                        hostcost.FakeCupyArray(np.empty(self.shape, self.dtype)))
     fn, kw = CASES["qkv"](44, **PREFILL["qkv"])
     gemms = stubbed.gemms
     gemms.capturing = True
     for _ in range(2):
-        with pytest.raises(ValueError, match="cannot be recorded in a CUDA graph with "
-                                             f"hidden_state of T={sum(PREFILL['qkv']['lengths'])} "
-                                             "tokens"):
-            fn(**map_arrays(kw, hostcost.to_cupy))
-    assert not stubbed.calls and not gemms.calls
+        fn(**map_arrays(kw, hostcost.to_cupy))
+    assert len(stubbed.calls) == 2 and not gemms.calls
+    assert len(allocated) == 2 and all(shape[0] == T for shape in allocated)  # Q, each call
+    assert any(k.startswith(("qkv_mma", "qkv_wgmma")) for k in kernels)  # (and the epilogue:
+    # the eager plan, built first; its temporaries were not allocated, nor cuBLAS called)
     gemms.capturing = False
     fn(**map_arrays(kw, hostcost.to_cupy))
     fn(**map_arrays(kw, hostcost.to_cupy))
-    assert len(stubbed.calls) == 2 and len(gemms.calls) == 6
-    gemms.capturing = True  # a replay of the plan: refused too
-    with pytest.raises(ValueError, match="cannot be recorded in a CUDA graph"):
-        fn(**map_arrays(kw, hostcost.to_cupy))
-    assert len(stubbed.calls) == 2 and len(gemms.calls) == 6
+    assert len(stubbed.calls) == 4 and len(gemms.calls) == 6  # epilogues, and cuBLAS's calls
+    assert any(k.startswith("qkv_epilogue") for k in kernels)
+    gemms.capturing = True  # a replay of the eager plan: its capture plan
+    fn(**map_arrays(kw, hostcost.to_cupy))
+    assert len(stubbed.calls) == 5 and len(gemms.calls) == 6
+    monkeypatch.setattr(ropekv.qkv, "GRAPH_MAX_TOKENS", T - 1)  # (a flag: a plan of its own)
+    calls, n_allocated = len(stubbed.calls), len(allocated)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="cannot be recorded in a CUDA graph with "
+                                             f"hidden_state of T={T} tokens"):
+            fn(**map_arrays(kw, hostcost.to_cupy))
+    assert len(stubbed.calls) == calls and len(gemms.calls) == 6
+    assert len(allocated) == n_allocated
     gemms.capturing = False
     fn, kw = CASES["qkv"](44, **DECODE["qkv"])  # the fused kernels: capturable, no check
     monkeypatch.setattr(_launch, "stream_capturing", lambda stream: pytest.fail("checked"))
     fn(**map_arrays(kw, hostcost.to_cupy))
     fn(**map_arrays(kw, hostcost.to_cupy))
-    assert len(stubbed.calls) == 4
+    assert len(stubbed.calls) == calls + 2
 
 
 @pytest.mark.parametrize("wfmt, D", [("dense", 16), ("fp8", 16), ("int4", 16), ("dense", 256)])
@@ -223,7 +239,9 @@ def test_graph_safe_is_what_the_plans_refuse(wfmt, D, stubbed, monkeypatch):
         monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device, cc=cc: cc)
         for op in all_ops():  # the plans of the other capability (not part of their keys)
             op.plans.clear()
-        for T in sorted({1, 2, 3, 16, 17, 40, 128, 129, 256}):
+        for T in sorted({1, 2, 3, 16, 17, 40, 128, 129, 256, 257, 300,
+                          ropekv.qkv.GRAPH_MAX_TOKENS,
+                          ropekv.qkv.GRAPH_MAX_TOKENS + 1}):
             fn, kw = CASES["qkv"](45, lengths=(T,), wfmt=wfmt, K=128, D=D, R=D, P=512,
                                   group_size=32)
             fmt = {"dense": ropekv.qkv.W_DENSE, "fp8": ropekv.qkv.W_FP8,

@@ -1,0 +1,74 @@
+"""What a CUDA graph of a fused QKV call costs where the call runs cuBLAS eagerly: Llama-3-8B
+projection (weights rotated over 4 copies), fp16 / bf16 and fp8 weights, each token count given.
+``eager``: the shipped eager path (cuBLAS + the epilogue above WGMMA_MAX_TOKENS /
+MMA_MAX_TOKENS_QUANTIZED), event-timed; ``graph``: the same call captured in a CUDA graph (the
+fused kernel, up to GRAPH_MAX_TOKENS), replayed; ``diff``: the largest difference of Q and both
+caches between one eager call and one graph replay on the same inputs. On a GPU machine:
+``PYTHONPATH=. python3 tools/experiments/qkv_capture_cost.py 144 256 384 512``."""
+import sys
+
+import cupy as cp
+import ml_dtypes
+import numpy as np
+from qkv_timing import event_us, graph_us
+
+import ropekv
+from ropekv import qkv as Q
+
+K, Hq, Hkv, D, ps = 4096, 32, 8, 128, 16
+N = (Hq + 2 * Hkv) * D
+cs = ropekv.cos_sin_cache(8192, D, xp=cp)
+
+
+def weights(wfmt):
+    cp.random.seed(0)
+    if wfmt == "fp16":
+        return [(cp.random.standard_normal((N, K), cp.float32) / 64).astype(cp.float16)
+                for _ in range(4)], {}
+    codes = [cp.asarray(np.random.default_rng(i).integers(0, 0x40, (N, K), np.uint8)
+                        | np.uint8(0x80 * (i & 1))).view(ml_dtypes.float8_e4m3fn)
+             for i in range(4)]  # |w| < 2, no NaN codes
+    return codes, {"weight_scales": cp.full(N, 1 / 64, cp.float32)}
+
+
+def case(T, ws, extra):
+    cp.random.seed(T)
+    x = cp.random.standard_normal((T, K), cp.float32).astype(cp.float16)
+    pages = T * 8
+    kc, vc = (cp.zeros((pages, ps, Hkv, D), cp.float16) for _ in range(2))
+    off = cp.arange(T + 1, dtype=cp.int32)
+    lens = cp.full(T, 100, cp.int32)
+    table = cp.arange(pages, dtype=cp.int32).reshape(T, 8)
+
+    def f(w):
+        return Q.fused_qkv_matmul_append_paged_kv_cache(
+            x, w, off, lens, table, (kc, vc), num_q_heads=Hq, cos_sin_cache=cs, **extra)
+    return f, kc, vc
+
+
+def diff(f, w, kc, vc):
+    """Largest difference between an eager call and a captured one, on the same inputs."""
+    kc[...] = 0
+    vc[...] = 0
+    q0 = f(w).astype(cp.float32)
+    k0, v0 = kc.astype(cp.float32), vc.astype(cp.float32)
+    kc[...] = 0
+    vc[...] = 0
+    cp.cuda.Device().synchronize()  # (the graph runs on a stream of its own)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        q = f(w)
+        g = s.end_capture()
+    g.launch(s)
+    s.synchronize()
+    return max(float(cp.abs(a.astype(cp.float32) - b).max())
+               for a, b in ((q, q0), (kc, k0), (vc, v0)))
+
+
+for wfmt in ("fp16", "fp8"):
+    ws, extra = weights(wfmt)
+    for T in [int(t) for t in sys.argv[1:]]:
+        f, kc, vc = case(T, ws, extra)
+        print(f"{wfmt} T {T:4d}  eager {event_us(f, ws, 9):6.1f}  graph {graph_us(f, ws, 9):6.1f}"
+              f"  diff {diff(f, ws[0], kc, vc):.3g}", flush=True)
