@@ -800,20 +800,33 @@ def test_gpu_a_negated_torch_view_of_a_planned_layout_is_refused(op):
 
 
 @pytest.mark.gpu
-def test_gpu_a_prefill_qkv_call_in_a_stream_capture_is_refused():
-    """The cuBLAS path's workspaces are freed when the call returns: a call on a stream being
-    captured into a CUDA graph is refused (ValueError) before it allocates or launches anything,
-    and the same call outside the capture runs."""
+def test_gpu_a_prefill_qkv_call_in_a_stream_capture(monkeypatch):
+    """The cuBLAS path's workspaces are freed when the call returns, so the C replay hands a call
+    on a stream being captured into a CUDA graph to the plan: up to GRAPH_MAX_TOKENS tokens its
+    capture plan runs (the fused kernel: the graph's Q is the eager call's within fp16 rounding),
+    beyond it is refused (ValueError) before it allocates or launches anything; the same call
+    outside the capture runs."""
     import cupy
 
     from tests.test_call_path import copy_kw
     from tests.tolerance import to_device
 
     fn, kw = CASES["qkv"](64, **PREFILL["qkv"])
-    fn(**map_arrays(copy_kw(kw), to_device))  # plans (the C replay serves it from now on)
+    q0 = fn(**map_arrays(copy_kw(kw), to_device))  # plans (the C replay serves it from now on)
     args = map_arrays(copy_kw(kw), to_device)
     cupy.cuda.runtime.deviceSynchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        q = fn(**args)
+        graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    q, q0 = q.astype(cupy.float32), q0.astype(cupy.float32)
+    assert float(cupy.abs(q - q0).max()) <= 0.01 * float(cupy.abs(q0).max())
+    monkeypatch.setattr(ropekv.qkv, "GRAPH_MAX_TOKENS", q.shape[0] - 1)  # (a plan of its own)
+    fn(**args)
+    cupy.cuda.runtime.deviceSynchronize()
     with stream:
         stream.begin_capture()
         try:
