@@ -988,3 +988,20 @@ def test_source_digest_names_the_code_that_ran(tmp_path, monkeypatch):
     text = report.text({**_result(), "environment": {"git_revision": "abc",
                                                      "source_digest": digest}})
     assert f"@ abc, sources {digest}" in text
+
+
+def test_graph_replay_times_the_eager_qkv_path():
+    """While the bench captures a call for its graph replay, the fused QKV op's capture plans are
+    off (GRAPH_MAX_TOKENS 0: a call that runs cuBLAS eagerly is refused and event-timed, as its
+    host time is that path's); the setting comes back afterwards, after an error too."""
+    from ropekv import qkv
+    from ropekv.bench import timing
+
+    before = qkv.GRAPH_MAX_TOKENS
+    assert before > 0
+    with timing._eager_path_in_graphs():
+        assert qkv.GRAPH_MAX_TOKENS == 0
+    assert qkv.GRAPH_MAX_TOKENS == before
+    with pytest.raises(RuntimeError), timing._eager_path_in_graphs():
+        raise RuntimeError("capture failed")
+    assert qkv.GRAPH_MAX_TOKENS == before
