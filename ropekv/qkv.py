@@ -94,7 +94,14 @@ GEMV_SMEM = 46 * 1024  # staged hidden rows, float32, per block (below the 48 Ki
 # every measured count (up to 128).
 MMA_MIN_TOKENS = 3
 MMA_MAX_TOKENS = 16
-MMA_MAX_TOKENS_QUANTIZED = 128
+MMA_MAX_TOKENS_QUANTIZED = 320
+# Above MMA_QUANTIZED_ANY_GRID tokens, fp8 and 4-bit weights take the tensor-core path only on
+# qkv_mma_tiled and only where its grid of TILED_MAX_TILE-token tiles, unsplit, fits one wave
+# (quantized_top). Measured on the H200 (docs/performance.md, "Quantized weights at 129-320
+# tokens"), Llama-3-8B projection (48 row tiles, so 5 token tiles a wave: 320 tokens): fp8
+# 63.5-76.5 us against the cuBLAS path's 98.3-111.9 at 144-320 tokens, 4-bit 91.8-94.0 against
+# 90.0-103.1; at 384 tokens (a second wave) 108.8 / 151.9 against 107.1 / 98.5.
+MMA_QUANTIZED_ANY_GRID = 128
 # Token tiles: the smallest of MMA_TILES holding T, else several of the largest (adjacent CTAs,
 # so the weights they share come from L2).
 MMA_TILES = (8, 16, 32, 64)
@@ -485,8 +492,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
                (num_q_heads, is_neox, kv_layout, kv_scale, group_size, enable_pdl,
                 GEMV_MAX_TOKENS, FAST_INT4, MMA_MIN_TOKENS, MMA_MAX_TOKENS,
                 MMA_MAX_TOKENS_QUANTIZED, MMA_SPLIT,
-                (TILED_MIN_TOKENS, TILED_MAX_TILE, TILED_STAGES, TILED_SPLIT,
-                 TILED_CTAS_PER_SM, TILED_KGROUPS),
+                tiled_settings(),
                 (WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS, WGMMA_MAX_TILE, WGMMA_STAGES, WGMMA_ATOMS,
                  WGMMA_SPLIT),
                 GRAPH_MAX_TOKENS, clear_unused_last_page_rows),
@@ -622,7 +628,8 @@ def _prepare(views, flags):
                         opts)
         return None
 
-    mma_top = mma_max if fmt == W_DENSE else mma_max_quantized
+    mma_top = (mma_max if fmt == W_DENSE else
+               quantized_top(K, N, fmt, _sm_count(device), mma_max_quantized, tiled))
     step = fused(wgmma, mma_top)
     if step is not None:
         return Plan(device, [step], outputs=outputs, written=written, result=_result)
@@ -748,6 +755,18 @@ def _compute_capability(device):
     return int(cupy.cuda.Device(device).compute_capability)
 
 
+def quantized_top(K, N, fmt, sms, cap, tiled):
+    """The most tokens fp8 / 4-bit weights take the tensor-core path at, eagerly: ``cap``
+    (MMA_MAX_TOKENS_QUANTIZED), above MMA_QUANTIZED_ANY_GRID only where qkv_mma_tiled takes the
+    call and as many tokens as its unsplit grid of ``tiled``'s tiles fits in one wave of ``sms``
+    SMs (cuBLAS + the epilogue beyond)."""
+    tiled_min, max_tile, _, _, per_sm, _ = tiled
+    if cap <= MMA_QUANTIZED_ANY_GRID or not tiled_applies(K, fmt, cap, tiled_min):
+        return min(cap, MMA_QUANTIZED_ANY_GRID)
+    wave_tokens = (per_sm * sms // -(-N // MMA_ROWS)) * max_tile
+    return min(cap, max(MMA_QUANTIZED_ANY_GRID, wave_tokens))
+
+
 @functools.cache
 def _sm_count(device):
     import cupy
@@ -828,6 +847,12 @@ def tiled_applies(K, fmt, T, tiled_min=None):
     32-value chunks, as :func:`mma_applies` requires)."""
     tiled_min = TILED_MIN_TOKENS if tiled_min is None else tiled_min
     return fmt in TILED_BK and T >= tiled_min and K % TILED_BK[fmt] == 0
+
+
+def tiled_settings():
+    """The TILED_* settings as the call passes them (the flags' tuple)."""
+    return (TILED_MIN_TOKENS, TILED_MAX_TILE, TILED_STAGES, TILED_SPLIT, TILED_CTAS_PER_SM,
+            TILED_KGROUPS)
 
 
 def wgmma_settings():

@@ -487,6 +487,26 @@ def test_mma_applies_and_slices():
     assert qkv_mod.MMA_SPLIT in qkv_mod.MMA_SPLITS
 
 
+def test_quantized_weights_take_the_tiled_kernel_while_one_wave_holds_them():
+    """fp8 / 4-bit weights run the tensor-core path eagerly up to MMA_QUANTIZED_ANY_GRID tokens,
+    and beyond up to MMA_MAX_TOKENS_QUANTIZED only on qkv_mma_tiled and while its unsplit grid
+    of 64-token tiles fits one wave (2 CTAs an SM): Llama-3-8B's 48 row tiles on 132 SMs hold 5
+    token tiles (320 tokens), Llama-3-70B's 80 hold 3 (192); K that the tiled kernel does not
+    take, or a cap at or below MMA_QUANTIZED_ANY_GRID, keeps the cap."""
+    W, tiled = WEIGHT_FORMATS, qkv_mod.tiled_settings()
+    top = qkv_mod.quantized_top
+    assert (qkv_mod.MMA_QUANTIZED_ANY_GRID, qkv_mod.MMA_MAX_TOKENS_QUANTIZED) == (128, 320)
+    assert tiled[1] == 64 and tiled[4] == 2  # TILED_MAX_TILE, TILED_CTAS_PER_SM
+    for fmt in (W["fp8"], W["int4"]):
+        assert top(4096, 6144, fmt, 132, 320, tiled) == 320
+        assert top(8192, 10240, fmt, 132, 320, tiled) == 192
+        assert top(4096, 6144, fmt, 132, 1000, tiled) == 320
+        assert top(4096, 6144, fmt, 66, 320, tiled) == 128  # 2 token tiles: the floor
+        assert top(4096, 1536, fmt, 132, 320, tiled) == 320
+        assert top(4096, 6144, fmt, 132, 100, tiled) == 100
+        assert top(4160, 6144, fmt, 132, 320, tiled) == 128  # not the tiled kernel's K
+
+
 def test_tiled_applies_and_splits():
     W = WEIGHT_FORMATS
     assert qkv_mod.tiled_applies(4096, W["dense"], qkv_mod.TILED_MIN_TOKENS)
@@ -582,8 +602,10 @@ def taken_path(args, kw):
     if (fmt == qkv_mod.W_DENSE and qkv_mod.WGMMA_MIN_TOKENS <= T <= qkv_mod.WGMMA_MAX_TOKENS
             and qkv_mod.wgmma_applies(T, K, D, cc, qkv_mod.wgmma_settings())):
         return "wgmma"
-    mma_max = (qkv_mod.MMA_MAX_TOKENS if fmt == qkv_mod.W_DENSE
-               else qkv_mod.MMA_MAX_TOKENS_QUANTIZED)
+    N = args["weight"].shape[0]
+    mma_max = (qkv_mod.MMA_MAX_TOKENS if fmt == qkv_mod.W_DENSE else qkv_mod.quantized_top(
+        K, N, fmt, cp.cuda.Device().attributes["MultiProcessorCount"],
+        qkv_mod.MMA_MAX_TOKENS_QUANTIZED, qkv_mod.tiled_settings()))
     if (qkv_mod.MMA_MIN_TOKENS <= T <= mma_max
             and qkv_mod.mma_applies(K, D, fmt, kw.get("group_size"), cc)):
         return "tiled" if qkv_mod.tiled_applies(K, fmt, T) else "mma"
@@ -682,11 +704,13 @@ def test_gpu_llama3_8b_wgmma(lengths, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [(100, 0, 57), (1,) * 256, (200, 312)])
-@pytest.mark.parametrize("dtype, wfmt", [(F16, "dense"), (BF16, "dense"), (F16, "fp8")])
+@pytest.mark.parametrize("lengths, dtype, wfmt", [
+    ((100, 0, 57), F16, "dense"), ((1,) * 256, BF16, "dense"), ((200, 312), F16, "dense"),
+    ((200, 184), F16, "fp8"), ((200, 312), BF16, "fp8")])
 def test_gpu_capture_runs_the_fused_kernel_beyond_its_eager_range(lengths, dtype, wfmt):
-    """On sm_90 a call of 129 to GRAPH_MAX_TOKENS tokens runs cuBLAS + the epilogue eagerly and,
-    on a stream being captured into a CUDA graph, the fused kernel (qkv_wgmma for 16-bit weights,
+    """On sm_90 a call of up to GRAPH_MAX_TOKENS tokens that runs cuBLAS + the epilogue eagerly
+    (16-bit weights above 128 tokens, fp8 above what one wave of the tiled kernel holds) runs, on
+    a stream being captured into a CUDA graph, the fused kernel (qkv_wgmma for 16-bit weights,
     qkv_mma_tiled for fp8): the graph, replayed on new hidden rows copied into the captured array
     and on the caches as they were, writes Q and both caches as the reference says, and no other
     cache byte. The eager call (the plan, built outside the capture) is checked too."""
@@ -695,7 +719,7 @@ def test_gpu_capture_runs_the_fused_kernel_beyond_its_eager_range(lengths, dtype
     if int(cp.cuda.Device().compute_capability) != qkv_mod.WGMMA_CAPABILITY:
         pytest.skip("calls of this size are captured on sm_90 only")
     T = sum(lengths)
-    assert qkv_mod.MMA_MAX_TOKENS_QUANTIZED < T <= qkv_mod.GRAPH_MAX_TOKENS
+    assert T <= qkv_mod.GRAPH_MAX_TOKENS
     args, kw = make_case(31 + T, lengths=lengths, dtype=dtype, wfmt=wfmt,
                          cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
                          **{**LLAMA, "P": 8192})
@@ -786,10 +810,11 @@ def test_gpu_tiled_int4_settings(T, tile, kgroups, stages, monkeypatch):
 
 
 # token counts around every switch: GEMV_MAX_TOKENS / MMA_MIN_TOKENS, token tiles 8 / 16 / 32 /
-# 64 / 128 / 256, TILED_MIN_TOKENS, MMA_MAX_TOKENS_QUANTIZED, MMA_MAX_TOKENS (dense weights),
+# 64 / 128 / 256, TILED_MIN_TOKENS, MMA_QUANTIZED_ANY_GRID, MMA_MAX_TOKENS_QUANTIZED,
+# MMA_MAX_TOKENS (dense weights),
 # two 64-token tiles (qkv_mma) and two 256-token tiles (qkv_mma_tiled)
 SWITCH_TOKENS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256,
-                 257]
+                 257, 320, 321]
 
 
 @pytest.mark.gpu

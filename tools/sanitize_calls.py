@@ -123,7 +123,15 @@ def runs_cublas(case):
     if (not quantized and qkv.WGMMA_MIN_TOKENS <= tokens <= qkv.WGMMA_MAX_TOKENS
             and case.get("K", 96) % 64 == 0):
         return False  # qkv_wgmma
-    return tokens > (qkv.MMA_MAX_TOKENS_QUANTIZED if quantized else qkv.MMA_MAX_TOKENS)
+    if not quantized:
+        return tokens > qkv.MMA_MAX_TOKENS
+    N = (case.get("Hq", 4) + 2 * case.get("Hkv", 2)) * case.get("D", 16)
+    fmt = qkv.W_FP8 if case["wfmt"] == "fp8" else qkv.W_INT4
+    import cupy
+
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    return tokens > qkv.quantized_top(case.get("K", 96), N, fmt, sms,
+                                      qkv.MMA_MAX_TOKENS_QUANTIZED, qkv.tiled_settings())
 
 
 def main():

@@ -1,5 +1,6 @@
 """What a CUDA graph of a fused QKV call costs where the call runs cuBLAS eagerly: Llama-3-8B
-projection (weights rotated over 4 copies), fp16 / bf16 and fp8 weights, each token count given.
+projection (weights rotated over 4 copies), fp16, fp8 and 4-bit weights (the formats given), each
+token count given.
 ``eager``: the shipped eager path (cuBLAS + the epilogue above WGMMA_MAX_TOKENS /
 MMA_MAX_TOKENS_QUANTIZED), its device time (``ropekv._timing.device_us``: each call queued behind a
 spin kernel, so the host's time stays out, as the bench times prefill); ``events``: 40 eager
@@ -7,7 +8,7 @@ calls back to back between two events (host-bound where the host takes longer); 
 same call captured in a CUDA graph (the fused kernel, up to GRAPH_MAX_TOKENS), replayed;
 ``diff``: the largest difference of Q and both caches between one eager call and one graph replay
 on the same inputs. On a GPU machine:
-``PYTHONPATH=. python3 tools/experiments/qkv_capture_cost.py 144 256 384 512``."""
+``PYTHONPATH=. python3 tools/experiments/qkv_capture_cost.py fp16,fp8,int4 144 256 384``."""
 import sys
 
 import cupy as cp
@@ -29,6 +30,11 @@ def weights(wfmt):
     if wfmt == "fp16":
         return [(cp.random.standard_normal((N, K), cp.float32) / 64).astype(cp.float16)
                 for _ in range(4)], {}
+    if wfmt == "int4":  # groups of 128 columns, float16 scales
+        packed = [cp.asarray(Q.pack_int4(np.random.default_rng(i).integers(-8, 8, (N, K))))
+                  for i in range(4)]
+        return packed, {"weight_scales": cp.full((N, K // 128), 1 / 512, cp.float16),
+                        "group_size": 128}
     codes = [cp.asarray(np.random.default_rng(i).integers(0, 0x40, (N, K), np.uint8)
                         | np.uint8(0x80 * (i & 1))).view(ml_dtypes.float8_e4m3fn)
              for i in range(4)]  # |w| < 2, no NaN codes
@@ -70,9 +76,9 @@ def diff(f, w, kc, vc):
                for a, b in ((q, q0), (kc, k0), (vc, v0)))
 
 
-for wfmt in ("fp16", "fp8"):
+for wfmt in sys.argv[1].split(","):
     ws, extra = weights(wfmt)
-    for T in [int(t) for t in sys.argv[1:]]:
+    for T in [int(t) for t in sys.argv[2:]]:
         f, kc, vc = case(T, ws, extra)
         turn = iter(range(1 << 30))
         eager = _timing.device_us(lambda: f(ws[next(turn) % 4]), reps=60, budget_s=2.0)
