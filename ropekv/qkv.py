@@ -491,7 +491,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
                 *paged_kv_cache, cos_sin_cache, weight_scales, zero_points, out, status),
                (num_q_heads, is_neox, kv_layout, kv_scale, group_size, enable_pdl,
                 GEMV_MAX_TOKENS, FAST_INT4, MMA_MIN_TOKENS, MMA_MAX_TOKENS,
-                MMA_MAX_TOKENS_QUANTIZED, MMA_SPLIT,
+                (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID), MMA_SPLIT,
                 tiled_settings(),
                 (WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS, WGMMA_MAX_TILE, WGMMA_STAGES, WGMMA_ATOMS,
                  WGMMA_SPLIT),
@@ -502,7 +502,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
 def _prepare(views, flags):
     """Validate a first call; the launch plan (GEMV or cuBLAS path) or the NumPy backend run."""
     (num_q_heads, is_neox, kv_layout, kv_scale, group_size, pdl, gemv_max, fast_int4, mma_min,
-     mma_max, mma_max_quantized, mma_split, tiled, wgmma, graph_max, clear) = flags
+     mma_max, mma_quantized, mma_split, tiled, wgmma, graph_max, clear) = flags
     vx, vw, voff, vlen, vbt, vk, vv, vt, vws, vzp, vout, vstatus = views
 
     # Tests of the common case first, read in the checkers' order; the checkers (which raise
@@ -629,7 +629,7 @@ def _prepare(views, flags):
         return None
 
     mma_top = (mma_max if fmt == W_DENSE else
-               quantized_top(K, N, fmt, _sm_count(device), mma_max_quantized, tiled))
+               quantized_top(K, N, fmt, _sm_count(device), mma_quantized, tiled))
     step = fused(wgmma, mma_top)
     if step is not None:
         return Plan(device, [step], outputs=outputs, written=written, result=_result)
@@ -755,16 +755,17 @@ def _compute_capability(device):
     return int(cupy.cuda.Device(device).compute_capability)
 
 
-def quantized_top(K, N, fmt, sms, cap, tiled):
-    """The most tokens fp8 / 4-bit weights take the tensor-core path at, eagerly: ``cap``
-    (MMA_MAX_TOKENS_QUANTIZED), above MMA_QUANTIZED_ANY_GRID only where qkv_mma_tiled takes the
-    call and as many tokens as its unsplit grid of ``tiled``'s tiles fits in one wave of ``sms``
-    SMs (cuBLAS + the epilogue beyond)."""
+def quantized_top(K, N, fmt, sms, quantized, tiled):
+    """The most tokens fp8 / 4-bit weights take the tensor-core path at, eagerly, given
+    ``quantized`` = (cap, any_grid) (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID): the cap,
+    above any_grid only where qkv_mma_tiled takes the call and as many tokens as its unsplit grid
+    of ``tiled``'s tiles fits in one wave of ``sms`` SMs (cuBLAS + the epilogue beyond)."""
+    cap, any_grid = quantized
     tiled_min, max_tile, _, _, per_sm, _ = tiled
-    if cap <= MMA_QUANTIZED_ANY_GRID or not tiled_applies(K, fmt, cap, tiled_min):
-        return min(cap, MMA_QUANTIZED_ANY_GRID)
+    if cap <= any_grid or not tiled_applies(K, fmt, cap, tiled_min):
+        return min(cap, any_grid)
     wave_tokens = (per_sm * sms // -(-N // MMA_ROWS)) * max_tile
-    return min(cap, max(MMA_QUANTIZED_ANY_GRID, wave_tokens))
+    return min(cap, max(any_grid, wave_tokens))
 
 
 @functools.cache
@@ -1048,7 +1049,6 @@ _OP = Op("fused_qkv_matmul_append_paged_kv_cache", ARRAYS, _prepare,
          flags=[("num_q_heads", KEY), ("is_neox", FLAG), ("kv_layout", KEY), ("kv_scale", KEY),
                 ("group_size", KEY), ("enable_pdl", FLAG),
                 *((name, AS_IS) for name in ("GEMV_MAX_TOKENS", "FAST_INT4", "MMA_MIN_TOKENS",
-                                             "MMA_MAX_TOKENS", "MMA_MAX_TOKENS_QUANTIZED",
-                                             "MMA_SPLIT")),
+                                             "MMA_MAX_TOKENS", "MMA_*_QUANTIZED", "MMA_SPLIT")),
                 ("TILED_*", AS_IS), ("WGMMA_*", AS_IS), ("GRAPH_MAX_TOKENS", AS_IS),
                 ("clear_unused_last_page_rows", FLAG)])

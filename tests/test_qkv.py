@@ -498,13 +498,14 @@ def test_quantized_weights_take_the_tiled_kernel_while_one_wave_holds_them():
     assert (qkv_mod.MMA_QUANTIZED_ANY_GRID, qkv_mod.MMA_MAX_TOKENS_QUANTIZED) == (128, 320)
     assert tiled[1] == 64 and tiled[4] == 2  # TILED_MAX_TILE, TILED_CTAS_PER_SM
     for fmt in (W["fp8"], W["int4"]):
-        assert top(4096, 6144, fmt, 132, 320, tiled) == 320
-        assert top(8192, 10240, fmt, 132, 320, tiled) == 192
-        assert top(4096, 6144, fmt, 132, 1000, tiled) == 320
-        assert top(4096, 6144, fmt, 66, 320, tiled) == 128  # 2 token tiles: the floor
-        assert top(4096, 1536, fmt, 132, 320, tiled) == 320
-        assert top(4096, 6144, fmt, 132, 100, tiled) == 100
-        assert top(4160, 6144, fmt, 132, 320, tiled) == 128  # not the tiled kernel's K
+        assert top(4096, 6144, fmt, 132, (320, 128), tiled) == 320
+        assert top(8192, 10240, fmt, 132, (320, 128), tiled) == 192
+        assert top(4096, 6144, fmt, 132, (1000, 128), tiled) == 320
+        assert top(4096, 6144, fmt, 66, (320, 128), tiled) == 128  # 2 token tiles: the floor
+        assert top(4096, 1536, fmt, 132, (320, 128), tiled) == 320
+        assert top(4096, 6144, fmt, 132, (100, 128), tiled) == 100
+        assert top(4160, 6144, fmt, 132, (320, 128), tiled) == 128  # not the tiled kernel's K
+        assert top(4096, 6144, fmt, 132, (1 << 30, 1 << 30), tiled) == 1 << 30  # any grid
 
 
 def test_tiled_applies_and_splits():
@@ -583,6 +584,7 @@ def force_path(monkeypatch, path):
         monkeypatch.setattr(qkv_mod, "MMA_MIN_TOKENS", 1)
         monkeypatch.setattr(qkv_mod, "MMA_MAX_TOKENS", 1 << 30)
         monkeypatch.setattr(qkv_mod, "MMA_MAX_TOKENS_QUANTIZED", 1 << 30)
+        monkeypatch.setattr(qkv_mod, "MMA_QUANTIZED_ANY_GRID", 1 << 30)  # any grid
         monkeypatch.setattr(qkv_mod, "TILED_MIN_TOKENS", 1 if path == "tiled" else 1 << 30)
     elif path is not None:
         monkeypatch.setattr(qkv_mod, "MMA_MAX_TOKENS", 0)
@@ -605,7 +607,8 @@ def taken_path(args, kw):
     N = args["weight"].shape[0]
     mma_max = (qkv_mod.MMA_MAX_TOKENS if fmt == qkv_mod.W_DENSE else qkv_mod.quantized_top(
         K, N, fmt, cp.cuda.Device().attributes["MultiProcessorCount"],
-        qkv_mod.MMA_MAX_TOKENS_QUANTIZED, qkv_mod.tiled_settings()))
+        (qkv_mod.MMA_MAX_TOKENS_QUANTIZED, qkv_mod.MMA_QUANTIZED_ANY_GRID),
+        qkv_mod.tiled_settings()))
     if (qkv_mod.MMA_MIN_TOKENS <= T <= mma_max
             and qkv_mod.mma_applies(K, D, fmt, kw.get("group_size"), cc)):
         return "tiled" if qkv_mod.tiled_applies(K, fmt, T) else "mma"
