@@ -90,17 +90,18 @@ GEMV_SMEM = 46 * 1024  # staged hidden rows, float32, per block (below the 48 Ki
 # (MMA_MAX_TOKENS_QUANTIZED for fp8 and 4-bit weights) run it where it applies (see _mma). Measured
 # on the H200 (docs/kernel-notes.md, QKV), Llama-3-8B projection: the CUDA-core qkv_gemv is faster
 # at 1-2 tokens; with fp16 / bf16 weights cuBLAS + the epilogue is as fast from 16 tokens on and
-# faster beyond; with quantized weights the cuBLAS path first dequantizes 25-50 MB and loses at
-# every measured count (up to 128).
+# faster beyond; with quantized weights the cuBLAS path first dequantizes 25-50 MB: it loses at
+# every count up to 128, and above to the tiled kernel while one wave holds it (below).
 MMA_MIN_TOKENS = 3
 MMA_MAX_TOKENS = 16
 MMA_MAX_TOKENS_QUANTIZED = 320
 # Above MMA_QUANTIZED_ANY_GRID tokens, fp8 and 4-bit weights take the tensor-core path only on
 # qkv_mma_tiled and only where its grid of TILED_MAX_TILE-token tiles, unsplit, fits one wave
-# (quantized_top). Measured on the H200 (docs/performance.md, "Quantized weights at 129-320
-# tokens"), Llama-3-8B projection (48 row tiles, so 5 token tiles a wave: 320 tokens): fp8
-# 63.5-76.5 us against the cuBLAS path's 98.3-111.9 at 144-320 tokens, 4-bit 91.8-94.0 against
-# 90.0-103.1; at 384 tokens (a second wave) 108.8 / 151.9 against 107.1 / 98.5.
+# (quantized_top). Measured on the H200 (docs/performance.md, "Fused QKV at 129-512 tokens"),
+# Llama-3-8B projection (48 row tiles, so 5 token tiles a wave: 320 tokens): fp8
+# 67.3-77.8 us against the cuBLAS path's 98.3-111.9 at 144-320 tokens, 4-bit 94.4-97.9 against
+# 90.0-103.1 (0.95x at 144, 1.05x at 320, a third of the host time); at 384 tokens (a second
+# wave, graph replay) 120.8 / 151.3 against 107.1 / 98.5.
 MMA_QUANTIZED_ANY_GRID = 128
 # Token tiles: the smallest of MMA_TILES holding T, else several of the largest (adjacent CTAs,
 # so the weights they share come from L2).
