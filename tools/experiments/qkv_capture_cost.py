@@ -14,15 +14,11 @@ import sys
 import cupy as cp
 import ml_dtypes
 import numpy as np
-from qkv_timing import event_us, graph_us
+from qkv_timing import K, N, event_us, graph_us, llama_call
 
-import ropekv
 from ropekv import _timing
 from ropekv import qkv as Q
 
-K, Hq, Hkv, D, ps = 4096, 32, 8, 128, 16
-N = (Hq + 2 * Hkv) * D
-cs = ropekv.cos_sin_cache(8192, D, xp=cp)
 
 
 def weights(wfmt):
@@ -39,21 +35,6 @@ def weights(wfmt):
                         | np.uint8(0x80 * (i & 1))).view(ml_dtypes.float8_e4m3fn)
              for i in range(4)]  # |w| < 2, no NaN codes
     return codes, {"weight_scales": cp.full(N, 1 / 64, cp.float32)}
-
-
-def case(T, ws, extra):
-    cp.random.seed(T)
-    x = cp.random.standard_normal((T, K), cp.float32).astype(cp.float16)
-    pages = T * 8
-    kc, vc = (cp.zeros((pages, ps, Hkv, D), cp.float16) for _ in range(2))
-    off = cp.arange(T + 1, dtype=cp.int32)
-    lens = cp.full(T, 100, cp.int32)
-    table = cp.arange(pages, dtype=cp.int32).reshape(T, 8)
-
-    def f(w):
-        return Q.fused_qkv_matmul_append_paged_kv_cache(
-            x, w, off, lens, table, (kc, vc), num_q_heads=Hq, cos_sin_cache=cs, **extra)
-    return f, kc, vc
 
 
 def diff(f, w, kc, vc):
@@ -79,7 +60,7 @@ def diff(f, w, kc, vc):
 for wfmt in sys.argv[1].split(","):
     ws, extra = weights(wfmt)
     for T in [int(t) for t in sys.argv[2:]]:
-        f, kc, vc = case(T, ws, extra)
+        f, kc, vc = llama_call(T, **extra)
         turn = iter(range(1 << 30))
         eager = _timing.device_us(lambda: f(ws[next(turn) % 4]), reps=60, budget_s=2.0)
         print(f"{wfmt} T {T:4d}  eager {eager:6.1f}  events {event_us(f, ws, 9):6.1f}  "

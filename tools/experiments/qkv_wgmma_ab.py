@@ -8,7 +8,7 @@ import sys
 import cupy as cp
 import os
 import ropekv
-from qkv_timing import event_us, graph_us
+from qkv_timing import K, N, event_us, graph_us, llama_call
 from ropekv import qkv as Q, _compile
 if os.environ.get("PATCH"):
     old, new = os.environ["PATCH"].split("=>")
@@ -18,27 +18,13 @@ if os.environ.get("PATCH"):
     orig = _compile.read_source
     _compile.read_source = lambda stem: src if stem == "qkv" else orig(stem)
 print("ropekv from", ropekv.__file__)
-K, Hq, Hkv, D, ps = 4096, 32, 8, 128, 16
-N = (Hq + 2 * Hkv) * D
 args = sys.argv[1:]
 cub = "--cublas" in args
 args = [a for a in args if not a.startswith("--")]
 dt = cp.float16
 cp.random.seed(0)
 ws = [(cp.random.standard_normal((N, K), cp.float32) / 64).astype(dt) for _ in range(4)]
-cs = ropekv.cos_sin_cache(8192, D, xp=cp)
-def case(T):
-    cp.random.seed(T)
-    x = cp.random.standard_normal((T, K), cp.float32).astype(dt)
-    pages = T * 8
-    kc, vc = (cp.zeros((pages, ps, Hkv, D), dt) for _ in range(2))
-    off = cp.arange(T + 1, dtype=cp.int32)
-    lens = cp.full(T, 100, cp.int32)
-    table = cp.arange(pages, dtype=cp.int32).reshape(T, 8)
-    def f(w):
-        return Q.fused_qkv_matmul_append_paged_kv_cache(
-            x, w, off, lens, table, (kc, vc), num_q_heads=Hq, cos_sin_cache=cs)
-    return f, kc, vc
+case = llama_call
 for T in [int(t) for t in args]:
     line = f"T {T:4d}"
     if cub:

@@ -39,8 +39,7 @@ C.read_source = lambda stem: source if stem == "qkv" else read(stem)
 
 import cupy as cp  # noqa: E402
 
-import ropekv  # noqa: E402
-from qkv_timing import graph_us  # noqa: E402
+from qkv_timing import K, N, graph_us, llama_call  # noqa: E402
 from ropekv import qkv as Q  # noqa: E402
 
 Q.WGMMA_MIN_TOKENS, Q.WGMMA_MAX_TOKENS = 1, 1 << 30
@@ -51,23 +50,9 @@ for env, name in SETTINGS.items():
         setattr(Q, name, int(os.environ[env]))
 if "PERSM" in os.environ:
     Q._wgmma_per_sm = lambda smem: int(os.environ["PERSM"])
-K, Hq, Hkv, D, ps = 4096, 32, 8, 128, 16
-N = (Hq + 2 * Hkv) * D
 ws = [(cp.random.standard_normal((N, K), cp.float32) / 64).astype(cp.float16) for _ in range(4)]
-cs = ropekv.cos_sin_cache(8192, D, xp=cp)
 out = []
 for T in [int(t) for t in sys.argv[2:]]:
-    x = cp.random.standard_normal((T, K), cp.float32).astype(cp.float16)
-    pages = T * 8
-    kc, vc = (cp.zeros((pages, ps, Hkv, D), cp.float16) for _ in range(2))
-    off = cp.arange(T + 1, dtype=cp.int32)
-    lens = cp.full(T, 100, cp.int32)
-    table = cp.arange(pages, dtype=cp.int32).reshape(T, 8)
-
-    def f(w):
-        Q.fused_qkv_matmul_append_paged_kv_cache(x, w, off, lens, table, (kc, vc),
-                                                 num_q_heads=Hq, cos_sin_cache=cs)
-
-    out.append(f"T{T}={graph_us(f, ws):.1f}")
+    out.append(f"T{T}={graph_us(llama_call(T)[0], ws):.1f}")
 given = " ".join(f"{k}={os.environ[k]}" for k in (*SETTINGS, "PERSM") if k in os.environ)
 print(variant, given, " ".join(out), flush=True)
