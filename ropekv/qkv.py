@@ -132,17 +132,22 @@ MMA_ROWS, MMA_WARPS = 128, 4  # mirror qkv.cu
 # that target): calls of WGMMA_MIN_TOKENS to WGMMA_MAX_TOKENS tokens with K a whole number of
 # stages (64 x WGMMA_ATOMS k values) and 16-byte aligned rows. Token tiles of WGMMA_TILES up to
 # WGMMA_MAX_TILE (T split evenly over as few tiles as hold it, each the smallest that holds its
-# share), two warpgroups a CTA, two CTAs an SM, at most WGMMA_STAGES stages in shared memory (3
-# at tiles of 96 and 128 tokens, so that two CTAs fit), split-K over clusters of the largest of
-# TILED_SPLITS (at most WGMMA_SPLIT) whose grid fits one wave. Measured on the H200
-# (docs/kernel-notes.md), Llama-3-8B projection, against cuBLAS + the epilogue: faster up to 128
-# tokens (24.4 against 27.7 us at 128); above, 33.4-35.1 us against 27.7-35.5 (slower at 144-160
-# and 256 tokens, even at 192-224), so 129+ tokens keep cuBLAS.
+# share), two warpgroups a CTA, split-K over clusters of the largest of TILED_SPLITS (at most
+# WGMMA_SPLIT) whose grid fits one wave. Up to WGMMA_DEEP_MAX_TOKENS tokens a deep pipeline: one
+# CTA an SM, as many stages as fit (at most WGMMA_DEEP_STAGES: 8 at tiles of 32 and 64, 7 at 96,
+# 6 at 128), a group of wgmmas left running across each k step's barrier; above (calls captured
+# in CUDA graphs, GRAPH_MAX_TOKENS), two CTAs an SM and at most WGMMA_STAGES stages (3 at tiles of
+# 96 and 128, so that two fit), which wins where the grid has more CTAs than SMs. Measured on the
+# H200 (docs/kernel-notes.md), Llama-3-8B projection, against cuBLAS + the epilogue: faster up to
+# 128 tokens (22.2 against 27.7 us at 128); above, 33.4-35.1 us against 27.7-35.5 (slower at
+# 144-160 and 256 tokens, even at 192-224), so 129+ tokens keep cuBLAS eagerly.
 WGMMA_MIN_TOKENS = 1
 WGMMA_MAX_TOKENS = 128
 WGMMA_TILES = (32, 64, 96, 128)
 WGMMA_MAX_TILE = 128
 WGMMA_STAGES = 4
+WGMMA_DEEP_STAGES = 8
+WGMMA_DEEP_MAX_TOKENS = 128
 WGMMA_ATOMS = 1
 WGMMA_SPLIT = 8
 WGMMA_THREADS = 256  # mirror qkv.cu
@@ -222,8 +227,9 @@ def tiled_expression(dtype, fmt, tn, split, stages, kgroups, opts=False):
 
 
 @functools.cache
-def wgmma_expression(dtype, tn, split, stages, atoms, opts=False):
-    return name_expression("qkv_wgmma", c_type(dtype), tn, split, stages, atoms, c_bool(opts))
+def wgmma_expression(dtype, tn, split, stages, atoms, opts=False, deep=True):
+    return name_expression("qkv_wgmma", c_type(dtype), tn, split, stages, atoms, c_bool(opts),
+                           c_bool(deep))
 
 
 @functools.cache
@@ -249,9 +255,10 @@ def instantiations():
             yield mma_expression(dtype, fmt, tn, split, opts)
         for fmt, tn, split in itertools.product(TILED_FORMATS, TILED_TILES, TILED_SPLITS):
             yield tiled_expression(dtype, fmt, tn, split, TILED_STAGES, TILED_KGROUPS, opts)
-        for tn, split in itertools.product(WGMMA_TILES, TILED_SPLITS):
-            yield wgmma_expression(dtype, tn, split, _wgmma_stages(tn, WGMMA_STAGES, WGMMA_ATOMS),
-                                   WGMMA_ATOMS, opts)
+        for (tn, deep), split in itertools.product(_wgmma_tiles(), TILED_SPLITS):
+            stages = _wgmma_stages(tn, WGMMA_DEEP_STAGES if deep else WGMMA_STAGES, WGMMA_ATOMS,
+                                   deep)
+            yield wgmma_expression(dtype, tn, split, stages, WGMMA_ATOMS, opts, deep)
         for cache_dtype, n in itertools.product((dtype, *FP8_DTYPES), EPILOGUE_WIDTHS):
             yield epilogue_expression(dtype, cache_dtype, dtype, n, opts)
             if cache_dtype in FP8_DTYPES:
@@ -494,8 +501,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
                 GEMV_MAX_TOKENS, FAST_INT4, MMA_MIN_TOKENS, MMA_MAX_TOKENS,
                 (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID), MMA_SPLIT,
                 tiled_settings(),
-                (WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS, WGMMA_MAX_TILE, WGMMA_STAGES, WGMMA_ATOMS,
-                 WGMMA_SPLIT),
+                wgmma_settings(),
                 GRAPH_MAX_TOKENS, clear_unused_last_page_rows),
                stream, layer_idx)
 
@@ -860,14 +866,14 @@ def tiled_settings():
 def wgmma_settings():
     """The WGMMA_* settings as the call passes them (the flags' tuple)."""
     return (WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS, WGMMA_MAX_TILE, WGMMA_STAGES, WGMMA_ATOMS,
-            WGMMA_SPLIT)
+            WGMMA_SPLIT, WGMMA_DEEP_MAX_TOKENS, WGMMA_DEEP_STAGES)
 
 
 def wgmma_shape(T, K, D, wgmma):
     """Whether a call with fp16 / bf16 weights has a shape qkv_wgmma takes (given 16-byte aligned
     rows, checked per call): ``wgmma``'s token range, whole heads in a 128-row tile, K in whole
     stages."""
-    lo, hi, _, _, atoms, _ = wgmma
+    lo, hi, atoms = wgmma[0], wgmma[1], wgmma[4]
     return lo <= T <= hi and MMA_ROWS % D == 0 and K % (64 * atoms) == 0
 
 
@@ -884,39 +890,57 @@ def _wgmma_smem(tn, stages, atoms):
     return max(stages * atoms * (MMA_ROWS + tn) * 128, tn * (MMA_ROWS + 4) * 4) + 1024
 
 
-def _wgmma_per_sm(smem):
-    """CTAs of qkv_wgmma an SM holds: its launch bound (2) and its shared memory (the dynamic
-    part, about 6 KiB static, 1 KiB reserved)."""
-    return min(2, SM_SHARED_BYTES // (smem + 7 * 1024))
+def _wgmma_per_sm(smem, deep):
+    """CTAs of qkv_wgmma an SM holds: its launch bound (1 when ``deep``, else 2) and its shared
+    memory (the dynamic part, about 6 KiB static, 1 KiB reserved)."""
+    return min(1 if deep else 2, SM_SHARED_BYTES // (smem + 7 * 1024))
 
 
-def _wgmma_stages(tn, stages, atoms):
-    """The stages of a ``tn``-token tile: ``stages`` (WGMMA_STAGES), fewer where that many would
-    keep a second CTA off the SM (3 at tiles of 96 and 128 tokens on sm_90: two CTAs an SM hide
-    each other's waits, 36.4 against 41.8 us at 256 tokens), never fewer than 2."""
-    while stages > 2 and _wgmma_per_sm(_wgmma_smem(tn, stages, atoms)) < 2:
+def _wgmma_stages(tn, stages, atoms, deep):
+    """The stages of a ``tn``-token tile: ``stages``, fewer where that many would not fit in an
+    SM's shared memory (``deep``: one CTA, at least 3 stages; 6 at tiles of 128 tokens, 7 at 96)
+    or would keep a second CTA off it (else: 3 at tiles of 96 and 128 tokens on sm_90, at least
+    2)."""
+    floor, per_sm = (3, 1) if deep else (2, 2)
+    while stages > floor and _wgmma_per_sm(_wgmma_smem(tn, stages, atoms), deep) < per_sm:
         stages -= 1
     return stages
 
 
+def _wgmma_tile(T, max_tile):
+    """The token tile of a ``T``-token call: T split evenly over as few tiles of at most
+    ``max_tile`` as hold it, each the smallest of WGMMA_TILES that holds its share."""
+    share = -(-T // -(-T // max_tile))
+    for tn in WGMMA_TILES:
+        if tn >= share or tn >= max_tile:
+            break
+    return tn
+
+
+def _wgmma_tiles():
+    """The (tile, deep) pairs of the shipped settings, at every token count a call can take
+    qkv_wgmma at: eagerly, or under capture (GRAPH_MAX_TOKENS)."""
+    top = max(WGMMA_MAX_TOKENS, GRAPH_MAX_TOKENS)
+    return sorted({(_wgmma_tile(T, WGMMA_MAX_TILE), T <= WGMMA_DEEP_MAX_TOKENS)
+                   for T in range(WGMMA_MIN_TOKENS, top + 1)})
+
+
 def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False):
     """The qkv_wgmma launch, or None where the rows are not 16-byte aligned."""
-    _, _, max_tile, stages, atoms, split = wgmma
+    _, _, max_tile, stages, atoms, split, deep_max, deep_stages = wgmma
     if split not in TILED_SPLITS:
         raise ValueError(f"ropekv.qkv.WGMMA_SPLIT must be one of {TILED_SPLITS}, got {split}")
     if not (vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
             and vx.ptr % 16 == 0 and vx.strides[0] % 8 == 0):
         return None
-    share = -(-T // -(-T // max_tile))  # T over as few tiles of at most max_tile as hold it
-    for tn in WGMMA_TILES:  # the smallest tile that holds a share, at most max_tile
-        if tn >= share or tn >= max_tile:
-            break
+    tn = _wgmma_tile(T, max_tile)
     tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
-    stages = _wgmma_stages(tn, stages, atoms)
+    deep = T <= deep_max
+    stages = _wgmma_stages(tn, deep_stages if deep else stages, atoms, deep)
     smem = _wgmma_smem(tn, stages, atoms)
-    split = _tiled_split(tiles, split, _wgmma_per_sm(smem) * _sm_count(device))
+    split = _tiled_split(tiles, split, _wgmma_per_sm(smem, deep) * _sm_count(device))
     kc = _slice(K, split, 64 * atoms)
-    return Launch(STEM, wgmma_expression(vx.dtype, tn, split, stages, atoms, opts), device,
+    return Launch(STEM, wgmma_expression(vx.dtype, tn, split, stages, atoms, opts, deep), device,
                   (split, tiles), (WGMMA_THREADS,), PARAMS, {**fields, "kc": kc}, slots,
                   shared_mem=smem, pdl=pdl)
 

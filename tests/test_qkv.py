@@ -756,13 +756,17 @@ def test_gpu_capture_runs_the_fused_kernel_beyond_its_eager_range(lengths, dtype
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [17, 33, 64, 128, 200])
 @pytest.mark.parametrize("tile", [32, 64, 96, 128])
-@pytest.mark.parametrize("stages, atoms", [(2, 1), (3, 2), (4, 1)])
+@pytest.mark.parametrize("stages, atoms", [(2, 1), (3, 2), (4, 1), (6, 1)])
 def test_gpu_wgmma_settings(T, tile, stages, atoms, monkeypatch):
-    """qkv_wgmma under every token tile, stage count and stage width: K slices of one to several
-    stages (splits of 1 to 8, a slice past K's end), a partial row tile (N = 320), tokens
-    outside every request, interleaved RoPE on part of the head."""
+    """qkv_wgmma under every token tile, stage count and stage width, deep (one CTA an SM, a
+    wgmma group left running: 3 stages at least) or not, each at every token count: K slices of
+    one to several stages (splits of 1 to 8, a slice past K's end), a partial row tile (N =
+    320), tokens outside every request, interleaved RoPE on part of the head."""
+    deep = (T + tile // 32 + stages) % 3 != 0
     monkeypatch.setattr(qkv_mod, "WGMMA_MAX_TILE", tile)
     monkeypatch.setattr(qkv_mod, "WGMMA_STAGES", stages)
+    monkeypatch.setattr(qkv_mod, "WGMMA_DEEP_STAGES", stages)
+    monkeypatch.setattr(qkv_mod, "WGMMA_DEEP_MAX_TOKENS", 1 << 30 if deep else 0)
     monkeypatch.setattr(qkv_mod, "WGMMA_ATOMS", atoms)
     monkeypatch.setattr(qkv_mod, "SM_SHARED_BYTES", 1 << 30)  # the split as WGMMA_SPLIT says
     monkeypatch.setattr(qkv_mod, "WGMMA_SPLIT", (1, 2, 4, 8)[(T + tile // 32 + stages) % 4])

@@ -1549,15 +1549,18 @@ __launch_bounds__(TN * 2 * KG,
 
 // ---- qkv_wgmma: 16-bit weights at 17-128 tokens, Hopper's warpgroup MMA ----------------------
 //
-// qkv_wgmma<T, TN, S, STAGES, KA>: qkv_mma_tiled's tiles, cluster split of K and epilogue for
+// qkv_wgmma<T, TN, S, STAGES, KA, OPTS, DEEP>: qkv_mma_tiled's tiles, cluster split of K and
+// epilogue for
 // fp16 / bf16 weights, with the products taken by wgmma (sm_90a) straight from the staged tiles:
 // no ldmatrix, no fragments in registers. A CTA is two warpgroups; warpgroup h owns weight rows
 // [64 h, 64 h + 64) of the 128-row tile and all TN tokens: per k16 step one
 // wgmma.m64nTNk16 whose A (64 weight rows) and B (TN hidden rows) are read from shared memory
 // through matrix descriptors. The float32 sums stay in registers (TN / 2 a thread) until the
-// cluster reduction. Token tiles of 32, 64, 96 or 128; two CTAs an SM (launch bound; the host
-// gives tiles of 96 and 128 tokens 3 stages so that their shared memory fits twice: 2 CTAs hide
-// each other's barrier and copy waits).
+// cluster reduction. Token tiles of 32, 64, 96 or 128. DEEP (the host's choice up to
+// WGMMA_DEEP_MAX_TOKENS): one CTA an SM with as many stages as its shared memory holds (6-8) and
+// one group of wgmmas left running across each barrier; else two CTAs an SM (launch bound; 3
+// stages at tiles of 96 and 128 tokens so that both fit), which hide each other's waits and win
+// where the grid has more CTAs than SMs (docs/kernel-notes.md).
 //
 // Stages: KA atoms of 64 k values; an atom is 128-byte rows (the weights' MMA_ROWS, then the
 // hidden rows' TN), 16-byte chunk c of row r at c ^ (r % 8), every atom 1024-byte aligned: the
@@ -1565,11 +1568,13 @@ __launch_bounds__(TN * 2 * KG,
 // apart). The k16 step j of an atom starts 32 j bytes into it; the hardware applies the swizzle
 // to the address it forms, which is why the atoms sit on 1024-byte boundaries.
 //
-// Pipeline (all 256 threads copy, cp.async, STAGES - 1 stages ahead): wait for this thread's
-// copies of stage ks, make them visible to the async proxy (fence.proxy.async), wait for this
-// warpgroup's wgmmas of stage ks - 1, barrier (stage ks landed for everyone, stage ks - 1 no
-// longer read), issue the copies of stage ks + STAGES - 1 into ks - 1's buffer, issue stage ks's
-// wgmmas and commit them; they run while the next iteration waits for its copies.
+// Pipeline (all 256 threads copy, cp.async, AHEAD = STAGES - 1 - INFLIGHT stages ahead): wait
+// for this thread's copies of stage ks, make them visible to the async proxy
+// (fence.proxy.async), wait until at most INFLIGHT (DEEP: 1, else 0) of this warpgroup's wgmma
+// groups run (so stage ks - 1 - INFLIGHT is no longer read), barrier (stage ks landed for
+// everyone, that stage free for all), issue the copies of stage ks + AHEAD into its buffer, issue
+// stage ks's wgmmas and commit them; they run while the next iteration waits for its copies (and,
+// DEEP, while it issues the next stage's: wgmmas into the same accumulators are ordered).
 //
 // Accumulator layout of wgmma.m64nNk16 (f32): thread (warp w of the warpgroup, lane g * 4 + c)
 // holds, for n8 tile j, d[4j] = (row 16w + g, token 8j + 2c), d[4j + 1] = (16w + g, 8j + 2c + 1),
@@ -1640,12 +1645,15 @@ __device__ __forceinline__ void fence_regs(float (&d)[R]) {  // keep d out of re
 
 constexpr int WGMMA_THREADS = 256;  // two warpgroups: 64 weight rows each
 
-template <typename T, int TN, int S, int STAGES, int KA, bool OPTS>
-__global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, 2)
+template <typename T, int TN, int S, int STAGES, int KA, bool OPTS, bool DEEP>
+__global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
     qkv_wgmma(const QkvParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   pdl_launch_dependents();
   pdl_wait();
+  constexpr int INFLIGHT = DEEP ? 1 : 0;           // wgmma groups left running a k step
+  constexpr int AHEAD = STAGES - 1 - INFLIGHT;     // stages copied ahead of the one multiplied
+  static_assert(AHEAD >= 1, "qkv_wgmma needs STAGES >= 2, DEEP ones >= 3");
   constexpr int BK = 64 * KA;                       // k values per stage
   constexpr int A_ATOM = MMA_ROWS * 128, B_ATOM = TN * 128;
   constexpr int STAGE_BYTES = KA * (A_ATOM + B_ATOM);
@@ -1701,7 +1709,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, 2)
     }
   };
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
+  for (int s = 0; s < AHEAD; ++s) {
     if (s < nk) load(s, s);
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
@@ -1715,13 +1723,15 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, 2)
 #pragma unroll
   for (int i = 0; i < R; ++i) acc[i] = 0.f;
   for (int ks = 0; ks < nk; ++ks) {
-    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2) : "memory");
+    asm volatile("cp.async.wait_group %0;" :: "n"(AHEAD - 1) : "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     fence_regs(acc);
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(INFLIGHT) : "memory");
     fence_regs(acc);
-    __syncthreads();  // stage ks landed for every thread; stage ks - 1 is free again
-    if (ks + STAGES - 1 < nk) load((ks + STAGES - 1) % STAGES, ks + STAGES - 1);
+    // stage ks landed for every thread; stage ks - 1 - INFLIGHT (the one the copies below
+    // refill) is no longer read by any warpgroup's wgmma
+    __syncthreads();
+    if (ks + AHEAD < nk) load((ks + AHEAD) % STAGES, ks + AHEAD);
     asm volatile("cp.async.commit_group;" ::: "memory");
     const unsigned base = smem0 + (ks % STAGES) * STAGE_BYTES;
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
