@@ -900,8 +900,9 @@ def _wgmma_stages(tn, stages, atoms, deep):
     """The stages of a ``tn``-token tile: ``stages``, fewer where that many would not fit in an
     SM's shared memory (``deep``: one CTA, at least 3 stages; 6 at tiles of 128 tokens, 7 at 96)
     or would keep a second CTA off it (else: 3 at tiles of 96 and 128 tokens on sm_90, at least
-    2)."""
+    2); fewer than that floor are raised to it."""
     floor, per_sm = (3, 1) if deep else (2, 2)
+    stages = max(stages, floor)
     while stages > floor and _wgmma_per_sm(_wgmma_smem(tn, stages, atoms), deep) < per_sm:
         stages -= 1
     return stages

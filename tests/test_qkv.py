@@ -989,3 +989,15 @@ def test_gpu_repeated_decode_replays_the_launch_plan(out_given, wfmt):
         args, kw = make_case(seed, lengths=(1,), wfmt=wfmt, group_size=128, cached=[77],
                              **{**LLAMA, "K": 1024})
         check_gpu(args, kw, out_given=out_given)
+
+
+def test_wgmma_stages_fit_the_shared_memory_of_their_ctas():
+    """Deep tiles (one CTA an SM) take as many stages as fit, 3 at least; the others as many as
+    leave room for a second CTA, 2 at least; a request below the floor is raised to it."""
+    stages = qkv_mod._wgmma_stages
+    assert [stages(tn, 8, 1, True) for tn in (32, 64, 96, 128)] == [8, 8, 7, 6]
+    assert [stages(tn, 4, 1, False) for tn in (32, 64, 96, 128)] == [4, 4, 3, 3]
+    assert stages(64, 2, 1, True) == 3 and stages(64, 1, 1, False) == 2
+    for tn, deep in qkv_mod._wgmma_tiles():
+        n = stages(tn, 8, 1, deep)
+        assert qkv_mod._wgmma_per_sm(qkv_mod._wgmma_smem(tn, n, 1), deep) == (1 if deep else 2)
