@@ -666,9 +666,10 @@ def _prepare(views, flags):
 # Why a call is refused under CUDA-graph capture (the plans' and the frameworks' messages).
 GRAPH_RULE = ("this call runs cuBLAS on temporaries freed when it returns, which a graph cannot "
               "hold. Calls of up to ropekv.qkv.GEMV_MAX_TOKENS tokens, and on sm_90 of up to "
-              "GRAPH_MAX_TOKENS tokens with 16-byte aligned weight and hidden rows and heads "
-              "that divide 128 rows (fp16 / bf16 weights: K a multiple of 64, or of 8), run one "
-              "kernel and can be recorded; run this one outside the graph")
+              "GRAPH_MAX_TOKENS tokens with 16-byte aligned weight and hidden rows, heads that "
+              "divide 128 rows and K a multiple of 8 (16 with fp8 weights; 32 with 4-bit ones, "
+              "in groups of a multiple of 32), run one kernel and can be recorded (see "
+              "ropekv.qkv.graph_safe); run this one outside the graph")
 
 
 def _result(arrays, outs):
