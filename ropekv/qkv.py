@@ -148,6 +148,14 @@ WGMMA_MAX_TILE = 128
 WGMMA_STAGES = 4
 WGMMA_DEEP_STAGES = 8
 WGMMA_DEEP_MAX_TOKENS = 128
+# fp8 weights take qkv_wgmma too, deep only (WGMMA_FP8_MIN_TOKENS to WGMMA_DEEP_MAX_TOKENS tokens,
+# K a multiple of 64 x WGMMA_FP8_ATOMS): each stage's codes are converted to the input dtype in
+# shared memory before its wgmmas. Measured on the H200 (docs/kernel-notes.md), Llama-3-8B
+# projection, against the kernels they took before (qkv_mma, qkv_mma_tiled): 20.1 against 23.1 us
+# at 64 tokens, 23.8 against 36.5 at 96, 26.3 against 37.3 at 128; at 4-32 tokens 17.5-18.4
+# against 14.0-18.1 (slower or even), so from 48 (19.8 against 22.3).
+WGMMA_FP8_MIN_TOKENS = 48
+WGMMA_FP8_ATOMS = 2  # 128 codes a staged row: half the conversions and barriers of 64
 WGMMA_ATOMS = 1
 WGMMA_SPLIT = 8
 WGMMA_THREADS = 256  # mirror qkv.cu
@@ -227,9 +235,9 @@ def tiled_expression(dtype, fmt, tn, split, stages, kgroups, opts=False):
 
 
 @functools.cache
-def wgmma_expression(dtype, tn, split, stages, atoms, opts=False, deep=True):
+def wgmma_expression(dtype, tn, split, stages, atoms, opts=False, deep=True, fp8=False):
     return name_expression("qkv_wgmma", c_type(dtype), tn, split, stages, atoms, c_bool(opts),
-                           c_bool(deep))
+                           c_bool(deep), c_bool(fp8))
 
 
 @functools.cache
@@ -255,10 +263,11 @@ def instantiations():
             yield mma_expression(dtype, fmt, tn, split, opts)
         for fmt, tn, split in itertools.product(TILED_FORMATS, TILED_TILES, TILED_SPLITS):
             yield tiled_expression(dtype, fmt, tn, split, TILED_STAGES, TILED_KGROUPS, opts)
-        for (tn, deep), split in itertools.product(_wgmma_tiles(), TILED_SPLITS):
-            stages = _wgmma_stages(tn, WGMMA_DEEP_STAGES if deep else WGMMA_STAGES, WGMMA_ATOMS,
-                                   deep)
-            yield wgmma_expression(dtype, tn, split, stages, WGMMA_ATOMS, opts, deep)
+        for (tn, deep, fp8), split in itertools.product(_wgmma_tiles(), TILED_SPLITS):
+            atoms = WGMMA_FP8_ATOMS if fp8 else WGMMA_ATOMS
+            stages = _wgmma_stages(tn, WGMMA_DEEP_STAGES if deep else WGMMA_STAGES, atoms, deep,
+                                   fp8)
+            yield wgmma_expression(dtype, tn, split, stages, atoms, opts, deep, fp8)
         for cache_dtype, n in itertools.product((dtype, *FP8_DTYPES), EPILOGUE_WIDTHS):
             yield epilogue_expression(dtype, cache_dtype, dtype, n, opts)
             if cache_dtype in FP8_DTYPES:
@@ -625,9 +634,10 @@ def _prepare(views, flags):
     def fused(wgmma, mma_max):
         """The one fused launch that takes the call (qkv_wgmma, else the tensor-core kernels up
         to ``mma_max`` tokens), or None."""
-        if (fmt == W_DENSE and wgmma_shape(T, K, D, wgmma)
+        if (wgmma_takes(fmt, T, K, D, wgmma)
                 and _compute_capability(device) == WGMMA_CAPABILITY):
-            step = _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts)
+            step = _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts,
+                          fmt == W_FP8)
             if step is not None:
                 return step
         if T and mma_min <= T <= mma_max:
@@ -867,7 +877,8 @@ def tiled_settings():
 def wgmma_settings():
     """The WGMMA_* settings as the call passes them (the flags' tuple)."""
     return (WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS, WGMMA_MAX_TILE, WGMMA_STAGES, WGMMA_ATOMS,
-            WGMMA_SPLIT, WGMMA_DEEP_MAX_TOKENS, WGMMA_DEEP_STAGES)
+            WGMMA_SPLIT, WGMMA_DEEP_MAX_TOKENS, WGMMA_DEEP_STAGES, WGMMA_FP8_MIN_TOKENS,
+            WGMMA_FP8_ATOMS)
 
 
 def wgmma_shape(T, K, D, wgmma):
@@ -878,17 +889,29 @@ def wgmma_shape(T, K, D, wgmma):
     return lo <= T <= hi and MMA_ROWS % D == 0 and K % (64 * atoms) == 0
 
 
+def wgmma_takes(fmt, T, K, D, wgmma):
+    """Whether qkv_wgmma takes a call of weight format ``fmt`` (given the device and the
+    alignment): :func:`wgmma_shape`, fp16 / bf16 weights, or fp8 ones from ``wgmma``'s
+    WGMMA_FP8_MIN_TOKENS to its WGMMA_DEEP_MAX_TOKENS (the deep kernel)."""
+    if fmt == W_FP8:
+        fp8 = (*wgmma[:4], wgmma[9], *wgmma[5:])  # its atoms
+        return wgmma[8] <= T <= wgmma[6] and wgmma_shape(T, K, D, fp8)
+    return fmt == W_DENSE and wgmma_shape(T, K, D, wgmma)
+
+
 def wgmma_applies(T, K, D, compute_capability, wgmma):
     """:func:`wgmma_shape` on a device of ``compute_capability``: sm_90 alone (wgmma is an sm_90a
     instruction; later GPUs run the other paths)."""
     return compute_capability == WGMMA_CAPABILITY and wgmma_shape(T, K, D, wgmma)
 
 
-def _wgmma_smem(tn, stages, atoms):
+def _wgmma_smem(tn, stages, atoms, fp8=False):
     """Dynamic shared memory of qkv_wgmma: the stages (128-byte weight and hidden rows of 64 k
-    values an atom), later the float32 partial sums, and 1 KiB to align the stages to 1024
-    bytes."""
-    return max(stages * atoms * (MMA_ROWS + tn) * 128, tn * (MMA_ROWS + 4) * 4) + 1024
+    values an atom; fp8 weight rows of 64 bytes, and two buffers of their 16-bit conversion),
+    later the float32 partial sums, and 1 KiB to align the stages to 1024 bytes."""
+    a_row, conv = (64, 2 * atoms * MMA_ROWS * 128) if fp8 else (128, 0)
+    stages_bytes = stages * atoms * (MMA_ROWS * a_row + tn * 128) + conv
+    return max(stages_bytes, tn * (MMA_ROWS + 4) * 4) + 1024
 
 
 def _wgmma_per_sm(smem, deep):
@@ -897,14 +920,14 @@ def _wgmma_per_sm(smem, deep):
     return min(1 if deep else 2, SM_SHARED_BYTES // (smem + 7 * 1024))
 
 
-def _wgmma_stages(tn, stages, atoms, deep):
+def _wgmma_stages(tn, stages, atoms, deep, fp8=False):
     """The stages of a ``tn``-token tile: ``stages``, fewer where that many would not fit in an
     SM's shared memory (``deep``: one CTA, at least 3 stages; 6 at tiles of 128 tokens, 7 at 96)
     or would keep a second CTA off it (else: 3 at tiles of 96 and 128 tokens on sm_90, at least
     2); fewer than that floor are raised to it."""
     floor, per_sm = (3, 1) if deep else (2, 2)
     stages = max(stages, floor)
-    while stages > floor and _wgmma_per_sm(_wgmma_smem(tn, stages, atoms), deep) < per_sm:
+    while stages > floor and _wgmma_per_sm(_wgmma_smem(tn, stages, atoms, fp8), deep) < per_sm:
         stages -= 1
     return stages
 
@@ -920,16 +943,22 @@ def _wgmma_tile(T, max_tile):
 
 
 def _wgmma_tiles():
-    """The (tile, deep) pairs of the shipped settings, at every token count a call can take
-    qkv_wgmma at: eagerly, or under capture (GRAPH_MAX_TOKENS)."""
+    """The (tile, deep, fp8) triples of the shipped settings, at every token count a call can take
+    qkv_wgmma at: eagerly, or under capture (GRAPH_MAX_TOKENS); fp8 weights deep only."""
     top = max(WGMMA_MAX_TOKENS, GRAPH_MAX_TOKENS)
-    return sorted({(_wgmma_tile(T, WGMMA_MAX_TILE), T <= WGMMA_DEEP_MAX_TOKENS)
-                   for T in range(WGMMA_MIN_TOKENS, top + 1)})
+    dense = {(_wgmma_tile(T, WGMMA_MAX_TILE), T <= WGMMA_DEEP_MAX_TOKENS, False)
+             for T in range(WGMMA_MIN_TOKENS, top + 1)}
+    fp8 = {(_wgmma_tile(T, WGMMA_MAX_TILE), True, True)
+           for T in range(WGMMA_FP8_MIN_TOKENS, min(WGMMA_MAX_TOKENS, WGMMA_DEEP_MAX_TOKENS) + 1)}
+    return sorted(dense | fp8)
 
 
-def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False):
-    """The qkv_wgmma launch, or None where the rows are not 16-byte aligned."""
-    _, _, max_tile, stages, atoms, split, deep_max, deep_stages = wgmma
+def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False, fp8=False):
+    """The qkv_wgmma launch (``fp8``: of fp8 weights), or None where the rows are not 16-byte
+    aligned."""
+    _, _, max_tile, stages, atoms, split, deep_max, deep_stages, _, fp8_atoms = wgmma
+    if fp8:
+        atoms = fp8_atoms
     if split not in TILED_SPLITS:
         raise ValueError(f"ropekv.qkv.WGMMA_SPLIT must be one of {TILED_SPLITS}, got {split}")
     if not (vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
@@ -938,12 +967,12 @@ def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False):
     tn = _wgmma_tile(T, max_tile)
     tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
     deep = T <= deep_max
-    stages = _wgmma_stages(tn, deep_stages if deep else stages, atoms, deep)
-    smem = _wgmma_smem(tn, stages, atoms)
+    stages = _wgmma_stages(tn, deep_stages if deep else stages, atoms, deep, fp8)
+    smem = _wgmma_smem(tn, stages, atoms, fp8)
     split = _tiled_split(tiles, split, _wgmma_per_sm(smem, deep) * _sm_count(device))
     kc = _slice(K, split, 64 * atoms)
-    return Launch(STEM, wgmma_expression(vx.dtype, tn, split, stages, atoms, opts, deep), device,
-                  (split, tiles), (WGMMA_THREADS,), PARAMS, {**fields, "kc": kc}, slots,
+    return Launch(STEM, wgmma_expression(vx.dtype, tn, split, stages, atoms, opts, deep, fp8),
+                  device, (split, tiles), (WGMMA_THREADS,), PARAMS, {**fields, "kc": kc}, slots,
                   shared_mem=smem, pdl=pdl)
 
 

@@ -601,8 +601,8 @@ def taken_path(args, kw):
     fmt = {args["hidden_state"].dtype: qkv_mod.W_DENSE, E4M3: qkv_mod.W_FP8,
            np.dtype(np.uint8): qkv_mod.W_INT4}[args["weight"].dtype]
     cc = int(cp.cuda.Device().compute_capability)
-    if (fmt == qkv_mod.W_DENSE and qkv_mod.WGMMA_MIN_TOKENS <= T <= qkv_mod.WGMMA_MAX_TOKENS
-            and qkv_mod.wgmma_applies(T, K, D, cc, qkv_mod.wgmma_settings())):
+    if (qkv_mod.wgmma_takes(fmt, T, K, D, qkv_mod.wgmma_settings())
+            and cc == qkv_mod.WGMMA_CAPABILITY):
         return "wgmma"
     N = args["weight"].shape[0]
     mma_max = (qkv_mod.MMA_MAX_TOKENS if fmt == qkv_mod.W_DENSE else qkv_mod.quantized_top(
@@ -699,7 +699,7 @@ def test_gpu_llama3_8b_tiled(lengths, dtype, wfmt, monkeypatch):
 def test_gpu_llama3_8b_wgmma(lengths, dtype, monkeypatch):
     """qkv_wgmma at Llama-3-8B's projection: token tiles of 32 (5 and 17 tokens), 64, 96 (90
     tokens; 160 as two tiles of 80) and 128, several 128-token tiles, prefill-like requests; bf16
-    into fp8 caches."""
+    into fp8 caches. (fp8 weights: test_gpu_llama3_8b_wgmma_fp8.)"""
     args, kw = make_case(28, lengths=lengths, dtype=dtype, cache_dtype=E4M3 if dtype == BF16
                          else None, cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
                          **{**LLAMA, "P": 8192})
@@ -754,6 +754,22 @@ def test_gpu_capture_runs_the_fused_kernel_beyond_its_eager_range(lengths, dtype
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(1,) * 48, (40, 0, 24), (1,) * 90, (60, 0, 68),
+                                     (1,) * 128])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_gpu_llama3_8b_wgmma_fp8(lengths, dtype):
+    """fp8 weights on qkv_wgmma (the shipped thresholds: 48 to 128 tokens, the deep kernel,
+    stages of 128 codes): codes converted to the input dtype in shared memory, per-row scales in
+    the epilogue; tiles of 64, 96 and 128; bf16 into fp8 caches."""
+    args, kw = make_case(30, lengths=lengths, dtype=dtype, wfmt="fp8",
+                         cache_dtype=E4M3 if dtype == BF16 else None,
+                         cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
+                         **{**LLAMA, "P": 8192})
+    assert taken_path(args, kw) == "wgmma"
+    check_gpu(args, kw)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [17, 33, 64, 128, 200])
 @pytest.mark.parametrize("tile", [32, 64, 96, 128])
 @pytest.mark.parametrize("stages, atoms", [(2, 1), (3, 2), (4, 1), (6, 1)])
@@ -763,6 +779,7 @@ def test_gpu_wgmma_settings(T, tile, stages, atoms, monkeypatch):
     one to several stages (splits of 1 to 8, a slice past K's end), a partial row tile (N =
     320), tokens outside every request, interleaved RoPE on part of the head."""
     deep = (T + tile // 32 + stages) % 3 != 0
+    fp8 = deep and (T + tile // 32) % 2 == 0  # fp8 weights: the deep kernel only
     monkeypatch.setattr(qkv_mod, "WGMMA_MAX_TILE", tile)
     monkeypatch.setattr(qkv_mod, "WGMMA_STAGES", stages)
     monkeypatch.setattr(qkv_mod, "WGMMA_DEEP_STAGES", stages)
@@ -771,7 +788,10 @@ def test_gpu_wgmma_settings(T, tile, stages, atoms, monkeypatch):
     monkeypatch.setattr(qkv_mod, "SM_SHARED_BYTES", 1 << 30)  # the split as WGMMA_SPLIT says
     monkeypatch.setattr(qkv_mod, "WGMMA_SPLIT", (1, 2, 4, 8)[(T + tile // 32 + stages) % 4])
     lengths = (T // 2, 0, T - T // 2 - 1)
+    monkeypatch.setattr(qkv_mod, "WGMMA_FP8_MIN_TOKENS", 1)
+    monkeypatch.setattr(qkv_mod, "WGMMA_FP8_ATOMS", atoms)
     args, kw = make_case(29 + T + tile, lengths=lengths, dtype=BF16 if T % 2 else F16,
+                         wfmt="fp8" if fp8 else "dense",
                          K=1536 if atoms == 1 else 1664, Hq=3, Hkv=1, D=64, R=32, P=512,
                          page_size=16, extra_tokens=1, is_neox=bool(T % 3),
                          cached=[5 * i for i in range(len(lengths))])
@@ -998,6 +1018,10 @@ def test_wgmma_stages_fit_the_shared_memory_of_their_ctas():
     assert [stages(tn, 8, 1, True) for tn in (32, 64, 96, 128)] == [8, 8, 7, 6]
     assert [stages(tn, 4, 1, False) for tn in (32, 64, 96, 128)] == [4, 4, 3, 3]
     assert stages(64, 2, 1, True) == 3 and stages(64, 1, 1, False) == 2
-    for tn, deep in qkv_mod._wgmma_tiles():
-        n = stages(tn, 8, 1, deep)
-        assert qkv_mod._wgmma_per_sm(qkv_mod._wgmma_smem(tn, n, 1), deep) == (1 if deep else 2)
+    assert [stages(tn, 8, 1, True, True) for tn in (32, 64, 96, 128)] == [8, 8, 8, 7]  # fp8
+    assert [stages(tn, 8, 2, True, True) for tn in (64, 96, 128)] == [4, 3, 3]  # 128 codes
+    for tn, deep, fp8 in qkv_mod._wgmma_tiles():
+        atoms = qkv_mod.WGMMA_FP8_ATOMS if fp8 else qkv_mod.WGMMA_ATOMS
+        n = stages(tn, 8, atoms, deep, fp8)
+        smem = qkv_mod._wgmma_smem(tn, n, atoms, fp8)
+        assert qkv_mod._wgmma_per_sm(smem, deep) == (1 if deep else 2)

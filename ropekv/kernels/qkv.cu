@@ -1645,7 +1645,7 @@ __device__ __forceinline__ void fence_regs(float (&d)[R]) {  // keep d out of re
 
 constexpr int WGMMA_THREADS = 256;  // two warpgroups: 64 weight rows each
 
-template <typename T, int TN, int S, int STAGES, int KA, bool OPTS, bool DEEP>
+template <typename T, int TN, int S, int STAGES, int KA, bool OPTS, bool DEEP, bool FP8>
 __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
     qkv_wgmma(const QkvParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1655,9 +1655,13 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   constexpr int AHEAD = STAGES - 1 - INFLIGHT;     // stages copied ahead of the one multiplied
   static_assert(AHEAD >= 1, "qkv_wgmma needs STAGES >= 2, DEEP ones >= 3");
   constexpr int BK = 64 * KA;                       // k values per stage
-  constexpr int A_ATOM = MMA_ROWS * 128, B_ATOM = TN * 128;
-  constexpr int STAGE_BYTES = KA * (A_ATOM + B_ATOM);
-  constexpr int A_STEP = WGMMA_THREADS / 8, B_STEP = WGMMA_THREADS / 8;  // rows apart
+  // an atom's weights as wgmma reads them (16-bit, swizzled) and as they are staged (FP8: rows
+  // of 64 codes, plain), its hidden rows
+  constexpr int A_ATOM = MMA_ROWS * 128, A_STAGED = FP8 ? MMA_ROWS * 64 : A_ATOM;
+  constexpr int B_ATOM = TN * 128;
+  constexpr int STAGE_BYTES = KA * (A_STAGED + B_ATOM);
+  constexpr int A_CHUNKS = FP8 ? 4 : 8;  // 16-byte chunks of a staged weight row (an atom)
+  constexpr int A_STEP = WGMMA_THREADS / A_CHUNKS, B_STEP = WGMMA_THREADS / 8;  // rows apart
   constexpr int A_LOADS = MMA_ROWS / A_STEP, B_LOADS = TN / B_STEP;
   constexpr int R = TN / 2;  // accumulators a thread
   static_assert(TN % 32 == 0 && B_LOADS * B_STEP == TN && B_ATOM % 1024 == 0, "tile shape");
@@ -1679,11 +1683,13 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   const int kend = kbeg + tile.klen;
   const int nk = (kend - kbeg + BK - 1) / BK;
 
-  // Each thread copies chunk column cc (8 k values) of rows r, r + 32, ... of every atom.
+  // Each thread copies chunk column cc (8 k values) of hidden rows r, r + 32, ... of every atom,
+  // and chunk column ac (8 k values; FP8 16) of weight rows ar, ar + A_STEP, ...
   const int rr = threadIdx.x >> 3, cc = threadIdx.x & 7;
-  const int kc0 = kbeg + cc * 8;
+  const int ar = threadIdx.x / A_CHUNKS, ac = threadIdx.x % A_CHUNKS;
+  const int kc0 = kbeg + cc * 8, ka0 = kbeg + ac * (FP8 ? 16 : 8);
   const unsigned char* a_src = static_cast<const unsigned char*>(p.weight) +
-                               i64(row0 + rr) * p.weight_row_bytes + i64(kc0) * 2;
+                               i64(row0 + ar) * p.weight_row_bytes + i64(ka0) * (FP8 ? 1 : 2);
   const i64 a_step = i64(A_STEP) * p.weight_row_bytes;
   const unsigned char* b_src = static_cast<const unsigned char*>(p.hidden) +
                                (i64(t0 + rr) * p.hidden_s0 + kc0) * 2;
@@ -1693,12 +1699,13 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
 #pragma unroll
     for (int a = 0; a < KA; ++a) {
       const int dk = ks * BK + a * 64;
-      const unsigned abase = base + a * A_ATOM, bbase = base + KA * A_ATOM + a * B_ATOM;
+      const unsigned abase = base + a * A_STAGED, bbase = base + KA * A_STAGED + a * B_ATOM;
 #pragma unroll
       for (int j = 0; j < A_LOADS; ++j) {
-        const bool on = kc0 + dk < kend && row0 + rr + j * A_STEP < p.N;
-        cp_async16(abase + tiled_at<128>(rr + j * A_STEP, cc),
-                   on ? a_src + j * a_step + dk * 2 : p.weight, on);
+        const bool on = ka0 + dk < kend && row0 + ar + j * A_STEP < p.N;
+        const unsigned dst = FP8 ? abase + (ar + j * A_STEP) * 64 + ac * 16
+                                 : abase + tiled_at<128>(ar + j * A_STEP, ac);
+        cp_async16(dst, on ? a_src + j * a_step + dk * (FP8 ? 1 : 2) : p.weight, on);
       }
 #pragma unroll
       for (int j = 0; j < B_LOADS; ++j) {
@@ -1734,11 +1741,39 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
     if (ks + AHEAD < nk) load((ks + AHEAD) % STAGES, ks + AHEAD);
     asm volatile("cp.async.commit_group;" ::: "memory");
     const unsigned base = smem0 + (ks % STAGES) * STAGE_BYTES;
+    // the weights wgmma reads: the stage's own (16-bit), or (FP8) the codes of stage ks converted
+    // to T into buffer ks % 2 after the stages (its last reader, the wgmmas of stage ks - 2, has
+    // retired in both warpgroups: the wait and the barrier above)
+    unsigned abase = base;
+    if constexpr (FP8) {
+      abase = smem0 + STAGES * STAGE_BYTES + (ks & 1) * (KA * A_ATOM);
+      const int row = threadIdx.x >> 1, half = threadIdx.x & 1;  // 32 codes of a row a thread
+#pragma unroll
+      for (int a = 0; a < KA; ++a) {
+        const unsigned src = base + a * A_STAGED + row * 64 + half * 32;
+        uint4 v[2];
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v[0].x), "=r"(v[0].y), "=r"(v[0].z), "=r"(v[0].w) : "r"(src));
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v[1].x), "=r"(v[1].y), "=r"(v[1].z), "=r"(v[1].w) : "r"(src + 16));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // 8 codes -> the 16-byte chunk half * 4 + j of the row
+          const unsigned lo = (j & 1) ? v[j >> 1].z : v[j >> 1].x;
+          const unsigned hi = (j & 1) ? v[j >> 1].w : v[j >> 1].y;
+          const unsigned dst = abase + a * A_ATOM + tiled_at<128>(row, half * 4 + j);
+          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
+                       :: "r"(dst), "r"(fp8x2_to<T>(lo)), "r"(fp8x2_to<T>(lo >> 16)),
+                          "r"(fp8x2_to<T>(hi)), "r"(fp8x2_to<T>(hi >> 16)) : "memory");
+        }
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // for wgmma's reads
+      __syncthreads();
+    }
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int a = 0; a < KA; ++a) {
-      const unsigned long long da = sw128_desc(base + a * A_ATOM + wg * 64 * 128);
-      const unsigned long long db = sw128_desc(base + KA * A_ATOM + a * B_ATOM);
+      const unsigned long long da = sw128_desc(abase + a * A_ATOM + wg * 64 * 128);
+      const unsigned long long db = sw128_desc(base + KA * A_STAGED + a * B_ATOM);
 #pragma unroll
       for (int j = 0; j < 4; ++j)  // k16 step j: 32 bytes into the rows (2 in 16-byte units)
         wgmma_m64k16<TN, T>(acc, da + 2 * j, db + 2 * j);
@@ -1762,7 +1797,8 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
     d[8] = acc[4 * j + 2];
     d[MMA_PART_STRIDE + 8] = acc[4 * j + 3];
   }
-  cluster_epilogue<T, W_DENSE, S, OPTS, true>(p, part, slots, rests, row0, t0, nt, rank);
+  cluster_epilogue<T, FP8 ? W_FP8 : W_DENSE, S, OPTS, true>(p, part, slots, rests, row0, t0, nt,
+                                                          rank);
 #endif
 }
 
