@@ -7,8 +7,9 @@ Three paths, picked by the token count T (and, on sm_90, a fourth kernel for 16-
   devices, K a multiple of 64 and 16-byte aligned rows: ``qkv_wgmma``, one launch: the weights
   and hidden rows staged in shared memory (cp.async) and multiplied by Hopper's warpgroup MMA
   (``wgmma``, an sm_90a instruction; the kernel is compiled for that target), split-K over a
-  cluster and the epilogue fused as below. Faster than every other path up to 96 tokens, even
-  with cuBLAS + the epilogue at 128 (docs/kernel-notes.md).
+  cluster and the epilogue fused as below. Faster than every other path up to 128 tokens
+  (docs/kernel-notes.md). fp8 weights take it too from ``WGMMA_FP8_MIN_TOKENS`` (48) to 128
+  tokens (K a multiple of 128), their codes converted to the input dtype in shared memory.
 * small batches (``MMA_MIN_TOKENS <= T <= MMA_MAX_TOKENS``, ``MMA_MAX_TOKENS_QUANTIZED`` for fp8
   and 4-bit weights, on sm_90 and newer, when D divides 128 and the weights and hidden rows allow
   16-byte loads): ``qkv_mma``, one launch of tensor-core

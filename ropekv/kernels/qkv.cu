@@ -1547,12 +1547,14 @@ __launch_bounds__(TN * 2 * KG,
 #endif
 }
 
-// ---- qkv_wgmma: 16-bit weights at 17-128 tokens, Hopper's warpgroup MMA ----------------------
+// ---- qkv_wgmma: 16-bit weights at 1-128 tokens (fp8 at 48-128), Hopper's warpgroup MMA ------
 //
-// qkv_wgmma<T, TN, S, STAGES, KA, OPTS, DEEP>: qkv_mma_tiled's tiles, cluster split of K and
-// epilogue for
-// fp16 / bf16 weights, with the products taken by wgmma (sm_90a) straight from the staged tiles:
-// no ldmatrix, no fragments in registers. A CTA is two warpgroups; warpgroup h owns weight rows
+// qkv_wgmma<T, TN, S, STAGES, KA, OPTS, DEEP, FP8>: qkv_mma_tiled's tiles, cluster split of K and
+// epilogue for fp16 / bf16 weights, with the products taken by wgmma (sm_90a) straight from the
+// staged tiles: no ldmatrix, no fragments in registers. FP8: the weights are staged as fp8 codes
+// (rows of 64 codes an atom, plain) and each stage is converted to T into one of two swizzled
+// buffers after the stages before its wgmmas (a second barrier a k step); the per-row scales
+// are applied in the epilogue. A CTA is two warpgroups; warpgroup h owns weight rows
 // [64 h, 64 h + 64) of the 128-row tile and all TN tokens: per k16 step one
 // wgmma.m64nTNk16 whose A (64 weight rows) and B (TN hidden rows) are read from shared memory
 // through matrix descriptors. The float32 sums stay in registers (TN / 2 a thread) until the
