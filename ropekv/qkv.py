@@ -47,6 +47,7 @@ import functools
 import itertools
 import math
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
@@ -510,8 +511,12 @@ def fused_qkv_matmul_append_paged_kv_cache(
                (num_q_heads, is_neox, kv_layout, kv_scale, group_size, enable_pdl,
                 GEMV_MAX_TOKENS, FAST_INT4, MMA_MIN_TOKENS, MMA_MAX_TOKENS,
                 (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID), MMA_SPLIT,
-                tiled_settings(),
-                wgmma_settings(),
+                # tiled_settings() and wgmma_settings(), spelled out: this runs on every call
+                (TILED_MIN_TOKENS, TILED_MAX_TILE, TILED_STAGES, TILED_SPLIT, TILED_CTAS_PER_SM,
+                 TILED_KGROUPS),
+                (WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS, WGMMA_MAX_TILE, WGMMA_STAGES, WGMMA_ATOMS,
+                 WGMMA_SPLIT, WGMMA_DEEP_MAX_TOKENS, WGMMA_DEEP_STAGES, WGMMA_FP8_MIN_TOKENS,
+                 WGMMA_FP8_ATOMS),
                 GRAPH_MAX_TOKENS, clear_unused_last_page_rows),
                stream, layer_idx)
 
@@ -520,6 +525,7 @@ def _prepare(views, flags):
     """Validate a first call; the launch plan (GEMV or cuBLAS path) or the NumPy backend run."""
     (num_q_heads, is_neox, kv_layout, kv_scale, group_size, pdl, gemv_max, fast_int4, mma_min,
      mma_max, mma_quantized, mma_split, tiled, wgmma, graph_max, clear) = flags
+    wgmma = WgmmaSettings(*wgmma)
     vx, vw, voff, vlen, vbt, vk, vv, vt, vws, vzp, vout, vstatus = views
 
     # Tests of the common case first, read in the checkers' order; the checkers (which raise
@@ -664,8 +670,8 @@ def _prepare(views, flags):
     # temporaries, which a graph can hold)
     step = None
     if T <= graph_max:
-        lo, hi, *rest = wgmma
-        step = fused((lo, max(hi, graph_max), *rest), max(mma_top, graph_max))
+        step = fused(wgmma._replace(max_tokens=max(wgmma.max_tokens, graph_max)),
+                     max(mma_top, graph_max))
     capture_plan = None if step is None else Plan(device, [step], outputs=outputs,
                                                   written=written, result=_result)
     refusal = (f"fused_qkv_matmul_append_paged_kv_cache cannot be recorded in a CUDA graph with "
@@ -806,8 +812,8 @@ def graph_safe(T, K, D, fmt, group_size, compute_capability):
     capturing stream (``ValueError``)."""
     if T <= GEMV_MAX_TOKENS:
         return True
-    lo, hi, *rest = wgmma_settings()
-    wgmma = (lo, max(hi, GRAPH_MAX_TOKENS), *rest)
+    wgmma = wgmma_settings()
+    wgmma = wgmma._replace(max_tokens=max(wgmma.max_tokens, GRAPH_MAX_TOKENS))
     if fmt == W_DENSE and wgmma_applies(T, K, D, compute_capability, wgmma):
         return True
     top = max(MMA_MAX_TOKENS if fmt == W_DENSE else MMA_MAX_TOKENS_QUANTIZED, GRAPH_MAX_TOKENS)
@@ -875,28 +881,44 @@ def tiled_settings():
             TILED_KGROUPS)
 
 
+class WgmmaSettings(NamedTuple):
+    """The WGMMA_* settings as a call passes them (one flag of the plan key; see the constants)."""
+
+    min_tokens: int
+    max_tokens: int
+    max_tile: int
+    stages: int
+    atoms: int
+    split: int
+    deep_max_tokens: int
+    deep_stages: int
+    fp8_min_tokens: int
+    fp8_atoms: int
+
+
 def wgmma_settings():
-    """The WGMMA_* settings as the call passes them (the flags' tuple)."""
-    return (WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS, WGMMA_MAX_TILE, WGMMA_STAGES, WGMMA_ATOMS,
-            WGMMA_SPLIT, WGMMA_DEEP_MAX_TOKENS, WGMMA_DEEP_STAGES, WGMMA_FP8_MIN_TOKENS,
-            WGMMA_FP8_ATOMS)
+    """The WGMMA_* settings as they are now."""
+    return WgmmaSettings(WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS, WGMMA_MAX_TILE, WGMMA_STAGES,
+                         WGMMA_ATOMS, WGMMA_SPLIT, WGMMA_DEEP_MAX_TOKENS, WGMMA_DEEP_STAGES,
+                         WGMMA_FP8_MIN_TOKENS, WGMMA_FP8_ATOMS)
 
 
-def wgmma_shape(T, K, D, wgmma):
-    """Whether a call with fp16 / bf16 weights has a shape qkv_wgmma takes (given 16-byte aligned
-    rows, checked per call): ``wgmma``'s token range, whole heads in a 128-row tile, K in whole
-    stages."""
-    lo, hi, atoms = wgmma[0], wgmma[1], wgmma[4]
-    return lo <= T <= hi and MMA_ROWS % D == 0 and K % (64 * atoms) == 0
+def wgmma_shape(T, K, D, wgmma, atoms=None):
+    """Whether a call has a shape qkv_wgmma takes (given 16-byte aligned rows, checked per
+    call): ``wgmma``'s token range, whole heads in a 128-row tile, K in whole stages (of
+    ``atoms``, default ``wgmma.atoms``)."""
+    atoms = atoms or wgmma.atoms
+    return (wgmma.min_tokens <= T <= wgmma.max_tokens and MMA_ROWS % D == 0
+            and K % (64 * atoms) == 0)
 
 
 def wgmma_takes(fmt, T, K, D, wgmma):
     """Whether qkv_wgmma takes a call of weight format ``fmt`` (given the device and the
-    alignment): :func:`wgmma_shape`, fp16 / bf16 weights, or fp8 ones from ``wgmma``'s
-    WGMMA_FP8_MIN_TOKENS to its WGMMA_DEEP_MAX_TOKENS (the deep kernel)."""
+    alignment): :func:`wgmma_shape` with fp16 / bf16 weights, or with fp8 ones (stages of their
+    atoms) from ``fp8_min_tokens`` to ``deep_max_tokens`` tokens (the deep kernel)."""
     if fmt == W_FP8:
-        fp8 = (*wgmma[:4], wgmma[9], *wgmma[5:])  # its atoms
-        return wgmma[8] <= T <= wgmma[6] and wgmma_shape(T, K, D, fp8)
+        return (wgmma.fp8_min_tokens <= T <= wgmma.deep_max_tokens
+                and wgmma_shape(T, K, D, wgmma, wgmma.fp8_atoms))
     return fmt == W_DENSE and wgmma_shape(T, K, D, wgmma)
 
 
@@ -957,9 +979,8 @@ def _wgmma_tiles():
 def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False, fp8=False):
     """The qkv_wgmma launch (``fp8``: of fp8 weights), or None where the rows are not 16-byte
     aligned."""
-    _, _, max_tile, stages, atoms, split, deep_max, deep_stages, _, fp8_atoms = wgmma
-    if fp8:
-        atoms = fp8_atoms
+    max_tile, split = wgmma.max_tile, wgmma.split
+    atoms = wgmma.fp8_atoms if fp8 else wgmma.atoms
     if split not in TILED_SPLITS:
         raise ValueError(f"ropekv.qkv.WGMMA_SPLIT must be one of {TILED_SPLITS}, got {split}")
     if not (vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
@@ -967,8 +988,8 @@ def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False, fp8=F
         return None
     tn = _wgmma_tile(T, max_tile)
     tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
-    deep = T <= deep_max
-    stages = _wgmma_stages(tn, deep_stages if deep else stages, atoms, deep, fp8)
+    deep = T <= wgmma.deep_max_tokens
+    stages = _wgmma_stages(tn, wgmma.deep_stages if deep else wgmma.stages, atoms, deep, fp8)
     smem = _wgmma_smem(tn, stages, atoms, fp8)
     split = _tiled_split(tiles, split, _wgmma_per_sm(smem, deep) * _sm_count(device))
     kc = _slice(K, split, 64 * atoms)

@@ -1025,3 +1025,17 @@ def test_wgmma_stages_fit_the_shared_memory_of_their_ctas():
         n = stages(tn, 8, atoms, deep, fp8)
         smem = qkv_mod._wgmma_smem(tn, n, atoms, fp8)
         assert qkv_mod._wgmma_per_sm(smem, deep) == (1 if deep else 2)
+
+
+def test_the_call_passes_the_settings_functions_values(monkeypatch):
+    """The op spells its TILED_* and WGMMA_* flags out (they are built on every call): they are
+    what tiled_settings() and wgmma_settings() say, after any setting changes."""
+    seen = []
+    monkeypatch.setattr(qkv_mod, "_OP", lambda arrays, flags, *rest: seen.append(flags))
+    monkeypatch.setattr(qkv_mod, "WGMMA_FP8_ATOMS", 4)
+    monkeypatch.setattr(qkv_mod, "TILED_KGROUPS", 2)
+    args, kw = make_case(1)
+    call(args, kw)
+    (flags,) = seen
+    assert qkv_mod.tiled_settings() in flags and qkv_mod.wgmma_settings() in flags
+    assert flags.index(qkv_mod.tiled_settings()) + 1 == flags.index(qkv_mod.wgmma_settings())
