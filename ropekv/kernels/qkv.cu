@@ -1753,11 +1753,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
 #pragma unroll
       for (int a = 0; a < KA; ++a) {
         const unsigned src = base + a * A_STAGED + row * 64 + half * 32;
-        uint4 v[2];
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v[0].x), "=r"(v[0].y), "=r"(v[0].z), "=r"(v[0].w) : "r"(src));
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v[1].x), "=r"(v[1].y), "=r"(v[1].z), "=r"(v[1].w) : "r"(src + 16));
+        const uint4 v[2] = {lds128(src), lds128(src + 16)};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {  // 8 codes -> the 16-byte chunk half * 4 + j of the row
           const unsigned lo = (j & 1) ? v[j >> 1].z : v[j >> 1].x;
