@@ -625,7 +625,6 @@ class Plan:
             if alternative is None:
                 raise ValueError(self.capture_refusal)
             # the same arguments (their overlap checked above), launched as one kernel
-            alternative.layers = self.layers
             return alternative.replay(arrays, ptrs, kinds, given, names, layer)
         runtime = _RUNTIME[0] or _runtime()
         previous = runtime.getDevice()
@@ -1033,6 +1032,8 @@ class Op:
             op_views, layers = select_layer(views, self.layered, layer)
         plan = self.prepare(op_views, flags)
         plan.layers = layers
+        if plan.capture_plan is not None:  # it replays the same (multi-layer) arguments
+            plan.capture_plan.layers = layers
         written = plan.written = tuple([i for i in plan.written if views[i] is not None])
         for i in written:
             v = views[i]

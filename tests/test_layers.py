@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import ropekv
 from ropekv import _launch
 from tests.test_call_path import CASES, assert_op_close, copy_kw, map_arrays
-from tests.test_replay_cpu import hostcost, stubbed  # noqa: F401 - a fixture
+from tests.test_replay_cpu import PREFILL, hostcost, stubbed  # noqa: F401 - a fixture
 from tests.tolerance import to_device, to_numpy
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -220,6 +220,33 @@ def test_one_plan_serves_every_layer(op, stubbed):  # noqa: F811 - the fixture
     # without layer_idx, a one-layer cache of that layout is another plan
     fn(**map_arrays(kw, hostcost.to_cupy))
     assert len(owner.plans) == 1 and len(owner.layer_plans) == 1
+
+
+def test_a_captured_prefill_qkv_call_writes_its_layer(stubbed):  # noqa: F811 - the fixture
+    """Under CUDA-graph capture a prefill QKV call with layer_idx runs its plan's capture plan (one
+    fused launch, no GEMM) on the addressed layer of its caches, and checks the layer range as
+    the plan does."""
+    fn, kw = case("qkv", 9, **PREFILL["qkv"])
+    dev = map_arrays(layered(kw, "qkv", 5, 0), hostcost.to_cupy)
+    stubbed.gemms.capturing = True
+    (owner,) = [o for o in stubbed_ops() if o.name.startswith("fused_qkv")]
+    names = list(owner.names)
+    for layer in (0, 3):
+        n_calls = len(stubbed.calls)
+        fn(**dev, layer_idx=layer)
+        assert len(stubbed.calls) == n_calls + 1 and not stubbed.gemms.calls
+        (plan,) = owner.layer_plans.values()
+        launch = plan.capture_plan.steps[0]
+        fields = stubbed.pointers(len(stubbed.calls) - 1, launch.n_ptr)
+        for name, c in zip(("k_cache", "v_cache"), caches(dev, "qkv")):
+            written = [(field, offset) for field, (arg, offset) in zip(fields, launch.slots)
+                       if arg == names.index(name)]
+            assert written and all(field == _ptr(c) + layer * c.strides[0] + offset
+                                   for field, offset in written)
+    n_calls = len(stubbed.calls)
+    with pytest.raises(ValueError, match=r"\[0, 5\), .* got 5"):
+        fn(**dev, layer_idx=5)
+    assert len(stubbed.calls) == n_calls
 
 
 def stubbed_ops():
