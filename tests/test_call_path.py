@@ -911,19 +911,61 @@ def test_arrays_on_the_second_gpu(op, kind):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(gpu_count() < 2, reason="needs two GPUs")
-def test_two_threads_driving_two_gpus():
+@pytest.mark.parametrize("op", OPS)
+def test_torch_stream_on_the_second_gpu(op):
+    """Torch tensors on cuda:1 inside ``torch.cuda.stream(s)`` (s on cuda:1) while CuPy's current
+    device is 0: the op runs on s, behind s's earlier work, and a read on s sees the cache."""
     import cupy as cp
 
+    torch = torch_or_skip()
+
+    def convert(x):
+        return to_torch(x).to("cuda:1")
+
+    fn, kw = CASES[op](38)
+    expected = copy_kw(kw)
+    out_expected = fn(**expected)
+    with cp.cuda.Device(0):
+        fn(**map_arrays(copy_kw(kw), convert))  # the plan exists: the call below is a replay
+        dev = map_arrays(kw, convert)
+        name = LATE_INPUT[op]
+        real = dev[name].clone()
+        dev[name].zero_()
+        torch.cuda.synchronize(1)
+        s = torch.cuda.Stream(device=1)
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(50_000_000)  # about 25 ms of GPU time on s
+            dev[name].copy_(real)
+            out = fn(**dev)
+            cache = [c.clone() for c in flat(dev[CACHE[op]])]  # read on s
+        s.synchronize()
+    assert_same(dev, out, expected, out_expected, op)
+    for got, want in zip(cache, flat(dev[CACHE[op]])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_two_threads_driving_two_gpus(kind):
+    """One thread per GPU, every op in turn, the same layouts on both devices (one plan each)."""
+    import cupy as cp
+
+    if kind == "torch":
+        torch_or_skip()
     errors = []
 
     def work(device):
+        def convert(x):
+            if kind == "torch":
+                return to_torch(x).to(f"cuda:{device}")
+            with cp.cuda.Device(device):
+                return to_device(x)
+
         try:
             with cp.cuda.Device(device):
-                for i in range(10):
-                    def convert(x, device=device):
-                        with cp.cuda.Device(device):
-                            return to_device(x)
-                    check_device_call("paged", 37 + i, convert)
+                for i in range(3 * len(OPS)):
+                    check_device_call(OPS[i % len(OPS)], 37 + i, convert)
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 
