@@ -3,11 +3,12 @@ paged KV cache (RoPE on Q and K in the epilogue), and ``pack_int4`` for 4-bit we
 
 Three paths, picked by the token count T (and, on sm_90, a fourth kernel for 16-bit weights):
 
-* fp16 / bf16 weights, ``WGMMA_MIN_TOKENS <= T <= WGMMA_MAX_TOKENS`` (1 to 128), on sm_90
+* fp16 / bf16 weights, ``WGMMA_MIN_TOKENS <= T <= WGMMA_MAX_TOKENS`` (1 to 192), on sm_90
   devices, K a multiple of 64 and 16-byte aligned rows: ``qkv_wgmma``, one launch: the weights
   and hidden rows staged in shared memory (cp.async) and multiplied by Hopper's warpgroup MMA
   (``wgmma``, an sm_90a instruction; the kernel is compiled for that target), split-K over a
-  cluster and the epilogue fused as below. Faster than every other path up to 128 tokens
+  cluster and the epilogue fused as below. Faster than every other path up to 128 tokens, within
+  0.91-1.03x of cuBLAS + the epilogue at 129-192 in a third of the host time
   (docs/kernel-notes.md). fp8 weights take it too from ``WGMMA_FP8_MIN_TOKENS`` (48) to 128
   tokens (K a multiple of 128), their codes converted to the input dtype in shared memory.
 * small batches (``MMA_MIN_TOKENS <= T <= MMA_MAX_TOKENS``, ``MMA_MAX_TOKENS_QUANTIZED`` for fp8
@@ -132,32 +133,38 @@ TILED_ROW_BYTES = {W_DENSE: 128, W_FP8: 128, W_INT4: 64}
 MMA_ROWS, MMA_WARPS = 128, 4  # mirror qkv.cu
 # qkv_wgmma (fp16 / bf16 weights on sm_90 devices: wgmma is an sm_90a instruction, compiled for
 # that target): calls of WGMMA_MIN_TOKENS to WGMMA_MAX_TOKENS tokens with K a whole number of
-# stages (64 x WGMMA_ATOMS k values) and 16-byte aligned rows. Token tiles of WGMMA_TILES up to
-# WGMMA_MAX_TILE (T split evenly over as few tiles as hold it, each the smallest that holds its
-# share), two warpgroups a CTA, split-K over clusters of the largest of TILED_SPLITS (at most
-# WGMMA_SPLIT) whose grid fits one wave. Up to WGMMA_DEEP_MAX_TOKENS tokens a deep pipeline: one
-# CTA an SM, as many stages as fit (at most WGMMA_DEEP_STAGES: 8 at tiles of 32 and 64, 7 at 96,
-# 6 at 128), a group of wgmmas left running across each k step's barrier; above (calls captured
-# in CUDA graphs, GRAPH_MAX_TOKENS), two CTAs an SM and at most WGMMA_STAGES stages (3 at tiles of
-# 96 and 128, so that two fit), which wins where the grid has more CTAs than SMs. Measured on the
-# H200 (docs/kernel-notes.md), Llama-3-8B projection, against cuBLAS + the epilogue: faster up to
-# 128 tokens (22.2 against 27.7 us at 128); above, 33.4-35.1 us against 27.7-35.5 (slower at
-# 144-160 and 256 tokens, even at 192-224), so 129+ tokens keep cuBLAS eagerly.
+# stages (64 x WGMMA_ATOMS k values) and 16-byte aligned rows. Two warpgroups a CTA, split-K over
+# clusters of the largest of TILED_SPLITS (at most WGMMA_SPLIT) whose grid fits one wave. Up to
+# WGMMA_DEEP_MAX_TOKENS tokens a deep pipeline: all T tokens one tile (the smallest of
+# WGMMA_TILES that holds them), one CTA an SM, as many stages as fit (at most WGMMA_DEEP_STAGES:
+# 8 at tiles of 32 and 64, 7 at 96, 6 at 128, 5 at 192, 4 at 256), a group of wgmmas left running
+# across each k step's barrier. One tile reads the weights from L2 once (two tiles of 128 tokens
+# read them twice). Above (calls captured in CUDA graphs, GRAPH_MAX_TOKENS), T split evenly over
+# as few tiles of at most WGMMA_MAX_TILE as hold it, two CTAs an SM and at most WGMMA_STAGES
+# stages (3 at tiles of 96 and 128, so that two fit), which wins where the grid has more CTAs
+# than SMs. Measured on the H200 (docs/kernel-notes.md, "One token tile up to 192 tokens"),
+# Llama-3-8B projection, device time against cuBLAS + the epilogue: faster up to 128 tokens; at
+# 129-192 one tile of 192 takes 29.8-30.9 us against 27.7-31.7 (0.91-1.03x) in a third to half
+# of the host time (one launch), 27.1-27.7 in a CUDA graph (33.5 as two tiles of 128); a tile of
+# 256 tokens (4 stages) took 40.7-41.5 at 224-256 against 31.2-34.5, so 193+ tokens keep cuBLAS
+# eagerly and tiles of 128 under capture.
 WGMMA_MIN_TOKENS = 1
-WGMMA_MAX_TOKENS = 128
-WGMMA_TILES = (32, 64, 96, 128)
+WGMMA_MAX_TOKENS = 192
+WGMMA_TILES = (32, 64, 96, 128, 192, 256)
 WGMMA_MAX_TILE = 128
 WGMMA_STAGES = 4
 WGMMA_DEEP_STAGES = 8
-WGMMA_DEEP_MAX_TOKENS = 128
-# fp8 weights take qkv_wgmma too, deep only (WGMMA_FP8_MIN_TOKENS to WGMMA_DEEP_MAX_TOKENS tokens,
-# K a multiple of 64 x WGMMA_FP8_ATOMS): each stage's codes are converted to the input dtype in
-# shared memory before its wgmmas. Measured on the H200 (docs/kernel-notes.md), Llama-3-8B
+WGMMA_DEEP_MAX_TOKENS = 192
+# fp8 weights take qkv_wgmma too, deep only (WGMMA_FP8_MIN_TOKENS to WGMMA_DEEP_MAX_TOKENS tokens
+# and at most WGMMA_FP8_TOP: three stages of a larger tile and their conversion buffers do not
+# fit in shared memory; K a multiple of 64 x WGMMA_FP8_ATOMS): each stage's codes are converted
+# to the input dtype in shared memory before its wgmmas. Measured on the H200 (docs/kernel-notes.md), Llama-3-8B
 # projection, against the kernels they took before (qkv_mma, qkv_mma_tiled): 20.1 against 23.1 us
 # at 64 tokens, 23.8 against 36.5 at 96, 26.3 against 37.3 at 128; at 4-32 tokens 17.5-18.4
 # against 14.0-18.1 (slower or even), so from 48 (19.8 against 22.3).
 WGMMA_FP8_MIN_TOKENS = 48
 WGMMA_FP8_ATOMS = 2  # 128 codes a staged row: half the conversions and barriers of 64
+WGMMA_FP8_TOP = 128
 WGMMA_ATOMS = 1
 WGMMA_SPLIT = 8
 WGMMA_THREADS = 256  # mirror qkv.cu
@@ -903,22 +910,27 @@ def wgmma_settings():
                          WGMMA_FP8_MIN_TOKENS, WGMMA_FP8_ATOMS)
 
 
-def wgmma_shape(T, K, D, wgmma, atoms=None):
+def wgmma_shape(T, K, D, wgmma, fp8=False):
     """Whether a call has a shape qkv_wgmma takes (given 16-byte aligned rows, checked per
     call): ``wgmma``'s token range, whole heads in a 128-row tile, K in whole stages (of
-    ``atoms``, default ``wgmma.atoms``)."""
-    atoms = atoms or wgmma.atoms
-    return (wgmma.min_tokens <= T <= wgmma.max_tokens and MMA_ROWS % D == 0
-            and K % (64 * atoms) == 0)
+    ``wgmma.atoms``; ``fp8``: of ``wgmma.fp8_atoms``), and its tile's stages in an SM's shared
+    memory (tuned settings can ask for more than fits)."""
+    atoms = wgmma.fp8_atoms if fp8 else wgmma.atoms
+    if not (wgmma.min_tokens <= T <= wgmma.max_tokens and MMA_ROWS % D == 0
+            and K % (64 * atoms) == 0):
+        return False
+    deep, tn, stages, smem = _wgmma_layout(T, wgmma, fp8)
+    return _wgmma_per_sm(smem, deep, tn) >= 1
 
 
 def wgmma_takes(fmt, T, K, D, wgmma):
     """Whether qkv_wgmma takes a call of weight format ``fmt`` (given the device and the
     alignment): :func:`wgmma_shape` with fp16 / bf16 weights, or with fp8 ones (stages of their
-    atoms) from ``fp8_min_tokens`` to ``deep_max_tokens`` tokens (the deep kernel)."""
+    atoms) from ``fp8_min_tokens`` to ``deep_max_tokens`` tokens (the deep kernel), at most
+    WGMMA_FP8_TOP."""
     if fmt == W_FP8:
-        return (wgmma.fp8_min_tokens <= T <= wgmma.deep_max_tokens
-                and wgmma_shape(T, K, D, wgmma, wgmma.fp8_atoms))
+        return (wgmma.fp8_min_tokens <= T <= min(wgmma.deep_max_tokens, WGMMA_FP8_TOP)
+                and wgmma_shape(T, K, D, wgmma, fp8=True))
     return fmt == W_DENSE and wgmma_shape(T, K, D, wgmma)
 
 
@@ -937,27 +949,32 @@ def _wgmma_smem(tn, stages, atoms, fp8=False):
     return max(stages_bytes, tn * (MMA_ROWS + 4) * 4) + 1024
 
 
-def _wgmma_per_sm(smem, deep):
+def _wgmma_per_sm(smem, deep, tn=128):
     """CTAs of qkv_wgmma an SM holds: its launch bound (1 when ``deep``, else 2) and its shared
-    memory (the dynamic part, about 6 KiB static, 1 KiB reserved)."""
-    return min(1 if deep else 2, SM_SHARED_BYTES // (smem + 7 * 1024))
+    memory (the dynamic part; the static part, a 24-byte slot and a 4-byte count a token of the
+    ``tn``-token tile and 2 KiB of request offsets and lengths; 1 KiB reserved)."""
+    return min(1 if deep else 2, SM_SHARED_BYTES // (smem + 28 * tn + 4 * 1024))
 
 
 def _wgmma_stages(tn, stages, atoms, deep, fp8=False):
     """The stages of a ``tn``-token tile: ``stages``, fewer where that many would not fit in an
-    SM's shared memory (``deep``: one CTA, at least 3 stages; 6 at tiles of 128 tokens, 7 at 96)
+    SM's shared memory (``deep``: one CTA, at least 3 stages; 7 at tiles of 96 tokens, 6 at 128,
+    5 at 192, 4 at 256)
     or would keep a second CTA off it (else: 3 at tiles of 96 and 128 tokens on sm_90, at least
     2); fewer than that floor are raised to it."""
     floor, per_sm = (3, 1) if deep else (2, 2)
     stages = max(stages, floor)
-    while stages > floor and _wgmma_per_sm(_wgmma_smem(tn, stages, atoms, fp8), deep) < per_sm:
+    while (stages > floor
+           and _wgmma_per_sm(_wgmma_smem(tn, stages, atoms, fp8), deep, tn) < per_sm):
         stages -= 1
     return stages
 
 
-def _wgmma_tile(T, max_tile):
+def _wgmma_tile(T, max_tile, deep=False):
     """The token tile of a ``T``-token call: T split evenly over as few tiles of at most
-    ``max_tile`` as hold it, each the smallest of WGMMA_TILES that holds its share."""
+    ``max_tile`` as hold it (``deep``: of at most the largest of WGMMA_TILES, so one tile up to
+    256 tokens), each the smallest of WGMMA_TILES that holds its share."""
+    max_tile = WGMMA_TILES[-1] if deep else max_tile
     share = -(-T // -(-T // max_tile))
     for tn in WGMMA_TILES:
         if tn >= share or tn >= max_tile:
@@ -969,29 +986,37 @@ def _wgmma_tiles():
     """The (tile, deep, fp8) triples of the shipped settings, at every token count a call can take
     qkv_wgmma at: eagerly, or under capture (GRAPH_MAX_TOKENS); fp8 weights deep only."""
     top = max(WGMMA_MAX_TOKENS, GRAPH_MAX_TOKENS)
-    dense = {(_wgmma_tile(T, WGMMA_MAX_TILE), T <= WGMMA_DEEP_MAX_TOKENS, False)
-             for T in range(WGMMA_MIN_TOKENS, top + 1)}
-    fp8 = {(_wgmma_tile(T, WGMMA_MAX_TILE), True, True)
-           for T in range(WGMMA_FP8_MIN_TOKENS, min(WGMMA_MAX_TOKENS, WGMMA_DEEP_MAX_TOKENS) + 1)}
+    dense = {(_wgmma_tile(T, WGMMA_MAX_TILE, deep), deep, False)
+             for T in range(WGMMA_MIN_TOKENS, top + 1)
+             for deep in [T <= WGMMA_DEEP_MAX_TOKENS]}
+    fp8_top = min(WGMMA_MAX_TOKENS, WGMMA_DEEP_MAX_TOKENS, WGMMA_FP8_TOP)
+    fp8 = {(_wgmma_tile(T, WGMMA_MAX_TILE, True), True, True)
+           for T in range(WGMMA_FP8_MIN_TOKENS, fp8_top + 1)}
     return sorted(dense | fp8)
+
+
+def _wgmma_layout(T, wgmma, fp8=False):
+    """``(deep, tile, stages, dynamic shared memory)`` of a ``T``-token qkv_wgmma launch."""
+    deep = T <= wgmma.deep_max_tokens
+    tn = _wgmma_tile(T, wgmma.max_tile, deep)
+    atoms = wgmma.fp8_atoms if fp8 else wgmma.atoms
+    stages = _wgmma_stages(tn, wgmma.deep_stages if deep else wgmma.stages, atoms, deep, fp8)
+    return deep, tn, stages, _wgmma_smem(tn, stages, atoms, fp8)
 
 
 def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False, fp8=False):
     """The qkv_wgmma launch (``fp8``: of fp8 weights), or None where the rows are not 16-byte
     aligned."""
-    max_tile, split = wgmma.max_tile, wgmma.split
+    split = wgmma.split
     atoms = wgmma.fp8_atoms if fp8 else wgmma.atoms
     if split not in TILED_SPLITS:
         raise ValueError(f"ropekv.qkv.WGMMA_SPLIT must be one of {TILED_SPLITS}, got {split}")
     if not (vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
             and vx.ptr % 16 == 0 and vx.strides[0] % 8 == 0):
         return None
-    tn = _wgmma_tile(T, max_tile)
+    deep, tn, stages, smem = _wgmma_layout(T, wgmma, fp8)
     tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
-    deep = T <= wgmma.deep_max_tokens
-    stages = _wgmma_stages(tn, wgmma.deep_stages if deep else wgmma.stages, atoms, deep, fp8)
-    smem = _wgmma_smem(tn, stages, atoms, fp8)
-    split = _tiled_split(tiles, split, _wgmma_per_sm(smem, deep) * _sm_count(device))
+    split = _tiled_split(tiles, split, _wgmma_per_sm(smem, deep, tn) * _sm_count(device))
     kc = _slice(K, split, 64 * atoms)
     return Launch(STEM, wgmma_expression(vx.dtype, tn, split, stages, atoms, opts, deep, fp8),
                   device, (split, tiles), (WGMMA_THREADS,), PARAMS, {**fields, "kc": kc}, slots,

@@ -247,7 +247,7 @@ def cases():
                 P=1024),
         # cuBLAS eagerly, the fused kernel under CUDA-graph capture (sm_90, up to
         # ropekv.qkv.GRAPH_MAX_TOKENS)
-        _ragged("qkv-graph-batch", test_qkv, qkv, 29, lengths=(90, 1, 0, 109), K=128,
+        _ragged("qkv-graph-batch", test_qkv, qkv, 29, lengths=(150, 1, 0, 159), K=128,
                 P=512),
         # a small batch: one fused kernel (the tensor cores on sm_90), which a graph can hold
         _ragged("qkv-batch", test_qkv, qkv, 28, lengths=(3, 1, 0, 2)),

@@ -421,7 +421,7 @@ def test_command_buffers_refuse_a_prefill_qkv_call():
 @pytest.mark.parametrize("name", ["qkv-batch", "qkv-graph-batch"])
 def test_command_buffers_take_a_qkv_batch_where_it_runs_one_kernel(name, capability,
                                                                     monkeypatch):
-    """Six tokens run the tensor-core kernel on sm_90 (one launch, no temporaries), 200 tokens
+    """Six tokens run the tensor-core kernel on sm_90 (one launch, no temporaries), 310 tokens
     do under capture (cuBLAS eagerly): recorded; on sm_80 both run cuBLAS: refused when
     traced."""
     import ropekv._frameworks as fw
@@ -459,7 +459,7 @@ def test_gpu_jitted_op_matches_the_reference(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qkv-batch", "qkv-graph-batch"])
 def test_gpu_command_buffers_record_a_qkv_batch(name):
-    """A small batch (the tensor-core kernel on sm_90) and one of 200 tokens (cuBLAS eagerly, the
+    """A small batch (the tensor-core kernel on sm_90) and one of 310 tokens (cuBLAS eagerly, the
     fused kernel when captured) with command_buffer_compatible=True: the reference's results,
     warm (the kernels compiled outside XLA's capture) and again."""
     case = next(c for c in CASES if c.name == name)

@@ -697,9 +697,10 @@ def test_gpu_llama3_8b_tiled(lengths, dtype, wfmt, monkeypatch):
                                      (80, 0, 80), (1,) * 256, (100, 157), (300, 0, 300, 424)])
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_gpu_llama3_8b_wgmma(lengths, dtype, monkeypatch):
-    """qkv_wgmma at Llama-3-8B's projection: token tiles of 32 (5 and 17 tokens), 64, 96 (90
-    tokens; 160 as two tiles of 80) and 128, several 128-token tiles, prefill-like requests; bf16
-    into fp8 caches. (fp8 weights: test_gpu_llama3_8b_wgmma_fp8.)"""
+    """qkv_wgmma at Llama-3-8B's projection: the deep kernel's one token tile of 32 (5 and 17
+    tokens), 64, 96 (90), 128 and 192 (160); above 192 tokens (as captured in CUDA graphs)
+    several tiles of up to 128 (256 tokens as two, 257 as three of 96), prefill-like requests;
+    bf16 into fp8 caches. (fp8 weights: test_gpu_llama3_8b_wgmma_fp8.)"""
     args, kw = make_case(28, lengths=lengths, dtype=dtype, cache_dtype=E4M3 if dtype == BF16
                          else None, cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
                          **{**LLAMA, "P": 8192})
@@ -708,11 +709,11 @@ def test_gpu_llama3_8b_wgmma(lengths, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths, dtype, wfmt", [
-    ((100, 0, 57), F16, "dense"), ((1,) * 256, BF16, "dense"), ((200, 312), F16, "dense"),
+    ((100, 0, 120), F16, "dense"), ((1,) * 300, BF16, "dense"), ((200, 312), F16, "dense"),
     ((200, 184), F16, "fp8"), ((200, 312), BF16, "fp8")])
 def test_gpu_capture_runs_the_fused_kernel_beyond_its_eager_range(lengths, dtype, wfmt):
     """On sm_90 a call of up to GRAPH_MAX_TOKENS tokens that runs cuBLAS + the epilogue eagerly
-    (16-bit weights above 128 tokens, fp8 above what one wave of the tiled kernel holds) runs, on
+    (16-bit weights above 192 tokens, fp8 above what one wave of the tiled kernel holds) runs, on
     a stream being captured into a CUDA graph, the fused kernel (qkv_wgmma for 16-bit weights,
     qkv_mma_tiled for fp8): the graph, replayed on new hidden rows copied into the captured array
     and on the caches as they were, writes Q and both caches as the reference says, and no other
@@ -770,16 +771,21 @@ def test_gpu_llama3_8b_wgmma_fp8(lengths, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [17, 33, 64, 128, 200])
+@pytest.mark.parametrize("T", [17, 33, 64, 128, 150, 200])
 @pytest.mark.parametrize("tile", [32, 64, 96, 128])
 @pytest.mark.parametrize("stages, atoms", [(2, 1), (3, 2), (4, 1), (6, 1)])
 def test_gpu_wgmma_settings(T, tile, stages, atoms, monkeypatch):
     """qkv_wgmma under every token tile, stage count and stage width, deep (one CTA an SM, a
-    wgmma group left running: 3 stages at least) or not, each at every token count: K slices of
-    one to several stages (splits of 1 to 8, a slice past K's end), a partial row tile (N =
-    320), tokens outside every request, interleaved RoPE on part of the head."""
+    wgmma group left running: 3 stages at least; all tokens one tile, of 32 to 256) or not (tiles
+    of up to ``tile``), each at every token count: K slices of one to several stages (splits of
+    1 to 8, a slice past K's end), a partial row tile (N = 320), tokens outside every request,
+    interleaved RoPE on part of the head."""
     deep = (T + tile // 32 + stages) % 3 != 0
-    fp8 = deep and (T + tile // 32) % 2 == 0  # fp8 weights: the deep kernel only
+    # fp8 weights: the deep kernel only, up to WGMMA_FP8_TOP tokens
+    fp8 = deep and T <= qkv_mod.WGMMA_FP8_TOP and (T + tile // 32) % 2 == 0
+    tn = qkv_mod._wgmma_tile(T, tile, deep)
+    if tn > 128:  # a tile of 192 or 256 tokens holds 5 or 4 stages of one atom (fit off below)
+        stages, atoms = min(stages, qkv_mod._wgmma_stages(tn, 8, 1, True)), 1
     monkeypatch.setattr(qkv_mod, "WGMMA_MAX_TILE", tile)
     monkeypatch.setattr(qkv_mod, "WGMMA_STAGES", stages)
     monkeypatch.setattr(qkv_mod, "WGMMA_DEEP_STAGES", stages)
@@ -838,10 +844,10 @@ def test_gpu_tiled_int4_settings(T, tile, kgroups, stages, monkeypatch):
 
 # token counts around every switch: GEMV_MAX_TOKENS / MMA_MIN_TOKENS, token tiles 8 / 16 / 32 /
 # 64 / 128 / 256, TILED_MIN_TOKENS, MMA_QUANTIZED_ANY_GRID, MMA_MAX_TOKENS_QUANTIZED,
-# MMA_MAX_TOKENS (dense weights),
+# MMA_MAX_TOKENS (dense weights), WGMMA_MAX_TOKENS (qkv_wgmma's 192-token tile),
 # two 64-token tiles (qkv_mma) and two 256-token tiles (qkv_mma_tiled)
-SWITCH_TOKENS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256,
-                 257, 320, 321]
+SWITCH_TOKENS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 192,
+                 193, 255, 256, 257, 320, 321]
 
 
 @pytest.mark.gpu
@@ -1015,7 +1021,7 @@ def test_wgmma_stages_fit_the_shared_memory_of_their_ctas():
     """Deep tiles (one CTA an SM) take as many stages as fit, 3 at least; the others as many as
     leave room for a second CTA, 2 at least; a request below the floor is raised to it."""
     stages = qkv_mod._wgmma_stages
-    assert [stages(tn, 8, 1, True) for tn in (32, 64, 96, 128)] == [8, 8, 7, 6]
+    assert [stages(tn, 8, 1, True) for tn in (32, 64, 96, 128, 192, 256)] == [8, 8, 7, 6, 5, 4]
     assert [stages(tn, 4, 1, False) for tn in (32, 64, 96, 128)] == [4, 4, 3, 3]
     assert stages(64, 2, 1, True) == 3 and stages(64, 1, 1, False) == 2
     assert [stages(tn, 8, 1, True, True) for tn in (32, 64, 96, 128)] == [8, 8, 8, 7]  # fp8
@@ -1024,7 +1030,7 @@ def test_wgmma_stages_fit_the_shared_memory_of_their_ctas():
         atoms = qkv_mod.WGMMA_FP8_ATOMS if fp8 else qkv_mod.WGMMA_ATOMS
         n = stages(tn, 8, atoms, deep, fp8)
         smem = qkv_mod._wgmma_smem(tn, n, atoms, fp8)
-        assert qkv_mod._wgmma_per_sm(smem, deep) == (1 if deep else 2)
+        assert qkv_mod._wgmma_per_sm(smem, deep, tn) == (1 if deep else 2)
 
 
 def test_the_call_passes_the_settings_functions_values(monkeypatch):

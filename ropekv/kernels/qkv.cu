@@ -5,7 +5,7 @@
 //                  reduced through distributed shared memory, epilogue fused; one launch.
 //   qkv_mma_tiled  larger batches (sm_90): the same split and epilogue, the weights and hidden
 //                  rows staged in shared memory and shared by the warps.
-//   qkv_wgmma      16-bit weights, 1-128 tokens (sm_90a): the same split, staging and epilogue,
+//   qkv_wgmma      16-bit weights, 1-256 tokens (sm_90a): the same split, staging and epilogue,
 //                  the products taken by Hopper's warpgroup MMA from the staged tiles.
 //   qkv_gemv       decode: weight-streaming skinny GEMM (token tiles of up to 16), epilogue fused
 //                  (GPUs without clusters, shapes the mma kernel does not take).
@@ -1547,7 +1547,7 @@ __launch_bounds__(TN * 2 * KG,
 #endif
 }
 
-// ---- qkv_wgmma: 16-bit weights at 1-128 tokens (fp8 at 48-128), Hopper's warpgroup MMA ------
+// ---- qkv_wgmma: 16-bit weights at 1-256 tokens (fp8 at 48-128), Hopper's warpgroup MMA ------
 //
 // qkv_wgmma<T, TN, S, STAGES, KA, OPTS, DEEP, FP8>: qkv_mma_tiled's tiles, cluster split of K and
 // epilogue for fp16 / bf16 weights, with the products taken by wgmma (sm_90a) straight from the
@@ -1558,11 +1558,13 @@ __launch_bounds__(TN * 2 * KG,
 // [64 h, 64 h + 64) of the 128-row tile and all TN tokens: per k16 step one
 // wgmma.m64nTNk16 whose A (64 weight rows) and B (TN hidden rows) are read from shared memory
 // through matrix descriptors. The float32 sums stay in registers (TN / 2 a thread) until the
-// cluster reduction. Token tiles of 32, 64, 96 or 128. DEEP (the host's choice up to
-// WGMMA_DEEP_MAX_TOKENS): one CTA an SM with as many stages as its shared memory holds (6-8) and
-// one group of wgmmas left running across each barrier; else two CTAs an SM (launch bound; 3
-// stages at tiles of 96 and 128 tokens so that both fit), which hide each other's waits and win
-// where the grid has more CTAs than SMs (docs/kernel-notes.md).
+// cluster reduction. Token tiles of 32, 64, 96, 128, 192 or 256. DEEP (the host's choice up to
+// WGMMA_DEEP_MAX_TOKENS, all tokens one tile): one CTA an SM with as many stages as its shared
+// memory holds (4-8) and one group of wgmmas left running across each barrier; a tile of 192 or
+// 256 tokens reads the weights from L2 once where two of 128 read them twice (the hidden rows
+// are read once a row tile either way); else two CTAs an SM (launch bound; 3 stages at tiles
+// of 96 and 128 tokens so that both fit), which hide each other's waits and win where the grid
+// has more CTAs than SMs (docs/kernel-notes.md).
 //
 // Stages: KA atoms of 64 k values; an atom is 128-byte rows (the weights' MMA_ROWS, then the
 // hidden rows' TN), 16-byte chunk c of row r at c ^ (r % 8), every atom 1024-byte aligned: the
@@ -1585,9 +1587,10 @@ __launch_bounds__(TN * 2 * KG,
 // The wgmma instructions exist on sm_90a only: the kernel has a body only there (the host picks
 // it only on sm_90 devices, whose module it compiles for sm_90a; see qkv.py).
 
-// wgmma.m64nNk16 (N = 32, 64, 96, 128), d += A B^T with both operands K-major and read through the
-// shared-memory descriptors a and b; T picks the input type. Inline asm needs its operand lists
-// spelled out: the N / 2 accumulators (%0 ..) from these pieces, then the two descriptors.
+// wgmma.m64nNk16 (N = 32, 64, 96, 128, 192, 256), d += A B^T with both operands K-major and read
+// through the shared-memory descriptors a and b; T picks the input type. Inline asm needs its
+// operand lists spelled out: the N / 2 accumulators (%0 ..) from these pieces, then the two
+// descriptors.
 #define QKV_D8(i) \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
@@ -1596,6 +1599,10 @@ __launch_bounds__(TN * 2 * KG,
 #define QKV_R16 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define QKV_R32 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
 #define QKV_R48 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define QKV_R64 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
+#define QKV_R80 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define QKV_R96 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111"
+#define QKV_R112 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 #define QKV_ASM(N, TY, REGS, DESCS, ...) \
   asm volatile("{.reg .pred p; setp.eq.u32 p, 1, 1; wgmma.mma_async.sync.aligned.m64n" #N \
                "k16.f32." TY "." TY " {" REGS "}, " DESCS ", p, 1, 1, 0, 0;}" \
@@ -1609,7 +1616,7 @@ __launch_bounds__(TN * 2 * KG,
 template <int N, typename T>
 __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], unsigned long long a,
                                              unsigned long long b) {
-  static_assert(N == 32 || N == 64 || N == 96 || N == 128, "wgmma tile");
+  static_assert(N == 32 || N == 64 || N == 96 || N == 128 || N == 192 || N == 256, "wgmma tile");
   if constexpr (N == 32) {
     QKV_WGMMA(32, QKV_R0, "%16, %17", QKV_D16(0))
   } else if constexpr (N == 64) {
@@ -1617,13 +1624,25 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], unsigned long lo
   } else if constexpr (N == 96) {
     QKV_WGMMA(96, QKV_R0 ", " QKV_R16 ", " QKV_R32, "%48, %49", QKV_D16(0), QKV_D16(16),
               QKV_D16(32))
-  } else {
+  } else if constexpr (N == 128) {
     QKV_WGMMA(128, QKV_R0 ", " QKV_R16 ", " QKV_R32 ", " QKV_R48, "%64, %65", QKV_D16(0),
               QKV_D16(16), QKV_D16(32), QKV_D16(48))
+  } else if constexpr (N == 192) {
+    QKV_WGMMA(192, QKV_R0 ", " QKV_R16 ", " QKV_R32 ", " QKV_R48 ", " QKV_R64 ", " QKV_R80,
+              "%96, %97", QKV_D16(0), QKV_D16(16), QKV_D16(32), QKV_D16(48), QKV_D16(64),
+              QKV_D16(80))
+  } else {
+    QKV_WGMMA(256, QKV_R0 ", " QKV_R16 ", " QKV_R32 ", " QKV_R48 ", " QKV_R64 ", " QKV_R80 ", "
+              QKV_R96 ", " QKV_R112, "%128, %129", QKV_D16(0), QKV_D16(16), QKV_D16(32),
+              QKV_D16(48), QKV_D16(64), QKV_D16(80), QKV_D16(96), QKV_D16(112))
   }
 }
 #undef QKV_WGMMA
 #undef QKV_ASM
+#undef QKV_R112
+#undef QKV_R96
+#undef QKV_R80
+#undef QKV_R64
 #undef QKV_R48
 #undef QKV_R32
 #undef QKV_R16
