@@ -3,12 +3,12 @@ paged KV cache (RoPE on Q and K in the epilogue), and ``pack_int4`` for 4-bit we
 
 Three paths, picked by the token count T (and, on sm_90, a fourth kernel for 16-bit weights):
 
-* fp16 / bf16 weights, ``WGMMA_MIN_TOKENS <= T <= WGMMA_MAX_TOKENS`` (1 to 192), on sm_90
+* fp16 / bf16 weights, ``WGMMA_MIN_TOKENS <= T <= WGMMA_MAX_TOKENS`` (1 to 256), on sm_90
   devices, K a multiple of 64 and 16-byte aligned rows: ``qkv_wgmma``, one launch: the weights
   and hidden rows staged in shared memory (cp.async) and multiplied by Hopper's warpgroup MMA
   (``wgmma``, an sm_90a instruction; the kernel is compiled for that target), split-K over a
-  cluster and the epilogue fused as below. Faster than every other path up to 128 tokens, within
-  0.91-1.03x of cuBLAS + the epilogue at 129-192 in a third of the host time
+  cluster and the epilogue fused as below. Faster than every other path up to 192 tokens, within
+  0.95-1.05x of cuBLAS + the epilogue at 193-256 in a third of its host time
   (docs/kernel-notes.md). fp8 weights take it too from ``WGMMA_FP8_MIN_TOKENS`` (48) to 128
   tokens (K a multiple of 128), their codes converted to the input dtype in shared memory.
 * small batches (``MMA_MIN_TOKENS <= T <= MMA_MAX_TOKENS``, ``MMA_MAX_TOKENS_QUANTIZED`` for fp8
@@ -139,29 +139,30 @@ MMA_ROWS, MMA_WARPS = 128, 4  # mirror qkv.cu
 # WGMMA_TILES that holds them), one CTA an SM, as many stages as fit (at most WGMMA_DEEP_STAGES:
 # 8 at tiles of 32 and 64, 7 at 96, 6 at 128, 5 at 192, 4 at 256), a group of wgmmas left running
 # across each k step's barrier. One tile reads the weights from L2 once (two tiles of 128 tokens
-# read them twice). Above (calls captured in CUDA graphs, GRAPH_MAX_TOKENS), T split evenly over
-# as few tiles of at most WGMMA_MAX_TILE as hold it, two CTAs an SM and at most WGMMA_STAGES
-# stages (3 at tiles of 96 and 128, so that two fit), which wins where the grid has more CTAs
-# than SMs. Measured on the H200 (docs/kernel-notes.md, "One token tile up to 192 tokens"),
-# Llama-3-8B projection, device time against cuBLAS + the epilogue: faster up to 128 tokens; at
-# 129-192 one tile of 192 takes 29.8-30.9 us against 27.7-31.7 (0.91-1.03x) in a third to half
-# of the host time (one launch), 27.1-27.7 in a CUDA graph (33.5 as two tiles of 128); a tile of
-# 256 tokens (4 stages) took 40.7-41.5 at 224-256 against 31.2-34.5, so 193+ tokens keep cuBLAS
-# eagerly and tiles of 128 under capture.
+# read them twice). Above (up to 256 tokens eagerly, to GRAPH_MAX_TOKENS in CUDA graphs), T split
+# evenly over as few tiles of at most WGMMA_MAX_TILE as hold it, two CTAs an SM and at most
+# WGMMA_STAGES stages (3 at tiles of 96 and 128, so that two fit), which wins where the grid has
+# more CTAs than SMs. Measured on the H200 (docs/kernel-notes.md, "qkv_wgmma up to 256 tokens"),
+# Llama-3-8B projection, eager device time against cuBLAS + the epilogue: faster up to 192
+# tokens (27.4 against 28.5 us at 160, 28.3 against 29.3 at 192); at 193-256 within 0.95-1.05x
+# (one tile of 256 up to 224 tokens: 33.4-34.4 against 31.8-36.0; above, tiles of 128: 32.2 /
+# 33.1 against 33.3 / 31.5 at 240 / 256, where the tile of 256 took 35-36) in one launch, a
+# quarter to a third of the cuBLAS path's host time. 257+ tokens keep cuBLAS eagerly.
 WGMMA_MIN_TOKENS = 1
-WGMMA_MAX_TOKENS = 192
+WGMMA_MAX_TOKENS = 256
 WGMMA_TILES = (32, 64, 96, 128, 192, 256)
 WGMMA_MAX_TILE = 128
 WGMMA_STAGES = 4
 WGMMA_DEEP_STAGES = 8
-WGMMA_DEEP_MAX_TOKENS = 192
+WGMMA_DEEP_MAX_TOKENS = 224
 # fp8 weights take qkv_wgmma too, deep only (WGMMA_FP8_MIN_TOKENS to WGMMA_DEEP_MAX_TOKENS tokens
 # and at most WGMMA_FP8_TOP: three stages of a larger tile and their conversion buffers do not
 # fit in shared memory; K a multiple of 64 x WGMMA_FP8_ATOMS): each stage's codes are converted
-# to the input dtype in shared memory before its wgmmas. Measured on the H200 (docs/kernel-notes.md), Llama-3-8B
-# projection, against the kernels they took before (qkv_mma, qkv_mma_tiled): 20.1 against 23.1 us
-# at 64 tokens, 23.8 against 36.5 at 96, 26.3 against 37.3 at 128; at 4-32 tokens 17.5-18.4
-# against 14.0-18.1 (slower or even), so from 48 (19.8 against 22.3).
+# to the input dtype in shared memory before its wgmmas. Measured on the H200
+# (docs/kernel-notes.md), Llama-3-8B projection, against the kernels they took before (qkv_mma,
+# qkv_mma_tiled): 20.1 against 23.1 us at 64 tokens, 23.8 against 36.5 at 96, 26.3 against 37.3
+# at 128; at 4-32 tokens 17.5-18.4 against 14.0-18.1 (slower or even), so from 48 (19.8 against
+# 22.3).
 WGMMA_FP8_MIN_TOKENS = 48
 WGMMA_FP8_ATOMS = 2  # 128 codes a staged row: half the conversions and barriers of 64
 WGMMA_FP8_TOP = 128

@@ -694,13 +694,14 @@ def test_gpu_llama3_8b_tiled(lengths, dtype, wfmt, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [(1,) * 5, (1,) * 17, (1,) * 64, (1,) * 90, (60, 0, 68),
-                                     (80, 0, 80), (1,) * 256, (100, 157), (300, 0, 300, 424)])
+                                     (80, 0, 80), (100, 0, 110), (1,) * 256, (100, 157),
+                                     (300, 0, 300, 424)])
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_gpu_llama3_8b_wgmma(lengths, dtype, monkeypatch):
     """qkv_wgmma at Llama-3-8B's projection: the deep kernel's one token tile of 32 (5 and 17
-    tokens), 64, 96 (90), 128 and 192 (160); above 192 tokens (as captured in CUDA graphs)
-    several tiles of up to 128 (256 tokens as two, 257 as three of 96), prefill-like requests;
-    bf16 into fp8 caches. (fp8 weights: test_gpu_llama3_8b_wgmma_fp8.)"""
+    tokens), 64, 96 (90), 128, 192 (160) and 256 (210); above 224 tokens (as captured in CUDA
+    graphs) several tiles of up to 128 (256 tokens as two, 257 as three of 96), prefill-like
+    requests; bf16 into fp8 caches. (fp8 weights: test_gpu_llama3_8b_wgmma_fp8.)"""
     args, kw = make_case(28, lengths=lengths, dtype=dtype, cache_dtype=E4M3 if dtype == BF16
                          else None, cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
                          **{**LLAMA, "P": 8192})
@@ -709,11 +710,11 @@ def test_gpu_llama3_8b_wgmma(lengths, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths, dtype, wfmt", [
-    ((100, 0, 120), F16, "dense"), ((1,) * 300, BF16, "dense"), ((200, 312), F16, "dense"),
+    ((120, 0, 150), F16, "dense"), ((1,) * 300, BF16, "dense"), ((200, 312), F16, "dense"),
     ((200, 184), F16, "fp8"), ((200, 312), BF16, "fp8")])
 def test_gpu_capture_runs_the_fused_kernel_beyond_its_eager_range(lengths, dtype, wfmt):
     """On sm_90 a call of up to GRAPH_MAX_TOKENS tokens that runs cuBLAS + the epilogue eagerly
-    (16-bit weights above 192 tokens, fp8 above what one wave of the tiled kernel holds) runs, on
+    (16-bit weights above 256 tokens, fp8 above what one wave of the tiled kernel holds) runs, on
     a stream being captured into a CUDA graph, the fused kernel (qkv_wgmma for 16-bit weights,
     qkv_mma_tiled for fp8): the graph, replayed on new hidden rows copied into the captured array
     and on the caches as they were, writes Q and both caches as the reference says, and no other
@@ -844,10 +845,11 @@ def test_gpu_tiled_int4_settings(T, tile, kgroups, stages, monkeypatch):
 
 # token counts around every switch: GEMV_MAX_TOKENS / MMA_MIN_TOKENS, token tiles 8 / 16 / 32 /
 # 64 / 128 / 256, TILED_MIN_TOKENS, MMA_QUANTIZED_ANY_GRID, MMA_MAX_TOKENS_QUANTIZED,
-# MMA_MAX_TOKENS (dense weights), WGMMA_MAX_TOKENS (qkv_wgmma's 192-token tile),
+# MMA_MAX_TOKENS (dense weights), qkv_wgmma's tiles of 192 and 256, WGMMA_DEEP_MAX_TOKENS and
+# WGMMA_MAX_TOKENS,
 # two 64-token tiles (qkv_mma) and two 256-token tiles (qkv_mma_tiled)
-SWITCH_TOKENS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 192,
-                 193, 255, 256, 257, 320, 321]
+SWITCH_TOKENS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 192, 193,
+                 224, 225, 255, 256, 257, 320, 321]
 
 
 @pytest.mark.gpu

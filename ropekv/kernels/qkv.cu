@@ -1704,36 +1704,51 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   const int kend = kbeg + tile.klen;
   const int nk = (kend - kbeg + BK - 1) / BK;
 
-  // Each thread copies chunk column cc (8 k values) of hidden rows r, r + 32, ... of every atom,
-  // and chunk column ac (8 k values; FP8 16) of weight rows ar, ar + A_STEP, ...
+  // Each thread copies chunk column cc (8 k values) of hidden rows rr, rr + B_STEP, ... of every
+  // atom, and chunk column ac (8 k values; FP8 16) of weight rows ar, ar + A_STEP, ... Their
+  // sources are set up here and a k step only adds its offset: recomputed per step, the addresses
+  // took about 215 instructions a stage at tiles of 256 tokens, which stalled beside the wgmmas.
+  // A row past the matrix or the tile reads nothing, from row 0's address (and a k chunk past the
+  // slice, from offset 0). A_STEP and B_STEP are multiples of 8 rows, so row j's chunk sits
+  // j * STEP rows after row 0's in the swizzled layout.
   const int rr = threadIdx.x >> 3, cc = threadIdx.x & 7;
   const int ar = threadIdx.x / A_CHUNKS, ac = threadIdx.x % A_CHUNKS;
   const int kc0 = kbeg + cc * 8, ka0 = kbeg + ac * (FP8 ? 16 : 8);
-  const unsigned char* a_src = static_cast<const unsigned char*>(p.weight) +
-                               i64(row0 + ar) * p.weight_row_bytes + i64(ka0) * (FP8 ? 1 : 2);
-  const i64 a_step = i64(A_STEP) * p.weight_row_bytes;
-  const unsigned char* b_src = static_cast<const unsigned char*>(p.hidden) +
-                               (i64(t0 + rr) * p.hidden_s0 + kc0) * 2;
-  const i64 b_step = i64(B_STEP) * p.hidden_s0 * 2;
+  constexpr int A_ES = FP8 ? 1 : 2, A_ROW = FP8 ? 64 : 128;  // weight element, staged row bytes
+  static_assert(A_STEP % 8 == 0 && B_STEP % 8 == 0, "rows j * STEP apart keep the swizzle");
+  const unsigned char* const weight = static_cast<const unsigned char*>(p.weight);
+  const unsigned char* const hidden = static_cast<const unsigned char*>(p.hidden);
+  // rows j < a_rows (b_rows) of this thread's exist: one compare with a constant a copy
+  const int a_rows = (p.N - row0 - ar + A_STEP - 1) / A_STEP;
+  const int b_rows = (nt - rr + B_STEP - 1) / B_STEP;
+  const unsigned char* a_src[A_LOADS];
+  const unsigned char* b_src[B_LOADS];
+#pragma unroll
+  for (int j = 0; j < A_LOADS; ++j) {
+    a_src[j] = j < a_rows ? weight + i64(row0 + ar + j * A_STEP) * p.weight_row_bytes +
+                                i64(ka0) * A_ES
+                          : weight;
+  }
+#pragma unroll
+  for (int j = 0; j < B_LOADS; ++j)
+    b_src[j] = j < b_rows ? hidden + (i64(t0 + rr + j * B_STEP) * p.hidden_s0 + kc0) * 2 : hidden;
+  const unsigned a_dst = FP8 ? ar * 64 + ac * 16 : tiled_at<128>(ar, ac);
+  const unsigned b_dst = tiled_at<128>(rr, cc);
   auto load = [&](int stage, int ks) {
     const unsigned base = smem0 + stage * STAGE_BYTES;
 #pragma unroll
     for (int a = 0; a < KA; ++a) {
       const int dk = ks * BK + a * 64;
-      const unsigned abase = base + a * A_STAGED, bbase = base + KA * A_STAGED + a * B_ATOM;
+      const bool a_in = ka0 + dk < kend, b_in = kc0 + dk < kend;
+      const int da = a_in ? dk * A_ES : 0, db = b_in ? dk * 2 : 0;
+      const unsigned abase = base + a * A_STAGED + a_dst;
+      const unsigned bbase = base + KA * A_STAGED + a * B_ATOM + b_dst;
 #pragma unroll
-      for (int j = 0; j < A_LOADS; ++j) {
-        const bool on = ka0 + dk < kend && row0 + ar + j * A_STEP < p.N;
-        const unsigned dst = FP8 ? abase + (ar + j * A_STEP) * 64 + ac * 16
-                                 : abase + tiled_at<128>(ar + j * A_STEP, ac);
-        cp_async16(dst, on ? a_src + j * a_step + dk * (FP8 ? 1 : 2) : p.weight, on);
-      }
+      for (int j = 0; j < A_LOADS; ++j)
+        cp_async16(abase + j * A_STEP * A_ROW, a_src[j] + da, a_in && j < a_rows);
 #pragma unroll
-      for (int j = 0; j < B_LOADS; ++j) {
-        const bool on = kc0 + dk < kend && rr + j * B_STEP < nt;
-        cp_async16(bbase + tiled_at<128>(rr + j * B_STEP, cc),
-                   on ? b_src + j * b_step + dk * 2 : p.hidden, on);
-      }
+      for (int j = 0; j < B_LOADS; ++j)
+        cp_async16(bbase + j * B_STEP * 128, b_src[j] + db, b_in && j < b_rows);
     }
   };
 #pragma unroll
