@@ -8,7 +8,7 @@ Three paths, picked by the token count T (and, on sm_90, a fourth kernel for 16-
   and hidden rows staged in shared memory (cp.async) and multiplied by Hopper's warpgroup MMA
   (``wgmma``, an sm_90a instruction; the kernel is compiled for that target), split-K over a
   cluster and the epilogue fused as below. Faster than every other path up to 192 tokens, within
-  0.95-1.05x of cuBLAS + the epilogue at 193-256 in a third of its host time
+  0.93-1.05x of cuBLAS + the epilogue at 193-256 in a third of its host time
   (docs/kernel-notes.md). fp8 weights take it too from ``WGMMA_FP8_MIN_TOKENS`` (48) to 128
   tokens (K a multiple of 128), their codes converted to the input dtype in shared memory.
 * small batches (``MMA_MIN_TOKENS <= T <= MMA_MAX_TOKENS``, ``MMA_MAX_TOKENS_QUANTIZED`` for fp8
@@ -144,7 +144,7 @@ MMA_ROWS, MMA_WARPS = 128, 4  # mirror qkv.cu
 # WGMMA_STAGES stages (3 at tiles of 96 and 128, so that two fit), which wins where the grid has
 # more CTAs than SMs. Measured on the H200 (docs/kernel-notes.md, "qkv_wgmma up to 256 tokens"),
 # Llama-3-8B projection, eager device time against cuBLAS + the epilogue: faster up to 192
-# tokens (27.4 against 28.5 us at 160, 28.3 against 29.3 at 192); at 193-256 within 0.95-1.05x
+# tokens (27.4 against 28.5 us at 160, 28.3 against 29.3 at 192); at 193-256 within 0.93-1.05x
 # (one tile of 256 up to 224 tokens: 33.4-34.4 against 31.8-36.0; above, tiles of 128: 32.2 /
 # 33.1 against 33.3 / 31.5 at 240 / 256, where the tile of 256 took 35-36) in one launch, a
 # quarter to a third of the cuBLAS path's host time. 257+ tokens keep cuBLAS eagerly.
