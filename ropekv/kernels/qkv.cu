@@ -1710,7 +1710,10 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   // took about 215 instructions a stage at tiles of 256 tokens, which stalled beside the wgmmas.
   // A row past the matrix or the tile reads nothing, from row 0's address (and a k chunk past the
   // slice, from offset 0). A_STEP and B_STEP are multiples of 8 rows, so row j's chunk sits
-  // j * STEP rows after row 0's in the swizzled layout.
+  // j * STEP rows after row 0's in the swizzled layout. Tiles of 32 and 64 tokens keep the
+  // per-step addresses (SETUP false): NVRTC 12.9's ptxas crashes (SIGSEGV) on the set-up form of
+  // their deep 8-stage kernels, and they measured the same either way (the copies are few there).
+  constexpr bool SETUP = TN >= 96;
   const int rr = threadIdx.x >> 3, cc = threadIdx.x & 7;
   const int ar = threadIdx.x / A_CHUNKS, ac = threadIdx.x % A_CHUNKS;
   const int kc0 = kbeg + cc * 8, ka0 = kbeg + ac * (FP8 ? 16 : 8);
@@ -1732,6 +1735,11 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
 #pragma unroll
   for (int j = 0; j < B_LOADS; ++j)
     b_src[j] = j < b_rows ? hidden + (i64(t0 + rr + j * B_STEP) * p.hidden_s0 + kc0) * 2 : hidden;
+  // (!SETUP: the first rows' sources and the rows' strides, as before the set-up form)
+  const unsigned char* a_first = weight + i64(row0 + ar) * p.weight_row_bytes + i64(ka0) * A_ES;
+  const i64 a_step = i64(A_STEP) * p.weight_row_bytes;
+  const unsigned char* b_first = hidden + (i64(t0 + rr) * p.hidden_s0 + kc0) * 2;
+  const i64 b_step = i64(B_STEP) * p.hidden_s0 * 2;
   const unsigned a_dst = FP8 ? ar * 64 + ac * 16 : tiled_at<128>(ar, ac);
   const unsigned b_dst = tiled_at<128>(rr, cc);
   auto load = [&](int stage, int ks) {
@@ -1744,11 +1752,26 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
       const unsigned abase = base + a * A_STAGED + a_dst;
       const unsigned bbase = base + KA * A_STAGED + a * B_ATOM + b_dst;
 #pragma unroll
-      for (int j = 0; j < A_LOADS; ++j)
-        cp_async16(abase + j * A_STEP * A_ROW, a_src[j] + da, a_in && j < a_rows);
+      for (int j = 0; j < A_LOADS; ++j) {
+        if constexpr (SETUP) {
+          cp_async16(abase + j * A_STEP * A_ROW, a_src[j] + da, a_in && j < a_rows);
+        } else {
+          const bool on = ka0 + dk < kend && row0 + ar + j * A_STEP < p.N;
+          const unsigned dst = FP8 ? base + a * A_STAGED + (ar + j * A_STEP) * 64 + ac * 16
+                                   : base + a * A_STAGED + tiled_at<128>(ar + j * A_STEP, ac);
+          cp_async16(dst, on ? a_first + j * a_step + dk * A_ES : p.weight, on);
+        }
+      }
 #pragma unroll
-      for (int j = 0; j < B_LOADS; ++j)
-        cp_async16(bbase + j * B_STEP * 128, b_src[j] + db, b_in && j < b_rows);
+      for (int j = 0; j < B_LOADS; ++j) {
+        if constexpr (SETUP) {
+          cp_async16(bbase + j * B_STEP * 128, b_src[j] + db, b_in && j < b_rows);
+        } else {
+          const bool on = kc0 + dk < kend && rr + j * B_STEP < nt;
+          cp_async16(base + KA * A_STAGED + a * B_ATOM + tiled_at<128>(rr + j * B_STEP, cc),
+                     on ? b_first + j * b_step + dk * 2 : p.hidden, on);
+        }
+      }
     }
   };
 #pragma unroll
