@@ -274,9 +274,7 @@ def instantiations():
         for fmt, tn, split in itertools.product(TILED_FORMATS, TILED_TILES, TILED_SPLITS):
             yield tiled_expression(dtype, fmt, tn, split, TILED_STAGES, TILED_KGROUPS, opts)
         for (tn, deep, fp8), split in itertools.product(_wgmma_tiles(), TILED_SPLITS):
-            atoms = WGMMA_FP8_ATOMS if fp8 else WGMMA_ATOMS
-            stages = _wgmma_stages(tn, WGMMA_DEEP_STAGES if deep else WGMMA_STAGES, atoms, deep,
-                                   fp8)
+            atoms, stages, _ = _wgmma_config(tn, deep, fp8, wgmma_settings())
             yield wgmma_expression(dtype, tn, split, stages, atoms, opts, deep, fp8)
         for cache_dtype, n in itertools.product((dtype, *FP8_DTYPES), EPILOGUE_WIDTHS):
             yield epilogue_expression(dtype, cache_dtype, dtype, n, opts)
@@ -920,7 +918,7 @@ def wgmma_shape(T, K, D, wgmma, fp8=False):
     if not (wgmma.min_tokens <= T <= wgmma.max_tokens and MMA_ROWS % D == 0
             and K % (64 * atoms) == 0):
         return False
-    deep, tn, stages, smem = _wgmma_layout(T, wgmma, fp8)
+    deep, tn, _, _, smem = _wgmma_layout(T, wgmma, fp8)
     return _wgmma_per_sm(smem, deep, tn) >= 1
 
 
@@ -960,9 +958,8 @@ def _wgmma_per_sm(smem, deep, tn=128):
 def _wgmma_stages(tn, stages, atoms, deep, fp8=False):
     """The stages of a ``tn``-token tile: ``stages``, fewer where that many would not fit in an
     SM's shared memory (``deep``: one CTA, at least 3 stages; 7 at tiles of 96 tokens, 6 at 128,
-    5 at 192, 4 at 256)
-    or would keep a second CTA off it (else: 3 at tiles of 96 and 128 tokens on sm_90, at least
-    2); fewer than that floor are raised to it."""
+    5 at 192, 4 at 256) or would keep a second CTA off it (else: 3 at tiles of 96 and 128 tokens
+    on sm_90, at least 2); fewer than that floor are raised to it."""
     floor, per_sm = (3, 1) if deep else (2, 2)
     stages = max(stages, floor)
     while (stages > floor
@@ -996,26 +993,31 @@ def _wgmma_tiles():
     return sorted(dense | fp8)
 
 
-def _wgmma_layout(T, wgmma, fp8=False):
-    """``(deep, tile, stages, dynamic shared memory)`` of a ``T``-token qkv_wgmma launch."""
-    deep = T <= wgmma.deep_max_tokens
-    tn = _wgmma_tile(T, wgmma.max_tile, deep)
+def _wgmma_config(tn, deep, fp8, wgmma):
+    """``(atoms, stages, dynamic shared memory)`` of qkv_wgmma at a ``tn``-token tile."""
     atoms = wgmma.fp8_atoms if fp8 else wgmma.atoms
     stages = _wgmma_stages(tn, wgmma.deep_stages if deep else wgmma.stages, atoms, deep, fp8)
-    return deep, tn, stages, _wgmma_smem(tn, stages, atoms, fp8)
+    return atoms, stages, _wgmma_smem(tn, stages, atoms, fp8)
+
+
+def _wgmma_layout(T, wgmma, fp8=False):
+    """``(deep, tile, atoms, stages, dynamic shared memory)`` of a ``T``-token qkv_wgmma
+    launch."""
+    deep = T <= wgmma.deep_max_tokens
+    tn = _wgmma_tile(T, wgmma.max_tile, deep)
+    return (deep, tn, *_wgmma_config(tn, deep, fp8, wgmma))
 
 
 def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False, fp8=False):
     """The qkv_wgmma launch (``fp8``: of fp8 weights), or None where the rows are not 16-byte
     aligned."""
     split = wgmma.split
-    atoms = wgmma.fp8_atoms if fp8 else wgmma.atoms
     if split not in TILED_SPLITS:
         raise ValueError(f"ropekv.qkv.WGMMA_SPLIT must be one of {TILED_SPLITS}, got {split}")
     if not (vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
             and vx.ptr % 16 == 0 and vx.strides[0] % 8 == 0):
         return None
-    deep, tn, stages, smem = _wgmma_layout(T, wgmma, fp8)
+    deep, tn, atoms, stages, smem = _wgmma_layout(T, wgmma, fp8)
     tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
     split = _tiled_split(tiles, split, _wgmma_per_sm(smem, deep, tn) * _sm_count(device))
     kc = _slice(K, split, 64 * atoms)
