@@ -2,9 +2,9 @@
 static shared memory, the PDL instructions and a two-load index chain cost, at several grid sizes.
 
 Each kernel is captured 200 times into one graph; the graph's replay is timed with events and
-divided by 200 (median of 20 replays). On a GPU machine::
+divided by 200 (median of 20 replays: ``ropekv._timing.graph_us``). On a GPU machine::
 
-    python3 tools/experiments/launch_cost.py
+    PYTHONPATH=. python3 tools/experiments/launch_cost.py
 
 H200 at 32666ad (docs/kernel-notes.md, "Decode kernels beside the Cake kernel"): 0.545 us an
 empty launch of 10 blocks of 128 threads; 448 bytes of parameters and 10 KB of static shared
@@ -15,6 +15,8 @@ memory cost at most 0.02 us; ``griddepcontrol.launch_dependents`` first thing co
 """
 import cupy as cp
 import numpy as np
+
+from ropekv._timing import graph_us
 
 WORDS = 56  # 448 bytes of parameters, about the size of QKNormParams
 PARAMS = ", ".join(f"unsigned long long w{i}" for i in range(WORDS))
@@ -46,32 +48,8 @@ extern "C" __global__ void k_chain_pdl(const int* a, const int* b, int* out) {{
 '''
 
 
-def per_launch(mod, stream, name, args, grid, block=128, n=200, reps=20):
-    f = mod.get_function(name)
-    with stream:
-        for _ in range(3):
-            f(grid, (block,), args)
-        stream.synchronize()
-        stream.begin_capture()
-        for _ in range(n):
-            f(grid, (block,), args)
-        graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        times = []
-        for _ in range(reps):
-            e0.record(stream)
-            graph.launch(stream)
-            e1.record(stream)
-            e1.synchronize()
-            times.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / n)
-    return float(np.median(times))
-
-
 def main():
     mod = cp.RawModule(code=SRC, options=("-arch=sm_90",))
-    stream = cp.cuda.Stream(non_blocking=True)
     a = cp.zeros(1024, cp.int32)
     b = cp.arange(1024, dtype=cp.int32)
     out = cp.zeros(1 << 20, cp.int32)
@@ -85,7 +63,8 @@ def main():
     grids = (10, 64, 132, 256, 640, 1280)
     print(f"{'kernel':24s}" + "".join(f"{g:>8d}" for g in grids))
     for label, (name, args) in cases.items():
-        row = [per_launch(mod, stream, name, args, (g,)) for g in grids]
+        f = mod.get_function(name)
+        row = [graph_us(lambda g=g: f((g,), (128,), args), calls=200) for g in grids]
         print(f"{label:24s}" + "".join(f"{t:8.3f}" for t in row))
 
 
