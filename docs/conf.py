@@ -38,7 +38,11 @@ myst_heading_anchors = 3
 html_theme = "alabaster"
 html_title = f"ropekv {release}"
 # Wide enough for the 100-column code and the API summary table.
-html_theme_options = {"description": "Fused RoPE + KV-cache CUDA kernels", "fixed_sidebar": True,
-                      "page_width": "1240px", "body_max_width": "none"}
+html_theme_options = {
+    "description": "Fused RoPE + KV-cache CUDA kernels",
+    "fixed_sidebar": True,
+    "page_width": "1240px",
+    "body_max_width": "none",
+}
 html_static_path = ["_static"]
 html_css_files = ["ropekv.css"]

@@ -76,8 +76,11 @@ class _DLTensor(ctypes.Structure):
 
 
 class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
-                ("deleter", ctypes.c_void_p)]
+    _fields_ = [
+        ("dl_tensor", _DLTensor),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+    ]
 
 
 class _DLManagedTensorVersioned(ctypes.Structure):
@@ -124,8 +127,21 @@ class ArrayView:
         "strides",
     )
 
-    def __init__(self, name, ptr, shape, strides, dtype, device, *, readonly=False, owner=None,
-                 host=None, array=None, legacy=False):
+    def __init__(
+        self,
+        name,
+        ptr,
+        shape,
+        strides,
+        dtype,
+        device,
+        *,
+        readonly=False,
+        owner=None,
+        host=None,
+        array=None,
+        legacy=False,
+    ):
         self.name = name
         self.legacy = legacy
         self.ptr = ptr
@@ -164,8 +180,10 @@ class ArrayView:
         return "host memory" if self.on_host else f"CUDA device {self.device}"
 
     def __repr__(self):
-        return (f"ArrayView({self.name}: shape={self.shape}, dtype={self.dtype}, "
-                f"strides={self.strides}, {self.where()})")
+        return (
+            f"ArrayView({self.name}: shape={self.shape}, dtype={self.dtype}, "
+            f"strides={self.strides}, {self.where()})"
+        )
 
 
 def _extent(shape, strides, itemsize):
@@ -205,15 +223,27 @@ def _element_strides(name, byte_strides, itemsize):
     out = []
     for s in byte_strides:
         if s % itemsize:
-            raise BufferError(f"{name} has a byte stride of {s}, not a multiple of its item size "
-                              f"{itemsize}; ropekv cannot address it")
+            raise BufferError(
+                f"{name} has a byte stride of {s}, not a multiple of its item size "
+                f"{itemsize}; ropekv cannot address it"
+            )
         out.append(s // itemsize)
     return tuple(out)
 
 
 def _from_numpy(a, name):
-    return ArrayView(name, a.ctypes.data, a.shape, _element_strides(name, a.strides, a.itemsize),
-                     a.dtype, HOST, readonly=not a.flags.writeable, owner=a, host=a, array=a)
+    return ArrayView(
+        name,
+        a.ctypes.data,
+        a.shape,
+        _element_strides(name, a.strides, a.itemsize),
+        a.dtype,
+        HOST,
+        readonly=not a.flags.writeable,
+        owner=a,
+        host=a,
+        array=a,
+    )
 
 
 def _from_cupy(a, name):
@@ -257,10 +287,20 @@ def _cupy_attributes(a, name):
 # ---- torch tensors, read from their attributes (torch is only ever touched when passed one) ----
 
 _TORCH_NAMES = {
-    "float16": FLOAT16, "bfloat16": BFLOAT16, "float32": FLOAT32, "float64": np.dtype(np.float64),
-    "float8_e4m3fn": FLOAT8_E4M3FN, "float8_e5m2": FLOAT8_E5M2, "int8": np.dtype(np.int8),
-    "int16": np.dtype(np.int16), "int32": INT32, "int64": INT64, "uint8": UINT8,
-    "uint16": np.dtype(np.uint16), "uint32": UINT32, "uint64": np.dtype(np.uint64),
+    "float16": FLOAT16,
+    "bfloat16": BFLOAT16,
+    "float32": FLOAT32,
+    "float64": np.dtype(np.float64),
+    "float8_e4m3fn": FLOAT8_E4M3FN,
+    "float8_e5m2": FLOAT8_E5M2,
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": INT32,
+    "int64": INT64,
+    "uint8": UINT8,
+    "uint16": np.dtype(np.uint16),
+    "uint32": UINT32,
+    "uint64": np.dtype(np.uint64),
     "bool": np.dtype(np.bool_),
 }
 _TORCH_TO_NUMPY = {}  # torch.dtype -> numpy dtype, filled on the first torch tensor
@@ -296,16 +336,19 @@ def _from_torch(t, name):
     if t.layout != torch.strided:
         raise BufferError(f"{name} is a {t.layout} tensor; ropekv reads strided tensors only")
     if t.is_neg() or t.is_conj():
-        raise BufferError(f"{name} carries a lazy negation/conjugation bit; pass "
-                          f"{name}.resolve_neg() / .resolve_conj()")
+        raise BufferError(
+            f"{name} carries a lazy negation/conjugation bit; pass "
+            f"{name}.resolve_neg() / .resolve_conj()"
+        )
     if _TORCH_TENSOR is _Never:
         _note_type(type(t), "torch")
     ptr, shape, strides = t.data_ptr(), tuple(t.shape), tuple(t.stride())
     device = t.get_device()
     if device < 0:
         if t.device.type != "cpu":
-            raise BufferError(f"{name} is on torch device {t.device}; ropekv accepts CPU and CUDA "
-                              f"tensors")
+            raise BufferError(
+                f"{name} is on torch device {t.device}; ropekv accepts CPU and CUDA tensors"
+            )
         host = _host_array(ptr, shape, tuple(s * dtype.itemsize for s in strides), dtype, False)
         return ArrayView(name, ptr, shape, strides, dtype, HOST, owner=t, host=host, array=t)
     v = _new(ArrayView)  # no keyword handling of a class call: every tensor of a first call
@@ -332,8 +375,10 @@ def _from_cai(obj, name, cai, stream_ptr):
         try:
             dtype = np.dtype(obj.dtype)
         except Exception as exc:
-            raise TypeError(f"{name}: __cuda_array_interface__ typestr {typestr!r} names no dtype "
-                            f"ropekv reads, and the object has no usable .dtype") from exc
+            raise TypeError(
+                f"{name}: __cuda_array_interface__ typestr {typestr!r} names no dtype "
+                f"ropekv reads, and the object has no usable .dtype"
+            ) from exc
     byte_strides = cai.get("strides")
     if byte_strides is None:
         strides, acc = [], 1
@@ -345,8 +390,9 @@ def _from_cai(obj, name, cai, stream_ptr):
         strides = _element_strides(name, byte_strides, dtype.itemsize)
     mask = cai.get("mask")
     if mask is not None:
-        raise BufferError(f"{name} has a __cuda_array_interface__ mask; ropekv reads unmasked "
-                          f"arrays only")
+        raise BufferError(
+            f"{name} has a __cuda_array_interface__ mask; ropekv reads unmasked arrays only"
+        )
     ptr = int(ptr or 0)
     import cupy
 
@@ -361,8 +407,9 @@ def _from_cai(obj, name, cai, stream_ptr):
             event = cupy.cuda.Event(disable_timing=True)
             event.record(cupy.cuda.ExternalStream(int(producer_stream), device))
             cupy.cuda.ExternalStream(int(stream_ptr), device).wait_event(event)
-    return ArrayView(name, ptr, shape, strides, dtype, device, readonly=bool(readonly),
-                     owner=obj, array=obj)
+    return ArrayView(
+        name, ptr, shape, strides, dtype, device, readonly=bool(readonly), owner=obj, array=obj
+    )
 
 
 def _consumer_stream(stream_ptr):
@@ -410,15 +457,20 @@ def _from_dlpack(obj, name, stream_ptr):
     except Exception as exc:
         raise BufferError(f"{name}: __dlpack_device__() failed: {exc}") from exc
     if device_type not in (_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED):
-        raise BufferError(f"{name} lives on DLPack device type {device_type}; ropekv accepts CPU "
-                          f"(1), CUDA (2), CUDA host (3) and CUDA managed (13) memory")
+        raise BufferError(
+            f"{name} lives on DLPack device type {device_type}; ropekv accepts CPU "
+            f"(1), CUDA (2), CUDA host (3) and CUDA managed (13) memory"
+        )
     capsule = _get_capsule(obj, name, device_type, stream_ptr)
     if _capsule_is_valid(capsule, b"dltensor_versioned"):
         managed = _DLManagedTensorVersioned.from_address(
-            _capsule_get_pointer(capsule, b"dltensor_versioned"))
+            _capsule_get_pointer(capsule, b"dltensor_versioned")
+        )
         if managed.major != 1:
-            raise BufferError(f"{name}: DLPack version {managed.major}.{managed.minor} is not "
-                              f"supported (ropekv reads 1.x)")
+            raise BufferError(
+                f"{name}: DLPack version {managed.major}.{managed.minor} is not "
+                f"supported (ropekv reads 1.x)"
+            )
         flags = managed.flags
     elif _capsule_is_valid(capsule, b"dltensor"):
         managed = _DLManagedTensor.from_address(_capsule_get_pointer(capsule, b"dltensor"))
@@ -429,8 +481,10 @@ def _from_dlpack(obj, name, stream_ptr):
     code, bits, lanes = t.dtype.code, t.dtype.bits, t.dtype.lanes
     dtype = _DL_DTYPES.get((code, bits))
     if dtype is None or lanes != 1:
-        raise TypeError(f"{name} has DLPack dtype (code={code}, bits={bits}, lanes={lanes}), "
-                        f"which ropekv does not read")
+        raise TypeError(
+            f"{name} has DLPack dtype (code={code}, bits={bits}, lanes={lanes}), "
+            f"which ropekv does not read"
+        )
     shape = tuple(t.shape[i] for i in range(t.ndim))
     if t.strides:
         strides = tuple(t.strides[i] for i in range(t.ndim))
@@ -450,10 +504,31 @@ def _from_dlpack(obj, name, stream_ptr):
     if device_type in (_DL_CPU, _DL_CUDA_HOST):
         byte_strides = tuple(s * dtype.itemsize for s in strides)
         host = _host_array(ptr, shape, byte_strides, dtype, readonly)
-        return ArrayView(name, ptr, shape, strides, dtype, HOST, readonly=readonly,
-                         owner=(obj, capsule), host=host, array=obj, legacy=legacy)
-    return ArrayView(name, ptr, shape, strides, dtype, device_id, readonly=readonly,
-                     owner=(obj, capsule), array=obj, legacy=legacy)
+        return ArrayView(
+            name,
+            ptr,
+            shape,
+            strides,
+            dtype,
+            HOST,
+            readonly=readonly,
+            owner=(obj, capsule),
+            host=host,
+            array=obj,
+            legacy=legacy,
+        )
+    return ArrayView(
+        name,
+        ptr,
+        shape,
+        strides,
+        dtype,
+        device_id,
+        readonly=readonly,
+        owner=(obj, capsule),
+        array=obj,
+        legacy=legacy,
+    )
 
 
 def is_cupy(obj):
@@ -493,9 +568,11 @@ def as_view(obj, name, stream_ptr=None):
         return _from_cai(obj, name, cai, stream_ptr)
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
         return _from_dlpack(obj, name, stream_ptr)
-    raise TypeError(f"{name} must be a NumPy array, a CuPy array, a torch tensor or an object with "
-                    f"__cuda_array_interface__ or __dlpack__, got "
-                    f"{type(obj).__module__}.{type(obj).__qualname__}")
+    raise TypeError(
+        f"{name} must be a NumPy array, a CuPy array, a torch tensor or an object with "
+        f"__cuda_array_interface__ or __dlpack__, got "
+        f"{type(obj).__module__}.{type(obj).__qualname__}"
+    )
 
 
 def read_arguments(arrays, names, stream_ptr=None):
@@ -517,8 +594,11 @@ def read_arguments(arrays, names, stream_ptr=None):
         cls = a.__class__
         if cls is cupy_array:
             fields = None if fields_of is None else fields_of(a)
-            v = (_cupy_attributes(a, name) if fields is None
-                 else _struct_view(fields, name, fields[3], a))
+            v = (
+                _cupy_attributes(a, name)
+                if fields is None
+                else _struct_view(fields, name, fields[3], a)
+            )
             kinds |= CUPY
         elif cls is torch_tensor:
             v = _from_torch(a, name)
@@ -608,8 +688,10 @@ def fast_signature(n):
     Generated once per argument count, unrolled: on the replay of a plan, the cost of a call is
     little more than these attribute reads, and a loop over the arguments would add half again.
     """
-    lines = [f"def fast_signature_{n}(arrays):",
-             "    cupy_array, torch_tensor, kinds = _CUPY_ARRAY, _TORCH_TENSOR, 0"]
+    lines = [
+        f"def fast_signature_{n}(arrays):",
+        "    cupy_array, torch_tensor, kinds = _CUPY_ARRAY, _TORCH_TENSOR, 0",
+    ]
     names = [f"a{i}" for i in range(n)]
     lines.append(f"    {', '.join(names)}{',' if n == 1 else ''} = arrays")
     for i in range(n):
@@ -630,7 +712,8 @@ def fast_signature(n):
             f"        {k} = (1, {a}.shape, {a}.stride(), {a}.dtype, {p} & 15, {a}.get_device())",
             "        kinds |= TORCH",
             "    else:",
-            "        return None"]
+            "        return None",
+        ]
     keys = ", ".join(f"k{i}" for i in range(n))
     ptrs = ", ".join(f"p{i}" for i in range(n))
     lines.append(f"    return ({keys}{',' if n == 1 else ''}), [{ptrs}], kinds")

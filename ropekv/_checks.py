@@ -31,8 +31,9 @@ def check_dtype(view, allowed):
 
 def check_same_dtype(view, other):
     if view.dtype != other.dtype:
-        raise TypeError(f"{view.name} must have the dtype of {other.name} ({other.dtype}), "
-                        f"got {view.dtype}")
+        raise TypeError(
+            f"{view.name} must have the dtype of {other.name} ({other.dtype}), got {view.dtype}"
+        )
 
 
 def check_ndim(view, ndims, layout):
@@ -64,27 +65,33 @@ def check_last_dim_contiguous(*views):
     """Each view (None: not given) has stride 1 in its last dimension."""
     for view in views:
         if view is not None and view.size and view.shape[-1] > 1 and view.strides[-1] != 1:
-            raise ValueError(f"{view.name} must be contiguous in its last dimension (stride 1), "
-                             f"got strides {view.strides} (in elements)")
+            raise ValueError(
+                f"{view.name} must be contiguous in its last dimension (stride 1), "
+                f"got strides {view.strides} (in elements)"
+            )
 
 
 def check_contiguous(view):
     if not view.is_c_contiguous():
-        raise ValueError(f"{view.name} must be C-contiguous, got shape {view.shape} with strides "
-                         f"{view.strides} (in elements)")
+        raise ValueError(
+            f"{view.name} must be C-contiguous, got shape {view.shape} with strides "
+            f"{view.strides} (in elements)"
+        )
 
 
 def check_writable(view):
     if view.readonly:
-        raise BufferError(f"{view.name} is written in place but its producer exported it "
-                          f"read-only (or as a copy)")
+        raise BufferError(
+            f"{view.name} is written in place but its producer exported it read-only (or as a copy)"
+        )
     if view.legacy and os.environ.get("ROPEKV_ALLOW_LEGACY_DLPACK_WRITES", "") in ("", "0"):
         raise BufferError(
             f"{view.name} is written in place but came through a legacy (unversioned) DLPack "
             f"capsule, which cannot say whether the memory may be written (JAX arrays, for one, "
             f"are immutable and export such capsules). Pass an array whose producer exports "
             f"DLPack 1.x capsules or __cuda_array_interface__ (ropekv.jax runs ops inside "
-            f"jax.jit), or set ROPEKV_ALLOW_LEGACY_DLPACK_WRITES=1 if you own this memory")
+            f"jax.jit), or set ROPEKV_ALLOW_LEGACY_DLPACK_WRITES=1 if you own this memory"
+        )
 
 
 def check_element_aligned(view):
@@ -92,8 +99,10 @@ def check_element_aligned(view):
     loaded whole; data arrays at least element by element)."""
     item = view.dtype.itemsize
     if view.ptr % item and view.size:
-        raise BufferError(f"{view.name} starts at address {view.ptr:#x}, not a multiple of its "
-                          f"item size {item} ({view.dtype}); ropekv cannot load it")
+        raise BufferError(
+            f"{view.name} starts at address {view.ptr:#x}, not a multiple of its "
+            f"item size {item} ({view.dtype}); ropekv cannot load it"
+        )
 
 
 def check_write_strides(view):
@@ -113,12 +122,16 @@ def check_write_strides(view):
     reach = 0  # elements spanned by the dims of smaller stride
     for stride, n, d in dims:
         if stride <= 0:
-            raise ValueError(f"{view.name} is written but has stride {stride} in dimension {d} "
-                             f"(shape {view.shape}, strides {view.strides}): a written array "
-                             f"needs positive strides, not a broadcast or reversed view")
+            raise ValueError(
+                f"{view.name} is written but has stride {stride} in dimension {d} "
+                f"(shape {view.shape}, strides {view.strides}): a written array "
+                f"needs positive strides, not a broadcast or reversed view"
+            )
         if stride <= reach:
-            raise ValueError(f"{view.name} is written but its strides {view.strides} (shape "
-                             f"{view.shape}) put several elements at one address")
+            raise ValueError(
+                f"{view.name} is written but its strides {view.strides} (shape "
+                f"{view.shape}) put several elements at one address"
+            )
         reach += (n - 1) * stride
 
 
@@ -127,6 +140,7 @@ def shares_bytes(a, b):
 
     Exact: NumPy's solver runs on stand-in arrays at those addresses (built over a ctypes buffer
     that is never read), so device pointers work as well as host ones."""
+
     def lo_hi(ptr, shape, strides, item):
         lo = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0) * item
         hi = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0) * item
@@ -139,8 +153,13 @@ def shares_bytes(a, b):
     buf = (ctypes.c_char * (hi - lo)).from_address(lo)
 
     def stand_in(ptr, shape, strides, item):
-        return np.ndarray((*shape, item), np.uint8, buffer=buf, offset=ptr - lo,
-                          strides=(*(s * item for s in strides), 1))
+        return np.ndarray(
+            (*shape, item),
+            np.uint8,
+            buffer=buf,
+            offset=ptr - lo,
+            strides=(*(s * item for s in strides), 1),
+        )
 
     try:
         return bool(np.shares_memory(stand_in(*a), stand_in(*b), max_work=1 << 20))
@@ -152,11 +171,15 @@ def overlap_message(name, other, other_written, inplace=False):
     """The error for a written array ``name`` sharing bytes with ``other``; ``inplace``: the pair
     may be one array (in place), which this is not."""
     if inplace:
-        return (f"{name} must be {other} itself (in place) or not overlap it; it overlaps "
-                f"{other} partially")
+        return (
+            f"{name} must be {other} itself (in place) or not overlap it; it overlaps "
+            f"{other} partially"
+        )
     what = "also written" if other_written else "read"
-    return (f"{name} is written in place but shares memory with {other} ({what} by this call); "
-            f"pass arrays that do not overlap")
+    return (
+        f"{name} is written in place but shares memory with {other} ({what} by this call); "
+        f"pass arrays that do not overlap"
+    )
 
 
 def check_no_overlap(views, written, inplace=()):
@@ -188,12 +211,18 @@ def check_no_overlap(views, written, inplace=()):
                 continue
             b = views[j]
             pair = frozenset((i, j)) in inplace
-            same = a.ptr == b.ptr and a.shape == b.shape and a.strides == b.strides and \
-                a.dtype == b.dtype
+            same = (
+                a.ptr == b.ptr
+                and a.shape == b.shape
+                and a.strides == b.strides
+                and a.dtype == b.dtype
+            )
             if same and pair:
                 continue
-            if shares_bytes((a.ptr, a.shape, a.strides, a.dtype.itemsize),
-                            (b.ptr, b.shape, b.strides, b.dtype.itemsize)):
+            if shares_bytes(
+                (a.ptr, a.shape, a.strides, a.dtype.itemsize),
+                (b.ptr, b.shape, b.strides, b.dtype.itemsize),
+            ):
                 raise ValueError(overlap_message(a.name, b.name, j in written, pair))
     return pairs
 
@@ -215,10 +244,14 @@ def check_float(value, name, *, positive):
     cls = value.__class__
     if cls is float and (0.0 < value if positive else 0.0 <= value) and value < _INF:
         return value  # the common case, valid as it is (NaN fails both tests)
-    if cls is not float and cls is not int and (
-            isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real)):
-        raise TypeError(f"{name} must be a real number, got {value!r} of type "
-                        f"{type(value).__name__}")
+    if (
+        cls is not float
+        and cls is not int
+        and (isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real))
+    ):
+        raise TypeError(
+            f"{name} must be a real number, got {value!r} of type {type(value).__name__}"
+        )
     value = float(value)
     ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
     if not ok:
@@ -234,12 +267,23 @@ def check_scale_values(view):
     bad = ~(np.isfinite(values) & (values > 0))
     if bad.any():
         i = tuple(int(x) for x in np.argwhere(bad)[0])
-        raise ValueError(f"{view.name} must hold positive finite scales, got {values[i]!r} at "
-                         f"{list(i)}")
+        raise ValueError(
+            f"{view.name} must hold positive finite scales, got {values[i]!r} at {list(i)}"
+        )
 
 
-def check_q_scales(q_dtype, q_name, static_name, static_given, dynamic, shape=None,
-                   layout=None, *, static_needs_fp8=True, hint=""):
+def check_q_scales(
+    q_dtype,
+    q_name,
+    static_name,
+    static_given,
+    dynamic,
+    shape=None,
+    layout=None,
+    *,
+    static_needs_fp8=True,
+    hint="",
+):
     """The scales of a quantized q output: a static scale (``static_name``, ``static_given``) or
     dynamic ones written to ``q_scale_out`` (``dynamic``: its view or None, of ``shape`` spelled
     ``layout``), never both, and each only with a float8 q (``q_dtype``, None when the call has
@@ -249,15 +293,21 @@ def check_q_scales(q_dtype, q_name, static_name, static_given, dynamic, shape=No
     fp8 = q_dtype in FP8_DTYPES
     if dynamic is not None:
         if not fp8:
-            raise ValueError(f"q_scale_out is only used with a float8 {q_name}, but {q_name} is "
-                             f"{'not given' if q_dtype is None else q_dtype}{hint}")
+            raise ValueError(
+                f"q_scale_out is only used with a float8 {q_name}, but {q_name} is "
+                f"{'not given' if q_dtype is None else q_dtype}{hint}"
+            )
         if static_given:
-            raise ValueError(f"{static_name} (a static scale) and q_scale_out (dynamic scales) "
-                             f"exclude each other: give one")
+            raise ValueError(
+                f"{static_name} (a static scale) and q_scale_out (dynamic scales) "
+                f"exclude each other: give one"
+            )
         check_scale_array(dynamic, shape, layout)
     elif static_given and static_needs_fp8 and not fp8:
-        raise ValueError(f"{static_name} is only used with a float8 {q_name}, but {q_name} is "
-                         f"{'not given' if q_dtype is None else q_dtype}{hint}")
+        raise ValueError(
+            f"{static_name} is only used with a float8 {q_name}, but {q_name} is "
+            f"{'not given' if q_dtype is None else q_dtype}{hint}"
+        )
 
 
 def check_cache_scales(cache_dtype, cache_name, static_name, static_given, given, layout):
@@ -269,14 +319,20 @@ def check_cache_scales(cache_dtype, cache_name, static_name, static_given, given
     dtype that no argument makes valid stays the op's ``TypeError``."""
     if given:
         if cache_dtype not in SCALED_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_scales needs a float8 or int8 {cache_name}, but "
-                             f"{cache_name} is {cache_dtype}")
+            raise ValueError(
+                f"kv_cache_scales needs a float8 or int8 {cache_name}, but "
+                f"{cache_name} is {cache_dtype}"
+            )
         if static_given:
-            raise ValueError(f"{static_name} (static scales) and kv_cache_scales (per-token-head "
-                             f"scales) exclude each other: give one")
+            raise ValueError(
+                f"{static_name} (static scales) and kv_cache_scales (per-token-head "
+                f"scales) exclude each other: give one"
+            )
     elif cache_dtype == INT8:
-        raise ValueError(f"an int8 {cache_name} needs kv_cache_scales {layout} float32: int8 "
-                         f"rows are stored with per-token-head scales only")
+        raise ValueError(
+            f"an int8 {cache_name} needs kv_cache_scales {layout} float32: int8 "
+            f"rows are stored with per-token-head scales only"
+        )
 
 
 def check_scale_array(view, shape, layout):
@@ -299,8 +355,10 @@ def check_unique_slots(rows, tokens, what="cache row"):
     if same.any():
         k = int(np.argmax(same))
         t0, t1 = sorted((int(tokens[order[k]]), int(tokens[order[k + 1]])))
-        raise IndexError(f"tokens {t0} and {t1} both write {what} {tuple(sorted_rows[k])}: the "
-                         f"row's contents would be undefined")
+        raise IndexError(
+            f"tokens {t0} and {t1} both write {what} {tuple(sorted_rows[k])}: the "
+            f"row's contents would be undefined"
+        )
 
 
 def check_same_device(views):
@@ -312,8 +370,10 @@ def check_same_device(views):
         if first is None:
             first = view
         elif view.device != first.device:
-            raise ValueError(f"all arrays must be on one device: {first.name} is in "
-                             f"{first.where()}, {view.name} is in {view.where()}")
+            raise ValueError(
+                f"all arrays must be on one device: {first.name} is in "
+                f"{first.where()}, {view.name} is in {view.where()}"
+            )
     return first.device
 
 
@@ -324,14 +384,18 @@ def check_cos_sin_cache(view, D, ndims=(2,), layout="(P, R)"):
     check_dtype(view, (FLOAT32,))
     P, R = view.shape[-2:]
     if R % 2 or not 0 < R <= D:
-        raise ValueError(f"{view.name}'s rotary dim R (its last dim) must be even and in "
-                         f"[2, D={D}], got {R}")
+        raise ValueError(
+            f"{view.name}'s rotary dim R (its last dim) must be even and in [2, D={D}], got {R}"
+        )
     return P, R
 
 
 def check_positive_int(value, name):
-    if value.__class__ is not int and (isinstance(value, bool)
-                                       or not isinstance(value, int | np.integer)) or value <= 0:
+    if (
+        value.__class__ is not int
+        and (isinstance(value, bool) or not isinstance(value, int | np.integer))
+        or value <= 0
+    ):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
@@ -356,11 +420,19 @@ def check_indices_enabled():
 # step with os.environ, monkeypatch.setenv included)
 _environ_data = getattr(os.environ, "_data", None)
 if isinstance(_environ_data, dict) and isinstance(next(iter(_environ_data), b""), bytes):
-    _env_get, _CHECK_INDICES_KEY, _EMPTY, _OFF = (_environ_data.get, b"ROPEKV_CHECK_INDICES",
-                                                  b"", (b"", b"0"))
+    _env_get, _CHECK_INDICES_KEY, _EMPTY, _OFF = (
+        _environ_data.get,
+        b"ROPEKV_CHECK_INDICES",
+        b"",
+        (b"", b"0"),
+    )
 else:  # another platform's os.environ
-    _env_get, _CHECK_INDICES_KEY, _EMPTY, _OFF = (os.environ.get, "ROPEKV_CHECK_INDICES", "",
-                                                  ("", "0"))
+    _env_get, _CHECK_INDICES_KEY, _EMPTY, _OFF = (
+        os.environ.get,
+        "ROPEKV_CHECK_INDICES",
+        "",
+        ("", "0"),
+    )
 
 
 def host_copy(view):
@@ -369,10 +441,15 @@ def host_copy(view):
         return np.asarray(view.host)
     import cupy
 
-    mem = cupy.cuda.UnownedMemory(view.ptr, view.size * view.dtype.itemsize, view.owner,
-                                  view.device)
-    arr = cupy.ndarray(view.shape, view.dtype, cupy.cuda.MemoryPointer(mem, 0),
-                       tuple(s * view.dtype.itemsize for s in view.strides))
+    mem = cupy.cuda.UnownedMemory(
+        view.ptr, view.size * view.dtype.itemsize, view.owner, view.device
+    )
+    arr = cupy.ndarray(
+        view.shape,
+        view.dtype,
+        cupy.cuda.MemoryPointer(mem, 0),
+        tuple(s * view.dtype.itemsize for s in view.strides),
+    )
     return cupy.asnumpy(arr)
 
 
@@ -391,8 +468,9 @@ def check_ragged_paged(offsets, cache_lengths, block_table):
     check_dtype(offsets, (INT32, UINT32))
     check_contiguous(offsets)
     if offsets.shape[0] < 1:
-        raise ValueError(f"{offsets.name} must have shape (B + 1,) with at least one entry, got "
-                         f"{offsets.shape}")
+        raise ValueError(
+            f"{offsets.name} must have shape (B + 1,) with at least one entry, got {offsets.shape}"
+        )
     B = offsets.shape[0] - 1
     check_shape(cache_lengths, (B,), "(B,)")
     check_dtype(cache_lengths, (INT32,))
@@ -411,19 +489,28 @@ def common_ragged_paged(offsets, cache_lengths, block_table):
     ``(B, max_pages)`` with rows of stride 1. Each array is read only once those before it pass,
     as the checkers read them (this runs on every first call)."""
     shape = offsets.shape
-    return (len(shape) == 1 and offsets.dtype in _OFFSET_DTYPES and offsets.strides == UNIT_STRIDE
-            and shape[0] >= 1 and cache_lengths.shape == (shape[0] - 1,)
-            and cache_lengths.dtype == INT32 and cache_lengths.strides == UNIT_STRIDE
-            and len(block_table.shape) == 2 and block_table.shape[0] == shape[0] - 1
-            and block_table.dtype == INT32 and block_table.strides[1] == 1)
+    return (
+        len(shape) == 1
+        and offsets.dtype in _OFFSET_DTYPES
+        and offsets.strides == UNIT_STRIDE
+        and shape[0] >= 1
+        and cache_lengths.shape == (shape[0] - 1,)
+        and cache_lengths.dtype == INT32
+        and cache_lengths.strides == UNIT_STRIDE
+        and len(block_table.shape) == 2
+        and block_table.shape[0] == shape[0] - 1
+        and block_table.dtype == INT32
+        and block_table.strides[1] == 1
+    )
 
 
 _OFFSET_DTYPES = (INT32, UINT32)
 UNIT_STRIDE = (1,)  # the strides of a 1-D array of stride 1 (contiguous)
 
 
-def check_paged_indices(offsets, cache_lengths, block_table, page_size, num_pages, num_tokens,
-                        num_positions):
+def check_paged_indices(
+    offsets, cache_lengths, block_table, page_size, num_pages, num_tokens, num_positions
+):
     """``ROPEKV_CHECK_INDICES``: raise IndexError for the first token that the kernels would skip
     (outside every request, position outside ``[0, num_positions)``, page outside the block table
     or the cache), and for offsets that decrease or run past ``num_tokens``."""
@@ -433,43 +520,58 @@ def check_paged_indices(offsets, cache_lengths, block_table, page_size, num_page
     lens, table = host_copy(cache_lengths), host_copy(block_table)
     if np.any(np.diff(offs) < 0):
         b = int(np.argmax(np.diff(offs) < 0))
-        raise IndexError(f"{offsets.name} must not decrease, got {offs[b]} then {offs[b + 1]} at "
-                         f"[{b}], [{b + 1}]")
+        raise IndexError(
+            f"{offsets.name} must not decrease, got {offs[b]} then {offs[b + 1]} at "
+            f"[{b}], [{b + 1}]"
+        )
     if offs[-1] > num_tokens:
         raise IndexError(f"{offsets.name}[-1] = {offs[-1]} runs past the {num_tokens} tokens")
-    request, pos, page, entry = ragged_paged_slots(offs, lens, table, page_size, num_pages,
-                                                   num_tokens)
+    request, pos, page, entry = ragged_paged_slots(
+        offs, lens, table, page_size, num_pages, num_tokens
+    )
     for t in np.nonzero((request < 0) | (pos < 0) | (pos >= num_positions) | (page < 0))[0]:
         t = int(t)
         if request[t] < 0:
-            raise IndexError(f"token {t} belongs to no request of {offsets.name} "
-                             f"(offsets[0] = {offs[0]}, offsets[-1] = {offs[-1]})")
+            raise IndexError(
+                f"token {t} belongs to no request of {offsets.name} "
+                f"(offsets[0] = {offs[0]}, offsets[-1] = {offs[-1]})"
+            )
         b, p = int(request[t]), int(pos[t])
         if not 0 <= p < num_positions:
-            raise IndexError(f"token {t} (request {b}) has position {p} = {cache_lengths.name}"
-                             f"[{b}] + {t - offs[b]}, outside the cos_sin_cache's "
-                             f"[0, P={num_positions})")
+            raise IndexError(
+                f"token {t} (request {b}) has position {p} = {cache_lengths.name}"
+                f"[{b}] + {t - offs[b]}, outside the cos_sin_cache's "
+                f"[0, P={num_positions})"
+            )
         index = p // page_size
         if index >= table.shape[1]:
-            raise IndexError(f"token {t} (request {b}, position {p}) needs {block_table.name}"
-                             f"[{b}, {index}], past its {table.shape[1]} pages per request")
-        raise IndexError(f"token {t} (request {b}, position {p}) maps to page "
-                         f"{block_table.name}[{b}, {index}] = {table[b, index]}, outside "
-                         f"[0, num_pages={num_pages})")
+            raise IndexError(
+                f"token {t} (request {b}, position {p}) needs {block_table.name}"
+                f"[{b}, {index}], past its {table.shape[1]} pages per request"
+            )
+        raise IndexError(
+            f"token {t} (request {b}, position {p}) maps to page "
+            f"{block_table.name}[{b}, {index}] = {table[b, index]}, outside "
+            f"[0, num_pages={num_pages})"
+        )
     writes = page >= 0
-    check_unique_slots(np.stack([page[writes], entry[writes]], 1), np.flatnonzero(writes),
-                       "cache row (page, entry)")
+    check_unique_slots(
+        np.stack([page[writes], entry[writes]], 1),
+        np.flatnonzero(writes),
+        "cache row (page, entry)",
+    )
 
 
 def check_layer_idx(value):
     """``layer_idx`` of a multi-layer cache: an ``int`` (or NumPy integer), not a bool; as a
     Python int (its range is checked against the arrays' layer count)."""
     if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
-        raise TypeError(f"layer_idx must be an int, got {value!r} of type "
-                        f"{type(value).__name__}")
+        raise TypeError(f"layer_idx must be an int, got {value!r} of type {type(value).__name__}")
     return int(value)
 
 
 def layer_range_message(layer_idx, num_layers, name, shape):
-    return (f"layer_idx must be in [0, num_layers) = [0, {num_layers}), the leading dimension "
-            f"of {name} (shape {shape}), got {layer_idx}")
+    return (
+        f"layer_idx must be in [0, num_layers) = [0, {num_layers}), the leading dimension "
+        f"of {name} (shape {shape}), got {layer_idx}"
+    )

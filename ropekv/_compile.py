@@ -110,8 +110,11 @@ def _module(stem, expression, device_id):
     import cupy
 
     with cupy.cuda.Device(device_id):
-        module = cupy.RawModule(code=read_source(stem), options=OPTIONS + _header_options(),
-                                name_expressions=(expression,))
+        module = cupy.RawModule(
+            code=read_source(stem),
+            options=OPTIONS + _header_options(),
+            name_expressions=(expression,),
+        )
         module.compile()
     return module
 
@@ -209,8 +212,9 @@ def _nvrtc_compile(stem, source, expressions, options, arch, cubin=False):
         try:
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"NVRTC failed on {stem}.cu for {arch}:\n"
-                               f"{nvrtc.getProgramLog(prog)}") from exc
+            raise RuntimeError(
+                f"NVRTC failed on {stem}.cu for {arch}:\n{nvrtc.getProgramLog(prog)}"
+            ) from exc
         lowered = {e: nvrtc.getLoweredName(prog, e) for e in expressions}
         return lowered, nvrtc.getCUBIN(prog) if cubin else None
     finally:

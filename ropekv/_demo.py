@@ -14,8 +14,13 @@ from ropekv import reference
 
 # Llama-3-8B attention: 32 query heads, 8 KV heads, head dim 128, rope base 500000, llama3 scaling
 HQ, HKV, D = 32, 8, 128
-SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-           "original_max_position_embeddings": 8192}
+SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 BATCH, PROMPT, CAPACITY = 4, 256, 512
 MAX_STEPS = CAPACITY - PROMPT  # decode steps that fit in the cache (and the cos/sin table)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -45,7 +50,7 @@ def _complex_rope(x, pos, table):
     """Independent oracle for the NumPy backend: rotate half-split pairs as complex numbers."""
     half = table.shape[1] // 2
     rows = table[pos].astype(np.float64)
-    z = x[..., :half].astype(np.float64) + 1j * x[..., half:2 * half]
+    z = x[..., :half].astype(np.float64) + 1j * x[..., half : 2 * half]
     z = z * (rows[:, None, :half] + 1j * rows[:, None, half:])
     return np.concatenate([z.real, z.imag], -1)
 
@@ -53,17 +58,23 @@ def _complex_rope(x, pos, table):
 def demo(backend="auto", steps=8):
     """Run the demo; returns the exit code. ``steps``: decode steps, 0 to ``MAX_STEPS``."""
     if not 0 <= steps <= MAX_STEPS:
-        raise ValueError(f"steps must be between 0 and {MAX_STEPS} (a {PROMPT}-token prompt in "
-                         f"a {CAPACITY}-token cache), got {steps}")
+        raise ValueError(
+            f"steps must be between 0 and {MAX_STEPS} (a {PROMPT}-token prompt in "
+            f"a {CAPACITY}-token cache), got {steps}"
+        )
     backend = _pick_backend(backend)
     rng = np.random.default_rng(0)
     table = ropekv.cos_sin_cache(CAPACITY, D, base=500000.0, scaling=SCALING)
-    print(f"ropekv {ropekv.__version__} demo: Llama-3-8B attention shapes (Hq {HQ}, Hkv {HKV}, "
-          f"D {D}), batch {BATCH}, prompt {PROMPT} tokens, {steps} decode steps, cache capacity "
-          f"{CAPACITY}")
+    print(
+        f"ropekv {ropekv.__version__} demo: Llama-3-8B attention shapes (Hq {HQ}, Hkv {HKV}, "
+        f"D {D}), batch {BATCH}, prompt {PROMPT} tokens, {steps} decode steps, cache capacity "
+        f"{CAPACITY}"
+    )
     if backend == "numpy":
-        print("backend: NumPy reference on the host (no CUDA device); checks use an independent "
-              "complex-number rotation")
+        print(
+            "backend: NumPy reference on the host (no CUDA device); checks use an independent "
+            "complex-number rotation"
+        )
     else:
         import cupy
 
@@ -77,9 +88,11 @@ def demo(backend="auto", steps=8):
         if backend == "cuda":
             import cupy
 
-            dev = {"cache": cupy.asarray(cache.view(np.uint8)).view(cache_dtype),
-                   "table": cupy.asarray(table),
-                   "scale": None if scale is None else cupy.asarray(scale)}
+            dev = {
+                "cache": cupy.asarray(cache.view(np.uint8)).view(cache_dtype),
+                "table": cupy.asarray(table),
+                "scale": None if scale is None else cupy.asarray(scale),
+            }
         lens = np.zeros(BATCH, np.int32)
         for phase, S, n_calls in (("prefill", PROMPT, 1), ("decode", 1, steps)):
             if n_calls == 0:
@@ -97,35 +110,58 @@ def demo(backend="auto", steps=8):
                     gq, gk, gv, gl = (cupy.asarray(x) for x in (q, k, v, lens))
                     cupy.cuda.Device().synchronize()
                     t0 = time.perf_counter()
-                    ropekv.apply_rope_write_kv(gq, gk, gv, dev["cache"], dev["table"],
-                                               kv_end_lens=gl, kv_scale=dev["scale"])
+                    ropekv.apply_rope_write_kv(
+                        gq,
+                        gk,
+                        gv,
+                        dev["cache"],
+                        dev["table"],
+                        kv_end_lens=gl,
+                        kv_scale=dev["scale"],
+                    )
                     cupy.cuda.Device().synchronize()
                     total += time.perf_counter() - t0
-                    reference.apply_rope_write_kv(want["q"], k.copy(), v, cache, table, lens,
-                                                  kv_scale=scale)
+                    reference.apply_rope_write_kv(
+                        want["q"], k.copy(), v, cache, table, lens, kv_scale=scale
+                    )
                     got_cache = dev["cache"].view(cupy.uint8).get().view(cache_dtype)
                     ok &= _codes_close(gq.get(), want["q"])
                     ok &= _codes_close(got_cache, cache)
                 else:
                     q_in, k_in = q.copy(), k.copy()
                     t0 = time.perf_counter()
-                    ropekv.apply_rope_write_kv(q, k, v, cache, table, kv_end_lens=lens,
-                                               kv_scale=scale)
+                    ropekv.apply_rope_write_kv(
+                        q, k, v, cache, table, kv_end_lens=lens, kv_scale=scale
+                    )
                     total += time.perf_counter() - t0
                     pos = np.arange(int(lens[0]) - S, int(lens[0]))
                     ok &= _codes_close(q, _complex_rope(q_in, pos, table).astype(np.float16))
                     k_rot = _complex_rope(k_in, pos, table)
-                    ok &= _codes_close(cache[:, 0, :, pos].transpose(1, 0, 2, 3),
-                                       reference.to_dtype(k_rot / (scale[0] if scale is not None
-                                                                   else 1.0), cache_dtype))
-            rows.append((phase, str(cache_dtype), BATCH * S * n_calls, n_calls,
-                         total / n_calls * 1e3, "ok" if ok else "MISMATCH"))
+                    ok &= _codes_close(
+                        cache[:, 0, :, pos].transpose(1, 0, 2, 3),
+                        reference.to_dtype(
+                            k_rot / (scale[0] if scale is not None else 1.0), cache_dtype
+                        ),
+                    )
+            rows.append(
+                (
+                    phase,
+                    str(cache_dtype),
+                    BATCH * S * n_calls,
+                    n_calls,
+                    total / n_calls * 1e3,
+                    "ok" if ok else "MISMATCH",
+                )
+            )
             ok_all &= ok
     print(f"\n{'phase':8s} {'cache':14s} {'tokens':>7s} {'calls':>6s} {'ms/call':>9s}  check")
     for phase, dtype, tokens, calls, ms, status in rows:
         print(f"{phase:8s} {dtype:14s} {tokens:7d} {calls:6d} {ms:9.3f}  {status}")
-    print("\n(times are wall-clock per call including host work; `ropekv bench` measures device "
-          "time)" if backend == "cuda" else "\n(NumPy backend: float64 maths on the host)")
+    print(
+        "\n(times are wall-clock per call including host work; `ropekv bench` measures device time)"
+        if backend == "cuda"
+        else "\n(NumPy backend: float64 maths on the host)"
+    )
     if not ok_all:
         print("demo FAILED: results differ from the reference")
         return 1

@@ -20,7 +20,7 @@ INPUT_DTYPES = (FLOAT16, BFLOAT16)
 _PAGED_LAYOUTS = {"NHD": "(num_pages, page_size, Hkv, D)", "HND": "(num_pages, Hkv, page_size, D)"}
 
 
-def MetaView(name, shape, dtype, strides=None, device=0):  # noqa: N802 - stands for a class
+def MetaView(name, shape, dtype, strides=None, device=0):
     """An array's metadata as a ``ropekv._arrays.ArrayView`` with no memory behind it (pointer 0),
     for the ``_checks`` helpers. ``strides`` are in elements, C-contiguous when None."""
     shape = tuple(shape)
@@ -58,10 +58,15 @@ def paged_q_outputs(q_rope, q_nope, cache, quantize_dtype, quantize, kv_dyn=Fals
     else:
         dtype = cache.dtype
         if dtype not in allowed:
-            hint = (" (per-token-head kv_cache_scales need an fp8 or int8 cache)" if kv_dyn
-                    else " (int8 caches need kv_cache_scales)" if dtype == INT8
-                    else " (rope_append_paged_kv_cache writes float16/bfloat16 caches)"
-                    if quantize else f" (float16/bfloat16 only as the input dtype {q_rope.dtype})")
+            hint = (
+                " (per-token-head kv_cache_scales need an fp8 or int8 cache)"
+                if kv_dyn
+                else " (int8 caches need kv_cache_scales)"
+                if dtype == INT8
+                else " (rope_append_paged_kv_cache writes float16/bfloat16 caches)"
+                if quantize
+                else f" (float16/bfloat16 only as the input dtype {q_rope.dtype})"
+            )
             raise TypeError(f"{cache.name} must have dtype {spelled}, got {dtype}{hint}")
     return (T, Hq, R), (T, Hq, Dn), dtype
 
@@ -113,12 +118,20 @@ def mrope_list(section):
     else gets the eager op's message (plain ``type`` tests first, as :func:`layer_index`)."""
     if section is None:
         return None
-    if type(section) in (tuple, list) and len(section) == 3 and all(
-            type(x) is int for x in section):
+    if (
+        type(section) in (tuple, list)
+        and len(section) == 3
+        and all(type(x) is int for x in section)
+    ):
         return list(section)
-    if not isinstance(section, (tuple, list)) or len(section) != 3 or not all(
+    if (
+        not isinstance(section, (tuple, list))
+        or len(section) != 3
+        or not all(
             isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-            for x in section):
+            for x in section
+        )
+    ):
         raise ValueError(f"mrope_section must be three integers (t, h, w), got {section!r}")
     return [int(x) for x in section]
 
@@ -136,11 +149,18 @@ def check_qkv_graph_safe(hidden, weight, k_cache, group_size, where):
     from ropekv import qkv
 
     T, K = hidden.shape[0], hidden.shape[-1]
-    fmt = (qkv.W_INT4 if weight.dtype == np.uint8
-           else qkv.W_FP8 if weight.dtype == ml_dtypes.float8_e4m3fn else qkv.W_DENSE)
+    fmt = (
+        qkv.W_INT4
+        if weight.dtype == np.uint8
+        else qkv.W_FP8
+        if weight.dtype == ml_dtypes.float8_e4m3fn
+        else qkv.W_DENSE
+    )
     if not qkv.graph_safe(T, K, k_cache.shape[-1], fmt, group_size, _least_capability()):
-        raise ValueError(f"fused_qkv_matmul_append_paged_kv_cache cannot be recorded {where} with "
-                         f"hidden_state of T={T} tokens: {qkv.GRAPH_RULE}")
+        raise ValueError(
+            f"fused_qkv_matmul_append_paged_kv_cache cannot be recorded {where} with "
+            f"hidden_state of T={T} tokens: {qkv.GRAPH_RULE}"
+        )
 
 
 @functools.cache

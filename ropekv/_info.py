@@ -27,10 +27,15 @@ def _no_device_reason(cupy, exc):
         return "no GPU / no CUDA driver found"
     if status == _INSUFFICIENT_DRIVER:
         runtime = rt.runtimeGetVersion()
-        fix = ("install ropekv[cuda12] instead of ropekv[cuda13], or update the driver"
-               if driver // 1000 < 13 <= runtime // 1000 else "update the driver")
-        return (f"the CUDA driver ({_cuda_version(driver)}) is older than CuPy's CUDA runtime "
-                f"({_cuda_version(runtime)}): {fix}")
+        fix = (
+            "install ropekv[cuda12] instead of ropekv[cuda13], or update the driver"
+            if driver // 1000 < 13 <= runtime // 1000
+            else "update the driver"
+        )
+        return (
+            f"the CUDA driver ({_cuda_version(driver)}) is older than CuPy's CUDA runtime "
+            f"({_cuda_version(runtime)}): {fix}"
+        )
     if status == _NO_DEVICE:
         return _NO_GPU
     return f"no usable GPU ({type(exc).__name__}: {exc})"
@@ -41,8 +46,14 @@ def device_state():
     try:
         import cupy
     except ImportError:
-        return None, 0, ("CuPy is not installed (pip install 'ropekv[cuda12]' or "
-                         "'ropekv[cuda13]' for the CUDA kernels)")
+        return (
+            None,
+            0,
+            (
+                "CuPy is not installed (pip install 'ropekv[cuda12]' or "
+                "'ropekv[cuda13]' for the CUDA kernels)"
+            ),
+        )
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # noqa: BLE001 - CuPy raises CUDARuntimeError and friends
@@ -57,8 +68,12 @@ def info():
     import ropekv
 
     cupy, count, why = device_state()
-    rows = [("ropekv", ropekv.__version__), ("python", platform.python_version()),
-            ("numpy", np.__version__), ("ml_dtypes", ml_dtypes.__version__)]
+    rows = [
+        ("ropekv", ropekv.__version__),
+        ("python", platform.python_version()),
+        ("numpy", np.__version__),
+        ("ml_dtypes", ml_dtypes.__version__),
+    ]
     if cupy is not None:
         rows.append(("cupy", cupy.__version__))
         try:
@@ -75,9 +90,16 @@ def info():
         rows.append(("cuda driver", str(rt.driverGetVersion())))
         for i in range(count):
             props = rt.getDeviceProperties(i)
-            rows.append((f"device {i}", (f"{props['name'].decode()} (sm_{props['major']}"
-                                         f"{props['minor']}, {props['multiProcessorCount']} "
-                                         f"SMs, {props['totalGlobalMem'] / 2**30:.0f} GiB)")))
+            rows.append(
+                (
+                    f"device {i}",
+                    (
+                        f"{props['name'].decode()} (sm_{props['major']}"
+                        f"{props['minor']}, {props['multiProcessorCount']} "
+                        f"SMs, {props['totalGlobalMem'] / 2**30:.0f} GiB)"
+                    ),
+                )
+            )
     else:
         rows.append(("device", f"none: {why}"))
     cache_dir = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
@@ -88,8 +110,14 @@ def info():
     _native.load()
     rows.append(("plan replay", _native.state()))
     backend = "cuda" if count else "numpy"
-    rows.append(("backend", "CUDA kernels for device arrays; NumPy arrays run the NumPy reference"
-                 if backend == "cuda" else "NumPy reference (no CUDA device)"))
+    rows.append(
+        (
+            "backend",
+            "CUDA kernels for device arrays; NumPy arrays run the NumPy reference"
+            if backend == "cuda"
+            else "NumPy reference (no CUDA device)",
+        )
+    )
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

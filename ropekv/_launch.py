@@ -72,8 +72,10 @@ def stream_ptr_of(stream):
         return int(stream.__cuda_stream__()[1])
     if hasattr(stream, "cuda_stream"):
         return int(stream.cuda_stream)
-    raise TypeError(f"stream must be None, a CuPy stream, an int cudaStream_t or an object with "
-                    f"__cuda_stream__ / cuda_stream, got {type(stream).__qualname__}")
+    raise TypeError(
+        f"stream must be None, a CuPy stream, an int cudaStream_t or an object with "
+        f"__cuda_stream__ / cuda_stream, got {type(stream).__qualname__}"
+    )
 
 
 def current_stream_ptr(device=-1):
@@ -96,7 +98,7 @@ def _torch_stream_ptr(device):
         torch = sys.modules["torch"]
         _torch_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if _torch_raw_stream is None:  # the private accessor moved: the public one costs more
-            _torch_raw_stream = lambda d: torch.cuda.current_stream(d).cuda_stream  # noqa: E731
+            _torch_raw_stream = lambda d: torch.cuda.current_stream(d).cuda_stream
     return _torch_raw_stream(device)
 
 
@@ -142,10 +144,14 @@ class ParamStruct:
         # the record past its pointer fields (8 bytes each, first, so no padding before the rest),
         # packed from a dict of values: made once per struct, as a first call packs a record
         self.pointer_names, rest = self.names[:n], self.names[n:]
-        self._tail_struct = struct.Struct("=" + fmt[1 + n:] + "x" * (self.dtype.itemsize - end))
-        self._rest = (operator.itemgetter(*rest) if len(rest) > 1 else
-                      (lambda values, name=rest[0]: (values[name],)) if rest else
-                      (lambda values: ()))
+        self._tail_struct = struct.Struct("=" + fmt[1 + n :] + "x" * (self.dtype.itemsize - end))
+        self._rest = (
+            operator.itemgetter(*rest)
+            if len(rest) > 1
+            else (lambda values, name=rest[0]: (values[name],))
+            if rest
+            else (lambda values: ())
+        )
         self.pack_pointers = struct.Struct(f"={n}Q").pack_into
 
     def pack_values(self, values):
@@ -166,9 +172,14 @@ class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute
 
 
 class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -178,8 +189,7 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREA
 def _cu_launch_kernel_ex():
     lib = ctypes.CDLL("libcuda.so.1")
     fn = lib.cuLaunchKernelEx
-    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p]
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
 
@@ -225,12 +235,29 @@ class Launch:
     packs a record of its own, so two threads replaying one plan never share one.
     """
 
-    __slots__ = ("_rec", "argv", "argv_ptr", "block", "config", "func", "gather", "grid",
-                 "launch", "n_ptr", "offsets", "owner", "pack_into", "pdl", "shared_mem", "slots",
-                 "tail")
+    __slots__ = (
+        "_rec",
+        "argv",
+        "argv_ptr",
+        "block",
+        "config",
+        "func",
+        "gather",
+        "grid",
+        "launch",
+        "n_ptr",
+        "offsets",
+        "owner",
+        "pack_into",
+        "pdl",
+        "shared_mem",
+        "slots",
+        "tail",
+    )
 
-    def __init__(self, stem, expression, device, grid, block, params, values, slots,
-                 shared_mem=0, pdl=False):
+    def __init__(
+        self, stem, expression, device, grid, block, params, values, slots, shared_mem=0, pdl=False
+    ):
         self.func = function_pointer(stem, expression, device, shared_mem)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = tuple(block) + (1,) * (3 - len(block))
@@ -256,19 +283,27 @@ class Launch:
                 return
             n = self.n_ptr
             rec = ctypes.create_string_buffer(8 * n + len(self.tail))
-            rec[8 * n:] = self.tail  # pointer fields zero, refilled per call
+            rec[8 * n :] = self.tail  # pointer fields zero, refilled per call
             self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(rec))
             self.argv_ptr = ctypes.addressof(self.argv)
             self.owner = _get_ident()
             # pointer fields = ptrs gathered in one C call, plus the few non-zero offsets
             indices = [a for a, _ in self.slots]
-            self.gather = (operator.itemgetter(*indices) if len(indices) > 1 else
-                           (lambda ptrs, i=indices[0]: (ptrs[i],)))
+            self.gather = (
+                operator.itemgetter(*indices)
+                if len(indices) > 1
+                else (lambda ptrs, i=indices[0]: (ptrs[i],))
+            )
             self.offsets = [(k, o) for k, (_, o) in enumerate(self.slots) if o]
             self.config = self._config() if self.pdl else None
             # the launch with everything but the stream and the record bound
-            self.launch = None if self.pdl else functools.partial(
-                _driver_launch(), self.func, *self.grid, *self.block, self.shared_mem)
+            self.launch = (
+                None
+                if self.pdl
+                else functools.partial(
+                    _driver_launch(), self.func, *self.grid, *self.block, self.shared_mem
+                )
+            )
             self._rec = rec
 
     def _config(self):
@@ -294,7 +329,7 @@ class Launch:
             argv_ptr = self.argv_ptr
         else:  # another thread: a record of its own
             rec = ctypes.create_string_buffer(8 * self.n_ptr + len(self.tail))
-            rec[8 * self.n_ptr:] = self.tail
+            rec[8 * self.n_ptr :] = self.tail
             argv = (ctypes.c_void_p * 1)(ctypes.addressof(rec))
             argv_ptr = ctypes.addressof(argv)
         values = self.gather(ptrs)
@@ -326,7 +361,7 @@ class Gemm:
     cuBLAS calls set the handle's stream again before each call, so nothing of CuPy's is
     disturbed."""
 
-    __slots__ = ("a", "b", "c", "args")
+    __slots__ = ("a", "args", "b", "c")
 
     def __init__(self, a, lda, b, ldb, c, ldc, m, n, k, dtype, c_dtype):
         self.a, self.b, self.c = a, b, c
@@ -337,10 +372,31 @@ class Gemm:
         m, n, k, lda, ldb, ldc, ab_type, c_type = self.args
         (a, ao), (b, bo), (c, co) = self.a, self.b, self.c
         handle = _cublas_handle()
-        status = (set_stream(handle, stream_ptr) or set_pointer_mode(handle, 0)
-                  or gemm_ex(handle, 1, 0, m, n, k, _ALPHA, ptrs[a] + ao, ab_type, lda,
-                             ptrs[b] + bo, ab_type, ldb, _BETA, ptrs[c] + co, c_type, ldc,
-                             _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT))
+        status = (
+            set_stream(handle, stream_ptr)
+            or set_pointer_mode(handle, 0)
+            or gemm_ex(
+                handle,
+                1,
+                0,
+                m,
+                n,
+                k,
+                _ALPHA,
+                ptrs[a] + ao,
+                ab_type,
+                lda,
+                ptrs[b] + bo,
+                ab_type,
+                ldb,
+                _BETA,
+                ptrs[c] + co,
+                c_type,
+                ldc,
+                _CUBLAS_COMPUTE_32F,
+                _CUBLAS_GEMM_DEFAULT,
+            )
+        )
         if status:
             _cublas_failed(status)
 
@@ -411,9 +467,29 @@ def _cublas_calls():
         calls = _CUBLAS_CALLS[0] = (
             ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p)(set_stream),
             ctypes.CFUNCTYPE(c_int, c_void_p, c_int)(set_pointer_mode),
-            ctypes.CFUNCTYPE(c_int, c_void_p, c_int, c_int, c_int, c_int, c_int, c_void_p,
-                             c_void_p, c_int, c_int, c_void_p, c_int, c_int, c_void_p, c_void_p,
-                             c_int, c_int, c_int, c_int)(gemm_ex))
+            ctypes.CFUNCTYPE(
+                c_int,
+                c_void_p,
+                c_int,
+                c_int,
+                c_int,
+                c_int,
+                c_int,
+                c_void_p,
+                c_void_p,
+                c_int,
+                c_int,
+                c_void_p,
+                c_int,
+                c_int,
+                c_void_p,
+                c_void_p,
+                c_int,
+                c_int,
+                c_int,
+                c_int,
+            )(gemm_ex),
+        )
     return calls
 
 
@@ -537,8 +613,20 @@ class Plan:
     temporaries: the fused QKV kernels beyond the token counts they win at eagerly).
     """
 
-    def __init__(self, device, steps=(), *, outputs=(), written=(), inplace=(), result=None,
-                 host=None, cacheable=True, capture_refusal=None, capture_plan=None):
+    def __init__(
+        self,
+        device,
+        steps=(),
+        *,
+        outputs=(),
+        written=(),
+        inplace=(),
+        result=None,
+        host=None,
+        cacheable=True,
+        capture_refusal=None,
+        capture_plan=None,
+    ):
         self.device = device
         self.capture_refusal = capture_refusal
         self.capture_plan = capture_plan
@@ -561,8 +649,9 @@ class Plan:
         """Record what the replay's overlap check needs (from the first call): the layouts of the
         arrays, and ``pairs``, the written arrays' pairs with their byte spans as
         :func:`ropekv._checks.check_no_overlap` gave them for these views and ``written``."""
-        self.views_layout = [None if v is None else (v.shape, v.strides, v.dtype.itemsize)
-                             for v in views]
+        self.views_layout = [
+            None if v is None else (v.shape, v.strides, v.dtype.itemsize) for v in views
+        ]
         self.pairs = pairs
 
     def make_outputs(self, kinds, stream_ptr, explicit):
@@ -571,8 +660,7 @@ class Plan:
         nothing); so are the lists when every output has zero size."""
         empties = self.empties.get(kinds)
         if empties is None:
-            outs = [None if o.size else o.empty(kinds, self.device)
-                    for o in self.outputs]
+            outs = [None if o.size else o.empty(kinds, self.device) for o in self.outputs]
             ptrs = [0 if x is None else pointer_of(x) for x in outs]
             empties = self.empties[kinds] = (outs, ptrs, all(x is not None for x in outs))
         outs, ptrs, complete = empties
@@ -593,13 +681,14 @@ class Plan:
                 shared = self.exact.get(key)
                 if shared is None:
                     shared = self.exact[key] = ck.shares_bytes(
-                        (pi, *self.views_layout[i]), (pj, *self.views_layout[j]))
+                        (pi, *self.views_layout[i]), (pj, *self.views_layout[j])
+                    )
                 if shared:
                     inplace = frozenset((i, j)) in self.inplace
-                    if not (inplace and pi == pj
-                            and self.views_layout[i] == self.views_layout[j]):
-                        raise ValueError(ck.overlap_message(names[i], names[j], j in self.written,
-                                                            inplace))
+                    if not (inplace and pi == pj and self.views_layout[i] == self.views_layout[j]):
+                        raise ValueError(
+                            ck.overlap_message(names[i], names[j], j in self.written, inplace)
+                        )
 
     def replay(self, arrays, ptrs, kinds, stream_ptr, names, layer=None):
         """Launch on new pointers (``ptrs`` of ``arrays``; of layer ``layer`` of the multi-layer
@@ -616,8 +705,9 @@ class Plan:
         given = stream_ptr
         if stream_ptr is None:  # the stream rule: torch's if an argument is a torch tensor
             explicit = False
-            stream_ptr = (_torch_stream_ptr(device) if kinds & ar.TORCH
-                          else current_stream_ptr(device))
+            stream_ptr = (
+                _torch_stream_ptr(device) if kinds & ar.TORCH else current_stream_ptr(device)
+            )
         else:
             explicit = True
         if self.capture_refusal is not None and stream_capturing(stream_ptr):
@@ -721,8 +811,10 @@ def _native_launchers():
     loaded; the process has one). OSError without a driver."""
     lib = ctypes.CDLL("libcuda.so.1")
     ex = getattr(lib, "cuLaunchKernelEx", None)  # CUDA 12.0+ drivers
-    return (ctypes.cast(lib.cuLaunchKernel, ctypes.c_void_p).value,
-            None if ex is None else ctypes.cast(ex, ctypes.c_void_p).value)
+    return (
+        ctypes.cast(lib.cuLaunchKernel, ctypes.c_void_p).value,
+        None if ex is None else ctypes.cast(ex, ctypes.c_void_p).value,
+    )
 
 
 _native_module = [_UNBOUND]  # the configured C replay module, or None
@@ -806,8 +898,15 @@ def native_plan(plan, n_args):
     if layers is not None:
         layers = (layers.count, layers.strict, layers.strides)
     try:
-        return module.NativePlan(plan.device, n_args, len(plan.outputs), steps, plan.pairs or (),
-                                 layers, plan.capture_refusal is not None)
+        return module.NativePlan(
+            plan.device,
+            n_args,
+            len(plan.outputs),
+            steps,
+            plan.pairs or (),
+            layers,
+            plan.capture_refusal is not None,
+        )
     except ValueError:  # a record or an argument count the C replay does not take
         return None
 
@@ -867,11 +966,15 @@ def select_layer(views, indices, layer):
     first = given[0][1]
     for _, v in given:
         if v.ndim == 0:
-            raise ValueError(f"{v.name} must have a leading layer dimension (num_layers, ...) "
-                             f"with layer_idx, got shape {v.shape}")
+            raise ValueError(
+                f"{v.name} must have a leading layer dimension (num_layers, ...) "
+                f"with layer_idx, got shape {v.shape}"
+            )
         if v.shape[0] != first.shape[0]:
-            raise ValueError(f"{v.name} must have as many layers as {first.name} "
-                             f"({first.shape[0]}) with layer_idx, got shape {v.shape}")
+            raise ValueError(
+                f"{v.name} must have as many layers as {first.name} "
+                f"({first.shape[0]}) with layer_idx, got shape {v.shape}"
+            )
     count = first.shape[0]
     if not 0 <= layer < count:
         raise ValueError(ck.layer_range_message(layer, count, first.name, first.shape))
@@ -879,10 +982,19 @@ def select_layer(views, indices, layer):
     for i, v in given:
         stride = v.strides[0] * v.dtype.itemsize
         strides.append((i, stride))
-        out[i] = ar.ArrayView(v.name, v.ptr + layer * stride, v.shape[1:], v.strides[1:],
-                              v.dtype, v.device, readonly=v.readonly, owner=v.owner,
-                              host=None if v.host is None else v.host[layer], array=v.array,
-                              legacy=v.legacy)
+        out[i] = ar.ArrayView(
+            v.name,
+            v.ptr + layer * stride,
+            v.shape[1:],
+            v.strides[1:],
+            v.dtype,
+            v.device,
+            readonly=v.readonly,
+            owner=v.owner,
+            host=None if v.host is None else v.host[layer],
+            array=v.array,
+            legacy=v.legacy,
+        )
     return out, Layers(count, strides, layer, first.name, first.shape)
 
 
@@ -898,8 +1010,13 @@ _DTYPE_LIKE = 3  # the C replay's name (_native.c's DTYPE) for the kind given as
 def _normalizer(spec):
     """The function that turns a call's scalar arguments into its plan's flags (one per entry of
     ``spec``), unrolled: it runs on every call the C replay does not take."""
-    lines, env = ["def normalize(flags):", "    (" + "".join(f"v{i}, " for i in
-                                                             range(len(spec))) + ") = flags"], {}
+    lines, env = (
+        [
+            "def normalize(flags):",
+            "    (" + "".join(f"v{i}, " for i in range(len(spec))) + ") = flags",
+        ],
+        {},
+    )
     out = []
     for i, (name, kind) in enumerate(spec):
         if kind == AS_IS:
@@ -912,8 +1029,11 @@ def _normalizer(spec):
             env[f"f{i}"] = kind
             out.append(f"f{i}(v{i})")
     lines.append(f"    return ({', '.join(out)},)")
-    env.update(scalar_key=scalar_key, check_flag=ck.check_flag,
-               plain=frozenset((float, int, str, tuple, type(None))))
+    env.update(
+        scalar_key=scalar_key,
+        check_flag=ck.check_flag,
+        plain=frozenset((float, int, str, tuple, type(None))),
+    )
     exec(compile("\n".join(lines), "<ropekv flags>", "exec"), env)
     return env["normalize"]
 
@@ -959,8 +1079,11 @@ class Op:
     def bind_caller(self):
         """Bind the C replay of this op (``_native.Caller``; None where it cannot be had)."""
         module = native_module()
-        self.caller = None if module is None else module.Caller(
-            self.names, self.flag_kinds, vars(ar), globals(), _MISS)
+        self.caller = (
+            None
+            if module is None
+            else module.Caller(self.names, self.flag_kinds, vars(ar), globals(), _MISS)
+        )
         self.caller_bound = True
 
     def reset_caller(self, native=True):
@@ -990,8 +1113,9 @@ class Op:
                 done = caller(arrays, flags, stream_ptr, layer_idx, plans)
                 if done is not _MISS:
                     if done.__class__ is _NewLayout:  # read in C, not planned: its key as read
-                        return self.first_call(arrays, flags, stream_ptr, (flags, done.layout),
-                                               layer_idx)
+                        return self.first_call(
+                            arrays, flags, stream_ptr, (flags, done.layout), layer_idx
+                        )
                     return done
             flags = self.normalize(flags)
             fast = self.signature(arrays)

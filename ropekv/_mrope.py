@@ -19,20 +19,28 @@ def check_mrope(section, interleaved, R, vpos, shape, layout):
     ``interleaved`` (Qwen3-VL) the stride-3 layout must give each axis its count."""
     if section is None:
         return None
-    if not isinstance(section, tuple) or len(section) != 3 or not all(
-            isinstance(x, numbers.Integral) and not isinstance(x, bool | np.bool_)
-            for x in section):
+    if (
+        not isinstance(section, tuple)
+        or len(section) != 3
+        or not all(
+            isinstance(x, numbers.Integral) and not isinstance(x, bool | np.bool_) for x in section
+        )
+    ):
         raise ValueError(f"mrope_section must be three integers (t, h, w), got {section!r}")
     t, h, w = (int(x) for x in section)
     if min(t, h, w) < 0 or t + h + w != R // 2:
-        raise ValueError(f"mrope_section (t, h, w) must be non-negative and sum to R/2 = "
-                         f"{R // 2} (rotary half-dims), got {section!r}")
+        raise ValueError(
+            f"mrope_section (t, h, w) must be non-negative and sum to R/2 = "
+            f"{R // 2} (rotary half-dims), got {section!r}"
+        )
     if interleaved:
         counts = tuple(np.bincount(mrope_rows(R // 2, (t, h, w), True), minlength=3).tolist())
         if counts != (t, h, w):
-            raise ValueError(f"mrope_section {section!r} does not fit the interleaved layout of "
-                             f"R/2 = {R // 2} half-dims (it gives the axes {counts}): h and w "
-                             f"must be at most about a third of R/2 each")
+            raise ValueError(
+                f"mrope_section {section!r} does not fit the interleaved layout of "
+                f"R/2 = {R // 2} half-dims (it gives the axes {counts}): h and w "
+                f"must be at most about a third of R/2 each"
+            )
     if vpos is None:
         raise ValueError(f"position_ids {layout} is required with mrope_section")
     ck.check_shape(vpos, shape, layout)
@@ -48,9 +56,11 @@ def check_mrope_indices(vpos, P):
     bad = np.argwhere((pos < 0) | (pos >= P))
     if bad.size:
         axis, t = (int(x) for x in bad[np.argmin(bad[:, 1])])
-        raise IndexError(f"token {t} has {('temporal', 'height', 'width')[axis]} position "
-                         f"{int(pos[axis, t])} (position_ids[{axis}, {t}]), outside the "
-                         f"cos_sin_cache's [0, P={P})")
+        raise IndexError(
+            f"token {t} has {('temporal', 'height', 'width')[axis]} position "
+            f"{int(pos[axis, t])} (position_ids[{axis}, {t}]), outside the "
+            f"cos_sin_cache's [0, P={P})"
+        )
 
 
 def check_status(view):

@@ -27,9 +27,9 @@ import importlib.machinery
 import importlib.util
 import os
 import shlex
+import struct
 import subprocess
 import sys
-import struct
 import sysconfig
 import tempfile
 import threading
@@ -38,8 +38,13 @@ from pathlib import Path
 _SOURCE = Path(__file__).with_name("_native.c")
 _MODULE = "ropekv._native_ext"
 _lock = threading.Lock()
-_state = {"module": None, "reason": "not loaded yet", "path": None, "cupy": "not probed yet",
-          "torch": "not probed yet"}
+_state = {
+    "module": None,
+    "reason": "not loaded yet",
+    "path": None,
+    "cupy": "not probed yet",
+    "torch": "not probed yet",
+}
 _tried = False
 
 
@@ -74,8 +79,18 @@ def build(target: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        cmd = [*_compiler(), "-O2", "-std=c11", "-shared", "-fPIC", "-Wall",
-               f"-I{include}", str(_SOURCE), "-o", tmp]
+        cmd = [
+            *_compiler(),
+            "-O2",
+            "-std=c11",
+            "-shared",
+            "-fPIC",
+            "-Wall",
+            f"-I{include}",
+            str(_SOURCE),
+            "-o",
+            tmp,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
@@ -109,8 +124,10 @@ def load():
                 path = build()
                 _state.update(module=_import(path), path=str(path), reason=None)
             except subprocess.CalledProcessError as exc:
-                _state["reason"] = (f"{shlex.join(exc.cmd)} failed: "
-                                    f"{(exc.stderr or exc.stdout or '').strip()[:500]}")
+                _state["reason"] = (
+                    f"{shlex.join(exc.cmd)} failed: "
+                    f"{(exc.stderr or exc.stdout or '').strip()[:500]}"
+                )
             except (OSError, ImportError) as exc:
                 _state["reason"] = f"{type(exc).__name__}: {exc}"
         _tried = True
@@ -121,10 +138,16 @@ def state() -> str:
     """One line: the C replay in use (and its file, and how it reads CuPy arrays), or why not."""
     if _state["module"] is not None:
         cupy, torch = _state["cupy"], _state["torch"]
-        reads = ("CuPy arrays read from their struct" if cupy is None
-                 else f"CuPy arrays read through their attributes: {cupy}")
-        reads += ("; torch tensors read from their TensorImpl" if torch is None
-                  else f"; torch tensors read through their attributes: {torch}")
+        reads = (
+            "CuPy arrays read from their struct"
+            if cupy is None
+            else f"CuPy arrays read through their attributes: {cupy}"
+        )
+        reads += (
+            "; torch tensors read from their TensorImpl"
+            if torch is None
+            else f"; torch tensors read through their attributes: {torch}"
+        )
         return f"C plan replay ({_state['path']}; {reads})"
     return f"Python plan replay ({_state['reason']})"
 
@@ -151,10 +174,17 @@ def _probes(cupy):
 
     base = cupy.empty((7, 9, 11), cupy.float16)
     flat = cupy.empty(1000, cupy.uint8)
-    return [base[1:6, ::2, 3:], base[2, 1:], base[3, 4, 5], base[::-1, 2], base.T[1:],
-            cupy.empty((0, 3), cupy.int32), cupy.broadcast_to(base[0, 0, 1:4], (5, 3)),
-            flat[16:80].view(ml_dtypes.float8_e4m3fn).reshape(4, 16),
-            cupy.empty((2, 3, 4, 5, 6), cupy.float32)[:, 1]]
+    return [
+        base[1:6, ::2, 3:],
+        base[2, 1:],
+        base[3, 4, 5],
+        base[::-1, 2],
+        base.T[1:],
+        cupy.empty((0, 3), cupy.int32),
+        cupy.broadcast_to(base[0, 0, 1:4], (5, 3)),
+        flat[16:80].view(ml_dtypes.float8_e4m3fn).reshape(4, 16),
+        cupy.empty((2, 3, 4, 5, 6), cupy.float32)[:, 1],
+    ]
 
 
 def find_cupy_offsets(probes):
@@ -165,26 +195,51 @@ def find_cupy_offsets(probes):
     size = type(probes[0]).__basicsize__
     pointer_size = type(probes[0].data).__basicsize__
     words = [_words(a, size) for a in probes]
-    dtype = _common([{8 * k for k, w in enumerate(ws) if w == id(a.dtype)}
-                     for a, ws in zip(probes, words)], "the dtype")
-    data = _common([{8 * k for k, w in enumerate(ws) if w == id(a.data)}
-                    for a, ws in zip(probes, words)], "the MemoryPointer")
+    dtype = _common(
+        [{8 * k for k, w in enumerate(ws) if w == id(a.dtype)} for a, ws in zip(probes, words)],
+        "the dtype",
+    )
+    data = _common(
+        [{8 * k for k, w in enumerate(ws) if w == id(a.data)} for a, ws in zip(probes, words)],
+        "the MemoryPointer",
+    )
     moved = [a for a in probes if a.data.ptr != a.data.mem.ptr]  # views: ptr is not the base's
-    ptr = _common([{8 * k for k, w in enumerate(_words(a.data, pointer_size)) if w == a.data.ptr}
-                   for a in moved], "the data pointer")
+    ptr = _common(
+        [
+            {8 * k for k, w in enumerate(_words(a.data, pointer_size)) if w == a.data.ptr}
+            for a in moved
+        ],
+        "the data pointer",
+    )
     # vectors: (begin, end) word pairs whose distance is ndim words in every probe, read only then
-    pairs = set.intersection(*[
-        {k for k in range(len(ws) - 1)
-         if ws[k + 1] - ws[k] == 8 * a.ndim and (a.ndim == 0 or ws[k] > 4096)}
-        for a, ws in zip(probes, words)])
+    pairs = set.intersection(
+        *[
+            {
+                k
+                for k in range(len(ws) - 1)
+                if ws[k + 1] - ws[k] == 8 * a.ndim and (a.ndim == 0 or ws[k] > 4096)
+            }
+            for a, ws in zip(probes, words)
+        ]
+    )
 
     def holding(attr):
-        return {8 * k for k in pairs
-                if all(struct.unpack(f"{a.ndim}q", ctypes.string_at(ws[k], 8 * a.ndim))
-                       == getattr(a, attr) for a, ws in zip(probes, words))}
+        return {
+            8 * k
+            for k in pairs
+            if all(
+                struct.unpack(f"{a.ndim}q", ctypes.string_at(ws[k], 8 * a.ndim)) == getattr(a, attr)
+                for a, ws in zip(probes, words)
+            )
+        }
 
-    return _common([holding("shape")], "the shape"), _common([holding("strides")], "the strides"), \
-        dtype, data, ptr
+    return (
+        _common([holding("shape")], "the shape"),
+        _common([holding("strides")], "the strides"),
+        dtype,
+        data,
+        ptr,
+    )
 
 
 def configure_cupy_reads(module) -> None:
@@ -236,12 +291,20 @@ def _torch_probes(torch, device):
     broadcast (stride 0), transposed, fp8, and 4 to 7 dimensions (sizes outside the TensorImpl)."""
     base = torch.empty((7, 9, 11), dtype=torch.float16, device=device)
     flat = torch.empty(1000, dtype=torch.uint8, device=device)
-    return [base[1:6, ::2, 3:], base[2, 1:], base[3, 4, 5], base.transpose(0, 2)[1:], base[1:4, 5],
-            torch.empty((0, 3), dtype=torch.int32, device=device), base[0, 0, 1:4].expand(5, 3),
-            flat[16:80].view(torch.float8_e4m3fn).view(4, 16), flat[40:].view(torch.int64),
-            torch.empty((2, 3, 4, 5, 6), dtype=torch.float32, device=device)[:, 1],
-            torch.empty((3, 2, 3, 2, 3, 2), dtype=torch.bfloat16, device=device)[1:],
-            torch.empty((2,) * 7, dtype=torch.float32, device=device).transpose(0, 6)[1:]]
+    return [
+        base[1:6, ::2, 3:],
+        base[2, 1:],
+        base[3, 4, 5],
+        base.transpose(0, 2)[1:],
+        base[1:4, 5],
+        torch.empty((0, 3), dtype=torch.int32, device=device),
+        base[0, 0, 1:4].expand(5, 3),
+        flat[16:80].view(torch.float8_e4m3fn).view(4, 16),
+        flat[40:].view(torch.int64),
+        torch.empty((2, 3, 4, 5, 6), dtype=torch.float32, device=device)[:, 1],
+        torch.empty((3, 2, 3, 2, 3, 2), dtype=torch.bfloat16, device=device)[1:],
+        torch.empty((2,) * 7, dtype=torch.float32, device=device).transpose(0, 6)[1:],
+    ]
 
 
 def find_torch_offsets(torch, probes):
@@ -250,8 +313,10 @@ def find_torch_offsets(torch, probes):
     :func:`find_storage_offsets`), and the probes' key set, found on ``probes``
     (:func:`_torch_probes`, all on one device). LookupError when any is not found once."""
     basic = type(probes[0]).__basicsize__
-    impl = _common([{8 * k for k, w in enumerate(_uwords(id(t), basic)) if w == t._cdata}
-                    for t in probes], "the TensorImpl pointer")
+    impl = _common(
+        [{8 * k for k, w in enumerate(_uwords(id(t), basic)) if w == t._cdata} for t in probes],
+        "the TensorImpl pointer",
+    )
     keysets = {torch._C._dispatch_keys(t).raw_repr() for t in probes}
     if len(keysets) != 1:
         raise LookupError(f"the probes have {len(keysets)} dispatch key sets (expected one)")
@@ -264,33 +329,74 @@ def find_torch_offsets(torch, probes):
     if keyset < 0:
         raise LookupError("the key set is not in the TensorImpl's first bytes")
     words = [_uwords(t._cdata, keyset) for t in probes]
-    storage = _common([{8 * k for k, w in enumerate(ws) if w == t.untyped_storage()._cdata}
-                       for t, ws in zip(probes, words)], "the storage pointer")
-    small = [(t.dim(), tuple(t.shape), tuple(t.stride()), ws)
-             for t, ws in zip(probes, words) if 1 <= t.dim() <= 3]
-    ndim = _common([{8 * k for k in range(len(ws) - n) if ws[k] == n and ws[k + 1:k + 1 + n] == shape}
-                    for n, shape, _, ws in small], "the sizes")
+    storage = _common(
+        [
+            {8 * k for k, w in enumerate(ws) if w == t.untyped_storage()._cdata}
+            for t, ws in zip(probes, words)
+        ],
+        "the storage pointer",
+    )
+    small = [
+        (t.dim(), tuple(t.shape), tuple(t.stride()), ws)
+        for t, ws in zip(probes, words)
+        if 1 <= t.dim() <= 3
+    ]
+    ndim = _common(
+        [
+            {8 * k for k in range(len(ws) - n) if ws[k] == n and ws[k + 1 : k + 1 + n] == shape}
+            for n, shape, _, ws in small
+        ],
+        "the sizes",
+    )
     k = ndim // 8 + 1
-    cap = _common([{c for c in range(3, 17) if ws[k + c:k + c + n] == strides}
-                   for n, _, strides, ws in small], "the inline strides")
-    offset = _common([{8 * k for k, w in enumerate(ws) if w == t.storage_offset()}
-                      for t, ws in zip(probes, words)], "the storage offset")
-    numel = _common([{8 * k for k, w in enumerate(ws) if w == t.numel()}
-                     for t, ws in zip(probes, words)], "numel")
+    cap = _common(
+        [
+            {c for c in range(3, 17) if ws[k + c : k + c + n] == strides}
+            for n, _, strides, ws in small
+        ],
+        "the inline strides",
+    )
+    offset = _common(
+        [
+            {8 * k for k, w in enumerate(ws) if w == t.storage_offset()}
+            for t, ws in zip(probes, words)
+        ],
+        "the storage offset",
+    )
+    numel = _common(
+        [{8 * k for k, w in enumerate(ws) if w == t.numel()} for t, ws in zip(probes, words)],
+        "numel",
+    )
     raw = [ctypes.string_at(t._cdata, keyset) for t in probes]
     after = range(numel + 8, keyset)  # data_type_ and device_opt_ lie between numel_ and key_set_
 
     def dtype_at(b):  # the same uint16 for the same dtype, different ones for different dtypes
         seen = {}
         for t, r in zip(probes, raw):
-            seen.setdefault(t.dtype, set()).add(int.from_bytes(r[b:b + 2], "little"))
-        return all(len(v) == 1 for v in seen.values()) and \
-            len(set.union(*seen.values())) == len(seen)
+            seen.setdefault(t.dtype, set()).add(int.from_bytes(r[b : b + 2], "little"))
+        return all(len(v) == 1 for v in seen.values()) and len(set.union(*seen.values())) == len(
+            seen
+        )
 
     dtype = _common([{b for b in after[::2] if b + 2 <= keyset and dtype_at(b)}], "the dtype")
-    device = _common([{b for b in after if r[b:b + 3] == bytes(
-        (_DEVICE_TYPES[t.device.type], (-1 if t.device.index is None else t.device.index) & 255, 1))}
-                      for t, r in zip(probes, raw)], "the device")
+    device = _common(
+        [
+            {
+                b
+                for b in after
+                if r[b : b + 3]
+                == bytes(
+                    (
+                        _DEVICE_TYPES[t.device.type],
+                        (-1 if t.device.index is None else t.device.index) & 255,
+                        1,
+                    )
+                )
+            }
+            for t, r in zip(probes, raw)
+        ],
+        "the device",
+    )
     return (impl, storage, ndim, cap, offset, numel, dtype, device, keyset), keyset_value
 
 
@@ -301,12 +407,21 @@ def find_storage_offsets(torch, device):
     import numpy as np
 
     host = torch.from_numpy(np.empty(16, np.float32))
-    data = _common([{8 * k for k, w in enumerate(_uwords(host.untyped_storage()._cdata,
-                                                         _STORAGE_BYTES))
-                     if w == host.untyped_storage().data_ptr()}], "the storage's data pointer")
+    data = _common(
+        [
+            {
+                8 * k
+                for k, w in enumerate(_uwords(host.untyped_storage()._cdata, _STORAGE_BYTES))
+                if w == host.untyped_storage().data_ptr()
+            }
+        ],
+        "the storage's data pointer",
+    )
     changed = []
-    for flag in (torch._C._set_throw_on_mutable_data_ptr,
-                 torch._C._set_warn_deprecated_on_mutable_data_ptr):
+    for flag in (
+        torch._C._set_throw_on_mutable_data_ptr,
+        torch._C._set_warn_deprecated_on_mutable_data_ptr,
+    ):
         t = torch.empty(4, device=device)
         before = ctypes.string_at(t.untyped_storage()._cdata, _STORAGE_BYTES)
         flag(t)
@@ -354,10 +469,16 @@ def configure_torch_reads(module, device) -> None:
                 t = torch.empty(16, dtype=torch.uint8, device=device).view(dtype)
                 index = int.from_bytes(ctypes.string_at(t._cdata + dtype_at, 2), "little")
                 dtypes.append((index, dtype, t.element_size()))
-        module.configure_torch(torch.Tensor, (*offsets, *storage), keyset_value,
-                               _DEVICE_TYPES[device.type], tuple(dtypes))
-        checks = probes + [torch.empty(16, dtype=torch.uint8, device=device).view(d)
-                           for _, d, _ in dtypes]
+        module.configure_torch(
+            torch.Tensor,
+            (*offsets, *storage),
+            keyset_value,
+            _DEVICE_TYPES[device.type],
+            tuple(dtypes),
+        )
+        checks = probes + [
+            torch.empty(16, dtype=torch.uint8, device=device).view(d) for _, d, _ in dtypes
+        ]
         for t in checks:  # the C reads against the attributes, every probe
             got = module.raw_layout(t)
             want = (tuple(t.shape), t.stride(), t.dtype, t.data_ptr(), t.get_device())

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+
 def median_us(fn, *, warmup=10, reps=100, setup=None):
     """Median device time of ``fn()`` in microseconds over ``reps`` calls: :func:`device_us` with
     no time budget. ``setup(i)``, when given, runs before call i outside the timed region."""

@@ -32,6 +32,5 @@ def widest_aligned(views):
         bits = (view.ptr | gcd(*view.strides[:-1]) * item) & 15
         if bits:
             n = (bits & -bits) // item
-            if n < widest:
-                widest = n
+            widest = min(widest, n)
     return widest

@@ -28,8 +28,20 @@ from ropekv.bench.report import format_table
 from ropekv.bench.runner import context_lost, progress
 from ropekv.bench.workloads import OP_FUNCTIONS
 
-__all__ = ["ATOL", "BF16", "FP8", "GEMM_RTOL", "RTOL", "check", "check_cases", "compare",
-           "compare_all", "gpu_status", "to_device", "to_numpy"]
+__all__ = [
+    "ATOL",
+    "BF16",
+    "FP8",
+    "GEMM_RTOL",
+    "RTOL",
+    "check",
+    "check_cases",
+    "compare",
+    "compare_all",
+    "gpu_status",
+    "to_device",
+    "to_numpy",
+]
 
 
 # ---- ropekv check --------------------------------------------------------------------------------
@@ -49,8 +61,9 @@ def _run_one(build):
     import cupy
 
     cupy.cuda.Device().synchronize()
-    return compare_all(gpu_case.outputs(full=True), ref_case.outputs(full=True),
-                       ref_case.compare_mode)
+    return compare_all(
+        gpu_case.outputs(full=True), ref_case.outputs(full=True), ref_case.compare_mode
+    )
 
 
 def check(ops=None, out=None):
@@ -58,8 +71,11 @@ def check(ops=None, out=None):
     out = sys.stdout if out is None else out
     ok, device = gpu_status()
     if not ok:
-        print(f"ropekv check: {device}; it needs a CUDA GPU (the NumPy reference alone has nothing "
-              f"to check against)", file=sys.stderr)
+        print(
+            f"ropekv check: {device}; it needs a CUDA GPU (the NumPy reference alone has nothing "
+            f"to check against)",
+            file=sys.stderr,
+        )
         return 1
     import ropekv
 
@@ -87,6 +103,8 @@ def check(ops=None, out=None):
     print(format_table(["op", "case", "result", "ms", "detail"], rows), file=out)
     if missing:
         print(f"not in this ropekv (skipped): {', '.join(missing)}", file=out)
-    print(f"{len(rows) - failures} passed, {failures} failed in "
-          f"{time.perf_counter() - t0:.1f} s", file=out)
+    print(
+        f"{len(rows) - failures} passed, {failures} failed in {time.perf_counter() - t0:.1f} s",
+        file=out,
+    )
     return 1 if failures or not rows else 0

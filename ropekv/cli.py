@@ -7,12 +7,15 @@ import sys
 
 import ropekv
 
-DESCRIPTION = ("Fused RoPE + KV-cache CUDA kernels for LLM inference. Without a GPU, NumPy inputs "
-               "run the NumPy reference: 'ropekv demo' works on any machine.")
+DESCRIPTION = (
+    "Fused RoPE + KV-cache CUDA kernels for LLM inference. Without a GPU, NumPy inputs "
+    "run the NumPy reference: 'ropekv demo' works on any machine."
+)
 # What bench and check print when there is no GPU (as ropekv.bench / ropekv.check word it).
-NEEDS_GPU = {"bench": "the benchmark needs a CUDA GPU",
-             "check": "it needs a CUDA GPU (the NumPy reference alone has nothing to check "
-                      "against)"}
+NEEDS_GPU = {
+    "bench": "the benchmark needs a CUDA GPU",
+    "check": "it needs a CUDA GPU (the NumPy reference alone has nothing to check against)",
+}
 
 
 def _cmd_info(args):
@@ -37,7 +40,8 @@ def _int_range(low, high, why):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(
-                f"must be between {low} and {high} ({why}), got {value}")
+                f"must be between {low} and {high} ({why}), got {value}"
+            )
         return value
 
     return parse
@@ -51,7 +55,8 @@ def _names(choices, what):
         bad = [n for n in names if n not in choices]
         if bad or not names:
             raise argparse.ArgumentTypeError(
-                f"unknown {what} {', '.join(bad) or repr(text)}; choose from {', '.join(choices)}")
+                f"unknown {what} {', '.join(bad) or repr(text)}; choose from {', '.join(choices)}"
+            )
         return names
 
     return parse
@@ -67,8 +72,10 @@ def _gpu_ready(command):
 
     _, count, why = device_state()
     if not count:
-        print(f"ropekv {command}: no CUDA device found; {NEEDS_GPU[command]}\n  reason: {why}",
-              file=sys.stderr)
+        print(
+            f"ropekv {command}: no CUDA device found; {NEEDS_GPU[command]}\n  reason: {why}",
+            file=sys.stderr,
+        )
     return bool(count)
 
 
@@ -77,9 +84,17 @@ def _cmd_bench(args):
         return 1
     from ropekv.bench import main
 
-    return main(ops=_flatten(args.ops), peers=_flatten(args.peers), quick=args.quick,
-                json_path=args.json, plot_path=args.plot, cases=args.cases,
-                frameworks=args.frameworks, tune=args.tune, options=args.options)
+    return main(
+        ops=_flatten(args.ops),
+        peers=_flatten(args.peers),
+        quick=args.quick,
+        json_path=args.json,
+        plot_path=args.plot,
+        cases=args.cases,
+        frameworks=args.frameworks,
+        tune=args.tune,
+        options=args.options,
+    )
 
 
 def _cmd_check(args):
@@ -98,59 +113,111 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("info", help="versions, device, compile cache, which backend would run")
     p.set_defaults(func=_cmd_info)
-    p = sub.add_parser("demo", help="a Llama-3-8B-shaped prefill and decode through ropekv, "
-                                    "checked against the reference")
-    p.add_argument("--backend", choices=("auto", "cuda", "numpy"), default="auto",
-                   help="auto: CUDA when a device is present, else the NumPy reference")
-    p.add_argument("--steps", type=_int_range(0, MAX_STEPS, f"a {PROMPT}-token prompt in a "
-                                                           f"{CAPACITY}-token cache"),
-                   default=8, help=f"decode steps after the prefill, 0 to {MAX_STEPS} (default 8)")
+    p = sub.add_parser(
+        "demo",
+        help="a Llama-3-8B-shaped prefill and decode through ropekv, checked against the reference",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("auto", "cuda", "numpy"),
+        default="auto",
+        help="auto: CUDA when a device is present, else the NumPy reference",
+    )
+    p.add_argument(
+        "--steps",
+        type=_int_range(0, MAX_STEPS, f"a {PROMPT}-token prompt in a {CAPACITY}-token cache"),
+        default=8,
+        help=f"decode steps after the prefill, 0 to {MAX_STEPS} (default 8)",
+    )
     p.set_defaults(func=_cmd_demo)
     ops = ("contiguous", "paged", "mla", "qknorm", "qkv")  # == ropekv.bench.OPS (not imported:
     # the parser stays light)
-    peers = ("flashinfer", "flashinfer-cake", "torch", "torch-compile", "cublas",
-             "steps")  # == bench.PEERS
-    p = sub.add_parser("bench", help="every op against its peers and the copy bandwidth, one run",
-                       description="Time every available op on its standard cases against "
-                                   "FlashInfer, PyTorch eager, torch.compile and cuBLAS (each "
-                                   "when importable), checking each peer's output against "
-                                   "ropekv's first, and against the device-to-device copy "
-                                   "bandwidth measured in the same run.")
-    p.add_argument("--ops", nargs="+", type=_names(ops, "op"), metavar="OP",
-                   help=f"ops to run (default: all that exist): {', '.join(ops)}")
-    p.add_argument("--peers", nargs="+", type=_names(peers, "peer"), metavar="PEER",
-                   help=f"peers to compare with (default: all; with --quick: torch, cublas, "
-                        f"steps; steps = CuPy RMSNorm + ropekv's paged op, for mla): "
-                        f"{', '.join(peers)}")
-    p.add_argument("--cases", nargs="+", metavar="TEXT",
-                   help="only the cases whose name contains one of these strings (e.g. "
-                        "'qkv fp8w' or '64x1')")
-    p.add_argument("--quick", action="store_true",
-                   help="a few cases and repetitions (well under a minute)")
-    p.add_argument("--frameworks", action="store_true",
-                   help="time ropekv inside compiled programs against its eager launch: "
-                        "torch.compile (default and reduce-overhead modes) under CUDA graphs, "
-                        "jax.jit with a donated cache (needs torch / JAX); alone it runs only "
-                        "these, with --ops or --cases it runs those cases too")
-    p.add_argument("--tune", nargs="+", metavar="VARIANT",
-                   help="launch-shape variants timed beside ropekv's defaults on the cases of "
-                        "the ops they change, each 'op.key=value[,op.key=value]' over the op "
-                        "module's TUNING or its upper-case constants (e.g. paged.row_group=0 "
-                        "'paged.heavy=(2,2,3)' qkv.GEMV_MAX_TOKENS=1000)")
-    p.add_argument("--options", action="store_true",
-                   help="also time each case with each option of its op on (status=, "
-                        "clear_unused_last_page_rows, mRoPE, ...), as runners 'ropekv[+option]' "
-                        "whose ratio is the option's cost")
+    peers = (
+        "flashinfer",
+        "flashinfer-cake",
+        "torch",
+        "torch-compile",
+        "cublas",
+        "steps",
+    )  # == bench.PEERS
+    p = sub.add_parser(
+        "bench",
+        help="every op against its peers and the copy bandwidth, one run",
+        description="Time every available op on its standard cases against "
+        "FlashInfer, PyTorch eager, torch.compile and cuBLAS (each "
+        "when importable), checking each peer's output against "
+        "ropekv's first, and against the device-to-device copy "
+        "bandwidth measured in the same run.",
+    )
+    p.add_argument(
+        "--ops",
+        nargs="+",
+        type=_names(ops, "op"),
+        metavar="OP",
+        help=f"ops to run (default: all that exist): {', '.join(ops)}",
+    )
+    p.add_argument(
+        "--peers",
+        nargs="+",
+        type=_names(peers, "peer"),
+        metavar="PEER",
+        help=f"peers to compare with (default: all; with --quick: torch, cublas, "
+        f"steps; steps = CuPy RMSNorm + ropekv's paged op, for mla): "
+        f"{', '.join(peers)}",
+    )
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        metavar="TEXT",
+        help="only the cases whose name contains one of these strings (e.g. 'qkv fp8w' or '64x1')",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a few cases and repetitions (well under a minute)"
+    )
+    p.add_argument(
+        "--frameworks",
+        action="store_true",
+        help="time ropekv inside compiled programs against its eager launch: "
+        "torch.compile (default and reduce-overhead modes) under CUDA graphs, "
+        "jax.jit with a donated cache (needs torch / JAX); alone it runs only "
+        "these, with --ops or --cases it runs those cases too",
+    )
+    p.add_argument(
+        "--tune",
+        nargs="+",
+        metavar="VARIANT",
+        help="launch-shape variants timed beside ropekv's defaults on the cases of "
+        "the ops they change, each 'op.key=value[,op.key=value]' over the op "
+        "module's TUNING or its upper-case constants (e.g. paged.row_group=0 "
+        "'paged.heavy=(2,2,3)' qkv.GEMV_MAX_TOKENS=1000)",
+    )
+    p.add_argument(
+        "--options",
+        action="store_true",
+        help="also time each case with each option of its op on (status=, "
+        "clear_unused_last_page_rows, mRoPE, ...), as runners 'ropekv[+option]' "
+        "whose ratio is the option's cost",
+    )
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment here")
-    p.add_argument("--plot", metavar="PATH",
-                   help="draw time against tokens per op, and ropekv's speedup over the best "
-                        "peer per case, to this PNG (needs matplotlib: pip install "
-                        "'ropekv[plot]')")
+    p.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="draw time against tokens per op, and ropekv's speedup over the best "
+        "peer per case, to this PNG (needs matplotlib: pip install "
+        "'ropekv[plot]')",
+    )
     p.set_defaults(func=_cmd_bench)
-    p = sub.add_parser("check", help="every available op on this GPU against the NumPy "
-                                     "reference, as a pass/fail table")
-    p.add_argument("--ops", nargs="+", type=_names(ops, "op"), metavar="OP",
-                   help=f"ops to check (default: all that exist): {', '.join(ops)}")
+    p = sub.add_parser(
+        "check",
+        help="every available op on this GPU against the NumPy reference, as a pass/fail table",
+    )
+    p.add_argument(
+        "--ops",
+        nargs="+",
+        type=_names(ops, "op"),
+        metavar="OP",
+        help=f"ops to check (default: all that exist): {', '.join(ops)}",
+    )
     p.set_defaults(func=_cmd_check)
     return parser
 

@@ -44,38 +44,130 @@ MAX_ITEMS = 256  # chunks (lanes) per head row: one lane group fits a block
 # without mRoPE (MODE 3-5) hold at most 2 rows (80 registers, the plain kernel's occupancy:
 # Llama's 48 rows are 4 blocks of 192 threads an SM); MODE 6 (computed scales with mRoPE, ~125
 # registers) holds 4 (`mrope_scaled_prefill_rows`).
-TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 3, "max_block": 256,
-          "scaled_prefill_rows": 2, "mrope_scaled_prefill_rows": 4}
+TUNING = {
+    "block": 128,
+    "wave_blocks": 660,
+    "prefill_rows": 3,
+    "max_block": 256,
+    "scaled_prefill_rows": 2,
+    "mrope_scaled_prefill_rows": 4,
+}
 
-PARAMS = ParamStruct("RopeWriteKVParams", [
-    *((n, np.uint64) for n in ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids",
-                               "kv_scale", "q_out", "q_scale_out", "cache_scales")),
-    *((n, np.int64) for n in ("q_sb", "q_ss", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss",
-                              "v_sh", "c_sb", "c_skv", "c_sh", "c_st", "cs_sb", "cs_sp", "qo_sb",
-                              "qo_ss", "qo_sh", "qs_sb", "qs_ss", "qs_sh", "ks_sb", "ks_skv",
-                              "ks_sh", "ks_st")),
-    *((n, np.float32) for n in ("inv_k_scale", "inv_v_scale", "inv_q_scale")),
-    *((n, np.int32) for n in ("B", "S", "Hq", "Hkv", "D", "R", "C", "P", "write_k_in_place",
-                              "group", "rows", "index64", "v_scale_index", "mrope", "mrope_t",
-                              "mrope_h", "mrope_w", "mrope_interleaved", "items", "q_full",
-                              "q_dynamic", "kv_dynamic")),
-])
+PARAMS = ParamStruct(
+    "RopeWriteKVParams",
+    [
+        *(
+            (n, np.uint64)
+            for n in (
+                "q",
+                "k",
+                "v",
+                "cache",
+                "cos_sin",
+                "kv_end_lens",
+                "position_ids",
+                "kv_scale",
+                "q_out",
+                "q_scale_out",
+                "cache_scales",
+            )
+        ),
+        *(
+            (n, np.int64)
+            for n in (
+                "q_sb",
+                "q_ss",
+                "q_sh",
+                "k_sb",
+                "k_ss",
+                "k_sh",
+                "v_sb",
+                "v_ss",
+                "v_sh",
+                "c_sb",
+                "c_skv",
+                "c_sh",
+                "c_st",
+                "cs_sb",
+                "cs_sp",
+                "qo_sb",
+                "qo_ss",
+                "qo_sh",
+                "qs_sb",
+                "qs_ss",
+                "qs_sh",
+                "ks_sb",
+                "ks_skv",
+                "ks_sh",
+                "ks_st",
+            )
+        ),
+        *((n, np.float32) for n in ("inv_k_scale", "inv_v_scale", "inv_q_scale")),
+        *(
+            (n, np.int32)
+            for n in (
+                "B",
+                "S",
+                "Hq",
+                "Hkv",
+                "D",
+                "R",
+                "C",
+                "P",
+                "write_k_in_place",
+                "group",
+                "rows",
+                "index64",
+                "v_scale_index",
+                "mrope",
+                "mrope_t",
+                "mrope_h",
+                "mrope_w",
+                "mrope_interleaved",
+                "items",
+                "q_full",
+                "q_dynamic",
+                "kv_dynamic",
+            )
+        ),
+    ],
+)
 
 # the array arguments, in the order the public function hands them to the call path; each is
 # also the name of its kernel pointer field
-ARRAYS = ("q", "k", "v", "kv_cache", "cos_sin_cache", "kv_end_lens", "position_ids", "kv_scale",
-          "q_out", "q_scale_out", "kv_cache_scales")
-FIELDS = ("q", "k", "v", "cache", "cos_sin", "kv_end_lens", "position_ids", "kv_scale", "q_out",
-          "q_scale_out", "cache_scales")
+ARRAYS = (
+    "q",
+    "k",
+    "v",
+    "kv_cache",
+    "cos_sin_cache",
+    "kv_end_lens",
+    "position_ids",
+    "kv_scale",
+    "q_out",
+    "q_scale_out",
+    "kv_cache_scales",
+)
+FIELDS = (
+    "q",
+    "k",
+    "v",
+    "cache",
+    "cos_sin",
+    "kv_end_lens",
+    "position_ids",
+    "kv_scale",
+    "q_out",
+    "q_scale_out",
+    "cache_scales",
+)
 Q_OUT = ARRAYS.index("q_out")
 
 # kernel specialisations (MODE in the kernel): every option compiled out; mRoPE and constant K/V
 # scales read; the quantized outputs (q_out, static scales) with constant K/V scales read but
 # no mRoPE, in four: static scales only, computed Q scales, computed K/V scales, both computed;
 # and every option at run time, mRoPE included (MODE_ALL)
-(MODE_PLAIN, MODE_OPTS, MODE_QUANT, MODE_Q_ROWS, MODE_KV_ROWS, MODE_BOTH_ROWS,
- MODE_ALL) = range(7)
-
+(MODE_PLAIN, MODE_OPTS, MODE_QUANT, MODE_Q_ROWS, MODE_KV_ROWS, MODE_BOTH_ROWS, MODE_ALL) = range(7)
 
 
 @functools.cache  # a plan's lookup spells it once per first call
@@ -83,8 +175,15 @@ def expression(dtype, cache_dtype, is_neox, n, mode=MODE_PLAIN, q_dtype=None):
     """The kernel of one specialisation (``mode``); ``q_dtype``: the Q output's dtype (that of
     ``dtype`` unless a quantized-output mode writes fp8 queries)."""
     kernel = KERNEL_SCALED if MODE_Q_ROWS <= mode <= MODE_BOTH_ROWS else KERNEL
-    return name_expression(kernel, c_type(dtype), c_type(cache_dtype),
-                           c_type(q_dtype or dtype), c_bool(is_neox), n, mode)
+    return name_expression(
+        kernel,
+        c_type(dtype),
+        c_type(cache_dtype),
+        c_type(q_dtype or dtype),
+        c_bool(is_neox),
+        n,
+        mode,
+    )
 
 
 def launch_shape(T, H, group, prefill_rows=None, rows_max=ROWS_MAX):
@@ -98,8 +197,10 @@ def launch_shape(T, H, group, prefill_rows=None, rows_max=ROWS_MAX):
         splits = -(-H // (slots * rows))
         if T * splits <= TUNING["wave_blocks"]:
             return slots * group, -(-H // (slots * splits)), splits
-    slots = min(-(-H // min(rows_max, prefill_rows or TUNING["prefill_rows"])),
-                max(1, TUNING["max_block"] // group))
+    slots = min(
+        -(-H // min(rows_max, prefill_rows or TUNING["prefill_rows"])),
+        max(1, TUNING["max_block"] // group),
+    )
     rows = min(rows_max, -(-H // slots))
     return slots * group, rows, -(-H // (slots * rows))
 
@@ -126,16 +227,27 @@ def pow2(n):
     return 1 << max(0, n - 1).bit_length()
 
 
-def apply_rope_write_kv(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_cache: ArrayLike,
-                        cos_sin_cache: ArrayLike, *, kv_end_lens: ArrayLike | None = None,
-                        position_ids: ArrayLike | None = None,
-                        kv_scale: float | tuple[float, float] | ArrayLike | None = None,
-                        write_k_in_place: bool = False, is_neox: bool = True,
-                        mrope_section: tuple[int, int, int] | None = None,
-                        mrope_interleaved: bool = False, q_out: ArrayLike | None = None,
-                        q_scale: float | None = None, q_scale_out: ArrayLike | None = None,
-                        kv_cache_scales: ArrayLike | None = None, enable_pdl: bool = False,
-                        stream: StreamLike | None = None) -> ArrayLike | None:
+def apply_rope_write_kv(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    kv_cache: ArrayLike,
+    cos_sin_cache: ArrayLike,
+    *,
+    kv_end_lens: ArrayLike | None = None,
+    position_ids: ArrayLike | None = None,
+    kv_scale: float | tuple[float, float] | ArrayLike | None = None,
+    write_k_in_place: bool = False,
+    is_neox: bool = True,
+    mrope_section: tuple[int, int, int] | None = None,
+    mrope_interleaved: bool = False,
+    q_out: ArrayLike | None = None,
+    q_scale: float | None = None,
+    q_scale_out: ArrayLike | None = None,
+    kv_cache_scales: ArrayLike | None = None,
+    enable_pdl: bool = False,
+    stream: StreamLike | None = None,
+) -> ArrayLike | None:
     """Apply RoPE to Q and K and write K/V into a contiguous KV cache, in one launch.
 
     Mirrors TensorRT-Edge-LLM's ``launchApplyRopeWriteKV`` family. Its three launchers map onto
@@ -271,11 +383,32 @@ def apply_rope_write_kv(q: ArrayLike, k: ArrayLike, v: ArrayLike, kv_cache: Arra
     """
     scale, scale_array = _scale_arg(kv_scale)
     in_place = q_out is q  # the plain in-place call: q_out is not a second array
-    out = _OP((q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, scale_array,
-               None if in_place else q_out, q_scale_out, kv_cache_scales),
-              (write_k_in_place, is_neox, enable_pdl, scale, tuple(TUNING.values()),
-               mrope_section, mrope_interleaved, q_scale),
-              stream)
+    out = _OP(
+        (
+            q,
+            k,
+            v,
+            kv_cache,
+            cos_sin_cache,
+            kv_end_lens,
+            position_ids,
+            scale_array,
+            None if in_place else q_out,
+            q_scale_out,
+            kv_cache_scales,
+        ),
+        (
+            write_k_in_place,
+            is_neox,
+            enable_pdl,
+            scale,
+            tuple(TUNING.values()),
+            mrope_section,
+            mrope_interleaved,
+            q_scale,
+        ),
+        stream,
+    )
     return q if in_place else out
 
 
@@ -296,10 +429,13 @@ def _constant_scales(value):
     """(k_scale, v_scale) from a constant ``kv_scale``: positive finite numbers."""
     if isinstance(value, tuple):
         if len(value) != 2:
-            raise ValueError(f"kv_scale must be a number, a (k_scale, v_scale) pair or a float32 "
-                             f"array of shape (2,) or (), got {len(value)} values")
-        return tuple(ck.check_float(x, f"kv_scale[{i}]", positive=True)
-                     for i, x in enumerate(value))
+            raise ValueError(
+                f"kv_scale must be a number, a (k_scale, v_scale) pair or a float32 "
+                f"array of shape (2,) or (), got {len(value)} values"
+            )
+        return tuple(
+            ck.check_float(x, f"kv_scale[{i}]", positive=True) for i, x in enumerate(value)
+        )
     s = ck.check_float(value, "kv_scale", positive=True)
     return s, s
 
@@ -317,10 +453,18 @@ def _check_quantized_outputs(vq, vc, vqo, q_scale, vqs, vcs, kv_scale_given):
         if vqo.dtype != vq.dtype:
             ck.check_dtype(vqo, (vq.dtype, *FP8_DTYPES))
         ck.check_last_dim_contiguous(vqo)
-    ck.check_q_scales(None if vqo is None else vqo.dtype, "q_out", "q_scale", q_scale is not None,
-                      vqs, (B, S, Hq), "(B, S, Hq)")
-    ck.check_cache_scales(vc.dtype, "kv_cache", "kv_scale", kv_scale_given, vcs is not None,
-                          "(B, 2, Hkv, C)")
+    ck.check_q_scales(
+        None if vqo is None else vqo.dtype,
+        "q_out",
+        "q_scale",
+        q_scale is not None,
+        vqs,
+        (B, S, Hq),
+        "(B, S, Hq)",
+    )
+    ck.check_cache_scales(
+        vc.dtype, "kv_cache", "kv_scale", kv_scale_given, vcs is not None, "(B, 2, Hkv, C)"
+    )
     if vcs is not None:
         ck.check_scale_array(vcs, (B, 2, Hkv, C), "(B, 2, Hkv, C)")
     if q_scale is not None:
@@ -343,15 +487,23 @@ def _check_qkv(vq, vk, vv):
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
-    (write_k_in_place, is_neox, pdl, const_scale, _, mrope_section, mrope_interleaved,
-     q_scale) = flags
+    (write_k_in_place, is_neox, pdl, const_scale, _, mrope_section, mrope_interleaved, q_scale) = (
+        flags
+    )
     vq, vk, vv, vc, vt, vlens, vpos, vscale, vqo, vqs, vcs = views
 
     # Tests of the common case first, read in the checkers' order; the checkers (which raise
     # their own messages) only where a test fails: this runs on every first call.
-    if not (len(vq.shape) == 4 and vq.dtype in INPUT_DTYPES and len(vk.shape) == 4
-            and vk.shape[:2] == vq.shape[:2] and vk.shape[3] == vq.shape[3]
-            and vv.shape == vk.shape and vk.dtype == vq.dtype and vv.dtype == vq.dtype):
+    if not (
+        len(vq.shape) == 4
+        and vq.dtype in INPUT_DTYPES
+        and len(vk.shape) == 4
+        and vk.shape[:2] == vq.shape[:2]
+        and vk.shape[3] == vq.shape[3]
+        and vv.shape == vk.shape
+        and vk.dtype == vq.dtype
+        and vv.dtype == vq.dtype
+    ):
         _check_qkv(vq, vk, vv)
     B, S, Hq, D = vq.shape
     Hkv = vk.shape[2]
@@ -365,16 +517,22 @@ def _prepare(views, flags):
     C = vc.shape[3]
     if vc.dtype != vq.dtype:
         ck.check_dtype(vc, (vq.dtype, *SCALED_CACHE_DTYPES))
-    if (len(vt.shape) in _TABLE_NDIMS and vt.dtype == FLOAT32 and vt.shape[-1] % 2 == 0
-            and 0 < vt.shape[-1] <= D):
+    if (
+        len(vt.shape) in _TABLE_NDIMS
+        and vt.dtype == FLOAT32
+        and vt.shape[-1] % 2 == 0
+        and 0 < vt.shape[-1] <= D
+    ):
         P, R = vt.shape[-2:]
     else:
         P, R = ck.check_cos_sin_cache(vt, D, _TABLE_NDIMS, "(P, R) or (Bc, P, R)")
     if vt.ndim == 3 and vt.shape[0] not in (1, B):
-        raise ValueError(f"cos_sin_cache must have shape (P, R) or (Bc, P, R) with Bc 1 or "
-                         f"B={B}, got {vt.shape}")
-    if vlens is not None and (vlens.shape != (B,) or vlens.dtype not in INDEX_DTYPES
-                              or vlens.strides != ck.UNIT_STRIDE):  # (stride 1: contiguous)
+        raise ValueError(
+            f"cos_sin_cache must have shape (P, R) or (Bc, P, R) with Bc 1 or B={B}, got {vt.shape}"
+        )
+    if vlens is not None and (
+        vlens.shape != (B,) or vlens.dtype not in INDEX_DTYPES or vlens.strides != ck.UNIT_STRIDE
+    ):  # (stride 1: contiguous)
         ck.check_shape(vlens, (B,), "(B,)")
         ck.check_dtype(vlens, INDEX_DTYPES)
         ck.check_contiguous(vlens)
@@ -387,8 +545,10 @@ def _prepare(views, flags):
     given = vscale is not None or const_scale is not None
     q_static = _check_quantized_outputs(vq, vc, vqo, q_scale, vqs, vcs, given)
     if fp8 and not given and vcs is None:
-        raise ValueError(f"kv_scale (a number, a pair, or float32 of shape (2,) or ()) or "
-                         f"kv_cache_scales is required for a {vc.dtype} kv_cache")
+        raise ValueError(
+            f"kv_scale (a number, a pair, or float32 of shape (2,) or ()) or "
+            f"kv_cache_scales is required for a {vc.dtype} kv_cache"
+        )
     if not fp8 and given:
         raise ValueError(f"kv_scale is only used with float8 caches, but kv_cache is {vc.dtype}")
     scales = _constant_scales(const_scale) if const_scale is not None else (1.0, 1.0)
@@ -398,8 +558,13 @@ def _prepare(views, flags):
             ck.check_shape(vscale, (2,), "(2,) or ()")
         ck.check_dtype(vscale, (FLOAT32,))
         ck.check_contiguous(vscale)
-    if (vq.strides[-1] != 1 or vk.strides[-1] != 1 or vv.strides[-1] != 1
-            or vc.strides[-1] != 1 or vt.strides[-1] != 1):  # (a test first, as above)
+    if (
+        vq.strides[-1] != 1
+        or vk.strides[-1] != 1
+        or vv.strides[-1] != 1
+        or vc.strides[-1] != 1
+        or vt.strides[-1] != 1
+    ):  # (a test first, as above)
         ck.check_last_dim_contiguous(vq, vk, vv, vc, vt)
     device = ck.check_same_device(views)
     written = ((Q_OUT, 9, 10) if vqo is not None else (0, 9, 10)) + (3,)
@@ -412,16 +577,30 @@ def _prepare(views, flags):
     if check_indices:
         _check_indices(vlens, vpos, B, S, C, P, sections is not None)
     if device == HOST:
+
         def host(v, _):
             reference.apply_rope_write_kv(
-                vq.host, vk.host, vv.host, vc.host, vt.host,
-                None if vlens is None else vlens.host, None if vpos is None else vpos.host,
-                scales if vscale is None else vscale.host, write_k_in_place, is_neox, sections,
-                mrope_interleaved, None if vqo is None else vqo.host, q_static,
-                None if vqs is None else vqs.host, None if vcs is None else vcs.host)
+                vq.host,
+                vk.host,
+                vv.host,
+                vc.host,
+                vt.host,
+                None if vlens is None else vlens.host,
+                None if vpos is None else vpos.host,
+                scales if vscale is None else vscale.host,
+                write_k_in_place,
+                is_neox,
+                sections,
+                mrope_interleaved,
+                None if vqo is None else vqo.host,
+                q_static,
+                None if vqs is None else vqs.host,
+                None if vcs is None else vcs.host,
+            )
 
-        return Plan(HOST, written=written, inplace=[(0, Q_OUT)], result=result,
-                    host=host if B * S else None)
+        return Plan(
+            HOST, written=written, inplace=[(0, Q_OUT)], result=result, host=host if B * S else None
+        )
     if B * S == 0:
         return Plan(device, written=written, inplace=[(0, Q_OUT)], result=result)
     quant = vqo is not None or vcs is not None
@@ -434,13 +613,37 @@ def _prepare(views, flags):
     else:  # constant K/V scales: the quantized-output kernel (Q in place through q_out = q), whose
         # code reads no mRoPE (80 registers against MODE_OPTS' 120)
         mode = MODE_QUANT if fp8 and vscale is None else MODE_PLAIN
-    launch = _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections,
-                     mrope_interleaved, scales, q_static, P, R)
+    launch = _launch(
+        views,
+        device,
+        pdl,
+        is_neox,
+        write_k_in_place,
+        mode,
+        sections,
+        mrope_interleaved,
+        scales,
+        q_static,
+        P,
+        R,
+    )
     return Plan(device, [launch], written=written, inplace=[(0, Q_OUT)], result=result)
 
 
-def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope_interleaved,
-            scales, q_static, P, R):
+def _launch(
+    views,
+    device,
+    pdl,
+    is_neox,
+    write_k_in_place,
+    mode,
+    sections,
+    mrope_interleaved,
+    scales,
+    q_static,
+    P,
+    R,
+):
     """The kernel launch of a validated call."""
     vq, vk, vv, vc, vt, vlens, vpos, vscale, vqo, vqs, vcs = views
     B, S, Hq, D = vq.shape
@@ -459,37 +662,74 @@ def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope
 
     n = vector_width(vq.dtype.itemsize, fits)
     if n is None:  # only interleaved RoPE can get here (neox fits at width 1)
-        raise BufferError(f"interleaved RoPE reads element pairs: the rows of q, k, v, kv_cache "
-                          f"and q_out must start at even elements; got q {vq}, k {vk}, v {vv}, "
-                          f"kv_cache {vc}, q_out {vqo}")
+        raise BufferError(
+            f"interleaved RoPE reads element pairs: the rows of q, k, v, kv_cache "
+            f"and q_out must start at even elements; got q {vq}, k {vk}, v {vv}, "
+            f"kv_cache {vc}, q_out {vqo}"
+        )
     items = ((R // 2) // n if is_neox else R // n) + (D - R) // n
     if items > MAX_ITEMS:
-        raise ValueError(f"head dim D={D} with rotary dim R={R} needs {items} threads per head "
-                         f"row, more than the {MAX_ITEMS} a block has")
+        raise ValueError(
+            f"head dim D={D} with rotary dim R={R} needs {items} threads per head "
+            f"row, more than the {MAX_ITEMS} a block has"
+        )
     dynamic = vqs is not None or vcs is not None
     group = pow2(items) if dynamic else items  # computed scales reduce over aligned lane groups
     scaled = MODE_Q_ROWS <= mode <= MODE_BOTH_ROWS  # the 2-row, 80-register kernels
-    block, rows, splits = launch_shape(B * S, Hq + 2 * Hkv, group,
-                                       TUNING["scaled_prefill_rows"] if scaled
-                                       else TUNING["mrope_scaled_prefill_rows"] if dynamic
-                                       else None,
-                                       SCALED_ROWS_MAX if scaled else ROWS_MAX)
+    block, rows, splits = launch_shape(
+        B * S,
+        Hq + 2 * Hkv,
+        group,
+        TUNING["scaled_prefill_rows"]
+        if scaled
+        else TUNING["mrope_scaled_prefill_rows"]
+        if dynamic
+        else None,
+        SCALED_ROWS_MAX if scaled else ROWS_MAX,
+    )
     table_strides = vt.strides if vt.ndim == 3 else (0, *vt.strides)
     q_st, k_st, v_st, c_st, qo_st = vq.strides, vk.strides, vv.strides, vc.strides, vout.strides
     values = {  # the fields past the pointers (every given pointer has a slot, below; the
         # others are null)
-        "q_sb": q_st[0], "q_ss": q_st[1], "q_sh": q_st[2], "k_sb": k_st[0], "k_ss": k_st[1],
-        "k_sh": k_st[2], "v_sb": v_st[0], "v_ss": v_st[1], "v_sh": v_st[2], "c_sb": c_st[0],
-        "c_skv": c_st[1], "c_sh": c_st[2], "c_st": c_st[3],
+        "q_sb": q_st[0],
+        "q_ss": q_st[1],
+        "q_sh": q_st[2],
+        "k_sb": k_st[0],
+        "k_ss": k_st[1],
+        "k_sh": k_st[2],
+        "v_sb": v_st[0],
+        "v_ss": v_st[1],
+        "v_sh": v_st[2],
+        "c_sb": c_st[0],
+        "c_skv": c_st[1],
+        "c_sh": c_st[2],
+        "c_st": c_st[3],
         "cs_sb": table_strides[0] if vt.ndim == 3 and vt.shape[0] > 1 else 0,
-        "cs_sp": table_strides[1], "qo_sb": qo_st[0], "qo_ss": qo_st[1], "qo_sh": qo_st[2],
+        "cs_sp": table_strides[1],
+        "qo_sb": qo_st[0],
+        "qo_ss": qo_st[1],
+        "qo_sh": qo_st[2],
         "inv_k_scale": 1.0 / scales[0],
-        "inv_v_scale": 1.0 / scales[1], "inv_q_scale": 1.0 / q_static, "B": B, "S": S, "Hq": Hq,
-        "Hkv": Hkv, "D": D, "R": R, "C": C, "P": P, "write_k_in_place": int(write_k_in_place),
-        "group": group, "rows": rows,
-        "index64": (int(vlens is not None and vlens.dtype == INT64)
-                    | 2 * int(vpos is not None and vpos.dtype == INT64)),
-        "mrope_interleaved": int(mrope_interleaved), "items": items}
+        "inv_v_scale": 1.0 / scales[1],
+        "inv_q_scale": 1.0 / q_static,
+        "B": B,
+        "S": S,
+        "Hq": Hq,
+        "Hkv": Hkv,
+        "D": D,
+        "R": R,
+        "C": C,
+        "P": P,
+        "write_k_in_place": int(write_k_in_place),
+        "group": group,
+        "rows": rows,
+        "index64": (
+            int(vlens is not None and vlens.dtype == INT64)
+            | 2 * int(vpos is not None and vpos.dtype == INT64)
+        ),
+        "mrope_interleaved": int(mrope_interleaved),
+        "items": items,
+    }
     slots = dict(_ARGUMENT_SLOTS)  # q .. cos_sin_cache, all given (checked)
     for i in range(len(_ARGUMENT_SLOTS), len(FIELDS)):
         if views[i] is not None:
@@ -501,32 +741,79 @@ def _launch(views, device, pdl, is_neox, write_k_in_place, mode, sections, mrope
     else:
         qs_strides = vqs.strides if vqs is not None else (0, 0, 0)
         cs_strides = vcs.strides if vcs is not None else (0, 0, 0, 0)
-        values.update({
-            "qs_sb": qs_strides[0], "qs_ss": qs_strides[1], "qs_sh": qs_strides[2],
-            "ks_sb": cs_strides[0], "ks_skv": cs_strides[1], "ks_sh": cs_strides[2],
-            "ks_st": cs_strides[3], "mrope": int(bool(sections)),
-            "mrope_t": sections[0] if sections else 0, "mrope_h": sections[1] if sections else 0,
-            "mrope_w": sections[2] if sections else 0,
-            "v_scale_index": int(vscale is not None and vscale.ndim == 1),
-            "q_full": int(vqo is not None), "q_dynamic": int(vqs is not None),
-            "kv_dynamic": int(vcs is not None)})
-    return Launch(STEM, expression(vq.dtype, vc.dtype, is_neox, n, mode, vout.dtype), device,
-                  (B * S, splits), (block,), PARAMS, values, slots, pdl=pdl)
+        values.update(
+            {
+                "qs_sb": qs_strides[0],
+                "qs_ss": qs_strides[1],
+                "qs_sh": qs_strides[2],
+                "ks_sb": cs_strides[0],
+                "ks_skv": cs_strides[1],
+                "ks_sh": cs_strides[2],
+                "ks_st": cs_strides[3],
+                "mrope": int(bool(sections)),
+                "mrope_t": sections[0] if sections else 0,
+                "mrope_h": sections[1] if sections else 0,
+                "mrope_w": sections[2] if sections else 0,
+                "v_scale_index": int(vscale is not None and vscale.ndim == 1),
+                "q_full": int(vqo is not None),
+                "q_dynamic": int(vqs is not None),
+                "kv_dynamic": int(vcs is not None),
+            }
+        )
+    return Launch(
+        STEM,
+        expression(vq.dtype, vc.dtype, is_neox, n, mode, vout.dtype),
+        device,
+        (B * S, splits),
+        (block,),
+        PARAMS,
+        values,
+        slots,
+        pdl=pdl,
+    )
 
 
 # made once (a first call copies or reads them): the slots of the arguments every call gives
 # (q .. cos_sin_cache), the option fields when no option is used (no q_out, computed scales,
 # mRoPE or kv_scale array)
-_ARGUMENT_SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS[:ARRAYS.index("kv_end_lens")])}
-_NO_OPTIONS = dict.fromkeys(("qs_sb", "qs_ss", "qs_sh", "ks_sb", "ks_skv", "ks_sh", "ks_st",
-                             "mrope", "mrope_t", "mrope_h", "mrope_w", "v_scale_index",
-                             "q_full", "q_dynamic", "kv_dynamic"), 0)
+_ARGUMENT_SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS[: ARRAYS.index("kv_end_lens")])}
+_NO_OPTIONS = dict.fromkeys(
+    (
+        "qs_sb",
+        "qs_ss",
+        "qs_sh",
+        "ks_sb",
+        "ks_skv",
+        "ks_sh",
+        "ks_st",
+        "mrope",
+        "mrope_t",
+        "mrope_h",
+        "mrope_w",
+        "v_scale_index",
+        "q_full",
+        "q_dynamic",
+        "kv_dynamic",
+    ),
+    0,
+)
 _TABLE_NDIMS = (2, 3)
 
-_OP = Op("apply_rope_write_kv", ARRAYS, _prepare,
-         flags=[("write_k_in_place", FLAG), ("is_neox", FLAG), ("enable_pdl", FLAG),
-                ("kv_scale", KEY), ("tuning", AS_IS), ("mrope_section", KEY),
-                ("mrope_interleaved", FLAG), ("q_scale", KEY)])
+_OP = Op(
+    "apply_rope_write_kv",
+    ARRAYS,
+    _prepare,
+    flags=[
+        ("write_k_in_place", FLAG),
+        ("is_neox", FLAG),
+        ("enable_pdl", FLAG),
+        ("kv_scale", KEY),
+        ("tuning", AS_IS),
+        ("mrope_section", KEY),
+        ("mrope_interleaved", FLAG),
+        ("q_scale", KEY),
+    ],
+)
 
 
 def _check_indices(vlens, vpos, B, S, C, P, mrope=False):
@@ -552,7 +839,10 @@ def _check_indices(vlens, vpos, B, S, C, P, mrope=False):
     b, t = divmod(int(bad[0]), S)
     if bad_slot[b, t]:
         end = "" if vlens is None else f" (kv_end_lens[{b}]={int(lens[b])})"
-        raise IndexError(f"token (b={b}, s={t}) lands in cache slot {int(slot[b, t])}, outside "
-                         f"[0, C={C}){end}")
-    raise IndexError(f"token (b={b}, s={t}) has RoPE position {int(pos[b, t])}, outside the "
-                     f"cos_sin_cache's [0, P={P})")
+        raise IndexError(
+            f"token (b={b}, s={t}) lands in cache slot {int(slot[b, t])}, outside [0, C={C}){end}"
+        )
+    raise IndexError(
+        f"token (b={b}, s={t}) has RoPE position {int(pos[b, t])}, outside the "
+        f"cos_sin_cache's [0, P={P})"
+    )

@@ -95,8 +95,12 @@ def _call(name, inputs, outputs, run, command_buffer_compatible):
         arrays.update((key, view(b)) for key, b in zip(targets, outs))
         run(arrays, None if host else ctx.stream)
 
-    fn = buffer_callback(callback, types, input_output_aliases=aliases,
-                         command_buffer_compatible=bool(command_buffer_compatible))
+    fn = buffer_callback(
+        callback,
+        types,
+        input_output_aliases=aliases,
+        command_buffer_compatible=bool(command_buffer_compatible),
+    )
     return _no_transforms(name, fn)(*(x for _, x in present))
 
 
@@ -113,7 +117,8 @@ def _no_transforms(name, fn):
         raise NotImplementedError(
             f"ropekv.jax.{name} does not support jax.vmap: the op writes whole caches through "
             f"buffer aliases and has no batching rule; call it once on the whole batch (the "
-            f"ragged and batched layouts already carry a batch dimension)")
+            f"ragged and batched layouts already carry a batch dimension)"
+        )
 
     differentiable = jax.custom_jvp(batched)
 
@@ -121,7 +126,8 @@ def _no_transforms(name, fn):
     def _jvp(primals, tangents):
         raise NotImplementedError(
             f"ropekv.jax.{name} has no derivative (jax.grad / jax.jvp): it writes KV caches; "
-            f"apply jax.lax.stop_gradient to its inputs if they carry tangents")
+            f"apply jax.lax.stop_gradient to its inputs if they carry tangents"
+        )
 
     return differentiable
 
@@ -143,10 +149,26 @@ def _pair(caches, message):
 # ---- apply_rope_write_kv -----------------------------------------------------------------------
 
 
-def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, position_ids=None,
-                        kv_scale=None, write_k_in_place=False, is_neox=True, mrope_section=None,
-                        mrope_interleaved=False, q_out=None, q_scale=None, q_scale_out=None,
-                        kv_cache_scales=None, command_buffer_compatible=False):
+def apply_rope_write_kv(
+    q,
+    k,
+    v,
+    kv_cache,
+    cos_sin_cache,
+    *,
+    kv_end_lens=None,
+    position_ids=None,
+    kv_scale=None,
+    write_k_in_place=False,
+    is_neox=True,
+    mrope_section=None,
+    mrope_interleaved=False,
+    q_out=None,
+    q_scale=None,
+    q_scale_out=None,
+    kv_cache_scales=None,
+    command_buffer_compatible=False,
+):
     """:func:`ropekv.apply_rope_write_kv` as a functional op.
 
     Returns ``(q, kv_cache)``, the roped queries and the new cache, or ``(q, k, kv_cache)`` with
@@ -167,88 +189,178 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
     # a number or a pair of numbers is static (constants of the launch); an array an input
     static_scale = kv_scale is None or isinstance(kv_scale, int | float | tuple | list)
     q_key = "q" if q_out is None else "q_out"
-    outputs = [(q_key, q_key), *((("k", "k"),) if write_k else ()), ("kv_cache", "kv_cache"),
-               *((("q_scale_out", "q_scale_out"),) if q_scale_out is not None else ()),
-               *((("kv_cache_scales", "kv_cache_scales"),) if kv_cache_scales is not None
-                 else ())]
+    outputs = [
+        (q_key, q_key),
+        *((("k", "k"),) if write_k else ()),
+        ("kv_cache", "kv_cache"),
+        *((("q_scale_out", "q_scale_out"),) if q_scale_out is not None else ()),
+        *((("kv_cache_scales", "kv_cache_scales"),) if kv_cache_scales is not None else ()),
+    ]
 
     def run(a, stream):
         ropekv.apply_rope_write_kv(
-            a["q"], a["k"], a["v"], a["kv_cache"], a["cos_sin_cache"],
-            kv_end_lens=a.get("kv_end_lens"), position_ids=a.get("position_ids"),
-            kv_scale=kv_scale if static_scale else a["kv_scale"], write_k_in_place=write_k,
+            a["q"],
+            a["k"],
+            a["v"],
+            a["kv_cache"],
+            a["cos_sin_cache"],
+            kv_end_lens=a.get("kv_end_lens"),
+            position_ids=a.get("position_ids"),
+            kv_scale=kv_scale if static_scale else a["kv_scale"],
+            write_k_in_place=write_k,
             is_neox=bool(is_neox),
-            mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
-            q_out=a.get("q_out"), q_scale=q_scale, q_scale_out=a.get("q_scale_out"),
-            kv_cache_scales=a.get("kv_cache_scales"), stream=stream)
+            mrope_section=mrope_section,
+            mrope_interleaved=mrope_interleaved,
+            q_out=a.get("q_out"),
+            q_scale=q_scale,
+            q_scale_out=a.get("q_scale_out"),
+            kv_cache_scales=a.get("kv_cache_scales"),
+            stream=stream,
+        )
 
-    inputs = [("q", q), ("k", k), ("v", v), ("kv_cache", kv_cache),
-              ("cos_sin_cache", cos_sin_cache), ("kv_end_lens", kv_end_lens),
-              ("position_ids", position_ids),
-              ("kv_scale", None if static_scale else kv_scale), ("q_out", q_out),
-              ("q_scale_out", q_scale_out), ("kv_cache_scales", kv_cache_scales)]
+    inputs = [
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("kv_cache", kv_cache),
+        ("cos_sin_cache", cos_sin_cache),
+        ("kv_end_lens", kv_end_lens),
+        ("position_ids", position_ids),
+        ("kv_scale", None if static_scale else kv_scale),
+        ("q_out", q_out),
+        ("q_scale_out", q_scale_out),
+        ("kv_cache_scales", kv_cache_scales),
+    ]
     return tuple(_call("apply_rope_write_kv", inputs, outputs, run, command_buffer_compatible))
 
 
 # ---- rope_quantize_fp8_append_paged_kv_cache / rope_append_paged_kv_cache ---------------------
 
 
-def _paged(name, eager, quantize, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
-           paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions, is_neox,
-           quantize_dtype, quant_scale_q, quant_scale_kv, page_size, kv_layout, options,
-           command_buffer_compatible):
+def _paged(
+    name,
+    eager,
+    quantize,
+    q_rope,
+    k_rope,
+    q_nope,
+    k_nope,
+    v,
+    cos_sin_cache,
+    pos_ids,
+    paged_kv_cache,
+    kv_indices,
+    kv_indptr,
+    batch_indices,
+    positions,
+    is_neox,
+    quantize_dtype,
+    quant_scale_q,
+    quant_scale_kv,
+    page_size,
+    kv_layout,
+    options,
+    command_buffer_compatible,
+):
     mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status = options
     shown = type(paged_kv_cache).__qualname__
     if isinstance(paged_kv_cache, tuple | list):
         shown += f" of length {len(paged_kv_cache)}"
-    cache0, cache1 = _pair(paged_kv_cache, f"paged_kv_cache must be a pair (k_cache, v_cache) or "
-                                           f"(ckv_cache, kpe_cache), got {shown}")
+    cache0, cache1 = _pair(
+        paged_kv_cache,
+        f"paged_kv_cache must be a pair (k_cache, v_cache) or (ckv_cache, kpe_cache), got {shown}",
+    )
     scales = kv_cache_scales is not None
-    if scales and (not isinstance(kv_cache_scales, tuple | list) or len(kv_cache_scales) != 2
-                   or any(x is None for x in kv_cache_scales)):
-        raise ValueError(f"kv_cache_scales must be a pair of arrays (k_scales, v_scales), got "
-                         f"{type(kv_cache_scales).__qualname__}"
-                         + (f" of length {len(kv_cache_scales)}"
-                            if isinstance(kv_cache_scales, tuple | list) else ""))
+    if scales and (
+        not isinstance(kv_cache_scales, tuple | list)
+        or len(kv_cache_scales) != 2
+        or any(x is None for x in kv_cache_scales)
+    ):
+        raise ValueError(
+            f"kv_cache_scales must be a pair of arrays (k_scales, v_scales), got "
+            f"{type(kv_cache_scales).__qualname__}"
+            + (
+                f" of length {len(kv_cache_scales)}"
+                if isinstance(kv_cache_scales, tuple | list)
+                else ""
+            )
+        )
     k_scales, v_scales = kv_cache_scales if scales else (None, None)
     mla = len(getattr(k_rope, "shape", ())) == 2
     out_dtype = None if quantize_dtype is None else as_dtype(quantize_dtype)
     rope_shape, nope_shape, dtype = fw.paged_q_outputs(
-        _meta(q_rope, "q_rope"), None if q_nope is None else _meta(q_nope, "q_nope"),
-        _meta(cache0, "ckv_cache" if mla else "k_cache"), out_dtype, quantize, scales)
+        _meta(q_rope, "q_rope"),
+        None if q_nope is None else _meta(q_nope, "q_nope"),
+        _meta(cache0, "ckv_cache" if mla else "k_cache"),
+        out_dtype,
+        quantize,
+        scales,
+    )
     numbers = {}  # static scales (None: not given, or an array)
     for key, s in (("quant_scale_q", quant_scale_q), ("quant_scale_kv", quant_scale_kv)):
         numbers[key] = s if isinstance(s, int | float | np.integer | np.floating) else None
 
     def run(a, stream):
-        eager(a["q_rope"], a["k_rope"], a.get("q_nope"), a.get("k_nope"), a.get("v"),
-              a["cos_sin_cache"], a["pos_ids"], (a["cache0"], a["cache1"]), a["kv_indices"],
-              a["kv_indptr"], a["batch_indices"], a["positions"], is_neox=bool(is_neox),
-              quantize_dtype=out_dtype,
-              quant_scale_q=_either(numbers["quant_scale_q"], a.get("quant_scale_q")),
-              quant_scale_kv=_either(numbers["quant_scale_kv"], a.get("quant_scale_kv")),
-              page_size=page_size, kv_layout=kv_layout, q_rope_out=a["q_rope_out"],
-              q_nope_out=a["q_nope_out"], mrope_section=mrope_section,
-              mrope_interleaved=mrope_interleaved, q_scale_out=a.get("q_scale_out"),
-              kv_cache_scales=(a["k_scales"], a["v_scales"]) if scales else None,
-              status=a.get("status"), stream=stream)
+        eager(
+            a["q_rope"],
+            a["k_rope"],
+            a.get("q_nope"),
+            a.get("k_nope"),
+            a.get("v"),
+            a["cos_sin_cache"],
+            a["pos_ids"],
+            (a["cache0"], a["cache1"]),
+            a["kv_indices"],
+            a["kv_indptr"],
+            a["batch_indices"],
+            a["positions"],
+            is_neox=bool(is_neox),
+            quantize_dtype=out_dtype,
+            quant_scale_q=_either(numbers["quant_scale_q"], a.get("quant_scale_q")),
+            quant_scale_kv=_either(numbers["quant_scale_kv"], a.get("quant_scale_kv")),
+            page_size=page_size,
+            kv_layout=kv_layout,
+            q_rope_out=a["q_rope_out"],
+            q_nope_out=a["q_nope_out"],
+            mrope_section=mrope_section,
+            mrope_interleaved=mrope_interleaved,
+            q_scale_out=a.get("q_scale_out"),
+            kv_cache_scales=(a["k_scales"], a["v_scales"]) if scales else None,
+            status=a.get("status"),
+            stream=stream,
+        )
 
-    inputs = [("q_rope", q_rope), ("k_rope", k_rope), ("q_nope", q_nope), ("k_nope", k_nope),
-              ("v", v), ("cos_sin_cache", cos_sin_cache), ("pos_ids", pos_ids),
-              ("cache0", cache0), ("cache1", cache1), ("kv_indices", kv_indices),
-              ("kv_indptr", kv_indptr), ("batch_indices", batch_indices),
-              ("positions", positions),
-              ("quant_scale_q", None if numbers["quant_scale_q"] is not None else quant_scale_q),
-              ("quant_scale_kv", None if numbers["quant_scale_kv"] is not None
-               else quant_scale_kv),
-              ("q_scale_out", q_scale_out), ("k_scales", k_scales), ("v_scales", v_scales),
-              ("status", status)]
-    outputs = [("q_rope_out", _struct(rope_shape, dtype)),
-               ("q_nope_out", _struct(nope_shape, dtype)), ("cache0", "cache0"),
-               ("cache1", "cache1"), *_aliases(q_scale_out=q_scale_out, k_scales=k_scales,
-                                              v_scales=v_scales, status=status)]
-    q_rope_out, q_nope_out, new0, new1, *new = _call(name, inputs, outputs, run,
-                                                     command_buffer_compatible)
+    inputs = [
+        ("q_rope", q_rope),
+        ("k_rope", k_rope),
+        ("q_nope", q_nope),
+        ("k_nope", k_nope),
+        ("v", v),
+        ("cos_sin_cache", cos_sin_cache),
+        ("pos_ids", pos_ids),
+        ("cache0", cache0),
+        ("cache1", cache1),
+        ("kv_indices", kv_indices),
+        ("kv_indptr", kv_indptr),
+        ("batch_indices", batch_indices),
+        ("positions", positions),
+        ("quant_scale_q", None if numbers["quant_scale_q"] is not None else quant_scale_q),
+        ("quant_scale_kv", None if numbers["quant_scale_kv"] is not None else quant_scale_kv),
+        ("q_scale_out", q_scale_out),
+        ("k_scales", k_scales),
+        ("v_scales", v_scales),
+        ("status", status),
+    ]
+    outputs = [
+        ("q_rope_out", _struct(rope_shape, dtype)),
+        ("q_nope_out", _struct(nope_shape, dtype)),
+        ("cache0", "cache0"),
+        ("cache1", "cache1"),
+        *_aliases(q_scale_out=q_scale_out, k_scales=k_scales, v_scales=v_scales, status=status),
+    ]
+    q_rope_out, q_nope_out, new0, new1, *new = _call(
+        name, inputs, outputs, run, command_buffer_compatible
+    )
     return (q_rope_out, q_nope_out, (new0, new1), *_regroup(new, q_scale_out, scales, status))
 
 
@@ -275,11 +387,33 @@ def _either(number, array):
 
 
 def rope_quantize_fp8_append_paged_kv_cache(
-        q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
-        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=None,
-        quant_scale_kv=None, page_size=16, kv_layout="NHD", enable_pdl=False, *,
-        mrope_section=None, mrope_interleaved=False, q_scale_out=None, kv_cache_scales=None,
-        status=None, command_buffer_compatible=False):
+    q_rope,
+    k_rope,
+    q_nope,
+    k_nope,
+    v,
+    cos_sin_cache,
+    pos_ids,
+    paged_kv_cache,
+    kv_indices,
+    kv_indptr,
+    batch_indices,
+    positions,
+    is_neox=True,
+    quantize_dtype=None,
+    quant_scale_q=None,
+    quant_scale_kv=None,
+    page_size=16,
+    kv_layout="NHD",
+    enable_pdl=False,
+    *,
+    mrope_section=None,
+    mrope_interleaved=False,
+    q_scale_out=None,
+    kv_cache_scales=None,
+    status=None,
+    command_buffer_compatible=False,
+):
     """:func:`ropekv.rope_quantize_fp8_append_paged_kv_cache` (FlashInfer's arguments) as a
     functional op.
 
@@ -295,39 +429,112 @@ def rope_quantize_fp8_append_paged_kv_cache(
     ``(1,)`` int32 are input-output aliases like the caches, returned after them in that order
     when given: ``q8, q8_nope, caches, q_scales, (k_scales, v_scales), status = ...``.
     """
-    return _paged("rope_quantize_fp8_append_paged_kv_cache",
-                  ropekv.rope_quantize_fp8_append_paged_kv_cache, True, q_rope, k_rope, q_nope,
-                  k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices, kv_indptr,
-                  batch_indices, positions, is_neox, quantize_dtype, quant_scale_q,
-                  quant_scale_kv, page_size, kv_layout,
-                  (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status),
-                  command_buffer_compatible)
+    return _paged(
+        "rope_quantize_fp8_append_paged_kv_cache",
+        ropekv.rope_quantize_fp8_append_paged_kv_cache,
+        True,
+        q_rope,
+        k_rope,
+        q_nope,
+        k_nope,
+        v,
+        cos_sin_cache,
+        pos_ids,
+        paged_kv_cache,
+        kv_indices,
+        kv_indptr,
+        batch_indices,
+        positions,
+        is_neox,
+        quantize_dtype,
+        quant_scale_q,
+        quant_scale_kv,
+        page_size,
+        kv_layout,
+        (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status),
+        command_buffer_compatible,
+    )
 
 
 def rope_append_paged_kv_cache(
-        q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
-        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=None,
-        quant_scale_kv=None, page_size=16, kv_layout="NHD", enable_pdl=False, *,
-        mrope_section=None, mrope_interleaved=False, q_scale_out=None, kv_cache_scales=None,
-        status=None, command_buffer_compatible=False):
+    q_rope,
+    k_rope,
+    q_nope,
+    k_nope,
+    v,
+    cos_sin_cache,
+    pos_ids,
+    paged_kv_cache,
+    kv_indices,
+    kv_indptr,
+    batch_indices,
+    positions,
+    is_neox=True,
+    quantize_dtype=None,
+    quant_scale_q=None,
+    quant_scale_kv=None,
+    page_size=16,
+    kv_layout="NHD",
+    enable_pdl=False,
+    *,
+    mrope_section=None,
+    mrope_interleaved=False,
+    q_scale_out=None,
+    kv_cache_scales=None,
+    status=None,
+    command_buffer_compatible=False,
+):
     """:func:`ropekv.rope_append_paged_kv_cache` (16-bit or fp8 caches) as a functional op; the
     same contract as :func:`rope_quantize_fp8_append_paged_kv_cache` here."""
-    return _paged("rope_append_paged_kv_cache", ropekv.rope_append_paged_kv_cache, False, q_rope,
-                  k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
-                  kv_indptr, batch_indices, positions, is_neox, quantize_dtype, quant_scale_q,
-                  quant_scale_kv, page_size, kv_layout,
-                  (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status),
-                  command_buffer_compatible)
+    return _paged(
+        "rope_append_paged_kv_cache",
+        ropekv.rope_append_paged_kv_cache,
+        False,
+        q_rope,
+        k_rope,
+        q_nope,
+        k_nope,
+        v,
+        cos_sin_cache,
+        pos_ids,
+        paged_kv_cache,
+        kv_indices,
+        kv_indptr,
+        batch_indices,
+        positions,
+        is_neox,
+        quantize_dtype,
+        quant_scale_q,
+        quant_scale_kv,
+        page_size,
+        kv_layout,
+        (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status),
+        command_buffer_compatible,
+    )
 
 
 # ---- mla_rope_rmsnorm_append_paged_kv_cache ----------------------------------------------------
 
 
-def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, input_row_offsets,
-                                           cache_lengths, block_table, kv_cache, *, epsilon=1e-6,
-                                           kv_norm_dim=None, is_neox=False, kv_scale=None,
-                                           clear_unused_last_page_rows=False, status=None,
-                                           layer_idx=None, command_buffer_compatible=False):
+def mla_rope_rmsnorm_append_paged_kv_cache(
+    q_rope,
+    kv,
+    gamma,
+    cos_sin_cache,
+    input_row_offsets,
+    cache_lengths,
+    block_table,
+    kv_cache,
+    *,
+    epsilon=1e-6,
+    kv_norm_dim=None,
+    is_neox=False,
+    kv_scale=None,
+    clear_unused_last_page_rows=False,
+    status=None,
+    layer_idx=None,
+    command_buffer_compatible=False,
+):
     """:func:`ropekv.mla_rope_rmsnorm_append_paged_kv_cache` as a functional op.
 
     Returns ``(q_rope_out, kv_cache)``: the roped queries (a new array) and the new cache, one
@@ -339,9 +546,12 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     layer_idx = fw.layer_index(layer_idx)
     split = isinstance(kv_cache, tuple | list)
     if split:
-        caches = _pair(kv_cache, f"kv_cache must be one array (num_pages, page_size, L + R) or a "
-                                 f"tuple (ckv, kpe), got a {type(kv_cache).__name__} of "
-                                 f"{len(kv_cache)} arrays")
+        caches = _pair(
+            kv_cache,
+            f"kv_cache must be one array (num_pages, page_size, L + R) or a "
+            f"tuple (ckv, kpe), got a {type(kv_cache).__name__} of "
+            f"{len(kv_cache)} arrays",
+        )
     else:
         caches = (kv_cache, None)
     shape, dtype = fw.same_as_q(_meta(q_rope, "q_rope"), "(T, Hq, R)")
@@ -349,21 +559,46 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     def run(a, stream):
         cache = (a["cache0"], a["cache1"]) if split else a["cache0"]
         ropekv.mla_rope_rmsnorm_append_paged_kv_cache(
-            a["q_rope"], a["kv"], a["gamma"], a["cos_sin_cache"], a["input_row_offsets"],
-            a["cache_lengths"], a["block_table"], cache, epsilon=epsilon, kv_norm_dim=kv_norm_dim,
-            is_neox=bool(is_neox), kv_scale=kv_scale, q_rope_out=a["q_rope_out"],
-            clear_unused_last_page_rows=clear_unused_last_page_rows, status=a.get("status"),
-            layer_idx=layer_idx, stream=stream)
+            a["q_rope"],
+            a["kv"],
+            a["gamma"],
+            a["cos_sin_cache"],
+            a["input_row_offsets"],
+            a["cache_lengths"],
+            a["block_table"],
+            cache,
+            epsilon=epsilon,
+            kv_norm_dim=kv_norm_dim,
+            is_neox=bool(is_neox),
+            kv_scale=kv_scale,
+            q_rope_out=a["q_rope_out"],
+            clear_unused_last_page_rows=clear_unused_last_page_rows,
+            status=a.get("status"),
+            layer_idx=layer_idx,
+            stream=stream,
+        )
 
-    inputs = [("q_rope", q_rope), ("kv", kv), ("gamma", gamma), ("cos_sin_cache", cos_sin_cache),
-              ("input_row_offsets", input_row_offsets), ("cache_lengths", cache_lengths),
-              ("block_table", block_table), ("cache0", caches[0]), ("cache1", caches[1]),
-              ("status", status)]
-    outputs = [("q_rope_out", _struct(shape, dtype)), ("cache0", "cache0"),
-               *((("cache1", "cache1"),) if split else ()),
-               *((("status", "status"),) if status is not None else ())]
-    q_rope_out, *new = _call("mla_rope_rmsnorm_append_paged_kv_cache", inputs, outputs, run,
-                             command_buffer_compatible)
+    inputs = [
+        ("q_rope", q_rope),
+        ("kv", kv),
+        ("gamma", gamma),
+        ("cos_sin_cache", cos_sin_cache),
+        ("input_row_offsets", input_row_offsets),
+        ("cache_lengths", cache_lengths),
+        ("block_table", block_table),
+        ("cache0", caches[0]),
+        ("cache1", caches[1]),
+        ("status", status),
+    ]
+    outputs = [
+        ("q_rope_out", _struct(shape, dtype)),
+        ("cache0", "cache0"),
+        *((("cache1", "cache1"),) if split else ()),
+        *((("status", "status"),) if status is not None else ()),
+    ]
+    q_rope_out, *new = _call(
+        "mla_rope_rmsnorm_append_paged_kv_cache", inputs, outputs, run, command_buffer_compatible
+    )
     new_status = (new.pop(),) if status is not None else ()
     return (q_rope_out, tuple(new) if split else new[0], *new_status)
 
@@ -371,16 +606,36 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
 # ---- qk_rmsnorm_rope_append_paged_kv_cache -----------------------------------------------------
 
 
-def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cache,
-                                          input_row_offsets, cache_lengths, block_table,
-                                          paged_kv_cache, *, epsilon=1e-6, is_neox=True,
-                                          kv_layout="NHD", kv_scale=None, q_out_dtype=None,
-                                          q_scale=None, q_scale_out=None, kv_cache_scales=None,
-                                          norm_order="before_rope", weight_offset=0.0,
-                                          clear_unused_last_page_rows=False, position_ids=None,
-                                          mrope_section=None, mrope_interleaved=False,
-                                          status=None, layer_idx=None,
-                                          command_buffer_compatible=False):
+def qk_rmsnorm_rope_append_paged_kv_cache(
+    q,
+    k,
+    v,
+    q_gamma,
+    k_gamma,
+    cos_sin_cache,
+    input_row_offsets,
+    cache_lengths,
+    block_table,
+    paged_kv_cache,
+    *,
+    epsilon=1e-6,
+    is_neox=True,
+    kv_layout="NHD",
+    kv_scale=None,
+    q_out_dtype=None,
+    q_scale=None,
+    q_scale_out=None,
+    kv_cache_scales=None,
+    norm_order="before_rope",
+    weight_offset=0.0,
+    clear_unused_last_page_rows=False,
+    position_ids=None,
+    mrope_section=None,
+    mrope_interleaved=False,
+    status=None,
+    layer_idx=None,
+    command_buffer_compatible=False,
+):
     """:func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache` as a functional op.
 
     Returns ``(q_out, (k_cache, v_cache))``: the normalised, roped queries (a new array, in the
@@ -394,53 +649,104 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     ``kv_cache_scales``' arrays) with a leading ``(num_layers, ...)`` dimension.
     """
     layer_idx = fw.layer_index(layer_idx)
-    k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a tuple (k_cache, "
-                                             f"v_cache), got {type(paged_kv_cache).__name__}")
+    k_cache, v_cache = _pair(
+        paged_kv_cache,
+        f"paged_kv_cache must be a tuple (k_cache, v_cache), got {type(paged_kv_cache).__name__}",
+    )
     scales = kv_cache_scales is not None
     if scales and (not isinstance(kv_cache_scales, tuple | list) or len(kv_cache_scales) != 2):
-        raise ValueError(f"kv_cache_scales must be a tuple (k_scales, v_scales), got "
-                         f"{type(kv_cache_scales).__name__}")
+        raise ValueError(
+            f"kv_cache_scales must be a tuple (k_scales, v_scales), got "
+            f"{type(kv_cache_scales).__name__}"
+        )
     k_scales, v_scales = kv_cache_scales if scales else (None, None)
     shape, dtype = fw.qknorm_q_output(_meta(q, "q"), q_out_dtype)
 
     def run(a, stream):
         ropekv.qk_rmsnorm_rope_append_paged_kv_cache(
-            a["q"], a["k"], a["v"], a["q_gamma"], a["k_gamma"], a["cos_sin_cache"],
-            a["input_row_offsets"], a["cache_lengths"], a["block_table"],
-            (a["k_cache"], a["v_cache"]), epsilon=epsilon, is_neox=bool(is_neox),
-            kv_layout=kv_layout, kv_scale=kv_scale, q_out=a["q_out"], q_scale=q_scale,
+            a["q"],
+            a["k"],
+            a["v"],
+            a["q_gamma"],
+            a["k_gamma"],
+            a["cos_sin_cache"],
+            a["input_row_offsets"],
+            a["cache_lengths"],
+            a["block_table"],
+            (a["k_cache"], a["v_cache"]),
+            epsilon=epsilon,
+            is_neox=bool(is_neox),
+            kv_layout=kv_layout,
+            kv_scale=kv_scale,
+            q_out=a["q_out"],
+            q_scale=q_scale,
             q_scale_out=a.get("q_scale_out"),
             kv_cache_scales=(a["k_scales"], a["v_scales"]) if scales else None,
-            norm_order=norm_order, weight_offset=weight_offset,
+            norm_order=norm_order,
+            weight_offset=weight_offset,
             clear_unused_last_page_rows=clear_unused_last_page_rows,
-            position_ids=a.get("position_ids"), mrope_section=mrope_section,
-            mrope_interleaved=mrope_interleaved, status=a.get("status"), layer_idx=layer_idx,
-            stream=stream)
+            position_ids=a.get("position_ids"),
+            mrope_section=mrope_section,
+            mrope_interleaved=mrope_interleaved,
+            status=a.get("status"),
+            layer_idx=layer_idx,
+            stream=stream,
+        )
 
-    inputs = [("q", q), ("k", k), ("v", v), ("q_gamma", q_gamma), ("k_gamma", k_gamma),
-              ("cos_sin_cache", cos_sin_cache), ("input_row_offsets", input_row_offsets),
-              ("cache_lengths", cache_lengths), ("block_table", block_table),
-              ("k_cache", k_cache), ("v_cache", v_cache), ("position_ids", position_ids),
-              ("q_scale_out", q_scale_out), ("k_scales", k_scales), ("v_scales", v_scales),
-              ("status", status)]
-    outputs = [("q_out", _struct(shape, dtype)), ("k_cache", "k_cache"), ("v_cache", "v_cache"),
-               *_aliases(q_scale_out=q_scale_out, k_scales=k_scales, v_scales=v_scales,
-                         status=status)]
-    q_out, new_k, new_v, *new = _call("qk_rmsnorm_rope_append_paged_kv_cache", inputs,
-                                      outputs, run, command_buffer_compatible)
+    inputs = [
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("q_gamma", q_gamma),
+        ("k_gamma", k_gamma),
+        ("cos_sin_cache", cos_sin_cache),
+        ("input_row_offsets", input_row_offsets),
+        ("cache_lengths", cache_lengths),
+        ("block_table", block_table),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("position_ids", position_ids),
+        ("q_scale_out", q_scale_out),
+        ("k_scales", k_scales),
+        ("v_scales", v_scales),
+        ("status", status),
+    ]
+    outputs = [
+        ("q_out", _struct(shape, dtype)),
+        ("k_cache", "k_cache"),
+        ("v_cache", "v_cache"),
+        *_aliases(q_scale_out=q_scale_out, k_scales=k_scales, v_scales=v_scales, status=status),
+    ]
+    q_out, new_k, new_v, *new = _call(
+        "qk_rmsnorm_rope_append_paged_kv_cache", inputs, outputs, run, command_buffer_compatible
+    )
     return (q_out, (new_k, new_v), *_regroup(new, q_scale_out, scales, status))
 
 
 # ---- fused_qkv_matmul_append_paged_kv_cache ----------------------------------------------------
 
 
-def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offsets, cache_lengths,
-                                           block_table, paged_kv_cache, *, num_q_heads,
-                                           cos_sin_cache=None, is_neox=True, kv_layout="NHD",
-                                           kv_scale=None, weight_scales=None, group_size=None,
-                                           zero_points=None, clear_unused_last_page_rows=False,
-                                           status=None, layer_idx=None,
-                                           command_buffer_compatible=False):
+def fused_qkv_matmul_append_paged_kv_cache(
+    hidden_state,
+    weight,
+    input_row_offsets,
+    cache_lengths,
+    block_table,
+    paged_kv_cache,
+    *,
+    num_q_heads,
+    cos_sin_cache=None,
+    is_neox=True,
+    kv_layout="NHD",
+    kv_scale=None,
+    weight_scales=None,
+    group_size=None,
+    zero_points=None,
+    clear_unused_last_page_rows=False,
+    status=None,
+    layer_idx=None,
+    command_buffer_compatible=False,
+):
     """:func:`ropekv.fused_qkv_matmul_append_paged_kv_cache` as a functional op.
 
     Returns ``(out, (k_cache, v_cache))``: Q ``(T, Hq * D)`` (a new array) and the new caches,
@@ -457,32 +763,70 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     v_cache), status)``.
     """
     layer_idx = fw.layer_index(layer_idx)
-    k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a (k_cache, v_cache) pair, "
-                                             f"got {type(paged_kv_cache).__qualname__}")
+    k_cache, v_cache = _pair(
+        paged_kv_cache,
+        f"paged_kv_cache must be a (k_cache, v_cache) pair, "
+        f"got {type(paged_kv_cache).__qualname__}",
+    )
     if command_buffer_compatible:
-        fw.check_qkv_graph_safe(_meta(hidden_state, "hidden_state"), _meta(weight, "weight"),
-                                _meta(k_cache, "k_cache"), group_size,
-                                "into XLA's command buffers (command_buffer_compatible=True)")
-    shape, dtype = fw.qkv_output(_meta(hidden_state, "hidden_state"), _meta(k_cache, "k_cache"),
-                                 num_q_heads, kv_layout, layer_idx)
+        fw.check_qkv_graph_safe(
+            _meta(hidden_state, "hidden_state"),
+            _meta(weight, "weight"),
+            _meta(k_cache, "k_cache"),
+            group_size,
+            "into XLA's command buffers (command_buffer_compatible=True)",
+        )
+    shape, dtype = fw.qkv_output(
+        _meta(hidden_state, "hidden_state"),
+        _meta(k_cache, "k_cache"),
+        num_q_heads,
+        kv_layout,
+        layer_idx,
+    )
 
     def run(a, stream):
         ropekv.fused_qkv_matmul_append_paged_kv_cache(
-            a["hidden_state"], a["weight"], a["input_row_offsets"], a["cache_lengths"],
-            a["block_table"], (a["k_cache"], a["v_cache"]), num_q_heads=num_q_heads,
-            cos_sin_cache=a.get("cos_sin_cache"), is_neox=bool(is_neox), kv_layout=kv_layout,
-            kv_scale=kv_scale, weight_scales=a.get("weight_scales"), group_size=group_size,
-            zero_points=a.get("zero_points"), out=a["out"],
-            clear_unused_last_page_rows=clear_unused_last_page_rows, status=a.get("status"),
-            layer_idx=layer_idx, stream=stream)
+            a["hidden_state"],
+            a["weight"],
+            a["input_row_offsets"],
+            a["cache_lengths"],
+            a["block_table"],
+            (a["k_cache"], a["v_cache"]),
+            num_q_heads=num_q_heads,
+            cos_sin_cache=a.get("cos_sin_cache"),
+            is_neox=bool(is_neox),
+            kv_layout=kv_layout,
+            kv_scale=kv_scale,
+            weight_scales=a.get("weight_scales"),
+            group_size=group_size,
+            zero_points=a.get("zero_points"),
+            out=a["out"],
+            clear_unused_last_page_rows=clear_unused_last_page_rows,
+            status=a.get("status"),
+            layer_idx=layer_idx,
+            stream=stream,
+        )
 
-    inputs = [("hidden_state", hidden_state), ("weight", weight),
-              ("input_row_offsets", input_row_offsets), ("cache_lengths", cache_lengths),
-              ("block_table", block_table), ("k_cache", k_cache), ("v_cache", v_cache),
-              ("cos_sin_cache", cos_sin_cache), ("weight_scales", weight_scales),
-              ("zero_points", zero_points), ("status", status)]
-    outputs = [("out", _struct(shape, dtype)), ("k_cache", "k_cache"), ("v_cache", "v_cache"),
-               *_aliases(status=status)]
-    out, new_k, new_v, *new = _call("fused_qkv_matmul_append_paged_kv_cache", inputs, outputs,
-                                    run, command_buffer_compatible)
+    inputs = [
+        ("hidden_state", hidden_state),
+        ("weight", weight),
+        ("input_row_offsets", input_row_offsets),
+        ("cache_lengths", cache_lengths),
+        ("block_table", block_table),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("cos_sin_cache", cos_sin_cache),
+        ("weight_scales", weight_scales),
+        ("zero_points", zero_points),
+        ("status", status),
+    ]
+    outputs = [
+        ("out", _struct(shape, dtype)),
+        ("k_cache", "k_cache"),
+        ("v_cache", "v_cache"),
+        *_aliases(status=status),
+    ]
+    out, new_k, new_v, *new = _call(
+        "fused_qkv_matmul_append_paged_kv_cache", inputs, outputs, run, command_buffer_compatible
+    )
     return (out, (new_k, new_v), *new)

@@ -29,16 +29,64 @@ INPUT_DTYPES = (FLOAT16, BFLOAT16)
 TUNING = {"wave_blocks": 165, "split_below": 1024}
 SPLIT_KERNEL = "mla_rope_rmsnorm_append_split"
 
-PARAMS = ParamStruct("MlaParams", [
-    *((n, np.uint64) for n in ("q", "q_out", "kv", "gamma", "cos_sin", "offsets",
-                               "cache_lengths", "block_table", "ckv", "kpe", "status")),
-    *((n, np.int64) for n in ("q_st", "q_sh", "qo_st", "qo_sh", "kv_st", "cs_sp", "bt_sb",
-                              "ckv_sp", "ckv_se", "kpe_sp", "kpe_se", "num_pages")),
-    ("epsilon", np.float32),
-    ("inv_kv_scale", np.float32),
-    *((n, np.int32) for n in ("T", "B", "Hq", "L", "R", "P", "kv_norm_dim", "max_pages",
-                              "page_size", "gamma_f32", "heads_per_block", "clear", "check")),
-])
+PARAMS = ParamStruct(
+    "MlaParams",
+    [
+        *(
+            (n, np.uint64)
+            for n in (
+                "q",
+                "q_out",
+                "kv",
+                "gamma",
+                "cos_sin",
+                "offsets",
+                "cache_lengths",
+                "block_table",
+                "ckv",
+                "kpe",
+                "status",
+            )
+        ),
+        *(
+            (n, np.int64)
+            for n in (
+                "q_st",
+                "q_sh",
+                "qo_st",
+                "qo_sh",
+                "kv_st",
+                "cs_sp",
+                "bt_sb",
+                "ckv_sp",
+                "ckv_se",
+                "kpe_sp",
+                "kpe_se",
+                "num_pages",
+            )
+        ),
+        ("epsilon", np.float32),
+        ("inv_kv_scale", np.float32),
+        *(
+            (n, np.int32)
+            for n in (
+                "T",
+                "B",
+                "Hq",
+                "L",
+                "R",
+                "P",
+                "kv_norm_dim",
+                "max_pages",
+                "page_size",
+                "gamma_f32",
+                "heads_per_block",
+                "clear",
+                "check",
+            )
+        ),
+    ],
+)
 
 
 def launch_shape(T, Hq, items):
@@ -55,16 +103,23 @@ def launch_shape(T, Hq, items):
 def expression(dtype, cache_dtype, is_neox, n, split=False, opts=False):
     """``opts``: the kernel that reads the options (tail clearing); the plain one has them
     compiled out."""
-    return name_expression(SPLIT_KERNEL if split else KERNEL, c_type(dtype), c_type(cache_dtype),
-                           c_bool(is_neox), n, c_bool(opts))
+    return name_expression(
+        SPLIT_KERNEL if split else KERNEL,
+        c_type(dtype),
+        c_type(cache_dtype),
+        c_bool(is_neox),
+        n,
+        c_bool(opts),
+    )
 
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
     for split in (False, True):
         for opts in (False, True):
-            yield from rope_instantiations(lambda *a, s=split, o=opts: expression(*a, s, o),
-                                           INPUT_DTYPES, FP8_DTYPES)
+            yield from rope_instantiations(
+                lambda *a, s=split, o=opts: expression(*a, s, o), INPUT_DTYPES, FP8_DTYPES
+            )
 
 
 # ---- helpers shared with ropekv.qknorm ---------------------------------------------------------
@@ -83,19 +138,30 @@ def cache_scale(kv_scale, cache_dtype, name="kv_scale"):
     if cache_dtype in FP8_DTYPES:
         return 1.0 if kv_scale is None else ck.check_float(kv_scale, name, positive=True)
     if kv_scale is not None:
-        raise ValueError(f"{name} is only used with float8 caches, but the cache is "
-                         f"{cache_dtype}")
+        raise ValueError(f"{name} is only used with float8 caches, but the cache is {cache_dtype}")
     return None
 
 
 def mla_rope_rmsnorm_append_paged_kv_cache(
-        q_rope: ArrayLike, kv: ArrayLike, gamma: ArrayLike, cos_sin_cache: ArrayLike,
-        input_row_offsets: ArrayLike, cache_lengths: ArrayLike, block_table: ArrayLike,
-        kv_cache: ArrayLike | tuple[ArrayLike, ArrayLike], *, epsilon: float = 1e-6,
-        kv_norm_dim: int | None = None, is_neox: bool = False, kv_scale: float | None = None,
-        q_rope_out: ArrayLike | None = None, clear_unused_last_page_rows: bool = False,
-        status: ArrayLike | None = None, layer_idx: int | None = None, enable_pdl: bool = False,
-        stream: StreamLike | None = None,
+    q_rope: ArrayLike,
+    kv: ArrayLike,
+    gamma: ArrayLike,
+    cos_sin_cache: ArrayLike,
+    input_row_offsets: ArrayLike,
+    cache_lengths: ArrayLike,
+    block_table: ArrayLike,
+    kv_cache: ArrayLike | tuple[ArrayLike, ArrayLike],
+    *,
+    epsilon: float = 1e-6,
+    kv_norm_dim: int | None = None,
+    is_neox: bool = False,
+    kv_scale: float | None = None,
+    q_rope_out: ArrayLike | None = None,
+    clear_unused_last_page_rows: bool = False,
+    status: ArrayLike | None = None,
+    layer_idx: int | None = None,
+    enable_pdl: bool = False,
+    stream: StreamLike | None = None,
 ) -> ArrayLike:
     """MLA: rope the query's rotary part, RMS-normalise and rope the latent kv row, and write it
     (quantized) into a paged cache, over a ragged batch, in one launch.
@@ -203,15 +269,36 @@ def mla_rope_rmsnorm_append_paged_kv_cache(
     """
     split = isinstance(kv_cache, (tuple, list))
     if split and len(kv_cache) != 2:
-        raise ValueError(f"kv_cache must be one array (num_pages, page_size, L + R) or a tuple "
-                         f"(ckv, kpe), got a {type(kv_cache).__name__} of {len(kv_cache)} arrays")
+        raise ValueError(
+            f"kv_cache must be one array (num_pages, page_size, L + R) or a tuple "
+            f"(ckv, kpe), got a {type(kv_cache).__name__} of {len(kv_cache)} arrays"
+        )
     caches = tuple(kv_cache) if split else (kv_cache, None)
     return (_SPLIT if split else _JOINED)(
-        (q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table, *caches,
-         q_rope_out, status),
-        (epsilon, kv_norm_dim, is_neox, kv_scale, enable_pdl, tuple(TUNING.values()),
-         clear_unused_last_page_rows),
-        stream, layer_idx)
+        (
+            q_rope,
+            kv,
+            gamma,
+            cos_sin_cache,
+            input_row_offsets,
+            cache_lengths,
+            block_table,
+            *caches,
+            q_rope_out,
+            status,
+        ),
+        (
+            epsilon,
+            kv_norm_dim,
+            is_neox,
+            kv_scale,
+            enable_pdl,
+            tuple(TUNING.values()),
+            clear_unused_last_page_rows,
+        ),
+        stream,
+        layer_idx,
+    )
 
 
 def _prepare(views, flags):
@@ -222,34 +309,45 @@ def _prepare(views, flags):
 
     # Tests of the common case first, read in the checkers' order; the checkers (which raise
     # their own messages) only where a test fails: this runs on every first call.
-    if not (len(vq.shape) == 3 and vq.dtype in INPUT_DTYPES and len(vkv.shape) == 2
-            and vkv.dtype == vq.dtype):
+    if not (
+        len(vq.shape) == 3
+        and vq.dtype in INPUT_DTYPES
+        and len(vkv.shape) == 2
+        and vkv.dtype == vq.dtype
+    ):
         ck.check_ndim(vq, 3, "(T, Hq, R)")
         ck.check_dtype(vq, INPUT_DTYPES)
         ck.check_ndim(vkv, 2, "(T, L + R)")
         ck.check_same_dtype(vkv, vq)
     T, Hq, R = vq.shape
     if vkv.shape[0] != T:
-        raise ValueError(f"kv must have shape (T, L + R) with T={T} (q_rope's tokens), got "
-                         f"{vkv.shape}")
+        raise ValueError(
+            f"kv must have shape (T, L + R) with T={T} (q_rope's tokens), got {vkv.shape}"
+        )
     if not (len(vt.shape) == 2 and vt.dtype == FLOAT32):
         ck.check_ndim(vt, 2, "(P, R)")
         ck.check_dtype(vt, (FLOAT32,))
     P = vt.shape[0]
     if vt.shape[1] != R or R % 2 or R == 0:
-        raise ValueError(f"cos_sin_cache must have shape (P, R) with R = q_rope's last dim "
-                         f"({R}), even and positive, got {vt.shape}")
+        raise ValueError(
+            f"cos_sin_cache must have shape (P, R) with R = q_rope's last dim "
+            f"({R}), even and positive, got {vt.shape}"
+        )
     L = vkv.shape[1] - R
     if L <= 0:
         raise ValueError(f"kv must have shape (T, L + R) with L > 0 and R = {R}, got {vkv.shape}")
     n_norm = L if kv_norm_dim is None else kv_norm_dim
-    if n_norm.__class__ is not int and not isinstance(n_norm, int | np.integer) or not (
-            0 < n_norm <= L):
+    if (
+        n_norm.__class__ is not int
+        and not isinstance(n_norm, int | np.integer)
+        or not (0 < n_norm <= L)
+    ):
         raise ValueError(f"kv_norm_dim must be an integer in [1, L={L}], got {kv_norm_dim!r}")
     n_norm = int(n_norm)
     gamma_dtypes = (vq.dtype, FLOAT32)
-    if (vg.shape != (n_norm,) or vg.dtype not in gamma_dtypes
-            or vg.strides != ck.UNIT_STRIDE):  # (stride 1: contiguous)
+    if (
+        vg.shape != (n_norm,) or vg.dtype not in gamma_dtypes or vg.strides != ck.UNIT_STRIDE
+    ):  # (stride 1: contiguous)
         ck.check_shape(vg, (n_norm,), "(kv_norm_dim,)")
         ck.check_dtype(vg, gamma_dtypes)
         ck.check_contiguous(vg)
@@ -258,10 +356,15 @@ def _prepare(views, flags):
     if split:
         vckv, vkpe = vc0, vc1
         if vkpe is None:
-            raise ValueError("kv_cache must be one array or a tuple (ckv, kpe) of two arrays, got "
-                             "None for kpe")
-        if not (len(vckv.shape) == 3 and vckv.shape[2] == L
-                and vkpe.shape == (*vckv.shape[:2], R) and vkpe.dtype == vckv.dtype):
+            raise ValueError(
+                "kv_cache must be one array or a tuple (ckv, kpe) of two arrays, got None for kpe"
+            )
+        if not (
+            len(vckv.shape) == 3
+            and vckv.shape[2] == L
+            and vkpe.shape == (*vckv.shape[:2], R)
+            and vkpe.dtype == vckv.dtype
+        ):
             ck.check_ndim(vckv, 3, "(num_pages, page_size, L)")
             ck.check_shape(vckv, (None, None, L), "(num_pages, page_size, L)")
             ck.check_shape(vkpe, (*vckv.shape[:2], R), "(num_pages, page_size, R)")
@@ -279,12 +382,18 @@ def _prepare(views, flags):
     if vcache.dtype != vq.dtype:
         ck.check_dtype(vcache, (vq.dtype, *FP8_DTYPES))
     if page_size == 0:
-        raise ValueError(f"{vcache.name} must have a page_size (dim 1) of at least 1, got "
-                         f"{vcache.shape}")
+        raise ValueError(
+            f"{vcache.name} must have a page_size (dim 1) of at least 1, got {vcache.shape}"
+        )
     scale = cache_scale(kv_scale, vcache.dtype)
     epsilon = ck.check_float(epsilon, "epsilon", positive=False)
-    if (vq.strides[-1] != 1 or vkv.strides[-1] != 1 or vt.strides[-1] != 1
-            or vcache.strides[-1] != 1 or caches[-1].strides[-1] != 1):
+    if (
+        vq.strides[-1] != 1
+        or vkv.strides[-1] != 1
+        or vt.strides[-1] != 1
+        or vcache.strides[-1] != 1
+        or caches[-1].strides[-1] != 1
+    ):
         ck.check_last_dim_contiguous(vq, vkv, vt, *caches)
     if vgiven is not None:
         check_output(vgiven, vq)
@@ -298,6 +407,7 @@ def _prepare(views, flags):
     if ck.check_indices_enabled():
         ck.check_paged_indices(voff, vlen, vbt, page_size, num_pages, T, P)
     if device == HOST:
+
         def host(v, outs):
             vout = vgiven if vgiven is not None else outs[0]
             if vstatus is not None:
@@ -309,11 +419,26 @@ def _prepare(views, flags):
             full = vcache.host
             ckv_h, kpe_h = (vckv.host, vkpe.host) if split else (full[..., :L], full[..., L:])
             reference.mla_rope_rmsnorm_append_paged_kv_cache(
-                vq.host, vkv.host, vg.host, vt.host, voff.host, vlen.host, vbt.host, ckv_h, kpe_h,
-                vout.host, epsilon, n_norm, is_neox, 1.0 if scale is None else scale, clear)
+                vq.host,
+                vkv.host,
+                vg.host,
+                vt.host,
+                voff.host,
+                vlen.host,
+                vbt.host,
+                ckv_h,
+                kpe_h,
+                vout.host,
+                epsilon,
+                n_norm,
+                is_neox,
+                1.0 if scale is None else scale,
+                clear,
+            )
 
-        return Plan(HOST, outputs=outputs, written=written, inplace=[(0, 9)], result=result,
-                    host=host)
+        return Plan(
+            HOST, outputs=outputs, written=written, inplace=[(0, 9)], result=result, host=host
+        )
     if T == 0 and vstatus is None:
         return Plan(device, outputs=outputs, written=written, inplace=[(0, 9)], result=result)
 
@@ -321,27 +446,35 @@ def _prepare(views, flags):
 
     # the widest n for which the data rows (and the table's) are aligned, read once for every
     # width tried (widest_aligned)
-    widest = widest_aligned((vq, vkv, vg, *caches) if vout is vq else
-                            (vq, vout, vkv, vg, *caches))
+    widest = widest_aligned((vq, vkv, vg, *caches) if vout is vq else (vq, vout, vkv, vg, *caches))
     table_widest = widest_aligned((vt,))
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
-        return (rot and L % n == 0 and n_norm % n == 0 and n <= widest
-                and (n if is_neox else n // 2) <= table_widest)
+        return (
+            rot
+            and L % n == 0
+            and n_norm % n == 0
+            and n <= widest
+            and (n if is_neox else n // 2) <= table_widest
+        )
 
     n = vector_width(vq.dtype.itemsize, fits)
     if n is None:
-        raise BufferError(f"interleaved RoPE reads element pairs: the rows of q_rope, q_rope_out, "
-                          f"kv and the cache must start at even elements; got {vq}, {vout}, "
-                          f"{vkv}, {vcache}")
+        raise BufferError(
+            f"interleaved RoPE reads element pairs: the rows of q_rope, q_rope_out, "
+            f"kv and the cache must start at even elements; got {vq}, {vout}, "
+            f"{vkv}, {vcache}"
+        )
     if (R // 2 if is_neox else R) // n > BLOCK:
-        raise ValueError(f"rotary dim R={R} needs more than {BLOCK} threads per head row at a "
-                         f"vector width of {n}")
+        raise ValueError(
+            f"rotary dim R={R} needs more than {BLOCK} threads per head row at a "
+            f"vector width of {n}"
+        )
     split_heads = T < TUNING["split_below"]
-    splits, per_block = (launch_shape(max(T, 1), Hq, (R // 2 if is_neox else R) // n)
-                         if split_heads
-                         else (1, Hq))
+    splits, per_block = (
+        launch_shape(max(T, 1), Hq, (R // 2 if is_neox else R) // n) if split_heads else (1, Hq)
+    )
     if vgiven is None:
         out_strides = (Hq * R, R)
     else:
@@ -349,14 +482,34 @@ def _prepare(views, flags):
     ckv_s, kpe_s = (caches[0].strides, caches[-1].strides)
     values = {  # the fields past the pointers (every given pointer has a slot, below; status
         # is null without one)
-        "q_st": vq.strides[0], "q_sh": vq.strides[1],
-        "qo_st": out_strides[0], "qo_sh": out_strides[1], "kv_st": vkv.strides[0],
-        "cs_sp": vt.strides[0], "bt_sb": vbt.strides[0], "ckv_sp": ckv_s[0], "ckv_se": ckv_s[1],
-        "kpe_sp": kpe_s[0], "kpe_se": kpe_s[1], "num_pages": num_pages, "epsilon": epsilon,
-        "inv_kv_scale": 1.0 / scale if scale else 1.0, "T": T, "B": B, "Hq": Hq, "L": L, "R": R,
-        "P": P, "kv_norm_dim": n_norm, "max_pages": max_pages, "page_size": page_size,
-        "gamma_f32": int(vg.dtype == FLOAT32), "heads_per_block": per_block, "clear": int(clear),
-        "check": int(vstatus is not None)}
+        "q_st": vq.strides[0],
+        "q_sh": vq.strides[1],
+        "qo_st": out_strides[0],
+        "qo_sh": out_strides[1],
+        "kv_st": vkv.strides[0],
+        "cs_sp": vt.strides[0],
+        "bt_sb": vbt.strides[0],
+        "ckv_sp": ckv_s[0],
+        "ckv_se": ckv_s[1],
+        "kpe_sp": kpe_s[0],
+        "kpe_se": kpe_s[1],
+        "num_pages": num_pages,
+        "epsilon": epsilon,
+        "inv_kv_scale": 1.0 / scale if scale else 1.0,
+        "T": T,
+        "B": B,
+        "Hq": Hq,
+        "L": L,
+        "R": R,
+        "P": P,
+        "kv_norm_dim": n_norm,
+        "max_pages": max_pages,
+        "page_size": page_size,
+        "gamma_f32": int(vg.dtype == FLOAT32),
+        "heads_per_block": per_block,
+        "clear": int(clear),
+        "check": int(vstatus is not None),
+    }
     # pointer fields <- (argument index, byte offset); a new q output comes after the arguments
     slots = dict(_SLOTS)
     slots["kpe"] = (8, 0) if split else (7, L * vcache.dtype.itemsize)
@@ -364,14 +517,23 @@ def _prepare(views, flags):
     if vstatus is not None:
         slots["status"] = (10, 0)
     opts = clear or vstatus is not None  # status= with no tokens: one block, which validates
-    launch = Launch(STEM, expression(vq.dtype, vcache.dtype, is_neox, n, split_heads, opts),
-                    device, (max(T, 1), splits), (BLOCK,), PARAMS, values, slots, pdl=pdl)
-    return Plan(device, [launch], outputs=outputs, written=written, inplace=[(0, 9)],
-                result=result)
+    launch = Launch(
+        STEM,
+        expression(vq.dtype, vcache.dtype, is_neox, n, split_heads, opts),
+        device,
+        (max(T, 1), splits),
+        (BLOCK,),
+        PARAMS,
+        values,
+        slots,
+        pdl=pdl,
+    )
+    return Plan(device, [launch], outputs=outputs, written=written, inplace=[(0, 9)], result=result)
 
 
 def _given_or_new(index):
     """The result of an op with one optional output argument at ``index``: it, or the new one."""
+
     def result(arrays, outs):
         return arrays[index] if arrays[index] is not None else outs[0]
 
@@ -381,15 +543,45 @@ def _given_or_new(index):
 # made once (a first call copies or reads them): the result, and the slots of the arguments
 # every call gives
 _RESULT = _given_or_new(9)
-_SLOTS = {"q": (0, 0), "kv": (1, 0), "gamma": (2, 0), "cos_sin": (3, 0), "offsets": (4, 0),
-          "cache_lengths": (5, 0), "block_table": (6, 0), "ckv": (7, 0)}
-_NAMES = ("q_rope", "kv", "gamma", "cos_sin_cache", "input_row_offsets", "cache_lengths",
-          "block_table")
-_FLAGS = [("epsilon", KEY), ("kv_norm_dim", KEY), ("is_neox", FLAG), ("kv_scale", KEY),
-          ("enable_pdl", FLAG), ("tuning", AS_IS), ("clear_unused_last_page_rows", FLAG)]
-_JOINED = Op("mla_rope_rmsnorm_append_paged_kv_cache",
-             (*_NAMES, "kv_cache", "kpe_cache", "q_rope_out", "status"), _prepare,
-             layered=("kv_cache", "kpe_cache"), flags=_FLAGS)
-_SPLIT = Op("mla_rope_rmsnorm_append_paged_kv_cache",
-            (*_NAMES, "ckv_cache", "kpe_cache", "q_rope_out", "status"), _prepare,
-            layered=("ckv_cache", "kpe_cache"), flags=_FLAGS)
+_SLOTS = {
+    "q": (0, 0),
+    "kv": (1, 0),
+    "gamma": (2, 0),
+    "cos_sin": (3, 0),
+    "offsets": (4, 0),
+    "cache_lengths": (5, 0),
+    "block_table": (6, 0),
+    "ckv": (7, 0),
+}
+_NAMES = (
+    "q_rope",
+    "kv",
+    "gamma",
+    "cos_sin_cache",
+    "input_row_offsets",
+    "cache_lengths",
+    "block_table",
+)
+_FLAGS = [
+    ("epsilon", KEY),
+    ("kv_norm_dim", KEY),
+    ("is_neox", FLAG),
+    ("kv_scale", KEY),
+    ("enable_pdl", FLAG),
+    ("tuning", AS_IS),
+    ("clear_unused_last_page_rows", FLAG),
+]
+_JOINED = Op(
+    "mla_rope_rmsnorm_append_paged_kv_cache",
+    (*_NAMES, "kv_cache", "kpe_cache", "q_rope_out", "status"),
+    _prepare,
+    layered=("kv_cache", "kpe_cache"),
+    flags=_FLAGS,
+)
+_SPLIT = Op(
+    "mla_rope_rmsnorm_append_paged_kv_cache",
+    (*_NAMES, "ckv_cache", "kpe_cache", "q_rope_out", "status"),
+    _prepare,
+    layered=("ckv_cache", "kpe_cache"),
+    flags=_FLAGS,
+)

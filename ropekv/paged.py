@@ -39,8 +39,11 @@ LAYOUTS = ("NHD", "HND")
 # a GQA/MHA cache's shape per layout, and as errors spell it
 CACHE_LAYOUTS = {
     layout: (spelled, f"{spelled} for {layout}")
-    for layout, spelled in (("NHD", "(num_pages, page_size, Hkv, head_dim)"),
-                            ("HND", "(num_pages, Hkv, page_size, head_dim)"))}
+    for layout, spelled in (
+        ("NHD", "(num_pages, page_size, Hkv, head_dim)"),
+        ("HND", "(num_pages, Hkv, page_size, head_dim)"),
+    )
+}
 
 # Launch shape, from a sweep on the H200 (`ropekv bench --tune paged.KEY=...` repeats it). A kernel
 # shape is (unroll, rot_unroll, min_blocks_per_sm): pass-through / rotary items each thread loads before it stores,
@@ -57,10 +60,21 @@ CACHE_LAYOUTS = {
 # few, keeping the grid within `wave_blocks`), a token's rows split over several blocks. Many
 # tokens (prefill): `prefill_rows` rows per lane group, a block per token (at most
 # `max_row_block` threads). The option kernel holds at most `opts_rows` rows per lane group.
-TUNING = {"light": (1, 1, 1), "heavy": (2, 2, 4), "heavy_from": 16, "max_block": 128,
-          "min_blocks": 1024, "row_group": 32, "row_block": 256, "row_block_below": 256,
-          "row_block_many": 128, "wave_blocks": 1320, "prefill_rows": 4, "max_row_block": 256,
-          "opts_rows": 4}
+TUNING = {
+    "light": (1, 1, 1),
+    "heavy": (2, 2, 4),
+    "heavy_from": 16,
+    "max_block": 128,
+    "min_blocks": 1024,
+    "row_group": 32,
+    "row_block": 256,
+    "row_block_below": 256,
+    "row_block_many": 128,
+    "wave_blocks": 1320,
+    "prefill_rows": 4,
+    "max_row_block": 256,
+    "opts_rows": 4,
+}
 MAX_BLOCK = 512  # __launch_bounds__ of the row kernel
 ROW_KERNEL = "rope_append_paged_rows"
 ROWS = (1, 4)  # row kernels by the head rows one lane group can hold (their register budgets)
@@ -79,8 +93,10 @@ def row_launch_shape(T, H, group, max_rows=ROWS[-1]):
         splits = -(-H // (slots * rows))
         if T * splits <= TUNING["wave_blocks"]:
             return slots * group, -(-H // (slots * splits)), splits
-    slots = min(-(-H // min(TUNING["prefill_rows"], max_rows)),
-                max(1, min(TUNING["max_row_block"], MAX_BLOCK) // group))
+    slots = min(
+        -(-H // min(TUNING["prefill_rows"], max_rows)),
+        max(1, min(TUNING["max_row_block"], MAX_BLOCK) // group),
+    )
     rows = min(ROWS[-1], max_rows, -(-H // slots))
     return slots * group, rows, -(-H // (slots * rows))
 
@@ -95,37 +111,123 @@ def launch_shape(items, T, n):
     return block, splits, TUNING["heavy" if heavy else "light"]
 
 
-_POINTERS = ("q_rope", "q_nope", "k_rope", "k_nope", "v", "q_rope_out", "q_nope_out", "kr_cache",
-             "kn_cache", "v_cache", "cos_sin", "pos_ids", "batch_indices", "positions",
-             "kv_indptr", "kv_indices", "q_scales", "kv_scales")
-_STRIDES = ("qr_sn", "qr_sh", "qn_sn", "qn_sh", "kr_sn", "kr_sh", "kn_sn", "kn_sh", "v_sn", "v_sh",
-            "qro_sn", "qro_sh", "qno_sn", "qno_sh", "krc_sp", "krc_se", "krc_sh", "knc_sp",
-            "knc_se", "knc_sh", "vc_sp", "vc_se", "vc_sh", "cs_sp", "num_pages", "num_indices",
-            "pid_st")
-_INTS = ("Hq", "Hkv", "Hv", "R", "Dn", "B", "page_size", "P", "index64", "group", "rows", "mrope",
-         "mrope_t", "mrope_h", "mrope_w", "mrope_interleaved")
-PARAMS = ParamStruct("PagedParams", [
-    *((n, np.uint64) for n in _POINTERS), *((n, np.int64) for n in _STRIDES),
-    ("q_scale", np.float32), ("kv_scale", np.float32), *((n, np.int32) for n in _INTS),
-])
+_POINTERS = (
+    "q_rope",
+    "q_nope",
+    "k_rope",
+    "k_nope",
+    "v",
+    "q_rope_out",
+    "q_nope_out",
+    "kr_cache",
+    "kn_cache",
+    "v_cache",
+    "cos_sin",
+    "pos_ids",
+    "batch_indices",
+    "positions",
+    "kv_indptr",
+    "kv_indices",
+    "q_scales",
+    "kv_scales",
+)
+_STRIDES = (
+    "qr_sn",
+    "qr_sh",
+    "qn_sn",
+    "qn_sh",
+    "kr_sn",
+    "kr_sh",
+    "kn_sn",
+    "kn_sh",
+    "v_sn",
+    "v_sh",
+    "qro_sn",
+    "qro_sh",
+    "qno_sn",
+    "qno_sh",
+    "krc_sp",
+    "krc_se",
+    "krc_sh",
+    "knc_sp",
+    "knc_se",
+    "knc_sh",
+    "vc_sp",
+    "vc_se",
+    "vc_sh",
+    "cs_sp",
+    "num_pages",
+    "num_indices",
+    "pid_st",
+)
+_INTS = (
+    "Hq",
+    "Hkv",
+    "Hv",
+    "R",
+    "Dn",
+    "B",
+    "page_size",
+    "P",
+    "index64",
+    "group",
+    "rows",
+    "mrope",
+    "mrope_t",
+    "mrope_h",
+    "mrope_w",
+    "mrope_interleaved",
+)
+PARAMS = ParamStruct(
+    "PagedParams",
+    [
+        *((n, np.uint64) for n in _POINTERS),
+        *((n, np.int64) for n in _STRIDES),
+        ("q_scale", np.float32),
+        ("kv_scale", np.float32),
+        *((n, np.int32) for n in _INTS),
+    ],
+)
 # The option kernel's record: the plain one's fields with the options' pointers and strides (a
 # struct of its own, so the plain kernel's record stays as it was before the options).
-OPTS_PARAMS = ParamStruct("PagedOptsParams", [
-    *((n, np.uint64) for n in (*_POINTERS, "q_scale_out", "k_scales", "v_scales", "status")),
-    *((n, np.int64) for n in (*_STRIDES, "qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp",
-                              "vs_se", "vs_sh")),
-    ("q_scale", np.float32), ("kv_scale", np.float32), *((n, np.int32) for n in (*_INTS, "T")),
-])
+OPTS_PARAMS = ParamStruct(
+    "PagedOptsParams",
+    [
+        *((n, np.uint64) for n in (*_POINTERS, "q_scale_out", "k_scales", "v_scales", "status")),
+        *(
+            (n, np.int64)
+            for n in (
+                *_STRIDES,
+                "qso_sn",
+                "qso_sh",
+                "ks_sp",
+                "ks_se",
+                "ks_sh",
+                "vs_sp",
+                "vs_se",
+                "vs_sh",
+            )
+        ),
+        ("q_scale", np.float32),
+        ("kv_scale", np.float32),
+        *((n, np.int32) for n in (*_INTS, "T")),
+    ],
+)
 
 _DTYPE_NAMES = {
-    "float8_e4m3fn": FLOAT8_E4M3FN, "float8_e5m2": FLOAT8_E5M2, "float16": FLOAT16,
-    "half": FLOAT16, "bfloat16": BFLOAT16, "int8": INT8,
+    "float8_e4m3fn": FLOAT8_E4M3FN,
+    "float8_e5m2": FLOAT8_E5M2,
+    "float16": FLOAT16,
+    "half": FLOAT16,
+    "bfloat16": BFLOAT16,
+    "int8": INT8,
 }
 # status= codes of kv_indptr (1-3 are the ragged offsets' codes; docs/conventions.md)
-STATUS_CODES = {reference.STATUS_INDPTR_FIRST_NOT_ZERO: "kv_indptr[0] != 0",
-                reference.STATUS_INDPTR_DECREASING: "an entry of kv_indptr below the one before",
-                reference.STATUS_INDPTR_PAST_INDICES: "kv_indptr[-1] > len(kv_indices)"}
-
+STATUS_CODES = {
+    reference.STATUS_INDPTR_FIRST_NOT_ZERO: "kv_indptr[0] != 0",
+    reference.STATUS_INDPTR_DECREASING: "an entry of kv_indptr below the one before",
+    reference.STATUS_INDPTR_PAST_INDICES: "kv_indptr[-1] > len(kv_indices)",
+}
 
 
 @functools.cache
@@ -135,10 +237,24 @@ def expression(dtype, out_dtype, is_neox, n, shape, mrope=False, opts=False):
     has mRoPE compiled out); ``opts``: the kernel that reads the options, compiled out of the
     plain one (the row kernel: computed scales and status; the section kernel: status only)."""
     if shape[0] == "rows":
-        return name_expression(ROW_KERNEL + ("_opts" if opts else ""), c_type(dtype),
-                               c_type(out_dtype), c_bool(is_neox), n, shape[1], c_bool(mrope))
-    return name_expression(KERNEL + ("_status" if opts else ""), c_type(dtype), c_type(out_dtype),
-                           c_bool(is_neox), n, *shape, c_bool(mrope))
+        return name_expression(
+            ROW_KERNEL + ("_opts" if opts else ""),
+            c_type(dtype),
+            c_type(out_dtype),
+            c_bool(is_neox),
+            n,
+            shape[1],
+            c_bool(mrope),
+        )
+    return name_expression(
+        KERNEL + ("_status" if opts else ""),
+        c_type(dtype),
+        c_type(out_dtype),
+        c_bool(is_neox),
+        n,
+        *shape,
+        c_bool(mrope),
+    )
 
 
 def instantiations():
@@ -148,29 +264,47 @@ def instantiations():
             continue
         shapes = (TUNING["light"], TUNING["heavy"]) if n == 8 else (TUNING["light"],)
         shapes = (*dict.fromkeys(shapes), *(("rows", r) for r in ROWS))
-        for out_dtype, shape, mrope in itertools.product((dtype, *FP8_DTYPES), shapes,
-                                                         (False, True)):
+        for out_dtype, shape, mrope in itertools.product(
+            (dtype, *FP8_DTYPES), shapes, (False, True)
+        ):
             yield expression(dtype, out_dtype, is_neox, n, shape, mrope)
             if shape[0] != "rows":  # status= alone on heads too wide for a lane group
                 yield expression(dtype, out_dtype, is_neox, n, shape, mrope, True)
-        for out_dtype, rows, mrope in itertools.product((dtype, *FP8_DTYPES, INT8), ROWS,
-                                                        (False, True)):
+        for out_dtype, rows, mrope in itertools.product(
+            (dtype, *FP8_DTYPES, INT8), ROWS, (False, True)
+        ):
             yield expression(dtype, out_dtype, is_neox, n, ("rows", rows), mrope, True)
 
 
 def rope_quantize_fp8_append_paged_kv_cache(
-        q_rope: ArrayLike, k_rope: ArrayLike, q_nope: ArrayLike | None, k_nope: ArrayLike | None,
-        v: ArrayLike | None, cos_sin_cache: ArrayLike, pos_ids: ArrayLike,
-        paged_kv_cache: tuple[ArrayLike, ArrayLike], kv_indices: ArrayLike, kv_indptr: ArrayLike,
-        batch_indices: ArrayLike, positions: ArrayLike, is_neox: bool = True,
-        quantize_dtype: DTypeLike | None = None, quant_scale_q: float | ArrayLike | None = None,
-        quant_scale_kv: float | ArrayLike | None = None, page_size: int = 16,
-        kv_layout: str = "NHD", q_rope_out: ArrayLike | None = None,
-        q_nope_out: ArrayLike | None = None, enable_pdl: bool = False, *,
-        mrope_section: tuple[int, int, int] | None = None, mrope_interleaved: bool = False,
-        q_scale_out: ArrayLike | None = None,
-        kv_cache_scales: tuple[ArrayLike, ArrayLike] | None = None,
-        status: ArrayLike | None = None, stream: StreamLike | None = None,
+    q_rope: ArrayLike,
+    k_rope: ArrayLike,
+    q_nope: ArrayLike | None,
+    k_nope: ArrayLike | None,
+    v: ArrayLike | None,
+    cos_sin_cache: ArrayLike,
+    pos_ids: ArrayLike,
+    paged_kv_cache: tuple[ArrayLike, ArrayLike],
+    kv_indices: ArrayLike,
+    kv_indptr: ArrayLike,
+    batch_indices: ArrayLike,
+    positions: ArrayLike,
+    is_neox: bool = True,
+    quantize_dtype: DTypeLike | None = None,
+    quant_scale_q: float | ArrayLike | None = None,
+    quant_scale_kv: float | ArrayLike | None = None,
+    page_size: int = 16,
+    kv_layout: str = "NHD",
+    q_rope_out: ArrayLike | None = None,
+    q_nope_out: ArrayLike | None = None,
+    enable_pdl: bool = False,
+    *,
+    mrope_section: tuple[int, int, int] | None = None,
+    mrope_interleaved: bool = False,
+    q_scale_out: ArrayLike | None = None,
+    kv_cache_scales: tuple[ArrayLike, ArrayLike] | None = None,
+    status: ArrayLike | None = None,
+    stream: StreamLike | None = None,
 ) -> tuple[ArrayLike, ArrayLike]:
     """Apply RoPE to Q and K, quantize Q, K and V to fp8, and append K/V to a paged KV cache, in
     one launch.
@@ -318,26 +452,64 @@ def rope_quantize_fp8_append_paged_kv_cache(
     ...     q, k, None, None, v, table, pos, cache, cp.arange(num_pages, dtype=cp.int32),
     ...     cp.array([0, 1], cp.int32), cp.zeros(T, cp.int32), pos)
     """
-    return _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
-                 kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
-                 quant_scale_q, quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out,
-                 enable_pdl, stream, quantize=True, mrope=(mrope_section, mrope_interleaved),
-                 options=(q_scale_out, kv_cache_scales, status))
+    return _call(
+        q_rope,
+        k_rope,
+        q_nope,
+        k_nope,
+        v,
+        cos_sin_cache,
+        pos_ids,
+        paged_kv_cache,
+        kv_indices,
+        kv_indptr,
+        batch_indices,
+        positions,
+        is_neox,
+        quantize_dtype,
+        quant_scale_q,
+        quant_scale_kv,
+        page_size,
+        kv_layout,
+        q_rope_out,
+        q_nope_out,
+        enable_pdl,
+        stream,
+        quantize=True,
+        mrope=(mrope_section, mrope_interleaved),
+        options=(q_scale_out, kv_cache_scales, status),
+    )
 
 
 def rope_append_paged_kv_cache(
-        q_rope: ArrayLike, k_rope: ArrayLike, q_nope: ArrayLike | None, k_nope: ArrayLike | None,
-        v: ArrayLike | None, cos_sin_cache: ArrayLike, pos_ids: ArrayLike,
-        paged_kv_cache: tuple[ArrayLike, ArrayLike], kv_indices: ArrayLike, kv_indptr: ArrayLike,
-        batch_indices: ArrayLike, positions: ArrayLike, is_neox: bool = True,
-        quantize_dtype: DTypeLike | None = None, quant_scale_q: float | ArrayLike | None = None,
-        quant_scale_kv: float | ArrayLike | None = None, page_size: int = 16,
-        kv_layout: str = "NHD", q_rope_out: ArrayLike | None = None,
-        q_nope_out: ArrayLike | None = None, enable_pdl: bool = False, *,
-        mrope_section: tuple[int, int, int] | None = None, mrope_interleaved: bool = False,
-        q_scale_out: ArrayLike | None = None,
-        kv_cache_scales: tuple[ArrayLike, ArrayLike] | None = None,
-        status: ArrayLike | None = None, stream: StreamLike | None = None,
+    q_rope: ArrayLike,
+    k_rope: ArrayLike,
+    q_nope: ArrayLike | None,
+    k_nope: ArrayLike | None,
+    v: ArrayLike | None,
+    cos_sin_cache: ArrayLike,
+    pos_ids: ArrayLike,
+    paged_kv_cache: tuple[ArrayLike, ArrayLike],
+    kv_indices: ArrayLike,
+    kv_indptr: ArrayLike,
+    batch_indices: ArrayLike,
+    positions: ArrayLike,
+    is_neox: bool = True,
+    quantize_dtype: DTypeLike | None = None,
+    quant_scale_q: float | ArrayLike | None = None,
+    quant_scale_kv: float | ArrayLike | None = None,
+    page_size: int = 16,
+    kv_layout: str = "NHD",
+    q_rope_out: ArrayLike | None = None,
+    q_nope_out: ArrayLike | None = None,
+    enable_pdl: bool = False,
+    *,
+    mrope_section: tuple[int, int, int] | None = None,
+    mrope_interleaved: bool = False,
+    q_scale_out: ArrayLike | None = None,
+    kv_cache_scales: tuple[ArrayLike, ArrayLike] | None = None,
+    status: ArrayLike | None = None,
+    stream: StreamLike | None = None,
 ) -> tuple[ArrayLike, ArrayLike]:
     """Apply RoPE to Q and K and append K/V to a paged KV cache, in one launch, without
     quantization when the cache has the input dtype.
@@ -426,11 +598,33 @@ def rope_append_paged_kv_cache(
     ...     q, k, None, None, v, table, pos, cache, cp.arange(num_pages, dtype=cp.int32),
     ...     cp.array([0, 1], cp.int32), cp.zeros(T, cp.int32), pos, kv_layout="HND")
     """
-    return _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
-                 kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
-                 quant_scale_q, quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out,
-                 enable_pdl, stream, quantize=False, mrope=(mrope_section, mrope_interleaved),
-                 options=(q_scale_out, kv_cache_scales, status))
+    return _call(
+        q_rope,
+        k_rope,
+        q_nope,
+        k_nope,
+        v,
+        cos_sin_cache,
+        pos_ids,
+        paged_kv_cache,
+        kv_indices,
+        kv_indptr,
+        batch_indices,
+        positions,
+        is_neox,
+        quantize_dtype,
+        quant_scale_q,
+        quant_scale_kv,
+        page_size,
+        kv_layout,
+        q_rope_out,
+        q_nope_out,
+        enable_pdl,
+        stream,
+        quantize=False,
+        mrope=(mrope_section, mrope_interleaved),
+        options=(q_scale_out, kv_cache_scales, status),
+    )
 
 
 def as_dtype(value, name="quantize_dtype"):
@@ -442,13 +636,17 @@ def as_dtype(value, name="quantize_dtype"):
         key = str(value).removeprefix("torch.")
         if key in _DTYPE_NAMES:
             return _DTYPE_NAMES[key]
-        raise TypeError(f"{name} must be float8_e4m3fn or float8_e5m2 (a dtype, its name or a "
-                        f"torch dtype), got {value!r}")
+        raise TypeError(
+            f"{name} must be float8_e4m3fn or float8_e5m2 (a dtype, its name or a "
+            f"torch dtype), got {value!r}"
+        )
     try:
         return np.dtype(value)
     except TypeError:
-        raise TypeError(f"{name} must be float8_e4m3fn or float8_e5m2 (a dtype, its name or a "
-                        f"torch dtype), got {value!r}") from None
+        raise TypeError(
+            f"{name} must be float8_e4m3fn or float8_e5m2 (a dtype, its name or a "
+            f"torch dtype), got {value!r}"
+        ) from None
 
 
 def _scale_arg(value, name):
@@ -464,37 +662,109 @@ def _scale_arg(value, name):
     return None, value
 
 
-def _call(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
-          kv_indptr, batch_indices, positions, is_neox, quantize_dtype, quant_scale_q,
-          quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out, enable_pdl, stream,
-          quantize, mrope, options):
+def _call(
+    q_rope,
+    k_rope,
+    q_nope,
+    k_nope,
+    v,
+    cos_sin_cache,
+    pos_ids,
+    paged_kv_cache,
+    kv_indices,
+    kv_indptr,
+    batch_indices,
+    positions,
+    is_neox,
+    quantize_dtype,
+    quant_scale_q,
+    quant_scale_kv,
+    page_size,
+    kv_layout,
+    q_rope_out,
+    q_nope_out,
+    enable_pdl,
+    stream,
+    quantize,
+    mrope,
+    options,
+):
     if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
-        raise ValueError(f"paged_kv_cache must be a pair (k_cache, v_cache) or (ckv_cache, "
-                         f"kpe_cache), got {type(paged_kv_cache).__qualname__}"
-                         + (f" of length {len(paged_kv_cache)}"
-                            if isinstance(paged_kv_cache, (tuple, list)) else ""))
+        raise ValueError(
+            f"paged_kv_cache must be a pair (k_cache, v_cache) or (ckv_cache, "
+            f"kpe_cache), got {type(paged_kv_cache).__qualname__}"
+            + (
+                f" of length {len(paged_kv_cache)}"
+                if isinstance(paged_kv_cache, (tuple, list))
+                else ""
+            )
+        )
     # a scale that is None or a float enters the key as it is (the common call: no function call)
-    q_scale, q_scales = ((quant_scale_q, None) if quant_scale_q is None
-                         or quant_scale_q.__class__ is float
-                         else _scale_arg(quant_scale_q, "quant_scale_q"))
-    kv_scale, kv_scales = ((quant_scale_kv, None) if quant_scale_kv is None
-                           or quant_scale_kv.__class__ is float
-                           else _scale_arg(quant_scale_kv, "quant_scale_kv"))
+    q_scale, q_scales = (
+        (quant_scale_q, None)
+        if quant_scale_q is None or quant_scale_q.__class__ is float
+        else _scale_arg(quant_scale_q, "quant_scale_q")
+    )
+    kv_scale, kv_scales = (
+        (quant_scale_kv, None)
+        if quant_scale_kv is None or quant_scale_kv.__class__ is float
+        else _scale_arg(quant_scale_kv, "quant_scale_kv")
+    )
     q_scale_out, kv_cache_scales, status = options
     if kv_cache_scales is None:
         kv_cache_scales = (None, None)
-    elif not isinstance(kv_cache_scales, (tuple, list)) or len(kv_cache_scales) != 2 or any(
-            x is None for x in kv_cache_scales):
-        raise ValueError(f"kv_cache_scales must be a pair of arrays (k_scales, v_scales), got "
-                         f"{type(kv_cache_scales).__qualname__}"
-                         + (f" of length {len(kv_cache_scales)}"
-                            if isinstance(kv_cache_scales, (tuple, list)) else ""))
+    elif (
+        not isinstance(kv_cache_scales, (tuple, list))
+        or len(kv_cache_scales) != 2
+        or any(x is None for x in kv_cache_scales)
+    ):
+        raise ValueError(
+            f"kv_cache_scales must be a pair of arrays (k_scales, v_scales), got "
+            f"{type(kv_cache_scales).__qualname__}"
+            + (
+                f" of length {len(kv_cache_scales)}"
+                if isinstance(kv_cache_scales, (tuple, list))
+                else ""
+            )
+        )
     op = _MLA if getattr(k_rope, "ndim", None) == 2 else _GQA
-    return op((q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, *paged_kv_cache,
-               kv_indices, kv_indptr, batch_indices, positions, q_rope_out, q_nope_out, q_scales,
-               kv_scales, q_scale_out, *kv_cache_scales, status),
-              (quantize, is_neox, quantize_dtype, q_scale, kv_scale, page_size, kv_layout,
-               enable_pdl, tuple(TUNING.values()), mrope[0], mrope[1]), stream)
+    return op(
+        (
+            q_rope,
+            k_rope,
+            q_nope,
+            k_nope,
+            v,
+            cos_sin_cache,
+            pos_ids,
+            *paged_kv_cache,
+            kv_indices,
+            kv_indptr,
+            batch_indices,
+            positions,
+            q_rope_out,
+            q_nope_out,
+            q_scales,
+            kv_scales,
+            q_scale_out,
+            *kv_cache_scales,
+            status,
+        ),
+        (
+            quantize,
+            is_neox,
+            quantize_dtype,
+            q_scale,
+            kv_scale,
+            page_size,
+            kv_layout,
+            enable_pdl,
+            tuple(TUNING.values()),
+            mrope[0],
+            mrope[1],
+        ),
+        stream,
+    )
 
 
 def _scales(view, value, name, heads):
@@ -511,8 +781,7 @@ def _scales(view, value, name, heads):
 
 def _spelled(quantize, vqr, kv_dyn):
     """The cache dtypes an error names: those of the op (int8 only with ``kv_cache_scales``)."""
-    dtypes = (*FP8_DTYPES, INT8) if kv_dyn else FP8_DTYPES if quantize else (vqr.dtype,
-                                                                             *FP8_DTYPES)
+    dtypes = (*FP8_DTYPES, INT8) if kv_dyn else FP8_DTYPES if quantize else (vqr.dtype, *FP8_DTYPES)
     return " or ".join(map(str, dtypes))
 
 
@@ -521,19 +790,22 @@ def _check_options(vqso, vksc, vvsc, vstatus, mla, Hkv, num_pages, page_size, kv
     option arrays' strides (elements) as PARAMS fields (zeros for those not given)."""
     if vqso is None and vksc is None and vstatus is None:  # no options: nothing to check
         return _NO_OPTIONS
-    st = dict.fromkeys(("qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se", "vs_sh"),
-                       0)
+    st = dict.fromkeys(
+        ("qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se", "vs_sh"), 0
+    )
     if vqso is not None:
         st.update(qso_sn=vqso.strides[0], qso_sh=vqso.strides[1])
     if vksc is not None:
         if mla:
-            raise ValueError("kv_cache_scales (per-token-head KV scales) are for GQA/MHA caches: "
-                             "the MLA caches (ckv_cache, kpe_cache) hold one latent row per "
-                             "token and have no heads to scale; use quant_scale_kv")
-        spelled = ("(num_pages, page_size, Hkv)" if kv_layout == "NHD"
-                   else "(num_pages, Hkv, page_size)")
-        shape = ((num_pages, page_size, Hkv) if kv_layout == "NHD"
-                 else (num_pages, Hkv, page_size))
+            raise ValueError(
+                "kv_cache_scales (per-token-head KV scales) are for GQA/MHA caches: "
+                "the MLA caches (ckv_cache, kpe_cache) hold one latent row per "
+                "token and have no heads to scale; use quant_scale_kv"
+            )
+        spelled = (
+            "(num_pages, page_size, Hkv)" if kv_layout == "NHD" else "(num_pages, Hkv, page_size)"
+        )
+        shape = (num_pages, page_size, Hkv) if kv_layout == "NHD" else (num_pages, Hkv, page_size)
         for view, pre in ((vksc, "ks"), (vvsc, "vs")):
             ck.check_scale_array(view, shape, f"{spelled} for {kv_layout}")
             sp, a, b = view.strides
@@ -546,10 +818,42 @@ def _check_options(vqso, vksc, vvsc, vstatus, mla, Hkv, num_pages, page_size, kv
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
-    (quantize, is_neox, quantize_dtype, q_scale, kv_scale, page_size, kv_layout, pdl, _,
-     mrope_section, mrope_interleaved) = flags
-    (vqr, vkr, vqn, vkn, vv, vt, vpos, vc0, vc1, vind, vptr, vbat, vposn, vqro, vqno, vqs,
-     vks, vqso, vksc, vvsc, vstatus) = views
+    (
+        quantize,
+        is_neox,
+        quantize_dtype,
+        q_scale,
+        kv_scale,
+        page_size,
+        kv_layout,
+        pdl,
+        _,
+        mrope_section,
+        mrope_interleaved,
+    ) = flags
+    (
+        vqr,
+        vkr,
+        vqn,
+        vkn,
+        vv,
+        vt,
+        vpos,
+        vc0,
+        vc1,
+        vind,
+        vptr,
+        vbat,
+        vposn,
+        vqro,
+        vqno,
+        vqs,
+        vks,
+        vqso,
+        vksc,
+        vvsc,
+        vstatus,
+    ) = views
     mla = vkr.ndim == 2
     kv_dyn = vksc is not None
 
@@ -558,8 +862,7 @@ def _prepare(views, flags):
     ck.check_dtype(vqr, INPUT_DTYPES)
     T, Hq, R = vqr.shape
     if R == 0 or R % 2:
-        raise ValueError(f"q_rope's rotary dim R (its last dim) must be even and positive, got "
-                         f"{R}")
+        raise ValueError(f"q_rope's rotary dim R (its last dim) must be even and positive, got {R}")
     if Hq == 0:
         raise ValueError(f"q_rope must have shape (nnz, Hq, R) with Hq > 0, got {vqr.shape}")
     ck.check_ndim(vkr, (2, 3), "(nnz, Hkv, R) (GQA/MHA) or (nnz, R) (MLA)")
@@ -570,12 +873,13 @@ def _prepare(views, flags):
         ck.check_shape(vkr, (T, None, R), "(nnz, Hkv, R)")
         Hkv = vkr.shape[1]
         if Hkv == 0:
-            raise ValueError(f"k_rope must have shape (nnz, Hkv, R) with Hkv > 0, got "
-                             f"{vkr.shape}")
+            raise ValueError(f"k_rope must have shape (nnz, Hkv, R) with Hkv > 0, got {vkr.shape}")
     if (vqn is None) != (vkn is None):
-        raise ValueError(f"q_nope and k_nope must both be arrays or both be None, got q_nope "
-                         f"{'None' if vqn is None else vqn.shape}, k_nope "
-                         f"{'None' if vkn is None else vkn.shape}")
+        raise ValueError(
+            f"q_nope and k_nope must both be arrays or both be None, got q_nope "
+            f"{'None' if vqn is None else vqn.shape}, k_nope "
+            f"{'None' if vkn is None else vkn.shape}"
+        )
     Dn = 0
     if vqn is not None:
         ck.check_ndim(vqn, 3, "(nnz, Hq, no_rope_dim)")
@@ -590,8 +894,10 @@ def _prepare(views, flags):
         raise ValueError(f"v must be None for MLA (2-D k_rope), got an array of shape {vv.shape}")
     if not mla:
         if vv is None:
-            raise ValueError("v is required for GQA/MHA (3-D k_rope): an array of shape (nnz, "
-                             f"Hkv, head_dim) = ({T}, {Hkv}, {D}), got None")
+            raise ValueError(
+                "v is required for GQA/MHA (3-D k_rope): an array of shape (nnz, "
+                f"Hkv, head_dim) = ({T}, {Hkv}, {D}), got None"
+            )
         ck.check_shape(vv, (T, Hkv, D), "(nnz, Hkv, head_dim)")
     inputs = [x for x in (vqr, vkr, vqn, vkn, vv) if x is not None]
     for view in inputs:
@@ -609,8 +915,9 @@ def _prepare(views, flags):
     ck.check_ndim(vind, 1, "(total_pages,)")
     ck.check_ndim(vptr, 1, "(batch_size + 1,)")
     if vptr.shape[0] < 1:
-        raise ValueError(f"kv_indptr must have shape (batch_size + 1,), at least one entry, got "
-                         f"{vptr.shape}")
+        raise ValueError(
+            f"kv_indptr must have shape (batch_size + 1,), at least one entry, got {vptr.shape}"
+        )
     indices = (vpos, vbat, vposn, vptr, vind)
     for view in indices:
         if view.dtype not in INDEX_DTYPES:
@@ -623,32 +930,45 @@ def _prepare(views, flags):
     page_size = ck.check_positive_int(page_size, "page_size")
     kv_layout = ck.check_choice(kv_layout, "kv_layout", LAYOUTS)
     if vc0.dtype != vc1.dtype:
-        raise TypeError(f"{vc1.name} must have the dtype of {vc0.name} ({vc0.dtype}), got "
-                        f"{vc1.dtype}")
+        raise TypeError(
+            f"{vc1.name} must have the dtype of {vc0.name} ({vc0.dtype}), got {vc1.dtype}"
+        )
     # int8 comes with computed scales only (GQA/MHA), and they need a quantized cache: those
     # rules are ValueErrors (check_cache_scales); a dtype no argument makes valid is a TypeError
-    allowed = (*(FP8_DTYPES if quantize else (vqr.dtype, *FP8_DTYPES)),
-               *(() if mla else (INT8,)))
+    allowed = (*(FP8_DTYPES if quantize else (vqr.dtype, *FP8_DTYPES)), *(() if mla else (INT8,)))
     out_dtype = as_dtype(quantize_dtype)
     if out_dtype is None:  # FlashInfer's order: q_rope_out, q_nope_out, then (ropekv) the cache
         given = next(x for x in (vqro, vqno, vc0) if x is not None)
         out_dtype, source = given.dtype, given.name
         if out_dtype not in allowed:
-            hint = (" (rope_append_paged_kv_cache writes float16/bfloat16 caches)" if quantize
-                    else f" (float16/bfloat16 only as the input dtype {vqr.dtype})")
-            raise TypeError(f"{given.name} must have dtype {_spelled(quantize, vqr, kv_dyn)}, "
-                            f"got {out_dtype}{hint}")
+            hint = (
+                " (rope_append_paged_kv_cache writes float16/bfloat16 caches)"
+                if quantize
+                else f" (float16/bfloat16 only as the input dtype {vqr.dtype})"
+            )
+            raise TypeError(
+                f"{given.name} must have dtype {_spelled(quantize, vqr, kv_dyn)}, "
+                f"got {out_dtype}{hint}"
+            )
     elif out_dtype not in allowed:
-        raise TypeError(f"quantize_dtype must be {_spelled(quantize, vqr, kv_dyn)}, got "
-                        f"{out_dtype}")
+        raise TypeError(
+            f"quantize_dtype must be {_spelled(quantize, vqr, kv_dyn)}, got {out_dtype}"
+        )
     else:
         source = "quantize_dtype"
-    ck.check_cache_scales(out_dtype, source, "quant_scale_kv",
-                          kv_scale is not None or vks is not None, kv_dyn, "(k_scales, v_scales)")
+    ck.check_cache_scales(
+        out_dtype,
+        source,
+        "quant_scale_kv",
+        kv_scale is not None or vks is not None,
+        kv_dyn,
+        "(k_scales, v_scales)",
+    )
     for view in (vc0, vc1):
         if view.dtype != out_dtype:
-            raise TypeError(f"{view.name} must have the quantize dtype {out_dtype}, got "
-                            f"{view.dtype}")
+            raise TypeError(
+                f"{view.name} must have the quantize dtype {out_dtype}, got {view.dtype}"
+            )
 
     # -- cache shapes: strides (page, entry, head) of the K-rope, K-nope and V destinations
     item = out_dtype.itemsize
@@ -674,12 +994,19 @@ def _prepare(views, flags):
         kr, kn, vd = ((7, 0), k_st), ((7, R * item), k_st), ((8, 0), v_st)
 
     # -- scales and outputs
-    ck.check_q_scales(out_dtype, source, "quant_scale_q", q_scale is not None or vqs is not None,
-                      vqso, (T, Hq), "(nnz, Hq)", static_needs_fp8=False)
+    ck.check_q_scales(
+        out_dtype,
+        source,
+        "quant_scale_q",
+        q_scale is not None or vqs is not None,
+        vqso,
+        (T, Hq),
+        "(nnz, Hq)",
+        static_needs_fp8=False,
+    )
     q_scale, vqs = _scales(vqs, 1.0 if q_scale is None else q_scale, "quant_scale_q", Hq)
     kv_scale, vks = _scales(vks, 1.0 if kv_scale is None else kv_scale, "quant_scale_kv", Hkv)
-    scale_st = _check_options(vqso, vksc, vvsc, vstatus, mla, Hkv, num_pages, page_size,
-                              kv_layout)
+    scale_st = _check_options(vqso, vksc, vvsc, vstatus, mla, Hkv, num_pages, page_size, kv_layout)
     if vqro is not None:
         ck.check_shape(vqro, (T, Hq, R), "(nnz, Hq, R)")
     if vqno is not None:
@@ -687,8 +1014,9 @@ def _prepare(views, flags):
     given_outs = [x for x in (vqro, vqno) if x is not None]
     for view in given_outs:
         if view.dtype != out_dtype:
-            raise TypeError(f"{view.name} must have the quantize dtype {out_dtype}, got "
-                            f"{view.dtype}")
+            raise TypeError(
+                f"{view.name} must have the quantize dtype {out_dtype}, got {view.dtype}"
+            )
     ck.check_last_dim_contiguous(*inputs, vt, vc0, vc1, *given_outs)
     device = ck.check_same_device(views)
     written = [i for i in _WRITTEN if views[i] is not None]  # (the caches are given: read above)
@@ -707,15 +1035,19 @@ def _prepare(views, flags):
     # (q_rope_out, q_nope_out): the caller's where given (a plan's layout fixes which), else the
     # outputs the call allocated, in that order
     if vqro is not None and vqno is not None:
+
         def result(arrays, outs):
             return arrays[13], arrays[14]
     elif vqro is not None:
+
         def result(arrays, outs):
             return arrays[13], outs[0]
     elif vqno is not None:
+
         def result(arrays, outs):
             return outs[0], arrays[14]
     else:
+
         def result(arrays, outs):
             return outs[0], outs[1]
 
@@ -723,6 +1055,7 @@ def _prepare(views, flags):
         _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages, sections)
 
     if device == HOST:
+
         def host(v, outs):
             new = iter(outs)
             qro, qno = (x if x is not None else next(new) for x in (vqro, vqno))
@@ -737,14 +1070,34 @@ def _prepare(views, flags):
             if not T:
                 return
             reference.rope_append_paged_kv_cache(
-                vqr.host, vkr.host, h(vqn), h(vkn), h(vv), vt.host, vpos.host,
-                (vc0.host, vc1.host), vind.host, vptr.host, vbat.host, vposn.host, is_neox,
-                q_scale if vqs is None else vqs.host, kv_scale if vks is None else vks.host,
-                page_size, kv_layout, qro.host, qno.host, sections, mrope_interleaved,
-                q_scale_out=h(vqso), kv_cache_scales=(h(vksc), h(vvsc)) if kv_dyn else None)
+                vqr.host,
+                vkr.host,
+                h(vqn),
+                h(vkn),
+                h(vv),
+                vt.host,
+                vpos.host,
+                (vc0.host, vc1.host),
+                vind.host,
+                vptr.host,
+                vbat.host,
+                vposn.host,
+                is_neox,
+                q_scale if vqs is None else vqs.host,
+                kv_scale if vks is None else vks.host,
+                page_size,
+                kv_layout,
+                qro.host,
+                qno.host,
+                sections,
+                mrope_interleaved,
+                q_scale_out=h(vqso),
+                kv_cache_scales=(h(vksc), h(vvsc)) if kv_dyn else None,
+            )
 
-        return Plan(HOST, outputs=outputs, written=written, inplace=inplace, result=result,
-                    host=host)
+        return Plan(
+            HOST, outputs=outputs, written=written, inplace=inplace, result=result, host=host
+        )
     if T == 0 and vstatus is None:
         return Plan(device, outputs=outputs, written=written, inplace=inplace, result=result)
 
@@ -755,14 +1108,15 @@ def _prepare(views, flags):
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
-        return (rot and Dn % n == 0 and n <= widest
-                and (n if is_neox else n // 2) <= table_widest)
+        return rot and Dn % n == 0 and n <= widest and (n if is_neox else n // 2) <= table_widest
 
     n = vector_width(vqr.dtype.itemsize, fits)
     if n is None:  # only interleaved RoPE with misaligned pointers can get here (R is even)
-        raise BufferError("interleaved RoPE reads element pairs: every row of q_rope, k_rope, "
-                          "q_nope, k_nope, v, the caches and the q outputs must start at an even "
-                          "element")
+        raise BufferError(
+            "interleaved RoPE reads element pairs: every row of q_rope, k_rope, "
+            "q_nope, k_nope, v, the caches and the q outputs must start at an even "
+            "element"
+        )
     ri = R // (2 * n) if is_neox else R // n
     items = (Hq + Hkv) * (ri + Dn // n) + (0 if mla else Hkv * D // n)
     group = ri + Dn // n  # chunks of a head row
@@ -771,15 +1125,21 @@ def _prepare(views, flags):
     # variant; the row kernel at 72 lanes a row ran such calls at half the bandwidth)
     status_only = vstatus is not None and vqso is None and not kv_dyn and T > 0
     if opts and not status_only and group > MAX_BLOCK:
-        raise BufferError(f"q_scale_out, kv_cache_scales and status run the row kernel, a lane "
-                          f"per {n} elements of a head row: rows of {D} elements need {group} "
-                          f"lanes, more than {MAX_BLOCK}; align the rows of the inputs, caches "
-                          f"and q outputs to {16 // vqr.dtype.itemsize * vqr.dtype.itemsize} "
-                          f"bytes")
+        raise BufferError(
+            f"q_scale_out, kv_cache_scales and status run the row kernel, a lane "
+            f"per {n} elements of a head row: rows of {D} elements need {group} "
+            f"lanes, more than {MAX_BLOCK}; align the rows of the inputs, caches "
+            f"and q outputs to {16 // vqr.dtype.itemsize * vqr.dtype.itemsize} "
+            f"bytes"
+        )
     if group <= TUNING["row_group"] or (opts and not status_only):
         # status= with no tokens: one block, which only validates
-        block, rows, splits = row_launch_shape(max(T, 1), Hq + Hkv + (0 if mla else Hkv), group,
-                                               TUNING["opts_rows"] if opts else ROWS[-1])
+        block, rows, splits = row_launch_shape(
+            max(T, 1),
+            Hq + Hkv + (0 if mla else Hkv),
+            group,
+            TUNING["opts_rows"] if opts else ROWS[-1],
+        )
         shape = ("rows", 1 if rows == 1 else ROWS[-1])
     else:
         (block, splits, shape), rows = launch_shape(items, T, n), 0
@@ -793,53 +1153,133 @@ def _prepare(views, flags):
     qro_st = vqro.strides[:2] if vqro is not None else (Hq * R, R)
     qno_st = vqno.strides[:2] if vqno is not None else (Hq * Dn, Dn)
     values = {  # the fields past the pointers (every pointer field has a slot, below)
-        "qr_sn": vqr.strides[0], "qr_sh": vqr.strides[1], "qn_sn": qn_st[0],
-        "qn_sh": qn_st[1], "kr_sn": vkr.strides[0], "kr_sh": 0 if mla else vkr.strides[1],
-        "kn_sn": kn_in[0], "kn_sh": kn_in[1], "v_sn": 0 if vv is None else vv.strides[0],
-        "v_sh": 0 if vv is None else vv.strides[1], "qro_sn": qro_st[0], "qro_sh": qro_st[1],
-        "qno_sn": qno_st[0], "qno_sh": qno_st[1], "krc_sp": kr[1][0], "krc_se": kr[1][1],
-        "krc_sh": kr[1][2], "knc_sp": kn[1][0], "knc_se": kn[1][1], "knc_sh": kn[1][2],
-        "vc_sp": vd[1][0], "vc_se": vd[1][1], "vc_sh": vd[1][2], "cs_sp": vt.strides[0],
-        "num_pages": num_pages, "num_indices": vind.shape[0], "q_scale": q_scale,
-        "kv_scale": kv_scale, "Hq": Hq, "Hkv": Hkv, "Hv": 0 if mla else Hkv, "R": R, "Dn": Dn,
-        "B": vptr.shape[0] - 1, "page_size": page_size, "P": P, "index64": index64, "group": group,
-        "rows": rows, "pid_st": T, "mrope": int(bool(sections)),
-        "mrope_t": sections[0] if sections else 0, "mrope_h": sections[1] if sections else 0,
-        "mrope_w": sections[2] if sections else 0, "mrope_interleaved": int(mrope_interleaved)}
+        "qr_sn": vqr.strides[0],
+        "qr_sh": vqr.strides[1],
+        "qn_sn": qn_st[0],
+        "qn_sh": qn_st[1],
+        "kr_sn": vkr.strides[0],
+        "kr_sh": 0 if mla else vkr.strides[1],
+        "kn_sn": kn_in[0],
+        "kn_sh": kn_in[1],
+        "v_sn": 0 if vv is None else vv.strides[0],
+        "v_sh": 0 if vv is None else vv.strides[1],
+        "qro_sn": qro_st[0],
+        "qro_sh": qro_st[1],
+        "qno_sn": qno_st[0],
+        "qno_sh": qno_st[1],
+        "krc_sp": kr[1][0],
+        "krc_se": kr[1][1],
+        "krc_sh": kr[1][2],
+        "knc_sp": kn[1][0],
+        "knc_se": kn[1][1],
+        "knc_sh": kn[1][2],
+        "vc_sp": vd[1][0],
+        "vc_se": vd[1][1],
+        "vc_sh": vd[1][2],
+        "cs_sp": vt.strides[0],
+        "num_pages": num_pages,
+        "num_indices": vind.shape[0],
+        "q_scale": q_scale,
+        "kv_scale": kv_scale,
+        "Hq": Hq,
+        "Hkv": Hkv,
+        "Hv": 0 if mla else Hkv,
+        "R": R,
+        "Dn": Dn,
+        "B": vptr.shape[0] - 1,
+        "page_size": page_size,
+        "P": P,
+        "index64": index64,
+        "group": group,
+        "rows": rows,
+        "pid_st": T,
+        "mrope": int(bool(sections)),
+        "mrope_t": sections[0] if sections else 0,
+        "mrope_h": sections[1] if sections else 0,
+        "mrope_w": sections[2] if sections else 0,
+        "mrope_interleaved": int(mrope_interleaved),
+    }
     if opts:  # the fields OPTS_PARAMS adds (Launch reads only its struct's fields)
         values.update(scale_st, T=T)
     slots = dict(_ARGUMENT_SLOTS)  # and those that depend on the call:
     slots["kr_cache"], slots["kn_cache"], slots["v_cache"] = kr[0], kn[0], vd[0]
     slots["q_rope_out"], slots["q_nope_out"] = (out_slots[0], 0), (out_slots[1], 0)
-    launch = Launch(STEM, expression(vqr.dtype, out_dtype, is_neox, n, shape, bool(sections),
-                                     opts),
-                    device, (max(T, 1), splits), (block,), OPTS_PARAMS if opts else PARAMS, values,
-                    slots, pdl=pdl)
-    return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace,
-                result=result)
+    launch = Launch(
+        STEM,
+        expression(vqr.dtype, out_dtype, is_neox, n, shape, bool(sections), opts),
+        device,
+        (max(T, 1), splits),
+        (block,),
+        OPTS_PARAMS if opts else PARAMS,
+        values,
+        slots,
+        pdl=pdl,
+    )
+    return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace, result=result)
 
 
 # made once (a first call copies or reads them): the arguments written when given (the caches
 # always), the pointer fields' slots that are the same for every call (an argument at offset 0)
 _WRITTEN = (7, 8, 13, 14, 17, 18, 19, 20)
 _ARGUMENT_SLOTS = {
-    "q_rope": (0, 0), "k_rope": (1, 0), "q_nope": (2, 0), "k_nope": (3, 0), "v": (4, 0),
-    "cos_sin": (5, 0), "pos_ids": (6, 0), "kv_indices": (9, 0), "kv_indptr": (10, 0),
-    "batch_indices": (11, 0), "positions": (12, 0), "q_scales": (15, 0), "kv_scales": (16, 0),
-    "q_scale_out": (17, 0), "k_scales": (18, 0), "v_scales": (19, 0), "status": (20, 0)}
-_NO_OPTIONS = dict.fromkeys(("qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se",
-                             "vs_sh"), 0)  # _check_options without options (read, never written)
+    "q_rope": (0, 0),
+    "k_rope": (1, 0),
+    "q_nope": (2, 0),
+    "k_nope": (3, 0),
+    "v": (4, 0),
+    "cos_sin": (5, 0),
+    "pos_ids": (6, 0),
+    "kv_indices": (9, 0),
+    "kv_indptr": (10, 0),
+    "batch_indices": (11, 0),
+    "positions": (12, 0),
+    "q_scales": (15, 0),
+    "kv_scales": (16, 0),
+    "q_scale_out": (17, 0),
+    "k_scales": (18, 0),
+    "v_scales": (19, 0),
+    "status": (20, 0),
+}
+_NO_OPTIONS = dict.fromkeys(
+    ("qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se", "vs_sh"), 0
+)  # _check_options without options (read, never written)
 _NAMES = ("q_rope", "k_rope", "q_nope", "k_nope", "v", "cos_sin_cache", "pos_ids")
-_TAIL = ("kv_indices", "kv_indptr", "batch_indices", "positions", "q_rope_out", "q_nope_out",
-         "quant_scale_q", "quant_scale_kv", "q_scale_out", "k_scales", "v_scales", "status")
-_FLAGS = [("quantize", AS_IS), ("is_neox", FLAG), ("quantize_dtype", KEY),
-          ("quant_scale_q", AS_IS), ("quant_scale_kv", AS_IS),  # scales: reals, never bools
-          ("page_size", KEY), ("kv_layout", KEY), ("enable_pdl", FLAG), ("tuning", AS_IS),
-          ("mrope_section", KEY), ("mrope_interleaved", FLAG)]
-_GQA = Op("rope_append_paged_kv_cache", (*_NAMES, "k_cache", "v_cache", *_TAIL), _prepare,
-          flags=_FLAGS)
-_MLA = Op("rope_append_paged_kv_cache", (*_NAMES, "ckv_cache", "kpe_cache", *_TAIL), _prepare,
-          flags=_FLAGS)
+_TAIL = (
+    "kv_indices",
+    "kv_indptr",
+    "batch_indices",
+    "positions",
+    "q_rope_out",
+    "q_nope_out",
+    "quant_scale_q",
+    "quant_scale_kv",
+    "q_scale_out",
+    "k_scales",
+    "v_scales",
+    "status",
+)
+_FLAGS = [
+    ("quantize", AS_IS),
+    ("is_neox", FLAG),
+    ("quantize_dtype", KEY),
+    ("quant_scale_q", AS_IS),
+    ("quant_scale_kv", AS_IS),  # scales: reals, never bools
+    ("page_size", KEY),
+    ("kv_layout", KEY),
+    ("enable_pdl", FLAG),
+    ("tuning", AS_IS),
+    ("mrope_section", KEY),
+    ("mrope_interleaved", FLAG),
+]
+_GQA = Op(
+    "rope_append_paged_kv_cache", (*_NAMES, "k_cache", "v_cache", *_TAIL), _prepare, flags=_FLAGS
+)
+_MLA = Op(
+    "rope_append_paged_kv_cache",
+    (*_NAMES, "ckv_cache", "kpe_cache", *_TAIL),
+    _prepare,
+    flags=_FLAGS,
+)
 
 
 def _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages, mrope=None):
@@ -853,30 +1293,41 @@ def _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages, mrope
     bad = np.nonzero((pos < 0) | (pos >= P))[0]
     if bad.size:
         i = int(bad[0])
-        raise IndexError(f"token {i} has pos_ids[{i}] = {pos[i]}, outside the cos_sin_cache's "
-                         f"[0, P={P})")
+        raise IndexError(
+            f"token {i} has pos_ids[{i}] = {pos[i]}, outside the cos_sin_cache's [0, P={P})"
+        )
     B, num_indices = indptr.shape[0] - 1, indices.shape[0]
     page, entry = reference.paged_append_slots(indices, indptr, b, p, page_size, num_pages)
     for i in np.nonzero((b >= 0) & (page < 0))[0]:
         i = int(i)
         if b[i] >= B:
-            raise IndexError(f"token {i} has batch_indices[{i}] = {b[i]}, outside [0, "
-                             f"batch_size={B}) (kv_indptr has {B + 1} entries)")
+            raise IndexError(
+                f"token {i} has batch_indices[{i}] = {b[i]}, outside [0, "
+                f"batch_size={B}) (kv_indptr has {B + 1} entries)"
+            )
         if p[i] < 0:
             raise IndexError(f"token {i} has a negative position, positions[{i}] = {p[i]}")
         first, last = indptr[b[i]], indptr[b[i] + 1]
         if not 0 <= first <= num_indices:
-            raise IndexError(f"token {i} (request {b[i]}) starts its page-table entries at "
-                             f"kv_indptr[{b[i]}] = {first}, outside [0, {num_indices}] "
-                             f"(kv_indices has {num_indices} entries)")
+            raise IndexError(
+                f"token {i} (request {b[i]}) starts its page-table entries at "
+                f"kv_indptr[{b[i]}] = {first}, outside [0, {num_indices}] "
+                f"(kv_indices has {num_indices} entries)"
+            )
         it = first + p[i] // page_size
         if not first <= it < min(last, num_indices):
             raise IndexError(
                 f"token {i} (request {b[i]}, position {p[i]}) needs page-table entry "
                 f"kv_indptr[{b[i]}] + {p[i]} // {page_size} = {it}, outside the request's "
-                f"[{first}, {last}) or kv_indices' [0, {num_indices})")
-        raise IndexError(f"token {i} (request {b[i]}, position {p[i]}) maps to page "
-                         f"kv_indices[{it}] = {indices[it]}, outside [0, num_pages={num_pages})")
+                f"[{first}, {last}) or kv_indices' [0, {num_indices})"
+            )
+        raise IndexError(
+            f"token {i} (request {b[i]}, position {p[i]}) maps to page "
+            f"kv_indices[{it}] = {indices[it]}, outside [0, num_pages={num_pages})"
+        )
     writes = page >= 0
-    ck.check_unique_slots(np.stack([page[writes], entry[writes]], 1), np.flatnonzero(writes),
-                          "cache row (page, entry)")
+    ck.check_unique_slots(
+        np.stack([page[writes], entry[writes]], 1),
+        np.flatnonzero(writes),
+        "cache row (page, entry)",
+    )

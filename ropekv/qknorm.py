@@ -23,29 +23,101 @@ KERNEL = "qk_rmsnorm_rope_append"
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 KV_LAYOUTS = ("NHD", "HND")
 # a cache's shape per layout, and as errors spell it
-CACHE_LAYOUTS = {layout: (spelled, f"{spelled} for {layout}")
-                 for layout, spelled in (("NHD", "(num_pages, page_size, Hkv, D)"),
-                                         ("HND", "(num_pages, Hkv, page_size, D)"))}
+CACHE_LAYOUTS = {
+    layout: (spelled, f"{spelled} for {layout}")
+    for layout, spelled in (
+        ("NHD", "(num_pages, page_size, Hkv, D)"),
+        ("HND", "(num_pages, Hkv, page_size, D)"),
+    )
+}
 NORM_ORDERS = ("before_rope", "after_rope")
 
-PARAMS = ParamStruct("QKNormParams", [
-    *((n, np.uint64) for n in ("q", "q_out", "k", "v", "q_gamma", "k_gamma", "cos_sin",
-                               "offsets", "cache_lengths", "block_table", "k_cache", "v_cache",
-                               "position_ids", "status", "q_scale_out", "k_scales", "v_scales")),
-    *((n, np.int64) for n in ("q_st", "q_sh", "qo_st", "qo_sh", "k_st", "k_sh", "v_st", "v_sh",
-                              "cs_sp", "bt_sb", "kc_sp", "kc_se", "kc_sh", "vc_sp", "vc_se",
-                              "vc_sh", "num_pages", "pid_st")),
-    *((n, np.float32) for n in ("epsilon", "weight_offset", "inv_k_scale", "inv_v_scale")),
-    *((n, np.int32) for n in ("T", "B", "Hq", "Hkv", "D", "R", "P", "max_pages", "page_size",
-                              "q_gamma_f32", "k_gamma_f32", "group", "rows", "post", "clear",
-                              "mrope",
-                              "mrope_t", "mrope_h", "mrope_w", "mrope_interleaved", "pos64",
-                              "check")),
-    # the quantizing kernels' fields, last (the plain kernels' fields keep their offsets)
-    ("q_dynamic", np.int32), ("kv_dynamic", np.int32), ("inv_q_scale", np.float32),
-    *((n, np.int64) for n in ("qs_st", "qs_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se",
-                              "vs_sh")),
-])
+PARAMS = ParamStruct(
+    "QKNormParams",
+    [
+        *(
+            (n, np.uint64)
+            for n in (
+                "q",
+                "q_out",
+                "k",
+                "v",
+                "q_gamma",
+                "k_gamma",
+                "cos_sin",
+                "offsets",
+                "cache_lengths",
+                "block_table",
+                "k_cache",
+                "v_cache",
+                "position_ids",
+                "status",
+                "q_scale_out",
+                "k_scales",
+                "v_scales",
+            )
+        ),
+        *(
+            (n, np.int64)
+            for n in (
+                "q_st",
+                "q_sh",
+                "qo_st",
+                "qo_sh",
+                "k_st",
+                "k_sh",
+                "v_st",
+                "v_sh",
+                "cs_sp",
+                "bt_sb",
+                "kc_sp",
+                "kc_se",
+                "kc_sh",
+                "vc_sp",
+                "vc_se",
+                "vc_sh",
+                "num_pages",
+                "pid_st",
+            )
+        ),
+        *((n, np.float32) for n in ("epsilon", "weight_offset", "inv_k_scale", "inv_v_scale")),
+        *(
+            (n, np.int32)
+            for n in (
+                "T",
+                "B",
+                "Hq",
+                "Hkv",
+                "D",
+                "R",
+                "P",
+                "max_pages",
+                "page_size",
+                "q_gamma_f32",
+                "k_gamma_f32",
+                "group",
+                "rows",
+                "post",
+                "clear",
+                "mrope",
+                "mrope_t",
+                "mrope_h",
+                "mrope_w",
+                "mrope_interleaved",
+                "pos64",
+                "check",
+            )
+        ),
+        # the quantizing kernels' fields, last (the plain kernels' fields keep their offsets)
+        ("q_dynamic", np.int32),
+        ("kv_dynamic", np.int32),
+        ("inv_q_scale", np.float32),
+        *(
+            (n, np.int64)
+            for n in ("qs_st", "qs_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se", "vs_sh")
+        ),
+    ],
+)
 MAX_GROUP = 32  # lanes per head row: one chunk each, a row within a warp
 ROWS = (1, 2, 4)  # kernels by the head rows one lane group can hold (their register budgets)
 MAX_BLOCK = 512  # __launch_bounds__
@@ -57,8 +129,14 @@ MAX_BLOCK = 512  # __launch_bounds__
 # lanes per row, shorter per-thread work). Many tokens (prefill): about `prefill_rows` rows per
 # lane group, a token's rows over as few blocks of at most `max_block` threads as that allows,
 # balanced (Qwen3-32B's 80 rows: 2 blocks of 40; Qwen3-8B's 48: 2 of 24).
-TUNING = {"block": 128, "wave_blocks": 660, "prefill_rows": 2, "max_block": 160,
-          "narrow_below": 32, "narrow_width": 4}
+TUNING = {
+    "block": 128,
+    "wave_blocks": 660,
+    "prefill_rows": 2,
+    "max_block": 160,
+    "narrow_below": 32,
+    "narrow_width": 4,
+}
 
 
 def kernel_rows(rows):
@@ -84,7 +162,6 @@ def launch_shape(T, H, group):
     return slots * group, rows, -(-H // (slots * rows))
 
 
-
 @functools.cache  # a plan's lookup spells it once per first call
 def expression(dtype, cache_dtype, is_neox, n, rows=1, opts=0, q_dtype=None):
     """``opts``: 0 the plain kernel (every option compiled out, so they cost nothing when off);
@@ -95,9 +172,17 @@ def expression(dtype, cache_dtype, is_neox, n, rows=1, opts=0, q_dtype=None):
     runs without the options' code, with any other option it runs the kernel of them all (a
     third set of quantizing kernels would cost compile time for little)."""
     quant = q_dtype is not None
-    return name_expression(KERNEL, c_type(dtype), c_type(cache_dtype),
-                           c_type(q_dtype if quant else dtype), c_bool(is_neox), n, rows,
-                           int(opts), c_bool(quant))
+    return name_expression(
+        KERNEL,
+        c_type(dtype),
+        c_type(cache_dtype),
+        c_type(q_dtype if quant else dtype),
+        c_bool(is_neox),
+        n,
+        rows,
+        int(opts),
+        c_bool(quant),
+    )
 
 
 def instantiations():
@@ -105,7 +190,8 @@ def instantiations():
     for rows in ROWS:
         for opts in (0, 1, 2):
             yield from rope_instantiations(
-                lambda *a, r=rows, o=opts: expression(*a, r, o), INPUT_DTYPES, FP8_DTYPES)
+                lambda *a, r=rows, o=opts: expression(*a, r, o), INPUT_DTYPES, FP8_DTYPES
+            )
     for rows in ROWS:
         for opts in (0, 2):
             for dtype in INPUT_DTYPES:
@@ -127,8 +213,9 @@ def _kv_scales(kv_scale, cache_dtype):
     """(k_scale, v_scale) from a float or a pair; None for 16-bit caches."""
     if isinstance(kv_scale, tuple):
         if len(kv_scale) != 2:
-            raise ValueError(f"kv_scale must be a float or a (k_scale, v_scale) pair, got "
-                             f"{len(kv_scale)} values")
+            raise ValueError(
+                f"kv_scale must be a float or a (k_scale, v_scale) pair, got {len(kv_scale)} values"
+            )
         k, v = (cache_scale(s, cache_dtype, f"kv_scale[{i}]") for i, s in enumerate(kv_scale))
         return None if k is None else (k, v)
     s = cache_scale(kv_scale, cache_dtype)
@@ -136,19 +223,36 @@ def _kv_scales(kv_scale, cache_dtype):
 
 
 def qk_rmsnorm_rope_append_paged_kv_cache(
-        q: ArrayLike, k: ArrayLike, v: ArrayLike, q_gamma: ArrayLike, k_gamma: ArrayLike,
-        cos_sin_cache: ArrayLike, input_row_offsets: ArrayLike, cache_lengths: ArrayLike,
-        block_table: ArrayLike, paged_kv_cache: tuple[ArrayLike, ArrayLike], *,
-        epsilon: float = 1e-6, is_neox: bool = True, kv_layout: str = "NHD",
-        kv_scale: float | tuple[float, float] | None = None, q_out: ArrayLike | None = None,
-        q_out_dtype: object = None, q_scale: float | None = None,
-        q_scale_out: ArrayLike | None = None,
-        kv_cache_scales: tuple[ArrayLike, ArrayLike] | None = None,
-        norm_order: str = "before_rope", weight_offset: float = 0.0,
-        clear_unused_last_page_rows: bool = False, position_ids: ArrayLike | None = None,
-        mrope_section: tuple[int, int, int] | None = None, mrope_interleaved: bool = False,
-        status: ArrayLike | None = None, layer_idx: int | None = None, enable_pdl: bool = False,
-        stream: StreamLike | None = None,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    q_gamma: ArrayLike,
+    k_gamma: ArrayLike,
+    cos_sin_cache: ArrayLike,
+    input_row_offsets: ArrayLike,
+    cache_lengths: ArrayLike,
+    block_table: ArrayLike,
+    paged_kv_cache: tuple[ArrayLike, ArrayLike],
+    *,
+    epsilon: float = 1e-6,
+    is_neox: bool = True,
+    kv_layout: str = "NHD",
+    kv_scale: float | tuple[float, float] | None = None,
+    q_out: ArrayLike | None = None,
+    q_out_dtype: object = None,
+    q_scale: float | None = None,
+    q_scale_out: ArrayLike | None = None,
+    kv_cache_scales: tuple[ArrayLike, ArrayLike] | None = None,
+    norm_order: str = "before_rope",
+    weight_offset: float = 0.0,
+    clear_unused_last_page_rows: bool = False,
+    position_ids: ArrayLike | None = None,
+    mrope_section: tuple[int, int, int] | None = None,
+    mrope_interleaved: bool = False,
+    status: ArrayLike | None = None,
+    layer_idx: int | None = None,
+    enable_pdl: bool = False,
+    stream: StreamLike | None = None,
 ) -> ArrayLike:
     """Qwen3-style attention input: RMS-normalise each Q and K head, rope both, and append K/V to
     a paged cache over a ragged batch, in one launch.
@@ -314,20 +418,54 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
     ...     tuple(cp.zeros((4, 16, Hkv, D), cp.float16) for _ in range(2)))
     """
     if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
-        raise ValueError(f"paged_kv_cache must be a tuple (k_cache, v_cache), got "
-                         f"{type(paged_kv_cache).__name__}")
-    if kv_cache_scales is not None and (not isinstance(kv_cache_scales, (tuple, list))
-                                        or len(kv_cache_scales) != 2):
-        raise ValueError(f"kv_cache_scales must be a tuple (k_scales, v_scales), got "
-                         f"{type(kv_cache_scales).__name__}")
+        raise ValueError(
+            f"paged_kv_cache must be a tuple (k_cache, v_cache), got "
+            f"{type(paged_kv_cache).__name__}"
+        )
+    if kv_cache_scales is not None and (
+        not isinstance(kv_cache_scales, (tuple, list)) or len(kv_cache_scales) != 2
+    ):
+        raise ValueError(
+            f"kv_cache_scales must be a tuple (k_scales, v_scales), got "
+            f"{type(kv_cache_scales).__name__}"
+        )
     kv_cache_scales = (None, None) if kv_cache_scales is None else kv_cache_scales
-    return _OP((q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
-                block_table, *paged_kv_cache, q_out, position_ids, status, q_scale_out,
-                *kv_cache_scales),
-               (epsilon, is_neox, kv_layout, kv_scale, enable_pdl, tuple(TUNING.values()),
-                norm_order, weight_offset, clear_unused_last_page_rows, mrope_section,
-                mrope_interleaved, q_out_dtype, q_scale),
-               stream, layer_idx)
+    return _OP(
+        (
+            q,
+            k,
+            v,
+            q_gamma,
+            k_gamma,
+            cos_sin_cache,
+            input_row_offsets,
+            cache_lengths,
+            block_table,
+            *paged_kv_cache,
+            q_out,
+            position_ids,
+            status,
+            q_scale_out,
+            *kv_cache_scales,
+        ),
+        (
+            epsilon,
+            is_neox,
+            kv_layout,
+            kv_scale,
+            enable_pdl,
+            tuple(TUNING.values()),
+            norm_order,
+            weight_offset,
+            clear_unused_last_page_rows,
+            mrope_section,
+            mrope_interleaved,
+            q_out_dtype,
+            q_scale,
+        ),
+        stream,
+        layer_idx,
+    )
 
 
 def _dtype_key(value):
@@ -362,8 +500,9 @@ def _q_out_dtype(value, vq, vgiven):
     ck.check_shape(vgiven, vq.shape, None)
     ck.check_dtype(vgiven, allowed)
     if dtype is not None and dtype != vgiven.dtype:
-        raise TypeError(f"q_out_dtype ({dtype}) must be the dtype of the given q_out "
-                        f"({vgiven.dtype}) or None")
+        raise TypeError(
+            f"q_out_dtype ({dtype}) must be the dtype of the given q_out ({vgiven.dtype}) or None"
+        )
     ck.check_last_dim_contiguous(vgiven)
     return vgiven.dtype
 
@@ -373,8 +512,16 @@ def _q_quant(q_dtype, q_scale, vqs, T, Hq):
     whether ``q_scale_out`` receives computed scales."""
     if vqs is None and q_scale is None:  # no scale given: check_q_scales has nothing to check
         return (1.0 if q_dtype in FP8_DTYPES else None), False
-    ck.check_q_scales(q_dtype, "q_out", "q_scale", q_scale is not None, vqs, (T, Hq), "(T, Hq)",
-                      hint=" (pass q_out_dtype='float8_e4m3fn' or an fp8 q_out)")
+    ck.check_q_scales(
+        q_dtype,
+        "q_out",
+        "q_scale",
+        q_scale is not None,
+        vqs,
+        (T, Hq),
+        "(T, Hq)",
+        hint=" (pass q_out_dtype='float8_e4m3fn' or an fp8 q_out)",
+    )
     if vqs is not None:
         return None, True
     if q_dtype not in FP8_DTYPES:
@@ -387,8 +534,14 @@ def _cache_scale_arrays(vks, vvs, vkc, kv_scale, expected, layout):
     (``expected``: the caches' shape, spelled ``layout``)."""
     if vks is None and vkc.dtype != INT8:  # none given, none needed: nothing to check
         return False
-    ck.check_cache_scales(vkc.dtype, "k_cache", "kv_scale", kv_scale is not None,
-                          vks is not None, "(k_scales, v_scales)")
+    ck.check_cache_scales(
+        vkc.dtype,
+        "k_cache",
+        "kv_scale",
+        kv_scale is not None,
+        vks is not None,
+        "(k_scales, v_scales)",
+    )
     if vks is None:
         return False
     spelled = layout.replace(", D)", ")")
@@ -413,20 +566,41 @@ def _check_qkv(vq, vk, vv):
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
-    (epsilon, is_neox, kv_layout, kv_scale, pdl, _, norm_order, weight_offset, clear,
-     mrope_section, mrope_interleaved, q_out_dtype, q_scale) = flags
+    (
+        epsilon,
+        is_neox,
+        kv_layout,
+        kv_scale,
+        pdl,
+        _,
+        norm_order,
+        weight_offset,
+        clear,
+        mrope_section,
+        mrope_interleaved,
+        q_out_dtype,
+        q_scale,
+    ) = flags
     ck.check_choice(kv_layout, "kv_layout", KV_LAYOUTS)
     ck.check_choice(norm_order, "norm_order", NORM_ORDERS)
     post = norm_order == "after_rope"
     weight_offset = ck.check_float(weight_offset, "weight_offset", positive=False)
-    (vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vgiven, vpid, vstatus, vqs, vks,
-     vvs) = views
+    (vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vgiven, vpid, vstatus, vqs, vks, vvs) = (
+        views
+    )
 
     # Tests of the common case first, read in the checkers' order; the checkers (which raise
     # their own messages) only where a test fails: this runs on every first call.
-    if not (len(vq.shape) == 3 and vq.dtype in INPUT_DTYPES and len(vk.shape) == 3
-            and vk.shape[0] == vq.shape[0] and vk.shape[2] == vq.shape[2]
-            and vv.shape == vk.shape and vk.dtype == vq.dtype and vv.dtype == vq.dtype):
+    if not (
+        len(vq.shape) == 3
+        and vq.dtype in INPUT_DTYPES
+        and len(vk.shape) == 3
+        and vk.shape[0] == vq.shape[0]
+        and vk.shape[2] == vq.shape[2]
+        and vv.shape == vk.shape
+        and vk.dtype == vq.dtype
+        and vv.dtype == vq.dtype
+    ):
         _check_qkv(vq, vk, vv)
     T, Hq, D = vq.shape
     Hkv = vk.shape[1]
@@ -434,16 +608,21 @@ def _prepare(views, flags):
         raise ValueError(f"q's head count ({Hq}) must be a positive multiple of k's ({Hkv})")
     gamma_dtypes, gamma_shape = (vq.dtype, FLOAT32), (D,)
     for view in (vqg, vkg):
-        if (view.shape != gamma_shape or view.dtype not in gamma_dtypes
-                or view.strides != ck.UNIT_STRIDE):  # (stride 1: contiguous)
+        if (
+            view.shape != gamma_shape
+            or view.dtype not in gamma_dtypes
+            or view.strides != ck.UNIT_STRIDE
+        ):  # (stride 1: contiguous)
             ck.check_shape(view, gamma_shape, "(D,)")
             ck.check_dtype(view, gamma_dtypes)
             ck.check_contiguous(view)
     P, R = ck.check_cos_sin_cache(vt, D)
     sections = check_mrope(mrope_section, mrope_interleaved, R, vpid, (3, T), "(3, T)")
     if sections is None and vpid is not None:
-        raise ValueError("position_ids is only used with mrope_section (the positions of a "
-                         "token come from cache_lengths and input_row_offsets otherwise)")
+        raise ValueError(
+            "position_ids is only used with mrope_section (the positions of a "
+            "token come from cache_lengths and input_row_offsets otherwise)"
+        )
     B, max_pages = ck.check_ragged_paged(voff, vlen, vbt)
     nhd = kv_layout == "NHD"
     layout, spelled = CACHE_LAYOUTS[kv_layout]
@@ -465,9 +644,11 @@ def _prepare(views, flags):
     q_dtype = _q_out_dtype(q_out_dtype, vq, vgiven)
     q_scale, q_dynamic = _q_quant(q_dtype, q_scale, vqs, T, Hq)
     if q_dtype in FP8_DTYPES and vkc.dtype == INT8:
-        raise TypeError(f"an fp8 q_out ({q_dtype}) with an int8 cache is not supported (no "
-                        f"attention kernel reads that pair); use an fp8 cache or a {vq.dtype} "
-                        f"q_out")
+        raise TypeError(
+            f"an fp8 q_out ({q_dtype}) with an int8 cache is not supported (no "
+            f"attention kernel reads that pair); use an fp8 cache or a {vq.dtype} "
+            f"q_out"
+        )
     if vstatus is not None:
         check_status(vstatus)
     device = ck.check_same_device(views)
@@ -478,12 +659,20 @@ def _prepare(views, flags):
 
     if ck.check_indices_enabled():
         # with mRoPE the cache position needs no table row; the three positions are checked
-        ck.check_paged_indices(voff, vlen, vbt, page_size, num_pages, T,
-                               P if sections is None else np.iinfo(np.int64).max)
+        ck.check_paged_indices(
+            voff,
+            vlen,
+            vbt,
+            page_size,
+            num_pages,
+            T,
+            P if sections is None else np.iinfo(np.int64).max,
+        )
         if sections is not None:
             check_mrope_indices(vpid, P)
     k_scale, v_scale = scales if scales else (1.0, 1.0)
     if device == HOST:
+
         def host(v, outs):
             vout = vgiven if vgiven is not None else outs[0]
             if vstatus is not None:
@@ -492,15 +681,36 @@ def _prepare(views, flags):
                     return
             if T:
                 reference.qk_rmsnorm_rope_append_paged_kv_cache(
-                    vq.host, vk.host, vv.host, vqg.host, vkg.host, vt.host, voff.host, vlen.host,
-                    vbt.host, vkc.host, vvc.host, vout.host, epsilon, is_neox, kv_layout,
-                    k_scale, v_scale, norm_order, weight_offset, clear,
-                    None if vpid is None else vpid.host, sections, mrope_interleaved,
+                    vq.host,
+                    vk.host,
+                    vv.host,
+                    vqg.host,
+                    vkg.host,
+                    vt.host,
+                    voff.host,
+                    vlen.host,
+                    vbt.host,
+                    vkc.host,
+                    vvc.host,
+                    vout.host,
+                    epsilon,
+                    is_neox,
+                    kv_layout,
+                    k_scale,
+                    v_scale,
+                    norm_order,
+                    weight_offset,
+                    clear,
+                    None if vpid is None else vpid.host,
+                    sections,
+                    mrope_interleaved,
                     1.0 if q_scale is None else q_scale,
-                    *(None if x is None else x.host for x in (vqs, vks, vvs)))
+                    *(None if x is None else x.host for x in (vqs, vks, vvs)),
+                )
 
-        return Plan(HOST, outputs=outputs, written=written, inplace=inplace, result=result,
-                    host=host)
+        return Plan(
+            HOST, outputs=outputs, written=written, inplace=inplace, result=result, host=host
+        )
     if T == 0 and vstatus is None:
         return Plan(device, outputs=outputs, written=written, inplace=inplace, result=result)
     vout = vgiven if vgiven is not None else vq  # a new output is laid out (and aligned) as q
@@ -512,28 +722,35 @@ def _prepare(views, flags):
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
-        return (rot and (D - R) % n == 0 and n <= widest
-                and (n if is_neox else n // 2) <= table_widest)
+        return (
+            rot and (D - R) % n == 0 and n <= widest and (n if is_neox else n // 2) <= table_widest
+        )
 
     n = vector_width(vq.dtype.itemsize, fits)
     if n is None:
-        raise BufferError(f"interleaved RoPE reads element pairs: the rows of q, q_out, k, v and "
-                          f"the caches must start at even elements; got {vq}, {vout}, {vk}, {vv}, "
-                          f"{vkc}")
+        raise BufferError(
+            f"interleaved RoPE reads element pairs: the rows of q, q_out, k, v and "
+            f"the caches must start at even elements; got {vq}, {vout}, {vk}, {vv}, "
+            f"{vkc}"
+        )
+
     # lanes per head row: one chunk each, a power of two so a row's sum is a shuffle within a warp
     def lanes(n):
         return (R // 2 if is_neox else R) // n + (D - R) // n
 
     if T < TUNING["narrow_below"]:  # decode: more lanes per row, less work per thread
-        narrow = vector_width(vq.dtype.itemsize, fits,
-                              tuple([w for w in (8, 4, 2, 1) if w <= TUNING["narrow_width"]]))
+        narrow = vector_width(
+            vq.dtype.itemsize, fits, tuple([w for w in (8, 4, 2, 1) if w <= TUNING["narrow_width"]])
+        )
         if narrow and lanes(narrow) <= MAX_GROUP:
             n = narrow
     items = lanes(n)
     if items > MAX_GROUP:
-        raise BufferError(f"head dim D={D} at a vector width of {n} elements needs {items} lanes "
-                          f"per head row, more than {MAX_GROUP}; align the rows of q, k, v and "
-                          f"the caches to {16 // vq.dtype.itemsize * vq.dtype.itemsize} bytes")
+        raise BufferError(
+            f"head dim D={D} at a vector width of {n} elements needs {items} lanes "
+            f"per head row, more than {MAX_GROUP}; align the rows of q, k, v and "
+            f"the caches to {16 // vq.dtype.itemsize * vq.dtype.itemsize} bytes"
+        )
     group = 1 << (items - 1).bit_length()
     # status= with no tokens: one block, which only validates
     block, rows, splits = launch_shape(max(T, 1), Hq + 2 * Hkv, group)
@@ -546,18 +763,48 @@ def _prepare(views, flags):
     out_strides = vgiven.strides[:2] if vgiven is not None else (Hq * D, D)
     values = {  # the fields past the pointers (every given pointer has a slot, below; the
         # others are null)
-        "q_st": vq.strides[0], "q_sh": vq.strides[1], "qo_st": out_strides[0],
-        "qo_sh": out_strides[1], "k_st": vk.strides[0], "k_sh": vk.strides[1],
-        "v_st": vv.strides[0], "v_sh": vv.strides[1], "cs_sp": vt.strides[0],
-        "bt_sb": vbt.strides[0], "kc_sp": kc[0], "kc_se": kc[1], "kc_sh": kc[2], "vc_sp": vc[0],
-        "vc_se": vc[1], "vc_sh": vc[2], "num_pages": num_pages, "epsilon": epsilon,
-        "weight_offset": weight_offset, "inv_k_scale": 1.0 / k_scale,
-        "inv_v_scale": 1.0 / v_scale, "T": T, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "R": R, "P": P,
-        "max_pages": max_pages, "page_size": page_size, "q_gamma_f32": int(vqg.dtype == FLOAT32),
-        "k_gamma_f32": int(vkg.dtype == FLOAT32), "group": group, "rows": rows, "post": int(post),
-        "clear": int(clear), "pid_st": T, "mrope_interleaved": int(mrope_interleaved),
-        "inv_q_scale": 1.0 / q_scale if q_scale is not None else 1.0, "q_dynamic": int(q_dynamic),
-        "kv_dynamic": int(kv_dynamic)}
+        "q_st": vq.strides[0],
+        "q_sh": vq.strides[1],
+        "qo_st": out_strides[0],
+        "qo_sh": out_strides[1],
+        "k_st": vk.strides[0],
+        "k_sh": vk.strides[1],
+        "v_st": vv.strides[0],
+        "v_sh": vv.strides[1],
+        "cs_sp": vt.strides[0],
+        "bt_sb": vbt.strides[0],
+        "kc_sp": kc[0],
+        "kc_se": kc[1],
+        "kc_sh": kc[2],
+        "vc_sp": vc[0],
+        "vc_se": vc[1],
+        "vc_sh": vc[2],
+        "num_pages": num_pages,
+        "epsilon": epsilon,
+        "weight_offset": weight_offset,
+        "inv_k_scale": 1.0 / k_scale,
+        "inv_v_scale": 1.0 / v_scale,
+        "T": T,
+        "B": B,
+        "Hq": Hq,
+        "Hkv": Hkv,
+        "D": D,
+        "R": R,
+        "P": P,
+        "max_pages": max_pages,
+        "page_size": page_size,
+        "q_gamma_f32": int(vqg.dtype == FLOAT32),
+        "k_gamma_f32": int(vkg.dtype == FLOAT32),
+        "group": group,
+        "rows": rows,
+        "post": int(post),
+        "clear": int(clear),
+        "pid_st": T,
+        "mrope_interleaved": int(mrope_interleaved),
+        "inv_q_scale": 1.0 / q_scale if q_scale is not None else 1.0,
+        "q_dynamic": int(q_dynamic),
+        "kv_dynamic": int(kv_dynamic),
+    }
     # the optional arrays' pointers and fields (their zeros, read only, when none is given)
     slots = dict(_ARGUMENT_SLOTS)  # q .. v_cache, all given (checked above)
     slots["q_out"] = _GIVEN_OUTPUT if vgiven is not None else _NEW_OUTPUT
@@ -576,46 +823,127 @@ def _prepare(views, flags):
 
         ks_st, vs_st = entry_strides(vks), entry_strides(vvs)
         qs_st = vqs.strides if vqs is not None else (0, 0)
-        values.update({
-            "mrope": int(sections is not None), "mrope_t": sections[0] if sections else 0,
-            "mrope_h": sections[1] if sections else 0, "mrope_w": sections[2] if sections else 0,
-            "pos64": int(vpid is not None and vpid.dtype == INT64),
-            "check": int(vstatus is not None), "qs_st": qs_st[0], "qs_sh": qs_st[1],
-            "ks_sp": ks_st[0], "ks_se": ks_st[1], "ks_sh": ks_st[2], "vs_sp": vs_st[0],
-            "vs_se": vs_st[1], "vs_sh": vs_st[2]})
-    opts = 2 if sections is not None else int(bool(
-        post or weight_offset != 0.0 or clear or vstatus is not None))
+        values.update(
+            {
+                "mrope": int(sections is not None),
+                "mrope_t": sections[0] if sections else 0,
+                "mrope_h": sections[1] if sections else 0,
+                "mrope_w": sections[2] if sections else 0,
+                "pos64": int(vpid is not None and vpid.dtype == INT64),
+                "check": int(vstatus is not None),
+                "qs_st": qs_st[0],
+                "qs_sh": qs_st[1],
+                "ks_sp": ks_st[0],
+                "ks_se": ks_st[1],
+                "ks_sh": ks_st[2],
+                "vs_sp": vs_st[0],
+                "vs_se": vs_st[1],
+                "vs_sh": vs_st[2],
+            }
+        )
+    opts = (
+        2
+        if sections is not None
+        else int(bool(post or weight_offset != 0.0 or clear or vstatus is not None))
+    )
     # fp8 q or computed scales: a quantizing kernel (the others compile none of it)
     quant = q_dtype != vq.dtype or kv_dynamic
     if quant and opts:
         opts = 2
-    launch = Launch(STEM, expression(vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows), opts,
-                                     q_dtype if quant else None),
-                    device, (max(T, 1), splits), (block,), PARAMS, values, slots, pdl=pdl)
-    return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace,
-                result=result)
+    launch = Launch(
+        STEM,
+        expression(
+            vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows), opts, q_dtype if quant else None
+        ),
+        device,
+        (max(T, 1), splits),
+        (block,),
+        PARAMS,
+        values,
+        slots,
+        pdl=pdl,
+    )
+    return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace, result=result)
 
 
 # the PARAMS pointer field of each argument, in argument order
-FIELDS = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin", "offsets", "cache_lengths",
-          "block_table", "k_cache", "v_cache", "q_out", "position_ids", "status", "q_scale_out",
-          "k_scales", "v_scales")
+FIELDS = (
+    "q",
+    "k",
+    "v",
+    "q_gamma",
+    "k_gamma",
+    "cos_sin",
+    "offsets",
+    "cache_lengths",
+    "block_table",
+    "k_cache",
+    "v_cache",
+    "q_out",
+    "position_ids",
+    "status",
+    "q_scale_out",
+    "k_scales",
+    "v_scales",
+)
 # made once (a first call copies or reads them): the slots of the arguments every call gives
 # (q .. v_cache), q_out's (a new one follows the arguments), the option fields when no option
 # array is given (mRoPE is off without position_ids: check_mrope demands them)
 _Q_OUT = FIELDS.index("q_out")
 _ARGUMENT_SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS[:_Q_OUT])}
 _GIVEN_OUTPUT, _NEW_OUTPUT = (_Q_OUT, 0), (len(FIELDS), 0)
-_NO_OPTIONS = {"mrope": 0, "mrope_t": 0, "mrope_h": 0, "mrope_w": 0, "pos64": 0, "check": 0,
-               "qs_st": 0, "qs_sh": 0, "ks_sp": 0, "ks_se": 0, "ks_sh": 0, "vs_sp": 0,
-               "vs_se": 0, "vs_sh": 0}
-_OP = Op("qk_rmsnorm_rope_append_paged_kv_cache",
-         ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets",
-          "cache_lengths", "block_table", "k_cache", "v_cache", "q_out", "position_ids",
-          "status", "q_scale_out", "k_scales", "v_scales"), _prepare,
-         layered=("k_cache", "v_cache", "k_scales", "v_scales"),
-         flags=[("epsilon", KEY), ("is_neox", FLAG), ("kv_layout", KEY), ("kv_scale", KEY),
-                ("enable_pdl", FLAG), ("tuning", AS_IS), ("norm_order", KEY),
-                ("weight_offset", KEY), ("clear_unused_last_page_rows", FLAG),
-                ("mrope_section", KEY), ("mrope_interleaved", FLAG), ("q_out_dtype", _dtype_key),
-                ("q_scale", KEY)])
+_NO_OPTIONS = {
+    "mrope": 0,
+    "mrope_t": 0,
+    "mrope_h": 0,
+    "mrope_w": 0,
+    "pos64": 0,
+    "check": 0,
+    "qs_st": 0,
+    "qs_sh": 0,
+    "ks_sp": 0,
+    "ks_se": 0,
+    "ks_sh": 0,
+    "vs_sp": 0,
+    "vs_se": 0,
+    "vs_sh": 0,
+}
+_OP = Op(
+    "qk_rmsnorm_rope_append_paged_kv_cache",
+    (
+        "q",
+        "k",
+        "v",
+        "q_gamma",
+        "k_gamma",
+        "cos_sin_cache",
+        "input_row_offsets",
+        "cache_lengths",
+        "block_table",
+        "k_cache",
+        "v_cache",
+        "q_out",
+        "position_ids",
+        "status",
+        "q_scale_out",
+        "k_scales",
+        "v_scales",
+    ),
+    _prepare,
+    layered=("k_cache", "v_cache", "k_scales", "v_scales"),
+    flags=[
+        ("epsilon", KEY),
+        ("is_neox", FLAG),
+        ("kv_layout", KEY),
+        ("kv_scale", KEY),
+        ("enable_pdl", FLAG),
+        ("tuning", AS_IS),
+        ("norm_order", KEY),
+        ("weight_offset", KEY),
+        ("clear_unused_last_page_rows", FLAG),
+        ("mrope_section", KEY),
+        ("mrope_interleaved", FLAG),
+        ("q_out_dtype", _dtype_key),
+        ("q_scale", KEY),
+    ],
+)

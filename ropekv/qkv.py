@@ -189,26 +189,108 @@ EPILOGUE_BLOCK = 128
 EPILOGUE_WIDTHS = (8, 2, 1)
 DEQUANT_BLOCK = 256
 
-PARAMS = ParamStruct("QkvParams", [
-    *((n, np.uint64) for n in ("hidden", "weight", "weight_scales", "zero_points", "q_tmp",
-                               "k_tmp", "v_tmp", "offsets", "cache_lengths", "block_table",
-                               "cos_sin", "out", "k_cache", "v_cache", "status")),
-    *((n, np.int64) for n in ("hidden_s0", "weight_row_bytes", "ws_s0", "zp_s0", "qt_s0", "kt_s0",
-                              "vt_s0", "bt_s0", "cs_s0", "out_s0", "k_page", "k_entry", "k_head",
-                              "v_page", "v_entry", "v_head", "num_pages")),
-    *((n, np.int32) for n in ("T", "K", "N", "B", "Hq", "Hkv", "D", "R", "P", "page_size",
-                              "max_pages", "group_size", "kc", "is_neox", "cache_code")),
-    *((n, np.float32) for n in ("k_inv_scale", "v_inv_scale")),
-    ("check", np.int32), ("clear", np.int32),  # the OPTS kernels' flags
-])
+PARAMS = ParamStruct(
+    "QkvParams",
+    [
+        *(
+            (n, np.uint64)
+            for n in (
+                "hidden",
+                "weight",
+                "weight_scales",
+                "zero_points",
+                "q_tmp",
+                "k_tmp",
+                "v_tmp",
+                "offsets",
+                "cache_lengths",
+                "block_table",
+                "cos_sin",
+                "out",
+                "k_cache",
+                "v_cache",
+                "status",
+            )
+        ),
+        *(
+            (n, np.int64)
+            for n in (
+                "hidden_s0",
+                "weight_row_bytes",
+                "ws_s0",
+                "zp_s0",
+                "qt_s0",
+                "kt_s0",
+                "vt_s0",
+                "bt_s0",
+                "cs_s0",
+                "out_s0",
+                "k_page",
+                "k_entry",
+                "k_head",
+                "v_page",
+                "v_entry",
+                "v_head",
+                "num_pages",
+            )
+        ),
+        *(
+            (n, np.int32)
+            for n in (
+                "T",
+                "K",
+                "N",
+                "B",
+                "Hq",
+                "Hkv",
+                "D",
+                "R",
+                "P",
+                "page_size",
+                "max_pages",
+                "group_size",
+                "kc",
+                "is_neox",
+                "cache_code",
+            )
+        ),
+        *((n, np.float32) for n in ("k_inv_scale", "v_inv_scale")),
+        ("check", np.int32),
+        ("clear", np.int32),  # the OPTS kernels' flags
+    ],
+)
 
 
 # The array arguments in the order the public function hands them to the call path, and the
 # kernel pointer field each fills.
-ARRAYS = ("hidden_state", "weight", "input_row_offsets", "cache_lengths", "block_table", "k_cache",
-          "v_cache", "cos_sin_cache", "weight_scales", "zero_points", "out", "status")
-FIELDS = ("hidden", "weight", "offsets", "cache_lengths", "block_table", "k_cache", "v_cache",
-          "cos_sin", "weight_scales", "zero_points", "out", "status")
+ARRAYS = (
+    "hidden_state",
+    "weight",
+    "input_row_offsets",
+    "cache_lengths",
+    "block_table",
+    "k_cache",
+    "v_cache",
+    "cos_sin_cache",
+    "weight_scales",
+    "zero_points",
+    "out",
+    "status",
+)
+FIELDS = (
+    "hidden",
+    "weight",
+    "offsets",
+    "cache_lengths",
+    "block_table",
+    "k_cache",
+    "v_cache",
+    "cos_sin",
+    "weight_scales",
+    "zero_points",
+    "out",
+    "status",
+)
 OUT, STATUS = ARRAYS.index("out"), ARRAYS.index("status")
 _SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS)}  # pointer fields <- (argument, byte offset)
 NEW = len(ARRAYS)  # ptrs index of the first array a call allocates (out, then workspaces)
@@ -229,8 +311,15 @@ def _fast_int4(fmt, vb, tt):
 @functools.cache  # the expressions: a plan's lookup spells one once per first call
 def gemv_expression(dtype, fmt, vb, tt, fast=True, opts=False):
     """``fast`` selects the cheaper 4-bit decode where it applies (see qkv.cu)."""
-    return name_expression("qkv_gemv", c_type(dtype), fmt, vb, tt,
-                           c_bool(fast and _fast_int4(fmt, vb, tt)), c_bool(opts))
+    return name_expression(
+        "qkv_gemv",
+        c_type(dtype),
+        fmt,
+        vb,
+        tt,
+        c_bool(fast and _fast_int4(fmt, vb, tt)),
+        c_bool(opts),
+    )
 
 
 @functools.cache
@@ -240,20 +329,31 @@ def mma_expression(dtype, fmt, tn, split, opts=False):
 
 @functools.cache
 def tiled_expression(dtype, fmt, tn, split, stages, kgroups, opts=False):
-    return name_expression("qkv_mma_tiled", c_type(dtype), fmt, tn, split, stages, kgroups,
-                           c_bool(opts))
+    return name_expression(
+        "qkv_mma_tiled", c_type(dtype), fmt, tn, split, stages, kgroups, c_bool(opts)
+    )
 
 
 @functools.cache
 def wgmma_expression(dtype, tn, split, stages, atoms, opts=False, deep=True, fp8=False):
-    return name_expression("qkv_wgmma", c_type(dtype), tn, split, stages, atoms, c_bool(opts),
-                           c_bool(deep), c_bool(fp8))
+    return name_expression(
+        "qkv_wgmma",
+        c_type(dtype),
+        tn,
+        split,
+        stages,
+        atoms,
+        c_bool(opts),
+        c_bool(deep),
+        c_bool(fp8),
+    )
 
 
 @functools.cache
 def epilogue_expression(dtype, cache_dtype, k_dtype, n, opts=False):
-    return name_expression("qkv_epilogue", c_type(dtype), c_type(cache_dtype), c_type(k_dtype), n,
-                           c_bool(opts))
+    return name_expression(
+        "qkv_epilogue", c_type(dtype), c_type(cache_dtype), c_type(k_dtype), n, c_bool(opts)
+    )
 
 
 @functools.cache
@@ -332,8 +432,9 @@ def pack_int4(w_int: ArrayLike, *, signed: bool = True) -> ArrayLike:
     if arr.size:
         mn, mx = int(arr.min()), int(arr.max())
         if mn < lo or mx > hi:
-            raise ValueError(f"w_int values must lie in [{lo}, {hi}] for signed={signed}, got "
-                             f"[{mn}, {mx}]")
+            raise ValueError(
+                f"w_int values must lie in [{lo}, {hi}] for signed={signed}, got [{mn}, {mx}]"
+            )
     q = arr.astype(xp.int16) + (8 if signed else 0)
     return (q[:, 0::2] | (q[:, 1::2] << 4)).astype(xp.uint8)
 
@@ -367,27 +468,46 @@ def _scales(kv_scale):
     """(k_scale, v_scale) floats from None, a float or a pair."""
     if kv_scale is None:
         return 1.0, 1.0
-    pair = ((kv_scale, kv_scale) if isinstance(kv_scale, numbers.Real) else
-            tuple(kv_scale) if isinstance(kv_scale, tuple) else ())
-    if len(pair) != 2 or not all(isinstance(s, numbers.Real) and not isinstance(s, bool)
-                                 for s in pair):
-        raise ValueError(f"kv_scale must be a float or a (k_scale, v_scale) pair of floats, got "
-                         f"{kv_scale!r}")
+    pair = (
+        (kv_scale, kv_scale)
+        if isinstance(kv_scale, numbers.Real)
+        else tuple(kv_scale)
+        if isinstance(kv_scale, tuple)
+        else ()
+    )
+    if len(pair) != 2 or not all(
+        isinstance(s, numbers.Real) and not isinstance(s, bool) for s in pair
+    ):
+        raise ValueError(
+            f"kv_scale must be a float or a (k_scale, v_scale) pair of floats, got {kv_scale!r}"
+        )
     if not all(math.isfinite(s) and s > 0 for s in pair):
         raise ValueError(f"kv_scale must be positive and finite, got {kv_scale!r}")
     return float(pair[0]), float(pair[1])
 
 
 def fused_qkv_matmul_append_paged_kv_cache(
-        hidden_state: ArrayLike, weight: ArrayLike, input_row_offsets: ArrayLike,
-        cache_lengths: ArrayLike, block_table: ArrayLike,
-        paged_kv_cache: tuple[ArrayLike, ArrayLike], *, num_q_heads: int,
-        cos_sin_cache: ArrayLike | None = None, is_neox: bool = True, kv_layout: str = "NHD",
-        kv_scale: float | tuple[float, float] | None = None, weight_scales: ArrayLike | None = None,
-        group_size: int | None = None, zero_points: ArrayLike | None = None,
-        out: ArrayLike | None = None, clear_unused_last_page_rows: bool = False,
-        status: ArrayLike | None = None, layer_idx: int | None = None, enable_pdl: bool = False,
-        stream: StreamLike | None = None,
+    hidden_state: ArrayLike,
+    weight: ArrayLike,
+    input_row_offsets: ArrayLike,
+    cache_lengths: ArrayLike,
+    block_table: ArrayLike,
+    paged_kv_cache: tuple[ArrayLike, ArrayLike],
+    *,
+    num_q_heads: int,
+    cos_sin_cache: ArrayLike | None = None,
+    is_neox: bool = True,
+    kv_layout: str = "NHD",
+    kv_scale: float | tuple[float, float] | None = None,
+    weight_scales: ArrayLike | None = None,
+    group_size: int | None = None,
+    zero_points: ArrayLike | None = None,
+    out: ArrayLike | None = None,
+    clear_unused_last_page_rows: bool = False,
+    status: ArrayLike | None = None,
+    layer_idx: int | None = None,
+    enable_pdl: bool = False,
+    stream: StreamLike | None = None,
 ) -> ArrayLike:
     """QKV projection with K/V appended to a paged KV cache and RoPE on Q and K (MAX's
     ``generic_fused_qkv_matmul_kv_cache_paged_ragged``).
@@ -510,27 +630,86 @@ def fused_qkv_matmul_append_paged_kv_cache(
     ...     num_q_heads=Hq, cos_sin_cache=ropekv.cos_sin_cache(4096, D, xp=cp))
     """
     if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
-        raise ValueError(f"paged_kv_cache must be a (k_cache, v_cache) pair, got "
-                         f"{type(paged_kv_cache).__qualname__}")
-    return _OP((hidden_state, weight, input_row_offsets, cache_lengths, block_table,
-                *paged_kv_cache, cos_sin_cache, weight_scales, zero_points, out, status),
-               (num_q_heads, is_neox, kv_layout, kv_scale, group_size, enable_pdl,
-                GEMV_MAX_TOKENS, FAST_INT4, MMA_MIN_TOKENS, MMA_MAX_TOKENS,
-                (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID), MMA_SPLIT,
-                # tiled_settings() and wgmma_settings(), spelled out: this runs on every call
-                (TILED_MIN_TOKENS, TILED_MAX_TILE, TILED_STAGES, TILED_SPLIT, TILED_CTAS_PER_SM,
-                 TILED_KGROUPS),
-                (WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS, WGMMA_MAX_TILE, WGMMA_STAGES, WGMMA_ATOMS,
-                 WGMMA_SPLIT, WGMMA_DEEP_MAX_TOKENS, WGMMA_DEEP_STAGES, WGMMA_FP8_MIN_TOKENS,
-                 WGMMA_FP8_ATOMS),
-                GRAPH_MAX_TOKENS, clear_unused_last_page_rows),
-               stream, layer_idx)
+        raise ValueError(
+            f"paged_kv_cache must be a (k_cache, v_cache) pair, got "
+            f"{type(paged_kv_cache).__qualname__}"
+        )
+    return _OP(
+        (
+            hidden_state,
+            weight,
+            input_row_offsets,
+            cache_lengths,
+            block_table,
+            *paged_kv_cache,
+            cos_sin_cache,
+            weight_scales,
+            zero_points,
+            out,
+            status,
+        ),
+        (
+            num_q_heads,
+            is_neox,
+            kv_layout,
+            kv_scale,
+            group_size,
+            enable_pdl,
+            GEMV_MAX_TOKENS,
+            FAST_INT4,
+            MMA_MIN_TOKENS,
+            MMA_MAX_TOKENS,
+            (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID),
+            MMA_SPLIT,
+            # tiled_settings() and wgmma_settings(), spelled out: this runs on every call
+            (
+                TILED_MIN_TOKENS,
+                TILED_MAX_TILE,
+                TILED_STAGES,
+                TILED_SPLIT,
+                TILED_CTAS_PER_SM,
+                TILED_KGROUPS,
+            ),
+            (
+                WGMMA_MIN_TOKENS,
+                WGMMA_MAX_TOKENS,
+                WGMMA_MAX_TILE,
+                WGMMA_STAGES,
+                WGMMA_ATOMS,
+                WGMMA_SPLIT,
+                WGMMA_DEEP_MAX_TOKENS,
+                WGMMA_DEEP_STAGES,
+                WGMMA_FP8_MIN_TOKENS,
+                WGMMA_FP8_ATOMS,
+            ),
+            GRAPH_MAX_TOKENS,
+            clear_unused_last_page_rows,
+        ),
+        stream,
+        layer_idx,
+    )
 
 
 def _prepare(views, flags):
     """Validate a first call; the launch plan (GEMV or cuBLAS path) or the NumPy backend run."""
-    (num_q_heads, is_neox, kv_layout, kv_scale, group_size, pdl, gemv_max, fast_int4, mma_min,
-     mma_max, mma_quantized, mma_split, tiled, wgmma, graph_max, clear) = flags
+    (
+        num_q_heads,
+        is_neox,
+        kv_layout,
+        kv_scale,
+        group_size,
+        pdl,
+        gemv_max,
+        fast_int4,
+        mma_min,
+        mma_max,
+        mma_quantized,
+        mma_split,
+        tiled,
+        wgmma,
+        graph_max,
+        clear,
+    ) = flags
     wgmma = WgmmaSettings(*wgmma)
     vx, vw, voff, vlen, vbt, vk, vv, vt, vws, vzp, vout, vstatus = views
 
@@ -556,8 +735,10 @@ def _prepare(views, flags):
     num_pages, D = vk.shape[0], vk.shape[3]
     page_size, Hkv = (vk.shape[1], vk.shape[2]) if nhd else (vk.shape[2], vk.shape[1])
     if Hkv == 0 or D == 0 or page_size == 0 or D % 2:
-        raise ValueError(f"k_cache must have shape {layout} with Hkv, page_size > 0 and D even "
-                         f"and > 0, got {vk.shape}")
+        raise ValueError(
+            f"k_cache must have shape {layout} with Hkv, page_size > 0 and D even "
+            f"and > 0, got {vk.shape}"
+        )
     if vk.dtype != dtype:
         ck.check_dtype(vk, (dtype, *FP8_DTYPES))
     ck.check_same_dtype(vv, vk)
@@ -571,8 +752,12 @@ def _prepare(views, flags):
 
     R = P = 0
     if vt is not None:
-        if (len(vt.shape) == 2 and vt.dtype == FLOAT32 and vt.shape[1] % 2 == 0
-                and 0 < vt.shape[1] <= D):
+        if (
+            len(vt.shape) == 2
+            and vt.dtype == FLOAT32
+            and vt.shape[1] % 2 == 0
+            and 0 < vt.shape[1] <= D
+        ):
             P, R = vt.shape
         else:
             P, R = ck.check_cos_sin_cache(vt, D)
@@ -584,27 +769,41 @@ def _prepare(views, flags):
     if vout is not None:
         ck.check_shape(vout, (T, Hq * D), "(T, Hq * D)")
         ck.check_same_dtype(vout, vx)
-    if (vx.strides[-1] != 1 or vw.strides[-1] != 1 or vbt.strides[-1] != 1
-            or vk.strides[-1] != 1 or vv.strides[-1] != 1
-            or (vt is not None and vt.strides[-1] != 1) or vws is not None or vzp is not None
-            or (vout is not None and vout.strides[-1] != 1)):  # (a test first, as above)
+    if (
+        vx.strides[-1] != 1
+        or vw.strides[-1] != 1
+        or vbt.strides[-1] != 1
+        or vk.strides[-1] != 1
+        or vv.strides[-1] != 1
+        or (vt is not None and vt.strides[-1] != 1)
+        or vws is not None
+        or vzp is not None
+        or (vout is not None and vout.strides[-1] != 1)
+    ):  # (a test first, as above)
         ck.check_last_dim_contiguous(vx, vw, vbt, vk, vv, vt, vws, vzp, vout)
     # rows must not overlap: cuBLAS takes them as leading dimensions (and so does the GEMV kernel)
     for view, cols in ((vx, K), (vw, vw.shape[1]), (vout, Hq * D)):
         if view is not None and view.shape[0] > 1 and view.strides[0] < cols:
-            raise ValueError(f"{view.name}'s row stride must be at least its {cols} columns, got "
-                             f"strides {view.strides} (in elements) for shape {view.shape}")
+            raise ValueError(
+                f"{view.name}'s row stride must be at least its {cols} columns, got "
+                f"strides {view.strides} (in elements) for shape {view.shape}"
+            )
     if vstatus is not None:
         check_status(vstatus)
     device = ck.check_same_device(views)
-    written = (5, 6, *((OUT,) if vout is not None else ()),
-               *((STATUS,) if vstatus is not None else ()))
+    written = (
+        5,
+        6,
+        *((OUT,) if vout is not None else ()),
+        *((STATUS,) if vstatus is not None else ()),
+    )
     outputs = [] if vout is not None else [Output((T, Hq * D), dtype)]
 
     if ck.check_indices_enabled():
         _check_indices(voff, vlen, vbt, T, P if vt is not None else None, page_size, num_pages)
 
     if device == HOST:
+
         def host(v, outs):
             qout = vout if vout is not None else outs[0]
             if vstatus is not None:
@@ -613,10 +812,25 @@ def _prepare(views, flags):
                     return
             if T:
                 reference.fused_qkv_matmul_append_paged_kv_cache(
-                    vx.host, vw.host, voff.host, vlen.host, vbt.host, vk.host, vv.host,
-                    qout.host, Hq, None if vt is None else vt.host, is_neox, kv_layout, k_scale,
-                    v_scale, None if vws is None else vws.host, G,
-                    None if vzp is None else vzp.host, clear)
+                    vx.host,
+                    vw.host,
+                    voff.host,
+                    vlen.host,
+                    vbt.host,
+                    vk.host,
+                    vv.host,
+                    qout.host,
+                    Hq,
+                    None if vt is None else vt.host,
+                    is_neox,
+                    kv_layout,
+                    k_scale,
+                    v_scale,
+                    None if vws is None else vws.host,
+                    G,
+                    None if vzp is None else vzp.host,
+                    clear,
+                )
 
         return Plan(HOST, outputs=outputs, written=written, result=_result, host=host)
     if T == 0 and vstatus is None:
@@ -625,20 +839,43 @@ def _prepare(views, flags):
     ks, kp = vk.strides, vv.strides
     out_s0 = vout.strides[0] if vout is not None else Hq * D
     fields = {  # the fields past the pointers (a launch's pointers have slots, or are null)
-        "hidden_s0": vx.strides[0], "weight_row_bytes": vw.strides[0] * vw.dtype.itemsize,
+        "hidden_s0": vx.strides[0],
+        "weight_row_bytes": vw.strides[0] * vw.dtype.itemsize,
         "ws_s0": vws.strides[0] if vws is not None else 0,
-        "zp_s0": vzp.strides[0] if vzp is not None else 0, "qt_s0": 0, "kt_s0": 0, "vt_s0": 0,
+        "zp_s0": vzp.strides[0] if vzp is not None else 0,
+        "qt_s0": 0,
+        "kt_s0": 0,
+        "vt_s0": 0,
         "bt_s0": vbt.strides[0],
-        "cs_s0": vt.strides[0] if vt is not None else 0, "out_s0": out_s0,
-        "k_page": ks[0], "k_entry": ks[1] if nhd else ks[2], "k_head": ks[2] if nhd else ks[1],
-        "v_page": kp[0], "v_entry": kp[1] if nhd else kp[2], "v_head": kp[2] if nhd else kp[1],
+        "cs_s0": vt.strides[0] if vt is not None else 0,
+        "out_s0": out_s0,
+        "k_page": ks[0],
+        "k_entry": ks[1] if nhd else ks[2],
+        "k_head": ks[2] if nhd else ks[1],
+        "v_page": kp[0],
+        "v_entry": kp[1] if nhd else kp[2],
+        "v_head": kp[2] if nhd else kp[1],
         "num_pages": num_pages,
-        "T": T, "K": K, "N": N, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "R": R, "P": P,
-        "page_size": page_size, "max_pages": vbt.shape[1], "group_size": G or 0, "kc": 0,
+        "T": T,
+        "K": K,
+        "N": N,
+        "B": B,
+        "Hq": Hq,
+        "Hkv": Hkv,
+        "D": D,
+        "R": R,
+        "P": P,
+        "page_size": page_size,
+        "max_pages": vbt.shape[1],
+        "group_size": G or 0,
+        "kc": 0,
         "is_neox": int(is_neox),
         "cache_code": (0 if not fp8 else 1 if vk.dtype == FLOAT8_E4M3FN else 2),
-        "k_inv_scale": 1.0 / k_scale if fp8 else 1.0, "v_inv_scale": 1.0 / v_scale if fp8 else 1.0,
-        "check": int(vstatus is not None), "clear": int(clear)}
+        "k_inv_scale": 1.0 / k_scale if fp8 else 1.0,
+        "v_inv_scale": 1.0 / v_scale if fp8 else 1.0,
+        "check": int(vstatus is not None),
+        "clear": int(clear),
+    }
     slots = dict(_SLOTS)
     if vout is None:
         slots["out"] = (NEW, 0)
@@ -647,19 +884,19 @@ def _prepare(views, flags):
     def fused(wgmma, mma_max):
         """The one fused launch that takes the call (qkv_wgmma, else the tensor-core kernels up
         to ``mma_max`` tokens), or None."""
-        if (wgmma_takes(fmt, T, K, D, wgmma)
-                and _compute_capability(device) == WGMMA_CAPABILITY):
-            step = _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts,
-                          fmt == W_FP8)
+        if wgmma_takes(fmt, T, K, D, wgmma) and _compute_capability(device) == WGMMA_CAPABILITY:
+            step = _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts, fmt == W_FP8)
             if step is not None:
                 return step
         if T and mma_min <= T <= mma_max:
-            return _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split, tiled,
-                        opts)
+            return _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split, tiled, opts)
         return None
 
-    mma_top = (mma_max if fmt == W_DENSE else
-               quantized_top(K, N, fmt, _sm_count(device), mma_quantized, tiled))
+    mma_top = (
+        mma_max
+        if fmt == W_DENSE
+        else quantized_top(K, N, fmt, _sm_count(device), mma_quantized, tiled)
+    )
     step = fused(wgmma, mma_top)
     if step is not None:
         return Plan(device, [step], outputs=outputs, written=written, result=_result)
@@ -669,30 +906,63 @@ def _prepare(views, flags):
     if n is None:
         steps = [_gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl, opts)]
         return Plan(device, steps, outputs=outputs, written=written, result=_result)
-    steps, workspaces = _prefill(fields, slots, vx, vw, fmt, vk.dtype, n, T, K, N, Hq, Hkv, D,
-                                 device, len(outputs), pdl, opts, vstatus is not None)
+    steps, workspaces = _prefill(
+        fields,
+        slots,
+        vx,
+        vw,
+        fmt,
+        vk.dtype,
+        n,
+        T,
+        K,
+        N,
+        Hq,
+        Hkv,
+        D,
+        device,
+        len(outputs),
+        pdl,
+        opts,
+        vstatus is not None,
+    )
     # under CUDA-graph capture, up to graph_max tokens: the fused kernel that would take the call
     # with its token cap raised (slower than cuBLAS eagerly there, but one launch and no
     # temporaries, which a graph can hold)
     step = None
     if T <= graph_max:
-        step = fused(wgmma._replace(max_tokens=max(wgmma.max_tokens, graph_max)),
-                     max(mma_top, graph_max))
-    capture_plan = None if step is None else Plan(device, [step], outputs=outputs,
-                                                  written=written, result=_result)
-    refusal = (f"fused_qkv_matmul_append_paged_kv_cache cannot be recorded in a CUDA graph with "
-               f"hidden_state of T={T} tokens: {GRAPH_RULE}")
-    return Plan(device, steps, outputs=outputs + workspaces, written=written, result=_result,
-                capture_refusal=refusal, capture_plan=capture_plan)
+        step = fused(
+            wgmma._replace(max_tokens=max(wgmma.max_tokens, graph_max)), max(mma_top, graph_max)
+        )
+    capture_plan = (
+        None
+        if step is None
+        else Plan(device, [step], outputs=outputs, written=written, result=_result)
+    )
+    refusal = (
+        f"fused_qkv_matmul_append_paged_kv_cache cannot be recorded in a CUDA graph with "
+        f"hidden_state of T={T} tokens: {GRAPH_RULE}"
+    )
+    return Plan(
+        device,
+        steps,
+        outputs=outputs + workspaces,
+        written=written,
+        result=_result,
+        capture_refusal=refusal,
+        capture_plan=capture_plan,
+    )
 
 
 # Why a call is refused under CUDA-graph capture (the plans' and the frameworks' messages).
-GRAPH_RULE = ("this call runs cuBLAS on temporaries freed when it returns, which a graph cannot "
-              "hold. Calls of up to ropekv.qkv.GEMV_MAX_TOKENS tokens, and on sm_90 of up to "
-              "GRAPH_MAX_TOKENS tokens with 16-byte aligned weight and hidden rows, heads that "
-              "divide 128 rows and K a multiple of 8 (16 with fp8 weights; 32 with 4-bit ones, "
-              "in groups of a multiple of 32), run one kernel and can be recorded (see "
-              "ropekv.qkv.graph_safe); run this one outside the graph")
+GRAPH_RULE = (
+    "this call runs cuBLAS on temporaries freed when it returns, which a graph cannot "
+    "hold. Calls of up to ropekv.qkv.GEMV_MAX_TOKENS tokens, and on sm_90 of up to "
+    "GRAPH_MAX_TOKENS tokens with 16-byte aligned weight and hidden rows, heads that "
+    "divide 128 rows and K a multiple of 8 (16 with fp8 weights; 32 with 4-bit ones, "
+    "in groups of a multiple of 32), run one kernel and can be recorded (see "
+    "ropekv.qkv.graph_safe); run this one outside the graph"
+)
 
 
 def _result(arrays, outs):
@@ -713,24 +983,32 @@ def _check_weight(vw, vws, vzp, group_size, dtype, N, K):
             raise ValueError(f"4-bit weights need an even K, got hidden_state with K={K}")
         ck.check_shape(vw, (N, K // 2), "(N = (Hq + 2 Hkv) D, K / 2) for 4-bit weights")
     else:
-        raise TypeError(f"weight must have dtype {dtype} (the input dtype), float8_e4m3fn or "
-                        f"uint8 (packed 4-bit), got {vw.dtype}")
+        raise TypeError(
+            f"weight must have dtype {dtype} (the input dtype), float8_e4m3fn or "
+            f"uint8 (packed 4-bit), got {vw.dtype}"
+        )
     if fmt == W_DENSE:
         if vws is None and group_size is None and vzp is None:  # (the common case: no loop)
             return fmt
-        for name, given in (("weight_scales", vws), ("group_size", group_size),
-                            ("zero_points", vzp)):
+        for name, given in (
+            ("weight_scales", vws),
+            ("group_size", group_size),
+            ("zero_points", vzp),
+        ):
             if given is not None:
-                raise ValueError(f"{name} is only used with float8 or 4-bit weights, but weight "
-                                 f"is {vw.dtype}")
+                raise ValueError(
+                    f"{name} is only used with float8 or 4-bit weights, but weight is {vw.dtype}"
+                )
     elif fmt == W_FP8:
         for name, given in (("group_size", group_size), ("zero_points", vzp)):
             if given is not None:
-                raise ValueError(f"{name} is only used with 4-bit weights, but weight is "
-                                 f"{vw.dtype}")
+                raise ValueError(
+                    f"{name} is only used with 4-bit weights, but weight is {vw.dtype}"
+                )
         if vws is None:
-            raise ValueError(f"weight_scales (float32, shape ({N},)) is required for float8 "
-                             f"weights")
+            raise ValueError(
+                f"weight_scales (float32, shape ({N},)) is required for float8 weights"
+            )
         ck.check_shape(vws, (N,), "(N,)")
         ck.check_dtype(vws, (FLOAT32,))
         _check_contiguous(vws)
@@ -741,8 +1019,9 @@ def _check_weight(vw, vws, vzp, group_size, dtype, N, K):
         if G % 2 or K % G:
             raise ValueError(f"group_size must be even and divide K={K}, got {G}")
         if vws is None:
-            raise ValueError(f"weight_scales ({dtype}, shape ({N}, {K // G})) is required for "
-                             f"4-bit weights")
+            raise ValueError(
+                f"weight_scales ({dtype}, shape ({N}, {K // G})) is required for 4-bit weights"
+            )
         ck.check_shape(vws, (N, K // G), "(N, K / group_size)")
         ck.check_dtype(vws, (dtype,))
         if vzp is not None:
@@ -755,8 +1034,12 @@ def _gemv_width(vw, fmt, dtype, K, group_size):
     """Bytes per weight load: 16 when K (and the group) split into 16-byte loads and every row
     starts 16-byte aligned, else the smallest unit."""
     vals = 16 // dtype.itemsize if fmt == W_DENSE else 16 if fmt == W_FP8 else 32
-    ok = (K % vals == 0 and vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
-          and (fmt != W_INT4 or group_size % vals == 0))
+    ok = (
+        K % vals == 0
+        and vw.ptr % 16 == 0
+        and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
+        and (fmt != W_INT4 or group_size % vals == 0)
+    )
     return (16, vals) if ok else (_weight_bytes_min(dtype, fmt), 2 if fmt == W_INT4 else 1)
 
 
@@ -774,9 +1057,18 @@ def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl, opts=Fals
     smem = tt * kc * 4 + (tt * (kc // 32) * 4 if fast else 0)
     pairs_per_block = GEMV_WARPS * GEMV_PAIRS
     grid = ((N // 2 + pairs_per_block - 1) // pairs_per_block, (T + tt - 1) // tt) if T else (1, 1)
-    return Launch(STEM, gemv_expression(dtype, fmt, vb, tt, fast, opts), device, grid,
-                  (GEMV_WARPS * 32,), PARAMS, {**fields, "kc": kc}, slots, shared_mem=smem,
-                  pdl=pdl)
+    return Launch(
+        STEM,
+        gemv_expression(dtype, fmt, vb, tt, fast, opts),
+        device,
+        grid,
+        (GEMV_WARPS * 32,),
+        PARAMS,
+        {**fields, "kc": kc},
+        slots,
+        shared_mem=smem,
+        pdl=pdl,
+    )
 
 
 @functools.cache
@@ -823,8 +1115,9 @@ def graph_safe(T, K, D, fmt, group_size, compute_capability):
     if fmt == W_DENSE and wgmma_applies(T, K, D, compute_capability, wgmma):
         return True
     top = max(MMA_MAX_TOKENS if fmt == W_DENSE else MMA_MAX_TOKENS_QUANTIZED, GRAPH_MAX_TOKENS)
-    return (MMA_MIN_TOKENS <= T <= top
-            and mma_applies(K, D, fmt, group_size or 0, compute_capability))
+    return MMA_MIN_TOKENS <= T <= top and mma_applies(
+        K, D, fmt, group_size or 0, compute_capability
+    )
 
 
 def mma_applies(K, D, fmt, group_size, compute_capability=90):
@@ -832,8 +1125,13 @@ def mma_applies(K, D, fmt, group_size, compute_capability=90):
     rows, checked per call): thread-block clusters (sm_90), whole heads in a 128-row tile, K in
     16-byte weight loads (and 4-bit groups of whole loads)."""
     vals = MMA_VALS[fmt]
-    return (compute_capability >= 90 and MMA_ROWS % D == 0 and K % 8 == 0 and K % vals == 0
-            and (fmt != W_INT4 or group_size % vals == 0))
+    return (
+        compute_capability >= 90
+        and MMA_ROWS % D == 0
+        and K % 8 == 0
+        and K % vals == 0
+        and (fmt != W_INT4 or group_size % vals == 0)
+    )
 
 
 def _slice(K, split, unit):
@@ -883,8 +1181,14 @@ def tiled_applies(K, fmt, T, tiled_min=None):
 
 def tiled_settings():
     """The TILED_* settings as the call passes them (the flags' tuple)."""
-    return (TILED_MIN_TOKENS, TILED_MAX_TILE, TILED_STAGES, TILED_SPLIT, TILED_CTAS_PER_SM,
-            TILED_KGROUPS)
+    return (
+        TILED_MIN_TOKENS,
+        TILED_MAX_TILE,
+        TILED_STAGES,
+        TILED_SPLIT,
+        TILED_CTAS_PER_SM,
+        TILED_KGROUPS,
+    )
 
 
 class WgmmaSettings(NamedTuple):
@@ -904,9 +1208,18 @@ class WgmmaSettings(NamedTuple):
 
 def wgmma_settings():
     """The WGMMA_* settings as they are now."""
-    return WgmmaSettings(WGMMA_MIN_TOKENS, WGMMA_MAX_TOKENS, WGMMA_MAX_TILE, WGMMA_STAGES,
-                         WGMMA_ATOMS, WGMMA_SPLIT, WGMMA_DEEP_MAX_TOKENS, WGMMA_DEEP_STAGES,
-                         WGMMA_FP8_MIN_TOKENS, WGMMA_FP8_ATOMS)
+    return WgmmaSettings(
+        WGMMA_MIN_TOKENS,
+        WGMMA_MAX_TOKENS,
+        WGMMA_MAX_TILE,
+        WGMMA_STAGES,
+        WGMMA_ATOMS,
+        WGMMA_SPLIT,
+        WGMMA_DEEP_MAX_TOKENS,
+        WGMMA_DEEP_STAGES,
+        WGMMA_FP8_MIN_TOKENS,
+        WGMMA_FP8_ATOMS,
+    )
 
 
 def wgmma_shape(T, K, D, wgmma, fp8=False):
@@ -915,8 +1228,9 @@ def wgmma_shape(T, K, D, wgmma, fp8=False):
     ``wgmma.atoms``; ``fp8``: of ``wgmma.fp8_atoms``), and its tile's stages in an SM's shared
     memory (tuned settings can ask for more than fits)."""
     atoms = wgmma.fp8_atoms if fp8 else wgmma.atoms
-    if not (wgmma.min_tokens <= T <= wgmma.max_tokens and MMA_ROWS % D == 0
-            and K % (64 * atoms) == 0):
+    if not (
+        wgmma.min_tokens <= T <= wgmma.max_tokens and MMA_ROWS % D == 0 and K % (64 * atoms) == 0
+    ):
         return False
     deep, tn, _, _, smem = _wgmma_layout(T, wgmma, fp8)
     return _wgmma_per_sm(smem, deep, tn) >= 1
@@ -928,8 +1242,9 @@ def wgmma_takes(fmt, T, K, D, wgmma):
     atoms) from ``fp8_min_tokens`` to ``deep_max_tokens`` tokens (the deep kernel), at most
     WGMMA_FP8_TOP."""
     if fmt == W_FP8:
-        return (wgmma.fp8_min_tokens <= T <= min(wgmma.deep_max_tokens, WGMMA_FP8_TOP)
-                and wgmma_shape(T, K, D, wgmma, fp8=True))
+        return wgmma.fp8_min_tokens <= T <= min(
+            wgmma.deep_max_tokens, WGMMA_FP8_TOP
+        ) and wgmma_shape(T, K, D, wgmma, fp8=True)
     return fmt == W_DENSE and wgmma_shape(T, K, D, wgmma)
 
 
@@ -962,8 +1277,7 @@ def _wgmma_stages(tn, stages, atoms, deep, fp8=False):
     on sm_90, at least 2); fewer than that floor are raised to it."""
     floor, per_sm = (3, 1) if deep else (2, 2)
     stages = max(stages, floor)
-    while (stages > floor
-           and _wgmma_per_sm(_wgmma_smem(tn, stages, atoms, fp8), deep, tn) < per_sm):
+    while stages > floor and _wgmma_per_sm(_wgmma_smem(tn, stages, atoms, fp8), deep, tn) < per_sm:
         stages -= 1
     return stages
 
@@ -984,12 +1298,16 @@ def _wgmma_tiles():
     """The (tile, deep, fp8) triples of the shipped settings, at every token count a call can take
     qkv_wgmma at: eagerly, or under capture (GRAPH_MAX_TOKENS); fp8 weights deep only."""
     top = max(WGMMA_MAX_TOKENS, GRAPH_MAX_TOKENS)
-    dense = {(_wgmma_tile(T, WGMMA_MAX_TILE, deep), deep, False)
-             for T in range(WGMMA_MIN_TOKENS, top + 1)
-             for deep in [T <= WGMMA_DEEP_MAX_TOKENS]}
+    dense = {
+        (_wgmma_tile(T, WGMMA_MAX_TILE, deep), deep, False)
+        for T in range(WGMMA_MIN_TOKENS, top + 1)
+        for deep in [T <= WGMMA_DEEP_MAX_TOKENS]
+    }
     fp8_top = min(WGMMA_MAX_TOKENS, WGMMA_DEEP_MAX_TOKENS, WGMMA_FP8_TOP)
-    fp8 = {(_wgmma_tile(T, WGMMA_MAX_TILE, True), True, True)
-           for T in range(WGMMA_FP8_MIN_TOKENS, fp8_top + 1)}
+    fp8 = {
+        (_wgmma_tile(T, WGMMA_MAX_TILE, True), True, True)
+        for T in range(WGMMA_FP8_MIN_TOKENS, fp8_top + 1)
+    }
     return sorted(dense | fp8)
 
 
@@ -1014,16 +1332,29 @@ def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False, fp8=F
     split = wgmma.split
     if split not in TILED_SPLITS:
         raise ValueError(f"ropekv.qkv.WGMMA_SPLIT must be one of {TILED_SPLITS}, got {split}")
-    if not (vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
-            and vx.ptr % 16 == 0 and vx.strides[0] % 8 == 0):
+    if not (
+        vw.ptr % 16 == 0
+        and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
+        and vx.ptr % 16 == 0
+        and vx.strides[0] % 8 == 0
+    ):
         return None
     deep, tn, atoms, stages, smem = _wgmma_layout(T, wgmma, fp8)
     tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
     split = _tiled_split(tiles, split, _wgmma_per_sm(smem, deep, tn) * _sm_count(device))
     kc = _slice(K, split, 64 * atoms)
-    return Launch(STEM, wgmma_expression(vx.dtype, tn, split, stages, atoms, opts, deep, fp8),
-                  device, (split, tiles), (WGMMA_THREADS,), PARAMS, {**fields, "kc": kc}, slots,
-                  shared_mem=smem, pdl=pdl)
+    return Launch(
+        STEM,
+        wgmma_expression(vx.dtype, tn, split, stages, atoms, opts, deep, fp8),
+        device,
+        (split, tiles),
+        (WGMMA_THREADS,),
+        PARAMS,
+        {**fields, "kc": kc},
+        slots,
+        shared_mem=smem,
+        pdl=pdl,
+    )
 
 
 def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts=False):
@@ -1034,12 +1365,15 @@ def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts
     if split not in MMA_SPLITS:
         raise ValueError(f"ropekv.qkv.MMA_SPLIT must be one of {MMA_SPLITS}, got {split}")
     if tiled_split not in TILED_SPLITS:
-        raise ValueError(f"ropekv.qkv.TILED_SPLIT must be one of {TILED_SPLITS}, got "
-                         f"{tiled_split}")
+        raise ValueError(f"ropekv.qkv.TILED_SPLIT must be one of {TILED_SPLITS}, got {tiled_split}")
     if not mma_applies(K, D, fmt, G, _compute_capability(device)):
         return None
-    if not (vw.ptr % 16 == 0 and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
-            and vx.ptr % 16 == 0 and (T == 1 or vx.strides[0] % 8 == 0)):
+    if not (
+        vw.ptr % 16 == 0
+        and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
+        and vx.ptr % 16 == 0
+        and (T == 1 or vx.strides[0] % 8 == 0)
+    ):
         return None
     tiled = tiled_applies(K, fmt, T, tiled_min)
     # the smallest token tile that holds T tokens, else the largest (no generator); the tiled
@@ -1052,18 +1386,34 @@ def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts
     if tiled:
         tiled_split = _tiled_split(tiles, tiled_split, per_sm * _sm_count(device))
         kc = _slice(K, tiled_split, TILED_BK[fmt])
-        return Launch(STEM, tiled_expression(vx.dtype, fmt, tn, tiled_split, stages, kgroups,
-                                             opts),
-                      device, (tiled_split, tiles), (2 * tn * kgroups,), PARAMS,
-                      {**fields, "kc": kc}, slots, shared_mem=_tiled_smem(tn, stages, fmt),
-                      pdl=pdl)
+        return Launch(
+            STEM,
+            tiled_expression(vx.dtype, fmt, tn, tiled_split, stages, kgroups, opts),
+            device,
+            (tiled_split, tiles),
+            (2 * tn * kgroups,),
+            PARAMS,
+            {**fields, "kc": kc},
+            slots,
+            shared_mem=_tiled_smem(tn, stages, fmt),
+            pdl=pdl,
+        )
     kc = _mma_slice(K, fmt, split)
     smem = _mma_smem(tn, kc)
     if smem > MMA_SMEM_MAX:
         return None
-    return Launch(STEM, mma_expression(vx.dtype, fmt, tn, split, opts), device, (split, tiles),
-                  (MMA_WARPS * 32,), PARAMS, {**fields, "kc": kc}, slots, shared_mem=smem,
-                  pdl=pdl)
+    return Launch(
+        STEM,
+        mma_expression(vx.dtype, fmt, tn, split, opts),
+        device,
+        (split, tiles),
+        (MMA_WARPS * 32,),
+        PARAMS,
+        {**fields, "kc": kc},
+        slots,
+        shared_mem=smem,
+        pdl=pdl,
+    )
 
 
 def _epilogue_width(vout, vk, vv, vt, D, R, is_neox):
@@ -1082,8 +1432,26 @@ def _epilogue_width(vout, vk, vv, vt, D, R, is_neox):
     return None
 
 
-def _prefill(fields, slots, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, device, n_out,
-             pdl, opts=False, status=False):
+def _prefill(
+    fields,
+    slots,
+    vx,
+    vw,
+    fmt,
+    cache_dtype,
+    n,
+    T,
+    K,
+    N,
+    Hq,
+    Hkv,
+    D,
+    device,
+    n_out,
+    pdl,
+    opts=False,
+    status=False,
+):
     """cuBLAS, then one epilogue launch: ``(steps, workspaces)``. One GEMM into a (T, N)
     temporary in the input dtype; for fp8 caches with RoPE, Q goes straight into ``out`` and K|V
     into a float32 temporary instead (16-bit rounding before a cancelling rotation would cost fp8
@@ -1102,8 +1470,19 @@ def _prefill(fields, slots, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, de
         next_index += 1
         total = N * (K // 2 if fmt == W_INT4 else K)
         grid = min((total + DEQUANT_BLOCK - 1) // DEQUANT_BLOCK, 132 * 16)
-        steps.append(Launch(STEM, dequant_expression(dtype, fmt), device, (grid,),
-                            (DEQUANT_BLOCK,), PARAMS, fields, {**slots, "out": w_slot}, pdl=pdl))
+        steps.append(
+            Launch(
+                STEM,
+                dequant_expression(dtype, fmt),
+                device,
+                (grid,),
+                (DEQUANT_BLOCK,),
+                PARAMS,
+                fields,
+                {**slots, "out": w_slot},
+                pdl=pdl,
+            )
+        )
     row_bytes = w_ld * dtype.itemsize
     x_slot, x_ld = slots["hidden"], vx.strides[0]
     tmp = (next_index, 0)
@@ -1122,39 +1501,92 @@ def _prefill(fields, slots, vx, vw, fmt, cache_dtype, n, T, K, N, Hq, Hkv, D, de
         else:
             q_slot, q_ld = slots["out"], fields["out_s0"]  # roped in place
         steps.append(Gemm(w_slot, w_ld, x_slot, x_ld, q_slot, q_ld, Hq * D, T, K, dtype, dtype))
-        steps.append(Gemm((w_slot[0], w_slot[1] + Hq * D * row_bytes), w_ld, x_slot, x_ld, tmp,
-                          2 * Hkv * D, 2 * Hkv * D, T, K, dtype, k_dtype))
+        steps.append(
+            Gemm(
+                (w_slot[0], w_slot[1] + Hq * D * row_bytes),
+                w_ld,
+                x_slot,
+                x_ld,
+                tmp,
+                2 * Hkv * D,
+                2 * Hkv * D,
+                T,
+                K,
+                dtype,
+                k_dtype,
+            )
+        )
         k_slot, v_slot, kv_ld = tmp, (next_index, Hkv * D * 4), 2 * Hkv * D
-    steps.append(Launch(STEM, epilogue_expression(dtype, cache_dtype, k_dtype, n, opts), device,
-                        (T,), (EPILOGUE_BLOCK,), PARAMS,
-                        {**fields, "qt_s0": q_ld, "kt_s0": kv_ld, "vt_s0": kv_ld},
-                        {**slots, "q_tmp": q_slot, "k_tmp": k_slot, "v_tmp": v_slot}, pdl=pdl))
+    steps.append(
+        Launch(
+            STEM,
+            epilogue_expression(dtype, cache_dtype, k_dtype, n, opts),
+            device,
+            (T,),
+            (EPILOGUE_BLOCK,),
+            PARAMS,
+            {**fields, "qt_s0": q_ld, "kt_s0": kv_ld, "vt_s0": kv_ld},
+            {**slots, "q_tmp": q_slot, "k_tmp": k_slot, "v_tmp": v_slot},
+            pdl=pdl,
+        )
+    )
     return steps, workspaces
 
 
 def _check_indices(voff, vlen, vbt, T, P, page_size, num_pages):
     request, pos, page, entry = reference.ragged_paged_slots(
-        ck.host_copy(voff), ck.host_copy(vlen), ck.host_copy(vbt), page_size, num_pages, T)
-    for t in np.nonzero((request < 0) | (pos < 0) | (page < 0) |
-                        ((pos >= P) if P is not None else False))[0]:
+        ck.host_copy(voff), ck.host_copy(vlen), ck.host_copy(vbt), page_size, num_pages, T
+    )
+    for t in np.nonzero(
+        (request < 0) | (pos < 0) | (page < 0) | ((pos >= P) if P is not None else False)
+    )[0]:
         t = int(t)
         if request[t] < 0:
             raise IndexError(f"token {t} lies in no request of input_row_offsets")
         if pos[t] < 0 or (P is not None and pos[t] >= P):
-            raise IndexError(f"token {t} (request {request[t]}) has position {pos[t]}, outside "
-                             f"[0, {P if P is not None else 'inf'})")
-        raise IndexError(f"token {t} (request {request[t]}, position {pos[t]}) has no valid "
-                         f"page in block_table (block index {pos[t] // page_size}, "
-                         f"num_pages {num_pages})")
+            raise IndexError(
+                f"token {t} (request {request[t]}) has position {pos[t]}, outside "
+                f"[0, {P if P is not None else 'inf'})"
+            )
+        raise IndexError(
+            f"token {t} (request {request[t]}, position {pos[t]}) has no valid "
+            f"page in block_table (block index {pos[t] // page_size}, "
+            f"num_pages {num_pages})"
+        )
     writes = page >= 0
-    ck.check_unique_slots(np.stack([page[writes], entry[writes]], 1), np.flatnonzero(writes),
-                          "cache row (page, entry)")
+    ck.check_unique_slots(
+        np.stack([page[writes], entry[writes]], 1),
+        np.flatnonzero(writes),
+        "cache row (page, entry)",
+    )
 
-_OP = Op("fused_qkv_matmul_append_paged_kv_cache", ARRAYS, _prepare,
-         layered=("k_cache", "v_cache"),
-         flags=[("num_q_heads", KEY), ("is_neox", FLAG), ("kv_layout", KEY), ("kv_scale", KEY),
-                ("group_size", KEY), ("enable_pdl", FLAG),
-                *((name, AS_IS) for name in ("GEMV_MAX_TOKENS", "FAST_INT4", "MMA_MIN_TOKENS",
-                                             "MMA_MAX_TOKENS", "MMA_*_QUANTIZED", "MMA_SPLIT")),
-                ("TILED_*", AS_IS), ("WGMMA_*", AS_IS), ("GRAPH_MAX_TOKENS", AS_IS),
-                ("clear_unused_last_page_rows", FLAG)])
+
+_OP = Op(
+    "fused_qkv_matmul_append_paged_kv_cache",
+    ARRAYS,
+    _prepare,
+    layered=("k_cache", "v_cache"),
+    flags=[
+        ("num_q_heads", KEY),
+        ("is_neox", FLAG),
+        ("kv_layout", KEY),
+        ("kv_scale", KEY),
+        ("group_size", KEY),
+        ("enable_pdl", FLAG),
+        *(
+            (name, AS_IS)
+            for name in (
+                "GEMV_MAX_TOKENS",
+                "FAST_INT4",
+                "MMA_MIN_TOKENS",
+                "MMA_MAX_TOKENS",
+                "MMA_*_QUANTIZED",
+                "MMA_SPLIT",
+            )
+        ),
+        ("TILED_*", AS_IS),
+        ("WGMMA_*", AS_IS),
+        ("GRAPH_MAX_TOKENS", AS_IS),
+        ("clear_unused_last_page_rows", FLAG),
+    ],
+)

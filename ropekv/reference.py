@@ -46,8 +46,9 @@ def quantize_rows(x, dtype):
     with the float64 dequantization scales ``a / max_code`` of shape ``x.shape[:-1]``."""
     code = MAX_CODE[np.dtype(dtype)]
     x = np.asarray(x, np.float64)
-    amax = np.fmax.reduce(np.abs(x), axis=-1, initial=0.0) if x.shape[-1] else np.zeros(
-        x.shape[:-1])
+    amax = (
+        np.fmax.reduce(np.abs(x), axis=-1, initial=0.0) if x.shape[-1] else np.zeros(x.shape[:-1])
+    )
     a = np.fmax(amax, 1e-6)
     with np.errstate(invalid="ignore"):
         stored = to_dtype(x * (code / a)[..., None], dtype)
@@ -68,13 +69,13 @@ def rope(x, cos, sin, is_neox):
     x = np.array(x, np.float64)
     half = cos.shape[-1]
     if is_neox:
-        a, b = x[..., :half].copy(), x[..., half:2 * half].copy()
+        a, b = x[..., :half].copy(), x[..., half : 2 * half].copy()
         x[..., :half] = a * cos - b * sin
-        x[..., half:2 * half] = b * cos + a * sin
+        x[..., half : 2 * half] = b * cos + a * sin
     else:
-        a, b = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
-        x[..., 0:2 * half:2] = a * cos - b * sin
-        x[..., 1:2 * half:2] = b * cos + a * sin
+        a, b = x[..., 0 : 2 * half : 2].copy(), x[..., 1 : 2 * half : 2].copy()
+        x[..., 0 : 2 * half : 2] = a * cos - b * sin
+        x[..., 1 : 2 * half : 2] = b * cos + a * sin
     return x
 
 
@@ -113,10 +114,24 @@ def mrope_cos_sin(table, positions, mrope_section, interleaved=False):
     return cos_sin[rows, cols], cos_sin[rows, half + cols]
 
 
-def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, kv_end_lens=None, position_ids=None,
-                        kv_scale=None, write_k_in_place=False, is_neox=True, mrope_section=None,
-                        mrope_interleaved=False, q_out=None, q_scale=None, q_scale_out=None,
-                        kv_cache_scales=None):
+def apply_rope_write_kv(
+    q,
+    k,
+    v,
+    kv_cache,
+    cos_sin_cache,
+    kv_end_lens=None,
+    position_ids=None,
+    kv_scale=None,
+    write_k_in_place=False,
+    is_neox=True,
+    mrope_section=None,
+    mrope_interleaved=False,
+    q_out=None,
+    q_scale=None,
+    q_scale_out=None,
+    kv_cache_scales=None,
+):
     """Reference of :func:`ropekv.apply_rope_write_kv` on NumPy arrays, written in place.
 
     With ``mrope_section``, ``position_ids`` is ``(3, B, S)`` and a token is kept when its slot is
@@ -138,8 +153,11 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, kv_end_lens=None, posi
     fp8 = is_fp8(kv_cache.dtype)
     per_row = kv_cache_scales is not None
     # kv_scale: a number or 0-d array (one scale for K and V), or a pair / (2,) array
-    k_scale, v_scale = (np.broadcast_to(np.asarray(kv_scale, np.float64).reshape(-1), (2,))
-                        if fp8 and not per_row else (1.0, 1.0))
+    k_scale, v_scale = (
+        np.broadcast_to(np.asarray(kv_scale, np.float64).reshape(-1), (2,))
+        if fp8 and not per_row
+        else (1.0, 1.0)
+    )
     q_rows = None if q_out is None else np.array(q, np.float64)  # every token's q_out row
     for b in range(B):
         start = 0 if kv_end_lens is None else int(kv_end_lens[b]) - S
@@ -210,8 +228,9 @@ def ragged_offsets_status(input_row_offsets, num_tokens):
     return STATUS_OK
 
 
-def ragged_paged_slots(input_row_offsets, cache_lengths, block_table, page_size, num_pages,
-                       num_tokens):
+def ragged_paged_slots(
+    input_row_offsets, cache_lengths, block_table, page_size, num_pages, num_tokens
+):
     """Where each of ``num_tokens`` tokens of a ragged batch goes, as the kernels compute it.
 
     Returns int64 arrays ``(request, pos, page, entry)`` of shape ``(T,)``: request -1 for a token
@@ -257,11 +276,23 @@ def rms_norm(x, gamma, epsilon):
     return x / np.sqrt(ms + epsilon) * np.asarray(gamma, np.float64)
 
 
-def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, input_row_offsets,
-                                           cache_lengths, block_table, ckv_cache, kpe_cache,
-                                           q_rope_out, epsilon=1e-6, kv_norm_dim=None,
-                                           is_neox=False, kv_scale=1.0,
-                                           clear_unused_last_page_rows=False):
+def mla_rope_rmsnorm_append_paged_kv_cache(
+    q_rope,
+    kv,
+    gamma,
+    cos_sin_cache,
+    input_row_offsets,
+    cache_lengths,
+    block_table,
+    ckv_cache,
+    kpe_cache,
+    q_rope_out,
+    epsilon=1e-6,
+    kv_norm_dim=None,
+    is_neox=False,
+    kv_scale=1.0,
+    clear_unused_last_page_rows=False,
+):
     """Reference of :func:`ropekv.mla_rope_rmsnorm_append_paged_kv_cache`, written in place.
 
     ``ckv_cache (num_pages, page_size, L)`` and ``kpe_cache (num_pages, page_size, R)`` are the two
@@ -274,8 +305,9 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     L = kv.shape[1] - R
     n = L if kv_norm_dim is None else int(kv_norm_dim)
     num_pages, page_size = ckv_cache.shape[:2]
-    request, pos, page, entry = ragged_paged_slots(input_row_offsets, cache_lengths, block_table,
-                                                   page_size, num_pages, T)
+    request, pos, page, entry = ragged_paged_slots(
+        input_row_offsets, cache_lengths, block_table, page_size, num_pages, T
+    )
     roped = (request >= 0) & (pos >= 0) & (pos < P)
     write = roped & (page >= 0)
     cos, sin = split_cos_sin(cos_sin_cache[np.where(roped, pos, 0)])
@@ -292,19 +324,38 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     ckv_cache[page[write], entry[write]] = to_dtype(latent / scale, ckv_cache.dtype)
     kpe_cache[page[write], entry[write]] = to_dtype(pe / scale, kpe_cache.dtype)
     if clear_unused_last_page_rows:
-        clear_last_page_rows((ckv_cache, kpe_cache), input_row_offsets, request, page, entry,
-                             write)
+        clear_last_page_rows((ckv_cache, kpe_cache), input_row_offsets, request, page, entry, write)
 
 
-def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cache,
-                                          input_row_offsets, cache_lengths, block_table, k_cache,
-                                          v_cache, q_out, epsilon=1e-6, is_neox=True,
-                                          kv_layout="NHD", k_scale=1.0, v_scale=1.0,
-                                          norm_order="before_rope", weight_offset=0.0,
-                                          clear_unused_last_page_rows=False, position_ids=None,
-                                          mrope_section=None, mrope_interleaved=False,
-                                          q_scale=1.0, q_scale_out=None, k_scales=None,
-                                          v_scales=None):
+def qk_rmsnorm_rope_append_paged_kv_cache(
+    q,
+    k,
+    v,
+    q_gamma,
+    k_gamma,
+    cos_sin_cache,
+    input_row_offsets,
+    cache_lengths,
+    block_table,
+    k_cache,
+    v_cache,
+    q_out,
+    epsilon=1e-6,
+    is_neox=True,
+    kv_layout="NHD",
+    k_scale=1.0,
+    v_scale=1.0,
+    norm_order="before_rope",
+    weight_offset=0.0,
+    clear_unused_last_page_rows=False,
+    position_ids=None,
+    mrope_section=None,
+    mrope_interleaved=False,
+    q_scale=1.0,
+    q_scale_out=None,
+    k_scales=None,
+    v_scales=None,
+):
     """Reference of :func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache`, written in place.
 
     Caches are ``(num_pages, page_size, Hkv, D)`` (NHD) or ``(num_pages, Hkv, page_size, D)``
@@ -326,13 +377,15 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     P = cos_sin_cache.shape[0]
     num_pages = k_cache.shape[0]
     page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
-    request, pos, page, entry = ragged_paged_slots(input_row_offsets, cache_lengths, block_table,
-                                                   page_size, num_pages, T)
+    request, pos, page, entry = ragged_paged_slots(
+        input_row_offsets, cache_lengths, block_table, page_size, num_pages, T
+    )
     if mrope_section is not None:
         pos3 = np.asarray(position_ids, np.int64)
         roped = (request >= 0) & (pos >= 0) & np.all((pos3 >= 0) & (pos3 < P), axis=0)
-        cos, sin = mrope_cos_sin(cos_sin_cache, np.where(roped, pos3, 0), mrope_section,
-                                 mrope_interleaved)
+        cos, sin = mrope_cos_sin(
+            cos_sin_cache, np.where(roped, pos3, 0), mrope_section, mrope_interleaved
+        )
     else:
         roped = (request >= 0) & (pos >= 0) & (pos < P)
         cos, sin = split_cos_sin(cos_sin_cache[np.where(roped, pos, 0)])
@@ -351,8 +404,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     if q_scale_out is not None:
         q_out[...], q_scale_out[...] = quantize_rows(qf, q_out.dtype)
     else:
-        q_out[...] = to_dtype(qf / (float(q_scale) if is_fp8(q_out.dtype) else 1.0),
-                              q_out.dtype)
+        q_out[...] = to_dtype(qf / (float(q_scale) if is_fp8(q_out.dtype) else 1.0), q_out.dtype)
     if not write.any():
         return
     fp8 = is_fp8(k_cache.dtype)
@@ -419,12 +471,26 @@ def dequantize_weight(weight, weight_scales=None, group_size=None, zero_points=N
     return w
 
 
-def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offsets, cache_lengths,
-                                           block_table, k_cache, v_cache, out, num_q_heads,
-                                           cos_sin_cache=None, is_neox=True, kv_layout="NHD",
-                                           k_scale=1.0, v_scale=1.0, weight_scales=None,
-                                           group_size=None, zero_points=None,
-                                           clear_unused_last_page_rows=False):
+def fused_qkv_matmul_append_paged_kv_cache(
+    hidden_state,
+    weight,
+    input_row_offsets,
+    cache_lengths,
+    block_table,
+    k_cache,
+    v_cache,
+    out,
+    num_q_heads,
+    cos_sin_cache=None,
+    is_neox=True,
+    kv_layout="NHD",
+    k_scale=1.0,
+    v_scale=1.0,
+    weight_scales=None,
+    group_size=None,
+    zero_points=None,
+    clear_unused_last_page_rows=False,
+):
     """Reference of :func:`ropekv.fused_qkv_matmul_append_paged_kv_cache`, written in place.
 
     ``qkv = hidden_state @ W.T`` in float64 (W dequantized), rows ordered [Q heads | K heads |
@@ -437,14 +503,15 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     T = hidden_state.shape[0]
     Hq = int(num_q_heads)
     num_pages, D = k_cache.shape[0], k_cache.shape[3]
-    page_size, Hkv = (k_cache.shape[1:3] if kv_layout == "NHD" else k_cache.shape[2:0:-1])
+    page_size, Hkv = k_cache.shape[1:3] if kv_layout == "NHD" else k_cache.shape[2:0:-1]
     w = dequantize_weight(weight, weight_scales, group_size, zero_points)
     qkv = np.asarray(hidden_state, np.float64) @ w.T
-    q = qkv[:, :Hq * D].reshape(T, Hq, D)
-    k = qkv[:, Hq * D:(Hq + Hkv) * D].reshape(T, Hkv, D)
-    v = qkv[:, (Hq + Hkv) * D:].reshape(T, Hkv, D)
-    request, pos, page, entry = ragged_paged_slots(input_row_offsets, cache_lengths, block_table,
-                                                   page_size, num_pages, T)
+    q = qkv[:, : Hq * D].reshape(T, Hq, D)
+    k = qkv[:, Hq * D : (Hq + Hkv) * D].reshape(T, Hkv, D)
+    v = qkv[:, (Hq + Hkv) * D :].reshape(T, Hkv, D)
+    request, pos, page, entry = ragged_paged_slots(
+        input_row_offsets, cache_lengths, block_table, page_size, num_pages, T
+    )
     valid = (request >= 0) & (pos >= 0)
     if cos_sin_cache is not None:
         valid &= pos < cos_sin_cache.shape[0]
@@ -466,8 +533,15 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
         k_cache[pg, :, en] = to_dtype(k[write] / ks, k_cache.dtype)
         v_cache[pg, :, en] = to_dtype(v[write] / vs, v_cache.dtype)
     if clear_unused_last_page_rows:
-        clear_last_page_rows((k_cache, v_cache), input_row_offsets, request, page, entry, write,
-                             1 if kv_layout == "NHD" else 2)
+        clear_last_page_rows(
+            (k_cache, v_cache),
+            input_row_offsets,
+            request,
+            page,
+            entry,
+            write,
+            1 if kv_layout == "NHD" else 2,
+        )
     return out
 
 
@@ -530,12 +604,31 @@ def _head_scales(scale, heads):
     return np.broadcast_to(np.asarray(scale, np.float64).reshape(-1, 1), (heads, 1))
 
 
-def rope_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
-                               paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions,
-                               is_neox=True, quant_scale_q=1.0, quant_scale_kv=1.0,
-                               page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
-                               mrope_section=None, mrope_interleaved=False, q_scale_out=None,
-                               kv_cache_scales=None):
+def rope_append_paged_kv_cache(
+    q_rope,
+    k_rope,
+    q_nope,
+    k_nope,
+    v,
+    cos_sin_cache,
+    pos_ids,
+    paged_kv_cache,
+    kv_indices,
+    kv_indptr,
+    batch_indices,
+    positions,
+    is_neox=True,
+    quant_scale_q=1.0,
+    quant_scale_kv=1.0,
+    page_size=16,
+    kv_layout="NHD",
+    q_rope_out=None,
+    q_nope_out=None,
+    mrope_section=None,
+    mrope_interleaved=False,
+    q_scale_out=None,
+    kv_cache_scales=None,
+):
     """Reference of :func:`ropekv.rope_append_paged_kv_cache` (and of the fp8 op), in place.
 
     The q outputs and the cache rows have the cache dtype; with an fp8 cache every value is
@@ -582,6 +675,7 @@ def rope_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
 
         def cos_sin_of(t):
             return split_cos_sin(cos_sin_cache[pos[t]])
+
     q = np.array(q_rope, np.float64)
     if tok.size:
         cos, sin = cos_sin_of(tok)
@@ -599,8 +693,9 @@ def rope_append_paged_kv_cache(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
         return q_rope_out, q_nope_out
 
     num_pages = cache0.shape[0]
-    page, entry = paged_append_slots(kv_indices, kv_indptr, batch_indices, positions, page_size,
-                                     num_pages)
+    page, entry = paged_append_slots(
+        kv_indices, kv_indptr, batch_indices, positions, page_size, num_pages
+    )
     w = tok[page[tok] >= 0]
     if w.size == 0:
         return q_rope_out, q_nope_out

@@ -89,8 +89,9 @@ def _scale_list(kv_scale, name="kv_scale"):
     values = kv_scale if isinstance(kv_scale, (tuple, list)) else (kv_scale,)
     for s in values:
         if isinstance(s, bool) or not isinstance(s, (int, float)):
-            raise TypeError(f"{name} must be a float or a (k_scale, v_scale) pair of floats, got "
-                            f"{kv_scale!r}")
+            raise TypeError(
+                f"{name} must be a float or a (k_scale, v_scale) pair of floats, got {kv_scale!r}"
+            )
     return [float(s) for s in values]
 
 
@@ -130,40 +131,124 @@ def _no_outputs(*args, **kwargs):
 def _contiguous_ops(write_k_in_place):
     """The in-place op (``q`` roped in place) and the ``_out`` op (the given ``q_out`` written,
     ``q`` only read) of one ``write_k_in_place`` value."""
-    def run(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, kv_scales,
-            is_neox, mrope_section, mrope_interleaved, q_scale, q_scale_out, kv_cache_scales,
-            q_out):
-        _eager(ropekv.apply_rope_write_kv, q, k, v, kv_cache, cos_sin_cache,
-               kv_end_lens=kv_end_lens, position_ids=position_ids,
-               kv_scale=_scale_arg(kv_scale) if kv_scales is None else kv_scales,
-               write_k_in_place=write_k_in_place, is_neox=is_neox,
-               mrope_section=fw.mrope_tuple(mrope_section), mrope_interleaved=mrope_interleaved,
-               q_out=q_out, q_scale=q_scale, q_scale_out=q_scale_out,
-               kv_cache_scales=kv_cache_scales)
 
-    def in_place(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, cos_sin_cache: Tensor,
-                 kv_end_lens: Optional[Tensor], position_ids: Optional[Tensor],
-                 kv_scale: Optional[List[float]], kv_scales: Optional[Tensor], is_neox: bool,
-                 mrope_section: Optional[List[int]], mrope_interleaved: bool,
-                 q_scale: Optional[float], q_scale_out: Optional[Tensor],
-                 kv_cache_scales: Optional[Tensor]) -> None:
-        run(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, kv_scales,
-            is_neox, mrope_section, mrope_interleaved, q_scale, q_scale_out, kv_cache_scales,
-            None)
+    def run(
+        q,
+        k,
+        v,
+        kv_cache,
+        cos_sin_cache,
+        kv_end_lens,
+        position_ids,
+        kv_scale,
+        kv_scales,
+        is_neox,
+        mrope_section,
+        mrope_interleaved,
+        q_scale,
+        q_scale_out,
+        kv_cache_scales,
+        q_out,
+    ):
+        _eager(
+            ropekv.apply_rope_write_kv,
+            q,
+            k,
+            v,
+            kv_cache,
+            cos_sin_cache,
+            kv_end_lens=kv_end_lens,
+            position_ids=position_ids,
+            kv_scale=_scale_arg(kv_scale) if kv_scales is None else kv_scales,
+            write_k_in_place=write_k_in_place,
+            is_neox=is_neox,
+            mrope_section=fw.mrope_tuple(mrope_section),
+            mrope_interleaved=mrope_interleaved,
+            q_out=q_out,
+            q_scale=q_scale,
+            q_scale_out=q_scale_out,
+            kv_cache_scales=kv_cache_scales,
+        )
 
-    def into(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, cos_sin_cache: Tensor,
-             kv_end_lens: Optional[Tensor], position_ids: Optional[Tensor],
-             kv_scale: Optional[List[float]], kv_scales: Optional[Tensor], is_neox: bool,
-             mrope_section: Optional[List[int]], mrope_interleaved: bool,
-             q_scale: Optional[float], q_scale_out: Optional[Tensor],
-             kv_cache_scales: Optional[Tensor], q_out: Tensor) -> None:
-        run(q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, kv_scales,
-            is_neox, mrope_section, mrope_interleaved, q_scale, q_scale_out, kv_cache_scales,
-            q_out)
+    def in_place(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv_cache: Tensor,
+        cos_sin_cache: Tensor,
+        kv_end_lens: Optional[Tensor],
+        position_ids: Optional[Tensor],
+        kv_scale: Optional[List[float]],
+        kv_scales: Optional[Tensor],
+        is_neox: bool,
+        mrope_section: Optional[List[int]],
+        mrope_interleaved: bool,
+        q_scale: Optional[float],
+        q_scale_out: Optional[Tensor],
+        kv_cache_scales: Optional[Tensor],
+    ) -> None:
+        run(
+            q,
+            k,
+            v,
+            kv_cache,
+            cos_sin_cache,
+            kv_end_lens,
+            position_ids,
+            kv_scale,
+            kv_scales,
+            is_neox,
+            mrope_section,
+            mrope_interleaved,
+            q_scale,
+            q_scale_out,
+            kv_cache_scales,
+            None,
+        )
+
+    def into(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv_cache: Tensor,
+        cos_sin_cache: Tensor,
+        kv_end_lens: Optional[Tensor],
+        position_ids: Optional[Tensor],
+        kv_scale: Optional[List[float]],
+        kv_scales: Optional[Tensor],
+        is_neox: bool,
+        mrope_section: Optional[List[int]],
+        mrope_interleaved: bool,
+        q_scale: Optional[float],
+        q_scale_out: Optional[Tensor],
+        kv_cache_scales: Optional[Tensor],
+        q_out: Tensor,
+    ) -> None:
+        run(
+            q,
+            k,
+            v,
+            kv_cache,
+            cos_sin_cache,
+            kv_end_lens,
+            position_ids,
+            kv_scale,
+            kv_scales,
+            is_neox,
+            mrope_section,
+            mrope_interleaved,
+            q_scale,
+            q_scale_out,
+            kv_cache_scales,
+            q_out,
+        )
 
     name = "ropekv::apply_rope_write_kv" + ("_k_in_place" if write_k_in_place else "")
-    written = ("k", "kv_cache", "q_scale_out", "kv_cache_scales") if write_k_in_place else (
-        "kv_cache", "q_scale_out", "kv_cache_scales")
+    written = (
+        ("k", "kv_cache", "q_scale_out", "kv_cache_scales")
+        if write_k_in_place
+        else ("kv_cache", "q_scale_out", "kv_cache_scales")
+    )
     op = torch.library.custom_op(name, in_place, mutates_args=("q", *written))
     op_out = torch.library.custom_op(name + "_out", into, mutates_args=(*written, "q_out"))
     op.register_fake(_no_outputs)
@@ -175,10 +260,25 @@ _apply_rope_write_kv = _contiguous_ops(False)
 _apply_rope_write_kv_k_in_place = _contiguous_ops(True)
 
 
-def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, position_ids=None,
-                        kv_scale=None, write_k_in_place=False, is_neox=True, mrope_section=None,
-                        mrope_interleaved=False, q_out=None, q_scale=None, q_scale_out=None,
-                        kv_cache_scales=None):
+def apply_rope_write_kv(
+    q,
+    k,
+    v,
+    kv_cache,
+    cos_sin_cache,
+    *,
+    kv_end_lens=None,
+    position_ids=None,
+    kv_scale=None,
+    write_k_in_place=False,
+    is_neox=True,
+    mrope_section=None,
+    mrope_interleaved=False,
+    q_out=None,
+    q_scale=None,
+    q_scale_out=None,
+    kv_cache_scales=None,
+):
     """:func:`ropekv.apply_rope_write_kv` as a custom op: ``q`` roped in place (or the roped
     queries written into the given ``q_out``), K/V written into ``kv_cache`` (and the roped K into
     ``k`` with ``write_k_in_place=True``). Returns ``q_out`` when given, else None, as the eager
@@ -202,9 +302,23 @@ def apply_rope_write_kv(q, k, v, kv_cache, cos_sin_cache, *, kv_end_lens=None, p
         if type(kv_scale).__module__ == "numpy" and getattr(kv_scale, "ndim", 2) <= 1:
             kv_scale = tuple(kv_scale.reshape(-1).tolist())
         kv_scale = _scale_list(kv_scale)
-    args = (q, k, v, kv_cache, cos_sin_cache, kv_end_lens, position_ids, kv_scale, kv_scales,
-            bool(is_neox), fw.mrope_list(mrope_section),
-            _flag(mrope_interleaved, "mrope_interleaved"), q_scale, q_scale_out, kv_cache_scales)
+    args = (
+        q,
+        k,
+        v,
+        kv_cache,
+        cos_sin_cache,
+        kv_end_lens,
+        position_ids,
+        kv_scale,
+        kv_scales,
+        bool(is_neox),
+        fw.mrope_list(mrope_section),
+        _flag(mrope_interleaved, "mrope_interleaved"),
+        q_scale,
+        q_scale_out,
+        kv_cache_scales,
+    )
     if q_out is None or q_out is q:
         ops[0](*args)
     else:
@@ -221,76 +335,192 @@ def _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize, kv
     """Empty ``(q_rope_out, q_nope_out)`` of the shapes and dtype the eager op would allocate."""
     cache_name = "ckv_cache" if k_rope.dim() == 2 else "k_cache"
     rope_shape, nope_shape, dtype = fw.paged_q_outputs(
-        _meta(q_rope, "q_rope"), None if q_nope is None else _meta(q_nope, "q_nope"),
-        _meta(k_cache, cache_name), None if quantize_dtype is None else as_dtype(quantize_dtype),
-        quantize, kv_dyn)
+        _meta(q_rope, "q_rope"),
+        None if q_nope is None else _meta(q_nope, "q_nope"),
+        _meta(k_cache, cache_name),
+        None if quantize_dtype is None else as_dtype(quantize_dtype),
+        quantize,
+        kv_dyn,
+    )
     dtype = _torch_dtype(dtype)
     return q_rope.new_empty(rope_shape, dtype=dtype), q_rope.new_empty(nope_shape, dtype=dtype)
 
 
 def _paged_ops(name, eager, quantize):
     """The allocating and the ``_out`` op of one paged function."""
-    def into(q_rope: Tensor, k_rope: Tensor, q_nope: Optional[Tensor], k_nope: Optional[Tensor],
-             v: Optional[Tensor], cos_sin_cache: Tensor, pos_ids: Tensor, k_cache: Tensor,
-             v_cache: Tensor, kv_indices: Tensor, kv_indptr: Tensor, batch_indices: Tensor,
-             positions: Tensor, is_neox: bool, quantize_dtype: Optional[torch.dtype],
-             quant_scale_q: Optional[float], quant_scales_q: Optional[Tensor],
-             quant_scale_kv: Optional[float], quant_scales_kv: Optional[Tensor], page_size: int,
-             kv_layout: str, mrope_section: Optional[List[int]], mrope_interleaved: bool,
-             q_scale_out: Optional[Tensor], k_scales: Optional[Tensor],
-             v_scales: Optional[Tensor], status: Optional[Tensor], q_rope_out: Tensor,
-             q_nope_out: Tensor) -> None:
-        _eager(eager, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
-               (k_cache, v_cache), kv_indices, kv_indptr, batch_indices, positions,
-               is_neox=is_neox, quantize_dtype=quantize_dtype,
-               quant_scale_q=quant_scale_q if quant_scales_q is None else quant_scales_q,
-               quant_scale_kv=quant_scale_kv if quant_scales_kv is None else quant_scales_kv,
-               page_size=page_size, kv_layout=kv_layout, q_rope_out=q_rope_out,
-               q_nope_out=q_nope_out, mrope_section=fw.mrope_tuple(mrope_section),
-               mrope_interleaved=mrope_interleaved, q_scale_out=q_scale_out,
-               kv_cache_scales=None if k_scales is None else (k_scales, v_scales),
-               status=status)
 
-    def allocating(q_rope: Tensor, k_rope: Tensor, q_nope: Optional[Tensor],
-                   k_nope: Optional[Tensor], v: Optional[Tensor], cos_sin_cache: Tensor,
-                   pos_ids: Tensor, k_cache: Tensor, v_cache: Tensor, kv_indices: Tensor,
-                   kv_indptr: Tensor, batch_indices: Tensor, positions: Tensor, is_neox: bool,
-                   quantize_dtype: Optional[torch.dtype], quant_scale_q: Optional[float],
-                   quant_scales_q: Optional[Tensor], quant_scale_kv: Optional[float],
-                   quant_scales_kv: Optional[Tensor], page_size: int, kv_layout: str,
-                   mrope_section: Optional[List[int]], mrope_interleaved: bool,
-                   q_scale_out: Optional[Tensor], k_scales: Optional[Tensor],
-                   v_scales: Optional[Tensor], status: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        q_rope_out, q_nope_out = _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype,
-                                                quantize, k_scales is not None)
-        into(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, k_cache, v_cache,
-             kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
-             quant_scale_q, quant_scales_q, quant_scale_kv, quant_scales_kv, page_size, kv_layout,
-             mrope_section, mrope_interleaved, q_scale_out, k_scales, v_scales, status,
-             q_rope_out, q_nope_out)
+    def into(
+        q_rope: Tensor,
+        k_rope: Tensor,
+        q_nope: Optional[Tensor],
+        k_nope: Optional[Tensor],
+        v: Optional[Tensor],
+        cos_sin_cache: Tensor,
+        pos_ids: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        kv_indices: Tensor,
+        kv_indptr: Tensor,
+        batch_indices: Tensor,
+        positions: Tensor,
+        is_neox: bool,
+        quantize_dtype: Optional[torch.dtype],
+        quant_scale_q: Optional[float],
+        quant_scales_q: Optional[Tensor],
+        quant_scale_kv: Optional[float],
+        quant_scales_kv: Optional[Tensor],
+        page_size: int,
+        kv_layout: str,
+        mrope_section: Optional[List[int]],
+        mrope_interleaved: bool,
+        q_scale_out: Optional[Tensor],
+        k_scales: Optional[Tensor],
+        v_scales: Optional[Tensor],
+        status: Optional[Tensor],
+        q_rope_out: Tensor,
+        q_nope_out: Tensor,
+    ) -> None:
+        _eager(
+            eager,
+            q_rope,
+            k_rope,
+            q_nope,
+            k_nope,
+            v,
+            cos_sin_cache,
+            pos_ids,
+            (k_cache, v_cache),
+            kv_indices,
+            kv_indptr,
+            batch_indices,
+            positions,
+            is_neox=is_neox,
+            quantize_dtype=quantize_dtype,
+            quant_scale_q=quant_scale_q if quant_scales_q is None else quant_scales_q,
+            quant_scale_kv=quant_scale_kv if quant_scales_kv is None else quant_scales_kv,
+            page_size=page_size,
+            kv_layout=kv_layout,
+            q_rope_out=q_rope_out,
+            q_nope_out=q_nope_out,
+            mrope_section=fw.mrope_tuple(mrope_section),
+            mrope_interleaved=mrope_interleaved,
+            q_scale_out=q_scale_out,
+            kv_cache_scales=None if k_scales is None else (k_scales, v_scales),
+            status=status,
+        )
+
+    def allocating(
+        q_rope: Tensor,
+        k_rope: Tensor,
+        q_nope: Optional[Tensor],
+        k_nope: Optional[Tensor],
+        v: Optional[Tensor],
+        cos_sin_cache: Tensor,
+        pos_ids: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        kv_indices: Tensor,
+        kv_indptr: Tensor,
+        batch_indices: Tensor,
+        positions: Tensor,
+        is_neox: bool,
+        quantize_dtype: Optional[torch.dtype],
+        quant_scale_q: Optional[float],
+        quant_scales_q: Optional[Tensor],
+        quant_scale_kv: Optional[float],
+        quant_scales_kv: Optional[Tensor],
+        page_size: int,
+        kv_layout: str,
+        mrope_section: Optional[List[int]],
+        mrope_interleaved: bool,
+        q_scale_out: Optional[Tensor],
+        k_scales: Optional[Tensor],
+        v_scales: Optional[Tensor],
+        status: Optional[Tensor],
+    ) -> Tuple[Tensor, Tensor]:
+        q_rope_out, q_nope_out = _paged_outputs(
+            q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize, k_scales is not None
+        )
+        into(
+            q_rope,
+            k_rope,
+            q_nope,
+            k_nope,
+            v,
+            cos_sin_cache,
+            pos_ids,
+            k_cache,
+            v_cache,
+            kv_indices,
+            kv_indptr,
+            batch_indices,
+            positions,
+            is_neox,
+            quantize_dtype,
+            quant_scale_q,
+            quant_scales_q,
+            quant_scale_kv,
+            quant_scales_kv,
+            page_size,
+            kv_layout,
+            mrope_section,
+            mrope_interleaved,
+            q_scale_out,
+            k_scales,
+            v_scales,
+            status,
+            q_rope_out,
+            q_nope_out,
+        )
         return q_rope_out, q_nope_out
 
-    def fake(q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, k_cache, v_cache,
-             kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
-             quant_scale_q, quant_scales_q, quant_scale_kv, quant_scales_kv, page_size,
-             kv_layout, mrope_section, mrope_interleaved, q_scale_out, k_scales, v_scales,
-             status):
-        return _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize,
-                              k_scales is not None)
+    def fake(
+        q_rope,
+        k_rope,
+        q_nope,
+        k_nope,
+        v,
+        cos_sin_cache,
+        pos_ids,
+        k_cache,
+        v_cache,
+        kv_indices,
+        kv_indptr,
+        batch_indices,
+        positions,
+        is_neox,
+        quantize_dtype,
+        quant_scale_q,
+        quant_scales_q,
+        quant_scale_kv,
+        quant_scales_kv,
+        page_size,
+        kv_layout,
+        mrope_section,
+        mrope_interleaved,
+        q_scale_out,
+        k_scales,
+        v_scales,
+        status,
+    ):
+        return _paged_outputs(
+            q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize, k_scales is not None
+        )
 
     written = ("k_cache", "v_cache", "q_scale_out", "k_scales", "v_scales", "status")
     op = torch.library.custom_op(f"ropekv::{name}", allocating, mutates_args=written)
-    op_out = torch.library.custom_op(f"ropekv::{name}_out", into,
-                                     mutates_args=(*written, "q_rope_out", "q_nope_out"))
+    op_out = torch.library.custom_op(
+        f"ropekv::{name}_out", into, mutates_args=(*written, "q_rope_out", "q_nope_out")
+    )
     op.register_fake(fake)
     op_out.register_fake(_no_outputs)
     return op, op_out
 
 
-_rope_quantize_fp8 = _paged_ops("rope_quantize_fp8_append_paged_kv_cache",
-                                ropekv.rope_quantize_fp8_append_paged_kv_cache, True)
-_rope_append = _paged_ops("rope_append_paged_kv_cache", ropekv.rope_append_paged_kv_cache,
-                          False)
+_rope_quantize_fp8 = _paged_ops(
+    "rope_quantize_fp8_append_paged_kv_cache", ropekv.rope_quantize_fp8_append_paged_kv_cache, True
+)
+_rope_append = _paged_ops("rope_append_paged_kv_cache", ropekv.rope_append_paged_kv_cache, False)
 
 
 def _scale_pair(scales):
@@ -298,19 +528,39 @@ def _scale_pair(scales):
     anything but a pair of arrays."""
     if scales is None:
         return None, None
-    if not isinstance(scales, (tuple, list)) or len(scales) != 2 or any(
-            x is None for x in scales):
-        raise ValueError(f"kv_cache_scales must be a pair of arrays (k_scales, v_scales), got "
-                         f"{type(scales).__qualname__}"
-                         + (f" of length {len(scales)}" if isinstance(scales, (tuple, list))
-                            else ""))
+    if not isinstance(scales, (tuple, list)) or len(scales) != 2 or any(x is None for x in scales):
+        raise ValueError(
+            f"kv_cache_scales must be a pair of arrays (k_scales, v_scales), got "
+            f"{type(scales).__qualname__}"
+            + (f" of length {len(scales)}" if isinstance(scales, (tuple, list)) else "")
+        )
     return scales[0], scales[1]
 
 
-def _paged_call(ops, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache,
-                kv_indices, kv_indptr, batch_indices, positions, is_neox, quantize_dtype,
-                quant_scale_q, quant_scale_kv, page_size, kv_layout, q_rope_out, q_nope_out,
-                options):
+def _paged_call(
+    ops,
+    q_rope,
+    k_rope,
+    q_nope,
+    k_nope,
+    v,
+    cos_sin_cache,
+    pos_ids,
+    paged_kv_cache,
+    kv_indices,
+    kv_indptr,
+    batch_indices,
+    positions,
+    is_neox,
+    quantize_dtype,
+    quant_scale_q,
+    quant_scale_kv,
+    page_size,
+    kv_layout,
+    q_rope_out,
+    q_nope_out,
+    options,
+):
     mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status = options
     shown = type(paged_kv_cache).__qualname__
     if isinstance(paged_kv_cache, (tuple, list)):
@@ -321,11 +571,31 @@ def _paged_call(ops, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, 
     scales = []
     for s in (quant_scale_q, quant_scale_kv):  # None stays None: computed scales replace it
         scales += [None, s] if isinstance(s, Tensor) else [s, None]
-    args = (q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, k_cache, v_cache,
-            kv_indices, kv_indptr, batch_indices, positions, bool(is_neox), quantize_dtype,
-            *scales, page_size, kv_layout, fw.mrope_list(mrope_section),
-            _flag(mrope_interleaved, "mrope_interleaved"), q_scale_out,
-            *_scale_pair(kv_cache_scales), status)
+    args = (
+        q_rope,
+        k_rope,
+        q_nope,
+        k_nope,
+        v,
+        cos_sin_cache,
+        pos_ids,
+        k_cache,
+        v_cache,
+        kv_indices,
+        kv_indptr,
+        batch_indices,
+        positions,
+        bool(is_neox),
+        quantize_dtype,
+        *scales,
+        page_size,
+        kv_layout,
+        fw.mrope_list(mrope_section),
+        _flag(mrope_interleaved, "mrope_interleaved"),
+        q_scale_out,
+        *_scale_pair(kv_cache_scales),
+        status,
+    )
     op, op_out = ops
     if q_rope_out is None and q_nope_out is None:
         return op(*args)
@@ -343,11 +613,34 @@ def _paged_call(ops, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, 
 
 
 def rope_quantize_fp8_append_paged_kv_cache(
-        q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
-        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=None,
-        quant_scale_kv=None, page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
-        enable_pdl=False, *, mrope_section=None, mrope_interleaved=False, q_scale_out=None,
-        kv_cache_scales=None, status=None):
+    q_rope,
+    k_rope,
+    q_nope,
+    k_nope,
+    v,
+    cos_sin_cache,
+    pos_ids,
+    paged_kv_cache,
+    kv_indices,
+    kv_indptr,
+    batch_indices,
+    positions,
+    is_neox=True,
+    quantize_dtype=None,
+    quant_scale_q=None,
+    quant_scale_kv=None,
+    page_size=16,
+    kv_layout="NHD",
+    q_rope_out=None,
+    q_nope_out=None,
+    enable_pdl=False,
+    *,
+    mrope_section=None,
+    mrope_interleaved=False,
+    q_scale_out=None,
+    kv_cache_scales=None,
+    status=None,
+):
     """:func:`ropekv.rope_quantize_fp8_append_paged_kv_cache` (FlashInfer's arguments) as a custom
     op; returns ``(q_rope_out, q_nope_out)``.
 
@@ -362,27 +655,88 @@ def rope_quantize_fp8_append_paged_kv_cache(
     declare them mutated). ``quant_scale_q`` / ``quant_scale_kv`` default to None (1.0), as in
     the eager op, and stay None when the computed scales replace them.
     """
-    return _paged_call(_rope_quantize_fp8, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache,
-                       pos_ids, paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions,
-                       is_neox, quantize_dtype, quant_scale_q, quant_scale_kv, page_size,
-                       kv_layout, q_rope_out, q_nope_out,
-                       (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status))
+    return _paged_call(
+        _rope_quantize_fp8,
+        q_rope,
+        k_rope,
+        q_nope,
+        k_nope,
+        v,
+        cos_sin_cache,
+        pos_ids,
+        paged_kv_cache,
+        kv_indices,
+        kv_indptr,
+        batch_indices,
+        positions,
+        is_neox,
+        quantize_dtype,
+        quant_scale_q,
+        quant_scale_kv,
+        page_size,
+        kv_layout,
+        q_rope_out,
+        q_nope_out,
+        (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status),
+    )
 
 
 def rope_append_paged_kv_cache(
-        q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices,
-        kv_indptr, batch_indices, positions, is_neox=True, quantize_dtype=None, quant_scale_q=None,
-        quant_scale_kv=None, page_size=16, kv_layout="NHD", q_rope_out=None, q_nope_out=None,
-        enable_pdl=False, *, mrope_section=None, mrope_interleaved=False, q_scale_out=None,
-        kv_cache_scales=None, status=None):
+    q_rope,
+    k_rope,
+    q_nope,
+    k_nope,
+    v,
+    cos_sin_cache,
+    pos_ids,
+    paged_kv_cache,
+    kv_indices,
+    kv_indptr,
+    batch_indices,
+    positions,
+    is_neox=True,
+    quantize_dtype=None,
+    quant_scale_q=None,
+    quant_scale_kv=None,
+    page_size=16,
+    kv_layout="NHD",
+    q_rope_out=None,
+    q_nope_out=None,
+    enable_pdl=False,
+    *,
+    mrope_section=None,
+    mrope_interleaved=False,
+    q_scale_out=None,
+    kv_cache_scales=None,
+    status=None,
+):
     """:func:`ropekv.rope_append_paged_kv_cache` as a custom op (16-bit or fp8 caches); the same
     contract as :func:`rope_quantize_fp8_append_paged_kv_cache` here, through
     ``torch.ops.ropekv.rope_append_paged_kv_cache`` and ``..._out``."""
-    return _paged_call(_rope_append, q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids,
-                       paged_kv_cache, kv_indices, kv_indptr, batch_indices, positions, is_neox,
-                       quantize_dtype, quant_scale_q, quant_scale_kv, page_size, kv_layout,
-                       q_rope_out, q_nope_out,
-                       (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status))
+    return _paged_call(
+        _rope_append,
+        q_rope,
+        k_rope,
+        q_nope,
+        k_nope,
+        v,
+        cos_sin_cache,
+        pos_ids,
+        paged_kv_cache,
+        kv_indices,
+        kv_indptr,
+        batch_indices,
+        positions,
+        is_neox,
+        quantize_dtype,
+        quant_scale_q,
+        quant_scale_kv,
+        page_size,
+        kv_layout,
+        q_rope_out,
+        q_nope_out,
+        (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status),
+    )
 
 
 # ---- mla_rope_rmsnorm_append_paged_kv_cache ----------------------------------------------------
@@ -391,50 +745,173 @@ def rope_append_paged_kv_cache(
 def _mla_ops():
     name = "mla_rope_rmsnorm_append_paged_kv_cache"
 
-    def run(q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table,
-            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale, clear, status,
-            layer_idx, q_rope_out):
+    def run(
+        q_rope,
+        kv,
+        gamma,
+        cos_sin_cache,
+        input_row_offsets,
+        cache_lengths,
+        block_table,
+        kv_cache,
+        kpe_cache,
+        epsilon,
+        kv_norm_dim,
+        is_neox,
+        kv_scale,
+        clear,
+        status,
+        layer_idx,
+        q_rope_out,
+    ):
         cache = kv_cache if kpe_cache is None else (kv_cache, kpe_cache)
-        _eager(ropekv.mla_rope_rmsnorm_append_paged_kv_cache, q_rope, kv, gamma, cos_sin_cache,
-               input_row_offsets, cache_lengths, block_table, cache, epsilon=epsilon,
-               kv_norm_dim=kv_norm_dim, is_neox=is_neox, kv_scale=kv_scale,
-               q_rope_out=q_rope_out, clear_unused_last_page_rows=clear, status=status,
-               layer_idx=layer_idx)
+        _eager(
+            ropekv.mla_rope_rmsnorm_append_paged_kv_cache,
+            q_rope,
+            kv,
+            gamma,
+            cos_sin_cache,
+            input_row_offsets,
+            cache_lengths,
+            block_table,
+            cache,
+            epsilon=epsilon,
+            kv_norm_dim=kv_norm_dim,
+            is_neox=is_neox,
+            kv_scale=kv_scale,
+            q_rope_out=q_rope_out,
+            clear_unused_last_page_rows=clear,
+            status=status,
+            layer_idx=layer_idx,
+        )
 
-    def allocating(q_rope: Tensor, kv: Tensor, gamma: Tensor, cos_sin_cache: Tensor,
-                   input_row_offsets: Tensor, cache_lengths: Tensor, block_table: Tensor,
-                   kv_cache: Tensor, kpe_cache: Optional[Tensor], epsilon: float,
-                   kv_norm_dim: Optional[int], is_neox: bool, kv_scale: Optional[float],
-                   clear_unused_last_page_rows: bool, status: Optional[Tensor],
-                   layer_idx: Optional[int]) -> Tensor:
+    def allocating(
+        q_rope: Tensor,
+        kv: Tensor,
+        gamma: Tensor,
+        cos_sin_cache: Tensor,
+        input_row_offsets: Tensor,
+        cache_lengths: Tensor,
+        block_table: Tensor,
+        kv_cache: Tensor,
+        kpe_cache: Optional[Tensor],
+        epsilon: float,
+        kv_norm_dim: Optional[int],
+        is_neox: bool,
+        kv_scale: Optional[float],
+        clear_unused_last_page_rows: bool,
+        status: Optional[Tensor],
+        layer_idx: Optional[int],
+    ) -> Tensor:
         out = _like_q(q_rope, "q_rope", "(T, Hq, R)")
-        run(q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table,
-            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale,
-            clear_unused_last_page_rows, status, layer_idx, out)
+        run(
+            q_rope,
+            kv,
+            gamma,
+            cos_sin_cache,
+            input_row_offsets,
+            cache_lengths,
+            block_table,
+            kv_cache,
+            kpe_cache,
+            epsilon,
+            kv_norm_dim,
+            is_neox,
+            kv_scale,
+            clear_unused_last_page_rows,
+            status,
+            layer_idx,
+            out,
+        )
         return out
 
-    def into(q_rope: Tensor, kv: Tensor, gamma: Tensor, cos_sin_cache: Tensor,
-             input_row_offsets: Tensor, cache_lengths: Tensor, block_table: Tensor,
-             kv_cache: Tensor, kpe_cache: Optional[Tensor], epsilon: float,
-             kv_norm_dim: Optional[int], is_neox: bool, kv_scale: Optional[float],
-             clear_unused_last_page_rows: bool, status: Optional[Tensor],
-             layer_idx: Optional[int], q_rope_out: Tensor) -> None:
-        run(q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table,
-            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale,
-            clear_unused_last_page_rows, status, layer_idx, q_rope_out)
+    def into(
+        q_rope: Tensor,
+        kv: Tensor,
+        gamma: Tensor,
+        cos_sin_cache: Tensor,
+        input_row_offsets: Tensor,
+        cache_lengths: Tensor,
+        block_table: Tensor,
+        kv_cache: Tensor,
+        kpe_cache: Optional[Tensor],
+        epsilon: float,
+        kv_norm_dim: Optional[int],
+        is_neox: bool,
+        kv_scale: Optional[float],
+        clear_unused_last_page_rows: bool,
+        status: Optional[Tensor],
+        layer_idx: Optional[int],
+        q_rope_out: Tensor,
+    ) -> None:
+        run(
+            q_rope,
+            kv,
+            gamma,
+            cos_sin_cache,
+            input_row_offsets,
+            cache_lengths,
+            block_table,
+            kv_cache,
+            kpe_cache,
+            epsilon,
+            kv_norm_dim,
+            is_neox,
+            kv_scale,
+            clear_unused_last_page_rows,
+            status,
+            layer_idx,
+            q_rope_out,
+        )
 
-    def in_place(q_rope: Tensor, kv: Tensor, gamma: Tensor, cos_sin_cache: Tensor,
-                 input_row_offsets: Tensor, cache_lengths: Tensor, block_table: Tensor,
-                 kv_cache: Tensor, kpe_cache: Optional[Tensor], epsilon: float,
-                 kv_norm_dim: Optional[int], is_neox: bool, kv_scale: Optional[float],
-                 clear_unused_last_page_rows: bool, status: Optional[Tensor],
-                 layer_idx: Optional[int]) -> None:
-        run(q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table,
-            kv_cache, kpe_cache, epsilon, kv_norm_dim, is_neox, kv_scale,
-            clear_unused_last_page_rows, status, layer_idx, q_rope)
+    def in_place(
+        q_rope: Tensor,
+        kv: Tensor,
+        gamma: Tensor,
+        cos_sin_cache: Tensor,
+        input_row_offsets: Tensor,
+        cache_lengths: Tensor,
+        block_table: Tensor,
+        kv_cache: Tensor,
+        kpe_cache: Optional[Tensor],
+        epsilon: float,
+        kv_norm_dim: Optional[int],
+        is_neox: bool,
+        kv_scale: Optional[float],
+        clear_unused_last_page_rows: bool,
+        status: Optional[Tensor],
+        layer_idx: Optional[int],
+    ) -> None:
+        run(
+            q_rope,
+            kv,
+            gamma,
+            cos_sin_cache,
+            input_row_offsets,
+            cache_lengths,
+            block_table,
+            kv_cache,
+            kpe_cache,
+            epsilon,
+            kv_norm_dim,
+            is_neox,
+            kv_scale,
+            clear_unused_last_page_rows,
+            status,
+            layer_idx,
+            q_rope,
+        )
 
-    return _three_ops(name, allocating, into, in_place, ("kv_cache", "kpe_cache", "status"),
-                      "q_rope", "q_rope_out", "(T, Hq, R)")
+    return _three_ops(
+        name,
+        allocating,
+        into,
+        in_place,
+        ("kv_cache", "kpe_cache", "status"),
+        "q_rope",
+        "q_rope_out",
+        "(T, Hq, R)",
+    )
 
 
 def _like_q(q, name, layout):
@@ -447,10 +924,10 @@ def _three_ops(name, allocating, into, in_place, caches, q_name, out_name, layou
     """Register the allocating, ``_out`` and ``_in_place`` ops of an op with one q output (the
     allocating op's fake: ``fake``, by default an empty tensor like ``q``)."""
     op = torch.library.custom_op(f"ropekv::{name}", allocating, mutates_args=caches)
-    op_out = torch.library.custom_op(f"ropekv::{name}_out", into,
-                                     mutates_args=(*caches, out_name))
-    op_in_place = torch.library.custom_op(f"ropekv::{name}_in_place", in_place,
-                                          mutates_args=(*caches, q_name))
+    op_out = torch.library.custom_op(f"ropekv::{name}_out", into, mutates_args=(*caches, out_name))
+    op_in_place = torch.library.custom_op(
+        f"ropekv::{name}_in_place", in_place, mutates_args=(*caches, q_name)
+    )
     op.register_fake(fake or (lambda q, *rest: _like_q(q, q_name, layout)))
     op_out.register_fake(_no_outputs)
     op_in_place.register_fake(_no_outputs)
@@ -471,11 +948,25 @@ def _pick(ops, q, out):
     return op_out, (out,), out
 
 
-def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, input_row_offsets,
-                                           cache_lengths, block_table, kv_cache, *, epsilon=1e-6,
-                                           kv_norm_dim=None, is_neox=False, kv_scale=None,
-                                           q_rope_out=None, clear_unused_last_page_rows=False,
-                                           status=None, layer_idx=None):
+def mla_rope_rmsnorm_append_paged_kv_cache(
+    q_rope,
+    kv,
+    gamma,
+    cos_sin_cache,
+    input_row_offsets,
+    cache_lengths,
+    block_table,
+    kv_cache,
+    *,
+    epsilon=1e-6,
+    kv_norm_dim=None,
+    is_neox=False,
+    kv_scale=None,
+    q_rope_out=None,
+    clear_unused_last_page_rows=False,
+    status=None,
+    layer_idx=None,
+):
     """:func:`ropekv.mla_rope_rmsnorm_append_paged_kv_cache` as a custom op; returns
     ``q_rope_out``.
 
@@ -487,16 +978,34 @@ def mla_rope_rmsnorm_append_paged_kv_cache(q_rope, kv, gamma, cos_sin_cache, inp
     ``(num_layers, ...)`` dimension, as the eager op.
     """
     if isinstance(kv_cache, (tuple, list)):
-        ckv, kpe = _pair(kv_cache, f"kv_cache must be one array (num_pages, page_size, L + R) or "
-                                   f"a tuple (ckv, kpe), got a {type(kv_cache).__name__} of "
-                                   f"{len(kv_cache)} arrays")
+        ckv, kpe = _pair(
+            kv_cache,
+            f"kv_cache must be one array (num_pages, page_size, L + R) or "
+            f"a tuple (ckv, kpe), got a {type(kv_cache).__name__} of "
+            f"{len(kv_cache)} arrays",
+        )
     else:
         ckv, kpe = kv_cache, None
     op, extra, result = _pick(_mla, q_rope, q_rope_out)
-    out = op(q_rope, kv, gamma, cos_sin_cache, input_row_offsets, cache_lengths, block_table, ckv,
-             kpe, epsilon, kv_norm_dim, bool(is_neox), kv_scale,
-             _flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"), status,
-             fw.layer_index(layer_idx), *extra)
+    out = op(
+        q_rope,
+        kv,
+        gamma,
+        cos_sin_cache,
+        input_row_offsets,
+        cache_lengths,
+        block_table,
+        ckv,
+        kpe,
+        epsilon,
+        kv_norm_dim,
+        bool(is_neox),
+        kv_scale,
+        _flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"),
+        status,
+        fw.layer_index(layer_idx),
+        *extra,
+    )
     return out if result is None else result
 
 
@@ -512,92 +1021,315 @@ def _qknorm_out(q, q_out_dtype):
 def _qknorm_ops():
     name = "qk_rmsnorm_rope_append_paged_kv_cache"
 
-    def run(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
-            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale, options,
-            q_out):
-        (norm_order, weight_offset, clear, position_ids, mrope_section, mrope_interleaved,
-         q_out_dtype, q_scale, q_scale_out, k_scales, v_scales, status, layer_idx) = options
-        _eager(ropekv.qk_rmsnorm_rope_append_paged_kv_cache, q, k, v, q_gamma, k_gamma,
-               cos_sin_cache, input_row_offsets, cache_lengths, block_table, (k_cache, v_cache),
-               epsilon=epsilon, is_neox=is_neox, kv_layout=kv_layout,
-               kv_scale=_scale_arg(kv_scale), q_out=q_out, q_out_dtype=q_out_dtype,
-               q_scale=q_scale, q_scale_out=q_scale_out,
-               kv_cache_scales=None if k_scales is None else (k_scales, v_scales),
-               norm_order=norm_order, weight_offset=weight_offset,
-               clear_unused_last_page_rows=clear, position_ids=position_ids,
-               mrope_section=fw.mrope_tuple(mrope_section), mrope_interleaved=mrope_interleaved,
-               status=status, layer_idx=layer_idx)
+    def run(
+        q,
+        k,
+        v,
+        q_gamma,
+        k_gamma,
+        cos_sin_cache,
+        input_row_offsets,
+        cache_lengths,
+        block_table,
+        k_cache,
+        v_cache,
+        epsilon,
+        is_neox,
+        kv_layout,
+        kv_scale,
+        options,
+        q_out,
+    ):
+        (
+            norm_order,
+            weight_offset,
+            clear,
+            position_ids,
+            mrope_section,
+            mrope_interleaved,
+            q_out_dtype,
+            q_scale,
+            q_scale_out,
+            k_scales,
+            v_scales,
+            status,
+            layer_idx,
+        ) = options
+        _eager(
+            ropekv.qk_rmsnorm_rope_append_paged_kv_cache,
+            q,
+            k,
+            v,
+            q_gamma,
+            k_gamma,
+            cos_sin_cache,
+            input_row_offsets,
+            cache_lengths,
+            block_table,
+            (k_cache, v_cache),
+            epsilon=epsilon,
+            is_neox=is_neox,
+            kv_layout=kv_layout,
+            kv_scale=_scale_arg(kv_scale),
+            q_out=q_out,
+            q_out_dtype=q_out_dtype,
+            q_scale=q_scale,
+            q_scale_out=q_scale_out,
+            kv_cache_scales=None if k_scales is None else (k_scales, v_scales),
+            norm_order=norm_order,
+            weight_offset=weight_offset,
+            clear_unused_last_page_rows=clear,
+            position_ids=position_ids,
+            mrope_section=fw.mrope_tuple(mrope_section),
+            mrope_interleaved=mrope_interleaved,
+            status=status,
+            layer_idx=layer_idx,
+        )
 
-    def allocating(q: Tensor, k: Tensor, v: Tensor, q_gamma: Tensor, k_gamma: Tensor,
-                   cos_sin_cache: Tensor, input_row_offsets: Tensor, cache_lengths: Tensor,
-                   block_table: Tensor, k_cache: Tensor, v_cache: Tensor, epsilon: float,
-                   is_neox: bool, kv_layout: str, kv_scale: Optional[List[float]],
-                   norm_order: str, weight_offset: float, clear_unused_last_page_rows: bool,
-                   position_ids: Optional[Tensor], mrope_section: Optional[List[int]],
-                   mrope_interleaved: bool, q_out_dtype: Optional[torch.dtype],
-                   q_scale: Optional[float], q_scale_out: Optional[Tensor],
-                   k_scales: Optional[Tensor], v_scales: Optional[Tensor],
-                   status: Optional[Tensor], layer_idx: Optional[int]) -> Tensor:
+    def allocating(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_gamma: Tensor,
+        k_gamma: Tensor,
+        cos_sin_cache: Tensor,
+        input_row_offsets: Tensor,
+        cache_lengths: Tensor,
+        block_table: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        epsilon: float,
+        is_neox: bool,
+        kv_layout: str,
+        kv_scale: Optional[List[float]],
+        norm_order: str,
+        weight_offset: float,
+        clear_unused_last_page_rows: bool,
+        position_ids: Optional[Tensor],
+        mrope_section: Optional[List[int]],
+        mrope_interleaved: bool,
+        q_out_dtype: Optional[torch.dtype],
+        q_scale: Optional[float],
+        q_scale_out: Optional[Tensor],
+        k_scales: Optional[Tensor],
+        v_scales: Optional[Tensor],
+        status: Optional[Tensor],
+        layer_idx: Optional[int],
+    ) -> Tensor:
         out = _qknorm_out(q, q_out_dtype)
-        run(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
-            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale,
-            (norm_order, weight_offset, clear_unused_last_page_rows, position_ids,
-             mrope_section, mrope_interleaved, q_out_dtype, q_scale, q_scale_out, k_scales,
-             v_scales, status, layer_idx), out)
+        run(
+            q,
+            k,
+            v,
+            q_gamma,
+            k_gamma,
+            cos_sin_cache,
+            input_row_offsets,
+            cache_lengths,
+            block_table,
+            k_cache,
+            v_cache,
+            epsilon,
+            is_neox,
+            kv_layout,
+            kv_scale,
+            (
+                norm_order,
+                weight_offset,
+                clear_unused_last_page_rows,
+                position_ids,
+                mrope_section,
+                mrope_interleaved,
+                q_out_dtype,
+                q_scale,
+                q_scale_out,
+                k_scales,
+                v_scales,
+                status,
+                layer_idx,
+            ),
+            out,
+        )
         return out
 
-    def into(q: Tensor, k: Tensor, v: Tensor, q_gamma: Tensor, k_gamma: Tensor,
-             cos_sin_cache: Tensor, input_row_offsets: Tensor, cache_lengths: Tensor,
-             block_table: Tensor, k_cache: Tensor, v_cache: Tensor, epsilon: float, is_neox: bool,
-             kv_layout: str, kv_scale: Optional[List[float]], norm_order: str,
-             weight_offset: float, clear_unused_last_page_rows: bool,
-             position_ids: Optional[Tensor], mrope_section: Optional[List[int]],
-             mrope_interleaved: bool, q_out_dtype: Optional[torch.dtype],
-             q_scale: Optional[float], q_scale_out: Optional[Tensor], k_scales: Optional[Tensor],
-             v_scales: Optional[Tensor], status: Optional[Tensor], layer_idx: Optional[int],
-             q_out: Tensor) -> None:
-        run(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
-            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale,
-            (norm_order, weight_offset, clear_unused_last_page_rows, position_ids,
-             mrope_section, mrope_interleaved, q_out_dtype, q_scale, q_scale_out, k_scales,
-             v_scales, status, layer_idx), q_out)
+    def into(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_gamma: Tensor,
+        k_gamma: Tensor,
+        cos_sin_cache: Tensor,
+        input_row_offsets: Tensor,
+        cache_lengths: Tensor,
+        block_table: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        epsilon: float,
+        is_neox: bool,
+        kv_layout: str,
+        kv_scale: Optional[List[float]],
+        norm_order: str,
+        weight_offset: float,
+        clear_unused_last_page_rows: bool,
+        position_ids: Optional[Tensor],
+        mrope_section: Optional[List[int]],
+        mrope_interleaved: bool,
+        q_out_dtype: Optional[torch.dtype],
+        q_scale: Optional[float],
+        q_scale_out: Optional[Tensor],
+        k_scales: Optional[Tensor],
+        v_scales: Optional[Tensor],
+        status: Optional[Tensor],
+        layer_idx: Optional[int],
+        q_out: Tensor,
+    ) -> None:
+        run(
+            q,
+            k,
+            v,
+            q_gamma,
+            k_gamma,
+            cos_sin_cache,
+            input_row_offsets,
+            cache_lengths,
+            block_table,
+            k_cache,
+            v_cache,
+            epsilon,
+            is_neox,
+            kv_layout,
+            kv_scale,
+            (
+                norm_order,
+                weight_offset,
+                clear_unused_last_page_rows,
+                position_ids,
+                mrope_section,
+                mrope_interleaved,
+                q_out_dtype,
+                q_scale,
+                q_scale_out,
+                k_scales,
+                v_scales,
+                status,
+                layer_idx,
+            ),
+            q_out,
+        )
 
-    def in_place(q: Tensor, k: Tensor, v: Tensor, q_gamma: Tensor, k_gamma: Tensor,
-                 cos_sin_cache: Tensor, input_row_offsets: Tensor, cache_lengths: Tensor,
-                 block_table: Tensor, k_cache: Tensor, v_cache: Tensor, epsilon: float,
-                 is_neox: bool, kv_layout: str, kv_scale: Optional[List[float]],
-                 norm_order: str, weight_offset: float, clear_unused_last_page_rows: bool,
-                 position_ids: Optional[Tensor], mrope_section: Optional[List[int]],
-                 mrope_interleaved: bool, q_out_dtype: Optional[torch.dtype],
-                 q_scale: Optional[float], q_scale_out: Optional[Tensor],
-                 k_scales: Optional[Tensor], v_scales: Optional[Tensor],
-                 status: Optional[Tensor], layer_idx: Optional[int]) -> None:
-        run(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
-            block_table, k_cache, v_cache, epsilon, is_neox, kv_layout, kv_scale,
-            (norm_order, weight_offset, clear_unused_last_page_rows, position_ids,
-             mrope_section, mrope_interleaved, q_out_dtype, q_scale, q_scale_out, k_scales,
-             v_scales, status, layer_idx), q)
+    def in_place(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_gamma: Tensor,
+        k_gamma: Tensor,
+        cos_sin_cache: Tensor,
+        input_row_offsets: Tensor,
+        cache_lengths: Tensor,
+        block_table: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        epsilon: float,
+        is_neox: bool,
+        kv_layout: str,
+        kv_scale: Optional[List[float]],
+        norm_order: str,
+        weight_offset: float,
+        clear_unused_last_page_rows: bool,
+        position_ids: Optional[Tensor],
+        mrope_section: Optional[List[int]],
+        mrope_interleaved: bool,
+        q_out_dtype: Optional[torch.dtype],
+        q_scale: Optional[float],
+        q_scale_out: Optional[Tensor],
+        k_scales: Optional[Tensor],
+        v_scales: Optional[Tensor],
+        status: Optional[Tensor],
+        layer_idx: Optional[int],
+    ) -> None:
+        run(
+            q,
+            k,
+            v,
+            q_gamma,
+            k_gamma,
+            cos_sin_cache,
+            input_row_offsets,
+            cache_lengths,
+            block_table,
+            k_cache,
+            v_cache,
+            epsilon,
+            is_neox,
+            kv_layout,
+            kv_scale,
+            (
+                norm_order,
+                weight_offset,
+                clear_unused_last_page_rows,
+                position_ids,
+                mrope_section,
+                mrope_interleaved,
+                q_out_dtype,
+                q_scale,
+                q_scale_out,
+                k_scales,
+                v_scales,
+                status,
+                layer_idx,
+            ),
+            q,
+        )
 
     def fake(q, *args):
         return _qknorm_out(q, args[20])  # q_out_dtype
 
-    return _three_ops(name, allocating, into, in_place,
-                      ("k_cache", "v_cache", "q_scale_out", "k_scales", "v_scales", "status"),
-                      "q", "q_out", "(T, Hq, D)", fake)
+    return _three_ops(
+        name,
+        allocating,
+        into,
+        in_place,
+        ("k_cache", "v_cache", "q_scale_out", "k_scales", "v_scales", "status"),
+        "q",
+        "q_out",
+        "(T, Hq, D)",
+        fake,
+    )
 
 
 _qknorm = _qknorm_ops()
 
 
-def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cache,
-                                          input_row_offsets, cache_lengths, block_table,
-                                          paged_kv_cache, *, epsilon=1e-6, is_neox=True,
-                                          kv_layout="NHD", kv_scale=None, q_out=None,
-                                          q_out_dtype=None, q_scale=None, q_scale_out=None,
-                                          kv_cache_scales=None, norm_order="before_rope",
-                                          weight_offset=0.0, clear_unused_last_page_rows=False,
-                                          position_ids=None, mrope_section=None,
-                                          mrope_interleaved=False, status=None, layer_idx=None):
+def qk_rmsnorm_rope_append_paged_kv_cache(
+    q,
+    k,
+    v,
+    q_gamma,
+    k_gamma,
+    cos_sin_cache,
+    input_row_offsets,
+    cache_lengths,
+    block_table,
+    paged_kv_cache,
+    *,
+    epsilon=1e-6,
+    is_neox=True,
+    kv_layout="NHD",
+    kv_scale=None,
+    q_out=None,
+    q_out_dtype=None,
+    q_scale=None,
+    q_scale_out=None,
+    kv_cache_scales=None,
+    norm_order="before_rope",
+    weight_offset=0.0,
+    clear_unused_last_page_rows=False,
+    position_ids=None,
+    mrope_section=None,
+    mrope_interleaved=False,
+    status=None,
+    layer_idx=None,
+):
     """:func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache` as a custom op; returns ``q_out``.
 
     Runs ``torch.ops.ropekv.qk_rmsnorm_rope_append_paged_kv_cache`` (allocates ``q_out``, in
@@ -610,24 +1342,53 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
     caches with a leading ``(num_layers, ...)`` dimension (and of ``kv_cache_scales``' arrays),
     as the eager op.
     """
-    k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a tuple (k_cache, "
-                                             f"v_cache), got {type(paged_kv_cache).__name__}")
-    if kv_cache_scales is not None and (not isinstance(kv_cache_scales, (tuple, list))
-                                        or len(kv_cache_scales) != 2):
-        raise ValueError(f"kv_cache_scales must be a tuple (k_scales, v_scales), got "
-                         f"{type(kv_cache_scales).__name__}")
+    k_cache, v_cache = _pair(
+        paged_kv_cache,
+        f"paged_kv_cache must be a tuple (k_cache, v_cache), got {type(paged_kv_cache).__name__}",
+    )
+    if kv_cache_scales is not None and (
+        not isinstance(kv_cache_scales, (tuple, list)) or len(kv_cache_scales) != 2
+    ):
+        raise ValueError(
+            f"kv_cache_scales must be a tuple (k_scales, v_scales), got "
+            f"{type(kv_cache_scales).__name__}"
+        )
     k_scales, v_scales = (None, None) if kv_cache_scales is None else kv_cache_scales
     if q_out_dtype is not None and not isinstance(q_out_dtype, torch.dtype):
         # a NumPy dtype or a name: checked (the eager message) and passed as a torch dtype
         q_out_dtype = _torch_dtype(fw.qknorm_q_output(_meta(q, "q"), q_out_dtype)[1])
     op, extra, result = _pick(_qknorm, q, q_out)
-    out = op(q, k, v, q_gamma, k_gamma, cos_sin_cache, input_row_offsets, cache_lengths,
-             block_table, k_cache, v_cache, epsilon, bool(is_neox), kv_layout,
-             _scale_list(kv_scale), norm_order, weight_offset,
-             _flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"), position_ids,
-             fw.mrope_list(mrope_section), _flag(mrope_interleaved, "mrope_interleaved"),
-             q_out_dtype, q_scale, q_scale_out, k_scales, v_scales, status,
-             fw.layer_index(layer_idx), *extra)
+    out = op(
+        q,
+        k,
+        v,
+        q_gamma,
+        k_gamma,
+        cos_sin_cache,
+        input_row_offsets,
+        cache_lengths,
+        block_table,
+        k_cache,
+        v_cache,
+        epsilon,
+        bool(is_neox),
+        kv_layout,
+        _scale_list(kv_scale),
+        norm_order,
+        weight_offset,
+        _flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"),
+        position_ids,
+        fw.mrope_list(mrope_section),
+        _flag(mrope_interleaved, "mrope_interleaved"),
+        q_out_dtype,
+        q_scale,
+        q_scale_out,
+        k_scales,
+        v_scales,
+        status,
+        fw.layer_index(layer_idx),
+        *extra,
+    )
     return out if result is None else result
 
 
@@ -635,53 +1396,136 @@ def qk_rmsnorm_rope_append_paged_kv_cache(q, k, v, q_gamma, k_gamma, cos_sin_cac
 
 
 def _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx):
-    shape, dtype = fw.qkv_output(_meta(hidden_state, "hidden_state"), _meta(k_cache, "k_cache"),
-                                 num_q_heads, kv_layout, layer_idx)
+    shape, dtype = fw.qkv_output(
+        _meta(hidden_state, "hidden_state"),
+        _meta(k_cache, "k_cache"),
+        num_q_heads,
+        kv_layout,
+        layer_idx,
+    )
     return hidden_state.new_empty(shape, dtype=_torch_dtype(dtype))
 
 
 def _qkv_ops():
     name = "fused_qkv_matmul_append_paged_kv_cache"
 
-    def into(hidden_state: Tensor, weight: Tensor, input_row_offsets: Tensor,
-             cache_lengths: Tensor, block_table: Tensor, k_cache: Tensor, v_cache: Tensor,
-             num_q_heads: int, cos_sin_cache: Optional[Tensor], is_neox: bool, kv_layout: str,
-             kv_scale: Optional[List[float]], weight_scales: Optional[Tensor],
-             group_size: Optional[int], zero_points: Optional[Tensor],
-             clear_unused_last_page_rows: bool, status: Optional[Tensor],
-             layer_idx: Optional[int], out: Tensor) -> None:
+    def into(
+        hidden_state: Tensor,
+        weight: Tensor,
+        input_row_offsets: Tensor,
+        cache_lengths: Tensor,
+        block_table: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        num_q_heads: int,
+        cos_sin_cache: Optional[Tensor],
+        is_neox: bool,
+        kv_layout: str,
+        kv_scale: Optional[List[float]],
+        weight_scales: Optional[Tensor],
+        group_size: Optional[int],
+        zero_points: Optional[Tensor],
+        clear_unused_last_page_rows: bool,
+        status: Optional[Tensor],
+        layer_idx: Optional[int],
+        out: Tensor,
+    ) -> None:
         # a call that runs cuBLAS takes a capturing stream itself: its plan's capture plan (the
         # fused kernel), or its refusal
-        _eager(ropekv.fused_qkv_matmul_append_paged_kv_cache, hidden_state, weight,
-               input_row_offsets, cache_lengths, block_table, (k_cache, v_cache),
-               num_q_heads=num_q_heads, cos_sin_cache=cos_sin_cache, is_neox=is_neox,
-               kv_layout=kv_layout, kv_scale=_scale_arg(kv_scale), weight_scales=weight_scales,
-               group_size=group_size, zero_points=zero_points, out=out,
-               clear_unused_last_page_rows=clear_unused_last_page_rows, status=status,
-               layer_idx=layer_idx)
+        _eager(
+            ropekv.fused_qkv_matmul_append_paged_kv_cache,
+            hidden_state,
+            weight,
+            input_row_offsets,
+            cache_lengths,
+            block_table,
+            (k_cache, v_cache),
+            num_q_heads=num_q_heads,
+            cos_sin_cache=cos_sin_cache,
+            is_neox=is_neox,
+            kv_layout=kv_layout,
+            kv_scale=_scale_arg(kv_scale),
+            weight_scales=weight_scales,
+            group_size=group_size,
+            zero_points=zero_points,
+            out=out,
+            clear_unused_last_page_rows=clear_unused_last_page_rows,
+            status=status,
+            layer_idx=layer_idx,
+        )
 
-    def allocating(hidden_state: Tensor, weight: Tensor, input_row_offsets: Tensor,
-                   cache_lengths: Tensor, block_table: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   num_q_heads: int, cos_sin_cache: Optional[Tensor], is_neox: bool,
-                   kv_layout: str, kv_scale: Optional[List[float]],
-                   weight_scales: Optional[Tensor], group_size: Optional[int],
-                   zero_points: Optional[Tensor], clear_unused_last_page_rows: bool,
-                   status: Optional[Tensor], layer_idx: Optional[int]) -> Tensor:
+    def allocating(
+        hidden_state: Tensor,
+        weight: Tensor,
+        input_row_offsets: Tensor,
+        cache_lengths: Tensor,
+        block_table: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        num_q_heads: int,
+        cos_sin_cache: Optional[Tensor],
+        is_neox: bool,
+        kv_layout: str,
+        kv_scale: Optional[List[float]],
+        weight_scales: Optional[Tensor],
+        group_size: Optional[int],
+        zero_points: Optional[Tensor],
+        clear_unused_last_page_rows: bool,
+        status: Optional[Tensor],
+        layer_idx: Optional[int],
+    ) -> Tensor:
         out = _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx)
-        into(hidden_state, weight, input_row_offsets, cache_lengths, block_table, k_cache,
-             v_cache, num_q_heads, cos_sin_cache, is_neox, kv_layout, kv_scale, weight_scales,
-             group_size, zero_points, clear_unused_last_page_rows, status, layer_idx, out)
+        into(
+            hidden_state,
+            weight,
+            input_row_offsets,
+            cache_lengths,
+            block_table,
+            k_cache,
+            v_cache,
+            num_q_heads,
+            cos_sin_cache,
+            is_neox,
+            kv_layout,
+            kv_scale,
+            weight_scales,
+            group_size,
+            zero_points,
+            clear_unused_last_page_rows,
+            status,
+            layer_idx,
+            out,
+        )
         return out
 
-    def fake(hidden_state, weight, input_row_offsets, cache_lengths, block_table, k_cache,
-             v_cache, num_q_heads, cos_sin_cache, is_neox, kv_layout, kv_scale, weight_scales,
-             group_size, zero_points, clear_unused_last_page_rows, status, layer_idx):
+    def fake(
+        hidden_state,
+        weight,
+        input_row_offsets,
+        cache_lengths,
+        block_table,
+        k_cache,
+        v_cache,
+        num_q_heads,
+        cos_sin_cache,
+        is_neox,
+        kv_layout,
+        kv_scale,
+        weight_scales,
+        group_size,
+        zero_points,
+        clear_unused_last_page_rows,
+        status,
+        layer_idx,
+    ):
         return _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx)
 
-    op = torch.library.custom_op(f"ropekv::{name}", allocating,
-                                 mutates_args=("k_cache", "v_cache", "status"))
-    op_out = torch.library.custom_op(f"ropekv::{name}_out", into,
-                                     mutates_args=("k_cache", "v_cache", "status", "out"))
+    op = torch.library.custom_op(
+        f"ropekv::{name}", allocating, mutates_args=("k_cache", "v_cache", "status")
+    )
+    op_out = torch.library.custom_op(
+        f"ropekv::{name}_out", into, mutates_args=("k_cache", "v_cache", "status", "out")
+    )
     op.register_fake(fake)
     op_out.register_fake(_no_outputs)
     return op, op_out
@@ -690,13 +1534,27 @@ def _qkv_ops():
 _qkv = _qkv_ops()
 
 
-def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offsets, cache_lengths,
-                                           block_table, paged_kv_cache, *, num_q_heads,
-                                           cos_sin_cache=None, is_neox=True, kv_layout="NHD",
-                                           kv_scale=None, weight_scales=None, group_size=None,
-                                           zero_points=None, out=None,
-                                           clear_unused_last_page_rows=False, status=None,
-                                           layer_idx=None):
+def fused_qkv_matmul_append_paged_kv_cache(
+    hidden_state,
+    weight,
+    input_row_offsets,
+    cache_lengths,
+    block_table,
+    paged_kv_cache,
+    *,
+    num_q_heads,
+    cos_sin_cache=None,
+    is_neox=True,
+    kv_layout="NHD",
+    kv_scale=None,
+    weight_scales=None,
+    group_size=None,
+    zero_points=None,
+    out=None,
+    clear_unused_last_page_rows=False,
+    status=None,
+    layer_idx=None,
+):
     """:func:`ropekv.fused_qkv_matmul_append_paged_kv_cache` as a custom op; returns ``out``.
 
     Runs ``torch.ops.ropekv.fused_qkv_matmul_append_paged_kv_cache`` (allocates ``out``) or
@@ -707,14 +1565,32 @@ def fused_qkv_matmul_append_paged_kv_cache(hidden_state, weight, input_row_offse
     tensor of one element) is written in place (both forms declare it mutated); ``layer_idx``
     writes one layer of caches with a leading ``(num_layers, ...)`` dimension, as the eager op.
     """
-    k_cache, v_cache = _pair(paged_kv_cache, f"paged_kv_cache must be a (k_cache, v_cache) pair, "
-                                             f"got {type(paged_kv_cache).__qualname__}")
+    k_cache, v_cache = _pair(
+        paged_kv_cache,
+        f"paged_kv_cache must be a (k_cache, v_cache) pair, "
+        f"got {type(paged_kv_cache).__qualname__}",
+    )
     op, op_out = _qkv
-    args = (hidden_state, weight, input_row_offsets, cache_lengths, block_table, k_cache, v_cache,
-            num_q_heads, cos_sin_cache, bool(is_neox), kv_layout, _scale_list(kv_scale),
-            weight_scales, group_size, zero_points,
-            _flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"), status,
-            fw.layer_index(layer_idx))
+    args = (
+        hidden_state,
+        weight,
+        input_row_offsets,
+        cache_lengths,
+        block_table,
+        k_cache,
+        v_cache,
+        num_q_heads,
+        cos_sin_cache,
+        bool(is_neox),
+        kv_layout,
+        _scale_list(kv_scale),
+        weight_scales,
+        group_size,
+        zero_points,
+        _flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"),
+        status,
+        fw.layer_index(layer_idx),
+    )
     if out is None:
         return op(*args)
     op_out(*args, out)

@@ -11,15 +11,24 @@ from hypothesis import HealthCheck, settings
 from tests import sanitizer
 
 # deadline=None: the first call of each kernel instantiation compiles it.
-settings.register_profile("default", deadline=None, max_examples=25,
-                          suppress_health_check=[HealthCheck.too_slow,
-                                                 HealthCheck.data_too_large])
-settings.register_profile("ci", deadline=None, max_examples=15,
-                          suppress_health_check=[HealthCheck.too_slow,
-                                                 HealthCheck.data_too_large])
-settings.register_profile("thorough", deadline=None, max_examples=200,
-                          suppress_health_check=[HealthCheck.too_slow,
-                                                 HealthCheck.data_too_large])
+settings.register_profile(
+    "default",
+    deadline=None,
+    max_examples=25,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "ci",
+    deadline=None,
+    max_examples=15,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough",
+    deadline=None,
+    max_examples=200,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 if os.environ.get("ROPEKV_NO_MEMORY_POOL", "") not in ("", "0"):

@@ -55,8 +55,7 @@ class Case:
         out = {}
         for n, x in self.kwargs.items():
             if isinstance(x, tuple):
-                out[n] = tuple(convert(np.array(y)) if isinstance(y, np.ndarray) else y
-                               for y in x)
+                out[n] = tuple(convert(np.array(y)) if isinstance(y, np.ndarray) else y for y in x)
             elif isinstance(x, np.ndarray):
                 out[n] = convert(np.array(x))
             else:
@@ -72,8 +71,9 @@ class Case:
         names = list(WRITES[self.op])
         if self.op == "apply_rope_write_kv" and kwargs.get("write_k_in_place"):
             names.append("k")
-        names += [n for n in WRITTEN_OPTIONS if kwargs.get(n) is not None
-                  and (status or n != STATUS)]
+        names += [
+            n for n in WRITTEN_OPTIONS if kwargs.get(n) is not None and (status or n != STATUS)
+        ]
         names += [n for n in OUTPUT_ARGS if outputs and kwargs.get(n) is not None]
         flat = []
         for n in names:
@@ -116,14 +116,24 @@ def _ragged(name, module, op, seed, out=None, call=None, **kw):
     """mla / qknorm / qkv: ``out`` is None (allocated), "given" or "in_place"."""
     args, keywords = module.make_case(seed, **kw)
     args = {**args, **keywords, **(call or {})}
-    out_name, q_name = {"mla": ("q_rope_out", "q_rope"), "qknorm": ("q_out", "q"),
-                        "qkv": ("out", None)}[name.split("-")[0]]
+    out_name, q_name = {
+        "mla": ("q_rope_out", "q_rope"),
+        "qknorm": ("q_out", "q"),
+        "qkv": ("out", None),
+    }[name.split("-")[0]]
     in_place = None
     if out == "given":
-        like = args[q_name] if q_name else np.zeros((args["hidden_state"].shape[0],
-                                                     args["num_q_heads"]
-                                                     * args["paged_kv_cache"][0].shape[3]),
-                                                    args["hidden_state"].dtype)
+        like = (
+            args[q_name]
+            if q_name
+            else np.zeros(
+                (
+                    args["hidden_state"].shape[0],
+                    args["num_q_heads"] * args["paged_kv_cache"][0].shape[3],
+                ),
+                args["hidden_state"].dtype,
+            )
+        )
         args[out_name] = np.zeros_like(like)
     elif out == "in_place":
         args[out_name] = args[q_name]
@@ -163,8 +173,9 @@ def _layers(case, num_layers, layer):
         full[layer] = c
         return full
 
-    case.kwargs[name] = (tuple(layered(c) for c in caches) if isinstance(caches, tuple)
-                         else layered(caches))
+    case.kwargs[name] = (
+        tuple(layered(c) for c in caches) if isinstance(caches, tuple) else layered(caches)
+    )
     if case.kwargs.get("kv_cache_scales") is not None:  # they carry the layer dimension too
         case.kwargs["kv_cache_scales"] = tuple(layered(c) for c in case.kwargs["kv_cache_scales"])
     case.kwargs["layer_idx"] = layer
@@ -210,8 +221,9 @@ def _with_q_out(case, dtype, **call):
     """A QK-norm ``case`` with a given ``q_out`` of ``dtype`` (random bytes) and ``call``."""
     rng = np.random.default_rng(len(case.name))
     q = case.kwargs["q"]
-    case.kwargs["q_out"] = rng.integers(0, 256, (*q.shape[:-1], q.shape[-1] * dtype.itemsize),
-                                        np.uint8).view(dtype)
+    case.kwargs["q_out"] = rng.integers(
+        0, 256, (*q.shape[:-1], q.shape[-1] * dtype.itemsize), np.uint8
+    ).view(dtype)
     case.kwargs.update(call)
     return case
 
@@ -224,81 +236,201 @@ def cases():
     return [
         _contiguous("contiguous-f16", 1, D=32, R=32),
         _contiguous("contiguous-fp8-positions", 2, D=32, R=16, cache_dtype=E4M3, pos=True),
-        _contiguous("contiguous-bf16-k-in-place", 3, D=32, R=32, dtype=BF16,
-                    write_k_in_place=True, is_neox=False),
+        _contiguous(
+            "contiguous-bf16-k-in-place",
+            3,
+            D=32,
+            R=32,
+            dtype=BF16,
+            write_k_in_place=True,
+            is_neox=False,
+        ),
         _paged("paged-fp8-gqa", 4, quant, Dn=16),
         _paged("paged-fp8-mla", 5, quant, mla=True, Dn=16),
         _paged("paged-fp8-given-q-rope-out", 6, quant, Dn=16, q_rope_out=True),
-        _paged("paged-fp8-per-head-scales", 7, quant, per_head=True, q_rope_out=True,
-               q_nope_out=True),
+        _paged(
+            "paged-fp8-per-head-scales", 7, quant, per_head=True, q_rope_out=True, q_nope_out=True
+        ),
         _paged("paged-f16-hnd", 8, plain, Dn=16, cache_dtype=np.float16, kv_layout="HND"),
         _ragged("mla", test_mla, mla, 9),
         _ragged("mla-split-given", test_mla, mla, 10, out="given", split=True),
-        _ragged("mla-fp8-in-place", test_mla, mla, 11, out="in_place", cache_dtype=E4M3,
-                kv_scale=0.5),
+        _ragged(
+            "mla-fp8-in-place", test_mla, mla, 11, out="in_place", cache_dtype=E4M3, kv_scale=0.5
+        ),
         _ragged("qknorm", test_qknorm, qknorm, 12),
         _ragged("qknorm-hnd-given", test_qknorm, qknorm, 13, out="given", layout="HND"),
-        _ragged("qknorm-fp8-in-place", test_qknorm, qknorm, 14, out="in_place",
-                cache_dtype=E4M3, call={"kv_scale": (0.5, 2.0)}),
+        _ragged(
+            "qknorm-fp8-in-place",
+            test_qknorm,
+            qknorm,
+            14,
+            out="in_place",
+            cache_dtype=E4M3,
+            call={"kv_scale": (0.5, 2.0)},
+        ),
         _ragged("qkv-decode", test_qkv, qkv, 15, lengths=(1, 1)),
         # more tokens than the fused kernels take, even under capture (cuBLAS, then the
         # epilogue): no CUDA graph
-        _ragged("qkv-prefill-given", test_qkv, qkv, 16, out="given", lengths=(300, 10, 0, 250),
-                P=1024),
+        _ragged(
+            "qkv-prefill-given", test_qkv, qkv, 16, out="given", lengths=(300, 10, 0, 250), P=1024
+        ),
         # cuBLAS eagerly, the fused kernel under CUDA-graph capture (sm_90, up to
         # ropekv.qkv.GRAPH_MAX_TOKENS)
-        _ragged("qkv-graph-batch", test_qkv, qkv, 29, lengths=(150, 1, 0, 159), K=128,
-                P=512),
+        _ragged("qkv-graph-batch", test_qkv, qkv, 29, lengths=(150, 1, 0, 159), K=128, P=512),
         # a small batch: one fused kernel (the tensor cores on sm_90), which a graph can hold
         _ragged("qkv-batch", test_qkv, qkv, 28, lengths=(3, 1, 0, 2)),
         # issue 14's options (mRoPE, status, tail clearing, QK-norm variants) and multi-layer
         # caches (layer_idx)
         _mrope(_contiguous("contiguous-mrope", 17, D=32, R=32), False),
-        _mrope(_contiguous("contiguous-fp8-mrope-interleaved", 18, D=32, R=32,
-                           cache_dtype=E4M3), True),
+        _mrope(
+            _contiguous("contiguous-fp8-mrope-interleaved", 18, D=32, R=32, cache_dtype=E4M3), True
+        ),
         _mrope(_paged("paged-fp8-mrope-interleaved", 19, quant, Dn=16), True),
-        _mrope(_paged("paged-f16-mrope-given", 20, plain, cache_dtype=np.float16,
-                      q_rope_out=True), False),
-        _ragged("mla-options", test_mla, mla, 21, out="given",
-                call={"clear_unused_last_page_rows": True, "status": _status()}),
-        _layers(_ragged("mla-split-layers", test_mla, mla, 22, split=True, cache_dtype=E4M3),
-                3, 1),
-        _ragged("qknorm-options-given", test_qknorm, qknorm, 23, out="given",
-                call={"norm_order": "after_rope", "weight_offset": 1.0,
-                      "clear_unused_last_page_rows": True, "status": _status()}),
+        _mrope(
+            _paged("paged-f16-mrope-given", 20, plain, cache_dtype=np.float16, q_rope_out=True),
+            False,
+        ),
+        _ragged(
+            "mla-options",
+            test_mla,
+            mla,
+            21,
+            out="given",
+            call={"clear_unused_last_page_rows": True, "status": _status()},
+        ),
+        _layers(_ragged("mla-split-layers", test_mla, mla, 22, split=True, cache_dtype=E4M3), 3, 1),
+        _ragged(
+            "qknorm-options-given",
+            test_qknorm,
+            qknorm,
+            23,
+            out="given",
+            call={
+                "norm_order": "after_rope",
+                "weight_offset": 1.0,
+                "clear_unused_last_page_rows": True,
+                "status": _status(),
+            },
+        ),
         _mrope(_ragged("qknorm-mrope-in-place", test_qknorm, qknorm, 24, out="in_place"), True),
-        _mrope(_ragged("qknorm-mrope", test_qknorm, qknorm, 25, call={"status": _status()}),
-               False),
-        _layers(_ragged("qknorm-fp8-layers", test_qknorm, qknorm, 26, cache_dtype=E4M3,
-                        call={"kv_scale": 0.5}), 4, 3),
+        _mrope(_ragged("qknorm-mrope", test_qknorm, qknorm, 25, call={"status": _status()}), False),
+        _layers(
+            _ragged(
+                "qknorm-fp8-layers",
+                test_qknorm,
+                qknorm,
+                26,
+                cache_dtype=E4M3,
+                call={"kv_scale": 0.5},
+            ),
+            4,
+            3,
+        ),
         _layers(_ragged("qkv-decode-layers", test_qkv, qkv, 27, lengths=(1, 1)), 2, 0),
         # decode-sized (the fused kernel; a CUDA graph can hold it, cuBLAS's temporaries not)
-        _ragged("qkv-options-given", test_qkv, qkv, 39, out="given", lengths=(1, 1),
-                call={"clear_unused_last_page_rows": True, "status": _status()}),
+        _ragged(
+            "qkv-options-given",
+            test_qkv,
+            qkv,
+            39,
+            out="given",
+            lengths=(1, 1),
+            call={"clear_unused_last_page_rows": True, "status": _status()},
+        ),
         # issue 14's fp8 queries (static and dynamic scales), per-token-head KV scales (fp8 and
         # int8 caches) and the paged ops' device-side status
         _quant_contiguous("contiguous-q-out", 28, q_mode="copy"),
-        _contiguous("contiguous-fp8-float-kv-scale-pair", 38, D=32, R=16, cache_dtype=E4M3,
-                    kv_scale=(0.5, 2.0)),
-        _quant_contiguous("contiguous-fp8-q-dynamic-int8-kv-scales", 29, q_mode="dynamic e4m3",
-                          kv_dtype=INT8),
-        _quant_contiguous("contiguous-fp8-q-static-kv-scales-k-in-place", 30,
-                          q_mode="static e5m2", kv_dtype=E4M3, write_k_in_place=True),
-        _computed_scales(_paged("paged-fp8-computed-scales-status", 31, quant, Dn=16),
-                         q_scale_out=True, kv_cache_scales=True, status=True),
-        _computed_scales(_paged("paged-fp8-q-dynamic-given", 32, quant, Dn=16, per_head=True,
-                                q_rope_out=True, q_nope_out=True), q_scale_out=True),
-        _computed_scales(_paged("paged-int8-kv-scales-hnd-given", 33, plain, cache_dtype=INT8,
-                                kv_layout="HND", q_rope_out=True), kv_cache_scales=True,
-                         status=True),
-        _computed_scales(_ragged("qknorm-fp8-q-dynamic-kv-scales", test_qknorm, qknorm, 34,
-                                 cache_dtype=E4M3, call={"q_out_dtype": "float8_e4m3fn"}),
-                         q_scale_out=True, kv_cache_scales=True, status=True),
-        _computed_scales(_ragged("qknorm-int8-kv-scales-in-place", test_qknorm, qknorm, 37,
-                                 out="in_place", cache_dtype=INT8), kv_cache_scales=True),
-        _with_q_out(_ragged("qknorm-fp8-q-static-given", test_qknorm, qknorm, 35,
-                            cache_dtype=E4M3), E5M2, q_scale=2.0, kv_scale=0.5),
-        _layers(_computed_scales(_ragged("qknorm-kv-scales-layers", test_qknorm, qknorm, 36,
-                                         cache_dtype=E4M3, layout="HND"),
-                                 kv_cache_scales=True), 3, 2),
+        _contiguous(
+            "contiguous-fp8-float-kv-scale-pair",
+            38,
+            D=32,
+            R=16,
+            cache_dtype=E4M3,
+            kv_scale=(0.5, 2.0),
+        ),
+        _quant_contiguous(
+            "contiguous-fp8-q-dynamic-int8-kv-scales", 29, q_mode="dynamic e4m3", kv_dtype=INT8
+        ),
+        _quant_contiguous(
+            "contiguous-fp8-q-static-kv-scales-k-in-place",
+            30,
+            q_mode="static e5m2",
+            kv_dtype=E4M3,
+            write_k_in_place=True,
+        ),
+        _computed_scales(
+            _paged("paged-fp8-computed-scales-status", 31, quant, Dn=16),
+            q_scale_out=True,
+            kv_cache_scales=True,
+            status=True,
+        ),
+        _computed_scales(
+            _paged(
+                "paged-fp8-q-dynamic-given",
+                32,
+                quant,
+                Dn=16,
+                per_head=True,
+                q_rope_out=True,
+                q_nope_out=True,
+            ),
+            q_scale_out=True,
+        ),
+        _computed_scales(
+            _paged(
+                "paged-int8-kv-scales-hnd-given",
+                33,
+                plain,
+                cache_dtype=INT8,
+                kv_layout="HND",
+                q_rope_out=True,
+            ),
+            kv_cache_scales=True,
+            status=True,
+        ),
+        _computed_scales(
+            _ragged(
+                "qknorm-fp8-q-dynamic-kv-scales",
+                test_qknorm,
+                qknorm,
+                34,
+                cache_dtype=E4M3,
+                call={"q_out_dtype": "float8_e4m3fn"},
+            ),
+            q_scale_out=True,
+            kv_cache_scales=True,
+            status=True,
+        ),
+        _computed_scales(
+            _ragged(
+                "qknorm-int8-kv-scales-in-place",
+                test_qknorm,
+                qknorm,
+                37,
+                out="in_place",
+                cache_dtype=INT8,
+            ),
+            kv_cache_scales=True,
+        ),
+        _with_q_out(
+            _ragged("qknorm-fp8-q-static-given", test_qknorm, qknorm, 35, cache_dtype=E4M3),
+            E5M2,
+            q_scale=2.0,
+            kv_scale=0.5,
+        ),
+        _layers(
+            _computed_scales(
+                _ragged(
+                    "qknorm-kv-scales-layers",
+                    test_qknorm,
+                    qknorm,
+                    36,
+                    cache_dtype=E4M3,
+                    layout="HND",
+                ),
+                kv_cache_scales=True,
+            ),
+            3,
+            2,
+        ),
     ]

@@ -46,6 +46,6 @@ def packed_views(rng, shape_prefix, heads, d, dtype):
     buf = random(rng, (*shape_prefix, sum(heads), d), dtype)
     out, start = [], 0
     for h in heads:
-        out.append(buf[..., start:start + h, :])
+        out.append(buf[..., start : start + h, :])
         start += h
     return out

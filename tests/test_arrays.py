@@ -12,12 +12,22 @@ import pytest
 from ropekv import _arrays as ar
 from ropekv import _checks as ck
 
-ALL_DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, ml_dtypes.float8_e4m3fn,
-              ml_dtypes.float8_e5m2, np.int32, np.int64]
+ALL_DTYPES = [
+    np.float16,
+    ml_dtypes.bfloat16,
+    np.float32,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+    np.int32,
+    np.int64,
+]
 DL_CODES = {
-    np.dtype(np.float16): (2, 16), np.dtype(ml_dtypes.bfloat16): (4, 16),
-    np.dtype(np.float32): (2, 32), np.dtype(ml_dtypes.float8_e4m3fn): (10, 8),
-    np.dtype(ml_dtypes.float8_e5m2): (12, 8), np.dtype(np.int32): (0, 32),
+    np.dtype(np.float16): (2, 16),
+    np.dtype(ml_dtypes.bfloat16): (4, 16),
+    np.dtype(np.float32): (2, 32),
+    np.dtype(ml_dtypes.float8_e4m3fn): (10, 8),
+    np.dtype(ml_dtypes.float8_e5m2): (12, 8),
+    np.dtype(np.int32): (0, 32),
     np.dtype(np.int64): (0, 64),
 }
 
@@ -29,8 +39,9 @@ _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 class FakeProducer:
     """A DLPack producer over a NumPy array's memory, reporting any device type and dtype code."""
 
-    def __init__(self, array, *, device=(1, 0), versioned=True, flags=0, code=None,
-                 lanes=1, strides=True):
+    def __init__(
+        self, array, *, device=(1, 0), versioned=True, flags=0, code=None, lanes=1, strides=True
+    ):
         self.array = array
         self.device = device
         self.versioned = versioned
@@ -148,9 +159,12 @@ def test_unknown_device_type():
 
 
 def test_not_an_array():
-    with pytest.raises(TypeError, match="q must be a NumPy array, a CuPy array, a torch tensor or "
-                                        "an object with __cuda_array_interface__ or __dlpack__, "
-                                        "got builtins.list"):
+    with pytest.raises(
+        TypeError,
+        match="q must be a NumPy array, a CuPy array, a torch tensor or "
+        "an object with __cuda_array_interface__ or __dlpack__, "
+        "got builtins.list",
+    ):
         ar.as_view([1.0, 2.0], "q")
 
 
@@ -168,8 +182,9 @@ def test_cuda_producer_gets_the_consumer_stream(given, expected):
 
 def test_mixed_devices_name_both_arrays():
     host = ar.as_view(random_array(np.float16), "q")
-    dev = ar.as_view(FakeProducer(random_array(np.float16), device=(2, 0)), "kv_cache",
-                     stream_ptr=5)
+    dev = ar.as_view(
+        FakeProducer(random_array(np.float16), device=(2, 0)), "kv_cache", stream_ptr=5
+    )
     with pytest.raises(ValueError, match="q is in host memory, kv_cache is in CUDA device 0"):
         ck.check_same_device([host, dev])
     dev1 = ar.as_view(FakeProducer(random_array(np.float16), device=(2, 1)), "k", stream_ptr=5)
@@ -177,10 +192,15 @@ def test_mixed_devices_name_both_arrays():
         ck.check_same_device([dev, dev1])
 
 
-torch_dtypes = [("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16),
-                ("float32", np.float32), ("float8_e4m3fn", ml_dtypes.float8_e4m3fn),
-                ("float8_e5m2", ml_dtypes.float8_e5m2), ("int32", np.int32),
-                ("int64", np.int64)]
+torch_dtypes = [
+    ("float16", np.float16),
+    ("bfloat16", ml_dtypes.bfloat16),
+    ("float32", np.float32),
+    ("float8_e4m3fn", ml_dtypes.float8_e4m3fn),
+    ("float8_e5m2", ml_dtypes.float8_e5m2),
+    ("int32", np.int32),
+    ("int64", np.int64),
+]
 
 
 @pytest.mark.parametrize("name, dtype", torch_dtypes, ids=[n for n, _ in torch_dtypes])

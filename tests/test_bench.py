@@ -45,29 +45,35 @@ def test_mla_bytes_match_the_flashinfer_figures():
 def test_contiguous_bytes_count_q_read_and_written_in_its_dtype():
     assert nb.contiguous_bytes(1, 32, 8, 128, 128, F16, F16) == 32 * 128 * 4 + 8 * 128 * 8 + 512
     assert nb.contiguous_bytes(2, 32, 8, 128, 64, F16, E4M3) == 2 * (
-        32 * 128 * 4 + 2 * 8 * 128 * 3 + 256)
+        32 * 128 * 4 + 2 * 8 * 128 * 3 + 256
+    )
 
 
 def test_mla_rmsnorm_bytes():
     per_token = 128 * 64 * 2 * 2 + 576 * 2 + 576 + 64 * 4
     assert nb.mla_rmsnorm_bytes(10, 128, 512, 64, BF16, E4M3) == 10 * per_token + 512 * 2
     assert nb.mla_rmsnorm_bytes(10, 128, 512, 64, BF16, E4M3, kv_norm_dim=128) == (
-        10 * per_token + 128 * 2)
+        10 * per_token + 128 * 2
+    )
 
 
 def test_qknorm_bytes_add_the_two_norm_weights_once():
     assert nb.qknorm_bytes(5, 32, 8, 128, 128, BF16, BF16) == (
-        nb.rope_kv_bytes(5, 32, 8, 128, 128, BF16, BF16, BF16) + 2 * 128 * 2)
+        nb.rope_kv_bytes(5, 32, 8, 128, 128, BF16, BF16, BF16) + 2 * 128 * 2
+    )
 
 
 def test_qknorm_bytes_of_fp8_q_and_computed_scales():
     plain = nb.qknorm_bytes(5, 32, 8, 128, 128, BF16, E4M3)
     fp8_q = nb.qknorm_bytes(5, 32, 8, 128, 128, BF16, E4M3, q_out_dtype=E4M3)
     assert fp8_q == plain - 5 * 32 * 128  # one byte less per q element
-    assert nb.qknorm_bytes(5, 32, 8, 128, 128, BF16, E4M3, q_out_dtype=E4M3,
-                           q_scales=True) == fp8_q + 5 * 32 * 4
+    assert (
+        nb.qknorm_bytes(5, 32, 8, 128, 128, BF16, E4M3, q_out_dtype=E4M3, q_scales=True)
+        == fp8_q + 5 * 32 * 4
+    )
     assert nb.qknorm_bytes(5, 32, 8, 128, 128, BF16, E4M3, kv_scales=True) == (
-        plain + 5 * 2 * 8 * 4)
+        plain + 5 * 2 * 8 * 4
+    )
 
 
 def test_qkv_bytes_and_flops():
@@ -106,8 +112,7 @@ def test_paged_spec_bytes_equal_the_arrays(mla):
     T = 10
     inputs = ("q_rope", "q_nope", "k_rope", "k_nope", "v")
     if mla:
-        rows = [("q_rope_out", (1, 2)), ("q_nope_out", (1, 2)), ("cache0", (2,)),
-                ("cache1", (2,))]
+        rows = [("q_rope_out", (1, 2)), ("q_nope_out", (1, 2)), ("cache0", (2,)), ("cache1", (2,))]
         want = nb.paged_mla_bytes(T, 16, 128, 32, BF16, E4M3, E4M3)
         got = _workload_bytes(w, inputs, rows, T, 32)
     else:
@@ -120,16 +125,23 @@ def test_paged_spec_bytes_equal_the_arrays(mla):
 
 def test_mla_qknorm_qkv_spec_bytes_equal_the_arrays():
     w = bench.MlaWL(np, B=2, S=3, prefix=4, Hq=8, L=128, R=32, dtype=BF16, cache_dtype=E4M3)
-    got = _workload_bytes(w, ("q_rope", "kv", "gamma"),
-                          [("q_rope_out", (1, 2)), ("ckv", (2,)), ("kpe", (2,))], 6, 32)
+    got = _workload_bytes(
+        w, ("q_rope", "kv", "gamma"), [("q_rope_out", (1, 2)), ("ckv", (2,)), ("kpe", (2,))], 6, 32
+    )
     assert got == nb.mla_rmsnorm_bytes(6, 8, 128, 32, BF16, E4M3)
     w = bench.QknormWL(np, B=2, S=3, prefix=4, Hq=8, Hkv=2, D=64, dtype=BF16, cache_dtype=E4M3)
-    got = _workload_bytes(w, ("q", "k", "v", "q_gamma", "k_gamma"),
-                          [("q_out", (1, 2)), ("k_cache", (2, 3)), ("v_cache", (2, 3))], 6, 64)
+    got = _workload_bytes(
+        w,
+        ("q", "k", "v", "q_gamma", "k_gamma"),
+        [("q_out", (1, 2)), ("k_cache", (2, 3)), ("v_cache", (2, 3))],
+        6,
+        64,
+    )
     assert got == nb.qknorm_bytes(6, 8, 2, 64, 64, BF16, E4M3)
     w = bench.QkvWL(np, B=2, S=3, prefix=4, K=96, Hq=4, Hkv=2, D=64, dtype=F16, cache_dtype=F16)
-    got = _workload_bytes(w, ("hidden", "weight"),
-                          [("q_out", (1,)), ("k_cache", (2, 3)), ("v_cache", (2, 3))], 6, 64)
+    got = _workload_bytes(
+        w, ("hidden", "weight"), [("q_out", (1,)), ("k_cache", (2, 3)), ("v_cache", (2, 3))], 6, 64
+    )
     assert got == nb.qkv_bytes(6, 96, 4, 2, 64, F16, F16, rotary_dim=64)
 
 
@@ -156,18 +168,27 @@ def test_registry_covers_every_op_with_unique_names():
                 tokens = sorted(s.tokens for s in specs if s.series == name and s.decode)
                 want = (1, 16, 64, 128) if "w K4096" in name else bench.DECODE_SWEEP
                 assert tokens == sorted(want), (name, tokens)
-    assert all(s.decode == (s.tokens <= 256 and "x1" in s.name.split()[-1] or s.decode)
-               for s in specs)
+    assert all(
+        s.decode == (s.tokens <= 256 and "x1" in s.name.split()[-1] or s.decode) for s in specs
+    )
 
 
 def test_registry_holds_the_standard_cases():
     names = {s.name for s in bench.bench_specs()}
-    for name in ["contiguous fp16->fp16 8x1024", "contiguous fp16->e4m3 64x1",
-                 "paged gqa fp16->e4m3 8x1024", "paged gqa fp16->e4m3 4x2048",
-                 "paged gqa fp16->fp16 256x1", "paged gqa bf16->e4m3 8x1024",
-                 "paged mla bf16->e4m3 4x2048", "paged mla bf16->e4m3 1x1",
-                 "mla rmsnorm bf16->e4m3 4x2048", "mla rmsnorm bf16->e4m3 128x1",
-                 "qkv fp16 K4096 N6144 T8192", "qkv fp16 K4096 N6144 T1"]:
+    for name in [
+        "contiguous fp16->fp16 8x1024",
+        "contiguous fp16->e4m3 64x1",
+        "paged gqa fp16->e4m3 8x1024",
+        "paged gqa fp16->e4m3 4x2048",
+        "paged gqa fp16->fp16 256x1",
+        "paged gqa bf16->e4m3 8x1024",
+        "paged mla bf16->e4m3 4x2048",
+        "paged mla bf16->e4m3 1x1",
+        "mla rmsnorm bf16->e4m3 4x2048",
+        "mla rmsnorm bf16->e4m3 128x1",
+        "qkv fp16 K4096 N6144 T8192",
+        "qkv fp16 K4096 N6144 T1",
+    ]:
         assert name in names, name
 
 
@@ -191,8 +212,11 @@ def test_qkv_weight_format_cases():
     16, 64 and 128 (Llama-3-8B shapes), each with the cuBLAS peer, each knowing its weight bytes;
     decode cases rotate over enough weight copies that graph replay cannot serve them from L2."""
     specs = {s.name: s for s in bench.bench_specs() if s.op == "qkv"}
-    for label, tokens in (("fp16", (1, 16, 64, 128, 8192)), ("fp8w", (1, 16, 64, 128)),
-                          ("int4w", (1, 16, 64, 128))):
+    for label, tokens in (
+        ("fp16", (1, 16, 64, 128, 8192)),
+        ("fp8w", (1, 16, 64, 128)),
+        ("int4w", (1, 16, 64, 128)),
+    ):
         for T in tokens:
             assert f"qkv {label} K4096 N6144 T{T}" in specs, (label, T)
     N, K = 6144, 4096
@@ -206,24 +230,52 @@ def test_qkv_weight_format_cases():
     assert {s.weight_format for s in specs.values()} == set(qkv.WEIGHT_FORMATS.values())
     # the built arrays hold what the spec counts (small shapes, NumPy backend)
     for fmt in qkv.WEIGHT_FORMATS:
-        w = bench.QkvWL(np, B=2, S=1, prefix=3, K=256, Hq=4, Hkv=2, D=64, dtype=F16,
-                        cache_dtype=F16, weight_format=fmt, copies=3)
+        w = bench.QkvWL(
+            np,
+            B=2,
+            S=1,
+            prefix=3,
+            K=256,
+            Hq=4,
+            Hkv=2,
+            D=64,
+            dtype=F16,
+            cache_dtype=F16,
+            weight_format=fmt,
+            copies=3,
+        )
         assert w.weight_bytes == qkv.weight_bytes(512, 256, fmt)
         assert len(w.weight_copies) == 3
-        assert all(c is not w.a["weight"] and np.array_equal(c.view(np.uint8),
-                                                             w.a["weight"].view(np.uint8))
-                   for c in w.weight_copies[1:])
+        assert all(
+            c is not w.a["weight"]
+            and np.array_equal(c.view(np.uint8), w.a["weight"].view(np.uint8))
+            for c in w.weight_copies[1:]
+        )
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "int4"])
 def test_qkv_quantized_weights_match_the_reference_dequantization(fmt):
     """weight_ref (what the PyTorch and cuBLAS peers multiply by) is the reference's dequantized
     weight rounded to fp16; the rotating call writes what one call writes."""
-    w = bench.QkvWL(np, seed=4, B=3, S=1, prefix=9, K=512, Hq=4, Hkv=2, D=64, dtype=F16,
-                    cache_dtype=F16, weight_format=fmt, copies=2)
+    w = bench.QkvWL(
+        np,
+        seed=4,
+        B=3,
+        S=1,
+        prefix=9,
+        K=512,
+        Hq=4,
+        Hkv=2,
+        D=64,
+        dtype=F16,
+        cache_dtype=F16,
+        weight_format=fmt,
+        copies=2,
+    )
     a = w.a
-    want = reference.dequantize_weight(a["weight"], a["weight_scales"],
-                                       128 if fmt == "int4" else None)
+    want = reference.dequantize_weight(
+        a["weight"], a["weight_scales"], 128 if fmt == "int4" else None
+    )
     assert np.isfinite(want).all() and np.abs(want).max() > 0
     got = a["weight_ref"].astype(np.float64)
     assert np.allclose(got, want, rtol=1e-3, atol=1e-6)
@@ -246,11 +298,13 @@ def test_check_cases_run_on_the_numpy_backend():
         w.call(w.a)
         after = w.outputs(full=True)
         # the reference changed something, and both builds of one case are identical
-        assert any(not np.array_equal(before[k].view(np.uint8), after[k].view(np.uint8))
-                   for k in before), name
+        assert any(
+            not np.array_equal(before[k].view(np.uint8), after[k].view(np.uint8)) for k in before
+        ), name
         again = build().outputs(full=True)
-        assert all(np.array_equal(again[k].view(np.uint8), before[k].view(np.uint8))
-                   for k in before), name
+        assert all(
+            np.array_equal(again[k].view(np.uint8), before[k].view(np.uint8)) for k in before
+        ), name
 
 
 def test_bound_calls_make_the_workloads_call_with_arguments_built_once():
@@ -268,9 +322,13 @@ def test_bound_calls_make_the_workloads_call_with_arguments_built_once():
             bound = w.bound(o_bound, **extra)
             assert isinstance(bound, functools.partial), name
             assert bound.func is getattr(ropekv, bound.func.__name__), name
-            assert all(np.array_equal(w.outputs(o_bound, full=True)[k].view(np.uint8),
-                                      w.new_outputs()[k].view(np.uint8))
-                       for k in o_bound), f"{name}: binding called ropekv"
+            assert all(
+                np.array_equal(
+                    w.outputs(o_bound, full=True)[k].view(np.uint8),
+                    w.new_outputs()[k].view(np.uint8),
+                )
+                for k in o_bound
+            ), f"{name}: binding called ropekv"
             bound()
             for k, v in w.outputs(o_call, full=True).items():
                 got = w.outputs(o_bound, full=True)[k]
@@ -281,8 +339,9 @@ def test_eager_host_time_is_timed_in_bursts_with_the_sync_outside():
     from ropekv import _timing
 
     log = []
-    us = _timing.eager_host_us(lambda: log.append("call"), calls=350,
-                               sync=lambda: log.append("sync"))
+    us = _timing.eager_host_us(
+        lambda: log.append("call"), calls=350, sync=lambda: log.append("sync")
+    )
     assert us > 0
     calls = log[50:]
     assert log[:50] == ["call"] * 50 and calls[0] == "sync"
@@ -305,21 +364,46 @@ def test_torch_peers_compute_the_reference():
     for op, name, build in bench.check_specs():
         ref = build()
         ref.call(ref.a)
-        assert check.compare_all(_torch_outputs(build()), ref.outputs(full=True),
-                                 ref.compare_mode) is None, name
+        assert (
+            check.compare_all(_torch_outputs(build()), ref.outputs(full=True), ref.compare_mode)
+            is None
+        ), name
 
 
 def test_torch_qkv_peer_computes_the_reference():
     pytest.importorskip("torch")
     for rope, layout in ((True, "NHD"), (False, "HND")):
-        w = bench.QkvWL(np, seed=3, poison=True, B=2, S=5, prefix=7, K=256, Hq=4, Hkv=2, D=64,
-                        dtype=F16, cache_dtype=F16, layout=layout, rope=rope)
+        w = bench.QkvWL(
+            np,
+            seed=3,
+            poison=True,
+            B=2,
+            S=5,
+            prefix=7,
+            K=256,
+            Hq=4,
+            Hkv=2,
+            D=64,
+            dtype=F16,
+            cache_dtype=F16,
+            layout=layout,
+            rope=rope,
+        )
         got = _torch_outputs(w)
         a = w.a
         reference.fused_qkv_matmul_append_paged_kv_cache(
-            a["hidden"], a["weight"], a["input_row_offsets"], a["cache_lengths"],
-            a["block_table"], a["k_cache"], a["v_cache"], a["q_out"], 4,
-            cos_sin_cache=a["table"], kv_layout=layout)
+            a["hidden"],
+            a["weight"],
+            a["input_row_offsets"],
+            a["cache_lengths"],
+            a["block_table"],
+            a["k_cache"],
+            a["v_cache"],
+            a["q_out"],
+            4,
+            cos_sin_cache=a["table"],
+            kv_layout=layout,
+        )
         assert check.compare_all(got, w.outputs(full=True), "gemm") is None
 
 
@@ -329,15 +413,31 @@ def test_steps_peer_maps_onto_the_paged_op(cache):
     cache rows: checked here with the NumPy backend of both ops."""
     import ropekv
 
-    w = bench.MlaWL(np, seed=5, poison=True, B=3, S=5, prefix=9, Hq=4, L=128, R=32, dtype=BF16,
-                    cache_dtype=cache, kv_scale=2.0 if cache == E4M3 else None)
-    fn = ropekv.rope_quantize_fp8_append_paged_kv_cache if cache == E4M3 else \
-        ropekv.rope_append_paged_kv_cache
+    w = bench.MlaWL(
+        np,
+        seed=5,
+        poison=True,
+        B=3,
+        S=5,
+        prefix=9,
+        Hq=4,
+        L=128,
+        R=32,
+        dtype=BF16,
+        cache_dtype=cache,
+        kv_scale=2.0 if cache == E4M3 else None,
+    )
+    fn = (
+        ropekv.rope_quantize_fp8_append_paged_kv_cache
+        if cache == E4M3
+        else ropekv.rope_append_paged_kv_cache
+    )
     o = w.new_outputs()
     # what the norm kernel writes: the normalised latent rows, divided by kv_scale, into ckv
     scale = w.kv_scale or 1.0
     o["ckv"][w.page, w.entry] = reference.to_dtype(
-        reference.rms_norm(w.a["kv"][:, :128], w.a["gamma"], w.eps) / scale, cache)
+        reference.rms_norm(w.a["kv"][:, :128], w.a["gamma"], w.eps) / scale, cache
+    )
     q_out = np.zeros(w.a["q_rope"].shape, cache)
     w.steps_append(fn, q_out, o, np)()
     got = {k: v for k, v in w.outputs(o, full=True).items() if k != "q_rope_out"}
@@ -383,30 +483,73 @@ def test_compare_tolerances():
 def _result():
     ok = {"us": 80.0, "event_us": 80.0, "gbps": 1900.0, "pct_copy": 45.0}
     return {
-        "environment": {"gpu": "NVIDIA H200", "driver": "580", "cupy": "14.2.0",
-                        "git_revision": "abc"},
-        "copy_bandwidth": 4.2e12, "wall_s": 12.5, "missing_ops": ["qkv"],
-        "peer_status": {"flashinfer": "used", "torch": "used",
-                        "torch-compile": "FlashInfer not importable", "cublas": "used"},
+        "environment": {
+            "gpu": "NVIDIA H200",
+            "driver": "580",
+            "cupy": "14.2.0",
+            "git_revision": "abc",
+        },
+        "copy_bandwidth": 4.2e12,
+        "wall_s": 12.5,
+        "missing_ops": ["qkv"],
+        "peer_status": {
+            "flashinfer": "used",
+            "torch": "used",
+            "torch-compile": "FlashInfer not importable",
+            "cublas": "used",
+        },
         "cases": [
-            {"op": "paged", "name": "paged gqa fp16->e4m3 8x1024", "tokens": 8192,
-             "bytes": 155_189_248, "decode": False, "series": "s", "flops": 0,
-             "ropekv": dict(ok),
-             "peers": {"flashinfer": {"status": "ok", "check": "ok", "us": 120.0, "ratio": 1.5},
-                       "torch": {"status": "mismatch", "check": "MISMATCH: q: 3 of 9 values",
-                                 "us": 800.0, "ratio": 10.0},
-                       "torch-compile": {"status": "skipped: no torch"}}},
-            {"op": "paged", "name": "paged gqa fp16->e4m3 64x1", "tokens": 64,
-             "bytes": 1_212_416, "decode": True, "series": "s", "flops": 0,
-             "ropekv": dict(ok, us=2.0, graph_us=2.0, host_us=9.5),
-             "peers": {"flashinfer": {"status": "ok", "us": 2.4, "ratio": 1.2, "host_us": 18.0,
-                                      "graph_us": 2.4},
-                       "cublas": {"status": "ok", "us": 17.0, "ratio": 8.5, "host_us": 15.0,
-                                  "graph_error": "NotImplementedError: cuBLAS in capture"},
-                       "torch": {"status": "error: RuntimeError: boom"},
-                       "torch-compile": {"status": "-"}}},
+            {
+                "op": "paged",
+                "name": "paged gqa fp16->e4m3 8x1024",
+                "tokens": 8192,
+                "bytes": 155_189_248,
+                "decode": False,
+                "series": "s",
+                "flops": 0,
+                "ropekv": dict(ok),
+                "peers": {
+                    "flashinfer": {"status": "ok", "check": "ok", "us": 120.0, "ratio": 1.5},
+                    "torch": {
+                        "status": "mismatch",
+                        "check": "MISMATCH: q: 3 of 9 values",
+                        "us": 800.0,
+                        "ratio": 10.0,
+                    },
+                    "torch-compile": {"status": "skipped: no torch"},
+                },
+            },
+            {
+                "op": "paged",
+                "name": "paged gqa fp16->e4m3 64x1",
+                "tokens": 64,
+                "bytes": 1_212_416,
+                "decode": True,
+                "series": "s",
+                "flops": 0,
+                "ropekv": dict(ok, us=2.0, graph_us=2.0, host_us=9.5),
+                "peers": {
+                    "flashinfer": {
+                        "status": "ok",
+                        "us": 2.4,
+                        "ratio": 1.2,
+                        "host_us": 18.0,
+                        "graph_us": 2.4,
+                    },
+                    "cublas": {
+                        "status": "ok",
+                        "us": 17.0,
+                        "ratio": 8.5,
+                        "host_us": 15.0,
+                        "graph_error": "NotImplementedError: cuBLAS in capture",
+                    },
+                    "torch": {"status": "error: RuntimeError: boom"},
+                    "torch-compile": {"status": "-"},
+                },
+            },
             {"op": "qkv", "name": "broken", "tokens": 1, "bytes": 10, "error": "ValueError: x"},
-        ]}
+        ],
+    }
 
 
 def test_table_reports_ratios_mismatches_and_errors():
@@ -454,10 +597,13 @@ def test_plot(tmp_path):
 def test_speedups_take_the_fastest_matching_peer():
     got = bench.speedups(_result())
     # case 1: flashinfer 120 (ok) beats torch 800 (a mismatch, left out); case 2: flashinfer 2.4
-    assert got == [("paged gqa fp16->e4m3 8x1024", "flashinfer", 1.5),
-                   ("paged gqa fp16->e4m3 64x1", "flashinfer", pytest.approx(1.2))]
+    assert got == [
+        ("paged gqa fp16->e4m3 8x1024", "flashinfer", 1.5),
+        ("paged gqa fp16->e4m3 64x1", "flashinfer", pytest.approx(1.2)),
+    ]
     assert "speedup over the best peer: 1.20x to 1.50x over 2 cases, 2 at or above 1" in (
-        bench.report.text(_result()))
+        bench.report.text(_result())
+    )
 
 
 def test_plot_has_a_speedup_panel(tmp_path, monkeypatch):
@@ -465,13 +611,16 @@ def test_plot_has_a_speedup_panel(tmp_path, monkeypatch):
     import matplotlib.figure
 
     saved = []
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
-                        lambda fig, path, **kw: saved.append(fig))
+    monkeypatch.setattr(
+        matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: saved.append(fig)
+    )
     bench.plot(_result(), str(tmp_path / "x.png"))
     (fig,) = saved
     panel = next(ax for ax in fig.axes if ax.get_title().startswith("ropekv's speedup"))
     assert [t.get_text() for t in panel.get_xticklabels()] == [
-        "paged gqa fp16->e4m3 8x1024", "paged gqa fp16->e4m3 64x1"]
+        "paged gqa fp16->e4m3 8x1024",
+        "paged gqa fp16->e4m3 64x1",
+    ]
     dots = np.concatenate([c.get_offsets() for c in panel.collections])
     assert np.allclose(sorted(dots[:, 1]), [1.2, 1.5])
     assert any(np.allclose(line.get_ydata(), 1.0) for line in panel.get_lines())  # the line at 1
@@ -480,15 +629,39 @@ def test_plot_has_a_speedup_panel(tmp_path, monkeypatch):
 def _small_specs():
     """Two small cases (a prefill and a decode) of two ops, built with NumPy."""
     return [
-        bench.CaseSpec("contiguous", "contiguous fp16->fp16 2x5", 10,
-                       nb.contiguous_bytes(10, 4, 2, 64, 64, F16, F16),
-                       base._lazy(bench.ContiguousWL, B=2, S=5, Hq=4, Hkv=2, D=64, C=16,
-                                  dtype=F16, cache_dtype=F16), series="contiguous fp16->fp16"),
-        bench.CaseSpec("qkv", "qkv int4w T2", 2, 1000,
-                       base._lazy(bench.QkvWL, B=2, S=1, prefix=3, K=256, Hq=4, Hkv=2, D=64,
-                                  dtype=F16, cache_dtype=F16, weight_format="int4", copies=2),
-                       decode=True, weight_bytes=qkv.weight_bytes(512, 256, "int4"),
-                       weight_format="int4 g128"),
+        bench.CaseSpec(
+            "contiguous",
+            "contiguous fp16->fp16 2x5",
+            10,
+            nb.contiguous_bytes(10, 4, 2, 64, 64, F16, F16),
+            base._lazy(
+                bench.ContiguousWL, B=2, S=5, Hq=4, Hkv=2, D=64, C=16, dtype=F16, cache_dtype=F16
+            ),
+            series="contiguous fp16->fp16",
+        ),
+        bench.CaseSpec(
+            "qkv",
+            "qkv int4w T2",
+            2,
+            1000,
+            base._lazy(
+                bench.QkvWL,
+                B=2,
+                S=1,
+                prefix=3,
+                K=256,
+                Hq=4,
+                Hkv=2,
+                D=64,
+                dtype=F16,
+                cache_dtype=F16,
+                weight_format="int4",
+                copies=2,
+            ),
+            decode=True,
+            weight_bytes=qkv.weight_bytes(512, 256, "int4"),
+            weight_format="int4 g128",
+        ),
     ]
 
 
@@ -497,16 +670,31 @@ def test_runner_on_the_numpy_backend(tmp_path):
     host, then the report, the JSON and the plot from its result."""
     path = tmp_path / "run.json"
     logged = []
-    result = bench.run(peers=["torch", "flashinfer"], specs=_small_specs(), backend="numpy",
-                       json_path=str(path), log=lambda i, n, text: logged.append((i, n)))
+    result = bench.run(
+        peers=["torch", "flashinfer"],
+        specs=_small_specs(),
+        backend="numpy",
+        json_path=str(path),
+        log=lambda i, n, text: logged.append((i, n)),
+    )
     assert logged[0] == (0, 3) and logged[-1] == (3, 3)
     assert result["backend"] == "numpy" and result["copy_bandwidth"] > 0
     assert result["peer_status"]["flashinfer"] == "needs the CUDA backend"
     assert [c["name"] for c in result["cases"]] == ["contiguous fp16->fp16 2x5", "qkv int4w T2"]
     for c in result["cases"]:
         assert "error" not in c, c
-        assert {"op", "name", "tokens", "bytes", "decode", "series", "flops", "peers",
-                "ropekv", "seconds"} <= set(c)
+        assert {
+            "op",
+            "name",
+            "tokens",
+            "bytes",
+            "decode",
+            "series",
+            "flops",
+            "peers",
+            "ropekv",
+            "seconds",
+        } <= set(c)
         r = c["ropekv"]
         assert r["us"] > 0 and r["gbps"] > 0 and r["pct_copy"] > 0
         assert c["peers"]["flashinfer"]["status"].startswith("skipped")
@@ -526,7 +714,8 @@ def test_runner_on_the_numpy_backend(tmp_path):
     bench.write_json(result, str(path))
     data = json.loads(path.read_text())
     assert data["cases"][1]["ropekv"]["pct_copy_weights"] == pytest.approx(
-        decode["ropekv"]["pct_copy_weights"])
+        decode["ropekv"]["pct_copy_weights"]
+    )
     if _has_matplotlib():
         bench.plot(result, str(tmp_path / "run.png"))
         assert (tmp_path / "run.png").stat().st_size > 1000
@@ -560,16 +749,40 @@ def test_a_broken_case_is_reported_and_the_run_goes_on():
 
 
 def test_frameworks_results_print():
-    torch_r = {"case": "paged gqa fp16->e4m3 64x1", "framework": "torch", "bare_us": 2.0,
-               "compiled_us": 2.1, "overhead_us": 0.1, "reduce_overhead_us": 4.0,
-               "peer_bare_us": 2.5, "peer_compiled_us": 2.6, "peer_fullgraph": True,
-               "peer_ratio": 2.6 / 2.1}
-    jax_r = {"case": "paged gqa fp16->e4m3 64x1", "framework": "jax", "kernel_us": 2.0,
-             "step_us": 2.5, "host_us": 30.0, "address_kept": True, "step_us_cmdbuf": 3.5,
-             "host_us_cmdbuf": 31.0, "address_kept_cmdbuf": False, "scan_us_per_step": 2.2}
-    text = "\n".join(report.frameworks_lines([
-        torch_r, jax_r, {"case": "all", "framework": "jax", "skipped": "JAX not importable"},
-        {"case": "qknorm", "framework": "torch", "error": "RuntimeError: boom"}]))
+    torch_r = {
+        "case": "paged gqa fp16->e4m3 64x1",
+        "framework": "torch",
+        "bare_us": 2.0,
+        "compiled_us": 2.1,
+        "overhead_us": 0.1,
+        "reduce_overhead_us": 4.0,
+        "peer_bare_us": 2.5,
+        "peer_compiled_us": 2.6,
+        "peer_fullgraph": True,
+        "peer_ratio": 2.6 / 2.1,
+    }
+    jax_r = {
+        "case": "paged gqa fp16->e4m3 64x1",
+        "framework": "jax",
+        "kernel_us": 2.0,
+        "step_us": 2.5,
+        "host_us": 30.0,
+        "address_kept": True,
+        "step_us_cmdbuf": 3.5,
+        "host_us_cmdbuf": 31.0,
+        "address_kept_cmdbuf": False,
+        "scan_us_per_step": 2.2,
+    }
+    text = "\n".join(
+        report.frameworks_lines(
+            [
+                torch_r,
+                jax_r,
+                {"case": "all", "framework": "jax", "skipped": "JAX not importable"},
+                {"case": "qknorm", "framework": "torch", "error": "RuntimeError: boom"},
+            ]
+        )
+    )
     assert "overhead  +0.10 (ok <= 0.3)" in text and "ratio 1.24 (ok >= 1.15)" in text
     assert "step (command buffer)     3.50 (MISSED <= 3.00)" in text
     assert "skipped: JAX not importable" in text and "error: RuntimeError: boom" in text
@@ -605,11 +818,18 @@ def test_frameworks_without_torch_or_jax_are_skipped_not_errors():
 
 def test_tune_variants_parse_and_validate():
     assert tuning.parse("paged.heavy=(2,2,3),paged.row_group=0") == {
-        "paged": {"heavy": (2, 2, 3), "row_group": 0}}
+        "paged": {"heavy": (2, 2, 3), "row_group": 0}
+    }
     assert tuning.parse("contiguous.block=64, mla.wave_blocks=660") == {
-        "contiguous": {"block": 64}, "mla": {"wave_blocks": 660}}
-    for bad, why in (("paged", "op.key=value"), ("nope.block=1", "unknown op 'nope'"),
-                     ("paged.block=x(", "Python literal"), ("", "empty variant")):
+        "contiguous": {"block": 64},
+        "mla": {"wave_blocks": 660},
+    }
+    for bad, why in (
+        ("paged", "op.key=value"),
+        ("nope.block=1", "unknown op 'nope'"),
+        ("paged.block=x(", "Python literal"),
+        ("", "empty variant"),
+    ):
         with pytest.raises(ValueError, match=why):
             tuning.parse(bad)
     import ropekv.contiguous as mod
@@ -629,12 +849,13 @@ def test_tune_applies_and_restores_the_tuning():
 
     key = next(iter(mod.TUNING))
     before, gemv = dict(mod.TUNING), qkv_mod.GEMV_MAX_TOKENS
-    with pytest.raises(RuntimeError):
-        with tuning.applied({"contiguous": {key: "changed"},
-                             "qkv": {"GEMV_MAX_TOKENS": gemv + 100}}):
-            assert mod.TUNING[key] == "changed"
-            assert qkv_mod.GEMV_MAX_TOKENS == gemv + 100
-            raise RuntimeError
+    with (
+        pytest.raises(RuntimeError),
+        tuning.applied({"contiguous": {key: "changed"}, "qkv": {"GEMV_MAX_TOKENS": gemv + 100}}),
+    ):
+        assert mod.TUNING[key] == "changed"
+        assert qkv_mod.GEMV_MAX_TOKENS == gemv + 100
+        raise RuntimeError
     assert mod.TUNING == before and qkv_mod.GEMV_MAX_TOKENS == gemv
 
 
@@ -647,8 +868,9 @@ def test_tune_variants_run_as_runners(capsys, monkeypatch):
     before = dict(mod.TUNING)
     label = f"contiguous.{key}={before[key]!r}"
     variants = [(label, tuning.parse(label)), ("qkv only", {"qkv": {"x": 1}})]
-    result = bench.run(peers=[], specs=_small_specs()[:1], backend="numpy", tune=variants,
-                       log=lambda *a: None)
+    result = bench.run(
+        peers=[], specs=_small_specs()[:1], backend="numpy", tune=variants, log=lambda *a: None
+    )
     (case,) = result["cases"]
     entry = case["peers"][f"ropekv[{label}]"]
     assert entry["status"] == "ok" and entry["check"] == "ok" and entry["ratio"] > 0
@@ -659,7 +881,8 @@ def test_tune_variants_run_as_runners(capsys, monkeypatch):
     monkeypatch.setattr(runner, "gpu_status", lambda: (True, "Fake GPU"))
     assert bench.main(tune=["contiguous.not_a_knob=1"]) == 1
     assert "--tune: ropekv.contiguous has no TUNING key or constant not_a_knob" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
 
 
 # ---- the package's structure ---------------------------------------------------------------------
@@ -688,28 +911,64 @@ def test_no_import_circle_between_bench_and_check():
         # ``from ropekv import check`` reads as ropekv.check here
         bad = {n for n in _imports(f) if n == "ropekv.check" or n.startswith("ropekv.check.")}
         assert not bad, (f, bad)
-    code = ("import sys; import ropekv.bench; "
-            "assert 'ropekv.check' not in sys.modules, 'check'; "
-            "assert 'cupy' not in sys.modules and 'torch' not in sys.modules, 'heavy'; "
-            "import ropekv.check")
+    code = (
+        "import sys; import ropekv.bench; "
+        "assert 'ropekv.check' not in sys.modules, 'check'; "
+        "assert 'cupy' not in sys.modules and 'torch' not in sys.modules, 'heavy'; "
+        "import ropekv.check"
+    )
     for c in (code, "import ropekv.check; import ropekv.bench"):
-        out = subprocess.run([sys.executable, "-c", c], capture_output=True, text=True,
-                             env=dict(os.environ, PYTHONPATH=ROOT), timeout=120, check=False)
+        out = subprocess.run(
+            [sys.executable, "-c", c],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+            timeout=120,
+            check=False,
+        )
         assert out.returncode == 0, out.stderr
 
 
 def test_public_names_stay_importable():
     """Names that the tests, the tools and ``ropekv check`` use keep working."""
-    for name in ("bench_specs", "check_specs", "select_specs", "run", "main", "table_rows",
-                 "write_json", "plot", "format_table", "context_lost", "progress",
-                 "ContiguousWL", "PagedWL", "MlaWL", "QknormWL", "QkvWL", "OPS", "PEERS",
-                 "DECODE_SWEEP", "SWEEP", "OP_FUNCTIONS", "_runners", "_to_torch",
-                 "_torch_graph_us", "_RMSNORM_SRC", "speedups"):
+    for name in (
+        "bench_specs",
+        "check_specs",
+        "select_specs",
+        "run",
+        "main",
+        "table_rows",
+        "write_json",
+        "plot",
+        "format_table",
+        "context_lost",
+        "progress",
+        "ContiguousWL",
+        "PagedWL",
+        "MlaWL",
+        "QknormWL",
+        "QkvWL",
+        "OPS",
+        "PEERS",
+        "DECODE_SWEEP",
+        "SWEEP",
+        "OP_FUNCTIONS",
+        "_runners",
+        "_to_torch",
+        "_torch_graph_us",
+        "_RMSNORM_SRC",
+        "speedups",
+    ):
         assert hasattr(bench, name), name
     for name in ("compare", "compare_all", "to_numpy", "to_device", "gpu_status", "check"):
         assert hasattr(check, name), name
-    assert tuple(cli.build_parser()._subparsers._group_actions[0].choices["bench"]
-                 ._option_string_actions["--ops"].type("paged,qkv")) == ("paged", "qkv")
+    assert tuple(
+        cli.build_parser()
+        ._subparsers._group_actions[0]
+        .choices["bench"]
+        ._option_string_actions["--ops"]
+        .type("paged,qkv")
+    ) == ("paged", "qkv")
     assert set(bench.OPS) == set(cases.base.OPS)
 
 
@@ -740,16 +999,21 @@ def test_format_table_pads_columns():
 def test_context_lost_detection():
     assert bench.context_lost("CUDARuntimeError: cudaErrorIllegalAddress: an illegal memory access")
     assert not bench.context_lost("ValueError: q must have shape (T, Hq, R)")
-    lost = {"error": "", "peers": {"torch": {"status": "error: CUDA error: an illegal memory "
-                                                       "access was encountered"}}}
+    lost = {
+        "error": "",
+        "peers": {
+            "torch": {"status": "error: CUDA error: an illegal memory access was encountered"}
+        },
+    }
     assert bench.context_lost(lost)
     assert not bench.context_lost({"name": "x", "peers": {"torch": {"status": "ok"}}})
 
 
 def _fake_check(monkeypatch, outcomes):
     monkeypatch.setattr(check, "gpu_status", lambda: (True, "Fake GPU"))
-    monkeypatch.setattr(check, "check_specs",
-                        lambda: [(op, name, outcome) for op, name, outcome in outcomes])
+    monkeypatch.setattr(
+        check, "check_specs", lambda: [(op, name, outcome) for op, name, outcome in outcomes]
+    )
 
     def run_one(outcome):
         if isinstance(outcome, Exception):
@@ -771,9 +1035,14 @@ def test_check_table_and_exit_code(monkeypatch, capsys):
 
 
 def test_check_stops_after_a_sticky_cuda_error(monkeypatch, capsys):
-    _fake_check(monkeypatch, [("paged", "a", None),
-                              ("mla", "b", RuntimeError("cudaErrorIllegalAddress: boom")),
-                              ("qkv", "c", None)])
+    _fake_check(
+        monkeypatch,
+        [
+            ("paged", "a", None),
+            ("mla", "b", RuntimeError("cudaErrorIllegalAddress: boom")),
+            ("qkv", "c", None),
+        ],
+    )
     assert check.check() == 1
     out = capsys.readouterr().out
     assert "not run: the CUDA context was lost in 'mla b'" in out
@@ -785,21 +1054,39 @@ def test_check_stops_after_a_sticky_cuda_error(monkeypatch, capsys):
 
 def _ropekv(*args):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "ropekv", *args], capture_output=True,
-                          text=True, env=env, timeout=600, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "ropekv", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
 
 
 def test_bench_help():
     out = _ropekv("bench", "--help")
     assert out.returncode == 0
-    for flag in ("--ops", "--peers", "--cases", "--quick", "--frameworks", "--tune", "--json",
-                 "--plot"):
+    for flag in (
+        "--ops",
+        "--peers",
+        "--cases",
+        "--quick",
+        "--frameworks",
+        "--tune",
+        "--json",
+        "--plot",
+    ):
         assert flag in out.stdout
 
 
 def test_bad_ops_and_peers_are_usage_errors(capsys):
-    for argv in (["bench", "--ops", "paged,nope"], ["bench", "--peers", "vllm"],
-                 ["check", "--ops", "x"], ["bench", "--ops"]):
+    for argv in (
+        ["bench", "--ops", "paged,nope"],
+        ["bench", "--peers", "vllm"],
+        ["check", "--ops", "x"],
+        ["bench", "--ops"],
+    ):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
         assert e.value.code == 2
@@ -811,11 +1098,33 @@ def test_ops_and_peers_parse_commas_and_spaces(monkeypatch):
     seen = {}
     monkeypatch.setattr(_info, "device_state", lambda: (None, 1, None))  # pass cli's GPU check
     monkeypatch.setattr(bench, "main", lambda **kw: seen.update(kw) or 0)
-    assert cli.main(["bench", "--ops", "paged,mla", "qkv", "--peers", "torch", "--quick",
-                     "--json", "x.json"]) == 0
-    assert seen == {"ops": ["paged", "mla", "qkv"], "peers": ["torch"], "quick": True,
-                    "json_path": "x.json", "plot_path": None, "cases": None,
-                    "frameworks": False, "tune": None, "options": False}
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--ops",
+                "paged,mla",
+                "qkv",
+                "--peers",
+                "torch",
+                "--quick",
+                "--json",
+                "x.json",
+            ]
+        )
+        == 0
+    )
+    assert seen == {
+        "ops": ["paged", "mla", "qkv"],
+        "peers": ["torch"],
+        "quick": True,
+        "json_path": "x.json",
+        "plot_path": None,
+        "cases": None,
+        "frameworks": False,
+        "tune": None,
+        "options": False,
+    }
     seen.clear()
     assert cli.main(["bench", "--options", "--ops", "mla"]) == 0
     assert seen["options"] is True and seen["ops"] == ["mla"]
@@ -871,7 +1180,10 @@ def test_bench_quick_runs(tmp_path):
     for c in data["cases"]:
         for peer, e in c["peers"].items():
             assert e["status"] in ("ok", "-") or e["status"].startswith("skipped"), (
-                c["name"], peer, e)
+                c["name"],
+                peer,
+                e,
+            )
     qkv_formats = {c["weight_format"] for c in data["cases"] if c["op"] == "qkv"}
     assert qkv_formats == {"fp16", "fp8 e4m3 per-row", "int4 g128"}
     assert all(c["peers"]["cublas"]["status"] == "ok" for c in data["cases"] if c["op"] == "qkv")
@@ -905,9 +1217,23 @@ def test_options_run_as_runners_and_report_their_cost(monkeypatch):
     """``--options``: each option of the case's op runs as ``ropekv[+option]`` beside the plain
     call, is checked against it when it leaves the sampled rows alone, only timed when it does
     not, and the report gives its cost; option runners are not peers."""
-    spec = bench.CaseSpec("mla", "mla tiny 3x2", 6, 1, base._lazy(
-        bench.MlaWL, B=3, S=2, prefix=5, Hq=4, L=64, R=32, dtype=np.float16,
-        cache_dtype=np.float16))
+    spec = bench.CaseSpec(
+        "mla",
+        "mla tiny 3x2",
+        6,
+        1,
+        base._lazy(
+            bench.MlaWL,
+            B=3,
+            S=2,
+            prefix=5,
+            Hq=4,
+            L=64,
+            R=32,
+            dtype=np.float16,
+            cache_dtype=np.float16,
+        ),
+    )
     plain = bench.MlaWL.options
 
     def options(self):
@@ -941,8 +1267,9 @@ def test_qknorm_options_time_the_computed_scales():
     from ropekv.bench.workloads.qknorm import QknormWL
 
     kw = {"B": 2, "S": 3, "prefix": 5, "Hq": 4, "Hkv": 2, "D": 64, "dtype": BF16}
-    spec = bench.CaseSpec("qknorm", "qknorm tiny 2x3", 6, 1,
-                          base._lazy(QknormWL, cache_dtype=E4M3, **kw))
+    spec = bench.CaseSpec(
+        "qknorm", "qknorm tiny 2x3", 6, 1, base._lazy(QknormWL, cache_dtype=E4M3, **kw)
+    )
     result = bench.run(peers=[], specs=[spec], backend="numpy", options=True, log=lambda *a: None)
     (case,) = result["cases"]
     assert "error" not in case, case
@@ -985,8 +1312,9 @@ def test_source_digest_names_the_code_that_ran(tmp_path, monkeypatch):
     assert runner.source_digest(str(copy)) != digest
     monkeypatch.setenv("ROPEKV_GIT_REVISION", "0123456789ab")
     assert runner.git_revision() == "0123456789ab"
-    text = report.text({**_result(), "environment": {"git_revision": "abc",
-                                                     "source_digest": digest}})
+    text = report.text(
+        {**_result(), "environment": {"git_revision": "abc", "source_digest": digest}}
+    )
     assert f"@ abc, sources {digest}" in text
 
 

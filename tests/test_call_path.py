@@ -50,15 +50,25 @@ def qknorm_case(seed, **kw):
 
 
 def qkv_case(seed, **kw):
-    kw.setdefault("cached", (2, 5, 0, 1)[:len(kw.get("lengths", (3, 1, 0, 2)))])  # one layout
+    kw.setdefault("cached", (2, 5, 0, 1)[: len(kw.get("lengths", (3, 1, 0, 2)))])  # one layout
     args, more = tk.make_case(seed, **kw)
     return ropekv.fused_qkv_matmul_append_paged_kv_cache, {**args, **more}
 
 
-CASES = {"contiguous": contiguous_case, "paged": paged_case, "mla": mla_case,
-         "qknorm": qknorm_case, "qkv": qkv_case}
-CACHE = {"contiguous": "kv_cache", "paged": "paged_kv_cache", "mla": "kv_cache",
-         "qknorm": "paged_kv_cache", "qkv": "paged_kv_cache"}
+CASES = {
+    "contiguous": contiguous_case,
+    "paged": paged_case,
+    "mla": mla_case,
+    "qknorm": qknorm_case,
+    "qkv": qkv_case,
+}
+CACHE = {
+    "contiguous": "kv_cache",
+    "paged": "paged_kv_cache",
+    "mla": "kv_cache",
+    "qknorm": "paged_kv_cache",
+    "qkv": "paged_kv_cache",
+}
 OPS = tuple(CASES)
 
 
@@ -104,8 +114,11 @@ def assert_op_close(actual, expected, op, what):
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
     D = 16 if actual.shape[-1] % 16 == 0 else actual.shape[-1]
     rows = actual.size // D
-    same = np.all(np.ascontiguousarray(actual).view(np.uint8).reshape(rows, -1) ==
-                  np.ascontiguousarray(expected).view(np.uint8).reshape(rows, -1), axis=1)
+    same = np.all(
+        np.ascontiguousarray(actual).view(np.uint8).reshape(rows, -1)
+        == np.ascontiguousarray(expected).view(np.uint8).reshape(rows, -1),
+        axis=1,
+    )
     a = actual.astype(np.float64).reshape(-1, D)[~same]  # rows both left alone may hold NaN
     e = expected.astype(np.float64).reshape(-1, D)[~same]
     den = np.maximum(np.linalg.norm(e, axis=1), 1e-6)
@@ -130,8 +143,9 @@ def assert_same(actual_kw, actual_out, expected_kw, expected_out, op):
 def writable_broadcast(shape, dtype):
     """A writable view of one row broadcast over every slot (np.broadcast_to is read-only)."""
     base = np.zeros(shape[-1], dtype)
-    return np.lib.stride_tricks.as_strided(base, shape, (0,) * (len(shape) - 1) + (base.itemsize,),
-                                           writeable=True)
+    return np.lib.stride_tricks.as_strided(
+        base, shape, (0,) * (len(shape) - 1) + (base.itemsize,), writeable=True
+    )
 
 
 @pytest.mark.parametrize("op", ["paged", "qknorm", "qkv"])
@@ -139,8 +153,9 @@ def test_one_array_as_both_caches_is_refused(op):
     fn, kw = CASES[op](1)
     c = kw["paged_kv_cache"][0]
     kw["paged_kv_cache"] = (c, c)
-    with pytest.raises(ValueError, match="k_cache is written in place but shares memory with "
-                                         "v_cache"):
+    with pytest.raises(
+        ValueError, match="k_cache is written in place but shares memory with v_cache"
+    ):
         fn(**kw)
 
 
@@ -155,15 +170,16 @@ def test_mla_kpe_inside_ckv_is_refused():
     fn, kw = mla_case(1, split=True, L=32, R=16)
     ckv = kw["kv_cache"][0]
     kw["kv_cache"] = (ckv, ckv[..., 8:24])  # (num_pages, page_size, R) view inside ckv
-    with pytest.raises(ValueError, match="ckv_cache is written in place but shares memory with "
-                                         "kpe_cache"):
+    with pytest.raises(
+        ValueError, match="ckv_cache is written in place but shares memory with kpe_cache"
+    ):
         fn(**kw)
 
 
 def test_output_overlapping_the_cache_is_refused():
     fn, kw = qknorm_case(2)
     T, Hq, D = kw["q"].shape
-    kw["q_out"] = kw["paged_kv_cache"][0].reshape(-1)[:T * Hq * D].reshape(T, Hq, D)
+    kw["q_out"] = kw["paged_kv_cache"][0].reshape(-1)[: T * Hq * D].reshape(T, Hq, D)
     with pytest.raises(ValueError, match="shares memory with q_out|q_out is written in place"):
         fn(**kw)
 
@@ -172,8 +188,9 @@ def test_paged_output_overlapping_an_input_is_refused():
     fn, kw = paged_case(3, T=6, Hq=2, Hkv=2, R=16, cache_dtype=E4M3)
     q = kw["q_rope"]
     kw["q_rope_out"] = q.view(np.uint8)[:, :, :16].view(E4M3)  # fp8 bytes over q's rows
-    with pytest.raises(ValueError, match="q_rope_out is written in place but shares memory with "
-                                         "q_rope \\(read"):
+    with pytest.raises(
+        ValueError, match="q_rope_out is written in place but shares memory with q_rope \\(read"
+    ):
         fn(**kw)
 
 
@@ -201,8 +218,9 @@ def test_broadcast_cache_is_refused(op):
 def test_self_overlapping_written_strides_are_refused():
     fn, kw = qknorm_case(6)
     k = kw["paged_kv_cache"][0]
-    rows = np.lib.stride_tricks.as_strided(k, k.shape, (k.strides[1], *k.strides[1:]),
-                                           writeable=True)  # pages overlap one another
+    rows = np.lib.stride_tricks.as_strided(
+        k, k.shape, (k.strides[1], *k.strides[1:]), writeable=True
+    )  # pages overlap one another
     kw["paged_kv_cache"] = (rows, kw["paged_kv_cache"][1])
     with pytest.raises(ValueError, match="put several elements at one address"):
         fn(**kw)
@@ -231,8 +249,10 @@ def test_contiguous_host_kv_scale_values_are_checked(value):
         fn(**kw)
 
 
-@pytest.mark.parametrize("op, kv_scale", [("qknorm", -1.0), ("qknorm", (1.0, 0.0)),
-                                          ("mla", float("nan")), ("qkv", (1.0, -3.0))])
+@pytest.mark.parametrize(
+    "op, kv_scale",
+    [("qknorm", -1.0), ("qknorm", (1.0, 0.0)), ("mla", float("nan")), ("qkv", (1.0, -3.0))],
+)
 def test_ragged_ops_kv_scales_are_checked(op, kv_scale):
     fn, kw = CASES[op](9, cache_dtype=E4M3)
     kw["kv_scale"] = kv_scale
@@ -240,8 +260,9 @@ def test_ragged_ops_kv_scales_are_checked(op, kv_scale):
         fn(**kw)
 
 
-def scale_case(op, cache, q_fp8=False, q_static=False, q_dynamic=False, kv_static=False,
-               kv_dynamic=False):
+def scale_case(
+    op, cache, q_fp8=False, q_static=False, q_dynamic=False, kv_static=False, kv_dynamic=False
+):
     """A call of ``op`` (the ops with fp8 queries and per-token-head KV scales) on caches of dtype
     ``cache``, with the q and KV scale arguments asked for, each in the op's spelling: a float8
     q (``q_fp8``; the contiguous op gets a 16-bit ``q_out`` otherwise, so that a q output
@@ -279,25 +300,33 @@ F16, INT8 = np.dtype(np.float16), np.dtype(np.int8)
 # rule: (the bad call, the message every op words alike, the call put right)
 SCALE_RULES = {
     "int8 cache without kv_cache_scales": (
-        {"cache": INT8}, r"an int8 \w+ needs kv_cache_scales",
-        {"cache": INT8, "kv_dynamic": True}),
+        {"cache": INT8},
+        r"an int8 \w+ needs kv_cache_scales",
+        {"cache": INT8, "kv_dynamic": True},
+    ),
     "kv_cache_scales with a 16-bit cache": (
         {"cache": F16, "kv_dynamic": True},
         r"kv_cache_scales needs a float8 or int8 (\w+), but \1 is float16",
-        {"cache": E4M3, "kv_dynamic": True}),
+        {"cache": E4M3, "kv_dynamic": True},
+    ),
     "q_scale_out with a 16-bit q": (
         {"cache": F16, "q_dynamic": True},
         r"q_scale_out is only used with a float8 (\w+), but \1 is float16",
-        {"cache": E4M3, "kv_static": True, "q_fp8": True, "q_dynamic": True}),
+        {"cache": E4M3, "kv_static": True, "q_fp8": True, "q_dynamic": True},
+    ),
     "static and dynamic q scales": (
         {"cache": E4M3, "kv_static": True, "q_fp8": True, "q_static": True, "q_dynamic": True},
         r"\w+ \(a static scale\) and q_scale_out \(dynamic scales\) exclude each other",
-        {"cache": E4M3, "kv_static": True, "q_fp8": True, "q_dynamic": True}),
+        {"cache": E4M3, "kv_static": True, "q_fp8": True, "q_dynamic": True},
+    ),
     "static and per-token-head KV scales": (
         {"cache": E4M3, "kv_static": True, "kv_dynamic": True},
-        (r"\w+ \(static scales\) and kv_cache_scales \(per-token-head scales\) exclude each "
-         r"other"),
-        {"cache": E4M3, "kv_dynamic": True}),
+        (
+            r"\w+ \(static scales\) and kv_cache_scales \(per-token-head scales\) exclude each "
+            r"other"
+        ),
+        {"cache": E4M3, "kv_dynamic": True},
+    ),
 }
 
 
@@ -352,8 +381,9 @@ def test_written_array_from_a_legacy_capsule_is_refused(op, monkeypatch):
     with pytest.raises(BufferError, match="legacy \\(unversioned\\) DLPack capsule"):
         fn(**copy_kw(kw) | {CACHE[op]: kw[CACHE[op]]})
     # a versioned capsule of the same memory is written in place
-    kw[CACHE[op]] = ((FakeProducer(first), caches[1]) if isinstance(caches, tuple)
-                     else FakeProducer(first))
+    kw[CACHE[op]] = (
+        (FakeProducer(first), caches[1]) if isinstance(caches, tuple) else FakeProducer(first)
+    )
     fn(**kw)
     # and the explicit opt-in
     monkeypatch.setenv("ROPEKV_ALLOW_LEGACY_DLPACK_WRITES", "1")
@@ -370,10 +400,18 @@ def test_legacy_capsule_may_be_read():
     np.testing.assert_array_equal(kw["kv_cache"], expected["kv_cache"])
 
 
-@pytest.mark.parametrize("op, flag", [("contiguous", "is_neox"), ("contiguous", "write_k_in_place"),
-                                      ("paged", "is_neox"), ("mla", "is_neox"),
-                                      ("qknorm", "is_neox"), ("qkv", "is_neox"),
-                                      ("qknorm", "enable_pdl")])
+@pytest.mark.parametrize(
+    "op, flag",
+    [
+        ("contiguous", "is_neox"),
+        ("contiguous", "write_k_in_place"),
+        ("paged", "is_neox"),
+        ("mla", "is_neox"),
+        ("qknorm", "is_neox"),
+        ("qkv", "is_neox"),
+        ("qknorm", "enable_pdl"),
+    ],
+)
 @pytest.mark.parametrize("value", ["no", 1, None])
 def test_flags_must_be_bools(op, flag, value):
     fn, kw = CASES[op](14)
@@ -410,8 +448,11 @@ def test_check_indices_refuses_two_tokens_on_one_row(op, monkeypatch):
         kw["positions"][1] = kw["positions"][0]
     else:  # request 0's positions 2 and 3, one page each, map to one page
         page_size = 1
-        extra = {"new": (3, 1), "cached": (2, 0)} if op != "qkv" else {"lengths": (3, 1),
-                                                                      "cached": (2, 0)}
+        extra = (
+            {"new": (3, 1), "cached": (2, 0)}
+            if op != "qkv"
+            else {"lengths": (3, 1), "cached": (2, 0)}
+        )
         fn, kw = CASES[op](17, page_size=page_size, **extra)
         kw["block_table"][0, 3] = kw["block_table"][0, 2]  # positions 2 and 3: one page
     monkeypatch.setenv("ROPEKV_CHECK_INDICES", "1")
@@ -427,9 +468,11 @@ def test_qkv_row_strides_a_gemm_can_take(stride):
     base = np.zeros(T * 64 + 64, x.dtype)
     start = 0 if stride >= 0 else (T - 1) * 64
     kw["hidden_state"] = np.lib.stride_tricks.as_strided(
-        base[start:], (T, K), (stride * x.itemsize, x.itemsize))
-    with pytest.raises(ValueError, match="hidden_state's row stride must be at least its 64 "
-                                         "columns"):
+        base[start:], (T, K), (stride * x.itemsize, x.itemsize)
+    )
+    with pytest.raises(
+        ValueError, match="hidden_state's row stride must be at least its 64 columns"
+    ):
         fn(**kw)
 
 
@@ -455,10 +498,12 @@ def test_signature_is_layout_not_identity():
     assert kc != ka  # strides differ
     kd, _, _, _ = ar.signature((a.view(np.int16), None), names, None)
     assert kd != ka  # dtype differs
-    ke, _, _, _ = ar.signature((np.zeros(40, np.uint8)[2:34].view(np.float16).reshape(4, 4),
-                                None), names, None)
-    kf, _, _, _ = ar.signature((np.zeros(40, np.uint8)[:32].view(np.float16).reshape(4, 4),
-                                None), names, None)
+    ke, _, _, _ = ar.signature(
+        (np.zeros(40, np.uint8)[2:34].view(np.float16).reshape(4, 4), None), names, None
+    )
+    kf, _, _, _ = ar.signature(
+        (np.zeros(40, np.uint8)[:32].view(np.float16).reshape(4, 4), None), names, None
+    )
     assert ke != kf or (ke[0][4] == kf[0][4])  # the pointer's alignment is part of the key
 
 
@@ -491,12 +536,12 @@ def test_param_struct_tail_is_the_record_past_its_pointers(monkeypatch):
             values[name] = 0.5 + k if kind == "f" else -(k + 1) if kind == "i" and k % 2 else k + 1
         record = params.pack_values([*(0,) * n, *(values[f] for f in params.names[n:])])
         assert len(record) == params.dtype.itemsize
-        assert params.pack_tail(values) == record[8 * n:]
+        assert params.pack_tail(values) == record[8 * n :]
         values.update(dict.fromkeys(params.names[:n], 7))  # pointers without a slot: as given
         launch = _launch.Launch("stem", "kernel<>", 0, (1,), (32,), params, values, {})
         assert launch.slots == [(-1, 7)] * n
-        assert launch.tail == record[8 * n:]
-        assert bytes(launch.rec) == bytes(8 * n) + record[8 * n:]
+        assert launch.tail == record[8 * n :]
+        assert bytes(launch.rec) == bytes(8 * n) + record[8 * n :]
 
 
 def test_overlap_check_gives_the_plans_pairs():
@@ -504,15 +549,28 @@ def test_overlap_check_gives_the_plans_pairs():
     every other argument given and not empty, each written pair once, in that order, with their
     byte spans relative to their pointers."""
     buf = np.zeros(4096, np.uint8)
-    arrays = [buf[0:64], None, buf[128:256].view(np.float16), buf[256:256], buf[512:1024],
-              buf[1024:1032].view(np.int32), None, buf[2048:4096].view(np.float32)]
+    arrays = [
+        buf[0:64],
+        None,
+        buf[128:256].view(np.float16),
+        buf[256:256],
+        buf[512:1024],
+        buf[1024:1032].view(np.int32),
+        None,
+        buf[2048:4096].view(np.float32),
+    ]
     views = [None if a is None else ar.as_view(a, f"a{i}") for i, a in enumerate(arrays)]
     spans = [None if v is None or v.size == 0 else v.span for v in views]
     given = [j for j, span in enumerate(spans) if span]  # the arrays given, not empty
     for written in [(0,), (4, 7), (7, 0, 4), (3, 2), (2, 3, 5)]:
         pairs = ck.check_no_overlap(views, written)
-        assert pairs == [(i, j, *spans[i], *spans[j]) for i in written if spans[i] for j in given
-                         if j != i and not (j < i and j in written)]
+        assert pairs == [
+            (i, j, *spans[i], *spans[j])
+            for i in written
+            if spans[i]
+            for j in given
+            if j != i and not (j < i and j in written)
+        ]
         plan = _launch.Plan(ar.HOST, written=written)
         plan.finish(views, pairs)
         assert plan.pairs is pairs
@@ -532,8 +590,11 @@ def test_shares_bytes_is_exact_for_interleaved_views():
 
 def _layouts(min_stride=-6):
     """Small layouts (shape, strides in elements), strides of any sign, zero included."""
-    return st.integers(1, 4).flatmap(lambda nd: st.tuples(
-        st.tuples(*[st.integers(0, 4)] * nd), st.tuples(*[st.integers(min_stride, 40)] * nd)))
+    return st.integers(1, 4).flatmap(
+        lambda nd: st.tuples(
+            st.tuples(*[st.integers(0, 4)] * nd), st.tuples(*[st.integers(min_stride, 40)] * nd)
+        )
+    )
 
 
 def _view(shape, strides):
@@ -602,8 +663,11 @@ def to_torch(x):
     """A torch CUDA copy of a NumPy array (bf16 / fp8 through their bits)."""
     torch = torch_or_skip()
     x = np.ascontiguousarray(x)
-    names = {np.dtype(ml_dtypes.bfloat16): torch.bfloat16, E4M3: torch.float8_e4m3fn,
-             np.dtype(ml_dtypes.float8_e5m2): torch.float8_e5m2}
+    names = {
+        np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
+        E4M3: torch.float8_e4m3fn,
+        np.dtype(ml_dtypes.float8_e5m2): torch.float8_e5m2,
+    }
     if x.dtype in names:
         bits = np.uint8 if x.itemsize == 1 else np.int16
         return torch.from_numpy(x.view(bits)).cuda().view(names[x.dtype])
@@ -641,8 +705,13 @@ def test_torch_tensors_every_op(op):
 @pytest.mark.parametrize("kind", ["cupy", "torch"])
 def test_replay_with_new_arrays_of_one_layout(op, kind):
     convert = to_device if kind == "cupy" else to_torch
-    module = {"contiguous": ropekv.contiguous, "paged": ropekv.paged, "mla": ropekv.mla,
-              "qknorm": ropekv.qknorm, "qkv": ropekv.qkv}[op]
+    module = {
+        "contiguous": ropekv.contiguous,
+        "paged": ropekv.paged,
+        "mla": ropekv.mla,
+        "qknorm": ropekv.qknorm,
+        "qkv": ropekv.qkv,
+    }[op]
     ops = [v for v in vars(module).values() if isinstance(v, _launch.Op)]
     check_device_call(op, 21, convert)
     count = sum(len(o.plans) for o in ops)
@@ -696,8 +765,10 @@ def test_swapped_torch_storage_is_written():
     fresh = torch.zeros_like(k_cache.view(torch.uint8))
     k_cache.data = fresh.view(k_cache.dtype)
     expected = copy_kw(kw)
-    expected["paged_kv_cache"] = (np.zeros_like(kw["paged_kv_cache"][0]),
-                                  expected["paged_kv_cache"][1])
+    expected["paged_kv_cache"] = (
+        np.zeros_like(kw["paged_kv_cache"][0]),
+        expected["paged_kv_cache"][1],
+    )
     out_expected = fn(**expected)
     out = fn(**dev)
     torch.cuda.synchronize()
@@ -809,23 +880,31 @@ def test_replay_rechecks_overlap_from_pointers():
     dev = map_arrays(kw, to_device)
     fn(**dev)  # the plan exists
     k = dev["paged_kv_cache"][0]
-    with pytest.raises(ValueError, match="k_cache is written in place but shares memory with "
-                                         "v_cache"):
+    with pytest.raises(
+        ValueError, match="k_cache is written in place but shares memory with v_cache"
+    ):
         fn(**{**dev, "paged_kv_cache": (k, k)})
     T, Hq, D = dev["q"].shape
     fn(**dev, q_out=cp.empty((T, Hq, D), dev["q"].dtype))  # the plan with a given output
     buf = cp.empty((T + 1) * Hq * D, dev["q"].dtype)  # q and q_out one row apart in one buffer
-    q = buf[Hq * D:].reshape(T, Hq, D)
+    q = buf[Hq * D :].reshape(T, Hq, D)
     q[...] = dev["q"]
-    with pytest.raises(ValueError, match="q_out must be q itself \\(in place\\) or not overlap "
-                                         "it"):
-        fn(**{**dev, "q": q}, q_out=buf[:T * Hq * D].reshape(T, Hq, D))
+    with pytest.raises(ValueError, match="q_out must be q itself \\(in place\\) or not overlap it"):
+        fn(**{**dev, "q": q}, q_out=buf[: T * Hq * D].reshape(T, Hq, D))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op, name", [("contiguous", "kv_end_lens"), ("paged", "pos_ids"),
-                                      ("paged", "kv_indices"), ("mla", "cache_lengths"),
-                                      ("qknorm", "input_row_offsets"), ("qkv", "block_table")])
+@pytest.mark.parametrize(
+    "op, name",
+    [
+        ("contiguous", "kv_end_lens"),
+        ("paged", "pos_ids"),
+        ("paged", "kv_indices"),
+        ("mla", "cache_lengths"),
+        ("qknorm", "input_row_offsets"),
+        ("qkv", "block_table"),
+    ],
+)
 def test_misaligned_index_array_is_refused(op, name):
     import cupy as cp
 
@@ -833,17 +912,19 @@ def test_misaligned_index_array_is_refused(op, name):
     dev = map_arrays(kw, to_device)
     x = dev[name]
     buf = cp.zeros(x.nbytes + 16, cp.uint8)
-    bad = buf[2:2 + x.nbytes].view(x.dtype).reshape(x.shape)
+    bad = buf[2 : 2 + x.nbytes].view(x.dtype).reshape(x.shape)
     bad[...] = x
-    with pytest.raises(BufferError, match=f"{name} starts at address .* not a multiple of its "
-                                          f"item size"):
+    with pytest.raises(
+        BufferError, match=f"{name} starts at address .* not a multiple of its item size"
+    ):
         fn(**{**dev, name: bad})
     check_device_call(op, 32, to_device)  # the context is alive
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op, name", [("qkv", "hidden_state"), ("qknorm", "q"),
-                                      ("contiguous", "v"), ("mla", "kv")])
+@pytest.mark.parametrize(
+    "op, name", [("qkv", "hidden_state"), ("qknorm", "q"), ("contiguous", "v"), ("mla", "kv")]
+)
 def test_misaligned_data_array_is_refused(op, name):
     import cupy as cp
 
@@ -851,7 +932,7 @@ def test_misaligned_data_array_is_refused(op, name):
     dev = map_arrays(kw, to_device)
     x = dev[name]
     buf = cp.zeros(x.nbytes + 16, cp.uint8)
-    bad = buf[1:1 + x.nbytes].view(x.dtype).reshape(x.shape)
+    bad = buf[1 : 1 + x.nbytes].view(x.dtype).reshape(x.shape)
     with pytest.raises(BufferError, match=f"{name} starts at address"):
         fn(**{**dev, name: bad})
     check_device_call(op, 33, to_device)
@@ -875,8 +956,9 @@ def test_device_zero_kv_scale_writes_nothing():
     kw["kv_scale"] = np.array([1.0, 0.0], np.float32)
     dev = map_arrays(kw, to_device)
     fn(**dev)
-    np.testing.assert_array_equal(to_numpy(dev["kv_cache"]).view(np.uint8),
-                                  kw["kv_cache"].view(np.uint8))
+    np.testing.assert_array_equal(
+        to_numpy(dev["kv_cache"]).view(np.uint8), kw["kv_cache"].view(np.uint8)
+    )
 
 
 def gpu_count():

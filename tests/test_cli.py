@@ -19,8 +19,14 @@ NO_DRIVER = "no GPU / no CUDA driver found"
 
 def run_ropekv(*args):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "ropekv", *args], capture_output=True,
-                          text=True, env=env, timeout=600, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "ropekv", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
 
 
 def usage_error(argv, capsys):
@@ -71,7 +77,8 @@ def test_demo_steps_out_of_range_are_usage_errors(steps, capsys):
 
 def test_demo_steps_must_be_an_integer(capsys):
     assert "argument --steps: expected an integer, got '1.5'" in usage_error(
-        ["demo", "--steps", "1.5"], capsys)
+        ["demo", "--steps", "1.5"], capsys
+    )
 
 
 def test_demo_steps_range_ends_are_accepted():
@@ -120,21 +127,31 @@ def fake_cupy(driver, runtime=12090, count=None, status=None):
             raise CUDARuntimeError()
         return count
 
-    rt = types.SimpleNamespace(driverGetVersion=lambda: driver, runtimeGetVersion=lambda: runtime,
-                               getDeviceCount=get_device_count)
+    rt = types.SimpleNamespace(
+        driverGetVersion=lambda: driver,
+        runtimeGetVersion=lambda: runtime,
+        getDeviceCount=get_device_count,
+    )
     return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt))
 
 
-@pytest.mark.parametrize("cupy, want", [
-    (fake_cupy(driver=0, status=35), NO_DRIVER),
-    (fake_cupy(driver=12020, runtime=13000, status=35),
-     "the CUDA driver (12.2) is older than CuPy's CUDA runtime (13.0): install ropekv[cuda12]"),
-    (fake_cupy(driver=13000, runtime=13020, status=35),
-     "the CUDA driver (13.0) is older than CuPy's CUDA runtime (13.2): update the driver"),
-    (fake_cupy(driver=13000, status=100), "no GPU found (the CUDA driver sees no device)"),
-    (fake_cupy(driver=13000, count=0), "no GPU found (the CUDA driver sees no device)"),
-    (fake_cupy(driver=13000, status=999), "no usable GPU (CUDARuntimeError: cudaError 999)"),
-])
+@pytest.mark.parametrize(
+    "cupy, want",
+    [
+        (fake_cupy(driver=0, status=35), NO_DRIVER),
+        (
+            fake_cupy(driver=12020, runtime=13000, status=35),
+            "the CUDA driver (12.2) is older than CuPy's CUDA runtime (13.0): install ropekv[cuda12]",
+        ),
+        (
+            fake_cupy(driver=13000, runtime=13020, status=35),
+            "the CUDA driver (13.0) is older than CuPy's CUDA runtime (13.2): update the driver",
+        ),
+        (fake_cupy(driver=13000, status=100), "no GPU found (the CUDA driver sees no device)"),
+        (fake_cupy(driver=13000, count=0), "no GPU found (the CUDA driver sees no device)"),
+        (fake_cupy(driver=13000, status=999), "no usable GPU (CUDARuntimeError: cudaError 999)"),
+    ],
+)
 def test_device_state_reasons(cupy, want, monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     module, count, why = _info.device_state()
@@ -148,8 +165,10 @@ def test_device_state_without_cupy(monkeypatch):
     assert module is None and count == 0 and "CuPy is not installed" in why
 
 
-@pytest.mark.parametrize("command, needs", [
-    ("bench", "the benchmark needs a CUDA GPU"), ("check", "it needs a CUDA GPU")])
+@pytest.mark.parametrize(
+    "command, needs",
+    [("bench", "the benchmark needs a CUDA GPU"), ("check", "it needs a CUDA GPU")],
+)
 def test_bench_and_check_without_a_driver(command, needs, monkeypatch, capsys):
     monkeypatch.setattr(_info, "device_state", lambda: (None, 0, NO_DRIVER))
     assert cli.main([command]) == 1

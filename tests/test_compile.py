@@ -17,8 +17,9 @@ import pytest
 from ropekv._compile import arch_specific, compile_offline, kernel_stems, read_source
 from ropekv._launch import ParamStruct
 
-nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
-                            reason="the compile tests need cupy and the NVRTC wheel")
+nvrtc = pytest.importorskip(
+    "cupy_backends.cuda.libs.nvrtc", reason="the compile tests need cupy and the NVRTC wheel"
+)
 
 STEMS = kernel_stems()
 C_FIELD_TYPES = {
@@ -60,11 +61,12 @@ def _expressions(stem, arch):
 
 def _chunks(stem, arch):
     expressions = _expressions(stem, arch)
-    return [expressions[i:i + CHUNK] for i in range(0, len(expressions), CHUNK)]
+    return [expressions[i : i + CHUNK] for i in range(0, len(expressions), CHUNK)]
 
 
 COMPILES = [(stem, arch) for stem in STEMS for arch in ARCHS] + [
-    (stem, ARCH_SPECIFIC) for stem in STEMS if _expressions(stem, ARCH_SPECIFIC)]
+    (stem, ARCH_SPECIFIC) for stem in STEMS if _expressions(stem, ARCH_SPECIFIC)
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +75,11 @@ def compiled(request):
     selected (stem, arch) tests' compiles all start on the first use, in chunks, on a pool of
     one process per CPU (a cold run compiles a few thousand instantiations); each test then
     waits for its own chunks. One CPU: in this process, as each test asks."""
-    wanted = [item.callspec.params for item in request.session.items
-              if getattr(item, "originalname", "") == "test_kernels_compile"]
+    wanted = [
+        item.callspec.params
+        for item in request.session.items
+        if getattr(item, "originalname", "") == "test_kernels_compile"
+    ]
     keys = list(dict.fromkeys((p["stem"], p["arch"]) for p in wanted))
     workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if (workers or 1) < 2 or len(keys) < 2:
@@ -87,7 +92,8 @@ def compiled(request):
         futures = {}
         for stem, chunk, arch in jobs:
             futures.setdefault((stem, arch), []).append(
-                pool.submit(compile_offline, stem, chunk, arch))
+                pool.submit(compile_offline, stem, chunk, arch)
+            )
         yield lambda stem, arch: [f.result() for f in futures[(stem, arch)]]
 
 
@@ -106,6 +112,7 @@ def _ptx(stem, expression, arch):
     try:
         nvrtc.addNameExpression(prog, expression)
         from ropekv._compile import OPTIONS, _header_options
+
         nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *OPTIONS, *_header_options()])
         return nvrtc.getPTX(prog).decode()
     finally:
@@ -117,8 +124,9 @@ def test_wgmma_kernels_have_their_body_on_sm_90a_only():
     instructions are in the PTX) and left out for sm_90 (a host never picks that build)."""
     from ropekv import qkv
 
-    expression = qkv.wgmma_expression(np.dtype(np.float16), 64, 4, qkv.WGMMA_STAGES,
-                                      qkv.WGMMA_ATOMS)
+    expression = qkv.wgmma_expression(
+        np.dtype(np.float16), 64, 4, qkv.WGMMA_STAGES, qkv.WGMMA_ATOMS
+    )
     assert arch_specific(expression)
     assert "wgmma.mma_async" in _ptx("qkv", expression, "compute_90a")
     assert "wgmma.mma_async" not in _ptx("qkv", expression, "compute_90")
@@ -150,7 +158,8 @@ def test_param_structs_match_c(stem):
         for (name, ctype), (_, np_type) in zip(c_fields, struct.fields):
             allowed = C_FIELD_TYPES[np.dtype(np_type)]
             assert ctype == allowed if allowed == "pointer" else ctype in allowed, (
-                f"{struct.c_name}.{name}: C type {ctype!r} vs NumPy {np.dtype(np_type)}")
+                f"{struct.c_name}.{name}: C type {ctype!r} vs NumPy {np.dtype(np_type)}"
+            )
 
 
 def test_local_headers_are_inlined():
@@ -174,8 +183,7 @@ def tiny(tmp_path, monkeypatch):
     real = nvrtc.compileProgram
     monkeypatch.setenv("ROPEKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_compile, "read_source", lambda stem: state.source)
-    monkeypatch.setattr(nvrtc, "compileProgram",
-                        lambda *a: state.compiles.append(a) or real(*a))
+    monkeypatch.setattr(nvrtc, "compileProgram", lambda *a: state.compiles.append(a) or real(*a))
     return state
 
 

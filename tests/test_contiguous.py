@@ -25,8 +25,23 @@ from tests.tolerance import assert_bytes_equal, assert_close, to_device, to_nump
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
-def make_case(seed, B=2, S=3, Hq=4, Hkv=2, D=64, R=64, C=16, P=32, dtype=np.float16,
-              cache_dtype=None, lens=True, pos=False, table_batch=None, packed=False):
+def make_case(
+    seed,
+    B=2,
+    S=3,
+    Hq=4,
+    Hkv=2,
+    D=64,
+    R=64,
+    C=16,
+    P=32,
+    dtype=np.float16,
+    cache_dtype=None,
+    lens=True,
+    pos=False,
+    table_batch=None,
+    packed=False,
+):
     """NumPy inputs of one call; every array freshly random (the cache too, to catch stray
     writes)."""
     rng = np.random.default_rng(seed)
@@ -38,10 +53,12 @@ def make_case(seed, B=2, S=3, Hq=4, Hkv=2, D=64, R=64, C=16, P=32, dtype=np.floa
         q, k, v = (random(rng, (B, S, h, D), dtype) for h in (Hq, Hkv, Hkv))
     table = ropekv.cos_sin_cache(P, R, base=rng.uniform(100, 1e6))
     if table_batch:
-        table = np.stack([ropekv.cos_sin_cache(P, R, base=rng.uniform(100, 1e6))
-                          for _ in range(table_batch)])
-    args = dict(q=q, k=k, v=v, kv_cache=random(rng, (B, 2, Hkv, C, D), cache_dtype),
-                cos_sin_cache=table)
+        table = np.stack(
+            [ropekv.cos_sin_cache(P, R, base=rng.uniform(100, 1e6)) for _ in range(table_batch)]
+        )
+    args = dict(
+        q=q, k=k, v=v, kv_cache=random(rng, (B, 2, Hkv, C, D), cache_dtype), cos_sin_cache=table
+    )
     if lens:
         args["kv_end_lens"] = rng.integers(S - 2, C + 3, B).astype(np.int32)
     if pos:
@@ -53,8 +70,9 @@ def make_case(seed, B=2, S=3, Hq=4, Hkv=2, D=64, R=64, C=16, P=32, dtype=np.floa
 
 def call(args, **kw):
     a = dict(args)
-    return ropekv.apply_rope_write_kv(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("kv_cache"),
-                                      a.pop("cos_sin_cache"), **a, **kw)
+    return ropekv.apply_rope_write_kv(
+        a.pop("q"), a.pop("k"), a.pop("v"), a.pop("kv_cache"), a.pop("cos_sin_cache"), **a, **kw
+    )
 
 
 def copy_args(args):
@@ -88,8 +106,7 @@ def mrope_ids(rng, B, S, P, bad_share=0.1):
     text = rng.random((B, S)) < 0.3
     ids[:, text] = ids[0][text]
     bad = rng.random((B, S)) < bad_share
-    ids[rng.integers(0, 3, bad.sum()), *np.nonzero(bad)] = rng.choice([-1, P, 2**31 - 1],
-                                                                     bad.sum())
+    ids[rng.integers(0, 3, bad.sum()), *np.nonzero(bad)] = rng.choice([-1, P, 2**31 - 1], bad.sum())
     return ids.astype(np.int32)
 
 
@@ -110,18 +127,19 @@ def test_numpy_backend_matches_a_direct_rotation():
     call(args, write_k_in_place=True)
     S, D = 3, 64
     table = before["cos_sin_cache"][:S]
-    theta = np.arctan2(table[:, D // 2:], table[:, :D // 2]).astype(np.float64)
+    theta = np.arctan2(table[:, D // 2 :], table[:, : D // 2]).astype(np.float64)
 
     def rot(x):
         x = x.astype(np.float64)
-        z = (x[..., :D // 2] + 1j * x[..., D // 2:]) * np.exp(1j * theta)[None, :, None]
+        z = (x[..., : D // 2] + 1j * x[..., D // 2 :]) * np.exp(1j * theta)[None, :, None]
         return np.concatenate([z.real, z.imag], -1)
 
     np.testing.assert_allclose(args["q"].astype(np.float64), rot(before["q"]), rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(args["k"].astype(np.float64), rot(before["k"]), rtol=2e-3, atol=2e-3)
     cache = args["kv_cache"].astype(np.float64)
-    np.testing.assert_allclose(cache[:, 0, :, :S].transpose(0, 2, 1, 3), rot(before["k"]),
-                               rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(
+        cache[:, 0, :, :S].transpose(0, 2, 1, 3), rot(before["k"]), rtol=2e-3, atol=2e-3
+    )
     np.testing.assert_array_equal(args["kv_cache"][:, 1, :, :S].transpose(0, 2, 1, 3), before["v"])
     assert_bytes_equal(args["kv_cache"][:, :, :, S:], before["kv_cache"][:, :, :, S:])
 
@@ -182,47 +200,69 @@ def bad(match, exc=ValueError, **changes):
 
 
 def test_q_must_be_4d():
-    bad(r"q must have shape \(B, S, Hq, D\), got \(2, 3, 256\)", q=np.zeros((2, 3, 256), np.float16))
+    bad(
+        r"q must have shape \(B, S, Hq, D\), got \(2, 3, 256\)", q=np.zeros((2, 3, 256), np.float16)
+    )
 
 
 def test_q_dtype():
-    bad("q must have dtype float16 or bfloat16, got float32", TypeError,
-        q=np.zeros((2, 3, 4, 64), np.float32))
+    bad(
+        "q must have dtype float16 or bfloat16, got float32",
+        TypeError,
+        q=np.zeros((2, 3, 4, 64), np.float32),
+    )
 
 
 def test_k_shape():
-    bad(r"k must have shape \(B, S, Hkv, D\) = \(2, 3, \*, 64\), got \(2, 3, 2, 32\)",
-        k=np.zeros((2, 3, 2, 32), np.float16))
+    bad(
+        r"k must have shape \(B, S, Hkv, D\) = \(2, 3, \*, 64\), got \(2, 3, 2, 32\)",
+        k=np.zeros((2, 3, 2, 32), np.float16),
+    )
 
 
 def test_v_shape():
-    bad(r"v must have shape \(B, S, Hkv, D\) = \(2, 3, 2, 64\), got \(2, 3, 1, 64\)",
-        v=np.zeros((2, 3, 1, 64), np.float16))
+    bad(
+        r"v must have shape \(B, S, Hkv, D\) = \(2, 3, 2, 64\), got \(2, 3, 1, 64\)",
+        v=np.zeros((2, 3, 1, 64), np.float16),
+    )
 
 
 def test_k_dtype_must_match_q():
-    bad(r"k must have the dtype of q \(float16\), got bfloat16", TypeError,
-        k=np.zeros((2, 3, 2, 64), ml_dtypes.bfloat16))
+    bad(
+        r"k must have the dtype of q \(float16\), got bfloat16",
+        TypeError,
+        k=np.zeros((2, 3, 2, 64), ml_dtypes.bfloat16),
+    )
 
 
 def test_head_counts():
-    bad(r"q's head count \(3\) must be a positive multiple of k's \(2\)",
-        q=np.zeros((2, 3, 3, 64), np.float16))
+    bad(
+        r"q's head count \(3\) must be a positive multiple of k's \(2\)",
+        q=np.zeros((2, 3, 3, 64), np.float16),
+    )
 
 
 def test_cache_shape():
-    bad(r"kv_cache must have shape \(B, 2, Hkv, C, D\) = \(2, 2, 2, \*, 64\), got \(2, 2, 2, 16, 32\)",
-        kv_cache=np.zeros((2, 2, 2, 16, 32), np.float16))
+    bad(
+        r"kv_cache must have shape \(B, 2, Hkv, C, D\) = \(2, 2, 2, \*, 64\), got \(2, 2, 2, 16, 32\)",
+        kv_cache=np.zeros((2, 2, 2, 16, 32), np.float16),
+    )
 
 
 def test_cache_dtype():
-    bad("kv_cache must have dtype float16 or float8_e4m3fn or float8_e5m2 or int8, got float32",
-        TypeError, kv_cache=np.zeros((2, 2, 2, 16, 64), np.float32))
+    bad(
+        "kv_cache must have dtype float16 or float8_e4m3fn or float8_e5m2 or int8, got float32",
+        TypeError,
+        kv_cache=np.zeros((2, 2, 2, 16, 64), np.float32),
+    )
 
 
 def test_table_dtype():
-    bad("cos_sin_cache must have dtype float32, got float64", TypeError,
-        cos_sin_cache=np.zeros((32, 64)))
+    bad(
+        "cos_sin_cache must have dtype float32, got float64",
+        TypeError,
+        cos_sin_cache=np.zeros((32, 64)),
+    )
 
 
 def test_table_batch():
@@ -230,23 +270,35 @@ def test_table_batch():
 
 
 def test_rotary_dim():
-    bad(r"rotary dim R \(its last dim\) must be even and in \[2, D=64\], got 66",
-        cos_sin_cache=np.zeros((32, 66), np.float32))
+    bad(
+        r"rotary dim R \(its last dim\) must be even and in \[2, D=64\], got 66",
+        cos_sin_cache=np.zeros((32, 66), np.float32),
+    )
     bad("got 5", cos_sin_cache=np.zeros((32, 5), np.float32))
 
 
 def test_kv_end_lens_shape_and_dtype():
-    bad(r"kv_end_lens must have shape \(B,\) = \(2,\), got \(3,\)",
-        kv_end_lens=np.zeros(3, np.int32))
-    bad("kv_end_lens must have dtype int32 or int64, got float32", TypeError,
-        kv_end_lens=np.zeros(2, np.float32))
+    bad(
+        r"kv_end_lens must have shape \(B,\) = \(2,\), got \(3,\)",
+        kv_end_lens=np.zeros(3, np.int32),
+    )
+    bad(
+        "kv_end_lens must have dtype int32 or int64, got float32",
+        TypeError,
+        kv_end_lens=np.zeros(2, np.float32),
+    )
 
 
 def test_position_ids_shape_and_dtype():
-    bad(r"position_ids must have shape \(B, S\) = \(2, 3\), got \(2, 4\)",
-        position_ids=np.zeros((2, 4), np.int32))
-    bad("position_ids must have dtype int32 or int64, got float32", TypeError,
-        position_ids=np.zeros((2, 3), np.float32))
+    bad(
+        r"position_ids must have shape \(B, S\) = \(2, 3\), got \(2, 4\)",
+        position_ids=np.zeros((2, 4), np.int32),
+    )
+    bad(
+        "position_ids must have dtype int32 or int64, got float32",
+        TypeError,
+        position_ids=np.zeros((2, 3), np.float32),
+    )
 
 
 def test_index_arrays_must_be_contiguous():
@@ -254,12 +306,24 @@ def test_index_arrays_must_be_contiguous():
 
 
 def test_fp8_cache_needs_kv_scale():
-    bad(r"kv_scale \(a number, a pair, or float32 of shape \(2,\) or \(\)\) or kv_cache_scales is "
-        r"required for a float8_e4m3fn kv_cache", kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3))
+    bad(
+        r"kv_scale \(a number, a pair, or float32 of shape \(2,\) or \(\)\) or kv_cache_scales is "
+        r"required for a float8_e4m3fn kv_cache",
+        kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3),
+    )
 
 
-@pytest.mark.parametrize("scale", [0.5, 2, np.float32(0.5), np.array(0.5, np.float32),
-                                   (0.5, 2.0), np.array(0.5, np.float32)[None][0]])
+@pytest.mark.parametrize(
+    "scale",
+    [
+        0.5,
+        2,
+        np.float32(0.5),
+        np.array(0.5, np.float32),
+        (0.5, 2.0),
+        np.array(0.5, np.float32)[None][0],
+    ],
+)
 def test_kv_scale_as_constants_matches_the_array(scale):
     """A number, a 0-d array or a pair is the same as the (2,) array it spells."""
     args = make_case(11, cache_dtype=E4M3)
@@ -283,15 +347,18 @@ def test_kv_scale_0d_array_is_one_scale_for_k_and_v():
     assert_bytes_equal(args["kv_cache"], ref["kv_cache"])
 
 
-@pytest.mark.parametrize("scale, exc, match", [
-    (True, TypeError, "kv_scale must be a real number, got True of type bool"),
-    (np.bool_(True), TypeError, "kv_scale must be a real number"),
-    (0.0, ValueError, "kv_scale must be a finite positive number, got 0.0"),
-    (float("nan"), ValueError, "kv_scale must be a finite positive number"),
-    ((1.0, -1.0), ValueError, r"kv_scale\[1\] must be a finite positive number"),
-    ((1.0, 2.0, 3.0), ValueError, "kv_scale must be a number, a"),
-    ("1.0", TypeError, "kv_scale must be a NumPy array, a CuPy array"),
-])
+@pytest.mark.parametrize(
+    "scale, exc, match",
+    [
+        (True, TypeError, "kv_scale must be a real number, got True of type bool"),
+        (np.bool_(True), TypeError, "kv_scale must be a real number"),
+        (0.0, ValueError, "kv_scale must be a finite positive number, got 0.0"),
+        (float("nan"), ValueError, "kv_scale must be a finite positive number"),
+        ((1.0, -1.0), ValueError, r"kv_scale\[1\] must be a finite positive number"),
+        ((1.0, 2.0, 3.0), ValueError, "kv_scale must be a number, a"),
+        ("1.0", TypeError, "kv_scale must be a NumPy array, a CuPy array"),
+    ],
+)
 def test_kv_scale_constants_are_checked(scale, exc, match):
     bad(match, exc, kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3), kv_scale=scale)
 
@@ -301,15 +368,23 @@ def test_kv_scale_constant_only_for_fp8():
 
 
 def test_kv_scale_only_for_fp8():
-    bad("kv_scale is only used with float8 caches, but kv_cache is float16",
-        kv_scale=np.ones(2, np.float32))
+    bad(
+        "kv_scale is only used with float8 caches, but kv_cache is float16",
+        kv_scale=np.ones(2, np.float32),
+    )
 
 
 def test_kv_scale_shape():
-    bad(r"kv_scale must have shape \(2,\) or \(\) = \(2,\), got \(3,\)",
-        kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3), kv_scale=np.ones(3, np.float32))
-    bad(r"kv_scale must have shape \(2,\) or \(\), got \(1, 2\)",
-        kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3), kv_scale=np.ones((1, 2), np.float32))
+    bad(
+        r"kv_scale must have shape \(2,\) or \(\) = \(2,\), got \(3,\)",
+        kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3),
+        kv_scale=np.ones(3, np.float32),
+    )
+    bad(
+        r"kv_scale must have shape \(2,\) or \(\), got \(1, 2\)",
+        kv_cache=np.zeros((2, 2, 2, 16, 64), E4M3),
+        kv_scale=np.ones((1, 2), np.float32),
+    )
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -340,21 +415,30 @@ def test_mrope_rotates_image_tokens_by_their_sections():
     want = rotated[2].copy()
     for lo, hi, a in ((0, 8, 0), (8, 20, 1)):
         want[..., lo:hi] = rotated[a][..., lo:hi]
-        want[..., 32 + lo:32 + hi] = rotated[a][..., 32 + lo:32 + hi]
+        want[..., 32 + lo : 32 + hi] = rotated[a][..., 32 + lo : 32 + hi]
     np.testing.assert_allclose(args["q"].astype(np.float64), want, rtol=2e-3, atol=2e-3)
 
 
 def test_mrope_validation():
     ids = np.zeros((3, 2, 3), np.int32)
-    bad(r"mrope_section \(t, h, w\) must be non-negative and sum to R/2 = 32",
-        position_ids=ids, mrope_section=(8, 8, 8))
+    bad(
+        r"mrope_section \(t, h, w\) must be non-negative and sum to R/2 = 32",
+        position_ids=ids,
+        mrope_section=(8, 8, 8),
+    )
     bad(r"position_ids \(3, B, S\) is required with mrope_section", mrope_section=(8, 12, 12))
-    bad(r"position_ids must have shape \(3, B, S\) = \(3, 2, 3\), got \(2, 3\)",
-        position_ids=np.zeros((2, 3), np.int32), mrope_section=(8, 12, 12))
-    bad(r"position_ids must have shape \(B, S\) = \(2, 3\), got \(3, 2, 3\)",
-        position_ids=ids)
-    bad("does not fit the interleaved layout", position_ids=ids, mrope_section=(0, 16, 16),
-        mrope_interleaved=True)
+    bad(
+        r"position_ids must have shape \(3, B, S\) = \(3, 2, 3\), got \(2, 3\)",
+        position_ids=np.zeros((2, 3), np.int32),
+        mrope_section=(8, 12, 12),
+    )
+    bad(r"position_ids must have shape \(B, S\) = \(2, 3\), got \(3, 2, 3\)", position_ids=ids)
+    bad(
+        "does not fit the interleaved layout",
+        position_ids=ids,
+        mrope_section=(0, 16, 16),
+        mrope_interleaved=True,
+    )
     bad("mrope_interleaved must be a bool", TypeError, mrope_interleaved=1)
 
 
@@ -375,8 +459,10 @@ def test_non_bool_flags_are_refused():
 
 
 def test_last_dim_must_be_contiguous():
-    bad(r"q must be contiguous in its last dimension \(stride 1\)",
-        q=np.zeros((2, 3, 4, 128), np.float16)[..., ::2])
+    bad(
+        r"q must be contiguous in its last dimension \(stride 1\)",
+        q=np.zeros((2, 3, 4, 128), np.float16)[..., ::2],
+    )
 
 
 def test_read_only_q_is_refused():
@@ -386,8 +472,12 @@ def test_read_only_q_is_refused():
 
 
 def test_not_an_array_is_refused():
-    bad("v must be a NumPy array, a CuPy array, a torch tensor or an object with "
-               "__cuda_array_interface__ or __dlpack__", TypeError, v=[1, 2])
+    bad(
+        "v must be a NumPy array, a CuPy array, a torch tensor or an object with "
+        "__cuda_array_interface__ or __dlpack__",
+        TypeError,
+        v=[1, 2],
+    )
 
 
 def test_empty_batch_is_a_no_op():
@@ -408,7 +498,7 @@ def device_args(args):
     if q.base is not None and args["k"].base is q.base:
         buf = cp.asarray(q.base)
         Hq, Hkv = q.shape[2], args["k"].shape[2]
-        out.update(q=buf[:, :, :Hq], k=buf[:, :, Hq:Hq + Hkv], v=buf[:, :, Hq + Hkv:])
+        out.update(q=buf[:, :, :Hq], k=buf[:, :, Hq : Hq + Hkv], v=buf[:, :, Hq + Hkv :])
     for n, x in args.items():
         out.setdefault(n, to_device(x))
     return out
@@ -428,46 +518,92 @@ def check_against_reference(args, **kw):
     got = to_numpy(dev["kv_cache"])
     assert_close(got, expected["kv_cache"], "kv_cache")
     untouched = ~mask
-    assert_bytes_equal(got.transpose(0, 3, 1, 2, 4)[untouched],
-                       args["kv_cache"].transpose(0, 3, 1, 2, 4)[untouched], "unaddressed slots")
+    assert_bytes_equal(
+        got.transpose(0, 3, 1, 2, 4)[untouched],
+        args["kv_cache"].transpose(0, 3, 1, 2, 4)[untouched],
+        "unaddressed slots",
+    )
 
 
 @pytest.mark.gpu
-@given(seed=seeds, dtype=input_dtypes, data=st.data(), heads=gqa_heads(),
-       dims=head_and_rotary_dims(), B=st.integers(1, 4), S=st.integers(1, 9),
-       extra_c=st.integers(0, 24), lens=st.booleans(), pos=st.booleans(),
-       table_batch=st.sampled_from([None, 1, "B"]), packed=st.booleans(),
-       write_k=st.booleans(), is_neox=st.booleans(),
-       mrope=st.sampled_from([None, None, "chunked", "interleaved"]))
-def test_kernel_matches_reference(seed, dtype, data, heads, dims, B, S, extra_c, lens, pos,
-                                  table_batch, packed, write_k, is_neox, mrope):
+@given(
+    seed=seeds,
+    dtype=input_dtypes,
+    data=st.data(),
+    heads=gqa_heads(),
+    dims=head_and_rotary_dims(),
+    B=st.integers(1, 4),
+    S=st.integers(1, 9),
+    extra_c=st.integers(0, 24),
+    lens=st.booleans(),
+    pos=st.booleans(),
+    table_batch=st.sampled_from([None, 1, "B"]),
+    packed=st.booleans(),
+    write_k=st.booleans(),
+    is_neox=st.booleans(),
+    mrope=st.sampled_from([None, None, "chunked", "interleaved"]),
+)
+def test_kernel_matches_reference(
+    seed,
+    dtype,
+    data,
+    heads,
+    dims,
+    B,
+    S,
+    extra_c,
+    lens,
+    pos,
+    table_batch,
+    packed,
+    write_k,
+    is_neox,
+    mrope,
+):
     cache_dtype = data.draw(cache_dtypes(dtype))
     (Hq, Hkv), (D, R) = heads, dims
     if not is_neox and (R % 2 or D % 2):
         return
-    args = make_case(seed, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=S + extra_c, P=S + extra_c + 4,
-                     dtype=dtype, cache_dtype=cache_dtype, lens=lens, pos=pos, packed=packed,
-                     table_batch=B if table_batch == "B" else table_batch)
+    args = make_case(
+        seed,
+        B=B,
+        S=S,
+        Hq=Hq,
+        Hkv=Hkv,
+        D=D,
+        R=R,
+        C=S + extra_c,
+        P=S + extra_c + 4,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        lens=lens,
+        pos=pos,
+        packed=packed,
+        table_batch=B if table_batch == "B" else table_batch,
+    )
     kw = {}
     if mrope:
         args["position_ids"] = mrope_ids(np.random.default_rng(seed), B, S, S + extra_c + 4)
         if data.draw(st.booleans()):
             args["position_ids"] = args["position_ids"].astype(np.int64)
-        kw = {"mrope_section": mrope_section_for(R, mrope == "interleaved"),
-              "mrope_interleaved": mrope == "interleaved"}
+        kw = {
+            "mrope_section": mrope_section_for(R, mrope == "interleaved"),
+            "mrope_interleaved": mrope == "interleaved",
+        }
     check_against_reference(args, write_k_in_place=write_k, is_neox=is_neox, **kw)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype", [np.float16, ml_dtypes.float8_e4m3fn,
-                                         ml_dtypes.float8_e5m2])
+@pytest.mark.parametrize(
+    "cache_dtype", [np.float16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+)
 def test_llama_prefill_and_decode_shapes(cache_dtype):
-    args = make_case(7, B=2, S=64, Hq=32, Hkv=8, D=128, R=128, C=256, P=512,
-                     cache_dtype=cache_dtype)
+    args = make_case(
+        7, B=2, S=64, Hq=32, Hkv=8, D=128, R=128, C=256, P=512, cache_dtype=cache_dtype
+    )
     args["kv_end_lens"][:] = [64, 200]
     check_against_reference(args)
-    args = make_case(8, B=16, S=1, Hq=32, Hkv=8, D=128, R=128, C=64, P=64,
-                     cache_dtype=cache_dtype)
+    args = make_case(8, B=16, S=1, Hq=32, Hkv=8, D=128, R=128, C=64, P=64, cache_dtype=cache_dtype)
     check_against_reference(args)
 
 
@@ -482,20 +618,28 @@ def test_fp8_saturates_on_device():
 
 
 @pytest.mark.gpu
-@given(seed=seeds, form=st.sampled_from(["float", "pair", "host 0-d", "device 0-d", "device (2,)"]),
-       cache_dtype=st.sampled_from([E4M3, np.dtype(ml_dtypes.float8_e5m2)]),
-       S=st.integers(1, 40))
+@given(
+    seed=seeds,
+    form=st.sampled_from(["float", "pair", "host 0-d", "device 0-d", "device (2,)"]),
+    cache_dtype=st.sampled_from([E4M3, np.dtype(ml_dtypes.float8_e5m2)]),
+    S=st.integers(1, 40),
+)
 def test_kernel_kv_scale_forms_match_the_reference(seed, form, cache_dtype, S):
     """Constant scales (a number, a pair, a 0-d host array) and device arrays ((2,), ()) give the
     reference's cache; unaddressed slots stay."""
     import cupy as cp
 
-    args = make_case(seed, S=S, Hq=8, Hkv=2, D=128, R=128, C=S + 8, P=S + 8,
-                     cache_dtype=cache_dtype)
+    args = make_case(
+        seed, S=S, Hq=8, Hkv=2, D=128, R=128, C=S + 8, P=S + 8, cache_dtype=cache_dtype
+    )
     k_s, v_s = (float(x) for x in args["kv_scale"])
-    scale = {"float": k_s, "pair": (k_s, v_s), "host 0-d": np.array(k_s, np.float32),
-             "device 0-d": cp.asarray(np.array(k_s, np.float32)),
-             "device (2,)": cp.asarray(args["kv_scale"])}[form]
+    scale = {
+        "float": k_s,
+        "pair": (k_s, v_s),
+        "host 0-d": np.array(k_s, np.float32),
+        "device 0-d": cp.asarray(np.array(k_s, np.float32)),
+        "device (2,)": cp.asarray(args["kv_scale"]),
+    }[form]
     if form in ("float", "host 0-d", "device 0-d"):
         args["kv_scale"][:] = k_s
     expected = copy_args(args)
@@ -506,8 +650,11 @@ def test_kernel_kv_scale_forms_match_the_reference(seed, form, cache_dtype, S):
     got = to_numpy(dev["kv_cache"])
     assert_close(got, expected["kv_cache"], "kv_cache")
     untouched = ~addressed_slots(args, S)
-    assert_bytes_equal(got.transpose(0, 3, 1, 2, 4)[untouched],
-                       args["kv_cache"].transpose(0, 3, 1, 2, 4)[untouched], "unaddressed slots")
+    assert_bytes_equal(
+        got.transpose(0, 3, 1, 2, 4)[untouched],
+        args["kv_cache"].transpose(0, 3, 1, 2, 4)[untouched],
+        "unaddressed slots",
+    )
 
 
 @pytest.mark.gpu
@@ -517,8 +664,10 @@ def test_torch_tensors_in_place_zero_copy():
     expected = copy_args(args)
     call(expected, write_k_in_place=True)
     dev = device_args(args)
-    t = {n: torch.from_dlpack(x) if x.dtype.itemsize > 1 or x.dtype.kind in "iuf" else None
-         for n, x in dev.items()}
+    t = {
+        n: torch.from_dlpack(x) if x.dtype.itemsize > 1 or x.dtype.kind in "iuf" else None
+        for n, x in dev.items()
+    }
     cache_u8 = torch.from_dlpack(dev["kv_cache"].view(np.uint8))
     t["kv_cache"] = cache_u8.view(torch.float8_e4m3fn)
     ptr = t["kv_cache"].data_ptr()
@@ -626,15 +775,23 @@ def quant_case(seed, q_mode=None, kv_dtype=None, strided=False, **kw):
 
     def scales(shape):
         full = rng.uniform(-3, 3, (*shape[:-1], shape[-1] + 3 if strided else shape[-1]))
-        return full.astype(np.float32)[..., :shape[-1]]
+        return full.astype(np.float32)[..., : shape[-1]]
 
     if q_mode == "self":
         args["q_out"] = args["q"]
     elif q_mode is not None:
-        dtype = args["q"].dtype if q_mode == "copy" else np.dtype(
-            getattr(ml_dtypes, "float8_" + {"e4m3": "e4m3fn", "e5m2": "e5m2"}[q_mode[-4:]]))
-        args["q_out"] = rng.integers(0, 256, (B, S, Hq, D), np.uint8).view(dtype) \
-            if dtype.itemsize == 1 else random(rng, (B, S, Hq, D), dtype)
+        dtype = (
+            args["q"].dtype
+            if q_mode == "copy"
+            else np.dtype(
+                getattr(ml_dtypes, "float8_" + {"e4m3": "e4m3fn", "e5m2": "e5m2"}[q_mode[-4:]])
+            )
+        )
+        args["q_out"] = (
+            rng.integers(0, 256, (B, S, Hq, D), np.uint8).view(dtype)
+            if dtype.itemsize == 1
+            else random(rng, (B, S, Hq, D), dtype)
+        )
         if q_mode.startswith("static"):
             args["q_scale"] = float(rng.uniform(0.01, 0.5))
         elif q_mode.startswith("dynamic"):
@@ -716,8 +873,9 @@ def test_numpy_fp8_q_out_static_and_dynamic_scales(fp8):
     call(copy_args(args), q_out=dyn, q_scale_out=scales)
     amax = np.abs(roped).max(-1)
     np.testing.assert_allclose(scales, amax / reference.MAX_CODE[np.dtype(fp8)], rtol=2e-3)
-    np.testing.assert_array_equal(np.abs(dyn.astype(np.float64)).max(-1),
-                                  reference.MAX_CODE[np.dtype(fp8)])
+    np.testing.assert_array_equal(
+        np.abs(dyn.astype(np.float64)).max(-1), reference.MAX_CODE[np.dtype(fp8)]
+    )
     err = np.abs(reference.dequantize_rows(dyn, scales) - roped)
     assert (err <= 0.13 * np.abs(roped) + 1e-3 * amax[..., None]).all()
 
@@ -741,10 +899,14 @@ def test_numpy_per_token_head_kv_scales(cache_dtype):
         if cache_dtype == INT8:
             assert (np.abs(cache[b, :, :, c].astype(int)).max(-1) == 127).all()
     for b, c in zip(*np.nonzero(~mask)):
-        assert_bytes_equal(np.ascontiguousarray(cache[b, :, :, c]),
-                           before["kv_cache"][b, :, :, c], "cache slot")
-        assert_bytes_equal(np.ascontiguousarray(scales[b, :, :, c]),
-                           before["kv_cache_scales"][b, :, :, c], "scales")
+        assert_bytes_equal(
+            np.ascontiguousarray(cache[b, :, :, c]), before["kv_cache"][b, :, :, c], "cache slot"
+        )
+        assert_bytes_equal(
+            np.ascontiguousarray(scales[b, :, :, c]),
+            before["kv_cache_scales"][b, :, :, c],
+            "scales",
+        )
 
 
 def test_numpy_q_out_on_q_memory_is_in_place():
@@ -766,26 +928,35 @@ def qbad(match, exc=ValueError, q_mode=None, kv_dtype=None, **changes):
 
 
 def test_q_out_shape():
-    qbad(r"q_out must have shape \(B, S, Hq, D\) = \(2, 3, 4, 64\), got \(2, 3, 4, 32\)",
-         q_out=np.zeros((2, 3, 4, 32), np.float16))
-    qbad(r"q_out must have shape \(B, S, Hq, D\), got \(2, 3, 256\)",
-         q_out=np.zeros((2, 3, 256), np.float16))
+    qbad(
+        r"q_out must have shape \(B, S, Hq, D\) = \(2, 3, 4, 64\), got \(2, 3, 4, 32\)",
+        q_out=np.zeros((2, 3, 4, 32), np.float16),
+    )
+    qbad(
+        r"q_out must have shape \(B, S, Hq, D\), got \(2, 3, 256\)",
+        q_out=np.zeros((2, 3, 256), np.float16),
+    )
 
 
 def test_q_out_dtype():
-    qbad("q_out must have dtype float16 or float8_e4m3fn or float8_e5m2, got bfloat16",
-         TypeError, q_out=np.zeros((2, 3, 4, 64), ml_dtypes.bfloat16))
+    qbad(
+        "q_out must have dtype float16 or float8_e4m3fn or float8_e5m2, got bfloat16",
+        TypeError,
+        q_out=np.zeros((2, 3, 4, 64), ml_dtypes.bfloat16),
+    )
     qbad("q_out must have dtype .*, got int8", TypeError, q_out=np.zeros((2, 3, 4, 64), np.int8))
 
 
 def test_q_out_last_dim_contiguous():
-    qbad(r"q_out must be contiguous in its last dimension",
-         q_out=np.zeros((2, 3, 4, 128), np.float16)[..., ::2])
+    qbad(
+        r"q_out must be contiguous in its last dimension",
+        q_out=np.zeros((2, 3, 4, 128), np.float16)[..., ::2],
+    )
 
 
 def test_q_out_must_not_overlap_other_arguments():
     args = make_case(26)
-    on_cache = args["kv_cache"].reshape(-1)[:2 * 3 * 4 * 64].reshape(2, 3, 4, 64)
+    on_cache = args["kv_cache"].reshape(-1)[: 2 * 3 * 4 * 64].reshape(2, 3, 4, 64)
     with pytest.raises(ValueError, match="q_out"):
         call(args, q_out=on_cache)
 
@@ -793,8 +964,9 @@ def test_q_out_must_not_overlap_other_arguments():
 def test_q_out_read_only_is_refused():
     q_out = np.zeros((2, 3, 4, 64), np.float16)
     q_out.flags.writeable = False
-    qbad("q_out is written in place but its producer exported it read-only", BufferError,
-         q_out=q_out)
+    qbad(
+        "q_out is written in place but its producer exported it read-only", BufferError, q_out=q_out
+    )
 
 
 def test_fp8_q_out_on_q_memory_is_refused():
@@ -805,44 +977,79 @@ def test_fp8_q_out_on_q_memory_is_refused():
 
 def test_q_scale_rules():
     qbad("q_scale is only used with a float8 q_out, but q_out is not given", q_scale=0.5)
-    qbad("q_scale is only used with a float8 q_out, but q_out is float16", q_mode="copy",
-         q_scale=0.5)
+    qbad(
+        "q_scale is only used with a float8 q_out, but q_out is float16", q_mode="copy", q_scale=0.5
+    )
     qbad("q_scale must be a finite positive number, got 0.0", q_mode="static e4m3", q_scale=0.0)
     qbad("q_scale must be a real number", TypeError, q_mode="static e4m3", q_scale="1")
     qbad("q_scale .* and q_scale_out .* exclude each other", q_mode="dynamic e4m3", q_scale=0.5)
 
 
 def test_q_scale_out_rules():
-    qbad("q_scale_out is only used with a float8 q_out, but q_out is not given",
-         q_scale_out=np.zeros((2, 3, 4), np.float32))
-    qbad("q_scale_out is only used with a float8 q_out, but q_out is float16", q_mode="copy",
-         q_scale_out=np.zeros((2, 3, 4), np.float32))
-    qbad(r"q_scale_out must have shape \(B, S, Hq\) = \(2, 3, 4\), got \(2, 3, 5\)",
-         q_mode="dynamic e5m2", q_scale_out=np.zeros((2, 3, 5), np.float32))
-    qbad(r"q_scale_out must have shape \(B, S, Hq\), got \(6, 4\)",
-         q_mode="dynamic e5m2", q_scale_out=np.zeros((6, 4), np.float32))
-    qbad("q_scale_out must have dtype float32, got float16", TypeError, q_mode="dynamic e5m2",
-         q_scale_out=np.zeros((2, 3, 4), np.float16))
+    qbad(
+        "q_scale_out is only used with a float8 q_out, but q_out is not given",
+        q_scale_out=np.zeros((2, 3, 4), np.float32),
+    )
+    qbad(
+        "q_scale_out is only used with a float8 q_out, but q_out is float16",
+        q_mode="copy",
+        q_scale_out=np.zeros((2, 3, 4), np.float32),
+    )
+    qbad(
+        r"q_scale_out must have shape \(B, S, Hq\) = \(2, 3, 4\), got \(2, 3, 5\)",
+        q_mode="dynamic e5m2",
+        q_scale_out=np.zeros((2, 3, 5), np.float32),
+    )
+    qbad(
+        r"q_scale_out must have shape \(B, S, Hq\), got \(6, 4\)",
+        q_mode="dynamic e5m2",
+        q_scale_out=np.zeros((6, 4), np.float32),
+    )
+    qbad(
+        "q_scale_out must have dtype float32, got float16",
+        TypeError,
+        q_mode="dynamic e5m2",
+        q_scale_out=np.zeros((2, 3, 4), np.float16),
+    )
     ro = np.zeros((2, 3, 4), np.float32)
     ro.flags.writeable = False
     qbad("q_scale_out is written in place", BufferError, q_mode="dynamic e5m2", q_scale_out=ro)
 
 
 def test_kv_cache_scales_rules():
-    qbad("kv_scale .* and kv_cache_scales .* exclude each other", kv_dtype=E4M3,
-         kv_scale=np.ones(2, np.float32))
-    qbad(r"kv_cache_scales must have shape \(B, 2, Hkv, C\) = \(2, 2, 2, 16\), got "
-         r"\(2, 2, 2, 15\)", kv_dtype=INT8, kv_cache_scales=np.zeros((2, 2, 2, 15), np.float32))
-    qbad(r"kv_cache_scales must have shape \(B, 2, Hkv, C\), got \(2, 2, 2\)", kv_dtype=INT8,
-         kv_cache_scales=np.zeros((2, 2, 2), np.float32))
-    qbad("kv_cache_scales must have dtype float32, got float64", TypeError, kv_dtype=INT8,
-         kv_cache_scales=np.zeros((2, 2, 2, 16)))
+    qbad(
+        "kv_scale .* and kv_cache_scales .* exclude each other",
+        kv_dtype=E4M3,
+        kv_scale=np.ones(2, np.float32),
+    )
+    qbad(
+        r"kv_cache_scales must have shape \(B, 2, Hkv, C\) = \(2, 2, 2, 16\), got "
+        r"\(2, 2, 2, 15\)",
+        kv_dtype=INT8,
+        kv_cache_scales=np.zeros((2, 2, 2, 15), np.float32),
+    )
+    qbad(
+        r"kv_cache_scales must have shape \(B, 2, Hkv, C\), got \(2, 2, 2\)",
+        kv_dtype=INT8,
+        kv_cache_scales=np.zeros((2, 2, 2), np.float32),
+    )
+    qbad(
+        "kv_cache_scales must have dtype float32, got float64",
+        TypeError,
+        kv_dtype=INT8,
+        kv_cache_scales=np.zeros((2, 2, 2, 16)),
+    )
 
 
 def test_kv_cache_scales_must_not_overlap_the_cache():
     args = quant_case(28, kv_dtype=INT8)
-    args["kv_cache_scales"] = args["kv_cache"].view(np.uint8).reshape(-1)[:2 * 2 * 2 * 16 * 4] \
-        .view(np.float32).reshape(2, 2, 2, 16)
+    args["kv_cache_scales"] = (
+        args["kv_cache"]
+        .view(np.uint8)
+        .reshape(-1)[: 2 * 2 * 2 * 16 * 4]
+        .view(np.float32)
+        .reshape(2, 2, 2, 16)
+    )
     with pytest.raises(ValueError, match="kv_cache_scales"):
         call(args)
 
@@ -880,43 +1087,98 @@ def check_quant_against_reference(args, **kw):
     got = to_numpy(dev["kv_cache"])
     assert_output_close(got, expected["kv_cache"], "kv_cache")
     untouched = ~addressed_slots(args, args["q"].shape[1])
-    assert_bytes_equal(got.transpose(0, 3, 1, 2, 4)[untouched],
-                       args["kv_cache"].transpose(0, 3, 1, 2, 4)[untouched], "unaddressed slots")
+    assert_bytes_equal(
+        got.transpose(0, 3, 1, 2, 4)[untouched],
+        args["kv_cache"].transpose(0, 3, 1, 2, 4)[untouched],
+        "unaddressed slots",
+    )
     if "kv_cache_scales" in args:
         got_s = to_numpy(dev["kv_cache_scales"])
         written = addressed_slots(args, args["q"].shape[1])
-        assert_close(got_s.transpose(0, 3, 1, 2)[written],
-                     expected["kv_cache_scales"].transpose(0, 3, 1, 2)[written], "kv scales")
-        assert_bytes_equal(np.ascontiguousarray(got_s.transpose(0, 3, 1, 2)[untouched]),
-                           np.ascontiguousarray(args["kv_cache_scales"].transpose(
-                               0, 3, 1, 2)[untouched]), "unaddressed scales")
+        assert_close(
+            got_s.transpose(0, 3, 1, 2)[written],
+            expected["kv_cache_scales"].transpose(0, 3, 1, 2)[written],
+            "kv scales",
+        )
+        assert_bytes_equal(
+            np.ascontiguousarray(got_s.transpose(0, 3, 1, 2)[untouched]),
+            np.ascontiguousarray(args["kv_cache_scales"].transpose(0, 3, 1, 2)[untouched]),
+            "unaddressed scales",
+        )
 
 
 @pytest.mark.gpu
-@given(seed=seeds, dtype=input_dtypes, data=st.data(), heads=gqa_heads(),
-       dims=head_and_rotary_dims(), B=st.integers(1, 4), S=st.integers(1, 9),
-       extra_c=st.integers(0, 24), lens=st.booleans(), pos=st.booleans(),
-       table_batch=st.sampled_from([None, 1, "B"]), packed=st.booleans(),
-       write_k=st.booleans(), is_neox=st.booleans(),
-       mrope=st.sampled_from([None, None, "chunked", "interleaved"]),
-       q_mode=st.sampled_from((None, *Q_MODES)),
-       kv_dtype=st.sampled_from([None, E4M3, E5M2, INT8]), strided=st.booleans())
-def test_kernel_quantized_outputs_match_reference(seed, dtype, data, heads, dims, B, S, extra_c,
-                                                  lens, pos, table_batch, packed, write_k,
-                                                  is_neox, mrope, q_mode, kv_dtype, strided):
+@given(
+    seed=seeds,
+    dtype=input_dtypes,
+    data=st.data(),
+    heads=gqa_heads(),
+    dims=head_and_rotary_dims(),
+    B=st.integers(1, 4),
+    S=st.integers(1, 9),
+    extra_c=st.integers(0, 24),
+    lens=st.booleans(),
+    pos=st.booleans(),
+    table_batch=st.sampled_from([None, 1, "B"]),
+    packed=st.booleans(),
+    write_k=st.booleans(),
+    is_neox=st.booleans(),
+    mrope=st.sampled_from([None, None, "chunked", "interleaved"]),
+    q_mode=st.sampled_from((None, *Q_MODES)),
+    kv_dtype=st.sampled_from([None, E4M3, E5M2, INT8]),
+    strided=st.booleans(),
+)
+def test_kernel_quantized_outputs_match_reference(
+    seed,
+    dtype,
+    data,
+    heads,
+    dims,
+    B,
+    S,
+    extra_c,
+    lens,
+    pos,
+    table_batch,
+    packed,
+    write_k,
+    is_neox,
+    mrope,
+    q_mode,
+    kv_dtype,
+    strided,
+):
     (Hq, Hkv), (D, R) = heads, dims
     if not is_neox and (R % 2 or D % 2):
         return
     cache_dtype = data.draw(cache_dtypes(dtype)) if kv_dtype is None else None
-    args = quant_case(seed, q_mode, kv_dtype, strided, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R,
-                      C=S + extra_c, P=S + extra_c + 4, dtype=dtype, cache_dtype=cache_dtype,
-                      lens=lens, pos=pos, packed=packed,
-                      table_batch=B if table_batch == "B" else table_batch)
+    args = quant_case(
+        seed,
+        q_mode,
+        kv_dtype,
+        strided,
+        B=B,
+        S=S,
+        Hq=Hq,
+        Hkv=Hkv,
+        D=D,
+        R=R,
+        C=S + extra_c,
+        P=S + extra_c + 4,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        lens=lens,
+        pos=pos,
+        packed=packed,
+        table_batch=B if table_batch == "B" else table_batch,
+    )
     kw = {}
     if mrope:
         args["position_ids"] = mrope_ids(np.random.default_rng(seed), B, S, S + extra_c + 4)
-        kw = {"mrope_section": mrope_section_for(R, mrope == "interleaved"),
-              "mrope_interleaved": mrope == "interleaved"}
+        kw = {
+            "mrope_section": mrope_section_for(R, mrope == "interleaved"),
+            "mrope_interleaved": mrope == "interleaved",
+        }
     check_quant_against_reference(args, write_k_in_place=write_k, is_neox=is_neox, **kw)
 
 
@@ -926,9 +1188,11 @@ def test_kernel_quantized_outputs_match_reference(seed, dtype, data, heads, dims
 def test_llama_quantized_prefill_and_decode(q_mode, kv_dtype):
     """Llama shapes (one group of 16 lanes a row, prefill and decode launch shapes), and a
     head dim whose rows need more than a warp (the shared-memory row reduction)."""
-    for seed, shape in ((30, dict(B=2, S=64, Hq=32, Hkv=8, D=128, R=128, C=256, P=512)),
-                        (31, dict(B=16, S=1, Hq=32, Hkv=8, D=128, R=128, C=64, P=64)),
-                        (32, dict(B=3, S=5, Hq=4, Hkv=2, D=256, R=6, C=16, P=32))):
+    for seed, shape in (
+        (30, dict(B=2, S=64, Hq=32, Hkv=8, D=128, R=128, C=256, P=512)),
+        (31, dict(B=16, S=1, Hq=32, Hkv=8, D=128, R=128, C=64, P=64)),
+        (32, dict(B=3, S=5, Hq=4, Hkv=2, D=256, R=6, C=16, P=32)),
+    ):
         args = quant_case(seed, q_mode, kv_dtype, pos=True, **shape)
         check_quant_against_reference(args)
 
@@ -961,8 +1225,13 @@ def test_quantized_hostile_indices_never_write_out_of_bounds():
     check_quant_against_reference(args)
 
 
-@given(T=st.integers(1, 20000), H=st.integers(1, 200), group=st.sampled_from([1, 2, 4, 8, 16, 32]),
-       prefill_rows=st.sampled_from([None, 1, 2, 3, 4]), rows_max=st.sampled_from([2, 4]))
+@given(
+    T=st.integers(1, 20000),
+    H=st.integers(1, 200),
+    group=st.sampled_from([1, 2, 4, 8, 16, 32]),
+    prefill_rows=st.sampled_from([None, 1, 2, 3, 4]),
+    rows_max=st.sampled_from([2, 4]),
+)
 def test_launch_shape_covers_every_row_within_rows_max(T, H, group, prefill_rows, rows_max):
     """Every head row has a lane group, no group holds more rows than its kernel does (2 in the
     computed-scale kernels, MODE 3-5), and a block never passes 256 threads."""
@@ -983,5 +1252,8 @@ def test_computed_scale_modes_use_the_register_capped_kernel():
     for mode in (c.MODE_PLAIN, c.MODE_OPTS, c.MODE_QUANT, c.MODE_ALL):
         assert c.expression(f16, e4, True, 8, mode, e4).startswith(c.KERNEL + "<")
     # Llama prefill (48 rows of 8 lanes): 2 rows a group, 192 threads
-    assert c.launch_shape(8192, 48, 8, c.TUNING["scaled_prefill_rows"],
-                          c.SCALED_ROWS_MAX) == (192, 2, 1)
+    assert c.launch_shape(8192, 48, 8, c.TUNING["scaled_prefill_rows"], c.SCALED_ROWS_MAX) == (
+        192,
+        2,
+        1,
+    )

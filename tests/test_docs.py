@@ -45,30 +45,67 @@ def test_docs_build_without_warnings(tmp_path):
         pytest.importorskip(module, reason="the docs build needs the docs extra")
     log = tmp_path / "warnings.txt"
     out = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-         "-d", str(tmp_path / "doctrees"), "-w", str(log), str(DOCS), str(tmp_path / "html")],
-        capture_output=True, text=True, timeout=600, check=False)
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-b",
+            "html",
+            "-d",
+            str(tmp_path / "doctrees"),
+            "-w",
+            str(log),
+            str(DOCS),
+            str(tmp_path / "html"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     text = log.read_text() if log.exists() else ""
     lines = warning_lines(text)
     if out.returncode == 0:
-        assert not PENDING, ("the docs build cleanly: the DOCSTRING_FIXES.md fixes are in, so "
-                             f"empty PENDING in {Path(__file__).name}")
+        assert not PENDING, (
+            "the docs build cleanly: the DOCSTRING_FIXES.md fixes are in, so "
+            f"empty PENDING in {Path(__file__).name}"
+        )
         assert (tmp_path / "html" / "api.html").exists()
         return
     others = [line for line in lines if pending_name(line) is None]
     assert lines and not others, out.stdout + out.stderr + text
-    pytest.xfail(f"{len(lines)} Sphinx warnings, all in docstrings of "
-                 f"{sorted({pending_name(line) for line in lines})}: see DOCSTRING_FIXES.md")
+    pytest.xfail(
+        f"{len(lines)} Sphinx warnings, all in docstrings of "
+        f"{sorted({pending_name(line) for line in lines})}: see DOCSTRING_FIXES.md"
+    )
 
 
 def test_pending_warnings_are_recognised(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "PENDING", {"apply_rope_write_kv"})
-    assert pending_name("ropekv/contiguous.py:docstring of ropekv.contiguous.apply_rope_write_kv:"
-                        "11: ERROR: Malformed table.") == "apply_rope_write_kv"
-    assert pending_name("WARNING: [numpydoc] Validation warnings while processing docstring for "
-                        "'ropekv.apply_rope_write_kv':") == "apply_rope_write_kv"
-    assert pending_name("WARNING: [numpydoc] Validation warnings while processing docstring for "
-                        "'ropekv.cos_sin_cache':") is None
+    assert (
+        pending_name(
+            "ropekv/contiguous.py:docstring of ropekv.contiguous.apply_rope_write_kv:"
+            "11: ERROR: Malformed table."
+        )
+        == "apply_rope_write_kv"
+    )
+    assert (
+        pending_name(
+            "WARNING: [numpydoc] Validation warnings while processing docstring for "
+            "'ropekv.apply_rope_write_kv':"
+        )
+        == "apply_rope_write_kv"
+    )
+    assert (
+        pending_name(
+            "WARNING: [numpydoc] Validation warnings while processing docstring for "
+            "'ropekv.cos_sin_cache':"
+        )
+        is None
+    )
     assert pending_name("docs/index.rst:3: WARNING: Title underline too short.") is None
 
 
@@ -91,8 +128,9 @@ def docstring_tests():
     """Every docstring with examples in the ropekv package (``__main__`` would run the CLI; the
     framework modules only where their framework is installed)."""
     finder = doctest.DocTestFinder()
-    names = ["ropekv"] + [f"ropekv.{m.name}" for m in pkgutil.iter_modules(ropekv.__path__)
-                          if m.name != "__main__"]
+    names = ["ropekv"] + [
+        f"ropekv.{m.name}" for m in pkgutil.iter_modules(ropekv.__path__) if m.name != "__main__"
+    ]
     names = [n for n in names if n not in OPTIONAL or importlib.util.find_spec(OPTIONAL[n])]
     tests = [t for name in names for t in finder.find(importlib.import_module(name)) if t.examples]
     return sorted(tests, key=lambda t: t.name)

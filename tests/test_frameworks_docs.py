@@ -16,18 +16,28 @@ from tests import sanitizer
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "docs" / "frameworks.md").read_text()
 TORCH_CODE, JAX_CODE = re.findall(r"```python\n(.*?)```", PAGE, re.DOTALL)
-TORCH_PRINTS = ["torch.Size([8, 32, 128]) torch.float8_e4m3fn cache rows written: 32",
-                "graphs compiled: 1"]
-JAX_PRINTS = ["(8, 32, 128) float8_e4m3fn same cache buffer: True",
-              "(8, 8, 32, 128) cache rows written: 96"]
+TORCH_PRINTS = [
+    "torch.Size([8, 32, 128]) torch.float8_e4m3fn cache rows written: 32",
+    "graphs compiled: 1",
+]
+JAX_PRINTS = [
+    "(8, 32, 128) float8_e4m3fn same cache buffer: True",
+    "(8, 8, 32, 128) cache rows written: 96",
+]
 
 
 def run(code, env=None):
     if "torch" in code and sanitizer.active():
         code = sanitizer.TORCH_SETUP + code
-    done = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT,
-                          capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()
 

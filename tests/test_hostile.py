@@ -39,8 +39,18 @@ def base_case(op, seed, wide):
             kw["position_ids"] = kw["position_ids"].astype(np.int64)
         return fn, kw
     if op == "paged":
-        fn, kw = CASES[op](seed, T=9, B=3, Hq=2, Hkv=1, R=16, Dn=16, cache_dtype=E4M3,
-                           index_dtypes=np.int64 if wide else np.int32, padding=1)
+        fn, kw = CASES[op](
+            seed,
+            T=9,
+            B=3,
+            Hq=2,
+            Hkv=1,
+            R=16,
+            Dn=16,
+            cache_dtype=E4M3,
+            index_dtypes=np.int64 if wide else np.int32,
+            padding=1,
+        )
         T, Hq, R = kw["q_rope"].shape
         kw["q_rope_out"] = np.zeros((T, Hq, R), E4M3)  # defined rows for skipped tokens too
         kw["q_nope_out"] = np.zeros((T, Hq, 16), E4M3)
@@ -90,8 +100,13 @@ def written_rows(op, kw):
     if op == "paged":
         c0 = kw["paged_kv_cache"][0]
         page, entry = reference.paged_append_slots(
-            kw["kv_indices"], kw["kv_indptr"], kw["batch_indices"], kw["positions"],
-            kw["page_size"], c0.shape[0])
+            kw["kv_indices"],
+            kw["kv_indptr"],
+            kw["batch_indices"],
+            kw["positions"],
+            kw["page_size"],
+            c0.shape[0],
+        )
         P = kw["cos_sin_cache"].shape[0]
         pos = np.asarray(kw["pos_ids"]).astype(np.int64)
         writes = (page >= 0) & (pos >= 0) & (pos < P)
@@ -103,8 +118,8 @@ def written_rows(op, kw):
         num_pages, page_size = c0.shape[0], c0.shape[2] if hnd else c0.shape[1]
         T = (kw["hidden_state"] if op == "qkv" else kw["q_rope" if op == "mla" else "q"]).shape[0]
         request, pos, page, entry = reference.ragged_paged_slots(
-            kw["input_row_offsets"], kw["cache_lengths"], kw["block_table"], page_size,
-            num_pages, T)
+            kw["input_row_offsets"], kw["cache_lengths"], kw["block_table"], page_size, num_pages, T
+        )
         table = kw.get("cos_sin_cache")
         P = table.shape[0] if table is not None else None
         writes = (page >= 0) & (pos >= 0)

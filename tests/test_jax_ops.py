@@ -57,13 +57,17 @@ def expected(case):
     if case.op == "apply_rope_write_kv":  # (q or q_out, k?, kv_cache, q_scale_out?, scales?)
         a = case.fresh()
         ropekv.apply_rope_write_kv(**a)
-        names = ["q_out" if a.get("q_out") is not None else "q",
-                 *(["k"] if a.get("write_k_in_place") else []), "kv_cache", "q_scale_out",
-                 "kv_cache_scales"]
+        names = [
+            "q_out" if a.get("q_out") is not None else "q",
+            *(["k"] if a.get("write_k_in_place") else []),
+            "kv_cache",
+            "q_scale_out",
+            "kv_cache_scales",
+        ]
         return [a[n] for n in names if a.get(n) is not None]
     got = case.run(ropekv, case.fresh())
     given = sum(case.kwargs.get(n) is not None for n in OUTPUT_ARGS)
-    return got[:len(got) - given]
+    return got[: len(got) - given]
 
 
 def run_jitted(case, device=None, **jit):
@@ -77,8 +81,9 @@ def assert_same(got, expected):
     for i, (g, e) in enumerate(zip(got, expected)):
         g = np.asarray(g)
         assert g.shape == e.shape and g.dtype == e.dtype, f"result {i}: {g.shape} {g.dtype}"
-        assert np.array_equal(g.view(np.uint8), np.ascontiguousarray(e).view(np.uint8)), \
+        assert np.array_equal(g.view(np.uint8), np.ascontiguousarray(e).view(np.uint8)), (
             f"result {i}: bytes differ"
+        )
 
 
 # ---- CPU -----------------------------------------------------------------------------------------
@@ -103,8 +108,20 @@ def test_op_outside_jit_matches_the_numpy_backend(case):
 def paged_step(caches, q, k, v, table, pos, kv_indices, kv_indptr, batch):
     R = table.shape[1]
     q8, _, caches = rj.rope_quantize_fp8_append_paged_kv_cache(
-        q[..., :R], k[..., :R], q[..., R:], k[..., R:], v, table, pos, caches, kv_indices,
-        kv_indptr, batch, pos, page_size=caches[0].shape[1])
+        q[..., :R],
+        k[..., :R],
+        q[..., R:],
+        k[..., R:],
+        v,
+        table,
+        pos,
+        caches,
+        kv_indices,
+        kv_indptr,
+        batch,
+        pos,
+        page_size=caches[0].shape[1],
+    )
     return caches, q8
 
 
@@ -113,9 +130,17 @@ def paged_arrays(case, device):
     q = np.concatenate([a["q_rope"], a["q_nope"]], -1)
     k = np.concatenate([a["k_rope"], a["k_nope"]], -1)
     put = functools.partial(jax.device_put, device=device)
-    return (tuple(put(c) for c in a["paged_kv_cache"]), put(q), put(k), put(a["v"]),
-            put(a["cos_sin_cache"]), put(a["pos_ids"]), put(a["kv_indices"]),
-            put(a["kv_indptr"]), put(a["batch_indices"]))
+    return (
+        tuple(put(c) for c in a["paged_kv_cache"]),
+        put(q),
+        put(k),
+        put(a["v"]),
+        put(a["cos_sin_cache"]),
+        put(a["pos_ids"]),
+        put(a["kv_indices"]),
+        put(a["kv_indptr"]),
+        put(a["batch_indices"]),
+    )
 
 
 def host_copy(x):
@@ -146,8 +171,9 @@ def check_donation_keeps_the_cache_buffer(device):
         caches, q8 = step(caches, *rest)
         jax.block_until_ready(caches)
         assert [c.unsafe_buffer_pointer() for c in caches] == pointers
-        ref = dict(case.fresh(), paged_kv_cache=expected_caches, quant_scale_q=1.0,
-                   quant_scale_kv=1.0)  # paged_step's scales
+        ref = dict(
+            case.fresh(), paged_kv_cache=expected_caches, quant_scale_q=1.0, quant_scale_kv=1.0
+        )  # paged_step's scales
         ref_q8, _ = ropekv.rope_quantize_fp8_append_paged_kv_cache(**ref)
         assert_close(q8, ref_q8, "q_rope_out")
         for got, want in zip(caches, expected_caches):
@@ -170,8 +196,9 @@ def test_without_donation_the_input_cache_is_unchanged():
     new, _ = jax.jit(paged_step)(caches, *rest)
     for c, b in zip(caches, before):
         assert np.array_equal(np.asarray(c).view(np.uint8), b.view(np.uint8))
-    assert not all(np.array_equal(np.asarray(n).view(np.uint8), b.view(np.uint8))
-                   for n, b in zip(new, before))
+    assert not all(
+        np.array_equal(np.asarray(n).view(np.uint8), b.view(np.uint8)) for n, b in zip(new, before)
+    )
     # which costs XLA a copy of each cache (the donated step above has none)
     assert jax.jit(paged_step).lower(caches, *rest).compile().as_text().count(" copy(") >= 2
 
@@ -187,18 +214,29 @@ def decode_problem(seed=0, steps=8, B=3, Hq=4, Hkv=2, R=16, Dn=16, page_size=4):
     prefix = rng.integers(0, 6, B)
     pages = -(-(prefix + steps) // page_size)
     num_pages = int(pages.sum()) + 2
-    kv_indices = rng.permutation(num_pages)[:pages.sum()].astype(np.int32)
+    kv_indices = rng.permutation(num_pages)[: pages.sum()].astype(np.int32)
     kv_indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
     q = rng.standard_normal((steps, B, Hq, D)).astype(np.float16)
     k, v = (rng.standard_normal((steps, B, Hkv, D)).astype(np.float16) for _ in range(2))
     pos = (prefix[None, :] + np.arange(steps)[:, None]).astype(np.int32)
-    caches = tuple((rng.standard_normal((num_pages, page_size, Hkv, D)) * 0.5).astype(E4M3)
-                   for _ in range(2))
+    caches = tuple(
+        (rng.standard_normal((num_pages, page_size, Hkv, D)) * 0.5).astype(E4M3) for _ in range(2)
+    )
     table = ropekv.cos_sin_cache(int(pos.max()) + 4, R)
     batch = np.arange(B, dtype=np.int32)
-    return {"q": q, "k": k, "v": v, "pos": pos, "caches": caches, "table": table,
-            "kv_indices": kv_indices, "kv_indptr": kv_indptr, "batch": batch, "R": R,
-            "page_size": page_size}
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "pos": pos,
+        "caches": caches,
+        "table": table,
+        "kv_indices": kv_indices,
+        "kv_indptr": kv_indptr,
+        "batch": batch,
+        "R": R,
+        "page_size": page_size,
+    }
 
 
 def decode_eager(p):
@@ -207,9 +245,20 @@ def decode_eager(p):
     R, outs = p["R"], []
     for i in range(len(p["q"])):
         q8, _ = ropekv.rope_quantize_fp8_append_paged_kv_cache(
-            p["q"][i][..., :R], p["k"][i][..., :R], p["q"][i][..., R:], p["k"][i][..., R:],
-            p["v"][i], p["table"], p["pos"][i], caches, p["kv_indices"], p["kv_indptr"],
-            p["batch"], p["pos"][i], page_size=p["page_size"])
+            p["q"][i][..., :R],
+            p["k"][i][..., :R],
+            p["q"][i][..., R:],
+            p["k"][i][..., R:],
+            p["v"][i],
+            p["table"],
+            p["pos"][i],
+            caches,
+            p["kv_indices"],
+            p["kv_indptr"],
+            p["batch"],
+            p["pos"][i],
+            page_size=p["page_size"],
+        )
         outs.append(q8)
     return np.stack(outs), caches
 
@@ -226,8 +275,10 @@ def decode_scan(p, device, donate=True):
 
     run = jax.jit(run, donate_argnums=0 if donate else ())
     caches = tuple(put(c) for c in p["caches"])
-    return run(caches, *(put(p[n]) for n in ("q", "k", "v", "pos", "table", "kv_indices",
-                                             "kv_indptr", "batch")))
+    return run(
+        caches,
+        *(put(p[n]) for n in ("q", "k", "v", "pos", "table", "kv_indices", "kv_indptr", "batch")),
+    )
 
 
 @cpu
@@ -247,10 +298,12 @@ def test_vmap_raises_a_clear_error():
     arrays, statics = split(case)
     batched = {n: (jnp.stack([x, x]) if n in ("q", "k", "v") else x) for n, x in arrays.items()}
     axes = {n: (0 if n in ("q", "k", "v") else None) for n in arrays}
-    with pytest.raises(NotImplementedError,
-                       match="qk_rmsnorm_rope_append_paged_kv_cache does not support jax.vmap"):
-        jax.vmap(lambda a: rj.qk_rmsnorm_rope_append_paged_kv_cache(**a, **statics),
-                 in_axes=(axes,))(batched)
+    with pytest.raises(
+        NotImplementedError, match="qk_rmsnorm_rope_append_paged_kv_cache does not support jax.vmap"
+    ):
+        jax.vmap(
+            lambda a: rj.qk_rmsnorm_rope_append_paged_kv_cache(**a, **statics), in_axes=(axes,)
+        )(batched)
 
 
 @cpu
@@ -276,7 +329,8 @@ def test_stop_gradient_inputs_leave_other_gradients_alone():
 
     def loss(q, scale):
         out, _ = rj.qk_rmsnorm_rope_append_paged_kv_cache(
-            **dict(arrays, q=jax.lax.stop_gradient(q)), **statics)
+            **dict(arrays, q=jax.lax.stop_gradient(q)), **statics
+        )
         return (out.astype(jnp.float32) * scale).sum() + q.astype(jnp.float32).sum()
 
     dq, dscale = jax.grad(loss, argnums=(0, 1))(arrays["q"], 1.0)
@@ -299,10 +353,14 @@ def test_trace_time_errors_are_the_eager_ones():
 
 
 @cpu
-@pytest.mark.parametrize("name,arg,bad", [
-    ("qknorm-fp8-q-dynamic-kv-scales", "q_out_dtype", "int8"),
-    ("paged-int8-kv-scales-hnd-given", "kv_cache_scales", None),
-    ("paged-fp8-gqa", "quantize_dtype", np.int8)])
+@pytest.mark.parametrize(
+    "name,arg,bad",
+    [
+        ("qknorm-fp8-q-dynamic-kv-scales", "q_out_dtype", "int8"),
+        ("paged-int8-kv-scales-hnd-given", "kv_cache_scales", None),
+        ("paged-fp8-gqa", "quantize_dtype", np.int8),
+    ],
+)
 def test_trace_time_errors_of_the_output_dtypes_are_the_eager_ones(name, arg, bad):
     """The q output dtype (QK-norm's ``q_out_dtype``; int8 paged q outputs only with
     ``kv_cache_scales``) is derived while tracing, with the eager op's check and message (the
@@ -337,15 +395,25 @@ def test_run_time_errors_quote_the_eager_message():
 def test_command_buffer_flag_is_accepted_on_the_host():
     case = next(c for c in CASES if c.name == "qkv-decode")
     arrays, statics = split(case)
-    got = jax.jit(lambda a: rj.fused_qkv_matmul_append_paged_kv_cache(
-        **a, **statics, command_buffer_compatible=True))(arrays)
+    got = jax.jit(
+        lambda a: rj.fused_qkv_matmul_append_paged_kv_cache(
+            **a, **statics, command_buffer_compatible=True
+        )
+    )(arrays)
     assert_same(jax.tree_util.tree_leaves(got), expected(case))
 
 
 @cpu
-@pytest.mark.parametrize("name", ["qknorm-options-given", "mla-options",
-                                  "paged-int8-kv-scales-hnd-given",
-                                  "qknorm-fp8-q-dynamic-kv-scales", "qkv-options-given"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qknorm-options-given",
+        "mla-options",
+        "paged-int8-kv-scales-hnd-given",
+        "qknorm-fp8-q-dynamic-kv-scales",
+        "qkv-options-given",
+    ],
+)
 def test_status_reports_bad_offsets_and_the_caches_stay(name):
     """Malformed offsets (``input_row_offsets`` one above the next: code 2; ``kv_indptr[0] !=
     0``: code 4): the returned status holds the code, and every other returned alias (caches,
@@ -365,7 +433,7 @@ def test_status_reports_bad_offsets_and_the_caches_stay(name):
     fn = getattr(rj, case.op)
     got = jax.tree_util.tree_leaves(jax.jit(lambda a: fn(**a, **statics))(arrays))
     given = case.written(case.fresh(), status=False, outputs=False)
-    *aliases, status = got[len(got) - len(given) - 1:]
+    *aliases, status = got[len(got) - len(given) - 1 :]
     assert int(np.asarray(status)[0]) == code
     assert len(aliases) == len(given)
     for alias, want in zip(aliases, given):
@@ -373,8 +441,9 @@ def test_status_reports_bad_offsets_and_the_caches_stay(name):
 
 
 @cpu
-@pytest.mark.parametrize("name,bad", [("qknorm-fp8-layers", True), ("qkv-decode-layers", 1.0),
-                                      ("mla-split-layers", "1")])
+@pytest.mark.parametrize(
+    "name,bad", [("qknorm-fp8-layers", True), ("qkv-decode-layers", 1.0), ("mla-split-layers", "1")]
+)
 def test_layer_idx_type_errors_are_the_eager_ones(name, bad):
     case = next(c for c in CASES if c.name == name)
     with pytest.raises(TypeError) as eager:
@@ -395,8 +464,9 @@ def test_donated_multi_layer_cache_is_updated_in_its_own_buffer():
     pointers = [c.unsafe_buffer_pointer() for c in caches]
 
     def step(caches, a):
-        q_out, caches = rj.qk_rmsnorm_rope_append_paged_kv_cache(**a, paged_kv_cache=caches,
-                                                                 **statics)
+        q_out, caches = rj.qk_rmsnorm_rope_append_paged_kv_cache(
+            **a, paged_kv_cache=caches, **statics
+        )
         return caches, q_out
 
     jitted = jax.jit(step, donate_argnums=0)
@@ -412,15 +482,15 @@ def test_command_buffers_refuse_a_prefill_qkv_call():
     case = next(c for c in CASES if c.name == "qkv-prefill-given")
     arrays, statics = split(case)
     with pytest.raises(ValueError, match="cannot be recorded into XLA's command buffers"):
-        rj.fused_qkv_matmul_append_paged_kv_cache(**arrays, **statics,
-                                                  command_buffer_compatible=True)
+        rj.fused_qkv_matmul_append_paged_kv_cache(
+            **arrays, **statics, command_buffer_compatible=True
+        )
 
 
 @cpu
 @pytest.mark.parametrize("capability", [90, 80])
 @pytest.mark.parametrize("name", ["qkv-batch", "qkv-graph-batch"])
-def test_command_buffers_take_a_qkv_batch_where_it_runs_one_kernel(name, capability,
-                                                                    monkeypatch):
+def test_command_buffers_take_a_qkv_batch_where_it_runs_one_kernel(name, capability, monkeypatch):
     """Six tokens run the tensor-core kernel on sm_90 (one launch, no temporaries), 310 tokens
     do under capture (cuBLAS eagerly): recorded; on sm_80 both run cuBLAS: refused when
     traced."""
@@ -429,8 +499,11 @@ def test_command_buffers_take_a_qkv_batch_where_it_runs_one_kernel(name, capabil
     monkeypatch.setattr(fw, "_least_capability", lambda: capability)
     case = next(c for c in CASES if c.name == name)
     arrays, statics = split(case)
-    fn = jax.jit(lambda a: rj.fused_qkv_matmul_append_paged_kv_cache(
-        **a, **statics, command_buffer_compatible=True))
+    fn = jax.jit(
+        lambda a: rj.fused_qkv_matmul_append_paged_kv_cache(
+            **a, **statics, command_buffer_compatible=True
+        )
+    )
     if capability == 80:
         with pytest.raises(ValueError, match="cannot be recorded into XLA's command buffers"):
             fn(arrays)
@@ -466,8 +539,11 @@ def test_gpu_command_buffers_record_a_qkv_batch(name):
     device = gpu_device()
     run_jitted(case, device)  # compiles the kernel and makes the plan, outside any capture
     arrays, statics = split(case, lambda x: jax.device_put(x, device))
-    fn = jax.jit(lambda a: rj.fused_qkv_matmul_append_paged_kv_cache(
-        **a, **statics, command_buffer_compatible=True))
+    fn = jax.jit(
+        lambda a: rj.fused_qkv_matmul_append_paged_kv_cache(
+            **a, **statics, command_buffer_compatible=True
+        )
+    )
     for _ in range(2):
         got = jax.tree_util.tree_leaves(fn(arrays))
         for i, (g, e) in enumerate(zip(got, expected(case), strict=True)):
@@ -486,8 +562,11 @@ def test_gpu_scan_over_8_decode_steps_equals_8_eager_calls(command_buffer, monke
     if command_buffer:  # record the op into XLA's command buffers (warm the kernel first)
         decode_scan(decode_problem(), device)
         original = rj.rope_quantize_fp8_append_paged_kv_cache
-        monkeypatch.setattr(rj, "rope_quantize_fp8_append_paged_kv_cache",
-                            lambda *a, **k: original(*a, **k, command_buffer_compatible=True))
+        monkeypatch.setattr(
+            rj,
+            "rope_quantize_fp8_append_paged_kv_cache",
+            lambda *a, **k: original(*a, **k, command_buffer_compatible=True),
+        )
     p = decode_problem()
     q8, caches = decode_eager(p)
     new_caches, q8s = decode_scan(p, device)
@@ -499,7 +578,15 @@ def test_gpu_scan_over_8_decode_steps_equals_8_eager_calls(command_buffer, monke
     put = functools.partial(jax.device_put, device=device)
     cs = tuple(put(c) for c in p["caches"])
     for i in range(8):
-        cs, _ = step(cs, put(p["q"][i]), put(p["k"][i]), put(p["v"][i]), put(p["table"]),
-                     put(p["pos"][i]), put(p["kv_indices"]), put(p["kv_indptr"]),
-                     put(p["batch"]))
+        cs, _ = step(
+            cs,
+            put(p["q"][i]),
+            put(p["k"][i]),
+            put(p["v"][i]),
+            put(p["table"]),
+            put(p["pos"][i]),
+            put(p["kv_indices"]),
+            put(p["kv_indptr"]),
+            put(p["batch"]),
+        )
     assert_same(list(cs), [np.asarray(c) for c in new_caches])

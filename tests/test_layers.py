@@ -21,8 +21,12 @@ from tests.tolerance import to_device, to_numpy
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 OPS = ("qkv", "mla", "mla_split", "qknorm")
-CACHE = {"qkv": "paged_kv_cache", "mla": "kv_cache", "mla_split": "kv_cache",
-         "qknorm": "paged_kv_cache"}
+CACHE = {
+    "qkv": "paged_kv_cache",
+    "mla": "kv_cache",
+    "mla_split": "kv_cache",
+    "qknorm": "paged_kv_cache",
+}
 DECODE = {"qkv": {"lengths": (1, 1)}}  # the fused kernel path (cuBLAS has no CPU stub)
 
 
@@ -61,8 +65,9 @@ def assert_layer_written(op, before, after, expected, layer, what):
         a = to_numpy(a)
         assert a.shape == b.shape
         others = [i for i in range(b.shape[0]) if i != layer]
-        assert np.array_equal(a[others].view(np.uint8), b[others].view(np.uint8)), \
+        assert np.array_equal(a[others].view(np.uint8), b[others].view(np.uint8)), (
             f"{what}: another layer changed"
+        )
         assert_op_close(a[layer], e, "qkv" if op == "qkv" else op, f"{what}: layer {layer}")
 
 
@@ -103,9 +108,12 @@ def test_layer_idx_out_of_range(op, layer):
     fn, kw = case(op, 3)
     multi = layered(kw, op, 3, 0)
     before = copy_kw(multi)
-    with pytest.raises(ValueError, match=rf"layer_idx must be in \[0, num_layers\) = \[0, 3\), "
-                                         rf"the leading dimension of \w+ \(shape \(3, .*got "
-                                         rf"{layer}$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"layer_idx must be in \[0, num_layers\) = \[0, 3\), "
+        rf"the leading dimension of \w+ \(shape \(3, .*got "
+        rf"{layer}$",
+    ):
         fn(**multi, layer_idx=layer)
     for b, a in zip(caches(before, op), caches(multi, op)):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
@@ -157,10 +165,11 @@ def test_an_input_overlapping_another_layer_is_refused(op):
     k_cache = multi["paged_kv_cache"][0]
     name = "hidden_state" if op == "qkv" else "q"
     x = kw[name]
-    inside = k_cache[1].reshape(-1).view(np.uint8)[:x.nbytes].view(x.dtype).reshape(x.shape)
+    inside = k_cache[1].reshape(-1).view(np.uint8)[: x.nbytes].view(x.dtype).reshape(x.shape)
     inside[...] = x
-    with pytest.raises(ValueError, match="k_cache is written in place but shares memory with "
-                                         f"{name}"):
+    with pytest.raises(
+        ValueError, match=f"k_cache is written in place but shares memory with {name}"
+    ):
         fn(**{**multi, name: inside}, layer_idx=0)
 
 
@@ -195,9 +204,15 @@ def test_one_plan_serves_every_layer(op, stubbed):  # noqa: F811 - the fixture
     plan = next(iter(owner.layer_plans.values()))
     launch = plan.steps[-1]
     names = list(owner.names)
-    cache_args = [names.index(n) for n in
-                  {"qkv": ("k_cache", "v_cache"), "qknorm": ("k_cache", "v_cache"),
-                   "mla": ("kv_cache",), "mla_split": ("ckv_cache", "kpe_cache")}[op]]
+    cache_args = [
+        names.index(n)
+        for n in {
+            "qkv": ("k_cache", "v_cache"),
+            "qknorm": ("k_cache", "v_cache"),
+            "mla": ("kv_cache",),
+            "mla_split": ("ckv_cache", "kpe_cache"),
+        }[op]
+    ]
     for layer in (3, 1, 4, 0):
         n_calls = len(stubbed.calls)
         fn(**dev, layer_idx=layer)
@@ -239,10 +254,14 @@ def test_a_captured_prefill_qkv_call_writes_its_layer(stubbed):  # noqa: F811 - 
         launch = plan.capture_plan.steps[0]
         fields = stubbed.pointers(len(stubbed.calls) - 1, launch.n_ptr)
         for name, c in zip(("k_cache", "v_cache"), caches(dev, "qkv")):
-            written = [(field, offset) for field, (arg, offset) in zip(fields, launch.slots)
-                       if arg == names.index(name)]
-            assert written and all(field == _ptr(c) + layer * c.strides[0] + offset
-                                   for field, offset in written)
+            written = [
+                (field, offset)
+                for field, (arg, offset) in zip(fields, launch.slots)
+                if arg == names.index(name)
+            ]
+            assert written and all(
+                field == _ptr(c) + layer * c.strides[0] + offset for field, offset in written
+            )
     n_calls = len(stubbed.calls)
     with pytest.raises(ValueError, match=r"\[0, 5\), .* got 5"):
         fn(**dev, layer_idx=5)
@@ -250,8 +269,12 @@ def test_a_captured_prefill_qkv_call_writes_its_layer(stubbed):  # noqa: F811 - 
 
 
 def stubbed_ops():
-    return [v for m in (ropekv.mla, ropekv.qknorm, ropekv.qkv)
-            for v in vars(m).values() if isinstance(v, _launch.Op)]
+    return [
+        v
+        for m in (ropekv.mla, ropekv.qknorm, ropekv.qkv)
+        for v in vars(m).values()
+        if isinstance(v, _launch.Op)
+    ]
 
 
 ODD = {"D": 4, "Hq": 2, "Hkv": 1, "page_size": 1, "cache_dtype": E4M3}  # 116-byte layers
@@ -262,8 +285,9 @@ def test_odd_layer_stride_revalidates_other_alignments(stubbed, monkeypatch):  #
     dev = map_arrays(layered(kw, "qknorm", 4, 0), hostcost.to_cupy)
     firsts = []
     first_call = _launch.Op.first_call
-    monkeypatch.setattr(_launch.Op, "first_call",
-                        lambda self, *a: firsts.append(a[-1]) or first_call(self, *a))
+    monkeypatch.setattr(
+        _launch.Op, "first_call", lambda self, *a: firsts.append(a[-1]) or first_call(self, *a)
+    )
     for layer in (0, 4 // 4, 0, 1, 2, 3, 0):
         fn(**dev, layer_idx=layer)
     # layer 0 validated the plan; layers 1, 2, 3 start 116, 232, 348 bytes further (4, 8, 12
@@ -277,8 +301,9 @@ def test_replay_rechecks_overlap_with_every_layer(stubbed):  # noqa: F811
     dev = map_arrays(layered(kw, "qknorm", 3, 0), hostcost.to_cupy)
     fn(**dev, layer_idx=1)
     k = dev["paged_kv_cache"][0]
-    with pytest.raises(ValueError, match="k_cache is written in place but shares memory with "
-                                         "v_cache"):
+    with pytest.raises(
+        ValueError, match="k_cache is written in place but shares memory with v_cache"
+    ):
         fn(**{**dev, "paged_kv_cache": (k, k)}, layer_idx=2)
 
 
@@ -322,8 +347,13 @@ def test_device_layer_torch(op):
 
 
 @pytest.mark.gpu
-@given(op=st.sampled_from(OPS), num_layers=st.integers(1, 6), data=st.data(),
-       seed=st.integers(0, 2**31 - 1), fp8=st.booleans())
+@given(
+    op=st.sampled_from(OPS),
+    num_layers=st.integers(1, 6),
+    data=st.data(),
+    seed=st.integers(0, 2**31 - 1),
+    fp8=st.booleans(),
+)
 def test_device_layers_property(op, num_layers, data, seed, fp8):
     layer = data.draw(st.integers(0, num_layers - 1))
     _run_device(op, seed, num_layers, layer, to_device, E4M3 if fp8 else None)
@@ -369,8 +399,7 @@ def _layered_scales_call(convert, seed=5, num_layers=3, layer=1, layout="NHD"):
     dev = map_arrays(multi, convert)
     out = fn(**dev, layer_idx=layer)
     assert_layer_written("qknorm", before, dev, one, layer, "layered scales")
-    for b, a, e in zip(before["kv_cache_scales"], dev["kv_cache_scales"],
-                       one["kv_cache_scales"]):
+    for b, a, e in zip(before["kv_cache_scales"], dev["kv_cache_scales"], one["kv_cache_scales"]):
         a = to_numpy(a)
         others = [i for i in range(num_layers) if i != layer]
         assert np.array_equal(a[others], b[others]), "another layer's scales changed"

@@ -24,9 +24,25 @@ def random_cache_bytes(rng, shape, dtype):
     return (rng.standard_normal(shape) * 0.5).astype(dtype)
 
 
-def make_case(seed, *, Hq=4, L=32, R=16, dtype=np.float16, cache_dtype=None, new=(3, 0, 2),
-              cached=(0, 5, 17), page_size=4, split=False, kv_norm_dim=None, gamma_f32=True,
-              offsets_dtype=np.int32, spare_pages=3, P=None, kv_scale=None):
+def make_case(
+    seed,
+    *,
+    Hq=4,
+    L=32,
+    R=16,
+    dtype=np.float16,
+    cache_dtype=None,
+    new=(3, 0, 2),
+    cached=(0, 5, 17),
+    page_size=4,
+    split=False,
+    kv_norm_dim=None,
+    gamma_f32=True,
+    offsets_dtype=np.int32,
+    spare_pages=3,
+    P=None,
+    kv_scale=None,
+):
     """A ragged batch over a shuffled paged cache, as NumPy arrays (keyword arguments of the op).
 
     Every request owns distinct pages (a random permutation), so no two tokens share a row."""
@@ -43,13 +59,16 @@ def make_case(seed, *, Hq=4, L=32, R=16, dtype=np.float16, cache_dtype=None, new
     table = np.full((B, max_pages), -1, np.int32)
     at = 0
     for b in range(B):
-        table[b, :pages_per[b]] = perm[at:at + pages_per[b]]
+        table[b, : pages_per[b]] = perm[at : at + pages_per[b]]
         at += pages_per[b]
     P = int(ends.max()) + 8 if P is None else P
     n = L if kv_norm_dim is None else kv_norm_dim
     full = random_cache_bytes(rng, (num_pages, page_size, L + R), cache_dtype)
-    kv_cache = (np.ascontiguousarray(full[..., :L]), np.ascontiguousarray(full[..., L:])) \
-        if split else full
+    kv_cache = (
+        (np.ascontiguousarray(full[..., :L]), np.ascontiguousarray(full[..., L:]))
+        if split
+        else full
+    )
     args = {
         "q_rope": rng.standard_normal((T, Hq, R)).astype(dtype),
         "kv": (rng.standard_normal((T, L + R)) * 2).astype(dtype),
@@ -67,8 +86,10 @@ def make_case(seed, *, Hq=4, L=32, R=16, dtype=np.float16, cache_dtype=None, new
 
 
 def copy_args(args):
-    out = {k: v.copy() if isinstance(v, np.ndarray) else tuple(x.copy() for x in v)
-           for k, v in args.items()}
+    out = {
+        k: v.copy() if isinstance(v, np.ndarray) else tuple(x.copy() for x in v)
+        for k, v in args.items()
+    }
     return out
 
 
@@ -87,9 +108,22 @@ def expected(args, kw, is_neox=False, epsilon=1e-6, clear=False):
     cache = a["kv_cache"][0] if isinstance(a["kv_cache"], tuple) else a["kv_cache"]
     scale = kw.get("kv_scale") or 1.0 if cache.dtype in FP8_DTYPES else 1.0
     reference.mla_rope_rmsnorm_append_paged_kv_cache(
-        a["q_rope"], a["kv"], a["gamma"], a["cos_sin_cache"], a["input_row_offsets"],
-        a["cache_lengths"], a["block_table"], ckv, kpe, q_out, epsilon, kw.get("kv_norm_dim"),
-        is_neox, scale, clear)
+        a["q_rope"],
+        a["kv"],
+        a["gamma"],
+        a["cos_sin_cache"],
+        a["input_row_offsets"],
+        a["cache_lengths"],
+        a["block_table"],
+        ckv,
+        kpe,
+        q_out,
+        epsilon,
+        kw.get("kv_norm_dim"),
+        is_neox,
+        scale,
+        clear,
+    )
     return q_out, np.array(ckv), np.array(kpe)
 
 
@@ -106,7 +140,7 @@ def tail_rows(args, page_size, num_pages):
             continue
         page = table[b, (end - 1) // page_size]
         if 0 <= page < num_pages:
-            mask[page, end % page_size:] = True
+            mask[page, end % page_size :] = True
     return mask
 
 
@@ -116,8 +150,13 @@ def written_rows(args):
     num_pages, page_size = cache.shape[:2]
     P = args["cos_sin_cache"].shape[0]
     req, pos, page, entry = reference.ragged_paged_slots(
-        args["input_row_offsets"], args["cache_lengths"], args["block_table"], page_size,
-        num_pages, args["q_rope"].shape[0])
+        args["input_row_offsets"],
+        args["cache_lengths"],
+        args["block_table"],
+        page_size,
+        num_pages,
+        args["q_rope"].shape[0],
+    )
     ok = (req >= 0) & (pos < P) & (page >= 0)
     mask = np.zeros((num_pages, page_size), bool)
     mask[page[ok], entry[ok]] = True
@@ -141,8 +180,11 @@ def test_clear_unused_last_page_rows_zeroes_the_tails_only(split):
     tail, written = tail_rows(args, page_size, num_pages), written_rows(args)
     assert tail.sum() == 1 + 1 + 0 + 0  # request 0 ends at 3, request 2 at 19, request 3 at 8
     assert not (tail & written).any()
-    for got, ref, old in zip(cache_parts(args["kv_cache"], L), cache_parts(plain["kv_cache"], L),
-                             cache_parts(before["kv_cache"], L)):
+    for got, ref, old in zip(
+        cache_parts(args["kv_cache"], L),
+        cache_parts(plain["kv_cache"], L),
+        cache_parts(before["kv_cache"], L),
+    ):
         assert not np.asarray(got)[tail].view(np.uint8).any()
         assert_bytes_equal(got[written], ref[written])
         assert_bytes_equal(got[~tail & ~written], old[~tail & ~written])
@@ -205,12 +247,15 @@ def test_prefix_cached_run_equals_full_prefill(seed, is_neox, split):
     offs = np.array([0, 3, 5], np.int32)
     idx1 = np.r_[0:3, 7:9]
     idx2 = np.r_[3:7, 9:12]
-    step1 = dict(first, q_rope=first["q_rope"][idx1], kv=first["kv"][idx1],
-                 input_row_offsets=offs)
+    step1 = dict(first, q_rope=first["q_rope"][idx1], kv=first["kv"][idx1], input_row_offsets=offs)
     q1 = op(**step1, **kw, is_neox=is_neox)
-    second = dict(step1, q_rope=first["q_rope"][idx2], kv=first["kv"][idx2],
-                  input_row_offsets=np.array([0, 4, 7], np.int32),
-                  cache_lengths=np.array([3, 2], np.int32))
+    second = dict(
+        step1,
+        q_rope=first["q_rope"][idx2],
+        kv=first["kv"][idx2],
+        input_row_offsets=np.array([0, 4, 7], np.int32),
+        cache_lengths=np.array([3, 2], np.int32),
+    )
     q2 = op(**second, **kw, is_neox=is_neox)
     np.testing.assert_array_equal(np.concatenate([q1, q2])[np.argsort(np.r_[idx1, idx2])], q_full)
     caches_full = full["kv_cache"] if split else (full["kv_cache"],)
@@ -250,8 +295,7 @@ def test_fp8_cache_stores_x_over_kv_scale():
     # position 0 row of request 0: kpe = fp8(k_pe / 0.25)
     page = args["block_table"][0, 0]
     want = reference.to_dtype(args["kv"][0, L:].astype(np.float64) / 0.25, E4M3)
-    np.testing.assert_array_equal(args["kv_cache"][page, 0, L:].view(np.uint8),
-                                  want.view(np.uint8))
+    np.testing.assert_array_equal(args["kv_cache"][page, 0, L:].view(np.uint8), want.view(np.uint8))
 
 
 def test_in_place_q_and_uint32_offsets():
@@ -357,8 +401,11 @@ def test_table_rotary_dim_must_match_q():
 
 
 def test_table_dtype():
-    bad(TypeError, "cos_sin_cache must have dtype float32",
-        cos_sin_cache=ropekv.cos_sin_cache(32, 16).astype(np.float64))
+    bad(
+        TypeError,
+        "cos_sin_cache must have dtype float32",
+        cos_sin_cache=ropekv.cos_sin_cache(32, 16).astype(np.float64),
+    )
 
 
 def test_kv_norm_dim_range():
@@ -372,15 +419,24 @@ def test_gamma_shape_and_dtype():
 
 
 def test_offsets_dtype_and_shape():
-    bad(TypeError, "input_row_offsets must have dtype",
-        input_row_offsets=np.array([0, 3, 3, 5], np.int64))
-    bad(ValueError, r"cache_lengths must have shape .*\(B,\)",
-        input_row_offsets=np.array([0, 5], np.int32))
+    bad(
+        TypeError,
+        "input_row_offsets must have dtype",
+        input_row_offsets=np.array([0, 3, 3, 5], np.int64),
+    )
+    bad(
+        ValueError,
+        r"cache_lengths must have shape .*\(B,\)",
+        input_row_offsets=np.array([0, 5], np.int32),
+    )
 
 
 def test_cache_lengths_dtype():
-    bad(TypeError, "cache_lengths must have dtype int32",
-        cache_lengths=np.array([0, 5, 17], np.int64))
+    bad(
+        TypeError,
+        "cache_lengths must have dtype int32",
+        cache_lengths=np.array([0, 5, 17], np.int64),
+    )
 
 
 def test_block_table_shape_and_dtype():
@@ -389,15 +445,24 @@ def test_block_table_shape_and_dtype():
 
 
 def test_cache_shape():
-    bad(ValueError, r"kv_cache must have shape \(num_pages, page_size, L \+ R\)",
-        kv_cache=np.zeros((4, 4, 40), np.float16))
+    bad(
+        ValueError,
+        r"kv_cache must have shape \(num_pages, page_size, L \+ R\)",
+        kv_cache=np.zeros((4, 4, 40), np.float16),
+    )
 
 
 def test_split_cache_shapes_and_dtypes():
-    bad(ValueError, r"kpe_cache must have shape",
-        kv_cache=(np.zeros((8, 4, 32), np.float16), np.zeros((8, 4, 8), np.float16)))
-    bad(TypeError, "kpe_cache must have the dtype of ckv_cache",
-        kv_cache=(np.zeros((8, 4, 32), np.float16), np.zeros((8, 4, 16), BF16)))
+    bad(
+        ValueError,
+        r"kpe_cache must have shape",
+        kv_cache=(np.zeros((8, 4, 32), np.float16), np.zeros((8, 4, 8), np.float16)),
+    )
+    bad(
+        TypeError,
+        "kpe_cache must have the dtype of ckv_cache",
+        kv_cache=(np.zeros((8, 4, 32), np.float16), np.zeros((8, 4, 16), BF16)),
+    )
     bad(ValueError, r"tuple \(ckv, kpe\)", kv_cache=(np.zeros((8, 4, 32), np.float16),))
 
 
@@ -407,15 +472,26 @@ def test_cache_dtype():
 
 def test_kv_scale_only_for_fp8_and_positive():
     bad(ValueError, "only used with float8 caches", kw_extra={"kv_scale": 0.5})
-    bad(ValueError, "kv_scale must be a finite positive", kw_extra={"kv_scale": 0.0},
-        kv_cache=np.zeros((16, 4, 48), E4M3))
-    bad(TypeError, "kv_scale must be a real number", kw_extra={"kv_scale": "1"},
-        kv_cache=np.zeros((16, 4, 48), E4M3))
+    bad(
+        ValueError,
+        "kv_scale must be a finite positive",
+        kw_extra={"kv_scale": 0.0},
+        kv_cache=np.zeros((16, 4, 48), E4M3),
+    )
+    bad(
+        TypeError,
+        "kv_scale must be a real number",
+        kw_extra={"kv_scale": "1"},
+        kv_cache=np.zeros((16, 4, 48), E4M3),
+    )
 
 
 def test_clear_flag_must_be_bool():
-    bad(TypeError, "clear_unused_last_page_rows must be a bool, got 1",
-        {"clear_unused_last_page_rows": 1})
+    bad(
+        TypeError,
+        "clear_unused_last_page_rows must be a bool, got 1",
+        {"clear_unused_last_page_rows": 1},
+    )
 
 
 def test_epsilon():
@@ -435,10 +511,16 @@ def test_read_only_cache_is_refused():
 
 
 def test_q_rope_out_shape_dtype_and_overlap():
-    bad(ValueError, "q_rope_out must have shape", kw_extra={
-        "q_rope_out": np.zeros((5, 4, 8), np.float16)})
-    bad(TypeError, "q_rope_out must have the dtype of q_rope", kw_extra={
-        "q_rope_out": np.zeros((5, 4, 16), BF16)})
+    bad(
+        ValueError,
+        "q_rope_out must have shape",
+        kw_extra={"q_rope_out": np.zeros((5, 4, 8), np.float16)},
+    )
+    bad(
+        TypeError,
+        "q_rope_out must have the dtype of q_rope",
+        kw_extra={"q_rope_out": np.zeros((5, 4, 16), BF16)},
+    )
     args, kw = make_case(8)
     buf = np.zeros((6, 4, 16), np.float16)
     args["q_rope"] = buf[:5]
@@ -459,8 +541,9 @@ def test_mixed_devices_are_refused():
 # ---- GPU: the kernel against the reference ----------------------------------------------------
 
 
-def check_on_device(args, kw, *, is_neox=False, in_place=False, strided=False, given=False,
-                    clear=False):
+def check_on_device(
+    args, kw, *, is_neox=False, in_place=False, strided=False, given=False, clear=False
+):
     """Run the kernel on copies of ``args`` and compare with the reference (``given``: into a
     pre-allocated output; ``clear``: clear_unused_last_page_rows, whose tail rows must be zero)."""
     import cupy as cp
@@ -476,11 +559,11 @@ def check_on_device(args, kw, *, is_neox=False, in_place=False, strided=False, g
     if strided:  # q_rope and kv sliced out of one packed buffer, as the projection emits them
         T, Hq, R = args["q_rope"].shape
         packed = np.zeros((T, Hq * R + args["kv"].shape[1] + 8), args["q_rope"].dtype)
-        packed[:, :Hq * R] = args["q_rope"].reshape(T, Hq * R)
-        packed[:, Hq * R + 8:] = args["kv"]
+        packed[:, : Hq * R] = args["q_rope"].reshape(T, Hq * R)
+        packed[:, Hq * R + 8 :] = args["kv"]
         packed = cp.asarray(packed)
-        dev["q_rope"] = packed[:, :Hq * R].reshape(T, Hq, R)
-        dev["kv"] = packed[:, Hq * R + 8:]
+        dev["q_rope"] = packed[:, : Hq * R].reshape(T, Hq, R)
+        dev["kv"] = packed[:, Hq * R + 8 :]
     extra = {"q_rope_out": dev["q_rope"]} if in_place else {}
     if given:
         extra = {"q_rope_out": cp.full(dev["q_rope"].shape, np.nan, dev["q_rope"].dtype)}
@@ -504,23 +587,57 @@ SHAPES = [(16, 256, 32), (32, 128, 64), (16, 128, 64), (4, 96, 32), (192, 64, 64
 
 
 @pytest.mark.gpu
-@given(seed=seeds, dtype=st.sampled_from(INPUT_DTYPES), data=st.data(),
-       shape=st.sampled_from(SHAPES), is_neox=st.sampled_from([False, False, True]),
-       split=st.booleans(), page_size=st.sampled_from([1, 16, 64]),
-       new=st.lists(st.integers(0, 40), min_size=1, max_size=4),
-       gamma_f32=st.booleans(), in_place=st.booleans(), uint32=st.booleans(),
-       strided=st.booleans(), clear=st.booleans())
-def test_kernel_matches_reference(seed, dtype, data, shape, is_neox, split, page_size, new,
-                                  gamma_f32, in_place, uint32, strided, clear):
+@given(
+    seed=seeds,
+    dtype=st.sampled_from(INPUT_DTYPES),
+    data=st.data(),
+    shape=st.sampled_from(SHAPES),
+    is_neox=st.sampled_from([False, False, True]),
+    split=st.booleans(),
+    page_size=st.sampled_from([1, 16, 64]),
+    new=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    gamma_f32=st.booleans(),
+    in_place=st.booleans(),
+    uint32=st.booleans(),
+    strided=st.booleans(),
+    clear=st.booleans(),
+)
+def test_kernel_matches_reference(
+    seed,
+    dtype,
+    data,
+    shape,
+    is_neox,
+    split,
+    page_size,
+    new,
+    gamma_f32,
+    in_place,
+    uint32,
+    strided,
+    clear,
+):
     Hq, L, R = shape
     cache_dtype = data.draw(st.sampled_from([dtype, *FP8_DTYPES]))
     kv_norm_dim = data.draw(st.sampled_from([None, L - 32, 100 if L > 100 else L - 8, 36]))
     cached = data.draw(st.lists(st.integers(0, 300), min_size=len(new), max_size=len(new)))
     kv_scale = data.draw(st.sampled_from([None, 0.5, 3.0])) if cache_dtype in FP8_DTYPES else None
-    args, kw = make_case(seed, Hq=Hq, L=L, R=R, dtype=dtype, cache_dtype=cache_dtype, new=new,
-                         cached=cached, page_size=page_size, split=split,
-                         kv_norm_dim=kv_norm_dim, gamma_f32=gamma_f32,
-                         offsets_dtype=np.uint32 if uint32 else np.int32, kv_scale=kv_scale)
+    args, kw = make_case(
+        seed,
+        Hq=Hq,
+        L=L,
+        R=R,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        new=new,
+        cached=cached,
+        page_size=page_size,
+        split=split,
+        kv_norm_dim=kv_norm_dim,
+        gamma_f32=gamma_f32,
+        offsets_dtype=np.uint32 if uint32 else np.int32,
+        kv_scale=kv_scale,
+    )
     check_on_device(args, kw, is_neox=is_neox, in_place=in_place, strided=strided, clear=clear)
 
 
@@ -528,13 +645,32 @@ def test_kernel_matches_reference(seed, dtype, data, shape, is_neox, split, page
 @pytest.mark.parametrize("cache_dtype", [BF16, *FP8_DTYPES])
 @pytest.mark.parametrize("split", [False, True])
 def test_deepseek_v3_prefill_and_decode(cache_dtype, split):
-    prefill, kw = make_case(11, Hq=128, L=512, R=64, dtype=BF16, cache_dtype=cache_dtype,
-                            new=(37, 0, 64), cached=(0, 5, 130), page_size=64, split=split,
-                            gamma_f32=False)
+    prefill, kw = make_case(
+        11,
+        Hq=128,
+        L=512,
+        R=64,
+        dtype=BF16,
+        cache_dtype=cache_dtype,
+        new=(37, 0, 64),
+        cached=(0, 5, 130),
+        page_size=64,
+        split=split,
+        gamma_f32=False,
+    )
     check_on_device(prefill, kw)
-    decode, kw = make_case(12, Hq=128, L=512, R=64, dtype=BF16, cache_dtype=cache_dtype,
-                           new=(1,) * 8, cached=tuple(range(0, 800, 100)), page_size=64,
-                           split=split)
+    decode, kw = make_case(
+        12,
+        Hq=128,
+        L=512,
+        R=64,
+        dtype=BF16,
+        cache_dtype=cache_dtype,
+        new=(1,) * 8,
+        cached=tuple(range(0, 800, 100)),
+        page_size=64,
+        split=split,
+    )
     check_on_device(decode, kw, in_place=True)
 
 
@@ -542,9 +678,18 @@ def test_deepseek_v3_prefill_and_decode(cache_dtype, split):
 @pytest.mark.parametrize("is_neox", [False, True])
 def test_deepseek_v3_long_prefill_runs_the_pipeline(is_neox):
     # 1500 tokens: several tokens per block, so the two-stage pipeline runs at its default size
-    args, kw = make_case(16, Hq=128, L=512, R=64, dtype=BF16, cache_dtype=E4M3,
-                         new=(700, 0, 1, 799), cached=(0, 3, 0, 1000), page_size=64,
-                         kv_scale=0.75)
+    args, kw = make_case(
+        16,
+        Hq=128,
+        L=512,
+        R=64,
+        dtype=BF16,
+        cache_dtype=E4M3,
+        new=(700, 0, 1, 799),
+        cached=(0, 3, 0, 1000),
+        page_size=64,
+        kv_scale=0.75,
+    )
     check_on_device(args, kw, is_neox=is_neox)
 
 
@@ -553,22 +698,45 @@ def test_deepseek_v3_long_prefill_runs_the_pipeline(is_neox):
 def test_prefix_cached_run_equals_full_prefill_on_device(seed, split, is_neox):
     import cupy as cp
 
-    full, kw = make_case(seed, Hq=16, L=128, R=64, dtype=BF16, cache_dtype=E4M3, new=(19, 6),
-                         cached=(0, 0), page_size=16, split=split)
+    full, kw = make_case(
+        seed,
+        Hq=16,
+        L=128,
+        R=64,
+        dtype=BF16,
+        cache_dtype=E4M3,
+        new=(19, 6),
+        cached=(0, 0),
+        page_size=16,
+        split=split,
+    )
     full_d = {k: to_device(v) for k, v in full.items()}
     q_full = op(**full_d, **kw, is_neox=is_neox)
     cut = (11, 2)
-    idx1 = np.r_[0:cut[0], 19:19 + cut[1]]
-    idx2 = np.r_[cut[0]:19, 19 + cut[1]:25]
+    idx1 = np.r_[0 : cut[0], 19 : 19 + cut[1]]
+    idx2 = np.r_[cut[0] : 19, 19 + cut[1] : 25]
     steps = {k: to_device(v) for k, v in full.items()}
-    q1 = op(**dict(steps, q_rope=to_device(full["q_rope"][idx1]),
-                   kv=to_device(full["kv"][idx1]),
-                   input_row_offsets=cp.array([0, cut[0], sum(cut)], cp.int32)),
-            **kw, is_neox=is_neox)
-    q2 = op(**dict(steps, q_rope=to_device(full["q_rope"][idx2]),
-                   kv=to_device(full["kv"][idx2]),
-                   input_row_offsets=cp.array([0, 19 - cut[0], 25 - sum(cut)], cp.int32),
-                   cache_lengths=cp.array(cut, cp.int32)), **kw, is_neox=is_neox)
+    q1 = op(
+        **dict(
+            steps,
+            q_rope=to_device(full["q_rope"][idx1]),
+            kv=to_device(full["kv"][idx1]),
+            input_row_offsets=cp.array([0, cut[0], sum(cut)], cp.int32),
+        ),
+        **kw,
+        is_neox=is_neox,
+    )
+    q2 = op(
+        **dict(
+            steps,
+            q_rope=to_device(full["q_rope"][idx2]),
+            kv=to_device(full["kv"][idx2]),
+            input_row_offsets=cp.array([0, 19 - cut[0], 25 - sum(cut)], cp.int32),
+            cache_lengths=cp.array(cut, cp.int32),
+        ),
+        **kw,
+        is_neox=is_neox,
+    )
     q_steps = np.concatenate([to_numpy(q1), to_numpy(q2)])[np.argsort(np.r_[idx1, idx2])]
     assert_bytes_equal(q_steps, to_numpy(q_full), "q_rope_out")
     a = steps["kv_cache"] if split else (steps["kv_cache"],)
@@ -584,15 +752,19 @@ def test_hostile_indices_never_write_out_of_bounds(clear):
     (with ``clear``: also the tail the last token of request 2 clears, rows 3.. of its page)."""
     import cupy as cp
 
-    args, kw = make_case(13, Hq=8, L=64, R=32, new=(5, 3, 4), cached=(0, 0, 0), page_size=4,
-                         spare_pages=0)
+    args, kw = make_case(
+        13, Hq=8, L=64, R=32, new=(5, 3, 4), cached=(0, 0, 0), page_size=4, spare_pages=0
+    )
     args["cache_lengths"] = np.array([0, 2**31 - 3, -7], np.int32)
     args["block_table"][0, :2] = [-5, 2**31 - 1]
     args["input_row_offsets"] = np.array([0, 5, 2, 12], np.int32)  # decreasing
     guard = 256
     cache = args["kv_cache"]
-    buf = cp.asarray(np.concatenate([np.full(guard, 7, np.float16), cache.ravel(),
-                                     np.full(guard, 7, np.float16)]))
+    buf = cp.asarray(
+        np.concatenate(
+            [np.full(guard, 7, np.float16), cache.ravel(), np.full(guard, 7, np.float16)]
+        )
+    )
     dev = {k: to_device(v) for k, v in args.items()}
     dev["kv_cache"] = buf[guard:-guard].reshape(cache.shape)
     q_ref, ckv_ref, kpe_ref = expected(args, kw, clear=clear)
@@ -623,8 +795,16 @@ def test_status_on_device(kind, T_new):
     new = (T_new,) if T_new < 3 else (T_new // 3, T_new // 3, T_new - 2 * (T_new // 3))
     if T_new == 0:
         new = (0, 0)
-    args, kw = make_case(70 + kind, Hq=16, L=512, R=64, dtype=BF16, new=new,
-                         cached=tuple(range(3, 3 + len(new))), page_size=16)
+    args, kw = make_case(
+        70 + kind,
+        Hq=16,
+        L=512,
+        R=64,
+        dtype=BF16,
+        new=new,
+        cached=tuple(range(3, 3 + len(new))),
+        page_size=16,
+    )
     if kind == 2 and len(new) < 2:
         args["input_row_offsets"] = np.array([0, T_new, T_new], np.int32)
         args["cache_lengths"] = np.array([3, 4], np.int32)
@@ -651,8 +831,17 @@ def test_status_on_device(kind, T_new):
 @pytest.mark.gpu
 def test_torch_tensors_in_torch_out():
     torch = pytest.importorskip("torch")
-    args, kw = make_case(14, Hq=16, L=128, R=64, dtype=BF16, cache_dtype=E4M3, new=(3, 4),
-                         cached=(2, 0), page_size=16)
+    args, kw = make_case(
+        14,
+        Hq=16,
+        L=128,
+        R=64,
+        dtype=BF16,
+        cache_dtype=E4M3,
+        new=(3, 4),
+        cached=(2, 0),
+        page_size=16,
+    )
     q_ref, ckv_ref, kpe_ref = expected(args, kw)
 
     def to_torch(x):
@@ -679,19 +868,38 @@ def test_large_ragged_batch():
     B = 4195
     new = np.zeros(B, np.int64)
     new[[0, 17, 4000, B - 1]] = [3, 1, 2, 1]
-    args, kw = make_case(15, Hq=8, L=64, R=32, new=tuple(new), cached=tuple(np.arange(B) % 9),
-                         page_size=4, split=True)
+    args, kw = make_case(
+        15,
+        Hq=8,
+        L=64,
+        R=32,
+        new=tuple(new),
+        cached=tuple(np.arange(B) % 9),
+        page_size=4,
+        split=True,
+    )
     check_on_device(args, kw)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split, in_place, given", [(False, False, False), (True, True, False),
-                                                    (True, False, True)])
+@pytest.mark.parametrize(
+    "split, in_place, given", [(False, False, False), (True, True, False), (True, False, True)]
+)
 def test_repeated_calls_replay_the_launch_plan_with_new_arrays(split, in_place, given):
     """The second and later calls of one layout replay a cached launch: new pointers, new output
     arrays, the same results as the reference."""
     for seed in (30, 31, 32):
-        args, kw = make_case(seed, Hq=16, L=128, R=64, dtype=BF16, cache_dtype=E4M3,
-                             new=(5, 1, 3), cached=(0, 40, 7), page_size=16, split=split,
-                             kv_scale=0.5)
+        args, kw = make_case(
+            seed,
+            Hq=16,
+            L=128,
+            R=64,
+            dtype=BF16,
+            cache_dtype=E4M3,
+            new=(5, 1, 3),
+            cached=(0, 40, 7),
+            page_size=16,
+            split=split,
+            kv_scale=0.5,
+        )
         check_on_device(args, kw, in_place=in_place, given=given)

@@ -22,11 +22,20 @@ import pytest
 import ropekv.qkv
 from ropekv import _launch, _native
 from tests.test_call_path import CACHE, CASES, OPS, map_arrays
-from tests.test_replay_cpu import (_C_LAUNCH, DECODE, FAKE_CUBLAS_HANDLE, PREFILL,  # noqa: F401
-                                   Gemms, Launches, all_ops, fake_torch, hostcost, stubbed)
+from tests.test_replay_cpu import (
+    _C_LAUNCH,
+    DECODE,
+    FAKE_CUBLAS_HANDLE,
+    PREFILL,
+    Gemms,
+    all_ops,
+    fake_torch,
+    hostcost,
+)
 
-_C_LAUNCH_EX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                ctypes.c_void_p)
+_C_LAUNCH_EX = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
+)
 
 
 _Config = _launch._LaunchConfig  # CUlaunchConfig, as the Python replay spells it
@@ -45,8 +54,17 @@ class Recorder:
 
     def _record(self, func, grid, block, smem, stream, attrs, params):
         rec = ctypes.c_uint64.from_address(params).value
-        self.launches.append((func, tuple(grid), tuple(block), smem, stream or 0, attrs,
-                              ctypes.string_at(rec, self.size)))
+        self.launches.append(
+            (
+                func,
+                tuple(grid),
+                tuple(block),
+                smem,
+                stream or 0,
+                attrs,
+                ctypes.string_at(rec, self.size),
+            )
+        )
 
     def python(self, func, gx, gy, gz, bx, by, bz, smem, stream, argv_ptr, extra):
         self._record(func, (gx, gy, gz), (bx, by, bz), smem, stream, (), argv_ptr)
@@ -60,19 +78,34 @@ class Recorder:
         return self.fail
 
     def _attrs(self, config):
-        return tuple((config.attrs[k].id, config.attrs[k].value[:4])
-                     for k in range(config.num_attrs))
+        return tuple(
+            (config.attrs[k].id, config.attrs[k].value[:4]) for k in range(config.num_attrs)
+        )
 
     def python_ex(self, config_ref, func, argv, extra):
         config = config_ref._obj
-        self._record(func, config.grid, config.block, config.shared_mem, config.stream,
-                     self._attrs(config), ctypes.addressof(argv))
+        self._record(
+            func,
+            config.grid,
+            config.block,
+            config.shared_mem,
+            config.stream,
+            self._attrs(config),
+            ctypes.addressof(argv),
+        )
         return self.fail
 
     def _c_ex(self, config_ptr, func, params, extra):
         config = _Config.from_address(config_ptr)
-        self._record(func, config.grid, config.block, config.shared_mem, config.stream,
-                     self._attrs(config), params)
+        self._record(
+            func,
+            config.grid,
+            config.block,
+            config.shared_mem,
+            config.stream,
+            self._attrs(config),
+            params,
+        )
         return self.fail
 
 
@@ -82,10 +115,10 @@ class _Runtime:
     def __init__(self, current=0):
         self.current, self.log = current, []
 
-    def getDevice(self):  # noqa: N802 - CuPy's name
+    def getDevice(self):
         return self.current
 
-    def setDevice(self, device):  # noqa: N802
+    def setDevice(self, device):
         self.log.append(device)
         self.current = device
 
@@ -107,8 +140,11 @@ def fakes(monkeypatch):
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device=-1: 0x5000)
     monkeypatch.setattr(_launch, "_RUNTIME", [runtime])
     monkeypatch.setattr(_launch, "_EMPTY_OUTPUTS", {})  # fake zero-size outputs stay here
-    monkeypatch.setattr(_launch.Output, "_cupy",
-                        lambda self: hostcost.FakeCupyArray(np.empty(self.shape, self.dtype)))
+    monkeypatch.setattr(
+        _launch.Output,
+        "_cupy",
+        lambda self: hostcost.FakeCupyArray(np.empty(self.shape, self.dtype)),
+    )
     monkeypatch.setattr(_launch, "cupy_stream", lambda ptr, device: contextlib.nullcontext())
     module = _native.load()
     if module is None:
@@ -120,8 +156,9 @@ def fakes(monkeypatch):
     def select(replay):
         monkeypatch.setattr(_launch, "_launch_kernel", recorder.python)
         monkeypatch.setattr(_launch, "_cu_launch_kernel_ex", lambda: recorder.python_ex)
-        launchers = tuple(ctypes.cast(f, ctypes.c_void_p).value
-                          for f in (recorder.c_launch, recorder.c_launch_ex))
+        launchers = tuple(
+            ctypes.cast(f, ctypes.c_void_p).value for f in (recorder.c_launch, recorder.c_launch_ex)
+        )
         monkeypatch.setattr(_launch, "_native_launchers", lambda: launchers)
         _launch._native_module[0] = _launch._UNBOUND
         for op in all_ops():
@@ -138,16 +175,23 @@ def fakes(monkeypatch):
 
 def _record_size(op_name):
     """The largest parameter record of the op's plans (compared byte for byte)."""
-    return max(len(s.rec) for op in all_ops() for table in (op.plans, op.layer_plans)
-               for p in table.values() for s in p.steps if type(s) is _launch.Launch)
+    return max(
+        len(s.rec)
+        for op in all_ops()
+        for table in (op.plans, op.layer_plans)
+        for p in table.values()
+        for s in p.steps
+        if type(s) is _launch.Launch
+    )
 
 
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("stream", [None, 0x6000])
 @pytest.mark.parametrize("kind", ["cupy", "torch"])
 @pytest.mark.parametrize("op", [*OPS, "qkv prefill", "qkv prefill e4m3"])
-def test_c_replay_launches_what_the_python_replay_launches(op, kind, stream, pdl, fakes,
-                                                           monkeypatch):
+def test_c_replay_launches_what_the_python_replay_launches(
+    op, kind, stream, pdl, fakes, monkeypatch
+):
     """Same arrays, same outputs' addresses: the same launches, record bytes included, and the
     same cuBLAS calls (the QKV op's prefill path: one GEMM, or two with an fp8 cache)."""
     op, *path = op.split()
@@ -167,9 +211,15 @@ def test_c_replay_launches_what_the_python_replay_launches(op, kind, stream, pdl
     extra = {"enable_pdl": True} if pdl else {}
     if kind == "torch":  # outputs allocated on an explicit stream
         torch = sys.modules["torch"]
-        monkeypatch.setattr(torch, "cuda", types.SimpleNamespace(
-            stream=lambda s: contextlib.nullcontext(),
-            ExternalStream=lambda ptr, device=None: ptr), raising=False)
+        monkeypatch.setattr(
+            torch,
+            "cuda",
+            types.SimpleNamespace(
+                stream=lambda s: contextlib.nullcontext(),
+                ExternalStream=lambda ptr, device=None: ptr,
+            ),
+            raising=False,
+        )
         monkeypatch.setattr(torch, "device", lambda *a: a, raising=False)
     if stream is not None:
         extra["stream"] = stream
@@ -200,7 +250,7 @@ def test_c_replay_launches_what_the_python_replay_launches(op, kind, stream, pdl
     # with alpha 1, beta 0, float32 accumulation and the default algorithm
     assert len(gemms_by_c) == 3 * gemm_steps
     for k in range(gemm_steps):
-        stream_call, mode_call, gemm = gemms_by_c[3 * k:3 * k + 3]
+        stream_call, mode_call, gemm = gemms_by_c[3 * k : 3 * k + 3]
         assert stream_call == ("stream", FAKE_CUBLAS_HANDLE, expected_stream)
         assert mode_call == ("mode", FAKE_CUBLAS_HANDLE, 0)
         assert gemm[:4] == ("gemm", FAKE_CUBLAS_HANDLE, 1, 0)
@@ -234,8 +284,7 @@ def test_a_failed_launch_raises_the_driver_error_and_restores_the_device(fakes, 
 
 
 @pytest.mark.parametrize("replay", ["c", "python"])
-def test_a_failed_cublas_call_raises_its_status_and_restores_the_device(fakes, replay,
-                                                                        monkeypatch):
+def test_a_failed_cublas_call_raises_its_status_and_restores_the_device(fakes, replay, monkeypatch):
     monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device: 90)
     fn, kw = CASES["qkv"](56, **PREFILL["qkv"])
     recorder = fakes(replay)
@@ -263,8 +312,9 @@ def test_two_threads_replay_one_plan_with_their_own_pointers(fakes):
         try:
             for _ in range(50):
                 arrays = map_arrays(kw, hostcost.to_cupy)
-                calls.append([(a.data.ptr, a.data.ptr + a.size * a.itemsize)
-                              for a in _flat_any(arrays)])
+                calls.append(
+                    [(a.data.ptr, a.data.ptr + a.size * a.itemsize) for a in _flat_any(arrays)]
+                )
                 fn(**arrays)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -278,7 +328,7 @@ def test_two_threads_replay_one_plan_with_their_own_pointers(fakes):
     # each launch's pointer fields lie in the arrays of one call: no record mixes two calls
     # (fields in no call's arrays, such as allocated outputs, say nothing)
     for launch in recorder.launches[1:]:
-        fields = np.frombuffer(launch[6][:8 * n_ptr], np.uint64).tolist()
+        fields = np.frombuffer(launch[6][: 8 * n_ptr], np.uint64).tolist()
         owners = None
         for f in fields:
             mine = {k for k, spans in enumerate(calls) if any(lo <= f <= hi for lo, hi in spans)}
@@ -289,8 +339,9 @@ def test_two_threads_replay_one_plan_with_their_own_pointers(fakes):
 
 def test_an_array_of_another_kind_takes_the_python_path(fakes):
     module = _native.load()
-    caller = module.Caller(("a", "b"), None, vars(sys.modules["ropekv._arrays"]), vars(_launch),
-                           _launch._MISS)
+    caller = module.Caller(
+        ("a", "b"), None, vars(sys.modules["ropekv._arrays"]), vars(_launch), _launch._MISS
+    )
     plans = _launch._Plans()
     assert caller((None, np.zeros(3)), (), None, None, plans) is _launch._MISS
     assert caller([None, None], (), None, None, plans) is _launch._MISS  # not a tuple
@@ -321,7 +372,7 @@ def test_multi_layer_replay_and_a_layer_out_of_range(fakes):
     for layer in (3, 0, 2):
         start = len(recorder.launches)
         fn(**dev, layer_idx=layer)
-        field = np.frombuffer(recorder.launches[start][6][:8 * (slot[0] + 1)], np.uint64)[-1]
+        field = np.frombuffer(recorder.launches[start][6][: 8 * (slot[0] + 1)], np.uint64)[-1]
         stride = caches[0].strides[0]
         assert field == caches[0].data.ptr + layer * stride + plan.steps[0].slots[slot[0]][1]
     with pytest.raises(ValueError, match="layer_idx"):
@@ -336,11 +387,27 @@ def test_native_source_compiles_cleanly(tmp_path):
     if cc is None:
         pytest.skip("no C compiler: ropekv replays plans in Python here")
     out = tmp_path / "ext.so"
-    done = subprocess.run([cc, "-O2", "-std=c11", "-shared", "-fPIC", "-Wall", "-Wextra",
-                           "-Werror", "-Wno-unused-parameter", "-Wno-missing-field-initializers",
-                           "-Wno-cast-function-type", f"-I{include}",
-                           str(_native._SOURCE), "-o", str(out)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            cc,
+            "-O2",
+            "-std=c11",
+            "-shared",
+            "-fPIC",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-Wno-unused-parameter",
+            "-Wno-missing-field-initializers",
+            "-Wno-cast-function-type",
+            f"-I{include}",
+            str(_native._SOURCE),
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -368,7 +435,7 @@ def test_scalar_arguments_the_c_replay_does_not_take_as_they_come(fakes):
     fn(**dev, is_neox=np.bool_(True), epsilon=1e-5)  # normalized in Python: the same plan
     assert len(op.plans) == 1
     n = (len(recorder.launches) - start) // 2
-    assert n and recorder.launches[start:start + n] == recorder.launches[start + n:]
+    assert n and recorder.launches[start : start + n] == recorder.launches[start + n :]
     with pytest.raises(TypeError, match="is_neox must be a bool"):
         fn(**dev, is_neox=1, epsilon=1e-5)
     with pytest.raises(TypeError, match="enable_pdl must be a bool"):
@@ -398,8 +465,12 @@ def test_without_cuLaunchKernelEx_pdl_plans_replay_in_python(fakes, monkeypatch)
 def _device_ops():
     import ropekv
 
-    return [v for m in (ropekv.contiguous, ropekv.paged, ropekv.mla, ropekv.qknorm, ropekv.qkv)
-            for v in vars(m).values() if isinstance(v, _launch.Op)]
+    return [
+        v
+        for m in (ropekv.contiguous, ropekv.paged, ropekv.mla, ropekv.qknorm, ropekv.qkv)
+        for v in vars(m).values()
+        if isinstance(v, _launch.Op)
+    ]
 
 
 @pytest.mark.gpu
@@ -420,7 +491,7 @@ def test_gpu_replays_in_c_and_matches_the_reference_and_the_python_replay(op, ki
         torch = pytest.importorskip("torch")
         from ropekv.bench import _to_torch
 
-        convert = lambda x: _to_torch(to_device(x))  # noqa: E731
+        convert = lambda x: _to_torch(to_device(x))
         sync = torch.cuda.synchronize
     else:
         import cupy
@@ -440,8 +511,7 @@ def test_gpu_replays_in_c_and_matches_the_reference_and_the_python_replay(op, ki
     assert ops and all(o.caller is not None for o in ops), _native.state()
     assert all(p.native is not None for o in ops for p in o.plans.values()), _native.state()
     if path:
-        assert any(type(s) is _launch.Gemm for o in ops for p in o.plans.values()
-                   for s in p.steps)
+        assert any(type(s) is _launch.Gemm for o in ops for p in o.plans.values() for s in p.steps)
     assert_same(by_c, out_c, expected, out_expected, op)
     try:
         for o in _device_ops():
@@ -471,8 +541,7 @@ def _flat_any(x):
 
 
 @pytest.mark.parametrize("c_launches", [True, False])
-def test_a_layer_that_changes_alignment_is_planned_again_in_python(fakes, monkeypatch,
-                                                                   c_launches):
+def test_a_layer_that_changes_alignment_is_planned_again_in_python(fakes, monkeypatch, c_launches):
     """Caches whose layer stride is no multiple of 16 bytes: a layer of another alignment than
     the planned one is validated again (its vector widths may differ), never replayed, whether
     or not the plan has launches in C."""
@@ -484,8 +553,9 @@ def test_a_layer_that_changes_alignment_is_planned_again_in_python(fakes, monkey
     for c in kw["paged_kv_cache"]:
         per = c.size + 1  # one element of padding per layer: a 2-byte shift for fp16
         flat = np.zeros(layers * per, c.dtype)
-        view = np.lib.stride_tricks.as_strided(flat, (layers, *c.shape),
-                                               (per * c.itemsize, *c.strides))
+        view = np.lib.stride_tricks.as_strided(
+            flat, (layers, *c.shape), (per * c.itemsize, *c.strides)
+        )
         caches.append(hostcost.to_cupy(view))
     dev["paged_kv_cache"] = tuple(caches)
     fn(**dev, layer_idx=0)
@@ -496,8 +566,11 @@ def test_a_layer_that_changes_alignment_is_planned_again_in_python(fakes, monkey
         plan.native = None
     firsts = []
     first_call = _launch.Op.first_call
-    monkeypatch.setattr(_launch.Op, "first_call",
-                        lambda self, *a, **k: firsts.append(a[-1]) or first_call(self, *a, **k))
+    monkeypatch.setattr(
+        _launch.Op,
+        "first_call",
+        lambda self, *a, **k: firsts.append(a[-1]) or first_call(self, *a, **k),
+    )
     for layer in (1, 8, 2):  # layer 8 starts 8 * 2 bytes on from layer 0's alignment: a replay
         fn(**dev, layer_idx=layer)
     assert firsts == [1, 2]
@@ -509,16 +582,32 @@ def _struct_probe_cases(cupy):
 
     rng = np.random.default_rng(7)
     base = cupy.zeros((6, 5, 8, 3), cupy.float32)
-    cases = [base, base[1:4], base[:, ::2], base[..., 1], base[2, 3, 4, 1], base.T,
-             base[::-1, :, ::-3], cupy.zeros((0,), cupy.int64), cupy.zeros((3, 0, 2), cupy.uint8),
-             cupy.broadcast_to(base[0, 0, 0], (7, 3)), cupy.zeros(5, cupy.bool_),
-             cupy.zeros((4, 64), cupy.uint8)[1:, 16:].view(ml_dtypes.float8_e5m2),
-             cupy.asfortranarray(cupy.zeros((3, 4), cupy.float16))]
+    cases = [
+        base,
+        base[1:4],
+        base[:, ::2],
+        base[..., 1],
+        base[2, 3, 4, 1],
+        base.T,
+        base[::-1, :, ::-3],
+        cupy.zeros((0,), cupy.int64),
+        cupy.zeros((3, 0, 2), cupy.uint8),
+        cupy.broadcast_to(base[0, 0, 0], (7, 3)),
+        cupy.zeros(5, cupy.bool_),
+        cupy.zeros((4, 64), cupy.uint8)[1:, 16:].view(ml_dtypes.float8_e5m2),
+        cupy.asfortranarray(cupy.zeros((3, 4), cupy.float16)),
+    ]
     for _ in range(20):  # random slices of a random-rank array
         ndim = int(rng.integers(1, 6))
         a = cupy.zeros(tuple(int(x) for x in rng.integers(1, 6, ndim)), cupy.float16)
-        cases.append(a[tuple(slice(int(rng.integers(0, n)), None, int(rng.choice([1, 2, -1])))
-                             for n in a.shape)])
+        cases.append(
+            a[
+                tuple(
+                    slice(int(rng.integers(0, n)), None, int(rng.choice([1, 2, -1])))
+                    for n in a.shape
+                )
+            ]
+        )
     return cases
 
 
@@ -534,11 +623,18 @@ def test_gpu_cupy_arrays_are_read_from_their_struct_as_their_attributes_give():
     assert module is not None, _native.state()
     assert _native._state["cupy"] is None, _native.state()
     for a in _struct_probe_cases(cupy):
-        assert module.raw_layout(a) == (a.shape, a.strides, a.dtype, a.data.ptr, -1), (a.shape,
-                                                                                       a.strides)
-        assert module.view_fields(a) == _fields(a.data.ptr, a.shape,
-                                                [s // a.itemsize for s in a.strides], a.dtype,
-                                                a.data.device_id, a.itemsize)
+        assert module.raw_layout(a) == (a.shape, a.strides, a.dtype, a.data.ptr, -1), (
+            a.shape,
+            a.strides,
+        )
+        assert module.view_fields(a) == _fields(
+            a.data.ptr,
+            a.shape,
+            [s // a.itemsize for s in a.strides],
+            a.dtype,
+            a.data.device_id,
+            a.itemsize,
+        )
     odd = cupy.lib.stride_tricks.as_strided(cupy.zeros(8, cupy.float16), (3,), (3,))
     assert module.view_fields(odd) is None  # a byte stride the attributes path names in its error
 
@@ -634,20 +730,39 @@ def _torch_cases(torch, device):
 
     rng = np.random.default_rng(11)
     base = torch.zeros((6, 5, 8, 3), device=device)
-    cases = [base, base[1:4], base[:, ::2], base[..., 1], base[2, 3, 4, 1], base.permute(3, 1, 0, 2),
-             base.mT, torch.zeros(0, dtype=torch.int64, device=device),
-             torch.zeros((3, 0, 2), dtype=torch.uint8, device=device), base[0, 0, 0].expand(7, 3),
-             torch.zeros((2, 3, 2, 3, 2), device=device)[:, 1:],
-             torch.zeros((2,) * 8, dtype=torch.float16, device=device).permute(7, 6, 5, 4, 3, 2, 1, 0),
-             torch.zeros((4, 64), dtype=torch.uint8, device=device)[1:, 16:].view(torch.float8_e5m2)]
-    cases += [torch.zeros(8, dtype=getattr(torch, name), device=device)[1:]
-              for name in _arrays._TORCH_NAMES if hasattr(torch, name)]
+    cases = [
+        base,
+        base[1:4],
+        base[:, ::2],
+        base[..., 1],
+        base[2, 3, 4, 1],
+        base.permute(3, 1, 0, 2),
+        base.mT,
+        torch.zeros(0, dtype=torch.int64, device=device),
+        torch.zeros((3, 0, 2), dtype=torch.uint8, device=device),
+        base[0, 0, 0].expand(7, 3),
+        torch.zeros((2, 3, 2, 3, 2), device=device)[:, 1:],
+        torch.zeros((2,) * 8, dtype=torch.float16, device=device).permute(7, 6, 5, 4, 3, 2, 1, 0),
+        torch.zeros((4, 64), dtype=torch.uint8, device=device)[1:, 16:].view(torch.float8_e5m2),
+    ]
+    cases += [
+        torch.zeros(8, dtype=getattr(torch, name), device=device)[1:]
+        for name in _arrays._TORCH_NAMES
+        if hasattr(torch, name)
+    ]
     for _ in range(20):  # random slices of a random-rank tensor
         ndim = int(rng.integers(1, 7))
-        a = torch.zeros(tuple(int(x) for x in rng.integers(1, 6, ndim)), dtype=torch.bfloat16,
-                        device=device)
-        cases.append(a[tuple(slice(int(rng.integers(0, n)), None, int(rng.choice([1, 2, 3])))
-                             for n in a.shape)])
+        a = torch.zeros(
+            tuple(int(x) for x in rng.integers(1, 6, ndim)), dtype=torch.bfloat16, device=device
+        )
+        cases.append(
+            a[
+                tuple(
+                    slice(int(rng.integers(0, n)), None, int(rng.choice([1, 2, 3])))
+                    for n in a.shape
+                )
+            ]
+        )
     return cases
 
 
@@ -678,8 +793,9 @@ def _fields(ptr, shape, strides, dtype, device, itemsize):
 def _check_torch_reads(module, torch, device):
     for t in _torch_cases(torch, device):
         assert module.raw_layout(t) == _attributes(t), (t.shape, t.stride(), t.dtype)
-        assert module.view_fields(t) == _fields(t.data_ptr(), t.shape, t.stride(), t.dtype,
-                                                t.get_device(), t.element_size())
+        assert module.view_fields(t) == _fields(
+            t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device(), t.element_size()
+        )
     t = torch.zeros((4, 6), device=device)
     swapped = torch.zeros((3, 2), dtype=torch.float16, device=device)[1:]
     t.data = swapped  # same object, another storage and layout: read as it is now
@@ -856,7 +972,7 @@ def test_gpu_torch_prefill_qkv_temporaries_live_in_torchs_pool(explicit):
     fn, kw = CASES["qkv"](66, **PREFILL["qkv"])
     expected = copy_kw(kw)
     out_expected = fn(**expected)
-    convert = lambda x: _to_torch(to_device(x))  # noqa: E731 (torch views of CuPy arrays)
+    convert = lambda x: _to_torch(to_device(x))
     extra = {"stream": torch.cuda.Stream()} if explicit else {}
     fn(**map_arrays(copy_kw(kw), convert), **extra)  # plans
     torch.cuda.synchronize()

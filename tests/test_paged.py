@@ -23,8 +23,10 @@ FP8 = (E4M3, E5M2)
 I8 = np.dtype(np.int8)
 F32 = np.dtype(np.float32)
 INDEX_NAMES = ("pos_ids", "batch_indices", "positions", "kv_indptr", "kv_indices")
-OPS = {True: ropekv.rope_quantize_fp8_append_paged_kv_cache,
-       False: ropekv.rope_append_paged_kv_cache}
+OPS = {
+    True: ropekv.rope_quantize_fp8_append_paged_kv_cache,
+    False: ropekv.rope_append_paged_kv_cache,
+}
 
 
 def random_bytes(rng, shape, dtype):
@@ -33,9 +35,26 @@ def random_bytes(rng, shape, dtype):
     return raw.view(dtype)
 
 
-def make_case(seed, *, T=7, Hq=4, Hkv=2, R=16, Dn=0, mla=False, dtype=F16, cache_dtype=E4M3,
-              page_size=4, kv_layout="NHD", B=None, index_dtypes=np.int32, padding=0,
-              packed=False, per_head=False, extra_pages=3):
+def make_case(
+    seed,
+    *,
+    T=7,
+    Hq=4,
+    Hkv=2,
+    R=16,
+    Dn=0,
+    mla=False,
+    dtype=F16,
+    cache_dtype=E4M3,
+    page_size=4,
+    kv_layout="NHD",
+    B=None,
+    index_dtypes=np.int32,
+    padding=0,
+    packed=False,
+    per_head=False,
+    extra_pages=3,
+):
     """NumPy arguments of one call: a ragged batch of B requests (each with a random cached
     prefix) over randomly permuted pages. Caches start as random bytes, to catch stray writes."""
     rng = np.random.default_rng(seed)
@@ -45,11 +64,12 @@ def make_case(seed, *, T=7, Hq=4, Hkv=2, R=16, Dn=0, mla=False, dtype=F16, cache
     lens = np.diff(np.concatenate([[0], cuts, [T]])).astype(np.int64)
     prefix = rng.integers(0, 3 * page_size + 1, B)
     batch = np.repeat(np.arange(B), lens)
-    positions = np.concatenate([prefix[b] + np.arange(lens[b]) for b in range(B)] +
-                               [np.zeros(0, np.int64)]).astype(np.int64)
+    positions = np.concatenate(
+        [prefix[b] + np.arange(lens[b]) for b in range(B)] + [np.zeros(0, np.int64)]
+    ).astype(np.int64)
     pages = -(-(prefix + lens) // page_size)
     num_pages = int(pages.sum()) + extra_pages
-    kv_indices = rng.permutation(num_pages)[:pages.sum()]
+    kv_indices = rng.permutation(num_pages)[: pages.sum()]
     kv_indptr = np.concatenate([[0], np.cumsum(pages)])
     if padding:
         batch[rng.choice(T, min(padding, T), replace=False)] = -1
@@ -65,28 +85,37 @@ def make_case(seed, *, T=7, Hq=4, Hkv=2, R=16, Dn=0, mla=False, dtype=F16, cache
     else:
         if packed:
             buf = random(rng, (T, Hq + 2 * Hkv, D), dtype)
-            q, k, v = buf[:, :Hq], buf[:, Hq:Hq + Hkv], buf[:, Hq + Hkv:]
+            q, k, v = buf[:, :Hq], buf[:, Hq : Hq + Hkv], buf[:, Hq + Hkv :]
         else:
             q, k, v = (random(rng, (T, h, D), dtype) for h in (Hq, Hkv, Hkv))
         q_rope, q_nope, k_rope, k_nope = q[..., :R], q[..., R:], k[..., :R], k[..., R:]
-        shape = ((num_pages, page_size, Hkv, D) if kv_layout == "NHD"
-                 else (num_pages, Hkv, page_size, D))
+        shape = (
+            (num_pages, page_size, Hkv, D) if kv_layout == "NHD" else (num_pages, Hkv, page_size, D)
+        )
         cache = tuple(random_bytes(rng, shape, cache_dtype) for _ in range(2))
     if not Dn:
         q_nope = k_nope = None
     idx = index_dtypes if isinstance(index_dtypes, tuple | list) else (index_dtypes,) * 5
     values = (positions, batch, positions, kv_indptr, kv_indices)
-    args = dict(q_rope=q_rope, k_rope=k_rope, q_nope=q_nope, k_nope=k_nope, v=v,
-                cos_sin_cache=ropekv.cos_sin_cache(P, R, base=rng.uniform(100, 1e6)),
-                paged_kv_cache=cache, page_size=page_size, kv_layout=kv_layout,
-                **{n: np.ascontiguousarray(x).astype(t) for n, x, t in zip(INDEX_NAMES, values,
-                                                                             idx)})
+    args = dict(
+        q_rope=q_rope,
+        k_rope=k_rope,
+        q_nope=q_nope,
+        k_nope=k_nope,
+        v=v,
+        cos_sin_cache=ropekv.cos_sin_cache(P, R, base=rng.uniform(100, 1e6)),
+        paged_kv_cache=cache,
+        page_size=page_size,
+        kv_layout=kv_layout,
+        **{n: np.ascontiguousarray(x).astype(t) for n, x, t in zip(INDEX_NAMES, values, idx)},
+    )
     if per_head:
         args["quant_scale_q"] = rng.uniform(0.25, 4, Hq).astype(np.float32)
         args["quant_scale_kv"] = rng.uniform(0.25, 4, Hkv if not mla else 1).astype(np.float32)
     else:
-        args["quant_scale_q"], args["quant_scale_kv"] = (float(rng.uniform(0.25, 4)) for _ in
-                                                         range(2))
+        args["quant_scale_q"], args["quant_scale_kv"] = (
+            float(rng.uniform(0.25, 4)) for _ in range(2)
+        )
     return args
 
 
@@ -130,12 +159,12 @@ def naive(args, is_neox=True):
 
     def rot(x, p):
         x = x.astype(np.float64)
-        e = table[p, :R // 2] + 1j * table[p, R // 2:]
-        z = (x[:R // 2] + 1j * x[R // 2:]) if is_neox else (x[0::2] + 1j * x[1::2])
+        e = table[p, : R // 2] + 1j * table[p, R // 2 :]
+        z = (x[: R // 2] + 1j * x[R // 2 :]) if is_neox else (x[0::2] + 1j * x[1::2])
         z = z * e
         y = np.empty(R)
         if is_neox:
-            y[:R // 2], y[R // 2:] = z.real, z.imag
+            y[: R // 2], y[R // 2 :] = z.real, z.imag
         else:
             y[0::2], y[1::2] = z.real, z.imag
         return y
@@ -188,9 +217,14 @@ def written_rows(args):
     """Boolean (num_pages, page_size): the cache rows the call writes."""
     cache0 = args["paged_kv_cache"][0]
     ps = args["page_size"]
-    page, entry = reference.paged_append_slots(args["kv_indices"], args["kv_indptr"],
-                                               args["batch_indices"], args["positions"], ps,
-                                               cache0.shape[0])
+    page, entry = reference.paged_append_slots(
+        args["kv_indices"],
+        args["kv_indptr"],
+        args["batch_indices"],
+        args["positions"],
+        ps,
+        cache0.shape[0],
+    )
     pos = np.asarray(args["pos_ids"]).astype(np.int64)
     ok = (pos >= 0) & (pos < args["cos_sin_cache"].shape[0])
     ok = (page >= 0) & (ok.all(axis=0) if pos.ndim == 2 else ok)  # mRoPE: (3, T)
@@ -200,8 +234,14 @@ def written_rows(args):
 
 
 # status= codes of malformed kv_indptr tables (4: first entry, 5: decreasing, 6: past kv_indices)
-BAD_INDPTR = [([1, 2, 4], 4), ([0, 3, 2], 5), ([0, 2, 99], 6), ([-1, 2, 4], 4),
-              ([0, -5, 4], 5), ([0, 4, 2], 5)]
+BAD_INDPTR = [
+    ([1, 2, 4], 4),
+    ([0, 3, 2], 5),
+    ([0, 2, 99], 6),
+    ([-1, 2, 4], 4),
+    ([0, -5, 4], 5),
+    ([0, 4, 2], 5),
+]
 
 
 def malformed(args, indptr):
@@ -244,8 +284,9 @@ def check_caches(got, expected, original, args, scales=None):
     for g, e, o, name in zip(*(scales or ((), (), ())), ("k_scales", "v_scales")):
         g = to_numpy(g)
         assert_close(scale_rows(g, mask, args), scale_rows(e, mask, args), f"{name} written")
-        assert_bytes_equal(scale_rows(g, ~mask, args), scale_rows(o, ~mask, args),
-                           f"{name} other entries")
+        assert_bytes_equal(
+            scale_rows(g, ~mask, args), scale_rows(o, ~mask, args), f"{name} other entries"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,8 +297,17 @@ def check_caches(got, expected, original, args, scales=None):
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("cache_dtype", [E4M3, E5M2, F16])
 def test_reference_matches_a_per_token_loop(mla, is_neox, cache_dtype):
-    args = make_case(1, T=9, R=16, Dn=8, mla=mla, cache_dtype=cache_dtype, padding=2,
-                     per_head=True, kv_layout="HND" if is_neox else "NHD")
+    args = make_case(
+        1,
+        T=9,
+        R=16,
+        Dn=8,
+        mla=mla,
+        cache_dtype=cache_dtype,
+        padding=2,
+        per_head=True,
+        kv_layout="HND" if is_neox else "NHD",
+    )
     exp_q, exp_n, exp_cache = naive(args, is_neox)
     got = copy_args(args)
     q, n = call(got, quantize=cache_dtype in FP8, is_neox=is_neox)
@@ -274,8 +324,12 @@ def test_mrope_of_text_tokens_is_plain_rope(interleaved):
     plain = copy_args(args)
     q0, _ = call(plain, quantize=False)
     args["pos_ids"] = np.stack([args["pos_ids"]] * 3)
-    q1, _ = call(args, quantize=False, mrope_section=(12, 10, 10) if interleaved else (8, 12, 12),
-                 mrope_interleaved=interleaved)
+    q1, _ = call(
+        args,
+        quantize=False,
+        mrope_section=(12, 10, 10) if interleaved else (8, 12, 12),
+        mrope_interleaved=interleaved,
+    )
     assert_bytes_equal(q1, q0)
     for a, b in zip(args["paged_kv_cache"], plain["paged_kv_cache"]):
         assert_bytes_equal(a, b)
@@ -298,10 +352,16 @@ def test_mrope_validation():
     args = make_case(6, T=5, R=16)
     for kw, exc, match in [
         ({"mrope_section": (4, 4, 4)}, ValueError, "must be non-negative and sum to R/2 = 8"),
-        ({"mrope_section": (2, 3, 3)}, ValueError,
-         r"pos_ids must have shape \(3, nnz\) = \(3, 5\), got \(5,\)"),
-        ({"mrope_section": (2, 3, 3), "mrope_interleaved": True}, ValueError,
-         "does not fit the interleaved layout"),
+        (
+            {"mrope_section": (2, 3, 3)},
+            ValueError,
+            r"pos_ids must have shape \(3, nnz\) = \(3, 5\), got \(5,\)",
+        ),
+        (
+            {"mrope_section": (2, 3, 3), "mrope_interleaved": True},
+            ValueError,
+            "does not fit the interleaved layout",
+        ),
         ({"mrope_interleaved": "no"}, TypeError, "mrope_interleaved must be a bool"),
     ]:
         with pytest.raises(exc, match=match):
@@ -342,8 +402,9 @@ def test_nhd_and_hnd_hold_the_same_rows():
     call(hnd)
     for a, b in zip(nhd["paged_kv_cache"], hnd["paged_kv_cache"]):
         mask = written_rows(nhd)
-        np.testing.assert_array_equal(a[mask].view(np.uint8),
-                                      b.transpose(0, 2, 1, 3)[mask].view(np.uint8))
+        np.testing.assert_array_equal(
+            a[mask].view(np.uint8), b.transpose(0, 2, 1, 3)[mask].view(np.uint8)
+        )
 
 
 def test_int32_and_int64_indices_agree():
@@ -387,10 +448,10 @@ def test_fp8_saturates():
 
 def test_padding_and_invalid_slots_write_q_but_no_cache_row():
     args = make_case(10, T=6, B=1, padding=0)
-    args["batch_indices"][0] = -1   # padding
-    args["batch_indices"][1] = 5    # past the batch
-    args["positions"][2] = -3       # negative position
-    args["positions"][3] = 10_000   # past the request's pages
+    args["batch_indices"][0] = -1  # padding
+    args["batch_indices"][1] = 5  # past the batch
+    args["positions"][2] = -3  # negative position
+    args["positions"][3] = 10_000  # past the request's pages
     args["kv_indices"][:] = 1 << 30  # every page id out of range
     got = copy_args(args)
     q, _ = call(got)
@@ -446,8 +507,10 @@ def test_preallocated_outputs_are_returned():
     assert q is qo and n is no
 
 
-@pytest.mark.parametrize("spelling", ["float8_e5m2", "torch.float8_e5m2", ml_dtypes.float8_e5m2,
-                                      np.dtype(ml_dtypes.float8_e5m2)])
+@pytest.mark.parametrize(
+    "spelling",
+    ["float8_e5m2", "torch.float8_e5m2", ml_dtypes.float8_e5m2, np.dtype(ml_dtypes.float8_e5m2)],
+)
 def test_quantize_dtype_spellings(spelling):
     args = make_case(15, cache_dtype=E5M2)
     q, _ = call(args, quantize_dtype=spelling)
@@ -484,9 +547,13 @@ def test_torch_cpu_tensors_in_torch_out():
 def test_check_indices_raises(monkeypatch):
     monkeypatch.setenv("ROPEKV_CHECK_INDICES", "1")
     call(make_case(18, padding=2))  # padding is not an error
-    cases = [("pos_ids", 0, 10_000, "pos_ids"), ("batch_indices", 0, 99, "batch_size"),
-             ("positions", 0, -1, "negative position"), ("positions", 0, 10_000, "page-table"),
-             ("kv_indices", slice(None), 1 << 20, "num_pages")]
+    cases = [
+        ("pos_ids", 0, 10_000, "pos_ids"),
+        ("batch_indices", 0, 99, "batch_size"),
+        ("positions", 0, -1, "negative position"),
+        ("positions", 0, 10_000, "page-table"),
+        ("kv_indices", slice(None), 1 << 20, "num_pages"),
+    ]
     for name, i, value, match in cases:
         args = make_case(18, B=1)
         args[name][i] = value
@@ -513,8 +580,11 @@ def test_launch_shape(monkeypatch):
     assert paged.row_launch_shape(1, 48, 8) == (128, 1, 3)  # 16 rows a block
     block, rows, splits = paged.row_launch_shape(8192, 48, 8)
     assert splits == 1 and block // 8 * rows >= 48 and rows <= paged.ROWS[-1]
-    spelled = tuple(f"{', '.join(map(str, shape))}, {mrope}>" for shape in (light, heavy)
-                    for mrope in ("false", "true"))
+    spelled = tuple(
+        f"{', '.join(map(str, shape))}, {mrope}>"
+        for shape in (light, heavy)
+        for mrope in ("false", "true")
+    )
     for e in paged.instantiations():
         assert e.endswith(spelled) or e.startswith(paged.ROW_KERNEL), e
 
@@ -543,8 +613,11 @@ def exact_rows(args, is_neox=True):
 def test_dynamic_q_quantizes_each_head_row_with_its_own_scale(mla, is_neox, out):
     """q_scale_out: each token's Q head, rope and nope dims together, is quantize_rows of the
     exact roped row; both outputs share the row's scale; the static q scale is not applied."""
-    args = with_options(make_case(80, T=9, R=16, Dn=8, mla=mla, cache_dtype=out, padding=2),
-                        np.random.default_rng(0), q_dyn=True)
+    args = with_options(
+        make_case(80, T=9, R=16, Dn=8, mla=mla, cache_dtype=out, padding=2),
+        np.random.default_rng(0),
+        q_dyn=True,
+    )
     exact, _ = exact_rows(args, is_neox)
     got = copy_args(args)
     q, n = call(got, is_neox=is_neox)
@@ -568,8 +641,9 @@ def test_kv_cache_scales_quantize_each_written_row(kv_layout, out, quantize):
     of the exact row, its scale at the row's (page, entry, head); other rows and entries keep
     their bytes; Q keeps its static scale."""
     rng = np.random.default_rng(1)
-    case = make_case(81, T=11, R=16, Dn=8, cache_dtype=out if out != I8 else E4M3, padding=2,
-                     kv_layout=kv_layout)
+    case = make_case(
+        81, T=11, R=16, Dn=8, cache_dtype=out if out != I8 else E4M3, padding=2, kv_layout=kv_layout
+    )
     if out == I8:
         case["paged_kv_cache"] = tuple(c.view(I8) for c in case["paged_kv_cache"])
     args = with_options(case, rng, kv_dyn=True)
@@ -580,14 +654,20 @@ def test_kv_cache_scales_quantize_each_written_row(kv_layout, out, quantize):
     np.testing.assert_array_equal(q.view(np.uint8), expected_q.view(np.uint8))
     mask = written_rows(args)
     assert 0 < mask.sum() < mask.size
-    for g, e, sg, so, o in zip(got["paged_kv_cache"], exact, got["kv_cache_scales"],
-                               args["kv_cache_scales"], args["paged_kv_cache"]):
+    for g, e, sg, so, o in zip(
+        got["paged_kv_cache"],
+        exact,
+        got["kv_cache_scales"],
+        args["kv_cache_scales"],
+        args["paged_kv_cache"],
+    ):
         stored, scale = reference.quantize_rows(rows(e, mask, args), out)
         np.testing.assert_array_equal(rows(g, mask, args).view(np.uint8), stored.view(np.uint8))
         np.testing.assert_allclose(scale_rows(sg, mask, args), scale, rtol=1e-6)
         assert_bytes_equal(rows(g, ~mask, args), rows(o, ~mask, args), "other rows")
-        assert_bytes_equal(scale_rows(sg, ~mask, args), scale_rows(so, ~mask, args),
-                           "other scale entries")
+        assert_bytes_equal(
+            scale_rows(sg, ~mask, args), scale_rows(so, ~mask, args), "other scale entries"
+        )
 
 
 def test_dynamic_q_and_kv_scales_together_with_mrope():
@@ -599,15 +679,40 @@ def test_dynamic_q_and_kv_scales_together_with_mrope():
     call(got, **kw)
     expected = copy_args(args)
     reference.rope_append_paged_kv_cache(
-        *(expected[n] for n in ("q_rope", "k_rope", "q_nope", "k_nope", "v", "cos_sin_cache",
-                                "pos_ids", "paged_kv_cache", "kv_indices", "kv_indptr",
-                                "batch_indices", "positions")), True, 1.0, 1.0, 4, "NHD",
-        None, None, **kw, q_scale_out=expected["q_scale_out"],
-        kv_cache_scales=expected["kv_cache_scales"])
+        *(
+            expected[n]
+            for n in (
+                "q_rope",
+                "k_rope",
+                "q_nope",
+                "k_nope",
+                "v",
+                "cos_sin_cache",
+                "pos_ids",
+                "paged_kv_cache",
+                "kv_indices",
+                "kv_indptr",
+                "batch_indices",
+                "positions",
+            )
+        ),
+        True,
+        1.0,
+        1.0,
+        4,
+        "NHD",
+        None,
+        None,
+        **kw,
+        q_scale_out=expected["q_scale_out"],
+        kv_cache_scales=expected["kv_cache_scales"],
+    )
     for name in ("q_scale_out",):
         np.testing.assert_array_equal(got[name], expected[name])
-    for g, e in zip((*got["paged_kv_cache"], *got["kv_cache_scales"]),
-                    (*expected["paged_kv_cache"], *expected["kv_cache_scales"])):
+    for g, e in zip(
+        (*got["paged_kv_cache"], *got["kv_cache_scales"]),
+        (*expected["paged_kv_cache"], *expected["kv_cache_scales"]),
+    ):
         np.testing.assert_array_equal(g.view(np.uint8), e.view(np.uint8))
 
 
@@ -631,15 +736,18 @@ def test_indptr_status_reference(indptr, code):
 
 @pytest.mark.parametrize("indptr, code", BAD_INDPTR)
 def test_status_failure_writes_nothing_on_the_host(indptr, code):
-    args = with_options(malformed(make_case(84, T=9, B=2, Dn=8), indptr),
-                        np.random.default_rng(3), True, True, True)
+    args = with_options(
+        malformed(make_case(84, T=9, B=2, Dn=8), indptr), np.random.default_rng(3), True, True, True
+    )
     got = copy_args(args)
     q_out = np.full((9, 4, 16), 3, np.uint8).view(E4M3)
     call(got, q_rope_out=q_out)
     assert got["status"][0] == code
     assert np.all(q_out.view(np.uint8) == 3)
-    for g, o in zip((*got["paged_kv_cache"], *got["kv_cache_scales"], got["q_scale_out"]),
-                    (*args["paged_kv_cache"], *args["kv_cache_scales"], args["q_scale_out"])):
+    for g, o in zip(
+        (*got["paged_kv_cache"], *got["kv_cache_scales"], got["q_scale_out"]),
+        (*args["paged_kv_cache"], *args["kv_cache_scales"], args["q_scale_out"]),
+    ):
         assert_bytes_equal(g, o, "untouched")
 
 
@@ -671,8 +779,11 @@ def test_q_rope_must_be_3d():
 
 
 def test_q_rope_dtype():
-    bad("q_rope must have dtype float16 or bfloat16", TypeError,
-        q_rope=np.zeros((7, 4, 16), np.float32))
+    bad(
+        "q_rope must have dtype float16 or bfloat16",
+        TypeError,
+        q_rope=np.zeros((7, 4, 16), np.float32),
+    )
 
 
 def test_rotary_dim_must_be_even():
@@ -680,8 +791,10 @@ def test_rotary_dim_must_be_even():
 
 
 def test_k_rope_rank():
-    bad(r"k_rope must have shape \(nnz, Hkv, R\) \(GQA/MHA\) or \(nnz, R\)",
-        k_rope=np.zeros((7, 2, 16, 1), F16))
+    bad(
+        r"k_rope must have shape \(nnz, Hkv, R\) \(GQA/MHA\) or \(nnz, R\)",
+        k_rope=np.zeros((7, 2, 16, 1), F16),
+    )
 
 
 def test_k_rope_shape():
@@ -720,8 +833,11 @@ def test_v_must_be_none_for_mla():
 
 
 def test_cos_sin_cache_dtype():
-    bad("cos_sin_cache must have dtype float32", TypeError,
-        cos_sin_cache=np.zeros((64, 16), np.float64))
+    bad(
+        "cos_sin_cache must have dtype float32",
+        TypeError,
+        cos_sin_cache=np.zeros((64, 16), np.float64),
+    )
 
 
 def test_cos_sin_cache_shape():
@@ -733,8 +849,7 @@ def test_token_index_arrays_shape():
 
 
 def test_index_dtype():
-    bad("kv_indices must have dtype int32 or int64", TypeError,
-        kv_indices=np.zeros(8, np.uint32))
+    bad("kv_indices must have dtype int32 or int64", TypeError, kv_indices=np.zeros(8, np.uint32))
 
 
 def test_index_arrays_must_be_contiguous():
@@ -786,8 +901,9 @@ def test_caches_share_a_dtype():
 
 def test_quantized_op_needs_an_fp8_cache():
     args = make_case(25, Dn=8, cache_dtype=F16)
-    with pytest.raises(TypeError, match="k_cache must have dtype float8_e4m3fn or float8_e5m2, "
-                                        "got float16"):
+    with pytest.raises(
+        TypeError, match="k_cache must have dtype float8_e4m3fn or float8_e5m2, got float16"
+    ):
         call(args)
 
 
@@ -798,19 +914,23 @@ def test_cache_must_match_quantize_dtype():
 
 
 def test_quantize_dtype_must_be_fp8():
-    bad("quantize_dtype must be float8_e4m3fn or float8_e5m2", TypeError,
-        quantize_dtype=np.float16)
+    bad("quantize_dtype must be float8_e4m3fn or float8_e5m2", TypeError, quantize_dtype=np.float16)
 
 
 def test_unknown_quantize_dtype_name():
-    bad("quantize_dtype must be float8_e4m3fn or float8_e5m2", TypeError,
-        quantize_dtype="torch.float32")
+    bad(
+        "quantize_dtype must be float8_e4m3fn or float8_e5m2",
+        TypeError,
+        quantize_dtype="torch.float32",
+    )
 
 
 def test_non_quantized_op_cache_dtype():
     args = make_case(27, Dn=8, cache_dtype=BF16)
-    with pytest.raises(TypeError, match="k_cache must have dtype float16 or float8_e4m3fn or "
-                                        "float8_e5m2, got bfloat16"):
+    with pytest.raises(
+        TypeError,
+        match="k_cache must have dtype float16 or float8_e4m3fn or float8_e5m2, got bfloat16",
+    ):
         call(args, quantize=False)
 
 
@@ -819,8 +939,7 @@ def test_scale_array_shape():
 
 
 def test_scale_array_dtype():
-    bad("quant_scale_q must have dtype float32", TypeError,
-        quant_scale_q=np.ones(4, np.float64))
+    bad("quant_scale_q must have dtype float32", TypeError, quant_scale_q=np.ones(4, np.float64))
 
 
 def test_q_rope_out_shape():
@@ -828,13 +947,19 @@ def test_q_rope_out_shape():
 
 
 def test_q_nope_out_dtype():
-    bad("q_nope_out must have the quantize dtype float8_e4m3fn", TypeError,
-        q_nope_out=np.zeros((7, 4, 8), E5M2), quantize_dtype="float8_e4m3fn")
+    bad(
+        "q_nope_out must have the quantize dtype float8_e4m3fn",
+        TypeError,
+        q_nope_out=np.zeros((7, 4, 8), E5M2),
+        quantize_dtype="float8_e4m3fn",
+    )
 
 
 def test_last_dim_must_be_contiguous():
-    bad("q_rope must be contiguous in its last dimension",
-        q_rope=np.zeros((7, 4, 32), F16)[..., ::2])
+    bad(
+        "q_rope must be contiguous in its last dimension",
+        q_rope=np.zeros((7, 4, 32), F16)[..., ::2],
+    )
 
 
 def test_read_only_cache_is_refused():
@@ -844,8 +969,9 @@ def test_read_only_cache_is_refused():
         call(args)
 
 
-def bad_option(match, exc=ValueError, quantize=True, q_dyn=False, kv_dyn=False, case=None,
-               **changes):
+def bad_option(
+    match, exc=ValueError, quantize=True, q_dyn=False, kv_dyn=False, case=None, **changes
+):
     """One validation rule of the options: ``changes`` applied after ``with_options``."""
     args = with_options(case or make_case(20, Dn=8), np.random.default_rng(5), q_dyn, kv_dyn)
     args.update(changes)
@@ -854,32 +980,52 @@ def bad_option(match, exc=ValueError, quantize=True, q_dyn=False, kv_dyn=False, 
 
 
 def test_q_scale_out_excludes_quant_scale_q():
-    bad_option("quant_scale_q .* and q_scale_out .* exclude each other", q_dyn=True,
-               quant_scale_q=np.ones(4, np.float32))
+    bad_option(
+        "quant_scale_q .* and q_scale_out .* exclude each other",
+        q_dyn=True,
+        quant_scale_q=np.ones(4, np.float32),
+    )
 
 
 def test_q_scale_out_needs_an_fp8_dtype():
     fp16 = make_case(20, Dn=8, cache_dtype=F16)
-    bad_option("q_scale_out is only used with a float8 k_cache, but k_cache is float16",
-               quantize=False, q_dyn=True, case=fp16)
+    bad_option(
+        "q_scale_out is only used with a float8 k_cache, but k_cache is float16",
+        quantize=False,
+        q_dyn=True,
+        case=fp16,
+    )
     int8 = make_case(20, Dn=8)
     int8["paged_kv_cache"] = tuple(c.view(I8) for c in int8["paged_kv_cache"])
-    bad_option("q_scale_out is only used with a float8 k_cache, but k_cache is int8", q_dyn=True,
-               kv_dyn=True, case=int8)
+    bad_option(
+        "q_scale_out is only used with a float8 k_cache, but k_cache is int8",
+        q_dyn=True,
+        kv_dyn=True,
+        case=int8,
+    )
 
 
 def test_q_scale_out_dtype_and_shape():
-    bad_option("q_scale_out must have dtype float32", TypeError, q_dyn=True,
-               q_scale_out=np.zeros((7, 4), np.float16))
-    bad_option(r"q_scale_out must have shape \(nnz, Hq\)", q_dyn=True,
-               q_scale_out=np.zeros((7, 5), np.float32))
+    bad_option(
+        "q_scale_out must have dtype float32",
+        TypeError,
+        q_dyn=True,
+        q_scale_out=np.zeros((7, 4), np.float16),
+    )
+    bad_option(
+        r"q_scale_out must have shape \(nnz, Hq\)",
+        q_dyn=True,
+        q_scale_out=np.zeros((7, 5), np.float32),
+    )
 
 
 def test_kv_cache_scales_refused_for_mla():
     mla = make_case(20, Dn=8, mla=True, Hkv=1)
-    args = dict(mla, quant_scale_kv=None,
-                kv_cache_scales=tuple(np.zeros(c.shape[:-1], np.float32)
-                                      for c in mla["paged_kv_cache"]))
+    args = dict(
+        mla,
+        quant_scale_kv=None,
+        kv_cache_scales=tuple(np.zeros(c.shape[:-1], np.float32) for c in mla["paged_kv_cache"]),
+    )
     with pytest.raises(ValueError, match="no heads to scale"):
         call(args)
 
@@ -889,21 +1035,33 @@ def test_int8_quantize_dtype_needs_kv_cache_scales():
 
 
 def test_kv_cache_scales_is_a_pair():
-    bad_option("kv_cache_scales must be a pair", kv_dyn=True,
-               kv_cache_scales=np.zeros((10, 4, 2), np.float32))
-    bad_option("kv_cache_scales must be a pair", kv_dyn=True,
-               kv_cache_scales=(np.zeros((10, 4, 2), np.float32), None))
+    bad_option(
+        "kv_cache_scales must be a pair",
+        kv_dyn=True,
+        kv_cache_scales=np.zeros((10, 4, 2), np.float32),
+    )
+    bad_option(
+        "kv_cache_scales must be a pair",
+        kv_dyn=True,
+        kv_cache_scales=(np.zeros((10, 4, 2), np.float32), None),
+    )
 
 
 def test_kv_cache_scales_shape_follows_layout_and_dtype():
     args = with_options(make_case(20, Dn=8), np.random.default_rng(6), kv_dyn=True)
     num_pages = args["paged_kv_cache"][0].shape[0]
     hnd = (np.zeros((num_pages, 2, 4), np.float32),) * 2
-    bad_option(r"k_scales must have shape \(num_pages, page_size, Hkv\) for NHD", kv_dyn=True,
-               kv_cache_scales=hnd)
-    bad_option("v_scales must have dtype float32", TypeError, kv_dyn=True,
-               kv_cache_scales=(args["kv_cache_scales"][0],
-                                np.zeros((num_pages, 4, 2), np.float16)))
+    bad_option(
+        r"k_scales must have shape \(num_pages, page_size, Hkv\) for NHD",
+        kv_dyn=True,
+        kv_cache_scales=hnd,
+    )
+    bad_option(
+        "v_scales must have dtype float32",
+        TypeError,
+        kv_dyn=True,
+        kv_cache_scales=(args["kv_cache_scales"][0], np.zeros((num_pages, 4, 2), np.float16)),
+    )
 
 
 def test_status_dtype_and_shape():
@@ -928,8 +1086,9 @@ def device_args(args):
 
     out = {}
     base = args["q_rope"].base
-    if base is not None and all(args[n] is None or args[n].base is base
-                                for n in ("k_rope", "q_nope", "k_nope", "v")):
+    if base is not None and all(
+        args[n] is None or args[n].base is base for n in ("k_rope", "q_nope", "k_nope", "v")
+    ):
         dev = cp.asarray(base)
         start = base.__array_interface__["data"][0]
         for n in ("q_rope", "k_rope", "q_nope", "k_nope", "v"):
@@ -938,8 +1097,7 @@ def device_args(args):
                 out[n] = None
                 continue
             off = (x.__array_interface__["data"][0] - start) // x.itemsize
-            out[n] = cp.ndarray(x.shape, x.dtype, dev.data + off * x.itemsize,
-                                strides=x.strides)
+            out[n] = cp.ndarray(x.shape, x.dtype, dev.data + off * x.itemsize, strides=x.strides)
     for n, x in args.items():
         if n == "paged_kv_cache":
             out[n] = tuple(to_device(c) for c in x)
@@ -988,18 +1146,37 @@ def check_against_reference(args, quantize, is_neox=True, prealloc=False, mrope=
     if prealloc:
         import cupy as cp
 
-        kw["q_rope_out"] = cp.zeros((T, Hq, R + 8), cp.uint8).view(out)[..., 4:R + 4] \
-            if out.itemsize == 1 else cp.zeros((T, Hq, R), out)
+        kw["q_rope_out"] = (
+            cp.zeros((T, Hq, R + 8), cp.uint8).view(out)[..., 4 : R + 4]
+            if out.itemsize == 1
+            else cp.zeros((T, Hq, R), out)
+        )
     expected = copy_args(args)
-    one = (lambda x: 1.0 if x is None else x)  # noqa: E731
+    one = lambda x: 1.0 if x is None else x
     exp_q, exp_n = reference.rope_append_paged_kv_cache(
-        expected["q_rope"], expected["k_rope"], expected["q_nope"], expected["k_nope"],
-        expected["v"], expected["cos_sin_cache"], expected["pos_ids"],
-        expected["paged_kv_cache"], expected["kv_indices"], expected["kv_indptr"],
-        expected["batch_indices"], expected["positions"], is_neox, one(expected["quant_scale_q"]),
-        one(expected["quant_scale_kv"]), args["page_size"], args["kv_layout"],
-        np.zeros((T, Hq, R), out), np.zeros((T, Hq, Dn), out), **(mrope or {}),
-        q_scale_out=expected.get("q_scale_out"), kv_cache_scales=expected.get("kv_cache_scales"))
+        expected["q_rope"],
+        expected["k_rope"],
+        expected["q_nope"],
+        expected["k_nope"],
+        expected["v"],
+        expected["cos_sin_cache"],
+        expected["pos_ids"],
+        expected["paged_kv_cache"],
+        expected["kv_indices"],
+        expected["kv_indptr"],
+        expected["batch_indices"],
+        expected["positions"],
+        is_neox,
+        one(expected["quant_scale_q"]),
+        one(expected["quant_scale_kv"]),
+        args["page_size"],
+        args["kv_layout"],
+        np.zeros((T, Hq, R), out),
+        np.zeros((T, Hq, Dn), out),
+        **(mrope or {}),
+        q_scale_out=expected.get("q_scale_out"),
+        kv_cache_scales=expected.get("kv_cache_scales"),
+    )
     q, n = call(dev, quantize, is_neox=is_neox, **kw, **(mrope or {}))
     if prealloc:
         assert q is kw["q_rope_out"]
@@ -1010,8 +1187,11 @@ def check_against_reference(args, quantize, is_neox=True, prealloc=False, mrope=
     # dynamic q scales stretch each head row to the fp8 range: a rotated value that cancels to
     # near zero may then differ from the float64 reference by the row's float32 error (a few
     # ulps of the largest code), beyond one code where codes are that dense
-    more = ({"fp8_atol": 8 * 2.0 ** -24 * float(ml_dtypes.finfo(out).max)}
-            if "q_scale_out" in args and out != I8 else {})
+    more = (
+        {"fp8_atol": 8 * 2.0**-24 * float(ml_dtypes.finfo(out).max)}
+        if "q_scale_out" in args and out != I8
+        else {}
+    )
     check(to_numpy(q), exp_q, "q_rope_out", **more)  # every row: unrotated without a position
     check(to_numpy(n), exp_n, "q_nope_out", **more)
     if "q_scale_out" in args:
@@ -1019,8 +1199,9 @@ def check_against_reference(args, quantize, is_neox=True, prealloc=False, mrope=
     scales = None
     if "kv_cache_scales" in args:
         scales = (dev["kv_cache_scales"], expected["kv_cache_scales"], args["kv_cache_scales"])
-    check_caches(dev["paged_kv_cache"], expected["paged_kv_cache"], args["paged_kv_cache"], args,
-                 scales)
+    check_caches(
+        dev["paged_kv_cache"], expected["paged_kv_cache"], args["paged_kv_cache"], args, scales
+    )
 
 
 GQA_HEADS = [(32, 8), (64, 8), (24, 6), (64, 16), (8, 8)]
@@ -1044,17 +1225,34 @@ def cases(draw):
         R = draw(st.sampled_from([D, D // 2]))
         if T * Hq * D > 4 << 20:
             T = 199
-        kw = {"Hq": Hq, "Hkv": Hkv, "R": R, "Dn": D - R,
-              "kv_layout": draw(st.sampled_from(["NHD", "HND"])),
-                  "packed": draw(st.booleans())}
+        kw = {
+            "Hq": Hq,
+            "Hkv": Hkv,
+            "R": R,
+            "Dn": D - R,
+            "kv_layout": draw(st.sampled_from(["NHD", "HND"])),
+            "packed": draw(st.booleans()),
+        }
     idx = tuple(draw(st.sampled_from([np.int32, np.int64])) for _ in INDEX_NAMES)
-    case = make_case(draw(seeds), T=T, dtype=dtype, cache_dtype=cache_dtype,
-                     page_size=draw(st.sampled_from([1, 16, 32, 128])),
-                     B=draw(st.integers(1, min(T, 8))), index_dtypes=idx,
-                     padding=draw(st.sampled_from([0, 0, 3])), per_head=draw(st.booleans()),
-                     **kw)
-    return (case, quantize, draw(st.booleans()), draw(st.booleans()),
-            draw(st.sampled_from([None, None, "chunked", "interleaved"])))
+    case = make_case(
+        draw(seeds),
+        T=T,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        page_size=draw(st.sampled_from([1, 16, 32, 128])),
+        B=draw(st.integers(1, min(T, 8))),
+        index_dtypes=idx,
+        padding=draw(st.sampled_from([0, 0, 3])),
+        per_head=draw(st.booleans()),
+        **kw,
+    )
+    return (
+        case,
+        quantize,
+        draw(st.booleans()),
+        draw(st.booleans()),
+        draw(st.sampled_from([None, None, "chunked", "interleaved"])),
+    )
 
 
 @pytest.mark.gpu
@@ -1099,27 +1297,32 @@ def test_options_match_reference(case, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("row_block, wave_blocks, prefill_rows",
-                         [(256, 1320, 4), (64, 0, 4), (32, 0, 1), (512, 10**9, 4)])
+@pytest.mark.parametrize(
+    "row_block, wave_blocks, prefill_rows",
+    [(256, 1320, 4), (64, 0, 4), (32, 0, 1), (512, 10**9, 4)],
+)
 def test_options_on_every_row_kernel_shape(row_block, wave_blocks, prefill_rows, monkeypatch):
     """Computed scales reduce a row over its lane group in shared memory: groups split over
     blocks, 1 or 4 rows a group, lane groups that are not a power of two (D 128 with R 64: 12
     lanes) and MLA's 68-lane Q rows."""
     from ropekv import paged
 
-    for key, value in (("row_block", row_block), ("wave_blocks", wave_blocks),
-                       ("prefill_rows", prefill_rows), ("max_row_block", 512)):
+    for key, value in (
+        ("row_block", row_block),
+        ("wave_blocks", wave_blocks),
+        ("prefill_rows", prefill_rows),
+        ("max_row_block", 512),
+    ):
         monkeypatch.setitem(paged.TUNING, key, value)
     rng = np.random.default_rng(60)
     gqa = make_case(61, T=77, B=3, Hq=32, Hkv=8, R=64, Dn=64, page_size=16, packed=True)
     check_against_reference(with_options(gqa, rng, True, True, True), quantize=True)
-    hnd = make_case(62, T=19, B=5, Hq=8, Hkv=8, R=128, page_size=16, kv_layout="HND",
-                    cache_dtype=I8)
+    hnd = make_case(
+        62, T=19, B=5, Hq=8, Hkv=8, R=128, page_size=16, kv_layout="HND", cache_dtype=I8
+    )
     check_against_reference(with_options(hnd, rng, False, True, True), quantize=False)
-    mla = make_case(63, T=9, B=9, Hq=16, Hkv=1, R=64, Dn=512, mla=True, dtype=BF16,
-                    page_size=16)
-    check_against_reference(with_options(mla, rng, True, False, True), quantize=True,
-                            is_neox=False)
+    mla = make_case(63, T=9, B=9, Hq=16, Hkv=1, R=64, Dn=512, mla=True, dtype=BF16, page_size=16)
+    check_against_reference(with_options(mla, rng, True, False, True), quantize=True, is_neox=False)
 
 
 @pytest.mark.gpu
@@ -1146,8 +1349,13 @@ def test_status_failure_writes_nothing(indptr, code, options):
         assert_bytes_equal(got, old, "cache")
     for name in ("q_scale_out", "kv_cache_scales"):
         if name in args:
-            for got, old in zip(*((dev[name], args[name]) if name == "kv_cache_scales"
-                                  else ((dev[name],), (args[name],)))):
+            for got, old in zip(
+                *(
+                    (dev[name], args[name])
+                    if name == "kv_cache_scales"
+                    else ((dev[name],), (args[name],))
+                )
+            ):
                 assert_bytes_equal(got, old, name)
 
 
@@ -1175,12 +1383,17 @@ def test_status_alone_in_the_section_kernel(B, monkeypatch):
 
     seen = []
     real = paged.Launch
-    monkeypatch.setattr(paged, "Launch", lambda stem, expression, *a, **k: (
-        seen.append(expression), real(stem, expression, *a, **k))[1])
+    monkeypatch.setattr(
+        paged,
+        "Launch",
+        lambda stem, expression, *a, **k: (
+            seen.append(expression),
+            real(stem, expression, *a, **k),
+        )[1],
+    )
     paged._MLA.clear()
     rng = np.random.default_rng(80 + B)
-    mla = make_case(81, T=B, B=B, Hq=16, Hkv=1, R=64, Dn=512, mla=True, dtype=BF16,
-                    page_size=16)
+    mla = make_case(81, T=B, B=B, Hq=16, Hkv=1, R=64, Dn=512, mla=True, dtype=BF16, page_size=16)
     check_against_reference(with_options(mla, rng, status=True), quantize=True, is_neox=False)
     assert seen and all(e.startswith(paged.KERNEL + "_status<") for e in seen), seen
     for indptr, code in _bad_indptrs(mla["kv_indptr"], mla["kv_indices"].shape[0]):
@@ -1220,8 +1433,9 @@ def test_hostile_indices_with_options_never_write_out_of_bounds():
     args["positions"][4:8] = [i32.max, i32.min, -1, 1 << 20]
     args["kv_indices"][::2] = i32.min
     args["pos_ids"][8:10] = [i32.max, i32.min]
-    check_against_reference(with_options(args, np.random.default_rng(73), True, True, True),
-                            quantize=True)
+    check_against_reference(
+        with_options(args, np.random.default_rng(73), True, True, True), quantize=True
+    )
     cp.cuda.Device().synchronize()
 
 
@@ -1238,8 +1452,9 @@ def test_dynamic_scales_decode_and_prefill_shapes():
 @pytest.mark.parametrize("cache_dtype", [F16, E4M3, E5M2])
 def test_llama_prefill_and_decode_shapes(cache_dtype):
     for T, B in ((512, 2), (64, 64)):
-        args = make_case(30, T=T, B=B, Hq=32, Hkv=8, R=128, page_size=16, cache_dtype=cache_dtype,
-                         packed=True)
+        args = make_case(
+            30, T=T, B=B, Hq=32, Hkv=8, R=128, page_size=16, cache_dtype=cache_dtype, packed=True
+        )
         check_against_reference(args, quantize=cache_dtype in FP8)
 
 
@@ -1257,32 +1472,48 @@ def test_every_launch_shape_matches_reference(variant, monkeypatch):
         monkeypatch.setitem(paged.TUNING, "light", variant)
         monkeypatch.setitem(paged.TUNING, "heavy", variant)
         monkeypatch.setitem(paged.TUNING, "max_block", block)
-        check_against_reference(make_case(50, T=77, B=3, Hq=32, Hkv=8, R=64, Dn=64,
-                                          page_size=16, packed=True), quantize=True)
-        check_against_reference(make_case(51, T=9, B=9, Hq=16, Hkv=1, R=64, Dn=512, mla=True,
-                                          dtype=BF16, page_size=16), quantize=True,
-                                is_neox=False)
+        check_against_reference(
+            make_case(50, T=77, B=3, Hq=32, Hkv=8, R=64, Dn=64, page_size=16, packed=True),
+            quantize=True,
+        )
+        check_against_reference(
+            make_case(51, T=9, B=9, Hq=16, Hkv=1, R=64, Dn=512, mla=True, dtype=BF16, page_size=16),
+            quantize=True,
+            is_neox=False,
+        )
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("row_block, wave_blocks, prefill_rows",
-                         [(128, 660, 4), (64, 10**9, 4), (256, 0, 3), (32, 0, 1)])
-def test_every_row_kernel_shape_matches_reference(row_block, wave_blocks, prefill_rows,
-                                                   monkeypatch):
+@pytest.mark.parametrize(
+    "row_block, wave_blocks, prefill_rows", [(128, 660, 4), (64, 10**9, 4), (256, 0, 3), (32, 0, 1)]
+)
+def test_every_row_kernel_shape_matches_reference(
+    row_block, wave_blocks, prefill_rows, monkeypatch
+):
     """The row kernel split over blocks (decode) and a block per token (prefill), rows per lane
     group 1 to 4, GQA with a nope part, MHA, and MLA forced onto it."""
     from ropekv import paged
 
-    for key, value in (("row_block", row_block), ("wave_blocks", wave_blocks),
-                       ("prefill_rows", prefill_rows), ("max_row_block", 256),
-                       ("row_group", 128)):
+    for key, value in (
+        ("row_block", row_block),
+        ("wave_blocks", wave_blocks),
+        ("prefill_rows", prefill_rows),
+        ("max_row_block", 256),
+        ("row_group", 128),
+    ):
         monkeypatch.setitem(paged.TUNING, key, value)
-    check_against_reference(make_case(52, T=77, B=3, Hq=32, Hkv=8, R=64, Dn=64, page_size=16,
-                                      packed=True), quantize=True)
-    check_against_reference(make_case(53, T=19, B=19, Hq=8, Hkv=8, R=128, page_size=16,
-                                      cache_dtype=F16), quantize=False)
-    check_against_reference(make_case(54, T=9, B=9, Hq=16, Hkv=1, R=64, Dn=512, mla=True,
-                                      dtype=BF16, page_size=16), quantize=True, is_neox=False)
+    check_against_reference(
+        make_case(52, T=77, B=3, Hq=32, Hkv=8, R=64, Dn=64, page_size=16, packed=True),
+        quantize=True,
+    )
+    check_against_reference(
+        make_case(53, T=19, B=19, Hq=8, Hkv=8, R=128, page_size=16, cache_dtype=F16), quantize=False
+    )
+    check_against_reference(
+        make_case(54, T=9, B=9, Hq=16, Hkv=1, R=64, Dn=512, mla=True, dtype=BF16, page_size=16),
+        quantize=True,
+        is_neox=False,
+    )
 
 
 @pytest.mark.gpu
@@ -1309,10 +1540,13 @@ def test_torch_cuda_tensors_in_torch_out():
     torch = pytest.importorskip("torch")
     args = make_case(32, T=33, Hq=8, Hkv=2, R=64, Dn=64, cache_dtype=E4M3)
     dev = device_args(args)
-    t = {n: torch.from_dlpack(x) if hasattr(x, "__dlpack__") and x.dtype.itemsize > 1 else x
-         for n, x in dev.items()}
-    t["paged_kv_cache"] = tuple(torch.from_dlpack(c.view(np.uint8)).view(torch.float8_e4m3fn)
-                                for c in dev["paged_kv_cache"])
+    t = {
+        n: torch.from_dlpack(x) if hasattr(x, "__dlpack__") and x.dtype.itemsize > 1 else x
+        for n, x in dev.items()
+    }
+    t["paged_kv_cache"] = tuple(
+        torch.from_dlpack(c.view(np.uint8)).view(torch.float8_e4m3fn) for c in dev["paged_kv_cache"]
+    )
     q, n = call(t)
     torch.cuda.synchronize()
     assert isinstance(q, torch.Tensor) and q.is_cuda and q.dtype == torch.float8_e4m3fn
@@ -1378,20 +1612,35 @@ def flashinfer_or_skip():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mla,R,Dn,layout,dtype,out,is_neox", [
-    (False, 128, 0, "NHD", F16, E4M3, True),
-    (False, 64, 64, "HND", BF16, E5M2, False),
-    (False, 64, 64, "NHD", F16, E4M3, True),
-    (True, 64, 512, "NHD", BF16, E4M3, True),
-    (True, 64, 512, "NHD", F16, E4M3, False),
-])
+@pytest.mark.parametrize(
+    "mla,R,Dn,layout,dtype,out,is_neox",
+    [
+        (False, 128, 0, "NHD", F16, E4M3, True),
+        (False, 64, 64, "HND", BF16, E5M2, False),
+        (False, 64, 64, "NHD", F16, E4M3, True),
+        (True, 64, 512, "NHD", BF16, E4M3, True),
+        (True, 64, 512, "NHD", F16, E4M3, False),
+    ],
+)
 def test_matches_flashinfer(mla, R, Dn, layout, dtype, out, is_neox):
     fi = flashinfer_or_skip()
     import torch
 
-    args = make_case(40, T=300, B=5, Hq=16 if mla else 32, Hkv=1 if mla else 8, R=R, Dn=Dn,
-                     mla=mla, dtype=dtype, cache_dtype=out, kv_layout=layout, page_size=16,
-                     packed=not mla)
+    args = make_case(
+        40,
+        T=300,
+        B=5,
+        Hq=16 if mla else 32,
+        Hkv=1 if mla else 8,
+        R=R,
+        Dn=Dn,
+        mla=mla,
+        dtype=dtype,
+        cache_dtype=out,
+        kv_layout=layout,
+        page_size=16,
+        packed=not mla,
+    )
     names = {E4M3: torch.float8_e4m3fn, E5M2: torch.float8_e5m2}
     dev = device_args(args)
 
@@ -1399,19 +1648,22 @@ def test_matches_flashinfer(mla, R, Dn, layout, dtype, out, is_neox):
         t = {}
         for n, x in dev.items():
             if n == "paged_kv_cache":
-                t[n] = tuple(torch.from_dlpack(c.view(np.uint8).copy()).view(names[out])
-                             for c in x)
+                t[n] = tuple(torch.from_dlpack(c.view(np.uint8).copy()).view(names[out]) for c in x)
             elif x is not None and hasattr(x, "__dlpack__"):
-                t[n] = torch.from_dlpack(x.view(np.int16)).view(torch.bfloat16) \
-                    if x.dtype == BF16 else torch.from_dlpack(x)
+                t[n] = (
+                    torch.from_dlpack(x.view(np.int16)).view(torch.bfloat16)
+                    if x.dtype == BF16
+                    else torch.from_dlpack(x)
+                )
             else:
                 t[n] = x
         return t
 
     ours, theirs = torch_args(), torch_args()
     q1, n1 = call(ours, is_neox=is_neox)
-    q2, n2 = fi.rope_quantize_fp8_append_paged_kv_cache(**theirs, is_neox=is_neox,
-                                                        quantize_dtype=names[out])
+    q2, n2 = fi.rope_quantize_fp8_append_paged_kv_cache(
+        **theirs, is_neox=is_neox, quantize_dtype=names[out]
+    )
     torch.cuda.synchronize()
     assert q1.dtype == q2.dtype and n1.shape == n2.shape and n1.dtype == n2.dtype
     assert_close(q1, to_numpy(q2), "q_rope_out vs FlashInfer")
@@ -1427,13 +1679,17 @@ def test_fp8_tolerance_of_a_stretched_row():
     their values lie within it (e5m2 subnormals 2 and 4 x 2^-16, as a rotation that cancels to
     near zero gave them on the H200), and one code apart always."""
     e5m2 = np.dtype(ml_dtypes.float8_e5m2)
-    got = np.array([-2 * 2.0 ** -16, 1.0, 0.75], np.float32).astype(e5m2)
-    ref = np.array([-4 * 2.0 ** -16, 1.0, 0.875], np.float32).astype(e5m2)
+    got = np.array([-2 * 2.0**-16, 1.0, 0.75], np.float32).astype(e5m2)
+    ref = np.array([-4 * 2.0**-16, 1.0, 0.875], np.float32).astype(e5m2)
     assert_close(got, ref, "near zero", fp8_atol=1e-4)
     with pytest.raises(AssertionError, match="differ by more than one"):
         assert_close(got, ref, "near zero")
     far = np.array([2.0, 1.0, 0.75], np.float32).astype(e5m2)  # 2.0 against 2.5: a code apart
     assert_close(far, np.array([2.5, 1.0, 0.75], np.float32).astype(e5m2), "one code")
     with pytest.raises(AssertionError, match="differ by more than one"):
-        assert_close(np.array([2.0], np.float32).astype(e5m2),
-                     np.array([3.0], np.float32).astype(e5m2), "far", fp8_atol=1e-4)
+        assert_close(
+            np.array([2.0], np.float32).astype(e5m2),
+            np.array([3.0], np.float32).astype(e5m2),
+            "far",
+            fp8_atol=1e-4,
+        )

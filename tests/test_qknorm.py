@@ -20,9 +20,23 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 op = ropekv.qk_rmsnorm_rope_append_paged_kv_cache
 
 
-def make_case(seed, *, Hq=8, Hkv=2, D=32, R=None, dtype=np.float16, cache_dtype=None,
-              new=(3, 0, 2), cached=(0, 5, 17), page_size=4, layout="NHD", gamma_f32=True,
-              P=None, packed=False):
+def make_case(
+    seed,
+    *,
+    Hq=8,
+    Hkv=2,
+    D=32,
+    R=None,
+    dtype=np.float16,
+    cache_dtype=None,
+    new=(3, 0, 2),
+    cached=(0, 5, 17),
+    page_size=4,
+    layout="NHD",
+    gamma_f32=True,
+    P=None,
+    packed=False,
+):
     """A ragged batch over a shuffled paged cache (distinct pages per request), NumPy arrays."""
     rng = np.random.default_rng(seed)
     dtype = np.dtype(dtype)
@@ -38,24 +52,32 @@ def make_case(seed, *, Hq=8, Hkv=2, D=32, R=None, dtype=np.float16, cache_dtype=
     table = np.full((B, max_pages), -1, np.int32)
     at = 0
     for b in range(B):
-        table[b, :pages_per[b]] = perm[at:at + pages_per[b]]
+        table[b, : pages_per[b]] = perm[at : at + pages_per[b]]
         at += pages_per[b]
     P = int(ends.max()) + 8 if P is None else P
     shape = (num_pages, page_size, Hkv, D) if layout == "NHD" else (num_pages, Hkv, page_size, D)
     caches = tuple((rng.standard_normal(shape) * 0.5).astype(cache_dtype) for _ in range(2))
     qkv = (rng.standard_normal((T, Hq + 2 * Hkv, D)) * 3).astype(dtype)
     if packed:  # views into one projection output
-        q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
+        q, k, v = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :]
     else:
-        q, k, v = (np.ascontiguousarray(x) for x in
-                   (qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]))
+        q, k, v = (
+            np.ascontiguousarray(x)
+            for x in (qkv[:, :Hq], qkv[:, Hq : Hq + Hkv], qkv[:, Hq + Hkv :])
+        )
     gdt = np.float32 if gamma_f32 else dtype
-    args = {"q": q, "k": k, "v": v, "q_gamma": rng.uniform(0.5, 1.5, D).astype(gdt),
-                "k_gamma": rng.uniform(0.5, 1.5, D).astype(gdt),
-                "cos_sin_cache": ropekv.cos_sin_cache(P, R, base=1e6),
-                "input_row_offsets": np.concatenate([[0], np.cumsum(new)]).astype(np.int32),
-                "cache_lengths": cached.astype(np.int32), "block_table": table,
-                "paged_kv_cache": caches}
+    args = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "q_gamma": rng.uniform(0.5, 1.5, D).astype(gdt),
+        "k_gamma": rng.uniform(0.5, 1.5, D).astype(gdt),
+        "cos_sin_cache": ropekv.cos_sin_cache(P, R, base=1e6),
+        "input_row_offsets": np.concatenate([[0], np.cumsum(new)]).astype(np.int32),
+        "cache_lengths": cached.astype(np.int32),
+        "block_table": table,
+        "paged_kv_cache": caches,
+    }
     return args, {"kv_layout": layout}
 
 
@@ -63,12 +85,29 @@ def expected(args, kw, is_neox=True, kv_scale=None, epsilon=1e-6, **options):
     kc, vc = (c.copy() for c in args["paged_kv_cache"])
     q_out = np.empty_like(args["q"])
     fp8 = kc.dtype in FP8_DTYPES
-    ks, vs = (kv_scale if isinstance(kv_scale, tuple) else (kv_scale or 1.0,) * 2) if fp8 \
-        else (1.0, 1.0)
+    ks, vs = (
+        (kv_scale if isinstance(kv_scale, tuple) else (kv_scale or 1.0,) * 2) if fp8 else (1.0, 1.0)
+    )
     reference.qk_rmsnorm_rope_append_paged_kv_cache(
-        args["q"], args["k"], args["v"], args["q_gamma"], args["k_gamma"],
-        args["cos_sin_cache"], args["input_row_offsets"], args["cache_lengths"],
-        args["block_table"], kc, vc, q_out, epsilon, is_neox, kw["kv_layout"], ks, vs, **options)
+        args["q"],
+        args["k"],
+        args["v"],
+        args["q_gamma"],
+        args["k_gamma"],
+        args["cos_sin_cache"],
+        args["input_row_offsets"],
+        args["cache_lengths"],
+        args["block_table"],
+        kc,
+        vc,
+        q_out,
+        epsilon,
+        is_neox,
+        kw["kv_layout"],
+        ks,
+        vs,
+        **options,
+    )
     return q_out, kc, vc
 
 
@@ -79,8 +118,13 @@ def written_rows(args, kw, position_ids=None):
     num_pages, page_size = kc.shape[0], kc.shape[1] if nhd else kc.shape[2]
     P = args["cos_sin_cache"].shape[0]
     req, pos, page, entry = reference.ragged_paged_slots(
-        args["input_row_offsets"], args["cache_lengths"], args["block_table"], page_size,
-        num_pages, args["q"].shape[0])
+        args["input_row_offsets"],
+        args["cache_lengths"],
+        args["block_table"],
+        page_size,
+        num_pages,
+        args["q"].shape[0],
+    )
     if position_ids is None:
         ok = (req >= 0) & (pos < P) & (page >= 0)
     else:
@@ -108,15 +152,16 @@ def tail_rows(args, kw, position_ids=None):
         if offs[b + 1] == offs[b] or end % page_size == 0:
             continue
         P = args["cos_sin_cache"].shape[0]
-        if position_ids is not None and not np.all((position_ids[:, offs[b + 1] - 1] >= 0) &
-                                                   (position_ids[:, offs[b + 1] - 1] < P)):
+        if position_ids is not None and not np.all(
+            (position_ids[:, offs[b + 1] - 1] >= 0) & (position_ids[:, offs[b + 1] - 1] < P)
+        ):
             continue
         page = table[b, (end - 1) // page_size]
         if 0 <= page < num_pages:
             if nhd:
-                mask[page, end % page_size:, :] = True
+                mask[page, end % page_size :, :] = True
             else:
-                mask[page, :, end % page_size:] = True
+                mask[page, :, end % page_size :] = True
     return mask
 
 
@@ -155,13 +200,30 @@ def test_prefix_cached_run_equals_full_prefill(seed, layout, is_neox):
     steps = dict(full, paged_kv_cache=tuple(c.copy() for c in full["paged_kv_cache"]))
     q_full = op(**full, **kw, is_neox=is_neox)
     idx1, idx2 = np.r_[0:3, 7:9], np.r_[3:7, 9:12]
-    q1 = op(**dict(steps, q=steps["q"][idx1], k=steps["k"][idx1], v=steps["v"][idx1],
-                   input_row_offsets=np.array([0, 3, 5], np.int32)), **kw, is_neox=is_neox)
-    q2 = op(**dict(steps, q=steps["q"][idx2], k=steps["k"][idx2], v=steps["v"][idx2],
-                   input_row_offsets=np.array([0, 4, 7], np.int32),
-                   cache_lengths=np.array([3, 2], np.int32)), **kw, is_neox=is_neox)
-    np.testing.assert_array_equal(np.concatenate([q1, q2])[np.argsort(np.r_[idx1, idx2])],
-                                  q_full)
+    q1 = op(
+        **dict(
+            steps,
+            q=steps["q"][idx1],
+            k=steps["k"][idx1],
+            v=steps["v"][idx1],
+            input_row_offsets=np.array([0, 3, 5], np.int32),
+        ),
+        **kw,
+        is_neox=is_neox,
+    )
+    q2 = op(
+        **dict(
+            steps,
+            q=steps["q"][idx2],
+            k=steps["k"][idx2],
+            v=steps["v"][idx2],
+            input_row_offsets=np.array([0, 4, 7], np.int32),
+            cache_lengths=np.array([3, 2], np.int32),
+        ),
+        **kw,
+        is_neox=is_neox,
+    )
+    np.testing.assert_array_equal(np.concatenate([q1, q2])[np.argsort(np.r_[idx1, idx2])], q_full)
     for a, b in zip(steps["paged_kv_cache"], full["paged_kv_cache"]):
         assert_bytes_equal(a, b)
 
@@ -183,8 +245,7 @@ def test_norm_order_commutes_with_a_uniform_weight(seed, is_neox, layout):
         for got, ref in zip(run["paged_kv_cache"], (kc_ref, vc_ref)):
             assert_bytes_equal(got, ref)
     for a, b in zip(*outs):
-        np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=2e-3,
-                                   atol=2e-3)
+        np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=2e-3, atol=2e-3)
 
 
 def test_norm_after_rope_differs_with_a_varying_weight():
@@ -207,9 +268,12 @@ def test_weight_offset_adds_to_the_weights(order):
     args, kw = make_case(7)
     args["q_gamma"] = (args["q_gamma"] - 1).astype(np.float32)
     args["k_gamma"] = (args["k_gamma"] - 1).astype(np.float32)
-    plain = dict(args, q_gamma=args["q_gamma"] + np.float32(1),
-                 k_gamma=args["k_gamma"] + np.float32(1),
-                 paged_kv_cache=tuple(c.copy() for c in args["paged_kv_cache"]))
+    plain = dict(
+        args,
+        q_gamma=args["q_gamma"] + np.float32(1),
+        k_gamma=args["k_gamma"] + np.float32(1),
+        paged_kv_cache=tuple(c.copy() for c in args["paged_kv_cache"]),
+    )
     q_gemma = op(**args, **kw, weight_offset=1.0, norm_order=order)
     q_plain = op(**plain, **kw, norm_order=order)
     np.testing.assert_array_equal(q_gemma, q_plain)
@@ -247,8 +311,7 @@ def mrope_case(rng, args, R, interleaved, text_share=0.3, bad_share=0.0):
     text = rng.random(T) < text_share
     pos[:, text] = pos[0, text]
     bad = rng.random(T) < bad_share
-    pos[rng.integers(0, 3, T)[bad], np.flatnonzero(bad)] = rng.choice([-1, P, 2**31 - 1],
-                                                                      bad.sum())
+    pos[rng.integers(0, 3, T)[bad], np.flatnonzero(bad)] = rng.choice([-1, P, 2**31 - 1], bad.sum())
     return pos.astype(np.int32), section
 
 
@@ -258,12 +321,18 @@ def test_mrope_of_text_tokens_is_plain_rope(interleaved, layout):
     """Three equal positions (the cache position) give the 1-D rotation, byte for byte."""
     args, kw = make_case(10, layout=layout)
     req, pos, _, _ = reference.ragged_paged_slots(
-        args["input_row_offsets"], args["cache_lengths"], args["block_table"], 4, 12, 5)
+        args["input_row_offsets"], args["cache_lengths"], args["block_table"], 4, 12, 5
+    )
     plain = dict(args, paged_kv_cache=tuple(c.copy() for c in args["paged_kv_cache"]))
     q_plain = op(**plain, **kw)
     ids = np.stack([pos] * 3).astype(np.int64)
-    q = op(**args, **kw, position_ids=ids, mrope_section=(6, 5, 5) if interleaved else (4, 6, 6),
-           mrope_interleaved=interleaved)
+    q = op(
+        **args,
+        **kw,
+        position_ids=ids,
+        mrope_section=(6, 5, 5) if interleaved else (4, 6, 6),
+        mrope_interleaved=interleaved,
+    )
     np.testing.assert_array_equal(q, q_plain)
     for a, b in zip(args["paged_kv_cache"], plain["paged_kv_cache"]):
         assert_bytes_equal(a, b)
@@ -274,8 +343,9 @@ def test_mrope_backend_matches_reference_and_changes_image_tokens(seed, interlea
     rng = np.random.default_rng(seed)
     args, kw = make_case(seed % 1000, layout="NHD")
     ids, section = mrope_case(rng, args, 32, interleaved, text_share=0.0)
-    q_ref, kc_ref, vc_ref = expected(args, kw, position_ids=ids, mrope_section=section,
-                                     mrope_interleaved=interleaved)
+    q_ref, kc_ref, vc_ref = expected(
+        args, kw, position_ids=ids, mrope_section=section, mrope_interleaved=interleaved
+    )
     q = op(**args, **kw, position_ids=ids, mrope_section=section, mrope_interleaved=interleaved)
     np.testing.assert_array_equal(q, q_ref)
     for got, ref in zip(args["paged_kv_cache"], (kc_ref, vc_ref)):
@@ -284,20 +354,41 @@ def test_mrope_backend_matches_reference_and_changes_image_tokens(seed, interlea
 
 def test_mrope_validation():
     ids = np.zeros((3, 5), np.int32)
-    bad(ValueError, r"mrope_section \(t, h, w\) must be non-negative and sum to R/2 = 16",
-        {"mrope_section": (4, 4, 4), "position_ids": ids})
-    bad(ValueError, "mrope_section must be three integers", {"mrope_section": (4.0, 6, 6),
-                                                             "position_ids": ids})
-    bad(ValueError, "mrope_section must be three integers", {"mrope_section": 16,
-                                                             "position_ids": ids})
-    bad(ValueError, "does not fit the interleaved layout",
-        {"mrope_section": (0, 8, 8), "mrope_interleaved": True, "position_ids": ids})
-    bad(ValueError, r"position_ids \(3, T\) is required with mrope_section",
-        {"mrope_section": (4, 6, 6)})
-    bad(ValueError, r"position_ids must have shape \(3, T\) = \(3, 5\), got \(5,\)",
-        {"mrope_section": (4, 6, 6), "position_ids": np.zeros(5, np.int32)})
-    bad(TypeError, "position_ids must have dtype int32 or int64, got float32",
-        {"mrope_section": (4, 6, 6), "position_ids": ids.astype(np.float32)})
+    bad(
+        ValueError,
+        r"mrope_section \(t, h, w\) must be non-negative and sum to R/2 = 16",
+        {"mrope_section": (4, 4, 4), "position_ids": ids},
+    )
+    bad(
+        ValueError,
+        "mrope_section must be three integers",
+        {"mrope_section": (4.0, 6, 6), "position_ids": ids},
+    )
+    bad(
+        ValueError,
+        "mrope_section must be three integers",
+        {"mrope_section": 16, "position_ids": ids},
+    )
+    bad(
+        ValueError,
+        "does not fit the interleaved layout",
+        {"mrope_section": (0, 8, 8), "mrope_interleaved": True, "position_ids": ids},
+    )
+    bad(
+        ValueError,
+        r"position_ids \(3, T\) is required with mrope_section",
+        {"mrope_section": (4, 6, 6)},
+    )
+    bad(
+        ValueError,
+        r"position_ids must have shape \(3, T\) = \(3, 5\), got \(5,\)",
+        {"mrope_section": (4, 6, 6), "position_ids": np.zeros(5, np.int32)},
+    )
+    bad(
+        TypeError,
+        "position_ids must have dtype int32 or int64, got float32",
+        {"mrope_section": (4, 6, 6), "position_ids": ids.astype(np.float32)},
+    )
     bad(ValueError, "position_ids is only used with mrope_section", {"position_ids": ids})
     bad(TypeError, "mrope_interleaved must be a bool", {"mrope_interleaved": "yes"})
 
@@ -355,10 +446,12 @@ def test_status_of_an_empty_batch():
 
 
 def test_status_validation():
-    bad(TypeError, "status must have dtype int32, got int64",
-        {"status": np.zeros(1, np.int64)})
-    bad(ValueError, r"status must have shape \(1,\) = \(1,\), got \(2,\)",
-        {"status": np.zeros(2, np.int32)})
+    bad(TypeError, "status must have dtype int32, got int64", {"status": np.zeros(1, np.int64)})
+    bad(
+        ValueError,
+        r"status must have shape \(1,\) = \(1,\), got \(2,\)",
+        {"status": np.zeros(2, np.int32)},
+    )
     ro = np.zeros(1, np.int32)
     ro.flags.writeable = False
     bad(BufferError, "status is written in place", {"status": ro})
@@ -395,8 +488,12 @@ def test_q_shape_and_dtype():
 
 def test_k_v_shapes_and_heads():
     bad(ValueError, r"v must have shape", v=np.zeros((5, 3, 32), np.float16))
-    bad(ValueError, "multiple of k's", k=np.zeros((5, 3, 32), np.float16),
-        v=np.zeros((5, 3, 32), np.float16))
+    bad(
+        ValueError,
+        "multiple of k's",
+        k=np.zeros((5, 3, 32), np.float16),
+        v=np.zeros((5, 3, 32), np.float16),
+    )
     bad(TypeError, "k must have the dtype of q", k=np.zeros((5, 2, 32), BF16))
 
 
@@ -410,33 +507,55 @@ def test_rotary_dim():
 
 
 def test_cache_tuple_layout_and_shape():
-    bad(ValueError, r"paged_kv_cache must be a tuple \(k_cache, v_cache\)",
-        paged_kv_cache=np.zeros((8, 4, 2, 32), np.float16))
+    bad(
+        ValueError,
+        r"paged_kv_cache must be a tuple \(k_cache, v_cache\)",
+        paged_kv_cache=np.zeros((8, 4, 2, 32), np.float16),
+    )
     bad(ValueError, "kv_layout must be one of", kw_extra={"kv_layout": "NDH"})
-    bad(ValueError, r"v_cache must have shape .*for NHD",
-        paged_kv_cache=(np.zeros((8, 4, 2, 32), np.float16), np.zeros((8, 2, 4, 32),
-                                                                       np.float16)))
+    bad(
+        ValueError,
+        r"v_cache must have shape .*for NHD",
+        paged_kv_cache=(np.zeros((8, 4, 2, 32), np.float16), np.zeros((8, 2, 4, 32), np.float16)),
+    )
 
 
 def test_cache_dtype_and_scale():
-    bad(TypeError, "k_cache must have dtype",
-        paged_kv_cache=tuple(np.zeros((12, 4, 2, 32), BF16) for _ in range(2)))
+    bad(
+        TypeError,
+        "k_cache must have dtype",
+        paged_kv_cache=tuple(np.zeros((12, 4, 2, 32), BF16) for _ in range(2)),
+    )
     bad(ValueError, "only used with float8", kw_extra={"kv_scale": 2.0})
-    bad(ValueError, "kv_scale must be a float or a", kw_extra={"kv_scale": (1.0, 2.0, 3.0)},
-        paged_kv_cache=tuple(np.zeros((12, 4, 2, 32), E4M3) for _ in range(2)))
+    bad(
+        ValueError,
+        "kv_scale must be a float or a",
+        kw_extra={"kv_scale": (1.0, 2.0, 3.0)},
+        paged_kv_cache=tuple(np.zeros((12, 4, 2, 32), E4M3) for _ in range(2)),
+    )
 
 
 def test_norm_order_and_weight_offset_are_checked():
-    bad(ValueError, "norm_order must be one of 'before_rope', 'after_rope', got 'post'",
-        kw_extra={"norm_order": "post"})
+    bad(
+        ValueError,
+        "norm_order must be one of 'before_rope', 'after_rope', got 'post'",
+        kw_extra={"norm_order": "post"},
+    )
     bad(ValueError, "norm_order must be one of", kw_extra={"norm_order": True})
-    bad(TypeError, "weight_offset must be a real number, got True",
-        kw_extra={"weight_offset": True})
+    bad(
+        TypeError, "weight_offset must be a real number, got True", kw_extra={"weight_offset": True}
+    )
     bad(TypeError, "weight_offset must be a real number", kw_extra={"weight_offset": "1"})
-    bad(ValueError, "weight_offset must be a finite non-negative number",
-        kw_extra={"weight_offset": float("inf")})
-    bad(ValueError, "weight_offset must be a finite non-negative number",
-        kw_extra={"weight_offset": -1.0})
+    bad(
+        ValueError,
+        "weight_offset must be a finite non-negative number",
+        kw_extra={"weight_offset": float("inf")},
+    )
+    bad(
+        ValueError,
+        "weight_offset must be a finite non-negative number",
+        kw_extra={"weight_offset": -1.0},
+    )
 
 
 def test_non_bool_flags_are_refused():
@@ -445,8 +564,11 @@ def test_non_bool_flags_are_refused():
 
 
 def test_offsets_dtype():
-    bad(TypeError, "input_row_offsets must have dtype",
-        input_row_offsets=np.array([0, 3, 3, 5], np.float32))
+    bad(
+        TypeError,
+        "input_row_offsets must have dtype",
+        input_row_offsets=np.array([0, 3, 3, 5], np.float32),
+    )
 
 
 def test_q_out_overlap():
@@ -458,14 +580,16 @@ def test_q_out_overlap():
 # ---- GPU ---------------------------------------------------------------------------------------
 
 
-def check_on_device(args, kw, *, is_neox=True, in_place=False, kv_scale=None, given=False,
-                    clear=False, **options):
+def check_on_device(
+    args, kw, *, is_neox=True, in_place=False, kv_scale=None, given=False, clear=False, **options
+):
     """Run the kernel on copies of ``args`` and compare with the reference (``given``: into a
     pre-allocated output; ``options``: the norm_order and weight_offset keywords)."""
     import cupy as cp
 
-    q_ref, kc_ref, vc_ref = expected(args, kw, is_neox, kv_scale,
-                                     clear_unused_last_page_rows=clear, **options)
+    q_ref, kc_ref, vc_ref = expected(
+        args, kw, is_neox, kv_scale, clear_unused_last_page_rows=clear, **options
+    )
     mask = written_rows(args, kw, options.get("position_ids"))
     if clear:
         tail = tail_rows(args, kw, options.get("position_ids"))
@@ -476,65 +600,131 @@ def check_on_device(args, kw, *, is_neox=True, in_place=False, kv_scale=None, gi
     if args["q"].base is not None and args["q"].base is args["k"].base:  # keep the packing
         qkv = cp.asarray(args["q"].base)
         Hkv = args["k"].shape[1]
-        dev.update(q=qkv[:, :Hq], k=qkv[:, Hq:Hq + Hkv], v=qkv[:, Hq + Hkv:])
+        dev.update(q=qkv[:, :Hq], k=qkv[:, Hq : Hq + Hkv], v=qkv[:, Hq + Hkv :])
     else:
         dev.update(q=to_device(args["q"]), k=to_device(args["k"]), v=to_device(args["v"]))
     extra = {"q_out": dev["q"]} if in_place else {}
     if given:
         extra = {"q_out": cp.full(dev["q"].shape, np.nan, dev["q"].dtype)}
-    out = op(**dev, **kw, is_neox=is_neox, kv_scale=kv_scale, **extra,
-             **{n: to_device(x) for n, x in options.items()}, clear_unused_last_page_rows=clear)
+    out = op(
+        **dev,
+        **kw,
+        is_neox=is_neox,
+        kv_scale=kv_scale,
+        **extra,
+        **{n: to_device(x) for n, x in options.items()},
+        clear_unused_last_page_rows=clear,
+    )
     assert isinstance(out, cp.ndarray)
     if extra:
         assert out is extra["q_out"]
     assert_close(out, q_ref, "q_out")
-    for got, ref, old, name in zip(dev["paged_kv_cache"], (kc_ref, vc_ref),
-                                   args["paged_kv_cache"], ("k_cache", "v_cache")):
+    for got, ref, old, name in zip(
+        dev["paged_kv_cache"], (kc_ref, vc_ref), args["paged_kv_cache"], ("k_cache", "v_cache")
+    ):
         got = to_numpy(got)
         assert_close(got[mask], ref[mask], name)
         assert_bytes_equal(got[~mask], old[~mask], f"untouched {name} rows")
 
 
 @pytest.mark.gpu
-@given(seed=seeds, dtype=st.sampled_from(INPUT_DTYPES), data=st.data(),
-       heads=st.sampled_from([(32, 4), (32, 8), (64, 4), (64, 8), (16, 16), (6, 2)]),
-       layout=st.sampled_from(["NHD", "HND"]), is_neox=st.sampled_from([True, True, False]),
-       page_size=st.sampled_from([1, 16, 32]),
-       new=st.lists(st.integers(0, 24), min_size=1, max_size=4), gamma_f32=st.booleans(),
-       in_place=st.booleans(), packed=st.booleans(),
-       norm_order=st.sampled_from(["before_rope", "after_rope"]),
-       weight_offset=st.sampled_from([0.0, 0.0, 1.0, 0.5]), clear=st.booleans(),
-       mrope=st.sampled_from([None, None, "chunked", "interleaved"]))
-def test_kernel_matches_reference(seed, dtype, data, heads, layout, is_neox, page_size, new,
-                                  gamma_f32, in_place, packed, norm_order, weight_offset, clear,
-                                  mrope):
+@given(
+    seed=seeds,
+    dtype=st.sampled_from(INPUT_DTYPES),
+    data=st.data(),
+    heads=st.sampled_from([(32, 4), (32, 8), (64, 4), (64, 8), (16, 16), (6, 2)]),
+    layout=st.sampled_from(["NHD", "HND"]),
+    is_neox=st.sampled_from([True, True, False]),
+    page_size=st.sampled_from([1, 16, 32]),
+    new=st.lists(st.integers(0, 24), min_size=1, max_size=4),
+    gamma_f32=st.booleans(),
+    in_place=st.booleans(),
+    packed=st.booleans(),
+    norm_order=st.sampled_from(["before_rope", "after_rope"]),
+    weight_offset=st.sampled_from([0.0, 0.0, 1.0, 0.5]),
+    clear=st.booleans(),
+    mrope=st.sampled_from([None, None, "chunked", "interleaved"]),
+)
+def test_kernel_matches_reference(
+    seed,
+    dtype,
+    data,
+    heads,
+    layout,
+    is_neox,
+    page_size,
+    new,
+    gamma_f32,
+    in_place,
+    packed,
+    norm_order,
+    weight_offset,
+    clear,
+    mrope,
+):
     Hq, Hkv = heads
-    D, R = data.draw(st.sampled_from([(128, 128), (128, 128), (64, 64), (128, 64), (256, 256),
-                                      (80, 40)]))
+    D, R = data.draw(
+        st.sampled_from([(128, 128), (128, 128), (64, 64), (128, 64), (256, 256), (80, 40)])
+    )
     cache_dtype = data.draw(st.sampled_from([dtype, *FP8_DTYPES]))
     cached = data.draw(st.lists(st.integers(0, 200), min_size=len(new), max_size=len(new)))
-    kv_scale = data.draw(st.sampled_from([None, 0.5, (2.0, 0.25)])) \
-        if cache_dtype in FP8_DTYPES else None
-    args, kw = make_case(seed, Hq=Hq, Hkv=Hkv, D=D, R=R, dtype=dtype, cache_dtype=cache_dtype,
-                         new=new, cached=cached, page_size=page_size, layout=layout,
-                         gamma_f32=gamma_f32, packed=packed)
+    kv_scale = (
+        data.draw(st.sampled_from([None, 0.5, (2.0, 0.25)])) if cache_dtype in FP8_DTYPES else None
+    )
+    args, kw = make_case(
+        seed,
+        Hq=Hq,
+        Hkv=Hkv,
+        D=D,
+        R=R,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        new=new,
+        cached=cached,
+        page_size=page_size,
+        layout=layout,
+        gamma_f32=gamma_f32,
+        packed=packed,
+    )
     options = {}
     if mrope:
-        ids, section = mrope_case(np.random.default_rng(seed), args, R, mrope == "interleaved",
-                                  bad_share=0.1)
-        options = {"position_ids": ids.astype(data.draw(st.sampled_from([np.int32, np.int64]))),
-                   "mrope_section": section, "mrope_interleaved": mrope == "interleaved"}
-    check_on_device(args, kw, is_neox=is_neox, in_place=in_place and not packed,
-                    kv_scale=kv_scale, norm_order=norm_order, weight_offset=weight_offset,
-                    clear=clear, **options)
+        ids, section = mrope_case(
+            np.random.default_rng(seed), args, R, mrope == "interleaved", bad_share=0.1
+        )
+        options = {
+            "position_ids": ids.astype(data.draw(st.sampled_from([np.int32, np.int64]))),
+            "mrope_section": section,
+            "mrope_interleaved": mrope == "interleaved",
+        }
+    check_on_device(
+        args,
+        kw,
+        is_neox=is_neox,
+        in_place=in_place and not packed,
+        kv_scale=kv_scale,
+        norm_order=norm_order,
+        weight_offset=weight_offset,
+        clear=clear,
+        **options,
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_qwen3_long_prefill(layout):
-    args, kw = make_case(24, Hq=32, Hkv=4, D=128, dtype=BF16, cache_dtype=E4M3,
-                         new=(600, 0, 700), cached=(0, 2, 50), page_size=16, layout=layout,
-                         packed=True)
+    args, kw = make_case(
+        24,
+        Hq=32,
+        Hkv=4,
+        D=128,
+        dtype=BF16,
+        cache_dtype=E4M3,
+        new=(600, 0, 700),
+        cached=(0, 2, 50),
+        page_size=16,
+        layout=layout,
+        packed=True,
+    )
     check_on_device(args, kw, kv_scale=0.5)
 
 
@@ -542,12 +732,32 @@ def test_qwen3_long_prefill(layout):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("cache_dtype", [BF16, E4M3])
 def test_qwen3_prefill_and_decode(layout, cache_dtype):
-    prefill, kw = make_case(21, Hq=64, Hkv=4, D=128, dtype=BF16, cache_dtype=cache_dtype,
-                            new=(40, 0, 25), cached=(0, 9, 100), page_size=16, layout=layout)
+    prefill, kw = make_case(
+        21,
+        Hq=64,
+        Hkv=4,
+        D=128,
+        dtype=BF16,
+        cache_dtype=cache_dtype,
+        new=(40, 0, 25),
+        cached=(0, 9, 100),
+        page_size=16,
+        layout=layout,
+    )
     check_on_device(prefill, kw)
-    decode, kw = make_case(22, Hq=32, Hkv=8, D=128, dtype=BF16, cache_dtype=cache_dtype,
-                           new=(1,) * 6, cached=(0, 1, 15, 16, 17, 300), page_size=16,
-                           layout=layout, packed=True)
+    decode, kw = make_case(
+        22,
+        Hq=32,
+        Hkv=8,
+        D=128,
+        dtype=BF16,
+        cache_dtype=cache_dtype,
+        new=(1,) * 6,
+        cached=(0, 1, 15, 16, 17, 300),
+        page_size=16,
+        layout=layout,
+        packed=True,
+    )
     check_on_device(decode, kw)
 
 
@@ -557,8 +767,16 @@ def test_large_ragged_batch():
     B = 4195
     new = np.zeros(B, np.int64)
     new[[0, 17, 4000, B - 1]] = [3, 1, 2, 1]
-    args, kw = make_case(23, Hq=8, Hkv=2, D=64, new=tuple(new), cached=tuple(np.arange(B) % 9),
-                         page_size=4, layout="HND")
+    args, kw = make_case(
+        23,
+        Hq=8,
+        Hkv=2,
+        D=64,
+        new=tuple(new),
+        cached=tuple(np.arange(B) % 9),
+        page_size=4,
+        layout="HND",
+    )
     check_on_device(args, kw)
 
 
@@ -568,8 +786,17 @@ def test_repeated_calls_replay_the_launch_plan_with_new_arrays(in_place, given):
     """The second and later calls of one layout replay a cached launch: new pointers, new output
     arrays, the same results as the reference."""
     for seed in (30, 31, 32):
-        args, kw = make_case(seed, Hq=32, Hkv=8, D=128, dtype=BF16, cache_dtype=E4M3,
-                             new=(5, 1, 3), cached=(0, 40, 7), page_size=16)
+        args, kw = make_case(
+            seed,
+            Hq=32,
+            Hkv=8,
+            D=128,
+            dtype=BF16,
+            cache_dtype=E4M3,
+            new=(5, 1, 3),
+            cached=(0, 40, 7),
+            page_size=16,
+        )
         check_on_device(args, kw, in_place=in_place, kv_scale=(0.5, 2.0), given=given)
 
 
@@ -580,13 +807,13 @@ def test_replayed_call_still_refuses_a_partially_overlapping_output():
     args, kw = make_case(33, Hq=8, Hkv=2, D=64, dtype=BF16, new=(4,), cached=(3,))
     dev = {k: to_device(v) for k, v in args.items()}
     buf = cp.zeros((2 * 4 * 8 * 64,), dev["q"].dtype)
-    q = buf[:4 * 8 * 64].reshape(4, 8, 64)
+    q = buf[: 4 * 8 * 64].reshape(4, 8, 64)
     q[...] = dev["q"]
     dev["q"] = q
     for _ in range(2):  # the second call replays the launch plan
-        op(**dev, **kw, q_out=buf[4 * 8 * 64:].reshape(4, 8, 64))
+        op(**dev, **kw, q_out=buf[4 * 8 * 64 :].reshape(4, 8, 64))
     with pytest.raises(ValueError, match="overlap"):
-        op(**dev, **kw, q_out=buf[64:64 + 4 * 8 * 64].reshape(4, 8, 64))
+        op(**dev, **kw, q_out=buf[64 : 64 + 4 * 8 * 64].reshape(4, 8, 64))
 
 
 @pytest.mark.gpu
@@ -599,8 +826,9 @@ def test_hostile_indices_never_write_out_of_bounds(tokens, clear):
     import cupy as cp
 
     new = (1, 1, 1, 1) if tokens == "decode" else (5, 3, 4, 0)
-    args, kw = make_case(40, Hq=8, Hkv=2, D=64, dtype=BF16, new=new, cached=(0, 0, 0, 3),
-                         page_size=4, packed=True)
+    args, kw = make_case(
+        40, Hq=8, Hkv=2, D=64, dtype=BF16, new=new, cached=(0, 0, 0, 3), page_size=4, packed=True
+    )
     args["cache_lengths"] = np.array([0, 2**31 - 3, -7, 1], np.int32)
     args["block_table"][0, :2] = [-5, 2**31 - 1]
     if clear:  # request 0 on the two spare pages, so that its last token has a tail to clear
@@ -646,8 +874,16 @@ def test_status_on_device(kind, B, T_new):
     new = np.zeros(B, np.int64)
     new[rng.choice(B, min(B, T_new), replace=False)] = 1
     new[0] += T_new - new.sum()
-    args, kw = make_case(60 + kind, Hq=16, Hkv=4, D=128, dtype=BF16, new=tuple(new),
-                         cached=tuple(rng.integers(0, 40, B)), page_size=16)
+    args, kw = make_case(
+        60 + kind,
+        Hq=16,
+        Hkv=4,
+        D=128,
+        dtype=BF16,
+        new=tuple(new),
+        cached=tuple(rng.integers(0, 40, B)),
+        page_size=16,
+    )
     args["input_row_offsets"] = malform(args["input_row_offsets"], kind)
     # the first failing check: lowering the last offset below an empty request's is a decrease
     code = reference.ragged_offsets_status(args["input_row_offsets"], T_new)
@@ -665,8 +901,7 @@ def test_status_on_device(kind, B, T_new):
         q_ref, kc_ref, vc_ref = expected(args, kw)
         assert_close(q_out, q_ref, "q_out")
         mask = written_rows(args, kw)
-        for got, ref, old in zip(dev["paged_kv_cache"], (kc_ref, vc_ref),
-                                 args["paged_kv_cache"]):
+        for got, ref, old in zip(dev["paged_kv_cache"], (kc_ref, vc_ref), args["paged_kv_cache"]):
             got = to_numpy(got)
             assert_close(got[mask], ref[mask])
             assert_bytes_equal(got[~mask], old[~mask])
@@ -678,14 +913,14 @@ def test_status_in_a_captured_graph():
     offsets written into the same array, reports 0 then 2 and writes nothing the second time."""
     import cupy as cp
 
-    args, kw = make_case(64, Hq=16, Hkv=4, D=128, dtype=BF16, new=(1, 1, 1, 1),
-                         cached=(3, 9, 20, 30), page_size=16)
+    args, kw = make_case(
+        64, Hq=16, Hkv=4, D=128, dtype=BF16, new=(1, 1, 1, 1), cached=(3, 9, 20, 30), page_size=16
+    )
     dev = {k: to_device(v) for k, v in args.items()}
     q_out = cp.zeros(dev["q"].shape, dev["q"].dtype)
     status = cp.full(1, 99, cp.int32)
 
-    check_status_in_graph(lambda: op(**dev, **kw, q_out=q_out, status=status), dev, q_out,
-                          status)
+    check_status_in_graph(lambda: op(**dev, **kw, q_out=q_out, status=status), dev, q_out, status)
 
 
 def check_status_in_graph(run, dev, out, status):
@@ -723,8 +958,19 @@ def check_status_in_graph(run, dev, out, status):
 def test_gemma_style_rope_then_norm_decode_and_prefill(layout):
     """Both options on at once, at decode and prefill launch shapes, bf16 weights."""
     for new, cached, seed in (((1,) * 8, tuple(range(0, 80, 10)), 50), ((40, 3, 0), (0, 7, 2), 51)):
-        args, kw = make_case(seed, Hq=16, Hkv=8, D=256, dtype=BF16, new=new, cached=cached,
-                             page_size=16, layout=layout, gamma_f32=False, packed=True)
+        args, kw = make_case(
+            seed,
+            Hq=16,
+            Hkv=8,
+            D=256,
+            dtype=BF16,
+            new=new,
+            cached=cached,
+            page_size=16,
+            layout=layout,
+            gamma_f32=False,
+            packed=True,
+        )
         check_on_device(args, kw, norm_order="after_rope", weight_offset=1.0)
 
 
@@ -737,16 +983,27 @@ def test_matches_flashinfer_cake(cache_dtype, policy):
     torch = pytest.importorskip("torch")
     try:
         from flashinfer.cake_fused_qk_rope_append import (
-            cake_fused_qk_rmsnorm_rope_append_paged_kv_cache as cake_bf16)
+            cake_fused_qk_rmsnorm_rope_append_paged_kv_cache as cake_bf16,
+        )
         from flashinfer.cake_fused_qk_rope_fp8_append import (
-            cake_fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache as cake_fp8)
+            cake_fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache as cake_fp8,
+        )
     except Exception as exc:  # noqa: BLE001 - not installed (0.7.2 or later), or its JIT failed
         pytest.skip(f"FlashInfer's Cake kernels unavailable: {exc}")
-    import cupy as cp
 
     new, cached = (1, 7, 0, 20), (5, 0, 3, 30)
-    args, kw = make_case(41, Hq=64, Hkv=8, D=128, dtype=BF16, cache_dtype=cache_dtype, new=new,
-                         cached=cached, page_size=16, packed=True)
+    args, kw = make_case(
+        41,
+        Hq=64,
+        Hkv=8,
+        D=128,
+        dtype=BF16,
+        cache_dtype=cache_dtype,
+        new=new,
+        cached=cached,
+        page_size=16,
+        packed=True,
+    )
     order = {1: "after_rope", 2: "before_rope"}[policy]  # Cake's qk_norm_policy
     q_ref, kc_ref, vc_ref = expected(args, kw, norm_order=order, clear_unused_last_page_rows=True)
     T = args["q"].shape[0]
@@ -755,25 +1012,47 @@ def test_matches_flashinfer_cake(cache_dtype, policy):
     dev.update(q=qkv[:, :64], k=qkv[:, 64:72], v=qkv[:, 72:])
     ours = tuple(to_device(c) for c in args["paged_kv_cache"])
     theirs = tuple(to_device(c) for c in args["paged_kv_cache"])
-    out = op(**{**dev, "paged_kv_cache": ours}, **kw, norm_order=order,
-             clear_unused_last_page_rows=True)
+    out = op(
+        **{**dev, "paged_kv_cache": ours}, **kw, norm_order=order, clear_unused_last_page_rows=True
+    )
 
     t = _to_torch  # zero-copy torch views, bf16 and fp8 included
 
     seq_lens = to_device((np.asarray(cached) + np.asarray(new)).astype(np.int32))
-    common = (t(qkv).view(T, -1), t(dev["cos_sin_cache"]), t(seq_lens),
-              t(dev["input_row_offsets"]), t(dev["block_table"]))
+    common = (
+        t(qkv).view(T, -1),
+        t(dev["cos_sin_cache"]),
+        t(seq_lens),
+        t(dev["input_row_offsets"]),
+        t(dev["block_table"]),
+    )
     weights = {"q_norm_weight": t(dev["q_gamma"]), "k_norm_weight": t(dev["k_gamma"])}
     if cache_dtype == BF16:
-        q_fi = cake_bf16(*common, t(theirs[0]), t(theirs[1]), num_q_heads=64, num_kv_heads=8,
-                         qk_norm_policy=policy, clear_unused_last_page_rows=True, **weights)
+        q_fi = cake_bf16(
+            *common,
+            t(theirs[0]),
+            t(theirs[1]),
+            num_q_heads=64,
+            num_kv_heads=8,
+            qk_norm_policy=policy,
+            clear_unused_last_page_rows=True,
+            **weights,
+        )
         assert_close(out, q_ref, "q_out")
         assert_close(q_fi, to_numpy(out), "q_out vs Cake")
     else:
         one = torch.ones(1, dtype=torch.float32, device=qkv.device.id)
-        q_fi, _, flag = cake_fp8(*common, (t(theirs[0]), t(theirs[1])), is_prefill=True,
-                                 k_scale=one, v_scale=one, quant_policy=2, q_scale_inv=one,
-                                 qk_norm_policy=2, **weights)
+        q_fi, _, flag = cake_fp8(
+            *common,
+            (t(theirs[0]), t(theirs[1])),
+            is_prefill=True,
+            k_scale=one,
+            v_scale=one,
+            quant_policy=2,
+            q_scale_inv=one,
+            qk_norm_policy=2,
+            **weights,
+        )
         assert (flag.cpu().numpy() == 0).all()
         assert_close(q_fi, to_numpy(out).astype(np.float32).astype(E4M3), "q_out vs Cake")
     torch.cuda.synchronize()
@@ -811,31 +1090,70 @@ def quant_arrays(args, kw, *, q_dynamic=False, kv_dynamic=False, seed=0):
             x = rng.uniform(0.5, 2.0, shape).astype(np.float32)
             x[rng.random(shape) < 0.2] = np.nan
             return x
+
         out["kv_cache_scales"] = (stale(), stale())
     return out
 
 
-def expected_quant(args, kw, quant, *, is_neox=True, kv_scale=None, q_dtype=None, q_scale=None,
-                   epsilon=1e-6, **options):
+def expected_quant(
+    args,
+    kw,
+    quant,
+    *,
+    is_neox=True,
+    kv_scale=None,
+    q_dtype=None,
+    q_scale=None,
+    epsilon=1e-6,
+    **options,
+):
     """The reference's outputs of a quantizing call: a dict of q_out, k_cache, v_cache and the
     scale arrays (copies of those in ``quant``, written)."""
     kc, vc = (c.copy() for c in args["paged_kv_cache"])
     q_out = np.empty(args["q"].shape, args["q"].dtype if q_dtype is None else q_dtype)
     qs = quant.get("q_scale_out")
     qs = None if qs is None else qs.copy()
-    ks, vs = (None, None) if "kv_cache_scales" not in quant else (
-        x.copy() for x in quant["kv_cache_scales"])
+    ks, vs = (
+        (None, None)
+        if "kv_cache_scales" not in quant
+        else (x.copy() for x in quant["kv_cache_scales"])
+    )
     fp8 = kc.dtype in FP8_DTYPES and ks is None
-    k_s, v_s = (kv_scale if isinstance(kv_scale, tuple) else (kv_scale or 1.0,) * 2) if fp8 \
-        else (1.0, 1.0)
+    k_s, v_s = (
+        (kv_scale if isinstance(kv_scale, tuple) else (kv_scale or 1.0,) * 2) if fp8 else (1.0, 1.0)
+    )
     reference.qk_rmsnorm_rope_append_paged_kv_cache(
-        args["q"], args["k"], args["v"], args["q_gamma"], args["k_gamma"],
-        args["cos_sin_cache"], args["input_row_offsets"], args["cache_lengths"],
-        args["block_table"], kc, vc, q_out, epsilon, is_neox, kw["kv_layout"], k_s, v_s,
-        **options, q_scale=1.0 if q_scale is None else q_scale, q_scale_out=qs, k_scales=ks,
-        v_scales=vs)
-    return {"q_out": q_out, "k_cache": kc, "v_cache": vc, "q_scale_out": qs, "k_scales": ks,
-            "v_scales": vs}
+        args["q"],
+        args["k"],
+        args["v"],
+        args["q_gamma"],
+        args["k_gamma"],
+        args["cos_sin_cache"],
+        args["input_row_offsets"],
+        args["cache_lengths"],
+        args["block_table"],
+        kc,
+        vc,
+        q_out,
+        epsilon,
+        is_neox,
+        kw["kv_layout"],
+        k_s,
+        v_s,
+        **options,
+        q_scale=1.0 if q_scale is None else q_scale,
+        q_scale_out=qs,
+        k_scales=ks,
+        v_scales=vs,
+    )
+    return {
+        "q_out": q_out,
+        "k_cache": kc,
+        "v_cache": vc,
+        "q_scale_out": qs,
+        "k_scales": ks,
+        "v_scales": vs,
+    }
 
 
 def with_cache(args, dtype):
@@ -877,10 +1195,12 @@ def test_fp8_q_dequantizes_to_the_16_bit_result(q_dtype, dynamic):
     if dynamic:
         codes = np.abs(q8.astype(np.float64)).max(-1)
         np.testing.assert_array_equal(codes, MAX_CODE[q_dtype])
-        np.testing.assert_allclose(quant["q_scale_out"], np.abs(q16).max(-1) / MAX_CODE[q_dtype],
-                                   rtol=2e-3)
-    want = expected_quant(args, kw, quant_arrays(args, kw, q_dynamic=dynamic), q_dtype=q_dtype,
-                          **scale)
+        np.testing.assert_allclose(
+            quant["q_scale_out"], np.abs(q16).max(-1) / MAX_CODE[q_dtype], rtol=2e-3
+        )
+    want = expected_quant(
+        args, kw, quant_arrays(args, kw, q_dynamic=dynamic), q_dtype=q_dtype, **scale
+    )
     assert_bytes_equal(q8, want["q_out"])
     if dynamic:
         assert_bytes_equal(quant["q_scale_out"], want["q_scale_out"])
@@ -897,8 +1217,11 @@ def test_kv_cache_scales_quantize_each_written_row(cache_dtype, layout, clear):
     args, kw = make_case(71, layout=layout, new=(3, 0, 2, 4), cached=(0, 5, 17, 4))
     args = with_cache(args, cache_dtype)
     args["paged_kv_cache"] = tuple(
-        (np.random.default_rng(i).standard_normal(args["paged_kv_cache"][0].shape) * 20)
-        .astype(cache_dtype) for i in range(2))
+        (np.random.default_rng(i).standard_normal(args["paged_kv_cache"][0].shape) * 20).astype(
+            cache_dtype
+        )
+        for i in range(2)
+    )
     plain = with_cache(args, args["q"].dtype)
     q16 = op(**plain, **kw, clear_unused_last_page_rows=clear)
     quant = quant_arrays(args, kw, kv_dynamic=True)
@@ -908,26 +1231,45 @@ def test_kv_cache_scales_quantize_each_written_row(cache_dtype, layout, clear):
     written = written_rows(args, kw)
     tail = tail_rows(args, kw) if clear else np.zeros_like(written)
     assert written.sum() == 9 * 2 and tail.sum() == (2 * 2 if clear else 0)
-    for codes, scales, want, old_c, old_s in zip(args["paged_kv_cache"], quant["kv_cache_scales"],
-                                                 plain["paged_kv_cache"], before[:2], before[2:]):
-        assert_dequantizes_to(codes[written], scales[written],
-                              want[written].astype(np.float64), cache_dtype, "cache rows")
-        np.testing.assert_array_equal(np.abs(codes[written].astype(np.float64)).max(-1),
-                                      MAX_CODE[cache_dtype])
+    for codes, scales, want, old_c, old_s in zip(
+        args["paged_kv_cache"],
+        quant["kv_cache_scales"],
+        plain["paged_kv_cache"],
+        before[:2],
+        before[2:],
+    ):
+        assert_dequantizes_to(
+            codes[written],
+            scales[written],
+            want[written].astype(np.float64),
+            cache_dtype,
+            "cache rows",
+        )
+        np.testing.assert_array_equal(
+            np.abs(codes[written].astype(np.float64)).max(-1), MAX_CODE[cache_dtype]
+        )
         assert not codes[tail].view(np.uint8).any() and not scales[tail].view(np.uint8).any()
         keep = ~written & ~tail
         assert_bytes_equal(codes[keep], old_c[keep])
         assert_bytes_equal(scales[keep], old_s[keep])
-    want = expected_quant(dict(args, paged_kv_cache=tuple(before[:2])), kw,
-                          {"kv_cache_scales": tuple(before[2:])},
-                          clear_unused_last_page_rows=clear)
-    for got, name in zip((*args["paged_kv_cache"], *quant["kv_cache_scales"]),
-                         ("k_cache", "v_cache", "k_scales", "v_scales")):
+    want = expected_quant(
+        dict(args, paged_kv_cache=tuple(before[:2])),
+        kw,
+        {"kv_cache_scales": tuple(before[2:])},
+        clear_unused_last_page_rows=clear,
+    )
+    for got, name in zip(
+        (*args["paged_kv_cache"], *quant["kv_cache_scales"]),
+        ("k_cache", "v_cache", "k_scales", "v_scales"),
+    ):
         assert_bytes_equal(got, want[name], name)
 
 
-@given(seed=seeds, layout=st.sampled_from(["NHD", "HND"]),
-       cache_dtype=st.sampled_from([E4M3, E5M2, INT8]))
+@given(
+    seed=seeds,
+    layout=st.sampled_from(["NHD", "HND"]),
+    cache_dtype=st.sampled_from([E4M3, E5M2, INT8]),
+)
 def test_quantized_prefix_cached_run_equals_full_prefill(seed, layout, cache_dtype):
     """Computed scales belong to rows, not to calls: a prefill split over two calls writes the
     same fp8 q, q scales, cache codes and cache scales as one call (NumPy backend)."""
@@ -942,17 +1284,31 @@ def test_quantized_prefix_cached_run_equals_full_prefill(seed, layout, cache_dty
     outs, q_scales = [], []
     for idx, offs, lens in ((idx1, [0, 3, 5], [0, 0]), (idx2, [0, 4, 7], [3, 2])):
         qs = {} if q_dtype is None else {"q_scale_out": np.zeros((len(idx), 8), np.float32)}
-        outs.append(op(**dict(steps, q=steps["q"][idx], k=steps["k"][idx], v=steps["v"][idx],
-                              input_row_offsets=np.array(offs, np.int32),
-                              cache_lengths=np.array(lens, np.int32)), **kw,
-                       q_out_dtype=q_dtype, kv_cache_scales=step_scales, **qs))
+        outs.append(
+            op(
+                **dict(
+                    steps,
+                    q=steps["q"][idx],
+                    k=steps["k"][idx],
+                    v=steps["v"][idx],
+                    input_row_offsets=np.array(offs, np.int32),
+                    cache_lengths=np.array(lens, np.int32),
+                ),
+                **kw,
+                q_out_dtype=q_dtype,
+                kv_cache_scales=step_scales,
+                **qs,
+            )
+        )
         q_scales.append(qs.get("q_scale_out"))
     order = np.argsort(np.r_[idx1, idx2])
     assert_bytes_equal(np.concatenate(outs)[order], q_full)
     if q_dtype is not None:
         assert_bytes_equal(np.concatenate(q_scales)[order], quant["q_scale_out"])
-    for a, b in zip((*steps["paged_kv_cache"], *step_scales),
-                    (*full["paged_kv_cache"], *quant["kv_cache_scales"])):
+    for a, b in zip(
+        (*steps["paged_kv_cache"], *step_scales),
+        (*full["paged_kv_cache"], *quant["kv_cache_scales"]),
+    ):
         assert_bytes_equal(a, b)
 
 
@@ -964,13 +1320,16 @@ def test_quantized_outputs_untouched_on_a_failing_status(kind):
     args["input_row_offsets"] = malform(args["input_row_offsets"], kind)
     quant = quant_arrays(args, kw, q_dynamic=True, kv_dynamic=True)
     q_out = np.full(args["q"].shape, 7, E4M3)
-    before = [x.copy() for x in (q_out, quant["q_scale_out"], *args["paged_kv_cache"],
-                                 *quant["kv_cache_scales"])]
+    before = [
+        x.copy()
+        for x in (q_out, quant["q_scale_out"], *args["paged_kv_cache"], *quant["kv_cache_scales"])
+    ]
     status = np.full(1, 99, np.int32)
     op(**args, **kw, q_out=q_out, status=status, **quant)
     assert status[0] == kind
-    for got, old in zip((q_out, quant["q_scale_out"], *args["paged_kv_cache"],
-                         *quant["kv_cache_scales"]), before):
+    for got, old in zip(
+        (q_out, quant["q_scale_out"], *args["paged_kv_cache"], *quant["kv_cache_scales"]), before
+    ):
         assert_bytes_equal(got, old)
 
 
@@ -994,59 +1353,120 @@ def test_q_out_dtype_spellings():
 
 
 def test_fp8_q_validation():
-    bad(TypeError, r"q_out_dtype must be float16 or float8_e4m3fn or float8_e5m2 \(a dtype or "
-        r"its name\), got 'float32'", {"q_out_dtype": "float32"})
+    bad(
+        TypeError,
+        r"q_out_dtype must be float16 or float8_e4m3fn or float8_e5m2 \(a dtype or "
+        r"its name\), got 'float32'",
+        {"q_out_dtype": "float32"},
+    )
     bad(TypeError, "q_out_dtype must be", {"q_out_dtype": "e4m3"})
-    bad(TypeError, r"q_out_dtype \(float8_e5m2\) must be the dtype of the given q_out "
-        r"\(float8_e4m3fn\)", {"q_out_dtype": "float8_e5m2", "q_out": np.zeros((5, 8, 32), E4M3)})
-    bad(TypeError, "q_out must have dtype float16 or float8_e4m3fn or float8_e5m2, got float32",
-        {"q_out": np.zeros((5, 8, 32), np.float32)})
+    bad(
+        TypeError,
+        r"q_out_dtype \(float8_e5m2\) must be the dtype of the given q_out "
+        r"\(float8_e4m3fn\)",
+        {"q_out_dtype": "float8_e5m2", "q_out": np.zeros((5, 8, 32), E4M3)},
+    )
+    bad(
+        TypeError,
+        "q_out must have dtype float16 or float8_e4m3fn or float8_e5m2, got float32",
+        {"q_out": np.zeros((5, 8, 32), np.float32)},
+    )
     bad(ValueError, r"q_out must have shape = \(5, 8, 32\)", {"q_out": np.zeros((5, 8, 16), E4M3)})
-    bad(ValueError, "q_scale is only used with a float8 q_out, but q_out is float16",
-        {"q_scale": 0.5})
-    bad(ValueError, "q_scale must be a finite positive number", {"q_scale": 0.0,
-                                                                 "q_out_dtype": E4M3})
+    bad(
+        ValueError,
+        "q_scale is only used with a float8 q_out, but q_out is float16",
+        {"q_scale": 0.5},
+    )
+    bad(
+        ValueError,
+        "q_scale must be a finite positive number",
+        {"q_scale": 0.0, "q_out_dtype": E4M3},
+    )
     bad(TypeError, "q_scale must be a real number", {"q_scale": "1", "q_out_dtype": E4M3})
     qs = np.zeros((5, 8), np.float32)
-    bad(ValueError, "q_scale_out is only used with a float8 q_out, but q_out is float16",
-        {"q_scale_out": qs})
-    bad(ValueError, "q_scale .* and q_scale_out .* exclude each other",
-        {"q_scale_out": qs, "q_scale": 1.0, "q_out_dtype": E4M3})
-    bad(ValueError, r"q_scale_out must have shape \(T, Hq\) = \(5, 8\), got \(8, 5\)",
-        {"q_scale_out": qs.T.copy(), "q_out_dtype": E4M3})
-    bad(TypeError, "q_scale_out must have dtype float32, got float16",
-        {"q_scale_out": qs.astype(np.float16), "q_out_dtype": E4M3})
+    bad(
+        ValueError,
+        "q_scale_out is only used with a float8 q_out, but q_out is float16",
+        {"q_scale_out": qs},
+    )
+    bad(
+        ValueError,
+        "q_scale .* and q_scale_out .* exclude each other",
+        {"q_scale_out": qs, "q_scale": 1.0, "q_out_dtype": E4M3},
+    )
+    bad(
+        ValueError,
+        r"q_scale_out must have shape \(T, Hq\) = \(5, 8\), got \(8, 5\)",
+        {"q_scale_out": qs.T.copy(), "q_out_dtype": E4M3},
+    )
+    bad(
+        TypeError,
+        "q_scale_out must have dtype float32, got float16",
+        {"q_scale_out": qs.astype(np.float16), "q_out_dtype": E4M3},
+    )
     ro = qs.copy()
     ro.flags.writeable = False
     bad(BufferError, "q_scale_out is written in place", {"q_scale_out": ro, "q_out_dtype": E4M3})
-    bad(ValueError, "q_scale_out is written but has stride 0",
-        {"q_scale_out": np.lib.stride_tricks.as_strided(np.zeros(8, np.float32), (5, 8),
-                                                         (0, 4)), "q_out_dtype": E4M3})
+    bad(
+        ValueError,
+        "q_scale_out is written but has stride 0",
+        {
+            "q_scale_out": np.lib.stride_tricks.as_strided(np.zeros(8, np.float32), (5, 8), (0, 4)),
+            "q_out_dtype": E4M3,
+        },
+    )
 
 
 def test_kv_cache_scales_validation():
     fp8 = tuple(np.zeros((12, 4, 2, 32), E4M3) for _ in range(2))
     int8 = tuple(np.zeros((12, 4, 2, 32), INT8) for _ in range(2))
     sc = tuple(np.zeros((12, 4, 2), np.float32) for _ in range(2))
-    bad(ValueError, r"kv_cache_scales must be a tuple \(k_scales, v_scales\), got ndarray",
-        {"kv_cache_scales": sc[0]}, paged_kv_cache=fp8)
-    bad(ValueError, r"k_scales must have shape \(num_pages, page_size, Hkv\) for NHD = "
+    bad(
+        ValueError,
+        r"kv_cache_scales must be a tuple \(k_scales, v_scales\), got ndarray",
+        {"kv_cache_scales": sc[0]},
+        paged_kv_cache=fp8,
+    )
+    bad(
+        ValueError,
+        r"k_scales must have shape \(num_pages, page_size, Hkv\) for NHD = "
         r"\(12, 4, 2\), got \(12, 2, 4\)",
-        {"kv_cache_scales": (np.zeros((12, 2, 4), np.float32), sc[1])}, paged_kv_cache=fp8)
-    bad(ValueError, r"v_scales must have shape \(num_pages, Hkv, page_size\) for HND",
+        {"kv_cache_scales": (np.zeros((12, 2, 4), np.float32), sc[1])},
+        paged_kv_cache=fp8,
+    )
+    bad(
+        ValueError,
+        r"v_scales must have shape \(num_pages, Hkv, page_size\) for HND",
         {"kv_cache_scales": (np.zeros((12, 2, 4), np.float32), sc[1]), "kv_layout": "HND"},
-        paged_kv_cache=tuple(np.zeros((12, 2, 4, 32), E4M3) for _ in range(2)))
-    bad(TypeError, "v_scales must have dtype float32, got float64",
-        {"kv_cache_scales": (sc[0], sc[1].astype(np.float64))}, paged_kv_cache=fp8)
+        paged_kv_cache=tuple(np.zeros((12, 2, 4, 32), E4M3) for _ in range(2)),
+    )
+    bad(
+        TypeError,
+        "v_scales must have dtype float32, got float64",
+        {"kv_cache_scales": (sc[0], sc[1].astype(np.float64))},
+        paged_kv_cache=fp8,
+    )
     ro = sc[1].copy()
     ro.flags.writeable = False
-    bad(BufferError, "v_scales is written in place",
-        {"kv_cache_scales": (sc[0], ro)}, paged_kv_cache=fp8)
+    bad(
+        BufferError,
+        "v_scales is written in place",
+        {"kv_cache_scales": (sc[0], ro)},
+        paged_kv_cache=fp8,
+    )
     both = np.zeros((12, 4, 2), np.float32)
-    bad(ValueError, "k_scales is written in place but shares memory with v_scales",
-        {"kv_cache_scales": (both, both)}, paged_kv_cache=fp8)
-    bad(TypeError, "an fp8 q_out .* with an int8 cache is not supported",
-        {"kv_cache_scales": sc, "q_out_dtype": E4M3}, paged_kv_cache=int8)
+    bad(
+        ValueError,
+        "k_scales is written in place but shares memory with v_scales",
+        {"kv_cache_scales": (both, both)},
+        paged_kv_cache=fp8,
+    )
+    bad(
+        TypeError,
+        "an fp8 q_out .* with an int8 cache is not supported",
+        {"kv_cache_scales": sc, "q_out_dtype": E4M3},
+        paged_kv_cache=int8,
+    )
 
 
 def assert_codes_close(got, want, what):
@@ -1063,19 +1483,41 @@ def assert_codes_close(got, want, what):
 def assert_scales_close(got, want, what):
     """Computed scales (float32): a float32 kernel's row maximum against the float64 one."""
     got = to_numpy(got).astype(np.float64)
-    np.testing.assert_allclose(got, want.astype(np.float64), rtol=1e-4, atol=0, equal_nan=True,
-                               err_msg=what)
+    np.testing.assert_allclose(
+        got, want.astype(np.float64), rtol=1e-4, atol=0, equal_nan=True, err_msg=what
+    )
 
 
-def check_quant_on_device(args, kw, quant, *, is_neox=True, kv_scale=None, q_dtype=None,
-                          q_scale=None, given=False, clear=False, status=False, **options):
+def check_quant_on_device(
+    args,
+    kw,
+    quant,
+    *,
+    is_neox=True,
+    kv_scale=None,
+    q_dtype=None,
+    q_scale=None,
+    given=False,
+    clear=False,
+    status=False,
+    **options,
+):
     """Run a quantizing call on device copies of ``args`` and ``quant`` (quant_arrays) and compare
     every output with the reference; the slots the call must not write keep their bytes (caches
     and scale arrays)."""
     import cupy as cp
 
-    want = expected_quant(args, kw, quant, is_neox=is_neox, kv_scale=kv_scale, q_dtype=q_dtype,
-                          q_scale=q_scale, clear_unused_last_page_rows=clear, **options)
+    want = expected_quant(
+        args,
+        kw,
+        quant,
+        is_neox=is_neox,
+        kv_scale=kv_scale,
+        q_dtype=q_dtype,
+        q_scale=q_scale,
+        clear_unused_last_page_rows=clear,
+        **options,
+    )
     mask = written_rows(args, kw, options.get("position_ids"))
     if clear:
         mask |= tail_rows(args, kw, options.get("position_ids"))
@@ -1083,7 +1525,7 @@ def check_quant_on_device(args, kw, quant, *, is_neox=True, kv_scale=None, q_dty
     Hq, Hkv = args["q"].shape[1], args["k"].shape[1]
     if args["q"].base is not None and args["q"].base is args["k"].base:  # keep the packing
         qkv = cp.asarray(args["q"].base)
-        dev.update(q=qkv[:, :Hq], k=qkv[:, Hq:Hq + Hkv], v=qkv[:, Hq + Hkv:])
+        dev.update(q=qkv[:, :Hq], k=qkv[:, Hq : Hq + Hkv], v=qkv[:, Hq + Hkv :])
     else:
         dev.update(q=to_device(args["q"]), k=to_device(args["k"]), v=to_device(args["v"]))
     dq = {k: to_device(v) for k, v in quant.items()}
@@ -1092,8 +1534,17 @@ def check_quant_on_device(args, kw, quant, *, is_neox=True, kv_scale=None, q_dty
         extra = {"q_out": to_device(np.full(args["q"].shape, np.nan, want["q_out"].dtype))}
     if status:
         extra["status"] = cp.full(1, 99, cp.int32)
-    out = op(**dev, **kw, is_neox=is_neox, kv_scale=kv_scale, q_scale=q_scale, **extra, **dq,
-             **{n: to_device(x) for n, x in options.items()}, clear_unused_last_page_rows=clear)
+    out = op(
+        **dev,
+        **kw,
+        is_neox=is_neox,
+        kv_scale=kv_scale,
+        q_scale=q_scale,
+        **extra,
+        **dq,
+        **{n: to_device(x) for n, x in options.items()},
+        clear_unused_last_page_rows=clear,
+    )
     if given:
         assert out is extra["q_out"]
     if status:
@@ -1114,21 +1565,46 @@ def check_quant_on_device(args, kw, quant, *, is_neox=True, kv_scale=None, q_dty
 
 
 @pytest.mark.gpu
-@given(seed=seeds, dtype=st.sampled_from(INPUT_DTYPES), data=st.data(),
-       heads=st.sampled_from([(32, 4), (64, 8), (16, 16), (6, 2)]),
-       layout=st.sampled_from(["NHD", "HND"]), is_neox=st.sampled_from([True, True, False]),
-       page_size=st.sampled_from([1, 16, 32]),
-       new=st.lists(st.integers(0, 24), min_size=1, max_size=4),
-       q_mode=st.sampled_from([None, "static", "dynamic", "dynamic"]),
-       q_dtype=st.sampled_from([E4M3, E4M3, E5M2]),
-       kv_mode=st.sampled_from([None, E4M3, E5M2, INT8, INT8]), given_q=st.booleans(),
-       packed=st.booleans(), norm_order=st.sampled_from(["before_rope", "after_rope"]),
-       weight_offset=st.sampled_from([0.0, 0.0, 1.0]), clear=st.booleans(),
-       status=st.booleans(), mrope=st.sampled_from([None, None, "chunked", "interleaved"]))
-def test_quantizing_kernel_matches_reference(seed, dtype, data, heads, layout, is_neox,
-                                             page_size, new, q_mode, q_dtype, kv_mode, given_q,
-                                             packed, norm_order, weight_offset, clear, status,
-                                             mrope):
+@given(
+    seed=seeds,
+    dtype=st.sampled_from(INPUT_DTYPES),
+    data=st.data(),
+    heads=st.sampled_from([(32, 4), (64, 8), (16, 16), (6, 2)]),
+    layout=st.sampled_from(["NHD", "HND"]),
+    is_neox=st.sampled_from([True, True, False]),
+    page_size=st.sampled_from([1, 16, 32]),
+    new=st.lists(st.integers(0, 24), min_size=1, max_size=4),
+    q_mode=st.sampled_from([None, "static", "dynamic", "dynamic"]),
+    q_dtype=st.sampled_from([E4M3, E4M3, E5M2]),
+    kv_mode=st.sampled_from([None, E4M3, E5M2, INT8, INT8]),
+    given_q=st.booleans(),
+    packed=st.booleans(),
+    norm_order=st.sampled_from(["before_rope", "after_rope"]),
+    weight_offset=st.sampled_from([0.0, 0.0, 1.0]),
+    clear=st.booleans(),
+    status=st.booleans(),
+    mrope=st.sampled_from([None, None, "chunked", "interleaved"]),
+)
+def test_quantizing_kernel_matches_reference(
+    seed,
+    dtype,
+    data,
+    heads,
+    layout,
+    is_neox,
+    page_size,
+    new,
+    q_mode,
+    q_dtype,
+    kv_mode,
+    given_q,
+    packed,
+    norm_order,
+    weight_offset,
+    clear,
+    status,
+    mrope,
+):
     """fp8 q (static or dynamic scales) and per-token-head KV scales, alone and together, with
     every other option (norm order, weight offset, tail clearing, status, mRoPE, NHD/HND,
     neox/interleaved, packed strided views, a given or new q_out)."""
@@ -1137,32 +1613,68 @@ def test_quantizing_kernel_matches_reference(seed, dtype, data, heads, layout, i
     if q_mode is not None and kv_mode == INT8:
         kv_mode = E5M2  # fp8 q with an int8 cache is refused
     Hq, Hkv = heads
-    D, R = data.draw(st.sampled_from([(128, 128), (128, 128), (64, 64), (128, 64), (256, 256),
-                                      (80, 40)]))
-    cache_dtype = kv_mode if kv_mode is not None else data.draw(
-        st.sampled_from([dtype, *FP8_DTYPES]))
+    D, R = data.draw(
+        st.sampled_from([(128, 128), (128, 128), (64, 64), (128, 64), (256, 256), (80, 40)])
+    )
+    cache_dtype = (
+        kv_mode if kv_mode is not None else data.draw(st.sampled_from([dtype, *FP8_DTYPES]))
+    )
     cached = data.draw(st.lists(st.integers(0, 200), min_size=len(new), max_size=len(new)))
-    kv_scale = data.draw(st.sampled_from([None, 0.5, (2.0, 0.25)])) \
-        if kv_mode is None and cache_dtype in FP8_DTYPES else None
-    args, kw = make_case(seed, Hq=Hq, Hkv=Hkv, D=D, R=R, dtype=dtype, cache_dtype=cache_dtype,
-                         new=new, cached=cached, page_size=page_size, layout=layout,
-                         gamma_f32=True, packed=packed)
+    kv_scale = (
+        data.draw(st.sampled_from([None, 0.5, (2.0, 0.25)]))
+        if kv_mode is None and cache_dtype in FP8_DTYPES
+        else None
+    )
+    args, kw = make_case(
+        seed,
+        Hq=Hq,
+        Hkv=Hkv,
+        D=D,
+        R=R,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        new=new,
+        cached=cached,
+        page_size=page_size,
+        layout=layout,
+        gamma_f32=True,
+        packed=packed,
+    )
     if cache_dtype == INT8:
-        args["paged_kv_cache"] = tuple(np.random.default_rng(seed + i).integers(
-            -127, 128, args["paged_kv_cache"][0].shape).astype(INT8) for i in range(2))
+        args["paged_kv_cache"] = tuple(
+            np.random.default_rng(seed + i)
+            .integers(-127, 128, args["paged_kv_cache"][0].shape)
+            .astype(INT8)
+            for i in range(2)
+        )
     options = {}
     if mrope:
-        ids, section = mrope_case(np.random.default_rng(seed), args, R, mrope == "interleaved",
-                                  bad_share=0.1)
-        options = {"position_ids": ids, "mrope_section": section,
-                   "mrope_interleaved": mrope == "interleaved"}
-    quant = quant_arrays(args, kw, q_dynamic=q_mode == "dynamic", kv_dynamic=kv_mode is not None,
-                         seed=seed)
-    check_quant_on_device(args, kw, quant, is_neox=is_neox, kv_scale=kv_scale,
-                          q_dtype=None if q_mode is None else q_dtype,
-                          q_scale=0.125 if q_mode == "static" else None,
-                          given=given_q, clear=clear, status=status, norm_order=norm_order,
-                          weight_offset=weight_offset, **options)
+        ids, section = mrope_case(
+            np.random.default_rng(seed), args, R, mrope == "interleaved", bad_share=0.1
+        )
+        options = {
+            "position_ids": ids,
+            "mrope_section": section,
+            "mrope_interleaved": mrope == "interleaved",
+        }
+    quant = quant_arrays(
+        args, kw, q_dynamic=q_mode == "dynamic", kv_dynamic=kv_mode is not None, seed=seed
+    )
+    check_quant_on_device(
+        args,
+        kw,
+        quant,
+        is_neox=is_neox,
+        kv_scale=kv_scale,
+        q_dtype=None if q_mode is None else q_dtype,
+        q_scale=0.125 if q_mode == "static" else None,
+        given=given_q,
+        clear=clear,
+        status=status,
+        norm_order=norm_order,
+        weight_offset=weight_offset,
+        **options,
+    )
 
 
 @pytest.mark.gpu
@@ -1173,10 +1685,24 @@ def test_quantized_qwen3_decode_and_prefill(layout, kv):
     long prefill (two rows per lane group), packed bf16 qkv, dynamic fp8 q with an fp8 cache or
     bf16 q with an int8 cache, both with per-token-head scales."""
     q_dtype = E4M3 if kv != INT8 else None
-    for new, cached, seed in (((1,) * 64, tuple(range(0, 640, 10)), 80),
-                              ((600, 0, 700), (0, 2, 50), 81), ((1,) * 200, (7,) * 200, 82)):
-        args, kw = make_case(seed, Hq=64, Hkv=8, D=128, dtype=BF16, cache_dtype=kv, new=new,
-                             cached=cached, page_size=16, layout=layout, packed=True)
+    for new, cached, seed in (
+        ((1,) * 64, tuple(range(0, 640, 10)), 80),
+        ((600, 0, 700), (0, 2, 50), 81),
+        ((1,) * 200, (7,) * 200, 82),
+    ):
+        args, kw = make_case(
+            seed,
+            Hq=64,
+            Hkv=8,
+            D=128,
+            dtype=BF16,
+            cache_dtype=kv,
+            new=new,
+            cached=cached,
+            page_size=16,
+            layout=layout,
+            packed=True,
+        )
         quant = quant_arrays(args, kw, q_dynamic=q_dtype is not None, kv_dynamic=True, seed=seed)
         check_quant_on_device(args, kw, quant, q_dtype=q_dtype)
 
@@ -1190,8 +1716,17 @@ def test_quantized_outputs_untouched_on_a_failing_status_on_device(kind, T_new):
     import cupy as cp
 
     new = (T_new, 0, 0) if T_new > 1 else (1, 0, 0)
-    args, kw = make_case(90 + kind, Hq=16, Hkv=4, D=128, dtype=BF16, cache_dtype=E4M3, new=new,
-                         cached=(3, 9, 20), page_size=16)
+    args, kw = make_case(
+        90 + kind,
+        Hq=16,
+        Hkv=4,
+        D=128,
+        dtype=BF16,
+        cache_dtype=E4M3,
+        new=new,
+        cached=(3, 9, 20),
+        page_size=16,
+    )
     args["input_row_offsets"] = malform(args["input_row_offsets"], kind)
     code = reference.ragged_offsets_status(args["input_row_offsets"], T_new)
     assert code != 0
@@ -1203,9 +1738,10 @@ def test_quantized_outputs_untouched_on_a_failing_status_on_device(kind, T_new):
     op(**dev, **kw, q_out=q_out, status=status, **dq)
     assert int(status[0]) == code
     assert bool((q_out.view(cp.uint8) == np.full(1, 7, E4M3).view(np.uint8)[0]).all())
-    for got, old in zip((dq["q_scale_out"], *dev["paged_kv_cache"], *dq["kv_cache_scales"]),
-                        (quant["q_scale_out"], *args["paged_kv_cache"],
-                         *quant["kv_cache_scales"])):
+    for got, old in zip(
+        (dq["q_scale_out"], *dev["paged_kv_cache"], *dq["kv_cache_scales"]),
+        (quant["q_scale_out"], *args["paged_kv_cache"], *quant["kv_cache_scales"]),
+    ):
         assert_bytes_equal(to_numpy(got), old, "after malformed offsets")
 
 
@@ -1219,8 +1755,18 @@ def test_quantized_hostile_indices_never_write_out_of_bounds(tokens, clear):
     import cupy as cp
 
     new = (1, 1, 1, 1) if tokens == "decode" else (5, 3, 4, 0)
-    args, kw = make_case(41, Hq=8, Hkv=2, D=64, dtype=BF16, cache_dtype=E4M3, new=new,
-                         cached=(0, 0, 0, 3), page_size=4, packed=True)
+    args, kw = make_case(
+        41,
+        Hq=8,
+        Hkv=2,
+        D=64,
+        dtype=BF16,
+        cache_dtype=E4M3,
+        new=new,
+        cached=(0, 0, 0, 3),
+        page_size=4,
+        packed=True,
+    )
     args["cache_lengths"] = np.array([0, 2**31 - 3, -7, 1], np.int32)
     args["block_table"][0, :2] = [-5, 2**31 - 1]
     if clear:
@@ -1232,26 +1778,43 @@ def test_quantized_hostile_indices_never_write_out_of_bounds(tokens, clear):
     guard = 64
 
     def guarded(x):  # a device copy of x inside a buffer of guard bytes (0x5A)
-        raw = np.concatenate([np.full(guard, 0x5A, np.uint8), x.view(np.uint8).ravel(),
-                              np.full(guard, 0x5A, np.uint8)])
+        raw = np.concatenate(
+            [
+                np.full(guard, 0x5A, np.uint8),
+                x.view(np.uint8).ravel(),
+                np.full(guard, 0x5A, np.uint8),
+            ]
+        )
         buf = cp.asarray(raw)
         return buf, buf[guard:-guard].view(x.dtype if x.dtype not in FP8_DTYPES else cp.uint8)
 
     bufs, dev = [], {}
-    for name, x in (("k", args["paged_kv_cache"][0]), ("v", args["paged_kv_cache"][1]),
-                    ("ks", quant["kv_cache_scales"][0]), ("vs", quant["kv_cache_scales"][1]),
-                    ("qs", quant["q_scale_out"])):
+    for name, x in (
+        ("k", args["paged_kv_cache"][0]),
+        ("v", args["paged_kv_cache"][1]),
+        ("ks", quant["kv_cache_scales"][0]),
+        ("vs", quant["kv_cache_scales"][1]),
+        ("qs", quant["q_scale_out"]),
+    ):
         buf, view = guarded(x)
         if x.dtype in FP8_DTYPES:
             view = view.view(x.dtype)
         bufs.append(buf)
         dev[name] = view.reshape(x.shape)
-    rest = {k: to_device(v) for k, v in args.items() if k not in ("q", "k", "v",
-                                                                   "paged_kv_cache")}
+    rest = {k: to_device(v) for k, v in args.items() if k not in ("q", "k", "v", "paged_kv_cache")}
     qkv = cp.asarray(args["q"].base)
-    out = op(q=qkv[:, :8], k=qkv[:, 8:10], v=qkv[:, 10:], **rest, **kw,
-             paged_kv_cache=(dev["k"], dev["v"]), kv_cache_scales=(dev["ks"], dev["vs"]),
-             q_scale_out=dev["qs"], q_out_dtype=E4M3, clear_unused_last_page_rows=clear)
+    out = op(
+        q=qkv[:, :8],
+        k=qkv[:, 8:10],
+        v=qkv[:, 10:],
+        **rest,
+        **kw,
+        paged_kv_cache=(dev["k"], dev["v"]),
+        kv_cache_scales=(dev["ks"], dev["vs"]),
+        q_scale_out=dev["qs"],
+        q_out_dtype=E4M3,
+        clear_unused_last_page_rows=clear,
+    )
     assert_codes_close(out, want["q_out"], "q_out")
     assert_scales_close(dev["qs"], want["q_scale_out"], "q_scale_out")
     for buf in bufs:
@@ -1260,8 +1823,9 @@ def test_quantized_hostile_indices_never_write_out_of_bounds(tokens, clear):
     mask = written_rows(args, kw)
     for name, i in (("k", 0), ("v", 1)):
         old_c, old_s = args["paged_kv_cache"][i], quant["kv_cache_scales"][i]
-        changed = ((want[f"{name}_cache"].view(np.uint8) != old_c.view(np.uint8)).any(-1)
-                   | (want[f"{name}_scales"].view(np.uint32) != old_s.view(np.uint32)))
+        changed = (want[f"{name}_cache"].view(np.uint8) != old_c.view(np.uint8)).any(-1) | (
+            want[f"{name}_scales"].view(np.uint32) != old_s.view(np.uint32)
+        )
         m = mask | changed  # the rows the reference writes or clears
         got_c, got_s = to_numpy(dev[name]), to_numpy(dev[f"{name}s"])
         assert_codes_close(got_c[m], want[f"{name}_cache"][m], f"{name}_cache")
@@ -1281,15 +1845,27 @@ def test_dynamic_fp8_q_matches_flashinfer_cake(is_prefill):
     torch = pytest.importorskip("torch")
     try:
         from flashinfer.cake_fused_qk_rope_fp8_append import (
-            cake_fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache as cake_fp8)
+            cake_fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache as cake_fp8,
+        )
     except Exception as exc:  # noqa: BLE001 - not installed (0.7.2 or later), or its JIT failed
         pytest.skip(f"FlashInfer's Cake kernels unavailable: {exc}")
     import cupy as cp
 
-    new, cached = ((1, 1, 1, 1), (5, 0, 3, 30)) if not is_prefill else ((1, 7, 20, 130),
-                                                                      (5, 0, 3, 30))
-    args, kw = make_case(42, Hq=64, Hkv=8, D=128, dtype=BF16, cache_dtype=E4M3, new=new,
-                         cached=cached, page_size=16, packed=True)
+    new, cached = (
+        ((1, 1, 1, 1), (5, 0, 3, 30)) if not is_prefill else ((1, 7, 20, 130), (5, 0, 3, 30))
+    )
+    args, kw = make_case(
+        42,
+        Hq=64,
+        Hkv=8,
+        D=128,
+        dtype=BF16,
+        cache_dtype=E4M3,
+        new=new,
+        cached=cached,
+        page_size=16,
+        packed=True,
+    )
     T = args["q"].shape[0]
     qkv = to_device(np.ascontiguousarray(args["q"].base))
     dev = {k: to_device(v) for k, v in args.items() if k != "paged_kv_cache"}
@@ -1305,10 +1881,21 @@ def test_dynamic_fp8_q_matches_flashinfer_cake(is_prefill):
     one = torch.ones(1, dtype=torch.float32, device=qkv.device.id)
     max_seqlen = max(new)
     q_fi, scale_fi, flag = cake_fp8(
-        t(qkv).view(T, -1), t(dev["cos_sin_cache"]), t(seq_lens), t(dev["input_row_offsets"]),
-        t(dev["block_table"]), (t(theirs[0]), t(theirs[1])), is_prefill=is_prefill,
-        k_scale=one, v_scale=one, quant_policy=1, max_seqlen=max_seqlen, qk_norm_policy=2,
-        q_norm_weight=t(dev["q_gamma"]), k_norm_weight=t(dev["k_gamma"]))
+        t(qkv).view(T, -1),
+        t(dev["cos_sin_cache"]),
+        t(seq_lens),
+        t(dev["input_row_offsets"]),
+        t(dev["block_table"]),
+        (t(theirs[0]), t(theirs[1])),
+        is_prefill=is_prefill,
+        k_scale=one,
+        v_scale=one,
+        quant_policy=1,
+        max_seqlen=max_seqlen,
+        qk_norm_policy=2,
+        q_norm_weight=t(dev["q_gamma"]),
+        k_norm_weight=t(dev["k_gamma"]),
+    )
     torch.cuda.synchronize()
     assert (flag.cpu().numpy() == 0).all()
     scale_fi = scale_fi.cpu().numpy()
@@ -1316,13 +1903,13 @@ def test_dynamic_fp8_q_matches_flashinfer_cake(is_prefill):
         offs = args["input_row_offsets"].astype(np.int64)
         b = np.searchsorted(offs, np.arange(T), side="right") - 1
         scale_fi = scale_fi[b, :, np.arange(T) - offs[b]]
-    want = expected_quant(args, kw, {"q_scale_out": np.zeros((T, 64), np.float32)},
-                          q_dtype=E4M3)
+    want = expected_quant(args, kw, {"q_scale_out": np.zeros((T, 64), np.float32)}, q_dtype=E4M3)
     assert_codes_close(out, want["q_out"], "q_out vs the reference")
     assert_scales_close(q_scale_out, want["q_scale_out"], "q_scale_out vs the reference")
     assert_codes_close(q_fi, to_numpy(out), "q_out vs Cake")
-    np.testing.assert_allclose(scale_fi, to_numpy(q_scale_out), rtol=1e-3,
-                               err_msg="q scales vs Cake")
+    np.testing.assert_allclose(
+        scale_fi, to_numpy(q_scale_out), rtol=1e-3, err_msg="q scales vs Cake"
+    )
     mask = written_rows(args, kw)
     for a, b in zip(ours, theirs):
         assert_codes_close(to_numpy(a)[mask], to_numpy(b)[mask], "cache rows vs Cake")

@@ -29,9 +29,27 @@ def read_only(a):
     return a
 
 
-def make_case(seed, lengths=(3, 1, 0, 2), K=96, Hq=4, Hkv=2, D=16, R=16, P=64, page_size=4,
-              layout="NHD", dtype=F16, cache_dtype=None, wfmt="dense", group_size=32,
-              zero_points=False, cached=None, bad_pages=False, is_neox=True, extra_tokens=0):
+def make_case(
+    seed,
+    lengths=(3, 1, 0, 2),
+    K=96,
+    Hq=4,
+    Hkv=2,
+    D=16,
+    R=16,
+    P=64,
+    page_size=4,
+    layout="NHD",
+    dtype=F16,
+    cache_dtype=None,
+    wfmt="dense",
+    group_size=32,
+    zero_points=False,
+    cached=None,
+    bad_pages=False,
+    is_neox=True,
+    extra_tokens=0,
+):
     """NumPy arguments of one call (``args``) and its keywords (``kw``). Caches hold random bytes
     so that stray writes show. ``R=None``: no RoPE."""
     rng = np.random.default_rng(seed)
@@ -49,7 +67,7 @@ def make_case(seed, lengths=(3, 1, 0, 2), K=96, Hq=4, Hkv=2, D=16, R=16, P=64, p
     perm = rng.permutation(num_pages)
     start = 0
     for b, n in enumerate(need):
-        table[b, :n] = perm[start:start + n]
+        table[b, :n] = perm[start : start + n]
         start += n
     if bad_pages and B:
         table[0, 0] = num_pages + 5  # out of range: skipped
@@ -65,23 +83,31 @@ def make_case(seed, lengths=(3, 1, 0, 2), K=96, Hq=4, Hkv=2, D=16, R=16, P=64, p
     else:
         weight = qkv_mod.pack_int4(rng.integers(-8, 8, (N, K)))
         kw["group_size"] = group_size
-        kw["weight_scales"] = (rng.uniform(0.5, 1.5, (N, K // group_size))
-                               / (4.6 * math.sqrt(K))).astype(dtype)
+        kw["weight_scales"] = (
+            rng.uniform(0.5, 1.5, (N, K // group_size)) / (4.6 * math.sqrt(K))
+        ).astype(dtype)
         if zero_points:
             kw["zero_points"] = rng.integers(0, 256, (N, K // group_size)).astype(np.uint8)
     shape = (num_pages, page_size, Hkv, D) if layout == "NHD" else (num_pages, Hkv, page_size, D)
     nbytes = int(np.prod(shape)) * cache_dtype.itemsize
-    caches = tuple(rng.integers(0, 256, nbytes, np.uint8).view(cache_dtype)
-                   .reshape(shape) for _ in range(2))
+    caches = tuple(
+        rng.integers(0, 256, nbytes, np.uint8).view(cache_dtype).reshape(shape) for _ in range(2)
+    )
     if cache_dtype.itemsize == 1:  # no NaN codes, so comparisons stay simple
-        caches = tuple(np.where(np.isnan(c.astype(np.float32)), 0, c).astype(cache_dtype)
-                       for c in caches)
+        caches = tuple(
+            np.where(np.isnan(c.astype(np.float32)), 0, c).astype(cache_dtype) for c in caches
+        )
         kw["kv_scale"] = (float(rng.uniform(0.3, 2.0)), float(rng.uniform(0.3, 2.0)))
     if R is not None:
         kw["cos_sin_cache"] = ropekv.cos_sin_cache(P, R, base=float(rng.uniform(100, 1e6)))
-    args = {"hidden_state": x, "weight": weight, "input_row_offsets": offsets,
-            "cache_lengths": cached,
-                "block_table": table, "paged_kv_cache": caches}
+    args = {
+        "hidden_state": x,
+        "weight": weight,
+        "input_row_offsets": offsets,
+        "cache_lengths": cached,
+        "block_table": table,
+        "paged_kv_cache": caches,
+    }
     return args, kw
 
 
@@ -97,10 +123,25 @@ def expected(args, kw, clear=False):
     out = np.empty((T, Hq * k.shape[3]), args["hidden_state"].dtype)
     scale = kw.get("kv_scale") or (1.0, 1.0)
     reference.fused_qkv_matmul_append_paged_kv_cache(
-        args["hidden_state"], args["weight"], args["input_row_offsets"], args["cache_lengths"],
-        args["block_table"], k, v, out, Hq, kw.get("cos_sin_cache"), kw.get("is_neox", True),
-        kw.get("kv_layout", "NHD"), scale[0], scale[1], kw.get("weight_scales"),
-        kw.get("group_size"), kw.get("zero_points"), clear)
+        args["hidden_state"],
+        args["weight"],
+        args["input_row_offsets"],
+        args["cache_lengths"],
+        args["block_table"],
+        k,
+        v,
+        out,
+        Hq,
+        kw.get("cos_sin_cache"),
+        kw.get("is_neox", True),
+        kw.get("kv_layout", "NHD"),
+        scale[0],
+        scale[1],
+        kw.get("weight_scales"),
+        kw.get("group_size"),
+        kw.get("zero_points"),
+        clear,
+    )
     return out, k, v
 
 
@@ -111,8 +152,13 @@ def written_mask(args, kw):
     num_pages, page_size = k.shape[0], k.shape[1] if nhd else k.shape[2]
     T = args["hidden_state"].shape[0]
     request, pos, page, entry = reference.ragged_paged_slots(
-        args["input_row_offsets"], args["cache_lengths"], args["block_table"], page_size,
-        num_pages, T)
+        args["input_row_offsets"],
+        args["cache_lengths"],
+        args["block_table"],
+        page_size,
+        num_pages,
+        T,
+    )
     ok = (request >= 0) & (pos >= 0) & (page >= 0)
     if kw.get("cos_sin_cache") is not None:
         ok &= pos < kw["cos_sin_cache"].shape[0]
@@ -127,15 +173,16 @@ def written_mask(args, kw):
 
 def naive(args, kw):
     x = args["hidden_state"].astype(np.float64)
-    w = reference.dequantize_weight(args["weight"], kw.get("weight_scales"),
-                                    kw.get("group_size"), kw.get("zero_points"))
+    w = reference.dequantize_weight(
+        args["weight"], kw.get("weight_scales"), kw.get("group_size"), kw.get("zero_points")
+    )
     k_cache, v_cache = (c.copy() for c in args["paged_kv_cache"])
     Hq, nhd = kw["num_q_heads"], kw.get("kv_layout", "NHD") == "NHD"
     D = k_cache.shape[3]
-    page_size, Hkv = (k_cache.shape[1], k_cache.shape[2]) if nhd else \
-        (k_cache.shape[2], k_cache.shape[1])
-    offsets, lens, table = (args[n] for n in ("input_row_offsets", "cache_lengths",
-                                              "block_table"))
+    page_size, Hkv = (
+        (k_cache.shape[1], k_cache.shape[2]) if nhd else (k_cache.shape[2], k_cache.shape[1])
+    )
+    offsets, lens, table = (args[n] for n in ("input_row_offsets", "cache_lengths", "block_table"))
     table_cs = kw.get("cos_sin_cache")
     q_out = np.zeros((x.shape[0], Hq * D))
     for t in range(x.shape[0]):
@@ -147,12 +194,12 @@ def naive(args, kw):
             p = None
         if p is not None and table_cs is not None:
             R = table_cs.shape[1]
-            cos, sin = table_cs[p, :R // 2].astype(np.float64), table_cs[p, R // 2:]
+            cos, sin = table_cs[p, : R // 2].astype(np.float64), table_cs[p, R // 2 :]
             for h in range(Hq + Hkv):  # rotate as complex numbers
                 row = heads[h]
                 if kw.get("is_neox", True):
-                    z = (row[:R // 2] + 1j * row[R // 2:R]) * (cos + 1j * sin)
-                    row[:R // 2], row[R // 2:R] = z.real, z.imag
+                    z = (row[: R // 2] + 1j * row[R // 2 : R]) * (cos + 1j * sin)
+                    row[: R // 2], row[R // 2 : R] = z.real, z.imag
                 else:
                     z = (row[0:R:2] + 1j * row[1:R:2]) * (cos + 1j * sin)
                     row[0:R:2], row[1:R:2] = z.real, z.imag
@@ -176,12 +223,21 @@ def naive(args, kw):
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("is_neox, R", [(True, 16), (False, 16), (True, 8), (False, 6),
-                                        (True, None)])
+@pytest.mark.parametrize(
+    "is_neox, R", [(True, 16), (False, 16), (True, 8), (False, 6), (True, None)]
+)
 @pytest.mark.parametrize("wfmt", ["dense", "fp8", "int4"])
 def test_reference_matches_a_token_loop(layout, is_neox, R, wfmt):
-    args, kw = make_case(3, layout=layout, is_neox=is_neox, R=R, wfmt=wfmt, bad_pages=True,
-                         extra_tokens=2, zero_points=wfmt == "int4")
+    args, kw = make_case(
+        3,
+        layout=layout,
+        is_neox=is_neox,
+        R=R,
+        wfmt=wfmt,
+        bad_pages=True,
+        extra_tokens=2,
+        zero_points=wfmt == "int4",
+    )
     q, k, v = expected(args, kw)
     qn, kn, vn = naive(args, kw)
     np.testing.assert_array_equal(q, qn)
@@ -248,13 +304,16 @@ def test_pack_int4_layout():
     np.testing.assert_array_equal(ropekv.pack_int4(np.array([[1, 2]]), signed=False), [[0x21]])
 
 
-@pytest.mark.parametrize("w, signed, exc, match", [
-    (np.array([[8, 0]]), True, ValueError, r"\[-8, 7\]"),
-    (np.array([[-1, 0]]), False, ValueError, r"\[0, 15\]"),
-    (np.array([[1, 2, 3]]), True, ValueError, "even"),
-    (np.array([1, 2]), True, ValueError, r"\(N, K\)"),
-    (np.array([[1.0, 2.0]]), True, TypeError, "integer"),
-])
+@pytest.mark.parametrize(
+    "w, signed, exc, match",
+    [
+        (np.array([[8, 0]]), True, ValueError, r"\[-8, 7\]"),
+        (np.array([[-1, 0]]), False, ValueError, r"\[0, 15\]"),
+        (np.array([[1, 2, 3]]), True, ValueError, "even"),
+        (np.array([1, 2]), True, ValueError, r"\(N, K\)"),
+        (np.array([[1.0, 2.0]]), True, TypeError, "integer"),
+    ],
+)
 def test_pack_int4_rejects(w, signed, exc, match):
     with pytest.raises(exc, match=match):
         ropekv.pack_int4(w, signed=signed)
@@ -267,8 +326,9 @@ def test_pack_int4_rejects(w, signed, exc, match):
 @pytest.mark.parametrize("wfmt", ["dense", "fp8", "int4"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_numpy_backend_is_the_reference(wfmt, layout):
-    args, kw = make_case(7, wfmt=wfmt, layout=layout, cache_dtype=E4M3, bad_pages=True,
-                         extra_tokens=1)
+    args, kw = make_case(
+        7, wfmt=wfmt, layout=layout, cache_dtype=E4M3, bad_pages=True, extra_tokens=1
+    )
     q_ref, k_ref, v_ref = expected(args, kw)
     q = call(args, kw)
     assert isinstance(q, np.ndarray) and q.dtype == F16
@@ -314,79 +374,202 @@ def test_check_indices_raises(monkeypatch):
 
 
 RULES = [
-    ("cache not a pair", lambda a, k: a.update(paged_kv_cache=a["paged_kv_cache"][0]),
-     ValueError, "pair"),
-    ("hidden 3-D", lambda a, k: a.update(hidden_state=a["hidden_state"][None]), ValueError,
-     r"hidden_state must have shape \(T, K\)"),
-    ("hidden float32", lambda a, k: a.update(hidden_state=a["hidden_state"].astype(np.float32)),
-     TypeError, "hidden_state must have dtype"),
+    (
+        "cache not a pair",
+        lambda a, k: a.update(paged_kv_cache=a["paged_kv_cache"][0]),
+        ValueError,
+        "pair",
+    ),
+    (
+        "hidden 3-D",
+        lambda a, k: a.update(hidden_state=a["hidden_state"][None]),
+        ValueError,
+        r"hidden_state must have shape \(T, K\)",
+    ),
+    (
+        "hidden float32",
+        lambda a, k: a.update(hidden_state=a["hidden_state"].astype(np.float32)),
+        TypeError,
+        "hidden_state must have dtype",
+    ),
     ("K = 0", lambda a, k: a.update(hidden_state=a["hidden_state"][:, :0]), ValueError, "K > 0"),
     ("num_q_heads 0", lambda a, k: k.update(num_q_heads=0), ValueError, "num_q_heads"),
     ("num_q_heads bool", lambda a, k: k.update(num_q_heads=True), ValueError, "num_q_heads"),
     ("layout", lambda a, k: k.update(kv_layout="NDH"), ValueError, "kv_layout"),
-    ("cache 3-D", lambda a, k: a.update(paged_kv_cache=tuple(c[0] for c in a["paged_kv_cache"])),
-     ValueError, "k_cache must have shape"),
-    ("v shape", lambda a, k: a.update(paged_kv_cache=(a["paged_kv_cache"][0],
-                                                      a["paged_kv_cache"][1][:-1])),
-     ValueError, "v_cache must have shape"),
-    ("D odd", lambda a, k: a.update(paged_kv_cache=tuple(c[..., :15] for c in
-                                                         a["paged_kv_cache"])),
-     ValueError, "D even"),
-    ("cache float32", lambda a, k: a.update(paged_kv_cache=tuple(c.astype(np.float32) for c in
-                                                                 a["paged_kv_cache"])),
-     TypeError, "k_cache must have dtype"),
-    ("v dtype", lambda a, k: a.update(paged_kv_cache=(
-        a["paged_kv_cache"][0], np.zeros(a["paged_kv_cache"][1].shape, BF16))),
-     TypeError, "v_cache must have the dtype of k_cache"),
-    ("weight shape", lambda a, k: a.update(weight=a["weight"][:-1]), ValueError,
-     "weight must have shape"),
-    ("weight float32", lambda a, k: a.update(weight=a["weight"].astype(np.float32)), TypeError,
-     "weight must have dtype"),
-    ("scales with dense", lambda a, k: k.update(weight_scales=np.ones(128, np.float32)),
-     ValueError, "weight_scales is only used"),
-    ("zero points with dense", lambda a, k: k.update(zero_points=np.ones((128, 3), np.uint8)),
-     ValueError, "zero_points is only used"),
-    ("kv_scale with fp16 cache", lambda a, k: k.update(kv_scale=1.0), ValueError,
-     "kv_scale is only used"),
-    ("offsets 2-D", lambda a, k: a.update(input_row_offsets=a["input_row_offsets"][None]),
-     ValueError, "input_row_offsets must have shape"),
-    ("offsets empty", lambda a, k: a.update(input_row_offsets=a["input_row_offsets"][:0]),
-     ValueError, "input_row_offsets must have shape"),
-    ("offsets int64", lambda a, k: a.update(
-        input_row_offsets=a["input_row_offsets"].astype(np.int64)), TypeError,
-     "input_row_offsets must have dtype"),
-    ("offsets strided", lambda a, k: a.update(
-        input_row_offsets=np.repeat(a["input_row_offsets"], 2)[::2]), ValueError,
-     "C-contiguous"),
-    ("lengths shape", lambda a, k: a.update(cache_lengths=a["cache_lengths"][:-1]), ValueError,
-     "cache_lengths must have shape"),
-    ("lengths int64", lambda a, k: a.update(cache_lengths=a["cache_lengths"].astype(np.int64)),
-     TypeError, "cache_lengths must have dtype"),
-    ("table 1-D", lambda a, k: a.update(block_table=a["block_table"][0]), ValueError,
-     "block_table must have shape"),
-    ("table rows", lambda a, k: a.update(block_table=a["block_table"][:-1]), ValueError,
-     "block_table must have shape"),
-    ("table int64", lambda a, k: a.update(block_table=a["block_table"].astype(np.int64)),
-     TypeError, "block_table must have dtype"),
-    ("cos_sin float64", lambda a, k: k.update(cos_sin_cache=k["cos_sin_cache"].astype(np.float64)),
-     TypeError, "cos_sin_cache must have dtype"),
-    ("cos_sin 3-D", lambda a, k: k.update(cos_sin_cache=k["cos_sin_cache"][None]), ValueError,
-     r"cos_sin_cache must have shape \(P, R\)"),
-    ("R odd", lambda a, k: k.update(cos_sin_cache=np.ascontiguousarray(
-        k["cos_sin_cache"][:, :5])), ValueError, "must be even"),
-    ("R > D", lambda a, k: k.update(cos_sin_cache=np.ones((8, 18), np.float32)), ValueError,
-     r"\[2, D=16\]"),
-    ("out shape", lambda a, k: k.update(out=np.empty((6, 63), F16)), ValueError,
-     "out must have shape"),
-    ("out dtype", lambda a, k: k.update(out=np.empty((6, 64), BF16)), TypeError,
-     "out must have the dtype"),
-    ("out read-only", lambda a, k: k.update(out=read_only(np.empty((6, 64), F16))),
-     BufferError, "out"),
-    ("hidden strided", lambda a, k: a.update(hidden_state=np.repeat(a["hidden_state"], 2,
-                                                                    axis=1)[:, ::2]),
-     ValueError, "hidden_state must be contiguous in its last dimension"),
-    ("cache read-only", lambda a, k: a.update(paged_kv_cache=tuple(
-        np.broadcast_to(c[:1], c.shape) for c in a["paged_kv_cache"])), BufferError, "k_cache"),
+    (
+        "cache 3-D",
+        lambda a, k: a.update(paged_kv_cache=tuple(c[0] for c in a["paged_kv_cache"])),
+        ValueError,
+        "k_cache must have shape",
+    ),
+    (
+        "v shape",
+        lambda a, k: a.update(paged_kv_cache=(a["paged_kv_cache"][0], a["paged_kv_cache"][1][:-1])),
+        ValueError,
+        "v_cache must have shape",
+    ),
+    (
+        "D odd",
+        lambda a, k: a.update(paged_kv_cache=tuple(c[..., :15] for c in a["paged_kv_cache"])),
+        ValueError,
+        "D even",
+    ),
+    (
+        "cache float32",
+        lambda a, k: a.update(
+            paged_kv_cache=tuple(c.astype(np.float32) for c in a["paged_kv_cache"])
+        ),
+        TypeError,
+        "k_cache must have dtype",
+    ),
+    (
+        "v dtype",
+        lambda a, k: a.update(
+            paged_kv_cache=(a["paged_kv_cache"][0], np.zeros(a["paged_kv_cache"][1].shape, BF16))
+        ),
+        TypeError,
+        "v_cache must have the dtype of k_cache",
+    ),
+    (
+        "weight shape",
+        lambda a, k: a.update(weight=a["weight"][:-1]),
+        ValueError,
+        "weight must have shape",
+    ),
+    (
+        "weight float32",
+        lambda a, k: a.update(weight=a["weight"].astype(np.float32)),
+        TypeError,
+        "weight must have dtype",
+    ),
+    (
+        "scales with dense",
+        lambda a, k: k.update(weight_scales=np.ones(128, np.float32)),
+        ValueError,
+        "weight_scales is only used",
+    ),
+    (
+        "zero points with dense",
+        lambda a, k: k.update(zero_points=np.ones((128, 3), np.uint8)),
+        ValueError,
+        "zero_points is only used",
+    ),
+    (
+        "kv_scale with fp16 cache",
+        lambda a, k: k.update(kv_scale=1.0),
+        ValueError,
+        "kv_scale is only used",
+    ),
+    (
+        "offsets 2-D",
+        lambda a, k: a.update(input_row_offsets=a["input_row_offsets"][None]),
+        ValueError,
+        "input_row_offsets must have shape",
+    ),
+    (
+        "offsets empty",
+        lambda a, k: a.update(input_row_offsets=a["input_row_offsets"][:0]),
+        ValueError,
+        "input_row_offsets must have shape",
+    ),
+    (
+        "offsets int64",
+        lambda a, k: a.update(input_row_offsets=a["input_row_offsets"].astype(np.int64)),
+        TypeError,
+        "input_row_offsets must have dtype",
+    ),
+    (
+        "offsets strided",
+        lambda a, k: a.update(input_row_offsets=np.repeat(a["input_row_offsets"], 2)[::2]),
+        ValueError,
+        "C-contiguous",
+    ),
+    (
+        "lengths shape",
+        lambda a, k: a.update(cache_lengths=a["cache_lengths"][:-1]),
+        ValueError,
+        "cache_lengths must have shape",
+    ),
+    (
+        "lengths int64",
+        lambda a, k: a.update(cache_lengths=a["cache_lengths"].astype(np.int64)),
+        TypeError,
+        "cache_lengths must have dtype",
+    ),
+    (
+        "table 1-D",
+        lambda a, k: a.update(block_table=a["block_table"][0]),
+        ValueError,
+        "block_table must have shape",
+    ),
+    (
+        "table rows",
+        lambda a, k: a.update(block_table=a["block_table"][:-1]),
+        ValueError,
+        "block_table must have shape",
+    ),
+    (
+        "table int64",
+        lambda a, k: a.update(block_table=a["block_table"].astype(np.int64)),
+        TypeError,
+        "block_table must have dtype",
+    ),
+    (
+        "cos_sin float64",
+        lambda a, k: k.update(cos_sin_cache=k["cos_sin_cache"].astype(np.float64)),
+        TypeError,
+        "cos_sin_cache must have dtype",
+    ),
+    (
+        "cos_sin 3-D",
+        lambda a, k: k.update(cos_sin_cache=k["cos_sin_cache"][None]),
+        ValueError,
+        r"cos_sin_cache must have shape \(P, R\)",
+    ),
+    (
+        "R odd",
+        lambda a, k: k.update(cos_sin_cache=np.ascontiguousarray(k["cos_sin_cache"][:, :5])),
+        ValueError,
+        "must be even",
+    ),
+    (
+        "R > D",
+        lambda a, k: k.update(cos_sin_cache=np.ones((8, 18), np.float32)),
+        ValueError,
+        r"\[2, D=16\]",
+    ),
+    (
+        "out shape",
+        lambda a, k: k.update(out=np.empty((6, 63), F16)),
+        ValueError,
+        "out must have shape",
+    ),
+    (
+        "out dtype",
+        lambda a, k: k.update(out=np.empty((6, 64), BF16)),
+        TypeError,
+        "out must have the dtype",
+    ),
+    (
+        "out read-only",
+        lambda a, k: k.update(out=read_only(np.empty((6, 64), F16))),
+        BufferError,
+        "out",
+    ),
+    (
+        "hidden strided",
+        lambda a, k: a.update(hidden_state=np.repeat(a["hidden_state"], 2, axis=1)[:, ::2]),
+        ValueError,
+        "hidden_state must be contiguous in its last dimension",
+    ),
+    (
+        "cache read-only",
+        lambda a, k: a.update(
+            paged_kv_cache=tuple(np.broadcast_to(c[:1], c.shape) for c in a["paged_kv_cache"])
+        ),
+        BufferError,
+        "k_cache",
+    ),
 ]
 
 
@@ -402,45 +585,125 @@ def test_validation(mutate, exc, match):
 
 
 QUANT_RULES = [
-    ("fp8 without scales", "fp8", lambda a, k: k.pop("weight_scales"), ValueError,
-     "weight_scales .* is required"),
-    ("fp8 scales shape", "fp8", lambda a, k: k.update(weight_scales=k["weight_scales"][:-1]),
-     ValueError, "weight_scales must have shape"),
-    ("fp8 scales dtype", "fp8", lambda a, k: k.update(
-        weight_scales=k["weight_scales"].astype(F16)), TypeError, "weight_scales must have dtype"),
-    ("fp8 group_size", "fp8", lambda a, k: k.update(group_size=32), ValueError,
-     "group_size is only used"),
-    ("fp8 e5m2 weight", "fp8", lambda a, k: a.update(weight=a["weight"].astype(E5M2)), TypeError,
-     "weight must have dtype"),
-    ("int4 without group", "int4", lambda a, k: k.pop("group_size"), ValueError,
-     "group_size is required"),
+    (
+        "fp8 without scales",
+        "fp8",
+        lambda a, k: k.pop("weight_scales"),
+        ValueError,
+        "weight_scales .* is required",
+    ),
+    (
+        "fp8 scales shape",
+        "fp8",
+        lambda a, k: k.update(weight_scales=k["weight_scales"][:-1]),
+        ValueError,
+        "weight_scales must have shape",
+    ),
+    (
+        "fp8 scales dtype",
+        "fp8",
+        lambda a, k: k.update(weight_scales=k["weight_scales"].astype(F16)),
+        TypeError,
+        "weight_scales must have dtype",
+    ),
+    (
+        "fp8 group_size",
+        "fp8",
+        lambda a, k: k.update(group_size=32),
+        ValueError,
+        "group_size is only used",
+    ),
+    (
+        "fp8 e5m2 weight",
+        "fp8",
+        lambda a, k: a.update(weight=a["weight"].astype(E5M2)),
+        TypeError,
+        "weight must have dtype",
+    ),
+    (
+        "int4 without group",
+        "int4",
+        lambda a, k: k.pop("group_size"),
+        ValueError,
+        "group_size is required",
+    ),
     ("int4 odd group", "int4", lambda a, k: k.update(group_size=3), ValueError, "even and divide"),
-    ("int4 group not dividing", "int4", lambda a, k: k.update(group_size=64), ValueError,
-     "divide K=96"),
-    ("int4 without scales", "int4", lambda a, k: k.pop("weight_scales"), ValueError,
-     "weight_scales .* is required"),
-    ("int4 scales dtype", "int4", lambda a, k: k.update(
-        weight_scales=k["weight_scales"].astype(np.float32)), TypeError,
-     "weight_scales must have dtype"),
-    ("int4 scales shape", "int4", lambda a, k: k.update(weight_scales=k["weight_scales"][:, :2]),
-     ValueError, "weight_scales must have shape"),
-    ("int4 zero points shape", "int4", lambda a, k: k.update(
-        zero_points=np.zeros((128, 2), np.uint8)), ValueError, "zero_points must have shape"),
-    ("int4 zero points dtype", "int4", lambda a, k: k.update(
-        zero_points=np.zeros((128, 3), np.int32)), TypeError, "zero_points must have dtype"),
-    ("int4 weight unpacked", "int4", lambda a, k: a.update(
-        weight=np.zeros((128, 96), np.uint8)), ValueError, r"K / 2\) for 4-bit"),
-    ("int4 odd K", "int4", lambda a, k: a.update(hidden_state=a["hidden_state"][:, :95]),
-     ValueError, "even K"),
-    ("kv_scale negative", "fp8cache", lambda a, k: k.update(kv_scale=-1.0), ValueError,
-     "positive and finite"),
-    ("kv_scale triple", "fp8cache", lambda a, k: k.update(kv_scale=(1.0, 1.0, 1.0)), ValueError,
-     "pair of floats"),
+    (
+        "int4 group not dividing",
+        "int4",
+        lambda a, k: k.update(group_size=64),
+        ValueError,
+        "divide K=96",
+    ),
+    (
+        "int4 without scales",
+        "int4",
+        lambda a, k: k.pop("weight_scales"),
+        ValueError,
+        "weight_scales .* is required",
+    ),
+    (
+        "int4 scales dtype",
+        "int4",
+        lambda a, k: k.update(weight_scales=k["weight_scales"].astype(np.float32)),
+        TypeError,
+        "weight_scales must have dtype",
+    ),
+    (
+        "int4 scales shape",
+        "int4",
+        lambda a, k: k.update(weight_scales=k["weight_scales"][:, :2]),
+        ValueError,
+        "weight_scales must have shape",
+    ),
+    (
+        "int4 zero points shape",
+        "int4",
+        lambda a, k: k.update(zero_points=np.zeros((128, 2), np.uint8)),
+        ValueError,
+        "zero_points must have shape",
+    ),
+    (
+        "int4 zero points dtype",
+        "int4",
+        lambda a, k: k.update(zero_points=np.zeros((128, 3), np.int32)),
+        TypeError,
+        "zero_points must have dtype",
+    ),
+    (
+        "int4 weight unpacked",
+        "int4",
+        lambda a, k: a.update(weight=np.zeros((128, 96), np.uint8)),
+        ValueError,
+        r"K / 2\) for 4-bit",
+    ),
+    (
+        "int4 odd K",
+        "int4",
+        lambda a, k: a.update(hidden_state=a["hidden_state"][:, :95]),
+        ValueError,
+        "even K",
+    ),
+    (
+        "kv_scale negative",
+        "fp8cache",
+        lambda a, k: k.update(kv_scale=-1.0),
+        ValueError,
+        "positive and finite",
+    ),
+    (
+        "kv_scale triple",
+        "fp8cache",
+        lambda a, k: k.update(kv_scale=(1.0, 1.0, 1.0)),
+        ValueError,
+        "pair of floats",
+    ),
 ]
 
 
-@pytest.mark.parametrize("wfmt, mutate, exc, match", [r[1:] for r in QUANT_RULES],
-                         ids=[r[0] for r in QUANT_RULES])
+@pytest.mark.parametrize(
+    "wfmt, mutate, exc, match", [r[1:] for r in QUANT_RULES], ids=[r[0] for r in QUANT_RULES]
+)
 def test_validation_quantized(wfmt, mutate, exc, match):
     if wfmt == "fp8cache":
         args, kw = make_case(12, cache_dtype=E4M3)
@@ -463,8 +726,12 @@ def test_instantiations_cover_every_dispatch():
         for tn, opts in itertools.product(qkv_mod.TILED_TILES, (False, True)):
             for split in qkv_mod.TILED_SPLITS:
                 for fmt in qkv_mod.TILED_FORMATS:
-                    assert qkv_mod.tiled_expression(dtype, fmt, tn, split, qkv_mod.TILED_STAGES,
-                                                    qkv_mod.TILED_KGROUPS, opts) in names
+                    assert (
+                        qkv_mod.tiled_expression(
+                            dtype, fmt, tn, split, qkv_mod.TILED_STAGES, qkv_mod.TILED_KGROUPS, opts
+                        )
+                        in names
+                    )
 
 
 def test_mma_applies_and_slices():
@@ -477,8 +744,9 @@ def test_mma_applies_and_slices():
     assert not qkv_mod.mma_applies(4104, 128, W["fp8"], None)
     assert not qkv_mod.mma_applies(4096, 128, W["int4"], 16)  # groups of whole loads
     # each CTA of the cluster a whole number of chunks (4 loads), the cluster covering K
-    for K, fmt, split in itertools.product((96, 320, 4096, 8192, 14336), qkv_mod.MMA_VALS,
-                                           qkv_mod.MMA_SPLITS):
+    for K, fmt, split in itertools.product(
+        (96, 320, 4096, 8192, 14336), qkv_mod.MMA_VALS, qkv_mod.MMA_SPLITS
+    ):
         vals = qkv_mod.MMA_VALS[fmt]
         kc = qkv_mod._mma_slice(K, fmt, split)
         assert kc % (4 * vals) == 0 and kc * split >= K
@@ -529,8 +797,7 @@ def test_tiled_applies_and_splits():
     assert qkv_mod._tiled_smem(128, 1, W["int4"]) == 128 * 132 * 4  # the partial sums
     # every compiled tile at 2-4 stages fits a block's 227 KiB (static shared memory: < 8 KiB);
     # the shipped tile TILED_CTAS_PER_SM times an SM's 228 KiB (1 KiB reserved a block)
-    for fmt, tn, stages in itertools.product(qkv_mod.TILED_FORMATS, qkv_mod.TILED_TILES,
-                                             (2, 3, 4)):
+    for fmt, tn, stages in itertools.product(qkv_mod.TILED_FORMATS, qkv_mod.TILED_TILES, (2, 3, 4)):
         assert qkv_mod._tiled_smem(tn, stages, fmt) + 8 * 1024 <= 227 * 1024
     for fmt in qkv_mod.TILED_FORMATS:
         smem = qkv_mod._tiled_smem(qkv_mod.TILED_MAX_TILE, qkv_mod.TILED_STAGES, fmt)
@@ -541,8 +808,10 @@ def test_tiled_applies_and_splits():
     assert [qkv_mod._tiled_split(48 * t, 8, wave) for t in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
     assert qkv_mod._tiled_split(48, 4, wave) == 4  # never above TILED_SPLIT
     assert qkv_mod._tiled_split(3 * 48, 8, wave) == 2  # the largest that fits
-    assert qkv_mod.TILED_SPLIT in qkv_mod.TILED_SPLITS and qkv_mod.TILED_MAX_TILE in \
-        qkv_mod.TILED_TILES
+    assert (
+        qkv_mod.TILED_SPLIT in qkv_mod.TILED_SPLITS
+        and qkv_mod.TILED_MAX_TILE in qkv_mod.TILED_TILES
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -561,9 +830,12 @@ def rounded_weights(args, kw):
     """The call as the cuBLAS path computes it for quantized weights: weights dequantized, then
     rounded to the input dtype (documented), so fp8 codes are compared against that."""
     dtype = args["hidden_state"].dtype
-    w = reference.to_dtype(reference.dequantize_weight(
-        args["weight"], kw.get("weight_scales"), kw.get("group_size"), kw.get("zero_points")),
-        dtype)
+    w = reference.to_dtype(
+        reference.dequantize_weight(
+            args["weight"], kw.get("weight_scales"), kw.get("group_size"), kw.get("zero_points")
+        ),
+        dtype,
+    )
     kw = {n: x for n, x in kw.items() if n not in ("weight_scales", "group_size", "zero_points")}
     return {**args, "weight": w}, kw
 
@@ -598,19 +870,33 @@ def taken_path(args, kw):
 
     T, K = args["hidden_state"].shape
     D = args["paged_kv_cache"][0].shape[3]
-    fmt = {args["hidden_state"].dtype: qkv_mod.W_DENSE, E4M3: qkv_mod.W_FP8,
-           np.dtype(np.uint8): qkv_mod.W_INT4}[args["weight"].dtype]
+    fmt = {
+        args["hidden_state"].dtype: qkv_mod.W_DENSE,
+        E4M3: qkv_mod.W_FP8,
+        np.dtype(np.uint8): qkv_mod.W_INT4,
+    }[args["weight"].dtype]
     cc = int(cp.cuda.Device().compute_capability)
-    if (qkv_mod.wgmma_takes(fmt, T, K, D, qkv_mod.wgmma_settings())
-            and cc == qkv_mod.WGMMA_CAPABILITY):
+    if (
+        qkv_mod.wgmma_takes(fmt, T, K, D, qkv_mod.wgmma_settings())
+        and cc == qkv_mod.WGMMA_CAPABILITY
+    ):
         return "wgmma"
     N = args["weight"].shape[0]
-    mma_max = (qkv_mod.MMA_MAX_TOKENS if fmt == qkv_mod.W_DENSE else qkv_mod.quantized_top(
-        K, N, fmt, cp.cuda.Device().attributes["MultiProcessorCount"],
-        (qkv_mod.MMA_MAX_TOKENS_QUANTIZED, qkv_mod.MMA_QUANTIZED_ANY_GRID),
-        qkv_mod.tiled_settings()))
-    if (qkv_mod.MMA_MIN_TOKENS <= T <= mma_max
-            and qkv_mod.mma_applies(K, D, fmt, kw.get("group_size"), cc)):
+    mma_max = (
+        qkv_mod.MMA_MAX_TOKENS
+        if fmt == qkv_mod.W_DENSE
+        else qkv_mod.quantized_top(
+            K,
+            N,
+            fmt,
+            cp.cuda.Device().attributes["MultiProcessorCount"],
+            (qkv_mod.MMA_MAX_TOKENS_QUANTIZED, qkv_mod.MMA_QUANTIZED_ANY_GRID),
+            qkv_mod.tiled_settings(),
+        )
+    )
+    if qkv_mod.MMA_MIN_TOKENS <= T <= mma_max and qkv_mod.mma_applies(
+        K, D, fmt, kw.get("group_size"), cc
+    ):
         return "tiled" if qkv_mod.tiled_applies(K, fmt, T) else "mma"
     return "gemv" if T <= qkv_mod.GEMV_MAX_TOKENS else "cublas"
 
@@ -623,8 +909,12 @@ def check_gpu(args, kw, out_given=False, monkeypatch=None, path=None):
         assert taken == path, f"the case cannot take the {path} path"
     # weights rounded to the input dtype: the cuBLAS path's dequantization, the tensor-core
     # kernels' 4-bit
-    if (taken == "cublas" and args["weight"].dtype != args["hidden_state"].dtype
-            or taken in ("mma", "tiled") and args["weight"].dtype == np.uint8):
+    if (
+        taken == "cublas"
+        and args["weight"].dtype != args["hidden_state"].dtype
+        or taken in ("mma", "tiled")
+        and args["weight"].dtype == np.uint8
+    ):
         q_ref, k_ref, v_ref = expected(*rounded_weights(args, kw))
     else:
         q_ref, k_ref, v_ref = expected(args, kw)
@@ -653,11 +943,15 @@ def check_results(args, kw, q, caches, originals, refs):
         got = to_numpy(dc)
         if not nhd:
             got, ref, orig = (np.swapaxes(x, 1, 2) for x in (got, ref, orig))
-        np.testing.assert_array_equal(got[~mask].view(np.uint8), orig[~mask].view(np.uint8),
-                                      err_msg=f"{what} cache: unaddressed bytes changed")
+        np.testing.assert_array_equal(
+            got[~mask].view(np.uint8),
+            orig[~mask].view(np.uint8),
+            err_msg=f"{what} cache: unaddressed bytes changed",
+        )
         if ref.dtype.itemsize == 1:
-            assert_close(np.ascontiguousarray(got[mask]), np.ascontiguousarray(ref[mask]),
-                         f"{what} cache")
+            assert_close(
+                np.ascontiguousarray(got[mask]), np.ascontiguousarray(ref[mask]), f"{what} cache"
+            )
         else:
             assert rel_rows(got[mask], ref[mask], D) <= 1e-2, f"{what} cache"
 
@@ -666,19 +960,35 @@ LLAMA = {"K": 4096, "Hq": 32, "Hkv": 8, "D": 128, "R": 128, "P": 4096, "page_siz
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths, path", [((1,), None), ((1,) * 16, None), ((1,) * 7, "gemv"),
-                                           ((40, 0, 89), None), ((5, 2), "cublas"),
-                                           ((1,) * 64, "mma"), ((60, 0, 68), "mma")])
+@pytest.mark.parametrize(
+    "lengths, path",
+    [
+        ((1,), None),
+        ((1,) * 16, None),
+        ((1,) * 7, "gemv"),
+        ((40, 0, 89), None),
+        ((5, 2), "cublas"),
+        ((1,) * 64, "mma"),
+        ((60, 0, 68), "mma"),
+    ],
+)
 @pytest.mark.parametrize("wfmt", ["dense", "int4", "fp8"])
 def test_gpu_llama3_8b(lengths, path, wfmt, monkeypatch):
-    args, kw = make_case(20, lengths=lengths, wfmt=wfmt, group_size=128,
-                         cached=[100 + 37 * i for i in range(len(lengths))], **LLAMA)
+    args, kw = make_case(
+        20,
+        lengths=lengths,
+        wfmt=wfmt,
+        group_size=128,
+        cached=[100 + 37 * i for i in range(len(lengths))],
+        **LLAMA,
+    )
     check_gpu(args, kw, monkeypatch=monkeypatch, path=path)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [(1,) * 5, (1,) * 64, (60, 0, 68), (1,) * 256, (100, 157),
-                                     (300, 0, 300, 424)])
+@pytest.mark.parametrize(
+    "lengths", [(1,) * 5, (1,) * 64, (60, 0, 68), (1,) * 256, (100, 157), (300, 0, 300, 424)]
+)
 @pytest.mark.parametrize("dtype", [F16, BF16])
 @pytest.mark.parametrize("wfmt", ["dense", "fp8"])
 def test_gpu_llama3_8b_tiled(lengths, dtype, wfmt, monkeypatch):
@@ -686,32 +996,62 @@ def test_gpu_llama3_8b_tiled(lengths, dtype, wfmt, monkeypatch):
     64, 128, 256), several 256-token tiles, prefill-like requests. Cache lengths stay below 1500
     (256 requests of up to 9535 tokens made 2.5 GB caches, copied several times on the host: a
     pytest-xdist worker was killed when such tests ran side by side)."""
-    args, kw = make_case(25, lengths=lengths, dtype=dtype, cache_dtype=E4M3 if dtype == BF16
-                         else None, cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
-                         wfmt=wfmt, **{**LLAMA, "P": 8192})
+    args, kw = make_case(
+        25,
+        lengths=lengths,
+        dtype=dtype,
+        cache_dtype=E4M3 if dtype == BF16 else None,
+        cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
+        wfmt=wfmt,
+        **{**LLAMA, "P": 8192},
+    )
     check_gpu(args, kw, monkeypatch=monkeypatch, path="tiled")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [(1,) * 5, (1,) * 17, (1,) * 64, (1,) * 90, (60, 0, 68),
-                                     (80, 0, 80), (100, 0, 110), (1,) * 256, (100, 157),
-                                     (300, 0, 300, 424)])
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        (1,) * 5,
+        (1,) * 17,
+        (1,) * 64,
+        (1,) * 90,
+        (60, 0, 68),
+        (80, 0, 80),
+        (100, 0, 110),
+        (1,) * 256,
+        (100, 157),
+        (300, 0, 300, 424),
+    ],
+)
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_gpu_llama3_8b_wgmma(lengths, dtype, monkeypatch):
     """qkv_wgmma at Llama-3-8B's projection: the deep kernel's one token tile of 32 (5 and 17
     tokens), 64, 96 (90), 128, 192 (160) and 256 (210); above 224 tokens (as captured in CUDA
     graphs) several tiles of up to 128 (256 tokens as two, 257 as three of 96), prefill-like
     requests; bf16 into fp8 caches. (fp8 weights: test_gpu_llama3_8b_wgmma_fp8.)"""
-    args, kw = make_case(28, lengths=lengths, dtype=dtype, cache_dtype=E4M3 if dtype == BF16
-                         else None, cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
-                         **{**LLAMA, "P": 8192})
+    args, kw = make_case(
+        28,
+        lengths=lengths,
+        dtype=dtype,
+        cache_dtype=E4M3 if dtype == BF16 else None,
+        cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
+        **{**LLAMA, "P": 8192},
+    )
     check_gpu(args, kw, monkeypatch=monkeypatch, path="wgmma")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths, dtype, wfmt", [
-    ((120, 0, 150), F16, "dense"), ((1,) * 300, BF16, "dense"), ((200, 312), F16, "dense"),
-    ((200, 184), F16, "fp8"), ((200, 312), BF16, "fp8")])
+@pytest.mark.parametrize(
+    "lengths, dtype, wfmt",
+    [
+        ((120, 0, 150), F16, "dense"),
+        ((1,) * 300, BF16, "dense"),
+        ((200, 312), F16, "dense"),
+        ((200, 184), F16, "fp8"),
+        ((200, 312), BF16, "fp8"),
+    ],
+)
 def test_gpu_capture_runs_the_fused_kernel_beyond_its_eager_range(lengths, dtype, wfmt):
     """On sm_90 a call of up to GRAPH_MAX_TOKENS tokens that runs cuBLAS + the epilogue eagerly
     (16-bit weights above 256 tokens, fp8 above what one wave of the tiled kernel holds) runs, on
@@ -725,17 +1065,21 @@ def test_gpu_capture_runs_the_fused_kernel_beyond_its_eager_range(lengths, dtype
         pytest.skip("calls of this size are captured on sm_90 only")
     T = sum(lengths)
     assert T <= qkv_mod.GRAPH_MAX_TOKENS
-    args, kw = make_case(31 + T, lengths=lengths, dtype=dtype, wfmt=wfmt,
-                         cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
-                         **{**LLAMA, "P": 8192})
+    args, kw = make_case(
+        31 + T,
+        lengths=lengths,
+        dtype=dtype,
+        wfmt=wfmt,
+        cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
+        **{**LLAMA, "P": 8192},
+    )
     assert taken_path(args, kw) == "cublas"
     originals = [c.copy() for c in args["paged_kv_cache"]]
     dargs = {n: to_device(x) for n, x in args.items()}
     dkw = {n: to_device(x) for n, x in kw.items()}
     out = dkw["out"] = cp.full((T, kw["num_q_heads"] * LLAMA["D"]), 7, dtype)  # no allocation
     eager = rounded_weights(args, kw) if wfmt != "dense" else (args, kw)  # cuBLAS dequantizes
-    check_results(args, kw, call(dargs, dkw), dargs["paged_kv_cache"], originals,
-                  expected(*eager))
+    check_results(args, kw, call(dargs, dkw), dargs["paged_kv_cache"], originals, expected(*eager))
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
@@ -756,17 +1100,21 @@ def test_gpu_capture_runs_the_fused_kernel_beyond_its_eager_range(lengths, dtype
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [(1,) * 48, (40, 0, 24), (1,) * 90, (60, 0, 68),
-                                     (1,) * 128])
+@pytest.mark.parametrize("lengths", [(1,) * 48, (40, 0, 24), (1,) * 90, (60, 0, 68), (1,) * 128])
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_gpu_llama3_8b_wgmma_fp8(lengths, dtype):
     """fp8 weights on qkv_wgmma (the shipped thresholds: 48 to 128 tokens, the deep kernel,
     stages of 128 codes): codes converted to the input dtype in shared memory, per-row scales in
     the epilogue; tiles of 64, 96 and 128; bf16 into fp8 caches."""
-    args, kw = make_case(30, lengths=lengths, dtype=dtype, wfmt="fp8",
-                         cache_dtype=E4M3 if dtype == BF16 else None,
-                         cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
-                         **{**LLAMA, "P": 8192})
+    args, kw = make_case(
+        30,
+        lengths=lengths,
+        dtype=dtype,
+        wfmt="fp8",
+        cache_dtype=E4M3 if dtype == BF16 else None,
+        cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
+        **{**LLAMA, "P": 8192},
+    )
     assert taken_path(args, kw) == "wgmma"
     check_gpu(args, kw)
 
@@ -797,11 +1145,22 @@ def test_gpu_wgmma_settings(T, tile, stages, atoms, monkeypatch):
     lengths = (T // 2, 0, T - T // 2 - 1)
     monkeypatch.setattr(qkv_mod, "WGMMA_FP8_MIN_TOKENS", 1)
     monkeypatch.setattr(qkv_mod, "WGMMA_FP8_ATOMS", atoms)
-    args, kw = make_case(29 + T + tile, lengths=lengths, dtype=BF16 if T % 2 else F16,
-                         wfmt="fp8" if fp8 else "dense",
-                         K=1536 if atoms == 1 else 1664, Hq=3, Hkv=1, D=64, R=32, P=512,
-                         page_size=16, extra_tokens=1, is_neox=bool(T % 3),
-                         cached=[5 * i for i in range(len(lengths))])
+    args, kw = make_case(
+        29 + T + tile,
+        lengths=lengths,
+        dtype=BF16 if T % 2 else F16,
+        wfmt="fp8" if fp8 else "dense",
+        K=1536 if atoms == 1 else 1664,
+        Hq=3,
+        Hkv=1,
+        D=64,
+        R=32,
+        P=512,
+        page_size=16,
+        extra_tokens=1,
+        is_neox=bool(T % 3),
+        cached=[5 * i for i in range(len(lengths))],
+    )
     check_gpu(args, kw, monkeypatch=monkeypatch, path="wgmma")
 
 
@@ -814,10 +1173,17 @@ def test_gpu_llama3_8b_tiled_int4(lengths, dtype, group_size, zero_points, monke
     """qkv_mma_tiled with 4-bit weights at Llama-3-8B's projection: groups of 32 (a group per
     32-value chunk) and 128, with and without zero points, token tiles of 32 and 64 and several
     64-token tiles (the tiled kernel forced past MMA_MAX_TOKENS_QUANTIZED)."""
-    args, kw = make_case(26 + group_size, lengths=lengths, dtype=dtype, wfmt="int4",
-                         group_size=group_size, zero_points=zero_points,
-                         cache_dtype=E4M3 if dtype == BF16 else None,
-                         cached=[100 + 37 * i for i in range(len(lengths))], **{**LLAMA, "P": 8192})
+    args, kw = make_case(
+        26 + group_size,
+        lengths=lengths,
+        dtype=dtype,
+        wfmt="int4",
+        group_size=group_size,
+        zero_points=zero_points,
+        cache_dtype=E4M3 if dtype == BF16 else None,
+        cached=[100 + 37 * i for i in range(len(lengths))],
+        **{**LLAMA, "P": 8192},
+    )
     check_gpu(args, kw, monkeypatch=monkeypatch, path="tiled")
 
 
@@ -836,10 +1202,23 @@ def test_gpu_tiled_int4_settings(T, tile, kgroups, stages, monkeypatch):
     monkeypatch.setattr(qkv_mod, "TILED_CTAS_PER_SM", 1000)  # the split as TILED_SPLIT says
     monkeypatch.setattr(qkv_mod, "TILED_SPLIT", (1, 2, 4, 8)[(T + tile // 32) % 4])
     lengths = (T // 2, 0, T - T // 2 - 1)
-    args, kw = make_case(27 + T + tile, lengths=lengths, dtype=BF16 if T % 2 else F16,
-                         wfmt="int4", group_size=64, zero_points=True, K=1536, Hq=3, Hkv=1,
-                         D=64, R=64, P=512, page_size=16, extra_tokens=1,
-                         cached=[5 * i for i in range(len(lengths))])
+    args, kw = make_case(
+        27 + T + tile,
+        lengths=lengths,
+        dtype=BF16 if T % 2 else F16,
+        wfmt="int4",
+        group_size=64,
+        zero_points=True,
+        K=1536,
+        Hq=3,
+        Hkv=1,
+        D=64,
+        R=64,
+        P=512,
+        page_size=16,
+        extra_tokens=1,
+        cached=[5 * i for i in range(len(lengths))],
+    )
     check_gpu(args, kw, monkeypatch=monkeypatch, path="tiled")
 
 
@@ -848,8 +1227,35 @@ def test_gpu_tiled_int4_settings(T, tile, kgroups, stages, monkeypatch):
 # MMA_MAX_TOKENS (dense weights), qkv_wgmma's tiles of 192 and 256, WGMMA_DEEP_MAX_TOKENS and
 # WGMMA_MAX_TOKENS,
 # two 64-token tiles (qkv_mma) and two 256-token tiles (qkv_mma_tiled)
-SWITCH_TOKENS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 192, 193,
-                 224, 225, 255, 256, 257, 320, 321]
+SWITCH_TOKENS = [
+    1,
+    2,
+    3,
+    7,
+    8,
+    9,
+    15,
+    16,
+    17,
+    31,
+    32,
+    33,
+    63,
+    64,
+    65,
+    127,
+    128,
+    129,
+    192,
+    193,
+    224,
+    225,
+    255,
+    256,
+    257,
+    320,
+    321,
+]
 
 
 @pytest.mark.gpu
@@ -861,26 +1267,64 @@ def test_gpu_token_counts_around_switches(T, wfmt):
     cuts = sorted({0, T // 3, T // 3, T})  # an empty request
     lengths = tuple(b - a for a, b in zip(cuts, cuts[1:])) + (0,)
     dtype = BF16 if T % 2 else F16
-    args, kw = make_case(30 + T, lengths=lengths, wfmt=wfmt, group_size=128,
-                         zero_points=T % 3 == 0, dtype=dtype, cache_dtype=E4M3 if T % 4 == 1
-                         else None, cached=[50 + 7 * i for i in range(len(lengths))],
-                         K=1024, Hq=8, Hkv=2, D=128, R=128, P=512, page_size=16,
-                         layout="HND" if T % 5 == 0 else "NHD")
+    args, kw = make_case(
+        30 + T,
+        lengths=lengths,
+        wfmt=wfmt,
+        group_size=128,
+        zero_points=T % 3 == 0,
+        dtype=dtype,
+        cache_dtype=E4M3 if T % 4 == 1 else None,
+        cached=[50 + 7 * i for i in range(len(lengths))],
+        K=1024,
+        Hq=8,
+        Hkv=2,
+        D=128,
+        R=128,
+        P=512,
+        page_size=16,
+        layout="HND" if T % 5 == 0 else "NHD",
+    )
     check_gpu(args, kw)
 
 
 @pytest.mark.gpu
-@given(seed=st.integers(0, 2**32 - 1), K=st.sampled_from([96, 192, 320, 512, 2048]),
-       T=st.sampled_from(SWITCH_TOKENS), D=st.sampled_from([16, 32, 64, 128]),
-       heads=st.sampled_from([(4, 2), (6, 1), (3, 3)]), dtype=st.sampled_from([F16, BF16]),
-       cache=st.sampled_from(["same", "e4m3", "e5m2"]), layout=st.sampled_from(["NHD", "HND"]),
-       rope=st.sampled_from(["neox", "interleaved", "partial", "none"]),
-       wfmt=st.sampled_from(["dense", "fp8", "int4"]), zero_points=st.booleans(),
-       page_size=st.sampled_from([1, 4, 16]), out_given=st.booleans(),
-       split=st.sampled_from(qkv_mod.MMA_SPLITS), stages=st.sampled_from([2, 3, 4]),
-       tiled=st.booleans())
-def test_gpu_mma_path(seed, K, T, D, heads, dtype, cache, layout, rope, wfmt, zero_points,
-                      page_size, out_given, split, stages, tiled):
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    K=st.sampled_from([96, 192, 320, 512, 2048]),
+    T=st.sampled_from(SWITCH_TOKENS),
+    D=st.sampled_from([16, 32, 64, 128]),
+    heads=st.sampled_from([(4, 2), (6, 1), (3, 3)]),
+    dtype=st.sampled_from([F16, BF16]),
+    cache=st.sampled_from(["same", "e4m3", "e5m2"]),
+    layout=st.sampled_from(["NHD", "HND"]),
+    rope=st.sampled_from(["neox", "interleaved", "partial", "none"]),
+    wfmt=st.sampled_from(["dense", "fp8", "int4"]),
+    zero_points=st.booleans(),
+    page_size=st.sampled_from([1, 4, 16]),
+    out_given=st.booleans(),
+    split=st.sampled_from(qkv_mod.MMA_SPLITS),
+    stages=st.sampled_from([2, 3, 4]),
+    tiled=st.booleans(),
+)
+def test_gpu_mma_path(
+    seed,
+    K,
+    T,
+    D,
+    heads,
+    dtype,
+    cache,
+    layout,
+    rope,
+    wfmt,
+    zero_points,
+    page_size,
+    out_given,
+    split,
+    stages,
+    tiled,
+):
     """Both tensor-core kernels at any token count (forced; qkv_mma_tiled where it applies),
     partial row tiles (N not a multiple of 128), K slices shorter than a chunk or a stage or
     empty, every weight format, hostile page tables and tokens outside every request."""
@@ -889,11 +1333,26 @@ def test_gpu_mma_path(seed, K, T, D, heads, dtype, cache, layout, rope, wfmt, ze
     lengths = (int(cuts[0]), int(cuts[1] - cuts[0]), 0, int(T - cuts[1]))
     R = {"neox": D, "interleaved": D, "partial": D // 4 * 2 or 2, "none": None}[rope]
     cache_dtype = {"same": None, "e4m3": E4M3, "e5m2": E5M2}[cache]
-    args, kw = make_case(seed, lengths=lengths, K=K, Hq=heads[0], Hkv=heads[1], D=D, R=R,
-                         P=256, page_size=page_size, layout=layout, dtype=dtype,
-                         cache_dtype=cache_dtype, wfmt=wfmt, group_size=32,
-                         zero_points=zero_points, is_neox=rope != "interleaved",
-                         bad_pages=bool(seed % 2), extra_tokens=int(seed % 3 == 0))
+    args, kw = make_case(
+        seed,
+        lengths=lengths,
+        K=K,
+        Hq=heads[0],
+        Hkv=heads[1],
+        D=D,
+        R=R,
+        P=256,
+        page_size=page_size,
+        layout=layout,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        wfmt=wfmt,
+        group_size=32,
+        zero_points=zero_points,
+        is_neox=rope != "interleaved",
+        bad_pages=bool(seed % 2),
+        extra_tokens=int(seed % 3 == 0),
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(qkv_mod, "MMA_SPLIT", split)
         mp.setattr(qkv_mod, "TILED_SPLIT", split)
@@ -917,8 +1376,19 @@ def test_gpu_mma_many_requests(T, wfmt):
         lengths = [0] * B
         for i, b in enumerate(np.random.default_rng(B + T).choice(B, T)):
             lengths[b] += 1
-        args, kw = make_case(50 + T, lengths=tuple(lengths), K=256, Hq=2, Hkv=1, D=64, R=64,
-                             P=512, page_size=16, wfmt=wfmt, cached=[3] * B)
+        args, kw = make_case(
+            50 + T,
+            lengths=tuple(lengths),
+            K=256,
+            Hq=2,
+            Hkv=1,
+            D=64,
+            R=64,
+            P=512,
+            page_size=16,
+            wfmt=wfmt,
+            cached=[3] * B,
+        )
         with pytest.MonkeyPatch.context() as mp:
             check_gpu(args, kw, monkeypatch=mp, path="tiled" if wfmt == "dense" else "mma")
 
@@ -930,9 +1400,17 @@ def test_gpu_int4_decodes(fast, lengths, monkeypatch):
     """Both 4-bit decodes of the fused kernel (1 + q/16 floats, and the plain one) with zero
     points, at token tiles 1, 2 and 4."""
     monkeypatch.setattr(qkv_mod, "FAST_INT4", fast)
-    args, kw = make_case(24, lengths=lengths, wfmt="int4", group_size=64, zero_points=True,
-                         dtype=BF16, cache_dtype=E4M3, cached=[5] * len(lengths),
-                         **{**LLAMA, "K": 1024})
+    args, kw = make_case(
+        24,
+        lengths=lengths,
+        wfmt="int4",
+        group_size=64,
+        zero_points=True,
+        dtype=BF16,
+        cache_dtype=E4M3,
+        cached=[5] * len(lengths),
+        **{**LLAMA, "K": 1024},
+    )
     check_gpu(args, kw, monkeypatch=monkeypatch, path="gemv")
 
 
@@ -940,31 +1418,65 @@ def test_gpu_int4_decodes(fast, lengths, monkeypatch):
 @pytest.mark.parametrize("dtype", [F16, BF16])
 @pytest.mark.parametrize("cache", ["same", "e4m3"])
 def test_gpu_k_8192(dtype, cache):
-    args, kw = make_case(21, lengths=(2, 1), K=8192, Hq=8, Hkv=2, D=128, R=64, P=512,
-                         page_size=16, dtype=dtype, cache_dtype=E4M3 if cache == "e4m3" else None)
+    args, kw = make_case(
+        21,
+        lengths=(2, 1),
+        K=8192,
+        Hq=8,
+        Hkv=2,
+        D=128,
+        R=64,
+        P=512,
+        page_size=16,
+        dtype=dtype,
+        cache_dtype=E4M3 if cache == "e4m3" else None,
+    )
     check_gpu(args, kw)
 
 
 @pytest.mark.gpu
-@given(seed=st.integers(0, 2**32 - 1), K=st.sampled_from([96, 320]),
-       T=st.sampled_from([1, 7, 129]), dtype=st.sampled_from([F16, BF16]),
-       cache=st.sampled_from(["same", "e4m3", "e5m2"]), layout=st.sampled_from(["NHD", "HND"]),
-       rope=st.sampled_from(["neox", "interleaved", "partial", "none"]),
-       wfmt=st.sampled_from(["dense", "fp8", "int4"]), zero_points=st.booleans(),
-       path=st.sampled_from([None, "gemv", "cublas"]), page_size=st.sampled_from([1, 4, 16]),
-       out_given=st.booleans())
-def test_gpu_small_shapes(seed, K, T, dtype, cache, layout, rope, wfmt, zero_points, path,
-                          page_size, out_given):
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    K=st.sampled_from([96, 320]),
+    T=st.sampled_from([1, 7, 129]),
+    dtype=st.sampled_from([F16, BF16]),
+    cache=st.sampled_from(["same", "e4m3", "e5m2"]),
+    layout=st.sampled_from(["NHD", "HND"]),
+    rope=st.sampled_from(["neox", "interleaved", "partial", "none"]),
+    wfmt=st.sampled_from(["dense", "fp8", "int4"]),
+    zero_points=st.booleans(),
+    path=st.sampled_from([None, "gemv", "cublas"]),
+    page_size=st.sampled_from([1, 4, 16]),
+    out_given=st.booleans(),
+)
+def test_gpu_small_shapes(
+    seed, K, T, dtype, cache, layout, rope, wfmt, zero_points, path, page_size, out_given
+):
     rng = np.random.default_rng(seed)
     cuts = np.sort(rng.integers(0, T + 1, 2))
     lengths = (int(cuts[0]), int(cuts[1] - cuts[0]), 0, int(T - cuts[1]))
     R = {"neox": 32, "interleaved": 32, "partial": 8, "none": None}[rope]
     cache_dtype = {"same": None, "e4m3": E4M3, "e5m2": E5M2}[cache]
-    args, kw = make_case(seed, lengths=lengths, K=K, Hq=4, Hkv=2, D=32, R=R, P=256,
-                         page_size=page_size, layout=layout, dtype=dtype, cache_dtype=cache_dtype,
-                         wfmt=wfmt, group_size=32, zero_points=zero_points,
-                         is_neox=rope != "interleaved", bad_pages=bool(seed % 2),
-                         extra_tokens=int(seed % 3 == 0))
+    args, kw = make_case(
+        seed,
+        lengths=lengths,
+        K=K,
+        Hq=4,
+        Hkv=2,
+        D=32,
+        R=R,
+        P=256,
+        page_size=page_size,
+        layout=layout,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        wfmt=wfmt,
+        group_size=32,
+        zero_points=zero_points,
+        is_neox=rope != "interleaved",
+        bad_pages=bool(seed % 2),
+        extra_tokens=int(seed % 3 == 0),
+    )
     with pytest.MonkeyPatch.context() as mp:
         check_gpu(args, kw, out_given=out_given, monkeypatch=mp, path=path)
 
@@ -977,7 +1489,7 @@ def test_gpu_strided_hidden_and_caches_sliced_from_one_buffer():
     q_ref, k_ref, v_ref = expected(args, kw)
     x = args["hidden_state"]
     wide = np.zeros((x.shape[0], x.shape[1] + 64), x.dtype)
-    wide[:, 8:8 + x.shape[1]] = x
+    wide[:, 8 : 8 + x.shape[1]] = x
     k, v = args["paged_kv_cache"]
     both = cp.asarray(np.stack([k, v], axis=1))  # (pages, 2, ps, Hkv, D): one buffer
     for path in ("mma", "tiled", "gemv", "cublas"):
@@ -985,15 +1497,15 @@ def test_gpu_strided_hidden_and_caches_sliced_from_one_buffer():
             force_path(mp, path)
             dwide = cp.asarray(wide)
             d = {n: to_device(a) for n, a in args.items()}
-            d["hidden_state"] = dwide[:, 8:8 + x.shape[1]]
+            d["hidden_state"] = dwide[:, 8 : 8 + x.shape[1]]
             fresh = both.copy()
             d["paged_kv_cache"] = (fresh[:, 0], fresh[:, 1])
             out_buf = cp.zeros((x.shape[0], 4 * 32 + 24), x.dtype)
-            out = out_buf[:, 16:16 + 4 * 32]  # a strided view, written in place
+            out = out_buf[:, 16 : 16 + 4 * 32]  # a strided view, written in place
             q = call(d, {n: to_device(a) for n, a in kw.items()}, out=out)
             assert q is out
             assert rel_rows(q, q_ref, 32) <= 1e-2
-            assert not out_buf[:, :16].any() and not out_buf[:, 16 + 128:].any()
+            assert not out_buf[:, :16].any() and not out_buf[:, 16 + 128 :].any()
             mask = written_mask(args, kw)
             assert rel_rows(to_numpy(fresh[:, 0])[mask], k_ref[mask], 32) <= 1e-2
             assert rel_rows(to_numpy(fresh[:, 1])[mask], v_ref[mask], 32) <= 1e-2
@@ -1014,8 +1526,9 @@ def test_gpu_repeated_decode_replays_the_launch_plan(out_given, wfmt):
     """A decode step repeated with new arrays of one layout replays the cached launch of the fused
     kernel: new pointers, new outputs, results still those of the reference."""
     for seed in (40, 41, 42):
-        args, kw = make_case(seed, lengths=(1,), wfmt=wfmt, group_size=128, cached=[77],
-                             **{**LLAMA, "K": 1024})
+        args, kw = make_case(
+            seed, lengths=(1,), wfmt=wfmt, group_size=128, cached=[77], **{**LLAMA, "K": 1024}
+        )
         check_gpu(args, kw, out_given=out_given)
 
 

@@ -17,6 +17,7 @@ import ropekv
 from ropekv import _launch, reference
 from ropekv import qkv as qkv_mod
 from tests import test_replay_cpu as replay_cpu
+from tests.test_qknorm import check_status_in_graph
 from tests.test_qkv import (
     BF16,
     E4M3,
@@ -34,7 +35,6 @@ from tests.test_qkv import (
     taken_path,
     written_mask,
 )
-from tests.test_qknorm import check_status_in_graph
 from tests.tolerance import assert_close, to_device, to_numpy
 
 hostcost = replay_cpu.hostcost
@@ -73,7 +73,7 @@ def tail_mask(args, kw):
             continue
         page = table[b, last // page_size]
         if 0 <= page < num_pages:
-            mask[page, last % page_size + 1:] = True
+            mask[page, last % page_size + 1 :] = True
     return mask
 
 
@@ -83,8 +83,11 @@ def rows(cache, kw):
 
 
 def assert_bytes_equal(actual, expected, what=""):
-    np.testing.assert_array_equal(np.ascontiguousarray(to_numpy(actual)).view(np.uint8),
-                                  np.ascontiguousarray(expected).view(np.uint8), err_msg=what)
+    np.testing.assert_array_equal(
+        np.ascontiguousarray(to_numpy(actual)).view(np.uint8),
+        np.ascontiguousarray(expected).view(np.uint8),
+        err_msg=what,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,12 +146,15 @@ def test_status_0_d_array():
     assert status == 0
 
 
-@pytest.mark.parametrize("status, exc, match", [
-    (np.zeros(1, np.int64), TypeError, "status must have dtype int32, got int64"),
-    (np.zeros(2, np.int32), ValueError, r"status must have shape \(1,\) = \(1,\), got \(2,\)"),
-    (np.zeros((1, 1), np.int32), ValueError, "status must have shape"),
-    (read_only(np.zeros(1, np.int32)), BufferError, "status is written in place"),
-])
+@pytest.mark.parametrize(
+    "status, exc, match",
+    [
+        (np.zeros(1, np.int64), TypeError, "status must have dtype int32, got int64"),
+        (np.zeros(2, np.int32), ValueError, r"status must have shape \(1,\) = \(1,\), got \(2,\)"),
+        (np.zeros((1, 1), np.int32), ValueError, "status must have shape"),
+        (read_only(np.zeros(1, np.int32)), BufferError, "status is written in place"),
+    ],
+)
 def test_status_validation(status, exc, match):
     args, kw = make_case(5)
     before = [c.copy() for c in args["paged_kv_cache"]]
@@ -172,8 +178,15 @@ def test_clear_unused_last_page_rows_zeroes_the_tails_only(layout, cache_dtype, 
     """K and V rows past each request's new length on its last page become zeros (tails from the
     lengths, not from the reference's own helper); written rows are those of a call without the
     option; all other rows keep their bytes (NumPy backend)."""
-    args, kw = make_case(7, lengths=(3, 1, 0, 2, 2), cached=(0, 5, 7, 4, 2), layout=layout,
-                         cache_dtype=cache_dtype, R=R, P=64)
+    args, kw = make_case(
+        7,
+        lengths=(3, 1, 0, 2, 2),
+        cached=(0, 5, 7, 4, 2),
+        layout=layout,
+        cache_dtype=cache_dtype,
+        R=R,
+        P=64,
+    )
     plain = dict(args, paged_kv_cache=tuple(c.copy() for c in args["paged_kv_cache"]))
     before = tuple(c.copy() for c in args["paged_kv_cache"])
     q_plain = call(plain, kw)
@@ -220,7 +233,7 @@ def test_reference_clear_models_the_kernels_request_search():
             continue  # in no request
         pos = int(args["cache_lengths"][b]) + t - int(offsets[b])
         if offsets[b + 1] == t + 1:  # its request's last token: the rest of its page
-            want[args["block_table"][b, pos // 8], pos % 8 + 1:] = True
+            want[args["block_table"][b, pos // 8], pos % 8 + 1 :] = True
     assert want.any()
     np.testing.assert_array_equal(cleared, want)
     assert not k[want].view(np.uint8).any()
@@ -232,17 +245,26 @@ def test_reference_clear_models_the_kernels_request_search():
 
 def _record_expressions(monkeypatch):
     names = []
-    monkeypatch.setattr(_launch, "function_pointer",
-                        lambda stem, expression, *a, **k: names.append(expression) or 0x1000)
+    monkeypatch.setattr(
+        _launch,
+        "function_pointer",
+        lambda stem, expression, *a, **k: names.append(expression) or 0x1000,
+    )
     return names
 
 
 def _fake(args, kw, **more):
-    dev = {n: hostcost.to_cupy(x) if isinstance(x, np.ndarray) else
-           tuple(hostcost.to_cupy(c) for c in x) if isinstance(x, tuple) else x
-           for n, x in {**args, **kw}.items()}
-    dev.update({n: hostcost.to_cupy(x) if isinstance(x, np.ndarray) else x
-                for n, x in more.items()})
+    dev = {
+        n: hostcost.to_cupy(x)
+        if isinstance(x, np.ndarray)
+        else tuple(hostcost.to_cupy(c) for c in x)
+        if isinstance(x, tuple)
+        else x
+        for n, x in {**args, **kw}.items()
+    }
+    dev.update(
+        {n: hostcost.to_cupy(x) if isinstance(x, np.ndarray) else x for n, x in more.items()}
+    )
     return dev
 
 
@@ -252,10 +274,10 @@ def _field(launch, name):
     return int(np.frombuffer(launch.rec, np.int32, 1, offset)[0])
 
 
-@pytest.mark.parametrize("options", [{}, {"clear": True}, {"status": True},
-                                     {"clear": True, "status": True}])
-def test_decode_plan_takes_the_options_kernel_only_with_an_option(options, stubbed,
-                                                                  monkeypatch):
+@pytest.mark.parametrize(
+    "options", [{}, {"clear": True}, {"status": True}, {"clear": True, "status": True}]
+)
+def test_decode_plan_takes_the_options_kernel_only_with_an_option(options, stubbed, monkeypatch):
     names = _record_expressions(monkeypatch)
     args, kw = make_case(10, lengths=(1, 1))
     more = {}
@@ -282,8 +304,7 @@ def test_decode_plan_takes_the_options_kernel_only_with_an_option(options, stubb
 def test_empty_batch_with_status_launches_one_validating_block(stubbed, monkeypatch):
     names = _record_expressions(monkeypatch)
     args, kw = make_case(11, lengths=(0, 0), cached=(1, 2))
-    ropekv.fused_qkv_matmul_append_paged_kv_cache(**_fake(args, kw,
-                                                         status=np.zeros(1, np.int32)))
+    ropekv.fused_qkv_matmul_append_paged_kv_cache(**_fake(args, kw, status=np.zeros(1, np.int32)))
     (name,) = names
     assert name.startswith("qkv_gemv<") and name.endswith("true>")
     (plan,) = qkv_mod._OP.plans.values()
@@ -359,10 +380,15 @@ def check_options(args, kw, monkeypatch, path, clear, status_given, out_given=Fa
     else:
         force_path(monkeypatch, path)
         assert taken_path(args, kw) == path, f"the case cannot take the {path} path"
-    rounded = (path == "cublas" and args["weight"].dtype != args["hidden_state"].dtype
-               or path in ("mma", "tiled") and args["weight"].dtype == np.uint8)
-    q_ref, k_ref, v_ref = expected(*(rounded_weights(args, kw) if rounded else (args, kw)),
-                                   clear=clear)
+    rounded = (
+        path == "cublas"
+        and args["weight"].dtype != args["hidden_state"].dtype
+        or path in ("mma", "tiled")
+        and args["weight"].dtype == np.uint8
+    )
+    q_ref, k_ref, v_ref = expected(
+        *(rounded_weights(args, kw) if rounded else (args, kw)), clear=clear
+    )
     originals = [c.copy() for c in args["paged_kv_cache"]]
     dargs = {n: to_device(x) for n, x in args.items()}
     dkw = {n: to_device(x) for n, x in kw.items()}
@@ -384,8 +410,11 @@ def check_options(args, kw, monkeypatch, path, clear, status_given, out_given=Fa
         assert not got[tail].view(np.uint8).any(), f"{what} cache: a tail row not cleared"
         assert_bytes_equal(ref[tail], np.zeros_like(ref[tail]), "the reference clears tails")
         if ref.dtype.itemsize == 1:
-            assert_close(np.ascontiguousarray(got[written]), np.ascontiguousarray(ref[written]),
-                         f"{what} cache")
+            assert_close(
+                np.ascontiguousarray(got[written]),
+                np.ascontiguousarray(ref[written]),
+                f"{what} cache",
+            )
         else:
             assert rel_rows(got[written], ref[written], D) <= 1e-2, f"{what} cache"
 
@@ -406,9 +435,13 @@ def test_gpu_status_on_every_path(path, kind, B, cache, monkeypatch):
     lengths = np.zeros(B, np.int64)
     lengths[rng.choice(B, min(B, T), replace=False)] = 1
     lengths[0] += T - lengths.sum()
-    args, kw = _case_for(path, 60 + kind, lengths=tuple(int(n) for n in lengths),
-                         cached=tuple(int(c) for c in rng.integers(0, 40, B)),
-                         cache_dtype=E4M3 if cache == "e4m3" else None)
+    args, kw = _case_for(
+        path,
+        60 + kind,
+        lengths=tuple(int(n) for n in lengths),
+        cached=tuple(int(c) for c in rng.integers(0, 40, B)),
+        cache_dtype=E4M3 if cache == "e4m3" else None,
+    )
     args["input_row_offsets"] = malform(args["input_row_offsets"], kind)
     code = reference.ragged_offsets_status(args["input_row_offsets"], T)
     assert (code != 0) == (kind != 0)
@@ -464,24 +497,31 @@ def test_gpu_clear_into_cache_views(path, cache, layout, shift, monkeypatch):
     included) unchanged."""
     T = {"mma": 12, "tiled": 40, "wgmma": 40, "gemv": 2, "cublas": 40}[path]
     lengths = (T // 3, 0, T - T // 3)
-    args, kw = _case_for(path, 90 + shift, lengths=lengths, cached=(5, 40, 22), layout=layout,
-                         cache_dtype=E4M3 if cache == "e4m3" else None,
-                         wfmt="dense" if path == "wgmma" else "fp8")
+    args, kw = _case_for(
+        path,
+        90 + shift,
+        lengths=lengths,
+        cached=(5, 40, 22),
+        layout=layout,
+        cache_dtype=E4M3 if cache == "e4m3" else None,
+        wfmt="dense" if path == "wgmma" else "fp8",
+    )
     force_path(monkeypatch, path)
     assert taken_path(args, kw) == path
     rounded = path == "cublas"  # cuBLAS multiplies the weights rounded to the input dtype
-    q_ref, k_ref, v_ref = expected(*(rounded_weights(args, kw) if rounded else (args, kw)),
-                                   clear=True)
+    q_ref, k_ref, v_ref = expected(
+        *(rounded_weights(args, kw) if rounded else (args, kw)), clear=True
+    )
     D = args["paged_kv_cache"][0].shape[3]
     rng = np.random.default_rng(shift)
     bufs, views = [], []
     for c in args["paged_kv_cache"]:
         wide = rng.integers(0, 256, c.shape[:3] + ((D + 32) * c.itemsize,), np.uint8)
         wide = wide.view(c.dtype)
-        wide[..., shift:shift + D] = c
+        wide[..., shift : shift + D] = c
         buf = to_device(wide)
         bufs.append((wide, buf))
-        views.append(buf[..., shift:shift + D])
+        views.append(buf[..., shift : shift + D])
     dargs = {n: to_device(x) for n, x in args.items()}
     dargs["paged_kv_cache"] = tuple(views)
     q = call(dargs, {n: to_device(x) for n, x in kw.items()}, clear_unused_last_page_rows=True)
@@ -491,29 +531,40 @@ def test_gpu_clear_into_cache_views(path, cache, layout, shift, monkeypatch):
     for (wide, buf), ref, orig, what in zip(bufs, (k_ref, v_ref), args["paged_kv_cache"], "kv"):
         got = to_numpy(buf)
         around = np.ones(got.shape[-1], bool)
-        around[shift:shift + D] = False
+        around[shift : shift + D] = False
         assert_bytes_equal(got[..., around], wide[..., around], f"{what}: bytes around the view")
-        got, ref, orig = (rows(x, kw) for x in (got[..., shift:shift + D], ref, orig))
+        got, ref, orig = (rows(x, kw) for x in (got[..., shift : shift + D], ref, orig))
         keep = ~written & ~tail
         assert_bytes_equal(got[keep], orig[keep], f"{what} cache: unaddressed bytes changed")
         assert not got[tail].view(np.uint8).any(), f"{what} cache: a tail row not cleared"
         if ref.dtype.itemsize == 1:
-            assert_close(np.ascontiguousarray(got[written]), np.ascontiguousarray(ref[written]),
-                         f"{what} cache")
+            assert_close(
+                np.ascontiguousarray(got[written]),
+                np.ascontiguousarray(ref[written]),
+                f"{what} cache",
+            )
         else:
             assert rel_rows(got[written], ref[written], D) <= 1e-2, f"{what} cache"
 
 
 @pytest.mark.gpu
-@given(seed=st.integers(0, 2**32 - 1), path=st.sampled_from(PATHS),
-       T=st.sampled_from(SWITCH_TOKENS), D=st.sampled_from([32, 64, 128]),
-       dtype=st.sampled_from([F16, BF16]), cache=st.sampled_from(["same", "e4m3", "e5m2"]),
-       layout=st.sampled_from(["NHD", "HND"]),
-       rope=st.sampled_from(["neox", "interleaved", "partial", "none"]),
-       wfmt=st.sampled_from(["dense", "fp8", "int4"]), page_size=st.sampled_from([1, 4, 16]),
-       status_given=st.booleans(), out_given=st.booleans())
-def test_gpu_clear_on_every_path(seed, path, T, D, dtype, cache, layout, rope, wfmt, page_size,
-                                 status_given, out_given):
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    path=st.sampled_from(PATHS),
+    T=st.sampled_from(SWITCH_TOKENS),
+    D=st.sampled_from([32, 64, 128]),
+    dtype=st.sampled_from([F16, BF16]),
+    cache=st.sampled_from(["same", "e4m3", "e5m2"]),
+    layout=st.sampled_from(["NHD", "HND"]),
+    rope=st.sampled_from(["neox", "interleaved", "partial", "none"]),
+    wfmt=st.sampled_from(["dense", "fp8", "int4"]),
+    page_size=st.sampled_from([1, 4, 16]),
+    status_given=st.booleans(),
+    out_given=st.booleans(),
+)
+def test_gpu_clear_on_every_path(
+    seed, path, T, D, dtype, cache, layout, rope, wfmt, page_size, status_given, out_given
+):
     """clear_unused_last_page_rows on each path at token counts around the switches: ragged
     batches with empty requests, requests ending anywhere on a page, every weight format, fp8
     caches, partial and no RoPE; against the reference, tails zero, other bytes unchanged."""
@@ -523,11 +574,24 @@ def test_gpu_clear_on_every_path(seed, path, T, D, dtype, cache, layout, rope, w
     cuts = np.sort(rng.integers(0, T + 1, 3))
     lengths = (int(cuts[0]), 0, int(cuts[1] - cuts[0]), int(cuts[2] - cuts[1]), int(T - cuts[2]))
     R = {"neox": D, "interleaved": D, "partial": D // 4 * 2, "none": None}[rope]
-    args, kw = make_case(seed, lengths=lengths, K=256, Hq=4, Hkv=2, D=D, R=R, P=512,
-                         page_size=page_size, layout=layout, dtype=dtype,
-                         cache_dtype={"same": None, "e4m3": E4M3, "e5m2": E5M2}[cache],
-                         wfmt=wfmt, group_size=32, is_neox=rope != "interleaved",
-                         cached=tuple(int(c) for c in rng.integers(0, 3 * page_size + 2, 5)))
+    args, kw = make_case(
+        seed,
+        lengths=lengths,
+        K=256,
+        Hq=4,
+        Hkv=2,
+        D=D,
+        R=R,
+        P=512,
+        page_size=page_size,
+        layout=layout,
+        dtype=dtype,
+        cache_dtype={"same": None, "e4m3": E4M3, "e5m2": E5M2}[cache],
+        wfmt=wfmt,
+        group_size=32,
+        is_neox=rope != "interleaved",
+        cached=tuple(int(c) for c in rng.integers(0, 3 * page_size + 2, 5)),
+    )
     with pytest.MonkeyPatch.context() as mp:
         check_options(args, kw, mp, path, True, status_given, out_given)
 
@@ -541,23 +605,50 @@ def test_gpu_options_at_the_shipped_switches(T, wfmt, monkeypatch):
     HND at some counts (as tests/test_qkv.py's test_gpu_token_counts_around_switches)."""
     cuts = sorted({0, T // 3, T})
     lengths = tuple(b - a for a, b in itertools.pairwise(cuts)) + (0,)
-    args, kw = make_case(130 + T, lengths=lengths, wfmt=wfmt, group_size=128,
-                         dtype=BF16 if T % 2 else F16, cache_dtype=E4M3 if T % 4 == 1 else None,
-                         cached=[50 + 7 * i for i in range(len(lengths))], K=1024, Hq=8, Hkv=2,
-                         D=128, R=128, P=512, page_size=16, layout="HND" if T % 5 == 0 else "NHD")
+    args, kw = make_case(
+        130 + T,
+        lengths=lengths,
+        wfmt=wfmt,
+        group_size=128,
+        dtype=BF16 if T % 2 else F16,
+        cache_dtype=E4M3 if T % 4 == 1 else None,
+        cached=[50 + 7 * i for i in range(len(lengths))],
+        K=1024,
+        Hq=8,
+        Hkv=2,
+        D=128,
+        R=128,
+        P=512,
+        page_size=16,
+        layout="HND" if T % 5 == 0 else "NHD",
+    )
     check_options(args, kw, monkeypatch, None, True, True, out_given=T % 2 == 0)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path, wfmt", [(p, w) for p in PATHS for w in ("dense", "int4")
-                                        if (p, w) != ("wgmma", "int4")] + [("tiled", "fp8")])
+@pytest.mark.parametrize(
+    "path, wfmt",
+    [(p, w) for p in PATHS for w in ("dense", "int4") if (p, w) != ("wgmma", "int4")]
+    + [("tiled", "fp8")],
+)
 def test_gpu_llama3_8b_with_options(path, wfmt, monkeypatch):
     """Llama-3-8B's projection with both options on: decode (gemv), a small batch (mma) and a
     prefill (cuBLAS), requests ending mid-page."""
-    lengths = {"gemv": (1, 1), "mma": (5, 0, 7), "tiled": (60, 0, 69), "wgmma": (60, 0, 69),
-               "cublas": (60, 0, 69)}[path]
-    args, kw = make_case(80, lengths=lengths, wfmt=wfmt, group_size=128,
-                         cached=[100 + 37 * i for i in range(len(lengths))], **LLAMA)
+    lengths = {
+        "gemv": (1, 1),
+        "mma": (5, 0, 7),
+        "tiled": (60, 0, 69),
+        "wgmma": (60, 0, 69),
+        "cublas": (60, 0, 69),
+    }[path]
+    args, kw = make_case(
+        80,
+        lengths=lengths,
+        wfmt=wfmt,
+        group_size=128,
+        cached=[100 + 37 * i for i in range(len(lengths))],
+        **LLAMA,
+    )
     check_options(args, kw, monkeypatch, path, True, True)
 
 
@@ -572,10 +663,14 @@ def test_gpu_hostile_offsets_never_write_out_of_bounds(path, clear, monkeypatch)
 
     force_path(monkeypatch, path)
     # request 0 ends mid-page (entry 0 or 2 of 4), so that with clear its last token has a tail
-    lengths = {"mma": (3, 2, 4, 1), "tiled": (11, 4, 7, 2), "wgmma": (11, 4, 7, 2),
-               "gemv": (1, 0, 1, 0), "cublas": (11, 4, 7, 2)}[path]
-    args, kw = _case_for(path, 90, lengths=lengths, cached=(0, 0, 0, 3), page_size=4,
-                         dtype=BF16)
+    lengths = {
+        "mma": (3, 2, 4, 1),
+        "tiled": (11, 4, 7, 2),
+        "wgmma": (11, 4, 7, 2),
+        "gemv": (1, 0, 1, 0),
+        "cublas": (11, 4, 7, 2),
+    }[path]
+    args, kw = _case_for(path, 90, lengths=lengths, cached=(0, 0, 0, 3), page_size=4, dtype=BF16)
     kc, vc = args["paged_kv_cache"]
     spare = np.setdiff1d(np.arange(kc.shape[0]), args["block_table"])
     args["cache_lengths"] = np.array([0, 2**31 - 3, -7, 1], np.int32)
@@ -620,8 +715,11 @@ def test_gpu_status_in_a_captured_graph(path, monkeypatch):
     status = cp.full(1, 99, cp.int32)
 
     check_status_in_graph(
-        lambda: call(dev, dkw, out=out, status=status, clear_unused_last_page_rows=True), dev, out,
-        status)
+        lambda: call(dev, dkw, out=out, status=status, clear_unused_last_page_rows=True),
+        dev,
+        out,
+        status,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -634,9 +732,24 @@ def test_bench_times_the_options_beside_the_plain_call():
     from ropekv import bench
     from ropekv.bench.workloads import base
 
-    spec = bench.CaseSpec("qkv", "qkv tiny 3x2", 6, 1, base._lazy(
-        bench.QkvWL, B=3, S=2, prefix=5, K=64, Hq=2, Hkv=1, D=32, dtype=np.float16,
-        cache_dtype=np.float16))
+    spec = bench.CaseSpec(
+        "qkv",
+        "qkv tiny 3x2",
+        6,
+        1,
+        base._lazy(
+            bench.QkvWL,
+            B=3,
+            S=2,
+            prefix=5,
+            K=64,
+            Hq=2,
+            Hkv=1,
+            D=32,
+            dtype=np.float16,
+            cache_dtype=np.float16,
+        ),
+    )
     result = bench.run(peers=[], specs=[spec], backend="numpy", options=True, log=lambda *a: None)
     (case,) = result["cases"]
     assert "error" not in case, case

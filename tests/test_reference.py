@@ -47,8 +47,9 @@ def test_pair_norms_are_preserved_and_tail_passes_through(seed, r):
     np.testing.assert_allclose(np.hypot(y[..., :h], y[..., h:r]), np.hypot(x[..., :h], x[..., h:r]))
     np.testing.assert_array_equal(y[..., r:], x[..., r:])
     z = reference.rope(x, cos, sin, False)
-    np.testing.assert_allclose(np.hypot(z[..., 0:r:2], z[..., 1:r:2]),
-                               np.hypot(x[..., 0:r:2], x[..., 1:r:2]))
+    np.testing.assert_allclose(
+        np.hypot(z[..., 0:r:2], z[..., 1:r:2]), np.hypot(x[..., 0:r:2], x[..., 1:r:2])
+    )
 
 
 @given(seed=seeds, r=dims)
@@ -87,17 +88,20 @@ def hf_style_mrope(table, pos3, section, interleaved):
     for part in (per_axis[..., :half], per_axis[..., half:]):
         if interleaved:
             x = part[0].copy()
-            x[:, 1:3 * section[1]:3] = part[1][:, 1:3 * section[1]:3]
-            x[:, 2:3 * section[2]:3] = part[2][:, 2:3 * section[2]:3]
+            x[:, 1 : 3 * section[1] : 3] = part[1][:, 1 : 3 * section[1] : 3]
+            x[:, 2 : 3 * section[2] : 3] = part[2][:, 2 : 3 * section[2] : 3]
         else:
             bounds = np.cumsum([0, *section])
-            x = np.concatenate([part[a][:, bounds[a]:bounds[a + 1]] for a in range(3)], axis=1)
+            x = np.concatenate([part[a][:, bounds[a] : bounds[a + 1]] for a in range(3)], axis=1)
         out.append(x)
     return out
 
 
-@given(seed=seeds, interleaved=st.booleans(),
-       section=st.sampled_from([(16, 24, 24), (24, 20, 20), (2, 3, 3), (0, 4, 4), (8, 0, 0)]))
+@given(
+    seed=seeds,
+    interleaved=st.booleans(),
+    section=st.sampled_from([(16, 24, 24), (24, 20, 20), (2, 3, 3), (0, 4, 4), (8, 0, 0)]),
+)
 def test_mrope_matches_the_hugging_face_layouts(seed, interleaved, section):
     rng = np.random.default_rng(seed)
     half = sum(section)
@@ -129,8 +133,7 @@ def test_mrope_rows_give_each_axis_its_section():
     assert reference.mrope_rows(8, (2, 3, 3), True).tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
 
 
-@given(seed=seeds, dtype=st.sampled_from([ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
-                                          np.int8]))
+@given(seed=seeds, dtype=st.sampled_from([ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, np.int8]))
 def test_quantize_rows_maps_each_rows_amax_onto_the_largest_code(seed, dtype):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((5, 3, 16)) * rng.uniform(1e-3, 1e3, (5, 3, 1))
@@ -146,7 +149,7 @@ def test_quantize_rows_maps_each_rows_amax_onto_the_largest_code(seed, dtype):
     if dtype == np.int8:
         bound = 0.5 * scale[..., None]
     else:  # half an ulp of the mantissa, or half the smallest subnormal step
-        mant, sub = (3, 2.0 ** -9) if dtype == ml_dtypes.float8_e4m3fn else (2, 2.0 ** -16)
+        mant, sub = (3, 2.0**-9) if dtype == ml_dtypes.float8_e4m3fn else (2, 2.0**-16)
         bound = np.maximum(2.0 ** -(mant + 1) * np.abs(x), 0.5 * sub * scale[..., None])
     assert (err <= bound * (1 + 1e-9)).all()
 

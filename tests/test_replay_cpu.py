@@ -22,7 +22,8 @@ from ropekv import _launch
 from tests.test_call_path import CASES, LATE_INPUT, OPS, map_arrays
 
 _spec = importlib.util.spec_from_file_location(
-    "ropekv_hostcost", Path(__file__).resolve().parents[1] / "tools" / "hostcost.py")
+    "ropekv_hostcost", Path(__file__).resolve().parents[1] / "tools" / "hostcost.py"
+)
 hostcost = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(hostcost)
 
@@ -33,14 +34,24 @@ PREFILL = {"qkv": {"lengths": (ropekv.qkv.MMA_MAX_TOKENS, 30)}}
 
 
 def all_ops():
-    return [v for m in (ropekv.contiguous, ropekv.paged, ropekv.mla, ropekv.qknorm, ropekv.qkv)
-            for v in vars(m).values() if isinstance(v, _launch.Op)]
+    return [
+        v
+        for m in (ropekv.contiguous, ropekv.paged, ropekv.mla, ropekv.qknorm, ropekv.qkv)
+        for v in vars(m).values()
+        if isinstance(v, _launch.Op)
+    ]
 
 
 _RECORD_MAX = 4096  # the C replay's parameter record lives in a buffer of this size
 
-_C_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7,
-                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+_C_LAUNCH = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_void_p,
+    *[ctypes.c_uint] * 7,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+)
 
 
 class Launches:
@@ -76,10 +87,21 @@ class Launches:
 
 _C_SET_STREAM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _C_SET_POINTER_MODE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
-_C_GEMM_EX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int] * 5, ctypes.c_void_p,
-                              ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                              ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                              *[ctypes.c_int] * 4)
+_C_GEMM_EX = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_void_p,
+    *[ctypes.c_int] * 5,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    *[ctypes.c_int] * 4,
+)
 FAKE_CUBLAS_HANDLE = 0x9000
 
 
@@ -94,8 +116,11 @@ class Gemms:
         self.calls = []
         self.fail = 0
         self.capturing = False  # what the stubbed cuStreamIsCapturing says of every stream
-        self.functions = (_C_SET_STREAM(self._stream), _C_SET_POINTER_MODE(self._mode),
-                          _C_GEMM_EX(self._gemm))
+        self.functions = (
+            _C_SET_STREAM(self._stream),
+            _C_SET_POINTER_MODE(self._mode),
+            _C_GEMM_EX(self._gemm),
+        )
 
     def _stream(self, handle, stream):
         self.calls.append(("stream", handle, stream or 0))
@@ -105,11 +130,53 @@ class Gemms:
         self.calls.append(("mode", handle, mode))
         return 0
 
-    def _gemm(self, handle, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c, ct, ldc,
-              compute, algo):
+    def _gemm(
+        self,
+        handle,
+        ta,
+        tb,
+        m,
+        n,
+        k,
+        alpha,
+        a,
+        at,
+        lda,
+        b,
+        bt,
+        ldb,
+        beta,
+        c,
+        ct,
+        ldc,
+        compute,
+        algo,
+    ):
         alpha, beta = (ctypes.c_float.from_address(x).value for x in (alpha, beta))
-        self.calls.append(("gemm", handle, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta,
-                           c, ct, ldc, compute, algo))
+        self.calls.append(
+            (
+                "gemm",
+                handle,
+                ta,
+                tb,
+                m,
+                n,
+                k,
+                alpha,
+                a,
+                at,
+                lda,
+                b,
+                bt,
+                ldb,
+                beta,
+                c,
+                ct,
+                ldc,
+                compute,
+                algo,
+            )
+        )
         return self.fail
 
     def install(self, monkeypatch):
@@ -159,8 +226,11 @@ def stubbed(request, monkeypatch):
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device=-1: 0x5000)
     monkeypatch.setattr(_launch, "_launch_kernel", launches)
     monkeypatch.setattr(_launch, "_RUNTIME", [hostcost._Runtime])
-    monkeypatch.setattr(_launch.Output, "_cupy",
-                        lambda self: hostcost.FakeCupyArray(np.empty(self.shape, self.dtype)))
+    monkeypatch.setattr(
+        _launch.Output,
+        "_cupy",
+        lambda self: hostcost.FakeCupyArray(np.empty(self.shape, self.dtype)),
+    )
     launches.gemms = Gemms()
     launches.gemms.install(monkeypatch)
     yield launches
@@ -191,10 +261,16 @@ def test_a_prefill_qkv_call_on_a_capturing_stream_runs_one_kernel(stubbed, monke
     allocated or launched."""
     T = sum(PREFILL["qkv"]["lengths"])
     kernels, allocated = [], []
-    monkeypatch.setattr(_launch, "function_pointer",
-                        lambda stem, expr, *a, **k: kernels.append(expr) or 0x1000)
-    monkeypatch.setattr(_launch.Output, "_cupy", lambda self: allocated.append(self.shape) or
-                        hostcost.FakeCupyArray(np.empty(self.shape, self.dtype)))
+    monkeypatch.setattr(
+        _launch, "function_pointer", lambda stem, expr, *a, **k: kernels.append(expr) or 0x1000
+    )
+    monkeypatch.setattr(
+        _launch.Output,
+        "_cupy",
+        lambda self: (
+            allocated.append(self.shape) or hostcost.FakeCupyArray(np.empty(self.shape, self.dtype))
+        ),
+    )
     fn, kw = CASES["qkv"](44, **PREFILL["qkv"])
     gemms = stubbed.gemms
     gemms.capturing = True
@@ -215,8 +291,10 @@ def test_a_prefill_qkv_call_on_a_capturing_stream_runs_one_kernel(stubbed, monke
     monkeypatch.setattr(ropekv.qkv, "GRAPH_MAX_TOKENS", T - 1)  # (a flag: a plan of its own)
     calls, n_allocated = len(stubbed.calls), len(allocated)
     for _ in range(2):
-        with pytest.raises(ValueError, match="cannot be recorded in a CUDA graph with "
-                                             f"hidden_state of T={T} tokens"):
+        with pytest.raises(
+            ValueError,
+            match=f"cannot be recorded in a CUDA graph with hidden_state of T={T} tokens",
+        ):
             fn(**map_arrays(kw, hostcost.to_cupy))
     assert len(stubbed.calls) == calls and len(gemms.calls) == 6
     assert len(allocated) == n_allocated
@@ -239,13 +317,29 @@ def test_graph_safe_is_what_the_plans_refuse(wfmt, D, stubbed, monkeypatch):
         monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device, cc=cc: cc)
         for op in all_ops():  # the plans of the other capability (not part of their keys)
             op.plans.clear()
-        for T in sorted({1, 2, 3, 16, 17, 40, 128, 129, 256, 257, 300,
-                          ropekv.qkv.GRAPH_MAX_TOKENS,
-                          ropekv.qkv.GRAPH_MAX_TOKENS + 1}):
-            fn, kw = CASES["qkv"](45, lengths=(T,), wfmt=wfmt, K=128, D=D, R=D, P=512,
-                                  group_size=32)
-            fmt = {"dense": ropekv.qkv.W_DENSE, "fp8": ropekv.qkv.W_FP8,
-                   "int4": ropekv.qkv.W_INT4}[wfmt]
+        for T in sorted(
+            {
+                1,
+                2,
+                3,
+                16,
+                17,
+                40,
+                128,
+                129,
+                256,
+                257,
+                300,
+                ropekv.qkv.GRAPH_MAX_TOKENS,
+                ropekv.qkv.GRAPH_MAX_TOKENS + 1,
+            }
+        ):
+            fn, kw = CASES["qkv"](
+                45, lengths=(T,), wfmt=wfmt, K=128, D=D, R=D, P=512, group_size=32
+            )
+            fmt = {"dense": ropekv.qkv.W_DENSE, "fp8": ropekv.qkv.W_FP8, "int4": ropekv.qkv.W_INT4}[
+                wfmt
+            ]
             safe = ropekv.qkv.graph_safe(T, 128, D, fmt, 32, cc)
             gemms.capturing = True
             try:
@@ -279,6 +373,7 @@ def test_prefill_temporaries_come_from_the_callers_allocator(kind, stubbed, monk
         monkeypatch.setattr(torch, "empty", torch_empty)
         monkeypatch.setattr(_launch.Output, "_cupy", lambda self: pytest.fail("CuPy allocated"))
     else:
+
         def cupy_empty(self):
             allocated.append(hostcost.FakeCupyArray(np.empty(self.shape, self.dtype)))
             return allocated[-1]
@@ -326,8 +421,11 @@ def test_replay_refills_every_pointer(op, kind, stubbed, monkeypatch):
     fn, kw = CASES[op](41, **DECODE.get(op, {}))
     seen = []
     call = _launch.Op.__call__
-    monkeypatch.setattr(_launch.Op, "__call__",
-                        lambda self, arrays, *a: seen.append(arrays) or call(self, arrays, *a))
+    monkeypatch.setattr(
+        _launch.Op,
+        "__call__",
+        lambda self, arrays, *a: seen.append(arrays) or call(self, arrays, *a),
+    )
     fn(**map_arrays(kw, convert))
     assert sum(len(o.plans) for o in all_ops()) == 1 and stubbed.calls
     n_first = len(stubbed.calls)
@@ -376,8 +474,9 @@ def test_replay_rechecks_overlap(stubbed):
     dev = map_arrays(kw, hostcost.to_cupy)
     fn(**dev)
     k = dev["paged_kv_cache"][0]
-    with pytest.raises(ValueError, match="k_cache is written in place but shares memory with "
-                                         "v_cache"):
+    with pytest.raises(
+        ValueError, match="k_cache is written in place but shares memory with v_cache"
+    ):
         fn(**{**dev, "paged_kv_cache": (k, k)})
 
 
@@ -394,8 +493,11 @@ def test_bool_flag_never_replays_an_int_plan(stubbed):
 
 
 def test_fast_signature_agrees_with_signature(stubbed, monkeypatch):
-    arrays = [hostcost.to_cupy(np.zeros((4, 8), np.float16)), None,
-              hostcost.to_cupy(np.zeros((3, 5, 2), np.int32)[:, ::2])]
+    arrays = [
+        hostcost.to_cupy(np.zeros((4, 8), np.float16)),
+        None,
+        hostcost.to_cupy(np.zeros((3, 5, 2), np.int32)[:, ::2]),
+    ]
     if importlib.util.find_spec("torch") is None:
         fake_torch(monkeypatch)
         arrays.append(hostcost.to_torch(np.zeros((2, 6), np.float32)))
@@ -416,20 +518,38 @@ def test_device_readers_agree_with_the_numpy_reader(kind, stubbed, monkeypatch):
         fake_torch(monkeypatch)
         convert, ptr = hostcost.to_torch, lambda x: x.data_ptr()
     base = np.zeros((6, 5, 4), np.float16)
-    for host in (base, base[:, ::2], base[::-1, :, 1:], base.transpose(2, 0, 1),
-                 np.broadcast_to(base[:1], (6, 5, 4)), base[:0], base[2, 3]):
+    for host in (
+        base,
+        base[:, ::2],
+        base[::-1, :, 1:],
+        base.transpose(2, 0, 1),
+        np.broadcast_to(base[:1], (6, 5, 4)),
+        base[:0],
+        base[2, 3],
+    ):
         dev = convert(host)
         view, ref = ar.as_view(dev, "x"), ar.as_view(host, "x")
         assert (view.shape, view.strides, view.size, view.span, view.dtype) == (
-            ref.shape, ref.strides, ref.size, ref.span, ref.dtype)
+            ref.shape,
+            ref.strides,
+            ref.size,
+            ref.span,
+            ref.dtype,
+        )
         assert (view.ptr, view.device, view.host, view.readonly, view.legacy) == (
-            ptr(dev), 0, None, False, False)
+            ptr(dev),
+            0,
+            None,
+            False,
+            False,
+        )
         assert view.owner is dev and view.array is dev
     if kind == "torch":  # torch strides are elements: no odd byte stride to refuse
         return
     odd = hostcost.to_cupy(np.lib.stride_tricks.as_strided(np.zeros(16, np.float16), (3,), (3,)))
-    with pytest.raises(BufferError, match="x has a byte stride of 3, not a multiple of its item "
-                                          "size 2"):
+    with pytest.raises(
+        BufferError, match="x has a byte stride of 3, not a multiple of its item size 2"
+    ):
         ar.as_view(odd, "x")
 
 
@@ -438,8 +558,9 @@ def test_paged_option_kernel_plan_on_stand_ins(stubbed):
     built and launched on stand-ins: every field of OPTS_PARAMS given."""
     from tests import test_paged as tp
 
-    args = tp.with_options(tp.make_case(20, Dn=8), np.random.default_rng(5), q_dyn=True,
-                           kv_dyn=True, status=True)
+    args = tp.with_options(
+        tp.make_case(20, Dn=8), np.random.default_rng(5), q_dyn=True, kv_dyn=True, status=True
+    )
     tp.call(map_arrays(args, hostcost.to_cupy))
     (plan,) = [p for o in all_ops() for p in o.plans.values()]
     assert plan.steps[0].n_ptr == ropekv.paged.OPTS_PARAMS.n_pointers and stubbed.calls
@@ -460,10 +581,19 @@ def test_python_replay_builds_its_record_once_for_threads(monkeypatch):
 
     monkeypatch.setattr(_launch, "function_pointer", lambda *a, **k: 0x1000)
     monkeypatch.setattr(_launch, "_launch_kernel", launch_kernel)
-    params = _launch.ParamStruct("P", [("a", np.uint64), ("b", np.uint64), ("c", np.uint64),
-                                       ("n", np.int32)])
-    launch = _launch.Launch("stem", "kernel<>", 0, (1,), (32,), params, {"n": 5},
-                            {"a": (0, 0), "b": (1, 16), "c": (2, 0)})
+    params = _launch.ParamStruct(
+        "P", [("a", np.uint64), ("b", np.uint64), ("c", np.uint64), ("n", np.int32)]
+    )
+    launch = _launch.Launch(
+        "stem",
+        "kernel<>",
+        0,
+        (1,),
+        (32,),
+        params,
+        {"n": 5},
+        {"a": (0, 0), "b": (1, 16), "c": (2, 0)},
+    )
     assert launch._rec is None  # nothing of the Python replay built yet
     start = threading.Barrier(8)
 
@@ -499,10 +629,18 @@ def test_read_arguments_is_each_view_and_the_kinds(stubbed, monkeypatch, struct_
     checker lets them pass)."""
     torch = fake_torch(monkeypatch)
     f16 = np.zeros((4, 8), np.float16)
-    arrays = [hostcost.FakeCupyArray(f16), None, np.zeros(3, np.int32), _misaligned(f16),
-              torch.Tensor(np.zeros((2, 2), np.float32)), _misaligned(f16[:0]), None]
+    arrays = [
+        hostcost.FakeCupyArray(f16),
+        None,
+        np.zeros(3, np.int32),
+        _misaligned(f16),
+        torch.Tensor(np.zeros((2, 2), np.float32)),
+        _misaligned(f16[:0]),
+        None,
+    ]
     names = [f"a{i}" for i in range(len(arrays))]
     if struct_reads:  # as the C replay's view_fields reads a CuPy array (the others: None)
+
         def fields(a):
             if a.__class__ is not hostcost.FakeCupyArray:
                 return None
@@ -516,8 +654,9 @@ def test_read_arguments_is_each_view_and_the_kinds(stubbed, monkeypatch, struct_
             assert v is None
             continue
         w = ar.as_view(a, n)
-        assert [getattr(v, k) for k in ar.ArrayView.__slots__] == \
-            [getattr(w, k) for k in ar.ArrayView.__slots__]
+        assert [getattr(v, k) for k in ar.ArrayView.__slots__] == [
+            getattr(w, k) for k in ar.ArrayView.__slots__
+        ]
     assert kinds == ar.signature(arrays, names, None)[2] == ar.CUPY | ar.TORCH | ar.OTHER
     assert misaligned == [views[3], views[5]]
     assert ar.read_arguments(arrays[:3], names[:3])[2] is None  # none misaligned
@@ -530,8 +669,9 @@ def test_first_misaligned_argument_is_named_once_all_are_read(op, stubbed):
     read at all is named before any misaligned one."""
     fn, kw = CASES[op](40)
     dev = map_arrays(kw, hostcost.to_cupy)
-    first, second = [n for n, x in kw.items() if isinstance(x, np.ndarray) and x.itemsize > 1
-                     and x.size][:2]
+    first, second = [
+        n for n, x in kw.items() if isinstance(x, np.ndarray) and x.itemsize > 1 and x.size
+    ][:2]
     with pytest.raises(BufferError, match=f"^{second} starts at address"):
         fn(**{**dev, first: _misaligned(kw[first][:0]), second: _misaligned(kw[second])})
     with pytest.raises(TypeError, match=f"^{second} must be a NumPy array"):

@@ -18,8 +18,11 @@ from tests.tolerance import assert_close, to_numpy
 CASES = cases()
 IDS = [c.name for c in CASES]
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn,
-                 "float8_e5m2": torch.float8_e5m2}
+_TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
 
 # every registered op and the arguments it writes
 _SCALES = {"q_scale_out", "kv_cache_scales"}
@@ -35,10 +38,13 @@ MUTATIONS = {
     "rope_append_paged_kv_cache": _PAGED,
     "rope_append_paged_kv_cache_out": {*_PAGED, "q_rope_out", "q_nope_out"},
     "mla_rope_rmsnorm_append_paged_kv_cache": {"kv_cache", "kpe_cache", "status"},
-    "mla_rope_rmsnorm_append_paged_kv_cache_out": {"kv_cache", "kpe_cache", "status",
-                                                   "q_rope_out"},
-    "mla_rope_rmsnorm_append_paged_kv_cache_in_place": {"kv_cache", "kpe_cache", "status",
-                                                        "q_rope"},
+    "mla_rope_rmsnorm_append_paged_kv_cache_out": {"kv_cache", "kpe_cache", "status", "q_rope_out"},
+    "mla_rope_rmsnorm_append_paged_kv_cache_in_place": {
+        "kv_cache",
+        "kpe_cache",
+        "status",
+        "q_rope",
+    },
     "qk_rmsnorm_rope_append_paged_kv_cache": _QKNORM,
     "qk_rmsnorm_rope_append_paged_kv_cache_out": {*_QKNORM, "q_out"},
     "qk_rmsnorm_rope_append_paged_kv_cache_in_place": {*_QKNORM, "q"},
@@ -66,8 +72,9 @@ def assert_same(got, expected):
     for i, (g, e) in enumerate(zip(got, expected)):
         g = to_numpy(g)
         assert g.shape == e.shape and g.dtype == e.dtype, f"result {i}: {g.shape} {g.dtype}"
-        assert np.array_equal(g.view(np.uint8), np.ascontiguousarray(e).view(np.uint8)), \
+        assert np.array_equal(g.view(np.uint8), np.ascontiguousarray(e).view(np.uint8)), (
             f"result {i}: bytes differ"
+        )
 
 
 def negated(case):
@@ -117,8 +124,9 @@ def compile_counter():
 def test_every_op_is_registered_with_exactly_its_writes():
     for name, writes in MUTATIONS.items():
         schema = getattr(torch.ops.ropekv, name).default._schema
-        written = {a.name for a in schema.arguments
-                   if a.alias_info is not None and a.alias_info.is_write}
+        written = {
+            a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
+        }
         assert written == writes, name
         assert not any(r.alias_info for r in schema.returns), f"{name} returns an alias"
 
@@ -145,8 +153,12 @@ def opcheck_utils(args):
     pins what each op writes)."""
     flat = [x for a in args for x in (a if isinstance(a, list | tuple) else (a,))]
     fp8 = any(isinstance(x, torch.Tensor) and x.dtype in FP8 for x in flat)
-    utils = ("test_schema", "test_autograd_registration", "test_faketensor",
-             "test_aot_dispatch_dynamic")
+    utils = (
+        "test_schema",
+        "test_autograd_registration",
+        "test_faketensor",
+        "test_aot_dispatch_dynamic",
+    )
     return utils[1:] if fp8 else utils
 
 
@@ -159,13 +171,17 @@ def test_fake_implementations_give_the_output_shapes_and_dtypes(case):
     args = case.fresh(lambda x: mode.from_tensor(to_torch(x)))
     with mode:
         got = case.run(rt, args)
-    assert [(tuple(g.shape), to_numpy_dtype(g.dtype)) for g in got] == \
-        [(e.shape, e.dtype) for e in expected]
+    assert [(tuple(g.shape), to_numpy_dtype(g.dtype)) for g in got] == [
+        (e.shape, e.dtype) for e in expected
+    ]
 
 
 def to_numpy_dtype(dtype):
-    names = {torch.bfloat16: ml_dtypes.bfloat16, torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
-             torch.float8_e5m2: ml_dtypes.float8_e5m2}
+    names = {
+        torch.bfloat16: ml_dtypes.bfloat16,
+        torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
+        torch.float8_e5m2: ml_dtypes.float8_e5m2,
+    }
     return np.dtype(names.get(dtype) or str(dtype).removeprefix("torch."))
 
 
@@ -179,17 +195,32 @@ def test_compiled_matches_the_numpy_backend_and_compiles_once(case):
     assert counter.frame_count == 1
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.name in (
-    "contiguous-f16", "paged-fp8-gqa", "mla-split-given", "qknorm-fp8-in-place",
-    "contiguous-fp8-q-dynamic-int8-kv-scales", "paged-fp8-computed-scales-status",
-    "qknorm-fp8-q-dynamic-kv-scales")], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [
+        c
+        for c in CASES
+        if c.name
+        in (
+            "contiguous-f16",
+            "paged-fp8-gqa",
+            "mla-split-given",
+            "qknorm-fp8-in-place",
+            "contiguous-fp8-q-dynamic-int8-kv-scales",
+            "paged-fp8-computed-scales-status",
+            "qknorm-fp8-q-dynamic-kv-scales",
+        )
+    ],
+    ids=str,
+)
 def test_compiled_code_writes_the_caches_in_place(case):
     """Inductor calls the op on the graph's own cache tensors: no clone, no copy back."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    _, code = run_and_get_code(torch.compile(lambda a: case.run(rt, a), fullgraph=True),
-                               case.fresh(to_torch))
+    _, code = run_and_get_code(
+        torch.compile(lambda a: case.run(rt, a), fullgraph=True), case.fresh(to_torch)
+    )
     code = "\n".join(code)
     assert "torch.ops.ropekv." in code
     assert "clone" not in code and "copy_" not in code
@@ -199,8 +230,12 @@ def test_compiled_code_writes_the_caches_in_place(case):
 # compiled op: one exception type and message. (rule, op case, argument, replacement)
 BAD = [
     ("paged q_rope rank", "paged-fp8-gqa", "q_rope", lambda x: x.reshape(x.shape[0], -1)),
-    ("paged cache dtype", "paged-fp8-gqa", "paged_kv_cache",
-     lambda c: tuple(x.astype(np.float32) for x in c)),
+    (
+        "paged cache dtype",
+        "paged-fp8-gqa",
+        "paged_kv_cache",
+        lambda c: tuple(x.astype(np.float32) for x in c),
+    ),
     ("mla q_rope dtype", "mla", "q_rope", lambda x: x.astype(np.float32)),
     ("qknorm q rank", "qknorm", "q", lambda x: x.reshape(x.shape[0], -1)),
     ("qkv hidden rank", "qkv-decode", "hidden_state", lambda x: x[None]),
@@ -212,28 +247,63 @@ BAD = [
     ("qknorm layer_idx range", "qknorm-fp8-layers", "layer_idx", lambda i: 4),
     ("qkv layer_idx range", "qkv-decode-layers", "layer_idx", lambda i: -1),
     ("mla status dtype", "mla-options", "status", lambda s: s.astype(np.int64)),
-    ("paged mrope_section sum", "paged-fp8-mrope-interleaved", "mrope_section",
-     lambda s: (1, 1, 1)),
+    (
+        "paged mrope_section sum",
+        "paged-fp8-mrope-interleaved",
+        "mrope_section",
+        lambda s: (1, 1, 1),
+    ),
     # issue 14's computed scales and fp8 queries (some checked by the fakes, the rest eagerly)
     ("qknorm q_out_dtype", "qknorm-fp8-q-dynamic-kv-scales", "q_out_dtype", lambda _: "int8"),
-    ("qknorm q_scale with q_scale_out", "qknorm-fp8-q-dynamic-kv-scales", "q_scale",
-     lambda _: 2.0),
-    ("qknorm kv_cache_scales shape", "qknorm-int8-kv-scales-in-place", "kv_cache_scales",
-     lambda s: tuple(x[:-1] for x in s)),
-    ("paged static q scale with q_scale_out", "paged-fp8-computed-scales-status",
-     "quant_scale_q", lambda _: 2.0),
-    ("paged int8 cache without kv_cache_scales", "paged-int8-kv-scales-hnd-given",
-     "kv_cache_scales", lambda _: None),
-    ("paged int8 quantize_dtype without kv_cache_scales", "paged-fp8-gqa", "quantize_dtype",
-     lambda _: np.int8),
-    ("paged kv_cache_scales dtype", "paged-fp8-computed-scales-status", "kv_cache_scales",
-     lambda s: tuple(x.astype(np.float16) for x in s)),
-    ("paged status dtype", "paged-fp8-computed-scales-status", "status",
-     lambda s: s.astype(np.int64)),
-    ("contiguous q_scale_out with a 16-bit q_out", "contiguous-q-out", "q_scale_out",
-     lambda _: np.zeros((2, 3, 4), np.float32)),
-    ("contiguous kv_cache_scales on a 16-bit cache", "contiguous-q-out", "kv_cache_scales",
-     lambda _: np.zeros((2, 2, 2, 16), np.float32)),
+    ("qknorm q_scale with q_scale_out", "qknorm-fp8-q-dynamic-kv-scales", "q_scale", lambda _: 2.0),
+    (
+        "qknorm kv_cache_scales shape",
+        "qknorm-int8-kv-scales-in-place",
+        "kv_cache_scales",
+        lambda s: tuple(x[:-1] for x in s),
+    ),
+    (
+        "paged static q scale with q_scale_out",
+        "paged-fp8-computed-scales-status",
+        "quant_scale_q",
+        lambda _: 2.0,
+    ),
+    (
+        "paged int8 cache without kv_cache_scales",
+        "paged-int8-kv-scales-hnd-given",
+        "kv_cache_scales",
+        lambda _: None,
+    ),
+    (
+        "paged int8 quantize_dtype without kv_cache_scales",
+        "paged-fp8-gqa",
+        "quantize_dtype",
+        lambda _: np.int8,
+    ),
+    (
+        "paged kv_cache_scales dtype",
+        "paged-fp8-computed-scales-status",
+        "kv_cache_scales",
+        lambda s: tuple(x.astype(np.float16) for x in s),
+    ),
+    (
+        "paged status dtype",
+        "paged-fp8-computed-scales-status",
+        "status",
+        lambda s: s.astype(np.int64),
+    ),
+    (
+        "contiguous q_scale_out with a 16-bit q_out",
+        "contiguous-q-out",
+        "q_scale_out",
+        lambda _: np.zeros((2, 3, 4), np.float32),
+    ),
+    (
+        "contiguous kv_cache_scales on a 16-bit cache",
+        "contiguous-q-out",
+        "kv_cache_scales",
+        lambda _: np.zeros((2, 2, 2, 16), np.float32),
+    ),
 ]
 
 
@@ -290,8 +360,9 @@ def test_errors_are_the_eager_ones(rule, name, arg, change):
             assert (type(exc), str(exc)) == expected
 
 
-@pytest.mark.parametrize("name,bad", [("qknorm-fp8-layers", True), ("qkv-decode-layers", 1.0),
-                                      ("mla-split-layers", "1")])
+@pytest.mark.parametrize(
+    "name,bad", [("qknorm-fp8-layers", True), ("qkv-decode-layers", 1.0), ("mla-split-layers", "1")]
+)
 def test_layer_idx_type_errors_are_the_eager_ones(name, bad):
     """Checked before the op (torch's int schema would take a bool), with the eager message."""
     case = bad_case(name, "layer_idx", lambda i: bad)
@@ -300,8 +371,10 @@ def test_layer_idx_type_errors_are_the_eager_ones(name, bad):
     assert error_of(lambda: case.run(rt, case.fresh(to_torch))) == expected
 
 
-@pytest.mark.parametrize("name", ["qknorm-options-given", "mla-options",
-                                  "paged-int8-kv-scales-hnd-given", "qkv-options-given"])
+@pytest.mark.parametrize(
+    "name",
+    ["qknorm-options-given", "mla-options", "paged-int8-kv-scales-hnd-given", "qkv-options-given"],
+)
 def test_status_reports_bad_offsets_and_nothing_is_written(name):
     """Malformed offsets (``input_row_offsets``: one above the next, code 2; the paged ops'
     ``kv_indptr``: not starting at 0, code 4): the status code, and the caches, the scale arrays
@@ -409,8 +482,9 @@ def _refill(dst, src):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [c for c in CASES if not c.name.startswith("qkv-prefill")],
-                         ids=str)
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if not c.name.startswith("qkv-prefill")], ids=str
+)
 def test_cuda_graph_capture_and_replay_write_the_cache(case):
     static = case.fresh(on("cuda"))
     case.run(rt, case.fresh(on("cuda")))  # warm-up: compile the kernel outside the capture
@@ -433,8 +507,10 @@ def test_cuda_graph_capture_of_a_prefill_qkv_call_is_refused():
     case.run(rt, case.fresh(on("cuda")))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with (pytest.raises(ValueError, match="cannot be recorded in a CUDA graph"),
-          torch.cuda.graph(graph)):
+    with (
+        pytest.raises(ValueError, match="cannot be recorded in a CUDA graph"),
+        torch.cuda.graph(graph),
+    ):
         case.run(rt, static)
 
 
@@ -451,9 +527,20 @@ class PagedDecode(torch.nn.Module):
     def forward(self, q, k, v, pos, kv_indices, kv_indptr, batch_indices):
         R = self.table.shape[1]
         q_rope, _ = rt.rope_quantize_fp8_append_paged_kv_cache(
-            q[..., :R], k[..., :R], q[..., R:], k[..., R:], v, self.table, pos,
-            (self.k_cache, self.v_cache), kv_indices, kv_indptr, batch_indices, pos,
-            page_size=self.k_cache.shape[1])
+            q[..., :R],
+            k[..., :R],
+            q[..., R:],
+            k[..., R:],
+            v,
+            self.table,
+            pos,
+            (self.k_cache, self.v_cache),
+            kv_indices,
+            kv_indptr,
+            batch_indices,
+            pos,
+            page_size=self.k_cache.shape[1],
+        )
         return q_rope
 
 
@@ -472,17 +559,37 @@ def test_reduce_overhead_mode_runs_the_op_in_a_cuda_graph():
     k_ref, v_ref = (to_numpy(c).copy() for c in a["paged_kv_cache"])
     for i in range(4):
         sign = -1 if i % 2 else 1
-        args = (sign * q, sign * k, sign * a["v"], a["pos_ids"], a["kv_indices"], a["kv_indptr"],
-                a["batch_indices"])
+        args = (
+            sign * q,
+            sign * k,
+            sign * a["v"],
+            a["pos_ids"],
+            a["kv_indices"],
+            a["kv_indptr"],
+            a["batch_indices"],
+        )
         q8 = step(*args).clone()
         ref_caches = (k_ref, v_ref)
         ref_q, _ = ropekv.rope_quantize_fp8_append_paged_kv_cache(
-            *(to_numpy(x) for x in (sign * q[..., :R], sign * k[..., :R], sign * q[..., R:],
-                                    sign * k[..., R:], sign * a["v"], a["cos_sin_cache"],
-                                    a["pos_ids"])),
-            ref_caches, *(to_numpy(x) for x in (a["kv_indices"], a["kv_indptr"],
-                                                a["batch_indices"], a["pos_ids"])),
-            page_size=module.k_cache.shape[1])
+            *(
+                to_numpy(x)
+                for x in (
+                    sign * q[..., :R],
+                    sign * k[..., :R],
+                    sign * q[..., R:],
+                    sign * k[..., R:],
+                    sign * a["v"],
+                    a["cos_sin_cache"],
+                    a["pos_ids"],
+                )
+            ),
+            ref_caches,
+            *(
+                to_numpy(x)
+                for x in (a["kv_indices"], a["kv_indptr"], a["batch_indices"], a["pos_ids"])
+            ),
+            page_size=module.k_cache.shape[1],
+        )
         assert_close(q8, ref_q, f"step {i} q")
         assert_close(module.k_cache, k_ref, f"step {i} k_cache")
         assert_close(module.v_cache, v_ref, f"step {i} v_cache")

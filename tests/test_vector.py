@@ -39,10 +39,15 @@ def test_widest_aligned_is_all_aligned():
         views = []
         for _ in range(rng.randint(1, 5)):
             ndim = rng.randint(1, 4)
-            views.append(view("x", rng.choice((0, 1, 2, 4, 6, 8, 12, 16, 48, 1026)) + 4096,
-                              [rng.randint(1, 5) for _ in range(ndim)],
-                              [rng.choice((-6, -4, -1, 0, 1, 2, 3, 4, 6, 8, 24, 128))
-                               for _ in range(ndim)], rng.choice(dtypes)))
+            views.append(
+                view(
+                    "x",
+                    rng.choice((0, 1, 2, 4, 6, 8, 12, 16, 48, 1026)) + 4096,
+                    [rng.randint(1, 5) for _ in range(ndim)],
+                    [rng.choice((-6, -4, -1, 0, 1, 2, 3, 4, 6, 8, 24, 128)) for _ in range(ndim)],
+                    rng.choice(dtypes),
+                )
+            )
         widest = widest_aligned(views)
         for n in (1, 2, 4, 8, 16):
             assert all_aligned(views, n) == (n <= widest), (views, n, widest)
@@ -59,27 +64,35 @@ def _outcome(fn, *args, **kwargs):
 def _index_arrays():
     """(offsets, cache_lengths, block_table) views: valid ones and each kind of bad one."""
     B = 3
-    good = (view("input_row_offsets", 0, (B + 1,), (1,), np.int32),
-            view("cache_lengths", 64, (B,), (1,), np.int32),
-            view("block_table", 128, (B, 5), (5, 1), np.int32))
+    good = (
+        view("input_row_offsets", 0, (B + 1,), (1,), np.int32),
+        view("cache_lengths", 64, (B,), (1,), np.int32),
+        view("block_table", 128, (B, 5), (5, 1), np.int32),
+    )
     bad = {
-        0: [view("input_row_offsets", 0, (B + 1,), (1,), np.uint32),
+        0: [
+            view("input_row_offsets", 0, (B + 1,), (1,), np.uint32),
             view("input_row_offsets", 0, (B + 1,), (1,), np.int64),
             view("input_row_offsets", 0, (B + 1,), (2,), np.int32),
             view("input_row_offsets", 0, (1,), (7,), np.int32),
             view("input_row_offsets", 0, (0,), (1,), np.int32),
-            view("input_row_offsets", 0, (B + 1, 1), (1, 1), np.int32)],
-        1: [view("cache_lengths", 64, (B + 1,), (1,), np.int32),
+            view("input_row_offsets", 0, (B + 1, 1), (1, 1), np.int32),
+        ],
+        1: [
+            view("cache_lengths", 64, (B + 1,), (1,), np.int32),
             view("cache_lengths", 64, (B,), (1,), np.uint32),
             view("cache_lengths", 64, (B,), (2,), np.int32),
-            view("cache_lengths", 64, (B, 1), (1, 1), np.int32)],
-        2: [view("block_table", 128, (B, 5), (8, 1), np.int32),
+            view("cache_lengths", 64, (B, 1), (1, 1), np.int32),
+        ],
+        2: [
+            view("block_table", 128, (B, 5), (8, 1), np.int32),
             view("block_table", 128, (B, 5), (1, 3), np.int32),
             view("block_table", 128, (B, 1), (1, 4), np.int32),
             view("block_table", 128, (B, 0), (0, 0), np.int32),
             view("block_table", 128, (B + 1, 5), (5, 1), np.int32),
             view("block_table", 128, (B, 5), (5, 1), np.int64),
-            view("block_table", 128, (B * 5,), (1,), np.int32)],
+            view("block_table", 128, (B * 5,), (1,), np.int32),
+        ],
     }
     yield good
     for i, bads in bad.items():
@@ -99,8 +112,24 @@ def test_check_ragged_paged_shortcut_is_its_checkers(arrays, monkeypatch):
 
 
 @pytest.mark.parametrize("positive", [False, True])
-@pytest.mark.parametrize("value", [1.5, 0.0, -0.0, -1.0, 1e308, float("inf"), float("-inf"),
-                                   float("nan"), 2, np.float32(0.5), np.float64(3.0), True, "1"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        1.5,
+        0.0,
+        -0.0,
+        -1.0,
+        1e308,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        2,
+        np.float32(0.5),
+        np.float64(3.0),
+        True,
+        "1",
+    ],
+)
 def test_check_float_shortcut_is_its_checks(value, positive, monkeypatch):
     shortcut = _outcome(ck.check_float, value, "x", positive=positive)
     monkeypatch.setattr(ck, "_INF", -math.inf)  # the common-case test never passes

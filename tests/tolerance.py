@@ -36,8 +36,11 @@ def to_numpy(x):
     if mod.startswith("torch"):
         import torch
 
-        names = {torch.float8_e4m3fn: FP8[0], torch.float8_e5m2: FP8[1],
-                 torch.bfloat16: np.dtype(ml_dtypes.bfloat16)}
+        names = {
+            torch.float8_e4m3fn: FP8[0],
+            torch.float8_e5m2: FP8[1],
+            torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+        }
         t = x.detach().cpu()
         if t.dtype in names:
             bits = torch.uint8 if t.dtype.itemsize == 1 else torch.int16
@@ -83,8 +86,10 @@ def assert_close(actual, expected, what="output", fp8_atol=0.0):
         diff = np.where(nan | ((a == 0) & (e == 0)), 0, diff)  # +0 and -0 are one value
         diff = np.where(np.abs(a - e) <= fp8_atol, 0, diff)
         bad = np.argwhere(diff > 1)
-        assert bad.size == 0, (f"{what}: {len(bad)} fp8 codes differ by more than one, first at "
-                               f"{tuple(bad[0])}: {a[tuple(bad[0])]} vs {e[tuple(bad[0])]}")
+        assert bad.size == 0, (
+            f"{what}: {len(bad)} fp8 codes differ by more than one, first at "
+            f"{tuple(bad[0])}: {a[tuple(bad[0])]} vs {e[tuple(bad[0])]}"
+        )
         return
     if expected.dtype.kind in "iub":
         assert np.array_equal(actual, expected), f"{what}: integer values differ"
@@ -96,8 +101,10 @@ def assert_close(actual, expected, what="output", fp8_atol=0.0):
     tol = ATOL[expected.dtype] + RTOL[expected.dtype] * np.abs(e)
     err = np.abs(a - e)
     bad = np.argwhere(err > tol)
-    assert bad.size == 0, (f"{what}: {len(bad)} of {e.size} values out of tolerance, first at "
-                           f"{tuple(bad[0])}: {a[tuple(bad[0])]} vs {e[tuple(bad[0])]}")
+    assert bad.size == 0, (
+        f"{what}: {len(bad)} of {e.size} values out of tolerance, first at "
+        f"{tuple(bad[0])}: {a[tuple(bad[0])]} vs {e[tuple(bad[0])]}"
+    )
 
 
 def assert_bytes_equal(actual, expected, what="cache"):

@@ -42,9 +42,16 @@ import types
 
 import numpy as np
 
-CASES = ["contiguous fp16->fp16 64x1", "paged gqa fp16->e4m3 64x1", "paged gqa fp16->e4m3 1x1",
-         "paged mla bf16->e4m3 64x1", "mla rmsnorm bf16->e4m3 128x1", "qknorm bf16->e4m3 64x1",
-         "qkv fp16 K4096 N6144 T1", "qkv fp16 K4096 N6144 T16"]
+CASES = [
+    "contiguous fp16->fp16 64x1",
+    "paged gqa fp16->e4m3 64x1",
+    "paged gqa fp16->e4m3 1x1",
+    "paged mla bf16->e4m3 64x1",
+    "mla rmsnorm bf16->e4m3 128x1",
+    "qknorm bf16->e4m3 64x1",
+    "qkv fp16 K4096 N6144 T1",
+    "qkv fp16 K4096 N6144 T16",
+]
 
 
 # ---- stand-ins of the frameworks -----------------------------------------------------------
@@ -100,8 +107,20 @@ class _TorchDevice:
 def _fake_torch():
     torch = types.ModuleType("torch")
     torch.__version__ = "0.0-hostcost"
-    for name in ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
-                 "int8", "int16", "int32", "int64", "uint8", "bool"):
+    for name in (
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "bool",
+    ):
         setattr(torch, name, _TorchDtype(name))
     torch.strided = object()
 
@@ -190,8 +209,9 @@ def _stub_library():
     with open(src, "w") as f:
         f.write(_STUB_C)
     try:
-        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", lib, src], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["cc", "-O2", "-shared", "-fPIC", "-o", lib, src], check=True, capture_output=True
+        )
     except (OSError, subprocess.CalledProcessError):
         return None
     return ctypes.CDLL(lib)
@@ -199,11 +219,11 @@ def _stub_library():
 
 class _Runtime:
     @staticmethod
-    def getDevice():  # noqa: N802 - CuPy's name
+    def getDevice():
         return 0
 
     @staticmethod
-    def setDevice(device):  # noqa: N802
+    def setDevice(device):
         pass
 
 
@@ -230,8 +250,9 @@ def install_stubs():
         _launch._launch_kernel = fn  # called as cupy_backends' launchKernel is
         # the C replay (ropekv/_native.c) launches through the stub's functions
         _launch._native_launchers = lambda: tuple(
-            ctypes.cast(f, ctypes.c_void_p).value for f in (lib.cuLaunchKernel,
-                                                           lib.cuLaunchKernelEx))
+            ctypes.cast(f, ctypes.c_void_p).value
+            for f in (lib.cuLaunchKernel, lib.cuLaunchKernelEx)
+        )
     else:
         _launch._launch_kernel = lambda *a: 0
         _launch._native_launchers = _no_driver
@@ -280,9 +301,11 @@ class Case:
 
 # the ops that take layer_idx: their bench workload module and the cache arrays that gain a
 # leading layer dimension (tools/hosttime.py uses the same table)
-LAYERED = {"qk_rmsnorm_rope_append_paged_kv_cache": ("qknorm", ("k_cache", "v_cache")),
-           "fused_qkv_matmul_append_paged_kv_cache": ("qkv", ("k_cache", "v_cache")),
-           "mla_rope_rmsnorm_append_paged_kv_cache": ("mla", ("ckv", "kpe"))}
+LAYERED = {
+    "qk_rmsnorm_rope_append_paged_kv_cache": ("qknorm", ("k_cache", "v_cache")),
+    "fused_qkv_matmul_append_paged_kv_cache": ("qkv", ("k_cache", "v_cache")),
+    "mla_rope_rmsnorm_append_paged_kv_cache": ("mla", ("ckv", "kpe")),
+}
 
 
 class Cycling:
@@ -342,8 +365,12 @@ def ops():
     import ropekv
     from ropekv import _launch
 
-    return [v for m in (ropekv.contiguous, ropekv.paged, ropekv.mla, ropekv.qknorm, ropekv.qkv)
-            for v in vars(m).values() if isinstance(v, _launch.Op)]
+    return [
+        v
+        for m in (ropekv.contiguous, ropekv.paged, ropekv.mla, ropekv.qknorm, ropekv.qkv)
+        for v in vars(m).values()
+        if isinstance(v, _launch.Op)
+    ]
 
 
 def per_call_us(fn, n):
@@ -375,11 +402,19 @@ def main(argv=None):
     parser.add_argument("--first-profile", action="store_true", help="cProfile the first calls")
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--cases", nargs="*", default=CASES)
-    parser.add_argument("--layers", type=int, default=0,
-                        help="also time multi-layer caches of this many layers (layer_idx)")
-    parser.add_argument("--replay", choices=("c", "python"), default="c",
-                        help="the C replay of plans (ropekv/_native.c, the default where it "
-                             "builds) or the Python one")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="also time multi-layer caches of this many layers (layer_idx)",
+    )
+    parser.add_argument(
+        "--replay",
+        choices=("c", "python"),
+        default="c",
+        help="the C replay of plans (ropekv/_native.c, the default where it "
+        "builds) or the Python one",
+    )
     args = parser.parse_args(argv)
     lib = install_stubs()
     print(f"launch stub: {'compiled C (ctypes)' if lib else 'Python no-op'}")
@@ -400,13 +435,22 @@ def main(argv=None):
         rows.append((name, first, first_t, cp_us, th_us))
         op_name = layered_name(w) if args.layers else None
         if op_name is not None:
-            for label, layers in (("wrapper, one layer", None),
-                                  (f"{args.layers} layers", args.layers)):
+            for label, layers in (
+                ("wrapper, one layer", None),
+                (f"{args.layers} layers", args.layers),
+            ):
                 lc, lt = (LayeredCase(w, f, op_name, layers) for f in (to_cupy, to_torch))
                 lc.install()
                 try:
-                    rows.append((f"  {label}", first_call_us(lc), first_call_us(lt),
-                                 per_call_us(lc, args.calls), per_call_us(lt, args.calls)))
+                    rows.append(
+                        (
+                            f"  {label}",
+                            first_call_us(lc),
+                            first_call_us(lt),
+                            per_call_us(lc, args.calls),
+                            per_call_us(lt, args.calls),
+                        )
+                    )
                 finally:
                     lc.uninstall()
         for label, case in (("cupy", cupy_case), ("torch", torch_case)):
@@ -430,7 +474,9 @@ def main(argv=None):
                 pstats.Stats(prof, stream=sys.stdout).sort_stats("cumtime").print_stats(30)
     from ropekv import _native
 
-    print(f"replay: {_native.state() if args.replay == 'c' else 'Python plan replay (--replay python)'}")
+    print(
+        f"replay: {_native.state() if args.replay == 'c' else 'Python plan replay (--replay python)'}"
+    )
     print(f"{'case':34s} {'first cupy':>11s} {'first torch':>12s} {'cupy':>8s} {'torch':>8s}")
     for name, first, first_t, cp_us, th_us in rows:
         print(f"{name:34s} {first:9.1f}us {first_t:10.1f}us {cp_us:6.2f}us {th_us:6.2f}us")

@@ -58,10 +58,15 @@ def layered_rows(w, o, layers, sync, calls):
         try:
             w.call(ol)
             sync()
-            rows.append((f"  {label}", first_call_us(lambda: w.call(ol), sync),
-                         first_call_us(lambda: wt.call(ot), sync),
-                         per_call_us(lambda: w.call(ol), sync, calls),
-                         per_call_us(lambda: wt.call(ot), torch.cuda.synchronize, calls)))
+            rows.append(
+                (
+                    f"  {label}",
+                    first_call_us(lambda: w.call(ol), sync),
+                    first_call_us(lambda: wt.call(ot), sync),
+                    per_call_us(lambda: w.call(ol), sync, calls),
+                    per_call_us(lambda: wt.call(ot), torch.cuda.synchronize, calls),
+                )
+            )
         finally:
             setattr(ropekv, name, fn)
     return rows
@@ -107,14 +112,19 @@ def floor(sync, calls=20000):
 
     ctypes.c_uint64.from_address(args.ptr).value = rec.ptr
     stream = cupy.cuda.get_current_stream().ptr
-    out = {"bare launchKernel": per_call_us(
-        lambda: launchKernel(func, 1, 1, 1, 32, 1, 1, 0, stream, args.ptr, 0), sync, calls)}
+    out = {
+        "bare launchKernel": per_call_us(
+            lambda: launchKernel(func, 1, 1, 1, 32, 1, 1, 0, stream, args.ptr, 0), sync, calls
+        )
+    }
     a = cupy.empty((64, 8, 128), cupy.float16)
     t = torch.empty((64, 8, 128), dtype=torch.float16, device="cuda")
     out["cupy array reads"] = per_call_us(
-        lambda: (a.data.ptr, a.shape, a.strides, a.dtype, a.data.device_id), sync, calls)
+        lambda: (a.data.ptr, a.shape, a.strides, a.dtype, a.data.device_id), sync, calls
+    )
     out["torch tensor reads"] = per_call_us(
-        lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()), sync, calls)
+        lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()), sync, calls
+    )
     get_stream, get_device = cupy.cuda.get_current_stream, cupy.cuda.runtime.getDevice
     out["cupy current stream"] = per_call_us(lambda: get_stream(0).ptr, sync, calls)
     out["runtime.getDevice"] = per_call_us(get_device, sync, calls)
@@ -131,11 +141,19 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--cases", nargs="*", default=CASES)
     parser.add_argument("--no-floor", action="store_true")
-    parser.add_argument("--layers", type=int, default=0,
-                        help="also time multi-layer caches of this many layers (layer_idx)")
-    parser.add_argument("--replay", choices=("c", "python"), default="c",
-                        help="the C replay of plans (ropekv/_native.c, the default where it "
-                             "builds) or the Python one")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="also time multi-layer caches of this many layers (layer_idx)",
+    )
+    parser.add_argument(
+        "--replay",
+        choices=("c", "python"),
+        default="c",
+        help="the C replay of plans (ropekv/_native.c, the default where it "
+        "builds) or the Python one",
+    )
     args = parser.parse_args(argv)
     import cupy
     import torch
@@ -166,8 +184,11 @@ def main(argv=None):
         first_t = first_call_us(call_t, sync)
         th_us = per_call_us(call_t, torch.cuda.synchronize, args.calls)
         rows.append((name, first, first_t, cp_us, th_us))
-        print(f"{name:34s} first {first:7.1f} us (torch {first_t:7.1f})   cupy {cp_us:6.2f} us   "
-              f"torch {th_us:6.2f} us", flush=True)
+        print(
+            f"{name:34s} first {first:7.1f} us (torch {first_t:7.1f})   cupy {cp_us:6.2f} us   "
+            f"torch {th_us:6.2f} us",
+            flush=True,
+        )
         if args.layers:
             rows += layered_rows(w, o, args.layers, sync, args.calls)
         if args.profile and name.startswith(("qknorm", "paged gqa fp16->e4m3 64x1")):

@@ -11,9 +11,15 @@ import ml_dtypes
 import numpy as np
 
 import ropekv
-
-from tests.test_call_path import (CASES, assert_op_close, assert_same, check_device_call,
-                                  copy_kw, flat, map_arrays)
+from tests.test_call_path import (
+    CASES,
+    assert_op_close,
+    assert_same,
+    check_device_call,
+    copy_kw,
+    flat,
+    map_arrays,
+)
 from tests.tolerance import to_device, to_numpy
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -53,23 +59,36 @@ def _computed_scales(op, kw):
     per-token-head KV scales) and, where the op takes it, status=."""
     if op == "paged":
         caches, q = kw["paged_kv_cache"], kw["q_rope"]
-        return {"quant_scale_q": None, "quant_scale_kv": None,
-                "q_scale_out": _scales(q.shape[:2]),
-                "kv_cache_scales": tuple(_scales(c.shape[:-1]) for c in caches),
-                "status": np.full(1, 7, np.int32)}
+        return {
+            "quant_scale_q": None,
+            "quant_scale_kv": None,
+            "q_scale_out": _scales(q.shape[:2]),
+            "kv_cache_scales": tuple(_scales(c.shape[:-1]) for c in caches),
+            "status": np.full(1, 7, np.int32),
+        }
     if op == "qknorm":
         caches, q = kw["paged_kv_cache"], kw["q"]
-        return {"q_out_dtype": E4M3, "q_scale_out": _scales(q.shape[:2]),
-                "kv_cache_scales": tuple(_scales(c.shape[:-1]) for c in caches),
-                "status": np.full(1, 7, np.int32)}
+        return {
+            "q_out_dtype": E4M3,
+            "q_scale_out": _scales(q.shape[:2]),
+            "kv_cache_scales": tuple(_scales(c.shape[:-1]) for c in caches),
+            "status": np.full(1, 7, np.int32),
+        }
     q, cache = kw["q"], kw["kv_cache"]
-    return {"kv_scale": None, "q_out": np.zeros(q.shape, E4M3),
-            "q_scale_out": _scales(q.shape[:3]), "kv_cache_scales": _scales(cache.shape[:-1])}
+    return {
+        "kv_scale": None,
+        "q_out": np.zeros(q.shape, E4M3),
+        "q_scale_out": _scales(q.shape[:3]),
+        "kv_cache_scales": _scales(cache.shape[:-1]),
+    }
 
 
 # the option kernels with computed scales, each against the NumPy backend
-SCALED = [("paged", {"cache_dtype": E4M3}), ("qknorm", {"cache_dtype": E4M3, "layout": "HND"}),
-          ("contiguous", {"cache_dtype": E4M3})]
+SCALED = [
+    ("paged", {"cache_dtype": E4M3}),
+    ("qknorm", {"cache_dtype": E4M3, "layout": "HND"}),
+    ("contiguous", {"cache_dtype": E4M3}),
+]
 
 
 def check_scaled_call(op, case):
@@ -93,12 +112,15 @@ def check_scaled_call(op, case):
 # the fused QKV op's options kernels (status= and clear_unused_last_page_rows), one call per path:
 # qkv_gemv, qkv_mma, qkv_mma_tiled, qkv_wgmma, cuBLAS and qkv_epilogue (fp8 cache with RoPE: Q
 # through its own temporary)
-OPTIONED = [("qkv", {"lengths": (1,)}), ("qkv", {}),
-            ("qkv", {"wfmt": "fp8", "K": 256, "lengths": (20, 5, 0, 3)}),
-            ("qkv", {"wfmt": "int4", "K": 4096, "lengths": (20, 5, 0, 3)}),
-            ("qkv", {"K": 4096, "lengths": (20, 5, 0, 3)}),
-            ("qkv", {"wfmt": "fp8", "K": 8192, "lengths": (30, 20, 0, 14)}),
-            ("qkv", {"cache_dtype": E4M3, "lengths": (20, 5, 0, 3)})]
+OPTIONED = [
+    ("qkv", {"lengths": (1,)}),
+    ("qkv", {}),
+    ("qkv", {"wfmt": "fp8", "K": 256, "lengths": (20, 5, 0, 3)}),
+    ("qkv", {"wfmt": "int4", "K": 4096, "lengths": (20, 5, 0, 3)}),
+    ("qkv", {"K": 4096, "lengths": (20, 5, 0, 3)}),
+    ("qkv", {"wfmt": "fp8", "K": 8192, "lengths": (30, 20, 0, 14)}),
+    ("qkv", {"cache_dtype": E4M3, "lengths": (20, 5, 0, 3)}),
+]
 
 
 def check_status_call(op, case, **options):
@@ -112,8 +134,9 @@ def check_status_call(op, case, **options):
     dev = map_arrays(kw, to_device)
     out = fn(**dev)
     assert_same(dev, out, expected, out_expected, op)
-    np.testing.assert_array_equal(to_numpy(dev["status"]), expected["status"],
-                                  err_msg=f"{op}: status")
+    np.testing.assert_array_equal(
+        to_numpy(dev["status"]), expected["status"], err_msg=f"{op}: status"
+    )
 
 
 # status= alone where the paged op runs its section kernel (MLA's 576-element rows): the
@@ -125,8 +148,11 @@ def runs_cublas(case):
     tokens = sum(case.get("lengths", (3, 1, 0, 2)))
     quantized = case.get("wfmt", "dense") != "dense"
     qkv = ropekv.qkv
-    if (not quantized and qkv.WGMMA_MIN_TOKENS <= tokens <= qkv.WGMMA_MAX_TOKENS
-            and case.get("K", 96) % 64 == 0):
+    if (
+        not quantized
+        and qkv.WGMMA_MIN_TOKENS <= tokens <= qkv.WGMMA_MAX_TOKENS
+        and case.get("K", 96) % 64 == 0
+    ):
         return False  # qkv_wgmma
     if not quantized:
         return tokens > qkv.MMA_MAX_TOKENS
@@ -136,8 +162,13 @@ def runs_cublas(case):
 
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     return tokens > qkv.quantized_top(
-        case.get("K", 96), N, fmt, sms, (qkv.MMA_MAX_TOKENS_QUANTIZED, qkv.MMA_QUANTIZED_ANY_GRID),
-        qkv.tiled_settings())
+        case.get("K", 96),
+        N,
+        fmt,
+        sms,
+        (qkv.MMA_MAX_TOKENS_QUANTIZED, qkv.MMA_QUANTIZED_ANY_GRID),
+        qkv.tiled_settings(),
+    )
 
 
 def main():

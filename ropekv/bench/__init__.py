@@ -26,8 +26,15 @@ from ropekv.bench.arrays import _to_torch, gpu_status
 from ropekv.bench.cases import bench_specs, check_specs, select_specs
 from ropekv.bench.peers import PEERS, Runner, _runners, make_runners, peer_availability
 from ropekv.bench.report import format_table, plot, speedups, table_rows, write_json
-from ropekv.bench.runner import (context_lost, environment, git_revision, main, progress, run,
-                                 source_digest)
+from ropekv.bench.runner import (
+    context_lost,
+    environment,
+    git_revision,
+    main,
+    progress,
+    run,
+    source_digest,
+)
 from ropekv.bench.timing import _torch_graph_us
 from ropekv.bench.workloads import (
     DECODE_SWEEP,
@@ -45,10 +52,42 @@ from ropekv.bench.workloads import (
 )
 from ropekv.bench.workloads.mla import _RMSNORM_SRC
 
-__all__ = ["DECODE_SWEEP", "OPS", "OP_FUNCTIONS", "PEERS", "SWEEP", "CaseSpec", "ContiguousWL",
-           "MlaWL", "PagedWL", "QknormWL", "QkvWL", "Runner", "Workload", "bench_specs",
-           "check_specs", "context_lost", "environment", "format_table", "git_revision",
-           "gpu_status", "main", "make_runners", "op_available", "peer_availability", "plot",
-           "progress", "report", "run", "select_specs", "source_digest", "speedups", "table_rows",
-           "write_json",
-           "_RMSNORM_SRC", "_runners", "_to_torch", "_torch_graph_us"]
+__all__ = [
+    "DECODE_SWEEP",
+    "OPS",
+    "OP_FUNCTIONS",
+    "PEERS",
+    "SWEEP",
+    "_RMSNORM_SRC",
+    "CaseSpec",
+    "ContiguousWL",
+    "MlaWL",
+    "PagedWL",
+    "QknormWL",
+    "QkvWL",
+    "Runner",
+    "Workload",
+    "_runners",
+    "_to_torch",
+    "_torch_graph_us",
+    "bench_specs",
+    "check_specs",
+    "context_lost",
+    "environment",
+    "format_table",
+    "git_revision",
+    "gpu_status",
+    "main",
+    "make_runners",
+    "op_available",
+    "peer_availability",
+    "plot",
+    "progress",
+    "report",
+    "run",
+    "select_specs",
+    "source_digest",
+    "speedups",
+    "table_rows",
+    "write_json",
+]

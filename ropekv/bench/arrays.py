@@ -156,8 +156,13 @@ def _to_torch(x):
 
 def _torch_dtype(dt):
     torch = _torch()
-    return {F16: torch.float16, BF16: torch.bfloat16, E4M3: torch.float8_e4m3fn,
-            E5M2: torch.float8_e5m2, np.dtype(np.float32): torch.float32}[np.dtype(dt)]
+    return {
+        F16: torch.float16,
+        BF16: torch.bfloat16,
+        E4M3: torch.float8_e4m3fn,
+        E5M2: torch.float8_e5m2,
+        np.dtype(np.float32): torch.float32,
+    }[np.dtype(dt)]
 
 
 # ---- the device ----------------------------------------------------------------------------------

@@ -21,8 +21,9 @@ def check_specs():
     def add(op, name, cls, **kw):
         if base.op_available(op):
             seed = len(cases) + 7
-            cases.append((op, name, lambda cls=cls, kw=kw, seed=seed:
-                          cls(np, seed=seed, poison=True, **kw)))
+            cases.append(
+                (op, name, lambda cls=cls, kw=kw, seed=seed: cls(np, seed=seed, poison=True, **kw))
+            )
 
     for module in MODULES.values():
         module.check_cases(add)

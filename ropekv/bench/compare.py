@@ -51,8 +51,10 @@ def compare(actual, expected, what="output", mode="elementwise"):
         bad = np.argwhere(diff > 1)
         if bad.size:
             i = tuple(bad[0])
-            return (f"{what}: {len(bad)} of {e.size} fp8 codes differ by more than one, first at "
-                    f"{i}: {a[i]} vs {e[i]}")
+            return (
+                f"{what}: {len(bad)} of {e.size} fp8 codes differ by more than one, first at "
+                f"{i}: {a[i]} vs {e[i]}"
+            )
         return None
     if expected.dtype.kind in "iub":
         return None if np.array_equal(actual, expected) else f"{what}: integer values differ"
@@ -65,8 +67,10 @@ def compare(actual, expected, what="output", mode="elementwise"):
     bad = np.argwhere(np.abs(a - e) > tol)
     if bad.size:
         i = tuple(bad[0])
-        return (f"{what}: {len(bad)} of {e.size} values out of tolerance, first at {i}: "
-                f"{a[i]} vs {e[i]}")
+        return (
+            f"{what}: {len(bad)} of {e.size} values out of tolerance, first at {i}: "
+            f"{a[i]} vs {e[i]}"
+        )
     return None
 
 

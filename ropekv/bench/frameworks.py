@@ -105,7 +105,7 @@ def torch_cases(device):
     def pages(B, seq):
         per = -(-seq // PAGE)
         num_pages = B * per + 64
-        ids = torch.randperm(num_pages, generator=g, device=device)[:B * per].int()
+        ids = torch.randperm(num_pages, generator=g, device=device)[: B * per].int()
         return per, num_pages, ids
 
     def ints(values):
@@ -135,70 +135,135 @@ def torch_cases(device):
     # paged GQA fp16 -> e4m3, 64 x 1 (FlashInfer's op)
     B = 64
     per, num_pages, ids = pages(B, PREFIX + 1)
-    t = {"q": randn(B, Hq, D), "k": randn(B, Hkv, D), "v": randn(B, Hkv, D),
-         "table": table(PREFIX + 16, D), "pos": ints(np.full(B, PREFIX)),
-         "kv_indices": ids, "kv_indptr": ints(np.arange(B + 1) * per),
-         "batch": ints(np.arange(B)),
-         "k_cache": torch.zeros(num_pages, PAGE, Hkv, D, device=device).to(e4m3),
-         "v_cache": torch.zeros(num_pages, PAGE, Hkv, D, device=device).to(e4m3),
-         "q_out": torch.empty(B, Hq, D, device=device, dtype=e4m3),
-         "q_nope_out": torch.empty(B, Hq, 0, device=device, dtype=e4m3)}
+    t = {
+        "q": randn(B, Hq, D),
+        "k": randn(B, Hkv, D),
+        "v": randn(B, Hkv, D),
+        "table": table(PREFIX + 16, D),
+        "pos": ints(np.full(B, PREFIX)),
+        "kv_indices": ids,
+        "kv_indptr": ints(np.arange(B + 1) * per),
+        "batch": ints(np.arange(B)),
+        "k_cache": torch.zeros(num_pages, PAGE, Hkv, D, device=device).to(e4m3),
+        "v_cache": torch.zeros(num_pages, PAGE, Hkv, D, device=device).to(e4m3),
+        "q_out": torch.empty(B, Hq, D, device=device, dtype=e4m3),
+        "q_nope_out": torch.empty(B, Hq, 0, device=device, dtype=e4m3),
+    }
 
     def paged_args(t):
-        return ((t.q, t.k, None, None, t.v, t.table, t.pos, (t.k_cache, t.v_cache), t.kv_indices,
-                 t.kv_indptr, t.batch, t.pos),
-                {"page_size": PAGE, "quantize_dtype": e4m3, "q_rope_out": t.q_out,
-                 "q_nope_out": t.q_nope_out})
+        return (
+            (
+                t.q,
+                t.k,
+                None,
+                None,
+                t.v,
+                t.table,
+                t.pos,
+                (t.k_cache, t.v_cache),
+                t.kv_indices,
+                t.kv_indptr,
+                t.batch,
+                t.pos,
+            ),
+            {
+                "page_size": PAGE,
+                "quantize_dtype": e4m3,
+                "q_rope_out": t.q_out,
+                "q_nope_out": t.q_nope_out,
+            },
+        )
 
     def paged_flashinfer(t):
         import flashinfer.rope
 
         a, kw = paged_args(t)
         return flashinfer.rope.rope_quantize_fp8_append_paged_kv_cache(
-            *a, **{**kw, "q_nope_out": None})
+            *a, **{**kw, "q_nope_out": None}
+        )
 
-    add("paged gqa fp16->e4m3 64x1", t, "rope_quantize_fp8_append_paged_kv_cache", paged_args,
-        paged_flashinfer)
+    add(
+        "paged gqa fp16->e4m3 64x1",
+        t,
+        "rope_quantize_fp8_append_paged_kv_cache",
+        paged_args,
+        paged_flashinfer,
+    )
 
     # contiguous fp16 -> fp16, 64 x 1, C = 4096
     C = 4096
-    t = {"q": randn(B, 1, Hq, D), "k": randn(B, 1, Hkv, D), "v": randn(B, 1, Hkv, D),
-         "cache": torch.zeros(B, 2, Hkv, C, D, device=device, dtype=f16),
-         "table": table(C, D), "lens": ints(np.full(B, PREFIX + 1))}
+    t = {
+        "q": randn(B, 1, Hq, D),
+        "k": randn(B, 1, Hkv, D),
+        "v": randn(B, 1, Hkv, D),
+        "cache": torch.zeros(B, 2, Hkv, C, D, device=device, dtype=f16),
+        "table": table(C, D),
+        "lens": ints(np.full(B, PREFIX + 1)),
+    }
 
-    add("contiguous fp16->fp16 64x1", t, "apply_rope_write_kv",
-        lambda t: ((t.q, t.k, t.v, t.cache, t.table), {"kv_end_lens": t.lens}))
+    add(
+        "contiguous fp16->fp16 64x1",
+        t,
+        "apply_rope_write_kv",
+        lambda t: ((t.q, t.k, t.v, t.cache, t.table), {"kv_end_lens": t.lens}),
+    )
 
     # QK-norm bf16 -> e4m3, 64 x 1 (Qwen3-8B)
     per, num_pages, ids = pages(B, PREFIX + 1)
-    t = {"q": randn(B, Hq, D, dtype=bf16), "k": randn(B, Hkv, D, dtype=bf16),
-         "v": randn(B, Hkv, D, dtype=bf16), "q_gamma": randn(D, dtype=torch.float32),
-         "k_gamma": randn(D, dtype=torch.float32), "table": table(PREFIX + 16, D),
-         "offsets": ints(np.arange(B + 1)), "lengths": ints(np.full(B, PREFIX)),
-         "block_table": ids.reshape(B, per),
-         "k_cache": torch.zeros(num_pages, PAGE, Hkv, D, device=device).to(e4m3),
-         "v_cache": torch.zeros(num_pages, PAGE, Hkv, D, device=device).to(e4m3),
-         "q_out": torch.empty(B, Hq, D, device=device, dtype=bf16)}
+    t = {
+        "q": randn(B, Hq, D, dtype=bf16),
+        "k": randn(B, Hkv, D, dtype=bf16),
+        "v": randn(B, Hkv, D, dtype=bf16),
+        "q_gamma": randn(D, dtype=torch.float32),
+        "k_gamma": randn(D, dtype=torch.float32),
+        "table": table(PREFIX + 16, D),
+        "offsets": ints(np.arange(B + 1)),
+        "lengths": ints(np.full(B, PREFIX)),
+        "block_table": ids.reshape(B, per),
+        "k_cache": torch.zeros(num_pages, PAGE, Hkv, D, device=device).to(e4m3),
+        "v_cache": torch.zeros(num_pages, PAGE, Hkv, D, device=device).to(e4m3),
+        "q_out": torch.empty(B, Hq, D, device=device, dtype=bf16),
+    }
 
     def qknorm_args(t):
-        return ((t.q, t.k, t.v, t.q_gamma, t.k_gamma, t.table, t.offsets, t.lengths,
-                 t.block_table, (t.k_cache, t.v_cache)), {"q_out": t.q_out})
+        return (
+            (
+                t.q,
+                t.k,
+                t.v,
+                t.q_gamma,
+                t.k_gamma,
+                t.table,
+                t.offsets,
+                t.lengths,
+                t.block_table,
+                (t.k_cache, t.v_cache),
+            ),
+            {"q_out": t.q_out},
+        )
 
     add("qknorm bf16->e4m3 64x1", t, "qk_rmsnorm_rope_append_paged_kv_cache", qknorm_args)
 
     # MLA RMSNorm bf16 -> e4m3, 128 x 1 (DeepSeek-V3: Hq 128, L 512, R 64)
     B, L, R, Hm = 128, 512, 64, 128
     per, num_pages, ids = pages(B, PREFIX + 1)
-    t = {"q": randn(B, Hm, R, dtype=bf16), "kv": randn(B, L + R, dtype=bf16),
-         "gamma": randn(L, dtype=bf16), "table": table(PREFIX + 16, R),
-         "offsets": ints(np.arange(B + 1)), "lengths": ints(np.full(B, PREFIX)),
-         "block_table": ids.reshape(B, per),
-         "cache": torch.zeros(num_pages, PAGE, L + R, device=device).to(e4m3),
-         "q_out": torch.empty(B, Hm, R, device=device, dtype=bf16)}
+    t = {
+        "q": randn(B, Hm, R, dtype=bf16),
+        "kv": randn(B, L + R, dtype=bf16),
+        "gamma": randn(L, dtype=bf16),
+        "table": table(PREFIX + 16, R),
+        "offsets": ints(np.arange(B + 1)),
+        "lengths": ints(np.full(B, PREFIX)),
+        "block_table": ids.reshape(B, per),
+        "cache": torch.zeros(num_pages, PAGE, L + R, device=device).to(e4m3),
+        "q_out": torch.empty(B, Hm, R, device=device, dtype=bf16),
+    }
 
     def mla_args(t):
-        return ((t.q, t.kv, t.gamma, t.table, t.offsets, t.lengths, t.block_table, t.cache),
-                {"q_rope_out": t.q_out})
+        return (
+            (t.q, t.kv, t.gamma, t.table, t.offsets, t.lengths, t.block_table, t.cache),
+            {"q_rope_out": t.q_out},
+        )
 
     add("mla rmsnorm bf16->e4m3 128x1", t, "mla_rope_rmsnorm_append_paged_kv_cache", mla_args)
     return cases
@@ -208,8 +273,13 @@ def bench_torch(calls):
     try:
         import torch
     except Exception as exc:  # noqa: BLE001
-        return [{"case": "all", "framework": "torch", "skipped": f"PyTorch not importable "
-                                                                 f"({one_line(exc)})"}]
+        return [
+            {
+                "case": "all",
+                "framework": "torch",
+                "skipped": f"PyTorch not importable ({one_line(exc)})",
+            }
+        ]
     if not torch.cuda.is_available():
         return [{"case": "all", "framework": "torch", "skipped": "PyTorch sees no CUDA device"}]
 
@@ -241,7 +311,8 @@ def _torch_case(Layer, name, tensors, eager, op, peer, calls):
     r = {"case": name, "framework": "torch"}
     plain = Tensors(tensors)
     r["bare_us"] = torch_graph_us(
-        lambda: eager(plain, torch.cuda.current_stream().cuda_stream), calls)
+        lambda: eager(plain, torch.cuda.current_stream().cuda_stream), calls
+    )
     torch._dynamo.reset()
     compiled = torch.compile(Layer(tensors, op), fullgraph=True)
     r["compiled_us"] = torch_graph_us(compiled, calls)
@@ -280,16 +351,20 @@ def _peer(Layer, tensors, peer, calls):
 
 
 def _torch_line(r):
-    line = (f"torch  {r['case']:32s} bare {r['bare_us']:7.2f}  compiled+graph "
-            f"{r['compiled_us']:7.2f}  overhead {r['overhead_us']:+6.2f} "
-            f"({'ok' if r['overhead_us'] <= TARGET_OVERHEAD_US else 'MISSED'} <= "
-            f"{TARGET_OVERHEAD_US})  reduce-overhead {r['reduce_overhead_us']:7.2f}")
+    line = (
+        f"torch  {r['case']:32s} bare {r['bare_us']:7.2f}  compiled+graph "
+        f"{r['compiled_us']:7.2f}  overhead {r['overhead_us']:+6.2f} "
+        f"({'ok' if r['overhead_us'] <= TARGET_OVERHEAD_US else 'MISSED'} <= "
+        f"{TARGET_OVERHEAD_US})  reduce-overhead {r['reduce_overhead_us']:7.2f}"
+    )
     if "peer_compiled_us" in r:
         ratio = r["peer_ratio"]
-        line += (f"\n       FlashInfer bare {r['peer_bare_us']:7.2f}  compiled+graph "
-                 f"{r['peer_compiled_us']:7.2f} (fullgraph={r['peer_fullgraph']})  "
-                 f"ratio {ratio:.2f} ({'ok' if ratio >= TARGET_PEER_RATIO else 'MISSED'} >= "
-                 f"{TARGET_PEER_RATIO})")
+        line += (
+            f"\n       FlashInfer bare {r['peer_bare_us']:7.2f}  compiled+graph "
+            f"{r['peer_compiled_us']:7.2f} (fullgraph={r['peer_fullgraph']})  "
+            f"ratio {ratio:.2f} ({'ok' if ratio >= TARGET_PEER_RATIO else 'MISSED'} >= "
+            f"{TARGET_PEER_RATIO})"
+        )
     if "peer_fullgraph_error" in r:
         line += f"\n       FlashInfer under fullgraph=True: {r['peer_fullgraph_error']}"
     if "peer_error" in r:
@@ -319,13 +394,17 @@ class XlaStreamTimer:
         def on_stream(action):
             """A jitted call that runs ``action(stream)`` on XLA's stream. Its output (never
             written, no copy) is what the caller waits on."""
+
             def callback(ctx, out, x):
                 stream = cupy_stream(stream_ptr_of(ctx.stream), cupy.cuda.Device().id)
                 with stream:  # CuPy's current stream: XLA's, for the spin kernel
                     action(stream)
 
-            return jax.jit(buffer_callback(callback, jax.ShapeDtypeStruct((1,), jnp.float32),
-                                           has_side_effect=True))
+            return jax.jit(
+                buffer_callback(
+                    callback, jax.ShapeDtypeStruct((1,), jnp.float32), has_side_effect=True
+                )
+            )
 
         def spin(stream):
             _spin_kernel()((1,), (1,), (np.int64(self.spin_ns),))  # on `stream`, the current
@@ -372,21 +451,37 @@ def jax_cases():
     Hq, Hkv, D, B = LLAMA["Hq"], LLAMA["Hkv"], LLAMA["D"], 64
     per = -(-(PREFIX + 1) // PAGE)
     num_pages = B * per + 64
-    ids = rng.permutation(num_pages)[:B * per].astype(np.int32)
+    ids = rng.permutation(num_pages)[: B * per].astype(np.int32)
     e4m3 = np.dtype(ml_dtypes.float8_e4m3fn)
-    host = {"q": rng.standard_normal((B, Hq, D)).astype(np.float16),
-            "k": rng.standard_normal((B, Hkv, D)).astype(np.float16),
-            "v": rng.standard_normal((B, Hkv, D)).astype(np.float16),
-            "table": ropekv.cos_sin_cache(PREFIX + 16, D),
-            "pos": np.full(B, PREFIX, np.int32), "kv_indices": ids,
-            "kv_indptr": (np.arange(B + 1) * per).astype(np.int32),
-            "batch": np.arange(B, dtype=np.int32)}
+    host = {
+        "q": rng.standard_normal((B, Hq, D)).astype(np.float16),
+        "k": rng.standard_normal((B, Hkv, D)).astype(np.float16),
+        "v": rng.standard_normal((B, Hkv, D)).astype(np.float16),
+        "table": ropekv.cos_sin_cache(PREFIX + 16, D),
+        "pos": np.full(B, PREFIX, np.int32),
+        "kv_indices": ids,
+        "kv_indptr": (np.arange(B + 1) * per).astype(np.int32),
+        "batch": np.arange(B, dtype=np.int32),
+    }
     caches = tuple(np.zeros((num_pages, PAGE, Hkv, D), e4m3) for _ in range(2))
 
     def step(caches, q, k, v, table, pos, kv_indices, kv_indptr, batch, *, command_buffer):
         q8, _, caches = rj.rope_quantize_fp8_append_paged_kv_cache(
-            q, k, None, None, v, table, pos, caches, kv_indices, kv_indptr, batch, pos,
-            page_size=PAGE, command_buffer_compatible=command_buffer)
+            q,
+            k,
+            None,
+            None,
+            v,
+            table,
+            pos,
+            caches,
+            kv_indices,
+            kv_indptr,
+            batch,
+            pos,
+            page_size=PAGE,
+            command_buffer_compatible=command_buffer,
+        )
         return caches, q8
 
     def make_eager():
@@ -400,9 +495,22 @@ def jax_cases():
 
         def eager():
             ropekv.rope_quantize_fp8_append_paged_kv_cache(
-                dev["q"], dev["k"], None, None, dev["v"], dev["table"], dev["pos"], dev_caches,
-                dev["kv_indices"], dev["kv_indptr"], dev["batch"], dev["pos"], page_size=PAGE,
-                q_rope_out=q_out, q_nope_out=q_nope_out)
+                dev["q"],
+                dev["k"],
+                None,
+                None,
+                dev["v"],
+                dev["table"],
+                dev["pos"],
+                dev_caches,
+                dev["kv_indices"],
+                dev["kv_indptr"],
+                dev["batch"],
+                dev["pos"],
+                page_size=PAGE,
+                q_rope_out=q_out,
+                q_nope_out=q_nope_out,
+            )
 
         return eager
 
@@ -414,11 +522,17 @@ def bench_jax(calls):
     try:
         import jax
     except Exception as exc:  # noqa: BLE001
-        return [{"case": "all", "framework": "jax", "skipped": f"JAX not importable "
-                                                               f"({one_line(exc)})"}]
+        return [
+            {"case": "all", "framework": "jax", "skipped": f"JAX not importable ({one_line(exc)})"}
+        ]
     if jax.default_backend() != "gpu":
-        return [{"case": "all", "framework": "jax",
-                 "skipped": f"JAX backend {jax.default_backend()}, not gpu"}]
+        return [
+            {
+                "case": "all",
+                "framework": "jax",
+                "skipped": f"JAX backend {jax.default_backend()}, not gpu",
+            }
+        ]
     from ropekv._timing import graph_us
 
     try:
@@ -430,12 +544,15 @@ def bench_jax(calls):
         r = {"case": name, "framework": "jax"}
         try:
             r["kernel_us"] = graph_us(make_eager(), calls=calls)
-            args = [arrays[n] for n in ("q", "k", "v", "table", "pos", "kv_indices",
-                                        "kv_indptr", "batch")]
+            args = [
+                arrays[n]
+                for n in ("q", "k", "v", "table", "pos", "kv_indices", "kv_indptr", "batch")
+            ]
             for command_buffer in (False, True):
                 tag = "_cmdbuf" if command_buffer else ""
-                us, host_us, kept = _jax_steps(timer, step, host_caches, args, command_buffer,
-                                               calls)
+                us, host_us, kept = _jax_steps(
+                    timer, step, host_caches, args, command_buffer, calls
+                )
                 r[f"step_us{tag}"], r[f"host_us{tag}"] = us, host_us
                 r[f"address_kept{tag}"] = kept
             r["scan_us_per_step"] = _jax_scan(timer, step, host_caches, args, calls)
@@ -495,9 +612,11 @@ def _jax_line(r):
     line = f"jax    {r['case']:32s} kernel {r['kernel_us']:7.2f}"
     for tag, label in (("", "step"), ("_cmdbuf", "step (command buffer)")):
         us = r[f"step_us{tag}"]
-        line += (f"\n       {label:22s} {us:7.2f} ({'ok' if us <= target else 'MISSED'} <= "
-                 f"{target:.2f})  host {r[f'host_us{tag}']:7.2f}  cache address kept: "
-                 f"{r[f'address_kept{tag}']}")
+        line += (
+            f"\n       {label:22s} {us:7.2f} ({'ok' if us <= target else 'MISSED'} <= "
+            f"{target:.2f})  host {r[f'host_us{tag}']:7.2f}  cache address kept: "
+            f"{r[f'address_kept{tag}']}"
+        )
     line += f"\n       scan, per step         {r['scan_us_per_step']:7.2f}"
     return line.split("\n")
 

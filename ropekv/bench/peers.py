@@ -29,8 +29,11 @@ def peer_availability(backend="cuda"):
     try:
         import torch
 
-        status["torch"] = (None if backend == "numpy" or torch.cuda.is_available()
-                           else "PyTorch sees no CUDA device")
+        status["torch"] = (
+            None
+            if backend == "numpy" or torch.cuda.is_available()
+            else "PyTorch sees no CUDA device"
+        )
     except Exception as e:  # noqa: BLE001
         status["torch"] = f"PyTorch not importable ({type(e).__name__})"
     if backend == "numpy":
@@ -52,8 +55,10 @@ def peer_availability(backend="cuda"):
 
             status["flashinfer-cake"] = None
         except Exception as e:  # noqa: BLE001
-            status["flashinfer-cake"] = (f"FlashInfer's Cake kernels not importable (0.7.2 or "
-                                         f"later; {type(e).__name__}: {e})")
+            status["flashinfer-cake"] = (
+                f"FlashInfer's Cake kernels not importable (0.7.2 or "
+                f"later; {type(e).__name__}: {e})"
+            )
     else:
         status["flashinfer"] = status["flashinfer-cake"] = "needs PyTorch"
     status["cublas"] = status["steps"] = None
@@ -92,23 +97,39 @@ def make_runners(w, spec, peers, backend="cuda", variants=(), options=False):
 
     framework = backend if backend == "numpy" else "cupy"
     o = w.new_outputs()
-    ropekv = Runner("ropekv", lambda: w.call(o), lambda: w.outputs(o), lambda: w.reset(o),
-                    framework=framework, host_call=w.bound(o))
+    ropekv = Runner(
+        "ropekv",
+        lambda: w.call(o),
+        lambda: w.outputs(o),
+        lambda: w.reset(o),
+        framework=framework,
+        host_call=w.bound(o),
+    )
     out: dict[str, Any] = {}
     for label, changes in variants:
         if w.op in changes:
             vo = w.new_outputs()
             out[f"ropekv[{label}]"] = Runner(
-                f"ropekv[{label}]", functools.partial(w.call, vo),
-                functools.partial(w.outputs, vo), functools.partial(w.reset, vo), framework,
-                context=functools.partial(tuning.applied, changes), host_call=w.bound(vo))
+                f"ropekv[{label}]",
+                functools.partial(w.call, vo),
+                functools.partial(w.outputs, vo),
+                functools.partial(w.reset, vo),
+                framework,
+                context=functools.partial(tuning.applied, changes),
+                host_call=w.bound(vo),
+            )
     if options:
         for label, (extra, checked) in w.options().items():
             vo = w.new_outputs()
             out[f"ropekv[+{label}]"] = Runner(
-                f"ropekv[+{label}]", functools.partial(w.call, vo, **extra),
-                functools.partial(w.outputs, vo), functools.partial(w.reset, vo), framework,
-                expect=None if checked else _unchecked, host_call=w.bound(vo, **extra))
+                f"ropekv[+{label}]",
+                functools.partial(w.call, vo, **extra),
+                functools.partial(w.outputs, vo),
+                functools.partial(w.reset, vo),
+                framework,
+                expect=None if checked else _unchecked,
+                host_call=w.bound(vo, **extra),
+            )
     avail = peer_availability(backend)
     for peer in peers:
         if avail.get(peer):
@@ -135,8 +156,9 @@ def make_runners(w, spec, peers, backend="cuda", variants=(), options=False):
             ti = {k: _to_torch(v) for k, v in w.a.items() if k not in po}
             reset = functools.partial(w.reset, po)
             if peer == "flashinfer-cake":
-                made = (w.flashinfer_cake_fn(ti, to, po) if hasattr(w, "flashinfer_cake_fn")
-                        else None)
+                made = (
+                    w.flashinfer_cake_fn(ti, to, po) if hasattr(w, "flashinfer_cake_fn") else None
+                )
                 if made is None:
                     out[peer] = "-"
                     continue
@@ -150,9 +172,11 @@ def make_runners(w, spec, peers, backend="cuda", variants=(), options=False):
                     continue
                 fn, extra_reset = made
                 if extra_reset is not None:
+
                     def reset(a=reset, b=extra_reset):
                         a()
                         b()
+
                 out[peer] = Runner(peer, fn, functools.partial(w.outputs, po), reset, "torch")
                 continue
             made = w.torch_fn(ti, to)
@@ -165,9 +189,13 @@ def make_runners(w, spec, peers, backend="cuda", variants=(), options=False):
                     out[peer] = "-"
                     continue
                 fn = _compiled(fn)
-            out[peer] = Runner(peer, functools.partial(fn, *args),
-                               functools.partial(w.outputs, po), reset,
-                               "numpy" if backend == "numpy" else "torch")
+            out[peer] = Runner(
+                peer,
+                functools.partial(fn, *args),
+                functools.partial(w.outputs, po),
+                reset,
+                "numpy" if backend == "numpy" else "torch",
+            )
         except Exception as e:  # noqa: BLE001 - a peer that cannot be set up is reported
             out[peer] = f"error: {one_line(e)}"
     return ropekv, out

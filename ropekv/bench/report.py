@@ -16,8 +16,10 @@ def format_table(header, rows):
     def fmt(r):
         return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
 
-    return "\n".join([fmt(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-                     + [fmt(r) for r in cells[1:]])
+    return "\n".join(
+        [fmt(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+        + [fmt(r) for r in cells[1:]]
+    )
 
 
 def _fmt_us(us):
@@ -42,8 +44,14 @@ def table_rows(result):
         r = c["ropekv"]
         graph = "graph_us" in r
         name = c["name"] + (" [graph]" if graph else "")
-        row = [name, _fmt_us(r["us"]), _fmt_us(r["host_us"]) if "host_us" in r else "", mb,
-               f"{r['gbps']:.0f}", f"{r['pct_copy']:.0f}"]
+        row = [
+            name,
+            _fmt_us(r["us"]),
+            _fmt_us(r["host_us"]) if "host_us" in r else "",
+            mb,
+            f"{r['gbps']:.0f}",
+            f"{r['pct_copy']:.0f}",
+        ]
         if c.get("flops") and not c.get("decode"):
             row[4] += f" ({r['tflops']:.0f} TFLOP/s)"
         if "pct_copy_weights" in r:
@@ -58,8 +66,10 @@ def table_rows(result):
                 cell = f"{_fmt_us(e['us'])} ({e['ratio']:.2f}x)"
                 if c.get("decode") and "graph_us" not in e and "graph_us" in r:
                     cell += " ev"
-                    notes.append(f"{p}: 'ev' = event-timed, not capturable in a CUDA graph "
-                                 f"({e.get('graph_error', '')})")
+                    notes.append(
+                        f"{p}: 'ev' = event-timed, not capturable in a CUDA graph "
+                        f"({e.get('graph_error', '')})"
+                    )
                 if "host_us" in e:
                     cell += f" h{_fmt_us(e['host_us'])}"
                 if status == "mismatch":
@@ -86,27 +96,38 @@ def table_rows(result):
 def text(result):
     """The text printed after a run."""
     env = result.get("environment", {})
-    lines = [(f"ropekv bench on {env.get('gpu', '?')} (driver {env.get('driver', '?')}, CUDA "
-              f"runtime {env.get('cuda_runtime', '?')}, CuPy {env.get('cupy')}, torch "
-              f"{env.get('torch')}, FlashInfer {env.get('flashinfer')}, ropekv "
-              f"{env.get('ropekv')} @ {env.get('git_revision') or 'unknown revision'}, sources "
-              f"{env.get('source_digest') or '?'})"),
-             (f"copy bandwidth: {result['copy_bandwidth'] / 1e12:.2f} TB/s (1 GiB "
-              f"device-to-device, read + write bytes)")]
+    lines = [
+        (
+            f"ropekv bench on {env.get('gpu', '?')} (driver {env.get('driver', '?')}, CUDA "
+            f"runtime {env.get('cuda_runtime', '?')}, CuPy {env.get('cupy')}, torch "
+            f"{env.get('torch')}, FlashInfer {env.get('flashinfer')}, ropekv "
+            f"{env.get('ropekv')} @ {env.get('git_revision') or 'unknown revision'}, sources "
+            f"{env.get('source_digest') or '?'})"
+        ),
+        (
+            f"copy bandwidth: {result['copy_bandwidth'] / 1e12:.2f} TB/s (1 GiB "
+            f"device-to-device, read + write bytes)"
+        ),
+    ]
     if "plan_replay" in env:
         lines.append(f"plan replay: {env['plan_replay']}")
     lines.append("")
     header, rows, notes = table_rows(result)
     lines.append(format_table(header, rows))
-    lines += ["", ("Times in us per call (median). [graph]: per-call time under CUDA-graph "
-                   "replay; 'host us' and 'hN': host time per eager call, back to back. Ratio: "
-                   "peer / ropekv (above 1: ropekv is faster). MB: minimal bytes (each input read "
-                   "once, each output written once); GB/s and % copy: those bytes over ropekv's "
-                   "time, against the copy bandwidth. '-': the peer has no such operation "
-                   "(torch-compile runs on the headline cases only, to bound compile time; steps "
-                   "= a CuPy RMSNorm kernel + ropekv's paged op, for the MLA op). '(w N)' after "
-                   "% copy: the weight bytes alone over ropekv's time, against the copy "
-                   "bandwidth (QKV projection).")]
+    lines += [
+        "",
+        (
+            "Times in us per call (median). [graph]: per-call time under CUDA-graph "
+            "replay; 'host us' and 'hN': host time per eager call, back to back. Ratio: "
+            "peer / ropekv (above 1: ropekv is faster). MB: minimal bytes (each input read "
+            "once, each output written once); GB/s and % copy: those bytes over ropekv's "
+            "time, against the copy bandwidth. '-': the peer has no such operation "
+            "(torch-compile runs on the headline cases only, to bound compile time; steps "
+            "= a CuPy RMSNorm kernel + ropekv's paged op, for the MLA op). '(w N)' after "
+            "% copy: the weight bytes alone over ropekv's time, against the copy "
+            "bandwidth (QKV projection)."
+        ),
+    ]
     for p, s in result.get("peer_status", {}).items():
         if s != "used":
             lines.append(f"peer {p}: {s}")
@@ -116,8 +137,10 @@ def text(result):
     best = speedups(result)
     if best:
         ratios = [s for _, _, s in best]
-        lines.append(f"speedup over the best peer: {min(ratios):.2f}x to {max(ratios):.2f}x over "
-                     f"{len(ratios)} cases, {sum(s >= 1 for s in ratios)} at or above 1")
+        lines.append(
+            f"speedup over the best peer: {min(ratios):.2f}x to {max(ratios):.2f}x over "
+            f"{len(ratios)} cases, {sum(s >= 1 for s in ratios)} at or above 1"
+        )
     lines += options_lines(result)
     lines += qkv_lines(result)
     lines += frameworks_lines(result.get("frameworks", []))
@@ -139,8 +162,11 @@ def speedups(result):
     for c in result["cases"]:
         if "ropekv" not in c:
             continue
-        timed = {p: e["us"] for p, e in c.get("peers", {}).items()
-                 if e.get("status") == "ok" and "us" in e and not p.startswith("ropekv[")}
+        timed = {
+            p: e["us"]
+            for p, e in c.get("peers", {}).items()
+            if e.get("status") == "ok" and "us" in e and not p.startswith("ropekv[")
+        }
         if timed:
             peer = min(timed, key=timed.get)
             out.append((c["name"], peer, timed[peer] / c["ropekv"]["us"]))
@@ -154,7 +180,7 @@ def option_costs(result):
     for c in result["cases"]:
         for p, e in c.get("peers", {}).items():
             if p.startswith("ropekv[+") and "ratio" in e and e.get("status") == "ok":
-                out.setdefault(p[len("ropekv[+"):-1], []).append((c["name"], e["ratio"]))
+                out.setdefault(p[len("ropekv[+") : -1], []).append((c["name"], e["ratio"]))
     return out
 
 
@@ -164,13 +190,17 @@ def options_lines(result):
     costs = option_costs(result)
     if not costs:
         return []
-    lines = ["", "Options on (ropekv[+option] time / the plain call's, same case; the goal: "
-                 "within 1.10x):"]
+    lines = [
+        "",
+        "Options on (ropekv[+option] time / the plain call's, same case; the goal: within 1.10x):",
+    ]
     for label, rows in costs.items():
         ratios = [r for _, r in rows]
         worst = max(rows, key=lambda x: x[1])
-        lines.append(f"  {label:16s} {min(ratios):.2f}x to {max(ratios):.2f}x over {len(rows)} "
-                     f"cases, {sum(r <= 1.10 for r in ratios)} within 1.10x (worst: {worst[0]})")
+        lines.append(
+            f"  {label:16s} {min(ratios):.2f}x to {max(ratios):.2f}x over {len(rows)} "
+            f"cases, {sum(r <= 1.10 for r in ratios)} within 1.10x (worst: {worst[0]})"
+        )
     return lines
 
 
@@ -182,12 +212,17 @@ def qkv_lines(result):
     if not rows:
         return []
     fp16 = {c["tokens"]: c["ropekv"]["us"] for c in rows if c.get("weight_format") == "fp16"}
-    lines = ["", "QKV projection by weight format (weight bytes / ropekv time vs copy bandwidth; "
-                 "cuBLAS = its fp16 GEMM alone; speedup over fp16 weights at the same tokens):"]
+    lines = [
+        "",
+        "QKV projection by weight format (weight bytes / ropekv time vs copy bandwidth; "
+        "cuBLAS = its fp16 GEMM alone; speedup over fp16 weights at the same tokens):",
+    ]
     for c in rows:
         r = c["ropekv"]
-        line = (f"  {c['name']:34s} {_fmt_us(r['us']):>7s} us  weights "
-                f"{c['weight_bytes'] / 1e6:6.1f} MB  {r.get('pct_copy_weights', 0):3.0f}% copy")
+        line = (
+            f"  {c['name']:34s} {_fmt_us(r['us']):>7s} us  weights "
+            f"{c['weight_bytes'] / 1e6:6.1f} MB  {r.get('pct_copy_weights', 0):3.0f}% copy"
+        )
         cublas = c.get("peers", {}).get("cublas", {})
         if "us" in cublas:
             line += f"  {cublas['us'] / r['us']:.2f}x cuBLAS"
@@ -204,15 +239,25 @@ def frameworks_lines(results):
         return []
     from ropekv.bench.frameworks import describe
 
-    lines = ["", "Inside compiled programs (us per call; eager = the bare ropekv launch in a CUDA "
-                 "graph):"]
+    lines = [
+        "",
+        "Inside compiled programs (us per call; eager = the bare ropekv launch in a CUDA graph):",
+    ]
     for r in results:
         lines += describe(r)
     return lines
 
 
-COLORS = {"ropekv": "C0", "flashinfer": "C1", "flashinfer-cake": "C7", "torch": "C2",
-          "torch-compile": "C3", "cublas": "C4", "cublas+ropekv": "C5", "steps": "C6"}
+COLORS = {
+    "ropekv": "C0",
+    "flashinfer": "C1",
+    "flashinfer-cake": "C7",
+    "torch": "C2",
+    "torch-compile": "C3",
+    "cublas": "C4",
+    "cublas+ropekv": "C5",
+    "steps": "C6",
+}
 
 
 def _group(case):
@@ -242,16 +287,19 @@ def plot(result, path):
     rows = -(-len(ops) // cols)
     width = max(5.5 * cols, 0.16 * len(best) + 2)
     fig = plt.figure(figsize=(width, 4.3 * rows + (5.2 if best else 0)))
-    grid = fig.add_gridspec(rows + bool(best), cols,
-                            height_ratios=[1] * rows + ([1.25] if best else []))
+    grid = fig.add_gridspec(
+        rows + bool(best), cols, height_ratios=[1] * rows + ([1.25] if best else [])
+    )
     bw = result["copy_bandwidth"]
     for i, op in enumerate(ops):
         _time_panel(fig.add_subplot(grid[i // cols, i % cols]), op, cases, bw)
     if best:
         _speedup_panel(fig.add_subplot(grid[rows, :]), best)
     env = result.get("environment", {})
-    fig.suptitle(f"ropekv bench on {env.get('gpu', '?')}: median us per call (decode points "
-                 f"under CUDA-graph replay); copy bandwidth {bw / 1e12:.2f} TB/s")
+    fig.suptitle(
+        f"ropekv bench on {env.get('gpu', '?')}: median us per call (decode points "
+        f"under CUDA-graph replay); copy bandwidth {bw / 1e12:.2f} TB/s"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -266,15 +314,26 @@ def _time_panel(ax, op, cases, bw):
     pts = sorted(groups[title], key=lambda c: c["tokens"])
     x = [c["tokens"] for c in pts]
     fmt = pts[0].get("weight_format")
-    ax.plot(x, [c["ropekv"]["us"] for c in pts], "o-", color=COLORS["ropekv"],
-            label=f"ropekv {fmt} weights" if fmt else "ropekv")
+    ax.plot(
+        x,
+        [c["ropekv"]["us"] for c in pts],
+        "o-",
+        color=COLORS["ropekv"],
+        label=f"ropekv {fmt} weights" if fmt else "ropekv",
+    )
     if fmt:  # the other weight formats' ropekv lines (their peers multiply fp16 weights)
-        for marker, (g, other) in zip("v^<>", ((g, v) for g, v in groups.items()
-                                               if g != title and v[0].get("weight_format"))):
+        for marker, (g, other) in zip(
+            "v^<>", ((g, v) for g, v in groups.items() if g != title and v[0].get("weight_format"))
+        ):
             other = sorted(other, key=lambda c: c["tokens"])
-            ax.plot([c["tokens"] for c in other], [c["ropekv"]["us"] for c in other],
-                    marker + "-", color=COLORS["ropekv"], alpha=0.6,
-                    label=f"ropekv {other[0]['weight_format']} weights")
+            ax.plot(
+                [c["tokens"] for c in other],
+                [c["ropekv"]["us"] for c in other],
+                marker + "-",
+                color=COLORS["ropekv"],
+                alpha=0.6,
+                label=f"ropekv {other[0]['weight_format']} weights",
+            )
     for p in COLORS:
         px = [(c["tokens"], c["peers"][p]["us"]) for c in pts if "us" in c["peers"].get(p, {})]
         if px:
@@ -308,15 +367,35 @@ def _speedup_panel(ax, best):
         above = [i for i in idx if ratios[i] > cap]
         color = COLORS.get(peer, "k")
         if inside:
-            ax.scatter(inside, [ratios[i] for i in inside], color=color, s=22, zorder=3,
-                       label=f"best peer: {peer}")
+            ax.scatter(
+                inside,
+                [ratios[i] for i in inside],
+                color=color,
+                s=22,
+                zorder=3,
+                label=f"best peer: {peer}",
+            )
         if above:
-            ax.scatter(above, [cap] * len(above), color=color, marker="^", s=30, zorder=3,
-                       label=None if inside else f"best peer: {peer}")
+            ax.scatter(
+                above,
+                [cap] * len(above),
+                color=color,
+                marker="^",
+                s=30,
+                zorder=3,
+                label=None if inside else f"best peer: {peer}",
+            )
             for i in above:
-                ax.annotate(f"{ratios[i]:.0f}x", (i, cap), xytext=(0, -4),
-                            textcoords="offset points", ha="center", va="top", fontsize=5,
-                            rotation=90)
+                ax.annotate(
+                    f"{ratios[i]:.0f}x",
+                    (i, cap),
+                    xytext=(0, -4),
+                    textcoords="offset points",
+                    ha="center",
+                    va="top",
+                    fontsize=5,
+                    rotation=90,
+                )
     ax.axhline(1.0, color="k", lw=1)
     ax.set_yscale("log")
     ax.set_ylim(low, cap * 1.08)
@@ -327,7 +406,9 @@ def _speedup_panel(ax, best):
     ax.set_xticks(range(len(best)), [name for name, _, _ in best], rotation=90, fontsize=6)
     ax.set_xlim(-0.7, len(best) - 0.3)
     ax.set_ylabel("best peer us / ropekv us")
-    ax.set_title("ropekv's speedup over the fastest peer whose output matched (above 1: ropekv "
-                 f"is faster; above {cap:g}x drawn at the top with its value)")
+    ax.set_title(
+        "ropekv's speedup over the fastest peer whose output matched (above 1: ropekv "
+        f"is faster; above {cap:g}x drawn at the top with its value)"
+    )
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="lower left")

@@ -31,8 +31,10 @@ def progress(i, n, text):
         _START[0] = time.perf_counter()
     width = 24
     done = int(width * i / max(n, 1))
-    line = (f"[{'#' * done}{'.' * (width - done)}] {i}/{n} "
-            f"{time.perf_counter() - _START[0]:6.1f} s  {text}")
+    line = (
+        f"[{'#' * done}{'.' * (width - done)}] {i}/{n} "
+        f"{time.perf_counter() - _START[0]:6.1f} s  {text}"
+    )
     if sys.stderr.isatty():
         sys.stderr.write("\r\033[K" + line[:150] + ("\n" if i >= n else ""))
     else:
@@ -49,9 +51,14 @@ def _version(mod):
 
 def environment():
     """GPU, driver and library versions, and the git revision when there is one."""
-    env = {"python": platform.python_version(), "ropekv": _version("ropekv"),
-           "numpy": np.__version__, "cupy": _version("cupy"), "torch": _version("torch"),
-           "flashinfer": _version("flashinfer")}
+    env = {
+        "python": platform.python_version(),
+        "ropekv": _version("ropekv"),
+        "numpy": np.__version__,
+        "cupy": _version("cupy"),
+        "torch": _version("torch"),
+        "flashinfer": _version("flashinfer"),
+    }
     try:
         import cupy
 
@@ -68,8 +75,13 @@ def environment():
     except Exception as e:  # noqa: BLE001
         env["gpu_error"] = one_line(e)
     with contextlib.suppress(Exception):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10, check=False)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
         if out.returncode == 0:
             env["driver"] = out.stdout.strip().splitlines()[0]
     env["git_revision"] = git_revision()
@@ -108,13 +120,22 @@ def git_revision():
 def _git_revision():
     here = os.path.dirname(os.path.abspath(__file__))  # ropekv/bench, inside the checkout
     try:
-        out = subprocess.run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"],
-                             capture_output=True, text=True, timeout=10, check=False)
+        out = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
         if out.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10,
-                               check=False).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except Exception:  # noqa: BLE001
         return None
@@ -126,8 +147,19 @@ def _settings(quick):
     return {"reps": 100, "graph_calls": 100, "host_calls": 500, "budget_s": 0.5}
 
 
-def run(ops=None, peers=None, quick=False, log=progress, json_path=None, names=None,
-        specs=None, backend="cuda", frameworks=False, tune=(), options=False):
+def run(
+    ops=None,
+    peers=None,
+    quick=False,
+    log=progress,
+    json_path=None,
+    names=None,
+    specs=None,
+    backend="cuda",
+    frameworks=False,
+    tune=(),
+    options=False,
+):
     """Run the benchmark; return the result dict (what ``--json`` writes; with ``json_path`` it is
     also written there after every case, so an interrupted run keeps what it measured).
 
@@ -145,20 +177,27 @@ def run(ops=None, peers=None, quick=False, log=progress, json_path=None, names=N
     settings = _settings(quick)
     if specs is None:
         specs = select_specs(ops, quick, names)
-    result: dict[str, Any] = {"command": " ".join(["ropekv", "bench", *sys.argv[2:]]),
-                              "quick": quick, "peers": list(peers), "settings": settings}
+    result: dict[str, Any] = {
+        "command": " ".join(["ropekv", "bench", *sys.argv[2:]]),
+        "quick": quick,
+        "peers": list(peers),
+        "settings": settings,
+    }
     if backend != "cuda":
         result["backend"] = backend
     if tune:
         result["tune"] = {label: changes for label, changes in tune}
     if options:
         result["options"] = True
-    result["environment"] = environment() if backend == "cuda" else {"python":
-                                                                     platform.python_version()}
+    result["environment"] = (
+        environment() if backend == "cuda" else {"python": platform.python_version()}
+    )
     result["missing_ops"] = [op for op in (ops or OPS) if not op_available(op)]
     avail = peer_availability(backend)
-    result["peer_status"] = {p: ("used" if p in peers and not avail.get(p) else
-                                 avail.get(p) or "not selected") for p in PEERS}
+    result["peer_status"] = {
+        p: ("used" if p in peers and not avail.get(p) else avail.get(p) or "not selected")
+        for p in PEERS
+    }
     if quick and not explicit_peers:
         for p in ("flashinfer", "torch-compile"):
             result["peer_status"][p] = "not selected (--quick; name it in --peers to include)"
@@ -172,17 +211,29 @@ def run(ops=None, peers=None, quick=False, log=progress, json_path=None, names=N
     for i, spec in enumerate(specs):
         log(i + 1, n, spec.name)
         if lost:
-            cases.append({"op": spec.op, "name": spec.name, "tokens": spec.tokens,
-                          "bytes": spec.nbytes, "decode": spec.decode, "peers": {},
-                          "error": f"not run: the CUDA context was lost in '{lost}'"})
+            cases.append(
+                {
+                    "op": spec.op,
+                    "name": spec.name,
+                    "tokens": spec.tokens,
+                    "bytes": spec.nbytes,
+                    "decode": spec.decode,
+                    "peers": {},
+                    "error": f"not run: the CUDA context was lost in '{lost}'",
+                }
+            )
             continue
-        cases.append(run_case(spec, peers, settings, flusher, result["copy_bandwidth"], backend,
-                              tune, options))
+        cases.append(
+            run_case(
+                spec, peers, settings, flusher, result["copy_bandwidth"], backend, tune, options
+            )
+        )
         if context_lost(cases[-1]):
             lost = spec.name
         if json_path:
-            report_mod.write_json(dict(result, cases=cases, wall_s=time.perf_counter() - t0,
-                                       partial=True), json_path)
+            report_mod.write_json(
+                dict(result, cases=cases, wall_s=time.perf_counter() - t0, partial=True), json_path
+            )
         _free(backend)
     result["cases"] = cases
     if backend == "cuda":  # known once a call has planned: host times depend on it
@@ -234,9 +285,17 @@ def _free(backend):
         _torch().cuda.empty_cache()
 
 
-STICKY_ERRORS = ("IllegalAddress", "ILLEGAL_ADDRESS", "LaunchFailure", "LAUNCH_FAILED",
-                 "IllegalInstruction", "ILLEGAL_INSTRUCTION", "MisalignedAddress",
-                 "MISALIGNED_ADDRESS", "illegal memory access")
+STICKY_ERRORS = (
+    "IllegalAddress",
+    "ILLEGAL_ADDRESS",
+    "LaunchFailure",
+    "LAUNCH_FAILED",
+    "IllegalInstruction",
+    "ILLEGAL_INSTRUCTION",
+    "MisalignedAddress",
+    "MISALIGNED_ADDRESS",
+    "illegal memory access",
+)
 
 
 def context_lost(case_or_message):
@@ -251,8 +310,16 @@ def context_lost(case_or_message):
 
 
 def run_case(spec, peers, settings, flusher, copy_bw, backend="cuda", tune=(), options=False):
-    case = {"op": spec.op, "name": spec.name, "tokens": spec.tokens, "bytes": spec.nbytes,
-            "decode": spec.decode, "series": spec.series, "flops": spec.flops, "peers": {}}
+    case = {
+        "op": spec.op,
+        "name": spec.name,
+        "tokens": spec.tokens,
+        "bytes": spec.nbytes,
+        "decode": spec.decode,
+        "series": spec.series,
+        "flops": spec.flops,
+        "peers": {},
+    }
     if spec.weight_bytes:
         case["weight_bytes"], case["weight_format"] = spec.weight_bytes, spec.weight_format
     t = time.perf_counter()
@@ -295,14 +362,14 @@ def _check_and_time(name, r, entry, w, spec, settings, flusher, expected, us):
             r.reset()
         r.call()
         want = r.expect(expected) if r.expect else expected
-        mismatch = (None if want is UNCHECKED else
-                    compare_all(r.outputs(), want, w.compare_mode))
+        mismatch = None if want is UNCHECKED else compare_all(r.outputs(), want, w.compare_mode)
     except Exception as e:  # noqa: BLE001
         what = "skipped: compile failed" if name == "torch-compile" else "error"
         entry["status"] = f"{what}: {one_line(e)}"
         return
-    entry["check"] = (UNCHECKED if want is UNCHECKED else
-                      "ok" if mismatch is None else f"MISMATCH: {mismatch}")
+    entry["check"] = (
+        UNCHECKED if want is UNCHECKED else "ok" if mismatch is None else f"MISMATCH: {mismatch}"
+    )
     try:
         entry.update(time_runner(r, spec, settings, flusher))
         entry["ratio"] = entry["us"] / us
@@ -311,8 +378,17 @@ def _check_and_time(name, r, entry, w, spec, settings, flusher, expected, us):
         entry["status"] = f"error: {one_line(e)}"
 
 
-def main(ops=None, peers=None, quick=False, json_path=None, plot_path=None, cases=None,
-         frameworks=False, tune=None, options=False):
+def main(
+    ops=None,
+    peers=None,
+    quick=False,
+    json_path=None,
+    plot_path=None,
+    cases=None,
+    frameworks=False,
+    tune=None,
+    options=False,
+):
     """``ropekv bench``: returns the exit code. ``tune``: variant texts (``op.key=value,...``);
     ``options``: time each case's op options too."""
     ok, device = gpu_status()
@@ -323,8 +399,9 @@ def main(ops=None, peers=None, quick=False, json_path=None, plot_path=None, case
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("ropekv bench: --plot needs matplotlib: pip install 'ropekv[plot]'",
-                  file=sys.stderr)
+            print(
+                "ropekv bench: --plot needs matplotlib: pip install 'ropekv[plot]'", file=sys.stderr
+            )
             return 1
     try:
         variants = [(text, tuning.parse(text)) for text in tune or ()]
@@ -337,11 +414,22 @@ def main(ops=None, peers=None, quick=False, json_path=None, plot_path=None, case
         ops = []  # --frameworks alone: only the framework cases
     if variants and ops is None:
         ops = list(dict.fromkeys(op for _, changes in variants for op in changes))
-    result = run(ops, peers, quick, json_path=json_path, names=cases, frameworks=frameworks,
-                 tune=variants, options=options)
+    result = run(
+        ops,
+        peers,
+        quick,
+        json_path=json_path,
+        names=cases,
+        frameworks=frameworks,
+        tune=variants,
+        options=options,
+    )
     if not result["cases"] and not result.get("frameworks"):
-        why = (f"ops missing from this ropekv: {', '.join(result['missing_ops'])}"
-               if result["missing_ops"] else "no case matches --ops / --cases")
+        why = (
+            f"ops missing from this ropekv: {', '.join(result['missing_ops'])}"
+            if result["missing_ops"]
+            else "no case matches --ops / --cases"
+        )
         print(f"ropekv bench: no case to run ({why})", file=sys.stderr)
         return 1
     if json_path:

@@ -79,17 +79,18 @@ def time_runner(r, spec, settings, flusher):
     if spec.decode:
         try:
             with _eager_path_in_graphs():
-                res["graph_us"] = (_torch_graph_us(r.call, settings["graph_calls"], 10)
-                                   if r.framework == "torch" else
-                                   _timing.graph_us(r.call, calls=settings["graph_calls"],
-                                                    replays=10))
+                res["graph_us"] = (
+                    _torch_graph_us(r.call, settings["graph_calls"], 10)
+                    if r.framework == "torch"
+                    else _timing.graph_us(r.call, calls=settings["graph_calls"], replays=10)
+                )
         except Exception as e:  # noqa: BLE001 - not capturable: fall back to events
             res["graph_error"] = one_line(e)
-        res["host_us"] = _timing.eager_host_us(r.host_call or r.call,
-                                               calls=settings["host_calls"])
+        res["host_us"] = _timing.eager_host_us(r.host_call or r.call, calls=settings["host_calls"])
     flush = flusher if spec.nbytes < L2_FLUSH_BELOW else None
-    res["event_us"] = _timing.device_us(r.call, reps=settings["reps"], flush=flush,
-                                        budget_s=settings["budget_s"])
+    res["event_us"] = _timing.device_us(
+        r.call, reps=settings["reps"], flush=flush, budget_s=settings["budget_s"]
+    )
     res["l2_flushed"] = flush is not None
     res["us"] = res.get("graph_us", res["event_us"])
     return res
@@ -108,8 +109,11 @@ def torch_host_us(w, calls):
         o = {k: _to_torch(v) for k, v in w.new_outputs().items()}
         from ropekv import _timing
 
-        return {"host_us_torch": _timing.eager_host_us(tw.bound(o), calls=calls,
-                                                       sync=torch.cuda.synchronize)}
+        return {
+            "host_us_torch": _timing.eager_host_us(
+                tw.bound(o), calls=calls, sync=torch.cuda.synchronize
+            )
+        }
     except Exception as e:  # noqa: BLE001 - reported, the case goes on
         return {"host_torch_error": one_line(e)}
 
@@ -123,5 +127,9 @@ def host_time(fn, spec, settings):
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
     us = statistics.median(times)
-    return {"us": us, "event_us": us, "l2_flushed": False, **({"host_us": us} if spec.decode
-                                                              else {})}
+    return {
+        "us": us,
+        "event_us": us,
+        "l2_flushed": False,
+        **({"host_us": us} if spec.decode else {}),
+    }

@@ -69,8 +69,10 @@ def validate(changes):
         unknown = sorted(k for k in change if k not in tuning and not _constant(module, k))
         if unknown:
             have = sorted(tuning) + sorted(k for k in vars(module) if _constant(module, k))
-            raise ValueError(f"ropekv.{op} has no TUNING key or constant {', '.join(unknown)}; "
-                             f"it has {', '.join(have) or 'none'}")
+            raise ValueError(
+                f"ropekv.{op} has no TUNING key or constant {', '.join(unknown)}; "
+                f"it has {', '.join(have) or 'none'}"
+            )
 
 
 def _drop_plans(module):

@@ -13,6 +13,7 @@ memory cost at most 0.02 us; ``griddepcontrol.launch_dependents`` first thing co
 (hidden behind a body of two dependent loads at 640 blocks, not at 1280: 1.58 -> 2.02 us);
 ``griddepcontrol.wait`` costs nothing; a body of two dependent loads takes about 0.45 us more.
 """
+
 import cupy as cp
 import numpy as np
 
@@ -22,11 +23,13 @@ WORDS = 56  # 448 bytes of parameters, about the size of QKNormParams
 PARAMS = ", ".join(f"unsigned long long w{i}" for i in range(WORDS))
 SUM = " + ".join(f"w{i}" for i in range(1, WORDS, 8))
 NOBODY = "if (out && threadIdx.x == 999) out[0] = 1;"  # never true: keeps the kernel non-empty
-CHAIN = ("int i = a[blockIdx.x & 7]; int v = b[i & 1023];"
-         " out[blockIdx.x * blockDim.x + threadIdx.x] = v;")
+CHAIN = (
+    "int i = a[blockIdx.x & 7]; int v = b[i & 1023];"
+    " out[blockIdx.x * blockDim.x + threadIdx.x] = v;"
+)
 DEP = 'asm volatile("griddepcontrol.launch_dependents;");'
 WAIT = 'asm volatile("griddepcontrol.wait;" ::: "memory");'
-SRC = f'''
+SRC = f"""
 extern "C" __global__ void k_small(int* out) {{ {NOBODY} }}
 extern "C" __global__ void k_params({PARAMS}) {{
   unsigned long long s = {SUM};
@@ -45,7 +48,7 @@ extern "C" __global__ void k_chain(const int* a, const int* b, int* out) {{ {CHA
 extern "C" __global__ void k_chain_pdl(const int* a, const int* b, int* out) {{
   {DEP} {WAIT} {CHAIN}
 }}
-'''
+"""
 
 
 def main():
@@ -53,12 +56,16 @@ def main():
     a = cp.zeros(1024, cp.int32)
     b = cp.arange(1024, dtype=cp.int32)
     out = cp.zeros(1 << 20, cp.int32)
-    cases = {"empty": ("k_small", (out,)),
-             "448 B params": ("k_params", tuple(np.uint64(0) for _ in range(WORDS))),
-             "10 KB smem": ("k_smem", (out,)), "launch_dependents": ("k_dep", (out,)),
-             "wait": ("k_wait", (out,)), "launch_dependents last": ("k_dep_end", (out,)),
-             "two-load chain": ("k_chain", (a, b, out)),
-             "chain + PDL": ("k_chain_pdl", (a, b, out))}
+    cases = {
+        "empty": ("k_small", (out,)),
+        "448 B params": ("k_params", tuple(np.uint64(0) for _ in range(WORDS))),
+        "10 KB smem": ("k_smem", (out,)),
+        "launch_dependents": ("k_dep", (out,)),
+        "wait": ("k_wait", (out,)),
+        "launch_dependents last": ("k_dep_end", (out,)),
+        "two-load chain": ("k_chain", (a, b, out)),
+        "chain + PDL": ("k_chain_pdl", (a, b, out)),
+    }
     print("us per launch, graph replay; columns: blocks of 128 threads")
     grids = (10, 64, 132, 256, 640, 1280)
     print(f"{'kernel':24s}" + "".join(f"{g:>8d}" for g in grids))

@@ -9,6 +9,7 @@ same call captured in a CUDA graph (the fused kernel, up to GRAPH_MAX_TOKENS), r
 ``diff``: the largest difference of Q and both caches between one eager call and one graph replay
 on the same inputs. On a GPU machine:
 ``PYTHONPATH=. python3 tools/experiments/qkv_capture_cost.py fp16,fp8,int4 144 256 384``."""
+
 import sys
 
 import cupy as cp
@@ -20,20 +21,28 @@ from ropekv import _timing
 from ropekv import qkv as Q
 
 
-
 def weights(wfmt):
     cp.random.seed(0)
     if wfmt == "fp16":
-        return [(cp.random.standard_normal((N, K), cp.float32) / 64).astype(cp.float16)
-                for _ in range(4)], {}
+        return [
+            (cp.random.standard_normal((N, K), cp.float32) / 64).astype(cp.float16)
+            for _ in range(4)
+        ], {}
     if wfmt == "int4":  # groups of 128 columns, float16 scales
-        packed = [cp.asarray(Q.pack_int4(np.random.default_rng(i).integers(-8, 8, (N, K))))
-                  for i in range(4)]
-        return packed, {"weight_scales": cp.full((N, K // 128), 1 / 512, cp.float16),
-                        "group_size": 128}
-    codes = [cp.asarray(np.random.default_rng(i).integers(0, 0x40, (N, K), np.uint8)
-                        | np.uint8(0x80 * (i & 1))).view(ml_dtypes.float8_e4m3fn)
-             for i in range(4)]  # |w| < 2, no NaN codes
+        packed = [
+            cp.asarray(Q.pack_int4(np.random.default_rng(i).integers(-8, 8, (N, K))))
+            for i in range(4)
+        ]
+        return packed, {
+            "weight_scales": cp.full((N, K // 128), 1 / 512, cp.float16),
+            "group_size": 128,
+        }
+    codes = [
+        cp.asarray(
+            np.random.default_rng(i).integers(0, 0x40, (N, K), np.uint8) | np.uint8(0x80 * (i & 1))
+        ).view(ml_dtypes.float8_e4m3fn)
+        for i in range(4)
+    ]  # |w| < 2, no NaN codes
     return codes, {"weight_scales": cp.full(N, 1 / 64, cp.float32)}
 
 
@@ -53,8 +62,9 @@ def diff(f, w, kc, vc):
         g = s.end_capture()
     g.launch(s)
     s.synchronize()
-    return max(float(cp.abs(a.astype(cp.float32) - b).max())
-               for a, b in ((q, q0), (kc, k0), (vc, v0)))
+    return max(
+        float(cp.abs(a.astype(cp.float32) - b).max()) for a, b in ((q, q0), (kc, k0), (vc, v0))
+    )
 
 
 for wfmt in sys.argv[1].split(","):
@@ -63,5 +73,8 @@ for wfmt in sys.argv[1].split(","):
         f, kc, vc = llama_call(T, **extra)
         turn = iter(range(1 << 30))
         eager = _timing.device_us(lambda: f(ws[next(turn) % 4]), reps=60, budget_s=2.0)
-        print(f"{wfmt} T {T:4d}  eager {eager:6.1f}  events {event_us(f, ws, 9):6.1f}  "
-              f"graph {graph_us(f, ws, 9):6.1f}  diff {diff(f, ws[0], kc, vc):.3g}", flush=True)
+        print(
+            f"{wfmt} T {T:4d}  eager {eager:6.1f}  events {event_us(f, ws, 9):6.1f}  "
+            f"graph {graph_us(f, ws, 9):6.1f}  diff {diff(f, ws[0], kc, vc):.3g}",
+            flush=True,
+        )

@@ -8,6 +8,7 @@ difference of Q and both caches from the first setting's. Two rounds. ``QKV_SOUR
 ``ropekv/kernels/<name>.cu`` in place of qkv.cu (an older qkv.cu copied there: an A/B of the
 kernel source at the same settings). On a GPU machine:
 ``PYTHONPATH=. python3 tools/experiments/qkv_paths.py 160 193 224 256``."""
+
 import os
 import sys
 

@@ -6,9 +6,11 @@ sums as stored to `part`; against the float64 product of the weights dequantized
 T. Also the bank groups of the shared loads. CPU only:
 ``python3 tools/experiments/qkv_tiled_int4_emu.py [case ...]`` (it mirrors the kernel by hand:
 keep the two in step)."""
+
 import sys
-import numpy as np
+
 import ml_dtypes
+import numpy as np
 
 MMA_ROWS, TILED_WM, TILED_WN = 128, 64, 32
 
@@ -51,8 +53,10 @@ def int4_pair(dt, w, i, sub, scale):
 
 
 def u32(buf, addr, n=1):
-    return [int(np.frombuffer(buf[addr + 4 * i:addr + 4 * i + 4].tobytes(), np.uint32)[0])
-            for i in range(n)]
+    return [
+        int(np.frombuffer(buf[addr + 4 * i : addr + 4 * i + 4].tobytes(), np.uint32)[0])
+        for i in range(n)
+    ]
 
 
 def run(dt, TN, S, STAGES, KG, K, N, nt, G, zp, kbeg, kc, seed, row0=0):
@@ -98,18 +102,18 @@ def run(dt, TN, S, STAGES, KG, K, N, nt, G, zp, kbeg, kc, seed, row0=0):
                 if on:
                     n = row0 + ra + j * A_STEP
                     src = (ka + dk) // 2
-                    smem[dst:dst + 16] = wbytes[n, src:src + 16]
+                    smem[dst : dst + 16] = wbytes[n, src : src + 16]
                 else:
-                    smem[dst:dst + 16] = 0
+                    smem[dst : dst + 16] = 0
             for j in range(B_LOADS):
                 on = kb + dk < kend and rb + j * B_STEP < nt
                 dst = base + A_BYTES + int4_b_at(rb + j * B_STEP, cb)
                 if on:
                     t = t0 + rb + j * B_STEP
                     src = (kb + dk) * 2
-                    smem[dst:dst + 16] = xbytes[t, src:src + 16]
+                    smem[dst : dst + 16] = xbytes[t, src : src + 16]
                 else:
-                    smem[dst:dst + 16] = 0
+                    smem[dst : dst + 16] = 0
 
     pend = {}
 
@@ -126,14 +130,19 @@ def run(dt, TN, S, STAGES, KG, K, N, nt, G, zp, kbeg, kc, seed, row0=0):
 
     def scale_store(stage):
         for tid in range(THREADS):
-            base = stage * STAGE_BYTES + A_BYTES + TN * B_ROW + (tid >> 2) * (S_CHUNKS * 8) + \
-                (tid & 3) * 8
+            base = (
+                stage * STAGE_BYTES
+                + A_BYTES
+                + TN * B_ROW
+                + (tid >> 2) * (S_CHUNKS * 8)
+                + (tid & 3) * 8
+            )
             for j in range(S_LOADS):
                 sb, z = pend[tid, j]
                 sub = (magic + (z & 0xF) * 0x10001) & 0xFFFFFFFF
                 sc = (sb * 0x10001) & 0xFFFFFFFF
                 a = base + j * (THREADS // 4) * (S_CHUNKS * 8)
-                smem[a:a + 8] = np.array([sc, sub], np.uint32).view(np.uint8)
+                smem[a : a + 8] = np.array([sc, sub], np.uint32).view(np.uint8)
 
     for s in range(STAGES - 1):
         if s < nk:
@@ -188,8 +197,13 @@ def run(dt, TN, S, STAGES, KG, K, N, nt, G, zp, kbeg, kc, seed, row0=0):
                             bf[lane, n, 4 * h + 3] = byte_perm(vy, vw, 0x7632)
                     for m in range(MT):
                         for h in range(2):
-                            sf[lane, m, h] = u32(smem, s_base + (wm * TILED_WM + m * 16 + h * 8 + g)
-                                                 * (S_CHUNKS * 8) + kk * 16, 4)
+                            sf[lane, m, h] = u32(
+                                smem,
+                                s_base
+                                + (wm * TILED_WM + m * 16 + h * 8 + g) * (S_CHUNKS * 8)
+                                + kk * 16,
+                                4,
+                            )
                 for m in range(MT):
                     for h in range(2):
                         wg = np.zeros((32, 4), np.int64)
@@ -199,16 +213,22 @@ def run(dt, TN, S, STAGES, KG, K, N, nt, G, zp, kbeg, kc, seed, row0=0):
                             scale_g, sub_g = (sg[2], sg[3]) if h else (sg[0], sg[1])
                             scale_8, sub_8 = (s8[2], s8[3]) if h else (s8[0], s8[1])
                             for i in range(4):
-                                wg[lane, i] = int4_pair(dt, int(af[lane, m, 2 * h]), i, int(sub_g),
-                                                        int(scale_g))
-                                w8[lane, i] = int4_pair(dt, int(af[lane, m, 2 * h + 1]), i,
-                                                        int(sub_8), int(scale_8))
+                                wg[lane, i] = int4_pair(
+                                    dt, int(af[lane, m, 2 * h]), i, int(sub_g), int(scale_g)
+                                )
+                                w8[lane, i] = int4_pair(
+                                    dt, int(af[lane, m, 2 * h + 1]), i, int(sub_8), int(scale_8)
+                                )
                         for n in range(NT):
                             for s in range(2):
-                                regsA = [(wg[l, 2 * s], w8[l, 2 * s], wg[l, 2 * s + 1],
-                                          w8[l, 2 * s + 1]) for l in range(32)]
-                                regsB = [(bf[l, n, 4 * h + 2 * s], bf[l, n, 4 * h + 2 * s + 1])
-                                         for l in range(32)]
+                                regsA = [
+                                    (wg[l, 2 * s], w8[l, 2 * s], wg[l, 2 * s + 1], w8[l, 2 * s + 1])
+                                    for l in range(32)
+                                ]
+                                regsB = [
+                                    (bf[l, n, 4 * h + 2 * s], bf[l, n, 4 * h + 2 * s + 1])
+                                    for l in range(32)
+                                ]
                                 mma(dt, acc[warp, :, m, n], regsA, regsB)
     # partial sums as the kernel stores them (sum over k groups)
     part = np.zeros((TN, MMA_ROWS))
@@ -233,8 +253,9 @@ def run(dt, TN, S, STAGES, KG, K, N, nt, G, zp, kbeg, kc, seed, row0=0):
     w = ((q - zk) * sk).astype(dt).astype(np.float64)
     ref = np.zeros((TN, MMA_ROWS))
     rows = min(MMA_ROWS, N - row0)
-    ref[:nt, :rows] = x[t0:t0 + nt, kbeg:kend].astype(np.float64) @ \
-        w[row0:row0 + rows, kbeg:kend].T
+    ref[:nt, :rows] = (
+        x[t0 : t0 + nt, kbeg:kend].astype(np.float64) @ w[row0 : row0 + rows, kbeg:kend].T
+    )
     err = np.abs(part - ref).max() / max(1e-30, np.abs(ref).max())
     return err, int((np.abs(ref).sum(0) > 0).sum()), int((np.abs(ref).sum(1) > 0).sum())
 
@@ -247,18 +268,20 @@ def mma(dt, accs, regsA, regsB):
     B = np.zeros((16, 8))
 
     def halves(u):
-        return [np.float64(np.float32(bits_to(dt, (int(u) >> (16 * h)) & 0xFFFF)))
-                for h in range(2)]
+        return [
+            np.float64(np.float32(bits_to(dt, (int(u) >> (16 * h)) & 0xFFFF))) for h in range(2)
+        ]
+
     for lane in range(32):
         g, c = lane >> 2, lane & 3
         a0, a1, a2, a3 = (halves(r) for r in regsA[lane])
-        A[g, 2 * c:2 * c + 2] = a0
-        A[g + 8, 2 * c:2 * c + 2] = a1
-        A[g, 2 * c + 8:2 * c + 10] = a2
-        A[g + 8, 2 * c + 8:2 * c + 10] = a3
+        A[g, 2 * c : 2 * c + 2] = a0
+        A[g + 8, 2 * c : 2 * c + 2] = a1
+        A[g, 2 * c + 8 : 2 * c + 10] = a2
+        A[g + 8, 2 * c + 8 : 2 * c + 10] = a3
         b0, b1 = (halves(r) for r in regsB[lane])
-        B[2 * c:2 * c + 2, g] = b0
-        B[2 * c + 8:2 * c + 10, g] = b1
+        B[2 * c : 2 * c + 2, g] = b0
+        B[2 * c + 8 : 2 * c + 10, g] = b1
     D = A @ B
     for lane in range(32):
         g, c = lane >> 2, lane & 3
@@ -270,8 +293,11 @@ def mma(dt, accs, regsA, regsB):
 
 def check_banks():
     # ldmatrix phases: 8 rows (r0 + i) at logical chunk ch -> 8 distinct 16-byte bank groups?
-    ok = all(len({(int4_a_at(r0 + i, ch) // 16) % 8 for i in range(8)}) == 8
-             for r0 in range(0, 128, 8) for ch in range(4))
+    ok = all(
+        len({(int4_a_at(r0 + i, ch) // 16) % 8 for i in range(8)}) == 8
+        for r0 in range(0, 128, 8)
+        for ch in range(4)
+    )
     print("A ldmatrix conflict-free:", ok)
     assert ok
     # B lds128: quarter q: lanes g in (2q, 2q+1), c 0..3: token base+g, chunk 8kk + 4h + c
@@ -280,16 +306,29 @@ def check_banks():
         for kk in range(2):
             for h in range(2):
                 for q in range(4):
-                    groups = [(int4_b_at(base + g, 8 * kk + 4 * h + c) // 16) % 8
-                              for g in (2 * q, 2 * q + 1) for c in range(4)]
+                    groups = [
+                        (int4_b_at(base + g, 8 * kk + 4 * h + c) // 16) % 8
+                        for g in (2 * q, 2 * q + 1)
+                        for c in range(4)
+                    ]
                     worst = max(worst, max(groups.count(x) for x in groups))
     print("B lds128 max ways per quarter warp:", worst)
     assert worst == 1
     # the B rows are permutations of the 16 chunks
-    print("B swizzle bijective:", all(sorted(int4_b_at(r, ch) - r * 256 for ch in range(16)) ==
-          list(range(0, 256, 16)) for r in range(64)))
-    print("A swizzle bijective:", all(sorted(int4_a_at(r, ch) - r * 64 for ch in range(4)) ==
-          list(range(0, 64, 16)) for r in range(128)))
+    print(
+        "B swizzle bijective:",
+        all(
+            sorted(int4_b_at(r, ch) - r * 256 for ch in range(16)) == list(range(0, 256, 16))
+            for r in range(64)
+        ),
+    )
+    print(
+        "A swizzle bijective:",
+        all(
+            sorted(int4_a_at(r, ch) - r * 64 for ch in range(4)) == list(range(0, 64, 16))
+            for r in range(128)
+        ),
+    )
     # scales lds128: quarter q, rows g 2q, 2q+1 (4 lanes each same address): r*32 + kk*16
     worst = 0
     for q in range(4):
@@ -307,16 +346,18 @@ if __name__ == "__main__":
         # dt, TN, S, STAGES, KG, K, N, nt, G, zp, kbeg, kc, row0
         (F16, 32, 1, 3, 1, 384, 128, 32, 32, True, 0, 384, 0),
         (BF16, 32, 1, 2, 2, 256, 100, 19, 128, False, 0, 256, 0),
-        (F16, 64, 2, 4, 1, 512, 200, 64, 64, True, 256, 256, 128),   # rank 1, partial rows
-        (BF16, 32, 4, 3, 1, 768, 96, 5, 96, True, 640, 256, 0),       # slice past K: 128 left
+        (F16, 64, 2, 4, 1, 512, 200, 64, 64, True, 256, 256, 128),  # rank 1, partial rows
+        (BF16, 32, 4, 3, 1, 768, 96, 5, 96, True, 640, 256, 0),  # slice past K: 128 left
         (F16, 64, 1, 2, 2, 256, 64, 40, 256, True, 0, 256, 0),
-        (F16, 32, 2, 3, 1, 256, 128, 32, 32, False, 256, 128, 0),     # empty slice
-        (BF16, 128, 2, 2, 2, 512, 160, 77, 32, True, 256, 256, 0),    # 16 warps: 1 entry each
+        (F16, 32, 2, 3, 1, 256, 128, 32, 32, False, 256, 128, 0),  # empty slice
+        (BF16, 128, 2, 2, 2, 512, 160, 77, 32, True, 256, 256, 0),  # 16 warps: 1 entry each
     ]
     which = [int(a) for a in sys.argv[1:]] or range(len(cases))
     for i in which:
         dt, TN, S, STG, KG, K, N, nt, G, zp, kbeg, kc, row0 = cases[i]
         err, rows, tokens = run(dt, TN, S, STG, KG, K, N, nt, G, zp, kbeg, kc, seed=i, row0=row0)
-        print(f"case {i} {dt.name} {cases[i][1:]}: rows {rows} tokens {tokens} rel err {err}",
-              flush=True)
+        print(
+            f"case {i} {dt.name} {cases[i][1:]}: rows {rows} tokens {tokens} rel err {err}",
+            flush=True,
+        )
         assert err < 1e-12

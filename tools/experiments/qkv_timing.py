@@ -5,6 +5,7 @@ weights that the calls rotate over (200 MB at Llama-3-8B's projection in fp16, s
 streams its weights from DRAM). Both warm up with 8 calls and return the median per-call time in
 microseconds over ``reps`` timed runs. The scripts run from the repository root
 (``python3 tools/experiments/<script>.py``), so this module is on their path."""
+
 import cupy as cp
 
 import ropekv
@@ -31,8 +32,9 @@ def llama_call(T, dtype=cp.float16, **extra):
 
     def f(w):
         return Q.fused_qkv_matmul_append_paged_kv_cache(
-            x, w, off, lens, table, (kc, vc), num_q_heads=HQ, cos_sin_cache=_COS_SIN[0],
-            **extra)
+            x, w, off, lens, table, (kc, vc), num_q_heads=HQ, cos_sin_cache=_COS_SIN[0], **extra
+        )
+
     return f, kc, vc
 
 

@@ -4,12 +4,17 @@ path (cuBLAS + qkv_epilogue, eager events) and checks Q and both caches of the t
 other. ``PATCH="old=>new"`` replaces a string of qkv.cu first (an experiment). A/B of two trees: run
 it once with each on ``PYTHONPATH``. On a GPU machine:
 ``PYTHONPATH=. python3 tools/experiments/qkv_wgmma_ab.py [--cublas] 16 64 128 256``."""
-import sys
-import cupy as cp
+
 import os
-import ropekv
+import sys
+
+import cupy as cp
 from qkv_timing import K, N, event_us, graph_us, llama_call
-from ropekv import qkv as Q, _compile
+
+import ropekv
+from ropekv import _compile
+from ropekv import qkv as Q
+
 if os.environ.get("PATCH"):
     old, new = os.environ["PATCH"].split("=>")
     src = _compile.read_source("qkv")
@@ -37,8 +42,10 @@ for T in [int(t) for t in args]:
     f, kc, vc = case(T)
     q = f(ws[0])
     if cub:
-        d = max(float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max())
-                for a, b in ((q, q0), (kc, k0), (vc, v0)))
+        d = max(
+            float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max())
+            for a, b in ((q, q0), (kc, k0), (vc, v0))
+        )
         line += f" (max diff {d:.3g})"
     line += f"  wgmma {graph_us(f, ws, 9):6.1f} ev {event_us(f, ws, 9):6.1f}"
     print(line, flush=True)

@@ -8,6 +8,7 @@ VARIANT: ``full``; ``noload`` (only the first stages are copied, the main loop's
 its barriers included); ``nostore`` (the epilogue's neox runs computed but not stored);
 ``noitems`` (the epilogue's barriers alone). Settings from the environment: STAGES, ATOMS, TILE,
 SPLIT (the WGMMA_* constants) and PERSM (the CTAs an SM is taken to hold, which sets the split)."""
+
 import os
 import sys
 
@@ -15,18 +16,32 @@ import ropekv._compile as C
 
 CUTS = {
     "full": [],
-    "noload": [("if (ks + STAGES - 1 < nk) load((ks + STAGES - 1) % STAGES, ks + STAGES - 1);",
-                "")],
-    "noloop": [("const int nk = (kend - kbeg + BK - 1) / BK;\n\n  // Each thread copies",
-                "const int nk = 0;\n\n  // Each thread copies")],
-    "noepi": [("cluster_epilogue<T, W_DENSE, S, OPTS, true>(p, part, slots, rests, row0, t0, nt, "
-               "rank);", "")],
-    "nostore": [("        write_run<T, V>(p, tok, t0 + t, rp.head, rp.da, a);\n"
-                 "        write_run<T, V>(p, tok, t0 + t, rp.head, rp.db, b);",
-                 "        if (a[0] == 12345.f)\n"
-                 "          write_run<T, V>(p, tok, t0 + t, rp.head, rp.da, a);\n"
-                 "        if (b[0] == 12345.f)\n"
-                 "          write_run<T, V>(p, tok, t0 + t, rp.head, rp.db, b);")],
+    "noload": [
+        ("if (ks + STAGES - 1 < nk) load((ks + STAGES - 1) % STAGES, ks + STAGES - 1);", "")
+    ],
+    "noloop": [
+        (
+            "const int nk = (kend - kbeg + BK - 1) / BK;\n\n  // Each thread copies",
+            "const int nk = 0;\n\n  // Each thread copies",
+        )
+    ],
+    "noepi": [
+        (
+            "cluster_epilogue<T, W_DENSE, S, OPTS, true>(p, part, slots, rests, row0, t0, nt, "
+            "rank);",
+            "",
+        )
+    ],
+    "nostore": [
+        (
+            "        write_run<T, V>(p, tok, t0 + t, rp.head, rp.da, a);\n"
+            "        write_run<T, V>(p, tok, t0 + t, rp.head, rp.db, b);",
+            "        if (a[0] == 12345.f)\n"
+            "          write_run<T, V>(p, tok, t0 + t, rp.head, rp.da, a);\n"
+            "        if (b[0] == 12345.f)\n"
+            "          write_run<T, V>(p, tok, t0 + t, rp.head, rp.db, b);",
+        )
+    ],
     "noitems": [("w < nt * ITEMS; w += S * blockDim.x)", "w < 0; w += S * blockDim.x)")],
 }
 variant = sys.argv[1]
@@ -37,14 +52,18 @@ for old, new in CUTS[variant]:
 read = C.read_source
 C.read_source = lambda stem: source if stem == "qkv" else read(stem)
 
-import cupy as cp  # noqa: E402
+import cupy as cp
+from qkv_timing import K, N, graph_us, llama_call
 
-from qkv_timing import K, N, graph_us, llama_call  # noqa: E402
-from ropekv import qkv as Q  # noqa: E402
+from ropekv import qkv as Q
 
 Q.WGMMA_MIN_TOKENS, Q.WGMMA_MAX_TOKENS = 1, 1 << 30
-SETTINGS = {"STAGES": "WGMMA_STAGES", "ATOMS": "WGMMA_ATOMS", "TILE": "WGMMA_MAX_TILE",
-            "SPLIT": "WGMMA_SPLIT"}
+SETTINGS = {
+    "STAGES": "WGMMA_STAGES",
+    "ATOMS": "WGMMA_ATOMS",
+    "TILE": "WGMMA_MAX_TILE",
+    "SPLIT": "WGMMA_SPLIT",
+}
 for env, name in SETTINGS.items():
     if env in os.environ:
         setattr(Q, name, int(os.environ[env]))

@@ -3,12 +3,13 @@
 against qkv_wgmma under several settings, per token count, Q and the K cache cross-checked against
 the cuBLAS path's. On a GPU machine:
 ``PYTHONPATH=. python3 tools/experiments/qkv_wgmma_sweep.py [--bf16] 17 32 64 128 256``."""
+
 import sys
 
 import cupy as cp
+from qkv_timing import event_us
 
 import ropekv
-from qkv_timing import event_us
 from ropekv import qkv as Q
 
 K, Hq, Hkv, D, ps = 4096, 32, 8, 128, 16
@@ -17,6 +18,7 @@ dt = cp.float16
 args = sys.argv[1:]
 if "--bf16" in args:
     import ml_dtypes
+
     dt = ml_dtypes.bfloat16
     args.remove("--bf16")
 ws = [(cp.random.standard_normal((N, K), cp.float32) / 64).astype(dt) for _ in range(4)]
@@ -28,10 +30,16 @@ SETTINGS = {  # name: module constants
     "s3a1": dict(WGMMA_MIN_TOKENS=1, WGMMA_MAX_TOKENS=1 << 30, WGMMA_STAGES=3, WGMMA_ATOMS=1),
     "s6a1": dict(WGMMA_MIN_TOKENS=1, WGMMA_MAX_TOKENS=1 << 30, WGMMA_STAGES=6, WGMMA_ATOMS=1),
     "s3a2": dict(WGMMA_MIN_TOKENS=1, WGMMA_MAX_TOKENS=1 << 30, WGMMA_STAGES=3, WGMMA_ATOMS=2),
-    "s4a1t64": dict(WGMMA_MIN_TOKENS=1, WGMMA_MAX_TOKENS=1 << 30, WGMMA_STAGES=4, WGMMA_ATOMS=1,
-                    WGMMA_MAX_TILE=64),
-    "s4a1sp2": dict(WGMMA_MIN_TOKENS=1, WGMMA_MAX_TOKENS=1 << 30, WGMMA_STAGES=4, WGMMA_ATOMS=1,
-                    WGMMA_SPLIT=2),
+    "s4a1t64": dict(
+        WGMMA_MIN_TOKENS=1,
+        WGMMA_MAX_TOKENS=1 << 30,
+        WGMMA_STAGES=4,
+        WGMMA_ATOMS=1,
+        WGMMA_MAX_TILE=64,
+    ),
+    "s4a1sp2": dict(
+        WGMMA_MIN_TOKENS=1, WGMMA_MAX_TOKENS=1 << 30, WGMMA_STAGES=4, WGMMA_ATOMS=1, WGMMA_SPLIT=2
+    ),
 }
 
 
@@ -47,8 +55,9 @@ def run(T, patch):
         off = cp.arange(T + 1, dtype=cp.int32)
         lens = cp.full(T, 100, cp.int32)
         table = cp.arange(pages, dtype=cp.int32).reshape(T, 8)
-        f = lambda w: Q.fused_qkv_matmul_append_paged_kv_cache(  # noqa: E731
-            x, w, off, lens, table, (kc, vc), num_q_heads=Hq, cos_sin_cache=cs)
+        f = lambda w: Q.fused_qkv_matmul_append_paged_kv_cache(
+            x, w, off, lens, table, (kc, vc), num_q_heads=Hq, cos_sin_cache=cs
+        )
         ref = f(ws[0]).copy()
         kref = kc.copy()
         return event_us(f, ws), ref, kref
@@ -58,8 +67,9 @@ def run(T, patch):
 
 
 names = [n for n in SETTINGS if n != "cublas"]
-print(f"{'T':>5} {'cublas':>8} " + " ".join(f"{n:>9}" for n in names)
-      + "  (us; ratio cublas / best)")
+print(
+    f"{'T':>5} {'cublas':>8} " + " ".join(f"{n:>9}" for n in names) + "  (us; ratio cublas / best)"
+)
 for T in [int(t) for t in args]:
     base, qb, kb = run(T, SETTINGS["cublas"])
     line, best = f"{T:5d} {base:8.1f} ", 1e9

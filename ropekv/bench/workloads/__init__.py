@@ -21,5 +21,18 @@ from ropekv.bench.workloads.qkv import QkvWL
 # op key -> its module, in table order
 MODULES = {"contiguous": contiguous, "paged": paged, "mla": mla, "qknorm": qknorm, "qkv": qkv}
 
-__all__ = ["DECODE_SWEEP", "MODULES", "OPS", "OP_FUNCTIONS", "SWEEP", "CaseSpec", "ContiguousWL",
-           "MlaWL", "PagedWL", "QknormWL", "QkvWL", "Workload", "op_available"]
+__all__ = [
+    "DECODE_SWEEP",
+    "MODULES",
+    "OPS",
+    "OP_FUNCTIONS",
+    "SWEEP",
+    "CaseSpec",
+    "ContiguousWL",
+    "MlaWL",
+    "PagedWL",
+    "QknormWL",
+    "QkvWL",
+    "Workload",
+    "op_available",
+]

@@ -171,12 +171,12 @@ def _trope(x, cos, sin, is_neox):
     torch = _torch()
     h = cos.shape[-1]
     if is_neox:
-        a, b = x[..., :h], x[..., h:2 * h]
+        a, b = x[..., :h], x[..., h : 2 * h]
         rot = torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
     else:
-        a, b = x[..., 0:2 * h:2], x[..., 1:2 * h:2]
+        a, b = x[..., 0 : 2 * h : 2], x[..., 1 : 2 * h : 2]
         rot = torch.stack([a * cos - b * sin, b * cos + a * sin], -1).flatten(-2)
-    return rot if x.shape[-1] == 2 * h else torch.cat([rot, x[..., 2 * h:]], -1)
+    return rot if x.shape[-1] == 2 * h else torch.cat([rot, x[..., 2 * h :]], -1)
 
 
 def _trms(x, gamma, eps):
@@ -188,7 +188,8 @@ def _pages(B, pages_per_request, g, shuffle=True, spare=0):
     """``B * pages_per_request`` distinct page ids out of ``B * pages_per_request + spare``."""
     total = B * pages_per_request + spare
     ids = g.rng.permutation(total) if shuffle else np.arange(total)
-    return ids[:B * pages_per_request], total
+    return ids[: B * pages_per_request], total
+
 
 def _cos_sin(P, R):
     from ropekv.rope import cos_sin_cache
@@ -215,13 +216,13 @@ class _RaggedMixin:
         self.positions, self.batch, self.page_size, self.per = pos, batch, page_size, per
         return num_pages, seq
 
+
 def _torch_ragged_addr(offsets, lens, table, b, ps):
     """(p, page, entry) per token from the ragged index arrays, on the device."""
     torch = _torch()
     b = b.long()
     p = lens.long()[b] + torch.arange(b.shape[0], device=b.device) - offsets.long()[b]
     return p, table.long()[b, p // ps], p % ps
-
 
 
 # ---- the case record -----------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from ropekv.bench.workloads.base import (
     _trope,
 )
 
-
 INT8 = np.dtype(np.int8)
 F32 = np.dtype(np.float32)
 
@@ -30,8 +29,23 @@ class ContiguousWL(Workload):
     op = "contiguous"
     OUTPUTS = ("q", "q_out", "q_scale_out", "cache", "cache_scales")
 
-    def build(self, B, S, Hq, Hkv, D, C, dtype, cache_dtype, R=None, decode=False, is_neox=True,
-              kv_scale=(1.0, 1.0), q_out_dtype=None, kv_rows=False):
+    def build(
+        self,
+        B,
+        S,
+        Hq,
+        Hkv,
+        D,
+        C,
+        dtype,
+        cache_dtype,
+        R=None,
+        decode=False,
+        is_neox=True,
+        kv_scale=(1.0, 1.0),
+        q_out_dtype=None,
+        kv_rows=False,
+    ):
         """``q_out_dtype``: fp8 queries into q_out with dynamic scales (q_scale_out); ``kv_rows``:
         per-token-head cache scales (kv_cache_scales) instead of ``kv_scale``."""
         g, R = self.g, R or D
@@ -58,8 +72,11 @@ class ContiguousWL(Workload):
         b, s = tok // S, tok % S
         slot = self.slots[b, s]
         q_name = "q" if q_out_dtype is None else "q_out"
-        self.sample = {"q": (q_name, (b, s)), "k_rows": ("cache", (b, 0, slice(None), slot)),
-                       "v_rows": ("cache", (b, 1, slice(None), slot))}
+        self.sample = {
+            "q": (q_name, (b, s)),
+            "k_rows": ("cache", (b, 0, slice(None), slot)),
+            "v_rows": ("cache", (b, 1, slice(None), slot)),
+        }
         if q_out_dtype is not None:
             self.sample["q_scales"] = ("q_scale_out", (b, s))
         if kv_rows:
@@ -67,12 +84,16 @@ class ContiguousWL(Workload):
 
     def call(self, o, **options):
         a = self.a
-        kw = dict(kv_end_lens=a.get("kv_end_lens"), kv_scale=a.get("kv_scale"),
-                  is_neox=self.is_neox, q_out=o.get("q_out"), q_scale_out=o.get("q_scale_out"),
-                  kv_cache_scales=o.get("cache_scales"))
+        kw = dict(
+            kv_end_lens=a.get("kv_end_lens"),
+            kv_scale=a.get("kv_scale"),
+            is_neox=self.is_neox,
+            q_out=o.get("q_out"),
+            q_scale_out=o.get("q_scale_out"),
+            kv_cache_scales=o.get("cache_scales"),
+        )
         kw.update(options)
-        _fn("apply_rope_write_kv")(o.get("q", a["q"]), a["k"], a["v"], o["cache"], a["table"],
-                                   **kw)
+        _fn("apply_rope_write_kv")(o.get("q", a["q"]), a["k"], a["v"], o["cache"], a["table"], **kw)
 
     def options(self):
         """``ropekv bench --options``: on an fp8 cache with a (2,) device kv_scale, the same
@@ -95,8 +116,18 @@ class ContiguousWL(Workload):
         R, neox = self.R, self.is_neox
         scale = t.get("kv_scale")
         ks, vs = (scale[0], scale[1]) if scale is not None else (1.0, 1.0)
-        return _torch_contiguous, (o["q"], t["k"], t["v"], o["cache"], t["table"],
-                                   t.get("kv_end_lens"), ks, vs, R, neox)
+        return _torch_contiguous, (
+            o["q"],
+            t["k"],
+            t["v"],
+            o["cache"],
+            t["table"],
+            t.get("kv_end_lens"),
+            ks,
+            vs,
+            R,
+            neox,
+        )
 
 
 def _host(x):
@@ -111,7 +142,7 @@ def _torch_contiguous(q, k, v, cache, table, lens, ks, vs, R, neox):
     ar = torch.arange(S, device=q.device)
     slots = ar[None, :].expand(B, S) if lens is None else lens.long()[:, None] - S + ar
     cs = table[slots]
-    cos, sin = cs[..., None, :R // 2], cs[..., None, R // 2:]
+    cos, sin = cs[..., None, : R // 2], cs[..., None, R // 2 :]
     q.copy_(_trope(q.float(), cos, sin, neox).to(q.dtype))
     heads = torch.arange(Hkv, device=q.device)
     b = torch.arange(B, device=q.device)[:, None, None]
@@ -128,43 +159,100 @@ def specs():
         for B, S in ((8, 1024), *((B, 1) for B in DECODE_SWEEP)):
             decode = S == 1
             kw = dict(B=B, S=S, C=4096, dtype=F16, cache_dtype=cache, decode=decode, **LLAMA)
-            out.append(CaseSpec(
-                "contiguous", f"{series} {B}x{S}", B * S,
-                nbytes_of.contiguous_bytes(B * S, 32, 8, 128, 128, F16, cache),
-                _lazy(ContiguousWL, **kw), decode=decode,
-                quick=cache == F16 and B in (8, 64), compile=cache == F16 and B in (8, 64),
-                series=series if decode else ""))
+            out.append(
+                CaseSpec(
+                    "contiguous",
+                    f"{series} {B}x{S}",
+                    B * S,
+                    nbytes_of.contiguous_bytes(B * S, 32, 8, 128, 128, F16, cache),
+                    _lazy(ContiguousWL, **kw),
+                    decode=decode,
+                    quick=cache == F16 and B in (8, 64),
+                    compile=cache == F16 and B in (8, 64),
+                    series=series if decode else "",
+                )
+            )
     # the quantized outputs (issue 14), each against the plain fp16 -> e4m3 op above: fp8 queries
     # with dynamic scales, and per-token-head K/V scales (e4m3 and int8 caches)
-    for label, cache, extra in (("qe4m3 dyn", E4M3, dict(q_out_dtype=E4M3)),
-                                ("kv rows", E4M3, dict(kv_rows=True)),
-                                ("kv rows", INT8, dict(kv_rows=True))):
+    for label, cache, extra in (
+        ("qe4m3 dyn", E4M3, dict(q_out_dtype=E4M3)),
+        ("kv rows", E4M3, dict(kv_rows=True)),
+        ("kv rows", INT8, dict(kv_rows=True)),
+    ):
         series = f"contiguous fp16->{_dtname(cache)} {label}"
         for B, S in ((8, 1024), *((B, 1) for B in DECODE_SWEEP)):
             decode = S == 1
-            kw = dict(B=B, S=S, C=4096, dtype=F16, cache_dtype=cache, decode=decode, **LLAMA,
-                      **extra)
+            kw = dict(
+                B=B, S=S, C=4096, dtype=F16, cache_dtype=cache, decode=decode, **LLAMA, **extra
+            )
             q_out = extra.get("q_out_dtype")
-            out.append(CaseSpec(
-                "contiguous", f"{series} {B}x{S}", B * S,
-                nbytes_of.contiguous_bytes(B * S, 32, 8, 128, 128, F16, cache, q_out_dtype=q_out,
-                                           q_scales=q_out is not None,
-                                           kv_scales=extra.get("kv_rows", False)),
-                _lazy(ContiguousWL, **kw), decode=decode, series=series if decode else ""))
+            out.append(
+                CaseSpec(
+                    "contiguous",
+                    f"{series} {B}x{S}",
+                    B * S,
+                    nbytes_of.contiguous_bytes(
+                        B * S,
+                        32,
+                        8,
+                        128,
+                        128,
+                        F16,
+                        cache,
+                        q_out_dtype=q_out,
+                        q_scales=q_out is not None,
+                        kv_scales=extra.get("kv_rows", False),
+                    ),
+                    _lazy(ContiguousWL, **kw),
+                    decode=decode,
+                    series=series if decode else "",
+                )
+            )
     return out
 
 
 def check_cases(add):
     """``ropekv check``'s cases: ``add(op, name, workload class, **build arguments)``."""
-    for dtype, cache, decode, neox in ((F16, F16, False, True), (BF16, E4M3, True, False),
-                                       (F16, E5M2, True, True)):
-        add("contiguous", f"{_dtname(dtype)}->{_dtname(cache)} {'decode' if decode else 'prefill'}"
-            f"{'' if neox else ' interleaved'}", ContiguousWL, B=3, S=1 if decode else 19, Hq=8,
-            Hkv=2, D=128, R=64 if decode else 128, C=64, dtype=dtype, cache_dtype=cache,
-            decode=decode, is_neox=neox, kv_scale=(0.5, 2.0))
+    for dtype, cache, decode, neox in (
+        (F16, F16, False, True),
+        (BF16, E4M3, True, False),
+        (F16, E5M2, True, True),
+    ):
+        add(
+            "contiguous",
+            f"{_dtname(dtype)}->{_dtname(cache)} {'decode' if decode else 'prefill'}"
+            f"{'' if neox else ' interleaved'}",
+            ContiguousWL,
+            B=3,
+            S=1 if decode else 19,
+            Hq=8,
+            Hkv=2,
+            D=128,
+            R=64 if decode else 128,
+            C=64,
+            dtype=dtype,
+            cache_dtype=cache,
+            decode=decode,
+            is_neox=neox,
+            kv_scale=(0.5, 2.0),
+        )
     for dtype, decode, neox in ((F16, False, True), (BF16, True, False)):
-        add("contiguous", f"{_dtname(dtype)}->e4m3 q e5m2 dynamic, kv rows "
-            f"{'decode' if decode else 'prefill'}{'' if neox else ' interleaved'}", ContiguousWL,
-            B=3, S=1 if decode else 19, Hq=8, Hkv=2, D=128, R=64 if decode else 128, C=64,
-            dtype=dtype, cache_dtype=E4M3, decode=decode, is_neox=neox, q_out_dtype=E5M2,
-            kv_rows=True)
+        add(
+            "contiguous",
+            f"{_dtname(dtype)}->e4m3 q e5m2 dynamic, kv rows "
+            f"{'decode' if decode else 'prefill'}{'' if neox else ' interleaved'}",
+            ContiguousWL,
+            B=3,
+            S=1 if decode else 19,
+            Hq=8,
+            Hkv=2,
+            D=128,
+            R=64 if decode else 128,
+            C=64,
+            dtype=dtype,
+            cache_dtype=E4M3,
+            decode=decode,
+            is_neox=neox,
+            q_out_dtype=E5M2,
+            kv_rows=True,
+        )

@@ -34,8 +34,22 @@ class MlaWL(_RaggedMixin, Workload):
     op = "mla"
     OUTPUTS = ("q_rope_out", "ckv", "kpe")
 
-    def build(self, B, S, prefix, Hq, L, R, dtype, cache_dtype, page_size=16, is_neox=False,
-              kv_norm_dim=None, kv_scale=None, eps=1e-6):
+    def build(
+        self,
+        B,
+        S,
+        prefix,
+        Hq,
+        L,
+        R,
+        dtype,
+        cache_dtype,
+        page_size=16,
+        is_neox=False,
+        kv_norm_dim=None,
+        kv_scale=None,
+        eps=1e-6,
+    ):
         g = self.g
         num_pages, seq = self.ragged(B, S, prefix, page_size)
         T = B * S
@@ -53,21 +67,37 @@ class MlaWL(_RaggedMixin, Workload):
         self.a["kpe"] = g.cache((num_pages, page_size, R), cache_dtype, self.poison)
         tok = self._sample_tokens(T)
         rows = (self.page[tok], self.entry[tok])
-        self.sample = {"q_rope_out": ("q_rope_out", (tok,)), "ckv_rows": ("ckv", rows),
-                       "kpe_rows": ("kpe", rows)}
+        self.sample = {
+            "q_rope_out": ("q_rope_out", (tok,)),
+            "ckv_rows": ("ckv", rows),
+            "kpe_rows": ("kpe", rows),
+        }
 
     def call(self, o, **options):
         a = self.a
         return _fn("mla_rope_rmsnorm_append_paged_kv_cache")(
-            a["q_rope"], a["kv"], a["gamma"], a["table"], a["input_row_offsets"],
-            a["cache_lengths"], a["block_table"], (o["ckv"], o["kpe"]), epsilon=self.eps,
-            kv_norm_dim=self.kv_norm_dim, is_neox=self.is_neox, kv_scale=self.kv_scale,
-            q_rope_out=o["q_rope_out"], **options)
+            a["q_rope"],
+            a["kv"],
+            a["gamma"],
+            a["table"],
+            a["input_row_offsets"],
+            a["cache_lengths"],
+            a["block_table"],
+            (o["ckv"], o["kpe"]),
+            epsilon=self.eps,
+            kv_norm_dim=self.kv_norm_dim,
+            is_neox=self.is_neox,
+            kv_scale=self.kv_scale,
+            q_rope_out=o["q_rope_out"],
+            **options,
+        )
 
     def options(self):
         # neither changes the sampled rows: the tail cleared lies past each request's new rows
-        return {"status": ({"status": self.g.zeros((1,), np.int32)}, True),
-                "clear": ({"clear_unused_last_page_rows": True}, True)}
+        return {
+            "status": ({"status": self.g.zeros((1,), np.int32)}, True),
+            "clear": ({"clear_unused_last_page_rows": True}, True),
+        }
 
     def torch_fn(self, t, o):
         torch = _torch()
@@ -78,20 +108,33 @@ class MlaWL(_RaggedMixin, Workload):
         def fn(q_rope, kv, gamma, table, offsets, lens, block_table, b, ckv, kpe, q_out):
             p, page, entry = _torch_ragged_addr(offsets, lens, block_table, b, ps)
             cs = table[p]
-            q_out.copy_(_trope(q_rope.float(), cs[:, None, :R // 2], cs[:, None, R // 2:],
-                               neox).to(q_out.dtype))
+            q_out.copy_(
+                _trope(q_rope.float(), cs[:, None, : R // 2], cs[:, None, R // 2 :], neox).to(
+                    q_out.dtype
+                )
+            )
             x = kv.float()
             lat = _trms(x[:, :nd], gamma, eps)
             if nd < L:
                 lat = torch.cat([lat, x[:, nd:L]], -1)
             ckv[page, entry] = _tcast(lat / scale, ckv.dtype)
             kpe[page, entry] = _tcast(
-                _trope(x[:, L:], cs[:, :R // 2], cs[:, R // 2:], neox) / scale, kpe.dtype)
+                _trope(x[:, L:], cs[:, : R // 2], cs[:, R // 2 :], neox) / scale, kpe.dtype
+            )
 
-        return fn, (t["q_rope"], t["kv"], t["gamma"], t["table"], t["input_row_offsets"],
-                    t["cache_lengths"], t["block_table"], t["token_batch"], o["ckv"], o["kpe"],
-                    o["q_rope_out"])
-
+        return fn, (
+            t["q_rope"],
+            t["kv"],
+            t["gamma"],
+            t["table"],
+            t["input_row_offsets"],
+            t["cache_lengths"],
+            t["block_table"],
+            t["token_batch"],
+            o["ckv"],
+            o["kpe"],
+            o["q_rope_out"],
+        )
 
     def steps_peer(self):
         """The same result from separate steps: a CuPy kernel RMS-normalising the latent rows
@@ -113,9 +156,17 @@ class MlaWL(_RaggedMixin, Workload):
         kv_row = a["kv"].strides[0] // a["kv"].dtype.itemsize
         inv_scale = np.float32(1.0 / (self.kv_scale or 1.0))
 
-        args = (np.uint64(a["kv"].data.ptr), np.int64(kv_row), np.uint64(a["gamma"].data.ptr),
-                np.uint64(o["ckv"].data.ptr), np.uint64(rows.data.ptr), np.int32(nd),
-                np.int32(L), inv_scale, np.float32(self.eps))
+        args = (
+            np.uint64(a["kv"].data.ptr),
+            np.int64(kv_row),
+            np.uint64(a["gamma"].data.ptr),
+            np.uint64(o["ckv"].data.ptr),
+            np.uint64(rows.data.ptr),
+            np.int32(nd),
+            np.int32(L),
+            inv_scale,
+            np.float32(self.eps),
+        )
 
         def steps():
             kernel((T,), (256,), args)
@@ -138,10 +189,25 @@ class MlaWL(_RaggedMixin, Workload):
         positions = xp.asarray(self.positions.astype(np.int32))
         scale = 1.0 / (self.kv_scale or 1.0)
         return functools.partial(
-            fn, a["q_rope"], a["kv"][:, L:], None, None, None, a["table"], positions,
-            (o["ckv"][..., :0], o["kpe"]), kv_indices, indptr, a["token_batch"], positions,
-            is_neox=self.is_neox, quant_scale_q=1.0, quant_scale_kv=scale,
-            page_size=self.page_size, q_rope_out=q_out)
+            fn,
+            a["q_rope"],
+            a["kv"][:, L:],
+            None,
+            None,
+            None,
+            a["table"],
+            positions,
+            (o["ckv"][..., :0], o["kpe"]),
+            kv_indices,
+            indptr,
+            a["token_batch"],
+            positions,
+            is_neox=self.is_neox,
+            quant_scale_q=1.0,
+            quant_scale_kv=scale,
+            page_size=self.page_size,
+            q_rope_out=q_out,
+        )
 
 
 _RMSNORM_SRC = r"""
@@ -187,27 +253,62 @@ def _rmsnorm_kernel(dtype, cache_dtype):
     from ropekv._compile import _header_options
 
     module = cupy.RawModule(code=_RMSNORM_SRC, options=("-std=c++17", *_header_options()))
-    return module.get_function(f"rmsnorm_{_dtname(dtype).replace('fp16', 'f16')}_"
-                               f"{_dtname(cache_dtype).replace('fp16', 'f16')}")
+    return module.get_function(
+        f"rmsnorm_{_dtname(dtype).replace('fp16', 'f16')}_"
+        f"{_dtname(cache_dtype).replace('fp16', 'f16')}"
+    )
 
 
 def specs():
     out = []
     for B, S in ((4, 2048), *((B, 1) for B in DECODE_SWEEP)):
         T = B * S
-        out.append(CaseSpec(
-            "mla", f"mla rmsnorm bf16->e4m3 {B}x{S}", T,
-            nbytes_of.mla_rmsnorm_bytes(T, 128, 512, 64, BF16, E4M3),
-            _lazy(MlaWL, B=B, S=S, prefix=1024, dtype=BF16, cache_dtype=E4M3, **DSV3),
-            decode=S == 1, quick=B == 128, compile=B in (4, 128),
-            series="mla rmsnorm bf16->e4m3" if S == 1 else ""))
+        out.append(
+            CaseSpec(
+                "mla",
+                f"mla rmsnorm bf16->e4m3 {B}x{S}",
+                T,
+                nbytes_of.mla_rmsnorm_bytes(T, 128, 512, 64, BF16, E4M3),
+                _lazy(MlaWL, B=B, S=S, prefix=1024, dtype=BF16, cache_dtype=E4M3, **DSV3),
+                decode=S == 1,
+                quick=B == 128,
+                compile=B in (4, 128),
+                series="mla rmsnorm bf16->e4m3" if S == 1 else "",
+            )
+        )
     return out
 
 
 def check_cases(add):
     """``ropekv check``'s cases: ``add(op, name, workload class, **build arguments)``."""
     for cache in (BF16, E4M3):
-        add("mla", f"bf16->{_dtname(cache)} L512 R64", MlaWL, B=3, S=7, prefix=21, Hq=16, L=512,
-            R=64, dtype=BF16, cache_dtype=cache, kv_scale=2.0 if cache in FP8 else None)
-    add("mla", "fp16->e5m2 norm dim 128 of L256", MlaWL, B=2, S=5, prefix=3, Hq=32, L=256, R=32,
-        dtype=F16, cache_dtype=E5M2, kv_norm_dim=128, page_size=32, kv_scale=0.5)
+        add(
+            "mla",
+            f"bf16->{_dtname(cache)} L512 R64",
+            MlaWL,
+            B=3,
+            S=7,
+            prefix=21,
+            Hq=16,
+            L=512,
+            R=64,
+            dtype=BF16,
+            cache_dtype=cache,
+            kv_scale=2.0 if cache in FP8 else None,
+        )
+    add(
+        "mla",
+        "fp16->e5m2 norm dim 128 of L256",
+        MlaWL,
+        B=2,
+        S=5,
+        prefix=3,
+        Hq=32,
+        L=256,
+        R=32,
+        dtype=F16,
+        cache_dtype=E5M2,
+        kv_norm_dim=128,
+        page_size=32,
+        kv_scale=0.5,
+    )

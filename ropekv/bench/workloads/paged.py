@@ -27,12 +27,38 @@ class PagedWL(Workload):
     """The FlashInfer-compatible paged op: GQA/MHA (3-D ``k_rope``) or MLA (2-D ``k_rope``)."""
 
     op = "paged"
-    OUTPUTS = ("q_rope_out", "q_nope_out", "cache0", "cache1", "q_scale_out", "k_scales",
-               "v_scales")
+    OUTPUTS = (
+        "q_rope_out",
+        "q_nope_out",
+        "cache0",
+        "cache1",
+        "q_scale_out",
+        "k_scales",
+        "v_scales",
+    )
 
-    def build(self, B, S, prefix, Hq, dtype, cache_dtype, Hkv=8, D=128, R=None, mla=False, L=512,
-              page_size=16, layout="NHD", index_dtype=np.int32, is_neox=True, scales=(1.0, 1.0),
-              spare_pages=0, q_dyn=False, kv_dyn=False):
+    def build(
+        self,
+        B,
+        S,
+        prefix,
+        Hq,
+        dtype,
+        cache_dtype,
+        Hkv=8,
+        D=128,
+        R=None,
+        mla=False,
+        L=512,
+        page_size=16,
+        layout="NHD",
+        index_dtype=np.int32,
+        is_neox=True,
+        scales=(1.0, 1.0),
+        spare_pages=0,
+        q_dyn=False,
+        kv_dyn=False,
+    ):
         """``q_dyn``: dynamic fp8 Q (``q_scale_out``); ``kv_dyn``: per-token-head KV scales
         (``kv_cache_scales``; the cache may be int8). Both have no peer."""
         g = self.g
@@ -51,8 +77,13 @@ class PagedWL(Workload):
         self.page = ids[indptr[batch] + positions // page_size].astype(np.int64)
         self.entry = (positions % page_size).astype(np.int64)
         self.seq_len, self.B = seq, B
-        for name, v in (("kv_indices", ids), ("kv_indptr", indptr), ("batch_indices", batch),
-                        ("positions", positions), ("pos_ids", positions)):
+        for name, v in (
+            ("kv_indices", ids),
+            ("kv_indptr", indptr),
+            ("batch_indices", batch),
+            ("positions", positions),
+            ("pos_ids", positions),
+        ):
             self.a[name] = g.put(v.astype(index_dtype))
         if mla:
             R = R or 64
@@ -73,8 +104,11 @@ class PagedWL(Workload):
             self.a["q_rope"], self.a["q_nope"] = q[..., :R], (q[..., R:] if R < D else None)
             self.a["k_rope"], self.a["k_nope"] = k[..., :R], (k[..., R:] if R < D else None)
             self.a["v"] = g.randn((T, Hkv, D), dtype)
-            shape = ((num_pages, page_size, Hkv, D) if layout == "NHD"
-                     else (num_pages, Hkv, page_size, D))
+            shape = (
+                (num_pages, page_size, Hkv, D)
+                if layout == "NHD"
+                else (num_pages, Hkv, page_size, D)
+            )
             self.a["cache0"] = g.cache(shape, cache_dtype, self.poison)
             self.a["cache1"] = g.cache(shape, cache_dtype, self.poison)
         self.a["table"] = g.put(_cos_sin(seq, R))
@@ -89,10 +123,15 @@ class PagedWL(Workload):
         tok = self._sample_tokens(T)
         page, entry = self.page[tok], self.entry[tok]
         rows = (page, entry) if mla or layout == "NHD" else (page, slice(None), entry)
-        self.sample = {"q_rope_out": ("q_rope_out", (tok,)), "q_nope_out": ("q_nope_out", (tok,)),
-                       "cache0_rows": ("cache0", rows), "cache1_rows": ("cache1", rows),
-                       "q_scale_out": ("q_scale_out", (tok,)),
-                       "k_scales_rows": ("k_scales", rows), "v_scales_rows": ("v_scales", rows)}
+        self.sample = {
+            "q_rope_out": ("q_rope_out", (tok,)),
+            "q_nope_out": ("q_nope_out", (tok,)),
+            "cache0_rows": ("cache0", rows),
+            "cache1_rows": ("cache1", rows),
+            "q_scale_out": ("q_scale_out", (tok,)),
+            "k_scales_rows": ("k_scales", rows),
+            "v_scales_rows": ("v_scales", rows),
+        }
 
     def call(self, o, **options):
         a = self.a
@@ -104,12 +143,26 @@ class PagedWL(Workload):
             kw.update(kv_cache_scales=(o["k_scales"], o["v_scales"]), quant_scale_kv=None)
         kw.update(options)
         return _fn(name)(
-            a["q_rope"], a["k_rope"], a["q_nope"], a["k_nope"], a["v"], a["table"], a["pos_ids"],
-            (o["cache0"], o["cache1"]), a["kv_indices"], a["kv_indptr"], a["batch_indices"],
-            a["positions"], is_neox=self.is_neox,
+            a["q_rope"],
+            a["k_rope"],
+            a["q_nope"],
+            a["k_nope"],
+            a["v"],
+            a["table"],
+            a["pos_ids"],
+            (o["cache0"], o["cache1"]),
+            a["kv_indices"],
+            a["kv_indptr"],
+            a["batch_indices"],
+            a["positions"],
+            is_neox=self.is_neox,
             quantize_dtype=self.cache_dtype if self.quantized else None,
-            page_size=self.page_size, kv_layout=self.layout, q_rope_out=o["q_rope_out"],
-            q_nope_out=o.get("q_nope_out"), **kw)
+            page_size=self.page_size,
+            kv_layout=self.layout,
+            q_rope_out=o["q_rope_out"],
+            q_nope_out=o.get("q_nope_out"),
+            **kw,
+        )
 
     def options(self):
         """``ropekv bench --options``: status= (leaves the outputs as the plain call writes
@@ -119,9 +172,13 @@ class PagedWL(Workload):
             T, Hq = self.a["q_rope"].shape[:2]
             q_scales = {"q_scale_out": self.g.zeros((T, Hq), np.float32), "quant_scale_q": None}
             shape = self.a["cache0"].shape[:-1]
-            kv_scales = {"kv_cache_scales": (self.g.zeros(shape, np.float32),
-                                             self.g.zeros(shape, np.float32)),
-                         "quant_scale_kv": None}
+            kv_scales = {
+                "kv_cache_scales": (
+                    self.g.zeros(shape, np.float32),
+                    self.g.zeros(shape, np.float32),
+                ),
+                "quant_scale_kv": None,
+            }
             out["dynamic q"] = (q_scales, False)
             out["kv scales"] = (kv_scales, False)
         return out
@@ -134,21 +191,37 @@ class PagedWL(Workload):
         sq, skv = self.scales if self.fp8 else (1.0, 1.0)
         R = self.R
 
-        def fn(q_rope, k_rope, q_nope, k_nope, v, table, pos_ids, kv_indices, kv_indptr,
-               batch_indices, positions, c0, c1, q_rope_out, q_nope_out):
+        def fn(
+            q_rope,
+            k_rope,
+            q_nope,
+            k_nope,
+            v,
+            table,
+            pos_ids,
+            kv_indices,
+            kv_indptr,
+            batch_indices,
+            positions,
+            c0,
+            c1,
+            q_rope_out,
+            q_nope_out,
+        ):
             torch = _torch()
             cs = table[pos_ids.long()]
             pos = positions.long()
             page = kv_indices[kv_indptr[batch_indices.long()].long() + pos // ps].long()
             entry = pos % ps
-            cos, sin = cs[:, None, :R // 2], cs[:, None, R // 2:]
+            cos, sin = cs[:, None, : R // 2], cs[:, None, R // 2 :]
             q_rope_out.copy_(_tcast(_trope(q_rope.float(), cos, sin, neox) * sq, q_rope_out.dtype))
             if q_nope is not None:
                 q_nope_out.copy_(_tcast(q_nope.float() * sq, q_nope_out.dtype))
             if mla:
                 c0[page, entry] = _tcast(k_nope.float() * skv, c0.dtype)
                 c1[page, entry] = _tcast(
-                    _trope(k_rope.float(), cs[:, :R // 2], cs[:, R // 2:], neox) * skv, c1.dtype)
+                    _trope(k_rope.float(), cs[:, : R // 2], cs[:, R // 2 :], neox) * skv, c1.dtype
+                )
                 return
             k = _trope(k_rope.float(), cos, sin, neox)
             if k_nope is not None:
@@ -159,10 +232,23 @@ class PagedWL(Workload):
             else:
                 c0[page, :, entry], c1[page, :, entry] = kq, vq
 
-        return fn, (t["q_rope"], t["k_rope"], t.get("q_nope"), t.get("k_nope"), t.get("v"),
-                    t["table"], t["pos_ids"], t["kv_indices"], t["kv_indptr"],
-                    t["batch_indices"], t["positions"], o["cache0"], o["cache1"],
-                    o["q_rope_out"], o.get("q_nope_out"))
+        return fn, (
+            t["q_rope"],
+            t["k_rope"],
+            t.get("q_nope"),
+            t.get("k_nope"),
+            t.get("v"),
+            t["table"],
+            t["pos_ids"],
+            t["kv_indices"],
+            t["kv_indptr"],
+            t["batch_indices"],
+            t["positions"],
+            o["cache0"],
+            o["cache1"],
+            o["q_rope_out"],
+            o.get("q_nope_out"),
+        )
 
     def flashinfer_fn(self, t, o):
         """FlashInfer 0.5.3: the fused op for fp8 caches; for fp16/bf16 caches (no fused op
@@ -177,15 +263,31 @@ class PagedWL(Workload):
             return None  # FlashInfer 0.5.3 has no computed scales
         caches = (o["cache0"], o["cache1"])
         if self.fp8:
+
             def fused():
                 rope_quantize_fp8_append_paged_kv_cache(
-                    t["q_rope"], t["k_rope"], t.get("q_nope"), t.get("k_nope"), t.get("v"),
-                    t["table"], t["pos_ids"], caches, t["kv_indices"], t["kv_indptr"],
-                    t["batch_indices"], t["positions"], is_neox=self.is_neox,
-                    quantize_dtype=_torch_dtype(self.cache_dtype), quant_scale_q=self.scales[0],
-                    quant_scale_kv=self.scales[1], page_size=self.page_size,
-                    kv_layout=self.layout, q_rope_out=o["q_rope_out"],
-                    q_nope_out=o.get("q_nope_out"))
+                    t["q_rope"],
+                    t["k_rope"],
+                    t.get("q_nope"),
+                    t.get("k_nope"),
+                    t.get("v"),
+                    t["table"],
+                    t["pos_ids"],
+                    caches,
+                    t["kv_indices"],
+                    t["kv_indptr"],
+                    t["batch_indices"],
+                    t["positions"],
+                    is_neox=self.is_neox,
+                    quantize_dtype=_torch_dtype(self.cache_dtype),
+                    quant_scale_q=self.scales[0],
+                    quant_scale_kv=self.scales[1],
+                    page_size=self.page_size,
+                    kv_layout=self.layout,
+                    q_rope_out=o["q_rope_out"],
+                    q_nope_out=o.get("q_nope_out"),
+                )
+
             return fused, None
         if self.mla or t.get("q_nope") is not None:
             return None  # the two-launch path needs full-width rotary heads
@@ -195,8 +297,9 @@ class PagedWL(Workload):
         k = torch.empty_like(t["k_rope"])
         T = q.shape[0]
         seq = self.seq_len
-        last = torch.full((self.B,), (seq - 1) % self.page_size + 1, dtype=torch.int32,
-                          device=q.device)
+        last = torch.full(
+            (self.B,), (seq - 1) % self.page_size + 1, dtype=torch.int32, device=q.device
+        )
         head = q.shape[-1]
 
         def reset():
@@ -204,10 +307,21 @@ class PagedWL(Workload):
             k.copy_(t["k_rope"])
 
         def two_launches():
-            apply_rope_with_cos_sin_cache_inplace(t["pos_ids"], q.view(T, -1), k.view(T, -1),
-                                                  head, t["table"], is_neox=self.is_neox)
-            append_paged_kv_cache(k, t["v"], t["batch_indices"], t["positions"], caches,
-                                  t["kv_indices"], t["kv_indptr"], last, kv_layout=self.layout)
+            apply_rope_with_cos_sin_cache_inplace(
+                t["pos_ids"], q.view(T, -1), k.view(T, -1), head, t["table"], is_neox=self.is_neox
+            )
+            append_paged_kv_cache(
+                k,
+                t["v"],
+                t["batch_indices"],
+                t["positions"],
+                caches,
+                t["kv_indices"],
+                t["kv_indptr"],
+                last,
+                kv_layout=self.layout,
+            )
+
         return two_launches, reset
 
 
@@ -216,13 +330,26 @@ def _paged_gqa(B, S, dtype, cache, prefix=1024, q_dyn=False, kv_dyn=False, **ext
     quantized = cache in FP8 or np.dtype(cache) == np.int8
     qout = cache if quantized else dtype
     tag = (" dynamic q" if q_dyn else "") + (" kv scales" if kv_dyn else "")
-    return dict(op="paged", name=f"paged gqa {_dtname(dtype)}->{_dtname(cache)} {B}x{S}{tag}",
-                tokens=T,
-                nbytes=nbytes_of.rope_kv_bytes(T, 32, 8, 128, 128, dtype, qout, cache)
-                + nbytes_of.computed_scale_bytes(T, 32 if q_dyn else 0, 8 if kv_dyn else 0),
-                make=_lazy(PagedWL, B=B, S=S, prefix=prefix, dtype=dtype, cache_dtype=cache,
-                           q_dyn=q_dyn, kv_dyn=kv_dyn, **LLAMA),
-                decode=S == 1, **extra)
+    return dict(
+        op="paged",
+        name=f"paged gqa {_dtname(dtype)}->{_dtname(cache)} {B}x{S}{tag}",
+        tokens=T,
+        nbytes=nbytes_of.rope_kv_bytes(T, 32, 8, 128, 128, dtype, qout, cache)
+        + nbytes_of.computed_scale_bytes(T, 32 if q_dyn else 0, 8 if kv_dyn else 0),
+        make=_lazy(
+            PagedWL,
+            B=B,
+            S=S,
+            prefix=prefix,
+            dtype=dtype,
+            cache_dtype=cache,
+            q_dyn=q_dyn,
+            kv_dyn=kv_dyn,
+            **LLAMA,
+        ),
+        decode=S == 1,
+        **extra,
+    )
 
 
 def specs():
@@ -231,8 +358,13 @@ def specs():
     for dtype, cache in ((F16, E4M3), (F16, F16)):
         for B, S in shapes:
             headline = (B, S) in ((8, 1024), (64, 1))
-            out.append(CaseSpec(**_paged_gqa(B, S, dtype, cache, quick=headline and cache == E4M3,
-                                             compile=headline)))
+            out.append(
+                CaseSpec(
+                    **_paged_gqa(
+                        B, S, dtype, cache, quick=headline and cache == E4M3, compile=headline
+                    )
+                )
+            )
     # decode sweep of the fp16 -> fp16 case (fp16 -> e4m3 has the long sweep below)
     for T in DECODE_SWEEP:
         spec = CaseSpec(**_paged_gqa(T, 1, F16, F16))
@@ -262,29 +394,95 @@ def specs():
             next(s for s in out if s.name == spec.name).series = spec.series
     for B, S in ((8, 1024), (4, 2048), *((B, 1) for B in DECODE_SWEEP)):
         T = B * S
-        out.append(CaseSpec(
-            "paged", f"paged mla bf16->e4m3 {B}x{S}", T,
-            nbytes_of.paged_mla_bytes(T, 128, 512, 64, BF16, E4M3, E4M3),
-            _lazy(PagedWL, B=B, S=S, prefix=1024, Hq=128, mla=True, L=512, R=64, dtype=BF16,
-                  cache_dtype=E4M3, is_neox=False),
-            decode=S == 1, quick=(B, S) == (128, 1), compile=(B, S) in ((4, 2048), (128, 1)),
-            series="paged mla bf16->e4m3" if S == 1 else ""))
+        out.append(
+            CaseSpec(
+                "paged",
+                f"paged mla bf16->e4m3 {B}x{S}",
+                T,
+                nbytes_of.paged_mla_bytes(T, 128, 512, 64, BF16, E4M3, E4M3),
+                _lazy(
+                    PagedWL,
+                    B=B,
+                    S=S,
+                    prefix=1024,
+                    Hq=128,
+                    mla=True,
+                    L=512,
+                    R=64,
+                    dtype=BF16,
+                    cache_dtype=E4M3,
+                    is_neox=False,
+                ),
+                decode=S == 1,
+                quick=(B, S) == (128, 1),
+                compile=(B, S) in ((4, 2048), (128, 1)),
+                series="paged mla bf16->e4m3" if S == 1 else "",
+            )
+        )
     return out
 
 
 def check_cases(add):
     """``ropekv check``'s cases: ``add(op, name, workload class, **build arguments)``."""
-    for dtype, cache, layout, ps, idx in ((F16, E4M3, "NHD", 16, np.int32),
-                                          (BF16, E4M3, "HND", 32, np.int64),
-                                          (F16, F16, "NHD", 1, np.int32),
-                                          (BF16, BF16, "HND", 16, np.int64),
-                                          (F16, E5M2, "NHD", 128, np.int32)):
-        add("paged", f"gqa {_dtname(dtype)}->{_dtname(cache)} {layout} page {ps} "
-            f"{np.dtype(idx).name}", PagedWL, B=3, S=19, prefix=37, Hq=8, Hkv=2, D=128,
-            R=128 if cache != E5M2 else 64, dtype=dtype, cache_dtype=cache, page_size=ps,
-            layout=layout, index_dtype=idx, scales=(0.5, 2.0), spare_pages=5)
-    add("paged", "gqa fp16->e4m3 HND page 16 dynamic q, kv scales", PagedWL, B=3, S=19,
-        prefix=37, Hq=8, Hkv=2, D=128, R=64, dtype=F16, cache_dtype=E4M3, page_size=16,
-        layout="HND", spare_pages=5, q_dyn=True, kv_dyn=True)
-    add("paged", "mla bf16->e4m3 page 16", PagedWL, B=2, S=11, prefix=20, Hq=16, mla=True, L=512,
-        R=64, dtype=BF16, cache_dtype=E4M3, is_neox=False, scales=(1.0, 0.5), spare_pages=3)
+    for dtype, cache, layout, ps, idx in (
+        (F16, E4M3, "NHD", 16, np.int32),
+        (BF16, E4M3, "HND", 32, np.int64),
+        (F16, F16, "NHD", 1, np.int32),
+        (BF16, BF16, "HND", 16, np.int64),
+        (F16, E5M2, "NHD", 128, np.int32),
+    ):
+        add(
+            "paged",
+            f"gqa {_dtname(dtype)}->{_dtname(cache)} {layout} page {ps} {np.dtype(idx).name}",
+            PagedWL,
+            B=3,
+            S=19,
+            prefix=37,
+            Hq=8,
+            Hkv=2,
+            D=128,
+            R=128 if cache != E5M2 else 64,
+            dtype=dtype,
+            cache_dtype=cache,
+            page_size=ps,
+            layout=layout,
+            index_dtype=idx,
+            scales=(0.5, 2.0),
+            spare_pages=5,
+        )
+    add(
+        "paged",
+        "gqa fp16->e4m3 HND page 16 dynamic q, kv scales",
+        PagedWL,
+        B=3,
+        S=19,
+        prefix=37,
+        Hq=8,
+        Hkv=2,
+        D=128,
+        R=64,
+        dtype=F16,
+        cache_dtype=E4M3,
+        page_size=16,
+        layout="HND",
+        spare_pages=5,
+        q_dyn=True,
+        kv_dyn=True,
+    )
+    add(
+        "paged",
+        "mla bf16->e4m3 page 16",
+        PagedWL,
+        B=2,
+        S=11,
+        prefix=20,
+        Hq=16,
+        mla=True,
+        L=512,
+        R=64,
+        dtype=BF16,
+        cache_dtype=E4M3,
+        is_neox=False,
+        scales=(1.0, 0.5),
+        spare_pages=3,
+    )

@@ -32,9 +32,27 @@ class QknormWL(_RaggedMixin, Workload):
     op = "qknorm"
     OUTPUTS = ("q_out", "k_cache", "v_cache", "q_scale_out", "k_scales", "v_scales")
 
-    def build(self, B, S, prefix, Hq, Hkv, D, dtype, cache_dtype, page_size=16, layout="NHD",
-              is_neox=True, kv_scale=None, eps=1e-6, packed=False, gamma_dtype=None,
-              q_out_dtype=None, q_dynamic=False, kv_dynamic=False):
+    def build(
+        self,
+        B,
+        S,
+        prefix,
+        Hq,
+        Hkv,
+        D,
+        dtype,
+        cache_dtype,
+        page_size=16,
+        layout="NHD",
+        is_neox=True,
+        kv_scale=None,
+        eps=1e-6,
+        packed=False,
+        gamma_dtype=None,
+        q_out_dtype=None,
+        q_dynamic=False,
+        kv_dynamic=False,
+    ):
         """``packed``: q, k, v are views of one (T, Hq + 2 Hkv, D) projection output ``qkv``, as
         engines (and the Cake kernels) hold them; ``gamma_dtype``: that of the RMSNorm weights
         (default the input dtype); ``q_out_dtype``: q's output dtype (fp8: static scale 1.0, or
@@ -54,8 +72,8 @@ class QknormWL(_RaggedMixin, Workload):
         if packed:
             qkv = g.randn((T, Hq + 2 * Hkv, D), dtype)
             self.a["qkv"] = qkv
-            self.a["q"], self.a["k"] = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv]
-            self.a["v"] = qkv[:, Hq + Hkv:]
+            self.a["q"], self.a["k"] = qkv[:, :Hq], qkv[:, Hq : Hq + Hkv]
+            self.a["v"] = qkv[:, Hq + Hkv :]
         else:
             self.a["q"] = g.randn((T, Hq, D), dtype)
             self.a["k"] = g.randn((T, Hkv, D), dtype)
@@ -68,8 +86,9 @@ class QknormWL(_RaggedMixin, Workload):
         self.a["seq_lens"] = g.put(np.full(B, seq, np.int32))
         self.a["table"] = g.put(_cos_sin(seq, D))
         self.a["q_out"] = g.zeros((T, Hq, D), self.q_out_dtype)
-        shape = ((num_pages, page_size, Hkv, D) if layout == "NHD"
-                 else (num_pages, Hkv, page_size, D))
+        shape = (
+            (num_pages, page_size, Hkv, D) if layout == "NHD" else (num_pages, Hkv, page_size, D)
+        )
         self.a["k_cache"] = g.cache(shape, cache_dtype, self.poison)
         self.a["v_cache"] = g.cache(shape, cache_dtype, self.poison)
         if q_dynamic:
@@ -78,11 +97,19 @@ class QknormWL(_RaggedMixin, Workload):
             self.a["k_scales"] = g.zeros(shape[:3], np.float32)
             self.a["v_scales"] = g.zeros(shape[:3], np.float32)
         tok = self._sample_tokens(T)
-        rows = ((self.page[tok], self.entry[tok]) if layout == "NHD"
-                else (self.page[tok], slice(None), self.entry[tok]))
-        self.sample = {"q_out": ("q_out", (tok,)), "k_rows": ("k_cache", rows),
-                       "v_rows": ("v_cache", rows), "q_scale": ("q_scale_out", (tok,)),
-                       "k_scale_rows": ("k_scales", rows), "v_scale_rows": ("v_scales", rows)}
+        rows = (
+            (self.page[tok], self.entry[tok])
+            if layout == "NHD"
+            else (self.page[tok], slice(None), self.entry[tok])
+        )
+        self.sample = {
+            "q_out": ("q_out", (tok,)),
+            "k_rows": ("k_cache", rows),
+            "v_rows": ("v_cache", rows),
+            "q_scale": ("q_scale_out", (tok,)),
+            "k_scale_rows": ("k_scales", rows),
+            "v_scale_rows": ("v_scales", rows),
+        }
 
     def call(self, o, **options):
         a = self.a
@@ -93,10 +120,21 @@ class QknormWL(_RaggedMixin, Workload):
             kw["kv_cache_scales"] = (o["k_scales"], o["v_scales"])
         kw.update(options)
         return _fn("qk_rmsnorm_rope_append_paged_kv_cache")(
-            a["q"], a["k"], a["v"], a["q_gamma"], a["k_gamma"], a["table"],
-            a["input_row_offsets"], a["cache_lengths"], a["block_table"],
-            (o["k_cache"], o["v_cache"]), epsilon=self.eps, is_neox=self.is_neox,
-            kv_layout=self.layout, **kw)
+            a["q"],
+            a["k"],
+            a["v"],
+            a["q_gamma"],
+            a["k_gamma"],
+            a["table"],
+            a["input_row_offsets"],
+            a["cache_lengths"],
+            a["block_table"],
+            (o["k_cache"], o["v_cache"]),
+            epsilon=self.eps,
+            is_neox=self.is_neox,
+            kv_layout=self.layout,
+            **kw,
+        )
 
     def options(self):
         """``ropekv bench --options``: on fp8 caches with static scales and a 16-bit q, the
@@ -108,11 +146,23 @@ class QknormWL(_RaggedMixin, Workload):
         T, Hq, D = self.T, self.Hq, self.D
         shape = self.a["k_cache"].shape[:3]
         return {
-            "dynamic q": ({"q_out": self.g.zeros((T, Hq, D), E4M3),
-                           "q_scale_out": self.g.zeros((T, Hq), np.float32)}, False),
-            "kv scales": ({"kv_scale": None,
-                           "kv_cache_scales": (self.g.zeros(shape, np.float32),
-                                               self.g.zeros(shape, np.float32))}, False),
+            "dynamic q": (
+                {
+                    "q_out": self.g.zeros((T, Hq, D), E4M3),
+                    "q_scale_out": self.g.zeros((T, Hq), np.float32),
+                },
+                False,
+            ),
+            "kv scales": (
+                {
+                    "kv_scale": None,
+                    "kv_cache_scales": (
+                        self.g.zeros(shape, np.float32),
+                        self.g.zeros(shape, np.float32),
+                    ),
+                },
+                False,
+            ),
         }
 
     def torch_fn(self, t, o):
@@ -125,7 +175,7 @@ class QknormWL(_RaggedMixin, Workload):
         def fn(q, k, v, qg, kg, table, offsets, lens, block_table, b, kc, vc, q_out):
             p, page, entry = _torch_ragged_addr(offsets, lens, block_table, b, ps)
             cs = table[p]
-            cos, sin = cs[:, None, :D // 2], cs[:, None, D // 2:]
+            cos, sin = cs[:, None, : D // 2], cs[:, None, D // 2 :]
             q_out.copy_(_trope(_trms(q.float(), qg, eps), cos, sin, neox).to(q_out.dtype))
             kq = _tcast(_trope(_trms(k.float(), kg, eps), cos, sin, neox) / scale, kc.dtype)
             vq = _tcast(v.float() / scale, vc.dtype)
@@ -134,9 +184,21 @@ class QknormWL(_RaggedMixin, Workload):
             else:
                 kc[page, :, entry], vc[page, :, entry] = kq, vq
 
-        return fn, (t["q"], t["k"], t["v"], t["q_gamma"], t["k_gamma"], t["table"],
-                    t["input_row_offsets"], t["cache_lengths"], t["block_table"],
-                    t["token_batch"], o["k_cache"], o["v_cache"], o["q_out"])
+        return fn, (
+            t["q"],
+            t["k"],
+            t["v"],
+            t["q_gamma"],
+            t["k_gamma"],
+            t["table"],
+            t["input_row_offsets"],
+            t["cache_lengths"],
+            t["block_table"],
+            t["token_batch"],
+            o["k_cache"],
+            o["v_cache"],
+            o["q_out"],
+        )
 
     def flashinfer_cake_fn(self, t, o, po):
         """FlashInfer 0.7.2's Cake kernels on the same packed qkv (heads (64, 8) or (8, 1), D 128,
@@ -145,10 +207,18 @@ class QknormWL(_RaggedMixin, Workload):
         kernel writes q as e4m3 (static scale 1.0), compared with ropekv's q rounded to e4m3, or
         with ``q_dynamic`` with dynamic scales (``quant_policy=1``), compared with ropekv's e4m3
         q and its scales (Cake's prefill layout mapped onto ropekv's (T, Hq))."""
-        if not (self.packed and self.gamma_f32 and self.is_neox and self.layout == "NHD"
-                and self.D == 128 and (self.Hq, self.Hkv) in ((64, 8), (8, 1))
-                and self.dtype == BF16 and self.cache_dtype in (BF16, E4M3)
-                and not self.kv_dynamic and (not self.quant or self.q_dynamic)):
+        if not (
+            self.packed
+            and self.gamma_f32
+            and self.is_neox
+            and self.layout == "NHD"
+            and self.D == 128
+            and (self.Hq, self.Hkv) in ((64, 8), (8, 1))
+            and self.dtype == BF16
+            and self.cache_dtype in (BF16, E4M3)
+            and not self.kv_dynamic
+            and (not self.quant or self.q_dynamic)
+        ):
             return None
         if self.q_dynamic:
             return self._cake_dynamic(t, o, po)
@@ -163,9 +233,19 @@ class QknormWL(_RaggedMixin, Workload):
             )
 
             def bf16():
-                cake(*common, o["k_cache"], o["v_cache"], num_q_heads=Hq, num_kv_heads=self.Hkv,
-                     qk_norm_policy=2, eps=self.eps, out_q=o["q_out"],
-                     clear_unused_last_page_rows=False, **weights)
+                cake(
+                    *common,
+                    o["k_cache"],
+                    o["v_cache"],
+                    num_q_heads=Hq,
+                    num_kv_heads=self.Hkv,
+                    qk_norm_policy=2,
+                    eps=self.eps,
+                    out_q=o["q_out"],
+                    clear_unused_last_page_rows=False,
+                    **weights,
+                )
+
             return bf16, functools.partial(self.outputs, po), None
         from flashinfer.cake_fused_qk_rope_fp8_append import (
             cake_fused_qk_rmsnorm_rope_quantize_fp8_append_paged_kv_cache as cake,
@@ -179,9 +259,20 @@ class QknormWL(_RaggedMixin, Workload):
         flag = torch.empty((self.B, self.Hkv), dtype=torch.int32, device=dev)
 
         def fp8():
-            cake(*common, (o["k_cache"], o["v_cache"]), is_prefill=self.S > 1, k_scale=scale,
-                 v_scale=scale, quant_policy=2, q_scale_inv=q_scale_inv, qk_norm_policy=2,
-                 out_q=out_q, q_scale=q_scale, split_k_flag=flag, **weights)
+            cake(
+                *common,
+                (o["k_cache"], o["v_cache"]),
+                is_prefill=self.S > 1,
+                k_scale=scale,
+                v_scale=scale,
+                quant_policy=2,
+                q_scale_inv=q_scale_inv,
+                qk_norm_policy=2,
+                out_q=out_q,
+                q_scale=q_scale,
+                split_k_flag=flag,
+                **weights,
+            )
 
         tok = self.sample["q_out"][1][0]
 
@@ -215,11 +306,25 @@ class QknormWL(_RaggedMixin, Workload):
         scale = torch.ones(1, dtype=torch.float32, device=dev)
 
         def fp8():
-            cake(qkv, t["table"], t["seq_lens"], t["input_row_offsets"], t["block_table"],
-                 (o["k_cache"], o["v_cache"]), is_prefill=prefill, k_scale=scale,
-                 v_scale=scale, quant_policy=1, max_seqlen=S, qk_norm_policy=2,
-                 q_norm_weight=t["q_gamma"], k_norm_weight=t["k_gamma"], out_q=o["q_out"],
-                 q_scale=q_scale, split_k_flag=flag)
+            cake(
+                qkv,
+                t["table"],
+                t["seq_lens"],
+                t["input_row_offsets"],
+                t["block_table"],
+                (o["k_cache"], o["v_cache"]),
+                is_prefill=prefill,
+                k_scale=scale,
+                v_scale=scale,
+                quant_policy=1,
+                max_seqlen=S,
+                qk_norm_policy=2,
+                q_norm_weight=t["q_gamma"],
+                k_norm_weight=t["k_gamma"],
+                out_q=o["q_out"],
+                q_scale=q_scale,
+                split_k_flag=flag,
+            )
 
         tok = self.sample["q_out"][1][0]
 
@@ -237,55 +342,147 @@ def specs():
     out = []
     for B, S, cache in ((8, 1024, BF16), (8, 1024, E4M3), (64, 1, E4M3)):
         T = B * S
-        out.append(CaseSpec(
-            "qknorm", f"qknorm bf16->{_dtname(cache)} {B}x{S}", T,
-            nbytes_of.qknorm_bytes(T, 32, 8, 128, 128, BF16, cache),
-            _lazy(QknormWL, B=B, S=S, prefix=1024, dtype=BF16, cache_dtype=cache, **QWEN3),
-            decode=S == 1, quick=S == 1, compile=cache == E4M3))
+        out.append(
+            CaseSpec(
+                "qknorm",
+                f"qknorm bf16->{_dtname(cache)} {B}x{S}",
+                T,
+                nbytes_of.qknorm_bytes(T, 32, 8, 128, 128, BF16, cache),
+                _lazy(QknormWL, B=B, S=S, prefix=1024, dtype=BF16, cache_dtype=cache, **QWEN3),
+                decode=S == 1,
+                quick=S == 1,
+                compile=cache == E4M3,
+            )
+        )
     # Qwen3-32B heads on one packed qkv with float32 weights: the Cake kernels' shapes
     for cache in (BF16, E4M3):
         series = f"qknorm qwen3-32b bf16->{_dtname(cache)}"
         for B, S in ((8, 1024), *((B, 1) for B in DECODE_SWEEP)):
             T = B * S
-            out.append(CaseSpec(
-                "qknorm", f"{series} {B}x{S}", T,
-                nbytes_of.qknorm_bytes(T, 64, 8, 128, 128, BF16, cache),
-                _lazy(QknormWL, B=B, S=S, prefix=1024, dtype=BF16, cache_dtype=cache,
-                      packed=True, gamma_dtype=np.float32, **QWEN3_32B),
-                decode=S == 1, series=series if S == 1 else ""))
+            out.append(
+                CaseSpec(
+                    "qknorm",
+                    f"{series} {B}x{S}",
+                    T,
+                    nbytes_of.qknorm_bytes(T, 64, 8, 128, 128, BF16, cache),
+                    _lazy(
+                        QknormWL,
+                        B=B,
+                        S=S,
+                        prefix=1024,
+                        dtype=BF16,
+                        cache_dtype=cache,
+                        packed=True,
+                        gamma_dtype=np.float32,
+                        **QWEN3_32B,
+                    ),
+                    decode=S == 1,
+                    series=series if S == 1 else "",
+                )
+            )
     # fp8 q with dynamic per-token-per-head scales (the Cake fp8 kernel's quant_policy=1), e4m3
     # cache with a static scale; per-token-head KV scales (against the static-scale rows above)
     series = "qknorm qwen3-32b bf16->e4m3 q e4m3 dynamic"
     for B, S in ((8, 1024), *((B, 1) for B in DECODE_SWEEP)):
         T = B * S
-        out.append(CaseSpec(
-            "qknorm", f"{series} {B}x{S}", T,
-            nbytes_of.qknorm_bytes(T, 64, 8, 128, 128, BF16, E4M3, q_out_dtype=E4M3,
-                                   q_scales=True),
-            _lazy(QknormWL, B=B, S=S, prefix=1024, dtype=BF16, cache_dtype=E4M3, packed=True,
-                  gamma_dtype=np.float32, q_out_dtype=E4M3, q_dynamic=True, **QWEN3_32B),
-            decode=S == 1, series=series if S == 1 else ""))
+        out.append(
+            CaseSpec(
+                "qknorm",
+                f"{series} {B}x{S}",
+                T,
+                nbytes_of.qknorm_bytes(
+                    T, 64, 8, 128, 128, BF16, E4M3, q_out_dtype=E4M3, q_scales=True
+                ),
+                _lazy(
+                    QknormWL,
+                    B=B,
+                    S=S,
+                    prefix=1024,
+                    dtype=BF16,
+                    cache_dtype=E4M3,
+                    packed=True,
+                    gamma_dtype=np.float32,
+                    q_out_dtype=E4M3,
+                    q_dynamic=True,
+                    **QWEN3_32B,
+                ),
+                decode=S == 1,
+                series=series if S == 1 else "",
+            )
+        )
     for B, S in ((8, 1024), (64, 1)):
         T = B * S
-        out.append(CaseSpec(
-            "qknorm", f"qknorm qwen3-32b bf16->e4m3 kv scales per token-head {B}x{S}", T,
-            nbytes_of.qknorm_bytes(T, 64, 8, 128, 128, BF16, E4M3, kv_scales=True),
-            _lazy(QknormWL, B=B, S=S, prefix=1024, dtype=BF16, cache_dtype=E4M3, packed=True,
-                  gamma_dtype=np.float32, kv_dynamic=True, **QWEN3_32B),
-            decode=S == 1))
+        out.append(
+            CaseSpec(
+                "qknorm",
+                f"qknorm qwen3-32b bf16->e4m3 kv scales per token-head {B}x{S}",
+                T,
+                nbytes_of.qknorm_bytes(T, 64, 8, 128, 128, BF16, E4M3, kv_scales=True),
+                _lazy(
+                    QknormWL,
+                    B=B,
+                    S=S,
+                    prefix=1024,
+                    dtype=BF16,
+                    cache_dtype=E4M3,
+                    packed=True,
+                    gamma_dtype=np.float32,
+                    kv_dynamic=True,
+                    **QWEN3_32B,
+                ),
+                decode=S == 1,
+            )
+        )
     return out
 
 
 def check_cases(add):
     """``ropekv check``'s cases: ``add(op, name, workload class, **build arguments)``."""
     for cache, layout in ((BF16, "NHD"), (E4M3, "HND")):
-        add("qknorm", f"bf16->{_dtname(cache)} {layout}", QknormWL, B=3, S=9, prefix=30, Hq=16,
-            Hkv=4, D=128, dtype=BF16, cache_dtype=cache, layout=layout,
-            kv_scale=0.5 if cache in FP8 else None)
+        add(
+            "qknorm",
+            f"bf16->{_dtname(cache)} {layout}",
+            QknormWL,
+            B=3,
+            S=9,
+            prefix=30,
+            Hq=16,
+            Hkv=4,
+            D=128,
+            dtype=BF16,
+            cache_dtype=cache,
+            layout=layout,
+            kv_scale=0.5 if cache in FP8 else None,
+        )
     # quantized outputs: dynamic fp8 q; per-token-head KV scales (fp8 codes compare as adjacent,
     # int8 codes exactly, so the check takes e5m2)
-    add("qknorm", "bf16->e4m3 q e4m3 dynamic NHD", QknormWL, B=3, S=9, prefix=30, Hq=16, Hkv=4,
-        D=128, dtype=BF16, cache_dtype=E4M3, q_out_dtype=E4M3, q_dynamic=True)
-    add("qknorm", "bf16->e5m2 kv scales per token-head HND", QknormWL, B=3, S=9, prefix=30,
-        Hq=16, Hkv=4, D=128, dtype=BF16, cache_dtype=np.dtype("float8_e5m2"), layout="HND",
-        kv_dynamic=True)
+    add(
+        "qknorm",
+        "bf16->e4m3 q e4m3 dynamic NHD",
+        QknormWL,
+        B=3,
+        S=9,
+        prefix=30,
+        Hq=16,
+        Hkv=4,
+        D=128,
+        dtype=BF16,
+        cache_dtype=E4M3,
+        q_out_dtype=E4M3,
+        q_dynamic=True,
+    )
+    add(
+        "qknorm",
+        "bf16->e5m2 kv scales per token-head HND",
+        QknormWL,
+        B=3,
+        S=9,
+        prefix=30,
+        Hq=16,
+        Hkv=4,
+        D=128,
+        dtype=BF16,
+        cache_dtype=np.dtype("float8_e5m2"),
+        layout="HND",
+        kv_dynamic=True,
+    )

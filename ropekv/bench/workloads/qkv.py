@@ -32,8 +32,25 @@ class QkvWL(_RaggedMixin, Workload):
     compare_mode = "gemm"
     OUTPUTS = ("q_out", "k_cache", "v_cache")
 
-    def build(self, B, S, prefix, K, Hq, Hkv, D, dtype, cache_dtype, page_size=16, layout="NHD",
-              rope=True, kv_scale=None, weight_format="dense", group_size=128, copies=1):
+    def build(
+        self,
+        B,
+        S,
+        prefix,
+        K,
+        Hq,
+        Hkv,
+        D,
+        dtype,
+        cache_dtype,
+        page_size=16,
+        layout="NHD",
+        rope=True,
+        kv_scale=None,
+        weight_format="dense",
+        group_size=128,
+        copies=1,
+    ):
         """``weight_format``: "dense" (the input dtype), "e4m3" (float8_e4m3fn codes with float32
         per-row scales) or "int4" (two 4-bit values per byte, ``group_size`` columns per scale in
         the input dtype, zero point 8); quantized weights also keep ``weight_ref``, the dequantized
@@ -50,25 +67,37 @@ class QkvWL(_RaggedMixin, Workload):
         self.a["hidden"] = g.randn((T, K), dtype)
         self.weight_format, self.group_size = weight_format, group_size
         self._weights(N, K, dtype, weight_format, group_size)
-        self.weight_copies = [self.a["weight"]] + [_copy(self.a["weight"])
-                                                   for _ in range(copies - 1)]
+        self.weight_copies = [self.a["weight"]] + [
+            _copy(self.a["weight"]) for _ in range(copies - 1)
+        ]
         self.turn = 0
         self.a["table"] = g.put(_cos_sin(seq, D)) if rope else None
         self.a["q_out"] = g.zeros((T, Hq * D), dtype)
-        shape = ((num_pages, page_size, Hkv, D) if layout == "NHD"
-                 else (num_pages, Hkv, page_size, D))
+        shape = (
+            (num_pages, page_size, Hkv, D) if layout == "NHD" else (num_pages, Hkv, page_size, D)
+        )
         self.a["k_cache"] = g.cache(shape, cache_dtype, self.poison)
         self.a["v_cache"] = g.cache(shape, cache_dtype, self.poison)
         # for cuBLAS + ropekv's paged append: the block table as FlashInfer-style indices
         bt = to_numpy(self.a["block_table"])
-        for name, v in (("kv_indices", bt.ravel()), ("kv_indptr", np.arange(B + 1) * self.per),
-                        ("batch_indices", self.batch), ("positions", self.positions)):
+        for name, v in (
+            ("kv_indices", bt.ravel()),
+            ("kv_indptr", np.arange(B + 1) * self.per),
+            ("batch_indices", self.batch),
+            ("positions", self.positions),
+        ):
             self.a[name] = g.put(np.asarray(v, np.int32))
         tok = self._sample_tokens(T)
-        rows = ((self.page[tok], self.entry[tok]) if layout == "NHD"
-                else (self.page[tok], slice(None), self.entry[tok]))
-        self.sample = {"q_out": ("q_out", (tok,)), "k_rows": ("k_cache", rows),
-                       "v_rows": ("v_cache", rows)}
+        rows = (
+            (self.page[tok], self.entry[tok])
+            if layout == "NHD"
+            else (self.page[tok], slice(None), self.entry[tok])
+        )
+        self.sample = {
+            "q_out": ("q_out", (tok,)),
+            "k_rows": ("k_cache", rows),
+            "v_rows": ("v_cache", rows),
+        }
         self.tok = tok
 
     def _weights(self, N, K, dtype, fmt, group_size):
@@ -109,19 +138,37 @@ class QkvWL(_RaggedMixin, Workload):
         if len(self.weight_copies) > 1 and weight is self.weight_copies[0]:
             weight = self.weight_copies[self.turn % len(self.weight_copies)]
             self.turn += 1
-        kw = {} if self.weight_format == "dense" else {
-            "weight_scales": a["weight_scales"],
-            "group_size": self.group_size if self.weight_format == "int4" else None}
+        kw = (
+            {}
+            if self.weight_format == "dense"
+            else {
+                "weight_scales": a["weight_scales"],
+                "group_size": self.group_size if self.weight_format == "int4" else None,
+            }
+        )
         return _fn("fused_qkv_matmul_append_paged_kv_cache")(
-            a["hidden"], weight, a["input_row_offsets"], a["cache_lengths"],
-            a["block_table"], (o["k_cache"], o["v_cache"]), num_q_heads=self.Hq,
-            cos_sin_cache=a["table"], is_neox=True, kv_layout=self.layout,
-            kv_scale=self.kv_scale, out=o["q_out"], **kw, **options)
+            a["hidden"],
+            weight,
+            a["input_row_offsets"],
+            a["cache_lengths"],
+            a["block_table"],
+            (o["k_cache"], o["v_cache"]),
+            num_q_heads=self.Hq,
+            cos_sin_cache=a["table"],
+            is_neox=True,
+            kv_layout=self.layout,
+            kv_scale=self.kv_scale,
+            out=o["q_out"],
+            **kw,
+            **options,
+        )
 
     def options(self):
         # neither changes the sampled rows: the tail cleared lies past each request's new rows
-        return {"status": ({"status": self.g.zeros((1,), np.int32)}, True),
-                "clear": ({"clear_unused_last_page_rows": True}, True)}
+        return {
+            "status": ({"status": self.g.zeros((1,), np.int32)}, True),
+            "clear": ({"clear_unused_last_page_rows": True}, True),
+        }
 
     def torch_fn(self, t, o):
         torch = _torch()
@@ -134,12 +181,12 @@ class QkvWL(_RaggedMixin, Workload):
             p, page, entry = _torch_ragged_addr(offsets, lens, block_table, b, ps)
             x = torch.matmul(hidden, weight.t()).float()
             T = x.shape[0]
-            q = x[:, :Hq * D].view(T, Hq, D)
-            k = x[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
-            v = x[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+            q = x[:, : Hq * D].view(T, Hq, D)
+            k = x[:, Hq * D : (Hq + Hkv) * D].view(T, Hkv, D)
+            v = x[:, (Hq + Hkv) * D :].view(T, Hkv, D)
             if rope:
                 cs = table[p]
-                cos, sin = cs[:, None, :D // 2], cs[:, None, D // 2:]
+                cos, sin = cs[:, None, : D // 2], cs[:, None, D // 2 :]
                 q, k = _trope(q, cos, sin, True), _trope(k, cos, sin, True)
             q_out.copy_(q.reshape(T, Hq * D).to(q_out.dtype))
             kq, vq = _tcast(k / scale, kc.dtype), _tcast(v / scale, vc.dtype)
@@ -149,9 +196,18 @@ class QkvWL(_RaggedMixin, Workload):
                 kc[page, :, entry], vc[page, :, entry] = kq, vq
 
         weight = t["weight_ref"] if t.get("weight_ref") is not None else t["weight"]
-        return fn, (t["hidden"], weight, t.get("table"), t["input_row_offsets"],
-                    t["cache_lengths"], t["block_table"], t["token_batch"], o["k_cache"],
-                    o["v_cache"], o["q_out"])
+        return fn, (
+            t["hidden"],
+            weight,
+            t.get("table"),
+            t["input_row_offsets"],
+            t["cache_lengths"],
+            t["block_table"],
+            t["token_batch"],
+            o["k_cache"],
+            o["v_cache"],
+            o["q_out"],
+        )
 
     def cublas_peers(self):
         """'cublas': the projection alone, with fp16 weights (the dequantized ones for quantized
@@ -168,7 +224,7 @@ class QkvWL(_RaggedMixin, Workload):
             cupy.matmul(a["hidden"], weight.T, out=tmp)
 
         def gemm_outputs():
-            v = tmp[cupy.asarray(tok), (Hq + Hkv) * D:].reshape(len(tok), Hkv, D)
+            v = tmp[cupy.asarray(tok), (Hq + Hkv) * D :].reshape(len(tok), Hkv, D)
             return {"v_rows": to_numpy(v)} if not self.fp8 else {}
 
         peers = {"cublas": (gemm, gemm_outputs, None)}
@@ -183,10 +239,24 @@ class QkvWL(_RaggedMixin, Workload):
 
         def gemm_append():
             cupy.matmul(a["hidden"], weight.T, out=tmp)
-            fn(view[:, :Hq], view[:, Hq:Hq + Hkv], None, None, view[:, Hq + Hkv:], a["table"],
-               a["positions"], (o["k_cache"], o["v_cache"]), a["kv_indices"], a["kv_indptr"],
-               a["batch_indices"], a["positions"], is_neox=True, page_size=self.page_size,
-               kv_layout=self.layout, q_rope_out=q3)
+            fn(
+                view[:, :Hq],
+                view[:, Hq : Hq + Hkv],
+                None,
+                None,
+                view[:, Hq + Hkv :],
+                a["table"],
+                a["positions"],
+                (o["k_cache"], o["v_cache"]),
+                a["kv_indices"],
+                a["kv_indptr"],
+                a["batch_indices"],
+                a["positions"],
+                is_neox=True,
+                page_size=self.page_size,
+                kv_layout=self.layout,
+                q_rope_out=q3,
+            )
 
         peers["cublas+ropekv"] = (gemm_append, lambda: self.outputs(o), o)
         return peers
@@ -210,34 +280,85 @@ def specs():
     weights at 1, 16, 64 and 128 tokens; Llama-3-8B's projection (K 4096, N 6144)."""
     out = []
     K, N = 4096, 6144
-    for fmt, tokens in (("dense", (8192, *DECODE_SWEEP)), ("e4m3", (1, 16, 64, 128)),
-                        ("int4", (1, 16, 64, 128))):
+    for fmt, tokens in (
+        ("dense", (8192, *DECODE_SWEEP)),
+        ("e4m3", (1, 16, 64, 128)),
+        ("int4", (1, 16, 64, 128)),
+    ):
         label = {"dense": "fp16", "e4m3": "fp8w", "int4": "int4w"}[fmt]
         wb = weight_bytes(N, K, fmt)
         for T in tokens:
             B, S = (8, 1024) if T == 8192 else (T, 1)
             decode = S == 1
             nbytes = nbytes_of.qkv_bytes(T, K, 32, 8, 128, F16, F16, rotary_dim=128)
-            out.append(CaseSpec(
-                "qkv", f"qkv {label} K4096 N6144 T{T}", T, nbytes - N * K * 2 + wb,
-                _lazy(QkvWL, B=B, S=S, prefix=1024, K=K, dtype=F16, cache_dtype=F16,
-                      weight_format=fmt, copies=-(-L2_ROTATE_BYTES // wb) if decode else 1,
-                      **LLAMA),
-                decode=decode, quick=T == 16, compile=fmt == "dense" and T in (8192, 64),
-                flops=nbytes_of.qkv_flops(T, K, 32, 8, 128),
-                series=f"qkv {label} K4096 N6144" if decode else "", weight_bytes=wb,
-                weight_format=WEIGHT_FORMATS[fmt]))
+            out.append(
+                CaseSpec(
+                    "qkv",
+                    f"qkv {label} K4096 N6144 T{T}",
+                    T,
+                    nbytes - N * K * 2 + wb,
+                    _lazy(
+                        QkvWL,
+                        B=B,
+                        S=S,
+                        prefix=1024,
+                        K=K,
+                        dtype=F16,
+                        cache_dtype=F16,
+                        weight_format=fmt,
+                        copies=-(-L2_ROTATE_BYTES // wb) if decode else 1,
+                        **LLAMA,
+                    ),
+                    decode=decode,
+                    quick=T == 16,
+                    compile=fmt == "dense" and T in (8192, 64),
+                    flops=nbytes_of.qkv_flops(T, K, 32, 8, 128),
+                    series=f"qkv {label} K4096 N6144" if decode else "",
+                    weight_bytes=wb,
+                    weight_format=WEIGHT_FORMATS[fmt],
+                )
+            )
     return out
 
 
 def check_cases(add):
     """``ropekv check``'s cases: ``add(op, name, workload class, **build arguments)``."""
     for B, S, rope, layout in ((1, 7, True, "NHD"), (1, 1, False, "HND"), (3, 43, True, "HND")):
-        add("qkv", f"fp16 K4096 {B}x{S} {'rope ' if rope else ''}{layout}", QkvWL, B=B, S=S,
-            prefix=5, K=4096, Hq=32, Hkv=8, D=128, dtype=F16, cache_dtype=F16, layout=layout,
-            rope=rope)
-    for fmt, B, S, layout in (("e4m3", 1, 1, "NHD"), ("e4m3", 3, 43, "HND"), ("int4", 2, 1, "HND"),
-                              ("int4", 3, 43, "NHD")):
-        add("qkv", f"{WEIGHT_FORMATS[fmt]} weights K4096 {B}x{S} rope {layout}", QkvWL, B=B, S=S,
-            prefix=5, K=4096, Hq=8, Hkv=2, D=128, dtype=F16, cache_dtype=F16, layout=layout,
-            weight_format=fmt)
+        add(
+            "qkv",
+            f"fp16 K4096 {B}x{S} {'rope ' if rope else ''}{layout}",
+            QkvWL,
+            B=B,
+            S=S,
+            prefix=5,
+            K=4096,
+            Hq=32,
+            Hkv=8,
+            D=128,
+            dtype=F16,
+            cache_dtype=F16,
+            layout=layout,
+            rope=rope,
+        )
+    for fmt, B, S, layout in (
+        ("e4m3", 1, 1, "NHD"),
+        ("e4m3", 3, 43, "HND"),
+        ("int4", 2, 1, "HND"),
+        ("int4", 3, 43, "NHD"),
+    ):
+        add(
+            "qkv",
+            f"{WEIGHT_FORMATS[fmt]} weights K4096 {B}x{S} rope {layout}",
+            QkvWL,
+            B=B,
+            S=S,
+            prefix=5,
+            K=4096,
+            Hq=8,
+            Hkv=2,
+            D=128,
+            dtype=F16,
+            cache_dtype=F16,
+            layout=layout,
+            weight_format=fmt,
+        )
