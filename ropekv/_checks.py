@@ -10,11 +10,11 @@ from __future__ import annotations
 import ctypes
 import math
 import numbers
-import os
 
 import numpy as np
 
 from ropekv._arrays import FLOAT32, FP8_DTYPES, HOST, INT32, UINT32, as_view
+from ropekv._env import _KNOWN, _key, _raw_get, fast_flag
 
 INT8 = np.dtype(np.int8)
 SCALED_CACHE_DTYPES = (*FP8_DTYPES, INT8)  # caches that may carry per-token-head scales
@@ -84,7 +84,7 @@ def check_writable(view):
         raise BufferError(
             f"{view.name} is written in place but its producer exported it read-only (or as a copy)"
         )
-    if view.legacy and os.environ.get("ROPEKV_ALLOW_LEGACY_DLPACK_WRITES", "") in ("", "0"):
+    if view.legacy and not _allow_legacy_writes():
         raise BufferError(
             f"{view.name} is written in place but came through a legacy (unversioned) DLPack "
             f"capsule, which cannot say whether the memory may be written (JAX arrays, for one, "
@@ -413,26 +413,15 @@ def views(stream_ptr, **arrays):
 
 def check_indices_enabled():
     """``ROPEKV_CHECK_INDICES=1``: check index arrays on the host before launching."""
-    return _env_get(_CHECK_INDICES_KEY, _EMPTY) not in _OFF
+    return _check_indices()
 
 
-# os.environ read without its per-call key encoding and value decoding (its raw table stays in
-# step with os.environ, monkeypatch.setenv included)
-_environ_data = getattr(os.environ, "_data", None)
-if isinstance(_environ_data, dict) and isinstance(next(iter(_environ_data), b""), bytes):
-    _env_get, _CHECK_INDICES_KEY, _EMPTY, _OFF = (
-        _environ_data.get,
-        b"ROPEKV_CHECK_INDICES",
-        b"",
-        (b"", b"0"),
-    )
-else:  # another platform's os.environ
-    _env_get, _CHECK_INDICES_KEY, _EMPTY, _OFF = (
-        os.environ.get,
-        "ROPEKV_CHECK_INDICES",
-        "",
-        ("", "0"),
-    )
+_check_indices = fast_flag("ROPEKV_CHECK_INDICES")
+_allow_legacy_writes = fast_flag("ROPEKV_ALLOW_LEGACY_DLPACK_WRITES")
+# _launch's replay skips the check on its fast path when the raw value is one of these (off)
+# spellings; any other value goes through check_indices_enabled (on, or a ValueError)
+_env_get, _CHECK_INDICES_KEY, _EMPTY = _raw_get, _key("ROPEKV_CHECK_INDICES"), _key("")
+_OFF = frozenset(k for k, v in _KNOWN.items() if not v)
 
 
 def host_copy(view):

@@ -35,6 +35,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from ropekv._env import env_flag
+
 _SOURCE = Path(__file__).with_name("_native.c")
 _MODULE = "ropekv._native_ext"
 _lock = threading.Lock()
@@ -117,8 +119,8 @@ def load():
     with _lock:
         if _tried:
             return _state["module"]
-        if os.environ.get("ROPEKV_NATIVE", "1") == "0":
-            _state["reason"] = "disabled by ROPEKV_NATIVE=0"
+        if not env_flag("ROPEKV_NATIVE", True):
+            _state["reason"] = f"disabled by ROPEKV_NATIVE={os.environ['ROPEKV_NATIVE']}"
         else:
             try:
                 path = build()
@@ -246,8 +248,8 @@ def configure_cupy_reads(module) -> None:
     """Turn on the C replay's struct reads of CuPy arrays when the offsets are found and its
     reads give what the attributes do on every probe (``_state["cupy"]``: None, else why not)."""
     module.configure_cupy(None)  # off until found and checked (or for good, by the environment)
-    if os.environ.get("ROPEKV_NATIVE_CUPY", "1") == "0":
-        _state["cupy"] = "disabled by ROPEKV_NATIVE_CUPY=0"
+    if not env_flag("ROPEKV_NATIVE_CUPY", True):
+        _state["cupy"] = f"disabled by ROPEKV_NATIVE_CUPY={os.environ['ROPEKV_NATIVE_CUPY']}"
         return
     try:
         import cupy
@@ -450,8 +452,8 @@ def configure_torch_reads(module, device) -> None:
     if device is None:
         _state["torch"] = "not probed yet"
         return
-    if os.environ.get("ROPEKV_NATIVE_TORCH", "1") == "0":
-        _state["torch"] = "disabled by ROPEKV_NATIVE_TORCH=0"
+    if not env_flag("ROPEKV_NATIVE_TORCH", True):
+        _state["torch"] = f"disabled by ROPEKV_NATIVE_TORCH={os.environ['ROPEKV_NATIVE_TORCH']}"
         return
     try:
         from ropekv import _arrays

@@ -8,6 +8,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+from ropekv._env import env_flag
 from tests import sanitizer
 
 # deadline=None: the first call of each kernel instantiation compiles it.
@@ -31,7 +32,7 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-if os.environ.get("ROPEKV_NO_MEMORY_POOL", "") not in ("", "0"):
+if env_flag("ROPEKV_NO_MEMORY_POOL"):
     # tools/sanitize.sh: every CuPy allocation its own cudaMalloc, so memcheck sees its bounds
     import cupy
 

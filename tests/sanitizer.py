@@ -9,13 +9,13 @@ results still run.
 
 from __future__ import annotations
 
-import os
+from ropekv._env import env_flag
 
 TORCH_SETUP = "import torch._inductor.config as _c; _c.triton.slow_path_cudagraph_asserts = False\n"
 
 
 def active():
-    return os.environ.get("ROPEKV_UNDER_SANITIZER", "") not in ("", "0")
+    return env_flag("ROPEKV_UNDER_SANITIZER")
 
 
 def setup_torch():
