@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ropekv import _cache
 from ropekv._arrays import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, FLOAT32, INT32, INT64
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
@@ -133,9 +134,10 @@ def get_kernel(stem, expression, device_id):
 
 
 def offline_cache_dir():
-    """Where :func:`compile_offline` keeps its results: ``$ROPEKV_CACHE_DIR``, else
-    ``~/.cache/ropekv`` (like CuPy's ``$CUPY_CACHE_DIR`` / ``~/.cupy/kernel_cache``)."""
-    return Path(os.environ.get("ROPEKV_CACHE_DIR") or Path.home() / ".cache" / "ropekv")
+    """ropekv's cache directory (:mod:`ropekv._cache`: ``$ROPEKV_CACHE_DIR``, else
+    ``~/.cache/ropekv``, else a private temporary one), where :func:`compile_offline` keeps its
+    results (``offline/``) and :func:`compile_cubin` its cubins (``cubin/``)."""
+    return _cache.root()
 
 
 def _header_stamp(options):
@@ -158,23 +160,19 @@ def _offline_key(source, options, expressions, version):
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _read_cached(path, expressions):
-    try:
-        lowered = json.loads(path.read_text())
-    except (OSError, ValueError):
+def _read_cached(kind, key, expressions):
+    """The lowered names of a trusted, intact cache entry for ``expressions``, or None."""
+    found = _cache.lookup(kind, key)
+    if found is None:
         return None
-    return lowered if isinstance(lowered, dict) and set(lowered) == set(expressions) else None
-
-
-def _write_cached(path, lowered):
-    """Atomic write; a cache that cannot be written only costs the next run a compile."""
+    path, data, record = found
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(lowered))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+        lowered = json.loads(data) if kind == "offline" else record.get("lowered")
+    except ValueError:
+        return None
+    ok = isinstance(lowered, dict) and set(lowered) == set(expressions)
+    ok = ok and all(isinstance(v, str) for v in lowered.values())
+    return (path, lowered) if ok else None
 
 
 def compile_offline(stem, expressions, arch):
@@ -182,7 +180,8 @@ def compile_offline(stem, expressions, arch):
     alone, without a GPU or driver. Returns ``{expression: lowered name}``; raises RuntimeError
     with the compiler log on failure. Used by the compile tests.
 
-    A successful result is kept on disk (:func:`offline_cache_dir`, ``offline/``), keyed by a hash
+    A successful result is kept on disk (:func:`offline_cache_dir`, ``offline/``; trusted and
+    hash-checked before use, :mod:`ropekv._cache`), keyed by a hash
     of the source with its headers inlined, the options, the expressions, the NVRTC version and
     the CUDA headers' file stamps, so an unchanged kernel is not compiled again and a changed one
     always is. Failures are never cached."""
@@ -191,12 +190,15 @@ def compile_offline(stem, expressions, arch):
     source = read_source(stem)
     options = [f"--gpu-architecture={arch}", *OPTIONS, *_header_options()]
     key = _offline_key(source, options, expressions, nvrtc.getVersion())
-    path = offline_cache_dir() / "offline" / f"{stem}-{arch}-{key}.json"
-    cached = _read_cached(path, expressions)
+    entry = f"{stem}-{arch}-{key}"
+    cached = _read_cached("offline", entry, expressions)
     if cached is not None:
-        return cached
+        return cached[1]
     lowered, _ = _nvrtc_compile(stem, source, expressions, options, arch)
-    _write_cached(path, lowered)
+    try:  # a cache that cannot be written only costs the next run a compile
+        _cache.store("offline", entry, json.dumps(lowered).encode(), ".json")
+    except OSError:
+        pass
     return lowered
 
 
@@ -224,22 +226,17 @@ def _nvrtc_compile(stem, source, expressions, options, arch, cubin=False):
 def compile_cubin(stem, expression, arch):
     """The cubin of one kernel of ``kernels/<stem>.cu`` for ``arch`` (e.g. ``"sm_90a"``), built by
     NVRTC and kept on disk beside :func:`compile_offline`'s results (same key): ``(path, lowered
-    name)``."""
+    name)``. A cached cubin is handed on only when it is trusted and hashes to the digest recorded
+    when it was built (:mod:`ropekv._cache`); else it is built again. NVRTC runs in this process
+    (a library call, no subprocess to time out)."""
     from cupy_backends.cuda.libs import nvrtc
 
     source = read_source(stem)
     options = [f"--gpu-architecture={arch}", *OPTIONS, *_header_options()]
     key = _offline_key(source, options, [expression], nvrtc.getVersion())
-    base = offline_cache_dir() / "cubin" / f"{stem}-{arch}-{key}"
-    path, name_path = base.with_suffix(".cubin"), base.with_suffix(".json")
-    cached = _read_cached(name_path, [expression])
-    if cached is not None and path.is_file():
-        return path, cached[expression]
+    entry = f"{stem}-{arch}-{key}"
+    cached = _read_cached("cubin", entry, [expression])
+    if cached is not None:
+        return cached[0], cached[1][expression]
     names, cubin = _nvrtc_compile(stem, source, [expression], options, arch, cubin=True)
-    lowered = names[expression]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(cubin)
-    os.replace(tmp, path)
-    _write_cached(name_path, {expression: lowered})
-    return path, lowered
+    return _cache.store("cubin", entry, cubin, ".cubin", lowered=names), names[expression]

@@ -1,4 +1,5 @@
-"""``ropekv info``: versions, device, compile cache, which backend would run."""
+"""``ropekv info``: versions, device, ropekv's and CuPy's compile caches, which backend would
+run."""
 
 from __future__ import annotations
 
@@ -61,6 +62,21 @@ def device_state():
     return cupy, count, None if count else _NO_GPU
 
 
+def _cupy_cache():
+    """CuPy's kernel cache (``$CUPY_CACHE_DIR``, else ``~/.cupy/kernel_cache``) and its size."""
+    cache_dir = os.environ.get("CUPY_CACHE_DIR")
+    if not cache_dir:
+        try:
+            cache_dir = os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache")
+        except (RuntimeError, KeyError, OSError) as exc:
+            return f"none (no home directory: {exc})"
+    try:
+        n = len(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else 0
+    except OSError as exc:
+        return f"{cache_dir} (unreadable: {exc})"
+    return f"{cache_dir} ({n} entries)"
+
+
 def info():
     import ml_dtypes
     import numpy as np
@@ -102,12 +118,11 @@ def info():
             )
     else:
         rows.append(("device", f"none: {why}"))
-    cache_dir = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
-    n = len(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else 0
-    rows.append(("compile cache", f"{cache_dir} ({n} entries)"))
-    from ropekv import _native
+    from ropekv import _cache, _native
 
     _native.load()
+    rows.append(("ropekv cache", _cache.describe()))
+    rows.append(("cupy cache", _cupy_cache()))
     rows.append(("plan replay", _native.state()))
     backend = "cuda" if count else "numpy"
     rows.append(

@@ -14,9 +14,12 @@ on the device of the first call with torch tensors (``ROPEKV_NATIVE_TORCH=0`` ke
 attributes). Either falls back to the attributes for good when a probe does not find or confirm
 its offsets, and ``state()`` says why.
 
-The build goes to ``$ROPEKV_CACHE_DIR/native`` (default ``~/.cache/ropekv/native``), one file per
-(source, Python ABI), written under a temporary name and renamed into place, so concurrent first
-uses on one machine do not trip over each other. Compiling takes about a second, once.
+The build goes to ``native/`` of ropekv's cache (``$ROPEKV_CACHE_DIR``, default
+``~/.cache/ropekv``; :mod:`ropekv._cache`), one entry per (source, Python ABI): a file loaded only
+when it is the user's, in a directory of the user's that no one else can write, and its SHA-256
+is the one recorded when it was built (else it is built again), written atomically under a name
+unique to the writer. The compiler runs at most ``ROPEKV_COMPILE_TIMEOUT`` seconds (then plans
+replay in Python, with a warning). Compiling takes about a second, once.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
+from ropekv import _cache
 from ropekv._env import env_flag
 
 _SOURCE = Path(__file__).with_name("_native.c")
@@ -50,10 +55,9 @@ _state = {
 _tried = False
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("ROPEKV_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "ropekv"
-    return base / "native"
+def cache_dir() -> Path | None:
+    """Where the extension is kept (``native/`` of ropekv's cache, :mod:`ropekv._cache`)."""
+    return _cache.directory("native")
 
 
 def _compiler():
@@ -61,46 +65,52 @@ def _compiler():
     return shlex.split(cc)
 
 
-def _target(source: bytes) -> Path:
+def _key(source: bytes) -> str:
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     digest = hashlib.sha256(source + sys.version.encode() + suffix.encode()).hexdigest()[:16]
-    return cache_dir() / f"_native_ext-{digest}{suffix}"
+    return f"_native_ext-{digest}"
 
 
-def build(target: Path | None = None) -> Path:
-    """Compile ``_native.c`` into ``target`` (default: the cache path); returns the path.
-    Raises OSError / CalledProcessError with the compiler's message when it cannot."""
-    source = _SOURCE.read_bytes()
-    target = target or _target(source)
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+def _compile(target: Path) -> None:
+    """The compiler on ``_native.c`` into ``target``: OSError / CalledProcessError with its
+    message, TimeoutExpired after ``ROPEKV_COMPILE_TIMEOUT`` seconds (the compiler killed)."""
     include = sysconfig.get_paths()["include"]
     if not Path(include, "Python.h").exists():
         raise OSError(f"no Python headers at {include} (install the python3-dev package)")
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        cmd = [
-            *_compiler(),
-            "-O2",
-            "-std=c11",
-            "-shared",
-            "-fPIC",
-            "-Wall",
-            f"-I{include}",
-            str(_SOURCE),
-            "-o",
-            tmp,
-        ]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    cmd = [
+        *_compiler(),
+        "-O2",
+        "-std=c11",
+        "-shared",
+        "-fPIC",
+        "-Wall",
+        f"-I{include}",
+        str(_SOURCE),
+        "-o",
+        str(target),
+    ]
+    done = _cache.run_tool(cmd)
+    if done.returncode:
+        raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
+
+
+def build(target: Path | None = None, rebuild: bool = False) -> Path:
+    """Compile ``_native.c`` into ``target``, or (default) into ropekv's cache, where a trusted
+    entry whose content hash matches is reused unless ``rebuild``; returns the path. Raises
+    OSError / CalledProcessError / TimeoutExpired when it cannot."""
+    if target is not None:
+        _compile(target)
+        return target
+    source = _SOURCE.read_bytes()
+    key = _key(source)
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    found = None if rebuild else _cache.lookup("native", key)
+    if found is not None:
+        return found[0]
+    with tempfile.TemporaryDirectory(prefix="ropekv-build-") as tmp:
+        out = Path(tmp, f"ext{suffix}")
+        _compile(out)
+        return _cache.store("native", key, out.read_bytes(), suffix)
 
 
 def _import(path: Path):
@@ -109,6 +119,15 @@ def _import(path: Path):
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module
+
+
+def _build_and_import():
+    path = build()
+    try:
+        return path, _import(path)
+    except ImportError:  # a cached file that does not load: built again, once
+        path = build(rebuild=True)
+        return path, _import(path)
 
 
 def load():
@@ -123,12 +142,20 @@ def load():
             _state["reason"] = f"disabled by ROPEKV_NATIVE={os.environ['ROPEKV_NATIVE']}"
         else:
             try:
-                path = build()
-                _state.update(module=_import(path), path=str(path), reason=None)
+                path, module = _build_and_import()
+                _state.update(module=module, path=str(path), reason=None)
             except subprocess.CalledProcessError as exc:
                 _state["reason"] = (
                     f"{shlex.join(exc.cmd)} failed: "
                     f"{(exc.stderr or exc.stdout or '').strip()[:500]}"
+                )
+            except subprocess.TimeoutExpired as exc:
+                _state["reason"] = f"the C compiler ran past {exc.timeout:g} s and was stopped"
+                warnings.warn(
+                    f"ropekv: {_state['reason']} (ROPEKV_COMPILE_TIMEOUT); launch plans replay "
+                    "in Python",
+                    RuntimeWarning,
+                    stacklevel=2,
                 )
             except (OSError, ImportError) as exc:
                 _state["reason"] = f"{type(exc).__name__}: {exc}"
