@@ -62,6 +62,41 @@ def _names(choices, what):
     return parse
 
 
+def _variant(text):
+    """argparse type for ``--tune``: a variant naming known tunables with values they accept
+    (:mod:`ropekv.bench.tuning`), kept as its text."""
+    from ropekv.bench import tuning
+
+    try:
+        tuning.validate(tuning.parse(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _output_path(text):
+    """argparse type for ``--json`` / ``--plot``: a file that can be written, checked before the
+    run (a file made and removed in its directory; an existing file opened for writing, not
+    truncated)."""
+    import os
+    import tempfile
+
+    path = os.path.abspath(text)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text} is a directory")
+    try:
+        if os.path.exists(path):
+            with open(path, "r+b"):
+                pass
+        else:
+            fd, probe = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".ropekv-probe-")
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {e.strerror or e}") from None
+    return text
+
+
 def _flatten(lists):
     return None if lists is None else list(dict.fromkeys(n for names in lists for n in names))
 
@@ -111,7 +146,9 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="ropekv", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"ropekv {ropekv.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("info", help="versions, device, compile cache, which backend would run")
+    p = sub.add_parser(
+        "info", help="versions, device, ropekv's and CuPy's caches, which backend would run"
+    )
     p.set_defaults(func=_cmd_info)
     p = sub.add_parser(
         "demo",
@@ -185,6 +222,7 @@ def build_parser():
     p.add_argument(
         "--tune",
         nargs="+",
+        type=_variant,
         metavar="VARIANT",
         help="launch-shape variants timed beside ropekv's defaults on the cases of "
         "the ops they change, each 'op.key=value[,op.key=value]' over the op "
@@ -198,10 +236,16 @@ def build_parser():
         "clear_unused_last_page_rows, mRoPE, ...), as runners 'ropekv[+option]' "
         "whose ratio is the option's cost",
     )
-    p.add_argument("--json", metavar="PATH", help="write every figure and the environment here")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        type=_output_path,
+        help="write every figure and the environment here",
+    )
     p.add_argument(
         "--plot",
         metavar="PATH",
+        type=_output_path,
         help="draw time against tokens per op, and ropekv's speedup over the best "
         "peer per case, to this PNG (needs matplotlib: pip install "
         "'ropekv[plot]')",

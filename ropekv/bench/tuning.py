@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib
+import math
 
 from ropekv.bench.workloads import OPS
 
@@ -59,9 +60,66 @@ def _constant(module, key):
     return key.isupper() and isinstance(getattr(module, key, None), (bool, int, float))
 
 
+# What a tunable accepts follows its default: a bool takes a bool; an int a non-negative int
+# (0: off, for thresholds such as paged.row_group=0), at least 1 for the sizes and counts named
+# below, at most 1024 threads for a block; a float a finite non-negative number; a tuple a tuple
+# of as many positive ints.
+_POSITIVE = {
+    "atoms",
+    "block",
+    "bytes",
+    "ctas_per_sm",
+    "kgroups",
+    "many",
+    "max",
+    "pairs",
+    "rows",
+    "smem",
+    "split",
+    "stages",
+    "threads",
+    "tile",
+    "warps",
+    "width",
+}
+_THREADS = {"block", "threads"}
+
+
+def _int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_value(op, key, default, value):
+    """ValueError unless ``value`` is one ``op.key`` (whose default is ``default``) accepts."""
+    where = f"{op}.{key}={value!r}"
+    last = key.lower().rsplit("_", 1)[-1]
+    last = "ctas_per_sm" if key.lower().endswith("ctas_per_sm") else last
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: expected True or False")  # noqa: TRY004 - a usage error
+    elif _int(default):
+        low = 1 if last in _POSITIVE else 0
+        high = 1024 if last in _THREADS else None
+        if not _int(value) or value < low or (high is not None and value > high):
+            bound = f"between {low} and {high}" if high else f"at least {low}"
+            raise ValueError(f"{where}: expected an integer {bound}")
+    elif isinstance(default, float):
+        if not (_int(value) or isinstance(value, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"{where}: expected a finite number >= 0")
+    elif isinstance(default, tuple):
+        if (
+            not isinstance(value, tuple)
+            or len(value) != len(default)
+            or not all(_int(v) and v >= 1 for v in value)
+        ):
+            raise ValueError(f"{where}: expected a tuple of {len(default)} positive integers")
+    elif type(value) is not type(default):
+        raise ValueError(f"{where}: expected a {type(default).__name__}")
+
+
 def validate(changes):
     """ValueError unless every key named is in its op module's ``TUNING`` dict or is one of the
-    module's upper-case scalar constants."""
+    module's upper-case scalar constants, and its value is one it accepts (:func:`check_value`)."""
     for op, change in changes.items():
         module = importlib.import_module(f"ropekv.{op}")
         tuning = getattr(module, "TUNING", None)
@@ -73,6 +131,9 @@ def validate(changes):
                 f"ropekv.{op} has no TUNING key or constant {', '.join(unknown)}; "
                 f"it has {', '.join(have) or 'none'}"
             )
+        for key, value in change.items():
+            default = tuning[key] if key in tuning else getattr(module, key)
+            check_value(op, key, default, value)
 
 
 def _drop_plans(module):
