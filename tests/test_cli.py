@@ -200,3 +200,37 @@ def test_this_machine_without_a_driver_gets_the_plain_message():
         out = run_ropekv(command)
         assert out.returncode == 1 and NO_DRIVER in out.stderr, out.stderr
         assert "cudaError" not in out.stdout + out.stderr
+
+
+# ---- bench arguments checked before the run -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--json", "/nonexistent-dir/x.json"], "argument --json: cannot write"),
+        (["--json", "."], "argument --json: . is a directory"),
+        (["--plot", "/nonexistent-dir/x.png"], "argument --plot: cannot write"),
+        (["--tune", "qknorm.block='x'"], "expected an integer between 1 and 1024"),
+        (["--tune", "paged.heavy=(0,0,0)"], "a tuple of 3 positive integers"),
+        (["--tune", "paged.light=(1,1)"], "a tuple of 3 positive integers"),
+        (["--tune", "contiguous.block=-1"], "expected an integer between 1 and 1024"),
+        (["--tune", "paged.row_group=-1"], "expected an integer at least 0"),
+        (["--tune", "mla.wave_blocks=1e999"], "mla.wave_blocks=inf: expected an integer"),
+        (["--tune", "qkv.FAST_INT4=1"], "expected True or False"),
+        (["--tune", "paged.heavy=(2,2,3)", "qkv.GEMV_MAX_TOKENS=-1"], "GEMV_MAX_TOKENS=-1"),
+    ],
+)
+def test_bench_arguments_are_usage_errors_before_the_run(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(_info, "device_state", lambda: pytest.fail("ran past the arguments"))
+    err = usage_error(["bench", *argv], capsys)
+    assert message in err and "Traceback" not in err
+
+
+def test_bench_arguments_that_are_fine(tmp_path):
+    out = tmp_path / "out.json"
+    args = cli.build_parser().parse_args(
+        ["bench", "--json", str(out), "--tune", "paged.row_group=0", "paged.heavy=(2,2,3)"]
+    )
+    assert args.json == str(out) and not out.exists() and not list(tmp_path.iterdir())
+    assert args.tune == ["paged.row_group=0", "paged.heavy=(2,2,3)"]
