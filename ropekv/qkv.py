@@ -412,6 +412,14 @@ def pack_int4(w_int: ArrayLike, *, signed: bool = True) -> ArrayLike:
     array, (N, K/2), uint8
         The packed weights, NumPy or CuPy like ``w_int``.
 
+    Raises
+    ------
+    TypeError
+        ``w_int`` without an integer dtype.
+    ValueError
+        ``w_int`` not 2-D, an odd K, or values outside ``[-8, 7]`` (``[0, 15]`` with
+        ``signed=False``).
+
     Examples
     --------
     >>> import numpy as np, ropekv
@@ -590,6 +598,27 @@ def fused_qkv_matmul_append_paged_kv_cache(
     -------
     out : array, (T, Hq D)
         Q, roped (``out`` itself when given).
+
+    Raises
+    ------
+    TypeError
+        A ``weight`` neither of the input dtype, float8_e4m3fn nor uint8 (packed 4-bit), inputs
+        that are not fp16 / bf16, non-integer index arrays, or a ``stream`` of an unknown kind.
+    ValueError
+        Shapes that disagree (``hidden_state`` not ``(T, K)``, ``weight`` not ``(N, K)`` or
+        ``(N, K / 2)``, the caches' heads or page size), ``weight_scales`` missing for fp8 or
+        4-bit weights or given for 16-bit ones, ``group_size`` missing, odd or not dividing K for
+        4-bit weights, ``kv_scale`` with a 16-bit cache or not positive and finite, a
+        ``layer_idx`` outside the caches' layers, a written array that overlaps another argument,
+        arrays on different devices; and a call on a stream capturing a CUDA graph that would run
+        cuBLAS (see :func:`ropekv.qkv.graph_safe`).
+    BufferError
+        A written array exported read-only (or through a legacy DLPack capsule), or memory not
+        aligned to its item size.
+    IndexError
+        Only with ``ROPEKV_CHECK_INDICES=1``: a token outside every request of
+        ``input_row_offsets``, a position outside the table, a page outside ``block_table`` or the
+        cache, or two tokens writing one cache row.
 
     Notes
     -----
