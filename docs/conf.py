@@ -20,11 +20,20 @@ extensions = [
     "myst_parser",
 ]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
-exclude_patterns = ["_build"]
+# design/: contributors' notes (decisions and their measurements), read in the repository next to
+# the code; the published site is for users (see docs/design/README.md).
+exclude_patterns = ["_build", "design"]
 
 # Public functions only; their docstrings are numpydoc, rendered by numpydoc.
 autodoc_default_options = {"members": False}
 autosummary_generate = False
+# The signatures' type aliases (ropekv/_types.py) are Any at run time; render them by name, linked
+# to their definitions on the API page, instead of as "Any".
+autodoc_type_aliases = {
+    "ArrayLike": "ropekv._types.ArrayLike",
+    "StreamLike": "ropekv._types.StreamLike",
+    "DTypeLike": "ropekv._types.DTypeLike",
+}
 numpydoc_show_class_members = False
 numpydoc_xref_param_type = False
 # Structure, not style: every parameter documented and no stray text read as one (PR01, PR02,

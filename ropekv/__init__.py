@@ -11,7 +11,7 @@ from ropekv.qknorm import qk_rmsnorm_rope_append_paged_kv_cache
 from ropekv.qkv import fused_qkv_matmul_append_paged_kv_cache, pack_int4
 from ropekv.rope import cos_sin_cache, freqs_cis_to_cos_sin
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "apply_rope_write_kv",

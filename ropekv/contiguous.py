@@ -333,6 +333,25 @@ def apply_rope_write_kv(
         ``q_out`` when given; otherwise None (everything is written in place: ``q``, the cache,
         and ``k`` with ``write_k_in_place``).
 
+    Raises
+    ------
+    TypeError
+        An array of a dtype not listed above (``k`` / ``v`` / a 16-bit cache unlike ``q``, a
+        non-float32 table or scale array, a non-integer index array), a non-bool flag, a
+        non-number scale, or a ``stream`` of an unknown kind.
+    ValueError
+        Shapes that disagree (Hq not a multiple of Hkv, R odd or above D, ``kv_end_lens`` not
+        ``(B,)``), an fp8 cache without ``kv_scale`` or ``kv_cache_scales``, an int8 cache without
+        ``kv_cache_scales``, both of a static / dynamic scale pair, ``q_scale`` or
+        ``q_scale_out`` without an fp8 ``q_out``, a written array that overlaps another argument,
+        arrays on different devices, or rows not contiguous in their last dimension.
+    BufferError
+        A written array exported read-only (or through a legacy DLPack capsule), memory not
+        aligned to its item size, or (``is_neox=False``) rows starting at odd elements.
+    IndexError
+        Only with ``ROPEKV_CHECK_INDICES=1``: a token whose cache slot falls outside ``[0, C)`` or
+        whose position falls outside ``[0, P)``.
+
     Notes
     -----
     ``q`` (or ``q_out``) is written in place, so it must not overlap ``k``, ``v``, the cache or

@@ -230,6 +230,25 @@ def mla_rope_rmsnorm_append_paged_kv_cache(
     q_rope_out : array, (T, Hq, R)
         The roped queries (``q_rope_out`` itself when given).
 
+    Raises
+    ------
+    TypeError
+        Arrays of a dtype not listed above (``kv`` unlike ``q_rope``, a gamma that is neither the
+        input dtype nor float32, non-integer index arrays), or a ``stream`` of an unknown kind.
+    ValueError
+        Shapes that disagree (``kv`` not ``(T, L + R)``, the table's R unlike ``q_rope``'s, a
+        page size of 0), ``kv_norm_dim`` outside ``[1, L]``, ``kv_cache`` neither one array nor a
+        ``(ckv, kpe)`` pair, ``kv_scale`` with a 16-bit cache, a ``layer_idx`` outside the
+        caches' layers, a written array that overlaps another argument, or arrays on different
+        devices.
+    BufferError
+        A written array exported read-only (or through a legacy DLPack capsule), memory not
+        aligned to its item size, or rows starting at odd elements with ``is_neox=False``.
+    IndexError
+        Only with ``ROPEKV_CHECK_INDICES=1``: offsets that decrease or run past T, a token outside
+        every request, a position outside the table, a page outside ``block_table`` or the
+        cache, or two tokens writing one cache row.
+
     Notes
     -----
     The latent row is ``ckv = x[:n] / sqrt(mean(x[:n]^2) + epsilon) * gamma`` followed by

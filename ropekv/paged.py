@@ -408,6 +408,28 @@ def rope_quantize_fp8_append_paged_kv_cache(
     (q_rope_out, q_nope_out)
         The quantized queries; ``q_nope_out`` has shape (nnz, Hq, 0) when ``q_nope`` is None.
 
+    Raises
+    ------
+    TypeError
+        ``quantize_dtype`` (or an output or cache) not float8_e4m3fn / float8_e5m2, inputs that
+        are not fp16 / bf16 or disagree in dtype, index arrays that are not integers, a scale that
+        is neither a float nor a float32 array, or a ``stream`` of an unknown kind.
+    ValueError
+        Shapes that disagree (``q_rope`` / ``k_rope`` / ``v`` token counts, R odd, ``kv_indptr``
+        not ``(batch_size + 1,)``), ``paged_kv_cache`` not a pair, only one of ``q_nope`` /
+        ``k_nope``, ``v`` given for MLA or missing for GQA, a static scale together with
+        ``q_scale_out`` or ``kv_cache_scales``, ``kv_cache_scales`` on MLA caches, a written array
+        that overlaps another argument, or arrays on different devices.
+    BufferError
+        A written array exported read-only (or through a legacy DLPack capsule), memory not
+        aligned to its item size, rows starting at odd elements with ``is_neox=False``, or head
+        rows too wide for the option kernel at the rows' alignment.
+    IndexError
+        Only with ``ROPEKV_CHECK_INDICES=1``: a token whose ``pos_ids`` entry lies outside the
+        table, whose ``batch_indices`` entry lies outside ``[0, batch_size)``, whose position is
+        negative, or whose page-table entry or page lies outside ``kv_indices`` / the cache; or
+        two tokens writing one cache row.
+
     Notes
     -----
     A token whose ``pos_ids`` entry falls outside ``[0, P)`` has its q outputs written unrotated
@@ -566,6 +588,24 @@ def rope_append_paged_kv_cache(
     (q_rope_out, q_nope_out)
         The roped queries in the cache dtype; ``q_nope_out`` has shape (nnz, Hq, 0) when
         ``q_nope`` is None.
+
+    Raises
+    ------
+    TypeError
+        Inputs that are not fp16 / bf16 or disagree in dtype (the caches take the inputs'
+        dtype), index arrays that are not integers, or a ``stream`` of an unknown kind.
+    ValueError
+        Shapes that disagree (token counts, R odd, ``kv_indptr`` not ``(batch_size + 1,)``),
+        ``paged_kv_cache`` not a pair, only one of ``q_nope`` / ``k_nope``, ``v`` given for MLA or
+        missing for GQA, a written array that overlaps another argument, or arrays on different
+        devices.
+    BufferError
+        A written array exported read-only (or through a legacy DLPack capsule), memory not
+        aligned to its item size, or rows starting at odd elements with ``is_neox=False``.
+    IndexError
+        Only with ``ROPEKV_CHECK_INDICES=1``: a token whose ``pos_ids``, ``batch_indices``,
+        position, page-table entry or page lies outside its range, or two tokens writing one
+        cache row.
 
     Examples
     --------

@@ -367,6 +367,27 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
     q_out : array, (T, Hq, D)
         The normalised, roped queries (``q_out`` itself when given), in ``q_out_dtype``.
 
+    Raises
+    ------
+    TypeError
+        Arrays of a dtype not listed above, a ``q_out_dtype`` that is not one of its names or
+        differs from a given ``q_out``, an fp8 ``q_out`` with an int8 cache, non-integer index
+        arrays, or a ``stream`` of an unknown kind.
+    ValueError
+        Shapes that disagree (Hq not a multiple of Hkv, gammas not ``(D,)``, a page size of 0),
+        ``paged_kv_cache`` or ``kv_cache_scales`` not a pair, ``position_ids`` without
+        ``mrope_section``, both of a static / dynamic scale pair, an int8 cache without
+        ``kv_cache_scales``, a ``layer_idx`` outside the caches' layers, a written array that
+        overlaps another argument, or arrays on different devices.
+    BufferError
+        A written array exported read-only (or through a legacy DLPack capsule), memory not
+        aligned to its item size, rows starting at odd elements with ``is_neox=False``, or a head
+        dim too wide for a lane group at the rows' alignment.
+    IndexError
+        Only with ``ROPEKV_CHECK_INDICES=1``: offsets that decrease or run past T, a token outside
+        every request, a position outside the table, a page outside ``block_table`` or the
+        cache, or two tokens writing one cache row.
+
     Notes
     -----
     Each head row becomes ``rope(x / sqrt(mean(x^2) + epsilon) * gamma)`` (``norm_order=

@@ -9,7 +9,7 @@ Three paths, picked by the token count T (and, on sm_90, a fourth kernel for 16-
   (``wgmma``, an sm_90a instruction; the kernel is compiled for that target), split-K over a
   cluster and the epilogue fused as below. Faster than every other path up to 192 tokens, within
   0.93-1.05x of cuBLAS + the epilogue at 193-256 in a third of its host time
-  (docs/kernel-notes.md). fp8 weights take it too from ``WGMMA_FP8_MIN_TOKENS`` (48) to 128
+  (docs/design/qkv.md). fp8 weights take it too from ``WGMMA_FP8_MIN_TOKENS`` (48) to 128
   tokens (K a multiple of 128), their codes converted to the input dtype in shared memory.
 * small batches (``MMA_MIN_TOKENS <= T <= MMA_MAX_TOKENS``, ``MMA_MAX_TOKENS_QUANTIZED`` for fp8
   and 4-bit weights, on sm_90 and newer, when D divides 128 and the weights and hidden rows allow
@@ -91,7 +91,7 @@ GEMV_WARPS, GEMV_PAIRS = 4, 2  # mirror qkv.cu
 GEMV_SMEM = 46 * 1024  # staged hidden rows, float32, per block (below the 48 KiB default)
 # The tensor-core path (qkv_mma, sm_90+): token counts in [MMA_MIN_TOKENS, MMA_MAX_TOKENS]
 # (MMA_MAX_TOKENS_QUANTIZED for fp8 and 4-bit weights) run it where it applies (see _mma). Measured
-# on the H200 (docs/kernel-notes.md, QKV), Llama-3-8B projection: the CUDA-core qkv_gemv is faster
+# on the H200 (docs/design/qkv.md), Llama-3-8B projection: the CUDA-core qkv_gemv is faster
 # at 1-2 tokens; with fp16 / bf16 weights cuBLAS + the epilogue is as fast from 16 tokens on and
 # faster beyond; with quantized weights the cuBLAS path first dequantizes 25-50 MB: it loses at
 # every count up to 128, and above to the tiled kernel while one wave holds it (below).
@@ -100,7 +100,7 @@ MMA_MAX_TOKENS = 16
 MMA_MAX_TOKENS_QUANTIZED = 320
 # Above MMA_QUANTIZED_ANY_GRID tokens, fp8 and 4-bit weights take the tensor-core path only on
 # qkv_mma_tiled and only where its grid of TILED_MAX_TILE-token tiles, unsplit, fits one wave
-# (quantized_top). Measured on the H200 (docs/performance.md, "Fused QKV at 129-512 tokens"),
+# (quantized_top). Measured on the H200 (docs/design/qkv.md, "Measured decisions"),
 # Llama-3-8B projection (48 row tiles, so 5 token tiles a wave: 320 tokens): fp8
 # 67.3-77.8 us against the cuBLAS path's 98.3-111.9 at 144-320 tokens, 4-bit 94.4-97.9 against
 # 90.0-103.1 (0.95x at 144, 1.05x at 320, a third of the host time); at 384 tokens (a second
@@ -114,7 +114,7 @@ MMA_TILES = (8, 16, 32, 64)
 # CTA; TILED_STAGES stages of TILED_BK k values in shared memory; split-K over clusters of the
 # largest of TILED_SPLITS (at most TILED_SPLIT) that keeps the grid within one wave of
 # TILED_CTAS_PER_SM CTAs an SM: a weight-streaming kernel is as fast as its busiest SM. Measured
-# on the H200 (docs/kernel-notes.md), Llama-3-8B projection, fp8 weights: 24.0 / 42.1 us at 64 /
+# on the H200 (docs/design/qkv.md), Llama-3-8B projection, fp8 weights: 24.0 / 42.1 us at 64 /
 # 128 tokens against qkv_mma's 48.5 / 72.1 (graph replay); at 16 tokens 17.4 against 18.1. With
 # fp16 weights cuBLAS + the epilogue stays faster from 24 tokens on (24.6 against 28.3 at 64).
 TILED_MIN_TOKENS = 17
@@ -142,7 +142,7 @@ MMA_ROWS, MMA_WARPS = 128, 4  # mirror qkv.cu
 # read them twice). Above (up to 256 tokens eagerly, to GRAPH_MAX_TOKENS in CUDA graphs), T split
 # evenly over as few tiles of at most WGMMA_MAX_TILE as hold it, two CTAs an SM and at most
 # WGMMA_STAGES stages (3 at tiles of 96 and 128, so that two fit), which wins where the grid has
-# more CTAs than SMs. Measured on the H200 (docs/kernel-notes.md, "qkv_wgmma up to 256 tokens"),
+# more CTAs than SMs. Measured on the H200 (docs/design/qkv.md, "Measured decisions"),
 # Llama-3-8B projection, eager device time against cuBLAS + the epilogue: faster up to 192
 # tokens (27.4 against 28.5 us at 160, 28.3 against 29.3 at 192); at 193-256 within 0.93-1.05x
 # (one tile of 256 up to 224 tokens: 33.4-34.4 against 31.8-36.0; above, tiles of 128: 32.2 /
@@ -159,7 +159,7 @@ WGMMA_DEEP_MAX_TOKENS = 224
 # and at most WGMMA_FP8_TOP: three stages of a larger tile and their conversion buffers do not
 # fit in shared memory; K a multiple of 64 x WGMMA_FP8_ATOMS): each stage's codes are converted
 # to the input dtype in shared memory before its wgmmas. Measured on the H200
-# (docs/kernel-notes.md), Llama-3-8B projection, against the kernels they took before (qkv_mma,
+# (docs/design/qkv.md), Llama-3-8B projection, against the kernels they took before (qkv_mma,
 # qkv_mma_tiled): 20.1 against 23.1 us at 64 tokens, 23.8 against 36.5 at 96, 26.3 against 37.3
 # at 128; at 4-32 tokens 17.5-18.4 against 14.0-18.1 (slower or even), so from 48 (19.8 against
 # 22.3).
@@ -174,7 +174,7 @@ WGMMA_CAPABILITY = 90  # the one compute capability whose "a" target has wgmma
 # temporaries (freed when the call returns, which a graph cannot hold) runs the fused kernel that
 # would take it with its token cap raised: qkv_wgmma for fp16 / bf16 weights, the tensor-core
 # kernels for the others (sm_90). Slower than cuBLAS + the epilogue eagerly, but one launch.
-# Measured on the H200 (docs/performance.md, "CUDA graphs of 129-512 tokens").
+# Measured on the H200 (docs/design/qkv.md; the session logs in git history).
 GRAPH_MAX_TOKENS = 512
 SM_SHARED_BYTES = 228 * 1024  # shared memory an SM of sm_90 holds (each CTA reserves 1 KiB)
 # CTAs per cluster (the split of K). 4 and 8 measured the same on the H200 (the block scheduler
@@ -412,6 +412,14 @@ def pack_int4(w_int: ArrayLike, *, signed: bool = True) -> ArrayLike:
     array, (N, K/2), uint8
         The packed weights, NumPy or CuPy like ``w_int``.
 
+    Raises
+    ------
+    TypeError
+        ``w_int`` without an integer dtype.
+    ValueError
+        ``w_int`` not 2-D, an odd K, or values outside ``[-8, 7]`` (``[0, 15]`` with
+        ``signed=False``).
+
     Examples
     --------
     >>> import numpy as np, ropekv
@@ -590,6 +598,27 @@ def fused_qkv_matmul_append_paged_kv_cache(
     -------
     out : array, (T, Hq D)
         Q, roped (``out`` itself when given).
+
+    Raises
+    ------
+    TypeError
+        A ``weight`` neither of the input dtype, float8_e4m3fn nor uint8 (packed 4-bit), inputs
+        that are not fp16 / bf16, non-integer index arrays, or a ``stream`` of an unknown kind.
+    ValueError
+        Shapes that disagree (``hidden_state`` not ``(T, K)``, ``weight`` not ``(N, K)`` or
+        ``(N, K / 2)``, the caches' heads or page size), ``weight_scales`` missing for fp8 or
+        4-bit weights or given for 16-bit ones, ``group_size`` missing, odd or not dividing K for
+        4-bit weights, ``kv_scale`` with a 16-bit cache or not positive and finite, a
+        ``layer_idx`` outside the caches' layers, a written array that overlaps another argument,
+        arrays on different devices; and a call on a stream capturing a CUDA graph that would run
+        cuBLAS (see :func:`ropekv.qkv.graph_safe`).
+    BufferError
+        A written array exported read-only (or through a legacy DLPack capsule), or memory not
+        aligned to its item size.
+    IndexError
+        Only with ``ROPEKV_CHECK_INDICES=1``: a token outside every request of
+        ``input_row_offsets``, a position outside the table, a page outside ``block_table`` or the
+        cache, or two tokens writing one cache row.
 
     Notes
     -----

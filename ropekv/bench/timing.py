@@ -58,7 +58,7 @@ def _eager_path_in_graphs():
     eagerly runs the fused kernel instead on a capturing stream (up to
     ``ropekv.qkv.GRAPH_MAX_TOKENS`` tokens), so that is set to 0 while capturing: such a call is
     refused there and its case falls back to events, as the case's host time is that of the
-    eager path (``tools/experiments/qkv_capture_cost.py`` times the captured one)."""
+    eager path (``docs/design/qkv.md`` has the captured one's cost)."""
     from ropekv import qkv
 
     saved = qkv.GRAPH_MAX_TOKENS

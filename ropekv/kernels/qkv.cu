@@ -1564,7 +1564,7 @@ __launch_bounds__(TN * 2 * KG,
 // 256 tokens reads the weights from L2 once where two of 128 read them twice (the hidden rows
 // are read once a row tile either way); else two CTAs an SM (launch bound; 3 stages at tiles
 // of 96 and 128 tokens so that both fit), which hide each other's waits and win where the grid
-// has more CTAs than SMs (docs/kernel-notes.md).
+// has more CTAs than SMs (docs/design/qkv.md).
 //
 // Stages: KA atoms of 64 k values; an atom is 128-byte rows (the weights' MMA_ROWS, then the
 // hidden rows' TN), 16-byte chunk c of row r at c ^ (r % 8), every atom 1024-byte aligned: the

@@ -6,7 +6,7 @@ divided by 200 (median of 20 replays: ``ropekv._timing.graph_us``). On a GPU mac
 
     PYTHONPATH=. python3 tools/experiments/launch_cost.py
 
-H200 at 32666ad (docs/kernel-notes.md, "Decode kernels beside the Cake kernel"): 0.545 us an
+H200 at 32666ad (docs/design/kernels.md, "Decode: the QK-norm kernel beside the Cake kernel"): 0.545 us an
 empty launch of 10 blocks of 128 threads; 448 bytes of parameters and 10 KB of static shared
 memory cost at most 0.02 us; ``griddepcontrol.launch_dependents`` first thing costs nothing at
 10-132 blocks and 0.33 / 0.73 us at 640 / 1280 blocks of an empty kernel, placed first or last

@@ -1,5 +1,5 @@
-"""The timing loops of the fused QKV experiment scripts (``qkv_*_sweep.py``, ``qkv_wgmma_ab.py``,
-``qkv_wgmma_ablate.py``, ``qkv_capture_cost.py``), and their Llama-3-8B call (``llama_call``):
+"""The timing loops of the fused QKV experiment scripts (``qkv_paths.py``; the earlier sweeps and
+ablations are in git history), and their Llama-3-8B call (``llama_call``):
 ``f(w)`` is one call with weights ``w``, ``ws`` four copies of the
 weights that the calls rotate over (200 MB at Llama-3-8B's projection in fp16, so every call
 streams its weights from DRAM). Both warm up with 8 calls and return the median per-call time in
