@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import sys
 
 import ml_dtypes
@@ -125,6 +126,7 @@ class ArrayView:
         "size",
         "span",
         "strides",
+        "wait",
     )
 
     def __init__(
@@ -141,9 +143,11 @@ class ArrayView:
         host=None,
         array=None,
         legacy=False,
+        wait=None,
     ):
         self.name = name
         self.legacy = legacy
+        self.wait = wait  # a CAI producer's stream the launch stream must wait for (CAI v3)
         self.ptr = ptr
         self.shape = shape
         self.strides = strides
@@ -323,18 +327,79 @@ def torch_dtype(dtype):
     return _NUMPY_TO_TORCH[np.dtype(dtype)]
 
 
+def null_message(name, shape, what="a null data pointer"):
+    return (
+        f"{name} has {what} but shape {tuple(shape)} (a tensor without memory: a zero tensor, "
+        f"a freed or resized storage, a meta tensor); pass an array whose memory exists"
+    )
+
+
+TRACED_TORCH = (
+    "{name} is a {what}: ropekv's eager ops launch kernels on real memory and cannot run inside "
+    "torch.compile / torch.func tracing. Inside compiled code call the ops ropekv.torch registers "
+    "(torch.ops.ropekv.*, see docs/frameworks.md)"
+)
+TRACED_JAX = (
+    "{name} is a JAX tracer ({cls}): ropekv's eager ops launch kernels on real memory and cannot "
+    "run inside jax.jit / jax.vmap / jax.grad tracing. Inside traced code use ropekv.jax (its "
+    "functions are jax.jit-able, see docs/frameworks.md)"
+)
+
+_VERIFIED_TORCH_DEVICES = set()  # devices whose torch struct reads agreed with the attributes
+
+
+def _verified_fields(t, fields):
+    """The struct read ``fields`` of ``t`` when they agree with its attributes on the first tensor
+    of each device (the offsets were probed on one device); else the torch struct reads are turned
+    off for the process (``_native.torch_reads_failed``) and None: the attributes read it."""
+    device = fields[4]
+    if device in _VERIFIED_TORCH_DEVICES:
+        return fields
+    want = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.get_device(), t.is_cuda)
+    got = (fields[0], fields[1], fields[2], device, True)
+    if got == want:
+        _VERIFIED_TORCH_DEVICES.add(device)
+        return fields
+    from ropekv import _native
+
+    _native.torch_reads_failed(
+        f"a struct read on CUDA device {device} gave {got[:4]}, the attributes {want[:4]}"
+    )
+    return None
+
+
+def _traced_torch(t, torch):
+    """What tracing tensor ``t`` is (a FakeTensor, a functional or functorch wrapper), or None."""
+    cls = type(t)
+    if cls is not torch.Tensor and cls.__module__.startswith("torch._subclasses"):
+        return f"{cls.__name__} (a tracing tensor)"
+    c = torch._C
+    if getattr(c, "_functorch", None) is not None and c._functorch.is_functorch_wrapped_tensor(t):
+        return "torch.func wrapper tensor (vmap / grad / functionalize)"
+    if torch._is_functional_tensor(t):
+        return "functional tensor (torch.func.functionalize / torch.compile)"
+    return None
+
+
 def _from_torch(t, name):
     fields = None if _VIEW_FIELDS[0] is None else _VIEW_FIELDS[0](t)
     if fields is not None and fields[4] >= 0:  # a plain strided GPU tensor, read from its struct
         dtype = (_TORCH_TO_NUMPY or _torch_maps()).get(fields[3])
-        if dtype is not None:
+        if dtype is not None and _verified_fields(t, fields) is not None:
+            if fields[0] == 0 and fields[5]:
+                raise BufferError(null_message(name, fields[1]))
             return _struct_view(fields, name, dtype, t)
+    torch = sys.modules["torch"]
+    traced = _traced_torch(t, torch)
+    if traced is not None:
+        raise TypeError(TRACED_TORCH.format(name=name, what=traced))
     dtype = (_TORCH_TO_NUMPY or _torch_maps()).get(t.dtype)
     if dtype is None:
         raise TypeError(f"{name} has torch dtype {t.dtype}, which ropekv does not read")
-    torch = sys.modules["torch"]
     if t.layout != torch.strided:
         raise BufferError(f"{name} is a {t.layout} tensor; ropekv reads strided tensors only")
+    if t.is_nested:
+        raise BufferError(f"{name} is a nested tensor; ropekv reads strided tensors only")
     if t.is_neg() or t.is_conj():
         raise BufferError(
             f"{name} carries a lazy negation/conjugation bit; pass "
@@ -342,8 +407,28 @@ def _from_torch(t, name):
         )
     if _TORCH_TENSOR is _Never:
         _note_type(type(t), "torch")
-    ptr, shape, strides = t.data_ptr(), tuple(t.shape), tuple(t.stride())
+    try:
+        ptr, shape, strides = t.data_ptr(), tuple(t.shape), tuple(t.stride())
+        storage = t.untyped_storage()
+        base, nbytes = storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError) as exc:
+        raise BufferError(f"{name} has no storage ropekv can read: {exc}") from None
+    size, (lo, hi) = _extent(shape, strides, dtype.itemsize)
+    if size:
+        if not ptr or not base:
+            raise BufferError(null_message(name, shape))
+        first = ptr - base + lo  # the bytes of the storage the tensor touches: [first, end)
+        if first < 0 or first + (hi - lo) > nbytes:
+            raise BufferError(
+                f"{name} (shape {shape}, strides {strides}, storage offset "
+                f"{t.storage_offset()}) reaches bytes [{first}, {first + hi - lo}) of its "
+                f"storage, which holds {nbytes} bytes; pass a tensor within its storage"
+            )
     device = t.get_device()
+    if device >= 0 and not t.is_cuda:
+        raise BufferError(
+            f"{name} is on torch device {t.device}; ropekv accepts CPU and CUDA tensors"
+        )
     if device < 0:
         if t.device.type != "cpu":
             raise BufferError(
@@ -356,7 +441,7 @@ def _from_torch(t, name):
     v.readonly = v.legacy = False
     v.owner = v.array = t
     v.host = None
-    v.size, v.span = _extent(shape, strides, dtype.itemsize)
+    v.size, v.span = size, (lo, hi)
     return v
 
 
@@ -394,37 +479,73 @@ def _from_cai(obj, name, cai, stream_ptr):
             f"{name} has a __cuda_array_interface__ mask; ropekv reads unmasked arrays only"
         )
     ptr = int(ptr or 0)
-    import cupy
-
-    if ptr:
-        device = cupy.cuda.runtime.pointerGetAttributes(ptr).device
-    else:
-        device = cupy.cuda.runtime.getDevice()
+    # CAI v3: an int stream the producer's work is on (1: the legacy default stream, 2: the
+    # per-thread default stream; 0 is not allowed), or None: no synchronization needed. The
+    # launch stream waits for it before the launch (_launch.wait_producers), whatever stream
+    # the call launches on.
     producer_stream = cai.get("stream")
-    if producer_stream is not None and stream_ptr is not None and producer_stream != stream_ptr:
-        # CAI v3: our stream must wait for the producer's work on its stream
-        with cupy.cuda.Device(device):
-            event = cupy.cuda.Event(disable_timing=True)
-            event.record(cupy.cuda.ExternalStream(int(producer_stream), device))
-            cupy.cuda.ExternalStream(int(stream_ptr), device).wait_event(event)
+    if producer_stream is not None and (
+        producer_stream.__class__ is bool
+        or not isinstance(producer_stream, int | np.integer)
+        or producer_stream <= 0
+    ):
+        raise BufferError(
+            f"{name}: malformed __cuda_array_interface__: stream must be None or a positive "
+            f"int (1: legacy default stream, 2: per-thread default stream), got "
+            f"{producer_stream!r}"
+        )
+    if not ptr:
+        if math.prod(shape):
+            raise BufferError(null_message(name, shape))
+        device = _cai_current_device()
+    else:
+        device = _cai_device(ptr)
     return ArrayView(
-        name, ptr, shape, strides, dtype, device, readonly=bool(readonly), owner=obj, array=obj
+        name,
+        ptr,
+        shape,
+        strides,
+        dtype,
+        device,
+        readonly=bool(readonly),
+        owner=obj,
+        array=obj,
+        wait=None if producer_stream is None else int(producer_stream),
     )
 
 
-def _consumer_stream(stream_ptr):
-    # DLPack stream protocol for CUDA: 1 is the legacy default stream, 0 is not allowed.
-    if stream_ptr is None:
-        from ropekv._launch import current_stream_ptr
+def _cai_device(ptr):
+    """The CUDA device of a device pointer."""
+    import cupy
 
-        stream_ptr = current_stream_ptr()
+    return cupy.cuda.runtime.pointerGetAttributes(ptr).device
+
+
+def _cai_current_device():
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
+def _consumer_stream(stream_ptr, device, arrays=None):
+    """The stream a DLPack producer on CUDA device ``device`` orders its work before: the launch
+    stream, ``stream_ptr`` when given, else the stream rule's on that device (torch's current
+    stream when ``arrays`` holds a torch tensor, else CuPy's). In the protocol's spelling: 1 is
+    the legacy default stream, 0 is not allowed."""
+    if stream_ptr is None:
+        from ropekv import _launch
+
+        if arrays is not None and any(is_torch(a) for a in arrays):
+            stream_ptr = _launch._torch_stream_ptr(device)
+        else:
+            stream_ptr = _launch.current_stream_ptr(device)
     return stream_ptr if stream_ptr else 1
 
 
-def _get_capsule(obj, name, device_type, stream_ptr):
+def _get_capsule(obj, name, device_type, stream_ptr, device_id=-1, arrays=None):
     kwargs = {}
     if device_type in (_DL_CUDA, _DL_CUDA_MANAGED):
-        kwargs["stream"] = _consumer_stream(stream_ptr)
+        kwargs["stream"] = _consumer_stream(stream_ptr, device_id, arrays)
     try:
         return obj.__dlpack__(max_version=(1, 1), **kwargs)
     except TypeError:
@@ -451,7 +572,7 @@ def _host_array(ptr, shape, byte_strides, dtype, readonly):
     return flat
 
 
-def _from_dlpack(obj, name, stream_ptr):
+def _from_dlpack(obj, name, stream_ptr, arrays=None):
     try:
         device_type, device_id = (int(x) for x in obj.__dlpack_device__())
     except Exception as exc:
@@ -461,7 +582,7 @@ def _from_dlpack(obj, name, stream_ptr):
             f"{name} lives on DLPack device type {device_type}; ropekv accepts CPU "
             f"(1), CUDA (2), CUDA host (3) and CUDA managed (13) memory"
         )
-    capsule = _get_capsule(obj, name, device_type, stream_ptr)
+    capsule = _get_capsule(obj, name, device_type, stream_ptr, device_id, arrays)
     if _capsule_is_valid(capsule, b"dltensor_versioned"):
         managed = _DLManagedTensorVersioned.from_address(
             _capsule_get_pointer(capsule, b"dltensor_versioned")
@@ -494,6 +615,8 @@ def _from_dlpack(obj, name, stream_ptr):
             strides.append(acc)
             acc *= n
         strides = tuple(reversed(strides))
+    if not t.data and math.prod(shape):
+        raise BufferError(null_message(name, shape))
     ptr = (t.data or 0) + t.byte_offset
     legacy = flags is None
     readonly = not legacy and bool(flags & (_DL_FLAG_READ_ONLY | _DL_FLAG_IS_COPIED))
@@ -540,12 +663,14 @@ def is_torch(obj):
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
-def as_view(obj, name, stream_ptr=None):
+def as_view(obj, name, stream_ptr=None, arrays=None):
     """Wrap ``obj`` (NumPy, CuPy, torch, ``__cuda_array_interface__`` or DLPack array) as an
     :class:`ArrayView`, zero-copy.
 
-    ``stream_ptr`` is the CUDA stream ropekv will launch on: a DLPack or CAI producer is asked to
-    order its pending work before it (the stream protocols).
+    ``stream_ptr`` is the CUDA stream ropekv will launch on (None: the stream rule's, on the
+    array's device, which ``arrays``, the call's arguments, decide): a DLPack producer is asked
+    to order its pending work before it; a CAI producer's stream is noted on the view
+    (``wait``), for the launch stream to wait for (the stream protocols).
     """
     cls = obj.__class__
     if cls is _CUPY_ARRAY:
@@ -560,6 +685,9 @@ def as_view(obj, name, stream_ptr=None):
         return _from_cupy(obj, name)
     if is_torch(obj):
         return _from_torch(obj, name)
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(obj, jax.core.Tracer):
+        raise TypeError(TRACED_JAX.format(name=name, cls=type(obj).__name__))
     try:  # JAX raises its own error (not AttributeError) for dtypes CAI cannot spell (float8)
         cai = getattr(obj, "__cuda_array_interface__", None)
     except Exception:  # noqa: BLE001 - then DLPack it is
@@ -567,7 +695,7 @@ def as_view(obj, name, stream_ptr=None):
     if cai is not None:
         return _from_cai(obj, name, cai, stream_ptr)
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
-        return _from_dlpack(obj, name, stream_ptr)
+        return _from_dlpack(obj, name, stream_ptr, arrays)
     raise TypeError(
         f"{name} must be a NumPy array, a CuPy array, a torch tensor or an object with "
         f"__cuda_array_interface__ or __dlpack__, got "
@@ -604,10 +732,12 @@ def read_arguments(arrays, names, stream_ptr=None):
             v = _from_torch(a, name)
             kinds |= TORCH
         else:
-            v = as_view(a, name, stream_ptr)
+            v = as_view(a, name, stream_ptr, arrays)
             kinds |= TORCH if is_torch(a) else CUPY if is_cupy(a) else OTHER
         if v.device != HOST and v.ptr % v.dtype.itemsize:
             misaligned = [v] if misaligned is None else [*misaligned, v]
+        if not v.ptr and v.size:  # (a null pointer is aligned: this is its one check)
+            raise BufferError(null_message(name, v.shape))
         views.append(v)
     return views, kinds, misaligned
 
@@ -628,12 +758,27 @@ _CUPY_ARRAY = _Never
 _TORCH_TENSOR = _Never
 
 
+# [torch.compiler] once a torch tensor was seen: every call reads its _is_compiling_flag, True
+# while Dynamo traces (an eager op cannot run there: _launch.Op.__call__ says what can)
+TORCH_COMPILER = [None]
+
+
+if "torch" in sys.modules and hasattr(
+    getattr(sys.modules["torch"], "compiler", None), "_is_compiling_flag"
+):
+    TORCH_COMPILER[0] = sys.modules["torch"].compiler
+
+
 def _note_type(cls, kind):
     global _CUPY_ARRAY, _TORCH_TENSOR
     if kind == "cupy" and _CUPY_ARRAY is _Never:
         _CUPY_ARRAY = sys.modules["cupy"].ndarray
     elif kind == "torch" and _TORCH_TENSOR is _Never:
-        _TORCH_TENSOR = sys.modules["torch"].Tensor
+        torch = sys.modules["torch"]
+        _TORCH_TENSOR = torch.Tensor
+        compiler = getattr(torch, "compiler", None)
+        if hasattr(compiler, "_is_compiling_flag"):
+            TORCH_COMPILER[0] = compiler
 
 
 def signature(arrays, names, stream_ptr):
@@ -653,30 +798,47 @@ def signature(arrays, names, stream_ptr):
         if cls is cupy_array:
             data = a.data
             p = data.ptr
-            add_key((a.shape, a.strides, a.dtype, p & 15, data.device_id))
+            add_key((a.shape, a.strides, a.dtype, p & 15 if p else 16, data.device_id))
             kinds |= CUPY
-        elif cls is torch_tensor and not a.is_neg():  # a lazy negation: as_view refuses it
-            p = a.data_ptr()
-            add_key((1, a.shape, a.stride(), a.dtype, p & 15, a.get_device()))
+        elif cls is torch_tensor and (key_of := _torch_key(a)) is not None:
+            add_key(key_of[0])
+            p = key_of[1]
             kinds |= TORCH
         elif a is None:
             add_key(None)
             p = 0
         else:
-            v = as_view(a, names[len(ptrs)], stream_ptr)
+            v = as_view(a, names[len(ptrs)], stream_ptr, arrays)
             p = v.ptr
             if cls is _CUPY_ARRAY:  # the first CuPy array / torch tensor ever seen: now known,
-                add_key((a.shape, a.strides, a.dtype, p & 15, a.data.device_id))  # same key
+                add_key((a.shape, a.strides, a.dtype, p & 15 if p else 16, a.data.device_id))
                 kinds |= CUPY
             elif cls is _TORCH_TENSOR:
-                add_key((1, a.shape, a.stride(), a.dtype, p & 15, a.get_device()))
+                add_key(_torch_key(a)[0])
                 kinds |= TORCH
             else:
-                add_key((2, v.shape, v.strides, v.dtype, p & 15, v.device, v.readonly, v.legacy))
+                add_key(
+                    (2, v.shape, v.strides, v.dtype, p & 15 if p else 16, v.device)
+                    + (v.readonly, v.legacy)
+                )
                 kinds |= TORCH if is_torch(a) else CUPY if is_cupy(a) else OTHER
                 keep = [v] if keep is None else [*keep, v]
         add_ptr(p)
     return tuple(key), ptrs, kinds, keep
+
+
+def _torch_key(a):
+    """``(key, ptr)`` of a torch tensor of the base type as :func:`signature` keys it (its
+    ``is_cuda`` first: a tensor of another device type never shares a CUDA plan), or None when
+    the first-call path must read it: a lazy negation, which it refuses, or a tensor without
+    storage (``data_ptr()`` raises), which it names."""
+    try:
+        if a.is_neg():
+            return None
+        p = a.data_ptr()
+        return (a.is_cuda, a.shape, a.stride(), a.dtype, p & 15 if p else 16, a.get_device()), p
+    except RuntimeError:
+        return None
 
 
 @functools.cache
@@ -690,6 +852,7 @@ def fast_signature(n):
     """
     lines = [
         f"def fast_signature_{n}(arrays):",
+        "  try:",  # a tensor without storage: data_ptr() raises RuntimeError (the generic way)
         "    cupy_array, torch_tensor, kinds = _CUPY_ARRAY, _TORCH_TENSOR, 0",
     ]
     names = [f"a{i}" for i in range(n)]
@@ -703,13 +866,19 @@ def fast_signature(n):
             f"    elif {a}.__class__ is cupy_array:",
             f"        data = {a}.data",
             f"        {p} = data.ptr",
-            f"        {k} = ({a}.shape, {a}.strides, {a}.dtype, {p} & 15, data.device_id)",
+            (
+                f"        {k} = ({a}.shape, {a}.strides, {a}.dtype, {p} & 15 if {p} else 16, "
+                "data.device_id)"
+            ),
             "        kinds |= CUPY",
             f"    elif {a}.__class__ is torch_tensor:",
             f"        if {a}.is_neg():",  # not in the key: signature's as_view refuses it
             "            return None",
             f"        {p} = {a}.data_ptr()",
-            f"        {k} = (1, {a}.shape, {a}.stride(), {a}.dtype, {p} & 15, {a}.get_device())",
+            (
+                f"        {k} = ({a}.is_cuda, {a}.shape, {a}.stride(), {a}.dtype, "
+                f"{p} & 15 if {p} else 16, {a}.get_device())"
+            ),
             "        kinds |= TORCH",
             "    else:",
             "        return None",
@@ -717,6 +886,7 @@ def fast_signature(n):
     keys = ", ".join(f"k{i}" for i in range(n))
     ptrs = ", ".join(f"p{i}" for i in range(n))
     lines.append(f"    return ({keys}{',' if n == 1 else ''}), [{ptrs}], kinds")
+    lines += ["  except RuntimeError:", "    return None"]
     namespace = {}
     exec(compile("\n".join(lines), f"<ropekv fast_signature {n}>", "exec"), globals(), namespace)
     return namespace[f"fast_signature_{n}"]

@@ -236,13 +236,15 @@ def check_flag(value, name):
     raise TypeError(f"{name} must be a bool, got {value!r} of type {type(value).__name__}")
 
 
-_INF = math.inf
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # a kernel takes its scalars as float32
+INT32_MAX = 2**31 - 1
 
 
 def check_float(value, name, *, positive):
-    """A finite real scalar (> 0 when ``positive``, else >= 0), as a Python float."""
+    """A finite real scalar (> 0 when ``positive``, else >= 0) that float32 holds (a kernel
+    record takes it as a float32), as a Python float."""
     cls = value.__class__
-    if cls is float and (0.0 < value if positive else 0.0 <= value) and value < _INF:
+    if cls is float and (0.0 < value if positive else 0.0 <= value) and value <= FLOAT32_MAX:
         return value  # the common case, valid as it is (NaN fails both tests)
     if (
         cls is not float
@@ -252,12 +254,32 @@ def check_float(value, name, *, positive):
         raise TypeError(
             f"{name} must be a real number, got {value!r} of type {type(value).__name__}"
         )
-    value = float(value)
+    what = "positive" if positive else "non-negative"
+    try:
+        value = float(value)
+    except (OverflowError, ValueError):  # an int beyond any float (10**400)
+        raise ValueError(
+            f"{name} must be a finite {what} number of at most {FLOAT32_MAX:.7g} (float32), "
+            f"got {_short_repr(value)}"
+        ) from None
     ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
     if not ok:
-        what = "positive" if positive else "non-negative"
         raise ValueError(f"{name} must be a finite {what} number, got {value!r}")
+    if value > FLOAT32_MAX:
+        raise ValueError(
+            f"{name} must be at most {FLOAT32_MAX:.7g} (float32, as the kernels take it), "
+            f"got {value!r}"
+        )
     return value
+
+
+def _short_repr(value, limit=60):
+    """``repr(value)``, cut to ``limit`` characters (an int of 400 digits)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return f"an integer of about {value.bit_length() * 0.30103:.0f} digits"
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def check_scale_values(view):
@@ -390,13 +412,19 @@ def check_cos_sin_cache(view, D, ndims=(2,), layout="(P, R)"):
     return P, R
 
 
-def check_positive_int(value, name):
+def check_positive_int(value, name, limit=INT32_MAX):
+    """A positive ``int`` (or NumPy integer) of at most ``limit`` (a kernel record takes it as an
+    int32), as a Python int."""
     if (
         value.__class__ is not int
         and (isinstance(value, bool) or not isinstance(value, int | np.integer))
         or value <= 0
     ):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ValueError(f"{name} must be a positive integer, got {_short_repr(value)}")
+    if value > limit:
+        raise ValueError(
+            f"{name} must be a positive integer of at most {limit}, got {_short_repr(value)}"
+        )
     return int(value)
 
 

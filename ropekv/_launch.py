@@ -530,6 +530,47 @@ def scalar_key(value):
     return value
 
 
+class _TypedKey:
+    """A non-int value of an int argument in a plan key: equal only to the same value of the same
+    type (4.0 == 4 would let a plan validated for the int 4 serve a float that must be refused).
+    Validation sees it as the value: its repr and type name are the value's."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return (
+            type(other) is _TypedKey
+            and type(other.value) is type(self.value)
+            and other.value == self.value
+        )
+
+    def __hash__(self):
+        try:
+            return hash((type(self.value), self.value))
+        except TypeError:  # an unhashable value: one bucket (it never validates anyway)
+            return hash(_TypedKey)
+
+    def __repr__(self):
+        return repr(self.value)
+
+
+def int_key(value):
+    """An int argument's value as it enters a plan key (:data:`INT`): None and ints as they are, a
+    NumPy integer as its int, a bool as :func:`scalar_key` keeps it, anything else a
+    :class:`_TypedKey`."""
+    cls = value.__class__
+    if cls is int or value is None:
+        return value
+    if cls is bool or cls is _NP_BOOL:
+        return _BoolKey(bool(value))
+    if isinstance(value, np.integer):
+        return int(value)
+    return _TypedKey(value)
+
+
 _NP_BOOL = np.bool_
 _NP_DTYPE = np.dtype  # (the C replay reads these two from this module)
 
@@ -738,6 +779,41 @@ class Plan:
         return None if self.result is None else self.result(arrays, outs)
 
 
+def launch_stream(device, kinds, stream_ptr):
+    """The stream a call launches on (the stream rule): ``stream_ptr`` when given, else torch's
+    current stream on ``device`` when an argument is a torch tensor, else CuPy's."""
+    if stream_ptr is not None:
+        return stream_ptr
+    return _torch_stream_ptr(device) if kinds & ar.TORCH else current_stream_ptr(device)
+
+
+def wait_producers(views, device, kinds, stream_ptr):
+    """CAI v3: before the launch, the launch stream waits for the stream each
+    ``__cuda_array_interface__`` producer among ``views`` named (``ArrayView.wait``): an event
+    recorded on the producer's stream, waited for on the launch stream (nothing when the two are
+    one stream). Runs whether or not the call passed ``stream=``."""
+    consumer = None
+    for v in views:
+        producer = None if v is None else getattr(v, "wait", None)
+        if producer is None:
+            continue
+        if consumer is None:
+            consumer = launch_stream(device, kinds, stream_ptr)
+        if producer != consumer and not (producer == 1 and consumer == 0):
+            stream_wait(producer, consumer, device)
+
+
+def stream_wait(producer, consumer, device):
+    """Make stream ``consumer`` wait for the work queued so far on stream ``producer`` (both raw
+    ``cudaStream_t`` values of ``device``; 1 and 2: the legacy and per-thread default streams)."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(cupy.cuda.ExternalStream(producer, device))
+        cupy.cuda.ExternalStream(consumer, device).wait_event(event)
+
+
 def _bounded_put(table, key, value, limit):
     """``table[key] = value``, first dropping the oldest entry when ``limit`` is reached (other
     threads may be doing the same: a vanished entry is fine)."""
@@ -818,6 +894,7 @@ def _native_launchers():
 
 
 _native_module = [_UNBOUND]  # the configured C replay module, or None
+_TORCH_COMPILER = ar.TORCH_COMPILER  # [torch.compiler] once torch is seen, else [None]
 _native_has_ex = [False]  # whether it has cuLaunchKernelEx (launches with enable_pdl=True)
 _torch_probed = [False]  # whether that module's torch struct reads were probed (torch_reads)
 _native_cublas_bound = [None]  # whether that module has the cuBLAS functions (_native_cublas)
@@ -825,16 +902,19 @@ _native_cublas_bound = [None]  # whether that module has the cuBLAS functions (_
 
 def native_module():
     """The C replay (``_native.c``) with the driver's launch functions bound, or None when it
-    cannot be built or there is no driver (then every call replays in Python)."""
+    cannot be built, there is no driver (then every call replays in Python) or the interpreter
+    runs without the GIL: the C replay needs it (``_native.c`` declares ``Py_MOD_GIL_USED``), and
+    loading it would turn a free-threaded interpreter's GIL back on for the process."""
     module = _native_module[0]
     if module is _UNBOUND:
         from ropekv import _native
 
+        module = None
         try:
             launchers = _native_launchers()  # no driver: nothing to build the C replay for
         except OSError:
-            module = None
-        else:
+            launchers = None
+        if launchers is not None and _gil_enabled():
             module = _native.load()
             if module is not None:
                 module.configure(*launchers)
@@ -845,6 +925,12 @@ def native_module():
         _torch_probed[0] = False
         _native_cublas_bound[0] = None
     return module
+
+
+def _gil_enabled():
+    """Whether the GIL is on (always, but on a free-threaded build run without it)."""
+    enabled = getattr(sys, "_is_gil_enabled", None)
+    return True if enabled is None else bool(enabled())
 
 
 def _native_cublas(module):
@@ -1002,6 +1088,9 @@ def select_layer(views, indices, layer):
 AS_IS = 0  # as given (already a key: a tuple of tuning values, a validated scale)
 KEY = 1  # scalar_key(value): compared by value, bools kept apart from ints, lists as tuples
 FLAG = 2  # check_flag(value, name): a bool (TypeError otherwise)
+INT = 4  # an int argument (or None): kept as it is when an int, a NumPy integer as its int, any
+# other value as a key equal only to a value of its own type (int_key): 4.0 never replays the plan
+# of 4, which validation would refuse
 # or a function of the value: a dtype-like argument, returned as is when None, a str or a NumPy
 # dtype (the C replay takes those as they come; anything else goes through the function)
 _DTYPE_LIKE = 3  # the C replay's name (_native.c's DTYPE) for the kind given as a function
@@ -1025,12 +1114,15 @@ def _normalizer(spec):
             out.append(f"v{i} if v{i}.__class__ in plain else scalar_key(v{i})")
         elif kind == FLAG:
             out.append(f"v{i} if v{i} is True or v{i} is False else check_flag(v{i}, {name!r})")
+        elif kind == INT:
+            out.append(f"v{i} if v{i}.__class__ is int else int_key(v{i})")
         else:
             env[f"f{i}"] = kind
             out.append(f"f{i}(v{i})")
     lines.append(f"    return ({', '.join(out)},)")
     env.update(
         scalar_key=scalar_key,
+        int_key=int_key,
         check_flag=ck.check_flag,
         plain=frozenset((float, int, str, tuple, type(None))),
     )
@@ -1063,7 +1155,7 @@ class Op:
         self.name = name
         self.names = tuple(names)
         self.prepare = prepare
-        kinds = [k if k in (AS_IS, KEY, FLAG) else _DTYPE_LIKE for _, k in flags]
+        kinds = [k if k in (AS_IS, KEY, FLAG, INT) else _DTYPE_LIKE for _, k in flags]
         self.flag_kinds = tuple(kinds) if flags else None  # None: the wrapper normalizes
         self.normalize = _normalizer(flags) if flags else _given
         self.plans = _Plans()
@@ -1098,6 +1190,11 @@ class Op:
         self.layer_plans.clear()
 
     def __call__(self, arrays, flags, stream=None, layer_idx=None):
+        compiler = _TORCH_COMPILER[0]  # torch.compiler once torch is imported, else None
+        if compiler is not None and compiler._is_compiling_flag:  # Dynamo is tracing this call
+            raise TypeError(
+                ar.TRACED_TORCH.format(name=f"{self.name}'s call", what="call traced by Dynamo")
+            )
         stream_ptr = None if stream is None else stream_ptr_of(stream)
         if layer_idx is None:
             plans = self.plans
@@ -1120,9 +1217,12 @@ class Op:
             flags = self.normalize(flags)
             fast = self.signature(arrays)
             if fast is None:  # an argument of another kind: its view (and capsule) lives here
+                # (a null pointer has its own alignment key, 16: only an empty array's plan has
+                # it, so a non-empty array at address 0 always takes the first-call path)
                 layout, ptrs, kinds, keep = ar.signature(arrays, self.names, stream_ptr)
             else:
                 layout, ptrs, kinds = fast
+                keep = None
             try:
                 h = hash(flags)
             except TypeError:  # an unhashable flag: every call takes the first-call path
@@ -1136,6 +1236,8 @@ class Op:
                 plans.last = (h, flags, layout, plan)
             if layer_idx is not None and plan.layers.misaligned(layer_idx):
                 return self.first_call(arrays, flags, stream_ptr, None, layer_idx)
+            if keep is not None:  # CAI producers' streams: the launch stream waits for them
+                wait_producers(keep, plan.device, kinds, stream_ptr)
             return plan.replay(arrays, ptrs, kinds, stream_ptr, self.names, layer_idx)
         return self.first_call(arrays, self.normalize(flags), stream_ptr, None, layer_idx)
 
@@ -1154,7 +1256,16 @@ class Op:
         op_views = views
         if layer is not None:
             op_views, layers = select_layer(views, self.layered, layer)
-        plan = self.prepare(op_views, flags)
+        try:
+            plan = self.prepare(op_views, flags)
+        except AttributeError:  # a required array given as None (its view read as an array)
+            given_none = [n for n, v in zip(self.names, op_views) if v is None]
+            if not given_none:
+                raise
+            raise TypeError(
+                f"{self.name}: a required array argument is None (None given for "
+                f"{', '.join(given_none)}; only the optional ones may be None)"
+            ) from None
         plan.layers = layers
         if plan.capture_plan is not None:  # it replays the same (multi-layer) arguments
             plan.capture_plan.layers = layers
@@ -1167,6 +1278,8 @@ class Op:
         pairs = ck.check_no_overlap(views, written, plan.inplace)
         if plan.device == ar.HOST:
             return self.run_host(plan, arrays, op_views, kinds, stream_ptr)
+        if kinds & ar.OTHER:  # CAI producers' streams: the launch stream waits for them
+            wait_producers(views, plan.device, kinds, stream_ptr)
         plan.finish(views, pairs)
         plans = self.plans if layer is None else self.layer_plans
         if key is not None and plan.cacheable:

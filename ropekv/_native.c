@@ -77,7 +77,7 @@ static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *
     *s_getDevice, *s_setDevice, *s_cupy_array, *s_torch_tensor, *s_current_stream_ptr,
     *s_torch_stream_ptr, *s_runtime, *s_driver_failed, *s_np_bool, *s_np_dtype, *s_empties, *one,
     *s_cublas_handle, *s_cublas_failed, *s_is_neg, *s_new_layout, *s_stream_capturing,
-    *s_itemsize;
+    *s_itemsize, *s_is_cuda;
 
 /* ---- a plan's launches, as C data ----------------------------------------------------------- */
 
@@ -396,6 +396,11 @@ static int as_u64_borrowed(PyObject *o, uint64_t *out) {
   return as_u64(o, out);
 }
 
+/* The alignment entry of a key (_arrays.align_key): the pointer's offset from 16 bytes, or 16 for
+ * a null pointer, which no plan of a non-empty array is keyed by (a first call refuses it), so a
+ * null pointer never replays a plan validated on an aligned one. */
+static long align_key(uint64_t ptr) { return ptr ? (long)(ptr & 15) : 16; }
+
 /* The layout key of one argument (as _arrays.fast_signature builds it) and its pointer; NULL with
  * no error set: not a CuPy array nor a torch tensor of the base type (the Python path reads it). */
 static PyObject *read_array(PyObject *a, PyObject *cupy_cls, PyObject *torch_cls, uint64_t *ptr,
@@ -414,7 +419,7 @@ static PyObject *read_array(PyObject *a, PyObject *cupy_cls, PyObject *torch_cls
     PyObject *shape = PyObject_GetAttr(a, s_shape);
     PyObject *strides = shape ? PyObject_GetAttr(a, s_strides) : NULL;
     PyObject *dtype = strides ? PyObject_GetAttr(a, s_dtype) : NULL;
-    PyObject *align = dtype ? PyLong_FromLong((long)(*ptr & 15)) : NULL;
+    PyObject *align = dtype ? PyLong_FromLong(align_key(*ptr)) : NULL;
     PyObject *key = align ? PyTuple_Pack(5, shape, strides, dtype, align, dev) : NULL;
     Py_XDECREF(shape);
     Py_XDECREF(strides);
@@ -432,18 +437,25 @@ static PyObject *read_array(PyObject *a, PyObject *cupy_cls, PyObject *torch_cls
     int negated = PyObject_IsTrue(neg);
     Py_DECREF(neg);
     if (negated) return NULL; /* -1: its error; 1: a miss */
-    if (as_u64(PyObject_CallMethodNoArgs(a, s_data_ptr), ptr)) return NULL;
-    PyObject *shape = PyObject_GetAttr(a, s_shape);
+    if (as_u64(PyObject_CallMethodNoArgs(a, s_data_ptr), ptr)) {
+      /* a tensor without storage (sparse, nested, ...): the first-call path names it */
+      if (PyErr_ExceptionMatches(PyExc_RuntimeError)) PyErr_Clear();
+      return NULL;
+    }
+    PyObject *cuda = PyObject_GetAttr(a, s_is_cuda); /* a device of another type: not CUDA */
+    PyObject *shape = cuda ? PyObject_GetAttr(a, s_shape) : NULL;
     PyObject *stride = shape ? PyObject_CallMethodNoArgs(a, s_stride) : NULL;
     PyObject *dtype = stride ? PyObject_GetAttr(a, s_dtype) : NULL;
-    PyObject *align = dtype ? PyLong_FromLong((long)(*ptr & 15)) : NULL;
+    PyObject *align = dtype ? PyLong_FromLong(align_key(*ptr)) : NULL;
     PyObject *dev = align ? PyObject_CallMethodNoArgs(a, s_get_device) : NULL;
-    PyObject *key = dev ? PyTuple_Pack(6, one, shape, stride, dtype, align, dev) : NULL;
+    PyObject *key = dev ? PyTuple_Pack(6, cuda, shape, stride, dtype, align, dev) : NULL;
+    Py_XDECREF(cuda);
     Py_XDECREF(shape);
     Py_XDECREF(stride);
     Py_XDECREF(dtype);
     Py_XDECREF(align);
     Py_XDECREF(dev);
+    if (!key && PyErr_ExceptionMatches(PyExc_RuntimeError)) PyErr_Clear(); /* as above */
     *kinds |= TORCH;
     return key;
   }
@@ -495,6 +507,7 @@ typedef struct {
   Py_ssize_t data, check; /* in the StorageImpl: the data pointer, the mutable-data check byte */
   uint64_t keyset_value;
   int device_type;
+  int live; /* 0: configured but not verified yet (only raw_layout(a, True) reads this way) */
   int n_dtypes;
   unsigned dtype_index[RAW_DTYPES];
   int64_t itemsize[RAW_DTYPES];
@@ -541,11 +554,13 @@ static int torch_view(PyObject *a, RawView *v) {
   v->torch = 1;
   v->device = (signed char)dev[1]; /* -1: none (a CPU tensor) */
   v->item = (Py_ssize_t)rt.itemsize[d];
-  /* TensorImpl::data(): null for an empty tensor, else the storage's data plus the offset */
-  v->ptr = AT(impl, rt.numel, int64_t) == 0
+  /* TensorImpl::data(): null for an empty tensor, else the storage's data plus the offset; a
+   * storage without data (resized to 0 bytes) gives null whatever the offset (data_ptr() would
+   * give the offset alone), which no plan of a non-empty tensor is keyed by */
+  uintptr_t base = AT(storage, rt.data, uintptr_t);
+  v->ptr = AT(impl, rt.numel, int64_t) == 0 || !base
                ? 0
-               : (uint64_t)AT(storage, rt.data, uintptr_t) +
-                     (uint64_t)(AT(impl, rt.offset, int64_t) * rt.itemsize[d]);
+               : (uint64_t)base + (uint64_t)(AT(impl, rt.offset, int64_t) * rt.itemsize[d]);
   return 1;
 }
 
@@ -553,7 +568,7 @@ static int torch_view(PyObject *a, RawView *v) {
  * way (the attributes are). */
 static int raw_view(PyObject *a, RawView *v) {
   PyObject *cls = (PyObject *)Py_TYPE(a);
-  if (cls == rt.tensor_type) return torch_view(a, v);
+  if (cls == rt.tensor_type) return rt.live && torch_view(a, v);
   if (!raw.array_type || cls != raw.array_type) return 0;
   const Py_ssize_t *sb = AT(a, raw.shape, const Py_ssize_t *),
                    *se = AT(a, raw.shape + 8, const Py_ssize_t *),
@@ -599,9 +614,9 @@ static PyObject *raw_key(const RawView *v) {
   PyObject *dev = raw_device(v);
   PyObject *shape = dev ? ssize_tuple(v->shape, v->ndim) : NULL;
   PyObject *strides = shape ? ssize_tuple(v->strides, v->ndim) : NULL;
-  PyObject *align = strides ? PyLong_FromLong((long)(v->ptr & 15)) : NULL;
+  PyObject *align = strides ? PyLong_FromLong(align_key(v->ptr)) : NULL;
   PyObject *key = !align   ? NULL
-                  : v->torch ? PyTuple_Pack(6, one, shape, strides, v->dtype, align, dev)
+                  : v->torch ? PyTuple_Pack(6, Py_True, shape, strides, v->dtype, align, dev)
                              : PyTuple_Pack(5, shape, strides, v->dtype, align, dev);
   Py_XDECREF(dev);
   Py_XDECREF(shape);
@@ -629,17 +644,18 @@ static int ssize_tuple_equals(PyObject *t, const Py_ssize_t *values, Py_ssize_t 
 /* 1 when the key read_array would build for the raw view equals `entry` (a key of an earlier
  * call), 0 when not, -1 on error; it builds no key. */
 static int raw_key_equals(const RawView *v, PyObject *entry) {
-  Py_ssize_t at = v->torch; /* a tensor's key starts with 1 */
+  Py_ssize_t at = v->torch; /* a tensor's key starts with its is_cuda (True: a struct read is of
+                               the configured CUDA device type) */
   if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5 + at) return 0;
-  if (at && PyTuple_GET_ITEM(entry, 0) != one) {
-    int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 0), one, Py_EQ);
+  if (at && PyTuple_GET_ITEM(entry, 0) != Py_True) {
+    int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 0), Py_True, Py_EQ);
     if (same <= 0) return same;
   }
   if (!ssize_tuple_equals(PyTuple_GET_ITEM(entry, at), v->shape, v->ndim) ||
       !ssize_tuple_equals(PyTuple_GET_ITEM(entry, at + 1), v->strides, v->ndim))
     return 0;
   PyObject *align = PyTuple_GET_ITEM(entry, at + 3);
-  if (!PyLong_CheckExact(align) || PyLong_AsLong(align) != (long)(v->ptr & 15)) return 0;
+  if (!PyLong_CheckExact(align) || PyLong_AsLong(align) != align_key(v->ptr)) return 0;
   PyObject *dtype = PyTuple_GET_ITEM(entry, at + 2);
   if (dtype != v->dtype) {
     int same = PyObject_RichCompareBool(dtype, v->dtype, Py_EQ);
@@ -690,6 +706,7 @@ static PyObject *configure_cupy(PyObject *mod, PyObject *args) {
 }
 
 static void torch_off(void) {
+  rt.live = 0;
   Py_CLEAR(rt.tensor_type);
   for (int d = 0; d < rt.n_dtypes; d++) Py_CLEAR(rt.dtypes[d]);
   rt.n_dtypes = 0;
@@ -761,16 +778,34 @@ static PyObject *configure_torch(PyObject *mod, PyObject *args) {
   rt.check = o[10];
   rt.keyset_value = keyset;
   rt.device_type = device_type;
+  rt.live = 0; /* staged: enable_torch() turns the reads on once _native.py has verified them */
   Py_INCREF(tensor_type);
   rt.tensor_type = tensor_type;
   Py_RETURN_NONE;
 }
 
-/* raw_layout(a) -> (shape, strides, dtype, ptr, device) read from a CuPy array's or a torch
- * tensor's struct (device: a tensor's index, -1 for a CuPy array), or None (not readable so). */
-static PyObject *raw_layout(PyObject *mod, PyObject *a) {
+/* enable_torch(): the staged torch reads (configure_torch) go live. */
+static PyObject *enable_torch(PyObject *mod, PyObject *unused) {
+  if (!rt.tensor_type) {
+    PyErr_SetString(PyExc_ValueError, "enable_torch: no torch reads configured");
+    return NULL;
+  }
+  rt.live = 1;
+  Py_RETURN_NONE;
+}
+
+/* raw_layout(a, staged=False) -> (shape, strides, dtype, ptr, device) read from a CuPy array's or
+ * a torch tensor's struct (device: a tensor's index, -1 for a CuPy array), or None (not readable
+ * so). staged: read a torch tensor with the configured reads before they go live (the probe). */
+static PyObject *raw_layout(PyObject *mod, PyObject *args) {
+  PyObject *a;
+  int staged = 0;
+  if (!PyArg_ParseTuple(args, "O|p", &a, &staged)) return NULL;
   RawView v;
-  if (!raw_view(a, &v)) Py_RETURN_NONE;
+  int readable = staged && rt.tensor_type && (PyObject *)Py_TYPE(a) == rt.tensor_type
+                     ? torch_view(a, &v)
+                     : raw_view(a, &v);
+  if (!readable) Py_RETURN_NONE;
   PyObject *shape = ssize_tuple(v.shape, v.ndim);
   PyObject *strides = shape ? ssize_tuple(v.strides, v.ndim) : NULL;
   PyObject *ptr = strides ? PyLong_FromUnsignedLongLong(v.ptr) : NULL;
@@ -944,7 +979,7 @@ static int launch_steps(Caller *self, NativePlan *plan, const uint64_t *ptrs, vo
   return 0;
 }
 
-enum { AS_IS = 0, KEY = 1, FLAG = 2, DTYPE = 3 }; /* _launch's flag kinds */
+enum { AS_IS = 0, KEY = 1, FLAG = 2, DTYPE = 3, INT = 4 }; /* _launch's flag kinds */
 
 /* 1 when every scalar argument already is what its normalization would give (Op.normalize), so
  * the call's values are its plan's flags; 0: the Python path normalizes (and raises); -1 error. */
@@ -959,6 +994,8 @@ static int flags_are_normal(Caller *self, PyObject *flags) {
     if (kind == -1 && PyErr_Occurred()) return -1;
     if (kind == FLAG) {
       if (v != Py_True && v != Py_False) return 0;
+    } else if (kind == INT) {
+      if (!PyLong_CheckExact(v) && v != Py_None) return 0;
     } else if (kind == KEY) {
       if (PyBool_Check(v) || PyList_Check(v)) return 0;
       if (!(PyFloat_CheckExact(v) || PyLong_CheckExact(v) || PyUnicode_CheckExact(v) ||
@@ -1110,7 +1147,11 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
   long long layer = -1;
   if (layer_arg != Py_None) {
     layer = PyLong_AsLongLong(layer_arg);
-    if (layer == -1 && PyErr_Occurred()) goto done;
+    if (layer == -1 && PyErr_Occurred()) {
+      if (!PyErr_ExceptionMatches(PyExc_OverflowError)) goto done;
+      PyErr_Clear(); /* beyond int64: out of range, which the Python path says (ValueError) */
+      goto miss;
+    }
     /* the Python path decides a layer out of range (its error), a layer of a plan whose layer
      * strides change the arrays' alignment (perhaps a first call), and any layer of a plan
      * without launches in C */
@@ -1353,9 +1394,11 @@ static PyMethodDef methods[] = {
     {"view_fields", view_fields, METH_O,
      "view_fields(a) -> (ptr, shape, element strides, dtype, device, size, lo, hi) of a CuPy "
      "array or torch tensor read from its struct, or None"},
-    {"raw_layout", raw_layout, METH_O,
-     "raw_layout(a) -> (shape, strides, dtype, ptr, device) read from a CuPy array's or a torch "
-     "tensor's struct, or None"},
+    {"raw_layout", raw_layout, METH_VARARGS,
+     "raw_layout(a, staged=False) -> (shape, strides, dtype, ptr, device) read from a CuPy "
+     "array's or a torch tensor's struct, or None (staged: with torch reads not yet enabled)"},
+    {"enable_torch", enable_torch, METH_NOARGS,
+     "enable_torch(): the torch reads configure_torch staged go live (once verified)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_native_ext",
@@ -1399,10 +1442,22 @@ PyMODINIT_FUNC PyInit__native_ext(void) {
   INTERN(s_new_layout, "_NewLayout");
   INTERN(s_stream_capturing, "stream_capturing");
   INTERN(s_itemsize, "itemsize");
+  INTERN(s_is_cuda, "is_cuda");
   if (!(one = PyLong_FromLong(1))) return NULL;
   if (PyType_Ready(&NativePlanType) < 0 || PyType_Ready(&CallerType) < 0) return NULL;
   PyObject *m = PyModule_Create(&moduledef);
   if (!m) return NULL;
+#ifdef Py_GIL_DISABLED
+  /* This module needs the GIL: its configuration (the struct offsets, the driver entry points) is
+   * process-global state that configure_* rewrites, and the replay takes borrowed references from
+   * dicts other threads may change. Declared so (Py_MOD_GIL_USED), a free-threaded interpreter
+   * would enable the GIL on import; ropekv._launch does not load it there (the Python replay
+   * serves every call instead). */
+  if (PyUnstable_Module_SetGIL(m, Py_MOD_GIL_USED) < 0) {
+    Py_DECREF(m);
+    return NULL;
+  }
+#endif
   Py_INCREF(&NativePlanType);
   Py_INCREF(&CallerType);
   if (PyModule_AddObject(m, "NativePlan", (PyObject *)&NativePlanType) ||

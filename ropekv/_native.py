@@ -25,6 +25,7 @@ replay in Python, with a warning). Compiling takes about a second, once.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -305,14 +306,38 @@ def configure_cupy_reads(module) -> None:
 # index, engaged) and, last, key_set_; a StorageImpl holds its data pointer and the one flag byte
 # that routes data_ptr() through a check (copy-on-write, throw or warn on mutable access).
 
-_SCAN_BYTES = 384  # of a TensorImpl scanned for its key set, its last field (it is ~180 bytes)
-_STORAGE_BYTES = 80  # of a StorageImpl searched for the data pointer and the check byte
+_SCAN_BYTES = 384  # at most, of a TensorImpl scanned for its key set, its last field
+_STORAGE_BYTES = 80  # at most, of a StorageImpl searched for the data pointer and the check byte
 _DEVICE_TYPES = {"cpu": 0, "cuda": 1}  # c10::DeviceType codes
 
 
 def _uwords(address, nbytes):
     """``nbytes`` at ``address`` as unsigned 64-bit words."""
     return struct.unpack(f"{nbytes // 8}Q", ctypes.string_at(address, nbytes // 8 * 8))
+
+
+@functools.cache
+def _usable_size():
+    """The C library's ``malloc_usable_size`` (glibc, musl, jemalloc), or None."""
+    try:
+        fn = ctypes.CDLL(None).malloc_usable_size
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_size_t
+    return fn
+
+
+def _object_bytes(address, limit):
+    """How many bytes of the C++ object at ``address`` (a TensorImpl or StorageImpl, allocated by
+    ``new``) may be read: its allocation's usable size, at most ``limit``. LookupError when that
+    size cannot be had (the probe then reads nothing beyond what it knows)."""
+    usable = _usable_size()
+    if usable is None:
+        raise LookupError("no malloc_usable_size to bound the reads of torch's C++ structs")
+    size = usable(address)
+    if size < 16:
+        raise LookupError(f"an allocation of {size} bytes at {address:#x} holds no TensorImpl")
+    return min(size, limit) // 8 * 8
 
 
 def _torch_probes(torch, device):
@@ -351,9 +376,11 @@ def find_torch_offsets(torch, probes):
         raise LookupError(f"the probes have {len(keysets)} dispatch key sets (expected one)")
     keyset_value = keysets.pop()
     found = []
-    for t in probes:  # the key set is the TensorImpl's last field: read no further than it
-        words = _uwords(t._cdata, _SCAN_BYTES)
-        found.append({next((8 * k for k, w in enumerate(words) if w == keyset_value), -1)})
+    for t in probes:  # the key set is the TensorImpl's last field: read no further than it, and
+        # never past the object's allocation, word by word up to the first match
+        end = _object_bytes(t._cdata, _SCAN_BYTES)
+        at = next((b for b in range(0, end, 8) if _uwords(t._cdata + b, 8)[0] == keyset_value), -1)
+        found.append({at})
     keyset = _common(found, "the key set")
     if keyset < 0:
         raise LookupError("the key set is not in the TensorImpl's first bytes")
@@ -436,11 +463,12 @@ def find_storage_offsets(torch, device):
     import numpy as np
 
     host = torch.from_numpy(np.empty(16, np.float32))
+    cdata = host.untyped_storage()._cdata
     data = _common(
         [
             {
                 8 * k
-                for k, w in enumerate(_uwords(host.untyped_storage()._cdata, _STORAGE_BYTES))
+                for k, w in enumerate(_uwords(cdata, _object_bytes(cdata, _STORAGE_BYTES)))
                 if w == host.untyped_storage().data_ptr()
             }
         ],
@@ -452,10 +480,12 @@ def find_storage_offsets(torch, device):
         torch._C._set_warn_deprecated_on_mutable_data_ptr,
     ):
         t = torch.empty(4, device=device)
-        before = ctypes.string_at(t.untyped_storage()._cdata, _STORAGE_BYTES)
+        cdata = t.untyped_storage()._cdata
+        n = _object_bytes(cdata, _STORAGE_BYTES)
+        before = ctypes.string_at(cdata, n)
         flag(t)
-        after = ctypes.string_at(t.untyped_storage()._cdata, _STORAGE_BYTES)
-        changed.append({b for b in range(data + 8, _STORAGE_BYTES) if before[b] != after[b]})
+        after = ctypes.string_at(cdata, n)
+        changed.append({b for b in range(data + 8, n) if before[b] != after[b]})
     return data, _common(changed, "the storage's check byte")
 
 
@@ -467,6 +497,15 @@ def _refused(torch, device):
     with torch.inference_mode():
         inference = torch.empty(4, device=device)
     return [must_not_write, inference, torch._neg_view(torch.empty(4, device=device))]
+
+
+def torch_reads_failed(reason) -> None:
+    """Turn the C replay's torch struct reads off for the process: a read disagreed with the
+    attributes (``_arrays._verified_fields``, on a device other than the probed one)."""
+    module = _state["module"]
+    if module is not None:
+        module.configure_torch(None)
+    _state["torch"] = f"LookupError: {reason}"
 
 
 def configure_torch_reads(module, device) -> None:
@@ -487,37 +526,50 @@ def configure_torch_reads(module, device) -> None:
 
         torch = sys.modules["torch"]
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-        probes = _torch_probes(torch, device)
-        offsets, keyset_value = find_torch_offsets(torch, probes)
-        storage = find_storage_offsets(torch, device)
-        dtype_at = offsets[6]
-        dtypes = []
-        for name in _arrays._TORCH_NAMES:
-            dtype = getattr(torch, name, None)
-            if dtype is not None:
-                t = torch.empty(16, dtype=torch.uint8, device=device).view(dtype)
-                index = int.from_bytes(ctypes.string_at(t._cdata + dtype_at, 2), "little")
-                dtypes.append((index, dtype, t.element_size()))
-        module.configure_torch(
-            torch.Tensor,
-            (*offsets, *storage),
-            keyset_value,
-            _DEVICE_TYPES[device.type],
-            tuple(dtypes),
-        )
-        checks = probes + [
-            torch.empty(16, dtype=torch.uint8, device=device).view(d) for _, d, _ in dtypes
-        ]
-        for t in checks:  # the C reads against the attributes, every probe
-            got = module.raw_layout(t)
-            want = (tuple(t.shape), t.stride(), t.dtype, t.data_ptr(), t.get_device())
-            if got != want:
-                raise LookupError(f"a struct read gave {got}, the attributes {want}")
-        for t in _refused(torch, device):
-            if module.raw_layout(t) is not None:
-                raise LookupError("a struct read took a tensor it must leave to the attributes")
+        # the probes are normal tensors even when the first call runs in inference mode (its
+        # tensors would all be inference tensors, which the reads must leave to the attributes)
+        with torch.inference_mode(False):
+            _probe_torch(module, torch, device, _arrays)
     except Exception as exc:  # noqa: BLE001 - any failure keeps the attributes
         module.configure_torch(None)
         _state["torch"] = f"{type(exc).__name__}: {exc}"
     else:
+        _arrays._VERIFIED_TORCH_DEVICES.clear()
+        if device.index is not None:
+            _arrays._VERIFIED_TORCH_DEVICES.add(device.index)
+        module.enable_torch()  # verified: the reads go live
         _state["torch"] = None
+
+
+def _probe_torch(module, torch, device, _arrays):
+    """Find, stage (``configure_torch``: not live) and verify the torch reads on ``device``;
+    raises when any check fails."""
+    probes = _torch_probes(torch, device)
+    offsets, keyset_value = find_torch_offsets(torch, probes)
+    storage = find_storage_offsets(torch, device)
+    dtype_at = offsets[6]
+    dtypes = []
+    for name in _arrays._TORCH_NAMES:
+        dtype = getattr(torch, name, None)
+        if dtype is not None:
+            t = torch.empty(16, dtype=torch.uint8, device=device).view(dtype)
+            index = int.from_bytes(ctypes.string_at(t._cdata + dtype_at, 2), "little")
+            dtypes.append((index, dtype, t.element_size()))
+    module.configure_torch(
+        torch.Tensor,
+        (*offsets, *storage),
+        keyset_value,
+        _DEVICE_TYPES[device.type],
+        tuple(dtypes),
+    )
+    checks = probes + [
+        torch.empty(16, dtype=torch.uint8, device=device).view(d) for _, d, _ in dtypes
+    ]
+    for t in checks:  # the staged C reads against the attributes, every probe
+        got = module.raw_layout(t, True)
+        want = (tuple(t.shape), t.stride(), t.dtype, t.data_ptr(), t.get_device())
+        if got != want:
+            raise LookupError(f"a struct read gave {got}, the attributes {want}")
+    for t in _refused(torch, device):
+        if module.raw_layout(t, True) is not None:
+            raise LookupError("a struct read took a tensor it must leave to the attributes")

@@ -12,7 +12,7 @@ from ropekv import _checks as ck
 from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
-from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan
+from ropekv._launch import AS_IS, FLAG, INT, KEY, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_status
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import vector_width, widest_aligned
@@ -257,7 +257,10 @@ def mla_rope_rmsnorm_append_paged_kv_cache(
     writes nothing; a token whose page index falls outside the block table row or whose page id is
     outside ``[0, num_pages)`` is roped but writes nothing. With ``ROPEKV_CHECK_INDICES=1`` such a
     token raises ``IndexError`` instead (checked on the host first). Two tokens addressing one
-    cache row leave either's row. NumPy inputs run the NumPy reference on the host.
+    cache row leave that row undefined: its ``ckv_cache`` and ``kpe_cache`` parts, and each
+    16-byte piece of them, may come from either token, a mix that neither token wrote
+    (``ROPEKV_CHECK_INDICES=1`` raises ``IndexError`` naming both). NumPy inputs run the NumPy
+    reference on the host.
 
     Examples
     --------
@@ -583,7 +586,7 @@ _NAMES = (
 )
 _FLAGS = [
     ("epsilon", KEY),
-    ("kv_norm_dim", KEY),
+    ("kv_norm_dim", INT),
     ("is_neox", FLAG),
     ("kv_scale", KEY),
     ("enable_pdl", FLAG),

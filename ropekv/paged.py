@@ -24,7 +24,7 @@ from ropekv._arrays import (
     INT64,
 )
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan
+from ropekv._launch import AS_IS, FLAG, INT, KEY, Launch, Op, Output, ParamStruct, Plan
 from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._types import ArrayLike, DTypeLike, StreamLike
 from ropekv._vector import vector_width, widest_aligned
@@ -1304,7 +1304,7 @@ _FLAGS = [
     ("quantize_dtype", KEY),
     ("quant_scale_q", AS_IS),
     ("quant_scale_kv", AS_IS),  # scales: reals, never bools
-    ("page_size", KEY),
+    ("page_size", INT),
     ("kv_layout", KEY),
     ("enable_pdl", FLAG),
     ("tuning", AS_IS),

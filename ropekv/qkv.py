@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import numbers
 from typing import NamedTuple
 
@@ -489,9 +488,10 @@ def _scales(kv_scale):
         raise ValueError(
             f"kv_scale must be a float or a (k_scale, v_scale) pair of floats, got {kv_scale!r}"
         )
-    if not all(math.isfinite(s) and s > 0 for s in pair):
-        raise ValueError(f"kv_scale must be positive and finite, got {kv_scale!r}")
-    return float(pair[0]), float(pair[1])
+    return (
+        ck.check_float(pair[0], "kv_scale", positive=True),
+        ck.check_float(pair[1], "kv_scale", positive=True),
+    )
 
 
 def fused_qkv_matmul_append_paged_kv_cache(

@@ -104,6 +104,13 @@ def mrope_rows(half, mrope_section, interleaved=False):
     return np.where(i < t, 0, np.where(i < t + h, 1, 2)).astype(np.int64)
 
 
+def _nonempty(table):
+    """``table`` (a ``(P, R)`` cos/sin table), or one zero row for a table of no rows: the rows of
+    tokens outside the table are gathered (at row 0) and never used, as the kernels skip them."""
+    table = np.asarray(table)
+    return table if table.shape[0] else np.zeros((1, *table.shape[1:]), table.dtype)
+
+
 def mrope_cos_sin(table, positions, mrope_section, interleaved=False):
     """float64 ``(n, R/2)`` cos and sin of an mRoPE rotation: half-dim i of token j from table row
     ``positions[mrope_rows(...)[i], j]`` (``positions`` ``(3, n)``, every value a valid row)."""
@@ -310,7 +317,7 @@ def mla_rope_rmsnorm_append_paged_kv_cache(
     )
     roped = (request >= 0) & (pos >= 0) & (pos < P)
     write = roped & (page >= 0)
-    cos, sin = split_cos_sin(cos_sin_cache[np.where(roped, pos, 0)])
+    cos, sin = split_cos_sin(_nonempty(cos_sin_cache)[np.where(roped, pos, 0)])
     q = np.array(q_rope, np.float64)
     q[roped] = rope(q[roped], cos[roped][:, None, :], sin[roped][:, None, :], is_neox)
     q_rope_out[...] = to_dtype(q, q_rope_out.dtype)
@@ -384,11 +391,11 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
         pos3 = np.asarray(position_ids, np.int64)
         roped = (request >= 0) & (pos >= 0) & np.all((pos3 >= 0) & (pos3 < P), axis=0)
         cos, sin = mrope_cos_sin(
-            cos_sin_cache, np.where(roped, pos3, 0), mrope_section, mrope_interleaved
+            _nonempty(cos_sin_cache), np.where(roped, pos3, 0), mrope_section, mrope_interleaved
         )
     else:
         roped = (request >= 0) & (pos >= 0) & (pos < P)
-        cos, sin = split_cos_sin(cos_sin_cache[np.where(roped, pos, 0)])
+        cos, sin = split_cos_sin(_nonempty(cos_sin_cache)[np.where(roped, pos, 0)])
     write = roped & (page >= 0)
     cos, sin = cos[:, None, :], sin[:, None, :]
     q_w = np.asarray(q_gamma, np.float64) + float(weight_offset)
@@ -515,7 +522,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
     valid = (request >= 0) & (pos >= 0)
     if cos_sin_cache is not None:
         valid &= pos < cos_sin_cache.shape[0]
-        cos, sin = split_cos_sin(cos_sin_cache[np.where(valid, pos, 0)])
+        cos, sin = split_cos_sin(_nonempty(cos_sin_cache)[np.where(valid, pos, 0)])
         cos, sin = cos[:, None, :], sin[:, None, :]
         q[valid] = rope(q[valid], cos[valid], sin[valid], is_neox)
         k[valid] = rope(k[valid], cos[valid], sin[valid], is_neox)

@@ -15,6 +15,7 @@ import sys
 import sysconfig
 import threading
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -991,3 +992,84 @@ def test_gpu_torch_prefill_qkv_temporaries_live_in_torchs_pool(explicit):
     assert made == sum(1 for o in plan.outputs if o.size) >= 2  # out and the temporary, by torch
     assert pool.total_bytes() == cupy_bytes  # CuPy's pool neither grew nor was used
     assert_same(args, out, expected, out_expected, "qkv")
+
+
+# ---- hardening of the torch struct reads (issue 37 item 11) -----------------------------------
+
+
+def test_torch_struct_probe_inside_inference_mode_turns_the_reads_on():
+    """A first call inside ``torch.inference_mode()`` probes on normal tensors: the reads go on
+    (they turned off for the process before), and inference tensors stay with the attributes."""
+    torch = pytest.importorskip("torch")
+    module = _native.load()
+    if module is None:
+        pytest.skip(f"no C replay here: {_native.state()}")
+    with torch.inference_mode(), _torch_reads_on(module, "cpu"):
+        assert _native._state["torch"] is None, _native.state()
+        assert module.raw_layout(torch.zeros(3)) is None  # an inference tensor
+        with torch.inference_mode(False):
+            t = torch.zeros(3)
+        assert module.raw_layout(t) == _attributes(t)
+
+
+def test_torch_struct_reads_go_live_only_once_verified():
+    """configure_torch stages the reads: raw_layout(t, True) reads with them (the probe's checks),
+    nothing else does until enable_torch()."""
+    torch = pytest.importorskip("torch")
+    module = _native.load()
+    if module is None:
+        pytest.skip(f"no C replay here: {_native.state()}")
+    with _torch_reads_on(module, "cpu"):
+        t = torch.zeros((2, 3))
+        assert module.raw_layout(t) == _attributes(t)
+        module.configure_torch(None)
+        assert module.raw_layout(t) is None and module.raw_layout(t, True) is None
+    with pytest.raises(ValueError, match="no torch reads configured"):
+        module.enable_torch()
+
+
+def test_torch_struct_probe_reads_within_the_allocation(monkeypatch):
+    """The probe reads no byte of a TensorImpl / StorageImpl past its allocation's usable size."""
+    torch = pytest.importorskip("torch")
+    module = _native.load()
+    if module is None or _native._usable_size() is None:
+        pytest.skip("no C replay or no malloc_usable_size here")
+    reads = []
+    string_at = ctypes.string_at
+
+    def recorded(address, size=-1):
+        reads.append((address, size))
+        return string_at(address, size)
+
+    monkeypatch.setattr(_native.ctypes, "string_at", recorded)
+    with _torch_reads_on(module, "cpu"):
+        assert _native._state["torch"] is None, _native.state()
+    t = torch.zeros(3)
+    impl, usable = t._cdata, _native._usable_size()(t._cdata)
+    assert usable >= 16 and _native._object_bytes(impl, 10**6) <= usable
+
+
+def test_a_struct_read_disagreeing_on_another_device_turns_the_reads_off(monkeypatch):
+    """The offsets are probed on one device; the first tensor of each other device is checked
+    against its attributes, and a disagreement turns the torch reads off (the attributes read it)."""
+    torch = pytest.importorskip("torch")
+    from ropekv import _arrays
+
+    t = torch.arange(6.0).reshape(2, 3)
+    wrong = (t.data_ptr(), (2, 3), (3, 1), torch.float32, 3, 6, 0, 24)  # device 3: not so
+    failed = []
+    monkeypatch.setattr(_arrays, "_VIEW_FIELDS", [lambda a: wrong])
+    monkeypatch.setattr(_arrays, "_VERIFIED_TORCH_DEVICES", set())
+    monkeypatch.setattr(_native, "torch_reads_failed", failed.append)
+    v = _arrays.as_view(t, "t")
+    assert v.device == _arrays.HOST and failed and "device 3" in failed[0]
+
+
+def test_no_c_replay_without_the_gil(monkeypatch):
+    """A free-threaded interpreter running without the GIL: the C replay (which needs it) is not
+    loaded, so the GIL stays off; every call replays in Python."""
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: False, raising=False)
+    monkeypatch.setattr(_launch, "_native_launchers", lambda: (1, None))
+    monkeypatch.setattr(_launch, "_native_module", [_launch._UNBOUND])
+    assert _launch.native_module() is None
+    assert "Py_MOD_GIL_USED" in Path(_native.__file__).with_name("_native.c").read_text()

@@ -689,7 +689,7 @@ QUANT_RULES = [
         "fp8cache",
         lambda a, k: k.update(kv_scale=-1.0),
         ValueError,
-        "positive and finite",
+        "kv_scale must be a finite positive number",
     ),
     (
         "kv_scale triple",

@@ -7,6 +7,7 @@ signature agrees with the generic one."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import struct
@@ -676,3 +677,106 @@ def test_first_misaligned_argument_is_named_once_all_are_read(op, stubbed):
         fn(**{**dev, first: _misaligned(kw[first][:0]), second: _misaligned(kw[second])})
     with pytest.raises(TypeError, match=f"^{second} must be a NumPy array"):
         fn(**{**dev, first: _misaligned(kw[first]), second: object()})
+
+
+# ---- hostile inputs on replay (issue 37) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_null_pointer_of_a_planned_layout_is_refused(op, stubbed):
+    """An array at address 0 (a zero tensor, a freed storage) with the layout of a planned call:
+    its key's alignment entry (16 for null, never 0) has no plan, so it takes the first-call path,
+    which names it (BufferError), on the Python and the C replay alike, and nothing launches."""
+    fn, kw = CASES[op](46, **DECODE.get(op, {}))
+    fn(**map_arrays(kw, hostcost.to_cupy))
+    fn(**map_arrays(kw, hostcost.to_cupy))  # a replay
+    launched = len(stubbed.calls)
+    args = map_arrays(kw, hostcost.to_cupy)
+    name = LATE_INPUT[op]
+    args[name].data.ptr = 0
+    with pytest.raises(BufferError, match=f"{name} has a null data pointer"):
+        fn(**args)
+    assert len(stubbed.calls) == launched
+
+
+def test_a_refused_int_value_never_replays_the_plan_of_its_equal(stubbed):
+    """page_size=4.0 is refused on a first call; a plan for 4 must not serve it (4.0 == 4)."""
+    fn, kw = CASES["paged"](47)
+    dev = map_arrays(kw, hostcost.to_cupy)
+    page_size = kw["page_size"]
+    fn(**dev)
+    fn(**dev)  # the newest plan
+    for bad in (float(page_size), np.float64(page_size)):
+        with pytest.raises(ValueError, match="page_size must be a positive integer"):
+            fn(**{**dev, "page_size": bad})
+    fn(**{**dev, "page_size": np.int64(page_size)})  # a NumPy int is the int's plan
+
+
+@pytest.mark.parametrize("layer", [2**63, 2**70, -(2**70)])
+def test_layer_idx_beyond_int64_on_replay_is_a_value_error(layer, stubbed):
+    fn, kw = CASES["qknorm"](48)
+    kw["paged_kv_cache"] = tuple(np.stack([c, c.copy()]) for c in kw["paged_kv_cache"])
+    dev = map_arrays(kw, hostcost.to_cupy)
+    fn(**dev, layer_idx=1)
+    fn(**dev, layer_idx=0)  # a replay
+    with pytest.raises(ValueError, match="layer_idx must be in"):
+        fn(**dev, layer_idx=layer)
+
+
+class _CAI:
+    """A ``__cuda_array_interface__`` v3 producer at a fake device address, its work on
+    ``stream``."""
+
+    def __init__(self, host, stream):
+        self.__cuda_array_interface__ = {
+            "shape": host.shape,
+            "typestr": host.dtype.str,
+            "data": (hostcost._Memory.alloc(host.nbytes), False),
+            "strides": None,
+            "version": 3,
+            "stream": stream,
+        }
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_cai_producers_stream_is_waited_for(explicit, stubbed, monkeypatch):
+    """CAI v3: the launch stream waits for the producer's stream before the kernel reads the
+    array, with ``stream=`` and without it (then the stream rule's stream, here CuPy's current
+    0x5000), on the first call and on a replay; the same stream needs no wait."""
+    waits = []
+    monkeypatch.setattr(ar, "_cai_device", lambda ptr: 0)
+    monkeypatch.setattr(_launch, "stream_wait", lambda p, c, d: waits.append((p, c, d)))
+    monkeypatch.setattr(_launch, "cupy_stream", lambda ptr, device: contextlib.nullcontext())
+    fn, kw = CASES["qknorm"](49)
+    extra = {"stream": 0x6000} if explicit else {}
+    consumer = 0x6000 if explicit else 0x5000
+    for call in range(2):
+        args = map_arrays(kw, hostcost.to_cupy)
+        args["v"] = _CAI(kw["v"], 0x1234)
+        fn(**args, **extra)
+        assert waits[-1] == (0x1234, consumer, 0) and len(waits) == call + 1
+    args["v"] = _CAI(kw["v"], consumer)
+    fn(**args, **extra)
+    assert len(waits) == 2
+    args["v"] = _CAI(kw["v"], None)
+    fn(**args, **extra)
+    assert len(waits) == 2
+    for bad in (0, -1, "1", True):
+        args["v"] = _CAI(kw["v"], bad)
+        with pytest.raises(BufferError, match="stream must be None or a positive int"):
+            fn(**args, **extra)
+
+
+def test_a_dlpack_producer_is_asked_with_the_launch_stream_of_its_device(stubbed, monkeypatch):
+    """Several GPUs: a DLPack producer on device 1 is asked to order its work before the launch
+    stream on device 1 (CuPy's current stream there), not the current device's."""
+    from tests.test_arrays import FakeProducer
+
+    monkeypatch.setattr(_launch, "current_stream_ptr", lambda device=-1: 0x5000 + device)
+    fn, kw = CASES["qknorm"](50)
+    args = map_arrays(kw, hostcost.to_cupy)
+    producer = FakeProducer(kw["v"].copy(), device=(2, 1))
+    args["v"] = producer
+    with pytest.raises(ValueError, match="one device"):  # the others are on device 0
+        fn(**args)
+    assert producer.stream_seen == 0x5001

@@ -155,6 +155,10 @@ def _fake_torch():
             return False
 
         @property
+        def is_cuda(self):
+            return True
+
+        @property
         def device(self):
             return _TorchDevice("cuda", self._device)
 
