@@ -238,13 +238,14 @@ def check_flag(value, name):
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # a kernel takes its scalars as float32
 INT32_MAX = 2**31 - 1
+_FAST_MAX = FLOAT32_MAX  # check_float's shortcut bound (tests set it to -inf to bypass it)
 
 
 def check_float(value, name, *, positive):
     """A finite real scalar (> 0 when ``positive``, else >= 0) that float32 holds (a kernel
     record takes it as a float32), as a Python float."""
     cls = value.__class__
-    if cls is float and (0.0 < value if positive else 0.0 <= value) and value <= FLOAT32_MAX:
+    if cls is float and (0.0 < value if positive else 0.0 <= value) and value <= _FAST_MAX:
         return value  # the common case, valid as it is (NaN fails both tests)
     if (
         cls is not float

@@ -132,6 +132,6 @@ def test_check_ragged_paged_shortcut_is_its_checkers(arrays, monkeypatch):
 )
 def test_check_float_shortcut_is_its_checks(value, positive, monkeypatch):
     shortcut = _outcome(ck.check_float, value, "x", positive=positive)
-    monkeypatch.setattr(ck, "_INF", -math.inf)  # the common-case test never passes
+    monkeypatch.setattr(ck, "_FAST_MAX", -math.inf)  # the common-case test never passes
     checks = _outcome(ck.check_float, value, "x", positive=positive)
     assert shortcut == checks
