@@ -718,5 +718,6 @@ def fast_signature(n):
     ptrs = ", ".join(f"p{i}" for i in range(n))
     lines.append(f"    return ({keys}{',' if n == 1 else ''}), [{ptrs}], kinds")
     namespace = {}
-    exec(compile("\n".join(lines), f"<ropekv fast_signature {n}>", "exec"), globals(), namespace)
+    code = compile("\n".join(lines), f"<ropekv fast_signature {n}>", "exec")
+    exec(code, globals(), namespace)  # noqa: S102 - our own generated fast path
     return namespace[f"fast_signature_{n}"]

@@ -38,6 +38,7 @@ import operator
 import struct
 import sys
 import threading
+from typing import ClassVar
 
 import numpy as np
 
@@ -124,7 +125,7 @@ class ParamStruct:
     and keeps the rest of the record.
     """
 
-    _CODES = {"u8": "Q", "i8": "q", "i4": "i", "u4": "I", "f4": "f"}
+    _CODES: ClassVar[dict[str, str]] = {"u8": "Q", "i8": "q", "i4": "i", "u4": "I", "f4": "f"}
 
     def __init__(self, c_name, fields):
         self.c_name = c_name
@@ -1034,7 +1035,7 @@ def _normalizer(spec):
         check_flag=ck.check_flag,
         plain=frozenset((float, int, str, tuple, type(None))),
     )
-    exec(compile("\n".join(lines), "<ropekv flags>", "exec"), env)
+    exec(compile("\n".join(lines), "<ropekv flags>", "exec"), env)  # noqa: S102 - our own fast path
     return env["normalize"]
 
 
@@ -1120,7 +1121,7 @@ class Op:
             flags = self.normalize(flags)
             fast = self.signature(arrays)
             if fast is None:  # an argument of another kind: its view (and capsule) lives here
-                layout, ptrs, kinds, keep = ar.signature(arrays, self.names, stream_ptr)
+                layout, ptrs, kinds, _keep = ar.signature(arrays, self.names, stream_ptr)
             else:
                 layout, ptrs, kinds = fast
             try:

@@ -91,7 +91,7 @@ def build(target: Path | None = None) -> Path:
             "-o",
             tmp,
         ]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode:
             raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
         os.replace(tmp, target)

@@ -49,7 +49,7 @@ def gpu_available():
         import cupy
 
         return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
+    except (ImportError, OSError, RuntimeError):  # no CuPy, no driver (CUDARuntimeError)
         return False
 
 

@@ -1217,7 +1217,8 @@ def test_graph_timing_ends_a_capture_an_exception_interrupts(monkeypatch):
 
     monkeypatch.setattr(cp.cuda, "Stream", Recorded)
     a = cp.ones((64, 64), cp.float32)
-    with pytest.raises(Exception):
+    # the class depends on the CuPy / cuBLAS version (a cuBLAS or a CUDA runtime error)
+    with pytest.raises(Exception):  # noqa: B017 - any error; what is checked is the capture's end
         _timing.graph_us(lambda: a @ a, calls=2, replays=1)
     assert made and not made[-1].is_capturing()
     cp.random.standard_normal(4)
