@@ -54,7 +54,7 @@ def built(tmp_path_factory):
     src.mkdir()
     for name in PROJECT_FILES:
         shutil.copy2(ROOT / name, src / name)
-    for folder in ("ropekv", "docs", "tests"):
+    for folder in ("ropekv", "docs", "tests", "tools"):
         if (ROOT / folder).is_dir():
             shutil.copytree(
                 ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "_build")
@@ -92,4 +92,6 @@ def test_the_sdist_carries_the_whole_package(built):
     sdist_names, _ = built
     want = package_files()
     assert not want - sdist_names, f"missing from the sdist: {sorted(want - sdist_names)}"
-    assert "tests/conftest.py" in sdist_names and "pyproject.toml" in sdist_names
+    # what the suite needs to run from an unpacked sdist against an installed wheel (.ci/run)
+    assert {"tests/conftest.py", "pyproject.toml", "docs/conf.py"} <= sdist_names
+    assert "tools/hostcost.py" in sdist_names  # tests/test_replay_cpu.py loads its stand-ins
