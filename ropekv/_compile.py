@@ -92,7 +92,7 @@ def _header_options():
         return ()
     try:
         path = find_nvidia_header_directory("cudart")
-    except Exception:
+    except (RuntimeError, OSError):  # no such header set here: NVRTC's default search
         return ()
     return (f"-I{path}",) if path else ()
 

@@ -13,8 +13,8 @@ import ml_dtypes
 import numpy as np
 
 from ropekv import _checks as ck
-from ropekv._arrays import BFLOAT16, FLOAT16, FP8_DTYPES, ArrayView
-from ropekv.reference import INT8
+from ropekv import paged
+from ropekv._arrays import BFLOAT16, FLOAT16, ArrayView
 
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 _PAGED_LAYOUTS = {"NHD": "(num_pages, page_size, Hkv, D)", "HND": "(num_pages, Hkv, page_size, D)"}
@@ -33,12 +33,13 @@ def MetaView(name, shape, dtype, strides=None, device=0):
     return ArrayView(name, 0, shape, tuple(strides), np.dtype(dtype), device)
 
 
-def paged_q_outputs(q_rope, q_nope, cache, quantize_dtype, quantize, kv_dyn=False):
+def paged_q_outputs(q_rope, q_nope, cache, quantize_dtype, quantize, kv_dyn, mla, static_given):
     """``(q_rope_out shape, q_nope_out shape, dtype)`` of the paged ops when they allocate their q
     outputs: ``(nnz, Hq, R)`` and ``(nnz, Hq, Dn)`` (Dn = 0 without ``q_nope``) in the quantize
     dtype, which is ``quantize_dtype`` or else the cache's (FlashInfer's order, no outputs
-    given). ``quantize_dtype`` is a NumPy dtype or None; ``kv_dyn``: ``kv_cache_scales`` given
-    (the cache, and so the q outputs, may then be int8 and not 16-bit)."""
+    given). ``quantize_dtype`` is a NumPy dtype or None; ``kv_dyn``: ``kv_cache_scales`` given;
+    ``mla``: the MLA form; ``static_given``: static KV scales given. The dtype rules are the eager
+    op's own (``ropekv.paged.output_dtype``)."""
     ck.check_ndim(q_rope, 3, "(nnz, Hq, R)")
     ck.check_dtype(q_rope, INPUT_DTYPES)
     T, Hq, R = q_rope.shape
@@ -46,28 +47,9 @@ def paged_q_outputs(q_rope, q_nope, cache, quantize_dtype, quantize, kv_dyn=Fals
     if q_nope is not None:
         ck.check_ndim(q_nope, 3, "(nnz, Hq, no_rope_dim)")
         Dn = q_nope.shape[2]
-    allowed = FP8_DTYPES if quantize else (q_rope.dtype, *FP8_DTYPES)
-    if kv_dyn:
-        allowed = (*FP8_DTYPES, INT8)
-    spelled = " or ".join(map(str, allowed))
-    if quantize_dtype is not None:
-        if quantize_dtype not in allowed:
-            hint = " (int8 caches need kv_cache_scales)" if quantize_dtype == INT8 else ""
-            raise TypeError(f"quantize_dtype must be {spelled}, got {quantize_dtype}{hint}")
-        dtype = quantize_dtype
-    else:
-        dtype = cache.dtype
-        if dtype not in allowed:
-            hint = (
-                " (per-token-head kv_cache_scales need an fp8 or int8 cache)"
-                if kv_dyn
-                else " (int8 caches need kv_cache_scales)"
-                if dtype == INT8
-                else " (rope_append_paged_kv_cache writes float16/bfloat16 caches)"
-                if quantize
-                else f" (float16/bfloat16 only as the input dtype {q_rope.dtype})"
-            )
-            raise TypeError(f"{cache.name} must have dtype {spelled}, got {dtype}{hint}")
+    dtype, _ = paged.output_dtype(
+        q_rope, (None, None, cache), quantize_dtype, quantize, mla, kv_dyn, static_given
+    )
     return (T, Hq, R), (T, Hq, Dn), dtype
 
 

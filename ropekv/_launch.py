@@ -38,6 +38,7 @@ import operator
 import struct
 import sys
 import threading
+from typing import ClassVar
 
 import numpy as np
 
@@ -124,7 +125,7 @@ class ParamStruct:
     and keeps the rest of the record.
     """
 
-    _CODES = {"u8": "Q", "i8": "q", "i4": "i", "u4": "I", "f4": "f"}
+    _CODES: ClassVar[dict[str, str]] = {"u8": "Q", "i8": "q", "i4": "i", "u4": "I", "f4": "f"}
 
     def __init__(self, c_name, fields):
         self.c_name = c_name
@@ -1126,7 +1127,7 @@ def _normalizer(spec):
         check_flag=ck.check_flag,
         plain=frozenset((float, int, str, tuple, type(None))),
     )
-    exec(compile("\n".join(lines), "<ropekv flags>", "exec"), env)
+    exec(compile("\n".join(lines), "<ropekv flags>", "exec"), env)  # noqa: S102 - our own fast path
     return env["normalize"]
 
 

@@ -495,7 +495,7 @@ def _check_qkv(vq, vk, vv):
     """The checks of q, k and v, in order (each raises its own message)."""
     ck.check_ndim(vq, 4, "(B, S, Hq, D)")
     ck.check_dtype(vq, INPUT_DTYPES)
-    B, S, Hq, D = vq.shape
+    B, S, _Hq, D = vq.shape
     ck.check_ndim(vk, 4, "(B, S, Hkv, D)")
     Hkv = vk.shape[2]
     ck.check_shape(vk, (B, S, None, D), "(B, S, Hkv, D)")

@@ -295,6 +295,8 @@ def _paged(
         out_dtype,
         quantize,
         scales,
+        mla,
+        quant_scale_kv is not None,
     )
     numbers = {}  # static scales (None: not given, or an array)
     for key, s in (("quant_scale_q", quant_scale_q), ("quant_scale_kv", quant_scale_kv)):

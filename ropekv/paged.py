@@ -819,6 +819,46 @@ def _scales(view, value, name, heads):
     return 1.0, view
 
 
+def output_dtype(vqr, views, quantize_dtype, quantize, mla, kv_dyn, static_given):
+    """``(dtype, its source's name)`` of the cache and of the q outputs: ``quantize_dtype``, else that of the first of
+    ``views`` (``(q_rope_out, q_nope_out, cache)``, None where not given) that is present;
+    checked against the op (``quantize``: the FP8 op; ``mla``; ``kv_dyn``: ``kv_cache_scales``
+    given; ``static_given``: static KV scales given). The eager op and ``ropekv._frameworks``
+    (torch fake tensors, JAX abstract values) both call it, so their errors are the same."""
+    # int8 comes with computed scales only (GQA/MHA), and they need a quantized cache: those
+    # rules are ValueErrors (check_cache_scales); a dtype no argument makes valid is a TypeError
+    allowed = (*(FP8_DTYPES if quantize else (vqr.dtype, *FP8_DTYPES)), *(() if mla else (INT8,)))
+    out_dtype = as_dtype(quantize_dtype)
+    if out_dtype is None:  # FlashInfer's order: q_rope_out, q_nope_out, then (ropekv) the cache
+        given = next(x for x in views if x is not None)
+        out_dtype, source = given.dtype, given.name
+        if out_dtype not in allowed:
+            hint = (
+                " (rope_append_paged_kv_cache writes float16/bfloat16 caches)"
+                if quantize
+                else f" (float16/bfloat16 only as the input dtype {vqr.dtype})"
+            )
+            raise TypeError(
+                f"{given.name} must have dtype {_spelled(quantize, vqr, kv_dyn)}, "
+                f"got {out_dtype}{hint}"
+            )
+    elif out_dtype not in allowed:
+        raise TypeError(
+            f"quantize_dtype must be {_spelled(quantize, vqr, kv_dyn)}, got {out_dtype}"
+        )
+    else:
+        source = "quantize_dtype"
+    ck.check_cache_scales(
+        out_dtype,
+        source,
+        "quant_scale_kv",
+        static_given,
+        kv_dyn,
+        "(k_scales, v_scales)",
+    )
+    return out_dtype, source
+
+
 def _spelled(quantize, vqr, kv_dyn):
     """The cache dtypes an error names: those of the op (int8 only with ``kv_cache_scales``)."""
     dtypes = (*FP8_DTYPES, INT8) if kv_dyn else FP8_DTYPES if quantize else (vqr.dtype, *FP8_DTYPES)
@@ -973,36 +1013,14 @@ def _prepare(views, flags):
         raise TypeError(
             f"{vc1.name} must have the dtype of {vc0.name} ({vc0.dtype}), got {vc1.dtype}"
         )
-    # int8 comes with computed scales only (GQA/MHA), and they need a quantized cache: those
-    # rules are ValueErrors (check_cache_scales); a dtype no argument makes valid is a TypeError
-    allowed = (*(FP8_DTYPES if quantize else (vqr.dtype, *FP8_DTYPES)), *(() if mla else (INT8,)))
-    out_dtype = as_dtype(quantize_dtype)
-    if out_dtype is None:  # FlashInfer's order: q_rope_out, q_nope_out, then (ropekv) the cache
-        given = next(x for x in (vqro, vqno, vc0) if x is not None)
-        out_dtype, source = given.dtype, given.name
-        if out_dtype not in allowed:
-            hint = (
-                " (rope_append_paged_kv_cache writes float16/bfloat16 caches)"
-                if quantize
-                else f" (float16/bfloat16 only as the input dtype {vqr.dtype})"
-            )
-            raise TypeError(
-                f"{given.name} must have dtype {_spelled(quantize, vqr, kv_dyn)}, "
-                f"got {out_dtype}{hint}"
-            )
-    elif out_dtype not in allowed:
-        raise TypeError(
-            f"quantize_dtype must be {_spelled(quantize, vqr, kv_dyn)}, got {out_dtype}"
-        )
-    else:
-        source = "quantize_dtype"
-    ck.check_cache_scales(
-        out_dtype,
-        source,
-        "quant_scale_kv",
-        kv_scale is not None or vks is not None,
+    out_dtype, source = output_dtype(
+        vqr,
+        (vqro, vqno, vc0),
+        quantize_dtype,
+        quantize,
+        mla,
         kv_dyn,
-        "(k_scales, v_scales)",
+        kv_scale is not None or vks is not None,
     )
     for view in (vc0, vc1):
         if view.dtype != out_dtype:

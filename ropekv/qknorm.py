@@ -576,7 +576,7 @@ def _check_qkv(vq, vk, vv):
     """The checks of q, k and v, in order (each raises its own message)."""
     ck.check_ndim(vq, 3, "(T, Hq, D)")
     ck.check_dtype(vq, INPUT_DTYPES)
-    T, Hq, D = vq.shape
+    T, _Hq, D = vq.shape
     ck.check_ndim(vk, 3, "(T, Hkv, D)")
     Hkv = vk.shape[1]
     ck.check_shape(vk, (T, None, D), "(T, Hkv, D)")

@@ -1165,7 +1165,8 @@ def mma_applies(K, D, fmt, group_size, compute_capability=90):
 
 def _slice(K, split, unit):
     """K values per CTA of a cluster of ``split``: K / split rounded up to whole ``unit``s."""
-    return -(-(-(-K // split)) // unit) * unit
+    per_cta = -(-K // split)  # ceil(K / split)
+    return -(-per_cta // unit) * unit
 
 
 def _mma_slice(K, fmt, split=None):

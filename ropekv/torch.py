@@ -331,7 +331,7 @@ def apply_rope_write_kv(
 _PAGED_PAIR = "paged_kv_cache must be a pair (k_cache, v_cache) or (ckv_cache, kpe_cache), got {}"
 
 
-def _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize, kv_dyn):
+def _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize, kv_dyn, static):
     """Empty ``(q_rope_out, q_nope_out)`` of the shapes and dtype the eager op would allocate."""
     cache_name = "ckv_cache" if k_rope.dim() == 2 else "k_cache"
     rope_shape, nope_shape, dtype = fw.paged_q_outputs(
@@ -341,6 +341,8 @@ def _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize, kv
         None if quantize_dtype is None else as_dtype(quantize_dtype),
         quantize,
         kv_dyn,
+        k_rope.dim() == 2,
+        static,
     )
     dtype = _torch_dtype(dtype)
     return q_rope.new_empty(rope_shape, dtype=dtype), q_rope.new_empty(nope_shape, dtype=dtype)
@@ -439,7 +441,14 @@ def _paged_ops(name, eager, quantize):
         status: Optional[Tensor],
     ) -> Tuple[Tensor, Tensor]:
         q_rope_out, q_nope_out = _paged_outputs(
-            q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize, k_scales is not None
+            q_rope,
+            k_rope,
+            q_nope,
+            k_cache,
+            quantize_dtype,
+            quantize,
+            k_scales is not None,
+            quant_scale_kv is not None or quant_scales_kv is not None,
         )
         into(
             q_rope,
@@ -504,7 +513,14 @@ def _paged_ops(name, eager, quantize):
         status,
     ):
         return _paged_outputs(
-            q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize, k_scales is not None
+            q_rope,
+            k_rope,
+            q_nope,
+            k_cache,
+            quantize_dtype,
+            quantize,
+            k_scales is not None,
+            quant_scale_kv is not None or quant_scales_kv is not None,
         )
 
     written = ("k_cache", "v_cache", "q_scale_out", "k_scales", "v_scales", "status")

@@ -21,6 +21,6 @@ def active():
 def setup_torch():
     """Switch the assertion off in this process (if torch is installed)."""
     try:
-        exec(TORCH_SETUP, {})
+        exec(TORCH_SETUP, {})  # noqa: S102 - the snippet test_frameworks_docs' subprocesses run
     except ImportError:
         pass

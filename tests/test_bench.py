@@ -350,24 +350,35 @@ def test_eager_host_time_is_timed_in_bursts_with_the_sync_outside():
 
 
 def _torch_outputs(w):
+    """The outputs of ``w``'s PyTorch composition, or None where it has none (``torch_fn``
+    returns None, as for the contiguous q_out / kv_cache_scales cases: the peers show "-")."""
     o = w.new_outputs()
     to = {k: bench._to_torch(v) for k, v in o.items()}
     ti = {k: bench._to_torch(v) for k, v in w.a.items() if k not in o}
-    fn, args = w.torch_fn(ti, to)
+    made = w.torch_fn(ti, to)
+    if made is None:
+        return None
+    fn, args = made
     fn(*args)
     return w.outputs(o, full=True)
 
 
 def test_torch_peers_compute_the_reference():
-    """The PyTorch compositions (the eager and torch.compile peers) agree with the reference."""
+    """The PyTorch compositions (the eager and torch.compile peers) agree with the reference;
+    every op has at least one case with a composition."""
     pytest.importorskip("torch")
+    compared = set()
+    ops = set()
     for op, name, build in bench.check_specs():
+        ops.add(op)
+        got = _torch_outputs(build())
+        if got is None:
+            continue
         ref = build()
         ref.call(ref.a)
-        assert (
-            check.compare_all(_torch_outputs(build()), ref.outputs(full=True), ref.compare_mode)
-            is None
-        ), name
+        assert check.compare_all(got, ref.outputs(full=True), ref.compare_mode) is None, name
+        compared.add(op)
+    assert compared == ops
 
 
 def test_torch_qkv_peer_computes_the_reference():
@@ -1206,7 +1217,8 @@ def test_graph_timing_ends_a_capture_an_exception_interrupts(monkeypatch):
 
     monkeypatch.setattr(cp.cuda, "Stream", Recorded)
     a = cp.ones((64, 64), cp.float32)
-    with pytest.raises(Exception):
+    # the class depends on the CuPy / cuBLAS version (a cuBLAS or a CUDA runtime error)
+    with pytest.raises(Exception):  # noqa: B017 - any error; what is checked is the capture's end
         _timing.graph_us(lambda: a @ a, calls=2, replays=1)
     assert made and not made[-1].is_capturing()
     cp.random.standard_normal(4)

@@ -986,7 +986,7 @@ def test_arrays_on_the_second_gpu(op, kind):
             return to_device(x)
 
     with cp.cuda.Device(0):
-        fn, dev = check_device_call(op, 36, convert)
+        _fn, _dev = check_device_call(op, 36, convert)
     if torch is not None:
         torch.cuda.synchronize(1)
 

@@ -1,6 +1,12 @@
-"""Every kernel instantiation compiles through NVRTC for sm_80 and sm_90 (those built on
+"""Kernel instantiations compile through NVRTC for sm_80 and sm_90 (those built on
 architecture-specific instructions also for sm_90a, the target they run on), without a GPU, and
-every parameter struct declared in Python matches its C struct field for field."""
+every parameter struct declared in Python matches its C struct field for field.
+
+By default a covering set of the instantiations is compiled: per kernel template, every value of
+every template parameter and every pair of parameter values that occurs among the instantiations
+(a greedy pairwise cover). The exhaustive sweep, every instantiation (about 6,560 compiles, half an
+hour on two CPUs from a cold cache), is the ``exhaustive`` marker, run with
+``--exhaustive-compile`` or ``ROPEKV_EXHAUSTIVE_COMPILE=1`` (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +23,20 @@ import pytest
 from ropekv._compile import arch_specific, compile_offline, kernel_stems, read_source
 from ropekv._launch import ParamStruct
 
-nvrtc = pytest.importorskip(
-    "cupy_backends.cuda.libs.nvrtc", reason="the compile tests need cupy and the NVRTC wheel"
-)
+
+def exhaustive_requested():
+    """``--exhaustive-compile`` (tests/conftest.py sets the variable) or
+    ``ROPEKV_EXHAUSTIVE_COMPILE=1``."""
+    return os.environ.get(EXHAUSTIVE_ENV, "") not in ("", "0")
+
+
+EXHAUSTIVE_ENV = "ROPEKV_EXHAUSTIVE_COMPILE"
+if exhaustive_requested():  # asked for: a missing compiler is an error, never a skip
+    from cupy_backends.cuda.libs import nvrtc
+else:
+    nvrtc = pytest.importorskip(
+        "cupy_backends.cuda.libs.nvrtc", reason="the compile tests need cupy and the NVRTC wheel"
+    )
 
 STEMS = kernel_stems()
 C_FIELD_TYPES = {
@@ -52,20 +69,63 @@ ARCH_SPECIFIC = "sm_90a"  # the target of the arch_specific kernels (wgmma)
 CHUNK = 64  # instantiations per NVRTC program: small enough to spread a kernel over the CPUs
 
 
-def _expressions(stem, arch):
-    expressions = op_module(stem).instantiations()
+def split_expression(expression):
+    """``"kernel<a, b<c, d>, e>"`` -> ``("kernel", ("a", "b<c, d>", "e"))``: the template
+    arguments of a name expression (``ropekv._compile.name_expression``), split at top-level
+    commas."""
+    name, sep, rest = expression.partition("<")
+    assert sep and rest.endswith(">"), f"not a template instantiation: {expression!r}"
+    args, depth, start, body = [], 0, 0, rest[:-1]
+    for i, ch in enumerate(body):
+        depth += (ch == "<") - (ch == ">")
+        if ch == "," and depth == 0:
+            args.append(body[start:i].strip())
+            start = i + 1
+    args.append(body[start:].strip())
+    return name.strip(), tuple(args)
+
+
+def _pairs(args):
+    """The (position, value) singletons and pairs of one instantiation's template arguments."""
+    items = list(enumerate(args))
+    return {(a,) for a in items} | {(a, b) for i, a in enumerate(items) for b in items[i + 1 :]}
+
+
+def covering_set(expressions):
+    """A subset of ``expressions`` with every template parameter value and every pair of values
+    (of two parameters of one kernel template) that occurs in ``expressions``, in their order:
+    greedy, per kernel template, the instantiation covering most still uncovered pairs first."""
+    by_kernel = {}
+    for e in expressions:
+        name, args = split_expression(e)
+        by_kernel.setdefault((name, len(args)), []).append((e, _pairs(args)))
+    chosen = set()
+    for candidates in by_kernel.values():
+        uncovered = set().union(*(p for _, p in candidates))
+        while uncovered:
+            best, pairs = max(candidates, key=lambda c: len(c[1] & uncovered))
+            chosen.add(best)
+            uncovered -= pairs
+    return [e for e in expressions if e in chosen]
+
+
+def _expressions(stem, arch, sweep="exhaustive"):
+    expressions = list(op_module(stem).instantiations())
     if arch == ARCH_SPECIFIC:
-        return [e for e in expressions if arch_specific(e)]
-    return list(expressions)
+        expressions = [e for e in expressions if arch_specific(e)]
+    return expressions if sweep == "exhaustive" else covering_set(expressions)
 
 
-def _chunks(stem, arch):
-    expressions = _expressions(stem, arch)
+def _chunks(stem, arch, sweep):
+    expressions = _expressions(stem, arch, sweep)
     return [expressions[i : i + CHUNK] for i in range(0, len(expressions), CHUNK)]
 
 
-COMPILES = [(stem, arch) for stem in STEMS for arch in ARCHS] + [
+_TARGETS = [(stem, arch) for stem in STEMS for arch in ARCHS] + [
     (stem, ARCH_SPECIFIC) for stem in STEMS if _expressions(stem, ARCH_SPECIFIC)
+]
+COMPILES = [(stem, arch, "covering") for stem, arch in _TARGETS] + [
+    pytest.param(stem, arch, "exhaustive", marks=pytest.mark.exhaustive) for stem, arch in _TARGETS
 ]
 
 
@@ -80,31 +140,70 @@ def compiled(request):
         for item in request.session.items
         if getattr(item, "originalname", "") == "test_kernels_compile"
     ]
-    keys = list(dict.fromkeys((p["stem"], p["arch"]) for p in wanted))
+    exhaustive = exhaustive_requested()
+    keys = list(
+        dict.fromkeys(
+            (p["stem"], p["arch"], p["sweep"])
+            for p in wanted
+            if p["sweep"] != "exhaustive" or exhaustive  # (else skipped: nothing to compile)
+        )
+    )
     workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if (workers or 1) < 2 or len(keys) < 2:
-        yield lambda stem, arch: [compile_offline(stem, c, arch) for c in _chunks(stem, arch)]
+        yield lambda stem, arch, sweep: [
+            compile_offline(stem, c, arch) for c in _chunks(stem, arch, sweep)
+        ]
         return
-    jobs = [(stem, chunk, arch) for stem, arch in keys for chunk in _chunks(stem, arch)]
+    jobs = [(key, chunk) for key in keys for chunk in _chunks(*key)]
     jobs.sort(key=lambda j: -len(j[1]))  # the full chunks first: the pool ends together
     context = multiprocessing.get_context("spawn")  # no forked copy of a loaded NVRTC
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
         futures = {}
-        for stem, chunk, arch in jobs:
-            futures.setdefault((stem, arch), []).append(
-                pool.submit(compile_offline, stem, chunk, arch)
-            )
-        yield lambda stem, arch: [f.result() for f in futures[(stem, arch)]]
+        for key, chunk in jobs:
+            futures.setdefault(key, []).append(pool.submit(compile_offline, key[0], chunk, key[1]))
+        yield lambda stem, arch, sweep: [f.result() for f in futures[(stem, arch, sweep)]]
 
 
-@pytest.mark.parametrize("stem, arch", COMPILES)
-def test_kernels_compile(stem, arch, compiled):
-    expressions = _expressions(stem, arch)
+@pytest.mark.parametrize("stem, arch, sweep", COMPILES)
+def test_kernels_compile(stem, arch, sweep, compiled):
+    expressions = _expressions(stem, arch, sweep)
     lowered = {}
-    for part in compiled(stem, arch):
+    for part in compiled(stem, arch, sweep):
         lowered.update(part)
     assert set(lowered) == set(expressions)
     assert all(lowered.values())
+
+
+@pytest.mark.parametrize("stem, arch", _TARGETS)
+def test_the_covering_set_covers_every_value_pair(stem, arch):
+    """The default compile covers, per kernel template, every parameter value and every pair of
+    values that the full instantiation list has, with fewer instantiations."""
+    full = _expressions(stem, arch)
+    cover = _expressions(stem, arch, "covering")
+    assert set(cover) <= set(full) and len(cover) < len(full) or len(full) < 4
+
+    def seen(expressions):
+        return {
+            (split_expression(e)[0], p) for e in expressions for p in _pairs(split_expression(e)[1])
+        }
+
+    assert seen(cover) == seen(full)
+
+
+def test_the_covering_set_is_pairwise():
+    full = [f"k<{a}, {b}, {c}>" for a in ("x", "y") for b in (1, 2, 3) for c in ("p", "q")] + [
+        "other<true>",
+        "other<false>",
+        "k<z, 1, p>",
+    ]
+    cover = covering_set(full)
+    assert {"other<true>", "other<false>", "k<z, 1, p>"} <= set(cover)
+    assert len(cover) < len(full)
+    pairs = set().union(*(_pairs(split_expression(e)[1]) for e in cover if e.startswith("k<")))
+    assert pairs == set().union(
+        *(_pairs(split_expression(e)[1]) for e in full if e.startswith("k<"))
+    )
+    assert split_expression("f<a<b, c>, d>") == ("f", ("a<b, c>", "d"))
 
 
 def _ptx(stem, expression, arch):

@@ -56,9 +56,13 @@ def make_case(
         table = np.stack(
             [ropekv.cos_sin_cache(P, R, base=rng.uniform(100, 1e6)) for _ in range(table_batch)]
         )
-    args = dict(
-        q=q, k=k, v=v, kv_cache=random(rng, (B, 2, Hkv, C, D), cache_dtype), cos_sin_cache=table
-    )
+    args = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "kv_cache": random(rng, (B, 2, Hkv, C, D), cache_dtype),
+        "cos_sin_cache": table,
+    }
     if lens:
         args["kv_end_lens"] = rng.integers(S - 2, C + 3, B).astype(np.int32)
     if pos:
@@ -106,7 +110,9 @@ def mrope_ids(rng, B, S, P, bad_share=0.1):
     text = rng.random((B, S)) < 0.3
     ids[:, text] = ids[0][text]
     bad = rng.random((B, S)) < bad_share
-    ids[rng.integers(0, 3, bad.sum()), *np.nonzero(bad)] = rng.choice([-1, P, 2**31 - 1], bad.sum())
+    ids[(rng.integers(0, 3, bad.sum()), *np.nonzero(bad))] = rng.choice(
+        [-1, P, 2**31 - 1], bad.sum()
+    )
     return ids.astype(np.int32)
 
 
@@ -1189,9 +1195,9 @@ def test_llama_quantized_prefill_and_decode(q_mode, kv_dtype):
     """Llama shapes (one group of 16 lanes a row, prefill and decode launch shapes), and a
     head dim whose rows need more than a warp (the shared-memory row reduction)."""
     for seed, shape in (
-        (30, dict(B=2, S=64, Hq=32, Hkv=8, D=128, R=128, C=256, P=512)),
-        (31, dict(B=16, S=1, Hq=32, Hkv=8, D=128, R=128, C=64, P=64)),
-        (32, dict(B=3, S=5, Hq=4, Hkv=2, D=256, R=6, C=16, P=32)),
+        (30, {"B": 2, "S": 64, "Hq": 32, "Hkv": 8, "D": 128, "R": 128, "C": 256, "P": 512}),
+        (31, {"B": 16, "S": 1, "Hq": 32, "Hkv": 8, "D": 128, "R": 128, "C": 64, "P": 64}),
+        (32, {"B": 3, "S": 5, "Hq": 4, "Hkv": 2, "D": 256, "R": 6, "C": 16, "P": 32}),
     ):
         args = quant_case(seed, q_mode, kv_dtype, pos=True, **shape)
         check_quant_against_reference(args)

@@ -117,7 +117,7 @@ def written_rows(op, kw):
         hnd = kw.get("kv_layout") == "HND"
         num_pages, page_size = c0.shape[0], c0.shape[2] if hnd else c0.shape[1]
         T = (kw["hidden_state"] if op == "qkv" else kw["q_rope" if op == "mla" else "q"]).shape[0]
-        request, pos, page, entry = reference.ragged_paged_slots(
+        _request, pos, page, entry = reference.ragged_paged_slots(
             kw["input_row_offsets"], kw["cache_lengths"], kw["block_table"], page_size, num_pages, T
         )
         table = kw.get("cos_sin_cache")

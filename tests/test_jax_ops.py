@@ -354,26 +354,29 @@ def test_trace_time_errors_are_the_eager_ones():
 
 @cpu
 @pytest.mark.parametrize(
-    "name,arg,bad",
+    "name,arg,bad,error",
     [
-        ("qknorm-fp8-q-dynamic-kv-scales", "q_out_dtype", "int8"),
-        ("paged-int8-kv-scales-hnd-given", "kv_cache_scales", None),
-        ("paged-fp8-gqa", "quantize_dtype", np.int8),
+        ("qknorm-fp8-q-dynamic-kv-scales", "q_out_dtype", "int8", TypeError),
+        # int8 paged caches without kv_cache_scales: a rule tying two arguments, a ValueError
+        # (ropekv._checks.check_cache_scales)
+        ("paged-int8-kv-scales-hnd-given", "kv_cache_scales", None, ValueError),
+        ("paged-fp8-gqa", "quantize_dtype", np.int8, ValueError),
     ],
 )
-def test_trace_time_errors_of_the_output_dtypes_are_the_eager_ones(name, arg, bad):
+def test_trace_time_errors_of_the_output_dtypes_are_the_eager_ones(name, arg, bad, error):
     """The q output dtype (QK-norm's ``q_out_dtype``; int8 paged q outputs only with
-    ``kv_cache_scales``) is derived while tracing, with the eager op's check and message (the
-    eager call allocating its outputs, as the JAX op does)."""
+    ``kv_cache_scales``) is derived while tracing, with the eager op's check, error class and
+    message (the eager call allocating its outputs, as the JAX op does)."""
     case = next(c for c in CASES if c.name == name)
     args = {n: x for n, x in case.fresh().items() if n not in OUTPUT_ARGS}
-    with pytest.raises(TypeError) as eager:
+    with pytest.raises(error) as eager:
         case.run(ropekv, dict(args, **{arg: bad}))
     arrays, statics = split(case)
     (arrays if arg == "kv_cache_scales" else statics)[arg] = bad
     fn = getattr(rj, case.op)
-    with pytest.raises(TypeError) as jitted:
+    with pytest.raises(error) as jitted:
         jax.jit(lambda a: fn(**a, **statics))(arrays)
+    assert type(jitted.value) is type(eager.value)
     assert str(jitted.value) == str(eager.value)
 
 

@@ -820,7 +820,7 @@ def test_status_on_device(kind, T_new):
         assert kind and bool((q_out == 7).all())
         assert_bytes_equal(to_numpy(dev["kv_cache"]), args["kv_cache"])
     else:
-        q_ref, ckv_ref, kpe_ref = expected(args, kw)
+        q_ref, ckv_ref, _kpe_ref = expected(args, kw)
         assert_close(q_out, q_ref, "q_rope_out")
         mask = written_rows(args)
         got = to_numpy(dev["kv_cache"])

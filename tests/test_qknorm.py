@@ -320,7 +320,7 @@ def mrope_case(rng, args, R, interleaved, text_share=0.3, bad_share=0.0):
 def test_mrope_of_text_tokens_is_plain_rope(interleaved, layout):
     """Three equal positions (the cache position) give the 1-D rotation, byte for byte."""
     args, kw = make_case(10, layout=layout)
-    req, pos, _, _ = reference.ragged_paged_slots(
+    _req, pos, _, _ = reference.ragged_paged_slots(
         args["input_row_offsets"], args["cache_lengths"], args["block_table"], 4, 12, 5
     )
     plain = dict(args, paged_kv_cache=tuple(c.copy() for c in args["paged_kv_cache"]))

@@ -1265,7 +1265,7 @@ def test_gpu_token_counts_around_switches(T, wfmt):
     """The shipped thresholds at every token count around a switch, a Llama-like head layout
     (D 128, whole heads in a tile), requests of mixed lengths with an empty one."""
     cuts = sorted({0, T // 3, T // 3, T})  # an empty request
-    lengths = tuple(b - a for a, b in zip(cuts, cuts[1:])) + (0,)
+    lengths = tuple(b - a for a, b in itertools.pairwise(cuts)) + (0,)
     dtype = BF16 if T % 2 else F16
     args, kw = make_case(
         30 + T,

@@ -160,7 +160,7 @@ def test_quantize_rows_edge_rows():
     assert s8.tolist() == [[64, -127, 0, 32], [0, 0, 0, 0], [0, 0, 0, 0]]  # NaN -> 0 in int8
     np.testing.assert_allclose(sc8[:2], [2.0 / 127, 1e-6 / 127])
     assert np.isinf(sc8[2])
-    s, sc = reference.quantize_rows(x, ml_dtypes.float8_e4m3fn)
+    s, _sc = reference.quantize_rows(x, ml_dtypes.float8_e4m3fn)
     f = s.astype(np.float64)
     assert f[0].tolist()[:2] == [224.0, -448.0] and np.isnan(f[0, 2])  # NaN stays NaN in fp8
     assert np.isnan(f[2, 0]) and (f[2, 1:] == 0).all()

@@ -503,7 +503,7 @@ def test_fast_signature_agrees_with_signature(stubbed, monkeypatch):
         fake_torch(monkeypatch)
         arrays.append(hostcost.to_torch(np.zeros((2, 6), np.float32)))
     names = [f"a{i}" for i in range(len(arrays))]
-    key, ptrs, kinds, keep = ar.signature(arrays, names, None)
+    key, ptrs, kinds, _keep = ar.signature(arrays, names, None)
     assert ar.fast_signature(len(arrays))(arrays) == (key, ptrs, kinds)
     assert ar.fast_signature(len(arrays))([*arrays[:-1], np.zeros(3)]) is None  # NumPy: generic
     assert ar.fast_signature(1)((None,)) == ((None,), [0], 0)

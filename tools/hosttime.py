@@ -61,10 +61,10 @@ def layered_rows(w, o, layers, sync, calls):
             rows.append(
                 (
                     f"  {label}",
-                    first_call_us(lambda: w.call(ol), sync),
-                    first_call_us(lambda: wt.call(ot), sync),
-                    per_call_us(lambda: w.call(ol), sync, calls),
-                    per_call_us(lambda: wt.call(ot), torch.cuda.synchronize, calls),
+                    first_call_us(lambda w=w, ol=ol: w.call(ol), sync),
+                    first_call_us(lambda wt=wt, ot=ot: wt.call(ot), sync),
+                    per_call_us(lambda w=w, ol=ol: w.call(ol), sync, calls),
+                    per_call_us(lambda wt=wt, ot=ot: wt.call(ot), torch.cuda.synchronize, calls),
                 )
             )
         finally:

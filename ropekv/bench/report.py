@@ -214,8 +214,10 @@ def qkv_lines(result):
     fp16 = {c["tokens"]: c["ropekv"]["us"] for c in rows if c.get("weight_format") == "fp16"}
     lines = [
         "",
-        "QKV projection by weight format (weight bytes / ropekv time vs copy bandwidth; "
-        "cuBLAS = its fp16 GEMM alone; speedup over fp16 weights at the same tokens):",
+        (
+            "QKV projection by weight format (weight bytes / ropekv time vs copy bandwidth; "
+            "cuBLAS = its fp16 GEMM alone; speedup over fp16 weights at the same tokens):"
+        ),
     ]
     for c in rows:
         r = c["ropekv"]
@@ -334,10 +336,10 @@ def _time_panel(ax, op, cases, bw):
                 alpha=0.6,
                 label=f"ropekv {other[0]['weight_format']} weights",
             )
-    for p in COLORS:
+    for p, color in COLORS.items():
         px = [(c["tokens"], c["peers"][p]["us"]) for c in pts if "us" in c["peers"].get(p, {})]
         if px:
-            ax.plot(*zip(*px), "s--", color=COLORS[p], label=p, alpha=0.8)
+            ax.plot(*zip(*px), "s--", color=color, label=p, alpha=0.8)
     ax.plot(x, [c["bytes"] / bw * 1e6 for c in pts], "k:", label="copy-bandwidth floor")
     ax.set_xscale("log")
     ax.set_yscale("log")

@@ -71,7 +71,9 @@ def main():
     print(f"{'kernel':24s}" + "".join(f"{g:>8d}" for g in grids))
     for label, (name, args) in cases.items():
         f = mod.get_function(name)
-        row = [graph_us(lambda g=g: f((g,), (128,), args), calls=200) for g in grids]
+        row = [
+            graph_us(lambda g=g, f=f, args=args: f((g,), (128,), args), calls=200) for g in grids
+        ]
         print(f"{label:24s}" + "".join(f"{t:8.3f}" for t in row))
 
 

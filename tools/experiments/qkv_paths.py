@@ -39,6 +39,8 @@ for _ in range(2):
             ref = ref or out
             d = max(float(cp.abs(a - b).max()) for a, b in zip(ref, out))
             turn = iter(range(1 << 30))
-            dev = _timing.device_us(lambda: f(ws[next(turn) % 4]), reps=80, budget_s=2.0)
+            dev = _timing.device_us(
+                lambda f=f, turn=turn: f(ws[next(turn) % 4]), reps=80, budget_s=2.0
+            )
             line += f" | {name} dev {dev:5.1f} graph {graph_us(f, ws, 9):5.1f} d {d:.2g}"
         print(line, flush=True)

@@ -84,14 +84,14 @@ class ContiguousWL(Workload):
 
     def call(self, o, **options):
         a = self.a
-        kw = dict(
-            kv_end_lens=a.get("kv_end_lens"),
-            kv_scale=a.get("kv_scale"),
-            is_neox=self.is_neox,
-            q_out=o.get("q_out"),
-            q_scale_out=o.get("q_scale_out"),
-            kv_cache_scales=o.get("cache_scales"),
-        )
+        kw = {
+            "kv_end_lens": a.get("kv_end_lens"),
+            "kv_scale": a.get("kv_scale"),
+            "is_neox": self.is_neox,
+            "q_out": o.get("q_out"),
+            "q_scale_out": o.get("q_scale_out"),
+            "kv_cache_scales": o.get("cache_scales"),
+        }
         kw.update(options)
         _fn("apply_rope_write_kv")(o.get("q", a["q"]), a["k"], a["v"], o["cache"], a["table"], **kw)
 
@@ -175,9 +175,9 @@ def specs():
     # the quantized outputs (issue 14), each against the plain fp16 -> e4m3 op above: fp8 queries
     # with dynamic scales, and per-token-head K/V scales (e4m3 and int8 caches)
     for label, cache, extra in (
-        ("qe4m3 dyn", E4M3, dict(q_out_dtype=E4M3)),
-        ("kv rows", E4M3, dict(kv_rows=True)),
-        ("kv rows", INT8, dict(kv_rows=True)),
+        ("qe4m3 dyn", E4M3, {"q_out_dtype": E4M3}),
+        ("kv rows", E4M3, {"kv_rows": True}),
+        ("kv rows", INT8, {"kv_rows": True}),
     ):
         series = f"contiguous fp16->{_dtname(cache)} {label}"
         for B, S in ((8, 1024), *((B, 1) for B in DECODE_SWEEP)):
