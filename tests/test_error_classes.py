@@ -352,7 +352,9 @@ def _mutate(kw, name, how, draw):
         if isinstance(value, tuple) and value and isinstance(value[0], np.ndarray):
             i = draw(st.integers(0, len(value) - 1))
             parts = list(value)
-            parts[i] = draw(st.sampled_from([None, parts[i][::2], parts[i].astype(np.float32)]))
+            part = parts[i]  # an earlier mutation may have made it None
+            choices = [None] if part is None else [None, part[::2], part.astype(np.float32)]
+            parts[i] = draw(st.sampled_from(choices))
             kw[name] = tuple(parts)
         else:
             kw[name] = draw(st.sampled_from(_SCALARS))
@@ -420,15 +422,11 @@ def test_fuzz_torch_cpu_tensors(op, data):
     fn, kw = fuzz_case(data, op)
 
     def convert(x):
+        x = x.copy()  # fresh C-order strides (torch takes no negative strides, empty or not)
         if x.dtype in (np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)):
-            return torch.from_numpy(np.ascontiguousarray(x).view(np.uint8)).view(
-                ar.torch_dtype(x.dtype)
-            )
-        return (
-            torch.from_numpy(np.ascontiguousarray(x))
-            if x.strides and min(x.strides) < 0
-            else (torch.from_numpy(x.copy()))
-        )
+            raw = torch.from_numpy(x.reshape(-1).view(np.uint8))  # 0-d: view it as 1-d
+            return raw.view(ar.torch_dtype(x.dtype)).reshape(x.shape)
+        return torch.from_numpy(x)
 
     call_allowed(fn, map_arrays(kw, convert))
 
