@@ -57,7 +57,7 @@ class QkvWeights(NamedTuple):
     """The weight arguments of :func:`ropekv.fused_qkv_matmul_append_paged_kv_cache`, in
     ropekv's layout.
 
-    Attributes
+    Parameters
     ----------
     weight : array
         ``(N, K/2) uint8`` packed 4-bit values (:func:`ropekv.pack_int4`'s layout), or ``(N, K)
