@@ -1,0 +1,1 @@
+"""Tested examples of calling ropekv from an engine (see docs/integration.md)."""
