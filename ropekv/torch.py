@@ -58,19 +58,13 @@ import torch
 import ropekv
 from ropekv import _checks as ck
 from ropekv import _frameworks as fw
+from ropekv import _registry
 from ropekv._arrays import HOST
 from ropekv.paged import as_dtype
 
 Tensor = torch.Tensor
 
-__all__ = [
-    "apply_rope_write_kv",
-    "fused_qkv_matmul_append_paged_kv_cache",
-    "mla_rope_rmsnorm_append_paged_kv_cache",
-    "qk_rmsnorm_rope_append_paged_kv_cache",
-    "rope_append_paged_kv_cache",
-    "rope_quantize_fp8_append_paged_kv_cache",
-]
+__all__ = list(_registry.TORCH)  # the registry's ops with a torch form
 
 
 # ---- helpers -----------------------------------------------------------------------------------

@@ -104,3 +104,66 @@ def test_no_all_lists_a_private_name():
         listed = getattr(module, "__all__", ())
         assert not [n for n in listed if is_private(n)], name
         assert all(hasattr(module, n) for n in listed), name
+
+
+# ---- the op registry (ropekv/_registry.py) ---------------------------------------------------
+
+
+def test_the_registry_names_every_public_function_once():
+    import ropekv
+    from ropekv import _registry
+
+    names = [*_registry.NAMES, *_registry.HELPERS]
+    assert len(set(names)) == len(names)
+    assert set(names) <= set(ropekv.__all__)
+    for op in _registry.OPS:
+        assert getattr(ropekv, op.name).__module__ == f"ropekv.{op.module}", op.name
+    for name, module in _registry.HELPERS.items():
+        assert getattr(ropekv, name).__module__ == f"ropekv.{module}", name
+    # every public function of the package is an op or a helper of the registry
+    functions = {n for n in ropekv.__all__ if callable(getattr(ropekv, n))}
+    assert functions <= set(names), functions - set(names)
+
+
+def test_every_op_is_on_the_api_page():
+    from ropekv import _registry
+
+    text = (ROOT / "docs" / "api.rst").read_text()
+    summary = text.split(".. autosummary::", 1)[1].split("\n\n", 2)[1].split()
+    for name in (*_registry.NAMES, *_registry.HELPERS):
+        assert name in summary, name
+        assert f".. autofunction:: {name}\n" in text, name
+
+
+def test_every_op_has_its_framework_forms():
+    import pytest
+
+    from ropekv import _registry
+
+    for framework, names in (("torch", _registry.TORCH), ("jax", _registry.JAX)):
+        pytest.importorskip(framework)
+        module = importlib.import_module(f"ropekv.{framework}")
+        assert list(names) == module.__all__
+        for name in names:
+            assert callable(getattr(module, name)), f"ropekv.{framework}.{name}"
+
+
+def test_every_op_is_in_the_bench_and_in_ropekv_check():
+    """Each op's workload key has bench cases, and ``ropekv check``'s cases call every op (each
+    case's ropekv call recorded, not run)."""
+    from ropekv import _registry, bench, cli
+    from ropekv.bench.workloads import MODULES
+
+    assert tuple(MODULES) == bench.OPS == tuple(_registry.workloads())
+    bench_ops = {s.op for s in bench.bench_specs()}
+    parser = cli.build_parser()._subparsers._group_actions[0].choices["bench"]
+    assert tuple(parser._option_string_actions["--ops"].type(",".join(bench.OPS))) == bench.OPS
+    checked = set()
+    for op, _, build in bench.check_specs():
+        w = build()
+        call = w.bound({n: w.a[n] for n in w.outputs_names})
+        checked.add(getattr(call.func, "__name__", None))
+    for op in _registry.OPS:
+        assert op.name in bench.OP_FUNCTIONS[op.workload], op.name
+        assert op.workload in bench_ops, op.name
+        assert op.name in checked, f"ropekv check runs no {op.name}"

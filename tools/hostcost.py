@@ -385,13 +385,14 @@ def layered_name(w):
 
 
 def ops():
-    import ropekv
-    from ropekv import _launch
+    import importlib
+
+    from ropekv import _launch, _registry
 
     return [
         v
-        for m in (ropekv.contiguous, ropekv.paged, ropekv.mla, ropekv.qknorm, ropekv.qkv)
-        for v in vars(m).values()
+        for m in _registry.OP_MODULES
+        for v in vars(importlib.import_module(f"ropekv.{m}")).values()
         if isinstance(v, _launch.Op)
     ]
 
