@@ -283,6 +283,42 @@ def _short_repr(value, limit=60):
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
+def check_cache_scale(kv_scale, cache_dtype, name="kv_scale"):
+    """The dequantization scale of an fp8 cache (1.0 by default); None for 16-bit caches."""
+    if cache_dtype in FP8_DTYPES:
+        return 1.0 if kv_scale is None else check_float(kv_scale, name, positive=True)
+    if kv_scale is not None:
+        raise ValueError(f"{name} is only used with float8 caches, but the cache is {cache_dtype}")
+    return None
+
+
+def check_q_out_dtype(value, vq, vgiven):
+    """The dtype q is stored in: ``q_out_dtype`` (``q``'s dtype or fp8, as a dtype or its name)
+    and a given ``q_out``'s dtype, which must agree."""
+    if value is None and vgiven is None:  # the default: q's dtype
+        return vq.dtype
+    allowed = (vq.dtype, *FP8_DTYPES)
+    dtype = None
+    if value is not None:
+        try:
+            dtype = np.dtype(value)
+        except TypeError:
+            dtype = None
+        if dtype not in allowed:
+            names = " or ".join(str(d) for d in allowed)
+            raise TypeError(f"q_out_dtype must be {names} (a dtype or its name), got {value!r}")
+    if vgiven is None:
+        return vq.dtype if dtype is None else dtype
+    check_shape(vgiven, vq.shape, None)
+    check_dtype(vgiven, allowed)
+    if dtype is not None and dtype != vgiven.dtype:
+        raise TypeError(
+            f"q_out_dtype ({dtype}) must be the dtype of the given q_out ({vgiven.dtype}) or None"
+        )
+    check_last_dim_contiguous(vgiven)
+    return vgiven.dtype
+
+
 def check_scale_values(view):
     """A scale array's values are positive and finite (read on the host: host arrays always, device
     arrays under ``ROPEKV_CHECK_INDICES``, which already synchronises)."""

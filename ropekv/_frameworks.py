@@ -15,6 +15,7 @@ import numpy as np
 from ropekv import _checks as ck
 from ropekv import paged
 from ropekv._arrays import BFLOAT16, FLOAT16, ArrayView
+from ropekv._launch import dtype_key
 
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 _PAGED_LAYOUTS = {"NHD": "(num_pages, page_size, Hkv, D)", "HND": "(num_pages, Hkv, page_size, D)"}
@@ -65,10 +66,8 @@ def qknorm_q_output(q, q_out_dtype):
     """``(shape, dtype)`` of the QK-norm op's new ``q_out``: ``q``'s shape in ``q_out_dtype``
     (``q``'s dtype by default, or fp8; a dtype, its name or a torch dtype), with the eager
     op's checks and messages."""
-    from ropekv.qknorm import _dtype_key, _q_out_dtype
-
     shape, _ = same_as_q(q, "(T, Hq, D)")
-    return shape, _q_out_dtype(_dtype_key(q_out_dtype), q, None)
+    return shape, ck.check_q_out_dtype(dtype_key(q_out_dtype), q, None)
 
 
 def qkv_output(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx=None):

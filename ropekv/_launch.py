@@ -1085,6 +1085,28 @@ def select_layer(views, indices, layer):
     return out, Layers(count, strides, layer, first.name, first.shape)
 
 
+def dtype_key(value):
+    """A dtype argument (QK-norm's ``q_out_dtype``) as it enters the plan key: a dtype, a name
+    or None (validated later)."""
+    if value is None or isinstance(value, (str, np.dtype)):
+        return value
+    if type(value).__module__ == "torch":  # torch.float8_e4m3fn: its name
+        return str(value).removeprefix("torch.")
+    try:
+        return np.dtype(value)
+    except TypeError:
+        return repr(value)  # refused by validation
+
+
+def given_or_new(index):
+    """The result of an op with one optional output argument at ``index``: it, or the new one."""
+
+    def result(arrays, outs):
+        return arrays[index] if arrays[index] is not None else outs[0]
+
+    return result
+
+
 # How a scalar argument enters a plan key (``Op(..., flags=[(name, kind), ...])``)
 AS_IS = 0  # as given (already a key: a tuple of tuning values, a validated scale)
 KEY = 1  # scalar_key(value): compared by value, bools kept apart from ints, lists as tuples

@@ -167,8 +167,9 @@ def build_parser():
         help=f"decode steps after the prefill, 0 to {MAX_STEPS} (default 8)",
     )
     p.set_defaults(func=_cmd_demo)
-    ops = ("contiguous", "paged", "mla", "qknorm", "qkv")  # == ropekv.bench.OPS (not imported:
-    # the parser stays light)
+    from ropekv import _registry  # ropekv.bench.OPS without importing the bench: a light parser
+
+    ops = tuple(_registry.workloads())
     peers = (
         "flashinfer",
         "flashinfer-cake",

@@ -47,16 +47,10 @@ from jax.experimental.buffer_callback import buffer_callback
 
 import ropekv
 from ropekv import _frameworks as fw
+from ropekv import _registry
 from ropekv.paged import as_dtype
 
-__all__ = [
-    "apply_rope_write_kv",
-    "fused_qkv_matmul_append_paged_kv_cache",
-    "mla_rope_rmsnorm_append_paged_kv_cache",
-    "qk_rmsnorm_rope_append_paged_kv_cache",
-    "rope_append_paged_kv_cache",
-    "rope_quantize_fp8_append_paged_kv_cache",
-]
+__all__ = list(_registry.JAX)  # the registry's ops with a JAX form
 
 _DL_CPU = 1  # DLPack device type of host memory
 

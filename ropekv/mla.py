@@ -12,7 +12,18 @@ from ropekv import _checks as ck
 from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
-from ropekv._launch import AS_IS, FLAG, INT, KEY, Launch, Op, Output, ParamStruct, Plan
+from ropekv._launch import (
+    AS_IS,
+    FLAG,
+    INT,
+    KEY,
+    Launch,
+    Op,
+    Output,
+    ParamStruct,
+    Plan,
+    given_or_new,
+)
 from ropekv._mrope import check_status
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import vector_width, widest_aligned
@@ -131,15 +142,6 @@ def check_output(out, src):
     ck.check_shape(out, src.shape, None)
     ck.check_same_dtype(out, src)
     ck.check_last_dim_contiguous(out)
-
-
-def cache_scale(kv_scale, cache_dtype, name="kv_scale"):
-    """The dequantization scale of an fp8 cache (1.0 by default); None for 16-bit caches."""
-    if cache_dtype in FP8_DTYPES:
-        return 1.0 if kv_scale is None else ck.check_float(kv_scale, name, positive=True)
-    if kv_scale is not None:
-        raise ValueError(f"{name} is only used with float8 caches, but the cache is {cache_dtype}")
-    return None
 
 
 def mla_rope_rmsnorm_append_paged_kv_cache(
@@ -407,7 +409,7 @@ def _prepare(views, flags):
         raise ValueError(
             f"{vcache.name} must have a page_size (dim 1) of at least 1, got {vcache.shape}"
         )
-    scale = cache_scale(kv_scale, vcache.dtype)
+    scale = ck.check_cache_scale(kv_scale, vcache.dtype)
     epsilon = ck.check_float(epsilon, "epsilon", positive=False)
     if (
         vq.strides[-1] != 1
@@ -553,18 +555,9 @@ def _prepare(views, flags):
     return Plan(device, [launch], outputs=outputs, written=written, inplace=[(0, 9)], result=result)
 
 
-def _given_or_new(index):
-    """The result of an op with one optional output argument at ``index``: it, or the new one."""
-
-    def result(arrays, outs):
-        return arrays[index] if arrays[index] is not None else outs[0]
-
-    return result
-
-
 # made once (a first call copies or reads them): the result, and the slots of the arguments
 # every call gives
-_RESULT = _given_or_new(9)
+_RESULT = given_or_new(9)
 _SLOTS = {
     "q": (0, 0),
     "kv": (1, 0),

@@ -11,11 +11,21 @@ from ropekv import _checks as ck
 from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, INT64
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
-from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, Output, ParamStruct, Plan
+from ropekv._launch import (
+    AS_IS,
+    FLAG,
+    KEY,
+    Launch,
+    Op,
+    Output,
+    ParamStruct,
+    Plan,
+    dtype_key,
+    given_or_new,
+)
 from ropekv._mrope import check_mrope, check_mrope_indices, check_status
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import vector_width, widest_aligned
-from ropekv.mla import _given_or_new, cache_scale
 
 INT8 = reference.INT8
 STEM = "qknorm"
@@ -216,9 +226,11 @@ def _kv_scales(kv_scale, cache_dtype):
             raise ValueError(
                 f"kv_scale must be a float or a (k_scale, v_scale) pair, got {len(kv_scale)} values"
             )
-        k, v = (cache_scale(s, cache_dtype, f"kv_scale[{i}]") for i, s in enumerate(kv_scale))
+        k, v = (
+            ck.check_cache_scale(s, cache_dtype, f"kv_scale[{i}]") for i, s in enumerate(kv_scale)
+        )
         return None if k is None else (k, v)
-    s = cache_scale(kv_scale, cache_dtype)
+    s = ck.check_cache_scale(kv_scale, cache_dtype)
     return None if s is None else (s, s)
 
 
@@ -489,45 +501,6 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
     )
 
 
-def _dtype_key(value):
-    """``q_out_dtype`` as it enters the plan key: a dtype, a name or None (validated later)."""
-    if value is None or isinstance(value, (str, np.dtype)):
-        return value
-    if type(value).__module__ == "torch":  # torch.float8_e4m3fn: its name
-        return str(value).removeprefix("torch.")
-    try:
-        return np.dtype(value)
-    except TypeError:
-        return repr(value)  # refused by validation
-
-
-def _q_out_dtype(value, vq, vgiven):
-    """The dtype q is stored in: ``q_out_dtype`` (``q``'s dtype or fp8, as a dtype or its name)
-    and a given ``q_out``'s dtype, which must agree."""
-    if value is None and vgiven is None:  # the default: q's dtype
-        return vq.dtype
-    allowed = (vq.dtype, *FP8_DTYPES)
-    dtype = None
-    if value is not None:
-        try:
-            dtype = np.dtype(value)
-        except TypeError:
-            dtype = None
-        if dtype not in allowed:
-            names = " or ".join(str(d) for d in allowed)
-            raise TypeError(f"q_out_dtype must be {names} (a dtype or its name), got {value!r}")
-    if vgiven is None:
-        return vq.dtype if dtype is None else dtype
-    ck.check_shape(vgiven, vq.shape, None)
-    ck.check_dtype(vgiven, allowed)
-    if dtype is not None and dtype != vgiven.dtype:
-        raise TypeError(
-            f"q_out_dtype ({dtype}) must be the dtype of the given q_out ({vgiven.dtype}) or None"
-        )
-    ck.check_last_dim_contiguous(vgiven)
-    return vgiven.dtype
-
-
 def _q_quant(q_dtype, q_scale, vqs, T, Hq):
     """(q_scale, dynamic) of the q output: its static scale (1.0 for fp8; None for 16-bit) and
     whether ``q_scale_out`` receives computed scales."""
@@ -662,7 +635,7 @@ def _prepare(views, flags):
     scales = None if kv_dynamic else _kv_scales(kv_scale, vkc.dtype)
     epsilon = ck.check_float(epsilon, "epsilon", positive=False)
     ck.check_last_dim_contiguous(vq, vk, vv, vt, vkc, vvc)
-    q_dtype = _q_out_dtype(q_out_dtype, vq, vgiven)
+    q_dtype = ck.check_q_out_dtype(q_out_dtype, vq, vgiven)
     q_scale, q_dynamic = _q_quant(q_dtype, q_scale, vqs, T, Hq)
     if q_dtype in FP8_DTYPES and vkc.dtype == INT8:
         raise TypeError(
@@ -676,7 +649,7 @@ def _prepare(views, flags):
     written = [i for i in (9, 10, 11, 13, 14, 15, 16) if i == 11 or views[i] is not None]
     inplace = [(0, 11)]
     outputs = [] if vgiven is not None else [Output((T, Hq, D), q_dtype)]
-    result = _given_or_new(11)
+    result = given_or_new(11)
 
     if ck.check_indices_enabled():
         # with mRoPE the cache position needs no table row; the three positions are checked
@@ -964,7 +937,7 @@ _OP = Op(
         ("clear_unused_last_page_rows", FLAG),
         ("mrope_section", KEY),
         ("mrope_interleaved", FLAG),
-        ("q_out_dtype", _dtype_key),
+        ("q_out_dtype", dtype_key),
         ("q_scale", KEY),
     ],
 )

@@ -24,6 +24,9 @@ or ``torch.ops.ropekv.f_out`` when the caller gives them; the MLA and QK-norm op
 ``f_in_place`` (``q_rope_out=q_rope``, ``q_out=q``), and ``apply_rope_write_kv`` has
 ``apply_rope_write_kv_k_in_place`` for ``write_k_in_place=True``, each with an ``_out`` form for a
 ``q_out`` that is not ``q``.
+The registered ops' schemas carry the eager function's defaults: ``torch.ops.ropekv.f`` can be
+called with its required arguments and keywords, as an aten op; an ``_out`` op takes its outputs
+right after its required arguments (a custom op takes no keyword-only tensor).
 
 Every op declares exactly what it writes (``mutates_args``): the caches, ``q`` for
 ``apply_rope_write_kv`` (roped in place), ``k`` for its ``_k_in_place`` form, the given outputs,
@@ -46,6 +49,8 @@ buffers, warm-up before capture).
 
 # torch's schema inference reads typing.Optional / List / Tuple on every torch version we support
 # ruff: noqa: UP006, UP035, UP045
+import inspect
+import typing
 from typing import List, Optional, Tuple
 
 import torch
@@ -53,19 +58,13 @@ import torch
 import ropekv
 from ropekv import _checks as ck
 from ropekv import _frameworks as fw
+from ropekv import _registry
 from ropekv._arrays import HOST
 from ropekv.paged import as_dtype
 
 Tensor = torch.Tensor
 
-__all__ = [
-    "apply_rope_write_kv",
-    "fused_qkv_matmul_append_paged_kv_cache",
-    "mla_rope_rmsnorm_append_paged_kv_cache",
-    "qk_rmsnorm_rope_append_paged_kv_cache",
-    "rope_append_paged_kv_cache",
-    "rope_quantize_fp8_append_paged_kv_cache",
-]
+__all__ = list(_registry.TORCH)  # the registry's ops with a torch form
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -123,6 +122,64 @@ def _eager(fn, *args, **kwargs):
 
 def _no_outputs(*args, **kwargs):
     """The fake of an op that only writes its arguments."""
+
+
+def _optional(annotation):
+    return typing.get_origin(annotation) is typing.Union and type(None) in typing.get_args(
+        annotation
+    )
+
+
+def _with_eager_defaults(fn, eager):
+    """``fn``, a registered op's function, given the defaults of the eager function ``eager``, so
+    that the op's schema has them (``torch.library.custom_op`` infers the schema from the
+    signature, defaults included) and ``torch.ops.ropekv.<op>`` can be called with its required
+    arguments only. An argument named as one of the eager function's takes that default, but for
+    a tensor the op requires (the output an ``_out`` op writes, None in the eager function); one
+    of the op's own (``kv_scales``, ``kpe_cache``, ``k_scales`` / ``v_scales``,
+    ``quant_scales_q``: a part of an eager argument) defaults to None when it is optional. The
+    defaults run from the last required argument to the end (custom ops take no keyword-only
+    tensors, so an ``_out`` op's outputs follow its other required arguments)."""
+    eager_params = inspect.signature(eager).parameters
+    params = list(inspect.signature(fn).parameters.values())
+    empty = inspect.Parameter.empty
+
+    def default(p):
+        e = eager_params.get(p.name)
+        if e is None:
+            return None if _optional(p.annotation) else empty
+        if e.default is None and not _optional(p.annotation):
+            return empty
+        return e.default
+
+    wanted = [default(p) for p in params]
+    n = 0
+    while n < len(params) and wanted[len(params) - 1 - n] is not empty:
+        n += 1
+    missed = [p.name for p, d in zip(params[: len(params) - n], wanted) if d is not empty]
+    if missed:  # an optional argument before a required one: the op's order must change
+        raise TypeError(f"{fn.__qualname__}: no default for {missed} (a required argument after)")
+    fn.__defaults__ = tuple(wanted[len(params) - n :])
+    return fn
+
+
+def _custom_op(name, fn, eager, mutates_args, fake=None):
+    """``torch.library.custom_op`` of ``fn`` (with ``eager``'s defaults) as ``ropekv::name``, its
+    fake ``fake`` (none: the op only writes its arguments). The dispatcher may leave out trailing
+    arguments that have their defaults: the fake sees every argument, the defaults filled in."""
+    signature = inspect.signature(_with_eager_defaults(fn, eager))
+    op = torch.library.custom_op(f"ropekv::{name}", fn, mutates_args=mutates_args)
+    if fake is None:
+        op.register_fake(_no_outputs)
+    else:
+
+        def full_fake(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return fake(*bound.args, **bound.kwargs)
+
+        op.register_fake(full_fake)
+    return op
 
 
 # ---- apply_rope_write_kv -----------------------------------------------------------------------
@@ -212,6 +269,7 @@ def _contiguous_ops(write_k_in_place):
         v: Tensor,
         kv_cache: Tensor,
         cos_sin_cache: Tensor,
+        q_out: Tensor,
         kv_end_lens: Optional[Tensor],
         position_ids: Optional[Tensor],
         kv_scale: Optional[List[float]],
@@ -222,7 +280,6 @@ def _contiguous_ops(write_k_in_place):
         q_scale: Optional[float],
         q_scale_out: Optional[Tensor],
         kv_cache_scales: Optional[Tensor],
-        q_out: Tensor,
     ) -> None:
         run(
             q,
@@ -243,16 +300,15 @@ def _contiguous_ops(write_k_in_place):
             q_out,
         )
 
-    name = "ropekv::apply_rope_write_kv" + ("_k_in_place" if write_k_in_place else "")
+    name = "apply_rope_write_kv" + ("_k_in_place" if write_k_in_place else "")
     written = (
         ("k", "kv_cache", "q_scale_out", "kv_cache_scales")
         if write_k_in_place
         else ("kv_cache", "q_scale_out", "kv_cache_scales")
     )
-    op = torch.library.custom_op(name, in_place, mutates_args=("q", *written))
-    op_out = torch.library.custom_op(name + "_out", into, mutates_args=(*written, "q_out"))
-    op.register_fake(_no_outputs)
-    op_out.register_fake(_no_outputs)
+    eager = ropekv.apply_rope_write_kv
+    op = _custom_op(name, in_place, eager, ("q", *written))
+    op_out = _custom_op(name + "_out", into, eager, (*written, "q_out"))
     return op, op_out
 
 
@@ -322,7 +378,7 @@ def apply_rope_write_kv(
     if q_out is None or q_out is q:
         ops[0](*args)
     else:
-        ops[1](*args, q_out)
+        ops[1](*args[:5], q_out, *args[5:])  # q_out after the required arguments
     return q_out
 
 
@@ -365,6 +421,8 @@ def _paged_ops(name, eager, quantize):
         kv_indptr: Tensor,
         batch_indices: Tensor,
         positions: Tensor,
+        q_rope_out: Tensor,
+        q_nope_out: Tensor,
         is_neox: bool,
         quantize_dtype: Optional[torch.dtype],
         quant_scale_q: Optional[float],
@@ -379,8 +437,6 @@ def _paged_ops(name, eager, quantize):
         k_scales: Optional[Tensor],
         v_scales: Optional[Tensor],
         status: Optional[Tensor],
-        q_rope_out: Tensor,
-        q_nope_out: Tensor,
     ) -> None:
         _eager(
             eager,
@@ -464,6 +520,8 @@ def _paged_ops(name, eager, quantize):
             kv_indptr,
             batch_indices,
             positions,
+            q_rope_out,
+            q_nope_out,
             is_neox,
             quantize_dtype,
             quant_scale_q,
@@ -478,8 +536,6 @@ def _paged_ops(name, eager, quantize):
             k_scales,
             v_scales,
             status,
-            q_rope_out,
-            q_nope_out,
         )
         return q_rope_out, q_nope_out
 
@@ -524,12 +580,8 @@ def _paged_ops(name, eager, quantize):
         )
 
     written = ("k_cache", "v_cache", "q_scale_out", "k_scales", "v_scales", "status")
-    op = torch.library.custom_op(f"ropekv::{name}", allocating, mutates_args=written)
-    op_out = torch.library.custom_op(
-        f"ropekv::{name}_out", into, mutates_args=(*written, "q_rope_out", "q_nope_out")
-    )
-    op.register_fake(fake)
-    op_out.register_fake(_no_outputs)
+    op = _custom_op(name, allocating, eager, written, fake)
+    op_out = _custom_op(f"{name}_out", into, eager, (*written, "q_rope_out", "q_nope_out"))
     return op, op_out
 
 
@@ -624,7 +676,7 @@ def _paged_call(
     if q_nope_out is None:
         Dn = 0 if q_nope is None else q_nope.shape[-1]
         q_nope_out = q_rope.new_empty((T, Hq, Dn), dtype=dtype)
-    op_out(*args, q_rope_out, q_nope_out)
+    op_out(*args[:13], q_rope_out, q_nope_out, *args[13:])  # after the required arguments
     return q_rope_out, q_nope_out
 
 
@@ -850,6 +902,7 @@ def _mla_ops():
         cache_lengths: Tensor,
         block_table: Tensor,
         kv_cache: Tensor,
+        q_rope_out: Tensor,
         kpe_cache: Optional[Tensor],
         epsilon: float,
         kv_norm_dim: Optional[int],
@@ -858,7 +911,6 @@ def _mla_ops():
         clear_unused_last_page_rows: bool,
         status: Optional[Tensor],
         layer_idx: Optional[int],
-        q_rope_out: Tensor,
     ) -> None:
         run(
             q_rope,
@@ -939,14 +991,11 @@ def _like_q(q, name, layout):
 def _three_ops(name, allocating, into, in_place, caches, q_name, out_name, layout, fake=None):
     """Register the allocating, ``_out`` and ``_in_place`` ops of an op with one q output (the
     allocating op's fake: ``fake``, by default an empty tensor like ``q``)."""
-    op = torch.library.custom_op(f"ropekv::{name}", allocating, mutates_args=caches)
-    op_out = torch.library.custom_op(f"ropekv::{name}_out", into, mutates_args=(*caches, out_name))
-    op_in_place = torch.library.custom_op(
-        f"ropekv::{name}_in_place", in_place, mutates_args=(*caches, q_name)
-    )
-    op.register_fake(fake or (lambda q, *rest: _like_q(q, q_name, layout)))
-    op_out.register_fake(_no_outputs)
-    op_in_place.register_fake(_no_outputs)
+    eager = getattr(ropekv, name)
+    fake = fake or (lambda q, *rest: _like_q(q, q_name, layout))
+    op = _custom_op(name, allocating, eager, caches, fake)
+    op_out = _custom_op(f"{name}_out", into, eager, (*caches, out_name))
+    op_in_place = _custom_op(f"{name}_in_place", in_place, eager, (*caches, q_name))
     return op, op_out, op_in_place
 
 
@@ -954,8 +1003,8 @@ _mla = _mla_ops()
 
 
 def _pick(ops, q, out):
-    """(op, trailing args, result) for an op with one q output: allocating, in place, or into
-    the caller's tensor."""
+    """(op, output args, result) for an op with one q output: allocating, in place, or into
+    the caller's tensor (the ``_out`` op takes it after its required arguments)."""
     op, op_out, op_in_place = ops
     if out is None:
         return op, (), None
@@ -1012,6 +1061,7 @@ def mla_rope_rmsnorm_append_paged_kv_cache(
         cache_lengths,
         block_table,
         ckv,
+        *extra,
         kpe,
         epsilon,
         kv_norm_dim,
@@ -1020,7 +1070,6 @@ def mla_rope_rmsnorm_append_paged_kv_cache(
         _flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"),
         status,
         fw.layer_index(layer_idx),
-        *extra,
     )
     return out if result is None else result
 
@@ -1180,6 +1229,7 @@ def _qknorm_ops():
         block_table: Tensor,
         k_cache: Tensor,
         v_cache: Tensor,
+        q_out: Tensor,
         epsilon: float,
         is_neox: bool,
         kv_layout: str,
@@ -1197,7 +1247,6 @@ def _qknorm_ops():
         v_scales: Optional[Tensor],
         status: Optional[Tensor],
         layer_idx: Optional[int],
-        q_out: Tensor,
     ) -> None:
         run(
             q,
@@ -1386,6 +1435,7 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
         block_table,
         k_cache,
         v_cache,
+        *extra,
         epsilon,
         bool(is_neox),
         kv_layout,
@@ -1403,7 +1453,6 @@ def qk_rmsnorm_rope_append_paged_kv_cache(
         v_scales,
         status,
         fw.layer_index(layer_idx),
-        *extra,
     )
     return out if result is None else result
 
@@ -1434,6 +1483,7 @@ def _qkv_ops():
         k_cache: Tensor,
         v_cache: Tensor,
         num_q_heads: int,
+        out: Tensor,
         cos_sin_cache: Optional[Tensor],
         is_neox: bool,
         kv_layout: str,
@@ -1444,7 +1494,6 @@ def _qkv_ops():
         clear_unused_last_page_rows: bool,
         status: Optional[Tensor],
         layer_idx: Optional[int],
-        out: Tensor,
     ) -> None:
         # a call that runs cuBLAS takes a capturing stream itself: its plan's capture plan (the
         # fused kernel), or its refusal
@@ -1500,6 +1549,7 @@ def _qkv_ops():
             k_cache,
             v_cache,
             num_q_heads,
+            out,
             cos_sin_cache,
             is_neox,
             kv_layout,
@@ -1510,7 +1560,6 @@ def _qkv_ops():
             clear_unused_last_page_rows,
             status,
             layer_idx,
-            out,
         )
         return out
 
@@ -1536,14 +1585,9 @@ def _qkv_ops():
     ):
         return _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx)
 
-    op = torch.library.custom_op(
-        f"ropekv::{name}", allocating, mutates_args=("k_cache", "v_cache", "status")
-    )
-    op_out = torch.library.custom_op(
-        f"ropekv::{name}_out", into, mutates_args=("k_cache", "v_cache", "status", "out")
-    )
-    op.register_fake(fake)
-    op_out.register_fake(_no_outputs)
+    eager = ropekv.fused_qkv_matmul_append_paged_kv_cache
+    op = _custom_op(name, allocating, eager, ("k_cache", "v_cache", "status"), fake)
+    op_out = _custom_op(f"{name}_out", into, eager, ("k_cache", "v_cache", "status", "out"))
     return op, op_out
 
 
@@ -1609,5 +1653,5 @@ def fused_qkv_matmul_append_paged_kv_cache(
     )
     if out is None:
         return op(*args)
-    op_out(*args, out)
+    op_out(*args[:8], out, *args[8:])  # out after the required arguments
     return out

@@ -353,8 +353,8 @@ def _torch_outputs(w):
     """The outputs of ``w``'s PyTorch composition, or None where it has none (``torch_fn``
     returns None, as for the contiguous q_out / kv_cache_scales cases: the peers show "-")."""
     o = w.new_outputs()
-    to = {k: bench._to_torch(v) for k, v in o.items()}
-    ti = {k: bench._to_torch(v) for k, v in w.a.items() if k not in o}
+    to = {k: bench.torch_view(v) for k, v in o.items()}
+    ti = {k: bench.torch_view(v) for k, v in w.a.items() if k not in o}
     made = w.torch_fn(ti, to)
     if made is None:
         return None
@@ -460,7 +460,7 @@ def test_steps_peer_rmsnorm_kernel_compiles_for_sm90():
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from ropekv._compile import _header_options
 
-    prog = nvrtc.createProgram(bench._RMSNORM_SRC, "rmsnorm.cu", [], [])
+    prog = nvrtc.createProgram(bench.RMSNORM_SRC, "rmsnorm.cu", [], [])
     try:
         nvrtc.compileProgram(prog, ["--gpu-architecture=sm_90", "-std=c++17", *_header_options()])
     except nvrtc.NVRTCError:
@@ -964,10 +964,10 @@ def test_public_names_stay_importable():
         "DECODE_SWEEP",
         "SWEEP",
         "OP_FUNCTIONS",
-        "_runners",
-        "_to_torch",
-        "_torch_graph_us",
-        "_RMSNORM_SRC",
+        "make_runners",
+        "torch_view",
+        "torch_graph_us",
+        "RMSNORM_SRC",
         "speedups",
     ):
         assert hasattr(bench, name), name

@@ -491,9 +491,9 @@ def test_gpu_replays_in_c_and_matches_the_reference_and_the_python_replay(op, ki
     convert = to_device
     if kind == "torch":
         torch = pytest.importorskip("torch")
-        from ropekv.bench import _to_torch
+        from ropekv.bench import torch_view
 
-        convert = lambda x: _to_torch(to_device(x))
+        convert = lambda x: torch_view(to_device(x))
         sync = torch.cuda.synchronize
     else:
         import cupy
@@ -965,7 +965,7 @@ def test_gpu_torch_prefill_qkv_temporaries_live_in_torchs_pool(explicit):
     torch = pytest.importorskip("torch")
     import cupy
 
-    from ropekv.bench import _to_torch
+    from ropekv.bench import torch_view
     from tests.test_call_path import assert_same, copy_kw
     from tests.tolerance import to_device
 
@@ -974,7 +974,7 @@ def test_gpu_torch_prefill_qkv_temporaries_live_in_torchs_pool(explicit):
     fn, kw = CASES["qkv"](66, **PREFILL["qkv"])
     expected = copy_kw(kw)
     out_expected = fn(**expected)
-    convert = lambda x: _to_torch(to_device(x))
+    convert = lambda x: torch_view(to_device(x))
     extra = {"stream": torch.cuda.Stream()} if explicit else {}
     fn(**map_arrays(copy_kw(kw), convert), **extra)  # plans
     torch.cuda.synchronize()

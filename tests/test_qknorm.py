@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import ropekv
 from ropekv import reference
-from ropekv.bench.arrays import _to_torch
+from ropekv.bench.arrays import torch_view
 from tests.strategies import FP8_DTYPES, INPUT_DTYPES, seeds
 from tests.tolerance import assert_bytes_equal, assert_close, to_device, to_numpy
 
@@ -1016,7 +1016,7 @@ def test_matches_flashinfer_cake(cache_dtype, policy):
         **{**dev, "paged_kv_cache": ours}, **kw, norm_order=order, clear_unused_last_page_rows=True
     )
 
-    t = _to_torch  # zero-copy torch views, bf16 and fp8 included
+    t = torch_view  # zero-copy torch views, bf16 and fp8 included
 
     seq_lens = to_device((np.asarray(cached) + np.asarray(new)).astype(np.int32))
     common = (
@@ -1875,7 +1875,7 @@ def test_dynamic_fp8_q_matches_flashinfer_cake(is_prefill):
     q_scale_out = cp.zeros((T, 64), cp.float32)
     out = op(**{**dev, "paged_kv_cache": ours}, **kw, q_out_dtype=E4M3, q_scale_out=q_scale_out)
 
-    t = _to_torch  # zero-copy torch views, bf16 and fp8 included
+    t = torch_view  # zero-copy torch views, bf16 and fp8 included
 
     seq_lens = to_device((np.asarray(cached) + np.asarray(new)).astype(np.int32))
     one = torch.ones(1, dtype=torch.float32, device=qkv.device.id)

@@ -4,6 +4,8 @@ CUDA with CUDA graphs and ``mode="reduce-overhead"`` (GPU)."""
 
 from __future__ import annotations
 
+import inspect
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -129,6 +131,107 @@ def test_every_op_is_registered_with_exactly_its_writes():
         }
         assert written == writes, name
         assert not any(r.alias_info for r in schema.returns), f"{name} returns an alias"
+
+
+def eager_function(op_name):
+    """The eager function a registered op runs (``f_out``, ``f_in_place``, ``f_k_in_place``: f)."""
+    for suffix in ("_out", "_k_in_place", "_in_place"):
+        if not hasattr(ropekv, op_name):
+            op_name = op_name.removesuffix(suffix)
+    return getattr(ropekv, op_name)
+
+
+def test_every_op_is_in_the_table_above():
+    assert set(torch.ops.ropekv) >= set(MUTATIONS)
+    registered = {
+        n for n in dir(torch.ops.ropekv) if hasattr(getattr(torch.ops.ropekv, n), "default")
+    }
+    assert registered == set(MUTATIONS)
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_schema_defaults_are_the_eager_functions(name):
+    """Every schema argument named as an argument of the eager function has its default (but the
+    output tensor an ``_out`` op requires); the op's own optional arguments (a part of an eager
+    argument: ``kv_scales``, ``kpe_cache``, ``k_scales`` ...) default to None; the rest are
+    required, as in the eager function."""
+    eager = inspect.signature(eager_function(name)).parameters
+    schema = getattr(torch.ops.ropekv, name).default._schema
+    for a in schema.arguments:
+        optional = isinstance(a.type, torch.OptionalType)
+        e = eager.get(a.name)
+        if e is None:
+            expected = None if optional else inspect.Parameter.empty
+        elif e.default is None and not optional:  # the output of an _out op
+            assert a.alias_info is not None and a.alias_info.is_write, (name, a.name)
+            expected = inspect.Parameter.empty
+        else:
+            expected = e.default
+        got = a.default_value if a.has_default_value() else inspect.Parameter.empty
+        assert got == expected and type(got) is type(expected), (name, a.name, got, expected)
+
+
+class MinimalCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Runs each ``ropekv::`` op a wrapper calls as ``torch.ops.ropekv.<op>(required...,
+    keyword=value)``: the schema's required arguments positionally, of the rest only those that
+    differ from their default, by keyword. Records the ops and the arguments left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace != "ropekv":
+            return func(*args, **kwargs)
+        schema = func._schema
+        required, keywords, left_out = [], {}, []
+        for i, a in enumerate(schema.arguments):
+            # (the dispatcher may leave out trailing arguments that have their defaults)
+            value = args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
+            if not a.has_default_value():
+                required.append(value)
+            elif is_default(value, a.default_value):
+                left_out.append(a.name)
+            else:
+                keywords[a.name] = value
+        self.calls.append((func._opname, left_out))
+        return getattr(torch.ops.ropekv, func._opname)(*required, **keywords)
+
+
+def is_default(value, default):
+    if default is None or isinstance(value, torch.Tensor):
+        return value is default
+    return type(value) is type(default) and value == default
+
+
+def test_raw_ops_take_only_their_required_arguments():
+    """Every registered op called as an aten op (required arguments, keywords for the rest that
+    differ from their defaults) gives the wrapper's results; the cases cover every op."""
+    called = set()
+    for case in CASES:
+        expected = case.run(rt, case.fresh(to_torch))
+        mode = MinimalCalls()
+        with mode:
+            got = case.run(rt, case.fresh(to_torch))
+        assert_same(got, [to_numpy(e) for e in expected])
+        ((op_name, left_out),) = mode.calls
+        assert left_out, f"{case.name}: {op_name} given every argument"
+        called.add(op_name)
+    assert called == set(MUTATIONS)
+
+
+def test_raw_op_call_like_an_aten_op():
+    """The call of issue 34: the contiguous op with its required arrays and kv_end_lens only."""
+    case = next(c for c in CASES if c.op == "apply_rope_write_kv" and "kv_end_lens" in c.kwargs)
+    a = case.fresh(to_torch)
+    args = [a[n] for n in ("q", "k", "v", "kv_cache", "cos_sin_cache")]
+    torch.ops.ropekv.apply_rope_write_kv(*args, kv_end_lens=a["kv_end_lens"])
+    b = case.fresh(to_torch)
+    rt.apply_rope_write_kv(
+        *[b[n] for n in ("q", "k", "v", "kv_cache", "cos_sin_cache")], kv_end_lens=b["kv_end_lens"]
+    )
+    assert_same([a["q"], a["kv_cache"]], [to_numpy(b["q"]), to_numpy(b["kv_cache"])])
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

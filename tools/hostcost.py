@@ -127,13 +127,25 @@ def _fake_torch():
     class Tensor:
         """Stands for ``torch.Tensor`` (methods like torch's: ``data_ptr()``, ``stride()``)."""
 
-        __slots__ = ("_device", "_neg", "_ptr", "_stride", "dtype", "layout", "ndim", "shape")
+        __slots__ = (
+            "_device",
+            "_nbytes",
+            "_neg",
+            "_ptr",
+            "_stride",
+            "dtype",
+            "layout",
+            "ndim",
+            "shape",
+        )
+        is_nested = False
 
         def __init__(self, host, dtype=None):
             self.shape = torch.Size(host.shape)
             self._stride = tuple(s // host.itemsize for s in host.strides)
             self.dtype = dtype or getattr(torch, str(host.dtype))
             self._ptr = _Memory.alloc(host.nbytes)
+            self._nbytes = host.nbytes
             self._device = 0
             self._neg = False  # a lazy negation bit (x.neg() views)
             self.layout = torch.strided
@@ -147,6 +159,12 @@ def _fake_torch():
 
         def get_device(self):
             return self._device
+
+        def untyped_storage(self):  # the storage is the tensor's own bytes
+            return types.SimpleNamespace(data_ptr=lambda: self._ptr, nbytes=lambda: self._nbytes)
+
+        def storage_offset(self):
+            return 0
 
         def is_neg(self):
             return self._neg
@@ -168,6 +186,7 @@ def _fake_torch():
     torch.Tensor, torch.Size = Tensor, Size
     torch.device = lambda type_, index=None: _TorchDevice(type_, index)
     torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda device: 0)
+    torch._is_functional_tensor = lambda t: False  # read by the first call's tracing check
 
     def empty(shape, dtype=None, device=None):
         np_dtype = next(k for k, v in _np_torch().items() if v is dtype)
@@ -366,13 +385,14 @@ def layered_name(w):
 
 
 def ops():
-    import ropekv
-    from ropekv import _launch
+    import importlib
+
+    from ropekv import _launch, _registry
 
     return [
         v
-        for m in (ropekv.contiguous, ropekv.paged, ropekv.mla, ropekv.qknorm, ropekv.qkv)
-        for v in vars(m).values()
+        for m in _registry.OP_MODULES
+        for v in vars(importlib.import_module(f"ropekv.{m}")).values()
         if isinstance(v, _launch.Op)
     ]
 

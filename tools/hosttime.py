@@ -52,8 +52,8 @@ def layered_rows(w, o, layers, sync, calls):
                 shape = (n, *o[c].shape[:-1], o[c].shape[-1] * o[c].dtype.itemsize)
                 ol[c] = cupy.zeros(shape, cupy.uint8).view(o[c].dtype)  # fp8 as bytes
         wt = copy.copy(w)
-        wt.a = {k: bench._to_torch(v) for k, v in w.a.items()}
-        ot = {k: bench._to_torch(v) for k, v in ol.items()}
+        wt.a = {k: bench.torch_view(v) for k, v in w.a.items()}
+        ot = {k: bench.torch_view(v) for k, v in ol.items()}
         setattr(ropekv, name, Cycling(fn, n))
         try:
             w.call(ol)
@@ -178,8 +178,8 @@ def main(argv=None):
         first = first_call_us(call, sync)
         cp_us = per_call_us(call, sync, args.calls)
         wt = copy.copy(w)
-        wt.a = {k: bench._to_torch(v) for k, v in w.a.items()}
-        ot = {k: bench._to_torch(v) for k, v in o.items()}
+        wt.a = {k: bench.torch_view(v) for k, v in w.a.items()}
+        ot = {k: bench.torch_view(v) for k, v in o.items()}
         call_t = wt.bound(ot)
         first_t = first_call_us(call_t, sync)
         th_us = per_call_us(call_t, torch.cuda.synchronize, args.calls)

@@ -22,9 +22,9 @@ The package, by concern:
 """
 
 from ropekv.bench import report
-from ropekv.bench.arrays import _to_torch, gpu_status
+from ropekv.bench.arrays import gpu_status, torch_view
 from ropekv.bench.cases import bench_specs, check_specs, select_specs
-from ropekv.bench.peers import PEERS, Runner, _runners, make_runners, peer_availability
+from ropekv.bench.peers import PEERS, Runner, make_runners, peer_availability
 from ropekv.bench.report import format_table, plot, speedups, table_rows, write_json
 from ropekv.bench.runner import (
     context_lost,
@@ -35,7 +35,7 @@ from ropekv.bench.runner import (
     run,
     source_digest,
 )
-from ropekv.bench.timing import _torch_graph_us
+from ropekv.bench.timing import torch_graph_us
 from ropekv.bench.workloads import (
     DECODE_SWEEP,
     OP_FUNCTIONS,
@@ -50,15 +50,15 @@ from ropekv.bench.workloads import (
     Workload,
     op_available,
 )
-from ropekv.bench.workloads.mla import _RMSNORM_SRC
+from ropekv.bench.workloads.mla import RMSNORM_SRC
 
 __all__ = [
     "DECODE_SWEEP",
     "OPS",
     "OP_FUNCTIONS",
     "PEERS",
+    "RMSNORM_SRC",
     "SWEEP",
-    "_RMSNORM_SRC",
     "CaseSpec",
     "ContiguousWL",
     "MlaWL",
@@ -67,9 +67,6 @@ __all__ = [
     "QkvWL",
     "Runner",
     "Workload",
-    "_runners",
-    "_to_torch",
-    "_torch_graph_us",
     "bench_specs",
     "check_specs",
     "context_lost",
@@ -89,5 +86,7 @@ __all__ = [
     "source_digest",
     "speedups",
     "table_rows",
+    "torch_graph_us",
+    "torch_view",
     "write_json",
 ]

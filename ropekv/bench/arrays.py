@@ -140,7 +140,7 @@ def _torch():
     return torch
 
 
-def _to_torch(x):
+def torch_view(x):
     """Zero-copy torch view of a CuPy or NumPy array (fp8 / bfloat16 through a same-size
     integer view)."""
     if x is None:

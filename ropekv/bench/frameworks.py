@@ -51,9 +51,9 @@ TARGET_OVERHEAD_US, TARGET_PEER_RATIO, TARGET_JAX_US = 0.3, 1.15, 1.0
 def torch_graph_us(fn, calls, replays=20):
     """Device time per call of ``fn()`` captured ``calls`` times in one CUDA graph (the timer of
     ``ropekv bench``)."""
-    from ropekv.bench.timing import _torch_graph_us
+    from ropekv.bench import timing
 
-    return _torch_graph_us(fn, calls, replays)
+    return timing.torch_graph_us(fn, calls, replays)
 
 
 def torch_queued_us(fn, calls, replays=10):

@@ -16,7 +16,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ropekv.bench.arrays import _to_torch, _torch, one_line
+from ropekv.bench.arrays import _torch, one_line, torch_view
 
 PEERS = ("flashinfer", "flashinfer-cake", "torch", "torch-compile", "cublas", "steps")
 
@@ -152,8 +152,8 @@ def make_runners(w, spec, peers, backend="cuda", variants=(), options=False):
                     out[name] = Runner(name, fn, outs, (lambda po=po: w.reset(po)) if po else None)
                 continue
             po = w.new_outputs()
-            to = {k: _to_torch(v) for k, v in po.items()}
-            ti = {k: _to_torch(v) for k, v in w.a.items() if k not in po}
+            to = {k: torch_view(v) for k, v in po.items()}
+            ti = {k: torch_view(v) for k, v in w.a.items() if k not in po}
             reset = functools.partial(w.reset, po)
             if peer == "flashinfer-cake":
                 made = (
@@ -207,6 +207,3 @@ UNCHECKED = "not compared: the option changes the outputs"
 def _unchecked(expected):
     """The ``expect`` of an option runner whose outputs differ from the plain call's by design."""
     return UNCHECKED
-
-
-_runners = make_runners  # the name ropekv.bench used before it was a package

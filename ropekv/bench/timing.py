@@ -20,13 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from ropekv.bench.arrays import _to_torch, _torch, one_line
+from ropekv.bench.arrays import _torch, one_line, torch_view
 from ropekv.bench.peers import peer_availability
 
 L2_FLUSH_BELOW = 120 << 20  # cases moving fewer bytes than this could be served from the 60 MB L2
 
 
-def _torch_graph_us(fn, calls, replays):
+def torch_graph_us(fn, calls, replays):
+    """Device time per call of ``fn()`` captured ``calls`` times in one CUDA graph, replayed
+    ``replays`` times."""
     torch = _torch()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -80,7 +82,7 @@ def time_runner(r, spec, settings, flusher):
         try:
             with _eager_path_in_graphs():
                 res["graph_us"] = (
-                    _torch_graph_us(r.call, settings["graph_calls"], 10)
+                    torch_graph_us(r.call, settings["graph_calls"], 10)
                     if r.framework == "torch"
                     else _timing.graph_us(r.call, calls=settings["graph_calls"], replays=10)
                 )
@@ -105,8 +107,8 @@ def torch_host_us(w, calls):
     try:
         torch = _torch()
         tw = copy.copy(w)
-        tw.a = {k: _to_torch(v) for k, v in w.a.items()}
-        o = {k: _to_torch(v) for k, v in w.new_outputs().items()}
+        tw.a = {k: torch_view(v) for k, v in w.a.items()}
+        o = {k: torch_view(v) for k, v in w.new_outputs().items()}
         from ropekv import _timing
 
         return {

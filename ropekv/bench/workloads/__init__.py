@@ -2,7 +2,9 @@
 the ropekv call, its peers' calls on the same memory), ``specs()`` (the bench cases) and
 ``check_cases(add)`` (the small cases of ``ropekv check``)."""
 
-from ropekv.bench.workloads import contiguous, mla, paged, qknorm, qkv
+import importlib
+
+from ropekv import _registry
 from ropekv.bench.workloads.base import (
     DECODE_SWEEP,
     OP_FUNCTIONS,
@@ -18,8 +20,8 @@ from ropekv.bench.workloads.paged import PagedWL
 from ropekv.bench.workloads.qknorm import QknormWL
 from ropekv.bench.workloads.qkv import QkvWL
 
-# op key -> its module, in table order
-MODULES = {"contiguous": contiguous, "paged": paged, "mla": mla, "qknorm": qknorm, "qkv": qkv}
+# op key -> its module, in table order (the registry's workloads)
+MODULES = {key: importlib.import_module(f"{__name__}.{key}") for key in _registry.workloads()}
 
 __all__ = [
     "DECODE_SWEEP",

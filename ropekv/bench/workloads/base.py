@@ -12,16 +12,12 @@ from typing import Any
 
 import numpy as np
 
+from ropekv import _registry
 from ropekv.bench.arrays import _assign, _bits, _copy, _Gen, _torch, to_device, to_numpy
 
-# op key (--ops) -> the ropekv functions it measures; an op runs when its first function exists.
-OP_FUNCTIONS = {
-    "contiguous": ("apply_rope_write_kv",),
-    "paged": ("rope_quantize_fp8_append_paged_kv_cache", "rope_append_paged_kv_cache"),
-    "mla": ("mla_rope_rmsnorm_append_paged_kv_cache",),
-    "qknorm": ("qk_rmsnorm_rope_append_paged_kv_cache",),
-    "qkv": ("fused_qkv_matmul_append_paged_kv_cache",),
-}
+# op key (--ops) -> the ropekv functions it measures; an op runs when its first function exists
+# (from ropekv/_registry.py)
+OP_FUNCTIONS = _registry.workloads()
 OPS = tuple(OP_FUNCTIONS)
 SAMPLE_TOKENS = 512  # tokens whose outputs are compared between runners in the bench
 

@@ -210,7 +210,7 @@ class MlaWL(_RaggedMixin, Workload):
         )
 
 
-_RMSNORM_SRC = r"""
+RMSNORM_SRC = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -252,7 +252,7 @@ def _rmsnorm_kernel(dtype, cache_dtype):
 
     from ropekv._compile import _header_options
 
-    module = cupy.RawModule(code=_RMSNORM_SRC, options=("-std=c++17", *_header_options()))
+    module = cupy.RawModule(code=RMSNORM_SRC, options=("-std=c++17", *_header_options()))
     return module.get_function(
         f"rmsnorm_{_dtname(dtype).replace('fp16', 'f16')}_"
         f"{_dtname(cache_dtype).replace('fp16', 'f16')}"

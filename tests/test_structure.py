@@ -1,0 +1,169 @@
+"""The package's structure (issue 34): no module reaches into another public module's private
+names, and no ``__all__`` lists a private name."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "ropekv"
+
+
+def module_name(path):
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def is_private(name):
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+FILES = sorted(PACKAGE.rglob("*.py"))
+MODULES = {module_name(p) for p in FILES}
+# The modules whose private names stay their own: the public modules at the package's top level
+# (ropekv.contiguous, ropekv.paged, ..., ropekv.rope, ropekv.torch, ropekv.bench), which the op
+# modules are. The package's own `_`-prefixed modules (ropekv._checks, ropekv._launch, ...) are
+# internal as a whole: importing them, and their names, is how op modules share code.
+GUARDED = {m for m in MODULES if m.count(".") == 1 and not is_private(m.split(".")[1])}
+
+
+def private_uses(path, source=None):
+    """``(line, module, name)`` of each use, in ``path``, of a private name of another guarded
+    module: ``from ropekv.<m> import _name``, and ``<m>._name`` where ``<m>`` is bound to the
+    module (``import ropekv.<m> as m``, ``from ropekv import <m>``, ``ropekv.<m>._name``)."""
+    this = module_name(path)
+    tree = ast.parse(path.read_text() if source is None else source, str(path))
+    bound = {}  # local name -> module it is bound to, anywhere in the file
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname:
+                    bound[a.asname] = a.name
+                else:
+                    bound[a.name.split(".")[0]] = a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                if sub in MODULES:
+                    bound[a.asname or a.name] = sub
+                elif node.module in GUARDED and node.module != this and is_private(a.name):
+                    found.append((node.lineno, node.module, a.name))
+
+    def resolve(expr):
+        if isinstance(expr, ast.Name):
+            return bound.get(expr.id)
+        if isinstance(expr, ast.Attribute):
+            base = resolve(expr.value)
+            if base is not None and f"{base}.{expr.attr}" in MODULES:
+                return f"{base}.{expr.attr}"
+        return None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_private(node.attr):
+            module = resolve(node.value)
+            if module in GUARDED and module != this:
+                found.append((node.lineno, module, node.attr))
+    return found
+
+
+def test_the_scan_sees_what_it_should():
+    assert {"ropekv.qknorm", "ropekv.mla", "ropekv.torch", "ropekv.bench"} <= GUARDED
+    assert "ropekv._checks" not in GUARDED and "ropekv.bench.arrays" not in GUARDED
+    sample = PACKAGE / "_frameworks.py"
+    source = sample.read_text()
+    added = "\nimport ropekv\nfrom ropekv.qknorm import _x\nfrom ropekv import mla\n"
+    added += "mla._y\nmla.z\nropekv.paged._w\n"
+    assert [(m, n) for _, m, n in private_uses(sample, source + added)] == [
+        ("ropekv.qknorm", "_x"),
+        ("ropekv.mla", "_y"),
+        ("ropekv.paged", "_w"),
+    ]
+    own = PACKAGE / "qknorm.py"  # a module's own private names are its business
+    assert private_uses(own, "import ropekv.qknorm as q\nq._x\n") == []
+
+
+def test_no_module_uses_another_public_modules_private_names():
+    found = [
+        f"{p.relative_to(ROOT)}:{line}: {module}.{name}"
+        for p in FILES
+        for line, module, name in private_uses(p)
+    ]
+    assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+def test_no_all_lists_a_private_name():
+    for name in sorted(MODULES):
+        if name in ("ropekv.torch", "ropekv.jax", "ropekv.__main__"):  # frameworks; runs the CLI
+            continue
+        module = importlib.import_module(name)
+        listed = getattr(module, "__all__", ())
+        assert not [n for n in listed if is_private(n)], name
+        assert all(hasattr(module, n) for n in listed), name
+
+
+# ---- the op registry (ropekv/_registry.py) ---------------------------------------------------
+
+
+def test_the_registry_names_every_public_function_once():
+    import ropekv
+    from ropekv import _registry
+
+    names = [*_registry.NAMES, *_registry.HELPERS]
+    assert len(set(names)) == len(names)
+    assert set(names) <= set(ropekv.__all__)
+    for op in _registry.OPS:
+        assert getattr(ropekv, op.name).__module__ == f"ropekv.{op.module}", op.name
+    for name, module in _registry.HELPERS.items():
+        assert getattr(ropekv, name).__module__ == f"ropekv.{module}", name
+    # every public function of the package is an op or a helper of the registry
+    functions = {n for n in ropekv.__all__ if callable(getattr(ropekv, n))}
+    assert functions <= set(names), functions - set(names)
+
+
+def test_every_op_is_on_the_api_page():
+    from ropekv import _registry
+
+    text = (ROOT / "docs" / "api.rst").read_text()
+    summary = text.split(".. autosummary::", 1)[1].split("\n\n", 2)[1].split()
+    for name in (*_registry.NAMES, *_registry.HELPERS):
+        assert name in summary, name
+        assert f".. autofunction:: {name}\n" in text, name
+
+
+def test_every_op_has_its_framework_forms():
+    import pytest
+
+    from ropekv import _registry
+
+    for framework, names in (("torch", _registry.TORCH), ("jax", _registry.JAX)):
+        pytest.importorskip(framework)
+        module = importlib.import_module(f"ropekv.{framework}")
+        assert list(names) == module.__all__
+        for name in names:
+            assert callable(getattr(module, name)), f"ropekv.{framework}.{name}"
+
+
+def test_every_op_is_in_the_bench_and_in_ropekv_check():
+    """Each op's workload key has bench cases, and ``ropekv check``'s cases call every op (each
+    case's ropekv call recorded, not run)."""
+    from ropekv import _registry, bench, cli
+    from ropekv.bench.workloads import MODULES
+
+    assert tuple(MODULES) == bench.OPS == tuple(_registry.workloads())
+    bench_ops = {s.op for s in bench.bench_specs()}
+    parser = cli.build_parser()._subparsers._group_actions[0].choices["bench"]
+    assert tuple(parser._option_string_actions["--ops"].type(",".join(bench.OPS))) == bench.OPS
+    checked = set()
+    for op, _, build in bench.check_specs():
+        w = build()
+        call = w.bound({n: w.a[n] for n in w.outputs_names})
+        checked.add(getattr(call.func, "__name__", None))
+    for op in _registry.OPS:
+        assert op.name in bench.OP_FUNCTIONS[op.workload], op.name
+        assert op.workload in bench_ops, op.name
+        assert op.name in checked, f"ropekv check runs no {op.name}"
