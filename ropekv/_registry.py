@@ -34,7 +34,16 @@ OPS = (
 )
 
 # the public functions beside the ops (no kernel of their own): name -> module
-HELPERS = {"pack_int4": "qkv", "cos_sin_cache": "rope", "freqs_cis_to_cos_sin": "rope"}
+HELPERS = {
+    "pack_int4": "qkv",
+    "cos_sin_cache": "rope",
+    "freqs_cis_to_cos_sin": "rope",
+    "import_gptq": "checkpoints",
+    "import_awq": "checkpoints",
+    "import_pack_quantized": "checkpoints",
+    "import_float_quantized": "checkpoints",
+    "concat_qkv_weights": "checkpoints",
+}
 
 NAMES = tuple(op.name for op in OPS)
 TORCH = tuple(op.name for op in OPS if op.torch)
