@@ -130,6 +130,14 @@ def _optional(annotation):
     )
 
 
+# The schemas carry the eager functions' defaults from torch 2.13 on. Before it (2.11 on the H200
+# machines) the dispatcher leaves out trailing arguments equal to their defaults and torch's
+# in-place version bump of a custom op indexes the mutated arguments past them (IndexError in
+# custom_ops.adinplaceorview_impl, which 2.13 mends with fill_defaults); there the raw ops take
+# every argument, as before.
+SCHEMA_DEFAULTS = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
+
 def _with_eager_defaults(fn, eager):
     """``fn``, a registered op's function, given the defaults of the eager function ``eager``, so
     that the op's schema has them (``torch.library.custom_op`` infers the schema from the
@@ -140,6 +148,8 @@ def _with_eager_defaults(fn, eager):
     ``quant_scales_q``: a part of an eager argument) defaults to None when it is optional. The
     defaults run from the last required argument to the end (custom ops take no keyword-only
     tensors, so an ``_out`` op's outputs follow its other required arguments)."""
+    if not SCHEMA_DEFAULTS:
+        return fn
     eager_params = inspect.signature(eager).parameters
     params = list(inspect.signature(fn).parameters.values())
     empty = inspect.Parameter.empty
