@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 
 import ropekv
-from examples.paged_attention import PageTable, attention, gather, gather_scales
 from tests.tolerance import assert_close, to_numpy
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch")  # before the examples' helpers, which import it
+
+from examples.paged_attention import PageTable, attention, gather, gather_scales
+
 pytestmark = pytest.mark.gpu
 
 HQ, HKV, D, R = 8, 2, 128, 64  # GQA group 4; rope dims [0, 64), dims [64, 128) pass through
