@@ -128,9 +128,11 @@ def _fake_torch():
         """Stands for ``torch.Tensor`` (methods like torch's: ``data_ptr()``, ``stride()``)."""
 
         __slots__ = (
+            "_base",
             "_device",
             "_nbytes",
             "_neg",
+            "_offset",
             "_ptr",
             "_stride",
             "dtype",
@@ -144,8 +146,17 @@ def _fake_torch():
             self.shape = torch.Size(host.shape)
             self._stride = tuple(s // host.itemsize for s in host.strides)
             self.dtype = dtype or getattr(torch, str(host.dtype))
-            self._ptr = _Memory.alloc(host.nbytes)
-            self._nbytes = host.nbytes
+            # a storage holding the view's whole byte span, the data pointer inside it (a
+            # reversed view starts past the storage's first byte)
+            lo = hi = 0
+            if host.size:
+                for n, st in zip(host.shape, host.strides):
+                    lo, hi = (lo + (n - 1) * st, hi) if st < 0 else (lo, hi + (n - 1) * st)
+                hi += host.itemsize
+            self._nbytes = hi - lo
+            self._base = _Memory.alloc(self._nbytes)
+            self._ptr = self._base - lo
+            self._offset = -lo // host.itemsize
             self._device = 0
             self._neg = False  # a lazy negation bit (x.neg() views)
             self.layout = torch.strided
@@ -160,11 +171,11 @@ def _fake_torch():
         def get_device(self):
             return self._device
 
-        def untyped_storage(self):  # the storage is the tensor's own bytes
-            return types.SimpleNamespace(data_ptr=lambda: self._ptr, nbytes=lambda: self._nbytes)
+        def untyped_storage(self):  # the storage is the view's byte span
+            return types.SimpleNamespace(data_ptr=lambda: self._base, nbytes=lambda: self._nbytes)
 
         def storage_offset(self):
-            return 0
+            return self._offset
 
         def is_neg(self):
             return self._neg
