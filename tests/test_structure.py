@@ -7,12 +7,15 @@ import ast
 import importlib
 import pathlib
 
+import ropekv
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "ropekv"
+# the package as imported (the checkout's, or the installed wheel's when CI tests that)
+PACKAGE = pathlib.Path(ropekv.__file__).resolve().parent
 
 
 def module_name(path):
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -89,7 +92,7 @@ def test_the_scan_sees_what_it_should():
 
 def test_no_module_uses_another_public_modules_private_names():
     found = [
-        f"{p.relative_to(ROOT)}:{line}: {module}.{name}"
+        f"{p.relative_to(PACKAGE.parent)}:{line}: {module}.{name}"
         for p in FILES
         for line, module, name in private_uses(p)
     ]
