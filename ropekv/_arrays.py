@@ -217,7 +217,7 @@ def _struct_view(fields, name, dtype, array):
     v.name, v.dtype, v.span = name, dtype, (lo, hi)
     v.readonly = v.legacy = False
     v.owner = v.array = array
-    v.host = v.wait = None
+    v.host = None
     return v
 
 
@@ -283,7 +283,7 @@ def _cupy_attributes(a, name):
     v.name, v.ptr, v.shape, v.strides = name, data.ptr, shape, tuple(strides)
     v.dtype, v.device, v.readonly, v.legacy = a.dtype, data.device_id, False, False
     v.owner = v.array = a
-    v.host = v.wait = None
+    v.host = None
     v.size, v.span = size, (lo, hi + item)
     return v
 
@@ -440,7 +440,7 @@ def _from_torch(t, name):
     v.name, v.ptr, v.shape, v.strides, v.dtype, v.device = name, ptr, shape, strides, dtype, device
     v.readonly = v.legacy = False
     v.owner = v.array = t
-    v.host = v.wait = None
+    v.host = None
     v.size, v.span = size, (lo, hi)
     return v
 

@@ -1081,7 +1081,6 @@ def select_layer(views, indices, layer):
             host=None if v.host is None else v.host[layer],
             array=v.array,
             legacy=v.legacy,
-            wait=v.wait,
         )
     return out, Layers(count, strides, layer, first.name, first.shape)
 
