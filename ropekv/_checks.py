@@ -14,7 +14,7 @@ import numbers
 import numpy as np
 
 from ropekv._arrays import FLOAT32, FP8_DTYPES, HOST, INT32, UINT32, as_view
-from ropekv._env import _KNOWN, _key, _raw_get, fast_flag
+from ropekv._env import fast_flag
 
 INT8 = np.dtype(np.int8)
 SCALED_CACHE_DTYPES = (*FP8_DTYPES, INT8)  # caches that may carry per-token-head scales
@@ -483,10 +483,6 @@ def check_indices_enabled():
 
 _check_indices = fast_flag("ROPEKV_CHECK_INDICES")
 _allow_legacy_writes = fast_flag("ROPEKV_ALLOW_LEGACY_DLPACK_WRITES")
-# _launch's replay skips the check on its fast path when the raw value is one of these (off)
-# spellings; any other value goes through check_indices_enabled (on, or a ValueError)
-_env_get, _CHECK_INDICES_KEY, _EMPTY = _raw_get, _key("ROPEKV_CHECK_INDICES"), _key("")
-_OFF = frozenset(k for k, v in _KNOWN.items() if not v)
 
 
 def host_copy(view):

@@ -77,6 +77,14 @@ else:  # another platform's os.environ
     _KNOWN.update({w: False for w in _spellings(FALSE)})
 
 
+# ROPEKV_CHECK_INDICES as _launch's replay reads it on every call: the raw value (``_raw_get``) of
+# ``CHECK_INDICES_KEY``, ``EMPTY_KEY`` when unset; the check is skipped when it is one of the off
+# spellings (``OFF``), and any other value goes through ``_checks.check_indices_enabled`` (on, or
+# a ValueError)
+CHECK_INDICES_KEY, EMPTY_KEY = _key("ROPEKV_CHECK_INDICES"), _key("")
+OFF = frozenset(k for k, v in _KNOWN.items() if not v)
+
+
 def fast_flag(name, default=False):
     """A function of no arguments giving :func:`env_flag` ``(name, default)`` at each call, at
     the cost of two dict lookups for the usual spellings (for flags read on every call)."""

@@ -44,8 +44,8 @@ import numpy as np
 
 from ropekv import _arrays as ar
 from ropekv import _checks as ck
-from ropekv._checks import _CHECK_INDICES_KEY, _EMPTY, _OFF, _env_get  # ROPEKV_CHECK_INDICES
 from ropekv._compile import get_kernel
+from ropekv._env import CHECK_INDICES_KEY, EMPTY_KEY, OFF, _raw_get  # ROPEKV_CHECK_INDICES
 
 # ---------------------------------------------------------------------------------- streams
 
@@ -1119,38 +1119,70 @@ INT = 4  # an int argument (or None): kept as it is when an int, a NumPy integer
 _DTYPE_LIKE = 3  # the C replay's name (_native.c's DTYPE) for the kind given as a function
 
 
+# the classes of a value already normal for each kind of flag (True and False are the only bools)
+_PLAIN, _BOOL, _INT = (
+    frozenset((float, int, str, tuple, type(None))),
+    frozenset((bool,)),
+    frozenset((int,)),
+)
+_NORMAL_CLASSES_MAX = 64  # tuples of classes remembered per op (the classes of one call's flags)
+
+
 def _normalizer(spec):
     """The function that turns a call's scalar arguments into its plan's flags (one per entry of
-    ``spec``), unrolled: it runs on every call the C replay does not take."""
-    lines, env = (
-        [
-            "def normalize(flags):",
-            "    (" + "".join(f"v{i}, " for i in range(len(spec))) + ") = flags",
-        ],
-        {},
-    )
-    out = []
+    ``spec``): it runs on every call the C replay does not take.
+
+    Whether a value is already normal depends on its class alone, so which entries of a call need
+    their normalization is remembered per tuple of the values' classes: a call whose values are
+    all normal returns its flags as they are (entries given as a function, a dtype-like one, still
+    go through it), any other normalizes just the entries that are not (and raises what
+    :func:`ropekv._checks.check_flag` and the key functions raise)."""
+    n = len(spec)
+    checks = []  # (index, classes already normal, normalization) of every entry of a key kind
+    calls = []  # (index, function) of the entries given as a function (always applied)
     for i, (name, kind) in enumerate(spec):
-        if kind == AS_IS:
-            out.append(f"v{i}")
-        elif kind == KEY:
-            out.append(f"v{i} if v{i}.__class__ in plain else scalar_key(v{i})")
+        if kind == KEY:
+            checks.append((i, _PLAIN, scalar_key))
         elif kind == FLAG:
-            out.append(f"v{i} if v{i} is True or v{i} is False else check_flag(v{i}, {name!r})")
+            checks.append((i, _BOOL, _flag_of(name)))
         elif kind == INT:
-            out.append(f"v{i} if v{i}.__class__ is int else int_key(v{i})")
-        else:
-            env[f"f{i}"] = kind
-            out.append(f"f{i}(v{i})")
-    lines.append(f"    return ({', '.join(out)},)")
-    env.update(
-        scalar_key=scalar_key,
-        int_key=int_key,
-        check_flag=ck.check_flag,
-        plain=frozenset((float, int, str, tuple, type(None))),
-    )
-    exec(compile("\n".join(lines), "<ropekv flags>", "exec"), env)  # noqa: S102 - our own fast path
-    return env["normalize"]
+            checks.append((i, _INT, int_key))
+        elif kind != AS_IS:
+            calls.append((i, kind))
+    known = {}  # tuple of the values' classes -> ((index, function), ...) to apply, in order
+
+    def work(classes):
+        if len(classes) != n:
+            raise ValueError(f"expected {n} flags, got {len(classes)}")
+        fixes = [(i, fix) for i, normal, fix in checks if classes[i] not in normal]
+        todo = tuple(sorted(fixes + calls, key=operator.itemgetter(0)))  # errors in entry order
+        if len(known) >= _NORMAL_CLASSES_MAX:
+            known.clear()
+        known[classes] = todo
+        return todo
+
+    def normalize(flags):
+        classes = tuple(map(type, flags))
+        todo = known.get(classes)
+        if todo is None:
+            todo = work(classes)
+        if not todo:  # every value is already normal
+            return flags
+        out = list(flags)
+        for i, fn in todo:
+            out[i] = fn(out[i])
+        return tuple(out)
+
+    return normalize
+
+
+def _flag_of(name):
+    """The normalization of the bool flag ``name``: its value as a bool, else TypeError."""
+
+    def flag(value):
+        return ck.check_flag(value, name)
+
+    return flag
 
 
 def _given(flags):
@@ -1227,7 +1259,7 @@ class Op:
             if not self.layered:
                 raise TypeError(f"{self.name} takes no layer_idx")
             plans = self.layer_plans
-        if _env_get(_CHECK_INDICES_KEY, _EMPTY) in _OFF:  # else: the first call checks indices
+        if _raw_get(CHECK_INDICES_KEY, EMPTY_KEY) in OFF:  # else: the first call checks indices
             caller = self.caller
             if caller is not None:  # the replay in C; a new layout or array kind: on in Python
                 done = caller(arrays, flags, stream_ptr, layer_idx, plans)

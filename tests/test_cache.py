@@ -424,7 +424,7 @@ def test_legacy_dlpack_writes_on_and_a_typo(monkeypatch):
 def test_check_indices_and_native_switches_follow_the_rule(monkeypatch, fresh_native):
     monkeypatch.setenv("ROPEKV_CHECK_INDICES", "false")
     assert not _checks.check_indices_enabled()
-    assert _checks._env_get(_checks._CHECK_INDICES_KEY, _checks._EMPTY) in _checks._OFF
+    assert _env._raw_get(_env.CHECK_INDICES_KEY, _env.EMPTY_KEY) in _env.OFF
     monkeypatch.setenv("ROPEKV_CHECK_INDICES", "Yes")
     assert _checks.check_indices_enabled()
     monkeypatch.setenv("ROPEKV_NATIVE", "off")
