@@ -13,7 +13,6 @@ the producer's tensor, as the protocol prescribes for an unconsumed capsule.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import sys
 
@@ -781,113 +780,63 @@ def _note_type(cls, kind):
             TORCH_COMPILER[0] = compiler
 
 
-def signature(arrays, names, stream_ptr):
+def signature(arrays, names=None, stream_ptr=None):
     """``(key, ptrs, kinds, keep)`` of a call's array arguments (None allowed): ``key`` holds every
     array's layout (shape, strides, dtype, device, pointer alignment; for other producers also the
     read-only and legacy-capsule flags), never its identity or address. ``ptrs`` the data pointers
     (0 for None), ``kinds`` the OR of CUPY / TORCH / OTHER, ``keep`` the views of other producers
-    (their capsules must live until the launch). Host arrays give device -1 in the key.
+    (their capsules must live until the launch; None when there is none). Host arrays give device
+    -1 in the key.
 
-    This runs on every call: CuPy arrays and torch tensors of the exact base types are read inline,
-    anything else through :func:`as_view`."""
+    The one implementation of the layout key in Python (the C replay, ``_native.c``, builds the
+    same keys; tests check both agree). It runs on every call the C replay does not take: CuPy
+    arrays and torch tensors of the exact base types are read inline, in one loop; anything else
+    goes through :func:`as_view`, or, when ``names`` is None (the replay's first try), gives None
+    at once: the caller then reads the call again with the arguments' ``names``."""
     cupy_array, torch_tensor = _CUPY_ARRAY, _TORCH_TENSOR
-    key, ptrs, kinds, keep = [], [], 0, None
-    add_key, add_ptr = key.append, ptrs.append
-    for a in arrays:
-        cls = type(a)
+    n = len(arrays)
+    key, ptrs, kinds, keep = [None] * n, [0] * n, 0, None  # None: key None, pointer 0
+    for i, a in enumerate(arrays):
+        cls = a.__class__
         if cls is cupy_array:
             data = a.data
-            p = data.ptr
-            add_key((a.shape, a.strides, a.dtype, p & 15 if p else 16, data.device_id))
+            ptrs[i] = p = data.ptr
+            key[i] = (a.shape, a.strides, a.dtype, p & 15 if p else 16, data.device_id)
             kinds |= CUPY
-        elif cls is torch_tensor and (key_of := _torch_key(a)) is not None:
-            add_key(key_of[0])
-            p = key_of[1]
-            kinds |= TORCH
-        elif a is None:
-            add_key(None)
-            p = 0
-        else:
-            v = as_view(a, names[len(ptrs)], stream_ptr, arrays)
-            p = v.ptr
-            if cls is _CUPY_ARRAY:  # the first CuPy array / torch tensor ever seen: now known,
-                add_key((a.shape, a.strides, a.dtype, p & 15 if p else 16, a.data.device_id))
-                kinds |= CUPY
-            elif cls is _TORCH_TENSOR:
-                add_key(_torch_key(a)[0])
-                kinds |= TORCH
-            else:
-                add_key(
-                    (2, v.shape, v.strides, v.dtype, p & 15 if p else 16, v.device)
-                    + (v.readonly, v.legacy)
-                )
-                kinds |= TORCH if is_torch(a) else CUPY if is_cupy(a) else OTHER
-                keep = [v] if keep is None else [*keep, v]
-        add_ptr(p)
-    return tuple(key), ptrs, kinds, keep
-
-
-def _torch_key(a):
-    """``(key, ptr)`` of a torch tensor of the base type as :func:`signature` keys it (its
-    ``is_cuda`` first: a tensor of another device type never shares a CUDA plan), or None when
-    the first-call path must read it: a lazy negation, which it refuses, or a tensor without
-    storage (``data_ptr()`` raises), which it names."""
-    try:
-        if a.is_neg():
+            continue
+        if a is None:
+            continue
+        # a torch tensor of the base type: its is_cuda first (a tensor of another device type
+        # never shares a CUDA plan); a lazy negation (not in the key: the first-call path refuses
+        # it) or a tensor without storage (data_ptr() raises RuntimeError: the first-call path
+        # names it) is read as another kind is, below
+        if cls is torch_tensor:
+            try:
+                if not a.is_neg():
+                    ptrs[i] = p = a.data_ptr()
+                    key[i] = (
+                        a.is_cuda,
+                        a.shape,
+                        a.stride(),
+                        a.dtype,
+                        p & 15 if p else 16,
+                        a.get_device(),
+                    )
+                    kinds |= TORCH
+                    continue
+            except RuntimeError:
+                pass
+        if names is None:
             return None
-        p = a.data_ptr()
-        return (a.is_cuda, a.shape, a.stride(), a.dtype, p & 15 if p else 16, a.get_device()), p
-    except RuntimeError:
-        return None
-
-
-@functools.cache
-def fast_signature(n):
-    """A function of ``n`` arguments' tuple giving ``(key, ptrs, kinds)`` as :func:`signature`
-    does when every argument is None, a ``cupy.ndarray`` or a ``torch.Tensor`` of the exact base
-    type, else None (then :func:`signature` is the way).
-
-    Generated once per argument count, unrolled: on the replay of a plan, the cost of a call is
-    little more than these attribute reads, and a loop over the arguments would add half again.
-    """
-    lines = [
-        f"def fast_signature_{n}(arrays):",
-        "  try:",  # a tensor without storage: data_ptr() raises RuntimeError (the generic way)
-        "    cupy_array, torch_tensor, kinds = _CUPY_ARRAY, _TORCH_TENSOR, 0",
-    ]
-    names = [f"a{i}" for i in range(n)]
-    lines.append(f"    {', '.join(names)}{',' if n == 1 else ''} = arrays")
-    for i in range(n):
-        a, p, k = f"a{i}", f"p{i}", f"k{i}"
-        lines += [
-            f"    if {a} is None:",
-            f"        {p} = 0",
-            f"        {k} = None",
-            f"    elif {a}.__class__ is cupy_array:",
-            f"        data = {a}.data",
-            f"        {p} = data.ptr",
-            (
-                f"        {k} = ({a}.shape, {a}.strides, {a}.dtype, {p} & 15 if {p} else 16, "
-                "data.device_id)"
-            ),
-            "        kinds |= CUPY",
-            f"    elif {a}.__class__ is torch_tensor:",
-            f"        if {a}.is_neg():",  # not in the key: signature's as_view refuses it
-            "            return None",
-            f"        {p} = {a}.data_ptr()",
-            (
-                f"        {k} = ({a}.is_cuda, {a}.shape, {a}.stride(), {a}.dtype, "
-                f"{p} & 15 if {p} else 16, {a}.get_device())"
-            ),
-            "        kinds |= TORCH",
-            "    else:",
-            "        return None",
-        ]
-    keys = ", ".join(f"k{i}" for i in range(n))
-    ptrs = ", ".join(f"p{i}" for i in range(n))
-    lines.append(f"    return ({keys}{',' if n == 1 else ''}), [{ptrs}], kinds")
-    lines += ["  except RuntimeError:", "    return None"]
-    namespace = {}
-    code = compile("\n".join(lines), f"<ropekv fast_signature {n}>", "exec")
-    exec(code, globals(), namespace)  # noqa: S102 - our own generated fast path
-    return namespace[f"fast_signature_{n}"]
+        v = as_view(a, names[i], stream_ptr, arrays)
+        if cls is not torch_tensor and cls in (_CUPY_ARRAY, _TORCH_TENSOR):
+            # the first CuPy array / torch tensor ever seen (now known): read again
+            return signature(arrays, names, stream_ptr)
+        ptrs[i] = p = v.ptr
+        key[i] = (2, v.shape, v.strides, v.dtype, p & 15 if p else 16, v.device) + (
+            v.readonly,
+            v.legacy,
+        )
+        kinds |= TORCH if is_torch(a) else CUPY if is_cupy(a) else OTHER
+        keep = [v] if keep is None else [*keep, v]
+    return tuple(key), ptrs, kinds, keep

@@ -7,8 +7,7 @@ their parameter records, the outputs to allocate, which arguments it writes, wha
 Everything else lives here, once for every op:
 
 * the plan cache, keyed by the flags and the layout of every array (shape, strides, dtype, device,
-  pointer alignment; :func:`ropekv._arrays.signature`, unrolled per argument count in
-  :func:`ropekv._arrays.fast_signature`), never by object identity or address; a call repeating
+  pointer alignment; :func:`ropekv._arrays.signature`; the C replay builds the same keys), never by object identity or address; a call repeating
   the newest replay's key (an engine's layers) is matched by value before any hashing of layouts;
 * the checks every op shares (read-only, legacy DLPack capsules, element alignment, written
   arrays' strides, overlap between written arrays and every other argument), run on the first
@@ -44,6 +43,7 @@ import numpy as np
 
 from ropekv import _arrays as ar
 from ropekv import _checks as ck
+from ropekv._arrays import signature
 from ropekv._compile import get_kernel
 from ropekv._env import CHECK_INDICES_KEY, EMPTY_KEY, OFF, _raw_get  # ROPEKV_CHECK_INDICES
 
@@ -1219,7 +1219,6 @@ class Op:
         if unknown:
             raise ValueError(f"{name}: layered names no argument: {sorted(unknown)}")
         self.layered = tuple(self.names.index(n) for n in layered)
-        self.signature = ar.fast_signature(len(self.names))
         self.caller = None  # the C replay of this op's plans (_native.Caller), when bound
         self.caller_bound = False  # bound with the first plan of a device call (first_call)
 
@@ -1270,14 +1269,12 @@ class Op:
                         )
                     return done
             flags = self.normalize(flags)
-            fast = self.signature(arrays)
-            if fast is None:  # an argument of another kind: its view (and capsule) lives here
+            read = signature(arrays)
+            if read is None:  # an argument of another kind: its view (and capsule) lives here
                 # (a null pointer has its own alignment key, 16: only an empty array's plan has
                 # it, so a non-empty array at address 0 always takes the first-call path)
-                layout, ptrs, kinds, keep = ar.signature(arrays, self.names, stream_ptr)
-            else:
-                layout, ptrs, kinds = fast
-                keep = None
+                read = signature(arrays, self.names, stream_ptr)
+            layout, ptrs, kinds, keep = read
             try:
                 h = hash(flags)
             except TypeError:  # an unhashable flag: every call takes the first-call path

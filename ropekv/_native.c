@@ -14,7 +14,7 @@
  *   on the C stack and call the driver's cuLaunchKernel / cuLaunchKernelEx (a cuBLAS step,
  *   _launch.Gemm: cublasSetStream, cublasSetPointerMode, cublasGemmEx on CuPy's handle).
  *
- * The keys it builds are the same Python objects _arrays.fast_signature builds, so the plans a
+ * The keys it builds are the same Python objects _arrays.signature builds, so the plans a
  * first call stores serve both paths. Nothing here validates a layout: that stays on the first
  * call, in Python. ropekv/_native.py compiles this file with the system C compiler on first use
  * and falls back to the Python path when it cannot; tests/test_native.py checks, launch record by
@@ -401,7 +401,7 @@ static int as_u64_borrowed(PyObject *o, uint64_t *out) {
  * null pointer never replays a plan validated on an aligned one. */
 static long align_key(uint64_t ptr) { return ptr ? (long)(ptr & 15) : 16; }
 
-/* The layout key of one argument (as _arrays.fast_signature builds it) and its pointer; NULL with
+/* The layout key of one argument (as _arrays.signature builds it) and its pointer; NULL with
  * no error set: not a CuPy array nor a torch tensor of the base type (the Python path reads it). */
 static PyObject *read_array(PyObject *a, PyObject *cupy_cls, PyObject *torch_cls, uint64_t *ptr,
                             int *kinds) {
