@@ -252,7 +252,7 @@ def _from_numpy(a, name):
 def _from_cupy(a, name):
     """The view of a CuPy array: read from its struct where the C replay's ``view_fields`` takes
     it, else from its attributes."""
-    if _CUPY_ARRAY is _Never:
+    if KNOWN_TYPES[0] is _Never:
         _note_type(type(a), "cupy")
     fields = None if _VIEW_FIELDS[0] is None else _VIEW_FIELDS[0](a)
     if fields is not None:  # read from its struct
@@ -404,7 +404,7 @@ def _from_torch(t, name):
             f"{name} carries a lazy negation/conjugation bit; pass "
             f"{name}.resolve_neg() / .resolve_conj()"
         )
-    if _TORCH_TENSOR is _Never:
+    if KNOWN_TYPES[1] is _Never:
         _note_type(type(t), "torch")
     try:
         ptr, shape, strides = t.data_ptr(), tuple(t.shape), tuple(t.stride())
@@ -672,9 +672,9 @@ def as_view(obj, name, stream_ptr=None, arrays=None):
     (``wait``), for the launch stream to wait for (the stream protocols).
     """
     cls = obj.__class__
-    if cls is _CUPY_ARRAY:
+    if cls is KNOWN_TYPES[0]:
         return _from_cupy(obj, name)
-    if cls is _TORCH_TENSOR:
+    if cls is KNOWN_TYPES[1]:
         return _from_torch(obj, name)
     if cls is ArrayView:
         return obj
@@ -712,7 +712,7 @@ def read_arguments(arrays, names, stream_ptr=None):
     CuPy arrays and torch tensors of the exact base types go to their readers directly, a CuPy
     array straight to its struct read when the C replay has one (a first call reads every
     argument: a call less per array)."""
-    cupy_array, torch_tensor, fields_of = _CUPY_ARRAY, _TORCH_TENSOR, _VIEW_FIELDS[0]
+    (cupy_array, torch_tensor), fields_of = KNOWN_TYPES, _VIEW_FIELDS[0]
     views, kinds, misaligned = [], 0, None
     for a, name in zip(arrays, names):
         if a is None:
@@ -753,8 +753,9 @@ class _Never:  # stands for cupy.ndarray / torch.Tensor until the caller first p
     pass
 
 
-_CUPY_ARRAY = _Never
-_TORCH_TENSOR = _Never
+# [cupy.ndarray, torch.Tensor], each _Never until the caller first passes one (_note_type): the
+# one record of them, which the C replay holds too (_launch.native_hooks)
+KNOWN_TYPES = [_Never, _Never]
 
 
 # [torch.compiler] once a torch tensor was seen: every call reads its _is_compiling_flag, True
@@ -769,12 +770,11 @@ if "torch" in sys.modules and hasattr(
 
 
 def _note_type(cls, kind):
-    global _CUPY_ARRAY, _TORCH_TENSOR
-    if kind == "cupy" and _CUPY_ARRAY is _Never:
-        _CUPY_ARRAY = sys.modules["cupy"].ndarray
-    elif kind == "torch" and _TORCH_TENSOR is _Never:
+    if kind == "cupy" and KNOWN_TYPES[0] is _Never:
+        KNOWN_TYPES[0] = sys.modules["cupy"].ndarray
+    elif kind == "torch" and KNOWN_TYPES[1] is _Never:
         torch = sys.modules["torch"]
-        _TORCH_TENSOR = torch.Tensor
+        KNOWN_TYPES[1] = torch.Tensor
         compiler = getattr(torch, "compiler", None)
         if hasattr(compiler, "_is_compiling_flag"):
             TORCH_COMPILER[0] = compiler
@@ -793,7 +793,7 @@ def signature(arrays, names=None, stream_ptr=None):
     arrays and torch tensors of the exact base types are read inline, in one loop; anything else
     goes through :func:`as_view`, or, when ``names`` is None (the replay's first try), gives None
     at once: the caller then reads the call again with the arguments' ``names``."""
-    cupy_array, torch_tensor = _CUPY_ARRAY, _TORCH_TENSOR
+    cupy_array, torch_tensor = KNOWN_TYPES
     n = len(arrays)
     key, ptrs, kinds, keep = [None] * n, [0] * n, 0, None  # None: key None, pointer 0
     for i, a in enumerate(arrays):
@@ -829,7 +829,7 @@ def signature(arrays, names=None, stream_ptr=None):
         if names is None:
             return None
         v = as_view(a, names[i], stream_ptr, arrays)
-        if cls is not torch_tensor and cls in (_CUPY_ARRAY, _TORCH_TENSOR):
+        if cls is not torch_tensor and cls in KNOWN_TYPES:
             # the first CuPy array / torch tensor ever seen (now known): read again
             return signature(arrays, names, stream_ptr)
         ptrs[i] = p = v.ptr

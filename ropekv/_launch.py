@@ -573,7 +573,7 @@ def int_key(value):
 
 
 _NP_BOOL = np.bool_
-_NP_DTYPE = np.dtype  # (the C replay reads these two from this module)
+_NP_DTYPE = np.dtype  # (the C replay is handed these two: native_hooks)
 
 
 class Output:
@@ -631,9 +631,9 @@ _EMPTY_OUTPUTS = {}  # (torch, device, shape, dtype) -> a zero-size output (Outp
 
 def pointer_of(array):
     cls = array.__class__
-    if cls is ar._CUPY_ARRAY:
+    if cls is ar.KNOWN_TYPES[0]:
         return array.data.ptr
-    if cls is ar._TORCH_TENSOR or ar.is_torch(array):
+    if cls is ar.KNOWN_TYPES[1] or ar.is_torch(array):
         return array.data_ptr()
     if isinstance(array, np.ndarray):
         return array.ctypes.data
@@ -881,6 +881,26 @@ class _NewLayout:
 
 
 _UNBOUND = object()  # native_module() before its first call
+
+
+def native_hooks():
+    """Everything of Python the C replay uses, handed to each ``_native.Caller`` when it is bound
+    (it looks no name up): a tuple in the order of ``_native.c``'s ``H_*`` entries. Functions are
+    taken as they are when the op binds its replay (``Op.bind_caller``; ``reset_caller`` binds
+    again); the two lists are read on every call."""
+    return (
+        ar.KNOWN_TYPES,  # [cupy.ndarray, torch.Tensor]: the exact types read (each once seen)
+        current_stream_ptr,  # the stream rule: CuPy's current stream on a device
+        _torch_stream_ptr,  # the stream rule with a torch tensor: torch's current stream
+        stream_capturing,  # whether a stream captures (plans that refuse or re-plan capture)
+        _RUNTIME,  # [CuPy's runtime module] once bound: getDevice / setDevice
+        _driver_failed,  # raises the error of a failed cuLaunchKernel(Ex)
+        _cublas_handle,  # the calling thread's cuBLAS handle (GEMM steps)
+        _cublas_failed,  # raises the error of a failed cuBLAS call
+        _NewLayout,  # the answer for a call read whole whose layout has no plan
+        _NP_BOOL,  # numpy.bool_: never a normal key value (flags_are_normal)
+        _NP_DTYPE,  # numpy.dtype: a normal dtype-like value (flags_are_normal)
+    )
 
 
 def _native_launchers():
@@ -1228,7 +1248,7 @@ class Op:
         self.caller = (
             None
             if module is None
-            else module.Caller(self.names, self.flag_kinds, vars(ar), globals(), _MISS)
+            else module.Caller(self.names, self.flag_kinds, native_hooks(), _MISS)
         )
         self.caller_bound = True
 

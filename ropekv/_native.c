@@ -74,10 +74,7 @@ enum { CUPY = 1, TORCH = 2 }; /* _arrays.CUPY / TORCH */
 
 static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *s_data_ptr,
     *s_stride, *s_get_device, *s_last, *s_native, *s_replay, *s_make_outputs, *s_result,
-    *s_getDevice, *s_setDevice, *s_cupy_array, *s_torch_tensor, *s_current_stream_ptr,
-    *s_torch_stream_ptr, *s_runtime, *s_driver_failed, *s_np_bool, *s_np_dtype, *s_empties, *one,
-    *s_cublas_handle, *s_cublas_failed, *s_is_neg, *s_new_layout, *s_stream_capturing,
-    *s_itemsize, *s_is_cuda;
+    *s_getDevice, *s_setDevice, *s_empties, *one, *s_is_neg, *s_itemsize, *s_is_cuda;
 
 /* ---- a plan's launches, as C data ----------------------------------------------------------- */
 
@@ -334,14 +331,30 @@ static PyTypeObject NativePlanType = {
 
 /* ---- the call ------------------------------------------------------------------------------- */
 
+/* The Python objects the replay uses, handed to Caller() by ropekv._launch.native_hooks() (a
+ * tuple in this order; its comments say what each is): nothing is looked up by name. */
+enum {
+  H_TYPES,          /* [cupy.ndarray, torch.Tensor]: a list, each filled once seen */
+  H_CUPY_STREAM,    /* current_stream_ptr(device): CuPy's current stream */
+  H_TORCH_STREAM,   /* _torch_stream_ptr(device): torch's current stream */
+  H_CAPTURING,      /* stream_capturing(stream): whether it captures a CUDA graph */
+  H_RUNTIME,        /* [runtime]: a list, CuPy's runtime module once bound (else None) */
+  H_DRIVER_FAILED,  /* _driver_failed(code): raises a failed launch's error */
+  H_CUBLAS_HANDLE,  /* _cublas_handle(): the calling thread's cuBLAS handle */
+  H_CUBLAS_FAILED,  /* _cublas_failed(status): raises a failed cuBLAS call's error */
+  H_NEW_LAYOUT,     /* _NewLayout(layout): a call read whole whose layout has no plan */
+  H_NP_BOOL,        /* numpy.bool_ (never a normal key value) */
+  H_NP_DTYPE,       /* numpy.dtype (a normal dtype-like value) */
+  N_HOOKS
+};
+
 typedef struct {
   PyObject_HEAD
   vectorcallfunc vectorcall; /* caller_call: the type's instances are called through it */
   PyObject *names;        /* the op's argument names (Plan.replay's error messages) */
   PyObject *kinds;        /* how each scalar argument enters the key (Op.flag_kinds), or None */
-  PyObject *arrays_dict;  /* ropekv._arrays.__dict__: _CUPY_ARRAY, _TORCH_TENSOR */
-  PyObject *launch_dict;  /* ropekv._launch.__dict__: the stream rule, _RUNTIME, errors */
-  PyObject *miss;         /* the answer "take the Python path" */
+  PyObject *hooks[N_HOOKS]; /* what ropekv._launch.native_hooks() hands it, in that order */
+  PyObject *miss;           /* the answer "take the Python path" */
 } Caller;
 
 static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
@@ -350,19 +363,28 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
 static void caller_dealloc(Caller *self) {
   Py_XDECREF(self->names);
   Py_XDECREF(self->kinds);
-  Py_XDECREF(self->arrays_dict);
-  Py_XDECREF(self->launch_dict);
+  for (int k = 0; k < N_HOOKS; k++) Py_XDECREF(self->hooks[k]);
   Py_XDECREF(self->miss);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyObject *caller_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-  PyObject *names, *kinds, *arrays_dict, *launch_dict, *miss;
-  if (!PyArg_ParseTuple(args, "O!OO!O!O", &PyTuple_Type, &names, &kinds, &PyDict_Type,
-                        &arrays_dict, &PyDict_Type, &launch_dict, &miss))
+  PyObject *names, *kinds, *hooks, *miss;
+  if (!PyArg_ParseTuple(args, "O!OO!O", &PyTuple_Type, &names, &kinds, &PyTuple_Type, &hooks,
+                        &miss))
     return NULL;
   if (kinds != Py_None && !PyTuple_CheckExact(kinds)) {
     PyErr_SetString(PyExc_TypeError, "kinds must be a tuple of ints or None");
+    return NULL;
+  }
+  if (PyTuple_GET_SIZE(hooks) != N_HOOKS ||
+      !PyList_CheckExact(PyTuple_GET_ITEM(hooks, H_TYPES)) ||
+      PyList_GET_SIZE(PyTuple_GET_ITEM(hooks, H_TYPES)) != 2 ||
+      !PyList_CheckExact(PyTuple_GET_ITEM(hooks, H_RUNTIME)) ||
+      !PyType_Check(PyTuple_GET_ITEM(hooks, H_NP_BOOL)) ||
+      !PyType_Check(PyTuple_GET_ITEM(hooks, H_NP_DTYPE))) {
+    PyErr_Format(PyExc_TypeError, "hooks must be ropekv._launch.native_hooks() (%d entries)",
+                 N_HOOKS);
     return NULL;
   }
   Caller *self = (Caller *)type->tp_alloc(type, 0);
@@ -370,12 +392,12 @@ static PyObject *caller_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
   Py_INCREF(kinds);
   self->kinds = kinds;
   Py_INCREF(names);
-  Py_INCREF(arrays_dict);
-  Py_INCREF(launch_dict);
   Py_INCREF(miss);
   self->names = names;
-  self->arrays_dict = arrays_dict;
-  self->launch_dict = launch_dict;
+  for (int k = 0; k < N_HOOKS; k++) {
+    self->hooks[k] = PyTuple_GET_ITEM(hooks, k);
+    Py_INCREF(self->hooks[k]);
+  }
   self->miss = miss;
   self->vectorcall = (vectorcallfunc)caller_call;
   return (PyObject *)self;
@@ -884,21 +906,17 @@ static PyObject *ptr_list(const uint64_t *ptrs, int n) {
   return list;
 }
 
-/* The function `name` of ropekv._launch (`d`: its globals) called with `arg` (NULL: none). */
-static PyObject *call_global(PyObject *d, PyObject *name, PyObject *arg) {
-  PyObject *fn = PyDict_GetItemWithError(d, name);
-  if (!fn) {
-    if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "ropekv._launch lost %S", name);
-    return NULL;
-  }
+/* The hook `which` (a function) called with `arg` (NULL: none). */
+static PyObject *call_hook(Caller *self, int which, PyObject *arg) {
+  PyObject *fn = self->hooks[which];
   return arg ? PyObject_CallOneArg(fn, arg) : PyObject_CallNoArgs(fn);
 }
 
 /* Raise the error of a failed driver or cuBLAS call: _launch's `raiser` (CuPy's error where CuPy
  * has one), else a RuntimeError "<what> <code>". Returns -1. */
-static int call_failed(Caller *self, PyObject *raiser, int code, const char *what) {
+static int call_failed(Caller *self, int raiser, int code, const char *what) {
   PyObject *c = PyLong_FromLong(code);
-  PyObject *r = c ? call_global(self->launch_dict, raiser, c) : NULL;
+  PyObject *r = c ? call_hook(self, raiser, c) : NULL;
   Py_XDECREF(c);
   Py_XDECREF(r);
   if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "%s %d", what, code);
@@ -908,7 +926,7 @@ static int call_failed(Caller *self, PyObject *raiser, int code, const char *wha
 /* A GEMM step (_launch.Gemm.run, the same three calls) on the calling thread's CuPy cuBLAS handle
  * of the current device (the plan's). */
 static int run_gemm(Caller *self, const Step *st, const uint64_t *ptrs, void *stream) {
-  PyObject *h = call_global(self->launch_dict, s_cublas_handle, NULL);
+  PyObject *h = call_hook(self, H_CUBLAS_HANDLE, NULL);
   if (!h) return -1;
   void *handle = PyLong_AsVoidPtr(h);
   Py_DECREF(h);
@@ -927,7 +945,7 @@ static int run_gemm(Caller *self, const Step *st, const uint64_t *ptrs, void *st
                             (void *)(uintptr_t)(ptrs[sl[2].arg] + (uint64_t)sl[2].off), g[7], g[5],
                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   Py_END_ALLOW_THREADS
-  return status ? call_failed(self, s_cublas_failed, status, "cuBLAS failed with status") : 0;
+  return status ? call_failed(self, H_CUBLAS_FAILED, status, "cuBLAS failed with status") : 0;
 }
 
 /* The launches of `plan` (its steps) with pointers `ptrs` (arguments, then outputs). */
@@ -974,7 +992,7 @@ static int launch_steps(Caller *self, NativePlan *plan, const uint64_t *ptrs, vo
       err = cu_launch_ex(&config, st->func, params, NULL);
       Py_END_ALLOW_THREADS
     }
-    if (err) return call_failed(self, s_driver_failed, err, "cuLaunchKernel failed with CUresult");
+    if (err) return call_failed(self, H_DRIVER_FAILED, err, "cuLaunchKernel failed with CUresult");
   }
   return 0;
 }
@@ -987,7 +1005,7 @@ static int flags_are_normal(Caller *self, PyObject *flags) {
   if (self->kinds == Py_None) return 1;
   Py_ssize_t n = PyTuple_GET_SIZE(self->kinds);
   if (!PyTuple_CheckExact(flags) || PyTuple_GET_SIZE(flags) != n) return 0;
-  PyObject *np_bool = NULL, *np_dtype = NULL;
+  PyObject *np_bool = self->hooks[H_NP_BOOL], *np_dtype = self->hooks[H_NP_DTYPE];
   for (Py_ssize_t i = 0; i < n; i++) {
     PyObject *v = PyTuple_GET_ITEM(flags, i);
     long kind = PyLong_AsLong(PyTuple_GET_ITEM(self->kinds, i));
@@ -1000,15 +1018,11 @@ static int flags_are_normal(Caller *self, PyObject *flags) {
       if (PyBool_Check(v) || PyList_Check(v)) return 0;
       if (!(PyFloat_CheckExact(v) || PyLong_CheckExact(v) || PyUnicode_CheckExact(v) ||
             PyTuple_CheckExact(v) || v == Py_None)) {
-        if (!np_bool && !(np_bool = PyDict_GetItemWithError(self->launch_dict, s_np_bool)))
-          return PyErr_Occurred() ? -1 : 0;
         if (Py_IS_TYPE(v, (PyTypeObject *)np_bool)) return 0;
       }
     } else if (kind == DTYPE) {
       if (v == Py_None || PyUnicode_CheckExact(v)) continue;
-      if (!np_dtype && !(np_dtype = PyDict_GetItemWithError(self->launch_dict, s_np_dtype)))
-        return PyErr_Occurred() ? -1 : 0;
-      if (!PyType_Check(np_dtype) || !PyObject_TypeCheck(v, (PyTypeObject *)np_dtype)) return 0;
+      if (!PyObject_TypeCheck(v, (PyTypeObject *)np_dtype)) return 0;
     }
   }
   return 1;
@@ -1036,13 +1050,12 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
     return self->miss;
   }
   int n = (int)PyTuple_GET_SIZE(arrays);
-  PyObject *cupy_cls = PyDict_GetItemWithError(self->arrays_dict, s_cupy_array);
-  PyObject *torch_cls = cupy_cls ? PyDict_GetItemWithError(self->arrays_dict, s_torch_tensor)
-                                 : NULL;
-  if (!torch_cls) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "ropekv._arrays lost a type");
+  PyObject *types = self->hooks[H_TYPES];
+  if (PyList_GET_SIZE(types) != 2) {
+    PyErr_SetString(PyExc_RuntimeError, "ropekv._arrays.KNOWN_TYPES must hold two types");
     return NULL;
   }
+  PyObject *cupy_cls = PyList_GET_ITEM(types, 0), *torch_cls = PyList_GET_ITEM(types, 1);
 
   /* -- the newest replay of this op: its flags equal these, its layout is matched while reading */
   PyObject *result = NULL, *plan = NULL, *native = NULL, *outs = NULL, *layout = NULL;
@@ -1127,7 +1140,7 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
     plan = PyDict_GetItemWithError(plans, key);
     Py_DECREF(key);
     if (!plan) { /* a new layout: Op.__call__ plans it with the key read here (_NewLayout) */
-      if (!PyErr_Occurred()) result = call_global(self->launch_dict, s_new_layout, layout);
+      if (!PyErr_Occurred()) result = call_hook(self, H_NEW_LAYOUT, layout);
       goto done;
     }
     Py_INCREF(plan);
@@ -1192,9 +1205,7 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
       Py_DECREF(dev_obj);
       goto done;
     }
-  } else if (as_u64(call_global(self->launch_dict,
-                                kinds & TORCH ? s_torch_stream_ptr : s_current_stream_ptr,
-                                dev_obj),
+  } else if (as_u64(call_hook(self, kinds & TORCH ? H_TORCH_STREAM : H_CUPY_STREAM, dev_obj),
                     &stream)) {
     Py_DECREF(dev_obj);
     goto done;
@@ -1202,7 +1213,7 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
   if (np->no_capture) { /* a capturing stream: Plan.replay refuses it or runs the
                           plan's capture plan */
     PyObject *stream_obj = PyLong_FromUnsignedLongLong(stream);
-    PyObject *r = stream_obj ? call_global(self->launch_dict, s_stream_capturing, stream_obj)
+    PyObject *r = stream_obj ? call_hook(self, H_CAPTURING, stream_obj)
                              : NULL;
     Py_XDECREF(stream_obj);
     int capturing = r ? PyObject_IsTrue(r) : -1;
@@ -1213,8 +1224,8 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
       goto miss;
     }
   }
-  PyObject *runtime_box = PyDict_GetItemWithError(self->launch_dict, s_runtime);
-  PyObject *runtime = runtime_box && PyList_Check(runtime_box) && PyList_GET_SIZE(runtime_box)
+  PyObject *runtime_box = self->hooks[H_RUNTIME];
+  PyObject *runtime = PyList_GET_SIZE(runtime_box)
                           ? PyList_GET_ITEM(runtime_box, 0)
                           : NULL;
   if (!runtime || runtime == Py_None) {
@@ -1339,7 +1350,7 @@ static PyTypeObject CallerType = {
     .tp_basicsize = sizeof(Caller),
     .tp_dealloc = (destructor)caller_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_doc = "An op's replay in C: Caller(names, kinds, arrays_dict, launch_dict, miss)"
+    .tp_doc = "An op's replay in C: Caller(names, kinds, hooks, miss)"
               "(arrays, flags, stream_ptr, layer, plans).",
     .tp_new = caller_new,
     .tp_call = PyVectorcall_Call,
@@ -1427,20 +1438,8 @@ PyMODINIT_FUNC PyInit__native_ext(void) {
   INTERN(s_result, "result");
   INTERN(s_getDevice, "getDevice");
   INTERN(s_setDevice, "setDevice");
-  INTERN(s_cupy_array, "_CUPY_ARRAY");
-  INTERN(s_torch_tensor, "_TORCH_TENSOR");
-  INTERN(s_current_stream_ptr, "current_stream_ptr");
-  INTERN(s_torch_stream_ptr, "_torch_stream_ptr");
-  INTERN(s_runtime, "_RUNTIME");
-  INTERN(s_driver_failed, "_driver_failed");
-  INTERN(s_np_bool, "_NP_BOOL");
-  INTERN(s_np_dtype, "_NP_DTYPE");
   INTERN(s_empties, "empties");
-  INTERN(s_cublas_handle, "_cublas_handle");
-  INTERN(s_cublas_failed, "_cublas_failed");
   INTERN(s_is_neg, "is_neg");
-  INTERN(s_new_layout, "_NewLayout");
-  INTERN(s_stream_capturing, "stream_capturing");
   INTERN(s_itemsize, "itemsize");
   INTERN(s_is_cuda, "is_cuda");
   if (!(one = PyLong_FromLong(1))) return NULL;

@@ -32,6 +32,7 @@ from tests.test_replay_cpu import (
     all_ops,
     fake_torch,
     hostcost,
+    set_known_type,
 )
 
 _C_LAUNCH_EX = ctypes.CFUNCTYPE(
@@ -130,10 +131,9 @@ def fakes(monkeypatch):
     replay (``"c"`` / ``"python"``) with a :class:`Recorder` behind both launch functions."""
     for op in all_ops():
         op.clear()
-    from ropekv import _arrays as ar
 
     runtime = _Runtime()
-    monkeypatch.setattr(ar, "_CUPY_ARRAY", hostcost.FakeCupyArray)
+    set_known_type(monkeypatch, 0, hostcost.FakeCupyArray)
     # a Hopper GPU, as tools/hostcost.py's stubs say (the QKV op's plans ask)
     monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device: 90)
     monkeypatch.setattr(ropekv.qkv, "_sm_count", lambda device: 132)
@@ -340,9 +340,7 @@ def test_two_threads_replay_one_plan_with_their_own_pointers(fakes):
 
 def test_an_array_of_another_kind_takes_the_python_path(fakes):
     module = _native.load()
-    caller = module.Caller(
-        ("a", "b"), None, vars(sys.modules["ropekv._arrays"]), vars(_launch), _launch._MISS
-    )
+    caller = module.Caller(("a", "b"), None, _launch.native_hooks(), _launch._MISS)
     plans = _launch._Plans()
     assert caller((None, np.zeros(3)), (), None, None, plans) is _launch._MISS
     assert caller([None, None], (), None, None, plans) is _launch._MISS  # not a tuple

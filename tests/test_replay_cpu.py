@@ -218,7 +218,7 @@ def stubbed(request, monkeypatch):
     else:
         for op in all_ops():
             op.reset_caller(native=False)
-    monkeypatch.setattr(ar, "_CUPY_ARRAY", hostcost.FakeCupyArray)
+    set_known_type(monkeypatch, 0, hostcost.FakeCupyArray)
     # a Hopper GPU, as tools/hostcost.py's stubs say (the QKV op's plans ask)
     monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device: 90)
     monkeypatch.setattr(ropekv.qkv, "_sm_count", lambda device: 132)
@@ -241,12 +241,34 @@ def stubbed(request, monkeypatch):
     _launch._native_module[0] = _launch._UNBOUND
 
 
+class _ListEntry:
+    """One entry of a list as an attribute, for monkeypatch.setattr (the list stays the same
+    object: the C replay holds ``ar.KNOWN_TYPES``)."""
+
+    def __init__(self, items, index):
+        self.items, self.index = items, index
+
+    @property
+    def value(self):
+        return self.items[self.index]
+
+    @value.setter
+    def value(self, value):
+        self.items[self.index] = value
+
+
+def set_known_type(monkeypatch, index, cls):
+    """``ar.KNOWN_TYPES[index] = cls`` (0: CuPy's array type, 1: torch's tensor type) until the
+    test ends."""
+    monkeypatch.setattr(_ListEntry(ar.KNOWN_TYPES, index), "value", cls)
+
+
 def fake_torch(monkeypatch):
     if importlib.util.find_spec("torch") is not None:
         pytest.skip("torch is installed: its tensors are tested on the GPU")
     torch = hostcost._fake_torch()
     monkeypatch.setitem(sys.modules, "torch", torch)
-    monkeypatch.setattr(ar, "_TORCH_TENSOR", torch.Tensor)
+    set_known_type(monkeypatch, 1, torch.Tensor)
     monkeypatch.setattr(ar, "_TORCH_TO_NUMPY", {})
     monkeypatch.setattr(ar, "_NUMPY_TO_TORCH", {})
     monkeypatch.setattr(_launch, "_torch_raw_stream", lambda device: 0x7000)

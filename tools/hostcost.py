@@ -267,8 +267,7 @@ def install_stubs():
     from ropekv import _arrays as ar
     from ropekv import _launch
 
-    ar._CUPY_ARRAY = FakeCupyArray
-    ar._TORCH_TENSOR = sys.modules["torch"].Tensor
+    ar.KNOWN_TYPES[:] = [FakeCupyArray, sys.modules["torch"].Tensor]
     _launch.function_pointer = lambda *a, **k: 0x1000
     import ropekv.qkv
 
