@@ -586,10 +586,161 @@ static int torch_view(PyObject *a, RawView *v) {
   return 1;
 }
 
+/* ---- torch tensors read through torch's DLPack C exchange API --------------------------------
+ * torch.Tensor.__dlpack_c_exchange_api__ (a PyCapsule "dlpack_exchange_api" of a DLPackExchangeAPI,
+ * DLPack 1.x, ATen/dlpack.h) fills a caller's DLTensor from a tensor without the Python API:
+ * torch's supported interface for what the TensorImpl reads above do. It does not refuse a lazy
+ * negation (the DLTensor has no such bit), so a tensor with one is left to the attributes (an
+ * is_neg() call); any failure of the export (no storage, a tensor that must not be written, a
+ * device DLPack has no code for) clears its error and leaves the tensor to the attributes too.
+ * Only the exact configured type, on the configured DLPack device type, of a probed dtype, with
+ * one lane and no byte offset is read this way. */
+
+typedef struct { /* DLTensor (DLPack 1.x) */
+  void *data;
+  int32_t device_type, device_id;
+  int32_t ndim;
+  uint8_t code, bits;
+  uint16_t lanes;
+  int64_t *shape, *strides;
+  uint64_t byte_offset;
+} DLTensorV1;
+
+typedef int (*dltensor_from_py_fn)(void *py_object, DLTensorV1 *out);
+
+static PyObject *ssize_tuple(const Py_ssize_t *values, Py_ssize_t n);
+
+typedef struct {
+  PyObject *tensor_type; /* torch.Tensor (a strong reference), or NULL: off */
+  PyObject *capsule;     /* the API's capsule (a strong reference: the table lives with it) */
+  dltensor_from_py_fn from_py;
+  int device_type; /* the DLPack device type read (kDLCUDA = 2; kDLCPU = 1 in tests) */
+  int n_dtypes;
+  unsigned dl_dtype[RAW_DTYPES]; /* code | bits << 8 */
+  int64_t itemsize[RAW_DTYPES];
+  PyObject *dtypes[RAW_DTYPES]; /* strong references */
+} RawExchange;
+
+static RawExchange rx;
+
+/* 1: the torch tensor `a` read into *v through the exchange API; 0: left to the attributes; -1:
+ * an error of is_neg() (set). */
+static int exchange_view(PyObject *a, RawView *v) {
+  DLTensorV1 t;
+  if (rx.from_py(a, &t)) {
+    PyErr_Clear();
+    return 0;
+  }
+  if (t.device_type != rx.device_type || t.lanes != 1 || t.byte_offset || t.ndim < 0 ||
+      t.ndim > 64 || (t.ndim && (!t.shape || !t.strides)))
+    return 0;
+  unsigned code = t.code | (unsigned)t.bits << 8;
+  int d = 0;
+  while (d < rx.n_dtypes && rx.dl_dtype[d] != code) d++;
+  if (d == rx.n_dtypes) return 0;
+  PyObject *neg = PyObject_CallMethodNoArgs(a, s_is_neg);
+  if (!neg) return -1;
+  int negated = PyObject_IsTrue(neg);
+  Py_DECREF(neg);
+  if (negated) return negated < 0 ? -1 : 0;
+  v->shape = (const Py_ssize_t *)t.shape;
+  v->strides = (const Py_ssize_t *)t.strides;
+  v->ndim = t.ndim;
+  v->dtype = rx.dtypes[d];
+  v->data = NULL;
+  v->torch = 1;
+  v->device = rx.device_type == 2 ? t.device_id : -1; /* get_device(): -1 for a CPU tensor */
+  v->item = (Py_ssize_t)rx.itemsize[d];
+  v->ptr = (uint64_t)(uintptr_t)t.data;
+  return 1;
+}
+
+static void exchange_off(void) {
+  Py_CLEAR(rx.tensor_type);
+  Py_CLEAR(rx.capsule);
+  rx.from_py = NULL;
+  for (int d = 0; d < rx.n_dtypes; d++) Py_CLEAR(rx.dtypes[d]);
+  rx.n_dtypes = 0;
+}
+
+/* configure_exchange(tensor_type, capsule, dl_device_type, ((code, bits, dtype, itemsize), ...))
+ * or configure_exchange(None): torch tensors read through the DLPack exchange API, or not.
+ * ValueError when the capsule is not a DLPack 1.x exchange API with a DLTensor export. */
+static PyObject *configure_exchange(PyObject *mod, PyObject *args) {
+  PyObject *tensor_type, *capsule = NULL, *dtypes = NULL;
+  int device_type = 0;
+  if (!PyArg_ParseTuple(args, "O|OiO!", &tensor_type, &capsule, &device_type, &PyTuple_Type,
+                        &dtypes))
+    return NULL;
+  exchange_off();
+  if (tensor_type == Py_None) Py_RETURN_NONE;
+  if (!PyType_Check(tensor_type) || !dtypes || PyTuple_GET_SIZE(dtypes) > RAW_DTYPES) {
+    PyErr_SetString(PyExc_TypeError, "configure_exchange takes a type, a capsule, a DLPack "
+                                     "device type and dtypes");
+    return NULL;
+  }
+  const unsigned char *api = PyCapsule_GetPointer(capsule, "dlpack_exchange_api");
+  if (!api) return NULL;
+  /* DLPackExchangeAPI: header {version {major, minor}, prev_api}, then the allocator, managed
+   * from / to Python, DLTensor from Python (may be NULL), current work stream */
+  uint32_t major = *(const uint32_t *)api;
+  dltensor_from_py_fn fn = *(dltensor_from_py_fn const *)(api + 16 + 3 * sizeof(void *));
+  if (major != 1 || !fn) {
+    PyErr_Format(PyExc_ValueError,
+                 "the exchange API is DLPack %u.x%s (this reader takes 1.x with a DLTensor export)",
+                 major, fn ? "" : " without a DLTensor export");
+    return NULL;
+  }
+  for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(dtypes); d++) {
+    unsigned code, bits;
+    PyObject *dtype;
+    long long itemsize;
+    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(dtypes, d), "IIOL", &code, &bits, &dtype, &itemsize)) {
+      exchange_off();
+      return NULL;
+    }
+    if (code > 255 || bits > 255 || itemsize < 1 || itemsize > 16) {
+      exchange_off();
+      PyErr_SetString(PyExc_ValueError, "configure_exchange: a dtype out of range");
+      return NULL;
+    }
+    Py_INCREF(dtype);
+    rx.dtypes[d] = dtype;
+    rx.dl_dtype[d] = code | bits << 8;
+    rx.itemsize[d] = itemsize;
+    rx.n_dtypes = (int)d + 1;
+  }
+  Py_INCREF(capsule);
+  rx.capsule = capsule;
+  rx.from_py = fn;
+  rx.device_type = device_type;
+  Py_INCREF(tensor_type);
+  rx.tensor_type = tensor_type;
+  Py_RETURN_NONE;
+}
+
+/* dl_read(a) -> (data, device type, device id, (code, bits, lanes), shape, strides, byte offset)
+ * of a tensor through the configured exchange API (the probe of its dtypes), or None. */
+static PyObject *dl_read(PyObject *mod, PyObject *a) {
+  if (!rx.from_py || (PyObject *)Py_TYPE(a) != rx.tensor_type) Py_RETURN_NONE;
+  DLTensorV1 t;
+  if (rx.from_py(a, &t)) return NULL;
+  PyObject *shape = ssize_tuple((const Py_ssize_t *)t.shape, t.ndim);
+  PyObject *strides = shape ? ssize_tuple((const Py_ssize_t *)t.strides, t.ndim) : NULL;
+  PyObject *r = strides ? Py_BuildValue("(Kii(iii)OOK)", (unsigned long long)(uintptr_t)t.data,
+                                        t.device_type, t.device_id, t.code, t.bits, t.lanes,
+                                        shape, strides, (unsigned long long)t.byte_offset)
+                        : NULL;
+  Py_XDECREF(shape);
+  Py_XDECREF(strides);
+  return r;
+}
+
 /* 1: `a` (a CuPy array or a torch tensor of a configured type) read into *v; 0: not readable this
- * way (the attributes are). */
+ * way (the attributes are); -1: an error (set). */
 static int raw_view(PyObject *a, RawView *v) {
   PyObject *cls = (PyObject *)Py_TYPE(a);
+  if (cls == rx.tensor_type) return exchange_view(a, v);
   if (cls == rt.tensor_type) return rt.live && torch_view(a, v);
   if (!raw.array_type || cls != raw.array_type) return 0;
   const Py_ssize_t *sb = AT(a, raw.shape, const Py_ssize_t *),
@@ -638,7 +789,8 @@ static PyObject *raw_key(const RawView *v) {
   PyObject *strides = shape ? ssize_tuple(v->strides, v->ndim) : NULL;
   PyObject *align = strides ? PyLong_FromLong(align_key(v->ptr)) : NULL;
   PyObject *key = !align   ? NULL
-                  : v->torch ? PyTuple_Pack(6, Py_True, shape, strides, v->dtype, align, dev)
+                  : v->torch ? PyTuple_Pack(6, v->device >= 0 ? Py_True : Py_False, shape, strides,
+                                            v->dtype, align, dev)
                              : PyTuple_Pack(5, shape, strides, v->dtype, align, dev);
   Py_XDECREF(dev);
   Py_XDECREF(shape);
@@ -666,11 +818,12 @@ static int ssize_tuple_equals(PyObject *t, const Py_ssize_t *values, Py_ssize_t 
 /* 1 when the key read_array would build for the raw view equals `entry` (a key of an earlier
  * call), 0 when not, -1 on error; it builds no key. */
 static int raw_key_equals(const RawView *v, PyObject *entry) {
-  Py_ssize_t at = v->torch; /* a tensor's key starts with its is_cuda (True: a struct read is of
-                               the configured CUDA device type) */
+  Py_ssize_t at = v->torch; /* a tensor's key starts with its is_cuda (a CUDA tensor has a device
+                               index; a CPU one, read through the exchange API in tests, -1) */
   if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5 + at) return 0;
-  if (at && PyTuple_GET_ITEM(entry, 0) != Py_True) {
-    int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 0), Py_True, Py_EQ);
+  PyObject *is_cuda = v->device >= 0 ? Py_True : Py_False;
+  if (at && PyTuple_GET_ITEM(entry, 0) != is_cuda) {
+    int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 0), is_cuda, Py_EQ);
     if (same <= 0) return same;
   }
   if (!ssize_tuple_equals(PyTuple_GET_ITEM(entry, at), v->shape, v->ndim) ||
@@ -827,6 +980,7 @@ static PyObject *raw_layout(PyObject *mod, PyObject *args) {
   int readable = staged && rt.tensor_type && (PyObject *)Py_TYPE(a) == rt.tensor_type
                      ? torch_view(a, &v)
                      : raw_view(a, &v);
+  if (readable < 0) return NULL;
   if (!readable) Py_RETURN_NONE;
   PyObject *shape = ssize_tuple(v.shape, v.ndim);
   PyObject *strides = shape ? ssize_tuple(v.strides, v.ndim) : NULL;
@@ -844,7 +998,9 @@ static PyObject *raw_layout(PyObject *mod, PyObject *args) {
  * so, or a CuPy byte stride that is no multiple of the item size (the attributes say which). */
 static PyObject *view_fields(PyObject *mod, PyObject *a) {
   RawView v;
-  if (!raw_view(a, &v)) Py_RETURN_NONE;
+  int readable = raw_view(a, &v);
+  if (readable < 0) return NULL;
+  if (!readable) Py_RETURN_NONE;
   Py_ssize_t item;
   if (v.torch) {
     item = v.item;
@@ -1079,12 +1235,14 @@ static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
                                                                              last_layout, i)
                                                                        : NULL;
     RawView v;
+    int read;
     if (a == Py_None) {
       ptrs[i] = 0;
       Py_INCREF(Py_None);
       key = Py_None;
       matching = matching && entry == Py_None;
-    } else if (raw_view(a, &v)) {
+    } else if ((read = raw_view(a, &v)) != 0) {
+      if (read < 0) goto done;
       ptrs[i] = v.ptr;
       kinds |= v.torch ? TORCH : CUPY;
       int same = matching ? raw_key_equals(&v, entry) : 0;
@@ -1408,6 +1566,13 @@ static PyMethodDef methods[] = {
     {"raw_layout", raw_layout, METH_VARARGS,
      "raw_layout(a, staged=False) -> (shape, strides, dtype, ptr, device) read from a CuPy "
      "array's or a torch tensor's struct, or None (staged: with torch reads not yet enabled)"},
+    {"configure_exchange", configure_exchange, METH_VARARGS,
+     "configure_exchange(Tensor type, exchange API capsule, DLPack device type, ((code, bits, "
+     "dtype, itemsize), ...)) or configure_exchange(None): read torch tensors through torch's "
+     "DLPack C exchange API, or not"},
+    {"dl_read", dl_read, METH_O,
+     "dl_read(t) -> (data, device type, device id, (code, bits, lanes), shape, strides, "
+     "byte offset) through the configured exchange API, or None"},
     {"enable_torch", enable_torch, METH_NOARGS,
      "enable_torch(): the torch reads configure_torch staged go live (once verified)"},
     {NULL, NULL, 0, NULL}};

@@ -573,3 +573,58 @@ def _probe_torch(module, torch, device, _arrays):
     for t in _refused(torch, device):
         if module.raw_layout(t, True) is not None:
             raise LookupError("a struct read took a tensor it must leave to the attributes")
+
+
+# ---- torch tensors read through torch's DLPack C exchange API ---------------------------------
+
+_DL_DEVICE_TYPES = {"cpu": 1, "cuda": 2}  # DLDeviceType codes
+
+
+def configure_torch_exchange(module, device) -> None:
+    """Read torch tensors on devices of ``device``'s type through torch's DLPack C exchange API
+    (``torch.Tensor.__dlpack_c_exchange_api__``, DLPack 1.x): its dtype codes are found on
+    tensors made there and its reads checked against the attributes on every probe layout before
+    they are turned on; any failure leaves them off (LookupError / ValueError raised, the
+    attributes read torch tensors). ``device`` None: off."""
+    module.configure_exchange(None)
+    if device is None:
+        return
+    from ropekv import _arrays
+
+    torch = sys.modules["torch"]
+    capsule = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
+    if capsule is None:
+        raise LookupError(f"torch {torch.__version__} has no DLPack C exchange API")
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    dl_type = _DL_DEVICE_TYPES[device.type]
+    try:
+        with torch.inference_mode(False):
+            module.configure_exchange(torch.Tensor, capsule, dl_type, ())  # the probe's reads
+            dtypes, seen = [], set()
+            for name in _arrays._TORCH_NAMES:
+                dtype = getattr(torch, name, None)
+                if dtype is None:
+                    continue
+                t = torch.empty(16, dtype=torch.uint8, device=device).view(dtype)
+                try:
+                    code, bits, lanes = module.dl_read(t)[3]
+                except (RuntimeError, BufferError, TypeError):
+                    continue  # a dtype DLPack has no code for: the attributes read it
+                if lanes != 1 or (code, bits) in seen:
+                    raise LookupError(f"torch exports {dtype} as DLPack {(code, bits, lanes)}")
+                seen.add((code, bits))
+                dtypes.append((code, bits, dtype, t.element_size()))
+            module.configure_exchange(torch.Tensor, capsule, dl_type, tuple(dtypes))
+            checks = _torch_probes(torch, device) + [
+                torch.empty(16, dtype=torch.uint8, device=device).view(d) for _, _, d, _ in dtypes
+            ]
+            for t in checks:
+                got = module.raw_layout(t)
+                want = (tuple(t.shape), t.stride(), t.dtype, t.data_ptr(), t.get_device())
+                if got != want:
+                    raise LookupError(f"an exchange read gave {got}, the attributes {want}")
+            if module.raw_layout(torch._neg_view(torch.empty(4, device=device))) is not None:
+                raise LookupError("an exchange read took a lazy negation")
+    except Exception:
+        module.configure_exchange(None)
+        raise
