@@ -1072,3 +1072,23 @@ def test_no_c_replay_without_the_gil(monkeypatch):
     monkeypatch.setattr(_launch, "_native_module", [_launch._UNBOUND])
     assert _launch.native_module() is None
     assert "Py_MOD_GIL_USED" in Path(_native.__file__).with_name("_native.c").read_text()
+
+
+def test_torch_exchange_api_reads_equal_the_attributes():
+    """torch's DLPack C exchange API, read in C: what the attributes give on every layout; a lazy
+    negation and a tensor whose export fails (no writable data pointer) left to the attributes."""
+    torch = pytest.importorskip("torch")
+    module = _native.load()
+    if module is None or not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+        pytest.skip("no C replay or no DLPack C exchange API here")
+    try:
+        _native.configure_torch_exchange(module, "cpu")
+        for t in _torch_cases(torch, "cpu"):
+            assert module.raw_layout(t) == _attributes(t), (t.shape, t.stride(), t.dtype)
+        must_not_write = torch.zeros(3)
+        torch._C._set_throw_on_mutable_data_ptr(must_not_write)
+        for t in (torch._neg_view(torch.zeros(3)), must_not_write):
+            assert module.raw_layout(t) is None
+    finally:
+        _native.configure_torch_exchange(module, None)
+    assert module.raw_layout(torch.zeros(3)) is None
