@@ -46,6 +46,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 import ropekv
+from ropekv import _declare
 from ropekv import _frameworks as fw
 from ropekv import _registry
 from ropekv.paged import as_dtype
@@ -826,3 +827,46 @@ def fused_qkv_matmul_append_paged_kv_cache(
         "fused_qkv_matmul_append_paged_kv_cache", inputs, outputs, run, command_buffer_compatible
     )
     return (out, (new_k, new_v), *new)
+
+
+# ---- the declared ops: their forms follow from their declarations (ropekv/_declare.py) -------
+
+
+def _declared(decl):
+    """The JAX form of a declared op: its arrays are the call's inputs (traced or not), its
+    scalars static; every array it writes is an input-output alias returned in declaration order,
+    and so is each new result, which aliases its ``like`` input and is written by the op's
+    in-place sibling (``decl.via``). Returns the one output, or a tuple."""
+    run_decl = decl.via or decl
+    if decl.results and decl.via is None:
+        raise TypeError(f"{decl.name}: new results need an in-place sibling (via) in JAX")
+    eager = getattr(ropekv, run_decl.name)
+    outputs = [(n, n) for n in decl.written] + [(a.name, a.like) for a in decl.results]
+
+    def form(*args, command_buffer_compatible=False, **kwargs):
+        values = decl.bind(args, kwargs, f"ropekv.jax.{decl.name}")
+        decl.check_call(values)
+        inputs = [(n, values[n]) for n in decl.arrays]
+        scalars = {a.name: values[a.name] for a in decl.scalars}
+
+        def run(a, stream):
+            eager(**{n: a.get(n) for n in decl.arrays}, **scalars, stream=stream)
+
+        present = [(key, spec) for key, spec in outputs if values[spec] is not None]
+        out = _call(decl.name, inputs, present, run, command_buffer_compatible)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    form.__name__ = form.__qualname__ = decl.name
+    form.__doc__ = (
+        f":func:`ropekv.{decl.name}` as a functional op: returns "
+        f"{', '.join(k for k, _ in outputs) or 'nothing'} (input-output aliases: donate them to "
+        f"update in place). Scalars are static."
+    )
+    return form
+
+
+for _entry in _registry.OPS:
+    _decl = _declare.declaration_of(_entry)
+    if _decl is not None and _entry.jax:
+        globals()[_entry.name] = _declared(_decl)
+del _entry, _decl

@@ -57,6 +57,7 @@ import torch
 
 import ropekv
 from ropekv import _checks as ck
+from ropekv import _declare
 from ropekv import _frameworks as fw
 from ropekv import _registry
 from ropekv._arrays import HOST
@@ -1665,3 +1666,65 @@ def fused_qkv_matmul_append_paged_kv_cache(
         return op(*args)
     op_out(*args[:8], out, *args[8:])  # out after the required arguments
     return out
+
+
+# ---- the declared ops: their forms follow from their declarations (ropekv/_declare.py) -------
+
+
+def _declared(decl):
+    """The custom op ``ropekv::<decl.name>`` of a declared op and the Python function that runs
+    it: the schema (with the declared defaults from torch 2.13 on), ``mutates_args`` and the fake
+    all come from the declaration; the op runs the eager function on torch's current stream."""
+    eager = getattr(ropekv, decl.name)
+    names = [a.name for a in decl.inputs]
+    where = f"torch.ops.ropekv.{decl.name}"
+
+    def kernel(*args, **kwargs):
+        result = eager(**decl.bind(args, kwargs, where))
+        return None if result is None else tuple(result) if len(decl.results) > 1 else result
+
+    def fake(*args, **kwargs):
+        values = decl.bind(args, kwargs, where)
+        shapes = {n: (values[n].shape, values[n].dtype) for n in decl.arrays if values[n] is not None}
+        like = {a.name: values[a.like] for a in decl.results}
+        outs = [
+            torch.empty(shape, dtype=dtype, device=like[name].device)
+            for name, shape, dtype in decl.result_specs(shapes)
+        ]
+        return None if not outs else tuple(outs) if len(outs) > 1 else outs[0]
+
+    op = torch.library.custom_op(
+        f"ropekv::{decl.name}",
+        kernel,
+        mutates_args=decl.written,
+        schema=decl.schema(defaults=SCHEMA_DEFAULTS),
+    )
+    op.register_fake(fake)
+
+    def form(*args, **kwargs):
+        values = decl.bind(args, kwargs, f"ropekv.torch.{decl.name}")
+        return op(*[values[n] for n in names])
+
+    form.__name__ = form.__qualname__ = decl.name
+    form.__doc__ = (
+        f":func:`ropekv.{decl.name}` as the custom op ``torch.ops.ropekv.{decl.name}`` "
+        f"(schema ``{decl.schema()}``): no ``stream=``, torch's current stream."
+    )
+    form.__signature__ = inspect.Signature(
+        [
+            inspect.Parameter(
+                a.name,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                default=inspect.Parameter.empty if a.default is _declare.REQUIRED else a.default,
+            )
+            for a in decl.inputs
+        ]
+    )
+    return form
+
+
+for _entry in _registry.OPS:
+    _decl = _declare.declaration_of(_entry)
+    if _decl is not None and _entry.torch:
+        globals()[_entry.name] = _declared(_decl)
+del _entry, _decl
