@@ -99,7 +99,7 @@ def new(name, *, like, doc=""):
     return Arg(name, NEW, like=like, doc=doc)
 
 
-def scalar(name, type, default=REQUIRED, *, doc=""):  # noqa: A002 - the schema's word
+def scalar(name, type, default=REQUIRED, *, doc=""):
     """A Python value: ``type`` is ``"int"``, ``"float"``, ``"bool"`` or ``"str"``."""
     if type not in _SCALAR_TYPES:
         raise ValueError(f"{name}: unknown scalar type {type!r}")

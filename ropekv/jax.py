@@ -46,9 +46,8 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 import ropekv
-from ropekv import _declare
+from ropekv import _declare, _registry
 from ropekv import _frameworks as fw
-from ropekv import _registry
 from ropekv.paged import as_dtype
 
 __all__ = list(_registry.JAX)  # the registry's ops with a JAX form

@@ -57,9 +57,8 @@ import torch
 
 import ropekv
 from ropekv import _checks as ck
-from ropekv import _declare
+from ropekv import _declare, _registry
 from ropekv import _frameworks as fw
-from ropekv import _registry
 from ropekv._arrays import HOST
 from ropekv.paged import as_dtype
 
@@ -1685,7 +1684,9 @@ def _declared(decl):
 
     def fake(*args, **kwargs):
         values = decl.bind(args, kwargs, where)
-        shapes = {n: (values[n].shape, values[n].dtype) for n in decl.arrays if values[n] is not None}
+        shapes = {
+            n: (values[n].shape, values[n].dtype) for n in decl.arrays if values[n] is not None
+        }
         like = {a.name: values[a.like] for a in decl.results}
         outs = [
             torch.empty(shape, dtype=dtype, device=like[name].device)
