@@ -140,94 +140,6 @@ def _pair(caches, message):
     return caches[0], caches[1]
 
 
-# ---- apply_rope_write_kv -----------------------------------------------------------------------
-
-
-def apply_rope_write_kv(
-    q,
-    k,
-    v,
-    kv_cache,
-    cos_sin_cache,
-    *,
-    kv_end_lens=None,
-    position_ids=None,
-    kv_scale=None,
-    write_k_in_place=False,
-    is_neox=True,
-    mrope_section=None,
-    mrope_interleaved=False,
-    q_out=None,
-    q_scale=None,
-    q_scale_out=None,
-    kv_cache_scales=None,
-    command_buffer_compatible=False,
-):
-    """:func:`ropekv.apply_rope_write_kv` as a functional op.
-
-    Returns ``(q, kv_cache)``, the roped queries and the new cache, or ``(q, k, kv_cache)`` with
-    ``write_k_in_place=True`` (``k`` roped). All are input-output aliases: donate ``kv_cache`` (and
-    ``q``, ``k`` where they are jit arguments) to update them without a copy. mRoPE:
-    ``position_ids (3, B, S)`` with a static ``mrope_section`` (and ``mrope_interleaved``).
-
-    With ``q_out`` (an array ``(B, S, Hq, D)`` of ``q``'s dtype or fp8, every row of which the op
-    writes), the roped queries go there instead: the first result is the new ``q_out``, aliasing
-    the given one, and ``q`` is only read. ``q_scale`` (fp8 ``q_out``) is static, and so is
-    ``kv_scale`` when it is a number or a pair (an array is read by the kernel).
-    ``q_scale_out`` ``(B, S, Hq)`` and ``kv_cache_scales`` ``(B, 2, Hkv, C)`` (float32) are
-    input-output aliases too, returned after the cache in that order when given:
-    ``q8, kv_cache, q_scales, kv_scales = rj.apply_rope_write_kv(..., q_out=q8, q_scale_out=qs,
-    kv_cache_scales=ks)``.
-    """
-    write_k = bool(write_k_in_place)
-    # a number or a pair of numbers is static (constants of the launch); an array an input
-    static_scale = kv_scale is None or isinstance(kv_scale, int | float | tuple | list)
-    q_key = "q" if q_out is None else "q_out"
-    outputs = [
-        (q_key, q_key),
-        *((("k", "k"),) if write_k else ()),
-        ("kv_cache", "kv_cache"),
-        *((("q_scale_out", "q_scale_out"),) if q_scale_out is not None else ()),
-        *((("kv_cache_scales", "kv_cache_scales"),) if kv_cache_scales is not None else ()),
-    ]
-
-    def run(a, stream):
-        ropekv.apply_rope_write_kv(
-            a["q"],
-            a["k"],
-            a["v"],
-            a["kv_cache"],
-            a["cos_sin_cache"],
-            kv_end_lens=a.get("kv_end_lens"),
-            position_ids=a.get("position_ids"),
-            kv_scale=kv_scale if static_scale else a["kv_scale"],
-            write_k_in_place=write_k,
-            is_neox=bool(is_neox),
-            mrope_section=mrope_section,
-            mrope_interleaved=mrope_interleaved,
-            q_out=a.get("q_out"),
-            q_scale=q_scale,
-            q_scale_out=a.get("q_scale_out"),
-            kv_cache_scales=a.get("kv_cache_scales"),
-            stream=stream,
-        )
-
-    inputs = [
-        ("q", q),
-        ("k", k),
-        ("v", v),
-        ("kv_cache", kv_cache),
-        ("cos_sin_cache", cos_sin_cache),
-        ("kv_end_lens", kv_end_lens),
-        ("position_ids", position_ids),
-        ("kv_scale", None if static_scale else kv_scale),
-        ("q_out", q_out),
-        ("q_scale_out", q_scale_out),
-        ("kv_cache_scales", kv_cache_scales),
-    ]
-    return tuple(_call("apply_rope_write_kv", inputs, outputs, run, command_buffer_compatible))
-
-
 # ---- rope_quantize_fp8_append_paged_kv_cache / rope_append_paged_kv_cache ---------------------
 
 
@@ -831,35 +743,87 @@ def fused_qkv_matmul_append_paged_kv_cache(
 # ---- the declared ops: their forms follow from their declarations (ropekv/_declare.py) -------
 
 
+def _is_jax_array(x):
+    return isinstance(x, jax.Array | np.ndarray) and not isinstance(x, np.generic)
+
+
 def _declared(decl):
-    """The JAX form of a declared op: its arrays are the call's inputs (traced or not), its
-    scalars static; every array it writes is an input-output alias returned in declaration order,
-    and so is each new result, which aliases its ``like`` input and is written by the op's
-    in-place sibling (``decl.via``). Returns the one output, or a tuple."""
+    """The JAX form of a declared op: the eager signature without its outputs (the op allocates
+    them, but an output written into its input by default, which stays) and ``stream``; arrays
+    are the call's inputs, the rest static. Returns the outputs, then each array the call writes
+    in declaration order (a pair as a pair), all input-output aliases but new outputs."""
     run_decl = decl.via or decl
-    if decl.results and decl.via is None:
-        raise TypeError(f"{decl.name}: new results need an in-place sibling (via) in JAX")
     eager = getattr(ropekv, run_decl.name)
-    outputs = [(n, n) for n in decl.written] + [(a.name, a.like) for a in decl.results]
+    outs = [o for o in decl.outs if not o.default_into]
+    names = [a.name for a in decl.inputs if a not in outs]
 
     def form(*args, command_buffer_compatible=False, **kwargs):
-        values = decl.bind(args, kwargs, f"ropekv.jax.{decl.name}")
-        decl.check_call(values)
-        inputs = [(n, values[n]) for n in decl.arrays]
-        scalars = {a.name: values[a.name] for a in decl.scalars}
+        values = decl.bind(args, kwargs, f"ropekv.jax.{decl.name}", names)
+        for o in outs:
+            values[o.name] = None
+        schema = decl.expand(values, _is_jax_array)
+        arrays = {}  # the call's array inputs: key -> array
+        for a in decl.inputs:
+            parts = a.schema_parts()
+            for p, t in parts:
+                if t == "Tensor" and schema.get(p) is not None:
+                    arrays[p] = schema[p]
+        outputs = []
+        for o in decl.outs:
+            if o.default_into:
+                target = o.name if values[o.name] is not None else o.into
+                arrays.setdefault(o.name, values[o.name]) if values[o.name] is not None else None
+                outputs.append((o.name, target))
+        if outs:
+            metas = {
+                k: _meta(v, k)
+                if _is_jax_array(v)
+                else tuple(_meta(x, k) for x in v)
+                if isinstance(v, tuple) and v and all(_is_jax_array(x) for x in v)
+                else v
+                for k, v in values.items()
+            }
+            for name, (shape, dtype) in decl.outputs(metas).items():
+                outputs.append((name, _struct(shape, dtype)))
+        for r in decl.results:
+            outputs.append((r.name, r.into))
+        shape_of = []  # how the written arrays return: (key,) or a pair (key, key)
+        for name, value in decl.written_arrays(values):
+            a = decl.by_name[name]
+            keys = [p for p, t in a.schema_parts() if t == "Tensor" and schema.get(p) is not None]
+            if a.form == "tensor":
+                keys = [name]
+            for k in keys:
+                outputs.append((k, k))
+            shape_of.append(tuple(keys) if isinstance(value, tuple | list) else keys[0])
 
-        def run(a, stream):
-            eager(**{n: a.get(n) for n in decl.arrays}, **scalars, stream=stream)
+        def run(buffers, stream):
+            given = dict(schema)
+            given.update(buffers)
+            call = decl.collapse(given)
+            for o in outs:
+                call[o.name] = buffers[o.name]
+            for o in decl.outs:
+                if o.default_into and values[o.name] is not None:
+                    call[o.name] = buffers[o.name]
+            if run_decl is not decl:
+                call = {a.name: call.get(a.name, values.get(a.name)) for a in run_decl.inputs}
+            eager(**call, stream=stream)
 
-        present = [(key, spec) for key, spec in outputs if values[spec] is not None]
-        out = _call(decl.name, inputs, present, run, command_buffer_compatible)
-        return out[0] if len(out) == 1 else tuple(out)
+        got = _call(decl.name, list(arrays.items()), outputs, run, command_buffer_compatible)
+        n = len(outputs) - sum(len(k) if isinstance(k, tuple) else 1 for k in shape_of)
+        result, rest = list(got[:n]), list(got[n:])
+        for keys in shape_of:
+            if isinstance(keys, tuple):
+                result.append(tuple(rest.pop(0) for _ in keys))
+            else:
+                result.append(rest.pop(0))
+        return result[0] if len(result) == 1 else tuple(result)
 
     form.__name__ = form.__qualname__ = decl.name
     form.__doc__ = (
-        f":func:`ropekv.{decl.name}` as a functional op: returns "
-        f"{', '.join(k for k, _ in outputs) or 'nothing'} (input-output aliases: donate them to "
-        f"update in place). Scalars are static."
+        f":func:`ropekv.{decl.name}` as a functional op: returns its outputs, then the arrays it "
+        f"writes (input-output aliases: donate them to update in place). Scalars are static."
     )
     return form
 

@@ -53,6 +53,7 @@ import inspect
 import typing
 from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 
 import ropekv
@@ -190,206 +191,6 @@ def _custom_op(name, fn, eager, mutates_args, fake=None):
 
         op.register_fake(full_fake)
     return op
-
-
-# ---- apply_rope_write_kv -----------------------------------------------------------------------
-
-
-def _contiguous_ops(write_k_in_place):
-    """The in-place op (``q`` roped in place) and the ``_out`` op (the given ``q_out`` written,
-    ``q`` only read) of one ``write_k_in_place`` value."""
-
-    def run(
-        q,
-        k,
-        v,
-        kv_cache,
-        cos_sin_cache,
-        kv_end_lens,
-        position_ids,
-        kv_scale,
-        kv_scales,
-        is_neox,
-        mrope_section,
-        mrope_interleaved,
-        q_scale,
-        q_scale_out,
-        kv_cache_scales,
-        q_out,
-    ):
-        _eager(
-            ropekv.apply_rope_write_kv,
-            q,
-            k,
-            v,
-            kv_cache,
-            cos_sin_cache,
-            kv_end_lens=kv_end_lens,
-            position_ids=position_ids,
-            kv_scale=_scale_arg(kv_scale) if kv_scales is None else kv_scales,
-            write_k_in_place=write_k_in_place,
-            is_neox=is_neox,
-            mrope_section=fw.mrope_tuple(mrope_section),
-            mrope_interleaved=mrope_interleaved,
-            q_out=q_out,
-            q_scale=q_scale,
-            q_scale_out=q_scale_out,
-            kv_cache_scales=kv_cache_scales,
-        )
-
-    def in_place(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        kv_cache: Tensor,
-        cos_sin_cache: Tensor,
-        kv_end_lens: Optional[Tensor],
-        position_ids: Optional[Tensor],
-        kv_scale: Optional[List[float]],
-        kv_scales: Optional[Tensor],
-        is_neox: bool,
-        mrope_section: Optional[List[int]],
-        mrope_interleaved: bool,
-        q_scale: Optional[float],
-        q_scale_out: Optional[Tensor],
-        kv_cache_scales: Optional[Tensor],
-    ) -> None:
-        run(
-            q,
-            k,
-            v,
-            kv_cache,
-            cos_sin_cache,
-            kv_end_lens,
-            position_ids,
-            kv_scale,
-            kv_scales,
-            is_neox,
-            mrope_section,
-            mrope_interleaved,
-            q_scale,
-            q_scale_out,
-            kv_cache_scales,
-            None,
-        )
-
-    def into(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        kv_cache: Tensor,
-        cos_sin_cache: Tensor,
-        q_out: Tensor,
-        kv_end_lens: Optional[Tensor],
-        position_ids: Optional[Tensor],
-        kv_scale: Optional[List[float]],
-        kv_scales: Optional[Tensor],
-        is_neox: bool,
-        mrope_section: Optional[List[int]],
-        mrope_interleaved: bool,
-        q_scale: Optional[float],
-        q_scale_out: Optional[Tensor],
-        kv_cache_scales: Optional[Tensor],
-    ) -> None:
-        run(
-            q,
-            k,
-            v,
-            kv_cache,
-            cos_sin_cache,
-            kv_end_lens,
-            position_ids,
-            kv_scale,
-            kv_scales,
-            is_neox,
-            mrope_section,
-            mrope_interleaved,
-            q_scale,
-            q_scale_out,
-            kv_cache_scales,
-            q_out,
-        )
-
-    name = "apply_rope_write_kv" + ("_k_in_place" if write_k_in_place else "")
-    written = (
-        ("k", "kv_cache", "q_scale_out", "kv_cache_scales")
-        if write_k_in_place
-        else ("kv_cache", "q_scale_out", "kv_cache_scales")
-    )
-    eager = ropekv.apply_rope_write_kv
-    op = _custom_op(name, in_place, eager, ("q", *written))
-    op_out = _custom_op(name + "_out", into, eager, (*written, "q_out"))
-    return op, op_out
-
-
-_apply_rope_write_kv = _contiguous_ops(False)
-_apply_rope_write_kv_k_in_place = _contiguous_ops(True)
-
-
-def apply_rope_write_kv(
-    q,
-    k,
-    v,
-    kv_cache,
-    cos_sin_cache,
-    *,
-    kv_end_lens=None,
-    position_ids=None,
-    kv_scale=None,
-    write_k_in_place=False,
-    is_neox=True,
-    mrope_section=None,
-    mrope_interleaved=False,
-    q_out=None,
-    q_scale=None,
-    q_scale_out=None,
-    kv_cache_scales=None,
-):
-    """:func:`ropekv.apply_rope_write_kv` as a custom op: ``q`` roped in place (or the roped
-    queries written into the given ``q_out``), K/V written into ``kv_cache`` (and the roped K into
-    ``k`` with ``write_k_in_place=True``). Returns ``q_out`` when given, else None, as the eager
-    op.
-
-    Runs ``torch.ops.ropekv.apply_rope_write_kv`` (writes ``q`` and ``kv_cache``) or
-    ``torch.ops.ropekv.apply_rope_write_kv_k_in_place`` (also ``k``); with a ``q_out`` that is not
-    ``q``, their ``_out`` forms, which write ``q_out`` (fp8 too, with ``q_scale`` or
-    ``q_scale_out``) and only read ``q``. ``q_scale_out`` and ``kv_cache_scales`` are written in
-    place when given (every form declares them mutated). ``kv_scale``: a float or a pair (the
-    op's list of floats, constants of the launch) or a tensor (the op's ``kv_scales``, read by the
-    kernel). No ``stream=``: torch's current stream.
-    mRoPE: ``position_ids (3, B, S)`` with ``mrope_section`` (a list of ints in the op's schema)
-    and ``mrope_interleaved``.
-    """
-    ops = _apply_rope_write_kv_k_in_place if write_k_in_place else _apply_rope_write_kv
-    if isinstance(kv_scale, Tensor):
-        kv_scale, kv_scales = None, kv_scale
-    else:  # numbers (a 0-d or (2,) NumPy array too): constants of the launch, as eagerly
-        kv_scales = None
-        if type(kv_scale).__module__ == "numpy" and getattr(kv_scale, "ndim", 2) <= 1:
-            kv_scale = tuple(kv_scale.reshape(-1).tolist())
-        kv_scale = _scale_list(kv_scale)
-    args = (
-        q,
-        k,
-        v,
-        kv_cache,
-        cos_sin_cache,
-        kv_end_lens,
-        position_ids,
-        kv_scale,
-        kv_scales,
-        bool(is_neox),
-        fw.mrope_list(mrope_section),
-        _flag(mrope_interleaved, "mrope_interleaved"),
-        q_scale,
-        q_scale_out,
-        kv_cache_scales,
-    )
-    if q_out is None or q_out is q:
-        ops[0](*args)
-    else:
-        ops[1](*args[:5], q_out, *args[5:])  # q_out after the required arguments
-    return q_out
 
 
 # ---- rope_quantize_fp8_append_paged_kv_cache / rope_append_paged_kv_cache ---------------------
@@ -1670,60 +1471,156 @@ def fused_qkv_matmul_append_paged_kv_cache(
 # ---- the declared ops: their forms follow from their declarations (ropekv/_declare.py) -------
 
 
-def _declared(decl):
-    """The custom op ``ropekv::<decl.name>`` of a declared op and the Python function that runs
-    it: the schema (with the declared defaults from torch 2.13 on), ``mutates_args`` and the fake
-    all come from the declaration; the op runs the eager function on torch's current stream."""
-    eager = getattr(ropekv, decl.name)
-    names = [a.name for a in decl.inputs]
-    where = f"torch.ops.ropekv.{decl.name}"
+def _is_tensor(x):
+    return isinstance(x, Tensor)
+
+
+def _as_torch_dtype(value, name):
+    """A dtype argument (a torch or NumPy dtype, or its name) as the schema's torch dtype; the
+    eager op checks which dtypes it takes."""
+    if isinstance(value, torch.dtype):
+        return value
+    key = value.removeprefix("torch.") if isinstance(value, str) else getattr(value, "name", None)
+    if key is None:
+        try:
+            key = np.dtype(value).name
+        except TypeError:
+            key = None
+    found = getattr(torch, key, None) if key else None
+    if not isinstance(found, torch.dtype):
+        raise TypeError(
+            f"{name} must be a dtype (a NumPy or torch dtype, or its name), got {value!r}"
+        )
+    return found
+
+
+def _new_outputs(decl, values, device_of):
+    """Empty tensors for the outputs of a call that are None, by the declaration's output rule
+    (``values``: the call's eager values, given outputs included)."""
+    metas = {
+        k: (
+            _meta(v, k)
+            if isinstance(v, Tensor)
+            else tuple(_meta(x, k) if isinstance(x, Tensor) else x for x in v)
+            if isinstance(v, tuple) and any(isinstance(x, Tensor) for x in v)
+            else v
+        )
+        for k, v in values.items()
+    }
+    rule = decl.outputs(metas)
+    device = device_of.device
+    return {
+        name: torch.empty(shape, dtype=_torch_dtype(dtype), device=device)
+        for name, (shape, dtype) in rule.items()
+        if values.get(name) is None
+    }
+
+
+def _register(decl, variant, eager):
+    """The custom op of one variant of a declaration."""
+    schema, names = decl.schema(variant, defaults=SCHEMA_DEFAULTS)
+    where = f"torch.ops.ropekv.{variant.name}"
+    first = decl.inputs[0].name
+
+    def values_of(args, kwargs):
+        # (the dispatcher may leave out trailing arguments that have their defaults)
+        given = dict(zip(names, args), **kwargs)
+        for name, default in names.items():
+            if name not in given:
+                if default is _declare.REQUIRED:
+                    raise TypeError(f"{where}() missing required argument: {name!r}")
+                given[name] = default
+        values = decl.collapse(given)
+        if decl.flag:
+            values[decl.flag] = variant.flag
+        for o in decl.outs:
+            values[o.name] = given.get(o.name) if variant.outs == "given" else None
+            if variant.outs == "into":
+                values[o.name] = values[o.into]
+        return values
 
     def kernel(*args, **kwargs):
-        result = eager(**decl.bind(args, kwargs, where))
-        return None if result is None else tuple(result) if len(decl.results) > 1 else result
+        values = values_of(args, kwargs)
+        new = {}
+        if variant.outs == "new" and decl.outs:
+            new = _new_outputs(decl, values, values[first])
+            values.update(new)
+        result = eager(**values)
+        if variant.outs != "new":
+            return None
+        if decl.outs:
+            outs = [values[o.name] for o in decl.outs]
+        else:
+            outs = list(result) if len(decl.results) > 1 else [result]
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     def fake(*args, **kwargs):
-        values = decl.bind(args, kwargs, where)
-        shapes = {
-            n: (values[n].shape, values[n].dtype) for n in decl.arrays if values[n] is not None
-        }
-        like = {a.name: values[a.like] for a in decl.results}
-        outs = [
-            torch.empty(shape, dtype=dtype, device=like[name].device)
-            for name, shape, dtype in decl.result_specs(shapes)
-        ]
-        return None if not outs else tuple(outs) if len(outs) > 1 else outs[0]
+        if variant.outs != "new":
+            return None
+        values = values_of(args, kwargs)
+        if decl.outs:
+            outs = list(_new_outputs(decl, values, values[first]).values())
+        else:
+            outs = [torch.empty_like(values[r.into]) for r in decl.results]
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     op = torch.library.custom_op(
-        f"ropekv::{decl.name}",
-        kernel,
-        mutates_args=decl.written,
-        schema=decl.schema(defaults=SCHEMA_DEFAULTS),
+        f"ropekv::{variant.name}", kernel, mutates_args=decl.written(variant), schema=schema
     )
     op.register_fake(fake)
+    return op, names
+
+
+def _declared(decl):
+    """The Python function of a declared op: the eager signature (but ``decl.keyword``),
+    checked and spelled as the schema wants, then the variant its outputs pick."""
+    eager = getattr(ropekv, decl.name)
+    ops = {v: _register(decl, v, eager) for v in decl.variants()}
+    where = f"ropekv.torch.{decl.name}"
+    params = [p for p in inspect.signature(eager).parameters.values() if p.name not in decl.keyword]
+    signature = [p.name for p in params if p.kind != p.KEYWORD_ONLY]
 
     def form(*args, **kwargs):
-        values = decl.bind(args, kwargs, f"ropekv.torch.{decl.name}")
-        return op(*[values[n] for n in names])
+        if len(args) > len(signature):
+            raise TypeError(
+                f"{where}() takes {len(signature)} positional arguments but {len(args)} were given"
+            )
+        values = decl.bind(args, kwargs, where)
+        for a in decl.inputs:
+            if a.role == SCALAR_ROLE and a.form == "bool":
+                values[a.name] = ck.check_flag(values[a.name], a.name)
+            elif a.form == "dtype" and values[a.name] is not None:
+                values[a.name] = _as_torch_dtype(values[a.name], a.name)
+        flag = bool(values[decl.flag]) if decl.flag else False
+        outs = [values[o.name] for o in decl.outs]
+        if all(o is None for o in outs):
+            kind = "into" if decl.outs and decl.outs[0].default_into else "new"
+        elif all(values[o.name] is values[o.into] for o in decl.outs if o.into):
+            kind = "into" if decl.outs[0].into else "given"
+        else:
+            kind = "given"
+            if any(o is None for o in outs):  # the others: allocated by the output rule
+                values.update(_new_outputs(decl, values, values[decl.inputs[0].name]))
+        variant = next(v for v in ops if v.outs == kind and v.flag == flag)
+        op, names = ops[variant]
+        schema_values = decl.expand(values, _is_tensor)
+        schema_values.update({o.name: values[o.name] for o in decl.outs})
+        result = op(*[schema_values[n] for n in names])
+        if kind == "new":
+            return result
+        outs = [values[o.name] for o in decl.outs]
+        return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)
 
     form.__name__ = form.__qualname__ = decl.name
+    form.__signature__ = inspect.Signature(params)
     form.__doc__ = (
-        f":func:`ropekv.{decl.name}` as the custom op ``torch.ops.ropekv.{decl.name}`` "
-        f"(schema ``{decl.schema()}``): no ``stream=``, torch's current stream."
-    )
-    form.__signature__ = inspect.Signature(
-        [
-            inspect.Parameter(
-                a.name,
-                inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                default=inspect.Parameter.empty if a.default is _declare.REQUIRED else a.default,
-            )
-            for a in decl.inputs
-        ]
+        f":func:`ropekv.{decl.name}` as torch custom ops ({', '.join(v.name for v in ops)}); "
+        f"no ``stream=``: torch's current stream."
     )
     return form
 
 
+SCALAR_ROLE = _declare.SCALAR
 for _entry in _registry.OPS:
     _decl = _declare.declaration_of(_entry)
     if _decl is not None and _entry.torch:
