@@ -229,7 +229,7 @@ class Declaration:
             if all(o.into for o in self.outs):
                 kinds.append(("_in_place", "into"))
         flags = (False, True) if self.flag else (False,)
-        suffix = {False: "", True: "_" + self.flag.removeprefix("write_")}
+        suffix = {False: "", True: "_" + (self.flag or "").removeprefix("write_")}
         return [Variant(f"{self.name}{suffix[f]}{s}", kind, f) for f in flags for s, kind in kinds]
 
     # ---- the torch schema ------------------------------------------------------------------
@@ -348,15 +348,29 @@ class Declaration:
                 out[a.name] = None if v is None else tuple(v)
         return out
 
+    def metas(self, values, is_array, meta):
+        """``values`` with every array as ``meta(array, name)`` (its metadata, for the output
+        rule), a pair's arrays named by their schema parts."""
+        out = dict(values)
+        for a in self.inputs:
+            v = values.get(a.name)
+            if is_array(v):
+                out[a.name] = meta(v, a.parts[0] if a.parts else a.name)
+            elif isinstance(v, tuple | list) and a.is_array:
+                out[a.name] = tuple(
+                    meta(x, p) if is_array(x) else x for x, p in zip(v, a.parts or (a.name,) * 2)
+                )
+        return out
+
     def written_arrays(self, values):
         """``[(name, value)]`` of the arrays a call with ``values`` writes in place (the
         functional forms return them, in this order, after the outputs): each given written
         array (a pair as a pair), and the flag's array when the flag is on."""
         found = []
         for a in self.inputs:
-            if a.role == WRITTEN or (a.written_when and values.get(a.written_when)):
-                if values.get(a.name) is not None:
-                    found.append((a.name, values[a.name]))
+            writes = a.role == WRITTEN or (a.written_when and values.get(a.written_when))
+            if writes and values.get(a.name) is not None:
+                found.append((a.name, values[a.name]))
         return found
 
 
