@@ -59,6 +59,8 @@ import importlib
 import numbers
 from typing import Any, NamedTuple
 
+from ropekv._checks import check_flag
+
 REQUIRED = object()  # the default of an argument the caller must give
 
 READ, WRITTEN, OUT, NEW, SCALAR = "read", "written", "out", "new", "scalar"
@@ -86,6 +88,7 @@ class Arg(NamedTuple):
     default_into: bool = False  # OUT: the input is the output unless one is given
     written_when: str | None = None  # READ: written too when this bool scalar is True
     nullable: bool = False  # required, but None is a value (FlashInfer's q_nope, k_nope, v)
+    check: Any = None  # SCALAR: the eager op's own check of it (value -> value), run first
 
     @property
     def optional(self):
@@ -191,6 +194,7 @@ class Declaration:
         self.inputs = tuple(a for a in self.args if a.role != NEW)
         self.results = tuple(a for a in self.args if a.role == NEW)
         self.outs = tuple(a for a in self.inputs if a.role == OUT)
+        self.scalars = tuple(a for a in self.inputs if a.role == SCALAR)
         self.by_name = {a.name: a for a in self.args}
         flags = {a.written_when for a in self.inputs if a.written_when}
         if len(flags) > 1:
@@ -347,6 +351,18 @@ class Declaration:
                 v = schema_values.get(a.name)
                 out[a.name] = None if v is None else tuple(v)
         return out
+
+    def check_scalars(self, values):
+        """The scalar checks a functional form runs before anything else (the eager op runs
+        the rest): each bool flag a bool, and each scalar with its own ``check`` (``layer_idx``)
+        through it, with the eager messages; returns ``values`` with the checked values."""
+        for a in self.scalars:
+            v = values.get(a.name)
+            if a.form == "bool":
+                values[a.name] = check_flag(v, a.name)
+            elif a.check is not None and v is not None:
+                values[a.name] = a.check(v)
+        return values
 
     def metas(self, values, is_array, meta):
         """``values`` with every array as ``meta(array, name)`` (its metadata, for the output

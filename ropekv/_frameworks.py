@@ -202,3 +202,30 @@ def paged_fp8_outputs(v):
 
 def paged_append_outputs(v):
     return paged_outputs(v, False)
+
+
+def mla_outputs(v):
+    """The MLA RMSNorm op's ``q_rope_out``: ``q_rope``'s shape and dtype."""
+    return {"q_rope_out": same_as_q(v["q_rope"], "(T, Hq, R)")}
+
+
+def qknorm_outputs(v):
+    """The QK-norm op's ``q_out``: ``q``'s shape in ``q_out_dtype``."""
+    return {"q_out": qknorm_q_output(v["q"], v["q_out_dtype"])}
+
+
+def qkv_outputs(v):
+    """The fused QKV op's ``out``: ``(T, Hq * D)`` in the input dtype."""
+    caches = v["paged_kv_cache"]
+    k_cache = caches[0] if isinstance(caches, tuple | list) else caches
+    return {
+        "out": qkv_output(
+            v["hidden_state"], k_cache, v["num_q_heads"], v["kv_layout"], v["layer_idx"]
+        )
+    }
+
+
+def qkv_capture_check(v, where):
+    """Refuse recording a fused QKV call that runs cuBLAS (see :func:`check_qkv_graph_safe`)."""
+    caches = v["paged_kv_cache"]
+    check_qkv_graph_safe(v["hidden_state"], v["weight"], caches[0], v["group_size"], where)
