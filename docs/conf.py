@@ -7,6 +7,12 @@ DOCS = Path(__file__).resolve().parent
 sys.path.insert(0, str(DOCS.parent))  # document this checkout, installed or not
 
 import ropekv
+from ropekv import _registry
+
+# The API page's op list and sections come from the op registry (ropekv/_registry.py): written
+# here, before Sphinx reads docs/api.rst, which includes it.
+(DOCS / "_generated").mkdir(exist_ok=True)
+(DOCS / "_generated" / "ops.rst").write_text(_registry.api_summary())
 
 project = "ropekv"
 author = "the ropekv authors"
@@ -22,7 +28,7 @@ extensions = [
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 # design/: contributors' notes (decisions and their measurements), read in the repository next to
 # the code; the published site is for users (see docs/design/README.md).
-exclude_patterns = ["_build", "design"]
+exclude_patterns = ["_build", "design", "_generated"]
 
 # Public functions only; their docstrings are numpydoc, rendered by numpydoc.
 autodoc_default_options = {"members": False}

@@ -163,3 +163,69 @@ def dtype_of_name(name):
         return np.dtype(getattr(ml_dtypes, name, name))
     except TypeError:
         return None
+
+
+# ---- the output rules of the declarations (ropekv/_declare.py): {output: (shape, dtype)} -------
+# ``v``: a call's eager values, arrays as MetaViews (a pair as a tuple of them).
+
+
+def paged_outputs(v, quantize):
+    """The paged ops' ``q_rope_out`` / ``q_nope_out``: ``(nnz, Hq, R)`` / ``(nnz, Hq, Dn)`` in
+    ``quantize_dtype``, else the dtype of the given output, else the cache's."""
+    ck.check_ndim(v["q_rope"], 3, "(nnz, Hq, R)")
+    ck.check_dtype(v["q_rope"], INPUT_DTYPES)
+    T, Hq, R = v["q_rope"].shape
+    Dn = 0
+    if v["q_nope"] is not None:
+        ck.check_ndim(v["q_nope"], 3, "(nnz, Hq, no_rope_dim)")
+        Dn = v["q_nope"].shape[2]
+    caches = v["paged_kv_cache"]
+    cache = caches[0] if isinstance(caches, tuple | list) else caches
+    mla = len(v["k_rope"].shape) == 2
+    if mla:  # the eager op's name of the MLA form's first cache
+        cache.name = "ckv_cache"
+    dtype, _ = paged.output_dtype(
+        v["q_rope"],
+        (v.get("q_rope_out"), v.get("q_nope_out"), cache),
+        paged.as_dtype(v["quantize_dtype"]),
+        quantize,
+        mla,
+        v["kv_cache_scales"] is not None,
+        v["quant_scale_kv"] is not None,
+    )
+    return {"q_rope_out": ((T, Hq, R), dtype), "q_nope_out": ((T, Hq, Dn), dtype)}
+
+
+def paged_fp8_outputs(v):
+    return paged_outputs(v, True)
+
+
+def paged_append_outputs(v):
+    return paged_outputs(v, False)
+
+
+def mla_outputs(v):
+    """The MLA RMSNorm op's ``q_rope_out``: ``q_rope``'s shape and dtype."""
+    return {"q_rope_out": same_as_q(v["q_rope"], "(T, Hq, R)")}
+
+
+def qknorm_outputs(v):
+    """The QK-norm op's ``q_out``: ``q``'s shape in ``q_out_dtype``."""
+    return {"q_out": qknorm_q_output(v["q"], v["q_out_dtype"])}
+
+
+def qkv_outputs(v):
+    """The fused QKV op's ``out``: ``(T, Hq * D)`` in the input dtype."""
+    caches = v["paged_kv_cache"]
+    k_cache = caches[0] if isinstance(caches, tuple | list) else caches
+    return {
+        "out": qkv_output(
+            v["hidden_state"], k_cache, v["num_q_heads"], v["kv_layout"], v["layer_idx"]
+        )
+    }
+
+
+def qkv_capture_check(v, where):
+    """Refuse recording a fused QKV call that runs cuBLAS (see :func:`check_qkv_graph_safe`)."""
+    caches = v["paged_kv_cache"]
+    check_qkv_graph_safe(v["hidden_state"], v["weight"], caches[0], v["group_size"], where)

@@ -19,21 +19,30 @@ class OpEntry(NamedTuple):
     name: str  # the public function: ropekv.<name>
     module: str  # the op module defining it: ropekv.<module>
     workload: str  # its bench op key: ropekv/bench/workloads/<workload>.py
+    section: str  # its section of the API page (docs/api.rst)
     torch: bool = True  # has ropekv.torch.<name> (torch.library custom ops)
     jax: bool = True  # has ropekv.jax.<name> (jax.jit)
 
 
 # in the order of the API page and the bench's table
 OPS = (
-    OpEntry("apply_rope_write_kv", "contiguous", "contiguous"),
-    OpEntry("rope_quantize_fp8_append_paged_kv_cache", "paged", "paged"),
-    OpEntry("rope_append_paged_kv_cache", "paged", "paged"),
-    OpEntry("mla_rope_rmsnorm_append_paged_kv_cache", "mla", "mla"),
-    OpEntry("qk_rmsnorm_rope_append_paged_kv_cache", "qknorm", "qknorm"),
-    OpEntry("fused_qkv_matmul_append_paged_kv_cache", "qkv", "qkv"),
+    OpEntry("apply_rope_write_kv", "contiguous", "contiguous", "Contiguous cache"),
+    OpEntry(
+        "rope_quantize_fp8_append_paged_kv_cache",
+        "paged",
+        "paged",
+        "Paged cache (FlashInfer-compatible)",
+    ),
+    OpEntry("rope_append_paged_kv_cache", "paged", "paged", "Paged cache (FlashInfer-compatible)"),
+    OpEntry("mla_rope_rmsnorm_append_paged_kv_cache", "mla", "mla", "MLA latent cache"),
+    OpEntry("qk_rmsnorm_rope_append_paged_kv_cache", "qknorm", "qknorm", "QK RMSNorm"),
+    OpEntry("fused_qkv_matmul_append_paged_kv_cache", "qkv", "qkv", "Fused QKV projection"),
 )
 
-# the public functions beside the ops (no kernel of their own): name -> module
+# the public functions beside the ops (no kernel of their own): name -> module; the API page
+# documents them in its own prose (the checkpoint importers, the RoPE tables), but for those in
+# HELPER_SECTIONS, listed after the ops of that section
+HELPER_SECTIONS = {"pack_int4": "Fused QKV projection"}
 HELPERS = {
     "pack_int4": "qkv",
     "cos_sin_cache": "rope",
@@ -49,6 +58,24 @@ NAMES = tuple(op.name for op in OPS)
 TORCH = tuple(op.name for op in OPS if op.torch)
 JAX = tuple(op.name for op in OPS if op.jax)
 OP_MODULES = tuple(dict.fromkeys(op.module for op in OPS))  # ropekv.<module>, each once
+
+
+def api_summary():
+    """The API page's generated part (``docs/_generated/ops.rst``, written by ``docs/conf.py``):
+    the summary table of every public function, then a section per op section, its ops and
+    helpers, in table order."""
+    lines = [".. autosummary::", ""]
+    lines += [f"   {name}" for name in (*NAMES, *HELPERS)]
+    sections: dict[str, list[str]] = {}
+    for op in OPS:
+        sections.setdefault(op.section, []).append(op.name)
+    for name, section in HELPER_SECTIONS.items():
+        sections[section].append(name)
+    for title, names in sections.items():
+        lines += ["", title, "-" * len(title), ""]
+        for name in names:
+            lines += [f".. autofunction:: {name}", ""]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def workloads():

@@ -8,6 +8,7 @@ import numbers
 import numpy as np
 
 from ropekv import _checks as ck
+from ropekv import _declare as decl
 from ropekv import reference
 from ropekv._arrays import (
     BFLOAT16,
@@ -865,3 +866,31 @@ def _check_indices(vlens, vpos, B, S, C, P, mrope=False):
         f"token (b={b}, s={t}) has RoPE position {int(pos[b, t])}, outside the "
         f"cos_sin_cache's [0, P={P})"
     )
+
+
+# ---- the declaration (ropekv/_declare.py): the torch and JAX forms follow from it -------------
+
+DECLARATIONS = (
+    decl.Declaration(
+        "apply_rope_write_kv",
+        (
+            decl.array("q"),
+            decl.array("k", written_when="write_k_in_place"),
+            decl.array("v"),
+            decl.written("kv_cache"),
+            decl.array("cos_sin_cache"),
+            decl.array("kv_end_lens", optional=True),
+            decl.array("position_ids", optional=True),
+            decl.scalar("kv_scale", "floats_or_tensor", None, parts=("kv_scale", "kv_scales")),
+            decl.scalar("write_k_in_place", "bool", False),
+            decl.scalar("is_neox", "bool", True),
+            decl.scalar("mrope_section", "ints", None),
+            decl.scalar("mrope_interleaved", "bool", False),
+            decl.out("q_out", into="q", default_into=True),
+            decl.scalar("q_scale", "float", None),
+            decl.written("q_scale_out", optional=True),
+            decl.written("kv_cache_scales", optional=True),
+            decl.scalar("enable_pdl", "bool", False),
+        ),
+    ),
+)

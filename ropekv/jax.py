@@ -46,9 +46,8 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 import ropekv
+from ropekv import _declare, _registry
 from ropekv import _frameworks as fw
-from ropekv import _registry
-from ropekv.paged import as_dtype
 
 __all__ = list(_registry.JAX)  # the registry's ops with a JAX form
 
@@ -140,689 +139,94 @@ def _pair(caches, message):
     return caches[0], caches[1]
 
 
-# ---- apply_rope_write_kv -----------------------------------------------------------------------
+# ---- the declared ops: their forms follow from their declarations (ropekv/_declare.py) -------
 
 
-def apply_rope_write_kv(
-    q,
-    k,
-    v,
-    kv_cache,
-    cos_sin_cache,
-    *,
-    kv_end_lens=None,
-    position_ids=None,
-    kv_scale=None,
-    write_k_in_place=False,
-    is_neox=True,
-    mrope_section=None,
-    mrope_interleaved=False,
-    q_out=None,
-    q_scale=None,
-    q_scale_out=None,
-    kv_cache_scales=None,
-    command_buffer_compatible=False,
-):
-    """:func:`ropekv.apply_rope_write_kv` as a functional op.
-
-    Returns ``(q, kv_cache)``, the roped queries and the new cache, or ``(q, k, kv_cache)`` with
-    ``write_k_in_place=True`` (``k`` roped). All are input-output aliases: donate ``kv_cache`` (and
-    ``q``, ``k`` where they are jit arguments) to update them without a copy. mRoPE:
-    ``position_ids (3, B, S)`` with a static ``mrope_section`` (and ``mrope_interleaved``).
-
-    With ``q_out`` (an array ``(B, S, Hq, D)`` of ``q``'s dtype or fp8, every row of which the op
-    writes), the roped queries go there instead: the first result is the new ``q_out``, aliasing
-    the given one, and ``q`` is only read. ``q_scale`` (fp8 ``q_out``) is static, and so is
-    ``kv_scale`` when it is a number or a pair (an array is read by the kernel).
-    ``q_scale_out`` ``(B, S, Hq)`` and ``kv_cache_scales`` ``(B, 2, Hkv, C)`` (float32) are
-    input-output aliases too, returned after the cache in that order when given:
-    ``q8, kv_cache, q_scales, kv_scales = rj.apply_rope_write_kv(..., q_out=q8, q_scale_out=qs,
-    kv_cache_scales=ks)``.
-    """
-    write_k = bool(write_k_in_place)
-    # a number or a pair of numbers is static (constants of the launch); an array an input
-    static_scale = kv_scale is None or isinstance(kv_scale, int | float | tuple | list)
-    q_key = "q" if q_out is None else "q_out"
-    outputs = [
-        (q_key, q_key),
-        *((("k", "k"),) if write_k else ()),
-        ("kv_cache", "kv_cache"),
-        *((("q_scale_out", "q_scale_out"),) if q_scale_out is not None else ()),
-        *((("kv_cache_scales", "kv_cache_scales"),) if kv_cache_scales is not None else ()),
-    ]
-
-    def run(a, stream):
-        ropekv.apply_rope_write_kv(
-            a["q"],
-            a["k"],
-            a["v"],
-            a["kv_cache"],
-            a["cos_sin_cache"],
-            kv_end_lens=a.get("kv_end_lens"),
-            position_ids=a.get("position_ids"),
-            kv_scale=kv_scale if static_scale else a["kv_scale"],
-            write_k_in_place=write_k,
-            is_neox=bool(is_neox),
-            mrope_section=mrope_section,
-            mrope_interleaved=mrope_interleaved,
-            q_out=a.get("q_out"),
-            q_scale=q_scale,
-            q_scale_out=a.get("q_scale_out"),
-            kv_cache_scales=a.get("kv_cache_scales"),
-            stream=stream,
-        )
-
-    inputs = [
-        ("q", q),
-        ("k", k),
-        ("v", v),
-        ("kv_cache", kv_cache),
-        ("cos_sin_cache", cos_sin_cache),
-        ("kv_end_lens", kv_end_lens),
-        ("position_ids", position_ids),
-        ("kv_scale", None if static_scale else kv_scale),
-        ("q_out", q_out),
-        ("q_scale_out", q_scale_out),
-        ("kv_cache_scales", kv_cache_scales),
-    ]
-    return tuple(_call("apply_rope_write_kv", inputs, outputs, run, command_buffer_compatible))
+def _is_jax_array(x):
+    return isinstance(x, jax.Array | np.ndarray) and not isinstance(x, np.generic)
 
 
-# ---- rope_quantize_fp8_append_paged_kv_cache / rope_append_paged_kv_cache ---------------------
+def _declared(decl):
+    """The JAX form of a declared op: the eager signature without its outputs (the op allocates
+    them, but an output written into its input by default, which stays) and ``stream``; arrays
+    are the call's inputs, the rest static. Returns the outputs, then each array the call writes
+    in declaration order (a pair as a pair), all input-output aliases but new outputs."""
+    run_decl = decl.via or decl
+    eager = getattr(ropekv, run_decl.name)
+    outs = [o for o in decl.outs if not o.default_into]
+    names = [a.name for a in decl.inputs if a not in outs]
 
-
-def _paged(
-    name,
-    eager,
-    quantize,
-    q_rope,
-    k_rope,
-    q_nope,
-    k_nope,
-    v,
-    cos_sin_cache,
-    pos_ids,
-    paged_kv_cache,
-    kv_indices,
-    kv_indptr,
-    batch_indices,
-    positions,
-    is_neox,
-    quantize_dtype,
-    quant_scale_q,
-    quant_scale_kv,
-    page_size,
-    kv_layout,
-    options,
-    command_buffer_compatible,
-):
-    mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status = options
-    shown = type(paged_kv_cache).__qualname__
-    if isinstance(paged_kv_cache, tuple | list):
-        shown += f" of length {len(paged_kv_cache)}"
-    cache0, cache1 = _pair(
-        paged_kv_cache,
-        f"paged_kv_cache must be a pair (k_cache, v_cache) or (ckv_cache, kpe_cache), got {shown}",
-    )
-    scales = kv_cache_scales is not None
-    if scales and (
-        not isinstance(kv_cache_scales, tuple | list)
-        or len(kv_cache_scales) != 2
-        or any(x is None for x in kv_cache_scales)
-    ):
-        raise ValueError(
-            f"kv_cache_scales must be a pair of arrays (k_scales, v_scales), got "
-            f"{type(kv_cache_scales).__qualname__}"
-            + (
-                f" of length {len(kv_cache_scales)}"
-                if isinstance(kv_cache_scales, tuple | list)
-                else ""
+    def form(*args, command_buffer_compatible=False, **kwargs):
+        values = decl.check_scalars(decl.bind(args, kwargs, f"ropekv.jax.{decl.name}", names))
+        if command_buffer_compatible and decl.capture_check is not None:
+            decl.capture_check(
+                decl.metas(values, _is_jax_array, _meta),
+                "into XLA's command buffers (command_buffer_compatible=True)",
             )
-        )
-    k_scales, v_scales = kv_cache_scales if scales else (None, None)
-    mla = len(getattr(k_rope, "shape", ())) == 2
-    out_dtype = None if quantize_dtype is None else as_dtype(quantize_dtype)
-    rope_shape, nope_shape, dtype = fw.paged_q_outputs(
-        _meta(q_rope, "q_rope"),
-        None if q_nope is None else _meta(q_nope, "q_nope"),
-        _meta(cache0, "ckv_cache" if mla else "k_cache"),
-        out_dtype,
-        quantize,
-        scales,
-        mla,
-        quant_scale_kv is not None,
+        for o in outs:
+            values[o.name] = None
+        schema = decl.expand(values, _is_jax_array)
+        arrays = {}  # the call's array inputs: key -> array
+        for a in decl.inputs:
+            parts = a.schema_parts()
+            for p, t in parts:
+                if t == "Tensor" and schema.get(p) is not None:
+                    arrays[p] = schema[p]
+        outputs = []
+        for o in decl.outs:
+            if o.default_into:
+                target = o.name if values[o.name] is not None else o.into
+                arrays.setdefault(o.name, values[o.name]) if values[o.name] is not None else None
+                outputs.append((o.name, target))
+        if outs:
+            metas = decl.metas(values, _is_jax_array, _meta)
+            for name, (shape, dtype) in decl.outputs(metas).items():
+                outputs.append((name, _struct(shape, dtype)))
+        for r in decl.results:
+            outputs.append((r.name, r.into))
+        shape_of = []  # how the written arrays return: (key,) or a pair (key, key)
+        for name, value in decl.written_arrays(values):
+            a = decl.by_name[name]
+            keys = [p for p, t in a.schema_parts() if t == "Tensor" and schema.get(p) is not None]
+            if a.form == "tensor":
+                keys = [name]
+            for k in keys:
+                outputs.append((k, k))
+            shape_of.append(tuple(keys) if isinstance(value, tuple | list) else keys[0])
+
+        def run(buffers, stream):
+            given = dict(schema)
+            given.update(buffers)
+            call = decl.collapse(given)
+            for o in outs:
+                call[o.name] = buffers[o.name]
+            for o in decl.outs:
+                if o.default_into and values[o.name] is not None:
+                    call[o.name] = buffers[o.name]
+            if run_decl is not decl:
+                call = {a.name: call.get(a.name, values.get(a.name)) for a in run_decl.inputs}
+            eager(**call, stream=stream)
+
+        got = _call(decl.name, list(arrays.items()), outputs, run, command_buffer_compatible)
+        n = len(outputs) - sum(len(k) if isinstance(k, tuple) else 1 for k in shape_of)
+        result, rest = list(got[:n]), list(got[n:])
+        for keys in shape_of:
+            if isinstance(keys, tuple):
+                result.append(tuple(rest.pop(0) for _ in keys))
+            else:
+                result.append(rest.pop(0))
+        return result[0] if len(result) == 1 else tuple(result)
+
+    form.__name__ = form.__qualname__ = decl.name
+    form.__doc__ = (
+        f":func:`ropekv.{decl.name}` as a functional op: returns its outputs, then the arrays it "
+        f"writes (input-output aliases: donate them to update in place). Scalars are static."
     )
-    numbers = {}  # static scales (None: not given, or an array)
-    for key, s in (("quant_scale_q", quant_scale_q), ("quant_scale_kv", quant_scale_kv)):
-        numbers[key] = s if isinstance(s, int | float | np.integer | np.floating) else None
-
-    def run(a, stream):
-        eager(
-            a["q_rope"],
-            a["k_rope"],
-            a.get("q_nope"),
-            a.get("k_nope"),
-            a.get("v"),
-            a["cos_sin_cache"],
-            a["pos_ids"],
-            (a["cache0"], a["cache1"]),
-            a["kv_indices"],
-            a["kv_indptr"],
-            a["batch_indices"],
-            a["positions"],
-            is_neox=bool(is_neox),
-            quantize_dtype=out_dtype,
-            quant_scale_q=_either(numbers["quant_scale_q"], a.get("quant_scale_q")),
-            quant_scale_kv=_either(numbers["quant_scale_kv"], a.get("quant_scale_kv")),
-            page_size=page_size,
-            kv_layout=kv_layout,
-            q_rope_out=a["q_rope_out"],
-            q_nope_out=a["q_nope_out"],
-            mrope_section=mrope_section,
-            mrope_interleaved=mrope_interleaved,
-            q_scale_out=a.get("q_scale_out"),
-            kv_cache_scales=(a["k_scales"], a["v_scales"]) if scales else None,
-            status=a.get("status"),
-            stream=stream,
-        )
-
-    inputs = [
-        ("q_rope", q_rope),
-        ("k_rope", k_rope),
-        ("q_nope", q_nope),
-        ("k_nope", k_nope),
-        ("v", v),
-        ("cos_sin_cache", cos_sin_cache),
-        ("pos_ids", pos_ids),
-        ("cache0", cache0),
-        ("cache1", cache1),
-        ("kv_indices", kv_indices),
-        ("kv_indptr", kv_indptr),
-        ("batch_indices", batch_indices),
-        ("positions", positions),
-        ("quant_scale_q", None if numbers["quant_scale_q"] is not None else quant_scale_q),
-        ("quant_scale_kv", None if numbers["quant_scale_kv"] is not None else quant_scale_kv),
-        ("q_scale_out", q_scale_out),
-        ("k_scales", k_scales),
-        ("v_scales", v_scales),
-        ("status", status),
-    ]
-    outputs = [
-        ("q_rope_out", _struct(rope_shape, dtype)),
-        ("q_nope_out", _struct(nope_shape, dtype)),
-        ("cache0", "cache0"),
-        ("cache1", "cache1"),
-        *_aliases(q_scale_out=q_scale_out, k_scales=k_scales, v_scales=v_scales, status=status),
-    ]
-    q_rope_out, q_nope_out, new0, new1, *new = _call(
-        name, inputs, outputs, run, command_buffer_compatible
-    )
-    return (q_rope_out, q_nope_out, (new0, new1), *_regroup(new, q_scale_out, scales, status))
+    return form
 
 
-def _aliases(**arrays):
-    """``(key, key)`` outputs for the given written arrays (those not None), in order."""
-    return [(key, key) for key, x in arrays.items() if x is not None]
-
-
-def _regroup(new, q_scale_out, scales, status):
-    """The returned written arrays after the caches: ``q_scale_out``, the ``(k_scales,
-    v_scales)`` pair, ``status``, each only when given."""
-    out = []
-    if q_scale_out is not None:
-        out.append(new.pop(0))
-    if scales:
-        out.append((new.pop(0), new.pop(0)))
-    if status is not None:
-        out.append(new.pop(0))
-    return out
-
-
-def _either(number, array):
-    return number if number is not None else array
-
-
-def rope_quantize_fp8_append_paged_kv_cache(
-    q_rope,
-    k_rope,
-    q_nope,
-    k_nope,
-    v,
-    cos_sin_cache,
-    pos_ids,
-    paged_kv_cache,
-    kv_indices,
-    kv_indptr,
-    batch_indices,
-    positions,
-    is_neox=True,
-    quantize_dtype=None,
-    quant_scale_q=None,
-    quant_scale_kv=None,
-    page_size=16,
-    kv_layout="NHD",
-    enable_pdl=False,
-    *,
-    mrope_section=None,
-    mrope_interleaved=False,
-    q_scale_out=None,
-    kv_cache_scales=None,
-    status=None,
-    command_buffer_compatible=False,
-):
-    """:func:`ropekv.rope_quantize_fp8_append_paged_kv_cache` (FlashInfer's arguments) as a
-    functional op.
-
-    Returns ``(q_rope_out, q_nope_out, (k_cache, v_cache))`` (``(ckv_cache, kpe_cache)`` for MLA):
-    the quantized queries in ``quantize_dtype`` (default: the cache dtype) and the new caches,
-    which alias the given ones (donate them for an in-place update). ``quant_scale_q`` /
-    ``quant_scale_kv`` are Python floats (static) or float32 arrays (one scale per head).
-    ``enable_pdl`` is accepted and ignored, as in the eager op. mRoPE: ``pos_ids (3, nnz)`` with
-    a static ``mrope_section`` (and ``mrope_interleaved``). The scales default to None (1.0) as
-    in the eager op; leave them None when computed scales replace them.
-
-    ``q_scale_out`` ``(nnz, Hq)``, ``kv_cache_scales`` (a pair of float32 arrays) and ``status``
-    ``(1,)`` int32 are input-output aliases like the caches, returned after them in that order
-    when given: ``q8, q8_nope, caches, q_scales, (k_scales, v_scales), status = ...``.
-    """
-    return _paged(
-        "rope_quantize_fp8_append_paged_kv_cache",
-        ropekv.rope_quantize_fp8_append_paged_kv_cache,
-        True,
-        q_rope,
-        k_rope,
-        q_nope,
-        k_nope,
-        v,
-        cos_sin_cache,
-        pos_ids,
-        paged_kv_cache,
-        kv_indices,
-        kv_indptr,
-        batch_indices,
-        positions,
-        is_neox,
-        quantize_dtype,
-        quant_scale_q,
-        quant_scale_kv,
-        page_size,
-        kv_layout,
-        (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status),
-        command_buffer_compatible,
-    )
-
-
-def rope_append_paged_kv_cache(
-    q_rope,
-    k_rope,
-    q_nope,
-    k_nope,
-    v,
-    cos_sin_cache,
-    pos_ids,
-    paged_kv_cache,
-    kv_indices,
-    kv_indptr,
-    batch_indices,
-    positions,
-    is_neox=True,
-    quantize_dtype=None,
-    quant_scale_q=None,
-    quant_scale_kv=None,
-    page_size=16,
-    kv_layout="NHD",
-    enable_pdl=False,
-    *,
-    mrope_section=None,
-    mrope_interleaved=False,
-    q_scale_out=None,
-    kv_cache_scales=None,
-    status=None,
-    command_buffer_compatible=False,
-):
-    """:func:`ropekv.rope_append_paged_kv_cache` (16-bit or fp8 caches) as a functional op; the
-    same contract as :func:`rope_quantize_fp8_append_paged_kv_cache` here."""
-    return _paged(
-        "rope_append_paged_kv_cache",
-        ropekv.rope_append_paged_kv_cache,
-        False,
-        q_rope,
-        k_rope,
-        q_nope,
-        k_nope,
-        v,
-        cos_sin_cache,
-        pos_ids,
-        paged_kv_cache,
-        kv_indices,
-        kv_indptr,
-        batch_indices,
-        positions,
-        is_neox,
-        quantize_dtype,
-        quant_scale_q,
-        quant_scale_kv,
-        page_size,
-        kv_layout,
-        (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status),
-        command_buffer_compatible,
-    )
-
-
-# ---- mla_rope_rmsnorm_append_paged_kv_cache ----------------------------------------------------
-
-
-def mla_rope_rmsnorm_append_paged_kv_cache(
-    q_rope,
-    kv,
-    gamma,
-    cos_sin_cache,
-    input_row_offsets,
-    cache_lengths,
-    block_table,
-    kv_cache,
-    *,
-    epsilon=1e-6,
-    kv_norm_dim=None,
-    is_neox=False,
-    kv_scale=None,
-    clear_unused_last_page_rows=False,
-    status=None,
-    layer_idx=None,
-    command_buffer_compatible=False,
-):
-    """:func:`ropekv.mla_rope_rmsnorm_append_paged_kv_cache` as a functional op.
-
-    Returns ``(q_rope_out, kv_cache)``: the roped queries (a new array) and the new cache, one
-    array or a ``(ckv, kpe)`` pair like the given one, aliasing it (donate it for an in-place
-    update); with ``status``, ``(q_rope_out, kv_cache, status)``, the new status aliasing the
-    given one. ``clear_unused_last_page_rows`` is static; ``layer_idx`` (a static int) writes one
-    layer of caches with a leading ``(num_layers, ...)`` dimension, as the eager op.
-    """
-    layer_idx = fw.layer_index(layer_idx)
-    split = isinstance(kv_cache, tuple | list)
-    if split:
-        caches = _pair(
-            kv_cache,
-            f"kv_cache must be one array (num_pages, page_size, L + R) or a "
-            f"tuple (ckv, kpe), got a {type(kv_cache).__name__} of "
-            f"{len(kv_cache)} arrays",
-        )
-    else:
-        caches = (kv_cache, None)
-    shape, dtype = fw.same_as_q(_meta(q_rope, "q_rope"), "(T, Hq, R)")
-
-    def run(a, stream):
-        cache = (a["cache0"], a["cache1"]) if split else a["cache0"]
-        ropekv.mla_rope_rmsnorm_append_paged_kv_cache(
-            a["q_rope"],
-            a["kv"],
-            a["gamma"],
-            a["cos_sin_cache"],
-            a["input_row_offsets"],
-            a["cache_lengths"],
-            a["block_table"],
-            cache,
-            epsilon=epsilon,
-            kv_norm_dim=kv_norm_dim,
-            is_neox=bool(is_neox),
-            kv_scale=kv_scale,
-            q_rope_out=a["q_rope_out"],
-            clear_unused_last_page_rows=clear_unused_last_page_rows,
-            status=a.get("status"),
-            layer_idx=layer_idx,
-            stream=stream,
-        )
-
-    inputs = [
-        ("q_rope", q_rope),
-        ("kv", kv),
-        ("gamma", gamma),
-        ("cos_sin_cache", cos_sin_cache),
-        ("input_row_offsets", input_row_offsets),
-        ("cache_lengths", cache_lengths),
-        ("block_table", block_table),
-        ("cache0", caches[0]),
-        ("cache1", caches[1]),
-        ("status", status),
-    ]
-    outputs = [
-        ("q_rope_out", _struct(shape, dtype)),
-        ("cache0", "cache0"),
-        *((("cache1", "cache1"),) if split else ()),
-        *((("status", "status"),) if status is not None else ()),
-    ]
-    q_rope_out, *new = _call(
-        "mla_rope_rmsnorm_append_paged_kv_cache", inputs, outputs, run, command_buffer_compatible
-    )
-    new_status = (new.pop(),) if status is not None else ()
-    return (q_rope_out, tuple(new) if split else new[0], *new_status)
-
-
-# ---- qk_rmsnorm_rope_append_paged_kv_cache -----------------------------------------------------
-
-
-def qk_rmsnorm_rope_append_paged_kv_cache(
-    q,
-    k,
-    v,
-    q_gamma,
-    k_gamma,
-    cos_sin_cache,
-    input_row_offsets,
-    cache_lengths,
-    block_table,
-    paged_kv_cache,
-    *,
-    epsilon=1e-6,
-    is_neox=True,
-    kv_layout="NHD",
-    kv_scale=None,
-    q_out_dtype=None,
-    q_scale=None,
-    q_scale_out=None,
-    kv_cache_scales=None,
-    norm_order="before_rope",
-    weight_offset=0.0,
-    clear_unused_last_page_rows=False,
-    position_ids=None,
-    mrope_section=None,
-    mrope_interleaved=False,
-    status=None,
-    layer_idx=None,
-    command_buffer_compatible=False,
-):
-    """:func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache` as a functional op.
-
-    Returns ``(q_out, (k_cache, v_cache))``: the normalised, roped queries (a new array, in the
-    static ``q_out_dtype``: ``q``'s or fp8) and the new caches, aliasing the given ones (donate
-    them for an in-place update). ``q_scale_out`` ``(T, Hq)``, ``kv_cache_scales`` (a pair of
-    float32 arrays) and ``status`` ``(1,)`` int32 are input-output aliases too, returned after
-    the caches in that order when given: ``q8, caches, q_scales, (k_scales, v_scales), status =
-    ...``. Options as the eager op: ``q_scale``, ``norm_order``, ``weight_offset``,
-    ``clear_unused_last_page_rows``, ``mrope_section`` and ``mrope_interleaved`` are static,
-    ``position_ids`` an array; ``layer_idx`` (a static int) writes one layer of caches (and of
-    ``kv_cache_scales``' arrays) with a leading ``(num_layers, ...)`` dimension.
-    """
-    layer_idx = fw.layer_index(layer_idx)
-    k_cache, v_cache = _pair(
-        paged_kv_cache,
-        f"paged_kv_cache must be a tuple (k_cache, v_cache), got {type(paged_kv_cache).__name__}",
-    )
-    scales = kv_cache_scales is not None
-    if scales and (not isinstance(kv_cache_scales, tuple | list) or len(kv_cache_scales) != 2):
-        raise ValueError(
-            f"kv_cache_scales must be a tuple (k_scales, v_scales), got "
-            f"{type(kv_cache_scales).__name__}"
-        )
-    k_scales, v_scales = kv_cache_scales if scales else (None, None)
-    shape, dtype = fw.qknorm_q_output(_meta(q, "q"), q_out_dtype)
-
-    def run(a, stream):
-        ropekv.qk_rmsnorm_rope_append_paged_kv_cache(
-            a["q"],
-            a["k"],
-            a["v"],
-            a["q_gamma"],
-            a["k_gamma"],
-            a["cos_sin_cache"],
-            a["input_row_offsets"],
-            a["cache_lengths"],
-            a["block_table"],
-            (a["k_cache"], a["v_cache"]),
-            epsilon=epsilon,
-            is_neox=bool(is_neox),
-            kv_layout=kv_layout,
-            kv_scale=kv_scale,
-            q_out=a["q_out"],
-            q_scale=q_scale,
-            q_scale_out=a.get("q_scale_out"),
-            kv_cache_scales=(a["k_scales"], a["v_scales"]) if scales else None,
-            norm_order=norm_order,
-            weight_offset=weight_offset,
-            clear_unused_last_page_rows=clear_unused_last_page_rows,
-            position_ids=a.get("position_ids"),
-            mrope_section=mrope_section,
-            mrope_interleaved=mrope_interleaved,
-            status=a.get("status"),
-            layer_idx=layer_idx,
-            stream=stream,
-        )
-
-    inputs = [
-        ("q", q),
-        ("k", k),
-        ("v", v),
-        ("q_gamma", q_gamma),
-        ("k_gamma", k_gamma),
-        ("cos_sin_cache", cos_sin_cache),
-        ("input_row_offsets", input_row_offsets),
-        ("cache_lengths", cache_lengths),
-        ("block_table", block_table),
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("position_ids", position_ids),
-        ("q_scale_out", q_scale_out),
-        ("k_scales", k_scales),
-        ("v_scales", v_scales),
-        ("status", status),
-    ]
-    outputs = [
-        ("q_out", _struct(shape, dtype)),
-        ("k_cache", "k_cache"),
-        ("v_cache", "v_cache"),
-        *_aliases(q_scale_out=q_scale_out, k_scales=k_scales, v_scales=v_scales, status=status),
-    ]
-    q_out, new_k, new_v, *new = _call(
-        "qk_rmsnorm_rope_append_paged_kv_cache", inputs, outputs, run, command_buffer_compatible
-    )
-    return (q_out, (new_k, new_v), *_regroup(new, q_scale_out, scales, status))
-
-
-# ---- fused_qkv_matmul_append_paged_kv_cache ----------------------------------------------------
-
-
-def fused_qkv_matmul_append_paged_kv_cache(
-    hidden_state,
-    weight,
-    input_row_offsets,
-    cache_lengths,
-    block_table,
-    paged_kv_cache,
-    *,
-    num_q_heads,
-    cos_sin_cache=None,
-    is_neox=True,
-    kv_layout="NHD",
-    kv_scale=None,
-    weight_scales=None,
-    group_size=None,
-    zero_points=None,
-    clear_unused_last_page_rows=False,
-    status=None,
-    layer_idx=None,
-    command_buffer_compatible=False,
-):
-    """:func:`ropekv.fused_qkv_matmul_append_paged_kv_cache` as a functional op.
-
-    Returns ``(out, (k_cache, v_cache))``: Q ``(T, Hq * D)`` (a new array) and the new caches,
-    aliasing the given ones (donate them for an in-place update). Calls that run cuBLAS (see
-    ``ropekv.qkv``: above ``GEMV_MAX_TOKENS`` tokens, or on sm_90 above ``WGMMA_MAX_TOKENS`` with
-    fp16 / bf16 weights and ``MMA_MAX_TOKENS_QUANTIZED`` with fp8 and 4-bit weights) use CuPy
-    temporaries, allocated outside XLA's memory pool; under capture they run the fused kernel
-    instead, up to ``GRAPH_MAX_TOKENS`` tokens on sm_90. Those that cannot be captured
-    (``ropekv.qkv.graph_safe``) refuse ``command_buffer_compatible=True`` (``ValueError``) when
-    traced.
-    ``layer_idx`` (a static int) writes one layer of caches with a leading ``(num_layers, ...)``
-    dimension, as the eager op. ``clear_unused_last_page_rows`` is static; with ``status`` (an
-    ``(1,)`` int32 array, an input-output alias like the caches) the result is ``(out, (k_cache,
-    v_cache), status)``.
-    """
-    layer_idx = fw.layer_index(layer_idx)
-    k_cache, v_cache = _pair(
-        paged_kv_cache,
-        f"paged_kv_cache must be a (k_cache, v_cache) pair, "
-        f"got {type(paged_kv_cache).__qualname__}",
-    )
-    if command_buffer_compatible:
-        fw.check_qkv_graph_safe(
-            _meta(hidden_state, "hidden_state"),
-            _meta(weight, "weight"),
-            _meta(k_cache, "k_cache"),
-            group_size,
-            "into XLA's command buffers (command_buffer_compatible=True)",
-        )
-    shape, dtype = fw.qkv_output(
-        _meta(hidden_state, "hidden_state"),
-        _meta(k_cache, "k_cache"),
-        num_q_heads,
-        kv_layout,
-        layer_idx,
-    )
-
-    def run(a, stream):
-        ropekv.fused_qkv_matmul_append_paged_kv_cache(
-            a["hidden_state"],
-            a["weight"],
-            a["input_row_offsets"],
-            a["cache_lengths"],
-            a["block_table"],
-            (a["k_cache"], a["v_cache"]),
-            num_q_heads=num_q_heads,
-            cos_sin_cache=a.get("cos_sin_cache"),
-            is_neox=bool(is_neox),
-            kv_layout=kv_layout,
-            kv_scale=kv_scale,
-            weight_scales=a.get("weight_scales"),
-            group_size=group_size,
-            zero_points=a.get("zero_points"),
-            out=a["out"],
-            clear_unused_last_page_rows=clear_unused_last_page_rows,
-            status=a.get("status"),
-            layer_idx=layer_idx,
-            stream=stream,
-        )
-
-    inputs = [
-        ("hidden_state", hidden_state),
-        ("weight", weight),
-        ("input_row_offsets", input_row_offsets),
-        ("cache_lengths", cache_lengths),
-        ("block_table", block_table),
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("cos_sin_cache", cos_sin_cache),
-        ("weight_scales", weight_scales),
-        ("zero_points", zero_points),
-        ("status", status),
-    ]
-    outputs = [
-        ("out", _struct(shape, dtype)),
-        ("k_cache", "k_cache"),
-        ("v_cache", "v_cache"),
-        *_aliases(status=status),
-    ]
-    out, new_k, new_v, *new = _call(
-        "fused_qkv_matmul_append_paged_kv_cache", inputs, outputs, run, command_buffer_compatible
-    )
-    return (out, (new_k, new_v), *new)
+for _entry in _registry.OPS:
+    _decl = _declare.declaration_of(_entry)
+    if _decl is not None and _entry.jax:
+        globals()[_entry.name] = _declared(_decl)
+del _entry, _decl

@@ -9,6 +9,7 @@ import functools
 import numpy as np
 
 from ropekv import _checks as ck
+from ropekv import _declare as decl
 from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
@@ -599,4 +600,40 @@ _SPLIT = Op(
     _prepare,
     layered=("ckv_cache", "kpe_cache"),
     flags=_FLAGS,
+)
+
+
+# ---- the declaration (ropekv/_declare.py): the torch and JAX forms follow from it -------------
+
+
+def _outputs(values):
+    from ropekv import _frameworks
+
+    return _frameworks.mla_outputs(values)
+
+
+DECLARATIONS = (
+    decl.Declaration(
+        "mla_rope_rmsnorm_append_paged_kv_cache",
+        (
+            decl.array("q_rope"),
+            decl.array("kv"),
+            decl.array("gamma"),
+            decl.array("cos_sin_cache"),
+            decl.array("input_row_offsets"),
+            decl.array("cache_lengths"),
+            decl.array("block_table"),
+            decl.arg("kv_cache", decl.WRITTEN, "tensor_or_pair", parts=("kv_cache", "kpe_cache")),
+            decl.scalar("epsilon", "float", 1e-6),
+            decl.scalar("kv_norm_dim", "int", None),
+            decl.scalar("is_neox", "bool", False),
+            decl.scalar("kv_scale", "float", None),
+            decl.out("q_rope_out", into="q_rope"),
+            decl.scalar("clear_unused_last_page_rows", "bool", False),
+            decl.written("status", optional=True),
+            decl.scalar("layer_idx", "int", None, check=ck.check_layer_idx),
+            decl.scalar("enable_pdl", "bool", False),
+        ),
+        outputs=_outputs,
+    ),
 )

@@ -11,6 +11,7 @@ import numbers
 import numpy as np
 
 from ropekv import _checks as ck
+from ropekv import _declare as decl
 from ropekv import reference
 from ropekv._arrays import (
     BFLOAT16,
@@ -1389,3 +1390,67 @@ def _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages, mrope
         np.flatnonzero(writes),
         "cache row (page, entry)",
     )
+
+
+# ---- the declarations (ropekv/_declare.py): the torch and JAX forms follow from them ----------
+
+
+def _declaration(name, outputs):
+    """The two paged ops take the same arguments (FlashInfer's, then ropekv's options)."""
+    return decl.Declaration(
+        name,
+        (
+            decl.array("q_rope"),
+            decl.array("k_rope"),
+            decl.array("q_nope", nullable=True),
+            decl.array("k_nope", nullable=True),
+            decl.array("v", nullable=True),
+            decl.array("cos_sin_cache"),
+            decl.array("pos_ids"),
+            decl.arg("paged_kv_cache", decl.WRITTEN, "pair", parts=("k_cache", "v_cache")),
+            decl.array("kv_indices"),
+            decl.array("kv_indptr"),
+            decl.array("batch_indices"),
+            decl.array("positions"),
+            decl.scalar("is_neox", "bool", True),
+            decl.scalar("quantize_dtype", "dtype", None),
+            decl.scalar(
+                "quant_scale_q", "float_or_tensor", None, parts=("quant_scale_q", "quant_scales_q")
+            ),
+            decl.scalar(
+                "quant_scale_kv",
+                "float_or_tensor",
+                None,
+                parts=("quant_scale_kv", "quant_scales_kv"),
+            ),
+            decl.scalar("page_size", "int", 16),
+            decl.scalar("kv_layout", "str", "NHD"),
+            decl.out("q_rope_out"),
+            decl.out("q_nope_out"),
+            decl.scalar("enable_pdl", "bool", False),
+            decl.scalar("mrope_section", "ints", None),
+            decl.scalar("mrope_interleaved", "bool", False),
+            decl.written("q_scale_out", optional=True),
+            decl.arg("kv_cache_scales", decl.WRITTEN, "pair", None, parts=("k_scales", "v_scales")),
+            decl.written("status", optional=True),
+        ),
+        outputs=outputs,
+    )
+
+
+def _fp8_outputs(values):
+    from ropekv import _frameworks
+
+    return _frameworks.paged_fp8_outputs(values)
+
+
+def _append_outputs(values):
+    from ropekv import _frameworks
+
+    return _frameworks.paged_append_outputs(values)
+
+
+DECLARATIONS = (
+    _declaration("rope_quantize_fp8_append_paged_kv_cache", _fp8_outputs),
+    _declaration("rope_append_paged_kv_cache", _append_outputs),
+)

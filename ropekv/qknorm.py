@@ -8,6 +8,7 @@ import functools
 import numpy as np
 
 from ropekv import _checks as ck
+from ropekv import _declare as decl
 from ropekv import reference
 from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, FP8_DTYPES, HOST, INT64
 from ropekv._compile import c_bool, c_type, name_expression, rope_instantiations
@@ -940,4 +941,51 @@ _OP = Op(
         ("q_out_dtype", dtype_key),
         ("q_scale", KEY),
     ],
+)
+
+
+# ---- the declaration (ropekv/_declare.py): the torch and JAX forms follow from it -------------
+
+
+def _outputs(values):
+    from ropekv import _frameworks
+
+    return _frameworks.qknorm_outputs(values)
+
+
+DECLARATIONS = (
+    decl.Declaration(
+        "qk_rmsnorm_rope_append_paged_kv_cache",
+        (
+            decl.array("q"),
+            decl.array("k"),
+            decl.array("v"),
+            decl.array("q_gamma"),
+            decl.array("k_gamma"),
+            decl.array("cos_sin_cache"),
+            decl.array("input_row_offsets"),
+            decl.array("cache_lengths"),
+            decl.array("block_table"),
+            decl.arg("paged_kv_cache", decl.WRITTEN, "pair", parts=("k_cache", "v_cache")),
+            decl.scalar("epsilon", "float", 1e-6),
+            decl.scalar("is_neox", "bool", True),
+            decl.scalar("kv_layout", "str", "NHD"),
+            decl.scalar("kv_scale", "floats", None),
+            decl.out("q_out", into="q"),
+            decl.scalar("q_out_dtype", "dtype", None),
+            decl.scalar("q_scale", "float", None),
+            decl.written("q_scale_out", optional=True),
+            decl.arg("kv_cache_scales", decl.WRITTEN, "pair", None, parts=("k_scales", "v_scales")),
+            decl.scalar("norm_order", "str", "before_rope"),
+            decl.scalar("weight_offset", "float", 0.0),
+            decl.scalar("clear_unused_last_page_rows", "bool", False),
+            decl.array("position_ids", optional=True),
+            decl.scalar("mrope_section", "ints", None),
+            decl.scalar("mrope_interleaved", "bool", False),
+            decl.written("status", optional=True),
+            decl.scalar("layer_idx", "int", None, check=ck.check_layer_idx),
+            decl.scalar("enable_pdl", "bool", False),
+        ),
+        outputs=_outputs,
+    ),
 )

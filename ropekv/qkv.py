@@ -52,6 +52,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ropekv import _checks as ck
+from ropekv import _declare as decl
 from ropekv import reference
 from ropekv._arrays import (
     BFLOAT16,
@@ -1619,4 +1620,49 @@ _OP = Op(
         ("GRAPH_MAX_TOKENS", AS_IS),
         ("clear_unused_last_page_rows", FLAG),
     ],
+)
+
+
+# ---- the declaration (ropekv/_declare.py): the torch and JAX forms follow from it -------------
+
+
+def _outputs(values):
+    from ropekv import _frameworks
+
+    return _frameworks.qkv_outputs(values)
+
+
+def _capture_check(values, where):
+    from ropekv import _frameworks
+
+    _frameworks.qkv_capture_check(values, where)
+
+
+DECLARATIONS = (
+    decl.Declaration(
+        "fused_qkv_matmul_append_paged_kv_cache",
+        (
+            decl.array("hidden_state"),
+            decl.array("weight"),
+            decl.array("input_row_offsets"),
+            decl.array("cache_lengths"),
+            decl.array("block_table"),
+            decl.arg("paged_kv_cache", decl.WRITTEN, "pair", parts=("k_cache", "v_cache")),
+            decl.scalar("num_q_heads", "int"),
+            decl.array("cos_sin_cache", optional=True),
+            decl.scalar("is_neox", "bool", True),
+            decl.scalar("kv_layout", "str", "NHD"),
+            decl.scalar("kv_scale", "floats", None),
+            decl.array("weight_scales", optional=True),
+            decl.scalar("group_size", "int", None),
+            decl.array("zero_points", optional=True),
+            decl.out("out"),
+            decl.scalar("clear_unused_last_page_rows", "bool", False),
+            decl.written("status", optional=True),
+            decl.scalar("layer_idx", "int", None, check=ck.check_layer_idx),
+            decl.scalar("enable_pdl", "bool", False),
+        ),
+        outputs=_outputs,
+        capture_check=_capture_check,
+    ),
 )

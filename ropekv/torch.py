@@ -45,22 +45,22 @@ enabled raises it while compiling. Serve under ``torch.inference_mode()`` or ``t
 
 ``docs/frameworks.md`` has a compiled module and the rules for CUDA graphs (caches as module
 buffers, warm-up before capture).
+
+Nothing here is written per op: every registered op, its schema (the eager arguments in order,
+the required ones first, with the eager defaults), its ``mutates_args``, its fake and the Python
+function follow from the op's declaration (``DECLARATIONS`` in its module, see
+``ropekv/_declare.py``).
 """
 
-# torch's schema inference reads typing.Optional / List / Tuple on every torch version we support
-# ruff: noqa: UP006, UP035, UP045
 import inspect
-import typing
-from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 
 import ropekv
-from ropekv import _checks as ck
+from ropekv import _declare, _registry
 from ropekv import _frameworks as fw
-from ropekv import _registry
 from ropekv._arrays import HOST
-from ropekv.paged import as_dtype
 
 Tensor = torch.Tensor
 
@@ -80,56 +80,6 @@ def _torch_dtype(np_dtype):
     return getattr(torch, np_dtype.name)
 
 
-def _scale_list(kv_scale, name="kv_scale"):
-    """``kv_scale`` (None, a number, or a pair) as the op's ``float[]?``; the eager op checks the
-    count and the values."""
-    if kv_scale is None:
-        return None
-    values = kv_scale if isinstance(kv_scale, (tuple, list)) else (kv_scale,)
-    for s in values:
-        if isinstance(s, bool) or not isinstance(s, (int, float)):
-            raise TypeError(
-                f"{name} must be a float or a (k_scale, v_scale) pair of floats, got {kv_scale!r}"
-            )
-    return [float(s) for s in values]
-
-
-def _scale_arg(kv_scale):
-    """The op's ``float[]?`` back to the eager op's ``kv_scale``: None, a float or a pair."""
-    if kv_scale is None:
-        return None
-    return kv_scale[0] if len(kv_scale) == 1 else tuple(kv_scale)
-
-
-def _pair(caches, message):
-    if not isinstance(caches, (tuple, list)) or len(caches) != 2:
-        raise ValueError(message)
-    return caches[0], caches[1]
-
-
-def _flag(value, name):
-    """A bool option, checked as the eager op checks it (torch's schema would take an int)."""
-    return ck.check_flag(value, name)
-
-
-def _eager(fn, *args, **kwargs):
-    """Run the eager op ``fn`` on torch's current stream (ropekv's default for torch tensors,
-    which is also the capture stream inside ``torch.cuda.graph``). Tensors that require grad are
-    read as they are: ropekv reads their memory, never their autograd history (the ops have no
-    derivative; backward through one raises torch's "no autograd formula" error)."""
-    return fn(*args, **kwargs)
-
-
-def _no_outputs(*args, **kwargs):
-    """The fake of an op that only writes its arguments."""
-
-
-def _optional(annotation):
-    return typing.get_origin(annotation) is typing.Union and type(None) in typing.get_args(
-        annotation
-    )
-
-
 # The schemas carry the eager functions' defaults from torch 2.13 on. Before it (2.11 on the H200
 # machines) the dispatcher leaves out trailing arguments equal to their defaults and torch's
 # in-place version bump of a custom op indexes the mutated arguments past them (IndexError in
@@ -138,1530 +88,149 @@ def _optional(annotation):
 SCHEMA_DEFAULTS = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 
-def _with_eager_defaults(fn, eager):
-    """``fn``, a registered op's function, given the defaults of the eager function ``eager``, so
-    that the op's schema has them (``torch.library.custom_op`` infers the schema from the
-    signature, defaults included) and ``torch.ops.ropekv.<op>`` can be called with its required
-    arguments only. An argument named as one of the eager function's takes that default, but for
-    a tensor the op requires (the output an ``_out`` op writes, None in the eager function); one
-    of the op's own (``kv_scales``, ``kpe_cache``, ``k_scales`` / ``v_scales``,
-    ``quant_scales_q``: a part of an eager argument) defaults to None when it is optional. The
-    defaults run from the last required argument to the end (custom ops take no keyword-only
-    tensors, so an ``_out`` op's outputs follow its other required arguments)."""
-    if not SCHEMA_DEFAULTS:
-        return fn
-    eager_params = inspect.signature(eager).parameters
-    params = list(inspect.signature(fn).parameters.values())
-    empty = inspect.Parameter.empty
-
-    def default(p):
-        e = eager_params.get(p.name)
-        if e is None:
-            return None if _optional(p.annotation) else empty
-        if e.default is None and not _optional(p.annotation):
-            return empty
-        return e.default
-
-    wanted = [default(p) for p in params]
-    n = 0
-    while n < len(params) and wanted[len(params) - 1 - n] is not empty:
-        n += 1
-    missed = [p.name for p, d in zip(params[: len(params) - n], wanted) if d is not empty]
-    if missed:  # an optional argument before a required one: the op's order must change
-        raise TypeError(f"{fn.__qualname__}: no default for {missed} (a required argument after)")
-    fn.__defaults__ = tuple(wanted[len(params) - n :])
-    return fn
+# ---- the declared ops: their forms follow from their declarations (ropekv/_declare.py) -------
 
 
-def _custom_op(name, fn, eager, mutates_args, fake=None):
-    """``torch.library.custom_op`` of ``fn`` (with ``eager``'s defaults) as ``ropekv::name``, its
-    fake ``fake`` (none: the op only writes its arguments). The dispatcher may leave out trailing
-    arguments that have their defaults: the fake sees every argument, the defaults filled in."""
-    signature = inspect.signature(_with_eager_defaults(fn, eager))
-    op = torch.library.custom_op(f"ropekv::{name}", fn, mutates_args=mutates_args)
-    if fake is None:
-        op.register_fake(_no_outputs)
-    else:
-
-        def full_fake(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            return fake(*bound.args, **bound.kwargs)
-
-        op.register_fake(full_fake)
-    return op
+def _is_tensor(x):
+    return isinstance(x, Tensor)
 
 
-# ---- apply_rope_write_kv -----------------------------------------------------------------------
-
-
-def _contiguous_ops(write_k_in_place):
-    """The in-place op (``q`` roped in place) and the ``_out`` op (the given ``q_out`` written,
-    ``q`` only read) of one ``write_k_in_place`` value."""
-
-    def run(
-        q,
-        k,
-        v,
-        kv_cache,
-        cos_sin_cache,
-        kv_end_lens,
-        position_ids,
-        kv_scale,
-        kv_scales,
-        is_neox,
-        mrope_section,
-        mrope_interleaved,
-        q_scale,
-        q_scale_out,
-        kv_cache_scales,
-        q_out,
-    ):
-        _eager(
-            ropekv.apply_rope_write_kv,
-            q,
-            k,
-            v,
-            kv_cache,
-            cos_sin_cache,
-            kv_end_lens=kv_end_lens,
-            position_ids=position_ids,
-            kv_scale=_scale_arg(kv_scale) if kv_scales is None else kv_scales,
-            write_k_in_place=write_k_in_place,
-            is_neox=is_neox,
-            mrope_section=fw.mrope_tuple(mrope_section),
-            mrope_interleaved=mrope_interleaved,
-            q_out=q_out,
-            q_scale=q_scale,
-            q_scale_out=q_scale_out,
-            kv_cache_scales=kv_cache_scales,
+def _as_torch_dtype(value, name):
+    """A dtype argument (a torch or NumPy dtype, or its name) as the schema's torch dtype; the
+    eager op checks which dtypes it takes."""
+    if isinstance(value, torch.dtype):
+        return value
+    key = value.removeprefix("torch.") if isinstance(value, str) else getattr(value, "name", None)
+    if key is None:
+        try:
+            key = np.dtype(value).name
+        except TypeError:
+            key = None
+    found = getattr(torch, key, None) if key else None
+    if not isinstance(found, torch.dtype):
+        raise TypeError(
+            f"{name} must be a dtype (a NumPy or torch dtype, or its name), got {value!r}"
         )
+    return found
 
-    def in_place(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        kv_cache: Tensor,
-        cos_sin_cache: Tensor,
-        kv_end_lens: Optional[Tensor],
-        position_ids: Optional[Tensor],
-        kv_scale: Optional[List[float]],
-        kv_scales: Optional[Tensor],
-        is_neox: bool,
-        mrope_section: Optional[List[int]],
-        mrope_interleaved: bool,
-        q_scale: Optional[float],
-        q_scale_out: Optional[Tensor],
-        kv_cache_scales: Optional[Tensor],
-    ) -> None:
-        run(
-            q,
-            k,
-            v,
-            kv_cache,
-            cos_sin_cache,
-            kv_end_lens,
-            position_ids,
-            kv_scale,
-            kv_scales,
-            is_neox,
-            mrope_section,
-            mrope_interleaved,
-            q_scale,
-            q_scale_out,
-            kv_cache_scales,
-            None,
-        )
 
-    def into(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        kv_cache: Tensor,
-        cos_sin_cache: Tensor,
-        q_out: Tensor,
-        kv_end_lens: Optional[Tensor],
-        position_ids: Optional[Tensor],
-        kv_scale: Optional[List[float]],
-        kv_scales: Optional[Tensor],
-        is_neox: bool,
-        mrope_section: Optional[List[int]],
-        mrope_interleaved: bool,
-        q_scale: Optional[float],
-        q_scale_out: Optional[Tensor],
-        kv_cache_scales: Optional[Tensor],
-    ) -> None:
-        run(
-            q,
-            k,
-            v,
-            kv_cache,
-            cos_sin_cache,
-            kv_end_lens,
-            position_ids,
-            kv_scale,
-            kv_scales,
-            is_neox,
-            mrope_section,
-            mrope_interleaved,
-            q_scale,
-            q_scale_out,
-            kv_cache_scales,
-            q_out,
-        )
+def _new_outputs(decl, values, device_of):
+    """Empty tensors for the outputs of a call that are None, by the declaration's output rule
+    (``values``: the call's eager values, given outputs included)."""
+    metas = decl.metas(values, _is_tensor, _meta)
+    rule = decl.outputs(metas)
+    device = device_of.device
+    return {
+        name: torch.empty(shape, dtype=_torch_dtype(dtype), device=device)
+        for name, (shape, dtype) in rule.items()
+        if values.get(name) is None
+    }
 
-    name = "apply_rope_write_kv" + ("_k_in_place" if write_k_in_place else "")
-    written = (
-        ("k", "kv_cache", "q_scale_out", "kv_cache_scales")
-        if write_k_in_place
-        else ("kv_cache", "q_scale_out", "kv_cache_scales")
+
+def _register(decl, variant, eager):
+    """The custom op of one variant of a declaration."""
+    schema, names = decl.schema(variant, defaults=SCHEMA_DEFAULTS)
+    where = f"torch.ops.ropekv.{variant.name}"
+    first = decl.inputs[0].name
+
+    def values_of(args, kwargs):
+        # (the dispatcher may leave out trailing arguments that have their defaults)
+        given = dict(zip(names, args), **kwargs)
+        for name, default in names.items():
+            if name not in given:
+                if default is _declare.REQUIRED:
+                    raise TypeError(f"{where}() missing required argument: {name!r}")
+                given[name] = default
+        values = decl.collapse(given)
+        if decl.flag:
+            values[decl.flag] = variant.flag
+        for o in decl.outs:
+            values[o.name] = given.get(o.name) if variant.outs == "given" else None
+            if variant.outs == "into":
+                values[o.name] = values[o.into]
+        return values
+
+    def kernel(*args, **kwargs):
+        values = values_of(args, kwargs)
+        new = {}
+        if variant.outs == "new" and decl.outs:
+            new = _new_outputs(decl, values, values[first])
+            values.update(new)
+        result = eager(**values)
+        if variant.outs != "new":
+            return None
+        if decl.outs:
+            outs = [values[o.name] for o in decl.outs]
+        else:
+            outs = list(result) if len(decl.results) > 1 else [result]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def fake(*args, **kwargs):
+        if variant.outs != "new":
+            return None
+        values = values_of(args, kwargs)
+        if decl.outs:
+            outs = list(_new_outputs(decl, values, values[first]).values())
+        else:
+            outs = [torch.empty_like(values[r.into]) for r in decl.results]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    op = torch.library.custom_op(
+        f"ropekv::{variant.name}", kernel, mutates_args=decl.written(variant), schema=schema
     )
-    eager = ropekv.apply_rope_write_kv
-    op = _custom_op(name, in_place, eager, ("q", *written))
-    op_out = _custom_op(name + "_out", into, eager, (*written, "q_out"))
-    return op, op_out
+    op.register_fake(fake)
+    return op, names
 
 
-_apply_rope_write_kv = _contiguous_ops(False)
-_apply_rope_write_kv_k_in_place = _contiguous_ops(True)
+def _declared(decl):
+    """The Python function of a declared op: the eager signature (but ``decl.keyword``),
+    checked and spelled as the schema wants, then the variant its outputs pick."""
+    eager = getattr(ropekv, decl.name)
+    ops = {v: _register(decl, v, eager) for v in decl.variants()}
+    where = f"ropekv.torch.{decl.name}"
+    params = [p for p in inspect.signature(eager).parameters.values() if p.name not in decl.keyword]
+    signature = [p.name for p in params if p.kind != p.KEYWORD_ONLY]
 
+    def form(*args, **kwargs):
+        if len(args) > len(signature):
+            raise TypeError(
+                f"{where}() takes {len(signature)} positional arguments but {len(args)} were given"
+            )
+        values = decl.check_scalars(decl.bind(args, kwargs, where))
+        for a in decl.inputs:
+            if a.form == "dtype" and values[a.name] is not None:
+                values[a.name] = _as_torch_dtype(values[a.name], a.name)
+        flag = bool(values[decl.flag]) if decl.flag else False
+        outs = [values[o.name] for o in decl.outs]
+        if all(o is None for o in outs):
+            kind = "into" if decl.outs and decl.outs[0].default_into else "new"
+        elif all(o.into and values[o.name] is values[o.into] for o in decl.outs):
+            kind = "into"
+        else:
+            kind = "given"
+            if any(o is None for o in outs):  # the others: allocated by the output rule
+                values.update(_new_outputs(decl, values, values[decl.inputs[0].name]))
+        variant = next(v for v in ops if v.outs == kind and v.flag == flag)
+        op, names = ops[variant]
+        schema_values = decl.expand(values, _is_tensor)
+        schema_values.update({o.name: values[o.name] for o in decl.outs})
+        result = op(*[schema_values[n] for n in names])
+        if kind == "new":
+            return result
+        outs = [values[o.name] for o in decl.outs]
+        return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)
 
-def apply_rope_write_kv(
-    q,
-    k,
-    v,
-    kv_cache,
-    cos_sin_cache,
-    *,
-    kv_end_lens=None,
-    position_ids=None,
-    kv_scale=None,
-    write_k_in_place=False,
-    is_neox=True,
-    mrope_section=None,
-    mrope_interleaved=False,
-    q_out=None,
-    q_scale=None,
-    q_scale_out=None,
-    kv_cache_scales=None,
-):
-    """:func:`ropekv.apply_rope_write_kv` as a custom op: ``q`` roped in place (or the roped
-    queries written into the given ``q_out``), K/V written into ``kv_cache`` (and the roped K into
-    ``k`` with ``write_k_in_place=True``). Returns ``q_out`` when given, else None, as the eager
-    op.
-
-    Runs ``torch.ops.ropekv.apply_rope_write_kv`` (writes ``q`` and ``kv_cache``) or
-    ``torch.ops.ropekv.apply_rope_write_kv_k_in_place`` (also ``k``); with a ``q_out`` that is not
-    ``q``, their ``_out`` forms, which write ``q_out`` (fp8 too, with ``q_scale`` or
-    ``q_scale_out``) and only read ``q``. ``q_scale_out`` and ``kv_cache_scales`` are written in
-    place when given (every form declares them mutated). ``kv_scale``: a float or a pair (the
-    op's list of floats, constants of the launch) or a tensor (the op's ``kv_scales``, read by the
-    kernel). No ``stream=``: torch's current stream.
-    mRoPE: ``position_ids (3, B, S)`` with ``mrope_section`` (a list of ints in the op's schema)
-    and ``mrope_interleaved``.
-    """
-    ops = _apply_rope_write_kv_k_in_place if write_k_in_place else _apply_rope_write_kv
-    if isinstance(kv_scale, Tensor):
-        kv_scale, kv_scales = None, kv_scale
-    else:  # numbers (a 0-d or (2,) NumPy array too): constants of the launch, as eagerly
-        kv_scales = None
-        if type(kv_scale).__module__ == "numpy" and getattr(kv_scale, "ndim", 2) <= 1:
-            kv_scale = tuple(kv_scale.reshape(-1).tolist())
-        kv_scale = _scale_list(kv_scale)
-    args = (
-        q,
-        k,
-        v,
-        kv_cache,
-        cos_sin_cache,
-        kv_end_lens,
-        position_ids,
-        kv_scale,
-        kv_scales,
-        bool(is_neox),
-        fw.mrope_list(mrope_section),
-        _flag(mrope_interleaved, "mrope_interleaved"),
-        q_scale,
-        q_scale_out,
-        kv_cache_scales,
+    form.__name__ = form.__qualname__ = decl.name
+    form.__signature__ = inspect.Signature(params)
+    form.__doc__ = (
+        f":func:`ropekv.{decl.name}` as torch custom ops ({', '.join(v.name for v in ops)}); "
+        f"no ``stream=``: torch's current stream."
     )
-    if q_out is None or q_out is q:
-        ops[0](*args)
-    else:
-        ops[1](*args[:5], q_out, *args[5:])  # q_out after the required arguments
-    return q_out
+    return form
 
 
-# ---- rope_quantize_fp8_append_paged_kv_cache / rope_append_paged_kv_cache ---------------------
-
-_PAGED_PAIR = "paged_kv_cache must be a pair (k_cache, v_cache) or (ckv_cache, kpe_cache), got {}"
-
-
-def _paged_outputs(q_rope, k_rope, q_nope, k_cache, quantize_dtype, quantize, kv_dyn, static):
-    """Empty ``(q_rope_out, q_nope_out)`` of the shapes and dtype the eager op would allocate."""
-    cache_name = "ckv_cache" if k_rope.dim() == 2 else "k_cache"
-    rope_shape, nope_shape, dtype = fw.paged_q_outputs(
-        _meta(q_rope, "q_rope"),
-        None if q_nope is None else _meta(q_nope, "q_nope"),
-        _meta(k_cache, cache_name),
-        None if quantize_dtype is None else as_dtype(quantize_dtype),
-        quantize,
-        kv_dyn,
-        k_rope.dim() == 2,
-        static,
-    )
-    dtype = _torch_dtype(dtype)
-    return q_rope.new_empty(rope_shape, dtype=dtype), q_rope.new_empty(nope_shape, dtype=dtype)
-
-
-def _paged_ops(name, eager, quantize):
-    """The allocating and the ``_out`` op of one paged function."""
-
-    def into(
-        q_rope: Tensor,
-        k_rope: Tensor,
-        q_nope: Optional[Tensor],
-        k_nope: Optional[Tensor],
-        v: Optional[Tensor],
-        cos_sin_cache: Tensor,
-        pos_ids: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        kv_indices: Tensor,
-        kv_indptr: Tensor,
-        batch_indices: Tensor,
-        positions: Tensor,
-        q_rope_out: Tensor,
-        q_nope_out: Tensor,
-        is_neox: bool,
-        quantize_dtype: Optional[torch.dtype],
-        quant_scale_q: Optional[float],
-        quant_scales_q: Optional[Tensor],
-        quant_scale_kv: Optional[float],
-        quant_scales_kv: Optional[Tensor],
-        page_size: int,
-        kv_layout: str,
-        mrope_section: Optional[List[int]],
-        mrope_interleaved: bool,
-        q_scale_out: Optional[Tensor],
-        k_scales: Optional[Tensor],
-        v_scales: Optional[Tensor],
-        status: Optional[Tensor],
-    ) -> None:
-        _eager(
-            eager,
-            q_rope,
-            k_rope,
-            q_nope,
-            k_nope,
-            v,
-            cos_sin_cache,
-            pos_ids,
-            (k_cache, v_cache),
-            kv_indices,
-            kv_indptr,
-            batch_indices,
-            positions,
-            is_neox=is_neox,
-            quantize_dtype=quantize_dtype,
-            quant_scale_q=quant_scale_q if quant_scales_q is None else quant_scales_q,
-            quant_scale_kv=quant_scale_kv if quant_scales_kv is None else quant_scales_kv,
-            page_size=page_size,
-            kv_layout=kv_layout,
-            q_rope_out=q_rope_out,
-            q_nope_out=q_nope_out,
-            mrope_section=fw.mrope_tuple(mrope_section),
-            mrope_interleaved=mrope_interleaved,
-            q_scale_out=q_scale_out,
-            kv_cache_scales=None if k_scales is None else (k_scales, v_scales),
-            status=status,
-        )
-
-    def allocating(
-        q_rope: Tensor,
-        k_rope: Tensor,
-        q_nope: Optional[Tensor],
-        k_nope: Optional[Tensor],
-        v: Optional[Tensor],
-        cos_sin_cache: Tensor,
-        pos_ids: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        kv_indices: Tensor,
-        kv_indptr: Tensor,
-        batch_indices: Tensor,
-        positions: Tensor,
-        is_neox: bool,
-        quantize_dtype: Optional[torch.dtype],
-        quant_scale_q: Optional[float],
-        quant_scales_q: Optional[Tensor],
-        quant_scale_kv: Optional[float],
-        quant_scales_kv: Optional[Tensor],
-        page_size: int,
-        kv_layout: str,
-        mrope_section: Optional[List[int]],
-        mrope_interleaved: bool,
-        q_scale_out: Optional[Tensor],
-        k_scales: Optional[Tensor],
-        v_scales: Optional[Tensor],
-        status: Optional[Tensor],
-    ) -> Tuple[Tensor, Tensor]:
-        q_rope_out, q_nope_out = _paged_outputs(
-            q_rope,
-            k_rope,
-            q_nope,
-            k_cache,
-            quantize_dtype,
-            quantize,
-            k_scales is not None,
-            quant_scale_kv is not None or quant_scales_kv is not None,
-        )
-        into(
-            q_rope,
-            k_rope,
-            q_nope,
-            k_nope,
-            v,
-            cos_sin_cache,
-            pos_ids,
-            k_cache,
-            v_cache,
-            kv_indices,
-            kv_indptr,
-            batch_indices,
-            positions,
-            q_rope_out,
-            q_nope_out,
-            is_neox,
-            quantize_dtype,
-            quant_scale_q,
-            quant_scales_q,
-            quant_scale_kv,
-            quant_scales_kv,
-            page_size,
-            kv_layout,
-            mrope_section,
-            mrope_interleaved,
-            q_scale_out,
-            k_scales,
-            v_scales,
-            status,
-        )
-        return q_rope_out, q_nope_out
-
-    def fake(
-        q_rope,
-        k_rope,
-        q_nope,
-        k_nope,
-        v,
-        cos_sin_cache,
-        pos_ids,
-        k_cache,
-        v_cache,
-        kv_indices,
-        kv_indptr,
-        batch_indices,
-        positions,
-        is_neox,
-        quantize_dtype,
-        quant_scale_q,
-        quant_scales_q,
-        quant_scale_kv,
-        quant_scales_kv,
-        page_size,
-        kv_layout,
-        mrope_section,
-        mrope_interleaved,
-        q_scale_out,
-        k_scales,
-        v_scales,
-        status,
-    ):
-        return _paged_outputs(
-            q_rope,
-            k_rope,
-            q_nope,
-            k_cache,
-            quantize_dtype,
-            quantize,
-            k_scales is not None,
-            quant_scale_kv is not None or quant_scales_kv is not None,
-        )
-
-    written = ("k_cache", "v_cache", "q_scale_out", "k_scales", "v_scales", "status")
-    op = _custom_op(name, allocating, eager, written, fake)
-    op_out = _custom_op(f"{name}_out", into, eager, (*written, "q_rope_out", "q_nope_out"))
-    return op, op_out
-
-
-_rope_quantize_fp8 = _paged_ops(
-    "rope_quantize_fp8_append_paged_kv_cache", ropekv.rope_quantize_fp8_append_paged_kv_cache, True
-)
-_rope_append = _paged_ops("rope_append_paged_kv_cache", ropekv.rope_append_paged_kv_cache, False)
-
-
-def _scale_pair(scales):
-    """``kv_cache_scales`` as the op's two tensor arguments, with the eager op's message for
-    anything but a pair of arrays."""
-    if scales is None:
-        return None, None
-    if not isinstance(scales, (tuple, list)) or len(scales) != 2 or any(x is None for x in scales):
-        raise ValueError(
-            f"kv_cache_scales must be a pair of arrays (k_scales, v_scales), got "
-            f"{type(scales).__qualname__}"
-            + (f" of length {len(scales)}" if isinstance(scales, (tuple, list)) else "")
-        )
-    return scales[0], scales[1]
-
-
-def _paged_call(
-    ops,
-    q_rope,
-    k_rope,
-    q_nope,
-    k_nope,
-    v,
-    cos_sin_cache,
-    pos_ids,
-    paged_kv_cache,
-    kv_indices,
-    kv_indptr,
-    batch_indices,
-    positions,
-    is_neox,
-    quantize_dtype,
-    quant_scale_q,
-    quant_scale_kv,
-    page_size,
-    kv_layout,
-    q_rope_out,
-    q_nope_out,
-    options,
-):
-    mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status = options
-    shown = type(paged_kv_cache).__qualname__
-    if isinstance(paged_kv_cache, (tuple, list)):
-        shown += f" of length {len(paged_kv_cache)}"
-    k_cache, v_cache = _pair(paged_kv_cache, _PAGED_PAIR.format(shown))
-    if quantize_dtype is not None and not isinstance(quantize_dtype, torch.dtype):
-        quantize_dtype = _torch_dtype(as_dtype(quantize_dtype))
-    scales = []
-    for s in (quant_scale_q, quant_scale_kv):  # None stays None: computed scales replace it
-        scales += [None, s] if isinstance(s, Tensor) else [s, None]
-    args = (
-        q_rope,
-        k_rope,
-        q_nope,
-        k_nope,
-        v,
-        cos_sin_cache,
-        pos_ids,
-        k_cache,
-        v_cache,
-        kv_indices,
-        kv_indptr,
-        batch_indices,
-        positions,
-        bool(is_neox),
-        quantize_dtype,
-        *scales,
-        page_size,
-        kv_layout,
-        fw.mrope_list(mrope_section),
-        _flag(mrope_interleaved, "mrope_interleaved"),
-        q_scale_out,
-        *_scale_pair(kv_cache_scales),
-        status,
-    )
-    op, op_out = ops
-    if q_rope_out is None and q_nope_out is None:
-        return op(*args)
-    # The missing output gets the given one's dtype (or quantize_dtype), as in the eager op.
-    like = q_rope_out if q_rope_out is not None else q_nope_out
-    dtype = quantize_dtype if quantize_dtype is not None else like.dtype
-    T, Hq = q_rope.shape[0], q_rope.shape[1]
-    if q_rope_out is None:
-        q_rope_out = q_rope.new_empty((T, Hq, q_rope.shape[-1]), dtype=dtype)
-    if q_nope_out is None:
-        Dn = 0 if q_nope is None else q_nope.shape[-1]
-        q_nope_out = q_rope.new_empty((T, Hq, Dn), dtype=dtype)
-    op_out(*args[:13], q_rope_out, q_nope_out, *args[13:])  # after the required arguments
-    return q_rope_out, q_nope_out
-
-
-def rope_quantize_fp8_append_paged_kv_cache(
-    q_rope,
-    k_rope,
-    q_nope,
-    k_nope,
-    v,
-    cos_sin_cache,
-    pos_ids,
-    paged_kv_cache,
-    kv_indices,
-    kv_indptr,
-    batch_indices,
-    positions,
-    is_neox=True,
-    quantize_dtype=None,
-    quant_scale_q=None,
-    quant_scale_kv=None,
-    page_size=16,
-    kv_layout="NHD",
-    q_rope_out=None,
-    q_nope_out=None,
-    enable_pdl=False,
-    *,
-    mrope_section=None,
-    mrope_interleaved=False,
-    q_scale_out=None,
-    kv_cache_scales=None,
-    status=None,
-):
-    """:func:`ropekv.rope_quantize_fp8_append_paged_kv_cache` (FlashInfer's arguments) as a custom
-    op; returns ``(q_rope_out, q_nope_out)``.
-
-    Without ``q_rope_out`` / ``q_nope_out`` runs ``torch.ops.ropekv.
-    rope_quantize_fp8_append_paged_kv_cache``, which allocates and returns them (writes the two
-    caches); with either, ``..._out``, which writes them (the other one is allocated here). A
-    tensor ``quant_scale_q`` / ``quant_scale_kv`` passes as the op's ``quant_scales_q`` /
-    ``quant_scales_kv``. ``enable_pdl`` is accepted and ignored, as in the eager op. No
-    ``stream=``. mRoPE: ``pos_ids (3, nnz)`` with ``mrope_section`` (a list of ints in the op's
-    schema) and ``mrope_interleaved``. ``q_scale_out``, ``kv_cache_scales`` (a pair, the op's
-    ``k_scales`` and ``v_scales``) and ``status`` are written in place when given (both forms
-    declare them mutated). ``quant_scale_q`` / ``quant_scale_kv`` default to None (1.0), as in
-    the eager op, and stay None when the computed scales replace them.
-    """
-    return _paged_call(
-        _rope_quantize_fp8,
-        q_rope,
-        k_rope,
-        q_nope,
-        k_nope,
-        v,
-        cos_sin_cache,
-        pos_ids,
-        paged_kv_cache,
-        kv_indices,
-        kv_indptr,
-        batch_indices,
-        positions,
-        is_neox,
-        quantize_dtype,
-        quant_scale_q,
-        quant_scale_kv,
-        page_size,
-        kv_layout,
-        q_rope_out,
-        q_nope_out,
-        (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status),
-    )
-
-
-def rope_append_paged_kv_cache(
-    q_rope,
-    k_rope,
-    q_nope,
-    k_nope,
-    v,
-    cos_sin_cache,
-    pos_ids,
-    paged_kv_cache,
-    kv_indices,
-    kv_indptr,
-    batch_indices,
-    positions,
-    is_neox=True,
-    quantize_dtype=None,
-    quant_scale_q=None,
-    quant_scale_kv=None,
-    page_size=16,
-    kv_layout="NHD",
-    q_rope_out=None,
-    q_nope_out=None,
-    enable_pdl=False,
-    *,
-    mrope_section=None,
-    mrope_interleaved=False,
-    q_scale_out=None,
-    kv_cache_scales=None,
-    status=None,
-):
-    """:func:`ropekv.rope_append_paged_kv_cache` as a custom op (16-bit or fp8 caches); the same
-    contract as :func:`rope_quantize_fp8_append_paged_kv_cache` here, through
-    ``torch.ops.ropekv.rope_append_paged_kv_cache`` and ``..._out``."""
-    return _paged_call(
-        _rope_append,
-        q_rope,
-        k_rope,
-        q_nope,
-        k_nope,
-        v,
-        cos_sin_cache,
-        pos_ids,
-        paged_kv_cache,
-        kv_indices,
-        kv_indptr,
-        batch_indices,
-        positions,
-        is_neox,
-        quantize_dtype,
-        quant_scale_q,
-        quant_scale_kv,
-        page_size,
-        kv_layout,
-        q_rope_out,
-        q_nope_out,
-        (mrope_section, mrope_interleaved, q_scale_out, kv_cache_scales, status),
-    )
-
-
-# ---- mla_rope_rmsnorm_append_paged_kv_cache ----------------------------------------------------
-
-
-def _mla_ops():
-    name = "mla_rope_rmsnorm_append_paged_kv_cache"
-
-    def run(
-        q_rope,
-        kv,
-        gamma,
-        cos_sin_cache,
-        input_row_offsets,
-        cache_lengths,
-        block_table,
-        kv_cache,
-        kpe_cache,
-        epsilon,
-        kv_norm_dim,
-        is_neox,
-        kv_scale,
-        clear,
-        status,
-        layer_idx,
-        q_rope_out,
-    ):
-        cache = kv_cache if kpe_cache is None else (kv_cache, kpe_cache)
-        _eager(
-            ropekv.mla_rope_rmsnorm_append_paged_kv_cache,
-            q_rope,
-            kv,
-            gamma,
-            cos_sin_cache,
-            input_row_offsets,
-            cache_lengths,
-            block_table,
-            cache,
-            epsilon=epsilon,
-            kv_norm_dim=kv_norm_dim,
-            is_neox=is_neox,
-            kv_scale=kv_scale,
-            q_rope_out=q_rope_out,
-            clear_unused_last_page_rows=clear,
-            status=status,
-            layer_idx=layer_idx,
-        )
-
-    def allocating(
-        q_rope: Tensor,
-        kv: Tensor,
-        gamma: Tensor,
-        cos_sin_cache: Tensor,
-        input_row_offsets: Tensor,
-        cache_lengths: Tensor,
-        block_table: Tensor,
-        kv_cache: Tensor,
-        kpe_cache: Optional[Tensor],
-        epsilon: float,
-        kv_norm_dim: Optional[int],
-        is_neox: bool,
-        kv_scale: Optional[float],
-        clear_unused_last_page_rows: bool,
-        status: Optional[Tensor],
-        layer_idx: Optional[int],
-    ) -> Tensor:
-        out = _like_q(q_rope, "q_rope", "(T, Hq, R)")
-        run(
-            q_rope,
-            kv,
-            gamma,
-            cos_sin_cache,
-            input_row_offsets,
-            cache_lengths,
-            block_table,
-            kv_cache,
-            kpe_cache,
-            epsilon,
-            kv_norm_dim,
-            is_neox,
-            kv_scale,
-            clear_unused_last_page_rows,
-            status,
-            layer_idx,
-            out,
-        )
-        return out
-
-    def into(
-        q_rope: Tensor,
-        kv: Tensor,
-        gamma: Tensor,
-        cos_sin_cache: Tensor,
-        input_row_offsets: Tensor,
-        cache_lengths: Tensor,
-        block_table: Tensor,
-        kv_cache: Tensor,
-        q_rope_out: Tensor,
-        kpe_cache: Optional[Tensor],
-        epsilon: float,
-        kv_norm_dim: Optional[int],
-        is_neox: bool,
-        kv_scale: Optional[float],
-        clear_unused_last_page_rows: bool,
-        status: Optional[Tensor],
-        layer_idx: Optional[int],
-    ) -> None:
-        run(
-            q_rope,
-            kv,
-            gamma,
-            cos_sin_cache,
-            input_row_offsets,
-            cache_lengths,
-            block_table,
-            kv_cache,
-            kpe_cache,
-            epsilon,
-            kv_norm_dim,
-            is_neox,
-            kv_scale,
-            clear_unused_last_page_rows,
-            status,
-            layer_idx,
-            q_rope_out,
-        )
-
-    def in_place(
-        q_rope: Tensor,
-        kv: Tensor,
-        gamma: Tensor,
-        cos_sin_cache: Tensor,
-        input_row_offsets: Tensor,
-        cache_lengths: Tensor,
-        block_table: Tensor,
-        kv_cache: Tensor,
-        kpe_cache: Optional[Tensor],
-        epsilon: float,
-        kv_norm_dim: Optional[int],
-        is_neox: bool,
-        kv_scale: Optional[float],
-        clear_unused_last_page_rows: bool,
-        status: Optional[Tensor],
-        layer_idx: Optional[int],
-    ) -> None:
-        run(
-            q_rope,
-            kv,
-            gamma,
-            cos_sin_cache,
-            input_row_offsets,
-            cache_lengths,
-            block_table,
-            kv_cache,
-            kpe_cache,
-            epsilon,
-            kv_norm_dim,
-            is_neox,
-            kv_scale,
-            clear_unused_last_page_rows,
-            status,
-            layer_idx,
-            q_rope,
-        )
-
-    return _three_ops(
-        name,
-        allocating,
-        into,
-        in_place,
-        ("kv_cache", "kpe_cache", "status"),
-        "q_rope",
-        "q_rope_out",
-        "(T, Hq, R)",
-    )
-
-
-def _like_q(q, name, layout):
-    """An empty output shaped like ``q`` (checked as the eager op's first checks would)."""
-    shape, dtype = fw.same_as_q(_meta(q, name), layout)
-    return q.new_empty(shape, dtype=_torch_dtype(dtype))
-
-
-def _three_ops(name, allocating, into, in_place, caches, q_name, out_name, layout, fake=None):
-    """Register the allocating, ``_out`` and ``_in_place`` ops of an op with one q output (the
-    allocating op's fake: ``fake``, by default an empty tensor like ``q``)."""
-    eager = getattr(ropekv, name)
-    fake = fake or (lambda q, *rest: _like_q(q, q_name, layout))
-    op = _custom_op(name, allocating, eager, caches, fake)
-    op_out = _custom_op(f"{name}_out", into, eager, (*caches, out_name))
-    op_in_place = _custom_op(f"{name}_in_place", in_place, eager, (*caches, q_name))
-    return op, op_out, op_in_place
-
-
-_mla = _mla_ops()
-
-
-def _pick(ops, q, out):
-    """(op, output args, result) for an op with one q output: allocating, in place, or into
-    the caller's tensor (the ``_out`` op takes it after its required arguments)."""
-    op, op_out, op_in_place = ops
-    if out is None:
-        return op, (), None
-    if out is q:
-        return op_in_place, (), q
-    return op_out, (out,), out
-
-
-def mla_rope_rmsnorm_append_paged_kv_cache(
-    q_rope,
-    kv,
-    gamma,
-    cos_sin_cache,
-    input_row_offsets,
-    cache_lengths,
-    block_table,
-    kv_cache,
-    *,
-    epsilon=1e-6,
-    kv_norm_dim=None,
-    is_neox=False,
-    kv_scale=None,
-    q_rope_out=None,
-    clear_unused_last_page_rows=False,
-    status=None,
-    layer_idx=None,
-):
-    """:func:`ropekv.mla_rope_rmsnorm_append_paged_kv_cache` as a custom op; returns
-    ``q_rope_out``.
-
-    ``kv_cache`` is one tensor or a ``(ckv, kpe)`` pair (the op's ``kv_cache`` and ``kpe_cache``).
-    Runs ``torch.ops.ropekv.mla_rope_rmsnorm_append_paged_kv_cache`` (allocates ``q_rope_out``),
-    ``..._out`` (writes the given ``q_rope_out``) or ``..._in_place`` (``q_rope_out=q_rope``).
-    No ``stream=``. ``status`` (an int32 tensor of one element) is written in place (every form
-    declares it mutated); ``layer_idx`` writes one layer of caches with a leading
-    ``(num_layers, ...)`` dimension, as the eager op.
-    """
-    if isinstance(kv_cache, (tuple, list)):
-        ckv, kpe = _pair(
-            kv_cache,
-            f"kv_cache must be one array (num_pages, page_size, L + R) or "
-            f"a tuple (ckv, kpe), got a {type(kv_cache).__name__} of "
-            f"{len(kv_cache)} arrays",
-        )
-    else:
-        ckv, kpe = kv_cache, None
-    op, extra, result = _pick(_mla, q_rope, q_rope_out)
-    out = op(
-        q_rope,
-        kv,
-        gamma,
-        cos_sin_cache,
-        input_row_offsets,
-        cache_lengths,
-        block_table,
-        ckv,
-        *extra,
-        kpe,
-        epsilon,
-        kv_norm_dim,
-        bool(is_neox),
-        kv_scale,
-        _flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"),
-        status,
-        fw.layer_index(layer_idx),
-    )
-    return out if result is None else result
-
-
-# ---- qk_rmsnorm_rope_append_paged_kv_cache -----------------------------------------------------
-
-
-def _qknorm_out(q, q_out_dtype):
-    """An empty ``q_out`` in ``q_out_dtype`` (checked as the eager op checks it)."""
-    shape, dtype = fw.qknorm_q_output(_meta(q, "q"), q_out_dtype)
-    return q.new_empty(shape, dtype=_torch_dtype(dtype))
-
-
-def _qknorm_ops():
-    name = "qk_rmsnorm_rope_append_paged_kv_cache"
-
-    def run(
-        q,
-        k,
-        v,
-        q_gamma,
-        k_gamma,
-        cos_sin_cache,
-        input_row_offsets,
-        cache_lengths,
-        block_table,
-        k_cache,
-        v_cache,
-        epsilon,
-        is_neox,
-        kv_layout,
-        kv_scale,
-        options,
-        q_out,
-    ):
-        (
-            norm_order,
-            weight_offset,
-            clear,
-            position_ids,
-            mrope_section,
-            mrope_interleaved,
-            q_out_dtype,
-            q_scale,
-            q_scale_out,
-            k_scales,
-            v_scales,
-            status,
-            layer_idx,
-        ) = options
-        _eager(
-            ropekv.qk_rmsnorm_rope_append_paged_kv_cache,
-            q,
-            k,
-            v,
-            q_gamma,
-            k_gamma,
-            cos_sin_cache,
-            input_row_offsets,
-            cache_lengths,
-            block_table,
-            (k_cache, v_cache),
-            epsilon=epsilon,
-            is_neox=is_neox,
-            kv_layout=kv_layout,
-            kv_scale=_scale_arg(kv_scale),
-            q_out=q_out,
-            q_out_dtype=q_out_dtype,
-            q_scale=q_scale,
-            q_scale_out=q_scale_out,
-            kv_cache_scales=None if k_scales is None else (k_scales, v_scales),
-            norm_order=norm_order,
-            weight_offset=weight_offset,
-            clear_unused_last_page_rows=clear,
-            position_ids=position_ids,
-            mrope_section=fw.mrope_tuple(mrope_section),
-            mrope_interleaved=mrope_interleaved,
-            status=status,
-            layer_idx=layer_idx,
-        )
-
-    def allocating(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        q_gamma: Tensor,
-        k_gamma: Tensor,
-        cos_sin_cache: Tensor,
-        input_row_offsets: Tensor,
-        cache_lengths: Tensor,
-        block_table: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        epsilon: float,
-        is_neox: bool,
-        kv_layout: str,
-        kv_scale: Optional[List[float]],
-        norm_order: str,
-        weight_offset: float,
-        clear_unused_last_page_rows: bool,
-        position_ids: Optional[Tensor],
-        mrope_section: Optional[List[int]],
-        mrope_interleaved: bool,
-        q_out_dtype: Optional[torch.dtype],
-        q_scale: Optional[float],
-        q_scale_out: Optional[Tensor],
-        k_scales: Optional[Tensor],
-        v_scales: Optional[Tensor],
-        status: Optional[Tensor],
-        layer_idx: Optional[int],
-    ) -> Tensor:
-        out = _qknorm_out(q, q_out_dtype)
-        run(
-            q,
-            k,
-            v,
-            q_gamma,
-            k_gamma,
-            cos_sin_cache,
-            input_row_offsets,
-            cache_lengths,
-            block_table,
-            k_cache,
-            v_cache,
-            epsilon,
-            is_neox,
-            kv_layout,
-            kv_scale,
-            (
-                norm_order,
-                weight_offset,
-                clear_unused_last_page_rows,
-                position_ids,
-                mrope_section,
-                mrope_interleaved,
-                q_out_dtype,
-                q_scale,
-                q_scale_out,
-                k_scales,
-                v_scales,
-                status,
-                layer_idx,
-            ),
-            out,
-        )
-        return out
-
-    def into(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        q_gamma: Tensor,
-        k_gamma: Tensor,
-        cos_sin_cache: Tensor,
-        input_row_offsets: Tensor,
-        cache_lengths: Tensor,
-        block_table: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        q_out: Tensor,
-        epsilon: float,
-        is_neox: bool,
-        kv_layout: str,
-        kv_scale: Optional[List[float]],
-        norm_order: str,
-        weight_offset: float,
-        clear_unused_last_page_rows: bool,
-        position_ids: Optional[Tensor],
-        mrope_section: Optional[List[int]],
-        mrope_interleaved: bool,
-        q_out_dtype: Optional[torch.dtype],
-        q_scale: Optional[float],
-        q_scale_out: Optional[Tensor],
-        k_scales: Optional[Tensor],
-        v_scales: Optional[Tensor],
-        status: Optional[Tensor],
-        layer_idx: Optional[int],
-    ) -> None:
-        run(
-            q,
-            k,
-            v,
-            q_gamma,
-            k_gamma,
-            cos_sin_cache,
-            input_row_offsets,
-            cache_lengths,
-            block_table,
-            k_cache,
-            v_cache,
-            epsilon,
-            is_neox,
-            kv_layout,
-            kv_scale,
-            (
-                norm_order,
-                weight_offset,
-                clear_unused_last_page_rows,
-                position_ids,
-                mrope_section,
-                mrope_interleaved,
-                q_out_dtype,
-                q_scale,
-                q_scale_out,
-                k_scales,
-                v_scales,
-                status,
-                layer_idx,
-            ),
-            q_out,
-        )
-
-    def in_place(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        q_gamma: Tensor,
-        k_gamma: Tensor,
-        cos_sin_cache: Tensor,
-        input_row_offsets: Tensor,
-        cache_lengths: Tensor,
-        block_table: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        epsilon: float,
-        is_neox: bool,
-        kv_layout: str,
-        kv_scale: Optional[List[float]],
-        norm_order: str,
-        weight_offset: float,
-        clear_unused_last_page_rows: bool,
-        position_ids: Optional[Tensor],
-        mrope_section: Optional[List[int]],
-        mrope_interleaved: bool,
-        q_out_dtype: Optional[torch.dtype],
-        q_scale: Optional[float],
-        q_scale_out: Optional[Tensor],
-        k_scales: Optional[Tensor],
-        v_scales: Optional[Tensor],
-        status: Optional[Tensor],
-        layer_idx: Optional[int],
-    ) -> None:
-        run(
-            q,
-            k,
-            v,
-            q_gamma,
-            k_gamma,
-            cos_sin_cache,
-            input_row_offsets,
-            cache_lengths,
-            block_table,
-            k_cache,
-            v_cache,
-            epsilon,
-            is_neox,
-            kv_layout,
-            kv_scale,
-            (
-                norm_order,
-                weight_offset,
-                clear_unused_last_page_rows,
-                position_ids,
-                mrope_section,
-                mrope_interleaved,
-                q_out_dtype,
-                q_scale,
-                q_scale_out,
-                k_scales,
-                v_scales,
-                status,
-                layer_idx,
-            ),
-            q,
-        )
-
-    def fake(q, *args):
-        return _qknorm_out(q, args[20])  # q_out_dtype
-
-    return _three_ops(
-        name,
-        allocating,
-        into,
-        in_place,
-        ("k_cache", "v_cache", "q_scale_out", "k_scales", "v_scales", "status"),
-        "q",
-        "q_out",
-        "(T, Hq, D)",
-        fake,
-    )
-
-
-_qknorm = _qknorm_ops()
-
-
-def qk_rmsnorm_rope_append_paged_kv_cache(
-    q,
-    k,
-    v,
-    q_gamma,
-    k_gamma,
-    cos_sin_cache,
-    input_row_offsets,
-    cache_lengths,
-    block_table,
-    paged_kv_cache,
-    *,
-    epsilon=1e-6,
-    is_neox=True,
-    kv_layout="NHD",
-    kv_scale=None,
-    q_out=None,
-    q_out_dtype=None,
-    q_scale=None,
-    q_scale_out=None,
-    kv_cache_scales=None,
-    norm_order="before_rope",
-    weight_offset=0.0,
-    clear_unused_last_page_rows=False,
-    position_ids=None,
-    mrope_section=None,
-    mrope_interleaved=False,
-    status=None,
-    layer_idx=None,
-):
-    """:func:`ropekv.qk_rmsnorm_rope_append_paged_kv_cache` as a custom op; returns ``q_out``.
-
-    Runs ``torch.ops.ropekv.qk_rmsnorm_rope_append_paged_kv_cache`` (allocates ``q_out``, in
-    ``q_out_dtype``: ``q``'s or fp8), ``..._out`` (writes the given ``q_out``) or
-    ``..._in_place`` (``q_out=q``). ``kv_scale`` (a float or a pair) passes as a list of floats,
-    ``mrope_section`` as a list of ints, ``q_out_dtype`` as a torch dtype (a NumPy dtype or a
-    name is converted). No ``stream=``. ``q_scale_out``, ``kv_cache_scales`` (a pair, the op's
-    ``k_scales`` and ``v_scales``) and ``status`` (an int32 tensor of one element) are written
-    in place when given (every form declares them mutated); ``layer_idx`` writes one layer of
-    caches with a leading ``(num_layers, ...)`` dimension (and of ``kv_cache_scales``' arrays),
-    as the eager op.
-    """
-    k_cache, v_cache = _pair(
-        paged_kv_cache,
-        f"paged_kv_cache must be a tuple (k_cache, v_cache), got {type(paged_kv_cache).__name__}",
-    )
-    if kv_cache_scales is not None and (
-        not isinstance(kv_cache_scales, (tuple, list)) or len(kv_cache_scales) != 2
-    ):
-        raise ValueError(
-            f"kv_cache_scales must be a tuple (k_scales, v_scales), got "
-            f"{type(kv_cache_scales).__name__}"
-        )
-    k_scales, v_scales = (None, None) if kv_cache_scales is None else kv_cache_scales
-    if q_out_dtype is not None and not isinstance(q_out_dtype, torch.dtype):
-        # a NumPy dtype or a name: checked (the eager message) and passed as a torch dtype
-        q_out_dtype = _torch_dtype(fw.qknorm_q_output(_meta(q, "q"), q_out_dtype)[1])
-    op, extra, result = _pick(_qknorm, q, q_out)
-    out = op(
-        q,
-        k,
-        v,
-        q_gamma,
-        k_gamma,
-        cos_sin_cache,
-        input_row_offsets,
-        cache_lengths,
-        block_table,
-        k_cache,
-        v_cache,
-        *extra,
-        epsilon,
-        bool(is_neox),
-        kv_layout,
-        _scale_list(kv_scale),
-        norm_order,
-        weight_offset,
-        _flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"),
-        position_ids,
-        fw.mrope_list(mrope_section),
-        _flag(mrope_interleaved, "mrope_interleaved"),
-        q_out_dtype,
-        q_scale,
-        q_scale_out,
-        k_scales,
-        v_scales,
-        status,
-        fw.layer_index(layer_idx),
-    )
-    return out if result is None else result
-
-
-# ---- fused_qkv_matmul_append_paged_kv_cache ----------------------------------------------------
-
-
-def _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx):
-    shape, dtype = fw.qkv_output(
-        _meta(hidden_state, "hidden_state"),
-        _meta(k_cache, "k_cache"),
-        num_q_heads,
-        kv_layout,
-        layer_idx,
-    )
-    return hidden_state.new_empty(shape, dtype=_torch_dtype(dtype))
-
-
-def _qkv_ops():
-    name = "fused_qkv_matmul_append_paged_kv_cache"
-
-    def into(
-        hidden_state: Tensor,
-        weight: Tensor,
-        input_row_offsets: Tensor,
-        cache_lengths: Tensor,
-        block_table: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        num_q_heads: int,
-        out: Tensor,
-        cos_sin_cache: Optional[Tensor],
-        is_neox: bool,
-        kv_layout: str,
-        kv_scale: Optional[List[float]],
-        weight_scales: Optional[Tensor],
-        group_size: Optional[int],
-        zero_points: Optional[Tensor],
-        clear_unused_last_page_rows: bool,
-        status: Optional[Tensor],
-        layer_idx: Optional[int],
-    ) -> None:
-        # a call that runs cuBLAS takes a capturing stream itself: its plan's capture plan (the
-        # fused kernel), or its refusal
-        _eager(
-            ropekv.fused_qkv_matmul_append_paged_kv_cache,
-            hidden_state,
-            weight,
-            input_row_offsets,
-            cache_lengths,
-            block_table,
-            (k_cache, v_cache),
-            num_q_heads=num_q_heads,
-            cos_sin_cache=cos_sin_cache,
-            is_neox=is_neox,
-            kv_layout=kv_layout,
-            kv_scale=_scale_arg(kv_scale),
-            weight_scales=weight_scales,
-            group_size=group_size,
-            zero_points=zero_points,
-            out=out,
-            clear_unused_last_page_rows=clear_unused_last_page_rows,
-            status=status,
-            layer_idx=layer_idx,
-        )
-
-    def allocating(
-        hidden_state: Tensor,
-        weight: Tensor,
-        input_row_offsets: Tensor,
-        cache_lengths: Tensor,
-        block_table: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        num_q_heads: int,
-        cos_sin_cache: Optional[Tensor],
-        is_neox: bool,
-        kv_layout: str,
-        kv_scale: Optional[List[float]],
-        weight_scales: Optional[Tensor],
-        group_size: Optional[int],
-        zero_points: Optional[Tensor],
-        clear_unused_last_page_rows: bool,
-        status: Optional[Tensor],
-        layer_idx: Optional[int],
-    ) -> Tensor:
-        out = _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx)
-        into(
-            hidden_state,
-            weight,
-            input_row_offsets,
-            cache_lengths,
-            block_table,
-            k_cache,
-            v_cache,
-            num_q_heads,
-            out,
-            cos_sin_cache,
-            is_neox,
-            kv_layout,
-            kv_scale,
-            weight_scales,
-            group_size,
-            zero_points,
-            clear_unused_last_page_rows,
-            status,
-            layer_idx,
-        )
-        return out
-
-    def fake(
-        hidden_state,
-        weight,
-        input_row_offsets,
-        cache_lengths,
-        block_table,
-        k_cache,
-        v_cache,
-        num_q_heads,
-        cos_sin_cache,
-        is_neox,
-        kv_layout,
-        kv_scale,
-        weight_scales,
-        group_size,
-        zero_points,
-        clear_unused_last_page_rows,
-        status,
-        layer_idx,
-    ):
-        return _qkv_out(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx)
-
-    eager = ropekv.fused_qkv_matmul_append_paged_kv_cache
-    op = _custom_op(name, allocating, eager, ("k_cache", "v_cache", "status"), fake)
-    op_out = _custom_op(f"{name}_out", into, eager, ("k_cache", "v_cache", "status", "out"))
-    return op, op_out
-
-
-_qkv = _qkv_ops()
-
-
-def fused_qkv_matmul_append_paged_kv_cache(
-    hidden_state,
-    weight,
-    input_row_offsets,
-    cache_lengths,
-    block_table,
-    paged_kv_cache,
-    *,
-    num_q_heads,
-    cos_sin_cache=None,
-    is_neox=True,
-    kv_layout="NHD",
-    kv_scale=None,
-    weight_scales=None,
-    group_size=None,
-    zero_points=None,
-    out=None,
-    clear_unused_last_page_rows=False,
-    status=None,
-    layer_idx=None,
-):
-    """:func:`ropekv.fused_qkv_matmul_append_paged_kv_cache` as a custom op; returns ``out``.
-
-    Runs ``torch.ops.ropekv.fused_qkv_matmul_append_paged_kv_cache`` (allocates ``out``) or
-    ``..._out`` (writes the given ``out``). ``kv_scale`` passes as a list of floats. No
-    ``stream=``. Calls that run cuBLAS on temporaries eagerly run the fused kernel under
-    CUDA-graph capture, up to ``ropekv.qkv.GRAPH_MAX_TOKENS`` tokens on sm_90; beyond (see
-    ``ropekv.qkv.graph_safe``) they raise ``ValueError`` under capture. ``status`` (an int32
-    tensor of one element) is written in place (both forms declare it mutated); ``layer_idx``
-    writes one layer of caches with a leading ``(num_layers, ...)`` dimension, as the eager op.
-    """
-    k_cache, v_cache = _pair(
-        paged_kv_cache,
-        f"paged_kv_cache must be a (k_cache, v_cache) pair, "
-        f"got {type(paged_kv_cache).__qualname__}",
-    )
-    op, op_out = _qkv
-    args = (
-        hidden_state,
-        weight,
-        input_row_offsets,
-        cache_lengths,
-        block_table,
-        k_cache,
-        v_cache,
-        num_q_heads,
-        cos_sin_cache,
-        bool(is_neox),
-        kv_layout,
-        _scale_list(kv_scale),
-        weight_scales,
-        group_size,
-        zero_points,
-        _flag(clear_unused_last_page_rows, "clear_unused_last_page_rows"),
-        status,
-        fw.layer_index(layer_idx),
-    )
-    if out is None:
-        return op(*args)
-    op_out(*args[:8], out, *args[8:])  # out after the required arguments
-    return out
+for _entry in _registry.OPS:
+    _decl = _declare.declaration_of(_entry)
+    if _decl is not None and _entry.torch:
+        globals()[_entry.name] = _declared(_decl)
+del _entry, _decl

@@ -141,12 +141,35 @@ def eager_function(op_name):
     return getattr(ropekv, op_name)
 
 
+def declared_ops():
+    """``{name: declaration}`` of the ops whose torch forms follow from their declarations
+    (ropekv/_declare.py); their own test files hold what each writes."""
+    from ropekv import _declare, _registry
+
+    found = {op.name: _declare.declaration_of(op) for op in _registry.OPS if op.torch}
+    return {name: d for name, d in found.items() if d is not None}
+
+
 def test_every_op_is_in_the_table_above():
     assert set(torch.ops.ropekv) >= set(MUTATIONS)
     registered = {
         n for n in dir(torch.ops.ropekv) if hasattr(getattr(torch.ops.ropekv, n), "default")
     }
-    assert registered == set(MUTATIONS)
+    variants = {v.name for d in declared_ops().values() for v in d.variants()}
+    assert registered == set(MUTATIONS) | variants
+
+
+def test_declared_ops_write_what_they_declare():
+    for decl in declared_ops().values():
+        for variant in decl.variants():
+            schema = getattr(torch.ops.ropekv, variant.name).default._schema
+            written = {
+                a.name
+                for a in schema.arguments
+                if a.alias_info is not None and a.alias_info.is_write
+            }
+            assert written == set(decl.written(variant)), variant.name
+            assert not any(r.alias_info for r in schema.returns), variant.name
 
 
 @pytest.mark.skipif(not rt.SCHEMA_DEFAULTS, reason="the schemas carry defaults from torch 2.13 on")

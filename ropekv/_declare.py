@@ -1,0 +1,435 @@
+"""One declaration per op: each argument of its public function once, by name, with its role and
+the form it takes.
+
+An op module declares its public function in a :class:`Declaration` (``DECLARATIONS`` in the
+module); what the rest of ropekv needs to know about the op follows from it and is written
+nowhere else:
+
+* the torch custom ops (``ropekv.torch``): their schemas with the eager defaults, their
+  ``mutates_args``, their fakes, the variants an output argument implies (allocating, ``_out``,
+  ``_in_place``) and the Python function that picks one;
+* the JAX form (``ropekv.jax``): its inputs, its input-output aliases, the abstract values of its
+  new results and the order it returns them in;
+* the output rule (``Declaration.outputs``): the shape and dtype of each output the op may
+  allocate, from the arguments' metadata alone; one function for the torch fakes, the JAX
+  abstract values and the torch forms' allocations;
+* the lists of ops (``ropekv._registry`` names each op once, with its module; the API page, the
+  framework modules, the bench and ``ropekv check`` follow from the registry).
+
+Roles (``Arg.role``):
+
+``read``
+    an array the op only reads;
+``written``
+    an array the op writes in place (a cache, ``status``, a scales array);
+``out``
+    an output array the caller may give (written) or leave to the op (allocated and returned,
+    by the output rule); ``into`` names the input the op may write it into instead (``q_out=q``:
+    the ``_in_place`` variant), and ``default_into`` makes that the default (the output is the
+    input unless given);
+``new``
+    a result the eager function returns that is no argument of it (FlashInfer's
+    ``apply_rope_with_cos_sin_cache``), shaped and typed like the input ``into``;
+``scalar``
+    a Python value, static in the JAX form.
+
+Forms (``Arg.form``) say how an argument is spelled in the eager call and what it becomes in a
+torch schema, where everything is a tensor, a number, a string, a list or a dtype:
+
+=====================  ==============================================  ======================
+form                   eager value                                     schema arguments
+=====================  ==============================================  ======================
+``tensor``             an array                                        ``Tensor``
+``pair``               a pair of arrays ``(a, b)``                     ``Tensor a, Tensor b``
+``tensor_or_pair``     an array, or a pair ``(a, b)``                  ``Tensor a, Tensor? b``
+``int`` ... ``str``    a number, a bool, a string                      the same
+``floats``             a float or a pair of floats                     ``float[]``
+``float_or_tensor``    a float, or an array                            ``float? a, Tensor? b``
+``floats_or_tensor``   a float, a pair of floats, or an array          ``float[]? a, Tensor? b``
+``ints``               a tuple of ints                                 ``SymInt[]``
+``dtype``              a dtype (NumPy, its name, or torch)             ``ScalarType``
+=====================  ==============================================  ======================
+
+(``?`` wherever the argument may be None; ``a`` / ``b`` are ``Arg.parts``.)
+"""
+
+from __future__ import annotations
+
+import importlib
+import numbers
+from typing import Any, NamedTuple
+
+from ropekv._checks import check_flag
+
+REQUIRED = object()  # the default of an argument the caller must give
+
+READ, WRITTEN, OUT, NEW, SCALAR = "read", "written", "out", "new", "scalar"
+ARRAY_FORMS = ("tensor", "pair", "tensor_or_pair")
+_SCALAR_SCHEMA = {
+    "int": "SymInt",
+    "float": "float",
+    "bool": "bool",
+    "str": "str",
+    "floats": "float[]",
+    "ints": "SymInt[]",
+    "dtype": "ScalarType",
+}
+
+
+class Arg(NamedTuple):
+    """One argument of an op's public function (or one result, for :data:`NEW`)."""
+
+    name: str
+    role: str
+    form: str = "tensor"
+    default: Any = REQUIRED
+    parts: tuple = ()  # the schema's names of a pair or of a number-or-array argument
+    into: str | None = None  # OUT: the input it may be written into; NEW: the input it is like
+    default_into: bool = False  # OUT: the input is the output unless one is given
+    written_when: str | None = None  # READ: written too when this bool scalar is True
+    nullable: bool = False  # required, but None is a value (FlashInfer's q_nope, k_nope, v)
+    check: Any = None  # SCALAR: the eager op's own check of it (value -> value), run first
+
+    @property
+    def optional(self):
+        """None is a value of it (its default, or a required argument that may be None)."""
+        return self.default is None or self.nullable
+
+    @property
+    def is_array(self):
+        return self.form in ARRAY_FORMS
+
+    def schema_parts(self):
+        """``[(schema name, schema type)]`` of this argument (types without the ``?``)."""
+        if self.form == "tensor":
+            return [(self.name, "Tensor")]
+        if self.form in ("pair", "tensor_or_pair"):
+            return [(p, "Tensor") for p in self.parts]
+        if self.form == "float_or_tensor":
+            return [(self.parts[0], "float"), (self.parts[1], "Tensor")]
+        if self.form == "floats_or_tensor":
+            return [(self.parts[0], "float[]"), (self.parts[1], "Tensor")]
+        return [(self.name, _SCALAR_SCHEMA[self.form])]
+
+
+def arg(name, role=READ, form="tensor", default=REQUIRED, **kw):
+    """An :class:`Arg`; ``default=None`` makes it optional."""
+    a = Arg(name, role, form, default, **kw)
+    if form in ("pair", "tensor_or_pair", "float_or_tensor", "floats_or_tensor"):
+        if len(a.parts) != 2:
+            raise ValueError(f"{name}: a {form} argument names its two schema parts")
+    elif form not in ("tensor", *_SCALAR_SCHEMA):
+        raise ValueError(f"{name}: unknown form {form!r}")
+    if (role == SCALAR) == a.is_array:
+        raise ValueError(f"{name}: role {role} with form {form}")
+    return a
+
+
+def array(name, **kw):
+    """An array the op only reads (``optional=True``: None by default; ``nullable=True``:
+    required, but may be None)."""
+    return arg(name, READ, default=None if kw.pop("optional", False) else REQUIRED, **kw)
+
+
+def written(name, **kw):
+    """An array the op writes in place."""
+    return arg(name, WRITTEN, default=None if kw.pop("optional", False) else REQUIRED, **kw)
+
+
+def out(name, **kw):
+    """An output the caller may give; allocated by the op otherwise."""
+    return arg(name, OUT, default=None, **kw)
+
+
+def new(name, *, like):
+    """A result the eager function returns that is none of its arguments, like input ``like``."""
+    return Arg(name, NEW, into=like)
+
+
+def scalar(name, form, default=REQUIRED, **kw):
+    """A Python value of ``form`` ``"int"``, ``"float"``, ``"bool"``, ``"str"``, ``"floats"``,
+    ``"float_or_tensor"``, ... (the table above)."""
+    return arg(name, SCALAR, form, default, **kw)
+
+
+def _schema_default(value):
+    if value is None:
+        return "None"
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
+
+
+class Variant(NamedTuple):
+    """One registered torch op of a declaration."""
+
+    name: str  # torch.ops.ropekv.<name>
+    outs: str  # "new" (allocated, returned), "given" (the _out op) or "into" (_in_place)
+    flag: bool  # the value of the declaration's ``written_when`` flag this op stands for
+
+
+class Declaration:
+    """An op's public function, declared: ``args`` in the eager function's order, then any
+    :data:`NEW` results. ``keyword``: arguments of the eager function that no functional form
+    has (``stream``; torch and XLA choose it). ``outputs(values) -> {name: (shape, dtype)}``:
+    the output rule, from ``values`` (``{name: value}`` of a call, arrays as
+    ``ropekv._frameworks.MetaView``), for each ``out`` argument that is None or may be
+    allocated; ``via``: the in-place sibling the functional forms run for :data:`NEW` results.
+    """
+
+    def __init__(
+        self, name, args, *, outputs=None, keyword=("stream",), via=None, capture_check=None
+    ):
+        self.capture_check = capture_check  # (values, where): refuses a call XLA cannot record
+        self.name = name
+        self.args = tuple(args)
+        self.keyword = tuple(keyword)
+        self.outputs = outputs
+        self.via = via
+        names = [a.name for a in self.args]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{name}: an argument is declared twice")
+        self.inputs = tuple(a for a in self.args if a.role != NEW)
+        self.results = tuple(a for a in self.args if a.role == NEW)
+        self.outs = tuple(a for a in self.inputs if a.role == OUT)
+        self.scalars = tuple(a for a in self.inputs if a.role == SCALAR)
+        self.by_name = {a.name: a for a in self.args}
+        flags = {a.written_when for a in self.inputs if a.written_when}
+        if len(flags) > 1:
+            raise ValueError(f"{name}: at most one written_when flag")
+        self.flag = flags.pop() if flags else None
+
+    def __repr__(self):
+        return f"Declaration({self.name!r})"
+
+    # ---- what the op writes ----------------------------------------------------------------
+
+    def written(self, variant):
+        """Schema names of the arrays ``variant`` writes (its ``mutates_args``)."""
+        names = []
+        for a in self.inputs:
+            writes = a.role == WRITTEN or (a.written_when and variant.flag)
+            if a.role == OUT:
+                writes = variant.outs == "given"
+            elif any(o.into == a.name for o in self.outs):
+                writes = writes or variant.outs == "into"
+            if writes:
+                names += [p for p, t in a.schema_parts() if t == "Tensor"]
+        return tuple(names)
+
+    def variants(self):
+        """The registered torch ops: the base op (allocating its outputs, or writing them into
+        their inputs for ``default_into``), ``_out`` (the caller's outputs) and ``_in_place``
+        (each output written into its ``into`` input), each also ``_<flag>`` variant."""
+        kinds = []
+        if not self.outs:
+            kinds = [("", "new")]
+        elif all(o.default_into for o in self.outs):
+            kinds = [("", "into"), ("_out", "given")]
+        else:
+            kinds = [("", "new"), ("_out", "given")]
+            if all(o.into for o in self.outs):
+                kinds.append(("_in_place", "into"))
+        flags = (False, True) if self.flag else (False,)
+        suffix = {False: "", True: "_" + (self.flag or "").removeprefix("write_")}
+        return [Variant(f"{self.name}{suffix[f]}{s}", kind, f) for f in flags for s, kind in kinds]
+
+    # ---- the torch schema ------------------------------------------------------------------
+
+    def schema(self, variant, defaults=True):
+        """``(schema, {name: default})`` of ``variant``: the inputs' schema parts in order (the flag
+        dropped: the variant implies it), a ``given`` variant's outputs right after the required
+        ones (a custom op takes no keyword-only tensor), the arguments with defaults last, the
+        ``new`` variant's outputs returned; the dict has the schema's arguments in order, each with
+        its default (:data:`REQUIRED` for none)."""
+        written = set(self.written(variant))
+        required, rest = [], []
+        for a in self.inputs:
+            if a.name == self.flag or (a.role == OUT and variant.outs != "given"):
+                continue
+            for i, (name, typ) in enumerate(a.schema_parts()):
+                if a.role == OUT:
+                    optional, default = False, REQUIRED
+                elif i == 0:
+                    optional, default = a.optional, a.default
+                else:  # the second part of a pair or of a number-or-array argument
+                    optional = a.optional or a.form != "pair"
+                    default = None if optional else REQUIRED
+                if typ == "Tensor" and name in written:
+                    typ = f"Tensor(a{len(required) + len(rest)}!)"
+                text = f"{typ}{'?' if optional else ''} {name}"
+                if default is REQUIRED:
+                    required.append((text, name, default))
+                else:
+                    if defaults:
+                        text += "=" + _schema_default(default)
+                    rest.append((text, name, default))
+        if variant.outs != "new":
+            n = 0
+        else:
+            n = len(self.outs) if self.outs else len(self.results)
+        returns = "()" if n == 0 else "Tensor" if n == 1 else f"({', '.join(['Tensor'] * n)})"
+        args = [*required, *rest]
+        text = f"({', '.join(t for t, _, _ in args)}) -> {returns}"
+        return text, {name: default for _, name, default in args}
+
+    # ---- between the eager call and the schema ---------------------------------------------
+
+    def bind(self, args, kwargs, where, signature=None):
+        """``{name: value}`` of a call ``where(*args, **kwargs)`` against ``signature`` (the
+        eager one by default: every input but ``keyword``; positional up to the first
+        keyword-only argument), defaults filled in; Python's own ``TypeError`` messages for a
+        missing, unknown or repeated argument."""
+        names = [a.name for a in self.inputs] if signature is None else list(signature)
+        if len(args) > len(names):
+            raise TypeError(
+                f"{where}() takes {len(names)} positional arguments but {len(args)} were given"
+            )
+        values = dict(zip(names, args))
+        for key, value in kwargs.items():
+            if key not in names:
+                raise TypeError(f"{where}() got an unexpected keyword argument {key!r}")
+            if key in values:
+                raise TypeError(f"{where}() got multiple values for argument {key!r}")
+            values[key] = value
+        for name in names:
+            if name not in values:
+                default = self.by_name[name].default
+                if default is REQUIRED:
+                    raise TypeError(f"{where}() missing required argument: {name!r}")
+                values[name] = default
+        return values
+
+    def expand(self, values, is_array):
+        """``values`` (eager spelling) as ``{schema name: value}``, with the eager messages for a
+        pair that is not one; ``is_array(x)``: whether ``x`` is an array of the framework."""
+        out = {}
+        for a in self.inputs:
+            v = values.get(a.name)
+            if a.form == "tensor" or a.role == SCALAR and a.form not in _EXPANDED:
+                out[a.name] = v
+            elif a.form == "pair":
+                out.update(zip(a.parts, (None, None) if v is None else pair(v, a)))
+            elif a.form == "tensor_or_pair":
+                out.update(zip(a.parts, pair(v, a) if isinstance(v, tuple | list) else (v, None)))
+            elif a.form == "floats":
+                out[a.name] = float_list(v, a.name)
+            elif a.form in ("float_or_tensor", "floats_or_tensor"):
+                number = a.form == "float_or_tensor"
+                if is_array(v):
+                    out.update(zip(a.parts, (None, v)))
+                else:
+                    out.update(zip(a.parts, (v if number else float_list(v, a.name), None)))
+            elif a.form == "ints":
+                out[a.name] = None if v is None else list(v)
+        return out
+
+    def collapse(self, schema_values):
+        """``{schema name: value}`` back to the eager spelling ``{name: value}``."""
+        out = {}
+        for a in self.inputs:
+            if a.form == "tensor" or a.role == SCALAR and a.form not in _EXPANDED:
+                out[a.name] = schema_values.get(a.name)
+                continue
+            if a.form in ("pair", "tensor_or_pair"):
+                x, y = (schema_values.get(p) for p in a.parts)
+                if a.form == "tensor_or_pair":
+                    out[a.name] = x if y is None else (x, y)
+                else:
+                    out[a.name] = None if x is None and y is None else (x, y)
+            elif a.form == "floats":
+                out[a.name] = floats_arg(schema_values.get(a.name))
+            elif a.form in ("float_or_tensor", "floats_or_tensor"):
+                number, tensor = (schema_values.get(p) for p in a.parts)
+                if tensor is not None:
+                    out[a.name] = tensor
+                else:
+                    out[a.name] = number if a.form == "float_or_tensor" else floats_arg(number)
+            elif a.form == "ints":
+                v = schema_values.get(a.name)
+                out[a.name] = None if v is None else tuple(v)
+        return out
+
+    def check_scalars(self, values):
+        """The scalar checks a functional form runs before anything else (the eager op runs
+        the rest): each bool flag a bool, and each scalar with its own ``check`` (``layer_idx``)
+        through it, with the eager messages; returns ``values`` with the checked values."""
+        for a in self.scalars:
+            v = values.get(a.name)
+            if a.form == "bool":
+                values[a.name] = check_flag(v, a.name)
+            elif a.check is not None and v is not None:
+                values[a.name] = a.check(v)
+        return values
+
+    def metas(self, values, is_array, meta):
+        """``values`` with every array as ``meta(array, name)`` (its metadata, for the output
+        rule), a pair's arrays named by their schema parts."""
+        out = dict(values)
+        for a in self.inputs:
+            v = values.get(a.name)
+            if is_array(v):
+                out[a.name] = meta(v, a.parts[0] if a.parts else a.name)
+            elif isinstance(v, tuple | list) and a.is_array:
+                out[a.name] = tuple(
+                    meta(x, p) if is_array(x) else x for x, p in zip(v, a.parts or (a.name,) * 2)
+                )
+        return out
+
+    def written_arrays(self, values):
+        """``[(name, value)]`` of the arrays a call with ``values`` writes in place (the
+        functional forms return them, in this order, after the outputs): each given written
+        array (a pair as a pair), and the flag's array when the flag is on."""
+        found = []
+        for a in self.inputs:
+            writes = a.role == WRITTEN or (a.written_when and values.get(a.written_when))
+            if writes and values.get(a.name) is not None:
+                found.append((a.name, values[a.name]))
+        return found
+
+
+_EXPANDED = ("floats", "float_or_tensor", "floats_or_tensor", "ints")
+
+
+def pair(value, a):
+    """The two arrays of pair argument ``a`` (ValueError naming it for anything else)."""
+    if not isinstance(value, tuple | list) or len(value) != 2 or any(x is None for x in value):
+        shown = type(value).__qualname__
+        if isinstance(value, tuple | list):
+            shown += f" of length {len(value)}"
+        raise ValueError(
+            f"{a.name} must be a pair of arrays ({a.parts[0]}, {a.parts[1]}), got {shown}"
+        )
+    return value[0], value[1]
+
+
+def float_list(value, name):
+    """A float or a pair of floats (or None) as a list of floats; TypeError naming ``name``
+    for anything else (the eager op checks the count and the values)."""
+    if value is None:
+        return None
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", 2) <= 1:
+        value = tuple(value.reshape(-1).tolist())
+    values = value if isinstance(value, tuple | list) else (value,)
+    for s in values:
+        if isinstance(s, bool) or not isinstance(s, numbers.Real):
+            raise TypeError(f"{name} must be a float or a pair of floats, got {value!r}")
+    return [float(s) for s in values]
+
+
+def floats_arg(values):
+    """A schema's list of floats back to the eager value: None, a float or a pair."""
+    if values is None:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def declaration_of(entry):
+    """The :class:`Declaration` of a registry entry (``ropekv._registry.OpEntry``), or None."""
+    module = importlib.import_module(f"ropekv.{entry.module}")
+    for decl in getattr(module, "DECLARATIONS", ()):
+        if decl.name == entry.name:
+            return decl
+    return None
