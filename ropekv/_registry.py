@@ -31,6 +31,8 @@ OPS = (
     OpEntry("mla_rope_rmsnorm_append_paged_kv_cache", "mla", "mla"),
     OpEntry("qk_rmsnorm_rope_append_paged_kv_cache", "qknorm", "qknorm"),
     OpEntry("fused_qkv_matmul_append_paged_kv_cache", "qkv", "qkv"),
+    OpEntry("apply_rope_with_cos_sin_cache_inplace", "qk_rope", "qk_rope", torch=False, jax=False),
+    OpEntry("apply_rope_with_cos_sin_cache", "qk_rope", "qk_rope", torch=False, jax=False),
 )
 
 # the public functions beside the ops (no kernel of their own): name -> module
