@@ -52,7 +52,7 @@ PARAMS = ParamStruct(
 )
 
 # the array arguments, in the order the public functions hand them to the call path
-ARRAYS = ("positions", "query", "key", "cos_sin_cache")
+ARRAYS = ("positions", "query", "key", "cos_sin_cache", "query_out", "key_out")
 
 
 @functools.cache  # a plan's lookup spells it once per first call
@@ -122,7 +122,7 @@ def _span(T, H, D, st, sh):
 def _prepare(views, flags, in_place):
     """Validate a first call; the launch plan (or the NumPy backend run)."""
     head_size, is_neox, pdl, _ = flags
-    vpos, vq, vk, vt = views
+    vpos, vq, vk, vt, vqo, vko = views
     D = ck.check_positive_int(head_size, "head_size")
 
     ck.check_ndim(vq, (2, 3), "(nnz, Hq * head_size) or (nnz, Hq, head_size)")
@@ -140,11 +140,19 @@ def _prepare(views, flags, in_place):
         ck.check_contiguous(vpos)
     P, R = ck.check_cos_sin_cache(vt, D, (2,), "(max_seq_len, rotary_dim)")
     ck.check_last_dim_contiguous(vq, vk, vt)
+    for vo, vin in ((vqo, vq), (vko, vk)):  # given outputs (out of place only)
+        if vo is not None:
+            ck.check_shape(vo, vin.shape)
+            ck.check_same_dtype(vo, vin)
+            ck.check_last_dim_contiguous(vo)
     device = ck.check_same_device(views)
 
-    written = (1, 2) if in_place else ()
-    outputs = [] if in_place else [Output(vq.shape, vq.dtype), Output(vk.shape, vk.dtype)]
-    result = None if in_place else _RESULT
+    if in_place:
+        written, outputs, result = (1, 2), [], None
+    else:
+        written = tuple(i for i, v in ((4, vqo), (5, vko)) if v is not None)
+        outputs = [Output(v.shape, v.dtype) for v, o in ((vq, vqo), (vk, vko)) if o is None]
+        result = _RESULTS[vqo is not None, vko is not None]
     if ck.check_indices_enabled():
         _check_indices(vpos, P)
     if device == HOST:
@@ -157,24 +165,33 @@ def _prepare(views, flags, in_place):
                 D,
                 vt.host,
                 is_neox,
-                None if in_place else outs[0].host,
-                None if in_place else outs[1].host,
+                *_host_outputs(in_place, vqo, vko, outs),
             )
 
-        return Plan(HOST, outputs=outputs, written=written, result=result, host=host if T else None)
+        return Plan(
+            HOST,
+            outputs=outputs,
+            written=written,
+            inplace=_INPLACE,
+            result=result,
+            host=host if T else None,
+        )
     if T == 0:
-        return Plan(device, outputs=outputs, written=written, result=result)
+        return Plan(device, outputs=outputs, written=written, inplace=_INPLACE, result=result)
 
     # the output rows: q and k themselves, or new contiguous arrays (aligned allocations)
-    qo = (q_st, q_sh) if in_place else (Hq * D, D)
-    ko = (k_st, k_sh) if in_place else (Hk * D, D)
+    # the output rows: q and k themselves, given outputs, or new C-contiguous arrays (whose
+    # allocations are aligned)
+    layout = "(nnz, H * head_size) or (nnz, H, head_size)"
+    qo = (q_st, q_sh) if in_place else (Hq * D, D) if vqo is None else _heads(vqo, D, layout)[1:]
+    ko = (k_st, k_sh) if in_place else (Hk * D, D) if vko is None else _heads(vko, D, layout)[1:]
     item = vq.dtype
     widest = widest_aligned(
         (
             _Rows(vq.ptr, (q_st, q_sh, 1), item),
             _Rows(vk.ptr, (k_st, k_sh, 1), item),
-            _Rows(0, (*qo, 1), item),
-            _Rows(0, (*ko, 1), item),
+            _Rows(0 if vqo is None else vqo.ptr, (*qo, 1), item),
+            _Rows(0 if vko is None else vko.ptr, (*ko, 1), item),
         )
     )
     table_widest = widest_aligned((vt,))
@@ -238,10 +255,18 @@ def _prepare(views, flags, in_place):
         (block_x, tokens),
         PARAMS,
         values,
-        _IN_PLACE_SLOTS if in_place else _NEW_OUTPUT_SLOTS,
+        _IN_PLACE_SLOTS if in_place else _OUTPUT_SLOTS[vqo is not None, vko is not None],
         pdl=pdl,
     )
-    return Plan(device, [launch], outputs=outputs, written=written, result=result)
+    return Plan(device, [launch], outputs=outputs, written=written, inplace=_INPLACE, result=result)
+
+
+def _host_outputs(in_place, vqo, vko, outs):
+    """The NumPy backend's ``(query_out, key_out)``: None in place, else given or new arrays."""
+    if in_place:
+        return None, None
+    new = iter(outs)
+    return tuple((next(new) if v is None else v).host for v in (vqo, vko))
 
 
 def _check_indices(vpos, P):
@@ -260,14 +285,29 @@ def _check_indices(vpos, P):
 # made once: the pointer slots of each form (new outputs follow the four arguments), the result
 _BASE_SLOTS = {"q": (1, 0), "k": (2, 0), "cos_sin": (3, 0), "positions": (0, 0)}
 _IN_PLACE_SLOTS = {**_BASE_SLOTS, "q_out": (1, 0), "k_out": (2, 0)}
-_NEW_OUTPUT_SLOTS = {**_BASE_SLOTS, "q_out": (4, 0), "k_out": (5, 0)}
+_INPLACE = [(1, 4), (2, 5)]  # query_out may be query itself, key_out key
 
 
-def _result(arrays, outs):
-    return outs[0], outs[1]
+def _output_slots(q_given, k_given):
+    """Given outputs are arguments 4 and 5; new ones follow the six arguments, in order."""
+    q = (4, 0) if q_given else (6, 0)
+    k = (5, 0) if k_given else (6 + (not q_given), 0)
+    return {**_BASE_SLOTS, "q_out": q, "k_out": k}
 
 
-_RESULT = _result
+def _result_of(q_given, k_given):
+    def result(arrays, outs):
+        new = iter(outs)
+        return (
+            arrays[4] if q_given else next(new),
+            arrays[5] if k_given else next(new),
+        )
+
+    return result
+
+
+_OUTPUT_SLOTS = {(q, k): _output_slots(q, k) for q in (False, True) for k in (False, True)}
+_RESULTS = {(q, k): _result_of(q, k) for q in (False, True) for k in (False, True)}
 _FLAGS = [("head_size", INT), ("is_neox", FLAG), ("enable_pdl", FLAG), ("tuning", AS_IS)]
 _IN_PLACE = Op(
     "apply_rope_with_cos_sin_cache_inplace",
@@ -378,7 +418,7 @@ def apply_rope_with_cos_sin_cache_inplace(
     ...     cp.asarray(positions), q, k, D, cp.asarray(table))
     """
     return _IN_PLACE(
-        (positions, query, key, cos_sin_cache),
+        (positions, query, key, cos_sin_cache, None, None),
         (head_size, is_neox, enable_pdl, tuple(TUNING.values())),
         stream,
     )
@@ -392,6 +432,8 @@ def apply_rope_with_cos_sin_cache(
     cos_sin_cache: ArrayLike,
     is_neox: bool = True,
     *,
+    query_out: ArrayLike | None = None,
+    key_out: ArrayLike | None = None,
     enable_pdl: bool = False,
     stream: StreamLike | None = None,
 ) -> tuple[ArrayLike, ArrayLike]:
@@ -418,6 +460,11 @@ def apply_rope_with_cos_sin_cache(
         head pass through unrotated.
     is_neox : bool
         True rotates half-split pairs (i, i + rotary_dim/2); False interleaved pairs (2i, 2i + 1).
+    query_out, key_out : array, the shapes and dtype of ``query`` / ``key``, optional
+        Receive the results instead of new arrays (ropekv's addition, not FlashInfer's: engines
+        that capture CUDA graphs pass preallocated buffers). Rows may be strided; the last
+        dimension must be contiguous. ``query_out`` may be ``query`` itself (in place); it must
+        not overlap any other argument. Every element is written.
     enable_pdl : bool
         Launch with programmatic dependent launch (Hopper and later): the kernel may start while
         the previous kernel on the stream finishes, and waits for it before reading memory.
@@ -428,9 +475,10 @@ def apply_rope_with_cos_sin_cache(
     Returns
     -------
     (query_out, key_out) : (array, array)
-        New arrays of the shapes and dtype of ``query`` and ``key`` (C-contiguous, of the kind
-        of the inputs: torch tensors when an argument is a torch tensor, else CuPy arrays, or
-        NumPy arrays on the host), holding the rotated values and the pass-through dims.
+        The given outputs, or new arrays of the shapes and dtype of ``query`` and ``key``
+        (C-contiguous, of the kind of the inputs: torch tensors when an argument is a torch
+        tensor, else CuPy arrays, or NumPy arrays on the host), holding the rotated values and the
+        pass-through dims.
 
     Raises
     ------
@@ -443,7 +491,9 @@ def apply_rope_with_cos_sin_cache(
         heads of ``head_size`` (or of no head), a token count that differs between ``positions``,
         ``query`` and ``key``, a ``cos_sin_cache`` that is not 2-D or whose rotary dim is odd or
         above ``head_size``, rows not contiguous in their last dimension, ``positions`` not
-        contiguous, or arrays on different devices.
+        contiguous, arrays on different devices, a given output of another shape than its input,
+        or one that overlaps another argument (other than ``query_out is query``, ``key_out is
+        key``).
     BufferError
         Memory ropekv cannot address: an array not aligned to its item size, (``is_neox=False``)
         head rows starting at odd elements.
@@ -471,7 +521,7 @@ def apply_rope_with_cos_sin_cache(
     ((4, 8, 128), True)
     """
     return _OUT_OF_PLACE(
-        (positions, query, key, cos_sin_cache),
+        (positions, query, key, cos_sin_cache, query_out, key_out),
         (head_size, is_neox, enable_pdl, tuple(TUNING.values())),
         stream,
     )

@@ -552,3 +552,56 @@ def test_64_bit_offsets():
     inplace({**dev, "query": q})
     assert_close(to_numpy(q), expected["query"], "query 4 GiB apart")
     assert_close(to_numpy(dev["key"]), expected["key"], "key")
+
+
+def test_given_outputs():
+    """query_out / key_out (ropekv's addition): written whole, returned, strided rows allowed,
+    query_out may be query itself; refused when of another shape or dtype or overlapping."""
+    args = make_case(12, bad_positions=True, R=32)
+    expected = out_of_place(args)
+    buf = np.zeros((5, 8 * 64), F16)
+    q_out, k_out = buf[:, : 4 * 64], buf[:, 4 * 64 : 6 * 64]  # strided rows of one buffer
+    got = out_of_place(args, query_out=q_out, key_out=k_out)
+    assert got[0] is q_out and got[1] is k_out
+    assert_bytes_equal(q_out, expected[0], "query_out")
+    assert_bytes_equal(k_out, expected[1], "key_out")
+    assert not buf[:, 6 * 64 :].any()
+    only_k = np.zeros_like(args["key"])
+    got = out_of_place(args, key_out=only_k)
+    assert got[1] is only_k and got[0] is not args["query"]
+    assert_bytes_equal(got[0], expected[0], "new query_out")
+    same = copy_args(args)
+    got = out_of_place(same, query_out=same["query"], key_out=same["key"])  # in place
+    assert got[0] is same["query"]
+    assert_bytes_equal(same["query"], expected[0], "query_out is query")
+    with pytest.raises(ValueError, match=r"query_out must have shape = \(5, 256\), got \(5, 128\)"):
+        out_of_place(args, query_out=np.zeros((5, 128), F16))
+    with pytest.raises(TypeError, match=r"key_out must have the dtype of key \(float16\)"):
+        out_of_place(args, key_out=np.zeros((5, 128), BF16))
+    with pytest.raises(
+        ValueError, match="key_out is written in place but shares memory with query"
+    ):
+        out_of_place(args, key_out=args["query"][:, :128])
+    with pytest.raises(ValueError, match="query_out must be query itself"):
+        q = args["query"]
+        view = np.lib.stride_tricks.as_strided(q[:, 64:], q.shape, q.strides)
+        out_of_place(args, query_out=view)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_kernel_given_outputs(is_neox):
+    import cupy as cp
+
+    args = make_case(49, nnz=300, Hq=8, Hk=2, D=128, R=64, bad_positions=True)
+    expected = out_of_place(args, is_neox=is_neox)
+    dev = device_args(args)
+    buf = cp.zeros((300, 12 * 128), F16)
+    q_out, k_out = buf[:, : 8 * 128], buf[:, 8 * 128 : 10 * 128]
+    got = out_of_place(dev, is_neox=is_neox, query_out=q_out, key_out=k_out)
+    assert got[0] is q_out and got[1] is k_out
+    assert_close(to_numpy(q_out), expected[0], "query_out")
+    assert_close(to_numpy(k_out), expected[1], "key_out")
+    assert not to_numpy(buf[:, 10 * 128 :]).any()
+    got = out_of_place(dev, is_neox=is_neox, query_out=dev["query"], key_out=dev["key"])
+    assert_close(to_numpy(dev["query"]), expected[0], "query_out is query")

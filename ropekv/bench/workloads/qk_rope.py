@@ -34,7 +34,7 @@ class QkRopeWL(Workload):
     """``T`` tokens of ``Hq`` / ``Hk`` heads of ``D`` dims rotated by a ``(P, R)`` table:
     ``query`` / ``key`` as ``(T, H * D)`` arrays, or (``fused``) column views of one
     ``(T, (Hq + 2 Hk) D)`` QKV buffer, as engines split their projection. ``out_of_place``: the
-    allocating form (its results land in ``query_out`` / ``key_out``)."""
+    form with outputs (``query_out`` / ``key_out``, given as the bench's outputs)."""
 
     op = "qk_rope"
     OUTPUTS = ("query", "key", "qkv", "query_out", "key_out")
@@ -71,7 +71,7 @@ class QkRopeWL(Workload):
             self.a["query"] = g.randn((T, Hq * D), dtype)
             self.a["key"] = g.randn((T, Hkv * D), dtype)
         tok = self._sample_tokens(T)
-        if out_of_place:  # placeholders the call replaces with its results
+        if out_of_place:
             self.a["query_out"] = g.zeros((T, Hq * D), dtype)
             self.a["key_out"] = g.zeros((T, Hkv * D), dtype)
             self.sample = {"query": ("query_out", (tok,)), "key": ("key_out", (tok,))}
@@ -97,11 +97,16 @@ class QkRopeWL(Workload):
                 a["positions"], query, key, self.D, a["table"], **kw
             )
             return
-        out = _fn("apply_rope_with_cos_sin_cache")(
-            a["positions"], query, key, self.D, a["table"], **kw
+        _fn("apply_rope_with_cos_sin_cache")(
+            a["positions"],
+            query,
+            key,
+            self.D,
+            a["table"],
+            query_out=o["query_out"],
+            key_out=o["key_out"],
+            **kw,
         )
-        if out is not None:  # (None while Workload.bound records the call)
-            o["query_out"], o["key_out"] = out
 
     def options(self):
         """``ropekv bench --options``: programmatic dependent launch (outputs unchanged)."""
@@ -129,14 +134,17 @@ class QkRopeWL(Workload):
 
 
 def _torch_qk_rope(positions, query, key, table, D, neox):
-    """The same rotation in PyTorch eager: gather the table rows, rotate in float32, write back
-    (positions assumed in range)."""
-    R = table.shape[1]
-    rows = table[positions.long()]
+    """The same rotation in PyTorch eager: gather the table rows, rotate in float32, write back;
+    a token whose position falls outside the table keeps its rows."""
+    P, R = table.shape
+    pos = positions.long()
+    keep = ((pos >= 0) & (pos < P))[:, None, None]
+    rows = table[pos.clamp(0, P - 1)]
     cos, sin = rows[:, None, : R // 2], rows[:, None, R // 2 :]
     for x in (query, key):
         heads = x.view(x.shape[0], -1, D)
-        heads.copy_(_trope(heads.float(), cos, sin, neox).to(x.dtype))
+        rotated = _trope(heads.float(), cos, sin, neox).to(x.dtype)
+        heads.copy_(rotated.where(keep, heads))
 
 
 def _spec(T, shape, dtype, label, fused=False, series="", **extra):
