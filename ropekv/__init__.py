@@ -14,6 +14,7 @@ from ropekv.checkpoints import (
 from ropekv.contiguous import apply_rope_write_kv
 from ropekv.mla import mla_rope_rmsnorm_append_paged_kv_cache
 from ropekv.paged import rope_append_paged_kv_cache, rope_quantize_fp8_append_paged_kv_cache
+from ropekv.qk_rope import apply_rope_with_cos_sin_cache, apply_rope_with_cos_sin_cache_inplace
 from ropekv.qknorm import qk_rmsnorm_rope_append_paged_kv_cache
 from ropekv.qkv import fused_qkv_matmul_append_paged_kv_cache, pack_int4
 from ropekv.rope import cos_sin_cache, freqs_cis_to_cos_sin
@@ -21,6 +22,8 @@ from ropekv.rope import cos_sin_cache, freqs_cis_to_cos_sin
 __version__ = "0.2.0"
 
 __all__ = [
+    "apply_rope_with_cos_sin_cache",
+    "apply_rope_with_cos_sin_cache_inplace",
     "apply_rope_write_kv",
     "concat_qkv_weights",
     "cos_sin_cache",

@@ -37,6 +37,18 @@ OPS = (
     OpEntry("mla_rope_rmsnorm_append_paged_kv_cache", "mla", "mla", "MLA latent cache"),
     OpEntry("qk_rmsnorm_rope_append_paged_kv_cache", "qknorm", "qknorm", "QK RMSNorm"),
     OpEntry("fused_qkv_matmul_append_paged_kv_cache", "qkv", "qkv", "Fused QKV projection"),
+    OpEntry(
+        "apply_rope_with_cos_sin_cache_inplace",
+        "qk_rope",
+        "qk_rope",
+        "RoPE on Q and K (FlashInfer-, vLLM- and SGLang-compatible)",
+    ),
+    OpEntry(
+        "apply_rope_with_cos_sin_cache",
+        "qk_rope",
+        "qk_rope",
+        "RoPE on Q and K (FlashInfer-, vLLM- and SGLang-compatible)",
+    ),
 )
 
 # the public functions beside the ops (no kernel of their own): name -> module; the API page

@@ -39,6 +39,7 @@ __all__ = [
     "compare",
     "compare_all",
     "gpu_status",
+    "run_case",
     "to_device",
     "to_numpy",
 ]
@@ -52,8 +53,9 @@ def check_cases(ops=None):
     return [c for c in check_specs() if ops is None or c[0] in ops]
 
 
-def _run_one(build):
-    """Run one check case: reference on NumPy, kernel on CuPy copies; None or the reason."""
+def run_case(build):
+    """Run one check case (a builder of :func:`check_cases`): reference on NumPy, kernel on
+    CuPy copies; None when they agree, else the reason."""
     ref_case = build()
     gpu_case = ref_case.to_device()
     ref_case.call(ref_case.a)
@@ -90,7 +92,7 @@ def check(ops=None, out=None):
             reason = f"not run: the CUDA context was lost in '{lost}'"
         else:
             try:
-                reason = _run_one(build)
+                reason = run_case(build)
             except Exception as e:  # noqa: BLE001 - a crash is a failure to report, not to hide
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 if context_lost(reason):

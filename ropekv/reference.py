@@ -213,6 +213,44 @@ def apply_rope_write_kv(
     return q_out
 
 
+def heads_view(x, head_size):
+    """``x`` ``(T, H * head_size)`` or ``(T, H, head_size)`` as a ``(T, H, head_size)`` view of the
+    same memory (its last dimension contiguous)."""
+    x = np.asarray(x)
+    if x.ndim == 3:
+        return x
+    view = x.view()
+    view.shape = (x.shape[0], x.shape[1] // head_size, head_size)  # raises rather than copy
+    return view
+
+
+def apply_rope_with_cos_sin_cache(
+    positions, query, key, head_size, cos_sin_cache, is_neox=True, query_out=None, key_out=None
+):
+    """Reference of :func:`ropekv.apply_rope_with_cos_sin_cache` (``query_out`` / ``key_out``
+    given) and of its ``_inplace`` form (both None: ``query`` and ``key`` are written).
+
+    ``query`` / ``key`` are ``(T, H * head_size)`` or ``(T, H, head_size)``; ``cos_sin_cache``
+    ``(P, R)``. The first R dims of every head are rotated by the table row of the token's position;
+    dims ``[R, head_size)`` pass through. A token whose position falls outside ``[0, P)`` is not
+    rotated: in place its rows stay as they came, out of place they are copied unrotated. Returns
+    ``(query_out, key_out)`` (``(query, key)`` in place)."""
+    in_place = query_out is None
+    if in_place:
+        query_out, key_out = query, key
+    pos = np.asarray(positions).astype(np.int64)
+    P = cos_sin_cache.shape[0]
+    keep = np.nonzero((pos >= 0) & (pos < P))[0]
+    cos, sin = split_cos_sin(np.asarray(cos_sin_cache)[pos[keep]])
+    for x, out in ((query, query_out), (key, key_out)):
+        x3, out3 = heads_view(x, head_size), heads_view(out, head_size)
+        if not in_place:
+            out3[...] = x3
+        if keep.size:
+            out3[keep] = to_dtype(rope(x3[keep], cos[:, None], sin[:, None], is_neox), x.dtype)
+    return query_out, key_out
+
+
 # ---- Ragged batches over a paged cache: MLA RoPE + RMSNorm, and QK-norm + RoPE ---------------
 
 

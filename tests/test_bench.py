@@ -1031,7 +1031,7 @@ def _fake_check(monkeypatch, outcomes):
             raise outcome
         return outcome
 
-    monkeypatch.setattr(check, "_run_one", run_one)
+    monkeypatch.setattr(check, "run_case", run_one)
 
 
 def test_check_table_and_exit_code(monkeypatch, capsys):

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 
 import ropekv
+from ropekv.check import check_cases, run_case
 from tests.test_call_path import (
     CASES,
     assert_op_close,
@@ -194,6 +195,14 @@ def main():
             continue
         check_status_call(op, case, clear_unused_last_page_rows=True)
         print(f"ok {op} {case} with status= and tail clearing")
+    # every op the lists above do not name: its `ropekv check` cases (the registry's workloads),
+    # so that an op added by the recipe is under the sanitizers with no edit here
+    listed = {op for op, _ in CALLS}
+    for op, name, build in check_cases():
+        if op not in listed:
+            reason = run_case(build)
+            assert reason is None, f"{op} {name}: {reason}"
+            print(f"ok {op} {name} (ropekv check's case)")
 
 
 if __name__ == "__main__":
