@@ -31,6 +31,9 @@ from ropekv._vector import vector_width, widest_aligned
 INT8 = reference.INT8
 STEM = "qknorm"
 KERNEL = "qk_rmsnorm_rope_append"
+DECODE_KERNEL = "qk_rmsnorm_rope_decode"
+DECODE_DIMS = (64, 128, 256)  # head dims with a decode kernel (full-width RoPE, 16-byte lanes)
+INT32_EXTENT = 2**31  # arrays whose element offsets stay below this take 32-bit offset math
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 KV_LAYOUTS = ("NHD", "HND")
 # a cache's shape per layout, and as errors spell it
@@ -147,6 +150,10 @@ TUNING = {
     "max_block": 160,
     "narrow_below": 32,
     "narrow_width": 4,
+    # the decode kernel (`_decode_kernel`): used up to `decode_tokens` tokens (0: never), blocks
+    # of `decode_rows` head rows (a token's rows over ceil(H / decode_rows) blocks)
+    "decode_tokens": 256,
+    "decode_rows": 8,
 }
 
 
@@ -196,8 +203,29 @@ def expression(dtype, cache_dtype, is_neox, n, rows=1, opts=0, q_dtype=None):
     )
 
 
+def decode_expression(dtype, cache_dtype, is_neox, D, gamma_f32, i32):
+    """The decode kernel: head dim ``D`` (one of DECODE_DIMS), float32 RMSNorm weights or
+    weights of ``dtype``, 32-bit or 64-bit offsets."""
+    return name_expression(
+        DECODE_KERNEL,
+        c_type(dtype),
+        c_type(cache_dtype),
+        c_bool(is_neox),
+        D,
+        c_bool(gamma_f32),
+        c_bool(i32),
+    )
+
+
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
+    for dtype in INPUT_DTYPES:
+        for cache_dtype in (dtype, *FP8_DTYPES):
+            for is_neox in (True, False):
+                for D in DECODE_DIMS:
+                    for gamma_f32 in (True, False):
+                        for i32 in (True, False):
+                            yield decode_expression(dtype, cache_dtype, is_neox, D, gamma_f32, i32)
     for rows in ROWS:
         for opts in (0, 1, 2):
             yield from rope_instantiations(
@@ -845,20 +873,59 @@ def _prepare(views, flags):
     quant = q_dtype != vq.dtype or kv_dynamic
     if quant and opts:
         opts = 2
+    decode = None if opts or quant else _decode_kernel(views, vgiven, is_neox, R, fits)
     launch = Launch(
         STEM,
-        expression(
+        decode[0]
+        if decode
+        else expression(
             vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows), opts, q_dtype if quant else None
         ),
         device,
-        (max(T, 1), splits),
-        (block,),
+        decode[1] if decode else (max(T, 1), splits),
+        decode[2] if decode else (block,),
         PARAMS,
         values,
         slots,
         pdl=pdl,
     )
     return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace, result=result)
+
+
+def _extent(shape, strides):
+    """One past the largest element offset of an array (None with a negative stride)."""
+    if any(st < 0 for st in strides):
+        return None
+    return 1 + sum((n - 1) * st for n, st in zip(shape, strides)) if all(shape) else 0
+
+
+def _decode_kernel(views, vgiven, is_neox, R, fits):
+    """(kernel, grid, block) of the decode kernel for a plain call (no option, no quantizing:
+    the caller checks) of at most TUNING["decode_tokens"] tokens whose geometry it was compiled
+    for (D in DECODE_DIMS, R == D, 16-byte lanes aligned, both RMSNorm weights of one dtype);
+    None otherwise. 32-bit offsets when every array's extent in elements allows."""
+    vq, vk, vv, vqg, vkg, vt, _voff, _vlen, vbt, vkc, vvc = views[:11]
+    T, Hq, D = vq.shape
+    Hkv = vk.shape[1]
+    if not (
+        0 < T <= TUNING["decode_tokens"]
+        and D in DECODE_DIMS
+        and R == D
+        and vqg.dtype == vkg.dtype
+        and fits(8)
+        and vq.dtype.itemsize == 2
+    ):
+        return None
+    group = D // 16 if is_neox else D // 8  # lanes per row (16-byte lanes of 8 elements)
+    rows = max(32 // group, min(TUNING["decode_rows"], MAX_BLOCK // group))
+    block = -(-rows * group // 32) * 32  # whole warps
+    rows = block // group
+    out = (vgiven.shape, vgiven.strides) if vgiven is not None else ((T, Hq, D), (Hq * D, D, 1))
+    extents = [_extent(v.shape, v.strides) for v in (vq, vk, vv, vt, vbt, vkc, vvc)]
+    extents.append(_extent(*out))
+    i32 = all(e is not None and e < INT32_EXTENT for e in extents)
+    kernel = decode_expression(vq.dtype, vkc.dtype, is_neox, D, vqg.dtype == FLOAT32, i32)
+    return kernel, (T, -(-(Hq + 2 * Hkv) // rows)), (block,)
 
 
 # the PARAMS pointer field of each argument, in argument order

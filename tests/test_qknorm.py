@@ -761,6 +761,101 @@ def test_qwen3_prefill_and_decode(layout, cache_dtype):
     check_on_device(decode, kw)
 
 
+# the decode kernel (qk_rmsnorm_rope_decode): plain calls of few tokens, D 64 / 128 / 256 with
+# R == D at 16-byte lanes. Requests: "few" (< 32: the search over lane shuffles), "many"
+# (32..512: staged in shared memory), "huge" (> 512: searched in global memory); some empty,
+# some tokens past the table's pages or with a position past the cos/sin table.
+DECODE_BATCHES = {
+    "few": ((1, 0, 1, 1, 0, 1), (0, 3, 15, 16, 17, 300)),
+    "many": ((1, 0) * 20, tuple(range(0, 400, 10))),
+    "huge": ((0,) * 590 + (1,) * 10, (5,) * 590 + tuple(range(0, 300, 30))),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("batch", ["few", "many", "huge"])
+@pytest.mark.parametrize("cache_dtype", [BF16, E4M3])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_decode_kernel_matches_reference(D, batch, cache_dtype, layout):
+    import cupy as cp  # noqa: F401 (GPU only)
+
+    new, cached = DECODE_BATCHES[batch]
+    heads = (64, 8) if D == 128 else (8, 1)
+    page_size = 16 if batch == "few" else 1
+    for seed, is_neox, gamma_f32, packed in ((61, True, True, True), (62, False, False, False)):
+        args, kw = make_case(
+            seed,
+            Hq=heads[0],
+            Hkv=heads[1],
+            D=D,
+            dtype=BF16 if seed % 2 else np.float16,
+            cache_dtype=cache_dtype if seed % 2 else np.float16,
+            new=new,
+            cached=cached,
+            page_size=page_size,
+            layout=layout,
+            gamma_f32=gamma_f32,
+            packed=packed,
+            P=290,  # the last "few" request's token and some "many" / "huge" ones: no position
+        )
+        table = args["block_table"]
+        table[-2, cached[-2] // page_size] = 10**6  # request B - 2's token: a page out of range
+        table[0, 0] = -3  # a negative page id: request 0's token (if any) writes nothing
+        check_on_device(args, kw, is_neox=is_neox, in_place=not packed, kv_scale=None)
+
+
+def test_decode_kernel_is_chosen_for_plain_decode_calls():
+    """_decode_kernel's choice (CPU): the compiled geometries of plain calls of few tokens, with
+    32-bit offsets while every extent fits."""
+    from types import SimpleNamespace
+
+    from ropekv import qknorm
+
+    def view(shape, dtype=BF16, strides=None):
+        if strides is None:
+            strides = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
+        return SimpleNamespace(shape=tuple(shape), strides=strides, dtype=np.dtype(dtype))
+
+    def choose(T=1, Hq=64, Hkv=8, D=128, R=None, pages=100, gamma=np.float32, fits=True):
+        R = D if R is None else R
+        views = (
+            view((T, Hq, D)),
+            view((T, Hkv, D)),
+            view((T, Hkv, D)),
+            view((D,), gamma),
+            view((D,), gamma),
+            view((4096, R), np.float32),
+            view((T + 1,), np.int32),
+            view((T,), np.int32),
+            view((T, 64), np.int32),
+            view((pages, 16, Hkv, D)),
+            view((pages, 16, Hkv, D)),
+        )
+        return qknorm._decode_kernel(views, None, True, R, lambda n: fits)
+
+    kernel, grid, block = choose()
+    assert kernel == qknorm.decode_expression(BF16, BF16, True, 128, True, True)
+    assert grid == (1, 10) and block == (64,)  # 80 rows, 8 rows of 8 lanes a block
+    assert choose(T=256)[1] == (256, 10)
+    assert choose(Hq=8, Hkv=1)[1] == (1, 2)
+    assert choose(D=256)[2] == (128,) and choose(D=64)[2] == (32,)
+    assert choose(pages=2**20)[0].endswith("false>")  # 2^20 * 16 * 8 * 128 elements: 64-bit
+    for refused in (
+        {"T": 257},
+        {"D": 80},
+        {"R": 64},
+        {"fits": False},
+    ):
+        assert choose(**refused) is None, refused
+    # the two RMSNorm weights of different dtypes: refused
+    views = [view((1, 64, 128)), view((1, 8, 128)), view((1, 8, 128))]
+    views += [view((128,), np.float32), view((128,), BF16)]
+    views += [view((4096, 128), np.float32), view((2,)), view((1,)), view((1, 64))]
+    views += [view((100, 16, 8, 128))] * 2
+    assert qknorm._decode_kernel(views, None, True, 128, lambda n: True) is None
+
+
 @pytest.mark.gpu
 def test_large_ragged_batch():
     """Thousands of requests, most of them empty: the binary search finds each token's."""

@@ -465,3 +465,210 @@ __global__ void __launch_bounds__(512) qk_rmsnorm_rope_append(const QKNormParams
   pdl_wait();
   qk_rows<T, CacheT, QT, NEOX, N, ROWS, OPTS, QUANT>(p, sh);
 }
+
+// ---- Decode: the head geometry as template constants ----------------------------------------
+// The plain kernel (OPTS 0, no QUANT) specialised for decode-sized calls of full-width RoPE
+// (R == D) at 16-byte lanes (N = 8 elements of T): D is a constant (the lanes of a row, G = D / 16
+// neox or D / 8 interleaved, hold the row exactly: no idle lanes, the 1/D a constant), the RMSNorm
+// weights are read by each lane straight from global memory (no staging, no barrier), offsets are
+// 32-bit (IX unsigned) when the host found every array's extent below 2^31 elements, and the row
+// kind (Q, K, V) picks pointers and strides by selects, not branches. A block of blockDim.x / G
+// rows, grid (T, ceil(H / rows)): a token's rows over several blocks, as Cake's kernel does.
+// The request search: batches of fewer than 32 requests load offsets[0..B] and cache_lengths[0..B)
+// one per lane (with the rows, before anything waits) and run the same binary search over them
+// by shuffles (the request's length then comes from a lane: no dependent load); larger batches
+// stage them in shared memory (as qk_rows does) or, past kStageMax, search global memory.
+// The block-table entry is loaded as soon as the position is known and only checked at the
+// store, after the norm and RoPE arithmetic. The semantics are qk_rows's: a token outside every
+// request or with a position outside [0, P) has its q row copied and writes nothing; a token whose
+// page is out of range is normalised and roped but writes nothing.
+template <bool C, typename X, typename Y>
+struct pick_type {
+  using type = X;
+};
+template <typename X, typename Y>
+struct pick_type<false, X, Y> {
+  using type = Y;
+};
+
+struct QKDecodeShared {
+  unsigned offsets[kStageMax + 1];
+  int lengths[kStageMax];
+};
+
+template <typename T, typename CacheT, bool NEOX, int D, bool GF32, bool I32>
+__global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode(const QKNormParams p) {
+  __shared__ QKDecodeShared sh;
+  using ix = typename pick_type<I32, unsigned, i64>::type;
+  constexpr int N = 8;                           // elements per 16-byte lane
+  constexpr int G = NEOX ? D / (2 * N) : D / N;  // lanes per head row
+  constexpr int HALF = D / 2;
+  constexpr int M = NEOX ? N : N / 2;  // angles per lane
+  static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0, "a row within a warp, power of two");
+  pdl_launch_dependents();
+  pdl_wait();
+  const int t = blockIdx.x;
+  const int j = threadIdx.x & (G - 1);
+  const int h = blockIdx.y * (blockDim.x / G) + threadIdx.x / G;
+  const int Hq = p.Hq, Hkv = p.Hkv;
+  const bool live = h < Hq + 2 * Hkv;
+  const bool is_q = h < Hq;
+  const bool is_v = h >= Hq + Hkv;
+  const int hh = is_q ? h : is_v ? h - Hq - Hkv : h - Hq;  // the head within q, k or v
+  const int ea = j * N;
+  const int eb = ea + HALF;
+
+  // 1. the row's chunks, its RMSNorm weights and the search's arrays (nothing waits yet)
+  Vec<T, N> va{}, vb{};
+  {
+    const T* base = static_cast<const T*>(is_q ? p.q : is_v ? p.v : p.k);
+    const ix st = ix(is_q ? p.q_st : is_v ? p.v_st : p.k_st);
+    const ix sh_ = ix(is_q ? p.q_sh : is_v ? p.v_sh : p.k_sh);
+    const T* row = base + (ix(t) * st + ix(hh) * sh_);
+    if (live) {
+      va = load<T, N>(row + ea);
+      if (NEOX) vb = load<T, N>(row + eb);
+    }
+  }
+  float ga[N], gb[N];
+  {
+    const void* w = is_q ? p.q_gamma : p.k_gamma;  // V rows: k's, unused
+    if constexpr (GF32) {
+      load_float<float, N>(static_cast<const float*>(w) + ea, ga);
+      if (NEOX) load_float<float, N>(static_cast<const float*>(w) + eb, gb);
+    } else {
+      load_float<T, N>(static_cast<const T*>(w) + ea, ga);
+      if (NEOX) load_float<T, N>(static_cast<const T*>(w) + eb, gb);
+    }
+  }
+  const int B = p.B;
+  const int lane = threadIdx.x & 31;
+  unsigned lane_off = 0;
+  int lane_len = 0;
+  if (B < 32) {
+    if (lane <= B) lane_off = p.offsets[lane];
+    if (lane < B) lane_len = p.cache_lengths[lane];
+  }
+
+  // the row's partial sum of squares
+  float a[N], b[N];
+  to_floats<T, N>(va, a);
+  if (NEOX) to_floats<T, N>(vb, b);
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) ss += a[i] * a[i];
+  if (NEOX) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) ss += b[i] * b[i];
+  }
+
+  // 2. request and position (every branch block-uniform)
+  int req;
+  i64 pos = -1;
+  if (B < 32) {  // the binary search of ragged_request over the warp's lanes
+    int lo = 0, hi = B + 1;
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (__shfl_sync(0xffffffffu, lane_off, mid) <= unsigned(t)) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    req = lo - 1;
+    const int r0 = req < 0 ? 0 : req;  // req <= B - 1 + 1 = B: r0 + 1 <= B + 1 <= 32
+    const unsigned o0 = __shfl_sync(0xffffffffu, lane_off, r0);
+    const unsigned o1 = __shfl_sync(0xffffffffu, lane_off, r0 + 1 > B ? B : r0 + 1);
+    const int len = __shfl_sync(0xffffffffu, lane_len, r0);
+    if (req < 0 || req >= B || unsigned(t) < o0 || unsigned(t) >= o1) {
+      req = -1;
+    } else {
+      pos = i64(len) + (i64(t) - i64(o0));
+    }
+  } else {
+    PagedSlot s;
+    if (B <= kStageMax) {
+      for (int i = threadIdx.x; i <= B; i += blockDim.x) {
+        sh.offsets[i] = p.offsets[i];
+        if (i < B) sh.lengths[i] = p.cache_lengths[i];
+      }
+      __syncthreads();
+      s = ragged_position(sh.offsets, sh.lengths, B, t);
+    } else {
+      s = ragged_position(p.offsets, p.cache_lengths, B, t);
+    }
+    req = s.request;
+    pos = s.pos;
+  }
+  const bool roped = req >= 0 && pos >= 0 && pos < p.P;
+  const int posi = int(pos);  // used only when roped
+
+  // 3. the block-table entry (K and V rows), then cos/sin (Q and K rows)
+  int page = -1, entry = 0;
+  if (roped && !is_q) {
+    const unsigned index = unsigned(posi) / unsigned(p.page_size);
+    entry = posi - int(index) * p.page_size;
+    if (index < unsigned(p.max_pages)) page = p.block_table[ix(req) * ix(p.bt_sb) + ix(index)];
+  }
+  float c[M], sn[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    c[i] = 1.f;
+    sn[i] = 0.f;
+  }
+  const bool norm = roped && !is_v;  // V rows and rows without a position: copied
+  if (norm) {
+    const float* cs = p.cos_sin + ix(posi) * ix(p.cs_sp) + (NEOX ? ea : ea / 2);
+    load_float<float, M>(cs, c);
+    load_float<float, M>(cs + HALF, sn);
+  }
+#pragma unroll
+  for (int o = G >> 1; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+
+  // 4. weights, rotation (linear: the 1/rms is applied at the store), store
+#pragma unroll
+  for (int i = 0; i < N; ++i) a[i] *= norm ? ga[i] : 1.f;
+  if (NEOX) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) b[i] *= norm ? gb[i] : 1.f;
+  }
+  rotate_chunk<NEOX, N, M>(a, b, c, sn);
+  const float rms = norm ? rsqrtf(ss * (1.f / D) + p.epsilon) : 1.f;
+  const bool write = page >= 0 && ix(page) < ix(p.num_pages);
+  CacheT* const cache = static_cast<CacheT*>(is_v ? p.v_cache : p.k_cache);
+  const ix c_sp = ix(is_v ? p.vc_sp : p.kc_sp);
+  const ix c_se = ix(is_v ? p.vc_se : p.kc_se);
+  const ix c_sh = ix(is_v ? p.vc_sh : p.kc_sh);
+  if constexpr (!is_quantized<CacheT>::value) {  // a 16-bit cache: T, one store path
+    T* const dst = is_q ? static_cast<T*>(p.q_out) + (ix(t) * ix(p.qo_st) + ix(h) * ix(p.qo_sh))
+                        : reinterpret_cast<T*>(cache) +
+                              (ix(page) * c_sp + ix(entry) * c_se + ix(hh) * c_sh);
+#pragma unroll
+    for (int i = 0; i < N; ++i) a[i] *= rms;
+    if (NEOX) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) b[i] *= rms;
+    }
+    if (live && (is_q || write)) {
+      store_float<T, N>(dst + ea, a);
+      if (NEOX) store_float<T, N>(dst + eb, b);
+    }
+  } else {
+    if (is_q) {
+      T* const dst = static_cast<T*>(p.q_out) + (ix(t) * ix(p.qo_st) + ix(h) * ix(p.qo_sh));
+#pragma unroll
+      for (int i = 0; i < N; ++i) a[i] *= rms;
+      if (NEOX) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) b[i] *= rms;
+      }
+      store_float<T, N>(dst + ea, a);
+      if (NEOX) store_float<T, N>(dst + eb, b);
+    } else if (live && write) {
+      CacheT* const dst = cache + (ix(page) * c_sp + ix(entry) * c_se + ix(hh) * c_sh);
+      const float scale = rms * (is_v ? p.inv_v_scale : p.inv_k_scale);
+      store_float<CacheT, N>(dst + ea, a, scale);
+      if (NEOX) store_float<CacheT, N>(dst + eb, b, scale);
+    }
+  }
+}
