@@ -625,3 +625,13 @@ def layer_range_message(layer_idx, num_layers, name, shape):
         f"layer_idx must be in [0, num_layers) = [0, {num_layers}), the leading dimension "
         f"of {name} (shape {shape}), got {layer_idx}"
     )
+
+
+def argument_indices(names, wanted):
+    """The positions in an op's argument ``names`` (the tuple its ``Op`` is given) of the names in
+    ``wanted``, as a tuple; of ``wanted`` itself when it is one name (a ``str``), as an int. The
+    op modules write argument roles (written arrays, in-place pairs, pointer slots) by name with
+    it, once, at import."""
+    if isinstance(wanted, str):
+        return names.index(wanted)
+    return tuple(names.index(name) for name in wanted)

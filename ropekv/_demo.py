@@ -65,21 +65,8 @@ def demo(backend="auto", steps=8):
     backend = _pick_backend(backend)
     rng = np.random.default_rng(0)
     table = ropekv.cos_sin_cache(CAPACITY, D, base=500000.0, scaling=SCALING)
-    print(
-        f"ropekv {ropekv.__version__} demo: Llama-3-8B attention shapes (Hq {HQ}, Hkv {HKV}, "
-        f"D {D}), batch {BATCH}, prompt {PROMPT} tokens, {steps} decode steps, cache capacity "
-        f"{CAPACITY}"
-    )
-    if backend == "numpy":
-        print(
-            "backend: NumPy reference on the host (no CUDA device); checks use an independent "
-            "complex-number rotation"
-        )
-    else:
-        import cupy
-
-        name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-        print(f"backend: CUDA kernels on {name}; checks against the NumPy reference")
+    _banner(backend, steps)
+    call = _call_cuda if backend == "cuda" else _call_numpy
     rows, ok_all = [], True
     for cache_dtype in (np.dtype(np.float16), E4M3):
         cache = np.zeros((BATCH, 2, HKV, CAPACITY, D), cache_dtype)
@@ -103,46 +90,9 @@ def demo(backend="auto", steps=8):
                 q = rng.standard_normal((BATCH, S, HQ, D)).astype(np.float16)
                 k = rng.standard_normal((BATCH, S, HKV, D)).astype(np.float16)
                 v = rng.standard_normal((BATCH, S, HKV, D)).astype(np.float16)
-                want = {"q": q.copy(), "cache": cache}
-                if backend == "cuda":
-                    import cupy
-
-                    gq, gk, gv, gl = (cupy.asarray(x) for x in (q, k, v, lens))
-                    cupy.cuda.Device().synchronize()
-                    t0 = time.perf_counter()
-                    ropekv.apply_rope_write_kv(
-                        gq,
-                        gk,
-                        gv,
-                        dev["cache"],
-                        dev["table"],
-                        kv_end_lens=gl,
-                        kv_scale=dev["scale"],
-                    )
-                    cupy.cuda.Device().synchronize()
-                    total += time.perf_counter() - t0
-                    reference.apply_rope_write_kv(
-                        want["q"], k.copy(), v, cache, table, lens, kv_scale=scale
-                    )
-                    got_cache = dev["cache"].view(cupy.uint8).get().view(cache_dtype)
-                    ok &= _codes_close(gq.get(), want["q"])
-                    ok &= _codes_close(got_cache, cache)
-                else:
-                    q_in, k_in = q.copy(), k.copy()
-                    t0 = time.perf_counter()
-                    ropekv.apply_rope_write_kv(
-                        q, k, v, cache, table, kv_end_lens=lens, kv_scale=scale
-                    )
-                    total += time.perf_counter() - t0
-                    pos = np.arange(int(lens[0]) - S, int(lens[0]))
-                    ok &= _codes_close(q, _complex_rope(q_in, pos, table).astype(np.float16))
-                    k_rot = _complex_rope(k_in, pos, table)
-                    ok &= _codes_close(
-                        cache[:, 0, :, pos].transpose(1, 0, 2, 3),
-                        reference.to_dtype(
-                            k_rot / (scale[0] if scale is not None else 1.0), cache_dtype
-                        ),
-                    )
+                seconds, good = call(q, k, v, cache, table, lens, scale, dev)
+                total += seconds
+                ok &= good
             rows.append(
                 (
                     phase,
@@ -154,6 +104,72 @@ def demo(backend="auto", steps=8):
                 )
             )
             ok_all &= ok
+    return _report(rows, backend, ok_all)
+
+
+def _banner(backend, steps):
+    print(
+        f"ropekv {ropekv.__version__} demo: Llama-3-8B attention shapes (Hq {HQ}, Hkv {HKV}, "
+        f"D {D}), batch {BATCH}, prompt {PROMPT} tokens, {steps} decode steps, cache capacity "
+        f"{CAPACITY}"
+    )
+    if backend == "numpy":
+        print(
+            "backend: NumPy reference on the host (no CUDA device); checks use an independent "
+            "complex-number rotation"
+        )
+    else:
+        import cupy
+
+        name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+        print(f"backend: CUDA kernels on {name}; checks against the NumPy reference")
+
+
+def _call_cuda(q, k, v, cache, table, lens, scale, dev):
+    """One call on the device arrays ``dev`` (their cache a copy of ``cache``), checked against
+    the NumPy reference run on ``cache``; ``(seconds, ok)``."""
+    import cupy
+
+    want_q = q.copy()
+    gq, gk, gv, gl = (cupy.asarray(x) for x in (q, k, v, lens))
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    ropekv.apply_rope_write_kv(
+        gq,
+        gk,
+        gv,
+        dev["cache"],
+        dev["table"],
+        kv_end_lens=gl,
+        kv_scale=dev["scale"],
+    )
+    cupy.cuda.Device().synchronize()
+    seconds = time.perf_counter() - t0
+    reference.apply_rope_write_kv(want_q, k.copy(), v, cache, table, lens, kv_scale=scale)
+    got_cache = dev["cache"].view(cupy.uint8).get().view(cache.dtype)
+    return seconds, _codes_close(gq.get(), want_q) & _codes_close(got_cache, cache)
+
+
+def _call_numpy(q, k, v, cache, table, lens, scale, dev):
+    """One call of the NumPy backend, checked against an independent complex-number rotation;
+    ``(seconds, ok)``."""
+    S = q.shape[1]
+    q_in, k_in = q.copy(), k.copy()
+    t0 = time.perf_counter()
+    ropekv.apply_rope_write_kv(q, k, v, cache, table, kv_end_lens=lens, kv_scale=scale)
+    seconds = time.perf_counter() - t0
+    pos = np.arange(int(lens[0]) - S, int(lens[0]))
+    ok = _codes_close(q, _complex_rope(q_in, pos, table).astype(np.float16))
+    k_rot = _complex_rope(k_in, pos, table)
+    ok &= _codes_close(
+        cache[:, 0, :, pos].transpose(1, 0, 2, 3),
+        reference.to_dtype(k_rot / (scale[0] if scale is not None else 1.0), cache.dtype),
+    )
+    return seconds, ok
+
+
+def _report(rows, backend, ok_all):
+    """Print the table of ``rows`` and the verdict; the exit code."""
     print(f"\n{'phase':8s} {'cache':14s} {'tokens':>7s} {'calls':>6s} {'ms/call':>9s}  check")
     for phase, dtype, tokens, calls, ms, status in rows:
         print(f"{phase:8s} {dtype:14s} {tokens:7d} {calls:6d} {ms:9.3f}  {status}")

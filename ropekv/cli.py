@@ -141,8 +141,6 @@ def _cmd_check(args):
 
 
 def build_parser():
-    from ropekv._demo import CAPACITY, MAX_STEPS, PROMPT
-
     parser = argparse.ArgumentParser(prog="ropekv", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"ropekv {ropekv.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -150,6 +148,30 @@ def build_parser():
         "info", help="versions, device, ropekv's and CuPy's caches, which backend would run"
     )
     p.set_defaults(func=_cmd_info)
+    _add_demo(sub)
+    from ropekv import _registry  # ropekv.bench.OPS without importing the bench: a light parser
+
+    ops = tuple(_registry.workloads())
+    _add_bench(sub, ops)
+    p = sub.add_parser(
+        "check",
+        help="every available op on this GPU against the NumPy reference, as a pass/fail table",
+    )
+    p.add_argument(
+        "--ops",
+        nargs="+",
+        type=_names(ops, "op"),
+        metavar="OP",
+        help=f"ops to check (default: all that exist): {', '.join(ops)}",
+    )
+    p.set_defaults(func=_cmd_check)
+    return parser
+
+
+def _add_demo(sub):
+    """The ``demo`` subcommand."""
+    from ropekv._demo import CAPACITY, MAX_STEPS, PROMPT
+
     p = sub.add_parser(
         "demo",
         help="a Llama-3-8B-shaped prefill and decode through ropekv, checked against the reference",
@@ -167,9 +189,10 @@ def build_parser():
         help=f"decode steps after the prefill, 0 to {MAX_STEPS} (default 8)",
     )
     p.set_defaults(func=_cmd_demo)
-    from ropekv import _registry  # ropekv.bench.OPS without importing the bench: a light parser
 
-    ops = tuple(_registry.workloads())
+
+def _add_bench(sub, ops):
+    """The ``bench`` subcommand (``ops``: the op names it takes)."""
     peers = (
         "flashinfer",
         "flashinfer-cake",
@@ -220,6 +243,12 @@ def build_parser():
         "jax.jit with a donated cache (needs torch / JAX); alone it runs only "
         "these, with --ops or --cases it runs those cases too",
     )
+    _add_bench_variants(p)
+    p.set_defaults(func=_cmd_bench)
+
+
+def _add_bench_variants(p):
+    """``bench``'s launch-shape variants, options and outputs."""
     p.add_argument(
         "--tune",
         nargs="+",
@@ -251,20 +280,6 @@ def build_parser():
         "peer per case, to this PNG (needs matplotlib: pip install "
         "'ropekv[plot]')",
     )
-    p.set_defaults(func=_cmd_bench)
-    p = sub.add_parser(
-        "check",
-        help="every available op on this GPU against the NumPy reference, as a pass/fail table",
-    )
-    p.add_argument(
-        "--ops",
-        nargs="+",
-        type=_names(ops, "op"),
-        metavar="OP",
-        help=f"ops to check (default: all that exist): {', '.join(ops)}",
-    )
-    p.set_defaults(func=_cmd_check)
-    return parser
 
 
 def main(argv=None):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
@@ -505,12 +507,58 @@ def _check_qkv(vq, vk, vv):
     ck.check_same_dtype(vv, vq)
 
 
+class _Checked(NamedTuple):
+    """What the checks of a first call derive: sizes, the validated scales and the device."""
+
+    B: int
+    S: int
+    Hq: int
+    Hkv: int
+    D: int
+    C: int
+    P: int
+    R: int
+    sections: tuple | None
+    fp8: bool  # a float8 cache
+    scales: tuple  # the constant (k, v) scales
+    q_static: float
+    device: int
+
+
 def _prepare(views, flags):
-    """Validate a first call; the launch plan (or the NumPy backend run)."""
-    (write_k_in_place, is_neox, pdl, const_scale, _, mrope_section, mrope_interleaved, q_scale) = (
-        flags
+    """Validate a first call (:func:`_check`), choose the kernel specialisation (:func:`_mode`)
+    and pack its launch (:func:`_launch`: vector width, launch shape, record), or the NumPy
+    backend run."""
+    a, f = _Views._make(views), _Flags._make(flags)
+    c = _check(a, f)
+    written = (_WRITTEN_OUT if a.q_out is not None else _WRITTEN_Q) + _WRITTEN_CACHE
+    written += _WRITTEN_K if f.write_k_in_place else ()
+    result = (lambda arrays, outs: arrays[Q_OUT]) if a.q_out is not None else None
+
+    check_indices = ck.check_indices_enabled()
+    if a.kv_scale is not None and (c.device == HOST or check_indices):
+        ck.check_scale_values(a.kv_scale)
+    if check_indices:
+        _check_indices(a.kv_end_lens, a.position_ids, c.B, c.S, c.C, c.P, c.sections is not None)
+    plan = functools.partial(Plan, written=written, inplace=_INPLACE, result=result)
+    if c.device == HOST:
+        return plan(HOST, host=_host_run(a, f, c) if c.B * c.S else None)
+    if c.B * c.S == 0:
+        return plan(c.device)
+    return plan(c.device, [_launch(a, f, c, _mode(a, c))])
+
+
+def _check(a, f):
+    """Every check of a first call, in the order of the arguments' errors; a :class:`_Checked`."""
+    vq, vk, vv, vc, vt, vlens, vpos = (
+        a.q,
+        a.k,
+        a.v,
+        a.kv_cache,
+        a.cos_sin_cache,
+        a.kv_end_lens,
+        a.position_ids,
     )
-    vq, vk, vv, vc, vt, vlens, vpos, vscale, vqo, vqs, vcs = views
 
     # Tests of the common case first, read in the checkers' order; the checkers (which raise
     # their own messages) only where a test fails: this runs on every first call.
@@ -556,28 +604,13 @@ def _prepare(views, flags):
         ck.check_shape(vlens, (B,), "(B,)")
         ck.check_dtype(vlens, INDEX_DTYPES)
         ck.check_contiguous(vlens)
-    sections = check_mrope(mrope_section, mrope_interleaved, R, vpos, (3, B, S), "(3, B, S)")
+    sections = check_mrope(f.mrope_section, f.mrope_interleaved, R, vpos, (3, B, S), "(3, B, S)")
     if vpos is not None and sections is None:
         ck.check_shape(vpos, (B, S), "(B, S)")
         ck.check_dtype(vpos, INDEX_DTYPES)
         ck.check_contiguous(vpos)
     fp8 = vc.dtype in FP8_DTYPES
-    given = vscale is not None or const_scale is not None
-    q_static = _check_quantized_outputs(vq, vc, vqo, q_scale, vqs, vcs, given)
-    if fp8 and not given and vcs is None:
-        raise ValueError(
-            f"kv_scale (a number, a pair, or float32 of shape (2,) or ()) or "
-            f"kv_cache_scales is required for a {vc.dtype} kv_cache"
-        )
-    if not fp8 and given:
-        raise ValueError(f"kv_scale is only used with float8 caches, but kv_cache is {vc.dtype}")
-    scales = _constant_scales(const_scale) if const_scale is not None else (1.0, 1.0)
-    if vscale is not None:
-        ck.check_ndim(vscale, (0, 1), "(2,) or ()")
-        if vscale.ndim == 1:
-            ck.check_shape(vscale, (2,), "(2,) or ()")
-        ck.check_dtype(vscale, (FLOAT32,))
-        ck.check_contiguous(vscale)
+    q_static, scales = _check_scales(a, f, fp8)
     if (
         vq.strides[-1] != 1
         or vk.strides[-1] != 1
@@ -586,94 +619,86 @@ def _prepare(views, flags):
         or vt.strides[-1] != 1
     ):  # (a test first, as above)
         ck.check_last_dim_contiguous(vq, vk, vv, vc, vt)
-    device = ck.check_same_device(views)
-    written = ((Q_OUT, 9, 10) if vqo is not None else (0, 9, 10)) + (3,)
-    written += (1,) if write_k_in_place else ()
-    result = (lambda arrays, outs: arrays[Q_OUT]) if vqo is not None else None
+    device = ck.check_same_device(a)
+    return _Checked(B, S, Hq, Hkv, D, C, P, R, sections, fp8, scales, q_static, device)
 
-    check_indices = ck.check_indices_enabled()
-    if vscale is not None and (device == HOST or check_indices):
-        ck.check_scale_values(vscale)
-    if check_indices:
-        _check_indices(vlens, vpos, B, S, C, P, sections is not None)
-    if device == HOST:
 
-        def host(v, _):
-            reference.apply_rope_write_kv(
-                vq.host,
-                vk.host,
-                vv.host,
-                vc.host,
-                vt.host,
-                None if vlens is None else vlens.host,
-                None if vpos is None else vpos.host,
-                scales if vscale is None else vscale.host,
-                write_k_in_place,
-                is_neox,
-                sections,
-                mrope_interleaved,
-                None if vqo is None else vqo.host,
-                q_static,
-                None if vqs is None else vqs.host,
-                None if vcs is None else vcs.host,
-            )
-
-        return Plan(
-            HOST, written=written, inplace=[(0, Q_OUT)], result=result, host=host if B * S else None
+def _check_scales(a, f, fp8):
+    """The quantized outputs and the K/V scales; ``(q_static, constant (k, v) scales)``."""
+    vc, vscale, vcs = a.kv_cache, a.kv_scale, a.kv_cache_scales
+    given = vscale is not None or f.kv_scale is not None
+    q_static = _check_quantized_outputs(a.q, vc, a.q_out, f.q_scale, a.q_scale_out, vcs, given)
+    if fp8 and not given and vcs is None:
+        raise ValueError(
+            f"kv_scale (a number, a pair, or float32 of shape (2,) or ()) or "
+            f"kv_cache_scales is required for a {vc.dtype} kv_cache"
         )
-    if B * S == 0:
-        return Plan(device, written=written, inplace=[(0, Q_OUT)], result=result)
-    quant = vqo is not None or vcs is not None
-    if quant and sections is not None:
-        mode = MODE_ALL
-    elif quant:
-        mode = MODE_QUANT + (vqs is not None) + 2 * (vcs is not None)
-    elif sections is not None:
-        mode = MODE_OPTS
-    else:  # constant K/V scales: the quantized-output kernel (Q in place through q_out = q), whose
-        # code reads no mRoPE (80 registers against MODE_OPTS' 120)
-        mode = MODE_QUANT if fp8 and vscale is None else MODE_PLAIN
-    launch = _launch(
-        views,
-        device,
-        pdl,
-        is_neox,
-        write_k_in_place,
-        mode,
-        sections,
-        mrope_interleaved,
-        scales,
-        q_static,
-        P,
-        R,
-    )
-    return Plan(device, [launch], written=written, inplace=[(0, Q_OUT)], result=result)
+    if not fp8 and given:
+        raise ValueError(f"kv_scale is only used with float8 caches, but kv_cache is {vc.dtype}")
+    scales = _constant_scales(f.kv_scale) if f.kv_scale is not None else (1.0, 1.0)
+    if vscale is not None:
+        ck.check_ndim(vscale, (0, 1), "(2,) or ()")
+        if vscale.ndim == 1:
+            ck.check_shape(vscale, (2,), "(2,) or ()")
+        ck.check_dtype(vscale, (FLOAT32,))
+        ck.check_contiguous(vscale)
+    return q_static, scales
 
 
-def _launch(
-    views,
-    device,
-    pdl,
-    is_neox,
-    write_k_in_place,
-    mode,
-    sections,
-    mrope_interleaved,
-    scales,
-    q_static,
-    P,
-    R,
-):
-    """The kernel launch of a validated call."""
-    vq, vk, vv, vc, vt, vlens, vpos, vscale, vqo, vqs, vcs = views
-    B, S, Hq, D = vq.shape
-    Hkv, C = vk.shape[2], vc.shape[3]
+def _host_run(a, f, c):
+    """The NumPy backend's run of a host call."""
+
+    def h(view):
+        return None if view is None else view.host
+
+    def host(v, _):
+        reference.apply_rope_write_kv(
+            a.q.host,
+            a.k.host,
+            a.v.host,
+            a.kv_cache.host,
+            a.cos_sin_cache.host,
+            h(a.kv_end_lens),
+            h(a.position_ids),
+            c.scales if a.kv_scale is None else a.kv_scale.host,
+            f.write_k_in_place,
+            f.is_neox,
+            c.sections,
+            f.mrope_interleaved,
+            h(a.q_out),
+            c.q_static,
+            h(a.q_scale_out),
+            h(a.kv_cache_scales),
+        )
+
+    return host
+
+
+def _mode(a, c):
+    """The kernel specialisation of a device call (``MODE_*``)."""
+    vqs, vcs = a.q_scale_out, a.kv_cache_scales
+    quant = a.q_out is not None or vcs is not None
+    if quant and c.sections is not None:
+        return MODE_ALL
+    if quant:
+        return MODE_QUANT + (vqs is not None) + 2 * (vcs is not None)
+    if c.sections is not None:
+        return MODE_OPTS
+    # constant K/V scales: the quantized-output kernel (Q in place through q_out = q), whose
+    # code reads no mRoPE (80 registers against MODE_OPTS' 120)
+    return MODE_QUANT if c.fp8 and a.kv_scale is None else MODE_PLAIN
+
+
+def _choose(a, is_neox, c, mode):
+    """``(vector width, items, lanes per head row, block, rows, splits)`` of a device call."""
+    vq, vk, vv, vc, vqo = a.q, a.k, a.v, a.kv_cache, a.q_out
     vout = vq if vqo is None else vqo
+    R, D = c.R, c.D
 
     # the widest n for which the data rows (and the table's) are aligned, read once for every
     # width tried (widest_aligned)
     widest = widest_aligned((vq, vk, vv, vc) if vout is vq else (vq, vk, vv, vc, vout))
-    table_widest = widest_aligned((vt,))
+    table_widest = widest_aligned((a.cos_sin_cache,))
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
@@ -693,12 +718,12 @@ def _launch(
             f"head dim D={D} with rotary dim R={R} needs {items} threads per head "
             f"row, more than the {MAX_ITEMS} a block has"
         )
-    dynamic = vqs is not None or vcs is not None
+    dynamic = a.q_scale_out is not None or a.kv_cache_scales is not None
     group = pow2(items) if dynamic else items  # computed scales reduce over aligned lane groups
     scaled = MODE_Q_ROWS <= mode <= MODE_BOTH_ROWS  # the 2-row, 80-register kernels
     block, rows, splits = launch_shape(
-        B * S,
-        Hq + 2 * Hkv,
+        c.B * c.S,
+        c.Hq + 2 * c.Hkv,
         group,
         TUNING["scaled_prefill_rows"]
         if scaled
@@ -707,10 +732,56 @@ def _launch(
         else None,
         SCALED_ROWS_MAX if scaled else ROWS_MAX,
     )
+    return n, items, group, block, rows, splits
+
+
+def _launch(a, f, c, mode):
+    """The kernel launch of a validated device call: the vector width and launch shape
+    (:func:`_choose`), the record's values and pointer slots."""
+    vq, vqo = a.q, a.q_out
+    vout = vq if vqo is None else vqo
+    n, items, group, block, rows, splits = _choose(a, f.is_neox, c, mode)
+    values = _values(a, f, c, items, group, rows)
+    slots = dict(_ARGUMENT_SLOTS)  # q .. cos_sin_cache, all given (checked)
+    for i in range(len(_ARGUMENT_SLOTS), len(FIELDS)):
+        if a[i] is not None:
+            slots[FIELDS[i]] = (i, 0)
+    if vqo is None:
+        slots["q_out"] = _Q_IN_PLACE  # Q roped in place: the kernel writes through q_out = q
+    options = (vqo, a.q_scale_out, a.kv_cache_scales, a.kv_scale)
+    if all(x is None for x in options) and not c.sections:
+        values.update(_NO_OPTIONS)
+    else:
+        values.update(_option_values(a, c.sections))
+    return Launch(
+        STEM,
+        expression(vq.dtype, a.kv_cache.dtype, f.is_neox, n, mode, vout.dtype),
+        c.device,
+        (c.B * c.S, splits),
+        (block,),
+        PARAMS,
+        values,
+        slots,
+        pdl=f.enable_pdl,
+    )
+
+
+def _values(a, f, c, items, group, rows):
+    """The record's fields past the pointers but the options' (every given pointer has a slot,
+    :func:`_launch`; the others are null)."""
+    vq, vk, vv, vc, vt, vlens, vpos = (
+        a.q,
+        a.k,
+        a.v,
+        a.kv_cache,
+        a.cos_sin_cache,
+        a.kv_end_lens,
+        a.position_ids,
+    )
+    vout = vq if a.q_out is None else a.q_out
     table_strides = vt.strides if vt.ndim == 3 else (0, *vt.strides)
     q_st, k_st, v_st, c_st, qo_st = vq.strides, vk.strides, vv.strides, vc.strides, vout.strides
-    values = {  # the fields past the pointers (every given pointer has a slot, below; the
-        # others are null)
+    return {
         "q_sb": q_st[0],
         "q_ss": q_st[1],
         "q_sh": q_st[2],
@@ -729,73 +800,63 @@ def _launch(
         "qo_sb": qo_st[0],
         "qo_ss": qo_st[1],
         "qo_sh": qo_st[2],
-        "inv_k_scale": 1.0 / scales[0],
-        "inv_v_scale": 1.0 / scales[1],
-        "inv_q_scale": 1.0 / q_static,
-        "B": B,
-        "S": S,
-        "Hq": Hq,
-        "Hkv": Hkv,
-        "D": D,
-        "R": R,
-        "C": C,
-        "P": P,
-        "write_k_in_place": int(write_k_in_place),
+        "inv_k_scale": 1.0 / c.scales[0],
+        "inv_v_scale": 1.0 / c.scales[1],
+        "inv_q_scale": 1.0 / c.q_static,
+        "B": c.B,
+        "S": c.S,
+        "Hq": c.Hq,
+        "Hkv": c.Hkv,
+        "D": c.D,
+        "R": c.R,
+        "C": c.C,
+        "P": c.P,
+        "write_k_in_place": int(f.write_k_in_place),
         "group": group,
         "rows": rows,
         "index64": (
             int(vlens is not None and vlens.dtype == INT64)
             | 2 * int(vpos is not None and vpos.dtype == INT64)
         ),
-        "mrope_interleaved": int(mrope_interleaved),
+        "mrope_interleaved": int(f.mrope_interleaved),
         "items": items,
     }
-    slots = dict(_ARGUMENT_SLOTS)  # q .. cos_sin_cache, all given (checked)
-    for i in range(len(_ARGUMENT_SLOTS), len(FIELDS)):
-        if views[i] is not None:
-            slots[FIELDS[i]] = (i, 0)
-    if vqo is None:
-        slots["q_out"] = (0, 0)  # Q roped in place: the kernel writes through q_out = q
-    if vqo is None and vqs is None and vcs is None and vscale is None and not sections:
-        values.update(_NO_OPTIONS)
-    else:
-        qs_strides = vqs.strides if vqs is not None else (0, 0, 0)
-        cs_strides = vcs.strides if vcs is not None else (0, 0, 0, 0)
-        values.update(
-            {
-                "qs_sb": qs_strides[0],
-                "qs_ss": qs_strides[1],
-                "qs_sh": qs_strides[2],
-                "ks_sb": cs_strides[0],
-                "ks_skv": cs_strides[1],
-                "ks_sh": cs_strides[2],
-                "ks_st": cs_strides[3],
-                "mrope": int(bool(sections)),
-                "mrope_t": sections[0] if sections else 0,
-                "mrope_h": sections[1] if sections else 0,
-                "mrope_w": sections[2] if sections else 0,
-                "v_scale_index": int(vscale is not None and vscale.ndim == 1),
-                "q_full": int(vqo is not None),
-                "q_dynamic": int(vqs is not None),
-                "kv_dynamic": int(vcs is not None),
-            }
-        )
-    return Launch(
-        STEM,
-        expression(vq.dtype, vc.dtype, is_neox, n, mode, vout.dtype),
-        device,
-        (B * S, splits),
-        (block,),
-        PARAMS,
-        values,
-        slots,
-        pdl=pdl,
-    )
 
 
-# made once (a first call copies or reads them): the slots of the arguments every call gives
-# (q .. cos_sin_cache), the option fields when no option is used (no q_out, computed scales,
-# mRoPE or kv_scale array)
+def _option_values(a, sections):
+    """The record's option fields when an option is used."""
+    vqs, vcs, vscale = a.q_scale_out, a.kv_cache_scales, a.kv_scale
+    qs_strides = vqs.strides if vqs is not None else (0, 0, 0)
+    cs_strides = vcs.strides if vcs is not None else (0, 0, 0, 0)
+    return {
+        "qs_sb": qs_strides[0],
+        "qs_ss": qs_strides[1],
+        "qs_sh": qs_strides[2],
+        "ks_sb": cs_strides[0],
+        "ks_skv": cs_strides[1],
+        "ks_sh": cs_strides[2],
+        "ks_st": cs_strides[3],
+        "mrope": int(bool(sections)),
+        "mrope_t": sections[0] if sections else 0,
+        "mrope_h": sections[1] if sections else 0,
+        "mrope_w": sections[2] if sections else 0,
+        "v_scale_index": int(vscale is not None and vscale.ndim == 1),
+        "q_full": int(a.q_out is not None),
+        "q_dynamic": int(vqs is not None),
+        "kv_dynamic": int(vcs is not None),
+    }
+
+
+# made once (a first call copies or reads them): argument roles by name (the arguments written:
+# q_out or q, the computed scales, the cache, k with write_k_in_place; the in-place pair), the
+# slots of the arguments every call gives (q .. cos_sin_cache), the option fields when no option
+# is used (no q_out, computed scales, mRoPE or kv_scale array)
+_WRITTEN_OUT = ck.argument_indices(ARRAYS, ("q_out", "q_scale_out", "kv_cache_scales"))
+_WRITTEN_Q = ck.argument_indices(ARRAYS, ("q", "q_scale_out", "kv_cache_scales"))
+_WRITTEN_CACHE = ck.argument_indices(ARRAYS, ("kv_cache",))
+_WRITTEN_K = ck.argument_indices(ARRAYS, ("k",))
+_INPLACE = [ck.argument_indices(ARRAYS, ("q", "q_out"))]
+_Q_IN_PLACE = (ck.argument_indices(ARRAYS, "q"), 0)
 _ARGUMENT_SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS[: ARRAYS.index("kv_end_lens")])}
 _NO_OPTIONS = dict.fromkeys(
     (
@@ -819,21 +880,19 @@ _NO_OPTIONS = dict.fromkeys(
 )
 _TABLE_NDIMS = (2, 3)
 
-_OP = Op(
-    "apply_rope_write_kv",
-    ARRAYS,
-    _prepare,
-    flags=[
-        ("write_k_in_place", FLAG),
-        ("is_neox", FLAG),
-        ("enable_pdl", FLAG),
-        ("kv_scale", KEY),
-        ("tuning", AS_IS),
-        ("mrope_section", KEY),
-        ("mrope_interleaved", FLAG),
-        ("q_scale", KEY),
-    ],
-)
+_FLAGS = [
+    ("write_k_in_place", FLAG),
+    ("is_neox", FLAG),
+    ("enable_pdl", FLAG),
+    ("kv_scale", KEY),
+    ("tuning", AS_IS),
+    ("mrope_section", KEY),
+    ("mrope_interleaved", FLAG),
+    ("q_scale", KEY),
+]
+_Views = collections.namedtuple("_Views", ARRAYS)
+_Flags = collections.namedtuple("_Flags", [name for name, _ in _FLAGS])
+_OP = Op("apply_rope_write_kv", ARRAYS, _prepare, flags=_FLAGS)
 
 
 def _check_indices(vlens, vpos, B, S, C, P, mrope=False):

@@ -4,7 +4,9 @@ quantized write of the latent row into a paged cache, in one launch (Modular MAX
 
 from __future__ import annotations
 
+import collections
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -326,11 +328,54 @@ def mla_rope_rmsnorm_append_paged_kv_cache(
     )
 
 
+class _Checked(NamedTuple):
+    """What the checks of a first call derive: sizes, the caches (``caches``: ``(ckv, kpe)``
+    views, or the one joined cache's), the validated scalars and the device."""
+
+    split: bool
+    T: int
+    Hq: int
+    R: int
+    L: int
+    P: int
+    n_norm: int
+    B: int
+    max_pages: int
+    caches: tuple
+    num_pages: int
+    page_size: int
+    scale: float | None
+    epsilon: float
+    device: int
+
+
 def _prepare(views, flags):
-    """Validate a first call; the launch plan (or the NumPy backend run)."""
-    epsilon, kv_norm_dim, is_neox, kv_scale, pdl, _, clear = flags
-    vq, vkv, vg, vt, voff, vlen, vbt, vc0, vc1, vgiven, vstatus = views
-    split = vc1 is not None or vc0.name == "ckv_cache"
+    """Validate a first call (:func:`_check`), choose the vector width and launch shape
+    (:func:`_choose`) and pack the launch plan (:func:`_pack`), or the NumPy backend run."""
+    a, f = _Views._make(views), _Flags._make(flags)
+    c = _check(a, f)
+    written = _WRITTEN_SPLIT if c.split else _WRITTEN_JOINED
+    written += (_STATUS,) if a.status is not None else ()
+    outputs = [] if a.q_rope_out is not None else [Output((c.T, c.Hq, c.R), a.q_rope.dtype)]
+    plan = functools.partial(
+        Plan, outputs=outputs, written=written, inplace=_INPLACE, result=_RESULT
+    )
+    if ck.check_indices_enabled():
+        ck.check_paged_indices(
+            a.input_row_offsets, a.cache_lengths, a.block_table, c.page_size, c.num_pages, c.T, c.P
+        )
+    if c.device == HOST:
+        return plan(HOST, host=_host_run(a, f, c))
+    if c.T == 0 and a.status is None:
+        return plan(c.device)
+    n, split_heads, splits, per_block = _choose(a, f.is_neox, c)
+    return plan(c.device, [_pack(a, f, c, n, split_heads, splits, per_block)])
+
+
+def _check(a, f):
+    """Every check of a first call, in the order of the arguments' errors; a :class:`_Checked`."""
+    vq, vkv, vg, vt = a.q_rope, a.kv, a.gamma, a.cos_sin_cache
+    split = a.kpe_cache is not None or a.kv_cache.name == "ckv_cache"
 
     # Tests of the common case first, read in the checkers' order; the checkers (which raise
     # their own messages) only where a test fails: this runs on every first call.
@@ -361,14 +406,7 @@ def _prepare(views, flags):
     L = vkv.shape[1] - R
     if L <= 0:
         raise ValueError(f"kv must have shape (T, L + R) with L > 0 and R = {R}, got {vkv.shape}")
-    n_norm = L if kv_norm_dim is None else kv_norm_dim
-    if (
-        n_norm.__class__ is not int
-        and not isinstance(n_norm, int | np.integer)
-        or not (0 < n_norm <= L)
-    ):
-        raise ValueError(f"kv_norm_dim must be an integer in [1, L={L}], got {kv_norm_dim!r}")
-    n_norm = int(n_norm)
+    n_norm = _check_norm_dim(f.kv_norm_dim, L)
     gamma_dtypes = (vq.dtype, FLOAT32)
     if (
         vg.shape != (n_norm,) or vg.dtype not in gamma_dtypes or vg.strides != ck.UNIT_STRIDE
@@ -376,10 +414,58 @@ def _prepare(views, flags):
         ck.check_shape(vg, (n_norm,), "(kv_norm_dim,)")
         ck.check_dtype(vg, gamma_dtypes)
         ck.check_contiguous(vg)
-    B, max_pages = ck.check_ragged_paged(voff, vlen, vbt)
+    B, max_pages = ck.check_ragged_paged(a.input_row_offsets, a.cache_lengths, a.block_table)
+    caches, num_pages, page_size = _check_caches(a, split, L, R)
+    scale = ck.check_cache_scale(f.kv_scale, caches[0].dtype)
+    epsilon = ck.check_float(f.epsilon, "epsilon", positive=False)
+    if (
+        vq.strides[-1] != 1
+        or vkv.strides[-1] != 1
+        or vt.strides[-1] != 1
+        or caches[0].strides[-1] != 1
+        or caches[-1].strides[-1] != 1
+    ):
+        ck.check_last_dim_contiguous(vq, vkv, vt, *caches)
+    if a.q_rope_out is not None:
+        check_output(a.q_rope_out, vq)
+    if a.status is not None:
+        check_status(a.status)
+    device = ck.check_same_device(a)
+    return _Checked(
+        split,
+        T,
+        Hq,
+        R,
+        L,
+        P,
+        n_norm,
+        B,
+        max_pages,
+        caches,
+        num_pages,
+        page_size,
+        scale,
+        epsilon,
+        device,
+    )
 
+
+def _check_norm_dim(kv_norm_dim, L):
+    """``kv_norm_dim``: an integer in ``[1, L]`` (None: L), as a Python int."""
+    n_norm = L if kv_norm_dim is None else kv_norm_dim
+    if (
+        n_norm.__class__ is not int
+        and not isinstance(n_norm, int | np.integer)
+        or not (0 < n_norm <= L)
+    ):
+        raise ValueError(f"kv_norm_dim must be an integer in [1, L={L}], got {kv_norm_dim!r}")
+    return int(n_norm)
+
+
+def _check_caches(a, split, L, R):
+    """The cache (joined) or caches (split); ``(caches, num_pages, page_size)``."""
     if split:
-        vckv, vkpe = vc0, vc1
+        vckv, vkpe = a.kv_cache, a.kpe_cache
         if vkpe is None:
             raise ValueError(
                 "kv_cache must be one array or a tuple (ckv, kpe) of two arrays, got None for kpe"
@@ -397,89 +483,74 @@ def _prepare(views, flags):
         num_pages, page_size = vckv.shape[:2]
         caches = (vckv, vkpe)
     else:
-        vc = vc0
+        vc = a.kv_cache
         if not (len(vc.shape) == 3 and vc.shape[2] == L + R):
             ck.check_ndim(vc, 3, "(num_pages, page_size, L + R)")
             ck.check_shape(vc, (None, None, L + R), "(num_pages, page_size, L + R)")
         num_pages, page_size = vc.shape[:2]
         caches = (vc,)
     vcache = caches[0]
-    if vcache.dtype != vq.dtype:
-        ck.check_dtype(vcache, (vq.dtype, *FP8_DTYPES))
+    if vcache.dtype != a.q_rope.dtype:
+        ck.check_dtype(vcache, (a.q_rope.dtype, *FP8_DTYPES))
     if page_size == 0:
         raise ValueError(
             f"{vcache.name} must have a page_size (dim 1) of at least 1, got {vcache.shape}"
         )
-    scale = ck.check_cache_scale(kv_scale, vcache.dtype)
-    epsilon = ck.check_float(epsilon, "epsilon", positive=False)
-    if (
-        vq.strides[-1] != 1
-        or vkv.strides[-1] != 1
-        or vt.strides[-1] != 1
-        or vcache.strides[-1] != 1
-        or caches[-1].strides[-1] != 1
-    ):
-        ck.check_last_dim_contiguous(vq, vkv, vt, *caches)
-    if vgiven is not None:
-        check_output(vgiven, vq)
-    if vstatus is not None:
-        check_status(vstatus)
-    device = ck.check_same_device(views)
-    written = ((7, 8, 9) if split else (7, 9)) + ((10,) if vstatus is not None else ())
-    outputs = [] if vgiven is not None else [Output((T, Hq, R), vq.dtype)]
-    result = _RESULT
+    return caches, num_pages, page_size
 
-    if ck.check_indices_enabled():
-        ck.check_paged_indices(voff, vlen, vbt, page_size, num_pages, T, P)
-    if device == HOST:
 
-        def host(v, outs):
-            vout = vgiven if vgiven is not None else outs[0]
-            if vstatus is not None:
-                vstatus.host[...] = reference.ragged_offsets_status(voff.host, T)
-                if vstatus.host.item():
-                    return
-            if not T:
+def _host_run(a, f, c):
+    """The NumPy backend's run of a host call."""
+    vgiven, vstatus, voff, L, T = a.q_rope_out, a.status, a.input_row_offsets, c.L, c.T
+
+    def host(v, outs):
+        vout = vgiven if vgiven is not None else outs[0]
+        if vstatus is not None:
+            vstatus.host[...] = reference.ragged_offsets_status(voff.host, T)
+            if vstatus.host.item():
                 return
-            full = vcache.host
-            ckv_h, kpe_h = (vckv.host, vkpe.host) if split else (full[..., :L], full[..., L:])
-            reference.mla_rope_rmsnorm_append_paged_kv_cache(
-                vq.host,
-                vkv.host,
-                vg.host,
-                vt.host,
-                voff.host,
-                vlen.host,
-                vbt.host,
-                ckv_h,
-                kpe_h,
-                vout.host,
-                epsilon,
-                n_norm,
-                is_neox,
-                1.0 if scale is None else scale,
-                clear,
-            )
-
-        return Plan(
-            HOST, outputs=outputs, written=written, inplace=[(0, 9)], result=result, host=host
+        if not T:
+            return
+        full = c.caches[0].host
+        ckv_h, kpe_h = (
+            (c.caches[0].host, c.caches[1].host) if c.split else (full[..., :L], full[..., L:])
         )
-    if T == 0 and vstatus is None:
-        return Plan(device, outputs=outputs, written=written, inplace=[(0, 9)], result=result)
+        reference.mla_rope_rmsnorm_append_paged_kv_cache(
+            a.q_rope.host,
+            a.kv.host,
+            a.gamma.host,
+            a.cos_sin_cache.host,
+            voff.host,
+            a.cache_lengths.host,
+            a.block_table.host,
+            ckv_h,
+            kpe_h,
+            vout.host,
+            c.epsilon,
+            c.n_norm,
+            f.is_neox,
+            1.0 if c.scale is None else c.scale,
+            f.clear_unused_last_page_rows,
+        )
 
-    vout = vgiven if vgiven is not None else vq  # a new output is laid out (and aligned) as q
+    return host
 
+
+def _choose(a, is_neox, c):
+    """``(vector width, split_heads, splits, heads per block)`` of a device call."""
+    vq, vkv, vg, caches, R, L = a.q_rope, a.kv, a.gamma, c.caches, c.R, c.L
+    vout = a.q_rope_out if a.q_rope_out is not None else vq  # a new output is laid out as q
     # the widest n for which the data rows (and the table's) are aligned, read once for every
     # width tried (widest_aligned)
     widest = widest_aligned((vq, vkv, vg, *caches) if vout is vq else (vq, vout, vkv, vg, *caches))
-    table_widest = widest_aligned((vt,))
+    table_widest = widest_aligned((a.cos_sin_cache,))
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
         return (
             rot
             and L % n == 0
-            and n_norm % n == 0
+            and c.n_norm % n == 0
             and n <= widest
             and (n if is_neox else n // 2) <= table_widest
         )
@@ -489,86 +560,78 @@ def _prepare(views, flags):
         raise BufferError(
             f"interleaved RoPE reads element pairs: the rows of q_rope, q_rope_out, "
             f"kv and the cache must start at even elements; got {vq}, {vout}, "
-            f"{vkv}, {vcache}"
+            f"{vkv}, {caches[0]}"
         )
     if (R // 2 if is_neox else R) // n > BLOCK:
         raise ValueError(
             f"rotary dim R={R} needs more than {BLOCK} threads per head row at a "
             f"vector width of {n}"
         )
-    split_heads = T < TUNING["split_below"]
+    split_heads = c.T < TUNING["split_below"]
     splits, per_block = (
-        launch_shape(max(T, 1), Hq, (R // 2 if is_neox else R) // n) if split_heads else (1, Hq)
+        launch_shape(max(c.T, 1), c.Hq, (R // 2 if is_neox else R) // n)
+        if split_heads
+        else (1, c.Hq)
     )
-    if vgiven is None:
-        out_strides = (Hq * R, R)
-    else:
-        out_strides = vgiven.strides[:2]
-    ckv_s, kpe_s = (caches[0].strides, caches[-1].strides)
+    return n, split_heads, splits, per_block
+
+
+def _pack(a, f, c, n, split_heads, splits, per_block):
+    """The launch of a device call: its record's values and pointer slots, and the kernel."""
+    vq, vgiven, vcache, T, Hq, R = a.q_rope, a.q_rope_out, c.caches[0], c.T, c.Hq, c.R
+    out_strides = (Hq * R, R) if vgiven is None else vgiven.strides[:2]
+    ckv_s, kpe_s = (c.caches[0].strides, c.caches[-1].strides)
     values = {  # the fields past the pointers (every given pointer has a slot, below; status
         # is null without one)
         "q_st": vq.strides[0],
         "q_sh": vq.strides[1],
         "qo_st": out_strides[0],
         "qo_sh": out_strides[1],
-        "kv_st": vkv.strides[0],
-        "cs_sp": vt.strides[0],
-        "bt_sb": vbt.strides[0],
+        "kv_st": a.kv.strides[0],
+        "cs_sp": a.cos_sin_cache.strides[0],
+        "bt_sb": a.block_table.strides[0],
         "ckv_sp": ckv_s[0],
         "ckv_se": ckv_s[1],
         "kpe_sp": kpe_s[0],
         "kpe_se": kpe_s[1],
-        "num_pages": num_pages,
-        "epsilon": epsilon,
-        "inv_kv_scale": 1.0 / scale if scale else 1.0,
+        "num_pages": c.num_pages,
+        "epsilon": c.epsilon,
+        "inv_kv_scale": 1.0 / c.scale if c.scale else 1.0,
         "T": T,
-        "B": B,
+        "B": c.B,
         "Hq": Hq,
-        "L": L,
+        "L": c.L,
         "R": R,
-        "P": P,
-        "kv_norm_dim": n_norm,
-        "max_pages": max_pages,
-        "page_size": page_size,
-        "gamma_f32": int(vg.dtype == FLOAT32),
+        "P": c.P,
+        "kv_norm_dim": c.n_norm,
+        "max_pages": c.max_pages,
+        "page_size": c.page_size,
+        "gamma_f32": int(a.gamma.dtype == FLOAT32),
         "heads_per_block": per_block,
-        "clear": int(clear),
-        "check": int(vstatus is not None),
+        "clear": int(f.clear_unused_last_page_rows),
+        "check": int(a.status is not None),
     }
     # pointer fields <- (argument index, byte offset); a new q output comes after the arguments
     slots = dict(_SLOTS)
-    slots["kpe"] = (8, 0) if split else (7, L * vcache.dtype.itemsize)
-    slots["q_out"] = (9, 0) if vgiven is not None else (11, 0)
-    if vstatus is not None:
-        slots["status"] = (10, 0)
-    opts = clear or vstatus is not None  # status= with no tokens: one block, which validates
-    launch = Launch(
+    slots["kpe"] = (_KPE_CACHE, 0) if c.split else (_KV_CACHE, c.L * vcache.dtype.itemsize)
+    slots["q_out"] = (_Q_ROPE_OUT, 0) if vgiven is not None else (len(_ARGS), 0)
+    if a.status is not None:
+        slots["status"] = (_STATUS, 0)
+    # status= with no tokens: one block, which validates
+    opts = f.clear_unused_last_page_rows or a.status is not None
+    return Launch(
         STEM,
-        expression(vq.dtype, vcache.dtype, is_neox, n, split_heads, opts),
-        device,
+        expression(vq.dtype, vcache.dtype, f.is_neox, n, split_heads, opts),
+        c.device,
         (max(T, 1), splits),
         (BLOCK,),
         PARAMS,
         values,
         slots,
-        pdl=pdl,
+        pdl=f.enable_pdl,
     )
-    return Plan(device, [launch], outputs=outputs, written=written, inplace=[(0, 9)], result=result)
 
 
-# made once (a first call copies or reads them): the result, and the slots of the arguments
-# every call gives
-_RESULT = given_or_new(9)
-_SLOTS = {
-    "q": (0, 0),
-    "kv": (1, 0),
-    "gamma": (2, 0),
-    "cos_sin": (3, 0),
-    "offsets": (4, 0),
-    "cache_lengths": (5, 0),
-    "block_table": (6, 0),
-    "ckv": (7, 0),
-}
 _NAMES = (
     "q_rope",
     "kv",
@@ -587,6 +650,32 @@ _FLAGS = [
     ("tuning", AS_IS),
     ("clear_unused_last_page_rows", FLAG),
 ]
+# the arguments of a call by role: the split caches (ckv_cache, kpe_cache) as kv_cache, kpe_cache
+_ARGS = (*_NAMES, "kv_cache", "kpe_cache", "q_rope_out", "status")
+_Views = collections.namedtuple("_Views", _ARGS)
+_Flags = collections.namedtuple("_Flags", [name for name, _ in _FLAGS])
+# made once (a first call copies or reads them): argument roles by name (the arguments written,
+# the in-place pair, the result), and the slots of the arguments every call gives
+_KV_CACHE, _KPE_CACHE, _Q_ROPE_OUT, _STATUS = ck.argument_indices(
+    _ARGS, ("kv_cache", "kpe_cache", "q_rope_out", "status")
+)
+_WRITTEN_SPLIT = ck.argument_indices(_ARGS, ("kv_cache", "kpe_cache", "q_rope_out"))
+_WRITTEN_JOINED = ck.argument_indices(_ARGS, ("kv_cache", "q_rope_out"))
+_INPLACE = [ck.argument_indices(_ARGS, ("q_rope", "q_rope_out"))]
+_RESULT = given_or_new(_Q_ROPE_OUT)
+_SLOTS = {
+    field: (ck.argument_indices(_ARGS, name), 0)
+    for field, name in (
+        ("q", "q_rope"),
+        ("kv", "kv"),
+        ("gamma", "gamma"),
+        ("cos_sin", "cos_sin_cache"),
+        ("offsets", "input_row_offsets"),
+        ("cache_lengths", "cache_lengths"),
+        ("block_table", "block_table"),
+        ("ckv", "kv_cache"),
+    )
+}
 _JOINED = Op(
     "mla_rope_rmsnorm_append_paged_kv_cache",
     (*_NAMES, "kv_cache", "kpe_cache", "q_rope_out", "status"),

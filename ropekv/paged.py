@@ -4,9 +4,11 @@ into a paged KV cache, in one launch."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
@@ -897,48 +899,153 @@ def _check_options(vqso, vksc, vvsc, vstatus, mla, Hkv, num_pages, page_size, kv
     return st
 
 
+class _Checked(NamedTuple):
+    """What the checks of a first call derive: sizes, the output dtype, the cache destinations
+    (``((argument, byte offset), (page, entry, head) strides)`` of the K-rope, K-nope and V
+    rows), the validated scales and the options' strides."""
+
+    mla: bool
+    T: int
+    Hq: int
+    Hkv: int
+    R: int
+    Dn: int
+    P: int
+    sections: tuple | None
+    page_size: int
+    kv_layout: str
+    out_dtype: np.dtype
+    num_pages: int
+    kr: tuple
+    kn: tuple
+    vd: tuple
+    q_scale: float
+    vqs: object
+    kv_scale: float
+    vks: object
+    scale_st: dict
+    inputs: list
+    given_outs: list
+    device: int
+
+
+class _Choice(NamedTuple):
+    """The kernel a call runs and its launch shape."""
+
+    n: int  # vector width
+    group: int  # chunks of a head row
+    shape: tuple  # the kernel's: section (unroll, rot_unroll, min blocks) or ("rows", ROWS)
+    block: int
+    rows: int
+    splits: int
+    opts: bool  # the option kernel
+
+
 def _prepare(views, flags):
-    """Validate a first call; the launch plan (or the NumPy backend run)."""
-    (
-        quantize,
-        is_neox,
-        quantize_dtype,
-        q_scale,
-        kv_scale,
+    """Validate a first call (:func:`_check`), choose the kernel and its launch shape
+    (:func:`_choose`) and pack the launch plan (:func:`_pack`), or the NumPy backend run."""
+    a, f = _Views._make(views), _Flags._make(flags)
+    c = _check(a, f)
+    outputs, out_slots, result = _outputs(a, c)
+    written = [i for i in _WRITTEN if views[i] is not None]  # (the caches are given: read above)
+    inplace = _INPLACE if c.out_dtype == a.q_rope.dtype else ()  # fp8 outputs never alias q
+    if ck.check_indices_enabled():
+        _check_indices(
+            a.pos_ids,
+            a.batch_indices,
+            a.positions,
+            a.kv_indptr,
+            a.kv_indices,
+            c.P,
+            c.page_size,
+            c.num_pages,
+            c.sections,
+        )
+    plan = functools.partial(Plan, outputs=outputs, written=written, inplace=inplace, result=result)
+    if c.device == HOST:
+        return plan(HOST, host=_host_run(a, f, c))
+    if c.T == 0 and a.status is None:
+        return plan(c.device)
+    choice = _choose(a, f.is_neox, c)
+    return plan(c.device, [_pack(a, f, c, choice, out_slots)])
+
+
+def _check(a, f):
+    """Every check of a first call, in the order of the arguments' errors; a :class:`_Checked`."""
+    vqr, vkr, vqn, vkn, vv, vt = a.q_rope, a.k_rope, a.q_nope, a.k_nope, a.v, a.cos_sin_cache
+    vc0, vc1, vqro, vqno = a.cache0, a.cache1, a.q_rope_out, a.q_nope_out
+    mla = vkr.ndim == 2
+    kv_dyn = a.k_scales is not None
+    T, Hq, Hkv, R, Dn = _check_inputs(vqr, vkr, vqn, vkn, vv, mla)
+    inputs = [x for x in (vqr, vkr, vqn, vkn, vv) if x is not None]
+    for view in inputs:
+        if view.dtype != vqr.dtype:
+            ck.check_same_dtype(view, vqr)
+    P, sections = _check_indexing(a, R, T, f.mrope_section, f.mrope_interleaved)
+
+    # -- cache and output dtype
+    page_size = ck.check_positive_int(f.page_size, "page_size")
+    kv_layout = ck.check_choice(f.kv_layout, "kv_layout", LAYOUTS)
+    if vc0.dtype != vc1.dtype:
+        raise TypeError(
+            f"{vc1.name} must have the dtype of {vc0.name} ({vc0.dtype}), got {vc1.dtype}"
+        )
+    static_kv = f.quant_scale_kv is not None or a.quant_scale_kv is not None
+    out_dtype, source = output_dtype(
+        vqr, (vqro, vqno, vc0), f.quantize_dtype, f.quantize, mla, kv_dyn, static_kv
+    )
+    for view in (vc0, vc1):
+        if view.dtype != out_dtype:
+            raise TypeError(
+                f"{view.name} must have the quantize dtype {out_dtype}, got {view.dtype}"
+            )
+    num_pages, kr, kn, vd = _check_caches(
+        vc0, vc1, mla, page_size, kv_layout, Hkv, R, Dn, out_dtype
+    )
+    q_scale, vqs, kv_scale, vks, scale_st = _check_scales(
+        a, f, out_dtype, source, mla, (T, Hq, Hkv), (num_pages, page_size, kv_layout)
+    )
+    if vqro is not None:
+        ck.check_shape(vqro, (T, Hq, R), "(nnz, Hq, R)")
+    if vqno is not None:
+        ck.check_shape(vqno, (T, Hq, Dn), "(nnz, Hq, no_rope_dim)")
+    given_outs = [x for x in (vqro, vqno) if x is not None]
+    for view in given_outs:
+        if view.dtype != out_dtype:
+            raise TypeError(
+                f"{view.name} must have the quantize dtype {out_dtype}, got {view.dtype}"
+            )
+    ck.check_last_dim_contiguous(*inputs, vt, vc0, vc1, *given_outs)
+    device = ck.check_same_device(a)
+    return _Checked(
+        mla,
+        T,
+        Hq,
+        Hkv,
+        R,
+        Dn,
+        P,
+        sections,
         page_size,
         kv_layout,
-        pdl,
-        _,
-        mrope_section,
-        mrope_interleaved,
-    ) = flags
-    (
-        vqr,
-        vkr,
-        vqn,
-        vkn,
-        vv,
-        vt,
-        vpos,
-        vc0,
-        vc1,
-        vind,
-        vptr,
-        vbat,
-        vposn,
-        vqro,
-        vqno,
+        out_dtype,
+        num_pages,
+        kr,
+        kn,
+        vd,
+        q_scale,
         vqs,
+        kv_scale,
         vks,
-        vqso,
-        vksc,
-        vvsc,
-        vstatus,
-    ) = views
-    mla = vkr.ndim == 2
-    kv_dyn = vksc is not None
+        scale_st,
+        inputs,
+        given_outs,
+        device,
+    )
 
-    # -- inputs
+
+def _check_inputs(vqr, vkr, vqn, vkn, vv, mla):
+    """The shapes of q and k (rope and nope parts) and v; ``(T, Hq, Hkv, R, Dn)``."""
     ck.check_ndim(vqr, 3, "(nnz, Hq, R)")
     ck.check_dtype(vqr, INPUT_DTYPES)
     T, Hq, R = vqr.shape
@@ -980,14 +1087,16 @@ def _prepare(views, flags):
                 f"Hkv, head_dim) = ({T}, {Hkv}, {D}), got None"
             )
         ck.check_shape(vv, (T, Hkv, D), "(nnz, Hkv, head_dim)")
-    inputs = [x for x in (vqr, vkr, vqn, vkn, vv) if x is not None]
-    for view in inputs:
-        if view.dtype != vqr.dtype:
-            ck.check_same_dtype(view, vqr)
+    return T, Hq, Hkv, R, Dn
+
+
+def _check_indexing(a, R, T, mrope_section, mrope_interleaved):
+    """The cos/sin table, the mRoPE sections and the index arrays; ``(P, sections)``."""
+    vt, vpos, vbat, vposn = a.cos_sin_cache, a.pos_ids, a.batch_indices, a.positions
+    vind, vptr = a.kv_indices, a.kv_indptr
     ck.check_ndim(vt, 2, "(P, R)")
     ck.check_dtype(vt, (FLOAT32,))
     ck.check_shape(vt, (None, R), "(P, R)")
-    P = vt.shape[0]
     sections = check_mrope(mrope_section, mrope_interleaved, R, vpos, (3, T), "(3, nnz)")
     tokens = (T,)
     for view in (vbat, vposn) if sections else (vpos, vbat, vposn):
@@ -999,171 +1108,168 @@ def _prepare(views, flags):
         raise ValueError(
             f"kv_indptr must have shape (batch_size + 1,), at least one entry, got {vptr.shape}"
         )
-    indices = (vpos, vbat, vposn, vptr, vind)
-    for view in indices:
+    for view in (vpos, vbat, vposn, vptr, vind):
         if view.dtype not in INDEX_DTYPES:
             ck.check_dtype(view, INDEX_DTYPES)  # raises
         # an empty array may report any stride; a 1-D one of stride 1 is contiguous (no call)
         if view.size > 1 and view.strides != ck.UNIT_STRIDE:
             ck.check_contiguous(view)
+    return vt.shape[0], sections
 
-    # -- cache and output dtype
-    page_size = ck.check_positive_int(page_size, "page_size")
-    kv_layout = ck.check_choice(kv_layout, "kv_layout", LAYOUTS)
-    if vc0.dtype != vc1.dtype:
-        raise TypeError(
-            f"{vc1.name} must have the dtype of {vc0.name} ({vc0.dtype}), got {vc1.dtype}"
-        )
-    out_dtype, source = output_dtype(
-        vqr,
-        (vqro, vqno, vc0),
-        quantize_dtype,
-        quantize,
-        mla,
-        kv_dyn,
-        kv_scale is not None or vks is not None,
-    )
-    for view in (vc0, vc1):
-        if view.dtype != out_dtype:
-            raise TypeError(
-                f"{view.name} must have the quantize dtype {out_dtype}, got {view.dtype}"
-            )
 
-    # -- cache shapes: strides (page, entry, head) of the K-rope, K-nope and V destinations
-    item = out_dtype.itemsize
+def _check_caches(vc0, vc1, mla, page_size, kv_layout, Hkv, R, Dn, out_dtype):
+    """The caches' shapes; ``(num_pages, kr, kn, vd)``, the destinations of the K-rope, K-nope
+    and V rows: ``((argument, byte offset), (page, entry, head) strides)``."""
     if mla:
         ck.check_ndim(vc0, 3, "(num_pages, page_size, no_rope_dim)")
         num_pages = vc0.shape[0]
         ck.check_shape(vc0, (num_pages, page_size, Dn), "(num_pages, page_size, no_rope_dim)")
         ck.check_shape(vc1, (num_pages, page_size, R), "(num_pages, page_size, rope_dim)")
-        kr = ((8, 0), (vc1.strides[0], vc1.strides[1], 0))
-        kn = ((7, 0), (vc0.strides[0], vc0.strides[1], 0))
-        vd = ((-1, 0), (0, 0, 0))
-    else:
-        nhd = kv_layout == "NHD"
-        spelled, spelled_for = CACHE_LAYOUTS[kv_layout]
-        ck.check_ndim(vc0, 4, spelled)
-        num_pages = vc0.shape[0]
-        shape = (num_pages, page_size, Hkv, D) if nhd else (num_pages, Hkv, page_size, D)
-        ck.check_shape(vc0, shape, spelled_for)
-        ck.check_shape(vc1, shape, spelled_for)
-        k_st, v_st = vc0.strides, vc1.strides
-        k_st = (k_st[0], k_st[1], k_st[2]) if nhd else (k_st[0], k_st[2], k_st[1])
-        v_st = (v_st[0], v_st[1], v_st[2]) if nhd else (v_st[0], v_st[2], v_st[1])
-        kr, kn, vd = ((7, 0), k_st), ((7, R * item), k_st), ((8, 0), v_st)
+        kr = ((_KPE_CACHE, 0), (vc1.strides[0], vc1.strides[1], 0))
+        kn = ((_CKV_CACHE, 0), (vc0.strides[0], vc0.strides[1], 0))
+        return num_pages, kr, kn, ((-1, 0), (0, 0, 0))  # (no V: no argument)
+    nhd = kv_layout == "NHD"
+    spelled, spelled_for = CACHE_LAYOUTS[kv_layout]
+    ck.check_ndim(vc0, 4, spelled)
+    num_pages = vc0.shape[0]
+    D = R + Dn
+    shape = (num_pages, page_size, Hkv, D) if nhd else (num_pages, Hkv, page_size, D)
+    ck.check_shape(vc0, shape, spelled_for)
+    ck.check_shape(vc1, shape, spelled_for)
+    k_st, v_st = vc0.strides, vc1.strides
+    k_st = (k_st[0], k_st[1], k_st[2]) if nhd else (k_st[0], k_st[2], k_st[1])
+    v_st = (v_st[0], v_st[1], v_st[2]) if nhd else (v_st[0], v_st[2], v_st[1])
+    k_rows = R * out_dtype.itemsize  # K-nope: past the rope dims of the K rows
+    return num_pages, ((_K_CACHE, 0), k_st), ((_K_CACHE, k_rows), k_st), ((_V_CACHE, 0), v_st)
 
-    # -- scales and outputs
+
+def _check_scales(a, f, out_dtype, source, mla, heads, cache):
+    """The static scales (``quant_scale_q``, ``quant_scale_kv``) and the options; ``(q_scale,
+    q_scales view, kv_scale, kv_scales view, the options' strides)``. ``heads``: ``(T, Hq,
+    Hkv)``; ``cache``: ``(num_pages, page_size, kv_layout)``."""
+    T, Hq, Hkv = heads
+    q_scale, vqs, kv_scale, vks = (
+        f.quant_scale_q,
+        a.quant_scale_q,
+        f.quant_scale_kv,
+        a.quant_scale_kv,
+    )
     ck.check_q_scales(
         out_dtype,
         source,
         "quant_scale_q",
         q_scale is not None or vqs is not None,
-        vqso,
+        a.q_scale_out,
         (T, Hq),
         "(nnz, Hq)",
         static_needs_fp8=False,
     )
     q_scale, vqs = _scales(vqs, 1.0 if q_scale is None else q_scale, "quant_scale_q", Hq)
     kv_scale, vks = _scales(vks, 1.0 if kv_scale is None else kv_scale, "quant_scale_kv", Hkv)
-    scale_st = _check_options(vqso, vksc, vvsc, vstatus, mla, Hkv, num_pages, page_size, kv_layout)
-    if vqro is not None:
-        ck.check_shape(vqro, (T, Hq, R), "(nnz, Hq, R)")
-    if vqno is not None:
-        ck.check_shape(vqno, (T, Hq, Dn), "(nnz, Hq, no_rope_dim)")
-    given_outs = [x for x in (vqro, vqno) if x is not None]
-    for view in given_outs:
-        if view.dtype != out_dtype:
-            raise TypeError(
-                f"{view.name} must have the quantize dtype {out_dtype}, got {view.dtype}"
-            )
-    ck.check_last_dim_contiguous(*inputs, vt, vc0, vc1, *given_outs)
-    device = ck.check_same_device(views)
-    written = [i for i in _WRITTEN if views[i] is not None]  # (the caches are given: read above)
-    inplace = [(0, 13), (2, 14)] if out_dtype == vqr.dtype else []  # fp8 outputs never alias q
-    opts = vqso is not None or kv_dyn or vstatus is not None
-    outputs, slot = [], 21  # new outputs' pointers follow the 21 arguments
-    out_slots = []
-    for view, shape in ((vqro, (T, Hq, R)), (vqno, (T, Hq, Dn))):
-        if view is None:
-            outputs.append(Output(shape, out_dtype))
+    scale_st = _check_options(a.q_scale_out, a.k_scales, a.v_scales, a.status, mla, Hkv, *cache)
+    return q_scale, vqs, kv_scale, vks, scale_st
+
+
+def _outputs(a, c):
+    """The outputs a call allocates, the slots of ``(q_rope_out, q_nope_out)`` (the given
+    arguments', else the new outputs', whose pointers follow the arguments'), and the result."""
+    outputs, slot, out_slots = [], len(_GQA_ARGS), []
+    for index, shape in ((_Q_ROPE_OUT, (c.T, c.Hq, c.R)), (_Q_NOPE_OUT, (c.T, c.Hq, c.Dn))):
+        if a[index] is None:
+            outputs.append(Output(shape, c.out_dtype))
             out_slots.append(slot)
             slot += 1
         else:
-            out_slots.append(13 if view is vqro else 14)
+            out_slots.append(index)
+    given = (a.q_rope_out is not None, a.q_nope_out is not None)
+    return outputs, out_slots, _RESULTS[given]
 
-    # (q_rope_out, q_nope_out): the caller's where given (a plan's layout fixes which), else the
-    # outputs the call allocated, in that order
-    if vqro is not None and vqno is not None:
 
-        def result(arrays, outs):
-            return arrays[13], arrays[14]
-    elif vqro is not None:
+def _results(qro, qno):
+    """``(q_rope_out, q_nope_out)`` of a call, by which of them the caller gave (a plan's layout
+    fixes which): the given arguments (at indices ``qro``, ``qno``), else the new outputs."""
 
-        def result(arrays, outs):
-            return arrays[13], outs[0]
-    elif vqno is not None:
+    def both(arrays, outs):
+        return arrays[qro], arrays[qno]
 
-        def result(arrays, outs):
-            return outs[0], arrays[14]
-    else:
+    def rope_given(arrays, outs):
+        return arrays[qro], outs[0]
 
-        def result(arrays, outs):
-            return outs[0], outs[1]
+    def nope_given(arrays, outs):
+        return outs[0], arrays[qno]
 
-    if ck.check_indices_enabled():
-        _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages, sections)
+    def none_given(arrays, outs):
+        return outs[0], outs[1]
 
-    if device == HOST:
+    return {
+        (True, True): both,
+        (True, False): rope_given,
+        (False, True): nope_given,
+        (False, False): none_given,
+    }
 
-        def host(v, outs):
-            new = iter(outs)
-            qro, qno = (x if x is not None else next(new) for x in (vqro, vqno))
 
-            def h(view):
-                return None if view is None else view.host
+def _host_run(a, f, c):
+    """The NumPy backend's run of a host call."""
+    vqro, vqno, vptr, vind, vstatus = (
+        a.q_rope_out,
+        a.q_nope_out,
+        a.kv_indptr,
+        a.kv_indices,
+        a.status,
+    )
 
-            if vstatus is not None:
-                vstatus.host[...] = reference.paged_indptr_status(vptr.host, vind.shape[0])
-                if vstatus.host.item():
-                    return
-            if not T:
+    def host(v, outs):
+        new = iter(outs)
+        qro, qno = (x if x is not None else next(new) for x in (vqro, vqno))
+
+        def h(view):
+            return None if view is None else view.host
+
+        if vstatus is not None:
+            vstatus.host[...] = reference.paged_indptr_status(vptr.host, vind.shape[0])
+            if vstatus.host.item():
                 return
-            reference.rope_append_paged_kv_cache(
-                vqr.host,
-                vkr.host,
-                h(vqn),
-                h(vkn),
-                h(vv),
-                vt.host,
-                vpos.host,
-                (vc0.host, vc1.host),
-                vind.host,
-                vptr.host,
-                vbat.host,
-                vposn.host,
-                is_neox,
-                q_scale if vqs is None else vqs.host,
-                kv_scale if vks is None else vks.host,
-                page_size,
-                kv_layout,
-                qro.host,
-                qno.host,
-                sections,
-                mrope_interleaved,
-                q_scale_out=h(vqso),
-                kv_cache_scales=(h(vksc), h(vvsc)) if kv_dyn else None,
-            )
-
-        return Plan(
-            HOST, outputs=outputs, written=written, inplace=inplace, result=result, host=host
+        if not c.T:
+            return
+        reference.rope_append_paged_kv_cache(
+            a.q_rope.host,
+            a.k_rope.host,
+            h(a.q_nope),
+            h(a.k_nope),
+            h(a.v),
+            a.cos_sin_cache.host,
+            a.pos_ids.host,
+            (a.cache0.host, a.cache1.host),
+            vind.host,
+            vptr.host,
+            a.batch_indices.host,
+            a.positions.host,
+            f.is_neox,
+            c.q_scale if c.vqs is None else c.vqs.host,
+            c.kv_scale if c.vks is None else c.vks.host,
+            c.page_size,
+            c.kv_layout,
+            qro.host,
+            qno.host,
+            c.sections,
+            f.mrope_interleaved,
+            q_scale_out=h(a.q_scale_out),
+            kv_cache_scales=(h(a.k_scales), h(a.v_scales)) if a.k_scales is not None else None,
         )
-    if T == 0 and vstatus is None:
-        return Plan(device, outputs=outputs, written=written, inplace=inplace, result=result)
 
+    return host
+
+
+def _choose(a, is_neox, c):
+    """The vector width, the kernel (section or row, plain or with the options) and the launch
+    shape of a device call."""
+    vqr, vqso, vksc, vstatus = a.q_rope, a.q_scale_out, a.k_scales, a.status
+    R, Dn, T, Hq, Hkv, mla = c.R, c.Dn, c.T, c.Hq, c.Hkv, c.mla
     # the widest n for which the data rows (and the table's) are aligned, read once for every
     # width tried (widest_aligned)
-    widest = widest_aligned((*inputs, vc0, vc1, *given_outs))
-    table_widest = widest_aligned((vt,))
+    widest = widest_aligned((*c.inputs, a.cache0, a.cache1, *c.given_outs))
+    table_widest = widest_aligned((a.cos_sin_cache,))
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
@@ -1177,16 +1283,17 @@ def _prepare(views, flags):
             "element"
         )
     ri = R // (2 * n) if is_neox else R // n
-    items = (Hq + Hkv) * (ri + Dn // n) + (0 if mla else Hkv * D // n)
+    items = (Hq + Hkv) * (ri + Dn // n) + (0 if mla else Hkv * (R + Dn) // n)
     group = ri + Dn // n  # chunks of a head row
+    opts = vqso is not None or vksc is not None or vstatus is not None
     # the options live in the row kernel, but for status= alone on heads too wide for a lane
     # group (MLA's 576-element rows), which the section kernel checks as it is (its _status
     # variant; the row kernel at 72 lanes a row ran such calls at half the bandwidth)
-    status_only = vstatus is not None and vqso is None and not kv_dyn and T > 0
+    status_only = vstatus is not None and vqso is None and vksc is None and T > 0
     if opts and not status_only and group > MAX_BLOCK:
         raise BufferError(
             f"q_scale_out, kv_cache_scales and status run the row kernel, a lane "
-            f"per {n} elements of a head row: rows of {D} elements need {group} "
+            f"per {n} elements of a head row: rows of {R + Dn} elements need {group} "
             f"lanes, more than {MAX_BLOCK}; align the rows of the inputs, caches "
             f"and q outputs to {16 // vqr.dtype.itemsize * vqr.dtype.itemsize} "
             f"bytes"
@@ -1202,16 +1309,56 @@ def _prepare(views, flags):
         shape = ("rows", 1 if rows == 1 else ROWS[-1])
     else:
         (block, splits, shape), rows = launch_shape(items, T, n), 0
+    return _Choice(n, group, shape, block, rows, splits, opts)
+
+
+def _pack(a, f, c, choice, out_slots):
+    """The launch of a device call: its record's values and pointer slots."""
+    values = _values(a, f, c, choice)
+    if choice.opts:  # the fields OPTS_PARAMS adds (Launch reads only its struct's fields)
+        values.update(c.scale_st, T=c.T)
+    slots = dict(_ARGUMENT_SLOTS)  # and those that depend on the call:
+    slots["kr_cache"], slots["kn_cache"], slots["v_cache"] = c.kr[0], c.kn[0], c.vd[0]
+    slots["q_rope_out"], slots["q_nope_out"] = (out_slots[0], 0), (out_slots[1], 0)
+    kernel = expression(
+        a.q_rope.dtype,
+        c.out_dtype,
+        f.is_neox,
+        choice.n,
+        choice.shape,
+        bool(c.sections),
+        choice.opts,
+    )
+    return Launch(
+        STEM,
+        kernel,
+        c.device,
+        (max(c.T, 1), choice.splits),
+        (choice.block,),
+        OPTS_PARAMS if choice.opts else PARAMS,
+        values,
+        slots,
+        pdl=f.enable_pdl,
+    )
+
+
+def _values(a, f, c, choice):
+    """The record's fields past the pointers (every pointer field has a slot, :func:`_pack`)."""
+    vqr, vkr, vqn, vkn, vv, vt = a.q_rope, a.k_rope, a.q_nope, a.k_nope, a.v, a.cos_sin_cache
+    vqro, vqno = a.q_rope_out, a.q_nope_out
+    T, Hq, Hkv, R, Dn, mla, sections = c.T, c.Hq, c.Hkv, c.R, c.Dn, c.mla, c.sections
     index64 = 0
-    for i, view in enumerate(indices):
-        if view.dtype == INT64:
+    for i, index in enumerate(_INDICES):
+        if a[index].dtype == INT64:
             index64 |= 1 << i
     zero2 = (0, 0)
     qn_st = vqn.strides[:2] if vqn is not None else zero2
     kn_in = (vkn.strides[0], 0 if mla else vkn.strides[1]) if vkn is not None else zero2
     qro_st = vqro.strides[:2] if vqro is not None else (Hq * R, R)
     qno_st = vqno.strides[:2] if vqno is not None else (Hq * Dn, Dn)
-    values = {  # the fields past the pointers (every pointer field has a slot, below)
+    (krc_sp, krc_se, krc_sh), (knc_sp, knc_se, knc_sh) = c.kr[1], c.kn[1]
+    vc_sp, vc_se, vc_sh = c.vd[1]
+    return {
         "qr_sn": vqr.strides[0],
         "qr_sh": vqr.strides[1],
         "qn_sn": qn_st[0],
@@ -1226,82 +1373,40 @@ def _prepare(views, flags):
         "qro_sh": qro_st[1],
         "qno_sn": qno_st[0],
         "qno_sh": qno_st[1],
-        "krc_sp": kr[1][0],
-        "krc_se": kr[1][1],
-        "krc_sh": kr[1][2],
-        "knc_sp": kn[1][0],
-        "knc_se": kn[1][1],
-        "knc_sh": kn[1][2],
-        "vc_sp": vd[1][0],
-        "vc_se": vd[1][1],
-        "vc_sh": vd[1][2],
+        "krc_sp": krc_sp,
+        "krc_se": krc_se,
+        "krc_sh": krc_sh,
+        "knc_sp": knc_sp,
+        "knc_se": knc_se,
+        "knc_sh": knc_sh,
+        "vc_sp": vc_sp,
+        "vc_se": vc_se,
+        "vc_sh": vc_sh,
         "cs_sp": vt.strides[0],
-        "num_pages": num_pages,
-        "num_indices": vind.shape[0],
-        "q_scale": q_scale,
-        "kv_scale": kv_scale,
+        "num_pages": c.num_pages,
+        "num_indices": a.kv_indices.shape[0],
+        "q_scale": c.q_scale,
+        "kv_scale": c.kv_scale,
         "Hq": Hq,
         "Hkv": Hkv,
         "Hv": 0 if mla else Hkv,
         "R": R,
         "Dn": Dn,
-        "B": vptr.shape[0] - 1,
-        "page_size": page_size,
-        "P": P,
+        "B": a.kv_indptr.shape[0] - 1,
+        "page_size": c.page_size,
+        "P": c.P,
         "index64": index64,
-        "group": group,
-        "rows": rows,
+        "group": choice.group,
+        "rows": choice.rows,
         "pid_st": T,
         "mrope": int(bool(sections)),
         "mrope_t": sections[0] if sections else 0,
         "mrope_h": sections[1] if sections else 0,
         "mrope_w": sections[2] if sections else 0,
-        "mrope_interleaved": int(mrope_interleaved),
+        "mrope_interleaved": int(f.mrope_interleaved),
     }
-    if opts:  # the fields OPTS_PARAMS adds (Launch reads only its struct's fields)
-        values.update(scale_st, T=T)
-    slots = dict(_ARGUMENT_SLOTS)  # and those that depend on the call:
-    slots["kr_cache"], slots["kn_cache"], slots["v_cache"] = kr[0], kn[0], vd[0]
-    slots["q_rope_out"], slots["q_nope_out"] = (out_slots[0], 0), (out_slots[1], 0)
-    launch = Launch(
-        STEM,
-        expression(vqr.dtype, out_dtype, is_neox, n, shape, bool(sections), opts),
-        device,
-        (max(T, 1), splits),
-        (block,),
-        OPTS_PARAMS if opts else PARAMS,
-        values,
-        slots,
-        pdl=pdl,
-    )
-    return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace, result=result)
 
 
-# made once (a first call copies or reads them): the arguments written when given (the caches
-# always), the pointer fields' slots that are the same for every call (an argument at offset 0)
-_WRITTEN = (7, 8, 13, 14, 17, 18, 19, 20)
-_ARGUMENT_SLOTS = {
-    "q_rope": (0, 0),
-    "k_rope": (1, 0),
-    "q_nope": (2, 0),
-    "k_nope": (3, 0),
-    "v": (4, 0),
-    "cos_sin": (5, 0),
-    "pos_ids": (6, 0),
-    "kv_indices": (9, 0),
-    "kv_indptr": (10, 0),
-    "batch_indices": (11, 0),
-    "positions": (12, 0),
-    "q_scales": (15, 0),
-    "kv_scales": (16, 0),
-    "q_scale_out": (17, 0),
-    "k_scales": (18, 0),
-    "v_scales": (19, 0),
-    "status": (20, 0),
-}
-_NO_OPTIONS = dict.fromkeys(
-    ("qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se", "vs_sh"), 0
-)  # _check_options without options (read, never written)
 _NAMES = ("q_rope", "k_rope", "q_nope", "k_nope", "v", "cos_sin_cache", "pos_ids")
 _TAIL = (
     "kv_indices",
@@ -1317,6 +1422,63 @@ _TAIL = (
     "v_scales",
     "status",
 )
+_GQA_ARGS = (*_NAMES, "k_cache", "v_cache", *_TAIL)
+_MLA_ARGS = (*_NAMES, "ckv_cache", "kpe_cache", *_TAIL)
+# argument roles, by name (the same indices in both: the caches differ only in name). Made once
+# (a first call reads them): the arguments written when given (the caches always), the pairs
+# that may be one array (in place), the pointer fields' slots that are the same for every call
+# (an argument at offset 0)
+_WRITTEN = ck.argument_indices(
+    _GQA_ARGS,
+    (
+        "k_cache",
+        "v_cache",
+        "q_rope_out",
+        "q_nope_out",
+        "q_scale_out",
+        "k_scales",
+        "v_scales",
+        "status",
+    ),
+)
+_INPLACE = (
+    ck.argument_indices(_GQA_ARGS, ("q_rope", "q_rope_out")),
+    ck.argument_indices(_GQA_ARGS, ("q_nope", "q_nope_out")),
+)
+_K_CACHE, _V_CACHE = ck.argument_indices(_GQA_ARGS, ("k_cache", "v_cache"))
+_CKV_CACHE, _KPE_CACHE = ck.argument_indices(_MLA_ARGS, ("ckv_cache", "kpe_cache"))
+_Q_ROPE_OUT, _Q_NOPE_OUT = ck.argument_indices(_GQA_ARGS, ("q_rope_out", "q_nope_out"))
+# the index arrays, in the order of the record's index64 bits
+_INDICES = ck.argument_indices(
+    _GQA_ARGS, ("pos_ids", "batch_indices", "positions", "kv_indptr", "kv_indices")
+)
+_RESULTS = _results(_Q_ROPE_OUT, _Q_NOPE_OUT)
+# record pointer field <- argument
+_ARGUMENT_SLOTS = {
+    field: (ck.argument_indices(_GQA_ARGS, name), 0)
+    for field, name in (
+        ("q_rope", "q_rope"),
+        ("k_rope", "k_rope"),
+        ("q_nope", "q_nope"),
+        ("k_nope", "k_nope"),
+        ("v", "v"),
+        ("cos_sin", "cos_sin_cache"),
+        ("pos_ids", "pos_ids"),
+        ("kv_indices", "kv_indices"),
+        ("kv_indptr", "kv_indptr"),
+        ("batch_indices", "batch_indices"),
+        ("positions", "positions"),
+        ("q_scales", "quant_scale_q"),
+        ("kv_scales", "quant_scale_kv"),
+        ("q_scale_out", "q_scale_out"),
+        ("k_scales", "k_scales"),
+        ("v_scales", "v_scales"),
+        ("status", "status"),
+    )
+}
+_NO_OPTIONS = dict.fromkeys(
+    ("qso_sn", "qso_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se", "vs_sh"), 0
+)  # _check_options without options (read, never written)
 _FLAGS = [
     ("quantize", AS_IS),
     ("is_neox", FLAG),
@@ -1330,15 +1492,12 @@ _FLAGS = [
     ("mrope_section", KEY),
     ("mrope_interleaved", FLAG),
 ]
-_GQA = Op(
-    "rope_append_paged_kv_cache", (*_NAMES, "k_cache", "v_cache", *_TAIL), _prepare, flags=_FLAGS
-)
-_MLA = Op(
-    "rope_append_paged_kv_cache",
-    (*_NAMES, "ckv_cache", "kpe_cache", *_TAIL),
-    _prepare,
-    flags=_FLAGS,
-)
+# the arguments of a call by role: the MLA caches (ckv_cache, kpe_cache) as cache0, cache1, like
+# the GQA/MHA ones (k_cache, v_cache); quant_scale_q / quant_scale_kv are the scale arrays
+_Views = collections.namedtuple("_Views", (*_NAMES, "cache0", "cache1", *_TAIL))
+_Flags = collections.namedtuple("_Flags", [name for name, _ in _FLAGS])
+_GQA = Op("rope_append_paged_kv_cache", _GQA_ARGS, _prepare, flags=_FLAGS)
+_MLA = Op("rope_append_paged_kv_cache", _MLA_ARGS, _prepare, flags=_FLAGS)
 
 
 def _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages, mrope=None):

@@ -120,12 +120,68 @@ def _span(T, H, D, st, sh):
     return max(T - 1, 0) * abs(st) + max(H - 1, 0) * abs(sh) + D
 
 
+class _Checked(NamedTuple):
+    """What validation of a first call found: sizes and each array's (token, head) strides."""
+
+    device: int
+    T: int
+    Hq: int
+    Hk: int
+    D: int
+    P: int
+    R: int
+    q: tuple  # (token stride, head stride) of query, key and the two outputs' rows
+    k: tuple
+    qo: tuple
+    ko: tuple
+
+
+_LAYOUT = "(nnz, H * head_size) or (nnz, H, head_size)"
+_WRITTEN_IN_PLACE = tuple(ARRAYS.index(n) for n in ("query", "key"))
+_QUERY_OUT, _KEY_OUT = ARRAYS.index("query_out"), ARRAYS.index("key_out")
+
+
 def _prepare(views, flags, in_place):
-    """Validate a first call; the launch plan (or the NumPy backend run)."""
+    """Validate a first call (:func:`_check`), choose the kernel and launch shape
+    (:func:`_choose`) and pack the launch (:func:`_pack`); or the NumPy backend run."""
     head_size, is_neox, pdl, _ = flags
     vpos, vq, vk, vt, vqo, vko = views
-    D = ck.check_positive_int(head_size, "head_size")
+    c = _check(views, head_size, in_place)
+    if in_place:
+        written, outputs, result = _WRITTEN_IN_PLACE, [], None
+    else:
+        written = tuple(i for i in (_QUERY_OUT, _KEY_OUT) if views[i] is not None)
+        outputs = [Output(v.shape, v.dtype) for v, o in ((vq, vqo), (vk, vko)) if o is None]
+        result = _RESULTS[vqo is not None, vko is not None]
+    plan = functools.partial(
+        Plan, outputs=outputs, written=written, inplace=_INPLACE, result=result
+    )
+    if ck.check_indices_enabled():
+        _check_indices(vpos, c.P)
+    if c.device == HOST:
 
+        def host(v, outs):
+            reference.apply_rope_with_cos_sin_cache(
+                vpos.host,
+                vq.host,
+                vk.host,
+                c.D,
+                vt.host,
+                is_neox,
+                *_host_outputs(in_place, vqo, vko, outs),
+            )
+
+        return plan(HOST, host=host if c.T else None)
+    if c.T == 0:
+        return plan(c.device)
+    launch = _pack(views, c, is_neox, in_place, pdl, *_choose(views, c, is_neox, in_place))
+    return plan(c.device, [launch])
+
+
+def _check(views, head_size, in_place):
+    """Every check of a first call, in the arguments' order; a :class:`_Checked`."""
+    vpos, vq, vk, vt, vqo, vko = views
+    D = ck.check_positive_int(head_size, "head_size")
     ck.check_ndim(vq, (2, 3), "(nnz, Hq * head_size) or (nnz, Hq, head_size)")
     ck.check_dtype(vq, INPUT_DTYPES)
     Hq, q_st, q_sh = _heads(vq, D, "(nnz, Hq * head_size) or (nnz, Hq, head_size)")
@@ -147,52 +203,23 @@ def _prepare(views, flags, in_place):
             ck.check_same_dtype(vo, vin)
             ck.check_last_dim_contiguous(vo)
     device = ck.check_same_device(views)
+    # the output rows: query and key themselves, given outputs, or new C-contiguous arrays
+    # (whose allocations are aligned)
+    qo = (q_st, q_sh) if in_place else (Hq * D, D) if vqo is None else _heads(vqo, D, _LAYOUT)[1:]
+    ko = (k_st, k_sh) if in_place else (Hk * D, D) if vko is None else _heads(vko, D, _LAYOUT)[1:]
+    return _Checked(device, T, Hq, Hk, D, P, R, (q_st, q_sh), (k_st, k_sh), qo, ko)
 
-    if in_place:
-        written, outputs, result = (1, 2), [], None
-    else:
-        written = tuple(i for i, v in ((4, vqo), (5, vko)) if v is not None)
-        outputs = [Output(v.shape, v.dtype) for v, o in ((vq, vqo), (vk, vko)) if o is None]
-        result = _RESULTS[vqo is not None, vko is not None]
-    if ck.check_indices_enabled():
-        _check_indices(vpos, P)
-    if device == HOST:
 
-        def host(v, outs):
-            reference.apply_rope_with_cos_sin_cache(
-                vpos.host,
-                vq.host,
-                vk.host,
-                D,
-                vt.host,
-                is_neox,
-                *_host_outputs(in_place, vqo, vko, outs),
-            )
-
-        return Plan(
-            HOST,
-            outputs=outputs,
-            written=written,
-            inplace=_INPLACE,
-            result=result,
-            host=host if T else None,
-        )
-    if T == 0:
-        return Plan(device, outputs=outputs, written=written, inplace=_INPLACE, result=result)
-
-    # the output rows: q and k themselves, or new contiguous arrays (aligned allocations)
-    # the output rows: q and k themselves, given outputs, or new C-contiguous arrays (whose
-    # allocations are aligned)
-    layout = "(nnz, H * head_size) or (nnz, H, head_size)"
-    qo = (q_st, q_sh) if in_place else (Hq * D, D) if vqo is None else _heads(vqo, D, layout)[1:]
-    ko = (k_st, k_sh) if in_place else (Hk * D, D) if vko is None else _heads(vko, D, layout)[1:]
-    item = vq.dtype
+def _choose(views, c, is_neox, in_place):
+    """``(vector width, threads per head row, launch shape, 64-bit offsets)`` of a device call."""
+    _, vq, vk, vt, vqo, vko = views
+    item, R, D = vq.dtype, c.R, c.D
     widest = widest_aligned(
         (
-            _Rows(vq.ptr, (q_st, q_sh, 1), item),
-            _Rows(vk.ptr, (k_st, k_sh, 1), item),
-            _Rows(0 if vqo is None else vqo.ptr, (*qo, 1), item),
-            _Rows(0 if vko is None else vko.ptr, (*ko, 1), item),
+            _Rows(vq.ptr, (*c.q, 1), item),
+            _Rows(vk.ptr, (*c.k, 1), item),
+            _Rows(0 if vqo is None else vqo.ptr, (*c.qo, 1), item),
+            _Rows(0 if vko is None else vko.ptr, (*c.ko, 1), item),
         )
     )
     table_widest = widest_aligned((vt,))
@@ -212,54 +239,56 @@ def _prepare(views, flags, in_place):
     items = ((R // 2) // n if is_neox else R // n) + ((D - R) // n if copy else 0)
     if items > MAX_THREADS:
         raise ValueError(
-            f"head_size={head_size} with rotary dim R={R} needs {items} threads per head row, "
+            f"head_size={D} with rotary dim R={R} needs {items} threads per head row, "
             f"more than the {MAX_THREADS} a block has"
         )
-    H = Hq + Hk
-    block_x, tokens, rows, splits = launch_shape(T, H, items)
-    wide = (
-        max(
-            _span(T, Hq, D, q_st, q_sh),
-            _span(T, Hk, D, k_st, k_sh),
-            _span(T, Hq, D, *qo),
-            _span(T, Hk, D, *ko),
-            _span(P, 1, R, vt.strides[0], 0),
-        )
-        > INT32_SPAN
+    T = c.T
+    spans = (
+        _span(T, c.Hq, D, *c.q),
+        _span(T, c.Hk, D, *c.k),
+        _span(T, c.Hq, D, *c.qo),
+        _span(T, c.Hk, D, *c.ko),
+        _span(c.P, 1, R, vt.strides[0], 0),
     )
+    return n, items, launch_shape(T, c.Hq + c.Hk, items), max(spans) > INT32_SPAN
+
+
+def _pack(views, c, is_neox, in_place, pdl, n, items, shape, wide):
+    """The launch of a device call: its record's values and pointer slots, and the kernel."""
+    vpos, vq, _, vt, vqo, vko = views
+    block_x, tokens, rows, splits = shape
     values = {
-        "q_st": q_st,
-        "q_sh": q_sh,
-        "k_st": k_st,
-        "k_sh": k_sh,
-        "qo_st": qo[0],
-        "qo_sh": qo[1],
-        "ko_st": ko[0],
-        "ko_sh": ko[1],
+        "q_st": c.q[0],
+        "q_sh": c.q[1],
+        "k_st": c.k[0],
+        "k_sh": c.k[1],
+        "qo_st": c.qo[0],
+        "qo_sh": c.qo[1],
+        "ko_st": c.ko[0],
+        "ko_sh": c.ko[1],
         "cs_sp": vt.strides[0],
-        "T": T,
-        "Hq": Hq,
-        "Hk": Hk,
-        "D": D,
-        "R": R,
-        "P": P,
+        "T": c.T,
+        "Hq": c.Hq,
+        "Hk": c.Hk,
+        "D": c.D,
+        "R": c.R,
+        "P": c.P,
         "items": items,
         "rows": rows,
         "pos64": int(vpos.dtype == INT64),
-        "copy": int(copy),
+        "copy": int(not in_place),
     }
-    launch = Launch(
+    return Launch(
         STEM,
         expression(vq.dtype, is_neox, n, wide),
-        device,
-        (-(-T // tokens), splits),
+        c.device,
+        (-(-c.T // tokens), splits),
         (block_x, tokens),
         PARAMS,
         values,
         _IN_PLACE_SLOTS if in_place else _OUTPUT_SLOTS[vqo is not None, vko is not None],
         pdl=pdl,
     )
-    return Plan(device, [launch], outputs=outputs, written=written, inplace=_INPLACE, result=result)
 
 
 def _host_outputs(in_place, vqo, vko, outs):
@@ -283,16 +312,25 @@ def _check_indices(vpos, P):
         )
 
 
-# made once: the pointer slots of each form (new outputs follow the four arguments), the result
-_BASE_SLOTS = {"q": (1, 0), "k": (2, 0), "cos_sin": (3, 0), "positions": (0, 0)}
-_IN_PLACE_SLOTS = {**_BASE_SLOTS, "q_out": (1, 0), "k_out": (2, 0)}
-_INPLACE = [(1, 4), (2, 5)]  # query_out may be query itself, key_out key
+# made once, by argument name: the pointer slots of each form (the record's pointer field ->
+# (argument, 0); new outputs follow the arguments), the in-place pairs, the result
+_ARG = {name: i for i, name in enumerate(ARRAYS)}
+_BASE_SLOTS = {
+    "q": (_ARG["query"], 0),
+    "k": (_ARG["key"], 0),
+    "cos_sin": (_ARG["cos_sin_cache"], 0),
+    "positions": (_ARG["positions"], 0),
+}
+_IN_PLACE_SLOTS = {**_BASE_SLOTS, "q_out": _BASE_SLOTS["q"], "k_out": _BASE_SLOTS["k"]}
+# query_out may be query itself, key_out key
+_INPLACE = [(_ARG["query"], _ARG["query_out"]), (_ARG["key"], _ARG["key_out"])]
 
 
 def _output_slots(q_given, k_given):
-    """Given outputs are arguments 4 and 5; new ones follow the six arguments, in order."""
-    q = (4, 0) if q_given else (6, 0)
-    k = (5, 0) if k_given else (6 + (not q_given), 0)
+    """Given outputs are their arguments; new ones follow the arguments, in order."""
+    new = len(ARRAYS)
+    q = (_ARG["query_out"], 0) if q_given else (new, 0)
+    k = (_ARG["key_out"], 0) if k_given else (new + (not q_given), 0)
     return {**_BASE_SLOTS, "q_out": q, "k_out": k}
 
 
@@ -300,8 +338,8 @@ def _result_of(q_given, k_given):
     def result(arrays, outs):
         new = iter(outs)
         return (
-            arrays[4] if q_given else next(new),
-            arrays[5] if k_given else next(new),
+            arrays[_QUERY_OUT] if q_given else next(new),
+            arrays[_KEY_OUT] if k_given else next(new),
         )
 
     return result

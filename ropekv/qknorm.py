@@ -3,7 +3,9 @@ the K/V append into a paged cache over a ragged batch, in one launch."""
 
 from __future__ import annotations
 
+import collections
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -587,30 +589,69 @@ def _check_qkv(vq, vk, vv):
     ck.check_same_dtype(vv, vq)
 
 
+class _Checked(NamedTuple):
+    """What the checks of a first call derive: sizes, the validated scalars and scales, the q
+    output's dtype and the device."""
+
+    post: bool  # norm_order "after_rope"
+    weight_offset: float
+    epsilon: float
+    T: int
+    Hq: int
+    Hkv: int
+    D: int
+    P: int
+    R: int
+    sections: tuple | None
+    B: int
+    max_pages: int
+    num_pages: int
+    page_size: int
+    kv_dynamic: bool
+    k_scale: float
+    v_scale: float
+    q_dtype: np.dtype
+    q_scale: float | None
+    q_dynamic: bool
+    device: int
+
+
 def _prepare(views, flags):
-    """Validate a first call; the launch plan (or the NumPy backend run)."""
-    (
-        epsilon,
-        is_neox,
-        kv_layout,
-        kv_scale,
-        pdl,
-        _,
-        norm_order,
-        weight_offset,
-        clear,
-        mrope_section,
-        mrope_interleaved,
-        q_out_dtype,
-        q_scale,
-    ) = flags
-    ck.check_choice(kv_layout, "kv_layout", KV_LAYOUTS)
-    ck.check_choice(norm_order, "norm_order", NORM_ORDERS)
-    post = norm_order == "after_rope"
-    weight_offset = ck.check_float(weight_offset, "weight_offset", positive=False)
-    (vq, vk, vv, vqg, vkg, vt, voff, vlen, vbt, vkc, vvc, vgiven, vpid, vstatus, vqs, vks, vvs) = (
-        views
+    """Validate a first call (:func:`_check`), choose the vector width and launch shape
+    (:func:`_choose`) and pack the launch plan (:func:`_pack`), or the NumPy backend run."""
+    a, f = _Views._make(views), _Flags._make(flags)
+    c = _check(a, f)
+    written = [i for i in _WRITTEN if i == _Q_OUT or views[i] is not None]
+    outputs = [] if a.q_out is not None else [Output((c.T, c.Hq, c.D), c.q_dtype)]
+    plan = functools.partial(
+        Plan, outputs=outputs, written=written, inplace=_INPLACE, result=_RESULT
     )
+    if ck.check_indices_enabled():
+        # with mRoPE the cache position needs no table row; the three positions are checked
+        ck.check_paged_indices(
+            a.input_row_offsets,
+            a.cache_lengths,
+            a.block_table,
+            c.page_size,
+            c.num_pages,
+            c.T,
+            c.P if c.sections is None else np.iinfo(np.int64).max,
+        )
+        if c.sections is not None:
+            check_mrope_indices(a.position_ids, c.P)
+    if c.device == HOST:
+        return plan(HOST, host=_host_run(a, f, c))
+    if c.T == 0 and a.status is None:
+        return plan(c.device)
+    return plan(c.device, [_pack(a, f, c, *_choose(a, f.is_neox, c))])
+
+
+def _check(a, f):
+    """Every check of a first call, in the order of the arguments' errors; a :class:`_Checked`."""
+    vq, vk, vv, vt, vkc, vvc = a.q, a.k, a.v, a.cos_sin_cache, a.k_cache, a.v_cache
+    ck.check_choice(f.kv_layout, "kv_layout", KV_LAYOUTS)
+    ck.check_choice(f.norm_order, "norm_order", NORM_ORDERS)
+    weight_offset = ck.check_float(f.weight_offset, "weight_offset", positive=False)
 
     # Tests of the common case first, read in the checkers' order; the checkers (which raise
     # their own messages) only where a test fails: this runs on every first call.
@@ -630,7 +671,7 @@ def _prepare(views, flags):
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q's head count ({Hq}) must be a positive multiple of k's ({Hkv})")
     gamma_dtypes, gamma_shape = (vq.dtype, FLOAT32), (D,)
-    for view in (vqg, vkg):
+    for view in (a.q_gamma, a.k_gamma):
         if (
             view.shape != gamma_shape
             or view.dtype not in gamma_dtypes
@@ -640,13 +681,58 @@ def _prepare(views, flags):
             ck.check_dtype(view, gamma_dtypes)
             ck.check_contiguous(view)
     P, R = ck.check_cos_sin_cache(vt, D)
-    sections = check_mrope(mrope_section, mrope_interleaved, R, vpid, (3, T), "(3, T)")
-    if sections is None and vpid is not None:
+    sections = check_mrope(
+        f.mrope_section, f.mrope_interleaved, R, a.position_ids, (3, T), "(3, T)"
+    )
+    if sections is None and a.position_ids is not None:
         raise ValueError(
             "position_ids is only used with mrope_section (the positions of a "
             "token come from cache_lengths and input_row_offsets otherwise)"
         )
-    B, max_pages = ck.check_ragged_paged(voff, vlen, vbt)
+    B, max_pages = ck.check_ragged_paged(a.input_row_offsets, a.cache_lengths, a.block_table)
+    num_pages, page_size, kv_dynamic, scales = _check_caches(a, f.kv_layout, f.kv_scale, Hkv, D)
+    epsilon = ck.check_float(f.epsilon, "epsilon", positive=False)
+    ck.check_last_dim_contiguous(vq, vk, vv, vt, vkc, vvc)
+    q_dtype = ck.check_q_out_dtype(f.q_out_dtype, vq, a.q_out)
+    q_scale, q_dynamic = _q_quant(q_dtype, f.q_scale, a.q_scale_out, T, Hq)
+    if q_dtype in FP8_DTYPES and vkc.dtype == INT8:
+        raise TypeError(
+            f"an fp8 q_out ({q_dtype}) with an int8 cache is not supported (no "
+            f"attention kernel reads that pair); use an fp8 cache or a {vq.dtype} "
+            f"q_out"
+        )
+    if a.status is not None:
+        check_status(a.status)
+    device = ck.check_same_device(a)
+    k_scale, v_scale = scales if scales else (1.0, 1.0)
+    return _Checked(
+        f.norm_order == "after_rope",
+        weight_offset,
+        epsilon,
+        T,
+        Hq,
+        Hkv,
+        D,
+        P,
+        R,
+        sections,
+        B,
+        max_pages,
+        num_pages,
+        page_size,
+        kv_dynamic,
+        k_scale,
+        v_scale,
+        q_dtype,
+        q_scale,
+        q_dynamic,
+        device,
+    )
+
+
+def _check_caches(a, kv_layout, kv_scale, Hkv, D):
+    """The caches and their scales; ``(num_pages, page_size, kv_dynamic, static scales)``."""
+    vkc, vvc = a.k_cache, a.v_cache
     nhd = kv_layout == "NHD"
     layout, spelled = CACHE_LAYOUTS[kv_layout]
     ck.check_ndim(vkc, 4, layout)
@@ -655,93 +741,68 @@ def _prepare(views, flags):
     expected = (num_pages, page_size, Hkv, D) if nhd else (num_pages, Hkv, page_size, D)
     ck.check_shape(vkc, expected, spelled)
     ck.check_shape(vvc, expected, spelled)
-    if vkc.dtype != vq.dtype:
-        ck.check_dtype(vkc, (vq.dtype, *FP8_DTYPES, INT8))
-    kv_dynamic = _cache_scale_arrays(vks, vvs, vkc, kv_scale, expected, spelled)
+    if vkc.dtype != a.q.dtype:
+        ck.check_dtype(vkc, (a.q.dtype, *FP8_DTYPES, INT8))
+    kv_dynamic = _cache_scale_arrays(a.k_scales, a.v_scales, vkc, kv_scale, expected, spelled)
     ck.check_same_dtype(vvc, vkc)
     if page_size == 0:
         raise ValueError(f"k_cache must have a page_size of at least 1, got {vkc.shape}")
     scales = None if kv_dynamic else _kv_scales(kv_scale, vkc.dtype)
-    epsilon = ck.check_float(epsilon, "epsilon", positive=False)
-    ck.check_last_dim_contiguous(vq, vk, vv, vt, vkc, vvc)
-    q_dtype = ck.check_q_out_dtype(q_out_dtype, vq, vgiven)
-    q_scale, q_dynamic = _q_quant(q_dtype, q_scale, vqs, T, Hq)
-    if q_dtype in FP8_DTYPES and vkc.dtype == INT8:
-        raise TypeError(
-            f"an fp8 q_out ({q_dtype}) with an int8 cache is not supported (no "
-            f"attention kernel reads that pair); use an fp8 cache or a {vq.dtype} "
-            f"q_out"
-        )
-    if vstatus is not None:
-        check_status(vstatus)
-    device = ck.check_same_device(views)
-    written = [i for i in (9, 10, 11, 13, 14, 15, 16) if i == 11 or views[i] is not None]
-    inplace = [(0, 11)]
-    outputs = [] if vgiven is not None else [Output((T, Hq, D), q_dtype)]
-    result = given_or_new(11)
+    return num_pages, page_size, kv_dynamic, scales
 
-    if ck.check_indices_enabled():
-        # with mRoPE the cache position needs no table row; the three positions are checked
-        ck.check_paged_indices(
-            voff,
-            vlen,
-            vbt,
-            page_size,
-            num_pages,
-            T,
-            P if sections is None else np.iinfo(np.int64).max,
-        )
-        if sections is not None:
-            check_mrope_indices(vpid, P)
-    k_scale, v_scale = scales if scales else (1.0, 1.0)
-    if device == HOST:
 
-        def host(v, outs):
-            vout = vgiven if vgiven is not None else outs[0]
-            if vstatus is not None:
-                vstatus.host[...] = reference.ragged_offsets_status(voff.host, T)
-                if vstatus.host.item():
-                    return
-            if T:
-                reference.qk_rmsnorm_rope_append_paged_kv_cache(
-                    vq.host,
-                    vk.host,
-                    vv.host,
-                    vqg.host,
-                    vkg.host,
-                    vt.host,
-                    voff.host,
-                    vlen.host,
-                    vbt.host,
-                    vkc.host,
-                    vvc.host,
-                    vout.host,
-                    epsilon,
-                    is_neox,
-                    kv_layout,
-                    k_scale,
-                    v_scale,
-                    norm_order,
-                    weight_offset,
-                    clear,
-                    None if vpid is None else vpid.host,
-                    sections,
-                    mrope_interleaved,
-                    1.0 if q_scale is None else q_scale,
-                    *(None if x is None else x.host for x in (vqs, vks, vvs)),
-                )
+def _host_run(a, f, c):
+    """The NumPy backend's run of a host call."""
+    vgiven, vstatus, voff = a.q_out, a.status, a.input_row_offsets
 
-        return Plan(
-            HOST, outputs=outputs, written=written, inplace=inplace, result=result, host=host
-        )
-    if T == 0 and vstatus is None:
-        return Plan(device, outputs=outputs, written=written, inplace=inplace, result=result)
-    vout = vgiven if vgiven is not None else vq  # a new output is laid out (and aligned) as q
+    def host(v, outs):
+        vout = vgiven if vgiven is not None else outs[0]
+        if vstatus is not None:
+            vstatus.host[...] = reference.ragged_offsets_status(voff.host, c.T)
+            if vstatus.host.item():
+                return
+        if c.T:
+            reference.qk_rmsnorm_rope_append_paged_kv_cache(
+                a.q.host,
+                a.k.host,
+                a.v.host,
+                a.q_gamma.host,
+                a.k_gamma.host,
+                a.cos_sin_cache.host,
+                voff.host,
+                a.cache_lengths.host,
+                a.block_table.host,
+                a.k_cache.host,
+                a.v_cache.host,
+                vout.host,
+                c.epsilon,
+                f.is_neox,
+                f.kv_layout,
+                c.k_scale,
+                c.v_scale,
+                f.norm_order,
+                c.weight_offset,
+                f.clear_unused_last_page_rows,
+                None if a.position_ids is None else a.position_ids.host,
+                c.sections,
+                f.mrope_interleaved,
+                1.0 if c.q_scale is None else c.q_scale,
+                *(None if x is None else x.host for x in (a.q_scale_out, a.k_scales, a.v_scales)),
+            )
+
+    return host
+
+
+def _choose(a, is_neox, c):
+    """``(vector width, lanes per head row, block, rows, splits)`` of a device call."""
+    vq, vk, vv, vkc = a.q, a.k, a.v, a.k_cache
+    vout = a.q_out if a.q_out is not None else vq  # a new output is laid out (and aligned) as q
+    R, D = c.R, c.D
 
     # the widest n for which the data rows (and the table's) are aligned, read once for every
     # width tried (widest_aligned)
-    widest = widest_aligned((vq, vout, vk, vv, vqg, vkg, vkc, vvc))
-    table_widest = widest_aligned((vt,))
+    widest = widest_aligned((vq, vout, vk, vv, a.q_gamma, a.k_gamma, vkc, a.v_cache))
+    table_widest = widest_aligned((a.cos_sin_cache,))
 
     def fits(n):
         rot = (R // 2) % n == 0 if is_neox else (R % n == 0 and n % 2 == 0)
@@ -761,7 +822,7 @@ def _prepare(views, flags):
     def lanes(n):
         return (R // 2 if is_neox else R) // n + (D - R) // n
 
-    if T < TUNING["narrow_below"]:  # decode: more lanes per row, less work per thread
+    if c.T < TUNING["narrow_below"]:  # decode: more lanes per row, less work per thread
         narrow = vector_width(
             vq.dtype.itemsize, fits, tuple([w for w in (8, 4, 2, 1) if w <= TUNING["narrow_width"]])
         )
@@ -776,16 +837,80 @@ def _prepare(views, flags):
         )
     group = 1 << (items - 1).bit_length()
     # status= with no tokens: one block, which only validates
-    block, rows, splits = launch_shape(max(T, 1), Hq + 2 * Hkv, group)
-    if kv_layout == "NHD":
+    block, rows, splits = launch_shape(max(c.T, 1), c.Hq + 2 * c.Hkv, group)
+    return n, group, block, rows, splits, fits(8)
+
+
+def _pack(a, f, c, n, group, block, rows, splits, fits8):
+    """The launch of a device call: its record's values and pointer slots, and the kernel (the
+    decode kernel where :func:`_decode_kernel` takes the call)."""
+    values = _values(a, f, c, group, rows)
+    # the optional arrays' pointers and fields (their zeros, read only, when none is given)
+    slots = dict(_ARGUMENT_SLOTS)  # q .. v_cache, all given (checked above)
+    slots["q_out"] = _GIVEN_OUTPUT if a.q_out is not None else _NEW_OUTPUT
+    options = (a.position_ids, a.status, a.q_scale_out, a.k_scales, a.v_scales)
+    if all(x is None for x in options):
+        values.update(_NO_OPTIONS)
+    else:
+        for i in range(_Q_OUT + 1, len(FIELDS)):
+            if a[i] is not None:
+                slots[FIELDS[i]] = (i, 0)
+        values.update(_option_values(a, f.kv_layout, c.sections))
+    opts = (
+        2
+        if c.sections is not None
+        else int(
+            bool(
+                c.post
+                or c.weight_offset != 0.0
+                or f.clear_unused_last_page_rows
+                or a.status is not None
+            )
+        )
+    )
+    # fp8 q or computed scales: a quantizing kernel (the others compile none of it)
+    quant = c.q_dtype != a.q.dtype or c.kv_dynamic
+    if quant and opts:
+        opts = 2
+    decode = None if opts or quant else _decode_kernel(a[:11], a.q_out, f.is_neox, c.R, fits8)
+    if decode:
+        kernel, grid, block_shape = decode
+    else:
+        kernel = expression(
+            a.q.dtype,
+            a.k_cache.dtype,
+            f.is_neox,
+            n,
+            kernel_rows(rows),
+            opts,
+            c.q_dtype if quant else None,
+        )
+        grid, block_shape = (max(c.T, 1), splits), (block,)
+    return Launch(
+        STEM,
+        kernel,
+        c.device,
+        grid,
+        block_shape,
+        PARAMS,
+        values,
+        slots,
+        pdl=f.enable_pdl,
+    )
+
+
+def _values(a, f, c, group, rows):
+    """The record's fields past the pointers but the options' (every given pointer has a slot,
+    :func:`_pack`; the others are null)."""
+    vq, vk, vv, vkc, vvc, vgiven = a.q, a.k, a.v, a.k_cache, a.v_cache, a.q_out
+    if f.kv_layout == "NHD":
         kc = (vkc.strides[0], vkc.strides[1], vkc.strides[2])
         vc = (vvc.strides[0], vvc.strides[1], vvc.strides[2])
     else:
         kc = (vkc.strides[0], vkc.strides[2], vkc.strides[1])
         vc = (vvc.strides[0], vvc.strides[2], vvc.strides[1])
-    out_strides = vgiven.strides[:2] if vgiven is not None else (Hq * D, D)
-    values = {  # the fields past the pointers (every given pointer has a slot, below; the
-        # others are null)
+    out_strides = vgiven.strides[:2] if vgiven is not None else (c.Hq * c.D, c.D)
+    return {
         "q_st": vq.strides[0],
         "q_sh": vq.strides[1],
         "qo_st": out_strides[0],
@@ -794,102 +919,91 @@ def _prepare(views, flags):
         "k_sh": vk.strides[1],
         "v_st": vv.strides[0],
         "v_sh": vv.strides[1],
-        "cs_sp": vt.strides[0],
-        "bt_sb": vbt.strides[0],
+        "cs_sp": a.cos_sin_cache.strides[0],
+        "bt_sb": a.block_table.strides[0],
         "kc_sp": kc[0],
         "kc_se": kc[1],
         "kc_sh": kc[2],
         "vc_sp": vc[0],
         "vc_se": vc[1],
         "vc_sh": vc[2],
-        "num_pages": num_pages,
-        "epsilon": epsilon,
-        "weight_offset": weight_offset,
-        "inv_k_scale": 1.0 / k_scale,
-        "inv_v_scale": 1.0 / v_scale,
-        "T": T,
-        "B": B,
-        "Hq": Hq,
-        "Hkv": Hkv,
-        "D": D,
-        "R": R,
-        "P": P,
-        "max_pages": max_pages,
-        "page_size": page_size,
-        "q_gamma_f32": int(vqg.dtype == FLOAT32),
-        "k_gamma_f32": int(vkg.dtype == FLOAT32),
+        "num_pages": c.num_pages,
+        "epsilon": c.epsilon,
+        "weight_offset": c.weight_offset,
+        "inv_k_scale": 1.0 / c.k_scale,
+        "inv_v_scale": 1.0 / c.v_scale,
+        "T": c.T,
+        "B": c.B,
+        "Hq": c.Hq,
+        "Hkv": c.Hkv,
+        "D": c.D,
+        "R": c.R,
+        "P": c.P,
+        "max_pages": c.max_pages,
+        "page_size": c.page_size,
+        "q_gamma_f32": int(a.q_gamma.dtype == FLOAT32),
+        "k_gamma_f32": int(a.k_gamma.dtype == FLOAT32),
         "group": group,
         "rows": rows,
-        "post": int(post),
-        "clear": int(clear),
-        "pid_st": T,
-        "mrope_interleaved": int(mrope_interleaved),
-        "inv_q_scale": 1.0 / q_scale if q_scale is not None else 1.0,
-        "q_dynamic": int(q_dynamic),
-        "kv_dynamic": int(kv_dynamic),
+        "post": int(c.post),
+        "clear": int(f.clear_unused_last_page_rows),
+        "pid_st": c.T,
+        "mrope_interleaved": int(f.mrope_interleaved),
+        "inv_q_scale": 1.0 / c.q_scale if c.q_scale is not None else 1.0,
+        "q_dynamic": int(c.q_dynamic),
+        "kv_dynamic": int(c.kv_dynamic),
     }
-    # the optional arrays' pointers and fields (their zeros, read only, when none is given)
-    slots = dict(_ARGUMENT_SLOTS)  # q .. v_cache, all given (checked above)
-    slots["q_out"] = _GIVEN_OUTPUT if vgiven is not None else _NEW_OUTPUT
-    if vpid is None and vstatus is None and vqs is None and vks is None and vvs is None:
-        values.update(_NO_OPTIONS)
-    else:
-        for i in range(_Q_OUT + 1, len(FIELDS)):
-            if views[i] is not None:
-                slots[FIELDS[i]] = (i, 0)
 
-        def entry_strides(view):  # (page, entry, head) of a scale array, whatever the layout
-            if view is None:
-                return (0, 0, 0)
-            st = view.strides
-            return (st[0], st[1], st[2]) if kv_layout == "NHD" else (st[0], st[2], st[1])
 
-        ks_st, vs_st = entry_strides(vks), entry_strides(vvs)
-        qs_st = vqs.strides if vqs is not None else (0, 0)
-        values.update(
-            {
-                "mrope": int(sections is not None),
-                "mrope_t": sections[0] if sections else 0,
-                "mrope_h": sections[1] if sections else 0,
-                "mrope_w": sections[2] if sections else 0,
-                "pos64": int(vpid is not None and vpid.dtype == INT64),
-                "check": int(vstatus is not None),
-                "qs_st": qs_st[0],
-                "qs_sh": qs_st[1],
-                "ks_sp": ks_st[0],
-                "ks_se": ks_st[1],
-                "ks_sh": ks_st[2],
-                "vs_sp": vs_st[0],
-                "vs_se": vs_st[1],
-                "vs_sh": vs_st[2],
-            }
-        )
-    opts = (
-        2
-        if sections is not None
-        else int(bool(post or weight_offset != 0.0 or clear or vstatus is not None))
-    )
-    # fp8 q or computed scales: a quantizing kernel (the others compile none of it)
-    quant = q_dtype != vq.dtype or kv_dynamic
-    if quant and opts:
-        opts = 2
-    decode = None if opts or quant else _decode_kernel(views, vgiven, is_neox, R, fits)
-    launch = Launch(
-        STEM,
-        decode[0]
-        if decode
-        else expression(
-            vq.dtype, vkc.dtype, is_neox, n, kernel_rows(rows), opts, q_dtype if quant else None
-        ),
-        device,
-        decode[1] if decode else (max(T, 1), splits),
-        decode[2] if decode else (block,),
-        PARAMS,
-        values,
-        slots,
-        pdl=pdl,
-    )
-    return Plan(device, [launch], outputs=outputs, written=written, inplace=inplace, result=result)
+def _option_values(a, kv_layout, sections):
+    """The record's option fields when an option array is given."""
+
+    def entry_strides(view):  # (page, entry, head) of a scale array, whatever the layout
+        if view is None:
+            return (0, 0, 0)
+        st = view.strides
+        return (st[0], st[1], st[2]) if kv_layout == "NHD" else (st[0], st[2], st[1])
+
+    vpid, vqs = a.position_ids, a.q_scale_out
+    ks_st, vs_st = entry_strides(a.k_scales), entry_strides(a.v_scales)
+    qs_st = vqs.strides if vqs is not None else (0, 0)
+    return {
+        "mrope": int(sections is not None),
+        "mrope_t": sections[0] if sections else 0,
+        "mrope_h": sections[1] if sections else 0,
+        "mrope_w": sections[2] if sections else 0,
+        "pos64": int(vpid is not None and vpid.dtype == INT64),
+        "check": int(a.status is not None),
+        "qs_st": qs_st[0],
+        "qs_sh": qs_st[1],
+        "ks_sp": ks_st[0],
+        "ks_se": ks_st[1],
+        "ks_sh": ks_st[2],
+        "vs_sp": vs_st[0],
+        "vs_se": vs_st[1],
+        "vs_sh": vs_st[2],
+    }
+
+
+_ARGS = (
+    "q",
+    "k",
+    "v",
+    "q_gamma",
+    "k_gamma",
+    "cos_sin_cache",
+    "input_row_offsets",
+    "cache_lengths",
+    "block_table",
+    "k_cache",
+    "v_cache",
+    "q_out",
+    "position_ids",
+    "status",
+    "q_scale_out",
+    "k_scales",
+    "v_scales",
+)
 
 
 def _extent(shape, strides):
@@ -899,11 +1013,12 @@ def _extent(shape, strides):
     return 1 + sum((n - 1) * st for n, st in zip(shape, strides)) if all(shape) else 0
 
 
-def _decode_kernel(views, vgiven, is_neox, R, fits):
+def _decode_kernel(views, vgiven, is_neox, R, fits8):
     """(kernel, grid, block) of the decode kernel for a plain call (no option, no quantizing:
     the caller checks) of at most TUNING["decode_tokens"] tokens whose geometry it was compiled
     for (D in DECODE_DIMS, R == D, 16-byte lanes aligned, both RMSNorm weights of one dtype);
-    None otherwise. 32-bit offsets when every array's extent in elements allows."""
+    None otherwise (``fits8``: the rows are aligned for 8-element lanes). 32-bit offsets when every
+    array's extent in elements allows."""
     vq, vk, vv, vqg, vkg, vt, _voff, _vlen, vbt, vkc, vvc = views[:11]
     T, Hq, D = vq.shape
     Hkv = vk.shape[1]
@@ -912,7 +1027,7 @@ def _decode_kernel(views, vgiven, is_neox, R, fits):
         and D in DECODE_DIMS
         and R == D
         and vqg.dtype == vkg.dtype
-        and fits(8)
+        and fits8
         and vq.dtype.itemsize == 2
     ):
         return None
@@ -948,12 +1063,19 @@ FIELDS = (
     "k_scales",
     "v_scales",
 )
-# made once (a first call copies or reads them): the slots of the arguments every call gives
-# (q .. v_cache), q_out's (a new one follows the arguments), the option fields when no option
-# array is given (mRoPE is off without position_ids: check_mrope demands them)
-_Q_OUT = FIELDS.index("q_out")
+# made once (a first call copies or reads them): argument roles by name: the arguments written
+# (q_out always: given or new; the others when given), the in-place pair, the result; the slots
+# of the arguments every call gives (q .. v_cache), q_out's (a new one follows the arguments),
+# the option fields when no option array is given (mRoPE is off without position_ids:
+# check_mrope demands them)
+_Q_OUT = ck.argument_indices(_ARGS, "q_out")
+_WRITTEN = ck.argument_indices(
+    _ARGS, ("k_cache", "v_cache", "q_out", "status", "q_scale_out", "k_scales", "v_scales")
+)
+_INPLACE = [ck.argument_indices(_ARGS, ("q", "q_out"))]
+_RESULT = given_or_new(_Q_OUT)
 _ARGUMENT_SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS[:_Q_OUT])}
-_GIVEN_OUTPUT, _NEW_OUTPUT = (_Q_OUT, 0), (len(FIELDS), 0)
+_GIVEN_OUTPUT, _NEW_OUTPUT = (_Q_OUT, 0), (len(_ARGS), 0)
 _NO_OPTIONS = {
     "mrope": 0,
     "mrope_t": 0,
@@ -970,44 +1092,29 @@ _NO_OPTIONS = {
     "vs_se": 0,
     "vs_sh": 0,
 }
+_FLAGS = [
+    ("epsilon", KEY),
+    ("is_neox", FLAG),
+    ("kv_layout", KEY),
+    ("kv_scale", KEY),
+    ("enable_pdl", FLAG),
+    ("tuning", AS_IS),
+    ("norm_order", KEY),
+    ("weight_offset", KEY),
+    ("clear_unused_last_page_rows", FLAG),
+    ("mrope_section", KEY),
+    ("mrope_interleaved", FLAG),
+    ("q_out_dtype", dtype_key),
+    ("q_scale", KEY),
+]
+_Views = collections.namedtuple("_Views", _ARGS)
+_Flags = collections.namedtuple("_Flags", [name for name, _ in _FLAGS])
 _OP = Op(
     "qk_rmsnorm_rope_append_paged_kv_cache",
-    (
-        "q",
-        "k",
-        "v",
-        "q_gamma",
-        "k_gamma",
-        "cos_sin_cache",
-        "input_row_offsets",
-        "cache_lengths",
-        "block_table",
-        "k_cache",
-        "v_cache",
-        "q_out",
-        "position_ids",
-        "status",
-        "q_scale_out",
-        "k_scales",
-        "v_scales",
-    ),
+    _ARGS,
     _prepare,
     layered=("k_cache", "v_cache", "k_scales", "v_scales"),
-    flags=[
-        ("epsilon", KEY),
-        ("is_neox", FLAG),
-        ("kv_layout", KEY),
-        ("kv_scale", KEY),
-        ("enable_pdl", FLAG),
-        ("tuning", AS_IS),
-        ("norm_order", KEY),
-        ("weight_offset", KEY),
-        ("clear_unused_last_page_rows", FLAG),
-        ("mrope_section", KEY),
-        ("mrope_interleaved", FLAG),
-        ("q_out_dtype", dtype_key),
-        ("q_scale", KEY),
-    ],
+    flags=_FLAGS,
 )
 
 

@@ -44,6 +44,7 @@ epilogue, the prefill path in ``qkv_epilogue``, its GEMMs then writing only temp
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import numbers
@@ -292,6 +293,23 @@ FIELDS = (
     "status",
 )
 OUT, STATUS = ARRAYS.index("out"), ARRAYS.index("status")
+_WRITTEN = ck.argument_indices(ARRAYS, ("k_cache", "v_cache"))  # and out, status: when given
+# the arrays whose rows _check_rows checks, in its order
+_ROW_CHECKED = ck.argument_indices(
+    ARRAYS,
+    (
+        "hidden_state",
+        "weight",
+        "block_table",
+        "k_cache",
+        "v_cache",
+        "cos_sin_cache",
+        "weight_scales",
+        "zero_points",
+        "out",
+    ),
+)
+_Views = collections.namedtuple("_Views", ARRAYS)
 _SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS)}  # pointer fields <- (argument, byte offset)
 NEW = len(ARRAYS)  # ptrs index of the first array a call allocates (out, then workspaces)
 
@@ -720,8 +738,34 @@ def fused_qkv_matmul_append_paged_kv_cache(
     )
 
 
+class _Checked(NamedTuple):
+    """What the checks of a first call derive: sizes, the weight format, the cache's scales and
+    layout, and the device."""
+
+    T: int
+    K: int
+    N: int  # (Hq + 2 Hkv) D: the projection's columns
+    Hq: int
+    Hkv: int
+    D: int
+    R: int
+    P: int
+    B: int
+    fmt: int  # W_DENSE, W_FP8 or W_INT4
+    G: int | None  # the 4-bit weights' group size
+    fp8: bool  # a float8 cache
+    k_scale: float
+    v_scale: float
+    nhd: bool
+    num_pages: int
+    page_size: int
+    device: int
+
+
 def _prepare(views, flags):
-    """Validate a first call; the launch plan (GEMV or cuBLAS path) or the NumPy backend run."""
+    """Validate a first call (:func:`_check`), then the launch plan (:func:`_device_plan`:
+    GEMV, fused or cuBLAS path, over the record :func:`_fields` packs) or the NumPy backend
+    run."""
     (
         num_q_heads,
         is_neox,
@@ -740,7 +784,38 @@ def _prepare(views, flags):
         graph_max,
         clear,
     ) = flags
-    wgmma = WgmmaSettings(*wgmma)
+    a = _Views._make(views)
+    vx, vt, vout, vstatus = a.hidden_state, a.cos_sin_cache, a.out, a.status
+    c = _check(views, num_q_heads, kv_layout, kv_scale, group_size)
+    written = (*_WRITTEN, *((OUT,) if vout is not None else ()))
+    written += (STATUS,) if vstatus is not None else ()
+    outputs = [] if vout is not None else [Output((c.T, c.Hq * c.D), vx.dtype)]
+
+    if ck.check_indices_enabled():
+        _check_indices(
+            a.input_row_offsets,
+            a.cache_lengths,
+            a.block_table,
+            c.T,
+            c.P if vt is not None else None,
+            c.page_size,
+            c.num_pages,
+        )
+    plan = functools.partial(Plan, outputs=outputs, written=written, result=_result)
+    if c.device == HOST:
+        return plan(HOST, host=_host_run(views, c, is_neox, kv_layout, clear))
+    if c.T == 0 and vstatus is None:
+        return plan(c.device)
+    fields, slots = _fields(views, c, is_neox, clear)
+    opts = bool(clear or vstatus is not None)  # the kernels that read the options
+    tuning = (gemv_max, fast_int4, mma_min, mma_max, mma_quantized, mma_split, tiled, graph_max)
+    return _device_plan(
+        views, c, fields, slots, outputs, written, is_neox, pdl, opts, tuning, WgmmaSettings(*wgmma)
+    )
+
+
+def _check(views, num_q_heads, kv_layout, kv_scale, group_size):
+    """Every check of a first call, in the order of the arguments' errors; a :class:`_Checked`."""
     vx, vw, voff, vlen, vbt, vk, vv, vt, vws, vzp, vout, vstatus = views
 
     # Tests of the common case first, read in the checkers' order; the checkers (which raise
@@ -751,29 +826,15 @@ def _prepare(views, flags):
     T, K = vx.shape
     if K == 0:
         raise ValueError(f"hidden_state must have shape (T, K) with K > 0, got {vx.shape}")
-    dtype = vx.dtype
     if num_q_heads.__class__ is int and num_q_heads > 0:
         Hq = num_q_heads
     else:
         Hq = ck.check_positive_int(num_q_heads, "num_q_heads")
     ck.check_choice(kv_layout, "kv_layout", LAYOUTS)
     nhd = kv_layout == "NHD"
-    layout = "(num_pages, page_size, Hkv, D)" if nhd else "(num_pages, Hkv, page_size, D)"
-    if not (len(vk.shape) == 4 and vv.shape == vk.shape):
-        ck.check_ndim(vk, 4, layout)
-        ck.check_shape(vv, vk.shape, layout)
-    num_pages, D = vk.shape[0], vk.shape[3]
-    page_size, Hkv = (vk.shape[1], vk.shape[2]) if nhd else (vk.shape[2], vk.shape[1])
-    if Hkv == 0 or D == 0 or page_size == 0 or D % 2:
-        raise ValueError(
-            f"k_cache must have shape {layout} with Hkv, page_size > 0 and D even "
-            f"and > 0, got {vk.shape}"
-        )
-    if vk.dtype != dtype:
-        ck.check_dtype(vk, (dtype, *FP8_DTYPES))
-    ck.check_same_dtype(vv, vk)
+    num_pages, page_size, Hkv, D = _check_caches(vk, vv, nhd, vx.dtype)
     N = (Hq + 2 * Hkv) * D
-    fmt = _check_weight(vw, vws, vzp, group_size, dtype, N, K)
+    fmt = _check_weight(vw, vws, vzp, group_size, vx.dtype, N, K)
     G = group_size if fmt == W_INT4 else None
 
     if not ck.common_ragged_paged(voff, vlen, vbt):
@@ -799,6 +860,55 @@ def _prepare(views, flags):
     if vout is not None:
         ck.check_shape(vout, (T, Hq * D), "(T, Hq * D)")
         ck.check_same_dtype(vout, vx)
+    _check_rows(views, K, Hq * D)
+    if vstatus is not None:
+        check_status(vstatus)
+    device = ck.check_same_device(views)
+    return _Checked(
+        T,
+        K,
+        N,
+        Hq,
+        Hkv,
+        D,
+        R,
+        P,
+        B,
+        fmt,
+        G,
+        fp8,
+        k_scale,
+        v_scale,
+        nhd,
+        num_pages,
+        page_size,
+        device,
+    )
+
+
+def _check_caches(vk, vv, nhd, dtype):
+    """The caches' shapes and dtype; ``(num_pages, page_size, Hkv, D)``."""
+    layout = "(num_pages, page_size, Hkv, D)" if nhd else "(num_pages, Hkv, page_size, D)"
+    if not (len(vk.shape) == 4 and vv.shape == vk.shape):
+        ck.check_ndim(vk, 4, layout)
+        ck.check_shape(vv, vk.shape, layout)
+    num_pages, D = vk.shape[0], vk.shape[3]
+    page_size, Hkv = (vk.shape[1], vk.shape[2]) if nhd else (vk.shape[2], vk.shape[1])
+    if Hkv == 0 or D == 0 or page_size == 0 or D % 2:
+        raise ValueError(
+            f"k_cache must have shape {layout} with Hkv, page_size > 0 and D even "
+            f"and > 0, got {vk.shape}"
+        )
+    if vk.dtype != dtype:
+        ck.check_dtype(vk, (dtype, *FP8_DTYPES))
+    ck.check_same_dtype(vv, vk)
+    return num_pages, page_size, Hkv, D
+
+
+def _check_rows(views, K, out_cols):
+    """Rows of stride 1 in their last dimension, and rows that do not overlap (cuBLAS takes them
+    as leading dimensions, and so does the GEMV kernel)."""
+    vx, vw, vbt, vk, vv, vt, vws, vzp, vout = (views[i] for i in _ROW_CHECKED)
     if (
         vx.strides[-1] != 1
         or vw.strides[-1] != 1
@@ -811,64 +921,65 @@ def _prepare(views, flags):
         or (vout is not None and vout.strides[-1] != 1)
     ):  # (a test first, as above)
         ck.check_last_dim_contiguous(vx, vw, vbt, vk, vv, vt, vws, vzp, vout)
-    # rows must not overlap: cuBLAS takes them as leading dimensions (and so does the GEMV kernel)
-    for view, cols in ((vx, K), (vw, vw.shape[1]), (vout, Hq * D)):
+    for view, cols in ((vx, K), (vw, vw.shape[1]), (vout, out_cols)):
         if view is not None and view.shape[0] > 1 and view.strides[0] < cols:
             raise ValueError(
                 f"{view.name}'s row stride must be at least its {cols} columns, got "
                 f"strides {view.strides} (in elements) for shape {view.shape}"
             )
-    if vstatus is not None:
-        check_status(vstatus)
-    device = ck.check_same_device(views)
-    written = (
-        5,
-        6,
-        *((OUT,) if vout is not None else ()),
-        *((STATUS,) if vstatus is not None else ()),
+
+
+def _host_run(views, c, is_neox, kv_layout, clear):
+    """The NumPy backend's run of a host call."""
+    vx, vw, voff, vlen, vbt, vk, vv, vt, vws, vzp, vout, vstatus = views
+
+    def host(v, outs):
+        qout = vout if vout is not None else outs[0]
+        if vstatus is not None:
+            vstatus.host[...] = reference.ragged_offsets_status(voff.host, c.T)
+            if vstatus.host.item():
+                return
+        if c.T:
+            reference.fused_qkv_matmul_append_paged_kv_cache(
+                vx.host,
+                vw.host,
+                voff.host,
+                vlen.host,
+                vbt.host,
+                vk.host,
+                vv.host,
+                qout.host,
+                c.Hq,
+                None if vt is None else vt.host,
+                is_neox,
+                kv_layout,
+                c.k_scale,
+                c.v_scale,
+                None if vws is None else vws.host,
+                c.G,
+                None if vzp is None else vzp.host,
+                clear,
+            )
+
+    return host
+
+
+def _fields(views, c, is_neox, clear):
+    """The record's fields past the pointers (a launch's pointers have slots, or are null) and
+    the slots."""
+    a = _Views._make(views)
+    vx, vw, vbt, vk, vv, vt = (
+        a.hidden_state,
+        a.weight,
+        a.block_table,
+        a.k_cache,
+        a.v_cache,
+        a.cos_sin_cache,
     )
-    outputs = [] if vout is not None else [Output((T, Hq * D), dtype)]
-
-    if ck.check_indices_enabled():
-        _check_indices(voff, vlen, vbt, T, P if vt is not None else None, page_size, num_pages)
-
-    if device == HOST:
-
-        def host(v, outs):
-            qout = vout if vout is not None else outs[0]
-            if vstatus is not None:
-                vstatus.host[...] = reference.ragged_offsets_status(voff.host, T)
-                if vstatus.host.item():
-                    return
-            if T:
-                reference.fused_qkv_matmul_append_paged_kv_cache(
-                    vx.host,
-                    vw.host,
-                    voff.host,
-                    vlen.host,
-                    vbt.host,
-                    vk.host,
-                    vv.host,
-                    qout.host,
-                    Hq,
-                    None if vt is None else vt.host,
-                    is_neox,
-                    kv_layout,
-                    k_scale,
-                    v_scale,
-                    None if vws is None else vws.host,
-                    G,
-                    None if vzp is None else vzp.host,
-                    clear,
-                )
-
-        return Plan(HOST, outputs=outputs, written=written, result=_result, host=host)
-    if T == 0 and vstatus is None:
-        return Plan(device, outputs=outputs, written=written, result=_result)
-
-    ks, kp = vk.strides, vv.strides
-    out_s0 = vout.strides[0] if vout is not None else Hq * D
-    fields = {  # the fields past the pointers (a launch's pointers have slots, or are null)
+    vws, vzp, vout, vstatus = a.weight_scales, a.zero_points, a.out, a.status
+    ks, kp, nhd, fp8 = vk.strides, vv.strides, c.nhd, c.fp8
+    out_s0 = vout.strides[0] if vout is not None else c.Hq * c.D
+    fields = {
         "hidden_s0": vx.strides[0],
         "weight_row_bytes": vw.strides[0] * vw.dtype.itemsize,
         "ws_s0": vws.strides[0] if vws is not None else 0,
@@ -885,31 +996,48 @@ def _prepare(views, flags):
         "v_page": kp[0],
         "v_entry": kp[1] if nhd else kp[2],
         "v_head": kp[2] if nhd else kp[1],
-        "num_pages": num_pages,
-        "T": T,
-        "K": K,
-        "N": N,
-        "B": B,
-        "Hq": Hq,
-        "Hkv": Hkv,
-        "D": D,
-        "R": R,
-        "P": P,
-        "page_size": page_size,
+        "num_pages": c.num_pages,
+        "T": c.T,
+        "K": c.K,
+        "N": c.N,
+        "B": c.B,
+        "Hq": c.Hq,
+        "Hkv": c.Hkv,
+        "D": c.D,
+        "R": c.R,
+        "P": c.P,
+        "page_size": c.page_size,
         "max_pages": vbt.shape[1],
-        "group_size": G or 0,
+        "group_size": c.G or 0,
         "kc": 0,
         "is_neox": int(is_neox),
         "cache_code": (0 if not fp8 else 1 if vk.dtype == FLOAT8_E4M3FN else 2),
-        "k_inv_scale": 1.0 / k_scale if fp8 else 1.0,
-        "v_inv_scale": 1.0 / v_scale if fp8 else 1.0,
+        "k_inv_scale": 1.0 / c.k_scale if fp8 else 1.0,
+        "v_inv_scale": 1.0 / c.v_scale if fp8 else 1.0,
         "check": int(vstatus is not None),
         "clear": int(clear),
     }
     slots = dict(_SLOTS)
     if vout is None:
         slots["out"] = (NEW, 0)
-    opts = bool(clear or vstatus is not None)  # the kernels that read the options
+    return fields, slots
+
+
+def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, tuning, wgmma):
+    """The plan of a device call: one fused launch (qkv_wgmma or the tensor-core kernels) where
+    one takes it, the GEMV kernel (decode), else cuBLAS and the epilogue, with the fused launch
+    as its capture plan up to ``graph_max`` tokens."""
+    a = _Views._make(views)
+    vx, vw, vk, vv, vt, vout = (
+        a.hidden_state,
+        a.weight,
+        a.k_cache,
+        a.v_cache,
+        a.cos_sin_cache,
+        a.out,
+    )
+    gemv_max, fast_int4, mma_min, mma_max, mma_quantized, mma_split, tiled, graph_max = tuning
+    T, K, N, D, fmt, device = c.T, c.K, c.N, c.D, c.fmt, c.device
 
     def fused(wgmma, mma_max):
         """The one fused launch that takes the call (qkv_wgmma, else the tensor-core kernels up
@@ -922,6 +1050,7 @@ def _prepare(views, flags):
             return _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split, tiled, opts)
         return None
 
+    plan = functools.partial(Plan, device, outputs=outputs, written=written, result=_result)
     mma_top = (
         mma_max
         if fmt == W_DENSE
@@ -929,13 +1058,12 @@ def _prepare(views, flags):
     )
     step = fused(wgmma, mma_top)
     if step is not None:
-        return Plan(device, [step], outputs=outputs, written=written, result=_result)
+        return plan([step])
     # decode, no vector width for the prefill epilogue, or status= with no tokens (one block of
     # the GEMV kernel, which only validates)
-    n = None if T <= gemv_max else _epilogue_width(vout, vk, vv, vt, D, R, is_neox)
+    n = None if T <= gemv_max else _epilogue_width(vout, vk, vv, vt, D, c.R, is_neox)
     if n is None:
-        steps = [_gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl, opts)]
-        return Plan(device, steps, outputs=outputs, written=written, result=_result)
+        return plan([_gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl, opts)])
     steps, workspaces = _prefill(
         fields,
         slots,
@@ -947,14 +1075,14 @@ def _prepare(views, flags):
         T,
         K,
         N,
-        Hq,
-        Hkv,
+        c.Hq,
+        c.Hkv,
         D,
         device,
         len(outputs),
         pdl,
         opts,
-        vstatus is not None,
+        a.status is not None,
     )
     # under CUDA-graph capture, up to graph_max tokens: the fused kernel that would take the call
     # with its token cap raised (slower than cuBLAS eagerly there, but one launch and no
@@ -964,11 +1092,6 @@ def _prepare(views, flags):
         step = fused(
             wgmma._replace(max_tokens=max(wgmma.max_tokens, graph_max)), max(mma_top, graph_max)
         )
-    capture_plan = (
-        None
-        if step is None
-        else Plan(device, [step], outputs=outputs, written=written, result=_result)
-    )
     refusal = (
         f"fused_qkv_matmul_append_paged_kv_cache cannot be recorded in a CUDA graph with "
         f"hidden_state of T={T} tokens: {GRAPH_RULE}"
@@ -980,7 +1103,7 @@ def _prepare(views, flags):
         written=written,
         result=_result,
         capture_refusal=refusal,
-        capture_plan=capture_plan,
+        capture_plan=None if step is None else plan([step]),
     )
 
 

@@ -832,7 +832,7 @@ def test_decode_kernel_is_chosen_for_plain_decode_calls():
             view((pages, 16, Hkv, D)),
             view((pages, 16, Hkv, D)),
         )
-        return qknorm._decode_kernel(views, None, True, R, lambda n: fits)
+        return qknorm._decode_kernel(views, None, True, R, fits)
 
     kernel, grid, block = choose()
     assert kernel == qknorm.decode_expression(BF16, BF16, True, 128, True, True)
@@ -853,7 +853,7 @@ def test_decode_kernel_is_chosen_for_plain_decode_calls():
     views += [view((128,), np.float32), view((128,), BF16)]
     views += [view((4096, 128), np.float32), view((2,)), view((1,)), view((1, 64))]
     views += [view((100, 16, 8, 128))] * 2
-    assert qknorm._decode_kernel(views, None, True, 128, lambda n: True) is None
+    assert qknorm._decode_kernel(views, None, True, 128, True) is None
 
 
 @pytest.mark.gpu

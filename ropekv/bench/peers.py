@@ -93,8 +93,6 @@ def make_runners(w, spec, peers, backend="cuda", variants=(), options=False):
     ``ropekv[<label>]`` runner per ``--tune`` variant ``(label, changes)`` that changes this op,
     and with ``options`` one ``ropekv[+<option>]`` runner per option of the workload
     (:meth:`Workload.options`)."""
-    from ropekv.bench import tuning
-
     framework = backend if backend == "numpy" else "cupy"
     o = w.new_outputs()
     ropekv = Runner(
@@ -106,6 +104,24 @@ def make_runners(w, spec, peers, backend="cuda", variants=(), options=False):
         host_call=w.bound(o),
     )
     out: dict[str, Any] = {}
+    _add_variants(out, w, framework, variants, options)
+    avail = peer_availability(backend)
+    for peer in peers:
+        if avail.get(peer):
+            out[peer] = f"skipped: {avail[peer]}"
+            continue
+        try:
+            _add_peer(out, w, spec, peer, backend)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot be set up is reported
+            out[peer] = f"error: {one_line(e)}"
+    return ropekv, out
+
+
+def _add_variants(out, w, framework, variants, options):
+    """Into ``out``: the ``ropekv[<label>]`` runners of the ``--tune`` variants that change this
+    op, and with ``options`` the ``ropekv[+<option>]`` ones."""
+    from ropekv.bench import tuning
+
     for label, changes in variants:
         if w.op in changes:
             vo = w.new_outputs()
@@ -130,75 +146,69 @@ def make_runners(w, spec, peers, backend="cuda", variants=(), options=False):
                 expect=None if checked else _unchecked,
                 host_call=w.bound(vo, **extra),
             )
-    avail = peer_availability(backend)
-    for peer in peers:
-        if avail.get(peer):
-            out[peer] = f"skipped: {avail[peer]}"
-            continue
-        try:
-            if peer == "steps":
-                made = w.steps_peer() if hasattr(w, "steps_peer") else None
-                if made is None:
-                    out[peer] = "-"
-                    continue
-                fn, outs, po = made
-                out[peer] = Runner(peer, fn, outs, lambda po=po: w.reset(po))
-                continue
-            if peer == "cublas":
-                made = w.cublas_peers() if hasattr(w, "cublas_peers") else {}
-                if not made:
-                    out[peer] = "-"
-                for name, (fn, outs, po) in made.items():
-                    out[name] = Runner(name, fn, outs, (lambda po=po: w.reset(po)) if po else None)
-                continue
-            po = w.new_outputs()
-            to = {k: torch_view(v) for k, v in po.items()}
-            ti = {k: torch_view(v) for k, v in w.a.items() if k not in po}
-            reset = functools.partial(w.reset, po)
-            if peer == "flashinfer-cake":
-                made = (
-                    w.flashinfer_cake_fn(ti, to, po) if hasattr(w, "flashinfer_cake_fn") else None
-                )
-                if made is None:
-                    out[peer] = "-"
-                    continue
-                fn, outs, expect = made
-                out[peer] = Runner(peer, fn, outs, reset, "torch", expect)
-                continue
-            if peer == "flashinfer":
-                made = w.flashinfer_fn(ti, to)
-                if made is None:
-                    out[peer] = "-"
-                    continue
-                fn, extra_reset = made
-                if extra_reset is not None:
 
-                    def reset(a=reset, b=extra_reset):
-                        a()
-                        b()
 
-                out[peer] = Runner(peer, fn, functools.partial(w.outputs, po), reset, "torch")
-                continue
-            made = w.torch_fn(ti, to)
-            if made is None:
-                out[peer] = "-"
-                continue
-            fn, args = made
-            if peer == "torch-compile":
-                if not spec.compile:
-                    out[peer] = "-"
-                    continue
-                fn = _compiled(fn)
-            out[peer] = Runner(
-                peer,
-                functools.partial(fn, *args),
-                functools.partial(w.outputs, po),
-                reset,
-                "numpy" if backend == "numpy" else "torch",
-            )
-        except Exception as e:  # noqa: BLE001 - a peer that cannot be set up is reported
-            out[peer] = f"error: {one_line(e)}"
-    return ropekv, out
+def _add_peer(out, w, spec, peer, backend):
+    """Into ``out``: the runner(s) of ``peer`` (cublas may add several), or ``"-"`` where the
+    workload has none."""
+    if peer == "steps":
+        made = w.steps_peer() if hasattr(w, "steps_peer") else None
+        if made is None:
+            out[peer] = "-"
+            return
+        fn, outs, po = made
+        out[peer] = Runner(peer, fn, outs, lambda po=po: w.reset(po))
+        return
+    if peer == "cublas":
+        made = w.cublas_peers() if hasattr(w, "cublas_peers") else {}
+        if not made:
+            out[peer] = "-"
+        for name, (fn, outs, po) in made.items():
+            out[name] = Runner(name, fn, outs, (lambda po=po: w.reset(po)) if po else None)
+        return
+    po = w.new_outputs()
+    to = {k: torch_view(v) for k, v in po.items()}
+    ti = {k: torch_view(v) for k, v in w.a.items() if k not in po}
+    reset = functools.partial(w.reset, po)
+    if peer == "flashinfer-cake":
+        made = w.flashinfer_cake_fn(ti, to, po) if hasattr(w, "flashinfer_cake_fn") else None
+        if made is None:
+            out[peer] = "-"
+            return
+        fn, outs, expect = made
+        out[peer] = Runner(peer, fn, outs, reset, "torch", expect)
+        return
+    if peer == "flashinfer":
+        made = w.flashinfer_fn(ti, to)
+        if made is None:
+            out[peer] = "-"
+            return
+        fn, extra_reset = made
+        if extra_reset is not None:
+
+            def reset(a=reset, b=extra_reset):
+                a()
+                b()
+
+        out[peer] = Runner(peer, fn, functools.partial(w.outputs, po), reset, "torch")
+        return
+    made = w.torch_fn(ti, to)
+    if made is None:
+        out[peer] = "-"
+        return
+    fn, args = made
+    if peer == "torch-compile":
+        if not spec.compile:
+            out[peer] = "-"
+            return
+        fn = _compiled(fn)
+    out[peer] = Runner(
+        peer,
+        functools.partial(fn, *args),
+        functools.partial(w.outputs, po),
+        reset,
+        "numpy" if backend == "numpy" else "torch",
+    )
 
 
 UNCHECKED = "not compared: the option changes the outputs"

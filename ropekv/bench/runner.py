@@ -177,30 +177,7 @@ def run(
     settings = _settings(quick)
     if specs is None:
         specs = select_specs(ops, quick, names)
-    result: dict[str, Any] = {
-        "command": " ".join(["ropekv", "bench", *sys.argv[2:]]),
-        "quick": quick,
-        "peers": list(peers),
-        "settings": settings,
-    }
-    if backend != "cuda":
-        result["backend"] = backend
-    if tune:
-        result["tune"] = {label: changes for label, changes in tune}
-    if options:
-        result["options"] = True
-    result["environment"] = (
-        environment() if backend == "cuda" else {"python": platform.python_version()}
-    )
-    result["missing_ops"] = [op for op in (ops or OPS) if not op_available(op)]
-    avail = peer_availability(backend)
-    result["peer_status"] = {
-        p: ("used" if p in peers and not avail.get(p) else avail.get(p) or "not selected")
-        for p in PEERS
-    }
-    if quick and not explicit_peers:
-        for p in ("flashinfer", "torch-compile"):
-            result["peer_status"][p] = "not selected (--quick; name it in --peers to include)"
+    result = _header(ops, peers, explicit_peers, quick, settings, backend, tune, options)
     n = len(specs) + 1 + bool(frameworks)
     log(0, n, "copy bandwidth (1 GiB device-to-device)")
     result["copy_bytes"] = 2 << 30
@@ -250,6 +227,36 @@ def run(
             result["frameworks"] = [{"case": "all", "framework": "?", "error": one_line(e)}]
     log(n, n, "done")
     result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def _header(ops, peers, explicit_peers, quick, settings, backend, tune, options):
+    """The result dict's entries before the copy bandwidth and the cases: the command, the
+    settings, the environment, and what each op and peer is (used, missing, not selected)."""
+    result: dict[str, Any] = {
+        "command": " ".join(["ropekv", "bench", *sys.argv[2:]]),
+        "quick": quick,
+        "peers": list(peers),
+        "settings": settings,
+    }
+    if backend != "cuda":
+        result["backend"] = backend
+    if tune:
+        result["tune"] = {label: changes for label, changes in tune}
+    if options:
+        result["options"] = True
+    result["environment"] = (
+        environment() if backend == "cuda" else {"python": platform.python_version()}
+    )
+    result["missing_ops"] = [op for op in (ops or OPS) if not op_available(op)]
+    avail = peer_availability(backend)
+    result["peer_status"] = {
+        p: ("used" if p in peers and not avail.get(p) else avail.get(p) or "not selected")
+        for p in PEERS
+    }
+    if quick and not explicit_peers:
+        for p in ("flashinfer", "torch-compile"):
+            result["peer_status"][p] = "not selected (--quick; name it in --peers to include)"
     return result
 
 

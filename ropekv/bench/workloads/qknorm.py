@@ -339,6 +339,11 @@ class QknormWL(_RaggedMixin, Workload):
 
 
 def specs():
+    return [*_qwen3_specs(), *_qwen3_32b_specs(), *_quantized_q_kv_specs()]
+
+
+def _qwen3_specs():
+    """Qwen3-8B heads: prefill and decode, bf16 and e4m3 caches."""
     out = []
     for B, S, cache in ((8, 1024, BF16), (8, 1024, E4M3), (64, 1, E4M3)):
         T = B * S
@@ -354,7 +359,12 @@ def specs():
                 compile=cache == E4M3,
             )
         )
-    # Qwen3-32B heads on one packed qkv with float32 weights: the Cake kernels' shapes
+    return out
+
+
+def _qwen3_32b_specs():
+    """Qwen3-32B heads on one packed qkv with float32 weights: the Cake kernels' shapes."""
+    out = []
     for cache in (BF16, E4M3):
         series = f"qknorm qwen3-32b bf16->{_dtname(cache)}"
         for B, S in ((8, 1024), *((B, 1) for B in DECODE_SWEEP)):
@@ -380,6 +390,12 @@ def specs():
                     series=series if S == 1 else "",
                 )
             )
+    return out
+
+
+def _quantized_q_kv_specs():
+    """Computed scales: an fp8 q with dynamic scales, per-token-head KV scales."""
+    out = []
     # fp8 q with dynamic per-token-per-head scales (the Cake fp8 kernel's quant_policy=1), e4m3
     # cache with a static scale; per-token-head KV scales (against the static-scale rows above)
     series = "qknorm qwen3-32b bf16->e4m3 q e4m3 dynamic"
