@@ -154,8 +154,8 @@ TUNING = {
     "narrow_width": 4,
     # the decode kernel (`_decode_kernel`): used up to `decode_tokens` tokens (0: never), blocks
     # of `decode_rows` head rows (a token's rows over ceil(H / decode_rows) blocks)
-    "decode_tokens": 256,
-    "decode_rows": 8,
+    "decode_tokens": 128,
+    "decode_rows": 16,
 }
 
 

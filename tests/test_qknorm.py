@@ -836,13 +836,13 @@ def test_decode_kernel_is_chosen_for_plain_decode_calls():
 
     kernel, grid, block = choose()
     assert kernel == qknorm.decode_expression(BF16, BF16, True, 128, True, True)
-    assert grid == (1, 10) and block == (64,)  # 80 rows, 8 rows of 8 lanes a block
-    assert choose(T=256)[1] == (256, 10)
-    assert choose(Hq=8, Hkv=1)[1] == (1, 2)
-    assert choose(D=256)[2] == (128,) and choose(D=64)[2] == (32,)
+    assert grid == (1, 5) and block == (128,)  # 80 rows, 16 rows of 8 lanes a block
+    assert choose(T=128)[1] == (128, 5)
+    assert choose(Hq=8, Hkv=1)[1] == (1, 1)
+    assert choose(D=256)[2] == (256,) and choose(D=64)[2] == (64,)
     assert choose(pages=2**20)[0].endswith("false>")  # 2^20 * 16 * 8 * 128 elements: 64-bit
     for refused in (
-        {"T": 257},
+        {"T": 129},
         {"D": 80},
         {"R": 64},
         {"fits": False},

@@ -37,6 +37,7 @@ import pstats
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 
@@ -58,14 +59,17 @@ CASES = [
 
 
 class _Memory:
-    """Fake device addresses, 256-byte aligned, never reused."""
+    """Fake device addresses, 256-byte aligned, never reused (also when threads allocate at
+    once: the read and the bump of ``next`` under one lock, or two arrays could share one)."""
 
     next = 0x7F0000000000
+    lock = threading.Lock()
 
     @classmethod
     def alloc(cls, nbytes):
-        p = cls.next
-        cls.next += (max(nbytes, 1) + 511) // 256 * 256
+        with cls.lock:
+            p = cls.next
+            cls.next += (max(nbytes, 1) + 511) // 256 * 256
         return p
 
 
