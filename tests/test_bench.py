@@ -1185,7 +1185,8 @@ def test_bench_quick_runs(tmp_path):
     data = json.loads(path.read_text())
     assert data["cases"] and all("ropekv" in c for c in data["cases"])
     assert data["copy_bandwidth"] > 1e11
-    assert data["wall_s"] < 60
+    if not os.environ.get("ROPEKV_UNDER_SANITIZER"):  # (every launch is slow under the sanitizer)
+        assert data["wall_s"] < 60
     # every peer that ran agreed with ropekv (the quantized QKV weights against cuBLAS's fp16 GEMM
     # on the dequantized weights included)
     for c in data["cases"]:

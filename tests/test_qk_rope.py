@@ -467,7 +467,10 @@ def test_kernel_with_pdl_and_a_stream():
     args = make_case(40, nnz=64, Hq=32, Hk=8, D=128)
     stream = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Device().synchronize()
-    check_against_reference(args, enable_pdl=True, stream=stream)
+    # the copies to and from the device on the launch stream too: ordered with the kernels (on
+    # the default stream they raced a non-blocking stream's kernels, seen under memcheck)
+    with stream:
+        check_against_reference(args, enable_pdl=True, stream=stream)
     stream.synchronize()
 
 
