@@ -325,17 +325,21 @@ class PagedWL(Workload):
         return two_launches, reset
 
 
-def _paged_gqa(B, S, dtype, cache, prefix=1024, q_dyn=False, kv_dyn=False, **extra):
+def _paged_gqa(B, S, dtype, cache, prefix=1024, q_dyn=False, kv_dyn=False, heads=(32, 8), **extra):
+    """A GQA case; ``heads``: (Hq, Hkv) at D 128, Llama-3-8B's by default, else named
+    ``tp Hq/Hkv`` (a larger model's heads per GPU under tensor parallelism)."""
     T = B * S
+    Hq, Hkv = heads
     quantized = cache in FP8 or np.dtype(cache) == np.int8
     qout = cache if quantized else dtype
     tag = (" dynamic q" if q_dyn else "") + (" kv scales" if kv_dyn else "")
+    tp = "" if heads == (32, 8) else f"tp {Hq}/{Hkv} "
     return dict(
         op="paged",
-        name=f"paged gqa {_dtname(dtype)}->{_dtname(cache)} {B}x{S}{tag}",
+        name=f"paged gqa {tp}{_dtname(dtype)}->{_dtname(cache)} {B}x{S}{tag}",
         tokens=T,
-        nbytes=nbytes_of.rope_kv_bytes(T, 32, 8, 128, 128, dtype, qout, cache)
-        + nbytes_of.computed_scale_bytes(T, 32 if q_dyn else 0, 8 if kv_dyn else 0),
+        nbytes=nbytes_of.rope_kv_bytes(T, Hq, Hkv, 128, 128, dtype, qout, cache)
+        + nbytes_of.computed_scale_bytes(T, Hq if q_dyn else 0, Hkv if kv_dyn else 0),
         make=_lazy(
             PagedWL,
             B=B,
@@ -345,7 +349,7 @@ def _paged_gqa(B, S, dtype, cache, prefix=1024, q_dyn=False, kv_dyn=False, **ext
             cache_dtype=cache,
             q_dyn=q_dyn,
             kv_dyn=kv_dyn,
-            **LLAMA,
+            **{**LLAMA, "Hq": Hq, "Hkv": Hkv},
         ),
         decode=S == 1,
         **extra,
@@ -392,20 +396,35 @@ def specs():
             out.append(spec)
         else:
             next(s for s in out if s.name == spec.name).series = spec.series
+    # tensor-parallel head counts (per GPU): Llama-3-70B on 8 GPUs (8/1), on 16 (4/1)
+    for heads in ((8, 1), (4, 1)):
+        for B, S in ((8, 1024), *((B, 1) for B in DECODE_SWEEP)):
+            spec = CaseSpec(**_paged_gqa(B, S, F16, E4M3, heads=heads))
+            spec.series = f"paged gqa tp {heads[0]}/{heads[1]} fp16->e4m3" if S == 1 else ""
+            out.append(spec)
+    return out + _mla_specs(128) + _mla_specs(16)
+
+
+def _mla_specs(Hq):
+    """Paged MLA (latent 512, rope 64): DeepSeek-V3's 128 heads, or its 16 heads per GPU on 8."""
+    out = []
+    tp = "" if Hq == 128 else f"tp {Hq} heads "
     for B, S in ((8, 1024), (4, 2048), *((B, 1) for B in DECODE_SWEEP)):
         T = B * S
+        if Hq != 128 and (B, S) == (8, 1024):
+            continue
         out.append(
             CaseSpec(
                 "paged",
-                f"paged mla bf16->e4m3 {B}x{S}",
+                f"paged mla {tp}bf16->e4m3 {B}x{S}",
                 T,
-                nbytes_of.paged_mla_bytes(T, 128, 512, 64, BF16, E4M3, E4M3),
+                nbytes_of.paged_mla_bytes(T, Hq, 512, 64, BF16, E4M3, E4M3),
                 _lazy(
                     PagedWL,
                     B=B,
                     S=S,
                     prefix=1024,
-                    Hq=128,
+                    Hq=Hq,
                     mla=True,
                     L=512,
                     R=64,
@@ -414,9 +433,9 @@ def specs():
                     is_neox=False,
                 ),
                 decode=S == 1,
-                quick=(B, S) == (128, 1),
-                compile=(B, S) in ((4, 2048), (128, 1)),
-                series="paged mla bf16->e4m3" if S == 1 else "",
+                quick=Hq == 128 and (B, S) == (128, 1),
+                compile=Hq == 128 and (B, S) in ((4, 2048), (128, 1)),
+                series=f"paged mla {tp}bf16->e4m3" if S == 1 else "",
             )
         )
     return out

@@ -339,7 +339,12 @@ class QknormWL(_RaggedMixin, Workload):
 
 
 def specs():
-    return [*_qwen3_specs(), *_qwen3_32b_specs(), *_quantized_q_kv_specs()]
+    return [
+        *_qwen3_specs(),
+        *_qwen3_32b_specs(),
+        *_qwen3_32b_specs((8, 1)),
+        *_quantized_q_kv_specs(),
+    ]
 
 
 def _qwen3_specs():
@@ -362,11 +367,14 @@ def _qwen3_specs():
     return out
 
 
-def _qwen3_32b_specs():
-    """Qwen3-32B heads on one packed qkv with float32 weights: the Cake kernels' shapes."""
+def _qwen3_32b_specs(heads=(64, 8)):
+    """Qwen3-32B heads on one packed qkv with float32 weights: the Cake kernels' shapes; with
+    ``heads`` (8, 1), its heads per GPU when served on 8 (``tp 8/1``)."""
     out = []
+    Hq, Hkv = heads
+    tp = "" if heads == (64, 8) else f" tp {Hq}/{Hkv}"
     for cache in (BF16, E4M3):
-        series = f"qknorm qwen3-32b bf16->{_dtname(cache)}"
+        series = f"qknorm qwen3-32b{tp} bf16->{_dtname(cache)}"
         for B, S in ((8, 1024), *((B, 1) for B in DECODE_SWEEP)):
             T = B * S
             out.append(
@@ -374,7 +382,7 @@ def _qwen3_32b_specs():
                     "qknorm",
                     f"{series} {B}x{S}",
                     T,
-                    nbytes_of.qknorm_bytes(T, 64, 8, 128, 128, BF16, cache),
+                    nbytes_of.qknorm_bytes(T, Hq, Hkv, 128, 128, BF16, cache),
                     _lazy(
                         QknormWL,
                         B=B,
@@ -384,7 +392,7 @@ def _qwen3_32b_specs():
                         cache_dtype=cache,
                         packed=True,
                         gamma_dtype=np.float32,
-                        **QWEN3_32B,
+                        **{**QWEN3_32B, "Hq": Hq, "Hkv": Hkv},
                     ),
                     decode=S == 1,
                     series=series if S == 1 else "",
