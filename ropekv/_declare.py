@@ -9,7 +9,7 @@ nowhere else:
   ``mutates_args``, their fakes, the variants an output argument implies (allocating, ``_out``,
   ``_in_place``) and the Python function that picks one;
 * the JAX form (``ropekv.jax``): its inputs, its input-output aliases, the abstract values of its
-  new results and the order it returns them in;
+  outputs and the order it returns them in;
 * the output rule (``Declaration.outputs``): the shape and dtype of each output the op may
   allocate, from the arguments' metadata alone; one function for the torch fakes, the JAX
   abstract values and the torch forms' allocations;
@@ -27,9 +27,6 @@ Roles (``Arg.role``):
     by the output rule); ``into`` names the input the op may write it into instead (``q_out=q``:
     the ``_in_place`` variant), and ``default_into`` makes that the default (the output is the
     input unless given);
-``new``
-    a result the eager function returns that is no argument of it (FlashInfer's
-    ``apply_rope_with_cos_sin_cache``), shaped and typed like the input ``into``;
 ``scalar``
     a Python value, static in the JAX form.
 
@@ -63,7 +60,7 @@ from ropekv._checks import check_flag
 
 REQUIRED = object()  # the default of an argument the caller must give
 
-READ, WRITTEN, OUT, NEW, SCALAR = "read", "written", "out", "new", "scalar"
+READ, WRITTEN, OUT, SCALAR = "read", "written", "out", "scalar"
 ARRAY_FORMS = ("tensor", "pair", "tensor_or_pair")
 _SCALAR_SCHEMA = {
     "int": "SymInt",
@@ -77,14 +74,14 @@ _SCALAR_SCHEMA = {
 
 
 class Arg(NamedTuple):
-    """One argument of an op's public function (or one result, for :data:`NEW`)."""
+    """One argument of an op's public function."""
 
     name: str
     role: str
     form: str = "tensor"
     default: Any = REQUIRED
     parts: tuple = ()  # the schema's names of a pair or of a number-or-array argument
-    into: str | None = None  # OUT: the input it may be written into; NEW: the input it is like
+    into: str | None = None  # OUT: the input it may be written into (the _in_place variant)
     default_into: bool = False  # OUT: the input is the output unless one is given
     written_when: str | None = None  # READ: written too when this bool scalar is True
     nullable: bool = False  # required, but None is a value (FlashInfer's q_nope, k_nope, v)
@@ -141,11 +138,6 @@ def out(name, **kw):
     return arg(name, OUT, default=None, **kw)
 
 
-def new(name, *, like):
-    """A result the eager function returns that is none of its arguments, like input ``like``."""
-    return Arg(name, NEW, into=like)
-
-
 def scalar(name, form, default=REQUIRED, **kw):
     """A Python value of ``form`` ``"int"``, ``"float"``, ``"bool"``, ``"str"``, ``"floats"``,
     ``"float_or_tensor"``, ... (the table above)."""
@@ -171,28 +163,23 @@ class Variant(NamedTuple):
 
 
 class Declaration:
-    """An op's public function, declared: ``args`` in the eager function's order, then any
-    :data:`NEW` results. ``keyword``: arguments of the eager function that no functional form
-    has (``stream``; torch and XLA choose it). ``outputs(values) -> {name: (shape, dtype)}``:
-    the output rule, from ``values`` (``{name: value}`` of a call, arrays as
-    ``ropekv._frameworks.MetaView``), for each ``out`` argument that is None or may be
-    allocated; ``via``: the in-place sibling the functional forms run for :data:`NEW` results.
-    """
+    """An op's public function, declared: ``args`` in the eager function's order.
+    ``keyword``: arguments of the eager function that no functional form has (``stream``; torch
+    and XLA choose it). ``outputs(values) -> {name: (shape, dtype)}``: the output rule, from
+    ``values`` (``{name: value}`` of a call, arrays as ``ropekv._frameworks.MetaView``), for
+    each ``out`` argument, in their order. ``capture_check(values, where)``: refuses a call that
+    cannot be recorded into a graph (the JAX form's ``command_buffer_compatible=True``)."""
 
-    def __init__(
-        self, name, args, *, outputs=None, keyword=("stream",), via=None, capture_check=None
-    ):
+    def __init__(self, name, args, *, outputs=None, keyword=("stream",), capture_check=None):
         self.capture_check = capture_check  # (values, where): refuses a call XLA cannot record
         self.name = name
         self.args = tuple(args)
         self.keyword = tuple(keyword)
         self.outputs = outputs
-        self.via = via
         names = [a.name for a in self.args]
         if len(set(names)) != len(names):
             raise ValueError(f"{name}: an argument is declared twice")
-        self.inputs = tuple(a for a in self.args if a.role != NEW)
-        self.results = tuple(a for a in self.args if a.role == NEW)
+        self.inputs = self.args
         self.outs = tuple(a for a in self.inputs if a.role == OUT)
         self.scalars = tuple(a for a in self.inputs if a.role == SCALAR)
         self.by_name = {a.name: a for a in self.args}
@@ -269,7 +256,7 @@ class Declaration:
         if variant.outs != "new":
             n = 0
         else:
-            n = len(self.outs) if self.outs else len(self.results)
+            n = len(self.outs)
         returns = "()" if n == 0 else "Tensor" if n == 1 else f"({', '.join(['Tensor'] * n)})"
         args = [*required, *rest]
         text = f"({', '.join(t for t, _, _ in args)}) -> {returns}"

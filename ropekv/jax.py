@@ -151,8 +151,7 @@ def _declared(decl):
     them, but an output written into its input by default, which stays) and ``stream``; arrays
     are the call's inputs, the rest static. Returns the outputs, then each array the call writes
     in declaration order (a pair as a pair), all input-output aliases but new outputs."""
-    run_decl = decl.via or decl
-    eager = getattr(ropekv, run_decl.name)
+    eager = getattr(ropekv, decl.name)
     outs = [o for o in decl.outs if not o.default_into]
     names = [a.name for a in decl.inputs if a not in outs]
 
@@ -182,8 +181,6 @@ def _declared(decl):
             metas = decl.metas(values, _is_jax_array, _meta)
             for name, (shape, dtype) in decl.outputs(metas).items():
                 outputs.append((name, _struct(shape, dtype)))
-        for r in decl.results:
-            outputs.append((r.name, r.into))
         shape_of = []  # how the written arrays return: (key,) or a pair (key, key)
         for name, value in decl.written_arrays(values):
             a = decl.by_name[name]
@@ -203,8 +200,6 @@ def _declared(decl):
             for o in decl.outs:
                 if o.default_into and values[o.name] is not None:
                     call[o.name] = buffers[o.name]
-            if run_decl is not decl:
-                call = {a.name: call.get(a.name, values.get(a.name)) for a in run_decl.inputs}
             eager(**call, stream=stream)
 
         got = _call(decl.name, list(arrays.items()), outputs, run, command_buffer_compatible)

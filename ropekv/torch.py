@@ -152,27 +152,19 @@ def _register(decl, variant, eager):
 
     def kernel(*args, **kwargs):
         values = values_of(args, kwargs)
-        new = {}
         if variant.outs == "new" and decl.outs:
-            new = _new_outputs(decl, values, values[first])
-            values.update(new)
-        result = eager(**values)
-        if variant.outs != "new":
+            values.update(_new_outputs(decl, values, values[first]))
+        eager(**values)
+        if variant.outs != "new" or not decl.outs:
             return None
-        if decl.outs:
-            outs = [values[o.name] for o in decl.outs]
-        else:
-            outs = list(result) if len(decl.results) > 1 else [result]
+        outs = [values[o.name] for o in decl.outs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def fake(*args, **kwargs):
-        if variant.outs != "new":
+        if variant.outs != "new" or not decl.outs:
             return None
         values = values_of(args, kwargs)
-        if decl.outs:
-            outs = list(_new_outputs(decl, values, values[first]).values())
-        else:
-            outs = [torch.empty_like(values[r.into]) for r in decl.results]
+        outs = list(_new_outputs(decl, values, values[first]).values())
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     op = torch.library.custom_op(
