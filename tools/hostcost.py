@@ -52,6 +52,7 @@ CASES = [
     "qknorm bf16->e4m3 64x1",
     "qkv fp16 K4096 N6144 T1",
     "qkv fp16 K4096 N6144 T16",
+    "qk_rope llama 32/8/128 fp16 1",
 ]
 
 
