@@ -7,7 +7,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from tests import test_contiguous, test_mla, test_paged, test_qknorm, test_qkv
+from tests import test_contiguous, test_mla, test_paged, test_qk_rope, test_qknorm, test_qkv
 from tests.test_call_path import assert_op_close
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -23,8 +23,10 @@ WRITES = {
     "mla_rope_rmsnorm_append_paged_kv_cache": ("kv_cache",),
     "qk_rmsnorm_rope_append_paged_kv_cache": ("paged_kv_cache",),
     "fused_qkv_matmul_append_paged_kv_cache": ("paged_kv_cache",),
+    "apply_rope_with_cos_sin_cache_inplace": ("query", "key"),
+    "apply_rope_with_cos_sin_cache": (),
 }
-OUTPUT_ARGS = ("q_rope_out", "q_nope_out", "q_out", "out")
+OUTPUT_ARGS = ("q_rope_out", "q_nope_out", "q_out", "out", "query_out", "key_out")
 # written when given, after the caches: computed scales, and the status of the ops that
 # validate their offsets on the device
 STATUS = "status"
@@ -228,6 +230,17 @@ def _with_q_out(case, dtype, **call):
     return case
 
 
+def _qk_rope(name, seed, op, out=None, **kw):
+    """FlashInfer's RoPE on q and k: in place (``op`` the ``_inplace`` function), allocating, or
+    into given outputs (``out="given"``)."""
+    args = {n: x for n, x in test_qk_rope.make_case(seed, **kw).items() if n != "qkv"}
+    if out == "given":
+        rng = np.random.default_rng(seed)
+        for n in ("query", "key"):
+            args[f"{n}_out"] = rng.standard_normal(args[n].shape).astype(args[n].dtype)
+    return Case(name, op, args)
+
+
 def cases():
     """Every op with each of its registered forms (allocating, given outputs, in place)."""
     quant, plain = "rope_quantize_fp8_append_paged_kv_cache", "rope_append_paged_kv_cache"
@@ -269,6 +282,9 @@ def cases():
             call={"kv_scale": (0.5, 2.0)},
         ),
         _ragged("qkv-decode", test_qkv, qkv, 15, lengths=(1, 1)),
+        _qk_rope("qk-rope-inplace", 40, "apply_rope_with_cos_sin_cache_inplace"),
+        _qk_rope("qk-rope", 41, "apply_rope_with_cos_sin_cache", D=64, R=32, heads3=True),
+        _qk_rope("qk-rope-given", 42, "apply_rope_with_cos_sin_cache", out="given", dtype=BF16),
         # more tokens than the fused kernels take, even under capture (cuBLAS, then the
         # epilogue): no CUDA graph
         _ragged(

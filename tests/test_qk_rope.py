@@ -656,6 +656,35 @@ def test_torch_forms_match_the_eager_op(is_neox):
     assert_bytes_equal(q2.numpy(), expected_neox[0])
 
 
+def test_torch_outputs_that_are_the_inputs_run_the_in_place_op():
+    """``query_out=query, key_out=key`` through ropekv.torch: the ``_in_place`` variant (a custom
+    op may not read and write one tensor through two arguments), with the eager results."""
+    pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import ropekv.torch as rt
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "ropekv":
+                self.ops.append(func._opname)
+            return func(*args, **(kwargs or {}))
+
+    case = {n: x for n, x in make_case(5).items() if n != "qkv"}
+    expected = ropekv.apply_rope_with_cos_sin_cache(**case)
+    a = _torch_args(make_case(5))
+    with Recorder() as recorder:
+        q, k = rt.apply_rope_with_cos_sin_cache(**a, query_out=a["query"], key_out=a["key"])
+    assert q is a["query"] and k is a["key"]
+    assert recorder.ops == ["apply_rope_with_cos_sin_cache_in_place"]
+    assert_bytes_equal(q.numpy(), expected[0])
+    assert_bytes_equal(k.numpy(), expected[1])
+
+
 def test_torch_schemas_write_what_flashinfer_writes():
     """The in-place op writes query and key; the allocating one nothing (it returns both)."""
     torch = pytest.importorskip("torch")

@@ -243,7 +243,9 @@ def test_raw_ops_take_only_their_required_arguments():
         ((op_name, left_out),) = mode.calls
         assert left_out, f"{case.name}: {op_name} given every argument"
         called.add(op_name)
-    assert called == set(MUTATIONS)
+    # every hand-written op, and every declared op's variants that the cases reach
+    variants = {v.name for d in declared_ops().values() for v in d.variants()}
+    assert set(MUTATIONS) <= called <= set(MUTATIONS) | variants
 
 
 @pytest.mark.skipif(not rt.SCHEMA_DEFAULTS, reason="the schemas carry defaults from torch 2.13 on")
