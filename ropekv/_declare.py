@@ -413,10 +413,19 @@ def floats_arg(values):
     return values[0] if len(values) == 1 else tuple(values)
 
 
-def declaration_of(entry):
-    """The :class:`Declaration` of a registry entry (``ropekv._registry.OpEntry``), or None."""
-    module = importlib.import_module(f"ropekv.{entry.module}")
-    for decl in getattr(module, "DECLARATIONS", ()):
-        if decl.name == entry.name:
-            return decl
-    return None
+def declarations(framework):
+    """The declarations of the registry's ops that have a form in ``framework`` (``"torch"`` or
+    ``"jax"``), in registry order. Every op of the registry is declared: its module's
+    ``DECLARATIONS`` names it (``TypeError`` otherwise)."""
+    from ropekv import _registry
+
+    found = []
+    for entry in _registry.OPS:
+        if not getattr(entry, framework):
+            continue
+        module = importlib.import_module(f"ropekv.{entry.module}")
+        decl = next((d for d in getattr(module, "DECLARATIONS", ()) if d.name == entry.name), None)
+        if decl is None:
+            raise TypeError(f"ropekv.{entry.module} declares no {entry.name} (DECLARATIONS)")
+        found.append(decl)
+    return found

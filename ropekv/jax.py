@@ -165,18 +165,17 @@ def _declared(decl):
         for o in outs:
             values[o.name] = None
         schema = decl.expand(values, _is_jax_array)
-        arrays = {}  # the call's array inputs: key -> array
+        arrays = {}  # the call's array inputs (a given default_into output among them)
         for a in decl.inputs:
-            parts = a.schema_parts()
-            for p, t in parts:
+            for p, t in a.schema_parts():
                 if t == "Tensor" and schema.get(p) is not None:
                     arrays[p] = schema[p]
-        outputs = []
-        for o in decl.outs:
-            if o.default_into:
-                target = o.name if values[o.name] is not None else o.into
-                arrays.setdefault(o.name, values[o.name]) if values[o.name] is not None else None
-                outputs.append((o.name, target))
+        # an output written into its input by default aliases the given output, else the input
+        outputs = [
+            (o.name, o.name if values[o.name] is not None else o.into)
+            for o in decl.outs
+            if o.default_into
+        ]
         if outs:
             metas = decl.metas(values, _is_jax_array, _meta)
             for name, (shape, dtype) in decl.outputs(metas).items():
@@ -185,22 +184,14 @@ def _declared(decl):
         for name, value in decl.written_arrays(values):
             a = decl.by_name[name]
             keys = [p for p, t in a.schema_parts() if t == "Tensor" and schema.get(p) is not None]
-            if a.form == "tensor":
-                keys = [name]
             for k in keys:
                 outputs.append((k, k))
             shape_of.append(tuple(keys) if isinstance(value, tuple | list) else keys[0])
 
         def run(buffers, stream):
-            given = dict(schema)
-            given.update(buffers)
-            call = decl.collapse(given)
-            for o in outs:
-                call[o.name] = buffers[o.name]
-            for o in decl.outs:
-                if o.default_into and values[o.name] is not None:
-                    call[o.name] = buffers[o.name]
-            eager(**call, stream=stream)
+            # the buffers (keyed as the inputs they alias, new outputs by name) over the
+            # schema's values, back to the eager spelling
+            eager(**decl.collapse({**schema, **buffers}), stream=stream)
 
         got = _call(decl.name, list(arrays.items()), outputs, run, command_buffer_compatible)
         n = len(outputs) - sum(len(k) if isinstance(k, tuple) else 1 for k in shape_of)
@@ -220,8 +211,6 @@ def _declared(decl):
     return form
 
 
-for _entry in _registry.OPS:
-    _decl = _declare.declaration_of(_entry)
-    if _decl is not None and _entry.jax:
-        globals()[_entry.name] = _declared(_decl)
-del _entry, _decl
+for _decl in _declare.declarations("jax"):
+    globals()[_decl.name] = _declared(_decl)
+del _decl

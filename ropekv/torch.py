@@ -221,8 +221,6 @@ def _declared(decl):
     return form
 
 
-for _entry in _registry.OPS:
-    _decl = _declare.declaration_of(_entry)
-    if _decl is not None and _entry.torch:
-        globals()[_entry.name] = _declared(_decl)
-del _entry, _decl
+for _decl in _declare.declarations("torch"):
+    globals()[_decl.name] = _declared(_decl)
+del _decl

@@ -144,10 +144,9 @@ def eager_function(op_name):
 def declared_ops():
     """``{name: declaration}`` of the ops whose torch forms follow from their declarations
     (ropekv/_declare.py); their own test files hold what each writes."""
-    from ropekv import _declare, _registry
+    from ropekv import _declare
 
-    found = {op.name: _declare.declaration_of(op) for op in _registry.OPS if op.torch}
-    return {name: d for name, d in found.items() if d is not None}
+    return {d.name: d for d in _declare.declarations("torch")}
 
 
 def test_every_op_is_in_the_table_above():
