@@ -34,26 +34,6 @@ def MetaView(name, shape, dtype, strides=None, device=0):
     return ArrayView(name, 0, shape, tuple(strides), np.dtype(dtype), device)
 
 
-def paged_q_outputs(q_rope, q_nope, cache, quantize_dtype, quantize, kv_dyn, mla, static_given):
-    """``(q_rope_out shape, q_nope_out shape, dtype)`` of the paged ops when they allocate their q
-    outputs: ``(nnz, Hq, R)`` and ``(nnz, Hq, Dn)`` (Dn = 0 without ``q_nope``) in the quantize
-    dtype, which is ``quantize_dtype`` or else the cache's (FlashInfer's order, no outputs
-    given). ``quantize_dtype`` is a NumPy dtype or None; ``kv_dyn``: ``kv_cache_scales`` given;
-    ``mla``: the MLA form; ``static_given``: static KV scales given. The dtype rules are the eager
-    op's own (``ropekv.paged.output_dtype``)."""
-    ck.check_ndim(q_rope, 3, "(nnz, Hq, R)")
-    ck.check_dtype(q_rope, INPUT_DTYPES)
-    T, Hq, R = q_rope.shape
-    Dn = 0
-    if q_nope is not None:
-        ck.check_ndim(q_nope, 3, "(nnz, Hq, no_rope_dim)")
-        Dn = q_nope.shape[2]
-    dtype, _ = paged.output_dtype(
-        q_rope, (None, None, cache), quantize_dtype, quantize, mla, kv_dyn, static_given
-    )
-    return (T, Hq, R), (T, Hq, Dn), dtype
-
-
 def same_as_q(q, layout):
     """``(shape, dtype)`` of an output shaped like the input ``q`` (MLA's ``q_rope_out``, QK-norm's
     ``q_out``): a 3-D float16/bfloat16 array."""
@@ -83,43 +63,6 @@ def qkv_output(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx=None):
     else:
         ck.check_ndim(k_cache, 5, f"(num_layers, {layout[1:]}")
     return (hidden_state.shape[0], Hq * k_cache.shape[-1]), hidden_state.dtype
-
-
-def layer_index(layer_idx):
-    """``layer_idx`` as the eager ops take it (None or an int; the eager ``TypeError``
-    otherwise): the framework ops pass it on as a static int. The common cases are plain
-    ``is`` / ``type`` tests, which ``torch.compile`` traces without a graph break."""
-    if layer_idx is None or type(layer_idx) is int:
-        return layer_idx
-    return ck.check_layer_idx(layer_idx)
-
-
-def mrope_list(section):
-    """``mrope_section`` as a list of three ints (None stays None), for an op schema; anything
-    else gets the eager op's message (plain ``type`` tests first, as :func:`layer_index`)."""
-    if section is None:
-        return None
-    if (
-        type(section) in (tuple, list)
-        and len(section) == 3
-        and all(type(x) is int for x in section)
-    ):
-        return list(section)
-    if (
-        not isinstance(section, (tuple, list))
-        or len(section) != 3
-        or not all(
-            isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-            for x in section
-        )
-    ):
-        raise ValueError(f"mrope_section must be three integers (t, h, w), got {section!r}")
-    return [int(x) for x in section]
-
-
-def mrope_tuple(section):
-    """An op schema's ``mrope_section`` back to the eager op's tuple."""
-    return None if section is None else tuple(section)
 
 
 def check_qkv_graph_safe(hidden, weight, k_cache, group_size, where):

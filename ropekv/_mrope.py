@@ -12,6 +12,29 @@ from ropekv._arrays import INT32, INT64
 from ropekv.reference import mrope_rows
 
 
+def section_list(section):
+    """``mrope_section`` as a list of three ints (None stays None), as the framework forms pass it
+    (a torch schema's ``SymInt[]``); anything else gets the eager op's message. Plain ``type``
+    tests first: ``torch.compile`` traces them without a graph break."""
+    if section is None:
+        return None
+    if (
+        type(section) in (tuple, list)
+        and len(section) == 3
+        and all(type(x) is int for x in section)
+    ):
+        return list(section)
+    if (
+        not isinstance(section, tuple | list)
+        or len(section) != 3
+        or not all(
+            isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_) for x in section
+        )
+    ):
+        raise ValueError(f"mrope_section must be three integers (t, h, w), got {section!r}")
+    return [int(x) for x in section]
+
+
 def check_mrope(section, interleaved, R, vpos, shape, layout):
     """``(t, h, w)`` of a valid ``mrope_section`` for rotary dim ``R``, with ``position_ids``
     (``vpos``) of ``shape`` spelled ``layout``; None (and no ``position_ids`` of that shape

@@ -23,7 +23,7 @@ from ropekv._arrays import (
 )
 from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, ParamStruct, Plan
-from ropekv._mrope import check_mrope
+from ropekv._mrope import check_mrope, section_list
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import vector_width, widest_aligned
 
@@ -943,7 +943,7 @@ DECLARATIONS = (
             decl.scalar("kv_scale", "floats_or_tensor", None, parts=("kv_scale", "kv_scales")),
             decl.scalar("write_k_in_place", "bool", False),
             decl.scalar("is_neox", "bool", True),
-            decl.scalar("mrope_section", "ints", None),
+            decl.scalar("mrope_section", "ints", None, check=section_list),
             decl.scalar("mrope_interleaved", "bool", False),
             decl.out("q_out", into="q", default_into=True),
             decl.scalar("q_scale", "float", None),

@@ -28,7 +28,7 @@ from ropekv._arrays import (
 )
 from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import AS_IS, FLAG, INT, KEY, Launch, Op, Output, ParamStruct, Plan
-from ropekv._mrope import check_mrope, check_mrope_indices, check_status
+from ropekv._mrope import check_mrope, check_mrope_indices, check_status, section_list
 from ropekv._types import ArrayLike, DTypeLike, StreamLike
 from ropekv._vector import vector_width, widest_aligned
 
@@ -1587,7 +1587,7 @@ def _declaration(name, outputs):
             decl.out("q_rope_out"),
             decl.out("q_nope_out"),
             decl.scalar("enable_pdl", "bool", False),
-            decl.scalar("mrope_section", "ints", None),
+            decl.scalar("mrope_section", "ints", None, check=section_list),
             decl.scalar("mrope_interleaved", "bool", False),
             decl.written("q_scale_out", optional=True),
             decl.arg("kv_cache_scales", decl.WRITTEN, "pair", None, parts=("k_scales", "v_scales")),

@@ -26,7 +26,7 @@ from ropekv._launch import (
     dtype_key,
     given_or_new,
 )
-from ropekv._mrope import check_mrope, check_mrope_indices, check_status
+from ropekv._mrope import check_mrope, check_mrope_indices, check_status, section_list
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import vector_width, widest_aligned
 
@@ -1154,7 +1154,7 @@ DECLARATIONS = (
             decl.scalar("weight_offset", "float", 0.0),
             decl.scalar("clear_unused_last_page_rows", "bool", False),
             decl.array("position_ids", optional=True),
-            decl.scalar("mrope_section", "ints", None),
+            decl.scalar("mrope_section", "ints", None, check=section_list),
             decl.scalar("mrope_interleaved", "bool", False),
             decl.written("status", optional=True),
             decl.scalar("layer_idx", "int", None, check=ck.check_layer_idx),

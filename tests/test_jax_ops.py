@@ -459,6 +459,22 @@ def test_layer_idx_type_errors_are_the_eager_ones(name, bad):
 
 
 @cpu
+@pytest.mark.parametrize(
+    "name", ["contiguous-mrope", "paged-fp8-mrope-interleaved", "qknorm-mrope-in-place"]
+)
+@pytest.mark.parametrize("bad", [5, (1, 2), (1.0, 2, 3)])
+def test_mrope_section_errors_are_the_eager_ones(name, bad):
+    case = next(c for c in CASES if c.name == name)
+    with pytest.raises(ValueError) as eager:
+        case.run(ropekv, dict(case.fresh(), mrope_section=bad))
+    arrays, statics = split(case)
+    fn = getattr(rj, case.op)
+    with pytest.raises(ValueError) as jitted:
+        jax.jit(lambda a: fn(**a, **dict(statics, mrope_section=bad)))(arrays)
+    assert str(jitted.value) == str(eager.value)
+
+
+@cpu
 def test_donated_multi_layer_cache_is_updated_in_its_own_buffer():
     """One layer of a donated (num_layers, ...) cache written in place: no copy of the cache."""
     case = next(c for c in CASES if c.name == "qknorm-fp8-layers")

@@ -502,6 +502,19 @@ def test_layer_idx_type_errors_are_the_eager_ones(name, bad):
 
 
 @pytest.mark.parametrize(
+    "name", ["contiguous-mrope", "paged-fp8-mrope-interleaved", "qknorm-mrope-in-place"]
+)
+@pytest.mark.parametrize("bad", [5, (1, 2), (1.0, 2, 3), (True, 2, 3)])
+def test_mrope_section_errors_are_the_eager_ones(name, bad):
+    """Checked before the op (torch's int-list schema would refuse or coerce them in its own
+    words), with the eager error and message."""
+    case = bad_case(name, "mrope_section", lambda s: bad)
+    expected = error_of(lambda: case.run(ropekv, case.fresh()))
+    assert expected[0] is ValueError
+    assert error_of(lambda: case.run(rt, case.fresh(to_torch))) == expected
+
+
+@pytest.mark.parametrize(
     "name",
     ["qknorm-options-given", "mla-options", "paged-int8-kv-scales-hnd-given", "qkv-options-given"],
 )
