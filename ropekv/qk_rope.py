@@ -137,8 +137,10 @@ class _Checked(NamedTuple):
 
 
 _LAYOUT = "(nnz, H * head_size) or (nnz, H, head_size)"
-_WRITTEN_IN_PLACE = tuple(ARRAYS.index(n) for n in ("query", "key"))
-_QUERY_OUT, _KEY_OUT = ARRAYS.index("query_out"), ARRAYS.index("key_out")
+_POSITIONS, _QUERY, _KEY, _TABLE, _QUERY_OUT, _KEY_OUT = ck.argument_indices(
+    ARRAYS, ("positions", "query", "key", "cos_sin_cache", "query_out", "key_out")
+)
+_WRITTEN_IN_PLACE = (_QUERY, _KEY)
 
 
 def _prepare(views, flags, in_place):
@@ -314,23 +316,22 @@ def _check_indices(vpos, P):
 
 # made once, by argument name: the pointer slots of each form (the record's pointer field ->
 # (argument, 0); new outputs follow the arguments), the in-place pairs, the result
-_ARG = {name: i for i, name in enumerate(ARRAYS)}
 _BASE_SLOTS = {
-    "q": (_ARG["query"], 0),
-    "k": (_ARG["key"], 0),
-    "cos_sin": (_ARG["cos_sin_cache"], 0),
-    "positions": (_ARG["positions"], 0),
+    "q": (_QUERY, 0),
+    "k": (_KEY, 0),
+    "cos_sin": (_TABLE, 0),
+    "positions": (_POSITIONS, 0),
 }
 _IN_PLACE_SLOTS = {**_BASE_SLOTS, "q_out": _BASE_SLOTS["q"], "k_out": _BASE_SLOTS["k"]}
 # query_out may be query itself, key_out key
-_INPLACE = [(_ARG["query"], _ARG["query_out"]), (_ARG["key"], _ARG["key_out"])]
+_INPLACE = [(_QUERY, _QUERY_OUT), (_KEY, _KEY_OUT)]
 
 
 def _output_slots(q_given, k_given):
     """Given outputs are their arguments; new ones follow the arguments, in order."""
     new = len(ARRAYS)
-    q = (_ARG["query_out"], 0) if q_given else (new, 0)
-    k = (_ARG["key_out"], 0) if k_given else (new + (not q_given), 0)
+    q = (_QUERY_OUT, 0) if q_given else (new, 0)
+    k = (_KEY_OUT, 0) if k_given else (new + (not q_given), 0)
     return {**_BASE_SLOTS, "q_out": q, "k_out": k}
 
 
