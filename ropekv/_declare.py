@@ -84,6 +84,7 @@ class Arg(NamedTuple):
     into: str | None = None  # OUT: the input it may be written into (the _in_place variant)
     default_into: bool = False  # OUT: the input is the output unless one is given
     written_when: str | None = None  # READ: written too when this bool scalar is True
+    alias: str | None = None  # OUT: an input it may be the very same array as (``into`` implies it)
     nullable: bool = False  # required, but None is a value (FlashInfer's q_nope, k_nope, v)
     check: Any = None  # SCALAR: the eager op's own check of it (value -> value), run first
 
@@ -205,6 +206,37 @@ class Declaration:
             if writes:
                 names += [p for p, t in a.schema_parts() if t == "Tensor"]
         return tuple(names)
+
+    # ---- the launch's roles (each op module's written arrays and in-place pairs) ------------
+
+    def launch_written(self, names, rename=None):
+        """The positions in ``names`` (an op's launch arrays: its ``Op`` names) of the arrays the
+        op writes when they are given: every ``written`` array (each part of a pair) and every
+        ``out``, in ascending order. ``rename`` maps a declared name to its launch name (the MLA
+        form of the paged op names its caches ``ckv_cache`` / ``kpe_cache``)."""
+        rename = rename or {}
+        wanted = [
+            rename.get(p, p)
+            for a in self.inputs
+            if a.role in (WRITTEN, OUT)
+            for p, t in a.schema_parts()
+            if t == "Tensor"
+        ]
+        return tuple(sorted(names.index(n) for n in wanted))
+
+    def launch_written_when(self, names):
+        """The positions in ``names`` of the read arrays written too when the declaration's
+        ``written_when`` flag is on (the contiguous op's ``k`` with ``write_k_in_place``)."""
+        return tuple(names.index(a.name) for a in self.inputs if a.written_when)
+
+    def launch_in_place(self, names):
+        """The pairs of positions in ``names`` that may be one array: each ``out`` with the input
+        it may be written into (``into``, or ``alias`` where no ``_in_place`` variant exists)."""
+        return [
+            (names.index(a.into or a.alias), names.index(a.name))
+            for a in self.outs
+            if a.into or a.alias
+        ]
 
     def variants(self):
         """The registered torch ops: the base op (allocating its outputs, or writing them into

@@ -531,7 +531,7 @@ def _prepare(views, flags):
     backend run."""
     a, f = _Views._make(views), _Flags._make(flags)
     c = _check(a, f)
-    written = (_WRITTEN_OUT if a.q_out is not None else _WRITTEN_Q) + _WRITTEN_CACHE
+    written = _WRITTEN_OUT if a.q_out is not None else _WRITTEN_Q
     written += _WRITTEN_K if f.write_k_in_place else ()
     result = (lambda arrays, outs: arrays[Q_OUT]) if a.q_out is not None else None
 
@@ -847,15 +847,10 @@ def _option_values(a, sections):
     }
 
 
-# made once (a first call copies or reads them): argument roles by name (the arguments written:
-# q_out or q, the computed scales, the cache, k with write_k_in_place; the in-place pair), the
-# slots of the arguments every call gives (q .. cos_sin_cache), the option fields when no option
-# is used (no q_out, computed scales, mRoPE or kv_scale array)
-_WRITTEN_OUT = ck.argument_indices(ARRAYS, ("q_out", "q_scale_out", "kv_cache_scales"))
-_WRITTEN_Q = ck.argument_indices(ARRAYS, ("q", "q_scale_out", "kv_cache_scales"))
-_WRITTEN_CACHE = ck.argument_indices(ARRAYS, ("kv_cache",))
-_WRITTEN_K = ck.argument_indices(ARRAYS, ("k",))
-_INPLACE = [ck.argument_indices(ARRAYS, ("q", "q_out"))]
+# made once (a first call copies or reads them): the slots of the arguments every call gives
+# (q .. cos_sin_cache), the option fields when no option is used (no q_out, computed scales,
+# mRoPE or kv_scale array); the written arrays and the in-place pair follow from the declaration
+# (the end of this module)
 _Q_IN_PLACE = (ck.argument_indices(ARRAYS, "q"), 0)
 _ARGUMENT_SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS[: ARRAYS.index("kv_end_lens")])}
 _NO_OPTIONS = dict.fromkeys(
@@ -953,3 +948,9 @@ DECLARATIONS = (
         ),
     ),
 )
+# the launch's roles, from the declaration: the arrays written when given (q_out, or q itself
+# without one: q_out's default is q), k too with write_k_in_place; the pair that may be one array
+_WRITTEN_OUT = DECLARATIONS[0].launch_written(ARRAYS)
+_WRITTEN_Q = tuple(sorted(ARRAYS.index("q") if i == Q_OUT else i for i in _WRITTEN_OUT))
+_WRITTEN_K = DECLARATIONS[0].launch_written_when(ARRAYS)
+_INPLACE = DECLARATIONS[0].launch_in_place(ARRAYS)

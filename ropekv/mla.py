@@ -354,8 +354,7 @@ def _prepare(views, flags):
     (:func:`_choose`) and pack the launch plan (:func:`_pack`), or the NumPy backend run."""
     a, f = _Views._make(views), _Flags._make(flags)
     c = _check(a, f)
-    written = _WRITTEN_SPLIT if c.split else _WRITTEN_JOINED
-    written += (_STATUS,) if a.status is not None else ()
+    written = _WRITTEN  # those given: Op.first_call drops the others (kpe_cache when joined)
     outputs = [] if a.q_rope_out is not None else [Output((c.T, c.Hq, c.R), a.q_rope.dtype)]
     plan = functools.partial(
         Plan, outputs=outputs, written=written, inplace=_INPLACE, result=_RESULT
@@ -659,9 +658,6 @@ _Flags = collections.namedtuple("_Flags", [name for name, _ in _FLAGS])
 _KV_CACHE, _KPE_CACHE, _Q_ROPE_OUT, _STATUS = ck.argument_indices(
     _ARGS, ("kv_cache", "kpe_cache", "q_rope_out", "status")
 )
-_WRITTEN_SPLIT = ck.argument_indices(_ARGS, ("kv_cache", "kpe_cache", "q_rope_out"))
-_WRITTEN_JOINED = ck.argument_indices(_ARGS, ("kv_cache", "q_rope_out"))
-_INPLACE = [ck.argument_indices(_ARGS, ("q_rope", "q_rope_out"))]
 _RESULT = given_or_new(_Q_ROPE_OUT)
 _SLOTS = {
     field: (ck.argument_indices(_ARGS, name), 0)
@@ -726,3 +722,7 @@ DECLARATIONS = (
         outputs=_outputs,
     ),
 )
+# the launch's roles, from the declaration: the arrays written when given, the pair that may be
+# one array (q_rope_out = q_rope)
+_WRITTEN = DECLARATIONS[0].launch_written(_ARGS)
+_INPLACE = DECLARATIONS[0].launch_in_place(_ARGS)

@@ -1424,27 +1424,10 @@ _TAIL = (
 )
 _GQA_ARGS = (*_NAMES, "k_cache", "v_cache", *_TAIL)
 _MLA_ARGS = (*_NAMES, "ckv_cache", "kpe_cache", *_TAIL)
-# argument roles, by name (the same indices in both: the caches differ only in name). Made once
-# (a first call reads them): the arguments written when given (the caches always), the pairs
-# that may be one array (in place), the pointer fields' slots that are the same for every call
-# (an argument at offset 0)
-_WRITTEN = ck.argument_indices(
-    _GQA_ARGS,
-    (
-        "k_cache",
-        "v_cache",
-        "q_rope_out",
-        "q_nope_out",
-        "q_scale_out",
-        "k_scales",
-        "v_scales",
-        "status",
-    ),
-)
-_INPLACE = (
-    ck.argument_indices(_GQA_ARGS, ("q_rope", "q_rope_out")),
-    ck.argument_indices(_GQA_ARGS, ("q_nope", "q_nope_out")),
-)
+# argument positions, by name (the same in both: the caches differ only in name). Made once (a
+# first call reads them): the caches, the outputs, the index arrays, the pointer fields' slots
+# that are the same for every call (an argument at offset 0); the written arrays and the in-place
+# pairs follow from the declaration (the end of this module)
 _K_CACHE, _V_CACHE = ck.argument_indices(_GQA_ARGS, ("k_cache", "v_cache"))
 _CKV_CACHE, _KPE_CACHE = ck.argument_indices(_MLA_ARGS, ("ckv_cache", "kpe_cache"))
 _Q_ROPE_OUT, _Q_NOPE_OUT = ck.argument_indices(_GQA_ARGS, ("q_rope_out", "q_nope_out"))
@@ -1584,8 +1567,8 @@ def _declaration(name, outputs):
             ),
             decl.scalar("page_size", "int", 16),
             decl.scalar("kv_layout", "str", "NHD"),
-            decl.out("q_rope_out"),
-            decl.out("q_nope_out"),
+            decl.out("q_rope_out", alias="q_rope"),
+            decl.out("q_nope_out", alias="q_nope"),
             decl.scalar("enable_pdl", "bool", False),
             decl.scalar("mrope_section", "ints", None, check=section_list),
             decl.scalar("mrope_interleaved", "bool", False),
@@ -1613,3 +1596,7 @@ DECLARATIONS = (
     _declaration("rope_quantize_fp8_append_paged_kv_cache", _fp8_outputs),
     _declaration("rope_append_paged_kv_cache", _append_outputs),
 )
+# the launch's roles, from the declaration (both ops alike): the arrays written when given, the
+# pairs that may be one array (q_rope_out = q_rope, q_nope_out = q_nope)
+_WRITTEN = DECLARATIONS[0].launch_written(_GQA_ARGS)
+_INPLACE = DECLARATIONS[0].launch_in_place(_GQA_ARGS)

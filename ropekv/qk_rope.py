@@ -140,7 +140,6 @@ _LAYOUT = "(nnz, H * head_size) or (nnz, H, head_size)"
 _POSITIONS, _QUERY, _KEY, _TABLE, _QUERY_OUT, _KEY_OUT = ck.argument_indices(
     ARRAYS, ("positions", "query", "key", "cos_sin_cache", "query_out", "key_out")
 )
-_WRITTEN_IN_PLACE = (_QUERY, _KEY)
 
 
 def _prepare(views, flags, in_place):
@@ -152,7 +151,7 @@ def _prepare(views, flags, in_place):
     if in_place:
         written, outputs, result = _WRITTEN_IN_PLACE, [], None
     else:
-        written = tuple(i for i in (_QUERY_OUT, _KEY_OUT) if views[i] is not None)
+        written = _WRITTEN  # those given: Op.first_call drops the others
         outputs = [Output(v.shape, v.dtype) for v, o in ((vq, vqo), (vk, vko)) if o is None]
         result = _RESULTS[vqo is not None, vko is not None]
     plan = functools.partial(
@@ -323,8 +322,6 @@ _BASE_SLOTS = {
     "positions": (_POSITIONS, 0),
 }
 _IN_PLACE_SLOTS = {**_BASE_SLOTS, "q_out": _BASE_SLOTS["q"], "k_out": _BASE_SLOTS["k"]}
-# query_out may be query itself, key_out key
-_INPLACE = [(_QUERY, _QUERY_OUT), (_KEY, _KEY_OUT)]
 
 
 def _output_slots(q_given, k_given):
@@ -608,3 +605,9 @@ DECLARATIONS = (
         outputs=_outputs,
     ),
 )
+# the launch's roles, from the declarations: the arrays each writes (the _inplace op query and
+# key; the other its outputs, when given), the pairs that may be one array (query_out = query,
+# key_out = key)
+_WRITTEN_IN_PLACE = DECLARATIONS[0].launch_written(ARRAYS)
+_WRITTEN = DECLARATIONS[1].launch_written(ARRAYS)
+_INPLACE = DECLARATIONS[1].launch_in_place(ARRAYS)

@@ -1069,10 +1069,6 @@ FIELDS = (
 # the option fields when no option array is given (mRoPE is off without position_ids:
 # check_mrope demands them)
 _Q_OUT = ck.argument_indices(_ARGS, "q_out")
-_WRITTEN = ck.argument_indices(
-    _ARGS, ("k_cache", "v_cache", "q_out", "status", "q_scale_out", "k_scales", "v_scales")
-)
-_INPLACE = [ck.argument_indices(_ARGS, ("q", "q_out"))]
 _RESULT = given_or_new(_Q_OUT)
 _ARGUMENT_SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS[:_Q_OUT])}
 _GIVEN_OUTPUT, _NEW_OUTPUT = (_Q_OUT, 0), (len(_ARGS), 0)
@@ -1163,3 +1159,7 @@ DECLARATIONS = (
         outputs=_outputs,
     ),
 )
+# the launch's roles, from the declaration: the arrays written when given (q_out always: given
+# or new), the pair that may be one array (q_out = q)
+_WRITTEN = DECLARATIONS[0].launch_written(_ARGS)
+_INPLACE = DECLARATIONS[0].launch_in_place(_ARGS)

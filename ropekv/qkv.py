@@ -293,7 +293,6 @@ FIELDS = (
     "status",
 )
 OUT, STATUS = ARRAYS.index("out"), ARRAYS.index("status")
-_WRITTEN = ck.argument_indices(ARRAYS, ("k_cache", "v_cache"))  # and out, status: when given
 # the arrays whose rows _check_rows checks, in its order
 _ROW_CHECKED = ck.argument_indices(
     ARRAYS,
@@ -787,8 +786,7 @@ def _prepare(views, flags):
     a = _Views._make(views)
     vx, vt, vout, vstatus = a.hidden_state, a.cos_sin_cache, a.out, a.status
     c = _check(views, num_q_heads, kv_layout, kv_scale, group_size)
-    written = (*_WRITTEN, *((OUT,) if vout is not None else ()))
-    written += (STATUS,) if vstatus is not None else ()
+    written = _WRITTEN  # those given: Op.first_call drops the others
     outputs = [] if vout is not None else [Output((c.T, c.Hq * c.D), vx.dtype)]
 
     if ck.check_indices_enabled():
@@ -1789,3 +1787,5 @@ DECLARATIONS = (
         capture_check=_capture_check,
     ),
 )
+# the launch's roles, from the declaration: the arrays written when given
+_WRITTEN = DECLARATIONS[0].launch_written(ARRAYS)

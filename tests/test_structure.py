@@ -298,3 +298,33 @@ def test_no_function_exceeds_80_lines_of_code():
     assert not found, f"functions over {MAX_LINES} lines of code:\n" + "\n".join(found)
     stale = set(ALLOWED) - seen
     assert not stale, f"ALLOWED lists functions no longer over {MAX_LINES} lines: {sorted(stale)}"
+
+
+def test_each_launch_takes_the_declared_arrays():
+    """Every ``Op`` of an op module launches with exactly the arrays its declarations name (pairs
+    by their parts, a number-or-array one by its name; the MLA forms' caches under their own
+    names), so that the written arrays and
+    in-place pairs the modules derive from the declarations (``Declaration.launch_written``,
+    ``launch_in_place``) name launch arguments, and no launch argument is left undeclared."""
+    from ropekv import _registry
+    from ropekv._launch import Op
+
+    renamed = {"ckv_cache": "k_cache", "kpe_cache": "v_cache"}  # the paged op's MLA form
+    aliases = {"cos_sin": "cos_sin_cache"}  # the fused QKV launch's short name
+    seen = 0
+    for module_name in dict.fromkeys(e.module for e in _registry.OPS):
+        module = importlib.import_module(f"ropekv.{module_name}")
+        declared = set()
+        for d in module.DECLARATIONS:
+            for a in d.inputs:  # a number-or-array argument: one launch array, its own name
+                parts = [n for n, t in a.schema_parts() if t == "Tensor"]
+                declared.update(parts if a.is_array else [a.name] if parts else [])
+        for op in (v for v in vars(module).values() if isinstance(v, Op)):
+            names = {aliases.get(n, n) for n in op.names}
+            if module_name == "paged":
+                names = {renamed.get(n, n) for n in names}
+            if module_name == "mla":  # the joined form's one latent cache is the pair's first
+                names = {"kv_cache" if n == "ckv_cache" else n for n in names}
+            assert names == declared, (module_name, op.names, sorted(declared ^ names))
+            seen += 1
+    assert seen >= len(_registry.OPS)
