@@ -11,7 +11,7 @@ each; timed to the call's return, the device synchronised outside the timing), `
 ``torch`` the host time per call of back-to-back eager calls with CuPy arrays and with zero-copy
 torch views of them (bursts below the launch queue: the host's own work, whatever the kernel's
 time). Both time the ropekv call with its arguments built once (``Workload.bound``). ``--profile`` adds a cProfile of the torch
-replays and of the first calls of one case. The workloads are ``ropekv bench``'s.
+replays and of the first calls (CuPy and torch) of one case. The workloads are ``ropekv bench``'s.
 ``--layers N`` adds, for the ops with multi-layer caches, the same case on caches of N layers
 called with ``layer_idx`` cycling over them through a small wrapper, and the one-layer call
 through the same wrapper (``layer_idx=None``), which isolates the wrapper's own cost.
@@ -210,6 +210,16 @@ def main(argv=None):
             sync()
             print(f"==== first-call profile, cupy: {name}")
             pstats.Stats(prof, stream=sys.stdout).sort_stats("cumtime").print_stats(35)
+            prof = cProfile.Profile()
+            for _ in range(30):
+                for op in ops():
+                    op.clear()
+                prof.enable()
+                call_t()
+                prof.disable()
+            torch.cuda.synchronize()
+            print(f"==== first-call profile, torch: {name}")
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
     if not args.no_floor:
         floor(sync)
     print(f"\nreplay: {_native.state() if args.replay == 'c' else 'Python (--replay python)'}")
