@@ -19,6 +19,7 @@ from ropekv._vector import vector_width, widest_aligned
 
 STEM = "qk_rope"
 KERNEL = "qk_rope"
+LEAN_KERNEL = "qk_rope_lean"  # one chunk of one head row per thread (the decode kernel)
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 INDEX_DTYPES = (INT32, INT64)
 ROWS_MAX = 4  # head rows one lane group holds (kRowsMax in the kernel)
@@ -30,11 +31,19 @@ INT32_SPAN = 2**31 - 1  # element offsets below this take the kernel's 32-bit of
 # `block` threads, a token's rows split over several blocks while the grid stays within
 # `wave_blocks`. Many tokens (prefill): `prefill_rows` rows per lane group (the cos/sin values a
 # lane loads serve all of them), several tokens per block up to `max_block` threads.
+# `lean_decode` / `lean_prefill`: the lean kernel (qk_rope_lean: one chunk of one row per thread,
+# 20-32 registers, the position load issued first) instead of qk_rope on the decode / prefill
+# launch shapes; its decode blocks hold about `lean_block` threads (whole rows, a token's rows
+# spread evenly over the blocks), its prefill blocks a token's rows (up to `max_block` threads)
+# and as many tokens as fit. `lean_decode=False` is the launch of 041bfbc.
 TUNING = {
     "block": 128,
     "wave_blocks": 1056,
     "prefill_rows": 4,
     "max_block": 256,
+    "lean_decode": True,
+    "lean_prefill": False,
+    "lean_block": 128,
 }
 
 PARAMS = ParamStruct(
@@ -57,21 +66,27 @@ ARRAYS = ("positions", "query", "key", "cos_sin_cache", "query_out", "key_out")
 
 
 @functools.cache  # a plan's lookup spells it once per first call
-def expression(dtype, is_neox, n, wide=False):
-    """The kernel instantiation: input dtype, RoPE style, vector width (elements), and 64-bit
-    offsets (``wide``) where an array spans 2**31 elements or more."""
+def expression(dtype, is_neox, n, wide=False, lean=False):
+    """The kernel instantiation: input dtype, RoPE style, vector width (elements), 64-bit
+    offsets (``wide``) where an array spans 2**31 elements or more, and the lean kernel
+    (``lean``) or qk_rope."""
     return name_expression(
-        KERNEL, c_type(dtype), c_bool(is_neox), n, "long long" if wide else "int"
+        LEAN_KERNEL if lean else KERNEL,
+        c_type(dtype),
+        c_bool(is_neox),
+        n,
+        "long long" if wide else "int",
     )
 
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
-    for dtype in INPUT_DTYPES:
-        for is_neox in (True, False):
-            for n in (8, 4, 2, 1) if is_neox else (8, 4, 2):
-                for wide in (False, True):
-                    yield expression(dtype, is_neox, n, wide)
+    for lean in (False, True):
+        for dtype in INPUT_DTYPES:
+            for is_neox in (True, False):
+                for n in (8, 4, 2, 1) if is_neox else (8, 4, 2):
+                    for wide in (False, True):
+                        yield expression(dtype, is_neox, n, wide, lean)
 
 
 def launch_shape(T, H, G):
@@ -91,6 +106,35 @@ def launch_shape(T, H, G):
     block_x = slots * G
     tokens = max(1, min(T, min(TUNING["max_block"], MAX_THREADS) // block_x))
     return block_x, tokens, rows, splits
+
+
+def lean_shape(T, H, G):
+    """``(block, grid, decode)`` of the lean kernel for T tokens of H head rows at G lanes per
+    row: blocks of ``(G, S, tokens)`` threads (S rows of ``tokens`` tokens), grid
+    ``(ceil(T / tokens), ceil(H / S))``; ``decode``: the decode shape (one token per block),
+    taken while the grid stays within ``wave_blocks``."""
+    cap = max(1, MAX_THREADS // G)  # rows a block can hold
+    slots = max(1, min(H, TUNING["lean_block"] // G, cap))
+    splits = -(-H // slots)
+    if T * splits <= TUNING["wave_blocks"]:  # decode: the rows spread evenly over the splits
+        return (G, -(-H // splits), 1), (T, splits), True
+    limit = min(TUNING["max_block"], MAX_THREADS)
+    slots = max(1, min(H, limit // G, cap))
+    splits = -(-H // slots)
+    slots = -(-H // splits)
+    tokens = max(1, min(T, 64, limit // (G * slots)))  # blockDim.z is at most 64
+    return (G, slots, tokens), (-(-T // tokens), splits), False
+
+
+def launch(T, H, G):
+    """``(block, grid, rows per lane group, lean)`` of T tokens of H head rows at G lanes per
+    row: the lean kernel's shape (:func:`lean_shape`) where ``TUNING`` picks it for that shape
+    (``lean_decode``, ``lean_prefill``), else qk_rope's (:func:`launch_shape`)."""
+    block, grid, decode = lean_shape(T, H, G)
+    if TUNING["lean_decode" if decode else "lean_prefill"]:
+        return block, grid, 1, True
+    block_x, tokens, rows, splits = launch_shape(T, H, G)
+    return (block_x, tokens), (-(-T // tokens), splits), rows, False
 
 
 class _Rows(NamedTuple):
@@ -212,7 +256,8 @@ def _check(views, head_size, in_place):
 
 
 def _choose(views, c, is_neox, in_place):
-    """``(vector width, threads per head row, launch shape, 64-bit offsets)`` of a device call."""
+    """``(vector width, threads per head row, launch, 64-bit offsets)`` of a device call; the
+    launch is ``(block, grid, rows per lane group, lean kernel)``."""
     _, vq, vk, vt, vqo, vko = views
     item, R, D = vq.dtype, c.R, c.D
     widest = widest_aligned(
@@ -251,13 +296,14 @@ def _choose(views, c, is_neox, in_place):
         _span(T, c.Hk, D, *c.ko),
         _span(c.P, 1, R, vt.strides[0], 0),
     )
-    return n, items, launch_shape(T, c.Hq + c.Hk, items), max(spans) > INT32_SPAN
+    wide = max(spans) > INT32_SPAN
+    return n, items, launch(T, c.Hq + c.Hk, items), wide
 
 
 def _pack(views, c, is_neox, in_place, pdl, n, items, shape, wide):
     """The launch of a device call: its record's values and pointer slots, and the kernel."""
     vpos, vq, _, vt, vqo, vko = views
-    block_x, tokens, rows, splits = shape
+    block, grid, rows, lean = shape
     values = {
         "q_st": c.q[0],
         "q_sh": c.q[1],
@@ -281,10 +327,10 @@ def _pack(views, c, is_neox, in_place, pdl, n, items, shape, wide):
     }
     return Launch(
         STEM,
-        expression(vq.dtype, is_neox, n, wide),
+        expression(vq.dtype, is_neox, n, wide, lean),
         c.device,
-        (-(-c.T // tokens), splits),
-        (block_x, tokens),
+        grid,
+        block,
         PARAMS,
         values,
         _IN_PLACE_SLOTS if in_place else _OUTPUT_SLOTS[vqo is not None, vko is not None],

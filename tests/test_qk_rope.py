@@ -260,6 +260,41 @@ def test_launch_shape_covers_every_row_within_a_block(T, H, G):
     assert slots * rows * (splits - 1) < H  # and no split is empty
 
 
+@pytest.mark.parametrize("T", [1, 4, 16, 64, 128, 256, 352, 353, 1024, 8192])
+@pytest.mark.parametrize("H, G", [(40, 8), (9, 8), (40, 16), (2, 4), (96, 32), (3, 256), (300, 1)])
+@pytest.mark.parametrize("lean_block", [32, 64, 128, 256])
+def test_lean_shape_covers_every_row_and_token_within_a_block(monkeypatch, T, H, G, lean_block):
+    monkeypatch.setitem(qk_rope.TUNING, "lean_block", lean_block)
+    (bx, slots, tokens), (gx, splits), decode = qk_rope.lean_shape(T, H, G)
+    assert bx == G and bx * slots * tokens <= qk_rope.MAX_THREADS and 1 <= tokens <= 64
+    assert slots * splits >= H and slots * (splits - 1) < H  # every row, no empty split
+    assert tokens * gx >= T and tokens * (gx - 1) < T  # every token, no empty block
+    if decode:  # one token per block while the grid stays within a wave
+        assert tokens == 1 and T * splits <= qk_rope.TUNING["wave_blocks"]
+    assert splits <= 65535 and tokens <= max(T, 1)
+
+
+@pytest.mark.parametrize(
+    "tuning, decode_lean, prefill_lean",
+    [
+        ({}, True, False),  # the defaults: the lean kernel decodes
+        ({"lean_decode": False}, False, False),  # 041bfbc's launches
+        ({"lean_prefill": True}, True, True),
+    ],
+)
+def test_launch_picks_the_kernel_tuning_names(monkeypatch, tuning, decode_lean, prefill_lean):
+    for key, value in tuning.items():
+        monkeypatch.setitem(qk_rope.TUNING, key, value)
+    for T, lean in ((1, decode_lean), (256, decode_lean), (8192, prefill_lean)):
+        block, grid, rows, got = qk_rope.launch(T, 40, 8)
+        assert got == lean, T
+        if lean:
+            assert rows == 1 and len(block) == 3 and block[0] == 8
+        else:
+            block_x, tokens, r, splits = qk_rope.launch_shape(T, 40, 8)
+            assert (block, grid, rows) == ((block_x, tokens), (-(-T // tokens), splits), r)
+
+
 # ---------------------------------------------------------------------------------------------
 # validation: one test per rule, all before anything is written
 
@@ -458,6 +493,40 @@ def test_kernel_matches_reference(dtype, is_neox, D, partial, layout):
 def test_kernel_odd_head_sizes_and_model_shapes(D, R, Hq, Hk, is_neox, nnz):
     args = make_case(30 + nnz, nnz=nnz, Hq=Hq, Hk=Hk, D=D, R=R, P=4096, bad_positions=True)
     check_against_reference(args, is_neox=is_neox)
+
+
+LEAN_VARIANTS = [
+    {"lean_decode": False},  # qk_rope on every shape (041bfbc)
+    {"lean_prefill": True},  # qk_rope_lean on every shape
+    {"lean_prefill": True, "lean_block": 32, "max_block": 64},
+    {"lean_block": 64, "wave_blocks": 4},  # lean decode up to a few tokens, then qk_rope
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", LEAN_VARIANTS, ids=lambda v: ",".join(map(str, v.items())))
+@pytest.mark.parametrize(
+    "D, R, Hq, Hk, is_neox, dtype",
+    [
+        (128, 128, 32, 8, True, F16),
+        (128, 128, 8, 1, False, BF16),
+        (64, 32, 4, 2, True, BF16),
+        (80, 64, 3, 1, False, F16),
+        (64, 6, 3, 1, True, F16),
+    ],
+)
+@pytest.mark.parametrize("nnz", [1, 5, 300])
+def test_kernel_choices_match_reference(monkeypatch, variant, D, R, Hq, Hk, is_neox, dtype, nnz):
+    """Every kernel the TUNING keys can pick (qk_rope, qk_rope_lean at decode and prefill
+    shapes), in place and out of place, int32 and int64 positions, with skipped tokens."""
+    for key, value in variant.items():
+        monkeypatch.setitem(qk_rope.TUNING, key, value)
+    for pos_dtype, fused in ((np.int32, False), (np.int64, True)):
+        args = make_case(
+            60 + nnz, nnz=nnz, Hq=Hq, Hk=Hk, D=D, R=R, P=512, dtype=dtype, fused=fused,
+            pos_dtype=pos_dtype, bad_positions=True,
+        )  # fmt: skip
+        check_against_reference(args, is_neox=is_neox)
 
 
 @pytest.mark.gpu

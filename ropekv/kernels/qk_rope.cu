@@ -105,3 +105,59 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rope(const QKRopeParams p) {
     if (pair) store_float<T_, N>(row + e + half_r, b);
   }
 }
+
+// The lean form of qk_rope: one chunk of one head row per thread, for decode (and, by the host's
+// choice, any token count). Block (items, S, Tb): threadIdx.x is the chunk j, threadIdx.y the row
+// of blockIdx.y's group of S rows, threadIdx.z the token of blockIdx.x's group of Tb tokens; no
+// division anywhere. The position load is issued first and the row loads right behind it, so
+// their latencies overlap; only the cos/sin loads wait for the position. Same rules as qk_rope:
+// a position outside [0, P) reads no table row; in place the token is left as it came, out of
+// place its rows are copied unrotated; pass-through chunks (j >= rot, out of place only) copied.
+template <typename T_, bool NEOX, int N, typename I>
+__global__ void __launch_bounds__(kMaxThreads) qk_rope_lean(const QKRopeParams p) {
+  pdl_launch_dependents();
+  const int token = blockIdx.x * blockDim.z + threadIdx.z;
+  const int h = blockIdx.y * blockDim.y + threadIdx.y;
+  if (token >= p.T || h >= p.Hq + p.Hk) return;
+  pdl_wait();
+  // 1. the position, then this lane's chunk of its row: all loads in flight together
+  const i64 pos = p.pos64 ? __ldg(static_cast<const i64*>(p.positions) + token)
+                          : i64(__ldg(static_cast<const int*>(p.positions) + token));
+  const int j = threadIdx.x;
+  const int half_r = p.R >> 1;
+  const int rot = NEOX ? half_r / N : p.R / N;
+  const bool rotary = j < rot;
+  const bool pair = NEOX && rotary;  // two vectors per chunk: x[e] and its partner x[e + R/2]
+  const int e = rotary ? j * N : p.R + (j - rot) * N;
+  const bool is_q = h < p.Hq;
+  const int hh = is_q ? h : h - p.Hq;
+  const T_* row = static_cast<const T_*>(is_q ? p.q : p.k) +
+                  (I(token) * I(is_q ? p.q_st : p.k_st) + I(hh) * I(is_q ? p.q_sh : p.k_sh) + I(e));
+  const Vec<T_, N> va = load<T_, N>(row);
+  Vec<T_, N> vb;
+  if (pair) vb = load<T_, N>(row + half_r);
+  T_* out = static_cast<T_*>(is_q ? p.q_out : p.k_out) +
+            (I(token) * I(is_q ? p.qo_st : p.ko_st) + I(hh) * I(is_q ? p.qo_sh : p.ko_sh) + I(e));
+
+  // 2. its cos/sin values (one table row, read only when in range)
+  const bool valid = pos >= 0 && pos < p.P;
+  if (!valid && !p.copy) return;  // in place: the token's rows stay as they came
+  if (!rotary || !valid) {        // pass-through chunk, or a row copied unrotated (out of place)
+    store<T_, N>(out, va);
+    if (pair) store<T_, N>(out + half_r, vb);
+    return;
+  }
+  constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
+  float c[M], s[M];
+  const float* cs = p.cos_sin + (I(pos) * I(p.cs_sp) + I(NEOX ? e : e / 2));
+  load_float<float, M>(cs, c);
+  load_float<float, M>(cs + half_r, s);
+
+  // 3. rotate and store
+  float a[N], b[N];
+  to_floats<T_, N>(va, a);
+  if (pair) to_floats<T_, N>(vb, b);
+  rotate_chunk<NEOX, N, M>(a, b, c, s);
+  store_float<T_, N>(out, a);
+  if (pair) store_float<T_, N>(out + half_r, b);
+}
