@@ -34,6 +34,8 @@ INT8 = reference.INT8
 STEM = "qknorm"
 KERNEL = "qk_rmsnorm_rope_append"
 DECODE_KERNEL = "qk_rmsnorm_rope_decode"
+FLAT_KERNEL = "qk_rmsnorm_rope_decode_flat"  # the decode kernel over flat (token, head) rows
+FLAT_WIDTHS = (8, 4)  # its elements per lane: 16-byte lanes, or 8-byte lanes for the fewest tokens
 DECODE_DIMS = (64, 128, 256)  # head dims with a decode kernel (full-width RoPE, 16-byte lanes)
 INT32_EXTENT = 2**31  # arrays whose element offsets stay below this take 32-bit offset math
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
@@ -153,9 +155,20 @@ TUNING = {
     "narrow_below": 32,
     "narrow_width": 4,
     # the decode kernel (`_decode_kernel`): used up to `decode_tokens` tokens (0: never), blocks
-    # of `decode_rows` head rows (a token's rows over ceil(H / decode_rows) blocks)
-    "decode_tokens": 128,
+    # of up to `decode_rows` head rows. `decode_flat` 1: the flat kernel (rows of every token in
+    # one sequence, ceil(T H / rows) blocks, no idle lanes whatever H; needs 32-bit offsets, else
+    # the kernel of 0), also at any T when H = Hq + 2 Hkv <= `decode_heads` (Tensor-parallel
+    # heads, 8 / 1: 10 rows), at 4 elements per lane below `decode_narrow_below` tokens (8
+    # otherwise: half the serial work per lane for the fewest tokens), its blocks made smaller
+    # (down to one warp) while the grid has fewer than `decode_min_blocks` blocks. 0: the kernel
+    # of grid (T, ceil(H / rows)), a token's rows over several blocks (the behaviour before the
+    # flat kernel, with decode_tokens 128).
+    "decode_tokens": 256,
     "decode_rows": 16,
+    "decode_flat": 1,
+    "decode_heads": 16,
+    "decode_narrow_below": 32,
+    "decode_min_blocks": 32,
 }
 
 
@@ -219,8 +232,31 @@ def decode_expression(dtype, cache_dtype, is_neox, D, gamma_f32, i32):
     )
 
 
+def flat_expression(dtype, cache_dtype, is_neox, D, gamma_f32, n):
+    """The flat decode kernel (32-bit offsets): head dim ``D`` (one of DECODE_DIMS), ``n``
+    elements per lane (one of FLAT_WIDTHS)."""
+    return name_expression(
+        FLAT_KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), D, c_bool(gamma_f32), n
+    )
+
+
+def flat_lanes(D, is_neox, n):
+    """Lanes per head row of the flat decode kernel at ``n`` elements per lane (None past a
+    warp)."""
+    lanes = D // (2 * n) if is_neox else D // n
+    return lanes if lanes <= MAX_GROUP else None
+
+
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
+    for dtype in INPUT_DTYPES:
+        for cache_dtype in (dtype, *FP8_DTYPES):
+            for is_neox in (True, False):
+                for D in DECODE_DIMS:
+                    for gamma_f32 in (True, False):
+                        for n in FLAT_WIDTHS:
+                            if flat_lanes(D, is_neox, n):
+                                yield flat_expression(dtype, cache_dtype, is_neox, D, gamma_f32, n)
     for dtype in INPUT_DTYPES:
         for cache_dtype in (dtype, *FP8_DTYPES):
             for is_neox in (True, False):
@@ -1014,16 +1050,20 @@ def _extent(shape, strides):
 
 
 def _decode_kernel(views, vgiven, is_neox, R, fits8):
-    """(kernel, grid, block) of the decode kernel for a plain call (no option, no quantizing:
-    the caller checks) of at most TUNING["decode_tokens"] tokens whose geometry it was compiled
-    for (D in DECODE_DIMS, R == D, 16-byte lanes aligned, both RMSNorm weights of one dtype);
-    None otherwise (``fits8``: the rows are aligned for 8-element lanes). 32-bit offsets when every
-    array's extent in elements allows."""
+    """(kernel, grid, block) of a decode kernel for a plain call (no option, no quantizing:
+    the caller checks) of at most TUNING["decode_tokens"] tokens (or, the flat kernel, of at
+    most TUNING["decode_heads"] head rows a token) whose geometry it was compiled for (D in
+    DECODE_DIMS, R == D, 16-byte lanes aligned, both RMSNorm weights of one dtype); None
+    otherwise (``fits8``: the rows are aligned for 8-element lanes). 32-bit offsets when every
+    array's extent in elements allows (the flat kernel needs them)."""
     vq, vk, vv, vqg, vkg, vt, _voff, _vlen, vbt, vkc, vvc = views[:11]
     T, Hq, D = vq.shape
     Hkv = vk.shape[1]
+    H = Hq + 2 * Hkv
+    few = T <= TUNING["decode_tokens"]
     if not (
-        0 < T <= TUNING["decode_tokens"]
+        0 < T
+        and (few or (TUNING["decode_flat"] and H <= TUNING["decode_heads"]))
         and D in DECODE_DIMS
         and R == D
         and vqg.dtype == vkg.dtype
@@ -1031,16 +1071,39 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
         and vq.dtype.itemsize == 2
     ):
         return None
-    group = D // 16 if is_neox else D // 8  # lanes per row (16-byte lanes of 8 elements)
-    rows = max(32 // group, min(TUNING["decode_rows"], MAX_BLOCK // group))
-    block = -(-rows * group // 32) * 32  # whole warps
-    rows = block // group
     out = (vgiven.shape, vgiven.strides) if vgiven is not None else ((T, Hq, D), (Hq * D, D, 1))
     extents = [_extent(v.shape, v.strides) for v in (vq, vk, vv, vt, vbt, vkc, vvc)]
     extents.append(_extent(*out))
     i32 = all(e is not None and e < INT32_EXTENT for e in extents)
-    kernel = decode_expression(vq.dtype, vkc.dtype, is_neox, D, vqg.dtype == FLOAT32, i32)
-    return kernel, (T, -(-(Hq + 2 * Hkv) // rows)), (block,)
+    f32 = vqg.dtype == FLOAT32
+    if TUNING["decode_flat"] and i32:
+        return _flat_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32)
+    if not few:
+        return None
+    group = D // 16 if is_neox else D // 8  # lanes per row (16-byte lanes of 8 elements)
+    rows = max(32 // group, min(TUNING["decode_rows"], MAX_BLOCK // group))
+    block = -(-rows * group // 32) * 32  # whole warps
+    rows = block // group
+    kernel = decode_expression(vq.dtype, vkc.dtype, is_neox, D, f32, i32)
+    return kernel, (T, -(-H // rows)), (block,)
+
+
+def _flat_launch(dtype, cache_dtype, is_neox, T, H, D, gamma_f32):
+    """(kernel, grid, block) of the flat decode kernel: T H rows, blocks of whole warps of up to
+    TUNING["decode_rows"] rows, fewer (down to a warp's) while the grid has fewer than
+    TUNING["decode_min_blocks"] blocks."""
+    n = 8
+    if T < TUNING["decode_narrow_below"] and flat_lanes(D, is_neox, 4):
+        n = 4
+    group = flat_lanes(D, is_neox, n)
+    per_warp = 32 // group  # rows of a warp
+    rows = max(per_warp, min(TUNING["decode_rows"], MAX_BLOCK // group)) // per_warp * per_warp
+    total = T * H
+    if TUNING["decode_min_blocks"]:
+        spread = -(-total // TUNING["decode_min_blocks"])  # rows a block at the minimum grid
+        rows = min(rows, max(per_warp, -(-spread // per_warp) * per_warp))
+    kernel = flat_expression(dtype, cache_dtype, is_neox, D, gamma_f32, n)
+    return kernel, (-(-total // rows),), (rows * group,)
 
 
 # the PARAMS pointer field of each argument, in argument order

@@ -3,6 +3,8 @@ backend, the validation rules (CPU), and the kernel against the reference (GPU).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 import ropekv
 from ropekv import reference
 from ropekv.bench.arrays import torch_view
+from ropekv.bench.tuning import applied
 from tests.strategies import FP8_DTYPES, INPUT_DTYPES, seeds
 from tests.tolerance import assert_bytes_equal, assert_close, to_device, to_numpy
 
@@ -805,11 +808,86 @@ def test_decode_kernel_matches_reference(D, batch, cache_dtype, layout):
         check_on_device(args, kw, is_neox=is_neox, in_place=not packed, kv_scale=None)
 
 
+# TUNING variants of the decode kernels: the default (the flat kernel, 4-element lanes at these
+# few tokens), the flat kernel at 16-byte lanes (D 64: 8 rows a warp, so a warp holds rows of two
+# tokens), and the (T, splits) kernel of decode_flat 0
+DECODE_VARIANTS = {
+    "flat": {},
+    "flat16": {"decode_narrow_below": 0, "decode_min_blocks": 0},
+    "splits": {"decode_flat": 0, "decode_tokens": 128},
+}
+
+
+# The flat decode kernel at serving shapes: Qwen3-32B heads (64 / 8) and Tensor-parallel heads
+# (8 / 1: 10 rows a token, so blocks and warps hold rows of several tokens) at N x 1 decode (N
+# requests: the lane-shuffle search below 32, shared memory above), a prefill of TP heads (the
+# flat kernel at any T for H <= decode_heads; 8 requests: the shuffle search with a warp's lanes
+# at two tokens), and 600 requests (the search in global memory); each TUNING variant.
+FLAT_CASES = {
+    "32b-1": ((64, 8), (1,), (37,)),
+    "32b-256": ((64, 8), (1,) * 256, tuple(range(3, 3 + 5 * 256, 5))),
+    "tp-16": ((8, 1), (1,) * 16, tuple(range(0, 160, 10))),
+    "tp-64": ((8, 1), (1,) * 64, tuple(range(64))),
+    "tp-256": ((8, 1), (1,) * 256, tuple(range(0, 768, 3))),
+    "tp-prefill": ((8, 1), (100, 0, 97, 130, 1, 64, 3, 120), (0, 5, 17, 0, 40, 300, 0, 9)),
+    "tp-huge": ((8, 1), (0,) * 590 + (1,) * 10, (5,) * 590 + tuple(range(0, 300, 30))),
+}
+FLAT_VARIANTS = {
+    **DECODE_VARIANTS,
+    "flat4": {"decode_narrow_below": 100_000},  # 4-element lanes at every T
+    "flat-big": {"decode_min_blocks": 0, "decode_rows": 64},  # 64 rows a block
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(FLAT_CASES))
+@pytest.mark.parametrize("variant", sorted(FLAT_VARIANTS))
+@pytest.mark.parametrize("cache_dtype", [BF16, E4M3])
+def test_flat_decode_kernel_matches_reference(case, variant, cache_dtype):
+    import cupy as cp  # noqa: F401 (GPU only)
+
+    from ropekv import qknorm
+
+    heads, new, cached = FLAT_CASES[case]
+    seed = 70 + sorted(FLAT_CASES).index(case)
+    args, kw = make_case(
+        seed,
+        Hq=heads[0],
+        Hkv=heads[1],
+        D=128,
+        dtype=BF16,
+        cache_dtype=cache_dtype,
+        new=new,
+        cached=cached,
+        page_size=16,
+        layout="HND" if seed % 2 else "NHD",
+        gamma_f32=bool(seed % 2),
+        packed=True,
+        P=1000,  # some tokens of tp-256 and 32b-256 have no position
+    )
+    table = args["block_table"]
+    if len(new) > 1:
+        table[1, cached[1] // 16] = 10**6  # request 1's first new token: a page out of range
+    names = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets")
+    arrays = [args[n] for n in names] + [args["cache_lengths"], table, *args["paged_kv_cache"]]
+    views = [
+        SimpleNamespace(
+            shape=x.shape, strides=tuple(st // x.itemsize for st in x.strides), dtype=x.dtype
+        )
+        for x in arrays
+    ]
+    with applied({"qknorm": FLAT_VARIANTS[variant]}):
+        kernel = qknorm._decode_kernel(views, None, True, 128, True)
+        if variant == "splits":  # the (T, splits) kernel up to 128 tokens, then the general one
+            assert kernel is None or not kernel[0].startswith(qknorm.FLAT_KERNEL), kernel
+        else:  # every case here is <= 256 tokens or of TP heads
+            assert kernel and kernel[0].startswith(qknorm.FLAT_KERNEL), kernel
+        check_on_device(args, kw, kv_scale=0.5 if cache_dtype == E4M3 else None)
+
+
 def test_decode_kernel_is_chosen_for_plain_decode_calls():
     """_decode_kernel's choice (CPU): the compiled geometries of plain calls of few tokens, with
     32-bit offsets while every extent fits."""
-    from types import SimpleNamespace
-
     from ropekv import qknorm
 
     def view(shape, dtype=BF16, strides=None):
@@ -817,7 +895,9 @@ def test_decode_kernel_is_chosen_for_plain_decode_calls():
             strides = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
         return SimpleNamespace(shape=tuple(shape), strides=strides, dtype=np.dtype(dtype))
 
-    def choose(T=1, Hq=64, Hkv=8, D=128, R=None, pages=100, gamma=np.float32, fits=True):
+    def choose(
+        T=1, Hq=64, Hkv=8, D=128, R=None, pages=100, gamma=np.float32, fits=True, is_neox=True
+    ):
         R = D if R is None else R
         views = (
             view((T, Hq, D)),
@@ -832,22 +912,54 @@ def test_decode_kernel_is_chosen_for_plain_decode_calls():
             view((pages, 16, Hkv, D)),
             view((pages, 16, Hkv, D)),
         )
-        return qknorm._decode_kernel(views, None, True, R, fits)
+        return qknorm._decode_kernel(views, None, is_neox, R, fits)
 
+    # the flat kernel (the default): T H rows in one sequence
     kernel, grid, block = choose()
-    assert kernel == qknorm.decode_expression(BF16, BF16, True, 128, True, True)
-    assert grid == (1, 5) and block == (128,)  # 80 rows, 16 rows of 8 lanes a block
-    assert choose(T=128)[1] == (128, 5)
-    assert choose(Hq=8, Hkv=1)[1] == (1, 1)
-    assert choose(D=256)[2] == (256,) and choose(D=64)[2] == (64,)
-    assert choose(pages=2**20)[0].endswith("false>")  # 2^20 * 16 * 8 * 128 elements: 64-bit
+    assert kernel == qknorm.flat_expression(BF16, BF16, True, 128, True, 4)
+    # 80 rows at 16 lanes of 4 elements, 2 rows a warp: 4 rows a block makes 20 blocks (>= 80 / 32)
+    assert grid == (20,) and block == (64,)
+    kernel, grid, block = choose(T=128)  # 10240 rows, 16-byte lanes: 16 rows of 8 lanes a block
+    assert kernel == qknorm.flat_expression(BF16, BF16, True, 128, True, 8)
+    assert grid == (640,) and block == (128,)
+    assert choose(T=256)[1] == (1280,)
+    assert choose(Hq=8, Hkv=1)[1:] == ((5,), (32,))  # 10 rows: a warp of 2 rows a block
+    assert choose(T=64, Hq=8, Hkv=1)[1:] == ((40,), (128,))  # 640 rows, 16 a block, no idle lane
+    # Tensor-parallel heads (H = 10 <= decode_heads): the flat kernel at any T
+    assert choose(T=8192, Hq=8, Hkv=1)[1:] == ((5120,), (128,))
+    assert choose(T=8192, Hq=8, Hkv=4)[1] == (8192,)  # H 16: still
+    assert choose(D=256)[0] == qknorm.flat_expression(BF16, BF16, True, 256, True, 4)
+    # interleaved D 256: 4-element lanes would take 64 lanes a row, so 8
+    assert choose(D=256, is_neox=False)[0] == qknorm.flat_expression(
+        BF16, BF16, False, 256, True, 8
+    )
+    assert choose(D=64)[2] == (32,)
+    # 2^20 * 16 * 8 * 128 elements: 64-bit offsets, the (T, splits) kernel
+    kernel, grid, block = choose(pages=2**20)
+    assert kernel == qknorm.decode_expression(BF16, BF16, True, 128, True, False)
+    assert grid == (1, 5) and block == (128,)
+    assert choose(T=300, pages=2**20) is None
     for refused in (
-        {"T": 129},
+        {"T": 257},
+        {"T": 1000, "Hq": 16, "Hkv": 2},  # H 20 > decode_heads
         {"D": 80},
         {"R": 64},
         {"fits": False},
     ):
         assert choose(**refused) is None, refused
+    with applied({"qknorm": {"decode_narrow_below": 0, "decode_min_blocks": 0}}):
+        assert choose()[1:] == ((5,), (128,))  # 16 rows of 8 lanes a block
+    # decode_flat 0, decode_tokens 128: the (T, splits) kernel, as before the flat one
+    with applied({"qknorm": {"decode_flat": 0, "decode_tokens": 128}}):
+        kernel, grid, block = choose()
+        assert kernel == qknorm.decode_expression(BF16, BF16, True, 128, True, True)
+        assert grid == (1, 5) and block == (128,)  # 80 rows, 16 rows of 8 lanes a block
+        assert choose(T=128)[1] == (128, 5)
+        assert choose(Hq=8, Hkv=1)[1] == (1, 1)
+        assert choose(D=256)[2] == (256,) and choose(D=64)[2] == (64,)
+        assert choose(pages=2**20)[0].endswith("false>")
+        for refused in ({"T": 129}, {"T": 8192, "Hq": 8, "Hkv": 1}):
+            assert choose(**refused) is None, refused
     # the two RMSNorm weights of different dtypes: refused
     views = [view((1, 64, 128)), view((1, 8, 128)), view((1, 8, 128))]
     views += [view((128,), np.float32), view((128,), BF16)]
@@ -912,12 +1024,18 @@ def test_replayed_call_still_refuses_a_partially_overlapping_output():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", sorted(DECODE_VARIANTS))
 @pytest.mark.parametrize("clear", [False, True])
 @pytest.mark.parametrize("tokens", ["decode", "prefill"])
-def test_hostile_indices_never_write_out_of_bounds(tokens, clear):
+def test_hostile_indices_never_write_out_of_bounds(tokens, clear, variant):
     """Malformed offsets, lengths and block-table entries: nothing outside the caches is written
     (guard bytes around them stay), the other rows stay byte-identical, q rows of tokens without a
     position are copied unchanged. Decode-sized batches split a token over several blocks."""
+    with applied({"qknorm": DECODE_VARIANTS[variant]}):
+        _hostile_indices(tokens, clear)
+
+
+def _hostile_indices(tokens, clear):
     import cupy as cp
 
     new = (1, 1, 1, 1) if tokens == "decode" else (5, 3, 4, 0)

@@ -496,22 +496,36 @@ struct QKDecodeShared {
   int lengths[kStageMax];
 };
 
-template <typename T, typename CacheT, bool NEOX, int D, bool GF32, bool I32>
-__global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode(const QKNormParams p) {
-  __shared__ QKDecodeShared sh;
+// FLAT (qk_rmsnorm_rope_decode_flat): the rows of every token in one sequence, row r = t H + h
+// (H = Hq + 2 Hkv), blockDim.x / G consecutive rows a block, grid ceil(T H / rows): no idle lane
+// but in the last block whatever H (Tensor-parallel 8 / 1 heads: 10 rows, which a (T, splits)
+// grid pads to 16), and many tokens give many blocks. A warp may then hold rows of two tokens:
+// the lane-shuffle search runs its steps converged (each lane its own token, the same answer).
+// N: elements per lane, 8 (16-byte lanes of T) or 4 (twice the lanes, half the work per lane, for
+// the fewest tokens).
+template <typename T, typename CacheT, bool NEOX, int D, bool GF32, bool I32, bool FLAT, int N>
+__device__ __forceinline__ void qk_decode_rows(const QKNormParams& p, QKDecodeShared& sh) {
   using ix = typename pick_type<I32, unsigned, i64>::type;
-  constexpr int N = 8;                           // elements per 16-byte lane
   constexpr int G = NEOX ? D / (2 * N) : D / N;  // lanes per head row
   constexpr int HALF = D / 2;
   constexpr int M = NEOX ? N : N / 2;  // angles per lane
   static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0, "a row within a warp, power of two");
-  pdl_launch_dependents();
-  pdl_wait();
-  const int t = blockIdx.x;
-  const int j = threadIdx.x & (G - 1);
-  const int h = blockIdx.y * (blockDim.x / G) + threadIdx.x / G;
+  static_assert(!FLAT || I32, "the flat row index is 32-bit");
   const int Hq = p.Hq, Hkv = p.Hkv;
-  const bool live = h < Hq + 2 * Hkv;
+  int t, h;
+  bool live;
+  if constexpr (FLAT) {
+    const unsigned r = blockIdx.x * (blockDim.x / G) + threadIdx.x / G;
+    const unsigned H = unsigned(Hq + 2 * Hkv);
+    t = int(r / H);
+    h = int(r - unsigned(t) * H);
+    live = t < p.T;
+  } else {
+    t = blockIdx.x;
+    h = blockIdx.y * (blockDim.x / G) + threadIdx.x / G;
+    live = h < Hq + 2 * Hkv;
+  }
+  const int j = threadIdx.x & (G - 1);
   const bool is_q = h < Hq;
   const bool is_v = h >= Hq + Hkv;
   const int hh = is_q ? h : is_v ? h - Hq - Hkv : h - Hq;  // the head within q, k or v
@@ -567,12 +581,27 @@ __global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode(const QKNormParams
   i64 pos = -1;
   if (B < 32) {  // the binary search of ragged_request over the warp's lanes
     int lo = 0, hi = B + 1;
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if (__shfl_sync(0xffffffffu, lane_off, mid) <= unsigned(t)) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
+    if constexpr (FLAT) {  // the lanes' tokens may differ: every lane takes every step
+      while (__any_sync(0xffffffffu, lo < hi)) {
+        const bool step = lo < hi;
+        const int mid = (lo + hi) >> 1;
+        const unsigned o = __shfl_sync(0xffffffffu, lane_off, step ? mid : 0);
+        if (step) {
+          if (o <= unsigned(t)) {
+            lo = mid + 1;
+          } else {
+            hi = mid;
+          }
+        }
+      }
+    } else {
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (__shfl_sync(0xffffffffu, lane_off, mid) <= unsigned(t)) {
+          lo = mid + 1;
+        } else {
+          hi = mid;
+        }
       }
     }
     req = lo - 1;
@@ -600,7 +629,7 @@ __global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode(const QKNormParams
     req = s.request;
     pos = s.pos;
   }
-  const bool roped = req >= 0 && pos >= 0 && pos < p.P;
+  const bool roped = (!FLAT || live) && req >= 0 && pos >= 0 && pos < p.P;
   const int posi = int(pos);  // used only when roped
 
   // 3. the block-table entry (K and V rows), then cos/sin (Q and K rows)
@@ -654,7 +683,7 @@ __global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode(const QKNormParams
       if (NEOX) store_float<T, N>(dst + eb, b);
     }
   } else {
-    if (is_q) {
+    if (is_q && (!FLAT || live)) {  // FLAT: a row past the last token is a Q row, not live
       T* const dst = static_cast<T*>(p.q_out) + (ix(t) * ix(p.qo_st) + ix(h) * ix(p.qo_sh));
 #pragma unroll
       for (int i = 0; i < N; ++i) a[i] *= rms;
@@ -671,4 +700,20 @@ __global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode(const QKNormParams
       if (NEOX) store_float<CacheT, N>(dst + eb, b, scale);
     }
   }
+}
+
+template <typename T, typename CacheT, bool NEOX, int D, bool GF32, bool I32>
+__global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode(const QKNormParams p) {
+  __shared__ QKDecodeShared sh;
+  pdl_launch_dependents();
+  pdl_wait();
+  qk_decode_rows<T, CacheT, NEOX, D, GF32, I32, false, 8>(p, sh);
+}
+
+template <typename T, typename CacheT, bool NEOX, int D, bool GF32, int N>
+__global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode_flat(const QKNormParams p) {
+  __shared__ QKDecodeShared sh;
+  pdl_launch_dependents();
+  pdl_wait();
+  qk_decode_rows<T, CacheT, NEOX, D, GF32, true, true, N>(p, sh);
 }
