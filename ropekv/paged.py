@@ -63,7 +63,7 @@ CACHE_LAYOUTS = {
 # few, keeping the grid within `wave_blocks`), a token's rows split over several blocks. Many
 # tokens (prefill): `prefill_rows` rows per lane group, a block per token (at most
 # `max_row_block` threads). The option kernel holds at most `opts_rows` rows per lane group.
-# A plain row-kernel block of fewer than `row_tokens_block` threads (a token of few heads: GQA
+# A plain row-kernel block of fewer than `row_tokens_upto` threads (a token of few heads: GQA
 # under tensor parallelism, 16-24 lanes) takes as many tokens as fit in that many (0: a token a
 # block). Heads too wide for `row_group` (MLA's 68-72 chunks) run the row kernel too while a call
 # has fewer than `wide_rows_below` head rows (T x (Hq + 1): decode), in blocks of at most
@@ -83,7 +83,7 @@ TUNING = {
     "prefill_rows": 4,
     "max_row_block": 256,
     "opts_rows": 4,
-    "row_tokens_block": 128,
+    "row_tokens_upto": 128,
     "wide_rows_below": 8192,
     "wide_row_block": 256,
 }
@@ -117,9 +117,9 @@ def row_launch_shape(T, H, group, max_rows=ROWS[-1], width=None):
 
 def row_tokens(T, block):
     """Tokens a plain row-kernel block of ``block`` threads a token holds (its blockDim.y): when
-    one token's rows fill fewer than ``row_tokens_block`` threads, as many as fit in that many,
+    one token's rows fill fewer than ``row_tokens_upto`` threads, as many as fit in that many,
     the most that make whole warps if any do (24-lane tokens: 4, 96 threads)."""
-    fit = min(TUNING["row_tokens_block"], MAX_BLOCK) // block
+    fit = min(TUNING["row_tokens_upto"], MAX_BLOCK) // block
     whole = [k for k in range(fit, 0, -1) if k * block % 32 == 0]
     return max(1, min(T, whole[0] if whole else fit))
 

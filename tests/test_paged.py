@@ -637,10 +637,10 @@ def test_mla_decode_takes_the_row_kernel(monkeypatch):
 
 
 def test_row_kernel_gathers_tokens_of_few_heads(monkeypatch):
-    """A prefill block of fewer than row_tokens_block threads (GQA under tensor parallelism:
+    """A prefill block of fewer than row_tokens_upto threads (GQA under tensor parallelism:
     8 + 1 + 1 rows of 8 lanes, 3 lane groups of 4 rows, 24 threads) takes several tokens, whole
     warps where they fit; Llama-3-8B's 96-thread prefill blocks, decode blocks and the option
-    kernel keep a token a block, and row_tokens_block 0 restores a token a block."""
+    kernel keep a token a block, and row_tokens_upto 0 restores a token a block."""
     from ropekv import paged
 
     gqa = {"R": 128, "Dn": 0, "mla": False, "dtype": F16, "is_neox": True}
@@ -651,9 +651,9 @@ def test_row_kernel_gathers_tokens_of_few_heads(monkeypatch):
     assert _choose(1, 8, 1, **gqa).tokens == 1  # decode: 256-thread blocks
     assert _choose(8192, 8, 1, q_scale_out=object(), **gqa).tokens == 1
     assert paged.row_tokens(3, 24) == 3 and paged.row_tokens(8192, 36) == 3
-    monkeypatch.setitem(paged.TUNING, "row_tokens_block", 512)
+    monkeypatch.setitem(paged.TUNING, "row_tokens_upto", 512)
     assert paged.row_tokens(8192, 24) == 20  # 480 threads
-    monkeypatch.setitem(paged.TUNING, "row_tokens_block", 0)
+    monkeypatch.setitem(paged.TUNING, "row_tokens_upto", 0)
     assert _choose(8192, 8, 1, **gqa).tokens == 1
 
 
@@ -1643,13 +1643,13 @@ def test_hostile_indices_on_the_mla_row_kernel():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(8, 1), (4, 1), (2, 1), (32, 8)])
-@pytest.mark.parametrize("row_tokens_block", [128, 512])
-def test_row_kernel_with_several_tokens_a_block(heads, row_tokens_block, monkeypatch):
+@pytest.mark.parametrize("row_tokens_upto", [128, 512])
+def test_row_kernel_with_several_tokens_a_block(heads, row_tokens_upto, monkeypatch):
     """The row kernel's prefill blocks of several tokens (GQA under tensor parallelism): a last
     block with spare tokens, padding, a nope part (12-lane rows), HND, fp16 caches, mRoPE."""
     from ropekv import paged
 
-    monkeypatch.setitem(paged.TUNING, "row_tokens_block", row_tokens_block)
+    monkeypatch.setitem(paged.TUNING, "row_tokens_upto", row_tokens_upto)
     monkeypatch.setitem(paged.TUNING, "wave_blocks", 0)  # the prefill shape at a test's size
     Hq, Hkv = heads
     rng = np.random.default_rng(110)
