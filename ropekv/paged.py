@@ -63,10 +63,16 @@ CACHE_LAYOUTS = {
 # few, keeping the grid within `wave_blocks`), a token's rows split over several blocks. Many
 # tokens (prefill): `prefill_rows` rows per lane group, a block per token (at most
 # `max_row_block` threads). The option kernel holds at most `opts_rows` rows per lane group.
+# A plain row-kernel block of fewer than `row_tokens_upto` threads (a token of few heads: GQA
+# under tensor parallelism, 16-24 lanes) takes as many tokens as fit in that many (0: a token a
+# block). Heads too wide for `row_group` (MLA's 68-72 chunks) run the row kernel too while a call
+# has fewer than `wide_rows_below` head rows (T x (Hq + 1): decode), in blocks of at most
+# `wide_row_block` threads; the section kernel's per-thread walk of its five sections (a division
+# each) made a longer chain than the row kernel's one chunk (0: the section kernel always).
 TUNING = {
     "light": (1, 1, 1),
     "heavy": (2, 2, 4),
-    "heavy_from": 16,
+    "heavy_from": 8,
     "max_block": 128,
     "min_blocks": 1024,
     "row_group": 32,
@@ -77,17 +83,22 @@ TUNING = {
     "prefill_rows": 4,
     "max_row_block": 256,
     "opts_rows": 4,
+    "row_tokens_upto": 128,
+    "wide_rows_below": 8192,
+    "wide_row_block": 256,
 }
 MAX_BLOCK = 512  # __launch_bounds__ of the row kernel
 ROW_KERNEL = "rope_append_paged_rows"
 ROWS = (1, 4)  # row kernels by the head rows one lane group can hold (their register budgets)
 
 
-def row_launch_shape(T, H, group, max_rows=ROWS[-1]):
+def row_launch_shape(T, H, group, max_rows=ROWS[-1], width=None):
     """(block, rows, splits) of the row kernel for T tokens of H head rows at ``group`` lanes per
     row: grid (T, splits), ``rows`` rows per lane group (the kernel's ROWS: 1 when rows is 1), at
-    most ``max_rows``."""
-    width = TUNING["row_block"] if T < TUNING["row_block_below"] else TUNING["row_block_many"]
+    most ``max_rows``; ``width``: the decode blocks' threads (by default ``row_block`` or
+    ``row_block_many``)."""
+    if width is None:
+        width = TUNING["row_block"] if T < TUNING["row_block_below"] else TUNING["row_block_many"]
     slots = max(1, min(width, MAX_BLOCK) // group)
     splits = -(-H // slots)
     if T * splits <= TUNING["wave_blocks"] or max_rows < 2:
@@ -102,6 +113,15 @@ def row_launch_shape(T, H, group, max_rows=ROWS[-1]):
     )
     rows = min(ROWS[-1], max_rows, -(-H // slots))
     return slots * group, rows, -(-H // (slots * rows))
+
+
+def row_tokens(T, block):
+    """Tokens a plain row-kernel block of ``block`` threads a token holds (its blockDim.y): when
+    one token's rows fill fewer than ``row_tokens_upto`` threads, as many as fit in that many,
+    the most that make whole warps if any do (24-lane tokens: 4, 96 threads)."""
+    fit = min(TUNING["row_tokens_upto"], MAX_BLOCK) // block
+    whole = [k for k in range(fit, 0, -1) if k * block % 32 == 0]
+    return max(1, min(T, whole[0] if whole else fit))
 
 
 def launch_shape(items, T, n):
@@ -939,6 +959,7 @@ class _Choice(NamedTuple):
     rows: int
     splits: int
     opts: bool  # the option kernel
+    tokens: int  # tokens a block (the plain row kernel's blockDim.y), else 1
 
 
 def _prepare(views, flags):
@@ -1298,18 +1319,25 @@ def _choose(a, is_neox, c):
             f"and q outputs to {16 // vqr.dtype.itemsize * vqr.dtype.itemsize} "
             f"bytes"
         )
-    if group <= TUNING["row_group"] or (opts and not status_only):
+    H = Hq + Hkv + (0 if mla else Hkv)  # head rows of a token
+    # heads too wide for a lane group of row_group (MLA) at decode: the row kernel too
+    wide = not opts and group <= MAX_BLOCK and T * H < TUNING["wide_rows_below"]
+    tokens = 1
+    if group <= TUNING["row_group"] or (opts and not status_only) or wide:
         # status= with no tokens: one block, which only validates
         block, rows, splits = row_launch_shape(
             max(T, 1),
-            Hq + Hkv + (0 if mla else Hkv),
+            H,
             group,
             TUNING["opts_rows"] if opts else ROWS[-1],
+            TUNING["wide_row_block"] if wide and group > TUNING["row_group"] else None,
         )
         shape = ("rows", 1 if rows == 1 else ROWS[-1])
+        if not opts:
+            tokens = row_tokens(T, block)
     else:
         (block, splits, shape), rows = launch_shape(items, T, n), 0
-    return _Choice(n, group, shape, block, rows, splits, opts)
+    return _Choice(n, group, shape, block, rows, splits, opts, tokens)
 
 
 def _pack(a, f, c, choice, out_slots):
@@ -1333,8 +1361,8 @@ def _pack(a, f, c, choice, out_slots):
         STEM,
         kernel,
         c.device,
-        (max(c.T, 1), choice.splits),
-        (choice.block,),
+        (-(-max(c.T, 1) // choice.tokens), choice.splits),
+        (choice.block, choice.tokens),
         OPTS_PARAMS if choice.opts else PARAMS,
         values,
         slots,

@@ -589,6 +589,74 @@ def test_launch_shape(monkeypatch):
         assert e.endswith(spelled) or e.startswith(paged.ROW_KERNEL), e
 
 
+def _choose(T, Hq, Hkv, R, Dn, mla, dtype=BF16, is_neox=False, **options):
+    """The kernel and launch shape a device call of these shapes gets (aligned stand-in views:
+    :func:`ropekv.paged._choose` reads dtypes, pointers and strides only)."""
+    from types import SimpleNamespace as NS
+
+    from ropekv import paged
+
+    view = NS(dtype=np.dtype(dtype), ptr=0, strides=(1 << 16, 1 << 10, 1))
+    table = NS(dtype=F32, ptr=0, strides=(R, 1))
+    a = NS(
+        q_rope=view,
+        q_scale_out=options.get("q_scale_out"),
+        k_scales=None,
+        status=options.get("status"),
+        cache0=view,
+        cache1=view,
+        cos_sin_cache=table,
+    )
+    c = NS(R=R, Dn=Dn, T=T, Hq=Hq, Hkv=Hkv, mla=mla, inputs=[view], given_outs=[])
+    return paged._choose(a, is_neox, c)
+
+
+def test_mla_decode_takes_the_row_kernel(monkeypatch):
+    """MLA's 72-chunk head rows (latent 512, rope 64) run the row kernel below wide_rows_below
+    head rows (decode: one chunk a thread, 216-thread blocks), the section kernel from there
+    (prefill), and always with wide_rows_below 0 (the earlier choice); status= alone keeps the
+    section kernel's status variant, computed scales the option row kernel."""
+    from ropekv import paged
+
+    mla = {"Hkv": 1, "R": 64, "Dn": 512, "mla": True}
+    one = _choose(1, 128, **mla)
+    assert one.shape == ("rows", 1) and (one.block, one.splits, one.tokens) == (216, 43, 1)
+    assert _choose(63, 128, **mla).shape == ("rows", 4)
+    assert _choose(64, 128, **mla).shape[0] != "rows"  # 64 x 129 rows: the section kernel
+    assert _choose(256, 16, **mla).shape[0] == "rows"
+    assert _choose(8192, 16, **mla).shape == paged.TUNING["heavy"]  # 1224 items a token
+    assert _choose(1, 128, is_neox=True, **mla).group == 68
+    assert _choose(1, 16, status=object(), **mla).shape[0] != "rows"
+    scaled = _choose(1, 16, q_scale_out=object(), **mla)
+    assert scaled.shape == ("rows", 1) and scaled.opts
+    monkeypatch.setitem(paged.TUNING, "wide_row_block", 72)
+    assert _choose(1, 128, **mla).block == 72
+    monkeypatch.setitem(paged.TUNING, "wide_rows_below", 0)
+    old = _choose(1, 128, **mla)
+    assert old.shape == paged.TUNING["light"] and (old.block, old.splits) == (128, 73)
+
+
+def test_row_kernel_gathers_tokens_of_few_heads(monkeypatch):
+    """A prefill block of fewer than row_tokens_upto threads (GQA under tensor parallelism:
+    8 + 1 + 1 rows of 8 lanes, 3 lane groups of 4 rows, 24 threads) takes several tokens, whole
+    warps where they fit; Llama-3-8B's 96-thread prefill blocks, decode blocks and the option
+    kernel keep a token a block, and row_tokens_upto 0 restores a token a block."""
+    from ropekv import paged
+
+    gqa = {"R": 128, "Dn": 0, "mla": False, "dtype": F16, "is_neox": True}
+    tp8 = _choose(8192, 8, 1, **gqa)
+    assert (tp8.block, tp8.tokens, tp8.splits) == (24, 4, 1)
+    assert _choose(8192, 4, 1, **gqa).tokens == 8  # 16 lanes: 8 tokens, 128 threads
+    assert _choose(8192, 32, 8, **gqa).tokens == 1  # 96 threads: 3 whole warps
+    assert _choose(1, 8, 1, **gqa).tokens == 1  # decode: 256-thread blocks
+    assert _choose(8192, 8, 1, q_scale_out=object(), **gqa).tokens == 1
+    assert paged.row_tokens(3, 24) == 3 and paged.row_tokens(8192, 36) == 3
+    monkeypatch.setitem(paged.TUNING, "row_tokens_upto", 512)
+    assert paged.row_tokens(8192, 24) == 20  # 480 threads
+    monkeypatch.setitem(paged.TUNING, "row_tokens_upto", 0)
+    assert _choose(8192, 8, 1, **gqa).tokens == 1
+
+
 def test_empty_batch():
     args = make_case(19, T=0, B=1)
     q, n = call(args)
@@ -1468,6 +1536,7 @@ def test_every_launch_shape_matches_reference(variant, monkeypatch):
     from ropekv import paged
 
     monkeypatch.setitem(paged.TUNING, "row_group", 0)  # the section kernel for every shape
+    monkeypatch.setitem(paged.TUNING, "wide_rows_below", 0)
     for block in (128, 256):
         monkeypatch.setitem(paged.TUNING, "light", variant)
         monkeypatch.setitem(paged.TUNING, "heavy", variant)
@@ -1524,6 +1593,7 @@ def test_hostile_indices_never_write_out_of_bounds(row_group, monkeypatch):
     from ropekv import paged
 
     monkeypatch.setitem(paged.TUNING, "row_group", row_group)  # row kernel, section kernel
+    monkeypatch.setitem(paged.TUNING, "wide_rows_below", 0)
     args = make_case(31, T=16, B=2)
     i32 = np.iinfo(np.int32)
     args["batch_indices"][:4] = [i32.max, i32.min, 2, -1]
@@ -1533,6 +1603,69 @@ def test_hostile_indices_never_write_out_of_bounds(row_group, monkeypatch):
     args["pos_ids"][8:10] = [i32.max, i32.min]
     check_against_reference(args, quantize=True)
     cp.cuda.Device().synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq", [128, 16])
+@pytest.mark.parametrize("wide_row_block", [256, 72])
+def test_mla_decode_on_the_row_kernel(Hq, wide_row_block, monkeypatch):
+    """DeepSeek MLA decode (latent 512, rope 64, bf16 -> fp8; 128 heads and 16 under tensor
+    parallelism) on the row kernel: one, two and four rows a lane group, padding tokens, both
+    RoPE styles (72- and 68-lane rows), int64 indices."""
+    from ropekv import paged
+
+    monkeypatch.setitem(paged.TUNING, "wide_row_block", wide_row_block)
+    mla = {"Hq": Hq, "Hkv": 1, "R": 64, "Dn": 512, "mla": True, "dtype": BF16, "page_size": 16}
+    for T, neox in ((1, False), (4, True), (16, False), (33, False), (63, True)):
+        assert _choose(T, Hq, 1, 64, 512, True, is_neox=neox).shape[0] == "rows"
+        args = make_case(100 + T, T=T, B=min(T, 5), padding=T // 4, **mla)
+        check_against_reference(args, quantize=True, is_neox=neox)
+    args = make_case(99, T=8, B=3, index_dtypes=np.int64, cache_dtype=E5M2, **mla)
+    check_against_reference(args, quantize=True, is_neox=False)
+
+
+@pytest.mark.gpu
+def test_hostile_indices_on_the_mla_row_kernel():
+    """Garbage indices on MLA decode's row kernel: nothing written out of bounds."""
+    import cupy as cp
+
+    args = make_case(33, T=16, B=2, Hq=16, Hkv=1, R=64, Dn=512, mla=True, dtype=BF16, page_size=16)
+    assert _choose(16, 16, 1, 64, 512, True).shape[0] == "rows"
+    i32 = np.iinfo(np.int32)
+    args["batch_indices"][:4] = [i32.max, i32.min, 2, -1]
+    args["positions"][4:8] = [i32.max, i32.min, -1, 1 << 20]
+    args["kv_indptr"][1] = i32.max
+    args["kv_indices"][::2] = i32.min
+    args["pos_ids"][8:10] = [i32.max, i32.min]
+    check_against_reference(args, quantize=True, is_neox=False)
+    cp.cuda.Device().synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(8, 1), (4, 1), (2, 1), (32, 8)])
+@pytest.mark.parametrize("row_tokens_upto", [128, 512])
+def test_row_kernel_with_several_tokens_a_block(heads, row_tokens_upto, monkeypatch):
+    """The row kernel's prefill blocks of several tokens (GQA under tensor parallelism): a last
+    block with spare tokens, padding, a nope part (12-lane rows), HND, fp16 caches, mRoPE."""
+    from ropekv import paged
+
+    monkeypatch.setitem(paged.TUNING, "row_tokens_upto", row_tokens_upto)
+    monkeypatch.setitem(paged.TUNING, "wave_blocks", 0)  # the prefill shape at a test's size
+    Hq, Hkv = heads
+    rng = np.random.default_rng(110)
+    for T, B, R, Dn in ((77, 3, 128, 0), (1, 1, 128, 0), (45, 5, 64, 64)):
+        args = make_case(
+            111 + T, T=T, B=B, Hq=Hq, Hkv=Hkv, R=R, Dn=Dn, page_size=16, padding=3, packed=True
+        )
+        check_against_reference(args, quantize=True)
+    args = make_case(112, T=50, B=2, Hq=Hq, Hkv=Hkv, R=128, page_size=8, kv_layout="HND")
+    check_against_reference(args, quantize=True, is_neox=False)
+    args = make_case(113, T=29, B=4, Hq=Hq, Hkv=Hkv, R=128, page_size=16, cache_dtype=F16)
+    check_against_reference(args, quantize=False)
+    args, kw = with_mrope(
+        make_case(114, T=61, B=3, Hq=Hq, Hkv=Hkv, R=128, page_size=16), rng, False
+    )
+    check_against_reference(args, quantize=True, mrope=kw)
 
 
 @pytest.mark.gpu

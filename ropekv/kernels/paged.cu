@@ -41,7 +41,7 @@ struct PagedParams {
   i64 vc_sp, vc_se, vc_sh;
   i64 cs_sp;                           // cos_sin row stride
   i64 num_pages, num_indices;
-  i64 pid_st;                          // pos_ids row stride (T) for mRoPE
+  i64 pid_st;                          // pos_ids row stride (T) for mRoPE; T for the row kernel
   float q_scale, kv_scale;
   int Hq, Hkv, Hv, R, Dn, B, page_size, P;
   int index64;  // bit k set: index array k is int64 (pos_ids, batch_indices, positions,
@@ -558,7 +558,12 @@ __device__ __forceinline__ void row_maxima(const PagedOptsParams& p, const Vec<T
 // R/2 further; interleaved: dims [jN, jN + N)) of the rope part, chunk ri + i the N dims [iN,
 // iN + N) of the nope part (V: dims R + iN). A group of G lanes holds one row, lane j chunk j; a
 // block of blockDim.x / G groups takes p.rows rows per group: grid (T, splits), splits = ceil(H /
-// (blockDim.x / G * p.rows)), so decode splits a token's rows over several blocks.
+// (blockDim.x / G * p.rows)), so decode splits a token's rows over several blocks. The plain
+// kernel's block may hold blockDim.y tokens (threadIdx.y: the token of the block; grid
+// (ceil(T / blockDim.y), splits)): a token of few heads (GQA under tensor parallelism: 16-24
+// lanes a token) would otherwise make blocks of less than a warp, and an SM holds at most 32
+// blocks. The option kernel runs blockDim.y = 1 (its lane groups meet in shared memory by
+// threadIdx.x).
 // Order: every row this thread holds, its rows' scales and the token's three indices are loaded
 // at once; then the cos/sin values (they need pos_id) and the cache slot (kv_indptr, then
 // kv_indices); then every row is roped (V rows, pass-through chunks and tokens without a position:
@@ -579,7 +584,10 @@ __device__ __forceinline__ void row_maxima(const PagedOptsParams& p, const Vec<T
 template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE, bool OPTS, class P>
 __device__ __forceinline__ void paged_rows(const P p) {
   pdl_launch_dependents();
-  const int t = blockIdx.x;
+  const int t = blockIdx.x * blockDim.y + threadIdx.y;
+  if constexpr (!OPTS) {
+    if (t >= p.pid_st) return;  // the last block's spare tokens (pid_st is T in every call)
+  }
   const int G = p.group;
   const int U = ROWS == 1 ? 1 : p.rows;
   const int slots = blockDim.x / G;
