@@ -67,8 +67,12 @@ CACHE_LAYOUTS = {
 # under tensor parallelism, 16-24 lanes) takes as many tokens as fit in that many (0: a token a
 # block). Heads too wide for `row_group` (MLA's 68-72 chunks) run the row kernel too while a call
 # has fewer than `wide_rows_below` head rows (T x (Hq + 1): decode), in blocks of at most
-# `wide_row_block` threads; the section kernel's per-thread walk of its five sections (a division
-# each) made a longer chain than the row kernel's one chunk (0: the section kernel always).
+# `wide_row_block` threads, or of one row from `wide_row_single_from` rows; the section kernel's
+# per-thread walk of its five sections (a division each) made a longer chain than the row
+# kernel's one chunk (0: the section kernel always). H200, graph replay, us (128 heads 1 / 4 / 16
+# / 64 tokens; 16 heads 64 / 128 / 256): section 3.1 / 3.4 / 3.7 / 5.2; 3.7 / 3.8 / 4.2; rows in
+# 256-thread blocks 2.4 / 2.6 / 3.8 / 6.8; 2.7 / 3.9 / 5.6; a block a row 2.4 / 2.5 / 3.3 / 5.2;
+# 2.9 / 3.6 / 4.2.
 TUNING = {
     "light": (1, 1, 1),
     "heavy": (2, 2, 4),
@@ -84,8 +88,9 @@ TUNING = {
     "max_row_block": 256,
     "opts_rows": 4,
     "row_tokens_upto": 128,
-    "wide_rows_below": 8192,
+    "wide_rows_below": 4096,
     "wide_row_block": 256,
+    "wide_row_single_from": 1100,
 }
 MAX_BLOCK = 512  # __launch_bounds__ of the row kernel
 ROW_KERNEL = "rope_append_paged_rows"
@@ -1330,7 +1335,7 @@ def _choose(a, is_neox, c):
             H,
             group,
             TUNING["opts_rows"] if opts else ROWS[-1],
-            TUNING["wide_row_block"] if wide and group > TUNING["row_group"] else None,
+            _wide_block(T * H, group) if wide and group > TUNING["row_group"] else None,
         )
         shape = ("rows", 1 if rows == 1 else ROWS[-1])
         if not opts:
@@ -1338,6 +1343,12 @@ def _choose(a, is_neox, c):
     else:
         (block, splits, shape), rows = launch_shape(items, T, n), 0
     return _Choice(n, group, shape, block, rows, splits, opts, tokens)
+
+
+def _wide_block(rows, group):
+    """Threads per block of rows too wide for a lane group, ``rows`` of them in the call: up to
+    ``wide_row_block``, a row a block (``group`` lanes) from ``wide_row_single_from`` rows."""
+    return group if rows >= TUNING["wide_row_single_from"] else TUNING["wide_row_block"]
 
 
 def _pack(a, f, c, choice, out_slots):

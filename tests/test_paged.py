@@ -613,7 +613,8 @@ def _choose(T, Hq, Hkv, R, Dn, mla, dtype=BF16, is_neox=False, **options):
 
 def test_mla_decode_takes_the_row_kernel(monkeypatch):
     """MLA's 72-chunk head rows (latent 512, rope 64) run the row kernel below wide_rows_below
-    head rows (decode: one chunk a thread, 216-thread blocks), the section kernel from there
+    head rows (decode: one chunk a thread, 216-thread blocks, a block a row from
+    wide_row_single_from rows), the section kernel from there
     (prefill), and always with wide_rows_below 0 (the earlier choice); status= alone keeps the
     section kernel's status variant, computed scales the option row kernel."""
     from ropekv import paged
@@ -621,9 +622,14 @@ def test_mla_decode_takes_the_row_kernel(monkeypatch):
     mla = {"Hkv": 1, "R": 64, "Dn": 512, "mla": True}
     one = _choose(1, 128, **mla)
     assert one.shape == ("rows", 1) and (one.block, one.splits, one.tokens) == (216, 43, 1)
-    assert _choose(63, 128, **mla).shape == ("rows", 4)
-    assert _choose(64, 128, **mla).shape[0] != "rows"  # 64 x 129 rows: the section kernel
-    assert _choose(256, 16, **mla).shape[0] == "rows"
+    assert _choose(4, 128, **mla).block == 216
+    many = _choose(16, 128, **mla)  # 2064 rows: a block a row
+    assert many.shape[0] == "rows" and many.block == 72
+    assert _choose(31, 128, **mla).shape == ("rows", 4)
+    assert _choose(32, 128, **mla).shape[0] != "rows"  # 32 x 129 rows: the section kernel
+    assert _choose(64, 16, **mla).block == 216  # 1088 rows
+    assert _choose(240, 16, **mla).shape[0] == "rows"
+    assert _choose(241, 16, **mla).shape[0] != "rows"
     assert _choose(8192, 16, **mla).shape == paged.TUNING["heavy"]  # 1224 items a token
     assert _choose(1, 128, is_neox=True, **mla).group == 68
     assert _choose(1, 16, status=object(), **mla).shape[0] != "rows"
@@ -1615,6 +1621,8 @@ def test_mla_decode_on_the_row_kernel(Hq, wide_row_block, monkeypatch):
     from ropekv import paged
 
     monkeypatch.setitem(paged.TUNING, "wide_row_block", wide_row_block)
+    monkeypatch.setitem(paged.TUNING, "wide_rows_below", 1 << 30)  # every T below: the row kernel
+    monkeypatch.setitem(paged.TUNING, "wide_row_single_from", 1 << 30)
     mla = {"Hq": Hq, "Hkv": 1, "R": 64, "Dn": 512, "mla": True, "dtype": BF16, "page_size": 16}
     for T, neox in ((1, False), (4, True), (16, False), (33, False), (63, True)):
         assert _choose(T, Hq, 1, 64, 512, True, is_neox=neox).shape[0] == "rows"
