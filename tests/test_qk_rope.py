@@ -277,9 +277,9 @@ def test_lean_shape_covers_every_row_and_token_within_a_block(monkeypatch, T, H,
 @pytest.mark.parametrize(
     "tuning, decode_lean, prefill_lean",
     [
-        ({}, True, False),  # the defaults: the lean kernel decodes
-        ({"lean_decode": False}, False, False),  # 041bfbc's launches
-        ({"lean_prefill": True}, True, True),
+        ({}, True, True),  # the defaults: the lean kernel everywhere
+        ({"lean_decode": False, "lean_prefill": False}, False, False),  # 041bfbc's launches
+        ({"lean_prefill": False}, True, False),
     ],
 )
 def test_launch_picks_the_kernel_tuning_names(monkeypatch, tuning, decode_lean, prefill_lean):
@@ -496,8 +496,8 @@ def test_kernel_odd_head_sizes_and_model_shapes(D, R, Hq, Hk, is_neox, nnz):
 
 
 LEAN_VARIANTS = [
-    {"lean_decode": False},  # qk_rope on every shape (041bfbc)
-    {"lean_prefill": True},  # qk_rope_lean on every shape
+    {"lean_decode": False, "lean_prefill": False},  # qk_rope on every shape (041bfbc)
+    {"lean_prefill": False},  # qk_rope_lean decodes, qk_rope prefills
     {"lean_prefill": True, "lean_block": 32, "max_block": 64},
     {"lean_block": 64, "wave_blocks": 4},  # lean decode up to a few tokens, then qk_rope
 ]
