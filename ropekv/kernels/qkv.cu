@@ -1668,22 +1668,26 @@ __device__ __forceinline__ void fence_regs(float (&d)[R]) {  // keep d out of re
 
 constexpr int WGMMA_THREADS = 256;  // two warpgroups: 64 weight rows each
 
-template <typename T, int TN, int S, int STAGES, int KA, bool OPTS, bool DEEP, bool FP8>
+template <typename T, int TN, int S, int STAGES, int KA, bool OPTS, bool DEEP, int WQ>
 __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
     qkv_wgmma(const QkvParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   pdl_launch_dependents();
   pdl_wait();
+  // WQ: the weight format (W_DENSE, W_FP8, W_INT4; a bool true is W_FP8); the quantized ones are
+  // staged as codes and converted to T in shared memory before each stage's wgmmas
+  constexpr bool FP8 = WQ == W_FP8, INT4 = WQ == W_INT4, QUANT = FP8 || INT4;
   constexpr int INFLIGHT = DEEP ? 1 : 0;           // wgmma groups left running a k step
   constexpr int AHEAD = STAGES - 1 - INFLIGHT;     // stages copied ahead of the one multiplied
   static_assert(AHEAD >= 1, "qkv_wgmma needs STAGES >= 2, DEEP ones >= 3");
   constexpr int BK = 64 * KA;                       // k values per stage
   // an atom's weights as wgmma reads them (16-bit, swizzled) and as they are staged (FP8: rows
   // of 64 codes, plain), its hidden rows
-  constexpr int A_ATOM = MMA_ROWS * 128, A_STAGED = FP8 ? MMA_ROWS * 64 : A_ATOM;
+  constexpr int A_ROW = FP8 ? 64 : INT4 ? 32 : 128;  // staged weight row bytes (an atom)
+  constexpr int A_ATOM = MMA_ROWS * 128, A_STAGED = MMA_ROWS * A_ROW;
   constexpr int B_ATOM = TN * 128;
   constexpr int STAGE_BYTES = KA * (A_STAGED + B_ATOM);
-  constexpr int A_CHUNKS = FP8 ? 4 : 8;  // 16-byte chunks of a staged weight row (an atom)
+  constexpr int A_CHUNKS = A_ROW / 16;  // 16-byte chunks of a staged weight row (an atom)
   constexpr int A_STEP = WGMMA_THREADS / A_CHUNKS, B_STEP = WGMMA_THREADS / 8;  // rows apart
   constexpr int A_LOADS = MMA_ROWS / A_STEP, B_LOADS = TN / B_STEP;
   constexpr int R = TN / 2;  // accumulators a thread
@@ -1707,7 +1711,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   const int nk = (kend - kbeg + BK - 1) / BK;
 
   // Each thread copies chunk column cc (8 k values) of hidden rows rr, rr + B_STEP, ... of every
-  // atom, and chunk column ac (8 k values; FP8 16) of weight rows ar, ar + A_STEP, ... Their
+  // atom, and chunk column ac (8 k values; FP8 16, INT4 32) of weight rows ar, ar + A_STEP, ... Their
   // sources are set up here and a k step only adds its offset: recomputed per step, the addresses
   // took about 215 instructions a stage at tiles of 256 tokens, which stalled beside the wgmmas.
   // A row past the matrix or the tile reads nothing, from row 0's address (and a k chunk past the
@@ -1718,8 +1722,9 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   constexpr bool SETUP = TN >= 96;
   const int rr = threadIdx.x >> 3, cc = threadIdx.x & 7;
   const int ar = threadIdx.x / A_CHUNKS, ac = threadIdx.x % A_CHUNKS;
-  const int kc0 = kbeg + cc * 8, ka0 = kbeg + ac * (FP8 ? 16 : 8);
-  constexpr int A_ES = FP8 ? 1 : 2, A_ROW = FP8 ? 64 : 128;  // weight element, staged row bytes
+  const int kc0 = kbeg + cc * 8, ka0 = kbeg + ac * (64 / A_CHUNKS);
+  // bytes of k weight values of a row (k even: a 4-bit stage's chunks hold 32)
+  auto kbytes = [](int k) { return INT4 ? i64(k >> 1) : FP8 ? i64(k) : i64(k) * 2; };
   static_assert(A_STEP % 8 == 0 && B_STEP % 8 == 0, "rows j * STEP apart keep the swizzle");
   const unsigned char* const weight = static_cast<const unsigned char*>(p.weight);
   const unsigned char* const hidden = static_cast<const unsigned char*>(p.hidden);
@@ -1731,18 +1736,18 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
 #pragma unroll
   for (int j = 0; j < A_LOADS; ++j) {
     a_src[j] = j < a_rows ? weight + i64(row0 + ar + j * A_STEP) * p.weight_row_bytes +
-                                i64(ka0) * A_ES
+                                kbytes(ka0)
                           : weight;
   }
 #pragma unroll
   for (int j = 0; j < B_LOADS; ++j)
     b_src[j] = j < b_rows ? hidden + (i64(t0 + rr + j * B_STEP) * p.hidden_s0 + kc0) * 2 : hidden;
   // (!SETUP: the first rows' sources and the rows' strides, as before the set-up form)
-  const unsigned char* a_first = weight + i64(row0 + ar) * p.weight_row_bytes + i64(ka0) * A_ES;
+  const unsigned char* a_first = weight + i64(row0 + ar) * p.weight_row_bytes + kbytes(ka0);
   const i64 a_step = i64(A_STEP) * p.weight_row_bytes;
   const unsigned char* b_first = hidden + (i64(t0 + rr) * p.hidden_s0 + kc0) * 2;
   const i64 b_step = i64(B_STEP) * p.hidden_s0 * 2;
-  const unsigned a_dst = FP8 ? ar * 64 + ac * 16 : tiled_at<128>(ar, ac);
+  const unsigned a_dst = QUANT ? ar * A_ROW + ac * 16 : tiled_at<128>(ar, ac);
   const unsigned b_dst = tiled_at<128>(rr, cc);
   auto load = [&](int stage, int ks) {
     const unsigned base = smem0 + stage * STAGE_BYTES;
@@ -1750,7 +1755,8 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
     for (int a = 0; a < KA; ++a) {
       const int dk = ks * BK + a * 64;
       const bool a_in = ka0 + dk < kend, b_in = kc0 + dk < kend;
-      const int da = a_in ? dk * A_ES : 0, db = b_in ? dk * 2 : 0;
+      const i64 da = a_in ? kbytes(dk) : 0;
+      const int db = b_in ? dk * 2 : 0;
       const unsigned abase = base + a * A_STAGED + a_dst;
       const unsigned bbase = base + KA * A_STAGED + a * B_ATOM + b_dst;
 #pragma unroll
@@ -1759,9 +1765,9 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
           cp_async16(abase + j * A_STEP * A_ROW, a_src[j] + da, a_in && j < a_rows);
         } else {
           const bool on = ka0 + dk < kend && row0 + ar + j * A_STEP < p.N;
-          const unsigned dst = FP8 ? base + a * A_STAGED + (ar + j * A_STEP) * 64 + ac * 16
-                                   : base + a * A_STAGED + tiled_at<128>(ar + j * A_STEP, ac);
-          cp_async16(dst, on ? a_first + j * a_step + dk * A_ES : p.weight, on);
+          const unsigned dst = QUANT ? base + a * A_STAGED + (ar + j * A_STEP) * A_ROW + ac * 16
+                                     : base + a * A_STAGED + tiled_at<128>(ar + j * A_STEP, ac);
+          cp_async16(dst, on ? a_first + j * a_step + kbytes(dk) : p.weight, on);
         }
       }
 #pragma unroll
@@ -1786,6 +1792,33 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   const unsigned* offsets;
   PendingSlot slot{{-1, -1, -1, 0}, 0, -1};
   if (!tile_addressing<OPTS, TN>(p, req_off, req_len, t0, nt, offsets, slot)) return;
+
+  // INT4: thread (row, half) converts 32 values of weight row `row` an atom (k = 32 half .. of
+  // the atom's 64), which lie in one group (G a multiple of 32, a slice whole stages): the
+  // group's scale (T bits) and zero point (8 without zero points; scale 0 past N or the slice)
+  // are loaded into registers two k steps before the stage is converted (s_cur: stage ks,
+  // s_next: ks + 1).
+  unsigned s_cur[INT4 ? KA : 1][2], s_next[INT4 ? KA : 1][2];
+  auto scale_load = [&](int ks, unsigned (&s)[INT4 ? KA : 1][2]) {
+    if constexpr (INT4) {
+      const int n = row0 + (threadIdx.x >> 1);
+#pragma unroll
+      for (int a = 0; a < KA; ++a) {
+        const int k = kbeg + ks * BK + a * 64 + (threadIdx.x & 1) * 32;
+        const bool on = ks < nk && k < kend && n < p.N;
+        const int grp = k / p.group_size;
+        s[a][0] = on ? unsigned(__ldg(static_cast<const unsigned short*>(p.weight_scales) +
+                                      i64(n) * p.ws_s0 + grp))
+                     : 0u;
+        s[a][1] = on && p.zero_points
+                      ? unsigned(__ldg(static_cast<const unsigned char*>(p.zero_points) +
+                                       i64(n) * p.zp_s0 + grp))
+                      : 8u;
+      }
+    }
+  };
+  scale_load(0, s_cur);
+  scale_load(1, s_next);
 
   float acc[R];
 #pragma unroll
@@ -1823,6 +1856,38 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
                           "r"(fp8x2_to<T>(hi)), "r"(fp8x2_to<T>(hi >> 16)) : "memory");
         }
       }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // for wgmma's reads
+      __syncthreads();
+    } else if constexpr (INT4) {
+      // the same for 4-bit codes: w = (q - zero) * scale rounded once to T (int4_pair, as
+      // qkv_mma_tiled), the pairs (i, i + 4) that int4_pair makes put back in k order
+      abase = smem0 + STAGES * STAGE_BYTES + (ks & 1) * (KA * A_ATOM);
+      const int row = threadIdx.x >> 1, half = threadIdx.x & 1;  // 32 codes of a row a thread
+      constexpr unsigned MAGIC = INT4_MAGIC<T>;
+#pragma unroll
+      for (int a = 0; a < KA; ++a) {
+        const uint4 v = lds128(base + a * A_STAGED + row * 32 + half * 16);
+        const unsigned scale = s_cur[a][0] * 0x00010001u;
+        const unsigned sub = MAGIC + (s_cur[a][1] & 0xFu) * 0x00010001u;
+        const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // 8 codes (k = 8 j ..) -> chunk half * 4 + j of the row
+          const unsigned w = words[j];
+          const unsigned p0 = int4_pair<T>(w, 0, sub, scale), p1 = int4_pair<T>(w, 1, sub, scale);
+          const unsigned p2 = int4_pair<T>(w, 2, sub, scale), p3 = int4_pair<T>(w, 3, sub, scale);
+          const unsigned dst = abase + a * A_ATOM + tiled_at<128>(row, half * 4 + j);
+          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
+                       :: "r"(dst), "r"(__byte_perm(p0, p1, 0x5410)),
+                          "r"(__byte_perm(p2, p3, 0x5410)), "r"(__byte_perm(p0, p1, 0x7632)),
+                          "r"(__byte_perm(p2, p3, 0x7632)) : "memory");
+        }
+      }
+#pragma unroll
+      for (int a = 0; a < KA; ++a) {
+        s_cur[a][0] = s_next[a][0];
+        s_cur[a][1] = s_next[a][1];
+      }
+      scale_load(ks + 2, s_next);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // for wgmma's reads
       __syncthreads();
     }
