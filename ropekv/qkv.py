@@ -175,9 +175,13 @@ WGMMA_FP8_TOP = 128
 # qkv_mma_tiled, where qkv_mma_tiled dequantizes each weight tile in every warp along the tokens
 # and every token tile (the H200 profile: 8.4M / 16.3M instructions at 64 / 128 tokens, issue
 # bound; qkv_mma_tiled took 29.6 / 50.0 us there against cuBLAS fp16's 17.5 / 18). 1 << 30
-# restores the previous kernels (qkv_mma / qkv_mma_tiled) at every count.
+# restores the previous kernels (qkv_mma / qkv_mma_tiled) at every count. A tile whose deep
+# pipeline would hold fewer than WGMMA_INT4_MIN_STAGES stages of WGMMA_INT4_ATOMS atoms (128
+# tokens: 3 stages, one in flight while one is multiplied) takes stages of one atom instead
+# (8 stages there); 0 keeps WGMMA_INT4_ATOMS at every tile.
 WGMMA_INT4_MIN_TOKENS = 17
 WGMMA_INT4_ATOMS = 2
+WGMMA_INT4_MIN_STAGES = 4
 WGMMA_INT4_TOP = 128
 WGMMA_ATOMS = 1
 WGMMA_SPLIT = 8
@@ -744,6 +748,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
                 WGMMA_FP8_ATOMS,
                 WGMMA_INT4_MIN_TOKENS,
                 WGMMA_INT4_ATOMS,
+                WGMMA_INT4_MIN_STAGES,
             ),
             GRAPH_MAX_TOKENS,
             clear_unused_last_page_rows,
@@ -1375,6 +1380,7 @@ class WgmmaSettings(NamedTuple):
     fp8_atoms: int
     int4_min_tokens: int
     int4_atoms: int
+    int4_min_stages: int
 
 
 def wgmma_settings():
@@ -1392,6 +1398,7 @@ def wgmma_settings():
         WGMMA_FP8_ATOMS,
         WGMMA_INT4_MIN_TOKENS,
         WGMMA_INT4_ATOMS,
+        WGMMA_INT4_MIN_STAGES,
     )
 
 
@@ -1505,9 +1512,14 @@ def _wgmma_tiles():
 
 def _wgmma_config(tn, deep, fp8, wgmma):
     """``(atoms, stages, dynamic shared memory)`` of qkv_wgmma at a ``tn``-token tile (``fp8``:
-    the weight format)."""
+    the weight format; 4-bit weights: fewer atoms a stage where their stages would be fewer than
+    ``wgmma.int4_min_stages``)."""
     atoms = _wgmma_atoms(fp8, wgmma)
-    stages = _wgmma_stages(tn, wgmma.deep_stages if deep else wgmma.stages, atoms, deep, fp8)
+    want = wgmma.deep_stages if deep else wgmma.stages
+    stages = _wgmma_stages(tn, want, atoms, deep, fp8)
+    while fp8 == W_INT4 and atoms > 1 and stages < wgmma.int4_min_stages:
+        atoms //= 2
+        stages = _wgmma_stages(tn, want, atoms, deep, fp8)
     return atoms, stages, _wgmma_smem(tn, stages, atoms, fp8)
 
 

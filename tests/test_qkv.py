@@ -1157,6 +1157,7 @@ def test_gpu_wgmma_int4_settings(T, atoms, split, monkeypatch):
     (N = 320), groups of 64 with zero points (or of 32 without), tokens outside every request,
     interleaved RoPE on part of the head."""
     monkeypatch.setattr(qkv_mod, "WGMMA_INT4_ATOMS", atoms)
+    monkeypatch.setattr(qkv_mod, "WGMMA_INT4_MIN_STAGES", 0)  # atoms at every tile
     monkeypatch.setattr(qkv_mod, "SM_SHARED_BYTES", 1 << 30)  # the split as WGMMA_SPLIT says
     monkeypatch.setattr(qkv_mod, "WGMMA_SPLIT", split)
     lengths = (T // 2, 0, T - T // 2 - 1)
@@ -1615,6 +1616,8 @@ def test_wgmma_stages_fit_the_shared_memory_of_their_ctas():
         n = stages(tn, 8, atoms, deep, wq)
         smem = qkv_mod._wgmma_smem(tn, n, atoms, wq)
         assert qkv_mod._wgmma_per_sm(smem, deep, tn) == (1 if deep else 2)
+        _, _, smem = qkv_mod._wgmma_config(tn, deep, wq, qkv_mod.wgmma_settings())
+        assert qkv_mod._wgmma_per_sm(smem, deep, tn) == (1 if deep else 2)
 
 
 def test_int4_weights_take_the_wgmma_kernel_in_its_range(monkeypatch):
@@ -1649,6 +1652,17 @@ def test_int4_weights_take_the_wgmma_kernel_in_its_range(monkeypatch):
         )
         expr = qkv_mod.wgmma_expression(F16, tn, 2, stages, atoms, False, True, W["int4"])
         assert expr.endswith(", 2>") and expr in names
+    # stages of one atom where two would leave fewer than int4_min_stages (128 tokens: 3)
+    config = qkv_mod._wgmma_config
+    rule = settings._replace(int4_atoms=2, int4_min_stages=4)
+    assert [config(tn, True, W["int4"], rule)[:2] for tn in (32, 64, 96, 128)] == [
+        (2, 8),
+        (2, 6),
+        (2, 4),
+        (1, 8),
+    ]
+    assert config(128, True, W["int4"], rule._replace(int4_min_stages=0))[:2] == (2, 3)
+    assert config(128, True, W["fp8"], rule)[:2] == (settings.fp8_atoms, 3)  # fp8: as it was
     monkeypatch.setattr(qkv_mod, "WGMMA_INT4_MIN_TOKENS", 1 << 30)
     assert not any(wq == W["int4"] for _, _, wq in qkv_mod._wgmma_tiles())
 
