@@ -671,6 +671,15 @@ constexpr unsigned INT4_MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
 // 4-bit: nibbles i and i + 4 of word w (k values i, i + 4 of its 8) as a T pair of
 // (q - zero) * scale. magic holds 2^10 + q (fp16) or 2^7 + q (bf16) exactly; sub = magic's
 // offset + zero, so the difference q - zero is exact and the product is rounded once.
+// (x & MASK) | BITS in one instruction (the compiler emits two LOP3s for the C form; int4_pair
+// keeps that form: in qkv_mma and qkv_mma_tiled the asm cost registers and spills).
+template <unsigned MASK, unsigned BITS>
+__device__ __forceinline__ unsigned and_or(unsigned x) {
+  unsigned r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "n"(MASK), "n"(BITS));
+  return r;
+}
+
 template <typename T>
 __device__ __forceinline__ unsigned int4_pair(unsigned w, int i, unsigned sub, unsigned scale) {
   constexpr unsigned MAGIC = INT4_MAGIC<T>;
@@ -686,6 +695,36 @@ __device__ __forceinline__ unsigned int4_pair(unsigned w, int i, unsigned sub, u
                         *reinterpret_cast<const __nv_bfloat162*>(&sub)),
                 *reinterpret_cast<const __nv_bfloat162*>(&scale));
     return *reinterpret_cast<const unsigned*>(&r);
+  }
+}
+
+// 4-bit: the four pairs int4_pair(w, i, sub, scale), i < 4, with fewer instructions for fp16
+// (qkv_wgmma's conversion): nibbles i + 1 and i + 5 are taken in place (bits 4-7 of a byte) as
+// 2^10 + 16 q, which one fma scales by 1/16 and offsets by -(64 + zero) to q - zero exactly
+// (sub16: that offset as a pair); one shift serves i = 2 and 3. bf16 has too few mantissa bits
+// for 16 q: there int4_pair as it is.
+template <typename T>
+__device__ __forceinline__ void int4_pairs(unsigned w, unsigned sub, unsigned sub16,
+                                           unsigned scale, unsigned (&r)[4]) {
+  if constexpr (is_half<T>::value) {
+    constexpr unsigned MAGIC = INT4_MAGIC<T>;
+    const unsigned w8 = w >> 8;
+    const unsigned m[4] = {and_or<0x000F000Fu, MAGIC>(w), and_or<0x00F000F0u, MAGIC>(w),
+                           and_or<0x000F000Fu, MAGIC>(w8), and_or<0x00F000F0u, MAGIC>(w8)};
+    const __half2 h_sub = *reinterpret_cast<const __half2*>(&sub);
+    const __half2 h_sub16 = *reinterpret_cast<const __half2*>(&sub16);
+    const __half2 h_scale = *reinterpret_cast<const __half2*>(&scale);
+    const __half2 sixteenth = __halves2half2(__ushort_as_half(0x2C00), __ushort_as_half(0x2C00));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __half2 x = *reinterpret_cast<const __half2*>(&m[i]);
+      const __half2 d = (i & 1) ? __hfma2(x, sixteenth, h_sub16) : __hsub2(x, h_sub);
+      const __half2 y = __hmul2(d, h_scale);
+      r[i] = *reinterpret_cast<const unsigned*>(&y);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r[i] = int4_pair<T>(w, i, sub, scale);
   }
 }
 
@@ -1797,8 +1836,18 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   // the atom's 64), which lie in one group (G a multiple of 32, a slice whole stages): the
   // group's scale (T bits) and zero point (8 without zero points; scale 0 past N or the slice)
   // are loaded into registers two k steps before the stage is converted (s_cur: stage ks,
-  // s_next: ks + 1).
+  // s_next: ks + 1). scale_load runs for ks = 0, 1, 2, ... in turn: the group of each atom's k
+  // (s_grp) and its offset in it (s_rem) advance by a stage a call, no division.
   unsigned s_cur[INT4 ? KA : 1][2], s_next[INT4 ? KA : 1][2];
+  int s_grp[INT4 ? KA : 1], s_rem[INT4 ? KA : 1];
+  if constexpr (INT4) {
+#pragma unroll
+    for (int a = 0; a < KA; ++a) {
+      const int k = kbeg + a * 64 + (threadIdx.x & 1) * 32;
+      s_grp[a] = k / p.group_size;
+      s_rem[a] = k - s_grp[a] * p.group_size;
+    }
+  }
   auto scale_load = [&](int ks, unsigned (&s)[INT4 ? KA : 1][2]) {
     if constexpr (INT4) {
       const int n = row0 + (threadIdx.x >> 1);
@@ -1806,7 +1855,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
       for (int a = 0; a < KA; ++a) {
         const int k = kbeg + ks * BK + a * 64 + (threadIdx.x & 1) * 32;
         const bool on = ks < nk && k < kend && n < p.N;
-        const int grp = k / p.group_size;
+        const int grp = s_grp[a];  // k / group_size
         s[a][0] = on ? unsigned(__ldg(static_cast<const unsigned short*>(p.weight_scales) +
                                       i64(n) * p.ws_s0 + grp))
                      : 0u;
@@ -1814,6 +1863,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
                       ? unsigned(__ldg(static_cast<const unsigned char*>(p.zero_points) +
                                        i64(n) * p.zp_s0 + grp))
                       : 8u;
+        for (s_rem[a] += BK; s_rem[a] >= p.group_size; s_rem[a] -= p.group_size) ++s_grp[a];
       }
     }
   };
@@ -1867,19 +1917,21 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
 #pragma unroll
       for (int a = 0; a < KA; ++a) {
         const uint4 v = lds128(base + a * A_STAGED + row * 32 + half * 16);
+        const unsigned z = s_cur[a][1] & 0xFu;
         const unsigned scale = s_cur[a][0] * 0x00010001u;
-        const unsigned sub = MAGIC + (s_cur[a][1] & 0xFu) * 0x00010001u;
+        const unsigned sub = MAGIC + z * 0x00010001u;
+        // fp16 -(64 + z): sign, exponent of 64, z in the top 4 of the 10 mantissa bits
+        const unsigned sub16 = (0xD400u | (z << 4)) * 0x00010001u;
         const unsigned words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {  // 8 codes (k = 8 j ..) -> chunk half * 4 + j of the row
-          const unsigned w = words[j];
-          const unsigned p0 = int4_pair<T>(w, 0, sub, scale), p1 = int4_pair<T>(w, 1, sub, scale);
-          const unsigned p2 = int4_pair<T>(w, 2, sub, scale), p3 = int4_pair<T>(w, 3, sub, scale);
+          unsigned q[4];  // the pairs (0, 4), (1, 5), (2, 6), (3, 7)
+          int4_pairs<T>(words[j], sub, sub16, scale, q);
           const unsigned dst = abase + a * A_ATOM + tiled_at<128>(row, half * 4 + j);
           asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
-                       :: "r"(dst), "r"(__byte_perm(p0, p1, 0x5410)),
-                          "r"(__byte_perm(p2, p3, 0x5410)), "r"(__byte_perm(p0, p1, 0x7632)),
-                          "r"(__byte_perm(p2, p3, 0x7632)) : "memory");
+                       :: "r"(dst), "r"(__byte_perm(q[0], q[1], 0x5410)),
+                          "r"(__byte_perm(q[2], q[3], 0x5410)), "r"(__byte_perm(q[0], q[1], 0x7632)),
+                          "r"(__byte_perm(q[2], q[3], 0x7632)) : "memory");
         }
       }
 #pragma unroll
