@@ -1148,6 +1148,52 @@ def test_gpu_llama3_8b_wgmma_int4(lengths, dtype, group_size, zero_points):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lengths, dtype", [((30, 0, 34), F16), ((1,) * 128, BF16)])
+def test_gpu_wgmma_int4_in_a_cuda_graph(lengths, dtype):
+    """4-bit weights on qkv_wgmma recorded in a CUDA graph: replayed on new hidden rows copied
+    into the captured array and on the caches as they were, Q and both caches as the reference
+    (weights rounded once to the input dtype) says, no other cache byte."""
+    import cupy as cp
+
+    if int(cp.cuda.Device().compute_capability) != qkv_mod.WGMMA_CAPABILITY:
+        pytest.skip("qkv_wgmma runs on sm_90 only")
+    T = sum(lengths)
+    args, kw = make_case(
+        33 + T,
+        lengths=lengths,
+        dtype=dtype,
+        wfmt="int4",
+        group_size=128,
+        zero_points=dtype == BF16,
+        cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
+        **{**LLAMA, "P": 8192},
+    )
+    assert taken_path(args, kw) == "wgmma"
+    originals = [c.copy() for c in args["paged_kv_cache"]]
+    dargs = {n: to_device(x) for n, x in args.items()}
+    dkw = {n: to_device(x) for n, x in kw.items()}
+    out = dkw["out"] = cp.full((T, kw["num_q_heads"] * LLAMA["D"]), 7, dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        assert call(dargs, dkw) is out
+        graph = stream.end_capture()
+    rng = np.random.default_rng(T)
+    for _ in range(2):
+        hidden = rng.standard_normal(args["hidden_state"].shape).astype(dtype)
+        for dc, orig in zip(dargs["paged_kv_cache"], originals):
+            cp.copyto(dc, to_device(orig))
+        cp.copyto(dargs["hidden_state"], to_device(hidden))
+        out.fill(7)
+        cp.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        new = {**args, "hidden_state": hidden}
+        refs = expected(*rounded_weights(new, kw))
+        check_results(new, kw, out, dargs["paged_kv_cache"], originals, refs)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 5, 17, 33, 64, 97, 128])
 @pytest.mark.parametrize("atoms", [1, 2])
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
