@@ -175,10 +175,11 @@ WGMMA_FP8_TOP = 128
 # qkv_mma_tiled, where qkv_mma_tiled dequantizes each weight tile in every warp along the tokens
 # and every token tile (the H200 profile: 8.4M / 16.3M instructions at 64 / 128 tokens, issue
 # bound; qkv_mma_tiled took 29.6 / 50.0 us there against cuBLAS fp16's 17.5 / 18). 1 << 30
-# restores the previous kernels (qkv_mma / qkv_mma_tiled) at every count. A tile whose deep
+# (ropekv bench --tune: 1073741824) restores the previous kernels (qkv_mma / qkv_mma_tiled) at
+# every count. A tile whose deep
 # pipeline would hold fewer than WGMMA_INT4_MIN_STAGES stages of WGMMA_INT4_ATOMS atoms (128
 # tokens: 3 stages, one in flight while one is multiplied) takes stages of one atom instead
-# (8 stages there); 0 keeps WGMMA_INT4_ATOMS at every tile.
+# (8 stages there); 3 or less (the deep kernel's floor) keeps WGMMA_INT4_ATOMS at every tile.
 WGMMA_INT4_MIN_TOKENS = 17
 WGMMA_INT4_ATOMS = 2
 WGMMA_INT4_MIN_STAGES = 4

@@ -1203,7 +1203,7 @@ def test_gpu_wgmma_int4_settings(T, atoms, split, monkeypatch):
     (N = 320), groups of 64 with zero points (or of 32 without), tokens outside every request,
     interleaved RoPE on part of the head."""
     monkeypatch.setattr(qkv_mod, "WGMMA_INT4_ATOMS", atoms)
-    monkeypatch.setattr(qkv_mod, "WGMMA_INT4_MIN_STAGES", 0)  # atoms at every tile
+    monkeypatch.setattr(qkv_mod, "WGMMA_INT4_MIN_STAGES", 1)  # atoms at every tile
     monkeypatch.setattr(qkv_mod, "SM_SHARED_BYTES", 1 << 30)  # the split as WGMMA_SPLIT says
     monkeypatch.setattr(qkv_mod, "WGMMA_SPLIT", split)
     lengths = (T // 2, 0, T - T // 2 - 1)
@@ -1707,7 +1707,7 @@ def test_int4_weights_take_the_wgmma_kernel_in_its_range(monkeypatch):
         (2, 4),
         (1, 8),
     ]
-    assert config(128, True, W["int4"], rule._replace(int4_min_stages=0))[:2] == (2, 3)
+    assert config(128, True, W["int4"], rule._replace(int4_min_stages=1))[:2] == (2, 3)
     assert config(128, True, W["fp8"], rule)[:2] == (settings.fp8_atoms, 3)  # fp8: as it was
     monkeypatch.setattr(qkv_mod, "WGMMA_INT4_MIN_TOKENS", 1 << 30)
     assert not any(wq == W["int4"] for _, _, wq in qkv_mod._wgmma_tiles())
