@@ -11,7 +11,8 @@ Three paths, picked by the token count T (and, on sm_90, a fourth kernel for 16-
   0.93-1.05x of cuBLAS + the epilogue at 193-256 in a third of its host time
   (docs/design/qkv.md). fp8 weights take it too from ``WGMMA_FP8_MIN_TOKENS`` (48) to 128
   tokens (K a multiple of 128), their codes converted to the input dtype in shared memory, and
-  4-bit weights from ``WGMMA_INT4_MIN_TOKENS`` to 128 (groups of a multiple of 32), likewise.
+  4-bit weights from ``WGMMA_INT4_MIN_TOKENS`` (17) to 224 (groups of a multiple of 32),
+  likewise.
 * small batches (``MMA_MIN_TOKENS <= T <= MMA_MAX_TOKENS``, ``MMA_MAX_TOKENS_QUANTIZED`` for fp8
   and 4-bit weights, on sm_90 and newer, when D divides 128 and the weights and hidden rows allow
   16-byte loads): ``qkv_mma``, one launch of tensor-core
@@ -183,7 +184,7 @@ WGMMA_FP8_TOP = 128
 WGMMA_INT4_MIN_TOKENS = 17
 WGMMA_INT4_ATOMS = 2
 WGMMA_INT4_MIN_STAGES = 4
-WGMMA_INT4_TOP = 128
+WGMMA_INT4_TOP = 256
 WGMMA_ATOMS = 1
 WGMMA_SPLIT = 8
 WGMMA_THREADS = 256  # mirror qkv.cu

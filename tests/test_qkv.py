@@ -1123,15 +1123,18 @@ def test_gpu_llama3_8b_wgmma_fp8(lengths, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [(1,) * 17, (10, 0, 22), (1,) * 64, (40, 0, 24), (60, 0, 68)])
+@pytest.mark.parametrize(
+    "lengths",
+    [(1,) * 17, (10, 0, 22), (1,) * 64, (40, 0, 24), (60, 0, 68), (100, 0, 57), (120, 104)],
+)
 @pytest.mark.parametrize("dtype", [F16, BF16])
 @pytest.mark.parametrize("group_size", [32, 128])
 @pytest.mark.parametrize("zero_points", [False, True])
 def test_gpu_llama3_8b_wgmma_int4(lengths, dtype, group_size, zero_points):
-    """4-bit weights on qkv_wgmma (the shipped thresholds: WGMMA_INT4_MIN_TOKENS to 128 tokens,
+    """4-bit weights on qkv_wgmma (the shipped thresholds: WGMMA_INT4_MIN_TOKENS to 224 tokens,
     the deep kernel): codes dequantized to the input dtype in shared memory once a CTA, groups of
-    32 (two groups an atom) and 128, with and without zero points; tiles of 32, 64 and 128; bf16
-    into fp8 caches."""
+    32 (two groups an atom) and 128, with and without zero points; tiles of 32, 64, 128 (stages
+    of one atom), 192 and 256; bf16 into fp8 caches."""
     args, kw = make_case(
         31 + group_size,
         lengths=lengths,
@@ -1194,14 +1197,16 @@ def test_gpu_wgmma_int4_in_a_cuda_graph(lengths, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 5, 17, 33, 64, 97, 128])
+@pytest.mark.parametrize("T", [1, 5, 17, 33, 64, 97, 128, 150, 224])
 @pytest.mark.parametrize("atoms", [1, 2])
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
 def test_gpu_wgmma_int4_settings(T, atoms, split, monkeypatch):
-    """qkv_wgmma with 4-bit weights at every deep tile (32 to 128 tokens) and stage width, K
+    """qkv_wgmma with 4-bit weights at every deep tile (32 to 256 tokens) and stage width, K
     slices of one to several stages (splits of 1 to 8, a slice past K's end), a partial row tile
     (N = 320), groups of 64 with zero points (or of 32 without), tokens outside every request,
     interleaved RoPE on part of the head."""
+    if T > 128:  # three stages of two atoms at tiles of 192 and 256 exceed the shared memory
+        atoms = 1
     monkeypatch.setattr(qkv_mod, "WGMMA_INT4_ATOMS", atoms)
     monkeypatch.setattr(qkv_mod, "WGMMA_INT4_MIN_STAGES", 1)  # atoms at every tile
     monkeypatch.setattr(qkv_mod, "SM_SHARED_BYTES", 1 << 30)  # the split as WGMMA_SPLIT says
@@ -1657,11 +1662,7 @@ def test_wgmma_stages_fit_the_shared_memory_of_their_ctas():
         3,
     ]  # 4-bit
     assert [stages(tn, 8, 1, True, qkv_mod.W_INT4) for tn in (32, 64, 96, 128)] == [8, 8, 8, 8]
-    for tn, deep, wq in qkv_mod._wgmma_tiles():
-        atoms = qkv_mod._wgmma_atoms(wq, qkv_mod.wgmma_settings())
-        n = stages(tn, 8, atoms, deep, wq)
-        smem = qkv_mod._wgmma_smem(tn, n, atoms, wq)
-        assert qkv_mod._wgmma_per_sm(smem, deep, tn) == (1 if deep else 2)
+    for tn, deep, wq in qkv_mod._wgmma_tiles():  # as the shipped settings configure them
         _, _, smem = qkv_mod._wgmma_config(tn, deep, wq, qkv_mod.wgmma_settings())
         assert qkv_mod._wgmma_per_sm(smem, deep, tn) == (1 if deep else 2)
 
@@ -1672,7 +1673,8 @@ def test_int4_weights_take_the_wgmma_kernel_in_its_range(monkeypatch):
     tensor-core kernels; the shipped instantiations hold its tiles; stages of 32-byte rows."""
     W, takes = WEIGHT_FORMATS, qkv_mod.wgmma_takes
     settings = qkv_mod.wgmma_settings()
-    lo, top = qkv_mod.WGMMA_INT4_MIN_TOKENS, qkv_mod.WGMMA_INT4_TOP
+    lo = qkv_mod.WGMMA_INT4_MIN_TOKENS
+    top = min(qkv_mod.WGMMA_INT4_TOP, qkv_mod.WGMMA_DEEP_MAX_TOKENS)
     assert [takes(W["int4"], T, 4096, 128, settings) for T in (lo - 1, lo, 64, top, top + 1)] == [
         False,
         True,
@@ -1687,9 +1689,9 @@ def test_int4_weights_take_the_wgmma_kernel_in_its_range(monkeypatch):
     assert not takes(W["int4"], 64, 4096, 128, settings._replace(int4_min_tokens=1 << 30))
     assert takes(W["int4"], 1, 4096, 128, settings._replace(int4_min_tokens=1))
     tiles = {(tn, deep) for tn, deep, wq in qkv_mod._wgmma_tiles() if wq == W["int4"]}
-    assert tiles == {(32, True), (64, True), (96, True), (128, True)}
+    assert tiles == {(32, True), (64, True), (96, True), (128, True), (192, True), (256, True)}
     names = set(qkv_mod.instantiations())
-    for tn in (32, 64, 96, 128):
+    for tn in (32, 64, 96, 128, 192, 256):
         atoms, stages, smem = qkv_mod._wgmma_config(tn, True, W["int4"], settings)
         assert (
             smem
@@ -1701,11 +1703,13 @@ def test_int4_weights_take_the_wgmma_kernel_in_its_range(monkeypatch):
     # stages of one atom where two would leave fewer than int4_min_stages (128 tokens: 3)
     config = qkv_mod._wgmma_config
     rule = settings._replace(int4_atoms=2, int4_min_stages=4)
-    assert [config(tn, True, W["int4"], rule)[:2] for tn in (32, 64, 96, 128)] == [
+    assert [config(tn, True, W["int4"], rule)[:2] for tn in (32, 64, 96, 128, 192, 256)] == [
         (2, 8),
         (2, 6),
         (2, 4),
         (1, 8),
+        (1, 6),
+        (1, 5),
     ]
     assert config(128, True, W["int4"], rule._replace(int4_min_stages=1))[:2] == (2, 3)
     assert config(128, True, W["fp8"], rule)[:2] == (settings.fp8_atoms, 3)  # fp8: as it was

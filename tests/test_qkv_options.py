@@ -568,8 +568,9 @@ def test_gpu_clear_on_every_path(
     """clear_unused_last_page_rows on each path at token counts around the switches: ragged
     batches with empty requests, requests ending anywhere on a page, every weight format, fp8
     caches, partial and no RoPE; against the reference, tails zero, other bytes unchanged."""
-    if path == "wgmma" and (wfmt == "fp8" or wfmt == "int4" and T > qkv_mod.WGMMA_INT4_TOP):
-        wfmt = "dense"  # (fp8 weights from WGMMA_FP8_MIN_TOKENS, 4-bit up to WGMMA_INT4_TOP)
+    int4_top = min(qkv_mod.WGMMA_INT4_TOP, qkv_mod.WGMMA_DEEP_MAX_TOKENS)
+    if path == "wgmma" and (wfmt == "fp8" or wfmt == "int4" and T > int4_top):
+        wfmt = "dense"  # (fp8 weights from WGMMA_FP8_MIN_TOKENS, 4-bit up to the deep kernel's)
     rng = np.random.default_rng(seed)
     cuts = np.sort(rng.integers(0, T + 1, 3))
     lengths = (int(cuts[0]), 0, int(cuts[1] - cuts[0]), int(cuts[2] - cuts[1]), int(T - cuts[2]))
@@ -640,8 +641,6 @@ def test_gpu_llama3_8b_with_options(path, wfmt, monkeypatch):
         "wgmma": (60, 0, 69),
         "cublas": (60, 0, 69),
     }[path]
-    if path == "wgmma" and wfmt == "int4":
-        lengths = (60, 0, 68)  # 4-bit weights: up to WGMMA_INT4_TOP tokens
     args, kw = make_case(
         80,
         lengths=lengths,
