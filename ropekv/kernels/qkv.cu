@@ -6,7 +6,9 @@
 //   qkv_mma_tiled  larger batches (sm_90): the same split and epilogue, the weights and hidden
 //                  rows staged in shared memory and shared by the warps.
 //   qkv_wgmma      16-bit weights, 1-256 tokens (sm_90a): the same split, staging and epilogue,
-//                  the products taken by Hopper's warpgroup MMA from the staged tiles.
+//                  the products taken by Hopper's warpgroup MMA from the staged tiles (fp8 and
+//                  4-bit weights: staged as codes, converted to T in shared memory a stage at a
+//                  time).
 //   qkv_gemv       decode: weight-streaming skinny GEMM (token tiles of up to 16), epilogue fused
 //                  (GPUs without clusters, shapes the mma kernel does not take).
 //   qkv_epilogue   prefill: after cuBLAS wrote Q, K, V into temporaries, rope Q into `out` and
@@ -1586,17 +1588,21 @@ __launch_bounds__(TN * 2 * KG,
 #endif
 }
 
-// ---- qkv_wgmma: 16-bit weights at 1-256 tokens (fp8 at 48-128), Hopper's warpgroup MMA ------
+// ---- qkv_wgmma: 16-bit weights at 1-256 tokens (fp8 at 48-128, 4-bit at 17-224), Hopper's
+// warpgroup MMA
 //
-// qkv_wgmma<T, TN, S, STAGES, KA, OPTS, DEEP, FP8>: qkv_mma_tiled's tiles, cluster split of K and
+// qkv_wgmma<T, TN, S, STAGES, KA, OPTS, DEEP, WQ>: qkv_mma_tiled's tiles, cluster split of K and
 // epilogue for fp16 / bf16 weights, with the products taken by wgmma (sm_90a) straight from the
 // staged tiles: no ldmatrix, no fragments in registers. FP8: the weights are staged as fp8 codes
 // (rows of 64 codes an atom, plain) and each stage is converted to T into one of two swizzled
 // buffers after the stages before its wgmmas (a second barrier a k step); the per-row scales
-// are applied in the epilogue. A CTA is two warpgroups; warpgroup h owns weight rows
-// [64 h, 64 h + 64) of the 128-row tile and all TN tokens: per k16 step one
-// wgmma.m64nTNk16 whose A (64 weight rows) and B (TN hidden rows) are read from shared memory
-// through matrix descriptors. The float32 sums stay in registers (TN / 2 a thread) until the
+// are applied in the epilogue. WQ == W_INT4: the same with 4-bit codes (rows of 32 bytes an atom,
+// plain), dequantized as (q - zero) * scale rounded once to T (the group's scale and zero point
+// read into registers two stages ahead), so each weight is dequantized once a CTA where
+// qkv_mma_tiled dequantizes it in every warp along the tokens. A CTA is two warpgroups;
+// warpgroup h owns weight rows [64 h, 64 h + 64) of the 128-row tile and all TN tokens: per k16
+// step one wgmma.m64nTNk16 whose A (64 weight rows) and B (TN hidden rows) are read from
+// shared memory through matrix descriptors. The float32 sums stay in registers (TN / 2 a thread) until the
 // cluster reduction. Token tiles of 32, 64, 96, 128, 192 or 256. DEEP (the host's choice up to
 // WGMMA_DEEP_MAX_TOKENS, all tokens one tile): one CTA an SM with as many stages as its shared
 // memory holds (4-8) and one group of wgmmas left running across each barrier; a tile of 192 or
