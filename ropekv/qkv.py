@@ -168,6 +168,11 @@ WGMMA_DEEP_MAX_TOKENS = 224
 # 22.3).
 WGMMA_FP8_MIN_TOKENS = 48
 WGMMA_FP8_ATOMS = 2  # 128 codes a staged row: half the conversions and barriers of 64
+# ... except where that leaves fewer than WGMMA_FP8_MIN_STAGES stages (tiles of 96 and 128
+# tokens: 3, one copied ahead of the one converted; one atom: 8 and 7), as for 4-bit weights
+# below; 3 or less (the deep floor) keeps WGMMA_FP8_ATOMS at every tile (fp8 T128 took 26.1 us
+# on the H200 in 3 stages, about twice its tensor-core and conversion work).
+WGMMA_FP8_MIN_STAGES = 4
 WGMMA_FP8_TOP = 128
 # 4-bit weights take the deep qkv_wgmma the same way (WGMMA_INT4_MIN_TOKENS to
 # WGMMA_DEEP_MAX_TOKENS tokens, at most WGMMA_INT4_TOP; groups of a multiple of 32, K a multiple
@@ -748,6 +753,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
                 WGMMA_DEEP_STAGES,
                 WGMMA_FP8_MIN_TOKENS,
                 WGMMA_FP8_ATOMS,
+                WGMMA_FP8_MIN_STAGES,
                 WGMMA_INT4_MIN_TOKENS,
                 WGMMA_INT4_ATOMS,
                 WGMMA_INT4_MIN_STAGES,
@@ -1380,6 +1386,7 @@ class WgmmaSettings(NamedTuple):
     deep_stages: int
     fp8_min_tokens: int
     fp8_atoms: int
+    fp8_min_stages: int
     int4_min_tokens: int
     int4_atoms: int
     int4_min_stages: int
@@ -1398,6 +1405,7 @@ def wgmma_settings():
         WGMMA_DEEP_STAGES,
         WGMMA_FP8_MIN_TOKENS,
         WGMMA_FP8_ATOMS,
+        WGMMA_FP8_MIN_STAGES,
         WGMMA_INT4_MIN_TOKENS,
         WGMMA_INT4_ATOMS,
         WGMMA_INT4_MIN_STAGES,
@@ -1514,12 +1522,13 @@ def _wgmma_tiles():
 
 def _wgmma_config(tn, deep, fp8, wgmma):
     """``(atoms, stages, dynamic shared memory)`` of qkv_wgmma at a ``tn``-token tile (``fp8``:
-    the weight format; 4-bit weights: fewer atoms a stage where their stages would be fewer than
-    ``wgmma.int4_min_stages``)."""
+    the weight format; fp8 and 4-bit weights: fewer atoms a stage where their stages would be
+    fewer than ``wgmma.fp8_min_stages`` / ``int4_min_stages``)."""
     atoms = _wgmma_atoms(fp8, wgmma)
     want = wgmma.deep_stages if deep else wgmma.stages
     stages = _wgmma_stages(tn, want, atoms, deep, fp8)
-    while fp8 == W_INT4 and atoms > 1 and stages < wgmma.int4_min_stages:
+    least = wgmma.fp8_min_stages if fp8 == W_FP8 else wgmma.int4_min_stages if fp8 == W_INT4 else 0
+    while atoms > 1 and stages < least:
         atoms //= 2
         stages = _wgmma_stages(tn, want, atoms, deep, fp8)
     return atoms, stages, _wgmma_smem(tn, stages, atoms, fp8)

@@ -1107,8 +1107,9 @@ def test_gpu_capture_runs_the_fused_kernel_beyond_its_eager_range(lengths, dtype
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_gpu_llama3_8b_wgmma_fp8(lengths, dtype):
     """fp8 weights on qkv_wgmma (the shipped thresholds: 48 to 128 tokens, the deep kernel,
-    stages of 128 codes): codes converted to the input dtype in shared memory, per-row scales in
-    the epilogue; tiles of 64, 96 and 128; bf16 into fp8 caches."""
+    stages of 128 codes at tiles of 64, of 64 at 96 and 128 (WGMMA_FP8_MIN_STAGES)): codes
+    converted to the input dtype in shared memory, per-row scales in the epilogue; bf16 into fp8
+    caches."""
     args, kw = make_case(
         30,
         lengths=lengths,
@@ -1259,6 +1260,7 @@ def test_gpu_wgmma_settings(T, tile, stages, atoms, monkeypatch):
     lengths = (T // 2, 0, T - T // 2 - 1)
     monkeypatch.setattr(qkv_mod, "WGMMA_FP8_MIN_TOKENS", 1)
     monkeypatch.setattr(qkv_mod, "WGMMA_FP8_ATOMS", atoms)
+    monkeypatch.setattr(qkv_mod, "WGMMA_FP8_MIN_STAGES", 1)  # atoms at every tile
     args, kw = make_case(
         29 + T + tile,
         lengths=lengths,
@@ -1712,7 +1714,9 @@ def test_int4_weights_take_the_wgmma_kernel_in_its_range(monkeypatch):
         (1, 5),
     ]
     assert config(128, True, W["int4"], rule._replace(int4_min_stages=1))[:2] == (2, 3)
-    assert config(128, True, W["fp8"], rule)[:2] == (settings.fp8_atoms, 3)  # fp8: as it was
+    fp8 = settings._replace(fp8_atoms=2, fp8_min_stages=4)  # fp8: the same rule
+    assert [config(tn, True, W["fp8"], fp8)[:2] for tn in (64, 96, 128)] == [(2, 4), (1, 8), (1, 7)]
+    assert config(128, True, W["fp8"], fp8._replace(fp8_min_stages=1))[:2] == (2, 3)
     monkeypatch.setattr(qkv_mod, "WGMMA_INT4_MIN_TOKENS", 1 << 30)
     assert not any(wq == W["int4"] for _, _, wq in qkv_mod._wgmma_tiles())
 
