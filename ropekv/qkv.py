@@ -10,7 +10,9 @@ Three paths, picked by the token count T (and, on sm_90, a fourth kernel for 16-
   cluster and the epilogue fused as below. Faster than every other path up to 192 tokens, within
   0.93-1.05x of cuBLAS + the epilogue at 193-256 in a third of its host time
   (docs/design/qkv.md). fp8 weights take it too from ``WGMMA_FP8_MIN_TOKENS`` (48) to 128
-  tokens (K a multiple of 128), their codes converted to the input dtype in shared memory.
+  tokens (K a multiple of 128), their codes converted to the input dtype in shared memory, and
+  4-bit weights from ``WGMMA_INT4_MIN_TOKENS`` (17) to 224 (groups of a multiple of 32),
+  likewise.
 * small batches (``MMA_MIN_TOKENS <= T <= MMA_MAX_TOKENS``, ``MMA_MAX_TOKENS_QUANTIZED`` for fp8
   and 4-bit weights, on sm_90 and newer, when D divides 128 and the weights and hidden rows allow
   16-byte loads): ``qkv_mma``, one launch of tensor-core
@@ -166,7 +168,28 @@ WGMMA_DEEP_MAX_TOKENS = 224
 # 22.3).
 WGMMA_FP8_MIN_TOKENS = 48
 WGMMA_FP8_ATOMS = 2  # 128 codes a staged row: half the conversions and barriers of 64
+# ... except where that leaves fewer than WGMMA_FP8_MIN_STAGES stages (tiles of 96 and 128
+# tokens: 3, one copied ahead of the one converted; one atom: 8 and 7), as for 4-bit weights
+# below; 3 or less (the deep floor) keeps WGMMA_FP8_ATOMS at every tile (fp8 T128 took 26.1 us
+# on the H200 in 3 stages, about twice its tensor-core and conversion work).
+WGMMA_FP8_MIN_STAGES = 4
 WGMMA_FP8_TOP = 128
+# 4-bit weights take the deep qkv_wgmma the same way (WGMMA_INT4_MIN_TOKENS to
+# WGMMA_DEEP_MAX_TOKENS tokens, at most WGMMA_INT4_TOP; groups of a multiple of 32, K a multiple
+# of 64 x WGMMA_INT4_ATOMS): each stage's packed codes (32-byte rows an atom) are dequantized
+# once a CTA into the input dtype in shared memory, (q - zero) * scale rounded once as in
+# qkv_mma_tiled, where qkv_mma_tiled dequantizes each weight tile in every warp along the tokens
+# and every token tile (the H200 profile: 8.4M / 16.3M instructions at 64 / 128 tokens, issue
+# bound; qkv_mma_tiled took 29.6 / 50.0 us there against cuBLAS fp16's 17.5 / 18). 1 << 30
+# (ropekv bench --tune: 1073741824) restores the previous kernels (qkv_mma / qkv_mma_tiled) at
+# every count. A tile whose deep
+# pipeline would hold fewer than WGMMA_INT4_MIN_STAGES stages of WGMMA_INT4_ATOMS atoms (128
+# tokens: 3 stages, one in flight while one is multiplied) takes stages of one atom instead
+# (8 stages there); 3 or less (the deep kernel's floor) keeps WGMMA_INT4_ATOMS at every tile.
+WGMMA_INT4_MIN_TOKENS = 17
+WGMMA_INT4_ATOMS = 2
+WGMMA_INT4_MIN_STAGES = 4
+WGMMA_INT4_TOP = 256
 WGMMA_ATOMS = 1
 WGMMA_SPLIT = 8
 WGMMA_THREADS = 256  # mirror qkv.cu
@@ -353,6 +376,7 @@ def tiled_expression(dtype, fmt, tn, split, stages, kgroups, opts=False):
 
 @functools.cache
 def wgmma_expression(dtype, tn, split, stages, atoms, opts=False, deep=True, fp8=False):
+    """``fp8``: the weight format (W_DENSE, W_FP8, W_INT4; False / True: dense / fp8)."""
     return name_expression(
         "qkv_wgmma",
         c_type(dtype),
@@ -362,7 +386,7 @@ def wgmma_expression(dtype, tn, split, stages, atoms, opts=False, deep=True, fp8
         atoms,
         c_bool(opts),
         c_bool(deep),
-        c_bool(fp8),
+        int(fp8),
     )
 
 
@@ -390,9 +414,9 @@ def instantiations():
             yield mma_expression(dtype, fmt, tn, split, opts)
         for fmt, tn, split in itertools.product(TILED_FORMATS, TILED_TILES, TILED_SPLITS):
             yield tiled_expression(dtype, fmt, tn, split, TILED_STAGES, TILED_KGROUPS, opts)
-        for (tn, deep, fp8), split in itertools.product(_wgmma_tiles(), TILED_SPLITS):
-            atoms, stages, _ = _wgmma_config(tn, deep, fp8, wgmma_settings())
-            yield wgmma_expression(dtype, tn, split, stages, atoms, opts, deep, fp8)
+        for (tn, deep, wq), split in itertools.product(_wgmma_tiles(), TILED_SPLITS):
+            atoms, stages, _ = _wgmma_config(tn, deep, wq, wgmma_settings())
+            yield wgmma_expression(dtype, tn, split, stages, atoms, opts, deep, wq)
         for cache_dtype, n in itertools.product((dtype, *FP8_DTYPES), EPILOGUE_WIDTHS):
             yield epilogue_expression(dtype, cache_dtype, dtype, n, opts)
             if cache_dtype in FP8_DTYPES:
@@ -728,6 +752,10 @@ def fused_qkv_matmul_append_paged_kv_cache(
                 WGMMA_DEEP_STAGES,
                 WGMMA_FP8_MIN_TOKENS,
                 WGMMA_FP8_ATOMS,
+                WGMMA_FP8_MIN_STAGES,
+                WGMMA_INT4_MIN_TOKENS,
+                WGMMA_INT4_ATOMS,
+                WGMMA_INT4_MIN_STAGES,
             ),
             GRAPH_MAX_TOKENS,
             clear_unused_last_page_rows,
@@ -1041,7 +1069,7 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         """The one fused launch that takes the call (qkv_wgmma, else the tensor-core kernels up
         to ``mma_max`` tokens), or None."""
         if wgmma_takes(fmt, T, K, D, wgmma) and _compute_capability(device) == WGMMA_CAPABILITY:
-            step = _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts, fmt == W_FP8)
+            step = _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts, fmt)
             if step is not None:
                 return step
         if T and mma_min <= T <= mma_max:
@@ -1356,6 +1384,10 @@ class WgmmaSettings(NamedTuple):
     deep_stages: int
     fp8_min_tokens: int
     fp8_atoms: int
+    fp8_min_stages: int
+    int4_min_tokens: int
+    int4_atoms: int
+    int4_min_stages: int
 
 
 def wgmma_settings():
@@ -1371,15 +1403,25 @@ def wgmma_settings():
         WGMMA_DEEP_STAGES,
         WGMMA_FP8_MIN_TOKENS,
         WGMMA_FP8_ATOMS,
+        WGMMA_FP8_MIN_STAGES,
+        WGMMA_INT4_MIN_TOKENS,
+        WGMMA_INT4_ATOMS,
+        WGMMA_INT4_MIN_STAGES,
     )
+
+
+def _wgmma_atoms(wq, wgmma):
+    """The atoms (64 k values) a stage of qkv_wgmma holds for weight format ``wq`` (W_DENSE,
+    W_FP8, W_INT4; False / True: dense / fp8)."""
+    return wgmma.fp8_atoms if wq == W_FP8 else wgmma.int4_atoms if wq == W_INT4 else wgmma.atoms
 
 
 def wgmma_shape(T, K, D, wgmma, fp8=False):
     """Whether a call has a shape qkv_wgmma takes (given 16-byte aligned rows, checked per
     call): ``wgmma``'s token range, whole heads in a 128-row tile, K in whole stages (of
-    ``wgmma.atoms``; ``fp8``: of ``wgmma.fp8_atoms``), and its tile's stages in an SM's shared
-    memory (tuned settings can ask for more than fits)."""
-    atoms = wgmma.fp8_atoms if fp8 else wgmma.atoms
+    ``wgmma.atoms``; ``fp8``, the weight format: of ``wgmma.fp8_atoms`` / ``int4_atoms``), and
+    its tile's stages in an SM's shared memory (tuned settings can ask for more than fits)."""
+    atoms = _wgmma_atoms(fp8, wgmma)
     if not (
         wgmma.min_tokens <= T <= wgmma.max_tokens and MMA_ROWS % D == 0 and K % (64 * atoms) == 0
     ):
@@ -1392,11 +1434,16 @@ def wgmma_takes(fmt, T, K, D, wgmma):
     """Whether qkv_wgmma takes a call of weight format ``fmt`` (given the device and the
     alignment): :func:`wgmma_shape` with fp16 / bf16 weights, or with fp8 ones (stages of their
     atoms) from ``fp8_min_tokens`` to ``deep_max_tokens`` tokens (the deep kernel), at most
-    WGMMA_FP8_TOP."""
+    WGMMA_FP8_TOP; 4-bit ones likewise from ``int4_min_tokens``, at most WGMMA_INT4_TOP (and
+    groups of a multiple of 32, which :func:`_wgmma` checks)."""
     if fmt == W_FP8:
         return wgmma.fp8_min_tokens <= T <= min(
             wgmma.deep_max_tokens, WGMMA_FP8_TOP
-        ) and wgmma_shape(T, K, D, wgmma, fp8=True)
+        ) and wgmma_shape(T, K, D, wgmma, fp8=W_FP8)
+    if fmt == W_INT4:
+        return wgmma.int4_min_tokens <= T <= min(
+            wgmma.deep_max_tokens, WGMMA_INT4_TOP
+        ) and wgmma_shape(T, K, D, wgmma, fp8=W_INT4)
     return fmt == W_DENSE and wgmma_shape(T, K, D, wgmma)
 
 
@@ -1408,9 +1455,11 @@ def wgmma_applies(T, K, D, compute_capability, wgmma):
 
 def _wgmma_smem(tn, stages, atoms, fp8=False):
     """Dynamic shared memory of qkv_wgmma: the stages (128-byte weight and hidden rows of 64 k
-    values an atom; fp8 weight rows of 64 bytes, and two buffers of their 16-bit conversion),
-    later the float32 partial sums, and 1 KiB to align the stages to 1024 bytes."""
-    a_row, conv = (64, 2 * atoms * MMA_ROWS * 128) if fp8 else (128, 0)
+    values an atom; fp8 weight rows of 64 bytes, 4-bit ones of 32 (``fp8``: the weight format),
+    and two buffers of their 16-bit conversion), later the float32 partial sums, and 1 KiB to
+    align the stages to 1024 bytes."""
+    conv = 2 * atoms * MMA_ROWS * 128
+    a_row, conv = (64, conv) if fp8 == W_FP8 else (32, conv) if fp8 == W_INT4 else (128, 0)
     stages_bytes = stages * atoms * (MMA_ROWS * a_row + tn * 128) + conv
     return max(stages_bytes, tn * (MMA_ROWS + 4) * 4) + 1024
 
@@ -1447,8 +1496,9 @@ def _wgmma_tile(T, max_tile, deep=False):
 
 
 def _wgmma_tiles():
-    """The (tile, deep, fp8) triples of the shipped settings, at every token count a call can take
-    qkv_wgmma at: eagerly, or under capture (GRAPH_MAX_TOKENS); fp8 weights deep only."""
+    """The (tile, deep, weight format) triples of the shipped settings (the format False for 16-bit
+    weights, True for fp8, W_INT4), at every token count a call can take qkv_wgmma at: eagerly,
+    or under capture (GRAPH_MAX_TOKENS); fp8 and 4-bit weights deep only."""
     top = max(WGMMA_MAX_TOKENS, GRAPH_MAX_TOKENS)
     dense = {
         (_wgmma_tile(T, WGMMA_MAX_TILE, deep), deep, False)
@@ -1460,13 +1510,25 @@ def _wgmma_tiles():
         (_wgmma_tile(T, WGMMA_MAX_TILE, True), True, True)
         for T in range(WGMMA_FP8_MIN_TOKENS, fp8_top + 1)
     }
-    return sorted(dense | fp8)
+    int4_top = min(WGMMA_MAX_TOKENS, WGMMA_DEEP_MAX_TOKENS, WGMMA_INT4_TOP)
+    int4 = {
+        (_wgmma_tile(T, WGMMA_MAX_TILE, True), True, W_INT4)
+        for T in range(WGMMA_INT4_MIN_TOKENS, int4_top + 1)
+    }
+    return sorted(dense | fp8 | int4)
 
 
 def _wgmma_config(tn, deep, fp8, wgmma):
-    """``(atoms, stages, dynamic shared memory)`` of qkv_wgmma at a ``tn``-token tile."""
-    atoms = wgmma.fp8_atoms if fp8 else wgmma.atoms
-    stages = _wgmma_stages(tn, wgmma.deep_stages if deep else wgmma.stages, atoms, deep, fp8)
+    """``(atoms, stages, dynamic shared memory)`` of qkv_wgmma at a ``tn``-token tile (``fp8``:
+    the weight format; fp8 and 4-bit weights: fewer atoms a stage where their stages would be
+    fewer than ``wgmma.fp8_min_stages`` / ``int4_min_stages``)."""
+    atoms = _wgmma_atoms(fp8, wgmma)
+    want = wgmma.deep_stages if deep else wgmma.stages
+    stages = _wgmma_stages(tn, want, atoms, deep, fp8)
+    least = wgmma.fp8_min_stages if fp8 == W_FP8 else wgmma.int4_min_stages if fp8 == W_INT4 else 0
+    while atoms > 1 and stages < least:
+        atoms //= 2
+        stages = _wgmma_stages(tn, want, atoms, deep, fp8)
     return atoms, stages, _wgmma_smem(tn, stages, atoms, fp8)
 
 
@@ -1479,11 +1541,14 @@ def _wgmma_layout(T, wgmma, fp8=False):
 
 
 def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False, fp8=False):
-    """The qkv_wgmma launch (``fp8``: of fp8 weights), or None where the rows are not 16-byte
-    aligned."""
+    """The qkv_wgmma launch (``fp8``: the weight format; False / True: 16-bit / fp8), or None
+    where the rows are not 16-byte aligned (or 4-bit groups are not whole 32-value halves of an
+    atom)."""
     split = wgmma.split
     if split not in TILED_SPLITS:
         raise ValueError(f"ropekv.qkv.WGMMA_SPLIT must be one of {TILED_SPLITS}, got {split}")
+    if fp8 == W_INT4 and (fields["group_size"] or 1) % 32:
+        return None
     if not (
         vw.ptr % 16 == 0
         and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0

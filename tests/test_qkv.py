@@ -845,10 +845,12 @@ WEIGHT_FORMATS = {"dense": qkv_mod.W_DENSE, "fp8": qkv_mod.W_FP8, "int4": qkv_mo
 
 def force_path(monkeypatch, path):
     """Make the call take ``path`` ("mma": qkv_mma; "tiled": qkv_mma_tiled, at any token count;
-    "wgmma": qkv_wgmma, at any token count; "gemv", "cublas"; None: the thresholds as shipped)."""
+    "wgmma": qkv_wgmma, at any token count (4-bit weights: up to WGMMA_INT4_TOP); "gemv",
+    "cublas"; None: the thresholds as shipped)."""
     if path == "wgmma":
         monkeypatch.setattr(qkv_mod, "WGMMA_MIN_TOKENS", 1)
         monkeypatch.setattr(qkv_mod, "WGMMA_MAX_TOKENS", 1 << 30)
+        monkeypatch.setattr(qkv_mod, "WGMMA_INT4_MIN_TOKENS", 1)
         return
     if path is not None:
         monkeypatch.setattr(qkv_mod, "WGMMA_MAX_TOKENS", 0)
@@ -879,6 +881,7 @@ def taken_path(args, kw):
     if (
         qkv_mod.wgmma_takes(fmt, T, K, D, qkv_mod.wgmma_settings())
         and cc == qkv_mod.WGMMA_CAPABILITY
+        and (fmt != qkv_mod.W_INT4 or kw.get("group_size", 0) % 32 == 0)
     ):
         return "wgmma"
     N = args["weight"].shape[0]
@@ -912,7 +915,7 @@ def check_gpu(args, kw, out_given=False, monkeypatch=None, path=None):
     if (
         taken == "cublas"
         and args["weight"].dtype != args["hidden_state"].dtype
-        or taken in ("mma", "tiled")
+        or taken in ("mma", "tiled", "wgmma")
         and args["weight"].dtype == np.uint8
     ):
         q_ref, k_ref, v_ref = expected(*rounded_weights(args, kw))
@@ -1104,8 +1107,9 @@ def test_gpu_capture_runs_the_fused_kernel_beyond_its_eager_range(lengths, dtype
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_gpu_llama3_8b_wgmma_fp8(lengths, dtype):
     """fp8 weights on qkv_wgmma (the shipped thresholds: 48 to 128 tokens, the deep kernel,
-    stages of 128 codes): codes converted to the input dtype in shared memory, per-row scales in
-    the epilogue; tiles of 64, 96 and 128; bf16 into fp8 caches."""
+    stages of 128 codes at tiles of 64, of 64 at 96 and 128 (WGMMA_FP8_MIN_STAGES)): codes
+    converted to the input dtype in shared memory, per-row scales in the epilogue; bf16 into fp8
+    caches."""
     args, kw = make_case(
         30,
         lengths=lengths,
@@ -1117,6 +1121,117 @@ def test_gpu_llama3_8b_wgmma_fp8(lengths, dtype):
     )
     assert taken_path(args, kw) == "wgmma"
     check_gpu(args, kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "lengths",
+    [(1,) * 17, (10, 0, 22), (1,) * 64, (40, 0, 24), (60, 0, 68), (100, 0, 57), (120, 104)],
+)
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_gpu_llama3_8b_wgmma_int4(lengths, dtype, group_size, zero_points):
+    """4-bit weights on qkv_wgmma (the shipped thresholds: WGMMA_INT4_MIN_TOKENS to 224 tokens,
+    the deep kernel): codes dequantized to the input dtype in shared memory once a CTA, groups of
+    32 (two groups an atom) and 128, with and without zero points; tiles of 32, 64, 128 (stages
+    of one atom), 192 and 256; bf16 into fp8 caches."""
+    args, kw = make_case(
+        31 + group_size,
+        lengths=lengths,
+        dtype=dtype,
+        wfmt="int4",
+        group_size=group_size,
+        zero_points=zero_points,
+        cache_dtype=E4M3 if dtype == BF16 else None,
+        cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
+        **{**LLAMA, "P": 8192},
+    )
+    assert taken_path(args, kw) == "wgmma"
+    check_gpu(args, kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths, dtype", [((30, 0, 34), F16), ((1,) * 128, BF16)])
+def test_gpu_wgmma_int4_in_a_cuda_graph(lengths, dtype):
+    """4-bit weights on qkv_wgmma recorded in a CUDA graph: replayed on new hidden rows copied
+    into the captured array and on the caches as they were, Q and both caches as the reference
+    (weights rounded once to the input dtype) says, no other cache byte."""
+    import cupy as cp
+
+    if int(cp.cuda.Device().compute_capability) != qkv_mod.WGMMA_CAPABILITY:
+        pytest.skip("qkv_wgmma runs on sm_90 only")
+    T = sum(lengths)
+    args, kw = make_case(
+        33 + T,
+        lengths=lengths,
+        dtype=dtype,
+        wfmt="int4",
+        group_size=128,
+        zero_points=dtype == BF16,
+        cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
+        **{**LLAMA, "P": 8192},
+    )
+    assert taken_path(args, kw) == "wgmma"
+    originals = [c.copy() for c in args["paged_kv_cache"]]
+    dargs = {n: to_device(x) for n, x in args.items()}
+    dkw = {n: to_device(x) for n, x in kw.items()}
+    out = dkw["out"] = cp.full((T, kw["num_q_heads"] * LLAMA["D"]), 7, dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        assert call(dargs, dkw) is out
+        graph = stream.end_capture()
+    rng = np.random.default_rng(T)
+    for _ in range(2):
+        hidden = rng.standard_normal(args["hidden_state"].shape).astype(dtype)
+        for dc, orig in zip(dargs["paged_kv_cache"], originals):
+            cp.copyto(dc, to_device(orig))
+        cp.copyto(dargs["hidden_state"], to_device(hidden))
+        out.fill(7)
+        cp.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        new = {**args, "hidden_state": hidden}
+        refs = expected(*rounded_weights(new, kw))
+        check_results(new, kw, out, dargs["paged_kv_cache"], originals, refs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 17, 33, 64, 97, 128, 150, 224])
+@pytest.mark.parametrize("atoms", [1, 2])
+@pytest.mark.parametrize("split", [1, 2, 4, 8])
+def test_gpu_wgmma_int4_settings(T, atoms, split, monkeypatch):
+    """qkv_wgmma with 4-bit weights at every deep tile (32 to 256 tokens) and stage width, K
+    slices of one to several stages (splits of 1 to 8, a slice past K's end), a partial row tile
+    (N = 320), groups of 64 with zero points (or of 32 without), tokens outside every request,
+    interleaved RoPE on part of the head."""
+    if T > 128:  # three stages of two atoms at tiles of 192 and 256 exceed the shared memory
+        atoms = 1
+    monkeypatch.setattr(qkv_mod, "WGMMA_INT4_ATOMS", atoms)
+    monkeypatch.setattr(qkv_mod, "WGMMA_INT4_MIN_STAGES", 1)  # atoms at every tile
+    monkeypatch.setattr(qkv_mod, "SM_SHARED_BYTES", 1 << 30)  # the split as WGMMA_SPLIT says
+    monkeypatch.setattr(qkv_mod, "WGMMA_SPLIT", split)
+    lengths = (T // 2, 0, T - T // 2 - 1)
+    args, kw = make_case(
+        41 + T + split,
+        lengths=lengths,
+        dtype=BF16 if (T + atoms) % 2 else F16,
+        wfmt="int4",
+        group_size=64 if split % 2 == 0 else 32,
+        zero_points=split % 2 == 0,
+        K=1536 if atoms == 1 else 1664,
+        Hq=3,
+        Hkv=1,
+        D=64,
+        R=32,
+        P=512,
+        page_size=16,
+        extra_tokens=1,
+        is_neox=bool(T % 3),
+        cached=[5 * i for i in range(len(lengths))],
+    )
+    check_gpu(args, kw, monkeypatch=monkeypatch, path="wgmma")
 
 
 @pytest.mark.gpu
@@ -1145,6 +1260,7 @@ def test_gpu_wgmma_settings(T, tile, stages, atoms, monkeypatch):
     lengths = (T // 2, 0, T - T // 2 - 1)
     monkeypatch.setattr(qkv_mod, "WGMMA_FP8_MIN_TOKENS", 1)
     monkeypatch.setattr(qkv_mod, "WGMMA_FP8_ATOMS", atoms)
+    monkeypatch.setattr(qkv_mod, "WGMMA_FP8_MIN_STAGES", 1)  # atoms at every tile
     args, kw = make_case(
         29 + T + tile,
         lengths=lengths,
@@ -1541,11 +1657,68 @@ def test_wgmma_stages_fit_the_shared_memory_of_their_ctas():
     assert stages(64, 2, 1, True) == 3 and stages(64, 1, 1, False) == 2
     assert [stages(tn, 8, 1, True, True) for tn in (32, 64, 96, 128)] == [8, 8, 8, 7]  # fp8
     assert [stages(tn, 8, 2, True, True) for tn in (64, 96, 128)] == [4, 3, 3]  # 128 codes
-    for tn, deep, fp8 in qkv_mod._wgmma_tiles():
-        atoms = qkv_mod.WGMMA_FP8_ATOMS if fp8 else qkv_mod.WGMMA_ATOMS
-        n = stages(tn, 8, atoms, deep, fp8)
-        smem = qkv_mod._wgmma_smem(tn, n, atoms, fp8)
+    assert [stages(tn, 8, 2, True, qkv_mod.W_INT4) for tn in (32, 64, 96, 128)] == [
+        8,
+        6,
+        4,
+        3,
+    ]  # 4-bit
+    assert [stages(tn, 8, 1, True, qkv_mod.W_INT4) for tn in (32, 64, 96, 128)] == [8, 8, 8, 8]
+    for tn, deep, wq in qkv_mod._wgmma_tiles():  # as the shipped settings configure them
+        _, _, smem = qkv_mod._wgmma_config(tn, deep, wq, qkv_mod.wgmma_settings())
         assert qkv_mod._wgmma_per_sm(smem, deep, tn) == (1 if deep else 2)
+
+
+def test_int4_weights_take_the_wgmma_kernel_in_its_range(monkeypatch):
+    """4-bit weights take qkv_wgmma (deep) from WGMMA_INT4_MIN_TOKENS to WGMMA_INT4_TOP tokens
+    with K in whole stages of WGMMA_INT4_ATOMS atoms; 1 << 30 gives every count back to the
+    tensor-core kernels; the shipped instantiations hold its tiles; stages of 32-byte rows."""
+    W, takes = WEIGHT_FORMATS, qkv_mod.wgmma_takes
+    settings = qkv_mod.wgmma_settings()
+    lo = qkv_mod.WGMMA_INT4_MIN_TOKENS
+    top = min(qkv_mod.WGMMA_INT4_TOP, qkv_mod.WGMMA_DEEP_MAX_TOKENS)
+    assert [takes(W["int4"], T, 4096, 128, settings) for T in (lo - 1, lo, 64, top, top + 1)] == [
+        False,
+        True,
+        True,
+        True,
+        False,
+    ]
+    two = settings._replace(int4_atoms=2)  # K in stages of 128 values
+    assert takes(W["int4"], 64, 4096 + 128, 128, two)
+    assert not takes(W["int4"], 64, 4096 + 64, 128, two)
+    assert not takes(W["int4"], 64, 4096, 256, settings)  # heads wider than the row tile
+    assert not takes(W["int4"], 64, 4096, 128, settings._replace(int4_min_tokens=1 << 30))
+    assert takes(W["int4"], 1, 4096, 128, settings._replace(int4_min_tokens=1))
+    tiles = {(tn, deep) for tn, deep, wq in qkv_mod._wgmma_tiles() if wq == W["int4"]}
+    assert tiles == {(32, True), (64, True), (96, True), (128, True), (192, True), (256, True)}
+    names = set(qkv_mod.instantiations())
+    for tn in (32, 64, 96, 128, 192, 256):
+        atoms, stages, smem = qkv_mod._wgmma_config(tn, True, W["int4"], settings)
+        assert (
+            smem
+            == max(stages * atoms * (128 * 32 + tn * 128) + 2 * atoms * 128 * 128, tn * 132 * 4)
+            + 1024
+        )
+        expr = qkv_mod.wgmma_expression(F16, tn, 2, stages, atoms, False, True, W["int4"])
+        assert expr.endswith(", 2>") and expr in names
+    # stages of one atom where two would leave fewer than int4_min_stages (128 tokens: 3)
+    config = qkv_mod._wgmma_config
+    rule = settings._replace(int4_atoms=2, int4_min_stages=4)
+    assert [config(tn, True, W["int4"], rule)[:2] for tn in (32, 64, 96, 128, 192, 256)] == [
+        (2, 8),
+        (2, 6),
+        (2, 4),
+        (1, 8),
+        (1, 6),
+        (1, 5),
+    ]
+    assert config(128, True, W["int4"], rule._replace(int4_min_stages=1))[:2] == (2, 3)
+    fp8 = settings._replace(fp8_atoms=2, fp8_min_stages=4)  # fp8: the same rule
+    assert [config(tn, True, W["fp8"], fp8)[:2] for tn in (64, 96, 128)] == [(2, 4), (1, 8), (1, 7)]
+    assert config(128, True, W["fp8"], fp8._replace(fp8_min_stages=1))[:2] == (2, 3)
+    monkeypatch.setattr(qkv_mod, "WGMMA_INT4_MIN_TOKENS", 1 << 30)
+    assert not any(wq == W["int4"] for _, _, wq in qkv_mod._wgmma_tiles())
 
 
 def test_the_call_passes_the_settings_functions_values(monkeypatch):

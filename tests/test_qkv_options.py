@@ -360,7 +360,7 @@ def test_instantiations_cover_the_options_kernels():
 # GPU: every path against the reference
 
 
-PATHS = ["mma", "tiled", "wgmma", "gemv", "cublas"]  # wgmma: 16-bit weights only
+PATHS = ["mma", "tiled", "wgmma", "gemv", "cublas"]  # wgmma: 16-bit and 4-bit weights
 
 
 def _case_for(path, seed, **kw):
@@ -383,7 +383,7 @@ def check_options(args, kw, monkeypatch, path, clear, status_given, out_given=Fa
     rounded = (
         path == "cublas"
         and args["weight"].dtype != args["hidden_state"].dtype
-        or path in ("mma", "tiled")
+        or path in ("mma", "tiled", "wgmma")
         and args["weight"].dtype == np.uint8
     )
     q_ref, k_ref, v_ref = expected(
@@ -568,8 +568,9 @@ def test_gpu_clear_on_every_path(
     """clear_unused_last_page_rows on each path at token counts around the switches: ragged
     batches with empty requests, requests ending anywhere on a page, every weight format, fp8
     caches, partial and no RoPE; against the reference, tails zero, other bytes unchanged."""
-    if path == "wgmma":
-        wfmt = "dense"  # (16-bit weights only)
+    int4_top = min(qkv_mod.WGMMA_INT4_TOP, qkv_mod.WGMMA_DEEP_MAX_TOKENS)
+    if path == "wgmma" and (wfmt == "fp8" or wfmt == "int4" and T > int4_top):
+        wfmt = "dense"  # (fp8 weights from WGMMA_FP8_MIN_TOKENS, 4-bit up to the deep kernel's)
     rng = np.random.default_rng(seed)
     cuts = np.sort(rng.integers(0, T + 1, 3))
     lengths = (int(cuts[0]), 0, int(cuts[1] - cuts[0]), int(cuts[2] - cuts[1]), int(T - cuts[2]))
@@ -628,8 +629,7 @@ def test_gpu_options_at_the_shipped_switches(T, wfmt, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "path, wfmt",
-    [(p, w) for p in PATHS for w in ("dense", "int4") if (p, w) != ("wgmma", "int4")]
-    + [("tiled", "fp8")],
+    [(p, w) for p in PATHS for w in ("dense", "int4")] + [("tiled", "fp8")],
 )
 def test_gpu_llama3_8b_with_options(path, wfmt, monkeypatch):
     """Llama-3-8B's projection with both options on: decode (gemv), a small batch (mma) and a

@@ -6,7 +6,9 @@
 //   qkv_mma_tiled  larger batches (sm_90): the same split and epilogue, the weights and hidden
 //                  rows staged in shared memory and shared by the warps.
 //   qkv_wgmma      16-bit weights, 1-256 tokens (sm_90a): the same split, staging and epilogue,
-//                  the products taken by Hopper's warpgroup MMA from the staged tiles.
+//                  the products taken by Hopper's warpgroup MMA from the staged tiles (fp8 and
+//                  4-bit weights: staged as codes, converted to T in shared memory a stage at a
+//                  time).
 //   qkv_gemv       decode: weight-streaming skinny GEMM (token tiles of up to 16), epilogue fused
 //                  (GPUs without clusters, shapes the mma kernel does not take).
 //   qkv_epilogue   prefill: after cuBLAS wrote Q, K, V into temporaries, rope Q into `out` and
@@ -671,6 +673,15 @@ constexpr unsigned INT4_MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
 // 4-bit: nibbles i and i + 4 of word w (k values i, i + 4 of its 8) as a T pair of
 // (q - zero) * scale. magic holds 2^10 + q (fp16) or 2^7 + q (bf16) exactly; sub = magic's
 // offset + zero, so the difference q - zero is exact and the product is rounded once.
+// (x & MASK) | BITS in one instruction (the compiler emits two LOP3s for the C form; int4_pair
+// keeps that form: in qkv_mma and qkv_mma_tiled the asm cost registers and spills).
+template <unsigned MASK, unsigned BITS>
+__device__ __forceinline__ unsigned and_or(unsigned x) {
+  unsigned r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "n"(MASK), "n"(BITS));
+  return r;
+}
+
 template <typename T>
 __device__ __forceinline__ unsigned int4_pair(unsigned w, int i, unsigned sub, unsigned scale) {
   constexpr unsigned MAGIC = INT4_MAGIC<T>;
@@ -686,6 +697,36 @@ __device__ __forceinline__ unsigned int4_pair(unsigned w, int i, unsigned sub, u
                         *reinterpret_cast<const __nv_bfloat162*>(&sub)),
                 *reinterpret_cast<const __nv_bfloat162*>(&scale));
     return *reinterpret_cast<const unsigned*>(&r);
+  }
+}
+
+// 4-bit: the four pairs int4_pair(w, i, sub, scale), i < 4, with fewer instructions for fp16
+// (qkv_wgmma's conversion): nibbles i + 1 and i + 5 are taken in place (bits 4-7 of a byte) as
+// 2^10 + 16 q, which one fma scales by 1/16 and offsets by -(64 + zero) to q - zero exactly
+// (sub16: that offset as a pair); one shift serves i = 2 and 3. bf16 has too few mantissa bits
+// for 16 q: there int4_pair as it is.
+template <typename T>
+__device__ __forceinline__ void int4_pairs(unsigned w, unsigned sub, unsigned sub16,
+                                           unsigned scale, unsigned (&r)[4]) {
+  if constexpr (is_half<T>::value) {
+    constexpr unsigned MAGIC = INT4_MAGIC<T>;
+    const unsigned w8 = w >> 8;
+    const unsigned m[4] = {and_or<0x000F000Fu, MAGIC>(w), and_or<0x00F000F0u, MAGIC>(w),
+                           and_or<0x000F000Fu, MAGIC>(w8), and_or<0x00F000F0u, MAGIC>(w8)};
+    const __half2 h_sub = *reinterpret_cast<const __half2*>(&sub);
+    const __half2 h_sub16 = *reinterpret_cast<const __half2*>(&sub16);
+    const __half2 h_scale = *reinterpret_cast<const __half2*>(&scale);
+    const __half2 sixteenth = __halves2half2(__ushort_as_half(0x2C00), __ushort_as_half(0x2C00));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __half2 x = *reinterpret_cast<const __half2*>(&m[i]);
+      const __half2 d = (i & 1) ? __hfma2(x, sixteenth, h_sub16) : __hsub2(x, h_sub);
+      const __half2 y = __hmul2(d, h_scale);
+      r[i] = *reinterpret_cast<const unsigned*>(&y);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r[i] = int4_pair<T>(w, i, sub, scale);
   }
 }
 
@@ -1547,17 +1588,21 @@ __launch_bounds__(TN * 2 * KG,
 #endif
 }
 
-// ---- qkv_wgmma: 16-bit weights at 1-256 tokens (fp8 at 48-128), Hopper's warpgroup MMA ------
+// ---- qkv_wgmma: 16-bit weights at 1-256 tokens (fp8 at 48-128, 4-bit at 17-224), Hopper's
+// warpgroup MMA
 //
-// qkv_wgmma<T, TN, S, STAGES, KA, OPTS, DEEP, FP8>: qkv_mma_tiled's tiles, cluster split of K and
+// qkv_wgmma<T, TN, S, STAGES, KA, OPTS, DEEP, WQ>: qkv_mma_tiled's tiles, cluster split of K and
 // epilogue for fp16 / bf16 weights, with the products taken by wgmma (sm_90a) straight from the
 // staged tiles: no ldmatrix, no fragments in registers. FP8: the weights are staged as fp8 codes
 // (rows of 64 codes an atom, plain) and each stage is converted to T into one of two swizzled
 // buffers after the stages before its wgmmas (a second barrier a k step); the per-row scales
-// are applied in the epilogue. A CTA is two warpgroups; warpgroup h owns weight rows
-// [64 h, 64 h + 64) of the 128-row tile and all TN tokens: per k16 step one
-// wgmma.m64nTNk16 whose A (64 weight rows) and B (TN hidden rows) are read from shared memory
-// through matrix descriptors. The float32 sums stay in registers (TN / 2 a thread) until the
+// are applied in the epilogue. WQ == W_INT4: the same with 4-bit codes (rows of 32 bytes an atom,
+// plain), dequantized as (q - zero) * scale rounded once to T (the group's scale and zero point
+// read into registers two stages ahead), so each weight is dequantized once a CTA where
+// qkv_mma_tiled dequantizes it in every warp along the tokens. A CTA is two warpgroups;
+// warpgroup h owns weight rows [64 h, 64 h + 64) of the 128-row tile and all TN tokens: per k16
+// step one wgmma.m64nTNk16 whose A (64 weight rows) and B (TN hidden rows) are read from
+// shared memory through matrix descriptors. The float32 sums stay in registers (TN / 2 a thread) until the
 // cluster reduction. Token tiles of 32, 64, 96, 128, 192 or 256. DEEP (the host's choice up to
 // WGMMA_DEEP_MAX_TOKENS, all tokens one tile): one CTA an SM with as many stages as its shared
 // memory holds (4-8) and one group of wgmmas left running across each barrier; a tile of 192 or
@@ -1668,22 +1713,26 @@ __device__ __forceinline__ void fence_regs(float (&d)[R]) {  // keep d out of re
 
 constexpr int WGMMA_THREADS = 256;  // two warpgroups: 64 weight rows each
 
-template <typename T, int TN, int S, int STAGES, int KA, bool OPTS, bool DEEP, bool FP8>
+template <typename T, int TN, int S, int STAGES, int KA, bool OPTS, bool DEEP, int WQ>
 __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
     qkv_wgmma(const QkvParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   pdl_launch_dependents();
   pdl_wait();
+  // WQ: the weight format (W_DENSE, W_FP8, W_INT4; a bool true is W_FP8); the quantized ones are
+  // staged as codes and converted to T in shared memory before each stage's wgmmas
+  constexpr bool FP8 = WQ == W_FP8, INT4 = WQ == W_INT4, QUANT = FP8 || INT4;
   constexpr int INFLIGHT = DEEP ? 1 : 0;           // wgmma groups left running a k step
   constexpr int AHEAD = STAGES - 1 - INFLIGHT;     // stages copied ahead of the one multiplied
   static_assert(AHEAD >= 1, "qkv_wgmma needs STAGES >= 2, DEEP ones >= 3");
   constexpr int BK = 64 * KA;                       // k values per stage
   // an atom's weights as wgmma reads them (16-bit, swizzled) and as they are staged (FP8: rows
   // of 64 codes, plain), its hidden rows
-  constexpr int A_ATOM = MMA_ROWS * 128, A_STAGED = FP8 ? MMA_ROWS * 64 : A_ATOM;
+  constexpr int A_ROW = FP8 ? 64 : INT4 ? 32 : 128;  // staged weight row bytes (an atom)
+  constexpr int A_ATOM = MMA_ROWS * 128, A_STAGED = MMA_ROWS * A_ROW;
   constexpr int B_ATOM = TN * 128;
   constexpr int STAGE_BYTES = KA * (A_STAGED + B_ATOM);
-  constexpr int A_CHUNKS = FP8 ? 4 : 8;  // 16-byte chunks of a staged weight row (an atom)
+  constexpr int A_CHUNKS = A_ROW / 16;  // 16-byte chunks of a staged weight row (an atom)
   constexpr int A_STEP = WGMMA_THREADS / A_CHUNKS, B_STEP = WGMMA_THREADS / 8;  // rows apart
   constexpr int A_LOADS = MMA_ROWS / A_STEP, B_LOADS = TN / B_STEP;
   constexpr int R = TN / 2;  // accumulators a thread
@@ -1707,7 +1756,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   const int nk = (kend - kbeg + BK - 1) / BK;
 
   // Each thread copies chunk column cc (8 k values) of hidden rows rr, rr + B_STEP, ... of every
-  // atom, and chunk column ac (8 k values; FP8 16) of weight rows ar, ar + A_STEP, ... Their
+  // atom, and chunk column ac (8 k values; FP8 16, INT4 32) of weight rows ar, ar + A_STEP, ... Their
   // sources are set up here and a k step only adds its offset: recomputed per step, the addresses
   // took about 215 instructions a stage at tiles of 256 tokens, which stalled beside the wgmmas.
   // A row past the matrix or the tile reads nothing, from row 0's address (and a k chunk past the
@@ -1718,8 +1767,9 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   constexpr bool SETUP = TN >= 96;
   const int rr = threadIdx.x >> 3, cc = threadIdx.x & 7;
   const int ar = threadIdx.x / A_CHUNKS, ac = threadIdx.x % A_CHUNKS;
-  const int kc0 = kbeg + cc * 8, ka0 = kbeg + ac * (FP8 ? 16 : 8);
-  constexpr int A_ES = FP8 ? 1 : 2, A_ROW = FP8 ? 64 : 128;  // weight element, staged row bytes
+  const int kc0 = kbeg + cc * 8, ka0 = kbeg + ac * (64 / A_CHUNKS);
+  // bytes of k weight values of a row (k even: a 4-bit stage's chunks hold 32)
+  auto kbytes = [](int k) { return INT4 ? i64(k >> 1) : FP8 ? i64(k) : i64(k) * 2; };
   static_assert(A_STEP % 8 == 0 && B_STEP % 8 == 0, "rows j * STEP apart keep the swizzle");
   const unsigned char* const weight = static_cast<const unsigned char*>(p.weight);
   const unsigned char* const hidden = static_cast<const unsigned char*>(p.hidden);
@@ -1731,18 +1781,18 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
 #pragma unroll
   for (int j = 0; j < A_LOADS; ++j) {
     a_src[j] = j < a_rows ? weight + i64(row0 + ar + j * A_STEP) * p.weight_row_bytes +
-                                i64(ka0) * A_ES
+                                kbytes(ka0)
                           : weight;
   }
 #pragma unroll
   for (int j = 0; j < B_LOADS; ++j)
     b_src[j] = j < b_rows ? hidden + (i64(t0 + rr + j * B_STEP) * p.hidden_s0 + kc0) * 2 : hidden;
   // (!SETUP: the first rows' sources and the rows' strides, as before the set-up form)
-  const unsigned char* a_first = weight + i64(row0 + ar) * p.weight_row_bytes + i64(ka0) * A_ES;
+  const unsigned char* a_first = weight + i64(row0 + ar) * p.weight_row_bytes + kbytes(ka0);
   const i64 a_step = i64(A_STEP) * p.weight_row_bytes;
   const unsigned char* b_first = hidden + (i64(t0 + rr) * p.hidden_s0 + kc0) * 2;
   const i64 b_step = i64(B_STEP) * p.hidden_s0 * 2;
-  const unsigned a_dst = FP8 ? ar * 64 + ac * 16 : tiled_at<128>(ar, ac);
+  const unsigned a_dst = QUANT ? ar * A_ROW + ac * 16 : tiled_at<128>(ar, ac);
   const unsigned b_dst = tiled_at<128>(rr, cc);
   auto load = [&](int stage, int ks) {
     const unsigned base = smem0 + stage * STAGE_BYTES;
@@ -1750,7 +1800,8 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
     for (int a = 0; a < KA; ++a) {
       const int dk = ks * BK + a * 64;
       const bool a_in = ka0 + dk < kend, b_in = kc0 + dk < kend;
-      const int da = a_in ? dk * A_ES : 0, db = b_in ? dk * 2 : 0;
+      const i64 da = a_in ? kbytes(dk) : 0;
+      const int db = b_in ? dk * 2 : 0;
       const unsigned abase = base + a * A_STAGED + a_dst;
       const unsigned bbase = base + KA * A_STAGED + a * B_ATOM + b_dst;
 #pragma unroll
@@ -1759,9 +1810,9 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
           cp_async16(abase + j * A_STEP * A_ROW, a_src[j] + da, a_in && j < a_rows);
         } else {
           const bool on = ka0 + dk < kend && row0 + ar + j * A_STEP < p.N;
-          const unsigned dst = FP8 ? base + a * A_STAGED + (ar + j * A_STEP) * 64 + ac * 16
-                                   : base + a * A_STAGED + tiled_at<128>(ar + j * A_STEP, ac);
-          cp_async16(dst, on ? a_first + j * a_step + dk * A_ES : p.weight, on);
+          const unsigned dst = QUANT ? base + a * A_STAGED + (ar + j * A_STEP) * A_ROW + ac * 16
+                                     : base + a * A_STAGED + tiled_at<128>(ar + j * A_STEP, ac);
+          cp_async16(dst, on ? a_first + j * a_step + kbytes(dk) : p.weight, on);
         }
       }
 #pragma unroll
@@ -1786,6 +1837,44 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   const unsigned* offsets;
   PendingSlot slot{{-1, -1, -1, 0}, 0, -1};
   if (!tile_addressing<OPTS, TN>(p, req_off, req_len, t0, nt, offsets, slot)) return;
+
+  // INT4: thread (row, half) converts 32 values of weight row `row` an atom (k = 32 half .. of
+  // the atom's 64), which lie in one group (G a multiple of 32, a slice whole stages): the
+  // group's scale (T bits) and zero point (8 without zero points; scale 0 past N or the slice)
+  // are loaded into registers two k steps before the stage is converted (s_cur: stage ks,
+  // s_next: ks + 1). scale_load runs for ks = 0, 1, 2, ... in turn: the group of each atom's k
+  // (s_grp) and its offset in it (s_rem) advance by a stage a call, no division.
+  unsigned s_cur[INT4 ? KA : 1][2], s_next[INT4 ? KA : 1][2];
+  int s_grp[INT4 ? KA : 1], s_rem[INT4 ? KA : 1];
+  if constexpr (INT4) {
+#pragma unroll
+    for (int a = 0; a < KA; ++a) {
+      const int k = kbeg + a * 64 + (threadIdx.x & 1) * 32;
+      s_grp[a] = k / p.group_size;
+      s_rem[a] = k - s_grp[a] * p.group_size;
+    }
+  }
+  auto scale_load = [&](int ks, unsigned (&s)[INT4 ? KA : 1][2]) {
+    if constexpr (INT4) {
+      const int n = row0 + (threadIdx.x >> 1);
+#pragma unroll
+      for (int a = 0; a < KA; ++a) {
+        const int k = kbeg + ks * BK + a * 64 + (threadIdx.x & 1) * 32;
+        const bool on = ks < nk && k < kend && n < p.N;
+        const int grp = s_grp[a];  // k / group_size
+        s[a][0] = on ? unsigned(__ldg(static_cast<const unsigned short*>(p.weight_scales) +
+                                      i64(n) * p.ws_s0 + grp))
+                     : 0u;
+        s[a][1] = on && p.zero_points
+                      ? unsigned(__ldg(static_cast<const unsigned char*>(p.zero_points) +
+                                       i64(n) * p.zp_s0 + grp))
+                      : 8u;
+        for (s_rem[a] += BK; s_rem[a] >= p.group_size; s_rem[a] -= p.group_size) ++s_grp[a];
+      }
+    }
+  };
+  scale_load(0, s_cur);
+  scale_load(1, s_next);
 
   float acc[R];
 #pragma unroll
@@ -1823,6 +1912,40 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
                           "r"(fp8x2_to<T>(hi)), "r"(fp8x2_to<T>(hi >> 16)) : "memory");
         }
       }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // for wgmma's reads
+      __syncthreads();
+    } else if constexpr (INT4) {
+      // the same for 4-bit codes: w = (q - zero) * scale rounded once to T (int4_pair, as
+      // qkv_mma_tiled), the pairs (i, i + 4) that int4_pair makes put back in k order
+      abase = smem0 + STAGES * STAGE_BYTES + (ks & 1) * (KA * A_ATOM);
+      const int row = threadIdx.x >> 1, half = threadIdx.x & 1;  // 32 codes of a row a thread
+      constexpr unsigned MAGIC = INT4_MAGIC<T>;
+#pragma unroll
+      for (int a = 0; a < KA; ++a) {
+        const uint4 v = lds128(base + a * A_STAGED + row * 32 + half * 16);
+        const unsigned z = s_cur[a][1] & 0xFu;
+        const unsigned scale = s_cur[a][0] * 0x00010001u;
+        const unsigned sub = MAGIC + z * 0x00010001u;
+        // fp16 -(64 + z): sign, exponent of 64, z in the top 4 of the 10 mantissa bits
+        const unsigned sub16 = (0xD400u | (z << 4)) * 0x00010001u;
+        const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // 8 codes (k = 8 j ..) -> chunk half * 4 + j of the row
+          unsigned q[4];  // the pairs (0, 4), (1, 5), (2, 6), (3, 7)
+          int4_pairs<T>(words[j], sub, sub16, scale, q);
+          const unsigned dst = abase + a * A_ATOM + tiled_at<128>(row, half * 4 + j);
+          asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
+                       :: "r"(dst), "r"(__byte_perm(q[0], q[1], 0x5410)),
+                          "r"(__byte_perm(q[2], q[3], 0x5410)), "r"(__byte_perm(q[0], q[1], 0x7632)),
+                          "r"(__byte_perm(q[2], q[3], 0x7632)) : "memory");
+        }
+      }
+#pragma unroll
+      for (int a = 0; a < KA; ++a) {
+        s_cur[a][0] = s_next[a][0];
+        s_cur[a][1] = s_next[a][1];
+      }
+      scale_load(ks + 2, s_next);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // for wgmma's reads
       __syncthreads();
     }
