@@ -154,18 +154,21 @@ TUNING = {
     "max_block": 160,
     "narrow_below": 32,
     "narrow_width": 4,
-    # the decode kernel (`_decode_kernel`): used up to `decode_tokens` tokens (0: never), blocks
-    # of up to `decode_rows` head rows. `decode_flat` 1: the flat kernel (rows of every token in
-    # one sequence, ceil(T H / rows) blocks, no idle lanes whatever H; needs 32-bit offsets, else
-    # the kernel of 0), also at any T when H = Hq + 2 Hkv <= `decode_heads` (Tensor-parallel
-    # heads, 8 / 1: 10 rows), at 4 elements per lane below `decode_narrow_below` tokens (8
-    # otherwise: half the serial work per lane for the fewest tokens), its blocks made smaller
-    # (down to one warp) while the grid has fewer than `decode_min_blocks` blocks. 0: the kernel
-    # of grid (T, ceil(H / rows)), a token's rows over several blocks (the behaviour before the
-    # flat kernel, with decode_tokens 128).
-    "decode_tokens": 256,
+    # the decode kernels (`_decode_kernel`). The (T, splits) kernel: up to `decode_tokens` tokens
+    # (0: never), grid (T, ceil(H / rows)), blocks of up to `decode_rows` head rows. The flat
+    # kernel (`decode_flat` 1): rows of every token in one sequence, ceil(T H / rows) blocks, no
+    # idle lanes whatever H (needs 32-bit offsets, else the (T, splits) kernel). It runs below
+    # `flat_below` tokens where a token has more than `decode_heads` head rows (H = Hq + 2 Hkv),
+    # and past `decode_tokens` tokens where it has at most that many (Tensor-parallel heads, 8 /
+    # 1: 10 rows; their prefill); 4 elements per lane below `decode_narrow_below` tokens (8
+    # otherwise), blocks made smaller (down to one warp) while the grid has fewer than
+    # `decode_min_blocks` blocks. H200, graph replay, us, flat / (T, splits) or general kernel:
+    # 64 / 8 heads 1, 16, 64, 256 tokens 1.9 / 2.0, 2.1 / 2.2, 2.9 / 2.8, 6.2 / 5.9; 8 / 1 heads
+    # 4, 64, 256 tokens 2.0 / 1.8, 2.6 / 2.5, 3.2 / 3.3, 8 x 1024 16.2 / 24.0.
+    "decode_tokens": 128,
     "decode_rows": 16,
     "decode_flat": 1,
+    "flat_below": 17,
     "decode_heads": 16,
     "decode_narrow_below": 32,
     "decode_min_blocks": 32,
@@ -1052,7 +1055,7 @@ def _extent(shape, strides):
 def _decode_kernel(views, vgiven, is_neox, R, fits8):
     """(kernel, grid, block) of a decode kernel for a plain call (no option, no quantizing:
     the caller checks) of at most TUNING["decode_tokens"] tokens (or, the flat kernel, of at
-    most TUNING["decode_heads"] head rows a token) whose geometry it was compiled for (D in
+    most TUNING["decode_heads"] head rows a token: TUNING's comment) whose geometry it was compiled for (D in
     DECODE_DIMS, R == D, 16-byte lanes aligned, both RMSNorm weights of one dtype); None
     otherwise (``fits8``: the rows are aligned for 8-element lanes). 32-bit offsets when every
     array's extent in elements allows (the flat kernel needs them)."""
@@ -1061,9 +1064,12 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
     Hkv = vk.shape[1]
     H = Hq + 2 * Hkv
     few = T <= TUNING["decode_tokens"]
+    flat = TUNING["decode_flat"] and (
+        (T < TUNING["flat_below"]) if H > TUNING["decode_heads"] else not few
+    )
     if not (
         0 < T
-        and (few or (TUNING["decode_flat"] and H <= TUNING["decode_heads"]))
+        and (few or flat)
         and D in DECODE_DIMS
         and R == D
         and vqg.dtype == vkg.dtype
@@ -1076,7 +1082,7 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
     extents.append(_extent(*out))
     i32 = all(e is not None and e < INT32_EXTENT for e in extents)
     f32 = vqg.dtype == FLOAT32
-    if TUNING["decode_flat"] and i32:
+    if flat and i32:
         return _flat_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32)
     if not few:
         return None

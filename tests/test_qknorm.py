@@ -808,12 +808,15 @@ def test_decode_kernel_matches_reference(D, batch, cache_dtype, layout):
         check_on_device(args, kw, is_neox=is_neox, in_place=not packed, kv_scale=None)
 
 
-# TUNING variants of the decode kernels: the default (the flat kernel, 4-element lanes at these
-# few tokens), the flat kernel at 16-byte lanes (D 64: 8 rows a warp, so a warp holds rows of two
+# the flat decode kernel at every token count it can take
+FLAT_EVERYWHERE = {"flat_below": 1 << 30, "decode_tokens": 0}
+# TUNING variants of the decode kernels: the defaults, the flat kernel (4-element lanes at few
+# tokens), the flat kernel at 16-byte lanes (D 64: 8 rows a warp, so a warp holds rows of two
 # tokens), and the (T, splits) kernel of decode_flat 0
 DECODE_VARIANTS = {
-    "flat": {},
-    "flat16": {"decode_narrow_below": 0, "decode_min_blocks": 0},
+    "default": {},
+    "flat": FLAT_EVERYWHERE,
+    "flat16": {**FLAT_EVERYWHERE, "decode_narrow_below": 0, "decode_min_blocks": 0},
     "splits": {"decode_flat": 0, "decode_tokens": 128},
 }
 
@@ -834,8 +837,8 @@ FLAT_CASES = {
 }
 FLAT_VARIANTS = {
     **DECODE_VARIANTS,
-    "flat4": {"decode_narrow_below": 100_000},  # 4-element lanes at every T
-    "flat-big": {"decode_min_blocks": 0, "decode_rows": 64},  # 64 rows a block
+    "flat4": {**FLAT_EVERYWHERE, "decode_narrow_below": 100_000},  # 4-element lanes at every T
+    "flat-big": {**FLAT_EVERYWHERE, "decode_min_blocks": 0, "decode_rows": 64},  # 64 rows a block
 }
 
 
@@ -880,7 +883,7 @@ def test_flat_decode_kernel_matches_reference(case, variant, cache_dtype):
         kernel = qknorm._decode_kernel(views, None, True, 128, True)
         if variant == "splits":  # the (T, splits) kernel up to 128 tokens, then the general one
             assert kernel is None or not kernel[0].startswith(qknorm.FLAT_KERNEL), kernel
-        else:  # every case here is <= 256 tokens or of TP heads
+        elif variant.startswith("flat"):  # every case here: the flat kernel
             assert kernel and kernel[0].startswith(qknorm.FLAT_KERNEL), kernel
         check_on_device(args, kw, kv_scale=0.5 if cache_dtype == E4M3 else None)
 
@@ -914,18 +917,21 @@ def test_decode_kernel_is_chosen_for_plain_decode_calls():
         )
         return qknorm._decode_kernel(views, None, is_neox, R, fits)
 
-    # the flat kernel (the default): T H rows in one sequence
+    # the defaults: 64 / 8 heads (80 rows a token) take the flat kernel below 17 tokens, T H rows
+    # in one sequence: 80 rows at 16 lanes of 4 elements, 2 rows a warp: 4 rows a block makes 20
+    # blocks (>= 80 / 32); the (T, splits) kernel up to 128 tokens, then none (the general one)
     kernel, grid, block = choose()
     assert kernel == qknorm.flat_expression(BF16, BF16, True, 128, True, 4)
-    # 80 rows at 16 lanes of 4 elements, 2 rows a warp: 4 rows a block makes 20 blocks (>= 80 / 32)
     assert grid == (20,) and block == (64,)
-    kernel, grid, block = choose(T=128)  # 10240 rows, 16-byte lanes: 16 rows of 8 lanes a block
-    assert kernel == qknorm.flat_expression(BF16, BF16, True, 128, True, 8)
-    assert grid == (640,) and block == (128,)
-    assert choose(T=256)[1] == (1280,)
-    assert choose(Hq=8, Hkv=1)[1:] == ((5,), (32,))  # 10 rows: a warp of 2 rows a block
-    assert choose(T=64, Hq=8, Hkv=1)[1:] == ((40,), (128,))  # 640 rows, 16 a block, no idle lane
-    # Tensor-parallel heads (H = 10 <= decode_heads): the flat kernel at any T
+    assert choose(T=16)[0].startswith(qknorm.FLAT_KERNEL)
+    kernel, grid, block = choose(T=17)
+    assert kernel == qknorm.decode_expression(BF16, BF16, True, 128, True, True)
+    assert grid == (17, 5)
+    assert choose(T=128)[1] == (128, 5)
+    # Tensor-parallel heads (H = 10 <= decode_heads): the (T, splits) kernel up to 128 tokens,
+    # the flat kernel past them, at any T
+    assert choose(Hq=8, Hkv=1)[1] == (1, 1)
+    assert choose(T=129, Hq=8, Hkv=1)[1:] == ((81,), (128,))  # 1290 rows, 16 a block
     assert choose(T=8192, Hq=8, Hkv=1)[1:] == ((5120,), (128,))
     assert choose(T=8192, Hq=8, Hkv=4)[1] == (8192,)  # H 16: still
     assert choose(D=256)[0] == qknorm.flat_expression(BF16, BF16, True, 256, True, 4)
@@ -934,6 +940,13 @@ def test_decode_kernel_is_chosen_for_plain_decode_calls():
         BF16, BF16, False, 256, True, 8
     )
     assert choose(D=64)[2] == (32,)
+    with applied({"qknorm": FLAT_EVERYWHERE}):  # the flat kernel at every T
+        kernel, grid, block = choose(T=128)  # 10240 rows, 16-byte lanes: 16 rows of 8 lanes
+        assert kernel == qknorm.flat_expression(BF16, BF16, True, 128, True, 8)
+        assert grid == (640,) and block == (128,)
+        assert choose(T=256)[1] == (1280,)
+        assert choose(Hq=8, Hkv=1)[1:] == ((5,), (32,))  # 10 rows: a warp of 2 rows a block
+        assert choose(T=64, Hq=8, Hkv=1)[1:] == ((40,), (128,))  # 640 rows, 16 a block
     # 2^20 * 16 * 8 * 128 elements: 64-bit offsets, the (T, splits) kernel
     kernel, grid, block = choose(pages=2**20)
     assert kernel == qknorm.decode_expression(BF16, BF16, True, 128, True, False)

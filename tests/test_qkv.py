@@ -1210,7 +1210,9 @@ def test_gpu_wgmma_int4_settings(T, atoms, split, monkeypatch):
         atoms = 1
     monkeypatch.setattr(qkv_mod, "WGMMA_INT4_ATOMS", atoms)
     monkeypatch.setattr(qkv_mod, "WGMMA_INT4_MIN_STAGES", 1)  # atoms at every tile
-    monkeypatch.setattr(qkv_mod, "SM_SHARED_BYTES", 1 << 30)  # the split as WGMMA_SPLIT says
+    # the split as WGMMA_SPLIT says (a wave of any size), the stages as many as fit the SM's
+    # shared memory (overriding SM_SHARED_BYTES instead asked the driver for more than exists)
+    monkeypatch.setattr(qkv_mod, "_sm_count", lambda device: 1 << 20)
     monkeypatch.setattr(qkv_mod, "WGMMA_SPLIT", split)
     lengths = (T // 2, 0, T - T // 2 - 1)
     args, kw = make_case(
