@@ -448,13 +448,19 @@ def test_status_reports_bad_offsets_and_the_caches_stay(name):
     "name,bad", [("qknorm-fp8-layers", True), ("qkv-decode-layers", 1.0), ("mla-split-layers", "1")]
 )
 def test_layer_idx_type_errors_are_the_eager_ones(name, bad):
+    assert_jitted_error_is_the_eager_one(name, TypeError, layer_idx=bad)
+
+
+def assert_jitted_error_is_the_eager_one(name, error, **bad):
+    """Case ``name`` with the scalar arguments ``bad`` raises ``error`` under ``jax.jit`` with
+    the eager op's message."""
     case = next(c for c in CASES if c.name == name)
-    with pytest.raises(TypeError) as eager:
-        case.run(ropekv, dict(case.fresh(), layer_idx=bad))
+    with pytest.raises(error) as eager:
+        case.run(ropekv, dict(case.fresh(), **bad))
     arrays, statics = split(case)
     fn = getattr(rj, case.op)
-    with pytest.raises(TypeError) as jitted:
-        jax.jit(lambda a: fn(**a, **dict(statics, layer_idx=bad)))(arrays)
+    with pytest.raises(error) as jitted:
+        jax.jit(lambda a: fn(**a, **dict(statics, **bad)))(arrays)
     assert str(jitted.value) == str(eager.value)
 
 
@@ -464,14 +470,7 @@ def test_layer_idx_type_errors_are_the_eager_ones(name, bad):
 )
 @pytest.mark.parametrize("bad", [5, (1, 2), (1.0, 2, 3)])
 def test_mrope_section_errors_are_the_eager_ones(name, bad):
-    case = next(c for c in CASES if c.name == name)
-    with pytest.raises(ValueError) as eager:
-        case.run(ropekv, dict(case.fresh(), mrope_section=bad))
-    arrays, statics = split(case)
-    fn = getattr(rj, case.op)
-    with pytest.raises(ValueError) as jitted:
-        jax.jit(lambda a: fn(**a, **dict(statics, mrope_section=bad)))(arrays)
-    assert str(jitted.value) == str(eager.value)
+    assert_jitted_error_is_the_eager_one(name, ValueError, mrope_section=bad)
 
 
 @cpu

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import functools
 import pstats
 import sys
 import time
@@ -70,6 +71,21 @@ def layered_rows(w, o, layers, sync, calls):
         finally:
             setattr(ropekv, name, fn)
     return rows
+
+
+def first_call_profile(fn, sync, label, sort, lines, n=30):
+    """Print a cProfile of ``n`` first calls of ``fn`` (every op's plans cleared before each),
+    sorted by ``sort``, its first ``lines`` lines."""
+    prof = cProfile.Profile()
+    for _ in range(n):
+        for op in ops():
+            op.clear()
+        prof.enable()
+        fn()
+        prof.disable()
+    sync()
+    print(f"==== first-call profile, {label}")
+    pstats.Stats(prof, stream=sys.stdout).sort_stats(sort).print_stats(lines)
 
 
 def first_call_us(fn, sync, n=10):
@@ -200,26 +216,8 @@ def main(argv=None):
             torch.cuda.synchronize()
             print(f"==== replay profile, torch: {name}")
             pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(20)
-            prof = cProfile.Profile()
-            for _ in range(30):
-                for op in ops():
-                    op.clear()
-                prof.enable()
-                w.call(o)
-                prof.disable()
-            sync()
-            print(f"==== first-call profile, cupy: {name}")
-            pstats.Stats(prof, stream=sys.stdout).sort_stats("cumtime").print_stats(35)
-            prof = cProfile.Profile()
-            for _ in range(30):
-                for op in ops():
-                    op.clear()
-                prof.enable()
-                call_t()
-                prof.disable()
-            torch.cuda.synchronize()
-            print(f"==== first-call profile, torch: {name}")
-            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+            first_call_profile(functools.partial(w.call, o), sync, f"cupy: {name}", "cumtime", 35)
+            first_call_profile(call_t, torch.cuda.synchronize, f"torch: {name}", "tottime", 30)
     if not args.no_floor:
         floor(sync)
     print(f"\nreplay: {_native.state() if args.replay == 'c' else 'Python (--replay python)'}")
