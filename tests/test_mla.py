@@ -948,6 +948,7 @@ LEAN_VARIANTS = [
     {"lean_below": 0},  # ee077f9's split kernel
     {"lean_block": 64},
     {"lean_block": 256},
+    {"lean_below": 1 << 30},  # the lean kernel at prefill too
 ]
 
 
@@ -961,8 +962,9 @@ LEAN_VARIANTS = [
         (1,) * 31,  # the last batch searched by lane shuffles
         (1,) * 32,  # staged in shared memory
         (1, 0, 2, 1, 0, 3) * 7,
-        tuple(1 if b % 3 == 0 else 0 for b in range(600)),  # past kStageMax: global memory
+        tuple(1 if b % 4 == 0 else 0 for b in range(520)),  # past kStageMax: global memory
         (2, 3, 250),
+        (300, 0, 900),  # prefill: the lean kernel only with lean_below raised
     ],
     ids=lambda n: f"B{len(n)}T{sum(n)}",
 )
@@ -980,7 +982,7 @@ def test_lean_decode_matches_reference(
 ):
     """The lean decode kernel (plain calls) against the reference at every request-search path
     (lane shuffles below 32 requests, shared memory up to 512, global memory past it), tokens
-    without a request or position, and pages out of range."""
+    without a request or position, and pages out of range; ``lean_below`` raised, at prefill."""
     from ropekv import mla
 
     for key, value in variant.items():
@@ -1005,5 +1007,4 @@ def test_lean_decode_matches_reference(
             kv_scale=0.5 if cache_dtype == E4M3 else None,
         )
         args["block_table"][0, 0] = -3  # request 0's first page out of range: roped, not written
-        check_on_device(args, kw, is_neox=is_neox)
-        check_on_device(args, kw, is_neox=is_neox, in_place=True)
+        check_on_device(args, kw, is_neox=is_neox, in_place=not split)
