@@ -40,8 +40,14 @@ INPUT_DTYPES = (FLOAT16, BFLOAT16)
 # up to Hq / (BLOCK / items) blocks (one head per lane group) while the grid stays within
 # `wave_blocks`, over as few as HEADS_MAX allow otherwise. From `split_below` tokens (prefill) the
 # token kernel: a block per token walking its heads two at a time.
-TUNING = {"wave_blocks": 165, "split_below": 1024}
+# Below `lean_below` tokens a plain call (no status, no clear_unused_last_page_rows) takes the lean
+# kernel instead: one chunk of one row per thread, blocks of about `lean_block` threads (a token's
+# q heads over ceil(Hq / rows) blocks, its kv row in one more block whose first warp normalises
+# the latent row); `lean_below=0` is the choice of ee077f9.
+TUNING = {"wave_blocks": 165, "split_below": 1024, "lean_below": 257, "lean_block": 128}
 SPLIT_KERNEL = "mla_rope_rmsnorm_append_split"
+LEAN_KERNEL = "mla_rope_rmsnorm_append_lean"
+LEAN_LATENT = 2  # latent chunks a lane of the lean kernel's latent warp holds (kLeanLatent)
 
 PARAMS = ParamStruct(
     "MlaParams",
@@ -113,10 +119,33 @@ def launch_shape(T, Hq, items):
     return -(-Hq // per_block), per_block
 
 
+def lean_shape(T, Hq, items, L, n):
+    """``(rows, splits)`` of the lean kernel for T tokens of Hq q heads of ``items`` chunks each
+    (blocks of ``(items, rows)`` threads, grid ``(T, 1 + splits)``), or None where it does not
+    apply: T outside ``[1, lean_below)``, ``items`` not a power of two of at most 32, or a latent
+    row of more than 32 LEAN_LATENT chunks."""
+    if not (
+        0 < T < TUNING["lean_below"]
+        and items <= 32
+        and items & (items - 1) == 0
+        and L // n <= 32 * LEAN_LATENT
+    ):
+        return None
+    unit = 32 // items  # rows of a warp: blocks are whole warps
+    threads = max(64, min(BLOCK, TUNING["lean_block"] // 32 * 32))
+    rows = max(threads // items, 2 * unit)  # at least two warps: the kv block's
+    splits = -(-Hq // rows)
+    even = -(-Hq // splits)  # the heads spread evenly over the splits, in whole warps
+    rows = max(-(-even // unit) * unit, 2 * unit)
+    return rows, splits
+
+
 @functools.cache  # a plan's lookup spells it once per first call
-def expression(dtype, cache_dtype, is_neox, n, split=False, opts=False):
+def expression(dtype, cache_dtype, is_neox, n, split=False, opts=False, lean=False):
     """``opts``: the kernel that reads the options (tail clearing); the plain one has them
-    compiled out."""
+    compiled out. ``lean``: the lean decode kernel (plain calls only)."""
+    if lean:
+        return name_expression(LEAN_KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), n)
     return name_expression(
         SPLIT_KERNEL if split else KERNEL,
         c_type(dtype),
@@ -134,6 +163,7 @@ def instantiations():
             yield from rope_instantiations(
                 lambda *a, s=split, o=opts: expression(*a, s, o), INPUT_DTYPES, FP8_DTYPES
             )
+    yield from rope_instantiations(lambda *a: expression(*a, lean=True), INPUT_DTYPES, FP8_DTYPES)
 
 
 # ---- helpers shared with ropekv.qknorm ---------------------------------------------------------
@@ -367,8 +397,9 @@ def _prepare(views, flags):
         return plan(HOST, host=_host_run(a, f, c))
     if c.T == 0 and a.status is None:
         return plan(c.device)
-    n, split_heads, splits, per_block = _choose(a, f.is_neox, c)
-    return plan(c.device, [_pack(a, f, c, n, split_heads, splits, per_block)])
+    plain = not f.clear_unused_last_page_rows and a.status is None
+    n, split_heads, splits, per_block, lean = _choose(a, f.is_neox, c, plain)
+    return plan(c.device, [_pack(a, f, c, n, split_heads, splits, per_block, lean)])
 
 
 def _check(a, f):
@@ -535,8 +566,10 @@ def _host_run(a, f, c):
     return host
 
 
-def _choose(a, is_neox, c):
-    """``(vector width, split_heads, splits, heads per block)`` of a device call."""
+def _choose(a, is_neox, c, plain=False):
+    """``(vector width, split_heads, splits, heads per block, lean)`` of a device call; ``lean``:
+    the lean kernel takes it (a plain call, ``plain``, of a shape :func:`lean_shape` accepts),
+    then ``splits`` q blocks of ``heads per block`` heads each."""
     vq, vkv, vg, caches, R, L = a.q_rope, a.kv, a.gamma, c.caches, c.R, c.L
     vout = a.q_rope_out if a.q_rope_out is not None else vq  # a new output is laid out as q
     # the widest n for which the data rows (and the table's) are aligned, read once for every
@@ -566,16 +599,21 @@ def _choose(a, is_neox, c):
             f"rotary dim R={R} needs more than {BLOCK} threads per head row at a "
             f"vector width of {n}"
         )
+    items = (R // 2 if is_neox else R) // n
+    lean = lean_shape(c.T, c.Hq, items, L, n) if plain else None
+    if lean is not None:
+        rows, splits = lean
+        return n, True, splits, rows, True
     split_heads = c.T < TUNING["split_below"]
     splits, per_block = (
         launch_shape(max(c.T, 1), c.Hq, (R // 2 if is_neox else R) // n)
         if split_heads
         else (1, c.Hq)
     )
-    return n, split_heads, splits, per_block
+    return n, split_heads, splits, per_block, False
 
 
-def _pack(a, f, c, n, split_heads, splits, per_block):
+def _pack(a, f, c, n, split_heads, splits, per_block, lean=False):
     """The launch of a device call: its record's values and pointer slots, and the kernel."""
     vq, vgiven, vcache, T, Hq, R = a.q_rope, a.q_rope_out, c.caches[0], c.T, c.Hq, c.R
     out_strides = (Hq * R, R) if vgiven is None else vgiven.strides[:2]
@@ -618,12 +656,13 @@ def _pack(a, f, c, n, split_heads, splits, per_block):
         slots["status"] = (_STATUS, 0)
     # status= with no tokens: one block, which validates
     opts = f.clear_unused_last_page_rows or a.status is not None
+    items = (R // 2 if f.is_neox else R) // n
     return Launch(
         STEM,
-        expression(vq.dtype, vcache.dtype, f.is_neox, n, split_heads, opts),
+        expression(vq.dtype, vcache.dtype, f.is_neox, n, split_heads, opts, lean),
         c.device,
-        (max(T, 1), splits),
-        (BLOCK,),
+        (T, 1 + splits) if lean else (max(T, 1), splits),
+        (items, per_block) if lean else (BLOCK,),
         PARAMS,
         values,
         slots,

@@ -347,6 +347,44 @@ def test_check_indices_raises(monkeypatch, breakage):
     op(**args, **kw)  # skipped silently
 
 
+@pytest.mark.parametrize("lean_block", [32, 64, 96, 128, 256, 1000])
+@pytest.mark.parametrize("items", [1, 2, 4, 8, 16, 32])
+@pytest.mark.parametrize("Hq", [1, 3, 16, 128, 192])
+def test_lean_shape_whole_warps_and_every_head(monkeypatch, lean_block, items, Hq):
+    """The lean kernel's blocks: whole warps, at least two (the kv block's latent warp and its
+    rotary tail), at most BLOCK threads; the q blocks hold every head, none of them empty."""
+    from ropekv import mla
+
+    monkeypatch.setitem(mla.TUNING, "lean_block", lean_block)
+    rows, splits = mla.lean_shape(1, Hq, items, 512, 8)
+    threads = rows * items
+    assert threads % 32 == 0 and 64 <= threads <= mla.BLOCK
+    assert threads >= 32 + items
+    assert rows * splits >= Hq and (splits - 1) * rows < Hq
+
+
+def test_lean_shape_declines_what_the_kernel_does_not_cover(monkeypatch):
+    from ropekv import mla
+
+    assert mla.lean_shape(1, 128, 8, 512, 8) is not None
+    assert mla.lean_shape(mla.TUNING["lean_below"] - 1, 128, 8, 512, 8) is not None
+    assert mla.lean_shape(0, 128, 8, 512, 8) is None
+    assert mla.lean_shape(mla.TUNING["lean_below"], 128, 8, 512, 8) is None
+    assert mla.lean_shape(1, 128, 12, 512, 8) is None  # not a power of two
+    assert mla.lean_shape(1, 128, 64, 512, 8) is None  # a row wider than a warp
+    assert mla.lean_shape(1, 128, 8, 512, 4) is None  # 128 latent chunks: more than 2 a lane
+    monkeypatch.setitem(mla.TUNING, "lean_below", 0)  # ee077f9's choice
+    assert mla.lean_shape(1, 128, 8, 512, 8) is None
+
+
+def test_lean_kernel_is_instantiated():
+    from ropekv import mla
+
+    names = set(mla.instantiations())
+    assert mla.expression(BF16, E4M3, False, 8, lean=True) in names
+    assert mla.expression(np.dtype(np.float16), np.dtype(np.float16), True, 2, lean=True) in names
+
+
 def test_zero_length_requests_and_empty_batch():
     args, kw = make_case(7, new=(0, 0, 2, 0), cached=(3, 0, 1, 9))
     q_ref, _, _ = expected(args, kw)
@@ -903,3 +941,70 @@ def test_repeated_calls_replay_the_launch_plan_with_new_arrays(split, in_place, 
             kv_scale=0.5,
         )
         check_on_device(args, kw, in_place=in_place, given=given)
+
+
+LEAN_VARIANTS = [
+    {},  # the defaults: the lean kernel below lean_below tokens
+    {"lean_below": 0},  # ee077f9's split kernel
+    {"lean_block": 64},
+    {"lean_block": 256},
+    {"lean_below": 1 << 30},  # the lean kernel at prefill too
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", LEAN_VARIANTS, ids=lambda v: ",".join(map(str, v.items())))
+@pytest.mark.parametrize(
+    "new",
+    [
+        (1,),
+        (1,) * 5,
+        (1,) * 31,  # the last batch searched by lane shuffles
+        (1,) * 32,  # staged in shared memory
+        (1, 0, 2, 1, 0, 3) * 7,
+        tuple(1 if b % 4 == 0 else 0 for b in range(520)),  # past kStageMax: global memory
+        (2, 3, 250),
+        (300, 0, 900),  # prefill: the lean kernel only with lean_below raised
+    ],
+    ids=lambda n: f"B{len(n)}T{sum(n)}",
+)
+@pytest.mark.parametrize(
+    "Hq, L, R, is_neox, kv_norm_dim, gamma_f32",
+    [
+        (128, 512, 64, False, None, False),  # DeepSeek-V3
+        (128, 512, 64, True, 448, True),
+        (16, 256, 32, False, 200, True),
+        (3, 64, 64, True, None, False),
+    ],
+)
+def test_lean_decode_matches_reference(
+    monkeypatch, variant, new, Hq, L, R, is_neox, kv_norm_dim, gamma_f32
+):
+    """The lean decode kernel (plain calls) against the reference at every request-search path
+    (lane shuffles below 32 requests, shared memory up to 512, global memory past it), tokens
+    without a request or position, and pages out of range; ``lean_below`` raised, at prefill."""
+    from ropekv import mla
+
+    for key, value in variant.items():
+        monkeypatch.setitem(mla.TUNING, key, value)
+    rng = np.random.default_rng(len(new) + Hq)
+    cached = tuple(int(x) for x in rng.integers(0, 300, len(new)))
+    for cache_dtype, split in ((E4M3, True), (BF16, False)):
+        args, kw = make_case(
+            17 + len(new),
+            Hq=Hq,
+            L=L,
+            R=R,
+            dtype=BF16,
+            cache_dtype=cache_dtype,
+            new=new,
+            cached=cached,
+            page_size=16,
+            split=split,
+            kv_norm_dim=kv_norm_dim,
+            gamma_f32=gamma_f32,
+            P=280,  # some positions past the table: q copied, nothing written
+            kv_scale=0.5 if cache_dtype == E4M3 else None,
+        )
+        args["block_table"][0, 0] = -3  # request 0's first page out of range: roped, not written
+        check_on_device(args, kw, is_neox=is_neox, in_place=not split)

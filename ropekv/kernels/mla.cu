@@ -392,3 +392,192 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParam
   if (OPTS && p.clear && last_of_request(p.offsets, slot, t))
     mla_clear_rest_of_page<CacheT, N>(p, ckv, kpe, slot.entry);
 }
+
+// The lean decode kernel (plain calls: no status=, no clear_unused_last_page_rows): one chunk of
+// one row per thread, no block barrier for batches of fewer than 32 requests, no runtime
+// division but the page index. Block (items, S): threadIdx.x the chunk j of a row, threadIdx.y
+// the row; grid (T, 1 + ceil(Hq / S)). Block (t, 0) holds token t's kv row: its first warp the
+// latent row (lane l chunks l and l + 32: L / N <= 32 kLeanLatent, the host checks), the sum of
+// squares reduced by shuffles within that warp; threads 32 .. 32 + items - 1 the rotary tail's
+// chunks. Block (t, y >= 1) holds q heads (y - 1) S + threadIdx.y. Order: the request search's
+// loads first (fewer than 32 requests: offsets[lane] and cache_lengths[lane], one per lane, the
+// binary search then run by shuffles, as qk_decode_rows does; up to kStageMax staged in shared
+// memory behind one barrier; past that, global memory), the row chunks (and the RMSNorm weights)
+// right behind them; then the position, the page (kv block) and the cos/sin values; then the
+// stores. Same semantics as the split kernel: a token outside every request or with a position
+// outside [0, P) has its q rows copied unrotated and writes nothing to the cache; a token whose
+// page is out of range is roped, not written. The host sets blockDim.x = items (a power of two at
+// most 32) and blockDim.x * blockDim.y a multiple of 32, at least 64.
+constexpr int kLeanLatent = 2;
+
+template <typename T, typename CacheT, bool NEOX, int N>
+__global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append_lean(const MlaParams p) {
+  __shared__ unsigned s_offsets[kStageMax + 1];
+  __shared__ int s_lengths[kStageMax];
+  pdl_launch_dependents();
+  const int t = blockIdx.x;
+  const int items = blockDim.x;
+  const int tid = threadIdx.y * items + threadIdx.x;
+  const int lane = tid & 31;
+  const bool latent = blockIdx.y == 0;
+  const bool ckv_warp = latent && tid < 32;  // warp-uniform
+  const int jk = tid - 32;                   // rotary tail chunk (kv block)
+  const bool tail = latent && jk >= 0 && jk < items;
+  const int h = (int(blockIdx.y) - 1) * int(blockDim.y) + int(threadIdx.y);
+  const bool qrow = !latent && h < p.Hq;
+  const int half_r = p.R >> 1;
+  const int j = tail ? jk : int(threadIdx.x);  // the chunk of a q row or of the rotary tail
+  const int ea = j * N, eb = ea + half_r;
+  const int latent_chunks = p.L / N;
+  const int norm_chunks = p.kv_norm_dim / N;
+  const int B = p.B;
+  const T* kv = static_cast<const T*>(p.kv) + i64(t) * p.kv_st;
+
+  pdl_wait();
+  // 1. the search's arrays, then the row chunks and weights (nothing waits yet)
+  unsigned lane_off = 0;
+  int lane_len = 0;
+  if (B < 32) {
+    if (lane <= B) lane_off = p.offsets[lane];
+    if (lane < B) lane_len = p.cache_lengths[lane];
+  }
+  Vec<T, N> va, vb;
+  Vec<T, N> la[kLeanLatent];
+  float g[kLeanLatent][N];
+  if (qrow) {
+    const T* q = static_cast<const T*>(p.q) + (i64(t) * p.q_st + i64(h) * p.q_sh);
+    va = load<T, N>(q + ea);
+    if (NEOX) vb = load<T, N>(q + eb);
+  } else if (tail) {
+    va = load<T, N>(kv + p.L + ea);
+    if (NEOX) vb = load<T, N>(kv + p.L + eb);
+  } else if (ckv_warp) {
+#pragma unroll
+    for (int k = 0; k < kLeanLatent; ++k) {
+      const int c = lane + 32 * k;
+      if (c < latent_chunks) la[k] = load<T, N>(kv + c * N);
+      if (c < norm_chunks) load_weight<T, N>(p.gamma, p.gamma_f32, c * N, g[k]);
+    }
+  }
+
+  // 2. request and position (every branch block-uniform)
+  int req;
+  i64 pos = -1;
+  if (B < 32) {  // ragged_request's binary search over the warp's lanes
+    int lo = 0, hi = B + 1;
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (__shfl_sync(0xffffffffu, lane_off, mid) <= unsigned(t)) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    req = lo - 1;
+    const int r0 = req < 0 ? 0 : req;  // req <= B: r0 + 1 <= B + 1 <= 32
+    const unsigned o0 = __shfl_sync(0xffffffffu, lane_off, r0);
+    const unsigned o1 = __shfl_sync(0xffffffffu, lane_off, r0 + 1 > B ? B : r0 + 1);
+    const int len = __shfl_sync(0xffffffffu, lane_len, r0);
+    if (req < 0 || req >= B || unsigned(t) < o0 || unsigned(t) >= o1) {
+      req = -1;
+    } else {
+      pos = i64(len) + (i64(t) - i64(o0));
+    }
+  } else {
+    PagedSlot s;
+    if (B <= kStageMax) {
+      const int threads = items * int(blockDim.y);
+      for (int i = tid; i <= B; i += threads) {
+        s_offsets[i] = p.offsets[i];
+        if (i < B) s_lengths[i] = p.cache_lengths[i];
+      }
+      __syncthreads();
+      s = ragged_position(s_offsets, s_lengths, B, t);
+    } else {
+      s = ragged_position(p.offsets, p.cache_lengths, B, t);
+    }
+    req = s.request;
+    pos = s.pos;
+  }
+  const bool roped = req >= 0 && pos >= 0 && pos < p.P;
+
+  // 3. the page (kv block), then the cos/sin values
+  i64 page = -1;
+  int entry = 0;
+  if (roped && latent) {
+    const unsigned index = unsigned(pos) / unsigned(p.page_size);  // 0 <= pos < P < 2^31
+    if (index < unsigned(p.max_pages)) {
+      const i64 id = p.block_table[i64(req) * p.bt_sb + i64(index)];
+      if (id >= 0 && id < p.num_pages) {
+        page = id;
+        entry = int(pos) - int(index) * p.page_size;
+      }
+    }
+  }
+  constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
+  float c[M], sn[M];
+  if (roped && (qrow || tail)) {
+    const float* cs = p.cos_sin + (pos * p.cs_sp + (NEOX ? ea : ea / 2));
+    load_float<float, M>(cs, c);
+    load_float<float, M>(cs + half_r, sn);
+  }
+
+  // 4. the q row: roped, or copied unrotated
+  if (qrow) {
+    T* q_out = static_cast<T*>(p.q_out) + (i64(t) * p.qo_st + i64(h) * p.qo_sh);
+    if (!roped) {
+      store<T, N>(q_out + ea, va);
+      if (NEOX) store<T, N>(q_out + eb, vb);
+      return;
+    }
+    float a[N], b[N];
+    to_floats<T, N>(va, a);
+    if (NEOX) to_floats<T, N>(vb, b);
+    rotate_chunk<NEOX, N, M>(a, b, c, sn);
+    store_float<T, N>(q_out + ea, a);
+    if (NEOX) store_float<T, N>(q_out + eb, b);
+    return;
+  }
+
+  // 5. the rotary tail
+  if (tail) {
+    if (page < 0) return;
+    CacheT* kpe = static_cast<CacheT*>(p.kpe) + (page * p.kpe_sp + i64(entry) * p.kpe_se);
+    float a[N], b[N];
+    to_floats<T, N>(va, a);
+    if (NEOX) to_floats<T, N>(vb, b);
+    rotate_chunk<NEOX, N, M>(a, b, c, sn);
+    if (NEOX) store_float<CacheT, N>(kpe + eb, b, p.inv_kv_scale);
+    store_float<CacheT, N>(kpe + ea, a, p.inv_kv_scale);
+    return;
+  }
+
+  // 6. the latent row: the sum of squares over the warp, normalised, written to the page
+  if (!ckv_warp) return;
+  float x[kLeanLatent][N];
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < kLeanLatent; ++k) {
+    const int c0 = lane + 32 * k;
+    if (c0 >= latent_chunks) continue;
+    to_floats<T, N>(la[k], x[k]);
+    if (c0 < norm_chunks) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) ss += x[k][i] * x[k][i];
+    }
+  }
+  ss = warp_sum(ss);
+  if (page < 0) return;
+  const float rms = rsqrtf(ss * __fdividef(1.f, float(p.kv_norm_dim)) + p.epsilon);
+  CacheT* ckv = static_cast<CacheT*>(p.ckv) + (page * p.ckv_sp + i64(entry) * p.ckv_se);
+#pragma unroll
+  for (int k = 0; k < kLeanLatent; ++k) {
+    const int c0 = lane + 32 * k;
+    if (c0 >= latent_chunks) continue;
+    if (c0 < norm_chunks) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) x[k][i] = x[k][i] * rms * g[k][i];
+    }
+    store_float<CacheT, N>(ckv + c0 * N, x[k], p.inv_kv_scale);
+  }
+}
