@@ -30,6 +30,7 @@ from ropekv._vector import vector_width, widest_aligned
 STEM = "contiguous"
 KERNEL = "apply_rope_write_kv"
 KERNEL_SCALED = "apply_rope_write_kv_scaled"  # MODE 3-5: the computed scales, registers capped
+LEAN_KERNEL = "apply_rope_write_kv_lean"  # the plain call's decode: one chunk of one row a thread
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 INDEX_DTYPES = (INT32, INT64)
 SCALED_CACHE_DTYPES = ck.SCALED_CACHE_DTYPES  # caches that may carry per-token-head scales
@@ -37,6 +38,9 @@ INT8 = ck.INT8
 ROWS_MAX = 4  # head rows one lane group holds (kRowsMax in the kernel)
 SCALED_ROWS_MAX = 2  # ... in the computed-scale kernels, MODE 3-5 (kScaledRowsMax)
 MAX_ITEMS = 256  # chunks (lanes) per head row: one lane group fits a block
+MAX_BLOCK = 256  # threads per block (kMaxBlock, the kernels' __launch_bounds__)
+GRID_YZ = 65535  # the largest grid y and z: the lean kernel's S and B
+INT32_SPAN = 2**31 - 1  # element offsets below this take the lean kernel's 32-bit offsets
 
 # Launch shape (H200). A token has H = Hq + 2 Hkv head rows (Q, K, V), one lane group per row.
 # Few tokens (decode): blocks of about `block` threads, each lane group one row (or a few when that
@@ -47,6 +51,12 @@ MAX_ITEMS = 256  # chunks (lanes) per head row: one lane group fits a block
 # without mRoPE (MODE 3-5) hold at most 2 rows (80 registers, the plain kernel's occupancy:
 # Llama's 48 rows are 4 blocks of 192 threads an SM); MODE 6 (computed scales with mRoPE, ~125
 # registers) holds 4 (`mrope_scaled_prefill_rows`).
+# `lean_decode`: the plain call (no mRoPE, q_out or computed scales; 16-bit or fp8 caches) at
+# decode takes the lean kernel (apply_rope_write_kv_lean: one chunk of one row per thread, the
+# index loads issued first, no division), in blocks of about `lean_block` threads (whole rows, a
+# token's rows spread evenly over the blocks), one token per block, while the grid stays within
+# `lean_wave_blocks`; past that, and for every other call, the kernel above. `lean_decode=False`
+# is the launch of ee077f9.
 TUNING = {
     "block": 128,
     "wave_blocks": 660,
@@ -54,6 +64,9 @@ TUNING = {
     "max_block": 256,
     "scaled_prefill_rows": 2,
     "mrope_scaled_prefill_rows": 4,
+    "lean_decode": True,
+    "lean_block": 128,
+    "lean_wave_blocks": 1056,
 }
 
 PARAMS = ParamStruct(
@@ -189,6 +202,34 @@ def expression(dtype, cache_dtype, is_neox, n, mode=MODE_PLAIN, q_dtype=None):
     )
 
 
+@functools.cache
+def lean_expression(dtype, cache_dtype, is_neox, n, wide=False):
+    """The lean decode kernel of a plain call: input and cache dtypes, RoPE style, vector width,
+    64-bit offsets (``wide``) where an array spans 2**31 elements or more."""
+    return name_expression(
+        LEAN_KERNEL,
+        c_type(dtype),
+        c_type(cache_dtype),
+        c_bool(is_neox),
+        n,
+        "long long" if wide else "int",
+    )
+
+
+def lean_shape(B, S, H, items):
+    """``(block, grid)`` of the lean kernel for B x S tokens of H head rows at ``items`` lanes per
+    row: blocks of ``(items, rows)`` threads, grid ``(splits, S, B)``; None where ``TUNING``
+    leaves the call to the kernel of :func:`launch_shape` (``lean_decode`` off, or a grid past
+    ``lean_wave_blocks`` or past the grid's y / z limits)."""
+    if not TUNING["lean_decode"] or B > GRID_YZ or S > GRID_YZ:
+        return None
+    slots = max(1, min(H, TUNING["lean_block"] // items, MAX_BLOCK // items))
+    splits = -(-H // slots)
+    if B * S * splits > TUNING["lean_wave_blocks"]:
+        return None
+    return (items, -(-H // splits)), (splits, S, B)
+
+
 def launch_shape(T, H, group, prefill_rows=None, rows_max=ROWS_MAX):
     """(block, rows, splits) for T tokens of H head rows at ``group`` lanes per row: grid (T,
     splits), ``rows`` rows per lane group (``prefill_rows`` in prefill, by default TUNING's; at
@@ -224,6 +265,9 @@ def instantiations():
                 for cache_dtype in (dtype, *SCALED_CACHE_DTYPES):
                     for q_dtype in (dtype, *FP8_DTYPES):
                         yield expression(dtype, cache_dtype, is_neox, n, MODE_ALL, q_dtype)
+                for cache_dtype in (dtype, *FP8_DTYPES):
+                    for wide in (False, True):
+                        yield lean_expression(dtype, cache_dtype, is_neox, n, wide)
 
 
 def pow2(n):
@@ -753,17 +797,24 @@ def _launch(a, f, c, mode):
         values.update(_NO_OPTIONS)
     else:
         values.update(_option_values(a, c.sections))
+    plain = vqo is None and a.q_scale_out is None and a.kv_cache_scales is None
+    lean = lean_shape(c.B, c.S, c.Hq + 2 * c.Hkv, items) if plain and not c.sections else None
+    if lean is not None:  # the plain call's decode: the lean kernel
+        kernel = lean_expression(vq.dtype, a.kv_cache.dtype, f.is_neox, n, _wide(a))
+        block_shape, grid = lean
+    else:
+        kernel = expression(vq.dtype, a.kv_cache.dtype, f.is_neox, n, mode, vout.dtype)
+        block_shape, grid = (block,), (c.B * c.S, splits)
     return Launch(
-        STEM,
-        expression(vq.dtype, a.kv_cache.dtype, f.is_neox, n, mode, vout.dtype),
-        c.device,
-        (c.B * c.S, splits),
-        (block,),
-        PARAMS,
-        values,
-        slots,
-        pdl=f.enable_pdl,
+        STEM, kernel, c.device, grid, block_shape, PARAMS, values, slots, pdl=f.enable_pdl
     )
+
+
+def _wide(a):
+    """Whether an array the lean kernel addresses (q, k, v, the cache, the table) spans 2**31
+    elements or more from its pointer (then its offsets are 64-bit)."""
+    views = (a.q, a.k, a.v, a.kv_cache, a.cos_sin_cache)
+    return any(max(-v.span[0], v.span[1]) // v.dtype.itemsize > INT32_SPAN for v in views)
 
 
 def _values(a, f, c, items, group, rows):

@@ -1263,3 +1263,181 @@ def test_computed_scale_modes_use_the_register_capped_kernel():
         2,
         1,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# the lean decode kernel (apply_rope_write_kv_lean): the plain call's decode
+
+
+@pytest.mark.parametrize("B, S", [(1, 1), (4, 1), (64, 1), (256, 1), (352, 1), (353, 1), (2, 9)])
+@pytest.mark.parametrize("H, items", [(48, 8), (9, 8), (48, 16), (3, 4), (6, 256), (300, 1)])
+@pytest.mark.parametrize("lean_block", [32, 128, 256])
+def test_lean_shape_covers_every_row_within_a_block(monkeypatch, B, S, H, items, lean_block):
+    from ropekv import contiguous
+
+    monkeypatch.setitem(contiguous.TUNING, "lean_block", lean_block)
+    shape = contiguous.lean_shape(B, S, H, items)
+    slots = max(1, min(H, lean_block // items, 256 // items))
+    if B * S * -(-H // slots) > contiguous.TUNING["lean_wave_blocks"]:
+        assert shape is None  # past a wave: the kernel of launch_shape
+        return
+    (bx, rows), (splits, gy, gz) = shape
+    assert bx == items and bx * rows <= contiguous.MAX_BLOCK and (gy, gz) == (S, B)
+    assert rows * splits >= H and rows * (splits - 1) < H  # every row, no empty block
+    monkeypatch.setitem(contiguous.TUNING, "lean_decode", False)
+    assert contiguous.lean_shape(B, S, H, items) is None
+
+
+@pytest.fixture
+def kernels_planned(monkeypatch):
+    """The kernels the plans of calls on stand-in device arrays name (tools/hostcost.py's fakes
+    and tests/test_replay_cpu.py's stubbed driver, Python replay); every op's plans dropped
+    before and after (a fake plan must never serve a real array)."""
+    from ropekv import _launch
+    from tests import test_replay_cpu as rc
+
+    ops = rc.all_ops()
+    for op in ops:
+        op.clear()
+        op.reset_caller(native=False)
+    rc.set_known_type(monkeypatch, 0, rc.hostcost.FakeCupyArray)
+    names = []
+    monkeypatch.setattr(
+        _launch, "function_pointer", lambda stem, expr, *a, **k: names.append(expr) or 0x1000
+    )
+    monkeypatch.setattr(_launch, "current_stream_ptr", lambda device=-1: 0x5000)
+    monkeypatch.setattr(_launch, "_launch_kernel", rc.Launches())
+    monkeypatch.setattr(_launch, "_RUNTIME", [rc.hostcost._Runtime])
+    yield names
+    for op in ops:
+        op.clear()
+        op.reset_caller()
+    _launch._native_module[0] = _launch._UNBOUND
+
+
+def plan_kernel(names, args, **kw):
+    from tests import test_replay_cpu as rc
+
+    names.clear()
+    call(rc.map_arrays(args, rc.hostcost.to_cupy), **kw)
+    (name,) = names
+    return name
+
+
+def test_plain_decode_takes_the_lean_kernel(kernels_planned, monkeypatch):
+    """The plain call at decode (16-bit or fp8 caches, device or constant scales, lens, position
+    ids, write_k_in_place) plans the lean kernel; q_out, computed scales, mRoPE, a grid past
+    lean_wave_blocks and lean_decode=False plan rope_write_kv's; 64-bit offsets past INT32_SPAN."""
+    from ropekv import contiguous
+
+    lean = contiguous.LEAN_KERNEL + "<"
+    for cache_dtype in (np.float16, E4M3):
+        args = make_case(70, B=4, S=1, Hq=32, Hkv=8, D=128, R=128, cache_dtype=cache_dtype)
+        assert plan_kernel(kernels_planned, args).startswith(lean)
+        assert plan_kernel(kernels_planned, args, write_k_in_place=True).startswith(lean)
+        name = plan_kernel(kernels_planned, make_case(71, S=2, pos=True, cache_dtype=cache_dtype))
+        assert name.startswith(lean) and name.endswith(", int>")
+    const = make_case(72, cache_dtype=E4M3)
+    del const["kv_scale"]
+    assert plan_kernel(kernels_planned, const, kv_scale=(0.5, 2.0)).startswith(lean)
+    prefill = make_case(73, B=8, S=256, C=256, P=256, lens=False)  # 2048 blocks
+    assert plan_kernel(kernels_planned, prefill).startswith(contiguous.KERNEL + "<")
+    args = make_case(74, B=2, S=1, D=128, R=128)
+    q_out = {**args, "q_out": np.zeros_like(args["q"])}
+    assert not plan_kernel(kernels_planned, q_out).startswith(lean)
+    mrope = make_case(75, B=2, S=1, D=48, R=48)
+    mrope["position_ids"] = mrope_ids(np.random.default_rng(1), 2, 1, 32)
+    section = mrope_section_for(48, False)
+    assert not plan_kernel(kernels_planned, mrope, mrope_section=section).startswith(lean)
+    rows = quant_case(76, kv_dtype=E4M3)
+    assert not plan_kernel(kernels_planned, rows).startswith(lean)
+    monkeypatch.setattr(contiguous, "INT32_SPAN", 0)  # (a constant: plans are dropped)
+    contiguous._OP.clear()
+    assert plan_kernel(kernels_planned, args).endswith(", long long>")
+    monkeypatch.setitem(contiguous.TUNING, "lean_decode", False)
+    assert plan_kernel(kernels_planned, args).startswith(contiguous.KERNEL + "<")
+
+
+LEAN_VARIANTS = [
+    {},  # the defaults: the lean kernel at decode
+    {"lean_decode": False},  # rope_write_kv on every shape (ee077f9)
+    {"lean_block": 32},  # more blocks a token, fewer rows a block
+    {"lean_wave_blocks": 4},  # lean up to a few tokens, then rope_write_kv
+]
+
+
+@pytest.fixture(params=[False, True], ids=["int offsets", "64-bit offsets"])
+def lean_offsets(request, monkeypatch):
+    """The lean kernel's 32-bit offsets, or its 64-bit ones for every array (INT32_SPAN 0)."""
+    from ropekv import contiguous
+
+    if request.param:
+        monkeypatch.setattr(contiguous, "INT32_SPAN", 0)
+    contiguous._OP.clear()  # INT32_SPAN is no plan key
+    yield request.param
+    contiguous._OP.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", LEAN_VARIANTS, ids=lambda v: ",".join(map(str, v.items())))
+@pytest.mark.parametrize(
+    "D, R, Hq, Hkv, is_neox, dtype, cache_dtype",
+    [
+        (128, 128, 32, 8, True, np.float16, np.float16),
+        (128, 128, 32, 8, True, np.float16, E4M3),
+        (128, 128, 8, 1, False, ml_dtypes.bfloat16, ml_dtypes.float8_e5m2),
+        (64, 32, 4, 2, True, ml_dtypes.bfloat16, ml_dtypes.bfloat16),
+        (80, 64, 3, 1, False, np.float16, E4M3),
+        (64, 6, 3, 1, True, np.float16, np.float16),
+    ],
+)
+@pytest.mark.parametrize("B, S", [(1, 1), (5, 1), (300, 1), (3, 7)])
+def test_lean_decode_kernel_choices_match_reference(
+    monkeypatch, lean_offsets, variant, D, R, Hq, Hkv, is_neox, dtype, cache_dtype, B, S
+):
+    """Every kernel the TUNING keys pick for the plain call (the lean kernel with 32- and 64-bit
+    offsets, rope_write_kv): int32 and int64 indices, slots and positions out of range, position
+    ids, a table per sequence, packed q/k/v, write_k_in_place, device and constant scales."""
+    from ropekv import contiguous
+
+    for key, value in variant.items():
+        monkeypatch.setitem(contiguous.TUNING, key, value)
+    for i, index_dtype in enumerate((np.int32, np.int64)):
+        args = make_case(
+            80 + i + B, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, R=R, C=S + 6, P=S + 8, dtype=dtype,
+            cache_dtype=cache_dtype, pos=bool(i), table_batch=B if i else None, packed=bool(i),
+        )  # fmt: skip
+        args["kv_end_lens"] = args["kv_end_lens"].astype(index_dtype)
+        args["kv_end_lens"][0] = np.iinfo(index_dtype).min if i else np.iinfo(index_dtype).max
+        if "position_ids" in args:
+            args["position_ids"] = args["position_ids"].astype(index_dtype)
+        check_against_reference(args, write_k_in_place=bool(i), is_neox=is_neox)
+        if "kv_scale" in args:  # the same scales as constants
+            const = copy_args(args)
+            scale = tuple(float(x) for x in const.pop("kv_scale"))
+            expected = copy_args(const)
+            call(expected, kv_scale=scale, is_neox=is_neox)
+            dev = device_args(const)
+            call(dev, kv_scale=scale, is_neox=is_neox)
+            assert_close(dev["q"], expected["q"], "q")
+            assert_close(dev["kv_cache"], expected["kv_cache"], "kv_cache")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", LEAN_VARIANTS[:2], ids=["lean", "rope_write_kv"])
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), 1e-39])
+def test_a_device_scale_outside_the_positive_floats_writes_nothing(monkeypatch, variant, bad):
+    """A kv_scale array holding a scale whose reciprocal is not a positive finite float (0,
+    negative, NaN, inf, a denormal whose reciprocal overflows) makes the kernel write nothing:
+    q, k and the cache stay byte-identical."""
+    from ropekv import contiguous
+
+    for key, value in variant.items():
+        monkeypatch.setitem(contiguous.TUNING, key, value)
+    for which in (0, 1):
+        args = make_case(90 + which, B=3, S=1, Hq=8, Hkv=2, D=128, R=128, cache_dtype=E4M3)
+        args["kv_scale"][which] = np.float32(bad)
+        dev = device_args(args)
+        call(dev, write_k_in_place=True)
+        for name in ("q", "k", "kv_cache"):
+            assert_bytes_equal(to_numpy(dev[name]), args[name], name)

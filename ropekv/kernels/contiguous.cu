@@ -47,6 +47,11 @@ __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
   return is64 ? static_cast<const i64*>(p)[i] : i64(static_cast<const int*>(p)[i]);
 }
 
+// read_index through the read-only path (the lean kernel: index arrays are never written)
+__device__ __forceinline__ i64 ldg_index(const void* p, int i, int is64) {
+  return is64 ? __ldg(static_cast<const i64*>(p) + i) : i64(__ldg(static_cast<const int*>(p) + i));
+}
+
 constexpr int kRowsMax = 4;  // head rows a lane group holds at once
 // ... in the computed-scale MODEs 3-5 (their registers: a block of 2-row groups in prefill)
 constexpr int kScaledRowsMax = 2;
@@ -378,4 +383,101 @@ template <typename T, typename CacheT, typename QT, bool NEOX, int N, int MODE>
 __global__ void ROPEKV_SCALED_BOUNDS apply_rope_write_kv_scaled(const RopeWriteKVParams p) {
   static_assert(MODE >= 3 && MODE <= 5, "the computed-scale modes");
   rope_write_kv<T, CacheT, QT, NEOX, N, MODE>(p);
+}
+
+// The lean decode kernel (the plain call: no mRoPE, no q_out, no computed scales; Q roped in
+// place, K/V into a 16-bit or fp8 cache with a scale array or constants): one N-element chunk of
+// one head row per thread, the layout qk_rope_lean (qk_rope.cu) found fastest at decode. Block
+// (items, rows): threadIdx.x is the chunk j, threadIdx.y the row of blockIdx.x's group of
+// blockDim.y rows (Q [0, Hq), K, V); grid (splits, S, B): blockIdx.y is s, blockIdx.z is b, so
+// no index needs a division. The index loads (kv_end_lens, position_ids, kv_scale) are issued
+// first and the row loads right behind them; only the cos/sin loads (Q and K rotary chunks) wait
+// for the position, the cache stores for the slot. Same rules as rope_write_kv (MODE 0, and 2
+// with q_out = q): a token whose slot falls outside [0, C) or whose position falls outside
+// [0, P) writes nothing; a kv_scale array holding a scale outside (0, inf) makes the launch
+// write nothing (Q included); Q pass-through chunks are not touched; K's rotary chunks go back
+// into k with write_k_in_place. Offsets are of type I (int where every array's span fits in 31
+// bits, the host decides; long long otherwise); the slot and position are checked before they
+// take part in one.
+template <typename T, typename CacheT, bool NEOX, int N, typename I>
+__global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv_lean(const RopeWriteKVParams p) {
+  pdl_launch_dependents();
+  const int h = blockIdx.x * blockDim.y + threadIdx.y;
+  const int H = p.Hq + 2 * p.Hkv;
+  const int j = threadIdx.x;
+  const int half_r = p.R >> 1;
+  const int rot = NEOX ? half_r / N : p.R / N;
+  const bool rotary = j < rot;
+  const bool is_q = h < p.Hq;
+  if (h >= H || (is_q && !rotary)) return;  // no row, or a Q pass-through chunk (left as is)
+  const int s = blockIdx.y;
+  const int b = blockIdx.z;
+  pdl_wait();
+  // 1. the indices (and scales), then this lane's chunk of its row: all loads in flight together
+  i64 end = p.S;
+  if (p.kv_end_lens) end = ldg_index(p.kv_end_lens, b, p.index64 & 1);
+  i64 pos = 0;
+  if (p.position_ids) pos = ldg_index(p.position_ids, b * p.S + s, p.index64 & 2);
+  float k_div = 1.f, v_div = 1.f;  // the scales of a kv_scale array
+  if (is_fp8<CacheT>::value && p.kv_scale) {
+    k_div = __ldg(p.kv_scale);
+    v_div = __ldg(p.kv_scale + p.v_scale_index);
+  }
+  const bool is_k = !is_q && h < p.Hq + p.Hkv;
+  const int hh = is_q ? h : is_k ? h - p.Hq : h - p.Hq - p.Hkv;  // head within Q, K or V
+  const bool pair = NEOX && rotary;  // two vectors per chunk: x[e] and its partner x[e + R/2]
+  const int e = rotary ? j * N : p.R + (j - rot) * N;
+  // V is only read (the cast lets one pointer serve the three)
+  T* row = static_cast<T*>(is_q ? p.q : is_k ? p.k : const_cast<void*>(p.v)) +
+           (I(b) * I(is_q ? p.q_sb : is_k ? p.k_sb : p.v_sb) +
+            I(s) * I(is_q ? p.q_ss : is_k ? p.k_ss : p.v_ss) +
+            I(hh) * I(is_q ? p.q_sh : is_k ? p.k_sh : p.v_sh) + I(e));
+  const Vec<T, N> va = load<T, N>(row);
+  Vec<T, N> vb;
+  if (pair) vb = load<T, N>(row + half_r);
+
+  // 2. slot, position, scales: a token outside the cache or the table writes nothing
+  const i64 slot = end < i64(p.S) - s ? -1 : end - p.S + s;  // no overflow at int64 extremes
+  if (!p.position_ids) pos = slot;
+  float k_scale = 1.f, v_scale = 1.f;  // stored = fp8(x * (1 / scale))
+  if constexpr (is_fp8<CacheT>::value) {
+    if (p.kv_scale) {
+      k_scale = __frcp_rn(k_div);  // 1 / scale, correctly rounded, as rope_write_kv's 1.f / x
+      v_scale = __frcp_rn(v_div);
+      constexpr float kMax = 3.40282347e38f;  // FLT_MAX: NaN and inf fail the test below
+      if (!(k_scale > 0.f && k_scale <= kMax && v_scale > 0.f && v_scale <= kMax)) return;
+    } else {  // constants, checked by the host
+      k_scale = p.inv_k_scale;
+      v_scale = p.inv_v_scale;
+    }
+  }
+  if (slot < 0 || slot >= p.C || pos < 0 || pos >= p.P) return;
+  float a[N], bb[N];
+  to_floats<T, N>(va, a);
+  if (pair) to_floats<T, N>(vb, bb);
+  CacheT* dst = static_cast<CacheT*>(p.cache) + (I(b) * I(p.c_sb) + (is_k ? I(0) : I(p.c_skv)) +
+                                                  I(hh) * I(p.c_sh) + I(slot) * I(p.c_st) + I(e));
+  if (!is_q && !is_k) {  // V: copied (quantized)
+    store_float<CacheT, N>(dst, a, v_scale);
+    if (pair) store_float<CacheT, N>(dst + half_r, bb, v_scale);
+    return;
+  }
+
+  // 3. Q and K: cos/sin (rotary chunks), rotate, store
+  if (rotary) {
+    constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
+    float c[M], sn[M];
+    const float* cs = p.cos_sin + (I(b) * I(p.cs_sb) + I(pos) * I(p.cs_sp) + I(NEOX ? e : e / 2));
+    load_float<float, M>(cs, c);
+    load_float<float, M>(cs + half_r, sn);
+    rotate_chunk<NEOX, N, M>(a, bb, c, sn);
+  }
+  if (is_q || (is_k && p.write_k_in_place && rotary)) {  // Q in place; K back into k
+    store_float<T, N>(row, a);
+    if (pair) store_float<T, N>(row + half_r, bb);
+  }
+  if (is_k) {
+    store_float<CacheT, N>(dst, a, k_scale);
+    if (pair) store_float<CacheT, N>(dst + half_r, bb, k_scale);
+  }
 }
