@@ -248,373 +248,7 @@ __device__ __forceinline__ void zero_pair_rest(const QkvParams& p, const TokenSl
   }
 }
 
-// ---- Decode: weight-streaming skinny GEMM ---------------------------------------------------
-
-constexpr int GEMV_WARPS = 4;  // per block
-constexpr int GEMV_PAIRS = 2;  // row pairs per warp: 4 rows share each x read from shared memory
-constexpr int GEMV_ROWS = 2 * GEMV_PAIRS;
-
-__device__ __forceinline__ float bits16_to_float(const __half*, unsigned bits) {
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-}
-__device__ __forceinline__ float bits16_to_float(const __nv_bfloat16*, unsigned bits) {
-  return __uint_as_float(bits << 16);  // bf16 is the top half of a float32
-}
-
-// VB bytes of weight storage per load, kept as 32-bit words (byte arrays would be split into
-// one register per byte); VALS k values they hold.
-template <typename T, int WF, int VB>
-struct WeightVec {
-  static constexpr int VALS = WF == W_DENSE ? VB / int(sizeof(T)) : WF == W_FP8 ? VB : 2 * VB;
-  struct alignas(VB >= 4 ? VB : 4) Raw {
-    unsigned w[(VB + 3) / 4];
-  };
-  static __device__ __forceinline__ Raw load(const unsigned char* p) {
-    Raw r;
-    if constexpr (VB >= 4) {
-      r = *reinterpret_cast<const Raw*>(p);
-    } else if constexpr (VB == 2) {
-      r.w[0] = *reinterpret_cast<const unsigned short*>(p);
-    } else {
-      r.w[0] = *p;
-    }
-    return r;
-  }
-  static __device__ __forceinline__ Raw zero() {
-    Raw r;
-#pragma unroll
-    for (int i = 0; i < (VB + 3) / 4; ++i) r.w[i] = 0;
-    return r;
-  }
-  // k value i of the load (int4: q - zero given bias = 2^23 + zero, before the scale)
-  static __device__ __forceinline__ float value(const Raw& r, int i, float bias) {
-    if constexpr (WF == W_DENSE) {
-      const unsigned bits = (r.w[i >> 1] >> ((i & 1) * 16)) & 0xFFFFu;
-      return bits16_to_float(static_cast<const T*>(nullptr), bits);
-    } else if constexpr (WF == W_FP8) {
-      __nv_fp8_e4m3 e;
-      e.__x = static_cast<__nv_fp8_storage_t>((r.w[i >> 2] >> ((i & 3) * 8)) & 0xFFu);
-      return to_float(e);
-    } else {
-      // 2^23 + q as a float is exact; subtracting 2^23 + zero leaves q - zero exactly
-      const unsigned nib = (r.w[i >> 3] >> ((i & 7) * 4)) & 0xFu;
-      return __uint_as_float(0x4B000000u | nib) - bias;
-    }
-  }
-};
-
-// One block owns GEMV_WARPS * GEMV_PAIRS row pairs; each warp owns GEMV_PAIRS of them and streams
-// their weight rows once, lanes striding over k with VB-byte loads. The hidden rows of all TT
-// tokens are staged in shared memory as float32, p.kc k values at a time (tokens >= T are zero).
-// Accumulation is float32 per (row, token); a butterfly reduction gives every lane the sums and
-// lane t finishes token t (RoPE, Q store, paged K/V store).
-//   int4: value q of k = 2j + h is nibble h of byte j; w = (q - zero) * scale in float32, with
-//   one (scale, zero) per load (a load lies inside one group: the host makes VALS divide G).
-//   OPTS: status= validates the offsets once the first weight loads are in flight (a batch of no
-//   tokens launches one block, which only validates); the last token of a request clears the
-//   rest of its page at the warp's pairs, the (token, row) items spread over the lanes.
-template <typename T, int WF, int VB, int TT, bool FAST_INT4, bool OPTS>
-__global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
-  pdl_launch_dependents();
-  pdl_wait();
-  using WV = WeightVec<T, WF, VB>;
-  constexpr int VALS = WV::VALS;
-  // loads in flight per row and lane: enough bytes in flight, few enough registers
-  constexpr int U = TT <= 2 ? (WF == W_DENSE ? 4 : 2) : (TT <= 4 && WF == W_DENSE ? 2 : 1);
-  constexpr int SUB = VALS < 8 ? VALS : 8;  // k values decoded at once
-  // int4 with 16-byte loads at small token tiles: the cheaper decode below
-  constexpr bool FAST4 = WF == W_INT4 && VB == 16 && TT <= 4 && FAST_INT4;
-  extern __shared__ float xs[];        // (TT, kc), then FAST4: xsum (TT, kc / 32)
-  float* xsum = xs + TT * p.kc;
-  __shared__ TokenSlot slots[TT];
-  __shared__ int rests[OPTS ? TT : 1];  // OPTS: the rows each token clears (rest_of_page)
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int pairs_total = p.N >> 1;
-  const int g0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_PAIRS;
-  const bool rope = p.cos_sin != nullptr;
-  const int t0 = blockIdx.y * TT;  // this block's token tile [t0, t0 + TT)
-  const int nt = min(TT, p.T - t0);
-
-  RowPair rps[GEMV_PAIRS];
-  const unsigned char* wrow[GEMV_ROWS];
-  int rown[GEMV_ROWS];
-  bool live[GEMV_PAIRS];
-#pragma unroll
-  for (int i = 0; i < GEMV_PAIRS; ++i) {
-    live[i] = g0 + i < pairs_total;
-    rps[i] = row_pair(live[i] ? g0 + i : 0, p.D, p.R, p.Hq, p.Hkv, rope, p.is_neox);
-    rown[2 * i] = rps[i].head * p.D + rps[i].da;
-    rown[2 * i + 1] = rps[i].head * p.D + rps[i].db;
-  }
-#pragma unroll
-  for (int r = 0; r < GEMV_ROWS; ++r) {
-    wrow[r] = static_cast<const unsigned char*>(p.weight) + i64(rown[r]) * p.weight_row_bytes;
-  }
-
-  float acc[GEMV_ROWS][TT];
-#pragma unroll
-  for (int r = 0; r < GEMV_ROWS; ++r)
-#pragma unroll
-    for (int t = 0; t < TT; ++t) acc[r][t] = 0.f;
-
-  const T* hidden = static_cast<const T*>(p.hidden) + i64(t0) * p.hidden_s0;
-  // 16-byte loads of the hidden rows when every row start of every chunk is 16-byte aligned
-  const bool x_vec = (reinterpret_cast<unsigned long long>(hidden) & 15) == 0 &&
-                     p.hidden_s0 % 8 == 0 && p.kc % 8 == 0 && p.K % 8 == 0;
-  for (int k0 = 0; k0 < p.K; k0 += p.kc) {
-    const int kc = min(p.kc, p.K - k0);
-    const int nv = kc / VALS;  // the host makes kc and K multiples of VALS
-    const i64 byte0 = WF == W_INT4 ? k0 / 2 : i64(k0) * (WF == W_DENSE ? int(sizeof(T)) : 1);
-    // Weight loads (and, for int4, their group's scale and zero) of U * 32 vectors from base.
-    typename WV::Raw raw[U][GEMV_ROWS];
-    float scale[U][GEMV_ROWS], bias[U][GEMV_ROWS];  // int4: bias = 2^23 + zero
-    auto issue = [&](int base) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int v = base + u * 32 + lane;
-#pragma unroll
-        for (int r = 0; r < GEMV_ROWS; ++r) {
-          const bool on = v < nv && live[r >> 1];
-          raw[u][r] = on ? WV::load(wrow[r] + byte0 + i64(v) * VB) : WV::zero();
-          if constexpr (WF == W_INT4) {
-            const int grp = (k0 + v * VALS) / p.group_size;
-            scale[u][r] = on ? to_float(static_cast<const T*>(
-                                   p.weight_scales)[i64(rown[r]) * p.ws_s0 + grp])
-                             : 0.f;
-            bias[u][r] = 8388608.f + (on && p.zero_points
-                                          ? float(static_cast<const unsigned char*>(
-                                                      p.zero_points)[i64(rown[r]) * p.zp_s0 +
-                                                                     grp] &
-                                                  0xF)
-                                          : 8.f);
-          }
-        }
-      }
-    };
-    issue(0);  // the first loads go out before the hidden rows are staged, overlapping the two
-    if constexpr (OPTS) {
-      if (k0 == 0 && (!qkv_check<OPTS>(p, p.offsets) || nt <= 0)) return;
-    }
-    if (k0 == 0 && threadIdx.x < TT) {  // token addressing, in the shadow of those loads
-      if constexpr (OPTS) {
-        const int tl = threadIdx.x;
-        const PagedSlot s = tl < nt ? qkv_paged_slot(p, t0 + tl) : PagedSlot{-1, -1, -1, 0};
-        const TokenSlot tok = token_slot_of(p, s);
-        slots[tl] = tok;
-        rests[tl] = rest_of_page(p, p.offsets, s, tok, s.entry, t0 + tl);
-      } else {
-        slots[threadIdx.x] =
-            int(threadIdx.x) < nt ? token_slot(p, t0 + threadIdx.x) : TokenSlot{-1, -1, -1};
-      }
-    }
-    __syncthreads();  // the previous chunk is consumed
-    // Stage x (TT, kc) as float32, XU independent loads in flight per thread.
-    constexpr int XU = 4;
-    if (x_vec) {
-      const int per_row = kc >> 3, total = TT * per_row;
-      for (int i0 = threadIdx.x; i0 < total; i0 += XU * blockDim.x) {
-        Vec<T, 8> xv[XU];
-#pragma unroll
-        for (int j = 0; j < XU; ++j) {
-          const int i = i0 + j * blockDim.x;
-          const int t = i / per_row, k = (i - t * per_row) * 8;
-          if (i < total && t < nt) {
-            xv[j] = load<T, 8>(hidden + i64(t) * p.hidden_s0 + k0 + k);
-          } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) xv[j].v[e] = from_float<T>(0.f);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < XU; ++j) {
-          const int i = i0 + j * blockDim.x;
-          const int t = i / per_row, k = (i - t * per_row) * 8;
-          if (i < total) {
-            float f[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) f[e] = to_float(xv[j].v[e]);
-            store_float<float, 8>(xs + t * p.kc + k, f);
-          }
-        }
-      }
-    } else {
-      const int total = TT * kc;
-      for (int i0 = threadIdx.x; i0 < total; i0 += XU * blockDim.x) {
-        float f[XU];
-#pragma unroll
-        for (int j = 0; j < XU; ++j) {
-          const int i = i0 + j * blockDim.x;
-          const int t = i / kc, k = i - t * kc;
-          f[j] = i < total && t < nt ? to_float(hidden[i64(t) * p.hidden_s0 + k0 + k]) : 0.f;
-        }
-#pragma unroll
-        for (int j = 0; j < XU; ++j) {
-          const int i = i0 + j * blockDim.x;
-          const int t = i / kc, k = i - t * kc;
-          if (i < total) xs[t * p.kc + k] = f[j];
-        }
-      }
-    }
-    __syncthreads();
-    if constexpr (FAST4) {  // sum of x over each 32-value load, per token
-      const int per_row = p.kc / 32;
-      for (int i = threadIdx.x; i < TT * per_row; i += blockDim.x) {
-        const int t = i / per_row, c = i - t * per_row;
-        float sx = 0.f;
-        if (c * 32 < kc) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            float x[8];
-            load_float<float, 8>(xs + t * p.kc + c * 32 + j * 8, x);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) sx += x[e];
-          }
-        }
-        xsum[i] = sx;
-      }
-      __syncthreads();
-    }
-    for (int base = 0;;) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int v = base + u * 32 + lane;
-        if (v >= nv) break;
-        if constexpr (FAST4) {
-          // 1 + q/16 is the float with q in the top 4 mantissa bits: one shift and one LOP3 per
-          // value, no conversion. sum (q - zero) x = 16 sum (1 + q/16) x - (16 + zero) sum x.
-          float part[GEMV_ROWS][TT];
-#pragma unroll
-          for (int r = 0; r < GEMV_ROWS; ++r)
-#pragma unroll
-            for (int t = 0; t < TT; ++t) part[r][t] = 0.f;
-#pragma unroll
-          for (int c = 0; c < VALS / 8; ++c) {
-            float w[GEMV_ROWS][8];
-#pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r) {
-              const unsigned word = raw[u][r].w[c];
-#pragma unroll
-              for (int i = 0; i < 8; ++i) {
-                const unsigned m = i <= 4 ? word << (19 - 4 * i) : word >> (4 * i - 19);
-                w[r][i] = __uint_as_float((m & 0x00780000u) | 0x3F800000u);
-              }
-            }
-#pragma unroll
-            for (int t = 0; t < TT; ++t) {
-              float x[8];
-              load_float<float, 8>(xs + t * p.kc + v * VALS + c * 8, x);
-#pragma unroll
-              for (int i = 0; i < 8; ++i)
-#pragma unroll
-                for (int r = 0; r < GEMV_ROWS; ++r) part[r][t] = fmaf(w[r][i], x[i], part[r][t]);
-            }
-          }
-#pragma unroll
-          for (int t = 0; t < TT; ++t) {
-            const float sx = xsum[t * (p.kc / 32) + v];
-#pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r) {
-              const float z16 = bias[u][r] - 8388592.f;  // (2^23 + zero) - (2^23 - 16), exact
-              acc[r][t] = fmaf(scale[u][r], fmaf(16.f, part[r][t], -z16 * sx), acc[r][t]);
-            }
-          }
-        } else {
-          // SUB k values at a time: decode them for every row, then one x read serves all rows.
-#pragma unroll
-          for (int c = 0; c < VALS / SUB; ++c) {
-            float w[GEMV_ROWS][SUB];
-#pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r) {
-#pragma unroll
-              for (int i = 0; i < SUB; ++i) {
-                w[r][i] = WV::value(raw[u][r], c * SUB + i, bias[u][r]);
-                if constexpr (WF == W_INT4) w[r][i] *= scale[u][r];
-              }
-            }
-#pragma unroll
-            for (int t = 0; t < TT; ++t) {
-              float x[SUB];
-              load_float<float, SUB>(xs + t * p.kc + v * VALS + c * SUB, x);
-#pragma unroll
-              for (int i = 0; i < SUB; ++i)
-#pragma unroll
-                for (int r = 0; r < GEMV_ROWS; ++r) acc[r][t] = fmaf(w[r][i], x[i], acc[r][t]);
-            }
-          }
-        }
-      }
-      base += 32 * U;
-      if (base >= nv) break;
-      issue(base);
-    }
-  }
-
-#pragma unroll
-  for (int r = 0; r < GEMV_ROWS; ++r)
-#pragma unroll
-    for (int t = 0; t < TT; ++t)
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1)
-        acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], off);
-
-  if constexpr (OPTS) {
-    // The rows the tokens clear (rests), as (token, row) items spread over the warp's lanes: each
-    // zeroes the warp's pairs in one row, rather than each token's lane row after row.
-    const int per = p.clear ? p.page_size - 1 : 0;
-    for (int u = lane; u < nt * per; u += 32) {
-      const int t = u / per, r = u - t * per + 1;
-      if (r > rests[t]) continue;
-#pragma unroll
-      for (int i = 0; i < GEMV_PAIRS; ++i)
-        if (live[i]) zero_pair_rest<T>(p, slots[t], rps[i], r);
-    }
-  }
-  if (lane >= nt) return;
-  const TokenSlot tok = slots[lane];
-#pragma unroll
-  for (int i = 0; i < GEMV_PAIRS; ++i) {
-    if (!live[i]) continue;
-    float a = acc[2 * i][0], b = acc[2 * i + 1][0];
-#pragma unroll
-    for (int t = 1; t < TT; ++t) {  // lane t takes token t's sums (no dynamic register index)
-      a = lane == t ? acc[2 * i][t] : a;
-      b = lane == t ? acc[2 * i + 1][t] : b;
-    }
-    if constexpr (WF == W_FP8) {
-      const float* ws = static_cast<const float*>(p.weight_scales);
-      a *= ws[rown[2 * i]];
-      b *= ws[rown[2 * i + 1]];
-    }
-    write_pair<T>(p, tok, t0 + lane, rps[i], a, b);
-  }
-}
-
-// ---- Small batches: tensor-core weight streaming, split-K over a thread-block cluster ------
-//
-// qkv_mma<T, WF, TN, S>: one cluster of S CTAs per tile of MMA_ROWS output rows (whole heads:
-// the host makes D divide MMA_ROWS) and TN tokens; CTA `rank` of the cluster owns the K slice
-// [rank * kc, (rank + 1) * kc). mma.sync m16n8k16 with the weight rows as M (16 rows a tile) and
-// the tokens as N (8 a tile), float32 accumulation.
-//
-// Fragments straight from global memory: lane l (g = l / 4, c = l % 4) loads 16 bytes of weight
-// row g and of row g + 8 (ld.global.nc, no shuffles) holding VALS consecutive k values
-// [c * VALS, (c + 1) * VALS) of a chunk of 4 * VALS. The k order inside an mma does not change the
-// sum, so each lane's A values (rows g, g + 8) and B values (token g) need only name the same k
-// values at the same slots: the hidden rows are staged in shared memory in exactly that order, and
-// every B fragment is one 16-byte shared load. fp8 and 4-bit weights are dequantized in registers
-// to T before the mma (fp8 exactly, its per-row scale applied to the float32 sum; 4-bit as
-// (q - zero) * scale rounded once to T, as the cuBLAS path's dequantization does).
-//
-// The cluster then reduces its S partial sums through distributed shared memory: each CTA
-// stores its (TN, MMA_ROWS) float32 partial in its shared memory, and after a cluster barrier
-// every CTA finishes a 1/S share of the tile's (token, row pair) items: the sum over the
-// cluster, the fp8 weight scale, RoPE, Q to out, K/V to their pages (write_pair).
-constexpr int MMA_WARPS = 4;
-constexpr int MMA_ROWS = 128;          // rows per tile: 32 per warp (two m16 tiles)
-constexpr int MMA_MT = MMA_ROWS / (16 * MMA_WARPS);
-constexpr int MMA_PART_STRIDE = MMA_ROWS + 4;  // float32 partial row (conflict-free stores)
-constexpr int MMA_REQ_CAP = 256;       // requests whose offsets and lengths go to shared memory
+// ---- Register-level conversions (qkv_gemv and the tensor-core kernels) ----------------------
 
 template <typename T>
 struct is_half {
@@ -663,6 +297,20 @@ __device__ __forceinline__ unsigned fp8x2_to(unsigned x) {
     const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
     return *reinterpret_cast<const unsigned*>(&b);
   }
+}
+
+// Two e4m3 codes (the low 16 bits of x, k order) as float32, exactly (one cvt to an fp16 pair on
+// sm_89+, where the instruction exists).
+__device__ __forceinline__ float2 fp8x2_to_float2(unsigned x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const unsigned h = fp8x2_to<__half>(x);
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
+#else
+  __nv_fp8_e4m3 a, b;
+  a.__x = static_cast<__nv_fp8_storage_t>(x & 0xFFu);
+  b.__x = static_cast<__nv_fp8_storage_t>((x >> 8) & 0xFFu);
+  return make_float2(to_float(a), to_float(b));
+#endif
 }
 
 // 4-bit: the T pair (2^10, 2^10) (fp16) or (2^7, 2^7) (bf16), whose low mantissa bits take a
@@ -743,6 +391,509 @@ __device__ __forceinline__ unsigned pair_of(float x) {
   const unsigned short bits = *reinterpret_cast<const unsigned short*>(&h);
   return unsigned(bits) | (unsigned(bits) << 16);
 }
+
+// ---- Decode: weight-streaming skinny GEMM ---------------------------------------------------
+
+constexpr int GEMV_WARPS = 4;  // per block
+constexpr int GEMV_PAIRS = 2;  // row pairs per warp: 4 rows share each x read from shared memory
+constexpr int GEMV_ROWS = 2 * GEMV_PAIRS;
+
+__device__ __forceinline__ float bits16_to_float(const __half*, unsigned bits) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
+__device__ __forceinline__ float bits16_to_float(const __nv_bfloat16*, unsigned bits) {
+  return __uint_as_float(bits << 16);  // bf16 is the top half of a float32
+}
+
+// VB bytes of weight storage per load, kept as 32-bit words (byte arrays would be split into
+// one register per byte); VALS k values they hold.
+template <typename T, int WF, int VB>
+struct WeightVec {
+  static constexpr int VALS = WF == W_DENSE ? VB / int(sizeof(T)) : WF == W_FP8 ? VB : 2 * VB;
+  struct alignas(VB >= 4 ? VB : 4) Raw {
+    unsigned w[(VB + 3) / 4];
+  };
+  static __device__ __forceinline__ Raw load(const unsigned char* p) {
+    Raw r;
+    if constexpr (VB >= 4) {
+      r = *reinterpret_cast<const Raw*>(p);
+    } else if constexpr (VB == 2) {
+      r.w[0] = *reinterpret_cast<const unsigned short*>(p);
+    } else {
+      r.w[0] = *p;
+    }
+    return r;
+  }
+  static __device__ __forceinline__ Raw zero() {
+    Raw r;
+#pragma unroll
+    for (int i = 0; i < (VB + 3) / 4; ++i) r.w[i] = 0;
+    return r;
+  }
+  // k value i of the load (int4: q - zero given bias = 2^23 + zero, before the scale)
+  static __device__ __forceinline__ float value(const Raw& r, int i, float bias) {
+    if constexpr (WF == W_DENSE) {
+      const unsigned bits = (r.w[i >> 1] >> ((i & 1) * 16)) & 0xFFFFu;
+      return bits16_to_float(static_cast<const T*>(nullptr), bits);
+    } else if constexpr (WF == W_FP8) {
+      __nv_fp8_e4m3 e;
+      e.__x = static_cast<__nv_fp8_storage_t>((r.w[i >> 2] >> ((i & 3) * 8)) & 0xFFu);
+      return to_float(e);
+    } else {
+      // 2^23 + q as a float is exact; subtracting 2^23 + zero leaves q - zero exactly
+      const unsigned nib = (r.w[i >> 3] >> ((i & 7) * 4)) & 0xFu;
+      return __uint_as_float(0x4B000000u | nib) - bias;
+    }
+  }
+};
+
+// One block owns GEMV_WARPS * GEMV_PAIRS row pairs; each warp owns GEMV_PAIRS of them and streams
+// their weight rows once, lanes striding over k with VB-byte loads. The hidden rows of all TT
+// tokens are staged in shared memory as float32, p.kc k values at a time (tokens >= T are zero).
+// Accumulation is float32 per (row, token); a butterfly reduction gives every lane the sums and
+// lane t finishes token t (RoPE, Q store, paged K/V store).
+//   int4: value q of k = 2j + h is nibble h of byte j; w = (q - zero) * scale in float32, with
+//   one (scale, zero) per load (a load lies inside one group: the host makes VALS divide G).
+//   OPTS: status= validates the offsets once the first weight loads are in flight (a batch of no
+//   tokens launches one block, which only validates); the last token of a request clears the
+//   rest of its page at the warp's pairs, the (token, row) items spread over the lanes.
+//   PACKED (16-byte loads, token tiles of up to 4; the host picks it, GEMV_PACKED in qkv.py):
+//   4-bit weights with fp16 (P4): the hidden rows are staged as fp16 pairs in int4_pairs' order
+//   ((k, k + 4) of each 8 values), a word of 8 codes becomes 4 pairs of (q - zero) * scale with
+//   5 LOP3 / shift and 8 half2 ops (q - zero exact, the product rounded once to fp16, as the
+//   tensor-core kernels do), then one hfma2 a pair and token into fp16 sums of one 32-value load
+//   (16 products a half), added to the float32 sums after every load; the load's (scale, zero)
+//   are one 32-bit word, read as the load is issued. fp8 weights (P8): two codes a cvt to an
+//   exact fp16 pair, then to float32 (the same float32 products and sums as before). Both issue
+//   4 loads a row at 1-2 tokens (U = 4: 256 bytes a lane in flight, a 4096-wide 4-bit row's
+//   whole chunk), 3 blocks an SM (one wave of 384 blocks on 132 SMs).
+template <typename T, int WF, int VB, int TT, bool FAST_INT4, bool PACKED, bool OPTS>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(const QkvParams p) {
+  pdl_launch_dependents();
+  pdl_wait();
+  using WV = WeightVec<T, WF, VB>;
+  constexpr int VALS = WV::VALS;
+  constexpr bool P4 = PACKED && WF == W_INT4 && VB == 16 && is_half<T>::value && TT <= 4;
+  constexpr bool P8 = PACKED && WF == W_FP8 && VB == 16 && TT <= 4;
+  // loads in flight per row and lane: enough bytes in flight, few enough registers
+  constexpr int U = (P4 || P8) ? (TT <= 2 ? 4 : 2)
+                    : TT <= 2 ? (WF == W_DENSE ? 4 : 2)
+                              : (TT <= 4 && WF == W_DENSE ? 2 : 1);
+  // fp8: a slot refilled as soon as it is consumed (4-bit at 1-2 tokens holds a 4096-wide row's
+  // whole chunk in flight already, and refilling spilled at its 168 registers)
+  constexpr bool ROLL = P8;
+  constexpr int SUB = VALS < 8 ? VALS : 8;  // k values decoded at once
+  // int4 with 16-byte loads at small token tiles: the cheaper decode below
+  constexpr bool FAST4 = WF == W_INT4 && VB == 16 && TT <= 4 && FAST_INT4 && !P4;
+  // (TT, kc) float32, then FAST4: xsum (TT, kc / 32); P4: (TT, kc / 2) fp16 pairs instead
+  extern __shared__ float xs[];
+  unsigned* xw = reinterpret_cast<unsigned*>(xs);
+  float* xsum = xs + TT * p.kc;
+  __shared__ TokenSlot slots[TT];
+  __shared__ int rests[OPTS ? TT : 1];  // OPTS: the rows each token clears (rest_of_page)
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int pairs_total = p.N >> 1;
+  const int g0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_PAIRS;
+  const bool rope = p.cos_sin != nullptr;
+  const int t0 = blockIdx.y * TT;  // this block's token tile [t0, t0 + TT)
+  const int nt = min(TT, p.T - t0);
+
+  RowPair rps[GEMV_PAIRS];
+  const unsigned char* wrow[GEMV_ROWS];
+  int rown[GEMV_ROWS];
+  bool live[GEMV_PAIRS];
+#pragma unroll
+  for (int i = 0; i < GEMV_PAIRS; ++i) {
+    live[i] = g0 + i < pairs_total;
+    rps[i] = row_pair(live[i] ? g0 + i : 0, p.D, p.R, p.Hq, p.Hkv, rope, p.is_neox);
+    rown[2 * i] = rps[i].head * p.D + rps[i].da;
+    rown[2 * i + 1] = rps[i].head * p.D + rps[i].db;
+  }
+#pragma unroll
+  for (int r = 0; r < GEMV_ROWS; ++r) {
+    wrow[r] = static_cast<const unsigned char*>(p.weight) + i64(rown[r]) * p.weight_row_bytes;
+  }
+
+  float acc[GEMV_ROWS][TT];
+#pragma unroll
+  for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+    for (int t = 0; t < TT; ++t) acc[r][t] = 0.f;
+
+  const T* hidden = static_cast<const T*>(p.hidden) + i64(t0) * p.hidden_s0;
+  // 16-byte loads of the hidden rows when every row start of every chunk is 16-byte aligned
+  const bool x_vec = (reinterpret_cast<unsigned long long>(hidden) & 15) == 0 &&
+                     p.hidden_s0 % 8 == 0 && p.kc % 8 == 0 && p.K % 8 == 0;
+  for (int k0 = 0; k0 < p.K; k0 += p.kc) {
+    const int kc = min(p.kc, p.K - k0);
+    const int nv = kc / VALS;  // the host makes kc and K multiples of VALS
+    const i64 byte0 = WF == W_INT4 ? k0 / 2 : i64(k0) * (WF == W_DENSE ? int(sizeof(T)) : 1);
+    // Weight loads (and, for int4, their group's scale and zero) of U * 32 vectors from base.
+    typename WV::Raw raw[U][GEMV_ROWS];
+    float scale[U][GEMV_ROWS], bias[U][GEMV_ROWS];  // int4: bias = 2^23 + zero
+    unsigned sz[U][GEMV_ROWS];  // P4: the scale's fp16 bits | the zero point << 16
+    auto issue_one = [&](int u, int base) {  // slot u: vector base + u * 32 + lane
+      {
+        const int v = base + u * 32 + lane;
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; ++r) {
+          const bool on = v < nv && live[r >> 1];
+          raw[u][r] = on ? WV::load(wrow[r] + byte0 + i64(v) * VB) : WV::zero();
+          if constexpr (P4) {
+            const int grp = (k0 + v * VALS) / p.group_size;
+            const unsigned sb =
+                on ? unsigned(static_cast<const unsigned short*>(
+                         p.weight_scales)[i64(rown[r]) * p.ws_s0 + grp])
+                   : 0u;  // scale 0: the (never consumed) vector sums to 0
+            const unsigned z = on && p.zero_points
+                                   ? unsigned(static_cast<const unsigned char*>(
+                                         p.zero_points)[i64(rown[r]) * p.zp_s0 + grp]) &
+                                         0xFu
+                                   : 8u;
+            sz[u][r] = sb | (z << 16);
+          } else if constexpr (WF == W_INT4) {
+            const int grp = (k0 + v * VALS) / p.group_size;
+            scale[u][r] = on ? to_float(static_cast<const T*>(
+                                   p.weight_scales)[i64(rown[r]) * p.ws_s0 + grp])
+                             : 0.f;
+            bias[u][r] = 8388608.f + (on && p.zero_points
+                                          ? float(static_cast<const unsigned char*>(
+                                                      p.zero_points)[i64(rown[r]) * p.zp_s0 +
+                                                                     grp] &
+                                                  0xF)
+                                          : 8.f);
+          }
+        }
+      }
+    };
+    auto issue = [&](int base) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) issue_one(u, base);
+    };
+    issue(0);  // the first loads go out before the hidden rows are staged, overlapping the two
+    if constexpr (OPTS) {
+      if (k0 == 0 && (!qkv_check<OPTS>(p, p.offsets) || nt <= 0)) return;
+    }
+    if (k0 == 0 && threadIdx.x < TT) {  // token addressing, in the shadow of those loads
+      if constexpr (OPTS) {
+        const int tl = threadIdx.x;
+        const PagedSlot s = tl < nt ? qkv_paged_slot(p, t0 + tl) : PagedSlot{-1, -1, -1, 0};
+        const TokenSlot tok = token_slot_of(p, s);
+        slots[tl] = tok;
+        rests[tl] = rest_of_page(p, p.offsets, s, tok, s.entry, t0 + tl);
+      } else {
+        slots[threadIdx.x] =
+            int(threadIdx.x) < nt ? token_slot(p, t0 + threadIdx.x) : TokenSlot{-1, -1, -1};
+      }
+    }
+    __syncthreads();  // the previous chunk is consumed
+    // Stage x (TT, kc) as float32, XU independent loads in flight per thread.
+    constexpr int XU = 4;
+    if constexpr (P4) {  // fp16 pairs (k, k + 4) of each 8 values: word j * 4 + i of group j
+      const int xrow = p.kc >> 1;  // words a token row
+      if (x_vec) {
+        const int per_row = kc >> 3, total = TT * per_row;
+        for (int i0 = threadIdx.x; i0 < total; i0 += XU * blockDim.x) {
+          uint4 xv[XU];
+#pragma unroll
+          for (int j = 0; j < XU; ++j) {
+            const int i = i0 + j * blockDim.x;
+            const int t = i / per_row, k = (i - t * per_row) * 8;
+            xv[j] = i < total && t < nt ? *reinterpret_cast<const uint4*>(
+                                              hidden + i64(t) * p.hidden_s0 + k0 + k)
+                                        : make_uint4(0, 0, 0, 0);
+          }
+#pragma unroll
+          for (int j = 0; j < XU; ++j) {
+            const int i = i0 + j * blockDim.x;
+            const int t = i / per_row, grp8 = i - t * per_row;
+            if (i < total) *reinterpret_cast<uint4*>(xw + t * xrow + grp8 * 4) = int4_order(xv[j]);
+          }
+        }
+      } else {
+        unsigned short* xh = reinterpret_cast<unsigned short*>(xs);
+        const T* hid = hidden;
+        const int total = TT * kc;
+        for (int i = threadIdx.x; i < total; i += blockDim.x) {
+          const int t = i / kc, k = i - t * kc;
+          const T x = t < nt ? hid[i64(t) * p.hidden_s0 + k0 + k] : from_float<T>(0.f);
+          xh[t * p.kc + ((k >> 3) * 4 + (k & 3)) * 2 + ((k >> 2) & 1)] =
+              *reinterpret_cast<const unsigned short*>(&x);
+        }
+      }
+    } else if (x_vec) {
+      const int per_row = kc >> 3, total = TT * per_row;
+      for (int i0 = threadIdx.x; i0 < total; i0 += XU * blockDim.x) {
+        Vec<T, 8> xv[XU];
+#pragma unroll
+        for (int j = 0; j < XU; ++j) {
+          const int i = i0 + j * blockDim.x;
+          const int t = i / per_row, k = (i - t * per_row) * 8;
+          if (i < total && t < nt) {
+            xv[j] = load<T, 8>(hidden + i64(t) * p.hidden_s0 + k0 + k);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) xv[j].v[e] = from_float<T>(0.f);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < XU; ++j) {
+          const int i = i0 + j * blockDim.x;
+          const int t = i / per_row, k = (i - t * per_row) * 8;
+          if (i < total) {
+            float f[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) f[e] = to_float(xv[j].v[e]);
+            store_float<float, 8>(xs + t * p.kc + k, f);
+          }
+        }
+      }
+    } else {
+      const int total = TT * kc;
+      for (int i0 = threadIdx.x; i0 < total; i0 += XU * blockDim.x) {
+        float f[XU];
+#pragma unroll
+        for (int j = 0; j < XU; ++j) {
+          const int i = i0 + j * blockDim.x;
+          const int t = i / kc, k = i - t * kc;
+          f[j] = i < total && t < nt ? to_float(hidden[i64(t) * p.hidden_s0 + k0 + k]) : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < XU; ++j) {
+          const int i = i0 + j * blockDim.x;
+          const int t = i / kc, k = i - t * kc;
+          if (i < total) xs[t * p.kc + k] = f[j];
+        }
+      }
+    }
+    __syncthreads();
+    if constexpr (FAST4) {  // sum of x over each 32-value load, per token
+      const int per_row = p.kc / 32;
+      for (int i = threadIdx.x; i < TT * per_row; i += blockDim.x) {
+        const int t = i / per_row, c = i - t * per_row;
+        float sx = 0.f;
+        if (c * 32 < kc) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            float x[8];
+            load_float<float, 8>(xs + t * p.kc + c * 32 + j * 8, x);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sx += x[e];
+          }
+        }
+        xsum[i] = sx;
+      }
+      __syncthreads();
+    }
+    for (int base = 0;;) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = base + u * 32 + lane;
+        if (v >= nv) break;
+        if constexpr (P4) {
+          // (q - zero) * scale as fp16 pairs, word by word; fp16 sums of this load's 32 values
+          unsigned sub[GEMV_ROWS], sub16[GEMV_ROWS], sc[GEMV_ROWS];
+#pragma unroll
+          for (int r = 0; r < GEMV_ROWS; ++r) {
+            const unsigned z = sz[u][r] >> 16;
+            sub[r] = (0x6400u | z) * 0x10001u;           // 2^10 + zero, both halves
+            sub16[r] = (0xD400u | (z << 4)) * 0x10001u;  // -(64 + zero), both halves
+            sc[r] = (sz[u][r] & 0xFFFFu) * 0x10001u;
+          }
+          __half2 hsum[GEMV_ROWS][TT];
+#pragma unroll
+          for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+            for (int t = 0; t < TT; ++t) hsum[r][t] = __float2half2_rn(0.f);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {  // word c: k values 8c .. 8c + 7 of the load
+            unsigned wp[GEMV_ROWS][4];
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r)
+              int4_pairs<T>(raw[u][r].w[c], sub[r], sub16[r], sc[r], wp[r]);
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+              const uint4 xq =
+                  *reinterpret_cast<const uint4*>(xw + t * (p.kc >> 1) + (v * 4 + c) * 4);
+              const unsigned xp[4] = {xq.x, xq.y, xq.z, xq.w};
+#pragma unroll
+              for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int r = 0; r < GEMV_ROWS; ++r)
+                  hsum[r][t] = __hfma2(*reinterpret_cast<const __half2*>(&wp[r][i]),
+                                       *reinterpret_cast<const __half2*>(&xp[i]), hsum[r][t]);
+            }
+          }
+#pragma unroll
+          for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+              const float2 f = __half22float2(hsum[r][t]);
+              acc[r][t] += f.x + f.y;
+            }
+        } else if constexpr (P8) {
+          // two codes a cvt (an exact fp16 pair), then float32 products as before
+#pragma unroll
+          for (int c = 0; c < VALS / SUB; ++c) {  // 8 values: words 2c, 2c + 1
+            float w[GEMV_ROWS][SUB];
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r) {
+#pragma unroll
+              for (int h = 0; h < 4; ++h) {
+                const unsigned word = raw[u][r].w[2 * c + (h >> 1)];
+                const float2 f = fp8x2_to_float2((h & 1) ? word >> 16 : word);
+                w[r][2 * h] = f.x;
+                w[r][2 * h + 1] = f.y;
+              }
+            }
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+              float x[SUB];
+              load_float<float, SUB>(xs + t * p.kc + v * VALS + c * SUB, x);
+#pragma unroll
+              for (int i = 0; i < SUB; ++i)
+#pragma unroll
+                for (int r = 0; r < GEMV_ROWS; ++r) acc[r][t] = fmaf(w[r][i], x[i], acc[r][t]);
+            }
+          }
+        } else if constexpr (FAST4) {
+          // 1 + q/16 is the float with q in the top 4 mantissa bits: one shift and one LOP3 per
+          // value, no conversion. sum (q - zero) x = 16 sum (1 + q/16) x - (16 + zero) sum x.
+          float part[GEMV_ROWS][TT];
+#pragma unroll
+          for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+            for (int t = 0; t < TT; ++t) part[r][t] = 0.f;
+#pragma unroll
+          for (int c = 0; c < VALS / 8; ++c) {
+            float w[GEMV_ROWS][8];
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r) {
+              const unsigned word = raw[u][r].w[c];
+#pragma unroll
+              for (int i = 0; i < 8; ++i) {
+                const unsigned m = i <= 4 ? word << (19 - 4 * i) : word >> (4 * i - 19);
+                w[r][i] = __uint_as_float((m & 0x00780000u) | 0x3F800000u);
+              }
+            }
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+              float x[8];
+              load_float<float, 8>(xs + t * p.kc + v * VALS + c * 8, x);
+#pragma unroll
+              for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int r = 0; r < GEMV_ROWS; ++r) part[r][t] = fmaf(w[r][i], x[i], part[r][t]);
+            }
+          }
+#pragma unroll
+          for (int t = 0; t < TT; ++t) {
+            const float sx = xsum[t * (p.kc / 32) + v];
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r) {
+              const float z16 = bias[u][r] - 8388592.f;  // (2^23 + zero) - (2^23 - 16), exact
+              acc[r][t] = fmaf(scale[u][r], fmaf(16.f, part[r][t], -z16 * sx), acc[r][t]);
+            }
+          }
+        } else {
+          // SUB k values at a time: decode them for every row, then one x read serves all rows.
+#pragma unroll
+          for (int c = 0; c < VALS / SUB; ++c) {
+            float w[GEMV_ROWS][SUB];
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r) {
+#pragma unroll
+              for (int i = 0; i < SUB; ++i) {
+                w[r][i] = WV::value(raw[u][r], c * SUB + i, bias[u][r]);
+                if constexpr (WF == W_INT4) w[r][i] *= scale[u][r];
+              }
+            }
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+              float x[SUB];
+              load_float<float, SUB>(xs + t * p.kc + v * VALS + c * SUB, x);
+#pragma unroll
+              for (int i = 0; i < SUB; ++i)
+#pragma unroll
+                for (int r = 0; r < GEMV_ROWS; ++r) acc[r][t] = fmaf(w[r][i], x[i], acc[r][t]);
+            }
+          }
+        }
+        // packed: slot u refilled as soon as it is consumed (U loads a row always in flight)
+        if constexpr (ROLL) issue_one(u, base + 32 * U);
+      }
+      base += 32 * U;
+      if (base >= nv) break;
+      if constexpr (!ROLL) issue(base);
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+    for (int t = 0; t < TT; ++t)
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1)
+        acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], off);
+
+  if constexpr (OPTS) {
+    // The rows the tokens clear (rests), as (token, row) items spread over the warp's lanes: each
+    // zeroes the warp's pairs in one row, rather than each token's lane row after row.
+    const int per = p.clear ? p.page_size - 1 : 0;
+    for (int u = lane; u < nt * per; u += 32) {
+      const int t = u / per, r = u - t * per + 1;
+      if (r > rests[t]) continue;
+#pragma unroll
+      for (int i = 0; i < GEMV_PAIRS; ++i)
+        if (live[i]) zero_pair_rest<T>(p, slots[t], rps[i], r);
+    }
+  }
+  if (lane >= nt) return;
+  const TokenSlot tok = slots[lane];
+#pragma unroll
+  for (int i = 0; i < GEMV_PAIRS; ++i) {
+    if (!live[i]) continue;
+    float a = acc[2 * i][0], b = acc[2 * i + 1][0];
+#pragma unroll
+    for (int t = 1; t < TT; ++t) {  // lane t takes token t's sums (no dynamic register index)
+      a = lane == t ? acc[2 * i][t] : a;
+      b = lane == t ? acc[2 * i + 1][t] : b;
+    }
+    if constexpr (WF == W_FP8) {
+      const float* ws = static_cast<const float*>(p.weight_scales);
+      a *= ws[rown[2 * i]];
+      b *= ws[rown[2 * i + 1]];
+    }
+    write_pair<T>(p, tok, t0 + lane, rps[i], a, b);
+  }
+}
+
+// ---- Small batches: tensor-core weight streaming, split-K over a thread-block cluster ------
+//
+// qkv_mma<T, WF, TN, S>: one cluster of S CTAs per tile of MMA_ROWS output rows (whole heads:
+// the host makes D divide MMA_ROWS) and TN tokens; CTA `rank` of the cluster owns the K slice
+// [rank * kc, (rank + 1) * kc). mma.sync m16n8k16 with the weight rows as M (16 rows a tile) and
+// the tokens as N (8 a tile), float32 accumulation.
+//
+// Fragments straight from global memory: lane l (g = l / 4, c = l % 4) loads 16 bytes of weight
+// row g and of row g + 8 (ld.global.nc, no shuffles) holding VALS consecutive k values
+// [c * VALS, (c + 1) * VALS) of a chunk of 4 * VALS. The k order inside an mma does not change the
+// sum, so each lane's A values (rows g, g + 8) and B values (token g) need only name the same k
+// values at the same slots: the hidden rows are staged in shared memory in exactly that order, and
+// every B fragment is one 16-byte shared load. fp8 and 4-bit weights are dequantized in registers
+// to T before the mma (fp8 exactly, its per-row scale applied to the float32 sum; 4-bit as
+// (q - zero) * scale rounded once to T, as the cuBLAS path's dequantization does).
+//
+// The cluster then reduces its S partial sums through distributed shared memory: each CTA
+// stores its (TN, MMA_ROWS) float32 partial in its shared memory, and after a cluster barrier
+// every CTA finishes a 1/S share of the tile's (token, row pair) items: the sum over the
+// cluster, the fp8 weight scale, RoPE, Q to out, K/V to their pages (write_pair).
+constexpr int MMA_WARPS = 4;
+constexpr int MMA_ROWS = 128;          // rows per tile: 32 per warp (two m16 tiles)
+constexpr int MMA_MT = MMA_ROWS / (16 * MMA_WARPS);
+constexpr int MMA_PART_STRIDE = MMA_ROWS + 4;  // float32 partial row (conflict-free stores)
+constexpr int MMA_REQ_CAP = 256;       // requests whose offsets and lengths go to shared memory
 
 // ---- Shared by the two tensor-core kernels: token slots of a tile, the cluster's reduction ----
 
