@@ -101,6 +101,10 @@ GEMV_PACKED_MAX_TILE = 4
 # qkv_mma). 2: as before (qkv_mma from MMA_MIN_TOKENS); 4 is the candidate to time (the packed
 # decode's token tile of 4).
 GEMV_PACKED_MAX_TOKENS = 2
+# 4-bit packed decode: the scale applied to each 32-value load's fp16 sums in float32 instead of
+# to every weight (4 fewer half2 ops a word of 8 codes). Off: those sums, of up to 16 products of
+# |q - zero| <= 15 and x, overflow fp16 where |x| reaches about 270.
+GEMV_PACKED_LATE_SCALE = False
 GEMV_WARPS, GEMV_PAIRS = 4, 2  # mirror qkv.cu
 GEMV_SMEM = 46 * 1024  # staged hidden rows, float32, per block (below the 48 KiB default)
 # The tensor-core path (qkv_mma, sm_90+): token counts in [MMA_MIN_TOKENS, MMA_MAX_TOKENS]
@@ -370,10 +374,11 @@ def _packed(dtype, fmt, vb, tt):
 
 
 @functools.cache  # the expressions: a plan's lookup spells one once per first call
-def gemv_expression(dtype, fmt, vb, tt, fast=True, opts=False, packed=False):
+def gemv_expression(dtype, fmt, vb, tt, fast=True, opts=False, packed=0):
     """``fast`` selects the cheaper float 4-bit decode where it applies, ``packed`` the packed
-    decode (which takes precedence) where it applies (see qkv.cu)."""
-    packed = packed and _packed(dtype, fmt, vb, tt)
+    decode (which takes precedence) where it applies: 1, 2 (4-bit: the scale on the sums), or 0
+    (see qkv.cu)."""
+    packed = (1 if fmt != W_INT4 else int(packed)) if packed and _packed(dtype, fmt, vb, tt) else 0
     return name_expression(
         "qkv_gemv",
         c_type(dtype),
@@ -381,7 +386,7 @@ def gemv_expression(dtype, fmt, vb, tt, fast=True, opts=False, packed=False):
         vb,
         tt,
         c_bool(fast and not packed and _fast_int4(fmt, vb, tt)),
-        c_bool(packed),
+        packed,
         c_bool(opts),
     )
 
@@ -435,7 +440,9 @@ def instantiations():
                 if _fast_int4(fmt, vb, tt):
                     yield gemv_expression(dtype, fmt, vb, tt, fast=False, opts=opts)
                 if _packed(dtype, fmt, vb, tt):
-                    yield gemv_expression(dtype, fmt, vb, tt, opts=opts, packed=True)
+                    yield gemv_expression(dtype, fmt, vb, tt, opts=opts, packed=1)
+                    if fmt == W_INT4:
+                        yield gemv_expression(dtype, fmt, vb, tt, opts=opts, packed=2)
         for fmt, tn, split in itertools.product((W_DENSE, W_FP8, W_INT4), MMA_TILES, MMA_SPLITS):
             yield mma_expression(dtype, fmt, tn, split, opts)
         for fmt, tn, split in itertools.product(TILED_FORMATS, TILED_TILES, TILED_SPLITS):
@@ -756,6 +763,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
             FAST_INT4,
             GEMV_PACKED,
             GEMV_PACKED_MAX_TOKENS,
+            GEMV_PACKED_LATE_SCALE,
             MMA_MIN_TOKENS,
             MMA_MAX_TOKENS,
             (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID),
@@ -832,6 +840,7 @@ def _prepare(views, flags):
         fast_int4,
         gemv_packed,
         packed_max,
+        late_scale,
         mma_min,
         mma_max,
         mma_quantized,
@@ -864,7 +873,7 @@ def _prepare(views, flags):
         return plan(c.device)
     fields, slots = _fields(views, c, is_neox, clear)
     opts = bool(clear or vstatus is not None)  # the kernels that read the options
-    gemv = (gemv_max, fast_int4, gemv_packed, packed_max)
+    gemv = (gemv_max, fast_int4, gemv_packed, packed_max, late_scale)
     tuning = (gemv, mma_min, mma_max, mma_quantized, mma_split, tiled, graph_max)
     return _device_plan(
         views, c, fields, slots, outputs, written, is_neox, pdl, opts, tuning, WgmmaSettings(*wgmma)
@@ -1094,7 +1103,7 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         a.out,
     )
     gemv, mma_min, mma_max, mma_quantized, mma_split, tiled, graph_max = tuning
-    gemv_max, fast_int4, gemv_packed, packed_max = gemv
+    gemv_max, fast_int4, gemv_packed, packed_max, late_scale = gemv
     T, K, N, D, fmt, device = c.T, c.K, c.N, c.D, c.fmt, c.device
 
     def fused(wgmma, mma_max):
@@ -1114,7 +1123,7 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         if fmt == W_DENSE
         else quantized_top(K, N, fmt, _sm_count(device), mma_quantized, tiled)
     )
-    decode = (fast_int4, gemv_packed)
+    decode = (fast_int4, gemv_packed, late_scale)
     if (
         gemv_max < T <= packed_max
         and gemv_packed
@@ -1270,11 +1279,11 @@ def _tile(T):
 
 def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, decode, pdl, opts=False):
     """The fused decode kernel: one launch (T == 0, status=: one block, which validates).
-    ``decode``: (FAST_INT4, GEMV_PACKED)."""
+    ``decode``: (FAST_INT4, GEMV_PACKED, GEMV_PACKED_LATE_SCALE)."""
     dtype = vx.dtype
     vb, vals = _gemv_width(vw, fmt, dtype, K, fields["group_size"])
     tt = _tile(T)
-    packed = decode[1] and _packed(dtype, fmt, vb, tt)
+    packed = (2 if decode[2] else 1) if decode[1] and _packed(dtype, fmt, vb, tt) else 0
     fast = decode[0] and not packed and _fast_int4(fmt, vb, tt)
     # shared memory: x (tt, kc) float32, and for the fast int4 decode its sums (tt, kc / 32)
     kc = GEMV_SMEM * 32 // (tt * 4 * 33) if fast else GEMV_SMEM // (tt * 4)
@@ -1843,6 +1852,7 @@ _OP = Op(
                 "FAST_INT4",
                 "GEMV_PACKED",
                 "GEMV_PACKED_MAX_TOKENS",
+                "GEMV_PACKED_LATE_SCALE",
                 "MMA_MIN_TOKENS",
                 "MMA_MAX_TOKENS",
                 "MMA_*_QUANTIZED",

@@ -744,11 +744,11 @@ def test_gemv_takes_the_packed_decode_where_it_applies(
     vx = SimpleNamespace(dtype=np.dtype(dtype))
     vw = SimpleNamespace(ptr=1 << 20, strides=(cols, 1), dtype=wdtype)
     fields = {"group_size": 128}
-    qkv_mod._gemv(fields, {}, vx, vw, fmt, T, K, 6144, 0, (False, setting), False)
+    qkv_mod._gemv(fields, {}, vx, vw, fmt, T, K, 6144, 0, (False, setting, False), False)
     tt = next(t for t in qkv_mod.GEMV_TILES if t >= T)
     want = qkv_mod.gemv_expression(np.dtype(dtype), fmt, 16, tt, False, False, packed and setting)
+    assert want.split(", ")[-2] == ("1" if packed and setting else "0")
     assert got[0][0] == want
-    assert want.split(", ")[-2] == ("true" if packed and setting else "false")
     assert got[0][1] <= qkv_mod.GEMV_SMEM  # the fp16 pairs fit the float32 rows' space
 
 
@@ -759,7 +759,8 @@ def test_instantiations_cover_every_dispatch():
         for fmt in (0, 1, 2):
             for tt in qkv_mod.GEMV_TILES:
                 assert qkv_mod.gemv_expression(dtype, fmt, 16, tt) in names
-                assert qkv_mod.gemv_expression(dtype, fmt, 16, tt, packed=True) in names
+                for packed in (1, 2):
+                    assert qkv_mod.gemv_expression(dtype, fmt, 16, tt, packed=packed) in names
             for tn in qkv_mod.MMA_TILES:
                 assert qkv_mod.mma_expression(dtype, fmt, tn, qkv_mod.MMA_SPLIT) in names
         for tn, opts in itertools.product(qkv_mod.TILED_TILES, (False, True)):
@@ -1572,14 +1573,15 @@ def test_gpu_int4_decodes(fast, lengths, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("packed, late", [(True, False), (True, True), (False, False)])
 @pytest.mark.parametrize("lengths", [(1,), (1, 1), (2, 0, 2)])
 @pytest.mark.parametrize("group_size, zero_points", [(128, False), (32, True), (64, True)])
-def test_gpu_gemv_packed_int4(packed, lengths, group_size, zero_points, monkeypatch):
+def test_gpu_gemv_packed_int4(packed, late, lengths, group_size, zero_points, monkeypatch):
     """qkv_gemv's packed 4-bit decode (fp16: (q - zero) * scale as fp16 pairs, fp16 sums of each
-    load) and the float32 one, at token tiles 1, 2 and 4 (4: two k chunks of the hidden rows),
-    Llama-3-8B's projection."""
+    load; ``late``: the scale on those sums) and the float32 one, at token tiles 1, 2 and 4 (4:
+    two k chunks of the hidden rows), Llama-3-8B's projection."""
     monkeypatch.setattr(qkv_mod, "GEMV_PACKED", packed)
+    monkeypatch.setattr(qkv_mod, "GEMV_PACKED_LATE_SCALE", late)
     args, kw = make_case(
         31,
         lengths=lengths,
@@ -1642,7 +1644,7 @@ def test_gpu_gemv_packed_past_gemv_max_tokens(lengths, wfmt, dtype, monkeypatch)
     q = call(d, {n: to_device(a) for n, a in kw.items()})
     check_results(args, kw, q, d["paged_kv_cache"], originals, refs)
     (name,) = names
-    assert name.startswith("qkv_gemv<") and name.split(", ")[-2] == "true", name
+    assert name.startswith("qkv_gemv<") and name.split(", ")[-2] == "1", name
 
 
 @pytest.mark.gpu
