@@ -562,7 +562,15 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(cons
 #pragma unroll
         for (int r = 0; r < GEMV_ROWS; ++r) {
           const bool on = v < nv && live[r >> 1];
-          raw[u][r] = on ? WV::load(wrow[r] + byte0 + i64(v) * VB) : WV::zero();
+          if constexpr (P4 || P8) {  // read once: not kept in L1 (as qkv_mma's loads)
+            const uint4 w = on ? ldg_stream(wrow[r] + byte0 + i64(v) * VB) : make_uint4(0, 0, 0, 0);
+            raw[u][r].w[0] = w.x;
+            raw[u][r].w[1] = w.y;
+            raw[u][r].w[2] = w.z;
+            raw[u][r].w[3] = w.w;
+          } else {
+            raw[u][r] = on ? WV::load(wrow[r] + byte0 + i64(v) * VB) : WV::zero();
+          }
           if constexpr (P4) {
             const int grp = (k0 + v * VALS) / p.group_size;
             const unsigned sb =
