@@ -90,6 +90,21 @@ GEMV_TILES = (1, 2, 4, 8, 16)  # tokens per block (the token tile TT)
 # 14.3 us under graph replay); the tests run both.
 FAST_INT4 = False
 FAST_INT4_MAX_TILE = 4
+# The packed decode of qkv_gemv (16-byte loads, token tiles up to GEMV_PACKED_MAX_TILE): 4-bit
+# weights with fp16 inputs as fp16 pairs (magic-number LOP3, (q - zero) * scale rounded once,
+# hfma2 into fp16 sums of each 32-value load, added to float32 sums), fp8 weights two codes a
+# conversion; all of a row's loads of a chunk in flight at 1-2 tokens. False: the float32 decode
+# (ncu at one token, 4-bit: 6.6M instructions, 8.4 a weight, DRAM 13%).
+GEMV_PACKED = True
+GEMV_PACKED_MAX_TILE = 4
+# Calls the packed decode takes run qkv_gemv up to this many tokens (above GEMV_MAX_TOKENS: before
+# qkv_mma). 2: as before (qkv_mma from MMA_MIN_TOKENS); 4 is the candidate to time (the packed
+# decode's token tile of 4).
+GEMV_PACKED_MAX_TOKENS = 2
+# 4-bit packed decode: the scale applied to each 32-value load's fp16 sums in float32 instead of
+# to every weight (4 fewer half2 ops a word of 8 codes). Off: those sums, of up to 16 products of
+# |q - zero| <= 15 and x, overflow fp16 where |x| reaches about 270.
+GEMV_PACKED_LATE_SCALE = False
 GEMV_WARPS, GEMV_PAIRS = 4, 2  # mirror qkv.cu
 GEMV_SMEM = 46 * 1024  # staged hidden rows, float32, per block (below the 48 KiB default)
 # The tensor-core path (qkv_mma, sm_90+): token counts in [MMA_MIN_TOKENS, MMA_MAX_TOKENS]
@@ -344,20 +359,34 @@ def _fast_int4(fmt, vb, tt):
     return fmt == W_INT4 and vb == 16 and tt <= FAST_INT4_MAX_TILE
 
 
+def _packed(dtype, fmt, vb, tt):
+    """Whether qkv_gemv has a packed decode for this (see qkv.cu): 4-bit weights with fp16
+    inputs, fp8 weights; 16-byte loads; small token tiles."""
+    return (
+        vb == 16
+        and tt <= GEMV_PACKED_MAX_TILE
+        and (fmt == W_FP8 or fmt == W_INT4 and dtype == FLOAT16)
+    )
+
+
 # ``opts`` below: the kernel that reads the options (``status=``, ``clear_unused_last_page_rows``);
 # the plain one (False) has them compiled out, so they cost nothing when off.
 
 
 @functools.cache  # the expressions: a plan's lookup spells one once per first call
-def gemv_expression(dtype, fmt, vb, tt, fast=True, opts=False):
-    """``fast`` selects the cheaper 4-bit decode where it applies (see qkv.cu)."""
+def gemv_expression(dtype, fmt, vb, tt, fast=True, opts=False, packed=0):
+    """``fast`` selects the cheaper float 4-bit decode where it applies, ``packed`` the packed
+    decode (which takes precedence) where it applies: 1, 2 (4-bit: the scale on the sums), or 0
+    (see qkv.cu)."""
+    packed = (1 if fmt != W_INT4 else int(packed)) if packed and _packed(dtype, fmt, vb, tt) else 0
     return name_expression(
         "qkv_gemv",
         c_type(dtype),
         fmt,
         vb,
         tt,
-        c_bool(fast and _fast_int4(fmt, vb, tt)),
+        c_bool(fast and not packed and _fast_int4(fmt, vb, tt)),
+        packed,
         c_bool(opts),
     )
 
@@ -410,6 +439,10 @@ def instantiations():
                 yield gemv_expression(dtype, fmt, vb, tt, opts=opts)
                 if _fast_int4(fmt, vb, tt):
                     yield gemv_expression(dtype, fmt, vb, tt, fast=False, opts=opts)
+                if _packed(dtype, fmt, vb, tt):
+                    yield gemv_expression(dtype, fmt, vb, tt, opts=opts, packed=1)
+                    if fmt == W_INT4:
+                        yield gemv_expression(dtype, fmt, vb, tt, opts=opts, packed=2)
         for fmt, tn, split in itertools.product((W_DENSE, W_FP8, W_INT4), MMA_TILES, MMA_SPLITS):
             yield mma_expression(dtype, fmt, tn, split, opts)
         for fmt, tn, split in itertools.product(TILED_FORMATS, TILED_TILES, TILED_SPLITS):
@@ -728,6 +761,9 @@ def fused_qkv_matmul_append_paged_kv_cache(
             enable_pdl,
             GEMV_MAX_TOKENS,
             FAST_INT4,
+            GEMV_PACKED,
+            GEMV_PACKED_MAX_TOKENS,
+            GEMV_PACKED_LATE_SCALE,
             MMA_MIN_TOKENS,
             MMA_MAX_TOKENS,
             (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID),
@@ -802,6 +838,9 @@ def _prepare(views, flags):
         pdl,
         gemv_max,
         fast_int4,
+        gemv_packed,
+        packed_max,
+        late_scale,
         mma_min,
         mma_max,
         mma_quantized,
@@ -834,7 +873,8 @@ def _prepare(views, flags):
         return plan(c.device)
     fields, slots = _fields(views, c, is_neox, clear)
     opts = bool(clear or vstatus is not None)  # the kernels that read the options
-    tuning = (gemv_max, fast_int4, mma_min, mma_max, mma_quantized, mma_split, tiled, graph_max)
+    gemv = (gemv_max, fast_int4, gemv_packed, packed_max, late_scale)
+    tuning = (gemv, mma_min, mma_max, mma_quantized, mma_split, tiled, graph_max)
     return _device_plan(
         views, c, fields, slots, outputs, written, is_neox, pdl, opts, tuning, WgmmaSettings(*wgmma)
     )
@@ -1062,7 +1102,8 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         a.cos_sin_cache,
         a.out,
     )
-    gemv_max, fast_int4, mma_min, mma_max, mma_quantized, mma_split, tiled, graph_max = tuning
+    gemv, mma_min, mma_max, mma_quantized, mma_split, tiled, graph_max = tuning
+    gemv_max, fast_int4, gemv_packed, packed_max, late_scale = gemv
     T, K, N, D, fmt, device = c.T, c.K, c.N, c.D, c.fmt, c.device
 
     def fused(wgmma, mma_max):
@@ -1082,6 +1123,15 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         if fmt == W_DENSE
         else quantized_top(K, N, fmt, _sm_count(device), mma_quantized, tiled)
     )
+    decode = (fast_int4, gemv_packed, late_scale)
+    if (
+        gemv_max < T <= packed_max
+        and gemv_packed
+        and _packed(
+            vx.dtype, fmt, _gemv_width(vw, fmt, vx.dtype, K, fields["group_size"])[0], _tile(T)
+        )
+    ):  # a few tokens more on the packed decode, before the tensor-core kernels
+        return plan([_gemv(fields, slots, vx, vw, fmt, T, K, N, device, decode, pdl, opts)])
     step = fused(wgmma, mma_top)
     if step is not None:
         return plan([step])
@@ -1089,7 +1139,7 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
     # the GEMV kernel, which only validates)
     n = None if T <= gemv_max else _epilogue_width(vout, vk, vv, vt, D, c.R, is_neox)
     if n is None:
-        return plan([_gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl, opts)])
+        return plan([_gemv(fields, slots, vx, vw, fmt, T, K, N, device, decode, pdl, opts)])
     steps, workspaces = _prefill(
         fields,
         slots,
@@ -1222,14 +1272,19 @@ def _gemv_width(vw, fmt, dtype, K, group_size):
     return (16, vals) if ok else (_weight_bytes_min(dtype, fmt), 2 if fmt == W_INT4 else 1)
 
 
-def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl, opts=False):
-    """The fused decode kernel: one launch (T == 0, status=: one block, which validates)."""
+def _tile(T):
+    """qkv_gemv's token tile: the smallest that holds T tokens, else the largest."""
+    return next((tt for tt in GEMV_TILES if tt >= T), GEMV_TILES[-1])
+
+
+def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, decode, pdl, opts=False):
+    """The fused decode kernel: one launch (T == 0, status=: one block, which validates).
+    ``decode``: (FAST_INT4, GEMV_PACKED, GEMV_PACKED_LATE_SCALE)."""
     dtype = vx.dtype
     vb, vals = _gemv_width(vw, fmt, dtype, K, fields["group_size"])
-    for tt in GEMV_TILES:  # the smallest tile that holds T tokens, else the largest
-        if tt >= T:
-            break
-    fast = fast_int4 and _fast_int4(fmt, vb, tt)
+    tt = _tile(T)
+    packed = (2 if decode[2] else 1) if decode[1] and _packed(dtype, fmt, vb, tt) else 0
+    fast = decode[0] and not packed and _fast_int4(fmt, vb, tt)
     # shared memory: x (tt, kc) float32, and for the fast int4 decode its sums (tt, kc / 32)
     kc = GEMV_SMEM * 32 // (tt * 4 * 33) if fast else GEMV_SMEM // (tt * 4)
     kc = K if K <= kc else kc // vals * vals
@@ -1238,7 +1293,7 @@ def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, fast_int4, pdl, opts=Fals
     grid = ((N // 2 + pairs_per_block - 1) // pairs_per_block, (T + tt - 1) // tt) if T else (1, 1)
     return Launch(
         STEM,
-        gemv_expression(dtype, fmt, vb, tt, fast, opts),
+        gemv_expression(dtype, fmt, vb, tt, fast, opts, packed),
         device,
         grid,
         (GEMV_WARPS * 32,),
@@ -1795,6 +1850,9 @@ _OP = Op(
             for name in (
                 "GEMV_MAX_TOKENS",
                 "FAST_INT4",
+                "GEMV_PACKED",
+                "GEMV_PACKED_MAX_TOKENS",
+                "GEMV_PACKED_LATE_SCALE",
                 "MMA_MIN_TOKENS",
                 "MMA_MAX_TOKENS",
                 "MMA_*_QUANTIZED",

@@ -714,6 +714,44 @@ def test_validation_quantized(wfmt, mutate, exc, match):
         call(args, kw)
 
 
+@pytest.mark.parametrize("setting", [True, False])
+@pytest.mark.parametrize(
+    "wfmt, dtype, T, packed",
+    [
+        ("int4", F16, 1, True),
+        ("int4", F16, 4, True),
+        ("int4", F16, 5, False),  # token tile 8
+        ("int4", BF16, 1, False),  # fp16 pairs only
+        ("fp8", F16, 2, True),
+        ("fp8", BF16, 3, True),
+        ("dense", F16, 1, False),
+    ],
+)
+def test_gemv_takes_the_packed_decode_where_it_applies(
+    wfmt, dtype, T, packed, setting, monkeypatch
+):
+    """GEMV_PACKED (on by default) selects qkv_gemv's packed decode for 4-bit weights with fp16
+    inputs and fp8 weights at token tiles up to GEMV_PACKED_MAX_TILE; False restores the float32
+    decode (the launch's kernel, with the driver out of the way)."""
+    from types import SimpleNamespace
+
+    assert qkv_mod.GEMV_PACKED is True
+    got = []
+    monkeypatch.setattr(qkv_mod, "Launch", lambda *a, **k: got.append((a[1], k["shared_mem"])))
+    K, fmt = 4096, WEIGHT_FORMATS[wfmt]
+    wdtype = {"int4": np.dtype(np.uint8), "fp8": E4M3, "dense": np.dtype(dtype)}[wfmt]
+    cols = K // 2 if wfmt == "int4" else K
+    vx = SimpleNamespace(dtype=np.dtype(dtype))
+    vw = SimpleNamespace(ptr=1 << 20, strides=(cols, 1), dtype=wdtype)
+    fields = {"group_size": 128}
+    qkv_mod._gemv(fields, {}, vx, vw, fmt, T, K, 6144, 0, (False, setting, False), False)
+    tt = next(t for t in qkv_mod.GEMV_TILES if t >= T)
+    want = qkv_mod.gemv_expression(np.dtype(dtype), fmt, 16, tt, False, False, packed and setting)
+    assert want.split(", ")[-2] == ("1" if packed and setting else "0")
+    assert got[0][0] == want
+    assert got[0][1] <= qkv_mod.GEMV_SMEM  # the fp16 pairs fit the float32 rows' space
+
+
 def test_instantiations_cover_every_dispatch():
     names = set(qkv_mod.instantiations())
     assert len(names) == len(list(qkv_mod.instantiations()))
@@ -721,6 +759,8 @@ def test_instantiations_cover_every_dispatch():
         for fmt in (0, 1, 2):
             for tt in qkv_mod.GEMV_TILES:
                 assert qkv_mod.gemv_expression(dtype, fmt, 16, tt) in names
+                for packed in (1, 2):
+                    assert qkv_mod.gemv_expression(dtype, fmt, 16, tt, packed=packed) in names
             for tn in qkv_mod.MMA_TILES:
                 assert qkv_mod.mma_expression(dtype, fmt, tn, qkv_mod.MMA_SPLIT) in names
         for tn, opts in itertools.product(qkv_mod.TILED_TILES, (False, True)):
@@ -1530,6 +1570,118 @@ def test_gpu_int4_decodes(fast, lengths, monkeypatch):
         **{**LLAMA, "K": 1024},
     )
     check_gpu(args, kw, monkeypatch=monkeypatch, path="gemv")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed, late", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("lengths", [(1,), (1, 1), (2, 0, 2)])
+@pytest.mark.parametrize("group_size, zero_points", [(128, False), (32, True), (64, True)])
+def test_gpu_gemv_packed_int4(packed, late, lengths, group_size, zero_points, monkeypatch):
+    """qkv_gemv's packed 4-bit decode (fp16: (q - zero) * scale as fp16 pairs, fp16 sums of each
+    load; ``late``: the scale on those sums) and the float32 one, at token tiles 1, 2 and 4 (4:
+    two k chunks of the hidden rows), Llama-3-8B's projection."""
+    monkeypatch.setattr(qkv_mod, "GEMV_PACKED", packed)
+    monkeypatch.setattr(qkv_mod, "GEMV_PACKED_LATE_SCALE", late)
+    args, kw = make_case(
+        31,
+        lengths=lengths,
+        wfmt="int4",
+        group_size=group_size,
+        zero_points=zero_points,
+        cached=[9 + 17 * i for i in range(len(lengths))],
+        **LLAMA,
+    )
+    check_gpu(args, kw, monkeypatch=monkeypatch, path="gemv")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("lengths", [(1,), (1, 1), (2, 0, 2)])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_gpu_gemv_packed_fp8(packed, lengths, dtype, monkeypatch):
+    """qkv_gemv's packed fp8 decode (two codes a conversion, loads refilled as consumed) and the
+    plain one, at token tiles 1, 2 and 4, K 8192 (two k chunks at tiles 2 and 4)."""
+    monkeypatch.setattr(qkv_mod, "GEMV_PACKED", packed)
+    args, kw = make_case(
+        32,
+        lengths=lengths,
+        wfmt="fp8",
+        dtype=dtype,
+        cache_dtype=E4M3,
+        cached=[3 + 11 * i for i in range(len(lengths))],
+        **{**LLAMA, "K": 8192},
+    )
+    check_gpu(args, kw, monkeypatch=monkeypatch, path="gemv")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(3,), (1, 0, 3), (2, 2)])
+@pytest.mark.parametrize("wfmt, dtype", [("int4", F16), ("fp8", F16), ("fp8", BF16)])
+def test_gpu_gemv_packed_past_gemv_max_tokens(lengths, wfmt, dtype, monkeypatch):
+    """GEMV_PACKED_MAX_TOKENS = 4 (the candidate): 3-4 tokens of 4-bit (fp16) and fp8 weights run
+    qkv_gemv's packed decode (token tile 4) instead of qkv_mma, the other thresholds as shipped."""
+    monkeypatch.setattr(qkv_mod, "GEMV_PACKED_MAX_TOKENS", 4)
+    real, names = qkv_mod.Launch, []
+
+    def launch(*a, **k):
+        names.append(a[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(qkv_mod, "Launch", launch)
+    args, kw = make_case(
+        34,
+        lengths=lengths,
+        wfmt=wfmt,
+        dtype=dtype,
+        group_size=128,
+        zero_points=True,
+        cached=[20 + 5 * i for i in range(len(lengths))],
+        **LLAMA,
+    )
+    refs = expected(args, kw)
+    originals = [c.copy() for c in args["paged_kv_cache"]]
+    d = {n: to_device(a) for n, a in args.items()}
+    q = call(d, {n: to_device(a) for n, a in kw.items()})
+    check_results(args, kw, q, d["paged_kv_cache"], originals, refs)
+    (name,) = names
+    assert name.startswith("qkv_gemv<") and name.split(", ")[-2] == "1", name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(1,), (2, 0, 2)])
+@pytest.mark.parametrize("wfmt", ["int4", "fp8"])
+def test_gpu_gemv_packed_unaligned_hidden(lengths, wfmt, monkeypatch):
+    """The packed decodes with hidden rows that are not 16-byte aligned (the scalar staging of
+    the hidden rows; 4-bit: into the fp16 pair order), a K of two chunks at tile 4 with a
+    partial last one."""
+    import cupy as cp
+
+    force_path(monkeypatch, "gemv")
+    monkeypatch.setattr(qkv_mod, "GEMV_PACKED", True)
+    args, kw = make_case(
+        33,
+        lengths=lengths,
+        wfmt=wfmt,
+        group_size=64,
+        zero_points=True,
+        cached=[40] * len(lengths),
+        K=3200,
+        Hq=4,
+        Hkv=2,
+        D=128,
+        R=64,
+        P=256,
+        page_size=16,
+    )
+    q_ref, k_ref, v_ref = expected(args, kw)
+    x = args["hidden_state"]
+    wide = np.zeros((x.shape[0], x.shape[1] + 3), x.dtype)
+    wide[:, 1 : 1 + x.shape[1]] = x
+    d = {n: to_device(a) for n, a in args.items()}
+    d["hidden_state"] = cp.asarray(wide)[:, 1 : 1 + x.shape[1]]
+    originals = [c.copy() for c in args["paged_kv_cache"]]
+    q = call(d, {n: to_device(a) for n, a in kw.items()})
+    check_results(args, kw, q, d["paged_kv_cache"], originals, (q_ref, k_ref, v_ref))
 
 
 @pytest.mark.gpu

@@ -248,6 +248,169 @@ __device__ __forceinline__ void zero_pair_rest(const QkvParams& p, const TokenSl
   }
 }
 
+// ---- Register-level conversions (qkv_gemv and the tensor-core kernels) ----------------------
+
+template <typename T>
+struct is_half {
+  static constexpr bool value = false;
+};
+template <>
+struct is_half<__half> {
+  static constexpr bool value = true;
+};
+
+__device__ __forceinline__ uint4 ldg_stream(const void* ptr) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(ptr));
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                         unsigned a3, unsigned b0, unsigned b1) {
+  if constexpr (is_half<T>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// Two e4m3 codes (the low 16 bits of x, k order) as a T pair, exactly.
+template <typename T>
+__device__ __forceinline__ unsigned fp8x2_to(unsigned x) {
+  unsigned h;
+  asm("{ .reg .b16 lo; mov.b32 {lo, _}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(h) : "r"(x));
+  if constexpr (is_half<T>::value) {
+    return h;
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+    return *reinterpret_cast<const unsigned*>(&b);
+  }
+}
+
+// Two e4m3 codes (the low 16 bits of x, k order) as float32, exactly (one cvt to an fp16 pair on
+// sm_89+, where the instruction exists).
+__device__ __forceinline__ float2 fp8x2_to_float2(unsigned x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const unsigned h = fp8x2_to<__half>(x);
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
+#else
+  __nv_fp8_e4m3 a, b;
+  a.__x = static_cast<__nv_fp8_storage_t>(x & 0xFFu);
+  b.__x = static_cast<__nv_fp8_storage_t>((x >> 8) & 0xFFu);
+  return make_float2(to_float(a), to_float(b));
+#endif
+}
+
+// 4-bit: the T pair (2^10, 2^10) (fp16) or (2^7, 2^7) (bf16), whose low mantissa bits take a
+// nibble q exactly (2^10 + q, 2^7 + q).
+template <typename T>
+constexpr unsigned INT4_MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
+
+// 4-bit: nibbles i and i + 4 of word w (k values i, i + 4 of its 8) as a T pair of
+// (q - zero) * scale. magic holds 2^10 + q (fp16) or 2^7 + q (bf16) exactly; sub = magic's
+// offset + zero, so the difference q - zero is exact and the product is rounded once.
+// (x & MASK) | BITS in one instruction (the compiler emits two LOP3s for the C form; int4_pair
+// keeps that form: in qkv_mma and qkv_mma_tiled the asm cost registers and spills).
+template <unsigned MASK, unsigned BITS>
+__device__ __forceinline__ unsigned and_or(unsigned x) {
+  unsigned r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "n"(MASK), "n"(BITS));
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ unsigned int4_pair(unsigned w, int i, unsigned sub, unsigned scale) {
+  constexpr unsigned MAGIC = INT4_MAGIC<T>;
+  const unsigned m = ((w >> (4 * i)) & 0x000F000Fu) | MAGIC;
+  if constexpr (is_half<T>::value) {
+    const __half2 r = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&m),
+                                      *reinterpret_cast<const __half2*>(&sub)),
+                              *reinterpret_cast<const __half2*>(&scale));
+    return *reinterpret_cast<const unsigned*>(&r);
+  } else {
+    const __nv_bfloat162 r =
+        __hmul2(__hsub2(*reinterpret_cast<const __nv_bfloat162*>(&m),
+                        *reinterpret_cast<const __nv_bfloat162*>(&sub)),
+                *reinterpret_cast<const __nv_bfloat162*>(&scale));
+    return *reinterpret_cast<const unsigned*>(&r);
+  }
+}
+
+// 4-bit: the four pairs int4_pair(w, i, sub, scale), i < 4, with fewer instructions for fp16
+// (qkv_wgmma's conversion): nibbles i + 1 and i + 5 are taken in place (bits 4-7 of a byte) as
+// 2^10 + 16 q, which one fma scales by 1/16 and offsets by -(64 + zero) to q - zero exactly
+// (sub16: that offset as a pair); one shift serves i = 2 and 3. bf16 has too few mantissa bits
+// for 16 q: there int4_pair as it is.
+template <typename T>
+__device__ __forceinline__ void int4_pairs(unsigned w, unsigned sub, unsigned sub16,
+                                           unsigned scale, unsigned (&r)[4]) {
+  if constexpr (is_half<T>::value) {
+    constexpr unsigned MAGIC = INT4_MAGIC<T>;
+    const unsigned w8 = w >> 8;
+    const unsigned m[4] = {and_or<0x000F000Fu, MAGIC>(w), and_or<0x00F000F0u, MAGIC>(w),
+                           and_or<0x000F000Fu, MAGIC>(w8), and_or<0x00F000F0u, MAGIC>(w8)};
+    const __half2 h_sub = *reinterpret_cast<const __half2*>(&sub);
+    const __half2 h_sub16 = *reinterpret_cast<const __half2*>(&sub16);
+    const __half2 h_scale = *reinterpret_cast<const __half2*>(&scale);
+    const __half2 sixteenth = __halves2half2(__ushort_as_half(0x2C00), __ushort_as_half(0x2C00));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __half2 x = *reinterpret_cast<const __half2*>(&m[i]);
+      const __half2 d = (i & 1) ? __hfma2(x, sixteenth, h_sub16) : __hsub2(x, h_sub);
+      const __half2 y = __hmul2(d, h_scale);
+      r[i] = *reinterpret_cast<const unsigned*>(&y);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r[i] = int4_pair<T>(w, i, sub, scale);
+  }
+}
+
+// 4-bit, fp16: the four pairs of q - zero (exact) of word w, in int4_pairs' order, unscaled
+// (qkv_gemv with the scale on the sums).
+__device__ __forceinline__ void int4_diffs(unsigned w, unsigned sub, unsigned sub16,
+                                           unsigned (&r)[4]) {
+  constexpr unsigned MAGIC = INT4_MAGIC<__half>;
+  const unsigned w8 = w >> 8;
+  const unsigned m[4] = {and_or<0x000F000Fu, MAGIC>(w), and_or<0x00F000F0u, MAGIC>(w),
+                         and_or<0x000F000Fu, MAGIC>(w8), and_or<0x00F000F0u, MAGIC>(w8)};
+  const __half2 h_sub = *reinterpret_cast<const __half2*>(&sub);
+  const __half2 h_sub16 = *reinterpret_cast<const __half2*>(&sub16);
+  const __half2 sixteenth = __halves2half2(__ushort_as_half(0x2C00), __ushort_as_half(0x2C00));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2 x = *reinterpret_cast<const __half2*>(&m[i]);
+    const __half2 d = (i & 1) ? __hfma2(x, sixteenth, h_sub16) : __hsub2(x, h_sub);
+    r[i] = *reinterpret_cast<const unsigned*>(&d);
+  }
+}
+
+// 4-bit: a 16-byte load of 8 T values (k = 8c .. 8c + 7 of a chunk) as the pairs that
+// int4_pair's words multiply: (0, 4), (1, 5), (2, 6), (3, 7).
+__device__ __forceinline__ uint4 int4_order(uint4 v) {
+  return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+                    __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+}
+
+template <typename T>
+__device__ __forceinline__ unsigned pair_of(float x) {
+  const T h = from_float<T>(x);
+  const unsigned short bits = *reinterpret_cast<const unsigned short*>(&h);
+  return unsigned(bits) | (unsigned(bits) << 16);
+}
+
 // ---- Decode: weight-streaming skinny GEMM ---------------------------------------------------
 
 constexpr int GEMV_WARPS = 4;  // per block
@@ -313,18 +476,41 @@ struct WeightVec {
 //   OPTS: status= validates the offsets once the first weight loads are in flight (a batch of no
 //   tokens launches one block, which only validates); the last token of a request clears the
 //   rest of its page at the warp's pairs, the (token, row) items spread over the lanes.
-template <typename T, int WF, int VB, int TT, bool FAST_INT4, bool OPTS>
-__global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
+//   PACKED (16-byte loads, token tiles of up to 4; the host picks it, GEMV_PACKED in qkv.py):
+//   4-bit weights with fp16 (P4): the hidden rows are staged as fp16 pairs in int4_pairs' order
+//   ((k, k + 4) of each 8 values), a word of 8 codes becomes 4 pairs of (q - zero) * scale with
+//   5 LOP3 / shift and 8 half2 ops (q - zero exact, the product rounded once to fp16, as the
+//   tensor-core kernels do), then one hfma2 a pair and token into fp16 sums of one 32-value load
+//   (16 products a half), added to the float32 sums after every load; the load's (scale, zero)
+//   are one 32-bit word, read as the load is issued. fp8 weights (P8): two codes a cvt to an
+//   exact fp16 pair, then to float32 (the same float32 products and sums as before). PACKED 2
+//   (4-bit): q - zero times x summed in fp16, the scale applied to each load's sums in float32
+//   (4 fewer half2 ops a word, a closer scale; the fp16 sums of up to 16 products of |q - zero|
+//   <= 15 and x overflow where |x| reaches about 270). Both issue
+//   4 loads a row at 1-2 tokens (U = 4: 256 bytes a lane in flight, a 4096-wide 4-bit row's
+//   whole chunk), 3 blocks an SM (one wave of 384 blocks on 132 SMs).
+template <typename T, int WF, int VB, int TT, bool FAST_INT4, int PACKED, bool OPTS>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(const QkvParams p) {
   pdl_launch_dependents();
   pdl_wait();
   using WV = WeightVec<T, WF, VB>;
   constexpr int VALS = WV::VALS;
+  constexpr bool P4 = PACKED && WF == W_INT4 && VB == 16 && is_half<T>::value && TT <= 4;
+  constexpr bool P8 = PACKED && WF == W_FP8 && VB == 16 && TT <= 4;
+  constexpr bool LATE = P4 && PACKED == 2;  // 4-bit: the scale on each load's sums
   // loads in flight per row and lane: enough bytes in flight, few enough registers
-  constexpr int U = TT <= 2 ? (WF == W_DENSE ? 4 : 2) : (TT <= 4 && WF == W_DENSE ? 2 : 1);
+  constexpr int U = (P4 || P8) ? (TT <= 2 ? 4 : 2)
+                    : TT <= 2 ? (WF == W_DENSE ? 4 : 2)
+                              : (TT <= 4 && WF == W_DENSE ? 2 : 1);
+  // fp8: a slot refilled as soon as it is consumed (4-bit at 1-2 tokens holds a 4096-wide row's
+  // whole chunk in flight already, and refilling spilled at its 168 registers)
+  constexpr bool ROLL = P8;
   constexpr int SUB = VALS < 8 ? VALS : 8;  // k values decoded at once
   // int4 with 16-byte loads at small token tiles: the cheaper decode below
-  constexpr bool FAST4 = WF == W_INT4 && VB == 16 && TT <= 4 && FAST_INT4;
-  extern __shared__ float xs[];        // (TT, kc), then FAST4: xsum (TT, kc / 32)
+  constexpr bool FAST4 = WF == W_INT4 && VB == 16 && TT <= 4 && FAST_INT4 && !P4;
+  // (TT, kc) float32, then FAST4: xsum (TT, kc / 32); P4: (TT, kc / 2) fp16 pairs instead
+  extern __shared__ float xs[];
+  unsigned* xw = reinterpret_cast<unsigned*>(xs);
   float* xsum = xs + TT * p.kc;
   __shared__ TokenSlot slots[TT];
   __shared__ int rests[OPTS ? TT : 1];  // OPTS: the rows each token clears (rest_of_page)
@@ -369,15 +555,35 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
     // Weight loads (and, for int4, their group's scale and zero) of U * 32 vectors from base.
     typename WV::Raw raw[U][GEMV_ROWS];
     float scale[U][GEMV_ROWS], bias[U][GEMV_ROWS];  // int4: bias = 2^23 + zero
-    auto issue = [&](int base) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
+    unsigned sz[U][GEMV_ROWS];  // P4: the scale's fp16 bits | the zero point << 16
+    auto issue_one = [&](int u, int base) {  // slot u: vector base + u * 32 + lane
+      {
         const int v = base + u * 32 + lane;
 #pragma unroll
         for (int r = 0; r < GEMV_ROWS; ++r) {
           const bool on = v < nv && live[r >> 1];
-          raw[u][r] = on ? WV::load(wrow[r] + byte0 + i64(v) * VB) : WV::zero();
-          if constexpr (WF == W_INT4) {
+          if constexpr (P4 || P8) {  // read once: not kept in L1 (as qkv_mma's loads)
+            const uint4 w = on ? ldg_stream(wrow[r] + byte0 + i64(v) * VB) : make_uint4(0, 0, 0, 0);
+            raw[u][r].w[0] = w.x;
+            raw[u][r].w[1] = w.y;
+            raw[u][r].w[2] = w.z;
+            raw[u][r].w[3] = w.w;
+          } else {
+            raw[u][r] = on ? WV::load(wrow[r] + byte0 + i64(v) * VB) : WV::zero();
+          }
+          if constexpr (P4) {
+            const int grp = (k0 + v * VALS) / p.group_size;
+            const unsigned sb =
+                on ? unsigned(static_cast<const unsigned short*>(
+                         p.weight_scales)[i64(rown[r]) * p.ws_s0 + grp])
+                   : 0u;  // scale 0: the (never consumed) vector sums to 0
+            const unsigned z = on && p.zero_points
+                                   ? unsigned(static_cast<const unsigned char*>(
+                                         p.zero_points)[i64(rown[r]) * p.zp_s0 + grp]) &
+                                         0xFu
+                                   : 8u;
+            sz[u][r] = sb | (z << 16);
+          } else if constexpr (WF == W_INT4) {
             const int grp = (k0 + v * VALS) / p.group_size;
             scale[u][r] = on ? to_float(static_cast<const T*>(
                                    p.weight_scales)[i64(rown[r]) * p.ws_s0 + grp])
@@ -391,6 +597,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
           }
         }
       }
+    };
+    auto issue = [&](int base) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) issue_one(u, base);
     };
     issue(0);  // the first loads go out before the hidden rows are staged, overlapping the two
     if constexpr (OPTS) {
@@ -411,7 +621,39 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
     __syncthreads();  // the previous chunk is consumed
     // Stage x (TT, kc) as float32, XU independent loads in flight per thread.
     constexpr int XU = 4;
-    if (x_vec) {
+    if constexpr (P4) {  // fp16 pairs (k, k + 4) of each 8 values: word j * 4 + i of group j
+      const int xrow = p.kc >> 1;  // words a token row
+      if (x_vec) {
+        const int per_row = kc >> 3, total = TT * per_row;
+        for (int i0 = threadIdx.x; i0 < total; i0 += XU * blockDim.x) {
+          uint4 xv[XU];
+#pragma unroll
+          for (int j = 0; j < XU; ++j) {
+            const int i = i0 + j * blockDim.x;
+            const int t = i / per_row, k = (i - t * per_row) * 8;
+            xv[j] = i < total && t < nt ? *reinterpret_cast<const uint4*>(
+                                              hidden + i64(t) * p.hidden_s0 + k0 + k)
+                                        : make_uint4(0, 0, 0, 0);
+          }
+#pragma unroll
+          for (int j = 0; j < XU; ++j) {
+            const int i = i0 + j * blockDim.x;
+            const int t = i / per_row, grp8 = i - t * per_row;
+            if (i < total) *reinterpret_cast<uint4*>(xw + t * xrow + grp8 * 4) = int4_order(xv[j]);
+          }
+        }
+      } else {
+        unsigned short* xh = reinterpret_cast<unsigned short*>(xs);
+        const T* hid = hidden;
+        const int total = TT * kc;
+        for (int i = threadIdx.x; i < total; i += blockDim.x) {
+          const int t = i / kc, k = i - t * kc;
+          const T x = t < nt ? hid[i64(t) * p.hidden_s0 + k0 + k] : from_float<T>(0.f);
+          xh[t * p.kc + ((k >> 3) * 4 + (k & 3)) * 2 + ((k >> 2) & 1)] =
+              *reinterpret_cast<const unsigned short*>(&x);
+        }
+      }
+    } else if (x_vec) {
       const int per_row = kc >> 3, total = TT * per_row;
       for (int i0 = threadIdx.x; i0 < total; i0 += XU * blockDim.x) {
         Vec<T, 8> xv[XU];
@@ -480,7 +722,83 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
       for (int u = 0; u < U; ++u) {
         const int v = base + u * 32 + lane;
         if (v >= nv) break;
-        if constexpr (FAST4) {
+        if constexpr (P4) {
+          // (q - zero) * scale as fp16 pairs, word by word; fp16 sums of this load's 32 values
+          unsigned sub[GEMV_ROWS], sub16[GEMV_ROWS], sc[GEMV_ROWS];
+#pragma unroll
+          for (int r = 0; r < GEMV_ROWS; ++r) {
+            const unsigned z = sz[u][r] >> 16;
+            sub[r] = (0x6400u | z) * 0x10001u;           // 2^10 + zero, both halves
+            sub16[r] = (0xD400u | (z << 4)) * 0x10001u;  // -(64 + zero), both halves
+            sc[r] = (sz[u][r] & 0xFFFFu) * 0x10001u;
+          }
+          __half2 hsum[GEMV_ROWS][TT];
+#pragma unroll
+          for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+            for (int t = 0; t < TT; ++t) hsum[r][t] = __float2half2_rn(0.f);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {  // word c: k values 8c .. 8c + 7 of the load
+            unsigned wp[GEMV_ROWS][4];
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r) {
+              if constexpr (LATE) {
+                int4_diffs(raw[u][r].w[c], sub[r], sub16[r], wp[r]);
+              } else {
+                int4_pairs<T>(raw[u][r].w[c], sub[r], sub16[r], sc[r], wp[r]);
+              }
+            }
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+              const uint4 xq =
+                  *reinterpret_cast<const uint4*>(xw + t * (p.kc >> 1) + (v * 4 + c) * 4);
+              const unsigned xp[4] = {xq.x, xq.y, xq.z, xq.w};
+#pragma unroll
+              for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int r = 0; r < GEMV_ROWS; ++r)
+                  hsum[r][t] = __hfma2(*reinterpret_cast<const __half2*>(&wp[r][i]),
+                                       *reinterpret_cast<const __half2*>(&xp[i]), hsum[r][t]);
+            }
+          }
+#pragma unroll
+          for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+              const float2 f = __half22float2(hsum[r][t]);
+              if constexpr (LATE) {
+                const auto bits = static_cast<unsigned short>(sz[u][r] & 0xFFFFu);
+                acc[r][t] = fmaf(__half2float(__ushort_as_half(bits)), f.x + f.y, acc[r][t]);
+              } else {
+                acc[r][t] += f.x + f.y;
+              }
+            }
+        } else if constexpr (P8) {
+          // two codes a cvt (an exact fp16 pair), then float32 products as before
+#pragma unroll
+          for (int c = 0; c < VALS / SUB; ++c) {  // 8 values: words 2c, 2c + 1
+            float w[GEMV_ROWS][SUB];
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r) {
+#pragma unroll
+              for (int h = 0; h < 4; ++h) {
+                const unsigned word = raw[u][r].w[2 * c + (h >> 1)];
+                const float2 f = fp8x2_to_float2((h & 1) ? word >> 16 : word);
+                w[r][2 * h] = f.x;
+                w[r][2 * h + 1] = f.y;
+              }
+            }
+#pragma unroll
+            for (int t = 0; t < TT; ++t) {
+              float x[SUB];
+              load_float<float, SUB>(xs + t * p.kc + v * VALS + c * SUB, x);
+#pragma unroll
+              for (int i = 0; i < SUB; ++i)
+#pragma unroll
+                for (int r = 0; r < GEMV_ROWS; ++r) acc[r][t] = fmaf(w[r][i], x[i], acc[r][t]);
+            }
+          }
+        } else if constexpr (FAST4) {
           // 1 + q/16 is the float with q in the top 4 mantissa bits: one shift and one LOP3 per
           // value, no conversion. sum (q - zero) x = 16 sum (1 + q/16) x - (16 + zero) sum x.
           float part[GEMV_ROWS][TT];
@@ -543,10 +861,12 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) qkv_gemv(const QkvParams p) {
             }
           }
         }
+        // packed: slot u refilled as soon as it is consumed (U loads a row always in flight)
+        if constexpr (ROLL) issue_one(u, base + 32 * U);
       }
       base += 32 * U;
       if (base >= nv) break;
-      issue(base);
+      if constexpr (!ROLL) issue(base);
     }
   }
 
@@ -615,134 +935,6 @@ constexpr int MMA_ROWS = 128;          // rows per tile: 32 per warp (two m16 ti
 constexpr int MMA_MT = MMA_ROWS / (16 * MMA_WARPS);
 constexpr int MMA_PART_STRIDE = MMA_ROWS + 4;  // float32 partial row (conflict-free stores)
 constexpr int MMA_REQ_CAP = 256;       // requests whose offsets and lengths go to shared memory
-
-template <typename T>
-struct is_half {
-  static constexpr bool value = false;
-};
-template <>
-struct is_half<__half> {
-  static constexpr bool value = true;
-};
-
-__device__ __forceinline__ uint4 ldg_stream(const void* ptr) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(ptr));
-  return r;
-}
-
-template <typename T>
-__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
-                                         unsigned a3, unsigned b0, unsigned b1) {
-  if constexpr (is_half<T>::value) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
-
-// Two e4m3 codes (the low 16 bits of x, k order) as a T pair, exactly.
-template <typename T>
-__device__ __forceinline__ unsigned fp8x2_to(unsigned x) {
-  unsigned h;
-  asm("{ .reg .b16 lo; mov.b32 {lo, _}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(h) : "r"(x));
-  if constexpr (is_half<T>::value) {
-    return h;
-  } else {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
-    return *reinterpret_cast<const unsigned*>(&b);
-  }
-}
-
-// 4-bit: the T pair (2^10, 2^10) (fp16) or (2^7, 2^7) (bf16), whose low mantissa bits take a
-// nibble q exactly (2^10 + q, 2^7 + q).
-template <typename T>
-constexpr unsigned INT4_MAGIC = is_half<T>::value ? 0x64006400u : 0x43004300u;
-
-// 4-bit: nibbles i and i + 4 of word w (k values i, i + 4 of its 8) as a T pair of
-// (q - zero) * scale. magic holds 2^10 + q (fp16) or 2^7 + q (bf16) exactly; sub = magic's
-// offset + zero, so the difference q - zero is exact and the product is rounded once.
-// (x & MASK) | BITS in one instruction (the compiler emits two LOP3s for the C form; int4_pair
-// keeps that form: in qkv_mma and qkv_mma_tiled the asm cost registers and spills).
-template <unsigned MASK, unsigned BITS>
-__device__ __forceinline__ unsigned and_or(unsigned x) {
-  unsigned r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "n"(MASK), "n"(BITS));
-  return r;
-}
-
-template <typename T>
-__device__ __forceinline__ unsigned int4_pair(unsigned w, int i, unsigned sub, unsigned scale) {
-  constexpr unsigned MAGIC = INT4_MAGIC<T>;
-  const unsigned m = ((w >> (4 * i)) & 0x000F000Fu) | MAGIC;
-  if constexpr (is_half<T>::value) {
-    const __half2 r = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&m),
-                                      *reinterpret_cast<const __half2*>(&sub)),
-                              *reinterpret_cast<const __half2*>(&scale));
-    return *reinterpret_cast<const unsigned*>(&r);
-  } else {
-    const __nv_bfloat162 r =
-        __hmul2(__hsub2(*reinterpret_cast<const __nv_bfloat162*>(&m),
-                        *reinterpret_cast<const __nv_bfloat162*>(&sub)),
-                *reinterpret_cast<const __nv_bfloat162*>(&scale));
-    return *reinterpret_cast<const unsigned*>(&r);
-  }
-}
-
-// 4-bit: the four pairs int4_pair(w, i, sub, scale), i < 4, with fewer instructions for fp16
-// (qkv_wgmma's conversion): nibbles i + 1 and i + 5 are taken in place (bits 4-7 of a byte) as
-// 2^10 + 16 q, which one fma scales by 1/16 and offsets by -(64 + zero) to q - zero exactly
-// (sub16: that offset as a pair); one shift serves i = 2 and 3. bf16 has too few mantissa bits
-// for 16 q: there int4_pair as it is.
-template <typename T>
-__device__ __forceinline__ void int4_pairs(unsigned w, unsigned sub, unsigned sub16,
-                                           unsigned scale, unsigned (&r)[4]) {
-  if constexpr (is_half<T>::value) {
-    constexpr unsigned MAGIC = INT4_MAGIC<T>;
-    const unsigned w8 = w >> 8;
-    const unsigned m[4] = {and_or<0x000F000Fu, MAGIC>(w), and_or<0x00F000F0u, MAGIC>(w),
-                           and_or<0x000F000Fu, MAGIC>(w8), and_or<0x00F000F0u, MAGIC>(w8)};
-    const __half2 h_sub = *reinterpret_cast<const __half2*>(&sub);
-    const __half2 h_sub16 = *reinterpret_cast<const __half2*>(&sub16);
-    const __half2 h_scale = *reinterpret_cast<const __half2*>(&scale);
-    const __half2 sixteenth = __halves2half2(__ushort_as_half(0x2C00), __ushort_as_half(0x2C00));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const __half2 x = *reinterpret_cast<const __half2*>(&m[i]);
-      const __half2 d = (i & 1) ? __hfma2(x, sixteenth, h_sub16) : __hsub2(x, h_sub);
-      const __half2 y = __hmul2(d, h_scale);
-      r[i] = *reinterpret_cast<const unsigned*>(&y);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) r[i] = int4_pair<T>(w, i, sub, scale);
-  }
-}
-
-// 4-bit: a 16-byte load of 8 T values (k = 8c .. 8c + 7 of a chunk) as the pairs that
-// int4_pair's words multiply: (0, 4), (1, 5), (2, 6), (3, 7).
-__device__ __forceinline__ uint4 int4_order(uint4 v) {
-  return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
-                    __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
-}
-
-template <typename T>
-__device__ __forceinline__ unsigned pair_of(float x) {
-  const T h = from_float<T>(x);
-  const unsigned short bits = *reinterpret_cast<const unsigned short*>(&h);
-  return unsigned(bits) | (unsigned(bits) << 16);
-}
 
 // ---- Shared by the two tensor-core kernels: token slots of a tile, the cluster's reduction ----
 
