@@ -779,3 +779,123 @@ template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE>
 __global__ void ROPEKV_OPTS_BOUNDS rope_append_paged_rows_opts(const PagedOptsParams p) {
   paged_rows<T, OutT, NEOX, N, ROWS, MROPE, true>(p);
 }
+
+// ---- The lean kernel (plain decode calls) ------------------------------------------------------
+// One chunk of one head row per thread: block (G, S, Tb), threadIdx.x the chunk j of the row (G =
+// ri + Dn / N chunks, as the row kernel's lane group), threadIdx.y the row of blockIdx.y's group
+// of S rows, threadIdx.z the token of blockIdx.x's group of Tb tokens; no division by a runtime
+// value but the page's (a shift for powers of two). A token's rows are Q (Hq), K (Hkv) and V (Hv),
+// chunk kinds and destinations as in the row kernel. Loads in the order of their chains: the
+// token's indices (pos_ids; K and V rows also batch_indices and positions) and the row's chunk
+// together; then Q and K rows their cos/sin values (pos_id) while K and V rows read kv_indptr[b]
+// and kv_indptr[b + 1], then the page id (kv_indices); the page lookup does not wait for pos_id
+// (every read is clamped or skipped, so it is always in bounds). Same rules as the row kernel: Q
+// rows always written (unrotated when pos_id lies outside [0, P)), K and V rows only when pos_id
+// lies in [0, P) and the token has a slot (find_slot's checks). Static scales only (a scalar or
+// per-head arrays); no mRoPE, no options (the host takes the row kernels for those). Offsets are
+// of type I (int where every array's span fits in 31 bits, the host decides; long long
+// otherwise).
+constexpr int kLeanThreads = 256;  // blockDim.x * blockDim.y * blockDim.z (the host keeps to it)
+// The lean kernel picks a row's source and destination by index: the five input pointers and
+// their (token, head) strides, the five output pointers and their strides, must stay consecutive
+// fields of PagedParams in these orders (tests/test_paged.py checks PARAMS, tests/test_compile.py
+// that PARAMS is this struct).
+
+template <typename T, typename OutT, bool NEOX, int N, typename I>
+__global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(const PagedParams p) {
+  pdl_launch_dependents();
+  const int t = blockIdx.x * blockDim.z + threadIdx.z;
+  const int h = blockIdx.y * blockDim.y + threadIdx.y;
+  const int Hk = p.Hq + p.Hkv;
+  if (t >= p.pid_st || h >= Hk + p.Hv) return;  // pid_st is T
+  pdl_wait();
+  const bool is_q = h < p.Hq;
+  const bool is_v = h >= Hk;
+  // 1. this lane's chunk of its row, then the token's indices: all loads in flight together
+  const int j = threadIdx.x;
+  const int half_r = p.R >> 1;
+  const int ri = NEOX ? half_r / N : p.R / N;
+  const bool rotary = j < ri;
+  const bool pair = NEOX && rotary;  // two vectors per chunk: x[e] and its partner x[e + R/2]
+  const int col = rotary ? j * N : (j - ri) * N;       // element of the rope / nope part
+  const int e = is_v && !rotary ? p.R + col : col;     // element of the source row
+  const int hh = is_q ? h : is_v ? h - Hk : h - p.Hq;  // head within its kind
+  // the source: q_rope, q_nope, k_rope, k_nope or v, the record's first five pointers, and its
+  // (token, head) strides, consecutive from qr_sn: read by index (one constant load each, no
+  // branches)
+  const int kind = is_v ? 4 : (is_q ? 0 : 2) + (rotary ? 0 : 1);
+  const T* src = static_cast<const T*>((&p.q_rope)[kind]);
+  const i64 s_sn = (&p.qr_sn)[2 * kind];
+  const i64 s_sh = (&p.qr_sn)[2 * kind + 1];
+  const T* row = src + (I(t) * I(s_sn) + I(hh) * I(s_sh) + I(e));
+  const Vec<T, N> va = load<T, N>(row);
+  Vec<T, N> vb;
+  if (pair) vb = load<T, N>(row + half_r);
+  const i64 pos_id = read_index(p.pos_ids, t, p.index64 & 1);
+  i64 b = -1, pos = -1;
+  if (!is_q) {
+    b = read_index(p.batch_indices, t, p.index64 & 2);
+    pos = read_index(p.positions, t, p.index64 & 4);
+  }
+  float sc = 1.f;
+  if constexpr (is_quantized<OutT>::value) {
+    const float* scales = is_q ? p.q_scales : p.kv_scales;
+    sc = scales ? __ldg(scales + hh) : (is_q ? p.q_scale : p.kv_scale);
+  }
+
+  // 2. Q and K rotary chunks with a position: their cos/sin values (one table row)
+  const bool rope = pos_id >= 0 && pos_id < p.P;
+  const bool turn = rotary && rope && !is_v;
+  constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
+  float c[M], sn[M];
+  if (turn) {
+    const float* cs = p.cos_sin + (I(pos_id) * I(p.cs_sp) + I(NEOX ? col : col / 2));
+    load_float<float, M>(cs, c);
+    load_float<float, M>(cs + half_r, sn);
+  }
+
+  // 3. K and V rows: the cache slot, its loads issued beside the cos/sin values' (find_slot's
+  // rules: every read clamped or skipped)
+  i64 page = -1, entry = 0;
+  if (!is_q) {
+    const bool ok = b >= 0 && b < p.B && pos >= 0 && p.num_indices > 0;
+    if (ok) {
+      const i64 first = read_index(p.kv_indptr, b, p.index64 & 8);
+      const i64 last = read_index(p.kv_indptr, b + 1, p.index64 & 8);
+      const int ps = p.page_size;
+      i64 idx;
+      if ((ps & (ps - 1)) == 0) {
+        idx = pos >> (__ffs(ps) - 1);
+      } else {
+        idx = div_pos(pos, ps);
+      }
+      const bool first_ok = first >= 0 && first <= p.num_indices;
+      const i64 hi = last < first ? first : (last < p.num_indices ? last : p.num_indices);
+      if (first_ok && idx < hi - first) {  // no overflow: 0 <= first <= hi
+        const i64 pg = read_index(p.kv_indices, first + idx, p.index64 & 16);
+        if (pg >= 0 && pg < p.num_pages) {
+          page = pg;
+          entry = pos - idx * ps;
+        }
+      }
+    }
+  }
+
+  // 4. rotate and store
+  if (!is_q && (!rope || page < 0)) return;  // no cache row
+  float a[N], bb[N];
+  to_floats<T, N>(va, a);
+  if (pair) to_floats<T, N>(vb, bb);
+  if (turn) rotate_chunk<NEOX, N, M>(a, bb, c, sn);
+  // the destination, by index as the source: q_rope_out, q_nope_out (token, head strides from
+  // qro_sn), kr_cache, kn_cache, v_cache (page, entry, head strides from krc_sp)
+  OutT* d = static_cast<OutT*>((&p.q_rope_out)[kind]);
+  if (is_q) {
+    d += I(t) * I((&p.qro_sn)[2 * kind]) + I(hh) * I((&p.qro_sn)[2 * kind + 1]);
+  } else {
+    const i64* st = &p.krc_sp + 3 * (kind - 2);
+    d += I(page) * I(st[0]) + I(entry) * I(st[1]) + I(hh) * I(st[2]) + I(e - col);
+  }
+  store_float<OutT, N>(d + col, a, sc);
+  if (pair) store_float<OutT, N>(d + col + half_r, bb, sc);
+}
