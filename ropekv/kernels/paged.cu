@@ -780,6 +780,56 @@ __global__ void ROPEKV_OPTS_BOUNDS rope_append_paged_rows_opts(const PagedOptsPa
   paged_rows<T, OutT, NEOX, N, ROWS, MROPE, true>(p);
 }
 
+// store_float in two steps, so that a row's conversion runs before its destination is known:
+// pack (x * scale rounded to OutT, store_float's arithmetic, instruction for instruction) and put
+// (the one vector store). fp8 at N % 4 == 0 packs 32-bit words, as store_float does.
+template <typename OutT, int N, bool WORDS = is_fp8<OutT>::value && N % 4 == 0>
+struct Packer {
+  using V = Vec<OutT, N>;
+  static __device__ __forceinline__ V pack(const float (&x)[N], float scale) {
+    V v;
+    if constexpr (is_fp8<OutT>::value && N % 2 == 0) {
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) {
+        const __nv_fp8x2_storage_t two = __nv_cvt_float2_to_fp8x2(
+            make_float2(x[2 * i] * scale, x[2 * i + 1] * scale), __NV_SATFINITE,
+            fp8_interpretation<OutT>::value);
+        v.v[2 * i].__x = static_cast<__nv_fp8_storage_t>(two & 0xFF);
+        v.v[2 * i + 1].__x = static_cast<__nv_fp8_storage_t>(two >> 8);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        v.v[i] = from_float<OutT>(is_quantized<OutT>::value ? x[i] * scale : x[i]);
+      }
+    }
+    return v;
+  }
+  static __device__ __forceinline__ void put(OutT* p, const V& v) { store<OutT, N>(p, v); }
+};
+
+template <typename OutT, int N>
+struct Packer<OutT, N, true> {
+  using V = Vec<unsigned, N / 4>;
+  static __device__ __forceinline__ V pack(const float (&x)[N], float scale) {
+    V w;
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const unsigned lo = __nv_cvt_float2_to_fp8x2(
+          make_float2(x[4 * i] * scale, x[4 * i + 1] * scale), __NV_SATFINITE,
+          fp8_interpretation<OutT>::value);
+      const unsigned hi = __nv_cvt_float2_to_fp8x2(
+          make_float2(x[4 * i + 2] * scale, x[4 * i + 3] * scale), __NV_SATFINITE,
+          fp8_interpretation<OutT>::value);
+      w.v[i] = lo | (hi << 16);
+    }
+    return w;
+  }
+  static __device__ __forceinline__ void put(OutT* p, const V& w) {
+    store<unsigned, N / 4>(reinterpret_cast<unsigned*>(p), w);
+  }
+};
+
 // ---- The lean kernel (plain decode calls) ------------------------------------------------------
 // One chunk of one head row per thread: block (G, S, Tb), threadIdx.x the chunk j of the row (G =
 // ri + Dn / N chunks, as the row kernel's lane group), threadIdx.y the row of blockIdx.y's group
@@ -854,39 +904,44 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
     load_float<float, M>(cs + half_r, sn);
   }
 
-  // 3. K and V rows: the cache slot, its loads issued beside the cos/sin values' (find_slot's
-  // rules: every read clamped or skipped)
-  i64 page = -1, entry = 0;
+  // 3. K and V rows: kv_indptr[b] and kv_indptr[b + 1], issued beside the cos/sin loads
+  // (find_slot's rules: every read clamped or skipped)
+  bool ok = false;
+  i64 first = 0, last = 0, idx = 0;
+  const int ps = p.page_size;
   if (!is_q) {
-    const bool ok = b >= 0 && b < p.B && pos >= 0 && p.num_indices > 0;
+    ok = b >= 0 && b < p.B && pos >= 0 && p.num_indices > 0;
     if (ok) {
-      const i64 first = read_index(p.kv_indptr, b, p.index64 & 8);
-      const i64 last = read_index(p.kv_indptr, b + 1, p.index64 & 8);
-      const int ps = p.page_size;
-      i64 idx;
-      if ((ps & (ps - 1)) == 0) {
-        idx = pos >> (__ffs(ps) - 1);
-      } else {
-        idx = div_pos(pos, ps);
-      }
-      const bool first_ok = first >= 0 && first <= p.num_indices;
-      const i64 hi = last < first ? first : (last < p.num_indices ? last : p.num_indices);
-      if (first_ok && idx < hi - first) {  // no overflow: 0 <= first <= hi
-        const i64 pg = read_index(p.kv_indices, first + idx, p.index64 & 16);
-        if (pg >= 0 && pg < p.num_pages) {
-          page = pg;
-          entry = pos - idx * ps;
-        }
-      }
+      first = read_index(p.kv_indptr, b, p.index64 & 8);
+      last = read_index(p.kv_indptr, b + 1, p.index64 & 8);
+      idx = (ps & (ps - 1)) == 0 ? pos >> (__ffs(ps) - 1) : div_pos(pos, ps);
     }
   }
 
-  // 4. rotate and store
-  if (!is_q && (!rope || page < 0)) return;  // no cache row
+  // 4. rotate, scale and round the chunk while those loads are in flight
   float a[N], bb[N];
   to_floats<T, N>(va, a);
   if (pair) to_floats<T, N>(vb, bb);
   if (turn) rotate_chunk<NEOX, N, M>(a, bb, c, sn);
+  using Pack = Packer<OutT, N>;
+  const typename Pack::V wa = Pack::pack(a, sc);
+  typename Pack::V wb;
+  if (pair) wb = Pack::pack(bb, sc);
+
+  // 5. K and V rows: the page id, and the row's slot; then the stores
+  i64 page = -1, entry = 0;
+  if (ok) {
+    const bool first_ok = first >= 0 && first <= p.num_indices;
+    const i64 hi = last < first ? first : (last < p.num_indices ? last : p.num_indices);
+    if (first_ok && idx < hi - first) {  // no overflow: 0 <= first <= hi
+      const i64 pg = read_index(p.kv_indices, first + idx, p.index64 & 16);
+      if (pg >= 0 && pg < p.num_pages) {
+        page = pg;
+        entry = pos - idx * ps;
+      }
+    }
+  }
+  if (!is_q && (!rope || page < 0)) return;  // no cache row
   // the destination, by index as the source: q_rope_out, q_nope_out (token, head strides from
   // qro_sn), kr_cache, kn_cache, v_cache (page, entry, head strides from krc_sp)
   OutT* d = static_cast<OutT*>((&p.q_rope_out)[kind]);
@@ -896,6 +951,6 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
     const i64* st = &p.krc_sp + 3 * (kind - 2);
     d += I(page) * I(st[0]) + I(entry) * I(st[1]) + I(hh) * I(st[2]) + I(e - col);
   }
-  store_float<OutT, N>(d + col, a, sc);
-  if (pair) store_float<OutT, N>(d + col + half_r, bb, sc);
+  Pack::put(d + col, wa);
+  if (pair) Pack::put(d + col + half_r, wb);
 }
