@@ -105,9 +105,10 @@ ROW_KERNEL = "rope_append_paged_rows"
 # token's rows spread evenly over the blocks) while the grid stays within `lean_wave_blocks`, else
 # up to `lean_max_block` threads and as many tokens as fit. Why (ncu, H200, TP 8/1 heads, 16
 # tokens): the row kernel ran 43,808 instructions in 16 blocks of 256 threads for 80 threads of
-# work a token, 60 registers; its static code (fp16 -> e4m3, neox) is 736 instructions, the lean
-# kernel's 504 at 48 registers, and a K thread's cos/sin loads go out beside its kv_indptr loads,
-# not after the page id. `lean_below=0` restores the row / section kernels of ee077f9.
+# work a token, 60 registers; its static code (sm_90, fp16 -> e4m3, neox) is 736 instructions, the
+# lean kernel's 488 at 56 registers, a K thread's cos/sin loads go out beside its kv_indptr loads
+# and its rotation runs while the page id is in flight, not after it. `lean_below=0` restores the
+# row / section kernels of ee077f9.
 LEAN_KERNEL = "rope_append_paged_rows_lean"
 LEAN_THREADS = 256  # kLeanThreads: the lean kernel's __launch_bounds__
 INT32_SPAN = 2**31 - 1  # element offsets below this take the lean kernel's 32-bit offsets
@@ -1335,7 +1336,7 @@ def _host_run(a, f, c):
 
 def _choose(a, is_neox, c, lean=False):
     """The vector width, the kernel (section or row, plain or with the options; the lean kernel
-    where ``lean``, the call has no mRoPE, allows it: :func:`_prepare`) and the launch shape of a
+    where ``lean`` allows it: :func:`_prepare` passes False for mRoPE) and the launch shape of a
     device call."""
     vqr, vqso, vksc, vstatus = a.q_rope, a.q_scale_out, a.k_scales, a.status
     R, Dn, T, Hq, Hkv, mla = c.R, c.Dn, c.T, c.Hq, c.Hkv, c.mla

@@ -838,13 +838,15 @@ struct Packer<OutT, N, true> {
 // chunk kinds and destinations as in the row kernel. Loads in the order of their chains: the
 // token's indices (pos_ids; K and V rows also batch_indices and positions) and the row's chunk
 // together; then Q and K rows their cos/sin values (pos_id) while K and V rows read kv_indptr[b]
-// and kv_indptr[b + 1], then the page id (kv_indices); the page lookup does not wait for pos_id
-// (every read is clamped or skipped, so it is always in bounds). Same rules as the row kernel: Q
-// rows always written (unrotated when pos_id lies outside [0, P)), K and V rows only when pos_id
-// lies in [0, P) and the token has a slot (find_slot's checks). Static scales only (a scalar or
-// per-head arrays); no mRoPE, no options (the host takes the row kernels for those). Offsets are
-// of type I (int where every array's span fits in 31 bits, the host decides; long long
-// otherwise).
+// and kv_indptr[b + 1], then the page id (kv_indices), the chunk rotated, scaled and rounded
+// while those are in flight; the page lookup does not wait for pos_id (every read is clamped or
+// skipped, so it is always in bounds). Same rules as the row kernel: Q rows always written
+// (unrotated when pos_id lies outside [0, P)), K and V rows only when pos_id lies in [0, P) and
+// the token has a slot (find_slot's checks); V rows and chunks without a rotation are converted
+// as they came (the reference's copy; the row kernel rotates them by the identity). Static scales
+// only (a scalar or per-head arrays); no mRoPE, no options (the host takes the row kernels for
+// those). Offsets are of type I (int where every array's span fits in 31 bits, the host decides;
+// long long otherwise).
 constexpr int kLeanThreads = 256;  // blockDim.x * blockDim.y * blockDim.z (the host keeps to it)
 // The lean kernel picks a row's source and destination by index: the five input pointers and
 // their (token, head) strides, the five output pointers and their strides, must stay consecutive
