@@ -2121,3 +2121,47 @@ def test_lean_kernel_reads_its_sources_and_destinations_by_index():
     )
     for run in runs:
         assert [offsets[n] - offsets[run[0]] for n in run] == [8 * k for k in range(len(run))]
+
+
+# Tests written for the row and section kernels whose decode calls the lean kernel now takes:
+# rerun with the lean kernel off, so today's kernels keep their coverage (the calls of 1024 tokens
+# and more, `lean_below=0`).
+TODAYS_KERNEL_TESTS = [
+    *(("every_launch_shape", test_every_launch_shape_matches_reference, (v,)) for v in VARIANTS),
+    *(
+        ("every_row_kernel_shape", test_every_row_kernel_shape_matches_reference, shape)
+        for shape in ((128, 660, 4), (64, 10**9, 4), (256, 0, 3), (32, 0, 1))
+    ),
+    *(("hostile", test_hostile_indices_never_write_out_of_bounds, (g,)) for g in (32, 0)),
+    *(
+        ("mla_decode", test_mla_decode_on_the_row_kernel, (Hq, block))
+        for Hq in (128, 16)
+        for block in (256, 72)
+    ),
+    *(
+        ("several_tokens", test_row_kernel_with_several_tokens_a_block, (heads, upto))
+        for heads in ((8, 1), (4, 1), (2, 1), (32, 8))
+        for upto in (128, 512)
+    ),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "name, test, params",
+    TODAYS_KERNEL_TESTS,
+    ids=[f"{name}-{'-'.join(map(str, params))}" for name, _, params in TODAYS_KERNEL_TESTS],
+)
+def test_todays_kernels_with_the_lean_kernel_off(name, test, params, monkeypatch):
+    from ropekv import paged
+
+    monkeypatch.setitem(paged.TUNING, "lean_below", 0)
+    test(*params, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_hostile_indices_on_the_mla_row_kernel_with_the_lean_kernel_off(monkeypatch):
+    from ropekv import paged
+
+    monkeypatch.setitem(paged.TUNING, "lean_below", 0)
+    test_hostile_indices_on_the_mla_row_kernel()
