@@ -105,10 +105,12 @@ ROW_KERNEL = "rope_append_paged_rows"
 # token's rows spread evenly over the blocks) while the grid stays within `lean_wave_blocks`, else
 # up to `lean_max_block` threads and as many tokens as fit. Why (ncu, H200, TP 8/1 heads, 16
 # tokens): the row kernel ran 43,808 instructions in 16 blocks of 256 threads for 80 threads of
-# work a token, 60 registers; its static code (sm_90, fp16 -> e4m3, neox) is 736 instructions, the
-# lean kernel's 488 at 56 registers, a K thread's cos/sin loads go out beside its kv_indptr loads
-# and its rotation runs while the page id is in flight, not after it. `lean_below=0` restores the
-# row / section kernels of ee077f9.
+# work a token, 60 registers, and a K / V row's chain (sm_90 SASS) waited for pos_id before it
+# read b and pos: four dependent loads. The lean kernel (fp16 -> e4m3, neox: 528 static
+# instructions against 736, 48 registers) waits for two in a row on a Q row (pos_id -> cos/sin)
+# and three on a K / V row (b, pos -> kv_indptr -> kv_indices, the cos/sin loads beside the page
+# id's, the rotation while it is in flight). `lean_below=0` restores the row / section kernels of
+# ee077f9.
 LEAN_KERNEL = "rope_append_paged_rows_lean"
 LEAN_THREADS = 256  # kLeanThreads: the lean kernel's __launch_bounds__
 INT32_SPAN = 2**31 - 1  # element offsets below this take the lean kernel's 32-bit offsets

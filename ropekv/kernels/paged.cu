@@ -830,17 +830,46 @@ struct Packer<OutT, N, true> {
   }
 };
 
+// An entry of an index array (int32 or int64) as the lean kernel reads it: its 32-bit words (the
+// high one of int64 entries, else 0). below(n) says whether the entry lies in [0, n) for 0 <= n <
+// 2^31 (the low word below n, as unsigned, and for int64 the high word 0), value() is the entry.
+// Unlike read_index, the two widths' loads write the same registers and nothing merges them into
+// a 64-bit value before its first use: that merge made the scheduler wait for the load there.
+struct LeanIndex {
+  unsigned lo, hi;
+  int is64;
+  __device__ __forceinline__ bool below(int n) const {
+    return lo < unsigned(n) && (!is64 || hi == 0u);
+  }
+  __device__ __forceinline__ i64 value() const {
+    return is64 ? i64((static_cast<unsigned long long>(hi) << 32) | lo) : i64(int(lo));
+  }
+};
+
+__device__ __forceinline__ LeanIndex lean_index(const void* p, i64 i, int is64) {
+  const unsigned* w = static_cast<const unsigned*>(p);
+  LeanIndex r{0u, 0u, is64};
+  if (is64) {
+    r.lo = w[2 * i];
+    r.hi = w[2 * i + 1];
+  } else {
+    r.lo = w[i];
+  }
+  return r;
+}
+
 // ---- The lean kernel (plain decode calls) ------------------------------------------------------
 // One chunk of one head row per thread: block (G, S, Tb), threadIdx.x the chunk j of the row (G =
 // ri + Dn / N chunks, as the row kernel's lane group), threadIdx.y the row of blockIdx.y's group
 // of S rows, threadIdx.z the token of blockIdx.x's group of Tb tokens; no division by a runtime
 // value but the page's (a shift for powers of two). A token's rows are Q (Hq), K (Hkv) and V (Hv),
-// chunk kinds and destinations as in the row kernel. Loads in the order of their chains: the
-// token's indices (pos_ids; K and V rows also batch_indices and positions) and the row's chunk
-// together; then Q and K rows their cos/sin values (pos_id) while K and V rows read kv_indptr[b]
-// and kv_indptr[b + 1], then the page id (kv_indices), the chunk rotated, scaled and rounded
-// while those are in flight; the page lookup does not wait for pos_id (every read is clamped or
-// skipped, so it is always in bounds). Same rules as the row kernel: Q rows always written
+// chunk kinds and destinations as in the row kernel. Loads in the order of their chains, so that
+// a Q row waits for two loads in a row (pos_id -> cos/sin) and a K / V row for three (b, pos ->
+// kv_indptr -> kv_indices, its cos/sin loads beside the page id's; sm_90 SASS checked): the row's
+// chunk, the token's indices, kv_indptr[b] and kv_indptr[b + 1], the cos/sin values, the page id,
+// then the chunk rotated, scaled and rounded while the page id is in flight. The page lookup does
+// not wait for pos_id (every read is clamped or skipped, so it is always in bounds). Same rules
+// as the row kernel: Q rows always written
 // (unrotated when pos_id lies outside [0, P)), K and V rows only when pos_id lies in [0, P) and
 // the token has a slot (find_slot's checks); V rows and chunks without a rotation are converted
 // as they came (the reference's copy; the row kernel rotates them by the identity). Static scales
@@ -863,7 +892,9 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
   pdl_wait();
   const bool is_q = h < p.Hq;
   const bool is_v = h >= Hk;
-  // 1. this lane's chunk of its row, then the token's indices: all loads in flight together
+  // 1. this lane's chunk of its row, then the token's indices: K / V rows batch_indices and
+  // positions (the head of their chain: b -> kv_indptr -> kv_indices), then every row pos_ids
+  // (as words: a K / V row waits for b and pos, not for pos_id, before its kv_indptr loads)
   const int j = threadIdx.x;
   const int half_r = p.R >> 1;
   const int ri = NEOX ? half_r / N : p.R / N;
@@ -883,31 +914,20 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
   const Vec<T, N> va = load<T, N>(row);
   Vec<T, N> vb;
   if (pair) vb = load<T, N>(row + half_r);
-  const i64 pos_id = read_index(p.pos_ids, t, p.index64 & 1);
   i64 b = -1, pos = -1;
   if (!is_q) {
     b = read_index(p.batch_indices, t, p.index64 & 2);
     pos = read_index(p.positions, t, p.index64 & 4);
   }
+  const LeanIndex pid = lean_index(p.pos_ids, t, p.index64 & 1);
   float sc = 1.f;
   if constexpr (is_quantized<OutT>::value) {
     const float* scales = is_q ? p.q_scales : p.kv_scales;
     sc = scales ? __ldg(scales + hh) : (is_q ? p.q_scale : p.kv_scale);
   }
 
-  // 2. Q and K rotary chunks with a position: their cos/sin values (one table row)
-  const bool rope = pos_id >= 0 && pos_id < p.P;
-  const bool turn = rotary && rope && !is_v;
-  constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
-  float c[M], sn[M];
-  if (turn) {
-    const float* cs = p.cos_sin + (I(pos_id) * I(p.cs_sp) + I(NEOX ? col : col / 2));
-    load_float<float, M>(cs, c);
-    load_float<float, M>(cs + half_r, sn);
-  }
-
-  // 3. K and V rows: kv_indptr[b] and kv_indptr[b + 1], issued beside the cos/sin loads
-  // (find_slot's rules: every read clamped or skipped)
+  // 2. K and V rows: kv_indptr[b] and kv_indptr[b + 1] (find_slot's rules: every read clamped
+  // or skipped)
   bool ok = false;
   i64 first = 0, last = 0, idx = 0;
   const int ps = p.page_size;
@@ -920,7 +940,28 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
     }
   }
 
-  // 4. rotate, scale and round the chunk while those loads are in flight
+  // 3. Q and K rotary chunks with a position: their cos/sin values (one table row)
+  const bool rope = pid.below(p.P);
+  const bool turn = rotary && rope && !is_v;
+  constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
+  float c[M], sn[M];
+  if (turn) {
+    const float* cs = p.cos_sin + (I(pid.lo) * I(p.cs_sp) + I(NEOX ? col : col / 2));
+    load_float<float, M>(cs, c);
+    load_float<float, M>(cs + half_r, sn);
+  }
+
+  // 4. K and V rows: the page id (kv_indices), issued before the rotation waits for cos/sin, its
+  // words checked only after it
+  bool it_ok = false;
+  LeanIndex pgi{0u, 0u, p.index64 & 16};
+  if (ok) {
+    const bool first_ok = first >= 0 && first <= p.num_indices;
+    const i64 hi = last < first ? first : (last < p.num_indices ? last : p.num_indices);
+    it_ok = first_ok && idx < hi - first;  // no overflow: 0 <= first <= hi
+    if (it_ok) pgi = lean_index(p.kv_indices, first + idx, p.index64 & 16);
+  }
+  // 5. rotate, scale and round the chunk while the page id is in flight; then the stores
   float a[N], bb[N];
   to_floats<T, N>(va, a);
   if (pair) to_floats<T, N>(vb, bb);
@@ -930,17 +971,12 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
   typename Pack::V wb;
   if (pair) wb = Pack::pack(bb, sc);
 
-  // 5. K and V rows: the page id, and the row's slot; then the stores
   i64 page = -1, entry = 0;
-  if (ok) {
-    const bool first_ok = first >= 0 && first <= p.num_indices;
-    const i64 hi = last < first ? first : (last < p.num_indices ? last : p.num_indices);
-    if (first_ok && idx < hi - first) {  // no overflow: 0 <= first <= hi
-      const i64 pg = read_index(p.kv_indices, first + idx, p.index64 & 16);
-      if (pg >= 0 && pg < p.num_pages) {
-        page = pg;
-        entry = pos - idx * ps;
-      }
+  if (it_ok) {
+    const i64 pg = pgi.value();
+    if (pg >= 0 && pg < p.num_pages) {
+      page = pg;
+      entry = pos - idx * ps;
     }
   }
   if (!is_q && (!rope || page < 0)) return;  // no cache row
