@@ -91,9 +91,29 @@ TUNING = {
     "wide_rows_below": 4096,
     "wide_row_block": 256,
     "wide_row_single_from": 1100,
+    "lean_below": 1024,
+    "lean_block": 128,
+    "lean_wave_blocks": 2640,
+    "lean_max_block": 256,
 }
 MAX_BLOCK = 512  # __launch_bounds__ of the row kernel
 ROW_KERNEL = "rope_append_paged_rows"
+# The lean kernel (rope_append_paged_rows_lean: one chunk of one head row per thread, no division
+# but the page's, a row's source and destination picked by index) serves plain calls (no option,
+# no mRoPE) of fewer than `lean_below` tokens whose head rows fit LEAN_THREADS lanes: GQA / MHA and
+# MLA decode. Blocks (G, S, tokens): a token a block and about `lean_block` threads (whole rows, a
+# token's rows spread evenly over the blocks) while the grid stays within `lean_wave_blocks`, else
+# up to `lean_max_block` threads and as many tokens as fit. Why (ncu, H200, TP 8/1 heads, 16
+# tokens): the row kernel ran 43,808 instructions in 16 blocks of 256 threads for 80 threads of
+# work a token, 60 registers, and a K / V row's chain (sm_90 SASS) waited for pos_id before it
+# read b and pos: four dependent loads. The lean kernel (fp16 -> e4m3, neox: 528 static
+# instructions against 736, 48 registers) waits for two in a row on a Q row (pos_id -> cos/sin)
+# and three on a K / V row (b, pos -> kv_indptr -> kv_indices, the cos/sin loads beside the page
+# id's, the rotation while it is in flight). `lean_below=0` restores the row / section kernels of
+# ee077f9.
+LEAN_KERNEL = "rope_append_paged_rows_lean"
+LEAN_THREADS = 256  # kLeanThreads: the lean kernel's __launch_bounds__
+INT32_SPAN = 2**31 - 1  # element offsets below this take the lean kernel's 32-bit offsets
 ROWS = (1, 4)  # row kernels by the head rows one lane group can hold (their register budgets)
 
 
@@ -118,6 +138,24 @@ def row_launch_shape(T, H, group, max_rows=ROWS[-1], width=None):
     )
     rows = min(ROWS[-1], max_rows, -(-H // slots))
     return slots * group, rows, -(-H // (slots * rows))
+
+
+def lean_shape(T, H, G):
+    """``(block, grid)`` of the lean kernel for T tokens of H head rows at G lanes per row:
+    blocks of ``(G, S, tokens)`` threads (S rows of ``tokens`` tokens), grid ``(ceil(T /
+    tokens), ceil(H / S))``. Decode (the grid within ``lean_wave_blocks``): a token a block, the
+    rows spread evenly over the blocks."""
+    cap = max(1, LEAN_THREADS // G)  # rows a block can hold
+    slots = max(1, min(H, TUNING["lean_block"] // G, cap))
+    splits = -(-H // slots)
+    if T * splits <= TUNING["lean_wave_blocks"]:
+        return (G, -(-H // splits), 1), (T, splits)
+    limit = min(TUNING["lean_max_block"], LEAN_THREADS)
+    slots = max(1, min(H, limit // G, cap))
+    splits = -(-H // slots)
+    slots = -(-H // splits)
+    tokens = max(1, min(T, 64, limit // (G * slots)))  # blockDim.z is at most 64
+    return (G, slots, tokens), (-(-T // tokens), splits)
 
 
 def row_tokens(T, block):
@@ -264,6 +302,15 @@ def expression(dtype, out_dtype, is_neox, n, shape, mrope=False, opts=False):
     ``shape`` is ``("rows", ROWS)``; ``mrope``: the one that reads mRoPE sections (the plain one
     has mRoPE compiled out); ``opts``: the kernel that reads the options, compiled out of the
     plain one (the row kernel: computed scales and status; the section kernel: status only)."""
+    if shape[0] == "lean":  # ("lean", 64-bit offsets)
+        return name_expression(
+            LEAN_KERNEL,
+            c_type(dtype),
+            c_type(out_dtype),
+            c_bool(is_neox),
+            n,
+            "long long" if shape[1] else "int",
+        )
     if shape[0] == "rows":
         return name_expression(
             ROW_KERNEL + ("_opts" if opts else ""),
@@ -302,6 +349,8 @@ def instantiations():
             (dtype, *FP8_DTYPES, INT8), ROWS, (False, True)
         ):
             yield expression(dtype, out_dtype, is_neox, n, ("rows", rows), mrope, True)
+        for out_dtype, wide in itertools.product((dtype, *FP8_DTYPES), (False, True)):
+            yield expression(dtype, out_dtype, is_neox, n, ("lean", wide))
 
 
 def rope_quantize_fp8_append_paged_kv_cache(
@@ -992,7 +1041,7 @@ def _prepare(views, flags):
         return plan(HOST, host=_host_run(a, f, c))
     if c.T == 0 and a.status is None:
         return plan(c.device)
-    choice = _choose(a, f.is_neox, c)
+    choice = _choose(a, f.is_neox, c, lean=not c.sections)
     return plan(c.device, [_pack(a, f, c, choice, out_slots)])
 
 
@@ -1287,9 +1336,10 @@ def _host_run(a, f, c):
     return host
 
 
-def _choose(a, is_neox, c):
-    """The vector width, the kernel (section or row, plain or with the options) and the launch
-    shape of a device call."""
+def _choose(a, is_neox, c, lean=False):
+    """The vector width, the kernel (section or row, plain or with the options; the lean kernel
+    where ``lean`` allows it: :func:`_prepare` passes False for mRoPE) and the launch shape of a
+    device call."""
     vqr, vqso, vksc, vstatus = a.q_rope, a.q_scale_out, a.k_scales, a.status
     R, Dn, T, Hq, Hkv, mla = c.R, c.Dn, c.T, c.Hq, c.Hkv, c.mla
     # the widest n for which the data rows (and the table's) are aligned, read once for every
@@ -1325,6 +1375,10 @@ def _choose(a, is_neox, c):
             f"bytes"
         )
     H = Hq + Hkv + (0 if mla else Hkv)  # head rows of a token
+    if lean and not opts and 0 < T < TUNING["lean_below"] and group <= LEAN_THREADS:
+        (_, slots, tokens), (_, splits) = lean_shape(T, H, group)
+        # ("lean", 64-bit offsets): the offsets' width is settled by _pack, from the strides
+        return _Choice(n, group, ("lean", False), group, slots, splits, False, tokens)
     # heads too wide for a lane group of row_group (MLA) at decode: the row kernel too
     wide = not opts and group <= MAX_BLOCK and T * H < TUNING["wide_rows_below"]
     tokens = 1
@@ -1359,12 +1413,16 @@ def _pack(a, f, c, choice, out_slots):
     slots = dict(_ARGUMENT_SLOTS)  # and those that depend on the call:
     slots["kr_cache"], slots["kn_cache"], slots["v_cache"] = c.kr[0], c.kn[0], c.vd[0]
     slots["q_rope_out"], slots["q_nope_out"] = (out_slots[0], 0), (out_slots[1], 0)
+    shape, block = choice.shape, (choice.block, choice.tokens)
+    if shape[0] == "lean":  # blocks (G, S, tokens); 64-bit offsets where a span needs them
+        shape = ("lean", _lean_span(values, c) > INT32_SPAN)
+        block = (choice.group, choice.rows, choice.tokens)
     kernel = expression(
         a.q_rope.dtype,
         c.out_dtype,
         f.is_neox,
         choice.n,
-        choice.shape,
+        shape,
         bool(c.sections),
         choice.opts,
     )
@@ -1373,11 +1431,36 @@ def _pack(a, f, c, choice, out_slots):
         kernel,
         c.device,
         (-(-max(c.T, 1) // choice.tokens), choice.splits),
-        (choice.block, choice.tokens),
+        block,
         OPTS_PARAMS if choice.opts else PARAMS,
         values,
         slots,
         pdl=f.enable_pdl,
+    )
+
+
+def _lean_span(values, c):
+    """The largest element offset from an array's base that the lean kernel forms (strides in
+    elements, from the record's ``values``): every input, q output, cache and the table."""
+    T, Hq, Hkv, R, Dn, v = c.T, c.Hq, c.Hkv, c.R, c.Dn, values
+    D = R + Dn
+
+    def span(rows, st):
+        return sum(max(n - 1, 0) * abs(x) for n, x in zip(rows, st))
+
+    return D + max(
+        span((T, Hq), (v["qr_sn"], v["qr_sh"])),
+        span((T, Hq), (v["qn_sn"], v["qn_sh"])),
+        span((T, Hkv), (v["kr_sn"], v["kr_sh"])),
+        span((T, Hkv), (v["kn_sn"], v["kn_sh"])),
+        span((T, Hkv), (v["v_sn"], v["v_sh"])),
+        span((T, Hq), (v["qro_sn"], v["qro_sh"])),
+        span((T, Hq), (v["qno_sn"], v["qno_sh"])),
+        *(
+            span((c.num_pages, c.page_size, Hkv), (v[f"{k}_sp"], v[f"{k}_se"], v[f"{k}_sh"]))
+            for k in ("krc", "knc", "vc")
+        ),
+        span((c.P,), (v["cs_sp"],)),
     )
 
 

@@ -1834,3 +1834,334 @@ def test_fp8_tolerance_of_a_stretched_row():
             "far",
             fp8_atol=1e-4,
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# The lean kernel (plain decode calls: one chunk of one head row per thread)
+
+
+def _choose_lean(*args, **kw):
+    """:func:`_choose` as a device call makes it: with the lean kernel allowed (no mRoPE)."""
+    from ropekv import paged
+
+    real = paged._choose
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(paged, "_choose", lambda a, is_neox, c: real(a, is_neox, c, lean=True))
+        return _choose(*args, **kw)
+
+
+def test_lean_kernel_takes_plain_decode_calls(monkeypatch):
+    """Plain calls below lean_below tokens take the lean kernel: blocks (G, S, 1) of a token's
+    rows spread evenly (about lean_block threads), grid (T, splits); more blocks than
+    lean_wave_blocks gather tokens. Options, lean_below tokens and more, and lean_below 0 keep
+    the row / section kernels (mRoPE: _prepare passes lean=False)."""
+    from ropekv import paged
+
+    gqa = {"R": 128, "Dn": 0, "mla": False, "dtype": F16, "is_neox": True}
+    tp8 = _choose_lean(16, 8, 1, **gqa)  # 10 rows of 8 lanes: one block a token
+    assert tp8.shape == ("lean", False) and not tp8.opts
+    assert (tp8.group, tp8.rows, tp8.tokens, tp8.splits) == (8, 10, 1, 1)
+    llama = _choose_lean(64, 32, 8, **gqa)  # 48 rows: 3 blocks of 16 rows a token
+    assert (llama.group, llama.rows, llama.tokens, llama.splits) == (8, 16, 1, 3)
+    mla = {"Hkv": 1, "R": 64, "Dn": 512, "mla": True}
+    one = _choose_lean(1, 128, **mla)  # 129 rows of 72 lanes: a block a row
+    assert one.shape[0] == "lean" and (one.group, one.rows, one.splits) == (72, 1, 129)
+    assert _choose_lean(1, 128, is_neox=True, **mla).group == 68
+    wide = _choose_lean(256, 16, **mla)  # 17 x 256 blocks of a row: 3 rows a block
+    assert (wide.rows, wide.tokens, wide.splits) == (3, 1, 6)
+    assert _choose_lean(1, 8, 1, q_scale_out=object(), **gqa).shape == ("rows", 1)
+    assert _choose_lean(1, 16, status=object(), **mla).shape[0] != "lean"
+    assert _choose_lean(paged.TUNING["lean_below"], 8, 1, **gqa).shape[0] != "lean"
+    assert _choose(1, 8, 1, **gqa).shape[0] == "rows"  # lean=False (mRoPE)
+    monkeypatch.setitem(paged.TUNING, "lean_below", 0)
+    assert _choose_lean(1, 8, 1, **gqa).shape == ("rows", 1)
+    assert _choose_lean(1, 128, **mla).shape == ("rows", 1)
+
+
+def test_lean_shape_gathers_tokens_past_the_wave(monkeypatch):
+    from ropekv import paged
+
+    assert paged.lean_shape(1, 10, 8) == ((8, 10, 1), (1, 1))
+    assert paged.lean_shape(256, 48, 8) == ((8, 16, 1), (256, 3))
+    monkeypatch.setitem(paged.TUNING, "lean_wave_blocks", 0)
+    assert paged.lean_shape(77, 10, 8) == ((8, 10, 3), (26, 1))  # 80-thread rows, 3 tokens
+    assert paged.lean_shape(77, 48, 8) == ((8, 24, 1), (77, 2))
+    assert paged.lean_shape(5, 129, 72) == ((72, 3, 1), (5, 43))
+    for T, H, G in ((1, 129, 72), (300, 6, 16), (4000, 48, 8), (9, 3, 256)):
+        (gx, gy, gz), (bx, by) = paged.lean_shape(T, H, G)
+        assert gx == G and gx * gy * gz <= paged.LEAN_THREADS and gz <= 64
+        assert gy * by >= H and gz * bx >= T
+
+
+def test_lean_offsets_widen_past_31_bits():
+    """The lean kernel's offsets are 32-bit while every array's span (inputs, q outputs, caches,
+    the table) fits in 31 bits, 64-bit otherwise."""
+    from types import SimpleNamespace as NS
+
+    from ropekv import paged
+
+    c = NS(T=4, Hq=8, Hkv=1, R=128, Dn=0, num_pages=10, page_size=16, P=4096)
+    values = dict.fromkeys(paged._STRIDES, 0)
+    values.update(qr_sn=1152, qr_sh=128, kr_sn=1152, kr_sh=128, cs_sp=128)
+    values.update(krc_sp=2048, krc_se=128, vc_sp=2048, vc_se=128)
+    assert paged._lean_span(values, c) == 4095 * 128 + 128
+    assert paged._lean_span(values, c) <= paged.INT32_SPAN
+    values["vc_sp"] = 1 << 28  # 10 pages of 2**28 elements
+    assert paged._lean_span(values, c) > paged.INT32_SPAN
+    values["vc_sp"], values["qr_sn"] = 2048, -(1 << 30)  # a negative stride counts its size
+    assert paged._lean_span(values, c) > paged.INT32_SPAN
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The kernel instantiations the paged op's launches are built with (``ropekv.paged``'s
+    ``expression`` watched), its plans dropped before and after (a plan keeps its kernel)."""
+    from ropekv import paged
+
+    seen = []
+    real = paged.expression
+
+    def watch(*args, **kw):
+        e = real(*args, **kw)
+        seen.append(e)
+        return e
+
+    monkeypatch.setattr(paged, "expression", watch)
+    for op in (paged._GQA, paged._MLA):
+        op.clear()
+    yield seen
+    for op in (paged._GQA, paged._MLA):
+        op.clear()
+
+
+def _lean_ran(seen, wide=False):
+    from ropekv import paged
+
+    return (
+        seen
+        and seen[-1].startswith(paged.LEAN_KERNEL + "<")
+        and seen[-1].endswith("long long>" if wide else "int>")
+    )
+
+
+LEAN_GQA = [  # (Hq, Hkv, R, Dn, dtype, cache, layout, page_size, is_neox, index dtype)
+    (32, 8, 128, 0, F16, E4M3, "NHD", 16, True, np.int32),
+    (8, 1, 128, 0, F16, E4M3, "NHD", 16, True, np.int64),
+    (4, 1, 128, 0, BF16, E5M2, "HND", 32, False, np.int32),
+    (24, 6, 64, 64, BF16, E4M3, "NHD", 7, True, (np.int64, np.int32, np.int64, np.int32, np.int64)),
+    (8, 8, 256, 0, F16, F16, "HND", 1, False, np.int32),
+    (16, 2, 32, 96, BF16, BF16, "NHD", 16, True, np.int64),
+    (32, 8, 64, 64, F16, E5M2, "HND", 128, False, np.int32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", LEAN_GQA)
+def test_lean_kernel_matches_reference(case, launched):
+    """GQA / MHA decode on the lean kernel: heads of 8 / 1 to 32 / 8, rope-only and rope + nope
+    rows, fp16 / bf16 into fp8 and 16-bit caches, both layouts, page sizes 1 to 128 (7: no power
+    of two), both RoPE styles, int32 / int64 / mixed indices, padding, per-head scales, q outputs
+    given (a misaligned fp8 row start) or new, packed q / k / v."""
+    Hq, Hkv, R, Dn, dtype, cache, layout, page_size, is_neox, idx = case
+    quantize = cache in FP8
+    for T, B, padding, per_head, packed, prealloc in (
+        (1, 1, 0, False, False, False),
+        (4, 4, 1, True, True, False),
+        (19, 5, 3, False, True, True),
+        (64, 64, 0, True, False, False),
+        (256, 256, 9, False, True, False),
+    ):
+        args = make_case(
+            120 + T,
+            T=T,
+            B=B,
+            Hq=Hq,
+            Hkv=Hkv,
+            R=R,
+            Dn=Dn,
+            dtype=dtype,
+            cache_dtype=cache,
+            kv_layout=layout,
+            page_size=page_size,
+            index_dtypes=idx,
+            padding=padding,
+            per_head=per_head,
+            packed=packed,
+        )
+        check_against_reference(args, quantize, is_neox, prealloc and quantize)
+        assert _lean_ran(launched), launched[-1:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq", [128, 16])
+def test_lean_kernel_mla_decode(Hq, launched):
+    """DeepSeek MLA decode (latent 512, rope 64, bf16 -> fp8) on the lean kernel: 72- and 68-lane
+    rows, padding, int64 indices, e5m2, a block a row and (past lean_wave_blocks) 3 rows a
+    block."""
+    mla = {"Hq": Hq, "Hkv": 1, "R": 64, "Dn": 512, "mla": True, "dtype": BF16, "page_size": 16}
+    for T, neox in ((1, False), (4, True), (16, False), (63, True), (256, False)):
+        args = make_case(130 + T, T=T, B=min(T, 5), padding=T // 4, **mla)
+        check_against_reference(args, quantize=True, is_neox=neox)
+        assert _lean_ran(launched), launched[-1:]
+    args = make_case(131, T=8, B=3, index_dtypes=np.int64, cache_dtype=E5M2, per_head=True, **mla)
+    check_against_reference(args, quantize=True, is_neox=False)
+    assert _lean_ran(launched)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("index", [np.int32, np.int64])
+def test_lean_kernel_hostile_indices(mla, index, launched):
+    """Garbage indices on the lean kernel: positions, requests, kv_indptr and page ids outside
+    their ranges (int64 ones past 32 bits too), a page size of no power of two: the rows of
+    tokens without a slot are skipped, nothing is written out of bounds (the caches' other
+    bytes are checked)."""
+    import cupy as cp
+
+    shape = (
+        {"Hq": 16, "Hkv": 1, "R": 64, "Dn": 512, "mla": True, "dtype": BF16}
+        if mla
+        else {"Hq": 8, "Hkv": 2, "R": 64, "Dn": 32}
+    )
+    for page_size in (16, 5):
+        args = make_case(32, T=16, B=2, page_size=page_size, index_dtypes=index, **shape)
+        big = np.iinfo(index)
+        args["batch_indices"][:4] = [big.max, big.min, 2, -1]
+        args["positions"][4:8] = [big.max, big.min, -1, 1 << 20]
+        args["kv_indptr"][1] = big.max
+        args["kv_indices"][::2] = big.min
+        args["pos_ids"][8:11] = [big.max, big.min, -1]
+        if index == np.int64:
+            args["positions"][11] = (1 << 40) + 3
+            args["batch_indices"][12] = -(1 << 40)
+        check_against_reference(args, quantize=True, is_neox=not mla)
+        assert _lean_ran(launched)
+    cp.cuda.Device().synchronize()
+
+
+@pytest.mark.gpu
+def test_lean_kernel_64bit_offsets(monkeypatch, launched):
+    """The lean kernel's 64-bit offset instantiation (taken where a span passes 31 bits; here
+    forced by a span limit of 0) on GQA and MLA decode."""
+    from ropekv import paged
+
+    monkeypatch.setattr(paged, "INT32_SPAN", 0)
+    args = make_case(140, T=19, B=4, Hq=32, Hkv=8, R=64, Dn=64, page_size=16, padding=2)
+    check_against_reference(args, quantize=True)
+    assert _lean_ran(launched, wide=True), launched[-1:]
+    mla = {"Hq": 16, "Hkv": 1, "R": 64, "Dn": 512, "mla": True, "dtype": BF16, "page_size": 16}
+    check_against_reference(make_case(141, T=5, B=2, **mla), quantize=True, is_neox=False)
+    assert _lean_ran(launched, wide=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(8, 1), (4, 1), (32, 8)])
+def test_lean_kernel_blocks_of_several_tokens(heads, monkeypatch, launched):
+    """The lean kernel's blocks of several tokens (lean_wave_blocks 0: its shape past the wave):
+    a last block with spare tokens, padding, fp16 caches, interleaved RoPE."""
+    from ropekv import paged
+
+    monkeypatch.setitem(paged.TUNING, "lean_wave_blocks", 0)
+    Hq, Hkv = heads
+    for T, B, R, Dn, cache, neox in (
+        (77, 3, 128, 0, E4M3, True),
+        (45, 5, 64, 64, F16, False),
+        (1, 1, 128, 0, E5M2, True),
+    ):
+        args = make_case(
+            150 + T,
+            T=T,
+            B=B,
+            Hq=Hq,
+            Hkv=Hkv,
+            R=R,
+            Dn=Dn,
+            page_size=16,
+            padding=3,
+            cache_dtype=cache,
+        )
+        check_against_reference(args, quantize=cache in FP8, is_neox=neox)
+        assert _lean_ran(launched)
+
+
+@pytest.mark.gpu
+def test_calls_the_lean_kernel_leaves_to_the_row_kernels(monkeypatch, launched):
+    """mRoPE, the options and lean_below 0 (today's launch, what `--tune paged.lean_below=0`
+    times) keep the row kernels at decode, and still match the reference."""
+    from ropekv import paged
+
+    rng = np.random.default_rng(160)
+    args, kw = with_mrope(make_case(161, T=4, B=2, Hq=8, Hkv=1, R=128, page_size=16), rng, False)
+    check_against_reference(args, quantize=True, mrope=kw)
+    assert launched[-1].startswith(paged.ROW_KERNEL + "<")
+    args = with_options(make_case(162, T=4, B=2, Hq=8, Hkv=1, R=128), rng, True, True, True)
+    check_against_reference(args, quantize=True)
+    assert launched[-1].startswith(paged.ROW_KERNEL + "_opts<")
+    monkeypatch.setitem(paged.TUNING, "lean_below", 0)
+    for T, shape in ((1, {"Hq": 8, "Hkv": 1, "R": 128}), (64, {"Hq": 32, "Hkv": 8, "R": 128})):
+        check_against_reference(make_case(163 + T, T=T, B=T, page_size=16, **shape), True)
+        assert launched[-1].startswith(paged.ROW_KERNEL + "<")
+    mla = {"Hq": 128, "Hkv": 1, "R": 64, "Dn": 512, "mla": True, "dtype": BF16, "page_size": 16}
+    check_against_reference(make_case(165, T=4, B=4, **mla), quantize=True, is_neox=False)
+    assert launched[-1].startswith(paged.ROW_KERNEL + "<")
+
+
+def test_lean_kernel_reads_its_sources_and_destinations_by_index():
+    """The lean kernel indexes the record from q_rope, qr_sn, q_rope_out, qro_sn and krc_sp: those
+    fields must stay consecutive in PARAMS (tests/test_compile.py: PARAMS is the C struct)."""
+    from ropekv import paged
+
+    offsets = {name: paged.PARAMS.dtype.fields[name][1] for name in paged.PARAMS.names}
+    runs = (
+        ("q_rope", "q_nope", "k_rope", "k_nope", "v"),
+        ("q_rope_out", "q_nope_out", "kr_cache", "kn_cache", "v_cache"),
+        ("qr_sn", "qr_sh", "qn_sn", "qn_sh", "kr_sn", "kr_sh", "kn_sn", "kn_sh", "v_sn", "v_sh"),
+        ("qro_sn", "qro_sh", "qno_sn", "qno_sh"),
+        ("krc_sp", "krc_se", "krc_sh", "knc_sp", "knc_se", "knc_sh", "vc_sp", "vc_se", "vc_sh"),
+    )
+    for run in runs:
+        assert [offsets[n] - offsets[run[0]] for n in run] == [8 * k for k in range(len(run))]
+
+
+# Tests written for the row and section kernels whose decode calls the lean kernel now takes:
+# rerun with the lean kernel off, so today's kernels keep their coverage (the calls of 1024 tokens
+# and more, `lean_below=0`).
+TODAYS_KERNEL_TESTS = [
+    *(("every_launch_shape", test_every_launch_shape_matches_reference, (v,)) for v in VARIANTS),
+    *(
+        ("every_row_kernel_shape", test_every_row_kernel_shape_matches_reference, shape)
+        for shape in ((128, 660, 4), (64, 10**9, 4), (256, 0, 3), (32, 0, 1))
+    ),
+    *(("hostile", test_hostile_indices_never_write_out_of_bounds, (g,)) for g in (32, 0)),
+    *(
+        ("mla_decode", test_mla_decode_on_the_row_kernel, (Hq, block))
+        for Hq in (128, 16)
+        for block in (256, 72)
+    ),
+    *(
+        ("several_tokens", test_row_kernel_with_several_tokens_a_block, (heads, upto))
+        for heads in ((8, 1), (4, 1), (2, 1), (32, 8))
+        for upto in (128, 512)
+    ),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "name, test, params",
+    TODAYS_KERNEL_TESTS,
+    ids=[f"{name}-{'-'.join(map(str, params))}" for name, _, params in TODAYS_KERNEL_TESTS],
+)
+def test_todays_kernels_with_the_lean_kernel_off(name, test, params, monkeypatch):
+    from ropekv import paged
+
+    monkeypatch.setitem(paged.TUNING, "lean_below", 0)
+    test(*params, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_hostile_indices_on_the_mla_row_kernel_with_the_lean_kernel_off(monkeypatch):
+    from ropekv import paged
+
+    monkeypatch.setitem(paged.TUNING, "lean_below", 0)
+    test_hostile_indices_on_the_mla_row_kernel()

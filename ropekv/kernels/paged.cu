@@ -779,3 +779,216 @@ template <typename T, typename OutT, bool NEOX, int N, int ROWS, bool MROPE>
 __global__ void ROPEKV_OPTS_BOUNDS rope_append_paged_rows_opts(const PagedOptsParams p) {
   paged_rows<T, OutT, NEOX, N, ROWS, MROPE, true>(p);
 }
+
+// store_float in two steps, so that a row's conversion runs before its destination is known:
+// pack (x * scale rounded to OutT, store_float's arithmetic, instruction for instruction) and put
+// (the one vector store). fp8 at N % 4 == 0 packs 32-bit words, as store_float does.
+template <typename OutT, int N, bool WORDS = is_fp8<OutT>::value && N % 4 == 0>
+struct Packer {
+  using V = Vec<OutT, N>;
+  static __device__ __forceinline__ V pack(const float (&x)[N], float scale) {
+    V v;
+    if constexpr (is_fp8<OutT>::value && N % 2 == 0) {
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) {
+        const __nv_fp8x2_storage_t two = __nv_cvt_float2_to_fp8x2(
+            make_float2(x[2 * i] * scale, x[2 * i + 1] * scale), __NV_SATFINITE,
+            fp8_interpretation<OutT>::value);
+        v.v[2 * i].__x = static_cast<__nv_fp8_storage_t>(two & 0xFF);
+        v.v[2 * i + 1].__x = static_cast<__nv_fp8_storage_t>(two >> 8);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        v.v[i] = from_float<OutT>(is_quantized<OutT>::value ? x[i] * scale : x[i]);
+      }
+    }
+    return v;
+  }
+  static __device__ __forceinline__ void put(OutT* p, const V& v) { store<OutT, N>(p, v); }
+};
+
+template <typename OutT, int N>
+struct Packer<OutT, N, true> {
+  using V = Vec<unsigned, N / 4>;
+  static __device__ __forceinline__ V pack(const float (&x)[N], float scale) {
+    V w;
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const unsigned lo = __nv_cvt_float2_to_fp8x2(
+          make_float2(x[4 * i] * scale, x[4 * i + 1] * scale), __NV_SATFINITE,
+          fp8_interpretation<OutT>::value);
+      const unsigned hi = __nv_cvt_float2_to_fp8x2(
+          make_float2(x[4 * i + 2] * scale, x[4 * i + 3] * scale), __NV_SATFINITE,
+          fp8_interpretation<OutT>::value);
+      w.v[i] = lo | (hi << 16);
+    }
+    return w;
+  }
+  static __device__ __forceinline__ void put(OutT* p, const V& w) {
+    store<unsigned, N / 4>(reinterpret_cast<unsigned*>(p), w);
+  }
+};
+
+// An entry of an index array (int32 or int64) as the lean kernel reads it: its 32-bit words (the
+// high one of int64 entries, else 0). below(n) says whether the entry lies in [0, n) for 0 <= n <
+// 2^31 (the low word below n, as unsigned, and for int64 the high word 0), value() is the entry.
+// Unlike read_index, the two widths' loads write the same registers and nothing merges them into
+// a 64-bit value before its first use: that merge made the scheduler wait for the load there.
+struct LeanIndex {
+  unsigned lo, hi;
+  int is64;
+  __device__ __forceinline__ bool below(int n) const {
+    return lo < unsigned(n) && (!is64 || hi == 0u);
+  }
+  __device__ __forceinline__ i64 value() const {
+    return is64 ? i64((static_cast<unsigned long long>(hi) << 32) | lo) : i64(int(lo));
+  }
+};
+
+__device__ __forceinline__ LeanIndex lean_index(const void* p, i64 i, int is64) {
+  const unsigned* w = static_cast<const unsigned*>(p);
+  LeanIndex r{0u, 0u, is64};
+  if (is64) {
+    r.lo = w[2 * i];
+    r.hi = w[2 * i + 1];
+  } else {
+    r.lo = w[i];
+  }
+  return r;
+}
+
+// ---- The lean kernel (plain decode calls) ------------------------------------------------------
+// One chunk of one head row per thread: block (G, S, Tb), threadIdx.x the chunk j of the row (G =
+// ri + Dn / N chunks, as the row kernel's lane group), threadIdx.y the row of blockIdx.y's group
+// of S rows, threadIdx.z the token of blockIdx.x's group of Tb tokens; no division by a runtime
+// value but the page's (a shift for powers of two). A token's rows are Q (Hq), K (Hkv) and V (Hv),
+// chunk kinds and destinations as in the row kernel. Loads in the order of their chains, so that
+// a Q row waits for two loads in a row (pos_id -> cos/sin) and a K / V row for three (b, pos ->
+// kv_indptr -> kv_indices, its cos/sin loads beside the page id's; sm_90 SASS checked): the row's
+// chunk, the token's indices, kv_indptr[b] and kv_indptr[b + 1], the cos/sin values, the page id,
+// then the chunk rotated, scaled and rounded while the page id is in flight. The page lookup does
+// not wait for pos_id (every read is clamped or skipped, so it is always in bounds). Same rules
+// as the row kernel: Q rows always written
+// (unrotated when pos_id lies outside [0, P)), K and V rows only when pos_id lies in [0, P) and
+// the token has a slot (find_slot's checks); V rows and chunks without a rotation are converted
+// as they came (the reference's copy; the row kernel rotates them by the identity). Static scales
+// only (a scalar or per-head arrays); no mRoPE, no options (the host takes the row kernels for
+// those). Offsets are of type I (int where every array's span fits in 31 bits, the host decides;
+// long long otherwise).
+constexpr int kLeanThreads = 256;  // blockDim.x * blockDim.y * blockDim.z (the host keeps to it)
+// The lean kernel picks a row's source and destination by index: the five input pointers and
+// their (token, head) strides, the five output pointers and their strides, must stay consecutive
+// fields of PagedParams in these orders (tests/test_paged.py checks PARAMS, tests/test_compile.py
+// that PARAMS is this struct).
+
+template <typename T, typename OutT, bool NEOX, int N, typename I>
+__global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(const PagedParams p) {
+  pdl_launch_dependents();
+  const int t = blockIdx.x * blockDim.z + threadIdx.z;
+  const int h = blockIdx.y * blockDim.y + threadIdx.y;
+  const int Hk = p.Hq + p.Hkv;
+  if (t >= p.pid_st || h >= Hk + p.Hv) return;  // pid_st is T
+  pdl_wait();
+  const bool is_q = h < p.Hq;
+  const bool is_v = h >= Hk;
+  // 1. this lane's chunk of its row, then the token's indices: K / V rows batch_indices and
+  // positions (the head of their chain: b -> kv_indptr -> kv_indices), then every row pos_ids
+  // (as words: a K / V row waits for b and pos, not for pos_id, before its kv_indptr loads)
+  const int j = threadIdx.x;
+  const int half_r = p.R >> 1;
+  const int ri = NEOX ? half_r / N : p.R / N;
+  const bool rotary = j < ri;
+  const bool pair = NEOX && rotary;  // two vectors per chunk: x[e] and its partner x[e + R/2]
+  const int col = rotary ? j * N : (j - ri) * N;       // element of the rope / nope part
+  const int e = is_v && !rotary ? p.R + col : col;     // element of the source row
+  const int hh = is_q ? h : is_v ? h - Hk : h - p.Hq;  // head within its kind
+  // the source: q_rope, q_nope, k_rope, k_nope or v, the record's first five pointers, and its
+  // (token, head) strides, consecutive from qr_sn: read by index (one constant load each, no
+  // branches)
+  const int kind = is_v ? 4 : (is_q ? 0 : 2) + (rotary ? 0 : 1);
+  const T* src = static_cast<const T*>((&p.q_rope)[kind]);
+  const i64 s_sn = (&p.qr_sn)[2 * kind];
+  const i64 s_sh = (&p.qr_sn)[2 * kind + 1];
+  const T* row = src + (I(t) * I(s_sn) + I(hh) * I(s_sh) + I(e));
+  const Vec<T, N> va = load<T, N>(row);
+  Vec<T, N> vb;
+  if (pair) vb = load<T, N>(row + half_r);
+  i64 b = -1, pos = -1;
+  if (!is_q) {
+    b = read_index(p.batch_indices, t, p.index64 & 2);
+    pos = read_index(p.positions, t, p.index64 & 4);
+  }
+  const LeanIndex pid = lean_index(p.pos_ids, t, p.index64 & 1);
+  float sc = 1.f;
+  if constexpr (is_quantized<OutT>::value) {
+    const float* scales = is_q ? p.q_scales : p.kv_scales;
+    sc = scales ? __ldg(scales + hh) : (is_q ? p.q_scale : p.kv_scale);
+  }
+
+  // 2. K and V rows: kv_indptr[b] and kv_indptr[b + 1] (find_slot's rules: every read clamped
+  // or skipped)
+  bool ok = false;
+  i64 first = 0, last = 0, idx = 0;
+  const int ps = p.page_size;
+  if (!is_q) {
+    ok = b >= 0 && b < p.B && pos >= 0 && p.num_indices > 0;
+    if (ok) {
+      first = read_index(p.kv_indptr, b, p.index64 & 8);
+      last = read_index(p.kv_indptr, b + 1, p.index64 & 8);
+      idx = (ps & (ps - 1)) == 0 ? pos >> (__ffs(ps) - 1) : div_pos(pos, ps);
+    }
+  }
+
+  // 3. Q and K rotary chunks with a position: their cos/sin values (one table row)
+  const bool rope = pid.below(p.P);
+  const bool turn = rotary && rope && !is_v;
+  constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
+  float c[M], sn[M];
+  if (turn) {
+    const float* cs = p.cos_sin + (I(pid.lo) * I(p.cs_sp) + I(NEOX ? col : col / 2));
+    load_float<float, M>(cs, c);
+    load_float<float, M>(cs + half_r, sn);
+  }
+
+  // 4. K and V rows: the page id (kv_indices), issued before the rotation waits for cos/sin, its
+  // words checked only after it
+  bool it_ok = false;
+  LeanIndex pgi{0u, 0u, p.index64 & 16};
+  if (ok) {
+    const bool first_ok = first >= 0 && first <= p.num_indices;
+    const i64 hi = last < first ? first : (last < p.num_indices ? last : p.num_indices);
+    it_ok = first_ok && idx < hi - first;  // no overflow: 0 <= first <= hi
+    if (it_ok) pgi = lean_index(p.kv_indices, first + idx, p.index64 & 16);
+  }
+  // 5. rotate, scale and round the chunk while the page id is in flight; then the stores
+  float a[N], bb[N];
+  to_floats<T, N>(va, a);
+  if (pair) to_floats<T, N>(vb, bb);
+  if (turn) rotate_chunk<NEOX, N, M>(a, bb, c, sn);
+  using Pack = Packer<OutT, N>;
+  const typename Pack::V wa = Pack::pack(a, sc);
+  typename Pack::V wb;
+  if (pair) wb = Pack::pack(bb, sc);
+
+  i64 page = -1, entry = 0;
+  if (it_ok) {
+    const i64 pg = pgi.value();
+    if (pg >= 0 && pg < p.num_pages) {
+      page = pg;
+      entry = pos - idx * ps;
+    }
+  }
+  if (!is_q && (!rope || page < 0)) return;  // no cache row
+  // the destination, by index as the source: q_rope_out, q_nope_out (token, head strides from
+  // qro_sn), kr_cache, kn_cache, v_cache (page, entry, head strides from krc_sp)
+  OutT* d = static_cast<OutT*>((&p.q_rope_out)[kind]);
+  if (is_q) {
+    d += I(t) * I((&p.qro_sn)[2 * kind]) + I(hh) * I((&p.qro_sn)[2 * kind + 1]);
+  } else {
+    const i64* st = &p.krc_sp + 3 * (kind - 2);
+    d += I(page) * I(st[0]) + I(entry) * I(st[1]) + I(hh) * I(st[2]) + I(e - col);
+  }
+  Pack::put(d + col, wa);
+  if (pair) Pack::put(d + col + half_r, wb);
+}
