@@ -134,8 +134,6 @@ PARAMS = ParamStruct(
             (n, np.int64)
             for n in ("qs_st", "qs_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se", "vs_sh")
         ),
-        # the decode kernels' direct request lookup (TUNING["decode_direct"]), last
-        ("direct", np.int32),
     ],
 )
 MAX_GROUP = 32  # lanes per head row: one chunk each, a row within a warp
@@ -174,12 +172,6 @@ TUNING = {
     "decode_heads": 16,
     "decode_narrow_below": 32,
     "decode_min_blocks": 32,
-    # the decode kernels' request lookup: 1 reads every probe of the binary search for the
-    # guessed request (token t of T: t B / T, t at decode) at once, with the rows, and searches
-    # only when a probe contradicts the guess (batches of up to 512 requests; the answer is the
-    # search's, malformed offsets included); 0 searches (shuffles below 32 requests, else shared
-    # memory behind a barrier), as before. Cake's kernels look a decode token's request up directly.
-    "decode_direct": 1,
 }
 
 
@@ -999,7 +991,6 @@ def _values(a, f, c, group, rows):
         "inv_q_scale": 1.0 / c.q_scale if c.q_scale is not None else 1.0,
         "q_dynamic": int(c.q_dynamic),
         "kv_dynamic": int(c.kv_dynamic),
-        "direct": int(bool(TUNING["decode_direct"])),
     }
 
 

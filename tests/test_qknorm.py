@@ -818,7 +818,6 @@ DECODE_VARIANTS = {
     "flat": FLAT_EVERYWHERE,
     "flat16": {**FLAT_EVERYWHERE, "decode_narrow_below": 0, "decode_min_blocks": 0},
     "splits": {"decode_flat": 0, "decode_tokens": 128},
-    "search": {"decode_direct": 0},  # the request searched, not guessed and checked
 }
 
 
@@ -887,103 +886,6 @@ def test_flat_decode_kernel_matches_reference(case, variant, cache_dtype):
         elif variant.startswith("flat"):  # every case here: the flat kernel
             assert kernel and kernel[0].startswith(qknorm.FLAT_KERNEL), kernel
         check_on_device(args, kw, kv_scale=0.5 if cache_dtype == E4M3 else None)
-
-
-def _lands_on(offsets, B, g, t, steps):
-    """The decode kernels' search_lands_on (kernels/qknorm.cu), step for step."""
-    lo, hi, ok = 0, B + 1, True
-    for _ in range(steps):
-        if lo < hi:
-            mid = (lo + hi) >> 1
-            right = mid <= g
-            ok &= bool(offsets[mid] <= t) == right
-            lo, hi = (mid + 1, hi) if right else (lo, mid)
-    return ok and lo >= hi
-
-
-def _direct_request(offsets, lengths, T, t):
-    """The decode kernels' request of token t under decode_direct 1: (request, pos), or None
-    where they fall back to the search (guess_request, then search_lands_on)."""
-    B = len(offsets) - 1
-    if not 0 < B <= 512:
-        return None
-    g = t if T == B else (t * B) // T
-    g = min(g, B - 1)
-    if not _lands_on(offsets, B, g, t, 6 if B < 32 else 10):
-        return None
-    if not offsets[g] <= t < offsets[g + 1]:
-        return -1, -1
-    return g, int(lengths[g]) + t - int(offsets[g])
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_direct_request_lookup_is_the_search(seed):
-    """The direct lookup's answer, where it gives one, is the binary search's (the reference's
-    ragged_paged_slots), for valid and malformed offsets; it answers every token of a decode
-    batch and of equal-length prefill chunks."""
-    rng = np.random.default_rng(seed)
-    for B in (1, 2, 5, 12, 31, 32, 40, 64, 255, 256, 512):
-        lengths = rng.integers(0, 50, B).astype(np.int32)
-        for kind in ("decode", "chunks", "ragged", "malformed"):
-            S = 3 if kind == "chunks" else 1
-            if kind == "ragged":
-                offsets = np.concatenate([[0], np.cumsum(rng.integers(0, 4, B))])
-            else:
-                offsets = np.arange(B + 1) * S
-            if kind == "malformed":
-                offsets[rng.integers(0, B + 1, 3)] = rng.integers(0, B + 5, 3)
-            T = max(int(offsets[-1]), 1)
-            table = np.zeros((B, 1), np.int32)
-            req, pos, _, _ = reference.ragged_paged_slots(offsets, lengths, table, 16, 1, T + 2)
-            answered = 0
-            for t in range(T + 2):
-                got = _direct_request(offsets.astype(np.uint32), lengths, T, t)
-                if got is not None:
-                    answered += 1
-                    assert got == (req[t], pos[t] if req[t] >= 0 else -1), (B, kind, t)
-            if kind in ("decode", "chunks"):
-                assert answered >= T, (B, kind)
-
-
-def test_direct_lookup_is_a_tuning_switch():
-    """decode_direct is the record's last field (no other field moves) and TUNING's, on."""
-    from ropekv import qknorm
-
-    assert qknorm.PARAMS.names[-1] == "direct"
-    assert qknorm.TUNING["decode_direct"] == 1
-
-
-# Decode batches with malformed offsets where a guessed request passes its own check but the
-# search answers another (offsets[k] raised past its neighbours: token k + 2 is request k + 2 by
-# that check, request k - 1 by the search, whose first probe is k): below 32 requests (the lane shuffles) and above
-# (global memory, a block-wide fallback in the flat kernel).
-@pytest.mark.gpu
-@pytest.mark.parametrize("B, k", [(12, 6), (40, 20), (200, 100)])  # k: the first probe
-@pytest.mark.parametrize("variant", sorted(DECODE_VARIANTS))
-@pytest.mark.parametrize("heads", [(64, 8), (8, 1)])
-def test_decode_lookup_with_malformed_offsets_matches_the_search(B, k, variant, heads):
-    import cupy as cp  # noqa: F401 (GPU only)
-
-    args, kw = make_case(
-        90 + B,
-        Hq=heads[0],
-        Hkv=heads[1],
-        D=128,
-        dtype=BF16,
-        cache_dtype=BF16,
-        new=(1,) * B,
-        cached=tuple(range(3, 3 + 7 * B, 7)),
-        page_size=16,
-        gamma_f32=True,
-        packed=True,
-    )
-    args["input_row_offsets"][k] = k + 5
-    req = reference.ragged_paged_slots(
-        args["input_row_offsets"], args["cache_lengths"], args["block_table"], 16, 10**6, B
-    )[0]
-    assert req[k + 2] == k - 1  # the case this test is for
-    with applied({"qknorm": DECODE_VARIANTS[variant]}):
-        check_on_device(args, kw)
 
 
 def test_decode_kernel_is_chosen_for_plain_decode_calls():

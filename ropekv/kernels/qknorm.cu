@@ -46,9 +46,6 @@ struct QKNormParams {
   float inv_q_scale;  // fp8 q, static scale: stored = fp8(q * inv_q_scale)
   i64 qs_st, qs_sh;   // q_scale_out strides in elements
   i64 ks_sp, ks_se, ks_sh, vs_sp, vs_se, vs_sh;  // scale arrays: page, entry, head strides
-  // the decode kernels' request lookup (last: no other field moves): 1 guesses a token's request
-  // and checks the guess on the search's own path (search_lands_on); 0 searches
-  int direct;
 };
 
 constexpr int kStageMax = 512;  // batches of up to this many requests are searched in shared memory
@@ -499,52 +496,6 @@ struct QKDecodeShared {
   int lengths[kStageMax];
 };
 
-// The direct request lookup of the decode kernels. ragged_request's binary search makes probes
-// that depend on what it reads; but once its answer is assumed to be g (0 <= g < B), every probe
-// is known in advance (offsets[mid] <= t exactly when mid <= g), so all of them are read at once
-// (one round trip, with the rows) instead of one after another (a chain of shuffles, or staging
-// in shared memory, a barrier and a search there). When every probe falls on its assumed side,
-// the search takes exactly that path and ends at b = g whatever the other offsets hold, so the
-// answer is the search's own, malformed offsets included; otherwise the caller searches.
-// SHFL: offsets[m] is lane m's `lane_off` (B < 32; every lane of the warp calls, converged);
-// else read from `offsets` (B + 1 <= kStageMax + 1 entries: at most kDirectSteps probes).
-constexpr int kDirectSteps = 10;  // probes of a search over up to 1023 offsets (kStageMax + 1)
-constexpr int kShuffleSteps = 6;  // over up to 32 (B < 32)
-static_assert(kStageMax + 1 <= 1023, "kDirectSteps probes cover the staged searches");
-
-template <int STEPS, bool SHFL>
-__device__ __forceinline__ bool search_lands_on(const unsigned* offsets, unsigned lane_off, int B,
-                                                int g, unsigned t) {
-  int lo = 0, hi = B + 1;
-  bool ok = true;
-#pragma unroll
-  for (int s = 0; s < STEPS; ++s) {
-    const bool step = lo < hi;
-    const int mid = (lo + hi) >> 1;
-    const bool right = mid <= g;  // the assumed answer's side of this probe
-    unsigned o;
-    if constexpr (SHFL) {
-      o = __shfl_sync(0xffffffffu, lane_off, step ? mid : 0);
-    } else {
-      o = step ? offsets[mid] : 0u;
-    }
-    ok &= !step || ((o <= t) == right);  // no short circuit: no probe waits for another
-    lo = step && right ? mid + 1 : lo;
-    hi = step && !right ? mid : hi;
-  }
-  return ok && lo >= hi;  // lo == g + 1: the search's b is g
-}
-
-// The guessed request of token t: t itself when every request has one token (T == B, decode),
-// else t B / T (equal lengths: the right one); in [0, B).
-__device__ __forceinline__ int guess_request(int t, int T, int B) {
-  unsigned g = unsigned(t);
-  if (T != B && unsigned(T) <= 0xffffffffu / unsigned(B)) {
-    g = unsigned(t) * unsigned(B) / unsigned(T);
-  }
-  return int(min(g, unsigned(B - 1)));
-}
-
 // FLAT (qk_rmsnorm_rope_decode_flat): the rows of every token in one sequence, row r = t H + h
 // (H = Hq + 2 Hkv), blockDim.x / G consecutive rows a block, grid ceil(T H / rows): no idle lane
 // but in the last block whatever H (Tensor-parallel 8 / 1 heads: 10 rows, which a (T, splits)
@@ -608,21 +559,9 @@ __device__ __forceinline__ void qk_decode_rows(const QKNormParams& p, QKDecodeSh
   const int lane = threadIdx.x & 31;
   unsigned lane_off = 0;
   int lane_len = 0;
-  // the direct lookup (search_lands_on): block-uniform; rows past the last token (FLAT) need no
-  // request, so their guess counts as landed
-  const bool direct = p.direct && B > 0 && B <= kStageMax;
-  const int g = direct ? guess_request(t, p.T, B) : 0;
-  unsigned g_off0 = 0, g_off1 = 0;
-  int g_len = 0;
-  bool lands = false;
   if (B < 32) {
     if (lane <= B) lane_off = p.offsets[lane];
     if (lane < B) lane_len = p.cache_lengths[lane];
-  } else if (direct) {  // with the rows: nothing waits for these
-    g_off0 = p.offsets[g];
-    g_off1 = p.offsets[g + 1];
-    g_len = p.cache_lengths[g];
-    lands = search_lands_on<kDirectSteps, false>(p.offsets, 0u, B, g, unsigned(t));
   }
 
   // the row's partial sum of squares
@@ -640,32 +579,7 @@ __device__ __forceinline__ void qk_decode_rows(const QKNormParams& p, QKDecodeSh
   // 2. request and position (every branch block-uniform)
   int req;
   i64 pos = -1;
-  bool found = false;  // the direct lookup's answer taken (req and pos set)
   if (B < 32) {  // the binary search of ragged_request over the warp's lanes
-    if (direct) {  // its probes as independent shuffles (the warp converged: B is uniform)
-      lands = search_lands_on<kShuffleSteps, true>(nullptr, lane_off, B, g, unsigned(t));
-      g_off0 = __shfl_sync(0xffffffffu, lane_off, g);
-      g_off1 = __shfl_sync(0xffffffffu, lane_off, g + 1);  // g + 1 <= B <= 31
-      g_len = __shfl_sync(0xffffffffu, lane_len, g);
-      found = __all_sync(0xffffffffu, lands || (FLAT && !live));
-    }
-  } else if (direct) {
-    // the (T, splits) kernel: one token a block, so `lands` is block-uniform; FLAT: the block
-    // decides together (the fallback stages in shared memory behind a barrier)
-    if constexpr (FLAT) {
-      found = !__syncthreads_or(live && !lands);
-    } else {
-      found = lands;
-    }
-  }
-  if (found) {  // the search's answer is g: its final check, as ragged_request's
-    req = g;
-    if (unsigned(t) < g_off0 || unsigned(t) >= g_off1) {
-      req = -1;
-    } else {
-      pos = i64(g_len) + (i64(t) - i64(g_off0));
-    }
-  } else if (B < 32) {
     int lo = 0, hi = B + 1;
     if constexpr (FLAT) {  // the lanes' tokens may differ: every lane takes every step
       while (__any_sync(0xffffffffu, lo < hi)) {
