@@ -43,8 +43,11 @@ INPUT_DTYPES = (FLOAT16, BFLOAT16)
 # Below `lean_below` tokens a plain call (no status, no clear_unused_last_page_rows) takes the lean
 # kernel instead: one chunk of one row per thread, blocks of about `lean_block` threads (a token's
 # q heads over ceil(Hq / rows) blocks, its kv row in one more block whose first warp normalises
-# the latent row); `lean_below=0` is the choice of ee077f9.
-TUNING = {"wave_blocks": 165, "split_below": 1024, "lean_below": 257, "lean_block": 128}
+# the latent row); `lean_below=0` is the choice of ee077f9. H200, graph replay, DeepSeek heads
+# bf16 -> e4m3, 1 / 16 / 64 / 128 / 256 tokens, lean against split kernel: 1.9 / 2.1 / 2.9 / 3.4 /
+# 5.6 us against 2.6 / 2.9 / 3.2 / 3.6 / 4.3 (blocks of 64 and 256 threads within 2% but at 128
+# tokens); hence up to 128 tokens.
+TUNING = {"wave_blocks": 165, "split_below": 1024, "lean_below": 129, "lean_block": 128}
 SPLIT_KERNEL = "mla_rope_rmsnorm_append_split"
 LEAN_KERNEL = "mla_rope_rmsnorm_append_lean"
 LEAN_LATENT = 2  # latent chunks a lane of the lean kernel's latent warp holds (kLeanLatent)

@@ -91,10 +91,12 @@ TUNING = {
     "wide_rows_below": 4096,
     "wide_row_block": 256,
     "wide_row_single_from": 1100,
-    "lean_below": 1024,
-    "lean_block": 128,
+    "lean_below": 1025,
+    "lean_block": 256,
     "lean_wave_blocks": 2640,
     "lean_max_block": 256,
+    "lean_narrow_from": 128,
+    "lean_wide_chunks": 1 << 18,
 }
 MAX_BLOCK = 512  # __launch_bounds__ of the row kernel
 ROW_KERNEL = "rope_append_paged_rows"
@@ -110,7 +112,13 @@ ROW_KERNEL = "rope_append_paged_rows"
 # instructions against 736, 48 registers) waits for two in a row on a Q row (pos_id -> cos/sin)
 # and three on a K / V row (b, pos -> kv_indptr -> kv_indices, the cos/sin loads beside the page
 # id's, the rotation while it is in flight). `lean_below=0` restores the row / section kernels of
-# ee077f9.
+# ee077f9. Where it runs comes from a side-by-side H200 run (graph replay, us, lean / row or
+# section kernel): head rows of at most `row_group` lanes (GQA / MHA) from `lean_narrow_from`
+# tokens (Llama 32 / 8 heads fp16 -> e4m3 1 / 16 / 256 tokens 2.0 / 2.1 / 2.9 against 2.0 / 2.0 /
+# 3.1, 1 x 1024 10.2 against 11.9; 8 / 1 heads within 3% either way below 128), wider rows (MLA)
+# while a call has at most `lean_wide_chunks` chunks (T x rows x lanes: 128 heads 1 / 16 / 64
+# tokens 1.9 / 2.7 / 5.8 against 2.2 / 3.1 / 5.1; 16 heads 128 / 256 tokens 2.8 / 4.0 against
+# 3.5 / 4.1); blocks of 256 threads (128: MLA 1 / 16 tokens 2.1 / 3.1, Llama within 5%).
 LEAN_KERNEL = "rope_append_paged_rows_lean"
 LEAN_THREADS = 256  # kLeanThreads: the lean kernel's __launch_bounds__
 INT32_SPAN = 2**31 - 1  # element offsets below this take the lean kernel's 32-bit offsets
@@ -138,6 +146,16 @@ def row_launch_shape(T, H, group, max_rows=ROWS[-1], width=None):
     )
     rows = min(ROWS[-1], max_rows, -(-H // slots))
     return slots * group, rows, -(-H // (slots * rows))
+
+
+def _lean_fits(T, H, group):
+    """Whether TUNING gives a plain call of T tokens of H head rows at ``group`` lanes a row to the
+    lean kernel (the comment above LEAN_KERNEL)."""
+    if not 0 < T < TUNING["lean_below"] or group > LEAN_THREADS:
+        return False
+    if group <= TUNING["row_group"]:
+        return T >= TUNING["lean_narrow_from"]
+    return T * H * group <= TUNING["lean_wide_chunks"]
 
 
 def lean_shape(T, H, G):
@@ -1375,7 +1393,7 @@ def _choose(a, is_neox, c, lean=False):
             f"bytes"
         )
     H = Hq + Hkv + (0 if mla else Hkv)  # head rows of a token
-    if lean and not opts and 0 < T < TUNING["lean_below"] and group <= LEAN_THREADS:
+    if lean and not opts and _lean_fits(T, H, group):
         (_, slots, tokens), (_, splits) = lean_shape(T, H, group)
         # ("lean", 64-bit offsets): the offsets' width is settled by _pack, from the strides
         return _Choice(n, group, ("lean", False), group, slots, splits, False, tokens)

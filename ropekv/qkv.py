@@ -97,6 +97,10 @@ FAST_INT4_MAX_TILE = 4
 # (ncu at one token, 4-bit: 6.6M instructions, 8.4 a weight, DRAM 13%).
 GEMV_PACKED = True
 GEMV_PACKED_MAX_TILE = 4
+# fp8 weights on the packed decode: off. H200, graph replay, one token, Llama-3-8B projection:
+# 4-bit 10.6 us packed against 21.1, fp8 12.1 against 11.7 (no gain: its float32 decode was already
+# a conversion a value).
+GEMV_PACKED_FP8 = False
 # Calls the packed decode takes run qkv_gemv up to this many tokens (above GEMV_MAX_TOKENS: before
 # qkv_mma). 2: as before (qkv_mma from MMA_MIN_TOKENS); 4 is the candidate to time (the packed
 # decode's token tile of 4).
@@ -764,6 +768,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
             GEMV_PACKED,
             GEMV_PACKED_MAX_TOKENS,
             GEMV_PACKED_LATE_SCALE,
+            GEMV_PACKED_FP8,
             MMA_MIN_TOKENS,
             MMA_MAX_TOKENS,
             (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID),
@@ -841,6 +846,7 @@ def _prepare(views, flags):
         gemv_packed,
         packed_max,
         late_scale,
+        packed_fp8,
         mma_min,
         mma_max,
         mma_quantized,
@@ -873,7 +879,7 @@ def _prepare(views, flags):
         return plan(c.device)
     fields, slots = _fields(views, c, is_neox, clear)
     opts = bool(clear or vstatus is not None)  # the kernels that read the options
-    gemv = (gemv_max, fast_int4, gemv_packed, packed_max, late_scale)
+    gemv = (gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, late_scale)
     tuning = (gemv, mma_min, mma_max, mma_quantized, mma_split, tiled, graph_max)
     return _device_plan(
         views, c, fields, slots, outputs, written, is_neox, pdl, opts, tuning, WgmmaSettings(*wgmma)
@@ -1103,8 +1109,9 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         a.out,
     )
     gemv, mma_min, mma_max, mma_quantized, mma_split, tiled, graph_max = tuning
-    gemv_max, fast_int4, gemv_packed, packed_max, late_scale = gemv
+    gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, late_scale = gemv
     T, K, N, D, fmt, device = c.T, c.K, c.N, c.D, c.fmt, c.device
+    gemv_packed = gemv_packed and (fmt != W_FP8 or packed_fp8)
 
     def fused(wgmma, mma_max):
         """The one fused launch that takes the call (qkv_wgmma, else the tensor-core kernels up
@@ -1853,6 +1860,7 @@ _OP = Op(
                 "GEMV_PACKED",
                 "GEMV_PACKED_MAX_TOKENS",
                 "GEMV_PACKED_LATE_SCALE",
+                "GEMV_PACKED_FP8",
                 "MMA_MIN_TOKENS",
                 "MMA_MAX_TOKENS",
                 "MMA_*_QUANTIZED",

@@ -1857,6 +1857,8 @@ def test_lean_kernel_takes_plain_decode_calls(monkeypatch):
     the row / section kernels (mRoPE: _prepare passes lean=False)."""
     from ropekv import paged
 
+    _lean_everywhere(monkeypatch)
+    monkeypatch.setitem(paged.TUNING, "lean_block", 128)
     gqa = {"R": 128, "Dn": 0, "mla": False, "dtype": F16, "is_neox": True}
     tp8 = _choose_lean(16, 8, 1, **gqa)  # 10 rows of 8 lanes: one block a token
     assert tp8.shape == ("lean", False) and not tp8.opts
@@ -1878,9 +1880,37 @@ def test_lean_kernel_takes_plain_decode_calls(monkeypatch):
     assert _choose_lean(1, 128, **mla).shape == ("rows", 1)
 
 
+def _lean_everywhere(monkeypatch):
+    """TUNING that gives the lean kernel every plain call it can serve below lean_below tokens
+    (the thresholds of where it runs by default set aside: the tests cover the kernel)."""
+    from ropekv import paged
+
+    monkeypatch.setitem(paged.TUNING, "lean_narrow_from", 1)
+    monkeypatch.setitem(paged.TUNING, "lean_wide_chunks", 1 << 62)
+
+
+def test_where_the_lean_kernel_runs_by_default():
+    """The shipped thresholds: GQA / MHA rows (at most row_group lanes) from lean_narrow_from
+    tokens up to lean_below; MLA rows while T x rows x lanes is at most lean_wide_chunks."""
+    from ropekv import paged
+
+    gqa = {"R": 128, "Dn": 0, "mla": False, "dtype": F16, "is_neox": True}
+    narrow_from = paged.TUNING["lean_narrow_from"]
+    assert _choose_lean(narrow_from - 1, 32, 8, **gqa).shape[0] != "lean"
+    assert _choose_lean(narrow_from, 32, 8, **gqa).shape[0] == "lean"
+    assert _choose_lean(paged.TUNING["lean_below"] - 1, 8, 1, **gqa).shape[0] == "lean"
+    assert _choose_lean(paged.TUNING["lean_below"], 8, 1, **gqa).shape[0] != "lean"
+    mla = {"Hkv": 1, "R": 64, "Dn": 512, "mla": True}  # 72 lanes a row
+    assert _choose_lean(16, 128, **mla).shape[0] == "lean"  # 16 x 129 x 72 chunks
+    assert _choose_lean(64, 128, **mla).shape[0] != "lean"
+    assert _choose_lean(128, 16, **mla).shape[0] == "lean"  # 128 x 17 x 72
+    assert _choose_lean(256, 16, **mla).shape[0] != "lean"
+
+
 def test_lean_shape_gathers_tokens_past_the_wave(monkeypatch):
     from ropekv import paged
 
+    monkeypatch.setitem(paged.TUNING, "lean_block", 128)
     assert paged.lean_shape(1, 10, 8) == ((8, 10, 1), (1, 1))
     assert paged.lean_shape(256, 48, 8) == ((8, 16, 1), (256, 3))
     monkeypatch.setitem(paged.TUNING, "lean_wave_blocks", 0)
@@ -1915,7 +1945,8 @@ def test_lean_offsets_widen_past_31_bits():
 @pytest.fixture
 def launched(monkeypatch):
     """The kernel instantiations the paged op's launches are built with (``ropekv.paged``'s
-    ``expression`` watched), its plans dropped before and after (a plan keeps its kernel)."""
+    ``expression`` watched), its plans dropped before and after (a plan keeps its kernel), the
+    lean kernel given every plain call it can serve (:func:`_lean_everywhere`)."""
     from ropekv import paged
 
     seen = []
@@ -1927,6 +1958,7 @@ def launched(monkeypatch):
         return e
 
     monkeypatch.setattr(paged, "expression", watch)
+    _lean_everywhere(monkeypatch)
     for op in (paged._GQA, paged._MLA):
         op.clear()
     yield seen

@@ -1602,6 +1602,7 @@ def test_gpu_gemv_packed_fp8(packed, lengths, dtype, monkeypatch):
     """qkv_gemv's packed fp8 decode (two codes a conversion, loads refilled as consumed) and the
     plain one, at token tiles 1, 2 and 4, K 8192 (two k chunks at tiles 2 and 4)."""
     monkeypatch.setattr(qkv_mod, "GEMV_PACKED", packed)
+    monkeypatch.setattr(qkv_mod, "GEMV_PACKED_FP8", packed)
     args, kw = make_case(
         32,
         lengths=lengths,
@@ -1621,6 +1622,7 @@ def test_gpu_gemv_packed_past_gemv_max_tokens(lengths, wfmt, dtype, monkeypatch)
     """GEMV_PACKED_MAX_TOKENS = 4 (the candidate): 3-4 tokens of 4-bit (fp16) and fp8 weights run
     qkv_gemv's packed decode (token tile 4) instead of qkv_mma, the other thresholds as shipped."""
     monkeypatch.setattr(qkv_mod, "GEMV_PACKED_MAX_TOKENS", 4)
+    monkeypatch.setattr(qkv_mod, "GEMV_PACKED_FP8", True)
     real, names = qkv_mod.Launch, []
 
     def launch(*a, **k):
@@ -1658,6 +1660,7 @@ def test_gpu_gemv_packed_unaligned_hidden(lengths, wfmt, monkeypatch):
 
     force_path(monkeypatch, "gemv")
     monkeypatch.setattr(qkv_mod, "GEMV_PACKED", True)
+    monkeypatch.setattr(qkv_mod, "GEMV_PACKED_FP8", True)
     args, kw = make_case(
         33,
         lengths=lengths,
