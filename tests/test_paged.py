@@ -1497,16 +1497,31 @@ def test_status_of_an_empty_batch_is_written():
         assert int(dev["status"].get()[0]) == code
 
 
+def _poison_indices(args, dtype=np.int32, indptr=True):
+    """Garbage in a call's index arrays (at least 12 tokens, 2 requests): batch indices and
+    positions past both ends of their ranges and negative, ``kv_indptr[1]`` at the dtype's
+    largest value (``indptr``), every other page id at its smallest, two positions past the
+    table. Returns ``args``."""
+    big = np.iinfo(dtype)
+    args["batch_indices"][:4] = [big.max, big.min, 2, -1]
+    args["positions"][4:8] = [big.max, big.min, -1, 1 << 20]
+    if indptr:
+        args["kv_indptr"][1] = big.max
+    args["kv_indices"][::2] = big.min
+    args["pos_ids"][8:10] = [big.max, big.min]
+    return args
+
+
+def _mla(Hq):
+    """make_case's DeepSeek MLA shape (latent 512, rope 64, bf16, pages of 16) with Hq heads."""
+    return {"Hq": Hq, "Hkv": 1, "R": 64, "Dn": 512, "mla": True, "dtype": BF16, "page_size": 16}
+
+
 @pytest.mark.gpu
 def test_hostile_indices_with_options_never_write_out_of_bounds():
     import cupy as cp
 
-    args = make_case(31, T=16, B=2, Hq=8, Hkv=2, R=32, Dn=32)
-    i32 = np.iinfo(np.int32)
-    args["batch_indices"][:4] = [i32.max, i32.min, 2, -1]
-    args["positions"][4:8] = [i32.max, i32.min, -1, 1 << 20]
-    args["kv_indices"][::2] = i32.min
-    args["pos_ids"][8:10] = [i32.max, i32.min]
+    args = _poison_indices(make_case(31, T=16, B=2, Hq=8, Hkv=2, R=32, Dn=32), indptr=False)
     check_against_reference(
         with_options(args, np.random.default_rng(73), True, True, True), quantize=True
     )
@@ -1585,7 +1600,7 @@ def test_every_row_kernel_shape_matches_reference(
         make_case(53, T=19, B=19, Hq=8, Hkv=8, R=128, page_size=16, cache_dtype=F16), quantize=False
     )
     check_against_reference(
-        make_case(54, T=9, B=9, Hq=16, Hkv=1, R=64, Dn=512, mla=True, dtype=BF16, page_size=16),
+        make_case(54, T=9, B=9, **_mla(16)),
         quantize=True,
         is_neox=False,
     )
@@ -1600,13 +1615,7 @@ def test_hostile_indices_never_write_out_of_bounds(row_group, monkeypatch):
 
     monkeypatch.setitem(paged.TUNING, "row_group", row_group)  # row kernel, section kernel
     monkeypatch.setitem(paged.TUNING, "wide_rows_below", 0)
-    args = make_case(31, T=16, B=2)
-    i32 = np.iinfo(np.int32)
-    args["batch_indices"][:4] = [i32.max, i32.min, 2, -1]
-    args["positions"][4:8] = [i32.max, i32.min, -1, 1 << 20]
-    args["kv_indptr"][1] = i32.max
-    args["kv_indices"][::2] = i32.min
-    args["pos_ids"][8:10] = [i32.max, i32.min]
+    args = _poison_indices(make_case(31, T=16, B=2))
     check_against_reference(args, quantize=True)
     cp.cuda.Device().synchronize()
 
@@ -1623,7 +1632,7 @@ def test_mla_decode_on_the_row_kernel(Hq, wide_row_block, monkeypatch):
     monkeypatch.setitem(paged.TUNING, "wide_row_block", wide_row_block)
     monkeypatch.setitem(paged.TUNING, "wide_rows_below", 1 << 30)  # every T below: the row kernel
     monkeypatch.setitem(paged.TUNING, "wide_row_single_from", 1 << 30)
-    mla = {"Hq": Hq, "Hkv": 1, "R": 64, "Dn": 512, "mla": True, "dtype": BF16, "page_size": 16}
+    mla = _mla(Hq)
     for T, neox in ((1, False), (4, True), (16, False), (33, False), (63, True)):
         assert _choose(T, Hq, 1, 64, 512, True, is_neox=neox).shape[0] == "rows"
         args = make_case(100 + T, T=T, B=min(T, 5), padding=T // 4, **mla)
@@ -1637,14 +1646,8 @@ def test_hostile_indices_on_the_mla_row_kernel():
     """Garbage indices on MLA decode's row kernel: nothing written out of bounds."""
     import cupy as cp
 
-    args = make_case(33, T=16, B=2, Hq=16, Hkv=1, R=64, Dn=512, mla=True, dtype=BF16, page_size=16)
+    args = _poison_indices(make_case(33, T=16, B=2, **_mla(16)))
     assert _choose(16, 16, 1, 64, 512, True).shape[0] == "rows"
-    i32 = np.iinfo(np.int32)
-    args["batch_indices"][:4] = [i32.max, i32.min, 2, -1]
-    args["positions"][4:8] = [i32.max, i32.min, -1, 1 << 20]
-    args["kv_indptr"][1] = i32.max
-    args["kv_indices"][::2] = i32.min
-    args["pos_ids"][8:10] = [i32.max, i32.min]
     check_against_reference(args, quantize=True, is_neox=False)
     cp.cuda.Device().synchronize()
 
@@ -2030,7 +2033,7 @@ def test_lean_kernel_mla_decode(Hq, launched):
     """DeepSeek MLA decode (latent 512, rope 64, bf16 -> fp8) on the lean kernel: 72- and 68-lane
     rows, padding, int64 indices, e5m2, a block a row and (past lean_wave_blocks) 3 rows a
     block."""
-    mla = {"Hq": Hq, "Hkv": 1, "R": 64, "Dn": 512, "mla": True, "dtype": BF16, "page_size": 16}
+    mla = _mla(Hq)
     for T, neox in ((1, False), (4, True), (16, False), (63, True), (256, False)):
         args = make_case(130 + T, T=T, B=min(T, 5), padding=T // 4, **mla)
         check_against_reference(args, quantize=True, is_neox=neox)
@@ -2051,18 +2054,14 @@ def test_lean_kernel_hostile_indices(mla, index, launched):
     import cupy as cp
 
     shape = (
-        {"Hq": 16, "Hkv": 1, "R": 64, "Dn": 512, "mla": True, "dtype": BF16}
+        {k: v for k, v in _mla(16).items() if k != "page_size"}
         if mla
         else {"Hq": 8, "Hkv": 2, "R": 64, "Dn": 32}
     )
     for page_size in (16, 5):
         args = make_case(32, T=16, B=2, page_size=page_size, index_dtypes=index, **shape)
-        big = np.iinfo(index)
-        args["batch_indices"][:4] = [big.max, big.min, 2, -1]
-        args["positions"][4:8] = [big.max, big.min, -1, 1 << 20]
-        args["kv_indptr"][1] = big.max
-        args["kv_indices"][::2] = big.min
-        args["pos_ids"][8:11] = [big.max, big.min, -1]
+        _poison_indices(args, index)
+        args["pos_ids"][10] = -1
         if index == np.int64:
             args["positions"][11] = (1 << 40) + 3
             args["batch_indices"][12] = -(1 << 40)
@@ -2081,7 +2080,7 @@ def test_lean_kernel_64bit_offsets(monkeypatch, launched):
     args = make_case(140, T=19, B=4, Hq=32, Hkv=8, R=64, Dn=64, page_size=16, padding=2)
     check_against_reference(args, quantize=True)
     assert _lean_ran(launched, wide=True), launched[-1:]
-    mla = {"Hq": 16, "Hkv": 1, "R": 64, "Dn": 512, "mla": True, "dtype": BF16, "page_size": 16}
+    mla = _mla(16)
     check_against_reference(make_case(141, T=5, B=2, **mla), quantize=True, is_neox=False)
     assert _lean_ran(launched, wide=True)
 
@@ -2133,7 +2132,7 @@ def test_calls_the_lean_kernel_leaves_to_the_row_kernels(monkeypatch, launched):
     for T, shape in ((1, {"Hq": 8, "Hkv": 1, "R": 128}), (64, {"Hq": 32, "Hkv": 8, "R": 128})):
         check_against_reference(make_case(163 + T, T=T, B=T, page_size=16, **shape), True)
         assert launched[-1].startswith(paged.ROW_KERNEL + "<")
-    mla = {"Hq": 128, "Hkv": 1, "R": 64, "Dn": 512, "mla": True, "dtype": BF16, "page_size": 16}
+    mla = _mla(128)
     check_against_reference(make_case(165, T=4, B=4, **mla), quantize=True, is_neox=False)
     assert launched[-1].startswith(paged.ROW_KERNEL + "<")
 

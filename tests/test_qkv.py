@@ -1084,6 +1084,33 @@ def test_gpu_llama3_8b_wgmma(lengths, dtype, monkeypatch):
     check_gpu(args, kw, monkeypatch=monkeypatch, path="wgmma")
 
 
+def check_graph_replays(args, kw, dargs, dkw, originals, refs_of):
+    """The call on the device arrays ``dargs`` / ``dkw`` (``dkw["out"]`` given) recorded in a CUDA
+    graph, replayed twice on new hidden rows copied into the captured array and on the caches as
+    they were (``originals``): Q and both caches as ``refs_of(new host arguments)`` says, no other
+    cache byte."""
+    import cupy as cp
+
+    out = dkw["out"]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        assert call(dargs, dkw) is out
+        graph = stream.end_capture()
+    rng = np.random.default_rng(out.shape[0])
+    for _ in range(2):
+        hidden = rng.standard_normal(args["hidden_state"].shape).astype(out.dtype)
+        for dc, orig in zip(dargs["paged_kv_cache"], originals):
+            cp.copyto(dc, to_device(orig))
+        cp.copyto(dargs["hidden_state"], to_device(hidden))
+        out.fill(7)
+        cp.cuda.Device().synchronize()  # (those ran on the current stream, not the graph's)
+        graph.launch(stream)
+        stream.synchronize()
+        new = {**args, "hidden_state": hidden}
+        check_results(new, kw, out, dargs["paged_kv_cache"], originals, refs_of(new))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "lengths, dtype, wfmt",
@@ -1120,26 +1147,10 @@ def test_gpu_capture_runs_the_fused_kernel_beyond_its_eager_range(lengths, dtype
     originals = [c.copy() for c in args["paged_kv_cache"]]
     dargs = {n: to_device(x) for n, x in args.items()}
     dkw = {n: to_device(x) for n, x in kw.items()}
-    out = dkw["out"] = cp.full((T, kw["num_q_heads"] * LLAMA["D"]), 7, dtype)  # no allocation
+    dkw["out"] = cp.full((T, kw["num_q_heads"] * LLAMA["D"]), 7, dtype)  # no allocation
     eager = rounded_weights(args, kw) if wfmt != "dense" else (args, kw)  # cuBLAS dequantizes
     check_results(args, kw, call(dargs, dkw), dargs["paged_kv_cache"], originals, expected(*eager))
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        assert call(dargs, dkw) is out
-        graph = stream.end_capture()
-    rng = np.random.default_rng(T)
-    for _ in range(2):
-        hidden = rng.standard_normal(args["hidden_state"].shape).astype(dtype)
-        for dc, orig in zip(dargs["paged_kv_cache"], originals):
-            cp.copyto(dc, to_device(orig))
-        cp.copyto(dargs["hidden_state"], to_device(hidden))
-        out.fill(7)
-        cp.cuda.Device().synchronize()  # (those ran on the current stream, not the graph's)
-        graph.launch(stream)
-        stream.synchronize()
-        new = {**args, "hidden_state": hidden}
-        check_results(new, kw, out, dargs["paged_kv_cache"], originals, expected(new, kw))
+    check_graph_replays(args, kw, dargs, dkw, originals, lambda new: expected(new, kw))
 
 
 @pytest.mark.gpu
@@ -1216,25 +1227,10 @@ def test_gpu_wgmma_int4_in_a_cuda_graph(lengths, dtype):
     originals = [c.copy() for c in args["paged_kv_cache"]]
     dargs = {n: to_device(x) for n, x in args.items()}
     dkw = {n: to_device(x) for n, x in kw.items()}
-    out = dkw["out"] = cp.full((T, kw["num_q_heads"] * LLAMA["D"]), 7, dtype)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        assert call(dargs, dkw) is out
-        graph = stream.end_capture()
-    rng = np.random.default_rng(T)
-    for _ in range(2):
-        hidden = rng.standard_normal(args["hidden_state"].shape).astype(dtype)
-        for dc, orig in zip(dargs["paged_kv_cache"], originals):
-            cp.copyto(dc, to_device(orig))
-        cp.copyto(dargs["hidden_state"], to_device(hidden))
-        out.fill(7)
-        cp.cuda.Device().synchronize()
-        graph.launch(stream)
-        stream.synchronize()
-        new = {**args, "hidden_state": hidden}
-        refs = expected(*rounded_weights(new, kw))
-        check_results(new, kw, out, dargs["paged_kv_cache"], originals, refs)
+    dkw["out"] = cp.full((T, kw["num_q_heads"] * LLAMA["D"]), 7, dtype)
+    check_graph_replays(
+        args, kw, dargs, dkw, originals, lambda new: expected(*rounded_weights(new, kw))
+    )
 
 
 @pytest.mark.gpu
