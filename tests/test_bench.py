@@ -8,6 +8,7 @@ import ast
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 
@@ -676,6 +677,38 @@ def _small_specs():
     ]
 
 
+def test_host_times_are_re_measured_lagging_cases_and_at_the_end(monkeypatch):
+    """A decode case's host time is measured in its case, again HOST_LAG cases later, and the
+    rounds the run's end leaves are taken in passes after the last case; the figure is the median
+    of the rounds."""
+    specs = [s for s in _small_specs() if s.decode] * 3  # three decode cases
+    seen = []
+    real = bench.runner.remeasure_host
+
+    def spy(spec, case, settings, backend="cuda"):
+        seen.append((len(seen_cases[0]), [c is case for c in seen_cases[0]].index(True)))
+        real(spec, case, settings, backend)
+
+    seen_cases = [[]]
+    real_run_case = bench.runner.run_case
+
+    def run_case(*args, **kwargs):
+        case = real_run_case(*args, **kwargs)
+        seen_cases[0].append(case)
+        return case
+
+    monkeypatch.setattr(bench.runner, "HOST_LAG", 1)
+    monkeypatch.setattr(bench.runner, "remeasure_host", spy)
+    monkeypatch.setattr(bench.runner, "run_case", run_case)
+    result = bench.run(peers=[], specs=specs, backend="numpy", log=lambda *a: None)
+    # (cases run so far, case re-measured): case i again after case i + 1 and i + 2
+    assert seen[:3] == [(2, 0), (3, 1), (3, 0)]
+    assert sorted(seen[3:]) == [(3, 1), (3, 2), (3, 2)]  # the end's passes
+    for c in result["cases"]:
+        rounds = c["ropekv"]["host_rounds"]["host_us"]
+        assert len(rounds) == 3 and c["ropekv"]["host_us"] == statistics.median(rounds)
+
+
 def test_runner_on_the_numpy_backend(tmp_path):
     """The whole run (cases built, ropekv and the PyTorch peer called and compared, timed) on the
     host, then the report, the JSON and the plot from its result."""
@@ -718,10 +751,16 @@ def test_runner_on_the_numpy_backend(tmp_path):
     assert decode["weight_bytes"] == qkv.weight_bytes(512, 256, "int4")
     assert decode["weight_format"] == "int4 g128"
     assert decode["ropekv"]["host_us"] > 0 and decode["ropekv"]["pct_copy_weights"] > 0
+    rounds = decode["ropekv"]["host_rounds"]["host_us"]  # its case's, then two spread later
+    assert len(rounds) == bench.runner.HOST_ROUNDS == 3 and all(us > 0 for us in rounds)
+    assert decode["ropekv"]["host_us"] == statistics.median(rounds)
+    assert "host_rounds" not in result["cases"][0]["ropekv"]  # prefill: no host time
     assert json.loads(path.read_text())["partial"] is True  # written after every case
     text = bench.report.text(result)
     assert "contiguous fp16->fp16 2x5" in text and "(w " in text
     assert "QKV projection by weight format" in text
+    assert "ropekv host time over each op's decode cases" in text
+    assert f"  qkv: per call, CuPy {decode['ropekv']['host_us']:.1f}" in text
     bench.write_json(result, str(path))
     data = json.loads(path.read_text())
     assert data["cases"][1]["ropekv"]["pct_copy_weights"] == pytest.approx(
@@ -1196,6 +1235,11 @@ def test_bench_quick_runs(tmp_path):
                 peer,
                 e,
             )
+    for c in (c for c in data["cases"] if c["decode"]):  # host times: three rounds each
+        r = c["ropekv"]
+        assert set(r["host_rounds"]) == {"host_us", "first_us", "host_us_torch", "first_us_torch"}
+        assert all(len(v) == 3 and None not in v for v in r["host_rounds"].values()), c["name"]
+        assert 0 < r["host_us"] < r["first_us"], c["name"]
     qkv_formats = {c["weight_format"] for c in data["cases"] if c["op"] == "qkv"}
     assert qkv_formats == {"fp16", "fp8 e4m3 per-row", "int4 g128"}
     assert all(c["peers"]["cublas"]["status"] == "ok" for c in data["cases"] if c["op"] == "qkv")

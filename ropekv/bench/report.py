@@ -4,6 +4,7 @@ tokens per op, and ropekv's speedup over the best peer per case)."""
 from __future__ import annotations
 
 import json
+import statistics
 
 from ropekv.bench.workloads import OPS
 
@@ -142,10 +143,41 @@ def text(result):
             f"{len(ratios)} cases, {sum(s >= 1 for s in ratios)} at or above 1"
         )
     lines += options_lines(result)
+    lines += host_lines(result)
     lines += qkv_lines(result)
     lines += frameworks_lines(result.get("frameworks", []))
     lines.append(f"total wall time: {result['wall_s']:.1f} s")
     return "\n".join(lines)
+
+
+HOST_FIGURES = (  # (key, label) of a decode case's host times, as host_lines reports them
+    ("host_us", "per call, CuPy"),
+    ("host_us_torch", "per call, torch"),
+    ("first_us", "first call, CuPy"),
+    ("first_us_torch", "first call, torch"),
+)
+
+
+def host_lines(result):
+    """Per op, ropekv's host times over its decode cases: median and range of each figure
+    (a case's figure is the median of its rounds spread over the run)."""
+    by_op: dict[str, dict[str, list]] = {}
+    for c in result["cases"]:
+        r = c.get("ropekv", {})
+        for key, _ in HOST_FIGURES:
+            if c.get("decode") and key in r:
+                by_op.setdefault(c["op"], {}).setdefault(key, []).append(r[key])
+    if not by_op:
+        return []
+    lines = ["", "ropekv host time over each op's decode cases, us: median (min-max)"]
+    for op, figures in by_op.items():
+        cells = [
+            f"{label} {statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
+            for key, label in HOST_FIGURES
+            if (v := figures.get(key))
+        ]
+        lines.append(f"  {op}: " + "; ".join(cells))
+    return lines
 
 
 def write_json(result, path):
