@@ -97,6 +97,8 @@ TUNING = {
     "lean_max_block": 256,
     "lean_narrow_from": 128,
     "lean_wide_chunks": 1 << 18,
+    "lean_multi": 4,
+    "lean_multi_upto": 1 << 22,
 }
 MAX_BLOCK = 512  # __launch_bounds__ of the row kernel
 ROW_KERNEL = "rope_append_paged_rows"
@@ -121,6 +123,19 @@ ROW_KERNEL = "rope_append_paged_rows"
 # 3.5 / 4.1); blocks of 256 threads (128: MLA 1 / 16 tokens 2.1 / 3.1, Llama within 5%).
 LEAN_KERNEL = "rope_append_paged_rows_lean"
 LEAN_THREADS = 256  # kLeanThreads: the lean kernel's __launch_bounds__
+# The lean kernel with C = `lean_multi` chunks of a row per thread (rope_append_paged_rows_lean_multi:
+# lanes j, j + X, ..., X = ceil(G / C) lanes a row, every chunk loaded before the indices, the
+# row's indices, page lookup and addresses found once for its C chunks) takes plain calls of wide
+# rows (MLA) past `lean_wide_chunks` chunks, up to `lean_multi_upto` (T x rows x lanes; 0: never,
+# today's row / section kernels there), below `lean_below` tokens, where a row's rotary chunks
+# fit its X lanes (only a lane's first chunk can be rotary). Why (ncu, H200, MLA 128 heads): the
+# one-chunk lean kernel ran 914K instructions at 16 tokens (15 cycles an issue) and lost to the
+# section kernel from 64 tokens (128 heads 64 / 128 / 256 tokens 5.8 / 9.7 / 21.8 us against 5.1 /
+# 6.4 / 16.5): one chunk a thread keeps too few bytes in flight for wide rows; the section kernel
+# ran at 20-22 warps an SM (72 registers) and 1.5x FlashInfer's instructions at 16 heads x 256.
+# `lean_wide_chunks=0` gives it the calls the one-chunk lean kernel takes today too.
+LEAN_MULTI_KERNEL = "rope_append_paged_rows_lean_multi"
+LEAN_MULTI_CHUNKS = (2, 4)  # chunks a thread compiled beside TUNING's (the compile tests)
 INT32_SPAN = 2**31 - 1  # element offsets below this take the lean kernel's 32-bit offsets
 ROWS = (1, 4)  # row kernels by the head rows one lane group can hold (their register budgets)
 
@@ -156,6 +171,19 @@ def _lean_fits(T, H, group):
     if group <= TUNING["row_group"]:
         return T >= TUNING["lean_narrow_from"]
     return T * H * group <= TUNING["lean_wide_chunks"]
+
+
+def _lean_multi_lanes(T, H, group, ri):
+    """Lanes a row of the C-chunk lean kernel for a plain call of T tokens of H head rows of
+    ``group`` chunks (``ri`` of them rotary), or 0 where TUNING leaves the call to the others
+    (the comment above LEAN_MULTI_KERNEL)."""
+    chunks = T * H * group
+    if not 0 < T < TUNING["lean_below"] or group <= TUNING["row_group"]:
+        return 0
+    if not TUNING["lean_wide_chunks"] < chunks <= TUNING["lean_multi_upto"]:
+        return 0
+    lanes = -(-group // max(1, TUNING["lean_multi"]))
+    return lanes if ri <= lanes <= LEAN_THREADS else 0
 
 
 def lean_shape(T, H, G):
@@ -320,6 +348,16 @@ def expression(dtype, out_dtype, is_neox, n, shape, mrope=False, opts=False):
     ``shape`` is ``("rows", ROWS)``; ``mrope``: the one that reads mRoPE sections (the plain one
     has mRoPE compiled out); ``opts``: the kernel that reads the options, compiled out of the
     plain one (the row kernel: computed scales and status; the section kernel: status only)."""
+    if shape[0] == "lean_multi":  # ("lean_multi", chunks a thread, 64-bit offsets)
+        return name_expression(
+            LEAN_MULTI_KERNEL,
+            c_type(dtype),
+            c_type(out_dtype),
+            c_bool(is_neox),
+            n,
+            shape[1],
+            "long long" if shape[2] else "int",
+        )
     if shape[0] == "lean":  # ("lean", 64-bit offsets)
         return name_expression(
             LEAN_KERNEL,
@@ -369,6 +407,8 @@ def instantiations():
             yield expression(dtype, out_dtype, is_neox, n, ("rows", rows), mrope, True)
         for out_dtype, wide in itertools.product((dtype, *FP8_DTYPES), (False, True)):
             yield expression(dtype, out_dtype, is_neox, n, ("lean", wide))
+            for chunks in dict.fromkeys((max(1, TUNING["lean_multi"]), *LEAN_MULTI_CHUNKS)):
+                yield expression(dtype, out_dtype, is_neox, n, ("lean_multi", chunks, wide))
 
 
 def rope_quantize_fp8_append_paged_kv_cache(
@@ -1397,6 +1437,11 @@ def _choose(a, is_neox, c, lean=False):
         (_, slots, tokens), (_, splits) = lean_shape(T, H, group)
         # ("lean", 64-bit offsets): the offsets' width is settled by _pack, from the strides
         return _Choice(n, group, ("lean", False), group, slots, splits, False, tokens)
+    lanes = _lean_multi_lanes(T, H, group, ri) if lean and not opts else 0
+    if lanes:  # C chunks a thread: blocks (lanes, S, tokens)
+        (_, slots, tokens), (_, splits) = lean_shape(T, H, lanes)
+        chunks = -(-group // lanes)
+        return _Choice(n, group, ("lean_multi", chunks), lanes, slots, splits, False, tokens)
     # heads too wide for a lane group of row_group (MLA) at decode: the row kernel too
     wide = not opts and group <= MAX_BLOCK and T * H < TUNING["wide_rows_below"]
     tokens = 1
@@ -1435,6 +1480,9 @@ def _pack(a, f, c, choice, out_slots):
     if shape[0] == "lean":  # blocks (G, S, tokens); 64-bit offsets where a span needs them
         shape = ("lean", _lean_span(values, c) > INT32_SPAN)
         block = (choice.group, choice.rows, choice.tokens)
+    elif shape[0] == "lean_multi":  # blocks (lanes, S, tokens), the lean kernel's offsets
+        shape = (*shape, _lean_span(values, c) > INT32_SPAN)
+        block = (choice.block, choice.rows, choice.tokens)
     kernel = expression(
         a.q_rope.dtype,
         c.out_dtype,

@@ -2196,3 +2196,220 @@ def test_hostile_indices_on_the_mla_row_kernel_with_the_lean_kernel_off(monkeypa
 
     monkeypatch.setitem(paged.TUNING, "lean_below", 0)
     test_hostile_indices_on_the_mla_row_kernel()
+
+
+# ---------------------------------------------------------------------------------------------
+# The lean kernel with C chunks of a row per thread (wide rows past lean_wide_chunks)
+
+
+def _multi_shape(T, Hq, **kw):
+    return _choose_lean(T, Hq, **{"Hkv": 1, "R": 64, "Dn": 512, "mla": True, **kw})
+
+
+def test_lean_multi_takes_wide_rows_past_lean_wide_chunks(monkeypatch):
+    """Plain calls of wide rows (MLA) past lean_wide_chunks chunks, up to lean_multi_upto, below
+    lean_below tokens, take the C-chunk lean kernel: ceil(G / C) lanes a row (at least the row's
+    rotary chunks), blocks (lanes, S, tokens) of at most LEAN_THREADS threads. The one-chunk lean
+    kernel keeps the calls below lean_wide_chunks; options, GQA rows, lean_multi_upto 0 (today's
+    choice) and rows whose rotary chunks outnumber the lanes keep the other kernels."""
+    from ropekv import paged
+
+    below = paged.TUNING["lean_wide_chunks"]
+    assert 16 * 129 * 72 <= below < 64 * 129 * 72  # the shipped split: 16 / 64 tokens x 128 heads
+    assert _multi_shape(16, 128).shape == ("lean", False)
+    wide = _multi_shape(64, 128)  # 129 rows of 72 chunks: 18 lanes of 4
+    assert wide.shape == ("lean_multi", 4) and (wide.group, wide.block) == (72, 18)
+    assert wide.rows * wide.block * wide.tokens <= paged.LEAN_THREADS
+    assert wide.rows * wide.splits >= 129 and not wide.opts
+    assert _multi_shape(256, 16, is_neox=True)[:4] == (8, 68, ("lean_multi", 4), 17)
+    assert _multi_shape(64, 128, status=object()).shape[0] not in ("lean", "lean_multi")
+    assert _multi_shape(paged.TUNING["lean_below"], 128).shape[0] not in ("lean", "lean_multi")
+    gqa = {"R": 128, "Dn": 0, "mla": False, "dtype": F16, "is_neox": True}
+    assert _choose_lean(512, 32, 8, **gqa).shape == ("lean", False)  # 8-chunk rows: unchanged
+    # GQA rows of 64 interleaved rotary chunks (R = 512): 16 lanes at C = 4 cannot hold them
+    big = {"R": 512, "Dn": 0, "mla": False, "dtype": F16, "is_neox": False}
+    assert _choose_lean(256, 8, 1, **big).shape[0] != "lean_multi"
+    for C, lanes in ((1, 72), (2, 36), (3, 24), (5, 15), (8, 9)):
+        monkeypatch.setitem(paged.TUNING, "lean_multi", C)
+        got = _multi_shape(128, 128)
+        assert (got.block, got.shape) == (lanes, ("lean_multi", -(-72 // lanes)))
+        assert lanes * (got.shape[1] - 1) < 72 <= lanes * got.shape[1]
+    monkeypatch.setitem(paged.TUNING, "lean_multi", 0)  # taken as 1
+    assert _multi_shape(128, 128).shape == ("lean_multi", 1)
+    monkeypatch.setitem(paged.TUNING, "lean_multi", 9)  # 8 lanes: the 8 interleaved rotary chunks
+    assert _multi_shape(128, 128).shape == ("lean_multi", 9)
+    assert _multi_shape(128, 128, is_neox=True).block == 8  # ceil(68 / 9): 4 rotary chunks
+    monkeypatch.setitem(paged.TUNING, "lean_multi", 16)  # 5 lanes < ri = 8
+    assert _multi_shape(128, 128).shape[0] != "lean_multi"
+    monkeypatch.setitem(paged.TUNING, "lean_multi", 4)
+    monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 0)  # today's choice
+    for T, Hq in ((64, 128), (256, 128), (256, 16), (1024, 16)):
+        assert _multi_shape(T, Hq).shape[0] not in ("lean", "lean_multi")
+    assert _multi_shape(16, 128).shape == ("lean", False)
+    monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 1 << 22)
+    monkeypatch.setitem(paged.TUNING, "lean_wide_chunks", 0)  # every wide call of lean_below
+    assert _multi_shape(1, 128).shape == ("lean_multi", 4)
+
+
+def test_lean_multi_kernels_are_compiled():
+    """The compile tests build the C-chunk lean kernel at 2 and 4 chunks and TUNING's."""
+    from ropekv import paged
+
+    made = [e for e in paged.instantiations() if e.startswith(paged.LEAN_MULTI_KERNEL + "<")]
+    for C in (*paged.LEAN_MULTI_CHUNKS, paged.TUNING["lean_multi"]):
+        for offsets in ("int", "long long"):
+            assert any(e.endswith(f", 8, {C}, {offsets}>") for e in made), (C, offsets)
+
+
+@pytest.fixture
+def launched_multi(launched, monkeypatch):
+    """:func:`launched` with the C-chunk lean kernel given every plain call of wide rows below
+    lean_below tokens."""
+    from ropekv import paged
+
+    monkeypatch.setitem(paged.TUNING, "lean_wide_chunks", 0)
+    monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 1 << 62)
+    return launched
+
+
+def _multi_ran(seen, chunks=None, wide=False):
+    from ropekv import paged
+
+    tail = "long long>" if wide else "int>"
+    if chunks is not None:
+        tail = f", {chunks}, {tail}"
+    return (
+        bool(seen)
+        and seen[-1].startswith(paged.LEAN_MULTI_KERNEL + "<")
+        and seen[-1].endswith(tail)
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("C", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("Hq", [128, 16])
+def test_lean_multi_kernel_mla_decode(Hq, C, monkeypatch, launched_multi):
+    """DeepSeek MLA (latent 512, rope 64, bf16 -> fp8) on the C-chunk lean kernel: 72- and
+    68-lane rows at 1 to 5 chunks a lane (last chunks past the row's end at 3 and 5), padding,
+    decode and past the wave."""
+    from ropekv import paged
+
+    monkeypatch.setitem(paged.TUNING, "lean_multi", C)
+    mla = _mla(Hq)
+    for T, neox in ((1, False), (4, True), (16, False), (63, True), (130, False)):
+        args = make_case(170 + T, T=T, B=min(T, 5), padding=T // 4, **mla)
+        check_against_reference(args, quantize=True, is_neox=neox)
+        G = 68 if neox else 72
+        assert _multi_ran(launched_multi, -(-G // -(-G // C))), launched_multi[-1:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("C", [2, 4])
+def test_lean_multi_kernel_mla_options(C, monkeypatch, launched_multi):
+    """The C-chunk lean kernel on MLA with int64 / mixed indices, e5m2, per-head scales, packed
+    inputs, bf16 caches (no quantization), a misaligned fp8 q_rope_out (vector width 4: 144
+    chunks a row) and pages of no power of two."""
+    from ropekv import paged
+
+    monkeypatch.setitem(paged.TUNING, "lean_multi", C)
+    mla = _mla(16)
+    for seed, kw, quantize, neox, prealloc in (
+        (180, {"index_dtypes": np.int64, "cache_dtype": E5M2, "per_head": True}, True, False, 0),
+        (181, {"packed": True, "index_dtypes": (np.int64, np.int32) * 2 + (np.int64,)}, 1, 1, 0),
+        (182, {"cache_dtype": BF16}, False, True, False),
+        (183, {"cache_dtype": BF16, "packed": True}, False, False, False),
+        (184, {"per_head": True}, True, False, True),
+        (185, {"page_size": 7, "padding": 3}, True, True, False),
+    ):
+        args = make_case(seed, **{"T": 24, "B": 4, **mla, **kw})
+        check_against_reference(args, bool(quantize), is_neox=bool(neox), prealloc=prealloc)
+        assert _multi_ran(launched_multi), launched_multi[-1:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_lean_multi_kernel_wide_gqa_rows(layout, launched_multi):
+    """GQA / MHA heads too wide for a lane group (head_dim 512: rope 64 + 448, 60 / 64 chunks)
+    on the C-chunk lean kernel: K and V rows, both RoPE styles, fp8 and fp16 caches."""
+    for seed, Hq, Hkv, cache, neox, ps in (
+        (190, 8, 2, E4M3, True, 16),
+        (191, 4, 4, F16, False, 7),
+        (192, 16, 1, E5M2, False, 1),
+    ):
+        args = make_case(
+            seed,
+            T=33,
+            B=3,
+            Hq=Hq,
+            Hkv=Hkv,
+            R=64,
+            Dn=448,
+            cache_dtype=cache,
+            kv_layout=layout,
+            page_size=ps,
+            padding=2,
+        )
+        check_against_reference(args, quantize=cache in FP8, is_neox=neox)
+        assert _multi_ran(launched_multi), launched_multi[-1:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("index", [np.int32, np.int64])
+def test_lean_multi_kernel_hostile_indices(mla, index, launched_multi):
+    """Garbage indices on the C-chunk lean kernel (test_lean_kernel_hostile_indices' cases):
+    tokens without a slot skipped, nothing written out of bounds."""
+    import cupy as cp
+
+    shape = (
+        {k: v for k, v in _mla(16).items() if k != "page_size"}
+        if mla
+        else {"Hq": 8, "Hkv": 2, "R": 64, "Dn": 448}
+    )
+    for page_size in (16, 5):
+        args = make_case(33, T=16, B=2, page_size=page_size, index_dtypes=index, **shape)
+        _poison_indices(args, index)
+        args["pos_ids"][10] = -1
+        if index == np.int64:
+            args["positions"][11] = (1 << 40) + 3
+            args["batch_indices"][12] = -(1 << 40)
+        check_against_reference(args, quantize=True, is_neox=not mla)
+        assert _multi_ran(launched_multi)
+    cp.cuda.Device().synchronize()
+
+
+@pytest.mark.gpu
+def test_lean_multi_kernel_64bit_offsets_and_token_blocks(monkeypatch, launched_multi):
+    """The C-chunk lean kernel's 64-bit offsets (a span limit of 0) and its blocks of several
+    tokens (lean_wave_blocks 0, a last block with spare tokens)."""
+    from ropekv import paged
+
+    monkeypatch.setattr(paged, "INT32_SPAN", 0)
+    check_against_reference(make_case(200, T=5, B=2, **_mla(16)), quantize=True, is_neox=False)
+    assert _multi_ran(launched_multi, wide=True), launched_multi[-1:]
+    args = make_case(201, T=19, B=4, Hq=8, Hkv=2, R=64, Dn=448, page_size=16, padding=2)
+    check_against_reference(args, quantize=True)
+    assert _multi_ran(launched_multi, wide=True)
+    monkeypatch.setattr(paged, "INT32_SPAN", 2**31 - 1)
+    monkeypatch.setitem(paged.TUNING, "lean_wave_blocks", 0)
+    for Hq, T in ((1, 45), (2, 77), (16, 9)):  # 2 / 3 / 17 rows of 18 lanes
+        args = make_case(202 + T, T=T, B=3, padding=3, **_mla(Hq))
+        check_against_reference(args, quantize=True, is_neox=T % 2 == 0)
+        assert _multi_ran(launched_multi)
+
+
+@pytest.mark.gpu
+def test_lean_multi_off_keeps_todays_kernels(monkeypatch, launched):
+    """lean_multi_upto 0 (today's choice, what `--tune paged.lean_multi_upto=0` times): MLA at
+    64 and 256 tokens x 128 / 16 heads runs the row / section kernels, and matches."""
+    from ropekv import paged
+
+    monkeypatch.setitem(paged.TUNING, "lean_wide_chunks", 1 << 18)
+    monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 0)
+    for T, Hq in ((64, 128), (256, 16)):
+        check_against_reference(make_case(210 + T, T=T, B=8, **_mla(Hq)), True, is_neox=False)
+        assert not launched[-1].startswith(paged.LEAN_MULTI_KERNEL), launched[-1:]
+        assert not launched[-1].startswith(paged.LEAN_KERNEL + "<"), launched[-1:]
+    monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 1 << 22)  # the default: the new kernel
+    check_against_reference(make_case(212, T=64, B=8, **_mla(128)), True, is_neox=False)
+    assert _multi_ran(launched, 4)

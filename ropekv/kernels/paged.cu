@@ -992,3 +992,149 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
   Pack::put(d + col, wa);
   if (pair) Pack::put(d + col + half_r, wb);
 }
+
+// ---- The lean kernel, C chunks of a row per thread (wide rows: MLA decode past one wave) -------
+// The lean kernel's rules and order of loads (the comment above it), with C chunks of one head row
+// per thread: block (X, S, Tb), X = ceil(G / C) lanes a row, lane j taking the chunks j, j + X,
+// ..., j + (C - 1) X below G (consecutive lanes read consecutive 16-byte chunks). Every chunk's
+// load is issued before the index loads, and the row's indices, page lookup, scale and addresses
+// are found once for its C chunks: more bytes in flight per thread and fewer instructions a byte
+// than one chunk a thread (ncu, H200, MLA 128 heads x 16 tokens: 914K instructions at 15 cycles an
+// issue, latency-bound). Only a lane's first chunk can be rotary: the host takes this kernel only
+// where ri <= X (the rotary chunks of a row, R / 2N neox, R / N interleaved), so chunks j + kX,
+// k >= 1, are pass-through (q_nope, k_nope or V's), addressed from one base each.
+template <typename T, typename OutT, bool NEOX, int N, int C, typename I>
+__global__ void __launch_bounds__(kLeanThreads)
+    rope_append_paged_rows_lean_multi(const PagedParams p) {
+  pdl_launch_dependents();
+  const int t = blockIdx.x * blockDim.z + threadIdx.z;
+  const int h = blockIdx.y * blockDim.y + threadIdx.y;
+  const int Hk = p.Hq + p.Hkv;
+  if (t >= p.pid_st || h >= Hk + p.Hv) return;  // pid_st is T
+  pdl_wait();
+  const bool is_q = h < p.Hq;
+  const bool is_v = h >= Hk;
+  const int j = threadIdx.x;
+  const int X = blockDim.x;
+  const int G = p.group;  // chunks of a row (ri + Dn / N)
+  const int half_r = p.R >> 1;
+  const int ri = NEOX ? half_r / N : p.R / N;
+  const bool rotary = j < ri;
+  const bool pair = NEOX && rotary;
+  const int hh = is_q ? h : is_v ? h - Hk : h - p.Hq;
+  // kinds (the record's pointer index, as the lean kernel's): the pass-through one (q_nope,
+  // k_nope, v) and the first chunk's (q_rope / k_rope for a rotary chunk of Q / K)
+  const int kn = is_v ? 4 : (is_q ? 1 : 3);
+  const int k0 = rotary && !is_v ? kn - 1 : kn;
+  // pass-through chunk j' of a row lies at element nb + j' N of its kind's row (V: past R)
+  const int nb = (is_v ? p.R : 0) - ri * N;
+  const int off0 = rotary ? j * N : nb + j * N;  // the first chunk's element
+
+  // 1. every chunk of this lane, then the token's indices (the lean kernel's order)
+  const T* src0 = static_cast<const T*>((&p.q_rope)[k0]) +
+                  (I(t) * I((&p.qr_sn)[2 * k0]) + I(hh) * I((&p.qr_sn)[2 * k0 + 1]) + I(off0));
+  const T* srcn = static_cast<const T*>((&p.q_rope)[kn]) +
+                  (I(t) * I((&p.qr_sn)[2 * kn]) + I(hh) * I((&p.qr_sn)[2 * kn + 1]) +
+                   I(nb + j * N));
+  Vec<T, N> va[C];
+  Vec<T, N> vb;
+  va[0] = load<T, N>(src0);
+  if (pair) vb = load<T, N>(src0 + half_r);
+#pragma unroll
+  for (int k = 1; k < C; ++k) {
+    if (j + k * X < G) va[k] = load<T, N>(srcn + k * X * N);
+  }
+  i64 b = -1, pos = -1;
+  if (!is_q) {
+    b = read_index(p.batch_indices, t, p.index64 & 2);
+    pos = read_index(p.positions, t, p.index64 & 4);
+  }
+  const LeanIndex pid = lean_index(p.pos_ids, t, p.index64 & 1);
+  float sc = 1.f;
+  if constexpr (is_quantized<OutT>::value) {
+    const float* scales = is_q ? p.q_scales : p.kv_scales;
+    sc = scales ? __ldg(scales + hh) : (is_q ? p.q_scale : p.kv_scale);
+  }
+
+  // 2. K and V rows: kv_indptr[b] and kv_indptr[b + 1] (find_slot's rules)
+  bool ok = false;
+  i64 first = 0, last = 0, idx = 0;
+  const int ps = p.page_size;
+  if (!is_q) {
+    ok = b >= 0 && b < p.B && pos >= 0 && p.num_indices > 0;
+    if (ok) {
+      first = read_index(p.kv_indptr, b, p.index64 & 8);
+      last = read_index(p.kv_indptr, b + 1, p.index64 & 8);
+      idx = (ps & (ps - 1)) == 0 ? pos >> (__ffs(ps) - 1) : div_pos(pos, ps);
+    }
+  }
+
+  // 3. the first chunk, rotary on Q and K with a position: its cos/sin values
+  const bool rope = pid.below(p.P);
+  const bool turn = rotary && rope && !is_v;
+  constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
+  float c[M], sn[M];
+  if (turn) {
+    const float* cs = p.cos_sin + (I(pid.lo) * I(p.cs_sp) + I(NEOX ? j * N : j * N / 2));
+    load_float<float, M>(cs, c);
+    load_float<float, M>(cs + half_r, sn);
+  }
+
+  // 4. K and V rows: the page id, issued before the rotation waits for cos/sin
+  bool it_ok = false;
+  LeanIndex pgi{0u, 0u, p.index64 & 16};
+  if (ok) {
+    const bool first_ok = first >= 0 && first <= p.num_indices;
+    const i64 hi = last < first ? first : (last < p.num_indices ? last : p.num_indices);
+    it_ok = first_ok && idx < hi - first;
+    if (it_ok) pgi = lean_index(p.kv_indices, first + idx, p.index64 & 16);
+  }
+  // 5. rotate, scale and round every chunk while the page id is in flight; then the stores
+  using Pack = Packer<OutT, N>;
+  typename Pack::V w[C];
+  typename Pack::V wb;
+  {
+    float a[N], bb[N];
+    to_floats<T, N>(va[0], a);
+    if (pair) to_floats<T, N>(vb, bb);
+    if (turn) rotate_chunk<NEOX, N, M>(a, bb, c, sn);
+    w[0] = Pack::pack(a, sc);
+    if (pair) wb = Pack::pack(bb, sc);
+  }
+#pragma unroll
+  for (int k = 1; k < C; ++k) {
+    float a[N];
+    to_floats<T, N>(va[k], a);
+    w[k] = Pack::pack(a, sc);
+  }
+
+  i64 page = -1, entry = 0;
+  if (it_ok) {
+    const i64 pg = pgi.value();
+    if (pg >= 0 && pg < p.num_pages) {
+      page = pg;
+      entry = pos - idx * ps;
+    }
+  }
+  if (!is_q && (!rope || page < 0)) return;  // no cache row
+  // the destinations, by index as the sources: q_rope_out, q_nope_out (token, head strides from
+  // qro_sn), kr_cache, kn_cache, v_cache (page, entry, head strides from krc_sp)
+  I o0, on;
+  if (is_q) {
+    o0 = I(t) * I((&p.qro_sn)[2 * k0]) + I(hh) * I((&p.qro_sn)[2 * k0 + 1]);
+    on = I(t) * I((&p.qro_sn)[2 * kn]) + I(hh) * I((&p.qro_sn)[2 * kn + 1]);
+  } else {
+    const i64* s0 = &p.krc_sp + 3 * (k0 - 2);
+    const i64* s1 = &p.krc_sp + 3 * (kn - 2);
+    o0 = I(page) * I(s0[0]) + I(entry) * I(s0[1]) + I(hh) * I(s0[2]);
+    on = I(page) * I(s1[0]) + I(entry) * I(s1[1]) + I(hh) * I(s1[2]);
+  }
+  OutT* d0 = static_cast<OutT*>((&p.q_rope_out)[k0]) + (o0 + I(off0));
+  OutT* dn = static_cast<OutT*>((&p.q_rope_out)[kn]) + (on + I(nb + j * N));
+  Pack::put(d0, w[0]);
+  if (pair) Pack::put(d0 + half_r, wb);
+#pragma unroll
+  for (int k = 1; k < C; ++k) {
+    if (j + k * X < G) Pack::put(dn + k * X * N, w[k]);
+  }
+}
