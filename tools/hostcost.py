@@ -445,6 +445,18 @@ PHASES = (
 )
 
 
+class _TimedCaller:
+    """An op's C replay with its calls timed: ``caller`` (the layout miss, and the first replay
+    when ``_launch.FIRST_LAUNCH_DIRECT`` is off) and ``launch`` (a new plan's first launch)."""
+
+    def __init__(self, caller, timed):
+        self._call = timed("caller", caller)
+        self.launch = timed("launch", caller.launch)
+
+    def __call__(self, *args):
+        return self._call(*args)
+
+
 def first_phases(fn, n=50):
     """``{step: median us}`` of ``fn``'s first calls: the steps of :data:`PHASES`, the op's
     ``prepare`` and its C replay calls (``caller``: the layout miss plus the first replay), each
@@ -474,7 +486,7 @@ def first_phases(fn, n=50):
     for op in ops():
         if op.caller is not None:
             saved.append((op, "caller", op.caller))
-            op.caller = timed("caller", op.caller)
+            op.caller = _TimedCaller(op.caller, timed)
     rows = {}
     try:
         for _ in range(n):
@@ -514,7 +526,17 @@ def main(argv=None):
         help="the C replay of plans (ropekv/_native.c, the default where it "
         "builds) or the Python one",
     )
+    parser.add_argument(
+        "--first-launch",
+        choices=("direct", "caller"),
+        default="direct",
+        help="a new plan's first launch: on the pointers the first call read (Caller.launch, "
+        "the default) or through a second call of the C replay (as before)",
+    )
     args = parser.parse_args(argv)
+    from ropekv import _launch
+
+    _launch.FIRST_LAUNCH_DIRECT = args.first_launch == "direct"
     lib = install_stubs()
     print(f"launch stub: {'compiled C (ctypes)' if lib else 'Python no-op'}")
     use_replay(args.replay)
