@@ -867,6 +867,9 @@ def stream_capturing(stream_ptr):
 
 
 _MISS = object()  # the C replay's answer "take the Python path"
+# A new plan's first launch: True, by the C replay's Caller.launch on the pointers the first call
+# read and checked; False, by a second call of the C replay (which reads, keys and checks again)
+FIRST_LAUNCH_DIRECT = True
 
 
 class _NewLayout:
@@ -1362,17 +1365,20 @@ class Op:
                 if kinds & ar.TORCH:
                     torch_reads(plan.device)
             _bounded_put(plans, key, plan, self.MAX_PLANS)
-        if plan.native is not None:  # cached with launches in C: the C replay launches it
-            # as the newest replay, which the C replay matches by value with no hashing of the
-            # layout (and sets itself on a table hit)
-            plans.last = (hash(flags), flags, key[1], plan)
-            done = self.caller(arrays, flags, stream_ptr, layer, plans)
-            if done is not _MISS:
-                return done
         ptrs = [0 if v is None else v.ptr for v in views]
         if plan.pairs:  # check_no_overlap above passed these pointers: the replay need not
             plan.checked[tuple(ptrs)] = True
             plan.last_checked = ptrs
+        if plan.native is not None:  # cached with launches in C: the C replay launches it
+            # as the newest replay, which the C replay matches by value with no hashing of the
+            # layout (and sets itself on a table hit)
+            plans.last = (hash(flags), flags, key[1], plan)
+            if FIRST_LAUNCH_DIRECT:  # these pointers, read and checked above: no second read
+                done = self.caller.launch(plan, arrays, ptrs, kinds, stream_ptr, layer)
+            else:
+                done = self.caller(arrays, flags, stream_ptr, layer, plans)
+            if done is not _MISS:
+                return done
         return plan.replay(arrays, ptrs, kinds, stream_ptr, self.names, layer)
 
     def run_host(self, plan, arrays, views, kinds, stream_ptr):

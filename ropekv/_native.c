@@ -1184,175 +1184,15 @@ static int flags_are_normal(Caller *self, PyObject *flags) {
   return 1;
 }
 
-/* Caller(arrays, flags, stream_ptr, layer, plans) -> the op's result, MISS, or _NewLayout(layout)
- * when every argument was read and its layout has no plan. */
-static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
-                             PyObject *kwnames) {
-  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-  if (nargs != 5 || kwnames) {
-    PyErr_SetString(PyExc_TypeError, "Caller(arrays, flags, stream_ptr, layer, plans)");
-    return NULL;
-  }
-  PyObject *arrays = args[0], *flags = args[1], *stream_arg = args[2], *layer_arg = args[3],
-           *plans = args[4];
-  if (!PyTuple_CheckExact(arrays) || PyTuple_GET_SIZE(arrays) > MAX_ARGS) {
-    Py_INCREF(self->miss);
-    return self->miss;
-  }
-  int normal = flags_are_normal(self, flags);
-  if (normal <= 0) {
-    if (normal < 0) return NULL;
-    Py_INCREF(self->miss);
-    return self->miss;
-  }
-  int n = (int)PyTuple_GET_SIZE(arrays);
-  PyObject *types = self->hooks[H_TYPES];
-  if (PyList_GET_SIZE(types) != 2) {
-    PyErr_SetString(PyExc_RuntimeError, "ropekv._arrays.KNOWN_TYPES must hold two types");
-    return NULL;
-  }
-  PyObject *cupy_cls = PyList_GET_ITEM(types, 0), *torch_cls = PyList_GET_ITEM(types, 1);
-
-  /* -- the newest replay of this op: its flags equal these, its layout is matched while reading */
-  PyObject *result = NULL, *plan = NULL, *native = NULL, *outs = NULL, *layout = NULL;
-  PyObject *last = PyObject_GetAttr(plans, s_last), *last_layout = NULL;
-  if (!last) return NULL;
-  if (PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 4 &&
-      PyTuple_CheckExact(PyTuple_GET_ITEM(last, 2)) &&
-      PyTuple_GET_SIZE(PyTuple_GET_ITEM(last, 2)) == n) {
-    int same = PyObject_RichCompareBool(flags, PyTuple_GET_ITEM(last, 1), Py_EQ);
-    if (same < 0) goto done;
-    if (same) last_layout = PyTuple_GET_ITEM(last, 2);
-  }
-
-  /* -- intake: every argument's key and pointer; a key equal to the newest replay's is that key */
-  uint64_t ptrs[MAX_ARGS + 1];
-  int kinds = 0, matching = last_layout != NULL;
-  layout = PyTuple_New(n);
-  if (!layout) goto done;
-  for (int i = 0; i < n; i++) {
-    PyObject *a = PyTuple_GET_ITEM(arrays, i), *key, *entry = matching ? PyTuple_GET_ITEM(
-                                                                             last_layout, i)
-                                                                       : NULL;
-    RawView v;
-    int read;
-    if (a == Py_None) {
-      ptrs[i] = 0;
-      Py_INCREF(Py_None);
-      key = Py_None;
-      matching = matching && entry == Py_None;
-    } else if ((read = raw_view(a, &v)) != 0) {
-      if (read < 0) goto done;
-      ptrs[i] = v.ptr;
-      kinds |= v.torch ? TORCH : CUPY;
-      int same = matching ? raw_key_equals(&v, entry) : 0;
-      if (same < 0) goto done;
-      if (same) {
-        Py_INCREF(entry);
-        key = entry;
-      } else {
-        matching = 0;
-        if (!(key = raw_key(&v))) goto done;
-      }
-    } else {
-      key = read_array(a, cupy_cls, torch_cls, &ptrs[i], &kinds);
-      if (!key) {
-        if (PyErr_Occurred()) goto done;
-        goto miss;
-      }
-      if (matching) {
-        int same = PyObject_RichCompareBool(key, entry, Py_EQ);
-        if (same < 0) {
-          Py_DECREF(key);
-          goto done;
-        }
-        if (same) {
-          Py_DECREF(key);
-          Py_INCREF(entry);
-          key = entry;
-        } else {
-          matching = 0;
-        }
-      }
-    }
-    PyTuple_SET_ITEM(layout, i, key);
-  }
-
-  /* -- the plan: the newest replay's when every key matched, else the table's */
-  if (matching) {
-    plan = PyTuple_GET_ITEM(last, 3);
-    Py_INCREF(plan);
-  } else {
-    Py_hash_t h = PyObject_Hash(flags);
-    if (h == -1) { /* an unhashable flag: the Python path takes it */
-      PyErr_Clear();
-      goto miss;
-    }
-    PyObject *key = PyTuple_Pack(2, flags, layout);
-    if (!key) goto done;
-    if (!PyDict_Check(plans)) {
-      Py_DECREF(key);
-      PyErr_SetString(PyExc_TypeError, "plans must be a dict");
-      goto done;
-    }
-    plan = PyDict_GetItemWithError(plans, key);
-    Py_DECREF(key);
-    if (!plan) { /* a new layout: Op.__call__ plans it with the key read here (_NewLayout) */
-      if (!PyErr_Occurred()) result = call_hook(self, H_NEW_LAYOUT, layout);
-      goto done;
-    }
-    Py_INCREF(plan);
-    PyObject *hv = PyLong_FromSsize_t(h);
-    PyObject *newest = hv ? PyTuple_Pack(4, hv, flags, layout, plan) : NULL;
-    Py_XDECREF(hv);
-    if (!newest || PyObject_SetAttr(plans, s_last, newest)) {
-      Py_XDECREF(newest);
-      goto done;
-    }
-    Py_DECREF(newest);
-  }
-
-  native = PyObject_GetAttr(plan, s_native);
-  if (!native) goto done;
-  NativePlan *np = Py_IS_TYPE(native, &NativePlanType) ? (NativePlan *)native : NULL;
-  long long layer = -1;
-  if (layer_arg != Py_None) {
-    layer = PyLong_AsLongLong(layer_arg);
-    if (layer == -1 && PyErr_Occurred()) {
-      if (!PyErr_ExceptionMatches(PyExc_OverflowError)) goto done;
-      PyErr_Clear(); /* beyond int64: out of range, which the Python path says (ValueError) */
-      goto miss;
-    }
-    /* the Python path decides a layer out of range (its error), a layer of a plan whose layer
-     * strides change the arrays' alignment (perhaps a first call), and any layer of a plan
-     * without launches in C */
-    if (!np || np->layer_strict || !(layer >= 0 && layer < np->layer_count)) goto miss;
-  }
-  if (np && np->n_args != n) np = NULL;
-  if (np) { /* overlap: any written range that touches another argument's goes to Plan.replay */
-    for (int p = 0; p < np->n_pairs; p++) {
-      int64_t *q = np->pairs[p];
-      int64_t pi = (int64_t)ptrs[q[0]], pj = (int64_t)ptrs[q[1]];
-      if (pi + q[2] < pj + q[5] && pj + q[4] < pi + q[3]) {
-        np = NULL;
-        break;
-      }
-    }
-  }
-  if (!np) { /* Plan.replay: the exact overlap check, the layer range, any kind of step */
-    PyObject *plist = ptr_list(ptrs, n);
-    PyObject *pykinds = plist ? PyLong_FromLong(kinds) : NULL;
-    PyObject *layer_obj = layer_arg;
-    if (pykinds) {
-      PyObject *call_args[] = {plan, arrays, plist, pykinds, stream_arg, self->names, layer_obj};
-      result = PyObject_VectorcallMethod(s_replay, call_args,
-                                         7, NULL);
-    }
-    Py_XDECREF(plist);
-    Py_XDECREF(pykinds);
-    goto done;
-  }
-
+/* Launch `np`, the NativePlan of `plan`, on the pointers `ptrs` of `arrays` (`n` arguments; room
+ * for its outputs' after them; `kinds`: the kinds of array read; `layer`: -1, or the layer whose
+ * offsets are added): the stream rule, the capture check, the device, the outputs, the launches.
+ * The op's result, the miss (Plan.replay serves the call: a capturing stream of a plan that
+ * refuses capture, or no runtime bound yet), or NULL with an error set. */
+static PyObject *launch_plan(Caller *self, PyObject *plan, NativePlan *np, PyObject *arrays,
+                             uint64_t *ptrs, int n, int kinds, PyObject *stream_arg,
+                             long long layer) {
+  PyObject *result = NULL, *outs = NULL;
   /* -- the stream rule, the device */
   int explicit_stream = stream_arg != Py_None;
   uint64_t stream;
@@ -1495,13 +1335,242 @@ miss:
   Py_INCREF(self->miss);
   result = self->miss;
 done:
+  Py_XDECREF(outs);
+  return result;
+}
+
+/* Caller(arrays, flags, stream_ptr, layer, plans) -> the op's result, MISS, or _NewLayout(layout)
+ * when every argument was read and its layout has no plan. */
+static PyObject *caller_call(Caller *self, PyObject *const *args, size_t nargsf,
+                             PyObject *kwnames) {
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  if (nargs != 5 || kwnames) {
+    PyErr_SetString(PyExc_TypeError, "Caller(arrays, flags, stream_ptr, layer, plans)");
+    return NULL;
+  }
+  PyObject *arrays = args[0], *flags = args[1], *stream_arg = args[2], *layer_arg = args[3],
+           *plans = args[4];
+  if (!PyTuple_CheckExact(arrays) || PyTuple_GET_SIZE(arrays) > MAX_ARGS) {
+    Py_INCREF(self->miss);
+    return self->miss;
+  }
+  int normal = flags_are_normal(self, flags);
+  if (normal <= 0) {
+    if (normal < 0) return NULL;
+    Py_INCREF(self->miss);
+    return self->miss;
+  }
+  int n = (int)PyTuple_GET_SIZE(arrays);
+  PyObject *types = self->hooks[H_TYPES];
+  if (PyList_GET_SIZE(types) != 2) {
+    PyErr_SetString(PyExc_RuntimeError, "ropekv._arrays.KNOWN_TYPES must hold two types");
+    return NULL;
+  }
+  PyObject *cupy_cls = PyList_GET_ITEM(types, 0), *torch_cls = PyList_GET_ITEM(types, 1);
+
+  /* -- the newest replay of this op: its flags equal these, its layout is matched while reading */
+  PyObject *result = NULL, *plan = NULL, *native = NULL, *layout = NULL;
+  PyObject *last = PyObject_GetAttr(plans, s_last), *last_layout = NULL;
+  if (!last) return NULL;
+  if (PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 4 &&
+      PyTuple_CheckExact(PyTuple_GET_ITEM(last, 2)) &&
+      PyTuple_GET_SIZE(PyTuple_GET_ITEM(last, 2)) == n) {
+    int same = PyObject_RichCompareBool(flags, PyTuple_GET_ITEM(last, 1), Py_EQ);
+    if (same < 0) goto done;
+    if (same) last_layout = PyTuple_GET_ITEM(last, 2);
+  }
+
+  /* -- intake: every argument's key and pointer; a key equal to the newest replay's is that key */
+  uint64_t ptrs[MAX_ARGS + 1];
+  int kinds = 0, matching = last_layout != NULL;
+  layout = PyTuple_New(n);
+  if (!layout) goto done;
+  for (int i = 0; i < n; i++) {
+    PyObject *a = PyTuple_GET_ITEM(arrays, i), *key, *entry = matching ? PyTuple_GET_ITEM(
+                                                                             last_layout, i)
+                                                                       : NULL;
+    RawView v;
+    int read;
+    if (a == Py_None) {
+      ptrs[i] = 0;
+      Py_INCREF(Py_None);
+      key = Py_None;
+      matching = matching && entry == Py_None;
+    } else if ((read = raw_view(a, &v)) != 0) {
+      if (read < 0) goto done;
+      ptrs[i] = v.ptr;
+      kinds |= v.torch ? TORCH : CUPY;
+      int same = matching ? raw_key_equals(&v, entry) : 0;
+      if (same < 0) goto done;
+      if (same) {
+        Py_INCREF(entry);
+        key = entry;
+      } else {
+        matching = 0;
+        if (!(key = raw_key(&v))) goto done;
+      }
+    } else {
+      key = read_array(a, cupy_cls, torch_cls, &ptrs[i], &kinds);
+      if (!key) {
+        if (PyErr_Occurred()) goto done;
+        goto miss;
+      }
+      if (matching) {
+        int same = PyObject_RichCompareBool(key, entry, Py_EQ);
+        if (same < 0) {
+          Py_DECREF(key);
+          goto done;
+        }
+        if (same) {
+          Py_DECREF(key);
+          Py_INCREF(entry);
+          key = entry;
+        } else {
+          matching = 0;
+        }
+      }
+    }
+    PyTuple_SET_ITEM(layout, i, key);
+  }
+
+  /* -- the plan: the newest replay's when every key matched, else the table's */
+  if (matching) {
+    plan = PyTuple_GET_ITEM(last, 3);
+    Py_INCREF(plan);
+  } else {
+    Py_hash_t h = PyObject_Hash(flags);
+    if (h == -1) { /* an unhashable flag: the Python path takes it */
+      PyErr_Clear();
+      goto miss;
+    }
+    PyObject *key = PyTuple_Pack(2, flags, layout);
+    if (!key) goto done;
+    if (!PyDict_Check(plans)) {
+      Py_DECREF(key);
+      PyErr_SetString(PyExc_TypeError, "plans must be a dict");
+      goto done;
+    }
+    plan = PyDict_GetItemWithError(plans, key);
+    Py_DECREF(key);
+    if (!plan) { /* a new layout: Op.__call__ plans it with the key read here (_NewLayout) */
+      if (!PyErr_Occurred()) result = call_hook(self, H_NEW_LAYOUT, layout);
+      goto done;
+    }
+    Py_INCREF(plan);
+    PyObject *hv = PyLong_FromSsize_t(h);
+    PyObject *newest = hv ? PyTuple_Pack(4, hv, flags, layout, plan) : NULL;
+    Py_XDECREF(hv);
+    if (!newest || PyObject_SetAttr(plans, s_last, newest)) {
+      Py_XDECREF(newest);
+      goto done;
+    }
+    Py_DECREF(newest);
+  }
+
+  native = PyObject_GetAttr(plan, s_native);
+  if (!native) goto done;
+  NativePlan *np = Py_IS_TYPE(native, &NativePlanType) ? (NativePlan *)native : NULL;
+  long long layer = -1;
+  if (layer_arg != Py_None) {
+    layer = PyLong_AsLongLong(layer_arg);
+    if (layer == -1 && PyErr_Occurred()) {
+      if (!PyErr_ExceptionMatches(PyExc_OverflowError)) goto done;
+      PyErr_Clear(); /* beyond int64: out of range, which the Python path says (ValueError) */
+      goto miss;
+    }
+    /* the Python path decides a layer out of range (its error), a layer of a plan whose layer
+     * strides change the arrays' alignment (perhaps a first call), and any layer of a plan
+     * without launches in C */
+    if (!np || np->layer_strict || !(layer >= 0 && layer < np->layer_count)) goto miss;
+  }
+  if (np && np->n_args != n) np = NULL;
+  if (np) { /* overlap: any written range that touches another argument's goes to Plan.replay */
+    for (int p = 0; p < np->n_pairs; p++) {
+      int64_t *q = np->pairs[p];
+      int64_t pi = (int64_t)ptrs[q[0]], pj = (int64_t)ptrs[q[1]];
+      if (pi + q[2] < pj + q[5] && pj + q[4] < pi + q[3]) {
+        np = NULL;
+        break;
+      }
+    }
+  }
+  if (!np) { /* Plan.replay: the exact overlap check, the layer range, any kind of step */
+    PyObject *plist = ptr_list(ptrs, n);
+    PyObject *pykinds = plist ? PyLong_FromLong(kinds) : NULL;
+    PyObject *layer_obj = layer_arg;
+    if (pykinds) {
+      PyObject *call_args[] = {plan, arrays, plist, pykinds, stream_arg, self->names, layer_obj};
+      result = PyObject_VectorcallMethod(s_replay, call_args,
+                                         7, NULL);
+    }
+    Py_XDECREF(plist);
+    Py_XDECREF(pykinds);
+    goto done;
+  }
+
+  result = launch_plan(self, plan, np, arrays, ptrs, n, kinds, stream_arg, layer);
+  goto done;
+
+miss:
+  Py_INCREF(self->miss);
+  result = self->miss;
+done:
   Py_XDECREF(layout);
   Py_DECREF(last);
   Py_XDECREF(plan);
   Py_XDECREF(native);
-  Py_XDECREF(outs);
   return result;
 }
+
+/* Caller.launch(plan, arrays, ptrs, kinds, stream_ptr, layer) -> the op's result or MISS: the
+ * first launch of a plan Op.first_call just made (its native plan), on the pointers it read and
+ * checked (overlap included), with no second read of the arguments. MISS (Plan.replay serves the
+ * call): no native plan for this many pointers, a layer out of its range, a capturing stream of a
+ * plan that refuses capture, no runtime bound yet. */
+static PyObject *caller_launch(Caller *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError,
+                    "Caller.launch(plan, arrays, ptrs, kinds, stream_ptr, layer)");
+    return NULL;
+  }
+  PyObject *plan = args[0], *arrays = args[1], *plist = args[2], *stream_arg = args[4],
+           *layer_arg = args[5];
+  if (!PyList_CheckExact(plist)) {
+    PyErr_SetString(PyExc_TypeError, "ptrs must be a list");
+    return NULL;
+  }
+  int kinds = (int)PyLong_AsLong(args[3]);
+  if (kinds == -1 && PyErr_Occurred()) return NULL;
+  PyObject *native = PyObject_GetAttr(plan, s_native), *result = NULL;
+  if (!native) return NULL;
+  NativePlan *np = Py_IS_TYPE(native, &NativePlanType) ? (NativePlan *)native : NULL;
+  Py_ssize_t n = PyList_GET_SIZE(plist);
+  long long layer = -1;
+  if (np && layer_arg != Py_None) {
+    layer = PyLong_AsLongLong(layer_arg);
+    if (layer == -1 && PyErr_Occurred()) goto done;
+    if (!(layer >= 0 && layer < np->layer_count)) np = NULL;
+  }
+  if (!np || np->n_args != n || n > MAX_ARGS) {
+    Py_INCREF(self->miss);
+    result = self->miss;
+    goto done;
+  }
+  uint64_t ptrs[MAX_ARGS + 1];
+  for (Py_ssize_t i = 0; i < n; i++) {
+    if (as_u64_borrowed(PyList_GET_ITEM(plist, i), &ptrs[i])) goto done;
+  }
+  result = launch_plan(self, plan, np, arrays, ptrs, (int)n, kinds, stream_arg, layer);
+done:
+  Py_DECREF(native);
+  return result;
+}
+
+static PyMethodDef caller_methods[] = {
+    {"launch", (PyCFunction)(void (*)(void))caller_launch, METH_FASTCALL,
+     "launch(plan, arrays, ptrs, kinds, stream_ptr, layer) -> the result, or the miss: the "
+     "first launch of a new plan on the pointers the first call read and checked"},
+    {NULL, NULL, 0, NULL}};
 
 static PyTypeObject CallerType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ropekv._native_ext.Caller",
@@ -1511,6 +1580,7 @@ static PyTypeObject CallerType = {
     .tp_doc = "An op's replay in C: Caller(names, kinds, hooks, miss)"
               "(arrays, flags, stream_ptr, layer, plans).",
     .tp_new = caller_new,
+    .tp_methods = caller_methods,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(Caller, vectorcall),
 };

@@ -478,6 +478,130 @@ def _ptr(x):
     return x.data.ptr if isinstance(x, hostcost.FakeCupyArray) else x.data_ptr()
 
 
+class _CountedCaller:
+    """An op's C replay with its entries counted: ``calls`` (the replay: a first call's layout
+    miss) and ``launches`` (``launch``: a new plan's first launch)."""
+
+    def __init__(self, caller):
+        self.caller, self.calls, self.launches = caller, 0, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.caller(*args)
+
+    def launch(self, *args):
+        self.launches += 1
+        return self.caller.launch(*args)
+
+
+def count_caller_entries(monkeypatch):
+    """Each op's C replay, once bound, wrapped in a :class:`_CountedCaller` (a list of them)."""
+    counted = []
+    bind = _launch.Op.bind_caller
+
+    def bind_counted(self):
+        bind(self)
+        if self.caller is not None:
+            self.caller = _CountedCaller(self.caller)
+            counted.append(self.caller)
+
+    monkeypatch.setattr(_launch.Op, "bind_caller", bind_counted)
+    return counted
+
+
+def assert_filled(stubbed, k, launch, ptrs, layer_strides=None):
+    """Launch ``k``'s pointer fields are ``launch``'s slots on ``ptrs`` (plus each layered
+    argument's layer offset); at least three are checked."""
+    fields = stubbed.pointers(k, launch.n_ptr)
+    filled = 0
+    for field, (arg, offset) in zip(fields, launch.slots):
+        if 0 <= arg < len(ptrs) and ptrs[arg]:
+            extra = (layer_strides or {}).get(arg, 0)
+            assert field == ptrs[arg] + extra + offset, f"pointer field of argument {arg}"
+            filled += 1
+    assert filled >= 3
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+@pytest.mark.parametrize("op", OPS)
+def test_a_first_call_launches_once_on_the_pointers_it_read(op, kind, direct, stubbed, monkeypatch):
+    """A new layout's call launches its plan's steps once, with its arrays' pointers; with the C
+    replay, that launch is ``Caller.launch`` on the pointers the first call read and checked (the
+    replay itself entered once, for the layout miss: no second read), or with
+    ``FIRST_LAUNCH_DIRECT`` off a second entry of the replay (as before). The next call of the
+    layout is the C replay's alone."""
+    monkeypatch.setattr(_launch, "FIRST_LAUNCH_DIRECT", direct)
+    convert = hostcost.to_cupy
+    if kind == "torch":
+        fake_torch(monkeypatch)
+        convert = hostcost.to_torch
+    counted = count_caller_entries(monkeypatch)
+    fn, kw = CASES[op](61, **DECODE.get(op, {}))
+    seen = []
+    call = _launch.Op.__call__
+    monkeypatch.setattr(
+        _launch.Op,
+        "__call__",
+        lambda self, arrays, *a: seen.append(arrays) or call(self, arrays, *a),
+    )
+    fn(**map_arrays(kw, convert))
+    (op_obj,) = [o for o in all_ops() if o.plans]
+    plan = next(iter(op_obj.plans.values()))
+    n_steps = len(plan.steps)
+    assert len(stubbed.calls) == n_steps  # each step launched once
+    stream = stubbed.calls[-1][0]
+    assert stream == (0x7000 if kind == "torch" else 0x5000)  # the stream rule
+    ptrs = [0 if a is None else _ptr(a) for a in seen[-1]]
+    assert_filled(stubbed, n_steps - 1, plan.steps[-1], ptrs)
+    if stubbed.replay == "python":
+        assert not counted and plan.native is None
+        return
+    (caller,) = counted
+    assert plan.native is not None and len(stubbed.copies) == n_steps  # launched in C
+    # the op's first plan binds its replay: no layout miss before it
+    assert (caller.calls, caller.launches) == ((0, 1) if direct else (1, 0))
+    fn(**map_arrays(kw, convert))  # a replay: the C replay's, entered once
+    assert (caller.calls, caller.launches) == ((1, 1) if direct else (2, 0))
+    assert len(stubbed.calls) == len(stubbed.copies) == 2 * n_steps
+    ptrs = [0 if a is None else _ptr(a) for a in seen[-1]]
+    assert_filled(stubbed, 2 * n_steps - 1, plan.steps[-1], ptrs)
+    op_obj.clear()  # the layout again, planned anew: the C replay's miss, then one launch
+    fn(**map_arrays(kw, convert))
+    assert (caller.calls, caller.launches) == ((2, 2) if direct else (4, 0))
+    assert len(stubbed.calls) == len(stubbed.copies) == 3 * n_steps
+    ptrs = [0 if a is None else _ptr(a) for a in seen[-1]]
+    assert_filled(stubbed, 3 * n_steps - 1, plan.steps[-1], ptrs)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_multi_layer_first_call_launches_its_layer(direct, stubbed, monkeypatch):
+    """The first call of a multi-layer layout launches on its layer's pointers (the whole arrays'
+    checked, the layer's offset added at launch), and so does the replay of another layer."""
+    monkeypatch.setattr(_launch, "FIRST_LAUNCH_DIRECT", direct)
+    fn, kw = CASES["qknorm"](62)
+    kw["paged_kv_cache"] = tuple(np.stack([c, c.copy(), c.copy()]) for c in kw["paged_kv_cache"])
+    dev = map_arrays(kw, hostcost.to_cupy)
+    seen = []
+    call = _launch.Op.__call__
+    monkeypatch.setattr(
+        _launch.Op,
+        "__call__",
+        lambda self, arrays, *a, **k: seen.append(arrays) or call(self, arrays, *a, **k),
+    )
+    for layer in (2, 1):
+        fn(**dev, layer_idx=layer)
+        (op_obj,) = [o for o in all_ops() if o.layer_plans]
+        (plan,) = op_obj.layer_plans.values()
+        assert len(op_obj.plans) == 0 and len(stubbed.calls) == len(plan.steps) * (3 - layer)
+        assert (plan.native is not None) == (stubbed.replay == "c")
+        ptrs = [0 if a is None else _ptr(a) for a in seen[-1]]
+        strides = {i: layer * s for i, s in plan.layers.strides}
+        assert len(strides) == 2
+        assert_filled(stubbed, len(stubbed.calls) - 1, plan.steps[-1], ptrs, strides)
+    assert len(stubbed.copies) == (len(stubbed.calls) if stubbed.replay == "c" else 0)
+
+
 def test_a_new_layout_is_a_new_plan_and_clear_forgets_the_newest(stubbed):
     fn, kw = CASES["qknorm"](42)
     fn(**map_arrays(kw, hostcost.to_cupy))

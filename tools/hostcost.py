@@ -18,6 +18,7 @@ Usage::
     PYTHONPATH=$PWD python tools/hostcost.py              # replay and first-call costs per case
     PYTHONPATH=$PWD python tools/hostcost.py --profile    # plus a cProfile of each replay
     PYTHONPATH=$PWD python tools/hostcost.py --first-profile  # cProfile of the first calls
+    PYTHONPATH=$PWD python tools/hostcost.py --phases  # median us of each first-call step
     PYTHONPATH=$PWD python tools/hostcost.py --layers 32  # also multi-layer caches (layer_idx)
 
 ``--layers N`` adds, for the ops with multi-layer caches, rows of the same case on caches of N
@@ -435,10 +436,81 @@ def first_call_us(fn, n=20):
     return float(np.median(times))
 
 
+# the steps of a first call that --phases times (module, attribute), beside the op's _prepare and
+# the C replay's calls (the layout miss and the first replay)
+PHASES = (
+    ("ropekv._arrays", "read_arguments"),
+    ("ropekv._checks", "check_no_overlap"),
+    ("ropekv._launch", "native_plan"),
+)
+
+
+class _TimedCaller:
+    """An op's C replay with its calls timed: ``caller`` (the layout miss, and the first replay
+    when ``_launch.FIRST_LAUNCH_DIRECT`` is off) and ``launch`` (a new plan's first launch)."""
+
+    def __init__(self, caller, timed):
+        self._call = timed("caller", caller)
+        self.launch = timed("launch", caller.launch)
+
+    def __call__(self, *args):
+        return self._call(*args)
+
+
+def first_phases(fn, n=50):
+    """``{step: median us}`` of ``fn``'s first calls: the steps of :data:`PHASES`, the op's
+    ``prepare`` and its C replay calls (``caller``: the layout miss plus the first replay), each
+    wrapped in a timer for the run and restored after."""
+    import importlib
+
+    acc, saved = {}, []
+
+    def timed(label, f):
+        def g(*a, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[label] = acc.get(label, 0) + time.perf_counter_ns() - t0
+
+        return g
+
+    for mod_name, attr in PHASES:
+        mod = importlib.import_module(mod_name)
+        saved.append((mod, attr, getattr(mod, attr)))
+        setattr(mod, attr, timed(attr, getattr(mod, attr)))
+    for op in ops():
+        saved.append((op, "prepare", op.prepare))
+        op.prepare = timed("prepare", op.prepare)
+    fn()  # binds the callers
+    for op in ops():
+        if op.caller is not None:
+            saved.append((op, "caller", op.caller))
+            op.caller = _TimedCaller(op.caller, timed)
+    rows = {}
+    try:
+        for _ in range(n):
+            for op in ops():
+                op.clear()
+            acc.clear()
+            t0 = time.perf_counter_ns()
+            fn()
+            acc["total"] = time.perf_counter_ns() - t0
+            for k, v in acc.items():
+                rows.setdefault(k, []).append(v / 1e3)
+    finally:
+        for obj, attr, value in reversed(saved):
+            setattr(obj, attr, value)
+    return {k: float(np.median(v)) for k, v in rows.items()}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", action="store_true", help="cProfile each replay")
     parser.add_argument("--first-profile", action="store_true", help="cProfile the first calls")
+    parser.add_argument(
+        "--phases", action="store_true", help="median time of each step of the first calls"
+    )
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--cases", nargs="*", default=CASES)
     parser.add_argument(
@@ -454,7 +526,17 @@ def main(argv=None):
         help="the C replay of plans (ropekv/_native.c, the default where it "
         "builds) or the Python one",
     )
+    parser.add_argument(
+        "--first-launch",
+        choices=("direct", "caller"),
+        default="direct",
+        help="a new plan's first launch: on the pointers the first call read (Caller.launch, "
+        "the default) or through a second call of the C replay (as before)",
+    )
     args = parser.parse_args(argv)
+    from ropekv import _launch
+
+    _launch.FIRST_LAUNCH_DIRECT = args.first_launch == "direct"
     lib = install_stubs()
     print(f"launch stub: {'compiled C (ctypes)' if lib else 'Python no-op'}")
     use_replay(args.replay)
@@ -501,6 +583,10 @@ def main(argv=None):
                 prof.disable()
                 print(f"==== replay profile: {name} ({label})")
                 pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(14)
+            if args.phases:
+                steps = first_phases(case)
+                print(f"first-call steps (median us), {name} ({label}): ", end="")
+                print(", ".join(f"{k} {v:.1f}" for k, v in steps.items()))
             if args.first_profile:
                 prof = cProfile.Profile()
                 for _ in range(50):
