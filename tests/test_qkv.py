@@ -1886,3 +1886,114 @@ def test_the_call_passes_the_settings_functions_values(monkeypatch):
     (flags,) = seen
     assert qkv_mod.tiled_settings() in flags and qkv_mod.wgmma_settings() in flags
     assert flags.index(qkv_mod.tiled_settings()) + 1 == flags.index(qkv_mod.wgmma_settings())
+
+
+@pytest.mark.parametrize(
+    "wfmt, T, lean, depth",
+    [
+        ("int4", 16, (2, 4), 2),
+        ("fp8", 16, (2, 4), 4),
+        ("int4", 3, (4, 2), 4),
+        ("fp8", 8, (4, 2), 2),
+        ("int4", 16, (0, 0), 0),
+        ("fp8", 9, (0, 0), 0),
+        ("dense", 16, (2, 4), 0),  # 16-bit weights keep the 4-warp form
+        ("fp8", 40, (2, 4), 0),  # tiles above MMA_LEAN_TILES too
+    ],
+)
+def test_mma_takes_the_lean_form_where_mma_lean_says(wfmt, T, lean, depth, monkeypatch):
+    """MMA_LEAN picks qkv_mma's lean form (8 warps of 16 rows, ``depth`` chunks in flight) for
+    fp8 and 4-bit weights at token tiles of MMA_LEAN_TILES; (0, 0) and everything else keep the
+    4-warp form (the launch's kernel and block, with the driver out of the way)."""
+    from types import SimpleNamespace
+
+    assert qkv_mod.MMA_LEAN == (2, 4)
+    got = []
+    monkeypatch.setattr(qkv_mod, "Launch", lambda *a, **k: got.append((a[1], a[4])))
+    monkeypatch.setattr(qkv_mod, "_compute_capability", lambda device: 90)
+    K, fmt = 4096, WEIGHT_FORMATS[wfmt]
+    wdtype = {"int4": np.dtype(np.uint8), "fp8": E4M3, "dense": np.dtype(F16)}[wfmt]
+    cols = K // 2 if wfmt == "int4" else K
+    vx = SimpleNamespace(dtype=np.dtype(F16), ptr=1 << 20, strides=(K, 1))
+    vw = SimpleNamespace(ptr=1 << 20, strides=(cols, 1), dtype=wdtype)
+    tiled = (1 << 30, *qkv_mod.tiled_settings()[1:])  # never qkv_mma_tiled
+    fields = {"group_size": 128}
+    step = qkv_mod._mma(fields, {}, vx, vw, fmt, T, K, 6144, 128, 0, False, 8, tiled, False, lean)
+    assert step is None  # the stubbed Launch
+    tn = next(t for t in qkv_mod.MMA_TILES if t >= T)
+    want = qkv_mod.mma_expression(np.dtype(F16), fmt, tn, 8, False, depth)
+    assert want.endswith(f", {depth}>")
+    assert got == [(want, ((4 if depth == 0 else 8) * 32,))]
+    assert want in set(qkv_mod.instantiations())
+    if fmt != qkv_mod.W_DENSE:
+        with pytest.raises(ValueError, match="MMA_LEAN"):
+            qkv_mod._mma(
+                fields, {}, vx, vw, fmt, 16, K, 6144, 128, 0, False, 8, tiled, False, (3, 3)
+            )
+
+
+def test_the_call_passes_mma_lean(monkeypatch):
+    """MMA_LEAN enters the plan key beside MMA_SPLIT (a changed setting plans again)."""
+    seen = []
+    monkeypatch.setattr(qkv_mod, "_OP", lambda arrays, flags, *rest: seen.append(flags))
+    monkeypatch.setattr(qkv_mod, "MMA_LEAN", (4, 2))
+    args, kw = make_case(1)
+    call(args, kw)
+    (flags,) = seen
+    assert (qkv_mod.MMA_SPLIT, (4, 2)) in flags
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lean", [(2, 4), (4, 2), (0, 0)])
+@pytest.mark.parametrize("wfmt", ["int4", "fp8"])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize(
+    "lengths, zero_points",
+    [((1,) * 3, True), ((1,) * 4, False), ((2, 0, 3, 4), True), ((1,) * 16, True), ((7, 9), False)],
+)
+def test_gpu_mma_lean(lean, wfmt, dtype, lengths, zero_points, monkeypatch):
+    """qkv_mma's lean form (and the 4-warp form, (0, 0)) at 3-16 tokens on the Llama-3-8B
+    projection, 4-bit weights in groups of 128 with and without zero points, both input dtypes."""
+    monkeypatch.setattr(qkv_mod, "MMA_LEAN", lean)
+    args, kw = make_case(
+        60 + sum(lengths),
+        lengths=lengths,
+        wfmt=wfmt,
+        dtype=dtype,
+        group_size=128,
+        zero_points=zero_points,
+        cached=[100 + 37 * i for i in range(len(lengths))],
+        **LLAMA,
+    )
+    check_gpu(args, kw, monkeypatch=monkeypatch, path="mma")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lean", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("wfmt", ["int4", "fp8"])
+@pytest.mark.parametrize("split", qkv_mod.MMA_SPLITS)
+def test_gpu_mma_lean_partial_tiles(lean, wfmt, split, monkeypatch):
+    """The lean form with a partial row tile (N 288), K slices shorter than the chunks in flight
+    (K 320: some CTAs' slices empty), groups of 32, hostile pages and tokens outside every
+    request."""
+    monkeypatch.setattr(qkv_mod, "MMA_LEAN", lean)
+    monkeypatch.setattr(qkv_mod, "MMA_SPLIT", split)
+    for seed, lengths in enumerate([(3,), (1, 4, 0, 2), (5, 6, 4)]):  # T 3, 7, 16
+        args, kw = make_case(
+            70 + seed,
+            lengths=lengths,
+            K=320,
+            Hq=3,
+            Hkv=3,
+            D=32,
+            R=32,
+            P=256,
+            page_size=4,
+            wfmt=wfmt,
+            group_size=32,
+            zero_points=True,
+            bad_pages=bool(seed % 2),
+            extra_tokens=int(seed == 2),
+        )
+        with pytest.MonkeyPatch.context() as mp:
+            check_gpu(args, kw, monkeypatch=mp, path="mma")
