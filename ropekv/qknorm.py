@@ -35,6 +35,8 @@ STEM = "qknorm"
 KERNEL = "qk_rmsnorm_rope_append"
 DECODE_KERNEL = "qk_rmsnorm_rope_decode"
 FLAT_KERNEL = "qk_rmsnorm_rope_decode_flat"  # the decode kernel over flat (token, head) rows
+ROWS_KERNEL = "qk_rmsnorm_rope_decode_rows"  # a warp per token, several rows a lane
+ROWS_STEPS = (1, 2, 3, 4)  # its kernels by the rows a lane holds (U, a template constant)
 FLAT_WIDTHS = (8, 4)  # its elements per lane: 16-byte lanes, or 8-byte lanes for the fewest tokens
 DECODE_DIMS = (64, 128, 256)  # head dims with a decode kernel (full-width RoPE, 16-byte lanes)
 INT32_EXTENT = 2**31  # arrays whose element offsets stay below this take 32-bit offset math
@@ -172,6 +174,18 @@ TUNING = {
     "decode_heads": 16,
     "decode_narrow_below": 32,
     "decode_min_blocks": 32,
+    # the token-rows decode kernel (`_rows_launch`, `decode_token_rows` 1; 0: the kernels above,
+    # as before it): a warp per token holding S U of its head rows (S = 32 / lanes per row, 4 at
+    # D 128 neox; U steps), the request search, position and page once per warp and the cos/sin
+    # values and weights once per lane for its U rows. Plain calls of up to `rows_tokens` tokens
+    # with 32-bit offsets. U: `rows_per_lane` (1-4), or with 0 the smallest U whose grid has at
+    # most `rows_warps` warps (4 past it), then balanced over the warps a token takes; blocks of
+    # up to `rows_block_warps` warps (tokens). U is a template constant (ROWS_STEPS).
+    "decode_token_rows": 1,
+    "rows_tokens": 256,
+    "rows_per_lane": 0,
+    "rows_warps": 512,
+    "rows_block_warps": 4,
 }
 
 
@@ -243,6 +257,14 @@ def flat_expression(dtype, cache_dtype, is_neox, D, gamma_f32, n):
     )
 
 
+def rows_expression(dtype, cache_dtype, is_neox, D, gamma_f32, rows):
+    """The token-rows decode kernel (32-bit offsets, 8 elements a lane): head dim ``D`` (one of
+    DECODE_DIMS), ``rows`` (one of ROWS_STEPS) rows a lane."""
+    return name_expression(
+        ROWS_KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), D, c_bool(gamma_f32), rows
+    )
+
+
 def flat_lanes(D, is_neox, n):
     """Lanes per head row of the flat decode kernel at ``n`` elements per lane (None past a
     warp)."""
@@ -252,6 +274,13 @@ def flat_lanes(D, is_neox, n):
 
 def instantiations():
     """Every kernel instantiation a call can select (the compile tests build them all)."""
+    for dtype in INPUT_DTYPES:
+        for cache_dtype in (dtype, *FP8_DTYPES):
+            for is_neox in (True, False):
+                for D in DECODE_DIMS:
+                    for gamma_f32 in (True, False):
+                        for rows in ROWS_STEPS:
+                            yield rows_expression(dtype, cache_dtype, is_neox, D, gamma_f32, rows)
     for dtype in INPUT_DTYPES:
         for cache_dtype in (dtype, *FP8_DTYPES):
             for is_neox in (True, False):
@@ -1058,7 +1087,8 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
     most TUNING["decode_heads"] head rows a token: TUNING's comment) whose geometry it was compiled for (D in
     DECODE_DIMS, R == D, 16-byte lanes aligned, both RMSNorm weights of one dtype); None
     otherwise (``fits8``: the rows are aligned for 8-element lanes). 32-bit offsets when every
-    array's extent in elements allows (the flat kernel needs them)."""
+    array's extent in elements allows (the flat kernel and the token-rows kernel need them);
+    the token-rows kernel first, up to TUNING["rows_tokens"] tokens."""
     vq, vk, vv, vqg, vkg, vt, _voff, _vlen, vbt, vkc, vvc = views[:11]
     T, Hq, D = vq.shape
     Hkv = vk.shape[1]
@@ -1067,9 +1097,10 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
     flat = TUNING["decode_flat"] and (
         (T < TUNING["flat_below"]) if H > TUNING["decode_heads"] else not few
     )
+    by_token = TUNING["decode_token_rows"] and T <= TUNING["rows_tokens"]
     if not (
         0 < T
-        and (few or flat)
+        and (few or flat or by_token)
         and D in DECODE_DIMS
         and R == D
         and vqg.dtype == vkg.dtype
@@ -1082,6 +1113,8 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
     extents.append(_extent(*out))
     i32 = all(e is not None and e < INT32_EXTENT for e in extents)
     f32 = vqg.dtype == FLOAT32
+    if by_token and i32:
+        return _rows_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32)
     if flat and i32:
         return _flat_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32)
     if not few:
@@ -1092,6 +1125,28 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
     rows = block // group
     kernel = decode_expression(vq.dtype, vkc.dtype, is_neox, D, f32, i32)
     return kernel, (T, -(-H // rows)), (block,)
+
+
+def rows_shape(T, H, D, is_neox):
+    """(U, warps a token, warps a block) of the token-rows decode kernel: T tokens of H head rows,
+    S = 32 / lanes rows of a warp a step (TUNING's comment)."""
+    S = 32 // (D // 16 if is_neox else D // 8)
+    U = TUNING["rows_per_lane"]
+    if not U:
+        fits = (u for u in ROWS_STEPS if T * -(-H // (S * u)) <= TUNING["rows_warps"])
+        U = next(fits, ROWS_STEPS[-1])
+    U = max(1, min(ROWS_STEPS[-1], U))
+    per_token = -(-H // (S * U))
+    U = -(-H // (S * per_token))  # balanced: the fewest steps for that many warps
+    return U, per_token, max(1, min(TUNING["rows_block_warps"], T, MAX_BLOCK // 32))
+
+
+def _rows_launch(dtype, cache_dtype, is_neox, T, H, D, gamma_f32):
+    """(kernel, grid, block) of the token-rows decode kernel: grid (ceil(T / warps), warps a
+    token), blocks of ``warps`` warps (one token each)."""
+    U, per_token, warps = rows_shape(T, H, D, is_neox)
+    kernel = rows_expression(dtype, cache_dtype, is_neox, D, gamma_f32, U)
+    return kernel, (-(-T // warps), per_token), (32 * warps,)
 
 
 def _flat_launch(dtype, cache_dtype, is_neox, T, H, D, gamma_f32):

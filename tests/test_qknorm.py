@@ -809,15 +809,18 @@ def test_decode_kernel_matches_reference(D, batch, cache_dtype, layout):
 
 
 # the flat decode kernel at every token count it can take
-FLAT_EVERYWHERE = {"flat_below": 1 << 30, "decode_tokens": 0}
-# TUNING variants of the decode kernels: the defaults, the flat kernel (4-element lanes at few
-# tokens), the flat kernel at 16-byte lanes (D 64: 8 rows a warp, so a warp holds rows of two
-# tokens), and the (T, splits) kernel of decode_flat 0
+FLAT_EVERYWHERE = {"flat_below": 1 << 30, "decode_tokens": 0, "decode_token_rows": 0}
+# TUNING variants of the decode kernels: the defaults (the token-rows kernel up to 256 tokens),
+# the token-rows kernel at 1-4 rows a lane (blocks of up to 8 warps for 4), the flat kernel
+# (4-element lanes at few tokens), the flat kernel at 16-byte lanes (D 64: 8 rows a warp, so a
+# warp holds rows of two tokens), and the (T, splits) kernel of decode_flat 0
 DECODE_VARIANTS = {
     "default": {},
+    **{f"rows{u}": {"rows_per_lane": u} for u in (1, 2, 3)},
+    "rows4": {"rows_per_lane": 4, "rows_block_warps": 8},
     "flat": FLAT_EVERYWHERE,
     "flat16": {**FLAT_EVERYWHERE, "decode_narrow_below": 0, "decode_min_blocks": 0},
-    "splits": {"decode_flat": 0, "decode_tokens": 128},
+    "splits": {"decode_flat": 0, "decode_tokens": 128, "decode_token_rows": 0},
 }
 
 
@@ -885,12 +888,94 @@ def test_flat_decode_kernel_matches_reference(case, variant, cache_dtype):
             assert kernel is None or not kernel[0].startswith(qknorm.FLAT_KERNEL), kernel
         elif variant.startswith("flat"):  # every case here: the flat kernel
             assert kernel and kernel[0].startswith(qknorm.FLAT_KERNEL), kernel
+        elif sum(new) <= 256:  # the defaults and rows<U>: the token-rows kernel
+            assert kernel and kernel[0].startswith(qknorm.ROWS_KERNEL), kernel
         check_on_device(args, kw, kv_scale=0.5 if cache_dtype == E4M3 else None)
 
 
 def test_decode_kernel_is_chosen_for_plain_decode_calls():
     """_decode_kernel's choice (CPU): the compiled geometries of plain calls of few tokens, with
-    32-bit offsets while every extent fits."""
+    32-bit offsets while every extent fits; here as before the token-rows kernel (its choice:
+    test_token_rows_kernel_is_chosen_for_plain_decode_calls)."""
+    with applied({"qknorm": {"decode_token_rows": 0}}):
+        _decode_choices()
+
+
+def _decode_view(shape, dtype=BF16, strides=None):
+    if strides is None:
+        strides = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
+    return SimpleNamespace(shape=tuple(shape), strides=strides, dtype=np.dtype(dtype))
+
+
+def _decode_choice(
+    T=1, Hq=64, Hkv=8, D=128, R=None, pages=100, gamma=np.float32, fits=True, is_neox=True
+):
+    """_decode_kernel's answer for a plain call of these dimensions (bf16, NHD, page size 16)."""
+    from ropekv import qknorm
+
+    view = _decode_view
+    R = D if R is None else R
+    views = (
+        view((T, Hq, D)),
+        view((T, Hkv, D)),
+        view((T, Hkv, D)),
+        view((D,), gamma),
+        view((D,), gamma),
+        view((4096, R), np.float32),
+        view((T + 1,), np.int32),
+        view((T,), np.int32),
+        view((T, 64), np.int32),
+        view((pages, 16, Hkv, D)),
+        view((pages, 16, Hkv, D)),
+    )
+    return qknorm._decode_kernel(views, None, is_neox, R, fits)
+
+
+def test_token_rows_kernel_is_chosen_for_plain_decode_calls():
+    """The token-rows decode kernel (CPU): up to rows_tokens tokens with 32-bit offsets; a warp
+    per token of S = 32 / lanes rows a step (4 at D 128 neox, 8 at D 64, 1 at D 256
+    interleaved), U steps: the smallest U whose grid holds at most rows_warps warps, balanced."""
+    from ropekv import qknorm
+
+    choose = _decode_choice
+
+    def rows(T, U, per_token, warps, **kw):
+        kernel, grid, block = choose(T=T, **kw)
+        D, is_neox = kw.get("D", 128), kw.get("is_neox", True)
+        assert kernel == qknorm.rows_expression(BF16, BF16, is_neox, D, True, U), (T, kw)
+        assert grid == (-(-T // warps), per_token) and block == (32 * warps,), (T, kw)
+
+    # Qwen3-32B heads, 80 rows a token: 1 row a lane (20 warps a token) while T 20 <= 512,
+    # 3 at 64 tokens (7 warps of 12 rows), 4 from 128 (5 warps of 16 rows: past 512 warps)
+    rows(1, 1, 20, 1)
+    rows(3, 1, 20, 3)
+    rows(16, 1, 20, 4)
+    rows(64, 3, 7, 4)
+    rows(128, 4, 5, 4)
+    rows(256, 4, 5, 4)
+    # Tensor-parallel heads (10 rows): 3 warps of 4 rows; at 256 tokens 2 of 8 (512 warps)
+    rows(1, 1, 3, 1, Hq=8, Hkv=1)
+    rows(128, 1, 3, 4, Hq=8, Hkv=1)
+    rows(256, 2, 2, 4, Hq=8, Hkv=1)
+    rows(1, 1, 10, 1, D=64)  # 8 rows a step
+    rows(1, 1, 80, 1, D=256, is_neox=False)  # 32 lanes a row
+    with applied({"qknorm": {"rows_per_lane": 4, "rows_block_warps": 2}}):
+        rows(1, 4, 5, 1)
+        rows(7, 4, 5, 2)
+        rows(1, 3, 1, 1, Hq=8, Hkv=1)  # balanced: 12 rows hold the 10
+    with applied({"qknorm": {"rows_warps": 10**6}}):
+        rows(256, 1, 20, 4)
+    # past rows_tokens, or 64-bit offsets: the kernels before it
+    assert choose(T=257) is None
+    assert choose(T=300, Hq=8, Hkv=1)[0].startswith(qknorm.FLAT_KERNEL)
+    assert choose(pages=2**20)[0] == qknorm.decode_expression(BF16, BF16, True, 128, True, False)
+    for refused in ({"D": 80}, {"R": 64}, {"fits": False}):
+        assert choose(**refused) is None, refused
+    with applied({"qknorm": {"decode_token_rows": 0}}):
+        assert choose()[0] == qknorm.flat_expression(BF16, BF16, True, 128, True, 4)
+
+
+def _decode_choices():
     from ropekv import qknorm
 
     def view(shape, dtype=BF16, strides=None):

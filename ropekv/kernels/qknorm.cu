@@ -717,3 +717,252 @@ __global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode_flat(const QKNormP
   pdl_wait();
   qk_decode_rows<T, CacheT, NEOX, D, GF32, true, true, N>(p, sh);
 }
+
+// ---- Decode: a warp per token, several rows a lane --------------------------------------------
+// (qk_rmsnorm_rope_decode_rows) A warp holds rows of ONE token: G = D / 16 (neox) or D / 8
+// (interleaved) lanes of 8 elements a row, S = 32 / G rows a step, U = ROWS steps, so
+// S U consecutive head rows of the token (Q, then K, then V); block x of the grid holds warps of
+// tokens blockIdx.x * warps + w, blockIdx.y the token's chunk of S U rows. What depends only on
+// the token (the request search, the position, the block-table entry) is done once per warp and
+// the cos/sin values and both RMSNorm weights once per lane, for all its U rows (U = ROWS, 1-4) (the other decode
+// kernels pay them per row): at 64 / 8 heads and 4 steps a lane's position, page and angles serve
+// 4 rows. Rows are loaded first (all U in flight), V rows of a 16-bit cache are stored as loaded.
+// The arithmetic and the semantics are qk_decode_rows's (32-bit offsets): a token outside every
+// request or with a position outside [0, P) has its q rows copied and writes nothing; a token
+// whose page is out of range is normalised and roped but writes nothing.
+template <typename T, typename CacheT, bool NEOX, int D, bool GF32, int ROWS>
+__device__ __forceinline__ void qk_decode_token_rows(const QKNormParams& p, QKDecodeShared& sh) {
+  constexpr int N = 8;
+  constexpr int G = NEOX ? D / (2 * N) : D / N;  // lanes per head row
+  constexpr int S = 32 / G;                      // rows of a warp per step
+  constexpr int HALF = D / 2;
+  constexpr int M = NEOX ? N : N / 2;  // angles per lane
+  static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0, "a row within a warp, power of two");
+  const int Hq = p.Hq, Hkv = p.Hkv;
+  const int H = Hq + 2 * Hkv;
+  constexpr int U = ROWS;  // steps
+  const int lane = threadIdx.x & 31;
+  const int t = int(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
+  const bool live_t = t < p.T;
+  const int h0 = int(blockIdx.y) * S * U + lane / G;  // the row of step 0; step u adds u S
+  const int j = lane & (G - 1);
+  const int ea = j * N;
+  const int eb = ea + HALF;
+  const int first = int(blockIdx.y) * S * U;   // the warp's first row
+  const int last = min(first + S * U, H) - 1;  // and its last
+  const bool has_q = first < Hq, has_k = first < Hq + Hkv && last >= Hq;
+  const bool has_kv = last >= Hq;
+
+  // 1. the rows' chunks (U loads in flight), the search's arrays
+  Vec<T, N> va[ROWS], vb[ROWS];
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    va[u] = Vec<T, N>{};
+    vb[u] = Vec<T, N>{};
+    const int h = h0 + u * S;
+    if (u >= U || h >= H || !live_t) continue;
+    const bool is_q = h < Hq;
+    const bool is_v = h >= Hq + Hkv;
+    const int hh = is_q ? h : is_v ? h - Hq - Hkv : h - Hq;
+    const T* base = static_cast<const T*>(is_q ? p.q : is_v ? p.v : p.k);
+    const unsigned st = unsigned(is_q ? p.q_st : is_v ? p.v_st : p.k_st);
+    const unsigned sh_ = unsigned(is_q ? p.q_sh : is_v ? p.v_sh : p.k_sh);
+    const T* row = base + (unsigned(t) * st + unsigned(hh) * sh_);
+    va[u] = load<T, N>(row + ea);
+    if (NEOX) vb[u] = load<T, N>(row + eb);
+  }
+  const int B = p.B;
+  unsigned lane_off = 0;
+  int lane_len = 0;
+  if (B < 32) {
+    if (lane <= B) lane_off = p.offsets[lane];
+    if (lane < B) lane_len = p.cache_lengths[lane];
+  }
+  // the rows' partial sums of squares
+  float ss[ROWS];
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    ss[u] = 0.f;
+    if (u >= U) continue;
+    float x[N];
+    to_floats<T, N>(va[u], x);
+#pragma unroll
+    for (int i = 0; i < N; ++i) ss[u] += x[i] * x[i];
+    if (NEOX) {
+      to_floats<T, N>(vb[u], x);
+#pragma unroll
+      for (int i = 0; i < N; ++i) ss[u] += x[i] * x[i];
+    }
+  }
+
+  // 2. request and position, once for the warp (every lane the same token: converged steps)
+  int req;
+  int pos = -1;
+  if (B < 32) {
+    int lo = 0, hi = B + 1;
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (__shfl_sync(0xffffffffu, lane_off, mid) <= unsigned(t)) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    req = lo - 1;
+    const int r0 = req < 0 ? 0 : req;
+    const unsigned o0 = __shfl_sync(0xffffffffu, lane_off, r0);
+    const unsigned o1 = __shfl_sync(0xffffffffu, lane_off, r0 + 1 > B ? B : r0 + 1);
+    const int len = __shfl_sync(0xffffffffu, lane_len, r0);
+    const i64 ps = i64(len) + (i64(t) - i64(o0));
+    if (req < 0 || req >= B || unsigned(t) < o0 || unsigned(t) >= o1) {
+      req = -1;
+    } else {
+      pos = ps < 0 || ps >= p.P ? -1 : int(ps);
+    }
+  } else {
+    PagedSlot s;
+    if (B <= kStageMax) {  // block-uniform: every warp of the block reaches the barrier
+      for (int i = threadIdx.x; i <= B; i += blockDim.x) {
+        sh.offsets[i] = p.offsets[i];
+        if (i < B) sh.lengths[i] = p.cache_lengths[i];
+      }
+      __syncthreads();
+      s = ragged_position(sh.offsets, sh.lengths, B, t);
+    } else {
+      s = ragged_position(p.offsets, p.cache_lengths, B, t);
+    }
+    req = s.request;
+    pos = s.pos < 0 || s.pos >= p.P ? -1 : int(s.pos);
+  }
+  const bool roped = live_t && req >= 0 && pos >= 0;
+
+  // 3. the block-table entry (a warp with K or V rows), then cos/sin (a warp with Q or K rows)
+  int page = -1, entry = 0;
+  if (roped && has_kv) {
+    const unsigned index = unsigned(pos) / unsigned(p.page_size);
+    entry = pos - int(index) * p.page_size;
+    if (index < unsigned(p.max_pages)) {
+      page = p.block_table[unsigned(req) * unsigned(p.bt_sb) + index];
+    }
+  }
+  float c[M], sn[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    c[i] = 1.f;
+    sn[i] = 0.f;
+  }
+  if (roped && (has_q || has_k)) {
+    const float* cs = p.cos_sin + unsigned(pos) * unsigned(p.cs_sp) + (NEOX ? ea : ea / 2);
+    load_float<float, M>(cs, c);
+    load_float<float, M>(cs + HALF, sn);
+  }
+  // the RMSNorm weights (ones without a position: the row is copied), beside cos/sin
+  float gqa[N], gqb[N], gka[N], gkb[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) gqa[i] = gqb[i] = gka[i] = gkb[i] = 1.f;
+  if (roped && has_q) {
+    if constexpr (GF32) {
+      load_float<float, N>(static_cast<const float*>(p.q_gamma) + ea, gqa);
+      if (NEOX) load_float<float, N>(static_cast<const float*>(p.q_gamma) + eb, gqb);
+    } else {
+      load_float<T, N>(static_cast<const T*>(p.q_gamma) + ea, gqa);
+      if (NEOX) load_float<T, N>(static_cast<const T*>(p.q_gamma) + eb, gqb);
+    }
+  }
+  if (roped && has_k) {
+    if constexpr (GF32) {
+      load_float<float, N>(static_cast<const float*>(p.k_gamma) + ea, gka);
+      if (NEOX) load_float<float, N>(static_cast<const float*>(p.k_gamma) + eb, gkb);
+    } else {
+      load_float<T, N>(static_cast<const T*>(p.k_gamma) + ea, gka);
+      if (NEOX) load_float<T, N>(static_cast<const T*>(p.k_gamma) + eb, gkb);
+    }
+  }
+
+  // the row sums: shuffles within each G-lane group, the U rows' chains interleaved
+#pragma unroll
+  for (int o = G >> 1; o; o >>= 1) {
+#pragma unroll
+    for (int u = 0; u < ROWS; ++u) {
+      if (u < U) ss[u] += __shfl_xor_sync(0xffffffffu, ss[u], o);
+    }
+  }
+  const bool write = page >= 0 && i64(page) < p.num_pages;
+
+  // 4. per row: weights, rotation (linear: the 1/rms is applied at the store), store
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    const int h = h0 + u * S;
+    if (u >= U || h >= H || !live_t) continue;
+    const bool is_q = h < Hq;
+    const bool is_v = h >= Hq + Hkv;
+    const int hh = is_q ? h : is_v ? h - Hq - Hkv : h - Hq;
+    CacheT* const cache = static_cast<CacheT*>(is_v ? p.v_cache : p.k_cache);
+    const unsigned c_sp = unsigned(is_v ? p.vc_sp : p.kc_sp);
+    const unsigned c_se = unsigned(is_v ? p.vc_se : p.kc_se);
+    const unsigned c_sh = unsigned(is_v ? p.vc_sh : p.kc_sh);
+    if (is_v) {  // copied into the cache
+      if (!write) continue;
+      CacheT* const dst =
+          cache + (unsigned(page) * c_sp + unsigned(entry) * c_se + unsigned(hh) * c_sh);
+      if constexpr (!is_quantized<CacheT>::value) {
+        store<T, N>(reinterpret_cast<T*>(dst) + ea, va[u]);
+        if (NEOX) store<T, N>(reinterpret_cast<T*>(dst) + eb, vb[u]);
+      } else {
+        float a[N], b[N];
+        to_floats<T, N>(va[u], a);
+        store_float<CacheT, N>(dst + ea, a, p.inv_v_scale);
+        if (NEOX) {
+          to_floats<T, N>(vb[u], b);
+          store_float<CacheT, N>(dst + eb, b, p.inv_v_scale);
+        }
+      }
+      continue;
+    }
+    if (!is_q && !write) continue;
+    float a[N], b[N];
+    to_floats<T, N>(va[u], a);
+    if (NEOX) to_floats<T, N>(vb[u], b);
+#pragma unroll
+    for (int i = 0; i < N; ++i) a[i] *= is_q ? gqa[i] : gka[i];
+    if (NEOX) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) b[i] *= is_q ? gqb[i] : gkb[i];
+    }
+    rotate_chunk<NEOX, N, M>(a, b, c, sn);  // the identity without a position
+    const float rms = roped ? rsqrtf(ss[u] * (1.f / D) + p.epsilon) : 1.f;
+    if (is_q || !is_quantized<CacheT>::value) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) a[i] *= rms;
+      if (NEOX) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) b[i] *= rms;
+      }
+    }
+    if (is_q) {
+      T* const dst = static_cast<T*>(p.q_out) +
+                     (unsigned(t) * unsigned(p.qo_st) + unsigned(h) * unsigned(p.qo_sh));
+      store_float<T, N>(dst + ea, a);
+      if (NEOX) store_float<T, N>(dst + eb, b);
+    } else {
+      CacheT* const dst =
+          cache + (unsigned(page) * c_sp + unsigned(entry) * c_se + unsigned(hh) * c_sh);
+      if constexpr (!is_quantized<CacheT>::value) {
+        store_float<T, N>(reinterpret_cast<T*>(dst) + ea, a);
+        if (NEOX) store_float<T, N>(reinterpret_cast<T*>(dst) + eb, b);
+      } else {
+        const float scale = rms * p.inv_k_scale;
+        store_float<CacheT, N>(dst + ea, a, scale);
+        if (NEOX) store_float<CacheT, N>(dst + eb, b, scale);
+      }
+    }
+  }
+}
+
+template <typename T, typename CacheT, bool NEOX, int D, bool GF32, int ROWS>
+__global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode_rows(const QKNormParams p) {
+  __shared__ QKDecodeShared sh;
+  pdl_launch_dependents();
+  pdl_wait();
+  qk_decode_token_rows<T, CacheT, NEOX, D, GF32, ROWS>(p, sh);
+}
