@@ -174,14 +174,14 @@ TUNING = {
     "decode_heads": 16,
     "decode_narrow_below": 32,
     "decode_min_blocks": 32,
-    # the token-rows decode kernel (`_rows_launch`, `decode_token_rows` 1; 0: the kernels above,
+    # the token-rows decode kernel (`_rows_launch`, `decode_by_token` 1; 0: the kernels above,
     # as before it): a warp per token holding S U of its head rows (S = 32 / lanes per row, 4 at
     # D 128 neox; U steps), the request search, position and page once per warp and the cos/sin
     # values and weights once per lane for its U rows. Plain calls of up to `rows_tokens` tokens
     # with 32-bit offsets. U: `rows_per_lane` (1-4), or with 0 the smallest U whose grid has at
     # most `rows_warps` warps (4 past it), then balanced over the warps a token takes; blocks of
     # up to `rows_block_warps` warps (tokens). U is a template constant (ROWS_STEPS).
-    "decode_token_rows": 1,
+    "decode_by_token": 1,
     "rows_tokens": 256,
     "rows_per_lane": 0,
     "rows_warps": 512,
@@ -1097,7 +1097,7 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
     flat = TUNING["decode_flat"] and (
         (T < TUNING["flat_below"]) if H > TUNING["decode_heads"] else not few
     )
-    by_token = TUNING["decode_token_rows"] and T <= TUNING["rows_tokens"]
+    by_token = TUNING["decode_by_token"] and T <= TUNING["rows_tokens"]
     if not (
         0 < T
         and (few or flat or by_token)

@@ -227,13 +227,14 @@ MMA_SPLITS = (4, 8)  # the compiled cluster sizes
 MMA_VALS = {W_DENSE: 8, W_FP8: 16, W_INT4: 32}  # k values per 16-byte weight load
 # The lean form of qkv_mma for fp8 and 4-bit weights at token tiles of MMA_LEAN_TILES (3-16
 # tokens): 8 warps of 16 weight rows (not 4 of 32), 80 registers, 3 CTAs an SM, with
-# (4-bit depth, fp8 depth) chunks in flight a lane (one of MMA_LEAN_DEPTHS, or 0: the 4-warp
+# MMA_LEAN_INT4 / MMA_LEAN_FP8 chunks in flight a lane (one of MMA_LEAN_DEPTHS, or 0: the 4-warp
 # form, as before). Nsight Compute of the 4-warp form at 16 tokens (H200, Llama-3-8B projection):
 # 128 registers with local-memory spills, 12 warps an SM, 6.9 cycles an issued instruction,
 # DRAM 11% (4-bit) / 25% (fp8): latency-bound with too few warps. NVRTC 12.9 for sm_90: 80
 # registers and no spills at depth 2 (4-bit) / a few bytes at 4 (fp8); 4-bit at depth 4 spills
-# about 160 bytes, hence 2 by default. (0, 0) restores the 4-warp form.
-MMA_LEAN = (2, 4)
+# about 160 bytes, hence 2 by default. 0 restores the 4-warp form.
+MMA_LEAN_INT4 = 2
+MMA_LEAN_FP8 = 4
 MMA_LEAN_TILES = (8, 16)
 MMA_LEAN_DEPTHS = (2, 4)  # the compiled ones
 # Dynamic shared memory stays below the 48 KiB a kernel may use without opting in, static
@@ -413,15 +414,15 @@ def mma_expression(dtype, fmt, tn, split, opts=False, lean=0):
 
 
 def mma_lean_depth(fmt, tn, lean):
-    """qkv_mma's LEAN template argument for a token tile of ``tn`` under MMA_LEAN's value
-    ``lean``: the chunks in flight of the lean form (quantized weights, tiles of MMA_LEAN_TILES),
-    or 0 (the 4-warp form)."""
+    """qkv_mma's LEAN template argument for a token tile of ``tn`` under ``lean`` =
+    (MMA_LEAN_INT4, MMA_LEAN_FP8): the chunks in flight of the lean form (quantized weights, tiles
+    of MMA_LEAN_TILES), or 0 (the 4-warp form)."""
     if fmt == W_DENSE or tn not in MMA_LEAN_TILES:
         return 0
     depth = lean[0] if fmt == W_INT4 else lean[1]
     if depth not in (0, *MMA_LEAN_DEPTHS):
         raise ValueError(
-            f"ropekv.qkv.MMA_LEAN must be (int4 depth, fp8 depth), each 0 or one of "
+            f"ropekv.qkv.MMA_LEAN_INT4 and MMA_LEAN_FP8 must each be 0 or one of "
             f"{MMA_LEAN_DEPTHS}, got {lean}"
         )
     return depth
@@ -803,7 +804,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
             MMA_MIN_TOKENS,
             MMA_MAX_TOKENS,
             (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID),
-            (MMA_SPLIT, MMA_LEAN),
+            (MMA_SPLIT, MMA_LEAN_INT4, MMA_LEAN_FP8),
             # tiled_settings() and wgmma_settings(), spelled out: this runs on every call
             (
                 TILED_MIN_TOKENS,
@@ -1671,8 +1672,8 @@ def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False, fp8=F
 
 def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts=False, lean=None):
     """The tensor-core launch (qkv_mma, or qkv_mma_tiled where :func:`tiled_applies`: from
-    ``tiled``'s token count on), or None where neither applies. ``lean``: MMA_LEAN's value (the
-    module's when None)."""
+    ``tiled``'s token count on), or None where neither applies. ``lean``: (MMA_LEAN_INT4,
+    MMA_LEAN_FP8) (the module's when None)."""
     G = fields["group_size"]
     tiled_min, max_tile, stages, tiled_split, per_sm, kgroups = tiled
     if split not in MMA_SPLITS:
@@ -1715,7 +1716,7 @@ def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts
     smem = _mma_smem(tn, kc)
     if smem > MMA_SMEM_MAX:
         return None
-    depth = mma_lean_depth(fmt, tn, MMA_LEAN if lean is None else lean)
+    depth = mma_lean_depth(fmt, tn, (MMA_LEAN_INT4, MMA_LEAN_FP8) if lean is None else lean)
     return Launch(
         STEM,
         mma_expression(vx.dtype, fmt, tn, split, opts, depth),
@@ -1899,7 +1900,7 @@ _OP = Op(
                 "MMA_MIN_TOKENS",
                 "MMA_MAX_TOKENS",
                 "MMA_*_QUANTIZED",
-                "MMA_SPLIT, MMA_LEAN",
+                "MMA_SPLIT, MMA_LEAN_*",
             )
         ),
         ("TILED_*", AS_IS),

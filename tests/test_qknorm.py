@@ -809,7 +809,7 @@ def test_decode_kernel_matches_reference(D, batch, cache_dtype, layout):
 
 
 # the flat decode kernel at every token count it can take
-FLAT_EVERYWHERE = {"flat_below": 1 << 30, "decode_tokens": 0, "decode_token_rows": 0}
+FLAT_EVERYWHERE = {"flat_below": 1 << 30, "decode_tokens": 0, "decode_by_token": 0}
 # TUNING variants of the decode kernels: the defaults (the token-rows kernel up to 256 tokens),
 # the token-rows kernel at 1-4 rows a lane (blocks of up to 8 warps for 4), the flat kernel
 # (4-element lanes at few tokens), the flat kernel at 16-byte lanes (D 64: 8 rows a warp, so a
@@ -820,7 +820,7 @@ DECODE_VARIANTS = {
     "rows4": {"rows_per_lane": 4, "rows_block_warps": 8},
     "flat": FLAT_EVERYWHERE,
     "flat16": {**FLAT_EVERYWHERE, "decode_narrow_below": 0, "decode_min_blocks": 0},
-    "splits": {"decode_flat": 0, "decode_tokens": 128, "decode_token_rows": 0},
+    "splits": {"decode_flat": 0, "decode_tokens": 128, "decode_by_token": 0},
 }
 
 
@@ -897,7 +897,7 @@ def test_decode_kernel_is_chosen_for_plain_decode_calls():
     """_decode_kernel's choice (CPU): the compiled geometries of plain calls of few tokens, with
     32-bit offsets while every extent fits; here as before the token-rows kernel (its choice:
     test_token_rows_kernel_is_chosen_for_plain_decode_calls)."""
-    with applied({"qknorm": {"decode_token_rows": 0}}):
+    with applied({"qknorm": {"decode_by_token": 0}}):
         _decode_choices()
 
 
@@ -971,7 +971,7 @@ def test_token_rows_kernel_is_chosen_for_plain_decode_calls():
     assert choose(pages=2**20)[0] == qknorm.decode_expression(BF16, BF16, True, 128, True, False)
     for refused in ({"D": 80}, {"R": 64}, {"fits": False}):
         assert choose(**refused) is None, refused
-    with applied({"qknorm": {"decode_token_rows": 0}}):
+    with applied({"qknorm": {"decode_by_token": 0}}):
         assert choose()[0] == qknorm.flat_expression(BF16, BF16, True, 128, True, 4)
 
 

@@ -1902,12 +1902,12 @@ def test_the_call_passes_the_settings_functions_values(monkeypatch):
     ],
 )
 def test_mma_takes_the_lean_form_where_mma_lean_says(wfmt, T, lean, depth, monkeypatch):
-    """MMA_LEAN picks qkv_mma's lean form (8 warps of 16 rows, ``depth`` chunks in flight) for
+    """MMA_LEAN_INT4 / MMA_LEAN_FP8 pick qkv_mma's lean form (8 warps of 16 rows, ``depth`` chunks in flight) for
     fp8 and 4-bit weights at token tiles of MMA_LEAN_TILES; (0, 0) and everything else keep the
     4-warp form (the launch's kernel and block, with the driver out of the way)."""
     from types import SimpleNamespace
 
-    assert qkv_mod.MMA_LEAN == (2, 4)
+    assert (qkv_mod.MMA_LEAN_INT4, qkv_mod.MMA_LEAN_FP8) == (2, 4)
     got = []
     monkeypatch.setattr(qkv_mod, "Launch", lambda *a, **k: got.append((a[1], a[4])))
     monkeypatch.setattr(qkv_mod, "_compute_capability", lambda device: 90)
@@ -1926,21 +1926,28 @@ def test_mma_takes_the_lean_form_where_mma_lean_says(wfmt, T, lean, depth, monke
     assert got == [(want, ((4 if depth == 0 else 8) * 32,))]
     assert want in set(qkv_mod.instantiations())
     if fmt != qkv_mod.W_DENSE:
-        with pytest.raises(ValueError, match="MMA_LEAN"):
+        with pytest.raises(ValueError, match="MMA_LEAN_INT4 and MMA_LEAN_FP8"):
             qkv_mod._mma(
                 fields, {}, vx, vw, fmt, 16, K, 6144, 128, 0, False, 8, tiled, False, (3, 3)
             )
 
 
 def test_the_call_passes_mma_lean(monkeypatch):
-    """MMA_LEAN enters the plan key beside MMA_SPLIT (a changed setting plans again)."""
+    """MMA_LEAN_INT4 and MMA_LEAN_FP8 enter the plan key beside MMA_SPLIT (a changed setting
+    plans again)."""
     seen = []
     monkeypatch.setattr(qkv_mod, "_OP", lambda arrays, flags, *rest: seen.append(flags))
-    monkeypatch.setattr(qkv_mod, "MMA_LEAN", (4, 2))
+    set_mma_lean(monkeypatch, (4, 2))
     args, kw = make_case(1)
     call(args, kw)
     (flags,) = seen
-    assert (qkv_mod.MMA_SPLIT, (4, 2)) in flags
+    assert (qkv_mod.MMA_SPLIT, 4, 2) in flags
+
+
+def set_mma_lean(monkeypatch, lean):
+    """MMA_LEAN_INT4, MMA_LEAN_FP8 = ``lean`` for one test."""
+    monkeypatch.setattr(qkv_mod, "MMA_LEAN_INT4", lean[0])
+    monkeypatch.setattr(qkv_mod, "MMA_LEAN_FP8", lean[1])
 
 
 @pytest.mark.gpu
@@ -1954,7 +1961,7 @@ def test_the_call_passes_mma_lean(monkeypatch):
 def test_gpu_mma_lean(lean, wfmt, dtype, lengths, zero_points, monkeypatch):
     """qkv_mma's lean form (and the 4-warp form, (0, 0)) at 3-16 tokens on the Llama-3-8B
     projection, 4-bit weights in groups of 128 with and without zero points, both input dtypes."""
-    monkeypatch.setattr(qkv_mod, "MMA_LEAN", lean)
+    set_mma_lean(monkeypatch, lean)
     args, kw = make_case(
         60 + sum(lengths),
         lengths=lengths,
@@ -1976,7 +1983,7 @@ def test_gpu_mma_lean_partial_tiles(lean, wfmt, split, monkeypatch):
     """The lean form with a partial row tile (N 288), K slices shorter than the chunks in flight
     (K 320: some CTAs' slices empty), groups of 32, hostile pages and tokens outside every
     request."""
-    monkeypatch.setattr(qkv_mod, "MMA_LEAN", lean)
+    set_mma_lean(monkeypatch, lean)
     monkeypatch.setattr(qkv_mod, "MMA_SPLIT", split)
     for seed, lengths in enumerate([(3,), (1, 4, 0, 2), (5, 6, 4)]):  # T 3, 7, 16
         args, kw = make_case(
