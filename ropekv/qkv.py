@@ -1140,7 +1140,7 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         a.cos_sin_cache,
         a.out,
     )
-    gemv, mma_min, mma_max, mma_quantized, (mma_split, lean), tiled, graph_max = tuning
+    gemv, mma_min, mma_max, mma_quantized, (mma_split, *lean), tiled, graph_max = tuning
     gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, late_scale = gemv
     T, K, N, D, fmt, device = c.T, c.K, c.N, c.D, c.fmt, c.device
     gemv_packed = gemv_packed and (fmt != W_FP8 or packed_fp8)
