@@ -98,7 +98,7 @@ TUNING = {
     "lean_narrow_from": 128,
     "lean_wide_chunks": 1 << 18,
     "lean_multi": 4,
-    "lean_multi_upto": 1 << 22,
+    "lean_multi_upto": 1 << 19,
 }
 MAX_BLOCK = 512  # __launch_bounds__ of the row kernel
 ROW_KERNEL = "rope_append_paged_rows"

@@ -180,8 +180,13 @@ TUNING = {
     # values and weights once per lane for its U rows. Plain calls of up to `rows_tokens` tokens
     # with 32-bit offsets. U: `rows_per_lane` (1-4), or with 0 the smallest U whose grid has at
     # most `rows_warps` warps (4 past it), then balanced over the warps a token takes; blocks of
-    # up to `rows_block_warps` warps (tokens). U is a template constant (ROWS_STEPS).
+    # up to `rows_block_warps` warps (tokens). U is a template constant (ROWS_STEPS). It takes
+    # calls of at least `rows_from` head rows (T x (Hq + 2 Hkv)): side by side on the H200 (graph
+    # replay, us, this kernel against the kernels above) it lost below that (Qwen3-32B 64 / 8
+    # heads 1 / 16 / 64 / 128 tokens 2.1 / 2.4 / 3.4 / 4.1 against 1.9 / 2.2 / 2.8 / 3.5; 8 / 1
+    # heads 2.1-3.5 against 1.8-3.2 at 1-256 tokens) and won at 256 x 80 rows (5.2 against 5.8).
     "decode_by_token": 1,
+    "rows_from": 16384,
     "rows_tokens": 256,
     "rows_per_lane": 0,
     "rows_warps": 512,
@@ -1088,7 +1093,8 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
     DECODE_DIMS, R == D, 16-byte lanes aligned, both RMSNorm weights of one dtype); None
     otherwise (``fits8``: the rows are aligned for 8-element lanes). 32-bit offsets when every
     array's extent in elements allows (the flat kernel and the token-rows kernel need them);
-    the token-rows kernel first, up to TUNING["rows_tokens"] tokens."""
+    the token-rows kernel first, from TUNING["rows_from"] head rows up to TUNING["rows_tokens"]
+    tokens."""
     vq, vk, vv, vqg, vkg, vt, _voff, _vlen, vbt, vkc, vvc = views[:11]
     T, Hq, D = vq.shape
     Hkv = vk.shape[1]
@@ -1097,7 +1103,9 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
     flat = TUNING["decode_flat"] and (
         (T < TUNING["flat_below"]) if H > TUNING["decode_heads"] else not few
     )
-    by_token = TUNING["decode_by_token"] and T <= TUNING["rows_tokens"]
+    by_token = (
+        TUNING["decode_by_token"] and TUNING["rows_from"] <= T * H and T <= TUNING["rows_tokens"]
+    )
     if not (
         0 < T
         and (few or flat or by_token)

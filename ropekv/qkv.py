@@ -225,18 +225,6 @@ SM_SHARED_BYTES = 228 * 1024  # shared memory an SM of sm_90 holds (each CTA res
 MMA_SPLIT = 8
 MMA_SPLITS = (4, 8)  # the compiled cluster sizes
 MMA_VALS = {W_DENSE: 8, W_FP8: 16, W_INT4: 32}  # k values per 16-byte weight load
-# The lean form of qkv_mma for fp8 and 4-bit weights at token tiles of MMA_LEAN_TILES (3-16
-# tokens): 8 warps of 16 weight rows (not 4 of 32), 80 registers, 3 CTAs an SM, with
-# MMA_LEAN_INT4 / MMA_LEAN_FP8 chunks in flight a lane (one of MMA_LEAN_DEPTHS, or 0: the 4-warp
-# form, as before). Nsight Compute of the 4-warp form at 16 tokens (H200, Llama-3-8B projection):
-# 128 registers with local-memory spills, 12 warps an SM, 6.9 cycles an issued instruction,
-# DRAM 11% (4-bit) / 25% (fp8): latency-bound with too few warps. NVRTC 12.9 for sm_90: 80
-# registers and no spills at depth 2 (4-bit) / a few bytes at 4 (fp8); 4-bit at depth 4 spills
-# about 160 bytes, hence 2 by default. 0 restores the 4-warp form.
-MMA_LEAN_INT4 = 2
-MMA_LEAN_FP8 = 4
-MMA_LEAN_TILES = (8, 16)
-MMA_LEAN_DEPTHS = (2, 4)  # the compiled ones
 # Dynamic shared memory stays below the 48 KiB a kernel may use without opting in, static
 # shared memory (token slots, request offsets) included.
 MMA_SMEM_MAX = 44 * 1024
@@ -408,24 +396,8 @@ def gemv_expression(dtype, fmt, vb, tt, fast=True, opts=False, packed=0):
 
 
 @functools.cache
-def mma_expression(dtype, fmt, tn, split, opts=False, lean=0):
-    """``lean``: 0, or the lean form's chunks in flight (see :func:`mma_lean_depth`)."""
-    return name_expression("qkv_mma", c_type(dtype), fmt, tn, split, c_bool(opts), lean)
-
-
-def mma_lean_depth(fmt, tn, lean):
-    """qkv_mma's LEAN template argument for a token tile of ``tn`` under ``lean`` =
-    (MMA_LEAN_INT4, MMA_LEAN_FP8): the chunks in flight of the lean form (quantized weights, tiles
-    of MMA_LEAN_TILES), or 0 (the 4-warp form)."""
-    if fmt == W_DENSE or tn not in MMA_LEAN_TILES:
-        return 0
-    depth = lean[0] if fmt == W_INT4 else lean[1]
-    if depth not in (0, *MMA_LEAN_DEPTHS):
-        raise ValueError(
-            f"ropekv.qkv.MMA_LEAN_INT4 and MMA_LEAN_FP8 must each be 0 or one of "
-            f"{MMA_LEAN_DEPTHS}, got {lean}"
-        )
-    return depth
+def mma_expression(dtype, fmt, tn, split, opts=False):
+    return name_expression("qkv_mma", c_type(dtype), fmt, tn, split, c_bool(opts))
 
 
 @functools.cache
@@ -477,10 +449,6 @@ def instantiations():
                         yield gemv_expression(dtype, fmt, vb, tt, opts=opts, packed=2)
         for fmt, tn, split in itertools.product((W_DENSE, W_FP8, W_INT4), MMA_TILES, MMA_SPLITS):
             yield mma_expression(dtype, fmt, tn, split, opts)
-        for fmt, tn, split, depth in itertools.product(
-            (W_FP8, W_INT4), MMA_LEAN_TILES, MMA_SPLITS, MMA_LEAN_DEPTHS
-        ):
-            yield mma_expression(dtype, fmt, tn, split, opts, depth)
         for fmt, tn, split in itertools.product(TILED_FORMATS, TILED_TILES, TILED_SPLITS):
             yield tiled_expression(dtype, fmt, tn, split, TILED_STAGES, TILED_KGROUPS, opts)
         for (tn, deep, wq), split in itertools.product(_wgmma_tiles(), TILED_SPLITS):
@@ -804,7 +772,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
             MMA_MIN_TOKENS,
             MMA_MAX_TOKENS,
             (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID),
-            (MMA_SPLIT, MMA_LEAN_INT4, MMA_LEAN_FP8),
+            MMA_SPLIT,
             # tiled_settings() and wgmma_settings(), spelled out: this runs on every call
             (
                 TILED_MIN_TOKENS,
@@ -1140,7 +1108,7 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         a.cos_sin_cache,
         a.out,
     )
-    gemv, mma_min, mma_max, mma_quantized, (mma_split, *lean), tiled, graph_max = tuning
+    gemv, mma_min, mma_max, mma_quantized, mma_split, tiled, graph_max = tuning
     gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, late_scale = gemv
     T, K, N, D, fmt, device = c.T, c.K, c.N, c.D, c.fmt, c.device
     gemv_packed = gemv_packed and (fmt != W_FP8 or packed_fp8)
@@ -1153,9 +1121,7 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
             if step is not None:
                 return step
         if T and mma_min <= T <= mma_max:
-            return _mma(
-                fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split, tiled, opts, lean
-            )
+            return _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split, tiled, opts)
         return None
 
     plan = functools.partial(Plan, device, outputs=outputs, written=written, result=_result)
@@ -1670,10 +1636,9 @@ def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False, fp8=F
     )
 
 
-def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts=False, lean=None):
+def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts=False):
     """The tensor-core launch (qkv_mma, or qkv_mma_tiled where :func:`tiled_applies`: from
-    ``tiled``'s token count on), or None where neither applies. ``lean``: (MMA_LEAN_INT4,
-    MMA_LEAN_FP8) (the module's when None)."""
+    ``tiled``'s token count on), or None where neither applies."""
     G = fields["group_size"]
     tiled_min, max_tile, stages, tiled_split, per_sm, kgroups = tiled
     if split not in MMA_SPLITS:
@@ -1716,13 +1681,12 @@ def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts
     smem = _mma_smem(tn, kc)
     if smem > MMA_SMEM_MAX:
         return None
-    depth = mma_lean_depth(fmt, tn, (MMA_LEAN_INT4, MMA_LEAN_FP8) if lean is None else lean)
     return Launch(
         STEM,
-        mma_expression(vx.dtype, fmt, tn, split, opts, depth),
+        mma_expression(vx.dtype, fmt, tn, split, opts),
         device,
         (split, tiles),
-        ((MMA_ROWS // 16 if depth else MMA_WARPS) * 32,),  # lean: a warp per m16 tile
+        (MMA_WARPS * 32,),
         PARAMS,
         {**fields, "kc": kc},
         slots,
@@ -1900,7 +1864,7 @@ _OP = Op(
                 "MMA_MIN_TOKENS",
                 "MMA_MAX_TOKENS",
                 "MMA_*_QUANTIZED",
-                "MMA_SPLIT, MMA_LEAN_*",
+                "MMA_SPLIT",
             )
         ),
         ("TILED_*", AS_IS),

@@ -2217,6 +2217,11 @@ def test_lean_multi_takes_wide_rows_past_lean_wide_chunks(monkeypatch):
     below = paged.TUNING["lean_wide_chunks"]
     assert 16 * 129 * 72 <= below < 64 * 129 * 72  # the shipped split: 16 / 64 tokens x 128 heads
     assert _multi_shape(16, 128).shape == ("lean", False)
+    upto = paged.TUNING["lean_multi_upto"]
+    assert 256 * 17 * 72 <= upto < 64 * 129 * 72  # the shipped split: 16 heads x 256 tokens
+    assert _multi_shape(256, 16).shape == ("lean_multi", 4)
+    assert _multi_shape(64, 128).shape[0] not in ("lean", "lean_multi")  # the section kernel
+    monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 1 << 22)  # the shapes below
     wide = _multi_shape(64, 128)  # 129 rows of 72 chunks: 18 lanes of 4
     assert wide.shape == ("lean_multi", 4) and (wide.group, wide.block) == (72, 18)
     assert wide.rows * wide.block * wide.tokens <= paged.LEAN_THREADS
@@ -2410,6 +2415,6 @@ def test_lean_multi_off_keeps_todays_kernels(monkeypatch, launched):
         check_against_reference(make_case(210 + T, T=T, B=8, **_mla(Hq)), True, is_neox=False)
         assert not launched[-1].startswith(paged.LEAN_MULTI_KERNEL), launched[-1:]
         assert not launched[-1].startswith(paged.LEAN_KERNEL + "<"), launched[-1:]
-    monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 1 << 22)  # the default: the new kernel
+    monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 1 << 22)  # the new kernel at 64 x 128 too
     check_against_reference(make_case(212, T=64, B=8, **_mla(128)), True, is_neox=False)
     assert _multi_ran(launched, 4)

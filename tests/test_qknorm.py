@@ -810,14 +810,14 @@ def test_decode_kernel_matches_reference(D, batch, cache_dtype, layout):
 
 # the flat decode kernel at every token count it can take
 FLAT_EVERYWHERE = {"flat_below": 1 << 30, "decode_tokens": 0, "decode_by_token": 0}
-# TUNING variants of the decode kernels: the defaults (the token-rows kernel up to 256 tokens),
-# the token-rows kernel at 1-4 rows a lane (blocks of up to 8 warps for 4), the flat kernel
+# TUNING variants of the decode kernels: the defaults (the token-rows kernel from rows_from head
+# rows up to 256 tokens), the token-rows kernel at every size at 1-4 rows a lane (blocks of up to 8 warps for 4), the flat kernel
 # (4-element lanes at few tokens), the flat kernel at 16-byte lanes (D 64: 8 rows a warp, so a
 # warp holds rows of two tokens), and the (T, splits) kernel of decode_flat 0
 DECODE_VARIANTS = {
     "default": {},
-    **{f"rows{u}": {"rows_per_lane": u} for u in (1, 2, 3)},
-    "rows4": {"rows_per_lane": 4, "rows_block_warps": 8},
+    **{f"rows{u}": {"rows_per_lane": u, "rows_from": 0} for u in (1, 2, 3)},
+    "rows4": {"rows_per_lane": 4, "rows_block_warps": 8, "rows_from": 0},
     "flat": FLAT_EVERYWHERE,
     "flat16": {**FLAT_EVERYWHERE, "decode_narrow_below": 0, "decode_min_blocks": 0},
     "splits": {"decode_flat": 0, "decode_tokens": 128, "decode_by_token": 0},
@@ -888,7 +888,9 @@ def test_flat_decode_kernel_matches_reference(case, variant, cache_dtype):
             assert kernel is None or not kernel[0].startswith(qknorm.FLAT_KERNEL), kernel
         elif variant.startswith("flat"):  # every case here: the flat kernel
             assert kernel and kernel[0].startswith(qknorm.FLAT_KERNEL), kernel
-        elif sum(new) <= 256:  # the defaults and rows<U>: the token-rows kernel
+        elif sum(new) <= 256 and (  # rows<U>, and the defaults from rows_from rows: token rows
+            variant != "default" or sum(new) * (heads[0] + 2 * heads[1]) >= 16384
+        ):
             assert kernel and kernel[0].startswith(qknorm.ROWS_KERNEL), kernel
         check_on_device(args, kw, kv_scale=0.5 if cache_dtype == E4M3 else None)
 
@@ -931,10 +933,29 @@ def _decode_choice(
     return qknorm._decode_kernel(views, None, is_neox, R, fits)
 
 
+def test_token_rows_kernel_takes_calls_from_rows_from_head_rows():
+    """By default the token-rows kernel takes calls of at least rows_from head rows (Qwen3-32B's
+    80 rows a token at 256 tokens, not at 128; never 8 / 1 heads' 10 rows up to 256 tokens)."""
+    from ropekv import qknorm
+
+    assert qknorm.TUNING["rows_from"] == 16384
+    assert _decode_choice(T=256)[0] == qknorm.rows_expression(BF16, BF16, True, 128, True, 4)
+    assert _decode_choice(T=205)[0].startswith(qknorm.ROWS_KERNEL)  # 16400 rows
+    assert _decode_choice(T=204) is None  # 16320 rows: the general kernel, as before
+    assert _decode_choice(T=128)[0] == qknorm.decode_expression(BF16, BF16, True, 128, True, True)
+    assert _decode_choice(T=256, Hq=8, Hkv=1)[0].startswith(qknorm.FLAT_KERNEL)
+
+
 def test_token_rows_kernel_is_chosen_for_plain_decode_calls():
-    """The token-rows decode kernel (CPU): up to rows_tokens tokens with 32-bit offsets; a warp
-    per token of S = 32 / lanes rows a step (4 at D 128 neox, 8 at D 64, 1 at D 256
-    interleaved), U steps: the smallest U whose grid holds at most rows_warps warps, balanced."""
+    """The token-rows decode kernel (CPU), rows_from 0: up to rows_tokens tokens with 32-bit
+    offsets; a warp per token of S = 32 / lanes rows a step (4 at D 128 neox, 8 at D 64, 1 at
+    D 256 interleaved), U steps: the smallest U whose grid holds at most rows_warps warps,
+    balanced."""
+    with applied({"qknorm": {"rows_from": 0}}):
+        _token_rows_choices()
+
+
+def _token_rows_choices():
     from ropekv import qknorm
 
     choose = _decode_choice

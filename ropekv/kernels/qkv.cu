@@ -1227,15 +1227,8 @@ __device__ __forceinline__ void cluster_epilogue(const QkvParams& p, const float
 // OPTS: status= validates the offsets once the first weight loads are in flight, before the main
 // loop (every CTA of every cluster, so all of a cluster's CTAs return together on failure); the
 // last token of a request clears the rest of its page in the epilogue (clear_rests).
-// LEAN: 0, 4 warps of MMA_MT (2) m16 tiles, 32 rows each. Else the lean form for quantized
-// weights at small token tiles (the host picks it, MMA_LEAN in qkv.py): 8 warps of one m16 tile
-// (16 rows), half the fragments and sums a thread, LEAN chunks in flight a lane (2 or 4; 4 puts
-// all of a lane's chunks in flight with K 4096 split 8 ways), 3 CTAs an SM (80 registers: 384
-// CTAs at Llama-3-8B's projection in one wave, 24 warps an SM against 12); 4-bit scale and zero
-// point in one register, the zero folded into the magic-number offsets as integers.
-template <typename T, int WF, int TN, int S, bool OPTS, int LEAN>
-__global__ void MMA_CLUSTER_DIMS __launch_bounds__(
-    MMA_ROWS / (16 * (LEAN ? 1 : MMA_MT)) * 32, LEAN ? 3 : WF != W_DENSE && TN == 64 ? 3 : 4)
+template <typename T, int WF, int TN, int S, bool OPTS>
+__global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE && TN == 64 ? 3 : 4)
     qkv_mma(const QkvParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   pdl_launch_dependents();
@@ -1245,9 +1238,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(
   constexpr int UNITS = VALS / 8;  // 16-byte units (8 T values) of B per lane and chunk
   constexpr int NT = TN / 8;
   // chunks in flight per lane (registers: 168 at most for 3 CTAs an SM)
-  constexpr int U = LEAN ? LEAN : WF == W_INT4 ? 2 : TN <= 32 ? 4 : 2;
-  constexpr int MT = LEAN ? 1 : MMA_MT;  // m16 tiles a warp
-  constexpr bool INT_ZERO = LEAN != 0;  // 4-bit: scale and zero point as integers (below)
+  constexpr int U = WF == W_INT4 ? 2 : TN <= 32 ? 4 : 2;
   extern __shared__ __align__(16) unsigned char mma_smem[];
   T* xs = reinterpret_cast<T*>(mma_smem);           // (TN, xs_stride): the hidden slice
   float* part = reinterpret_cast<float*>(mma_smem);  // after the main loop: (TN, PART_STRIDE)
@@ -1269,27 +1260,26 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(
   const int xs_stride = sw % 64 == 0 ? sw + 32 : sw;
 
   // ---- weight loads: U chunks in flight, refilled as they are consumed
-  const unsigned char* wrow[MT][2];
-  bool wlive[MT][2];
-  int wn[MT][2];
+  const unsigned char* wrow[MMA_MT][2];
+  bool wlive[MMA_MT][2];
+  int wn[MMA_MT][2];
 #pragma unroll
-  for (int m = 0; m < MT; ++m)
+  for (int m = 0; m < MMA_MT; ++m)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int n = row0 + warp * (16 * MT) + m * 16 + h * 8 + g;
+      const int n = row0 + warp * (16 * MMA_MT) + m * 16 + h * 8 + g;
       wn[m][h] = n;
       wlive[m][h] = n < p.N;
       wrow[m][h] = static_cast<const unsigned char*>(p.weight) +
                    i64(wlive[m][h] ? n : 0) * p.weight_row_bytes;
     }
-  uint4 a[U][MT][2];
-  // 4-bit: (offset + zero, scale) T pairs; INT_ZERO: zsub the scale's bits and the zero point
-  unsigned zsub[U][MT][2], zscale[INT_ZERO ? 1 : U][MT][2];
+  uint4 a[U][MMA_MT][2];
+  unsigned zsub[U][MMA_MT][2], zscale[U][MMA_MT][2];  // 4-bit: (offset + zero, scale) T pairs
   auto issue = [&](int u, int ci) {
     const int k = kbeg + ci * CH + c * VALS;
     const bool on = ci < nchunks && k < kbeg + klen;
 #pragma unroll
-    for (int m = 0; m < MT; ++m)
+    for (int m = 0; m < MMA_MT; ++m)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const bool live = on && wlive[m][h];
@@ -1297,30 +1287,16 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(
         a[u][m][h] = live ? ldg_stream(wrow[m][h] + byte) : make_uint4(0, 0, 0, 0);
         if constexpr (WF == W_INT4) {
           const int grp = k / p.group_size;
-          if constexpr (INT_ZERO) {
-            // the scale's bits and the zero point as integers: magic + zero is the magic with
-            // the zero in its low mantissa bits (2^10 + z in fp16, 2^7 + z in bf16, z <= 15)
-            const unsigned short* ws = static_cast<const unsigned short*>(p.weight_scales);
-            const unsigned sb = live ? ws[i64(wn[m][h]) * p.ws_s0 + grp] : 0u;
-            const unsigned z =
-                live && p.zero_points
-                    ? static_cast<const unsigned char*>(p.zero_points)[i64(wn[m][h]) * p.zp_s0 +
-                                                                       grp] & 0xFu
-                    : 8u;
-            zsub[u][m][h] = sb | (z << 16);  // one register: zscale unused
-          } else {
-            const T s = live
-                            ? static_cast<const T*>(p.weight_scales)[i64(wn[m][h]) * p.ws_s0 + grp]
-                            : from_float<T>(0.f);
-            const float z = live && p.zero_points
-                                ? float(static_cast<const unsigned char*>(
-                                            p.zero_points)[i64(wn[m][h]) * p.zp_s0 + grp] &
-                                        0xF)
-                                : 8.f;
-            const unsigned short sb = *reinterpret_cast<const unsigned short*>(&s);
-            zscale[u][m][h] = unsigned(sb) | (unsigned(sb) << 16);
-            zsub[u][m][h] = pair_of<T>((is_half<T>::value ? 1024.f : 128.f) + z);
-          }
+          const T s = live ? static_cast<const T*>(p.weight_scales)[i64(wn[m][h]) * p.ws_s0 + grp]
+                           : from_float<T>(0.f);
+          const float z = live && p.zero_points
+                              ? float(static_cast<const unsigned char*>(
+                                          p.zero_points)[i64(wn[m][h]) * p.zp_s0 + grp] &
+                                      0xF)
+                              : 8.f;
+          const unsigned short sb = *reinterpret_cast<const unsigned short*>(&s);
+          zscale[u][m][h] = unsigned(sb) | (unsigned(sb) << 16);
+          zsub[u][m][h] = pair_of<T>((is_half<T>::value ? 1024.f : 128.f) + z);
         }
       }
   };
@@ -1355,7 +1331,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(
     asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
   };
 
-  float acc[MT][NT][4] = {};
+  float acc[MMA_MT][NT][4] = {};
 
   PendingSlot slot{{-1, -1, -1, 0}, 0, -1};  // threads < TN: token t0 + threadIdx.x
   if (nchunks == 0 && threadIdx.x < TN) {  // an empty K slice
@@ -1381,9 +1357,9 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(
 #pragma unroll
       for (int j = 0; j < UNITS; ++j) {
         // A fragments of unit j (two mmas): af[m][s][0..3] for mma s of the unit
-        unsigned af[MT][2][4];
+        unsigned af[MMA_MT][2][4];
 #pragma unroll
-        for (int m = 0; m < MT; ++m) {
+        for (int m = 0; m < MMA_MT; ++m) {
           unsigned r[2][4];  // [h][pair]: the unit's 4 T pairs of rows g (h 0) and g + 8 (h 1)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -1398,19 +1374,9 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(
               r[h][3] = fp8x2_to<T>(w1 >> 16);
             } else {
               const unsigned w = j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
-              if constexpr (INT_ZERO) {
-                // zsub holds the scale's bits (low half) and the zero point z (high): sub =
-                // magic | z both halves; fp16 the cheaper int4_pairs with sub16 = -(64 + z)
-                // both halves (exactly int4_pair's values)
-                const unsigned sz = zsub[u][m][h];
-                const unsigned zz = __byte_perm(sz, 0u, 0x3232);  // z, both halves
-                int4_pairs<T>(w, INT4_MAGIC<T> | zz, (zz << 4) | 0xD400D400u,
-                              __byte_perm(sz, 0u, 0x1010), r[h]);
-              } else {
 #pragma unroll
-                for (int i = 0; i < 4; ++i)
-                  r[h][i] = int4_pair<T>(w, i, zsub[u][m][h], zscale[u][m][h]);
-              }
+              for (int i = 0; i < 4; ++i)
+                r[h][i] = int4_pair<T>(w, i, zsub[u][m][h], zscale[u][m][h]);
             }
           }
 #pragma unroll
@@ -1427,7 +1393,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(
                                                     ci * CH - sbase + j * 32 + c * 8);
           if constexpr (WF == W_INT4) b = int4_order(b);
 #pragma unroll
-          for (int m = 0; m < MT; ++m) {
+          for (int m = 0; m < MMA_MT; ++m) {
             mma16816<T>(acc[m][n], af[m][0][0], af[m][0][1], af[m][0][2], af[m][0][3], b.x, b.y);
             mma16816<T>(acc[m][n], af[m][1][0], af[m][1][1], af[m][1][2], af[m][1][3], b.z, b.w);
           }
@@ -1445,10 +1411,10 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(
   }
   __syncthreads();  // every warp is done with xs
 #pragma unroll
-  for (int m = 0; m < MT; ++m)
+  for (int m = 0; m < MMA_MT; ++m)
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-      const int rl = warp * (16 * MT) + m * 16 + g, tt = n * 8 + 2 * c;
+      const int rl = warp * (16 * MMA_MT) + m * 16 + g, tt = n * 8 + 2 * c;
       part[tt * MMA_PART_STRIDE + rl] = acc[m][n][0];
       part[(tt + 1) * MMA_PART_STRIDE + rl] = acc[m][n][1];
       part[tt * MMA_PART_STRIDE + rl + 8] = acc[m][n][2];
