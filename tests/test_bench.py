@@ -1036,6 +1036,8 @@ def test_the_recorded_run_still_reads(tmp_path):
     for c in result["cases"]:
         if c.get("decode") and "ropekv" in c:
             assert "host_us" in c["ropekv"] and "host_us_torch" in c["ropekv"], c["name"]
+            for key in ("first_us", "first_us_torch", "host_rounds"):
+                assert key in c["ropekv"], (c["name"], key)
     assert "speedup over the best peer" in bench.report.text(result)
     if _has_matplotlib():
         bench.plot(result, str(tmp_path / "recorded.png"))
