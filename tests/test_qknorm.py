@@ -999,29 +999,7 @@ def _token_rows_choices():
 def _decode_choices():
     from ropekv import qknorm
 
-    def view(shape, dtype=BF16, strides=None):
-        if strides is None:
-            strides = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
-        return SimpleNamespace(shape=tuple(shape), strides=strides, dtype=np.dtype(dtype))
-
-    def choose(
-        T=1, Hq=64, Hkv=8, D=128, R=None, pages=100, gamma=np.float32, fits=True, is_neox=True
-    ):
-        R = D if R is None else R
-        views = (
-            view((T, Hq, D)),
-            view((T, Hkv, D)),
-            view((T, Hkv, D)),
-            view((D,), gamma),
-            view((D,), gamma),
-            view((4096, R), np.float32),
-            view((T + 1,), np.int32),
-            view((T,), np.int32),
-            view((T, 64), np.int32),
-            view((pages, 16, Hkv, D)),
-            view((pages, 16, Hkv, D)),
-        )
-        return qknorm._decode_kernel(views, None, is_neox, R, fits)
+    view, choose = _decode_view, _decode_choice
 
     # the defaults: 64 / 8 heads (80 rows a token) take the flat kernel below 17 tokens, T H rows
     # in one sequence: 80 rows at 16 lanes of 4 elements, 2 rows a warp: 4 rows a block makes 20

@@ -434,21 +434,32 @@ def test_a_negated_torch_tensor_of_a_planned_layout_is_refused(op, stubbed, monk
     assert len(stubbed.calls) > launched
 
 
-@pytest.mark.parametrize("kind", ["cupy", "torch"])
-@pytest.mark.parametrize("op", OPS)
-def test_replay_refills_every_pointer(op, kind, stubbed, monkeypatch):
-    convert = hostcost.to_cupy
+def stand_in(kind, monkeypatch):
+    """The stand-in maker of ``kind``: CuPy arrays, or torch tensors with a fake torch."""
     if kind == "torch":
         fake_torch(monkeypatch)
-        convert = hostcost.to_torch
-    fn, kw = CASES[op](41, **DECODE.get(op, {}))
+        return hostcost.to_torch
+    return hostcost.to_cupy
+
+
+def record_op_arrays(monkeypatch):
+    """A list that gets every Op call's arguments (the call goes on as before)."""
     seen = []
     call = _launch.Op.__call__
     monkeypatch.setattr(
         _launch.Op,
         "__call__",
-        lambda self, arrays, *a: seen.append(arrays) or call(self, arrays, *a),
+        lambda self, arrays, *a, **k: seen.append(arrays) or call(self, arrays, *a, **k),
     )
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+@pytest.mark.parametrize("op", OPS)
+def test_replay_refills_every_pointer(op, kind, stubbed, monkeypatch):
+    convert = stand_in(kind, monkeypatch)
+    fn, kw = CASES[op](41, **DECODE.get(op, {}))
+    seen = record_op_arrays(monkeypatch)
     fn(**map_arrays(kw, convert))
     assert sum(len(o.plans) for o in all_ops()) == 1 and stubbed.calls
     n_first = len(stubbed.calls)
@@ -460,14 +471,7 @@ def test_replay_refills_every_pointer(op, kind, stubbed, monkeypatch):
         stream = stubbed.calls[-1][0]
         assert stream == (0x7000 if kind == "torch" else 0x5000)  # the stream rule
         ptrs = [0 if a is None else _ptr(a) for a in seen[-1]]
-        launch = plan.steps[-1]
-        fields = stubbed.pointers(len(stubbed.calls) - 1, launch.n_ptr)
-        filled = 0
-        for field, (arg, offset) in zip(fields, launch.slots):
-            if 0 <= arg < len(ptrs) and ptrs[arg]:
-                assert field == ptrs[arg] + offset, "a pointer field was not refilled"
-                filled += 1
-        assert filled >= 3
+        assert_filled(stubbed, len(stubbed.calls) - 1, plan.steps[-1], ptrs)
     assert len(stubbed.calls) == 3 * n_first  # as many launches per call
     # every call went through the replay under test (the first call's launch too: once planned,
     # it is the C replay's)
@@ -532,19 +536,10 @@ def test_a_first_call_launches_once_on_the_pointers_it_read(op, kind, direct, st
     ``FIRST_LAUNCH_DIRECT`` off a second entry of the replay (as before). The next call of the
     layout is the C replay's alone."""
     monkeypatch.setattr(_launch, "FIRST_LAUNCH_DIRECT", direct)
-    convert = hostcost.to_cupy
-    if kind == "torch":
-        fake_torch(monkeypatch)
-        convert = hostcost.to_torch
+    convert = stand_in(kind, monkeypatch)
     counted = count_caller_entries(monkeypatch)
     fn, kw = CASES[op](61, **DECODE.get(op, {}))
-    seen = []
-    call = _launch.Op.__call__
-    monkeypatch.setattr(
-        _launch.Op,
-        "__call__",
-        lambda self, arrays, *a: seen.append(arrays) or call(self, arrays, *a),
-    )
+    seen = record_op_arrays(monkeypatch)
     fn(**map_arrays(kw, convert))
     (op_obj,) = [o for o in all_ops() if o.plans]
     plan = next(iter(op_obj.plans.values()))
@@ -582,13 +577,7 @@ def test_a_multi_layer_first_call_launches_its_layer(direct, stubbed, monkeypatc
     fn, kw = CASES["qknorm"](62)
     kw["paged_kv_cache"] = tuple(np.stack([c, c.copy(), c.copy()]) for c in kw["paged_kv_cache"])
     dev = map_arrays(kw, hostcost.to_cupy)
-    seen = []
-    call = _launch.Op.__call__
-    monkeypatch.setattr(
-        _launch.Op,
-        "__call__",
-        lambda self, arrays, *a, **k: seen.append(arrays) or call(self, arrays, *a, **k),
-    )
+    seen = record_op_arrays(monkeypatch)
     for layer in (2, 1):
         fn(**dev, layer_idx=layer)
         (op_obj,) = [o for o in all_ops() if o.layer_plans]
