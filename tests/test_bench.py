@@ -18,7 +18,7 @@ import pytest
 
 from ropekv import _info, bench, check, cli, reference
 from ropekv import bytes as nb
-from ropekv.bench import cases, frameworks, report, runner, tuning
+from ropekv.bench import cases, frameworks, report, runner, timing, tuning
 from ropekv.bench.workloads import base, qkv
 
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
@@ -348,6 +348,127 @@ def test_eager_host_time_is_timed_in_bursts_with_the_sync_outside():
     assert log[:50] == ["call"] * 50 and calls[0] == "sync"
     bursts = "".join("c" if x == "call" else "|" for x in calls[1:]).split("|")[:-1]
     assert bursts == ["c" * _timing.HOST_BURST] * (350 // _timing.HOST_BURST)
+
+
+# ---- the host-time measurements the bench and tools/hosttime.py, tools/hostcost.py share ----------
+
+
+def test_first_call_us_clears_plans_before_each_call_and_syncs_outside_the_timing(monkeypatch):
+    log = []
+    monkeypatch.setattr(timing, "clear_plans", lambda: log.append("clear"))
+    us = timing.first_call_us(lambda: log.append("call"), lambda: log.append("sync"), n=3)
+    assert us > 0
+    assert log == ["clear", "sync", "call", "sync"] * 3 + ["clear"]
+    log.clear()
+    timing.first_call_us(lambda: log.append("call"), n=2)  # no device (tools/hostcost.py)
+    assert log == ["clear", "call"] * 2 + ["clear"]
+    log.clear()
+    timing.first_call_us(lambda: log.append("call"), lambda: None)
+    assert log.count("call") == timing.FIRST_CALLS
+
+
+def test_first_call_us_is_the_median(monkeypatch):
+    ticks = iter([0.0, 1e-6, 10.0, 10.0 + 5e-6, 20.0, 20.0 + 2e-6, 30.0, 30.0 + 9e-6])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(timing, "clear_plans", lambda: None)
+    assert timing.first_call_us(lambda: None, n=4) == pytest.approx(3.5)  # of 1, 5, 2, 9 us
+
+
+def _planted(ops):
+    """A stand-in plan in each op's one-layer and multi-layer plans."""
+    for op in ops:
+        op.plans["stand-in"] = op.layer_plans["stand-in"] = object()
+
+
+def _planted_left(ops):
+    return [op.name for op in ops if "stand-in" in op.plans or "stand-in" in op.layer_plans]
+
+
+def test_clear_plans_forgets_every_ops_plans_or_those_of_the_modules_named():
+    from ropekv import _launch, _registry, contiguous, paged
+
+    ops = timing.launch_ops()
+    assert ops and all(isinstance(op, _launch.Op) for op in ops)
+    mine = timing.launch_ops([contiguous])
+    assert mine == timing.launch_ops(["contiguous"]) and mine
+    assert all(op in ops for op in mine)
+    assert len(timing.launch_ops(_registry.OP_MODULES)) == len(ops)
+    others = [op for op in timing.launch_ops([paged]) if op not in mine]
+    try:
+        _planted(ops)
+        timing.clear_plans([contiguous])
+        assert _planted_left(mine) == [] and _planted_left(others) == [o.name for o in others]
+        timing.clear_plans()
+        assert _planted_left(ops) == []
+    finally:
+        timing.clear_plans()
+
+
+def test_tune_variants_drop_every_plan_of_the_ops_they_change():
+    from ropekv import contiguous
+
+    ops = timing.launch_ops([contiguous])
+    key = next(iter(contiguous.TUNING))
+    try:
+        _planted(ops)
+        with tuning.applied({"contiguous": {key: contiguous.TUNING[key]}}):
+            assert _planted_left(ops) == []  # dropped on entry
+            _planted(ops)
+        assert _planted_left(ops) == []  # and on exit
+    finally:
+        timing.clear_plans()
+
+
+def test_eager_host_times_are_ropekvs_call_and_first_call_and_a_peers_call(monkeypatch):
+    """The host times ``time_runner`` takes for a decode case and ``remeasure_host`` takes again:
+    per eager call on the runner's host call (else its call), and ropekv's first call."""
+    pytest.importorskip("cupy")  # imported for the device's sync (not called here)
+    from ropekv import _timing
+
+    seen = []
+    monkeypatch.setattr(
+        _timing, "eager_host_us", lambda fn, calls: seen.append(("per call", fn, calls)) or 2.0
+    )
+    monkeypatch.setattr(timing, "first_call_us", lambda fn, sync: seen.append(("first", fn)) or 9.0)
+    bound, call = object(), object()
+    ropekv = bench.Runner("ropekv", call, dict, host_call=bound)
+    assert timing.eager_host_times(ropekv, {"host_calls": 7}) == {"host_us": 2.0, "first_us": 9.0}
+    assert seen == [("per call", bound, 7), ("first", bound)]
+    seen.clear()
+    peer = bench.Runner("torch", call, dict)
+    assert timing.eager_host_times(peer, {"host_calls": 7}) == {"host_us": 2.0}
+    assert seen == [("per call", call, 7)]
+
+
+def test_remeasure_host_takes_what_the_case_took(monkeypatch):
+    """On the CUDA backend a round re-takes ``eager_host_times`` and ``torch_host_us`` (stand-ins
+    here) on a new workload; each figure becomes the median of its rounds, a figure missing
+    from a round counts as not measured."""
+    spec = type("Spec", (), {"decode": True, "make": lambda self, xp=None: "w"})()
+    made = []
+
+    def make_runners(w, s, peers, backend):
+        made.append((w, s, peers, backend))
+        return bench.Runner("ropekv", lambda: None, dict, host_call=lambda: None), {}
+
+    monkeypatch.setattr(runner, "make_runners", make_runners)
+    monkeypatch.setattr(
+        runner, "eager_host_times", lambda r, st: {"host_us": 3.0, "first_us": 30.0}
+    )
+    monkeypatch.setattr(runner, "torch_host_us", lambda w, calls: {"host_us_torch": 5.0})
+    r = {"host_us": 1.0, "first_us": 10.0, "host_us_torch": 7.0, "first_us_torch": 70.0}
+    case = {"ropekv": dict(r, host_rounds={k: [v] for k, v in r.items()})}
+    runner.remeasure_host(spec, case, {"host_calls": 7}, "cuda")
+    assert made == [("w", spec, (), "cuda")]
+    got = case["ropekv"]
+    assert got["host_rounds"] == {
+        "host_us": [1.0, 3.0],
+        "first_us": [10.0, 30.0],
+        "host_us_torch": [7.0, 5.0],
+        "first_us_torch": [70.0, None],
+    }
+    assert (got["host_us"], got["first_us"], got["host_us_torch"]) == (2.0, 20.0, 6.0)
+    assert got["first_us_torch"] == 70.0
 
 
 def _torch_outputs(w):

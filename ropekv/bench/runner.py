@@ -20,7 +20,7 @@ from ropekv.bench.arrays import _torch, gpu_status, one_line
 from ropekv.bench.cases import select_specs
 from ropekv.bench.compare import compare_all
 from ropekv.bench.peers import PEERS, UNCHECKED, make_runners, peer_availability
-from ropekv.bench.timing import first_call_us, host_time, time_runner, torch_host_us
+from ropekv.bench.timing import eager_host_times, host_time, time_runner, torch_host_us
 from ropekv.bench.workloads import OPS, op_available
 
 _START = [None]
@@ -351,16 +351,8 @@ def remeasure_host(spec, case, settings, backend="cuda"):
         runner.call()
         if backend == "numpy":
             got = {"host_us": host_time(runner.call, spec, settings)["host_us"]}
-        else:
-            import cupy
-
-            from ropekv import _timing
-
-            got = {
-                "host_us": _timing.eager_host_us(runner.host_call, calls=settings["host_calls"]),
-                "first_us": first_call_us(runner.host_call, cupy.cuda.runtime.deviceSynchronize),
-                **torch_host_us(w, settings["host_calls"]),
-            }
+        else:  # what run_case measured: time_runner's host times, then torch_host_us's
+            got = {**eager_host_times(runner, settings), **torch_host_us(w, settings["host_calls"])}
     except Exception as e:  # noqa: BLE001 - the rounds so far stand
         r["host_rounds_error"] = one_line(e)
         got = {}

@@ -88,11 +88,7 @@ def time_runner(r, spec, settings, flusher):
                 )
         except Exception as e:  # noqa: BLE001 - not capturable: fall back to events
             res["graph_error"] = one_line(e)
-        res["host_us"] = _timing.eager_host_us(r.host_call or r.call, calls=settings["host_calls"])
-        if r.name == "ropekv":  # its budget: the first call of a layout
-            import cupy
-
-            res["first_us"] = first_call_us(r.host_call, cupy.cuda.runtime.deviceSynchronize)
+        res.update(eager_host_times(r, settings))
     flush = flusher if spec.nbytes < L2_FLUSH_BELOW else None
     res["event_us"] = _timing.device_us(
         r.call, reps=settings["reps"], flush=flush, budget_s=settings["budget_s"]
@@ -102,49 +98,84 @@ def time_runner(r, spec, settings, flusher):
     return res
 
 
+def eager_host_times(r, settings):
+    """The host times of runner ``r`` on the CUDA backend: ``{"host_us": host time per eager call
+    (``ropekv._timing.eager_host_us`` on ``r.host_call``, ropekv's call with its arguments built
+    once, else ``r.call``), "first_us": the first call of a layout (ropekv's runner only:
+    :func:`first_call_us`)}``. A case measures them once, then ``remeasure_host`` again."""
+    import cupy
+
+    from ropekv import _timing
+
+    res = {"host_us": _timing.eager_host_us(r.host_call or r.call, calls=settings["host_calls"])}
+    if r.name == "ropekv":  # its budget: the first call of a layout
+        res["first_us"] = first_call_us(r.host_call, cupy.cuda.runtime.deviceSynchronize)
+    return res
+
+
 FIRST_CALLS = 5  # first calls timed per case and array kind (their median is the figure)
 
 
-def _clear_plans():
-    """Forget every op's launch plans, so that the next call of any layout is a first call."""
+def launch_ops(modules=None):
+    """Every ``ropekv._launch.Op`` of ``modules`` (op modules, or their names under ``ropekv``;
+    default: every op module, ``ropekv._registry.OP_MODULES``)."""
     import importlib
 
     from ropekv import _launch, _registry
 
-    for m in _registry.OP_MODULES:
-        for v in vars(importlib.import_module(f"ropekv.{m}")).values():
-            if isinstance(v, _launch.Op):
-                v.clear()
+    found = []
+    for m in _registry.OP_MODULES if modules is None else modules:
+        module = importlib.import_module(f"ropekv.{m}") if isinstance(m, str) else m
+        found += [v for v in vars(module).values() if isinstance(v, _launch.Op)]
+    return found
 
 
-def first_call_us(fn, sync, n=FIRST_CALLS):
-    """Median host time of a first call of a layout (its kernels already compiled; every op's
-    plans cleared before it): from the call to its return, the device synchronised before and
-    after, outside the timing. The plans are cleared once more afterwards, so the calls that
-    follow plan afresh, as the first call after this one would."""
+def clear_plans(modules=None):
+    """Forget the launch plans (of one-layer and of multi-layer calls) of every op of
+    ``modules`` (default: every op module), so that the next call of any layout is a first
+    call, planned with the ``TUNING`` of that moment. The bench's first calls, ``--tune``'s
+    variants and the host-time tools all clear plans through this."""
+    for op in launch_ops(modules):
+        op.clear()
+
+
+def first_call_us(fn, sync=None, n=FIRST_CALLS):
+    """Median host time of ``n`` first calls of a layout (its kernels already compiled; every
+    op's plans cleared before each): from the call to its return, the device synchronised by
+    ``sync`` before and after, outside the timing (None: no device, as on the stand-ins of
+    ``tools/hostcost.py``). The plans are cleared once more afterwards, so the calls that follow
+    plan afresh, as the first call after this one would."""
     times = []
     for _ in range(n):
-        _clear_plans()
-        sync()
+        clear_plans()
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
-        sync()
-    _clear_plans()
+        if sync is not None:
+            sync()
+    clear_plans()
     return statistics.median(times)
+
+
+def torch_workload(w, o):
+    """``(tw, to)``: a shallow copy of workload ``w`` whose arrays are torch tensors viewing
+    ``w``'s (DLPack, zero-copy), and the outputs ``o`` viewed the same way."""
+    tw = copy.copy(w)
+    tw.a = {k: torch_view(v) for k, v in w.a.items()}
+    return tw, {k: torch_view(v) for k, v in o.items()}
 
 
 def torch_host_us(w, calls):
     """{"host_us_torch": host time per eager call of ropekv's call made with torch tensors viewing
-    the workload's arrays (DLPack, zero-copy)}; {} without PyTorch, {"host_torch_error": ...} when
-    the call fails on torch tensors."""
+    the workload's arrays (DLPack, zero-copy), "first_us_torch": its first call of a layout}; {}
+    without PyTorch, {"host_torch_error": ...} when the call fails on torch tensors."""
     if peer_availability().get("torch"):
         return {}
     try:
         torch = _torch()
-        tw = copy.copy(w)
-        tw.a = {k: torch_view(v) for k, v in w.a.items()}
-        o = {k: torch_view(v) for k, v in w.new_outputs().items()}
+        tw, o = torch_workload(w, w.new_outputs())
         from ropekv import _timing
 
         fn, sync = tw.bound(o), torch.cuda.synchronize

@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import math
 
+from ropekv.bench.timing import clear_plans
 from ropekv.bench.workloads import OPS
 
 
@@ -136,14 +137,6 @@ def validate(changes):
             check_value(op, key, default, value)
 
 
-def _drop_plans(module):
-    from ropekv._launch import Op
-
-    for value in vars(module).values():
-        if isinstance(value, Op) and isinstance(getattr(value, "plans", None), dict):
-            value.plans.clear()
-
-
 @contextlib.contextmanager
 def applied(changes):
     """The op modules' ``TUNING`` (and named constants) changed for the duration, their launch
@@ -160,7 +153,7 @@ def applied(changes):
                     setattr(module, key, value)
                 else:
                     tuning[key] = value
-            _drop_plans(module)
+            clear_plans([module])
         yield
     finally:
         for module, tuning, constants in saved:
@@ -169,4 +162,4 @@ def applied(changes):
                 module.TUNING.update(tuning)
             for key, value in constants.items():
                 setattr(module, key, value)
-            _drop_plans(module)
+            clear_plans([module])
