@@ -471,6 +471,28 @@ def test_remeasure_host_takes_what_the_case_took(monkeypatch):
     assert got["first_us_torch"] == 70.0
 
 
+def test_the_host_time_tools_use_the_bench_measurements():
+    """tools/hosttime.py and tools/hostcost.py time first calls and clear plans through
+    ``ropekv.bench.timing``, and share their case options (hosttime's help needs no GPU)."""
+    tools = pathlib.Path(ROOT) / "tools"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(tools / "hosttime.py"), "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    for option in ("--calls", "--cases", "--layers", "--replay", "--no-floor", "--profile"):
+        assert option in out.stdout
+    for name in ("hosttime.py", "hostcost.py"):
+        source = (tools / name).read_text()
+        assert "from ropekv.bench.timing import" in source, name
+        assert "def ops(" not in source and "in ops()" not in source, name
+    assert "perf_counter" not in (tools / "hosttime.py").read_text()  # it times through helpers
+
+
 def _torch_outputs(w):
     """The outputs of ``w``'s PyTorch composition, or None where it has none (``torch_fn``
     returns None, as for the contiguous q_out / kv_cache_scales cases: the peers show "-")."""

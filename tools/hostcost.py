@@ -303,8 +303,11 @@ def _no_driver():
 
 
 def use_replay(kind):
-    """Time the C replay (``"c"``) or the Python one (``"python"``): rebinds every op."""
-    for op in ops():
+    """Time the C replay (``"c"``) or the Python one (``"python"``): rebinds every op (its plans
+    dropped)."""
+    from ropekv.bench.timing import launch_ops
+
+    for op in launch_ops():
         op.clear()
         op.reset_caller(native=kind != "python")
 
@@ -400,19 +403,6 @@ def layered_name(w):
     return None
 
 
-def ops():
-    import importlib
-
-    from ropekv import _launch, _registry
-
-    return [
-        v
-        for m in _registry.OP_MODULES
-        for v in vars(importlib.import_module(f"ropekv.{m}")).values()
-        if isinstance(v, _launch.Op)
-    ]
-
-
 def per_call_us(fn, n):
     for _ in range(200):
         fn()
@@ -426,14 +416,11 @@ def per_call_us(fn, n):
 
 
 def first_call_us(fn, n=20):
-    times = []
-    for _ in range(n):
-        for op in ops():
-            op.clear()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return float(np.median(times))
+    """Median host time of ``n`` first calls of ``fn`` (the bench's measurement, no device to
+    synchronise: ``ropekv.bench.timing.first_call_us``)."""
+    from ropekv.bench import timing
+
+    return timing.first_call_us(fn, n=n)
 
 
 # the steps of a first call that --phases times (module, attribute), beside the op's _prepare and
@@ -463,6 +450,8 @@ def first_phases(fn, n=50):
     wrapped in a timer for the run and restored after."""
     import importlib
 
+    from ropekv.bench.timing import clear_plans, launch_ops
+
     acc, saved = {}, []
 
     def timed(label, f):
@@ -479,19 +468,18 @@ def first_phases(fn, n=50):
         mod = importlib.import_module(mod_name)
         saved.append((mod, attr, getattr(mod, attr)))
         setattr(mod, attr, timed(attr, getattr(mod, attr)))
-    for op in ops():
+    for op in launch_ops():
         saved.append((op, "prepare", op.prepare))
         op.prepare = timed("prepare", op.prepare)
     fn()  # binds the callers
-    for op in ops():
+    for op in launch_ops():
         if op.caller is not None:
             saved.append((op, "caller", op.caller))
             op.caller = _TimedCaller(op.caller, timed)
     rows = {}
     try:
         for _ in range(n):
-            for op in ops():
-                op.clear()
+            clear_plans()
             acc.clear()
             t0 = time.perf_counter_ns()
             fn()
@@ -504,14 +492,10 @@ def first_phases(fn, n=50):
     return {k: float(np.median(v)) for k, v in rows.items()}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--profile", action="store_true", help="cProfile each replay")
-    parser.add_argument("--first-profile", action="store_true", help="cProfile the first calls")
-    parser.add_argument(
-        "--phases", action="store_true", help="median time of each step of the first calls"
-    )
-    parser.add_argument("--calls", type=int, default=20000)
+def add_case_arguments(parser, calls):
+    """The options this tool and ``tools/hosttime.py`` share: ``--calls`` (default ``calls``),
+    ``--cases``, ``--layers``, ``--replay``."""
+    parser.add_argument("--calls", type=int, default=calls)
     parser.add_argument("--cases", nargs="*", default=CASES)
     parser.add_argument(
         "--layers",
@@ -526,6 +510,16 @@ def main(argv=None):
         help="the C replay of plans (ropekv/_native.c, the default where it "
         "builds) or the Python one",
     )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", action="store_true", help="cProfile each replay")
+    parser.add_argument("--first-profile", action="store_true", help="cProfile the first calls")
+    parser.add_argument(
+        "--phases", action="store_true", help="median time of each step of the first calls"
+    )
+    add_case_arguments(parser, calls=20000)
     parser.add_argument(
         "--first-launch",
         choices=("direct", "caller"),
@@ -538,6 +532,8 @@ def main(argv=None):
 
     _launch.FIRST_LAUNCH_DIRECT = args.first_launch == "direct"
     lib = install_stubs()
+    from ropekv.bench.timing import clear_plans  # after the stubs, as every use of ropekv.bench
+
     print(f"launch stub: {'compiled C (ctypes)' if lib else 'Python no-op'}")
     use_replay(args.replay)
     workloads = host_workloads(args.cases)
@@ -590,8 +586,7 @@ def main(argv=None):
             if args.first_profile:
                 prof = cProfile.Profile()
                 for _ in range(50):
-                    for op in ops():
-                        op.clear()
+                    clear_plans()
                     prof.enable()
                     case()
                     prof.disable()

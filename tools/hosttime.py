@@ -20,16 +20,27 @@ through the same wrapper (``layer_idx=None``), which isolates the wrapper's own 
 from __future__ import annotations
 
 import argparse
-import copy
 import cProfile
 import functools
 import pstats
 import sys
-import time
 
-# the cases, the ops and the layer_idx wrapper of the CPU harness (tools/, this script's
-# folder, is on sys.path); importing it installs no stub
-from hostcost import CASES, LAYERED, Cycling, layered_name, ops
+# the cases, the options, the layer_idx wrapper and the replay switch of the CPU harness (tools/,
+# this script's folder, is on sys.path); importing it installs no stub
+from hostcost import LAYERED, Cycling, add_case_arguments, layered_name, use_replay
+
+# the bench's measurements: per-call host time (ropekv._timing), first calls, plan clearing and
+# the torch views of a workload (ropekv.bench.timing)
+from ropekv._timing import eager_host_us
+from ropekv.bench.timing import clear_plans, first_call_us, torch_workload
+
+FIRST_CALLS = 10  # first calls timed per case and array kind (their median is the figure)
+
+
+def per_call_us(fn, sync, calls):
+    """Host time per eager call, back to back (``ropekv._timing.eager_host_us``: bursts below
+    the driver's launch queue, so what is timed is the host's own work)."""
+    return eager_host_us(fn, calls=calls, sync=sync)
 
 
 def layered_rows(w, o, layers, sync, calls):
@@ -39,7 +50,6 @@ def layered_rows(w, o, layers, sync, calls):
     import torch
 
     import ropekv
-    from ropekv import bench
 
     name = layered_name(w)
     if name is None:
@@ -52,9 +62,7 @@ def layered_rows(w, o, layers, sync, calls):
             for c in caches:
                 shape = (n, *o[c].shape[:-1], o[c].shape[-1] * o[c].dtype.itemsize)
                 ol[c] = cupy.zeros(shape, cupy.uint8).view(o[c].dtype)  # fp8 as bytes
-        wt = copy.copy(w)
-        wt.a = {k: bench.torch_view(v) for k, v in w.a.items()}
-        ot = {k: bench.torch_view(v) for k, v in ol.items()}
+        wt, ot = torch_workload(w, ol)
         setattr(ropekv, name, Cycling(fn, n))
         try:
             w.call(ol)
@@ -62,8 +70,8 @@ def layered_rows(w, o, layers, sync, calls):
             rows.append(
                 (
                     f"  {label}",
-                    first_call_us(lambda w=w, ol=ol: w.call(ol), sync),
-                    first_call_us(lambda wt=wt, ot=ot: wt.call(ot), sync),
+                    first_call_us(lambda w=w, ol=ol: w.call(ol), sync, FIRST_CALLS),
+                    first_call_us(lambda wt=wt, ot=ot: wt.call(ot), sync, FIRST_CALLS),
                     per_call_us(lambda w=w, ol=ol: w.call(ol), sync, calls),
                     per_call_us(lambda wt=wt, ot=ot: wt.call(ot), torch.cuda.synchronize, calls),
                 )
@@ -78,38 +86,13 @@ def first_call_profile(fn, sync, label, sort, lines, n=30):
     sorted by ``sort``, its first ``lines`` lines."""
     prof = cProfile.Profile()
     for _ in range(n):
-        for op in ops():
-            op.clear()
+        clear_plans()
         prof.enable()
         fn()
         prof.disable()
     sync()
     print(f"==== first-call profile, {label}")
     pstats.Stats(prof, stream=sys.stdout).sort_stats(sort).print_stats(lines)
-
-
-def first_call_us(fn, sync, n=10):
-    """Median host time of a first call (every op's plans cleared before it): from the call to
-    its return, the device synchronised before and after, outside the timing."""
-    times = []
-    for _ in range(n):
-        for op in ops():
-            op.clear()
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-        sync()
-    times.sort()
-    return times[len(times) // 2]
-
-
-def per_call_us(fn, sync, calls):
-    """Host time per eager call, back to back (``ropekv._timing.eager_host_us``: bursts below
-    the driver's launch queue, so what is timed is the host's own work)."""
-    from ropekv import _timing
-
-    return _timing.eager_host_us(fn, calls=calls, sync=sync)
 
 
 def floor(sync, calls=20000):
@@ -153,32 +136,16 @@ def floor(sync, calls=20000):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--cases", nargs="*", default=CASES)
     parser.add_argument("--no-floor", action="store_true")
-    parser.add_argument(
-        "--layers",
-        type=int,
-        default=0,
-        help="also time multi-layer caches of this many layers (layer_idx)",
-    )
-    parser.add_argument(
-        "--replay",
-        choices=("c", "python"),
-        default="c",
-        help="the C replay of plans (ropekv/_native.c, the default where it "
-        "builds) or the Python one",
-    )
+    add_case_arguments(parser, calls=3000)
     args = parser.parse_args(argv)
     import cupy
     import torch
 
     from ropekv import _native, bench
 
-    for op in ops():
-        op.clear()
-        op.reset_caller(native=args.replay == "c")
+    use_replay(args.replay)
 
     def sync():
         cupy.cuda.runtime.deviceSynchronize()
@@ -191,13 +158,11 @@ def main(argv=None):
         w.call(o)  # compiles
         sync()
         call = w.bound(o)  # the ropekv call, its arguments built once
-        first = first_call_us(call, sync)
+        first = first_call_us(call, sync, FIRST_CALLS)
         cp_us = per_call_us(call, sync, args.calls)
-        wt = copy.copy(w)
-        wt.a = {k: bench.torch_view(v) for k, v in w.a.items()}
-        ot = {k: bench.torch_view(v) for k, v in o.items()}
+        wt, ot = torch_workload(w, o)
         call_t = wt.bound(ot)
-        first_t = first_call_us(call_t, sync)
+        first_t = first_call_us(call_t, sync, FIRST_CALLS)
         th_us = per_call_us(call_t, torch.cuda.synchronize, args.calls)
         rows.append((name, first, first_t, cp_us, th_us))
         print(
