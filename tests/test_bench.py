@@ -1036,6 +1036,39 @@ def test_tune_variants_parse_and_validate():
         tuning.validate({"qkv": {"STEM": "x"}})  # not a number
 
 
+def test_tune_values_zero_where_it_means_off_and_at_least_one_for_sizes():
+    """0 is a value of the thresholds and switches (paged.row_group, paged.lean_multi_upto,
+    qknorm.decode_by_token, qknorm.rows_warps: a grid-size threshold although its name ends in
+    a size word) and of a key whose default is 0; sizes and counts take at least 1."""
+    for op, key, default in (
+        ("paged", "row_group", 32),
+        ("paged", "lean_multi_upto", 1 << 19),
+        ("paged", "lean_multi", 4),
+        ("qknorm", "decode_by_token", 1),
+        ("qknorm", "rows_per_lane", 0),
+        ("qknorm", "rows_warps", 512),
+        ("qkv", "GEMV_MAX_TOKENS", 2),
+        ("x", "some_rows", 0),  # a size word, but 0 by default
+    ):
+        tuning.check_value(op, key, default, 0)
+    for op, key, default in (
+        ("contiguous", "block", 128),
+        ("paged", "row_block_many", 128),
+        ("contiguous", "prefill_rows", 3),
+        ("qknorm", "rows_block_warps", 4),
+        ("qkv", "GEMV_WARPS", 4),
+        ("qkv", "TILED_CTAS_PER_SM", 2),
+        ("qknorm", "narrow_width", 4),
+    ):
+        with pytest.raises(ValueError, match="at least 1|between 1 and 1024"):
+            tuning.check_value(op, key, default, 0)
+        tuning.check_value(op, key, default, 1)
+    with pytest.raises(ValueError, match="between 1 and 1024"):
+        tuning.check_value("contiguous", "block", 128, 2048)
+    with pytest.raises(ValueError, match="at least 0"):
+        tuning.check_value("qknorm", "rows_warps", 512, -1)
+
+
 def test_tune_applies_and_restores_the_tuning():
     import ropekv.contiguous as mod
     import ropekv.qkv as qkv_mod

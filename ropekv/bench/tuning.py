@@ -62,9 +62,11 @@ def _constant(module, key):
 
 
 # What a tunable accepts follows its default: a bool takes a bool; an int a non-negative int
-# (0: off, for thresholds such as paged.row_group=0), at least 1 for the sizes and counts named
-# below, at most 1024 threads for a block; a float a finite non-negative number; a tuple a tuple
-# of as many positive ints.
+# (0: off, for thresholds such as paged.row_group=0, paged.lean_multi_upto=0,
+# qknorm.decode_by_token=0), at least 1 for the sizes and counts whose name ends in a word of
+# _POSITIVE (but a key whose default is 0, and the thresholds of _THRESHOLDS), at most 1024
+# threads for a block; a float a finite non-negative number; a tuple a tuple of as many positive
+# ints.
 _POSITIVE = {
     "atoms",
     "block",
@@ -84,6 +86,10 @@ _POSITIVE = {
     "width",
 }
 _THREADS = {"block", "threads"}
+# keys ending in a word of _POSITIVE that are thresholds, not sizes: 0 is one of their values
+# (qknorm.rows_warps: the grid's warps up to which fewer rows a lane are taken; 0: never, always
+# the most)
+_THRESHOLDS = {"qknorm.rows_warps"}
 
 
 def _int(value):
@@ -99,7 +105,8 @@ def check_value(op, key, default, value):
         if not isinstance(value, bool):
             raise ValueError(f"{where}: expected True or False")  # noqa: TRY004 - a usage error
     elif _int(default):
-        low = 1 if last in _POSITIVE else 0
+        size = last in _POSITIVE and default != 0 and f"{op}.{key}" not in _THRESHOLDS
+        low = 1 if size else 0
         high = 1024 if last in _THREADS else None
         if not _int(value) or value < low or (high is not None and value > high):
             bound = f"between {low} and {high}" if high else f"at least {low}"
