@@ -206,6 +206,13 @@ def test_cases_filter_by_name():
     assert got and all("qkv fp8w" in n or "x2048" in n for n in got)
     assert any("x2048" in n for n in got) and any("fp8w" in n for n in got)
     assert bench.select_specs(names=["no such case"]) == []
+    assert all("=" not in s.name for s in bench.bench_specs())  # "=" marks an exact name
+    one = "paged gqa fp16->e4m3 1x1"
+    assert len(bench.select_specs(names=[one])) > 1  # also 1x1 dynamic q, 1x1024 ...
+    assert [s.name for s in bench.select_specs(names=[f"={one}"])] == [one]
+    mixed = [s.name for s in bench.select_specs(names=[f"={one}", "x2048"])]
+    assert one in mixed and all(n == one or "x2048" in n for n in mixed) and len(mixed) > 1
+    assert bench.select_specs(names=[f"={one[:-1]}"]) == []
 
 
 def test_qkv_weight_format_cases():

@@ -32,11 +32,17 @@ def check_specs():
 
 def select_specs(ops=None, quick=False, names=None):
     """The cases to run: those of the chosen ops (all by default) whose op exists in ropekv; with
-    ``names``, only those whose name contains one of these strings."""
+    ``names``, only those whose name contains one of these strings, or is one preceded by ``=``
+    (``=paged gqa fp16->e4m3 1x1``: that case alone, not ``... 1x1024``; no case name holds ``=``)."""
     specs = [s for s in bench_specs() if ops is None or s.op in ops]
     specs = [s for s in specs if base.op_available(s.op)]
     if names:
-        specs = [s for s in specs if any(n in s.name for n in names)]
+        specs = [s for s in specs if any(_matches(n, s.name) for n in names)]
     if quick:
         specs = [s for s in specs if s.quick]
     return specs
+
+
+def _matches(name, case):
+    """Whether ``--cases`` string ``name`` selects ``case``: ``=exact`` or a substring."""
+    return name[1:] == case if name.startswith("=") else name in case
