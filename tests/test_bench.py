@@ -1552,6 +1552,15 @@ def test_source_digest_names_the_code_that_ran(tmp_path, monkeypatch):
     kernel = copy / "kernels" / "qkv.cu"
     kernel.write_bytes(kernel.read_bytes() + b" ")
     assert runner.source_digest(str(copy)) != digest
+    monkeypatch.delenv("ROPEKV_GIT_REVISION", raising=False)
+    head = subprocess.run(
+        ["git", "-C", ROOT, "rev-parse", "--short=12", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if head.returncode == 0:  # a checkout: its revision, "-dirty" with changes to tracked files
+        assert runner.git_revision().removesuffix("-dirty") == head.stdout.strip()
     monkeypatch.setenv("ROPEKV_GIT_REVISION", "0123456789ab")
     assert runner.git_revision() == "0123456789ab"
     text = report.text(

@@ -119,27 +119,22 @@ def git_revision():
 
 
 def _git_revision():
-    here = os.path.dirname(os.path.abspath(__file__))  # ropekv/bench, inside the checkout
     try:
-        out = subprocess.run(
-            ["git", "-C", here, "rev-parse", "--short=12", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
+        out = _git("rev-parse", "--short=12", "HEAD")
         if out.returncode != 0:
             return None
-        dirty = subprocess.run(
-            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        ).stdout.strip()
+        dirty = _git("status", "--porcelain", "--untracked-files=no").stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except Exception:  # noqa: BLE001
         return None
+
+
+def _git(*args):
+    """``git <args>`` in the checkout ropekv runs from (its completed process)."""
+    here = os.path.dirname(os.path.abspath(__file__))  # ropekv/bench, inside the checkout
+    return subprocess.run(
+        ["git", "-C", here, *args], capture_output=True, text=True, timeout=10, check=False
+    )
 
 
 def _settings(quick):
