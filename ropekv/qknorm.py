@@ -174,6 +174,19 @@ TUNING = {
     "decode_heads": 16,
     "decode_narrow_below": 32,
     "decode_min_blocks": 32,
+    # few-head decode (H <= decode_heads: Tensor-parallel 8 / 1 heads, 10 rows a token) in the
+    # (T, splits) range: from `tp_flat_from` tokens (0: never, the (T, splits) kernel as before)
+    # up to decode_tokens tokens, or up to `tp_flat_to` past them (0: the flat kernel's shape
+    # above from decode_tokens + 1), the flat kernel at `tp_flat_width` elements a lane (4: 16
+    # lanes of a D 128 neox row, 2 rows a warp, where the (T, splits) kernel and the flat one
+    # past decode_narrow_below give a warp 4) and blocks of `tp_flat_rows` rows (made smaller
+    # below decode_min_blocks blocks, as above): twice the warps for the same rows, as Cake
+    # spreads them (ncu, TP 256 x 1: ropekv 160 blocks x 128, 4.8 warps / SM; Cake 384 x 128,
+    # 8.8 warps / SM, the same instruction count).
+    "tp_flat_from": 16,
+    "tp_flat_to": 0,
+    "tp_flat_width": 4,
+    "tp_flat_rows": 8,
     # the token-rows decode kernel (`_rows_launch`, `decode_by_token` 1; 0: the kernels above,
     # as before it): a warp per token holding S U of its head rows (S = 32 / lanes per row, 4 at
     # D 128 neox; U steps), the request search, position and page once per warp and the cos/sin
@@ -1103,6 +1116,15 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
     flat = TUNING["decode_flat"] and (
         (T < TUNING["flat_below"]) if H > TUNING["decode_heads"] else not few
     )
+    # few-head decode in the flat kernel's spread shape (TUNING's tp_flat_* comment)
+    spread = bool(
+        TUNING["decode_flat"]
+        and H <= TUNING["decode_heads"]
+        and TUNING["tp_flat_from"]
+        and TUNING["tp_flat_from"] <= T
+        and (few or T <= TUNING["tp_flat_to"])
+    )
+    flat = flat or spread
     by_token = (
         TUNING["decode_by_token"] and TUNING["rows_from"] <= T * H and T <= TUNING["rows_tokens"]
     )
@@ -1123,6 +1145,9 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
     f32 = vqg.dtype == FLOAT32
     if by_token and i32:
         return _rows_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32)
+    if spread and i32:
+        width, rows = TUNING["tp_flat_width"], TUNING["tp_flat_rows"]
+        return _flat_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32, width, rows)
     if flat and i32:
         return _flat_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32)
     if not few:
@@ -1157,16 +1182,21 @@ def _rows_launch(dtype, cache_dtype, is_neox, T, H, D, gamma_f32):
     return kernel, (-(-T // warps), per_token), (32 * warps,)
 
 
-def _flat_launch(dtype, cache_dtype, is_neox, T, H, D, gamma_f32):
+def _flat_launch(dtype, cache_dtype, is_neox, T, H, D, gamma_f32, width=None, block_rows=None):
     """(kernel, grid, block) of the flat decode kernel: T H rows, blocks of whole warps of up to
     TUNING["decode_rows"] rows, fewer (down to a warp's) while the grid has fewer than
-    TUNING["decode_min_blocks"] blocks."""
+    TUNING["decode_min_blocks"] blocks. ``width`` (elements a lane, FLAT_WIDTHS; 8 where 4
+    would take more than a warp a row) and ``block_rows`` replace TUNING's choices when given
+    (the few-head decode shape)."""
     n = 8
-    if T < TUNING["decode_narrow_below"] and flat_lanes(D, is_neox, 4):
+    if width is not None:
+        n = width if width in FLAT_WIDTHS and flat_lanes(D, is_neox, width) else 8
+    elif T < TUNING["decode_narrow_below"] and flat_lanes(D, is_neox, 4):
         n = 4
     group = flat_lanes(D, is_neox, n)
     per_warp = 32 // group  # rows of a warp
-    rows = max(per_warp, min(TUNING["decode_rows"], MAX_BLOCK // group)) // per_warp * per_warp
+    rows = TUNING["decode_rows"] if block_rows is None else block_rows
+    rows = max(per_warp, min(rows, MAX_BLOCK // group)) // per_warp * per_warp
     total = T * H
     if TUNING["decode_min_blocks"]:
         spread = -(-total // TUNING["decode_min_blocks"])  # rows a block at the minimum grid

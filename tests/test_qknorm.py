@@ -1065,6 +1065,134 @@ def _decode_choices():
     assert qknorm._decode_kernel(views, None, True, 128, True) is None
 
 
+def test_few_head_decode_takes_the_spread_flat_shape():
+    """Few-head decode (H <= decode_heads, TUNING tp_flat_*; CPU): from tp_flat_from tokens up to
+    decode_tokens (or tp_flat_to) the flat kernel at tp_flat_width elements a lane and blocks
+    of tp_flat_rows rows (fewer below decode_min_blocks blocks); below and past that range, or
+    tp_flat_from 0, the kernels as before."""
+    from ropekv import qknorm
+
+    choose = _decode_choice
+    flat4 = qknorm.flat_expression(BF16, BF16, True, 128, True, 4)
+    flat8 = qknorm.flat_expression(BF16, BF16, True, 128, True, 8)
+    splits = qknorm.decode_expression(BF16, BF16, True, 128, True, True)
+    tp = {"Hq": 8, "Hkv": 1}
+    with applied({"qknorm": {"decode_by_token": 0}}):
+        assert qknorm.TUNING["tp_flat_from"] == 16 and qknorm.TUNING["tp_flat_to"] == 0
+        # below tp_flat_from: the (T, splits) kernel
+        assert choose(T=1, **tp) == (splits, (1, 1), (128,))
+        assert choose(T=15, **tp) == (splits, (15, 1), (128,))
+        # 16 tokens: 160 rows of 16 lanes, 2 a warp; 8 a block would give 20 < 32 blocks: 6
+        assert choose(T=16, **tp) == (flat4, (27,), (96,))
+        assert choose(T=64, **tp) == (flat4, (80,), (128,))  # 640 rows, 8 a block
+        assert choose(T=128, **tp) == (flat4, (160,), (128,))
+        # past decode_tokens: the flat kernel's shape as before (16-byte lanes, 16 rows a block)
+        assert choose(T=129, **tp) == (flat8, (81,), (128,))
+        assert choose(T=256, **tp) == (flat8, (160,), (128,))
+        # H 16 still few-head; 64 / 8 heads (80 rows) untouched: the (T, splits) kernel
+        assert choose(T=64, Hq=8, Hkv=4)[0] == flat4
+        assert choose(T=64) == (splits, (64, 5), (128,))
+        # D 64: 8 lanes a row at 4 elements, 4 rows a warp; interleaved D 256 takes 8 elements
+        assert choose(T=64, D=64, **tp) == (
+            qknorm.flat_expression(BF16, BF16, True, 64, True, 4),
+            (80,),
+            (64,),
+        )
+        assert choose(T=64, D=256, is_neox=False, **tp) == (
+            qknorm.flat_expression(BF16, BF16, False, 256, True, 8),
+            (80,),
+            (256,),
+        )
+        # 64-bit offsets: the (T, splits) kernel, as before
+        assert choose(T=64, pages=2**20, **tp)[0].endswith("false>")
+        for off in ({"tp_flat_from": 0}, {"decode_flat": 0}):
+            with applied({"qknorm": off}):
+                assert choose(T=64, **tp) == (splits, (64, 1), (128,)), off
+        with applied({"qknorm": {"tp_flat_from": 1, "tp_flat_to": 256}}):
+            assert choose(T=1, **tp) == (flat4, (5,), (32,))  # 10 rows: 5 one-warp blocks
+            assert choose(T=256, **tp) == (flat4, (320,), (128,))
+            assert choose(T=257, **tp) == (flat8, (161,), (128,))
+            assert choose(T=300, pages=2**20, **tp) is None  # 64-bit offsets: the general one
+        with applied({"qknorm": {"tp_flat_width": 8, "tp_flat_rows": 16}}):
+            assert choose(T=64, **tp) == (flat8, (40,), (128,))
+        with applied({"qknorm": {"tp_flat_rows": 64, "decode_min_blocks": 0}}):
+            # 64 rows of 16 lanes would be 1024 threads: 32 rows, MAX_BLOCK threads
+            assert choose(T=64, **tp) == (flat4, (20,), (512,))
+
+
+# The few-head decode shape (tp_flat_*) on the device: its default range, off (the kernels as
+# before), at every token count (flat kernel, 4-element lanes), with big blocks, with 16-byte
+# lanes; Tensor-parallel heads 8 / 1 and 8 / 2 (12 rows), D 128 and D 64 (4 rows a warp of 8
+# lanes: a warp holds rows of two tokens), decode batches and a ragged prefill-like batch, pages
+# out of range and positions past P.
+TP_SPREAD_VARIANTS = {
+    "default": {},
+    "off": {"tp_flat_from": 0},
+    "every-t": {"tp_flat_from": 1, "tp_flat_to": 1 << 30},
+    "wide": {"tp_flat_from": 1, "tp_flat_to": 1 << 30, "tp_flat_rows": 64, "decode_min_blocks": 0},
+    "width8": {"tp_flat_from": 1, "tp_flat_to": 1 << 30, "tp_flat_width": 8},
+}
+TP_SPREAD_CASES = {  # (Hq, Hkv), new, cached, D
+    "tp-1": ((8, 1), (1,), (37,), 128),
+    "tp-16": ((8, 1), (1,) * 16, tuple(range(0, 160, 10)), 128),
+    "tp-128": ((8, 1), (1,) * 128, tuple(range(1, 1 + 7 * 128, 7)), 128),
+    "tp-256": ((8, 1), (1,) * 256, tuple(range(0, 768, 3)), 128),
+    "tp2-64": ((8, 2), (1,) * 64, tuple(range(5, 5 + 64 * 11, 11)), 128),
+    "tp-d64-33": ((8, 1), (1,) * 33, tuple(range(0, 33 * 9, 9)), 64),
+    "tp-ragged": ((8, 1), (20, 0, 9, 30, 1, 3), (0, 5, 17, 0, 40, 300), 128),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(TP_SPREAD_CASES))
+@pytest.mark.parametrize("variant", sorted(TP_SPREAD_VARIANTS))
+@pytest.mark.parametrize("cache_dtype", [BF16, E4M3])
+def test_few_head_spread_decode_matches_reference(case, variant, cache_dtype):
+    import cupy as cp  # noqa: F401 (GPU only)
+
+    from ropekv import qknorm
+
+    heads, new, cached, D = TP_SPREAD_CASES[case]
+    seed = 90 + sorted(TP_SPREAD_CASES).index(case)
+    args, kw = make_case(
+        seed,
+        Hq=heads[0],
+        Hkv=heads[1],
+        D=D,
+        dtype=BF16,
+        cache_dtype=cache_dtype,
+        new=new,
+        cached=cached,
+        page_size=16,
+        layout="HND" if seed % 2 else "NHD",
+        gamma_f32=bool(seed % 2),
+        packed=True,
+        P=700,  # the last tokens of tp-256 and tp-128 have no position
+    )
+    table = args["block_table"]
+    if len(new) > 1:
+        table[1, cached[1] // 16] = 10**6  # request 1's first new token: a page out of range
+        table[0, cached[0] // 16] = -3  # request 0's first new token: a negative page id
+    names = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets")
+    arrays = [args[n] for n in names] + [args["cache_lengths"], table, *args["paged_kv_cache"]]
+    views = [
+        SimpleNamespace(
+            shape=x.shape, strides=tuple(st // x.itemsize for st in x.strides), dtype=x.dtype
+        )
+        for x in arrays
+    ]
+    T, gf32 = sum(new), args["q_gamma"].dtype == np.float32
+    with applied({"qknorm": TP_SPREAD_VARIANTS[variant]}):
+        kernel = qknorm._decode_kernel(views, None, True, D, True)
+        if variant in ("every-t", "wide") or (variant == "default" and 16 <= T <= 128):
+            assert kernel[0] == qknorm.flat_expression(BF16, cache_dtype, True, D, gf32, 4), kernel
+        elif variant == "width8":
+            assert kernel[0] == qknorm.flat_expression(BF16, cache_dtype, True, D, gf32, 8), kernel
+        elif T <= 128:  # off, or the default below tp_flat_from: the (T, splits) kernel
+            assert kernel and kernel[0].startswith(qknorm.DECODE_KERNEL + "<"), kernel
+        check_on_device(args, kw, kv_scale=0.5 if cache_dtype == E4M3 else None)
+
+
 @pytest.mark.gpu
 def test_large_ragged_batch():
     """Thousands of requests, most of them empty: the binary search finds each token's."""
