@@ -2571,3 +2571,74 @@ def test_section_kernel_min_blocks_match_reference(shape, monkeypatch):
     )
     args, kw = with_mrope(make_case(184, T=33, B=2, Hq=8, Hkv=1, R=128, page_size=16), rng, False)
     check_against_reference(args, quantize=True, mrope=kw)
+
+
+def test_two_row_kernel_choice(monkeypatch):
+    """rows_two (off by default) gives plain calls whose lane groups hold two rows the ROWS 2
+    row kernel: with prefill_rows 2, GQA prefill in 192-thread blocks (8 / 1 heads: 40-thread
+    lane groups, 3 tokens a block); the option kernel and other row counts keep theirs."""
+    from ropekv import paged
+
+    gqa = {"R": 128, "Dn": 0, "mla": False, "dtype": F16, "is_neox": True}
+    monkeypatch.setitem(paged.TUNING, "prefill_rows", 2)
+    assert _choose(8192, 32, 8, **gqa).shape == ("rows", 4)  # rows_two off: today's kernel
+    monkeypatch.setitem(paged.TUNING, "rows_two", True)
+    two = _choose(8192, 32, 8, **gqa)
+    assert two.shape == ("rows", paged.ROWS_TWO) and (two.block, two.rows, two.tokens) == (
+        192,
+        2,
+        1,
+    )
+    tp8 = _choose(8192, 8, 1, **gqa)
+    assert tp8.shape == ("rows", 2) and (tp8.block, tp8.rows, tp8.tokens) == (40, 2, 3)
+    assert _choose(8192, 32, 8, q_scale_out=object(), **gqa).shape == ("rows", 4)
+    assert _choose(1, 32, 8, **gqa).shape == ("rows", 1)
+    monkeypatch.setitem(paged.TUNING, "prefill_rows", 4)
+    assert _choose(8192, 32, 8, **gqa).shape == ("rows", 4)
+    names = set(paged.instantiations())
+    for mrope in (False, True):
+        assert paged.expression(F16, E4M3, True, 8, ("rows", 2), mrope) in names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(32, 8), (8, 1), (24, 6)])
+def test_two_row_kernel_matches_reference(heads, monkeypatch, launched):
+    """The ROWS 2 row kernel (rows_two, prefill_rows 2, past the wave): GQA / MHA with and
+    without a nope part, blocks of several tokens, padding, garbage indices, mRoPE."""
+    from ropekv import paged
+
+    for key, value in (
+        ("rows_two", True),
+        ("prefill_rows", 2),
+        ("wave_blocks", 0),
+        ("max_row_block", 512),  # two rows a lane group for 16-lane rows too
+        ("lean_below", 0),  # no lean kernel
+    ):
+        monkeypatch.setitem(paged.TUNING, key, value)
+    Hq, Hkv = heads
+    for T, R, Dn, cache, neox in ((77, 128, 0, E4M3, True), (45, 64, 64, F16, False)):
+        args = make_case(
+            190 + T,
+            T=T,
+            B=3,
+            Hq=Hq,
+            Hkv=Hkv,
+            R=R,
+            Dn=Dn,
+            page_size=16,
+            padding=3,
+            cache_dtype=cache,
+        )
+        check_against_reference(args, quantize=cache in FP8, is_neox=neox)
+        assert launched[-1].startswith(paged.ROW_KERNEL + "<") and launched[-1].endswith(
+            ", 2, false>"
+        ), launched[-1:]
+    args = _poison_indices(make_case(193, T=16, B=2, Hq=Hq, Hkv=Hkv, R=64, Dn=32, page_size=5))
+    check_against_reference(args, quantize=True)
+    assert launched[-1].endswith(", 2, false>"), launched[-1:]
+    rng = np.random.default_rng(194)
+    args, kw = with_mrope(
+        make_case(195, T=33, B=2, Hq=Hq, Hkv=Hkv, R=128, page_size=16), rng, False
+    )
+    check_against_reference(args, quantize=True, mrope=kw)
+    assert launched[-1].endswith(", 2, true>"), launched[-1:]
