@@ -73,9 +73,16 @@ CACHE_LAYOUTS = {
 # / 64 tokens; 16 heads 64 / 128 / 256): section 3.1 / 3.4 / 3.7 / 5.2; 3.7 / 3.8 / 4.2; rows in
 # 256-thread blocks 2.4 / 2.6 / 3.8 / 6.8; 2.7 / 3.9 / 5.6; a block a row 2.4 / 2.5 / 3.3 / 5.2;
 # 2.9 / 3.6 / 4.2.
+#
+# Section-kernel occupancy (issue 38; the kernel's section_min_blocks): min blocks 5 ("heavy") caps
+# interleaved RoPE at 48 registers (ptxas sm_90, bf16 -> e4m3: 8 bytes of spills; FlashInfer's
+# MLA kernel runs 48 registers, 34 warps an SM, against our 64 and 28 at 16 heads x 4 x 2048),
+# 4 ("light") at 58-62 registers without spills (72 before: 22 warps an SM at 128 heads x 64
+# tokens, FlashInfer 32); neox and mRoPE stay at most 4 in the kernel (48 registers spill 432-968
+# bytes there). `heavy=(2, 2, 4), light=(1, 1, 1)` restores 0663de9's shapes.
 TUNING = {
-    "light": (1, 1, 1),
-    "heavy": (2, 2, 4),
+    "light": (1, 1, 4),
+    "heavy": (2, 2, 5),
     "heavy_from": 8,
     "max_block": 128,
     "min_blocks": 1024,
@@ -87,11 +94,13 @@ TUNING = {
     "prefill_rows": 4,
     "max_row_block": 256,
     "opts_rows": 4,
+    "rows_two": False,
     "row_tokens_upto": 128,
     "wide_rows_below": 4096,
     "wide_row_block": 256,
     "wide_row_single_from": 1100,
     "lean_below": 1025,
+    "lean_prefill_from": 2048,
     "lean_block": 256,
     "lean_wave_blocks": 2640,
     "lean_max_block": 256,
@@ -121,6 +130,13 @@ ROW_KERNEL = "rope_append_paged_rows"
 # while a call has at most `lean_wide_chunks` chunks (T x rows x lanes: 128 heads 1 / 16 / 64
 # tokens 1.9 / 2.7 / 5.8 against 2.2 / 3.1 / 5.1; 16 heads 128 / 256 tokens 2.8 / 4.0 against
 # 3.5 / 4.1); blocks of 256 threads (128: MLA 1 / 16 tokens 2.1 / 3.1, Llama within 5%).
+# Narrow rows (GQA / MHA) take it at prefill too, from `lean_prefill_from` tokens (issue 38): the
+# row kernel's prefill blocks (4 rows a lane group, 86-88 registers, 96 threads) held 15.6-16.9
+# warps an SM (ncu, H200, 8 x 1024, 32 / 8 and 8 / 1 heads: 44-70% of copy bandwidth, 0.98x
+# FlashInfer under TP); the lean kernel's 48 registers allow 40 in blocks of 192-240 threads, and
+# it already won at 1 x 1024 (10.2 against 11.9 us). Between `lean_below` and `lean_prefill_from`
+# the row kernel stays until that window is timed. `lean_prefill_from=0` restores the row kernel
+# from `lean_below` tokens (0663de9).
 LEAN_KERNEL = "rope_append_paged_rows_lean"
 LEAN_THREADS = 256  # kLeanThreads: the lean kernel's __launch_bounds__
 # The lean kernel with C = `lean_multi` chunks of a row per thread (rope_append_paged_rows_lean_multi:
@@ -138,6 +154,12 @@ LEAN_MULTI_KERNEL = "rope_append_paged_rows_lean_multi"
 LEAN_MULTI_CHUNKS = (2, 4)  # chunks a thread compiled beside TUNING's (the compile tests)
 INT32_SPAN = 2**31 - 1  # element offsets below this take the lean kernel's 32-bit offsets
 ROWS = (1, 4)  # row kernels by the head rows one lane group can hold (their register budgets)
+# The plain row kernel of at most two rows a lane group (ROWS 2: 64 registers against ROWS 4's
+# 86-88, ptxas sm_90 fp16 -> e4m3 / fp16, no spills), taken where a plain call's lane groups
+# hold two rows and TUNING's `rows_two` is True: with `prefill_rows=2`, GQA prefill in blocks
+# of 192 threads at up to 32 warps an SM (a candidate beside the lean kernel, issue 38; off by
+# default: the lean kernel takes prefill).
+ROWS_TWO = 2
 
 
 def row_launch_shape(T, H, group, max_rows=ROWS[-1], width=None):
@@ -166,11 +188,14 @@ def row_launch_shape(T, H, group, max_rows=ROWS[-1], width=None):
 def _lean_fits(T, H, group):
     """Whether TUNING gives a plain call of T tokens of H head rows at ``group`` lanes a row to the
     lean kernel (the comment above LEAN_KERNEL)."""
-    if not 0 < T < TUNING["lean_below"] or group > LEAN_THREADS:
+    if T <= 0 or group > LEAN_THREADS:
         return False
-    if group <= TUNING["row_group"]:
+    if group > TUNING["row_group"]:
+        return T < TUNING["lean_below"] and T * H * group <= TUNING["lean_wide_chunks"]
+    if T < TUNING["lean_below"]:
         return T >= TUNING["lean_narrow_from"]
-    return T * H * group <= TUNING["lean_wide_chunks"]
+    # prefill (lean_below 0: no lean kernel at all, ee077f9)
+    return TUNING["lean_below"] > 0 and 0 < TUNING["lean_prefill_from"] <= T
 
 
 def _lean_multi_lanes(T, H, group, ri):
@@ -394,7 +419,7 @@ def instantiations():
         if not is_neox and n == 1:
             continue
         shapes = (TUNING["light"], TUNING["heavy"]) if n == 8 else (TUNING["light"],)
-        shapes = (*dict.fromkeys(shapes), *(("rows", r) for r in ROWS))
+        shapes = (*dict.fromkeys(shapes), *(("rows", r) for r in (*ROWS, ROWS_TWO)))
         for out_dtype, shape, mrope in itertools.product(
             (dtype, *FP8_DTYPES), shapes, (False, True)
         ):
@@ -1457,6 +1482,8 @@ def _choose(a, is_neox, c, lean=False):
         shape = ("rows", 1 if rows == 1 else ROWS[-1])
         if not opts:
             tokens = row_tokens(T, block)
+            if rows == ROWS_TWO and TUNING["rows_two"]:
+                shape = ("rows", ROWS_TWO)
     else:
         (block, splits, shape), rows = launch_shape(items, T, n), 0
     return _Choice(n, group, shape, block, rows, splits, opts, tokens)

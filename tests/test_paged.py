@@ -2418,3 +2418,227 @@ def test_lean_multi_off_keeps_todays_kernels(monkeypatch, launched):
     monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 1 << 22)  # the new kernel at 64 x 128 too
     check_against_reference(make_case(212, T=64, B=8, **_mla(128)), True, is_neox=False)
     assert _multi_ran(launched, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 38: GQA / MHA prefill on the lean kernel, section kernels at FlashInfer's occupancy
+
+
+def test_gqa_prefill_takes_the_lean_kernel(monkeypatch):
+    """Plain GQA / MHA calls from lean_prefill_from tokens take the lean kernel (blocks of whole
+    rows, several tokens a block under tensor parallelism); between lean_below and
+    lean_prefill_from, with the options, with mRoPE, and with lean_prefill_from 0 (0663de9) or
+    lean_below 0 (ee077f9) the row kernels stay; MLA prefill keeps the section kernel."""
+    from ropekv import paged
+
+    gqa = {"R": 128, "Dn": 0, "mla": False, "dtype": F16, "is_neox": True}
+    start = paged.TUNING["lean_prefill_from"]
+    assert start >= paged.TUNING["lean_below"]
+    llama = _choose_lean(8192, 32, 8, **gqa)  # 48 rows of 8 lanes: 2 blocks of 24 rows a token
+    assert llama.shape == ("lean", False) and not llama.opts
+    assert (llama.group, llama.rows, llama.tokens, llama.splits) == (8, 24, 1, 2)
+    tp8 = _choose_lean(8192, 8, 1, **gqa)  # 10 rows: 3 tokens, 240 threads a block
+    assert (tp8.shape[0], tp8.rows, tp8.tokens, tp8.splits) == ("lean", 10, 3, 1)
+    tp4 = _choose_lean(8192, 4, 1, **gqa)  # 6 rows: 5 tokens, 240 threads
+    assert (tp4.shape[0], tp4.rows, tp4.tokens, tp4.splits) == ("lean", 6, 5, 1)
+    assert _choose_lean(start, 32, 8, **gqa).shape[0] == "lean"
+    if start - 1 >= paged.TUNING["lean_below"]:
+        assert _choose_lean(start - 1, 32, 8, **gqa).shape[0] == "rows"
+    assert _choose_lean(8192, 24, 6, R=64, Dn=64, mla=False).shape[0] == "lean"
+    scaled = _choose_lean(8192, 32, 8, q_scale_out=object(), **gqa)
+    assert scaled.shape[0] == "rows" and scaled.opts
+    assert _choose(8192, 32, 8, **gqa).shape[0] == "rows"  # lean=False (mRoPE)
+    mla = {"Hkv": 1, "R": 64, "Dn": 512, "mla": True}
+    assert _choose_lean(8192, 16, **mla).shape == paged.TUNING["heavy"]
+    assert _choose_lean(8192, 128, **mla).shape == paged.TUNING["heavy"]
+    monkeypatch.setitem(paged.TUNING, "lean_prefill_from", 0)
+    assert _choose_lean(8192, 32, 8, **gqa).shape == ("rows", 4)
+    monkeypatch.setitem(paged.TUNING, "lean_prefill_from", start)
+    monkeypatch.setitem(paged.TUNING, "lean_below", 0)
+    assert _choose_lean(8192, 32, 8, **gqa).shape == ("rows", 4)
+
+
+def test_section_kernel_shapes_of_issue_38():
+    """The section kernel's shipped shapes: MLA prefill and 128-head decode past the lean kernels
+    take min blocks 5 (heavy) and 4 (light) (the kernel's section_min_blocks keeps neox and
+    mRoPE at 4); every instantiation of them is listed for the compile tests."""
+    from ropekv import paged
+    from ropekv._compile import read_source
+
+    mla = {"Hkv": 1, "R": 64, "Dn": 512, "mla": True}
+    assert paged.TUNING["heavy"][2] == 5 and paged.TUNING["light"][2] == 4
+    assert _choose_lean(64, 128, **mla).shape == paged.TUNING["light"]  # 73 x 128 items
+    assert _choose_lean(128, 128, **mla).shape == paged.TUNING["heavy"]
+    names = set(paged.instantiations())
+    for shape in (paged.TUNING["light"], paged.TUNING["heavy"]):
+        for neox in (False, True):
+            for opts in (False, True):
+                assert paged.expression(BF16, E4M3, neox, 8, shape, False, opts) in names
+    source = read_source("paged")
+    assert "__launch_bounds__(256, section_min_blocks(NEOX, MROPE, MINB))" in source
+
+
+LEAN_PREFILL = [  # (Hq, Hkv, R, Dn, dtype, cache, layout, page_size, is_neox, index dtype)
+    (32, 8, 128, 0, F16, E4M3, "NHD", 16, True, np.int32),
+    (8, 1, 128, 0, F16, F16, "NHD", 16, True, np.int64),
+    (4, 1, 128, 0, BF16, E5M2, "HND", 32, False, np.int32),
+    (24, 6, 64, 64, BF16, E4M3, "NHD", 7, True, (np.int64, np.int32, np.int64, np.int32, np.int64)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", LEAN_PREFILL)
+def test_lean_kernel_gqa_prefill_matches_reference(case, launched):
+    """GQA / MHA prefill (lean_prefill_from tokens and more) on the lean kernel: 32 / 8, 8 / 1
+    and 4 / 1 heads (blocks of one token and of several), rope + nope rows, fp8 and 16-bit
+    caches, both layouts, a page size of no power of two, both RoPE styles, mixed index dtypes,
+    padding, per-head scales, packed inputs; the caches' other bytes unchanged."""
+    from ropekv import paged
+
+    Hq, Hkv, R, Dn, dtype, cache, layout, page_size, is_neox, idx = case
+    # past lean_wave_blocks: 8 / 1 and 4 / 1 heads in blocks of 2-3 tokens, spare ones in the last
+    T = max(paged.TUNING["lean_prefill_from"], paged.TUNING["lean_wave_blocks"]) + 61
+    args = make_case(
+        170,
+        T=T,
+        B=3,
+        Hq=Hq,
+        Hkv=Hkv,
+        R=R,
+        Dn=Dn,
+        dtype=dtype,
+        cache_dtype=cache,
+        kv_layout=layout,
+        page_size=page_size,
+        index_dtypes=idx,
+        padding=17,
+        per_head=Hq % 8 == 0,
+        packed=Hq == 32,
+    )
+    check_against_reference(args, quantize=cache in FP8, is_neox=is_neox)
+    assert _lean_ran(launched), launched[-1:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", [np.int32, np.int64])
+def test_lean_kernel_gqa_prefill_hostile_indices(index, monkeypatch, launched):
+    """Garbage indices at prefill on the lean kernel (32-bit and forced 64-bit offsets): rows of
+    tokens without a slot skipped, nothing written out of bounds."""
+    import cupy as cp
+
+    from ropekv import paged
+
+    T = paged.TUNING["lean_prefill_from"] + 5
+    for wide in (False, True):
+        if wide:  # a span limit of 0 (not in the plan key): the plans dropped
+            monkeypatch.setattr(paged, "INT32_SPAN", 0)
+            paged._GQA.clear()
+        args = make_case(171, T=T, B=2, Hq=8, Hkv=2, R=64, Dn=32, page_size=5, index_dtypes=index)
+        _poison_indices(args, index)
+        args["pos_ids"][10] = -1
+        args["batch_indices"][T - 3 :] = -1
+        check_against_reference(args, quantize=True)
+        assert _lean_ran(launched, wide=wide), launched[-1:]
+    cp.cuda.Device().synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 2, 5), (1, 1, 4), (2, 2, 6), (1, 1, 5)])
+def test_section_kernel_min_blocks_match_reference(shape, monkeypatch):
+    """The section kernel at min blocks 4-6 (48 / 40 registers, with spills where the cap binds):
+    MLA interleaved and neox, decode and prefill, status=, and GQA (plain and mRoPE) forced onto
+    it."""
+    from ropekv import paged
+
+    for key, value in (
+        ("light", shape),
+        ("heavy", shape),
+        ("lean_below", 0),  # no lean kernel: the section kernel for MLA
+        ("wide_rows_below", 0),
+    ):
+        monkeypatch.setitem(paged.TUNING, key, value)
+    mla = _mla(16)
+    for T, neox in ((300, False), (77, True), (1100, False)):
+        args = make_case(180 + T, T=T, B=3, padding=5, **mla)
+        check_against_reference(args, quantize=True, is_neox=neox)
+    rng = np.random.default_rng(183)
+    args = with_options(make_case(182, T=40, B=2, **mla), rng, status=True)
+    check_against_reference(args, quantize=True, is_neox=False)
+    monkeypatch.setitem(paged.TUNING, "row_group", 0)  # GQA on the section kernel
+    check_against_reference(
+        make_case(185, T=77, B=3, Hq=32, Hkv=8, R=64, Dn=64, page_size=16, packed=True),
+        quantize=True,
+    )
+    args, kw = with_mrope(make_case(184, T=33, B=2, Hq=8, Hkv=1, R=128, page_size=16), rng, False)
+    check_against_reference(args, quantize=True, mrope=kw)
+
+
+def test_two_row_kernel_choice(monkeypatch):
+    """rows_two (off by default) gives plain calls whose lane groups hold two rows the ROWS 2
+    row kernel: with prefill_rows 2, GQA prefill in 192-thread blocks (8 / 1 heads: 40-thread
+    lane groups, 3 tokens a block); the option kernel and other row counts keep theirs."""
+    from ropekv import paged
+
+    gqa = {"R": 128, "Dn": 0, "mla": False, "dtype": F16, "is_neox": True}
+    monkeypatch.setitem(paged.TUNING, "prefill_rows", 2)
+    assert _choose(8192, 32, 8, **gqa).shape == ("rows", 4)  # rows_two off: today's kernel
+    monkeypatch.setitem(paged.TUNING, "rows_two", True)
+    two = _choose(8192, 32, 8, **gqa)
+    assert two.shape == ("rows", paged.ROWS_TWO) and (two.block, two.rows, two.tokens) == (
+        192,
+        2,
+        1,
+    )
+    tp8 = _choose(8192, 8, 1, **gqa)
+    assert tp8.shape == ("rows", 2) and (tp8.block, tp8.rows, tp8.tokens) == (40, 2, 3)
+    assert _choose(8192, 32, 8, q_scale_out=object(), **gqa).shape == ("rows", 4)
+    assert _choose(1, 32, 8, **gqa).shape == ("rows", 1)
+    monkeypatch.setitem(paged.TUNING, "prefill_rows", 4)
+    assert _choose(8192, 32, 8, **gqa).shape == ("rows", 4)
+    names = set(paged.instantiations())
+    for mrope in (False, True):
+        assert paged.expression(F16, E4M3, True, 8, ("rows", 2), mrope) in names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(32, 8), (8, 1), (24, 6)])
+def test_two_row_kernel_matches_reference(heads, monkeypatch, launched):
+    """The ROWS 2 row kernel (rows_two, prefill_rows 2, past the wave): GQA / MHA with and
+    without a nope part, blocks of several tokens, padding, garbage indices, mRoPE."""
+    from ropekv import paged
+
+    for key, value in (
+        ("rows_two", True),
+        ("prefill_rows", 2),
+        ("wave_blocks", 0),
+        ("max_row_block", 512),  # two rows a lane group for 16-lane rows too
+        ("lean_below", 0),  # no lean kernel
+    ):
+        monkeypatch.setitem(paged.TUNING, key, value)
+    Hq, Hkv = heads
+    for T, R, Dn, cache, neox in ((77, 128, 0, E4M3, True), (45, 64, 64, F16, False)):
+        args = make_case(
+            190 + T,
+            T=T,
+            B=3,
+            Hq=Hq,
+            Hkv=Hkv,
+            R=R,
+            Dn=Dn,
+            page_size=16,
+            padding=3,
+            cache_dtype=cache,
+        )
+        check_against_reference(args, quantize=cache in FP8, is_neox=neox)
+        assert launched[-1].startswith(paged.ROW_KERNEL + "<") and launched[-1].endswith(
+            ", 2, false>"
+        ), launched[-1:]
+    args = _poison_indices(make_case(193, T=16, B=2, Hq=Hq, Hkv=Hkv, R=64, Dn=32, page_size=5))
+    check_against_reference(args, quantize=True)
+    assert launched[-1].endswith(", 2, false>"), launched[-1:]
+    rng = np.random.default_rng(194)
+    args, kw = with_mrope(
+        make_case(195, T=33, B=2, Hq=Hq, Hkv=Hkv, R=128, page_size=16), rng, False
+    )
+    check_against_reference(args, quantize=True, mrope=kw)
+    assert launched[-1].endswith(", 2, true>"), launched[-1:]

@@ -375,7 +375,8 @@ __device__ __forceinline__ int status_end(const P& p, const StatusCheck& c) {
 
 // grid (T, splits): block x handles token x, its items split over the grid.y blocks; block: a
 // multiple of 32 up to 256 threads. U: pass-through items per batch, UR: rotary items per batch,
-// MINB: blocks of 256 threads per SM the register allocation must allow (__launch_bounds__).
+// MINB: blocks of 256 threads per SM the register allocation must allow (__launch_bounds__;
+// neox and mRoPE at most 4: section_min_blocks).
 // Order: the token's index loads; the Q sections (rotary ones need only pos_id, pass-through ones
 // no index at all); the K/V sections, whose first loads are issued before the page lookup.
 // A token whose pos_id lies outside [0, P) has its q outputs written unrotated and no cache row.
@@ -759,13 +760,23 @@ __device__ __forceinline__ void paged_rows(const P p) {
 #define ROPEKV_OPTS_BOUNDS __launch_bounds__(512)
 #endif
 
+// The section kernels' __launch_bounds__ min blocks: MINB for interleaved RoPE without mRoPE
+// (MLA; 5 caps it at 48 registers, FlashInfer's count, ptxas sm_90 bf16 -> e4m3 spilling 8
+// bytes), at most 4 (64 registers) for neox pairs and mRoPE, which hold twice the vectors or three
+// cos/sin rows (ptxas at 5: 968 / 432 bytes of spills). MINB <= 4 is kept as it is, so TUNING's
+// earlier shapes compile exactly as before.
+__host__ __device__ constexpr int section_min_blocks(bool neox, bool mrope, int minb) {
+  return (neox || mrope) && minb > 4 ? 4 : minb;
+}
+
 template <typename T, typename OutT, bool NEOX, int N, int U, int UR, int MINB, bool MROPE>
-__global__ void __launch_bounds__(256, MINB) rope_append_paged_kv_cache(const PagedParams p) {
+__global__ void __launch_bounds__(256, section_min_blocks(NEOX, MROPE, MINB))
+    rope_append_paged_kv_cache(const PagedParams p) {
   paged_sections<T, OutT, NEOX, N, U, UR, MROPE, false>(p);
 }
 
 template <typename T, typename OutT, bool NEOX, int N, int U, int UR, int MINB, bool MROPE>
-__global__ void __launch_bounds__(256, MINB)
+__global__ void __launch_bounds__(256, section_min_blocks(NEOX, MROPE, MINB))
     rope_append_paged_kv_cache_status(const PagedOptsParams p) {
   paged_sections<T, OutT, NEOX, N, U, UR, MROPE, true>(p);
 }
