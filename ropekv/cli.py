@@ -230,7 +230,10 @@ def _add_bench(sub, ops):
         "--cases",
         nargs="+",
         metavar="TEXT",
-        help="only the cases whose name contains one of these strings (e.g. 'qkv fp8w' or '64x1')",
+        help=(
+            "only the cases whose name contains one of these strings (e.g. 'qkv fp8w' or '64x1'); "
+            "a string starting with '=' names one case exactly ('=paged gqa fp16->e4m3 1x1')"
+        ),
     )
     p.add_argument(
         "--quick", action="store_true", help="a few cases and repetitions (well under a minute)"
