@@ -945,6 +945,7 @@ def native_module():
                 _native_has_ex[0] = launchers[1] is not None
                 _native.configure_cupy_reads(module)
                 ar._VIEW_FIELDS[0] = module.view_fields  # first calls read arrays through it
+                ck.NATIVE_OVERLAP[0] = module.overlap_pairs  # and pair their spans
         _native_module[0] = module
         _torch_probed[0] = False
         _native_cublas_bound[0] = None

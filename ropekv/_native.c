@@ -74,7 +74,8 @@ enum { CUPY = 1, TORCH = 2 }; /* _arrays.CUPY / TORCH */
 
 static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *s_data_ptr,
     *s_stride, *s_get_device, *s_last, *s_native, *s_replay, *s_make_outputs, *s_result,
-    *s_getDevice, *s_setDevice, *s_empties, *one, *s_is_neg, *s_itemsize, *s_is_cuda;
+    *s_getDevice, *s_setDevice, *s_empties, *one, *s_is_neg, *s_itemsize, *s_is_cuda, *s_size,
+    *s_span;
 
 /* ---- a plan's launches, as C data ----------------------------------------------------------- */
 
@@ -1618,6 +1619,122 @@ static PyObject *configure_cublas(PyObject *mod, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* overlap_pairs(views, written) -> (pairs, hits): _checks.check_no_overlap's pairs and the pairs
+ * whose byte spans intersect, computed as its Python loop does (the first call of an op with many
+ * arguments compares a hundred pairs or so; almost none intersect):
+ *
+ *   pairs: (i, j, lo_i, hi_i, lo_j, hi_j) of each written array i (in the order of `written`;
+ *          given, size not 0) against each argument j given, not empty, j != i, and not a
+ *          written j < i (compared as its own written array), in argument order; the spans'
+ *          objects are the views' own span items;
+ *   hits:  (i, j) of those pairs whose absolute byte ranges intersect, in the same order, for
+ *          the caller's exact test.
+ *
+ * None where a view is not as expected (a span that is no pair of ints, a pointer past 2**62, a
+ * written index out of range, more than MAX_ARGS arguments): the caller's Python loop decides. */
+static PyObject *overlap_pairs(PyObject *mod, PyObject *args) {
+  PyObject *views_in, *written_in;
+  if (!PyArg_ParseTuple(args, "OO", &views_in, &written_in)) return NULL;
+  PyObject *views = PySequence_Fast(views_in, "views must be a sequence");
+  if (!views) return NULL;
+  PyObject *written = PySequence_Fast(written_in, "written must be a sequence");
+  if (!written) {
+    Py_DECREF(views);
+    return NULL;
+  }
+  PyObject *result = NULL, *pairs = NULL, *hits = NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(views), nw = PySequence_Fast_GET_SIZE(written);
+  PyObject *lo_obj[MAX_ARGS], *hi_obj[MAX_ARGS]; /* borrowed from the views' span tuples */
+  PyObject *spans[MAX_ARGS];                      /* the span tuples, owned */
+  int64_t first[MAX_ARGS], end[MAX_ARGS];
+  int given[MAX_ARGS], is_written[MAX_ARGS];
+  if (n > MAX_ARGS) goto fallback;
+  for (Py_ssize_t j = 0; j < n; j++) {
+    given[j] = 0;
+    is_written[j] = 0;
+    spans[j] = NULL;
+  }
+  for (Py_ssize_t k = 0; k < nw; k++) {
+    PyObject *w = PySequence_Fast_GET_ITEM(written, k);
+    if (!PyLong_CheckExact(w)) goto fallback;
+    Py_ssize_t i = PyLong_AsSsize_t(w);
+    if (i == -1 && PyErr_Occurred()) goto fail;
+    if (i < 0 || i >= n) goto fallback;
+    is_written[i] = 1;
+  }
+  for (Py_ssize_t j = 0; j < n; j++) { /* the arguments given, not empty: their spans */
+    PyObject *v = PySequence_Fast_GET_ITEM(views, j);
+    if (v == Py_None) continue;
+    PyObject *size = PyObject_GetAttr(v, s_size);
+    if (!size) goto fail;
+    int nonempty = PyObject_IsTrue(size);
+    Py_DECREF(size);
+    if (nonempty < 0) goto fail;
+    if (!nonempty) continue;
+    PyObject *span = PyObject_GetAttr(v, s_span);
+    if (!span) goto fail;
+    spans[j] = span;
+    PyObject *ptr_obj = PyObject_GetAttr(v, s_ptr);
+    if (!ptr_obj) goto fail;
+    int ok = PyLong_CheckExact(ptr_obj) && PyTuple_CheckExact(span) && PyTuple_GET_SIZE(span) == 2;
+    int overflow = 0;
+    long long ptr = ok ? PyLong_AsLongLongAndOverflow(ptr_obj, &overflow) : 0;
+    Py_DECREF(ptr_obj);
+    if (ptr == -1 && PyErr_Occurred()) goto fail;
+    if (!ok || overflow || ptr < 0 || ptr > ((long long)1 << 62)) goto fallback;
+    lo_obj[j] = PyTuple_GET_ITEM(span, 0);
+    hi_obj[j] = PyTuple_GET_ITEM(span, 1);
+    if (!PyLong_CheckExact(lo_obj[j]) || !PyLong_CheckExact(hi_obj[j])) goto fallback;
+    long long lo = PyLong_AsLongLongAndOverflow(lo_obj[j], &overflow);
+    if (overflow || lo < -((long long)1 << 61) || lo > ((long long)1 << 61)) goto fallback;
+    long long hi = PyLong_AsLongLongAndOverflow(hi_obj[j], &overflow);
+    if (overflow || hi < -((long long)1 << 61) || hi > ((long long)1 << 61)) goto fallback;
+    if (PyErr_Occurred()) goto fail;
+    first[j] = ptr + lo;
+    end[j] = ptr + hi;
+    given[j] = 1;
+  }
+  pairs = PyList_New(0);
+  hits = pairs ? PyList_New(0) : NULL;
+  if (!hits) goto fail;
+  for (Py_ssize_t k = 0; k < nw; k++) {
+    Py_ssize_t i = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(written, k));
+    if (!given[i]) continue; /* None or empty: never compared */
+    for (Py_ssize_t j = 0; j < n; j++) {
+      if (!given[j] || j == i || (j < i && is_written[j])) continue;
+      PyObject *pair = Py_BuildValue("(nnOOOO)", i, j, lo_obj[i], hi_obj[i], lo_obj[j], hi_obj[j]);
+      if (!pair) goto fail;
+      int bad = PyList_Append(pairs, pair);
+      Py_DECREF(pair);
+      if (bad) goto fail;
+      if (first[i] < end[j] && first[j] < end[i]) {
+        PyObject *hit = Py_BuildValue("(nn)", i, j);
+        if (!hit) goto fail;
+        bad = PyList_Append(hits, hit);
+        Py_DECREF(hit);
+        if (bad) goto fail;
+      }
+    }
+  }
+  result = PyTuple_Pack(2, pairs, hits);
+  goto done;
+fallback:
+  if (PyErr_Occurred()) goto fail;
+  result = Py_None;
+  Py_INCREF(result);
+  goto done;
+fail:
+  result = NULL;
+done:
+  Py_XDECREF(pairs);
+  Py_XDECREF(hits);
+  if (n <= MAX_ARGS)
+    for (Py_ssize_t j = 0; j < n; j++) Py_XDECREF(spans[j]);
+  Py_DECREF(views);
+  Py_DECREF(written);
+  return result;
+}
+
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(cuLaunchKernel address, cuLaunchKernelEx address or None)"},
@@ -1643,6 +1760,9 @@ static PyMethodDef methods[] = {
     {"dl_read", dl_read, METH_O,
      "dl_read(t) -> (data, device type, device id, (code, bits, lanes), shape, strides, "
      "byte offset) through the configured exchange API, or None"},
+    {"overlap_pairs", overlap_pairs, METH_VARARGS,
+     "overlap_pairs(views, written) -> (pairs, hits): check_no_overlap's pairs and those whose "
+     "byte ranges intersect, or None (the Python loop decides)"},
     {"enable_torch", enable_torch, METH_NOARGS,
      "enable_torch(): the torch reads configure_torch staged go live (once verified)"},
     {NULL, NULL, 0, NULL}};
@@ -1677,6 +1797,8 @@ PyMODINIT_FUNC PyInit__native_ext(void) {
   INTERN(s_is_neg, "is_neg");
   INTERN(s_itemsize, "itemsize");
   INTERN(s_is_cuda, "is_cuda");
+  INTERN(s_size, "size");
+  INTERN(s_span, "span");
   if (!(one = PyLong_FromLong(1))) return NULL;
   if (PyType_Ready(&NativePlanType) < 0 || PyType_Ready(&CallerType) < 0) return NULL;
   PyObject *m = PyModule_Create(&moduledef);

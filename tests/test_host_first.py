@@ -1,0 +1,172 @@
+"""The first call's host work in C gives what the Python forms give (CPU tests): the overlap
+check's pairs (``_native.c``'s ``overlap_pairs`` against ``_checks.overlap_pairs`` and the loop
+it replaced), the same error raised for the same pair."""
+
+import numpy as np
+import pytest
+
+from ropekv import _arrays as ar
+from ropekv import _checks as ck
+from ropekv import _native
+
+
+def _former_check_no_overlap(views, written, inplace=()):
+    """check_no_overlap as it was written before the C form (the oracle): one loop that raises
+    at the first pair of intersecting spans sharing a byte."""
+    spans = []
+    for j, v in enumerate(views):
+        if v is not None and v.size:
+            lo, hi = v.span
+            spans.append((j, lo, hi, v.ptr + lo, v.ptr + hi))
+    pairs = []
+    for i in written:
+        a = views[i]
+        if a is None or a.size == 0:
+            continue
+        a_lo, a_hi = a.span
+        a_first, a_end = a.ptr + a_lo, a.ptr + a_hi
+        for j, b_lo, b_hi, b_first, b_end in spans:
+            if j == i or (j < i and j in written):
+                continue
+            pairs.append((i, j, a_lo, a_hi, b_lo, b_hi))
+            if not (a_first < b_end and b_first < a_end):
+                continue
+            b = views[j]
+            pair = frozenset((i, j)) in inplace
+            same = (
+                a.ptr == b.ptr
+                and a.shape == b.shape
+                and a.strides == b.strides
+                and a.dtype == b.dtype
+            )
+            if same and pair:
+                continue
+            if ck.shares_bytes(
+                (a.ptr, a.shape, a.strides, a.dtype.itemsize),
+                (b.ptr, b.shape, b.strides, b.dtype.itemsize),
+            ):
+                raise ValueError(ck.overlap_message(a.name, b.name, j in written, pair))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = _native.load()
+    if module is None:
+        pytest.skip(f"no C extension: {_native.state()}")
+    return module
+
+
+def _outcome(f, *args):
+    try:
+        return "pairs", f(*args)
+    except ValueError as exc:
+        return "error", str(exc)
+
+
+def _random_arrays(rng, buf):
+    """Up to 9 arguments: None, empty, disjoint or overlapping slices and strided (interleaved)
+    views of one buffer, some the very same array twice."""
+    out = []
+    for _ in range(int(rng.integers(2, 10))):
+        kind = rng.integers(0, 6)
+        if kind == 0:
+            out.append(None)
+        elif kind == 1 and out and out[-1] is not None:
+            out.append(out[-1])  # the very same array (an in-place pair)
+        elif kind == 2:  # interleaved halves of rows (K and V in one buffer)
+            start = int(rng.integers(0, 16)) * 64
+            rows = buf[start : start + 512].view(np.float16).reshape(8, 2, 16)
+            out.append(rows[:, int(rng.integers(0, 2))])
+        elif kind == 3:  # a reversed view (a negative stride: its span reaches below its pointer)
+            start = int(rng.integers(0, 64)) * 32
+            out.append(buf[start : start + 64][::-1])
+        else:
+            start = int(rng.integers(0, 64)) * 32
+            n = int(rng.integers(0, 8)) * 16
+            out.append(buf[start : start + n])
+    return out
+
+
+def _random_call(rng, buf):
+    arrays = _random_arrays(rng, buf)
+    views = [None if a is None else ar.as_view(a, f"a{i}") for i, a in enumerate(arrays)]
+    n = len(views)
+    written = tuple(int(i) for i in rng.permutation(n)[: int(rng.integers(0, n + 1))])
+    if rng.integers(0, 4) == 0:
+        written = list(written)  # (a plan's written arrays are a tuple; a list reads the same)
+    pairs = {
+        frozenset((int(i), int(j)))
+        for i, j in rng.integers(0, n, (int(rng.integers(0, 3)), 2))
+        if i != j
+    }
+    return views, written, pairs
+
+
+def test_overlap_pairs_in_c_equal_the_python_form(native, monkeypatch):
+    rng = np.random.default_rng(5)
+    buf = np.zeros(4096, np.uint8)
+    errors = 0
+    for _ in range(800):
+        views, written, inplace = _random_call(rng, buf)
+        found = native.overlap_pairs(views, written)
+        assert found is not None
+        assert found == ck.overlap_pairs(views, written)
+        monkeypatch.setattr(ck, "NATIVE_OVERLAP", [native.overlap_pairs])
+        got = _outcome(ck.check_no_overlap, views, written, inplace)
+        monkeypatch.setattr(ck, "NATIVE_OVERLAP", [None])
+        assert got == _outcome(ck.check_no_overlap, views, written, inplace)
+        assert got == _outcome(_former_check_no_overlap, views, written, inplace)
+        errors += got[0] == "error"
+    assert 50 < errors < 750  # both outcomes well covered
+
+
+def test_overlap_pairs_keep_the_span_objects(native):
+    buf = np.zeros(1024, np.uint8)
+    views = [ar.as_view(buf[0:64], "q"), None, ar.as_view(buf[128:0:-1], "r")]
+    views.append(ar.as_view(buf[512:768], "k_cache"))
+    pairs, hits = native.overlap_pairs(views, (3, 0))
+    # (written q, index 0 < 3, is compared with k_cache as its own written array)
+    assert pairs == [
+        (3, 2, 0, 256, -127, 1),
+        (0, 2, 0, 64, -127, 1),
+        (0, 3, 0, 64, 0, 256),
+    ]
+    assert hits == [(0, 2)]  # q's bytes [0, 64) and r's [1, 129) intersect
+    assert pairs[0][3] is views[3].span[1] and pairs[0][4] is views[2].span[0]
+    assert native.overlap_pairs(views, ()) == ([], [])
+
+
+def test_overlap_pairs_leave_what_they_cannot_read_to_python(native):
+    buf = np.zeros(256, np.uint8)
+    v = ar.as_view(buf[0:64], "q")
+    w = ar.as_view(buf[64:128], "k")
+    assert native.overlap_pairs([v, w], (2,)) is None  # an index past the arguments
+    assert native.overlap_pairs([v, w], (-1,)) is None
+    assert native.overlap_pairs([v, w], (np.int64(1),)) is None  # not an int
+    far = ar.as_view(buf[0:64], "far")
+    far.ptr = 1 << 63  # past what int64 holds
+    assert native.overlap_pairs([v, far], (0,)) is None
+    far.ptr = np.uint64(64)  # not an int
+    assert native.overlap_pairs([v, far], (0,)) is None
+    assert native.overlap_pairs([v] * 65, (0,)) is None  # more arguments than the C replay takes
+    with pytest.raises(TypeError):
+        native.overlap_pairs(v, (0,))
+    odd = ar.as_view(buf[0:64], "odd")
+    odd.span = [0, 64]  # no tuple
+    assert native.overlap_pairs([v, odd], (0,)) is None
+
+
+def test_check_no_overlap_names_the_arguments(native, monkeypatch):
+    monkeypatch.setattr(ck, "NATIVE_OVERLAP", [native.overlap_pairs])
+    buf = np.zeros(256, np.uint8)
+    views = [ar.as_view(buf[0:64], "q"), ar.as_view(buf[32:96], "k_cache")]
+    with pytest.raises(ValueError, match="k_cache is written in place but shares memory with q"):
+        ck.check_no_overlap(views, (1,))
+    same = [ar.as_view(buf[0:64], "q"), ar.as_view(buf[0:64], "q_out")]
+    assert len(ck.check_no_overlap(same, (1,), {frozenset((0, 1))})) == 1  # in place: allowed
+    with pytest.raises(ValueError, match="q_out must be q itself"):
+        ck.check_no_overlap([same[0], ar.as_view(buf[0:32], "q_out")], (1,), {frozenset((0, 1))})
+    kv = np.zeros((4, 2, 8), np.float16)  # K and V interleaved in one buffer: no shared byte
+    k, v = ar.as_view(kv[:, 0], "k_cache"), ar.as_view(kv[:, 1], "v_cache")
+    assert ck.check_no_overlap([k, v], (0, 1)) == [(0, 1, *k.span, *v.span)]
