@@ -188,6 +188,29 @@ def overlap_message(name, other, other_written, inplace=False):
 NATIVE_OVERLAP = [None]
 
 
+# the C replay's written_layouts (ropekv/_native.c) once _launch has loaded it, else None
+NATIVE_WRITTEN = [None]
+
+
+def check_written(views, written, inplace=()):
+    """A first call's checks of its written arrays (``written``: indices of given views), in
+    order: each writable (:func:`check_writable`, where read-only or a legacy capsule), with
+    strides that put no two elements at one address (:func:`check_write_strides`), and sharing
+    no byte with another argument (:func:`check_no_overlap`). Returns ``(pairs, layouts, ptrs)``:
+    the overlap pairs, and each view's ``(shape, strides, itemsize)`` and pointer (0 and None for
+    None), or None, None where the C replay is not loaded (``NATIVE_WRITTEN``: they come with the
+    views it passes at once; the others are checked here)."""
+    native = NATIVE_WRITTEN[0]
+    found = None if native is None else native(views, written)
+    layouts, ptrs, slow = (None, None, written) if found is None else found
+    for i in slow:
+        v = views[i]
+        if v.readonly or v.legacy:  # else writable: no call
+            check_writable(v)
+        check_write_strides(v)
+    return check_no_overlap(views, written, inplace), layouts, ptrs
+
+
 def check_no_overlap(views, written, inplace=()):
     """No written array shares a byte with any other argument, except the pairs of ``inplace``
     (index pairs) when they are the very same array (same pointer and layout). Byte spans are

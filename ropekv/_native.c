@@ -75,7 +75,7 @@ enum { CUPY = 1, TORCH = 2 }; /* _arrays.CUPY / TORCH */
 static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *s_data_ptr,
     *s_stride, *s_get_device, *s_last, *s_native, *s_replay, *s_make_outputs, *s_result,
     *s_getDevice, *s_setDevice, *s_empties, *one, *s_is_neg, *s_itemsize, *s_is_cuda, *s_size,
-    *s_span;
+    *s_span, *s_readonly, *s_legacy;
 
 /* ---- a plan's launches, as C data ----------------------------------------------------------- */
 
@@ -1735,6 +1735,126 @@ done:
   return result;
 }
 
+/* Whether check_write_strides passes a view of this shape and these strides at its first test:
+ * the dims of size > 1, innermost first, each with a stride past the reach of the ones inside it
+ * (1), or not decided here (0: a dim too large for int64, a test that fails; the Python checker
+ * decides; dims and strides past 2**31 too). An empty view passes. */
+static int strides_plain(PyObject *shape, PyObject *strides) {
+  if (!PyTuple_CheckExact(shape) || !PyTuple_CheckExact(strides)) return 0;
+  Py_ssize_t nd = PyTuple_GET_SIZE(shape);
+  if (PyTuple_GET_SIZE(strides) != nd) return 0;
+  int64_t reach = 0;
+  for (Py_ssize_t k = nd - 1; k >= 0; k--) {
+    PyObject *n_obj = PyTuple_GET_ITEM(shape, k), *s_obj = PyTuple_GET_ITEM(strides, k);
+    if (!PyLong_CheckExact(n_obj) || !PyLong_CheckExact(s_obj)) return 0;
+    int overflow = 0;
+    long long n = PyLong_AsLongLongAndOverflow(n_obj, &overflow);
+    if (overflow || n < 0 || n > ((long long)1 << 31)) return 0;
+    if (n == 0) return 1; /* empty */
+    if (n == 1) continue;
+    long long st = PyLong_AsLongLongAndOverflow(s_obj, &overflow);
+    if (overflow || st > ((long long)1 << 31)) return 0;
+    if (st <= reach) return 0;
+    reach += (n - 1) * st; /* below 2**61 + 2**62: no overflow */
+    if (reach > ((long long)1 << 61)) return 0;
+  }
+  return 1;
+}
+
+/* written_layouts(views, written) -> (layouts, ptrs, slow): what a first call records and checks
+ * of its arguments besides the overlap pairs (overlap_pairs), in one call:
+ *
+ *   layouts: (shape, strides, itemsize) of each view (None for None), as Plan.finish records;
+ *   ptrs:    each view's pointer (0 for None);
+ *   slow:    the written views (in the order of `written`; None skipped) the caller must check in
+ *            Python: read-only or legacy ones (check_writable), and those whose strides
+ *            strides_plain does not pass (check_write_strides).
+ *
+ * None where a written index is out of range or a view has more than MAX_ARGS arguments. */
+static PyObject *written_layouts(PyObject *mod, PyObject *args) {
+  PyObject *views_in, *written_in;
+  if (!PyArg_ParseTuple(args, "OO", &views_in, &written_in)) return NULL;
+  PyObject *views = PySequence_Fast(views_in, "views must be a sequence");
+  if (!views) return NULL;
+  PyObject *written = PySequence_Fast(written_in, "written must be a sequence");
+  if (!written) {
+    Py_DECREF(views);
+    return NULL;
+  }
+  PyObject *result = NULL, *layouts = NULL, *ptrs = NULL, *slow = NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(views), nw = PySequence_Fast_GET_SIZE(written);
+  if (n > MAX_ARGS) goto fallback;
+  layouts = PyList_New(n);
+  ptrs = layouts ? PyList_New(n) : NULL;
+  slow = ptrs ? PyList_New(0) : NULL;
+  if (!slow) goto fail;
+  for (Py_ssize_t j = 0; j < n; j++) {
+    PyObject *v = PySequence_Fast_GET_ITEM(views, j);
+    if (v == Py_None) {
+      Py_INCREF(Py_None);
+      PyList_SET_ITEM(layouts, j, Py_None);
+      PyObject *zero = PyLong_FromLong(0);
+      if (!zero) goto fail;
+      PyList_SET_ITEM(ptrs, j, zero);
+      continue;
+    }
+    PyObject *ptr = PyObject_GetAttr(v, s_ptr);
+    if (!ptr) goto fail;
+    PyList_SET_ITEM(ptrs, j, ptr);
+    PyObject *shape = PyObject_GetAttr(v, s_shape);
+    PyObject *strides = shape ? PyObject_GetAttr(v, s_strides) : NULL;
+    PyObject *dtype = strides ? PyObject_GetAttr(v, s_dtype) : NULL;
+    PyObject *item = dtype ? PyObject_GetAttr(dtype, s_itemsize) : NULL;
+    PyObject *layout = item ? PyTuple_Pack(3, shape, strides, item) : NULL;
+    Py_XDECREF(shape);
+    Py_XDECREF(strides);
+    Py_XDECREF(dtype);
+    Py_XDECREF(item);
+    if (!layout) goto fail;
+    PyList_SET_ITEM(layouts, j, layout);
+  }
+  for (Py_ssize_t k = 0; k < nw; k++) {
+    PyObject *w = PySequence_Fast_GET_ITEM(written, k);
+    if (!PyLong_CheckExact(w)) goto fallback;
+    Py_ssize_t i = PyLong_AsSsize_t(w);
+    if (i == -1 && PyErr_Occurred()) goto fail;
+    if (i < 0 || i >= n) goto fallback;
+    PyObject *v = PySequence_Fast_GET_ITEM(views, i);
+    if (v == Py_None) continue;
+    int plain = 1;
+    PyObject *flags[2] = {s_readonly, s_legacy};
+    for (int f = 0; f < 2 && plain; f++) {
+      PyObject *x = PyObject_GetAttr(v, flags[f]);
+      if (!x) goto fail;
+      int set = PyObject_IsTrue(x);
+      Py_DECREF(x);
+      if (set < 0) goto fail;
+      if (set) plain = 0;
+    }
+    if (plain) {
+      PyObject *layout = PyList_GET_ITEM(layouts, i);
+      plain = strides_plain(PyTuple_GET_ITEM(layout, 0), PyTuple_GET_ITEM(layout, 1));
+    }
+    if (!plain && PyList_Append(slow, w)) goto fail;
+  }
+  result = PyTuple_Pack(3, layouts, ptrs, slow);
+  goto done;
+fallback:
+  if (PyErr_Occurred()) goto fail;
+  result = Py_None;
+  Py_INCREF(result);
+  goto done;
+fail:
+  result = NULL;
+done:
+  Py_XDECREF(layouts);
+  Py_XDECREF(ptrs);
+  Py_XDECREF(slow);
+  Py_DECREF(views);
+  Py_DECREF(written);
+  return result;
+}
+
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(cuLaunchKernel address, cuLaunchKernelEx address or None)"},
@@ -1763,6 +1883,9 @@ static PyMethodDef methods[] = {
     {"overlap_pairs", overlap_pairs, METH_VARARGS,
      "overlap_pairs(views, written) -> (pairs, hits): check_no_overlap's pairs and those whose "
      "byte ranges intersect, or None (the Python loop decides)"},
+    {"written_layouts", written_layouts, METH_VARARGS,
+     "written_layouts(views, written) -> (layouts, ptrs, slow): the views' (shape, strides, "
+     "itemsize) and pointers, and the written ones to check in Python, or None"},
     {"enable_torch", enable_torch, METH_NOARGS,
      "enable_torch(): the torch reads configure_torch staged go live (once verified)"},
     {NULL, NULL, 0, NULL}};
@@ -1799,6 +1922,8 @@ PyMODINIT_FUNC PyInit__native_ext(void) {
   INTERN(s_is_cuda, "is_cuda");
   INTERN(s_size, "size");
   INTERN(s_span, "span");
+  INTERN(s_readonly, "readonly");
+  INTERN(s_legacy, "legacy");
   if (!(one = PyLong_FromLong(1))) return NULL;
   if (PyType_Ready(&NativePlanType) < 0 || PyType_Ready(&CallerType) < 0) return NULL;
   PyObject *m = PyModule_Create(&moduledef);

@@ -60,8 +60,8 @@ def native():
 def _outcome(f, *args):
     try:
         return "pairs", f(*args)
-    except ValueError as exc:
-        return "error", str(exc)
+    except (ValueError, BufferError) as exc:
+        return "error", type(exc).__name__, str(exc)
 
 
 def _random_arrays(rng, buf):
@@ -170,3 +170,101 @@ def test_check_no_overlap_names_the_arguments(native, monkeypatch):
     kv = np.zeros((4, 2, 8), np.float16)  # K and V interleaved in one buffer: no shared byte
     k, v = ar.as_view(kv[:, 0], "k_cache"), ar.as_view(kv[:, 1], "v_cache")
     assert ck.check_no_overlap([k, v], (0, 1)) == [(0, 1, *k.span, *v.span)]
+
+
+def _random_written_call(rng, buf):
+    """Views with strides of every kind a written array may have: plain, padded, transposed,
+    broadcast (stride 0), reversed, self-overlapping, empty; some read-only."""
+    views = []
+    for k in range(int(rng.integers(1, 8))):
+        kind = int(rng.integers(0, 8))
+        base = np.lib.stride_tricks.as_strided
+        if kind == 0:
+            a = None
+        elif kind == 1:
+            a = buf[: 4 * 6 * 8].reshape(4, 6, 8)
+        elif kind == 2:
+            a = buf[: 4 * 6 * 8].reshape(4, 6, 8)[:, :3]  # padded rows
+        elif kind == 3:
+            a = buf[:48].reshape(6, 8).T  # transposed
+        elif kind == 4:
+            a = base(buf, (4, 8), (0, 1))  # broadcast rows
+        elif kind == 5:
+            a = buf[:64][::-1]
+        elif kind == 6:
+            a = base(buf, (5, 8), (4, 1))  # rows overlapping their neighbours
+        else:
+            a = buf[:0].reshape(0, 8) if rng.integers(0, 2) else base(buf, (0, 4), (0, 1))
+        if a is not None and rng.integers(0, 4) == 0:
+            a = a.view()
+            a.flags.writeable = False
+        views.append(None if a is None else ar.as_view(a, f"w{k}"))
+    n = len(views)
+    written = tuple(int(i) for i in rng.permutation(n)[: int(rng.integers(0, n + 1))])
+    return views, tuple(i for i in written if views[i] is not None)
+
+
+def _pairs_of_checks(views, written):
+    return ck.check_written(views, written)[0]
+
+
+def _python_written(views, written):
+    """The written checks as the first call made them before (the oracle), then the overlap."""
+    for i in written:
+        v = views[i]
+        if v.readonly or v.legacy:
+            ck.check_writable(v)
+        ck.check_write_strides(v)
+    return ck.check_no_overlap(views, written)
+
+
+def test_written_layouts_in_c_decide_as_the_python_checks(native, monkeypatch):
+    rng = np.random.default_rng(7)
+    buf = np.zeros(4096, np.uint8)
+    slow_seen = plain_seen = errors = 0
+    for _ in range(600):
+        views, written = _random_written_call(rng, buf)
+        layouts, ptrs, slow = native.written_layouts(views, written)
+        assert layouts == [
+            None if v is None else (v.shape, v.strides, v.dtype.itemsize) for v in views
+        ]
+        assert ptrs == [0 if v is None else v.ptr for v in views]
+        assert all(isinstance(p, int) for p in ptrs)
+        assert slow == [i for i in written if i in slow]  # in order, a subset
+        for i in written:  # what C passes, the Python checks pass
+            if i not in slow:
+                v = views[i]
+                assert not (v.readonly or v.legacy)
+                ck.check_write_strides(v)
+                plain_seen += 1
+            else:
+                slow_seen += 1
+        monkeypatch.setattr(ck, "NATIVE_WRITTEN", [native.written_layouts])
+        monkeypatch.setattr(ck, "NATIVE_OVERLAP", [native.overlap_pairs])
+        got = _outcome(_pairs_of_checks, views, written)
+        monkeypatch.setattr(ck, "NATIVE_WRITTEN", [None])
+        monkeypatch.setattr(ck, "NATIVE_OVERLAP", [None])
+        assert got == _outcome(_pairs_of_checks, views, written)
+        assert got == _outcome(_python_written, views, written)
+        assert got[0] == "error" or ck.check_written(views, written)[1:] == (None, None)
+        errors += got[0] == "error"
+    assert slow_seen > 100 and plain_seen > 100 and errors > 50
+
+
+def test_written_checks_raise_their_errors(native, monkeypatch):
+    monkeypatch.setattr(ck, "NATIVE_WRITTEN", [native.written_layouts])
+    buf = np.zeros(256, np.uint8)
+    ro = buf[:64].view()
+    ro.flags.writeable = False
+    views = [ar.as_view(buf[64:128], "q"), ar.as_view(ro, "k_cache")]
+    with pytest.raises(BufferError, match="k_cache is written in place but its producer"):
+        ck.check_written(views, (1,))
+    bcast = ar.as_view(np.lib.stride_tricks.as_strided(buf, (4, 8), (0, 1)), "v_cache")
+    with pytest.raises(ValueError, match="v_cache is written but has stride 0"):
+        ck.check_written([views[0], bcast], (1,))
+    assert native.written_layouts(views, (2,)) is None  # an index past the arguments
+    assert native.written_layouts(views, (np.int64(0),)) is None
+    assert native.written_layouts([views[0]] * 65, (0,)) is None
+    pairs, layouts, ptrs = ck.check_written(views, (0,))
+    assert pairs == [(0, 1, 0, 64, 0, 64)] and ptrs == [views[0].ptr, views[1].ptr]
+    assert layouts == [((64,), (1,), 1), ((64,), (1,), 1)]
