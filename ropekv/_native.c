@@ -268,8 +268,16 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   }
   for (int p = 0; p < self->n_pairs; p++) {
     long long v[6];
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, p), "LLLLLL", &v[0], &v[1], &v[2], &v[3],
-                          &v[4], &v[5])) {
+    PyObject *pair = PySequence_Fast_GET_ITEM(seq, p);
+    if (PyTuple_CheckExact(pair) && PyTuple_GET_SIZE(pair) == 6) { /* a first call's: no parser */
+      for (int k = 0; k < 6; k++) {
+        v[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, k));
+        if (v[k] == -1 && PyErr_Occurred()) {
+          Py_DECREF(seq);
+          goto fail;
+        }
+      }
+    } else if (!PyArg_ParseTuple(pair, "LLLLLL", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5])) {
       Py_DECREF(seq);
       goto fail;
     }

@@ -268,3 +268,23 @@ def test_written_checks_raise_their_errors(native, monkeypatch):
     pairs, layouts, ptrs = ck.check_written(views, (0,))
     assert pairs == [(0, 1, 0, 64, 0, 64)] and ptrs == [views[0].ptr, views[1].ptr]
     assert layouts == [((64,), (1,), 1), ((64,), (1,), 1)]
+
+
+def test_native_plan_reads_its_pairs_as_the_parser_did(native):
+    """NativePlan reads a first call's pair tuples without the argument parser: the same values
+    taken (ints, NumPy ints, lists through the parser), the same errors."""
+    for pairs in (
+        [(1, 0, 0, 64, 0, 32)],
+        [(np.int64(1), 0, np.int32(0), 64, 0, 32)],
+        [[1, 0, 0, 64, 0, 32]],
+        [],
+    ):
+        assert native.NativePlan(0, 3, 1, [], pairs, None) is not None
+    with pytest.raises(TypeError):
+        native.NativePlan(0, 3, 1, [], [(1, 0, 0, 1.5, 0, 32)], None)
+    with pytest.raises(OverflowError):
+        native.NativePlan(0, 3, 1, [], [(1, 0, 0, 1 << 64, 0, 32)], None)
+    with pytest.raises(ValueError, match="pair names no argument"):
+        native.NativePlan(0, 3, 1, [], [(1, 3, 0, 64, 0, 32)], None)
+    with pytest.raises(TypeError):
+        native.NativePlan(0, 3, 1, [], [(1, 0, 0, 64, 0)], None)  # five values: the parser's
