@@ -462,8 +462,19 @@ def check_unique_slots(rows, tokens, what="cache row"):
         )
 
 
+# the C replay's same_device (ropekv/_native.c) once _launch has loaded it, else None
+NATIVE_SAME_DEVICE = [None]
+
+
 def check_same_device(views):
-    """All views (None: not given) on one device; returns that device (``HOST`` or a CUDA id)."""
+    """All views (None: not given) on one device; returns that device (``HOST`` or a CUDA id).
+    The C replay's ``same_device`` answers the common case (one device) in one call; the loop
+    below names the two devices of a mixed call (and raises as before when none is given)."""
+    native = NATIVE_SAME_DEVICE[0]
+    if native is not None:
+        device = native(views)
+        if device is not None:
+            return device
     first = None
     for view in views:
         if view is None:

@@ -948,6 +948,7 @@ def native_module():
                 ar._VIEW_FIELDS[0] = module.view_fields  # first calls read arrays through it
                 ck.NATIVE_OVERLAP[0] = module.overlap_pairs  # and pair their spans
                 ck.NATIVE_WRITTEN[0] = module.written_layouts
+                ck.NATIVE_SAME_DEVICE[0] = module.same_device
         _native_module[0] = module
         _torch_probed[0] = False
         _native_cublas_bound[0] = None

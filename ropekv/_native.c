@@ -75,7 +75,7 @@ enum { CUPY = 1, TORCH = 2 }; /* _arrays.CUPY / TORCH */
 static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *s_data_ptr,
     *s_stride, *s_get_device, *s_last, *s_native, *s_replay, *s_make_outputs, *s_result,
     *s_getDevice, *s_setDevice, *s_empties, *one, *s_is_neg, *s_itemsize, *s_is_cuda, *s_size,
-    *s_span, *s_readonly, *s_legacy;
+    *s_span, *s_readonly, *s_legacy, *s_device;
 
 /* ---- a plan's launches, as C data ----------------------------------------------------------- */
 
@@ -1863,6 +1863,41 @@ done:
   return result;
 }
 
+/* same_device(views) -> the device of the first view that is not None when no other view's
+ * device differs from it (`!=`, as check_same_device compares), else None: none given, or two
+ * devices (check_same_device's loop names them). */
+static PyObject *same_device(PyObject *mod, PyObject *views_in) {
+  PyObject *views = PySequence_Fast(views_in, "views must be a sequence");
+  if (!views) return NULL;
+  PyObject *first = NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(views);
+  for (Py_ssize_t j = 0; j < n; j++) {
+    PyObject *v = PySequence_Fast_GET_ITEM(views, j);
+    if (v == Py_None) continue;
+    PyObject *device = PyObject_GetAttr(v, s_device);
+    if (!device) goto fail;
+    if (!first) {
+      first = device;
+      continue;
+    }
+    int differ = PyObject_RichCompareBool(device, first, Py_NE);
+    Py_DECREF(device);
+    if (differ < 0) goto fail;
+    if (differ) {
+      Py_DECREF(first);
+      Py_DECREF(views);
+      Py_RETURN_NONE;
+    }
+  }
+  Py_DECREF(views);
+  if (!first) Py_RETURN_NONE;
+  return first;
+fail:
+  Py_XDECREF(first);
+  Py_DECREF(views);
+  return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(cuLaunchKernel address, cuLaunchKernelEx address or None)"},
@@ -1894,6 +1929,8 @@ static PyMethodDef methods[] = {
     {"written_layouts", written_layouts, METH_VARARGS,
      "written_layouts(views, written) -> (layouts, ptrs, slow): the views' (shape, strides, "
      "itemsize) and pointers, and the written ones to check in Python, or None"},
+    {"same_device", same_device, METH_O,
+     "same_device(views) -> the one device of the views given, or None (none, or two)"},
     {"enable_torch", enable_torch, METH_NOARGS,
      "enable_torch(): the torch reads configure_torch staged go live (once verified)"},
     {NULL, NULL, 0, NULL}};
@@ -1932,6 +1969,7 @@ PyMODINIT_FUNC PyInit__native_ext(void) {
   INTERN(s_span, "span");
   INTERN(s_readonly, "readonly");
   INTERN(s_legacy, "legacy");
+  INTERN(s_device, "device");
   if (!(one = PyLong_FromLong(1))) return NULL;
   if (PyType_Ready(&NativePlanType) < 0 || PyType_Ready(&CallerType) < 0) return NULL;
   PyObject *m = PyModule_Create(&moduledef);

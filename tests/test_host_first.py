@@ -287,3 +287,47 @@ def test_native_plan_reads_its_pairs_as_the_parser_did(native):
         native.NativePlan(0, 3, 1, [], [(1, 3, 0, 64, 0, 32)], None)
     with pytest.raises(TypeError):
         native.NativePlan(0, 3, 1, [], [(1, 0, 0, 64, 0)], None)  # five values: the parser's
+
+
+class _OnDevice:
+    """A view as check_same_device reads it: a name, a device, where()."""
+
+    def __init__(self, name, device):
+        self.name, self.device = name, device
+
+    def where(self):
+        return f"CUDA device {self.device}" if self.device >= 0 else "host memory"
+
+
+def test_same_device_in_c_answers_as_the_loop(native, monkeypatch):
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        views = [
+            None if rng.integers(0, 3) == 0 else _OnDevice(f"a{k}", int(rng.integers(-1, 2)))
+            for k in range(int(rng.integers(0, 7)))
+        ]
+        devices = {v.device for v in views if v is not None}
+        want = devices.pop() if len(devices) == 1 else None
+        assert native.same_device(views) == want
+        assert native.same_device(tuple(views)) == want
+        monkeypatch.setattr(ck, "NATIVE_SAME_DEVICE", [native.same_device])
+        got = _outcome_any(ck.check_same_device, views)
+        monkeypatch.setattr(ck, "NATIVE_SAME_DEVICE", [None])
+        assert got == _outcome_any(ck.check_same_device, views)
+
+
+def _outcome_any(f, *args):
+    try:
+        return "device", f(*args)
+    except (ValueError, AttributeError) as exc:  # (none given: None has no device, as before)
+        return "error", type(exc).__name__, str(exc)
+
+
+def test_same_device_names_both_devices(native, monkeypatch):
+    monkeypatch.setattr(ck, "NATIVE_SAME_DEVICE", [native.same_device])
+    views = (None, _OnDevice("q", 0), _OnDevice("k_cache", 1))
+    with pytest.raises(ValueError, match="q is in CUDA device 0, k_cache is in CUDA device 1"):
+        ck.check_same_device(views)
+    assert ck.check_same_device((_OnDevice("q", -1), None)) == -1  # the host
+    with pytest.raises(AttributeError):
+        native.same_device([object()])
