@@ -182,6 +182,35 @@ def overlap_message(name, other, other_written, inplace=False):
     )
 
 
+# the C replay's overlap_pairs (ropekv/_native.c) once _launch has loaded it, else None: the
+# pairs of a first call in one C call (the Python loop below gives the same, and decides where
+# it answers None)
+NATIVE_OVERLAP = [None]
+
+
+# the C replay's written_layouts (ropekv/_native.c) once _launch has loaded it, else None
+NATIVE_WRITTEN = [None]
+
+
+def check_written(views, written, inplace=()):
+    """A first call's checks of its written arrays (``written``: indices of given views), in
+    order: each writable (:func:`check_writable`, where read-only or a legacy capsule), with
+    strides that put no two elements at one address (:func:`check_write_strides`), and sharing
+    no byte with another argument (:func:`check_no_overlap`). Returns ``(pairs, layouts, ptrs)``:
+    the overlap pairs, and each view's ``(shape, strides, itemsize)`` and pointer (0 and None for
+    None), or None, None where the C replay is not loaded (``NATIVE_WRITTEN``: they come with the
+    views it passes at once; the others are checked here)."""
+    native = NATIVE_WRITTEN[0]
+    found = None if native is None else native(views, written)
+    layouts, ptrs, slow = (None, None, written) if found is None else found
+    for i in slow:
+        v = views[i]
+        if v.readonly or v.legacy:  # else writable: no call
+            check_writable(v)
+        check_write_strides(v)
+    return check_no_overlap(views, written, inplace), layouts, ptrs
+
+
 def check_no_overlap(views, written, inplace=()):
     """No written array shares a byte with any other argument, except the pairs of ``inplace``
     (index pairs) when they are the very same array (same pointer and layout). Byte spans are
@@ -189,14 +218,27 @@ def check_no_overlap(views, written, inplace=()):
 
     Returns the pairs it compared, ``(i, j, lo_i, hi_i, lo_j, hi_j)``: written array ``i``
     against argument ``j`` (both given, not empty) with their byte spans relative to their
-    pointers, which a plan's replay re-checks on new pointers (``Plan.finish``)."""
+    pointers, which a plan's replay re-checks on new pointers (``Plan.finish``). The pairs and
+    the intersecting ones come from C where the C replay is loaded (``NATIVE_OVERLAP``: one call
+    instead of a loop over a hundred pairs or so), else from :func:`overlap_pairs`."""
+    native = NATIVE_OVERLAP[0]
+    found = None if native is None else native(views, written)
+    pairs, hits = overlap_pairs(views, written) if found is None else found
+    for i, j in hits:
+        _check_pair(views, written, inplace, i, j)
+    return pairs
+
+
+def overlap_pairs(views, written):
+    """``(pairs, hits)``: the pairs :func:`check_no_overlap` returns and ``(i, j)`` of those whose
+    byte ranges intersect, in order (the Python form of ``_native.c``'s ``overlap_pairs``)."""
     # (j, lo, hi, absolute lo, absolute hi) of the arrays given, not empty
     spans = []
     for j, v in enumerate(views):
         if v is not None and v.size:
             lo, hi = v.span
             spans.append((j, lo, hi, v.ptr + lo, v.ptr + hi))
-    pairs = []
+    pairs, hits = [], []
     for i in written:
         a = views[i]
         if a is None or a.size == 0:
@@ -207,24 +249,24 @@ def check_no_overlap(views, written, inplace=()):
             if j == i or (j < i and j in written):
                 continue
             pairs.append((i, j, a_lo, a_hi, b_lo, b_hi))
-            if not (a_first < b_end and b_first < a_end):  # disjoint spans: most pairs stop here
-                continue
-            b = views[j]
-            pair = frozenset((i, j)) in inplace
-            same = (
-                a.ptr == b.ptr
-                and a.shape == b.shape
-                and a.strides == b.strides
-                and a.dtype == b.dtype
-            )
-            if same and pair:
-                continue
-            if shares_bytes(
-                (a.ptr, a.shape, a.strides, a.dtype.itemsize),
-                (b.ptr, b.shape, b.strides, b.dtype.itemsize),
-            ):
-                raise ValueError(overlap_message(a.name, b.name, j in written, pair))
-    return pairs
+            if a_first < b_end and b_first < a_end:  # disjoint spans: most pairs stop before
+                hits.append((i, j))
+    return pairs, hits
+
+
+def _check_pair(views, written, inplace, i, j):
+    """Raise where written array ``i`` shares bytes with argument ``j`` (their byte spans
+    intersect), but for an ``inplace`` pair that is the very same array."""
+    a, b = views[i], views[j]
+    pair = frozenset((i, j)) in inplace
+    same = a.ptr == b.ptr and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype
+    if same and pair:
+        return
+    if shares_bytes(
+        (a.ptr, a.shape, a.strides, a.dtype.itemsize),
+        (b.ptr, b.shape, b.strides, b.dtype.itemsize),
+    ):
+        raise ValueError(overlap_message(a.name, b.name, j in written, pair))
 
 
 def check_flag(value, name):
@@ -420,8 +462,19 @@ def check_unique_slots(rows, tokens, what="cache row"):
         )
 
 
+# the C replay's same_device (ropekv/_native.c) once _launch has loaded it, else None
+NATIVE_SAME_DEVICE = [None]
+
+
 def check_same_device(views):
-    """All views (None: not given) on one device; returns that device (``HOST`` or a CUDA id)."""
+    """All views (None: not given) on one device; returns that device (``HOST`` or a CUDA id).
+    The C replay's ``same_device`` answers the common case (one device) in one call; the loop
+    below names the two devices of a mixed call (and raises as before when none is given)."""
+    native = NATIVE_SAME_DEVICE[0]
+    if native is not None:
+        device = native(views)
+        if device is not None:
+            return device
     first = None
     for view in views:
         if view is None:

@@ -687,13 +687,14 @@ class Plan:
         self.layers = None  # a Layers when the plan serves multi-layer arrays (layer_idx)
         self.native = None  # its launches as C data, when the C replay serves it (_native.c)
 
-    def finish(self, views, pairs):
+    def finish(self, views, pairs, layouts=None):
         """Record what the replay's overlap check needs (from the first call): the layouts of the
-        arrays, and ``pairs``, the written arrays' pairs with their byte spans as
+        arrays (``layouts`` where the caller has them: ``(shape, strides, itemsize)`` or None for
+        each view), and ``pairs``, the written arrays' pairs with their byte spans as
         :func:`ropekv._checks.check_no_overlap` gave them for these views and ``written``."""
-        self.views_layout = [
-            None if v is None else (v.shape, v.strides, v.dtype.itemsize) for v in views
-        ]
+        if layouts is None:
+            layouts = [None if v is None else (v.shape, v.strides, v.dtype.itemsize) for v in views]
+        self.views_layout = layouts
         self.pairs = pairs
 
     def make_outputs(self, kinds, stream_ptr, explicit):
@@ -945,6 +946,9 @@ def native_module():
                 _native_has_ex[0] = launchers[1] is not None
                 _native.configure_cupy_reads(module)
                 ar._VIEW_FIELDS[0] = module.view_fields  # first calls read arrays through it
+                ck.NATIVE_OVERLAP[0] = module.overlap_pairs  # and pair their spans
+                ck.NATIVE_WRITTEN[0] = module.written_layouts
+                ck.NATIVE_SAME_DEVICE[0] = module.same_device
         _native_module[0] = module
         _torch_probed[0] = False
         _native_cublas_bound[0] = None
@@ -1345,17 +1349,13 @@ class Op:
         if plan.capture_plan is not None:  # it replays the same (multi-layer) arguments
             plan.capture_plan.layers = layers
         written = plan.written = tuple([i for i in plan.written if views[i] is not None])
-        for i in written:
-            v = views[i]
-            if v.readonly or v.legacy:  # else writable: no call
-                ck.check_writable(v)
-            ck.check_write_strides(v)
-        pairs = ck.check_no_overlap(views, written, plan.inplace)
+        # writable, strides, overlap; the views' layouts and pointers where C read them at once
+        pairs, layouts, ptrs = ck.check_written(views, written, plan.inplace)
         if plan.device == ar.HOST:
             return self.run_host(plan, arrays, op_views, kinds, stream_ptr)
         if kinds & ar.OTHER:  # CAI producers' streams: the launch stream waits for them
             wait_producers(views, plan.device, kinds, stream_ptr)
-        plan.finish(views, pairs)
+        plan.finish(views, pairs, layouts)
         plans = self.plans if layer is None else self.layer_plans
         if key is not None and plan.cacheable:
             if not self.caller_bound:
@@ -1365,7 +1365,8 @@ class Op:
                 if kinds & ar.TORCH:
                     torch_reads(plan.device)
             _bounded_put(plans, key, plan, self.MAX_PLANS)
-        ptrs = [0 if v is None else v.ptr for v in views]
+        if ptrs is None:
+            ptrs = [0 if v is None else v.ptr for v in views]
         if plan.pairs:  # check_no_overlap above passed these pointers: the replay need not
             plan.checked[tuple(ptrs)] = True
             plan.last_checked = ptrs

@@ -74,7 +74,8 @@ enum { CUPY = 1, TORCH = 2 }; /* _arrays.CUPY / TORCH */
 
 static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *s_data_ptr,
     *s_stride, *s_get_device, *s_last, *s_native, *s_replay, *s_make_outputs, *s_result,
-    *s_getDevice, *s_setDevice, *s_empties, *one, *s_is_neg, *s_itemsize, *s_is_cuda;
+    *s_getDevice, *s_setDevice, *s_empties, *one, *s_is_neg, *s_itemsize, *s_is_cuda, *s_size,
+    *s_span, *s_readonly, *s_legacy, *s_device;
 
 /* ---- a plan's launches, as C data ----------------------------------------------------------- */
 
@@ -267,8 +268,16 @@ static PyObject *plan_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   }
   for (int p = 0; p < self->n_pairs; p++) {
     long long v[6];
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, p), "LLLLLL", &v[0], &v[1], &v[2], &v[3],
-                          &v[4], &v[5])) {
+    PyObject *pair = PySequence_Fast_GET_ITEM(seq, p);
+    if (PyTuple_CheckExact(pair) && PyTuple_GET_SIZE(pair) == 6) { /* a first call's: no parser */
+      for (int k = 0; k < 6; k++) {
+        v[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, k));
+        if (v[k] == -1 && PyErr_Occurred()) {
+          Py_DECREF(seq);
+          goto fail;
+        }
+      }
+    } else if (!PyArg_ParseTuple(pair, "LLLLLL", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5])) {
       Py_DECREF(seq);
       goto fail;
     }
@@ -1618,6 +1627,277 @@ static PyObject *configure_cublas(PyObject *mod, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* overlap_pairs(views, written) -> (pairs, hits): _checks.check_no_overlap's pairs and the pairs
+ * whose byte spans intersect, computed as its Python loop does (the first call of an op with many
+ * arguments compares a hundred pairs or so; almost none intersect):
+ *
+ *   pairs: (i, j, lo_i, hi_i, lo_j, hi_j) of each written array i (in the order of `written`;
+ *          given, size not 0) against each argument j given, not empty, j != i, and not a
+ *          written j < i (compared as its own written array), in argument order; the spans'
+ *          objects are the views' own span items;
+ *   hits:  (i, j) of those pairs whose absolute byte ranges intersect, in the same order, for
+ *          the caller's exact test.
+ *
+ * None where a view is not as expected (a span that is no pair of ints, a pointer past 2**62, a
+ * written index out of range, more than MAX_ARGS arguments): the caller's Python loop decides. */
+static PyObject *overlap_pairs(PyObject *mod, PyObject *args) {
+  PyObject *views_in, *written_in;
+  if (!PyArg_ParseTuple(args, "OO", &views_in, &written_in)) return NULL;
+  PyObject *views = PySequence_Fast(views_in, "views must be a sequence");
+  if (!views) return NULL;
+  PyObject *written = PySequence_Fast(written_in, "written must be a sequence");
+  if (!written) {
+    Py_DECREF(views);
+    return NULL;
+  }
+  PyObject *result = NULL, *pairs = NULL, *hits = NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(views), nw = PySequence_Fast_GET_SIZE(written);
+  PyObject *lo_obj[MAX_ARGS], *hi_obj[MAX_ARGS]; /* borrowed from the views' span tuples */
+  PyObject *spans[MAX_ARGS];                      /* the span tuples, owned */
+  int64_t first[MAX_ARGS], end[MAX_ARGS];
+  int given[MAX_ARGS], is_written[MAX_ARGS];
+  if (n > MAX_ARGS) goto fallback;
+  for (Py_ssize_t j = 0; j < n; j++) {
+    given[j] = 0;
+    is_written[j] = 0;
+    spans[j] = NULL;
+  }
+  for (Py_ssize_t k = 0; k < nw; k++) {
+    PyObject *w = PySequence_Fast_GET_ITEM(written, k);
+    if (!PyLong_CheckExact(w)) goto fallback;
+    Py_ssize_t i = PyLong_AsSsize_t(w);
+    if (i == -1 && PyErr_Occurred()) goto fail;
+    if (i < 0 || i >= n) goto fallback;
+    is_written[i] = 1;
+  }
+  for (Py_ssize_t j = 0; j < n; j++) { /* the arguments given, not empty: their spans */
+    PyObject *v = PySequence_Fast_GET_ITEM(views, j);
+    if (v == Py_None) continue;
+    PyObject *size = PyObject_GetAttr(v, s_size);
+    if (!size) goto fail;
+    int nonempty = PyObject_IsTrue(size);
+    Py_DECREF(size);
+    if (nonempty < 0) goto fail;
+    if (!nonempty) continue;
+    PyObject *span = PyObject_GetAttr(v, s_span);
+    if (!span) goto fail;
+    spans[j] = span;
+    PyObject *ptr_obj = PyObject_GetAttr(v, s_ptr);
+    if (!ptr_obj) goto fail;
+    int ok = PyLong_CheckExact(ptr_obj) && PyTuple_CheckExact(span) && PyTuple_GET_SIZE(span) == 2;
+    int overflow = 0;
+    long long ptr = ok ? PyLong_AsLongLongAndOverflow(ptr_obj, &overflow) : 0;
+    Py_DECREF(ptr_obj);
+    if (ptr == -1 && PyErr_Occurred()) goto fail;
+    if (!ok || overflow || ptr < 0 || ptr > ((long long)1 << 62)) goto fallback;
+    lo_obj[j] = PyTuple_GET_ITEM(span, 0);
+    hi_obj[j] = PyTuple_GET_ITEM(span, 1);
+    if (!PyLong_CheckExact(lo_obj[j]) || !PyLong_CheckExact(hi_obj[j])) goto fallback;
+    long long lo = PyLong_AsLongLongAndOverflow(lo_obj[j], &overflow);
+    if (overflow || lo < -((long long)1 << 61) || lo > ((long long)1 << 61)) goto fallback;
+    long long hi = PyLong_AsLongLongAndOverflow(hi_obj[j], &overflow);
+    if (overflow || hi < -((long long)1 << 61) || hi > ((long long)1 << 61)) goto fallback;
+    if (PyErr_Occurred()) goto fail;
+    first[j] = ptr + lo;
+    end[j] = ptr + hi;
+    given[j] = 1;
+  }
+  pairs = PyList_New(0);
+  hits = pairs ? PyList_New(0) : NULL;
+  if (!hits) goto fail;
+  for (Py_ssize_t k = 0; k < nw; k++) {
+    Py_ssize_t i = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(written, k));
+    if (!given[i]) continue; /* None or empty: never compared */
+    for (Py_ssize_t j = 0; j < n; j++) {
+      if (!given[j] || j == i || (j < i && is_written[j])) continue;
+      PyObject *pair = Py_BuildValue("(nnOOOO)", i, j, lo_obj[i], hi_obj[i], lo_obj[j], hi_obj[j]);
+      if (!pair) goto fail;
+      int bad = PyList_Append(pairs, pair);
+      Py_DECREF(pair);
+      if (bad) goto fail;
+      if (first[i] < end[j] && first[j] < end[i]) {
+        PyObject *hit = Py_BuildValue("(nn)", i, j);
+        if (!hit) goto fail;
+        bad = PyList_Append(hits, hit);
+        Py_DECREF(hit);
+        if (bad) goto fail;
+      }
+    }
+  }
+  result = PyTuple_Pack(2, pairs, hits);
+  goto done;
+fallback:
+  if (PyErr_Occurred()) goto fail;
+  result = Py_None;
+  Py_INCREF(result);
+  goto done;
+fail:
+  result = NULL;
+done:
+  Py_XDECREF(pairs);
+  Py_XDECREF(hits);
+  if (n <= MAX_ARGS)
+    for (Py_ssize_t j = 0; j < n; j++) Py_XDECREF(spans[j]);
+  Py_DECREF(views);
+  Py_DECREF(written);
+  return result;
+}
+
+/* Whether check_write_strides passes a view of this shape and these strides at its first test:
+ * the dims of size > 1, innermost first, each with a stride past the reach of the ones inside it
+ * (1), or not decided here (0: a dim too large for int64, a test that fails; the Python checker
+ * decides; dims and strides past 2**31 too). An empty view passes. */
+static int strides_plain(PyObject *shape, PyObject *strides) {
+  if (!PyTuple_CheckExact(shape) || !PyTuple_CheckExact(strides)) return 0;
+  Py_ssize_t nd = PyTuple_GET_SIZE(shape);
+  if (PyTuple_GET_SIZE(strides) != nd) return 0;
+  int64_t reach = 0;
+  for (Py_ssize_t k = nd - 1; k >= 0; k--) {
+    PyObject *n_obj = PyTuple_GET_ITEM(shape, k), *s_obj = PyTuple_GET_ITEM(strides, k);
+    if (!PyLong_CheckExact(n_obj) || !PyLong_CheckExact(s_obj)) return 0;
+    int overflow = 0;
+    long long n = PyLong_AsLongLongAndOverflow(n_obj, &overflow);
+    if (overflow || n < 0 || n > ((long long)1 << 31)) return 0;
+    if (n == 0) return 1; /* empty */
+    if (n == 1) continue;
+    long long st = PyLong_AsLongLongAndOverflow(s_obj, &overflow);
+    if (overflow || st > ((long long)1 << 31)) return 0;
+    if (st <= reach) return 0;
+    reach += (n - 1) * st; /* below 2**61 + 2**62: no overflow */
+    if (reach > ((long long)1 << 61)) return 0;
+  }
+  return 1;
+}
+
+/* written_layouts(views, written) -> (layouts, ptrs, slow): what a first call records and checks
+ * of its arguments besides the overlap pairs (overlap_pairs), in one call:
+ *
+ *   layouts: (shape, strides, itemsize) of each view (None for None), as Plan.finish records;
+ *   ptrs:    each view's pointer (0 for None);
+ *   slow:    the written views (in the order of `written`; None skipped) the caller must check in
+ *            Python: read-only or legacy ones (check_writable), and those whose strides
+ *            strides_plain does not pass (check_write_strides).
+ *
+ * None where a written index is out of range or a view has more than MAX_ARGS arguments. */
+static PyObject *written_layouts(PyObject *mod, PyObject *args) {
+  PyObject *views_in, *written_in;
+  if (!PyArg_ParseTuple(args, "OO", &views_in, &written_in)) return NULL;
+  PyObject *views = PySequence_Fast(views_in, "views must be a sequence");
+  if (!views) return NULL;
+  PyObject *written = PySequence_Fast(written_in, "written must be a sequence");
+  if (!written) {
+    Py_DECREF(views);
+    return NULL;
+  }
+  PyObject *result = NULL, *layouts = NULL, *ptrs = NULL, *slow = NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(views), nw = PySequence_Fast_GET_SIZE(written);
+  if (n > MAX_ARGS) goto fallback;
+  layouts = PyList_New(n);
+  ptrs = layouts ? PyList_New(n) : NULL;
+  slow = ptrs ? PyList_New(0) : NULL;
+  if (!slow) goto fail;
+  for (Py_ssize_t j = 0; j < n; j++) {
+    PyObject *v = PySequence_Fast_GET_ITEM(views, j);
+    if (v == Py_None) {
+      Py_INCREF(Py_None);
+      PyList_SET_ITEM(layouts, j, Py_None);
+      PyObject *zero = PyLong_FromLong(0);
+      if (!zero) goto fail;
+      PyList_SET_ITEM(ptrs, j, zero);
+      continue;
+    }
+    PyObject *ptr = PyObject_GetAttr(v, s_ptr);
+    if (!ptr) goto fail;
+    PyList_SET_ITEM(ptrs, j, ptr);
+    PyObject *shape = PyObject_GetAttr(v, s_shape);
+    PyObject *strides = shape ? PyObject_GetAttr(v, s_strides) : NULL;
+    PyObject *dtype = strides ? PyObject_GetAttr(v, s_dtype) : NULL;
+    PyObject *item = dtype ? PyObject_GetAttr(dtype, s_itemsize) : NULL;
+    PyObject *layout = item ? PyTuple_Pack(3, shape, strides, item) : NULL;
+    Py_XDECREF(shape);
+    Py_XDECREF(strides);
+    Py_XDECREF(dtype);
+    Py_XDECREF(item);
+    if (!layout) goto fail;
+    PyList_SET_ITEM(layouts, j, layout);
+  }
+  for (Py_ssize_t k = 0; k < nw; k++) {
+    PyObject *w = PySequence_Fast_GET_ITEM(written, k);
+    if (!PyLong_CheckExact(w)) goto fallback;
+    Py_ssize_t i = PyLong_AsSsize_t(w);
+    if (i == -1 && PyErr_Occurred()) goto fail;
+    if (i < 0 || i >= n) goto fallback;
+    PyObject *v = PySequence_Fast_GET_ITEM(views, i);
+    if (v == Py_None) continue;
+    int plain = 1;
+    PyObject *flags[2] = {s_readonly, s_legacy};
+    for (int f = 0; f < 2 && plain; f++) {
+      PyObject *x = PyObject_GetAttr(v, flags[f]);
+      if (!x) goto fail;
+      int set = PyObject_IsTrue(x);
+      Py_DECREF(x);
+      if (set < 0) goto fail;
+      if (set) plain = 0;
+    }
+    if (plain) {
+      PyObject *layout = PyList_GET_ITEM(layouts, i);
+      plain = strides_plain(PyTuple_GET_ITEM(layout, 0), PyTuple_GET_ITEM(layout, 1));
+    }
+    if (!plain && PyList_Append(slow, w)) goto fail;
+  }
+  result = PyTuple_Pack(3, layouts, ptrs, slow);
+  goto done;
+fallback:
+  if (PyErr_Occurred()) goto fail;
+  result = Py_None;
+  Py_INCREF(result);
+  goto done;
+fail:
+  result = NULL;
+done:
+  Py_XDECREF(layouts);
+  Py_XDECREF(ptrs);
+  Py_XDECREF(slow);
+  Py_DECREF(views);
+  Py_DECREF(written);
+  return result;
+}
+
+/* same_device(views) -> the device of the first view that is not None when no other view's
+ * device differs from it (`!=`, as check_same_device compares), else None: none given, or two
+ * devices (check_same_device's loop names them). */
+static PyObject *same_device(PyObject *mod, PyObject *views_in) {
+  PyObject *views = PySequence_Fast(views_in, "views must be a sequence");
+  if (!views) return NULL;
+  PyObject *first = NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(views);
+  for (Py_ssize_t j = 0; j < n; j++) {
+    PyObject *v = PySequence_Fast_GET_ITEM(views, j);
+    if (v == Py_None) continue;
+    PyObject *device = PyObject_GetAttr(v, s_device);
+    if (!device) goto fail;
+    if (!first) {
+      first = device;
+      continue;
+    }
+    int differ = PyObject_RichCompareBool(device, first, Py_NE);
+    Py_DECREF(device);
+    if (differ < 0) goto fail;
+    if (differ) {
+      Py_DECREF(first);
+      Py_DECREF(views);
+      Py_RETURN_NONE;
+    }
+  }
+  Py_DECREF(views);
+  if (!first) Py_RETURN_NONE;
+  return first;
+fail:
+  Py_XDECREF(first);
+  Py_DECREF(views);
+  return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(cuLaunchKernel address, cuLaunchKernelEx address or None)"},
@@ -1643,6 +1923,14 @@ static PyMethodDef methods[] = {
     {"dl_read", dl_read, METH_O,
      "dl_read(t) -> (data, device type, device id, (code, bits, lanes), shape, strides, "
      "byte offset) through the configured exchange API, or None"},
+    {"overlap_pairs", overlap_pairs, METH_VARARGS,
+     "overlap_pairs(views, written) -> (pairs, hits): check_no_overlap's pairs and those whose "
+     "byte ranges intersect, or None (the Python loop decides)"},
+    {"written_layouts", written_layouts, METH_VARARGS,
+     "written_layouts(views, written) -> (layouts, ptrs, slow): the views' (shape, strides, "
+     "itemsize) and pointers, and the written ones to check in Python, or None"},
+    {"same_device", same_device, METH_O,
+     "same_device(views) -> the one device of the views given, or None (none, or two)"},
     {"enable_torch", enable_torch, METH_NOARGS,
      "enable_torch(): the torch reads configure_torch staged go live (once verified)"},
     {NULL, NULL, 0, NULL}};
@@ -1677,6 +1965,11 @@ PyMODINIT_FUNC PyInit__native_ext(void) {
   INTERN(s_is_neg, "is_neg");
   INTERN(s_itemsize, "itemsize");
   INTERN(s_is_cuda, "is_cuda");
+  INTERN(s_size, "size");
+  INTERN(s_span, "span");
+  INTERN(s_readonly, "readonly");
+  INTERN(s_legacy, "legacy");
+  INTERN(s_device, "device");
   if (!(one = PyLong_FromLong(1))) return NULL;
   if (PyType_Ready(&NativePlanType) < 0 || PyType_Ready(&CallerType) < 0) return NULL;
   PyObject *m = PyModule_Create(&moduledef);

@@ -1,0 +1,333 @@
+"""The first call's host work in C gives what the Python forms give (CPU tests): the overlap
+check's pairs (``_native.c``'s ``overlap_pairs`` against ``_checks.overlap_pairs`` and the loop
+it replaced), the same error raised for the same pair."""
+
+import numpy as np
+import pytest
+
+from ropekv import _arrays as ar
+from ropekv import _checks as ck
+from ropekv import _native
+
+
+def _former_check_no_overlap(views, written, inplace=()):
+    """check_no_overlap as it was written before the C form (the oracle): one loop that raises
+    at the first pair of intersecting spans sharing a byte."""
+    spans = []
+    for j, v in enumerate(views):
+        if v is not None and v.size:
+            lo, hi = v.span
+            spans.append((j, lo, hi, v.ptr + lo, v.ptr + hi))
+    pairs = []
+    for i in written:
+        a = views[i]
+        if a is None or a.size == 0:
+            continue
+        a_lo, a_hi = a.span
+        a_first, a_end = a.ptr + a_lo, a.ptr + a_hi
+        for j, b_lo, b_hi, b_first, b_end in spans:
+            if j == i or (j < i and j in written):
+                continue
+            pairs.append((i, j, a_lo, a_hi, b_lo, b_hi))
+            if not (a_first < b_end and b_first < a_end):
+                continue
+            b = views[j]
+            pair = frozenset((i, j)) in inplace
+            same = (
+                a.ptr == b.ptr
+                and a.shape == b.shape
+                and a.strides == b.strides
+                and a.dtype == b.dtype
+            )
+            if same and pair:
+                continue
+            if ck.shares_bytes(
+                (a.ptr, a.shape, a.strides, a.dtype.itemsize),
+                (b.ptr, b.shape, b.strides, b.dtype.itemsize),
+            ):
+                raise ValueError(ck.overlap_message(a.name, b.name, j in written, pair))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = _native.load()
+    if module is None:
+        pytest.skip(f"no C extension: {_native.state()}")
+    return module
+
+
+def _outcome(f, *args):
+    try:
+        return "pairs", f(*args)
+    except (ValueError, BufferError) as exc:
+        return "error", type(exc).__name__, str(exc)
+
+
+def _random_arrays(rng, buf):
+    """Up to 9 arguments: None, empty, disjoint or overlapping slices and strided (interleaved)
+    views of one buffer, some the very same array twice."""
+    out = []
+    for _ in range(int(rng.integers(2, 10))):
+        kind = rng.integers(0, 6)
+        if kind == 0:
+            out.append(None)
+        elif kind == 1 and out and out[-1] is not None:
+            out.append(out[-1])  # the very same array (an in-place pair)
+        elif kind == 2:  # interleaved halves of rows (K and V in one buffer)
+            start = int(rng.integers(0, 16)) * 64
+            rows = buf[start : start + 512].view(np.float16).reshape(8, 2, 16)
+            out.append(rows[:, int(rng.integers(0, 2))])
+        elif kind == 3:  # a reversed view (a negative stride: its span reaches below its pointer)
+            start = int(rng.integers(0, 64)) * 32
+            out.append(buf[start : start + 64][::-1])
+        else:
+            start = int(rng.integers(0, 64)) * 32
+            n = int(rng.integers(0, 8)) * 16
+            out.append(buf[start : start + n])
+    return out
+
+
+def _random_call(rng, buf):
+    arrays = _random_arrays(rng, buf)
+    views = [None if a is None else ar.as_view(a, f"a{i}") for i, a in enumerate(arrays)]
+    n = len(views)
+    written = tuple(int(i) for i in rng.permutation(n)[: int(rng.integers(0, n + 1))])
+    if rng.integers(0, 4) == 0:
+        written = list(written)  # (a plan's written arrays are a tuple; a list reads the same)
+    pairs = {
+        frozenset((int(i), int(j)))
+        for i, j in rng.integers(0, n, (int(rng.integers(0, 3)), 2))
+        if i != j
+    }
+    return views, written, pairs
+
+
+def test_overlap_pairs_in_c_equal_the_python_form(native, monkeypatch):
+    rng = np.random.default_rng(5)
+    buf = np.zeros(4096, np.uint8)
+    errors = 0
+    for _ in range(800):
+        views, written, inplace = _random_call(rng, buf)
+        found = native.overlap_pairs(views, written)
+        assert found is not None
+        assert found == ck.overlap_pairs(views, written)
+        monkeypatch.setattr(ck, "NATIVE_OVERLAP", [native.overlap_pairs])
+        got = _outcome(ck.check_no_overlap, views, written, inplace)
+        monkeypatch.setattr(ck, "NATIVE_OVERLAP", [None])
+        assert got == _outcome(ck.check_no_overlap, views, written, inplace)
+        assert got == _outcome(_former_check_no_overlap, views, written, inplace)
+        errors += got[0] == "error"
+    assert 50 < errors < 750  # both outcomes well covered
+
+
+def test_overlap_pairs_keep_the_span_objects(native):
+    buf = np.zeros(1024, np.uint8)
+    views = [ar.as_view(buf[0:64], "q"), None, ar.as_view(buf[128:0:-1], "r")]
+    views.append(ar.as_view(buf[512:768], "k_cache"))
+    pairs, hits = native.overlap_pairs(views, (3, 0))
+    # (written q, index 0 < 3, is compared with k_cache as its own written array)
+    assert pairs == [
+        (3, 2, 0, 256, -127, 1),
+        (0, 2, 0, 64, -127, 1),
+        (0, 3, 0, 64, 0, 256),
+    ]
+    assert hits == [(0, 2)]  # q's bytes [0, 64) and r's [1, 129) intersect
+    assert pairs[0][3] is views[3].span[1] and pairs[0][4] is views[2].span[0]
+    assert native.overlap_pairs(views, ()) == ([], [])
+
+
+def test_overlap_pairs_leave_what_they_cannot_read_to_python(native):
+    buf = np.zeros(256, np.uint8)
+    v = ar.as_view(buf[0:64], "q")
+    w = ar.as_view(buf[64:128], "k")
+    assert native.overlap_pairs([v, w], (2,)) is None  # an index past the arguments
+    assert native.overlap_pairs([v, w], (-1,)) is None
+    assert native.overlap_pairs([v, w], (np.int64(1),)) is None  # not an int
+    far = ar.as_view(buf[0:64], "far")
+    far.ptr = 1 << 63  # past what int64 holds
+    assert native.overlap_pairs([v, far], (0,)) is None
+    far.ptr = np.uint64(64)  # not an int
+    assert native.overlap_pairs([v, far], (0,)) is None
+    assert native.overlap_pairs([v] * 65, (0,)) is None  # more arguments than the C replay takes
+    with pytest.raises(TypeError):
+        native.overlap_pairs(v, (0,))
+    odd = ar.as_view(buf[0:64], "odd")
+    odd.span = [0, 64]  # no tuple
+    assert native.overlap_pairs([v, odd], (0,)) is None
+
+
+def test_check_no_overlap_names_the_arguments(native, monkeypatch):
+    monkeypatch.setattr(ck, "NATIVE_OVERLAP", [native.overlap_pairs])
+    buf = np.zeros(256, np.uint8)
+    views = [ar.as_view(buf[0:64], "q"), ar.as_view(buf[32:96], "k_cache")]
+    with pytest.raises(ValueError, match="k_cache is written in place but shares memory with q"):
+        ck.check_no_overlap(views, (1,))
+    same = [ar.as_view(buf[0:64], "q"), ar.as_view(buf[0:64], "q_out")]
+    assert len(ck.check_no_overlap(same, (1,), {frozenset((0, 1))})) == 1  # in place: allowed
+    with pytest.raises(ValueError, match="q_out must be q itself"):
+        ck.check_no_overlap([same[0], ar.as_view(buf[0:32], "q_out")], (1,), {frozenset((0, 1))})
+    kv = np.zeros((4, 2, 8), np.float16)  # K and V interleaved in one buffer: no shared byte
+    k, v = ar.as_view(kv[:, 0], "k_cache"), ar.as_view(kv[:, 1], "v_cache")
+    assert ck.check_no_overlap([k, v], (0, 1)) == [(0, 1, *k.span, *v.span)]
+
+
+def _random_written_call(rng, buf):
+    """Views with strides of every kind a written array may have: plain, padded, transposed,
+    broadcast (stride 0), reversed, self-overlapping, empty; some read-only."""
+    views = []
+    for k in range(int(rng.integers(1, 8))):
+        kind = int(rng.integers(0, 8))
+        base = np.lib.stride_tricks.as_strided
+        if kind == 0:
+            a = None
+        elif kind == 1:
+            a = buf[: 4 * 6 * 8].reshape(4, 6, 8)
+        elif kind == 2:
+            a = buf[: 4 * 6 * 8].reshape(4, 6, 8)[:, :3]  # padded rows
+        elif kind == 3:
+            a = buf[:48].reshape(6, 8).T  # transposed
+        elif kind == 4:
+            a = base(buf, (4, 8), (0, 1))  # broadcast rows
+        elif kind == 5:
+            a = buf[:64][::-1]
+        elif kind == 6:
+            a = base(buf, (5, 8), (4, 1))  # rows overlapping their neighbours
+        else:
+            a = buf[:0].reshape(0, 8) if rng.integers(0, 2) else base(buf, (0, 4), (0, 1))
+        if a is not None and rng.integers(0, 4) == 0:
+            a = a.view()
+            a.flags.writeable = False
+        views.append(None if a is None else ar.as_view(a, f"w{k}"))
+    n = len(views)
+    written = tuple(int(i) for i in rng.permutation(n)[: int(rng.integers(0, n + 1))])
+    return views, tuple(i for i in written if views[i] is not None)
+
+
+def _pairs_of_checks(views, written):
+    return ck.check_written(views, written)[0]
+
+
+def _python_written(views, written):
+    """The written checks as the first call made them before (the oracle), then the overlap."""
+    for i in written:
+        v = views[i]
+        if v.readonly or v.legacy:
+            ck.check_writable(v)
+        ck.check_write_strides(v)
+    return ck.check_no_overlap(views, written)
+
+
+def test_written_layouts_in_c_decide_as_the_python_checks(native, monkeypatch):
+    rng = np.random.default_rng(7)
+    buf = np.zeros(4096, np.uint8)
+    slow_seen = plain_seen = errors = 0
+    for _ in range(600):
+        views, written = _random_written_call(rng, buf)
+        layouts, ptrs, slow = native.written_layouts(views, written)
+        assert layouts == [
+            None if v is None else (v.shape, v.strides, v.dtype.itemsize) for v in views
+        ]
+        assert ptrs == [0 if v is None else v.ptr for v in views]
+        assert all(isinstance(p, int) for p in ptrs)
+        assert slow == [i for i in written if i in slow]  # in order, a subset
+        for i in written:  # what C passes, the Python checks pass
+            if i not in slow:
+                v = views[i]
+                assert not (v.readonly or v.legacy)
+                ck.check_write_strides(v)
+                plain_seen += 1
+            else:
+                slow_seen += 1
+        monkeypatch.setattr(ck, "NATIVE_WRITTEN", [native.written_layouts])
+        monkeypatch.setattr(ck, "NATIVE_OVERLAP", [native.overlap_pairs])
+        got = _outcome(_pairs_of_checks, views, written)
+        monkeypatch.setattr(ck, "NATIVE_WRITTEN", [None])
+        monkeypatch.setattr(ck, "NATIVE_OVERLAP", [None])
+        assert got == _outcome(_pairs_of_checks, views, written)
+        assert got == _outcome(_python_written, views, written)
+        assert got[0] == "error" or ck.check_written(views, written)[1:] == (None, None)
+        errors += got[0] == "error"
+    assert slow_seen > 100 and plain_seen > 100 and errors > 50
+
+
+def test_written_checks_raise_their_errors(native, monkeypatch):
+    monkeypatch.setattr(ck, "NATIVE_WRITTEN", [native.written_layouts])
+    buf = np.zeros(256, np.uint8)
+    ro = buf[:64].view()
+    ro.flags.writeable = False
+    views = [ar.as_view(buf[64:128], "q"), ar.as_view(ro, "k_cache")]
+    with pytest.raises(BufferError, match="k_cache is written in place but its producer"):
+        ck.check_written(views, (1,))
+    bcast = ar.as_view(np.lib.stride_tricks.as_strided(buf, (4, 8), (0, 1)), "v_cache")
+    with pytest.raises(ValueError, match="v_cache is written but has stride 0"):
+        ck.check_written([views[0], bcast], (1,))
+    assert native.written_layouts(views, (2,)) is None  # an index past the arguments
+    assert native.written_layouts(views, (np.int64(0),)) is None
+    assert native.written_layouts([views[0]] * 65, (0,)) is None
+    pairs, layouts, ptrs = ck.check_written(views, (0,))
+    assert pairs == [(0, 1, 0, 64, 0, 64)] and ptrs == [views[0].ptr, views[1].ptr]
+    assert layouts == [((64,), (1,), 1), ((64,), (1,), 1)]
+
+
+def test_native_plan_reads_its_pairs_as_the_parser_did(native):
+    """NativePlan reads a first call's pair tuples without the argument parser: the same values
+    taken (ints, NumPy ints), the same errors (a tuple of another length through the parser)."""
+    for pairs in (
+        [(1, 0, 0, 64, 0, 32)],
+        [(np.int64(1), 0, np.int32(0), 64, 0, 32)],
+        [],
+    ):
+        assert native.NativePlan(0, 3, 1, [], pairs, None) is not None
+    with pytest.raises(TypeError):
+        native.NativePlan(0, 3, 1, [], [(1, 0, 0, 1.5, 0, 32)], None)
+    with pytest.raises(OverflowError):
+        native.NativePlan(0, 3, 1, [], [(1, 0, 0, 1 << 64, 0, 32)], None)
+    with pytest.raises(ValueError, match="pair names no argument"):
+        native.NativePlan(0, 3, 1, [], [(1, 3, 0, 64, 0, 32)], None)
+    with pytest.raises(TypeError):
+        native.NativePlan(0, 3, 1, [], [(1, 0, 0, 64, 0)], None)  # five values: the parser's
+
+
+class _OnDevice:
+    """A view as check_same_device reads it: a name, a device, where()."""
+
+    def __init__(self, name, device):
+        self.name, self.device = name, device
+
+    def where(self):
+        return f"CUDA device {self.device}" if self.device >= 0 else "host memory"
+
+
+def test_same_device_in_c_answers_as_the_loop(native, monkeypatch):
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        views = [
+            None if rng.integers(0, 3) == 0 else _OnDevice(f"a{k}", int(rng.integers(-1, 2)))
+            for k in range(int(rng.integers(0, 7)))
+        ]
+        devices = {v.device for v in views if v is not None}
+        want = devices.pop() if len(devices) == 1 else None
+        assert native.same_device(views) == want
+        assert native.same_device(tuple(views)) == want
+        monkeypatch.setattr(ck, "NATIVE_SAME_DEVICE", [native.same_device])
+        got = _outcome_any(ck.check_same_device, views)
+        monkeypatch.setattr(ck, "NATIVE_SAME_DEVICE", [None])
+        assert got == _outcome_any(ck.check_same_device, views)
+
+
+def _outcome_any(f, *args):
+    try:
+        return "device", f(*args)
+    except (ValueError, AttributeError) as exc:  # (none given: None has no device, as before)
+        return "error", type(exc).__name__, str(exc)
+
+
+def test_same_device_names_both_devices(native, monkeypatch):
+    monkeypatch.setattr(ck, "NATIVE_SAME_DEVICE", [native.same_device])
+    views = (None, _OnDevice("q", 0), _OnDevice("k_cache", 1))
+    with pytest.raises(ValueError, match="q is in CUDA device 0, k_cache is in CUDA device 1"):
+        ck.check_same_device(views)
+    assert ck.check_same_device((_OnDevice("q", -1), None)) == -1  # the host
+    with pytest.raises(AttributeError):
+        native.same_device([object()])
