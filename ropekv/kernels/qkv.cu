@@ -562,6 +562,19 @@ __global__ void __launch_bounds__(gemv_warps(PACKED) * 32, PACKED ? 3 : 1)
 #pragma unroll
     for (int t = 0; t < TT; ++t) acc[r][t] = 0.f;
 
+  // LEAN 4-bit at 1-2 tokens: each row's scale row, and the group of a load as a shift of its
+  // index where a group's 32-value loads are a power of two (else a division); at 4 tokens the
+  // pointers spilled
+  constexpr bool LEAN_SCALES = P4 && LEAN && TT <= 2;
+  const unsigned short* srow[ROWS];
+  const int g32 = LEAN_SCALES ? p.group_size >> 5 : 1;
+  const int gsh = (g32 & (g32 - 1)) == 0 ? __ffs(g32) - 1 : -1;
+  if constexpr (LEAN_SCALES) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      srow[r] = static_cast<const unsigned short*>(p.weight_scales) + i64(rown[r]) * p.ws_s0;
+    }
+  }
   const T* hidden = static_cast<const T*>(p.hidden) + i64(t0) * p.hidden_s0;
   // 16-byte loads of the hidden rows when every row start of every chunk is 16-byte aligned
   const bool x_vec = (reinterpret_cast<unsigned long long>(hidden) & 15) == 0 &&
@@ -589,7 +602,17 @@ __global__ void __launch_bounds__(gemv_warps(PACKED) * 32, PACKED ? 3 : 1)
           } else {
             raw[u][r] = on ? WV::load(wrow[r] + byte0 + i64(v) * VB) : WV::zero();
           }
-          if constexpr (P4) {
+          if constexpr (LEAN_SCALES) {  // the row's scale base, the group by a shift
+            const int kv = (k0 >> 5) + v;   // k0 / 32 + v: VALS (32) divides k0 and the group
+            const int grp = gsh >= 0 ? kv >> gsh : kv / g32;
+            const unsigned sb = on ? unsigned(srow[r][grp]) : 0u;
+            const unsigned z = on && p.zero_points
+                                   ? unsigned(static_cast<const unsigned char*>(
+                                         p.zero_points)[i64(rown[r]) * p.zp_s0 + grp]) &
+                                         0xFu
+                                   : 8u;
+            sz[u][r] = sb | (z << 16);
+          } else if constexpr (P4) {
             const int grp = (k0 + v * VALS) / p.group_size;
             const unsigned sb =
                 on ? unsigned(static_cast<const unsigned short*>(
