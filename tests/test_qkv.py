@@ -752,6 +752,54 @@ def test_gemv_takes_the_packed_decode_where_it_applies(
     assert got[0][1] <= qkv_mod.GEMV_SMEM  # the fp16 pairs fit the float32 rows' space
 
 
+@pytest.mark.parametrize(
+    "wfmt, dtype, T, lean_applies",
+    [
+        ("int4", F16, 1, True),
+        ("int4", F16, 2, True),
+        ("int4", F16, 4, True),
+        ("int4", BF16, 1, False),  # bf16 inputs: the float32 decode
+        ("fp8", F16, 1, True),
+        ("fp8", BF16, 2, True),
+        ("fp8", F16, 8, False),  # token tile 8: beyond the packed decode
+        ("dense", F16, 1, False),
+    ],
+)
+@pytest.mark.parametrize("lean", [True, False])
+def test_gemv_lean_form_launch_shape(wfmt, dtype, T, lean_applies, lean, monkeypatch):
+    """GEMV_LEAN: where the packed decode runs, its lean form (PACKED 3): 8 warps a block of one
+    row pair each, so 16 rows a block as before (N 6144: 384 blocks); elsewhere, and with
+    lean=False, the launch as before (4 warps of two pairs)."""
+    from types import SimpleNamespace
+
+    assert qkv_mod.GEMV_LEAN is True
+    got = []
+    monkeypatch.setattr(qkv_mod, "Launch", lambda *a, **k: got.append(a))
+    K, fmt, N = 4096, WEIGHT_FORMATS[wfmt], 6144
+    wdtype = {"int4": np.dtype(np.uint8), "fp8": E4M3, "dense": np.dtype(dtype)}[wfmt]
+    cols = K // 2 if wfmt == "int4" else K
+    vx = SimpleNamespace(dtype=np.dtype(dtype))
+    vw = SimpleNamespace(ptr=1 << 20, strides=(cols, 1), dtype=wdtype)
+    qkv_mod._gemv(
+        {"group_size": 128}, {}, vx, vw, fmt, T, K, N, 0, (False, True, False), False, lean=lean
+    )
+    (a,) = got
+    expression, grid, block = a[1], a[3], a[4]
+    tt = next(t for t in qkv_mod.GEMV_TILES if t >= T)
+    on = lean and lean_applies
+    assert (expression.split(", ")[-2] == "3") == on, expression
+    if on:
+        assert block == (qkv_mod.GEMV_LEAN_WARPS * 32,)
+        rows = 2 * qkv_mod.GEMV_LEAN_WARPS * qkv_mod.GEMV_LEAN_PAIRS
+    else:
+        assert block == (qkv_mod.GEMV_WARPS * 32,)
+        rows = 2 * qkv_mod.GEMV_WARPS * qkv_mod.GEMV_PAIRS
+    assert grid == (-(-N // rows), -(-T // tt))
+    assert expression in set(qkv_mod.instantiations())
+    opts = qkv_mod.gemv_expression(np.dtype(dtype), fmt, 16, tt, False, True, 3 if on else 0)
+    assert opts in set(qkv_mod.instantiations())
+
+
 def test_instantiations_cover_every_dispatch():
     names = set(qkv_mod.instantiations())
     assert len(names) == len(list(qkv_mod.instantiations()))
@@ -1642,7 +1690,108 @@ def test_gpu_gemv_packed_past_gemv_max_tokens(lengths, wfmt, dtype, monkeypatch)
     q = call(d, {n: to_device(a) for n, a in kw.items()})
     check_results(args, kw, q, d["paged_kv_cache"], originals, refs)
     (name,) = names
-    assert name.startswith("qkv_gemv<") and name.split(", ")[-2] == "1", name
+    packed = "3" if qkv_mod.GEMV_LEAN else "1"  # the packed decode's lean form, or as before
+    assert name.startswith("qkv_gemv<") and name.split(", ")[-2] == packed, name
+
+
+# The shapes of the lean-form tests: Llama-3-8B's projection (384 full blocks of 16 rows), and a
+# small one whose 140 row pairs leave the last block of 8 pairs half empty (partial RoPE).
+LEAN_SHAPES = {
+    "llama": LLAMA,
+    "ragged": {"K": 1024, "Hq": 5, "Hkv": 1, "D": 40, "R": 32, "P": 512, "page_size": 16},
+    # two k chunks of the hidden rows at token tiles 1-2 too (loads refilled across them)
+    "k8192": {"K": 8192, "Hq": 8, "Hkv": 2, "D": 128, "R": 128, "P": 512, "page_size": 16},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize("lengths", [(1,), (1, 1), (2, 0, 2), (1, 0, 3), (5, 3)])
+@pytest.mark.parametrize(
+    "wfmt, dtype, group_size, zero_points",
+    [
+        ("int4", F16, 128, False),
+        ("int4", F16, 32, True),
+        ("fp8", F16, 0, False),
+        ("fp8", BF16, 0, False),
+    ],
+)
+@pytest.mark.parametrize("shape", ["llama", "ragged"])
+def test_gpu_gemv_lean(lean, lengths, wfmt, dtype, group_size, zero_points, shape, monkeypatch):
+    """qkv_gemv's packed decode in its lean form (GEMV_LEAN, PACKED 3) and as before (lean
+    False), at token tiles 1, 2 and 4 (4: two k chunks of the hidden rows at K 4096) and 8 (the
+    float32 decode either way), fp8 caches, against the reference; the kernel the call ran."""
+    force_path(monkeypatch, "gemv")
+    monkeypatch.setattr(qkv_mod, "GEMV_LEAN", lean)
+    real, names = qkv_mod.Launch, []
+
+    def launch(*a, **k):
+        names.append(a[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(qkv_mod, "Launch", launch)
+    qkv_mod._OP.clear()  # a plan of the same key from an earlier test would launch no Launch
+    extra = {"group_size": group_size, "zero_points": zero_points} if wfmt == "int4" else {}
+    args, kw = make_case(
+        35 + len(lengths),
+        lengths=lengths,
+        wfmt=wfmt,
+        dtype=dtype,
+        cache_dtype=E4M3 if sum(lengths) % 2 else None,
+        cached=[7 + 13 * i for i in range(len(lengths))],
+        **extra,
+        **LEAN_SHAPES[shape],
+    )
+    refs = expected(args, kw)
+    originals = [c.copy() for c in args["paged_kv_cache"]]
+    d = {n: to_device(a) for n, a in args.items()}
+    q = call(d, {n: to_device(a) for n, a in kw.items()})
+    check_results(args, kw, q, d["paged_kv_cache"], originals, refs)
+    (name,) = names
+    packed = name.split(", ")[-2]
+    if sum(lengths) <= qkv_mod.GEMV_PACKED_MAX_TILE:
+        assert packed == ("3" if lean else "1" if wfmt == "int4" else "0"), name
+    else:
+        assert packed == "0", name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(1,), (2, 0, 1), (1, 3)])
+@pytest.mark.parametrize("wfmt", ["int4", "fp8"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_gpu_gemv_lean_options(lengths, wfmt, layout, monkeypatch):
+    """The lean form's options kernel: status= (0) and clear_unused_last_page_rows, fp16 inputs,
+    against the reference (tails zeroed, every other byte unchanged)."""
+    from tests.test_qkv_options import check_options
+
+    assert qkv_mod.GEMV_LEAN is True
+    real, names = qkv_mod.Launch, []
+
+    def launch(*a, **k):
+        names.append(a[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(qkv_mod, "Launch", launch)
+    qkv_mod._OP.clear()
+    extra = {"group_size": 64, "zero_points": True} if wfmt == "int4" else {}
+    args, kw = make_case(
+        44 + len(lengths),
+        lengths=lengths,
+        wfmt=wfmt,
+        layout=layout,
+        cached=[5, 22, 40][: len(lengths)],
+        **extra,
+        K=1024,
+        Hq=4,
+        Hkv=2,
+        D=64,
+        R=64,
+        P=512,
+        page_size=16,
+    )
+    check_options(args, kw, monkeypatch, "gemv", clear=True, status_given=True)
+    (name,) = names
+    assert name.split(", ")[-2] == "3" and name.endswith("true>"), name
 
 
 @pytest.mark.gpu
