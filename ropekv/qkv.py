@@ -109,15 +109,7 @@ GEMV_PACKED_MAX_TOKENS = 2
 # to every weight (4 fewer half2 ops a word of 8 codes). Off: those sums, of up to 16 products of
 # |q - zero| <= 15 and x, overflow fp16 where |x| reaches about 270.
 GEMV_PACKED_LATE_SCALE = False
-# The lean form of the packed decode (qkv.cu's GEMV_LEAN, PACKED 3): 8 warps a block of one row pair
-# each (16 rows a block, as before), 80 registers (3 blocks an SM: 24 warps, against 12 of 166
-# registers at two pairs a warp; ncu at one token, 4-bit: issue-bound at 4.08M instructions, DRAM
-# 18%), 3 loads a row in flight at 1-2 tokens, each refilled as it is consumed; the same decode,
-# products and sums (bitwise the same results). Takes 4-bit weights with fp16 inputs and fp8
-# weights (whatever GEMV_PACKED_FP8) wherever the packed decode applies. False: as before.
-GEMV_LEAN = True
 GEMV_WARPS, GEMV_PAIRS = 4, 2  # mirror qkv.cu
-GEMV_LEAN_WARPS, GEMV_LEAN_PAIRS, GEMV_LEAN_PACKED = 8, 1, 3  # mirror qkv.cu (gemv_warps, ...)
 GEMV_SMEM = 46 * 1024  # staged hidden rows, float32, per block (below the 48 KiB default)
 # The tensor-core path (qkv_mma, sm_90+): token counts in [MMA_MIN_TOKENS, MMA_MAX_TOKENS]
 # (MMA_MAX_TOKENS_QUANTIZED for fp8 and 4-bit weights) run it where it applies (see _mma). Measured
@@ -388,12 +380,9 @@ def _packed(dtype, fmt, vb, tt):
 @functools.cache  # the expressions: a plan's lookup spells one once per first call
 def gemv_expression(dtype, fmt, vb, tt, fast=True, opts=False, packed=0):
     """``fast`` selects the cheaper float 4-bit decode where it applies, ``packed`` the packed
-    decode (which takes precedence) where it applies: 1, 2 (4-bit: the scale on the sums), 3
-    (GEMV_LEAN_PACKED: the lean form, 4-bit or fp8), or 0 (see qkv.cu)."""
-    if not (packed and _packed(dtype, fmt, vb, tt)):
-        packed = 0
-    elif packed != GEMV_LEAN_PACKED:
-        packed = 1 if fmt != W_INT4 else int(packed)
+    decode (which takes precedence) where it applies: 1, 2 (4-bit: the scale on the sums), or 0
+    (see qkv.cu)."""
+    packed = (1 if fmt != W_INT4 else int(packed)) if packed and _packed(dtype, fmt, vb, tt) else 0
     return name_expression(
         "qkv_gemv",
         c_type(dtype),
@@ -458,7 +447,6 @@ def instantiations():
                     yield gemv_expression(dtype, fmt, vb, tt, opts=opts, packed=1)
                     if fmt == W_INT4:
                         yield gemv_expression(dtype, fmt, vb, tt, opts=opts, packed=2)
-                    yield gemv_expression(dtype, fmt, vb, tt, opts=opts, packed=GEMV_LEAN_PACKED)
         for fmt, tn, split in itertools.product((W_DENSE, W_FP8, W_INT4), MMA_TILES, MMA_SPLITS):
             yield mma_expression(dtype, fmt, tn, split, opts)
         for fmt, tn, split in itertools.product(TILED_FORMATS, TILED_TILES, TILED_SPLITS):
@@ -781,7 +769,6 @@ def fused_qkv_matmul_append_paged_kv_cache(
             GEMV_PACKED_MAX_TOKENS,
             GEMV_PACKED_LATE_SCALE,
             GEMV_PACKED_FP8,
-            GEMV_LEAN,
             MMA_MIN_TOKENS,
             MMA_MAX_TOKENS,
             (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID),
@@ -860,7 +847,6 @@ def _prepare(views, flags):
         packed_max,
         late_scale,
         packed_fp8,
-        lean,
         mma_min,
         mma_max,
         mma_quantized,
@@ -893,7 +879,7 @@ def _prepare(views, flags):
         return plan(c.device)
     fields, slots = _fields(views, c, is_neox, clear)
     opts = bool(clear or vstatus is not None)  # the kernels that read the options
-    gemv = (gemv_max, fast_int4, (gemv_packed, packed_fp8, lean), packed_max, late_scale)
+    gemv = (gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, late_scale)
     tuning = (gemv, mma_min, mma_max, mma_quantized, mma_split, tiled, graph_max)
     return _device_plan(
         views, c, fields, slots, outputs, written, is_neox, pdl, opts, tuning, WgmmaSettings(*wgmma)
@@ -1123,9 +1109,9 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         a.out,
     )
     gemv, mma_min, mma_max, mma_quantized, mma_split, tiled, graph_max = tuning
-    gemv_max, fast_int4, (gemv_packed, packed_fp8, lean), packed_max, late_scale = gemv
+    gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, late_scale = gemv
     T, K, N, D, fmt, device = c.T, c.K, c.N, c.D, c.fmt, c.device
-    gemv_packed = gemv_packed and (fmt != W_FP8 or packed_fp8 or lean)
+    gemv_packed = gemv_packed and (fmt != W_FP8 or packed_fp8)
 
     def fused(wgmma, mma_max):
         """The one fused launch that takes the call (qkv_wgmma, else the tensor-core kernels up
@@ -1152,7 +1138,7 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
             vx.dtype, fmt, _gemv_width(vw, fmt, vx.dtype, K, fields["group_size"])[0], _tile(T)
         )
     ):  # a few tokens more on the packed decode, before the tensor-core kernels
-        return plan([_gemv(fields, slots, vx, vw, fmt, T, K, N, device, decode, pdl, opts, lean)])
+        return plan([_gemv(fields, slots, vx, vw, fmt, T, K, N, device, decode, pdl, opts)])
     step = fused(wgmma, mma_top)
     if step is not None:
         return plan([step])
@@ -1160,7 +1146,7 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
     # the GEMV kernel, which only validates)
     n = None if T <= gemv_max else _epilogue_width(vout, vk, vv, vt, D, c.R, is_neox)
     if n is None:
-        return plan([_gemv(fields, slots, vx, vw, fmt, T, K, N, device, decode, pdl, opts, lean)])
+        return plan([_gemv(fields, slots, vx, vw, fmt, T, K, N, device, decode, pdl, opts)])
     steps, workspaces = _prefill(
         fields,
         slots,
@@ -1298,31 +1284,26 @@ def _tile(T):
     return next((tt for tt in GEMV_TILES if tt >= T), GEMV_TILES[-1])
 
 
-def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, decode, pdl, opts=False, lean=False):
+def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, decode, pdl, opts=False):
     """The fused decode kernel: one launch (T == 0, status=: one block, which validates).
-    ``decode``: (FAST_INT4, GEMV_PACKED, GEMV_PACKED_LATE_SCALE); ``lean``: GEMV_LEAN (the packed
-    decode's lean form where the packed decode runs, the scale on the sums excepted)."""
+    ``decode``: (FAST_INT4, GEMV_PACKED, GEMV_PACKED_LATE_SCALE)."""
     dtype = vx.dtype
     vb, vals = _gemv_width(vw, fmt, dtype, K, fields["group_size"])
     tt = _tile(T)
-    packed = 0
-    if decode[1] and _packed(dtype, fmt, vb, tt):
-        packed = 2 if decode[2] and fmt == W_INT4 else GEMV_LEAN_PACKED if lean else 1
-    lean = packed == GEMV_LEAN_PACKED
-    warps, pairs = (GEMV_LEAN_WARPS, GEMV_LEAN_PAIRS) if lean else (GEMV_WARPS, GEMV_PAIRS)
+    packed = (2 if decode[2] else 1) if decode[1] and _packed(dtype, fmt, vb, tt) else 0
     fast = decode[0] and not packed and _fast_int4(fmt, vb, tt)
     # shared memory: x (tt, kc) float32, and for the fast int4 decode its sums (tt, kc / 32)
     kc = GEMV_SMEM * 32 // (tt * 4 * 33) if fast else GEMV_SMEM // (tt * 4)
     kc = K if K <= kc else kc // vals * vals
     smem = tt * kc * 4 + (tt * (kc // 32) * 4 if fast else 0)
-    pairs_per_block = warps * pairs
+    pairs_per_block = GEMV_WARPS * GEMV_PAIRS
     grid = ((N // 2 + pairs_per_block - 1) // pairs_per_block, (T + tt - 1) // tt) if T else (1, 1)
     return Launch(
         STEM,
         gemv_expression(dtype, fmt, vb, tt, fast, opts, packed),
         device,
         grid,
-        (warps * 32,),
+        (GEMV_WARPS * 32,),
         PARAMS,
         {**fields, "kc": kc},
         slots,
@@ -1880,7 +1861,6 @@ _OP = Op(
                 "GEMV_PACKED_MAX_TOKENS",
                 "GEMV_PACKED_LATE_SCALE",
                 "GEMV_PACKED_FP8",
-                "GEMV_LEAN",
                 "MMA_MIN_TOKENS",
                 "MMA_MAX_TOKENS",
                 "MMA_*_QUANTIZED",

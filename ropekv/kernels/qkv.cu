@@ -416,17 +416,6 @@ __device__ __forceinline__ unsigned pair_of(float x) {
 constexpr int GEMV_WARPS = 4;  // per block
 constexpr int GEMV_PAIRS = 2;  // row pairs per warp: 4 rows share each x read from shared memory
 constexpr int GEMV_ROWS = 2 * GEMV_PAIRS;
-// PACKED == GEMV_LEAN: the packed decode on twice the warps, each with one row pair (half the
-// registers of two pairs: three blocks of 8 warps an SM, 24 warps, where two pairs a warp held
-// 166 registers and 12 warps); the block's 16 rows still share one staging of the hidden rows.
-constexpr int GEMV_LEAN = 3;
-constexpr int GEMV_LEAN_WARPS = 8;
-__host__ __device__ constexpr int gemv_warps(int packed) {
-  return packed == GEMV_LEAN ? GEMV_LEAN_WARPS : GEMV_WARPS;
-}
-__host__ __device__ constexpr int gemv_pairs(int packed) {
-  return packed == GEMV_LEAN ? 1 : GEMV_PAIRS;
-}
 
 __device__ __forceinline__ float bits16_to_float(const __half*, unsigned bits) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
@@ -499,30 +488,23 @@ struct WeightVec {
 //   (4 fewer half2 ops a word, a closer scale; the fp16 sums of up to 16 products of |q - zero|
 //   <= 15 and x overflow where |x| reaches about 270). Both issue
 //   4 loads a row at 1-2 tokens (U = 4: 256 bytes a lane in flight, a 4096-wide 4-bit row's
-//   whole chunk), 3 blocks an SM (one wave of 384 blocks on 132 SMs). PACKED 3 (GEMV_LEAN, 4-bit
-//   with fp16 or fp8): the same decodes with one row pair a warp and 8 warps a block (80
-//   registers: 24 warps an SM), 3 loads a row in flight at 1-2 tokens refilled as consumed.
+//   whole chunk), 3 blocks an SM (one wave of 384 blocks on 132 SMs).
 template <typename T, int WF, int VB, int TT, bool FAST_INT4, int PACKED, bool OPTS>
-__global__ void __launch_bounds__(gemv_warps(PACKED) * 32, PACKED ? 3 : 1)
-    qkv_gemv(const QkvParams p) {
+__global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(const QkvParams p) {
   pdl_launch_dependents();
   pdl_wait();
-  constexpr int WARPS = gemv_warps(PACKED), PAIRS = gemv_pairs(PACKED), ROWS = 2 * PAIRS;
   using WV = WeightVec<T, WF, VB>;
   constexpr int VALS = WV::VALS;
   constexpr bool P4 = PACKED && WF == W_INT4 && VB == 16 && is_half<T>::value && TT <= 4;
   constexpr bool P8 = PACKED && WF == W_FP8 && VB == 16 && TT <= 4;
   constexpr bool LATE = P4 && PACKED == 2;  // 4-bit: the scale on each load's sums
-  // loads in flight per row and lane: enough bytes in flight, few enough registers (GEMV_LEAN:
-  // 3 at 1-2 tokens, refilled as consumed; 4 spilled at its 80 registers)
-  constexpr bool LEAN = PACKED == GEMV_LEAN && (P4 || P8);
-  constexpr int U = (P4 || P8) ? (LEAN && TT <= 2 ? 3 : TT <= 2 ? 4 : 2)
+  // loads in flight per row and lane: enough bytes in flight, few enough registers
+  constexpr int U = (P4 || P8) ? (TT <= 2 ? 4 : 2)
                     : TT <= 2 ? (WF == W_DENSE ? 4 : 2)
                               : (TT <= 4 && WF == W_DENSE ? 2 : 1);
   // fp8: a slot refilled as soon as it is consumed (4-bit at 1-2 tokens holds a 4096-wide row's
-  // whole chunk in flight already, and refilling spilled at its 168 registers; GEMV_LEAN refills
-  // at 1-2 tokens, where it holds 3 loads a row)
-  constexpr bool ROLL = P8 || (LEAN && TT <= 2);
+  // whole chunk in flight already, and refilling spilled at its 168 registers)
+  constexpr bool ROLL = P8;
   constexpr int SUB = VALS < 8 ? VALS : 8;  // k values decoded at once
   // int4 with 16-byte loads at small token tiles: the cheaper decode below
   constexpr bool FAST4 = WF == W_INT4 && VB == 16 && TT <= 4 && FAST_INT4 && !P4;
@@ -535,46 +517,33 @@ __global__ void __launch_bounds__(gemv_warps(PACKED) * 32, PACKED ? 3 : 1)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int pairs_total = p.N >> 1;
-  const int g0 = (blockIdx.x * WARPS + warp) * PAIRS;
+  const int g0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_PAIRS;
   const bool rope = p.cos_sin != nullptr;
   const int t0 = blockIdx.y * TT;  // this block's token tile [t0, t0 + TT)
   const int nt = min(TT, p.T - t0);
 
-  RowPair rps[PAIRS];
-  const unsigned char* wrow[ROWS];
-  int rown[ROWS];
-  bool live[PAIRS];
+  RowPair rps[GEMV_PAIRS];
+  const unsigned char* wrow[GEMV_ROWS];
+  int rown[GEMV_ROWS];
+  bool live[GEMV_PAIRS];
 #pragma unroll
-  for (int i = 0; i < PAIRS; ++i) {
+  for (int i = 0; i < GEMV_PAIRS; ++i) {
     live[i] = g0 + i < pairs_total;
     rps[i] = row_pair(live[i] ? g0 + i : 0, p.D, p.R, p.Hq, p.Hkv, rope, p.is_neox);
     rown[2 * i] = rps[i].head * p.D + rps[i].da;
     rown[2 * i + 1] = rps[i].head * p.D + rps[i].db;
   }
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
+  for (int r = 0; r < GEMV_ROWS; ++r) {
     wrow[r] = static_cast<const unsigned char*>(p.weight) + i64(rown[r]) * p.weight_row_bytes;
   }
 
-  float acc[ROWS][TT];
+  float acc[GEMV_ROWS][TT];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r)
+  for (int r = 0; r < GEMV_ROWS; ++r)
 #pragma unroll
     for (int t = 0; t < TT; ++t) acc[r][t] = 0.f;
 
-  // LEAN 4-bit at 1-2 tokens: each row's scale row, and the group of a load as a shift of its
-  // index where a group's 32-value loads are a power of two (else a division); at 4 tokens the
-  // pointers spilled
-  constexpr bool LEAN_SCALES = P4 && LEAN && TT <= 2;
-  const unsigned short* srow[ROWS];
-  const int g32 = LEAN_SCALES ? p.group_size >> 5 : 1;
-  const int gsh = (g32 & (g32 - 1)) == 0 ? __ffs(g32) - 1 : -1;
-  if constexpr (LEAN_SCALES) {
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      srow[r] = static_cast<const unsigned short*>(p.weight_scales) + i64(rown[r]) * p.ws_s0;
-    }
-  }
   const T* hidden = static_cast<const T*>(p.hidden) + i64(t0) * p.hidden_s0;
   // 16-byte loads of the hidden rows when every row start of every chunk is 16-byte aligned
   const bool x_vec = (reinterpret_cast<unsigned long long>(hidden) & 15) == 0 &&
@@ -584,14 +553,14 @@ __global__ void __launch_bounds__(gemv_warps(PACKED) * 32, PACKED ? 3 : 1)
     const int nv = kc / VALS;  // the host makes kc and K multiples of VALS
     const i64 byte0 = WF == W_INT4 ? k0 / 2 : i64(k0) * (WF == W_DENSE ? int(sizeof(T)) : 1);
     // Weight loads (and, for int4, their group's scale and zero) of U * 32 vectors from base.
-    typename WV::Raw raw[U][ROWS];
-    float scale[U][ROWS], bias[U][ROWS];  // int4: bias = 2^23 + zero
-    unsigned sz[U][ROWS];  // P4: the scale's fp16 bits | the zero point << 16
+    typename WV::Raw raw[U][GEMV_ROWS];
+    float scale[U][GEMV_ROWS], bias[U][GEMV_ROWS];  // int4: bias = 2^23 + zero
+    unsigned sz[U][GEMV_ROWS];  // P4: the scale's fp16 bits | the zero point << 16
     auto issue_one = [&](int u, int base) {  // slot u: vector base + u * 32 + lane
       {
         const int v = base + u * 32 + lane;
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
+        for (int r = 0; r < GEMV_ROWS; ++r) {
           const bool on = v < nv && live[r >> 1];
           if constexpr (P4 || P8) {  // read once: not kept in L1 (as qkv_mma's loads)
             const uint4 w = on ? ldg_stream(wrow[r] + byte0 + i64(v) * VB) : make_uint4(0, 0, 0, 0);
@@ -602,17 +571,7 @@ __global__ void __launch_bounds__(gemv_warps(PACKED) * 32, PACKED ? 3 : 1)
           } else {
             raw[u][r] = on ? WV::load(wrow[r] + byte0 + i64(v) * VB) : WV::zero();
           }
-          if constexpr (LEAN_SCALES) {  // the row's scale base, the group by a shift
-            const int kv = (k0 >> 5) + v;   // k0 / 32 + v: VALS (32) divides k0 and the group
-            const int grp = gsh >= 0 ? kv >> gsh : kv / g32;
-            const unsigned sb = on ? unsigned(srow[r][grp]) : 0u;
-            const unsigned z = on && p.zero_points
-                                   ? unsigned(static_cast<const unsigned char*>(
-                                         p.zero_points)[i64(rown[r]) * p.zp_s0 + grp]) &
-                                         0xFu
-                                   : 8u;
-            sz[u][r] = sb | (z << 16);
-          } else if constexpr (P4) {
+          if constexpr (P4) {
             const int grp = (k0 + v * VALS) / p.group_size;
             const unsigned sb =
                 on ? unsigned(static_cast<const unsigned short*>(
@@ -765,24 +724,24 @@ __global__ void __launch_bounds__(gemv_warps(PACKED) * 32, PACKED ? 3 : 1)
         if (v >= nv) break;
         if constexpr (P4) {
           // (q - zero) * scale as fp16 pairs, word by word; fp16 sums of this load's 32 values
-          unsigned sub[ROWS], sub16[ROWS], sc[ROWS];
+          unsigned sub[GEMV_ROWS], sub16[GEMV_ROWS], sc[GEMV_ROWS];
 #pragma unroll
-          for (int r = 0; r < ROWS; ++r) {
+          for (int r = 0; r < GEMV_ROWS; ++r) {
             const unsigned z = sz[u][r] >> 16;
             sub[r] = (0x6400u | z) * 0x10001u;           // 2^10 + zero, both halves
             sub16[r] = (0xD400u | (z << 4)) * 0x10001u;  // -(64 + zero), both halves
             sc[r] = (sz[u][r] & 0xFFFFu) * 0x10001u;
           }
-          __half2 hsum[ROWS][TT];
+          __half2 hsum[GEMV_ROWS][TT];
 #pragma unroll
-          for (int r = 0; r < ROWS; ++r)
+          for (int r = 0; r < GEMV_ROWS; ++r)
 #pragma unroll
             for (int t = 0; t < TT; ++t) hsum[r][t] = __float2half2_rn(0.f);
 #pragma unroll
           for (int c = 0; c < 4; ++c) {  // word c: k values 8c .. 8c + 7 of the load
-            unsigned wp[ROWS][4];
+            unsigned wp[GEMV_ROWS][4];
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
+            for (int r = 0; r < GEMV_ROWS; ++r) {
               if constexpr (LATE) {
                 int4_diffs(raw[u][r].w[c], sub[r], sub16[r], wp[r]);
               } else {
@@ -797,13 +756,13 @@ __global__ void __launch_bounds__(gemv_warps(PACKED) * 32, PACKED ? 3 : 1)
 #pragma unroll
               for (int i = 0; i < 4; ++i)
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r)
+                for (int r = 0; r < GEMV_ROWS; ++r)
                   hsum[r][t] = __hfma2(*reinterpret_cast<const __half2*>(&wp[r][i]),
                                        *reinterpret_cast<const __half2*>(&xp[i]), hsum[r][t]);
             }
           }
 #pragma unroll
-          for (int r = 0; r < ROWS; ++r)
+          for (int r = 0; r < GEMV_ROWS; ++r)
 #pragma unroll
             for (int t = 0; t < TT; ++t) {
               const float2 f = __half22float2(hsum[r][t]);
@@ -818,9 +777,9 @@ __global__ void __launch_bounds__(gemv_warps(PACKED) * 32, PACKED ? 3 : 1)
           // two codes a cvt (an exact fp16 pair), then float32 products as before
 #pragma unroll
           for (int c = 0; c < VALS / SUB; ++c) {  // 8 values: words 2c, 2c + 1
-            float w[ROWS][SUB];
+            float w[GEMV_ROWS][SUB];
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
+            for (int r = 0; r < GEMV_ROWS; ++r) {
 #pragma unroll
               for (int h = 0; h < 4; ++h) {
                 const unsigned word = raw[u][r].w[2 * c + (h >> 1)];
@@ -836,22 +795,22 @@ __global__ void __launch_bounds__(gemv_warps(PACKED) * 32, PACKED ? 3 : 1)
 #pragma unroll
               for (int i = 0; i < SUB; ++i)
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r) acc[r][t] = fmaf(w[r][i], x[i], acc[r][t]);
+                for (int r = 0; r < GEMV_ROWS; ++r) acc[r][t] = fmaf(w[r][i], x[i], acc[r][t]);
             }
           }
         } else if constexpr (FAST4) {
           // 1 + q/16 is the float with q in the top 4 mantissa bits: one shift and one LOP3 per
           // value, no conversion. sum (q - zero) x = 16 sum (1 + q/16) x - (16 + zero) sum x.
-          float part[ROWS][TT];
+          float part[GEMV_ROWS][TT];
 #pragma unroll
-          for (int r = 0; r < ROWS; ++r)
+          for (int r = 0; r < GEMV_ROWS; ++r)
 #pragma unroll
             for (int t = 0; t < TT; ++t) part[r][t] = 0.f;
 #pragma unroll
           for (int c = 0; c < VALS / 8; ++c) {
-            float w[ROWS][8];
+            float w[GEMV_ROWS][8];
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
+            for (int r = 0; r < GEMV_ROWS; ++r) {
               const unsigned word = raw[u][r].w[c];
 #pragma unroll
               for (int i = 0; i < 8; ++i) {
@@ -866,14 +825,14 @@ __global__ void __launch_bounds__(gemv_warps(PACKED) * 32, PACKED ? 3 : 1)
 #pragma unroll
               for (int i = 0; i < 8; ++i)
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r) part[r][t] = fmaf(w[r][i], x[i], part[r][t]);
+                for (int r = 0; r < GEMV_ROWS; ++r) part[r][t] = fmaf(w[r][i], x[i], part[r][t]);
             }
           }
 #pragma unroll
           for (int t = 0; t < TT; ++t) {
             const float sx = xsum[t * (p.kc / 32) + v];
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
+            for (int r = 0; r < GEMV_ROWS; ++r) {
               const float z16 = bias[u][r] - 8388592.f;  // (2^23 + zero) - (2^23 - 16), exact
               acc[r][t] = fmaf(scale[u][r], fmaf(16.f, part[r][t], -z16 * sx), acc[r][t]);
             }
@@ -882,9 +841,9 @@ __global__ void __launch_bounds__(gemv_warps(PACKED) * 32, PACKED ? 3 : 1)
           // SUB k values at a time: decode them for every row, then one x read serves all rows.
 #pragma unroll
           for (int c = 0; c < VALS / SUB; ++c) {
-            float w[ROWS][SUB];
+            float w[GEMV_ROWS][SUB];
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
+            for (int r = 0; r < GEMV_ROWS; ++r) {
 #pragma unroll
               for (int i = 0; i < SUB; ++i) {
                 w[r][i] = WV::value(raw[u][r], c * SUB + i, bias[u][r]);
@@ -898,7 +857,7 @@ __global__ void __launch_bounds__(gemv_warps(PACKED) * 32, PACKED ? 3 : 1)
 #pragma unroll
               for (int i = 0; i < SUB; ++i)
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r) acc[r][t] = fmaf(w[r][i], x[i], acc[r][t]);
+                for (int r = 0; r < GEMV_ROWS; ++r) acc[r][t] = fmaf(w[r][i], x[i], acc[r][t]);
             }
           }
         }
@@ -912,7 +871,7 @@ __global__ void __launch_bounds__(gemv_warps(PACKED) * 32, PACKED ? 3 : 1)
   }
 
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r)
+  for (int r = 0; r < GEMV_ROWS; ++r)
 #pragma unroll
     for (int t = 0; t < TT; ++t)
 #pragma unroll
@@ -927,14 +886,14 @@ __global__ void __launch_bounds__(gemv_warps(PACKED) * 32, PACKED ? 3 : 1)
       const int t = u / per, r = u - t * per + 1;
       if (r > rests[t]) continue;
 #pragma unroll
-      for (int i = 0; i < PAIRS; ++i)
+      for (int i = 0; i < GEMV_PAIRS; ++i)
         if (live[i]) zero_pair_rest<T>(p, slots[t], rps[i], r);
     }
   }
   if (lane >= nt) return;
   const TokenSlot tok = slots[lane];
 #pragma unroll
-  for (int i = 0; i < PAIRS; ++i) {
+  for (int i = 0; i < GEMV_PAIRS; ++i) {
     if (!live[i]) continue;
     float a = acc[2 * i][0], b = acc[2 * i + 1][0];
 #pragma unroll
