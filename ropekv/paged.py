@@ -94,7 +94,6 @@ TUNING = {
     "prefill_rows": 4,
     "max_row_block": 256,
     "opts_rows": 4,
-    "rows_two": False,
     "row_tokens_upto": 128,
     "wide_rows_below": 4096,
     "wide_row_block": 256,
@@ -154,12 +153,6 @@ LEAN_MULTI_KERNEL = "rope_append_paged_rows_lean_multi"
 LEAN_MULTI_CHUNKS = (2, 4)  # chunks a thread compiled beside TUNING's (the compile tests)
 INT32_SPAN = 2**31 - 1  # element offsets below this take the lean kernel's 32-bit offsets
 ROWS = (1, 4)  # row kernels by the head rows one lane group can hold (their register budgets)
-# The plain row kernel of at most two rows a lane group (ROWS 2: 64 registers against ROWS 4's
-# 86-88, ptxas sm_90 fp16 -> e4m3 / fp16, no spills), taken where a plain call's lane groups
-# hold two rows and TUNING's `rows_two` is True: with `prefill_rows=2`, GQA prefill in blocks
-# of 192 threads at up to 32 warps an SM (a candidate beside the lean kernel, issue 38; off by
-# default: the lean kernel takes prefill).
-ROWS_TWO = 2
 
 
 def row_launch_shape(T, H, group, max_rows=ROWS[-1], width=None):
@@ -419,7 +412,7 @@ def instantiations():
         if not is_neox and n == 1:
             continue
         shapes = (TUNING["light"], TUNING["heavy"]) if n == 8 else (TUNING["light"],)
-        shapes = (*dict.fromkeys(shapes), *(("rows", r) for r in (*ROWS, ROWS_TWO)))
+        shapes = (*dict.fromkeys(shapes), *(("rows", r) for r in ROWS))
         for out_dtype, shape, mrope in itertools.product(
             (dtype, *FP8_DTYPES), shapes, (False, True)
         ):
@@ -1482,8 +1475,6 @@ def _choose(a, is_neox, c, lean=False):
         shape = ("rows", 1 if rows == 1 else ROWS[-1])
         if not opts:
             tokens = row_tokens(T, block)
-            if rows == ROWS_TWO and TUNING["rows_two"]:
-                shape = ("rows", ROWS_TWO)
     else:
         (block, splits, shape), rows = launch_shape(items, T, n), 0
     return _Choice(n, group, shape, block, rows, splits, opts, tokens)
