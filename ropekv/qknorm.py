@@ -182,9 +182,11 @@ TUNING = {
     # past decode_narrow_below give a warp 4) and blocks of `tp_flat_rows` rows (made smaller
     # below decode_min_blocks blocks, as above): twice the warps for the same rows, as Cake
     # spreads them (ncu, TP 256 x 1: ropekv 160 blocks x 128, 4.8 warps / SM; Cake 384 x 128,
-    # 8.8 warps / SM, the same instruction count).
+    # 8.8 warps / SM, the same instruction count). Side by side on the H200 (graph replay, TP 8 / 1
+    # heads, bf16 cache): 64 tokens 2.4 against 2.5 us, 256 tokens (tp_flat_to 256) 3.1 against
+    # 3.2-3.3; 1-16 tokens unchanged (tp_flat_from 1 took 1 / 4 tokens 0.1 us slower).
     "tp_flat_from": 16,
-    "tp_flat_to": 0,
+    "tp_flat_to": 256,
     "tp_flat_width": 4,
     "tp_flat_rows": 8,
     # the token-rows decode kernel (`_rows_launch`, `decode_by_token` 1; 0: the kernels above,

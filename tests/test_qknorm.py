@@ -809,7 +809,13 @@ def test_decode_kernel_matches_reference(D, batch, cache_dtype, layout):
 
 
 # the flat decode kernel at every token count it can take
-FLAT_EVERYWHERE = {"flat_below": 1 << 30, "decode_tokens": 0, "decode_by_token": 0}
+# (tp_flat_from 0: few-head calls on the flat kernel's own shape, not its spread one)
+FLAT_EVERYWHERE = {
+    "flat_below": 1 << 30,
+    "decode_tokens": 0,
+    "decode_by_token": 0,
+    "tp_flat_from": 0,
+}
 # TUNING variants of the decode kernels: the defaults (the token-rows kernel from rows_from head
 # rows up to 256 tokens), the token-rows kernel at every size at 1-4 rows a lane (blocks of up to 8 warps for 4), the flat kernel
 # (4-element lanes at few tokens), the flat kernel at 16-byte lanes (D 64: 8 rows a warp, so a
@@ -1012,10 +1018,11 @@ def _decode_choices():
     assert kernel == qknorm.decode_expression(BF16, BF16, True, 128, True, True)
     assert grid == (17, 5)
     assert choose(T=128)[1] == (128, 5)
-    # Tensor-parallel heads (H = 10 <= decode_heads): the (T, splits) kernel up to 128 tokens,
-    # the flat kernel past them, at any T
+    # Tensor-parallel heads (H = 10 <= decode_heads): the (T, splits) kernel below tp_flat_from,
+    # the flat kernel's spread shape up to tp_flat_to, the flat kernel past it, at any T
     assert choose(Hq=8, Hkv=1)[1] == (1, 1)
-    assert choose(T=129, Hq=8, Hkv=1)[1:] == ((81,), (128,))  # 1290 rows, 16 a block
+    assert choose(T=129, Hq=8, Hkv=1)[1:] == ((162,), (128,))  # 1290 rows, 8 a block
+    assert choose(T=257, Hq=8, Hkv=1)[1:] == ((161,), (128,))  # 2570 rows, 16 a block
     assert choose(T=8192, Hq=8, Hkv=1)[1:] == ((5120,), (128,))
     assert choose(T=8192, Hq=8, Hkv=4)[1] == (8192,)  # H 16: still
     assert choose(D=256)[0] == qknorm.flat_expression(BF16, BF16, True, 256, True, 4)
@@ -1078,7 +1085,7 @@ def test_few_head_decode_takes_the_spread_flat_shape():
     splits = qknorm.decode_expression(BF16, BF16, True, 128, True, True)
     tp = {"Hq": 8, "Hkv": 1}
     with applied({"qknorm": {"decode_by_token": 0}}):
-        assert qknorm.TUNING["tp_flat_from"] == 16 and qknorm.TUNING["tp_flat_to"] == 0
+        assert qknorm.TUNING["tp_flat_from"] == 16 and qknorm.TUNING["tp_flat_to"] == 256
         # below tp_flat_from: the (T, splits) kernel
         assert choose(T=1, **tp) == (splits, (1, 1), (128,))
         assert choose(T=15, **tp) == (splits, (15, 1), (128,))
@@ -1086,9 +1093,14 @@ def test_few_head_decode_takes_the_spread_flat_shape():
         assert choose(T=16, **tp) == (flat4, (27,), (96,))
         assert choose(T=64, **tp) == (flat4, (80,), (128,))  # 640 rows, 8 a block
         assert choose(T=128, **tp) == (flat4, (160,), (128,))
-        # past decode_tokens: the flat kernel's shape as before (16-byte lanes, 16 rows a block)
-        assert choose(T=129, **tp) == (flat8, (81,), (128,))
-        assert choose(T=256, **tp) == (flat8, (160,), (128,))
+        # up to tp_flat_to (256) alike; past it the flat kernel's shape as before (16-byte lanes,
+        # 16 rows a block)
+        assert choose(T=129, **tp) == (flat4, (162,), (128,))
+        assert choose(T=256, **tp) == (flat4, (320,), (128,))
+        assert choose(T=257, **tp) == (flat8, (161,), (128,))
+        with applied({"qknorm": {"tp_flat_to": 0}}):
+            assert choose(T=129, **tp) == (flat8, (81,), (128,))
+            assert choose(T=256, **tp) == (flat8, (160,), (128,))
         # H 16 still few-head; 64 / 8 heads (80 rows) untouched: the (T, splits) kernel
         assert choose(T=64, Hq=8, Hkv=4)[0] == flat4
         assert choose(T=64) == (splits, (64, 5), (128,))
@@ -1184,7 +1196,7 @@ def test_few_head_spread_decode_matches_reference(case, variant, cache_dtype):
     T, gf32 = sum(new), args["q_gamma"].dtype == np.float32
     with applied({"qknorm": TP_SPREAD_VARIANTS[variant]}):
         kernel = qknorm._decode_kernel(views, None, True, D, True)
-        if variant in ("every-t", "wide") or (variant == "default" and 16 <= T <= 128):
+        if variant in ("every-t", "wide") or (variant == "default" and 16 <= T <= 256):
             assert kernel[0] == qknorm.flat_expression(BF16, cache_dtype, True, D, gf32, 4), kernel
         elif variant == "width8":
             assert kernel[0] == qknorm.flat_expression(BF16, cache_dtype, True, D, gf32, 8), kernel
