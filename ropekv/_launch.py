@@ -264,8 +264,12 @@ class Launch:
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.shared_mem = shared_mem
         self.n_ptr = params.n_pointers
-        get, slot = values.get, slots.get  # (a slot is a non-empty tuple)
-        self.slots = [slot(f) or (-1, int(get(f, 0))) for f in params.pointer_names]
+        # (a slot is a non-empty tuple); the fields without one keep their value (0 unless given)
+        found = list(map(slots.get, params.pointer_names))
+        if not all(found):
+            get = values.get
+            found = [s or (-1, int(get(f, 0))) for s, f in zip(found, params.pointer_names)]
+        self.slots = found
         self.tail = params.pack_tail(values)  # every other field, as given
         self.pack_into = params.pack_pointers
         self.pdl = pdl

@@ -1099,6 +1099,23 @@ def _extent(shape, strides):
     return 1 + sum((n - 1) * st for n, st in zip(shape, strides)) if all(shape) else 0
 
 
+def _all_below_int32(views):
+    """Whether every view's :func:`_extent` is below INT32_EXTENT (no negative stride): the same
+    test in plain loops (a first call runs it on eight arrays)."""
+    for v in views:
+        e, empty = 1, False
+        for n, st in zip(v.shape, v.strides):
+            if st < 0:
+                return False
+            if n:
+                e += (n - 1) * st
+            else:
+                empty = True
+        if not empty and e >= INT32_EXTENT:
+            return False
+    return True
+
+
 def _decode_kernel(views, vgiven, is_neox, R, fits8):
     """(kernel, grid, block) of a decode kernel for a plain call (no option, no quantizing:
     the caller checks) of at most TUNING["decode_tokens"] tokens (or, the flat kernel, of at
@@ -1138,10 +1155,12 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
         and vq.dtype.itemsize == 2
     ):
         return None
-    out = (vgiven.shape, vgiven.strides) if vgiven is not None else ((T, Hq, D), (Hq * D, D, 1))
-    extents = [_extent(v.shape, v.strides) for v in (vq, vk, vv, vt, vbt, vkc, vvc)]
-    extents.append(_extent(*out))
-    i32 = all(e is not None and e < INT32_EXTENT for e in extents)
+    # a new output: (T, Hq, D) contiguous, extent T * Hq * D
+    i32 = _all_below_int32(
+        (vq, vk, vv, vt, vbt, vkc, vvc)
+        if vgiven is None
+        else (vq, vk, vv, vt, vbt, vkc, vvc, vgiven)
+    ) and (vgiven is not None or T * Hq * D < INT32_EXTENT)
     f32 = vqg.dtype == FLOAT32
     if by_token and i32:
         return _rows_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32)
