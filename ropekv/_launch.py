@@ -222,6 +222,17 @@ _build_lock = threading.Lock()  # Launch._build
 _pack_pointer = struct.Struct("=Q").pack_into
 
 
+def _pointer_slots(names, values, slots):
+    """``[(argument, byte offset)]`` of the pointer fields ``names``: each field's slot, and for
+    a field without one ``(-1, its value in values, 0 when absent)`` (a slot is a non-empty
+    tuple). One map over the names; a loop only where some field lacks a slot."""
+    found = list(map(slots.get, names))
+    if all(found):
+        return found
+    get = values.get
+    return [s or (-1, int(get(f, 0))) for s, f in zip(found, names)]
+
+
 class Launch:
     """One kernel launch of a plan: the compiled function on one device, its grid, block and
     parameter record. The record's pointer fields are ``slots``: ``field -> (argument, byte
@@ -264,12 +275,7 @@ class Launch:
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.shared_mem = shared_mem
         self.n_ptr = params.n_pointers
-        # (a slot is a non-empty tuple); the fields without one keep their value (0 unless given)
-        found = list(map(slots.get, params.pointer_names))
-        if not all(found):
-            get = values.get
-            found = [s or (-1, int(get(f, 0))) for s, f in zip(found, params.pointer_names)]
-        self.slots = found
+        self.slots = _pointer_slots(params.pointer_names, values, slots)
         self.tail = params.pack_tail(values)  # every other field, as given
         self.pack_into = params.pack_pointers
         self.pdl = pdl

@@ -1101,17 +1101,13 @@ def _extent(shape, strides):
 
 def _all_below_int32(views):
     """Whether every view's :func:`_extent` is below INT32_EXTENT (no negative stride): the same
-    test in plain loops (a first call runs it on eight arrays)."""
+    test from what reading the view already derived (its size and byte span ``[lo, hi)``, hi =
+    (1 + the largest element offset) * itemsize with no negative stride), a first call runs it on
+    eight arrays."""
     for v in views:
-        e, empty = 1, False
-        for n, st in zip(v.shape, v.strides):
-            if st < 0:
-                return False
-            if n:
-                e += (n - 1) * st
-            else:
-                empty = True
-        if not empty and e >= INT32_EXTENT:
+        if min(v.strides) < 0:
+            return False
+        if v.size and v.span[1] >= INT32_EXTENT * v.dtype.itemsize:
             return False
     return True
 

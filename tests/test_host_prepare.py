@@ -1,0 +1,65 @@
+"""The prepare step's shortcuts (CPU tests) give what the forms they replaced give: QK-norm's
+32-bit extent test, Launch's pointer slots."""
+
+import numpy as np
+
+from ropekv import _arrays as ar
+from ropekv import qknorm
+
+
+def _former_i32(views):
+    """The decode choice's test as it was: every _extent below INT32_EXTENT (None fails)."""
+    extents = [qknorm._extent(v.shape, v.strides) for v in views]
+    return all(e is not None and e < qknorm.INT32_EXTENT for e in extents)
+
+
+def _view(rng, dtype):
+    nd = int(rng.integers(1, 5))
+    shape = tuple(int(x) for x in rng.choice([0, 1, 2, 3, 7, 1 << 10, 1 << 16, 1 << 20], nd))
+    strides = tuple(
+        int(x) for x in rng.choice([-(1 << 20), -3, -1, 0, 1, 2, 5, 1 << 10, 1 << 12, 1 << 21], nd)
+    )
+    return ar.ArrayView("x", 1 << 20, shape, strides, np.dtype(dtype), 0)
+
+
+def test_all_below_int32_equals_the_extent_form():
+    rng = np.random.default_rng(34)
+    seen = set()
+    for _ in range(4000):
+        views = [_view(rng, rng.choice(["float16", "float32", "uint8", "int64"])) for _ in range(3)]
+        want = _former_i32(views)
+        seen.add(want)
+        assert qknorm._all_below_int32(views) == want, [(v.shape, v.strides) for v in views]
+        for v in views:  # one view alone, also at the boundary
+            assert qknorm._all_below_int32([v]) == _former_i32([v])
+    assert seen == {True, False}
+
+
+def test_all_below_int32_at_the_boundary():
+    for dtype in ("float16", "float32", "uint8"):
+        d = np.dtype(dtype)
+        for n in (qknorm.INT32_EXTENT - 1, qknorm.INT32_EXTENT, qknorm.INT32_EXTENT + 1):
+            for shape, strides in (((n,), (1,)), ((2, (n + 1) // 2), ((n + 1) // 2, 1))):
+                v = ar.ArrayView("x", 256, shape, strides, d, 0)
+                assert qknorm._all_below_int32([v]) == _former_i32([v]), (dtype, shape, strides)
+        # a negative stride fails even on a dimension of one element or an empty array
+        for shape in ((1, 4), (0, 4)):
+            v = ar.ArrayView("x", 256, shape, (-4, 1), d, 0)
+            assert not qknorm._all_below_int32([v]) and not _former_i32([v])
+
+
+def test_pointer_slots_equal_the_former_list():
+    from ropekv import _launch
+
+    rng = np.random.default_rng(7)
+    names = tuple(f"p{i}" for i in range(12))
+    for _ in range(500):
+        slots = {
+            f: (int(rng.integers(0, 9)), int(rng.integers(0, 3)) * 16)
+            for f in names
+            if rng.random() < 0.7
+        }
+        values = {f: int(rng.integers(0, 1 << 40)) for f in names if rng.random() < 0.5}
+        get, slot = values.get, slots.get
+        want = [slot(f) or (-1, int(get(f, 0))) for f in names]
+        assert _launch._pointer_slots(names, values, slots) == want
