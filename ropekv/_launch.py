@@ -37,6 +37,8 @@ import operator
 import struct
 import sys
 import threading
+from itertools import compress, repeat
+from operator import is_not
 from typing import ClassVar
 
 import numpy as np
@@ -220,6 +222,14 @@ def _driver_launch():
 _get_ident = threading.get_ident
 _build_lock = threading.Lock()  # Launch._build
 _pack_pointer = struct.Struct("=Q").pack_into
+
+
+def _given_indices(views, indices):
+    """The tuple of ``indices`` whose view is not None, in their order (C-level iteration: a
+    first call filters its written arrays with it)."""
+    if not indices:
+        return ()
+    return tuple(compress(indices, map(is_not, map(views.__getitem__, indices), repeat(None))))
 
 
 def _pointer_slots(names, values, slots):
@@ -1358,7 +1368,7 @@ class Op:
         plan.layers = layers
         if plan.capture_plan is not None:  # it replays the same (multi-layer) arguments
             plan.capture_plan.layers = layers
-        written = plan.written = tuple([i for i in plan.written if views[i] is not None])
+        written = plan.written = _given_indices(views, plan.written)
         # writable, strides, overlap; the views' layouts and pointers where C read them at once
         pairs, layouts, ptrs = ck.check_written(views, written, plan.inplace)
         if plan.device == ar.HOST:

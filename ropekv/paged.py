@@ -1105,7 +1105,7 @@ def _prepare(views, flags):
     a, f = _Views._make(views), _Flags._make(flags)
     c = _check(a, f)
     outputs, out_slots, result = _outputs(a, c)
-    written = [i for i in _WRITTEN if views[i] is not None]  # (the caches are given: read above)
+    written = _WRITTEN  # those given: Op.first_call drops the others
     inplace = _INPLACE if c.out_dtype == a.q_rope.dtype else ()  # fp8 outputs never alias q
     if ck.check_indices_enabled():
         _check_indices(

@@ -63,3 +63,65 @@ def test_pointer_slots_equal_the_former_list():
         get, slot = values.get, slots.get
         want = [slot(f) or (-1, int(get(f, 0))) for f in names]
         assert _launch._pointer_slots(names, values, slots) == want
+
+
+def test_given_indices_keep_the_given_in_order():
+    from ropekv import _launch
+
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        views = [None if rng.random() < 0.4 else object() for _ in range(int(rng.integers(0, 12)))]
+        indices = tuple(
+            int(i) for i in rng.permutation(len(views))[: int(rng.integers(0, len(views) + 1))]
+        )
+        want = tuple([i for i in indices if views[i] is not None])
+        assert _launch._given_indices(views, indices) == want
+        assert _launch._given_indices(tuple(views), list(indices)) == want
+
+
+def _former_last_dim(*views):
+    for view in views:
+        if view is not None and view.size and view.shape[-1] > 1 and view.strides[-1] != 1:
+            raise ValueError(
+                f"{view.name} must be contiguous in its last dimension (stride 1), "
+                f"got strides {view.strides} (in elements)"
+            )
+
+
+def _outcome(f, *args):
+    try:
+        f(*args)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc), str(exc)
+    return None
+
+
+def test_check_last_dim_contiguous_equals_the_former_loop():
+    from ropekv import _checks as ck
+
+    rng = np.random.default_rng(5)
+    seen = set()
+    for _ in range(3000):
+        views = []
+        for k in range(int(rng.integers(0, 7))):
+            if rng.random() < 0.2:
+                views.append(None)
+                continue
+            nd = int(rng.integers(1, 4))
+            shape = tuple(int(x) for x in rng.choice([0, 1, 2, 5], nd))
+            strides = tuple(int(x) for x in rng.choice([1, 1, 1, 2, -1, 0, 8], nd))
+            views.append(ar.ArrayView(f"a{k}", 256, shape, strides, np.dtype("float16"), 0))
+        want = _outcome(_former_last_dim, *views)
+        seen.add(want is None)
+        assert _outcome(ck.check_last_dim_contiguous, *views) == want
+    assert seen == {True, False}
+
+
+def test_all_below_int32_takes_stand_ins_of_shape_and_strides():
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(11)
+    for _ in range(500):
+        views = [_view(rng, "float16") for _ in range(3)]
+        bare = [SimpleNamespace(shape=v.shape, strides=v.strides) for v in views]
+        assert qknorm._all_below_int32(bare) == _former_i32(views)
