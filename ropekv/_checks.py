@@ -66,7 +66,7 @@ def check_shape(view, expected, layout=None):
 # C-level callables of check_last_dim_contiguous's common case: a view's strides, a tuple's last
 # item, "is not None" (filter's test)
 _STRIDES, _LAST = operator.attrgetter("strides"), operator.itemgetter(-1)
-_GIVEN = functools.partial(operator.is_not, None)
+_GIVEN = is_given = functools.partial(operator.is_not, None)
 
 
 def check_last_dim_contiguous(*views):

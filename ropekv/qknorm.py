@@ -879,6 +879,10 @@ def _host_run(a, f, c):
     return host
 
 
+# (8, 4, 2, 1) up to a narrow_width: the widths _choose tries for decode
+_NARROW_WIDTHS = {w: tuple([x for x in (8, 4, 2, 1) if x <= w]) for w in (1, 2, 4, 8, 16)}
+
+
 def _choose(a, is_neox, c):
     """``(vector width, lanes per head row, block, rows, splits)`` of a device call."""
     vq, vk, vv, vkc = a.q, a.k, a.v, a.k_cache
@@ -909,9 +913,10 @@ def _choose(a, is_neox, c):
         return (R // 2 if is_neox else R) // n + (D - R) // n
 
     if c.T < TUNING["narrow_below"]:  # decode: more lanes per row, less work per thread
-        narrow = vector_width(
-            vq.dtype.itemsize, fits, tuple([w for w in (8, 4, 2, 1) if w <= TUNING["narrow_width"]])
-        )
+        widths = _NARROW_WIDTHS.get(TUNING["narrow_width"])
+        if widths is None:  # (a value outside the table: the filter it stands for)
+            widths = tuple([w for w in (8, 4, 2, 1) if w <= TUNING["narrow_width"]])
+        narrow = vector_width(vq.dtype.itemsize, fits, widths)
         if narrow and lanes(narrow) <= MAX_GROUP:
             n = narrow
     items = lanes(n)
@@ -934,8 +939,13 @@ def _pack(a, f, c, n, group, block, rows, splits, fits8):
     # the optional arrays' pointers and fields (their zeros, read only, when none is given)
     slots = dict(_ARGUMENT_SLOTS)  # q .. v_cache, all given (checked above)
     slots["q_out"] = _GIVEN_OUTPUT if a.q_out is not None else _NEW_OUTPUT
-    options = (a.position_ids, a.status, a.q_scale_out, a.k_scales, a.v_scales)
-    if all(x is None for x in options):
+    if (
+        a.position_ids is None
+        and a.status is None
+        and a.q_scale_out is None
+        and a.k_scales is None
+        and a.v_scales is None
+    ):
         values.update(_NO_OPTIONS)
     else:
         for i in range(_Q_OUT + 1, len(FIELDS)):

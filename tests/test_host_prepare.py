@@ -125,3 +125,27 @@ def test_all_below_int32_takes_stand_ins_of_shape_and_strides():
         views = [_view(rng, "float16") for _ in range(3)]
         bare = [SimpleNamespace(shape=v.shape, strides=v.strides) for v in views]
         assert qknorm._all_below_int32(bare) == _former_i32(views)
+
+
+def test_paged_index64_bits_follow_the_indices_order():
+    from ropekv import paged
+
+    names = ("pos_ids", "batch_indices", "positions", "kv_indptr", "kv_indices")
+    assert paged._INDICES == tuple(paged._GQA_ARGS.index(n) for n in names)
+
+
+def test_paged_index64_equals_the_former_loop():
+    from types import SimpleNamespace
+
+    from ropekv import paged
+
+    rng = np.random.default_rng(1)
+    for _ in range(64):
+        dtypes = [np.dtype(rng.choice(["int32", "int64"])) for _ in paged._GQA_ARGS]
+        a = paged._Views._make([SimpleNamespace(dtype=d) for d in dtypes])
+        want = 0
+        for i, index in enumerate(paged._INDICES):
+            if a[index].dtype == np.dtype(np.int64):
+                want |= 1 << i
+        got = paged._index64(a)
+        assert got == want and type(got) is int
