@@ -948,9 +948,9 @@ def _pack(a, f, c, n, group, block, rows, splits, fits8):
     ):
         values.update(_NO_OPTIONS)
     else:
-        for i in range(_Q_OUT + 1, len(FIELDS)):
+        for i, field, slot in _OPTIONAL_SLOTS:  # the optional arrays given
             if a[i] is not None:
-                slots[FIELDS[i]] = (i, 0)
+                slots[field] = slot
         values.update(_option_values(a, f.kv_layout, c.sections))
     opts = (
         2
@@ -1264,6 +1264,8 @@ FIELDS = (
 _Q_OUT = ck.argument_indices(_ARGS, "q_out")
 _RESULT = given_or_new(_Q_OUT)
 _ARGUMENT_SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS[:_Q_OUT])}
+# (argument, field, slot) of the optional arrays past q_out: _pack adds those given
+_OPTIONAL_SLOTS = tuple((i, FIELDS[i], (i, 0)) for i in range(_Q_OUT + 1, len(FIELDS)))
 _GIVEN_OUTPUT, _NEW_OUTPUT = (_Q_OUT, 0), (len(_ARGS), 0)
 _NO_OPTIONS = {
     "mrope": 0,

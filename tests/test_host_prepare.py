@@ -149,3 +149,16 @@ def test_paged_index64_equals_the_former_loop():
                 want |= 1 << i
         got = paged._index64(a)
         assert got == want and type(got) is int
+
+
+def test_optional_slot_tables_name_the_fields_as_before():
+    from ropekv import contiguous
+
+    start = len(contiguous._ARGUMENT_SLOTS)
+    assert contiguous._OPTIONAL_SLOTS == tuple(
+        (i, contiguous.FIELDS[i], (i, 0)) for i in range(start, len(contiguous.FIELDS))
+    )
+    assert qknorm._OPTIONAL_SLOTS == tuple(
+        (i, qknorm.FIELDS[i], (i, 0)) for i in range(qknorm._Q_OUT + 1, len(qknorm.FIELDS))
+    )
+    assert contiguous._OPTIONAL_SLOTS and qknorm._OPTIONAL_SLOTS
