@@ -37,6 +37,8 @@ import operator
 import struct
 import sys
 import threading
+from itertools import compress, repeat
+from operator import is_not
 from typing import ClassVar
 
 import numpy as np
@@ -222,6 +224,25 @@ _build_lock = threading.Lock()  # Launch._build
 _pack_pointer = struct.Struct("=Q").pack_into
 
 
+def _given_indices(views, indices):
+    """The tuple of ``indices`` whose view is not None, in their order (C-level iteration: a
+    first call filters its written arrays with it)."""
+    if not indices:
+        return ()
+    return tuple(compress(indices, map(is_not, map(views.__getitem__, indices), repeat(None))))
+
+
+def _pointer_slots(names, values, slots):
+    """``[(argument, byte offset)]`` of the pointer fields ``names``: each field's slot, and for
+    a field without one ``(-1, its value in values, 0 when absent)`` (a slot is a non-empty
+    tuple). One map over the names; a loop only where some field lacks a slot."""
+    found = list(map(slots.get, names))
+    if all(found):
+        return found
+    get = values.get
+    return [s or (-1, int(get(f, 0))) for s, f in zip(found, names)]
+
+
 class Launch:
     """One kernel launch of a plan: the compiled function on one device, its grid, block and
     parameter record. The record's pointer fields are ``slots``: ``field -> (argument, byte
@@ -264,8 +285,7 @@ class Launch:
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.shared_mem = shared_mem
         self.n_ptr = params.n_pointers
-        get, slot = values.get, slots.get  # (a slot is a non-empty tuple)
-        self.slots = [slot(f) or (-1, int(get(f, 0))) for f in params.pointer_names]
+        self.slots = _pointer_slots(params.pointer_names, values, slots)
         self.tail = params.pack_tail(values)  # every other field, as given
         self.pack_into = params.pack_pointers
         self.pdl = pdl
@@ -1348,7 +1368,7 @@ class Op:
         plan.layers = layers
         if plan.capture_plan is not None:  # it replays the same (multi-layer) arguments
             plan.capture_plan.layers = layers
-        written = plan.written = tuple([i for i in plan.written if views[i] is not None])
+        written = plan.written = _given_indices(views, plan.written)
         # writable, strides, overlap; the views' layouts and pointers where C read them at once
         pairs, layouts, ptrs = ck.check_written(views, written, plan.inplace)
         if plan.device == ar.HOST:

@@ -787,13 +787,18 @@ def _launch(a, f, c, mode):
     n, items, group, block, rows, splits = _choose(a, f.is_neox, c, mode)
     values = _values(a, f, c, items, group, rows)
     slots = dict(_ARGUMENT_SLOTS)  # q .. cos_sin_cache, all given (checked)
-    for i in range(len(_ARGUMENT_SLOTS), len(FIELDS)):
+    for i, field, slot in _OPTIONAL_SLOTS:  # the optional arrays given
         if a[i] is not None:
-            slots[FIELDS[i]] = (i, 0)
+            slots[field] = slot
     if vqo is None:
         slots["q_out"] = _Q_IN_PLACE  # Q roped in place: the kernel writes through q_out = q
-    options = (vqo, a.q_scale_out, a.kv_cache_scales, a.kv_scale)
-    if all(x is None for x in options) and not c.sections:
+    if (
+        vqo is None
+        and a.q_scale_out is None
+        and a.kv_cache_scales is None
+        and a.kv_scale is None
+        and not c.sections
+    ):
         values.update(_NO_OPTIONS)
     else:
         values.update(_option_values(a, c.sections))
@@ -904,6 +909,8 @@ def _option_values(a, sections):
 # (the end of this module)
 _Q_IN_PLACE = (ck.argument_indices(ARRAYS, "q"), 0)
 _ARGUMENT_SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS[: ARRAYS.index("kv_end_lens")])}
+# (argument, field, slot) of the optional arrays' pointer fields: _launch adds those given
+_OPTIONAL_SLOTS = tuple((i, FIELDS[i], (i, 0)) for i in range(len(_ARGUMENT_SLOTS), len(FIELDS)))
 _NO_OPTIONS = dict.fromkeys(
     (
         "qs_sb",

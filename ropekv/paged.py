@@ -1098,7 +1098,7 @@ def _prepare(views, flags):
     a, f = _Views._make(views), _Flags._make(flags)
     c = _check(a, f)
     outputs, out_slots, result = _outputs(a, c)
-    written = [i for i in _WRITTEN if views[i] is not None]  # (the caches are given: read above)
+    written = _WRITTEN  # those given: Op.first_call drops the others
     inplace = _INPLACE if c.out_dtype == a.q_rope.dtype else ()  # fp8 outputs never alias q
     if ck.check_indices_enabled():
         _check_indices(
@@ -1128,7 +1128,7 @@ def _check(a, f):
     mla = vkr.ndim == 2
     kv_dyn = a.k_scales is not None
     T, Hq, Hkv, R, Dn = _check_inputs(vqr, vkr, vqn, vkn, vv, mla)
-    inputs = [x for x in (vqr, vkr, vqn, vkn, vv) if x is not None]
+    inputs = list(filter(ck.is_given, (vqr, vkr, vqn, vkn, vv)))  # (those not None)
     for view in inputs:
         if view.dtype != vqr.dtype:
             ck.check_same_dtype(view, vqr)
@@ -1548,15 +1548,24 @@ def _lean_span(values, c):
     )
 
 
+def _index64(a):
+    """The record's index64: bit i set where the i-th array of _INDICES (pos_ids, batch_indices,
+    positions, kv_indptr, kv_indices) is int64."""
+    return (
+        (a.pos_ids.dtype == INT64)
+        | (a.batch_indices.dtype == INT64) << 1
+        | (a.positions.dtype == INT64) << 2
+        | (a.kv_indptr.dtype == INT64) << 3
+        | (a.kv_indices.dtype == INT64) << 4
+    )
+
+
 def _values(a, f, c, choice):
     """The record's fields past the pointers (every pointer field has a slot, :func:`_pack`)."""
     vqr, vkr, vqn, vkn, vv, vt = a.q_rope, a.k_rope, a.q_nope, a.k_nope, a.v, a.cos_sin_cache
     vqro, vqno = a.q_rope_out, a.q_nope_out
     T, Hq, Hkv, R, Dn, mla, sections = c.T, c.Hq, c.Hkv, c.R, c.Dn, c.mla, c.sections
-    index64 = 0
-    for i, index in enumerate(_INDICES):
-        if a[index].dtype == INT64:
-            index64 |= 1 << i
+    index64 = _index64(a)
     zero2 = (0, 0)
     qn_st = vqn.strides[:2] if vqn is not None else zero2
     kn_in = (vkn.strides[0], 0 if mla else vkn.strides[1]) if vkn is not None else zero2

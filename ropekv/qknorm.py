@@ -709,7 +709,7 @@ def _prepare(views, flags):
     (:func:`_choose`) and pack the launch plan (:func:`_pack`), or the NumPy backend run."""
     a, f = _Views._make(views), _Flags._make(flags)
     c = _check(a, f)
-    written = [i for i in _WRITTEN if i == _Q_OUT or views[i] is not None]
+    written = _WRITTEN  # those given: Op.first_call drops the others (q_out when new)
     outputs = [] if a.q_out is not None else [Output((c.T, c.Hq, c.D), c.q_dtype)]
     plan = functools.partial(
         Plan, outputs=outputs, written=written, inplace=_INPLACE, result=_RESULT
@@ -881,6 +881,10 @@ def _host_run(a, f, c):
     return host
 
 
+# (8, 4, 2, 1) up to a narrow_width: the widths _choose tries for decode
+_NARROW_WIDTHS = {w: tuple([x for x in (8, 4, 2, 1) if x <= w]) for w in (1, 2, 4, 8, 16)}
+
+
 def _choose(a, is_neox, c):
     """``(vector width, lanes per head row, block, rows, splits)`` of a device call."""
     vq, vk, vv, vkc = a.q, a.k, a.v, a.k_cache
@@ -911,9 +915,10 @@ def _choose(a, is_neox, c):
         return (R // 2 if is_neox else R) // n + (D - R) // n
 
     if c.T < TUNING["narrow_below"]:  # decode: more lanes per row, less work per thread
-        narrow = vector_width(
-            vq.dtype.itemsize, fits, tuple([w for w in (8, 4, 2, 1) if w <= TUNING["narrow_width"]])
-        )
+        widths = _NARROW_WIDTHS.get(TUNING["narrow_width"])
+        if widths is None:  # (a value outside the table: the filter it stands for)
+            widths = tuple([w for w in (8, 4, 2, 1) if w <= TUNING["narrow_width"]])
+        narrow = vector_width(vq.dtype.itemsize, fits, widths)
         if narrow and lanes(narrow) <= MAX_GROUP:
             n = narrow
     items = lanes(n)
@@ -936,13 +941,18 @@ def _pack(a, f, c, n, group, block, rows, splits, fits8):
     # the optional arrays' pointers and fields (their zeros, read only, when none is given)
     slots = dict(_ARGUMENT_SLOTS)  # q .. v_cache, all given (checked above)
     slots["q_out"] = _GIVEN_OUTPUT if a.q_out is not None else _NEW_OUTPUT
-    options = (a.position_ids, a.status, a.q_scale_out, a.k_scales, a.v_scales)
-    if all(x is None for x in options):
+    if (
+        a.position_ids is None
+        and a.status is None
+        and a.q_scale_out is None
+        and a.k_scales is None
+        and a.v_scales is None
+    ):
         values.update(_NO_OPTIONS)
     else:
-        for i in range(_Q_OUT + 1, len(FIELDS)):
+        for i, field, slot in _OPTIONAL_SLOTS:  # the optional arrays given
             if a[i] is not None:
-                slots[FIELDS[i]] = (i, 0)
+                slots[field] = slot
         values.update(_option_values(a, f.kv_layout, c.sections))
     opts = (
         2
@@ -1101,6 +1111,25 @@ def _extent(shape, strides):
     return 1 + sum((n - 1) * st for n, st in zip(shape, strides)) if all(shape) else 0
 
 
+def _all_below_int32(views):
+    """Whether every view's :func:`_extent` is below INT32_EXTENT (no negative stride): the same
+    test from what reading the view already derived (its size and byte span ``[lo, hi)``, hi =
+    (1 + the largest element offset) * itemsize with no negative stride), a first call runs it on
+    eight arrays."""
+    try:
+        for v in views:
+            if min(v.strides) < 0:
+                return False
+            if v.size and v.span[1] >= INT32_EXTENT * v.dtype.itemsize:
+                return False
+    except AttributeError:  # a stand-in with shape and strides only (tests of the choice)
+        for v in views:
+            e = _extent(v.shape, v.strides)
+            if e is None or e >= INT32_EXTENT:
+                return False
+    return True
+
+
 def _decode_kernel(views, vgiven, is_neox, R, fits8):
     """(kernel, grid, block) of a decode kernel for a plain call (no option, no quantizing:
     the caller checks) of at most TUNING["decode_tokens"] tokens (or, the flat kernel, of at
@@ -1140,10 +1169,12 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
         and vq.dtype.itemsize == 2
     ):
         return None
-    out = (vgiven.shape, vgiven.strides) if vgiven is not None else ((T, Hq, D), (Hq * D, D, 1))
-    extents = [_extent(v.shape, v.strides) for v in (vq, vk, vv, vt, vbt, vkc, vvc)]
-    extents.append(_extent(*out))
-    i32 = all(e is not None and e < INT32_EXTENT for e in extents)
+    # a new output: (T, Hq, D) contiguous, extent T * Hq * D
+    i32 = _all_below_int32(
+        (vq, vk, vv, vt, vbt, vkc, vvc)
+        if vgiven is None
+        else (vq, vk, vv, vt, vbt, vkc, vvc, vgiven)
+    ) and (vgiven is not None or T * Hq * D < INT32_EXTENT)
     f32 = vqg.dtype == FLOAT32
     if by_token and i32:
         return _rows_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32)
@@ -1235,6 +1266,8 @@ FIELDS = (
 _Q_OUT = ck.argument_indices(_ARGS, "q_out")
 _RESULT = given_or_new(_Q_OUT)
 _ARGUMENT_SLOTS = {f: (i, 0) for i, f in enumerate(FIELDS[:_Q_OUT])}
+# (argument, field, slot) of the optional arrays past q_out: _pack adds those given
+_OPTIONAL_SLOTS = tuple((i, FIELDS[i], (i, 0)) for i in range(_Q_OUT + 1, len(FIELDS)))
 _GIVEN_OUTPUT, _NEW_OUTPUT = (_Q_OUT, 0), (len(_ARGS), 0)
 _NO_OPTIONS = {
     "mrope": 0,
