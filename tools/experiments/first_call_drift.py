@@ -6,12 +6,13 @@ collection, frozen, and at two thresholds. Each figure: median of 15 first calls
 
     PYTHONPATH=. python3 tools/experiments/first_call_drift.py
 
-H200 host at 38fa86f: paged GQA fp16 -> e4m3 one token 202.5 us right after start-up, 128.3 after
-the imports, 91-104 later in the same process (paged with dynamic q and kv scales 221 -> 102-112,
-QK-norm Qwen3-32B 8 / 1 heads one token 181 -> 86-94, qk_rope 93 -> 48-52); the collector's state
-changed nothing. So a single first-call figure on that host says more about the host's state than
-about ropekv: read the budget from medians over several rounds of a run (``ropekv bench`` takes
-three, spread over the run).
+H200 host at 38fa86f, two runs on fresh machines: paged GQA fp16 -> e4m3 one token 202.5 / 112.1
+us after start-up, 128.3 / 177.1 after the imports, 91-104 at every later point (paged with dynamic
+q and kv scales 221 / 123, 167 / 130, then 98-112; QK-norm Qwen3-32B 8 / 1 heads one token 181 /
+95, 133 / 168, then 82-95; qk_rope 93 / 54, 70 / 89, then 47-52). The collector's state changed
+nothing. So a single first-call figure on that host says more about the host's state at that
+moment than about ropekv: read the budget from medians over several rounds (``ropekv bench``
+takes three, spread over the run).
 """
 
 import gc
