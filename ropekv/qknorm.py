@@ -881,10 +881,6 @@ def _host_run(a, f, c):
     return host
 
 
-# (8, 4, 2, 1) up to a narrow_width: the widths _choose tries for decode
-_NARROW_WIDTHS = {w: tuple([x for x in (8, 4, 2, 1) if x <= w]) for w in (1, 2, 4, 8, 16)}
-
-
 def _choose(a, is_neox, c):
     """``(vector width, lanes per head row, block, rows, splits)`` of a device call."""
     vq, vk, vv, vkc = a.q, a.k, a.v, a.k_cache
@@ -915,9 +911,8 @@ def _choose(a, is_neox, c):
         return (R // 2 if is_neox else R) // n + (D - R) // n
 
     if c.T < TUNING["narrow_below"]:  # decode: more lanes per row, less work per thread
-        widths = _NARROW_WIDTHS.get(TUNING["narrow_width"])
-        if widths is None:  # (a value outside the table: the filter it stands for)
-            widths = tuple([w for w in (8, 4, 2, 1) if w <= TUNING["narrow_width"]])
+        # (8, 4, 2, 1) up to narrow_width: the widths tried for decode
+        widths = tuple([w for w in (8, 4, 2, 1) if w <= TUNING["narrow_width"]])
         narrow = vector_width(vq.dtype.itemsize, fits, widths)
         if narrow and lanes(narrow) <= MAX_GROUP:
             n = narrow
@@ -1104,29 +1099,16 @@ _ARGS = (
 )
 
 
-def _extent(shape, strides):
-    """One past the largest element offset of an array (None with a negative stride)."""
-    if any(st < 0 for st in strides):
-        return None
-    return 1 + sum((n - 1) * st for n, st in zip(shape, strides)) if all(shape) else 0
-
-
 def _all_below_int32(views):
-    """Whether every view's :func:`_extent` is below INT32_EXTENT (no negative stride): the same
-    test from what reading the view already derived (its size and byte span ``[lo, hi)``, hi =
-    (1 + the largest element offset) * itemsize with no negative stride), a first call runs it on
-    eight arrays."""
-    try:
-        for v in views:
-            if min(v.strides) < 0:
-                return False
-            if v.size and v.span[1] >= INT32_EXTENT * v.dtype.itemsize:
-                return False
-    except AttributeError:  # a stand-in with shape and strides only (tests of the choice)
-        for v in views:
-            e = _extent(v.shape, v.strides)
-            if e is None or e >= INT32_EXTENT:
-                return False
+    """Whether every view's extent (one past its largest element offset) is below INT32_EXTENT,
+    with no negative stride: read from what reading the view already derived (its size and
+    byte span ``[lo, hi)``, hi = (1 + the largest element offset) * itemsize with no negative
+    stride); a first call runs it on eight arrays."""
+    for v in views:
+        if min(v.strides) < 0:
+            return False
+        if v.size and v.span[1] >= INT32_EXTENT * v.dtype.itemsize:
+            return False
     return True
 
 

@@ -3,8 +3,6 @@ backend, the validation rules (CPU), and the kernel against the reference (GPU).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -12,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ropekv
+from ropekv import _arrays as ar
 from ropekv import reference
 from ropekv.bench.arrays import torch_view
 from ropekv.bench.tuning import applied
@@ -883,9 +882,7 @@ def test_flat_decode_kernel_matches_reference(case, variant, cache_dtype):
     names = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets")
     arrays = [args[n] for n in names] + [args["cache_lengths"], table, *args["paged_kv_cache"]]
     views = [
-        SimpleNamespace(
-            shape=x.shape, strides=tuple(st // x.itemsize for st in x.strides), dtype=x.dtype
-        )
+        ar.ArrayView("x", 256, x.shape, tuple(st // x.itemsize for st in x.strides), x.dtype, 0)
         for x in arrays
     ]
     with applied({"qknorm": FLAT_VARIANTS[variant]}):
@@ -912,7 +909,7 @@ def test_decode_kernel_is_chosen_for_plain_decode_calls():
 def _decode_view(shape, dtype=BF16, strides=None):
     if strides is None:
         strides = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
-    return SimpleNamespace(shape=tuple(shape), strides=strides, dtype=np.dtype(dtype))
+    return ar.ArrayView("x", 256, tuple(shape), strides, np.dtype(dtype), 0)
 
 
 def _decode_choice(
@@ -1188,9 +1185,7 @@ def test_few_head_spread_decode_matches_reference(case, variant, cache_dtype):
     names = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets")
     arrays = [args[n] for n in names] + [args["cache_lengths"], table, *args["paged_kv_cache"]]
     views = [
-        SimpleNamespace(
-            shape=x.shape, strides=tuple(st // x.itemsize for st in x.strides), dtype=x.dtype
-        )
+        ar.ArrayView("x", 256, x.shape, tuple(st // x.itemsize for st in x.strides), x.dtype, 0)
         for x in arrays
     ]
     T, gf32 = sum(new), args["q_gamma"].dtype == np.float32
