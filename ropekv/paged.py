@@ -1551,13 +1551,11 @@ def _lean_span(values, c):
 def _index64(a):
     """The record's index64: bit i set where the i-th array of _INDICES (pos_ids, batch_indices,
     positions, kv_indptr, kv_indices) is int64."""
-    return (
-        (a.pos_ids.dtype == INT64)
-        | (a.batch_indices.dtype == INT64) << 1
-        | (a.positions.dtype == INT64) << 2
-        | (a.kv_indptr.dtype == INT64) << 3
-        | (a.kv_indices.dtype == INT64) << 4
-    )
+    bits = 0
+    for bit, index in enumerate(_INDICES):
+        if a[index].dtype == INT64:
+            bits |= 1 << bit
+    return bits
 
 
 def _values(a, f, c, choice):
