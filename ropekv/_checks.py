@@ -66,13 +66,13 @@ def check_shape(view, expected, layout=None):
 # C-level callables of check_last_dim_contiguous's common case: a view's strides, a tuple's last
 # item, "is not None" (filter's test)
 _STRIDES, _LAST = operator.attrgetter("strides"), operator.itemgetter(-1)
-_GIVEN = is_given = functools.partial(operator.is_not, None)
+is_given = functools.partial(operator.is_not, None)
 
 
 def check_last_dim_contiguous(*views):
     """Each view (None: not given) has stride 1 in its last dimension. The common case (every
     given view's last stride 1) in one C-level pass; the loop names the first that fails."""
-    lasts = list(map(_LAST, map(_STRIDES, filter(_GIVEN, views))))
+    lasts = list(map(_LAST, map(_STRIDES, filter(is_given, views))))
     if lasts.count(1) == len(lasts):
         return
     for view in views:
