@@ -1046,7 +1046,8 @@ def test_tune_variants_parse_and_validate():
 def test_tune_values_zero_where_it_means_off_and_at_least_one_for_sizes():
     """0 is a value of the thresholds and switches (paged.row_group, paged.lean_multi_upto,
     qknorm.decode_by_token, qknorm.rows_warps: a grid-size threshold although its name ends in
-    a size word) and of a key whose default is 0; sizes and counts take at least 1."""
+    a size word) and of an undeclared int key; sizes and counts take at least 1 (their kinds,
+    ``tuning.KINDS``)."""
     for op, key, default in (
         ("paged", "row_group", 32),
         ("paged", "lean_multi_upto", 1 << 19),
@@ -1055,7 +1056,7 @@ def test_tune_values_zero_where_it_means_off_and_at_least_one_for_sizes():
         ("qknorm", "rows_per_lane", 0),
         ("qknorm", "rows_warps", 512),
         ("qkv", "GEMV_MAX_TOKENS", 2),
-        ("x", "some_rows", 0),  # a size word, but 0 by default
+        ("x", "some_rows", 4),  # undeclared: a threshold, whatever its name
     ):
         tuning.check_value(op, key, default, 0)
     for op, key, default in (
@@ -1074,6 +1075,36 @@ def test_tune_values_zero_where_it_means_off_and_at_least_one_for_sizes():
         tuning.check_value("contiguous", "block", 128, 2048)
     with pytest.raises(ValueError, match="at least 0"):
         tuning.check_value("qknorm", "rows_warps", 512, -1)
+
+
+def test_every_tuning_key_has_a_declared_kind():
+    """Each op module's TUNING keys are declared in tuning.KINDS, with a kind their default
+    has (and every declared key exists: no stale entry)."""
+    import importlib
+
+    from ropekv.bench.workloads import OPS
+
+    kinds = {
+        tuning.SIZE: int,
+        tuning.THREADS: int,
+        tuning.THRESHOLD: int,
+        tuning.SWITCH: bool,
+        tuning.TUPLE: tuple,
+        tuning.NUMBER: float,
+    }
+    for op in OPS:
+        module = importlib.import_module(f"ropekv.{op}")
+        for key, default in getattr(module, "TUNING", {}).items():
+            kind = tuning.KINDS.get(f"{op}.{key}")
+            assert kind is not None, f"{op}.{key} has no declared kind (tuning.KINDS)"
+            assert type(default) is kinds[kind], (op, key, kind, default)
+    for name, kind in tuning.KINDS.items():
+        op, key = name.split(".")
+        module = importlib.import_module(f"ropekv.{op}")
+        default = (
+            module.TUNING[key] if key in getattr(module, "TUNING", {}) else getattr(module, key)
+        )
+        assert type(default) is kinds[kind], (name, kind, default)
 
 
 def test_tune_applies_and_restores_the_tuning():

@@ -61,60 +61,194 @@ def _constant(module, key):
     return key.isupper() and isinstance(getattr(module, key, None), (bool, int, float))
 
 
-# What a tunable accepts follows its default: a bool takes a bool; an int a non-negative int
-# (0: off, for thresholds such as paged.row_group=0, paged.lean_multi_upto=0,
-# qknorm.decode_by_token=0), at least 1 for the sizes and counts whose name ends in a word of
-# _POSITIVE (but a key whose default is 0, and the thresholds of _THRESHOLDS), at most 1024
-# threads for a block; a float a finite non-negative number; a tuple a tuple of as many positive
-# ints.
-_POSITIVE = {
-    "atoms",
-    "block",
-    "bytes",
-    "ctas_per_sm",
-    "kgroups",
-    "many",
-    "max",
-    "pairs",
-    "rows",
-    "smem",
-    "split",
-    "stages",
+# What each tunable accepts, declared per key (``op.key``): SIZE an int of at least 1 (sizes and
+# counts), THREADS an int between 1 and 1024 (a block's threads), THRESHOLD an int of at least 0
+# (0: off or never, e.g. paged.row_group=0, qknorm.rows_warps=0), SWITCH True or False, TUPLE a
+# tuple of as many positive ints as the default, NUMBER a finite float >= 0. Every TUNING key of
+# every op module is declared here (a test checks it), and the upper-case constants that are sizes;
+# an undeclared key or constant takes what its default's type allows: a bool SWITCH, a tuple TUPLE,
+# a float NUMBER, an int THRESHOLD (the loosest rule: a new key is tunable before it is declared).
+SIZE, THREADS, THRESHOLD, SWITCH, TUPLE, NUMBER = (
+    "size",
     "threads",
-    "tile",
-    "warps",
-    "width",
+    "threshold",
+    "switch",
+    "tuple",
+    "number",
+)
+
+
+def _kinds(op, **keys):
+    return {f"{op}.{key}": kind for key, kind in keys.items()}
+
+
+KINDS = {
+    **_kinds(
+        "contiguous",
+        block=THREADS,
+        wave_blocks=THRESHOLD,
+        prefill_rows=SIZE,
+        max_block=THREADS,
+        scaled_prefill_rows=SIZE,
+        mrope_scaled_prefill_rows=SIZE,
+        lean_decode=SWITCH,
+        lean_block=THREADS,
+        lean_wave_blocks=THRESHOLD,
+        ROWS_MAX=SIZE,
+        SCALED_ROWS_MAX=SIZE,
+        MAX_BLOCK=THREADS,
+        MODE_Q_ROWS=SIZE,
+        MODE_KV_ROWS=SIZE,
+        MODE_BOTH_ROWS=SIZE,
+    ),
+    **_kinds(
+        "paged",
+        light=TUPLE,
+        heavy=TUPLE,
+        heavy_from=THRESHOLD,
+        max_block=THREADS,
+        min_blocks=THRESHOLD,
+        row_group=THRESHOLD,
+        row_block=THREADS,
+        row_block_below=THRESHOLD,
+        row_block_many=SIZE,
+        wave_blocks=THRESHOLD,
+        prefill_rows=SIZE,
+        max_row_block=THREADS,
+        opts_rows=SIZE,
+        row_tokens_upto=THRESHOLD,
+        wide_rows_below=THRESHOLD,
+        wide_row_block=THREADS,
+        wide_row_single_from=THRESHOLD,
+        lean_below=THRESHOLD,
+        lean_prefill_from=THRESHOLD,
+        lean_block=THREADS,
+        lean_wave_blocks=THRESHOLD,
+        lean_max_block=THREADS,
+        lean_narrow_from=THRESHOLD,
+        lean_wide_chunks=THRESHOLD,
+        lean_multi=THRESHOLD,
+        lean_multi_upto=THRESHOLD,
+        MAX_BLOCK=THREADS,
+        LEAN_THREADS=THREADS,
+    ),
+    **_kinds(
+        "mla",
+        wave_blocks=THRESHOLD,
+        split_below=THRESHOLD,
+        lean_below=THRESHOLD,
+        lean_block=THREADS,
+        BLOCK=THREADS,
+        HEADS_MAX=SIZE,
+    ),
+    **_kinds(
+        "qknorm",
+        block=THREADS,
+        wave_blocks=THRESHOLD,
+        prefill_rows=SIZE,
+        max_block=THREADS,
+        narrow_below=THRESHOLD,
+        narrow_width=SIZE,
+        decode_tokens=THRESHOLD,
+        decode_rows=SIZE,
+        decode_flat=THRESHOLD,
+        flat_below=THRESHOLD,
+        decode_heads=THRESHOLD,
+        decode_narrow_below=THRESHOLD,
+        decode_min_blocks=THRESHOLD,
+        tp_flat_from=THRESHOLD,
+        tp_flat_to=THRESHOLD,
+        tp_flat_width=SIZE,
+        tp_flat_rows=SIZE,
+        decode_by_token=THRESHOLD,
+        rows_from=THRESHOLD,
+        rows_tokens=THRESHOLD,
+        rows_per_lane=THRESHOLD,
+        rows_warps=THRESHOLD,
+        rows_block_warps=SIZE,
+        MAX_BLOCK=THREADS,
+    ),
+    **_kinds(
+        "qkv",
+        FAST_INT4_MAX_TILE=SIZE,
+        GEMV_PACKED_MAX_TILE=SIZE,
+        GEMV_WARPS=SIZE,
+        GEMV_PAIRS=SIZE,
+        GEMV_SMEM=SIZE,
+        TILED_MAX_TILE=SIZE,
+        TILED_STAGES=SIZE,
+        TILED_KGROUPS=SIZE,
+        TILED_SPLIT=SIZE,
+        TILED_CTAS_PER_SM=SIZE,
+        MMA_ROWS=SIZE,
+        MMA_WARPS=SIZE,
+        WGMMA_MAX_TILE=SIZE,
+        WGMMA_STAGES=SIZE,
+        WGMMA_DEEP_STAGES=SIZE,
+        WGMMA_FP8_ATOMS=SIZE,
+        WGMMA_FP8_MIN_STAGES=SIZE,
+        WGMMA_INT4_ATOMS=SIZE,
+        WGMMA_INT4_MIN_STAGES=SIZE,
+        WGMMA_ATOMS=SIZE,
+        WGMMA_SPLIT=SIZE,
+        WGMMA_THREADS=THREADS,
+        SM_SHARED_BYTES=SIZE,
+        MMA_SPLIT=SIZE,
+        MMA_SMEM_MAX=SIZE,
+        EPILOGUE_BLOCK=THREADS,
+        DEQUANT_BLOCK=THREADS,
+    ),
+    **_kinds(
+        "qk_rope",
+        block=THREADS,
+        wave_blocks=THRESHOLD,
+        prefill_rows=SIZE,
+        max_block=THREADS,
+        lean_decode=SWITCH,
+        lean_prefill=SWITCH,
+        lean_block=THREADS,
+        ROWS_MAX=SIZE,
+        MAX_THREADS=THREADS,
+    ),
 }
-_THREADS = {"block", "threads"}
-# keys ending in a word of _POSITIVE that are thresholds, not sizes: 0 is one of their values
-# (qknorm.rows_warps: the grid's warps up to which fewer rows a lane are taken; 0: never, always
-# the most)
-_THRESHOLDS = {"qknorm.rows_warps"}
 
 
 def _int(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_value(op, key, default, value):
-    """ValueError unless ``value`` is one ``op.key`` (whose default is ``default``) accepts."""
-    where = f"{op}.{key}={value!r}"
-    last = key.lower().rsplit("_", 1)[-1]
-    last = "ctas_per_sm" if key.lower().endswith("ctas_per_sm") else last
+def kind_of(op, key, default):
+    """The kind ``op.key`` accepts (:data:`KINDS`, else its default's type's)."""
+    kind = KINDS.get(f"{op}.{key}")
+    if kind is not None:
+        return kind
     if isinstance(default, bool):
+        return SWITCH
+    if isinstance(default, tuple):
+        return TUPLE
+    if isinstance(default, float):
+        return NUMBER
+    return THRESHOLD if _int(default) else None
+
+
+def check_value(op, key, default, value):
+    """ValueError unless ``value`` is one ``op.key`` (whose default is ``default``) accepts
+    (its kind: :func:`kind_of`)."""
+    where = f"{op}.{key}={value!r}"
+    kind = kind_of(op, key, default)
+    if kind == SWITCH:
         if not isinstance(value, bool):
-            raise ValueError(f"{where}: expected True or False")  # noqa: TRY004 - a usage error
-    elif _int(default):
-        size = last in _POSITIVE and default != 0 and f"{op}.{key}" not in _THRESHOLDS
-        low = 1 if size else 0
-        high = 1024 if last in _THREADS else None
+            raise ValueError(f"{where}: expected True or False")
+    elif kind in (SIZE, THREADS, THRESHOLD):
+        low = 0 if kind == THRESHOLD else 1
+        high = 1024 if kind == THREADS else None
         if not _int(value) or value < low or (high is not None and value > high):
             bound = f"between {low} and {high}" if high else f"at least {low}"
             raise ValueError(f"{where}: expected an integer {bound}")
-    elif isinstance(default, float):
+    elif kind == NUMBER:
         if not (_int(value) or isinstance(value, float)) or not 0 <= value < math.inf:
             raise ValueError(f"{where}: expected a finite number >= 0")
-    elif isinstance(default, tuple):
+    elif kind == TUPLE:
         if (
             not isinstance(value, tuple)
             or len(value) != len(default)
