@@ -966,9 +966,8 @@ def native_module():
                 _native_has_ex[0] = launchers[1] is not None
                 _native.configure_cupy_reads(module)
                 ar._VIEW_FIELDS[0] = module.view_fields  # first calls read arrays through it
-                ck.NATIVE_OVERLAP[0] = module.overlap_pairs  # and pair their spans
-                ck.NATIVE_WRITTEN[0] = module.written_layouts
-                ck.NATIVE_SAME_DEVICE[0] = module.same_device
+                # and check their writes, spans and device (_native.FIRST_CALL_C: else Python)
+                _native.route_first_call_checks(module)
         _native_module[0] = module
         _torch_probed[0] = False
         _native_cublas_bound[0] = None

@@ -182,6 +182,47 @@ def state() -> str:
     return f"Python plan replay ({_state['reason']})"
 
 
+# ---- the first call's three checks in C, or in Python -----------------------------------------
+
+# Whether a first call's three checks run their C forms where the C replay is loaded:
+# ``overlap_pairs`` (``_checks.check_no_overlap``'s pairs), ``written_layouts``
+# (``_checks.check_written``'s layouts, pointers and plain-stride test) and ``same_device``
+# (``_checks.check_same_device``). Off, they run their Python forms, with the same results, the
+# same errors and plans that replay the same (tests/test_host_first.py). On the H200 host their
+# gain was not measurable (first calls there drift more than it, first_call_drift.py); the switch
+# lets one process time both, interleaved (tools/experiments/first_call_c.py). Change it through
+# :func:`first_call_c`, not by assignment (the checks read the routed functions, not this flag);
+# ``ROPEKV_FIRST_CALL_C=0`` starts a process with it off.
+FIRST_CALL_C = env_flag("ROPEKV_FIRST_CALL_C", True)
+
+
+def route_first_call_checks(module):
+    """Give ``_checks`` the C forms of the three checks from ``module`` (the configured C
+    replay, or None: their Python forms) where :data:`FIRST_CALL_C` is on, else None (Python)."""
+    from ropekv import _checks as ck
+
+    on = module is not None and FIRST_CALL_C
+    ck.NATIVE_OVERLAP[0] = module.overlap_pairs if on else None
+    ck.NATIVE_WRITTEN[0] = module.written_layouts if on else None
+    ck.NATIVE_SAME_DEVICE[0] = module.same_device if on else None
+
+
+def first_call_c(on=None):
+    """Turn the first call's three checks' C forms on or off (:data:`FIRST_CALL_C`; ``on=None``
+    changes nothing) from the next first call on, and return the setting before. Plans already
+    made stay (they are the same either way); the C replay is not loaded by this (when it loads
+    later, it follows the setting)."""
+    global FIRST_CALL_C
+    before = FIRST_CALL_C
+    if on is not None:
+        FIRST_CALL_C = bool(on)
+        from ropekv import _launch
+
+        module = _launch._native_module[0]
+        route_first_call_checks(None if module is _launch._UNBOUND else module)
+    return before
+
+
 # ---- CuPy arrays read from their struct ------------------------------------------------------
 
 

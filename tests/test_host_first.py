@@ -331,3 +331,101 @@ def test_same_device_names_both_devices(native, monkeypatch):
     assert ck.check_same_device((_OnDevice("q", -1), None)) == -1  # the host
     with pytest.raises(AttributeError):
         native.same_device([object()])
+
+
+_SLOTS = ("NATIVE_OVERLAP", "NATIVE_WRITTEN", "NATIVE_SAME_DEVICE")
+
+
+def _three_checks(views, written, inplace, devices):
+    """What a first call's three checks give: the written checks' pairs (or error), the
+    same-device answer (or error)."""
+    return (
+        _outcome(_pairs_of_checks, views, written),
+        _outcome(ck.check_no_overlap, views, written, inplace),
+        _outcome_any(ck.check_same_device, devices),
+    )
+
+
+def test_first_call_c_switch_routes_the_three_checks(native, monkeypatch):
+    """``_native.first_call_c(False)`` routes the three checks to their Python forms, ``True``
+    back to C (the bound C replay's functions); both give the same pairs, devices and errors."""
+    from ropekv import _launch
+
+    for name in _SLOTS:
+        monkeypatch.setattr(ck, name, [None])
+    monkeypatch.setattr(_native, "FIRST_CALL_C", True)
+    monkeypatch.setattr(_launch, "_native_module", [native])
+    assert _native.first_call_c() is True and ck.NATIVE_OVERLAP == [None]  # None: no change
+    assert _native.first_call_c(True) is True
+    assert ck.NATIVE_OVERLAP[0] is native.overlap_pairs
+    assert ck.NATIVE_WRITTEN[0] is native.written_layouts
+    assert ck.NATIVE_SAME_DEVICE[0] is native.same_device
+    rng = np.random.default_rng(34)
+    buf = np.zeros(4096, np.uint8)
+    calls = []
+    for _ in range(300):
+        views, written, inplace = _random_call(rng, buf)
+        written = tuple(i for i in written if views[i] is not None)  # (_given_indices)
+        devices = [
+            None if rng.integers(0, 3) == 0 else _OnDevice(f"a{k}", int(rng.integers(-1, 2)))
+            for k in range(int(rng.integers(0, 5)))
+        ]
+        calls.append((views, written, inplace, devices))
+    for _ in range(300):
+        views, written = _random_written_call(rng, buf)
+        calls.append((views, written, (), [_OnDevice("q", 0)]))
+    on = [_three_checks(*c) for c in calls]
+    assert _native.first_call_c(False) is True
+    assert all(getattr(ck, name) == [None] for name in _SLOTS) and not _native.FIRST_CALL_C
+    off = [_three_checks(*c) for c in calls]
+    assert on == off
+    assert sum(o[0][0] == "error" for o in on) > 20 and sum(o[2][0] == "error" for o in on) > 20
+    assert _native.first_call_c(True) is False and ck.NATIVE_SAME_DEVICE[0] is native.same_device
+
+
+def test_first_call_c_switch_before_the_c_replay_is_bound(native, monkeypatch):
+    """Off before the C replay is bound: binding it leaves the Python forms; on: binding routes
+    the C forms (``route_first_call_checks``, what ``_launch.native_module`` calls)."""
+    from ropekv import _launch
+
+    for name in _SLOTS:
+        monkeypatch.setattr(ck, name, [None])
+    monkeypatch.setattr(_native, "FIRST_CALL_C", True)
+    monkeypatch.setattr(_launch, "_native_module", [_launch._UNBOUND])
+    assert _native.first_call_c(False) is True
+    assert all(getattr(ck, name) == [None] for name in _SLOTS)
+    _native.route_first_call_checks(native)
+    assert all(getattr(ck, name) == [None] for name in _SLOTS)
+    _native.first_call_c(True)
+    assert all(getattr(ck, name) == [None] for name in _SLOTS)  # still unbound: nothing to route
+    _native.route_first_call_checks(native)
+    assert ck.NATIVE_OVERLAP[0] is native.overlap_pairs
+    _native.route_first_call_checks(None)  # no C replay: Python
+    assert all(getattr(ck, name) == [None] for name in _SLOTS)
+
+
+def test_first_calls_on_host_arrays_give_the_same_outputs_either_way(native, monkeypatch):
+    """Whole first calls of bench decode cases (NumPy arrays: the checks run as on a GPU, then
+    the host path) with the C forms routed and without: the same outputs, byte for byte."""
+    from ropekv.bench import cases, timing
+
+    for name in _SLOTS:
+        monkeypatch.setattr(ck, name, [None])
+    monkeypatch.setattr(_native, "FIRST_CALL_C", True)
+    specs = [s for s in cases.bench_specs() if s.decode and s.tokens == 1]
+    seen = set()
+    for spec in specs:
+        if spec.op in seen:
+            continue
+        seen.add(spec.op)
+        got = []
+        for on in (True, False, True):
+            _native.route_first_call_checks(native if on else None)
+            timing.clear_plans()
+            w = spec.make(np)
+            o = w.new_outputs()
+            w.bound(o)()
+            got.append({k: np.asarray(v).tobytes() for k, v in o.items()})
+        assert got[0] == got[1] == got[2], spec.name
+    timing.clear_plans()
+    assert len(seen) >= 5, seen
