@@ -1627,6 +1627,27 @@ static PyObject *configure_cublas(PyObject *mod, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* overlap_pairs' and written_layouts' arguments (views, written) as PySequence_Fast objects (new
+ * references): 0, or -1 with an error set and nothing held. */
+static int views_and_written(PyObject *args, PyObject **views, PyObject **written) {
+  PyObject *views_in, *written_in;
+  if (!PyArg_ParseTuple(args, "OO", &views_in, &written_in)) return -1;
+  *views = PySequence_Fast(views_in, "views must be a sequence");
+  if (!*views) return -1;
+  *written = PySequence_Fast(written_in, "written must be a sequence");
+  if (!*written) {
+    Py_CLEAR(*views);
+    return -1;
+  }
+  return 0;
+}
+
+/* Their answer where the caller's Python form decides: None, or NULL where an error is set. */
+static PyObject *python_decides(void) {
+  if (PyErr_Occurred()) return NULL;
+  Py_RETURN_NONE;
+}
+
 /* overlap_pairs(views, written) -> (pairs, hits): _checks.check_no_overlap's pairs and the pairs
  * whose byte spans intersect, computed as its Python loop does (the first call of an op with many
  * arguments compares a hundred pairs or so; almost none intersect):
@@ -1641,15 +1662,8 @@ static PyObject *configure_cublas(PyObject *mod, PyObject *args) {
  * None where a view is not as expected (a span that is no pair of ints, a pointer past 2**62, a
  * written index out of range, more than MAX_ARGS arguments): the caller's Python loop decides. */
 static PyObject *overlap_pairs(PyObject *mod, PyObject *args) {
-  PyObject *views_in, *written_in;
-  if (!PyArg_ParseTuple(args, "OO", &views_in, &written_in)) return NULL;
-  PyObject *views = PySequence_Fast(views_in, "views must be a sequence");
-  if (!views) return NULL;
-  PyObject *written = PySequence_Fast(written_in, "written must be a sequence");
-  if (!written) {
-    Py_DECREF(views);
-    return NULL;
-  }
+  PyObject *views, *written;
+  if (views_and_written(args, &views, &written)) return NULL;
   PyObject *result = NULL, *pairs = NULL, *hits = NULL;
   Py_ssize_t n = PySequence_Fast_GET_SIZE(views), nw = PySequence_Fast_GET_SIZE(written);
   PyObject *lo_obj[MAX_ARGS], *hi_obj[MAX_ARGS]; /* borrowed from the views' span tuples */
@@ -1727,9 +1741,7 @@ static PyObject *overlap_pairs(PyObject *mod, PyObject *args) {
   result = PyTuple_Pack(2, pairs, hits);
   goto done;
 fallback:
-  if (PyErr_Occurred()) goto fail;
-  result = Py_None;
-  Py_INCREF(result);
+  result = python_decides();
   goto done;
 fail:
   result = NULL;
@@ -1780,15 +1792,8 @@ static int strides_plain(PyObject *shape, PyObject *strides) {
  *
  * None where a written index is out of range or a view has more than MAX_ARGS arguments. */
 static PyObject *written_layouts(PyObject *mod, PyObject *args) {
-  PyObject *views_in, *written_in;
-  if (!PyArg_ParseTuple(args, "OO", &views_in, &written_in)) return NULL;
-  PyObject *views = PySequence_Fast(views_in, "views must be a sequence");
-  if (!views) return NULL;
-  PyObject *written = PySequence_Fast(written_in, "written must be a sequence");
-  if (!written) {
-    Py_DECREF(views);
-    return NULL;
-  }
+  PyObject *views, *written;
+  if (views_and_written(args, &views, &written)) return NULL;
   PyObject *result = NULL, *layouts = NULL, *ptrs = NULL, *slow = NULL;
   Py_ssize_t n = PySequence_Fast_GET_SIZE(views), nw = PySequence_Fast_GET_SIZE(written);
   if (n > MAX_ARGS) goto fallback;
@@ -1848,9 +1853,7 @@ static PyObject *written_layouts(PyObject *mod, PyObject *args) {
   result = PyTuple_Pack(3, layouts, ptrs, slow);
   goto done;
 fallback:
-  if (PyErr_Occurred()) goto fail;
-  result = Py_None;
-  Py_INCREF(result);
+  result = python_decides();
   goto done;
 fail:
   result = NULL;
