@@ -381,6 +381,89 @@ def test_first_call_us_is_the_median(monkeypatch):
     assert timing.first_call_us(lambda: None, n=4) == pytest.approx(3.5)  # of 1, 5, 2, 9 us
 
 
+def test_first_call_rounds_interleave_every_entry_and_settle_first(monkeypatch):
+    """One first call of every entry a round, forward then backward, after untimed settling
+    rounds; plans cleared before each call, the device synchronised outside the timing."""
+    log = []
+    monkeypatch.setattr(timing, "clear_plans", lambda: log.append("clear"))
+    clock = iter(float(k) * 1e-6 for k in range(1000))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    calls = [(name, lambda name=name: log.append(name)) for name in "abc"]
+    times = timing.first_call_rounds(calls, lambda: log.append("sync"), rounds=4, settle=1)
+    order = [x for x in log if x in "abc"]
+    assert order == list("abccbaabccbaabc")  # the settling round, then 4
+    assert log[:4] == ["clear", "sync", "a", "sync"] and log[-1] == "clear"
+    assert log.count("clear") == 15 + 1 and log.count("sync") == 2 * 15
+    assert set(times) == {"a", "b", "c"} and all(len(v) == 4 for v in times.values())
+    assert all(us == pytest.approx(1.0) for v in times.values() for us in v)
+    log.clear()
+    assert timing.first_call_rounds(calls, None, rounds=2, settle=0)["a"]  # no device
+    assert "sync" not in log and [x for x in log if x in "abc"] == list("abccba")
+
+
+def test_first_call_phase_records_medians_spreads_and_rounds(monkeypatch):
+    """The phase (stand-in calls): each decode case's first_us / first_us_torch becomes the
+    median of its rounds, with [min, max] and the rounds beside it; host_rounds untouched;
+    prefill, failed and unbuildable cases keep what they had; groups under the byte budget."""
+    monkeypatch.setattr(timing, "clear_plans", lambda: None)
+    spec = type("Spec", (), {"decode": True})
+    prefill = type("Spec", (), {"decode": False})
+    specs = [spec(), prefill(), spec(), spec(), spec()]
+
+    def case(torch=True):
+        r = {"host_us": 1.0, "first_us": 500.0, "host_rounds": {"first_us": [500.0]}}
+        if torch:
+            r["first_us_torch"] = 600.0
+        return {"ropekv": r}
+
+    cases = [case(), case(), case(torch=False), case(), dict(case(), error="x")]
+    cases[3]["name"] = "broken"
+    us = {0: [5, 1, 9, 3, 7], 2: [2, 2, 2, 2, 2]}  # per case: its calls' times in order
+    seen = {}
+
+    def first_calls(sp, c):
+        i = next(k for k, x in enumerate(cases) if x is c)
+        if c.get("name") == "broken":
+            raise RuntimeError("cannot build")
+        n = [0]
+
+        def call(i=i):
+            n[0] += 1
+            seen.setdefault(i, 0)
+            seen[i] += 1
+            clock[0] += us[i][(n[0] - 1) % 5] * 1e-6  # (the cupy and torch calls share them)
+
+        keys = ("first_us", "first_us_torch") if "first_us_torch" in c["ropekv"] else ("first_us",)
+        return [(k, call) for k in keys], 10
+
+    clock = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(runner, "_first_calls", first_calls)
+    freed = []
+    monkeypatch.setattr(runner, "FIRST_PHASE_BYTES", 10)  # one case a group
+    runner.first_call_phase(
+        specs, cases, rounds=5, settle=0, sync=lambda: None, free=lambda: freed.append(1)
+    )
+    r = cases[0]["ropekv"]
+    # a group's rounds alternate their order: CuPy, torch; torch, CuPy; ... (times 5 1 9 3 7 ...)
+    assert r["first_rounds"] == {
+        "first_us": pytest.approx([5, 3, 7, 9, 3]),
+        "first_us_torch": pytest.approx([1, 9, 5, 1, 7]),
+    }
+    assert (r["first_us"], r["first_us_torch"]) == (pytest.approx(5), pytest.approx(5))
+    assert r["first_us_spread"] == pytest.approx([3, 9])
+    assert r["first_us_torch_spread"] == pytest.approx([1, 9])
+    assert r["host_rounds"] == {"first_us": [500.0]}  # the in-run figures stay
+    assert cases[2]["ropekv"]["first_us"] == pytest.approx(2.0)
+    assert cases[2]["ropekv"]["first_us_spread"] == pytest.approx([2.0, 2.0])
+    assert "first_us_torch" not in cases[2]["ropekv"]
+    assert cases[1]["ropekv"]["first_us"] == 500.0 and "first_rounds" not in cases[1]["ropekv"]
+    assert cases[3]["ropekv"]["first_us"] == 500.0
+    assert cases[3]["ropekv"]["first_rounds_error"] == "RuntimeError: cannot build"
+    assert "first_rounds" not in cases[4]["ropekv"]  # an errored case: not measured
+    assert seen == {0: 10, 2: 5} and len(freed) == 2  # two groups, each freed
+
+
 def _planted(ops):
     """A stand-in plan in each op's one-layer and multi-layer plans."""
     for op in ops:
@@ -1456,6 +1539,13 @@ def test_bench_quick_runs(tmp_path):
         assert set(r["host_rounds"]) == {"host_us", "first_us", "host_us_torch", "first_us_torch"}
         assert all(len(v) == 3 and None not in v for v in r["host_rounds"].values()), c["name"]
         assert 0 < r["host_us"] < r["first_us"], c["name"]
+        # the recorded first calls: the first-call phase's median, spread and rounds
+        assert "first_rounds_error" not in r, (c["name"], r.get("first_rounds_error"))
+        for key in ("first_us", "first_us_torch"):
+            rounds = r["first_rounds"][key]
+            assert len(rounds) == timing.FIRST_ROUNDS, c["name"]
+            assert r[key] == statistics.median(rounds), c["name"]
+            assert r[f"{key}_spread"] == [min(rounds), max(rounds)], c["name"]
     qkv_formats = {c["weight_format"] for c in data["cases"] if c["op"] == "qkv"}
     assert qkv_formats == {"fp16", "fp8 e4m3 per-row", "int4 g128"}
     assert all(c["peers"]["cublas"]["status"] == "ok" for c in data["cases"] if c["op"] == "qkv")

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ropekv.bench import report as report_mod
-from ropekv.bench import tuning
+from ropekv.bench import timing, tuning
 from ropekv.bench.arrays import _torch, gpu_status, one_line
 from ropekv.bench.cases import select_specs
 from ropekv.bench.compare import compare_all
@@ -217,6 +217,9 @@ def run(
             for spec, case in zip(specs, cases):
                 if host_rounds_done(case) < HOST_ROUNDS:
                     remeasure_host(spec, case, settings, backend)
+        if backend == "cuda":  # the recorded first-call figures (first_call_phase)
+            log(len(specs), n, f"first calls: {timing.FIRST_ROUNDS} rounds over the decode cases")
+            first_call_phase(specs, cases, free=lambda: _free(backend))
     result["cases"] = cases
     if backend == "cuda":  # known once a call has planned: host times depend on it
         from ropekv import _native
@@ -356,6 +359,89 @@ def remeasure_host(spec, case, settings, backend="cuda"):
         kept = [x for x in rounds if x is not None]
         if kept:
             r[key] = statistics.median(kept)
+
+
+# the device bytes of workloads the first-call phase holds at once: the decode cases' workloads
+# (about 39 GB of arrays in all, plus their outputs) are built and timed in groups below it
+FIRST_PHASE_BYTES = 24 << 30
+
+
+def _nbytes(arrays):
+    return sum(getattr(x, "nbytes", 0) for x in arrays)
+
+
+def _first_calls(spec, case):
+    """``([(key, call)], nbytes)`` of a decode case for :func:`first_call_phase`: ropekv's call
+    with its arguments built once on a new workload of ``spec`` and new outputs, as the case
+    timed it (``first_us``), and with torch tensors viewing them (``first_us_torch``, where the
+    case measured it), each called once; ``nbytes``: the workload's and outputs' bytes."""
+    w = spec.make()
+    r, _ = make_runners(w, spec, ())
+    r.call()
+    calls = [("first_us", r.host_call)]
+    outputs = _nbytes(w.a[n] for n in w.outputs_names)  # each new_outputs() copies them
+    nbytes = _nbytes(w.a.values()) + outputs
+    if "first_us_torch" in case["ropekv"]:
+        tw, to = timing.torch_workload(w, w.new_outputs())
+        fn = tw.bound(to)
+        fn()
+        calls.append(("first_us_torch", fn))
+        nbytes += outputs
+    return calls, nbytes
+
+
+def first_call_phase(
+    specs, cases, rounds=timing.FIRST_ROUNDS, settle=timing.FIRST_SETTLE, sync=None, free=None
+):
+    """The recorded first-call figures of the decode cases, taken once every case has run:
+    ``first_us`` / ``first_us_torch`` become the median over ``rounds`` rounds of
+    :func:`ropekv.bench.timing.first_call_rounds` (every case of a group once per round, every
+    op's plans cleared before each call; its docstring says why), with ``first_us_spread`` /
+    ``first_us_torch_spread`` = ``[min, max]`` beside them and the rounds in ``first_rounds``.
+    The first calls each case took as it ran stay in its ``host_rounds`` (how far the host's
+    drift moved them). The cases are taken in groups whose workloads fit FIRST_PHASE_BYTES,
+    ``free()`` called after each (default: none). A case whose calls cannot be built or run
+    keeps its figures from ``host_rounds``, with ``first_rounds_error``. ``sync``: the device's
+    synchronisation (default CuPy's)."""
+    if sync is None:
+        import cupy
+
+        sync = cupy.cuda.runtime.deviceSynchronize
+    entries, held = [], 0
+    for i, (spec, case) in enumerate(zip(specs, cases)):
+        r = case.get("ropekv")
+        if not spec.decode or r is None or "error" in case or "first_us" not in r:
+            continue
+        try:
+            calls, nbytes = _first_calls(spec, case)
+        except Exception as e:  # noqa: BLE001 - the figures from host_rounds stand
+            r["first_rounds_error"] = one_line(e)
+            continue
+        entries += [((i, key), fn) for key, fn in calls]
+        held += nbytes
+        if held >= FIRST_PHASE_BYTES:
+            _first_rounds(entries, cases, sync, rounds, settle, free)
+            entries, held = [], 0
+    if entries:
+        _first_rounds(entries, cases, sync, rounds, settle, free)
+
+
+def _first_rounds(entries, cases, sync, rounds, settle, free):
+    """One group of :func:`first_call_phase`: its rounds, then its figures into ``cases``."""
+    try:
+        times = timing.first_call_rounds(entries, sync, rounds, settle)
+    except Exception as e:  # noqa: BLE001 - the figures from host_rounds stand
+        for (i, _), _fn in entries:
+            cases[i]["ropekv"]["first_rounds_error"] = one_line(e)
+        times = {}
+    entries.clear()  # the group's workloads freed
+    if free is not None:
+        free()
+    for (i, key), us in times.items():
+        r = cases[i]["ropekv"]
+        r[key] = statistics.median(us)
+        r[f"{key}_spread"] = [min(us), max(us)]
+        r.setdefault("first_rounds", {})[key] = us
 
 
 def host_rounds_done(case):

@@ -113,7 +113,9 @@ def eager_host_times(r, settings):
     return res
 
 
-FIRST_CALLS = 5  # first calls timed per case and array kind (their median is the figure)
+# first calls timed per case and array kind as the case runs (their median goes into the case's
+# host_rounds; the recorded figure comes from first_call_rounds, below)
+FIRST_CALLS = 5
 
 
 def launch_ops(modules=None):
@@ -157,6 +159,47 @@ def first_call_us(fn, sync=None, n=FIRST_CALLS):
             sync()
     clear_plans()
     return statistics.median(times)
+
+
+# The recorded first-call figure (``ropekv bench``'s ``first_us``, ``first_us_torch``): the median
+# over FIRST_ROUNDS rounds of a phase after every case has run (first_call_rounds), after
+# FIRST_SETTLE untimed rounds.
+FIRST_ROUNDS = 7
+FIRST_SETTLE = 1
+
+
+def first_call_rounds(calls, sync=None, rounds=FIRST_ROUNDS, settle=FIRST_SETTLE):
+    """``{key: [us, one per round]}``: host times of first calls of ``calls`` (``(key, fn)``
+    pairs, each a call with its arguments built once and its kernels compiled), in rounds that
+    each time one first call of every entry, forward in even rounds and backward in odd ones,
+    after ``settle`` untimed rounds; every op's plans cleared before each call, the device
+    synchronised by ``sync`` before and after it, outside the timing.
+
+    Why rounds over all cases rather than several first calls of one case at once: on the H200
+    host the same first call's time depends on the process's moment far more than on ropekv
+    (paged GQA at one token: 202 us right after start-up, 128-177 after importing torch, JAX and
+    FlashInfer, 91-104 at every later point; tools/experiments/first_call_drift.py), and the
+    recorded run of 66c8261, which took 5 first calls as each case ran, put 42 of 288 figures
+    above the 150 us budget, mostly early cases. Interleaved rounds, taken once the run's device
+    timing and peers' compilation are done, give each case the same moments, so a drift phase
+    moves every case's spread (min / max over rounds, recorded beside the median), not one
+    case's figure."""
+    calls = list(calls)
+    times = {key: [] for key, _ in calls}
+    for r in range(settle + rounds):
+        for key, fn in calls if r % 2 == 0 else calls[::-1]:
+            clear_plans()
+            if sync is not None:
+                sync()
+            t0 = time.perf_counter()
+            fn()
+            us = (time.perf_counter() - t0) * 1e6
+            if sync is not None:
+                sync()
+            if r >= settle:
+                times[key].append(us)
+    clear_plans()
+    return times
 
 
 def torch_workload(w, o):
