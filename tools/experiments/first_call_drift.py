@@ -12,7 +12,8 @@ q and kv scales 221 / 123, 167 / 130, then 98-112; QK-norm Qwen3-32B 8 / 1 heads
 95, 133 / 168, then 82-95; qk_rope 93 / 54, 70 / 89, then 47-52). The collector's state changed
 nothing. So a single first-call figure on that host says more about the host's state at that
 moment than about ropekv: read the budget from medians over several rounds (``ropekv bench``
-takes three, spread over the run).
+now records the median of 7 rounds over every decode case, taken after all cases have run,
+``ropekv.bench.timing.first_call_rounds``; ``first_call_c.py`` times the C helpers the same way).
 """
 
 import gc
