@@ -191,9 +191,8 @@ def state() -> str:
 # same errors and plans that replay the same (tests/test_host_first.py). On the H200 host their
 # gain was not measurable (first calls there drift more than it, first_call_drift.py); the switch
 # lets one process time both, interleaved (tools/experiments/first_call_c.py). Change it through
-# :func:`first_call_c`, not by assignment (the checks read the routed functions, not this flag);
-# ``ROPEKV_FIRST_CALL_C=0`` starts a process with it off.
-FIRST_CALL_C = env_flag("ROPEKV_FIRST_CALL_C", True)
+# :func:`first_call_c`, not by assignment (the checks read the routed functions, not this flag).
+FIRST_CALL_C = True
 
 
 def route_first_call_checks(module):
