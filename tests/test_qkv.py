@@ -2115,3 +2115,73 @@ def test_the_call_passes_the_settings_functions_values(monkeypatch):
     (flags,) = seen
     assert qkv_mod.tiled_settings() in flags and qkv_mod.wgmma_settings() in flags
     assert flags.index(qkv_mod.tiled_settings()) + 1 == flags.index(qkv_mod.wgmma_settings())
+
+
+def test_mma_form_expressions():
+    """MMA_FORM: the compiled form of each weight format (16-bit weights: 0; fp8: its launch
+    bounds bit only), every one of MMA_FORMS among the instantiations, others refused."""
+    names = set(qkv_mod.instantiations())
+    assert qkv_mod.MMA_FORM in qkv_mod.MMA_FORMS and 0 in qkv_mod.MMA_FORMS
+    for form in qkv_mod.MMA_FORMS:
+        for fmt in WEIGHT_FORMATS.values():
+            e = qkv_mod.mma_expression(F16, fmt, 16, qkv_mod.MMA_SPLIT, False, form)
+            assert e in names
+            assert e.endswith(f", {qkv_mod.mma_form(fmt, form)}>"), e
+    assert qkv_mod.mma_form(qkv_mod.W_DENSE, 7) == 0
+    assert qkv_mod.mma_form(qkv_mod.W_FP8, 5) == 0 and qkv_mod.mma_form(qkv_mod.W_FP8, 7) == 2
+    assert qkv_mod.mma_form(qkv_mod.W_INT4, 5) == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(3,), (1, 0, 3), (2, 2, 1, 3), (16,), (5, 0, 4, 4, 3)])
+@pytest.mark.parametrize("form", [2, 5, 7])
+@pytest.mark.parametrize(
+    "wfmt, dtype, group_size, zero_points",
+    [
+        ("int4", F16, 128, True),
+        ("int4", F16, 32, False),
+        ("int4", BF16, 64, True),
+        ("fp8", F16, 0, False),
+        ("fp8", BF16, 0, False),
+    ],
+)
+def test_gpu_mma_forms(lengths, form, wfmt, dtype, group_size, zero_points, monkeypatch):
+    """qkv_mma's forms (MMA_FORM) at 3-16 tokens (token tiles 8 and 16), Llama-3-8B's projection:
+    the reference's results, and the very bytes of form 0 (today's kernel): every form builds the
+    same weight pairs and sums them in the same order."""
+    force_path(monkeypatch, "mma")
+    real, names = qkv_mod.Launch, []
+
+    def launch(*a, **k):
+        names.append(a[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(qkv_mod, "Launch", launch)
+    extra = {"group_size": group_size, "zero_points": zero_points} if wfmt == "int4" else {}
+    args, kw = make_case(
+        60 + sum(lengths) + form,
+        lengths=lengths,
+        wfmt=wfmt,
+        dtype=dtype,
+        cached=[9 + 17 * i for i in range(len(lengths))],
+        **extra,
+        **LLAMA,
+    )
+    refs = expected(args, kw)
+    results = {}
+    for f in (0, form):
+        monkeypatch.setattr(qkv_mod, "MMA_FORM", f)
+        qkv_mod._OP.clear()  # a plan of the same key from an earlier call would launch no Launch
+        originals = [c.copy() for c in args["paged_kv_cache"]]
+        d = {n: to_device(a) for n, a in args.items()}
+        q = call(d, {n: to_device(a) for n, a in kw.items()})
+        check_results(args, kw, q, d["paged_kv_cache"], originals, refs)
+        results[f] = [to_numpy(x) for x in (q, *d["paged_kv_cache"])]
+    for old, new in zip(results[0], results[form]):
+        np.testing.assert_array_equal(new.view(np.uint8), old.view(np.uint8))
+    fmt = WEIGHT_FORMATS[wfmt]
+    assert [n.split(", ")[-1] for n in names] == [
+        "0>",
+        f"{qkv_mod.mma_form(fmt, form)}>",
+    ], names
+    assert all(n.startswith("qkv_mma<") for n in names), names
