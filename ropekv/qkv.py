@@ -224,6 +224,17 @@ SM_SHARED_BYTES = 228 * 1024  # shared memory an SM of sm_90 holds (each CTA res
 # fills one GPC after the other with clusters either way).
 MMA_SPLIT = 8
 MMA_SPLITS = (4, 8)  # the compiled cluster sizes
+# qkv_mma's form for fp8 and 4-bit weights (qkv.cu, FORM; 16-bit weights: 0 always). Bit 0
+# (4-bit): a load's group scale and zero point held as one word, their pairs built per chunk with
+# integer ops (no I2F / F2F a load); bit 2 (4-bit): a word of 8 codes dequantized four pairs at
+# once (int4_pairs: one LOP3 a pair, half of them scaled by one exact hfma2; bf16 as before); both
+# give the same pairs, so the same results bit for bit. Static SASS (sm_90, fp16, 4-bit): 2622 ->
+# 2433 instructions at 8 tokens, 2728 -> 2553 at 16. Bit 1 (fp8 and 4-bit): 3 CTAs an SM in the
+# launch bounds below 64 tokens (168 registers instead of 128: ncu at 16 tokens, 4-bit, showed
+# 8,064 spill requests at 128 registers and 3 CTAs an SM anyway); a cluster grid that no longer
+# fits one wave would lose. 0: as before. MMA_FORMS: the compiled forms.
+MMA_FORM = 5
+MMA_FORMS = (0, 2, 5, 7)
 MMA_VALS = {W_DENSE: 8, W_FP8: 16, W_INT4: 32}  # k values per 16-byte weight load
 # Dynamic shared memory stays below the 48 KiB a kernel may use without opting in, static
 # shared memory (token slots, request offsets) included.
@@ -395,9 +406,21 @@ def gemv_expression(dtype, fmt, vb, tt, fast=True, opts=False, packed=0):
     )
 
 
+def mma_form(fmt, form):
+    """The FORM qkv_mma compiles for ``fmt`` (the bits that change its code, see MMA_FORM)."""
+    return 0 if fmt == W_DENSE else form & 2 if fmt == W_FP8 else form
+
+
+def mma_expression(dtype, fmt, tn, split, opts=False, form=None):
+    """``form``: MMA_FORM's value (None: MMA_FORM's current one)."""
+    return _mma_expression(
+        dtype, fmt, tn, split, opts, mma_form(fmt, MMA_FORM if form is None else form)
+    )
+
+
 @functools.cache
-def mma_expression(dtype, fmt, tn, split, opts=False):
-    return name_expression("qkv_mma", c_type(dtype), fmt, tn, split, c_bool(opts))
+def _mma_expression(dtype, fmt, tn, split, opts, form):
+    return name_expression("qkv_mma", c_type(dtype), fmt, tn, split, c_bool(opts), form)
 
 
 @functools.cache
@@ -448,7 +471,9 @@ def instantiations():
                     if fmt == W_INT4:
                         yield gemv_expression(dtype, fmt, vb, tt, opts=opts, packed=2)
         for fmt, tn, split in itertools.product((W_DENSE, W_FP8, W_INT4), MMA_TILES, MMA_SPLITS):
-            yield mma_expression(dtype, fmt, tn, split, opts)
+            forms = {mma_form(fmt, form): None for form in MMA_FORMS}  # in order, once each
+            for form in forms:
+                yield mma_expression(dtype, fmt, tn, split, opts, form)
         for fmt, tn, split in itertools.product(TILED_FORMATS, TILED_TILES, TILED_SPLITS):
             yield tiled_expression(dtype, fmt, tn, split, TILED_STAGES, TILED_KGROUPS, opts)
         for (tn, deep, wq), split in itertools.product(_wgmma_tiles(), TILED_SPLITS):
@@ -773,6 +798,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
             MMA_MAX_TOKENS,
             (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID),
             MMA_SPLIT,
+            MMA_FORM,
             # tiled_settings() and wgmma_settings(), spelled out: this runs on every call
             (
                 TILED_MIN_TOKENS,
@@ -851,6 +877,7 @@ def _prepare(views, flags):
         mma_max,
         mma_quantized,
         mma_split,
+        mma_form,
         tiled,
         wgmma,
         graph_max,
@@ -880,7 +907,7 @@ def _prepare(views, flags):
     fields, slots = _fields(views, c, is_neox, clear)
     opts = bool(clear or vstatus is not None)  # the kernels that read the options
     gemv = (gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, late_scale)
-    tuning = (gemv, mma_min, mma_max, mma_quantized, mma_split, tiled, graph_max)
+    tuning = (gemv, mma_min, mma_max, mma_quantized, (mma_split, mma_form), tiled, graph_max)
     return _device_plan(
         views, c, fields, slots, outputs, written, is_neox, pdl, opts, tuning, WgmmaSettings(*wgmma)
     )
@@ -1108,7 +1135,7 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         a.cos_sin_cache,
         a.out,
     )
-    gemv, mma_min, mma_max, mma_quantized, mma_split, tiled, graph_max = tuning
+    gemv, mma_min, mma_max, mma_quantized, (mma_split, mma_form), tiled, graph_max = tuning
     gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, late_scale = gemv
     T, K, N, D, fmt, device = c.T, c.K, c.N, c.D, c.fmt, c.device
     gemv_packed = gemv_packed and (fmt != W_FP8 or packed_fp8)
@@ -1121,7 +1148,23 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
             if step is not None:
                 return step
         if T and mma_min <= T <= mma_max:
-            return _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split, tiled, opts)
+            return _mma(
+                fields,
+                slots,
+                vx,
+                vw,
+                fmt,
+                T,
+                K,
+                N,
+                D,
+                device,
+                pdl,
+                mma_split,
+                tiled,
+                opts,
+                mma_form,
+            )
         return None
 
     plan = functools.partial(Plan, device, outputs=outputs, written=written, result=_result)
@@ -1636,13 +1679,15 @@ def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False, fp8=F
     )
 
 
-def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts=False):
+def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts=False, form=0):
     """The tensor-core launch (qkv_mma, or qkv_mma_tiled where :func:`tiled_applies`: from
-    ``tiled``'s token count on), or None where neither applies."""
+    ``tiled``'s token count on), or None where neither applies. ``form``: MMA_FORM."""
     G = fields["group_size"]
     tiled_min, max_tile, stages, tiled_split, per_sm, kgroups = tiled
     if split not in MMA_SPLITS:
         raise ValueError(f"ropekv.qkv.MMA_SPLIT must be one of {MMA_SPLITS}, got {split}")
+    if form not in MMA_FORMS:
+        raise ValueError(f"ropekv.qkv.MMA_FORM must be one of {MMA_FORMS}, got {form}")
     if tiled_split not in TILED_SPLITS:
         raise ValueError(f"ropekv.qkv.TILED_SPLIT must be one of {TILED_SPLITS}, got {tiled_split}")
     if not mma_applies(K, D, fmt, G, _compute_capability(device)):
@@ -1683,7 +1728,7 @@ def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts
         return None
     return Launch(
         STEM,
-        mma_expression(vx.dtype, fmt, tn, split, opts),
+        mma_expression(vx.dtype, fmt, tn, split, opts, form),
         device,
         (split, tiles),
         (MMA_WARPS * 32,),
@@ -1865,6 +1910,7 @@ _OP = Op(
                 "MMA_MAX_TOKENS",
                 "MMA_*_QUANTIZED",
                 "MMA_SPLIT",
+                "MMA_FORM",
             )
         ),
         ("TILED_*", AS_IS),

@@ -1227,8 +1227,19 @@ __device__ __forceinline__ void cluster_epilogue(const QkvParams& p, const float
 // OPTS: status= validates the offsets once the first weight loads are in flight, before the main
 // loop (every CTA of every cluster, so all of a cluster's CTAs return together on failure); the
 // last token of a request clears the rest of its page in the epilogue (clear_rests).
-template <typename T, int WF, int TN, int S, bool OPTS>
-__global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE && TN == 64 ? 3 : 4)
+// FORM (fp8 and 4-bit weights; 0 for 16-bit ones, where it changes nothing), MMA_FORM in qkv.py:
+//   bit 0 (4-bit): a load's group scale and zero point kept as one 32-bit word (the scale's bits
+//     | the zero << 16) until its chunk is consumed, its T pairs (offset + zero, scale) built
+//     there with two integer ops each (as the float conversion of 0 did per load: I2F, FADD,
+//     F2F and a pack); the same pairs, so the same results bit for bit. Holds 8 registers fewer.
+//   bit 1: 3 CTAs an SM in __launch_bounds__ at token tiles below 64 (168 registers, against
+//     128 at 4: ncu at 16 tokens, 4-bit, showed 128 registers and 8,064 spill requests, at 3
+//     CTAs an SM of a 384-CTA grid anyway).
+//   bit 2 (4-bit): a word of 8 codes dequantized four pairs at once (int4_pairs: one LOP3 a
+//     pair, the odd pairs' q - zero by one exact hfma2, fp16; bf16 as int4_pair), the same pairs.
+template <typename T, int WF, int TN, int S, bool OPTS, int FORM>
+__global__ void MMA_CLUSTER_DIMS
+__launch_bounds__(MMA_WARPS * 32, WF != W_DENSE && (TN == 64 || (FORM & 2)) ? 3 : 4)
     qkv_mma(const QkvParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   pdl_launch_dependents();
@@ -1274,7 +1285,9 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
                    i64(wlive[m][h] ? n : 0) * p.weight_row_bytes;
     }
   uint4 a[U][MMA_MT][2];
+  constexpr bool SZ = WF == W_INT4 && (FORM & 1);  // 4-bit: scale | zero << 16, one word a load
   unsigned zsub[U][MMA_MT][2], zscale[U][MMA_MT][2];  // 4-bit: (offset + zero, scale) T pairs
+  unsigned sz[U][MMA_MT][2];                          // SZ: instead of those
   auto issue = [&](int u, int ci) {
     const int k = kbeg + ci * CH + c * VALS;
     const bool on = ci < nchunks && k < kbeg + klen;
@@ -1285,7 +1298,19 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
         const bool live = on && wlive[m][h];
         const i64 byte = WF == W_DENSE ? i64(k) * 2 : WF == W_FP8 ? i64(k) : i64(k >> 1);
         a[u][m][h] = live ? ldg_stream(wrow[m][h] + byte) : make_uint4(0, 0, 0, 0);
-        if constexpr (WF == W_INT4) {
+        if constexpr (SZ) {
+          const int grp = k / p.group_size;
+          const unsigned sb =
+              live ? unsigned(static_cast<const unsigned short*>(
+                         p.weight_scales)[i64(wn[m][h]) * p.ws_s0 + grp])
+                   : 0u;  // scale 0: the (never consumed) chunk's products are 0
+          const unsigned z = live && p.zero_points
+                                 ? unsigned(static_cast<const unsigned char*>(
+                                       p.zero_points)[i64(wn[m][h]) * p.zp_s0 + grp]) &
+                                       0xFu
+                                 : 8u;
+          sz[u][m][h] = sb | (z << 16);
+        } else if constexpr (WF == W_INT4) {
           const int grp = k / p.group_size;
           const T s = live ? static_cast<const T*>(p.weight_scales)[i64(wn[m][h]) * p.ws_s0 + grp]
                            : from_float<T>(0.f);
@@ -1354,6 +1379,22 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
     for (int u = 0; u < U; ++u) {
       const int ci = base + u;
       if (ci >= nchunks) break;
+      unsigned csub[MMA_MT][2], cscale[MMA_MT][2];  // 4-bit: this chunk's T pairs
+      if constexpr (WF == W_INT4) {
+#pragma unroll
+        for (int m = 0; m < MMA_MT; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if constexpr (SZ) {  // 2^10 + zero (fp16) or 2^7 + zero (bf16): exact, ulp 1 there
+              csub[m][h] = ((is_half<T>::value ? 0x6400u : 0x4300u) | (sz[u][m][h] >> 16)) *
+                           0x10001u;
+              cscale[m][h] = (sz[u][m][h] & 0xFFFFu) * 0x10001u;
+            } else {
+              csub[m][h] = zsub[u][m][h];
+              cscale[m][h] = zscale[u][m][h];
+            }
+          }
+      }
 #pragma unroll
       for (int j = 0; j < UNITS; ++j) {
         // A fragments of unit j (two mmas): af[m][s][0..3] for mma s of the unit
@@ -1374,9 +1415,14 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE
               r[h][3] = fp8x2_to<T>(w1 >> 16);
             } else {
               const unsigned w = j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+              if constexpr (FORM & 4) {  // -(64 + zero) as an fp16 pair (bf16: unused)
+                const unsigned sub16 = (0xD400u | ((csub[m][h] & 0xFu) << 4)) * 0x10001u;
+                int4_pairs<T>(w, csub[m][h], sub16, cscale[m][h], r[h]);
+              } else {
 #pragma unroll
-              for (int i = 0; i < 4; ++i)
-                r[h][i] = int4_pair<T>(w, i, zsub[u][m][h], zscale[u][m][h]);
+                for (int i = 0; i < 4; ++i)
+                  r[h][i] = int4_pair<T>(w, i, csub[m][h], cscale[m][h]);
+              }
             }
           }
 #pragma unroll
