@@ -224,17 +224,16 @@ SM_SHARED_BYTES = 228 * 1024  # shared memory an SM of sm_90 holds (each CTA res
 # fills one GPC after the other with clusters either way).
 MMA_SPLIT = 8
 MMA_SPLITS = (4, 8)  # the compiled cluster sizes
-# qkv_mma's form for fp8 and 4-bit weights (qkv.cu, FORM; 16-bit weights: 0 always). Bit 0
-# (4-bit): a load's group scale and zero point held as one word, their pairs built per chunk with
-# integer ops (no I2F / F2F a load); bit 2 (4-bit): a word of 8 codes dequantized four pairs at
-# once (int4_pairs: one LOP3 a pair, half of them scaled by one exact hfma2; bf16 as before); both
-# give the same pairs, so the same results bit for bit. Static SASS (sm_90, fp16, 4-bit): 2622 ->
-# 2433 instructions at 8 tokens, 2728 -> 2553 at 16. Bit 1 (fp8 and 4-bit): 3 CTAs an SM in the
-# launch bounds below 64 tokens (168 registers instead of 128: ncu at 16 tokens, 4-bit, showed
-# 8,064 spill requests at 128 registers and 3 CTAs an SM anyway); a cluster grid that no longer
-# fits one wave would lose. 0: as before. MMA_FORMS: the compiled forms.
+# qkv_mma's form for 4-bit weights (qkv.cu, FORM; other weights: 0 always). Bit 0: a load's
+# group scale and zero point held as one word, their pairs built per chunk with integer ops (no
+# I2F / F2F a load); bit 2: a word of 8 codes dequantized four pairs at once (int4_pairs: one LOP3
+# a pair, half of them scaled by one exact hfma2; bf16 as before); both give the same pairs, so
+# the same results bit for bit. Static SASS (sm_90, fp16): 2622 -> 2433 instructions at 8 tokens,
+# 2728 -> 2553 at 16; side by side on the H200 (graph replay) 4 / 16 tokens 13.7 / 17.6 against
+# 14.5 / 18.6 us. 3 CTAs an SM in the launch bounds below 64 tokens (168 registers, no spills)
+# was slower: 4-bit 18.9-25.1, fp8 18.7-23.1 against 13.7-18.0 us. 0: as before.
 MMA_FORM = 5
-MMA_FORMS = (0, 2, 5, 7)
+MMA_FORMS = (0, 5)
 MMA_VALS = {W_DENSE: 8, W_FP8: 16, W_INT4: 32}  # k values per 16-byte weight load
 # Dynamic shared memory stays below the 48 KiB a kernel may use without opting in, static
 # shared memory (token slots, request offsets) included.
@@ -408,7 +407,7 @@ def gemv_expression(dtype, fmt, vb, tt, fast=True, opts=False, packed=0):
 
 def mma_form(fmt, form):
     """The FORM qkv_mma compiles for ``fmt`` (the bits that change its code, see MMA_FORM)."""
-    return 0 if fmt == W_DENSE else form & 2 if fmt == W_FP8 else form
+    return form if fmt == W_INT4 else 0
 
 
 def mma_expression(dtype, fmt, tn, split, opts=False, form=None):

@@ -1227,19 +1227,16 @@ __device__ __forceinline__ void cluster_epilogue(const QkvParams& p, const float
 // OPTS: status= validates the offsets once the first weight loads are in flight, before the main
 // loop (every CTA of every cluster, so all of a cluster's CTAs return together on failure); the
 // last token of a request clears the rest of its page in the epilogue (clear_rests).
-// FORM (fp8 and 4-bit weights; 0 for 16-bit ones, where it changes nothing), MMA_FORM in qkv.py:
+// FORM (4-bit weights; 0 for the others, where it changes nothing), MMA_FORM in qkv.py:
 //   bit 0 (4-bit): a load's group scale and zero point kept as one 32-bit word (the scale's bits
 //     | the zero << 16) until its chunk is consumed, its T pairs (offset + zero, scale) built
 //     there with two integer ops each (as the float conversion of 0 did per load: I2F, FADD,
 //     F2F and a pack); the same pairs, so the same results bit for bit. Holds 8 registers fewer.
-//   bit 1: 3 CTAs an SM in __launch_bounds__ at token tiles below 64 (168 registers, against
-//     128 at 4: ncu at 16 tokens, 4-bit, showed 128 registers and 8,064 spill requests, at 3
-//     CTAs an SM of a 384-CTA grid anyway).
 //   bit 2 (4-bit): a word of 8 codes dequantized four pairs at once (int4_pairs: one LOP3 a
 //     pair, the odd pairs' q - zero by one exact hfma2, fp16; bf16 as int4_pair), the same pairs.
 template <typename T, int WF, int TN, int S, bool OPTS, int FORM>
 __global__ void MMA_CLUSTER_DIMS
-__launch_bounds__(MMA_WARPS * 32, WF != W_DENSE && (TN == 64 || (FORM & 2)) ? 3 : 4)
+__launch_bounds__(MMA_WARPS * 32, WF != W_DENSE && TN == 64 ? 3 : 4)
     qkv_mma(const QkvParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   pdl_launch_dependents();
