@@ -97,24 +97,11 @@ def cpu_calls(names):
     return calls, None
 
 
-def first_us(fn, sync, clear):
-    """Host time of one first call of ``fn``'s layout (plans cleared, device synced outside)."""
-    clear()
-    if sync is not None:
-        sync()
-    t0 = time.perf_counter()
-    fn()
-    us = (time.perf_counter() - t0) * 1e6
-    if sync is not None:
-        sync()
-    return us
-
-
 def measure(calls, sync, rounds=ROUNDS, settle=SETTLE):
     """``{(case, kind, on): [us per round]}``: ``settle`` untimed rounds, then ``rounds`` rounds
     of one first call per case, kind and setting (on-off in even rounds, off-on in odd ones)."""
     from ropekv import _native
-    from ropekv.bench.timing import clear_plans
+    from ropekv.bench.timing import clear_plans, first_call_us
 
     before = _native.first_call_c()
     times = {(case, kind, on): [] for case, kind in calls for on in (True, False)}
@@ -124,7 +111,7 @@ def measure(calls, sync, rounds=ROUNDS, settle=SETTLE):
             for (case, kind), fn in calls.items():
                 for on in order:
                     _native.first_call_c(on)
-                    us = first_us(fn, sync, clear_plans)
+                    us = first_call_us(fn, sync, n=1)  # one first call: plans cleared
                     if r >= settle:
                         times[case, kind, on].append(us)
     finally:
