@@ -115,13 +115,9 @@ def call(args, kw, **more):
     return ropekv.fused_qkv_matmul_append_paged_kv_cache(**args, **kw, **more)
 
 
-def expected(args, kw, clear=False):
-    """The reference on copies, with ``clear_unused_last_page_rows`` (``clear``): (q, k_cache,
-    v_cache)."""
-    k, v = (c.copy() for c in args["paged_kv_cache"])
-    T, Hq = args["hidden_state"].shape[0], kw["num_q_heads"]
-    out = np.empty((T, Hq * k.shape[3]), args["hidden_state"].dtype)
-    scale = kw.get("kv_scale") or (1.0, 1.0)
+def run_reference(args, kw, k, v, out, layout, kv_scale, clear=False):
+    """The NumPy reference on the case's inputs into ``k``, ``v`` and ``out`` (the caches in
+    ``layout``, scaled by ``kv_scale`` (k, v), the rest of their pages cleared with ``clear``)."""
     reference.fused_qkv_matmul_append_paged_kv_cache(
         args["hidden_state"],
         args["weight"],
@@ -131,17 +127,27 @@ def expected(args, kw, clear=False):
         k,
         v,
         out,
-        Hq,
+        kw["num_q_heads"],
         kw.get("cos_sin_cache"),
         kw.get("is_neox", True),
-        kw.get("kv_layout", "NHD"),
-        scale[0],
-        scale[1],
+        layout,
+        kv_scale[0],
+        kv_scale[1],
         kw.get("weight_scales"),
         kw.get("group_size"),
         kw.get("zero_points"),
         clear,
     )
+
+
+def expected(args, kw, clear=False):
+    """The reference on copies, with ``clear_unused_last_page_rows`` (``clear``): (q, k_cache,
+    v_cache)."""
+    k, v = (c.copy() for c in args["paged_kv_cache"])
+    T, Hq = args["hidden_state"].shape[0], kw["num_q_heads"]
+    out = np.empty((T, Hq * k.shape[3]), args["hidden_state"].dtype)
+    scale = kw.get("kv_scale") or (1.0, 1.0)
+    run_reference(args, kw, k, v, out, kw.get("kv_layout", "NHD"), scale, clear)
     return out, k, v
 
 
@@ -1729,24 +1735,7 @@ def fp8_interval(args, kw, row_bound):
     T = args["hidden_state"].shape[0]
     num_pages, page_size, Hkv, D = k.shape
     out = np.empty((T, Hq * D), np.float64)
-    reference.fused_qkv_matmul_append_paged_kv_cache(
-        args["hidden_state"],
-        args["weight"],
-        args["input_row_offsets"],
-        args["cache_lengths"],
-        args["block_table"],
-        *f64,
-        out,
-        Hq,
-        kw.get("cos_sin_cache"),
-        kw.get("is_neox", True),
-        "NHD",
-        1.0,
-        1.0,
-        kw.get("weight_scales"),
-        kw.get("group_size"),
-        kw.get("zero_points"),
-    )
+    run_reference(args, kw, *f64, out, "NHD", (1.0, 1.0))
     _, _, page, entry = reference.ragged_paged_slots(
         args["input_row_offsets"],
         args["cache_lengths"],
