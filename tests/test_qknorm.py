@@ -850,6 +850,40 @@ FLAT_VARIANTS = {
 }
 
 
+def _plain_decode_case(seed, heads, new, cached, D, cache_dtype, P, negative_page=False):
+    """``(args, kw, views)``: a plain bf16 QK-norm call (packed q / k / v, pages of 16, the layout
+    and the gammas' dtype alternating with ``seed``) and the ArrayViews ``_decode_kernel`` takes;
+    with two requests or more, request 1's first new token on a page out of range and, with
+    ``negative_page``, request 0's on a negative page id."""
+    args, kw = make_case(
+        seed,
+        Hq=heads[0],
+        Hkv=heads[1],
+        D=D,
+        dtype=BF16,
+        cache_dtype=cache_dtype,
+        new=new,
+        cached=cached,
+        page_size=16,
+        layout="HND" if seed % 2 else "NHD",
+        gamma_f32=bool(seed % 2),
+        packed=True,
+        P=P,
+    )
+    table = args["block_table"]
+    if len(new) > 1:
+        table[1, cached[1] // 16] = 10**6  # request 1's first new token: a page out of range
+        if negative_page:
+            table[0, cached[0] // 16] = -3  # request 0's first new token: a negative page id
+    names = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets")
+    arrays = [args[n] for n in names] + [args["cache_lengths"], table, *args["paged_kv_cache"]]
+    views = [
+        ar.ArrayView("x", 256, x.shape, tuple(st // x.itemsize for st in x.strides), x.dtype, 0)
+        for x in arrays
+    ]
+    return args, kw, views
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(FLAT_CASES))
 @pytest.mark.parametrize("variant", sorted(FLAT_VARIANTS))
@@ -861,30 +895,8 @@ def test_flat_decode_kernel_matches_reference(case, variant, cache_dtype):
 
     heads, new, cached = FLAT_CASES[case]
     seed = 70 + sorted(FLAT_CASES).index(case)
-    args, kw = make_case(
-        seed,
-        Hq=heads[0],
-        Hkv=heads[1],
-        D=128,
-        dtype=BF16,
-        cache_dtype=cache_dtype,
-        new=new,
-        cached=cached,
-        page_size=16,
-        layout="HND" if seed % 2 else "NHD",
-        gamma_f32=bool(seed % 2),
-        packed=True,
-        P=1000,  # some tokens of tp-256 and 32b-256 have no position
-    )
-    table = args["block_table"]
-    if len(new) > 1:
-        table[1, cached[1] // 16] = 10**6  # request 1's first new token: a page out of range
-    names = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets")
-    arrays = [args[n] for n in names] + [args["cache_lengths"], table, *args["paged_kv_cache"]]
-    views = [
-        ar.ArrayView("x", 256, x.shape, tuple(st // x.itemsize for st in x.strides), x.dtype, 0)
-        for x in arrays
-    ]
+    # P: some tokens of tp-256 and 32b-256 have no position
+    args, kw, views = _plain_decode_case(seed, heads, new, cached, 128, cache_dtype, P=1000)
     with applied({"qknorm": FLAT_VARIANTS[variant]}):
         kernel = qknorm._decode_kernel(views, None, True, 128, True)
         if variant == "splits":  # the (T, splits) kernel up to 128 tokens, then the general one
@@ -1163,31 +1175,10 @@ def test_few_head_spread_decode_matches_reference(case, variant, cache_dtype):
 
     heads, new, cached, D = TP_SPREAD_CASES[case]
     seed = 90 + sorted(TP_SPREAD_CASES).index(case)
-    args, kw = make_case(
-        seed,
-        Hq=heads[0],
-        Hkv=heads[1],
-        D=D,
-        dtype=BF16,
-        cache_dtype=cache_dtype,
-        new=new,
-        cached=cached,
-        page_size=16,
-        layout="HND" if seed % 2 else "NHD",
-        gamma_f32=bool(seed % 2),
-        packed=True,
-        P=700,  # the last tokens of tp-256 and tp-128 have no position
+    # P: the last tokens of tp-256 and tp-128 have no position
+    args, kw, views = _plain_decode_case(
+        seed, heads, new, cached, D, cache_dtype, P=700, negative_page=True
     )
-    table = args["block_table"]
-    if len(new) > 1:
-        table[1, cached[1] // 16] = 10**6  # request 1's first new token: a page out of range
-        table[0, cached[0] // 16] = -3  # request 0's first new token: a negative page id
-    names = ("q", "k", "v", "q_gamma", "k_gamma", "cos_sin_cache", "input_row_offsets")
-    arrays = [args[n] for n in names] + [args["cache_lengths"], table, *args["paged_kv_cache"]]
-    views = [
-        ar.ArrayView("x", 256, x.shape, tuple(st // x.itemsize for st in x.strides), x.dtype, 0)
-        for x in arrays
-    ]
     T, gf32 = sum(new), args["q_gamma"].dtype == np.float32
     with applied({"qknorm": TP_SPREAD_VARIANTS[variant]}):
         kernel = qknorm._decode_kernel(views, None, True, D, True)
