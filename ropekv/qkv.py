@@ -109,6 +109,17 @@ GEMV_PACKED_MAX_TOKENS = 2
 # to every weight (4 fewer half2 ops a word of 8 codes). Off: those sums, of up to 16 products of
 # |q - zero| <= 15 and x, overflow fp16 where |x| reaches about 270.
 GEMV_PACKED_LATE_SCALE = False
+# The packed 4-bit decode's form (qkv.cu, qkv_gemv's FORM; other decodes: 0 always). Bit 0: a
+# load's (scale, zero) word kept as scale | (2^10 + zero) << 16, its pairs built by two byte
+# permutes and one exact hsub2 (was 8 integer ops a row and load); bit 1 (with bit 0): each row's
+# scale / zero-point offsets computed once as 32-bit element offsets and a load's group by one
+# unsigned division shared by the rows (was a signed division and 64-bit row products a row and
+# load; the host drops bit 1 where an offset could pass 2^31). The same pairs, so the same
+# results bit for bit. Static SASS (sm_90, fp16, Llama-3-8B): 3743 -> 3360 instructions at one
+# token, 4132 -> 3742 at two (166 / 168 registers, no spills). 0: as before. GEMV_FORMS: the
+# compiled forms.
+GEMV_FORM = 3
+GEMV_FORMS = (0, 1, 3)
 GEMV_WARPS, GEMV_PAIRS = 4, 2  # mirror qkv.cu
 GEMV_SMEM = 46 * 1024  # staged hidden rows, float32, per block (below the 48 KiB default)
 # The tensor-core path (qkv_mma, sm_90+): token counts in [MMA_MIN_TOKENS, MMA_MAX_TOKENS]
@@ -387,11 +398,18 @@ def _packed(dtype, fmt, vb, tt):
 # the plain one (False) has them compiled out, so they cost nothing when off.
 
 
-@functools.cache  # the expressions: a plan's lookup spells one once per first call
-def gemv_expression(dtype, fmt, vb, tt, fast=True, opts=False, packed=0):
+def gemv_expression(dtype, fmt, vb, tt, fast=True, opts=False, packed=0, form=None):
     """``fast`` selects the cheaper float 4-bit decode where it applies, ``packed`` the packed
     decode (which takes precedence) where it applies: 1, 2 (4-bit: the scale on the sums), or 0
-    (see qkv.cu)."""
+    (see qkv.cu); ``form``: GEMV_FORM's value (None: GEMV_FORM's current one), compiled only
+    into the packed 4-bit decode."""
+    return _gemv_expression(
+        dtype, fmt, vb, tt, fast, opts, packed, GEMV_FORM if form is None else form
+    )
+
+
+@functools.cache  # the expressions: a plan's lookup spells one once per first call
+def _gemv_expression(dtype, fmt, vb, tt, fast, opts, packed, form):
     packed = (1 if fmt != W_INT4 else int(packed)) if packed and _packed(dtype, fmt, vb, tt) else 0
     return name_expression(
         "qkv_gemv",
@@ -400,9 +418,16 @@ def gemv_expression(dtype, fmt, vb, tt, fast=True, opts=False, packed=0):
         vb,
         tt,
         c_bool(fast and not packed and _fast_int4(fmt, vb, tt)),
+        gemv_form(fmt, packed, form),
         packed,
         c_bool(opts),
     )
+
+
+def gemv_form(fmt, packed, form):
+    """The FORM qkv_gemv compiles (GEMV_FORM for the packed 4-bit decode, else 0); ``packed``:
+    the packed decode the expression takes (0: none)."""
+    return int(form) if packed and fmt == W_INT4 else 0
 
 
 def mma_form(fmt, form):
@@ -466,9 +491,14 @@ def instantiations():
                 if _fast_int4(fmt, vb, tt):
                     yield gemv_expression(dtype, fmt, vb, tt, fast=False, opts=opts)
                 if _packed(dtype, fmt, vb, tt):
-                    yield gemv_expression(dtype, fmt, vb, tt, opts=opts, packed=1)
+                    forms = GEMV_FORMS if fmt == W_INT4 else (0,)
+                    for form in forms:
+                        yield gemv_expression(dtype, fmt, vb, tt, opts=opts, packed=1, form=form)
                     if fmt == W_INT4:
-                        yield gemv_expression(dtype, fmt, vb, tt, opts=opts, packed=2)
+                        for form in forms:
+                            yield gemv_expression(
+                                dtype, fmt, vb, tt, opts=opts, packed=2, form=form
+                            )
         for fmt, tn, split in itertools.product((W_DENSE, W_FP8, W_INT4), MMA_TILES, MMA_SPLITS):
             forms = {mma_form(fmt, form): None for form in MMA_FORMS}  # in order, once each
             for form in forms:
@@ -793,6 +823,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
             GEMV_PACKED_MAX_TOKENS,
             GEMV_PACKED_LATE_SCALE,
             GEMV_PACKED_FP8,
+            GEMV_FORM,
             MMA_MIN_TOKENS,
             MMA_MAX_TOKENS,
             (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID),
@@ -872,6 +903,7 @@ def _prepare(views, flags):
         packed_max,
         late_scale,
         packed_fp8,
+        gemv_form,
         mma_min,
         mma_max,
         mma_quantized,
@@ -905,7 +937,7 @@ def _prepare(views, flags):
         return plan(c.device)
     fields, slots = _fields(views, c, is_neox, clear)
     opts = bool(clear or vstatus is not None)  # the kernels that read the options
-    gemv = (gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, late_scale)
+    gemv = (gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, (late_scale, gemv_form))
     tuning = (gemv, mma_min, mma_max, mma_quantized, (mma_split, mma_form), tiled, graph_max)
     return _device_plan(
         views, c, fields, slots, outputs, written, is_neox, pdl, opts, tuning, WgmmaSettings(*wgmma)
@@ -1135,7 +1167,7 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         a.out,
     )
     gemv, mma_min, mma_max, mma_quantized, (mma_split, mma_form), tiled, graph_max = tuning
-    gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, late_scale = gemv
+    gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, (late_scale, gemv_form) = gemv
     T, K, N, D, fmt, device = c.T, c.K, c.N, c.D, c.fmt, c.device
     gemv_packed = gemv_packed and (fmt != W_FP8 or packed_fp8)
 
@@ -1172,7 +1204,7 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         if fmt == W_DENSE
         else quantized_top(K, N, fmt, _sm_count(device), mma_quantized, tiled)
     )
-    decode = (fast_int4, gemv_packed, late_scale)
+    decode = (fast_int4, gemv_packed, late_scale, gemv_form)
     if (
         gemv_max < T <= packed_max
         and gemv_packed
@@ -1321,6 +1353,14 @@ def _gemv_width(vw, fmt, dtype, K, group_size):
     return (16, vals) if ok else (_weight_bytes_min(dtype, fmt), 2 if fmt == W_INT4 else 1)
 
 
+def _offsets32(fields, N, K):
+    """Whether every row's scale and zero-point element offsets, plus K / group_size, stay below
+    2^31 (GEMV_FORM bit 1 keeps them as 32-bit unsigned offsets)."""
+    G = fields["group_size"]
+    groups = K // G if G else 0
+    return all(0 <= s and (N - 1) * s + groups < 2**31 for s in (fields["ws_s0"], fields["zp_s0"]))
+
+
 def _tile(T):
     """qkv_gemv's token tile: the smallest that holds T tokens, else the largest."""
     return next((tt for tt in GEMV_TILES if tt >= T), GEMV_TILES[-1])
@@ -1328,11 +1368,16 @@ def _tile(T):
 
 def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, decode, pdl, opts=False):
     """The fused decode kernel: one launch (T == 0, status=: one block, which validates).
-    ``decode``: (FAST_INT4, GEMV_PACKED, GEMV_PACKED_LATE_SCALE)."""
+    ``decode``: (FAST_INT4, GEMV_PACKED, GEMV_PACKED_LATE_SCALE, GEMV_FORM)."""
     dtype = vx.dtype
     vb, vals = _gemv_width(vw, fmt, dtype, K, fields["group_size"])
     tt = _tile(T)
     packed = (2 if decode[2] else 1) if decode[1] and _packed(dtype, fmt, vb, tt) else 0
+    form = decode[3]
+    if form not in GEMV_FORMS:
+        raise ValueError(f"ropekv.qkv.GEMV_FORM must be one of {GEMV_FORMS}, got {form}")
+    if form & 2 and not _offsets32(fields, N, K):
+        form &= ~2  # 64-bit scale / zero-point addressing, as form 1
     fast = decode[0] and not packed and _fast_int4(fmt, vb, tt)
     # shared memory: x (tt, kc) float32, and for the fast int4 decode its sums (tt, kc / 32)
     kc = GEMV_SMEM * 32 // (tt * 4 * 33) if fast else GEMV_SMEM // (tt * 4)
@@ -1342,7 +1387,7 @@ def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, decode, pdl, opts=False):
     grid = ((N // 2 + pairs_per_block - 1) // pairs_per_block, (T + tt - 1) // tt) if T else (1, 1)
     return Launch(
         STEM,
-        gemv_expression(dtype, fmt, vb, tt, fast, opts, packed),
+        gemv_expression(dtype, fmt, vb, tt, fast, opts, packed, form),
         device,
         grid,
         (GEMV_WARPS * 32,),
@@ -1905,6 +1950,7 @@ _OP = Op(
                 "GEMV_PACKED_MAX_TOKENS",
                 "GEMV_PACKED_LATE_SCALE",
                 "GEMV_PACKED_FP8",
+                "GEMV_FORM",
                 "MMA_MIN_TOKENS",
                 "MMA_MAX_TOKENS",
                 "MMA_*_QUANTIZED",

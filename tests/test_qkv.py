@@ -749,8 +749,9 @@ def test_gemv_takes_the_packed_decode_where_it_applies(
     cols = K // 2 if wfmt == "int4" else K
     vx = SimpleNamespace(dtype=np.dtype(dtype))
     vw = SimpleNamespace(ptr=1 << 20, strides=(cols, 1), dtype=wdtype)
-    fields = {"group_size": 128}
-    qkv_mod._gemv(fields, {}, vx, vw, fmt, T, K, 6144, 0, (False, setting, False), False)
+    fields = {"group_size": 128, "ws_s0": K // 128 if wfmt == "int4" else 0, "zp_s0": 0}
+    decode = (False, setting, False, qkv_mod.GEMV_FORM)
+    qkv_mod._gemv(fields, {}, vx, vw, fmt, T, K, 6144, 0, decode, False)
     tt = next(t for t in qkv_mod.GEMV_TILES if t >= T)
     want = qkv_mod.gemv_expression(np.dtype(dtype), fmt, 16, tt, False, False, packed and setting)
     assert want.split(", ")[-2] == ("1" if packed and setting else "0")
@@ -1861,6 +1862,153 @@ def test_gpu_gemv_int4_groups_and_caches(
     check_results(args, kw, q, d["paged_kv_cache"], originals, refs, within)
     (name,) = names
     assert name.startswith("qkv_gemv<") and name.split(", ")[-2] == ("1" if packed else "0"), name
+
+
+def test_gemv_form_expressions():
+    """GEMV_FORM: compiled into the packed 4-bit decode only (fp16 inputs, 16-byte loads, token
+    tiles up to GEMV_PACKED_MAX_TILE; every other qkv_gemv: 0), every one of GEMV_FORMS among
+    the instantiations, the template's FORM just before PACKED (PACKED and OPTS stay last)."""
+    names = set(qkv_mod.instantiations())
+    assert qkv_mod.GEMV_FORM in qkv_mod.GEMV_FORMS and 0 in qkv_mod.GEMV_FORMS
+    W_DENSE, W_FP8, W_INT4 = qkv_mod.W_DENSE, qkv_mod.W_FP8, qkv_mod.W_INT4
+    for form in qkv_mod.GEMV_FORMS:
+        for dtype, fmt, tt, packed, opts in itertools.product(
+            (F16, BF16), (W_DENSE, W_FP8, W_INT4), (1, 2, 4, 8), (0, 1, 2), (False, True)
+        ):
+            e = qkv_mod.gemv_expression(dtype, fmt, 16, tt, False, opts, packed, form)
+            if packed and (fmt == W_INT4 or tt <= 2):
+                assert e in names, e
+            fields = e[len("qkv_gemv<") : -1].split(", ")
+            p4 = packed and fmt == W_INT4 and dtype == F16 and tt <= qkv_mod.GEMV_PACKED_MAX_TILE
+            assert fields[-3] == str(form if p4 else 0), e
+            assert fields[-2] == str(packed if p4 else int(bool(packed) and fields[-2] != "0"))
+            assert fields[-1] == ("true" if opts else "false"), e
+    # None: GEMV_FORM's current value
+    assert qkv_mod.gemv_expression(F16, W_INT4, 16, 1, False, False, 1) == (
+        qkv_mod.gemv_expression(F16, W_INT4, 16, 1, False, False, 1, qkv_mod.GEMV_FORM)
+    )
+    assert qkv_mod.gemv_form(W_INT4, 1, 3) == 3 and qkv_mod.gemv_form(W_INT4, 0, 3) == 0
+    assert qkv_mod.gemv_form(W_FP8, 1, 3) == 0 and qkv_mod.gemv_form(W_DENSE, 1, 1) == 0
+
+
+def test_gemv_form_offsets32():
+    """GEMV_FORM bit 1 (32-bit scale / zero-point offsets) only where every row's offset plus
+    K / group_size stays below 2^31; no zero points (zp_s0 0) and 16-bit weights (group 0) too."""
+    ok = qkv_mod._offsets32
+    assert ok({"group_size": 128, "ws_s0": 32, "zp_s0": 32}, 6144, 4096)
+    assert ok({"group_size": 32, "ws_s0": 128, "zp_s0": 0}, 6144, 4096)
+    assert ok({"group_size": 0, "ws_s0": 0, "zp_s0": 0}, 6144, 4096)
+    assert not ok({"group_size": 128, "ws_s0": 2**20, "zp_s0": 32}, 4096, 4096)
+    assert not ok({"group_size": 128, "ws_s0": 32, "zp_s0": 2**20}, 4096, 4096)
+    assert not ok({"group_size": 128, "ws_s0": -32, "zp_s0": 32}, 6144, 4096)
+    edge = 2**31 - 1 - 32  # (N - 1) * s0 + K / G == 2^31 - 1: still fits
+    assert ok({"group_size": 128, "ws_s0": edge, "zp_s0": 0}, 2, 4096)
+    assert not ok({"group_size": 128, "ws_s0": edge + 1, "zp_s0": 0}, 2, 4096)
+
+
+@pytest.mark.parametrize("ws_s0, want", [(32, 3), (2**20, 1)])
+def test_gemv_form_drops_offsets32_where_they_overflow(ws_s0, want, monkeypatch):
+    """GEMV_FORM 3 launches form 3 where the 32-bit offsets fit, form 1 where they could not;
+    a form outside GEMV_FORMS is refused."""
+    from types import SimpleNamespace
+
+    got = []
+    monkeypatch.setattr(qkv_mod, "Launch", lambda *a, **k: got.append(a[1]))
+    K, N = 4096, 6144
+    vx = SimpleNamespace(dtype=F16)
+    vw = SimpleNamespace(ptr=1 << 20, strides=(K // 2, 1), dtype=np.dtype(np.uint8))
+    fields = {"group_size": 128, "ws_s0": ws_s0, "zp_s0": 32}
+    qkv_mod._gemv(fields, {}, vx, vw, qkv_mod.W_INT4, 1, K, N, 0, (False, True, False, 3), False)
+    assert got == [qkv_mod.gemv_expression(F16, qkv_mod.W_INT4, 16, 1, False, False, 1, want)]
+    assert got[0] in set(qkv_mod.instantiations())
+    with pytest.raises(ValueError, match="GEMV_FORM"):
+        qkv_mod._gemv(
+            fields, {}, vx, vw, qkv_mod.W_INT4, 1, K, N, 0, (False, True, False, 2), False
+        )
+
+
+# GEMV_FORM's GPU check: shapes (make_case keywords) of the packed 4-bit decode
+GEMV_FORM_SHAPES = {
+    "llama": LLAMA,
+    # 12 loads a row: most lanes' loads off; 60 row pairs: the last block's last two warps idle
+    "odd": {"K": 384, "Hq": 3, "Hkv": 1, "D": 24, "R": 16, "P": 64, "page_size": 4},
+    # 256 loads a row: the loop's second round of loads (and, at 2 tokens, a second k chunk)
+    "k8192": {**LLAMA, "K": 8192},
+}
+
+
+def _gemv_form_cases():
+    """(form, lengths, shape, fp8_cache, group_size, zero_points, late) of test_gpu_gemv_forms:
+    GEMV_FORM's default at 1-2 tokens, groups of 32 / 64 / 128 with and without zero points,
+    e4m3 and 16-bit caches on Llama-3-8B's projection and a small odd shape, K 8192; the other
+    forms and the late scale (16-bit cache: its rounding is not the bound's) on fewer."""
+    top = qkv_mod.GEMV_FORM
+    groups = [(32, True), (64, False), (128, True), (128, False)]
+    for lengths, fp8, (g, zp) in itertools.product([(1,), (1, 1)], [True, False], groups):
+        yield top, lengths, "llama", fp8, g, zp, False
+    for lengths, fp8, (g, zp) in itertools.product([(1,), (2,)], [True, False], groups[:3]):
+        yield top, lengths, "odd", fp8, g, zp, False
+    for lengths, fp8 in itertools.product([(1,), (1, 1)], [True, False]):
+        yield top, lengths, "k8192", fp8, 128, True, False
+    for lengths in [(1,), (1, 1)]:
+        yield top, lengths, "llama", False, 64, True, True
+    for form in qkv_mod.GEMV_FORMS:
+        if form not in (0, top):
+            for lengths, (g, zp) in itertools.product([(1,), (1, 1)], [groups[0], groups[3]]):
+                yield form, lengths, "llama", True, g, zp, False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "form, lengths, shape, fp8_cache, group_size, zero_points, late", list(_gemv_form_cases())
+)
+def test_gpu_gemv_forms(
+    form, lengths, shape, fp8_cache, group_size, zero_points, late, monkeypatch
+):
+    """qkv_gemv's packed 4-bit decode (fp16 inputs) in each GEMV_FORM at 1-2 tokens (token tiles
+    1 and 2): the very bytes of form 0 (today's kernel; every form builds the same weight pairs
+    and sums them in the same order), then the reference's results (e4m3 caches: inside the
+    packed decode's rounding bound, fp8_interval). ``late``: GEMV_PACKED_LATE_SCALE."""
+    force_path(monkeypatch, "gemv")
+    monkeypatch.setattr(qkv_mod, "GEMV_PACKED_LATE_SCALE", late)
+    real, names = qkv_mod.Launch, []
+
+    def launch(*a, **k):
+        names.append(a[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(qkv_mod, "Launch", launch)
+    args, kw = make_case(
+        90 + group_size + 3 * len(lengths) + 5 * zero_points + form,
+        lengths=lengths,
+        wfmt="int4",
+        dtype=F16,
+        cache_dtype=E4M3 if fp8_cache else None,
+        cached=[7 + 13 * i for i in range(len(lengths))],
+        group_size=group_size,
+        zero_points=zero_points,
+        **GEMV_FORM_SHAPES[shape],
+    )
+    refs = expected(args, kw)
+    outs = {}
+    for f in (0, form):
+        monkeypatch.setattr(qkv_mod, "GEMV_FORM", f)
+        qkv_mod._OP.clear()  # a plan of the same key from an earlier call would launch no Launch
+        d = {n: to_device(a) for n, a in args.items()}
+        q = call(d, {n: to_device(a) for n, a in kw.items()})
+        outs[f] = (q, d["paged_kv_cache"])
+    for old, new in zip((outs[0][0], *outs[0][1]), (outs[form][0], *outs[form][1])):
+        np.testing.assert_array_equal(to_numpy(new).view(np.uint8), to_numpy(old).view(np.uint8))
+    within = fp8_interval(args, kw, packed_int4_row_bound(args, kw)) if fp8_cache else None
+    originals = list(args["paged_kv_cache"])
+    q, caches = outs[form]
+    check_results(args, kw, q, caches, originals, refs, within)
+    fields = [n[len("qkv_gemv<") : -1].split(", ") for n in names]
+    assert all(n.startswith("qkv_gemv<") for n in names), names
+    assert [f[-3:-1] for f in fields] == [
+        ["0", "2" if late else "1"],
+        [str(form), "2" if late else "1"],
+    ], names
 
 
 @pytest.mark.gpu

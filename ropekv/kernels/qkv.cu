@@ -489,7 +489,14 @@ struct WeightVec {
 //   <= 15 and x overflow where |x| reaches about 270). Both issue
 //   4 loads a row at 1-2 tokens (U = 4: 256 bytes a lane in flight, a 4096-wide 4-bit row's
 //   whole chunk), 3 blocks an SM (one wave of 384 blocks on 132 SMs).
-template <typename T, int WF, int VB, int TT, bool FAST_INT4, int PACKED, bool OPTS>
+//   FORM (P4 only; 0 elsewhere, GEMV_FORM in qkv.py): bit 0: the load's word kept as scale |
+//   (2^10 + zero) << 16, its pairs built by two byte permutes and one exact hsub2 (960 - (2^10 +
+//   zero) = -(64 + zero)) where 8 integer ops did; bit 1 (with bit 0): each row's scale and
+//   zero-point offsets computed once, as 32-bit element offsets (the host sets the bit only
+//   where they, plus K / G, stay below 2^31), and a load's group by one unsigned division
+//   shared by the rows (was: a signed division and 64-bit row products per row and load). The
+//   same pairs, so the same results bit for bit.
+template <typename T, int WF, int VB, int TT, bool FAST_INT4, int FORM, int PACKED, bool OPTS>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(const QkvParams p) {
   pdl_launch_dependents();
   pdl_wait();
@@ -498,6 +505,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(cons
   constexpr bool P4 = PACKED && WF == W_INT4 && VB == 16 && is_half<T>::value && TT <= 4;
   constexpr bool P8 = PACKED && WF == W_FP8 && VB == 16 && TT <= 4;
   constexpr bool LATE = P4 && PACKED == 2;  // 4-bit: the scale on each load's sums
+  constexpr bool F1 = P4 && (FORM & 1);    // FORM bit 0, above
+  constexpr bool F2 = F1 && (FORM & 2);    // FORM bit 1
   // loads in flight per row and lane: enough bytes in flight, few enough registers
   constexpr int U = (P4 || P8) ? (TT <= 2 ? 4 : 2)
                     : TT <= 2 ? (WF == W_DENSE ? 4 : 2)
@@ -537,6 +546,17 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(cons
   for (int r = 0; r < GEMV_ROWS; ++r) {
     wrow[r] = static_cast<const unsigned char*>(p.weight) + i64(rown[r]) * p.weight_row_bytes;
   }
+  // F2: each row's group scales and zero points as 32-bit element offsets, computed once (the
+  // host sets bit 1 only where every row's offsets, plus K / G, stay below 2^31)
+  const bool has_zp = p.zero_points != nullptr;
+  unsigned soff[F2 ? GEMV_ROWS : 1], zoff[F2 ? GEMV_ROWS : 1];
+  if constexpr (F2) {
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; ++r) {
+      soff[r] = unsigned(i64(rown[r]) * p.ws_s0);
+      zoff[r] = unsigned(i64(rown[r]) * p.zp_s0);
+    }
+  }
 
   float acc[GEMV_ROWS][TT];
 #pragma unroll
@@ -559,6 +579,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(cons
     auto issue_one = [&](int u, int base) {  // slot u: vector base + u * 32 + lane
       {
         const int v = base + u * 32 + lane;
+        // F2: the load's group, one unsigned division for every row (k0 + v * VALS >= 0)
+        const unsigned fgrp = F2 ? unsigned(k0 + v * VALS) / unsigned(p.group_size) : 0u;
 #pragma unroll
         for (int r = 0; r < GEMV_ROWS; ++r) {
           const bool on = v < nv && live[r >> 1];
@@ -571,7 +593,17 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(cons
           } else {
             raw[u][r] = on ? WV::load(wrow[r] + byte0 + i64(v) * VB) : WV::zero();
           }
-          if constexpr (P4) {
+          if constexpr (F2) {  // the scale's bits | (2^10 + zero as fp16) << 16
+            const unsigned sb =
+                on ? unsigned(static_cast<const unsigned short*>(p.weight_scales)[soff[r] + fgrp])
+                   : 0u;  // scale 0: the vector sums to 0
+            const unsigned z =
+                on && has_zp
+                    ? unsigned(static_cast<const unsigned char*>(p.zero_points)[zoff[r] + fgrp]) &
+                          0xFu
+                    : 8u;
+            sz[u][r] = sb | ((0x6400u | z) << 16);
+          } else if constexpr (P4) {
             const int grp = (k0 + v * VALS) / p.group_size;
             const unsigned sb =
                 on ? unsigned(static_cast<const unsigned short*>(
@@ -582,7 +614,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(cons
                                          p.zero_points)[i64(rown[r]) * p.zp_s0 + grp]) &
                                          0xFu
                                    : 8u;
-            sz[u][r] = sb | (z << 16);
+            sz[u][r] = sb | ((F1 ? 0x6400u | z : z) << 16);
           } else if constexpr (WF == W_INT4) {
             const int grp = (k0 + v * VALS) / p.group_size;
             scale[u][r] = on ? to_float(static_cast<const T*>(
@@ -727,10 +759,19 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(cons
           unsigned sub[GEMV_ROWS], sub16[GEMV_ROWS], sc[GEMV_ROWS];
 #pragma unroll
           for (int r = 0; r < GEMV_ROWS; ++r) {
-            const unsigned z = sz[u][r] >> 16;
-            sub[r] = (0x6400u | z) * 0x10001u;           // 2^10 + zero, both halves
-            sub16[r] = (0xD400u | (z << 4)) * 0x10001u;  // -(64 + zero), both halves
-            sc[r] = (sz[u][r] & 0xFFFFu) * 0x10001u;
+            if constexpr (F1) {  // the same pairs: two byte permutes and one exact hsub2
+              sub[r] = __byte_perm(sz[u][r], 0u, 0x3232);  // 2^10 + zero, both halves
+              sc[r] = __byte_perm(sz[u][r], 0u, 0x1010);
+              const __half2 d = __hsub2(__halves2half2(__ushort_as_half(0x6380),  // 960
+                                                       __ushort_as_half(0x6380)),
+                                        *reinterpret_cast<const __half2*>(&sub[r]));
+              sub16[r] = *reinterpret_cast<const unsigned*>(&d);  // -(64 + zero), exact
+            } else {
+              const unsigned z = sz[u][r] >> 16;
+              sub[r] = (0x6400u | z) * 0x10001u;           // 2^10 + zero, both halves
+              sub16[r] = (0xD400u | (z << 4)) * 0x10001u;  // -(64 + zero), both halves
+              sc[r] = (sz[u][r] & 0xFFFFu) * 0x10001u;
+            }
           }
           __half2 hsum[GEMV_ROWS][TT];
 #pragma unroll
