@@ -147,18 +147,23 @@ def first_call_us(fn, sync=None, n=FIRST_CALLS):
     ``sync`` before and after, outside the timing (None: no device, as on the stand-ins of
     ``tools/hostcost.py``). The plans are cleared once more afterwards, so the calls that follow
     plan afresh, as the first call after this one would."""
-    times = []
-    for _ in range(n):
-        clear_plans()
-        if sync is not None:
-            sync()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-        if sync is not None:
-            sync()
+    times = [_one_first_call(fn, sync) for _ in range(n)]
     clear_plans()
     return statistics.median(times)
+
+
+def _one_first_call(fn, sync):
+    """Host time (us) of one call of ``fn`` after every op's plans are cleared, the device
+    synchronised by ``sync`` before and after it, outside the timing (None: no device)."""
+    clear_plans()
+    if sync is not None:
+        sync()
+    t0 = time.perf_counter()
+    fn()
+    us = (time.perf_counter() - t0) * 1e6
+    if sync is not None:
+        sync()
+    return us
 
 
 # The recorded first-call figure (``ropekv bench``'s ``first_us``, ``first_us_torch``): the median
@@ -188,14 +193,7 @@ def first_call_rounds(calls, sync=None, rounds=FIRST_ROUNDS, settle=FIRST_SETTLE
     times = {key: [] for key, _ in calls}
     for r in range(settle + rounds):
         for key, fn in calls if r % 2 == 0 else calls[::-1]:
-            clear_plans()
-            if sync is not None:
-                sync()
-            t0 = time.perf_counter()
-            fn()
-            us = (time.perf_counter() - t0) * 1e6
-            if sync is not None:
-                sync()
+            us = _one_first_call(fn, sync)
             if r >= settle:
                 times[key].append(us)
     clear_plans()
