@@ -890,6 +890,18 @@ def rounded_weights(args, kw):
 WEIGHT_FORMATS = {"dense": qkv_mod.W_DENSE, "fp8": qkv_mod.W_FP8, "int4": qkv_mod.W_INT4}
 
 
+def record_kernels(monkeypatch):
+    """The list to which every qkv Launch from now on appends its kernel's name expression."""
+    real, names = qkv_mod.Launch, []
+
+    def launch(*a, **k):
+        names.append(a[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(qkv_mod, "Launch", launch)
+    return names
+
+
 def force_path(monkeypatch, path):
     """Make the call take ``path`` ("mma": qkv_mma; "tiled": qkv_mma_tiled, at any token count;
     "wgmma": qkv_wgmma, at any token count (4-bit weights: up to WGMMA_INT4_TOP); "gemv",
@@ -1638,13 +1650,7 @@ def test_gpu_gemv_packed_past_gemv_max_tokens(lengths, wfmt, dtype, monkeypatch)
     qkv_gemv's packed decode (token tile 4) instead of qkv_mma, the other thresholds as shipped."""
     monkeypatch.setattr(qkv_mod, "GEMV_PACKED_MAX_TOKENS", 4)
     monkeypatch.setattr(qkv_mod, "GEMV_PACKED_FP8", True)
-    real, names = qkv_mod.Launch, []
-
-    def launch(*a, **k):
-        names.append(a[1])
-        return real(*a, **k)
-
-    monkeypatch.setattr(qkv_mod, "Launch", launch)
+    names = record_kernels(monkeypatch)
     args, kw = make_case(
         34,
         lengths=lengths,
@@ -1832,13 +1838,7 @@ def test_gpu_gemv_int4_groups_and_caches(
     16-bit caches, Llama-3-8B's projection. fp16 inputs with an e4m3 cache: the codes inside the
     packed decode's rounding bound (fp8_interval); every other case by check_results' rules."""
     force_path(monkeypatch, "gemv")
-    real, names = qkv_mod.Launch, []
-
-    def launch(*a, **k):
-        names.append(a[1])
-        return real(*a, **k)
-
-    monkeypatch.setattr(qkv_mod, "Launch", launch)
+    names = record_kernels(monkeypatch)
     qkv_mod._OP.clear()  # a plan of the same key from an earlier test would launch no Launch
     args, kw = make_case(
         36 + group_size + len(lengths) + 2 * zero_points,
@@ -1971,13 +1971,7 @@ def test_gpu_gemv_forms(
     packed decode's rounding bound, fp8_interval). ``late``: GEMV_PACKED_LATE_SCALE."""
     force_path(monkeypatch, "gemv")
     monkeypatch.setattr(qkv_mod, "GEMV_PACKED_LATE_SCALE", late)
-    real, names = qkv_mod.Launch, []
-
-    def launch(*a, **k):
-        names.append(a[1])
-        return real(*a, **k)
-
-    monkeypatch.setattr(qkv_mod, "Launch", launch)
+    names = record_kernels(monkeypatch)
     args, kw = make_case(
         90 + group_size + 3 * len(lengths) + 5 * zero_points + form,
         lengths=lengths,
@@ -2286,13 +2280,7 @@ def test_gpu_mma_forms(lengths, form, wfmt, dtype, group_size, zero_points, monk
     the reference's results, and the very bytes of form 0 (today's kernel): every form builds the
     same weight pairs and sums them in the same order."""
     force_path(monkeypatch, "mma")
-    real, names = qkv_mod.Launch, []
-
-    def launch(*a, **k):
-        names.append(a[1])
-        return real(*a, **k)
-
-    monkeypatch.setattr(qkv_mod, "Launch", launch)
+    names = record_kernels(monkeypatch)
     extra = {"group_size": group_size, "zero_points": zero_points} if wfmt == "int4" else {}
     args, kw = make_case(
         60 + sum(lengths) + form,
