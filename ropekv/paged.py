@@ -107,6 +107,7 @@ TUNING = {
     "lean_wide_chunks": 1 << 18,
     "lean_multi": 4,
     "lean_multi_upto": 1 << 19,
+    "lean_prefill_rows": 2,
 }
 MAX_BLOCK = 512  # __launch_bounds__ of the row kernel
 ROW_KERNEL = "rope_append_paged_rows"
@@ -151,6 +152,18 @@ LEAN_THREADS = 256  # kLeanThreads: the lean kernel's __launch_bounds__
 # `lean_wide_chunks=0` gives it the calls the one-chunk lean kernel takes today too.
 LEAN_MULTI_KERNEL = "rope_append_paged_rows_lean_multi"
 LEAN_MULTI_CHUNKS = (2, 4)  # chunks a thread compiled beside TUNING's (the compile tests)
+# The lean kernel with U = `lean_prefill_rows` head rows of a token a thread
+# (rope_append_paged_rows_lean_rows: chunk j of rows y, y + S, ..., y + (U - 1) S of a block's S U
+# rows, every row's chunk loaded before the token's indices, the indices, page id and cos/sin
+# found once for the U rows) takes the lean kernel's prefill calls (narrow rows, from
+# `lean_below` tokens); decode keeps one row a thread. Why (issue 38, H200 recorded run): Llama
+# 32 / 8 heads 8 x 1024 prefill reached 74% of copy bandwidth with an e4m3 cache (83% fp16, TP 8 /
+# 1 heads 55%): one 16-byte chunk (with its neox partner) a thread through three dependent index
+# loads keeps too few bytes in flight an SM. Blocks as lean_shape gives for ceil(H / U) rows
+# (Llama, U 2: 8 x 24 threads, a token a block). `lean_prefill_rows=1` restores the one-row
+# kernel (0a1cafe).
+LEAN_ROWS_KERNEL = "rope_append_paged_rows_lean_rows"
+LEAN_PREFILL_ROWS = (2, 3, 4)  # rows a thread compiled beside TUNING's (the compile tests)
 INT32_SPAN = 2**31 - 1  # element offsets below this take the lean kernel's 32-bit offsets
 ROWS = (1, 4)  # row kernels by the head rows one lane group can hold (their register budgets)
 
@@ -202,6 +215,15 @@ def _lean_multi_lanes(T, H, group, ri):
         return 0
     lanes = -(-group // max(1, TUNING["lean_multi"]))
     return lanes if ri <= lanes <= LEAN_THREADS else 0
+
+
+def _lean_rows(T, group):
+    """Head rows a thread of the lean kernel for a call of T tokens it takes: ``lean_prefill_rows``
+    for narrow rows (at most ``row_group`` lanes) from ``lean_below`` tokens, else 1 (the comment
+    above LEAN_ROWS_KERNEL)."""
+    if group > TUNING["row_group"] or T < TUNING["lean_below"]:
+        return 1
+    return max(1, TUNING["lean_prefill_rows"])
 
 
 def lean_shape(T, H, G):
@@ -376,6 +398,16 @@ def expression(dtype, out_dtype, is_neox, n, shape, mrope=False, opts=False):
             shape[1],
             "long long" if shape[2] else "int",
         )
+    if shape[0] == "lean_rows":  # ("lean_rows", head rows a thread, 64-bit offsets)
+        return name_expression(
+            LEAN_ROWS_KERNEL,
+            c_type(dtype),
+            c_type(out_dtype),
+            c_bool(is_neox),
+            n,
+            shape[1],
+            "long long" if shape[2] else "int",
+        )
     if shape[0] == "lean":  # ("lean", 64-bit offsets)
         return name_expression(
             LEAN_KERNEL,
@@ -427,6 +459,9 @@ def instantiations():
             yield expression(dtype, out_dtype, is_neox, n, ("lean", wide))
             for chunks in dict.fromkeys((max(1, TUNING["lean_multi"]), *LEAN_MULTI_CHUNKS)):
                 yield expression(dtype, out_dtype, is_neox, n, ("lean_multi", chunks, wide))
+            for rows in dict.fromkeys((TUNING["lean_prefill_rows"], *LEAN_PREFILL_ROWS)):
+                if rows > 1:
+                    yield expression(dtype, out_dtype, is_neox, n, ("lean_rows", rows, wide))
 
 
 def rope_quantize_fp8_append_paged_kv_cache(
@@ -1452,6 +1487,10 @@ def _choose(a, is_neox, c, lean=False):
         )
     H = Hq + Hkv + (0 if mla else Hkv)  # head rows of a token
     if lean and not opts and _lean_fits(T, H, group):
+        rows = _lean_rows(T, group)
+        if rows > 1:  # U head rows a thread: blocks (G, S, tokens) of S U rows
+            (_, slots, tokens), (_, splits) = lean_shape(T, -(-H // rows), group)
+            return _Choice(n, group, ("lean_rows", rows), group, slots, splits, False, tokens)
         (_, slots, tokens), (_, splits) = lean_shape(T, H, group)
         # ("lean", 64-bit offsets): the offsets' width is settled by _pack, from the strides
         return _Choice(n, group, ("lean", False), group, slots, splits, False, tokens)
@@ -1497,6 +1536,9 @@ def _pack(a, f, c, choice, out_slots):
     shape, block = choice.shape, (choice.block, choice.tokens)
     if shape[0] == "lean":  # blocks (G, S, tokens); 64-bit offsets where a span needs them
         shape = ("lean", _lean_span(values, c) > INT32_SPAN)
+        block = (choice.group, choice.rows, choice.tokens)
+    elif shape[0] == "lean_rows":  # blocks (G, S, tokens), the lean kernel's offsets
+        shape = (*shape, _lean_span(values, c) > INT32_SPAN)
         block = (choice.group, choice.rows, choice.tokens)
     elif shape[0] == "lean_multi":  # blocks (lanes, S, tokens), the lean kernel's offsets
         shape = (*shape, _lean_span(values, c) > INT32_SPAN)

@@ -1969,14 +1969,19 @@ def launched(monkeypatch):
         op.clear()
 
 
-def _lean_ran(seen, wide=False):
+def _lean_ran(seen, wide=False, rows=1):
+    """Whether the last launch ran the lean kernel (``rows`` > 1: its U-rows form with U =
+    ``rows``) with 64-bit (``wide``) or 32-bit offsets."""
     from ropekv import paged
 
-    return (
-        seen
-        and seen[-1].startswith(paged.LEAN_KERNEL + "<")
-        and seen[-1].endswith("long long>" if wide else "int>")
-    )
+    offsets = "long long>" if wide else "int>"
+    if rows > 1:
+        return (
+            seen
+            and seen[-1].startswith(paged.LEAN_ROWS_KERNEL + "<")
+            and seen[-1].endswith(f", {rows}, {offsets}")
+        )
+    return seen and seen[-1].startswith(paged.LEAN_KERNEL + "<") and seen[-1].endswith(offsets)
 
 
 LEAN_GQA = [  # (Hq, Hkv, R, Dn, dtype, cache, layout, page_size, is_neox, index dtype)
@@ -2432,8 +2437,9 @@ def test_gqa_prefill_takes_the_lean_kernel(monkeypatch):
     from ropekv import paged
 
     gqa = {"R": 128, "Dn": 0, "mla": False, "dtype": F16, "is_neox": True}
-    start = paged.TUNING["lean_prefill_from"]
-    assert start >= paged.TUNING["lean_below"]
+    start, below = paged.TUNING["lean_prefill_from"], paged.TUNING["lean_below"]
+    assert start >= below
+    monkeypatch.setitem(paged.TUNING, "lean_prefill_rows", 1)  # one row a thread (0a1cafe)
     llama = _choose_lean(8192, 32, 8, **gqa)  # 48 rows of 8 lanes: 2 blocks of 24 rows a token
     assert llama.shape == ("lean", False) and not llama.opts
     assert (llama.group, llama.rows, llama.tokens, llama.splits) == (8, 24, 1, 2)
@@ -2456,6 +2462,63 @@ def test_gqa_prefill_takes_the_lean_kernel(monkeypatch):
     monkeypatch.setitem(paged.TUNING, "lean_prefill_from", start)
     monkeypatch.setitem(paged.TUNING, "lean_below", 0)
     assert _choose_lean(8192, 32, 8, **gqa).shape == ("rows", 4)
+
+    for rows in (2, 3):  # the rows form: the same calls, the same fall-backs
+        monkeypatch.setitem(paged.TUNING, "lean_below", below)
+        monkeypatch.setitem(paged.TUNING, "lean_prefill_rows", rows)
+        assert _choose_lean(start, 32, 8, **gqa).shape == ("lean_rows", rows)
+        assert _choose_lean(8192, 24, 6, R=64, Dn=64, mla=False).shape == ("lean_rows", rows)
+        assert _choose_lean(8192, 32, 8, q_scale_out=object(), **gqa).shape[0] == "rows"
+        assert _choose(8192, 32, 8, **gqa).shape[0] == "rows"
+        assert _choose_lean(8192, 16, **mla).shape == paged.TUNING["heavy"]
+        if start - 1 >= paged.TUNING["lean_below"]:
+            assert _choose_lean(start - 1, 32, 8, **gqa).shape[0] == "rows"
+        monkeypatch.setitem(paged.TUNING, "lean_prefill_from", 0)
+        assert _choose_lean(8192, 32, 8, **gqa).shape == ("rows", 4)
+        monkeypatch.setitem(paged.TUNING, "lean_prefill_from", start)
+
+
+# (rows a thread, heads): (S, tokens, splits) of the lean kernel at 8192 tokens of fp16 neox
+# rows of 128 (8 lanes), Llama 32 / 8 (48 rows), TP 8 / 1 (10) and 4 / 1 (6): S U rows a block
+LEAN_ROWS_SHAPES = {
+    (1, (32, 8)): (24, 1, 2),
+    (1, (8, 1)): (10, 3, 1),
+    (1, (4, 1)): (6, 5, 1),
+    (2, (32, 8)): (24, 1, 1),  # 192 threads, a token a block
+    (2, (8, 1)): (5, 6, 1),  # 240 threads
+    (2, (4, 1)): (3, 10, 1),
+    (3, (32, 8)): (16, 2, 1),  # 256 threads
+    (3, (8, 1)): (4, 8, 1),  # 12 rows for 10: rows 10 and 11 skipped
+    (3, (4, 1)): (2, 16, 1),
+    (4, (32, 8)): (12, 2, 1),
+    (4, (8, 1)): (3, 10, 1),
+    (4, (4, 1)): (2, 16, 1),
+}
+
+
+@pytest.mark.parametrize("rows, heads", list(LEAN_ROWS_SHAPES))
+def test_lean_prefill_rows_choice(rows, heads, monkeypatch):
+    """lean_prefill_rows = U: the lean kernel's prefill calls (narrow rows, from lean_below
+    tokens) take U head rows a thread, blocks (G, S, tokens) with S U rows covering the token's
+    rows (the shapes of the bench's prefill cases); decode keeps one row a thread; U = 1 is the
+    one-row kernel; the launch's kernel, grid and block; the instantiation is listed for the
+    compile tests."""
+    from ropekv import paged
+
+    monkeypatch.setitem(paged.TUNING, "lean_prefill_rows", rows)
+    gqa = {"R": 128, "Dn": 0, "mla": False, "dtype": F16, "is_neox": True}
+    c = _choose_lean(8192, *heads, **gqa)
+    assert c.shape == (("lean_rows", rows) if rows > 1 else ("lean", False))
+    assert (c.rows, c.tokens, c.splits) == LEAN_ROWS_SHAPES[rows, heads]
+    assert c.group == 8 and c.rows * c.tokens * c.group <= paged.LEAN_THREADS
+    H = heads[0] + 2 * heads[1]
+    assert c.rows * rows * c.splits >= H > c.rows * rows * c.splits - c.rows * rows
+    decode = _choose_lean(512, *heads, **gqa)
+    assert decode.shape == ("lean", False)
+    listed = (E4M3, True, 8, ("lean_rows", rows, True)), (F16, False, 4, ("lean_rows", rows, False))
+    names = set(paged.instantiations())
+    for out, neox, n, shape in listed if rows > 1 else ():
+        assert paged.expression(F16, out, neox, n, shape) in names
 
 
 def test_section_kernel_shapes_of_issue_38():
@@ -2483,18 +2546,24 @@ LEAN_PREFILL = [  # (Hq, Hkv, R, Dn, dtype, cache, layout, page_size, is_neox, i
     (8, 1, 128, 0, F16, F16, "NHD", 16, True, np.int64),
     (4, 1, 128, 0, BF16, E5M2, "HND", 32, False, np.int32),
     (24, 6, 64, 64, BF16, E4M3, "NHD", 7, True, (np.int64, np.int32, np.int64, np.int32, np.int64)),
+    (32, 8, 128, 0, BF16, BF16, "HND", 16, True, np.int32),
+    (8, 1, 128, 0, F16, E4M3, "NHD", 16, True, np.int32),
+    (4, 1, 128, 0, F16, F16, "NHD", 16, True, np.int32),
 ]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("case", LEAN_PREFILL)
-def test_lean_kernel_gqa_prefill_matches_reference(case, launched):
-    """GQA / MHA prefill (lean_prefill_from tokens and more) on the lean kernel: 32 / 8, 8 / 1
-    and 4 / 1 heads (blocks of one token and of several), rope + nope rows, fp8 and 16-bit
-    caches, both layouts, a page size of no power of two, both RoPE styles, mixed index dtypes,
-    padding, per-head scales, packed inputs; the caches' other bytes unchanged."""
+def test_lean_kernel_gqa_prefill_matches_reference(case, rows, monkeypatch, launched):
+    """GQA / MHA prefill (lean_prefill_from tokens and more) on the lean kernel, one to four head
+    rows a thread (lean_prefill_rows): 32 / 8, 8 / 1 and 4 / 1 heads (blocks of one token and of
+    several, rows past a token's skipped), rope + nope rows, fp8 and 16-bit caches, both
+    layouts, a page size of no power of two, both RoPE styles, mixed index dtypes, padding,
+    per-head scales, packed inputs; the caches' other bytes unchanged."""
     from ropekv import paged
 
+    monkeypatch.setitem(paged.TUNING, "lean_prefill_rows", rows)
     Hq, Hkv, R, Dn, dtype, cache, layout, page_size, is_neox, idx = case
     # past lean_wave_blocks: 8 / 1 and 4 / 1 heads in blocks of 2-3 tokens, spare ones in the last
     T = max(paged.TUNING["lean_prefill_from"], paged.TUNING["lean_wave_blocks"]) + 61
@@ -2516,18 +2585,21 @@ def test_lean_kernel_gqa_prefill_matches_reference(case, launched):
         packed=Hq == 32,
     )
     check_against_reference(args, quantize=cache in FP8, is_neox=is_neox)
-    assert _lean_ran(launched), launched[-1:]
+    assert _lean_ran(launched, rows=rows), launched[-1:]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("index", [np.int32, np.int64])
-def test_lean_kernel_gqa_prefill_hostile_indices(index, monkeypatch, launched):
-    """Garbage indices at prefill on the lean kernel (32-bit and forced 64-bit offsets): rows of
-    tokens without a slot skipped, nothing written out of bounds."""
+def test_lean_kernel_gqa_prefill_hostile_indices(index, rows, monkeypatch, launched):
+    """Garbage indices at prefill on the lean kernel, one to four head rows a thread (32-bit and
+    forced 64-bit offsets): rows of tokens without a slot skipped, nothing written out of
+    bounds."""
     import cupy as cp
 
     from ropekv import paged
 
+    monkeypatch.setitem(paged.TUNING, "lean_prefill_rows", rows)
     T = paged.TUNING["lean_prefill_from"] + 5
     for wide in (False, True):
         if wide:  # a span limit of 0 (not in the plan key): the plans dropped
@@ -2538,7 +2610,7 @@ def test_lean_kernel_gqa_prefill_hostile_indices(index, monkeypatch, launched):
         args["pos_ids"][10] = -1
         args["batch_indices"][T - 3 :] = -1
         check_against_reference(args, quantize=True)
-        assert _lean_ran(launched, wide=wide), launched[-1:]
+        assert _lean_ran(launched, wide=wide, rows=rows), launched[-1:]
     cp.cuda.Device().synchronize()
 
 

@@ -129,6 +129,7 @@ KINDS = {
         lean_wide_chunks=THRESHOLD,
         lean_multi=THRESHOLD,
         lean_multi_upto=THRESHOLD,
+        lean_prefill_rows=SIZE,
         MAX_BLOCK=THREADS,
         LEAN_THREADS=THREADS,
     ),

@@ -1149,3 +1149,167 @@ __global__ void __launch_bounds__(kLeanThreads)
     if (j + k * X < G) Pack::put(dn + k * X * N, w[k]);
   }
 }
+
+// ---- The lean kernel, U head rows a thread (narrow rows: GQA / MHA prefill) -------------------
+// The lean kernel's rules (the comment above it) with chunk j of U head rows of one token per
+// thread: block (G, S, Tb), threadIdx.y taking rows y, y + S, ..., y + (U - 1) S of blockIdx.y's
+// group of S U rows (consecutive lanes on consecutive 16-byte chunks of a row), rows past the
+// token's H skipped. Every row's chunk load is issued first, then the token's indices once (pos_id;
+// b and pos, kv_indptr and the page id when one of the rows is K / V: the same slot for all), the
+// cos/sin values once (the same token and chunk for every Q and K row), then each row rotated,
+// scaled, rounded and stored; a row's kind (source, destination, scale) by index as in the lean
+// kernel. Why: one chunk a thread kept 32 bytes in flight through three dependent index loads
+// (Llama 32 / 8 heads 8 x 1024 prefill at 74% of copy bandwidth with an e4m3 cache); U rows keep
+// U times the bytes in flight for the same chain and find it once. U = 1 is the lean kernel.
+// Blocks an SM in the launch bounds: U = 2 at most 64 registers (5 blocks of 192 threads, Llama's;
+// 66-73 registers uncapped, sm_90; fp16 / bf16 -> e4m3 no spills at 64, fp16 -> fp16 6-12
+// bytes); U >= 3 uncapped (79-105 registers; a cap of 64 spilled 80-390 bytes).
+__host__ __device__ constexpr int lean_rows_min_blocks(int U) { return U == 2 ? 4 : 1; }
+
+template <typename T, typename OutT, bool NEOX, int N, int U, typename I>
+__global__ void __launch_bounds__(kLeanThreads, lean_rows_min_blocks(U))
+    rope_append_paged_rows_lean_rows(const PagedParams p) {
+  pdl_launch_dependents();
+  const int t = blockIdx.x * blockDim.z + threadIdx.z;
+  const int S = blockDim.y;
+  const int h0 = blockIdx.y * (S * U) + threadIdx.y;  // this thread's first row
+  const int Hk = p.Hq + p.Hkv;
+  const int H = Hk + p.Hv;
+  if (t >= p.pid_st || h0 >= H) return;  // pid_st is T
+  pdl_wait();
+  const int j = threadIdx.x;
+  const int half_r = p.R >> 1;
+  const int ri = NEOX ? half_r / N : p.R / N;
+  const bool rotary = j < ri;
+  const bool pair = NEOX && rotary;  // two vectors per chunk: x[e] and its partner x[e + R/2]
+  const int col = rotary ? j * N : (j - ri) * N;  // element of the rope / nope part
+  // the last row of this thread below H: K / V rows among them need the token's slot
+  const int hl = min(h0 + (U - 1) * S, h0 + (H - 1 - h0) / S * S);
+  const bool any_kv = hl >= p.Hq;
+
+  // 1. every row's chunk (guarded: rows past H skipped), then the token's indices
+  Vec<T, N> va[U], vb[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int h = h0 + u * S;
+    if (h < H) {
+      const bool is_q = h < p.Hq;
+      const bool is_v = h >= Hk;
+      const int e = is_v && !rotary ? p.R + col : col;
+      const int hh = is_q ? h : is_v ? h - Hk : h - p.Hq;
+      const int kind = is_v ? 4 : (is_q ? 0 : 2) + (rotary ? 0 : 1);
+      const T* src = static_cast<const T*>((&p.q_rope)[kind]);
+      const i64 s_sn = (&p.qr_sn)[2 * kind];
+      const i64 s_sh = (&p.qr_sn)[2 * kind + 1];
+      const T* row = src + (I(t) * I(s_sn) + I(hh) * I(s_sh) + I(e));
+      va[u] = load<T, N>(row);
+      if (pair) vb[u] = load<T, N>(row + half_r);
+    }
+  }
+  i64 b = -1, pos = -1;
+  if (any_kv) {
+    b = read_index(p.batch_indices, t, p.index64 & 2);
+    pos = read_index(p.positions, t, p.index64 & 4);
+  }
+  const LeanIndex pid = lean_index(p.pos_ids, t, p.index64 & 1);
+  float sc[U];  // each row's scale (per-head arrays read per row)
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    sc[u] = 1.f;
+    const int h = h0 + u * S;
+    if constexpr (is_quantized<OutT>::value) {
+      if (h < H) {
+        const bool is_q = h < p.Hq;
+        const int hh = is_q ? h : h >= Hk ? h - Hk : h - p.Hq;
+        const float* scales = is_q ? p.q_scales : p.kv_scales;
+        sc[u] = scales ? __ldg(scales + hh) : (is_q ? p.q_scale : p.kv_scale);
+      }
+    }
+  }
+
+  // 2. K and V rows: kv_indptr[b] and kv_indptr[b + 1] (find_slot's rules: every read clamped
+  // or skipped)
+  bool ok = false;
+  i64 first = 0, last = 0, idx = 0;
+  const int ps = p.page_size;
+  if (any_kv) {
+    ok = b >= 0 && b < p.B && pos >= 0 && p.num_indices > 0;
+    if (ok) {
+      first = read_index(p.kv_indptr, b, p.index64 & 8);
+      last = read_index(p.kv_indptr, b + 1, p.index64 & 8);
+      idx = (ps & (ps - 1)) == 0 ? pos >> (__ffs(ps) - 1) : div_pos(pos, ps);
+    }
+  }
+
+  // 3. a rotary chunk with a position, some row Q or K (the first row is the lowest): its
+  // cos/sin values, once for every row
+  const bool rope = pid.below(p.P);
+  const bool turn = rotary && rope && h0 < Hk;
+  constexpr int M = NEOX ? N : (N / 2 > 0 ? N / 2 : 1);
+  float c[M], sn[M];
+  if (turn) {
+    const float* cs = p.cos_sin + (I(pid.lo) * I(p.cs_sp) + I(NEOX ? col : col / 2));
+    load_float<float, M>(cs, c);
+    load_float<float, M>(cs + half_r, sn);
+  }
+
+  // 4. K and V rows: the page id, issued before the rotations wait for cos/sin
+  bool it_ok = false;
+  LeanIndex pgi{0u, 0u, p.index64 & 16};
+  if (ok) {
+    const bool first_ok = first >= 0 && first <= p.num_indices;
+    const i64 hi = last < first ? first : (last < p.num_indices ? last : p.num_indices);
+    it_ok = first_ok && idx < hi - first;  // no overflow: 0 <= first <= hi
+    if (it_ok) pgi = lean_index(p.kv_indices, first + idx, p.index64 & 16);
+  }
+
+  // 5. every row rotated (Q and K rows), scaled and rounded while the page id is in flight
+  using Pack = Packer<OutT, N>;
+  typename Pack::V wa[U], wb[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int h = h0 + u * S;
+    if (h < H) {
+      const bool is_v = h >= Hk;
+      float a[N], bb[N];
+      to_floats<T, N>(va[u], a);
+      if (pair) to_floats<T, N>(vb[u], bb);
+      if (turn && !is_v) rotate_chunk<NEOX, N, M>(a, bb, c, sn);
+      wa[u] = Pack::pack(a, sc[u]);
+      if (pair) wb[u] = Pack::pack(bb, sc[u]);
+    }
+  }
+
+  i64 page = -1, entry = 0;
+  if (it_ok) {
+    const i64 pg = pgi.value();
+    if (pg >= 0 && pg < p.num_pages) {
+      page = pg;
+      entry = pos - idx * ps;
+    }
+  }
+  const bool slot = rope && page >= 0;  // K and V rows: a cache row to write
+  // 6. the stores: Q rows always, K and V rows where the token has a slot; destinations by index
+  // as the sources: q_rope_out, q_nope_out (token, head strides from qro_sn), kr_cache, kn_cache,
+  // v_cache (page, entry, head strides from krc_sp)
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int h = h0 + u * S;
+    const bool is_q = h < p.Hq;
+    if (h < H && (is_q || slot)) {
+      const bool is_v = h >= Hk;
+      const int e = is_v && !rotary ? p.R + col : col;
+      const int hh = is_q ? h : is_v ? h - Hk : h - p.Hq;
+      const int kind = is_v ? 4 : (is_q ? 0 : 2) + (rotary ? 0 : 1);
+      OutT* d = static_cast<OutT*>((&p.q_rope_out)[kind]);
+      if (is_q) {
+        d += I(t) * I((&p.qro_sn)[2 * kind]) + I(hh) * I((&p.qro_sn)[2 * kind + 1]);
+      } else {
+        const i64* st = &p.krc_sp + 3 * (kind - 2);
+        d += I(page) * I(st[0]) + I(entry) * I(st[1]) + I(hh) * I(st[2]) + I(e - col);
+      }
+      Pack::put(d + col, wa[u]);
+      if (pair) Pack::put(d + col + half_r, wb[u]);
+    }
+  }
+}
