@@ -107,7 +107,8 @@ TUNING = {
     "lean_wide_chunks": 1 << 18,
     "lean_multi": 4,
     "lean_multi_upto": 1 << 19,
-    "lean_prefill_rows": 2,
+    "lean_prefill_rows": 1,
+    "lean_prefill_rows_bf16_8bit": 2,
 }
 MAX_BLOCK = 512  # __launch_bounds__ of the row kernel
 ROW_KERNEL = "rope_append_paged_rows"
@@ -152,16 +153,21 @@ LEAN_THREADS = 256  # kLeanThreads: the lean kernel's __launch_bounds__
 # `lean_wide_chunks=0` gives it the calls the one-chunk lean kernel takes today too.
 LEAN_MULTI_KERNEL = "rope_append_paged_rows_lean_multi"
 LEAN_MULTI_CHUNKS = (2, 4)  # chunks a thread compiled beside TUNING's (the compile tests)
-# The lean kernel with U = `lean_prefill_rows` head rows of a token a thread
-# (rope_append_paged_rows_lean_rows: chunk j of rows y, y + S, ..., y + (U - 1) S of a block's S U
-# rows, every row's chunk loaded before the token's indices, the indices, page id and cos/sin
-# found once for the U rows) takes the lean kernel's prefill calls (narrow rows, from
-# `lean_below` tokens); decode keeps one row a thread. Why (issue 38, H200 recorded run): Llama
-# 32 / 8 heads 8 x 1024 prefill reached 74% of copy bandwidth with an e4m3 cache (83% fp16, TP 8 /
-# 1 heads 55%): one 16-byte chunk (with its neox partner) a thread through three dependent index
-# loads keeps too few bytes in flight an SM. Blocks as lean_shape gives for ceil(H / U) rows
-# (Llama, U 2: 8 x 24 threads, a token a block). `lean_prefill_rows=1` restores the one-row
-# kernel (0a1cafe).
+# The lean kernel with U head rows of a token a thread (rope_append_paged_rows_lean_rows: chunk j
+# of rows y, y + S, ..., y + (U - 1) S of a block's S U rows, every row's chunk loaded before the
+# token's indices, the indices, page id and cos/sin found once for the U rows) can take the lean
+# kernel's prefill calls (narrow rows, from `lean_below` tokens); decode keeps one row a thread.
+# U is `lean_prefill_rows_bf16_8bit` for bf16 inputs into 8-bit caches, `lean_prefill_rows`
+# otherwise (1: the one-row kernel). Why: the one-row kernel took Llama 32 / 8 heads 8 x 1024
+# prefill to 74% of copy bandwidth (e4m3 cache; ncu, H200: 28.2M instructions, 48 registers, 51%
+# occupancy, DRAM 56%, 10.9 cycles an issue); bf16 -> e4m3 took 62 registers and reached 69%.
+# Side by side on the H200 (graph replay, us, U 2 / 1 / 3 / 4): bf16 -> e4m3 47.5 / 51.9 / 52.4 /
+# 56.4; fp16 -> e4m3 8 x 1024 47.5 / 47.9 / 61.7 / 56.7, 4 x 2048 49.8 / 47.8, 32 x 1024 173.4 /
+# 177.3; fp16 -> fp16 62.8 / 57.8 (U 2 spills 6-12 bytes at its 64-register cap), bf16 -> bf16
+# 62.6 / 57.4; TP 8 / 1 heads 14.9 / 14.8, 4 / 1 11.1 / 11.4. U 2 issued about as many
+# instructions a row as U 1 (27.7M against 28.2M): a row's own work, not the shared index chain,
+# is most of a thread's instructions. Blocks as lean_shape gives for ceil(H / U) rows (Llama, U
+# 2: 8 x 24 threads, a token a block). `lean_prefill_rows_bf16_8bit=1` restores 0a1cafe.
 LEAN_ROWS_KERNEL = "rope_append_paged_rows_lean_rows"
 LEAN_PREFILL_ROWS = (2, 3, 4)  # rows a thread compiled beside TUNING's (the compile tests)
 INT32_SPAN = 2**31 - 1  # element offsets below this take the lean kernel's 32-bit offsets
@@ -217,13 +223,15 @@ def _lean_multi_lanes(T, H, group, ri):
     return lanes if ri <= lanes <= LEAN_THREADS else 0
 
 
-def _lean_rows(T, group):
-    """Head rows a thread of the lean kernel for a call of T tokens it takes: ``lean_prefill_rows``
-    for narrow rows (at most ``row_group`` lanes) from ``lean_below`` tokens, else 1 (the comment
-    above LEAN_ROWS_KERNEL)."""
+def _lean_rows(T, group, dtype, out_dtype):
+    """Head rows a thread of the lean kernel for a call of T tokens it takes, inputs of ``dtype``
+    into outputs of ``out_dtype``: ``lean_prefill_rows_bf16_8bit`` (bf16 into 8-bit outputs) or
+    ``lean_prefill_rows`` for narrow rows (at most ``row_group`` lanes) from ``lean_below``
+    tokens, else 1 (the comment above LEAN_ROWS_KERNEL)."""
     if group > TUNING["row_group"] or T < TUNING["lean_below"]:
         return 1
-    return max(1, TUNING["lean_prefill_rows"])
+    bf16_8bit = dtype == BFLOAT16 and np.dtype(out_dtype).itemsize == 1
+    return max(1, TUNING["lean_prefill_rows_bf16_8bit" if bf16_8bit else "lean_prefill_rows"])
 
 
 def lean_shape(T, H, G):
@@ -459,7 +467,8 @@ def instantiations():
             yield expression(dtype, out_dtype, is_neox, n, ("lean", wide))
             for chunks in dict.fromkeys((max(1, TUNING["lean_multi"]), *LEAN_MULTI_CHUNKS)):
                 yield expression(dtype, out_dtype, is_neox, n, ("lean_multi", chunks, wide))
-            for rows in dict.fromkeys((TUNING["lean_prefill_rows"], *LEAN_PREFILL_ROWS)):
+            tuned = (TUNING["lean_prefill_rows"], TUNING["lean_prefill_rows_bf16_8bit"])
+            for rows in dict.fromkeys((*tuned, *LEAN_PREFILL_ROWS)):
                 if rows > 1:
                     yield expression(dtype, out_dtype, is_neox, n, ("lean_rows", rows, wide))
 
@@ -1487,7 +1496,7 @@ def _choose(a, is_neox, c, lean=False):
         )
     H = Hq + Hkv + (0 if mla else Hkv)  # head rows of a token
     if lean and not opts and _lean_fits(T, H, group):
-        rows = _lean_rows(T, group)
+        rows = _lean_rows(T, group, vqr.dtype, c.out_dtype)
         if rows > 1:  # U head rows a thread: blocks (G, S, tokens) of S U rows
             (_, slots, tokens), (_, splits) = lean_shape(T, -(-H // rows), group)
             return _Choice(n, group, ("lean_rows", rows), group, slots, splits, False, tokens)

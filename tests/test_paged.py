@@ -591,7 +591,8 @@ def test_launch_shape(monkeypatch):
 
 def _choose(T, Hq, Hkv, R, Dn, mla, dtype=BF16, is_neox=False, **options):
     """The kernel and launch shape a device call of these shapes gets (aligned stand-in views:
-    :func:`ropekv.paged._choose` reads dtypes, pointers and strides only)."""
+    :func:`ropekv.paged._choose` reads dtypes, pointers and strides only); ``out_dtype``: the
+    caches' and q outputs' (by default ``dtype``)."""
     from types import SimpleNamespace as NS
 
     from ropekv import paged
@@ -607,7 +608,8 @@ def _choose(T, Hq, Hkv, R, Dn, mla, dtype=BF16, is_neox=False, **options):
         cache1=view,
         cos_sin_cache=table,
     )
-    c = NS(R=R, Dn=Dn, T=T, Hq=Hq, Hkv=Hkv, mla=mla, inputs=[view], given_outs=[])
+    out = np.dtype(options.get("out_dtype", dtype))
+    c = NS(R=R, Dn=Dn, T=T, Hq=Hq, Hkv=Hkv, mla=mla, inputs=[view], given_outs=[], out_dtype=out)
     return paged._choose(a, is_neox, c)
 
 
@@ -2521,6 +2523,37 @@ def test_lean_prefill_rows_choice(rows, heads, monkeypatch):
         assert paged.expression(F16, out, neox, n, shape) in names
 
 
+@pytest.mark.parametrize(
+    "dtype, out, key",
+    [
+        (BF16, E4M3, "lean_prefill_rows_bf16_8bit"),
+        (BF16, E5M2, "lean_prefill_rows_bf16_8bit"),
+        (BF16, I8, "lean_prefill_rows_bf16_8bit"),
+        (BF16, BF16, "lean_prefill_rows"),
+        (F16, E4M3, "lean_prefill_rows"),
+        (F16, F16, "lean_prefill_rows"),
+    ],
+)
+def test_lean_prefill_rows_by_dtypes(dtype, out, key, monkeypatch):
+    """U at prefill: lean_prefill_rows_bf16_8bit for bf16 inputs into 8-bit caches (the one-row
+    kernel's 62 registers), lean_prefill_rows for every other pair; the shipped values (2 and 1:
+    the side-by-side H200 run in the comment above LEAN_ROWS_KERNEL)."""
+    from ropekv import paged
+
+    assert (paged.TUNING["lean_prefill_rows_bf16_8bit"], paged.TUNING["lean_prefill_rows"]) == (
+        2,
+        1,
+    )
+    gqa = {"R": 128, "Dn": 0, "mla": False, "is_neox": True}
+    for rows in (1, 2, 3):
+        monkeypatch.setitem(paged.TUNING, "lean_prefill_rows", 4)
+        monkeypatch.setitem(paged.TUNING, "lean_prefill_rows_bf16_8bit", 4)
+        monkeypatch.setitem(paged.TUNING, key, rows)
+        c = _choose_lean(8192, 32, 8, dtype=dtype, out_dtype=out, **gqa)
+        assert c.shape == (("lean_rows", rows) if rows > 1 else ("lean", False)), (rows, c)
+        assert _choose_lean(512, 32, 8, dtype=dtype, out_dtype=out, **gqa).shape == ("lean", False)
+
+
 def test_section_kernel_shapes_of_issue_38():
     """The section kernel's shipped shapes: MLA prefill and 128-head decode past the lean kernels
     take min blocks 5 (heavy) and 4 (light) (the kernel's section_min_blocks keeps neox and
@@ -2563,7 +2596,8 @@ def test_lean_kernel_gqa_prefill_matches_reference(case, rows, monkeypatch, laun
     per-head scales, packed inputs; the caches' other bytes unchanged."""
     from ropekv import paged
 
-    monkeypatch.setitem(paged.TUNING, "lean_prefill_rows", rows)
+    for key in ("lean_prefill_rows", "lean_prefill_rows_bf16_8bit"):
+        monkeypatch.setitem(paged.TUNING, key, rows)
     Hq, Hkv, R, Dn, dtype, cache, layout, page_size, is_neox, idx = case
     # past lean_wave_blocks: 8 / 1 and 4 / 1 heads in blocks of 2-3 tokens, spare ones in the last
     T = max(paged.TUNING["lean_prefill_from"], paged.TUNING["lean_wave_blocks"]) + 61
@@ -2599,7 +2633,8 @@ def test_lean_kernel_gqa_prefill_hostile_indices(index, rows, monkeypatch, launc
 
     from ropekv import paged
 
-    monkeypatch.setitem(paged.TUNING, "lean_prefill_rows", rows)
+    for key in ("lean_prefill_rows", "lean_prefill_rows_bf16_8bit"):
+        monkeypatch.setitem(paged.TUNING, key, rows)
     T = paged.TUNING["lean_prefill_from"] + 5
     for wide in (False, True):
         if wide:  # a span limit of 0 (not in the plan key): the plans dropped

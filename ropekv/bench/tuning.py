@@ -130,6 +130,7 @@ KINDS = {
         lean_multi=THRESHOLD,
         lean_multi_upto=THRESHOLD,
         lean_prefill_rows=SIZE,
+        lean_prefill_rows_bf16_8bit=SIZE,
         MAX_BLOCK=THREADS,
         LEAN_THREADS=THREADS,
     ),
