@@ -1705,3 +1705,67 @@ def test_graph_replay_times_the_eager_qkv_path():
     with pytest.raises(RuntimeError), timing._eager_path_in_graphs():
         raise RuntimeError("capture failed")
     assert qkv.GRAPH_MAX_TOKENS == before
+
+
+# ---- tools/device_ab.py: two trees' device times in alternating processes ----------------------
+
+
+def _device_ab():
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "device_ab.py"
+    spec = importlib.util.spec_from_file_location("ropekv_device_ab", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FAKE_BENCH = """import json, sys
+us = {us}
+args = sys.argv[1:]
+out = args[args.index("--json") + 1]
+cases = [{{"name": n, "ropekv": {{"us": t}}}} for n, t in us.items()]
+json.dump({{"cases": cases, "args": args[:-2]}}, open(out, "w"))
+"""
+
+
+def test_device_ab_alternates_trees_and_reads_each_trees_package(tmp_path, capsys):
+    """tools/device_ab.py: old and new processes alternate (old first in odd rounds), each
+    imports the ropekv of its own tree (stand-in packages whose ``python -m ropekv`` writes the
+    bench JSON), gets the bench arguments after ``--``, and each case's line is the median of new
+    over the median of old; a case missing from a run is left out."""
+    ab = _device_ab()
+    assert ab.order(3) == [("old", 1), ("new", 1), ("new", 2), ("old", 2), ("old", 3), ("new", 3)]
+    for tree, us in (("old", {"a": 10.0, "b": 4.0}), ("new", {"a": 11.0, "b": 4.0, "c": 1.0})):
+        pkg = tmp_path / tree / "ropekv"
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "__main__.py").write_text(FAKE_BENCH.format(us=us))
+    out = tmp_path / "ab"
+    ab.main(
+        [str(tmp_path / "old"), "--new", str(tmp_path / "new"), "--rounds", "2"]
+        + ["--out", str(out), "--", "--ops", "qkv"]
+    )
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:4] == [
+        "old round 1: done",
+        "new round 1: done",
+        "new round 2: done",
+        "old round 2: done",
+    ]
+    rows = [line.split()[0] for line in printed[4:]]
+    assert rows == ["a", "b"]  # "c" is missing from the old runs
+    assert printed[4].endswith("new / old 1.100") and printed[5].endswith("new / old 1.000")
+    runs = [json.loads((out / f"{t}-{i}.json").read_text()) for t in ("old", "new") for i in (1, 2)]
+    assert all(r["args"] == ["bench", "--ops", "qkv"] for r in runs)
+
+
+def test_device_ab_summary_medians():
+    """summarize: per case the runs' times in order and median(new) / median(old)."""
+    ab = _device_ab()
+
+    def run(**us):
+        return {"cases": [{"name": n, "ropekv": {"us": t}} for n, t in us.items()]}
+
+    rows = ab.summarize({"old": [run(x=2.0), run(x=4.0), run(x=3.0)], "new": [run(x=3.0)] * 3})
+    assert rows == [("x", [2.0, 4.0, 3.0], [3.0, 3.0, 3.0], 1.0)]
