@@ -390,25 +390,19 @@ STATUS_CODES = {
 }
 
 
+# the lean kernel's forms with a count: C chunks of a row, or U head rows, a thread
+_LEAN_FORMS = {"lean_multi": LEAN_MULTI_KERNEL, "lean_rows": LEAN_ROWS_KERNEL}
+
+
 @functools.cache
 def expression(dtype, out_dtype, is_neox, n, shape, mrope=False, opts=False):
     """The section kernel of ``shape`` (unroll, rot_unroll, min blocks), or the row kernel when
     ``shape`` is ``("rows", ROWS)``; ``mrope``: the one that reads mRoPE sections (the plain one
     has mRoPE compiled out); ``opts``: the kernel that reads the options, compiled out of the
     plain one (the row kernel: computed scales and status; the section kernel: status only)."""
-    if shape[0] == "lean_multi":  # ("lean_multi", chunks a thread, 64-bit offsets)
+    if shape[0] in _LEAN_FORMS:  # (form, chunks or head rows a thread, 64-bit offsets)
         return name_expression(
-            LEAN_MULTI_KERNEL,
-            c_type(dtype),
-            c_type(out_dtype),
-            c_bool(is_neox),
-            n,
-            shape[1],
-            "long long" if shape[2] else "int",
-        )
-    if shape[0] == "lean_rows":  # ("lean_rows", head rows a thread, 64-bit offsets)
-        return name_expression(
-            LEAN_ROWS_KERNEL,
+            _LEAN_FORMS[shape[0]],
             c_type(dtype),
             c_type(out_dtype),
             c_bool(is_neox),
@@ -1546,10 +1540,7 @@ def _pack(a, f, c, choice, out_slots):
     if shape[0] == "lean":  # blocks (G, S, tokens); 64-bit offsets where a span needs them
         shape = ("lean", _lean_span(values, c) > INT32_SPAN)
         block = (choice.group, choice.rows, choice.tokens)
-    elif shape[0] == "lean_rows":  # blocks (G, S, tokens), the lean kernel's offsets
-        shape = (*shape, _lean_span(values, c) > INT32_SPAN)
-        block = (choice.group, choice.rows, choice.tokens)
-    elif shape[0] == "lean_multi":  # blocks (lanes, S, tokens), the lean kernel's offsets
+    elif shape[0] in _LEAN_FORMS:  # blocks (lanes: G for U rows, S, tokens), lean offsets
         shape = (*shape, _lean_span(values, c) > INT32_SPAN)
         block = (choice.block, choice.rows, choice.tokens)
     kernel = expression(

@@ -54,14 +54,18 @@ def make_case(
     packed=False,
     per_head=False,
     extra_pages=3,
+    lens=None,
 ):
     """NumPy arguments of one call: a ragged batch of B requests (each with a random cached
-    prefix) over randomly permuted pages. Caches start as random bytes, to catch stray writes."""
+    prefix) over randomly permuted pages, ``lens`` tokens each (random by default). Caches start
+    as random bytes, to catch stray writes."""
     rng = np.random.default_rng(seed)
     dtype, cache_dtype = np.dtype(dtype), np.dtype(cache_dtype)
     B = B or int(rng.integers(1, 5))
     cuts = np.sort(rng.integers(0, T + 1, B - 1))
-    lens = np.diff(np.concatenate([[0], cuts, [T]])).astype(np.int64)
+    if lens is None:  # else each request's tokens (summing to T): decode's are ones
+        lens = np.diff(np.concatenate([[0], cuts, [T]]))
+    lens = np.asarray(lens, np.int64)
     prefix = rng.integers(0, 3 * page_size + 1, B)
     batch = np.repeat(np.arange(B), lens)
     positions = np.concatenate(
@@ -2282,6 +2286,55 @@ def launched_multi(launched, monkeypatch):
     monkeypatch.setitem(paged.TUNING, "lean_wide_chunks", 0)
     monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 1 << 62)
     return launched
+
+
+DECODE_LAYOUTS = [  # (kernel form, make_case kwargs): the decode kernels of GQA / MHA and MLA
+    ("lean", {"Hq": 8, "Hkv": 1, "R": 128, "page_size": 16}),
+    ("lean", {"Hq": 32, "Hkv": 8, "R": 64, "Dn": 64, "page_size": 7, "cache_dtype": F16}),
+    ("lean", _mla(16)),
+    ("multi", _mla(16)),
+    ("rows", {"Hq": 32, "Hkv": 8, "R": 128, "page_size": 16}),
+    ("rows", {"Hq": 4, "Hkv": 1, "R": 64, "Dn": 32, "page_size": 5, "dtype": BF16}),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", [np.int32, np.int64])
+@pytest.mark.parametrize("form, shape", DECODE_LAYOUTS)
+def test_decode_batch_layouts_match_reference(form, shape, index, launched, monkeypatch):
+    """Decode batches (no more tokens than requests) on the lean, C-chunk lean and plain row
+    kernels: one token a request (token t in request t), ragged requests (some with none, T <
+    B), every token one request later than its index, and garbage indices (past both ends,
+    kv_indptr[1] at the dtype's largest value); the reference's results, the caches' other bytes
+    unchanged. (A kernel that read kv_indptr[t] beside batch_indices[t], betting on token t in
+    request t, passed these and was 2-5% slower at decode: docs/design/kernels.md.)"""
+    from ropekv import paged
+
+    if form == "multi":
+        monkeypatch.setitem(paged.TUNING, "lean_wide_chunks", 0)
+        monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 1 << 62)
+    if form == "rows":
+        monkeypatch.setitem(paged.TUNING, "lean_below", 0)
+    T = 24
+    rng = np.random.default_rng(190)
+    ragged = rng.multinomial(T, np.ones(T + 6) / (T + 6))  # T + 6 requests, some empty
+    for i, lens in enumerate((np.ones(T, np.int64), ragged, np.ones(T, np.int64), None)):
+        B = len(lens) if lens is not None else T
+        args = make_case(191 + i, T=T, B=B, lens=lens, index_dtypes=index, **shape)
+        if i == 2:  # every token one request later (the last one padding)
+            args["batch_indices"] = np.roll(args["batch_indices"], -1)
+            args["batch_indices"][-1] = -1
+        if i == 3:
+            _poison_indices(args, index)
+        mla = shape.get("mla", False)
+        quantize = args["paged_kv_cache"][0].dtype in FP8
+        check_against_reference(args, quantize=quantize, is_neox=bool(i % 2))
+        kernel = {
+            "lean": paged.LEAN_KERNEL + "<",
+            "multi": paged.LEAN_MULTI_KERNEL + "<",
+            "rows": paged.ROW_KERNEL + "<",
+        }[form]
+        assert launched[-1].startswith(kernel), (launched[-1:], mla)
 
 
 def _multi_ran(seen, chunks=None, wide=False):

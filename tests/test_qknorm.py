@@ -1081,6 +1081,24 @@ def _decode_choices():
     assert qknorm._decode_kernel(views, None, True, 128, True) is None
 
 
+def test_prefill_rows_by_rows_a_token(monkeypatch):
+    """Prefill launch shapes (CPU): tokens of at least prefill_rows_many_from head rows
+    (Qwen3-32B's 80) take prefill_rows_many rows a lane group (2 blocks of 40 rows a token at
+    16 lanes a row), fewer rows (32 / 8 heads' 48, tensor-parallel 8 / 1's 10) prefill_rows;
+    prefill_rows_many_from 0 gives every call prefill_rows; decode shapes do not change."""
+    from ropekv import qknorm
+
+    assert qknorm.TUNING["prefill_rows_many"] == 4 and qknorm.TUNING["prefill_rows"] == 2
+    assert qknorm.TUNING["prefill_rows_many_from"] == 64
+    assert qknorm.launch_shape(8192, 80, 16) == (160, 4, 2)
+    assert qknorm.launch_shape(8192, 64, 16) == (128, 4, 2)
+    assert qknorm.launch_shape(8192, 48, 16) == (128, 2, 3)
+    assert qknorm.launch_shape(8192, 10, 16) == (96, 2, 1)
+    assert qknorm.launch_shape(1, 80, 16) == (128, 1, 10)
+    monkeypatch.setitem(qknorm.TUNING, "prefill_rows_many_from", 0)
+    assert qknorm.launch_shape(8192, 80, 16) == (160, 2, 4)
+
+
 def test_few_head_decode_takes_the_spread_flat_shape():
     """Few-head decode (H <= decode_heads, TUNING tp_flat_*; CPU): from tp_flat_from tokens up to
     decode_tokens (or tp_flat_to) the flat kernel at tp_flat_width elements a lane and blocks
