@@ -893,6 +893,52 @@ constexpr int kLeanThreads = 256;  // blockDim.x * blockDim.y * blockDim.z (the 
 // fields of PagedParams in these orders (tests/test_paged.py checks PARAMS, tests/test_compile.py
 // that PARAMS is this struct).
 
+// Head row h of a token as the lean kernels address it (rows Q, K, V in that order; chunk col
+// of its rope part where rotary, else of its nope part): its kind, the index of its source among
+// q_rope, q_nope, k_rope, k_nope, v and of its destination among q_rope_out, q_nope_out,
+// kr_cache, kn_cache, v_cache; its head within its kind; the element of its source row that
+// the chunk starts at (a V row's nope chunks lie past R).
+struct LeanRow {
+  bool is_q, is_v;
+  int hh, e, kind;
+};
+
+__device__ __forceinline__ LeanRow lean_row(int h, int Hq, int Hk, int R, bool rotary, int col) {
+  LeanRow r;
+  r.is_q = h < Hq;
+  r.is_v = h >= Hk;
+  r.e = r.is_v && !rotary ? R + col : col;
+  r.hh = r.is_q ? h : r.is_v ? h - Hk : h - Hq;
+  r.kind = r.is_v ? 4 : (r.is_q ? 0 : 2) + (rotary ? 0 : 1);
+  return r;
+}
+
+// The row's chunk in its source: the record's first five pointers and their (token, head)
+// strides, consecutive from qr_sn, read by index (one constant load each, no branches).
+template <typename T, typename I>
+__device__ __forceinline__ const T* lean_source(const PagedParams& p, const LeanRow& r, int t) {
+  const T* src = static_cast<const T*>((&p.q_rope)[r.kind]);
+  const i64 s_sn = (&p.qr_sn)[2 * r.kind];
+  const i64 s_sh = (&p.qr_sn)[2 * r.kind + 1];
+  return src + (I(t) * I(s_sn) + I(r.hh) * I(s_sh) + I(r.e));
+}
+
+// The row's destination, by index as the source: q_rope_out, q_nope_out (token, head strides
+// from qro_sn), kr_cache, kn_cache, v_cache (page, entry, head strides from krc_sp); the start
+// of the row's rope or nope part (the chunk adds col).
+template <typename OutT, typename I>
+__device__ __forceinline__ OutT* lean_dest(const PagedParams& p, const LeanRow& r, int t, i64 page,
+                                           i64 entry, int col) {
+  OutT* d = static_cast<OutT*>((&p.q_rope_out)[r.kind]);
+  if (r.is_q) {
+    d += I(t) * I((&p.qro_sn)[2 * r.kind]) + I(r.hh) * I((&p.qro_sn)[2 * r.kind + 1]);
+  } else {
+    const i64* st = &p.krc_sp + 3 * (r.kind - 2);
+    d += I(page) * I(st[0]) + I(entry) * I(st[1]) + I(r.hh) * I(st[2]) + I(r.e - col);
+  }
+  return d;
+}
+
 template <typename T, typename OutT, bool NEOX, int N, typename I>
 __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(const PagedParams p) {
   pdl_launch_dependents();
@@ -901,8 +947,6 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
   const int Hk = p.Hq + p.Hkv;
   if (t >= p.pid_st || h >= Hk + p.Hv) return;  // pid_st is T
   pdl_wait();
-  const bool is_q = h < p.Hq;
-  const bool is_v = h >= Hk;
   // 1. this lane's chunk of its row, then the token's indices: K / V rows batch_indices and
   // positions (the head of their chain: b -> kv_indptr -> kv_indices), then every row pos_ids
   // (as words: a K / V row waits for b and pos, not for pos_id, before its kv_indptr loads)
@@ -911,17 +955,11 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
   const int ri = NEOX ? half_r / N : p.R / N;
   const bool rotary = j < ri;
   const bool pair = NEOX && rotary;  // two vectors per chunk: x[e] and its partner x[e + R/2]
-  const int col = rotary ? j * N : (j - ri) * N;       // element of the rope / nope part
-  const int e = is_v && !rotary ? p.R + col : col;     // element of the source row
-  const int hh = is_q ? h : is_v ? h - Hk : h - p.Hq;  // head within its kind
-  // the source: q_rope, q_nope, k_rope, k_nope or v, the record's first five pointers, and its
-  // (token, head) strides, consecutive from qr_sn: read by index (one constant load each, no
-  // branches)
-  const int kind = is_v ? 4 : (is_q ? 0 : 2) + (rotary ? 0 : 1);
-  const T* src = static_cast<const T*>((&p.q_rope)[kind]);
-  const i64 s_sn = (&p.qr_sn)[2 * kind];
-  const i64 s_sh = (&p.qr_sn)[2 * kind + 1];
-  const T* row = src + (I(t) * I(s_sn) + I(hh) * I(s_sh) + I(e));
+  const int col = rotary ? j * N : (j - ri) * N;  // element of the rope / nope part
+  const LeanRow r = lean_row(h, p.Hq, Hk, p.R, rotary, col);
+  const bool is_q = r.is_q, is_v = r.is_v;
+  const int hh = r.hh;
+  const T* row = lean_source<T, I>(p, r, t);
   const Vec<T, N> va = load<T, N>(row);
   Vec<T, N> vb;
   if (pair) vb = load<T, N>(row + half_r);
@@ -991,15 +1029,7 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
     }
   }
   if (!is_q && (!rope || page < 0)) return;  // no cache row
-  // the destination, by index as the source: q_rope_out, q_nope_out (token, head strides from
-  // qro_sn), kr_cache, kn_cache, v_cache (page, entry, head strides from krc_sp)
-  OutT* d = static_cast<OutT*>((&p.q_rope_out)[kind]);
-  if (is_q) {
-    d += I(t) * I((&p.qro_sn)[2 * kind]) + I(hh) * I((&p.qro_sn)[2 * kind + 1]);
-  } else {
-    const i64* st = &p.krc_sp + 3 * (kind - 2);
-    d += I(page) * I(st[0]) + I(entry) * I(st[1]) + I(hh) * I(st[2]) + I(e - col);
-  }
+  OutT* d = lean_dest<OutT, I>(p, r, t, page, entry, col);
   Pack::put(d + col, wa);
   if (pair) Pack::put(d + col + half_r, wb);
 }
@@ -1193,15 +1223,7 @@ __global__ void __launch_bounds__(kLeanThreads, lean_rows_min_blocks(U))
   for (int u = 0; u < U; ++u) {
     const int h = h0 + u * S;
     if (h < H) {
-      const bool is_q = h < p.Hq;
-      const bool is_v = h >= Hk;
-      const int e = is_v && !rotary ? p.R + col : col;
-      const int hh = is_q ? h : is_v ? h - Hk : h - p.Hq;
-      const int kind = is_v ? 4 : (is_q ? 0 : 2) + (rotary ? 0 : 1);
-      const T* src = static_cast<const T*>((&p.q_rope)[kind]);
-      const i64 s_sn = (&p.qr_sn)[2 * kind];
-      const i64 s_sh = (&p.qr_sn)[2 * kind + 1];
-      const T* row = src + (I(t) * I(s_sn) + I(hh) * I(s_sh) + I(e));
+      const T* row = lean_source<T, I>(p, lean_row(h, p.Hq, Hk, p.R, rotary, col), t);
       va[u] = load<T, N>(row);
       if (pair) vb[u] = load<T, N>(row + half_r);
     }
@@ -1219,10 +1241,9 @@ __global__ void __launch_bounds__(kLeanThreads, lean_rows_min_blocks(U))
     const int h = h0 + u * S;
     if constexpr (is_quantized<OutT>::value) {
       if (h < H) {
-        const bool is_q = h < p.Hq;
-        const int hh = is_q ? h : h >= Hk ? h - Hk : h - p.Hq;
-        const float* scales = is_q ? p.q_scales : p.kv_scales;
-        sc[u] = scales ? __ldg(scales + hh) : (is_q ? p.q_scale : p.kv_scale);
+        const LeanRow r = lean_row(h, p.Hq, Hk, p.R, rotary, col);
+        const float* scales = r.is_q ? p.q_scales : p.kv_scales;
+        sc[u] = scales ? __ldg(scales + r.hh) : (r.is_q ? p.q_scale : p.kv_scale);
       }
     }
   }
@@ -1289,25 +1310,13 @@ __global__ void __launch_bounds__(kLeanThreads, lean_rows_min_blocks(U))
     }
   }
   const bool slot = rope && page >= 0;  // K and V rows: a cache row to write
-  // 6. the stores: Q rows always, K and V rows where the token has a slot; destinations by index
-  // as the sources: q_rope_out, q_nope_out (token, head strides from qro_sn), kr_cache, kn_cache,
-  // v_cache (page, entry, head strides from krc_sp)
+  // 6. the stores: Q rows always, K and V rows where the token has a slot (lean_dest)
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int h = h0 + u * S;
     const bool is_q = h < p.Hq;
     if (h < H && (is_q || slot)) {
-      const bool is_v = h >= Hk;
-      const int e = is_v && !rotary ? p.R + col : col;
-      const int hh = is_q ? h : is_v ? h - Hk : h - p.Hq;
-      const int kind = is_v ? 4 : (is_q ? 0 : 2) + (rotary ? 0 : 1);
-      OutT* d = static_cast<OutT*>((&p.q_rope_out)[kind]);
-      if (is_q) {
-        d += I(t) * I((&p.qro_sn)[2 * kind]) + I(hh) * I((&p.qro_sn)[2 * kind + 1]);
-      } else {
-        const i64* st = &p.krc_sp + 3 * (kind - 2);
-        d += I(page) * I(st[0]) + I(entry) * I(st[1]) + I(hh) * I(st[2]) + I(e - col);
-      }
+      OutT* d = lean_dest<OutT, I>(p, lean_row(h, p.Hq, Hk, p.R, rotary, col), t, page, entry, col);
       Pack::put(d + col, wa[u]);
       if (pair) Pack::put(d + col + half_r, wb[u]);
     }
