@@ -161,7 +161,7 @@ LEAN_MULTI_CHUNKS = (2, 4)  # chunks a thread compiled beside TUNING's (the comp
 # otherwise (1: the one-row kernel). Why: the one-row kernel took Llama 32 / 8 heads 8 x 1024
 # prefill to 74% of copy bandwidth (e4m3 cache; ncu, H200: 28.2M instructions, 48 registers, 51%
 # occupancy, DRAM 56%, 10.9 cycles an issue); bf16 -> e4m3 took 62 registers and reached 69%.
-# Side by side on the H200 (graph replay, us, U 2 / 1 / 3 / 4): bf16 -> e4m3 47.5 / 51.9 / 52.4 /
+# Side by side on the H200 (CUDA events, us, U 2 / 1 / 3 / 4): bf16 -> e4m3 47.5 / 51.9 / 52.4 /
 # 56.4; fp16 -> e4m3 8 x 1024 47.5 / 47.9 / 61.7 / 56.7, 4 x 2048 49.8 / 47.8, 32 x 1024 173.4 /
 # 177.3; fp16 -> fp16 62.8 / 57.8 (U 2 spills 6-12 bytes at its 64-register cap), bf16 -> bf16
 # 62.6 / 57.4; TP 8 / 1 heads 14.9 / 14.8, 4 / 1 11.1 / 11.4. U 2 issued about as many

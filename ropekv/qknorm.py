@@ -150,7 +150,7 @@ MAX_BLOCK = 512  # __launch_bounds__
 # lane group, a token's rows over as few blocks of at most `max_block` threads as that allows,
 # balanced (Qwen3-32B's 80 rows: 2 blocks of 40; Qwen3-8B's 48: 2 of 24). Tokens of at least
 # `prefill_rows_many_from` rows (0: never) take `prefill_rows_many` rows a lane group instead:
-# side by side on the H200 (graph replay, 8 x 1024, us, 4 rows against 2), Qwen3-32B's 80 rows
+# side by side on the H200 (CUDA events, 8 x 1024, us, 4 rows against 2), Qwen3-32B's 80 rows
 # bf16 / e4m3 cache 104.2 / 102.1 against 106.4 / 105.4, but 32 / 8 heads' 48 rows 68.9 against
 # 63.8.
 TUNING = {
@@ -170,9 +170,10 @@ TUNING = {
     # and past `decode_tokens` tokens where it has at most that many (Tensor-parallel heads, 8 /
     # 1: 10 rows; their prefill); 4 elements per lane below `decode_narrow_below` tokens (8
     # otherwise), blocks made smaller (down to one warp) while the grid has fewer than
-    # `decode_min_blocks` blocks. H200, graph replay, us, flat / (T, splits) or general kernel:
-    # 64 / 8 heads 1, 16, 64, 256 tokens 1.9 / 2.0, 2.1 / 2.2, 2.9 / 2.8, 6.2 / 5.9; 8 / 1 heads
-    # 4, 64, 256 tokens 2.0 / 1.8, 2.6 / 2.5, 3.2 / 3.3, 8 x 1024 16.2 / 24.0.
+    # `decode_min_blocks` blocks. H200, us (decode: graph replay; 8 x 1024: CUDA events), flat /
+    # (T, splits) or general kernel: 64 / 8 heads 1, 16, 64, 256 tokens 1.9 / 2.0, 2.1 / 2.2, 2.9
+    # / 2.8, 6.2 / 5.9; 8 / 1 heads 4, 64, 256 tokens 2.0 / 1.8, 2.6 / 2.5, 3.2 / 3.3, 8 x 1024
+    # 16.2 / 24.0.
     "decode_tokens": 128,
     "decode_rows": 16,
     "decode_flat": 1,
