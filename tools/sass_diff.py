@@ -8,9 +8,9 @@ op's kernel instantiations (its ``instantiations()``, those containing one of th
 strings) with NVRTC and ``ropekv._compile``'s options to PTX, ptxas assembles it for one
 architecture (one ptxas for both trees: an NVRTC 12 cubin is an ELF that nvdisasm 13 refuses),
 nvdisasm lists the kernels, and each kernel's instructions are compared with branch labels and
-addresses set aside. The paged
-kernels' row-addressing helpers (``lean_row``, ``lean_source``, ``lean_dest``) were checked this
-way: all 252 lean-kernel instantiations with 32-bit offsets identical on sm_90.
+addresses set aside. The paged kernels' row-addressing helpers (``lean_row``, ``lean_source``,
+``lean_dest``) were checked this way: all 252 lean-kernel instantiations with 32-bit offsets
+identical on sm_90.
 
 Usage (from the repository root; OLD is a tree holding an older ``ropekv/``, for instance
 ``mkdir OLD && git archive REV ropekv | tar x -C OLD``)::
@@ -113,7 +113,8 @@ def kernels(tree, stem, arch, matches, workdir, tools):
     """``{expression: instructions}`` of ``tree``'s kernels of ``stem`` that match."""
     ptxas, disasm = tools
     out = os.path.join(workdir, "kernels")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path)
     subprocess.run(
         [sys.executable, "-c", COMPILE, stem, arch, out, *matches], cwd=tree, env=env, check=True
     )
