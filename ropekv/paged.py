@@ -103,7 +103,7 @@ TUNING = {
     "lean_block": 256,
     "lean_wave_blocks": 2640,
     "lean_max_block": 256,
-    "lean_narrow_from": 128,
+    "lean_narrow_from": 1,
     "lean_wide_chunks": 1 << 18,
     "lean_multi": 4,
     "lean_multi_upto": 1 << 19,
@@ -127,7 +127,10 @@ ROW_KERNEL = "rope_append_paged_rows"
 # ee077f9. Where it runs comes from a side-by-side H200 run (graph replay, us, lean / row or
 # section kernel): head rows of at most `row_group` lanes (GQA / MHA) from `lean_narrow_from`
 # tokens (Llama 32 / 8 heads fp16 -> e4m3 1 / 16 / 256 tokens 2.0 / 2.1 / 2.9 against 2.0 / 2.0 /
-# 3.1, 1 x 1024 10.2 against 11.9; 8 / 1 heads within 3% either way below 128), wider rows (MLA)
+# 3.1, 1 x 1024 10.2 against 11.9; 8 / 1 heads within 3% either way below 128, so from 128 until
+# the slot chain went 32-bit (LeanSlot): then 1.7-2.1 against 1.9-2.3 us at 1-64 tokens, 0.86-0.95x,
+# for 32 / 8, 8 / 1 and 4 / 1 heads, fp16 / bf16 inputs, fp16 / e4m3 caches; hence 1), wider rows
+# (MLA)
 # while a call has at most `lean_wide_chunks` chunks (T x rows x lanes: 128 heads 1 / 16 / 64
 # tokens 1.9 / 2.7 / 5.8 against 2.2 / 3.1 / 5.1; 16 heads 128 / 256 tokens 2.8 / 4.0 against
 # 3.5 / 4.1); blocks of 256 threads (128: MLA 1 / 16 tokens 2.1 / 3.1, Llama within 5%).
@@ -1538,10 +1541,10 @@ def _pack(a, f, c, choice, out_slots):
     slots["q_rope_out"], slots["q_nope_out"] = (out_slots[0], 0), (out_slots[1], 0)
     shape, block = choice.shape, (choice.block, choice.tokens)
     if shape[0] == "lean":  # blocks (G, S, tokens); 64-bit offsets where a span needs them
-        shape = ("lean", _lean_span(values, c) > INT32_SPAN)
+        shape = ("lean", _lean_wide(values, c))
         block = (choice.group, choice.rows, choice.tokens)
     elif shape[0] in _LEAN_FORMS:  # blocks (lanes: G for U rows, S, tokens), lean offsets
-        shape = (*shape, _lean_span(values, c) > INT32_SPAN)
+        shape = (*shape, _lean_wide(values, c))
         block = (choice.block, choice.rows, choice.tokens)
     kernel = expression(
         a.q_rope.dtype,
@@ -1563,6 +1566,16 @@ def _pack(a, f, c, choice, out_slots):
         slots,
         pdl=f.enable_pdl,
     )
+
+
+def _lean_wide(values, c):
+    """Whether the lean kernels take 64-bit offsets and index arithmetic: an array's span past
+    INT32_SPAN elements, or an index value a slot can use (a request below B, a position below
+    num_indices x page_size, a page id below num_pages) that may not fit in 31 bits. The 32-bit
+    form reads the index entries' words and treats an int64 entry with a high word as out of
+    range, which is exact only under the second rule."""
+    index_limit = max(values["B"] + 1, values["num_indices"] * c.page_size + 1, c.num_pages)
+    return _lean_span(values, c) > INT32_SPAN or index_limit > INT32_SPAN
 
 
 def _lean_span(values, c):

@@ -1504,10 +1504,12 @@ def test_status_of_an_empty_batch_is_written():
 
 
 def _poison_indices(args, dtype=np.int32, indptr=True):
-    """Garbage in a call's index arrays (at least 12 tokens, 2 requests): batch indices and
+    """Garbage in a call's index arrays (at least 13 tokens, 2 requests): batch indices and
     positions past both ends of their ranges and negative, ``kv_indptr[1]`` at the dtype's
     largest value (``indptr``), every other page id at its smallest, two positions past the
-    table. Returns ``args``."""
+    table; int64 arrays also get entries whose low 32 bits are in range and whose high bits are
+    not (a position, a batch index, ``kv_indptr[2]``, a page id): the lean kernels' 32-bit index
+    chain must read them as out of range. Returns ``args``."""
     big = np.iinfo(dtype)
     args["batch_indices"][:4] = [big.max, big.min, 2, -1]
     args["positions"][4:8] = [big.max, big.min, -1, 1 << 20]
@@ -1515,6 +1517,12 @@ def _poison_indices(args, dtype=np.int32, indptr=True):
         args["kv_indptr"][1] = big.max
     args["kv_indices"][::2] = big.min
     args["pos_ids"][8:10] = [big.max, big.min]
+    if np.dtype(dtype) == np.int64:
+        args["positions"][11] = (1 << 40) + 3
+        args["batch_indices"][12] = -(1 << 40)
+        args["kv_indices"][1] += 1 << 32
+        if indptr:
+            args["kv_indptr"][2] += 1 << 32
     return args
 
 
@@ -1905,8 +1913,10 @@ def test_where_the_lean_kernel_runs_by_default():
 
     gqa = {"R": 128, "Dn": 0, "mla": False, "dtype": F16, "is_neox": True}
     narrow_from = paged.TUNING["lean_narrow_from"]
-    assert _choose_lean(narrow_from - 1, 32, 8, **gqa).shape[0] != "lean"
+    if narrow_from > 1:
+        assert _choose_lean(narrow_from - 1, 32, 8, **gqa).shape[0] != "lean"
     assert _choose_lean(narrow_from, 32, 8, **gqa).shape[0] == "lean"
+    assert _choose_lean(1, 8, 1, **gqa).shape[0] == "lean"  # every decode size (narrow_from 1)
     assert _choose_lean(paged.TUNING["lean_below"] - 1, 8, 1, **gqa).shape[0] == "lean"
     assert _choose_lean(paged.TUNING["lean_below"], 8, 1, **gqa).shape[0] != "lean"
     mla = {"Hkv": 1, "R": 64, "Dn": 512, "mla": True}  # 72 lanes a row
@@ -1934,7 +1944,7 @@ def test_lean_shape_gathers_tokens_past_the_wave(monkeypatch):
 
 def test_lean_offsets_widen_past_31_bits():
     """The lean kernel's offsets are 32-bit while every array's span (inputs, q outputs, caches,
-    the table) fits in 31 bits, 64-bit otherwise."""
+    the table) and every index value a slot can use fit in 31 bits, 64-bit otherwise."""
     from types import SimpleNamespace as NS
 
     from ropekv import paged
@@ -1949,6 +1959,17 @@ def test_lean_offsets_widen_past_31_bits():
     assert paged._lean_span(values, c) > paged.INT32_SPAN
     values["vc_sp"], values["qr_sn"] = 2048, -(1 << 30)  # a negative stride counts its size
     assert paged._lean_span(values, c) > paged.INT32_SPAN
+    # and 64-bit index arithmetic where an index value a slot can use may pass 31 bits
+    values.update(qr_sn=1152, B=3, num_indices=40)
+    assert not paged._lean_wide(values, c)
+    values["num_indices"] = (1 << 31) // 16  # positions up to 2**31 would have a slot
+    assert paged._lean_wide(values, c)
+    values["num_indices"], values["B"] = 40, 2**31 - 1
+    assert paged._lean_wide(values, c)
+    values["B"], c.num_pages = 3, 2**31
+    assert paged._lean_wide(values, c)
+    c.num_pages, values["vc_sp"] = 10, 1 << 28
+    assert paged._lean_wide(values, c)
 
 
 @pytest.fixture
@@ -2073,9 +2094,6 @@ def test_lean_kernel_hostile_indices(mla, index, launched):
         args = make_case(32, T=16, B=2, page_size=page_size, index_dtypes=index, **shape)
         _poison_indices(args, index)
         args["pos_ids"][10] = -1
-        if index == np.int64:
-            args["positions"][11] = (1 << 40) + 3
-            args["batch_indices"][12] = -(1 << 40)
         check_against_reference(args, quantize=True, is_neox=not mla)
         assert _lean_ran(launched)
     cp.cuda.Device().synchronize()
@@ -2435,9 +2453,6 @@ def test_lean_multi_kernel_hostile_indices(mla, index, launched_multi):
         args = make_case(33, T=16, B=2, page_size=page_size, index_dtypes=index, **shape)
         _poison_indices(args, index)
         args["pos_ids"][10] = -1
-        if index == np.int64:
-            args["positions"][11] = (1 << 40) + 3
-            args["batch_indices"][12] = -(1 << 40)
         check_against_reference(args, quantize=True, is_neox=not mla)
         assert _multi_ran(launched_multi)
     cp.cuda.Device().synchronize()

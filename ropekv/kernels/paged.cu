@@ -850,7 +850,7 @@ struct LeanIndex {
   unsigned lo, hi;
   int is64;
   __device__ __forceinline__ bool below(int n) const {
-    return lo < unsigned(n) && (!is64 || hi == 0u);
+    return (lo < unsigned(n)) & (hi == 0u);  // hi is 0 for int32 entries: no branch on is64
   }
   __device__ __forceinline__ i64 value() const {
     return is64 ? i64((static_cast<unsigned long long>(hi) << 32) | lo) : i64(int(lo));
@@ -868,6 +868,103 @@ __device__ __forceinline__ LeanIndex lean_index(const void* p, i64 i, int is64) 
   }
   return r;
 }
+
+// lean_index of an entry below 2^31 (a token, or an index the 32-bit chain found in range): its
+// address from 32-bit products (one wide multiply-add, not the 64-bit shifts and adds).
+__device__ __forceinline__ LeanIndex lean_index32(const void* p, unsigned i, int is64) {
+  const unsigned* e = static_cast<const unsigned*>(p) + (is64 ? 2u * i : i);  // 2i < 2^32
+  LeanIndex r{e[0], 0u, is64};  // the low word first (little-endian int64)
+  if (is64) r.hi = e[1];
+  return r;
+}
+
+// The K / V slot of token t as the lean kernels find it, in the order of its chain: begin (the
+// batch index and position), indptr (kv_indptr[b] and kv_indptr[b + 1]), page_id (the page id's
+// load), end (the id checked: page, entry; page -1 when the token has none, find_slot's rules:
+// every read clamped or skipped). A kernel puts its own work between the steps. With 32-bit
+// offsets (I = int) the host also guarantees that every index value a slot can use lies below
+// 2^31 (B, num_pages and num_indices x page_size), so the chain runs on the entries' 32-bit
+// words (LeanIndex: an int64 entry with a high word is out of range) instead of 64-bit values
+// and compares; with 64-bit offsets it keeps the 64-bit form.
+template <typename I>
+struct LeanSlot {
+  static constexpr bool kNarrow = sizeof(I) == 4;
+  LeanIndex b, pos, first, last, pgi;  // the 32-bit form's entries
+  i64 b64 = -1, pos64 = -1, first64 = 0, last64 = 0;  // the 64-bit form's values
+  unsigned idx = 0;                                    // 32-bit form: pos / page_size
+  i64 idx64 = 0;
+  bool ok = false, it_ok = false;
+
+  __device__ __forceinline__ void begin(const PagedParams& p, int t) {
+    if constexpr (kNarrow) {
+      b = lean_index32(p.batch_indices, unsigned(t), p.index64 & 2);
+      pos = lean_index32(p.positions, unsigned(t), p.index64 & 4);
+    } else {
+      b64 = read_index(p.batch_indices, t, p.index64 & 2);
+      pos64 = read_index(p.positions, t, p.index64 & 4);
+    }
+  }
+
+  __device__ __forceinline__ void indptr(const PagedParams& p) {
+    const int ps = p.page_size;
+    const bool pow2 = (ps & (ps - 1)) == 0;
+    if constexpr (kNarrow) {
+      // a position of 2^31 or more has no slot: num_indices x page_size < 2^31
+      ok = b.below(p.B) & pos.below(0x7fffffff) & (p.num_indices > 0);
+      if (ok) {
+        first = lean_index32(p.kv_indptr, b.lo, p.index64 & 8);
+        last = lean_index32(p.kv_indptr, b.lo + 1, p.index64 & 8);
+        idx = pow2 ? pos.lo >> (__ffs(ps) - 1) : pos.lo / unsigned(ps);
+      }
+    } else {
+      ok = b64 >= 0 && b64 < p.B && pos64 >= 0 && p.num_indices > 0;
+      if (ok) {
+        first64 = read_index(p.kv_indptr, b64, p.index64 & 8);
+        last64 = read_index(p.kv_indptr, b64 + 1, p.index64 & 8);
+        idx64 = pow2 ? pos64 >> (__ffs(ps) - 1) : div_pos(pos64, ps);
+      }
+    }
+  }
+
+  __device__ __forceinline__ void page_id(const PagedParams& p) {
+    pgi = LeanIndex{0u, 0u, p.index64 & 16};
+    if (!ok) return;
+    if constexpr (kNarrow) {
+      const unsigned ni = unsigned(p.num_indices);  // below 2^31 - 1 (the host's rule)
+      // kv_indptr[b + 1] clamped to [kv_indptr[b], num_indices]: negative -> none, past -> ni
+      const bool neg = (last.is64 ? last.hi : last.lo) >> 31;
+      const unsigned lv = last.below(int(ni) + 1) ? last.lo : (neg ? 0u : ni);
+      const unsigned hi = lv < first.lo ? first.lo : lv;
+      it_ok = first.below(int(ni) + 1) & (idx < hi - first.lo);
+      if (it_ok) pgi = lean_index32(p.kv_indices, first.lo + idx, p.index64 & 16);
+    } else {
+      const bool first_ok = first64 >= 0 && first64 <= p.num_indices;
+      const i64 hi =
+          last64 < first64 ? first64 : (last64 < p.num_indices ? last64 : p.num_indices);
+      it_ok = first_ok && idx64 < hi - first64;  // no overflow: 0 <= first <= hi
+      if (it_ok) pgi = lean_index(p.kv_indices, first64 + idx64, p.index64 & 16);
+    }
+  }
+
+  // page -1 when the token has no slot
+  __device__ __forceinline__ void end(const PagedParams& p, i64& page, i64& entry) const {
+    page = -1;
+    entry = 0;
+    if (!it_ok) return;
+    if constexpr (kNarrow) {
+      if (pgi.below(int(p.num_pages))) {  // num_pages below 2^31 (the host's rule)
+        page = int(pgi.lo);
+        entry = int(pos.lo - idx * unsigned(p.page_size));
+      }
+    } else {
+      const i64 pg = pgi.value();
+      if (pg >= 0 && pg < p.num_pages) {
+        page = pg;
+        entry = pos64 - idx64 * p.page_size;
+      }
+    }
+  }
+};
 
 // ---- The lean kernel (plain decode calls) ------------------------------------------------------
 // One chunk of one head row per thread: block (G, S, Tb), threadIdx.x the chunk j of the row (G =
@@ -963,12 +1060,9 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
   const Vec<T, N> va = load<T, N>(row);
   Vec<T, N> vb;
   if (pair) vb = load<T, N>(row + half_r);
-  i64 b = -1, pos = -1;
-  if (!is_q) {
-    b = read_index(p.batch_indices, t, p.index64 & 2);
-    pos = read_index(p.positions, t, p.index64 & 4);
-  }
-  const LeanIndex pid = lean_index(p.pos_ids, t, p.index64 & 1);
+  LeanSlot<I> slot;  // K / V rows: the token's slot, found in steps along the chain
+  if (!is_q) slot.begin(p, t);
+  const LeanIndex pid = lean_index32(p.pos_ids, unsigned(t), p.index64 & 1);
   float sc = 1.f;
   if constexpr (is_quantized<OutT>::value) {
     const float* scales = is_q ? p.q_scales : p.kv_scales;
@@ -977,17 +1071,7 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
 
   // 2. K and V rows: kv_indptr[b] and kv_indptr[b + 1] (find_slot's rules: every read clamped
   // or skipped)
-  bool ok = false;
-  i64 first = 0, last = 0, idx = 0;
-  const int ps = p.page_size;
-  if (!is_q) {
-    ok = b >= 0 && b < p.B && pos >= 0 && p.num_indices > 0;
-    if (ok) {
-      first = read_index(p.kv_indptr, b, p.index64 & 8);
-      last = read_index(p.kv_indptr, b + 1, p.index64 & 8);
-      idx = (ps & (ps - 1)) == 0 ? pos >> (__ffs(ps) - 1) : div_pos(pos, ps);
-    }
-  }
+  if (!is_q) slot.indptr(p);
 
   // 3. Q and K rotary chunks with a position: their cos/sin values (one table row)
   const bool rope = pid.below(p.P);
@@ -1002,14 +1086,7 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
 
   // 4. K and V rows: the page id (kv_indices), issued before the rotation waits for cos/sin, its
   // words checked only after it
-  bool it_ok = false;
-  LeanIndex pgi{0u, 0u, p.index64 & 16};
-  if (ok) {
-    const bool first_ok = first >= 0 && first <= p.num_indices;
-    const i64 hi = last < first ? first : (last < p.num_indices ? last : p.num_indices);
-    it_ok = first_ok && idx < hi - first;  // no overflow: 0 <= first <= hi
-    if (it_ok) pgi = lean_index(p.kv_indices, first + idx, p.index64 & 16);
-  }
+  slot.page_id(p);
   // 5. rotate, scale and round the chunk while the page id is in flight; then the stores
   float a[N], bb[N];
   to_floats<T, N>(va, a);
@@ -1020,14 +1097,8 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
   typename Pack::V wb;
   if (pair) wb = Pack::pack(bb, sc);
 
-  i64 page = -1, entry = 0;
-  if (it_ok) {
-    const i64 pg = pgi.value();
-    if (pg >= 0 && pg < p.num_pages) {
-      page = pg;
-      entry = pos - idx * ps;
-    }
-  }
+  i64 page, entry;
+  slot.end(p, page, entry);
   if (!is_q && (!rope || page < 0)) return;  // no cache row
   OutT* d = lean_dest<OutT, I>(p, r, t, page, entry, col);
   Pack::put(d + col, wa);
@@ -1085,12 +1156,9 @@ __global__ void __launch_bounds__(kLeanThreads)
   for (int k = 1; k < C; ++k) {
     if (j + k * X < G) va[k] = load<T, N>(srcn + k * X * N);
   }
-  i64 b = -1, pos = -1;
-  if (!is_q) {
-    b = read_index(p.batch_indices, t, p.index64 & 2);
-    pos = read_index(p.positions, t, p.index64 & 4);
-  }
-  const LeanIndex pid = lean_index(p.pos_ids, t, p.index64 & 1);
+  LeanSlot<I> slot;  // K / V rows: the token's slot, found in steps along the chain
+  if (!is_q) slot.begin(p, t);
+  const LeanIndex pid = lean_index32(p.pos_ids, unsigned(t), p.index64 & 1);
   float sc = 1.f;
   if constexpr (is_quantized<OutT>::value) {
     const float* scales = is_q ? p.q_scales : p.kv_scales;
@@ -1098,17 +1166,7 @@ __global__ void __launch_bounds__(kLeanThreads)
   }
 
   // 2. K and V rows: kv_indptr[b] and kv_indptr[b + 1] (find_slot's rules)
-  bool ok = false;
-  i64 first = 0, last = 0, idx = 0;
-  const int ps = p.page_size;
-  if (!is_q) {
-    ok = b >= 0 && b < p.B && pos >= 0 && p.num_indices > 0;
-    if (ok) {
-      first = read_index(p.kv_indptr, b, p.index64 & 8);
-      last = read_index(p.kv_indptr, b + 1, p.index64 & 8);
-      idx = (ps & (ps - 1)) == 0 ? pos >> (__ffs(ps) - 1) : div_pos(pos, ps);
-    }
-  }
+  if (!is_q) slot.indptr(p);
 
   // 3. the first chunk, rotary on Q and K with a position: its cos/sin values
   const bool rope = pid.below(p.P);
@@ -1122,14 +1180,7 @@ __global__ void __launch_bounds__(kLeanThreads)
   }
 
   // 4. K and V rows: the page id, issued before the rotation waits for cos/sin
-  bool it_ok = false;
-  LeanIndex pgi{0u, 0u, p.index64 & 16};
-  if (ok) {
-    const bool first_ok = first >= 0 && first <= p.num_indices;
-    const i64 hi = last < first ? first : (last < p.num_indices ? last : p.num_indices);
-    it_ok = first_ok && idx < hi - first;
-    if (it_ok) pgi = lean_index(p.kv_indices, first + idx, p.index64 & 16);
-  }
+  slot.page_id(p);
   // 5. rotate, scale and round every chunk while the page id is in flight; then the stores
   using Pack = Packer<OutT, N>;
   typename Pack::V w[C];
@@ -1149,14 +1200,8 @@ __global__ void __launch_bounds__(kLeanThreads)
     w[k] = Pack::pack(a, sc);
   }
 
-  i64 page = -1, entry = 0;
-  if (it_ok) {
-    const i64 pg = pgi.value();
-    if (pg >= 0 && pg < p.num_pages) {
-      page = pg;
-      entry = pos - idx * ps;
-    }
-  }
+  i64 page, entry;
+  slot.end(p, page, entry);
   if (!is_q && (!rope || page < 0)) return;  // no cache row
   // the destinations, by index as the sources: q_rope_out, q_nope_out (token, head strides from
   // qro_sn), kr_cache, kn_cache, v_cache (page, entry, head strides from krc_sp)
@@ -1228,12 +1273,9 @@ __global__ void __launch_bounds__(kLeanThreads, lean_rows_min_blocks(U))
       if (pair) vb[u] = load<T, N>(row + half_r);
     }
   }
-  i64 b = -1, pos = -1;
-  if (any_kv) {
-    b = read_index(p.batch_indices, t, p.index64 & 2);
-    pos = read_index(p.positions, t, p.index64 & 4);
-  }
-  const LeanIndex pid = lean_index(p.pos_ids, t, p.index64 & 1);
+  LeanSlot<I> slot;  // K / V rows: the token's slot, found in steps along the chain
+  if (any_kv) slot.begin(p, t);
+  const LeanIndex pid = lean_index32(p.pos_ids, unsigned(t), p.index64 & 1);
   float sc[U];  // each row's scale (per-head arrays read per row)
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -1250,17 +1292,7 @@ __global__ void __launch_bounds__(kLeanThreads, lean_rows_min_blocks(U))
 
   // 2. K and V rows: kv_indptr[b] and kv_indptr[b + 1] (find_slot's rules: every read clamped
   // or skipped)
-  bool ok = false;
-  i64 first = 0, last = 0, idx = 0;
-  const int ps = p.page_size;
-  if (any_kv) {
-    ok = b >= 0 && b < p.B && pos >= 0 && p.num_indices > 0;
-    if (ok) {
-      first = read_index(p.kv_indptr, b, p.index64 & 8);
-      last = read_index(p.kv_indptr, b + 1, p.index64 & 8);
-      idx = (ps & (ps - 1)) == 0 ? pos >> (__ffs(ps) - 1) : div_pos(pos, ps);
-    }
-  }
+  if (any_kv) slot.indptr(p);
 
   // 3. a rotary chunk with a position, some row Q or K (the first row is the lowest): its
   // cos/sin values, once for every row
@@ -1275,14 +1307,7 @@ __global__ void __launch_bounds__(kLeanThreads, lean_rows_min_blocks(U))
   }
 
   // 4. K and V rows: the page id, issued before the rotations wait for cos/sin
-  bool it_ok = false;
-  LeanIndex pgi{0u, 0u, p.index64 & 16};
-  if (ok) {
-    const bool first_ok = first >= 0 && first <= p.num_indices;
-    const i64 hi = last < first ? first : (last < p.num_indices ? last : p.num_indices);
-    it_ok = first_ok && idx < hi - first;  // no overflow: 0 <= first <= hi
-    if (it_ok) pgi = lean_index(p.kv_indices, first + idx, p.index64 & 16);
-  }
+  slot.page_id(p);
 
   // 5. every row rotated (Q and K rows), scaled and rounded while the page id is in flight
   using Pack = Packer<OutT, N>;
@@ -1301,21 +1326,15 @@ __global__ void __launch_bounds__(kLeanThreads, lean_rows_min_blocks(U))
     }
   }
 
-  i64 page = -1, entry = 0;
-  if (it_ok) {
-    const i64 pg = pgi.value();
-    if (pg >= 0 && pg < p.num_pages) {
-      page = pg;
-      entry = pos - idx * ps;
-    }
-  }
-  const bool slot = rope && page >= 0;  // K and V rows: a cache row to write
+  i64 page, entry;
+  slot.end(p, page, entry);
+  const bool has_row = rope && page >= 0;  // K and V rows: a cache row to write
   // 6. the stores: Q rows always, K and V rows where the token has a slot (lean_dest)
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int h = h0 + u * S;
     const bool is_q = h < p.Hq;
-    if (h < H && (is_q || slot)) {
+    if (h < H && (is_q || has_row)) {
       OutT* d = lean_dest<OutT, I>(p, lean_row(h, p.Hq, Hk, p.R, rotary, col), t, page, entry, col);
       Pack::put(d + col, wa[u]);
       if (pair) Pack::put(d + col + half_r, wb[u]);
