@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,13 +23,13 @@ E4M3 = np.dtype("float8_e4m3fn") if hasattr(np, "float8_e4m3fn") else None
 
 
 def nvdisasm():
-    found = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
+    """tools/sass_diff.py's lookup ($NVDISASM, PATH, the nvidia-cuda-nvdisasm wheel)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from sass_diff import find_tool
+
+    found = find_tool("nvdisasm")
     if found:
         return found
-    for base in sys.path:
-        cand = os.path.join(base, "nvidia", "cu13", "bin", "nvdisasm")
-        if os.path.exists(cand):
-            return cand
     sys.exit("nvdisasm not found: pip install nvidia-cuda-nvdisasm, or set NVDISASM")
 
 
