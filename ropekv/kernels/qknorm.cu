@@ -46,6 +46,10 @@ struct QKNormParams {
   float inv_q_scale;  // fp8 q, static scale: stored = fp8(q * inv_q_scale)
   i64 qs_st, qs_sh;   // q_scale_out strides in elements
   i64 ks_sp, ks_se, ks_sh, vs_sp, vs_se, vs_sh;  // scale arrays: page, entry, head strides
+  // the decode kernels' divisions by a call's constants (fast_div): by a token's head rows (Hq +
+  // 2 Hkv) and by page_size
+  unsigned h_magic, pg_magic;
+  int h_shift, pg_shift;
 };
 
 constexpr int kStageMax = 512;  // batches of up to this many requests are searched in shared memory
@@ -491,6 +495,14 @@ struct pick_type<false, X, Y> {
   using type = Y;
 };
 
+// n / d for 0 <= n < 2^31 from the host's (magic, shift) of d (qknorm.py's _division): a
+// multiply-high, an add and a shift, where the division of a runtime d is about 20 dependent
+// instructions through a reciprocal; the decode kernels divide on their chains (the flat kernel's
+// row -> token before its first load, the position -> page-table index before the page id).
+__device__ __forceinline__ unsigned fast_div(unsigned n, unsigned magic, int shift) {
+  return (__umulhi(n, magic) + n) >> shift;  // no overflow: __umulhi(n, magic) <= n < 2^31
+}
+
 struct QKDecodeShared {
   unsigned offsets[kStageMax + 1];
   int lengths[kStageMax];
@@ -517,7 +529,7 @@ __device__ __forceinline__ void qk_decode_rows(const QKNormParams& p, QKDecodeSh
   if constexpr (FLAT) {
     const unsigned r = blockIdx.x * (blockDim.x / G) + threadIdx.x / G;
     const unsigned H = unsigned(Hq + 2 * Hkv);
-    t = int(r / H);
+    t = int(fast_div(r, p.h_magic, p.h_shift));  // r / H
     h = int(r - unsigned(t) * H);
     live = t < p.T;
   } else {
@@ -635,7 +647,7 @@ __device__ __forceinline__ void qk_decode_rows(const QKNormParams& p, QKDecodeSh
   // 3. the block-table entry (K and V rows), then cos/sin (Q and K rows)
   int page = -1, entry = 0;
   if (roped && !is_q) {
-    const unsigned index = unsigned(posi) / unsigned(p.page_size);
+    const unsigned index = fast_div(unsigned(posi), p.pg_magic, p.pg_shift);  // / page_size
     entry = posi - int(index) * p.page_size;
     if (index < unsigned(p.max_pages)) page = p.block_table[ix(req) * ix(p.bt_sb) + ix(index)];
   }
@@ -839,7 +851,7 @@ __device__ __forceinline__ void qk_decode_token_rows(const QKNormParams& p, QKDe
   // 3. the block-table entry (a warp with K or V rows), then cos/sin (a warp with Q or K rows)
   int page = -1, entry = 0;
   if (roped && has_kv) {
-    const unsigned index = unsigned(pos) / unsigned(p.page_size);
+    const unsigned index = fast_div(unsigned(pos), p.pg_magic, p.pg_shift);  // / page_size
     entry = pos - int(index) * p.page_size;
     if (index < unsigned(p.max_pages)) {
       page = p.block_table[unsigned(req) * unsigned(p.bt_sb) + index];
