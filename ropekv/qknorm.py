@@ -1008,7 +1008,8 @@ def _pack(a, f, c, n, group, block, rows, splits, fits8):
 def _division(d):
     """``(magic, shift)`` with ``n // d == (((magic * n) >> 32) + n) >> shift`` for every ``0 <= n <
     2**31`` and ``1 <= d < 2**31`` (the round-up method of Granlund and Montgomery; the kernels'
-    ``fast_div``): ``shift`` is ceil(log2 d), ``magic`` = floor(2**32 (2**shift - d) / d) + 1 < 2**32."""
+    ``fast_div``): ``shift`` is ceil(log2 d), ``magic`` floor(2**32 (2**shift - d) / d) + 1, below
+    2**32."""
     shift = (d - 1).bit_length()
     return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
 
