@@ -99,7 +99,7 @@ TUNING = {
     "wide_row_block": 256,
     "wide_row_single_from": 1100,
     "lean_below": 1025,
-    "lean_prefill_from": 2048,
+    "lean_prefill_from": 1025,
     "lean_block": 256,
     "lean_wave_blocks": 2640,
     "lean_max_block": 256,
@@ -138,9 +138,11 @@ ROW_KERNEL = "rope_append_paged_rows"
 # row kernel's prefill blocks (4 rows a lane group, 86-88 registers, 96 threads) held 15.6-16.9
 # warps an SM (ncu, H200, 8 x 1024, 32 / 8 and 8 / 1 heads: 44-70% of copy bandwidth, 0.98x
 # FlashInfer under TP); the lean kernel's 48 registers allow 40 in blocks of 192-240 threads, and
-# it already won at 1 x 1024 (10.2 against 11.9 us). Between `lean_below` and `lean_prefill_from`
-# the row kernel stays until that window is timed. `lean_prefill_from=0` restores the row kernel
-# from `lean_below` tokens (0663de9).
+# it already won at 1 x 1024 (10.2 against 11.9 us). The window from `lean_below` to 2,047 tokens
+# kept the row kernel until it was timed (H200, fp16 -> e4m3, us, lean / row kernel): 2 x 768 12.0 /
+# 14.0, 1 x 1536 12.5 / 14.0, 3 x 600 13.5 / 16.3, 8 / 1 heads 2 x 768 6.5 / 7.4, fp16 cache 2 x 768
+# 12.9 / 14.4 (0.83-0.89x); hence `lean_prefill_from` = `lean_below`. `lean_prefill_from=0`
+# restores the row kernel from `lean_below` tokens (0663de9).
 LEAN_KERNEL = "rope_append_paged_rows_lean"
 LEAN_THREADS = 256  # kLeanThreads: the lean kernel's __launch_bounds__
 # The lean kernel with C = `lean_multi` chunks of a row per thread (rope_append_paged_rows_lean_multi:

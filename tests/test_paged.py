@@ -1890,6 +1890,8 @@ def test_lean_kernel_takes_plain_decode_calls(monkeypatch):
     assert (wide.rows, wide.tokens, wide.splits) == (3, 1, 6)
     assert _choose_lean(1, 8, 1, q_scale_out=object(), **gqa).shape == ("rows", 1)
     assert _choose_lean(1, 16, status=object(), **mla).shape[0] != "lean"
+    # lean_below tokens and more: prefill, the lean kernel only from lean_prefill_from
+    monkeypatch.setitem(paged.TUNING, "lean_prefill_from", 2048)
     assert _choose_lean(paged.TUNING["lean_below"], 8, 1, **gqa).shape[0] != "lean"
     assert _choose(1, 8, 1, **gqa).shape[0] == "rows"  # lean=False (mRoPE)
     monkeypatch.setitem(paged.TUNING, "lean_below", 0)
@@ -1918,7 +1920,9 @@ def test_where_the_lean_kernel_runs_by_default():
     assert _choose_lean(narrow_from, 32, 8, **gqa).shape[0] == "lean"
     assert _choose_lean(1, 8, 1, **gqa).shape[0] == "lean"  # every decode size (narrow_from 1)
     assert _choose_lean(paged.TUNING["lean_below"] - 1, 8, 1, **gqa).shape[0] == "lean"
-    assert _choose_lean(paged.TUNING["lean_below"], 8, 1, **gqa).shape[0] != "lean"
+    # and from lean_below on, prefill: from lean_prefill_from (lean_below: no row-kernel window)
+    assert paged.TUNING["lean_prefill_from"] == paged.TUNING["lean_below"]
+    assert _choose_lean(paged.TUNING["lean_below"], 8, 1, **gqa).shape[0] == "lean"
     mla = {"Hkv": 1, "R": 64, "Dn": 512, "mla": True}  # 72 lanes a row
     assert _choose_lean(16, 128, **mla).shape[0] == "lean"  # 16 x 129 x 72 chunks
     assert _choose_lean(64, 128, **mla).shape[0] != "lean"
