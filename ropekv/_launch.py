@@ -167,6 +167,16 @@ class ParamStruct:
         return self._tail_struct.pack(*self._rest(values))
 
 
+def division_magic(d):
+    """``(magic, shift)`` with ``n // d == (((magic * n) >> 32) + n) >> shift`` for every ``0 <= n <
+    2**31`` and ``1 <= d < 2**31`` (the round-up method of Granlund and Montgomery; the kernels'
+    ``fast_div`` in common.cuh): ``shift`` is ceil(log2 d), ``magic`` floor(2**32 (2**shift - d) /
+    d) + 1, below 2**32. A kernel that divides by a call's constant on its critical path takes
+    these as two fields of its record."""
+    shift = (d - 1).bit_length()
+    return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
+
+
 _launch_kernel = None  # cupy_backends' cuLaunchKernel wrapper, bound on the first launch
 
 

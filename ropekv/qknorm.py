@@ -23,6 +23,7 @@ from ropekv._launch import (
     Output,
     ParamStruct,
     Plan,
+    division_magic,
     dtype_key,
     given_or_new,
 )
@@ -136,7 +137,7 @@ PARAMS = ParamStruct(
             (n, np.int64)
             for n in ("qs_st", "qs_sh", "ks_sp", "ks_se", "ks_sh", "vs_sp", "vs_se", "vs_sh")
         ),
-        # the decode kernels' divisions by a token's head rows and by page_size (_division)
+        # the decode kernels' divisions by a token's head rows and by page_size (division_magic)
         ("h_magic", np.uint32),
         ("pg_magic", np.uint32),
         ("h_shift", np.int32),
@@ -1005,15 +1006,6 @@ def _pack(a, f, c, n, group, block, rows, splits, fits8):
     )
 
 
-def _division(d):
-    """``(magic, shift)`` with ``n // d == (((magic * n) >> 32) + n) >> shift`` for every ``0 <= n <
-    2**31`` and ``1 <= d < 2**31`` (the round-up method of Granlund and Montgomery; the kernels'
-    ``fast_div``): ``shift`` is ceil(log2 d), ``magic`` floor(2**32 (2**shift - d) / d) + 1, below
-    2**32."""
-    shift = (d - 1).bit_length()
-    return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
-
-
 def _values(a, f, c, group, rows):
     """The record's fields past the pointers but the options' (every given pointer has a slot,
     :func:`_pack`; the others are null)."""
@@ -1067,8 +1059,8 @@ def _values(a, f, c, group, rows):
         "inv_q_scale": 1.0 / c.q_scale if c.q_scale is not None else 1.0,
         "q_dynamic": int(c.q_dynamic),
         "kv_dynamic": int(c.kv_dynamic),
-        **dict(zip(("h_magic", "h_shift"), _division(c.Hq + 2 * c.Hkv))),
-        **dict(zip(("pg_magic", "pg_shift"), _division(c.page_size))),
+        **dict(zip(("h_magic", "h_shift"), division_magic(c.Hq + 2 * c.Hkv))),
+        **dict(zip(("pg_magic", "pg_shift"), division_magic(c.page_size))),
     }
 
 

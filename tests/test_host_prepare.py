@@ -5,6 +5,7 @@ import numpy as np
 
 from ropekv import _arrays as ar
 from ropekv import qknorm
+from ropekv._launch import division_magic
 
 
 def _extent(shape, strides):
@@ -153,3 +154,24 @@ def test_optional_slot_tables_name_the_fields_as_before():
         (i, qknorm.FIELDS[i], (i, 0)) for i in range(qknorm._Q_OUT + 1, len(qknorm.FIELDS))
     )
     assert contiguous._OPTIONAL_SLOTS and qknorm._OPTIONAL_SLOTS
+
+
+def test_divisions_by_magic_numbers_are_exact():
+    """Kernels divide by a call's constants (QK-norm decode: a token's head rows, page_size;
+    qkv_mma: group_size) as a multiply-high, an add and a shift (fast_div) with the host's (magic,
+    shift): exact for every dividend below 2**31, divisors 1 to 2**31 - 1 (powers of two, their
+    neighbours and others)."""
+    rng = np.random.default_rng(41)
+    divisors = [*range(1, 600), *(1 << k for k in range(31)), *((1 << k) + 1 for k in range(31))]
+    divisors += [*((1 << k) - 1 for k in range(2, 32)), *rng.integers(1, 2**31, 400).tolist()]
+    for d in divisors:
+        magic, shift = division_magic(d)
+        assert 0 < magic < 2**32 and 0 <= shift <= 31
+        n = np.array(
+            [0, 1, d - 1, d, d + 1, 2 * d - 1, 2 * d, 2**31 - 1, 2**31 - 2, 2**31 - d]
+            + rng.integers(0, 2**31, 64).tolist(),
+            dtype=np.uint64,
+        )
+        n = n[n < 2**31]
+        got = (((np.uint64(magic) * n) >> np.uint64(32)) + n) >> np.uint64(shift)
+        np.testing.assert_array_equal(got, n // np.uint64(d), err_msg=str(d))

@@ -2367,25 +2367,3 @@ def test_dynamic_fp8_q_matches_flashinfer_cake(is_prefill):
     mask = written_rows(args, kw)
     for a, b in zip(ours, theirs):
         assert_codes_close(to_numpy(a)[mask], to_numpy(b)[mask], "cache rows vs Cake")
-
-
-def test_decode_divisions_by_magic_numbers_are_exact():
-    """The decode kernels divide by a token's head rows and by page_size as a multiply-high, an
-    add and a shift (fast_div) with the host's (magic, shift): exact for every dividend below
-    2**31, divisors 1 to 2**31 - 1 (powers of two, their neighbours and others)."""
-    from ropekv import qknorm
-
-    rng = np.random.default_rng(41)
-    divisors = [*range(1, 600), *(1 << k for k in range(31)), *((1 << k) + 1 for k in range(31))]
-    divisors += [*((1 << k) - 1 for k in range(2, 32)), *rng.integers(1, 2**31, 400).tolist()]
-    for d in divisors:
-        magic, shift = qknorm._division(d)
-        assert 0 < magic < 2**32 and 0 <= shift <= 31
-        n = np.array(
-            [0, 1, d - 1, d, d + 1, 2 * d - 1, 2 * d, 2**31 - 1, 2**31 - 2, 2**31 - d]
-            + rng.integers(0, 2**31, 64).tolist(),
-            dtype=np.uint64,
-        )
-        n = n[n < 2**31]
-        got = (((np.uint64(magic) * n) >> np.uint64(32)) + n) >> np.uint64(shift)
-        np.testing.assert_array_equal(got, n // np.uint64(d), err_msg=str(d))

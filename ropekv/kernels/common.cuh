@@ -329,6 +329,14 @@ __device__ __forceinline__ PagedSlot ragged_position(const unsigned* offsets,
   return s;
 }
 
+// n / d for 0 <= n < 2^31 from the host's (magic, shift) of d (_launch.division_magic): a
+// multiply-high, an add and a shift, where the division of a runtime d is about 20 dependent
+// instructions through a reciprocal (QK-norm decode: the flat kernel's row -> token before its
+// first load, the position -> page-table index; qkv_mma: a weight load's group).
+__device__ __forceinline__ unsigned fast_div(unsigned n, unsigned magic, int shift) {
+  return (__umulhi(n, magic) + n) >> shift;  // no overflow: __umulhi(n, magic) <= n < 2^31
+}
+
 // q = x / d for 0 <= x and d > 0: a 32-bit division when x fits (every realistic position), the
 // 64-bit routine (tens of instructions more on a decode's critical path) otherwise.
 __device__ __forceinline__ i64 div_pos(i64 x, int d) {

@@ -495,14 +495,6 @@ struct pick_type<false, X, Y> {
   using type = Y;
 };
 
-// n / d for 0 <= n < 2^31 from the host's (magic, shift) of d (qknorm.py's _division): a
-// multiply-high, an add and a shift, where the division of a runtime d is about 20 dependent
-// instructions through a reciprocal; the decode kernels divide on their chains (the flat kernel's
-// row -> token before its first load, the position -> page-table index before the page id).
-__device__ __forceinline__ unsigned fast_div(unsigned n, unsigned magic, int shift) {
-  return (__umulhi(n, magic) + n) >> shift;  // no overflow: __umulhi(n, magic) <= n < 2^31
-}
-
 struct QKDecodeShared {
   unsigned offsets[kStageMax + 1];
   int lengths[kStageMax];
