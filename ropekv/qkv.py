@@ -69,7 +69,18 @@ from ropekv._arrays import (
     UINT32,
 )
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import AS_IS, FLAG, KEY, Gemm, Launch, Op, Output, ParamStruct, Plan
+from ropekv._launch import (
+    AS_IS,
+    FLAG,
+    KEY,
+    Gemm,
+    Launch,
+    Op,
+    Output,
+    ParamStruct,
+    Plan,
+    division_magic,
+)
 from ropekv._mrope import check_status
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import widest_aligned
@@ -242,9 +253,13 @@ MMA_SPLITS = (4, 8)  # the compiled cluster sizes
 # the same results bit for bit. Static SASS (sm_90, fp16): 2622 -> 2433 instructions at 8 tokens,
 # 2728 -> 2553 at 16; side by side on the H200 (graph replay) 4 / 16 tokens 13.7 / 17.6 against
 # 14.5 / 18.6 us. 3 CTAs an SM in the launch bounds below 64 tokens (168 registers, no spills)
-# was slower: 4-bit 18.9-25.1, fp8 18.7-23.1 against 13.7-18.0 us. 0: as before.
-MMA_FORM = 5
-MMA_FORMS = (0, 5)
+# was slower: 4-bit 18.9-25.1, fp8 18.7-23.1 against 13.7-18.0 us. Bit 3 (with bit 0): each
+# row's scale and zero-point offsets computed once as 32-bit offsets (dropped, as GEMV_FORM bit 1,
+# where one could reach 2^31) and a load's group by a multiply-high (fast_div with g_magic,
+# g_shift) instead of a signed division and four 64-bit products a load; the same bytes read.
+# 0: as before.
+MMA_FORM = 13
+MMA_FORMS = (0, 5, 13)
 MMA_VALS = {W_DENSE: 8, W_FP8: 16, W_INT4: 32}  # k values per 16-byte weight load
 # Dynamic shared memory stays below the 48 KiB a kernel may use without opting in, static
 # shared memory (token slots, request offsets) included.
@@ -321,6 +336,8 @@ PARAMS = ParamStruct(
         *((n, np.float32) for n in ("k_inv_scale", "v_inv_scale")),
         ("check", np.int32),
         ("clear", np.int32),  # the OPTS kernels' flags
+        ("g_magic", np.uint32),  # qkv_mma FORM bit 3: k / group_size (division_magic)
+        ("g_shift", np.int32),
     ],
 )
 
@@ -1146,6 +1163,7 @@ def _fields(views, c, is_neox, clear):
         "v_inv_scale": 1.0 / c.v_scale if fp8 else 1.0,
         "check": int(vstatus is not None),
         "clear": int(clear),
+        **dict(zip(("g_magic", "g_shift"), division_magic(c.G) if c.G else (0, 0))),
     }
     slots = dict(_SLOTS)
     if vout is None:
@@ -1736,6 +1754,8 @@ def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts
         raise ValueError(f"ropekv.qkv.TILED_SPLIT must be one of {TILED_SPLITS}, got {tiled_split}")
     if not mma_applies(K, D, fmt, G, _compute_capability(device)):
         return None
+    if form & 8 and not _offsets32(fields, N, K):
+        form &= ~8  # 64-bit scale / zero-point addressing, as form 5
     if not (
         vw.ptr % 16 == 0
         and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0

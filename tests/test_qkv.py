@@ -2259,12 +2259,37 @@ def test_mma_form_expressions():
             assert e in names
             assert e.endswith(f", {qkv_mod.mma_form(fmt, form)}>"), e
     assert qkv_mod.mma_form(qkv_mod.W_DENSE, 5) == 0 and qkv_mod.mma_form(qkv_mod.W_FP8, 5) == 0
-    assert qkv_mod.mma_form(qkv_mod.W_INT4, 5) == 5
+    assert qkv_mod.mma_form(qkv_mod.W_INT4, 5) == 5 and qkv_mod.mma_form(qkv_mod.W_INT4, 13) == 13
+
+
+@pytest.mark.parametrize("ws_s0, want", [(32, 13), (2**20, 5)])
+def test_mma_form_drops_offsets32_where_they_overflow(ws_s0, want, monkeypatch):
+    """MMA_FORM 13 launches form 13 where the rows' 32-bit scale / zero-point offsets fit, form 5
+    where they could not (the rule of GEMV_FORM bit 1: _offsets32); a form outside MMA_FORMS is
+    refused."""
+    from types import SimpleNamespace
+
+    got = []
+    monkeypatch.setattr(qkv_mod, "Launch", lambda *a, **k: got.append(a[1]))
+    monkeypatch.setattr(qkv_mod, "_compute_capability", lambda device: 90)
+    K, N, D = 4096, 6144, 128
+    vx = SimpleNamespace(dtype=F16, ptr=1 << 20, strides=(K,))
+    vw = SimpleNamespace(ptr=1 << 20, strides=(K // 2, 1), dtype=np.dtype(np.uint8))
+    fields = {"group_size": 128, "ws_s0": ws_s0, "zp_s0": 32}
+    tiled = qkv_mod.tiled_settings()
+    split = qkv_mod.MMA_SPLIT
+    qkv_mod._mma(fields, {}, vx, vw, qkv_mod.W_INT4, 16, K, N, D, 0, False, split, tiled, False, 13)
+    assert got == [qkv_mod.mma_expression(F16, qkv_mod.W_INT4, 16, split, False, want)]
+    assert got[0] in set(qkv_mod.instantiations())
+    with pytest.raises(ValueError, match="MMA_FORM"):
+        qkv_mod._mma(
+            fields, {}, vx, vw, qkv_mod.W_INT4, 16, K, N, D, 0, False, split, tiled, False, 9
+        )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [(3,), (1, 0, 3), (2, 2, 1, 3), (16,), (5, 0, 4, 4, 3)])
-@pytest.mark.parametrize("form", [5])
+@pytest.mark.parametrize("form", [f for f in qkv_mod.MMA_FORMS if f])
 @pytest.mark.parametrize(
     "wfmt, dtype, group_size, zero_points",
     [

@@ -48,6 +48,8 @@ struct QkvParams {
   float k_inv_scale, v_inv_scale;
   int check;                    // OPTS kernels: status= given, validate the offsets first
   int clear;                    // OPTS kernels: clear_unused_last_page_rows
+  unsigned g_magic;             // qkv_mma FORM bit 3: k / group_size by fast_div
+  int g_shift;
 };
 
 enum { W_DENSE = 0, W_FP8 = 1, W_INT4 = 2 };
@@ -1324,11 +1326,27 @@ __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE && TN == 64 ? 3 : 4)
     }
   uint4 a[U][MMA_MT][2];
   constexpr bool SZ = WF == W_INT4 && (FORM & 1);  // 4-bit: scale | zero << 16, one word a load
+  // SZ and FORM bit 3: each row's scale and zero-point offsets once, 32-bit (the host drops the
+  // bit where one could reach 2^31), a load's group by fast_div: no 64-bit products, parameter
+  // reloads or division a load
+  constexpr bool SZ32 = SZ && (FORM & 8);
   unsigned zsub[U][MMA_MT][2], zscale[U][MMA_MT][2];  // 4-bit: (offset + zero, scale) T pairs
   unsigned sz[U][MMA_MT][2];                          // SZ: instead of those
+  unsigned srow[SZ32 ? MMA_MT : 1][2], zrow[SZ32 ? MMA_MT : 1][2];  // SZ32: row offsets
+  if constexpr (SZ32) {
+#pragma unroll
+    for (int m = 0; m < MMA_MT; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        srow[m][h] = unsigned(wlive[m][h] ? wn[m][h] : 0) * unsigned(p.ws_s0);
+        zrow[m][h] = unsigned(wlive[m][h] ? wn[m][h] : 0) * unsigned(p.zp_s0);
+      }
+  }
   auto issue = [&](int u, int ci) {
     const int k = kbeg + ci * CH + c * VALS;
     const bool on = ci < nchunks && k < kbeg + klen;
+    [[maybe_unused]] unsigned grp32 = 0;
+    if constexpr (SZ32) grp32 = fast_div(unsigned(k), p.g_magic, p.g_shift);
 #pragma unroll
     for (int m = 0; m < MMA_MT; ++m)
 #pragma unroll
@@ -1336,7 +1354,18 @@ __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE && TN == 64 ? 3 : 4)
         const bool live = on && wlive[m][h];
         const i64 byte = WF == W_DENSE ? i64(k) * 2 : WF == W_FP8 ? i64(k) : i64(k >> 1);
         a[u][m][h] = live ? ldg_stream(wrow[m][h] + byte) : make_uint4(0, 0, 0, 0);
-        if constexpr (SZ) {
+        if constexpr (SZ32) {
+          const unsigned sb =
+              live ? unsigned(static_cast<const unsigned short*>(
+                         p.weight_scales)[srow[m][h] + grp32])
+                   : 0u;  // scale 0: the (never consumed) chunk's products are 0
+          const unsigned z =
+              live && p.zero_points
+                  ? unsigned(static_cast<const unsigned char*>(p.zero_points)[zrow[m][h] + grp32]) &
+                        0xFu
+                  : 8u;
+          sz[u][m][h] = sb | (z << 16);
+        } else if constexpr (SZ) {
           const int grp = k / p.group_size;
           const unsigned sb =
               live ? unsigned(static_cast<const unsigned short*>(
