@@ -257,9 +257,12 @@ MMA_SPLITS = (4, 8)  # the compiled cluster sizes
 # row's scale and zero-point offsets computed once as 32-bit offsets (dropped, as GEMV_FORM bit 1,
 # where one could reach 2^31) and a load's group by a multiply-high (fast_div with g_magic,
 # g_shift) instead of a signed division and four 64-bit products a load; the same bytes read.
-# 0: as before.
+# Taken at token tiles of at most MMA_OFFSETS32_MAX_TILE: side by side on the H200
+# (tools/device_ab.py against form 5, graph replay) 4 tokens 0.972 / 0.974x the time in two runs,
+# but 16 tokens 1.015x (17.4 -> 17.7 us). 0: as before.
 MMA_FORM = 13
 MMA_FORMS = (0, 5, 13)
+MMA_OFFSETS32_MAX_TILE = 8
 MMA_VALS = {W_DENSE: 8, W_FP8: 16, W_INT4: 32}  # k values per 16-byte weight load
 # Dynamic shared memory stays below the 48 KiB a kernel may use without opting in, static
 # shared memory (token slots, request offsets) included.
@@ -845,7 +848,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
             MMA_MAX_TOKENS,
             (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID),
             MMA_SPLIT,
-            MMA_FORM,
+            (MMA_FORM, MMA_OFFSETS32_MAX_TILE),
             # tiled_settings() and wgmma_settings(), spelled out: this runs on every call
             (
                 TILED_MIN_TOKENS,
@@ -1741,9 +1744,13 @@ def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False, fp8=F
     )
 
 
-def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts=False, form=0):
+def _mma(
+    fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts=False, form=(0, 0)
+):
     """The tensor-core launch (qkv_mma, or qkv_mma_tiled where :func:`tiled_applies`: from
-    ``tiled``'s token count on), or None where neither applies. ``form``: MMA_FORM."""
+    ``tiled``'s token count on), or None where neither applies. ``form``: (MMA_FORM,
+    MMA_OFFSETS32_MAX_TILE)."""
+    form, offsets32_max_tile = form
     G = fields["group_size"]
     tiled_min, max_tile, stages, tiled_split, per_sm, kgroups = tiled
     if split not in MMA_SPLITS:
@@ -1754,8 +1761,6 @@ def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts
         raise ValueError(f"ropekv.qkv.TILED_SPLIT must be one of {TILED_SPLITS}, got {tiled_split}")
     if not mma_applies(K, D, fmt, G, _compute_capability(device)):
         return None
-    if form & 8 and not _offsets32(fields, N, K):
-        form &= ~8  # 64-bit scale / zero-point addressing, as form 5
     if not (
         vw.ptr % 16 == 0
         and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
@@ -1786,6 +1791,8 @@ def _mma(fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, split, tiled, opts
             shared_mem=_tiled_smem(tn, stages, fmt),
             pdl=pdl,
         )
+    if form & 8 and (tn > offsets32_max_tile or not _offsets32(fields, N, K)):
+        form &= ~8  # 64-bit scale / zero-point addressing, as form 5
     kc = _mma_slice(K, fmt, split)
     smem = _mma_smem(tn, kc)
     if smem > MMA_SMEM_MAX:
@@ -1975,7 +1982,7 @@ _OP = Op(
                 "MMA_MAX_TOKENS",
                 "MMA_*_QUANTIZED",
                 "MMA_SPLIT",
-                "MMA_FORM",
+                "MMA_FORM, MMA_OFFSETS32_MAX_TILE",
             )
         ),
         ("TILED_*", AS_IS),

@@ -2265,8 +2265,8 @@ def test_mma_form_expressions():
 @pytest.mark.parametrize("ws_s0, want", [(32, 13), (2**20, 5)])
 def test_mma_form_drops_offsets32_where_they_overflow(ws_s0, want, monkeypatch):
     """MMA_FORM 13 launches form 13 where the rows' 32-bit scale / zero-point offsets fit, form 5
-    where they could not (the rule of GEMV_FORM bit 1: _offsets32); a form outside MMA_FORMS is
-    refused."""
+    where they could not (the rule of GEMV_FORM bit 1: _offsets32) and at token tiles past
+    MMA_OFFSETS32_MAX_TILE; a form outside MMA_FORMS is refused."""
     from types import SimpleNamespace
 
     got = []
@@ -2278,12 +2278,34 @@ def test_mma_form_drops_offsets32_where_they_overflow(ws_s0, want, monkeypatch):
     fields = {"group_size": 128, "ws_s0": ws_s0, "zp_s0": 32}
     tiled = qkv_mod.tiled_settings()
     split = qkv_mod.MMA_SPLIT
-    qkv_mod._mma(fields, {}, vx, vw, qkv_mod.W_INT4, 16, K, N, D, 0, False, split, tiled, False, 13)
-    assert got == [qkv_mod.mma_expression(F16, qkv_mod.W_INT4, 16, split, False, want)]
-    assert got[0] in set(qkv_mod.instantiations())
+    tile = qkv_mod.MMA_OFFSETS32_MAX_TILE
+    for T in (tile, tile + 1):
+        qkv_mod._mma(
+            fields,
+            {},
+            vx,
+            vw,
+            qkv_mod.W_INT4,
+            T,
+            K,
+            N,
+            D,
+            0,
+            False,
+            split,
+            tiled,
+            False,
+            (13, tile),
+        )
+    above = qkv_mod.MMA_TILES[qkv_mod.MMA_TILES.index(tile) + 1]
+    assert got == [
+        qkv_mod.mma_expression(F16, qkv_mod.W_INT4, tile, split, False, want),
+        qkv_mod.mma_expression(F16, qkv_mod.W_INT4, above, split, False, 5),
+    ]
+    assert set(got) <= set(qkv_mod.instantiations())
     with pytest.raises(ValueError, match="MMA_FORM"):
         qkv_mod._mma(
-            fields, {}, vx, vw, qkv_mod.W_INT4, 16, K, N, D, 0, False, split, tiled, False, 9
+            fields, {}, vx, vw, qkv_mod.W_INT4, 16, K, N, D, 0, False, split, tiled, False, (9, 8)
         )
 
 
@@ -2303,8 +2325,10 @@ def test_mma_form_drops_offsets32_where_they_overflow(ws_s0, want, monkeypatch):
 def test_gpu_mma_forms(lengths, form, wfmt, dtype, group_size, zero_points, monkeypatch):
     """qkv_mma's forms (MMA_FORM) at 3-16 tokens (token tiles 8 and 16), Llama-3-8B's projection:
     the reference's results, and the very bytes of form 0 (today's kernel): every form builds the
-    same weight pairs and sums them in the same order."""
+    same weight pairs and sums them in the same order. Form 13 at every token tile here (its
+    default stops at MMA_OFFSETS32_MAX_TILE)."""
     force_path(monkeypatch, "mma")
+    monkeypatch.setattr(qkv_mod, "MMA_OFFSETS32_MAX_TILE", max(qkv_mod.MMA_TILES))
     names = record_kernels(monkeypatch)
     extra = {"group_size": group_size, "zero_points": zero_points} if wfmt == "int4" else {}
     args, kw = make_case(
