@@ -1,0 +1,60 @@
+"""tools/budgets.py: a recorded bench run read against the host and device budgets (no GPU)."""
+
+import copy
+import importlib.util
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "budgets.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("ropekv_budgets", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run():
+    return json.loads((ROOT / "docs" / "bench.json").read_text())
+
+
+def test_the_recorded_run_against_itself_holds_every_budget(capsys):
+    """docs/bench.json against itself: each op with decode cases gets its host medians, no
+    device time moved, and (the run's host figures being within budget) exit status 0."""
+    tool, run = _tool(), _run()
+    medians, misses = tool.read(run, run)
+    ops = {c["op"] for c in run["cases"] if c.get("decode") and "host_us" in c["ropekv"]}
+    assert set(medians) == ops and ops
+    assert not [m for m in misses if m.startswith("device")]
+    path = str(ROOT / "docs" / "bench.json")
+    assert tool.main([path, path]) == (1 if misses else 0)
+    assert ("all budgets hold" in capsys.readouterr().out) == (not misses)
+
+
+def test_each_budget_flags_its_figure():
+    """A case 3% slower, a decode call above 12 us, a first call above 150 us and an op whose
+    CuPy median passes 8 us are each reported; a case only the new run has is not compared."""
+    tool, old = _tool(), _run()
+    new = copy.deepcopy(old)
+    decode = [c for c in new["cases"] if c.get("decode") and "host_us" in c["ropekv"]]
+    slow, busy, first = decode[0], decode[1], decode[2]
+    slow["ropekv"]["us"] *= 1.03
+    busy["ropekv"]["host_us_torch"] = 12.5
+    first["ropekv"]["first_us"] = 151.0
+    op = decode[-1]["op"]
+    for c in decode:
+        if c["op"] == op:
+            c["ropekv"]["host_us"] = 8.5
+    extra = copy.deepcopy(slow)
+    extra["name"] += " (new case)"
+    new["cases"].append(extra)
+    medians, misses = tool.read(old, new)
+    assert medians[op]["host_us"] == 8.5
+    text = "\n".join(misses)
+    assert f"device {slow['name']}:" in text and "(1.030x)" in text
+    assert f"host {busy['name']}: host_us_torch 12.5" in text
+    assert f"first call {first['name']}: first_us 151.0" in text
+    assert f"host {op}: median host_us 8.5" in text
+    assert extra["name"] not in text

@@ -1,0 +1,81 @@
+"""Read a recorded ``ropekv bench`` run against the host and device budgets of the architecture
+issue (34), given the previous recorded run: no GPU needed, only the two JSON files.
+
+The budgets: host time per eager call over each op's decode cases, median at most 8 us with CuPy
+and 10 us with torch, no case above 12 us; the first call of a layout at most 150 us; each case's
+device time within 2% of the previous run's (a case only one run has is not compared).
+
+Usage (from the repository root; OLD and NEW as ``ropekv bench --json`` writes them)::
+
+    python tools/budgets.py OLD.json NEW.json
+
+Prints each op's host medians, then every figure past its budget; exits 0 when all hold, 1
+otherwise. A case the device budget flags is read again with ``tools/device_ab.py`` before it
+counts as slower: two recorded runs come from two machines (CONTRIBUTING.md).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+HOST_MEDIAN_US = {"host_us": 8.0, "host_us_torch": 10.0}  # per op, over its decode cases
+HOST_CASE_US = 12.0  # any decode case, CuPy or torch
+FIRST_CALL_US = 150.0  # the first call of a layout, CuPy or torch
+DEVICE_RATIO = 1.02  # new / old device time of a case both runs have
+
+
+def read(result_old, result_new):
+    """``(medians, misses)``: ``{op: {key: median}}`` of the new run's decode host times, and a
+    line per figure past its budget."""
+    by_op: dict[str, dict[str, list]] = {}
+    misses = []
+    for c in result_new["cases"]:
+        r = c.get("ropekv", {})
+        if not c.get("decode"):
+            continue
+        for key in HOST_MEDIAN_US:
+            if key in r:
+                by_op.setdefault(c["op"], {}).setdefault(key, []).append(r[key])
+                if r[key] > HOST_CASE_US:
+                    misses.append(f"host {c['name']}: {key} {r[key]:.1f} us > {HOST_CASE_US:g}")
+    for c in result_new["cases"]:
+        r = c.get("ropekv", {})
+        for key in ("first_us", "first_us_torch"):
+            if r.get(key, 0) > FIRST_CALL_US:
+                misses.append(f"first call {c['name']}: {key} {r[key]:.1f} us > {FIRST_CALL_US:g}")
+    medians = {
+        op: {key: statistics.median(v) for key, v in figures.items()}
+        for op, figures in by_op.items()
+    }
+    for op, figures in medians.items():
+        for key, median in figures.items():
+            if median > HOST_MEDIAN_US[key]:
+                misses.append(f"host {op}: median {key} {median:.1f} us > {HOST_MEDIAN_US[key]:g}")
+    old = {c["name"]: c.get("ropekv", {}).get("us") for c in result_old["cases"]}
+    for c in result_new["cases"]:
+        us, was = c.get("ropekv", {}).get("us"), old.get(c["name"])
+        if us and was and us / was > DEVICE_RATIO:
+            misses.append(f"device {c['name']}: {was:.2f} -> {us:.2f} us ({us / was:.3f}x)")
+    return medians, misses
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print(__doc__.strip().splitlines()[0], "\nusage: python tools/budgets.py OLD.json NEW.json")
+        return 2
+    with open(argv[0]) as f_old, open(argv[1]) as f_new:
+        medians, misses = read(json.load(f_old), json.load(f_new))
+    for op, figures in medians.items():
+        cells = ", ".join(f"{key} {v:.1f}" for key, v in figures.items())
+        print(f"{op}: median host us over decode cases: {cells}")
+    for line in misses:
+        print("MISS", line)
+    print("all budgets hold" if not misses else f"{len(misses)} figures past their budgets")
+    return 0 if not misses else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
