@@ -97,3 +97,4 @@ def test_the_sdist_carries_the_whole_package(built):
     assert "tools/hostcost.py" in sdist_names  # tests/test_replay_cpu.py loads its stand-ins
     assert "tools/device_ab.py" in sdist_names  # tests/test_bench.py runs it on stand-in trees
     assert "tools/sass_diff.py" in sdist_names  # tests/test_sass_diff.py loads it
+    assert "tools/budgets.py" in sdist_names  # tests/test_budgets.py loads it
