@@ -20,6 +20,7 @@ from ropekv import _info, bench, check, cli, reference
 from ropekv import bytes as nb
 from ropekv.bench import cases, frameworks, report, runner, timing, tuning
 from ropekv.bench.workloads import base, qkv
+from tests.tool_loader import load_tool
 
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -1710,16 +1711,6 @@ def test_graph_replay_times_the_eager_qkv_path():
 # ---- tools/device_ab.py: two trees' device times in alternating processes ----------------------
 
 
-def _device_ab():
-    import importlib.util
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "device_ab.py"
-    spec = importlib.util.spec_from_file_location("ropekv_device_ab", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 FAKE_BENCH = """import json, sys
 us = {us}
 args = sys.argv[1:]
@@ -1734,7 +1725,7 @@ def test_device_ab_alternates_trees_and_reads_each_trees_package(tmp_path, capsy
     imports the ropekv of its own tree (stand-in packages whose ``python -m ropekv`` writes the
     bench JSON), gets the bench arguments after ``--``, and each case's line is the median of new
     over the median of old; a case missing from a run is left out."""
-    ab = _device_ab()
+    ab = load_tool("device_ab")
     assert ab.order(3) == [("old", 1), ("new", 1), ("new", 2), ("old", 2), ("old", 3), ("new", 3)]
     for tree, us in (("old", {"a": 10.0, "b": 4.0}), ("new", {"a": 11.0, "b": 4.0, "c": 1.0})):
         pkg = tmp_path / tree / "ropekv"
@@ -1762,7 +1753,7 @@ def test_device_ab_alternates_trees_and_reads_each_trees_package(tmp_path, capsy
 
 def test_device_ab_summary_medians():
     """summarize: per case the runs' times in order and median(new) / median(old)."""
-    ab = _device_ab()
+    ab = load_tool("device_ab")
 
     def run(**us):
         return {"cases": [{"name": n, "ropekv": {"us": t}} for n, t in us.items()]}

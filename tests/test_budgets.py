@@ -1,19 +1,12 @@
 """tools/budgets.py: a recorded bench run read against the host and device budgets (no GPU)."""
 
 import copy
-import importlib.util
 import json
 import pathlib
 
+from tests.tool_loader import load_tool
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "budgets.py"
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("ropekv_budgets", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run():
@@ -23,7 +16,7 @@ def _run():
 def test_the_recorded_run_against_itself_holds_every_budget(capsys):
     """docs/bench.json against itself: each op with decode cases gets its host medians, no
     device time moved, and (the run's host figures being within budget) exit status 0."""
-    tool, run = _tool(), _run()
+    tool, run = load_tool("budgets"), _run()
     medians, misses = tool.read(run, run)
     ops = {c["op"] for c in run["cases"] if c.get("decode") and "host_us" in c["ropekv"]}
     assert set(medians) == ops and ops
@@ -36,7 +29,7 @@ def test_the_recorded_run_against_itself_holds_every_budget(capsys):
 def test_each_budget_flags_its_figure():
     """A case 3% slower, a decode call above 12 us, a first call above 150 us and an op whose
     CuPy median passes 8 us are each reported; a case only the new run has is not compared."""
-    tool, old = _tool(), _run()
+    tool, old = load_tool("budgets"), _run()
     new = copy.deepcopy(old)
     decode = [c for c in new["cases"] if c.get("decode") and "host_us" in c["ropekv"]]
     slow, busy, first = decode[0], decode[1], decode[2]

@@ -12,7 +12,6 @@ import ctypes
 import importlib.util
 import struct
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,12 +20,9 @@ import ropekv
 from ropekv import _arrays as ar
 from ropekv import _launch
 from tests.test_call_path import CASES, LATE_INPUT, OPS, map_arrays
+from tests.tool_loader import load_tool
 
-_spec = importlib.util.spec_from_file_location(
-    "ropekv_hostcost", Path(__file__).resolve().parents[1] / "tools" / "hostcost.py"
-)
-hostcost = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(hostcost)
+hostcost = load_tool("hostcost")
 
 
 DECODE = {"qkv": {"lengths": (1, 1)}}  # the kernel path (more tokens run cuBLAS: Gemms below)
