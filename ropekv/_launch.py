@@ -177,6 +177,13 @@ def division_magic(d):
     return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
 
 
+def division_fields(prefix, d):
+    """``{prefix_magic, prefix_shift}``: :func:`division_magic` of ``d`` as the two record fields a
+    kernel divides by (``d`` 0: both 0, for a record whose kernel does not divide)."""
+    magic, shift = division_magic(d) if d else (0, 0)
+    return {f"{prefix}_magic": magic, f"{prefix}_shift": shift}
+
+
 _launch_kernel = None  # cupy_backends' cuLaunchKernel wrapper, bound on the first launch
 
 
@@ -842,8 +849,8 @@ def stream_wait(producer, consumer, device):
 
     with cupy.cuda.Device(device):
         event = cupy.cuda.Event(disable_timing=True)
-        event.record(cupy.cuda.ExternalStream(producer, device))
-        cupy.cuda.ExternalStream(consumer, device).wait_event(event)
+        event.record(cupy_stream(producer, device))
+        cupy_stream(consumer, device).wait_event(event)
 
 
 def _bounded_put(table, key, value, limit):

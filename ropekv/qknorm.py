@@ -23,7 +23,7 @@ from ropekv._launch import (
     Output,
     ParamStruct,
     Plan,
-    division_magic,
+    division_fields,
     dtype_key,
     given_or_new,
 )
@@ -1059,8 +1059,8 @@ def _values(a, f, c, group, rows):
         "inv_q_scale": 1.0 / c.q_scale if c.q_scale is not None else 1.0,
         "q_dynamic": int(c.q_dynamic),
         "kv_dynamic": int(c.kv_dynamic),
-        **dict(zip(("h_magic", "h_shift"), division_magic(c.Hq + 2 * c.Hkv))),
-        **dict(zip(("pg_magic", "pg_shift"), division_magic(c.page_size))),
+        **division_fields("h", c.Hq + 2 * c.Hkv),
+        **division_fields("pg", c.page_size),
     }
 
 

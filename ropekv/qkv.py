@@ -79,7 +79,7 @@ from ropekv._launch import (
     Output,
     ParamStruct,
     Plan,
-    division_magic,
+    division_fields,
 )
 from ropekv._mrope import check_status
 from ropekv._types import ArrayLike, StreamLike
@@ -1166,7 +1166,7 @@ def _fields(views, c, is_neox, clear):
         "v_inv_scale": 1.0 / c.v_scale if fp8 else 1.0,
         "check": int(vstatus is not None),
         "clear": int(clear),
-        **dict(zip(("g_magic", "g_shift"), division_magic(c.G) if c.G else (0, 0))),
+        **division_fields("g", c.G),
     }
     slots = dict(_SLOTS)
     if vout is None:

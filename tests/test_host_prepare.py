@@ -5,7 +5,7 @@ import numpy as np
 
 from ropekv import _arrays as ar
 from ropekv import qknorm
-from ropekv._launch import division_magic
+from ropekv._launch import division_fields, division_magic
 
 
 def _extent(shape, strides):
@@ -175,3 +175,11 @@ def test_divisions_by_magic_numbers_are_exact():
         n = n[n < 2**31]
         got = (((np.uint64(magic) * n) >> np.uint64(32)) + n) >> np.uint64(shift)
         np.testing.assert_array_equal(got, n // np.uint64(d), err_msg=str(d))
+
+
+def test_division_fields_name_the_records_two_fields():
+    """A record's divisor as its two named fields (QK-norm's h / pg, qkv_mma's g); divisor 0 (a
+    record whose kernel does not divide, qkv without groups) gives zeros."""
+    assert division_fields("g", 128) == dict(zip(("g_magic", "g_shift"), division_magic(128)))
+    assert division_fields("pg", 16) == {"pg_magic": division_magic(16)[0], "pg_shift": 4}
+    assert division_fields("g", 0) == {"g_magic": 0, "g_shift": 0}
