@@ -943,6 +943,20 @@ def test_host_times_are_re_measured_lagging_cases_and_at_the_end(monkeypatch):
         assert len(rounds) == 3 and c["ropekv"]["host_us"] == statistics.median(rounds)
 
 
+def test_peer_builds_name_the_peers_that_compiled_inside_the_run():
+    """A peer whose checked first call of a case took more than PEER_BUILD_S compiled inside the
+    run (FlashInfer's JIT): its seconds summed and its cases counted; quick first calls, peers
+    that did not run and cases with errors count nothing."""
+    cases = [
+        {"peers": {"flashinfer": {"first_s": 41.0, "us": 2.0}, "torch": {"first_s": 0.01}}},
+        {"peers": {"flashinfer": {"first_s": 0.2}, "flashinfer-cake": {"first_s": 9.5}}},
+        {"peers": {"flashinfer-cake": {"first_s": 9.0}, "cublas": "needs the CUDA backend"}},
+        {"peers": {"torch": {"status": "error: boom"}}, "error": "boom"},
+    ]
+    assert runner.peer_builds(cases) == {"flashinfer": [41.0, 1], "flashinfer-cake": [18.5, 2]}
+    assert runner.peer_builds(cases[3:]) == {}
+
+
 def test_runner_on_the_numpy_backend(tmp_path):
     """The whole run (cases built, ropekv and the PyTorch peer called and compared, timed) on the
     host, then the report, the JSON and the plot from its result."""
@@ -979,6 +993,7 @@ def test_runner_on_the_numpy_backend(tmp_path):
         torch_peer = c["peers"]["torch"]
         if "torch" in sys.modules or _has_torch():
             assert torch_peer["status"] == "ok" and torch_peer["ratio"] > 0, torch_peer
+            assert torch_peer["first_s"] > 0  # its checked first call, timed (peer_builds)
         else:
             assert torch_peer["status"].startswith("skipped")
     decode = result["cases"][1]

@@ -51,3 +51,16 @@ def test_each_budget_flags_its_figure():
     assert f"first call {first['name']}: first_us 151.0" in text
     assert f"host {op}: median host_us 8.5" in text
     assert extra["name"] not in text
+
+
+def test_a_run_whose_peers_compiled_does_not_count():
+    """A run in which FlashInfer built its modules (its ``peer_builds``) is flagged whatever its
+    figures: host times taken after in-process builds read slower."""
+    tool, old = load_tool("budgets"), _run()
+    new = copy.deepcopy(old)
+    new["peer_builds"] = {"flashinfer": [51.2, 2]}
+    _, misses = tool.read(old, new)
+    assert [m for m in misses if m.startswith("run: flashinfer compiled for 51 s in 2 cases")]
+    new["peer_builds"] = {}
+    _, misses = tool.read(old, new)
+    assert not [m for m in misses if m.startswith("run:")]

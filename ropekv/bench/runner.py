@@ -221,6 +221,7 @@ def run(
             log(len(specs), n, f"first calls: {timing.FIRST_ROUNDS} rounds over the decode cases")
             first_call_phase(specs, cases, free=lambda: _free(backend))
     result["cases"] = cases
+    result["peer_builds"] = peer_builds(cases)
     if backend == "cuda":  # known once a call has planned: host times depend on it
         from ropekv import _native
 
@@ -450,6 +451,32 @@ def host_rounds_done(case):
     return len(rounds["host_us"]) if rounds else HOST_ROUNDS
 
 
+# A peer's checked first call of a case past this many seconds compiled something in the bench's
+# own process (FlashInfer JIT-builds its rope, page and Cake modules on first use; a cached
+# module loads in well under a second).
+PEER_BUILD_S = 3.0
+
+
+def peer_builds(cases):
+    """``{peer: [seconds, cases]}``: the peers whose checked first call of a case took more than
+    PEER_BUILD_S, with those calls' seconds summed and counted (``first_s`` of each peer entry).
+
+    Why a run says so: host figures taken after peers built their modules inside the run's
+    process read slower. On the H200 host, the same code and machine kind (52b2e17): a run that
+    built every FlashInfer module itself took first calls 2.3-2.7x and calls 1.2-1.9x (by op) of
+    those of a run whose modules an earlier process had built; that run's device times and its
+    peers' were the same. A recorded run is taken once the modules are cached."""
+    builds: dict[str, list] = {}
+    for c in cases:
+        for name, entry in c.get("peers", {}).items():
+            s = entry.get("first_s", 0.0) if isinstance(entry, dict) else 0.0
+            if s > PEER_BUILD_S:
+                total = builds.setdefault(name, [0.0, 0])
+                total[0] += s
+                total[1] += 1
+    return builds
+
+
 def run_case(spec, peers, settings, flusher, copy_bw, backend="cuda", tune=(), options=False):
     case = {
         "op": spec.op,
@@ -504,7 +531,9 @@ def _check_and_time(name, r, entry, w, spec, settings, flusher, expected, us):
     try:
         if r.reset:
             r.reset()
-        r.call()
+        t = time.perf_counter()
+        r.call()  # a peer that compiles on first use compiles here (peer_builds)
+        entry["first_s"] = time.perf_counter() - t
         want = r.expect(expected) if r.expect else expected
         mismatch = None if want is UNCHECKED else compare_all(r.outputs(), want, w.compare_mode)
     except Exception as e:  # noqa: BLE001
@@ -585,6 +614,16 @@ def main(
         print(f"wrote {json_path}")
     if plot_path and result["cases"]:
         print(f"wrote {plot_path}")
+    if result.get("peer_builds"):
+        built = ", ".join(
+            f"{p} {s:.0f} s in {n} cases" for p, (s, n) in result["peer_builds"].items()
+        )
+        print(
+            f"ropekv bench: peers compiled inside this run ({built}); host figures taken after "
+            "in-process builds read slower (runner.peer_builds): for recorded host figures, run "
+            "it again now that their modules are cached",
+            file=sys.stderr,
+        )
     errors = [c for c in result["cases"] if "error" in c]
     errors += [f for f in result.get("frameworks", []) if "error" in f]
     return 1 if errors else 0
