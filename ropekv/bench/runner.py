@@ -452,8 +452,9 @@ def host_rounds_done(case):
 
 
 # A peer's checked first call of a case past this many seconds compiled something in the bench's
-# own process (FlashInfer JIT-builds its rope, page and Cake modules on first use; a cached
-# module loads in well under a second).
+# own process. FlashInfer JIT-builds its rope, page and Cake modules on first use: on the H200 the
+# cases where it did took 9-51 s, while with its modules cached no whole case (ropekv and every
+# peer checked and timed) took more than 4.3 s.
 PEER_BUILD_S = 3.0
 
 
@@ -461,11 +462,12 @@ def peer_builds(cases):
     """``{peer: [seconds, cases]}``: the peers whose checked first call of a case took more than
     PEER_BUILD_S, with those calls' seconds summed and counted (``first_s`` of each peer entry).
 
-    Why a run says so: host figures taken after peers built their modules inside the run's
-    process read slower. On the H200 host, the same code and machine kind (52b2e17): a run that
-    built every FlashInfer module itself took first calls 2.3-2.7x and calls 1.2-1.9x (by op) of
-    those of a run whose modules an earlier process had built; that run's device times and its
-    peers' were the same. A recorded run is taken once the modules are cached."""
+    Why a run says so: its host figures are suspect. On the H200 (52b2e17), a run that built
+    every FlashInfer module inside it read first calls 1.8-2.0x (by op) those of a run of the same
+    code on another machine of that kind whose modules another process had built; device times
+    matched. (Two machines, so not proof of the cause; the one earlier run that built its
+    modules inside it also read first calls past the 150 us budget.) A recorded run is taken once
+    the modules are cached."""
     builds: dict[str, list] = {}
     for c in cases:
         for name, entry in c.get("peers", {}).items():
