@@ -49,6 +49,9 @@ def test_each_budget_flags_its_figure():
     assert f"device {slow['name']}:" in text and "(1.030x)" in text
     assert f"host {busy['name']}: host_us_torch 12.5" in text
     assert f"first call {first['name']}: first_us 151.0" in text
+    rounds = first["ropekv"].get("first_rounds", {}).get("first_us")
+    if rounds:  # each round's figure beside the median: an op's edge shows as alternating rounds
+        assert f"(rounds {' '.join(f'{us:.0f}' for us in rounds)})" in text
     assert f"host {op}: median host_us 8.5" in text
     assert extra["name"] not in text
 

@@ -46,7 +46,11 @@ def read(result_old, result_new):
         r = c.get("ropekv", {})
         for key in ("first_us", "first_us_torch"):
             if r.get(key, 0) > FIRST_CALL_US:
-                misses.append(f"first call {c['name']}: {key} {r[key]:.1f} us > {FIRST_CALL_US:g}")
+                rounds = r.get("first_rounds", {}).get(key)  # in order, then in reverse, ...
+                each = f" (rounds {' '.join(f'{us:.0f}' for us in rounds)})" if rounds else ""
+                misses.append(
+                    f"first call {c['name']}: {key} {r[key]:.1f} us > {FIRST_CALL_US:g}{each}"
+                )
     medians = {
         op: {key: statistics.median(v) for key, v in figures.items()}
         for op, figures in by_op.items()
