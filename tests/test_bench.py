@@ -946,11 +946,12 @@ def test_host_times_are_re_measured_lagging_cases_and_at_the_end(monkeypatch):
 def test_peer_builds_name_the_peers_that_compiled_inside_the_run():
     """A peer whose checked first call of a case took more than PEER_BUILD_S compiled inside the
     run (FlashInfer's JIT): its seconds summed and its cases counted; quick first calls, peers
-    that did not run and cases with errors count nothing."""
+    that did not run, cases with errors and ropekv's own variants count nothing."""
     cases = [
         {"peers": {"flashinfer": {"first_s": 41.0, "us": 2.0}, "torch": {"first_s": 0.01}}},
         {"peers": {"flashinfer": {"first_s": 0.2}, "flashinfer-cake": {"first_s": 9.5}}},
         {"peers": {"flashinfer-cake": {"first_s": 9.0}, "cublas": "needs the CUDA backend"}},
+        {"peers": {"ropekv[+status]": {"first_s": 12.0}, "ropekv[qkv.MMA_FORM=0]": {"first_s": 5}}},
         {"peers": {"torch": {"status": "error: boom"}}, "error": "boom"},
     ]
     assert runner.peer_builds(cases) == {"flashinfer": [41.0, 1], "flashinfer-cake": [18.5, 2]}

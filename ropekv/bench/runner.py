@@ -460,7 +460,9 @@ PEER_BUILD_S = 3.0
 
 def peer_builds(cases):
     """``{peer: [seconds, cases]}``: the peers whose checked first call of a case took more than
-    PEER_BUILD_S, with those calls' seconds summed and counted (``first_s`` of each peer entry).
+    PEER_BUILD_S, with those calls' seconds summed and counted (``first_s`` of each peer entry;
+    ropekv's own ``--tune`` / ``--options`` runners, which compile ropekv's kernels, are not
+    peers).
 
     Why a run says so: its host figures are suspect. On the H200 (52b2e17), a run that built
     every FlashInfer module inside it read first calls 1.8-2.0x (by op) those of a run of the same
@@ -471,6 +473,8 @@ def peer_builds(cases):
     builds: dict[str, list] = {}
     for c in cases:
         for name, entry in c.get("peers", {}).items():
+            if name.startswith("ropekv"):  # --tune / --options runners: ropekv's own NVRTC builds
+                continue
             s = entry.get("first_s", 0.0) if isinstance(entry, dict) else 0.0
             if s > PEER_BUILD_S:
                 total = builds.setdefault(name, [0.0, 0])
