@@ -219,9 +219,15 @@ def heads_view(x, head_size):
     x = np.asarray(x)
     if x.ndim == 3:
         return x
-    view = x.view()
-    view.shape = (x.shape[0], x.shape[1] // head_size, head_size)  # raises rather than copy
-    return view
+    T, width = x.shape
+    if width % head_size:
+        raise ValueError(f"rows of {width} elements are not whole heads of {head_size}")
+    # a view whatever the strides (a row's heads split its last dimension); NumPy 2.5 deprecates
+    # setting .shape, and reshape may copy
+    s0, s1 = x.strides
+    return np.lib.stride_tricks.as_strided(
+        x, (T, width // head_size, head_size), (s0, head_size * s1, s1)
+    )
 
 
 def apply_rope_with_cos_sin_cache(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -164,3 +165,20 @@ def test_quantize_rows_edge_rows():
     f = s.astype(np.float64)
     assert f[0].tolist()[:2] == [224.0, -448.0] and np.isnan(f[0, 2])  # NaN stays NaN in fp8
     assert np.isnan(f[2, 0]) and (f[2, 1:] == 0).all()
+
+
+def test_heads_view_is_a_view_of_any_rows():
+    """``(T, H * D)`` rows as ``(T, H, D)`` without a copy, for contiguous and strided rows (the
+    reference writes ``query_out`` / in-place results through it); rows that are not whole heads
+    raise."""
+    heads_view = reference.heads_view
+    x = np.arange(2 * 24, dtype=np.float32).reshape(2, 24)
+    v = heads_view(x, 8)
+    v[1, 2, 7] = -1
+    assert v.shape == (2, 3, 8) and x[1, 23] == -1
+    strided = np.arange(4 * 64, dtype=np.float16).reshape(4, 64)[::2, :48]
+    w = heads_view(strided, 16)
+    assert np.shares_memory(w, strided)
+    np.testing.assert_array_equal(w.reshape(2, 48), strided)
+    with pytest.raises(ValueError, match="not whole heads of 5"):
+        heads_view(x, 5)
