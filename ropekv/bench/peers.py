@@ -117,6 +117,12 @@ def make_runners(w, spec, peers, backend="cuda", variants=(), options=False):
     return ropekv, out
 
 
+def is_variant(name):
+    """Whether a runner of a case's ``peers`` is ropekv itself under a ``--tune`` variant or an
+    option (``ropekv[<label>]``, ``ropekv[+<option>]``, :func:`_add_variants`), not a peer."""
+    return name.startswith("ropekv[")
+
+
 def _add_variants(out, w, framework, variants, options):
     """Into ``out``: the ``ropekv[<label>]`` runners of the ``--tune`` variants that change this
     op, and with ``options`` the ``ropekv[+<option>]`` ones."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 
+from ropekv.bench.peers import is_variant
 from ropekv.bench.workloads import OPS
 
 
@@ -197,7 +198,7 @@ def speedups(result):
         timed = {
             p: e["us"]
             for p, e in c.get("peers", {}).items()
-            if e.get("status") == "ok" and "us" in e and not p.startswith("ropekv[")
+            if e.get("status") == "ok" and "us" in e and not is_variant(p)
         }
         if timed:
             peer = min(timed, key=timed.get)

@@ -19,7 +19,7 @@ from ropekv.bench import timing, tuning
 from ropekv.bench.arrays import _torch, gpu_status, one_line
 from ropekv.bench.cases import select_specs
 from ropekv.bench.compare import compare_all
-from ropekv.bench.peers import PEERS, UNCHECKED, make_runners, peer_availability
+from ropekv.bench.peers import PEERS, UNCHECKED, is_variant, make_runners, peer_availability
 from ropekv.bench.timing import eager_host_times, host_time, time_runner, torch_host_us
 from ropekv.bench.workloads import OPS, op_available
 
@@ -473,7 +473,7 @@ def peer_builds(cases):
     builds: dict[str, list] = {}
     for c in cases:
         for name, entry in c.get("peers", {}).items():
-            if name.startswith("ropekv"):  # --tune / --options runners: ropekv's own NVRTC builds
+            if is_variant(name):  # --tune / --options runners: ropekv's own NVRTC builds
                 continue
             s = entry.get("first_s", 0.0) if isinstance(entry, dict) else 0.0
             if s > PEER_BUILD_S:
