@@ -688,13 +688,14 @@ def test_torch_tensors_in_place_zero_copy():
 @pytest.mark.gpu
 def test_jax_arrays_are_read_zero_copy():
     jax = pytest.importorskip("jax")
-    jnp = jax.numpy
     args = make_case(11, D=128, R=128)
     expected = copy_args(args)
     call(expected)
     dev = device_args(args)
-    jk, jv = jnp.asarray(args["k"]), jnp.asarray(args["v"])
-    jt = jnp.asarray(args["cos_sin_cache"])
+    # JAX's arrays on the CuPy arrays' device: with two GPUs the two libraries' current devices
+    # can differ (the suite on a two-H200 machine found q on device 1 and JAX's k on device 0)
+    (gpu,) = [d for d in jax.devices("gpu") if d.local_hardware_id == dev["q"].device.id]
+    jk, jv, jt = (jax.device_put(args[n], gpu) for n in ("k", "v", "cos_sin_cache"))
     dev.update(k=jk, v=jv, cos_sin_cache=jt)
     call(dev)
     assert_close(dev["kv_cache"], expected["kv_cache"], "cache from JAX inputs")
