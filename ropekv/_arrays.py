@@ -3,7 +3,8 @@ internal :class:`ArrayView`, and the layout signature that keys launch plans.
 
 CuPy arrays and torch tensors are read from their attributes (pointer, shape, strides, dtype,
 device): no capsule, and torch is never imported unless the caller passed a tensor. Objects with
-``__cuda_array_interface__`` (JAX's ``buffer_callback`` buffers, Numba) are read from it. Any other
+``__cuda_array_interface__`` (JAX's ``buffer_callback`` buffers, Numba) are read from it; JAX arrays
+go through DLPack (their interface does not wait for their pending work). Any other
 ``__dlpack__`` producer goes through a capsule that ropekv reads itself (legacy ``dltensor`` and
 versioned ``dltensor_versioned``; CuPy cannot import float8 through DLPack). The capsule is never
 consumed: it is kept alive beside the view, and when it is collected its own destructor releases
@@ -685,9 +686,16 @@ def as_view(obj, name, stream_ptr=None, arrays=None):
     if is_torch(obj):
         return _from_torch(obj, name)
     jax = sys.modules.get("jax")
-    if jax is not None and isinstance(obj, jax.core.Tracer):
-        raise TypeError(TRACED_JAX.format(name=name, cls=type(obj).__name__))
-    try:  # JAX raises its own error (not AttributeError) for dtypes CAI cannot spell (float8)
+    if jax is not None:
+        if isinstance(obj, jax.core.Tracer):
+            raise TypeError(TRACED_JAX.format(name=name, cls=type(obj).__name__))
+        if isinstance(obj, jax.Array):
+            # DLPack, not its __cuda_array_interface__: that one (version 2, no stream) is
+            # exported while the array's transfer or computation may still be running (JAX
+            # dispatches asynchronously), so a kernel could read memory not yet written; JAX's
+            # __dlpack__(stream=) makes the launch stream wait for that work
+            return _from_dlpack(obj, name, stream_ptr, arrays)
+    try:  # (a producer may raise its own error, not AttributeError, for a dtype CAI cannot spell)
         cai = getattr(obj, "__cuda_array_interface__", None)
     except Exception:  # noqa: BLE001 - then DLPack it is
         cai = None

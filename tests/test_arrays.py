@@ -4,6 +4,7 @@ protocol. Runs without a GPU: a fake producer hands out real DLPack capsules ove
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -128,6 +129,44 @@ def test_numpy_own_dlpack_capsule():
     v = ar.as_view(Wrapper(), "x")
     assert v.ptr == a.ctypes.data and v.dtype == np.float32
     np.testing.assert_array_equal(v.host, a)
+
+
+def test_jax_arrays_go_through_dlpack_not_their_array_interface(monkeypatch):
+    """A JAX array is read through DLPack even though it has __cuda_array_interface__: JAX's
+    interface (version 2, no stream) is exported while the array's work may still run, where
+    DLPack's stream handshake orders it before the launch."""
+    import types
+
+    class Tracer:
+        pass
+
+    class Array:
+        pass
+
+    fake = types.ModuleType("jax")
+    fake.Array, fake.core = Array, types.SimpleNamespace(Tracer=Tracer)
+    monkeypatch.setitem(sys.modules, "jax", fake)
+    a = random_array(np.float16)
+    producer = FakeProducer(a)
+
+    class JaxLike(Array):
+        cai_read = False
+
+        @property
+        def __cuda_array_interface__(self):  # JAX's: version 2, no stream
+            JaxLike.cai_read = True
+            return {"shape": a.shape, "typestr": "<f2", "data": (a.ctypes.data, True), "version": 2}
+
+        def __dlpack__(self, **kw):
+            return producer.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return producer.__dlpack_device__()
+
+    v = ar.as_view(JaxLike(), "k")
+    assert not JaxLike.cai_read
+    assert producer.stream_seen is None  # __dlpack__ was called (a host array: no stream)
+    assert v.ptr == a.ctypes.data and v.shape == a.shape and v.dtype == np.float16
 
 
 def test_read_only_flag_is_honoured():

@@ -703,6 +703,36 @@ def test_jax_arrays_are_read_zero_copy():
 
 
 @pytest.mark.gpu
+def test_jax_inputs_still_in_flight_are_waited_for():
+    """JAX dispatches asynchronously: k and v here are still being copied to the device (behind
+    a 1 GiB copy queued first) when ropekv is called, and the table feeds on a computation still
+    running (a chain of large matrix products). The kernel must read them after both. (ropekv
+    takes JAX arrays through DLPack, whose stream handshake orders that work; the earlier read of
+    their __cuda_array_interface__ passed this test too on the H200, twice, but a suite run read
+    K rows of zeros through it in test_jax_arrays_are_read_zero_copy.)"""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    args = make_case(12, D=128, R=128)
+    expected = copy_args(args)
+    call(expected)
+    dev = device_args(args)
+    (gpu,) = [d for d in jax.devices("gpu") if d.local_hardware_id == dev["q"].device.id]
+    big = jax.device_put(np.ones(1 << 28, np.float32), gpu)  # 1 GiB on the copy queue first
+    jk, jv = (jax.device_put(args[n], gpu) for n in ("k", "v"))
+    with jax.default_device(gpu):
+        w = jax.random.normal(jax.random.key(0), (4096, 4096), jnp.float32)
+        for _ in range(6):  # tens of milliseconds of device work, queued
+            w = jnp.tanh(w @ w)
+        zero = (w[0, 0] * 0).astype(jnp.float16)  # 0, known only once the chain has run
+        jt = jax.device_put(args["cos_sin_cache"], gpu) + zero.astype(jnp.float32)
+    dev.update(k=jk, v=jv, cos_sin_cache=jt)
+    call(dev)
+    assert_close(dev["kv_cache"], expected["kv_cache"], "cache from in-flight JAX inputs")
+    assert_close(dev["q"], expected["q"], "q")
+    del big
+
+
+@pytest.mark.gpu
 def test_explicit_stream():
     import cupy as cp
 
