@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import ctypes
+import functools
 import os
 import pstats
 import subprocess
@@ -432,7 +433,20 @@ PHASES = (
 )
 
 
-class _TimedCaller:
+def timer(acc, label, f):
+    """``f`` wrapped so that each call adds its nanoseconds to ``acc[label]``."""
+
+    def g(*a, **k):
+        t0 = time.perf_counter_ns()
+        try:
+            return f(*a, **k)
+        finally:
+            acc[label] = acc.get(label, 0) + time.perf_counter_ns() - t0
+
+    return g
+
+
+class TimedCaller:
     """An op's C replay with its calls timed: ``caller`` (the layout miss, and the first replay
     when ``_launch.FIRST_LAUNCH_DIRECT`` is off) and ``launch`` (a new plan's first launch)."""
 
@@ -453,17 +467,7 @@ def first_phases(fn, n=50):
     from ropekv.bench.timing import clear_plans, launch_ops
 
     acc, saved = {}, []
-
-    def timed(label, f):
-        def g(*a, **k):
-            t0 = time.perf_counter_ns()
-            try:
-                return f(*a, **k)
-            finally:
-                acc[label] = acc.get(label, 0) + time.perf_counter_ns() - t0
-
-        return g
-
+    timed = functools.partial(timer, acc)
     for mod_name, attr in PHASES:
         mod = importlib.import_module(mod_name)
         saved.append((mod, attr, getattr(mod, attr)))
@@ -475,7 +479,7 @@ def first_phases(fn, n=50):
     for op in launch_ops():
         if op.caller is not None:
             saved.append((op, "caller", op.caller))
-            op.caller = _TimedCaller(op.caller, timed)
+            op.caller = TimedCaller(op.caller, timed)
     rows = {}
     try:
         for _ in range(n):

@@ -22,11 +22,16 @@ entry's median steps in forward and in backward rounds, in the phase's order.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import statistics
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: hostcost
+from first_call_c import cpu_calls, gpu_calls  # this directory's sibling
+from hostcost import TimedCaller, timer
 
 # (target, a predecessor of the same op, one of another op): the bench's op edges with the
 # largest steps in the recorded run of 52b2e17
@@ -68,56 +73,12 @@ STEPS = (
 )
 
 
-def calls_of(names):
-    import cupy
-    import torch
-
-    from ropekv.bench import cases
-    from ropekv.bench.timing import torch_workload
-
-    specs = {s.name: s for s in cases.bench_specs()}
-    calls = {}
-    for name in names:
-        w = specs[name].make()
-        o = {k: w.a[k] for k in w.outputs_names}
-        tw, to = torch_workload(w, o)
-        calls[name, "cupy"], calls[name, "torch"] = w.bound(o), tw.bound(to)
-    for call in calls.values():
-        call()
-    torch.cuda.synchronize()
-    return calls, cupy.cuda.runtime.deviceSynchronize
-
-
-def cpu_calls_of(names):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from hostcost import Case, host_workloads, install_stubs, to_cupy, to_torch
-
-    install_stubs()
-    calls = {}
-    for name, w in host_workloads(list(names)).items():
-        calls[name, "cupy"], calls[name, "torch"] = Case(w, to_cupy), Case(w, to_torch)
-    for call in calls.values():
-        call()
-    return calls, lambda: None
-
-
 def timers(acc):
     """Wrap every step of :data:`STEPS` and every op's ``prepare`` and C replay launch in a
     timer adding to ``acc``; returns the undo list."""
     from ropekv.bench.timing import launch_ops
 
-    saved = []
-
-    def timed(label, f):
-        def g(*a, **k):
-            t0 = time.perf_counter_ns()
-            try:
-                return f(*a, **k)
-            finally:
-                acc[label] = acc.get(label, 0) + time.perf_counter_ns() - t0
-
-        return g
-
+    saved, timed = [], functools.partial(timer, acc)
     for mod_name, attr in STEPS:
         mod = importlib.import_module(mod_name)
         if hasattr(mod, attr):
@@ -128,17 +89,8 @@ def timers(acc):
         op.prepare = timed("prepare", op.prepare)
         if op.caller is not None:  # the C replay: its miss (the layout read) and first launch
             saved.append((op, "caller", op.caller))
-            op.caller = _TimedCaller(op.caller, timed)
+            op.caller = TimedCaller(op.caller, timed)
     return saved
-
-
-class _TimedCaller:
-    def __init__(self, caller, timed):
-        self._call = timed("caller_miss", caller)
-        self.launch = timed("caller_launch", caller.launch)
-
-    def __call__(self, *args):
-        return self._call(*args)
 
 
 def undo(saved):
@@ -150,12 +102,14 @@ def first(fn, sync, acc):
     from ropekv.bench.timing import clear_plans
 
     clear_plans()
-    sync()
+    if sync is not None:
+        sync()
     acc.clear()
     t0 = time.perf_counter_ns()
     fn()
     acc["total"] = time.perf_counter_ns() - t0
-    sync()
+    if sync is not None:
+        sync()
     return {k: v / 1e3 for k, v in acc.items()}
 
 
@@ -258,7 +212,7 @@ def main(argv=None):
         print(f"total {time.perf_counter() - t0:.1f} s")
         return
     names = list(dict.fromkeys(n for p in PAIRS for n in p))
-    calls, sync = (cpu_calls_of if args.cpu else calls_of)(names)
+    calls, sync = (cpu_calls if args.cpu else gpu_calls)(names)
     print(f"set-up {time.perf_counter() - t0:.1f} s; {args.settle} + {args.rounds} rounds")
     report(measure(calls, sync, PAIRS, args.rounds, args.settle))
     print(f"total {time.perf_counter() - t0:.1f} s")
