@@ -40,6 +40,8 @@ ROWS_KERNEL = "qk_rmsnorm_rope_decode_rows"  # a warp per token, several rows a 
 ROWS_STEPS = (1, 2, 3, 4)  # its kernels by the rows a lane holds (U, a template constant)
 FLAT_WIDTHS = (8, 4)  # its elements per lane: 16-byte lanes, or 8-byte lanes for the fewest tokens
 DECODE_DIMS = (64, 128, 256)  # head dims with a decode kernel (full-width RoPE, 16-byte lanes)
+# requests (= tokens) of the calls whose decode kernel takes the decode guess (guesses)
+GUESS_REQUESTS = (32, 512)
 INT32_EXTENT = 2**31  # arrays whose element offsets stay below this take 32-bit offset math
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 KV_LAYOUTS = ("NHD", "HND")
@@ -197,8 +199,12 @@ TUNING = {
     # spreads them (ncu, TP 256 x 1: ropekv 160 blocks x 128, 4.8 warps / SM; Cake 384 x 128,
     # 8.8 warps / SM, the same instruction count). Side by side on the H200 (graph replay, TP 8 / 1
     # heads, bf16 cache): 64 tokens 2.4 against 2.5 us, 256 tokens (tp_flat_to 256) 3.1 against
-    # 3.2-3.3; 1-16 tokens unchanged (tp_flat_from 1 took 1 / 4 tokens 0.1 us slower).
-    "tp_flat_from": 16,
+    # 3.2-3.3; 1-16 tokens unchanged (tp_flat_from 1 took 1 / 4 tokens 0.1 us slower). Off
+    # since the decode guess (GUESS_REQUESTS): with it, in one process on the H200 (`ropekv
+    # bench --tune qknorm.tp_flat_from=0`, graph replay), the kernels without the spread shape
+    # took 0.95-0.96x its time at 16 / 64 / 128 tokens (bf16 and e4m3 caches; 64 tokens 2.1
+    # against 2.2 us) and 0.99-1.01x at 256.
+    "tp_flat_from": 0,
     "tp_flat_to": 256,
     "tp_flat_width": 4,
     "tp_flat_rows": 8,
@@ -269,9 +275,10 @@ def expression(dtype, cache_dtype, is_neox, n, rows=1, opts=0, q_dtype=None):
     )
 
 
-def decode_expression(dtype, cache_dtype, is_neox, D, gamma_f32, i32):
+def decode_expression(dtype, cache_dtype, is_neox, D, gamma_f32, i32, guess=False):
     """The decode kernel: head dim ``D`` (one of DECODE_DIMS), float32 RMSNorm weights or
-    weights of ``dtype``, 32-bit or 64-bit offsets."""
+    weights of ``dtype``, 32-bit or 64-bit offsets; ``guess``: the decode guess for the request
+    search (:func:`guesses`)."""
     return name_expression(
         DECODE_KERNEL,
         c_type(dtype),
@@ -280,23 +287,49 @@ def decode_expression(dtype, cache_dtype, is_neox, D, gamma_f32, i32):
         D,
         c_bool(gamma_f32),
         c_bool(i32),
+        c_bool(guess),
     )
 
 
-def flat_expression(dtype, cache_dtype, is_neox, D, gamma_f32, n):
+def flat_expression(dtype, cache_dtype, is_neox, D, gamma_f32, n, guess=False):
     """The flat decode kernel (32-bit offsets): head dim ``D`` (one of DECODE_DIMS), ``n``
-    elements per lane (one of FLAT_WIDTHS)."""
+    elements per lane (one of FLAT_WIDTHS); ``guess`` as for :func:`decode_expression`."""
     return name_expression(
-        FLAT_KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), D, c_bool(gamma_f32), n
+        FLAT_KERNEL,
+        c_type(dtype),
+        c_type(cache_dtype),
+        c_bool(is_neox),
+        D,
+        c_bool(gamma_f32),
+        n,
+        c_bool(guess),
     )
 
 
-def rows_expression(dtype, cache_dtype, is_neox, D, gamma_f32, rows):
+def rows_expression(dtype, cache_dtype, is_neox, D, gamma_f32, rows, guess=False):
     """The token-rows decode kernel (32-bit offsets, 8 elements a lane): head dim ``D`` (one of
-    DECODE_DIMS), ``rows`` (one of ROWS_STEPS) rows a lane."""
+    DECODE_DIMS), ``rows`` (one of ROWS_STEPS) rows a lane; ``guess`` as for
+    :func:`decode_expression`."""
     return name_expression(
-        ROWS_KERNEL, c_type(dtype), c_type(cache_dtype), c_bool(is_neox), D, c_bool(gamma_f32), rows
+        ROWS_KERNEL,
+        c_type(dtype),
+        c_type(cache_dtype),
+        c_bool(is_neox),
+        D,
+        c_bool(gamma_f32),
+        rows,
+        c_bool(guess),
     )
+
+
+def guesses(T, B):
+    """Whether a decode kernel takes its request search from the decode guess (token t in
+    request t, checked against the binary search's own path: ``kernels/common.cuh``,
+    ``RequestGuess``): calls of as many tokens as requests, from GUESS_REQUESTS[0] requests (the
+    lane-shuffle search below) to GUESS_REQUESTS[1] (the kernels' ``kStageMax``: the path's
+    probes fit its slots). The other calls take kernels without its code, which measured faster
+    where it does not run (Qwen3-32B one to 16 tokens 1.03-1.07x the time with it compiled in)."""
+    return T == B and GUESS_REQUESTS[0] <= B <= GUESS_REQUESTS[1]
 
 
 def flat_lanes(D, is_neox, n):
@@ -314,22 +347,32 @@ def instantiations():
                 for D in DECODE_DIMS:
                     for gamma_f32 in (True, False):
                         for rows in ROWS_STEPS:
-                            yield rows_expression(dtype, cache_dtype, is_neox, D, gamma_f32, rows)
+                            for guess in (False, True):
+                                yield rows_expression(
+                                    dtype, cache_dtype, is_neox, D, gamma_f32, rows, guess
+                                )
     for dtype in INPUT_DTYPES:
         for cache_dtype in (dtype, *FP8_DTYPES):
             for is_neox in (True, False):
                 for D in DECODE_DIMS:
                     for gamma_f32 in (True, False):
                         for n in FLAT_WIDTHS:
-                            if flat_lanes(D, is_neox, n):
-                                yield flat_expression(dtype, cache_dtype, is_neox, D, gamma_f32, n)
+                            if not flat_lanes(D, is_neox, n):
+                                continue
+                            for guess in (False, True):
+                                yield flat_expression(
+                                    dtype, cache_dtype, is_neox, D, gamma_f32, n, guess
+                                )
     for dtype in INPUT_DTYPES:
         for cache_dtype in (dtype, *FP8_DTYPES):
             for is_neox in (True, False):
                 for D in DECODE_DIMS:
                     for gamma_f32 in (True, False):
                         for i32 in (True, False):
-                            yield decode_expression(dtype, cache_dtype, is_neox, D, gamma_f32, i32)
+                            for guess in (False, True):
+                                yield decode_expression(
+                                    dtype, cache_dtype, is_neox, D, gamma_f32, i32, guess
+                                )
     for rows in ROWS:
         for opts in (0, 1, 2):
             yield from rope_instantiations(
@@ -1137,7 +1180,7 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
     array's extent in elements allows (the flat kernel and the token-rows kernel need them);
     the token-rows kernel first, from TUNING["rows_from"] head rows up to TUNING["rows_tokens"]
     tokens."""
-    vq, vk, vv, vqg, vkg, vt, _voff, _vlen, vbt, vkc, vvc = views[:11]
+    vq, vk, vv, vqg, vkg, vt, voff, _vlen, vbt, vkc, vvc = views[:11]
     T, Hq, D = vq.shape
     Hkv = vk.shape[1]
     H = Hq + 2 * Hkv
@@ -1174,20 +1217,21 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
         else (vq, vk, vv, vt, vbt, vkc, vvc, vgiven)
     ) and (vgiven is not None or T * Hq * D < INT32_EXTENT)
     f32 = vqg.dtype == FLOAT32
+    guess = guesses(T, voff.shape[0] - 1)
     if by_token and i32:
-        return _rows_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32)
+        return _rows_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32, guess)
     if spread and i32:
         width, rows = TUNING["tp_flat_width"], TUNING["tp_flat_rows"]
-        return _flat_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32, width, rows)
+        return _flat_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32, guess, width, rows)
     if flat and i32:
-        return _flat_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32)
+        return _flat_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32, guess)
     if not few:
         return None
     group = D // 16 if is_neox else D // 8  # lanes per row (16-byte lanes of 8 elements)
     rows = max(32 // group, min(TUNING["decode_rows"], MAX_BLOCK // group))
     block = -(-rows * group // 32) * 32  # whole warps
     rows = block // group
-    kernel = decode_expression(vq.dtype, vkc.dtype, is_neox, D, f32, i32)
+    kernel = decode_expression(vq.dtype, vkc.dtype, is_neox, D, f32, i32, guess)
     return kernel, (T, -(-H // rows)), (block,)
 
 
@@ -1205,15 +1249,17 @@ def rows_shape(T, H, D, is_neox):
     return U, per_token, max(1, min(TUNING["rows_block_warps"], T, MAX_BLOCK // 32))
 
 
-def _rows_launch(dtype, cache_dtype, is_neox, T, H, D, gamma_f32):
+def _rows_launch(dtype, cache_dtype, is_neox, T, H, D, gamma_f32, guess):
     """(kernel, grid, block) of the token-rows decode kernel: grid (ceil(T / warps), warps a
     token), blocks of ``warps`` warps (one token each)."""
     U, per_token, warps = rows_shape(T, H, D, is_neox)
-    kernel = rows_expression(dtype, cache_dtype, is_neox, D, gamma_f32, U)
+    kernel = rows_expression(dtype, cache_dtype, is_neox, D, gamma_f32, U, guess)
     return kernel, (-(-T // warps), per_token), (32 * warps,)
 
 
-def _flat_launch(dtype, cache_dtype, is_neox, T, H, D, gamma_f32, width=None, block_rows=None):
+def _flat_launch(
+    dtype, cache_dtype, is_neox, T, H, D, gamma_f32, guess, width=None, block_rows=None
+):
     """(kernel, grid, block) of the flat decode kernel: T H rows, blocks of whole warps of up to
     TUNING["decode_rows"] rows, fewer (down to a warp's) while the grid has fewer than
     TUNING["decode_min_blocks"] blocks. ``width`` (elements a lane, FLAT_WIDTHS; 8 where 4
@@ -1232,7 +1278,7 @@ def _flat_launch(dtype, cache_dtype, is_neox, T, H, D, gamma_f32, width=None, bl
     if TUNING["decode_min_blocks"]:
         spread = -(-total // TUNING["decode_min_blocks"])  # rows a block at the minimum grid
         rows = min(rows, max(per_warp, -(-spread // per_warp) * per_warp))
-    kernel = flat_expression(dtype, cache_dtype, is_neox, D, gamma_f32, n)
+    kernel = flat_expression(dtype, cache_dtype, is_neox, D, gamma_f32, n, guess)
     return kernel, (-(-total // rows),), (rows * group,)
 
 

@@ -3,6 +3,8 @@ backend, the validation rules (CPU), and the kernel against the reference (GPU).
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -831,15 +833,19 @@ DECODE_VARIANTS = {
 
 # The flat decode kernel at serving shapes: Qwen3-32B heads (64 / 8) and Tensor-parallel heads
 # (8 / 1: 10 rows a token, so blocks and warps hold rows of several tokens) at N x 1 decode (N
-# requests: the lane-shuffle search below 32, shared memory above), a prefill of TP heads (the
-# flat kernel at any T for H <= decode_heads; 8 requests: the shuffle search with a warp's lanes
-# at two tokens), and 600 requests (the search in global memory); each TUNING variant.
+# requests: the lane-shuffle search below 32, the decode guess checked against the search's path
+# from 32 to 512), as many tokens as requests but not one a request (the guess failing for half
+# the tokens: the search after it), a prefill of TP heads (the flat kernel at any T for H <=
+# decode_heads; 8 requests: the shuffle search with a warp's lanes at two tokens), and 600
+# requests (the search in global memory); each TUNING variant.
 FLAT_CASES = {
     "32b-1": ((64, 8), (1,), (37,)),
     "32b-256": ((64, 8), (1,) * 256, tuple(range(3, 3 + 5 * 256, 5))),
     "tp-16": ((8, 1), (1,) * 16, tuple(range(0, 160, 10))),
     "tp-64": ((8, 1), (1,) * 64, tuple(range(64))),
     "tp-256": ((8, 1), (1,) * 256, tuple(range(0, 768, 3))),
+    "tp-64-uneven": ((8, 1), (2, 0) * 32, tuple(range(0, 640, 10))),
+    "32b-64-uneven": ((64, 8), (0, 2) * 32, tuple(range(5, 645, 10))),
     "tp-prefill": ((8, 1), (100, 0, 97, 130, 1, 64, 3, 120), (0, 5, 17, 0, 40, 300, 0, 9)),
     "tp-huge": ((8, 1), (0,) * 590 + (1,) * 10, (5,) * 590 + tuple(range(0, 300, 30))),
 }
@@ -925,13 +931,24 @@ def _decode_view(shape, dtype=BF16, strides=None):
 
 
 def _decode_choice(
-    T=1, Hq=64, Hkv=8, D=128, R=None, pages=100, gamma=np.float32, fits=True, is_neox=True
+    T=1,
+    Hq=64,
+    Hkv=8,
+    D=128,
+    R=None,
+    pages=100,
+    gamma=np.float32,
+    fits=True,
+    is_neox=True,
+    requests=None,
 ):
-    """_decode_kernel's answer for a plain call of these dimensions (bf16, NHD, page size 16)."""
+    """_decode_kernel's answer for a plain call of these dimensions (bf16, NHD, page size 16;
+    ``requests``, T by default)."""
     from ropekv import qknorm
 
     view = _decode_view
     R = D if R is None else R
+    B = T if requests is None else requests
     views = (
         view((T, Hq, D)),
         view((T, Hkv, D)),
@@ -939,9 +956,9 @@ def _decode_choice(
         view((D,), gamma),
         view((D,), gamma),
         view((4096, R), np.float32),
-        view((T + 1,), np.int32),
-        view((T,), np.int32),
-        view((T, 64), np.int32),
+        view((B + 1,), np.int32),
+        view((B,), np.int32),
+        view((B, 64), np.int32),
         view((pages, 16, Hkv, D)),
         view((pages, 16, Hkv, D)),
     )
@@ -954,11 +971,35 @@ def test_token_rows_kernel_takes_calls_from_rows_from_head_rows():
     from ropekv import qknorm
 
     assert qknorm.TUNING["rows_from"] == 16384
-    assert _decode_choice(T=256)[0] == qknorm.rows_expression(BF16, BF16, True, 128, True, 4)
+    rows256 = qknorm.rows_expression(BF16, BF16, True, 128, True, 4, guess=True)
+    assert _decode_choice(T=256)[0] == rows256
     assert _decode_choice(T=205)[0].startswith(qknorm.ROWS_KERNEL)  # 16400 rows
     assert _decode_choice(T=204) is None  # 16320 rows: the general kernel, as before
-    assert _decode_choice(T=128)[0] == qknorm.decode_expression(BF16, BF16, True, 128, True, True)
+    split128 = qknorm.decode_expression(BF16, BF16, True, 128, True, True, guess=True)
+    assert _decode_choice(T=128)[0] == split128
     assert _decode_choice(T=256, Hq=8, Hkv=1)[0].startswith(qknorm.FLAT_KERNEL)
+
+
+def test_decode_guess_is_compiled_in_for_one_token_a_request_only():
+    """The decode kernels with the decode guess (kernels/common.cuh, RequestGuess) take calls of
+    as many tokens as requests from 32 to 512 requests; the others take the kernels without its
+    code (the lane-shuffle search below 32 requests, shared memory or global memory else)."""
+    from ropekv import qknorm
+
+    assert qknorm.GUESS_REQUESTS == (32, 512)
+    for T, requests, heads, guess in (
+        (31, None, (64, 8), False),
+        (32, None, (64, 8), True),
+        (128, None, (8, 1), True),
+        (256, None, (64, 8), True),
+        (64, 8, (8, 1), False),
+        (64, 63, (64, 8), False),
+        (128, 200, (8, 1), False),
+    ):
+        kernel = _decode_choice(T=T, Hq=heads[0], Hkv=heads[1], requests=requests)[0]
+        assert kernel.endswith(", true>" if guess else ", false>"), (T, requests, kernel)
+    with applied({"qknorm": FLAT_EVERYWHERE}):
+        assert _decode_choice(T=600)[0].endswith(", false>")  # 600 requests: past the slots
 
 
 def test_token_rows_kernel_is_chosen_for_plain_decode_calls():
@@ -978,7 +1019,8 @@ def _token_rows_choices():
     def rows(T, U, per_token, warps, **kw):
         kernel, grid, block = choose(T=T, **kw)
         D, is_neox = kw.get("D", 128), kw.get("is_neox", True)
-        assert kernel == qknorm.rows_expression(BF16, BF16, is_neox, D, True, U), (T, kw)
+        guess = qknorm.guesses(T, T)  # (one token a request)
+        assert kernel == qknorm.rows_expression(BF16, BF16, is_neox, D, True, U, guess), (T, kw)
         assert grid == (-(-T // warps), per_token) and block == (32 * warps,), (T, kw)
 
     # Qwen3-32B heads, 80 rows a token: 1 row a lane (20 warps a token) while T 20 <= 512,
@@ -1027,10 +1069,11 @@ def _decode_choices():
     assert kernel == qknorm.decode_expression(BF16, BF16, True, 128, True, True)
     assert grid == (17, 5)
     assert choose(T=128)[1] == (128, 5)
-    # Tensor-parallel heads (H = 10 <= decode_heads): the (T, splits) kernel below tp_flat_from,
-    # the flat kernel's spread shape up to tp_flat_to, the flat kernel past it, at any T
+    # Tensor-parallel heads (H = 10 <= decode_heads): the (T, splits) kernel up to
+    # decode_tokens, the flat kernel past it, at any T (tp_flat_from 0: no spread shape)
     assert choose(Hq=8, Hkv=1)[1] == (1, 1)
-    assert choose(T=129, Hq=8, Hkv=1)[1:] == ((162,), (128,))  # 1290 rows, 8 a block
+    assert choose(T=128, Hq=8, Hkv=1)[1] == (128, 1)
+    assert choose(T=129, Hq=8, Hkv=1)[1:] == ((81,), (128,))  # 1290 rows, 16 a block
     assert choose(T=257, Hq=8, Hkv=1)[1:] == ((161,), (128,))  # 2570 rows, 16 a block
     assert choose(T=8192, Hq=8, Hkv=1)[1:] == ((5120,), (128,))
     assert choose(T=8192, Hq=8, Hkv=4)[1] == (8192,)  # H 16: still
@@ -1042,7 +1085,7 @@ def _decode_choices():
     assert choose(D=64)[2] == (32,)
     with applied({"qknorm": FLAT_EVERYWHERE}):  # the flat kernel at every T
         kernel, grid, block = choose(T=128)  # 10240 rows, 16-byte lanes: 16 rows of 8 lanes
-        assert kernel == qknorm.flat_expression(BF16, BF16, True, 128, True, 8)
+        assert kernel == qknorm.flat_expression(BF16, BF16, True, 128, True, 8, guess=True)
         assert grid == (640,) and block == (128,)
         assert choose(T=256)[1] == (1280,)
         assert choose(Hq=8, Hkv=1)[1:] == ((5,), (32,))  # 10 rows: a warp of 2 rows a block
@@ -1106,13 +1149,16 @@ def test_few_head_decode_takes_the_spread_flat_shape():
     tp_flat_from 0, the kernels as before."""
     from ropekv import qknorm
 
-    choose = _decode_choice
+    # one request of T tokens: the kernels without the decode guess, whose choice
+    # test_decode_guess_is_compiled_in_for_one_token_a_request_only checks
+    choose = functools.partial(_decode_choice, requests=1)
     flat4 = qknorm.flat_expression(BF16, BF16, True, 128, True, 4)
     flat8 = qknorm.flat_expression(BF16, BF16, True, 128, True, 8)
     splits = qknorm.decode_expression(BF16, BF16, True, 128, True, True)
     tp = {"Hq": 8, "Hkv": 1}
-    with applied({"qknorm": {"decode_by_token": 0}}):
-        assert qknorm.TUNING["tp_flat_from"] == 16 and qknorm.TUNING["tp_flat_to"] == 256
+    assert qknorm.TUNING["tp_flat_from"] == 0  # off by default: the shape at its former default
+    with applied({"qknorm": {"decode_by_token": 0, "tp_flat_from": 16}}):
+        assert qknorm.TUNING["tp_flat_to"] == 256
         # below tp_flat_from: the (T, splits) kernel
         assert choose(T=1, **tp) == (splits, (1, 1), (128,))
         assert choose(T=15, **tp) == (splits, (15, 1), (128,))
@@ -1159,14 +1205,14 @@ def test_few_head_decode_takes_the_spread_flat_shape():
             assert choose(T=64, **tp) == (flat4, (20,), (512,))
 
 
-# The few-head decode shape (tp_flat_*) on the device: its default range, off (the kernels as
-# before), at every token count (flat kernel, 4-element lanes), with big blocks, with 16-byte
+# The few-head decode shape (tp_flat_*) on the device: off (the default), its former default
+# range, at every token count (flat kernel, 4-element lanes), with big blocks, with 16-byte
 # lanes; Tensor-parallel heads 8 / 1 and 8 / 2 (12 rows), D 128 and D 64 (4 rows a warp of 8
 # lanes: a warp holds rows of two tokens), decode batches and a ragged prefill-like batch, pages
 # out of range and positions past P.
 TP_SPREAD_VARIANTS = {
-    "default": {},
-    "off": {"tp_flat_from": 0},
+    "default": {},  # (tp_flat_from 0: off)
+    "former": {"tp_flat_from": 16},  # the range it had by default before the decode guess
     "every-t": {"tp_flat_from": 1, "tp_flat_to": 1 << 30},
     "wide": {"tp_flat_from": 1, "tp_flat_to": 1 << 30, "tp_flat_rows": 64, "decode_min_blocks": 0},
     "width8": {"tp_flat_from": 1, "tp_flat_to": 1 << 30, "tp_flat_width": 8},
@@ -1198,13 +1244,16 @@ def test_few_head_spread_decode_matches_reference(case, variant, cache_dtype):
         seed, heads, new, cached, D, cache_dtype, P=700, negative_page=True
     )
     T, gf32 = sum(new), args["q_gamma"].dtype == np.float32
+    guess = qknorm.guesses(T, len(new))
     with applied({"qknorm": TP_SPREAD_VARIANTS[variant]}):
         kernel = qknorm._decode_kernel(views, None, True, D, True)
-        if variant in ("every-t", "wide") or (variant == "default" and 16 <= T <= 256):
-            assert kernel[0] == qknorm.flat_expression(BF16, cache_dtype, True, D, gf32, 4), kernel
+        if variant in ("every-t", "wide") or (variant == "former" and 16 <= T <= 256):
+            flat4 = qknorm.flat_expression(BF16, cache_dtype, True, D, gf32, 4, guess)
+            assert kernel[0] == flat4, kernel
         elif variant == "width8":
-            assert kernel[0] == qknorm.flat_expression(BF16, cache_dtype, True, D, gf32, 8), kernel
-        elif T <= 128:  # off, or the default below tp_flat_from: the (T, splits) kernel
+            flat8 = qknorm.flat_expression(BF16, cache_dtype, True, D, gf32, 8, guess)
+            assert kernel[0] == flat8, kernel
+        elif T <= 128:  # the default, or former below tp_flat_from: the (T, splits) kernel
             assert kernel and kernel[0].startswith(qknorm.DECODE_KERNEL + "<"), kernel
         check_on_device(args, kw, kv_scale=0.5 if cache_dtype == E4M3 else None)
 
@@ -1276,14 +1325,34 @@ def test_hostile_indices_never_write_out_of_bounds(tokens, clear, variant):
         _hostile_indices(tokens, clear)
 
 
-def _hostile_indices(tokens, clear):
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", sorted(DECODE_VARIANTS))
+def test_hostile_indices_with_the_decode_guess(variant):
+    """As above at 40 requests of a token each, the decode kernels' guess (token t in request t)
+    checked against the search's path: where the offsets are not monotonic the path fails for
+    some tokens and the search runs, and the result must be the search's, which the reference
+    models."""
+    with applied({"qknorm": DECODE_VARIANTS[variant]}):
+        _hostile_indices("decode", False, requests=40)
+
+
+def _hostile_indices(tokens, clear, requests=4):
     import cupy as cp
 
-    new = (1, 1, 1, 1) if tokens == "decode" else (5, 3, 4, 0)
+    more = requests - 4  # requests of one token each past the first four
+    new = ((1, 1, 1, 1) if tokens == "decode" else (5, 3, 4, 0)) + (1,) * more
     args, kw = make_case(
-        40, Hq=8, Hkv=2, D=64, dtype=BF16, new=new, cached=(0, 0, 0, 3), page_size=4, packed=True
+        40,
+        Hq=8,
+        Hkv=2,
+        D=64,
+        dtype=BF16,
+        new=new,
+        cached=(0, 0, 0, 3) + tuple(range(more)),
+        page_size=4,
+        packed=True,
     )
-    args["cache_lengths"] = np.array([0, 2**31 - 3, -7, 1], np.int32)
+    args["cache_lengths"][:4] = [0, 2**31 - 3, -7, 1]
     args["block_table"][0, :2] = [-5, 2**31 - 1]
     if clear:  # request 0 on the two spare pages, so that its last token has a tail to clear
         spare = np.setdiff1d(np.arange(args["paged_kv_cache"][0].shape[0]), args["block_table"])

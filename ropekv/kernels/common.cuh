@@ -329,6 +329,95 @@ __device__ __forceinline__ PagedSlot ragged_position(const unsigned* offsets,
   return s;
 }
 
+// The decode guess (a call of as many tokens as requests: token t of request t) checked against
+// ragged_request's own search, for B <= 512 requests. The search's path to a result g is fixed by
+// g and B alone: it returns g exactly when every probe on that path compares as it would for g
+// (offsets[mid] <= t where mid <= g, > t past it), and then -1 unless offsets[g] <= t <
+// offsets[g + 1]. So the path's probes load at once, with offsets[g], offsets[g + 1] and
+// cache_lengths[g]: slot k of those kGuessSlots is loaded by lane k % L of the L lanes (a power of
+// two, an aligned group of the warp) that share token t, and a ballot tells whether the path held.
+// It replaces staging every offset in shared memory, a barrier and a search there (every block
+// reading the same lines), or a dependent load a step in global memory. load() issues the loads
+// (with the rows, before anything waits), resolve() reads them; every lane of the warp calls both
+// (converged). Where the path did not hold (offsets not one token a request, or not monotonic)
+// resolve() returns false and the caller runs the search.
+constexpr int kGuessSteps = 10;  // ragged_request's steps over offsets[0..B], B + 1 <= 513 entries
+constexpr int kGuessSlots = kGuessSteps + 3;
+
+template <int L>
+struct RequestGuess {
+  static_assert(L >= 1 && L <= 32 && (L & (L - 1)) == 0, "an aligned power-of-two lane group");
+  static constexpr int PER = (kGuessSlots + L - 1) / L;  // slots a lane
+  unsigned val[PER];
+  bool below[PER];  // a path probe that must compare <= t
+  bool probe[PER];  // the slot is a probe of the path
+  int g;
+
+  __device__ __forceinline__ void load(const unsigned* offsets, const int* cache_lengths, int B,
+                                       int t) {
+    const int j = threadIdx.x & (L - 1);
+    g = t < B ? t : B - 1;  // 0 <= t: 0 <= g < B
+    int mid[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      mid[i] = 0;
+      probe[i] = below[i] = false;
+    }
+    int lo = 0, hi = B + 1;
+#pragma unroll
+    for (int k = 0; k < kGuessSteps; ++k) {  // ragged_request's loop, its comparisons g's
+      const int m = (lo + hi) >> 1;
+      const bool step = lo < hi;
+      if (step && k % L == j) {
+        mid[k / L] = m;
+        probe[k / L] = true;
+        below[k / L] = m <= g;
+      }
+      if (step) {
+        if (m <= g) {
+          lo = m + 1;
+        } else {
+          hi = m;
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int slot = j + i * L;
+      val[i] = 0;
+      if (probe[i]) {
+        val[i] = offsets[mid[i]];
+      } else if (slot == kGuessSteps || slot == kGuessSteps + 1) {
+        val[i] = offsets[g + slot - kGuessSteps];  // g + 1 <= B
+      } else if (slot == kGuessSteps + 2) {
+        val[i] = unsigned(cache_lengths[g]);
+      }
+    }
+  }
+
+  // Whether the path held; then s is ragged_position's result (request -1 where t is outside
+  // request g: the search's own answer).
+  __device__ __forceinline__ bool resolve(int t, PagedSlot& s) const {
+    bool bad = false;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) bad |= probe[i] && (val[i] <= unsigned(t)) != below[i];
+    const int lane = threadIdx.x & 31;
+    const int at = lane & ~(L - 1);
+    const unsigned group = L == 32 ? 0xffffffffu : ((1u << L) - 1) << at;
+    const bool held = (__ballot_sync(0xffffffffu, bad) & group) == 0;
+    constexpr int K0 = kGuessSteps, K1 = kGuessSteps + 1, KL = kGuessSteps + 2;
+    const unsigned o0 = __shfl_sync(0xffffffffu, val[K0 / L], at + K0 % L);
+    const unsigned o1 = __shfl_sync(0xffffffffu, val[K1 / L], at + K1 % L);
+    const int len = int(__shfl_sync(0xffffffffu, val[KL / L], at + KL % L));
+    s = PagedSlot{-1, -1, -1, 0};
+    if (held && o0 <= unsigned(t) && unsigned(t) < o1) {
+      s.request = g;
+      s.pos = i64(len) + (i64(t) - i64(o0));
+    }
+    return held;
+  }
+};
+
 // n / d for 0 <= n < 2^31 from the host's (magic, shift) of d (_launch.division_magic): a
 // multiply-high, an add and a shift, where the division of a runtime d is about 20 dependent
 // instructions through a reciprocal (QK-norm decode: the flat kernel's row -> token before its

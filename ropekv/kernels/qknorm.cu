@@ -480,7 +480,10 @@ __global__ void __launch_bounds__(512) qk_rmsnorm_rope_append(const QKNormParams
 // rows, grid (T, ceil(H / rows)): a token's rows over several blocks, as Cake's kernel does.
 // The request search: batches of fewer than 32 requests load offsets[0..B] and cache_lengths[0..B)
 // one per lane (with the rows, before anything waits) and run the same binary search over them
-// by shuffles (the request's length then comes from a lane: no dependent load); larger batches
+// by shuffles (the request's length then comes from a lane: no dependent load); with GUESS (the
+// host sets it for calls of one token a request, 32 to kStageMax requests) the decode guess
+// (RequestGuess, common.cuh: token t in request t, checked against the search's own path, its
+// probes loaded with the rows), the search in global memory where the path fails; other batches
 // stage them in shared memory (as qk_rows does) or, past kStageMax, search global memory.
 // The block-table entry is loaded as soon as the position is known and only checked at the
 // store, after the norm and RoPE arithmetic. The semantics are qk_rows's: a token outside every
@@ -507,7 +510,8 @@ struct QKDecodeShared {
 // the lane-shuffle search runs its steps converged (each lane its own token, the same answer).
 // N: elements per lane, 8 (16-byte lanes of T) or 4 (twice the lanes, half the work per lane, for
 // the fewest tokens).
-template <typename T, typename CacheT, bool NEOX, int D, bool GF32, bool I32, bool FLAT, int N>
+template <typename T, typename CacheT, bool NEOX, int D, bool GF32, bool I32, bool FLAT, int N,
+          bool GUESS>
 __device__ __forceinline__ void qk_decode_rows(const QKNormParams& p, QKDecodeShared& sh) {
   using ix = typename pick_type<I32, unsigned, i64>::type;
   constexpr int G = NEOX ? D / (2 * N) : D / N;  // lanes per head row
@@ -567,6 +571,9 @@ __device__ __forceinline__ void qk_decode_rows(const QKNormParams& p, QKDecodeSh
     if (lane <= B) lane_off = p.offsets[lane];
     if (lane < B) lane_len = p.cache_lengths[lane];
   }
+  const bool guess = GUESS && B >= 32 && B <= kStageMax && p.T == B;  // decode-shaped
+  RequestGuess<G> guessed;
+  if (guess) guessed.load(p.offsets, p.cache_lengths, B, t);
 
   // the row's partial sum of squares
   float a[N], b[N];
@@ -620,7 +627,11 @@ __device__ __forceinline__ void qk_decode_rows(const QKNormParams& p, QKDecodeSh
     }
   } else {
     PagedSlot s;
-    if (B <= kStageMax) {
+    if (guess) {  // the search only where the guess's path did not hold
+      if (!guessed.resolve(t, s) && (!FLAT || live)) {
+        s = ragged_position(p.offsets, p.cache_lengths, B, t);
+      }
+    } else if (B <= kStageMax) {
       for (int i = threadIdx.x; i <= B; i += blockDim.x) {
         sh.offsets[i] = p.offsets[i];
         if (i < B) sh.lengths[i] = p.cache_lengths[i];
@@ -706,20 +717,20 @@ __device__ __forceinline__ void qk_decode_rows(const QKNormParams& p, QKDecodeSh
   }
 }
 
-template <typename T, typename CacheT, bool NEOX, int D, bool GF32, bool I32>
+template <typename T, typename CacheT, bool NEOX, int D, bool GF32, bool I32, bool GUESS>
 __global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode(const QKNormParams p) {
   __shared__ QKDecodeShared sh;
   pdl_launch_dependents();
   pdl_wait();
-  qk_decode_rows<T, CacheT, NEOX, D, GF32, I32, false, 8>(p, sh);
+  qk_decode_rows<T, CacheT, NEOX, D, GF32, I32, false, 8, GUESS>(p, sh);
 }
 
-template <typename T, typename CacheT, bool NEOX, int D, bool GF32, int N>
+template <typename T, typename CacheT, bool NEOX, int D, bool GF32, int N, bool GUESS>
 __global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode_flat(const QKNormParams p) {
   __shared__ QKDecodeShared sh;
   pdl_launch_dependents();
   pdl_wait();
-  qk_decode_rows<T, CacheT, NEOX, D, GF32, true, true, N>(p, sh);
+  qk_decode_rows<T, CacheT, NEOX, D, GF32, true, true, N, GUESS>(p, sh);
 }
 
 // ---- Decode: a warp per token, several rows a lane --------------------------------------------
@@ -734,7 +745,7 @@ __global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode_flat(const QKNormP
 // The arithmetic and the semantics are qk_decode_rows's (32-bit offsets): a token outside every
 // request or with a position outside [0, P) has its q rows copied and writes nothing; a token
 // whose page is out of range is normalised and roped but writes nothing.
-template <typename T, typename CacheT, bool NEOX, int D, bool GF32, int ROWS>
+template <typename T, typename CacheT, bool NEOX, int D, bool GF32, int ROWS, bool GUESS>
 __device__ __forceinline__ void qk_decode_token_rows(const QKNormParams& p, QKDecodeShared& sh) {
   constexpr int N = 8;
   constexpr int G = NEOX ? D / (2 * N) : D / N;  // lanes per head row
@@ -782,6 +793,9 @@ __device__ __forceinline__ void qk_decode_token_rows(const QKNormParams& p, QKDe
     if (lane <= B) lane_off = p.offsets[lane];
     if (lane < B) lane_len = p.cache_lengths[lane];
   }
+  const bool guess = GUESS && B >= 32 && B <= kStageMax && p.T == B;  // decode-shaped
+  RequestGuess<32> guessed;
+  if (guess) guessed.load(p.offsets, p.cache_lengths, B, t);
   // the rows' partial sums of squares
   float ss[ROWS];
 #pragma unroll
@@ -825,7 +839,11 @@ __device__ __forceinline__ void qk_decode_token_rows(const QKNormParams& p, QKDe
     }
   } else {
     PagedSlot s;
-    if (B <= kStageMax) {  // block-uniform: every warp of the block reaches the barrier
+    if (guess) {  // the search only where the guess's path did not hold
+      if (!guessed.resolve(t, s) && live_t) {
+        s = ragged_position(p.offsets, p.cache_lengths, B, t);
+      }
+    } else if (B <= kStageMax) {  // block-uniform: every warp of the block reaches the barrier
       for (int i = threadIdx.x; i <= B; i += blockDim.x) {
         sh.offsets[i] = p.offsets[i];
         if (i < B) sh.lengths[i] = p.cache_lengths[i];
@@ -963,10 +981,10 @@ __device__ __forceinline__ void qk_decode_token_rows(const QKNormParams& p, QKDe
   }
 }
 
-template <typename T, typename CacheT, bool NEOX, int D, bool GF32, int ROWS>
+template <typename T, typename CacheT, bool NEOX, int D, bool GF32, int ROWS, bool GUESS>
 __global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode_rows(const QKNormParams p) {
   __shared__ QKDecodeShared sh;
   pdl_launch_dependents();
   pdl_wait();
-  qk_decode_token_rows<T, CacheT, NEOX, D, GF32, ROWS>(p, sh);
+  qk_decode_token_rows<T, CacheT, NEOX, D, GF32, ROWS, GUESS>(p, sh);
 }
