@@ -189,6 +189,15 @@ TUNING = {
     "decode_heads": 16,
     "decode_narrow_below": 32,
     "decode_min_blocks": 32,
+    # few-head decode (H <= decode_heads) in the (T, splits) kernel up to `few_head_tokens`
+    # tokens (past decode_tokens), in blocks of the fewest whole warps that hold a token's H rows
+    # (12 rows for 8 / 1 heads' 10 at D 128, not decode_rows' 16) from `few_head_rows_from`
+    # tokens. With the decode guess, in one process on the H200 (`ropekv bench --tune`, graph
+    # replay, 8 / 1 heads, bf16 and e4m3 caches, time against the flat kernel past 128 tokens and
+    # 16-row blocks): 256 tokens 0.88-0.91x (0.92-0.94x with 16-row blocks), 128 tokens
+    # 0.98-0.99x, 64 tokens 1.00x, 1-16 tokens 1.06-1.08x (hence from 128 tokens only).
+    "few_head_tokens": 256,
+    "few_head_rows_from": 128,
     # few-head decode (H <= decode_heads: Tensor-parallel 8 / 1 heads, 10 rows a token) in the
     # (T, splits) range: from `tp_flat_from` tokens (0: never, the (T, splits) kernel as before)
     # up to decode_tokens tokens, or up to `tp_flat_to` past them (0: the flat kernel's shape
@@ -1173,8 +1182,9 @@ def _all_below_int32(views):
 
 def _decode_kernel(views, vgiven, is_neox, R, fits8):
     """(kernel, grid, block) of a decode kernel for a plain call (no option, no quantizing:
-    the caller checks) of at most TUNING["decode_tokens"] tokens (or, the flat kernel, of at
-    most TUNING["decode_heads"] head rows a token: TUNING's comment) whose geometry it was compiled for (D in
+    the caller checks) of at most TUNING["decode_tokens"] tokens (TUNING["few_head_tokens"] with
+    at most TUNING["decode_heads"] head rows a token; or, the flat kernel, of at most
+    TUNING["decode_heads"] head rows a token: TUNING's comment) whose geometry it was compiled for (D in
     DECODE_DIMS, R == D, 16-byte lanes aligned, both RMSNorm weights of one dtype); None
     otherwise (``fits8``: the rows are aligned for 8-element lanes). 32-bit offsets when every
     array's extent in elements allows (the flat kernel and the token-rows kernel need them);
@@ -1184,7 +1194,8 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
     T, Hq, D = vq.shape
     Hkv = vk.shape[1]
     H = Hq + 2 * Hkv
-    few = T <= TUNING["decode_tokens"]
+    few_heads = H <= TUNING["decode_heads"]
+    few = T <= TUNING["decode_tokens"] or (few_heads and T <= TUNING["few_head_tokens"])
     flat = TUNING["decode_flat"] and (
         (T < TUNING["flat_below"]) if H > TUNING["decode_heads"] else not few
     )
@@ -1229,6 +1240,8 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
         return None
     group = D // 16 if is_neox else D // 8  # lanes per row (16-byte lanes of 8 elements)
     rows = max(32 // group, min(TUNING["decode_rows"], MAX_BLOCK // group))
+    if few_heads and TUNING["few_head_rows_from"] and T >= TUNING["few_head_rows_from"]:
+        rows = min(rows, H)  # (whole warps below)
     block = -(-rows * group // 32) * 32  # whole warps
     rows = block // group
     kernel = decode_expression(vq.dtype, vkc.dtype, is_neox, D, f32, i32, guess)

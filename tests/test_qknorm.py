@@ -814,6 +814,7 @@ def test_decode_kernel_matches_reference(D, batch, cache_dtype, layout):
 FLAT_EVERYWHERE = {
     "flat_below": 1 << 30,
     "decode_tokens": 0,
+    "few_head_tokens": 0,
     "decode_by_token": 0,
     "tp_flat_from": 0,
 }
@@ -977,7 +978,8 @@ def test_token_rows_kernel_takes_calls_from_rows_from_head_rows():
     assert _decode_choice(T=204) is None  # 16320 rows: the general kernel, as before
     split128 = qknorm.decode_expression(BF16, BF16, True, 128, True, True, guess=True)
     assert _decode_choice(T=128)[0] == split128
-    assert _decode_choice(T=256, Hq=8, Hkv=1)[0].startswith(qknorm.FLAT_KERNEL)
+    assert _decode_choice(T=256, Hq=8, Hkv=1)[0].startswith(qknorm.DECODE_KERNEL + "<")
+    assert _decode_choice(T=257, Hq=8, Hkv=1)[0].startswith(qknorm.FLAT_KERNEL)
 
 
 def test_decode_guess_is_compiled_in_for_one_token_a_request_only():
@@ -1070,10 +1072,22 @@ def _decode_choices():
     assert grid == (17, 5)
     assert choose(T=128)[1] == (128, 5)
     # Tensor-parallel heads (H = 10 <= decode_heads): the (T, splits) kernel up to
-    # decode_tokens, the flat kernel past it, at any T (tp_flat_from 0: no spread shape)
-    assert choose(Hq=8, Hkv=1)[1] == (1, 1)
-    assert choose(T=128, Hq=8, Hkv=1)[1] == (128, 1)
-    assert choose(T=129, Hq=8, Hkv=1)[1:] == ((81,), (128,))  # 1290 rows, 16 a block
+    # few_head_tokens (256) in blocks of 16 rows, of 12 (whole warps of 4 rows holding the 10)
+    # from few_head_rows_from (128) tokens; the flat kernel past it, at any T (tp_flat_from 0:
+    # no spread shape)
+    assert qknorm.TUNING["few_head_tokens"] == 256
+    assert qknorm.TUNING["few_head_rows_from"] == 128
+    assert choose(Hq=8, Hkv=1)[1:] == ((1, 1), (128,))
+    assert choose(T=127, Hq=8, Hkv=1)[1:] == ((127, 1), (128,))
+    assert choose(T=128, Hq=8, Hkv=1)[1:] == ((128, 1), (96,))
+    assert choose(T=256, Hq=8, Hkv=1)[1:] == ((256, 1), (96,))
+    assert choose(T=256, Hq=8, Hkv=2)[1:] == ((256, 1), (96,))  # 12 rows: 3 warps
+    assert choose(T=256, Hq=8, Hkv=1, D=256)[1:] == ((256, 1), (160,))  # 10 rows of 16 lanes
+    assert choose(T=257, Hq=8, Hkv=1)[1:] == ((161,), (128,))  # 2570 rows, 16 a block
+    with applied({"qknorm": {"few_head_tokens": 0}}):  # the flat kernel past decode_tokens
+        assert choose(T=129, Hq=8, Hkv=1)[1:] == ((81,), (128,))  # 1290 rows, 16 a block
+    with applied({"qknorm": {"few_head_rows_from": 0}}):  # 16-row blocks at any T
+        assert choose(T=256, Hq=8, Hkv=1)[1:] == ((256, 1), (128,))
     assert choose(T=257, Hq=8, Hkv=1)[1:] == ((161,), (128,))  # 2570 rows, 16 a block
     assert choose(T=8192, Hq=8, Hkv=1)[1:] == ((5120,), (128,))
     assert choose(T=8192, Hq=8, Hkv=4)[1] == (8192,)  # H 16: still
@@ -1171,7 +1185,7 @@ def test_few_head_decode_takes_the_spread_flat_shape():
         assert choose(T=129, **tp) == (flat4, (162,), (128,))
         assert choose(T=256, **tp) == (flat4, (320,), (128,))
         assert choose(T=257, **tp) == (flat8, (161,), (128,))
-        with applied({"qknorm": {"tp_flat_to": 0}}):
+        with applied({"qknorm": {"tp_flat_to": 0, "few_head_tokens": 0}}):
             assert choose(T=129, **tp) == (flat8, (81,), (128,))
             assert choose(T=256, **tp) == (flat8, (160,), (128,))
         # H 16 still few-head; 64 / 8 heads (80 rows) untouched: the (T, splits) kernel
@@ -1253,7 +1267,8 @@ def test_few_head_spread_decode_matches_reference(case, variant, cache_dtype):
         elif variant == "width8":
             flat8 = qknorm.flat_expression(BF16, cache_dtype, True, D, gf32, 8, guess)
             assert kernel[0] == flat8, kernel
-        elif T <= 128:  # the default, or former below tp_flat_from: the (T, splits) kernel
+        elif T <= 256:  # the default (few_head_tokens), or former below tp_flat_from: the (T,
+            # splits) kernel, from few_head_rows_from tokens in blocks of 12 rows
             assert kernel and kernel[0].startswith(qknorm.DECODE_KERNEL + "<"), kernel
         check_on_device(args, kw, kv_scale=0.5 if cache_dtype == E4M3 else None)
 
