@@ -1196,13 +1196,11 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
     H = Hq + 2 * Hkv
     few_heads = H <= TUNING["decode_heads"]
     few = T <= TUNING["decode_tokens"] or (few_heads and T <= TUNING["few_head_tokens"])
-    flat = TUNING["decode_flat"] and (
-        (T < TUNING["flat_below"]) if H > TUNING["decode_heads"] else not few
-    )
+    flat = TUNING["decode_flat"] and (not few if few_heads else T < TUNING["flat_below"])
     # few-head decode in the flat kernel's spread shape (TUNING's tp_flat_* comment)
     spread = bool(
         TUNING["decode_flat"]
-        and H <= TUNING["decode_heads"]
+        and few_heads
         and TUNING["tp_flat_from"]
         and TUNING["tp_flat_from"] <= T
         and (few or T <= TUNING["tp_flat_to"])

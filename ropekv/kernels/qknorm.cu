@@ -53,6 +53,8 @@ struct QKNormParams {
 };
 
 constexpr int kStageMax = 512;  // batches of up to this many requests are searched in shared memory
+// the decode guess's path probes (RequestGuess) cover the search over offsets[0..kStageMax]
+static_assert(kStageMax + 1 < (1 << kGuessSteps), "kGuessSteps steps cover kStageMax requests");
 constexpr int kMaxD = 512;      // the largest head dim (32 lanes of 8 neox pairs; the host checks)
 
 // The RMSNorm weight element i as float32, whichever its storage.
@@ -503,6 +505,14 @@ struct QKDecodeShared {
   int lengths[kStageMax];
 };
 
+// Whether a decode kernel built with GUESS takes the decode guess for this call: one token a
+// request, 32 (below: the lane-shuffle search) to kStageMax requests. The host sets GUESS by the
+// same rule (qknorm.guesses); rechecked here, so a call outside it takes the other searches.
+template <bool GUESS>
+__device__ __forceinline__ bool takes_guess(const QKNormParams& p) {
+  return GUESS && p.B >= 32 && p.B <= kStageMax && p.T == p.B;
+}
+
 // FLAT (qk_rmsnorm_rope_decode_flat): the rows of every token in one sequence, row r = t H + h
 // (H = Hq + 2 Hkv), blockDim.x / G consecutive rows a block, grid ceil(T H / rows): no idle lane
 // but in the last block whatever H (Tensor-parallel 8 / 1 heads: 10 rows, which a (T, splits)
@@ -571,7 +581,7 @@ __device__ __forceinline__ void qk_decode_rows(const QKNormParams& p, QKDecodeSh
     if (lane <= B) lane_off = p.offsets[lane];
     if (lane < B) lane_len = p.cache_lengths[lane];
   }
-  const bool guess = GUESS && B >= 32 && B <= kStageMax && p.T == B;  // decode-shaped
+  const bool guess = takes_guess<GUESS>(p);
   RequestGuess<G> guessed;
   if (guess) guessed.load(p.offsets, p.cache_lengths, B, t);
 
@@ -793,7 +803,7 @@ __device__ __forceinline__ void qk_decode_token_rows(const QKNormParams& p, QKDe
     if (lane <= B) lane_off = p.offsets[lane];
     if (lane < B) lane_len = p.cache_lengths[lane];
   }
-  const bool guess = GUESS && B >= 32 && B <= kStageMax && p.T == B;  // decode-shaped
+  const bool guess = takes_guess<GUESS>(p);
   RequestGuess<32> guessed;
   if (guess) guessed.load(p.offsets, p.cache_lengths, B, t);
   // the rows' partial sums of squares
