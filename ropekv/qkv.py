@@ -131,6 +131,21 @@ GEMV_PACKED_LATE_SCALE = False
 # compiled forms.
 GEMV_FORM = 3
 GEMV_FORMS = (0, 1, 3)
+# qkv_gemv_lean (qkv.cu): plain calls (no options) of fp8 weights, or of 4-bit weights with fp16
+# inputs, with 16-byte weight loads, up to this many tokens (token tiles LEAN_TILES); it takes
+# them before the packed decode and the tensor-core kernels. K split over a block's 4 warps, every
+# weight load of a 4096-wide 4-bit call in flight at once, the hidden values in registers, the
+# packed decode's arithmetic. 0: off (qkv_gemv and qkv_mma as before). Measured on the H200:
+# docs/design/qkv.md.
+GEMV_LEAN_MAX_TOKENS = 2
+LEAN_TILES = (1, 2, 4)  # tokens a block; a tile of up to 2 tokens owns 8 row pairs, of 4 owns 4
+# qkv_gemv_lean's form. Bit 0: warp 0 loads the tokens' cache rows, the pairs' cos / sin values
+# and fp8 scales before its weight loads, staged in shared memory for the epilogue (0: the cache
+# rows behind its weight loads, the rest after the reduction); bit 1: a lane's hidden values
+# loaded before its weight loads (0: after them). H200, graph replay, one token (us, forms 0 / 1
+# / 3): 4-bit weights 8.5 / 7.7-7.9 / 7.0, fp8 9.1-9.2 / 9.7 / 9.3 (form 2: 9.3).
+GEMV_LEAN_FORM = 3
+GEMV_LEAN_FORMS = (0, 1, 2, 3)
 GEMV_WARPS, GEMV_PAIRS = 4, 2  # mirror qkv.cu
 GEMV_SMEM = 46 * 1024  # staged hidden rows, float32, per block (below the 48 KiB default)
 # The tensor-core path (qkv_mma, sm_90+): token counts in [MMA_MIN_TOKENS, MMA_MAX_TOKENS]
@@ -450,6 +465,43 @@ def gemv_form(fmt, packed, form):
     return int(form) if packed and fmt == W_INT4 else 0
 
 
+def lean_expression(dtype, fmt, tt, form=None):
+    """``form``: GEMV_LEAN_FORM's value (None: its current one)."""
+    form = GEMV_LEAN_FORM if form is None else form
+    if form not in GEMV_LEAN_FORMS:
+        raise ValueError(
+            f"ropekv.qkv.GEMV_LEAN_FORM must be one of {GEMV_LEAN_FORMS}, got {form!r}"
+        )
+    return _lean_expression(dtype, fmt, tt, form)
+
+
+@functools.cache
+def _lean_expression(dtype, fmt, tt, form):
+    return name_expression("qkv_gemv_lean", c_type(dtype), fmt, tt, form)
+
+
+def lean_pairs(tt):
+    """Row pairs a block of qkv_gemv_lean owns at token tile ``tt`` (qkv.cu's lean_pairs)."""
+    return 8 if tt <= 2 else 4
+
+
+def _lean_tile(T):
+    return next((tt for tt in LEAN_TILES if tt >= T), None)
+
+
+def lean_applies(dtype, fmt, vb, D, T, lean_max):
+    """Whether qkv_gemv_lean takes a plain call of ``T`` tokens (1 to ``lean_max`` and the
+    largest tile): fp8 weights, or 4-bit weights with fp16 inputs, 16-byte weight loads
+    (:func:`_gemv_width`), and heads of at least one block's pairs (D / 2 >= lean_pairs)."""
+    tt = _lean_tile(T) if 0 < T <= lean_max else None
+    return (
+        tt is not None
+        and vb == 16
+        and (fmt == W_FP8 or fmt == W_INT4 and dtype == FLOAT16)
+        and D // 2 >= lean_pairs(tt)
+    )
+
+
 def mma_form(fmt, form):
     """The FORM qkv_mma compiles for ``fmt`` (the bits that change its code, see MMA_FORM)."""
     return form if fmt == W_INT4 else 0
@@ -535,6 +587,9 @@ def instantiations():
     for dtype in INPUT_DTYPES:
         for fmt in (W_FP8, W_INT4):
             yield dequant_expression(dtype, fmt)
+            if fmt == W_FP8 or dtype == FLOAT16:
+                for tt, form in itertools.product(LEAN_TILES, GEMV_LEAN_FORMS):
+                    yield lean_expression(dtype, fmt, tt, form)
 
 
 # --------------------------------------------------------------------------------- pack_int4
@@ -843,7 +898,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
             GEMV_PACKED_MAX_TOKENS,
             GEMV_PACKED_LATE_SCALE,
             GEMV_PACKED_FP8,
-            GEMV_FORM,
+            (GEMV_FORM, GEMV_LEAN_MAX_TOKENS, GEMV_LEAN_FORM),
             MMA_MIN_TOKENS,
             MMA_MAX_TOKENS,
             (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID),
@@ -923,7 +978,7 @@ def _prepare(views, flags):
         packed_max,
         late_scale,
         packed_fp8,
-        gemv_form,
+        (gemv_form, lean_max, lean_form),
         mma_min,
         mma_max,
         mma_quantized,
@@ -957,7 +1012,13 @@ def _prepare(views, flags):
         return plan(c.device)
     fields, slots = _fields(views, c, is_neox, clear)
     opts = bool(clear or vstatus is not None)  # the kernels that read the options
-    gemv = (gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, (late_scale, gemv_form))
+    gemv = (
+        gemv_max,
+        fast_int4,
+        (gemv_packed, packed_fp8),
+        packed_max,
+        (late_scale, gemv_form, (lean_max, lean_form)),
+    )
     tuning = (gemv, mma_min, mma_max, mma_quantized, (mma_split, mma_form), tiled, graph_max)
     return _device_plan(
         views, c, fields, slots, outputs, written, is_neox, pdl, opts, tuning, WgmmaSettings(*wgmma)
@@ -1188,7 +1249,8 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         a.out,
     )
     gemv, mma_min, mma_max, mma_quantized, (mma_split, mma_form), tiled, graph_max = tuning
-    gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, (late_scale, gemv_form) = gemv
+    gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, forms = gemv
+    late_scale, gemv_form, (lean_max, lean_form) = forms
     T, K, N, D, fmt, device = c.T, c.K, c.N, c.D, c.fmt, c.device
     gemv_packed = gemv_packed and (fmt != W_FP8 or packed_fp8)
 
@@ -1226,6 +1288,9 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         else quantized_top(K, N, fmt, _sm_count(device), mma_quantized, tiled)
     )
     decode = (fast_int4, gemv_packed, late_scale, gemv_form)
+    vb = _gemv_width(vw, fmt, vx.dtype, K, fields["group_size"])[0]
+    if not opts and lean_applies(vx.dtype, fmt, vb, D, T, lean_max) and _lean_strides(fields):
+        return plan([_gemv_lean(fields, slots, vx, fmt, T, N, device, pdl, lean_form)])
     if (
         gemv_max < T <= packed_max
         and gemv_packed
@@ -1416,6 +1481,29 @@ def _gemv(fields, slots, vx, vw, fmt, T, K, N, device, decode, pdl, opts=False):
         {**fields, "kc": kc},
         slots,
         shared_mem=smem,
+        pdl=pdl,
+    )
+
+
+def _lean_strides(fields):
+    """qkv_gemv_lean keeps the weights' row stride (bytes) and the scales' and zero points' row
+    strides (elements) as 32-bit values."""
+    return all(0 <= fields[k] < 2**32 for k in ("weight_row_bytes", "ws_s0", "zp_s0"))
+
+
+def _gemv_lean(fields, slots, vx, fmt, T, N, device, pdl, form):
+    """qkv_gemv_lean's launch (where lean_applies): a block of 4 warps a tile's row pairs."""
+    tt = _lean_tile(T)
+    pairs = lean_pairs(tt)
+    return Launch(
+        STEM,
+        lean_expression(vx.dtype, fmt, tt, form),
+        device,
+        ((N // 2 + pairs - 1) // pairs, (T + tt - 1) // tt),
+        (128,),
+        PARAMS,
+        {**fields, "kc": 0},
+        slots,
         pdl=pdl,
     )
 
@@ -1977,7 +2065,7 @@ _OP = Op(
                 "GEMV_PACKED_MAX_TOKENS",
                 "GEMV_PACKED_LATE_SCALE",
                 "GEMV_PACKED_FP8",
-                "GEMV_FORM",
+                "GEMV_FORM, GEMV_LEAN_*",
                 "MMA_MIN_TOKENS",
                 "MMA_MAX_TOKENS",
                 "MMA_*_QUANTIZED",

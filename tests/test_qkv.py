@@ -904,8 +904,14 @@ def record_kernels(monkeypatch):
 
 def force_path(monkeypatch, path):
     """Make the call take ``path`` ("mma": qkv_mma; "tiled": qkv_mma_tiled, at any token count;
-    "wgmma": qkv_wgmma, at any token count (4-bit weights: up to WGMMA_INT4_TOP); "gemv",
-    "cublas"; None: the thresholds as shipped)."""
+    "wgmma": qkv_wgmma, at any token count (4-bit weights: up to WGMMA_INT4_TOP); "gemv"
+    (qkv_gemv, not its lean form); "lean": qkv_gemv_lean where it applies (up to the largest of
+    LEAN_TILES tokens); "cublas"; None: the thresholds as shipped)."""
+    if path == "lean":
+        monkeypatch.setattr(qkv_mod, "GEMV_LEAN_MAX_TOKENS", max(qkv_mod.LEAN_TILES))
+        return
+    if path is not None:
+        monkeypatch.setattr(qkv_mod, "GEMV_LEAN_MAX_TOKENS", 0)
     if path == "wgmma":
         monkeypatch.setattr(qkv_mod, "WGMMA_MIN_TOKENS", 1)
         monkeypatch.setattr(qkv_mod, "WGMMA_MAX_TOKENS", 1 << 30)
@@ -937,6 +943,13 @@ def taken_path(args, kw):
         np.dtype(np.uint8): qkv_mod.W_INT4,
     }[args["weight"].dtype]
     cc = int(cp.cuda.Device().compute_capability)
+    opts = kw.get("status") is not None or kw.get("clear_unused_last_page_rows", False)
+    vb = 16 if K % {qkv_mod.W_FP8: 16, qkv_mod.W_INT4: 32}.get(fmt, 8) == 0 else 0
+    if fmt == qkv_mod.W_INT4 and kw.get("group_size", 0) % 32:
+        vb = 0
+    dtype = args["hidden_state"].dtype
+    if not opts and qkv_mod.lean_applies(dtype, fmt, vb, D, T, qkv_mod.GEMV_LEAN_MAX_TOKENS):
+        return "lean"
     if (
         qkv_mod.wgmma_takes(fmt, T, K, D, qkv_mod.wgmma_settings())
         and cc == qkv_mod.WGMMA_CAPABILITY
@@ -2041,6 +2054,140 @@ def test_gpu_gemv_packed_unaligned_hidden(lengths, wfmt, monkeypatch):
     originals = [c.copy() for c in args["paged_kv_cache"]]
     q = call(d, {n: to_device(a) for n, a in kw.items()})
     check_results(args, kw, q, d["paged_kv_cache"], originals, (q_ref, k_ref, v_ref))
+
+
+# qkv_gemv_lean's GPU checks: shapes (make_case keywords). "odd": pairs of a block across a
+# head's end (12 pairs a head), 60 pairs (the last block's partly dead), partial RoPE; "k8320":
+# three rounds of loads, most lanes of the last one off.
+LEAN_SHAPES = {
+    "llama": LLAMA,
+    "odd": {"K": 384, "Hq": 3, "Hkv": 1, "D": 24, "R": 16, "P": 64, "page_size": 4},
+    "k8320": {"K": 8320, "Hq": 4, "Hkv": 2, "D": 64, "R": 64, "P": 256, "page_size": 16},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", sorted(LEAN_SHAPES))
+@pytest.mark.parametrize("lengths", [(1,), (1, 1), (2, 0, 1), (1, 1, 1, 1)])
+@pytest.mark.parametrize(
+    "wfmt, dtype, group_size, zero_points",
+    [
+        ("fp8", F16, 32, False),
+        ("fp8", BF16, 32, False),
+        ("int4", F16, 32, True),
+        ("int4", F16, 128, False),
+        ("int4", F16, 64, True),
+    ],
+)
+@pytest.mark.parametrize("fp8_cache", [False, True])
+def test_gpu_gemv_lean(
+    shape, lengths, wfmt, dtype, group_size, zero_points, fp8_cache, monkeypatch
+):
+    """qkv_gemv_lean at token tiles 1, 2 and 4 (1-4 tokens), fp8 weights (fp16 and bf16 inputs)
+    and 4-bit weights (fp16 inputs; groups of 32 / 64 / 128, with and without zero points), 16-bit
+    and e4m3 caches: the reference's results (4-bit into e4m3: inside the packed decode's
+    rounding bound, fp8_interval), every other cache byte unchanged, one qkv_gemv_lean launch."""
+    force_path(monkeypatch, "lean")
+    names = record_kernels(monkeypatch)
+    qkv_mod._OP.clear()  # a plan cached by an earlier test of the worker would launch nothing new
+    args, kw = make_case(
+        300 + len(lengths) + 7 * group_size + 3 * fp8_cache,
+        lengths=lengths,
+        wfmt=wfmt,
+        dtype=dtype,
+        cache_dtype=E4M3 if fp8_cache else None,
+        cached=[5 + 9 * i for i in range(len(lengths))],
+        group_size=group_size,
+        zero_points=zero_points,
+        **LEAN_SHAPES[shape],
+    )
+    assert taken_path(args, kw) == "lean"
+    refs = expected(args, kw)
+    within = None
+    if fp8_cache and wfmt == "int4":
+        within = fp8_interval(args, kw, packed_int4_row_bound(args, kw))
+    originals = [c.copy() for c in args["paged_kv_cache"]]
+    d = {n: to_device(a) for n, a in args.items()}
+    q = call(d, {n: to_device(a) for n, a in kw.items()})
+    check_results(args, kw, q, d["paged_kv_cache"], originals, refs, within)
+    T = sum(lengths)
+    tt = next(t for t in qkv_mod.LEAN_TILES if t >= T)
+    assert names == [
+        qkv_mod.lean_expression(
+            np.dtype(dtype), qkv_mod.W_FP8 if wfmt == "fp8" else qkv_mod.W_INT4, tt
+        )
+    ], names
+
+
+@pytest.mark.gpu
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    T=st.integers(1, 4),
+    wfmt=st.sampled_from(["fp8", "int4"]),
+    bf16=st.booleans(),
+    shape=st.sampled_from([(384, 2, 1, 16), (640, 3, 1, 24), (320, 4, 2, 32), (1152, 1, 1, 64)]),
+    rope=st.sampled_from(["neox", "interleaved", "partial", "none"]),
+    cache=st.sampled_from(["same", "e4m3", "e5m2"]),
+    layout=st.sampled_from(["NHD", "HND"]),
+    page_size=st.sampled_from([1, 4, 16]),
+    zero_points=st.booleans(),
+    unaligned=st.booleans(),
+    form=st.sampled_from(qkv_mod.GEMV_LEAN_FORMS),
+)
+def test_gpu_gemv_lean_shapes(
+    seed, T, wfmt, bf16, shape, rope, cache, layout, page_size, zero_points, unaligned, form
+):
+    """qkv_gemv_lean on random small shapes (heads of 8-32 pairs, so blocks across heads and
+    partly dead last blocks), RoPE forms, cache dtypes and layouts, ragged batches with empty
+    requests, tokens of no request and out-of-range pages, hidden rows not 16-byte aligned (the
+    scalar loads): the reference's results, every other cache byte unchanged. 4-bit weights with
+    a 16-bit cache only (an 8-bit one has its own bound: test_gpu_gemv_lean); each
+    GEMV_LEAN_FORM."""
+    import cupy as cp
+
+    K, Hq, Hkv, D = shape
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.integers(0, T + 1, 2))
+    lengths = (int(cuts[0]), int(cuts[1] - cuts[0]), 0, int(T - cuts[1]))
+    extra = int(seed % 3 == 0 and T < 4)
+    cache_dtype = {"same": None, "e4m3": E4M3, "e5m2": E5M2}[cache]
+    if wfmt == "int4":
+        bf16, cache_dtype = False, None
+    R = {"neox": D, "interleaved": D, "partial": D // 2, "none": None}[rope]
+    args, kw = make_case(
+        seed,
+        lengths=lengths,
+        K=K,
+        Hq=Hq,
+        Hkv=Hkv,
+        D=D,
+        R=R,
+        P=256,
+        page_size=page_size,
+        layout=layout,
+        dtype=BF16 if bf16 else F16,
+        cache_dtype=cache_dtype,
+        wfmt=wfmt,
+        group_size=32 if seed % 2 else 64,
+        zero_points=zero_points,
+        is_neox=rope != "interleaved",
+        bad_pages=bool(seed % 2),
+        extra_tokens=extra,
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        force_path(mp, "lean")
+        mp.setattr(qkv_mod, "GEMV_LEAN_FORM", form)
+        assert taken_path(args, kw) == "lean"
+        refs = expected(args, kw)
+        originals = [c.copy() for c in args["paged_kv_cache"]]
+        d = {n: to_device(a) for n, a in args.items()}
+        if unaligned:
+            x = args["hidden_state"]
+            wide = cp.zeros((x.shape[0], x.shape[1] + 3), x.dtype)
+            wide[:, 1 : 1 + x.shape[1]] = cp.asarray(x)
+            d["hidden_state"] = wide[:, 1 : 1 + x.shape[1]]
+        q = call(d, {n: to_device(a) for n, a in kw.items()})
+        check_results(args, kw, q, d["paged_kv_cache"], originals, refs)
 
 
 @pytest.mark.gpu

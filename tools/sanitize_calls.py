@@ -34,7 +34,8 @@ CALLS = [
     ("qknorm", {}),
     ("qknorm", {"cache_dtype": E4M3, "layout": "HND"}),
     ("qkv", {"lengths": (1,)}),  # the CUDA-core GEMV kernel
-    ("qkv", {"wfmt": "fp8", "lengths": (1, 1)}),
+    ("qkv", {"wfmt": "fp8", "lengths": (1, 1)}),  # qkv_gemv_lean, fp8 weights, 2 tokens
+    ("qkv", {"wfmt": "int4", "zero_points": True, "lengths": (1,)}),  # qkv_gemv_lean, 4-bit
     ("qkv", {}),  # 6 tokens: the tensor-core kernel (qkv_mma)
     ("qkv", {"wfmt": "int4", "cache_dtype": E4M3}),  # qkv_mma, 4-bit weights, fp8 cache
     ("qkv", {"wfmt": "fp8", "K": 256, "lengths": (20, 5, 0, 3)}),  # 28 tokens: qkv_mma_tiled

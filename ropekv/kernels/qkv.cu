@@ -128,12 +128,11 @@ struct RowPair {
   int head, da, db, rot;
 };
 
-__device__ __forceinline__ RowPair row_pair(int g, int D, int R, int Hq, int Hkv, bool rope,
-                                            bool neox) {
+// Pair i of head `head` (i < D / 2).
+__device__ __forceinline__ RowPair row_pair_in(int head, int i, int R, int Hq, int Hkv, bool rope,
+                                               bool neox) {
   RowPair r;
-  const int half_d = D >> 1;
-  r.head = g / half_d;
-  const int i = g - r.head * half_d;
+  r.head = head;
   const bool roped = rope && r.head < Hq + Hkv;
   r.rot = -1;
   if (roped && neox) {
@@ -153,18 +152,17 @@ __device__ __forceinline__ RowPair row_pair(int g, int D, int R, int Hq, int Hkv
   return r;
 }
 
-// Writes the pair (a, b) of token t: rotated at tok.pos when it is a rotary pair, then Q to out,
-// K / V to their cache rows (scaled for fp8 caches).
+__device__ __forceinline__ RowPair row_pair(int g, int D, int R, int Hq, int Hkv, bool rope,
+                                            bool neox) {
+  const int half_d = D >> 1;
+  const int head = g / half_d;
+  return row_pair_in(head, g - head * half_d, R, Hq, Hkv, rope, neox);
+}
+
+// write_pair's stores: the pair (a, b), rotated already, Q to out, K / V to their cache rows.
 template <typename T>
-__device__ __forceinline__ void write_pair(const QkvParams& p, const TokenSlot& tok, int t,
+__device__ __forceinline__ void store_pair(const QkvParams& p, const TokenSlot& tok, int t,
                                            const RowPair& rp, float a, float b) {
-  if (rp.rot >= 0 && tok.pos >= 0) {
-    const float* cs = p.cos_sin + i64(tok.pos) * p.cs_s0;
-    const float c = cs[rp.rot], s = cs[(p.R >> 1) + rp.rot];
-    const float x = a, y = b;
-    a = x * c - y * s;
-    b = y * c + x * s;
-  }
   if (rp.head < p.Hq) {
     T* q = static_cast<T*>(p.out) + i64(t) * p.out_s0 + i64(rp.head) * p.D;
     q[rp.da] = from_float<T>(a);
@@ -180,6 +178,21 @@ __device__ __forceinline__ void write_pair(const QkvParams& p, const TokenSlot& 
     store_cache<T>(p.v_cache, row + rp.da, a * p.v_inv_scale, p.cache_code);
     store_cache<T>(p.v_cache, row + rp.db, b * p.v_inv_scale, p.cache_code);
   }
+}
+
+// Writes the pair (a, b) of token t: rotated at tok.pos when it is a rotary pair, then Q to out,
+// K / V to their cache rows (scaled for fp8 caches).
+template <typename T>
+__device__ __forceinline__ void write_pair(const QkvParams& p, const TokenSlot& tok, int t,
+                                           const RowPair& rp, float a, float b) {
+  if (rp.rot >= 0 && tok.pos >= 0) {
+    const float* cs = p.cos_sin + i64(tok.pos) * p.cs_s0;
+    const float c = cs[rp.rot], s = cs[(p.R >> 1) + rp.rot];
+    const float x = a, y = b;
+    a = x * c - y * s;
+    b = y * c + x * s;
+  }
+  store_pair<T>(p, tok, t, rp, a, b);
 }
 
 // Writes N consecutive elements [d0, d0 + N) of token t's row of one head (RoPE already
@@ -260,6 +273,18 @@ template <>
 struct is_half<__half> {
   static constexpr bool value = true;
 };
+
+__device__ __forceinline__ unsigned ldg_u16(const unsigned short* ptr) {
+  unsigned short r;
+  asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(ptr));
+  return r;
+}
+
+__device__ __forceinline__ unsigned ldg_u8(const unsigned char* ptr) {
+  unsigned r;
+  asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(r) : "l"(ptr));
+  return r;
+}
 
 __device__ __forceinline__ uint4 ldg_stream(const void* ptr) {
   uint4 r;
@@ -951,6 +976,298 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(cons
     }
     write_pair<T>(p, tok, t0 + lane, rps[i], a, b);
   }
+}
+
+// ---- Decode, lean: K split over a block's warps, the hidden values in registers -------------
+//
+// qkv_gemv_lean<T, WF, TT, FORM>: plain calls (no options) of fp8 weights, or of 4-bit weights
+// with fp16 inputs, with 16-byte loads (the host's conditions: lean_applies in qkv.py), up to TT
+// tokens a block. A block owns lean_pairs(TT) row pairs (16 rows at TT <= 2, 8 at TT 4; a pair is
+// two RoPE partners, as in qkv_gemv) and its 4 warps split K: warp w's lane takes the 16-byte
+// load v = (4 j + w) 32 + lane of every row of the block, the rows' loads of a round j issued
+// together. A 4096-wide 4-bit row is one round (one load a lane of the 4 warps: every weight load
+// of the call in flight at once), an fp8 row two. A lane reads its loads' hidden values from
+// global memory into registers (no shared stage, no barrier before the arithmetic). The
+// arithmetic is qkv_gemv's packed decode: 4-bit as the same fp16 pairs of (q - zero) * scale and
+// fp16 sums of each 32-value load, fp8 two codes a cvt and float32 products; the float32 sums
+// are added in another order: a lane's loads, then over the warp by a reduce-scatter (lane l
+// ends with one (row, token) sum: 31 shuffles for 32 sums, not 5 a sum), then over the warps in
+// shared memory. One thread a (pair, token) finishes: RoPE, Q to out, K / V to their pages.
+//   Every load issued behind the weight stream waits for the SM's whole share of it (about 96 KB
+// at 4-bit), so what the arithmetic and the epilogue need comes first. FORM bit 0: warp 0 loads
+// the tokens' cache rows, the pairs' cos / sin values and fp8 scales before its weight loads,
+// staged in shared memory for the epilogue (without it: the cache rows behind warp 0's weight
+// loads, the rest after the reduction); bit 1: a lane's hidden values before its weight loads.
+// The block's row numbers are found one a lane and shuffled, not once a row by every lane, so the
+// first weight load issues early; the rows' addresses are formed in the round (hoisted out of
+// the loop as 64-bit products they spilled).
+template <int WF>
+struct LeanShape {
+  static constexpr int WARPS = 4;
+  static constexpr int VALS = WF == W_INT4 ? 32 : 16;  // k values a 16-byte load
+};
+__host__ __device__ constexpr int lean_pairs(int tt) { return tt <= 2 ? 8 : 4; }
+constexpr int LEAN_MIN_BLOCKS = 3;  // blocks an SM in the launch bounds: 384 blocks, one wave
+
+// One step of warp_reduce_scatter: lanes whose bit O is set keep the upper half of the CNT
+// values, the others the lower half, each adding its partner's (lane ^ O) copy of what it keeps.
+template <int CNT, int O, int M>
+__device__ __forceinline__ void reduce_scatter_step(float (&a)[M], int lane, int& idx) {
+  if constexpr (CNT > 1) {
+    constexpr int HALF = CNT / 2;
+    const bool up = lane & O;
+#pragma unroll
+    for (int i = 0; i < HALF; ++i) {
+      const float keep = up ? a[i + HALF] : a[i];
+      const float send = up ? a[i] : a[i + HALF];
+      a[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+    if (up) idx += HALF;
+    reduce_scatter_step<HALF, O / 2, M>(a, lane, idx);
+  } else if constexpr (O > 0) {
+    a[0] += __shfl_xor_sync(0xffffffffu, a[0], O);
+    reduce_scatter_step<1, O / 2, M>(a, lane, idx);
+  }
+}
+
+// The sums over the warp's lanes of M values (M a power of two, at most 32): lane l gets the sum
+// of value idx, idx = l / (32 / M), from M - 1 + log2(32 / M) shuffles.
+template <int M>
+__device__ __forceinline__ float warp_reduce_scatter(float (&a)[M], int lane, int& idx) {
+  static_assert(M >= 1 && M <= 32 && (M & (M - 1)) == 0, "M: a power of two up to 32");
+  idx = 0;
+  reduce_scatter_step<M, 16, M>(a, lane, idx);
+  return a[0];
+}
+
+template <typename T, int WF, int TT, int FORM>
+__global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32, LEAN_MIN_BLOCKS)
+    qkv_gemv_lean(const QkvParams p) {
+  pdl_launch_dependents();
+  pdl_wait();
+  static_assert(WF == W_FP8 || (WF == W_INT4 && is_half<T>::value), "fp8, or 4-bit with fp16");
+  constexpr int WARPS = LeanShape<WF>::WARPS, VALS = LeanShape<WF>::VALS;
+  constexpr int PAIRS = lean_pairs(TT), ROWS = 2 * PAIRS, M = ROWS * TT;
+  static_assert(M <= 32, "one reduce-scatter a warp");
+  __shared__ float red[WARPS][M];
+  __shared__ TokenSlot slots[FORM & 1 ? PAIRS * TT : TT];
+  __shared__ float4 factors[FORM & 1 ? PAIRS * TT : 1];  // FORM bit 0: cos, sin, fp8 scales
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int pairs_total = p.N >> 1;
+  const int g0 = blockIdx.x * PAIRS;
+  const int t0 = blockIdx.y * TT, nt = min(TT, p.T - t0);
+  const bool rope = p.cos_sin != nullptr;
+  // The block's pairs: pair i is pair i0 + i of head h0, or of the next head (the host makes
+  // D / 2 >= PAIRS). Row r of the block (member r % 2 of pair r / 2) is found by lane r and
+  // handed to every lane by a shuffle: the rows' logic once a lane, not once a row, before the
+  // first load. Pairs past the last read row 0 (their sums are never stored).
+  const int half_d = p.D >> 1, h0 = g0 / half_d, i0 = g0 - h0 * half_d;
+  int own_row;
+  {
+    const int i = (lane >> 1) & (PAIRS - 1), ii = i0 + i;
+    const bool next = ii >= half_d;
+    const RowPair rp =
+        row_pair_in(h0 + next, next ? ii - half_d : ii, p.R, p.Hq, p.Hkv, rope, p.is_neox);
+    own_row = g0 + i < pairs_total ? rp.head * p.D + ((lane & 1) ? rp.db : rp.da) : 0;
+  }
+  unsigned rown[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) rown[r] = __shfl_sync(0xffffffffu, own_row, r);
+  // 32-bit strides (the host's condition: lean_strides in qkv.py)
+  const unsigned row_bytes = unsigned(p.weight_row_bytes), ws_s0 = unsigned(p.ws_s0),
+                 zp_s0 = unsigned(p.zp_s0);
+  const unsigned char* weight = static_cast<const unsigned char*>(p.weight);
+  using u64 = unsigned long long;
+  const T* hidden = static_cast<const T*>(p.hidden) + i64(t0) * p.hidden_s0;
+  // 16-byte loads of the hidden values where every load's start is 16-byte aligned
+  const bool x_vec =
+      (reinterpret_cast<unsigned long long>(hidden) & 15) == 0 && p.hidden_s0 % 8 == 0;
+  const int nv = p.K / VALS;  // loads a row (the host makes K a multiple of VALS)
+
+  if constexpr (FORM & 1) {
+    // the epilogue's loads first, one lane of warp 0 a (pair, token) item: its token's slot, its
+    // pair's cos / sin and fp8 scales, staged for after the barrier (its loads ahead of the
+    // weight stream's, not queued behind them)
+    if (warp == 0 && lane < PAIRS * TT) {
+      const int i = lane / TT, t = lane - i * TT, ii = i0 + i;
+      const TokenSlot tok = t < nt ? token_slot(p, t0 + t) : TokenSlot{-1, -1, -1};
+      const bool next = ii >= half_d;
+      const RowPair rp =
+          row_pair_in(h0 + next, next ? ii - half_d : ii, p.R, p.Hq, p.Hkv, rope, p.is_neox);
+      float4 f = make_float4(1.f, 0.f, 1.f, 1.f);
+      if (rp.rot >= 0 && tok.pos >= 0) {
+        const float* cs = p.cos_sin + i64(tok.pos) * p.cs_s0;
+        f.x = cs[rp.rot];
+        f.y = cs[(p.R >> 1) + rp.rot];
+      }
+      if constexpr (WF == W_FP8) {
+        const float* ws = static_cast<const float*>(p.weight_scales);
+        f.z = ws[rp.head * p.D + rp.da];
+        f.w = ws[rp.head * p.D + rp.db];
+      }
+      slots[lane] = tok;
+      factors[lane] = f;
+    }
+  }
+  float part[M];
+#pragma unroll
+  for (int i = 0; i < M; ++i) part[i] = 0.f;
+
+  for (int vb = warp * 32; vb < nv; vb += WARPS * 32) {
+    const int v = vb + lane;
+    const bool on = v < nv;
+    // A lane past the row's end loads the row's last vector again (no predicates, no zeroing)
+    // and multiplies it by zeros (its hidden values): it adds +0, or NaN where the row's own
+    // last vector already makes the row's sum NaN.
+    const unsigned vl = unsigned(on ? v : nv - 1);
+    // the rows' addresses computed in the round, not hoisted out of the loop as 64-bit products
+    // (three a row: spilled, and before the first load)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) asm volatile("" : "+r"(rown[r]));
+    // This lane's hidden values: 4-bit as fp16 pairs in int4_pairs' order, fp8 as float32; zero
+    // for tokens past the tile's and lanes past the row's end. Aligned rows: every 16-byte load
+    // issued at once, no branch between them (a branch a load made each wait for the last).
+    constexpr int XW = WF == W_INT4 ? VALS / 2 : VALS;
+    unsigned xs[TT][XW];
+    auto load_hidden = [&]() {
+      uint4 q[TT][VALS / 8];
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        const T* xr = hidden + i64(min(t, nt - 1)) * p.hidden_s0 + i64(vl) * VALS;
+#pragma unroll
+        for (int c = 0; c < VALS / 8; ++c) {
+          if (x_vec) {
+            q[t][c] = *reinterpret_cast<const uint4*>(xr + 8 * c);
+          } else {
+            const unsigned short* h = reinterpret_cast<const unsigned short*>(xr) + 8 * c;
+            q[t][c] = make_uint4(h[0] | unsigned(h[1]) << 16, h[2] | unsigned(h[3]) << 16,
+                                 h[4] | unsigned(h[5]) << 16, h[6] | unsigned(h[7]) << 16);
+          }
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        const bool here = on && t < nt;
+#pragma unroll
+        for (int c = 0; c < VALS / 8; ++c) {
+          const uint4 v4 = here ? q[t][c] : make_uint4(0, 0, 0, 0);
+          if constexpr (WF == W_INT4) {
+            const uint4 o = int4_order(v4);
+            xs[t][4 * c] = o.x;
+            xs[t][4 * c + 1] = o.y;
+            xs[t][4 * c + 2] = o.z;
+            xs[t][4 * c + 3] = o.w;
+          } else {
+            const unsigned w[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+              xs[t][8 * c + e] = __float_as_uint(bits16_to_float(
+                  static_cast<const T*>(nullptr), (w[e >> 1] >> (16 * (e & 1))) & 0xFFFFu));
+          }
+        }
+      }
+    };
+    if constexpr (FORM & 2) load_hidden();  // FORM bit 1: ahead of the weight stream
+    const unsigned char* wl = weight + vl * 16u;
+    uint4 raw[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) raw[r] = ldg_stream(wl + u64(rown[r]) * row_bytes);
+    unsigned sz[WF == W_INT4 ? ROWS : 1];  // 4-bit: the scale's fp16 bits | (2^10 + zero) << 16
+    if constexpr (WF == W_INT4) {
+      const unsigned grp = vl * VALS / unsigned(p.group_size);
+      const unsigned short* ws = static_cast<const unsigned short*>(p.weight_scales) + grp;
+      const unsigned char* zp = static_cast<const unsigned char*>(p.zero_points);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const unsigned sb = ldg_u16(ws + u64(rown[r]) * ws_s0);
+        const unsigned z = zp != nullptr ? ldg_u8(zp + grp + u64(rown[r]) * zp_s0) & 0xFu : 8u;
+        sz[r] = sb | ((0x6400u | z) << 16);
+      }
+    }
+    if ((FORM & 1) == 0 && vb == 0 && lane < TT) {  // warp 0, first round: behind its loads
+      slots[lane] = lane < nt ? token_slot(p, t0 + lane) : TokenSlot{-1, -1, -1};
+    }
+    if constexpr ((FORM & 2) == 0) load_hidden();
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const unsigned w[4] = {raw[r].x, raw[r].y, raw[r].z, raw[r].w};
+      if constexpr (WF == W_INT4) {
+        // qkv_gemv's packed decode, FORM bit 0: the same pairs, the same fp16 sums
+        const unsigned sub = __byte_perm(sz[r], 0u, 0x3232), sc = __byte_perm(sz[r], 0u, 0x1010);
+        const __half2 d = __hsub2(__halves2half2(__ushort_as_half(0x6380),  // 960
+                                                 __ushort_as_half(0x6380)),
+                                  *reinterpret_cast<const __half2*>(&sub));
+        const unsigned sub16 = *reinterpret_cast<const unsigned*>(&d);  // -(64 + zero), exact
+        __half2 hsum[TT];
+#pragma unroll
+        for (int t = 0; t < TT; ++t) hsum[t] = __float2half2_rn(0.f);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          unsigned wp[4];
+          int4_pairs<T>(w[c], sub, sub16, sc, wp);
+#pragma unroll
+          for (int t = 0; t < TT; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              hsum[t] = __hfma2(*reinterpret_cast<const __half2*>(&wp[i]),
+                                *reinterpret_cast<const __half2*>(&xs[t][4 * c + i]), hsum[t]);
+        }
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+          const float2 f = __half22float2(hsum[t]);
+          part[r * TT + t] += f.x + f.y;
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < 8; ++h) {  // codes 2h, 2h + 1
+          const float2 f = fp8x2_to_float2((h & 1) ? w[h >> 1] >> 16 : w[h >> 1]);
+#pragma unroll
+          for (int t = 0; t < TT; ++t) {
+            part[r * TT + t] = fmaf(f.x, __uint_as_float(xs[t][2 * h]), part[r * TT + t]);
+            part[r * TT + t] = fmaf(f.y, __uint_as_float(xs[t][2 * h + 1]), part[r * TT + t]);
+          }
+        }
+      }
+    }
+  }
+
+  int idx;
+  const float s = warp_reduce_scatter<M>(part, lane, idx);
+  if (lane % (32 / M) == 0) red[warp][idx] = s;
+  __syncthreads();
+  if (threadIdx.x >= PAIRS * TT) return;
+  const int i = threadIdx.x / TT, t = threadIdx.x - i * TT;
+  if (g0 + i >= pairs_total || t >= nt) return;
+  float a = 0.f, b = 0.f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    a += red[w][2 * i * TT + t];
+    b += red[w][(2 * i + 1) * TT + t];
+  }
+  const int ii = i0 + i;
+  const bool next = ii >= half_d;
+  const RowPair rp =
+      row_pair_in(h0 + next, next ? ii - half_d : ii, p.R, p.Hq, p.Hkv, rope, p.is_neox);
+  if constexpr (FORM & 1) {
+    const float4 f = factors[threadIdx.x];
+    const TokenSlot tok = slots[threadIdx.x];
+    a *= f.z;  // the fp8 scales (1 for 4-bit)
+    b *= f.w;
+    if (rp.rot >= 0 && tok.pos >= 0) {
+      const float x = a, y = b;
+      a = x * f.x - y * f.y;
+      b = y * f.x + x * f.y;
+    }
+    store_pair<T>(p, tok, t0 + t, rp, a, b);
+    return;
+  }
+  if constexpr (WF == W_FP8) {
+    const float* ws = static_cast<const float*>(p.weight_scales);
+    a *= ws[rp.head * p.D + rp.da];
+    b *= ws[rp.head * p.D + rp.db];
+  }
+  write_pair<T>(p, slots[t], t0 + t, rp, a, b);
 }
 
 // ---- Small batches: tensor-core weight streaming, split-K over a thread-block cluster ------
