@@ -1089,7 +1089,7 @@ __global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32, LEAN_MIN_BLOCKS)
     // the epilogue's loads first, one lane of warp 0 a (pair, token) item: its token's slot, its
     // pair's cos / sin and fp8 scales, staged for after the barrier (its loads ahead of the
     // weight stream's, not queued behind them)
-    if (warp == 0 && lane < PAIRS * TT) {
+    if (warp == 0 && lane < PAIRS * TT && g0 + lane / TT < pairs_total) {  // live pairs only
       const int i = lane / TT, t = lane - i * TT, ii = i0 + i;
       const TokenSlot tok = t < nt ? token_slot(p, t0 + t) : TokenSlot{-1, -1, -1};
       const bool next = ii >= half_d;
