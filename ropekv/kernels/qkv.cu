@@ -180,6 +180,13 @@ __device__ __forceinline__ void store_pair(const QkvParams& p, const TokenSlot& 
   }
 }
 
+// The pair (a, b) rotated by (cos, sin) = (c, s).
+__device__ __forceinline__ void rotate_pair(float& a, float& b, float c, float s) {
+  const float x = a, y = b;
+  a = x * c - y * s;
+  b = y * c + x * s;
+}
+
 // Writes the pair (a, b) of token t: rotated at tok.pos when it is a rotary pair, then Q to out,
 // K / V to their cache rows (scaled for fp8 caches).
 template <typename T>
@@ -187,10 +194,7 @@ __device__ __forceinline__ void write_pair(const QkvParams& p, const TokenSlot& 
                                            const RowPair& rp, float a, float b) {
   if (rp.rot >= 0 && tok.pos >= 0) {
     const float* cs = p.cos_sin + i64(tok.pos) * p.cs_s0;
-    const float c = cs[rp.rot], s = cs[(p.R >> 1) + rp.rot];
-    const float x = a, y = b;
-    a = x * c - y * s;
-    b = y * c + x * s;
+    rotate_pair(a, b, cs[rp.rot], cs[(p.R >> 1) + rp.rot]);
   }
   store_pair<T>(p, tok, t, rp, a, b);
 }
@@ -1040,6 +1044,14 @@ __device__ __forceinline__ float warp_reduce_scatter(float (&a)[M], int lane, in
   return a[0];
 }
 
+// Pair ii of head h0 (a qkv_gemv_lean block's pair i0 + i), or pair ii - half_d of the next
+// head when ii is past head h0's half_d pairs.
+__device__ __forceinline__ RowPair lean_pair(const QkvParams& p, int h0, int ii, int half_d,
+                                             bool rope) {
+  const bool next = ii >= half_d;
+  return row_pair_in(h0 + next, next ? ii - half_d : ii, p.R, p.Hq, p.Hkv, rope, p.is_neox);
+}
+
 template <typename T, int WF, int TT, int FORM>
 __global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32, LEAN_MIN_BLOCKS)
     qkv_gemv_lean(const QkvParams p) {
@@ -1065,10 +1077,8 @@ __global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32, LEAN_MIN_BLOCKS)
   const int half_d = p.D >> 1, h0 = g0 / half_d, i0 = g0 - h0 * half_d;
   int own_row;
   {
-    const int i = (lane >> 1) & (PAIRS - 1), ii = i0 + i;
-    const bool next = ii >= half_d;
-    const RowPair rp =
-        row_pair_in(h0 + next, next ? ii - half_d : ii, p.R, p.Hq, p.Hkv, rope, p.is_neox);
+    const int i = (lane >> 1) & (PAIRS - 1);
+    const RowPair rp = lean_pair(p, h0, i0 + i, half_d, rope);
     own_row = g0 + i < pairs_total ? rp.head * p.D + ((lane & 1) ? rp.db : rp.da) : 0;
   }
   unsigned rown[ROWS];
@@ -1092,9 +1102,7 @@ __global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32, LEAN_MIN_BLOCKS)
     if (warp == 0 && lane < PAIRS * TT && g0 + lane / TT < pairs_total) {  // live pairs only
       const int i = lane / TT, t = lane - i * TT, ii = i0 + i;
       const TokenSlot tok = t < nt ? token_slot(p, t0 + t) : TokenSlot{-1, -1, -1};
-      const bool next = ii >= half_d;
-      const RowPair rp =
-          row_pair_in(h0 + next, next ? ii - half_d : ii, p.R, p.Hq, p.Hkv, rope, p.is_neox);
+      const RowPair rp = lean_pair(p, h0, ii, half_d, rope);
       float4 f = make_float4(1.f, 0.f, 1.f, 1.f);
       if (rp.rot >= 0 && tok.pos >= 0) {
         const float* cs = p.cos_sin + i64(tok.pos) * p.cs_s0;
@@ -1245,20 +1253,13 @@ __global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32, LEAN_MIN_BLOCKS)
     a += red[w][2 * i * TT + t];
     b += red[w][(2 * i + 1) * TT + t];
   }
-  const int ii = i0 + i;
-  const bool next = ii >= half_d;
-  const RowPair rp =
-      row_pair_in(h0 + next, next ? ii - half_d : ii, p.R, p.Hq, p.Hkv, rope, p.is_neox);
+  const RowPair rp = lean_pair(p, h0, i0 + i, half_d, rope);
   if constexpr (FORM & 1) {
     const float4 f = factors[threadIdx.x];
     const TokenSlot tok = slots[threadIdx.x];
     a *= f.z;  // the fp8 scales (1 for 4-bit)
     b *= f.w;
-    if (rp.rot >= 0 && tok.pos >= 0) {
-      const float x = a, y = b;
-      a = x * f.x - y * f.y;
-      b = y * f.x + x * f.y;
-    }
+    if (rp.rot >= 0 && tok.pos >= 0) rotate_pair(a, b, f.x, f.y);
     store_pair<T>(p, tok, t0 + t, rp, a, b);
     return;
   }
