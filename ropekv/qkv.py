@@ -1292,11 +1292,7 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
     if not opts and lean_applies(vx.dtype, fmt, vb, D, T, lean_max) and _lean_strides(fields):
         return plan([_gemv_lean(fields, slots, vx, fmt, T, N, device, pdl, lean_form)])
     if (
-        gemv_max < T <= packed_max
-        and gemv_packed
-        and _packed(
-            vx.dtype, fmt, _gemv_width(vw, fmt, vx.dtype, K, fields["group_size"])[0], _tile(T)
-        )
+        gemv_max < T <= packed_max and gemv_packed and _packed(vx.dtype, fmt, vb, _tile(T))
     ):  # a few tokens more on the packed decode, before the tensor-core kernels
         return plan([_gemv(fields, slots, vx, vw, fmt, T, K, N, device, decode, pdl, opts)])
     step = fused(wgmma, mma_top)
