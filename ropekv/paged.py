@@ -109,6 +109,7 @@ TUNING = {
     "lean_multi_upto": 1 << 19,
     "lean_prefill_rows": 1,
     "lean_prefill_rows_bf16_8bit": 2,
+    "lean_guess": True,
 }
 MAX_BLOCK = 512  # __launch_bounds__ of the row kernel
 ROW_KERNEL = "rope_append_paged_rows"
@@ -175,6 +176,13 @@ LEAN_MULTI_CHUNKS = (2, 4)  # chunks a thread compiled beside TUNING's (the comp
 # 2: 8 x 24 threads, a token a block). `lean_prefill_rows_bf16_8bit=1` restores 0a1cafe.
 LEAN_ROWS_KERNEL = "rope_append_paged_rows_lean_rows"
 LEAN_PREFILL_ROWS = (2, 3, 4)  # rows a thread compiled beside TUNING's (the compile tests)
+# The decode guess (`lean_guess`; LeanSlot in paged.cu, the record's `guess` field): a call of
+# as many tokens as requests has each lean-kernel K / V thread load kv_indptr[t] and
+# kv_indptr[t + 1] beside batch_indices[t] and take them where b is t, so the page id waits for
+# two loads in a row instead of three. H200, graph replay, `--tune paged.lean_guess=False` (time
+# without / with): paged GQA decode 1.01-1.11x, tensor-parallel 8 / 1 and 4 / 1 heads
+# 1.03-1.05x, MLA 16 heads 1.02-1.07x, 128 heads 0.99-1.02x (docs/design/kernels.md).
+# `lean_guess=False` restores the three-load chain.
 INT32_SPAN = 2**31 - 1  # element offsets below this take the lean kernel's 32-bit offsets
 ROWS = (1, 4)  # row kernels by the head rows one lane group can hold (their register budgets)
 
@@ -350,7 +358,7 @@ PARAMS = ParamStruct(
         *((n, np.int64) for n in _STRIDES),
         ("q_scale", np.float32),
         ("kv_scale", np.float32),
-        *((n, np.int32) for n in _INTS),
+        *((n, np.int32) for n in (*_INTS, "guess")),
     ],
 )
 # The option kernel's record: the plain one's fields with the options' pointers and strides (a
@@ -1602,6 +1610,12 @@ def _lean_span(values, c):
     )
 
 
+def _decode_guess(T, B):
+    """The record's guess field: 1 for calls of T tokens into B requests where T == B (decode's
+    one token a request) while ``lean_guess`` is on."""
+    return int(bool(TUNING["lean_guess"]) and T == B)
+
+
 def _index64(a):
     """The record's index64: bit i set where the i-th array of _INDICES (pos_ids, batch_indices,
     positions, kv_indptr, kv_indices) is int64."""
@@ -1671,6 +1685,8 @@ def _values(a, f, c, choice):
         "mrope_h": sections[1] if sections else 0,
         "mrope_w": sections[2] if sections else 0,
         "mrope_interleaved": int(f.mrope_interleaved),
+        # the lean kernels' decode guess (LeanSlot in paged.cu): one token a request
+        "guess": _decode_guess(T, a.kv_indptr.shape[0] - 1),
     }
 
 

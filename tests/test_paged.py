@@ -2104,6 +2104,54 @@ def test_lean_kernel_hostile_indices(mla, index, launched):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("index", [np.int32, np.int64])
+def test_lean_kernel_decode_guess(mla, index, launched):
+    """The lean kernels' decode guess (one token a request, T == B: token t's kv_indptr entries
+    loaded before its batch index lands) against the reference wherever it holds and wherever it
+    does not: every token in its own request; the requests permuted (the guess fails for most
+    tokens); padding; hostile indices (the guess holds for one of the poisoned tokens, whose
+    request's kv_indptr entries are out of range); with the guess off (lean_guess False), the
+    same results. The caches' other bytes are checked."""
+    from ropekv import paged
+
+    shape = _mla(16) if mla else {"Hq": 8, "Hkv": 1, "R": 128, "Dn": 0}
+    T = 16
+    for seed, how in enumerate(("own", "permuted", "padded", "hostile")):
+        args = make_case(150 + seed, T=T, B=T, lens=[1] * T, index_dtypes=index, **shape)
+        assert np.array_equal(args["batch_indices"], np.arange(T))
+        if how == "permuted":
+            rng = np.random.default_rng(seed)
+            order = rng.permutation(T)
+            args["batch_indices"][:] = order
+            # token t in request order[t], at that request's one position (in its pages)
+            args["positions"][:] = args["positions"][order]
+        elif how == "padded":
+            args["batch_indices"][[0, 5, 15]] = -1
+        elif how == "hostile":
+            _poison_indices(args, index)
+        for guess in (True, False):
+            with pytest.MonkeyPatch.context() as m:
+                m.setitem(paged.TUNING, "lean_guess", guess)
+                for op in (paged._GQA, paged._MLA):
+                    op.clear()
+                check_against_reference(args, quantize=True, is_neox=not mla)
+            assert _lean_ran(launched), launched[-1:]
+
+
+def test_decode_guess_flag_where_one_token_a_request(monkeypatch):
+    """The record's guess field: set for calls of as many tokens as requests (decode) while
+    lean_guess is on, clear otherwise."""
+    from ropekv import paged
+
+    for T, B, on, want in ((4, 4, True, 1), (1, 1, True, 1), (5, 4, True, 0), (3, 4, True, 0)):
+        monkeypatch.setitem(paged.TUNING, "lean_guess", on)
+        assert paged._decode_guess(T, B) == want, (T, B, on)
+    monkeypatch.setitem(paged.TUNING, "lean_guess", False)
+    assert paged._decode_guess(4, 4) == 0
+
+
+@pytest.mark.gpu
 def test_lean_kernel_64bit_offsets(monkeypatch, launched):
     """The lean kernel's 64-bit offset instantiation (taken where a span passes 31 bits; here
     forced by a span limit of 0) on GQA and MLA decode."""

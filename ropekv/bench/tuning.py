@@ -131,6 +131,7 @@ KINDS = {
         lean_multi_upto=THRESHOLD,
         lean_prefill_rows=SIZE,
         lean_prefill_rows_bf16_8bit=SIZE,
+        lean_guess=SWITCH,
         MAX_BLOCK=THREADS,
         LEAN_THREADS=THREADS,
     ),

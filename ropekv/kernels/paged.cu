@@ -50,6 +50,7 @@ struct PagedParams {
   int rows;     // row kernel: head rows each lane group holds, 1 ..= ROWS
   int mrope;    // pos_ids is (3, T): mRoPE by sections (MRope in common.cuh)
   int mrope_t, mrope_h, mrope_w, mrope_interleaved;
+  int guess;    // lean kernels: the decode guess (LeanSlot), set where T == B
 };
 
 // The option kernel's parameters: PagedParams's fields (same names and meanings) with the
@@ -878,6 +879,23 @@ __device__ __forceinline__ LeanIndex lean_index32(const void* p, unsigned i, int
   return r;
 }
 
+// A word loaded where it is written in the program: a volatile load, which the compiler neither
+// drops nor sinks into the branch that uses it (a plain load used only behind a branch may be
+// moved there, after the load the branch waits for).
+__device__ __forceinline__ unsigned ld_here(const unsigned* a) {
+  unsigned v;
+  asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(a));
+  return v;
+}
+
+// lean_index32 loaded in place (ld_here): the decode guess's kv_indptr entries.
+__device__ __forceinline__ LeanIndex lean_index32_here(const void* p, unsigned i, int is64) {
+  const unsigned* e = static_cast<const unsigned*>(p) + (is64 ? 2u * i : i);
+  LeanIndex r{ld_here(e), 0u, is64};
+  if (is64) r.hi = ld_here(e + 1);
+  return r;
+}
+
 // The K / V slot of token t as the lean kernels find it, in the order of its chain: begin (the
 // batch index and position), indptr (kv_indptr[b] and kv_indptr[b + 1]), page_id (the page id's
 // load), end (the id checked: page, entry; page -1 when the token has none, find_slot's rules:
@@ -886,10 +904,19 @@ __device__ __forceinline__ LeanIndex lean_index32(const void* p, unsigned i, int
 // 2^31 (B, num_pages and num_indices x page_size), so the chain runs on the entries' 32-bit
 // words (LeanIndex: an int64 entry with a high word is out of range) instead of 64-bit values
 // and compares; with 64-bit offsets it keeps the 64-bit form.
+// The decode guess (32-bit form, p.guess: the host sets it where T == B, decode's one token a
+// request): begin also loads kv_indptr[t] and kv_indptr[t + 1], the entries of request t, beside
+// b and pos; where b turns out to be t, indptr takes them instead of loading kv_indptr[b] and
+// kv_indptr[b + 1] after b lands. The chain to the page id is then two loads deep, not three;
+// any other b takes the loads it took before (the guess's two loads wasted). Same values either
+// way: the entries of request b.
 template <typename I>
 struct LeanSlot {
   static constexpr bool kNarrow = sizeof(I) == 4;
   LeanIndex b, pos, first, last, pgi;  // the 32-bit form's entries
+  LeanIndex gfirst, glast;             // the decode guess: kv_indptr[t], kv_indptr[t + 1]
+  unsigned tok = 0;                    // the decode guess: t, where it loaded its entries
+  bool guessed = false;
   i64 b64 = -1, pos64 = -1, first64 = 0, last64 = 0;  // the 64-bit form's values
   unsigned idx = 0;                                    // 32-bit form: pos / page_size
   i64 idx64 = 0;
@@ -899,6 +926,12 @@ struct LeanSlot {
     if constexpr (kNarrow) {
       b = lean_index32(p.batch_indices, unsigned(t), p.index64 & 2);
       pos = lean_index32(p.positions, unsigned(t), p.index64 & 4);
+      if (p.guess && t < p.B) {  // t + 1 <= B: both entries exist
+        tok = unsigned(t);
+        guessed = true;
+        gfirst = lean_index32_here(p.kv_indptr, tok, p.index64 & 8);
+        glast = lean_index32_here(p.kv_indptr, tok + 1u, p.index64 & 8);
+      }
     } else {
       b64 = read_index(p.batch_indices, t, p.index64 & 2);
       pos64 = read_index(p.positions, t, p.index64 & 4);
@@ -912,8 +945,13 @@ struct LeanSlot {
       // a position of 2^31 or more has no slot: num_indices x page_size < 2^31
       ok = b.below(p.B) & pos.below(0x7fffffff) & (p.num_indices > 0);
       if (ok) {
-        first = lean_index32(p.kv_indptr, b.lo, p.index64 & 8);
-        last = lean_index32(p.kv_indptr, b.lo + 1, p.index64 & 8);
+        if (guessed && b.lo == tok) {  // the guess held (b.hi is 0: b.below)
+          first = gfirst;
+          last = glast;
+        } else {
+          first = lean_index32(p.kv_indptr, b.lo, p.index64 & 8);
+          last = lean_index32(p.kv_indptr, b.lo + 1, p.index64 & 8);
+        }
         idx = pow2 ? pos.lo >> (__ffs(ps) - 1) : pos.lo / unsigned(ps);
       }
     } else {
