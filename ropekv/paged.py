@@ -104,7 +104,7 @@ TUNING = {
     "lean_wave_blocks": 2640,
     "lean_max_block": 256,
     "lean_narrow_from": 1,
-    "lean_wide_chunks": 1 << 18,
+    "lean_wide_chunks": 1 << 16,
     "lean_multi": 4,
     "lean_multi_upto": 1 << 19,
     "lean_prefill_rows": 1,
@@ -156,7 +156,11 @@ LEAN_THREADS = 256  # kLeanThreads: the lean kernel's __launch_bounds__
 # section kernel from 64 tokens (128 heads 64 / 128 / 256 tokens 5.8 / 9.7 / 21.8 us against 5.1 /
 # 6.4 / 16.5): one chunk a thread keeps too few bytes in flight for wide rows; the section kernel
 # ran at 20-22 warps an SM (72 registers) and 1.5x FlashInfer's instructions at 16 heads x 256.
-# `lean_wide_chunks=0` gives it the calls the one-chunk lean kernel takes today too.
+# `lean_wide_chunks=0` gives it the calls the one-chunk lean kernel takes today too. The split
+# between the two lean kernels moved from 2^18 to 2^16 chunks on a side-by-side H200 run (graph
+# replay, `--tune paged.lean_wide_chunks=0`, time C-chunk / one-chunk): MLA 16 heads 64 / 128
+# tokens 0.97x / 0.90x, 128 heads 16 tokens 0.97x, but 1.04-1.11x at 16 heads up to 16 tokens and
+# 128 heads up to 4 (at most 37K chunks); 2^16 puts the first three past it.
 LEAN_MULTI_KERNEL = "rope_append_paged_rows_lean_multi"
 LEAN_MULTI_CHUNKS = (2, 4)  # chunks a thread compiled beside TUNING's (the compile tests)
 # The lean kernel with U head rows of a token a thread (rope_append_paged_rows_lean_rows: chunk j

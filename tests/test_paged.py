@@ -1924,10 +1924,10 @@ def test_where_the_lean_kernel_runs_by_default():
     assert paged.TUNING["lean_prefill_from"] == paged.TUNING["lean_below"]
     assert _choose_lean(paged.TUNING["lean_below"], 8, 1, **gqa).shape[0] == "lean"
     mla = {"Hkv": 1, "R": 64, "Dn": 512, "mla": True}  # 72 lanes a row
-    assert _choose_lean(16, 128, **mla).shape[0] == "lean"  # 16 x 129 x 72 chunks
-    assert _choose_lean(64, 128, **mla).shape[0] != "lean"
-    assert _choose_lean(128, 16, **mla).shape[0] == "lean"  # 128 x 17 x 72
-    assert _choose_lean(256, 16, **mla).shape[0] != "lean"
+    assert _choose_lean(4, 128, **mla).shape[0] == "lean"  # 4 x 129 x 72 chunks
+    assert _choose_lean(16, 128, **mla).shape[0] != "lean"
+    assert _choose_lean(16, 16, **mla).shape[0] == "lean"  # 16 x 17 x 72
+    assert _choose_lean(64, 16, **mla).shape[0] != "lean"
 
 
 def test_lean_shape_gathers_tokens_past_the_wave(monkeypatch):
@@ -2296,8 +2296,12 @@ def test_lean_multi_takes_wide_rows_past_lean_wide_chunks(monkeypatch):
     from ropekv import paged
 
     below = paged.TUNING["lean_wide_chunks"]
-    assert 16 * 129 * 72 <= below < 64 * 129 * 72  # the shipped split: 16 / 64 tokens x 128 heads
-    assert _multi_shape(16, 128).shape == ("lean", False)
+    # the shipped split: 4 / 16 tokens x 128 heads, 16 / 64 tokens x 16 heads
+    assert max(4 * 129 * 72, 16 * 17 * 72) <= below < min(16 * 129 * 72, 64 * 17 * 72)
+    assert _multi_shape(4, 128).shape == ("lean", False)
+    assert _multi_shape(16, 16).shape == ("lean", False)
+    assert _multi_shape(16, 128).shape == ("lean_multi", 4)
+    assert _multi_shape(64, 16).shape == ("lean_multi", 4)
     upto = paged.TUNING["lean_multi_upto"]
     assert 256 * 17 * 72 <= upto < 64 * 129 * 72  # the shipped split: 16 heads x 256 tokens
     assert _multi_shape(256, 16).shape == ("lean_multi", 4)
@@ -2331,7 +2335,7 @@ def test_lean_multi_takes_wide_rows_past_lean_wide_chunks(monkeypatch):
     monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 0)  # today's choice
     for T, Hq in ((64, 128), (256, 128), (256, 16), (1024, 16)):
         assert _multi_shape(T, Hq).shape[0] not in ("lean", "lean_multi")
-    assert _multi_shape(16, 128).shape == ("lean", False)
+    assert _multi_shape(4, 128).shape == ("lean", False)
     monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 1 << 22)
     monkeypatch.setitem(paged.TUNING, "lean_wide_chunks", 0)  # every wide call of lean_below
     assert _multi_shape(1, 128).shape == ("lean_multi", 4)
