@@ -1643,6 +1643,7 @@ def _values(a, f, c, choice):
     qno_st = vqno.strides[:2] if vqno is not None else (Hq * Dn, Dn)
     (krc_sp, krc_se, krc_sh), (knc_sp, knc_se, knc_sh) = c.kr[1], c.kn[1]
     vc_sp, vc_se, vc_sh = c.vd[1]
+    B = a.kv_indptr.shape[0] - 1
     return {
         "qr_sn": vqr.strides[0],
         "qr_sh": vqr.strides[1],
@@ -1677,7 +1678,7 @@ def _values(a, f, c, choice):
         "Hv": 0 if mla else Hkv,
         "R": R,
         "Dn": Dn,
-        "B": a.kv_indptr.shape[0] - 1,
+        "B": B,
         "page_size": c.page_size,
         "P": c.P,
         "index64": index64,
@@ -1690,7 +1691,7 @@ def _values(a, f, c, choice):
         "mrope_w": sections[2] if sections else 0,
         "mrope_interleaved": int(f.mrope_interleaved),
         # the lean kernels' decode guess (LeanSlot in paged.cu): one token a request
-        "guess": _decode_guess(T, a.kv_indptr.shape[0] - 1),
+        "guess": _decode_guess(T, B),
     }
 
 

@@ -135,8 +135,8 @@ GEMV_FORMS = (0, 1, 3)
 # inputs, with 16-byte weight loads, up to this many tokens (token tiles LEAN_TILES); it takes
 # them before the packed decode and the tensor-core kernels. K split over a block's 4 warps, a
 # 4096-wide 4-bit row one load a lane (ptxas keeps 4 of a lane's 16 loads in flight, fp8 8: see
-# qkv.cu), the hidden values in registers, the packed decode's arithmetic. 0: off (qkv_gemv and qkv_mma as before). Measured on the H200:
-# docs/design/qkv.md.
+# qkv.cu), the hidden values in registers, the packed decode's arithmetic. 0: off (qkv_gemv and
+# qkv_mma as before). Measured on the H200: docs/design/qkv.md.
 GEMV_LEAN_MAX_TOKENS = 2
 LEAN_TILES = (1, 2, 4)  # tokens a block; a tile of up to 2 tokens owns 8 row pairs, of 4 owns 4
 # qkv_gemv_lean's form. Bit 0: warp 0 loads the tokens' cache rows, the pairs' cos / sin values

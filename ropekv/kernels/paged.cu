@@ -870,29 +870,28 @@ __device__ __forceinline__ LeanIndex lean_index(const void* p, i64 i, int is64) 
   return r;
 }
 
+// A word of an index entry. HERE: loaded where it is written in the program, by a volatile load,
+// which the compiler neither drops nor sinks into the branch that uses it (a plain load used only
+// behind a branch may be moved there, after the load the branch waits for).
+template <bool HERE>
+__device__ __forceinline__ unsigned index_word(const unsigned* a) {
+  if constexpr (HERE) {
+    unsigned v;
+    asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(a));
+    return v;
+  } else {
+    return *a;
+  }
+}
+
 // lean_index of an entry below 2^31 (a token, or an index the 32-bit chain found in range): its
-// address from 32-bit products (one wide multiply-add, not the 64-bit shifts and adds).
+// address from 32-bit products (one wide multiply-add, not the 64-bit shifts and adds). HERE: its
+// words loaded in place (index_word; the decode guess's kv_indptr entries).
+template <bool HERE = false>
 __device__ __forceinline__ LeanIndex lean_index32(const void* p, unsigned i, int is64) {
   const unsigned* e = static_cast<const unsigned*>(p) + (is64 ? 2u * i : i);  // 2i < 2^32
-  LeanIndex r{e[0], 0u, is64};  // the low word first (little-endian int64)
-  if (is64) r.hi = e[1];
-  return r;
-}
-
-// A word loaded where it is written in the program: a volatile load, which the compiler neither
-// drops nor sinks into the branch that uses it (a plain load used only behind a branch may be
-// moved there, after the load the branch waits for).
-__device__ __forceinline__ unsigned ld_here(const unsigned* a) {
-  unsigned v;
-  asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(a));
-  return v;
-}
-
-// lean_index32 loaded in place (ld_here): the decode guess's kv_indptr entries.
-__device__ __forceinline__ LeanIndex lean_index32_here(const void* p, unsigned i, int is64) {
-  const unsigned* e = static_cast<const unsigned*>(p) + (is64 ? 2u * i : i);
-  LeanIndex r{ld_here(e), 0u, is64};
-  if (is64) r.hi = ld_here(e + 1);
+  LeanIndex r{index_word<HERE>(e), 0u, is64};  // the low word first (little-endian int64)
+  if (is64) r.hi = index_word<HERE>(e + 1);
   return r;
 }
 
@@ -929,8 +928,8 @@ struct LeanSlot {
       if (p.guess && t < p.B) {  // t + 1 <= B: both entries exist
         tok = unsigned(t);
         guessed = true;
-        gfirst = lean_index32_here(p.kv_indptr, tok, p.index64 & 8);
-        glast = lean_index32_here(p.kv_indptr, tok + 1u, p.index64 & 8);
+        gfirst = lean_index32<true>(p.kv_indptr, tok, p.index64 & 8);
+        glast = lean_index32<true>(p.kv_indptr, tok + 1u, p.index64 & 8);
       }
     } else {
       b64 = read_index(p.batch_indices, t, p.index64 & 2);

@@ -993,8 +993,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(cons
 // In the source a round's loads come before its arithmetic; ptxas (sm_90, nvcc 13.0) keeps 4 of
 // a lane's 16 in flight at 4-bit and 8 at fp8, issuing each later one as the arithmetic frees its
 // registers. Staging them in shared memory by cp.async put all 16 in flight and was slower, with
-// the hidden values and scales staged too slower still (docs/design/qkv.md). A lane reads its loads' hidden values from
-// global memory into registers (no shared stage, no barrier before the arithmetic). The
+// the hidden values and scales staged too slower still (docs/design/qkv.md). A lane reads its
+// loads' hidden values from global memory into registers (no shared stage, no barrier before the
+// arithmetic). The
 // arithmetic is qkv_gemv's packed decode: 4-bit as the same fp16 pairs of (q - zero) * scale and
 // fp16 sums of each 32-value load, fp8 two codes a cvt and float32 products; the float32 sums
 // are added in another order: a lane's loads, then over the warp by a reduce-scatter (lane l
