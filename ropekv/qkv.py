@@ -138,6 +138,12 @@ GEMV_FORMS = (0, 1, 3)
 # qkv.cu), the hidden values in registers, the packed decode's arithmetic. 0: off (qkv_gemv and
 # qkv_mma as before). Measured on the H200: docs/design/qkv.md.
 GEMV_LEAN_MAX_TOKENS = 2
+# ... and plain calls of fp16 / bf16 weights up to this many tokens (before qkv_wgmma): 8 values
+# a 16-byte load, float32 products and sums (qkv_gemv's dense arithmetic), a 4096-wide row four
+# rounds of loads. 0: off (qkv_wgmma, or qkv_gemv off sm_90, as before). H200, graph replay,
+# Llama-3-8B's projection, one token: 14.1-14.5 us against qkv_wgmma's 16.2-16.4; four tokens
+# (a tile of 4, two waves of blocks) 19.2 against 16.7, hence 2 (docs/design/qkv.md).
+GEMV_LEAN_DENSE_MAX_TOKENS = 2
 LEAN_TILES = (1, 2, 4)  # tokens a block; a tile of up to 2 tokens owns 8 row pairs, of 4 owns 4
 # qkv_gemv_lean's form. Bit 0: warp 0 loads the tokens' cache rows, the pairs' cos / sin values
 # and fp8 scales before its weight loads, staged in shared memory for the epilogue (0: the cache
@@ -490,14 +496,16 @@ def _lean_tile(T):
 
 
 def lean_applies(dtype, fmt, vb, D, T, lean_max):
-    """Whether qkv_gemv_lean takes a plain call of ``T`` tokens (1 to ``lean_max`` and the
-    largest tile): fp8 weights, or 4-bit weights with fp16 inputs, 16-byte weight loads
+    """Whether qkv_gemv_lean takes a plain call of ``T`` tokens (1 to the largest tile and to
+    ``lean_max``, a pair: the most tokens with fp8 / 4-bit weights, with 16-bit weights): fp8 or
+    16-bit weights, or 4-bit weights with fp16 inputs, 16-byte weight loads
     (:func:`_gemv_width`), and heads of at least one block's pairs (D / 2 >= lean_pairs)."""
-    tt = _lean_tile(T) if 0 < T <= lean_max else None
+    top = lean_max[1] if fmt == W_DENSE else lean_max[0]
+    tt = _lean_tile(T) if 0 < T <= top else None
     return (
         tt is not None
         and vb == 16
-        and (fmt == W_FP8 or fmt == W_INT4 and dtype == FLOAT16)
+        and (fmt != W_INT4 or dtype == FLOAT16)
         and D // 2 >= lean_pairs(tt)
     )
 
@@ -587,7 +595,8 @@ def instantiations():
     for dtype in INPUT_DTYPES:
         for fmt in (W_FP8, W_INT4):
             yield dequant_expression(dtype, fmt)
-            if fmt == W_FP8 or dtype == FLOAT16:
+        for fmt in (W_DENSE, W_FP8, W_INT4):
+            if fmt != W_INT4 or dtype == FLOAT16:
                 for tt, form in itertools.product(LEAN_TILES, GEMV_LEAN_FORMS):
                     yield lean_expression(dtype, fmt, tt, form)
 
@@ -898,7 +907,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
             GEMV_PACKED_MAX_TOKENS,
             GEMV_PACKED_LATE_SCALE,
             GEMV_PACKED_FP8,
-            (GEMV_FORM, GEMV_LEAN_MAX_TOKENS, GEMV_LEAN_FORM),
+            (GEMV_FORM, (GEMV_LEAN_MAX_TOKENS, GEMV_LEAN_DENSE_MAX_TOKENS), GEMV_LEAN_FORM),
             MMA_MIN_TOKENS,
             MMA_MAX_TOKENS,
             (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID),

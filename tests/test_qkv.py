@@ -909,9 +909,11 @@ def force_path(monkeypatch, path):
     LEAN_TILES tokens); "cublas"; None: the thresholds as shipped)."""
     if path == "lean":
         monkeypatch.setattr(qkv_mod, "GEMV_LEAN_MAX_TOKENS", max(qkv_mod.LEAN_TILES))
+        monkeypatch.setattr(qkv_mod, "GEMV_LEAN_DENSE_MAX_TOKENS", max(qkv_mod.LEAN_TILES))
         return
     if path is not None:
         monkeypatch.setattr(qkv_mod, "GEMV_LEAN_MAX_TOKENS", 0)
+        monkeypatch.setattr(qkv_mod, "GEMV_LEAN_DENSE_MAX_TOKENS", 0)
     if path == "wgmma":
         monkeypatch.setattr(qkv_mod, "WGMMA_MIN_TOKENS", 1)
         monkeypatch.setattr(qkv_mod, "WGMMA_MAX_TOKENS", 1 << 30)
@@ -948,7 +950,8 @@ def taken_path(args, kw):
     if fmt == qkv_mod.W_INT4 and kw.get("group_size", 0) % 32:
         vb = 0
     dtype = args["hidden_state"].dtype
-    if not opts and qkv_mod.lean_applies(dtype, fmt, vb, D, T, qkv_mod.GEMV_LEAN_MAX_TOKENS):
+    lean_max = (qkv_mod.GEMV_LEAN_MAX_TOKENS, qkv_mod.GEMV_LEAN_DENSE_MAX_TOKENS)
+    if not opts and qkv_mod.lean_applies(dtype, fmt, vb, D, T, lean_max):
         return "lean"
     if (
         qkv_mod.wgmma_takes(fmt, T, K, D, qkv_mod.wgmma_settings())
@@ -2072,6 +2075,8 @@ LEAN_SHAPES = {
 @pytest.mark.parametrize(
     "wfmt, dtype, group_size, zero_points",
     [
+        ("dense", F16, 0, False),
+        ("dense", BF16, 0, False),
         ("fp8", F16, 32, False),
         ("fp8", BF16, 32, False),
         ("int4", F16, 32, True),
@@ -2083,10 +2088,11 @@ LEAN_SHAPES = {
 def test_gpu_gemv_lean(
     shape, lengths, wfmt, dtype, group_size, zero_points, fp8_cache, monkeypatch
 ):
-    """qkv_gemv_lean at token tiles 1, 2 and 4 (1-4 tokens), fp8 weights (fp16 and bf16 inputs)
-    and 4-bit weights (fp16 inputs; groups of 32 / 64 / 128, with and without zero points), 16-bit
-    and e4m3 caches: the reference's results (4-bit into e4m3: inside the packed decode's
-    rounding bound, fp8_interval), every other cache byte unchanged, one qkv_gemv_lean launch."""
+    """qkv_gemv_lean at token tiles 1, 2 and 4 (1-4 tokens), 16-bit and fp8 weights (fp16 and
+    bf16 inputs) and 4-bit weights (fp16 inputs; groups of 32 / 64 / 128, with and without zero
+    points), 16-bit and e4m3 caches: the reference's results (4-bit into e4m3: inside the packed
+    decode's rounding bound, fp8_interval), every other cache byte unchanged, one qkv_gemv_lean
+    launch."""
     force_path(monkeypatch, "lean")
     names = record_kernels(monkeypatch)
     qkv_mod._OP.clear()  # a plan cached by an earlier test of the worker would launch nothing new
@@ -2114,7 +2120,9 @@ def test_gpu_gemv_lean(
     tt = next(t for t in qkv_mod.LEAN_TILES if t >= T)
     assert names == [
         qkv_mod.lean_expression(
-            np.dtype(dtype), qkv_mod.W_FP8 if wfmt == "fp8" else qkv_mod.W_INT4, tt
+            np.dtype(dtype),
+            {"dense": qkv_mod.W_DENSE, "fp8": qkv_mod.W_FP8, "int4": qkv_mod.W_INT4}[wfmt],
+            tt,
         )
     ], names
 
@@ -2123,7 +2131,7 @@ def test_gpu_gemv_lean(
 @given(
     seed=st.integers(0, 2**32 - 1),
     T=st.integers(1, 4),
-    wfmt=st.sampled_from(["fp8", "int4"]),
+    wfmt=st.sampled_from(["dense", "fp8", "int4"]),
     bf16=st.booleans(),
     shape=st.sampled_from([(384, 2, 1, 16), (640, 3, 1, 24), (320, 4, 2, 32), (1152, 1, 1, 64)]),
     rope=st.sampled_from(["neox", "interleaved", "partial", "none"]),

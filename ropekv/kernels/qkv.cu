@@ -984,23 +984,24 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(cons
 
 // ---- Decode, lean: K split over a block's warps, the hidden values in registers -------------
 //
-// qkv_gemv_lean<T, WF, TT, FORM>: plain calls (no options) of fp8 weights, or of 4-bit weights
-// with fp16 inputs, with 16-byte loads (the host's conditions: lean_applies in qkv.py), up to TT
-// tokens a block. A block owns lean_pairs(TT) row pairs (16 rows at TT <= 2, 8 at TT 4; a pair is
-// two RoPE partners, as in qkv_gemv) and its 4 warps split K: warp w's lane takes the 16-byte
-// load v = (4 j + w) 32 + lane of every row of the block, the rows' loads of a round j issued
-// together. A 4096-wide 4-bit row is one round (one load a lane of the 4 warps), an fp8 row two.
-// In the source a round's loads come before its arithmetic; ptxas (sm_90, nvcc 13.0) keeps 4 of
-// a lane's 16 in flight at 4-bit and 8 at fp8, issuing each later one as the arithmetic frees its
-// registers. Staging them in shared memory by cp.async put all 16 in flight and was slower, with
-// the hidden values and scales staged too slower still (docs/design/qkv.md). A lane reads its
-// loads' hidden values from global memory into registers (no shared stage, no barrier before the
-// arithmetic). The
-// arithmetic is qkv_gemv's packed decode: 4-bit as the same fp16 pairs of (q - zero) * scale and
-// fp16 sums of each 32-value load, fp8 two codes a cvt and float32 products; the float32 sums
-// are added in another order: a lane's loads, then over the warp by a reduce-scatter (lane l
-// ends with one (row, token) sum: 31 shuffles for 32 sums, not 5 a sum), then over the warps in
-// shared memory. One thread a (pair, token) finishes: RoPE, Q to out, K / V to their pages.
+// qkv_gemv_lean<T, WF, TT, FORM>: plain calls (no options) of 16-bit or fp8 weights, or of 4-bit
+// weights with fp16 inputs, with 16-byte loads (the host's conditions: lean_applies in qkv.py),
+// up to TT tokens a block. A block owns lean_pairs(TT) row pairs (16 rows at TT <= 2, 8 at TT 4;
+// a pair is two RoPE partners, as in qkv_gemv) and its 4 warps split K: warp w's lane takes the
+// 16-byte load v = (4 j + w) 32 + lane of every row of the block, the rows' loads of a round j
+// issued together. A 4096-wide 4-bit row is one round (one load a lane of the 4 warps), an fp8
+// row two, a 16-bit row four. In the source a round's loads come before its arithmetic; ptxas
+// (sm_90, nvcc 13.0) keeps 4 of a lane's 16 in flight at 4-bit, 8 at fp8, all 16 at 16-bit
+// (one token), issuing each later one as the arithmetic frees its registers. Staging them by
+// cp.async put all 16 in flight and was slower, with the hidden values and scales staged too
+// slower still (docs/design/qkv.md). A lane reads its loads' hidden values from global memory
+// into registers (no shared stage, no barrier before the arithmetic). The arithmetic is
+// qkv_gemv's: 4-bit the packed decode's same fp16 pairs of (q - zero) * scale and fp16 sums of
+// each 32-value load, fp8 two codes a cvt and float32 products, 16-bit float32 products; the
+// float32 sums are added in another order: a lane's loads, then over the warp by a
+// reduce-scatter (lane l ends with one (row, token) sum: 31 shuffles for 32 sums, not 5 a sum),
+// then over the warps in shared memory. One thread a (pair, token) finishes: RoPE, Q to out, K /
+// V to their pages.
 //   Every load issued behind the weight stream waits for the SM's whole share of it (about 96 KB
 // at 4-bit), so what the arithmetic and the epilogue need comes first. FORM bit 0: warp 0 loads
 // the tokens' cache rows, the pairs' cos / sin values and fp8 scales before its weight loads,
@@ -1012,7 +1013,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(cons
 template <int WF>
 struct LeanShape {
   static constexpr int WARPS = 4;
-  static constexpr int VALS = WF == W_INT4 ? 32 : 16;  // k values a 16-byte load
+  static constexpr int VALS = WF == W_INT4 ? 32 : WF == W_FP8 ? 16 : 8;  // k values a 16-byte load
 };
 __host__ __device__ constexpr int lean_pairs(int tt) { return tt <= 2 ? 8 : 4; }
 constexpr int LEAN_MIN_BLOCKS = 3;  // blocks an SM in the launch bounds: 384 blocks, one wave
@@ -1061,7 +1062,8 @@ __global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32, LEAN_MIN_BLOCKS)
     qkv_gemv_lean(const QkvParams p) {
   pdl_launch_dependents();
   pdl_wait();
-  static_assert(WF == W_FP8 || (WF == W_INT4 && is_half<T>::value), "fp8, or 4-bit with fp16");
+  static_assert(WF == W_FP8 || WF == W_DENSE || (WF == W_INT4 && is_half<T>::value),
+                "16-bit or fp8 weights, or 4-bit with fp16");
   constexpr int WARPS = LeanShape<WF>::WARPS, VALS = LeanShape<WF>::VALS;
   constexpr int PAIRS = lean_pairs(TT), ROWS = 2 * PAIRS, M = ROWS * TT;
   static_assert(M <= 32, "one reduce-scatter a warp");
@@ -1229,6 +1231,17 @@ __global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32, LEAN_MIN_BLOCKS)
         for (int t = 0; t < TT; ++t) {
           const float2 f = __half22float2(hsum[t]);
           part[r * TT + t] += f.x + f.y;
+        }
+      } else if constexpr (WF == W_DENSE) {
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {  // values 2h, 2h + 1: float32 products and sums
+          const float lo = bits16_to_float(static_cast<const T*>(nullptr), w[h] & 0xFFFFu);
+          const float hi = bits16_to_float(static_cast<const T*>(nullptr), w[h] >> 16);
+#pragma unroll
+          for (int t = 0; t < TT; ++t) {
+            part[r * TT + t] = fmaf(lo, __uint_as_float(xs[t][2 * h]), part[r * TT + t]);
+            part[r * TT + t] = fmaf(hi, __uint_as_float(xs[t][2 * h + 1]), part[r * TT + t]);
+          }
         }
       } else {
 #pragma unroll
