@@ -289,7 +289,10 @@ def test_decode_plan_takes_the_options_kernel_only_with_an_option(options, stubb
     for _ in range(2):  # the first call, then a replay
         ropekv.fused_qkv_matmul_append_paged_kv_cache(**dev)
         (name,) = names
-        assert name.startswith("qkv_gemv<") and name.endswith("true>" if options else "false>")
+        if options:  # qkv_gemv with its options compiled in
+            assert name.startswith("qkv_gemv<") and name.endswith("true>"), name
+        else:  # 16-bit weights, plain: qkv_gemv_lean (no options in it)
+            assert name.startswith("qkv_gemv_lean<"), name
         (plan,) = qkv_mod._OP.plans.values()
         (launch,) = plan.steps
         assert _field(launch, "check") == int(bool(options.get("status")))
