@@ -141,7 +141,7 @@ GEMV_LEAN_MAX_TOKENS = 2
 # ... and plain calls of fp16 / bf16 weights up to this many tokens (before qkv_wgmma): 8 values
 # a 16-byte load, float32 products and sums (qkv_gemv's dense arithmetic), a 4096-wide row four
 # rounds of loads. 0: off (qkv_wgmma, or qkv_gemv off sm_90, as before). H200, graph replay,
-# Llama-3-8B's projection, one token: 14.1-14.5 us against qkv_wgmma's 16.2-16.4; four tokens
+# Llama-3-8B's projection, one token: 14.1-14.7 us against qkv_wgmma's 16.2-16.4; four tokens
 # (a tile of 4, two waves of blocks) 19.2 against 16.7, hence 2 (docs/design/qkv.md).
 GEMV_LEAN_DENSE_MAX_TOKENS = 2
 LEAN_TILES = (1, 2, 4)  # tokens a block; a tile of up to 2 tokens owns 8 row pairs, of 4 owns 4
