@@ -1257,39 +1257,14 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         a.cos_sin_cache,
         a.out,
     )
-    gemv, mma_min, mma_max, mma_quantized, (mma_split, mma_form), tiled, graph_max = tuning
+    gemv, mma_min, mma_max, mma_quantized, mma, tiled, graph_max = tuning
     gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, forms = gemv
     late_scale, gemv_form, (lean_max, lean_form) = forms
     T, K, N, D, fmt, device = c.T, c.K, c.N, c.D, c.fmt, c.device
     gemv_packed = gemv_packed and (fmt != W_FP8 or packed_fp8)
-
-    def fused(wgmma, mma_max):
-        """The one fused launch that takes the call (qkv_wgmma, else the tensor-core kernels up
-        to ``mma_max`` tokens), or None."""
-        if wgmma_takes(fmt, T, K, D, wgmma) and _compute_capability(device) == WGMMA_CAPABILITY:
-            step = _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts, fmt)
-            if step is not None:
-                return step
-        if T and mma_min <= T <= mma_max:
-            return _mma(
-                fields,
-                slots,
-                vx,
-                vw,
-                fmt,
-                T,
-                K,
-                N,
-                D,
-                device,
-                pdl,
-                mma_split,
-                tiled,
-                opts,
-                mma_form,
-            )
-        return None
-
+    fused = functools.partial(
+        _fused_step, fields, slots, vx, vw, c, pdl, opts, (mma_min, *mma, tiled)
+    )
     plan = functools.partial(Plan, device, outputs=outputs, written=written, result=_result)
     mma_top = (
         mma_max
@@ -1312,46 +1287,72 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
     n = None if T <= gemv_max else _epilogue_width(vout, vk, vv, vt, D, c.R, is_neox)
     if n is None:
         return plan([_gemv(fields, slots, vx, vw, fmt, T, K, N, device, decode, pdl, opts)])
+    # under CUDA-graph capture, up to graph_max tokens: the fused kernel that would take the call
+    # with its token cap raised (slower than cuBLAS eagerly there, but one launch and no
+    # temporaries, which a graph can hold)
+    capture = None
+    if T <= graph_max:
+        capture = fused(
+            wgmma._replace(max_tokens=max(wgmma.max_tokens, graph_max)), max(mma_top, graph_max)
+        )
+    return _cublas_plan(a, c, fields, slots, outputs, written, n, pdl, opts, capture)
+
+
+def _fused_step(fields, slots, vx, vw, c, pdl, opts, mma, wgmma, mma_max):
+    """The one fused launch that takes the call (qkv_wgmma, else the tensor-core kernels from
+    ``mma``'s first count up to ``mma_max`` tokens), or None. ``mma``: (MMA_MIN_TOKENS,
+    MMA_SPLIT, (MMA_FORM, MMA_OFFSETS32_MAX_TILE), the tiled kernel's settings)."""
+    T, K, N, D, fmt, device = c.T, c.K, c.N, c.D, c.fmt, c.device
+    mma_min, mma_split, mma_form, tiled = mma
+    if wgmma_takes(fmt, T, K, D, wgmma) and _compute_capability(device) == WGMMA_CAPABILITY:
+        step = _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts, fmt)
+        if step is not None:
+            return step
+    if T and mma_min <= T <= mma_max:
+        return _mma(
+            fields, slots, vx, vw, fmt, T, K, N, D, device, pdl, mma_split, tiled, opts, mma_form
+        )
+    return None
+
+
+def _cublas_plan(a, c, fields, slots, outputs, written, n, pdl, opts, capture):
+    """The cuBLAS path's plan (the GEMM into a temporary, then the epilogue at vector width
+    ``n``), refused under CUDA-graph capture unless ``capture`` (a fused launch) replaces it."""
     steps, workspaces = _prefill(
         fields,
         slots,
-        vx,
-        vw,
-        fmt,
-        vk.dtype,
+        a.hidden_state,
+        a.weight,
+        c.fmt,
+        a.k_cache.dtype,
         n,
-        T,
-        K,
-        N,
+        c.T,
+        c.K,
+        c.N,
         c.Hq,
         c.Hkv,
-        D,
-        device,
+        c.D,
+        c.device,
         len(outputs),
         pdl,
         opts,
         a.status is not None,
     )
-    # under CUDA-graph capture, up to graph_max tokens: the fused kernel that would take the call
-    # with its token cap raised (slower than cuBLAS eagerly there, but one launch and no
-    # temporaries, which a graph can hold)
-    step = None
-    if T <= graph_max:
-        step = fused(
-            wgmma._replace(max_tokens=max(wgmma.max_tokens, graph_max)), max(mma_top, graph_max)
-        )
     refusal = (
         f"fused_qkv_matmul_append_paged_kv_cache cannot be recorded in a CUDA graph with "
-        f"hidden_state of T={T} tokens: {GRAPH_RULE}"
+        f"hidden_state of T={c.T} tokens: {GRAPH_RULE}"
     )
+    capture_plan = None
+    if capture is not None:
+        capture_plan = Plan(c.device, [capture], outputs=outputs, written=written, result=_result)
     return Plan(
-        device,
+        c.device,
         steps,
         outputs=outputs + workspaces,
         written=written,
         result=_result,
         capture_refusal=refusal,
-        capture_plan=None if step is None else plan([step]),
+        capture_plan=capture_plan,
     )
 
 
