@@ -463,6 +463,15 @@ def find_torch_offsets(torch, probes):
         [{8 * k for k, w in enumerate(ws) if w == t.numel()} for t, ws in zip(probes, words)],
         "numel",
     )
+    dtype, device = _dtype_device_offsets(probes, numel, keyset)
+    return (impl, storage, ndim, cap, offset, numel, dtype, device, keyset), keyset_value
+
+
+def _dtype_device_offsets(probes, numel, keyset):
+    """The TensorImpl's dtype and device offsets (for :func:`find_torch_offsets`): between its
+    numel (at ``numel``) and its key set (at ``keyset``), the one uint16 that is the same for the
+    probes of one dtype and differs between dtypes, and the one 3-byte run (device type, index,
+    has-value) that matches every probe's device."""
     raw = [ctypes.string_at(t._cdata, keyset) for t in probes]
     after = range(numel + 8, keyset)  # data_type_ and device_opt_ lie between numel_ and key_set_
 
@@ -493,7 +502,7 @@ def find_torch_offsets(torch, probes):
         ],
         "the device",
     )
-    return (impl, storage, ndim, cap, offset, numel, dtype, device, keyset), keyset_value
+    return dtype, device
 
 
 def find_storage_offsets(torch, device):
