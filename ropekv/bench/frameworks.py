@@ -94,33 +94,48 @@ def torch_cases(device):
     """(name, tensors, eager(t, stream), ropekv.torch call(t), FlashInfer call(t) or None)."""
     import torch
 
-    import ropekv.torch as rt
+    c = _TorchCases(torch, device)
+    for build in (_paged_torch_case, _contiguous_torch_case, _qknorm_torch_case, _mla_torch_case):
+        build(c, torch)  # in this order: the cases draw from one seeded generator
+    return c.cases
 
-    g = torch.Generator(device=device).manual_seed(0)
-    f16, bf16, e4m3 = torch.float16, torch.bfloat16, torch.float8_e4m3fn
 
-    def randn(*shape, dtype=f16):
-        return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dtype)
+class _TorchCases:
+    """What :func:`torch_cases`'s cases are built with on ``device``: one seeded generator, the
+    helpers that draw from it, and the list of cases :meth:`add` appends to."""
 
-    def pages(B, seq):
+    def __init__(self, torch, device):
+        import ropekv.torch as rt
+
+        self.torch, self.device, self.rt = torch, device, rt
+        self.g = torch.Generator(device=device).manual_seed(0)
+        self.cases = []
+
+    def randn(self, *shape, dtype=None):
+        torch = self.torch
+        x = torch.randn(*shape, generator=self.g, device=self.device, dtype=torch.float32)
+        return x.to(dtype or torch.float16)
+
+    def pages(self, B, seq):
         per = -(-seq // PAGE)
         num_pages = B * per + 64
-        ids = torch.randperm(num_pages, generator=g, device=device)[: B * per].int()
-        return per, num_pages, ids
+        ids = self.torch.randperm(num_pages, generator=self.g, device=self.device)[: B * per]
+        return per, num_pages, ids.int()
 
-    def ints(values):
-        return torch.as_tensor(np.asarray(values, np.int32), device=device)
+    def ints(self, values):
+        return self.torch.as_tensor(np.asarray(values, np.int32), device=self.device)
 
-    def table(P, R):
-        return torch.from_numpy(ropekv.cos_sin_cache(P, R)).to(device)
+    def table(self, P, R):
+        return self.torch.from_numpy(ropekv.cos_sin_cache(P, R)).to(self.device)
 
-    cases = []
-    Hq, Hkv, D = LLAMA["Hq"], LLAMA["Hkv"], LLAMA["D"]
+    def zeros(self, *shape, dtype):
+        """Zeros of ``dtype`` (8-bit ones made as float32 zeros, then converted)."""
+        return self.torch.zeros(*shape, device=self.device).to(dtype)
 
-    def add(name, t, function, args, flashinfer=None):
+    def add(self, name, t, function, args, flashinfer=None):
         """A case calling ``function`` on ``args(t) -> (positional, keywords)``: eagerly
         (``ropekv.<function>`` on a given stream) and as the torch op (``ropekv.torch``)."""
-        eager_fn, op_fn = getattr(ropekv, function), getattr(rt, function)
+        eager_fn, op_fn = getattr(ropekv, function), getattr(self.rt, function)
 
         def eager(t, stream):
             a, kw = args(t)
@@ -130,24 +145,28 @@ def torch_cases(device):
             a, kw = args(t)
             return op_fn(*a, **kw)
 
-        cases.append((name, t, eager, op, flashinfer))
+        self.cases.append((name, t, eager, op, flashinfer))
 
-    # paged GQA fp16 -> e4m3, 64 x 1 (FlashInfer's op)
+
+def _paged_torch_case(c, torch):
+    """Paged GQA fp16 -> e4m3, 64 x 1 (FlashInfer's op)."""
+    Hq, Hkv, D = LLAMA["Hq"], LLAMA["Hkv"], LLAMA["D"]
+    e4m3 = torch.float8_e4m3fn
     B = 64
-    per, num_pages, ids = pages(B, PREFIX + 1)
+    per, num_pages, ids = c.pages(B, PREFIX + 1)
     t = {
-        "q": randn(B, Hq, D),
-        "k": randn(B, Hkv, D),
-        "v": randn(B, Hkv, D),
-        "table": table(PREFIX + 16, D),
-        "pos": ints(np.full(B, PREFIX)),
+        "q": c.randn(B, Hq, D),
+        "k": c.randn(B, Hkv, D),
+        "v": c.randn(B, Hkv, D),
+        "table": c.table(PREFIX + 16, D),
+        "pos": c.ints(np.full(B, PREFIX)),
         "kv_indices": ids,
-        "kv_indptr": ints(np.arange(B + 1) * per),
-        "batch": ints(np.arange(B)),
-        "k_cache": torch.zeros(num_pages, PAGE, Hkv, D, device=device).to(e4m3),
-        "v_cache": torch.zeros(num_pages, PAGE, Hkv, D, device=device).to(e4m3),
-        "q_out": torch.empty(B, Hq, D, device=device, dtype=e4m3),
-        "q_nope_out": torch.empty(B, Hq, 0, device=device, dtype=e4m3),
+        "kv_indptr": c.ints(np.arange(B + 1) * per),
+        "batch": c.ints(np.arange(B)),
+        "k_cache": c.zeros(num_pages, PAGE, Hkv, D, dtype=e4m3),
+        "v_cache": c.zeros(num_pages, PAGE, Hkv, D, dtype=e4m3),
+        "q_out": torch.empty(B, Hq, D, device=c.device, dtype=e4m3),
+        "q_nope_out": torch.empty(B, Hq, 0, device=c.device, dtype=e4m3),
     }
 
     def paged_args(t):
@@ -182,7 +201,7 @@ def torch_cases(device):
             *a, **{**kw, "q_nope_out": None}
         )
 
-    add(
+    c.add(
         "paged gqa fp16->e4m3 64x1",
         t,
         "rope_quantize_fp8_append_paged_kv_cache",
@@ -190,39 +209,46 @@ def torch_cases(device):
         paged_flashinfer,
     )
 
-    # contiguous fp16 -> fp16, 64 x 1, C = 4096
-    C = 4096
-    t = {
-        "q": randn(B, 1, Hq, D),
-        "k": randn(B, 1, Hkv, D),
-        "v": randn(B, 1, Hkv, D),
-        "cache": torch.zeros(B, 2, Hkv, C, D, device=device, dtype=f16),
-        "table": table(C, D),
-        "lens": ints(np.full(B, PREFIX + 1)),
-    }
 
-    add(
+def _contiguous_torch_case(c, torch):
+    """Contiguous fp16 -> fp16, 64 x 1, a cache of C = 4096 rows."""
+    Hq, Hkv, D = LLAMA["Hq"], LLAMA["Hkv"], LLAMA["D"]
+    B, C = 64, 4096
+    t = {
+        "q": c.randn(B, 1, Hq, D),
+        "k": c.randn(B, 1, Hkv, D),
+        "v": c.randn(B, 1, Hkv, D),
+        "cache": torch.zeros(B, 2, Hkv, C, D, device=c.device, dtype=torch.float16),
+        "table": c.table(C, D),
+        "lens": c.ints(np.full(B, PREFIX + 1)),
+    }
+    c.add(
         "contiguous fp16->fp16 64x1",
         t,
         "apply_rope_write_kv",
         lambda t: ((t.q, t.k, t.v, t.cache, t.table), {"kv_end_lens": t.lens}),
     )
 
-    # QK-norm bf16 -> e4m3, 64 x 1 (Qwen3-8B)
-    per, num_pages, ids = pages(B, PREFIX + 1)
+
+def _qknorm_torch_case(c, torch):
+    """QK-norm bf16 -> e4m3, 64 x 1 (Qwen3-8B)."""
+    Hq, Hkv, D = LLAMA["Hq"], LLAMA["Hkv"], LLAMA["D"]
+    bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
+    B = 64
+    per, num_pages, ids = c.pages(B, PREFIX + 1)
     t = {
-        "q": randn(B, Hq, D, dtype=bf16),
-        "k": randn(B, Hkv, D, dtype=bf16),
-        "v": randn(B, Hkv, D, dtype=bf16),
-        "q_gamma": randn(D, dtype=torch.float32),
-        "k_gamma": randn(D, dtype=torch.float32),
-        "table": table(PREFIX + 16, D),
-        "offsets": ints(np.arange(B + 1)),
-        "lengths": ints(np.full(B, PREFIX)),
+        "q": c.randn(B, Hq, D, dtype=bf16),
+        "k": c.randn(B, Hkv, D, dtype=bf16),
+        "v": c.randn(B, Hkv, D, dtype=bf16),
+        "q_gamma": c.randn(D, dtype=torch.float32),
+        "k_gamma": c.randn(D, dtype=torch.float32),
+        "table": c.table(PREFIX + 16, D),
+        "offsets": c.ints(np.arange(B + 1)),
+        "lengths": c.ints(np.full(B, PREFIX)),
         "block_table": ids.reshape(B, per),
-        "k_cache": torch.zeros(num_pages, PAGE, Hkv, D, device=device).to(e4m3),
-        "v_cache": torch.zeros(num_pages, PAGE, Hkv, D, device=device).to(e4m3),
-        "q_out": torch.empty(B, Hq, D, device=device, dtype=bf16),
+        "k_cache": c.zeros(num_pages, PAGE, Hkv, D, dtype=e4m3),
+        "v_cache": c.zeros(num_pages, PAGE, Hkv, D, dtype=e4m3),
+        "q_out": torch.empty(B, Hq, D, device=c.device, dtype=bf16),
     }
 
     def qknorm_args(t):
@@ -242,21 +268,24 @@ def torch_cases(device):
             {"q_out": t.q_out},
         )
 
-    add("qknorm bf16->e4m3 64x1", t, "qk_rmsnorm_rope_append_paged_kv_cache", qknorm_args)
+    c.add("qknorm bf16->e4m3 64x1", t, "qk_rmsnorm_rope_append_paged_kv_cache", qknorm_args)
 
-    # MLA RMSNorm bf16 -> e4m3, 128 x 1 (DeepSeek-V3: Hq 128, L 512, R 64)
+
+def _mla_torch_case(c, torch):
+    """MLA RMSNorm bf16 -> e4m3, 128 x 1 (DeepSeek-V3: Hq 128, L 512, R 64)."""
+    bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
     B, L, R, Hm = 128, 512, 64, 128
-    per, num_pages, ids = pages(B, PREFIX + 1)
+    per, num_pages, ids = c.pages(B, PREFIX + 1)
     t = {
-        "q": randn(B, Hm, R, dtype=bf16),
-        "kv": randn(B, L + R, dtype=bf16),
-        "gamma": randn(L, dtype=bf16),
-        "table": table(PREFIX + 16, R),
-        "offsets": ints(np.arange(B + 1)),
-        "lengths": ints(np.full(B, PREFIX)),
+        "q": c.randn(B, Hm, R, dtype=bf16),
+        "kv": c.randn(B, L + R, dtype=bf16),
+        "gamma": c.randn(L, dtype=bf16),
+        "table": c.table(PREFIX + 16, R),
+        "offsets": c.ints(np.arange(B + 1)),
+        "lengths": c.ints(np.full(B, PREFIX)),
         "block_table": ids.reshape(B, per),
-        "cache": torch.zeros(num_pages, PAGE, L + R, device=device).to(e4m3),
-        "q_out": torch.empty(B, Hm, R, device=device, dtype=bf16),
+        "cache": c.zeros(num_pages, PAGE, L + R, dtype=e4m3),
+        "q_out": torch.empty(B, Hm, R, device=c.device, dtype=bf16),
     }
 
     def mla_args(t):
@@ -265,8 +294,7 @@ def torch_cases(device):
             {"q_rope_out": t.q_out},
         )
 
-    add("mla rmsnorm bf16->e4m3 128x1", t, "mla_rope_rmsnorm_append_paged_kv_cache", mla_args)
-    return cases
+    c.add("mla rmsnorm bf16->e4m3 128x1", t, "mla_rope_rmsnorm_append_paged_kv_cache", mla_args)
 
 
 def bench_torch(calls):
