@@ -1290,11 +1290,12 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
     # under CUDA-graph capture, up to graph_max tokens: the fused kernel that would take the call
     # with its token cap raised (slower than cuBLAS eagerly there, but one launch and no
     # temporaries, which a graph can hold)
-    capture = None
+    step = None
     if T <= graph_max:
-        capture = fused(
+        step = fused(
             wgmma._replace(max_tokens=max(wgmma.max_tokens, graph_max)), max(mma_top, graph_max)
         )
+    capture = None if step is None else plan([step])
     return _cublas_plan(a, c, fields, slots, outputs, written, n, pdl, opts, capture)
 
 
@@ -1317,7 +1318,8 @@ def _fused_step(fields, slots, vx, vw, c, pdl, opts, mma, wgmma, mma_max):
 
 def _cublas_plan(a, c, fields, slots, outputs, written, n, pdl, opts, capture):
     """The cuBLAS path's plan (the GEMM into a temporary, then the epilogue at vector width
-    ``n``), refused under CUDA-graph capture unless ``capture`` (a fused launch) replaces it."""
+    ``n``), refused under CUDA-graph capture unless ``capture`` (the plan of one fused launch)
+    replaces it."""
     steps, workspaces = _prefill(
         fields,
         slots,
@@ -1342,9 +1344,6 @@ def _cublas_plan(a, c, fields, slots, outputs, written, n, pdl, opts, capture):
         f"fused_qkv_matmul_append_paged_kv_cache cannot be recorded in a CUDA graph with "
         f"hidden_state of T={c.T} tokens: {GRAPH_RULE}"
     )
-    capture_plan = None
-    if capture is not None:
-        capture_plan = Plan(c.device, [capture], outputs=outputs, written=written, result=_result)
     return Plan(
         c.device,
         steps,
@@ -1352,7 +1351,7 @@ def _cublas_plan(a, c, fields, slots, outputs, written, n, pdl, opts, capture):
         written=written,
         result=_result,
         capture_refusal=refusal,
-        capture_plan=capture_plan,
+        capture_plan=capture,
     )
 
 
