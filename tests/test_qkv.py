@@ -2199,6 +2199,44 @@ def test_gpu_gemv_lean_shapes(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["lean", "gemv", "mma", "wgmma", "cublas"])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("T", [1, 2])
+def test_gpu_infinite_weight(path, dtype, T, monkeypatch):
+    """An infinite 16-bit weight in the last k values of a V row (K 384: the lean kernel's lanes
+    past the row's end) gives that V value +-Inf, as the reference does (Inf times the hidden
+    value), not NaN; every other written value is finite and the reference's. The lean kernel's
+    off lanes once multiplied the row's last weights by zero hidden values: Inf * 0 = NaN."""
+    import cupy as cp
+
+    if path == "wgmma" and int(cp.cuda.Device().compute_capability) != qkv_mod.WGMMA_CAPABILITY:
+        pytest.skip("qkv_wgmma runs on sm_90 alone")
+    args, kw = make_case(31 + T, lengths=(T,), K=384, Hq=2, Hkv=1, D=32, R=32, dtype=dtype)
+    Hq, D, K = 2, 32, 384
+    x = args["hidden_state"]
+    x[:, K - 1] = np.where(np.arange(T) % 2, -1.5, 0.75).astype(x.dtype)  # signs differ
+    col = 5
+    args["weight"][(Hq + 1) * D + col, K - 1] = np.inf  # V head 0, value 5
+    force_path(monkeypatch, path)
+    assert taken_path(args, kw) == path
+    q_ref, k_ref, v_ref = expected(args, kw)
+    originals = [c.copy() for c in args["paged_kv_cache"]]
+    d = {n: to_device(a) for n, a in args.items()}
+    q = call(d, {n: to_device(a) for n, a in kw.items()})
+    mask = written_mask(args, kw)
+    got_v = to_numpy(d["paged_kv_cache"][1])
+    assert np.isinf(v_ref[mask][:, 0, col]).all()  # the reference: +-Inf, the case works
+    np.testing.assert_array_equal(got_v[mask][:, 0, col], v_ref[mask][:, 0, col])
+    pages, entries = np.nonzero(mask)
+    finite, got_finite = v_ref.copy(), got_v.copy()
+    finite[pages, entries, 0, col] = 0  # the rest as check_results reads it
+    got_finite[pages, entries, 0, col] = 0
+    assert np.isfinite(got_finite[mask].astype(np.float32)).all()
+    caches = (d["paged_kv_cache"][0], got_finite)
+    check_results(args, kw, q, caches, originals, (q_ref, k_ref, finite))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [F16, BF16])
 @pytest.mark.parametrize("cache", ["same", "e4m3"])
 def test_gpu_k_8192(dtype, cache):

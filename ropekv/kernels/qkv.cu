@@ -1133,7 +1133,8 @@ __global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32, LEAN_MIN_BLOCKS)
     const bool on = v < nv;
     // A lane past the row's end loads the row's last vector again (no predicates, no zeroing)
     // and multiplies it by zeros (its hidden values): it adds +0, or NaN where the row's own
-    // last vector already makes the row's sum NaN.
+    // last vector already makes the row's sum NaN. Not at 16-bit: an infinite weight there
+    // makes the row's sum +-Inf, and Inf * 0 would make it NaN, so the lane adds nothing.
     const unsigned vl = unsigned(on ? v : nv - 1);
     // the rows' addresses computed in the round, not hoisted out of the loop as 64-bit products
     // (three a row: spilled, and before the first load)
@@ -1203,6 +1204,7 @@ __global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32, LEAN_MIN_BLOCKS)
       slots[lane] = lane < nt ? token_slot(p, t0 + lane) : TokenSlot{-1, -1, -1};
     }
     if constexpr ((FORM & 2) == 0) load_hidden();
+    if (WF == W_DENSE && !on) continue;  // the last round alone: a warp-uniform test before it
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const unsigned w[4] = {raw[r].x, raw[r].y, raw[r].z, raw[r].w};
