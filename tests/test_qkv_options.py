@@ -28,7 +28,9 @@ from tests.test_qkv import (
     call,
     expected,
     force_path,
+    fp8_interval,
     make_case,
+    packed_int4_row_bound,
     read_only,
     rel_rows,
     rounded_weights,
@@ -372,10 +374,24 @@ def _case_for(path, seed, **kw):
     return make_case(seed, **{**base, **kw})
 
 
+def packed_int4_within(args, kw):
+    """Where qkv_gemv's packed decode (4-bit weights, fp16 inputs: fp16 sums) writes an fp8 cache,
+    test_qkv's fp8_interval: each code's (lo, hi) bounds, NHD, a pair a cache; else None."""
+    cache = args["paged_kv_cache"][0]
+    fp16 = args["hidden_state"].dtype == F16
+    if args["weight"].dtype != np.uint8 or not fp16 or cache.dtype.itemsize != 1:
+        return None
+    if kw.get("kv_layout", "NHD") != "NHD":  # fp8_interval reads NHD caches
+        nhd = tuple(np.swapaxes(c, 1, 2) for c in args["paged_kv_cache"])
+        args, kw = {**args, "paged_kv_cache": nhd}, {**kw, "kv_layout": "NHD"}
+    return fp8_interval(args, kw, packed_int4_row_bound(args, kw))
+
+
 def check_options(args, kw, monkeypatch, path, clear, status_given, out_given=False):
     """One call on ``path`` (None: the shipped thresholds) with the options against the
-    reference: q, the written rows, the cleared tails (zero bytes) and every other cache byte
-    unchanged; status 0."""
+    reference: q, the written rows (qkv_gemv with 4-bit weights and fp16 inputs into an fp8
+    cache: inside the packed decode's bound, packed_int4_within), the cleared tails (zero bytes)
+    and every other cache byte unchanged; status 0."""
     import cupy as cp
 
     if path is None:
@@ -406,13 +422,20 @@ def check_options(args, kw, monkeypatch, path, clear, status_given, out_given=Fa
     written = written_mask(args, kw)
     tail = tail_mask(args, kw) if clear else np.zeros_like(written)
     assert not (tail & written).any()  # no two requests name one page (make_case)
-    for dc, ref, orig, what in zip(dargs["paged_kv_cache"], (k_ref, v_ref), originals, "kv"):
+    within = packed_int4_within(args, kw) if path == "gemv" else None
+    caches = zip(dargs["paged_kv_cache"], (k_ref, v_ref), originals, "kv", within or (None, None))
+    for dc, ref, orig, what, bounds in caches:
         got, ref, orig = (rows(x, kw) for x in (to_numpy(dc), ref, orig))
         keep = ~written & ~tail
         assert_bytes_equal(got[keep], orig[keep], f"{what} cache: unaddressed bytes changed")
         assert not got[tail].view(np.uint8).any(), f"{what} cache: a tail row not cleared"
         assert_bytes_equal(ref[tail], np.zeros_like(ref[tail]), "the reference clears tails")
-        if ref.dtype.itemsize == 1:
+        if bounds is not None:
+            lo, hi = (b[written] for b in bounds)
+            g = got[written].astype(np.float32)
+            bad = np.argwhere((g < lo) | (g > hi))
+            assert bad.size == 0, f"{what} cache: {len(bad)} fp8 codes outside the bound"
+        elif ref.dtype.itemsize == 1:
             assert_close(
                 np.ascontiguousarray(got[written]),
                 np.ascontiguousarray(ref[written]),
