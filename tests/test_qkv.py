@@ -914,6 +914,8 @@ def force_path(monkeypatch, path):
     if path is not None:
         monkeypatch.setattr(qkv_mod, "GEMV_LEAN_MAX_TOKENS", 0)
         monkeypatch.setattr(qkv_mod, "GEMV_LEAN_DENSE_MAX_TOKENS", 0)
+    if path not in (None, "gemv"):  # its few tokens past GEMV_MAX_TOKENS: qkv_gemv all the same
+        monkeypatch.setattr(qkv_mod, "GEMV_PACKED_MAX_TOKENS", 0)
     if path == "wgmma":
         monkeypatch.setattr(qkv_mod, "WGMMA_MIN_TOKENS", 1)
         monkeypatch.setattr(qkv_mod, "WGMMA_MAX_TOKENS", 1 << 30)
@@ -953,6 +955,13 @@ def taken_path(args, kw):
     lean_max = (qkv_mod.GEMV_LEAN_MAX_TOKENS, qkv_mod.GEMV_LEAN_DENSE_MAX_TOKENS)
     if not opts and qkv_mod.lean_applies(dtype, fmt, vb, D, T, lean_max):
         return "lean"
+    packed = qkv_mod.GEMV_PACKED and (fmt != qkv_mod.W_FP8 or qkv_mod.GEMV_PACKED_FP8)
+    if (
+        qkv_mod.GEMV_MAX_TOKENS < T <= qkv_mod.GEMV_PACKED_MAX_TOKENS
+        and packed
+        and qkv_mod._packed(dtype, fmt, vb, qkv_mod._tile(T))
+    ):
+        return "gemv"  # the packed decode's few tokens more, before the tensor-core kernels
     if (
         qkv_mod.wgmma_takes(fmt, T, K, D, qkv_mod.wgmma_settings())
         and cc == qkv_mod.WGMMA_CAPABILITY

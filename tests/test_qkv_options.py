@@ -375,11 +375,14 @@ def _case_for(path, seed, **kw):
 
 
 def packed_int4_within(args, kw):
-    """Where qkv_gemv's packed decode (4-bit weights, fp16 inputs: fp16 sums) writes an fp8 cache,
-    test_qkv's fp8_interval: each code's (lo, hi) bounds, NHD, a pair a cache; else None."""
-    cache = args["paged_kv_cache"][0]
+    """Where qkv_gemv's packed decode (4-bit weights, fp16 inputs, small token tiles: fp16 sums)
+    writes an fp8 cache, test_qkv's fp8_interval: each code's (lo, hi) bounds, NHD, a pair a
+    cache; else None."""
+    cache, (T, K) = args["paged_kv_cache"][0], args["hidden_state"].shape
+    vb = 16 if K % 32 == 0 and kw["group_size"] % 32 == 0 else 0
+    packed = qkv_mod.GEMV_PACKED and qkv_mod._packed(F16, qkv_mod.W_INT4, vb, qkv_mod._tile(T))
     fp16 = args["hidden_state"].dtype == F16
-    if args["weight"].dtype != np.uint8 or not fp16 or cache.dtype.itemsize != 1:
+    if args["weight"].dtype != np.uint8 or not fp16 or not packed or cache.dtype.itemsize != 1:
         return None
     if kw.get("kv_layout", "NHD") != "NHD":  # fp8_interval reads NHD caches
         nhd = tuple(np.swapaxes(c, 1, 2) for c in args["paged_kv_cache"])
