@@ -1005,6 +1005,7 @@ def check_gpu(args, kw, out_given=False, monkeypatch=None, path=None):
         q_ref, k_ref, v_ref = expected(*rounded_weights(args, kw))
     else:
         q_ref, k_ref, v_ref = expected(args, kw)
+    within = packed_fp8_within(args, kw, taken)
     originals = [c.copy() for c in args["paged_kv_cache"]]
     dargs = {n: to_device(x) for n, x in args.items()}
     dkw = {n: to_device(x) for n, x in kw.items()}
@@ -1015,7 +1016,8 @@ def check_gpu(args, kw, out_given=False, monkeypatch=None, path=None):
     q = call(dargs, dkw)
     if out_given:
         assert q is dkw["out"]
-    check_results(args, kw, q, dargs["paged_kv_cache"], originals, (q_ref, k_ref, v_ref))
+    refs = (q_ref, k_ref, v_ref)
+    check_results(args, kw, q, dargs["paged_kv_cache"], originals, refs, within)
 
 
 def check_results(args, kw, q, caches, originals, refs, fp8_within=None):
@@ -1038,8 +1040,7 @@ def check_results(args, kw, q, caches, originals, refs, fp8_within=None):
             err_msg=f"{what} cache: unaddressed bytes changed",
         )
         if ref.dtype.itemsize == 1 and fp8_within is not None:
-            assert nhd  # fp8_interval's arrays are NHD
-            lo, hi = fp8_within[i]
+            lo, hi = fp8_within[i]  # NHD, as got and ref are here
             g = got[mask].astype(np.float32)
             bad = np.argwhere((g < lo[mask]) | (g > hi[mask]))
             assert bad.size == 0, (
@@ -1790,6 +1791,30 @@ def fp8_interval(args, kw, row_bound):
         lo, hi = (reference.to_dtype(y, c.dtype).astype(np.float32) for y in (e - b, e + b))
         result.append((lo, hi))
     return result
+
+
+def packed_fp8_within(args, kw, taken):
+    """Where a call on path ``taken`` runs qkv_gemv's packed decode (4-bit weights, fp16 inputs,
+    token tiles up to GEMV_PACKED_MAX_TILE: fp16 sums) or the lean kernel's (the same arithmetic)
+    into an fp8 cache: fp8_interval's (lo, hi) bounds of each code, NHD whatever the layout, a
+    pair a cache. Else None (the codes are read against the reference's, one step apart)."""
+    cache, (T, K) = args["paged_kv_cache"][0], args["hidden_state"].shape
+    if (
+        args["weight"].dtype != np.uint8
+        or args["hidden_state"].dtype != F16
+        or cache.dtype.itemsize != 1
+        or taken not in ("gemv", "lean")
+    ):
+        return None
+    vb = 16 if K % 32 == 0 and kw["group_size"] % 32 == 0 else 0
+    if taken == "gemv" and not (
+        qkv_mod.GEMV_PACKED and qkv_mod._packed(F16, qkv_mod.W_INT4, vb, qkv_mod._tile(T))
+    ):
+        return None  # the float32 decode
+    if kw.get("kv_layout", "NHD") != "NHD":  # fp8_interval reads NHD caches
+        nhd = tuple(np.swapaxes(c, 1, 2) for c in args["paged_kv_cache"])
+        args, kw = {**args, "paged_kv_cache": nhd}, {**kw, "kv_layout": "NHD"}
+    return fp8_interval(args, kw, packed_int4_row_bound(args, kw))
 
 
 def packed_int4_row_bound(args, kw):

@@ -28,9 +28,8 @@ from tests.test_qkv import (
     call,
     expected,
     force_path,
-    fp8_interval,
     make_case,
-    packed_int4_row_bound,
+    packed_fp8_within,
     read_only,
     rel_rows,
     rounded_weights,
@@ -374,26 +373,10 @@ def _case_for(path, seed, **kw):
     return make_case(seed, **{**base, **kw})
 
 
-def packed_int4_within(args, kw):
-    """Where qkv_gemv's packed decode (4-bit weights, fp16 inputs, small token tiles: fp16 sums)
-    writes an fp8 cache, test_qkv's fp8_interval: each code's (lo, hi) bounds, NHD, a pair a
-    cache; else None."""
-    cache, (T, K) = args["paged_kv_cache"][0], args["hidden_state"].shape
-    vb = 16 if K % 32 == 0 and kw["group_size"] % 32 == 0 else 0
-    packed = qkv_mod.GEMV_PACKED and qkv_mod._packed(F16, qkv_mod.W_INT4, vb, qkv_mod._tile(T))
-    fp16 = args["hidden_state"].dtype == F16
-    if args["weight"].dtype != np.uint8 or not fp16 or not packed or cache.dtype.itemsize != 1:
-        return None
-    if kw.get("kv_layout", "NHD") != "NHD":  # fp8_interval reads NHD caches
-        nhd = tuple(np.swapaxes(c, 1, 2) for c in args["paged_kv_cache"])
-        args, kw = {**args, "paged_kv_cache": nhd}, {**kw, "kv_layout": "NHD"}
-    return fp8_interval(args, kw, packed_int4_row_bound(args, kw))
-
-
 def check_options(args, kw, monkeypatch, path, clear, status_given, out_given=False):
     """One call on ``path`` (None: the shipped thresholds) with the options against the
     reference: q, the written rows (qkv_gemv with 4-bit weights and fp16 inputs into an fp8
-    cache: inside the packed decode's bound, packed_int4_within), the cleared tails (zero bytes)
+    cache: inside the packed decode's bound, packed_fp8_within), the cleared tails (zero bytes)
     and every other cache byte unchanged; status 0."""
     import cupy as cp
 
@@ -425,7 +408,7 @@ def check_options(args, kw, monkeypatch, path, clear, status_given, out_given=Fa
     written = written_mask(args, kw)
     tail = tail_mask(args, kw) if clear else np.zeros_like(written)
     assert not (tail & written).any()  # no two requests name one page (make_case)
-    within = packed_int4_within(args, kw) if path == "gemv" else None
+    within = packed_fp8_within(args, kw, path)
     caches = zip(dargs["paged_kv_cache"], (k_ref, v_ref), originals, "kv", within or (None, None))
     for dc, ref, orig, what, bounds in caches:
         got, ref, orig = (rows(x, kw) for x in (to_numpy(dc), ref, orig))
