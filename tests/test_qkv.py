@@ -935,10 +935,10 @@ def force_path(monkeypatch, path):
         monkeypatch.setattr(qkv_mod, "GEMV_MAX_TOKENS", 1 << 30 if path == "gemv" else 0)
 
 
-def taken_path(args, kw):
-    """The path a call of these (freshly allocated, so aligned) device arrays takes on this GPU."""
-    import cupy as cp
-
+def taken_path(args, kw, cc=None, sms=None):
+    """The path a call of these (freshly allocated, so aligned) device arrays takes on this GPU
+    (``cc``, ``sms``: a GPU's compute capability and SM count instead; options in ``kw``).
+    test_qkv_options checks it against the kernels the op's plans launch."""
     T, K = args["hidden_state"].shape
     D = args["paged_kv_cache"][0].shape[3]
     fmt = {
@@ -946,7 +946,11 @@ def taken_path(args, kw):
         E4M3: qkv_mod.W_FP8,
         np.dtype(np.uint8): qkv_mod.W_INT4,
     }[args["weight"].dtype]
-    cc = int(cp.cuda.Device().compute_capability)
+    if cc is None or sms is None:
+        import cupy as cp
+
+        cc = int(cp.cuda.Device().compute_capability)
+        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     opts = kw.get("status") is not None or kw.get("clear_unused_last_page_rows", False)
     vb = 16 if K % {qkv_mod.W_FP8: 16, qkv_mod.W_INT4: 32}.get(fmt, 8) == 0 else 0
     if fmt == qkv_mod.W_INT4 and kw.get("group_size", 0) % 32:
@@ -976,7 +980,7 @@ def taken_path(args, kw):
             K,
             N,
             fmt,
-            cp.cuda.Device().attributes["MultiProcessorCount"],
+            sms,
             (qkv_mod.MMA_MAX_TOKENS_QUANTIZED, qkv_mod.MMA_QUANTIZED_ANY_GRID),
             qkv_mod.tiled_settings(),
         )

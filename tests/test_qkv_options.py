@@ -275,6 +275,63 @@ def _field(launch, name):
     return int(np.frombuffer(launch.rec, np.int32, 1, offset)[0])
 
 
+KERNEL_PATHS = {  # a plan step's kernel -> the path taken_path names
+    "qkv_gemv_lean<": "lean",
+    "qkv_gemv<": "gemv",
+    "qkv_mma<": "mma",
+    "qkv_mma_tiled<": "tiled",
+    "qkv_wgmma<": "wgmma",
+    "qkv_epilogue<": "cublas",
+}
+
+
+def _plan_path(expressions):
+    """The path a plan's steps (their kernels' name expressions; None for a cuBLAS GEMM) take."""
+    paths = {
+        p for e in expressions if e is not None for k, p in KERNEL_PATHS.items() if e.startswith(k)
+    }
+    if None in expressions:
+        paths.add("cublas")
+    return paths
+
+
+@pytest.mark.parametrize(
+    "wfmt, dtype", [("dense", F16), ("dense", BF16), ("fp8", F16), ("int4", F16), ("int4", BF16)]
+)
+@pytest.mark.parametrize("clear", [False, True])
+def test_taken_path_names_the_kernel_the_plan_launches(wfmt, dtype, clear, stubbed, monkeypatch):
+    """tests/test_qkv.py's taken_path, which the GPU tests use to choose their reference and to
+    check that a forced path is taken, against the steps of the plan the op builds (a Hopper GPU
+    of 132 SMs, the driver stubbed): every path forced and the shipped thresholds, token counts
+    around each switch, with and without an option."""
+    expressions, real = {}, qkv_mod.Launch
+
+    def launch(*a, **k):
+        made = real(*a, **k)
+        expressions[id(made)] = a[1]
+        return made
+
+    monkeypatch.setattr(qkv_mod, "Launch", launch)
+    shape = {"K": 1024, "Hq": 4, "Hkv": 2, "D": 64, "R": 64, "P": 512, "page_size": 16}
+    more = {"clear_unused_last_page_rows": True} if clear else {}
+    seen = set()
+    for T in (1, 2, 3, 4, 5, 8, 16, 17, 64, 129, 224, 256, 257, 321, 513):
+        args, kw = make_case(T, lengths=(T,), wfmt=wfmt, dtype=dtype, **shape)
+        for path in (None, "lean", "gemv", "mma", "tiled", "wgmma", "cublas"):
+            with pytest.MonkeyPatch.context() as mp:
+                force_path(mp, path)
+                taken = taken_path(args, {**kw, **more}, cc=90, sms=132)
+                if path is not None and taken != path:
+                    continue  # the case cannot take it (a GPU test refuses such a case)
+                qkv_mod._OP.clear()
+                ropekv.fused_qkv_matmul_append_paged_kv_cache(**_fake(args, kw, **more))
+                (plan,) = qkv_mod._OP.plans.values()
+            steps = [expressions.get(id(s)) for s in plan.steps]
+            assert _plan_path(steps) == {taken}, (T, path, taken, steps)
+            seen.add(taken)
+    assert {"gemv", "mma", "cublas"} <= seen, seen
+
+
 @pytest.mark.parametrize(
     "options", [{}, {"clear": True}, {"status": True}, {"clear": True, "status": True}]
 )
@@ -380,11 +437,12 @@ def check_options(args, kw, monkeypatch, path, clear, status_given, out_given=Fa
     and every other cache byte unchanged; status 0."""
     import cupy as cp
 
+    options = {"clear_unused_last_page_rows": clear, "status": 0 if status_given else None}
     if path is None:
-        path = taken_path(args, kw)
+        path = taken_path(args, {**kw, **options})
     else:
         force_path(monkeypatch, path)
-        assert taken_path(args, kw) == path, f"the case cannot take the {path} path"
+        assert taken_path(args, {**kw, **options}) == path, f"the case cannot take the {path} path"
     rounded = (
         path == "cublas"
         and args["weight"].dtype != args["hidden_state"].dtype
@@ -458,7 +516,7 @@ def test_gpu_status_on_every_path(path, kind, B, cache, monkeypatch):
     code = reference.ragged_offsets_status(args["input_row_offsets"], T)
     assert (code != 0) == (kind != 0)
     force_path(monkeypatch, path)
-    assert taken_path(args, kw) == path
+    assert taken_path(args, {**kw, "status": 0}) == path  # status= given below
     dev = {n: to_device(x) for n, x in args.items()}
     dkw = {n: to_device(x) for n, x in kw.items()}
     out = cp.full((T, 4 * 64), 7, args["hidden_state"].dtype)
@@ -519,7 +577,7 @@ def test_gpu_clear_into_cache_views(path, cache, layout, shift, monkeypatch):
         wfmt="dense" if path == "wgmma" else "fp8",
     )
     force_path(monkeypatch, path)
-    assert taken_path(args, kw) == path
+    assert taken_path(args, {**kw, "clear_unused_last_page_rows": True}) == path
     rounded = path == "cublas"  # cuBLAS multiplies the weights rounded to the input dtype
     q_ref, k_ref, v_ref = expected(
         *(rounded_weights(args, kw) if rounded else (args, kw)), clear=True
