@@ -935,36 +935,54 @@ def force_path(monkeypatch, path):
         monkeypatch.setattr(qkv_mod, "GEMV_MAX_TOKENS", 1 << 30 if path == "gemv" else 0)
 
 
+def weight_format(args):
+    """qkv.py's weight format (W_DENSE, W_FP8, W_INT4) of a case's weights."""
+    return {
+        args["hidden_state"].dtype: qkv_mod.W_DENSE,
+        E4M3: qkv_mod.W_FP8,
+        np.dtype(np.uint8): qkv_mod.W_INT4,
+    }[args["weight"].dtype]
+
+
+def load_bytes(args, kw):
+    """qkv.py's weight load width (vb) for freshly allocated, so aligned, arrays: 16 bytes where
+    K fills them (4-bit: with groups of a multiple of 32), else 0."""
+    fmt, K = weight_format(args), args["hidden_state"].shape[1]
+    if fmt == qkv_mod.W_INT4 and kw.get("group_size", 0) % 32:
+        return 0
+    return 16 if K % {qkv_mod.W_FP8: 16, qkv_mod.W_INT4: 32}.get(fmt, 8) == 0 else 0
+
+
+def packed_decode(args, kw):
+    """Whether qkv_gemv runs this call on its packed decode (GEMV_PACKED, GEMV_PACKED_FP8, and
+    qkv.py's _packed at the call's token tile)."""
+    fmt, (T, _) = weight_format(args), args["hidden_state"].shape
+    return (
+        qkv_mod.GEMV_PACKED
+        and (fmt != qkv_mod.W_FP8 or qkv_mod.GEMV_PACKED_FP8)
+        and qkv_mod._packed(args["hidden_state"].dtype, fmt, load_bytes(args, kw), qkv_mod._tile(T))
+    )
+
+
 def taken_path(args, kw, cc=None, sms=None):
     """The path a call of these (freshly allocated, so aligned) device arrays takes on this GPU
     (``cc``, ``sms``: a GPU's compute capability and SM count instead; options in ``kw``).
     test_qkv_options checks it against the kernels the op's plans launch."""
     T, K = args["hidden_state"].shape
     D = args["paged_kv_cache"][0].shape[3]
-    fmt = {
-        args["hidden_state"].dtype: qkv_mod.W_DENSE,
-        E4M3: qkv_mod.W_FP8,
-        np.dtype(np.uint8): qkv_mod.W_INT4,
-    }[args["weight"].dtype]
+    fmt = weight_format(args)
     if cc is None or sms is None:
         import cupy as cp
 
         cc = int(cp.cuda.Device().compute_capability)
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     opts = kw.get("status") is not None or kw.get("clear_unused_last_page_rows", False)
-    vb = 16 if K % {qkv_mod.W_FP8: 16, qkv_mod.W_INT4: 32}.get(fmt, 8) == 0 else 0
-    if fmt == qkv_mod.W_INT4 and kw.get("group_size", 0) % 32:
-        vb = 0
+    vb = load_bytes(args, kw)
     dtype = args["hidden_state"].dtype
     lean_max = (qkv_mod.GEMV_LEAN_MAX_TOKENS, qkv_mod.GEMV_LEAN_DENSE_MAX_TOKENS)
     if not opts and qkv_mod.lean_applies(dtype, fmt, vb, D, T, lean_max):
         return "lean"
-    packed = qkv_mod.GEMV_PACKED and (fmt != qkv_mod.W_FP8 or qkv_mod.GEMV_PACKED_FP8)
-    if (
-        qkv_mod.GEMV_MAX_TOKENS < T <= qkv_mod.GEMV_PACKED_MAX_TOKENS
-        and packed
-        and qkv_mod._packed(dtype, fmt, vb, qkv_mod._tile(T))
-    ):
+    if qkv_mod.GEMV_MAX_TOKENS < T <= qkv_mod.GEMV_PACKED_MAX_TOKENS and packed_decode(args, kw):
         return "gemv"  # the packed decode's few tokens more, before the tensor-core kernels
     if (
         qkv_mod.wgmma_takes(fmt, T, K, D, qkv_mod.wgmma_settings())
@@ -1024,6 +1042,18 @@ def check_gpu(args, kw, out_given=False, monkeypatch=None, path=None):
     check_results(args, kw, q, dargs["paged_kv_cache"], originals, refs, within)
 
 
+def assert_codes_within(got, bounds, mask, what):
+    """Every fp8 code of ``got`` (an NHD cache) at ``mask`` inside its ``bounds`` pair (lo, hi)
+    of cache-shaped arrays (fp8_interval)."""
+    lo, hi = (b[mask] for b in bounds)
+    g = got[mask].astype(np.float32)
+    bad = np.argwhere((g < lo) | (g > hi))
+    assert bad.size == 0, (
+        f"{what}: {len(bad)} fp8 codes outside the rounding bound, first at {tuple(bad[0])}: "
+        f"{g[tuple(bad[0])]} not in [{lo[tuple(bad[0])]}, {hi[tuple(bad[0])]}]"
+    )
+
+
 def check_results(args, kw, q, caches, originals, refs, fp8_within=None):
     """Q within 1% of the reference's rows, the caches' written rows too (fp8 codes equal or
     adjacent; ``fp8_within``: instead, each code inside its ``(lo, hi)`` pair of cache-shaped
@@ -1044,14 +1074,7 @@ def check_results(args, kw, q, caches, originals, refs, fp8_within=None):
             err_msg=f"{what} cache: unaddressed bytes changed",
         )
         if ref.dtype.itemsize == 1 and fp8_within is not None:
-            lo, hi = fp8_within[i]  # NHD, as got and ref are here
-            g = got[mask].astype(np.float32)
-            bad = np.argwhere((g < lo[mask]) | (g > hi[mask]))
-            assert bad.size == 0, (
-                f"{what} cache: {len(bad)} fp8 codes outside the rounding bound, first at "
-                f"{tuple(bad[0])}: {g[tuple(bad[0])]} not in "
-                f"[{lo[mask][tuple(bad[0])]}, {hi[mask][tuple(bad[0])]}]"
-            )
+            assert_codes_within(got, fp8_within[i], mask, f"{what} cache")  # NHD, as got is here
         elif ref.dtype.itemsize == 1:
             assert_close(
                 np.ascontiguousarray(got[mask]), np.ascontiguousarray(ref[mask]), f"{what} cache"
@@ -1802,18 +1825,14 @@ def packed_fp8_within(args, kw, taken):
     token tiles up to GEMV_PACKED_MAX_TILE: fp16 sums) or the lean kernel's (the same arithmetic)
     into an fp8 cache: fp8_interval's (lo, hi) bounds of each code, NHD whatever the layout, a
     pair a cache. Else None (the codes are read against the reference's, one step apart)."""
-    cache, (T, K) = args["paged_kv_cache"][0], args["hidden_state"].shape
     if (
         args["weight"].dtype != np.uint8
         or args["hidden_state"].dtype != F16
-        or cache.dtype.itemsize != 1
+        or args["paged_kv_cache"][0].dtype.itemsize != 1
         or taken not in ("gemv", "lean")
     ):
         return None
-    vb = 16 if K % 32 == 0 and kw["group_size"] % 32 == 0 else 0
-    if taken == "gemv" and not (
-        qkv_mod.GEMV_PACKED and qkv_mod._packed(F16, qkv_mod.W_INT4, vb, qkv_mod._tile(T))
-    ):
+    if taken == "gemv" and not packed_decode(args, kw):
         return None  # the float32 decode
     if kw.get("kv_layout", "NHD") != "NHD":  # fp8_interval reads NHD caches
         nhd = tuple(np.swapaxes(c, 1, 2) for c in args["paged_kv_cache"])
@@ -2249,8 +2268,8 @@ def test_gpu_infinite_weight(path, dtype, T, monkeypatch):
 
     if path == "wgmma" and int(cp.cuda.Device().compute_capability) != qkv_mod.WGMMA_CAPABILITY:
         pytest.skip("qkv_wgmma runs on sm_90 alone")
-    args, kw = make_case(31 + T, lengths=(T,), K=384, Hq=2, Hkv=1, D=32, R=32, dtype=dtype)
-    Hq, D, K = 2, 32, 384
+    K, Hq, D = 384, 2, 32
+    args, kw = make_case(31 + T, lengths=(T,), K=K, Hq=Hq, Hkv=1, D=D, R=D, dtype=dtype)
     x = args["hidden_state"]
     x[:, K - 1] = np.where(np.arange(T) % 2, -1.5, 0.75).astype(x.dtype)  # signs differ
     col = 5
