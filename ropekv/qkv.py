@@ -3,6 +3,12 @@ paged KV cache (RoPE on Q and K in the epilogue), and ``pack_int4`` for 4-bit we
 
 Three paths, picked by the token count T (and, on sm_90, a fourth kernel for 16-bit weights):
 
+* plain calls (no ``status=``, no ``clear_unused_last_page_rows``) of a few tokens with 16-byte
+  weight loads take a block-per-row-pairs kernel first, K split over its warps and reduced in
+  shared memory, no cluster: ``qkv_gemv_lean`` (CUDA cores) up to ``GEMV_LEAN_MAX_TOKENS`` /
+  ``GEMV_LEAN_DENSE_MAX_TOKENS`` tokens (fp8 / 4-bit, 16-bit weights), then, on sm_90,
+  ``qkv_lean_mma`` (the same block on ``mma.sync``) up to ``LEAN_MMA_MAX_TOKENS`` /
+  ``LEAN_MMA_DENSE_MAX_TOKENS``; the paths below take what these leave.
 * fp16 / bf16 weights, ``WGMMA_MIN_TOKENS <= T <= WGMMA_MAX_TOKENS`` (1 to 256), on sm_90
   devices, K a multiple of 64 and 16-byte aligned rows: ``qkv_wgmma``, one launch: the weights
   and hidden rows staged in shared memory (cp.async) and multiplied by Hopper's warpgroup MMA
@@ -145,6 +151,24 @@ GEMV_LEAN_MAX_TOKENS = 2
 # (a tile of 4, two waves of blocks) 19.2 against 16.7, hence 2 (docs/design/qkv.md).
 GEMV_LEAN_DENSE_MAX_TOKENS = 2
 LEAN_TILES = (1, 2, 4)  # tokens a block; a tile of up to 2 tokens owns 8 row pairs, of 4 owns 4
+# qkv_lean_mma (qkv.cu, sm_90): plain calls past the lean GEMV's tokens up to this many (fp8 /
+# 4-bit weights, then 16-bit weights), with 16-byte weight loads: qkv_gemv_lean's block and
+# load pattern with the products on mma.sync, 8 or 16 tokens a block (LEAN_MMA_TILES), before
+# the packed decode and the other tensor-core kernels. 0: off (qkv_mma / qkv_wgmma as before).
+# H200, graph replay, Llama-3-8B's projection, us, against the previous kernels in one run:
+# 4-bit 4 / 16 tokens 10.1 / 14.7 against qkv_mma's 13.4 / 17.6, fp8 10.8 / 14.4 against 14.9 /
+# 17.9, 16-bit 4 tokens 15.8 against qkv_wgmma's 16.4 (16 tokens: 18.2 against 16.8, hence 8).
+LEAN_MMA_MAX_TOKENS = 16
+LEAN_MMA_DENSE_MAX_TOKENS = 8
+LEAN_MMA_TILES = (8, 16)
+# qkv_lean_mma's block at a tile of 8 tokens: LEAN_MMA_WARPS warps, LEAN_MMA_MT m16 tiles of 8
+# row pairs; at 16 tokens LEAN_MMA_WIDE_WARPS and LEAN_MMA_WIDE_MT (where a head holds the
+# block's pairs, else the 8-token shape). LEAN_MMA_SHAPES: the compiled (warps, tiles) pairs.
+# Timed (same run as above, 4-bit 4 / 16 tokens, us): (4, 1) 10.1 / 16.7, (4, 2) 11.7 / 15.7,
+# (8, 2) 13.0 / 18.8, (8, 3) 10.4 / 14.7; fp8 (4, 1) 10.8 / 14.4, (8, 3) 11.8 / 14.8.
+LEAN_MMA_WARPS, LEAN_MMA_MT = 4, 1
+LEAN_MMA_WIDE_WARPS, LEAN_MMA_WIDE_MT = 8, 3
+LEAN_MMA_SHAPES = ((4, 1), (8, 3))
 # qkv_gemv_lean's form. Bit 0: warp 0 loads the tokens' cache rows, the pairs' cos / sin values
 # and fp8 scales before its weight loads, staged in shared memory for the epilogue (0: the cache
 # rows behind its weight loads, the rest after the reduction); bit 1: a lane's hidden values
@@ -510,6 +534,48 @@ def lean_applies(dtype, fmt, vb, D, T, lean_max):
     )
 
 
+def lean_mma_expression(dtype, fmt, tt, shape):
+    """qkv_lean_mma at token tile ``tt`` (8 or 16: one or two n8 tiles) in blocks of ``shape`` =
+    (warps, m16 tiles), one of LEAN_MMA_SHAPES."""
+    shape = tuple(shape)
+    if shape not in LEAN_MMA_SHAPES:
+        raise ValueError(
+            f"qkv_lean_mma's block (warps, tiles) must be one of {LEAN_MMA_SHAPES}, got {shape!r}"
+        )
+    return _lean_mma_expression(dtype, fmt, tt, shape)
+
+
+@functools.cache
+def _lean_mma_expression(dtype, fmt, tt, shape):
+    warps, mt = shape
+    return name_expression("qkv_lean_mma", c_type(dtype), fmt, tt // 8, mt, warps)
+
+
+def lean_mma_shape(T, D, shapes=None):
+    """qkv_lean_mma's (token tile, (warps, m16 tiles)) for ``T`` tokens and heads of ``D``;
+    ``shapes``: (LEAN_MMA_WARPS, LEAN_MMA_MT, LEAN_MMA_WIDE_WARPS, LEAN_MMA_WIDE_MT), None: their
+    current values. The block's pairs (8 a tile) must lie in at most two heads: D / 2 of them
+    (the 8-token shape where the wide one's do not)."""
+    w8, m8, w16, m16 = (
+        (LEAN_MMA_WARPS, LEAN_MMA_MT, LEAN_MMA_WIDE_WARPS, LEAN_MMA_WIDE_MT)
+        if shapes is None
+        else shapes
+    )
+    tt = next(t for t in LEAN_MMA_TILES if t >= T)
+    wide = tt > LEAN_MMA_TILES[0] and D // 2 >= 8 * m16
+    return tt, ((w16, m16) if wide else (w8, m8))
+
+
+def lean_mma_applies(fmt, vb, D, T, lean_max, compute_capability, shapes=None):
+    """Whether qkv_lean_mma takes a plain call of ``T`` tokens: past qkv_gemv_lean's tokens up to
+    ``lean_max``'s third (fp8 / 4-bit weights) or fourth (16-bit) count and the largest tile,
+    16-byte weight loads, heads of at least a block's pairs, sm_90."""
+    top = min(lean_max[3] if fmt == W_DENSE else lean_max[2], LEAN_MMA_TILES[-1])
+    if not (0 < T <= top and vb == 16 and compute_capability >= 90):
+        return False
+    return D // 2 >= 8 * lean_mma_shape(T, D, shapes)[1][1]
+
+
 def mma_form(fmt, form):
     """The FORM qkv_mma compiles for ``fmt`` (the bits that change its code, see MMA_FORM)."""
     return form if fmt == W_INT4 else 0
@@ -599,6 +665,8 @@ def instantiations():
             if fmt != W_INT4 or dtype == FLOAT16:
                 for tt, form in itertools.product(LEAN_TILES, GEMV_LEAN_FORMS):
                     yield lean_expression(dtype, fmt, tt, form)
+            for tt, shape in itertools.product(LEAN_MMA_TILES, LEAN_MMA_SHAPES):
+                yield lean_mma_expression(dtype, fmt, tt, shape)  # every format and input dtype
 
 
 # --------------------------------------------------------------------------------- pack_int4
@@ -907,7 +975,19 @@ def fused_qkv_matmul_append_paged_kv_cache(
             GEMV_PACKED_MAX_TOKENS,
             GEMV_PACKED_LATE_SCALE,
             GEMV_PACKED_FP8,
-            (GEMV_FORM, (GEMV_LEAN_MAX_TOKENS, GEMV_LEAN_DENSE_MAX_TOKENS), GEMV_LEAN_FORM),
+            (
+                GEMV_FORM,
+                (
+                    GEMV_LEAN_MAX_TOKENS,
+                    GEMV_LEAN_DENSE_MAX_TOKENS,
+                    LEAN_MMA_MAX_TOKENS,
+                    LEAN_MMA_DENSE_MAX_TOKENS,
+                ),
+                (
+                    GEMV_LEAN_FORM,
+                    (LEAN_MMA_WARPS, LEAN_MMA_MT, LEAN_MMA_WIDE_WARPS, LEAN_MMA_WIDE_MT),
+                ),
+            ),
             MMA_MIN_TOKENS,
             MMA_MAX_TOKENS,
             (MMA_MAX_TOKENS_QUANTIZED, MMA_QUANTIZED_ANY_GRID),
@@ -1274,7 +1354,13 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
     decode = (fast_int4, gemv_packed, late_scale, gemv_form)
     vb = _gemv_width(vw, fmt, vx.dtype, K, fields["group_size"])[0]
     if not opts and lean_applies(vx.dtype, fmt, vb, D, T, lean_max) and _lean_strides(fields):
-        return plan([_gemv_lean(fields, slots, vx, fmt, T, N, device, pdl, lean_form)])
+        return plan([_gemv_lean(fields, slots, vx, fmt, T, N, device, pdl, lean_form[0])])
+    if (
+        not opts
+        and lean_mma_applies(fmt, vb, D, T, lean_max, _compute_capability(device), lean_form[1])
+        and _lean_strides(fields)
+    ):
+        return plan([_lean_mma(fields, slots, vx, fmt, T, N, D, device, pdl, lean_form[1])])
     if (
         gemv_max < T <= packed_max and gemv_packed and _packed(vx.dtype, fmt, vb, _tile(T))
     ):  # a few tokens more on the packed decode, before the tensor-core kernels
@@ -1513,6 +1599,23 @@ def _gemv_lean(fields, slots, vx, fmt, T, N, device, pdl, form):
     )
 
 
+def _lean_mma(fields, slots, vx, fmt, T, N, D, device, pdl, shapes):
+    """qkv_lean_mma's launch (where lean_mma_applies): blocks of 8 row pairs a m16 tile."""
+    tt, shape = lean_mma_shape(T, D, shapes)
+    warps, mt = shape
+    return Launch(
+        STEM,
+        lean_mma_expression(vx.dtype, fmt, tt, shape),
+        device,
+        ((N // 2 + 8 * mt - 1) // (8 * mt), (T + tt - 1) // tt),
+        (32 * warps,),
+        PARAMS,
+        {**fields, "kc": 0},
+        slots,
+        pdl=pdl,
+    )
+
+
 @functools.cache
 def _compute_capability(device):
     import cupy
@@ -1543,14 +1646,28 @@ def _sm_count(device):
 def graph_safe(T, K, D, fmt, group_size, compute_capability):
     """Whether a call of ``T`` tokens can be recorded in a CUDA graph (one ropekv kernel, no
     temporaries), given contiguous arrays at 16-byte aligned addresses: up to
-    ``GEMV_MAX_TOKENS`` tokens (the CUDA-core kernel), or where the tensor-core kernels apply
-    (sm_90, heads that divide 128 rows) up to ``GRAPH_MAX_TOKENS``. Eagerly, fp16 / bf16 weights
+    ``GEMV_MAX_TOKENS`` tokens (the CUDA-core kernel), where ``qkv_lean_mma`` takes the call
+    (sm_90, up to ``LEAN_MMA_MAX_TOKENS`` / ``LEAN_MMA_DENSE_MAX_TOKENS`` tokens), or where the
+    tensor-core kernels apply (sm_90, heads that divide 128 rows) up to ``GRAPH_MAX_TOKENS``. Eagerly, fp16 / bf16 weights
     run ``qkv_wgmma`` up to ``WGMMA_MAX_TOKENS`` and fp8 / 4-bit weights the tensor-core kernels
     up to ``MMA_MAX_TOKENS_QUANTIZED``, cuBLAS beyond (faster there, on temporaries freed when the
     call returns); a call on a capturing stream runs the fused kernel instead, up to
     ``GRAPH_MAX_TOKENS``. Larger calls, and calls whose arrays are not so aligned, refuse a
     capturing stream (``ValueError``)."""
     if T <= GEMV_MAX_TOKENS:
+        return True
+    lean_max = (
+        GEMV_LEAN_MAX_TOKENS,
+        GEMV_LEAN_DENSE_MAX_TOKENS,
+        LEAN_MMA_MAX_TOKENS,
+        LEAN_MMA_DENSE_MAX_TOKENS,
+    )
+    vals = MMA_VALS[fmt]  # k values a 16-byte weight load (qkv_lean_mma's loads)
+    if (
+        K % vals == 0
+        and (fmt != W_INT4 or (group_size or 0) % vals == 0)
+        and lean_mma_applies(fmt, 16, D, T, lean_max, compute_capability)
+    ):
         return True
     wgmma = wgmma_settings()
     wgmma = wgmma._replace(max_tokens=max(wgmma.max_tokens, GRAPH_MAX_TOKENS))
@@ -2070,7 +2187,7 @@ _OP = Op(
                 "GEMV_PACKED_MAX_TOKENS",
                 "GEMV_PACKED_LATE_SCALE",
                 "GEMV_PACKED_FP8",
-                "GEMV_FORM, GEMV_LEAN_*",
+                "GEMV_FORM, GEMV_LEAN_*, LEAN_MMA_*",
                 "MMA_MIN_TOKENS",
                 "MMA_MAX_TOKENS",
                 "MMA_*_QUANTIZED",

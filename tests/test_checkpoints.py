@@ -665,7 +665,7 @@ def test_gpu_imports_match_the_host_and_run_the_kernels(kind, fmt, dtype):
         }
         ckw = {n: a for n, a in ckw.items() if a is not None}
         taken = taken_path(args, ckw)
-        rounded = taken == "cublas" or (taken in ("mma", "tiled") and fmt != "ct-fp8")
+        rounded = taken == "cublas" or (taken in ("mma", "tiled", "lean_mma") and fmt != "ct-fp8")
         refs = expected(*rounded_weights(args, ckw)) if rounded else expected(args, ckw)
         originals = [c.copy() for c in args["paged_kv_cache"]]
         dargs = {n: to_device(x) for n, x in args.items() if n != "weight"}

@@ -906,7 +906,8 @@ def force_path(monkeypatch, path):
     """Make the call take ``path`` ("mma": qkv_mma; "tiled": qkv_mma_tiled, at any token count;
     "wgmma": qkv_wgmma, at any token count (4-bit weights: up to WGMMA_INT4_TOP); "gemv"
     (qkv_gemv, not its lean form); "lean": qkv_gemv_lean where it applies (up to the largest of
-    LEAN_TILES tokens); "cublas"; None: the thresholds as shipped)."""
+    LEAN_TILES tokens); "lean_mma": qkv_lean_mma where it applies (up to the largest of
+    LEAN_MMA_TILES tokens); "cublas"; None: the thresholds as shipped)."""
     if path == "lean":
         monkeypatch.setattr(qkv_mod, "GEMV_LEAN_MAX_TOKENS", max(qkv_mod.LEAN_TILES))
         monkeypatch.setattr(qkv_mod, "GEMV_LEAN_DENSE_MAX_TOKENS", max(qkv_mod.LEAN_TILES))
@@ -914,6 +915,12 @@ def force_path(monkeypatch, path):
     if path is not None:
         monkeypatch.setattr(qkv_mod, "GEMV_LEAN_MAX_TOKENS", 0)
         monkeypatch.setattr(qkv_mod, "GEMV_LEAN_DENSE_MAX_TOKENS", 0)
+    top = max(qkv_mod.LEAN_MMA_TILES) if path == "lean_mma" else 0
+    if path is not None:
+        monkeypatch.setattr(qkv_mod, "LEAN_MMA_MAX_TOKENS", top)
+        monkeypatch.setattr(qkv_mod, "LEAN_MMA_DENSE_MAX_TOKENS", top)
+    if path == "lean_mma":
+        return
     if path not in (None, "gemv"):  # its few tokens past GEMV_MAX_TOKENS: qkv_gemv all the same
         monkeypatch.setattr(qkv_mod, "GEMV_PACKED_MAX_TOKENS", 0)
     if path == "wgmma":
@@ -979,9 +986,16 @@ def taken_path(args, kw, cc=None, sms=None):
     opts = kw.get("status") is not None or kw.get("clear_unused_last_page_rows", False)
     vb = load_bytes(args, kw)
     dtype = args["hidden_state"].dtype
-    lean_max = (qkv_mod.GEMV_LEAN_MAX_TOKENS, qkv_mod.GEMV_LEAN_DENSE_MAX_TOKENS)
+    lean_max = (
+        qkv_mod.GEMV_LEAN_MAX_TOKENS,
+        qkv_mod.GEMV_LEAN_DENSE_MAX_TOKENS,
+        qkv_mod.LEAN_MMA_MAX_TOKENS,
+        qkv_mod.LEAN_MMA_DENSE_MAX_TOKENS,
+    )
     if not opts and qkv_mod.lean_applies(dtype, fmt, vb, D, T, lean_max):
         return "lean"
+    if not opts and qkv_mod.lean_mma_applies(fmt, vb, D, T, lean_max, cc):
+        return "lean_mma"
     if qkv_mod.GEMV_MAX_TOKENS < T <= qkv_mod.GEMV_PACKED_MAX_TOKENS and packed_decode(args, kw):
         return "gemv"  # the packed decode's few tokens more, before the tensor-core kernels
     if (
@@ -1021,7 +1035,7 @@ def check_gpu(args, kw, out_given=False, monkeypatch=None, path=None):
     if (
         taken == "cublas"
         and args["weight"].dtype != args["hidden_state"].dtype
-        or taken in ("mma", "tiled", "wgmma")
+        or taken in ("mma", "tiled", "wgmma", "lean_mma")
         and args["weight"].dtype == np.uint8
     ):
         q_ref, k_ref, v_ref = expected(*rounded_weights(args, kw))
@@ -2255,8 +2269,129 @@ def test_gpu_gemv_lean_shapes(
         check_results(args, kw, q, d["paged_kv_cache"], originals, refs)
 
 
+def lean_mma_name(args, T):
+    """The qkv_lean_mma instantiation a call of ``T`` tokens of these arrays launches."""
+    tt, shape = qkv_mod.lean_mma_shape(T, args["paged_kv_cache"][0].shape[3])
+    return qkv_mod.lean_mma_expression(args["hidden_state"].dtype, weight_format(args), tt, shape)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["lean", "gemv", "mma", "wgmma", "cublas"])
+@pytest.mark.parametrize("shape", sorted(LEAN_SHAPES))
+@pytest.mark.parametrize("lengths", [(3,), (1,) * 8, (2, 0, 7), (5, 6, 0, 5)])
+@pytest.mark.parametrize(
+    "wfmt, dtype, group_size, zero_points",
+    [
+        ("dense", F16, 0, False),
+        ("dense", BF16, 0, False),
+        ("fp8", F16, 32, False),
+        ("fp8", BF16, 32, False),
+        ("int4", F16, 32, True),
+        ("int4", F16, 128, False),
+        ("int4", BF16, 64, True),
+    ],
+)
+@pytest.mark.parametrize("fp8_cache", [False, True])
+def test_gpu_lean_mma(shape, lengths, wfmt, dtype, group_size, zero_points, fp8_cache, monkeypatch):
+    """qkv_lean_mma at token tiles 8 and 16 (3-16 tokens, ragged, an empty request), 16-bit, fp8
+    and 4-bit weights (fp16 and bf16 inputs; groups of 32 / 64 / 128, with and without zero
+    points), 16-bit and e4m3 caches, blocks across heads and a partly dead last block ("odd"),
+    three rounds of loads with most lanes of the last off ("k8320"): the reference's results
+    (4-bit: on the weights rounded to the input dtype, as the other tensor-core kernels), every
+    other cache byte unchanged, one qkv_lean_mma launch."""
+    names = record_kernels(monkeypatch)
+    qkv_mod._OP.clear()  # a plan cached by an earlier test of the worker would launch nothing new
+    args, kw = make_case(
+        400 + sum(lengths) + 7 * group_size + 3 * fp8_cache,
+        lengths=lengths,
+        wfmt=wfmt,
+        dtype=dtype,
+        cache_dtype=E4M3 if fp8_cache else None,
+        cached=[5 + 9 * i for i in range(len(lengths))],
+        group_size=group_size,
+        zero_points=zero_points,
+        **LEAN_SHAPES[shape],
+    )
+    check_gpu(args, kw, monkeypatch=monkeypatch, path="lean_mma")
+    assert names == [lean_mma_name(args, sum(lengths))], names
+
+
+@pytest.mark.gpu
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    T=st.integers(1, 16),
+    wfmt=st.sampled_from(["dense", "fp8", "int4"]),
+    bf16=st.booleans(),
+    shape=st.sampled_from([(384, 2, 1, 16), (640, 3, 1, 24), (320, 4, 2, 32), (1152, 1, 1, 64)]),
+    rope=st.sampled_from(["neox", "interleaved", "partial", "none"]),
+    cache=st.sampled_from(["same", "e4m3", "e5m2"]),
+    layout=st.sampled_from(["NHD", "HND"]),
+    page_size=st.sampled_from([1, 4, 16]),
+    zero_points=st.booleans(),
+    unaligned=st.booleans(),
+    block=st.sampled_from(qkv_mod.LEAN_MMA_SHAPES),
+)
+def test_gpu_lean_mma_shapes(
+    seed, T, wfmt, bf16, shape, rope, cache, layout, page_size, zero_points, unaligned, block
+):
+    """qkv_lean_mma on random small shapes (heads of 8-32 pairs, so blocks across heads and
+    partly dead last blocks), 1-16 tokens, RoPE forms, cache dtypes and layouts, ragged batches
+    with empty requests, tokens of no request and out-of-range pages, hidden rows not 16-byte
+    aligned (the scalar loads): the reference's results (4-bit: on the weights rounded to the
+    input dtype), every other cache byte unchanged, one qkv_lean_mma launch; each compiled block
+    shape (LEAN_MMA_SHAPES) whose row pairs a head holds."""
+    import cupy as cp
+
+    K, Hq, Hkv, D = shape
+    if D // 2 < 8 * block[1]:
+        block = qkv_mod.LEAN_MMA_SHAPES[0]
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.integers(0, T + 1, 2))
+    lengths = (int(cuts[0]), int(cuts[1] - cuts[0]), 0, int(T - cuts[1]))
+    extra = int(seed % 3 == 0 and T < 16)
+    R = {"neox": D, "interleaved": D, "partial": D // 2, "none": None}[rope]
+    args, kw = make_case(
+        seed,
+        lengths=lengths,
+        K=K,
+        Hq=Hq,
+        Hkv=Hkv,
+        D=D,
+        R=R,
+        P=256,
+        page_size=page_size,
+        layout=layout,
+        dtype=BF16 if bf16 else F16,
+        cache_dtype={"same": None, "e4m3": E4M3, "e5m2": E5M2}[cache],
+        wfmt=wfmt,
+        group_size=32 if seed % 2 else 64,
+        zero_points=zero_points,
+        is_neox=rope != "interleaved",
+        bad_pages=bool(seed % 2),
+        extra_tokens=extra,
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        force_path(mp, "lean_mma")
+        for name, value in zip(("WARPS", "MT"), block):  # both tiles' blocks
+            mp.setattr(qkv_mod, "LEAN_MMA_" + name, value)
+            mp.setattr(qkv_mod, "LEAN_MMA_WIDE_" + name, value)
+        names = record_kernels(mp)
+        qkv_mod._OP.clear()
+        assert taken_path(args, kw) == "lean_mma"
+        refs = expected(*rounded_weights(args, kw)) if wfmt == "int4" else expected(args, kw)
+        originals = [c.copy() for c in args["paged_kv_cache"]]
+        d = {n: to_device(a) for n, a in args.items()}
+        if unaligned:
+            x = args["hidden_state"]
+            wide = cp.zeros((x.shape[0], x.shape[1] + 3), x.dtype)
+            wide[:, 1 : 1 + x.shape[1]] = cp.asarray(x)
+            d["hidden_state"] = wide[:, 1 : 1 + x.shape[1]]
+        q = call(d, {n: to_device(a) for n, a in kw.items()})
+        check_results(args, kw, q, d["paged_kv_cache"], originals, refs)
+        assert names == [lean_mma_name(args, args["hidden_state"].shape[0])], names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["lean", "lean_mma", "gemv", "mma", "wgmma", "cublas"])
 @pytest.mark.parametrize("dtype", [F16, BF16])
 @pytest.mark.parametrize("T", [1, 2])
 def test_gpu_infinite_weight(path, dtype, T, monkeypatch):

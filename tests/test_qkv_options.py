@@ -278,6 +278,7 @@ def _field(launch, name):
 
 KERNEL_PATHS = {  # a plan step's kernel -> the path taken_path names
     "qkv_gemv_lean<": "lean",
+    "qkv_lean_mma<": "lean_mma",
     "qkv_gemv<": "gemv",
     "qkv_mma<": "mma",
     "qkv_mma_tiled<": "tiled",
@@ -318,7 +319,7 @@ def test_taken_path_names_the_kernel_the_plan_launches(wfmt, dtype, clear, stubb
     seen = set()
     for T in (1, 2, 3, 4, 5, 8, 16, 17, 64, 129, 224, 256, 257, 321, 513):
         args, kw = make_case(T, lengths=(T,), wfmt=wfmt, dtype=dtype, **shape)
-        for path in (None, "lean", "gemv", "mma", "tiled", "wgmma", "cublas"):
+        for path in (None, "lean", "lean_mma", "gemv", "mma", "tiled", "wgmma", "cublas"):
             with pytest.MonkeyPatch.context() as mp:
                 force_path(mp, path)
                 taken = taken_path(args, {**kw, **more}, cc=90, sms=132)

@@ -36,8 +36,13 @@ CALLS = [
     ("qkv", {"lengths": (1,)}),  # the CUDA-core GEMV kernel
     ("qkv", {"wfmt": "fp8", "lengths": (1, 1)}),  # qkv_gemv_lean, fp8 weights, 2 tokens
     ("qkv", {"wfmt": "int4", "zero_points": True, "lengths": (1,)}),  # qkv_gemv_lean, 4-bit
-    ("qkv", {}),  # 6 tokens: the tensor-core kernel (qkv_mma)
-    ("qkv", {"wfmt": "int4", "cache_dtype": E4M3}),  # qkv_mma, 4-bit weights, fp8 cache
+    ("qkv", {}),  # 6 tokens, 16-bit weights: qkv_lean_mma (a tile of 8 tokens)
+    ("qkv", {"wfmt": "int4", "cache_dtype": E4M3}),  # qkv_lean_mma, 4-bit weights, fp8 cache
+    # qkv_lean_mma, 12 tokens of 4-bit weights: a tile of 16, blocks of 8 warps and 24 row pairs
+    (
+        "qkv",
+        {"wfmt": "int4", "zero_points": True, "D": 64, "R": 64, "K": 256, "lengths": (5, 0, 7)},
+    ),
     ("qkv", {"wfmt": "fp8", "K": 256, "lengths": (20, 5, 0, 3)}),  # 28 tokens: qkv_mma_tiled
     # qkv_mma_tiled, 4-bit: 4 stages a CTA (split 8), so the ring turns over
     ("qkv", {"wfmt": "int4", "zero_points": True, "K": 4096, "lengths": (20, 5, 0, 3)}),

@@ -1290,6 +1290,233 @@ __global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32, LEAN_MIN_BLOCKS)
   write_pair<T>(p, slots[t], t0 + t, rp, a, b);
 }
 
+// ---- A few tokens on tensor cores, without a cluster: qkv_lean_mma ---------------------------
+//
+// qkv_lean_mma<T, WF, NT, MT, WARPS>: qkv_gemv_lean's block (K split over WARPS warps and
+// reduced in shared memory, the epilogue's loads first) with the products on mma.sync
+// m16n8k16. The block owns 8 MT row pairs: MT m16 tiles, row g of tile m pair 8 m + g's first
+// member and row g + 8 its second (so a pair's two sums meet in one thread at the end), its
+// NT * 8 tokens NT n8 tiles. Lane (g, c) of warp w loads 16 bytes of each of its 2 MT rows at
+// loads v = r + 4 j + c, j < 4, of each of its warp's rounds r (a warp's load instruction: 8 rows
+// x 64 bytes; every load of a round issued before its arithmetic), and its B fragments straight
+// from global memory: the hidden values of token g (and g + 8) at the same k values, in the
+// order qkv_mma stages them (the k order inside an mma does not change the sum), shared by the
+// MT tiles. fp8 and 4-bit weights are dequantized as in qkv_mma (fp8 exactly; 4-bit (q - zero) *
+// scale rounded once to T), float32 sums; the fp8 row scale is applied to the sums. No cluster,
+// no shared-memory stage, one barrier. Lanes past a row's end load its last 16 bytes again with
+// zero hidden values (16-bit weights: zero weights too, as an infinite weight times zero would
+// be NaN).
+template <int MT, int WARPS>
+__host__ __device__ constexpr int lean_mma_min_blocks() {
+  return MT == 1 && WARPS == 4 ? LEAN_MIN_BLOCKS : 1;
+}
+
+template <typename T, int WF, int NT, int MT, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32, (lean_mma_min_blocks<MT, WARPS>()))
+    qkv_lean_mma(const QkvParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  pdl_launch_dependents();
+  pdl_wait();
+  constexpr int PAIRS = 8 * MT, TT = 8 * NT, J = 4, RW = 4 * J;  // RW: a warp's loads a round
+  constexpr int VALS = LeanShape<WF>::VALS, UNITS = VALS / 8;    // 16-byte B units a load
+  __shared__ float red[WARPS][16 * MT][TT + 1];
+  __shared__ TokenSlot slots[TT];
+  __shared__ float4 factors[PAIRS * TT];  // cos, sin, fp8 scales of a (pair, token) item
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int pairs_total = p.N >> 1;
+  const int g0 = blockIdx.x * PAIRS;
+  const int t0 = blockIdx.y * TT, nt = min(TT, p.T - t0);
+  const bool rope = p.cos_sin != nullptr;
+  const int half_d = p.D >> 1, h0 = g0 / half_d, i0 = g0 - h0 * half_d;
+  using u64 = unsigned long long;
+  // this lane's rows: pair 8 m + g's two members (pairs past the last read row 0, never stored)
+  unsigned rows[MT][2];
+  const unsigned char* wrow[MT][2];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    rows[m][0] = rows[m][1] = 0;
+    if (g0 + 8 * m + g < pairs_total) {
+      const RowPair rp = lean_pair(p, h0, i0 + 8 * m + g, half_d, rope);
+      rows[m][0] = unsigned(rp.head * p.D + rp.da);
+      rows[m][1] = unsigned(rp.head * p.D + rp.db);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      wrow[m][h] = static_cast<const unsigned char*>(p.weight) +
+                   u64(rows[m][h]) * unsigned(p.weight_row_bytes);
+  }
+  const T* hidden = static_cast<const T*>(p.hidden) + i64(t0) * p.hidden_s0;
+  const bool x_vec =
+      (reinterpret_cast<unsigned long long>(hidden) & 15) == 0 && p.hidden_s0 % 8 == 0;
+  const int nv = p.K / VALS;
+
+  // the epilogue's loads first (warp 0): the tokens' cache rows (lane t < TT finds token t's
+  // and hands its position to the items by a shuffle), each (pair, token) item's cos / sin and
+  // fp8 scales
+  if (warp == 0) {
+    const TokenSlot mine = lane < nt ? token_slot(p, t0 + lane) : TokenSlot{-1, -1, -1};
+    if (lane < TT) slots[lane] = mine;
+#pragma unroll
+    for (int it0 = 0; it0 < PAIRS * TT; it0 += 32) {
+      const int it = it0 + lane, i = it / TT, t = it % TT;
+      const int pos = __shfl_sync(0xffffffffu, mine.pos, t);
+      float4 f = make_float4(1.f, 0.f, 1.f, 1.f);
+      if (g0 + i < pairs_total) {
+        const RowPair rp = lean_pair(p, h0, i0 + i, half_d, rope);
+        if (rp.rot >= 0 && pos >= 0) {
+          const float* cs = p.cos_sin + i64(pos) * p.cs_s0;
+          f.x = cs[rp.rot];
+          f.y = cs[(p.R >> 1) + rp.rot];
+        }
+        if constexpr (WF == W_FP8) {
+          const float* ws = static_cast<const float*>(p.weight_scales);
+          f.z = ws[rp.head * p.D + rp.da];
+          f.w = ws[rp.head * p.D + rp.db];
+        }
+      }
+      factors[it] = f;
+    }
+  }
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
+
+  for (int vb = warp * RW; vb < nv; vb += WARPS * RW) {
+    uint4 a[J][MT][2];
+    [[maybe_unused]] unsigned sz[WF == W_INT4 ? J : 1][MT][2];  // 4-bit: scale | zero << 16
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int v = vb + 4 * j + c;
+      const unsigned vl = unsigned(v < nv ? v : nv - 1);
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) a[j][m][h] = ldg_stream(wrow[m][h] + u64(vl) * 16u);
+      if constexpr (WF == W_INT4) {
+        const unsigned grp = vl * VALS / unsigned(p.group_size);
+        const unsigned short* ws = static_cast<const unsigned short*>(p.weight_scales) + grp;
+        const unsigned char* zp = static_cast<const unsigned char*>(p.zero_points);
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const unsigned sb = ldg_u16(ws + u64(rows[m][h]) * unsigned(p.ws_s0));
+            const unsigned z =
+                zp != nullptr ? ldg_u8(zp + grp + u64(rows[m][h]) * unsigned(p.zp_s0)) & 0xFu
+                              : 8u;
+            sz[j][m][h] = sb | (z << 16);
+          }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int v = vb + 4 * j + c;
+      const bool on = v < nv;
+      const unsigned vl = unsigned(on ? v : nv - 1);
+      // B: the hidden values of tokens g (+ 8 n) at this load's k values; zero past the tile's
+      // tokens and the row's end
+      uint4 b[NT][UNITS];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const int t = n * 8 + g;
+        const bool here = on && t < nt;
+        const T* xr = hidden + i64(min(t, nt - 1)) * p.hidden_s0 + i64(vl) * VALS;
+#pragma unroll
+        for (int u = 0; u < UNITS; ++u) {
+          uint4 q;
+          if (x_vec) {
+            q = *reinterpret_cast<const uint4*>(xr + 8 * u);
+          } else {
+            const unsigned short* hs = reinterpret_cast<const unsigned short*>(xr) + 8 * u;
+            q = make_uint4(hs[0] | unsigned(hs[1]) << 16, hs[2] | unsigned(hs[3]) << 16,
+                           hs[4] | unsigned(hs[5]) << 16, hs[6] | unsigned(hs[7]) << 16);
+          }
+          b[n][u] = here ? q : make_uint4(0, 0, 0, 0);
+          if constexpr (WF == W_INT4) b[n][u] = int4_order(b[n][u]);
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        if constexpr (WF == W_DENSE) {
+          if (!on) a[j][m][0] = a[j][m][1] = make_uint4(0, 0, 0, 0);
+        }
+        unsigned csub[2] = {0, 0}, cscale[2] = {0, 0};
+        if constexpr (WF == W_INT4) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            csub[h] = ((is_half<T>::value ? 0x6400u : 0x4300u) | (sz[j][m][h] >> 16)) * 0x10001u;
+            cscale[h] = (sz[j][m][h] & 0xFFFFu) * 0x10001u;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < UNITS; ++u) {
+          unsigned r[2][4];  // [h][pair]: unit u's 4 T pairs of rows g (h 0) and g + 8 (h 1)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint4 w4 = a[j][m][h];
+            if constexpr (WF == W_DENSE) {
+              r[h][0] = w4.x; r[h][1] = w4.y; r[h][2] = w4.z; r[h][3] = w4.w;
+            } else if constexpr (WF == W_FP8) {
+              const unsigned w0 = u == 0 ? w4.x : w4.z, w1 = u == 0 ? w4.y : w4.w;
+              r[h][0] = fp8x2_to<T>(w0);
+              r[h][1] = fp8x2_to<T>(w0 >> 16);
+              r[h][2] = fp8x2_to<T>(w1);
+              r[h][3] = fp8x2_to<T>(w1 >> 16);
+            } else {
+              const unsigned w = u == 0 ? w4.x : u == 1 ? w4.y : u == 2 ? w4.z : w4.w;
+              const unsigned sub16 = (0xD400u | ((csub[h] & 0xFu) << 4)) * 0x10001u;
+              int4_pairs<T>(w, csub[h], sub16, cscale[h], r[h]);
+            }
+          }
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            const uint4 bb = b[n][u];
+            mma16816<T>(acc[m][n], r[0][0], r[1][0], r[0][1], r[1][1], bb.x, bb.y);
+            mma16816<T>(acc[m][n], r[0][2], r[1][2], r[0][3], r[1][3], bb.z, bb.w);
+          }
+        }
+      }
+    }
+  }
+
+  // the warps' sums to shared memory: red[w][16 m + row][token]
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int t = n * 8 + 2 * c;
+      red[warp][16 * m + g][t] = acc[m][n][0];
+      red[warp][16 * m + g][t + 1] = acc[m][n][1];
+      red[warp][16 * m + g + 8][t] = acc[m][n][2];
+      red[warp][16 * m + g + 8][t + 1] = acc[m][n][3];
+    }
+  __syncthreads();
+  for (int it = threadIdx.x; it < PAIRS * TT; it += WARPS * 32) {
+    const int i = it / TT, t = it % TT, ra = 16 * (i >> 3) + (i & 7);
+    if (g0 + i >= pairs_total || t >= nt) continue;
+    float a = 0.f, b = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      a += red[w][ra][t];
+      b += red[w][ra + 8][t];
+    }
+    const RowPair rp = lean_pair(p, h0, i0 + i, half_d, rope);
+    const float4 f = factors[it];
+    const TokenSlot tok = slots[t];
+    a *= f.z;  // the fp8 scales (1 otherwise)
+    b *= f.w;
+    if (rp.rot >= 0 && tok.pos >= 0) rotate_pair(a, b, f.x, f.y);
+    store_pair<T>(p, tok, t0 + t, rp, a, b);
+  }
+#endif
+}
+
 // ---- Small batches: tensor-core weight streaming, split-K over a thread-block cluster ------
 //
 // qkv_mma<T, WF, TN, S>: one cluster of S CTAs per tile of MMA_ROWS output rows (whole heads:
