@@ -1713,9 +1713,11 @@ def test_gpu_gemv_packed_fp8(packed, lengths, dtype, monkeypatch):
 @pytest.mark.parametrize("lengths", [(3,), (1, 0, 3), (2, 2)])
 @pytest.mark.parametrize("wfmt, dtype", [("int4", F16), ("fp8", F16), ("fp8", BF16)])
 def test_gpu_gemv_packed_past_gemv_max_tokens(lengths, wfmt, dtype, monkeypatch):
-    """GEMV_PACKED_MAX_TOKENS = 4 (the candidate): 3-4 tokens of 4-bit (fp16) and fp8 weights run
-    qkv_gemv's packed decode (token tile 4) instead of qkv_mma, the other thresholds as shipped."""
+    """GEMV_PACKED_MAX_TOKENS = 4 (the candidate) with qkv_lean_mma off: 3-4 tokens of 4-bit
+    (fp16) and fp8 weights run qkv_gemv's packed decode (token tile 4) instead of qkv_mma, the
+    other thresholds as shipped."""
     monkeypatch.setattr(qkv_mod, "GEMV_PACKED_MAX_TOKENS", 4)
+    monkeypatch.setattr(qkv_mod, "LEAN_MMA_MAX_TOKENS", 0)
     monkeypatch.setattr(qkv_mod, "GEMV_PACKED_FP8", True)
     names = record_kernels(monkeypatch)
     args, kw = make_case(
