@@ -567,11 +567,14 @@ def lean_mma_shape(T, D, shapes=None):
 
 
 def lean_mma_applies(fmt, vb, D, T, lean_max, compute_capability, shapes=None):
-    """Whether qkv_lean_mma takes a plain call of ``T`` tokens: past qkv_gemv_lean's tokens up to
-    ``lean_max``'s third (fp8 / 4-bit weights) or fourth (16-bit) count and the largest tile,
-    16-byte weight loads, heads of at least a block's pairs, sm_90."""
-    top = min(lean_max[3] if fmt == W_DENSE else lean_max[2], LEAN_MMA_TILES[-1])
-    if not (0 < T <= top and vb == 16 and compute_capability >= 90):
+    """Whether qkv_lean_mma takes a plain call of ``T`` tokens: past qkv_gemv_lean's tokens (its
+    first two counts; so 4-bit weights with bf16 inputs, which qkv_gemv_lean does not take, keep
+    qkv_gemv there) up to ``lean_max``'s third (fp8 / 4-bit weights) or fourth (16-bit) count
+    and the largest tile, 16-byte weight loads, heads of at least a block's pairs, sm_90."""
+    dense = fmt == W_DENSE
+    low = lean_max[1] if dense else lean_max[0]
+    top = min(lean_max[3] if dense else lean_max[2], LEAN_MMA_TILES[-1])
+    if not (max(low, 0) < T <= top and vb == 16 and compute_capability >= 90):
         return False
     return D // 2 >= 8 * lean_mma_shape(T, D, shapes)[1][1]
 
