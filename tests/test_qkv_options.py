@@ -334,6 +334,29 @@ def test_taken_path_names_the_kernel_the_plan_launches(wfmt, dtype, clear, stubb
     assert {"gemv", "mma", "cublas"} <= seen, seen
 
 
+def test_lean_mma_takes_the_tokens_past_the_lean_gemv():
+    """qkv_lean_mma's rule as shipped (sm_90, 16-byte loads): fp8 / 4-bit weights at 3-16 tokens,
+    16-bit weights at 3-8, never at 1-2 (qkv_gemv_lean's, and for 4-bit weights with bf16 inputs,
+    which qkv_gemv_lean does not take, qkv_gemv's), never off sm_90 or without 16-byte loads;
+    blocks of (4 warps, 1 tile) at 8 tokens and (8 warps, 3 tiles) at 16 where a head holds 24
+    pairs, else (4, 1)."""
+    lean_max = (
+        qkv_mod.GEMV_LEAN_MAX_TOKENS,
+        qkv_mod.GEMV_LEAN_DENSE_MAX_TOKENS,
+        qkv_mod.LEAN_MMA_MAX_TOKENS,
+        qkv_mod.LEAN_MMA_DENSE_MAX_TOKENS,
+    )
+    for fmt, top in ((qkv_mod.W_FP8, 16), (qkv_mod.W_INT4, 16), (qkv_mod.W_DENSE, 8)):
+        takes = [T for T in range(1, 40) if qkv_mod.lean_mma_applies(fmt, 16, 128, T, lean_max, 90)]
+        assert takes == list(range(3, top + 1)), (fmt, takes)
+        assert not qkv_mod.lean_mma_applies(fmt, 16, 128, 4, lean_max, 89)
+        assert not qkv_mod.lean_mma_applies(fmt, 0, 128, 4, lean_max, 90)
+    assert qkv_mod.lean_mma_shape(3, 128) == (8, (4, 1))
+    assert qkv_mod.lean_mma_shape(9, 128) == (16, (8, 3))
+    assert qkv_mod.lean_mma_shape(16, 32) == (16, (4, 1))  # 16 pairs a head: not 24
+    assert not qkv_mod.lean_mma_applies(qkv_mod.W_INT4, 16, 8, 4, lean_max, 90)  # 4 pairs a head
+
+
 @pytest.mark.parametrize(
     "options", [{}, {"clear": True}, {"status": True}, {"clear": True, "status": True}]
 )
