@@ -435,6 +435,33 @@ __device__ __forceinline__ uint4 int4_order(uint4 v) {
                     __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
 }
 
+// The 4 T pairs of unit u (8 k values) of a 16-byte weight load w4, as qkv_mma and qkv_lean_mma
+// feed them to an mma: 16-bit weights as loaded; fp8 two codes a cvt, exactly (units 0 and 1);
+// 4-bit (q - zero) * scale rounded once to T (units 0-3; sub, scale: the load's group's offset +
+// zero and scale as T pairs), by int4_pairs (PAIRS4) or int4_pair (its order, its values).
+template <typename T, int WF, bool PAIRS4>
+__device__ __forceinline__ void unit_pairs(const uint4& w4, int u, unsigned sub, unsigned scale,
+                                           unsigned (&r)[4]) {
+  if constexpr (WF == W_DENSE) {
+    r[0] = w4.x; r[1] = w4.y; r[2] = w4.z; r[3] = w4.w;
+  } else if constexpr (WF == W_FP8) {
+    const unsigned w0 = u == 0 ? w4.x : w4.z, w1 = u == 0 ? w4.y : w4.w;
+    r[0] = fp8x2_to<T>(w0);
+    r[1] = fp8x2_to<T>(w0 >> 16);
+    r[2] = fp8x2_to<T>(w1);
+    r[3] = fp8x2_to<T>(w1 >> 16);
+  } else {
+    const unsigned w = u == 0 ? w4.x : u == 1 ? w4.y : u == 2 ? w4.z : w4.w;
+    if constexpr (PAIRS4) {  // -(64 + zero) as an fp16 pair (bf16: unused)
+      const unsigned sub16 = (0xD400u | ((sub & 0xFu) << 4)) * 0x10001u;
+      int4_pairs<T>(w, sub, sub16, scale, r);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) r[i] = int4_pair<T>(w, i, sub, scale);
+    }
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ unsigned pair_of(float x) {
   const T h = from_float<T>(x);
@@ -1458,22 +1485,8 @@ __global__ void __launch_bounds__(WARPS * 32, (lean_mma_min_blocks<MT, WARPS>())
         for (int u = 0; u < UNITS; ++u) {
           unsigned r[2][4];  // [h][pair]: unit u's 4 T pairs of rows g (h 0) and g + 8 (h 1)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint4 w4 = a[j][m][h];
-            if constexpr (WF == W_DENSE) {
-              r[h][0] = w4.x; r[h][1] = w4.y; r[h][2] = w4.z; r[h][3] = w4.w;
-            } else if constexpr (WF == W_FP8) {
-              const unsigned w0 = u == 0 ? w4.x : w4.z, w1 = u == 0 ? w4.y : w4.w;
-              r[h][0] = fp8x2_to<T>(w0);
-              r[h][1] = fp8x2_to<T>(w0 >> 16);
-              r[h][2] = fp8x2_to<T>(w1);
-              r[h][3] = fp8x2_to<T>(w1 >> 16);
-            } else {
-              const unsigned w = u == 0 ? w4.x : u == 1 ? w4.y : u == 2 ? w4.z : w4.w;
-              const unsigned sub16 = (0xD400u | ((csub[h] & 0xFu) << 4)) * 0x10001u;
-              int4_pairs<T>(w, csub[h], sub16, cscale[h], r[h]);
-            }
-          }
+          for (int h = 0; h < 2; ++h)
+            unit_pairs<T, WF, true>(a[j][m][h], u, csub[h], cscale[h], r[h]);
 #pragma unroll
           for (int n = 0; n < NT; ++n) {
             const uint4 bb = b[n][u];
@@ -2034,28 +2047,8 @@ __launch_bounds__(MMA_WARPS * 32, WF != W_DENSE && TN == 64 ? 3 : 4)
         for (int m = 0; m < MMA_MT; ++m) {
           unsigned r[2][4];  // [h][pair]: the unit's 4 T pairs of rows g (h 0) and g + 8 (h 1)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint4 v = a[u][m][h];
-            if constexpr (WF == W_DENSE) {
-              r[h][0] = v.x; r[h][1] = v.y; r[h][2] = v.z; r[h][3] = v.w;
-            } else if constexpr (WF == W_FP8) {
-              const unsigned w0 = j == 0 ? v.x : v.z, w1 = j == 0 ? v.y : v.w;
-              r[h][0] = fp8x2_to<T>(w0);
-              r[h][1] = fp8x2_to<T>(w0 >> 16);
-              r[h][2] = fp8x2_to<T>(w1);
-              r[h][3] = fp8x2_to<T>(w1 >> 16);
-            } else {
-              const unsigned w = j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
-              if constexpr (FORM & 4) {  // -(64 + zero) as an fp16 pair (bf16: unused)
-                const unsigned sub16 = (0xD400u | ((csub[m][h] & 0xFu) << 4)) * 0x10001u;
-                int4_pairs<T>(w, csub[m][h], sub16, cscale[m][h], r[h]);
-              } else {
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-                  r[h][i] = int4_pair<T>(w, i, csub[m][h], cscale[m][h]);
-              }
-            }
-          }
+          for (int h = 0; h < 2; ++h)
+            unit_pairs<T, WF, (FORM & 4) != 0>(a[u][m][h], j, csub[m][h], cscale[m][h], r[h]);
 #pragma unroll
           for (int s = 0; s < 2; ++s) {
             af[m][s][0] = r[0][2 * s];
