@@ -566,6 +566,18 @@ def lean_mma_shape(T, D, shapes=None):
     return tt, ((w16, m16) if wide else (w8, m8))
 
 
+def lean_max_tokens():
+    """The lean kernels' token counts as set now: (GEMV_LEAN_MAX_TOKENS,
+    GEMV_LEAN_DENSE_MAX_TOKENS, LEAN_MMA_MAX_TOKENS, LEAN_MMA_DENSE_MAX_TOKENS), the ``lean_max``
+    of lean_applies and lean_mma_applies (a call spells them out: this runs on first calls)."""
+    return (
+        GEMV_LEAN_MAX_TOKENS,
+        GEMV_LEAN_DENSE_MAX_TOKENS,
+        LEAN_MMA_MAX_TOKENS,
+        LEAN_MMA_DENSE_MAX_TOKENS,
+    )
+
+
 def lean_mma_applies(fmt, vb, D, T, lean_max, compute_capability, shapes=None):
     """Whether qkv_lean_mma takes a plain call of ``T`` tokens: past qkv_gemv_lean's tokens (its
     first two counts; so 4-bit weights with bf16 inputs, which qkv_gemv_lean does not take, keep
@@ -1525,12 +1537,17 @@ def _gemv_width(vw, fmt, dtype, K, group_size):
     starts 16-byte aligned, else the smallest unit."""
     vals = 16 // dtype.itemsize if fmt == W_DENSE else 16 if fmt == W_FP8 else 32
     ok = (
-        K % vals == 0
+        _splits16(fmt, vals, K, group_size)
         and vw.ptr % 16 == 0
         and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0
-        and (fmt != W_INT4 or group_size % vals == 0)
     )
     return (16, vals) if ok else (_weight_bytes_min(dtype, fmt), 2 if fmt == W_INT4 else 1)
+
+
+def _splits16(fmt, vals, K, group_size):
+    """Whether a row of K values, and a 4-bit group of ``group_size``, splits into whole 16-byte
+    loads of ``vals`` values each."""
+    return K % vals == 0 and (fmt != W_INT4 or group_size % vals == 0)
 
 
 def _offsets32(fields, N, K):
@@ -1651,7 +1668,8 @@ def graph_safe(T, K, D, fmt, group_size, compute_capability):
     temporaries), given contiguous arrays at 16-byte aligned addresses: up to
     ``GEMV_MAX_TOKENS`` tokens (the CUDA-core kernel), where ``qkv_lean_mma`` takes the call
     (sm_90, up to ``LEAN_MMA_MAX_TOKENS`` / ``LEAN_MMA_DENSE_MAX_TOKENS`` tokens), or where the
-    tensor-core kernels apply (sm_90, heads that divide 128 rows) up to ``GRAPH_MAX_TOKENS``. Eagerly, fp16 / bf16 weights
+    tensor-core kernels apply (sm_90, heads that divide 128 rows) up to ``GRAPH_MAX_TOKENS``.
+    Eagerly, fp16 / bf16 weights
     run ``qkv_wgmma`` up to ``WGMMA_MAX_TOKENS`` and fp8 / 4-bit weights the tensor-core kernels
     up to ``MMA_MAX_TOKENS_QUANTIZED``, cuBLAS beyond (faster there, on temporaries freed when the
     call returns); a call on a capturing stream runs the fused kernel instead, up to
@@ -1659,17 +1677,8 @@ def graph_safe(T, K, D, fmt, group_size, compute_capability):
     capturing stream (``ValueError``)."""
     if T <= GEMV_MAX_TOKENS:
         return True
-    lean_max = (
-        GEMV_LEAN_MAX_TOKENS,
-        GEMV_LEAN_DENSE_MAX_TOKENS,
-        LEAN_MMA_MAX_TOKENS,
-        LEAN_MMA_DENSE_MAX_TOKENS,
-    )
-    vals = MMA_VALS[fmt]  # k values a 16-byte weight load (qkv_lean_mma's loads)
-    if (
-        K % vals == 0
-        and (fmt != W_INT4 or (group_size or 0) % vals == 0)
-        and lean_mma_applies(fmt, 16, D, T, lean_max, compute_capability)
+    if _splits16(fmt, MMA_VALS[fmt], K, group_size or 0) and lean_mma_applies(
+        fmt, 16, D, T, lean_max_tokens(), compute_capability
     ):
         return True
     wgmma = wgmma_settings()

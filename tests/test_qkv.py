@@ -986,12 +986,7 @@ def taken_path(args, kw, cc=None, sms=None):
     opts = kw.get("status") is not None or kw.get("clear_unused_last_page_rows", False)
     vb = load_bytes(args, kw)
     dtype = args["hidden_state"].dtype
-    lean_max = (
-        qkv_mod.GEMV_LEAN_MAX_TOKENS,
-        qkv_mod.GEMV_LEAN_DENSE_MAX_TOKENS,
-        qkv_mod.LEAN_MMA_MAX_TOKENS,
-        qkv_mod.LEAN_MMA_DENSE_MAX_TOKENS,
-    )
+    lean_max = qkv_mod.lean_max_tokens()
     if not opts and qkv_mod.lean_applies(dtype, fmt, vb, D, T, lean_max):
         return "lean"
     if not opts and qkv_mod.lean_mma_applies(fmt, vb, D, T, lean_max, cc):

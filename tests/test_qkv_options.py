@@ -340,12 +340,7 @@ def test_lean_mma_takes_the_tokens_past_the_lean_gemv():
     which qkv_gemv_lean does not take, qkv_gemv's), never off sm_90 or without 16-byte loads;
     blocks of (4 warps, 1 tile) at 8 tokens and (8 warps, 3 tiles) at 16 where a head holds 24
     pairs, else (4, 1)."""
-    lean_max = (
-        qkv_mod.GEMV_LEAN_MAX_TOKENS,
-        qkv_mod.GEMV_LEAN_DENSE_MAX_TOKENS,
-        qkv_mod.LEAN_MMA_MAX_TOKENS,
-        qkv_mod.LEAN_MMA_DENSE_MAX_TOKENS,
-    )
+    lean_max = qkv_mod.lean_max_tokens()
     for fmt, top in ((qkv_mod.W_FP8, 16), (qkv_mod.W_INT4, 16), (qkv_mod.W_DENSE, 8)):
         takes = [T for T in range(1, 40) if qkv_mod.lean_mma_applies(fmt, 16, 128, T, lean_max, 90)]
         assert takes == list(range(3, top + 1)), (fmt, takes)
