@@ -208,6 +208,9 @@ _new = object.__new__
 # the C replay's view_fields (ropekv/_native.c) once it is loaded: the fields of an ArrayView of a
 # CuPy array or torch tensor its struct reads take, read in one call (None for any other)
 _VIEW_FIELDS = [None]
+# the C replay's read_views where _native routes the first call's C forms in, else None: a first
+# call's arguments read in one call (read_arguments)
+NATIVE_READ = [None]
 
 
 def _struct_view(fields, name, dtype, array):
@@ -719,7 +722,18 @@ def read_arguments(arrays, names, stream_ptr=None):
 
     CuPy arrays and torch tensors of the exact base types go to their readers directly, a CuPy
     array straight to its struct read when the C replay has one (a first call reads every
-    argument: a call less per array)."""
+    argument: a call less per array). Where the C replay's ``read_views`` is routed in
+    (:data:`NATIVE_READ`), it reads the whole call when every array is None, a CuPy array or a
+    torch tensor its struct reads take; else this loop does."""
+    fast = NATIVE_READ[0]
+    if fast is not None:
+        read = fast(arrays, names, _TORCH_TO_NUMPY, _VERIFIED_TORCH_DEVICES)
+        if read is not None:
+            if KNOWN_TYPES[0] is _Never or KNOWN_TYPES[1] is _Never:
+                for a in arrays:
+                    if a is not None:
+                        _note_type(type(a), "torch" if is_torch(a) else "cupy")
+            return read
     (cupy_array, torch_tensor), fields_of = KNOWN_TYPES, _VIEW_FIELDS[0]
     views, kinds, misaligned = [], 0, None
     for a, name in zip(arrays, names):

@@ -25,6 +25,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <structmember.h>
 
 /* ---- the driver's launch entry points, set by configure() ----------------------------------- */
 
@@ -1057,6 +1058,188 @@ static PyObject *view_fields(PyObject *mod, PyObject *a) {
   return r;
 }
 
+/* ---- a first call's arguments read into ArrayViews (_arrays.read_arguments) ---------------------
+ * configure_views(ArrayView) finds the byte offset of each slot of _arrays.ArrayView in its
+ * instances (its __slots__' member descriptors); read_views then builds a first call's views here,
+ * with the values _arrays._struct_view gives them, for calls whose every array is None, a CuPy
+ * array or a torch tensor readable from its struct (on a device whose torch reads _arrays
+ * verified). Any other argument, a null pointer of a non-empty array, or a CuPy byte stride that
+ * is no multiple of the item size: None, and the Python loop reads the call (and raises what it
+ * raises). */
+
+enum { V_ARRAY, V_DEVICE, V_DTYPE, V_HOST, V_LEGACY, V_NAME, V_OWNER, V_PTR, V_READONLY, V_SHAPE,
+       V_SIZE, V_SPAN, V_STRIDES, V_SLOTS };
+static const char *const view_slot_names[V_SLOTS] = {
+    "array", "device", "dtype", "host", "legacy", "name", "owner",
+    "ptr", "readonly", "shape", "size", "span", "strides"};
+static PyTypeObject *view_type = NULL; /* a strong reference once configured */
+static Py_ssize_t view_offsets[V_SLOTS];
+
+static PyObject *configure_views(PyObject *mod, PyObject *type) {
+  if (!PyType_Check(type)) {
+    PyErr_SetString(PyExc_TypeError, "configure_views takes the ArrayView class");
+    return NULL;
+  }
+  Py_ssize_t offsets[V_SLOTS];
+  for (int k = 0; k < V_SLOTS; k++) {
+    PyObject *d = PyDict_GetItemString(((PyTypeObject *)type)->tp_dict, view_slot_names[k]);
+    if (!d || !Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+      PyErr_Format(PyExc_TypeError, "ArrayView has no slot %s", view_slot_names[k]);
+      return NULL;
+    }
+    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+    if (m->type != T_OBJECT_EX || (m->flags & READONLY)) {
+      PyErr_Format(PyExc_TypeError, "ArrayView's %s is no plain object slot", view_slot_names[k]);
+      return NULL;
+    }
+    offsets[k] = m->offset;
+  }
+  memcpy(view_offsets, offsets, sizeof offsets);
+  Py_INCREF(type);
+  PyTypeObject *old = view_type;
+  view_type = (PyTypeObject *)type;
+  Py_XDECREF(old);
+  Py_RETURN_NONE;
+}
+
+/* Store `value` (a new reference, or NULL: an error set) in slot k of view v; -1 on NULL. */
+static int view_set(PyObject *v, int k, PyObject *value) {
+  if (!value) return -1;
+  PyObject **slot = (PyObject **)((char *)v + view_offsets[k]), *old = *slot;
+  *slot = value;
+  Py_XDECREF(old);
+  return 0;
+}
+
+/* The ArrayView of raw view r of array `a` named `name` (dtype: its NumPy dtype, borrowed);
+ * Py_None (a new reference) where the Python loop must read it; NULL: an error. *misaligned is set
+ * where the pointer is no multiple of the item size. */
+static PyObject *raw_array_view(PyObject *a, PyObject *name, const RawView *r, PyObject *dtype,
+                                int *misaligned) {
+  Py_ssize_t item = r->item;
+  if (!r->torch) {
+    PyObject *it = PyObject_GetAttr(dtype, s_itemsize);
+    item = it ? PyLong_AsSsize_t(it) : -1;
+    Py_XDECREF(it);
+    if (item == -1 && PyErr_Occurred()) return NULL;
+  }
+  if (item <= 0) Py_RETURN_NONE;
+  Py_ssize_t size = 1, lo = 0, hi = 0;
+  for (Py_ssize_t k = 0; k < r->ndim; k++) {
+    Py_ssize_t n = r->shape[k], bytes = r->torch ? r->strides[k] * item : r->strides[k];
+    if (!r->torch && bytes % item) Py_RETURN_NONE;
+    size *= n;
+    if (bytes < 0)
+      lo += (n - 1) * bytes;
+    else
+      hi += (n - 1) * bytes;
+  }
+  if (!r->ptr && size) Py_RETURN_NONE; /* the Python loop names it */
+  PyObject *strides = PyTuple_New(r->ndim);
+  for (Py_ssize_t k = 0; strides && k < r->ndim; k++) {
+    PyObject *x = PyLong_FromSsize_t(r->torch ? r->strides[k] : r->strides[k] / item);
+    if (!x) Py_CLEAR(strides);
+    else PyTuple_SET_ITEM(strides, k, x);
+  }
+  if (!strides) return NULL;
+  PyObject *v = view_type->tp_alloc(view_type, 0);
+  if (!v) {
+    Py_DECREF(strides);
+    return NULL;
+  }
+  Py_INCREF(a);
+  Py_INCREF(a);
+  Py_INCREF(name);
+  Py_INCREF(dtype);
+  Py_INCREF(Py_False);
+  Py_INCREF(Py_False);
+  Py_INCREF(Py_None);
+  if (view_set(v, V_STRIDES, strides) || view_set(v, V_ARRAY, a) || view_set(v, V_OWNER, a) ||
+      view_set(v, V_NAME, name) || view_set(v, V_DTYPE, dtype) ||
+      view_set(v, V_READONLY, Py_False) || view_set(v, V_LEGACY, Py_False) ||
+      view_set(v, V_HOST, Py_None) || view_set(v, V_DEVICE, raw_device(r)) ||
+      view_set(v, V_PTR, PyLong_FromUnsignedLongLong(r->ptr)) ||
+      view_set(v, V_SHAPE, ssize_tuple(r->shape, r->ndim)) ||
+      view_set(v, V_SIZE, PyLong_FromSsize_t(size)) ||
+      view_set(v, V_SPAN, Py_BuildValue("(nn)", lo, hi + item))) {
+    Py_DECREF(v);
+    return NULL;
+  }
+  *misaligned = (r->ptr % (uint64_t)item) != 0;
+  return v;
+}
+
+/* read_views(arrays, names, torch_dtypes, verified) -> (views, kinds, misaligned) as
+ * _arrays.read_arguments gives them, or None: the Python loop reads the call. torch_dtypes maps a
+ * torch dtype to its NumPy dtype; verified is the set of devices whose torch struct reads agreed
+ * with the attributes (a tensor of another device: None). */
+static PyObject *read_views(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "read_views(arrays, names, torch_dtypes, verified)");
+    return NULL;
+  }
+  if (!view_type) Py_RETURN_NONE;
+  PyObject *arrays = PySequence_Fast(args[0], "arrays must be a sequence");
+  if (!arrays) return NULL;
+  PyObject *names = PySequence_Fast(args[1], "names must be a sequence");
+  if (!names) {
+    Py_DECREF(arrays);
+    return NULL;
+  }
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(arrays);
+  PyObject *views = n <= PySequence_Fast_GET_SIZE(names) ? PyList_New(n) : NULL;
+  PyObject *misaligned = NULL, *result = NULL;
+  long kinds = 0;
+  for (Py_ssize_t i = 0; views && i < n; i++) {
+    PyObject *a = PySequence_Fast_GET_ITEM(arrays, i), *v;
+    if (a == Py_None) {
+      Py_INCREF(Py_None);
+      PyList_SET_ITEM(views, i, Py_None);
+      continue;
+    }
+    RawView r;
+    int readable = raw_view(a, &r);
+    if (readable < 0) goto done;
+    if (!readable) goto python;
+    PyObject *dtype = r.dtype;
+    if (r.torch) {
+      if (r.device < 0) goto python;
+      dtype = PyDict_GetItemWithError(args[2], r.dtype);
+      if (!dtype) goto python_or_error;
+      PyObject *dev = PyLong_FromLong(r.device);
+      int ok = dev ? PySet_Contains(args[3], dev) : -1;
+      Py_XDECREF(dev);
+      if (ok < 0) goto done;
+      if (!ok) goto python;
+    }
+    int off = 0;
+    v = raw_array_view(a, PySequence_Fast_GET_ITEM(names, i), &r, dtype, &off);
+    if (!v) goto done;
+    PyList_SET_ITEM(views, i, v);
+    if (v == Py_None) goto python;
+    kinds |= r.torch ? TORCH : CUPY;
+    if (off) {
+      if (!misaligned && !(misaligned = PyList_New(0))) goto done;
+      if (PyList_Append(misaligned, v) < 0) goto done;
+    }
+  }
+  if (views) {
+    result = Py_BuildValue("(OlO)", views, kinds, misaligned ? misaligned : Py_None);
+  }
+  goto done;
+python_or_error:
+  if (PyErr_Occurred()) goto done;
+python:
+  result = Py_None;
+  Py_INCREF(result);
+done:
+  Py_DECREF(arrays);
+  Py_DECREF(names);
+  Py_XDECREF(views);
+  Py_XDECREF(misaligned);
+  return result;
+}
+
 static PyObject *ptr_list(const uint64_t *ptrs, int n) {
   PyObject *list = PyList_New(n);
   if (!list) return NULL;
@@ -1916,6 +2099,11 @@ static PyMethodDef methods[] = {
     {"view_fields", view_fields, METH_O,
      "view_fields(a) -> (ptr, shape, element strides, dtype, device, size, lo, hi) of a CuPy "
      "array or torch tensor read from its struct, or None"},
+    {"configure_views", configure_views, METH_O,
+     "configure_views(ArrayView): read_views may build its instances (their slots' offsets)"},
+    {"read_views", (PyCFunction)(void (*)(void))read_views, METH_FASTCALL,
+     "read_views(arrays, names, torch_dtypes, verified) -> (views, kinds, misaligned) of a "
+     "first call's arrays, or None (the Python loop reads them)"},
     {"raw_layout", raw_layout, METH_VARARGS,
      "raw_layout(a, staged=False) -> (shape, strides, dtype, ptr, device) read from a CuPy "
      "array's or a torch tensor's struct, or None (staged: with torch reads not yet enabled)"},

@@ -182,35 +182,44 @@ def state() -> str:
     return f"Python plan replay ({_state['reason']})"
 
 
-# ---- the first call's three checks in C, or in Python -----------------------------------------
+# ---- the first call's checks and argument reads in C, or in Python ------------------------------
 
-# Whether a first call's three checks run their C forms where the C replay is loaded:
-# ``overlap_pairs`` (``_checks.check_no_overlap``'s pairs), ``written_layouts``
-# (``_checks.check_written``'s layouts, pointers and plain-stride test) and ``same_device``
-# (``_checks.check_same_device``). Off, they run their Python forms, with the same results, the
-# same errors and plans that replay the same (tests/test_host_first.py). On the H200 host their
-# gain was not measurable (first calls there drift more than it, first_call_drift.py); the switch
-# lets one process time both, interleaved (tools/experiments/first_call_c.py). Change it through
-# :func:`first_call_c`, not by assignment (the checks read the routed functions, not this flag).
+# Whether a first call runs the C forms of its three checks and of its argument reads where the
+# C replay is loaded: ``overlap_pairs`` (``_checks.check_no_overlap``'s pairs), ``written_layouts``
+# (``_checks.check_written``'s layouts, pointers and plain-stride test), ``same_device``
+# (``_checks.check_same_device``) and ``read_views`` (``_arrays.read_arguments``: the views of a
+# call whose arrays its struct reads take). Off, they run their Python forms, with the same
+# results, the same errors and plans that replay the same (tests/test_host_first.py, and
+# tests/test_native.py on a GPU for the reads). On the H200 host first calls drift more than the
+# checks save (first_call_drift.py); tools/experiments/first_call_c.py times both settings
+# interleaved in one process. Change it through :func:`first_call_c`, not by assignment (the
+# callers read the routed functions, not this flag).
 FIRST_CALL_C = True
+NATIVE_READ_CONFIGURED = [None]  # the module whose read_views knows ArrayView's slots
 
 
 def route_first_call_checks(module):
-    """Give ``_checks`` the C forms of the three checks from ``module`` (the configured C
-    replay, or None: their Python forms) where :data:`FIRST_CALL_C` is on, else None (Python)."""
+    """Give ``_checks`` the C forms of the three checks and ``_arrays`` the C argument reader from
+    ``module`` (the configured C replay, or None: their Python forms) where :data:`FIRST_CALL_C` is
+    on, else None (Python)."""
+    from ropekv import _arrays as ar
     from ropekv import _checks as ck
 
     on = module is not None and FIRST_CALL_C
     ck.NATIVE_OVERLAP[0] = module.overlap_pairs if on else None
     ck.NATIVE_WRITTEN[0] = module.written_layouts if on else None
     ck.NATIVE_SAME_DEVICE[0] = module.same_device if on else None
+    if on and NATIVE_READ_CONFIGURED[0] is not module:
+        module.configure_views(ar.ArrayView)
+        NATIVE_READ_CONFIGURED[0] = module
+    ar.NATIVE_READ[0] = module.read_views if on else None
 
 
 def first_call_c(on=None):
-    """Turn the first call's three checks' C forms on or off (:data:`FIRST_CALL_C`; ``on=None``
-    changes nothing) from the next first call on, and return the setting before. Plans already
-    made stay (they are the same either way); the C replay is not loaded by this (when it loads
-    later, it follows the setting)."""
+    """Turn the C forms of the first call's three checks and argument reads on or off
+    (:data:`FIRST_CALL_C`; ``on=None`` changes nothing) from the next first call on, and return the
+    setting before. Plans already made stay (they are the same either way); the C replay is not
+    loaded by this (when it loads later, it follows the setting)."""
     global FIRST_CALL_C
     before = FIRST_CALL_C
     if on is not None:

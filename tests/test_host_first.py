@@ -353,6 +353,7 @@ def test_first_call_c_switch_routes_the_three_checks(native, monkeypatch):
 
     for name in _SLOTS:
         monkeypatch.setattr(ck, name, [None])
+    monkeypatch.setattr(ar, "NATIVE_READ", [None])
     monkeypatch.setattr(_native, "FIRST_CALL_C", True)
     monkeypatch.setattr(_launch, "_native_module", [native])
     assert _native.first_call_c() is True and ck.NATIVE_OVERLAP == [None]  # None: no change
@@ -360,6 +361,7 @@ def test_first_call_c_switch_routes_the_three_checks(native, monkeypatch):
     assert ck.NATIVE_OVERLAP[0] is native.overlap_pairs
     assert ck.NATIVE_WRITTEN[0] is native.written_layouts
     assert ck.NATIVE_SAME_DEVICE[0] is native.same_device
+    assert ar.NATIVE_READ[0] is native.read_views
     rng = np.random.default_rng(34)
     buf = np.zeros(4096, np.uint8)
     calls = []
@@ -377,6 +379,7 @@ def test_first_call_c_switch_routes_the_three_checks(native, monkeypatch):
     on = [_three_checks(*c) for c in calls]
     assert _native.first_call_c(False) is True
     assert all(getattr(ck, name) == [None] for name in _SLOTS) and not _native.FIRST_CALL_C
+    assert ar.NATIVE_READ == [None]
     off = [_three_checks(*c) for c in calls]
     assert on == off
     assert sum(o[0][0] == "error" for o in on) > 20 and sum(o[2][0] == "error" for o in on) > 20
@@ -390,6 +393,7 @@ def test_first_call_c_switch_before_the_c_replay_is_bound(native, monkeypatch):
 
     for name in _SLOTS:
         monkeypatch.setattr(ck, name, [None])
+    monkeypatch.setattr(ar, "NATIVE_READ", [None])
     monkeypatch.setattr(_native, "FIRST_CALL_C", True)
     monkeypatch.setattr(_launch, "_native_module", [_launch._UNBOUND])
     assert _native.first_call_c(False) is True
@@ -399,9 +403,9 @@ def test_first_call_c_switch_before_the_c_replay_is_bound(native, monkeypatch):
     _native.first_call_c(True)
     assert all(getattr(ck, name) == [None] for name in _SLOTS)  # still unbound: nothing to route
     _native.route_first_call_checks(native)
-    assert ck.NATIVE_OVERLAP[0] is native.overlap_pairs
+    assert ck.NATIVE_OVERLAP[0] is native.overlap_pairs and ar.NATIVE_READ[0] is native.read_views
     _native.route_first_call_checks(None)  # no C replay: Python
-    assert all(getattr(ck, name) == [None] for name in _SLOTS)
+    assert all(getattr(ck, name) == [None] for name in _SLOTS) and ar.NATIVE_READ == [None]
 
 
 def test_first_calls_on_host_arrays_give_the_same_outputs_either_way(native, monkeypatch):
@@ -411,6 +415,7 @@ def test_first_calls_on_host_arrays_give_the_same_outputs_either_way(native, mon
 
     for name in _SLOTS:
         monkeypatch.setattr(ck, name, [None])
+    monkeypatch.setattr(ar, "NATIVE_READ", [None])
     monkeypatch.setattr(_native, "FIRST_CALL_C", True)
     specs = [s for s in cases.bench_specs() if s.decode and s.tokens == 1]
     seen = set()

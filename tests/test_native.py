@@ -886,6 +886,97 @@ def test_gpu_torch_tensors_are_read_from_their_tensorimpl():
         _check_torch_reads(module, torch, "cuda")
 
 
+_VIEW_SLOTS = ("name", "ptr", "shape", "strides", "dtype", "device", "size", "span")
+
+
+def _view_state(v):
+    """What a first call reads of a view (None for None): its values, and its array by identity."""
+    if v is None:
+        return None
+    flags = (v.readonly, v.legacy, v.host is None, v.owner is v.array)
+    return tuple(getattr(v, k) for k in _VIEW_SLOTS) + flags + (id(v.array),)
+
+
+def _read_both(arrays, names):
+    """``read_arguments`` of a call with the C reader routed in and with the Python loop."""
+    from ropekv import _arrays as ar
+
+    reader = ar.NATIVE_READ[0]
+    assert reader is not None
+    c_read = ar.read_arguments(arrays, names)
+    ar.NATIVE_READ[0] = None
+    try:
+        py_read = ar.read_arguments(arrays, names)
+    finally:
+        ar.NATIVE_READ[0] = reader
+
+    def state(read):
+        views, kinds, misaligned = read
+        bad = None if misaligned is None else [v.name for v in misaligned]
+        return [_view_state(v) for v in views], kinds, bad
+
+    return state(c_read), state(py_read)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["cupy", "torch"])
+def test_gpu_first_call_arguments_read_in_c_equal_the_python_loop(kind):
+    """A first call's arguments read by the C replay's ``read_views`` (every array None or one
+    its struct reads take) give the views, kinds and misaligned arrays the Python loop gives, on
+    every layout of the struct-read tests, in random calls of up to 24 arguments; a call with any
+    other argument (a NumPy array, a CuPy byte stride that is no multiple of the item size, a
+    torch.Tensor subclass) is left to the loop (``read_views`` answers None)."""
+    from ropekv import _arrays as ar
+
+    cupy = pytest.importorskip("cupy")
+    if kind == "cupy":
+        cases = _struct_probe_cases(cupy)
+        base = cupy.zeros(40, cupy.uint8)
+        cases.append(base[1:33].view(cupy.float16))  # a pointer that is no multiple of 2
+        odd = cupy.lib.stride_tricks.as_strided(cupy.zeros(8, cupy.float16), (3,), (3,))
+    else:
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("torch has no CUDA here")
+        from ropekv.bench.timing import clear_plans
+        from tests.test_call_path import copy_kw, to_torch
+
+        fn, kw = CASES["contiguous"](62, **DECODE.get("contiguous", {}))
+        clear_plans()  # a first call: torch reads probed on the device
+        fn(**map_arrays(copy_kw(kw), to_torch))
+        ar._from_torch(torch.zeros(3, device="cuda"), "t")  # and verified (by the Python loop)
+        assert torch.cuda.current_device() in ar._VERIFIED_TORCH_DEVICES
+        cases = _torch_cases(torch, "cuda")
+        odd = torch.nn.Parameter(torch.zeros(3, device="cuda"))  # a subclass: the attributes
+    module = _launch.native_module()
+    assert module is not None, _native.state()
+    readable = [a for a in cases if module.view_fields(a) is not None]
+    assert len(readable) >= len(cases) - 8
+    rng = np.random.default_rng(5)
+    taken = 0
+    for trial in range(200):
+        n = int(rng.integers(1, 25))
+        arrays = [
+            None if rng.random() < 0.2 else readable[int(rng.integers(len(readable)))]
+            for _ in range(n)
+        ]
+        names = [f"arg{i}" for i in range(n)]
+        got = module.read_views(arrays, names, ar._TORCH_TO_NUMPY, ar._VERIFIED_TORCH_DEVICES)
+        assert got is not None, [None if a is None else (a.shape, a.dtype) for a in arrays]
+        taken += 1
+        c_state, py_state = _read_both(arrays, names)
+        assert c_state == py_state
+    assert taken == 200
+    for other in (np.zeros(3, np.float16), odd):
+        arrays = [readable[0], other, None]
+        names = ["a", "b", "c"]
+        got = module.read_views(arrays, names, ar._TORCH_TO_NUMPY, ar._VERIFIED_TORCH_DEVICES)
+        assert got is None
+        if other is not odd or kind == "torch":  # (the odd CuPy stride raises in both forms)
+            c_state, py_state = _read_both(arrays, names)
+            assert c_state == py_state
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
 def test_gpu_a_negated_torch_view_of_a_planned_layout_is_refused(op):

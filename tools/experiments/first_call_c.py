@@ -1,6 +1,7 @@
-"""The first call's three C helpers on trial: host time of a first call of a layout with
-``_native.first_call_c(True)`` (``overlap_pairs``, ``written_layouts``, ``same_device`` in C) and
-``(False)`` (their Python forms), interleaved in one process, and the bytecode each executes.
+"""The first call's C helpers on trial: host time of a first call of a layout with
+``_native.first_call_c(True)`` (``overlap_pairs``, ``written_layouts``, ``same_device`` and the
+argument reader ``read_views`` in C) and ``(False)`` (their Python forms), interleaved in one
+process, and the bytecode each executes; ``--switch read`` switches the argument reader alone.
 
 On a GPU machine (under 60 s, most of it start-up and the kernels' compilation)::
 
@@ -97,35 +98,54 @@ def cpu_calls(names):
     return calls, None
 
 
-def measure(calls, sync, rounds=ROUNDS, settle=SETTLE):
+def switch(which):
+    """The setter of the C forms on trial: ``all`` (:func:`ropekv._native.first_call_c`: the three
+    checks and the argument reader) or ``read`` (the argument reader alone, ``read_views``)."""
+    from ropekv import _arrays, _launch, _native
+
+    if which == "all":
+        return _native.first_call_c
+    module = _launch.native_module()
+    reader = None if module is None else module.read_views
+
+    def read_only(on=None):
+        before = _arrays.NATIVE_READ[0] is not None
+        if on is not None:
+            _arrays.NATIVE_READ[0] = reader if on else None
+        return before
+
+    return read_only
+
+
+def measure(calls, sync, rounds=ROUNDS, settle=SETTLE, which="all"):
     """``{(case, kind, on): [us per round]}``: ``settle`` untimed rounds, then ``rounds`` rounds
     of one first call per case, kind and setting (on-off in even rounds, off-on in odd ones)."""
-    from ropekv import _native
     from ropekv.bench.timing import clear_plans, first_call_us
 
-    before = _native.first_call_c()
+    first_call_c = switch(which)
+    before = first_call_c()
     times = {(case, kind, on): [] for case, kind in calls for on in (True, False)}
     try:
         for r in range(settle + rounds):
             order = (True, False) if r % 2 == 0 else (False, True)
             for (case, kind), fn in calls.items():
                 for on in order:
-                    _native.first_call_c(on)
+                    first_call_c(on)
                     us = first_call_us(fn, sync, n=1)  # one first call: plans cleared
                     if r >= settle:
                         times[case, kind, on].append(us)
     finally:
-        _native.first_call_c(before)
+        first_call_c(before)
         clear_plans()
     return times
 
 
-def opcodes(calls):
+def opcodes(calls, which="all"):
     """``{(case, kind, on): bytecode instructions of one first call}``."""
-    from ropekv import _native
     from ropekv.bench.timing import clear_plans
 
-    before = _native.first_call_c()
+    first_call_c = switch(which)
+    before = first_call_c()
     # CPython 3.12 reports no opcode events in a process's first traced call (3.12.1: a function
     # counts 0, then 79 on every later call; 3.11 and 3.13 count it the first time): one untimed
     # count first, so the first case is not read as 0
@@ -134,11 +154,11 @@ def opcodes(calls):
     try:
         for (case, kind), fn in calls.items():
             for on in (True, False):
-                _native.first_call_c(on)
+                first_call_c(on)
                 clear_plans()
                 counts[case, kind, on] = count_opcodes(fn)
     finally:
-        _native.first_call_c(before)
+        first_call_c(before)
         clear_plans()
     return counts
 
@@ -167,6 +187,12 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--settle", type=int, default=SETTLE)
     parser.add_argument("--cases", nargs="+", default=CASES, help="bench case names (exact)")
+    parser.add_argument(
+        "--switch",
+        choices=("all", "read"),
+        default="all",
+        help="the C forms switched: all of them, or the argument reader (read_views) alone",
+    )
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     calls, sync = (cpu_calls if args.cpu else gpu_calls)(args.cases)
@@ -177,8 +203,8 @@ def main(argv=None):
     if module is None:
         print("no C replay loaded: the switch changes nothing here")
     print(f"set-up {time.perf_counter() - t0:.1f} s; {args.settle} settling + {args.rounds} rounds")
-    times = measure(calls, sync, args.rounds, args.settle)
-    report(times, opcodes(calls))
+    times = measure(calls, sync, args.rounds, args.settle, args.switch)
+    report(times, opcodes(calls, args.switch))
     print(f"total {time.perf_counter() - t0:.1f} s")
 
 
