@@ -160,7 +160,7 @@ def test_registry_covers_every_op_with_unique_names():
     sweep = sorted(s.tokens for s in specs if s.series == "paged gqa fp16->e4m3")
     assert sweep[0] == 1 and sweep[-1] == 32768 and len(sweep) == len(bench.SWEEP)
     # every op with decode cases sweeps the decode token counts (the QKV projection's quantized
-    # weight formats: 1, 4, 16, 64 and 128 tokens)
+    # weight formats: 1, 4, 8, 16, 64 and 128 tokens)
     for op in bench.OPS:
         decode = [s for s in specs if s.op == op and s.decode]
         if decode:
@@ -168,7 +168,7 @@ def test_registry_covers_every_op_with_unique_names():
             assert series, op
             for name in series:
                 tokens = sorted(s.tokens for s in specs if s.series == name and s.decode)
-                want = (1, 4, 16, 64, 128) if "w K4096" in name else bench.DECODE_SWEEP
+                want = (1, 4, 8, 16, 64, 128) if "w K4096" in name else bench.DECODE_SWEEP
                 assert tokens == sorted(want), (name, tokens)
     assert all(
         s.decode == (s.tokens <= 256 and "x1" in s.name.split()[-1] or s.decode) for s in specs
@@ -218,13 +218,13 @@ def test_cases_filter_by_name():
 
 def test_qkv_weight_format_cases():
     """fp16 weights at 1-128 and 8192 tokens, fp8 (per-row) and 4-bit (group 128) weights at 1,
-    4, 16, 64 and 128 (Llama-3-8B shapes), each with the cuBLAS peer, each knowing its weight bytes;
+    4, 8, 16, 64 and 128 (Llama-3-8B shapes), each with the cuBLAS peer, each knowing its weight bytes;
     decode cases rotate over enough weight copies that graph replay cannot serve them from L2."""
     specs = {s.name: s for s in bench.bench_specs() if s.op == "qkv"}
     for label, tokens in (
         ("fp16", (1, 16, 64, 128, 8192)),
-        ("fp8w", (1, 4, 16, 64, 128)),
-        ("int4w", (1, 4, 16, 64, 128)),
+        ("fp8w", (1, 4, 8, 16, 64, 128)),
+        ("int4w", (1, 4, 8, 16, 64, 128)),
     ):
         for T in tokens:
             assert f"qkv {label} K4096 N6144 T{T}" in specs, (label, T)

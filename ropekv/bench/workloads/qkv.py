@@ -275,15 +275,20 @@ def weight_bytes(N, K, fmt, dtype=F16, group_size=128):
     return N * K // 2 + N * (K // group_size) * np.dtype(dtype).itemsize
 
 
+# tokens of the fp8 and 4-bit weight cases: the decode sweep to 128, and 8 (qkv_lean_mma's
+# 8-token tile at its full width)
+QUANTIZED_TOKENS = (1, 4, 8, 16, 64, 128)
+
+
 def specs():
     """fp16 weights at 1-256 and 8192 tokens (the decode sweep and a prefill), fp8 and 4-bit
-    weights at 1, 4, 16, 64 and 128 tokens; Llama-3-8B's projection (K 4096, N 6144)."""
+    weights at :data:`QUANTIZED_TOKENS`; Llama-3-8B's projection (K 4096, N 6144)."""
     out = []
     K, N = 4096, 6144
     for fmt, tokens in (
         ("dense", (8192, *DECODE_SWEEP)),
-        ("e4m3", (1, 4, 16, 64, 128)),
-        ("int4", (1, 4, 16, 64, 128)),
+        ("e4m3", QUANTIZED_TOKENS),
+        ("int4", QUANTIZED_TOKENS),
     ):
         label = {"dense": "fp16", "e4m3": "fp8w", "int4": "int4w"}[fmt]
         wb = weight_bytes(N, K, fmt)
