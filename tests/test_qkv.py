@@ -2195,13 +2195,70 @@ def test_gpu_gemv_lean(
     ], names
 
 
+# the head shapes (K, Hq, Hkv, D) of the lean kernels' hypothesis tests: heads of 8-32 row pairs,
+# so blocks across heads and partly dead last blocks
+LEAN_RANDOM_SHAPES = [(384, 2, 1, 16), (640, 3, 1, 24), (320, 4, 2, 32), (1152, 1, 1, 64)]
+
+
+def lean_random_case(
+    seed, T, max_tokens, wfmt, bf16, shape, rope, cache, layout, page_size, zero_points
+):
+    """A random small call of ``T`` tokens for the lean kernels' hypothesis tests: ragged over four
+    requests (one empty), tokens of no request on a third of the seeds (while ``T`` is below
+    ``max_tokens``, the kernel's largest), out-of-range pages on odd seeds, 4-bit groups of 32 or
+    64; ``rope`` "neox" / "interleaved" / "partial" (half the head) / "none", ``cache`` "same" /
+    "e4m3" / "e5m2"."""
+    K, Hq, Hkv, D = shape
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.integers(0, T + 1, 2))
+    lengths = (int(cuts[0]), int(cuts[1] - cuts[0]), 0, int(T - cuts[1]))
+    R = {"neox": D, "interleaved": D, "partial": D // 2, "none": None}[rope]
+    return make_case(
+        seed,
+        lengths=lengths,
+        K=K,
+        Hq=Hq,
+        Hkv=Hkv,
+        D=D,
+        R=R,
+        P=256,
+        page_size=page_size,
+        layout=layout,
+        dtype=BF16 if bf16 else F16,
+        cache_dtype={"same": None, "e4m3": E4M3, "e5m2": E5M2}[cache],
+        wfmt=wfmt,
+        group_size=32 if seed % 2 else 64,
+        zero_points=zero_points,
+        is_neox=rope != "interleaved",
+        bad_pages=bool(seed % 2),
+        extra_tokens=int(seed % 3 == 0 and T < max_tokens),
+    )
+
+
+def run_lean_case(args, kw, refs, unaligned):
+    """Run a call on the device (its hidden rows 2 bytes past a 16-byte boundary when
+    ``unaligned``: the scalar loads) and check it: ``refs``' results, every other cache byte
+    unchanged."""
+    import cupy as cp
+
+    originals = [c.copy() for c in args["paged_kv_cache"]]
+    d = {n: to_device(a) for n, a in args.items()}
+    if unaligned:
+        x = args["hidden_state"]
+        wide = cp.zeros((x.shape[0], x.shape[1] + 3), x.dtype)
+        wide[:, 1 : 1 + x.shape[1]] = cp.asarray(x)
+        d["hidden_state"] = wide[:, 1 : 1 + x.shape[1]]
+    q = call(d, {n: to_device(a) for n, a in kw.items()})
+    check_results(args, kw, q, d["paged_kv_cache"], originals, refs)
+
+
 @pytest.mark.gpu
 @given(
     seed=st.integers(0, 2**32 - 1),
     T=st.integers(1, 4),
     wfmt=st.sampled_from(["dense", "fp8", "int4"]),
     bf16=st.booleans(),
-    shape=st.sampled_from([(384, 2, 1, 16), (640, 3, 1, 24), (320, 4, 2, 32), (1152, 1, 1, 64)]),
+    shape=st.sampled_from(LEAN_RANDOM_SHAPES),
     rope=st.sampled_from(["neox", "interleaved", "partial", "none"]),
     cache=st.sampled_from(["same", "e4m3", "e5m2"]),
     layout=st.sampled_from(["NHD", "HND"]),
@@ -2219,51 +2276,16 @@ def test_gpu_gemv_lean_shapes(
     scalar loads): the reference's results, every other cache byte unchanged. 4-bit weights with
     a 16-bit cache only (an 8-bit one has its own bound: test_gpu_gemv_lean); each
     GEMV_LEAN_FORM."""
-    import cupy as cp
-
-    K, Hq, Hkv, D = shape
-    rng = np.random.default_rng(seed)
-    cuts = np.sort(rng.integers(0, T + 1, 2))
-    lengths = (int(cuts[0]), int(cuts[1] - cuts[0]), 0, int(T - cuts[1]))
-    extra = int(seed % 3 == 0 and T < 4)
-    cache_dtype = {"same": None, "e4m3": E4M3, "e5m2": E5M2}[cache]
     if wfmt == "int4":
-        bf16, cache_dtype = False, None
-    R = {"neox": D, "interleaved": D, "partial": D // 2, "none": None}[rope]
-    args, kw = make_case(
-        seed,
-        lengths=lengths,
-        K=K,
-        Hq=Hq,
-        Hkv=Hkv,
-        D=D,
-        R=R,
-        P=256,
-        page_size=page_size,
-        layout=layout,
-        dtype=BF16 if bf16 else F16,
-        cache_dtype=cache_dtype,
-        wfmt=wfmt,
-        group_size=32 if seed % 2 else 64,
-        zero_points=zero_points,
-        is_neox=rope != "interleaved",
-        bad_pages=bool(seed % 2),
-        extra_tokens=extra,
+        bf16, cache = False, "same"
+    args, kw = lean_random_case(
+        seed, T, 4, wfmt, bf16, shape, rope, cache, layout, page_size, zero_points
     )
     with pytest.MonkeyPatch.context() as mp:
         force_path(mp, "lean")
         mp.setattr(qkv_mod, "GEMV_LEAN_FORM", form)
         assert taken_path(args, kw) == "lean"
-        refs = expected(args, kw)
-        originals = [c.copy() for c in args["paged_kv_cache"]]
-        d = {n: to_device(a) for n, a in args.items()}
-        if unaligned:
-            x = args["hidden_state"]
-            wide = cp.zeros((x.shape[0], x.shape[1] + 3), x.dtype)
-            wide[:, 1 : 1 + x.shape[1]] = cp.asarray(x)
-            d["hidden_state"] = wide[:, 1 : 1 + x.shape[1]]
-        q = call(d, {n: to_device(a) for n, a in kw.items()})
-        check_results(args, kw, q, d["paged_kv_cache"], originals, refs)
+        run_lean_case(args, kw, expected(args, kw), unaligned)
 
 
 def lean_mma_name(args, T):
@@ -2318,7 +2340,7 @@ def test_gpu_lean_mma(shape, lengths, wfmt, dtype, group_size, zero_points, fp8_
     T=st.integers(1, 16),
     wfmt=st.sampled_from(["dense", "fp8", "int4"]),
     bf16=st.booleans(),
-    shape=st.sampled_from([(384, 2, 1, 16), (640, 3, 1, 24), (320, 4, 2, 32), (1152, 1, 1, 64)]),
+    shape=st.sampled_from(LEAN_RANDOM_SHAPES),
     rope=st.sampled_from(["neox", "interleaved", "partial", "none"]),
     cache=st.sampled_from(["same", "e4m3", "e5m2"]),
     layout=st.sampled_from(["NHD", "HND"]),
@@ -2336,35 +2358,10 @@ def test_gpu_lean_mma_shapes(
     aligned (the scalar loads): the reference's results (4-bit: on the weights rounded to the
     input dtype), every other cache byte unchanged, one qkv_lean_mma launch; each compiled block
     shape (LEAN_MMA_SHAPES) whose row pairs a head holds."""
-    import cupy as cp
-
-    K, Hq, Hkv, D = shape
-    if D // 2 < 8 * block[1]:
+    if shape[3] // 2 < 8 * block[1]:
         block = qkv_mod.LEAN_MMA_SHAPES[0]
-    rng = np.random.default_rng(seed)
-    cuts = np.sort(rng.integers(0, T + 1, 2))
-    lengths = (int(cuts[0]), int(cuts[1] - cuts[0]), 0, int(T - cuts[1]))
-    extra = int(seed % 3 == 0 and T < 16)
-    R = {"neox": D, "interleaved": D, "partial": D // 2, "none": None}[rope]
-    args, kw = make_case(
-        seed,
-        lengths=lengths,
-        K=K,
-        Hq=Hq,
-        Hkv=Hkv,
-        D=D,
-        R=R,
-        P=256,
-        page_size=page_size,
-        layout=layout,
-        dtype=BF16 if bf16 else F16,
-        cache_dtype={"same": None, "e4m3": E4M3, "e5m2": E5M2}[cache],
-        wfmt=wfmt,
-        group_size=32 if seed % 2 else 64,
-        zero_points=zero_points,
-        is_neox=rope != "interleaved",
-        bad_pages=bool(seed % 2),
-        extra_tokens=extra,
+    args, kw = lean_random_case(
+        seed, T, 16, wfmt, bf16, shape, rope, cache, layout, page_size, zero_points
     )
     with pytest.MonkeyPatch.context() as mp:
         force_path(mp, "lean_mma")
@@ -2375,15 +2372,7 @@ def test_gpu_lean_mma_shapes(
         qkv_mod._OP.clear()
         assert taken_path(args, kw) == "lean_mma"
         refs = expected(*rounded_weights(args, kw)) if wfmt == "int4" else expected(args, kw)
-        originals = [c.copy() for c in args["paged_kv_cache"]]
-        d = {n: to_device(a) for n, a in args.items()}
-        if unaligned:
-            x = args["hidden_state"]
-            wide = cp.zeros((x.shape[0], x.shape[1] + 3), x.dtype)
-            wide[:, 1 : 1 + x.shape[1]] = cp.asarray(x)
-            d["hidden_state"] = wide[:, 1 : 1 + x.shape[1]]
-        q = call(d, {n: to_device(a) for n, a in kw.items()})
-        check_results(args, kw, q, d["paged_kv_cache"], originals, refs)
+        run_lean_case(args, kw, refs, unaligned)
         assert names == [lean_mma_name(args, args["hidden_state"].shape[0])], names
 
 
