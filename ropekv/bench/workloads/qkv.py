@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from ropekv import bytes as nbytes_of
-from ropekv.bench.arrays import E4M3, F16, FP8, _copy, _torch, to_numpy
+from ropekv.bench.arrays import E4M3, F16, FP8, _copy, _dtname, _torch, to_numpy
 from ropekv.bench.workloads.base import (
     DECODE_SWEEP,
     LLAMA,
@@ -284,46 +284,52 @@ def specs():
     """fp16 weights at 1-256 and 8192 tokens (the decode sweep and a prefill), fp8 and 4-bit
     weights at :data:`QUANTIZED_TOKENS`; Llama-3-8B's projection (K 4096, N 6144)."""
     out = []
-    K, N = 4096, 6144
     for fmt, tokens in (
         ("dense", (8192, *DECODE_SWEEP)),
         ("e4m3", QUANTIZED_TOKENS),
         ("int4", QUANTIZED_TOKENS),
     ):
-        label = {"dense": "fp16", "e4m3": "fp8w", "int4": "int4w"}[fmt]
-        wb = weight_bytes(N, K, fmt)
-        for T in tokens:
-            B, S = (8, 1024) if T == 8192 else (T, 1)
-            decode = S == 1
-            nbytes = nbytes_of.qkv_bytes(T, K, 32, 8, 128, F16, F16, rotary_dim=128)
-            out.append(
-                CaseSpec(
-                    "qkv",
-                    f"qkv {label} K4096 N6144 T{T}",
-                    T,
-                    nbytes - N * K * 2 + wb,
-                    _lazy(
-                        QkvWL,
-                        B=B,
-                        S=S,
-                        prefix=1024,
-                        K=K,
-                        dtype=F16,
-                        cache_dtype=F16,
-                        weight_format=fmt,
-                        copies=-(-L2_ROTATE_BYTES // wb) if decode else 1,
-                        **LLAMA,
-                    ),
-                    decode=decode,
-                    quick=T == 16,
-                    compile=fmt == "dense" and T in (8192, 64),
-                    flops=nbytes_of.qkv_flops(T, K, 32, 8, 128),
-                    series=f"qkv {label} K4096 N6144" if decode else "",
-                    weight_bytes=wb,
-                    weight_format=WEIGHT_FORMATS[fmt],
-                )
-            )
+        out += [case(fmt, T) for T in tokens]
     return out
+
+
+def case(fmt, T, dtype=F16):
+    """The case of Llama-3-8B's projection (K 4096, N 6144) with weights ``fmt`` ("dense",
+    "e4m3", "int4") at ``T`` tokens (8192: a prefill of 8 x 1024) and inputs ``dtype`` (named in
+    the case when it is not fp16)."""
+    K, N = 4096, 6144
+    label = {"dense": "fp16", "e4m3": "fp8w", "int4": "int4w"}[fmt]
+    if dtype != F16:
+        label = f"{label} {_dtname(dtype)}"
+    wb = weight_bytes(N, K, fmt, dtype)
+    B, S = (8, 1024) if T == 8192 else (T, 1)
+    decode = S == 1
+    nbytes = nbytes_of.qkv_bytes(T, K, 32, 8, 128, dtype, dtype, rotary_dim=128)
+    return CaseSpec(
+        "qkv",
+        f"qkv {label} K4096 N6144 T{T}",
+        T,
+        nbytes - N * K * np.dtype(dtype).itemsize + wb,
+        _lazy(
+            QkvWL,
+            B=B,
+            S=S,
+            prefix=1024,
+            K=K,
+            dtype=dtype,
+            cache_dtype=dtype,
+            weight_format=fmt,
+            copies=-(-L2_ROTATE_BYTES // wb) if decode else 1,
+            **LLAMA,
+        ),
+        decode=decode,
+        quick=T == 16,
+        compile=fmt == "dense" and T in (8192, 64) and dtype == F16,
+        flops=nbytes_of.qkv_flops(T, K, 32, 8, 128),
+        series=f"qkv {label} K4096 N6144" if decode else "",
+        weight_bytes=wb,
+        weight_format=WEIGHT_FORMATS[fmt],
+    )
 
 
 def check_cases(add):
