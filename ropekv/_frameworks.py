@@ -80,7 +80,9 @@ def check_qkv_graph_safe(hidden, weight, k_cache, group_size, where):
         if weight.dtype == ml_dtypes.float8_e4m3fn
         else qkv.W_DENSE
     )
-    if not qkv.graph_safe(T, K, k_cache.shape[-1], fmt, group_size, _least_capability()):
+    if not qkv.graph_safe(
+        T, K, k_cache.shape[-1], fmt, group_size, _least_capability(), np.dtype(hidden.dtype)
+    ):
         raise ValueError(
             f"fused_qkv_matmul_append_paged_kv_cache cannot be recorded {where} with "
             f"hidden_state of T={T} tokens: {qkv.GRAPH_RULE}"

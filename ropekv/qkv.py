@@ -519,19 +519,20 @@ def _lean_tile(T):
     return next((tt for tt in LEAN_TILES if tt >= T), None)
 
 
+def lean_takes(dtype, fmt):
+    """Whether qkv_gemv_lean takes inputs of ``dtype`` with weights ``fmt``: fp8 or 16-bit weights,
+    or 4-bit weights with fp16 inputs (with bf16 inputs qkv_lean_mma takes them from one token)."""
+    return fmt != W_INT4 or dtype == FLOAT16
+
+
 def lean_applies(dtype, fmt, vb, D, T, lean_max):
     """Whether qkv_gemv_lean takes a plain call of ``T`` tokens (1 to the largest tile and to
-    ``lean_max``, a pair: the most tokens with fp8 / 4-bit weights, with 16-bit weights): fp8 or
-    16-bit weights, or 4-bit weights with fp16 inputs, 16-byte weight loads
+    ``lean_max``, a pair: the most tokens with fp8 / 4-bit weights, with 16-bit weights): the
+    inputs and weights it takes (:func:`lean_takes`), 16-byte weight loads
     (:func:`_gemv_width`), and heads of at least one block's pairs (D / 2 >= lean_pairs)."""
     top = lean_max[1] if fmt == W_DENSE else lean_max[0]
     tt = _lean_tile(T) if 0 < T <= top else None
-    return (
-        tt is not None
-        and vb == 16
-        and (fmt != W_INT4 or dtype == FLOAT16)
-        and D // 2 >= lean_pairs(tt)
-    )
+    return tt is not None and vb == 16 and lean_takes(dtype, fmt) and D // 2 >= lean_pairs(tt)
 
 
 def lean_mma_expression(dtype, fmt, tt, shape):
@@ -578,13 +579,14 @@ def lean_max_tokens():
     )
 
 
-def lean_mma_applies(fmt, vb, D, T, lean_max, compute_capability, shapes=None):
+def lean_mma_applies(dtype, fmt, vb, D, T, lean_max, compute_capability, shapes=None):
     """Whether qkv_lean_mma takes a plain call of ``T`` tokens: past qkv_gemv_lean's tokens (its
-    first two counts; so 4-bit weights with bf16 inputs, which qkv_gemv_lean does not take, keep
-    qkv_gemv there) up to ``lean_max``'s third (fp8 / 4-bit weights) or fourth (16-bit) count
-    and the largest tile, 16-byte weight loads, heads of at least a block's pairs, sm_90."""
+    first two counts) where qkv_gemv_lean takes the call's inputs and weights, else from one token
+    (4-bit weights with bf16 inputs: 2.0x / 3.0x faster than qkv_gemv at 1 / 2 tokens on the
+    H200), up to ``lean_max``'s third (fp8 / 4-bit weights) or fourth (16-bit) count and the
+    largest tile, 16-byte weight loads, heads of at least a block's pairs, sm_90."""
     dense = fmt == W_DENSE
-    low = lean_max[1] if dense else lean_max[0]
+    low = (lean_max[1] if dense else lean_max[0]) if lean_takes(dtype, fmt) else 0
     top = min(lean_max[3] if dense else lean_max[2], LEAN_MMA_TILES[-1])
     if not (max(low, 0) < T <= top and vb == 16 and compute_capability >= 90):
         return False
@@ -1372,7 +1374,9 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
         return plan([_gemv_lean(fields, slots, vx, fmt, T, N, device, pdl, lean_form[0])])
     if (
         not opts
-        and lean_mma_applies(fmt, vb, D, T, lean_max, _compute_capability(device), lean_form[1])
+        and lean_mma_applies(
+            vx.dtype, fmt, vb, D, T, lean_max, _compute_capability(device), lean_form[1]
+        )
         and _lean_strides(fields)
     ):
         return plan([_lean_mma(fields, slots, vx, fmt, T, N, D, device, pdl, lean_form[1])])
@@ -1663,7 +1667,7 @@ def _sm_count(device):
     return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
 
 
-def graph_safe(T, K, D, fmt, group_size, compute_capability):
+def graph_safe(T, K, D, fmt, group_size, compute_capability, dtype=FLOAT16):
     """Whether a call of ``T`` tokens can be recorded in a CUDA graph (one ropekv kernel, no
     temporaries), given contiguous arrays at 16-byte aligned addresses: up to
     ``GEMV_MAX_TOKENS`` tokens (the CUDA-core kernel), where ``qkv_lean_mma`` takes the call
@@ -1674,11 +1678,11 @@ def graph_safe(T, K, D, fmt, group_size, compute_capability):
     up to ``MMA_MAX_TOKENS_QUANTIZED``, cuBLAS beyond (faster there, on temporaries freed when the
     call returns); a call on a capturing stream runs the fused kernel instead, up to
     ``GRAPH_MAX_TOKENS``. Larger calls, and calls whose arrays are not so aligned, refuse a
-    capturing stream (``ValueError``)."""
+    capturing stream (``ValueError``). ``dtype``: the inputs' (:func:`lean_mma_applies`)."""
     if T <= GEMV_MAX_TOKENS:
         return True
     if _splits16(fmt, MMA_VALS[fmt], K, group_size or 0) and lean_mma_applies(
-        fmt, 16, D, T, lean_max_tokens(), compute_capability
+        dtype, fmt, 16, D, T, lean_max_tokens(), compute_capability
     ):
         return True
     wgmma = wgmma_settings()

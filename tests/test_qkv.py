@@ -989,7 +989,7 @@ def taken_path(args, kw, cc=None, sms=None):
     lean_max = qkv_mod.lean_max_tokens()
     if not opts and qkv_mod.lean_applies(dtype, fmt, vb, D, T, lean_max):
         return "lean"
-    if not opts and qkv_mod.lean_mma_applies(fmt, vb, D, T, lean_max, cc):
+    if not opts and qkv_mod.lean_mma_applies(dtype, fmt, vb, D, T, lean_max, cc):
         return "lean_mma"
     if qkv_mod.GEMV_MAX_TOKENS < T <= qkv_mod.GEMV_PACKED_MAX_TOKENS and packed_decode(args, kw):
         return "gemv"  # the packed decode's few tokens more, before the tensor-core kernels

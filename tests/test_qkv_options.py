@@ -336,20 +336,34 @@ def test_taken_path_names_the_kernel_the_plan_launches(wfmt, dtype, clear, stubb
 
 def test_lean_mma_takes_the_tokens_past_the_lean_gemv():
     """qkv_lean_mma's rule as shipped (sm_90, 16-byte loads): fp8 / 4-bit weights at 3-16 tokens,
-    16-bit weights at 3-8, never at 1-2 (qkv_gemv_lean's, and for 4-bit weights with bf16 inputs,
-    which qkv_gemv_lean does not take, qkv_gemv's), never off sm_90 or without 16-byte loads;
+    16-bit weights at 3-8, never at 1-2 (qkv_gemv_lean's), but for 4-bit weights with bf16 inputs,
+    which qkv_gemv_lean does not take: 1-16 tokens; never off sm_90 or without 16-byte loads;
     blocks of (4 warps, 1 tile) at 8 tokens and (8 warps, 3 tiles) at 16 where a head holds 24
     pairs, else (4, 1)."""
     lean_max = qkv_mod.lean_max_tokens()
-    for fmt, top in ((qkv_mod.W_FP8, 16), (qkv_mod.W_INT4, 16), (qkv_mod.W_DENSE, 8)):
-        takes = [T for T in range(1, 40) if qkv_mod.lean_mma_applies(fmt, 16, 128, T, lean_max, 90)]
-        assert takes == list(range(3, top + 1)), (fmt, takes)
-        assert not qkv_mod.lean_mma_applies(fmt, 16, 128, 4, lean_max, 89)
-        assert not qkv_mod.lean_mma_applies(fmt, 0, 128, 4, lean_max, 90)
+    f16, bf16 = F16, BF16
+    for dtype, fmt, low, top in (
+        (f16, qkv_mod.W_FP8, 3, 16),
+        (bf16, qkv_mod.W_FP8, 3, 16),
+        (f16, qkv_mod.W_INT4, 3, 16),
+        (bf16, qkv_mod.W_INT4, 1, 16),
+        (f16, qkv_mod.W_DENSE, 3, 8),
+        (bf16, qkv_mod.W_DENSE, 3, 8),
+    ):
+        takes = [
+            T
+            for T in range(1, 40)
+            if qkv_mod.lean_mma_applies(dtype, fmt, 16, 128, T, lean_max, 90)
+        ]
+        assert takes == list(range(low, top + 1)), (dtype, fmt, takes)
+        lean = [T for T in range(1, 40) if qkv_mod.lean_applies(dtype, fmt, 16, 128, T, lean_max)]
+        assert lean == list(range(1, low)), (dtype, fmt, lean)  # the two kernels meet
+        assert not qkv_mod.lean_mma_applies(dtype, fmt, 16, 128, 4, lean_max, 89)
+        assert not qkv_mod.lean_mma_applies(dtype, fmt, 0, 128, 4, lean_max, 90)
     assert qkv_mod.lean_mma_shape(3, 128) == (8, (4, 1))
     assert qkv_mod.lean_mma_shape(9, 128) == (16, (8, 3))
     assert qkv_mod.lean_mma_shape(16, 32) == (16, (4, 1))  # 16 pairs a head: not 24
-    assert not qkv_mod.lean_mma_applies(qkv_mod.W_INT4, 16, 8, 4, lean_max, 90)  # 4 pairs a head
+    assert not qkv_mod.lean_mma_applies(f16, qkv_mod.W_INT4, 16, 8, 4, lean_max, 90)  # 4 pairs
 
 
 @pytest.mark.parametrize(
