@@ -24,6 +24,7 @@ from tests.test_call_path import (
 from tests.tolerance import to_device, to_numpy
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+BF16 = np.dtype(ml_dtypes.bfloat16)
 CALLS = [
     ("contiguous", {}),
     ("contiguous", {"cache_dtype": E4M3}),
@@ -36,6 +37,8 @@ CALLS = [
     ("qkv", {"lengths": (1,)}),  # the CUDA-core GEMV kernel
     ("qkv", {"wfmt": "fp8", "lengths": (1, 1)}),  # qkv_gemv_lean, fp8 weights, 2 tokens
     ("qkv", {"wfmt": "int4", "zero_points": True, "lengths": (1,)}),  # qkv_gemv_lean, 4-bit
+    # qkv_lean_mma at one token: 4-bit weights with bf16 inputs (qkv_gemv_lean takes fp16 alone)
+    ("qkv", {"wfmt": "int4", "zero_points": True, "dtype": BF16, "lengths": (1,)}),
     ("qkv", {}),  # 6 tokens, 16-bit weights: qkv_lean_mma (a tile of 8 tokens)
     ("qkv", {"wfmt": "int4", "cache_dtype": E4M3}),  # qkv_lean_mma, 4-bit weights, fp8 cache
     # qkv_lean_mma, 12 tokens of 4-bit weights: a tile of 16, blocks of 8 warps and 24 row pairs
