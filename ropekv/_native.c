@@ -1111,6 +1111,12 @@ static int view_set(PyObject *v, int k, PyObject *value) {
   return 0;
 }
 
+/* Store `value` (borrowed) in slot k of view v. */
+static void view_put(PyObject *v, int k, PyObject *value) {
+  Py_INCREF(value);
+  view_set(v, k, value);
+}
+
 /* The ArrayView of raw view r of array `a` named `name` (dtype: its NumPy dtype, borrowed);
  * Py_None (a new reference) where the Python loop must read it; NULL: an error. *misaligned is set
  * where the pointer is no multiple of the item size. */
@@ -1147,17 +1153,15 @@ static PyObject *raw_array_view(PyObject *a, PyObject *name, const RawView *r, P
     Py_DECREF(strides);
     return NULL;
   }
-  Py_INCREF(a);
-  Py_INCREF(a);
-  Py_INCREF(name);
-  Py_INCREF(dtype);
-  Py_INCREF(Py_False);
-  Py_INCREF(Py_False);
-  Py_INCREF(Py_None);
-  if (view_set(v, V_STRIDES, strides) || view_set(v, V_ARRAY, a) || view_set(v, V_OWNER, a) ||
-      view_set(v, V_NAME, name) || view_set(v, V_DTYPE, dtype) ||
-      view_set(v, V_READONLY, Py_False) || view_set(v, V_LEGACY, Py_False) ||
-      view_set(v, V_HOST, Py_None) || view_set(v, V_DEVICE, raw_device(r)) ||
+  view_set(v, V_STRIDES, strides);
+  view_put(v, V_ARRAY, a);
+  view_put(v, V_OWNER, a);
+  view_put(v, V_NAME, name);
+  view_put(v, V_DTYPE, dtype);
+  view_put(v, V_READONLY, Py_False);
+  view_put(v, V_LEGACY, Py_False);
+  view_put(v, V_HOST, Py_None);
+  if (view_set(v, V_DEVICE, raw_device(r)) ||
       view_set(v, V_PTR, PyLong_FromUnsignedLongLong(r->ptr)) ||
       view_set(v, V_SHAPE, ssize_tuple(r->shape, r->ndim)) ||
       view_set(v, V_SIZE, PyLong_FromSsize_t(size)) ||
@@ -1187,9 +1191,10 @@ static PyObject *read_views(PyObject *mod, PyObject *const *args, Py_ssize_t nar
     return NULL;
   }
   Py_ssize_t n = PySequence_Fast_GET_SIZE(arrays);
-  PyObject *views = n <= PySequence_Fast_GET_SIZE(names) ? PyList_New(n) : NULL;
-  PyObject *misaligned = NULL, *result = NULL;
+  PyObject *views = NULL, *misaligned = NULL, *result = NULL;
   long kinds = 0;
+  if (n > PySequence_Fast_GET_SIZE(names)) goto python; /* the loop names the missing names */
+  views = PyList_New(n);
   for (Py_ssize_t i = 0; views && i < n; i++) {
     PyObject *a = PySequence_Fast_GET_ITEM(arrays, i), *v;
     if (a == Py_None) {

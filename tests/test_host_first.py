@@ -434,3 +434,25 @@ def test_first_calls_on_host_arrays_give_the_same_outputs_either_way(native, mon
         assert got[0] == got[1] == got[2], spec.name
     timing.clear_plans()
     assert len(seen) >= 5, seen
+
+
+def test_read_views_takes_only_what_its_struct_reads_take(native):
+    """``read_views`` builds ArrayViews only for a class whose slots it found (another class is
+    refused when configured), and leaves any call with an array its struct reads do not take (NumPy
+    arrays, here; CuPy arrays and torch tensors on a GPU: tests/test_native.py) to the Python loop:
+    None, and ``read_arguments`` reads it as before."""
+
+    class NoSlots:
+        pass
+
+    with pytest.raises(TypeError, match="no slot"):
+        native.configure_views(NoSlots)
+    with pytest.raises(TypeError, match="ArrayView class"):
+        native.configure_views(3)
+    native.configure_views(ar.ArrayView)
+    arrays = [np.zeros(4, np.float16), None]
+    assert native.read_views(arrays, ["a", "b"], {}, set()) is None
+    assert native.read_views([None, None], ["a", "b"], {}, set()) == ([None, None], 0, None)
+    assert native.read_views([None], [], {}, set()) is None  # a name missing: the loop
+    views, kinds, bad = ar.read_arguments(arrays, ["a", "b"])
+    assert views[0].shape == (4,) and views[1] is None and kinds == ar.OTHER and bad is None
