@@ -26,8 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: hostcost
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from first_call_c import gpu_calls  # this directory's sibling
+from first_call_c import gpu_calls  # this directory's siblings
+from first_call_edge import first as timed_first
+from hostcost import timer
 
 TARGET = "paged mla tp 16 heads bf16->e4m3 256x1"
 SAME = "paged mla tp 16 heads bf16->e4m3 128x1"
@@ -45,31 +48,18 @@ def main(argv=None):
             importlib.import_module(name)
         except ImportError:
             pass
-    from ropekv.bench.timing import clear_plans, launch_ops
+    from ropekv.bench.timing import launch_ops
 
     calls, sync = gpu_calls([TARGET, SAME, OTHER])
     buf = np.zeros(64 << 20, np.uint8)
     acc = {}
     for op in launch_ops():  # one timer, on the op's prepare
-
-        def timed(*a, _f=op.prepare, **k):
-            t0 = time.perf_counter_ns()
-            try:
-                return _f(*a, **k)
-            finally:
-                acc["prepare"] = acc.get("prepare", 0) + time.perf_counter_ns() - t0
-
-        op.prepare = timed
+        op.prepare = timer(acc, "prepare", op.prepare)
 
     def first(fn):
-        clear_plans()
-        sync()
-        acc.clear()
-        t0 = time.perf_counter_ns()
-        fn()
-        t = time.perf_counter_ns() - t0
-        sync()
-        return t / 1e3, acc.get("prepare", 0) / 1e3
+        """``(us, prepare us)`` of one first call of ``fn`` (first_call_edge's timing)."""
+        steps = timed_first(fn, sync, acc)
+        return steps["total"], steps.get("prepare", 0.0)
 
     def before(setting, r):
         if setting == "none":
