@@ -95,6 +95,9 @@ STEM = "qkv"
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 LAYOUTS = ("NHD", "HND")
 W_DENSE, W_FP8, W_INT4 = 0, 1, 2
+# qkv_wgmma's form for 4-bit weights whose codes it dequantizes into its wgmmas' A registers
+# (WGMMA_INT4_REG; W_INT4 there: into 16-bit shared-memory buffers), mirrored in qkv.cu
+W_INT4_REG = 3
 
 # Token counts up to this run the CUDA-core skinny GEMM (qkv_gemv); the tensor-core kernel and
 # cuBLAS take over above (MMA_* below). Measured on the H200 (`ropekv bench --cases qkv` times it),
@@ -276,6 +279,11 @@ WGMMA_INT4_MIN_TOKENS = 17
 WGMMA_INT4_ATOMS = 2
 WGMMA_INT4_MIN_STAGES = 4
 WGMMA_INT4_TOP = 256
+# 4-bit weights with groups of a multiple of 64 on qkv_wgmma: each warpgroup dequantizes the
+# codes of its rows into the registers of its wgmmas' A operand (W_INT4_REG), an atom at a time
+# while the atom before's wgmmas run, instead of into 16-bit buffers in shared memory read by the
+# wgmmas after a second barrier (docs/design/qkv.md has the measurements); False: the buffers.
+WGMMA_INT4_REG = True
 WGMMA_ATOMS = 1
 WGMMA_SPLIT = 8
 WGMMA_THREADS = 256  # mirror qkv.cu
@@ -1034,6 +1042,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
                 WGMMA_INT4_MIN_TOKENS,
                 WGMMA_INT4_ATOMS,
                 WGMMA_INT4_MIN_STAGES,
+                WGMMA_INT4_REG,
             ),
             GRAPH_MAX_TOKENS,
             clear_unused_last_page_rows,
@@ -1784,6 +1793,7 @@ class WgmmaSettings(NamedTuple):
     int4_min_tokens: int
     int4_atoms: int
     int4_min_stages: int
+    int4_reg: bool
 
 
 def wgmma_settings():
@@ -1803,13 +1813,16 @@ def wgmma_settings():
         WGMMA_INT4_MIN_TOKENS,
         WGMMA_INT4_ATOMS,
         WGMMA_INT4_MIN_STAGES,
+        WGMMA_INT4_REG,
     )
 
 
 def _wgmma_atoms(wq, wgmma):
     """The atoms (64 k values) a stage of qkv_wgmma holds for weight format ``wq`` (W_DENSE,
     W_FP8, W_INT4; False / True: dense / fp8)."""
-    return wgmma.fp8_atoms if wq == W_FP8 else wgmma.int4_atoms if wq == W_INT4 else wgmma.atoms
+    if wq == W_FP8:
+        return wgmma.fp8_atoms
+    return wgmma.int4_atoms if wq in (W_INT4, W_INT4_REG) else wgmma.atoms
 
 
 def wgmma_shape(T, K, D, wgmma, fp8=False):
@@ -1855,7 +1868,7 @@ def _wgmma_smem(tn, stages, atoms, fp8=False):
     and two buffers of their 16-bit conversion), later the float32 partial sums, and 1 KiB to
     align the stages to 1024 bytes."""
     conv = 2 * atoms * MMA_ROWS * 128
-    a_row, conv = (64, conv) if fp8 == W_FP8 else (32, conv) if fp8 == W_INT4 else (128, 0)
+    a_row, conv = {W_FP8: (64, conv), W_INT4: (32, conv), W_INT4_REG: (32, 0)}.get(fp8, (128, 0))
     stages_bytes = stages * atoms * (MMA_ROWS * a_row + tn * 128) + conv
     return max(stages_bytes, tn * (MMA_ROWS + 4) * 4) + 1024
 
@@ -1893,8 +1906,9 @@ def _wgmma_tile(T, max_tile, deep=False):
 
 def _wgmma_tiles():
     """The (tile, deep, weight format) triples of the shipped settings (the format False for 16-bit
-    weights, True for fp8, W_INT4), at every token count a call can take qkv_wgmma at: eagerly,
-    or under capture (GRAPH_MAX_TOKENS); fp8 and 4-bit weights deep only."""
+    weights, True for fp8, W_INT4 and W_INT4_REG for 4-bit), at every token count a call can take
+    qkv_wgmma at: eagerly, or under capture (GRAPH_MAX_TOKENS); fp8 and 4-bit weights deep
+    only."""
     top = max(WGMMA_MAX_TOKENS, GRAPH_MAX_TOKENS)
     dense = {
         (_wgmma_tile(T, WGMMA_MAX_TILE, deep), deep, False)
@@ -1908,8 +1922,9 @@ def _wgmma_tiles():
     }
     int4_top = min(WGMMA_MAX_TOKENS, WGMMA_DEEP_MAX_TOKENS, WGMMA_INT4_TOP)
     int4 = {
-        (_wgmma_tile(T, WGMMA_MAX_TILE, True), True, W_INT4)
+        (_wgmma_tile(T, WGMMA_MAX_TILE, True), True, wq)
         for T in range(WGMMA_INT4_MIN_TOKENS, int4_top + 1)
+        for wq in (W_INT4, W_INT4_REG)
     }
     return sorted(dense | fp8 | int4)
 
@@ -1921,7 +1936,8 @@ def _wgmma_config(tn, deep, fp8, wgmma):
     atoms = _wgmma_atoms(fp8, wgmma)
     want = wgmma.deep_stages if deep else wgmma.stages
     stages = _wgmma_stages(tn, want, atoms, deep, fp8)
-    least = wgmma.fp8_min_stages if fp8 == W_FP8 else wgmma.int4_min_stages if fp8 == W_INT4 else 0
+    least = {W_FP8: wgmma.fp8_min_stages, W_INT4: wgmma.int4_min_stages}.get(fp8, 0)
+    least = wgmma.int4_min_stages if fp8 == W_INT4_REG else least
     while atoms > 1 and stages < least:
         atoms //= 2
         stages = _wgmma_stages(tn, want, atoms, deep, fp8)
@@ -1936,15 +1952,24 @@ def _wgmma_layout(T, wgmma, fp8=False):
     return (deep, tn, *_wgmma_config(tn, deep, fp8, wgmma))
 
 
+def int4_form(group_size, wgmma):
+    """qkv_wgmma's form for 4-bit weights with groups of ``group_size``: W_INT4_REG (codes
+    dequantized into the wgmmas' A registers) where ``wgmma.int4_reg`` and every atom of 64 k
+    values lies in one group, else W_INT4 (16-bit buffers in shared memory)."""
+    return W_INT4_REG if wgmma.int4_reg and group_size % 64 == 0 else W_INT4
+
+
 def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False, fp8=False):
     """The qkv_wgmma launch (``fp8``: the weight format; False / True: 16-bit / fp8), or None
     where the rows are not 16-byte aligned (or 4-bit groups are not whole 32-value halves of an
-    atom)."""
+    atom). 4-bit weights whose groups are whole atoms take W_INT4_REG where ``wgmma.int4_reg``."""
     split = wgmma.split
     if split not in TILED_SPLITS:
         raise ValueError(f"ropekv.qkv.WGMMA_SPLIT must be one of {TILED_SPLITS}, got {split}")
     if fp8 == W_INT4 and (fields["group_size"] or 1) % 32:
         return None
+    if fp8 == W_INT4:
+        fp8 = int4_form(fields["group_size"], wgmma)
     if not (
         vw.ptr % 16 == 0
         and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0

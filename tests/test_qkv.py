@@ -1277,9 +1277,10 @@ def test_gpu_llama3_8b_wgmma_fp8(lengths, dtype):
 @pytest.mark.parametrize("zero_points", [False, True])
 def test_gpu_llama3_8b_wgmma_int4(lengths, dtype, group_size, zero_points):
     """4-bit weights on qkv_wgmma (the shipped thresholds: WGMMA_INT4_MIN_TOKENS to 224 tokens,
-    the deep kernel): codes dequantized to the input dtype in shared memory once a CTA, groups of
-    32 (two groups an atom) and 128, with and without zero points; tiles of 32, 64, 128 (stages
-    of one atom), 192 and 256; bf16 into fp8 caches."""
+    the deep kernel): groups of 128 dequantized into the wgmmas' A registers (W_INT4_REG), groups
+    of 32 (two groups an atom) to the input dtype in shared memory once a CTA (W_INT4), with and
+    without zero points; tiles of 32, 64, 128 (W_INT4: stages of one atom), 192 and 256 (stages
+    of one atom); bf16 into fp8 caches."""
     args, kw = make_case(
         31 + group_size,
         lengths=lengths,
@@ -1327,14 +1328,36 @@ def test_gpu_wgmma_int4_in_a_cuda_graph(lengths, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [(1,) * 17, (40, 0, 24), (100, 0, 57), (120, 104)])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_gpu_llama3_8b_wgmma_int4_shared_form(lengths, dtype, monkeypatch):
+    """WGMMA_INT4_REG = False: groups of 128 take the shared-memory form (W_INT4) again, with the
+    same results as the reference; zero points with bf16."""
+    monkeypatch.setattr(qkv_mod, "WGMMA_INT4_REG", False)
+    args, kw = make_case(
+        35,
+        lengths=lengths,
+        dtype=dtype,
+        wfmt="int4",
+        group_size=128,
+        zero_points=dtype == BF16,
+        cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
+        **{**LLAMA, "P": 8192},
+    )
+    assert taken_path(args, kw) == "wgmma"
+    check_gpu(args, kw, monkeypatch=monkeypatch, path="wgmma")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 5, 17, 33, 64, 97, 128, 150, 224])
 @pytest.mark.parametrize("atoms", [1, 2])
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
 def test_gpu_wgmma_int4_settings(T, atoms, split, monkeypatch):
     """qkv_wgmma with 4-bit weights at every deep tile (32 to 256 tokens) and stage width, K
     slices of one to several stages (splits of 1 to 8, a slice past K's end), a partial row tile
-    (N = 320), groups of 64 with zero points (or of 32 without), tokens outside every request,
-    interleaved RoPE on part of the head."""
+    (N = 320), groups of 64 with zero points (the register form, W_INT4_REG) or of 32 without
+    (the shared-memory form), tokens outside every request, interleaved RoPE on part of the
+    head."""
     if T > 128:  # three stages of two atoms at tiles of 192 and 256 exceed the shared memory
         atoms = 1
     monkeypatch.setattr(qkv_mod, "WGMMA_INT4_ATOMS", atoms)
@@ -2551,6 +2574,29 @@ def test_wgmma_stages_fit_the_shared_memory_of_their_ctas():
     for tn, deep, wq in qkv_mod._wgmma_tiles():  # as the shipped settings configure them
         _, _, smem = qkv_mod._wgmma_config(tn, deep, wq, qkv_mod.wgmma_settings())
         assert qkv_mod._wgmma_per_sm(smem, deep, tn) == (1 if deep else 2)
+
+
+def test_int4_groups_of_whole_atoms_take_the_register_form():
+    """4-bit weights whose groups hold whole atoms (multiples of 64) take W_INT4_REG, whose stages
+    need no 16-bit buffers; groups of 32, or WGMMA_INT4_REG off, take W_INT4; both forms of every
+    shipped tile are instantiated."""
+    settings = qkv_mod.wgmma_settings()
+    W4, REG = qkv_mod.W_INT4, qkv_mod.W_INT4_REG
+    assert [qkv_mod.int4_form(g, settings) for g in (32, 64, 96, 128, 4096)] == [
+        W4,
+        REG,
+        W4,
+        REG,
+        REG,
+    ]
+    assert qkv_mod.int4_form(128, settings._replace(int4_reg=False)) == W4
+    names = set(qkv_mod.instantiations())
+    for tn in (32, 64, 96, 128, 192, 256):
+        atoms, stages, smem = qkv_mod._wgmma_config(tn, True, REG, settings)
+        assert smem == max(stages * atoms * (128 * 32 + tn * 128), tn * 132 * 4) + 1024
+        for wq in (W4, REG):
+            a, st, _ = qkv_mod._wgmma_config(tn, True, wq, settings)
+            assert qkv_mod.wgmma_expression(F16, tn, 2, st, a, False, True, wq) in names
 
 
 def test_int4_weights_take_the_wgmma_kernel_in_its_range(monkeypatch):

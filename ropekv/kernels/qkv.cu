@@ -52,7 +52,7 @@ struct QkvParams {
   int g_shift;
 };
 
-enum { W_DENSE = 0, W_FP8 = 1, W_INT4 = 2 };
+enum { W_DENSE = 0, W_FP8 = 1, W_INT4 = 2, W_INT4_REG = 3 };
 
 // ---- Token addressing -----------------------------------------------------------------------
 
@@ -2548,6 +2548,55 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], unsigned long lo
 }
 #undef QKV_WGMMA
 #undef QKV_ASM
+
+
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: start address,
+// leading byte offset 16 (unused by this layout), 8-row groups 1024 bytes apart, layout type 1.
+__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) |
+         ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// wgmma.m64nNk16 with A from registers (W_INT4_REG): a[4] is mma.sync's A fragment of this
+// thread's warp (rows 16 w + g and + 8 of the warpgroup's 64, k values 2 c, 2 c + 1 and + 8), B
+// read through the shared-memory descriptor b as above.
+#define QKV_ASM_RS(N, TY, REGS, AB, ...) \
+  asm volatile("{.reg .pred p; setp.eq.u32 p, 1, 1; wgmma.mma_async.sync.aligned.m64n" #N \
+               "k16.f32." TY "." TY " {" REGS "}, " AB ", p, 1, 1, 0;}" \
+               : __VA_ARGS__ : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+#define QKV_WGMMA_RS(N, REGS, AB, ...) \
+  if constexpr (is_half<T>::value) { \
+    QKV_ASM_RS(N, "f16", REGS, AB, __VA_ARGS__); \
+  } else { \
+    QKV_ASM_RS(N, "bf16", REGS, AB, __VA_ARGS__); \
+  }
+template <int N, typename T>
+__device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const unsigned (&a)[4],
+                                                unsigned long long b) {
+  static_assert(N == 32 || N == 64 || N == 96 || N == 128 || N == 192 || N == 256, "wgmma tile");
+  if constexpr (N == 32) {
+    QKV_WGMMA_RS(32, QKV_R0, "{%16, %17, %18, %19}, %20", QKV_D16(0))
+  } else if constexpr (N == 64) {
+    QKV_WGMMA_RS(64, QKV_R0 ", " QKV_R16, "{%32, %33, %34, %35}, %36", QKV_D16(0), QKV_D16(16))
+  } else if constexpr (N == 96) {
+    QKV_WGMMA_RS(96, QKV_R0 ", " QKV_R16 ", " QKV_R32, "{%48, %49, %50, %51}, %52", QKV_D16(0),
+                 QKV_D16(16), QKV_D16(32))
+  } else if constexpr (N == 128) {
+    QKV_WGMMA_RS(128, QKV_R0 ", " QKV_R16 ", " QKV_R32 ", " QKV_R48,
+                 "{%64, %65, %66, %67}, %68", QKV_D16(0), QKV_D16(16), QKV_D16(32), QKV_D16(48))
+  } else if constexpr (N == 192) {
+    QKV_WGMMA_RS(192, QKV_R0 ", " QKV_R16 ", " QKV_R32 ", " QKV_R48 ", " QKV_R64 ", " QKV_R80,
+                 "{%96, %97, %98, %99}, %100", QKV_D16(0), QKV_D16(16), QKV_D16(32), QKV_D16(48),
+                 QKV_D16(64), QKV_D16(80))
+  } else {
+    QKV_WGMMA_RS(256, QKV_R0 ", " QKV_R16 ", " QKV_R32 ", " QKV_R48 ", " QKV_R64 ", " QKV_R80 ", "
+                 QKV_R96 ", " QKV_R112, "{%128, %129, %130, %131}, %132", QKV_D16(0),
+                 QKV_D16(16), QKV_D16(32), QKV_D16(48), QKV_D16(64), QKV_D16(80), QKV_D16(96),
+                 QKV_D16(112))
+  }
+}
+#undef QKV_WGMMA_RS
+#undef QKV_ASM_RS
 #undef QKV_R112
 #undef QKV_R96
 #undef QKV_R80
@@ -2559,12 +2608,54 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], unsigned long lo
 #undef QKV_D16
 #undef QKV_D8
 
+// W_INT4_REG: the two A-fragment registers of one k16 step from the 4-bit words lo and hi (k 8 i
+// .. 8 i + 7 and the next 8): byte c of each (k 2 c, 2 c + 1 of the word: sel picks it into
+// bytes 0 and 2, lo's then hi's), as the T pairs (q - zero) * scale rounded once, as int4_pair.
+// fp16: the low nibble in place (2^10 + q), the high one at bits 4-7 of its half (2^10 + 16 q),
+// one fma with (1, 1/16) and -(2^10 + zero, 64 + zero) (sub) makes q - zero exactly; bf16: the
+// high nibble shifted down first (too few mantissa bits for 16 q), then as int4_pair.
+template <typename T>
+__device__ __forceinline__ void int4_frag(unsigned lo, unsigned hi, unsigned sel, unsigned sub,
+                                          unsigned scale, unsigned& r_lo, unsigned& r_hi) {
+  constexpr unsigned MAGIC = INT4_MAGIC<T>;
+  const unsigned x = __byte_perm(lo, hi, sel);  // bytes: lo's, hi's, lo's, hi's
+  if constexpr (is_half<T>::value) {
+    const unsigned m[2] = {and_or<0x00F0000Fu, MAGIC>(x), and_or<0x00F0000Fu, MAGIC>(x >> 8)};
+    const __half2 mul = __halves2half2(__ushort_as_half(0x3C00), __ushort_as_half(0x2C00));
+    const __half2 h_sub = *reinterpret_cast<const __half2*>(&sub);
+    const __half2 h_scale = *reinterpret_cast<const __half2*>(&scale);
+    unsigned r[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const __half2 y =
+          __hmul2(__hfma2(*reinterpret_cast<const __half2*>(&m[i]), mul, h_sub), h_scale);
+      r[i] = *reinterpret_cast<const unsigned*>(&y);
+    }
+    r_lo = r[0];
+    r_hi = r[1];
+  } else {
+    const unsigned y = x >> 4;  // byte 2: lo's high nibble low; byte 3: hi's
+    const unsigned m[2] = {and_or<0x000F000Fu, MAGIC>(__byte_perm(x, y, 0x7610)),
+                           and_or<0x000F000Fu, MAGIC>(__byte_perm(x, y, 0x0701))};
+    const __nv_bfloat162 b_sub = *reinterpret_cast<const __nv_bfloat162*>(&sub);
+    const __nv_bfloat162 b_scale = *reinterpret_cast<const __nv_bfloat162*>(&scale);
+    unsigned r[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const __nv_bfloat162 v =
+          __hmul2(__hsub2(*reinterpret_cast<const __nv_bfloat162*>(&m[i]), b_sub), b_scale);
+      r[i] = *reinterpret_cast<const unsigned*>(&v);
+    }
+    r_lo = r[0];
+    r_hi = r[1];
+  }
+}
 
-// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: start address,
-// leading byte offset 16 (unused by this layout), 8-row groups 1024 bytes apart, layout type 1.
-__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr) {
-  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) |
-         ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+// W_INT4_REG: the offset pair int4_frag subtracts for zero point z.
+template <typename T>
+__device__ __forceinline__ unsigned int4_frag_sub(unsigned z) {
+  if constexpr (is_half<T>::value) return (0xE400u + z) | ((0xD400u | (z << 4)) << 16);
+  return (INT4_MAGIC<T> & 0xFFFFu) * 0x10001u + z * 0x10001u;
 }
 
 template <int R>
@@ -2583,7 +2674,10 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   pdl_wait();
   // WQ: the weight format (W_DENSE, W_FP8, W_INT4; a bool true is W_FP8); the quantized ones are
   // staged as codes and converted to T in shared memory before each stage's wgmmas
-  constexpr bool FP8 = WQ == W_FP8, INT4 = WQ == W_INT4, QUANT = FP8 || INT4;
+  // W_INT4_REG: 4-bit codes staged as for W_INT4, dequantized by each warpgroup into the
+  // registers of its wgmmas' A operand (no 16-bit buffers, no second barrier a k step)
+  constexpr bool FP8 = WQ == W_FP8, INT4R = WQ == W_INT4_REG, INT4 = WQ == W_INT4 || INT4R;
+  constexpr bool QUANT = FP8 || INT4;
   constexpr int INFLIGHT = DEEP ? 1 : 0;           // wgmma groups left running a k step
   constexpr int AHEAD = STAGES - 1 - INFLIGHT;     // stages copied ahead of the one multiplied
   static_assert(AHEAD >= 1, "qkv_wgmma needs STAGES >= 2, DEEP ones >= 3");
@@ -2624,9 +2718,10 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   // A row past the matrix or the tile reads nothing, from row 0's address (and a k chunk past the
   // slice, from offset 0). A_STEP and B_STEP are multiples of 8 rows, so row j's chunk sits
   // j * STEP rows after row 0's in the swizzled layout. Tiles of 32 and 64 tokens keep the
-  // per-step addresses (SETUP false): NVRTC 12.9's ptxas crashes (SIGSEGV) on the set-up form of
-  // their deep 8-stage kernels, and they measured the same either way (the copies are few there).
-  constexpr bool SETUP = TN >= 96;
+  // per-step addresses with 16-bit weights (SETUP false): NVRTC 12.9's ptxas crashes (SIGSEGV) on
+  // the set-up form of their deep 8-stage kernels, and they measured the same either way (the
+  // copies are few there). Quantized weights set them up at every tile.
+  constexpr bool SETUP = TN >= 96 || QUANT;
   const int rr = threadIdx.x >> 3, cc = threadIdx.x & 7;
   const int ar = threadIdx.x / A_CHUNKS, ac = threadIdx.x % A_CHUNKS;
   const int kc0 = kbeg + cc * 8, ka0 = kbeg + ac * (64 / A_CHUNKS);
@@ -2706,9 +2801,10 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   // are loaded into registers two k steps before the stage is converted (s_cur: stage ks,
   // s_next: ks + 1). scale_load runs for ks = 0, 1, 2, ... in turn: the group of each atom's k
   // (s_grp) and its offset in it (s_rem) advance by a stage a call, no division.
-  unsigned s_cur[INT4 ? KA : 1][2], s_next[INT4 ? KA : 1][2];
-  int s_grp[INT4 ? KA : 1], s_rem[INT4 ? KA : 1];
-  if constexpr (INT4) {
+  constexpr bool INT4S = INT4 && !INT4R;
+  unsigned s_cur[INT4S ? KA : 1][2], s_next[INT4S ? KA : 1][2];
+  int s_grp[INT4S ? KA : 1], s_rem[INT4S ? KA : 1];
+  if constexpr (INT4S) {
 #pragma unroll
     for (int a = 0; a < KA; ++a) {
       const int k = kbeg + a * 64 + (threadIdx.x & 1) * 32;
@@ -2716,8 +2812,8 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
       s_rem[a] = k - s_grp[a] * p.group_size;
     }
   }
-  auto scale_load = [&](int ks, unsigned (&s)[INT4 ? KA : 1][2]) {
-    if constexpr (INT4) {
+  auto scale_load = [&](int ks, unsigned (&s)[INT4S ? KA : 1][2]) {
+    if constexpr (INT4S) {
       const int n = row0 + (threadIdx.x >> 1);
 #pragma unroll
       for (int a = 0; a < KA; ++a) {
@@ -2738,14 +2834,75 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   scale_load(0, s_cur);
   scale_load(1, s_next);
 
+  // INT4R: thread (warp w4 of warpgroup wg, lane g * 4 + c) converts rows r0 = 64 wg + 16 w4 + g
+  // and r0 + 8, each atom's 16 k values of its A fragments; groups of a multiple of 64 (the host
+  // checks), so an atom lies in one group. The (scale, zero point) word pairs of each atom and row
+  // are loaded two k steps ahead as above (r_cur: stage ks, r_next: ks + 1); row past N: scale 0.
+  const int r0 = wg * 64 + w4 * 16 + g;
+  unsigned r_cur[INT4R ? KA : 1][2][2], r_next[INT4R ? KA : 1][2][2];
+  int r_grp[INT4R ? KA : 1], r_rem[INT4R ? KA : 1];
+  if constexpr (INT4R) {
+#pragma unroll
+    for (int a = 0; a < KA; ++a) {
+      const int k = kbeg + a * 64;
+      r_grp[a] = k / p.group_size;
+      r_rem[a] = k - r_grp[a] * p.group_size;
+    }
+  }
+  // the two rows' scale and zero-point rows (null past N; zero points: null without them)
+  const unsigned short* ws_row[INT4R ? 2 : 1];
+  const unsigned char* zp_row[INT4R ? 2 : 1];
+  if constexpr (INT4R) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int n = row0 + r0 + 8 * i;
+      ws_row[i] = n < p.N ? static_cast<const unsigned short*>(p.weight_scales) + i64(n) * p.ws_s0
+                          : nullptr;
+      zp_row[i] = n < p.N && p.zero_points
+                      ? static_cast<const unsigned char*>(p.zero_points) + i64(n) * p.zp_s0
+                      : nullptr;
+    }
+  }
+  auto row_scale_load = [&](int ks, unsigned (&s)[INT4R ? KA : 1][2][2]) {
+    if constexpr (INT4R) {
+#pragma unroll
+      for (int a = 0; a < KA; ++a) {  // (the slice is whole stages: k < kend while ks < nk)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          s[a][i][0] = ks < nk && ws_row[i] ? unsigned(__ldg(ws_row[i] + r_grp[a])) : 0u;
+          s[a][i][1] = ks < nk && zp_row[i] ? unsigned(__ldg(zp_row[i] + r_grp[a])) : 8u;
+        }
+        for (r_rem[a] += BK; r_rem[a] >= p.group_size; r_rem[a] -= p.group_size) ++r_grp[a];
+      }
+    }
+  };
+  row_scale_load(0, r_cur);
+  row_scale_load(1, r_next);
+  // byte c of two words into bytes 0 and 2 (the first word's) and 1 and 3 (the second's)
+  const unsigned sel = unsigned(c) | unsigned(c + 4) << 4 | unsigned(c) << 8 | unsigned(c + 4) << 12;
+  unsigned afrag[INT4R ? 2 : 1][INT4R ? 16 : 1] = {};  // two atoms' A fragments (4 k16 steps)
+  // A wgmma reads its A registers after it is issued, until the wait that retires its group;
+  // ptxas reused such registers for other values before that wait (results wrong at tiles of
+  // 128+ tokens, where registers are scarce). So each fragment's last use is an xor into `keep`
+  // after that wait, and `keep` is stored where no call looks (a negative N), which keeps the
+  // registers of a running group out of reach.
+  unsigned keep = 0;
+  auto retire = [&](const unsigned (&f)[INT4R ? 16 : 1]) {
+#pragma unroll
+    for (int i = 0; i + 1 < (INT4R ? 16 : 1); i += 2) keep = keep ^ f[i] ^ f[i + 1];
+  };
+
   float acc[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) acc[i] = 0.f;
   for (int ks = 0; ks < nk; ++ks) {
     asm volatile("cp.async.wait_group %0;" :: "n"(AHEAD - 1) : "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    // INT4R commits a group an atom: at most KA (DEEP; else 0) left running retires stage
+    // ks - 1 - INFLIGHT's
+    constexpr int RUNNING = INT4R ? (INFLIGHT ? KA : 0) : INFLIGHT;
     fence_regs(acc);
-    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(INFLIGHT) : "memory");
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(RUNNING) : "memory");
     fence_regs(acc);
     // stage ks landed for every thread; stage ks - 1 - INFLIGHT (the one the copies below
     // refill) is no longer read by any warpgroup's wgmma
@@ -2776,6 +2933,61 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
       }
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // for wgmma's reads
       __syncthreads();
+    } else if constexpr (INT4R) {
+      // each atom: wait until at most one wgmma group of this warpgroup runs (the atom before's,
+      // whose fragments are the other set), convert the atom's codes of rows r0 and r0 + 8 into
+      // its fragments, then its four wgmmas as one group
+#pragma unroll
+      for (int a = 0; a < KA; ++a) {
+        const int set = (ks * KA + a) & 1;
+        fence_regs(acc);
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+        fence_regs(acc);
+        const unsigned src = base + a * A_STAGED + r0 * 32;
+        const uint4 v[4] = {lds128(src), lds128(src + 16), lds128(src + 8 * 32),
+                            lds128(src + 8 * 32 + 16)};
+        unsigned sub[2], scale[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          sub[i] = int4_frag_sub<T>(r_cur[a][i][1] & 0xFu);
+          scale[i] = r_cur[a][i][0] * 0x00010001u;
+        }
+        auto convert = [&](unsigned (&f)[16]) {
+          retire(f);  // its group (two atoms back) has retired: the wait above
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {  // k16 step j: words 2 j and 2 j + 1 of each row
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {  // row r0 + 8 i: fragment registers i and i + 2
+              const uint4& lo = v[2 * i + (j >> 1)];
+              const unsigned w0 = (j & 1) ? lo.z : lo.x, w1 = (j & 1) ? lo.w : lo.y;
+              int4_frag<T>(w0, w1, sel, sub[i], scale[i], f[4 * j + i], f[4 * j + 2 + i]);
+            }
+          }
+          asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+          const unsigned long long db = sw128_desc(base + KA * A_STAGED + a * B_ATOM);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const unsigned fj[4] = {f[4 * j], f[4 * j + 1], f[4 * j + 2], f[4 * j + 3]};
+            wgmma_m64k16_rs<TN, T>(acc, fj, db + 2 * j);
+          }
+          asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        };
+        if (set) {
+          convert(afrag[1 % (INT4R ? 2 : 1)]);
+        } else {
+          convert(afrag[0]);
+        }
+      }
+#pragma unroll
+      for (int a = 0; a < KA; ++a) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          r_cur[a][i][0] = r_next[a][i][0];
+          r_cur[a][i][1] = r_next[a][i][1];
+        }
+      }
+      row_scale_load(ks + 2, r_next);
+      continue;  // the atoms' wgmmas are issued
     } else if constexpr (INT4) {
       // the same for 4-bit codes: w = (q - zero) * scale rounded once to T (int4_pair, as
       // qkv_mma_tiled), the pairs (i, i + 4) that int4_pair makes put back in k order
@@ -2826,6 +3038,11 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   fence_regs(acc);
   asm volatile("cp.async.wait_group 0;" ::: "memory");
+  if constexpr (INT4R) {
+    retire(afrag[0]);
+    retire(afrag[1 % (INT4R ? 2 : 1)]);
+    if (p.N < 0) part[threadIdx.x] = __uint_as_float(keep);  // (never: see `keep`)
+  }
 
   if (threadIdx.x < TN) finish_slot<OPTS>(p, slot, offsets, threadIdx.x, t0 + threadIdx.x, slots,
                                           rests);
