@@ -95,9 +95,10 @@ STEM = "qkv"
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 LAYOUTS = ("NHD", "HND")
 W_DENSE, W_FP8, W_INT4 = 0, 1, 2
-# qkv_wgmma's form for 4-bit weights whose codes it dequantizes into its wgmmas' A registers
-# (WGMMA_INT4_REG; W_INT4 there: into 16-bit shared-memory buffers), mirrored in qkv.cu
-W_INT4_REG = 3
+# qkv_wgmma's forms for 4-bit and fp8 weights whose codes it converts into its wgmmas' A
+# registers (WGMMA_INT4_REG, WGMMA_FP8_REG; W_INT4 / W_FP8 there: into 16-bit shared-memory
+# buffers), mirrored in qkv.cu
+W_INT4_REG, W_FP8_REG = 3, 4
 
 # Token counts up to this run the CUDA-core skinny GEMM (qkv_gemv); the tensor-core kernel and
 # cuBLAS take over above (MMA_* below). Measured on the H200 (`ropekv bench --cases qkv` times it),
@@ -263,6 +264,9 @@ WGMMA_FP8_ATOMS = 2  # 128 codes a staged row: half the conversions and barriers
 # on the H200 in 3 stages, about twice its tensor-core and conversion work).
 WGMMA_FP8_MIN_STAGES = 4
 WGMMA_FP8_TOP = 128
+# fp8 weights on qkv_wgmma converted into the wgmmas' A registers as 4-bit ones are (W_FP8_REG,
+# WGMMA_INT4_REG below); False: the 16-bit shared-memory buffers.
+WGMMA_FP8_REG = True
 # 4-bit weights take the deep qkv_wgmma the same way (WGMMA_INT4_MIN_TOKENS to
 # WGMMA_DEEP_MAX_TOKENS tokens, at most WGMMA_INT4_TOP; groups of a multiple of 32, K a multiple
 # of 64 x WGMMA_INT4_ATOMS): each stage's packed codes (32-byte rows an atom) are dequantized
@@ -1043,6 +1047,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
                 WGMMA_INT4_ATOMS,
                 WGMMA_INT4_MIN_STAGES,
                 WGMMA_INT4_REG,
+                WGMMA_FP8_REG,
             ),
             GRAPH_MAX_TOKENS,
             clear_unused_last_page_rows,
@@ -1794,6 +1799,7 @@ class WgmmaSettings(NamedTuple):
     int4_atoms: int
     int4_min_stages: int
     int4_reg: bool
+    fp8_reg: bool
 
 
 def wgmma_settings():
@@ -1814,13 +1820,14 @@ def wgmma_settings():
         WGMMA_INT4_ATOMS,
         WGMMA_INT4_MIN_STAGES,
         WGMMA_INT4_REG,
+        WGMMA_FP8_REG,
     )
 
 
 def _wgmma_atoms(wq, wgmma):
     """The atoms (64 k values) a stage of qkv_wgmma holds for weight format ``wq`` (W_DENSE,
     W_FP8, W_INT4; False / True: dense / fp8)."""
-    if wq == W_FP8:
+    if wq in (W_FP8, W_FP8_REG):
         return wgmma.fp8_atoms
     return wgmma.int4_atoms if wq in (W_INT4, W_INT4_REG) else wgmma.atoms
 
@@ -1868,7 +1875,12 @@ def _wgmma_smem(tn, stages, atoms, fp8=False):
     and two buffers of their 16-bit conversion), later the float32 partial sums, and 1 KiB to
     align the stages to 1024 bytes."""
     conv = 2 * atoms * MMA_ROWS * 128
-    a_row, conv = {W_FP8: (64, conv), W_INT4: (32, conv), W_INT4_REG: (32, 0)}.get(fp8, (128, 0))
+    a_row, conv = {
+        W_FP8: (64, conv),
+        W_INT4: (32, conv),
+        W_INT4_REG: (32, 0),
+        W_FP8_REG: (64, 0),
+    }.get(fp8, (128, 0))
     stages_bytes = stages * atoms * (MMA_ROWS * a_row + tn * 128) + conv
     return max(stages_bytes, tn * (MMA_ROWS + 4) * 4) + 1024
 
@@ -1906,9 +1918,9 @@ def _wgmma_tile(T, max_tile, deep=False):
 
 def _wgmma_tiles():
     """The (tile, deep, weight format) triples of the shipped settings (the format False for 16-bit
-    weights, True for fp8, W_INT4 and W_INT4_REG for 4-bit), at every token count a call can take
-    qkv_wgmma at: eagerly, or under capture (GRAPH_MAX_TOKENS); fp8 and 4-bit weights deep
-    only."""
+    weights, True and W_FP8_REG for fp8, W_INT4 and W_INT4_REG for 4-bit), at every token count a
+    call can take qkv_wgmma at: eagerly, or under capture (GRAPH_MAX_TOKENS); fp8 and 4-bit
+    weights deep only."""
     top = max(WGMMA_MAX_TOKENS, GRAPH_MAX_TOKENS)
     dense = {
         (_wgmma_tile(T, WGMMA_MAX_TILE, deep), deep, False)
@@ -1917,8 +1929,9 @@ def _wgmma_tiles():
     }
     fp8_top = min(WGMMA_MAX_TOKENS, WGMMA_DEEP_MAX_TOKENS, WGMMA_FP8_TOP)
     fp8 = {
-        (_wgmma_tile(T, WGMMA_MAX_TILE, True), True, True)
+        (_wgmma_tile(T, WGMMA_MAX_TILE, True), True, wq)
         for T in range(WGMMA_FP8_MIN_TOKENS, fp8_top + 1)
+        for wq in (True, W_FP8_REG)
     }
     int4_top = min(WGMMA_MAX_TOKENS, WGMMA_DEEP_MAX_TOKENS, WGMMA_INT4_TOP)
     int4 = {
@@ -1938,6 +1951,7 @@ def _wgmma_config(tn, deep, fp8, wgmma):
     stages = _wgmma_stages(tn, want, atoms, deep, fp8)
     least = {W_FP8: wgmma.fp8_min_stages, W_INT4: wgmma.int4_min_stages}.get(fp8, 0)
     least = wgmma.int4_min_stages if fp8 == W_INT4_REG else least
+    least = wgmma.fp8_min_stages if fp8 == W_FP8_REG else least
     while atoms > 1 and stages < least:
         atoms //= 2
         stages = _wgmma_stages(tn, want, atoms, deep, fp8)
@@ -1962,7 +1976,8 @@ def int4_form(group_size, wgmma):
 def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False, fp8=False):
     """The qkv_wgmma launch (``fp8``: the weight format; False / True: 16-bit / fp8), or None
     where the rows are not 16-byte aligned (or 4-bit groups are not whole 32-value halves of an
-    atom). 4-bit weights whose groups are whole atoms take W_INT4_REG where ``wgmma.int4_reg``."""
+    atom). 4-bit weights whose groups are whole atoms take W_INT4_REG where ``wgmma.int4_reg``,
+    fp8 weights W_FP8_REG where ``wgmma.fp8_reg``."""
     split = wgmma.split
     if split not in TILED_SPLITS:
         raise ValueError(f"ropekv.qkv.WGMMA_SPLIT must be one of {TILED_SPLITS}, got {split}")
@@ -1970,6 +1985,8 @@ def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False, fp8=F
         return None
     if fp8 == W_INT4:
         fp8 = int4_form(fields["group_size"], wgmma)
+    elif fp8 == W_FP8 and wgmma.fp8_reg:
+        fp8 = W_FP8_REG
     if not (
         vw.ptr % 16 == 0
         and (vw.strides[0] * vw.dtype.itemsize) % 16 == 0

@@ -1252,8 +1252,8 @@ def test_gpu_capture_runs_the_fused_kernel_beyond_its_eager_range(lengths, dtype
 def test_gpu_llama3_8b_wgmma_fp8(lengths, dtype):
     """fp8 weights on qkv_wgmma (the shipped thresholds: 48 to 128 tokens, the deep kernel,
     stages of 128 codes at tiles of 64, of 64 at 96 and 128 (WGMMA_FP8_MIN_STAGES)): codes
-    converted to the input dtype in shared memory, per-row scales in the epilogue; bf16 into fp8
-    caches."""
+    converted to the input dtype in the wgmmas' A registers (W_FP8_REG), per-row scales in the
+    epilogue; bf16 into fp8 caches."""
     args, kw = make_case(
         30,
         lengths=lengths,
@@ -1330,17 +1330,22 @@ def test_gpu_wgmma_int4_in_a_cuda_graph(lengths, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [(1,) * 17, (40, 0, 24), (100, 0, 57), (120, 104)])
 @pytest.mark.parametrize("dtype", [F16, BF16])
-def test_gpu_llama3_8b_wgmma_int4_shared_form(lengths, dtype, monkeypatch):
-    """WGMMA_INT4_REG = False: groups of 128 take the shared-memory form (W_INT4) again, with the
-    same results as the reference; zero points with bf16."""
+@pytest.mark.parametrize("wfmt", ["int4", "fp8"])
+def test_gpu_llama3_8b_wgmma_shared_form(lengths, dtype, wfmt, monkeypatch):
+    """WGMMA_INT4_REG / WGMMA_FP8_REG = False: 4-bit weights with groups of 128 and fp8 weights
+    take the shared-memory forms (W_INT4, W_FP8) again, with the same results as the reference;
+    zero points with bf16."""
+    if wfmt == "fp8" and not 48 <= sum(lengths) <= 128:
+        lengths = (40, 0, 24)
     monkeypatch.setattr(qkv_mod, "WGMMA_INT4_REG", False)
+    monkeypatch.setattr(qkv_mod, "WGMMA_FP8_REG", False)
     args, kw = make_case(
         35,
         lengths=lengths,
         dtype=dtype,
-        wfmt="int4",
-        group_size=128,
-        zero_points=dtype == BF16,
+        wfmt=wfmt,
+        group_size=128 if wfmt == "int4" else None,
+        zero_points=dtype == BF16 and wfmt == "int4",
         cached=[(100 + 37 * i) % 1500 for i in range(len(lengths))],
         **{**LLAMA, "P": 8192},
     )
@@ -1397,7 +1402,8 @@ def test_gpu_wgmma_settings(T, tile, stages, atoms, monkeypatch):
     wgmma group left running: 3 stages at least; all tokens one tile, of 32 to 256) or not (tiles
     of up to ``tile``), each at every token count: K slices of one to several stages (splits of
     1 to 8, a slice past K's end), a partial row tile (N = 320), tokens outside every request,
-    interleaved RoPE on part of the head."""
+    interleaved RoPE on part of the head; fp8 weights in either form (A registers or shared
+    memory)."""
     deep = (T + tile // 32 + stages) % 3 != 0
     # fp8 weights: the deep kernel only, up to WGMMA_FP8_TOP tokens
     fp8 = deep and T <= qkv_mod.WGMMA_FP8_TOP and (T + tile // 32) % 2 == 0
@@ -1415,6 +1421,7 @@ def test_gpu_wgmma_settings(T, tile, stages, atoms, monkeypatch):
     monkeypatch.setattr(qkv_mod, "WGMMA_FP8_MIN_TOKENS", 1)
     monkeypatch.setattr(qkv_mod, "WGMMA_FP8_ATOMS", atoms)
     monkeypatch.setattr(qkv_mod, "WGMMA_FP8_MIN_STAGES", 1)  # atoms at every tile
+    monkeypatch.setattr(qkv_mod, "WGMMA_FP8_REG", (T + stages) % 2 == 1)
     args, kw = make_case(
         29 + T + tile,
         lengths=lengths,
@@ -2579,7 +2586,7 @@ def test_wgmma_stages_fit_the_shared_memory_of_their_ctas():
 def test_int4_groups_of_whole_atoms_take_the_register_form():
     """4-bit weights whose groups hold whole atoms (multiples of 64) take W_INT4_REG, whose stages
     need no 16-bit buffers; groups of 32, or WGMMA_INT4_REG off, take W_INT4; both forms of every
-    shipped tile are instantiated."""
+    shipped tile are instantiated, fp8's (W_FP8, W_FP8_REG) too."""
     settings = qkv_mod.wgmma_settings()
     W4, REG = qkv_mod.W_INT4, qkv_mod.W_INT4_REG
     assert [qkv_mod.int4_form(g, settings) for g in (32, 64, 96, 128, 4096)] == [
@@ -2595,6 +2602,12 @@ def test_int4_groups_of_whole_atoms_take_the_register_form():
         atoms, stages, smem = qkv_mod._wgmma_config(tn, True, REG, settings)
         assert smem == max(stages * atoms * (128 * 32 + tn * 128), tn * 132 * 4) + 1024
         for wq in (W4, REG):
+            a, st, _ = qkv_mod._wgmma_config(tn, True, wq, settings)
+            assert qkv_mod.wgmma_expression(F16, tn, 2, st, a, False, True, wq) in names
+    for tn in (64, 96, 128):  # fp8's tiles (48 to 128 tokens)
+        atoms, stages, smem = qkv_mod._wgmma_config(tn, True, qkv_mod.W_FP8_REG, settings)
+        assert smem == max(stages * atoms * (128 * 64 + tn * 128), tn * 132 * 4) + 1024
+        for wq in (qkv_mod.W_FP8, qkv_mod.W_FP8_REG):
             a, st, _ = qkv_mod._wgmma_config(tn, True, wq, settings)
             assert qkv_mod.wgmma_expression(F16, tn, 2, st, a, False, True, wq) in names
 

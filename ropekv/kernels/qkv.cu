@@ -52,7 +52,7 @@ struct QkvParams {
   int g_shift;
 };
 
-enum { W_DENSE = 0, W_FP8 = 1, W_INT4 = 2, W_INT4_REG = 3 };
+enum { W_DENSE = 0, W_FP8 = 1, W_INT4 = 2, W_INT4_REG = 3, W_FP8_REG = 4 };
 
 // ---- Token addressing -----------------------------------------------------------------------
 
@@ -2674,9 +2674,11 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   pdl_wait();
   // WQ: the weight format (W_DENSE, W_FP8, W_INT4; a bool true is W_FP8); the quantized ones are
   // staged as codes and converted to T in shared memory before each stage's wgmmas
-  // W_INT4_REG: 4-bit codes staged as for W_INT4, dequantized by each warpgroup into the
-  // registers of its wgmmas' A operand (no 16-bit buffers, no second barrier a k step)
-  constexpr bool FP8 = WQ == W_FP8, INT4R = WQ == W_INT4_REG, INT4 = WQ == W_INT4 || INT4R;
+  // W_INT4_REG / W_FP8_REG: codes staged as for W_INT4 / W_FP8 (fp8 rows with their 16-byte
+  // chunks swizzled, see a_dst), converted by each warpgroup into the registers of its wgmmas' A
+  // operand (no 16-bit buffers, no second barrier a k step)
+  constexpr bool INT4R = WQ == W_INT4_REG, FP8R = WQ == W_FP8_REG, REG = INT4R || FP8R;
+  constexpr bool FP8 = WQ == W_FP8 || FP8R, INT4 = WQ == W_INT4 || INT4R;
   constexpr bool QUANT = FP8 || INT4;
   constexpr int INFLIGHT = DEEP ? 1 : 0;           // wgmma groups left running a k step
   constexpr int AHEAD = STAGES - 1 - INFLIGHT;     // stages copied ahead of the one multiplied
@@ -2749,7 +2751,12 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   const i64 a_step = i64(A_STEP) * p.weight_row_bytes;
   const unsigned char* b_first = hidden + (i64(t0 + rr) * p.hidden_s0 + kc0) * 2;
   const i64 b_step = i64(B_STEP) * p.hidden_s0 * 2;
-  const unsigned a_dst = QUANT ? ar * A_ROW + ac * 16 : tiled_at<128>(ar, ac);
+  // FP8R: chunk ac of row ar at chunk (ac ^ (ar / 2)) % 4, so that a load instruction reading
+  // one chunk of 8 rows 64 bytes apart finds them in 8 different bank groups (rows j * A_STEP
+  // apart keep it: A_STEP is a multiple of 8)
+  const unsigned a_dst = FP8R    ? ar * A_ROW + ((ac ^ (ar >> 1)) & 3) * 16
+                         : QUANT ? ar * A_ROW + ac * 16
+                                 : tiled_at<128>(ar, ac);
   const unsigned b_dst = tiled_at<128>(rr, cc);
   auto load = [&](int stage, int ks) {
     const unsigned base = smem0 + stage * STAGE_BYTES;
@@ -2878,18 +2885,20 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   };
   row_scale_load(0, r_cur);
   row_scale_load(1, r_next);
-  // byte c of two words into bytes 0 and 2 (the first word's) and 1 and 3 (the second's)
+  // byte c of two words into bytes 0 and 2 (the first word's) and 1 and 3 (the second's); FP8R:
+  // bytes 2 c and 2 c + 1 of two words into bytes 0 and 1
   const unsigned sel = unsigned(c) | unsigned(c + 4) << 4 | unsigned(c) << 8 | unsigned(c + 4) << 12;
-  unsigned afrag[INT4R ? 2 : 1][INT4R ? 16 : 1] = {};  // two atoms' A fragments (4 k16 steps)
+  const unsigned sel8 = unsigned(2 * c) | unsigned(2 * c + 1) << 4;
+  unsigned afrag[REG ? 2 : 1][REG ? 16 : 1] = {};  // two atoms' A fragments (4 k16 steps)
   // A wgmma reads its A registers after it is issued, until the wait that retires its group;
   // ptxas reused such registers for other values before that wait (results wrong at tiles of
   // 128+ tokens, where registers are scarce). So each fragment's last use is an xor into `keep`
   // after that wait, and `keep` is stored where no call looks (a negative N), which keeps the
   // registers of a running group out of reach.
   unsigned keep = 0;
-  auto retire = [&](const unsigned (&f)[INT4R ? 16 : 1]) {
+  auto retire = [&](const unsigned (&f)[REG ? 16 : 1]) {
 #pragma unroll
-    for (int i = 0; i + 1 < (INT4R ? 16 : 1); i += 2) keep = keep ^ f[i] ^ f[i + 1];
+    for (int i = 0; i + 1 < (REG ? 16 : 1); i += 2) keep = keep ^ f[i] ^ f[i + 1];
   };
 
   float acc[R];
@@ -2898,9 +2907,9 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   for (int ks = 0; ks < nk; ++ks) {
     asm volatile("cp.async.wait_group %0;" :: "n"(AHEAD - 1) : "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    // INT4R commits a group an atom: at most KA (DEEP; else 0) left running retires stage
+    // REG commits a group an atom: at most KA (DEEP; else 0) left running retires stage
     // ks - 1 - INFLIGHT's
-    constexpr int RUNNING = INT4R ? (INFLIGHT ? KA : 0) : INFLIGHT;
+    constexpr int RUNNING = REG ? (INFLIGHT ? KA : 0) : INFLIGHT;
     fence_regs(acc);
     asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(RUNNING) : "memory");
     fence_regs(acc);
@@ -2914,7 +2923,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
     // to T into buffer ks % 2 after the stages (its last reader, the wgmmas of stage ks - 2, has
     // retired in both warpgroups: the wait and the barrier above)
     unsigned abase = base;
-    if constexpr (FP8) {
+    if constexpr (FP8 && !FP8R) {
       abase = smem0 + STAGES * STAGE_BYTES + (ks & 1) * (KA * A_ATOM);
       const int row = threadIdx.x >> 1, half = threadIdx.x & 1;  // 32 codes of a row a thread
 #pragma unroll
@@ -2933,7 +2942,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
       }
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // for wgmma's reads
       __syncthreads();
-    } else if constexpr (INT4R) {
+    } else if constexpr (REG) {
       // each atom: wait until at most one wgmma group of this warpgroup runs (the atom before's,
       // whose fragments are the other set), convert the atom's codes of rows r0 and r0 + 8 into
       // its fragments, then its four wgmmas as one group
@@ -2943,24 +2952,41 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
         fence_regs(acc);
         asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
         fence_regs(acc);
-        const unsigned src = base + a * A_STAGED + r0 * 32;
-        const uint4 v[4] = {lds128(src), lds128(src + 16), lds128(src + 8 * 32),
-                            lds128(src + 8 * 32 + 16)};
-        unsigned sub[2], scale[2];
+        // the atom's codes of rows r0 and r0 + 8: INT4R two 16-byte loads a row, FP8R four
+        // (k16 step j's chunk, swizzled as a_dst)
+        const unsigned src = base + a * A_STAGED + r0 * A_ROW;
+        uint4 v[8];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          sub[i] = int4_frag_sub<T>(r_cur[a][i][1] & 0xFu);
-          scale[i] = r_cur[a][i][0] * 0x00010001u;
+#pragma unroll
+          for (int u = 0; u < A_ROW / 16; ++u) {
+            const int chunk = FP8R ? (u ^ (r0 >> 1)) & 3 : u;
+            v[i * 4 + u] = lds128(src + i * 8 * A_ROW + chunk * 16);
+          }
+        }
+        unsigned sub[2], scale[2];
+        if constexpr (INT4R) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            sub[i] = int4_frag_sub<T>(r_cur[a][i][1] & 0xFu);
+            scale[i] = r_cur[a][i][0] * 0x00010001u;
+          }
         }
         auto convert = [&](unsigned (&f)[16]) {
           retire(f);  // its group (two atoms back) has retired: the wait above
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {  // k16 step j: words 2 j and 2 j + 1 of each row
+          for (int j = 0; j < 4; ++j) {
 #pragma unroll
             for (int i = 0; i < 2; ++i) {  // row r0 + 8 i: fragment registers i and i + 2
-              const uint4& lo = v[2 * i + (j >> 1)];
-              const unsigned w0 = (j & 1) ? lo.z : lo.x, w1 = (j & 1) ? lo.w : lo.y;
-              int4_frag<T>(w0, w1, sel, sub[i], scale[i], f[4 * j + i], f[4 * j + 2 + i]);
+              if constexpr (INT4R) {  // k16 step j: words 2 j and 2 j + 1 of the row
+                const uint4& lo = v[i * 4 + (j >> 1)];
+                const unsigned w0 = (j & 1) ? lo.z : lo.x, w1 = (j & 1) ? lo.w : lo.y;
+                int4_frag<T>(w0, w1, sel, sub[i], scale[i], f[4 * j + i], f[4 * j + 2 + i]);
+              } else {  // chunk j: codes 2 c, 2 c + 1 in words 0-1, the same + 8 in words 2-3
+                const uint4& w = v[i * 4 + j];
+                f[4 * j + i] = fp8x2_to<T>(__byte_perm(w.x, w.y, sel8));
+                f[4 * j + 2 + i] = fp8x2_to<T>(__byte_perm(w.z, w.w, sel8));
+              }
             }
           }
           asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -2973,7 +2999,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
           asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         };
         if (set) {
-          convert(afrag[1 % (INT4R ? 2 : 1)]);
+          convert(afrag[1 % (REG ? 2 : 1)]);
         } else {
           convert(afrag[0]);
         }
@@ -3038,9 +3064,9 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   fence_regs(acc);
   asm volatile("cp.async.wait_group 0;" ::: "memory");
-  if constexpr (INT4R) {
+  if constexpr (REG) {
     retire(afrag[0]);
-    retire(afrag[1 % (INT4R ? 2 : 1)]);
+    retire(afrag[1 % (REG ? 2 : 1)]);
     if (p.N < 0) part[threadIdx.x] = __uint_as_float(keep);  // (never: see `keep`)
   }
 
