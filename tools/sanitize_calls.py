@@ -53,6 +53,17 @@ CALLS = [
     ("qkv", {"K": 4096, "lengths": (20, 5, 0, 3)}),
     # qkv_wgmma, one tile of 192 tokens (150: the tile's last rows past T), 5 stages a CTA
     ("qkv", {"K": 4096, "lengths": (100, 0, 50)}),
+    # qkv_wgmma, 4-bit weights with groups of 128: codes dequantized into the wgmmas' A registers
+    (
+        "qkv",
+        {
+            "wfmt": "int4",
+            "group_size": 128,
+            "zero_points": True,
+            "K": 4096,
+            "lengths": (30, 20, 0, 14),
+        },
+    ),
     # qkv_wgmma, fp8 weights: 64 tokens, 8 stages of 128 codes a CTA (split 8) on a ring of 4
     ("qkv", {"wfmt": "fp8", "K": 8192, "lengths": (30, 20, 0, 14)}),
     ("qkv", {"lengths": (20, 5, 0, 3)}),  # 28 fp16 tokens, K = 96: cuBLAS and the epilogue
