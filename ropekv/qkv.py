@@ -251,11 +251,11 @@ WGMMA_DEEP_MAX_TOKENS = 224
 # fp8 weights take qkv_wgmma too, deep only (WGMMA_FP8_MIN_TOKENS to WGMMA_DEEP_MAX_TOKENS tokens
 # and at most WGMMA_FP8_TOP: three stages of a larger tile and their conversion buffers do not
 # fit in shared memory; K a multiple of 64 x WGMMA_FP8_ATOMS): each stage's codes are converted
-# to the input dtype in shared memory before its wgmmas. Measured on the H200
-# (docs/design/qkv.md), Llama-3-8B projection, against the kernels they took before (qkv_mma,
-# qkv_mma_tiled): 20.1 against 23.1 us at 64 tokens, 23.8 against 36.5 at 96, 26.3 against 37.3
-# at 128; at 4-32 tokens 17.5-18.4 against 14.0-18.1 (slower or even), so from 48 (19.8 against
-# 22.3).
+# to the input dtype before its wgmmas (into their A registers: WGMMA_FP8_REG below). Measured
+# on the H200 (docs/design/qkv.md), Llama-3-8B projection, against the kernels they took before
+# (qkv_mma, qkv_mma_tiled): 20.1 against 23.1 us at 64 tokens, 23.8 against 36.5 at 96, 26.3
+# against 37.3 at 128; at 4-32 tokens 17.5-18.4 against 14.0-18.1 (slower or even), so from 48
+# (19.8 against 22.3).
 WGMMA_FP8_MIN_TOKENS = 48
 WGMMA_FP8_ATOMS = 2  # 128 codes a staged row: half the conversions and barriers of 64
 # ... except where that leaves fewer than WGMMA_FP8_MIN_STAGES stages (tiles of 96 and 128
@@ -270,7 +270,8 @@ WGMMA_FP8_REG = True
 # 4-bit weights take the deep qkv_wgmma the same way (WGMMA_INT4_MIN_TOKENS to
 # WGMMA_DEEP_MAX_TOKENS tokens, at most WGMMA_INT4_TOP; groups of a multiple of 32, K a multiple
 # of 64 x WGMMA_INT4_ATOMS): each stage's packed codes (32-byte rows an atom) are dequantized
-# once a CTA into the input dtype in shared memory, (q - zero) * scale rounded once as in
+# once a CTA into the input dtype (in shared memory, or into the wgmmas' A registers:
+# WGMMA_INT4_REG below), (q - zero) * scale rounded once as in
 # qkv_mma_tiled, where qkv_mma_tiled dequantizes each weight tile in every warp along the tokens
 # and every token tile (the H200 profile: 8.4M / 16.3M instructions at 64 / 128 tokens, issue
 # bound; qkv_mma_tiled took 29.6 / 50.0 us there against cuBLAS fp16's 17.5 / 18). 1 << 30
@@ -972,11 +973,6 @@ def fused_qkv_matmul_append_paged_kv_cache(
     ...     x, w, cp.asarray(offsets), cp.asarray(lengths), cp.asarray(table), (kc, vc),
     ...     num_q_heads=Hq, cos_sin_cache=ropekv.cos_sin_cache(4096, D, xp=cp))
     """
-    if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
-        raise ValueError(
-            f"paged_kv_cache must be a (k_cache, v_cache) pair, got "
-            f"{type(paged_kv_cache).__qualname__}"
-        )
     return _OP(
         (
             hidden_state,
@@ -984,7 +980,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
             input_row_offsets,
             cache_lengths,
             block_table,
-            *paged_kv_cache,
+            *_cache_pair(paged_kv_cache),
             cos_sin_cache,
             weight_scales,
             zero_points,
@@ -1055,6 +1051,16 @@ def fused_qkv_matmul_append_paged_kv_cache(
         stream,
         layer_idx,
     )
+
+
+def _cache_pair(paged_kv_cache):
+    """``paged_kv_cache`` as given when it is a (k_cache, v_cache) pair; else the ValueError."""
+    if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
+        raise ValueError(
+            f"paged_kv_cache must be a (k_cache, v_cache) pair, got "
+            f"{type(paged_kv_cache).__qualname__}"
+        )
+    return paged_kv_cache
 
 
 class _Checked(NamedTuple):

@@ -7,8 +7,9 @@
 //                  rows staged in shared memory and shared by the warps.
 //   qkv_wgmma      16-bit weights, 1-256 tokens (sm_90a): the same split, staging and epilogue,
 //                  the products taken by Hopper's warpgroup MMA from the staged tiles (fp8 and
-//                  4-bit weights: staged as codes, converted to T in shared memory a stage at a
-//                  time).
+//                  4-bit weights: staged as codes, converted to T into the wgmmas' A registers
+//                  an atom at a time, or, for 4-bit groups of 32, in shared memory a stage at
+//                  a time).
 //   qkv_gemv       decode: weight-streaming skinny GEMM (token tiles of up to 16), epilogue fused
 //                  (GPUs without clusters, shapes the mma kernel does not take).
 //   qkv_epilogue   prefill: after cuBLAS wrote Q, K, V into temporaries, rope Q into `out` and
@@ -2461,7 +2462,10 @@ __launch_bounds__(TN * 2 * KG,
 // are applied in the epilogue. WQ == W_INT4: the same with 4-bit codes (rows of 32 bytes an atom,
 // plain), dequantized as (q - zero) * scale rounded once to T (the group's scale and zero point
 // read into registers two stages ahead), so each weight is dequantized once a CTA where
-// qkv_mma_tiled dequantizes it in every warp along the tokens. A CTA is two warpgroups;
+// qkv_mma_tiled dequantizes it in every warp along the tokens. W_FP8_REG / W_INT4_REG (fp8
+// weights; 4-bit ones in groups of a multiple of 64): staged alike, but each warpgroup converts
+// the codes of its own rows into the registers of its wgmmas' A operand, an atom at a time, with
+// no buffers and no second barrier (see INT4R / FP8R below). A CTA is two warpgroups;
 // warpgroup h owns weight rows [64 h, 64 h + 64) of the 128-row tile and all TN tokens: per k16
 // step one wgmma.m64nTNk16 whose A (64 weight rows) and B (TN hidden rows) are read from
 // shared memory through matrix descriptors. The float32 sums stay in registers (TN / 2 a thread) until the
