@@ -306,10 +306,11 @@ def test_taken_path_names_the_kernel_the_plan_launches(wfmt, dtype, clear, stubb
     check that a forced path is taken, against the steps of the plan the op builds (a Hopper GPU
     of 132 SMs, the driver stubbed): every path forced and the shipped thresholds, token counts
     around each switch, with and without an option."""
-    expressions, real = {}, qkv_mod.Launch
+    expressions, real, made_all = {}, qkv_mod.Launch, []
 
     def launch(*a, **k):
         made = real(*a, **k)
+        made_all.append(made)  # kept alive, so that no later Launch reuses its id
         expressions[id(made)] = a[1]
         return made
 
