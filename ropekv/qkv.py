@@ -99,6 +99,7 @@ W_DENSE, W_FP8, W_INT4 = 0, 1, 2
 # registers (WGMMA_INT4_REG, WGMMA_FP8_REG; W_INT4 / W_FP8 there: into 16-bit shared-memory
 # buffers), mirrored in qkv.cu
 W_INT4_REG, W_FP8_REG = 3, 4
+_WGMMA_BASE = {W_INT4_REG: W_INT4, W_FP8_REG: W_FP8}  # the format each register form converts
 
 # Token counts up to this run the CUDA-core skinny GEMM (qkv_gemv); the tensor-core kernel and
 # cuBLAS take over above (MMA_* below). Measured on the H200 (`ropekv bench --cases qkv` times it),
@@ -1832,10 +1833,9 @@ def wgmma_settings():
 
 def _wgmma_atoms(wq, wgmma):
     """The atoms (64 k values) a stage of qkv_wgmma holds for weight format ``wq`` (W_DENSE,
-    W_FP8, W_INT4; False / True: dense / fp8)."""
-    if wq in (W_FP8, W_FP8_REG):
-        return wgmma.fp8_atoms
-    return wgmma.int4_atoms if wq in (W_INT4, W_INT4_REG) else wgmma.atoms
+    W_FP8, W_INT4 or a register form of the last two; False / True: dense / fp8)."""
+    wq = _WGMMA_BASE.get(wq, wq)
+    return wgmma.fp8_atoms if wq == W_FP8 else wgmma.int4_atoms if wq == W_INT4 else wgmma.atoms
 
 
 def wgmma_shape(T, K, D, wgmma, fp8=False):
@@ -1880,13 +1880,10 @@ def _wgmma_smem(tn, stages, atoms, fp8=False):
     values an atom; fp8 weight rows of 64 bytes, 4-bit ones of 32 (``fp8``: the weight format),
     and two buffers of their 16-bit conversion), later the float32 partial sums, and 1 KiB to
     align the stages to 1024 bytes."""
-    conv = 2 * atoms * MMA_ROWS * 128
-    a_row, conv = {
-        W_FP8: (64, conv),
-        W_INT4: (32, conv),
-        W_INT4_REG: (32, 0),
-        W_FP8_REG: (64, 0),
-    }.get(fp8, (128, 0))
+    base = _WGMMA_BASE.get(fp8, fp8)
+    a_row = 64 if base == W_FP8 else 32 if base == W_INT4 else 128
+    # the buffers: quantized weights but for the register forms
+    conv = 2 * atoms * MMA_ROWS * 128 if a_row < 128 and fp8 not in _WGMMA_BASE else 0
     stages_bytes = stages * atoms * (MMA_ROWS * a_row + tn * 128) + conv
     return max(stages_bytes, tn * (MMA_ROWS + 4) * 4) + 1024
 
@@ -1955,9 +1952,8 @@ def _wgmma_config(tn, deep, fp8, wgmma):
     atoms = _wgmma_atoms(fp8, wgmma)
     want = wgmma.deep_stages if deep else wgmma.stages
     stages = _wgmma_stages(tn, want, atoms, deep, fp8)
-    least = {W_FP8: wgmma.fp8_min_stages, W_INT4: wgmma.int4_min_stages}.get(fp8, 0)
-    least = wgmma.int4_min_stages if fp8 == W_INT4_REG else least
-    least = wgmma.fp8_min_stages if fp8 == W_FP8_REG else least
+    base = _WGMMA_BASE.get(fp8, fp8)
+    least = {W_FP8: wgmma.fp8_min_stages, W_INT4: wgmma.int4_min_stages}.get(base, 0)
     while atoms > 1 and stages < least:
         atoms //= 2
         stages = _wgmma_stages(tn, want, atoms, deep, fp8)

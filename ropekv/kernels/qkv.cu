@@ -3003,7 +3003,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
           asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         };
         if (set) {
-          convert(afrag[1 % (REG ? 2 : 1)]);
+          convert(afrag[1]);
         } else {
           convert(afrag[0]);
         }
@@ -3070,7 +3070,7 @@ __global__ void MMA_CLUSTER_DIMS __launch_bounds__(WGMMA_THREADS, DEEP ? 1 : 2)
   asm volatile("cp.async.wait_group 0;" ::: "memory");
   if constexpr (REG) {
     retire(afrag[0]);
-    retire(afrag[1 % (REG ? 2 : 1)]);
+    retire(afrag[1]);
     if (p.N < 0) part[threadIdx.x] = __uint_as_float(keep);  // (never: see `keep`)
   }
 
