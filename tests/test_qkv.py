@@ -1328,15 +1328,21 @@ def test_gpu_wgmma_int4_in_a_cuda_graph(lengths, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [(1,) * 17, (40, 0, 24), (100, 0, 57), (120, 104)])
+@pytest.mark.parametrize(
+    "wfmt, lengths",
+    [
+        ("int4", (1,) * 17),
+        ("int4", (40, 0, 24)),
+        ("int4", (100, 0, 57)),
+        ("int4", (120, 104)),
+        ("fp8", (40, 0, 24)),  # (fp8: 48 to 128 tokens)
+    ],
+)
 @pytest.mark.parametrize("dtype", [F16, BF16])
-@pytest.mark.parametrize("wfmt", ["int4", "fp8"])
-def test_gpu_llama3_8b_wgmma_shared_form(lengths, dtype, wfmt, monkeypatch):
+def test_gpu_llama3_8b_wgmma_shared_form(wfmt, lengths, dtype, monkeypatch):
     """WGMMA_INT4_REG / WGMMA_FP8_REG = False: 4-bit weights with groups of 128 and fp8 weights
     take the shared-memory forms (W_INT4, W_FP8) again, with the same results as the reference;
     zero points with bf16."""
-    if wfmt == "fp8" and not 48 <= sum(lengths) <= 128:
-        lengths = (40, 0, 24)
     monkeypatch.setattr(qkv_mod, "WGMMA_INT4_REG", False)
     monkeypatch.setattr(qkv_mod, "WGMMA_FP8_REG", False)
     args, kw = make_case(
