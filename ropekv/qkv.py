@@ -15,10 +15,10 @@ Three paths, picked by the token count T (and, on sm_90, a fourth kernel for 16-
   (``wgmma``, an sm_90a instruction; the kernel is compiled for that target), split-K over a
   cluster and the epilogue fused as below. Faster than every other path up to 192 tokens, within
   0.93-1.05x of cuBLAS + the epilogue at 193-256 in a third of its host time
-  (docs/design/qkv.md). fp8 weights take it too from ``WGMMA_FP8_MIN_TOKENS`` (48) to 128
-  tokens (K a multiple of 128), their codes converted to the input dtype in shared memory, and
-  4-bit weights from ``WGMMA_INT4_MIN_TOKENS`` (17) to 224 (groups of a multiple of 32),
-  likewise.
+  (docs/design/qkv.md). fp8 weights take it too from ``WGMMA_FP8_MIN_TOKENS`` (17) to 128
+  tokens (K a multiple of 128), their codes converted to the input dtype in the wgmmas' A
+  registers, and 4-bit weights from ``WGMMA_INT4_MIN_TOKENS`` (17) to 224 (groups of a multiple
+  of 32), likewise (groups of 32: in shared memory).
 * small batches (``MMA_MIN_TOKENS <= T <= MMA_MAX_TOKENS``, ``MMA_MAX_TOKENS_QUANTIZED`` for fp8
   and 4-bit weights, on sm_90 and newer, when D divides 128 and the weights and hidden rows allow
   16-byte loads): ``qkv_mma``, one launch of tensor-core
@@ -255,9 +255,11 @@ WGMMA_DEEP_MAX_TOKENS = 224
 # to the input dtype before its wgmmas (into their A registers: WGMMA_FP8_REG below). Measured
 # on the H200 (docs/design/qkv.md), Llama-3-8B projection, against the kernels they took before
 # (qkv_mma, qkv_mma_tiled): 20.1 against 23.1 us at 64 tokens, 23.8 against 36.5 at 96, 26.3
-# against 37.3 at 128; at 4-32 tokens 17.5-18.4 against 14.0-18.1 (slower or even), so from 48
-# (19.8 against 22.3).
-WGMMA_FP8_MIN_TOKENS = 48
+# against 37.3 at 128. Below 48 tokens it first lost (at 4-32 tokens, with the 16-bit buffers:
+# 17.5-18.4 against 14.0-18.1); with the codes converted into the A registers it took 17 / 24 / 32
+# / 40 tokens in 15.7 / 15.9 / 15.9 / 17.0 us against qkv_mma_tiled's 16.7 / 17.2 / 17.5 / 21.5,
+# hence from 17 (qkv_lean_mma keeps 1-16).
+WGMMA_FP8_MIN_TOKENS = 17
 WGMMA_FP8_ATOMS = 2  # 128 codes a staged row: half the conversions and barriers of 64
 # ... except where that leaves fewer than WGMMA_FP8_MIN_STAGES stages (tiles of 96 and 128
 # tokens: 3, one copied ahead of the one converted; one atom: 8 and 7), as for 4-bit weights

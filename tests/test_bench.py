@@ -168,7 +168,7 @@ def test_registry_covers_every_op_with_unique_names():
             assert series, op
             for name in series:
                 tokens = sorted(s.tokens for s in specs if s.series == name and s.decode)
-                want = (1, 4, 8, 16, 64, 128) if "w K4096" in name else bench.DECODE_SWEEP
+                want = (1, 4, 8, 16, 32, 64, 128) if "w K4096" in name else bench.DECODE_SWEEP
                 assert tokens == sorted(want), (name, tokens)
     assert all(
         s.decode == (s.tokens <= 256 and "x1" in s.name.split()[-1] or s.decode) for s in specs

@@ -1247,11 +1247,13 @@ def test_gpu_capture_runs_the_fused_kernel_beyond_its_eager_range(lengths, dtype
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [(1,) * 48, (40, 0, 24), (1,) * 90, (60, 0, 68), (1,) * 128])
+@pytest.mark.parametrize(
+    "lengths", [(1,) * 17, (10, 0, 22), (1,) * 48, (40, 0, 24), (1,) * 90, (60, 0, 68), (1,) * 128]
+)
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_gpu_llama3_8b_wgmma_fp8(lengths, dtype):
-    """fp8 weights on qkv_wgmma (the shipped thresholds: 48 to 128 tokens, the deep kernel,
-    stages of 128 codes at tiles of 64, of 64 at 96 and 128 (WGMMA_FP8_MIN_STAGES)): codes
+    """fp8 weights on qkv_wgmma (the shipped thresholds: 17 to 128 tokens, the deep kernel,
+    stages of 128 codes at tiles of 32 and 64, of 64 at 96 and 128 (WGMMA_FP8_MIN_STAGES)): codes
     converted to the input dtype in the wgmmas' A registers (W_FP8_REG), per-row scales in the
     epilogue; bf16 into fp8 caches."""
     args, kw = make_case(
@@ -1335,7 +1337,7 @@ def test_gpu_wgmma_int4_in_a_cuda_graph(lengths, dtype):
         ("int4", (40, 0, 24)),
         ("int4", (100, 0, 57)),
         ("int4", (120, 104)),
-        ("fp8", (40, 0, 24)),  # (fp8: 48 to 128 tokens)
+        ("fp8", (40, 0, 24)),  # (fp8: 17 to 128 tokens)
     ],
 )
 @pytest.mark.parametrize("dtype", [F16, BF16])
@@ -2610,7 +2612,7 @@ def test_int4_groups_of_whole_atoms_take_the_register_form():
         for wq in (W4, REG):
             a, st, _ = qkv_mod._wgmma_config(tn, True, wq, settings)
             assert qkv_mod.wgmma_expression(F16, tn, 2, st, a, False, True, wq) in names
-    for tn in (64, 96, 128):  # fp8's tiles (48 to 128 tokens)
+    for tn in (32, 64, 96, 128):  # fp8's tiles (17 to 128 tokens)
         atoms, stages, smem = qkv_mod._wgmma_config(tn, True, qkv_mod.W_FP8_REG, settings)
         assert smem == max(stages * atoms * (128 * 64 + tn * 128), tn * 132 * 4) + 1024
         for wq in (qkv_mod.W_FP8, qkv_mod.W_FP8_REG):

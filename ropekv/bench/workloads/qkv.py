@@ -275,9 +275,9 @@ def weight_bytes(N, K, fmt, dtype=F16, group_size=128):
     return N * K // 2 + N * (K // group_size) * np.dtype(dtype).itemsize
 
 
-# tokens of the fp8 and 4-bit weight cases: the decode sweep to 128, and 8 (qkv_lean_mma's
-# 8-token tile at its full width)
-QUANTIZED_TOKENS = (1, 4, 8, 16, 64, 128)
+# tokens of the fp8 and 4-bit weight cases: the decode sweep to 128, 8 (qkv_lean_mma's 8-token
+# tile at its full width) and 32 (qkv_wgmma's smallest tile, where both formats start on it)
+QUANTIZED_TOKENS = (1, 4, 8, 16, 32, 64, 128)
 
 
 def specs():
