@@ -299,6 +299,20 @@ __device__ __forceinline__ uint4 ldg_stream(const void* ptr) {
   return r;
 }
 
+// ldg_stream with L2 fetching the 256 bytes around the 16 read (qkv_lean_mma: a round reads 256
+// bytes of each of a lane's rows in four instructions of 8 rows x 64 bytes). Side by side on the
+// H200 (graph replay, tools/device_ab.py, Llama-3-8B's projection): qkv_lean_mma fp8 weights at
+// 4 / 8 / 16 tokens 0.96-0.97x the time, 16-bit at 4 tokens 0.98x, 4-bit 0.99-1.00x; the same
+// hint on qkv_gemv_lean (512 contiguous bytes a warp's load) cost 1.01-1.05x at one token, and on
+// qkv_wgmma's weight copies 1.01-1.02x, so they keep ldg_stream / cp_async16.
+__device__ __forceinline__ uint4 ldg_stream_l2(const void* ptr) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(ptr));
+  return r;
+}
+
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
                                          unsigned a3, unsigned b0, unsigned b1) {
@@ -1425,7 +1439,7 @@ __global__ void __launch_bounds__(WARPS * 32, (lean_mma_min_blocks<MT, WARPS>())
 #pragma unroll
       for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) a[j][m][h] = ldg_stream(wrow[m][h] + u64(vl) * 16u);
+        for (int h = 0; h < 2; ++h) a[j][m][h] = ldg_stream_l2(wrow[m][h] + u64(vl) * 16u);
       if constexpr (WF == W_INT4) {
         const unsigned grp = vl * VALS / unsigned(p.group_size);
         const unsigned short* ws = static_cast<const unsigned short*>(p.weight_scales) + grp;
