@@ -2620,6 +2620,29 @@ def test_int4_groups_of_whole_atoms_take_the_register_form():
             assert qkv_mod.wgmma_expression(F16, tn, 2, st, a, False, True, wq) in names
 
 
+def test_fp8_weights_take_the_wgmma_kernel_in_its_range():
+    """fp8 weights take qkv_wgmma (deep) from WGMMA_FP8_MIN_TOKENS (17: qkv_lean_mma keeps 1-16)
+    to WGMMA_FP8_TOP tokens with K in whole stages of WGMMA_FP8_ATOMS atoms; the tiles of that
+    range are instantiated in both forms (codes in the A registers, and the shared-memory one)."""
+    W, takes = WEIGHT_FORMATS, qkv_mod.wgmma_takes
+    settings = qkv_mod.wgmma_settings()
+    lo, top = qkv_mod.WGMMA_FP8_MIN_TOKENS, qkv_mod.WGMMA_FP8_TOP
+    assert lo == qkv_mod.LEAN_MMA_MAX_TOKENS + 1
+    assert [takes(W["fp8"], T, 4096, 128, settings) for T in (lo - 1, lo, 32, 48, top)] == [
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
+    assert not takes(W["fp8"], top + 1, 4096, 128, settings)
+    assert not takes(W["fp8"], 32, 4096 + 64, 128, settings)  # K not whole stages of 128
+    assert not takes(W["fp8"], 32, 4096, 128, settings._replace(fp8_min_tokens=48))
+    tiles = {(tn, deep) for tn, deep, wq in qkv_mod._wgmma_tiles() if wq == W["fp8"]}
+    assert tiles == {(32, True), (64, True), (96, True), (128, True)}
+    assert {(32, True, W["fp8"]), (32, True, qkv_mod.W_FP8_REG)} <= set(qkv_mod._wgmma_tiles())
+
+
 def test_int4_weights_take_the_wgmma_kernel_in_its_range(monkeypatch):
     """4-bit weights take qkv_wgmma (deep) from WGMMA_INT4_MIN_TOKENS to WGMMA_INT4_TOP tokens
     with K in whole stages of WGMMA_INT4_ATOMS atoms; 1 << 30 gives every count back to the
