@@ -168,9 +168,11 @@ LEAN_MMA_DENSE_MAX_TOKENS = 8
 LEAN_MMA_TILES = (8, 16)
 # qkv_lean_mma's block at a tile of 8 tokens: LEAN_MMA_WARPS warps, LEAN_MMA_MT m16 tiles of 8
 # row pairs; at 16 tokens LEAN_MMA_WIDE_WARPS and LEAN_MMA_WIDE_MT (where a head holds the
-# block's pairs, else the 8-token shape). LEAN_MMA_SHAPES: the compiled (warps, tiles) pairs.
-# Timed (same run as above, 4-bit 4 / 16 tokens, us): (4, 1) 10.1 / 16.7, (4, 2) 11.7 / 15.7,
-# (8, 2) 13.0 / 18.8, (8, 3) 10.4 / 14.7; fp8 (4, 1) 10.8 / 14.4, (8, 3) 11.8 / 14.8.
+# block's pairs, else the 8-token shape) for 16-bit and 4-bit weights, the 8-token shape for fp8
+# ones. LEAN_MMA_SHAPES: the compiled (warps, tiles) pairs. Timed (same run as above, 4-bit 4 /
+# 16 tokens, us): (4, 1) 10.1 / 16.7, (4, 2) 11.7 / 15.7, (8, 2) 13.0 / 18.8, (8, 3) 10.4 / 14.7;
+# fp8 (4, 1) 10.8 / 14.4, (8, 3) 11.8 / 14.8; with the L2 prefetch hint (one run, 16 tokens)
+# fp8 (4, 1) 13.7 against (8, 3) 14.1, 4-bit 16.6 against 14.9.
 LEAN_MMA_WARPS, LEAN_MMA_MT = 4, 1
 LEAN_MMA_WIDE_WARPS, LEAN_MMA_WIDE_MT = 8, 3
 LEAN_MMA_SHAPES = ((4, 1), (8, 3))
@@ -568,18 +570,19 @@ def _lean_mma_expression(dtype, fmt, tt, shape):
     return name_expression("qkv_lean_mma", c_type(dtype), fmt, tt // 8, mt, warps)
 
 
-def lean_mma_shape(T, D, shapes=None):
-    """qkv_lean_mma's (token tile, (warps, m16 tiles)) for ``T`` tokens and heads of ``D``;
-    ``shapes``: (LEAN_MMA_WARPS, LEAN_MMA_MT, LEAN_MMA_WIDE_WARPS, LEAN_MMA_WIDE_MT), None: their
-    current values. The block's pairs (8 a tile) must lie in at most two heads: D / 2 of them
-    (the 8-token shape where the wide one's do not)."""
+def lean_mma_shape(T, D, fmt, shapes=None):
+    """qkv_lean_mma's (token tile, (warps, m16 tiles)) for ``T`` tokens, heads of ``D`` and weight
+    format ``fmt``; ``shapes``: (LEAN_MMA_WARPS, LEAN_MMA_MT, LEAN_MMA_WIDE_WARPS,
+    LEAN_MMA_WIDE_MT), None: their current values. The block's pairs (8 a tile) must lie in at
+    most two heads: D / 2 of them (the 8-token shape where the wide one's do not, and for fp8
+    weights, whose loads feed fewer k values each: (4, 1) was 0.97x (8, 3)'s time at 16 tokens)."""
     w8, m8, w16, m16 = (
         (LEAN_MMA_WARPS, LEAN_MMA_MT, LEAN_MMA_WIDE_WARPS, LEAN_MMA_WIDE_MT)
         if shapes is None
         else shapes
     )
     tt = next(t for t in LEAN_MMA_TILES if t >= T)
-    wide = tt > LEAN_MMA_TILES[0] and D // 2 >= 8 * m16
+    wide = tt > LEAN_MMA_TILES[0] and D // 2 >= 8 * m16 and fmt != W_FP8
     return tt, ((w16, m16) if wide else (w8, m8))
 
 
@@ -606,7 +609,7 @@ def lean_mma_applies(dtype, fmt, vb, D, T, lean_max, compute_capability, shapes=
     top = min(lean_max[3] if dense else lean_max[2], LEAN_MMA_TILES[-1])
     if not (max(low, 0) < T <= top and vb == 16 and compute_capability >= 90):
         return False
-    return D // 2 >= 8 * lean_mma_shape(T, D, shapes)[1][1]
+    return D // 2 >= 8 * lean_mma_shape(T, D, fmt, shapes)[1][1]
 
 
 def mma_form(fmt, form):
@@ -1648,7 +1651,7 @@ def _gemv_lean(fields, slots, vx, fmt, T, N, device, pdl, form):
 
 def _lean_mma(fields, slots, vx, fmt, T, N, D, device, pdl, shapes):
     """qkv_lean_mma's launch (where lean_mma_applies): blocks of 8 row pairs a m16 tile."""
-    tt, shape = lean_mma_shape(T, D, shapes)
+    tt, shape = lean_mma_shape(T, D, fmt, shapes)
     warps, mt = shape
     return Launch(
         STEM,

@@ -2328,7 +2328,7 @@ def test_gpu_gemv_lean_shapes(
 
 def lean_mma_name(args, T):
     """The qkv_lean_mma instantiation a call of ``T`` tokens of these arrays launches."""
-    tt, shape = qkv_mod.lean_mma_shape(T, args["paged_kv_cache"][0].shape[3])
+    tt, shape = qkv_mod.lean_mma_shape(T, args["paged_kv_cache"][0].shape[3], weight_format(args))
     return qkv_mod.lean_mma_expression(args["hidden_state"].dtype, weight_format(args), tt, shape)
 
 

@@ -361,9 +361,12 @@ def test_lean_mma_takes_the_tokens_past_the_lean_gemv():
         assert lean == list(range(1, low)), (dtype, fmt, lean)  # the two kernels meet
         assert not qkv_mod.lean_mma_applies(dtype, fmt, 16, 128, 4, lean_max, 89)
         assert not qkv_mod.lean_mma_applies(dtype, fmt, 0, 128, 4, lean_max, 90)
-    assert qkv_mod.lean_mma_shape(3, 128) == (8, (4, 1))
-    assert qkv_mod.lean_mma_shape(9, 128) == (16, (8, 3))
-    assert qkv_mod.lean_mma_shape(16, 32) == (16, (4, 1))  # 16 pairs a head: not 24
+    W4, W8 = qkv_mod.W_INT4, qkv_mod.W_FP8
+    assert qkv_mod.lean_mma_shape(3, 128, W4) == (8, (4, 1))
+    assert qkv_mod.lean_mma_shape(9, 128, W4) == (16, (8, 3))
+    assert qkv_mod.lean_mma_shape(9, 128, qkv_mod.W_DENSE) == (16, (8, 3))
+    assert qkv_mod.lean_mma_shape(9, 128, W8) == (16, (4, 1))  # fp8: the 8-token block
+    assert qkv_mod.lean_mma_shape(16, 32, W4) == (16, (4, 1))  # 16 pairs a head: not 24
     assert not qkv_mod.lean_mma_applies(f16, qkv_mod.W_INT4, 16, 8, 4, lean_max, 90)  # 4 pairs
 
 
