@@ -177,3 +177,23 @@ def test_readme_and_index_examples_run_on_numpy(source):
 
 def test_readme_has_a_cpu_example():
     assert readme_cpu_blocks() and index_blocks()
+
+
+# ---- the published figures name their run --------------------------------------------------------
+
+
+def test_published_figures_name_the_recorded_run():
+    """The README's performance section and docs/performance.md give the revision and case count
+    of the run in docs/bench.json, so that a new recorded run cannot land beside figures of the old
+    one without the pages being redone."""
+    import json
+
+    run = json.loads((DOCS / "bench.json").read_text())
+    rev = run["environment"]["git_revision"].removesuffix("-dirty")[:7]
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Performance") :]
+    section = section[: section.index("\n## ", 1)]
+    assert f"at `{rev}`" in section, rev
+    assert f"all {len(run['cases'])} cases" in section
+    header = (DOCS / "performance.md").read_text().split("\n\n## ", 1)[0]
+    assert f"revision `{rev}`" in header, rev
