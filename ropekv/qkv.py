@@ -575,8 +575,8 @@ def lean_mma_shape(T, D, fmt, shapes=None):
     format ``fmt``; ``shapes``: (LEAN_MMA_WARPS, LEAN_MMA_MT, LEAN_MMA_WIDE_WARPS,
     LEAN_MMA_WIDE_MT), None: their current values. The block's pairs (8 a tile) must lie in at
     most two heads: D / 2 of them (the 8-token shape where the wide one's do not, and for fp8
-    weights: on the H200 at 16 tokens (4, 1) took 0.96x (8, 3)'s time with fp8 weights, 1.12x
-    with 4-bit ones)."""
+    weights: on the H200 at 16 tokens (4, 1) took 0.96x (8, 3)'s time with them, 1.12x with
+    4-bit weights)."""
     w8, m8, w16, m16 = (
         (LEAN_MMA_WARPS, LEAN_MMA_MT, LEAN_MMA_WIDE_WARPS, LEAN_MMA_WIDE_MT)
         if shapes is None

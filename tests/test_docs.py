@@ -6,6 +6,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import importlib.util
+import json
 import pkgutil
 import re
 import subprocess
@@ -186,8 +187,6 @@ def test_published_figures_name_the_recorded_run():
     """The README's performance section and docs/performance.md give the revision and case count
     of the run in docs/bench.json, so that a new recorded run cannot land beside figures of the old
     one without the pages being redone."""
-    import json
-
     run = json.loads((DOCS / "bench.json").read_text())
     rev = run["environment"]["git_revision"].removesuffix("-dirty")[:7]
     readme = (ROOT / "README.md").read_text()
