@@ -500,6 +500,35 @@ struct pick_type<false, X, Y> {
   using type = Y;
 };
 
+// The decode kernels' record: only the fields they read, in the order of QKNormParams (whose
+// fields they share by name: the host packs both from one dict). A kernel's parameters are read
+// through the constant cache: from QKNormParams the flat kernel's SASS (sm_90a) read 7 lines of
+// 64 bytes (0x208-0x3ec, constant-cache misses were 18% of its stall samples at 16 tokens), from
+// these 288 bytes 5. Side by side on the H200 every decode case took 3-6% less time.
+// Field order and types mirror DECODE_PARAMS in ropekv/qknorm.py.
+struct QKDecodeParams {
+  const void* q;
+  void* q_out;
+  const void* k;
+  const void* v;
+  const void* q_gamma;
+  const void* k_gamma;
+  const float* cos_sin;
+  const unsigned* offsets;
+  const int* cache_lengths;
+  const int* block_table;
+  void* k_cache;
+  void* v_cache;
+  i64 q_st, q_sh, qo_st, qo_sh, k_st, k_sh, v_st, v_sh, cs_sp, bt_sb;
+  i64 kc_sp, kc_se, kc_sh, vc_sp, vc_se, vc_sh;
+  i64 num_pages;
+  float epsilon;
+  float inv_k_scale, inv_v_scale;
+  int T, B, Hq, Hkv, P, max_pages, page_size;
+  unsigned h_magic, pg_magic;
+  int h_shift, pg_shift;
+};
+
 struct QKDecodeShared {
   unsigned offsets[kStageMax + 1];
   int lengths[kStageMax];
@@ -509,7 +538,7 @@ struct QKDecodeShared {
 // request, 32 (below: the lane-shuffle search) to kStageMax requests. The host sets GUESS by the
 // same rule (qknorm.guesses); rechecked here, so a call outside it takes the other searches.
 template <bool GUESS>
-__device__ __forceinline__ bool takes_guess(const QKNormParams& p) {
+__device__ __forceinline__ bool takes_guess(const QKDecodeParams& p) {
   return GUESS && p.B >= 32 && p.B <= kStageMax && p.T == p.B;
 }
 
@@ -522,7 +551,7 @@ __device__ __forceinline__ bool takes_guess(const QKNormParams& p) {
 // the fewest tokens).
 template <typename T, typename CacheT, bool NEOX, int D, bool GF32, bool I32, bool FLAT, int N,
           bool GUESS>
-__device__ __forceinline__ void qk_decode_rows(const QKNormParams& p, QKDecodeShared& sh) {
+__device__ __forceinline__ void qk_decode_rows(const QKDecodeParams& p, QKDecodeShared& sh) {
   using ix = typename pick_type<I32, unsigned, i64>::type;
   constexpr int G = NEOX ? D / (2 * N) : D / N;  // lanes per head row
   constexpr int HALF = D / 2;
@@ -728,7 +757,7 @@ __device__ __forceinline__ void qk_decode_rows(const QKNormParams& p, QKDecodeSh
 }
 
 template <typename T, typename CacheT, bool NEOX, int D, bool GF32, bool I32, bool GUESS>
-__global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode(const QKNormParams p) {
+__global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode(const QKDecodeParams p) {
   __shared__ QKDecodeShared sh;
   pdl_launch_dependents();
   pdl_wait();
@@ -736,7 +765,7 @@ __global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode(const QKNormParams
 }
 
 template <typename T, typename CacheT, bool NEOX, int D, bool GF32, int N, bool GUESS>
-__global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode_flat(const QKNormParams p) {
+__global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode_flat(const QKDecodeParams p) {
   __shared__ QKDecodeShared sh;
   pdl_launch_dependents();
   pdl_wait();
@@ -756,7 +785,7 @@ __global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode_flat(const QKNormP
 // request or with a position outside [0, P) has its q rows copied and writes nothing; a token
 // whose page is out of range is normalised and roped but writes nothing.
 template <typename T, typename CacheT, bool NEOX, int D, bool GF32, int ROWS, bool GUESS>
-__device__ __forceinline__ void qk_decode_token_rows(const QKNormParams& p, QKDecodeShared& sh) {
+__device__ __forceinline__ void qk_decode_token_rows(const QKDecodeParams& p, QKDecodeShared& sh) {
   constexpr int N = 8;
   constexpr int G = NEOX ? D / (2 * N) : D / N;  // lanes per head row
   constexpr int S = 32 / G;                      // rows of a warp per step
@@ -992,7 +1021,7 @@ __device__ __forceinline__ void qk_decode_token_rows(const QKNormParams& p, QKDe
 }
 
 template <typename T, typename CacheT, bool NEOX, int D, bool GF32, int ROWS, bool GUESS>
-__global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode_rows(const QKNormParams p) {
+__global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode_rows(const QKDecodeParams p) {
   __shared__ QKDecodeShared sh;
   pdl_launch_dependents();
   pdl_wait();
