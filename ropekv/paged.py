@@ -365,6 +365,22 @@ PARAMS = ParamStruct(
         *((n, np.int32) for n in (*_INTS, "guess")),
     ],
 )
+# The lean kernels' record where their offsets are 32-bit (PagedLeanParams): the fields of PARAMS
+# they read, strides and extents as int32 (_lean_wide keeps every stride within it): 5 constant-bank
+# lines of 64 bytes instead of 8 (the kernel's note). 64-bit offsets keep PARAMS.
+LEAN_PARAMS = ParamStruct(
+    "PagedLeanParams",
+    [
+        *((n, np.uint64) for n in _POINTERS),
+        *((n, np.int32) for n in _STRIDES),
+        ("q_scale", np.float32),
+        ("kv_scale", np.float32),
+        *(
+            (n, np.int32)
+            for n in ("Hq", "Hkv", "Hv", "R", "B", "page_size", "P", "index64", "group", "guess")
+        ),
+    ],
+)
 # The option kernel's record: the plain one's fields with the options' pointers and strides (a
 # struct of its own, so the plain kernel's record stays as it was before the options).
 OPTS_PARAMS = ParamStruct(
@@ -409,6 +425,7 @@ STATUS_CODES = {
 
 # the lean kernel's forms with a count: C chunks of a row, or U head rows, a thread
 _LEAN_FORMS = {"lean_multi": LEAN_MULTI_KERNEL, "lean_rows": LEAN_ROWS_KERNEL}
+_LEAN_RECORDS = {"lean", *_LEAN_FORMS}  # the shapes whose 32-bit form takes LEAN_PARAMS
 
 
 @functools.cache
@@ -1554,12 +1571,15 @@ def _pack(a, f, c, choice, out_slots):
     slots["kr_cache"], slots["kn_cache"], slots["v_cache"] = c.kr[0], c.kn[0], c.vd[0]
     slots["q_rope_out"], slots["q_nope_out"] = (out_slots[0], 0), (out_slots[1], 0)
     shape, block = choice.shape, (choice.block, choice.tokens)
+    params = OPTS_PARAMS if choice.opts else PARAMS
     if shape[0] == "lean":  # blocks (G, S, tokens); 64-bit offsets where a span needs them
         shape = ("lean", _lean_wide(values, c))
         block = (choice.group, choice.rows, choice.tokens)
     elif shape[0] in _LEAN_FORMS:  # blocks (lanes: G for U rows, S, tokens), lean offsets
         shape = (*shape, _lean_wide(values, c))
         block = (choice.block, choice.rows, choice.tokens)
+    if shape[0] in _LEAN_RECORDS and not shape[-1]:  # 32-bit offsets: the lean record
+        params = LEAN_PARAMS
     kernel = expression(
         a.q_rope.dtype,
         c.out_dtype,
@@ -1575,7 +1595,7 @@ def _pack(a, f, c, choice, out_slots):
         c.device,
         (-(-max(c.T, 1) // choice.tokens), choice.splits),
         block,
-        OPTS_PARAMS if choice.opts else PARAMS,
+        params,
         values,
         slots,
         pdl=f.enable_pdl,
@@ -1584,12 +1604,19 @@ def _pack(a, f, c, choice, out_slots):
 
 def _lean_wide(values, c):
     """Whether the lean kernels take 64-bit offsets and index arithmetic: an array's span past
-    INT32_SPAN elements, or an index value a slot can use (a request below B, a position below
-    num_indices x page_size, a page id below num_pages) that may not fit in 31 bits. The 32-bit
-    form reads the index entries' words and treats an int64 entry with a high word as out of
-    range, which is exact only under the second rule."""
+    INT32_SPAN elements, a stride outside int32 (the 32-bit form's record, LEAN_PARAMS, holds
+    them as int32; a stride of a dimension of extent one can be any value), or an index value a
+    slot can use (a request below B, a position below num_indices x page_size, a page id below
+    num_pages) that may not fit in 31 bits. The 32-bit form reads the index entries' words and
+    treats an int64 entry with a high word as out of range, which is exact only under the last
+    rule."""
     index_limit = max(values["B"] + 1, values["num_indices"] * c.page_size + 1, c.num_pages)
-    return _lean_span(values, c) > INT32_SPAN or index_limit > INT32_SPAN
+    return (
+        _lean_span(values, c) > INT32_SPAN
+        or index_limit > INT32_SPAN
+        or not -INT32_SPAN <= min(map(values.__getitem__, _STRIDES))
+        or max(map(values.__getitem__, _STRIDES)) > INT32_SPAN
+    )
 
 
 def _lean_span(values, c):

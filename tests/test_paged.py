@@ -2218,12 +2218,15 @@ def test_calls_the_lean_kernel_leaves_to_the_row_kernels(monkeypatch, launched):
     assert launched[-1].startswith(paged.ROW_KERNEL + "<")
 
 
-def test_lean_kernel_reads_its_sources_and_destinations_by_index():
+@pytest.mark.parametrize("record", ["PARAMS", "LEAN_PARAMS"])
+def test_lean_kernel_reads_its_sources_and_destinations_by_index(record):
     """The lean kernel indexes the record from q_rope, qr_sn, q_rope_out, qro_sn and krc_sp: those
-    fields must stay consecutive in PARAMS (tests/test_compile.py: PARAMS is the C struct)."""
+    fields must stay consecutive in PARAMS and LEAN_PARAMS, each run of one field type
+    (tests/test_compile.py: the records are the C structs)."""
     from ropekv import paged
 
-    offsets = {name: paged.PARAMS.dtype.fields[name][1] for name in paged.PARAMS.names}
+    params = getattr(paged, record)
+    fields = params.dtype.fields
     runs = (
         ("q_rope", "q_nope", "k_rope", "k_nope", "v"),
         ("q_rope_out", "q_nope_out", "kr_cache", "kn_cache", "v_cache"),
@@ -2232,7 +2235,26 @@ def test_lean_kernel_reads_its_sources_and_destinations_by_index():
         ("krc_sp", "krc_se", "krc_sh", "knc_sp", "knc_se", "knc_sh", "vc_sp", "vc_se", "vc_sh"),
     )
     for run in runs:
-        assert [offsets[n] - offsets[run[0]] for n in run] == [8 * k for k in range(len(run))]
+        size = fields[run[0]][0].itemsize
+        assert {fields[n][0] for n in run} == {fields[run[0]][0]}
+        assert [fields[n][1] - fields[run[0]][1] for n in run] == [size * k for k in range(len(run))]
+
+
+def test_lean_record_by_offset_width():
+    """A lean kernel's call packs LEAN_PARAMS (int32 strides) where its offsets are 32-bit and
+    PARAMS where they are 64-bit; a stride outside int32 takes the 64-bit form even where every
+    span fits (a dimension of extent one)."""
+    from ropekv import paged
+
+    assert paged.LEAN_PARAMS.dtype.itemsize < paged.PARAMS.dtype.itemsize
+    values = dict.fromkeys(paged._STRIDES, 1) | {"B": 1, "num_indices": 1}
+
+    class Call:
+        T, Hq, Hkv, R, Dn, P, page_size, num_pages = 1, 1, 1, 64, 0, 16, 16, 4
+
+    assert not paged._lean_wide(values, Call)
+    assert paged._lean_wide(values | {"qr_sn": 2**31}, Call)
+    assert paged._lean_wide(values | {"krc_sp": -(2**31)}, Call)
 
 
 # Tests written for the row and section kernels whose decode calls the lean kernel now takes:

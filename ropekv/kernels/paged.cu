@@ -101,6 +101,58 @@ struct PagedOptsParams {
   int T;  // tokens (a batch of none with status= launches one block that only validates)
 };
 
+// The lean kernels' record where their offsets are 32-bit (I = int; the host then also keeps
+// every stride within int32): PagedParams's fields that they read, in its order, strides and
+// extents as int. A kernel reads its parameters through the constant cache; from PagedParams the
+// lean kernel's SASS (sm_90a) read 8 lines of 64 bytes, from these 304 bytes 5 (QKDecodeParams in
+// qknorm.cu: the same change took 3-6% off its decode calls). 64-bit offsets keep PagedParams.
+// Field order and types mirror LEAN_PARAMS in ropekv/paged.py.
+struct PagedLeanParams {
+  const void* q_rope;
+  const void* q_nope;
+  const void* k_rope;
+  const void* k_nope;
+  const void* v;
+  void* q_rope_out;
+  void* q_nope_out;
+  void* kr_cache;
+  void* kn_cache;
+  void* v_cache;
+  const float* cos_sin;
+  const void* pos_ids;
+  const void* batch_indices;
+  const void* positions;
+  const void* kv_indptr;
+  const void* kv_indices;
+  const float* q_scales;
+  const float* kv_scales;
+  int qr_sn, qr_sh, qn_sn, qn_sh;
+  int kr_sn, kr_sh, kn_sn, kn_sh, v_sn, v_sh;
+  int qro_sn, qro_sh, qno_sn, qno_sh;
+  int krc_sp, krc_se, krc_sh;
+  int knc_sp, knc_se, knc_sh;
+  int vc_sp, vc_se, vc_sh;
+  int cs_sp;
+  int num_pages, num_indices;
+  int pid_st;
+  float q_scale, kv_scale;
+  int Hq, Hkv, Hv, R, B, page_size, P;
+  int index64;
+  int group;
+  int guess;
+};
+
+template <typename I>
+struct LeanRecord {
+  using type = PagedParams;
+};
+template <>
+struct LeanRecord<int> {
+  using type = PagedLeanParams;
+};
+template <typename I>
+using LeanParams = typename LeanRecord<I>::type;
+
 __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
   return is64 ? static_cast<const i64*>(p)[i] : i64(static_cast<const int*>(p)[i]);
 }
@@ -921,7 +973,8 @@ struct LeanSlot {
   i64 idx64 = 0;
   bool ok = false, it_ok = false;
 
-  __device__ __forceinline__ void begin(const PagedParams& p, int t) {
+  template <class P>
+  __device__ __forceinline__ void begin(const P& p, int t) {
     if constexpr (kNarrow) {
       b = lean_index32(p.batch_indices, unsigned(t), p.index64 & 2);
       pos = lean_index32(p.positions, unsigned(t), p.index64 & 4);
@@ -937,7 +990,8 @@ struct LeanSlot {
     }
   }
 
-  __device__ __forceinline__ void indptr(const PagedParams& p) {
+  template <class P>
+  __device__ __forceinline__ void indptr(const P& p) {
     const int ps = p.page_size;
     const bool pow2 = (ps & (ps - 1)) == 0;
     if constexpr (kNarrow) {
@@ -963,7 +1017,8 @@ struct LeanSlot {
     }
   }
 
-  __device__ __forceinline__ void page_id(const PagedParams& p) {
+  template <class P>
+  __device__ __forceinline__ void page_id(const P& p) {
     pgi = LeanIndex{0u, 0u, p.index64 & 16};
     if (!ok) return;
     if constexpr (kNarrow) {
@@ -984,7 +1039,8 @@ struct LeanSlot {
   }
 
   // page -1 when the token has no slot
-  __device__ __forceinline__ void end(const PagedParams& p, i64& page, i64& entry) const {
+  template <class P>
+  __device__ __forceinline__ void end(const P& p, i64& page, i64& entry) const {
     page = -1;
     entry = 0;
     if (!it_ok) return;
@@ -1024,8 +1080,8 @@ struct LeanSlot {
 constexpr int kLeanThreads = 256;  // blockDim.x * blockDim.y * blockDim.z (the host keeps to it)
 // The lean kernel picks a row's source and destination by index: the five input pointers and
 // their (token, head) strides, the five output pointers and their strides, must stay consecutive
-// fields of PagedParams in these orders (tests/test_paged.py checks PARAMS, tests/test_compile.py
-// that PARAMS is this struct).
+// fields of PagedParams and PagedLeanParams in these orders (tests/test_paged.py checks PARAMS and
+// LEAN_PARAMS, tests/test_compile.py that they are these structs).
 
 // Head row h of a token as the lean kernels address it (rows Q, K, V in that order; chunk col
 // of its rope part where rotary, else of its nope part): its kind, the index of its source among
@@ -1049,32 +1105,32 @@ __device__ __forceinline__ LeanRow lean_row(int h, int Hq, int Hk, int R, bool r
 
 // The row's chunk in its source: the record's first five pointers and their (token, head)
 // strides, consecutive from qr_sn, read by index (one constant load each, no branches).
-template <typename T, typename I>
-__device__ __forceinline__ const T* lean_source(const PagedParams& p, const LeanRow& r, int t) {
+template <typename T, typename I, class P>
+__device__ __forceinline__ const T* lean_source(const P& p, const LeanRow& r, int t) {
   const T* src = static_cast<const T*>((&p.q_rope)[r.kind]);
-  const i64 s_sn = (&p.qr_sn)[2 * r.kind];
-  const i64 s_sh = (&p.qr_sn)[2 * r.kind + 1];
+  const auto s_sn = (&p.qr_sn)[2 * r.kind];
+  const auto s_sh = (&p.qr_sn)[2 * r.kind + 1];
   return src + (I(t) * I(s_sn) + I(r.hh) * I(s_sh) + I(r.e));
 }
 
 // The row's destination, by index as the source: q_rope_out, q_nope_out (token, head strides
 // from qro_sn), kr_cache, kn_cache, v_cache (page, entry, head strides from krc_sp); the start
 // of the row's rope or nope part (the chunk adds col).
-template <typename OutT, typename I>
-__device__ __forceinline__ OutT* lean_dest(const PagedParams& p, const LeanRow& r, int t, i64 page,
+template <typename OutT, typename I, class P>
+__device__ __forceinline__ OutT* lean_dest(const P& p, const LeanRow& r, int t, i64 page,
                                            i64 entry, int col) {
   OutT* d = static_cast<OutT*>((&p.q_rope_out)[r.kind]);
   if (r.is_q) {
     d += I(t) * I((&p.qro_sn)[2 * r.kind]) + I(r.hh) * I((&p.qro_sn)[2 * r.kind + 1]);
   } else {
-    const i64* st = &p.krc_sp + 3 * (r.kind - 2);
+    const auto* st = &p.krc_sp + 3 * (r.kind - 2);
     d += I(page) * I(st[0]) + I(entry) * I(st[1]) + I(r.hh) * I(st[2]) + I(r.e - col);
   }
   return d;
 }
 
 template <typename T, typename OutT, bool NEOX, int N, typename I>
-__global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(const PagedParams p) {
+__global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(const LeanParams<I> p) {
   pdl_launch_dependents();
   const int t = blockIdx.x * blockDim.z + threadIdx.z;
   const int h = blockIdx.y * blockDim.y + threadIdx.y;
@@ -1154,7 +1210,7 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
 // k >= 1, are pass-through (q_nope, k_nope or V's), addressed from one base each.
 template <typename T, typename OutT, bool NEOX, int N, int C, typename I>
 __global__ void __launch_bounds__(kLeanThreads)
-    rope_append_paged_rows_lean_multi(const PagedParams p) {
+    rope_append_paged_rows_lean_multi(const LeanParams<I> p) {
   pdl_launch_dependents();
   const int t = blockIdx.x * blockDim.z + threadIdx.z;
   const int h = blockIdx.y * blockDim.y + threadIdx.y;
@@ -1247,8 +1303,8 @@ __global__ void __launch_bounds__(kLeanThreads)
     o0 = I(t) * I((&p.qro_sn)[2 * k0]) + I(hh) * I((&p.qro_sn)[2 * k0 + 1]);
     on = I(t) * I((&p.qro_sn)[2 * kn]) + I(hh) * I((&p.qro_sn)[2 * kn + 1]);
   } else {
-    const i64* s0 = &p.krc_sp + 3 * (k0 - 2);
-    const i64* s1 = &p.krc_sp + 3 * (kn - 2);
+    const auto* s0 = &p.krc_sp + 3 * (k0 - 2);
+    const auto* s1 = &p.krc_sp + 3 * (kn - 2);
     o0 = I(page) * I(s0[0]) + I(entry) * I(s0[1]) + I(hh) * I(s0[2]);
     on = I(page) * I(s1[0]) + I(entry) * I(s1[1]) + I(hh) * I(s1[2]);
   }
@@ -1280,7 +1336,7 @@ __host__ __device__ constexpr int lean_rows_min_blocks(int U) { return U == 2 ? 
 
 template <typename T, typename OutT, bool NEOX, int N, int U, typename I>
 __global__ void __launch_bounds__(kLeanThreads, lean_rows_min_blocks(U))
-    rope_append_paged_rows_lean_rows(const PagedParams p) {
+    rope_append_paged_rows_lean_rows(const LeanParams<I> p) {
   pdl_launch_dependents();
   const int t = blockIdx.x * blockDim.z + threadIdx.z;
   const int S = blockDim.y;
