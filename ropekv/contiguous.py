@@ -148,6 +148,23 @@ PARAMS = ParamStruct(
         ),
     ],
 )
+# The lean kernel's record where its offsets are 32-bit (RopeWriteKVLeanParams): the fields of
+# PARAMS it reads, strides as int32 (_wide keeps every stride within it): 3 constant-bank lines of
+# 64 bytes instead of 5 (the kernel's note). 64-bit offsets keep PARAMS.
+_LEAN_STRIDES = (
+    *("q_sb", "q_ss", "q_sh", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh"),
+    *("c_sb", "c_skv", "c_sh", "c_st", "cs_sb", "cs_sp"),
+)
+LEAN_PARAMS = ParamStruct(
+    "RopeWriteKVLeanParams",
+    [
+        *PARAMS.fields[:8],  # q .. kv_scale
+        *((n, np.int32) for n in _LEAN_STRIDES),
+        *((n, np.float32) for n in ("inv_k_scale", "inv_v_scale")),
+        *((n, np.int32) for n in ("S", "Hq", "Hkv", "R", "C", "P", "write_k_in_place", "index64")),
+        ("v_scale_index", np.int32),
+    ],
+)
 
 # the array arguments, in the order the public function hands them to the call path; each is
 # also the name of its kernel pointer field
@@ -804,22 +821,32 @@ def _launch(a, f, c, mode):
         values.update(_option_values(a, c.sections))
     plain = vqo is None and a.q_scale_out is None and a.kv_cache_scales is None
     lean = lean_shape(c.B, c.S, c.Hq + 2 * c.Hkv, items) if plain and not c.sections else None
+    params = PARAMS
     if lean is not None:  # the plain call's decode: the lean kernel
-        kernel = lean_expression(vq.dtype, a.kv_cache.dtype, f.is_neox, n, _wide(a))
+        wide = _wide(a, values)
+        kernel = lean_expression(vq.dtype, a.kv_cache.dtype, f.is_neox, n, wide)
         block_shape, grid = lean
+        params = PARAMS if wide else LEAN_PARAMS
     else:
         kernel = expression(vq.dtype, a.kv_cache.dtype, f.is_neox, n, mode, vout.dtype)
         block_shape, grid = (block,), (c.B * c.S, splits)
     return Launch(
-        STEM, kernel, c.device, grid, block_shape, PARAMS, values, slots, pdl=f.enable_pdl
+        STEM, kernel, c.device, grid, block_shape, params, values, slots, pdl=f.enable_pdl
     )
 
 
-def _wide(a):
+def _wide(a, values):
     """Whether an array the lean kernel addresses (q, k, v, the cache, the table) spans 2**31
-    elements or more from its pointer (then its offsets are 64-bit)."""
+    elements or more from its pointer, or a stride of the record's ``values`` lies outside int32
+    (a stride of a dimension of extent one can be any value; the 32-bit form's record,
+    LEAN_PARAMS, holds them as int32): then its offsets are 64-bit."""
     views = (a.q, a.k, a.v, a.kv_cache, a.cos_sin_cache)
-    return any(max(-v.span[0], v.span[1]) // v.dtype.itemsize > INT32_SPAN for v in views)
+    strides = tuple(map(values.__getitem__, _LEAN_STRIDES))
+    return (
+        any(max(-v.span[0], v.span[1]) // v.dtype.itemsize > INT32_SPAN for v in views)
+        or min(strides) < -INT32_SPAN
+        or max(strides) > INT32_SPAN
+    )
 
 
 def _values(a, f, c, items, group, rows):

@@ -1472,3 +1472,22 @@ def test_a_device_scale_outside_the_positive_floats_writes_nothing(monkeypatch, 
         call(dev, write_k_in_place=True)
         for name in ("q", "k", "kv_cache"):
             assert_bytes_equal(to_numpy(dev[name]), args[name], name)
+
+
+def test_lean_record_by_offset_width():
+    """The lean kernel's call packs LEAN_PARAMS (int32 strides) where its offsets are 32-bit and
+    PARAMS where they are 64-bit: an array spanning 2**31 elements, or a stride outside int32
+    even where every span fits (a dimension of extent one)."""
+    from types import SimpleNamespace
+
+    from ropekv import contiguous
+
+    assert contiguous.LEAN_PARAMS.dtype.itemsize < contiguous.PARAMS.dtype.itemsize
+    view = SimpleNamespace(span=(0, 1024), dtype=np.dtype(np.float16))
+    a = SimpleNamespace(q=view, k=view, v=view, kv_cache=view, cos_sin_cache=view)
+    values = dict.fromkeys(contiguous._LEAN_STRIDES, 8)
+    assert not contiguous._wide(a, values)
+    assert contiguous._wide(a, values | {"q_sb": 2**31})
+    assert contiguous._wide(a, values | {"c_st": -(2**31)})
+    far = SimpleNamespace(span=(0, 2**32 + 2), dtype=np.dtype(np.float16))
+    assert contiguous._wide(SimpleNamespace(**{**vars(a), "kv_cache": far}), values)

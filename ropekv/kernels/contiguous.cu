@@ -43,6 +43,42 @@ struct RopeWriteKVParams {
   int kv_dynamic;  // MODE 6: computed K/V scales (MODE 4, 5: always; 2, 3: never)
 };
 
+// The lean kernel's record where its offsets are 32-bit (I = int; the host then also keeps every
+// stride within int32): RopeWriteKVParams's fields that it reads, in its order, strides as int. A
+// kernel reads its parameters through the constant cache: from RopeWriteKVParams the lean
+// kernel's SASS (sm_90a) read 5 lines of 64 bytes, from these 168 bytes 3 (QKDecodeParams in
+// qknorm.cu: the same change took 3-6% off its decode calls). 64-bit offsets keep
+// RopeWriteKVParams. Field order and types mirror LEAN_PARAMS in ropekv/contiguous.py.
+struct RopeWriteKVLeanParams {
+  void* q;
+  void* k;
+  const void* v;
+  void* cache;
+  const float* cos_sin;
+  const void* kv_end_lens;
+  const void* position_ids;
+  const float* kv_scale;
+  int q_sb, q_ss, q_sh;
+  int k_sb, k_ss, k_sh;
+  int v_sb, v_ss, v_sh;
+  int c_sb, c_skv, c_sh, c_st;
+  int cs_sb, cs_sp;
+  float inv_k_scale, inv_v_scale;
+  int S, Hq, Hkv, R, C, P;
+  int write_k_in_place;
+  int index64;
+  int v_scale_index;
+};
+
+template <typename I>
+struct LeanRecord {
+  using type = RopeWriteKVParams;
+};
+template <>
+struct LeanRecord<int> {
+  using type = RopeWriteKVLeanParams;
+};
+
 __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
   return is64 ? static_cast<const i64*>(p)[i] : i64(static_cast<const int*>(p)[i]);
 }
@@ -400,7 +436,8 @@ __global__ void ROPEKV_SCALED_BOUNDS apply_rope_write_kv_scaled(const RopeWriteK
 // bits, the host decides; long long otherwise); the slot and position are checked before they
 // take part in one.
 template <typename T, typename CacheT, bool NEOX, int N, typename I>
-__global__ void __launch_bounds__(kMaxBlock) apply_rope_write_kv_lean(const RopeWriteKVParams p) {
+__global__ void __launch_bounds__(kMaxBlock)
+    apply_rope_write_kv_lean(const typename LeanRecord<I>::type p) {
   pdl_launch_dependents();
   const int h = blockIdx.x * blockDim.y + threadIdx.y;
   const int H = p.Hq + 2 * p.Hkv;
