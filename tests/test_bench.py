@@ -1739,8 +1739,9 @@ json.dump({{"cases": cases, "args": args[:-2]}}, open(out, "w"))
 def test_device_ab_alternates_trees_and_reads_each_trees_package(tmp_path, capsys):
     """tools/device_ab.py: old and new processes alternate (old first in odd rounds), each
     imports the ropekv of its own tree (stand-in packages whose ``python -m ropekv`` writes the
-    bench JSON), gets the bench arguments after ``--``, and each case's line is the median of new
-    over the median of old; a case missing from a run is left out."""
+    bench JSON), gets the bench arguments after ``--`` (``--peers cublas`` added where they name
+    no peers), and each case's line is the median of new over the median of old, printed after
+    every round both trees have run; a case missing from a run is left out."""
     ab = load_tool("device_ab")
     assert ab.order(3) == [("old", 1), ("new", 1), ("new", 2), ("old", 2), ("old", 3), ("new", 3)]
     for tree, us in (("old", {"a": 10.0, "b": 4.0}), ("new", {"a": 11.0, "b": 4.0, "c": 1.0})):
@@ -1754,17 +1755,18 @@ def test_device_ab_alternates_trees_and_reads_each_trees_package(tmp_path, capsy
         + ["--out", str(out), "--", "--ops", "qkv"]
     )
     printed = capsys.readouterr().out.splitlines()
-    assert printed[:4] == [
+    assert [printed[k] for k in (0, 1, 4, 5)] == [
         "old round 1: done",
         "new round 1: done",
         "new round 2: done",
         "old round 2: done",
     ]
-    rows = [line.split()[0] for line in printed[4:]]
-    assert rows == ["a", "b"]  # "c" is missing from the old runs
-    assert printed[4].endswith("new / old 1.100") and printed[5].endswith("new / old 1.000")
+    for rows in (printed[2:4], printed[6:]):  # after round 1, after round 2
+        assert [line.split()[0] for line in rows] == ["a", "b"]  # "c": not in the old runs
+        assert rows[0].endswith("new / old 1.100") and rows[1].endswith("new / old 1.000")
     runs = [json.loads((out / f"{t}-{i}.json").read_text()) for t in ("old", "new") for i in (1, 2)]
-    assert all(r["args"] == ["bench", "--ops", "qkv"] for r in runs)
+    assert all(r["args"] == ["bench", "--ops", "qkv", "--peers", "cublas"] for r in runs)
+    assert ab.bench_arguments(["--peers", "torch"]) == ["--peers", "torch"]
 
 
 def test_device_ab_summary_medians():

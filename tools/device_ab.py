@@ -14,8 +14,12 @@ for instance ``mkdir OLD && git archive REV ropekv | tar x -C OLD``)::
 
     python tools/device_ab.py OLD --rounds 4 --out ab -- --ops qkv --peers cublas --cases "qkv fp16"
 
-Everything after ``--`` goes to ``ropekv bench`` (its ``--json`` is set per process). Prints a
-line per case: the times of each process and the median of new over the median of old.
+Everything after ``--`` goes to ``ropekv bench`` (its ``--json`` is set per process); without
+a ``--peers`` there, ``--peers cublas`` is added (this reads ropekv's times alone, and a bench
+without ``--peers`` times every installed peer: with FlashInfer installed a first process
+built its JIT modules for 91 s). Prints a line per case: the times of each process and the median
+of new over the median of old, after every round that both trees have run (so a run stopped by a
+time limit still leaves the rounds it finished).
 """
 
 from __future__ import annotations
@@ -69,6 +73,20 @@ def summarize(results):
     return rows
 
 
+def bench_arguments(args):
+    """The arguments each ``ropekv bench`` process gets: ``args``, with ``--peers cublas`` added
+    where they name no peers (cuBLAS runs on the fused QKV cases alone)."""
+    return list(args) if "--peers" in args else [*args, "--peers", "cublas"]
+
+
+def print_rows(results):
+    """A line per case of ``summarize(results)``."""
+    for name, old, new, ratio in summarize(results):
+        o = " ".join(f"{x:8.2f}" for x in old)
+        n = " ".join(f"{x:8.2f}" for x in new)
+        print(f"{name:44s} old {o} | new {n} | new / old {ratio:.3f}", flush=True)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
@@ -78,7 +96,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=4, help="processes a tree (default 4)")
     p.add_argument("--out", default="device_ab", help="folder for each process's JSON")
     a = p.parse_args(argv[:split])
-    bench_args = argv[split + 1 :]
+    bench_args = bench_arguments(argv[split + 1 :])
     os.makedirs(a.out, exist_ok=True)
     roots = {"old": os.path.abspath(a.old), "new": os.path.abspath(a.new)}
     results = {"old": [], "new": []}
@@ -90,10 +108,8 @@ def main(argv=None):
         with open(path) as f:
             results[tree].append(json.load(f))
         print(f"{tree} round {i}: done", flush=True)
-    for name, old, new, ratio in summarize(results):
-        o = " ".join(f"{x:8.2f}" for x in old)
-        n = " ".join(f"{x:8.2f}" for x in new)
-        print(f"{name:44s} old {o} | new {n} | new / old {ratio:.3f}")
+        if len(results["old"]) == len(results["new"]) == i:  # round i done by both trees
+            print_rows(results)
 
 
 if __name__ == "__main__":
