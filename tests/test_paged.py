@@ -2237,7 +2237,9 @@ def test_lean_kernel_reads_its_sources_and_destinations_by_index(record):
     for run in runs:
         size = fields[run[0]][0].itemsize
         assert {fields[n][0] for n in run} == {fields[run[0]][0]}
-        assert [fields[n][1] - fields[run[0]][1] for n in run] == [size * k for k in range(len(run))]
+        assert [fields[n][1] - fields[run[0]][1] for n in run] == [
+            size * k for k in range(len(run))
+        ]
 
 
 def test_lean_record_by_offset_width():
