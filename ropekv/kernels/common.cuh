@@ -81,6 +81,16 @@ __device__ __forceinline__ __nv_fp8_e5m2 from_float<__nv_fp8_e5m2>(float x) {
   return r;
 }
 
+// pick_type<C, X, Y>::type: X where C holds, else Y (std::conditional, which NVRTC's headers lack).
+template <bool C, typename X, typename Y>
+struct pick_type {
+  using type = X;
+};
+template <typename X, typename Y>
+struct pick_type<false, X, Y> {
+  using type = Y;
+};
+
 template <typename T>
 struct is_fp8 {
   static constexpr bool value = false;

@@ -71,13 +71,8 @@ struct RopeWriteKVLeanParams {
 };
 
 template <typename I>
-struct LeanRecord {
-  using type = RopeWriteKVParams;
-};
-template <>
-struct LeanRecord<int> {
-  using type = RopeWriteKVLeanParams;
-};
+using LeanParams =
+    typename pick_type<sizeof(I) == 4, RopeWriteKVLeanParams, RopeWriteKVParams>::type;
 
 __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
   return is64 ? static_cast<const i64*>(p)[i] : i64(static_cast<const int*>(p)[i]);
@@ -437,7 +432,7 @@ __global__ void ROPEKV_SCALED_BOUNDS apply_rope_write_kv_scaled(const RopeWriteK
 // take part in one.
 template <typename T, typename CacheT, bool NEOX, int N, typename I>
 __global__ void __launch_bounds__(kMaxBlock)
-    apply_rope_write_kv_lean(const typename LeanRecord<I>::type p) {
+    apply_rope_write_kv_lean(const LeanParams<I> p) {
   pdl_launch_dependents();
   const int h = blockIdx.x * blockDim.y + threadIdx.y;
   const int H = p.Hq + 2 * p.Hkv;

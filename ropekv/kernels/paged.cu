@@ -143,15 +143,7 @@ struct PagedLeanParams {
 };
 
 template <typename I>
-struct LeanRecord {
-  using type = PagedParams;
-};
-template <>
-struct LeanRecord<int> {
-  using type = PagedLeanParams;
-};
-template <typename I>
-using LeanParams = typename LeanRecord<I>::type;
+using LeanParams = typename pick_type<sizeof(I) == 4, PagedLeanParams, PagedParams>::type;
 
 __device__ __forceinline__ i64 read_index(const void* p, i64 i, int is64) {
   return is64 ? static_cast<const i64*>(p)[i] : i64(static_cast<const int*>(p)[i]);

@@ -491,15 +491,6 @@ __global__ void __launch_bounds__(512) qk_rmsnorm_rope_append(const QKNormParams
 // store, after the norm and RoPE arithmetic. The semantics are qk_rows's: a token outside every
 // request or with a position outside [0, P) has its q row copied and writes nothing; a token whose
 // page is out of range is normalised and roped but writes nothing.
-template <bool C, typename X, typename Y>
-struct pick_type {
-  using type = X;
-};
-template <typename X, typename Y>
-struct pick_type<false, X, Y> {
-  using type = Y;
-};
-
 // The decode kernels' record: only the fields they read, in the order of QKNormParams (whose
 // fields they share by name: the host packs both from one dict). A kernel's parameters are read
 // through the constant cache: from QKNormParams the flat kernel's SASS (sm_90a) read 7 lines of
