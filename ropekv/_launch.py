@@ -184,6 +184,14 @@ def division_fields(prefix, d):
     return {f"{prefix}_magic": magic, f"{prefix}_shift": shift}
 
 
+def int32_fields_fit(values, names):
+    """Whether the values of ``values`` (``{field: value}``) named in ``names`` all lie within
+    +-(2**31 - 1): what a record declaring those fields int32 (the lean kernels' strides) holds;
+    a call whose values do not takes the record of 64-bit fields."""
+    held = [values[n] for n in names]
+    return -(2**31 - 1) <= min(held) and max(held) <= 2**31 - 1
+
+
 _launch_kernel = None  # cupy_backends' cuLaunchKernel wrapper, bound on the first launch
 
 

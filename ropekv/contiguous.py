@@ -22,7 +22,7 @@ from ropekv._arrays import (
     INT64,
 )
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, ParamStruct, Plan
+from ropekv._launch import AS_IS, FLAG, KEY, Launch, Op, ParamStruct, Plan, int32_fields_fit
 from ropekv._mrope import check_mrope, section_list
 from ropekv._types import ArrayLike, StreamLike
 from ropekv._vector import vector_width, widest_aligned
@@ -841,12 +841,9 @@ def _wide(a, values):
     (a stride of a dimension of extent one can be any value; the 32-bit form's record,
     LEAN_PARAMS, holds them as int32): then its offsets are 64-bit."""
     views = (a.q, a.k, a.v, a.kv_cache, a.cos_sin_cache)
-    strides = tuple(map(values.__getitem__, _LEAN_STRIDES))
-    return (
-        any(max(-v.span[0], v.span[1]) // v.dtype.itemsize > INT32_SPAN for v in views)
-        or min(strides) < -INT32_SPAN
-        or max(strides) > INT32_SPAN
-    )
+    return any(
+        max(-v.span[0], v.span[1]) // v.dtype.itemsize > INT32_SPAN for v in views
+    ) or not int32_fields_fit(values, _LEAN_STRIDES)
 
 
 def _values(a, f, c, items, group, rows):

@@ -27,7 +27,18 @@ from ropekv._arrays import (
     INT64,
 )
 from ropekv._compile import c_bool, c_type, name_expression
-from ropekv._launch import AS_IS, FLAG, INT, KEY, Launch, Op, Output, ParamStruct, Plan
+from ropekv._launch import (
+    AS_IS,
+    FLAG,
+    INT,
+    KEY,
+    Launch,
+    Op,
+    Output,
+    ParamStruct,
+    Plan,
+    int32_fields_fit,
+)
 from ropekv._mrope import check_mrope, check_mrope_indices, check_status, section_list
 from ropekv._types import ArrayLike, DTypeLike, StreamLike
 from ropekv._vector import vector_width, widest_aligned
@@ -1614,8 +1625,7 @@ def _lean_wide(values, c):
     return (
         _lean_span(values, c) > INT32_SPAN
         or index_limit > INT32_SPAN
-        or not -INT32_SPAN <= min(map(values.__getitem__, _STRIDES))
-        or max(map(values.__getitem__, _STRIDES)) > INT32_SPAN
+        or not int32_fields_fit(values, _STRIDES)
     )
 
 
