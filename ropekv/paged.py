@@ -117,7 +117,9 @@ TUNING = {
     "lean_narrow_from": 1,
     "lean_wide_chunks": 1 << 16,
     "lean_multi": 4,
-    "lean_multi_upto": 1 << 19,
+    "lean_multi_many": 2,
+    "lean_multi_many_from": 64,
+    "lean_multi_upto": 1 << 22,
     "lean_prefill_rows": 1,
     "lean_prefill_rows_bf16_8bit": 2,
     "lean_guess": True,
@@ -172,6 +174,14 @@ LEAN_THREADS = 256  # kLeanThreads: the lean kernel's __launch_bounds__
 # replay, `--tune paged.lean_wide_chunks=0`, time C-chunk / one-chunk): MLA 16 heads 64 / 128
 # tokens 0.97x / 0.90x, 128 heads 16 tokens 0.97x, but 1.04-1.11x at 16 heads up to 16 tokens and
 # 128 heads up to 4 (at most 37K chunks); 2^16 puts the first three past it.
+# C is `lean_multi_many` for tokens of at least `lean_multi_many_from` head rows, `lean_multi`
+# below, and the C-chunk kernel runs up to 2^22 chunks (512 tokens of 128 heads: 4.8M, the section
+# kernel). Two H200 processes, graph replay, `--tune` (time against the default then, the section
+# kernel past 2^19 chunks): 128 heads at 16 / 64 / 128 / 256 tokens, C 2: 0.92-0.95 / 0.92-0.93 /
+# 1.02 / 0.94x, C 4: 0.99-1.00 / 0.94-0.96 / 1.08 / 0.95x; 16 heads at 64 / 128 / 256 tokens, C 2:
+# 1.02-1.03 / 1.02-1.03 / 0.96-0.98x, against a control of the default at 0.98-1.00x; C 8 was
+# 1.06-1.35x slower. With 128 heads at C 4, 16 tokens made 160 blocks of 234 threads on 132 SMs.
+# `lean_multi_many=4, lean_multi_upto=524288` restores 2e56501.
 LEAN_MULTI_KERNEL = "rope_append_paged_rows_lean_multi"
 LEAN_MULTI_CHUNKS = (2, 4)  # chunks a thread compiled beside TUNING's (the compile tests)
 # The lean kernel with U head rows of a token a thread (rope_append_paged_rows_lean_rows: chunk j
@@ -247,7 +257,8 @@ def _lean_multi_lanes(T, H, group, ri):
         return 0
     if not TUNING["lean_wide_chunks"] < chunks <= TUNING["lean_multi_upto"]:
         return 0
-    lanes = -(-group // max(1, TUNING["lean_multi"]))
+    many = H >= TUNING["lean_multi_many_from"]
+    lanes = -(-group // max(1, TUNING["lean_multi_many" if many else "lean_multi"]))
     return lanes if ri <= lanes <= LEAN_THREADS else 0
 
 
@@ -504,7 +515,8 @@ def instantiations():
             yield expression(dtype, out_dtype, is_neox, n, ("rows", rows), mrope, True)
         for out_dtype, wide in itertools.product((dtype, *FP8_DTYPES), (False, True)):
             yield expression(dtype, out_dtype, is_neox, n, ("lean", wide))
-            for chunks in dict.fromkeys((max(1, TUNING["lean_multi"]), *LEAN_MULTI_CHUNKS)):
+            tuned = (TUNING["lean_multi"], TUNING["lean_multi_many"])
+            for chunks in dict.fromkeys((*(max(1, c) for c in tuned), *LEAN_MULTI_CHUNKS)):
                 yield expression(dtype, out_dtype, is_neox, n, ("lean_multi", chunks, wide))
             tuned = (TUNING["lean_prefill_rows"], TUNING["lean_prefill_rows_bf16_8bit"])
             for rows in dict.fromkeys((*tuned, *LEAN_PREFILL_ROWS)):

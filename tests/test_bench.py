@@ -1150,7 +1150,7 @@ def test_tune_values_zero_where_it_means_off_and_at_least_one_for_sizes():
     ``tuning.KINDS``)."""
     for op, key, default in (
         ("paged", "row_group", 32),
-        ("paged", "lean_multi_upto", 1 << 19),
+        ("paged", "lean_multi_upto", 1 << 22),
         ("paged", "lean_multi", 4),
         ("qknorm", "decode_by_token", 1),
         ("qknorm", "rows_per_lane", 0),

@@ -2324,13 +2324,17 @@ def test_lean_multi_takes_wide_rows_past_lean_wide_chunks(monkeypatch):
     assert max(4 * 129 * 72, 16 * 17 * 72) <= below < min(16 * 129 * 72, 64 * 17 * 72)
     assert _multi_shape(4, 128).shape == ("lean", False)
     assert _multi_shape(16, 16).shape == ("lean", False)
-    assert _multi_shape(16, 128).shape == ("lean_multi", 4)
+    # C: lean_multi_many (2) for tokens of at least lean_multi_many_from head rows, lean_multi (4)
+    # below; 129 rows of 72 chunks: 36 lanes of 2, 17 rows: 18 lanes of 4
+    assert 17 < paged.TUNING["lean_multi_many_from"] <= 129
+    assert _multi_shape(16, 128).shape == ("lean_multi", 2) and _multi_shape(16, 128).block == 36
     assert _multi_shape(64, 16).shape == ("lean_multi", 4)
     upto = paged.TUNING["lean_multi_upto"]
-    assert 256 * 17 * 72 <= upto < 64 * 129 * 72  # the shipped split: 16 heads x 256 tokens
+    assert 256 * 129 * 72 <= upto < 512 * 129 * 72  # the shipped split: 128 heads x 256 tokens
     assert _multi_shape(256, 16).shape == ("lean_multi", 4)
-    assert _multi_shape(64, 128).shape[0] not in ("lean", "lean_multi")  # the section kernel
-    monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 1 << 22)  # the shapes below
+    assert _multi_shape(256, 128).shape == ("lean_multi", 2)
+    assert _multi_shape(512, 128).shape[0] not in ("lean", "lean_multi")  # the section kernel
+    monkeypatch.setitem(paged.TUNING, "lean_multi_many_from", 1 << 30)  # lean_multi below
     wide = _multi_shape(64, 128)  # 129 rows of 72 chunks: 18 lanes of 4
     assert wide.shape == ("lean_multi", 4) and (wide.group, wide.block) == (72, 18)
     assert wide.rows * wide.block * wide.tokens <= paged.LEAN_THREADS
@@ -2363,6 +2367,11 @@ def test_lean_multi_takes_wide_rows_past_lean_wide_chunks(monkeypatch):
     monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 1 << 22)
     monkeypatch.setitem(paged.TUNING, "lean_wide_chunks", 0)  # every wide call of lean_below
     assert _multi_shape(1, 128).shape == ("lean_multi", 4)
+    monkeypatch.setitem(paged.TUNING, "lean_multi_many_from", 129)  # a token's rows, not its heads
+    assert _multi_shape(1, 128).shape == ("lean_multi", 2)
+    assert _multi_shape(1, 127).shape == ("lean_multi", 4)
+    monkeypatch.setitem(paged.TUNING, "lean_multi_many", 3)
+    assert _multi_shape(1, 128).shape == ("lean_multi", 3)
 
 
 def test_lean_multi_kernels_are_compiled():
@@ -2370,7 +2379,8 @@ def test_lean_multi_kernels_are_compiled():
     from ropekv import paged
 
     made = [e for e in paged.instantiations() if e.startswith(paged.LEAN_MULTI_KERNEL + "<")]
-    for C in (*paged.LEAN_MULTI_CHUNKS, paged.TUNING["lean_multi"]):
+    tuned = (paged.TUNING["lean_multi"], paged.TUNING["lean_multi_many"])
+    for C in (*paged.LEAN_MULTI_CHUNKS, *tuned):
         for offsets in ("int", "long long"):
             assert any(e.endswith(f", 8, {C}, {offsets}>") for e in made), (C, offsets)
 
@@ -2457,6 +2467,7 @@ def test_lean_multi_kernel_mla_decode(Hq, C, monkeypatch, launched_multi):
     from ropekv import paged
 
     monkeypatch.setitem(paged.TUNING, "lean_multi", C)
+    monkeypatch.setitem(paged.TUNING, "lean_multi_many", C)
     mla = _mla(Hq)
     for T, neox in ((1, False), (4, True), (16, False), (63, True), (130, False)):
         args = make_case(170 + T, T=T, B=min(T, 5), padding=T // 4, **mla)
@@ -2569,9 +2580,9 @@ def test_lean_multi_off_keeps_todays_kernels(monkeypatch, launched):
         check_against_reference(make_case(210 + T, T=T, B=8, **_mla(Hq)), True, is_neox=False)
         assert not launched[-1].startswith(paged.LEAN_MULTI_KERNEL), launched[-1:]
         assert not launched[-1].startswith(paged.LEAN_KERNEL + "<"), launched[-1:]
-    monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 1 << 22)  # the new kernel at 64 x 128 too
+    monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 1 << 22)  # the C-chunk kernel at 64 x 128
     check_against_reference(make_case(212, T=64, B=8, **_mla(128)), True, is_neox=False)
-    assert _multi_ran(launched, 4)
+    assert _multi_ran(launched, paged.TUNING["lean_multi_many"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2701,7 +2712,7 @@ def test_lean_prefill_rows_by_dtypes(dtype, out, key, monkeypatch):
         assert _choose_lean(512, 32, 8, dtype=dtype, out_dtype=out, **gqa).shape == ("lean", False)
 
 
-def test_section_kernel_shapes_of_issue_38():
+def test_section_kernel_shapes_of_issue_38(monkeypatch):
     """The section kernel's shipped shapes: MLA prefill and 128-head decode past the lean kernels
     take min blocks 5 (heavy) and 4 (light) (the kernel's section_min_blocks keeps neox and
     mRoPE at 4); every instantiation of them is listed for the compile tests."""
@@ -2709,6 +2720,8 @@ def test_section_kernel_shapes_of_issue_38():
     from ropekv._compile import read_source
 
     mla = {"Hkv": 1, "R": 64, "Dn": 512, "mla": True}
+    assert _choose_lean(512, 128, **mla).shape == paged.TUNING["heavy"]  # past lean_multi_upto
+    monkeypatch.setitem(paged.TUNING, "lean_multi_upto", 0)  # the section kernel from 64 tokens
     assert paged.TUNING["heavy"][2] == 5 and paged.TUNING["light"][2] == 4
     assert _choose_lean(64, 128, **mla).shape == paged.TUNING["light"]  # 73 x 128 items
     assert _choose_lean(128, 128, **mla).shape == paged.TUNING["heavy"]
