@@ -169,6 +169,14 @@ _DECODE_FIELDS = (
     "pg_shift",
 )
 DECODE_PARAMS = ParamStruct("QKDecodeParams", [f for f in PARAMS.fields if f[0] in _DECODE_FIELDS])
+# The record of the decode kernels that store fp8 q (QKDecodeQParams): DECODE_PARAMS's fields and
+# the q scale's, in PARAMS's order (the plain decode kernels' record and lines stay as they are).
+_QDECODE_FIELDS = (*_DECODE_FIELDS, "q_scale_out", "q_dynamic", "inv_q_scale", "qs_st", "qs_sh")
+QDECODE_PARAMS = ParamStruct(
+    "QKDecodeQParams", [f for f in PARAMS.fields if f[0] in _QDECODE_FIELDS]
+)
+# fp8 q types with decode kernels (e5m2 q takes the quantizing generic kernel: compile time)
+DECODE_Q_DTYPES = FP8_DTYPES[:1]
 MAX_GROUP = 32  # lanes per head row: one chunk each, a row within a warp
 ROWS = (1, 2, 4)  # kernels by the head rows one lane group can hold (their register budgets)
 MAX_BLOCK = 512  # __launch_bounds__
@@ -307,10 +315,11 @@ def expression(dtype, cache_dtype, is_neox, n, rows=1, opts=0, q_dtype=None):
     )
 
 
-def decode_expression(dtype, cache_dtype, is_neox, D, gamma_f32, i32, guess=False):
+def decode_expression(dtype, cache_dtype, is_neox, D, gamma_f32, i32, guess=False, q_dtype=None):
     """The decode kernel: head dim ``D`` (one of DECODE_DIMS), float32 RMSNorm weights or
     weights of ``dtype``, 32-bit or 64-bit offsets; ``guess``: the decode guess for the request
-    search (:func:`guesses`)."""
+    search (:func:`guesses`); ``q_dtype``: q stored as this fp8 type (DECODE_Q_DTYPES; a static
+    or computed scale), None: as ``dtype``."""
     return name_expression(
         DECODE_KERNEL,
         c_type(dtype),
@@ -320,12 +329,14 @@ def decode_expression(dtype, cache_dtype, is_neox, D, gamma_f32, i32, guess=Fals
         c_bool(gamma_f32),
         c_bool(i32),
         c_bool(guess),
+        *(() if q_dtype is None else (c_type(q_dtype),)),
     )
 
 
-def flat_expression(dtype, cache_dtype, is_neox, D, gamma_f32, n, guess=False):
+def flat_expression(dtype, cache_dtype, is_neox, D, gamma_f32, n, guess=False, q_dtype=None):
     """The flat decode kernel (32-bit offsets): head dim ``D`` (one of DECODE_DIMS), ``n``
-    elements per lane (one of FLAT_WIDTHS); ``guess`` as for :func:`decode_expression`."""
+    elements per lane (one of FLAT_WIDTHS); ``guess`` and ``q_dtype`` as for
+    :func:`decode_expression`."""
     return name_expression(
         FLAT_KERNEL,
         c_type(dtype),
@@ -335,6 +346,7 @@ def flat_expression(dtype, cache_dtype, is_neox, D, gamma_f32, n, guess=False):
         c_bool(gamma_f32),
         n,
         c_bool(guess),
+        *(() if q_dtype is None else (c_type(q_dtype),)),
     )
 
 
@@ -392,9 +404,10 @@ def instantiations():
                             if not flat_lanes(D, is_neox, n):
                                 continue
                             for guess in (False, True):
-                                yield flat_expression(
-                                    dtype, cache_dtype, is_neox, D, gamma_f32, n, guess
-                                )
+                                for q_dtype in (None, *DECODE_Q_DTYPES):
+                                    yield flat_expression(
+                                        dtype, cache_dtype, is_neox, D, gamma_f32, n, guess, q_dtype
+                                    )
     for dtype in INPUT_DTYPES:
         for cache_dtype in (dtype, *FP8_DTYPES):
             for is_neox in (True, False):
@@ -402,9 +415,17 @@ def instantiations():
                     for gamma_f32 in (True, False):
                         for i32 in (True, False):
                             for guess in (False, True):
-                                yield decode_expression(
-                                    dtype, cache_dtype, is_neox, D, gamma_f32, i32, guess
-                                )
+                                for q_dtype in (None, *DECODE_Q_DTYPES):
+                                    yield decode_expression(
+                                        dtype,
+                                        cache_dtype,
+                                        is_neox,
+                                        D,
+                                        gamma_f32,
+                                        i32,
+                                        guess,
+                                        q_dtype,
+                                    )
     for rows in ROWS:
         for opts in (0, 1, 2):
             yield from rope_instantiations(
@@ -1054,11 +1075,16 @@ def _pack(a, f, c, n, group, block, rows, splits, fits8):
     quant = c.q_dtype != a.q.dtype or c.kv_dynamic
     if quant and opts:
         opts = 2
-    decode = None if opts or quant else _decode_kernel(a[:11], a.q_out, f.is_neox, c.R, fits8)
+    # the decode kernels: plain calls, q in its own dtype or fp8 (DECODE_Q_DTYPES), K / V rows
+    # with static scales
+    q_fp8 = c.q_dtype if c.q_dtype != a.q.dtype else None
+    decode = None
+    if not (opts or c.kv_dynamic) and (q_fp8 is None or q_fp8 in DECODE_Q_DTYPES):
+        decode = _decode_kernel(a[:11], a.q_out, f.is_neox, c.R, fits8, q_fp8)
     params = PARAMS
     if decode:
         kernel, grid, block_shape = decode
-        params = DECODE_PARAMS
+        params = DECODE_PARAMS if q_fp8 is None else QDECODE_PARAMS
     else:
         kernel = expression(
             a.q.dtype,
@@ -1205,9 +1231,10 @@ def _all_below_int32(views):
     return True
 
 
-def _decode_kernel(views, vgiven, is_neox, R, fits8):
-    """(kernel, grid, block) of a decode kernel for a plain call (no option, no quantizing:
-    the caller checks) of at most TUNING["decode_tokens"] tokens (TUNING["few_head_tokens"] with
+def _decode_kernel(views, vgiven, is_neox, R, fits8, q_dtype=None):
+    """(kernel, grid, block) of a decode kernel for a plain call (no option, no computed K / V
+    scales: the caller checks; ``q_dtype``: q stored as this fp8 type, not taken by the
+    token-rows kernel) of at most TUNING["decode_tokens"] tokens (TUNING["few_head_tokens"] with
     at most TUNING["decode_heads"] head rows a token; or, the flat kernel, of at most
     TUNING["decode_heads"] head rows a token: TUNING's comment) whose geometry it was compiled for (D in
     DECODE_DIMS, R == D, 16-byte lanes aligned, both RMSNorm weights of one dtype); None
@@ -1232,7 +1259,10 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
     )
     flat = flat or spread
     by_token = (
-        TUNING["decode_by_token"] and TUNING["rows_from"] <= T * H and T <= TUNING["rows_tokens"]
+        q_dtype is None
+        and TUNING["decode_by_token"]
+        and TUNING["rows_from"] <= T * H
+        and T <= TUNING["rows_tokens"]
     )
     if not (
         0 < T
@@ -1256,9 +1286,9 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
         return _rows_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32, guess)
     if spread and i32:
         width, rows = TUNING["tp_flat_width"], TUNING["tp_flat_rows"]
-        return _flat_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32, guess, width, rows)
+        return _flat_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32, guess, width, rows, q_dtype)
     if flat and i32:
-        return _flat_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32, guess)
+        return _flat_launch(vq.dtype, vkc.dtype, is_neox, T, H, D, f32, guess, q_dtype=q_dtype)
     if not few:
         return None
     group = D // 16 if is_neox else D // 8  # lanes per row (16-byte lanes of 8 elements)
@@ -1267,7 +1297,7 @@ def _decode_kernel(views, vgiven, is_neox, R, fits8):
         rows = min(rows, H)  # (whole warps below)
     block = -(-rows * group // 32) * 32  # whole warps
     rows = block // group
-    kernel = decode_expression(vq.dtype, vkc.dtype, is_neox, D, f32, i32, guess)
+    kernel = decode_expression(vq.dtype, vkc.dtype, is_neox, D, f32, i32, guess, q_dtype)
     return kernel, (T, -(-H // rows)), (block,)
 
 
@@ -1294,7 +1324,17 @@ def _rows_launch(dtype, cache_dtype, is_neox, T, H, D, gamma_f32, guess):
 
 
 def _flat_launch(
-    dtype, cache_dtype, is_neox, T, H, D, gamma_f32, guess, width=None, block_rows=None
+    dtype,
+    cache_dtype,
+    is_neox,
+    T,
+    H,
+    D,
+    gamma_f32,
+    guess,
+    width=None,
+    block_rows=None,
+    q_dtype=None,
 ):
     """(kernel, grid, block) of the flat decode kernel: T H rows, blocks of whole warps of up to
     TUNING["decode_rows"] rows, fewer (down to a warp's) while the grid has fewer than
@@ -1314,7 +1354,7 @@ def _flat_launch(
     if TUNING["decode_min_blocks"]:
         spread = -(-total // TUNING["decode_min_blocks"])  # rows a block at the minimum grid
         rows = min(rows, max(per_warp, -(-spread // per_warp) * per_warp))
-    kernel = flat_expression(dtype, cache_dtype, is_neox, D, gamma_f32, n, guess)
+    kernel = flat_expression(dtype, cache_dtype, is_neox, D, gamma_f32, n, guess, q_dtype)
     return kernel, (-(-total // rows),), (rows * group,)
 
 

@@ -16,6 +16,7 @@ from ropekv import _arrays as ar
 from ropekv import reference
 from ropekv.bench.arrays import torch_view
 from ropekv.bench.tuning import applied
+from ropekv.qknorm import DECODE_KERNEL, FLAT_KERNEL
 from tests.strategies import FP8_DTYPES, INPUT_DTYPES, seeds
 from tests.tolerance import assert_bytes_equal, assert_close, to_device, to_numpy
 
@@ -915,6 +916,77 @@ def test_flat_decode_kernel_matches_reference(case, variant, cache_dtype):
         ):
             assert kernel and kernel[0].startswith(qknorm.ROWS_KERNEL), kernel
         check_on_device(args, kw, kv_scale=0.5 if cache_dtype == E4M3 else None)
+
+
+# fp8 q on the decode kernels (DECODE_Q_DTYPES: e4m3): (heads, new, cached, D, TUNING, kernel).
+# Static or dynamic q scales, bf16 or e4m3 caches; tokens without a position (P 500), a page out
+# of range and a negative page id (_plain_decode_case); the flat kernel at 4- and 8-element
+# lanes, the (T, splits) kernel, tensor-parallel heads and a batch past kStageMax requests.
+FP8_Q_DECODE = {
+    "32b-1": ((64, 8), (1,), (37,), 128, {}, FLAT_KERNEL),
+    "32b-16": ((64, 8), (1,) * 16, tuple(range(0, 800, 50)), 128, {}, FLAT_KERNEL),
+    "32b-64": ((64, 8), (1,) * 64, tuple(range(3, 643, 10)), 128, {}, DECODE_KERNEL),
+    "32b-16-splits": ((64, 8), (1,) * 16, tuple(range(16)), 128, {"decode_flat": 0}, DECODE_KERNEL),
+    "tp-64": ((8, 1), (1,) * 64, tuple(range(0, 640, 10)), 128, {}, None),
+    "d64-32": ((16, 4), (1,) * 32, tuple(range(32)), 64, {}, DECODE_KERNEL),
+    "d256-4": ((16, 4), (1,) * 4, (0, 300, 499, 500), 256, {}, FLAT_KERNEL),
+    "huge": ((8, 1), (0,) * 590 + (1,) * 10, (5,) * 590 + tuple(range(0, 600, 60)), 128, {}, None),
+}
+
+
+def test_decode_kernels_take_fp8_q():
+    """fp8 q (CPU: the choice): the flat and (T, splits) decode kernels take e4m3 q as their
+    last template argument with the plain call's launch shape; the token-rows kernel's calls
+    keep the quantizing generic kernel (None); e5m2 q is not a decode q dtype."""
+    from ropekv import qknorm
+
+    assert qknorm.DECODE_Q_DTYPES == (E4M3,)
+    for name, (heads, new, cached, D, tuning, kernel) in FP8_Q_DECODE.items():
+        _, _, views = _plain_decode_case(3, heads, new, cached, D, E4M3, P=500)
+        with applied({"qknorm": tuning}):
+            plain = qknorm._decode_kernel(views, None, True, D, True)
+            fp8 = qknorm._decode_kernel(views, None, True, D, True, E4M3)
+        assert plain and fp8, name
+        assert fp8[0] == plain[0][:-1] + ", __nv_fp8_e4m3>" and fp8[1:] == plain[1:], name
+        assert kernel is None or fp8[0].startswith(kernel + "<"), (name, fp8[0])
+        assert fp8[0] in set(qknorm.instantiations())
+    _, _, views = _plain_decode_case(3, (64, 8), (1,) * 256, tuple(range(256)), 128, E4M3, P=500)
+    assert qknorm._decode_kernel(views, None, True, 128, True)[0].startswith(qknorm.ROWS_KERNEL)
+    assert qknorm._decode_kernel(views, None, True, 128, True, E4M3) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(FP8_Q_DECODE))
+@pytest.mark.parametrize("q_mode", ["static", "dynamic"])
+@pytest.mark.parametrize("cache_dtype", [BF16, E4M3])
+def test_decode_kernels_store_fp8_q_on_device(case, q_mode, cache_dtype, monkeypatch):
+    """fp8 q from the decode kernels: q's codes and scales, the written cache rows (every other
+    byte kept) against the reference, for interleaved and neox RoPE."""
+    import cupy as cp  # noqa: F401 (GPU only)
+
+    from ropekv import qknorm
+
+    heads, new, cached, D, tuning, kernel = FP8_Q_DECODE[case]
+    seed = 300 + sorted(FP8_Q_DECODE).index(case)
+    chosen = []
+    real = qknorm._decode_kernel
+    monkeypatch.setattr(qknorm, "_decode_kernel", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    for is_neox in (True, False):
+        args, kw, _ = _plain_decode_case(seed, heads, new, cached, D, cache_dtype, 500, True)
+        quant = quant_arrays(args, kw, q_dynamic=q_mode == "dynamic", seed=seed)
+        with applied({"qknorm": tuning}):
+            check_quant_on_device(
+                args,
+                kw,
+                quant,
+                is_neox=is_neox,
+                kv_scale=0.5 if cache_dtype == E4M3 else None,
+                q_dtype=E4M3,
+                q_scale=0.125 if q_mode == "static" else None,
+            )
+        got = chosen[-1][0] if chosen and chosen[-1] else None
+        assert got and got.endswith(", __nv_fp8_e4m3>"), got
+        assert kernel is None or got.startswith(kernel + "<"), got
 
 
 def test_decode_kernel_is_chosen_for_plain_decode_calls():

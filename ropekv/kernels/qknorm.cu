@@ -520,6 +520,43 @@ struct QKDecodeParams {
   int h_shift, pg_shift;
 };
 
+// The decode kernels that store fp8 q (QT an fp8 type: a static scale, or with q_dynamic a
+// computed scale per q row) take QKDecodeQParams: QKDecodeParams's fields and the q scale's, in
+// QKNormParams's order (the plain decode kernels' record and constant lines are unchanged).
+// Field order and types mirror QDECODE_PARAMS in ropekv/qknorm.py.
+struct QKDecodeQParams {
+  const void* q;
+  void* q_out;
+  const void* k;
+  const void* v;
+  const void* q_gamma;
+  const void* k_gamma;
+  const float* cos_sin;
+  const unsigned* offsets;
+  const int* cache_lengths;
+  const int* block_table;
+  void* k_cache;
+  void* v_cache;
+  float* q_scale_out;  // q_dynamic: (T, Hq) float32, each q row's scale
+  i64 q_st, q_sh, qo_st, qo_sh, k_st, k_sh, v_st, v_sh, cs_sp, bt_sb;
+  i64 kc_sp, kc_se, kc_sh, vc_sp, vc_se, vc_sh;
+  i64 num_pages;
+  float epsilon;
+  float inv_k_scale, inv_v_scale;
+  int T, B, Hq, Hkv, P, max_pages, page_size;
+  int q_dynamic;       // each q row stored with its computed scale (computed_scale)
+  float inv_q_scale;   // a static scale: stored = fp8(q * inv_q_scale)
+  i64 qs_st, qs_sh;    // q_scale_out's strides in elements
+  unsigned h_magic, pg_magic;
+  int h_shift, pg_shift;
+};
+
+// The record of a decode kernel storing q as QT: QKDecodeQParams for fp8 q, else QKDecodeParams.
+template <typename QT>
+struct DecodeRecord {
+  using type = typename pick_type<is_quantized<QT>::value, QKDecodeQParams, QKDecodeParams>::type;
+};
+
 struct QKDecodeShared {
   unsigned offsets[kStageMax + 1];
   int lengths[kStageMax];
@@ -528,8 +565,8 @@ struct QKDecodeShared {
 // Whether a decode kernel built with GUESS takes the decode guess for this call: one token a
 // request, 32 (below: the lane-shuffle search) to kStageMax requests. The host sets GUESS by the
 // same rule (qknorm.guesses); rechecked here, so a call outside it takes the other searches.
-template <bool GUESS>
-__device__ __forceinline__ bool takes_guess(const QKDecodeParams& p) {
+template <bool GUESS, typename P>
+__device__ __forceinline__ bool takes_guess(const P& p) {
   return GUESS && p.B >= 32 && p.B <= kStageMax && p.T == p.B;
 }
 
@@ -540,9 +577,13 @@ __device__ __forceinline__ bool takes_guess(const QKDecodeParams& p) {
 // the lane-shuffle search runs its steps converged (each lane its own token, the same answer).
 // N: elements per lane, 8 (16-byte lanes of T) or 4 (twice the lanes, half the work per lane, for
 // the fewest tokens).
+// QT: q's stored type, T, or fp8 (the record is then QKDecodeQParams): a static scale, or with
+// p.q_dynamic a computed scale per q row from the row's largest |y'| (y' = rope(x * gamma), the
+// 1/rms applied at the store, as the quantizing generic kernel's), reduced by max-shuffles over
+// the row's G lanes beside the row sum's.
 template <typename T, typename CacheT, bool NEOX, int D, bool GF32, bool I32, bool FLAT, int N,
-          bool GUESS>
-__device__ __forceinline__ void qk_decode_rows(const QKDecodeParams& p, QKDecodeShared& sh) {
+          bool GUESS, typename QT, typename P>
+__device__ __forceinline__ void qk_decode_rows(const P& p, QKDecodeShared& sh) {
   using ix = typename pick_type<I32, unsigned, i64>::type;
   constexpr int G = NEOX ? D / (2 * N) : D / N;  // lanes per head row
   constexpr int HALF = D / 2;
@@ -708,6 +749,37 @@ __device__ __forceinline__ void qk_decode_rows(const QKDecodeParams& p, QKDecode
   }
   rotate_chunk<NEOX, N, M>(a, b, c, sn);
   const float rms = norm ? rsqrtf(ss * (1.f / D) + p.epsilon) : 1.f;
+  if constexpr (is_quantized<QT>::value) {  // fp8 q: Q rows stored here
+    float amax = 0.f;
+    if (p.q_dynamic) {
+      // the row's largest |y'|: a tree over the lane's values (fmaxf drops NaN), then over the
+      // row's lanes (every lane shuffles, whatever its row's kind)
+      float m[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) m[i] = NEOX ? fmaxf(fabsf(a[i]), fabsf(b[i])) : fabsf(a[i]);
+#pragma unroll
+      for (int w = N / 2; w > 0; w >>= 1) {
+#pragma unroll
+        for (int i = 0; i < w; ++i) m[i] = fmaxf(m[i], m[i + w]);
+      }
+      amax = m[0];
+#pragma unroll
+      for (int o = G >> 1; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    }
+    if (is_q) {
+      if (live) {  // FLAT: a row past the last token is a Q row, not live
+        float mul = rms * p.inv_q_scale;
+        if (p.q_dynamic) {
+          const float scale = computed_scale<QT>(rms, amax, mul);
+          if (j == 0) p.q_scale_out[ix(t) * ix(p.qs_st) + ix(h) * ix(p.qs_sh)] = scale;
+        }
+        QT* const dst = static_cast<QT*>(p.q_out) + (ix(t) * ix(p.qo_st) + ix(h) * ix(p.qo_sh));
+        store_float<QT, N>(dst + ea, a, mul);
+        if (NEOX) store_float<QT, N>(dst + eb, b, mul);
+      }
+      return;
+    }
+  }
   const bool write = page >= 0 && ix(page) < ix(p.num_pages);
   CacheT* const cache = static_cast<CacheT*>(is_v ? p.v_cache : p.k_cache);
   const ix c_sp = ix(is_v ? p.vc_sp : p.kc_sp);
@@ -747,20 +819,25 @@ __device__ __forceinline__ void qk_decode_rows(const QKDecodeParams& p, QKDecode
   }
 }
 
-template <typename T, typename CacheT, bool NEOX, int D, bool GF32, bool I32, bool GUESS>
-__global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode(const QKDecodeParams p) {
+// QT (last, T by default): q's stored type (fp8: the q-quantizing record, QKDecodeQParams).
+template <typename T, typename CacheT, bool NEOX, int D, bool GF32, bool I32, bool GUESS,
+          typename QT = T>
+__global__ void __launch_bounds__(512)
+    qk_rmsnorm_rope_decode(const typename DecodeRecord<QT>::type p) {
   __shared__ QKDecodeShared sh;
   pdl_launch_dependents();
   pdl_wait();
-  qk_decode_rows<T, CacheT, NEOX, D, GF32, I32, false, 8, GUESS>(p, sh);
+  qk_decode_rows<T, CacheT, NEOX, D, GF32, I32, false, 8, GUESS, QT>(p, sh);
 }
 
-template <typename T, typename CacheT, bool NEOX, int D, bool GF32, int N, bool GUESS>
-__global__ void __launch_bounds__(512) qk_rmsnorm_rope_decode_flat(const QKDecodeParams p) {
+template <typename T, typename CacheT, bool NEOX, int D, bool GF32, int N, bool GUESS,
+          typename QT = T>
+__global__ void __launch_bounds__(512)
+    qk_rmsnorm_rope_decode_flat(const typename DecodeRecord<QT>::type p) {
   __shared__ QKDecodeShared sh;
   pdl_launch_dependents();
   pdl_wait();
-  qk_decode_rows<T, CacheT, NEOX, D, GF32, true, true, N, GUESS>(p, sh);
+  qk_decode_rows<T, CacheT, NEOX, D, GF32, true, true, N, GUESS, QT>(p, sh);
 }
 
 // ---- Decode: a warp per token, several rows a lane --------------------------------------------
