@@ -1072,12 +1072,12 @@ def _pack(a, f, c, n, group, block, rows, splits, fits8):
         )
     )
     # fp8 q or computed scales: a quantizing kernel (the others compile none of it)
-    quant = c.q_dtype != a.q.dtype or c.kv_dynamic
+    q_fp8 = c.q_dtype if c.q_dtype != a.q.dtype else None
+    quant = q_fp8 is not None or c.kv_dynamic
     if quant and opts:
         opts = 2
     # the decode kernels: plain calls, q in its own dtype or fp8 (DECODE_Q_DTYPES), K / V rows
     # with static scales
-    q_fp8 = c.q_dtype if c.q_dtype != a.q.dtype else None
     decode = None
     if not (opts or c.kv_dynamic) and (q_fp8 is None or q_fp8 in DECODE_Q_DTYPES):
         decode = _decode_kernel(a[:11], a.q_out, f.is_neox, c.R, fits8, q_fp8)
