@@ -1707,6 +1707,25 @@ def test_source_digest_names_the_code_that_ran(tmp_path, monkeypatch):
     assert f"@ abc, sources {digest}" in text
 
 
+def test_run_records_the_cpus_its_process_may_run_on(monkeypatch):
+    """Host times move with the process's CPU placement, so the JSON and the text say which CPUs
+    the run had: a pinned process names its core, an unpinned one the whole machine."""
+    assert runner.cpu_ranges({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11"
+    assert runner.cpu_ranges({5}) == "5"
+    monkeypatch.setattr(runner.os, "sched_getaffinity", lambda pid: {2}, raising=False)
+    monkeypatch.setattr(runner.os, "cpu_count", lambda: 16)
+    assert runner.host_cpus() == "2 of 16"
+    text = report.text({**_result(), "environment": {"host_cpus": "2 of 16"}})
+    assert "host CPUs the process may run on: 2 of 16" in text
+
+    def refused(pid):
+        raise OSError("not on this platform")
+
+    monkeypatch.setattr(runner.os, "sched_getaffinity", refused, raising=False)
+    assert runner.host_cpus() is None
+    assert "host CPUs" not in report.text({**_result(), "environment": {}})
+
+
 def test_graph_replay_times_the_eager_qkv_path():
     """While the bench captures a call for its graph replay, the fused QKV op's capture plans are
     off (GRAPH_MAX_TOKENS 0: a call that runs cuBLAS eagerly is refused and event-timed, as its

@@ -113,6 +113,8 @@ def text(result):
     ]
     if "plan_replay" in env:
         lines.append(f"plan replay: {env['plan_replay']}")
+    if env.get("host_cpus"):
+        lines.append(f"host CPUs the process may run on: {env['host_cpus']}")
     lines.append("")
     header, rows, notes = table_rows(result)
     lines.append(format_table(header, rows))

@@ -85,9 +85,35 @@ def environment():
         )
         if out.returncode == 0:
             env["driver"] = out.stdout.strip().splitlines()[0]
+    env["host_cpus"] = host_cpus()
     env["git_revision"] = git_revision()
     env["source_digest"] = source_digest()
     return env
+
+
+def cpu_ranges(cpus):
+    """CPU numbers as ranges: {0, 1, 2, 3, 8} -> '0-3,8'."""
+    out, run = [], []
+    for c in sorted(cpus):
+        if run and c != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(c)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def host_cpus():
+    """The CPUs the process may run on, against the machine's: '2 of 16' for a process pinned
+    with ``taskset -c 2``, '0-15 of 16' for one that is not. Host times per call move with
+    the scheduler's placement of the process (``docs/performance.md``), so a run says which it
+    had; None where the platform does not tell."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return None
+    return f"{cpu_ranges(cpus)} of {os.cpu_count()}"
 
 
 def source_digest(root=None):
