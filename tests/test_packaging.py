@@ -98,3 +98,4 @@ def test_the_sdist_carries_the_whole_package(built):
     assert "tools/device_ab.py" in sdist_names  # tests/test_bench.py runs it on stand-in trees
     assert "tools/sass_diff.py" in sdist_names  # tests/test_sass_diff.py loads it
     assert "tools/budgets.py" in sdist_names  # tests/test_budgets.py loads it
+    assert "tools/targets.py" in sdist_names  # tests/test_targets.py loads it
