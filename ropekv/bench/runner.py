@@ -4,6 +4,7 @@ timed), written to JSON after every case; the environment record; ``main`` of ``
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import platform
 import statistics
@@ -93,14 +94,11 @@ def environment():
 
 def cpu_ranges(cpus):
     """CPU numbers as ranges: {0, 1, 2, 3, 8} -> '0-3,8'."""
-    out, run = [], []
-    for c in sorted(cpus):
-        if run and c != run[-1] + 1:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-            run = []
-        run.append(c)
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    out = []
+    # consecutive numbers share their offset from their index in the sorted list
+    for _, run in itertools.groupby(enumerate(sorted(cpus)), lambda ic: ic[1] - ic[0]):
+        first, *rest = (c for _, c in run)
+        out.append(f"{first}-{rest[-1]}" if rest else str(first))
     return ",".join(out)
 
 
