@@ -176,13 +176,21 @@ LEAN_MMA_TILES = (8, 16)
 LEAN_MMA_WARPS, LEAN_MMA_MT = 4, 1
 LEAN_MMA_WIDE_WARPS, LEAN_MMA_WIDE_MT = 8, 3
 LEAN_MMA_SHAPES = ((4, 1), (8, 3))
-# qkv_gemv_lean's form. Bit 0: warp 0 loads the tokens' cache rows, the pairs' cos / sin values
-# and fp8 scales before its weight loads, staged in shared memory for the epilogue (0: the cache
-# rows behind its weight loads, the rest after the reduction); bit 1: a lane's hidden values
-# loaded before its weight loads (0: after them). H200, graph replay, one token (us, forms 0 / 1
-# / 3): 4-bit weights 8.5 / 7.7-7.9 / 7.0, fp8 9.1-9.2 / 9.7 / 9.3 (form 2: 9.3).
-GEMV_LEAN_FORM = 3
-GEMV_LEAN_FORMS = (0, 1, 2, 3)
+# qkv_gemv_lean's forms, by weight format (16-bit, fp8, 4-bit): GEMV_LEAN_FORM at a tile of one
+# token, GEMV_LEAN_WIDE_FORM at wider tiles. Bit 0: warp 0 loads the tokens' cache rows, the
+# pairs' cos / sin values and fp8 scales before its weight loads, staged in shared memory for the
+# epilogue (0: the cache rows behind its weight loads, the rest after the reduction); bit 1: a
+# lane's hidden values loaded before its weight loads (0: after them); bit 2: blocks of half the
+# row pairs, twice as many an SM; bit 3: each row's arithmetic after all of the round's weight
+# loads (ptxas then issues them all first). H200, graph replay, one token (us, forms 0 / 1 / 3):
+# 4-bit weights 8.5 / 7.7-7.9 / 7.0, fp8 9.1-9.2 / 9.7 / 9.3 (form 2: 9.3). Forms 3 / 7 / 15
+# (tools/experiments/qkv_lean_forms.py, two processes, fp16 inputs), one token: 16-bit 14.9 /
+# 14.2 / 14.3, fp8 9.3 / 9.5 / 9.0, 4-bit 6.9-7.0 / 6.7 / 7.5; two tokens: 16-bit 15.3 / 14.7 /
+# 14.9, fp8 9.9 / 9.9 / 11.5, 4-bit 8.4-8.5 / 9.9-10.0 / 12.0-12.1 (at two tokens forms 7 and 15
+# spill quantized weights' values: docs/design/qkv.md).
+GEMV_LEAN_FORM = (7, 15, 7)
+GEMV_LEAN_WIDE_FORM = (7, 3, 3)
+GEMV_LEAN_FORMS = (0, 1, 2, 3, 7, 15)
 GEMV_WARPS, GEMV_PAIRS = 4, 2  # mirror qkv.cu
 GEMV_SMEM = 46 * 1024  # staged hidden rows, float32, per block (below the 48 KiB default)
 # The tensor-core path (qkv_mma, sm_90+): token counts in [MMA_MIN_TOKENS, MMA_MAX_TOKENS]
@@ -513,13 +521,20 @@ def gemv_form(fmt, packed, form):
     return int(form) if packed and fmt == W_INT4 else 0
 
 
-def lean_expression(dtype, fmt, tt, form=None):
-    """``form``: GEMV_LEAN_FORM's value (None: its current one)."""
-    form = GEMV_LEAN_FORM if form is None else form
+def lean_form(fmt, tt, forms=None):
+    """The form qkv_gemv_lean takes for weights ``fmt`` at token tile ``tt``: ``forms`` =
+    (GEMV_LEAN_FORM, GEMV_LEAN_WIDE_FORM) (None: their current values), each indexed by ``fmt``."""
+    one, wide = (GEMV_LEAN_FORM, GEMV_LEAN_WIDE_FORM) if forms is None else forms
+    form = (one if tt == 1 else wide)[fmt]
     if form not in GEMV_LEAN_FORMS:
-        raise ValueError(
-            f"ropekv.qkv.GEMV_LEAN_FORM must be one of {GEMV_LEAN_FORMS}, got {form!r}"
-        )
+        name = "GEMV_LEAN_FORM" if tt == 1 else "GEMV_LEAN_WIDE_FORM"
+        raise ValueError(f"ropekv.qkv.{name}[{fmt}] must be one of {GEMV_LEAN_FORMS}, got {form!r}")
+    return form
+
+
+def lean_expression(dtype, fmt, tt, form=None):
+    """``form``: one of GEMV_LEAN_FORMS (None: :func:`lean_form`'s for ``fmt`` and ``tt``)."""
+    form = lean_form(fmt, tt) if form is None else form
     return _lean_expression(dtype, fmt, tt, form)
 
 
@@ -528,9 +543,10 @@ def _lean_expression(dtype, fmt, tt, form):
     return name_expression("qkv_gemv_lean", c_type(dtype), fmt, tt, form)
 
 
-def lean_pairs(tt):
-    """Row pairs a block of qkv_gemv_lean owns at token tile ``tt`` (qkv.cu's lean_pairs)."""
-    return 8 if tt <= 2 else 4
+def lean_pairs(tt, form=0):
+    """Row pairs a block of qkv_gemv_lean owns at token tile ``tt`` in form ``form`` (qkv.cu's
+    lean_block_pairs: half as many with bit 2)."""
+    return (8 if tt <= 2 else 4) >> bool(form & 4)
 
 
 def _lean_tile(T):
@@ -1016,7 +1032,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
                     LEAN_MMA_DENSE_MAX_TOKENS,
                 ),
                 (
-                    GEMV_LEAN_FORM,
+                    (GEMV_LEAN_FORM, GEMV_LEAN_WIDE_FORM),
                     (LEAN_MMA_WARPS, LEAN_MMA_MT, LEAN_MMA_WIDE_WARPS, LEAN_MMA_WIDE_MT),
                 ),
             ),
@@ -1111,7 +1127,7 @@ def _prepare(views, flags):
         packed_max,
         late_scale,
         packed_fp8,
-        (gemv_form, lean_max, lean_form),
+        (gemv_form, lean_max, lean_forms),
         mma_min,
         mma_max,
         mma_quantized,
@@ -1150,7 +1166,7 @@ def _prepare(views, flags):
         fast_int4,
         (gemv_packed, packed_fp8),
         packed_max,
-        (late_scale, gemv_form, (lean_max, lean_form)),
+        (late_scale, gemv_form, (lean_max, lean_forms)),
     )
     tuning = (gemv, mma_min, mma_max, mma_quantized, (mma_split, mma_form), tiled, graph_max)
     return _device_plan(
@@ -1383,7 +1399,7 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
     )
     gemv, mma_min, mma_max, mma_quantized, mma, tiled, graph_max = tuning
     gemv_max, fast_int4, (gemv_packed, packed_fp8), packed_max, forms = gemv
-    late_scale, gemv_form, (lean_max, lean_form) = forms
+    late_scale, gemv_form, (lean_max, lean_forms) = forms
     T, K, N, D, fmt, device = c.T, c.K, c.N, c.D, c.fmt, c.device
     gemv_packed = gemv_packed and (fmt != W_FP8 or packed_fp8)
     fused = functools.partial(
@@ -1398,15 +1414,15 @@ def _device_plan(views, c, fields, slots, outputs, written, is_neox, pdl, opts, 
     decode = (fast_int4, gemv_packed, late_scale, gemv_form)
     vb = _gemv_width(vw, fmt, vx.dtype, K, fields["group_size"])[0]
     if not opts and lean_applies(vx.dtype, fmt, vb, D, T, lean_max) and _lean_strides(fields):
-        return plan([_gemv_lean(fields, slots, vx, fmt, T, N, device, pdl, lean_form[0])])
+        return plan([_gemv_lean(fields, slots, vx, fmt, T, N, device, pdl, lean_forms[0])])
     if (
         not opts
         and lean_mma_applies(
-            vx.dtype, fmt, vb, D, T, lean_max, _compute_capability(device), lean_form[1]
+            vx.dtype, fmt, vb, D, T, lean_max, _compute_capability(device), lean_forms[1]
         )
         and _lean_strides(fields)
     ):
-        return plan([_lean_mma(fields, slots, vx, fmt, T, N, D, device, pdl, lean_form[1])])
+        return plan([_lean_mma(fields, slots, vx, fmt, T, N, D, device, pdl, lean_forms[1])])
     if (
         gemv_max < T <= packed_max and gemv_packed and _packed(vx.dtype, fmt, vb, _tile(T))
     ):  # a few tokens more on the packed decode, before the tensor-core kernels
@@ -1633,10 +1649,12 @@ def _lean_strides(fields):
     return all(0 <= fields[k] < 2**32 for k in ("weight_row_bytes", "ws_s0", "zp_s0"))
 
 
-def _gemv_lean(fields, slots, vx, fmt, T, N, device, pdl, form):
-    """qkv_gemv_lean's launch (where lean_applies): a block of 4 warps a tile's row pairs."""
+def _gemv_lean(fields, slots, vx, fmt, T, N, device, pdl, forms):
+    """qkv_gemv_lean's launch (where lean_applies): a block of 4 warps a tile's row pairs, in the
+    form :func:`lean_form` takes from ``forms``."""
     tt = _lean_tile(T)
-    pairs = lean_pairs(tt)
+    form = lean_form(fmt, tt, forms)
+    pairs = lean_pairs(tt, form)
     return Launch(
         STEM,
         lean_expression(vx.dtype, fmt, tt, form),

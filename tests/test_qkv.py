@@ -2312,8 +2312,8 @@ def test_gpu_gemv_lean_shapes(
     partly dead last blocks), RoPE forms, cache dtypes and layouts, ragged batches with empty
     requests, tokens of no request and out-of-range pages, hidden rows not 16-byte aligned (the
     scalar loads): the reference's results, every other cache byte unchanged. 4-bit weights with
-    a 16-bit cache only (an 8-bit one has its own bound: test_gpu_gemv_lean); each
-    GEMV_LEAN_FORM."""
+    a 16-bit cache only (an 8-bit one has its own bound: test_gpu_gemv_lean); each of
+    GEMV_LEAN_FORMS."""
     if wfmt == "int4":
         bf16, cache = False, "same"
     args, kw = lean_random_case(
@@ -2321,7 +2321,8 @@ def test_gpu_gemv_lean_shapes(
     )
     with pytest.MonkeyPatch.context() as mp:
         force_path(mp, "lean")
-        mp.setattr(qkv_mod, "GEMV_LEAN_FORM", form)
+        mp.setattr(qkv_mod, "GEMV_LEAN_FORM", (form,) * 3)
+        mp.setattr(qkv_mod, "GEMV_LEAN_WIDE_FORM", (form,) * 3)
         assert taken_path(args, kw) == "lean"
         run_lean_case(args, kw, expected(args, kw), unaligned)
 

@@ -370,6 +370,33 @@ def test_lean_mma_takes_the_tokens_past_the_lean_gemv():
     assert not qkv_mod.lean_mma_applies(f16, qkv_mod.W_INT4, 16, 8, 4, lean_max, 90)  # 4 pairs
 
 
+@pytest.mark.parametrize("wfmt", ["dense", "fp8", "int4"])
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("forms", [None, ((3, 3, 3), (3, 3, 3)), ((15, 7, 3), (2, 15, 7))])
+def test_lean_gemv_form_and_grid_follow_format_and_tile(wfmt, T, forms, stubbed, monkeypatch):
+    """A plain call of 1-2 tokens launches qkv_gemv_lean in the form GEMV_LEAN_FORM (a tile of one
+    token) or GEMV_LEAN_WIDE_FORM (two) names for its weight format, on a grid of that form's
+    blocks: 8 row pairs a block, 4 with form bit 2; a form that is not compiled is refused by
+    name."""
+    if forms is not None:
+        monkeypatch.setattr(qkv_mod, "GEMV_LEAN_FORM", forms[0])
+        monkeypatch.setattr(qkv_mod, "GEMV_LEAN_WIDE_FORM", forms[1])
+    fmt = {"dense": qkv_mod.W_DENSE, "fp8": qkv_mod.W_FP8, "int4": qkv_mod.W_INT4}[wfmt]
+    form = (qkv_mod.GEMV_LEAN_FORM if T == 1 else qkv_mod.GEMV_LEAN_WIDE_FORM)[fmt]
+    names = _record_expressions(monkeypatch)
+    qkv_mod._OP.clear()
+    args, kw = make_case(12, lengths=(T,), wfmt=wfmt, **LLAMA)
+    ropekv.fused_qkv_matmul_append_paged_kv_cache(**_fake(args, kw))
+    assert names == [qkv_mod.lean_expression(np.dtype(F16), fmt, T, form)], names
+    (plan,) = qkv_mod._OP.plans.values()
+    pairs = 4 if form & 4 else 8
+    assert qkv_mod.lean_pairs(T, form) == pairs
+    assert plan.steps[0].grid[:2] == (args["weight"].shape[0] // 2 // pairs, 1)
+    name = "GEMV_LEAN_FORM" if T == 1 else "GEMV_LEAN_WIDE_FORM"
+    with pytest.raises(ValueError, match=rf"{name}\[{fmt}\] must be one of"):
+        qkv_mod.lean_form(fmt, T, ((11,) * 3, (11,) * 3))
+
+
 @pytest.mark.parametrize(
     "options", [{}, {"clear": True}, {"status": True}, {"clear": True, "status": True}]
 )

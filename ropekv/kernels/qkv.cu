@@ -1052,6 +1052,13 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, PACKED ? 3 : 1) qkv_gemv(cons
 // The block's row numbers are found one a lane and shuffled, not once a row by every lane, so the
 // first weight load issues early; the rows' addresses are formed in the round (hoisted out of
 // the loop as 64-bit products they spilled).
+//   FORM bit 2: blocks of half the row pairs (8 rows at TT <= 2), twice as many an SM in the
+// launch bounds (6: 768 blocks, one wave; at most 80 registers). Bit 3: every row's arithmetic waits for
+// all of the round's weight loads (a zero computed from each), so ptxas issues them all before
+// the first row's arithmetic; with bit 2 (8 loads a lane) that is every 4-bit / fp8 load of a
+// 4096-wide row at one token (at two, the quantized forms with bit 2 spill). sm_90 SASS (nvcc
+// 13.0), 4-bit at one token: form 7 issues 3 of its 8 loads ahead of the arithmetic, form 15 all
+// 8. The forms each weight format and tile take: qkv.py's GEMV_LEAN_FORM / GEMV_LEAN_WIDE_FORM.
 template <int WF>
 struct LeanShape {
   static constexpr int WARPS = 4;
@@ -1059,6 +1066,10 @@ struct LeanShape {
 };
 __host__ __device__ constexpr int lean_pairs(int tt) { return tt <= 2 ? 8 : 4; }
 constexpr int LEAN_MIN_BLOCKS = 3;  // blocks an SM in the launch bounds: 384 blocks, one wave
+// qkv_gemv_lean's FORM bit 2: blocks of half the row pairs, twice as many an SM
+__host__ __device__ constexpr int lean_block_pairs(int tt, int form) {
+  return form & 4 ? lean_pairs(tt) / 2 : lean_pairs(tt);
+}
 
 // One step of warp_reduce_scatter: lanes whose bit O is set keep the upper half of the CNT
 // values, the others the lower half, each adding its partner's (lane ^ O) copy of what it keeps.
@@ -1100,14 +1111,15 @@ __device__ __forceinline__ RowPair lean_pair(const QkvParams& p, int h0, int ii,
 }
 
 template <typename T, int WF, int TT, int FORM>
-__global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32, LEAN_MIN_BLOCKS)
+__global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32,
+                                  FORM & 4 ? 2 * LEAN_MIN_BLOCKS : LEAN_MIN_BLOCKS)
     qkv_gemv_lean(const QkvParams p) {
   pdl_launch_dependents();
   pdl_wait();
   static_assert(WF == W_FP8 || WF == W_DENSE || (WF == W_INT4 && is_half<T>::value),
                 "16-bit or fp8 weights, or 4-bit with fp16");
   constexpr int WARPS = LeanShape<WF>::WARPS, VALS = LeanShape<WF>::VALS;
-  constexpr int PAIRS = lean_pairs(TT), ROWS = 2 * PAIRS, M = ROWS * TT;
+  constexpr int PAIRS = lean_block_pairs(TT, FORM), ROWS = 2 * PAIRS, M = ROWS * TT;
   static_assert(M <= 32, "one reduce-scatter a warp");
   __shared__ float red[WARPS][M];
   __shared__ TokenSlot slots[FORM & 1 ? PAIRS * TT : TT];
@@ -1240,6 +1252,21 @@ __global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32, LEAN_MIN_BLOCKS)
         const unsigned sb = ldg_u16(ws + u64(rown[r]) * ws_s0);
         const unsigned z = zp != nullptr ? ldg_u8(zp + grp + u64(rown[r]) * zp_s0) & 0xFu : 8u;
         sz[r] = sb | ((0x6400u | z) << 16);
+      }
+    }
+    if constexpr (FORM & 8) {
+      // FORM bit 3: every row's arithmetic waits for all of the round's weight loads (a zero
+      // that depends on each: T is never negative), so ptxas issues them all first
+      unsigned j = 0;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) j ^= raw[r].x ^ raw[r].y ^ raw[r].z ^ raw[r].w;
+      j &= unsigned(p.T) >> 31;
+      if constexpr (WF == W_INT4) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) sz[r] ^= j;
+      } else {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) raw[r].x ^= j;
       }
     }
     if ((FORM & 1) == 0 && vb == 0 && lane < TT) {  // warp 0, first round: behind its loads
