@@ -17,6 +17,7 @@ def _decode(name, tokens, us, series, **ratios):
         "op": name.split()[0],
         "name": name,
         "tokens": tokens,
+        "bytes": 4_000_000,
         "decode": True,
         "series": series,
         "ropekv": {"us": us, "pct_copy": 1.0},
@@ -132,3 +133,27 @@ def test_each_target_flags_its_figure_and_only_it():
     assert "prefill % of copy: 2 of 5 at target" in text  # the option and int8 cases not read
     assert "fused QKV: 3 of 5 figures at target" in text
     assert tool.read({"cases": [c for c in cases if c["name"].startswith("paged b 4")]})[1] == 0
+
+
+def test_a_decode_miss_names_the_time_its_target_asks_and_the_copy_floor():
+    """A miss shows the fastest FlashInfer peer's time / 1.15 and the case's bytes at the run's
+    copy bandwidth; a target that asks less than that is counted; without the run's bandwidth
+    only the target's time is shown."""
+    tool = load_tool("targets")
+    cases = [
+        # 4 MB at 4 TB/s: 1.0 us. 1.5 us ropekv, FlashInfer 1.65 us (1.1x): the target asks 1.43
+        _decode("paged x 1x1", 1, 1.5, "paged x", flashinfer=1.1),
+        # 1.1 us ropekv, Cake 1.1 us (1.0x), FlashInfer 1.21: the target asks 0.96 < 1.0
+        _decode("paged y 1x1", 1, 1.1, "paged y", flashinfer=1.1, **{"flashinfer-cake": 1.0}),
+    ]
+    lines, misses = tool.read({"cases": cases, "copy_bandwidth": 4e12})
+    assert misses == 2  # (1.5 and 1.1 us at one token: within 1.6)
+    x = "  MISS paged x 1x1: 1.100x (1.50 us; the target: 1.43; its bytes at copy bandwidth: 1.00 us)"
+    assert x in lines
+    assert any(
+        line.startswith("  MISS paged y 1x1: 1.000x (1.10 us; the target: 0.96;") for line in lines
+    )
+    assert "  (1 of these ask less time than their bytes take at copy bandwidth)" in lines
+    plain = tool.read({"cases": cases})[0]
+    assert "  MISS paged x 1x1: 1.100x (1.50 us; the target: 1.43)" in plain
+    assert not any("copy bandwidth)" in line for line in plain)
