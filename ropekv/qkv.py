@@ -166,16 +166,19 @@ LEAN_TILES = (1, 2, 4)  # tokens a block; a tile of up to 2 tokens owns 8 row pa
 LEAN_MMA_MAX_TOKENS = 16
 LEAN_MMA_DENSE_MAX_TOKENS = 8
 LEAN_MMA_TILES = (8, 16)
-# qkv_lean_mma's block at a tile of 8 tokens: LEAN_MMA_WARPS warps, LEAN_MMA_MT m16 tiles of 8
-# row pairs; at 16 tokens LEAN_MMA_WIDE_WARPS and LEAN_MMA_WIDE_MT (where a head holds the
-# block's pairs, else the 8-token shape) for 16-bit and 4-bit weights, the 8-token shape for fp8
-# ones. LEAN_MMA_SHAPES: the compiled (warps, tiles) pairs. Timed (same run as above, 4-bit 4 /
-# 16 tokens, us): (4, 1) 10.1 / 16.7, (4, 2) 11.7 / 15.7, (8, 2) 13.0 / 18.8, (8, 3) 10.4 / 14.7;
-# fp8 (4, 1) 10.8 / 14.4, (8, 3) 11.8 / 14.8; with the L2 prefetch hint (one run, 16 tokens)
-# fp8 (4, 1) 13.7 against (8, 3) 14.1, 4-bit 16.6 against 14.9.
-LEAN_MMA_WARPS, LEAN_MMA_MT = 4, 1
-LEAN_MMA_WIDE_WARPS, LEAN_MMA_WIDE_MT = 8, 3
-LEAN_MMA_SHAPES = ((4, 1), (8, 3))
+# qkv_lean_mma's block, (warps, m16 tiles of 8 row pairs), by weight format (16-bit, fp8,
+# 4-bit): LEAN_MMA_SHAPE at a tile of 8 tokens, LEAN_MMA_WIDE_SHAPE at 16 (where a head holds the
+# block's pairs, else the 8-token shape). LEAN_MMA_SHAPES: the compiled ones; (8, 1) loads 2 of
+# a row's 16-byte chunks a lane and round (3 blocks of 8 warps an SM), the others 4. Timed (one
+# run, 4-bit 4 / 16 tokens, us): (4, 1) 10.1 / 16.7, (4, 2) 11.7 / 15.7, (8, 2) 13.0 / 18.8,
+# (8, 3) 10.4 / 14.7; fp8 (4, 1) 10.8 / 14.4, (8, 3) 11.8 / 14.8; with the L2 prefetch hint (one
+# run, 16 tokens) fp8 (4, 1) 13.7 against (8, 3) 14.1, 4-bit 16.6 against 14.9. (8, 1) against
+# (4, 1), two processes, 4 / 8 / 16 tokens: fp8 9.8 / 10.2 / 14.5-14.6 against 10.5-10.6 / 10.7 /
+# 13.5-13.6, 4-bit 11.7-11.8 / 12.6 against 10.1-10.2 / 10.9 (it spills at 80 registers), 16-bit
+# 4 tokens 17.4-17.6 against 15.6-15.8 (docs/design/qkv.md).
+LEAN_MMA_SHAPE = ((4, 1), (8, 1), (4, 1))
+LEAN_MMA_WIDE_SHAPE = ((8, 3), (4, 1), (8, 3))
+LEAN_MMA_SHAPES = ((4, 1), (8, 1), (8, 3))
 # qkv_gemv_lean's forms, by weight format (16-bit, fp8, 4-bit): GEMV_LEAN_FORM at a tile of one
 # token, GEMV_LEAN_WIDE_FORM at wider tiles. Bit 0: warp 0 loads the tokens' cache rows, the
 # pairs' cos / sin values and fp8 scales before its weight loads, staged in shared memory for the
@@ -588,19 +591,19 @@ def _lean_mma_expression(dtype, fmt, tt, shape):
 
 def lean_mma_shape(T, D, fmt, shapes=None):
     """qkv_lean_mma's (token tile, (warps, m16 tiles)) for ``T`` tokens, heads of ``D`` and weight
-    format ``fmt``; ``shapes``: (LEAN_MMA_WARPS, LEAN_MMA_MT, LEAN_MMA_WIDE_WARPS,
-    LEAN_MMA_WIDE_MT), None: their current values. The block's pairs (8 a tile) must lie in at
-    most two heads: D / 2 of them (the 8-token shape where the wide one's do not, and for fp8
-    weights: on the H200 at 16 tokens (4, 1) took 0.96x (8, 3)'s time with them, 1.12x with
-    4-bit weights)."""
-    w8, m8, w16, m16 = (
-        (LEAN_MMA_WARPS, LEAN_MMA_MT, LEAN_MMA_WIDE_WARPS, LEAN_MMA_WIDE_MT)
-        if shapes is None
-        else shapes
-    )
+    format ``fmt``; ``shapes``: (LEAN_MMA_SHAPE, LEAN_MMA_WIDE_SHAPE), each indexed by ``fmt``
+    (None: their current values). The block's pairs (8 a tile) must lie in at most two heads: D /
+    2 of them (the 8-token shape where the wide one's do not)."""
+    one, wide = (LEAN_MMA_SHAPE, LEAN_MMA_WIDE_SHAPE) if shapes is None else shapes
     tt = next(t for t in LEAN_MMA_TILES if t >= T)
-    wide = tt > LEAN_MMA_TILES[0] and D // 2 >= 8 * m16 and fmt != W_FP8
-    return tt, ((w16, m16) if wide else (w8, m8))
+    name, shape = "LEAN_MMA_SHAPE", tuple(one[fmt])
+    if tt > LEAN_MMA_TILES[0] and D // 2 >= 8 * tuple(wide[fmt])[1]:
+        name, shape = "LEAN_MMA_WIDE_SHAPE", tuple(wide[fmt])
+    if shape not in LEAN_MMA_SHAPES:
+        raise ValueError(
+            f"ropekv.qkv.{name}[{fmt}] must be one of {LEAN_MMA_SHAPES}, got {shape!r}"
+        )
+    return tt, shape
 
 
 def lean_max_tokens():
@@ -1033,7 +1036,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
                 ),
                 (
                     (GEMV_LEAN_FORM, GEMV_LEAN_WIDE_FORM),
-                    (LEAN_MMA_WARPS, LEAN_MMA_MT, LEAN_MMA_WIDE_WARPS, LEAN_MMA_WIDE_MT),
+                    (LEAN_MMA_SHAPE, LEAN_MMA_WIDE_SHAPE),
                 ),
             ),
             MMA_MIN_TOKENS,

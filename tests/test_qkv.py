@@ -2404,9 +2404,8 @@ def test_gpu_lean_mma_shapes(
     )
     with pytest.MonkeyPatch.context() as mp:
         force_path(mp, "lean_mma")
-        for name, value in zip(("WARPS", "MT"), block):  # both tiles' blocks
-            mp.setattr(qkv_mod, "LEAN_MMA_" + name, value)
-            mp.setattr(qkv_mod, "LEAN_MMA_WIDE_" + name, value)
+        mp.setattr(qkv_mod, "LEAN_MMA_SHAPE", (block,) * 3)  # both tiles, every format
+        mp.setattr(qkv_mod, "LEAN_MMA_WIDE_SHAPE", (block,) * 3)
         names = record_kernels(mp)
         qkv_mod._OP.clear()
         assert taken_path(args, kw) == "lean_mma"

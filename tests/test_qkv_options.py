@@ -363,10 +363,19 @@ def test_lean_mma_takes_the_tokens_past_the_lean_gemv():
         assert not qkv_mod.lean_mma_applies(dtype, fmt, 0, 128, 4, lean_max, 90)
     W4, W8 = qkv_mod.W_INT4, qkv_mod.W_FP8
     assert qkv_mod.lean_mma_shape(3, 128, W4) == (8, (4, 1))
+    assert qkv_mod.lean_mma_shape(8, 128, W8) == (8, (8, 1))  # fp8: 8 warps of 2 loads a round
+    assert qkv_mod.lean_mma_shape(8, 128, qkv_mod.W_DENSE) == (8, (4, 1))
     assert qkv_mod.lean_mma_shape(9, 128, W4) == (16, (8, 3))
     assert qkv_mod.lean_mma_shape(9, 128, qkv_mod.W_DENSE) == (16, (8, 3))
-    assert qkv_mod.lean_mma_shape(9, 128, W8) == (16, (4, 1))  # fp8: the 8-token block
+    assert qkv_mod.lean_mma_shape(9, 128, W8) == (16, (4, 1))
     assert qkv_mod.lean_mma_shape(16, 32, W4) == (16, (4, 1))  # 16 pairs a head: not 24
+    shapes = (((8, 1),) * 3, ((8, 3), (8, 1), (8, 3)))  # given: indexed by the format
+    assert qkv_mod.lean_mma_shape(16, 32, W4, shapes) == (16, (8, 1))  # the 8-token shape
+    assert qkv_mod.lean_mma_shape(16, 128, W8, shapes) == (16, (8, 1))
+    with pytest.raises(ValueError, match=r"LEAN_MMA_WIDE_SHAPE\[2\] must be one of"):
+        qkv_mod.lean_mma_shape(16, 128, W4, (((4, 1),) * 3, ((4, 2),) * 3))
+    with pytest.raises(ValueError, match=r"LEAN_MMA_SHAPE\[1\] must be one of"):
+        qkv_mod.lean_mma_shape(4, 128, W8, (((2, 1),) * 3, ((8, 3),) * 3))
     assert not qkv_mod.lean_mma_applies(f16, qkv_mod.W_INT4, 16, 8, 4, lean_max, 90)  # 4 pairs
 
 

@@ -1366,8 +1366,9 @@ __global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32,
 // m16n8k16. The block owns 8 MT row pairs: MT m16 tiles, row g of tile m pair 8 m + g's first
 // member and row g + 8 its second (so a pair's two sums meet in one thread at the end), its
 // NT * 8 tokens NT n8 tiles. Lane (g, c) of warp w loads 16 bytes of each of its 2 MT rows at
-// loads v = r + 4 j + c, j < 4, of each of its warp's rounds r (a warp's load instruction: 8 rows
-// x 64 bytes; every load of a round issued before its arithmetic), and its B fragments straight
+// loads v = r + 4 j + c, j < J (lean_mma_loads: 2 in the (8, 1) block, 4 otherwise), of each of
+// its warp's rounds r (a warp's load instruction: 8 rows x 64 bytes; every load of a round
+// issued before its arithmetic), and its B fragments straight
 // from global memory: the hidden values of token g (and g + 8) at the same k values, in the
 // order qkv_mma stages them (the k order inside an mma does not change the sum), shared by the
 // MT tiles. fp8 and 4-bit weights are dequantized as in qkv_mma (fp8 exactly; 4-bit (q - zero) *
@@ -1377,7 +1378,13 @@ __global__ void __launch_bounds__(LeanShape<WF>::WARPS * 32,
 // be NaN).
 template <int MT, int WARPS>
 __host__ __device__ constexpr int lean_mma_min_blocks() {
-  return MT == 1 && WARPS == 4 ? LEAN_MIN_BLOCKS : 1;
+  return MT == 1 && WARPS <= 8 ? LEAN_MIN_BLOCKS : 1;
+}
+// a lane's 16-byte loads of each of its rows a round: 2 for the (8, 1) block (3 blocks of 8
+// warps an SM in the launch bounds: at most 85 registers), 4 otherwise
+template <int MT, int WARPS>
+__host__ __device__ constexpr int lean_mma_loads() {
+  return MT == 1 && WARPS == 8 ? 2 : 4;
 }
 
 template <typename T, int WF, int NT, int MT, int WARPS>
@@ -1386,7 +1393,7 @@ __global__ void __launch_bounds__(WARPS * 32, (lean_mma_min_blocks<MT, WARPS>())
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   pdl_launch_dependents();
   pdl_wait();
-  constexpr int PAIRS = 8 * MT, TT = 8 * NT, J = 4, RW = 4 * J;  // RW: a warp's loads a round
+  constexpr int PAIRS = 8 * MT, TT = 8 * NT, J = lean_mma_loads<MT, WARPS>(), RW = 4 * J;
   constexpr int VALS = LeanShape<WF>::VALS, UNITS = VALS / 8;    // 16-byte B units a load
   __shared__ float red[WARPS][16 * MT][TT + 1];
   __shared__ TokenSlot slots[TT];
