@@ -188,8 +188,17 @@ def int32_fields_fit(values, names):
     """Whether the values of ``values`` (``{field: value}``) named in ``names`` all lie within
     +-(2**31 - 1): what a record declaring those fields int32 (the lean kernels' strides) holds;
     a call whose values do not takes the record of 64-bit fields."""
-    held = [values[n] for n in names]
+    get = _FIELD_GETTERS.get(names)
+    if get is None:  # once per tuple of names (an op's): the values gathered in one C call
+        held = [values[n] for n in names]
+        if len(names) > 1 and names.__class__ is tuple:
+            _FIELD_GETTERS[names] = operator.itemgetter(*names)
+    else:
+        held = get(values)
     return -(2**31 - 1) <= min(held) and max(held) <= 2**31 - 1
+
+
+_FIELD_GETTERS = {}  # int32_fields_fit's gathers, by tuple of field names
 
 
 _launch_kernel = None  # cupy_backends' cuLaunchKernel wrapper, bound on the first launch

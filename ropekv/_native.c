@@ -2089,6 +2089,64 @@ fail:
   return NULL;
 }
 
+/* widest_aligned(views) -> _vector.widest_aligned's value: 16, or the least over the views of
+ * the lowest set bit (below 16 bytes) of the pointer or'ed with the strides but the last times
+ * the itemsize, in elements. The gcd of the strides has the lowest set bit of their bitwise or,
+ * so the or of their magnitudes stands for it; the low four bits of a product are exact modulo
+ * 2**64. None for anything the loop must see (a non-int pointer or stride, a stride outside
+ * int64, an itemsize not positive, a view that is not one): the Python loop answers or raises. */
+static PyObject *widest_aligned(PyObject *mod, PyObject *views_in) {
+  PyObject *views = PySequence_Fast(views_in, "views must be a sequence");
+  if (!views) return NULL;
+  long long widest = 16;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(views);
+  for (Py_ssize_t j = 0; j < n; j++) {
+    PyObject *v = PySequence_Fast_GET_ITEM(views, j);
+    PyObject *ptr = PyObject_GetAttr(v, s_ptr);
+    if (!ptr) goto undecided;
+    PyObject *strides = PyObject_GetAttr(v, s_strides);
+    if (!strides) {
+      Py_DECREF(ptr);
+      goto undecided;
+    }
+    PyObject *dtype = PyObject_GetAttr(v, s_dtype);
+    PyObject *item_o = dtype ? PyObject_GetAttr(dtype, s_itemsize) : NULL;
+    Py_XDECREF(dtype);
+    int ok = item_o && PyLong_CheckExact(ptr) && PyTuple_CheckExact(strides) &&
+             PyLong_CheckExact(item_o);
+    long long item = ok ? PyLong_AsLongLong(item_o) : 0;
+    unsigned long long bits = 0, acc = 0;
+    if (ok && item > 0) {
+      bits = PyLong_AsUnsignedLongLongMask(ptr);
+      Py_ssize_t dims = PyTuple_GET_SIZE(strides);
+      for (Py_ssize_t d = 0; d + 1 < dims && ok; d++) {
+        PyObject *s = PyTuple_GET_ITEM(strides, d);
+        long long x = PyLong_CheckExact(s) ? PyLong_AsLongLong(s) : (ok = 0, 0);
+        if (x == -1 && PyErr_Occurred()) ok = 0;
+        acc |= x < 0 ? 0ULL - (unsigned long long)x : (unsigned long long)x;
+      }
+    } else {
+      ok = 0;
+    }
+    if (PyErr_Occurred()) ok = 0;
+    Py_XDECREF(item_o);
+    Py_DECREF(ptr);
+    Py_DECREF(strides);
+    if (!ok) goto undecided;
+    bits = (bits | acc * (unsigned long long)item) & 15;
+    if (bits) {
+      long long w = (long long)(bits & (0ULL - bits)) / item;
+      if (w < widest) widest = w;
+    }
+  }
+  Py_DECREF(views);
+  return PyLong_FromLongLong(widest);
+undecided:
+  PyErr_Clear();
+  Py_DECREF(views);
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(cuLaunchKernel address, cuLaunchKernelEx address or None)"},
@@ -2127,6 +2185,9 @@ static PyMethodDef methods[] = {
      "itemsize) and pointers, and the written ones to check in Python, or None"},
     {"same_device", same_device, METH_O,
      "same_device(views) -> the one device of the views given, or None (none, or two)"},
+    {"widest_aligned", widest_aligned, METH_O,
+     "widest_aligned(views) -> _vector.widest_aligned's value, or None (the Python loop "
+     "answers)"},
     {"enable_torch", enable_torch, METH_NOARGS,
      "enable_torch(): the torch reads configure_torch staged go live (once verified)"},
     {NULL, NULL, 0, NULL}};

@@ -184,11 +184,12 @@ def state() -> str:
 
 # ---- the first call's checks and argument reads in C, or in Python ------------------------------
 
-# Whether a first call runs the C forms of its three checks and of its argument reads where the
-# C replay is loaded: ``overlap_pairs`` (``_checks.check_no_overlap``'s pairs), ``written_layouts``
-# (``_checks.check_written``'s layouts, pointers and plain-stride test), ``same_device``
-# (``_checks.check_same_device``) and ``read_views`` (``_arrays.read_arguments``: the views of a
-# call whose arrays its struct reads take). Off, they run their Python forms, with the same
+# Whether a first call runs the C forms of its three checks, of its alignment test and of its
+# argument reads where the C replay is loaded: ``overlap_pairs`` (``_checks.check_no_overlap``'s
+# pairs), ``written_layouts`` (``_checks.check_written``'s layouts, pointers and plain-stride
+# test), ``same_device`` (``_checks.check_same_device``), ``widest_aligned``
+# (``_vector.widest_aligned``, the ops' vector widths) and ``read_views``
+# (``_arrays.read_arguments``: the views of a call whose arrays its struct reads take). Off, they run their Python forms, with the same
 # results, the same errors and plans that replay the same (tests/test_host_first.py, and
 # tests/test_native.py on a GPU for the reads). On the H200 host first calls drift more than the
 # checks save (first_call_drift.py); tools/experiments/first_call_c.py times both settings
@@ -204,8 +205,10 @@ def route_first_call_checks(module):
     on, else None (Python)."""
     from ropekv import _arrays as ar
     from ropekv import _checks as ck
+    from ropekv import _vector
 
     on = module is not None and FIRST_CALL_C
+    _vector.NATIVE_WIDEST[0] = module.widest_aligned if on else None
     ck.NATIVE_OVERLAP[0] = module.overlap_pairs if on else None
     ck.NATIVE_WRITTEN[0] = module.written_layouts if on else None
     ck.NATIVE_SAME_DEVICE[0] = module.same_device if on else None

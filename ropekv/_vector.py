@@ -14,6 +14,11 @@ def vector_width(itemsize, fits, widths=(8, 4, 2, 1)):
     return None
 
 
+# the C replay's widest_aligned (ropekv/_native.c) once _launch has loaded it, else None (routed
+# with the first call's other C forms: _native.route_first_call_checks)
+NATIVE_WIDEST = [None]
+
+
 def widest_aligned(views):
     """The widest access every view of ``views`` is aligned for, in elements (16: every width): a
     power of two ``n`` fits exactly when ``n <= widest_aligned(views)``, that is when each view's
@@ -24,7 +29,12 @@ def widest_aligned(views):
     An access of ``min(n * itemsize, 16)`` bytes (a power of two) divides a pointer and every
     stride but the last exactly when it divides their bitwise or (or their gcd: both have the
     same lowest set bit), so a view allows ``n`` up to that lowest set bit (below 16 bytes), in
-    elements."""
+    elements. The C form answers in one call where it can read every view (None: this loop)."""
+    native = NATIVE_WIDEST[0]
+    if native is not None:
+        found = native(views)
+        if found is not None:
+            return found
     widest = 16
     for view in views:
         item = view.dtype.itemsize

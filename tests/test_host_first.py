@@ -456,3 +456,59 @@ def test_read_views_takes_only_what_its_struct_reads_take(native):
     assert native.read_views([None], [], {}, set()) is None  # a name missing: the loop
     views, kinds, bad = ar.read_arguments(arrays, ["a", "b"])
     assert views[0].shape == (4,) and views[1] is None and kinds == ar.OTHER and bad is None
+
+
+class _Aligned:
+    """A view as widest_aligned reads it: a pointer, element strides, a dtype."""
+
+    def __init__(self, ptr, strides, dtype):
+        self.ptr, self.strides, self.dtype = ptr, strides, dtype
+
+
+def _widest_loop(views):
+    """_vector.widest_aligned's Python loop (its C form routed off)."""
+    from ropekv import _vector
+
+    saved = _vector.NATIVE_WIDEST[0]
+    _vector.NATIVE_WIDEST[0] = None
+    try:
+        return _vector.widest_aligned(views)
+    finally:
+        _vector.NATIVE_WIDEST[0] = saved
+
+
+def test_widest_aligned_in_c_answers_as_the_loop(native, monkeypatch):
+    from ropekv import _vector
+
+    rng = np.random.default_rng(17)
+    dtypes = [np.dtype(t) for t in ("u1", "f2", "f4", "f8", "i8")]
+    for _ in range(3000):
+        views = []
+        for _ in range(int(rng.integers(0, 9))):
+            dims = int(rng.integers(0, 5))
+            strides = tuple(
+                int(rng.choice([0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 64, 96, 1 << 40]))
+                * int(rng.choice([1, -1]))
+                for _ in range(dims)
+            )
+            ptr = int(rng.integers(0, 1 << 20)) * int(rng.choice([1, 2, 4, 8, 16, 256]))
+            views.append(_Aligned(ptr + (0x7F << 40), strides, dtypes[rng.integers(0, 5)]))
+        want = _widest_loop(views)
+        assert native.widest_aligned(views) == want
+        assert native.widest_aligned(tuple(views)) == want
+        monkeypatch.setattr(_vector, "NATIVE_WIDEST", [native.widest_aligned])
+        assert _vector.widest_aligned(views) == want
+
+
+def test_widest_aligned_in_c_leaves_the_unusual_to_the_loop(native):
+    f2 = np.dtype("f2")
+    for views in (
+        [_Aligned(16, (1 << 70, 1), f2)],  # a stride past int64
+        [_Aligned(16.0, (8, 1), f2)],  # a pointer that is no int
+        [_Aligned(16, [8, 1], f2)],  # strides that are no tuple
+        [_Aligned(16, (8, 1), np.dtype([]))],  # itemsize 0 (the loop divides by it)
+        [None],
+    ):
+        assert native.widest_aligned(views) is None
+    assert native.widest_aligned([_Aligned(16, (1 << 70, 1), f2)]) is None
+    assert _widest_loop([_Aligned(18, (1 << 70, 1), f2)]) == 1

@@ -20,6 +20,12 @@ Usage::
     PYTHONPATH=$PWD python tools/hostcost.py --first-profile  # cProfile of the first calls
     PYTHONPATH=$PWD python tools/hostcost.py --phases  # median us of each first-call step
     PYTHONPATH=$PWD python tools/hostcost.py --layers 32  # also multi-layer caches (layer_idx)
+    PYTHONPATH=$PWD python tools/hostcost.py --phases --touch 3  # 3 MB read between first calls
+
+``--touch MB`` reads that many MB of host memory before each timed first call (outside its
+timing): the CPU's caches lose the op's own code and data, as at an op's edge on the H200, where
+another op's call runs between two first calls (``docs/design/host-path.md``, "Where the op-edge
+step goes": a 1 / 3 / 8 MB read reproduces it).
 
 ``--layers N`` adds, for the ops with multi-layer caches, rows of the same case on caches of N
 layers called with ``layer_idx`` cycling over them (an engine's step), and rows of the one-layer
@@ -416,12 +422,38 @@ def per_call_us(fn, n):
     return best
 
 
+class Touch:
+    """Reads ``mb`` MB of host memory per call (0: nothing): the CPU's caches evicted between two
+    first calls, as another op's call evicts them at an op's edge (``--touch``)."""
+
+    def __init__(self, mb=0):
+        self.buf = np.ones(int(mb * (1 << 20)) // 8, np.int64) if mb else None
+
+    def __call__(self):
+        if self.buf is not None:
+            self.buf.sum()
+
+
+TOUCH = Touch()  # --touch sets it
+
+
 def first_call_us(fn, n=20):
     """Median host time of ``n`` first calls of ``fn`` (the bench's measurement, no device to
-    synchronise: ``ropekv.bench.timing.first_call_us``)."""
+    synchronise: ``ropekv.bench.timing.first_call_us``), :data:`TOUCH` run before each (outside
+    the timing)."""
     from ropekv.bench import timing
 
-    return timing.first_call_us(fn, n=n)
+    if TOUCH.buf is None:
+        return timing.first_call_us(fn, n=n)
+    times = []
+    for _ in range(n):
+        timing.clear_plans()
+        TOUCH()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    timing.clear_plans()
+    return float(np.median(times))
 
 
 # the steps of a first call that --phases times (module, attribute), beside the op's _prepare and
@@ -484,6 +516,7 @@ def first_phases(fn, n=50):
     try:
         for _ in range(n):
             clear_plans()
+            TOUCH()
             acc.clear()
             t0 = time.perf_counter_ns()
             fn()
@@ -531,7 +564,16 @@ def main(argv=None):
         help="a new plan's first launch: on the pointers the first call read (Caller.launch, "
         "the default) or through a second call of the C replay (as before)",
     )
+    parser.add_argument(
+        "--touch",
+        type=float,
+        default=0,
+        metavar="MB",
+        help="read this many MB of host memory before each first call (the op-edge model)",
+    )
     args = parser.parse_args(argv)
+    global TOUCH
+    TOUCH = Touch(args.touch)
     from ropekv import _launch
 
     _launch.FIRST_LAUNCH_DIRECT = args.first_launch == "direct"
@@ -591,6 +633,7 @@ def main(argv=None):
                 prof = cProfile.Profile()
                 for _ in range(50):
                     clear_plans()
+                    TOUCH()
                     prof.enable()
                     case()
                     prof.disable()
