@@ -41,6 +41,7 @@ CALLS = [
     ("qkv", {"wfmt": "int4", "zero_points": True, "dtype": BF16, "lengths": (1,)}),
     ("qkv", {}),  # 6 tokens, 16-bit weights: qkv_lean_mma (a tile of 8 tokens)
     ("qkv", {"wfmt": "int4", "cache_dtype": E4M3}),  # qkv_lean_mma, 4-bit weights, fp8 cache
+    ("qkv", {"wfmt": "fp8"}),  # qkv_lean_mma, fp8 weights: blocks of 8 warps, 2 loads a round
     # qkv_lean_mma, 12 tokens of 4-bit weights: a tile of 16, blocks of 8 warps and 24 row pairs
     (
         "qkv",
