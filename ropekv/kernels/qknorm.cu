@@ -82,21 +82,6 @@ __device__ __forceinline__ float computed_scale(float rms, float amax, float& mu
   return a * (1.f / max_code<C>());
 }
 
-// A lane's largest |value| of a chunk (a and, where pair, its RoPE partners b): a tree, depth
-// log2 N, not N; fmaxf drops NaN.
-template <int N>
-__device__ __forceinline__ float chunk_abs_max(const float (&a)[N], const float (&b)[N], bool pair) {
-  float m[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) m[i] = pair ? fmaxf(fabsf(a[i]), fabsf(b[i])) : fabsf(a[i]);
-#pragma unroll
-  for (int w = N / 2; w > 0; w >>= 1) {
-#pragma unroll
-    for (int i = 0; i < w; ++i) m[i] = fmaxf(m[i], m[i + w]);
-  }
-  return m[0];
-}
-
 // A token's head rows are Q (Hq), K (Hkv) and V (Hkv): H = Hq + 2 Hkv rows of D dims. A row is cut
 // into `items` chunks: chunk j < rot_items holds RoPE pairs (neox: dims [jN, jN + N) and their
 // partners R/2 further; interleaved: dims [jN, jN + N)), the rest N pass-through dims of [R, D);
@@ -359,10 +344,19 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
       return h < p.Hq ? is_quantized<QT>::value && p.q_dynamic
                       : is_quantized<CacheT>::value && p.kv_dynamic;
     };
-    // this lane's largest |y'| of row u; 0 for rows without a computed scale or a chunk
+    // this lane's largest |y'| of row u: a tree (depth log2 of the values, not their count);
+    // fmaxf drops NaN. 0 for rows without a computed scale or a chunk.
     auto chunk_max = [&](int u, const float (&a)[N], const float (&b)[N]) {
       if (!(u < U && first + u * slots < H && has_chunk && computed(u))) return 0.f;
-      return chunk_abs_max<N>(a, b, pair);
+      float m[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) m[i] = pair ? fmaxf(fabsf(a[i]), fabsf(b[i])) : fabsf(a[i]);
+#pragma unroll
+      for (int w = N / 2; w > 0; w >>= 1) {
+#pragma unroll
+        for (int i = 0; i < w; ++i) m[i] = fmaxf(m[i], m[i + w]);
+      }
+      return m[0];
     };
     // row u's stores: y' times m (rms times the output's scale); ss and amax reduced
     auto store_row = [&](int u, float (&a)[N], float (&b)[N], float ss_u, float amax) {
@@ -758,9 +752,17 @@ __device__ __forceinline__ void qk_decode_rows(const P& p, QKDecodeShared& sh) {
   if constexpr (is_quantized<QT>::value) {  // fp8 q: Q rows stored here
     float amax = 0.f;
     if (p.q_dynamic) {
-      // the row's largest |y'|: the lane's, then over the row's lanes (every lane shuffles,
-      // whatever its row's kind)
-      amax = chunk_abs_max<N>(a, b, NEOX);
+      // the row's largest |y'|: a tree over the lane's values (fmaxf drops NaN), then over the
+      // row's lanes (every lane shuffles, whatever its row's kind)
+      float m[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) m[i] = NEOX ? fmaxf(fabsf(a[i]), fabsf(b[i])) : fabsf(a[i]);
+#pragma unroll
+      for (int w = N / 2; w > 0; w >>= 1) {
+#pragma unroll
+        for (int i = 0; i < w; ++i) m[i] = fmaxf(m[i], m[i + w]);
+      }
+      amax = m[0];
 #pragma unroll
       for (int o = G >> 1; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     }
