@@ -67,3 +67,25 @@ def test_a_run_whose_peers_compiled_does_not_count():
     new["peer_builds"] = {}
     _, misses = tool.read(old, new)
     assert not [m for m in misses if m.startswith("run:")]
+
+
+def test_host_drift_sets_the_peers_beside_ropekv():
+    """Each op's and each peer's median host time per call in both runs, ropekv's lines first:
+    a run whose peers' host times moved with ropekv's shows it (the host moved, not the code)."""
+    tool, old = load_tool("budgets"), _run()
+    new = copy.deepcopy(old)
+    for c in new["cases"]:
+        if c.get("decode"):
+            c["ropekv"]["host_us"] = c["ropekv"].get("host_us", 0) * 2
+            for r in (c.get("peers") or {}).values():
+                if isinstance(r, dict) and "host_us" in r:
+                    r["host_us"] *= 2
+    lines = tool.host_drift(old, new)
+    ops = sorted({c["op"] for c in old["cases"] if c.get("decode") and "host_us" in c["ropekv"]})
+    assert [line.split(":")[0] for line in lines[: len(ops)]] == [f"ropekv {op}" for op in ops]
+    assert all(line.endswith("(2.00x)") for line in lines)
+    peers = [line for line in lines if not line.startswith("ropekv ")]
+    assert peers  # the recorded run times peers' host calls (FlashInfer, cuBLAS, ...)
+    assert tool.host_drift(old, old) and all(
+        line.endswith("(1.00x)") for line in tool.host_drift(old, old)
+    )

@@ -12,7 +12,9 @@ Usage (from the repository root; OLD and NEW as ``ropekv bench --json`` writes t
     python tools/budgets.py OLD.json NEW.json
 
 Prints each op's host medians, then every figure past its budget; exits 0 when all hold, 1
-otherwise. A case the device budget flags is read again with ``tools/device_ab.py`` before it
+otherwise. Beside them, not counted as misses, the host drift between the two runs: each peer's
+and each op's median host time per eager call in OLD and NEW (``host_drift``). The peers' code
+does not change between runs, so when their host times move with ropekv's, the host moved. A case the device budget flags is read again with ``tools/device_ab.py`` before it
 counts as slower: two recorded runs come from two machines (CONTRIBUTING.md).
 """
 
@@ -72,16 +74,42 @@ def read(result_old, result_new):
     return medians, misses
 
 
+def _host_medians(result):
+    """``{label: median}`` of the decode cases' host time per eager call with CuPy arrays:
+    ``ropekv <op>`` for each op, ``<peer> <op>`` for each peer that timed one."""
+    figures: dict[str, list] = {}
+    for c in result["cases"]:
+        if not c.get("decode"):
+            continue
+        if "host_us" in c.get("ropekv", {}):
+            figures.setdefault(f"ropekv {c['op']}", []).append(c["ropekv"]["host_us"])
+        for peer, r in (c.get("peers") or {}).items():
+            if isinstance(r, dict) and "host_us" in r:
+                figures.setdefault(f"{peer} {c['op']}", []).append(r["host_us"])
+    return {label: statistics.median(v) for label, v in figures.items()}
+
+
+def host_drift(result_old, result_new):
+    """A line per label both runs have (:func:`_host_medians`): its median in each and their
+    ratio, ropekv's first."""
+    old, new = _host_medians(result_old), _host_medians(result_new)
+    labels = sorted(set(old) & set(new), key=lambda k: (not k.startswith("ropekv "), k))
+    return [f"{k}: {old[k]:.1f} -> {new[k]:.1f} us ({new[k] / old[k]:.2f}x)" for k in labels]
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
         print(__doc__.strip().splitlines()[0], "\nusage: python tools/budgets.py OLD.json NEW.json")
         return 2
     with open(argv[0]) as f_old, open(argv[1]) as f_new:
-        medians, misses = read(json.load(f_old), json.load(f_new))
+        runs = json.load(f_old), json.load(f_new)
+    medians, misses = read(*runs)
     for op, figures in medians.items():
         cells = ", ".join(f"{key} {v:.1f}" for key, v in figures.items())
         print(f"{op}: median host us over decode cases: {cells}")
+    for line in host_drift(*runs):
+        print("host drift (median us per eager call, OLD -> NEW):", line)
     for line in misses:
         print("MISS", line)
     print("all budgets hold" if not misses else f"{len(misses)} figures past their budgets")
