@@ -189,12 +189,13 @@ def state() -> str:
 # pairs), ``written_layouts`` (``_checks.check_written``'s layouts, pointers and plain-stride
 # test), ``same_device`` (``_checks.check_same_device``), ``widest_aligned``
 # (``_vector.widest_aligned``, the ops' vector widths) and ``read_views``
-# (``_arrays.read_arguments``: the views of a call whose arrays its struct reads take). Off, they run their Python forms, with the same
-# results, the same errors and plans that replay the same (tests/test_host_first.py, and
-# tests/test_native.py on a GPU for the reads). On the H200 host first calls drift more than the
-# checks save (first_call_drift.py); tools/experiments/first_call_c.py times both settings
-# interleaved in one process. Change it through :func:`first_call_c`, not by assignment (the
-# callers read the routed functions, not this flag).
+# (``_arrays.read_arguments``: the views of a call whose arrays its struct reads take). Off, they
+# run their Python forms, with the same results, the same errors and plans that replay the same
+# (tests/test_host_first.py, and tests/test_native.py on a GPU for the reads). On the H200 host
+# first calls drift more than the checks save (first_call_drift.py);
+# tools/experiments/first_call_c.py times both settings interleaved in one process. Change it
+# through :func:`first_call_c`, not by assignment (the callers read the routed functions, not
+# this flag).
 FIRST_CALL_C = True
 NATIVE_READ_CONFIGURED = [None]  # the module whose read_views knows ArrayView's slots
 

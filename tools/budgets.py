@@ -14,8 +14,9 @@ Usage (from the repository root; OLD and NEW as ``ropekv bench --json`` writes t
 Prints each op's host medians, then every figure past its budget; exits 0 when all hold, 1
 otherwise. Beside them, not counted as misses, the host drift between the two runs: each peer's
 and each op's median host time per eager call in OLD and NEW (``host_drift``). The peers' code
-does not change between runs, so when their host times move with ropekv's, the host moved. A case the device budget flags is read again with ``tools/device_ab.py`` before it
-counts as slower: two recorded runs come from two machines (CONTRIBUTING.md).
+does not change between runs, so when their host times move with ropekv's, the host moved. A
+case the device budget flags is read again with ``tools/device_ab.py`` before it counts as
+slower: two recorded runs come from two machines (CONTRIBUTING.md).
 """
 
 from __future__ import annotations
