@@ -56,6 +56,7 @@ import importlib
 import numbers
 from typing import Any, NamedTuple
 
+from ropekv._arrays import INT32, UINT32
 from ropekv._checks import check_flag
 
 REQUIRED = object()  # the default of an argument the caller must give
@@ -87,6 +88,9 @@ class Arg(NamedTuple):
     alias: str | None = None  # OUT: an input it may be the very same array as (``into`` implies it)
     nullable: bool = False  # required, but None is a value (FlashInfer's q_nope, k_nope, v)
     check: Any = None  # SCALAR: the eager op's own check of it (value -> value), run first
+    shape: tuple = ()  # an array: the shapes it may have, each spelled by its dims: "(T, Hq, D)"
+    dtypes: tuple = ()  # an array: the dtypes it may have (NumPy dtypes; a str: that argument's)
+    aka: tuple = ()  # a pair: its parts' names in the op's other form (MLA's ckv_cache, kpe_cache)
 
     @property
     def optional(self):
@@ -96,6 +100,17 @@ class Arg(NamedTuple):
     @property
     def is_array(self):
         return self.form in ARRAY_FORMS
+
+    @property
+    def ndims(self):
+        """The ranks of :attr:`shape`'s spellings, sorted, each once."""
+        return tuple(sorted({_rank(s) for s in self.shape}))
+
+    def allowed_dtypes(self, dtype_of):
+        """The dtypes the array may have in a call: :attr:`dtypes`, each argument name replaced
+        by ``dtype_of(name)`` (that argument's dtype in the call; None: not given, dropped)."""
+        found = [dtype_of(d) if isinstance(d, str) else d for d in self.dtypes]
+        return tuple(dict.fromkeys(d for d in found if d is not None))
 
     def schema_parts(self):
         """``[(schema name, schema type)]`` of this argument (types without the ``?``)."""
@@ -110,9 +125,19 @@ class Arg(NamedTuple):
         return [(self.name, _SCALAR_SCHEMA[self.form])]
 
 
+def _rank(spelled):
+    """The rank of a spelled shape: ``"(T, Hq, D)"`` 3, ``"(B + 1,)"`` 1, ``"()"`` 0."""
+    inner = spelled.strip()
+    if not (inner.startswith("(") and inner.endswith(")")):
+        raise ValueError(f"a shape is spelled as a tuple of dims, got {spelled!r}")
+    return len([d for d in inner[1:-1].split(",") if d.strip()])
+
+
 def arg(name, role=READ, form="tensor", default=REQUIRED, **kw):
     """An :class:`Arg`; ``default=None`` makes it optional."""
     a = Arg(name, role, form, default, **kw)
+    if a.shape:
+        a.ndims  # noqa: B018 - a shape that is not spelled as a tuple fails here, at import
     if form in ("pair", "tensor_or_pair", "float_or_tensor", "floats_or_tensor"):
         if len(a.parts) != 2:
             raise ValueError(f"{name}: a {form} argument names its two schema parts")
@@ -143,6 +168,20 @@ def scalar(name, form, default=REQUIRED, **kw):
     """A Python value of ``form`` ``"int"``, ``"float"``, ``"bool"``, ``"str"``, ``"floats"``,
     ``"float_or_tensor"``, ... (the table above)."""
     return arg(name, SCALAR, form, default, **kw)
+
+
+def ragged_paged():
+    """The ragged batch's index arrays of MAX's paged ops (MLA, QK-norm, fused QKV), in order."""
+    return (
+        array("input_row_offsets", shape=("(B + 1,)",), dtypes=(INT32, UINT32)),
+        array("cache_lengths", shape=("(B,)",), dtypes=(INT32,)),
+        array("block_table", shape=("(B, max_pages)",), dtypes=(INT32,)),
+    )
+
+
+def status():
+    """``status=``: the int32 element an op writes (0, or the flag of a refused batch)."""
+    return written("status", optional=True, shape=("(1,)", "()"), dtypes=(INT32,))
 
 
 def _schema_default(value):
@@ -191,6 +230,31 @@ class Declaration:
 
     def __repr__(self):
         return f"Declaration({self.name!r})"
+
+    # ---- the API page ----------------------------------------------------------------------
+
+    def arguments_rst(self):
+        """The API page's table of the op's arguments: each with its role and, for an array,
+        the shapes and dtypes it may have (reStructuredText, a ``list-table``)."""
+        rows = [("argument", "role", "shape", "dtype", "default")]
+        for a in self.inputs:
+            names = ", ".join(f"``{p}``" for p in a.parts) if a.form == "pair" else f"``{a.name}``"
+            if a.aka:
+                names += f" (or {', '.join(f'``{p}``' for p in a.aka)})"
+            if a.role == SCALAR and not a.shape:
+                shape, dtypes = "", ""
+            else:
+                shape = " or ".join(f"``{s}``" for s in a.shape)
+                dtypes = ", ".join(_dtype_text(d) for d in a.dtypes)
+            default = "" if a.default is REQUIRED else f"``{a.default!r}``"
+            if a.nullable:
+                default = "(may be ``None``)"
+            role = _FORM_TEXT[a.form] if a.role == SCALAR else _ROLE_TEXT[a.role]
+            rows.append((names, role, shape, dtypes, default))
+        lines = [f".. list-table:: Arguments of ``{self.name}``", "   :header-rows: 1", ""]
+        for row in rows:
+            lines += [f"   * - {row[0]}"] + [f"     - {cell}".rstrip() for cell in row[1:]]
+        return "\n".join(lines) + "\n"
 
     # ---- what the op writes ----------------------------------------------------------------
 
@@ -410,6 +474,22 @@ class Declaration:
 
 
 _EXPANDED = ("floats", "float_or_tensor", "floats_or_tensor", "ints")
+_ROLE_TEXT = {READ: "read", WRITTEN: "written in place", OUT: "output (allocated if not given)"}
+_FORM_TEXT = {
+    "int": "int",
+    "float": "float",
+    "bool": "bool",
+    "str": "str",
+    "floats": "float or pair of floats",
+    "ints": "tuple of ints",
+    "dtype": "dtype",
+    "float_or_tensor": "float or array",
+    "floats_or_tensor": "float, pair of floats or array",
+}
+
+
+def _dtype_text(d):
+    return f"{d}'s dtype" if isinstance(d, str) else str(d)
 
 
 def pair(value, a):

@@ -6,8 +6,8 @@ The lists that name every op derive from this table: ``ropekv.torch.__all__``,
 ``ropekv.jax.__all__``, the bench's ``OP_FUNCTIONS`` / ``OPS`` and workload modules (and so
 ``ropekv check``), the CLI's ``--ops`` choices, the op modules ``tools/hostcost.py`` times.
 ``ropekv/__init__.py`` and ``docs/api.rst`` spell the names for static tools and readers;
-``tests/test_structure.py`` checks that every op here is in them. Imports nothing: the CLI's
-parser reads it.
+``tests/test_structure.py`` checks that every op here is in them. Imports nothing when imported
+(the CLI's parser reads it); :func:`api_summary` imports the op modules for their declarations.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ OP_MODULES = tuple(dict.fromkeys(op.module for op in OPS))  # ropekv.<module>, e
 
 def api_summary():
     """The API page's generated part (``docs/_generated/ops.rst``, written by ``docs/conf.py``):
-    the summary table of every public function, then a section per op section, its ops and
-    helpers, in table order."""
+    the summary table of every public function, then a section per op section, its ops (each
+    with the table of its arguments, from its declaration) and helpers, in table order."""
     lines = [".. autosummary::", ""]
     lines += [f"   {name}" for name in (*NAMES, *HELPERS)]
     sections: dict[str, list[str]] = {}
@@ -87,7 +87,18 @@ def api_summary():
         lines += ["", title, "-" * len(title), ""]
         for name in names:
             lines += [f".. autofunction:: {name}", ""]
+            if name in NAMES:
+                lines += [_declaration(name).arguments_rst()]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _declaration(name):
+    """The declaration of op ``name`` (imports its module: the API page's use only)."""
+    import importlib
+
+    entry = next(op for op in OPS if op.name == name)
+    module = importlib.import_module(f"ropekv.{entry.module}")
+    return next(d for d in module.DECLARATIONS if d.name == name)
 
 
 def workloads():

@@ -1010,22 +1010,43 @@ DECLARATIONS = (
     decl.Declaration(
         "apply_rope_write_kv",
         (
-            decl.array("q"),
-            decl.array("k", written_when="write_k_in_place"),
-            decl.array("v"),
-            decl.written("kv_cache"),
-            decl.array("cos_sin_cache"),
-            decl.array("kv_end_lens", optional=True),
-            decl.array("position_ids", optional=True),
-            decl.scalar("kv_scale", "floats_or_tensor", None, parts=("kv_scale", "kv_scales")),
+            decl.array("q", shape=("(B, S, Hq, D)",), dtypes=INPUT_DTYPES),
+            decl.array(
+                "k", written_when="write_k_in_place", shape=("(B, S, Hkv, D)",), dtypes=("q",)
+            ),
+            decl.array("v", shape=("(B, S, Hkv, D)",), dtypes=("q",)),
+            decl.written(
+                "kv_cache", shape=("(B, 2, Hkv, C, D)",), dtypes=("q", *SCALED_CACHE_DTYPES)
+            ),
+            decl.array("cos_sin_cache", shape=("(P, R)", "(Bc, P, R)"), dtypes=(FLOAT32,)),
+            decl.array("kv_end_lens", optional=True, shape=("(B,)",), dtypes=INDEX_DTYPES),
+            decl.array(
+                "position_ids", optional=True, shape=("(B, S)", "(3, B, S)"), dtypes=INDEX_DTYPES
+            ),
+            decl.scalar(
+                "kv_scale",
+                "floats_or_tensor",
+                None,
+                parts=("kv_scale", "kv_scales"),
+                shape=("(2,)", "()"),
+                dtypes=(FLOAT32,),
+            ),
             decl.scalar("write_k_in_place", "bool", False),
             decl.scalar("is_neox", "bool", True),
             decl.scalar("mrope_section", "ints", None, check=section_list),
             decl.scalar("mrope_interleaved", "bool", False),
-            decl.out("q_out", into="q", default_into=True),
+            decl.out(
+                "q_out",
+                into="q",
+                default_into=True,
+                shape=("(B, S, Hq, D)",),
+                dtypes=("q", *FP8_DTYPES),
+            ),
             decl.scalar("q_scale", "float", None),
-            decl.written("q_scale_out", optional=True),
-            decl.written("kv_cache_scales", optional=True),
+            decl.written("q_scale_out", optional=True, shape=("(B, S, Hq)",), dtypes=(FLOAT32,)),
+            decl.written(
+                "kv_cache_scales", optional=True, shape=("(B, 2, Hkv, C)",), dtypes=(FLOAT32,)
+            ),
             decl.scalar("enable_pdl", "bool", False),
         ),
     ),

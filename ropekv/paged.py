@@ -1874,47 +1874,83 @@ def _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages, mrope
 # ---- the declarations (ropekv/_declare.py): the torch and JAX forms follow from them ----------
 
 
-def _declaration(name, outputs):
-    """The two paged ops take the same arguments (FlashInfer's, then ropekv's options)."""
+def _declaration(name, outputs, cache_dtypes):
+    """The two paged ops take the same arguments (FlashInfer's, then ropekv's options); the
+    caches' dtypes (``cache_dtypes``, those of the q outputs too) tell them apart."""
+    nnz = ("nnz", "no_rope_dim")
     return decl.Declaration(
         name,
         (
-            decl.array("q_rope"),
-            decl.array("k_rope"),
-            decl.array("q_nope", nullable=True),
-            decl.array("k_nope", nullable=True),
-            decl.array("v", nullable=True),
-            decl.array("cos_sin_cache"),
-            decl.array("pos_ids"),
-            decl.arg("paged_kv_cache", decl.WRITTEN, "pair", parts=("k_cache", "v_cache")),
-            decl.array("kv_indices"),
-            decl.array("kv_indptr"),
-            decl.array("batch_indices"),
-            decl.array("positions"),
+            decl.array("q_rope", shape=("(nnz, Hq, R)",), dtypes=INPUT_DTYPES),
+            decl.array("k_rope", shape=("(nnz, Hkv, R)", "(nnz, R)"), dtypes=("q_rope",)),
+            decl.array("q_nope", nullable=True, shape=(_spell(nnz, "Hq"),), dtypes=("q_rope",)),
+            decl.array(
+                "k_nope", nullable=True, shape=(_spell(nnz, "Hkv"), _spell(nnz)), dtypes=("q_rope",)
+            ),
+            decl.array("v", nullable=True, shape=("(nnz, Hkv, head_dim)",), dtypes=("q_rope",)),
+            decl.array("cos_sin_cache", shape=("(P, R)",), dtypes=(FLOAT32,)),
+            decl.array("pos_ids", shape=("(nnz,)", "(3, nnz)"), dtypes=INDEX_DTYPES),
+            decl.arg(
+                "paged_kv_cache",
+                decl.WRITTEN,
+                "pair",
+                parts=("k_cache", "v_cache"),
+                aka=("ckv_cache", "kpe_cache"),  # MLA's (2-D k_rope)
+                shape=(
+                    *(spelled for spelled, _ in CACHE_LAYOUTS.values()),
+                    "(num_pages, page_size, no_rope_dim)",
+                    "(num_pages, page_size, R)",
+                ),
+                dtypes=cache_dtypes,
+            ),
+            decl.array("kv_indices", shape=("(total_pages,)",), dtypes=INDEX_DTYPES),
+            decl.array("kv_indptr", shape=("(batch_size + 1,)",), dtypes=INDEX_DTYPES),
+            decl.array("batch_indices", shape=("(nnz,)",), dtypes=INDEX_DTYPES),
+            decl.array("positions", shape=("(nnz,)",), dtypes=INDEX_DTYPES),
             decl.scalar("is_neox", "bool", True),
             decl.scalar("quantize_dtype", "dtype", None),
             decl.scalar(
-                "quant_scale_q", "float_or_tensor", None, parts=("quant_scale_q", "quant_scales_q")
+                "quant_scale_q",
+                "float_or_tensor",
+                None,
+                parts=("quant_scale_q", "quant_scales_q"),
+                shape=("(Hq,)",),
+                dtypes=(FLOAT32,),
             ),
             decl.scalar(
                 "quant_scale_kv",
                 "float_or_tensor",
                 None,
                 parts=("quant_scale_kv", "quant_scales_kv"),
+                shape=("(Hkv,)",),
+                dtypes=(FLOAT32,),
             ),
             decl.scalar("page_size", "int", 16),
             decl.scalar("kv_layout", "str", "NHD"),
-            decl.out("q_rope_out", alias="q_rope"),
-            decl.out("q_nope_out", alias="q_nope"),
+            decl.out("q_rope_out", alias="q_rope", shape=("(nnz, Hq, R)",), dtypes=cache_dtypes),
+            decl.out("q_nope_out", alias="q_nope", shape=(_spell(nnz, "Hq"),), dtypes=cache_dtypes),
             decl.scalar("enable_pdl", "bool", False),
             decl.scalar("mrope_section", "ints", None, check=section_list),
             decl.scalar("mrope_interleaved", "bool", False),
-            decl.written("q_scale_out", optional=True),
-            decl.arg("kv_cache_scales", decl.WRITTEN, "pair", None, parts=("k_scales", "v_scales")),
-            decl.written("status", optional=True),
+            decl.written("q_scale_out", optional=True, shape=("(nnz, Hq)",), dtypes=(FLOAT32,)),
+            decl.arg(
+                "kv_cache_scales",
+                decl.WRITTEN,
+                "pair",
+                None,
+                parts=("k_scales", "v_scales"),
+                shape=("(num_pages, page_size, Hkv)", "(num_pages, Hkv, page_size)"),
+                dtypes=(FLOAT32,),
+            ),
+            decl.status(),
         ),
         outputs=outputs,
     )
+
+
+def _spell(dims, *middle):
+    """``("nnz", "no_rope_dim")`` with ``middle`` between, spelled as a shape."""
+    return f"({', '.join((dims[0], *middle, dims[1]))})"
 
 
 def _fp8_outputs(values):
@@ -1930,8 +1966,8 @@ def _append_outputs(values):
 
 
 DECLARATIONS = (
-    _declaration("rope_quantize_fp8_append_paged_kv_cache", _fp8_outputs),
-    _declaration("rope_append_paged_kv_cache", _append_outputs),
+    _declaration("rope_quantize_fp8_append_paged_kv_cache", _fp8_outputs, (*FP8_DTYPES, INT8)),
+    _declaration("rope_append_paged_kv_cache", _append_outputs, ("q_rope", *FP8_DTYPES, INT8)),
 )
 # the launch's roles, from the declaration (both ops alike): the arrays written when given, the
 # pairs that may be one array (q_rope_out = q_rope, q_nope_out = q_nope)

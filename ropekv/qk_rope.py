@@ -11,7 +11,7 @@ import numpy as np
 from ropekv import _checks as ck
 from ropekv import _declare as decl
 from ropekv import reference
-from ropekv._arrays import BFLOAT16, FLOAT16, HOST, INT32, INT64
+from ropekv._arrays import BFLOAT16, FLOAT16, FLOAT32, HOST, INT32, INT64
 from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import AS_IS, FLAG, INT, Launch, Op, Output, ParamStruct, Plan
 from ropekv._types import ArrayLike, StreamLike
@@ -623,12 +623,14 @@ def _outputs(values):
     }
 
 
+_QUERY = ("(nnz, Hq * head_size)", "(nnz, Hq, head_size)")
+_KEY = ("(nnz, Hk * head_size)", "(nnz, Hk, head_size)")
 _FLASHINFER_ARGS = (
-    decl.array("positions"),
-    decl.array("query"),
-    decl.array("key"),
+    decl.array("positions", shape=("(nnz,)",), dtypes=INDEX_DTYPES),
+    decl.array("query", shape=_QUERY, dtypes=INPUT_DTYPES),
+    decl.array("key", shape=_KEY, dtypes=("query",)),
     decl.scalar("head_size", "int"),
-    decl.array("cos_sin_cache"),
+    decl.array("cos_sin_cache", shape=("(max_seq_len, rotary_dim)",), dtypes=(FLOAT32,)),
     decl.scalar("is_neox", "bool", True),
 )
 DECLARATIONS = (
@@ -646,8 +648,8 @@ DECLARATIONS = (
         "apply_rope_with_cos_sin_cache",
         (
             *_FLASHINFER_ARGS,
-            decl.out("query_out", into="query"),
-            decl.out("key_out", into="key"),
+            decl.out("query_out", into="query", shape=_QUERY, dtypes=("query",)),
+            decl.out("key_out", into="key", shape=_KEY, dtypes=("query",)),
             decl.scalar("enable_pdl", "bool", False),
         ),
         outputs=_outputs,
