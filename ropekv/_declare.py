@@ -56,7 +56,7 @@ import importlib
 import numbers
 from typing import Any, NamedTuple
 
-from ropekv._arrays import INT32, UINT32
+from ropekv._arrays import FLOAT32, INT32, UINT32
 from ropekv._checks import check_flag
 
 REQUIRED = object()  # the default of an argument the caller must give
@@ -91,6 +91,7 @@ class Arg(NamedTuple):
     shape: tuple = ()  # an array: the shapes it may have, each spelled by its dims: "(T, Hq, D)"
     dtypes: tuple = ()  # an array: the dtypes it may have (NumPy dtypes; a str: that argument's)
     aka: tuple = ()  # a pair: its parts' names in the op's other form (MLA's ckv_cache, kpe_cache)
+    layered: bool = False  # an array of one layer, or of all with layer_idx: (num_layers, ...)
 
     @property
     def optional(self):
@@ -179,6 +180,21 @@ def ragged_paged():
     )
 
 
+def kv_cache_scales(layered=False):
+    """``kv_cache_scales=``: the per-token-head scales a paged op writes beside an fp8 or int8
+    cache (the paged and QK-norm ops), one array for K and one for V."""
+    return arg(
+        "kv_cache_scales",
+        WRITTEN,
+        "pair",
+        None,
+        parts=("k_scales", "v_scales"),
+        shape=("(num_pages, page_size, Hkv)", "(num_pages, Hkv, page_size)"),
+        dtypes=(FLOAT32,),
+        layered=layered,
+    )
+
+
 def status():
     """``status=``: the int32 element an op writes (0, or the flag of a refused batch)."""
     return written("status", optional=True, shape=("(1,)", "()"), dtypes=(INT32,))
@@ -245,6 +261,8 @@ class Declaration:
                 shape, dtypes = "", ""
             else:
                 shape = " or ".join(f"``{s}``" for s in a.shape)
+                if a.layered:
+                    shape += "; with ``layer_idx``, ``num_layers`` first"
                 dtypes = ", ".join(_dtype_text(d) for d in a.dtypes)
             default = "" if a.default is REQUIRED else f"``{a.default!r}``"
             if a.nullable:
@@ -292,6 +310,13 @@ class Declaration:
         """The positions in ``names`` of the read arrays written too when the declaration's
         ``written_when`` flag is on (the contiguous op's ``k`` with ``write_k_in_place``)."""
         return tuple(names.index(a.name) for a in self.inputs if a.written_when)
+
+    def launch_layered(self, names):
+        """The names in ``names`` (an op's launch arrays) of the arrays that carry a leading
+        ``(num_layers, ...)`` dimension in a call with ``layer_idx`` (``Op(layered=...)``): each
+        part of each ``layered`` argument, by its declared names and its ``aka``."""
+        wanted = {n for a in self.inputs if a.layered for n in (a.name, *a.parts, *a.aka)}
+        return tuple(n for n in names if n in wanted)
 
     def launch_in_place(self, names):
         """The pairs of positions in ``names`` that may be one array: each ``out`` with the input

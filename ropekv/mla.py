@@ -714,20 +714,6 @@ _SLOTS = {
         ("ckv", "kv_cache"),
     )
 }
-_JOINED = Op(
-    "mla_rope_rmsnorm_append_paged_kv_cache",
-    (*_NAMES, "kv_cache", "kpe_cache", "q_rope_out", "status"),
-    _prepare,
-    layered=("kv_cache", "kpe_cache"),
-    flags=_FLAGS,
-)
-_SPLIT = Op(
-    "mla_rope_rmsnorm_append_paged_kv_cache",
-    (*_NAMES, "ckv_cache", "kpe_cache", "q_rope_out", "status"),
-    _prepare,
-    layered=("ckv_cache", "kpe_cache"),
-    flags=_FLAGS,
-)
 
 
 # ---- the declaration (ropekv/_declare.py): the torch and JAX forms follow from it -------------
@@ -754,6 +740,7 @@ DECLARATIONS = (
                 "tensor_or_pair",
                 parts=("kv_cache", "kpe_cache"),
                 aka=("ckv_cache", "kpe_cache"),  # the split form's
+                layered=True,
                 shape=(
                     "(num_pages, page_size, L + R)",
                     "(num_pages, page_size, L)",
@@ -778,3 +765,13 @@ DECLARATIONS = (
 # one array (q_rope_out = q_rope)
 _WRITTEN = DECLARATIONS[0].launch_written(_ARGS)
 _INPLACE = DECLARATIONS[0].launch_in_place(_ARGS)
+
+
+def _op(names):
+    """The op's one call path for one form of its cache (``names``: its launch arrays)."""
+    layered = DECLARATIONS[0].launch_layered(names)
+    return Op(DECLARATIONS[0].name, names, _prepare, layered=layered, flags=_FLAGS)
+
+
+_JOINED = _op(_ARGS)
+_SPLIT = _op((*_NAMES, "ckv_cache", "kpe_cache", "q_rope_out", "status"))

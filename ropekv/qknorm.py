@@ -1422,13 +1422,6 @@ _FLAGS = [
 ]
 _Views = collections.namedtuple("_Views", _ARGS)
 _Flags = collections.namedtuple("_Flags", [name for name, _ in _FLAGS])
-_OP = Op(
-    "qk_rmsnorm_rope_append_paged_kv_cache",
-    _ARGS,
-    _prepare,
-    layered=("k_cache", "v_cache", "k_scales", "v_scales"),
-    flags=_FLAGS,
-)
 
 
 # ---- the declaration (ropekv/_declare.py): the torch and JAX forms follow from it -------------
@@ -1457,6 +1450,7 @@ DECLARATIONS = (
                 "pair",
                 parts=("k_cache", "v_cache"),
                 shape=tuple(spelled for spelled, _ in CACHE_LAYOUTS.values()),
+                layered=True,
                 dtypes=("q", *FP8_DTYPES, INT8),
             ),
             decl.scalar("epsilon", "float", 1e-6),
@@ -1467,15 +1461,7 @@ DECLARATIONS = (
             decl.scalar("q_out_dtype", "dtype", None),
             decl.scalar("q_scale", "float", None),
             decl.written("q_scale_out", optional=True, shape=("(T, Hq)",), dtypes=(FLOAT32,)),
-            decl.arg(
-                "kv_cache_scales",
-                decl.WRITTEN,
-                "pair",
-                None,
-                parts=("k_scales", "v_scales"),
-                shape=("(num_pages, page_size, Hkv)", "(num_pages, Hkv, page_size)"),
-                dtypes=(FLOAT32,),
-            ),
+            decl.kv_cache_scales(layered=True),
             decl.scalar("norm_order", "str", "before_rope"),
             decl.scalar("weight_offset", "float", 0.0),
             decl.scalar("clear_unused_last_page_rows", "bool", False),
@@ -1493,3 +1479,11 @@ DECLARATIONS = (
 # or new), the pair that may be one array (q_out = q)
 _WRITTEN = DECLARATIONS[0].launch_written(_ARGS)
 _INPLACE = DECLARATIONS[0].launch_in_place(_ARGS)
+
+_OP = Op(
+    "qk_rmsnorm_rope_append_paged_kv_cache",
+    _ARGS,
+    _prepare,
+    layered=DECLARATIONS[0].launch_layered(_ARGS),
+    flags=_FLAGS,
+)

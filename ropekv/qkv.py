@@ -2253,43 +2253,6 @@ def _check_indices(voff, vlen, vbt, T, P, page_size, num_pages):
     )
 
 
-_OP = Op(
-    "fused_qkv_matmul_append_paged_kv_cache",
-    ARRAYS,
-    _prepare,
-    layered=("k_cache", "v_cache"),
-    flags=[
-        ("num_q_heads", KEY),
-        ("is_neox", FLAG),
-        ("kv_layout", KEY),
-        ("kv_scale", KEY),
-        ("group_size", KEY),
-        ("enable_pdl", FLAG),
-        *(
-            (name, AS_IS)
-            for name in (
-                "GEMV_MAX_TOKENS",
-                "FAST_INT4",
-                "GEMV_PACKED",
-                "GEMV_PACKED_MAX_TOKENS",
-                "GEMV_PACKED_LATE_SCALE",
-                "GEMV_PACKED_FP8",
-                "GEMV_FORM, GEMV_LEAN_*, LEAN_MMA_*",
-                "MMA_MIN_TOKENS",
-                "MMA_MAX_TOKENS",
-                "MMA_*_QUANTIZED",
-                "MMA_SPLIT",
-                "MMA_FORM, MMA_OFFSETS32_MAX_TILE",
-            )
-        ),
-        ("TILED_*", AS_IS),
-        ("WGMMA_*", AS_IS),
-        ("GRAPH_MAX_TOKENS", AS_IS),
-        ("clear_unused_last_page_rows", FLAG),
-    ],
-)
-
-
 # ---- the declaration (ropekv/_declare.py): the torch and JAX forms follow from it -------------
 
 
@@ -2323,6 +2286,7 @@ DECLARATIONS = (
                 parts=("k_cache", "v_cache"),
                 shape=("(num_pages, page_size, Hkv, D)", "(num_pages, Hkv, page_size, D)"),
                 dtypes=("hidden_state", *FP8_DTYPES),
+                layered=True,
             ),
             decl.scalar("num_q_heads", "int"),
             decl.array("cos_sin_cache", optional=True, shape=("(P, R)",), dtypes=(FLOAT32,)),
@@ -2351,3 +2315,39 @@ DECLARATIONS = (
 )
 # the launch's roles, from the declaration: the arrays written when given
 _WRITTEN = DECLARATIONS[0].launch_written(ARRAYS)
+
+_OP = Op(
+    "fused_qkv_matmul_append_paged_kv_cache",
+    ARRAYS,
+    _prepare,
+    layered=DECLARATIONS[0].launch_layered(ARRAYS),
+    flags=[
+        ("num_q_heads", KEY),
+        ("is_neox", FLAG),
+        ("kv_layout", KEY),
+        ("kv_scale", KEY),
+        ("group_size", KEY),
+        ("enable_pdl", FLAG),
+        *(
+            (name, AS_IS)
+            for name in (
+                "GEMV_MAX_TOKENS",
+                "FAST_INT4",
+                "GEMV_PACKED",
+                "GEMV_PACKED_MAX_TOKENS",
+                "GEMV_PACKED_LATE_SCALE",
+                "GEMV_PACKED_FP8",
+                "GEMV_FORM, GEMV_LEAN_*, LEAN_MMA_*",
+                "MMA_MIN_TOKENS",
+                "MMA_MAX_TOKENS",
+                "MMA_*_QUANTIZED",
+                "MMA_SPLIT",
+                "MMA_FORM, MMA_OFFSETS32_MAX_TILE",
+            )
+        ),
+        ("TILED_*", AS_IS),
+        ("WGMMA_*", AS_IS),
+        ("GRAPH_MAX_TOKENS", AS_IS),
+        ("clear_unused_last_page_rows", FLAG),
+    ],
+)
