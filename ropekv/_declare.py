@@ -180,6 +180,20 @@ def ragged_paged():
     )
 
 
+def paged_kv_cache(dtypes):
+    """``paged_kv_cache=``: the (K, V) page pools MAX's paged ops write (QK-norm, fused QKV), in
+    the NHD or HND layout, all layers of them with ``layer_idx``; ``dtypes`` as the op allows."""
+    return arg(
+        "paged_kv_cache",
+        WRITTEN,
+        "pair",
+        parts=("k_cache", "v_cache"),
+        shape=("(num_pages, page_size, Hkv, D)", "(num_pages, Hkv, page_size, D)"),
+        dtypes=dtypes,
+        layered=True,
+    )
+
+
 def kv_cache_scales(layered=False):
     """``kv_cache_scales=``: the per-token-head scales a paged op writes beside an fp8 or int8
     cache (the paged and QK-norm ops), one array for K and one for V."""
@@ -556,13 +570,14 @@ def declarations(framework):
     ``DECLARATIONS`` names it (``TypeError`` otherwise)."""
     from ropekv import _registry
 
-    found = []
-    for entry in _registry.OPS:
-        if not getattr(entry, framework):
-            continue
-        module = importlib.import_module(f"ropekv.{entry.module}")
-        decl = next((d for d in getattr(module, "DECLARATIONS", ()) if d.name == entry.name), None)
-        if decl is None:
-            raise TypeError(f"ropekv.{entry.module} declares no {entry.name} (DECLARATIONS)")
-        found.append(decl)
-    return found
+    return [declaration(entry) for entry in _registry.OPS if getattr(entry, framework)]
+
+
+def declaration(entry):
+    """The declaration of the registry's op ``entry`` (a ``_registry.OpEntry``): its module's
+    ``DECLARATIONS`` names it (``TypeError`` otherwise)."""
+    module = importlib.import_module(f"ropekv.{entry.module}")
+    decl = next((d for d in getattr(module, "DECLARATIONS", ()) if d.name == entry.name), None)
+    if decl is None:
+        raise TypeError(f"ropekv.{entry.module} declares no {entry.name} (DECLARATIONS)")
+    return decl

@@ -76,6 +76,9 @@ def api_summary():
     """The API page's generated part (``docs/_generated/ops.rst``, written by ``docs/conf.py``):
     the summary table of every public function, then a section per op section, its ops (each
     with the table of its arguments, from its declaration) and helpers, in table order."""
+    from ropekv import _declare  # (the op modules, for their declarations: the API page only)
+
+    entries = {op.name: op for op in OPS}
     lines = [".. autosummary::", ""]
     lines += [f"   {name}" for name in (*NAMES, *HELPERS)]
     sections: dict[str, list[str]] = {}
@@ -88,17 +91,8 @@ def api_summary():
         for name in names:
             lines += [f".. autofunction:: {name}", ""]
             if name in NAMES:
-                lines += [_declaration(name).arguments_rst()]
+                lines += [_declare.declaration(entries[name]).arguments_rst()]
     return "\n".join(lines).rstrip() + "\n"
-
-
-def _declaration(name):
-    """The declaration of op ``name`` (imports its module: the API page's use only)."""
-    import importlib
-
-    entry = next(op for op in OPS if op.name == name)
-    module = importlib.import_module(f"ropekv.{entry.module}")
-    return next(d for d in module.DECLARATIONS if d.name == name)
 
 
 def workloads():

@@ -1877,15 +1877,19 @@ def _check_indices(vpos, vbat, vposn, vptr, vind, P, page_size, num_pages, mrope
 def _declaration(name, outputs, cache_dtypes):
     """The two paged ops take the same arguments (FlashInfer's, then ropekv's options); the
     caches' dtypes (``cache_dtypes``, those of the q outputs too) tell them apart."""
-    nnz = ("nnz", "no_rope_dim")
     return decl.Declaration(
         name,
         (
             decl.array("q_rope", shape=("(nnz, Hq, R)",), dtypes=INPUT_DTYPES),
             decl.array("k_rope", shape=("(nnz, Hkv, R)", "(nnz, R)"), dtypes=("q_rope",)),
-            decl.array("q_nope", nullable=True, shape=(_spell(nnz, "Hq"),), dtypes=("q_rope",)),
             decl.array(
-                "k_nope", nullable=True, shape=(_spell(nnz, "Hkv"), _spell(nnz)), dtypes=("q_rope",)
+                "q_nope", nullable=True, shape=("(nnz, Hq, no_rope_dim)",), dtypes=("q_rope",)
+            ),
+            decl.array(
+                "k_nope",
+                nullable=True,
+                shape=("(nnz, Hkv, no_rope_dim)", "(nnz, no_rope_dim)"),
+                dtypes=("q_rope",),
             ),
             decl.array("v", nullable=True, shape=("(nnz, Hkv, head_dim)",), dtypes=("q_rope",)),
             decl.array("cos_sin_cache", shape=("(P, R)",), dtypes=(FLOAT32,)),
@@ -1928,7 +1932,9 @@ def _declaration(name, outputs, cache_dtypes):
             decl.scalar("page_size", "int", 16),
             decl.scalar("kv_layout", "str", "NHD"),
             decl.out("q_rope_out", alias="q_rope", shape=("(nnz, Hq, R)",), dtypes=cache_dtypes),
-            decl.out("q_nope_out", alias="q_nope", shape=(_spell(nnz, "Hq"),), dtypes=cache_dtypes),
+            decl.out(
+                "q_nope_out", alias="q_nope", shape=("(nnz, Hq, no_rope_dim)",), dtypes=cache_dtypes
+            ),
             decl.scalar("enable_pdl", "bool", False),
             decl.scalar("mrope_section", "ints", None, check=section_list),
             decl.scalar("mrope_interleaved", "bool", False),
@@ -1938,11 +1944,6 @@ def _declaration(name, outputs, cache_dtypes):
         ),
         outputs=outputs,
     )
-
-
-def _spell(dims, *middle):
-    """``("nnz", "no_rope_dim")`` with ``middle`` between, spelled as a shape."""
-    return f"({', '.join((dims[0], *middle, dims[1]))})"
 
 
 def _fp8_outputs(values):
