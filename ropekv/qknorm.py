@@ -370,7 +370,7 @@ def guesses(T, B):
     """Whether a decode kernel takes its request search from the decode guess (token t in
     request t, checked against the binary search's own path: ``kernels/common.cuh``,
     ``RequestGuess``): calls of as many tokens as requests, from GUESS_REQUESTS[0] requests (the
-    lane-shuffle search below) to GUESS_REQUESTS[1] (the kernels' ``kStageMax``: the path's
+    search among the lanes below) to GUESS_REQUESTS[1] (the kernels' ``kStageMax``: the path's
     probes fit its slots). The other calls take kernels without its code, which measured faster
     where it does not run (Qwen3-32B one to 16 tokens 1.03-1.07x the time with it compiled in)."""
     return T == B and GUESS_REQUESTS[0] <= B <= GUESS_REQUESTS[1]

@@ -959,7 +959,8 @@ LEAN_VARIANTS = [
     [
         (1,),
         (1,) * 5,
-        (1,) * 31,  # the last batch searched by lane shuffles
+        (1,) * 31,  # the last batch whose request is found among the lanes
+        (1, 0, 2, 1, 0, 3) * 5,  # among the lanes, empty requests (equal offsets)
         (1,) * 32,  # staged in shared memory
         (1, 0, 2, 1, 0, 3) * 7,
         tuple(1 if b % 4 == 0 else 0 for b in range(520)),  # past kStageMax: global memory
@@ -981,7 +982,7 @@ def test_lean_decode_matches_reference(
     monkeypatch, variant, new, Hq, L, R, is_neox, kv_norm_dim, gamma_f32
 ):
     """The lean decode kernel (plain calls) against the reference at every request-search path
-    (lane shuffles below 32 requests, shared memory up to 512, global memory past it), tokens
+    (among the lanes below 32 requests, shared memory up to 512, global memory past it), tokens
     without a request or position, and pages out of range; ``lean_below`` raised, at prefill."""
     from ropekv import mla
 

@@ -767,7 +767,7 @@ def test_qwen3_prefill_and_decode(layout, cache_dtype):
 
 
 # the decode kernel (qk_rmsnorm_rope_decode): plain calls of few tokens, D 64 / 128 / 256 with
-# R == D at 16-byte lanes. Requests: "few" (< 32: the search over lane shuffles), "many"
+# R == D at 16-byte lanes. Requests: "few" (< 32: the request found among the lanes), "many"
 # (32..512: staged in shared memory), "huge" (> 512: searched in global memory); some empty,
 # some tokens past the table's pages or with a position past the cos/sin table.
 DECODE_BATCHES = {
@@ -835,7 +835,7 @@ DECODE_VARIANTS = {
 
 # The flat decode kernel at serving shapes: Qwen3-32B heads (64 / 8) and Tensor-parallel heads
 # (8 / 1: 10 rows a token, so blocks and warps hold rows of several tokens) at N x 1 decode (N
-# requests: the lane-shuffle search below 32, the decode guess checked against the search's path
+# requests: the search among the lanes below 32, the decode guess checked against the search's path
 # from 32 to 512), as many tokens as requests but not one a request (the guess failing for half
 # the tokens: the search after it), a prefill of TP heads (the flat kernel at any T for H <=
 # decode_heads; 8 requests: the shuffle search with a warp's lanes at two tokens), and 600
@@ -916,6 +916,33 @@ def test_flat_decode_kernel_matches_reference(case, variant, cache_dtype):
         ):
             assert kernel and kernel[0].startswith(qknorm.ROWS_KERNEL), kernel
         check_on_device(args, kw, kv_scale=0.5 if cache_dtype == E4M3 else None)
+
+
+# The request among the lanes (lane_position, kernels/common.cuh) at fewer than 32 requests: a
+# ballot where the offsets are sorted (empty requests make equal offsets, the last of which is the
+# search's answer), the binary search where a flat warp holds rows of three tokens (1 / 1 heads
+# at D 64 on 8-element lanes: 3 rows a token, 8 rows a warp). Unsorted offsets: the hostile tests.
+LANE_CASES = {
+    "1-1": ((1, 1), (2, 0, 3, 1, 0, 0, 4, 1), (0, 3, 9, 1, 7, 0, 2, 30)),
+    "2-1": ((2, 1), (0, 1, 1, 0, 2, 3), (4, 0, 17, 2, 6, 1)),
+    "8-1": ((8, 1), (0, 1) * 15 + (1,), tuple(range(31))),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(LANE_CASES))
+@pytest.mark.parametrize("variant", ["default", "flat", "flat16", "rows1", "rows2"])
+def test_request_among_the_lanes_matches_reference(case, variant):
+    import cupy as cp  # noqa: F401 (GPU only)
+
+    from ropekv import qknorm
+
+    heads, new, cached = LANE_CASES[case]
+    args, kw, views = _plain_decode_case(len(new), heads, new, cached, 64, BF16, P=1000)
+    with applied({"qknorm": FLAT_VARIANTS[variant]}):
+        kernel = qknorm._decode_kernel(views, None, True, 64, True)
+        assert kernel, (case, variant)
+        check_on_device(args, kw)
 
 
 # fp8 q on the decode kernels (DECODE_Q_DTYPES: e4m3): (heads, new, cached, D, TUNING, kernel).
@@ -1057,7 +1084,7 @@ def test_token_rows_kernel_takes_calls_from_rows_from_head_rows():
 def test_decode_guess_is_compiled_in_for_one_token_a_request_only():
     """The decode kernels with the decode guess (kernels/common.cuh, RequestGuess) take calls of
     as many tokens as requests from 32 to 512 requests; the others take the kernels without its
-    code (the lane-shuffle search below 32 requests, shared memory or global memory else)."""
+    code (the search among the lanes below 32 requests, shared memory or global memory else)."""
     from ropekv import qknorm
 
     assert qknorm.GUESS_REQUESTS == (32, 512)

@@ -339,6 +339,65 @@ __device__ __forceinline__ PagedSlot ragged_position(const unsigned* offsets,
   return s;
 }
 
+// ragged_position for a batch of B < 32 requests held in the warp's lanes (by %laneid): lane l <=
+// B holds offsets[l] in `off`, lane l < B cache_lengths[l] in `len` (the other lanes anything).
+// Every lane of the warp calls it, converged. TOKENS: how many tokens the warp's lanes ask about,
+// 1 (the same t in every lane) or 2 (lane 0's and lane 31's: a warp of consecutive rows of a
+// ragged sequence; a warp whose lanes hold more takes the search below).
+// Where offsets[0..B] is non-decreasing (as unsigned), a ballot a token answers: the binary
+// search's upper bound u of t over the B + 1 offsets gives request u - 1 where 1 <= u <= B and -1
+// otherwise, and in a sorted array u - 1 is then the one lane l < B with offsets[l] <= t <
+// offsets[l + 1] (for u = 0 or u = B + 1 no lane is). Other batches run ragged_request's binary
+// search over the lanes, every lane every step. Either way the answer is ragged_request's exactly.
+template <int TOKENS>
+__device__ __forceinline__ PagedSlot lane_position(unsigned off, int len, int B, int t) {
+  static_assert(TOKENS == 1 || TOKENS == 2, "one or two tokens a warp");
+  constexpr unsigned kAll = 0xffffffffu;
+  unsigned lane;  // the lane within the warp, whatever the block's shape (MLA's are 2-D)
+  asm("mov.u32 %0, %%laneid;" : "=r"(lane));
+  const unsigned next = __shfl_down_sync(kAll, off, 1);  // offsets[l + 1] in lanes l < B
+  const bool in = int(lane) < B;
+  const int t0 = TOKENS == 1 ? t : __shfl_sync(kAll, t, 0);
+  const int t1 = TOKENS == 1 ? t : __shfl_sync(kAll, t, 31);
+  int b;
+  if (__all_sync(kAll, (!in || off <= next) && (TOKENS == 1 || t == t0 || t == t1))) {
+    unsigned hit = __ballot_sync(kAll, in && off <= unsigned(t0) && unsigned(t0) < next);
+    if (TOKENS == 2) {
+      const unsigned hit1 = __ballot_sync(kAll, in && off <= unsigned(t1) && unsigned(t1) < next);
+      if (t != t0) hit = hit1;
+    }
+    b = hit ? __ffs(hit) - 1 : -1;
+  } else {
+    int lo = 0, hi = B + 1;
+    while (__any_sync(kAll, lo < hi)) {
+      const bool step = lo < hi;
+      const int mid = (lo + hi) >> 1;
+      const unsigned o = __shfl_sync(kAll, off, step ? mid : 0);
+      if (step) {
+        if (o <= unsigned(t)) {
+          lo = mid + 1;
+        } else {
+          hi = mid;
+        }
+      }
+    }
+    b = lo - 1;  // <= B: the shuffles below read lanes <= B < 32
+    const int r = b < 0 ? 0 : b;
+    const unsigned o0 = __shfl_sync(kAll, off, r);
+    const unsigned o1 = __shfl_sync(kAll, off, r + 1 > B ? B : r + 1);
+    if (b >= B || unsigned(t) < o0 || unsigned(t) >= o1) b = -1;
+  }
+  const int r = b < 0 ? 0 : b;
+  const unsigned o0 = __shfl_sync(kAll, off, r);
+  const int l0 = __shfl_sync(kAll, len, r);
+  PagedSlot s{-1, -1, -1, 0};
+  if (b >= 0) {
+    s.request = b;
+    s.pos = i64(l0) + (i64(t) - i64(o0));
+  }
+  return s;
+}
+
 // The decode guess (a call of as many tokens as requests: token t of request t) checked against
 // ragged_request's own search, for B <= 512 requests. The search's path to a result g is fixed by
 // g and B alone: it returns g exactly when every probe on that path compares as it would for g

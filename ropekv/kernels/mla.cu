@@ -401,7 +401,7 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append(const MlaParam
 // squares reduced by shuffles within that warp; threads 32 .. 32 + items - 1 the rotary tail's
 // chunks. Block (t, y >= 1) holds q heads (y - 1) S + threadIdx.y. Order: the request search's
 // loads first (fewer than 32 requests: offsets[lane] and cache_lengths[lane], one per lane, the
-// binary search then run by shuffles, as qk_decode_rows does; up to kStageMax staged in shared
+// request then found by lane_position, as qk_decode_rows does; up to kStageMax staged in shared
 // memory behind one barrier; past that, global memory), the row chunks (and the RMSNorm weights)
 // right behind them; then the position, the page (kv block) and the cos/sin values; then the
 // stores. Same semantics as the split kernel: a token outside every request or with a position
@@ -463,26 +463,10 @@ __global__ void __launch_bounds__(kBlock) mla_rope_rmsnorm_append_lean(const Mla
   // 2. request and position (every branch block-uniform)
   int req;
   i64 pos = -1;
-  if (B < 32) {  // ragged_request's binary search over the warp's lanes
-    int lo = 0, hi = B + 1;
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if (__shfl_sync(0xffffffffu, lane_off, mid) <= unsigned(t)) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
-    req = lo - 1;
-    const int r0 = req < 0 ? 0 : req;  // req <= B: r0 + 1 <= B + 1 <= 32
-    const unsigned o0 = __shfl_sync(0xffffffffu, lane_off, r0);
-    const unsigned o1 = __shfl_sync(0xffffffffu, lane_off, r0 + 1 > B ? B : r0 + 1);
-    const int len = __shfl_sync(0xffffffffu, lane_len, r0);
-    if (req < 0 || req >= B || unsigned(t) < o0 || unsigned(t) >= o1) {
-      req = -1;
-    } else {
-      pos = i64(len) + (i64(t) - i64(o0));
-    }
+  if (B < 32) {  // over the warp's lanes (every lane the block's token)
+    const PagedSlot s = lane_position<1>(lane_off, lane_len, B, t);
+    req = s.request;
+    pos = s.pos;
   } else {
     PagedSlot s;
     if (B <= kStageMax) {

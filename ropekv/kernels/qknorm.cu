@@ -481,8 +481,9 @@ __global__ void __launch_bounds__(512) qk_rmsnorm_rope_append(const QKNormParams
 // kind (Q, K, V) picks pointers and strides by selects, not branches. A block of blockDim.x / G
 // rows, grid (T, ceil(H / rows)): a token's rows over several blocks, as Cake's kernel does.
 // The request search: batches of fewer than 32 requests load offsets[0..B] and cache_lengths[0..B)
-// one per lane (with the rows, before anything waits) and run the same binary search over them
-// by shuffles (the request's length then comes from a lane: no dependent load); with GUESS (the
+// one per lane (with the rows, before anything waits) and find the request among the lanes
+// (lane_position, common.cuh: a ballot where the offsets are sorted, else the binary search by
+// shuffles; the request's length then comes from a lane: no dependent load); with GUESS (the
 // host sets it for calls of one token a request, 32 to kStageMax requests) the decode guess
 // (RequestGuess, common.cuh: token t in request t, checked against the search's own path, its
 // probes loaded with the rows), the search in global memory where the path fails; other batches
@@ -563,7 +564,7 @@ struct QKDecodeShared {
 };
 
 // Whether a decode kernel built with GUESS takes the decode guess for this call: one token a
-// request, 32 (below: the lane-shuffle search) to kStageMax requests. The host sets GUESS by the
+// request, 32 (below: the search among the lanes) to kStageMax requests. The host sets GUESS by the
 // same rule (qknorm.guesses); rechecked here, so a call outside it takes the other searches.
 template <bool GUESS, typename P>
 __device__ __forceinline__ bool takes_guess(const P& p) {
@@ -574,7 +575,7 @@ __device__ __forceinline__ bool takes_guess(const P& p) {
 // (H = Hq + 2 Hkv), blockDim.x / G consecutive rows a block, grid ceil(T H / rows): no idle lane
 // but in the last block whatever H (Tensor-parallel 8 / 1 heads: 10 rows, which a (T, splits)
 // grid pads to 16), and many tokens give many blocks. A warp may then hold rows of two tokens:
-// the lane-shuffle search runs its steps converged (each lane its own token, the same answer).
+// lane_position takes a ballot for each (the search, converged, where a warp holds more).
 // N: elements per lane, 8 (16-byte lanes of T) or 4 (twice the lanes, half the work per lane, for
 // the fewest tokens).
 // QT: q's stored type, T, or fp8 (the record is then QKDecodeQParams): a static scale, or with
@@ -661,41 +662,10 @@ __device__ __forceinline__ void qk_decode_rows(const P& p, QKDecodeShared& sh) {
   // 2. request and position (every branch block-uniform)
   int req;
   i64 pos = -1;
-  if (B < 32) {  // the binary search of ragged_request over the warp's lanes
-    int lo = 0, hi = B + 1;
-    if constexpr (FLAT) {  // the lanes' tokens may differ: every lane takes every step
-      while (__any_sync(0xffffffffu, lo < hi)) {
-        const bool step = lo < hi;
-        const int mid = (lo + hi) >> 1;
-        const unsigned o = __shfl_sync(0xffffffffu, lane_off, step ? mid : 0);
-        if (step) {
-          if (o <= unsigned(t)) {
-            lo = mid + 1;
-          } else {
-            hi = mid;
-          }
-        }
-      }
-    } else {
-      while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (__shfl_sync(0xffffffffu, lane_off, mid) <= unsigned(t)) {
-          lo = mid + 1;
-        } else {
-          hi = mid;
-        }
-      }
-    }
-    req = lo - 1;
-    const int r0 = req < 0 ? 0 : req;  // req <= B - 1 + 1 = B: r0 + 1 <= B + 1 <= 32
-    const unsigned o0 = __shfl_sync(0xffffffffu, lane_off, r0);
-    const unsigned o1 = __shfl_sync(0xffffffffu, lane_off, r0 + 1 > B ? B : r0 + 1);
-    const int len = __shfl_sync(0xffffffffu, lane_len, r0);
-    if (req < 0 || req >= B || unsigned(t) < o0 || unsigned(t) >= o1) {
-      req = -1;
-    } else {
-      pos = i64(len) + (i64(t) - i64(o0));
-    }
+  if (B < 32) {  // over the warp's lanes (FLAT: the lanes' tokens may differ, two at most)
+    const PagedSlot s = lane_position<FLAT ? 2 : 1>(lane_off, lane_len, B, t);
+    req = s.request;
+    pos = s.pos;
   } else {
     PagedSlot s;
     if (guess) {  // the search only where the guess's path did not hold
@@ -924,26 +894,9 @@ __device__ __forceinline__ void qk_decode_token_rows(const QKDecodeParams& p, QK
   int req;
   int pos = -1;
   if (B < 32) {
-    int lo = 0, hi = B + 1;
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if (__shfl_sync(0xffffffffu, lane_off, mid) <= unsigned(t)) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
-    req = lo - 1;
-    const int r0 = req < 0 ? 0 : req;
-    const unsigned o0 = __shfl_sync(0xffffffffu, lane_off, r0);
-    const unsigned o1 = __shfl_sync(0xffffffffu, lane_off, r0 + 1 > B ? B : r0 + 1);
-    const int len = __shfl_sync(0xffffffffu, lane_len, r0);
-    const i64 ps = i64(len) + (i64(t) - i64(o0));
-    if (req < 0 || req >= B || unsigned(t) < o0 || unsigned(t) >= o1) {
-      req = -1;
-    } else {
-      pos = ps < 0 || ps >= p.P ? -1 : int(ps);
-    }
+    const PagedSlot s = lane_position<1>(lane_off, lane_len, B, t);
+    req = s.request;
+    pos = s.pos < 0 || s.pos >= p.P ? -1 : int(s.pos);
   } else {
     PagedSlot s;
     if (guess) {  // the search only where the guess's path did not hold
