@@ -893,10 +893,28 @@ __device__ __forceinline__ void qk_decode_token_rows(const QKDecodeParams& p, QK
   // 2. request and position, once for the warp (every lane the same token: converged steps)
   int req;
   int pos = -1;
-  if (B < 32) {
-    const PagedSlot s = lane_position<1>(lane_off, lane_len, B, t);
-    req = s.request;
-    pos = s.pos < 0 || s.pos >= p.P ? -1 : int(s.pos);
+  if (B < 32) {  // ragged_request's binary search by shuffles: lane_position (as the other decode
+    // kernels take it) compiled in here cost this kernel's guess path 1.02-1.05x (256 tokens)
+    int lo = 0, hi = B + 1;
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (__shfl_sync(0xffffffffu, lane_off, mid) <= unsigned(t)) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    req = lo - 1;
+    const int r0 = req < 0 ? 0 : req;
+    const unsigned o0 = __shfl_sync(0xffffffffu, lane_off, r0);
+    const unsigned o1 = __shfl_sync(0xffffffffu, lane_off, r0 + 1 > B ? B : r0 + 1);
+    const int len = __shfl_sync(0xffffffffu, lane_len, r0);
+    const i64 ps = i64(len) + (i64(t) - i64(o0));
+    if (req < 0 || req >= B || unsigned(t) < o0 || unsigned(t) >= o1) {
+      req = -1;
+    } else {
+      pos = ps < 0 || ps >= p.P ? -1 : int(ps);
+    }
   } else {
     PagedSlot s;
     if (guess) {  // the search only where the guess's path did not hold
