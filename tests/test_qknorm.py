@@ -838,7 +838,7 @@ DECODE_VARIANTS = {
 # requests: the search among the lanes below 32, the decode guess checked against the search's path
 # from 32 to 512), as many tokens as requests but not one a request (the guess failing for half
 # the tokens: the search after it), a prefill of TP heads (the flat kernel at any T for H <=
-# decode_heads; 8 requests: the shuffle search with a warp's lanes at two tokens), and 600
+# decode_heads; 8 requests: a ballot for each of a warp's two tokens), and 600
 # requests (the search in global memory); each TUNING variant.
 FLAT_CASES = {
     "32b-1": ((64, 8), (1,), (37,)),
