@@ -245,6 +245,40 @@ def function_pointer(stem, expression, device, shared_mem=0):
         return kernel.kernel.ptr
 
 
+@functools.cache
+def _cu_occupancy_max_active_clusters():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = getattr(lib, "cuOccupancyMaxActiveClusters", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.cache
+def max_active_clusters(stem, expression, device, cluster, threads, shared_mem=0):
+    """How many clusters of ``cluster`` CTAs of a kernel (its cluster dims compiled in, blocks of
+    ``threads``, ``shared_mem`` bytes of dynamic shared memory) ``device`` runs at once
+    (``cuOccupancyMaxActiveClusters``), or None where the driver cannot say. A cluster's CTAs
+    share one GPC, so this can be less than the SMs' CTAs over ``cluster``: on the H200 (132 SMs)
+    at one CTA an SM, 30 clusters of 4 and 15 of 8."""
+    import cupy
+
+    query = _cu_occupancy_max_active_clusters()
+    if query is None:
+        return None
+    fn = function_pointer(stem, expression, device, shared_mem)
+    config = _LaunchConfig()
+    config.grid[:] = (cluster, 1, 1)
+    config.block[:] = (threads, 1, 1)
+    config.shared_mem = shared_mem
+    n = ctypes.c_int(0)
+    with cupy.cuda.Device(device):
+        if query(ctypes.byref(n), fn, ctypes.byref(config)) != 0:
+            return None
+    return n.value
+
+
 def _driver_launch():
     """cupy_backends' ``cuLaunchKernel`` wrapper (a C call, cheaper than ctypes' conversions)."""
     global _launch_kernel

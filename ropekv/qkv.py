@@ -86,6 +86,7 @@ from ropekv._launch import (
     ParamStruct,
     Plan,
     division_fields,
+    max_active_clusters,
 )
 from ropekv._mrope import check_status
 from ropekv._types import ArrayLike, StreamLike
@@ -307,6 +308,13 @@ WGMMA_INT4_TOP = 256
 WGMMA_INT4_REG = True
 WGMMA_ATOMS = 1
 WGMMA_SPLIT = 8
+# The split also keeps the grid's clusters in one wave: a cluster's CTAs share a GPC, so a GPU runs
+# fewer clusters of 3+ CTAs at once than its SMs would hold (the H200's 132 SMs at one CTA an SM:
+# 66 of 2, 39 of 3, 30 of 4, 15 of 8, cuOccupancyMaxActiveClusters, which the host asks for each
+# kernel). Where the largest split that fits the SMs leaves more clusters than that, it takes the
+# next smaller one. (32 row tiles, as Qwen3-1.7B's 16 / 8 heads of 128 give, took a split of 4:
+# 32 clusters of 4, two of them in a second wave.) False: the SMs alone, as before.
+WGMMA_CLUSTER_FIT = True
 WGMMA_THREADS = 256  # mirror qkv.cu
 WGMMA_CAPABILITY = 90  # the one compute capability whose "a" target has wgmma
 # Under CUDA-graph capture, a call of up to GRAPH_MAX_TOKENS tokens that eagerly runs cuBLAS on
@@ -1070,6 +1078,7 @@ def fused_qkv_matmul_append_paged_kv_cache(
                 WGMMA_INT4_MIN_STAGES,
                 WGMMA_INT4_REG,
                 WGMMA_FP8_REG,
+                WGMMA_CLUSTER_FIT,
             ),
             GRAPH_MAX_TOKENS,
             clear_unused_last_page_rows,
@@ -1834,6 +1843,7 @@ class WgmmaSettings(NamedTuple):
     int4_min_stages: int
     int4_reg: bool
     fp8_reg: bool
+    cluster_fit: bool
 
 
 def wgmma_settings():
@@ -1855,6 +1865,7 @@ def wgmma_settings():
         WGMMA_INT4_MIN_STAGES,
         WGMMA_INT4_REG,
         WGMMA_FP8_REG,
+        WGMMA_CLUSTER_FIT,
     )
 
 
@@ -1987,6 +1998,25 @@ def _wgmma_config(tn, deep, fp8, wgmma):
     return atoms, stages, _wgmma_smem(tn, stages, atoms, fp8)
 
 
+def fitting_split(tiles, split, wave, held=None):
+    """The largest of TILED_SPLITS up to ``split`` whose grid of ``tiles`` clusters fits one wave
+    of ``wave`` CTAs and whose clusters the device runs at once: ``held(s)``, the clusters of
+    ``s`` CTAs it holds (None: no such limit, or unknown), WGMMA_CLUSTER_FIT."""
+    split = _tiled_split(tiles, split, wave)
+    while held is not None and split > 1:
+        n = held(split)
+        if n is None or tiles <= n:
+            break
+        split = max(s for s in TILED_SPLITS if s < split)
+    return split
+
+
+def _active_clusters(expression, device, split, smem):
+    """How many clusters of qkv_wgmma's ``expression`` (``split`` CTAs each, ``smem`` bytes of
+    dynamic shared memory) the device runs at once (None: the driver cannot say)."""
+    return max_active_clusters(STEM, expression, device, split, WGMMA_THREADS, smem)
+
+
 def _wgmma_layout(T, wgmma, fp8=False):
     """``(deep, tile, atoms, stages, dynamic shared memory)`` of a ``T``-token qkv_wgmma
     launch."""
@@ -2025,11 +2055,17 @@ def _wgmma(fields, slots, vx, vw, T, K, N, device, pdl, wgmma, opts=False, fp8=F
         return None
     deep, tn, atoms, stages, smem = _wgmma_layout(T, wgmma, fp8)
     tiles = (-(-N // MMA_ROWS)) * (-(-T // tn))
-    split = _tiled_split(tiles, split, _wgmma_per_sm(smem, deep, tn) * _sm_count(device))
+    expression = functools.partial(wgmma_expression, vx.dtype, tn)
+    rest = (stages, atoms, opts, deep, fp8)
+    wave = _wgmma_per_sm(smem, deep, tn) * _sm_count(device)
+    held = None
+    if wgmma.cluster_fit:
+        held = lambda s: _active_clusters(expression(s, *rest), device, s, smem)
+    split = fitting_split(tiles, split, wave, held)
     kc = _slice(K, split, 64 * atoms)
     return Launch(
         STEM,
-        wgmma_expression(vx.dtype, tn, split, stages, atoms, opts, deep, fp8),
+        expression(split, *rest),
         device,
         (split, tiles),
         (WGMMA_THREADS,),

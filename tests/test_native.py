@@ -137,6 +137,7 @@ def fakes(monkeypatch):
     # a Hopper GPU, as tools/hostcost.py's stubs say (the QKV op's plans ask)
     monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device: 90)
     monkeypatch.setattr(ropekv.qkv, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(ropekv.qkv, "_active_clusters", lambda *a: None)  # (no driver)
     monkeypatch.setattr(_launch, "function_pointer", lambda *a, **k: 0x1000)
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device=-1: 0x5000)
     monkeypatch.setattr(_launch, "_RUNTIME", [runtime])

@@ -1402,6 +1402,50 @@ def test_gpu_wgmma_int4_settings(T, atoms, split, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T, wfmt", [(17, "int4"), (64, "dense"), (100, "fp8")])
+def test_gpu_wgmma_split_whose_clusters_run_at_once(T, wfmt, monkeypatch):
+    """32 row tiles (16 / 8 heads of 128, Qwen3-1.7B's projection): the largest split that fits
+    the SMs is 4 (128 CTAs), whose 32 clusters the H200 does not run at once (30), so qkv_wgmma
+    takes a split of 2 there (a split of 4 where the device holds 32 clusters of 4); results as
+    the reference either way."""
+    import cupy as cp
+
+    if int(cp.cuda.Device().compute_capability) != qkv_mod.WGMMA_CAPABILITY:
+        pytest.skip("qkv_wgmma runs on sm_90 only")
+    names = record_kernels(monkeypatch)
+    held = []
+    real = qkv_mod._active_clusters
+
+    def active(expression, device, split, smem):
+        held.append((split, real(expression, device, split, smem)))
+        return held[-1][1]
+
+    monkeypatch.setattr(qkv_mod, "_active_clusters", active)
+    lengths = (T // 3, 0, T - T // 3)
+    args, kw = make_case(
+        90 + T,
+        lengths=lengths,
+        wfmt=wfmt,
+        group_size=128,
+        dtype=BF16 if T % 2 else F16,
+        cached=[11 * i for i in range(len(lengths))],
+        K=2048,
+        Hq=16,
+        Hkv=8,
+        D=128,
+        R=128,
+        P=512,
+        page_size=16,
+    )
+    check_gpu(args, kw, monkeypatch=monkeypatch, path="wgmma")
+    # the split: qkv_wgmma's third template argument
+    wgmma = [int(n.split("<")[1].split(",")[2]) for n in names if n.startswith("qkv_wgmma")]
+    if qkv_mod._sm_count(cp.cuda.Device().id) >= 128:  # (a split of 4 fits the SMs' wave)
+        assert held and held[0][0] == 4
+        assert set(wgmma) == {4 if held[0][1] is None or held[0][1] >= 32 else 2}
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [17, 33, 64, 128, 150, 200])
 @pytest.mark.parametrize("tile", [32, 64, 96, 128])
 @pytest.mark.parametrize("stages, atoms", [(2, 1), (3, 2), (4, 1), (6, 1)])
@@ -2589,6 +2633,30 @@ def test_wgmma_stages_fit_the_shared_memory_of_their_ctas():
     for tn, deep, wq in qkv_mod._wgmma_tiles():  # as the shipped settings configure them
         _, _, smem = qkv_mod._wgmma_config(tn, deep, wq, qkv_mod.wgmma_settings())
         assert qkv_mod._wgmma_per_sm(smem, deep, tn) == (1 if deep else 2)
+
+
+def test_wgmma_split_keeps_its_clusters_in_one_wave():
+    """qkv_wgmma's split: the largest whose grid fits the SMs' wave and whose clusters the device
+    runs at once (the H200 at one CTA an SM: 66 of 2, 30 of 4, 15 of 8), else the next smaller;
+    no limit where the driver cannot say."""
+    h200 = {1: 132, 2: 66, 4: 30, 8: 15}.get
+    split = qkv_mod.fitting_split
+    assert [split(t, 8, 132, h200) for t in (10, 15, 16, 20, 30, 32, 33, 48, 66, 67)] == [
+        8,
+        8,
+        4,
+        4,
+        4,
+        2,
+        2,
+        2,
+        2,
+        1,
+    ]
+    assert [split(t, 8, 132) for t in (16, 32, 33, 34)] == [8, 4, 4, 2]  # the SMs alone
+    assert split(32, 8, 132, lambda s: None) == 4
+    assert split(32, 2, 132, h200) == 2  # never above the setting
+    assert qkv_mod.WGMMA_CLUSTER_FIT and qkv_mod.wgmma_settings().cluster_fit
 
 
 def test_int4_groups_of_whole_atoms_take_the_register_form():

@@ -247,6 +247,7 @@ def test_reference_clear_models_the_kernels_request_search():
 
 def _record_expressions(monkeypatch):
     names = []
+    monkeypatch.setattr(qkv_mod, "_active_clusters", lambda *a: None)  # (no driver)
     monkeypatch.setattr(
         _launch,
         "function_pointer",

@@ -218,6 +218,7 @@ def stubbed(request, monkeypatch):
     # a Hopper GPU, as tools/hostcost.py's stubs say (the QKV op's plans ask)
     monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device: 90)
     monkeypatch.setattr(ropekv.qkv, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(ropekv.qkv, "_active_clusters", lambda *a: None)  # (no driver)
     monkeypatch.setattr(_launch, "_EMPTY_OUTPUTS", {})  # fake zero-size outputs stay here
     monkeypatch.setattr(_launch, "function_pointer", lambda *a, **k: 0x1000)
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device=-1: 0x5000)
@@ -332,6 +333,7 @@ def test_graph_safe_is_what_the_plans_refuse(wfmt, D, stubbed, monkeypatch):
     switch, each weight format, and a head size the tensor-core kernels do not take."""
     gemms = stubbed.gemms
     monkeypatch.setattr(ropekv.qkv, "_sm_count", lambda device: 132)  # the tiled kernel's grid
+    monkeypatch.setattr(ropekv.qkv, "_active_clusters", lambda *a: None)  # (no driver)
     for cc in (90, 80):
         monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device, cc=cc: cc)
         for op in all_ops():  # the plans of the other capability (not part of their keys)
