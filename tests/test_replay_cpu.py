@@ -333,7 +333,6 @@ def test_graph_safe_is_what_the_plans_refuse(wfmt, D, stubbed, monkeypatch):
     switch, each weight format, and a head size the tensor-core kernels do not take."""
     gemms = stubbed.gemms
     monkeypatch.setattr(ropekv.qkv, "_sm_count", lambda device: 132)  # the tiled kernel's grid
-    monkeypatch.setattr(ropekv.qkv, "_active_clusters", lambda *a: None)  # (no driver)
     for cc in (90, 80):
         monkeypatch.setattr(ropekv.qkv, "_compute_capability", lambda device, cc=cc: cc)
         for op in all_ops():  # the plans of the other capability (not part of their keys)

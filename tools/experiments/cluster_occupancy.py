@@ -16,6 +16,8 @@ import ctypes
 import cupy as cp
 import numpy as np
 
+from ropekv._launch import _cu_occupancy_max_active_clusters, _LaunchConfig
+
 SOURCE = r"""
 template <int S>
 __global__ void __cluster_dims__(S, 1, 1) __launch_bounds__(384, 1)
@@ -37,31 +39,23 @@ SIZES = (1, 2, 3, 4, 6, 8)
 SMEM = 200 * 1024  # one CTA an SM
 
 
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [
-        ("grid", ctypes.c_uint * 3),
-        ("block", ctypes.c_uint * 3),
-        ("shared_mem", ctypes.c_uint),
-        ("stream", ctypes.c_void_p),
-        ("attrs", ctypes.c_void_p),
-        ("num_attrs", ctypes.c_uint),
-    ]
-
-
 def main():
     names = [f"spin<{s}>" for s in SIZES]
     module = cp.RawModule(
         code=SOURCE, options=("-std=c++17", "--gpu-architecture=sm_90"), name_expressions=names
     )
-    query = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    query = _cu_occupancy_max_active_clusters()  # (ropekv's binding: argument types set)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     print(f"{sms} SMs; one CTA an SM (384 threads, {SMEM // 1024} KB of shared memory)")
     for s, name in zip(SIZES, names):
         kernel = module.get_function(name)
         kernel.max_dynamic_shared_size_bytes = SMEM
-        config = _LaunchConfig((s, 1, 1), (384, 1, 1), SMEM, None, None, 0)
+        config = _LaunchConfig()
+        config.grid[:] = (s, 1, 1)
+        config.block[:] = (384, 1, 1)
+        config.shared_mem = SMEM
         held = ctypes.c_int(-1)
-        rc = query(ctypes.byref(held), ctypes.c_void_p(kernel.kernel.ptr), ctypes.byref(config))
+        rc = query(ctypes.byref(held), kernel.kernel.ptr, ctypes.byref(config))
         for clusters in sorted({sms // s, -(-128 // s)}):
             t = cp.zeros(2 * clusters * s, cp.uint64)
             kernel((clusters * s,), (384,), (t, np.int64(200_000)), shared_mem=SMEM)
