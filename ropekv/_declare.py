@@ -180,6 +180,18 @@ def ragged_paged():
     )
 
 
+# A paged K/V cache's dims in each kv_layout, as the declarations and the errors spell them (the
+# paged, QK-norm and fused QKV ops and the torch / JAX output rules read this one table)
+PAGED_LAYOUTS = {"NHD": "(num_pages, page_size, Hkv, D)", "HND": "(num_pages, Hkv, page_size, D)"}
+
+
+def paged_layout(kv_layout):
+    """``(dims, dims "for" the layout)`` of a paged cache in ``kv_layout`` (PAGED_LAYOUTS), as an
+    error names what it expected."""
+    spelled = PAGED_LAYOUTS[kv_layout]
+    return spelled, f"{spelled} for {kv_layout}"
+
+
 def paged_kv_cache(dtypes):
     """``paged_kv_cache=``: the (K, V) page pools MAX's paged ops write (QK-norm, fused QKV), in
     the NHD or HND layout, all layers of them with ``layer_idx``; ``dtypes`` as the op allows."""
@@ -188,7 +200,7 @@ def paged_kv_cache(dtypes):
         WRITTEN,
         "pair",
         parts=("k_cache", "v_cache"),
-        shape=("(num_pages, page_size, Hkv, D)", "(num_pages, Hkv, page_size, D)"),
+        shape=tuple(PAGED_LAYOUTS.values()),
         dtypes=dtypes,
         layered=True,
     )

@@ -13,12 +13,12 @@ import ml_dtypes
 import numpy as np
 
 from ropekv import _checks as ck
+from ropekv import _declare as decl
 from ropekv import paged
 from ropekv._arrays import BFLOAT16, FLOAT16, ArrayView
 from ropekv._launch import dtype_key
 
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
-_PAGED_LAYOUTS = {"NHD": "(num_pages, page_size, Hkv, D)", "HND": "(num_pages, Hkv, page_size, D)"}
 
 
 def MetaView(name, shape, dtype, strides=None, device=0):
@@ -56,8 +56,8 @@ def qkv_output(hidden_state, k_cache, num_q_heads, kv_layout, layer_idx=None):
     ck.check_ndim(hidden_state, 2, "(T, K)")
     ck.check_dtype(hidden_state, INPUT_DTYPES)
     Hq = ck.check_positive_int(num_q_heads, "num_q_heads")
-    ck.check_choice(kv_layout, "kv_layout", tuple(_PAGED_LAYOUTS))
-    layout = _PAGED_LAYOUTS[kv_layout]
+    ck.check_choice(kv_layout, "kv_layout", tuple(decl.PAGED_LAYOUTS))
+    layout = decl.PAGED_LAYOUTS[kv_layout]
     if layer_idx is None:
         ck.check_ndim(k_cache, 4, layout)
     else:

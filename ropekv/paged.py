@@ -49,15 +49,7 @@ KERNEL = "rope_append_paged_kv_cache"
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
 INDEX_DTYPES = (INT32, INT64)
 WIDTHS = (8, 4, 2, 1)
-LAYOUTS = ("NHD", "HND")
-# a GQA/MHA cache's shape per layout, and as errors spell it
-CACHE_LAYOUTS = {
-    layout: (spelled, f"{spelled} for {layout}")
-    for layout, spelled in (
-        ("NHD", "(num_pages, page_size, Hkv, head_dim)"),
-        ("HND", "(num_pages, Hkv, page_size, head_dim)"),
-    )
-}
+LAYOUTS = tuple(decl.PAGED_LAYOUTS)  # a GQA/MHA cache's layouts
 
 # Launch shape, from a sweep on the H200 (`ropekv bench --tune paged.KEY=...` repeats it). A kernel
 # shape is (unroll, rot_unroll, min_blocks_per_sm): pass-through / rotary items each thread loads before it stores,
@@ -1375,7 +1367,7 @@ def _check_caches(vc0, vc1, mla, page_size, kv_layout, Hkv, R, Dn, out_dtype):
         kn = ((_CKV_CACHE, 0), (vc0.strides[0], vc0.strides[1], 0))
         return num_pages, kr, kn, ((-1, 0), (0, 0, 0))  # (no V: no argument)
     nhd = kv_layout == "NHD"
-    spelled, spelled_for = CACHE_LAYOUTS[kv_layout]
+    spelled, spelled_for = decl.paged_layout(kv_layout)
     ck.check_ndim(vc0, 4, spelled)
     num_pages = vc0.shape[0]
     D = R + Dn
@@ -1901,7 +1893,7 @@ def _declaration(name, outputs, cache_dtypes):
                 parts=("k_cache", "v_cache"),
                 aka=("ckv_cache", "kpe_cache"),  # MLA's (2-D k_rope)
                 shape=(
-                    *(spelled for spelled, _ in CACHE_LAYOUTS.values()),
+                    *decl.PAGED_LAYOUTS.values(),
                     "(num_pages, page_size, no_rope_dim)",
                     "(num_pages, page_size, R)",
                 ),

@@ -44,15 +44,7 @@ DECODE_DIMS = (64, 128, 256)  # head dims with a decode kernel (full-width RoPE,
 GUESS_REQUESTS = (32, 512)
 INT32_EXTENT = 2**31  # arrays whose element offsets stay below this take 32-bit offset math
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
-KV_LAYOUTS = ("NHD", "HND")
-# a cache's shape per layout, and as errors spell it
-CACHE_LAYOUTS = {
-    layout: (spelled, f"{spelled} for {layout}")
-    for layout, spelled in (
-        ("NHD", "(num_pages, page_size, Hkv, D)"),
-        ("HND", "(num_pages, Hkv, page_size, D)"),
-    )
-}
+KV_LAYOUTS = tuple(decl.PAGED_LAYOUTS)
 NORM_ORDERS = ("before_rope", "after_rope")
 
 PARAMS = ParamStruct(
@@ -932,7 +924,7 @@ def _check_caches(a, kv_layout, kv_scale, Hkv, D):
     """The caches and their scales; ``(num_pages, page_size, kv_dynamic, static scales)``."""
     vkc, vvc = a.k_cache, a.v_cache
     nhd = kv_layout == "NHD"
-    layout, spelled = CACHE_LAYOUTS[kv_layout]
+    layout, spelled = decl.paged_layout(kv_layout)
     ck.check_ndim(vkc, 4, layout)
     num_pages = vkc.shape[0]
     page_size = vkc.shape[1] if nhd else vkc.shape[2]

@@ -94,7 +94,7 @@ from ropekv._vector import widest_aligned
 
 STEM = "qkv"
 INPUT_DTYPES = (FLOAT16, BFLOAT16)
-LAYOUTS = ("NHD", "HND")
+LAYOUTS = tuple(decl.PAGED_LAYOUTS)
 W_DENSE, W_FP8, W_INT4 = 0, 1, 2
 # qkv_wgmma's forms for 4-bit and fp8 weights whose codes it converts into its wgmmas' A
 # registers (WGMMA_INT4_REG, WGMMA_FP8_REG; W_INT4 / W_FP8 there: into 16-bit shared-memory
@@ -1260,7 +1260,7 @@ def _check(views, num_q_heads, kv_layout, kv_scale, group_size):
 
 def _check_caches(vk, vv, nhd, dtype):
     """The caches' shapes and dtype; ``(num_pages, page_size, Hkv, D)``."""
-    layout = "(num_pages, page_size, Hkv, D)" if nhd else "(num_pages, Hkv, page_size, D)"
+    layout = decl.PAGED_LAYOUTS["NHD" if nhd else "HND"]
     if not (len(vk.shape) == 4 and vv.shape == vk.shape):
         ck.check_ndim(vk, 4, layout)
         ck.check_shape(vv, vk.shape, layout)
