@@ -13,45 +13,15 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
-
-from ropekv import bytes as nbytes_of
 from ropekv.bench import report, runner, tuning
-from ropekv.bench.arrays import F16
 from ropekv.bench.workloads import qkv
-from ropekv.bench.workloads.base import CaseSpec, _lazy
 
 QWEN3_1_7B = {"Hq": 16, "Hkv": 8, "D": 128}
 
 
 def qwen_case(fmt, T):
     """``qkv.case`` at Qwen3-1.7B's projection (K 2048, N 4096) instead of Llama-3-8B's."""
-    K, N, dtype = 2048, 4096, F16
-    label = {"dense": "fp16", "e4m3": "fp8w", "int4": "int4w"}[fmt]
-    wb = qkv.weight_bytes(N, K, fmt, dtype)
-    nbytes = nbytes_of.qkv_bytes(T, K, 16, 8, 128, dtype, dtype, rotary_dim=128)
-    return CaseSpec(
-        "qkv",
-        f"qkv {label} K2048 N4096 T{T}",
-        T,
-        nbytes - N * K * np.dtype(dtype).itemsize + wb,
-        _lazy(
-            qkv.QkvWL,
-            B=T,
-            S=1,
-            prefix=1024,
-            K=K,
-            dtype=dtype,
-            cache_dtype=dtype,
-            weight_format=fmt,
-            copies=-(-qkv.L2_ROTATE_BYTES // wb),
-            **QWEN3_1_7B,
-        ),
-        decode=True,
-        flops=nbytes_of.qkv_flops(T, K, 16, 8, 128),
-        weight_bytes=wb,
-        weight_format=qkv.WEIGHT_FORMATS[fmt],
-    )
+    return qkv.case(fmt, T, heads=QWEN3_1_7B, K=2048)
 
 
 def main(argv=None):

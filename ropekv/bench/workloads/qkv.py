@@ -293,21 +293,24 @@ def specs():
     return out
 
 
-def case(fmt, T, dtype=F16):
-    """The case of Llama-3-8B's projection (K 4096, N 6144) with weights ``fmt`` ("dense",
-    "e4m3", "int4") at ``T`` tokens (8192: a prefill of 8 x 1024) and inputs ``dtype`` (named in
-    the case when it is not fp16)."""
-    K, N = 4096, 6144
+def case(fmt, T, dtype=F16, heads=LLAMA, K=4096):
+    """The case of a model's projection with weights ``fmt`` ("dense", "e4m3", "int4") at ``T``
+    tokens (8192: a prefill of 8 x 1024) and inputs ``dtype`` (named in the case when it is not
+    fp16): by default Llama-3-8B's (``heads`` {"Hq": 32, "Hkv": 8, "D": 128}, K 4096, so N 6144),
+    the bench's cases; other ``heads`` and ``K`` serve experiments (``tools/experiments``)."""
+    Hq, Hkv, D = heads["Hq"], heads["Hkv"], heads["D"]
+    N = (Hq + 2 * Hkv) * D
     label = {"dense": "fp16", "e4m3": "fp8w", "int4": "int4w"}[fmt]
     if dtype != F16:
         label = f"{label} {_dtname(dtype)}"
     wb = weight_bytes(N, K, fmt, dtype)
     B, S = (8, 1024) if T == 8192 else (T, 1)
     decode = S == 1
-    nbytes = nbytes_of.qkv_bytes(T, K, 32, 8, 128, dtype, dtype, rotary_dim=128)
+    nbytes = nbytes_of.qkv_bytes(T, K, Hq, Hkv, D, dtype, dtype, rotary_dim=D)
+    bench = heads == LLAMA and K == 4096
     return CaseSpec(
         "qkv",
-        f"qkv {label} K4096 N6144 T{T}",
+        f"qkv {label} K{K} N{N} T{T}",
         T,
         nbytes - N * K * np.dtype(dtype).itemsize + wb,
         _lazy(
@@ -320,13 +323,13 @@ def case(fmt, T, dtype=F16):
             cache_dtype=dtype,
             weight_format=fmt,
             copies=-(-L2_ROTATE_BYTES // wb) if decode else 1,
-            **LLAMA,
+            **heads,
         ),
         decode=decode,
-        quick=T == 16,
-        compile=fmt == "dense" and T in (8192, 64) and dtype == F16,
-        flops=nbytes_of.qkv_flops(T, K, 32, 8, 128),
-        series=f"qkv {label} K4096 N6144" if decode else "",
+        quick=bench and T == 16,
+        compile=bench and fmt == "dense" and T in (8192, 64) and dtype == F16,
+        flops=nbytes_of.qkv_flops(T, K, Hq, Hkv, D),
+        series=f"qkv {label} K{K} N{N}" if decode else "",
         weight_bytes=wb,
         weight_format=WEIGHT_FORMATS[fmt],
     )
