@@ -945,6 +945,34 @@ def test_request_among_the_lanes_matches_reference(case, variant):
         check_on_device(args, kw)
 
 
+# The decode kernels built with the guess (GUESS) leave the search among the lanes out: the host
+# sends them 32 to 512 requests of a token each (qknorm.guesses). One sent fewer must still find
+# each token's request (the staged search): GUESS_REQUESTS widened to one request here, so the host
+# takes those kernels for LANE_CASES' one-token-a-request calls and for one to 16 tokens.
+GUESS_FEW = {
+    "32b-1": ((64, 8), (1,), (37,)),
+    "tp-16": ((8, 1), (1,) * 16, tuple(range(0, 160, 10))),
+    "32b-16": ((64, 8), (1,) * 16, tuple(range(0, 800, 50))),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GUESS_FEW))
+@pytest.mark.parametrize("variant", ["default", "splits", "flat16"])
+def test_guess_kernels_sent_fewer_requests_match_reference(case, variant):
+    import cupy as cp  # noqa: F401 (GPU only)
+
+    from ropekv import qknorm
+
+    heads, new, cached = GUESS_FEW[case]
+    args, kw, views = _plain_decode_case(len(new), heads, new, cached, 128, BF16, P=1000)
+    change = {**FLAT_VARIANTS[variant], "GUESS_REQUESTS": (1, 512)}
+    with applied({"qknorm": change}):
+        kernel = qknorm._decode_kernel(views, None, True, 128, True)
+        assert kernel and kernel[0].endswith(", true>"), (case, variant, kernel)
+        check_on_device(args, kw)
+
+
 # fp8 q on the decode kernels (DECODE_Q_DTYPES: e4m3): (heads, new, cached, D, TUNING, kernel).
 # Static or dynamic q scales, bf16 or e4m3 caches; tokens without a position (P 500), a page out
 # of range and a negative page id (_plain_decode_case); the flat kernel at 4- and 8-element
