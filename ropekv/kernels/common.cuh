@@ -360,7 +360,6 @@ __device__ __forceinline__ PagedSlot lane_position(unsigned off, int len, int B,
   const int t0 = TOKENS == 1 ? t : __shfl_sync(kAll, t, 0);
   const int t1 = TOKENS == 1 ? t : __shfl_sync(kAll, t, 31);
   int b;
-  bool searched = false;  // warp-uniform: the binary search ran, its answer still to be checked
   if (__all_sync(kAll, (!in || off <= next) && (TOKENS == 1 || t == t0 || t == t1))) {
     unsigned hit = __ballot_sync(kAll, in && off <= unsigned(t0) && unsigned(t0) < next);
     if (TOKENS == 2) {
@@ -383,15 +382,14 @@ __device__ __forceinline__ PagedSlot lane_position(unsigned off, int len, int B,
       }
     }
     b = lo - 1;  // <= B: the shuffles below read lanes <= B < 32
-    searched = true;
+    const int r = b < 0 ? 0 : b;
+    const unsigned o0 = __shfl_sync(kAll, off, r);
+    const unsigned o1 = __shfl_sync(kAll, off, r + 1 > B ? B : r + 1);
+    if (b >= B || unsigned(t) < o0 || unsigned(t) >= o1) b = -1;
   }
   const int r = b < 0 ? 0 : b;
   const unsigned o0 = __shfl_sync(kAll, off, r);
   const int l0 = __shfl_sync(kAll, len, r);
-  if (searched) {  // the search's upper bound is a request only inside its offsets
-    const unsigned o1 = __shfl_sync(kAll, off, r + 1 > B ? B : r + 1);
-    if (b >= B || unsigned(t) < o0 || unsigned(t) >= o1) b = -1;
-  }
   PagedSlot s{-1, -1, -1, 0};
   if (b >= 0) {
     s.request = b;

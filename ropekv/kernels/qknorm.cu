@@ -637,12 +637,9 @@ __device__ __forceinline__ void qk_decode_rows(const P& p, QKDecodeShared& sh) {
   }
   const int B = p.B;
   const int lane = threadIdx.x & 31;
-  // GUESS instantiations run calls of 32 or more requests only (qknorm.guesses), so they leave the
-  // search among the lanes out (a GUESS kernel sent fewer would take the search below)
-  const bool among_lanes = !GUESS && B < 32;
   unsigned lane_off = 0;
   int lane_len = 0;
-  if (among_lanes) {
+  if (B < 32) {
     if (lane <= B) lane_off = p.offsets[lane];
     if (lane < B) lane_len = p.cache_lengths[lane];
   }
@@ -665,7 +662,7 @@ __device__ __forceinline__ void qk_decode_rows(const P& p, QKDecodeShared& sh) {
   // 2. request and position (every branch block-uniform)
   int req;
   i64 pos = -1;
-  if (among_lanes) {  // over the warp's lanes (FLAT: the lanes' tokens may differ, two at most)
+  if (B < 32) {  // over the warp's lanes (FLAT: the lanes' tokens may differ, two at most)
     const PagedSlot s = lane_position<FLAT ? 2 : 1>(lane_off, lane_len, B, t);
     req = s.request;
     pos = s.pos;
