@@ -39,6 +39,29 @@ __device__ __forceinline__ Vec<T, N> load(const T* p) {
   return *reinterpret_cast<const Vec<T, N>*>(p);
 }
 
+// A row's chunk that the call reads once (q, k, v inputs), loaded with the streaming hint
+// (ld.global.cs: evict first from L1 and L2), which leaves the caches to the call's stores and to
+// what it reads again (cos/sin rows, indices, weights). Used where it measured faster: the QK-norm
+// kernel at 4 rows a lane group (prefill of 64 or more head rows a token; docs/design/kernels.md).
+// Elsewhere it read 1-13% slower, and where a call's bytes fit in L2 (paged MLA decode at 128
+// tokens) 1.22x slower under graph replay, so other kernels keep plain loads.
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_stream(const T* p) {
+  Vec<T, N> r;
+  if constexpr (sizeof(Vec<T, N>) == 16) {
+    unsigned* w = reinterpret_cast<unsigned*>(&r);
+    asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "l"(p));
+  } else if constexpr (sizeof(Vec<T, N>) == 8) {
+    unsigned* w = reinterpret_cast<unsigned*>(&r);
+    asm volatile("ld.global.cs.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+  } else {
+    r = load<T, N>(p);
+  }
+  return r;
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void store(T* p, const Vec<T, N>& x) {
   *reinterpret_cast<Vec<T, N>*>(p) = x;
