@@ -148,10 +148,12 @@ __device__ __forceinline__ void qk_rows(const QKNormParams& p, QKNormShared& sh)
                    : h < p.Hq + p.Hkv
                        ? static_cast<const T*>(p.k) + t * p.k_st + (h - p.Hq) * p.k_sh
                        : static_cast<const T*>(p.v) + t * p.v_st + (h - p.Hq - p.Hkv) * p.v_sh;
-    // 4 rows a lane group (tokens of at least 64 head rows): streaming loads, 0.96-0.99x the
-    // time at Qwen3-32B prefill; fewer rows: plain loads (1.01x slower streamed)
-    va[u] = ROWS >= 4 ? load_stream<T, N>(row + ea) : load<T, N>(row + ea);
-    if (pair) vb[u] = ROWS >= 4 ? load_stream<T, N>(row + eb) : load<T, N>(row + eb);
+    // the ROWS 4 kernel (3-4 rows a lane group: calls past a wave at fewer, Qwen3-32B prefill
+    // among them) streams its rows, 0.96-0.99x the time at Qwen3-32B 8 x 1024; at 2 rows (Llama
+    // heads' prefill) streaming read 1.01x slower, so the others load plainly
+    constexpr bool kStream = ROWS >= 4;
+    va[u] = kStream ? load_stream<T, N>(row + ea) : load<T, N>(row + ea);
+    if (pair) vb[u] = kStream ? load_stream<T, N>(row + eb) : load<T, N>(row + eb);
   }
 
   // 2. weights and index arrays to shared memory: every load issued before any store
