@@ -246,6 +246,14 @@ def function_pointer(stem, expression, device, shared_mem=0):
 
 
 @functools.cache
+def l2_bytes(device):
+    """The L2 cache of CUDA device ``device``, in bytes (60 MiB on the H200)."""
+    from cupy.cuda import runtime
+
+    return runtime.deviceGetAttribute(runtime.cudaDevAttrL2CacheSize, device)
+
+
+@functools.cache
 def _cu_occupancy_max_active_clusters():
     lib = ctypes.CDLL("libcuda.so.1")
     fn = getattr(lib, "cuOccupancyMaxActiveClusters", None)

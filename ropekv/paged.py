@@ -38,6 +38,7 @@ from ropekv._launch import (
     ParamStruct,
     Plan,
     int32_fields_fit,
+    l2_bytes,
 )
 from ropekv._mrope import check_mrope, check_mrope_indices, check_status, section_list
 from ropekv._types import ArrayLike, DTypeLike, StreamLike
@@ -112,6 +113,7 @@ TUNING = {
     "lean_multi_many": 2,
     "lean_multi_many_from": 64,
     "lean_multi_upto": 1 << 22,
+    "lean_stream_l2": 0.75,
     "lean_prefill_rows": 1,
     "lean_prefill_rows_bf16_8bit": 2,
     "lean_guess": True,
@@ -176,6 +178,14 @@ LEAN_THREADS = 256  # kLeanThreads: the lean kernel's __launch_bounds__
 # `lean_multi_many=4, lean_multi_upto=524288` restores 2e56501.
 LEAN_MULTI_KERNEL = "rope_append_paged_rows_lean_multi"
 LEAN_MULTI_CHUNKS = (2, 4)  # chunks a thread compiled beside TUNING's (the compile tests)
+# The C-chunk lean kernel loads its rows with the streaming hint (its STREAM form: ld.global.cs,
+# evict first) on calls whose rows move more bytes (read and written) than `lean_stream_l2` of
+# the device's L2: such a call's inputs are gone from L2 before the next call could read them
+# again, and the hint leaves the L2 to its stores. Below that, a call under graph replay finds
+# its inputs in L2 on the next replay unless they were marked to go first. Why (H200, 60 MB of
+# L2, two processes a tree, graph replay, time with the hint on every call / without): MLA 128
+# heads at 256 tokens (57 MB) 16.1 -> 14.6 us (0.904x), at 128 tokens (28 MB) 6.4 -> 7.8 us
+# (1.219x). `lean_stream_l2=1e9` restores plain loads everywhere (09fe8e8).
 # The lean kernel with U head rows of a token a thread (rope_append_paged_rows_lean_rows: chunk j
 # of rows y, y + S, ..., y + (U - 1) S of a block's S U rows, every row's chunk loaded before the
 # token's indices, the indices, page id and cos/sin found once for the U rows) can take the lean
@@ -448,15 +458,18 @@ def expression(dtype, out_dtype, is_neox, n, shape, mrope=False, opts=False):
     ``shape`` is ``("rows", ROWS)``; ``mrope``: the one that reads mRoPE sections (the plain one
     has mRoPE compiled out); ``opts``: the kernel that reads the options, compiled out of the
     plain one (the row kernel: computed scales and status; the section kernel: status only)."""
-    if shape[0] in _LEAN_FORMS:  # (form, chunks or head rows a thread, 64-bit offsets)
+    if shape[0] in _LEAN_FORMS:
+        # ("lean_rows", head rows a thread, 64-bit offsets) or
+        # ("lean_multi", chunks a thread, streaming hint, 64-bit offsets)
+        counts = (shape[1], c_bool(shape[2])) if shape[0] == "lean_multi" else (shape[1],)
         return name_expression(
             _LEAN_FORMS[shape[0]],
             c_type(dtype),
             c_type(out_dtype),
             c_bool(is_neox),
             n,
-            shape[1],
-            "long long" if shape[2] else "int",
+            *counts,
+            "long long" if shape[-1] else "int",
         )
     if shape[0] == "lean":  # ("lean", 64-bit offsets)
         return name_expression(
@@ -509,7 +522,9 @@ def instantiations():
             yield expression(dtype, out_dtype, is_neox, n, ("lean", wide))
             tuned = (TUNING["lean_multi"], TUNING["lean_multi_many"])
             for chunks in dict.fromkeys((*(max(1, c) for c in tuned), *LEAN_MULTI_CHUNKS)):
-                yield expression(dtype, out_dtype, is_neox, n, ("lean_multi", chunks, wide))
+                for stream in (False, True):
+                    shape = ("lean_multi", chunks, stream, wide)
+                    yield expression(dtype, out_dtype, is_neox, n, shape)
             tuned = (TUNING["lean_prefill_rows"], TUNING["lean_prefill_rows_bf16_8bit"])
             for rows in dict.fromkeys((*tuned, *LEAN_PREFILL_ROWS)):
                 if rows > 1:
@@ -1591,6 +1606,8 @@ def _pack(a, f, c, choice, out_slots):
         shape = ("lean", _lean_wide(values, c))
         block = (choice.group, choice.rows, choice.tokens)
     elif shape[0] in _LEAN_FORMS:  # blocks (lanes: G for U rows, S, tokens), lean offsets
+        if shape[0] == "lean_multi":
+            shape = (*shape, _lean_stream(a, c))
         shape = (*shape, _lean_wide(values, c))
         block = (choice.block, choice.rows, choice.tokens)
     if shape[0] in _LEAN_RECORDS and not shape[-1]:  # 32-bit offsets: the lean record
@@ -1615,6 +1632,15 @@ def _pack(a, f, c, choice, out_slots):
         slots,
         pdl=f.enable_pdl,
     )
+
+
+def _lean_stream(a, c):
+    """Whether the C-chunk lean kernel takes the streaming hint on its row loads: the call's head
+    rows move more bytes (read and written) than ``lean_stream_l2`` of the device's L2 (the
+    comment above LEAN_MULTI_CHUNKS)."""
+    H = c.Hq + c.Hkv + (0 if c.mla else c.Hkv)
+    moved = c.T * H * (c.R + c.Dn) * (a.q_rope.dtype.itemsize + c.out_dtype.itemsize)
+    return moved > TUNING["lean_stream_l2"] * l2_bytes(c.device)
 
 
 def _lean_wide(values, c):

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -2381,8 +2383,37 @@ def test_lean_multi_kernels_are_compiled():
     made = [e for e in paged.instantiations() if e.startswith(paged.LEAN_MULTI_KERNEL + "<")]
     tuned = (paged.TUNING["lean_multi"], paged.TUNING["lean_multi_many"])
     for C in (*paged.LEAN_MULTI_CHUNKS, *tuned):
-        for offsets in ("int", "long long"):
-            assert any(e.endswith(f", 8, {C}, {offsets}>") for e in made), (C, offsets)
+        for stream, offsets in itertools.product(("false", "true"), ("int", "long long")):
+            tail = f", 8, {C}, {stream}, {offsets}>"
+            assert any(e.endswith(tail) for e in made), tail
+
+
+def test_lean_multi_streams_calls_past_most_of_the_l2(monkeypatch):
+    """The C-chunk lean kernel takes the streaming hint where a call's head rows move more bytes
+    (read and written) than lean_stream_l2 of the device's L2: on the H200's 60 MiB, MLA 128 heads
+    bf16 -> e4m3 at 256 tokens (57 MB) and not at 128 (28.5 MB); lean_stream_l2 moves the line."""
+    from types import SimpleNamespace as NS
+
+    from ropekv import paged
+
+    monkeypatch.setattr(paged, "l2_bytes", lambda device: 60 << 20)
+    a = NS(q_rope=NS(dtype=np.dtype(BF16)))
+
+    def streams(T, Hq, out=E4M3, mla=True, Hkv=1, Dn=512):
+        c = NS(T=T, Hq=Hq, Hkv=Hkv, mla=mla, R=64, Dn=Dn, out_dtype=np.dtype(out), device=0)
+        return paged._lean_stream(a, c)
+
+    assert paged.TUNING["lean_stream_l2"] == 0.75
+    assert streams(256, 128) and not streams(128, 128)
+    assert not streams(1024, 16)  # 30 MB: 16 heads never reach it below lean_below tokens
+    assert streams(200, 128, out=BF16)  # 59 MB: 16-bit outputs move a third more
+    mha = {"mla": False, "Hkv": 128, "Dn": 448}  # 384 rows of 512 elements a token
+    assert streams(128, 128, **mha) and not streams(32, 128, **mha)
+    rows = 256 * 129 * 576 * 3  # bytes of the 256-token call
+    monkeypatch.setitem(paged.TUNING, "lean_stream_l2", rows / (60 << 20))
+    assert not streams(256, 128)  # the line is strict
+    monkeypatch.setitem(paged.TUNING, "lean_stream_l2", 0)
+    assert streams(1, 16)
 
 
 @pytest.fixture
@@ -2444,10 +2475,10 @@ def test_decode_batch_layouts_match_reference(form, shape, index, launched, monk
         assert launched[-1].startswith(kernel), launched[-1:]
 
 
-def _multi_ran(seen, chunks=None, wide=False):
+def _multi_ran(seen, chunks=None, wide=False, stream=False):
     from ropekv import paged
 
-    tail = "long long>" if wide else "int>"
+    tail = f"{'true' if stream else 'false'}, {'long long' if wide else 'int'}>"
     if chunks is not None:
         tail = f", {chunks}, {tail}"
     return (
@@ -2474,6 +2505,23 @@ def test_lean_multi_kernel_mla_decode(Hq, C, monkeypatch, launched_multi):
         check_against_reference(args, quantize=True, is_neox=neox)
         G = 68 if neox else 72
         assert _multi_ran(launched_multi, -(-G // -(-G // C))), launched_multi[-1:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq", [128, 16])
+def test_lean_multi_kernel_streaming_hint(Hq, monkeypatch, launched_multi):
+    """The C-chunk lean kernel's streaming form (lean_stream_l2 0: every call takes it) on MLA
+    decode with both RoPE styles, padding and past the wave, against the reference; and the plain
+    form where the line is past the call."""
+    from ropekv import paged
+
+    mla = _mla(Hq)
+    for limit, stream in ((0, True), (1e9, False)):
+        monkeypatch.setitem(paged.TUNING, "lean_stream_l2", limit)
+        for T, neox in ((1, True), (16, False), (130, True)):
+            args = make_case(200 + T, T=T, B=min(T, 5), padding=T // 4, **mla)
+            check_against_reference(args, quantize=True, is_neox=neox)
+            assert _multi_ran(launched_multi, stream=stream), launched_multi[-1:]
 
 
 @pytest.mark.gpu

@@ -128,6 +128,7 @@ KINDS = {
         lean_narrow_from=THRESHOLD,
         lean_wide_chunks=THRESHOLD,
         lean_multi=THRESHOLD,
+        lean_stream_l2=NUMBER,
         lean_multi_many=THRESHOLD,
         lean_multi_many_from=THRESHOLD,
         lean_multi_upto=THRESHOLD,

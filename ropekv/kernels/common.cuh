@@ -42,7 +42,8 @@ __device__ __forceinline__ Vec<T, N> load(const T* p) {
 // A row's chunk that the call reads once (q, k, v inputs), loaded with the streaming hint
 // (ld.global.cs: evict first from L1 and L2), which leaves the caches to the call's stores and to
 // what it reads again (cos/sin rows, indices, weights). Used where it measured faster: the QK-norm
-// kernel built for 4 rows a lane group (Qwen3-32B prefill among its calls; docs/design/kernels.md).
+// kernel built for 4 rows a lane group (Qwen3-32B prefill among its calls) and the paged C-chunk
+// lean kernel on calls that move more bytes than most of the L2 holds (docs/design/kernels.md).
 // Elsewhere it read 1-13% slower, and where a call's bytes fit in L2 (paged MLA decode at 128
 // tokens) 1.22x slower under graph replay, so other kernels keep plain loads.
 template <typename T, int N>

@@ -1200,7 +1200,9 @@ __global__ void __launch_bounds__(kLeanThreads) rope_append_paged_rows_lean(cons
 // issue, latency-bound). Only a lane's first chunk can be rotary: the host takes this kernel only
 // where ri <= X (the rotary chunks of a row, R / 2N neox, R / N interleaved), so chunks j + kX,
 // k >= 1, are pass-through (q_nope, k_nope or V's), addressed from one base each.
-template <typename T, typename OutT, bool NEOX, int N, int C, typename I>
+// STREAM: the row loads carry the streaming hint (load_stream), which the host sets for calls
+// that move more bytes than most of the L2 holds (paged.py, LEAN_STREAM_L2).
+template <typename T, typename OutT, bool NEOX, int N, int C, bool STREAM, typename I>
 __global__ void __launch_bounds__(kLeanThreads)
     rope_append_paged_rows_lean_multi(const LeanParams<I> p) {
   pdl_launch_dependents();
@@ -1233,13 +1235,16 @@ __global__ void __launch_bounds__(kLeanThreads)
   const T* srcn = static_cast<const T*>((&p.q_rope)[kn]) +
                   (I(t) * I((&p.qr_sn)[2 * kn]) + I(hh) * I((&p.qr_sn)[2 * kn + 1]) +
                    I(nb + j * N));
+  const auto row_load = [](const T* q) {
+    return STREAM ? load_stream<T, N>(q) : load<T, N>(q);
+  };
   Vec<T, N> va[C];
   Vec<T, N> vb;
-  va[0] = load<T, N>(src0);
-  if (pair) vb = load<T, N>(src0 + half_r);
+  va[0] = row_load(src0);
+  if (pair) vb = row_load(src0 + half_r);
 #pragma unroll
   for (int k = 1; k < C; ++k) {
-    if (j + k * X < G) va[k] = load<T, N>(srcn + k * X * N);
+    if (j + k * X < G) va[k] = row_load(srcn + k * X * N);
   }
   LeanSlot<I> slot;  // K / V rows: the token's slot, found in steps along the chain
   if (!is_q) slot.begin(p, t);
