@@ -1940,8 +1940,15 @@ def test_lean_shape_gathers_tokens_past_the_wave(monkeypatch):
     assert paged.lean_shape(256, 48, 8) == ((8, 16, 1), (256, 3))
     monkeypatch.setitem(paged.TUNING, "lean_wave_blocks", 0)
     assert paged.lean_shape(77, 10, 8) == ((8, 10, 3), (26, 1))  # 80-thread rows, 3 tokens
-    assert paged.lean_shape(77, 48, 8) == ((8, 24, 1), (77, 2))
+    assert paged.lean_shape(77, 6, 8) == ((8, 6, 5), (16, 1))  # 48-thread rows, 5 tokens
+    # a token's narrow rows past lean_max_block threads: blocks of lean_split_block (Llama's 48
+    # rows: 128 threads, not 192); wide rows keep lean_max_block
+    assert paged.TUNING["lean_split_block"] == 128
+    assert paged.lean_shape(77, 48, 8) == ((8, 16, 1), (77, 3))
+    assert paged.lean_shape(77, 40, 16) == ((16, 8, 1), (77, 5))
     assert paged.lean_shape(5, 129, 72) == ((72, 3, 1), (5, 43))
+    monkeypatch.setitem(paged.TUNING, "lean_split_block", 256)
+    assert paged.lean_shape(77, 48, 8) == ((8, 24, 1), (77, 2))
     for T, H, G in ((1, 129, 72), (300, 6, 16), (4000, 48, 8), (9, 3, 256)):
         (gx, gy, gz), (bx, by) = paged.lean_shape(T, H, G)
         assert gx == G and gx * gy * gz <= paged.LEAN_THREADS and gz <= 64
@@ -2648,9 +2655,9 @@ def test_gqa_prefill_takes_the_lean_kernel(monkeypatch):
     start, below = paged.TUNING["lean_prefill_from"], paged.TUNING["lean_below"]
     assert start >= below
     monkeypatch.setitem(paged.TUNING, "lean_prefill_rows", 1)  # one row a thread (0a1cafe)
-    llama = _choose_lean(8192, 32, 8, **gqa)  # 48 rows of 8 lanes: 2 blocks of 24 rows a token
+    llama = _choose_lean(8192, 32, 8, **gqa)  # 48 rows of 8 lanes: 3 blocks of 16 rows a token
     assert llama.shape == ("lean", False) and not llama.opts
-    assert (llama.group, llama.rows, llama.tokens, llama.splits) == (8, 24, 1, 2)
+    assert (llama.group, llama.rows, llama.tokens, llama.splits) == (8, 16, 1, 3)
     tp8 = _choose_lean(8192, 8, 1, **gqa)  # 10 rows: 3 tokens, 240 threads a block
     assert (tp8.shape[0], tp8.rows, tp8.tokens, tp8.splits) == ("lean", 10, 3, 1)
     tp4 = _choose_lean(8192, 4, 1, **gqa)  # 6 rows: 5 tokens, 240 threads
@@ -2689,7 +2696,7 @@ def test_gqa_prefill_takes_the_lean_kernel(monkeypatch):
 # (rows a thread, heads): (S, tokens, splits) of the lean kernel at 8192 tokens of fp16 neox
 # rows of 128 (8 lanes), Llama 32 / 8 (48 rows), TP 8 / 1 (10) and 4 / 1 (6): S U rows a block
 LEAN_ROWS_SHAPES = {
-    (1, (32, 8)): (24, 1, 2),
+    (1, (32, 8)): (16, 1, 3),  # 128 threads (lean_split_block)
     (1, (8, 1)): (10, 3, 1),
     (1, (4, 1)): (6, 5, 1),
     (2, (32, 8)): (24, 1, 1),  # 192 threads, a token a block

@@ -125,6 +125,7 @@ KINDS = {
         lean_block=THREADS,
         lean_wave_blocks=THRESHOLD,
         lean_max_block=THREADS,
+        lean_split_block=THREADS,
         lean_narrow_from=THRESHOLD,
         lean_wide_chunks=THRESHOLD,
         lean_multi=THRESHOLD,
