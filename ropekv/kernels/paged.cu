@@ -1218,7 +1218,7 @@ __global__ void __launch_bounds__(kLeanThreads, lean_min_blocks<T, OutT, I>::val
 // where ri <= X (the rotary chunks of a row, R / 2N neox, R / N interleaved), so chunks j + kX,
 // k >= 1, are pass-through (q_nope, k_nope or V's), addressed from one base each.
 // STREAM: the row loads carry the streaming hint (load_stream), which the host sets for calls
-// that move more bytes than most of the L2 holds (paged.py, LEAN_STREAM_L2).
+// that move more bytes than most of the L2 holds (paged.py, `lean_stream_l2`).
 template <typename T, typename OutT, bool NEOX, int N, int C, bool STREAM, typename I>
 __global__ void __launch_bounds__(kLeanThreads)
     rope_append_paged_rows_lean_multi(const LeanParams<I> p) {
