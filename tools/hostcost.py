@@ -287,6 +287,9 @@ def install_stubs():
     ropekv.qkv._compute_capability = lambda device: 90  # a Hopper GPU, as on the H200
     ropekv.qkv._sm_count = lambda device: 132
     ropekv.qkv._active_clusters = lambda *a: None  # (the driver has no say here)
+    import ropekv.paged
+
+    ropekv.paged.l2_bytes = lambda device: 60 << 20  # the H200's L2 (cached there too)
     _launch.current_stream_ptr = lambda device=-1: 0
     _launch._RUNTIME[0] = _Runtime
     _launch.Output._cupy = lambda self: FakeCupyArray(np.empty(self.shape, self.dtype))
