@@ -1856,6 +1856,8 @@ static PyObject *overlap_pairs(PyObject *mod, PyObject *args) {
   Py_ssize_t n = PySequence_Fast_GET_SIZE(views), nw = PySequence_Fast_GET_SIZE(written);
   PyObject *lo_obj[MAX_ARGS], *hi_obj[MAX_ARGS]; /* borrowed from the views' span tuples */
   PyObject *spans[MAX_ARGS];                      /* the span tuples, owned */
+  PyObject *index_obj[MAX_ARGS];                  /* the arguments' indices, owned */
+  Py_ssize_t n_index = 0;
   int64_t first[MAX_ARGS], end[MAX_ARGS];
   int given[MAX_ARGS], is_written[MAX_ARGS];
   if (n > MAX_ARGS) goto fallback;
@@ -1904,23 +1906,41 @@ static PyObject *overlap_pairs(PyObject *mod, PyObject *args) {
     end[j] = ptr + hi;
     given[j] = 1;
   }
-  pairs = PyList_New(0);
-  hits = pairs ? PyList_New(0) : NULL;
-  if (!hits) goto fail;
+  for (Py_ssize_t j = 0; j < n; j++) { /* each argument's index as an int, made once */
+    index_obj[j] = PyLong_FromSsize_t(j);
+    if (!index_obj[j]) goto fail;
+    n_index = j + 1;
+  }
+  /* the pairs counted first, then each tuple built in place into a list of that length
+   * (Py_BuildValue parsing its format and appends growing the list took twice the time) */
+  Py_ssize_t n_pairs = 0;
   for (Py_ssize_t k = 0; k < nw; k++) {
     Py_ssize_t i = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(written, k));
     if (!given[i]) continue; /* None or empty: never compared */
+    for (Py_ssize_t j = 0; j < n; j++)
+      n_pairs += given[j] && j != i && !(j < i && is_written[j]);
+  }
+  pairs = PyList_New(n_pairs);
+  hits = pairs ? PyList_New(0) : NULL;
+  if (!hits) goto fail;
+  Py_ssize_t p = 0;
+  for (Py_ssize_t k = 0; k < nw; k++) {
+    Py_ssize_t i = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(written, k));
+    if (!given[i]) continue;
     for (Py_ssize_t j = 0; j < n; j++) {
       if (!given[j] || j == i || (j < i && is_written[j])) continue;
-      PyObject *pair = Py_BuildValue("(nnOOOO)", i, j, lo_obj[i], hi_obj[i], lo_obj[j], hi_obj[j]);
+      PyObject *pair = PyTuple_New(6);
       if (!pair) goto fail;
-      int bad = PyList_Append(pairs, pair);
-      Py_DECREF(pair);
-      if (bad) goto fail;
+      PyObject *items[6] = {index_obj[i], index_obj[j], lo_obj[i], hi_obj[i], lo_obj[j], hi_obj[j]};
+      for (int m = 0; m < 6; m++) {
+        Py_INCREF(items[m]);
+        PyTuple_SET_ITEM(pair, m, items[m]);
+      }
+      PyList_SET_ITEM(pairs, p++, pair);
       if (first[i] < end[j] && first[j] < end[i]) {
-        PyObject *hit = Py_BuildValue("(nn)", i, j);
+        PyObject *hit = PyTuple_Pack(2, index_obj[i], index_obj[j]);
         if (!hit) goto fail;
-        bad = PyList_Append(hits, hit);
+        int bad = PyList_Append(hits, hit);
         Py_DECREF(hit);
         if (bad) goto fail;
       }
@@ -1936,6 +1956,7 @@ fail:
 done:
   Py_XDECREF(pairs);
   Py_XDECREF(hits);
+  for (Py_ssize_t j = 0; j < n_index; j++) Py_DECREF(index_obj[j]);
   if (n <= MAX_ARGS)
     for (Py_ssize_t j = 0; j < n; j++) Py_XDECREF(spans[j]);
   Py_DECREF(views);
