@@ -204,6 +204,31 @@ def _extent(shape, strides, itemsize):
     return size, (lo * itemsize, (hi + 1) * itemsize)
 
 
+# the C replay's max_span where _native routes the first call's C forms in, else None
+NATIVE_MAX_SPAN = [None]
+
+
+def max_span(views):
+    """The widest byte span (``hi - lo`` of :attr:`ArrayView.span`) among ``views`` (None: not
+    given; 0 for none), or -1 where a given view is empty. A non-empty view's span is at least
+    the sum over its dims of ``|stride| x (extent - 1)`` elements, so it bounds every element
+    offset its strides reach from its pointer (an empty one's does not). The C form answers in
+    one call (None: this loop)."""
+    native = NATIVE_MAX_SPAN[0]
+    if native is not None:
+        found = native(views)
+        if found is not None:
+            return found
+    widest = 0
+    for v in views:
+        if v is not None:
+            if not v.size:
+                return -1
+            lo, hi = v.span
+            widest = max(widest, hi - lo)
+    return widest
+
+
 _new = object.__new__
 # the C replay's view_fields (ropekv/_native.c) once it is loaded: the fields of an ArrayView of a
 # CuPy array or torch tensor its struct reads take, read in one call (None for any other)

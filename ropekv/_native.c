@@ -2110,6 +2110,51 @@ fail:
   return NULL;
 }
 
+/* max_span(views) -> the widest byte span (hi - lo of ArrayView.span) among the views given (None
+ * skipped; 0 for none), -1 where a given view is empty (its span is then no bound of what its
+ * strides reach), or None where a span is not a pair of ints within +-2**61 (the Python form,
+ * _arrays.max_span, answers). One call for a first call's bound of its 32-bit offsets. */
+static PyObject *max_span(PyObject *mod, PyObject *views_in) {
+  PyObject *views = PySequence_Fast(views_in, "views must be a sequence");
+  if (!views) return NULL;
+  long long widest = 0;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(views);
+  for (Py_ssize_t j = 0; j < n; j++) {
+    PyObject *v = PySequence_Fast_GET_ITEM(views, j);
+    if (v == Py_None) continue;
+    PyObject *size = PyObject_GetAttr(v, s_size);
+    if (!size) goto fail;
+    int nonempty = PyObject_IsTrue(size);
+    Py_DECREF(size);
+    if (nonempty < 0) goto fail;
+    if (!nonempty) {
+      widest = -1;
+      break;
+    }
+    PyObject *span = PyObject_GetAttr(v, s_span);
+    if (!span) goto fail;
+    int ok = PyTuple_CheckExact(span) && PyTuple_GET_SIZE(span) == 2 &&
+             PyLong_CheckExact(PyTuple_GET_ITEM(span, 0)) &&
+             PyLong_CheckExact(PyTuple_GET_ITEM(span, 1));
+    int o_lo = 0, o_hi = 0;
+    long long lo = ok ? PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(span, 0), &o_lo) : 0;
+    long long hi = ok ? PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(span, 1), &o_hi) : 0;
+    Py_DECREF(span);
+    if (PyErr_Occurred()) goto fail;
+    const long long limit = (long long)1 << 61;
+    if (!ok || o_lo || o_hi || lo < -limit || lo > limit || hi < -limit || hi > limit) {
+      Py_DECREF(views);
+      Py_RETURN_NONE;
+    }
+    if (hi - lo > widest) widest = hi - lo;
+  }
+  Py_DECREF(views);
+  return PyLong_FromLongLong(widest);
+fail:
+  Py_DECREF(views);
+  return NULL;
+}
+
 /* widest_aligned(views) -> _vector.widest_aligned's value: 16, or the least over the views of
  * the lowest set bit (below 16 bytes) of the pointer or'ed with the strides but the last times
  * the itemsize, in elements. The gcd of the strides has the lowest set bit of their bitwise or,
@@ -2206,6 +2251,9 @@ static PyMethodDef methods[] = {
      "itemsize) and pointers, and the written ones to check in Python, or None"},
     {"same_device", same_device, METH_O,
      "same_device(views) -> the one device of the views given, or None (none, or two)"},
+    {"max_span", max_span, METH_O,
+     "max_span(views) -> the widest byte span of the views given, -1 where one is empty, or None "
+     "(the Python form answers)"},
     {"widest_aligned", widest_aligned, METH_O,
      "widest_aligned(views) -> _vector.widest_aligned's value, or None (the Python loop "
      "answers)"},

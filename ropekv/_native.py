@@ -188,7 +188,8 @@ def state() -> str:
 # argument reads where the C replay is loaded: ``overlap_pairs`` (``_checks.check_no_overlap``'s
 # pairs), ``written_layouts`` (``_checks.check_written``'s layouts, pointers and plain-stride
 # test), ``same_device`` (``_checks.check_same_device``), ``widest_aligned``
-# (``_vector.widest_aligned``, the ops' vector widths) and ``read_views``
+# (``_vector.widest_aligned``, the ops' vector widths), ``max_span`` (``_arrays.max_span``, the
+# paged op's bound of its 32-bit offsets) and ``read_views``
 # (``_arrays.read_arguments``: the views of a call whose arrays its struct reads take). Off, they
 # run their Python forms, with the same results, the same errors and plans that replay the same
 # (tests/test_host_first.py, and tests/test_native.py on a GPU for the reads). On the H200 host
@@ -210,6 +211,7 @@ def route_first_call_checks(module):
 
     on = module is not None and FIRST_CALL_C
     _vector.NATIVE_WIDEST[0] = module.widest_aligned if on else None
+    ar.NATIVE_MAX_SPAN[0] = module.max_span if on else None
     ck.NATIVE_OVERLAP[0] = module.overlap_pairs if on else None
     ck.NATIVE_WRITTEN[0] = module.written_layouts if on else None
     ck.NATIVE_SAME_DEVICE[0] = module.same_device if on else None

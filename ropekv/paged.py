@@ -25,6 +25,7 @@ from ropekv._arrays import (
     HOST,
     INT32,
     INT64,
+    max_span,
 )
 from ropekv._compile import c_bool, c_type, name_expression
 from ropekv._launch import (
@@ -1617,12 +1618,12 @@ def _pack(a, f, c, choice, out_slots):
     shape, block = choice.shape, (choice.block, choice.tokens)
     params = OPTS_PARAMS if choice.opts else PARAMS
     if shape[0] == "lean":  # blocks (G, S, tokens); 64-bit offsets where a span needs them
-        shape = ("lean", _lean_wide(values, c))
+        shape = ("lean", _lean_wide(values, c, a))
         block = (choice.group, choice.rows, choice.tokens)
     elif shape[0] in _LEAN_FORMS:  # blocks (lanes: G for U rows, S, tokens), lean offsets
         if shape[0] == "lean_multi":
             shape = (*shape, _lean_stream(a, c))
-        shape = (*shape, _lean_wide(values, c))
+        shape = (*shape, _lean_wide(values, c, a))
         block = (choice.block, choice.rows, choice.tokens)
     if shape[0] in _LEAN_RECORDS and not shape[-1]:  # 32-bit offsets: the lean record
         params = LEAN_PARAMS
@@ -1657,20 +1658,37 @@ def _lean_stream(a, c):
     return moved > TUNING["lean_stream_l2"] * l2_bytes(c.device)
 
 
-def _lean_wide(values, c):
+def _lean_wide(values, c, views):
     """Whether the lean kernels take 64-bit offsets and index arithmetic: an array's span past
     INT32_SPAN elements, a stride outside int32 (the 32-bit form's record, LEAN_PARAMS, holds
     them as int32; a stride of a dimension of extent one can be any value), or an index value a
     slot can use (a request below B, a position below num_indices x page_size, a page id below
     num_pages) that may not fit in 31 bits. The 32-bit form reads the index entries' words and
     treats an int64 entry with a high word as out of range, which is exact only under the last
-    rule."""
+    rule.
+
+    The span is bounded first from the call's ``views`` (:func:`_span_bound`, one C call), and
+    computed exactly (:func:`_lean_span`) only where that bound passes INT32_SPAN: the same
+    answer, as the bound is never below the span."""
     index_limit = max(values["B"] + 1, values["num_indices"] * c.page_size + 1, c.num_pages)
     return (
-        _lean_span(values, c) > INT32_SPAN
-        or index_limit > INT32_SPAN
+        index_limit > INT32_SPAN
         or not int32_fields_fit(values, _STRIDES)
+        or (_span_bound(views, c) > INT32_SPAN and _lean_span(values, c) > INT32_SPAN)
     )
+
+
+def _span_bound(views, c):
+    """A bound of :func:`_lean_span` from the arrays themselves: each term of it is an array's
+    reach from its pointer (``|stride| x (extent - 1)`` summed over its dims, in elements), at
+    most its byte span (:func:`ropekv._arrays.max_span`), or a new q output's, below ``T x Hq x
+    D``, plus the row of D elements. An empty array gives no bound (INT32_SPAN + 1: the exact
+    span decides)."""
+    widest = max_span(views)
+    if widest < 0:
+        return INT32_SPAN + 1
+    D = c.R + c.Dn
+    return max(widest, c.T * c.Hq * D) + D
 
 
 def _lean_span(values, c):

@@ -354,6 +354,7 @@ def test_first_call_c_switch_routes_the_three_checks(native, monkeypatch):
     for name in _SLOTS:
         monkeypatch.setattr(ck, name, [None])
     monkeypatch.setattr(ar, "NATIVE_READ", [None])
+    monkeypatch.setattr(ar, "NATIVE_MAX_SPAN", [None])
     monkeypatch.setattr(_native, "FIRST_CALL_C", True)
     monkeypatch.setattr(_launch, "_native_module", [native])
     assert _native.first_call_c() is True and ck.NATIVE_OVERLAP == [None]  # None: no change
@@ -362,6 +363,7 @@ def test_first_call_c_switch_routes_the_three_checks(native, monkeypatch):
     assert ck.NATIVE_WRITTEN[0] is native.written_layouts
     assert ck.NATIVE_SAME_DEVICE[0] is native.same_device
     assert ar.NATIVE_READ[0] is native.read_views
+    assert ar.NATIVE_MAX_SPAN[0] is native.max_span
     rng = np.random.default_rng(34)
     buf = np.zeros(4096, np.uint8)
     calls = []
@@ -379,7 +381,7 @@ def test_first_call_c_switch_routes_the_three_checks(native, monkeypatch):
     on = [_three_checks(*c) for c in calls]
     assert _native.first_call_c(False) is True
     assert all(getattr(ck, name) == [None] for name in _SLOTS) and not _native.FIRST_CALL_C
-    assert ar.NATIVE_READ == [None]
+    assert ar.NATIVE_READ == [None] and ar.NATIVE_MAX_SPAN == [None]
     off = [_three_checks(*c) for c in calls]
     assert on == off
     assert sum(o[0][0] == "error" for o in on) > 20 and sum(o[2][0] == "error" for o in on) > 20
@@ -512,3 +514,71 @@ def test_widest_aligned_in_c_leaves_the_unusual_to_the_loop(native):
         assert native.widest_aligned(views) is None
     assert native.widest_aligned([_Aligned(16, (1 << 70, 1), f2)]) is None
     assert _widest_loop([_Aligned(18, (1 << 70, 1), f2)]) == 1
+
+
+def _span_loop(views):
+    """_arrays.max_span's Python loop (its C form routed off)."""
+    saved = ar.NATIVE_MAX_SPAN[0]
+    ar.NATIVE_MAX_SPAN[0] = None
+    try:
+        return ar.max_span(views)
+    finally:
+        ar.NATIVE_MAX_SPAN[0] = saved
+
+
+def _random_layout(rng):
+    dims = int(rng.integers(0, 5))
+    shape = tuple(int(rng.choice([0, 1, 2, 3, 7, 64, 1 << 20])) for _ in range(dims))
+    strides = tuple(
+        int(rng.choice([0, 1, 2, 5, 64, 1 << 20, 1 << 33])) * int(rng.choice([1, -1]))
+        for _ in range(dims)
+    )
+    return shape, strides
+
+
+def test_max_span_in_c_answers_as_the_loop(native, monkeypatch):
+    rng = np.random.default_rng(23)
+    dtypes = [np.dtype(t) for t in ("u1", "f2", "f4", "i8")]
+    for _ in range(3000):
+        views = []
+        for k in range(int(rng.integers(0, 9))):
+            if rng.integers(0, 4) == 0:
+                views.append(None)
+                continue
+            shape, strides = _random_layout(rng)
+            views.append(ar.ArrayView(f"a{k}", 1 << 30, shape, strides, dtypes[k % 4], 0))
+        want = _span_loop(views)
+        assert native.max_span(views) == want
+        assert native.max_span(tuple(views)) == want
+        monkeypatch.setattr(ar, "NATIVE_MAX_SPAN", [native.max_span])
+        assert ar.max_span(views) == want
+
+
+def test_max_span_in_c_leaves_the_unusual_to_the_loop(native):
+    from types import SimpleNamespace as NS
+
+    assert native.max_span([]) == 0 and native.max_span([None]) == 0
+    assert native.max_span([NS(size=1, span=(0, 1 << 62))]) is None  # past +-2**61
+    assert native.max_span([NS(size=1, span=[0, 8])]) is None  # no tuple
+    assert native.max_span([NS(size=1, span=(0.0, 8))]) is None  # no int
+    assert native.max_span([NS(size=0, span=(0.0, 8))]) == -1  # empty: no bound, span unread
+    with pytest.raises(AttributeError):
+        native.max_span([NS(size=1)])
+
+
+def test_a_span_bounds_the_reach_of_its_strides():
+    """What the paged op's bound of its 32-bit offsets rests on (``paged._span_bound``): a
+    non-empty view's byte span is at least the sum over its dims of ``|stride| x (extent - 1)``,
+    the farthest element its strides reach from its pointer (in elements); an empty one's span
+    need not be, and max_span answers -1 for it."""
+    rng = np.random.default_rng(5)
+    for _ in range(5000):
+        shape, strides = _random_layout(rng)
+        itemsize = int(rng.choice([1, 2, 4, 8]))
+        view = ar.ArrayView("a", 0, shape, strides, np.dtype(f"u{itemsize}"), 0)
+        reach = sum(abs(s) * max(n - 1, 0) for n, s in zip(shape, strides))
+        if view.size:
+            lo, hi = view.span
+            assert hi - lo >= reach and _span_loop([view]) == hi - lo
+        else:
+            assert _span_loop([None, view]) == -1

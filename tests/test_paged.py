@@ -1963,6 +1963,7 @@ def test_lean_offsets_widen_past_31_bits():
     from ropekv import paged
 
     c = NS(T=4, Hq=8, Hkv=1, R=128, Dn=0, num_pages=10, page_size=16, P=4096)
+    wide = [NS(size=1, span=(0, 1 << 40))]  # arrays whose spans bound nothing: the exact span
     values = dict.fromkeys(paged._STRIDES, 0)
     values.update(qr_sn=1152, qr_sh=128, kr_sn=1152, kr_sh=128, cs_sp=128)
     values.update(krc_sp=2048, krc_se=128, vc_sp=2048, vc_se=128)
@@ -1974,15 +1975,24 @@ def test_lean_offsets_widen_past_31_bits():
     assert paged._lean_span(values, c) > paged.INT32_SPAN
     # and 64-bit index arithmetic where an index value a slot can use may pass 31 bits
     values.update(qr_sn=1152, B=3, num_indices=40)
-    assert not paged._lean_wide(values, c)
+    assert not paged._lean_wide(values, c, wide)
     values["num_indices"] = (1 << 31) // 16  # positions up to 2**31 would have a slot
-    assert paged._lean_wide(values, c)
+    assert paged._lean_wide(values, c, wide)
     values["num_indices"], values["B"] = 40, 2**31 - 1
-    assert paged._lean_wide(values, c)
+    assert paged._lean_wide(values, c, wide)
     values["B"], c.num_pages = 3, 2**31
-    assert paged._lean_wide(values, c)
+    assert paged._lean_wide(values, c, wide)
     c.num_pages, values["vc_sp"] = 10, 1 << 28
-    assert paged._lean_wide(values, c)
+    assert paged._lean_wide(values, c, wide)
+    # the arrays' own spans decide without the exact span where they bound it within 31 bits
+    c.num_pages, values["vc_sp"] = 10, 2048
+    narrow = [NS(size=1, span=(-64, 1 << 20)), None]
+    assert not paged._lean_wide(values, c, narrow)
+    values["vc_sp"] = 1 << 28  # (the exact span would say 64-bit; the spans given say 32-bit)
+    assert not paged._lean_wide(values, c, narrow)
+    assert paged._span_bound(narrow, c) == (1 << 20) + 64 + 128
+    assert paged._span_bound([*narrow, NS(size=0, span=(0, 0))], c) > paged.INT32_SPAN
+    assert paged._span_bound([None], c) == 4 * 8 * 128 + 128  # new q outputs: T x Hq x D
 
 
 @pytest.fixture
@@ -2263,9 +2273,10 @@ def test_lean_record_by_offset_width():
     class Call:
         T, Hq, Hkv, R, Dn, P, page_size, num_pages = 1, 1, 1, 64, 0, 16, 16, 4
 
-    assert not paged._lean_wide(values, Call)
-    assert paged._lean_wide(values | {"qr_sn": 2**31}, Call)
-    assert paged._lean_wide(values | {"krc_sp": -(2**31)}, Call)
+    views = [None]  # (arrays whose spans fit: the strides decide)
+    assert not paged._lean_wide(values, Call, views)
+    assert paged._lean_wide(values | {"qr_sn": 2**31}, Call, views)
+    assert paged._lean_wide(values | {"krc_sp": -(2**31)}, Call, views)
 
 
 # Tests written for the row and section kernels whose decode calls the lean kernel now takes:
