@@ -467,16 +467,22 @@ class _Aligned:
         self.ptr, self.strides, self.dtype = ptr, strides, dtype
 
 
+def _python_form(slot, fn, views):
+    """``fn(views)`` with the C form in ``slot`` (a module's ``NATIVE_...`` holder) routed off:
+    its Python loop."""
+    saved = slot[0]
+    slot[0] = None
+    try:
+        return fn(views)
+    finally:
+        slot[0] = saved
+
+
 def _widest_loop(views):
     """_vector.widest_aligned's Python loop (its C form routed off)."""
     from ropekv import _vector
 
-    saved = _vector.NATIVE_WIDEST[0]
-    _vector.NATIVE_WIDEST[0] = None
-    try:
-        return _vector.widest_aligned(views)
-    finally:
-        _vector.NATIVE_WIDEST[0] = saved
+    return _python_form(_vector.NATIVE_WIDEST, _vector.widest_aligned, views)
 
 
 def test_widest_aligned_in_c_answers_as_the_loop(native, monkeypatch):
@@ -518,12 +524,7 @@ def test_widest_aligned_in_c_leaves_the_unusual_to_the_loop(native):
 
 def _span_loop(views):
     """_arrays.max_span's Python loop (its C form routed off)."""
-    saved = ar.NATIVE_MAX_SPAN[0]
-    ar.NATIVE_MAX_SPAN[0] = None
-    try:
-        return ar.max_span(views)
-    finally:
-        ar.NATIVE_MAX_SPAN[0] = saved
+    return _python_form(ar.NATIVE_MAX_SPAN, ar.max_span, views)
 
 
 def _random_layout(rng):
