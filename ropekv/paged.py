@@ -154,15 +154,11 @@ ROW_KERNEL = "rope_append_paged_rows"
 # 12.9 / 14.4 (0.83-0.89x); hence `lean_prefill_from` = `lean_below`. `lean_prefill_from=0`
 # restores the row kernel from `lean_below` tokens (0663de9).
 # Past the wave, blocks whose token's narrow rows need more than `lean_max_block` threads hold at
-# most `lean_split_block` (Llama 32 / 8 heads: 3 blocks of 16 rows, 128 threads, not 2 of 24). Why
-# (ncu, H200, 8 x 1024): at 48 registers blocks of 192 threads fit 6 an SM, 36 warps (a block's 6
-# warps land unevenly on the 4 schedulers); blocks of 128 fit 10, 40 warps, and the fp16 -> fp16
-# form is bounded to 48 registers to join them (paged.cu, lean_min_blocks). Side by side (two
-# processes a tree, CUDA events, time new / old): fp16 -> e4m3 8 x 1024 / 4 x 2048 0.961 / 0.967,
-# 4 / 16 / 32 x 1024 0.958-0.961, fp16 -> fp16 0.968 / 0.974, bf16 (52-58 registers, unchanged
-# occupancy) 0.99; fp16 -> fp16 decode (the bound) 0.998-1.010. Tokens whose rows fit a block
-# (tensor-parallel 8 / 1 and 4 / 1 heads) keep theirs: `lean_max_block=128` took 8 / 1 1.02x
-# slower. `lean_split_block=256` restores 52921a7's shapes.
+# most `lean_split_block` (Llama 32 / 8 heads: 3 blocks of 16 rows, 128 threads, not 2 of 24):
+# 40 warps an SM at 48 registers instead of 36 (the fp16 -> fp16 form bounded to 48 to join them,
+# paged.cu's lean_min_blocks); tokens whose rows fit a block (tensor-parallel heads) keep theirs.
+# The measurements: docs/design/kernels.md, "Prefill blocks of 128 threads".
+# `lean_split_block=256` restores 52921a7's shapes.
 LEAN_KERNEL = "rope_append_paged_rows_lean"
 LEAN_THREADS = 256  # kLeanThreads: the lean kernel's __launch_bounds__
 # The lean kernel with C = `lean_multi` chunks of a row per thread (rope_append_paged_rows_lean_multi:

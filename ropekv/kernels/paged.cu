@@ -1122,12 +1122,10 @@ __device__ __forceinline__ OutT* lean_dest(const P& p, const LeanRow& r, int t, 
 }
 
 // Blocks of kLeanThreads an SM in the lean kernel's launch bounds: 5 (at most 48 registers) for
-// fp16 -> fp16 with 32-bit offsets, which took 52 (neox, N 8; ptxas, sm_90) and fits 48 without
-// spilling, so that prefill's blocks of 128 threads (`lean_split_block`, paged.py) hold 40 warps
-// an SM instead of 36, as the e4m3 forms' 48 do (H200, 8 x 1024: 0.968x the time; decode
-// 0.998-1.010x); 0 (no bound) otherwise: the other forms take at most 48 already or spill at 48
-// (bf16 -> bf16 12 bytes: bounded, it read 1.07x slower at 8 x 1024, 1.03x at 64 tokens;
-// bf16 -> e4m3 16).
+// fp16 -> fp16 with 32-bit offsets, which took 52 and fits 48 without spilling, so that prefill's
+// blocks of 128 threads (`lean_split_block`, paged.py) hold 40 warps an SM as the e4m3 forms do;
+// 0 (no bound) otherwise: the other forms take at most 48 already or spill at 48. Measured in
+// docs/design/kernels.md, "Prefill blocks of 128 threads".
 template <typename T, typename OutT, typename I>
 struct lean_min_blocks {
   static constexpr int value = 0;
