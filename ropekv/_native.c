@@ -1836,6 +1836,45 @@ static PyObject *python_decides(void) {
   Py_RETURN_NONE;
 }
 
+/* The byte span of a view (ArrayView.span, relative to its pointer): 1 with *span a new reference
+ * to its span tuple and *lo, *hi its ints; 0 for an empty view (size 0: its span unread, nothing
+ * set); -2 where the span is no tuple of two ints within +-2**61 (the caller's Python form
+ * decides); -1 with an error set. overlap_pairs and max_span read spans through it. */
+static int view_span(PyObject *v, PyObject **span, long long *lo, long long *hi) {
+  PyObject *size = PyObject_GetAttr(v, s_size);
+  if (!size) return -1;
+  int nonempty = PyObject_IsTrue(size);
+  Py_DECREF(size);
+  if (nonempty <= 0) return nonempty;
+  PyObject *t = PyObject_GetAttr(v, s_span);
+  if (!t) return -1;
+  if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != 2 ||
+      !PyLong_CheckExact(PyTuple_GET_ITEM(t, 0)) || !PyLong_CheckExact(PyTuple_GET_ITEM(t, 1))) {
+    Py_DECREF(t);
+    return -2;
+  }
+  const long long limit = (long long)1 << 61;
+  int o_lo = 0, o_hi = 0;
+  *lo = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(t, 0), &o_lo);
+  *hi = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(t, 1), &o_hi);
+  if (PyErr_Occurred()) {
+    Py_DECREF(t);
+    return -1;
+  }
+  if (o_lo || o_hi || *lo < -limit || *lo > limit || *hi < -limit || *hi > limit) {
+    Py_DECREF(t);
+    return -2;
+  }
+  *span = t;
+  return 1;
+}
+
+/* Whether check_no_overlap compares written array i with argument j (both given, not empty): j is
+ * another array, and no written one before i (compared as its own written array). */
+static inline int compared(Py_ssize_t i, Py_ssize_t j, const int *given, const int *is_written) {
+  return given[j] && j != i && !(j < i && is_written[j]);
+}
+
 /* overlap_pairs(views, written) -> (pairs, hits): _checks.check_no_overlap's pairs and the pairs
  * whose byte spans intersect, computed as its Python loop does (the first call of an op with many
  * arguments compares a hundred pairs or so; almost none intersect):
@@ -1877,31 +1916,20 @@ static PyObject *overlap_pairs(PyObject *mod, PyObject *args) {
   for (Py_ssize_t j = 0; j < n; j++) { /* the arguments given, not empty: their spans */
     PyObject *v = PySequence_Fast_GET_ITEM(views, j);
     if (v == Py_None) continue;
-    PyObject *size = PyObject_GetAttr(v, s_size);
-    if (!size) goto fail;
-    int nonempty = PyObject_IsTrue(size);
-    Py_DECREF(size);
-    if (nonempty < 0) goto fail;
-    if (!nonempty) continue;
-    PyObject *span = PyObject_GetAttr(v, s_span);
-    if (!span) goto fail;
-    spans[j] = span;
+    long long lo, hi;
+    int read = view_span(v, &spans[j], &lo, &hi);
+    if (read == -1) goto fail;
+    if (read == -2) goto fallback;
+    if (!read) continue; /* empty */
     PyObject *ptr_obj = PyObject_GetAttr(v, s_ptr);
     if (!ptr_obj) goto fail;
-    int ok = PyLong_CheckExact(ptr_obj) && PyTuple_CheckExact(span) && PyTuple_GET_SIZE(span) == 2;
-    int overflow = 0;
+    int ok = PyLong_CheckExact(ptr_obj), overflow = 0;
     long long ptr = ok ? PyLong_AsLongLongAndOverflow(ptr_obj, &overflow) : 0;
     Py_DECREF(ptr_obj);
     if (ptr == -1 && PyErr_Occurred()) goto fail;
     if (!ok || overflow || ptr < 0 || ptr > ((long long)1 << 62)) goto fallback;
-    lo_obj[j] = PyTuple_GET_ITEM(span, 0);
-    hi_obj[j] = PyTuple_GET_ITEM(span, 1);
-    if (!PyLong_CheckExact(lo_obj[j]) || !PyLong_CheckExact(hi_obj[j])) goto fallback;
-    long long lo = PyLong_AsLongLongAndOverflow(lo_obj[j], &overflow);
-    if (overflow || lo < -((long long)1 << 61) || lo > ((long long)1 << 61)) goto fallback;
-    long long hi = PyLong_AsLongLongAndOverflow(hi_obj[j], &overflow);
-    if (overflow || hi < -((long long)1 << 61) || hi > ((long long)1 << 61)) goto fallback;
-    if (PyErr_Occurred()) goto fail;
+    lo_obj[j] = PyTuple_GET_ITEM(spans[j], 0);
+    hi_obj[j] = PyTuple_GET_ITEM(spans[j], 1);
     first[j] = ptr + lo;
     end[j] = ptr + hi;
     given[j] = 1;
@@ -1911,24 +1939,16 @@ static PyObject *overlap_pairs(PyObject *mod, PyObject *args) {
     if (!index_obj[j]) goto fail;
     n_index = j + 1;
   }
-  /* the pairs counted first, then each tuple built in place into a list of that length
-   * (Py_BuildValue parsing its format and appends growing the list took twice the time) */
-  Py_ssize_t n_pairs = 0;
+  /* each pair's tuple built in place (Py_BuildValue parsing its format per pair took twice the
+   * time) */
+  pairs = PyList_New(0);
+  hits = pairs ? PyList_New(0) : NULL;
+  if (!hits) goto fail;
   for (Py_ssize_t k = 0; k < nw; k++) {
     Py_ssize_t i = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(written, k));
     if (!given[i]) continue; /* None or empty: never compared */
-    for (Py_ssize_t j = 0; j < n; j++)
-      n_pairs += given[j] && j != i && !(j < i && is_written[j]);
-  }
-  pairs = PyList_New(n_pairs);
-  hits = pairs ? PyList_New(0) : NULL;
-  if (!hits) goto fail;
-  Py_ssize_t p = 0;
-  for (Py_ssize_t k = 0; k < nw; k++) {
-    Py_ssize_t i = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(written, k));
-    if (!given[i]) continue;
     for (Py_ssize_t j = 0; j < n; j++) {
-      if (!given[j] || j == i || (j < i && is_written[j])) continue;
+      if (!compared(i, j, given, is_written)) continue;
       PyObject *pair = PyTuple_New(6);
       if (!pair) goto fail;
       PyObject *items[6] = {index_obj[i], index_obj[j], lo_obj[i], hi_obj[i], lo_obj[j], hi_obj[j]};
@@ -1936,7 +1956,9 @@ static PyObject *overlap_pairs(PyObject *mod, PyObject *args) {
         Py_INCREF(items[m]);
         PyTuple_SET_ITEM(pair, m, items[m]);
       }
-      PyList_SET_ITEM(pairs, p++, pair);
+      int appended = PyList_Append(pairs, pair);
+      Py_DECREF(pair);
+      if (appended < 0) goto fail;
       if (first[i] < end[j] && first[j] < end[i]) {
         PyObject *hit = PyTuple_Pack(2, index_obj[i], index_obj[j]);
         if (!hit) goto fail;
@@ -2122,30 +2144,19 @@ static PyObject *max_span(PyObject *mod, PyObject *views_in) {
   for (Py_ssize_t j = 0; j < n; j++) {
     PyObject *v = PySequence_Fast_GET_ITEM(views, j);
     if (v == Py_None) continue;
-    PyObject *size = PyObject_GetAttr(v, s_size);
-    if (!size) goto fail;
-    int nonempty = PyObject_IsTrue(size);
-    Py_DECREF(size);
-    if (nonempty < 0) goto fail;
-    if (!nonempty) {
-      widest = -1;
-      break;
-    }
-    PyObject *span = PyObject_GetAttr(v, s_span);
-    if (!span) goto fail;
-    int ok = PyTuple_CheckExact(span) && PyTuple_GET_SIZE(span) == 2 &&
-             PyLong_CheckExact(PyTuple_GET_ITEM(span, 0)) &&
-             PyLong_CheckExact(PyTuple_GET_ITEM(span, 1));
-    int o_lo = 0, o_hi = 0;
-    long long lo = ok ? PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(span, 0), &o_lo) : 0;
-    long long hi = ok ? PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(span, 1), &o_hi) : 0;
-    Py_DECREF(span);
-    if (PyErr_Occurred()) goto fail;
-    const long long limit = (long long)1 << 61;
-    if (!ok || o_lo || o_hi || lo < -limit || lo > limit || hi < -limit || hi > limit) {
+    PyObject *span;
+    long long lo, hi;
+    int read = view_span(v, &span, &lo, &hi);
+    if (read == -1) goto fail;
+    if (read == -2) {
       Py_DECREF(views);
       Py_RETURN_NONE;
     }
+    if (!read) {
+      widest = -1;
+      break;
+    }
+    Py_DECREF(span);
     if (hi - lo > widest) widest = hi - lo;
   }
   Py_DECREF(views);
