@@ -204,6 +204,68 @@ def _extent(shape, strides, itemsize):
     return size, (lo * itemsize, (hi + 1) * itemsize)
 
 
+# the C replay's bind_dims where _native routes the first call's C forms in, else None
+NATIVE_BIND_DIMS = [None]
+
+
+def bind_dims(views, program, bound=()):
+    """The dims of a first call's arrays bound by name, as an op's declaration spells their shapes
+    (``_declare.Declaration.dim_program`` builds ``program``); None where any rule fails (the op's
+    own checks then decide, and name the error).
+
+    ``program`` is ``(n_vars, entries, relations)``: per array ``(slot, dims, dtypes, contig)``,
+    its view ``views[slot]``, which must be given and of rank ``len(dims)``, dim k binding var
+    ``dims[k]`` (the first array to name a var binds it, every later one must agree); ``dtypes``
+    the dtypes it may have (empty: any), each a dtype or the slot of the array whose dtype it may
+    have;
+    ``contig`` 0 none, 1 stride 1 in its last dim (or no elements there), 2 C-contiguous.
+    ``relations``: ``(v, a, b, k)``, var v == var a + var b + k (b < 0: no var b). ``bound``:
+    the values of vars 0, 1, ... bound first (scalars such as ``page_size``; not negative). Returns the vars' values (-1: not bound). The C form
+    answers in one call (None: this loop decides, and is the C form's oracle)."""
+    native = NATIVE_BIND_DIMS[0]
+    if native is not None:
+        found = native(views, program, tuple(bound))
+        if found is not None:
+            return found
+    n_vars, entries, relations = program
+    if len(bound) > n_vars or any(value < 0 for value in bound):
+        return None
+    found = [*bound] + [-1] * (n_vars - len(bound))
+    for slot, dims, dtypes, contig in entries:
+        v = views[slot]
+        if v is None or len(v.shape) != len(dims) or len(v.strides) != len(dims):
+            return None
+        for var, n in zip(dims, v.shape):
+            if found[var] < 0:
+                found[var] = n
+            elif found[var] != n:
+                return None
+        if dtypes and not _dtype_allowed(v.dtype, dtypes, views):
+            return None
+        if contig == 1 and v.size and v.shape[-1] > 1 and v.strides[-1] != 1:
+            return None
+        if contig == 2 and not v.is_c_contiguous():
+            return None
+    for var, a, b, k in relations:
+        if min(found[var], found[a]) < 0 or (b >= 0 and found[b] < 0):
+            return None
+        if found[var] != found[a] + (found[b] if b >= 0 else 0) + k:
+            return None
+    return tuple(found)
+
+
+def _dtype_allowed(dtype, dtypes, views):
+    """Whether ``dtype`` is one of ``dtypes`` (a slot: the dtype of that view, if given)."""
+    for d in dtypes:
+        if d.__class__ is int:
+            if views[d] is None:
+                return None  # the C form's answer too: a rule naming a missing array fails
+            d = views[d].dtype
+        if dtype == d:
+            return True
+    return False
+
+
 # the C replay's max_span where _native routes the first call's C forms in, else None
 NATIVE_MAX_SPAN = [None]
 

@@ -300,6 +300,52 @@ class Declaration:
             lines += [f"   * - {row[0]}"] + [f"     - {cell}".rstrip() for cell in row[1:]]
         return "\n".join(lines) + "\n"
 
+    # ---- a first call's shape and dtype rules, bound in one call -----------------------------
+
+    def dim_program(self, slots, spellings, relations=(), rows=(), contiguous=(), scalars=()):
+        """The program of :func:`ropekv._arrays.bind_dims` for one form of a call: ``spellings``
+        maps each array the form takes (its launch name, an argument's or a pair's part's) to
+        the one of its declared shapes it has in that form; ``slots`` are the launch's array
+        names (an ``Op``'s, whose views the program reads); ``relations`` spell dims that follow
+        from others (``"D = R + no_rope_dim"``); ``rows`` name the arrays read in rows (stride 1
+        in their last dim), ``contiguous`` those that must be C-contiguous; ``scalars`` name the
+        dims a call binds before any array (vars 0, 1, ...: ``bind_dims``' ``bound``). Each
+        array's dtypes are its declaration's (an argument named there: that array's dtype).
+        Returns ``(vars, program)``: ``{dim name: var}`` and the program."""
+        names = dict(zip(scalars, range(len(scalars))))
+
+        def var(token):
+            if not token or token.isdigit():
+                raise ValueError(f"{self.name}: a dim is a name, got {token!r}")
+            return names.setdefault(token, len(names))
+
+        entries = []
+        for name, spelled in spellings.items():
+            a = self._array_of(name)
+            if spelled not in a.shape:
+                raise ValueError(f"{self.name}: {name} is declared {a.shape}, not {spelled}")
+            dims = tuple(var(t.strip()) for t in spelled.strip("()").split(",") if t.strip())
+            dtypes = tuple(slots.index(d) if isinstance(d, str) else d for d in a.dtypes)
+            contig = 2 if name in contiguous else 1 if name in rows else 0
+            entries.append((slots.index(name), dims, dtypes, contig))
+        rels = []
+        for text in relations:
+            lhs, rhs = (t.strip() for t in text.split("="))
+            terms = [t.strip() for t in rhs.split("+")]
+            k = sum(int(t) for t in terms if t.isdigit())
+            dims = [names[t] for t in terms if not t.isdigit()]  # named in some spelling
+            if not 1 <= len(dims) <= 2:
+                raise ValueError(f"{self.name}: a relation sums one or two dims, got {text!r}")
+            rels.append((names[lhs], dims[0], dims[1] if len(dims) > 1 else -1, k))
+        return names, (len(names), tuple(entries), tuple(rels))
+
+    def _array_of(self, name):
+        """The declared array argument ``name`` is, itself or a part (or ``aka``) of a pair."""
+        for a in self.inputs:
+            if a.shape and (a.name == name or name in a.parts or name in a.aka):
+                return a
+        raise ValueError(f"{self.name}: no array {name!r} with declared shapes")
+
     # ---- what the op writes ----------------------------------------------------------------
 
     def written(self, variant):

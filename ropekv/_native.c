@@ -2166,6 +2166,139 @@ fail:
   return NULL;
 }
 
+/* bind_dims(views, program, bound) -> the dims of a first call's arrays, bound by name as an op's
+ * declaration spells its shapes (_arrays.bind_dims, whose Python loop is this function's oracle):
+ *
+ *   program: (n_vars, entries, relations); entries: (slot, dims, dtypes, contig) per array, its
+ *            view views[slot], which must be given, of rank len(dims), dim k binding var dims[k]
+ *            (the first array to name a var binds it, every later one must agree); dtypes: the
+ *            dtypes it may have (empty: any), each a dtype or the slot of the array whose dtype
+ *            it may have; contig: 0 none, 1 stride 1 in its last dim (or no elements there),
+ *            2 C-contiguous (ArrayView.is_c_contiguous); relations: (v, a, b, k) with var v ==
+ *            var a + var b + k (b < 0: no var b), each var bound;
+ *   bound:   the values of vars 0, 1, ... bound before the first array (scalars such as
+ *            page_size; a negative one binds nothing: None).
+ *
+ * -> a tuple of the n_vars values (-1: not bound), or None where any rule fails or a view is not
+ * one read_views builds (the op's checks decide, and name the error). */
+static int bind_dtype_ok(PyObject *dtype, PyObject *rule, PyObject *views) {
+  if (!PyTuple_Check(rule)) return -1;
+  Py_ssize_t n = PyTuple_GET_SIZE(rule);
+  if (n == 0) return 1;
+  for (Py_ssize_t k = 0; k < n; k++) {
+    PyObject *want = PyTuple_GET_ITEM(rule, k);
+    if (PyLong_Check(want)) { /* the dtype of the array in that slot */
+      Py_ssize_t ref = PyLong_AsSsize_t(want);
+      if (ref < 0 || ref >= PySequence_Fast_GET_SIZE(views)) return -1;
+      PyObject *other = PySequence_Fast_GET_ITEM(views, ref);
+      if (other == Py_None || !Py_IS_TYPE(other, view_type)) return -1;
+      want = *(PyObject **)((char *)other + view_offsets[V_DTYPE]);
+      if (!want) return -1;
+    }
+    if (want == dtype) return 1;
+    int eq = PyObject_RichCompareBool(dtype, want, Py_EQ);
+    if (eq) return eq; /* 1, or -1 with an error set */
+  }
+  return 0;
+}
+
+#define BIND_MAX_VARS 32
+#define BIND_MAX_DIMS 8
+
+static PyObject *bind_dims(PyObject *mod, PyObject *args) {
+  PyObject *views_in, *program, *bound, *views = NULL;
+  if (!PyArg_ParseTuple(args, "OO!O!", &views_in, &PyTuple_Type, &program, &PyTuple_Type, &bound))
+    return NULL;
+  if (!view_type || PyTuple_GET_SIZE(program) != 3) Py_RETURN_NONE;
+  Py_ssize_t n_vars = PyLong_AsSsize_t(PyTuple_GET_ITEM(program, 0));
+  PyObject *entries = PyTuple_GET_ITEM(program, 1), *relations = PyTuple_GET_ITEM(program, 2);
+  if (n_vars < 0 || n_vars > BIND_MAX_VARS || !PyTuple_Check(entries) || !PyTuple_Check(relations))
+    return python_decides();
+  long long vars[BIND_MAX_VARS];
+  for (Py_ssize_t k = 0; k < n_vars; k++) vars[k] = -1;
+  if (PyTuple_GET_SIZE(bound) > n_vars) Py_RETURN_NONE;
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(bound); k++) {
+    long long value = PyLong_AsLongLong(PyTuple_GET_ITEM(bound, k));
+    if (PyErr_Occurred() || value < 0) {
+      PyErr_Clear();
+      Py_RETURN_NONE;
+    }
+    vars[k] = value;
+  }
+  views = PySequence_Fast(views_in, "views must be a sequence");
+  if (!views) return NULL;
+  Py_ssize_t n_views = PySequence_Fast_GET_SIZE(views);
+  for (Py_ssize_t e = 0; e < PyTuple_GET_SIZE(entries); e++) {
+    PyObject *entry = PyTuple_GET_ITEM(entries, e);
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 4) goto undecided;
+    Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 0));
+    PyObject *dims = PyTuple_GET_ITEM(entry, 1), *dtypes = PyTuple_GET_ITEM(entry, 2);
+    long contig = PyLong_AsLong(PyTuple_GET_ITEM(entry, 3));
+    if (PyErr_Occurred() || slot < 0 || slot >= n_views || !PyTuple_Check(dims)) goto undecided;
+    PyObject *v = PySequence_Fast_GET_ITEM(views, slot);
+    if (v == Py_None || !Py_IS_TYPE(v, view_type)) goto undecided;
+    PyObject *shape = *(PyObject **)((char *)v + view_offsets[V_SHAPE]);
+    PyObject *strides = *(PyObject **)((char *)v + view_offsets[V_STRIDES]);
+    PyObject *dtype = *(PyObject **)((char *)v + view_offsets[V_DTYPE]);
+    Py_ssize_t nd = PyTuple_GET_SIZE(dims);
+    if (!shape || !strides || !dtype || !PyTuple_Check(shape) || !PyTuple_Check(strides) ||
+        PyTuple_GET_SIZE(shape) != nd || PyTuple_GET_SIZE(strides) != nd || nd > BIND_MAX_DIMS)
+      goto undecided;
+    long long ext[BIND_MAX_DIMS], st[BIND_MAX_DIMS];
+    int empty = 0;
+    for (Py_ssize_t k = 0; k < nd; k++) {
+      ext[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, k));
+      st[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, k));
+      Py_ssize_t var = PyLong_AsSsize_t(PyTuple_GET_ITEM(dims, k));
+      if (PyErr_Occurred() || ext[k] < 0 || var < 0 || var >= n_vars) goto undecided;
+      if (vars[var] < 0)
+        vars[var] = ext[k];
+      else if (vars[var] != ext[k])
+        goto undecided;
+      if (!ext[k]) empty = 1;
+    }
+    int ok = bind_dtype_ok(dtype, dtypes, views);
+    if (ok != 1) goto undecided;
+    if (contig == 1 && nd && !empty && ext[nd - 1] > 1 && st[nd - 1] != 1) goto undecided;
+    if (contig == 2 && !empty) {
+      long long expected = 1;
+      for (Py_ssize_t k = nd - 1; k >= 0; k--) {
+        if (ext[k] != 1 && st[k] != expected) goto undecided;
+        if (ext[k] > (1LL << 40) || expected > (1LL << 40)) goto undecided;
+        expected *= ext[k];
+      }
+    }
+  }
+  for (Py_ssize_t r = 0; r < PyTuple_GET_SIZE(relations); r++) {
+    PyObject *rel = PyTuple_GET_ITEM(relations, r);
+    if (!PyTuple_Check(rel) || PyTuple_GET_SIZE(rel) != 4) goto undecided;
+    Py_ssize_t v = PyLong_AsSsize_t(PyTuple_GET_ITEM(rel, 0));
+    Py_ssize_t a = PyLong_AsSsize_t(PyTuple_GET_ITEM(rel, 1));
+    Py_ssize_t b = PyLong_AsSsize_t(PyTuple_GET_ITEM(rel, 2));
+    long long k = PyLong_AsLongLong(PyTuple_GET_ITEM(rel, 3));
+    if (PyErr_Occurred() || v < 0 || v >= n_vars || a < 0 || a >= n_vars || b >= n_vars)
+      goto undecided;
+    if (vars[v] < 0 || vars[a] < 0 || (b >= 0 && vars[b] < 0)) goto undecided;
+    if (vars[v] != vars[a] + (b >= 0 ? vars[b] : 0) + k) goto undecided;
+  }
+  Py_DECREF(views);
+  PyObject *out = PyTuple_New(n_vars);
+  if (!out) return NULL;
+  for (Py_ssize_t k = 0; k < n_vars; k++) {
+    PyObject *value = PyLong_FromLongLong(vars[k]);
+    if (!value) {
+      Py_DECREF(out);
+      return NULL;
+    }
+    PyTuple_SET_ITEM(out, k, value);
+  }
+  return out;
+undecided:
+  Py_DECREF(views);
+  PyErr_Clear();
+  Py_RETURN_NONE;
+}
+
 /* widest_aligned(views) -> _vector.widest_aligned's value: 16, or the least over the views of
  * the lowest set bit (below 16 bytes) of the pointer or'ed with the strides but the last times
  * the itemsize, in elements. The gcd of the strides has the lowest set bit of their bitwise or,
@@ -2265,6 +2398,9 @@ static PyMethodDef methods[] = {
     {"max_span", max_span, METH_O,
      "max_span(views) -> the widest byte span of the views given, -1 where one is empty, or None "
      "(the Python form answers)"},
+    {"bind_dims", bind_dims, METH_VARARGS,
+     "bind_dims(views, program, bound) -> the dims the program's arrays bind, or None (the op's "
+     "checks decide)"},
     {"widest_aligned", widest_aligned, METH_O,
      "widest_aligned(views) -> _vector.widest_aligned's value, or None (the Python loop "
      "answers)"},

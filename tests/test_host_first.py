@@ -583,3 +583,93 @@ def test_a_span_bounds_the_reach_of_its_strides():
             assert hi - lo >= reach and _span_loop([view]) == hi - lo
         else:
             assert _span_loop([None, view]) == -1
+
+
+def _bind_loop(views, program, bound):
+    """_arrays.bind_dims' Python loop (its C form routed off)."""
+    return _python_form(ar.NATIVE_BIND_DIMS, lambda v: ar.bind_dims(v, program, bound), views)
+
+
+_BIND_DTYPES = [np.dtype(t) for t in ("f2", "f4", "i4", "i8")]
+
+
+def _random_binding(rng):
+    """A program over a few random arrays and views that mostly fit it: the dims of a truth,
+    with now and then a size, a rank, a dtype, a stride or an array wrong."""
+    n_vars = int(rng.integers(1, 7))
+    truth = [int(rng.choice([0, 1, 2, 3, 8])) for _ in range(n_vars)]
+    n_scalars = int(rng.integers(0, min(n_vars, 2) + 1))
+    bound = tuple(truth[:n_scalars])
+    entries, views = [], []
+    for slot in range(int(rng.integers(1, 6))):
+        dims = tuple(int(v) for v in rng.integers(0, n_vars, int(rng.integers(1, 4))))
+        shape = [truth[v] for v in dims]
+        dtype = _BIND_DTYPES[int(rng.integers(0, 4))]
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.insert(0, step)
+            step *= max(n, 1)
+        wrong = int(rng.integers(0, 12))
+        if wrong == 0:
+            shape[-1] += 1
+        elif wrong == 1:
+            shape, strides = shape + [1], strides + [1]
+        elif wrong == 2:
+            strides[-1] = 2
+        elif wrong == 3:
+            strides[0] = -strides[0]
+        view = ar.ArrayView(f"a{slot}", 1 << 30, tuple(shape), tuple(strides), dtype, 0)
+        views.append(None if wrong == 4 else view)
+        rule = int(rng.integers(0, 4))
+        if rule == 0:
+            dtypes = ()
+        elif rule == 1 and slot:
+            dtypes = (int(rng.integers(0, slot)),)  # an earlier array's dtype
+        elif rule == 2:
+            dtypes = (dtype, _BIND_DTYPES[0]) if wrong != 5 else (_BIND_DTYPES[1],)
+        else:
+            dtypes = (_BIND_DTYPES[int(rng.integers(0, 4))], int(rng.integers(0, slot + 1)))
+        entries.append((slot, dims, dtypes, int(rng.integers(0, 3))))
+    relations = []
+    for _ in range(int(rng.integers(0, 3))):
+        a, b = (int(x) for x in rng.integers(-1, n_vars, 2))
+        a = max(a, 0)
+        k = truth[a] + (truth[b] if b >= 0 else 0)
+        v = int(rng.integers(0, n_vars))
+        relations.append((v, a, b, truth[v] - k + int(rng.integers(0, 12) == 0)))
+    return views, (n_vars, tuple(entries), tuple(relations)), bound
+
+
+def test_bind_dims_in_c_answers_as_the_loop(native, monkeypatch):
+    """The C form of ``_arrays.bind_dims`` binds, and refuses, every random program as the loop
+    does: the same dims, or None."""
+    native.configure_views(ar.ArrayView)
+    rng = np.random.default_rng(35)
+    answers = []
+    for _ in range(4000):
+        views, program, bound = _random_binding(rng)
+        want = _bind_loop(views, program, bound)
+        assert native.bind_dims(views, program, bound) == want, (views, program, bound)
+        assert native.bind_dims(tuple(views), program, bound) == want
+        monkeypatch.setattr(ar, "NATIVE_BIND_DIMS", [native.bind_dims])
+        assert ar.bind_dims(views, program, bound) == want
+        answers.append(want is not None)
+    assert 400 < sum(answers) < 3600  # bound and refused, both often
+
+
+def test_bind_dims_in_c_leaves_the_unusual_to_the_loop(native):
+    """What the C form cannot read (a view of another class, a program it does not know) gets
+    None, and the loop decides; a malformed program's count is an error."""
+    native.configure_views(ar.ArrayView)
+    view = ar.ArrayView("a", 1 << 30, (2, 3), (3, 1), np.dtype("f4"), 0)
+    program = (2, ((0, (0, 1), (), 1),), ())
+    assert native.bind_dims([view], program, ()) == (2, 3)
+    assert native.bind_dims([view], program, (2, 4)) is None  # a scalar the view disagrees with
+    assert native.bind_dims([view], program, (-1,)) is None  # a negative scalar binds nothing
+    assert native.bind_dims([view], program, (1, 2, 3)) is None  # more scalars than dims
+    assert native.bind_dims([ar.ArrayView.__new__(ar.ArrayView)], program, ()) is None
+    assert native.bind_dims([None], program, ()) is None
+    assert native.bind_dims([view], (2, ((5, (0, 1), (), 1),), ()), ()) is None  # no slot 5
+    assert native.bind_dims([view], (99, (), ()), ()) is None  # more dims than it holds
+    with pytest.raises(TypeError):
+        native.bind_dims([view], ("2", (), ()), ())
