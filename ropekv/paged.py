@@ -8,6 +8,7 @@ import collections
 import functools
 import itertools
 import numbers
+import operator
 from typing import NamedTuple
 
 import numpy as np
@@ -25,6 +26,7 @@ from ropekv._arrays import (
     HOST,
     INT32,
     INT64,
+    bind_dims,
     max_span,
 )
 from ropekv._compile import c_bool, c_type, name_expression
@@ -1235,7 +1237,12 @@ def _prepare(views, flags):
 
 
 def _check(a, f):
-    """Every check of a first call, in the order of the arguments' errors; a :class:`_Checked`."""
+    """Every check of a first call, in the order of the arguments' errors; a :class:`_Checked`.
+    The shapes, dtypes and strides of the common calls are bound in one C call first
+    (:func:`_check_bound`); any other call, and any call that fails there, is checked here."""
+    c = _check_bound(a, f)
+    if c is not None:
+        return c
     vqr, vkr, vqn, vkn, vv, vt = a.q_rope, a.k_rope, a.q_nope, a.k_nope, a.v, a.cos_sin_cache
     vc0, vc1, vqro, vqno = a.cache0, a.cache1, a.q_rope_out, a.q_nope_out
     mla = vkr.ndim == 2
@@ -1258,11 +1265,7 @@ def _check(a, f):
     out_dtype, source = output_dtype(
         vqr, (vqro, vqno, vc0), f.quantize_dtype, f.quantize, mla, kv_dyn, static_kv
     )
-    for view in (vc0, vc1):
-        if view.dtype != out_dtype:
-            raise TypeError(
-                f"{view.name} must have the quantize dtype {out_dtype}, got {view.dtype}"
-            )
+    _check_out_dtype((vc0, vc1), out_dtype)
     num_pages, kr, kn, vd = _check_caches(
         vc0, vc1, mla, page_size, kv_layout, Hkv, R, Dn, out_dtype
     )
@@ -1274,11 +1277,7 @@ def _check(a, f):
     if vqno is not None:
         ck.check_shape(vqno, (T, Hq, Dn), "(nnz, Hq, no_rope_dim)")
     given_outs = [x for x in (vqro, vqno) if x is not None]
-    for view in given_outs:
-        if view.dtype != out_dtype:
-            raise TypeError(
-                f"{view.name} must have the quantize dtype {out_dtype}, got {view.dtype}"
-            )
+    _check_out_dtype(given_outs, out_dtype)
     ck.check_last_dim_contiguous(*inputs, vt, vc0, vc1, *given_outs)
     device = ck.check_same_device(a)
     return _Checked(
@@ -1306,6 +1305,130 @@ def _check(a, f):
         given_outs,
         device,
     )
+
+
+def _check_bound(a, f):
+    """:func:`_check` of a call without mRoPE whose arrays bind the dims of their declared shapes
+    (:func:`_form`) in one C call (:func:`ropekv._arrays.bind_dims`), with their declared dtypes
+    and strides: the same :class:`_Checked`, or None (any other call), which :func:`_check`'s
+    checks then take in order. Past the binding, the rest runs in their order too, so a call
+    that binds raises what they would."""
+    vqr, vqn, vc0, vc1 = a.q_rope, a.q_nope, a.cache0, a.cache1
+    page_size, kv_layout, mla = f.page_size, f.kv_layout, a.k_rope.ndim == 2
+    if (
+        f.mrope_section is not None
+        or page_size.__class__ is not int
+        or not 0 < page_size <= ck.INT32_MAX
+        or kv_layout not in LAYOUTS
+        or (vqn is None) != (a.k_nope is None)
+        or (a.v is None) != mla
+        or vc0.dtype != vc1.dtype
+    ):
+        return None
+    vqro, vqno = a.q_rope_out, a.q_nope_out
+    form = _form(f.quantize, mla, vqn is not None, kv_layout, vqro is not None, vqno is not None)
+    found = bind_dims(a, form.program, (page_size, *form.scalars))
+    if found is None:
+        return None
+    T, Hq, R, Hkv, Dn, P, num_pages, pointers = form.dims(found)
+    if R == 0 or R % 2 or Hq == 0 or Hkv == 0 or pointers < 1:
+        return None  # (kv_indptr's batch_size + 1 entries)
+    kv_dyn = a.k_scales is not None
+    static_kv = f.quant_scale_kv is not None or a.quant_scale_kv is not None
+    out_dtype, source = output_dtype(
+        vqr, (vqro, vqno, vc0), f.quantize_dtype, f.quantize, mla, kv_dyn, static_kv
+    )
+    _check_out_dtype((vc0, vc1), out_dtype)
+    kr, kn, vd = _cache_rows(vc0, vc1, mla, kv_layout, R, out_dtype)
+    q_scale, vqs, kv_scale, vks, scale_st = _check_scales(
+        a, f, out_dtype, source, mla, (T, Hq, Hkv), (num_pages, page_size, kv_layout)
+    )
+    given_outs = [x for x in (vqro, vqno) if x is not None]
+    _check_out_dtype(given_outs, out_dtype)
+    inputs = list(filter(ck.is_given, (vqr, a.k_rope, vqn, a.k_nope, a.v)))
+    device = ck.check_same_device(a)
+    return _Checked(
+        mla,
+        T,
+        Hq,
+        Hkv,
+        R,
+        Dn,
+        P,
+        None,
+        page_size,
+        kv_layout,
+        out_dtype,
+        num_pages,
+        kr,
+        kn,
+        vd,
+        q_scale,
+        vqs,
+        kv_scale,
+        vks,
+        scale_st,
+        inputs,
+        given_outs,
+        device,
+    )
+
+
+class _Form(NamedTuple):
+    """A form of call :func:`_check_bound` binds: its program, the values of its scalar dims past
+    ``page_size``, and the getter of ``(nnz, Hq, R, Hkv, no_rope_dim, P, num_pages, batch_size +
+    1)`` from the bound dims."""
+
+    program: tuple
+    scalars: tuple
+    dims: object
+
+
+@functools.cache
+def _form(quantize, mla, nope, kv_layout, q_rope_out, q_nope_out):
+    """The :class:`_Form` of calls of the FP8 op (``quantize``) or not, MLA or GQA / MHA caches,
+    q_nope and k_nope given (``nope``), ``kv_layout``, and the q outputs given: each array's
+    shape, one of its declared ones (the declaration refuses any other), made once a form."""
+    names = _MLA_ARGS if mla else _GQA_ARGS
+    spellings = {
+        "q_rope": "(nnz, Hq, R)",
+        "k_rope": "(nnz, R)" if mla else "(nnz, Hkv, R)",
+        "cos_sin_cache": "(P, R)",
+        "pos_ids": "(nnz,)",
+        "kv_indices": "(total_pages,)",
+        "kv_indptr": "(batch_size + 1,)",
+        "batch_indices": "(nnz,)",
+        "positions": "(nnz,)",
+    }
+    if nope:
+        spellings["q_nope"] = "(nnz, Hq, no_rope_dim)"
+        spellings["k_nope"] = "(nnz, no_rope_dim)" if mla else "(nnz, Hkv, no_rope_dim)"
+    if mla:
+        spellings["ckv_cache"] = "(num_pages, page_size, no_rope_dim)"
+        spellings["kpe_cache"] = "(num_pages, page_size, R)"
+    else:
+        spellings["v"] = "(nnz, Hkv, head_dim)"
+        spellings["k_cache"] = spellings["v_cache"] = decl.PAGED_LAYOUTS[kv_layout]
+    if q_rope_out:
+        spellings["q_rope_out"] = "(nnz, Hq, R)"
+    if q_nope_out:
+        spellings["q_nope_out"] = "(nnz, Hq, no_rope_dim)"
+    scalars = {"page_size": None}  # the call's; the others' values follow from the form
+    if mla:
+        scalars["Hkv"] = 1
+    if not nope:
+        scalars["no_rope_dim"] = 0
+    index = ("pos_ids", "kv_indices", "kv_indptr", "batch_indices", "positions")
+    found, program = DECLARATIONS[0 if quantize else 1].dim_program(
+        names,
+        spellings,
+        () if mla else ("head_dim = R + no_rope_dim", "D = R + no_rope_dim"),
+        rows=[n for n in spellings if n not in index],
+        contiguous=index,
+        scalars=tuple(scalars),
+    )
+    dims = ("nnz", "Hq", "R", "Hkv", "no_rope_dim", "P", "num_pages", "batch_size + 1")
+    return _Form(program, tuple(scalars.values())[1:], operator.itemgetter(*map(found.get, dims)))
 
 
 def _check_inputs(vqr, vkr, vqn, vkn, vv, mla):
@@ -1389,9 +1512,7 @@ def _check_caches(vc0, vc1, mla, page_size, kv_layout, Hkv, R, Dn, out_dtype):
         num_pages = vc0.shape[0]
         ck.check_shape(vc0, (num_pages, page_size, Dn), "(num_pages, page_size, no_rope_dim)")
         ck.check_shape(vc1, (num_pages, page_size, R), "(num_pages, page_size, rope_dim)")
-        kr = ((_KPE_CACHE, 0), (vc1.strides[0], vc1.strides[1], 0))
-        kn = ((_CKV_CACHE, 0), (vc0.strides[0], vc0.strides[1], 0))
-        return num_pages, kr, kn, ((-1, 0), (0, 0, 0))  # (no V: no argument)
+        return (num_pages, *_cache_rows(vc0, vc1, True, kv_layout, R, out_dtype))
     nhd = kv_layout == "NHD"
     spelled, spelled_for = decl.paged_layout(kv_layout)
     ck.check_ndim(vc0, 4, spelled)
@@ -1400,11 +1521,32 @@ def _check_caches(vc0, vc1, mla, page_size, kv_layout, Hkv, R, Dn, out_dtype):
     shape = (num_pages, page_size, Hkv, D) if nhd else (num_pages, Hkv, page_size, D)
     ck.check_shape(vc0, shape, spelled_for)
     ck.check_shape(vc1, shape, spelled_for)
+    return (num_pages, *_cache_rows(vc0, vc1, False, kv_layout, R, out_dtype))
+
+
+def _cache_rows(vc0, vc1, mla, kv_layout, R, out_dtype):
+    """``(kr, kn, vd)`` of checked caches: ``((argument, byte offset), (page, entry, head)
+    strides)`` of the K-rope, K-nope and V rows."""
+    if mla:
+        kr = ((_KPE_CACHE, 0), (vc1.strides[0], vc1.strides[1], 0))
+        kn = ((_CKV_CACHE, 0), (vc0.strides[0], vc0.strides[1], 0))
+        return kr, kn, ((-1, 0), (0, 0, 0))  # (no V: no argument)
     k_st, v_st = vc0.strides, vc1.strides
-    k_st = (k_st[0], k_st[1], k_st[2]) if nhd else (k_st[0], k_st[2], k_st[1])
-    v_st = (v_st[0], v_st[1], v_st[2]) if nhd else (v_st[0], v_st[2], v_st[1])
+    if kv_layout == "NHD":
+        k_st, v_st = k_st[:3], v_st[:3]
+    else:
+        k_st, v_st = (k_st[0], k_st[2], k_st[1]), (v_st[0], v_st[2], v_st[1])
     k_rows = R * out_dtype.itemsize  # K-nope: past the rope dims of the K rows
-    return num_pages, ((_K_CACHE, 0), k_st), ((_K_CACHE, k_rows), k_st), ((_V_CACHE, 0), v_st)
+    return ((_K_CACHE, 0), k_st), ((_K_CACHE, k_rows), k_st), ((_V_CACHE, 0), v_st)
+
+
+def _check_out_dtype(views, out_dtype):
+    """The caches and the given q outputs have the cache dtype ``out_dtype``."""
+    for view in views:
+        if view.dtype != out_dtype:
+            raise TypeError(
+                f"{view.name} must have the quantize dtype {out_dtype}, got {view.dtype}"
+            )
 
 
 def _check_scales(a, f, out_dtype, source, mla, heads, cache):

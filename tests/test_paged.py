@@ -950,6 +950,13 @@ def test_page_size_positive():
     bad("page_size must be a positive integer", page_size=0)
 
 
+def test_page_size_fits_int32_even_with_empty_caches_of_that_size():
+    k, v = make_case(20, Dn=8)["paged_kv_cache"]
+    big = 2**31
+    empty = tuple(np.zeros((0, big, *c.shape[2:]), c.dtype) for c in (k, v))
+    bad("page_size must be a positive integer of at most", page_size=big, paged_kv_cache=empty)
+
+
 def test_kv_layout_choice():
     bad("kv_layout must be one of 'NHD', 'HND'", kv_layout="NDH")
 
@@ -1042,6 +1049,174 @@ def test_last_dim_must_be_contiguous():
         "q_rope must be contiguous in its last dimension",
         q_rope=np.zeros((7, 4, 32), F16)[..., ::2],
     )
+
+
+def _wrong(rng, x):
+    """``x`` (an array) the way a caller gets one wrong: a dim more or less, one size off, another
+    dtype, strided rows, no rows, or None."""
+    how = int(rng.integers(0, 6))
+    if how == 5:
+        return x[:0]
+    if how == 0:
+        return x[..., 0] if x.ndim > 1 else x.reshape(1, -1)
+    if how == 1:
+        k = int(rng.integers(0, x.ndim))
+        shape = list(x.shape)
+        shape[k] = max(shape[k] + int(rng.choice([-1, 1])), 0)
+        return np.zeros(shape, x.dtype)
+    if how == 2:
+        return np.zeros(x.shape, rng.choice([F16, BF16, F32, E4M3, I8, np.dtype(np.int64)]))
+    if how == 3:
+        wide = np.zeros((*x.shape[:-1], 2 * x.shape[-1]), x.dtype)
+        return wide[..., ::2]
+    return None
+
+
+def _odd_rotary_dim(args):
+    """The call with R - 1 rotary dims in every array that has them."""
+    args = dict(args)
+    for name in ("q_rope", "k_rope", "cos_sin_cache", "v"):
+        if args[name] is not None:
+            args[name] = args[name][..., :-1]
+    k, v = args["paged_kv_cache"]
+    args["paged_kv_cache"] = (k[..., :-1] if args["v"] is not None else k, v[..., :-1])
+    return args
+
+
+def _v_head_dim_off(args):
+    """The call with a head dim of v that is not R + no_rope_dim (GQA; MLA has no v)."""
+    args = dict(args)
+    if args["v"] is not None:
+        T, H, D = args["v"].shape
+        args["v"] = np.zeros((T, H, D + 1), args["v"].dtype)
+    return args
+
+
+def _no_q_heads(args):
+    """The call with no q heads."""
+    args = dict(args)
+    for name in ("q_rope", "q_nope"):
+        if args[name] is not None:
+            args[name] = args[name][:, :0]
+    return args
+
+
+def _strided_copy(x):
+    """A copy of ``x`` with its strides (of a view of a C-contiguous array, as ``_wrong`` makes)."""
+    if x is None or x.flags.c_contiguous:
+        return None if x is None else x.copy()
+    base = x.base.copy()
+    offset = x.__array_interface__["data"][0] - x.base.__array_interface__["data"][0]
+    return np.ndarray(x.shape, x.dtype, buffer=base, offset=offset, strides=x.strides)
+
+
+def _on_device(x):
+    """A CuPy copy of ``x`` (a NumPy array, None, or anything else) with its strides: a view of a
+    C-contiguous array copied whole and viewed the same way on the device."""
+    if not isinstance(x, np.ndarray) or x.flags.c_contiguous or x.size == 0:
+        return to_device(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
+    import cupy as cp
+
+    base = to_device(x.base.reshape(-1).view(np.uint8))  # (strides positive: make_case, _wrong)
+    offset = x.__array_interface__["data"][0] - x.base.__array_interface__["data"][0]
+    raw = cp.ndarray(
+        x.shape, np.uint8 if x.itemsize == 1 else x.dtype, base.data + offset, x.strides
+    )
+    return raw.view(x.dtype) if x.itemsize == 1 else raw
+
+
+def _call_outcome(args, quantize, kw, device=False):
+    from ropekv.bench.timing import clear_plans
+
+    clear_plans()  # every call a first call (a device call's plan would replay)
+    args = dict(args)  # the caches copied as they are (the op writes them), the rest read only
+    args["paged_kv_cache"] = tuple(map(_strided_copy, args["paged_kv_cache"]))
+    if device:
+        args = {
+            k: tuple(map(_on_device, x)) if k == "paged_kv_cache" else _on_device(x)
+            for k, x in args.items()
+        }
+        kw = {k: _on_device(x) for k, x in kw.items()}
+    try:
+        out = call(args, quantize=quantize, **kw)
+    except (TypeError, ValueError, BufferError) as e:
+        return type(e).__name__, str(e)
+    caches = tuple(to_numpy(c).tobytes() for c in args["paged_kv_cache"])
+    return "ok", tuple(to_numpy(o).tobytes() for o in out), caches
+
+
+@pytest.mark.parametrize(
+    "c_form, device",
+    [(False, False), (True, False), pytest.param(True, True, marks=pytest.mark.gpu)],
+)
+def test_bound_checks_decide_as_the_checks_in_order(c_form, device, monkeypatch):
+    """The checks of a first call bound in one call (``paged._check_bound``, C or Python form)
+    give every call the outputs, cache bytes or error of the checks taken in order, on valid
+    calls of every form and on calls with one argument wrong; on host arrays and on CuPy
+    arrays (their views read from the arrays' structs)."""
+    from ropekv import _arrays as ar
+    from ropekv import _native, paged
+
+    if c_form:
+        module = _native.load()
+        if module is None:
+            pytest.skip(f"no C extension: {_native.state()}")
+        module.configure_views(ar.ArrayView)
+        monkeypatch.setattr(ar, "NATIVE_BIND_DIMS", [module.bind_dims])
+    else:
+        monkeypatch.setattr(ar, "NATIVE_BIND_DIMS", [None])
+    bound = paged._check_bound
+    took = []
+
+    def counted(a, f):
+        c = bound(a, f)
+        took.append(c is not None)
+        return c
+
+    rng = np.random.default_rng(34)
+    outcomes = []
+    for seed in range(300):
+        mla, Dn = bool(rng.integers(0, 2)), int(rng.choice([0, 8]))
+        args = make_case(
+            seed,
+            mla=mla,
+            Dn=Dn if not mla else 8,
+            kv_layout=str(rng.choice(["NHD", "HND"])),
+            cache_dtype=rng.choice([E4M3, E5M2]),
+            index_dtypes=tuple(rng.choice([np.int32, np.int64], 5)),
+            per_head=bool(rng.integers(0, 2)),
+            T=int(rng.choice([0, 1, 7])),
+        )
+        quantize, kw = bool(rng.integers(0, 2)), {}
+        if rng.integers(0, 3) == 0:
+            T, Hq, R = args["q_rope"].shape
+            kw["q_rope_out"] = np.zeros((T, Hq, R), args["paged_kv_cache"][0].dtype)
+        if not quantize:
+            kw["quantize_dtype"] = args["paged_kv_cache"][0].dtype
+        if rng.integers(0, 6) == 0:  # every dim bound, but a rule past the binding broken
+            args = (_odd_rotary_dim, _no_q_heads, _v_head_dim_off)[int(rng.integers(0, 3))](args)
+            kw.pop("q_rope_out", None)
+        elif rng.integers(0, 4):  # one thing wrong
+            name = str(rng.choice([n for n, x in args.items() if x is not None]))
+            x = args[name]
+            if name == "paged_kv_cache":
+                k = int(rng.integers(0, 2))
+                x = tuple(_wrong(rng, c) if i == k else c for i, c in enumerate(x))
+            elif isinstance(x, np.ndarray):
+                x = _wrong(rng, x)
+            elif name == "page_size":
+                x = rng.choice([0, -4, 2, 8, x])
+            elif name == "kv_layout":
+                x = rng.choice(["NHD", "HND", "nhd"])
+            args[name] = x
+        monkeypatch.setattr(paged, "_check_bound", counted)
+        with_bound = _call_outcome(args, quantize, kw, device)
+        monkeypatch.setattr(paged, "_check_bound", lambda a, f: None)
+        in_order = _call_outcome(args, quantize, kw, device)
+        assert with_bound == in_order, (seed, with_bound[:2], in_order[:2])
+        outcomes.append(with_bound[0])
+    assert sum(took) > 80 and took.count(False) > 80  # both ways taken
+    assert outcomes.count("ok") > 80 and len(set(outcomes)) >= 3  # valid calls and errors
 
 
 def test_read_only_cache_is_refused():
