@@ -6,7 +6,9 @@ A step is made free by caching its result per call's arrays (the first round com
 others reuse it), so a variant's first calls run everything else as they would: an upper bound
 of what a faster form of that step could save, not a form ropekv could ship (a cached check is a
 second plan cache). Variants: ``base``; ``check``, ``choose``, ``pack`` (the paged op's three
-steps); ``all3``; ``written`` (the shared written-array checks, ``_checks.check_written``). Each
+steps); ``all3``; ``written`` (the shared written-array checks, ``_checks.check_written``);
+``unbound``, not a bound but the checks as they ran before ``paged._check_bound`` (every call
+checked in order: an A/B of that change in one process). Each
 variant's phase runs ``reps`` times, the variants interleaved; the table gives the medians of the
 edge cases' first calls and of every paged case's.
 
@@ -56,6 +58,7 @@ def variants():
         "choose": [step("_choose")],
         "pack": [step("_pack")],
         "all3": [step("_check"), step("_choose"), step("_pack")],
+        "unbound": [(paged, "_check_bound", lambda a, f: None)],
         "written": [
             (
                 _checks,
