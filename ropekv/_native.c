@@ -2179,8 +2179,8 @@ fail:
  *   bound:   the values of vars 0, 1, ... bound before the first array (scalars such as
  *            page_size; a negative one binds nothing: None).
  *
- * -> a tuple of the n_vars values (-1: not bound), or None where any rule fails or a view is not
- * one read_views builds (the op's checks decide, and name the error). */
+ * -> a tuple of the n_vars values (-1: not bound), or None where any rule fails, a view is not
+ * one read_views builds or a dim passes 2**40 (the loop decides; the op's checks name the error). */
 static int bind_dtype_ok(PyObject *dtype, PyObject *rule, PyObject *views) {
   if (!PyTuple_Check(rule)) return -1;
   Py_ssize_t n = PyTuple_GET_SIZE(rule);
@@ -2204,6 +2204,7 @@ static int bind_dtype_ok(PyObject *dtype, PyObject *rule, PyObject *views) {
 
 #define BIND_MAX_VARS 32
 #define BIND_MAX_DIMS 8
+#define BIND_MAX_DIM ((long long)1 << 40) /* larger dims are the loop's (no sum overflows) */
 
 static PyObject *bind_dims(PyObject *mod, PyObject *args) {
   PyObject *views_in, *program, *bound, *views = NULL;
@@ -2214,12 +2215,12 @@ static PyObject *bind_dims(PyObject *mod, PyObject *args) {
   PyObject *entries = PyTuple_GET_ITEM(program, 1), *relations = PyTuple_GET_ITEM(program, 2);
   if (n_vars < 0 || n_vars > BIND_MAX_VARS || !PyTuple_Check(entries) || !PyTuple_Check(relations))
     return python_decides();
-  long long vars[BIND_MAX_VARS];
+  Py_ssize_t vars[BIND_MAX_VARS]; /* -1: not bound; a bound one is at most BIND_MAX_DIM */
   for (Py_ssize_t k = 0; k < n_vars; k++) vars[k] = -1;
   if (PyTuple_GET_SIZE(bound) > n_vars) Py_RETURN_NONE;
   for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(bound); k++) {
     long long value = PyLong_AsLongLong(PyTuple_GET_ITEM(bound, k));
-    if (PyErr_Occurred() || value < 0) {
+    if (PyErr_Occurred() || value < 0 || value > BIND_MAX_DIM) {
       PyErr_Clear();
       Py_RETURN_NONE;
     }
@@ -2244,13 +2245,14 @@ static PyObject *bind_dims(PyObject *mod, PyObject *args) {
     if (!shape || !strides || !dtype || !PyTuple_Check(shape) || !PyTuple_Check(strides) ||
         PyTuple_GET_SIZE(shape) != nd || PyTuple_GET_SIZE(strides) != nd || nd > BIND_MAX_DIMS)
       goto undecided;
-    long long ext[BIND_MAX_DIMS], st[BIND_MAX_DIMS];
+    Py_ssize_t ext[BIND_MAX_DIMS], st[BIND_MAX_DIMS];
     int empty = 0;
     for (Py_ssize_t k = 0; k < nd; k++) {
-      ext[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, k));
-      st[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, k));
+      ext[k] = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, k));
+      st[k] = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, k));
       Py_ssize_t var = PyLong_AsSsize_t(PyTuple_GET_ITEM(dims, k));
-      if (PyErr_Occurred() || ext[k] < 0 || var < 0 || var >= n_vars) goto undecided;
+      if (PyErr_Occurred() || ext[k] < 0 || ext[k] > BIND_MAX_DIM || var < 0 || var >= n_vars)
+        goto undecided;
       if (vars[var] < 0)
         vars[var] = ext[k];
       else if (vars[var] != ext[k])
@@ -2261,10 +2263,10 @@ static PyObject *bind_dims(PyObject *mod, PyObject *args) {
     if (ok != 1) goto undecided;
     if (contig == 1 && nd && !empty && ext[nd - 1] > 1 && st[nd - 1] != 1) goto undecided;
     if (contig == 2 && !empty) {
-      long long expected = 1;
+      Py_ssize_t expected = 1;
       for (Py_ssize_t k = nd - 1; k >= 0; k--) {
         if (ext[k] != 1 && st[k] != expected) goto undecided;
-        if (ext[k] > (1LL << 40) || expected > (1LL << 40)) goto undecided;
+        if (ext[k] > 1 && expected > ((Py_ssize_t)1 << 62) / ext[k]) goto undecided; /* loop's */
         expected *= ext[k];
       }
     }
@@ -2282,17 +2284,7 @@ static PyObject *bind_dims(PyObject *mod, PyObject *args) {
     if (vars[v] != vars[a] + (b >= 0 ? vars[b] : 0) + k) goto undecided;
   }
   Py_DECREF(views);
-  PyObject *out = PyTuple_New(n_vars);
-  if (!out) return NULL;
-  for (Py_ssize_t k = 0; k < n_vars; k++) {
-    PyObject *value = PyLong_FromLongLong(vars[k]);
-    if (!value) {
-      Py_DECREF(out);
-      return NULL;
-    }
-    PyTuple_SET_ITEM(out, k, value);
-  }
-  return out;
+  return ssize_tuple(vars, n_vars);
 undecided:
   Py_DECREF(views);
   PyErr_Clear();
