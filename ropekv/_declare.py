@@ -14,7 +14,11 @@ nowhere else:
   allocate, from the arguments' metadata alone; one function for the torch fakes, the JAX
   abstract values and the torch forms' allocations;
 * the lists of ops (``ropekv._registry`` names each op once, with its module; the API page, the
-  framework modules, the bench and ``ropekv check`` follow from the registry).
+  framework modules, the bench and ``ropekv check`` follow from the registry);
+* the shape, dtype and stride rules a first call binds in one C call
+  (``Declaration.dim_program``: the program of ``ropekv._arrays.bind_dims`` for one form of a
+  call, from the declared shapes; the paged op checks its common calls so, its checks in order
+  deciding any other call and naming every error).
 
 Roles (``Arg.role``):
 

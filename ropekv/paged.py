@@ -1243,43 +1243,91 @@ def _check(a, f):
     c = _check_bound(a, f)
     if c is not None:
         return c
-    vqr, vkr, vqn, vkn, vv, vt = a.q_rope, a.k_rope, a.q_nope, a.k_nope, a.v, a.cos_sin_cache
-    vc0, vc1, vqro, vqno = a.cache0, a.cache1, a.q_rope_out, a.q_nope_out
+    vqr, vkr, vqn, vkn, vv = a.q_rope, a.k_rope, a.q_nope, a.k_nope, a.v
     mla = vkr.ndim == 2
-    kv_dyn = a.k_scales is not None
     T, Hq, Hkv, R, Dn = _check_inputs(vqr, vkr, vqn, vkn, vv, mla)
-    inputs = list(filter(ck.is_given, (vqr, vkr, vqn, vkn, vv)))  # (those not None)
-    for view in inputs:
+    for view in filter(ck.is_given, (vkr, vqn, vkn, vv)):
         if view.dtype != vqr.dtype:
             ck.check_same_dtype(view, vqr)
     P, sections = _check_indexing(a, R, T, f.mrope_section, f.mrope_interleaved)
-
-    # -- cache and output dtype
     page_size = ck.check_positive_int(f.page_size, "page_size")
     kv_layout = ck.check_choice(f.kv_layout, "kv_layout", LAYOUTS)
-    if vc0.dtype != vc1.dtype:
+    if a.cache0.dtype != a.cache1.dtype:
         raise TypeError(
-            f"{vc1.name} must have the dtype of {vc0.name} ({vc0.dtype}), got {vc1.dtype}"
+            f"{a.cache1.name} must have the dtype of {a.cache0.name} ({a.cache0.dtype}), got "
+            f"{a.cache1.dtype}"
         )
+    return _check_rest(a, f, mla, (T, Hq, Hkv, R, Dn, P), sections, page_size, kv_layout)
+
+
+def _check_bound(a, f):
+    """:func:`_check` of a call without mRoPE whose arrays bind the dims of their declared shapes
+    (:func:`_form`) in one C call (:func:`ropekv._arrays.bind_dims`), with their declared dtypes
+    and strides: the same :class:`_Checked`, or None (any other call), which :func:`_check`'s
+    checks then take in order. Past the binding, the rest runs in their order too
+    (:func:`_check_rest`), so a call that binds raises what they would."""
+    page_size, kv_layout, mla = f.page_size, f.kv_layout, a.k_rope.ndim == 2
+    if (
+        f.mrope_section is not None
+        or page_size.__class__ is not int
+        or not 0 < page_size <= ck.INT32_MAX
+        or kv_layout not in LAYOUTS
+        or (a.q_nope is None) != (a.k_nope is None)
+        or (a.v is None) != mla
+        or a.cache0.dtype != a.cache1.dtype
+    ):
+        return None
+    form = _form(
+        f.quantize,
+        mla,
+        a.q_nope is not None,
+        kv_layout,
+        a.q_rope_out is not None,
+        a.q_nope_out is not None,
+    )
+    found = bind_dims(a, form.program, (page_size, *form.scalars))
+    if found is None:
+        return None
+    T, Hq, R, Hkv, Dn, P, num_pages, pointers = form.dims(found)
+    if R == 0 or R % 2 or Hq == 0 or Hkv == 0 or pointers < 1:
+        return None  # (pointers: kv_indptr's batch_size + 1 entries)
+    dims = (T, Hq, Hkv, R, Dn, P)
+    return _check_rest(a, f, mla, dims, None, page_size, kv_layout, num_pages)
+
+
+def _check_rest(a, f, mla, dims, sections, page_size, kv_layout, num_pages=None):
+    """The checks of a first call past its inputs, indices, ``page_size``, ``kv_layout`` and the
+    caches' shared dtype, in their order: the output dtype's rules, the caches' shapes, the
+    scales and options, the q outputs, the rows' strides, the device; the :class:`_Checked`.
+    ``dims``: ``(T, Hq, Hkv, R, Dn, P)``; ``num_pages``: the caches' pages where every shape and
+    stride rule already holds (:func:`_check_bound`), else None (checked here)."""
+    T, Hq, Hkv, R, Dn, P = dims
+    vqr, vc0, vc1, vqro, vqno = a.q_rope, a.cache0, a.cache1, a.q_rope_out, a.q_nope_out
+    kv_dyn = a.k_scales is not None
     static_kv = f.quant_scale_kv is not None or a.quant_scale_kv is not None
     out_dtype, source = output_dtype(
         vqr, (vqro, vqno, vc0), f.quantize_dtype, f.quantize, mla, kv_dyn, static_kv
     )
     _check_out_dtype((vc0, vc1), out_dtype)
-    num_pages, kr, kn, vd = _check_caches(
-        vc0, vc1, mla, page_size, kv_layout, Hkv, R, Dn, out_dtype
-    )
+    checked = num_pages is not None
+    if checked:
+        kr, kn, vd = _cache_rows(vc0, vc1, mla, kv_layout, R, out_dtype)
+    else:
+        num_pages, kr, kn, vd = _check_caches(
+            vc0, vc1, mla, page_size, kv_layout, Hkv, R, Dn, out_dtype
+        )
     q_scale, vqs, kv_scale, vks, scale_st = _check_scales(
         a, f, out_dtype, source, mla, (T, Hq, Hkv), (num_pages, page_size, kv_layout)
     )
-    if vqro is not None:
+    if vqro is not None and not checked:
         ck.check_shape(vqro, (T, Hq, R), "(nnz, Hq, R)")
-    if vqno is not None:
+    if vqno is not None and not checked:
         ck.check_shape(vqno, (T, Hq, Dn), "(nnz, Hq, no_rope_dim)")
     given_outs = [x for x in (vqro, vqno) if x is not None]
     _check_out_dtype(given_outs, out_dtype)
-    ck.check_last_dim_contiguous(*inputs, vt, vc0, vc1, *given_outs)
-    device = ck.check_same_device(a)
+    inputs = list(filter(ck.is_given, (vqr, a.k_rope, a.q_nope, a.k_nope, a.v)))
+    if not checked:
+        ck.check_last_dim_contiguous(*inputs, a.cos_sin_cache, vc0, vc1, *given_outs)
     return _Checked(
         mla,
         T,
@@ -1303,74 +1351,7 @@ def _check(a, f):
         scale_st,
         inputs,
         given_outs,
-        device,
-    )
-
-
-def _check_bound(a, f):
-    """:func:`_check` of a call without mRoPE whose arrays bind the dims of their declared shapes
-    (:func:`_form`) in one C call (:func:`ropekv._arrays.bind_dims`), with their declared dtypes
-    and strides: the same :class:`_Checked`, or None (any other call), which :func:`_check`'s
-    checks then take in order. Past the binding, the rest runs in their order too, so a call
-    that binds raises what they would."""
-    vqr, vqn, vc0, vc1 = a.q_rope, a.q_nope, a.cache0, a.cache1
-    page_size, kv_layout, mla = f.page_size, f.kv_layout, a.k_rope.ndim == 2
-    if (
-        f.mrope_section is not None
-        or page_size.__class__ is not int
-        or not 0 < page_size <= ck.INT32_MAX
-        or kv_layout not in LAYOUTS
-        or (vqn is None) != (a.k_nope is None)
-        or (a.v is None) != mla
-        or vc0.dtype != vc1.dtype
-    ):
-        return None
-    vqro, vqno = a.q_rope_out, a.q_nope_out
-    form = _form(f.quantize, mla, vqn is not None, kv_layout, vqro is not None, vqno is not None)
-    found = bind_dims(a, form.program, (page_size, *form.scalars))
-    if found is None:
-        return None
-    T, Hq, R, Hkv, Dn, P, num_pages, pointers = form.dims(found)
-    if R == 0 or R % 2 or Hq == 0 or Hkv == 0 or pointers < 1:
-        return None  # (kv_indptr's batch_size + 1 entries)
-    kv_dyn = a.k_scales is not None
-    static_kv = f.quant_scale_kv is not None or a.quant_scale_kv is not None
-    out_dtype, source = output_dtype(
-        vqr, (vqro, vqno, vc0), f.quantize_dtype, f.quantize, mla, kv_dyn, static_kv
-    )
-    _check_out_dtype((vc0, vc1), out_dtype)
-    kr, kn, vd = _cache_rows(vc0, vc1, mla, kv_layout, R, out_dtype)
-    q_scale, vqs, kv_scale, vks, scale_st = _check_scales(
-        a, f, out_dtype, source, mla, (T, Hq, Hkv), (num_pages, page_size, kv_layout)
-    )
-    given_outs = [x for x in (vqro, vqno) if x is not None]
-    _check_out_dtype(given_outs, out_dtype)
-    inputs = list(filter(ck.is_given, (vqr, a.k_rope, vqn, a.k_nope, a.v)))
-    device = ck.check_same_device(a)
-    return _Checked(
-        mla,
-        T,
-        Hq,
-        Hkv,
-        R,
-        Dn,
-        P,
-        None,
-        page_size,
-        kv_layout,
-        out_dtype,
-        num_pages,
-        kr,
-        kn,
-        vd,
-        q_scale,
-        vqs,
-        kv_scale,
-        vks,
-        scale_st,
-        inputs,
-        given_outs,
-        device,
+        ck.check_same_device(a),
     )
 
 
