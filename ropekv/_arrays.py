@@ -266,6 +266,27 @@ def _dtype_allowed(dtype, dtypes, views):
     return False
 
 
+# the C replay's gather_strides where _native routes the first call's C forms in, else None
+NATIVE_GATHER = [None]
+
+
+def gather_strides(views, program):
+    """The strides a parameter record takes from a first call's ``views``: ``program`` is a tuple
+    of ``(slot, axis)`` pairs, each the stride of ``views[slot]`` along ``axis``, or 0 where
+    ``slot`` is negative or that view is None (an optional array not given). The C form answers
+    in one call (None: this loop decides, and is the C form's oracle)."""
+    native = NATIVE_GATHER[0]
+    if native is not None:
+        found = native(views, program)
+        if found is not None:
+            return found
+    out = []
+    for slot, axis in program:
+        v = None if slot < 0 else views[slot]
+        out.append(0 if v is None else v.strides[axis])
+    return tuple(out)
+
+
 # the C replay's max_span where _native routes the first call's C forms in, else None
 NATIVE_MAX_SPAN = [None]
 

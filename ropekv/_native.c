@@ -75,7 +75,7 @@ enum { CUPY = 1, TORCH = 2 }; /* _arrays.CUPY / TORCH */
 
 static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *s_data_ptr,
     *s_stride, *s_get_device, *s_last, *s_native, *s_replay, *s_make_outputs, *s_result,
-    *s_getDevice, *s_setDevice, *s_empties, *one, *s_is_neg, *s_itemsize, *s_is_cuda, *s_size,
+    *s_getDevice, *s_setDevice, *s_empties, *one, *zero, *s_is_neg, *s_itemsize, *s_is_cuda, *s_size,
     *s_span, *s_readonly, *s_legacy, *s_device;
 
 /* ---- a plan's launches, as C data ----------------------------------------------------------- */
@@ -2037,8 +2037,7 @@ static PyObject *written_layouts(PyObject *mod, PyObject *args) {
     if (v == Py_None) {
       Py_INCREF(Py_None);
       PyList_SET_ITEM(layouts, j, Py_None);
-      PyObject *zero = PyLong_FromLong(0);
-      if (!zero) goto fail;
+      Py_INCREF(zero);
       PyList_SET_ITEM(ptrs, j, zero);
       continue;
     }
@@ -2291,6 +2290,52 @@ undecided:
   Py_RETURN_NONE;
 }
 
+/* gather_strides(views, program) -> the strides a parameter record takes from a first call's
+ * views (_arrays.gather_strides, whose Python loop is this function's oracle): program is a tuple
+ * of (slot, axis) pairs, each the stride of views[slot] along axis, or 0 where slot is negative
+ * or views[slot] is None. -> a tuple of those strides (the views' own ints), or None where a view
+ * is not one read_views builds or lacks the axis (the loop decides, or raises). */
+static PyObject *gather_strides(PyObject *mod, PyObject *args) {
+  PyObject *views_in, *program, *views, *out;
+  if (!PyArg_ParseTuple(args, "OO!", &views_in, &PyTuple_Type, &program)) return NULL;
+  if (!view_type) Py_RETURN_NONE;
+  views = PySequence_Fast(views_in, "views must be a sequence");
+  if (!views) return NULL;
+  Py_ssize_t n = PyTuple_GET_SIZE(program), n_views = PySequence_Fast_GET_SIZE(views);
+  out = PyTuple_New(n);
+  if (!out) goto failed;
+  for (Py_ssize_t k = 0; k < n; k++) {
+    PyObject *pair = PyTuple_GET_ITEM(program, k), *value = NULL;
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) goto undecided;
+    Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 0));
+    Py_ssize_t axis = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 1));
+    if (PyErr_Occurred() || slot >= n_views) goto undecided;
+    PyObject *v = slot < 0 ? Py_None : PySequence_Fast_GET_ITEM(views, slot);
+    if (v != Py_None) {
+      if (!Py_IS_TYPE(v, view_type)) goto undecided;
+      PyObject *strides = *(PyObject **)((char *)v + view_offsets[V_STRIDES]);
+      if (!strides || !PyTuple_Check(strides) || axis < 0 || axis >= PyTuple_GET_SIZE(strides))
+        goto undecided;
+      value = PyTuple_GET_ITEM(strides, axis);
+      if (!PyLong_CheckExact(value)) goto undecided;
+    } else {
+      value = zero;
+    }
+    Py_INCREF(value);
+    PyTuple_SET_ITEM(out, k, value);
+  }
+  Py_DECREF(views);
+  return out;
+undecided:
+  Py_DECREF(out);
+  Py_DECREF(views);
+  PyErr_Clear();
+  Py_RETURN_NONE;
+failed:
+  Py_DECREF(views);
+  return NULL;
+}
+
 /* widest_aligned(views) -> _vector.widest_aligned's value: 16, or the least over the views of
  * the lowest set bit (below 16 bytes) of the pointer or'ed with the strides but the last times
  * the itemsize, in elements. The gcd of the strides has the lowest set bit of their bitwise or,
@@ -2393,6 +2438,9 @@ static PyMethodDef methods[] = {
     {"bind_dims", bind_dims, METH_VARARGS,
      "bind_dims(views, program, bound) -> the dims the program's arrays bind, or None (the op's "
      "checks decide)"},
+    {"gather_strides", gather_strides, METH_VARARGS,
+     "gather_strides(views, program) -> the strides program names, or None (the Python loop "
+     "answers)"},
     {"widest_aligned", widest_aligned, METH_O,
      "widest_aligned(views) -> _vector.widest_aligned's value, or None (the Python loop "
      "answers)"},
@@ -2436,6 +2484,7 @@ PyMODINIT_FUNC PyInit__native_ext(void) {
   INTERN(s_legacy, "legacy");
   INTERN(s_device, "device");
   if (!(one = PyLong_FromLong(1))) return NULL;
+  if (!(zero = PyLong_FromLong(0))) return NULL;
   if (PyType_Ready(&NativePlanType) < 0 || PyType_Ready(&CallerType) < 0) return NULL;
   PyObject *m = PyModule_Create(&moduledef);
   if (!m) return NULL;

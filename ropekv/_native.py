@@ -213,6 +213,7 @@ def route_first_call_checks(module):
     _vector.NATIVE_WIDEST[0] = module.widest_aligned if on else None
     ar.NATIVE_MAX_SPAN[0] = module.max_span if on else None
     ar.NATIVE_BIND_DIMS[0] = module.bind_dims if on else None
+    ar.NATIVE_GATHER[0] = module.gather_strides if on else None
     ck.NATIVE_OVERLAP[0] = module.overlap_pairs if on else None
     ck.NATIVE_WRITTEN[0] = module.written_layouts if on else None
     ck.NATIVE_SAME_DEVICE[0] = module.same_device if on else None

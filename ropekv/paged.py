@@ -27,6 +27,7 @@ from ropekv._arrays import (
     INT32,
     INT64,
     bind_dims,
+    gather_strides,
     max_span,
 )
 from ropekv._compile import c_bool, c_type, name_expression
@@ -466,11 +467,13 @@ _LEAN_RECORDS = {"lean", *_LEAN_FORMS}  # the shapes whose 32-bit form takes LEA
 
 
 @functools.cache
+@functools.cache
 def expression(dtype, out_dtype, is_neox, n, shape, mrope=False, opts=False):
     """The section kernel of ``shape`` (unroll, rot_unroll, min blocks), or the row kernel when
     ``shape`` is ``("rows", ROWS)``; ``mrope``: the one that reads mRoPE sections (the plain one
     has mRoPE compiled out); ``opts``: the kernel that reads the options, compiled out of the
-    plain one (the row kernel: computed scales and status; the section kernel: status only)."""
+    plain one (the row kernel: computed scales and status; the section kernel: status only).
+    Cached: a first call names its kernel by this, and a kernel's name depends on nothing else."""
     if shape[0] in _LEAN_FORMS:
         # ("lean_rows", head rows a thread, 64-bit offsets) or
         # ("lean_multi", chunks a thread, streaming hint, 64-bit offsets)
@@ -1841,76 +1844,85 @@ def _decode_guess(T, B):
 def _index64(a):
     """The record's index64: bit i set where the i-th array of _INDICES (pos_ids, batch_indices,
     positions, kv_indptr, kv_indices) is int64."""
-    bits = 0
-    for bit, index in enumerate(_INDICES):
-        if a[index].dtype == INT64:
-            bits |= 1 << bit
-    return bits
+    return (
+        (a.pos_ids.dtype == INT64)
+        | (a.batch_indices.dtype == INT64) << 1
+        | (a.positions.dtype == INT64) << 2
+        | (a.kv_indptr.dtype == INT64) << 3
+        | (a.kv_indices.dtype == INT64) << 4
+    )
+
+
+# the record's stride fields (elements), in its order: inputs, q outputs, caches (page, entry,
+# head), the table's position stride
+_STRIDE_FIELDS = PARAMS.names[PARAMS.names.index("qr_sn") : PARAMS.names.index("cs_sp") + 1]
+# the record's fields a first call's _Checked holds as they are
+_CHECKED_FIELDS = ("num_pages", "q_scale", "kv_scale", "Hq", "Hkv", "R", "Dn", "page_size", "P")
+_checked_values = operator.itemgetter(*map(_Checked._fields.index, _CHECKED_FIELDS))
+
+
+@functools.cache
+def _stride_program(mla, kv_layout):
+    """The :func:`ropekv._arrays.gather_strides` program of the record's :data:`_STRIDE_FIELDS`
+    (``(slot of _Views, axis)``; slot -1, or an array not given: 0): the arrays' strides, the
+    cache rows' ``(page, entry, head)`` ones as :func:`_cache_rows` reads them (MLA: K-rope rows in
+    ``kpe_cache``, K-nope in ``ckv_cache``, no heads and no V). A q output not given reads 0 here
+    (:func:`_values` puts the new output's strides)."""
+    slot = _Views._fields.index
+    zero = (-1, 0)
+
+    def rows(name, *axes):
+        return tuple((slot(name), axis) for axis in axes)
+
+    if mla:
+        k_in, caches = (
+            (*rows("k_rope", 0), zero, *rows("k_nope", 0), zero, zero, zero),
+            (*rows("cache1", 0, 1), zero, *rows("cache0", 0, 1), zero, zero, zero, zero),
+        )
+    else:
+        axes = (0, 1, 2) if kv_layout == "NHD" else (0, 2, 1)
+        k_in = rows("k_rope", 0, 1) + rows("k_nope", 0, 1) + rows("v", 0, 1)
+        caches = rows("cache0", *axes) * 2 + rows("cache1", *axes)
+    program = (
+        *rows("q_rope", 0, 1),
+        *rows("q_nope", 0, 1),
+        *k_in,
+        *rows("q_rope_out", 0, 1),
+        *rows("q_nope_out", 0, 1),
+        *caches,
+        *rows("cos_sin_cache", 0),
+    )
+    assert len(program) == len(_STRIDE_FIELDS)
+    return program
 
 
 def _values(a, f, c, choice):
-    """The record's fields past the pointers (every pointer field has a slot, :func:`_pack`)."""
-    vqr, vkr, vqn, vkn, vv, vt = a.q_rope, a.k_rope, a.q_nope, a.k_nope, a.v, a.cos_sin_cache
-    vqro, vqno = a.q_rope_out, a.q_nope_out
-    T, Hq, Hkv, R, Dn, mla, sections = c.T, c.Hq, c.Hkv, c.R, c.Dn, c.mla, c.sections
-    index64 = _index64(a)
-    zero2 = (0, 0)
-    qn_st = vqn.strides[:2] if vqn is not None else zero2
-    kn_in = (vkn.strides[0], 0 if mla else vkn.strides[1]) if vkn is not None else zero2
-    qro_st = vqro.strides[:2] if vqro is not None else (Hq * R, R)
-    qno_st = vqno.strides[:2] if vqno is not None else (Hq * Dn, Dn)
-    (krc_sp, krc_se, krc_sh), (knc_sp, knc_se, knc_sh) = c.kr[1], c.kn[1]
-    vc_sp, vc_se, vc_sh = c.vd[1]
-    B = a.kv_indptr.shape[0] - 1
-    return {
-        "qr_sn": vqr.strides[0],
-        "qr_sh": vqr.strides[1],
-        "qn_sn": qn_st[0],
-        "qn_sh": qn_st[1],
-        "kr_sn": vkr.strides[0],
-        "kr_sh": 0 if mla else vkr.strides[1],
-        "kn_sn": kn_in[0],
-        "kn_sh": kn_in[1],
-        "v_sn": 0 if vv is None else vv.strides[0],
-        "v_sh": 0 if vv is None else vv.strides[1],
-        "qro_sn": qro_st[0],
-        "qro_sh": qro_st[1],
-        "qno_sn": qno_st[0],
-        "qno_sh": qno_st[1],
-        "krc_sp": krc_sp,
-        "krc_se": krc_se,
-        "krc_sh": krc_sh,
-        "knc_sp": knc_sp,
-        "knc_se": knc_se,
-        "knc_sh": knc_sh,
-        "vc_sp": vc_sp,
-        "vc_se": vc_se,
-        "vc_sh": vc_sh,
-        "cs_sp": vt.strides[0],
-        "num_pages": c.num_pages,
-        "num_indices": a.kv_indices.shape[0],
-        "q_scale": c.q_scale,
-        "kv_scale": c.kv_scale,
-        "Hq": Hq,
-        "Hkv": Hkv,
-        "Hv": 0 if mla else Hkv,
-        "R": R,
-        "Dn": Dn,
-        "B": B,
-        "page_size": c.page_size,
-        "P": c.P,
-        "index64": index64,
-        "group": choice.group,
-        "rows": choice.rows,
-        "pid_st": T,
-        "mrope": int(bool(sections)),
-        "mrope_t": sections[0] if sections else 0,
-        "mrope_h": sections[1] if sections else 0,
-        "mrope_w": sections[2] if sections else 0,
-        "mrope_interleaved": int(f.mrope_interleaved),
+    """The record's fields past the pointers (every pointer field has a slot, :func:`_pack`): the
+    strides gathered in one call (:func:`_stride_program`), then the sizes and the choice."""
+    values = dict(zip(_STRIDE_FIELDS, gather_strides(a, _stride_program(c.mla, c.kv_layout))))
+    values.update(zip(_CHECKED_FIELDS, _checked_values(c)))
+    if a.q_rope_out is None:  # a new output: C-contiguous (T, Hq, R)
+        values["qro_sn"], values["qro_sh"] = c.Hq * c.R, c.R
+    if a.q_nope_out is None:
+        values["qno_sn"], values["qno_sh"] = c.Hq * c.Dn, c.Dn
+    T, B, sections = c.T, a.kv_indptr.shape[0] - 1, c.sections
+    values.update(
+        num_indices=a.kv_indices.shape[0],
+        Hv=0 if c.mla else c.Hkv,
+        B=B,
+        index64=_index64(a),
+        group=choice.group,
+        rows=choice.rows,
+        pid_st=T,
+        mrope=int(bool(sections)),
+        mrope_t=sections[0] if sections else 0,
+        mrope_h=sections[1] if sections else 0,
+        mrope_w=sections[2] if sections else 0,
+        mrope_interleaved=int(f.mrope_interleaved),
         # the lean kernels' decode guess (LeanSlot in paged.cu): one token a request
-        "guess": _decode_guess(T, B),
-    }
+        guess=_decode_guess(T, B),
+    )
+    return values
 
 
 _NAMES = ("q_rope", "k_rope", "q_nope", "k_nope", "v", "cos_sin_cache", "pos_ids")

@@ -673,3 +673,54 @@ def test_bind_dims_in_c_leaves_the_unusual_to_the_loop(native):
     assert native.bind_dims([view], (99, (), ()), ()) is None  # more dims than it holds
     with pytest.raises(TypeError):
         native.bind_dims([view], ("2", (), ()), ())
+
+
+def _gather_loop(views, program):
+    """_arrays.gather_strides' Python loop (its C form routed off)."""
+    return _python_form(ar.NATIVE_GATHER, lambda v: ar.gather_strides(v, program), views)
+
+
+def test_gather_strides_in_c_answers_as_the_loop(native, monkeypatch):
+    """The C form of ``_arrays.gather_strides`` reads every random program's strides as the loop
+    does, zeros where a slot is negative or its array not given."""
+    native.configure_views(ar.ArrayView)
+    rng = np.random.default_rng(41)
+    for _ in range(2000):
+        views = []
+        for k in range(int(rng.integers(1, 8))):
+            if rng.integers(0, 4) == 0:
+                views.append(None)
+                continue
+            shape, strides = _random_layout(rng)
+            views.append(ar.ArrayView(f"a{k}", 1 << 30, shape, strides, np.dtype("f2"), 0))
+        program = []
+        for _ in range(int(rng.integers(0, 30))):
+            slot = int(rng.integers(-1, len(views)))
+            v = views[slot] if slot >= 0 else None
+            if v is not None and not v.strides:
+                slot = -1  # a 0-d view has no axis to read
+            axis = int(rng.integers(0, len(v.strides))) if slot >= 0 and v is not None else 0
+            program.append((slot, axis))
+        program = tuple(program)
+        want = _gather_loop(views, program)
+        assert len(want) == len(program)
+        assert native.gather_strides(views, program) == want
+        assert native.gather_strides(tuple(views), program) == want
+        monkeypatch.setattr(ar, "NATIVE_GATHER", [native.gather_strides])
+        assert ar.gather_strides(views, program) == want
+
+
+def test_gather_strides_in_c_leaves_the_unusual_to_the_loop(native):
+    """A view C cannot read, an axis it lacks or a slot past the views: None (the loop decides,
+    and raises where it must)."""
+    native.configure_views(ar.ArrayView)
+    view = ar.ArrayView("a", 1 << 30, (2, 3), (3, 1), np.dtype("f4"), 0)
+    assert native.gather_strides([view, None], ((0, 1), (1, 0), (-1, 5), (0, 0))) == (1, 0, 0, 3)
+    assert native.gather_strides([view], ((0, 2),)) is None  # no axis 2
+    assert native.gather_strides([view], ((0, -1),)) is None
+    assert native.gather_strides([view], ((1, 0),)) is None  # no slot 1
+    assert native.gather_strides([ar.ArrayView.__new__(ar.ArrayView)], ((0, 0),)) is None
+    with pytest.raises(IndexError):
+        _gather_loop([view], ((0, 2),))
+    with pytest.raises(TypeError):
+        native.gather_strides([view], [(0, 0)])  # the program is a tuple

@@ -3082,3 +3082,58 @@ def test_section_kernel_min_blocks_match_reference(shape, monkeypatch):
     )
     args, kw = with_mrope(make_case(184, T=33, B=2, Hq=8, Hkv=1, R=128, page_size=16), rng, False)
     check_against_reference(args, quantize=True, mrope=kw)
+
+
+def test_record_strides_are_the_arrays_strides(monkeypatch):
+    """The record's stride fields, gathered by one program a form (``paged._stride_program``),
+    are the arrays' strides in elements: the inputs (MLA's k rows have no head stride), the q
+    outputs (a new one's C-contiguous), the cache rows' (page, entry, head) strides in either
+    layout (MLA: K-rope rows in kpe_cache, K-nope rows in ckv_cache, no V), the table's row."""
+    from ropekv import paged
+
+    seen = []
+    for op in (paged._GQA, paged._MLA):
+        prepare = op.prepare
+        monkeypatch.setattr(op, "prepare", lambda v, f, p=prepare: seen.append((v, f)) or p(v, f))
+
+    def st(view, *axes):
+        return [0] * len(axes) if view is None else [view.strides[k] for k in axes]
+
+    rng = np.random.default_rng(12)
+    for seed in range(60):
+        mla, layout = bool(seed % 2), ("NHD", "HND")[seed // 2 % 2]
+        Dn, packed = 8 if mla else int(rng.choice([0, 8])), bool(rng.integers(0, 2))
+        args = make_case(seed, mla=mla, Dn=Dn, kv_layout=layout, packed=packed and not mla)
+        if rng.integers(0, 2):
+            T, Hq, R = args["q_rope"].shape
+            wide = np.zeros((T, Hq, 2 * R), args["paged_kv_cache"][0].dtype)
+            args["q_rope_out"] = wide[..., :R]
+        seen.clear()
+        ropekv.rope_quantize_fp8_append_paged_kv_cache(**args)
+        ((views, flags),) = seen
+        a, f = paged._Views._make(views), paged._Flags._make(flags)
+        c = paged._check(a, f)
+        values = paged._values(a, f, c, paged._choose(a, f.is_neox, c))
+        k_in = (
+            [*st(a.k_rope, 0), 0, *st(a.k_nope, 0), 0, 0, 0]
+            if mla
+            else [*st(a.k_rope, 0, 1), *st(a.k_nope, 0, 1), *st(a.v, 0, 1)]
+        )
+        rows = (0, 1, 2) if layout == "NHD" else (0, 2, 1)
+        caches = (
+            [*st(a.cache1, 0, 1), 0, *st(a.cache0, 0, 1), 0, 0, 0, 0]
+            if mla
+            else st(a.cache0, *rows) * 2 + st(a.cache1, *rows)
+        )
+        qro = st(a.q_rope_out, 0, 1) if a.q_rope_out is not None else [c.Hq * c.R, c.R]
+        want = [
+            *st(a.q_rope, 0, 1),
+            *st(a.q_nope, 0, 1),
+            *k_in,
+            *qro,
+            c.Hq * c.Dn,
+            c.Dn,
+            *caches,
+            a.cos_sin_cache.strides[0],
+        ]
+        assert [values[n] for n in paged._STRIDE_FIELDS] == want, (seed, mla, layout)
