@@ -8,7 +8,9 @@ of what a faster form of that step could save, not a form ropekv could ship (a c
 second plan cache). Variants: ``base``; ``check``, ``choose``, ``pack`` (the paged op's three
 steps); ``all3``; ``written`` (the shared written-array checks, ``_checks.check_written``);
 ``unbound``, not a bound but the checks as they ran before ``paged._check_bound`` (every call
-checked in order: an A/B of that change in one process). Each
+checked in order: an A/B of that change in one process); ``unpacked``, the record as a first call
+built it before its strides were gathered in one call (``paged._values`` as it was, below) and
+before the kernel's name and function pointer were cached (an A/B of that change). Each
 variant's phase runs ``reps`` times, the variants interleaved; the table gives the medians of the
 edge cases' first calls and of every paged case's.
 
@@ -45,9 +47,94 @@ def by_arrays(fn, key):
     return cached
 
 
+# the record as a first call built it before its strides were gathered in one call (the
+# ``unpacked`` variant; ropekv's code at bf7d201)
+def _index64_before(a):
+    """``paged._index64`` as it was."""
+    from ropekv.paged import _INDICES, INT64
+
+    bits = 0
+    for bit, index in enumerate(_INDICES):
+        if a[index].dtype == INT64:
+            bits |= 1 << bit
+    return bits
+
+
+def _values_before(a, f, c, choice):
+    """``paged._values`` as it was: the record's fields one by one."""
+    from ropekv.paged import _decode_guess
+
+    vqr, vkr, vqn, vkn, vv, vt = a.q_rope, a.k_rope, a.q_nope, a.k_nope, a.v, a.cos_sin_cache
+    vqro, vqno = a.q_rope_out, a.q_nope_out
+    T, Hq, Hkv, R, Dn, mla, sections = c.T, c.Hq, c.Hkv, c.R, c.Dn, c.mla, c.sections
+    index64 = _index64_before(a)
+    zero2 = (0, 0)
+    qn_st = vqn.strides[:2] if vqn is not None else zero2
+    kn_in = (vkn.strides[0], 0 if mla else vkn.strides[1]) if vkn is not None else zero2
+    qro_st = vqro.strides[:2] if vqro is not None else (Hq * R, R)
+    qno_st = vqno.strides[:2] if vqno is not None else (Hq * Dn, Dn)
+    (krc_sp, krc_se, krc_sh), (knc_sp, knc_se, knc_sh) = c.kr[1], c.kn[1]
+    vc_sp, vc_se, vc_sh = c.vd[1]
+    B = a.kv_indptr.shape[0] - 1
+    return {
+        "qr_sn": vqr.strides[0],
+        "qr_sh": vqr.strides[1],
+        "qn_sn": qn_st[0],
+        "qn_sh": qn_st[1],
+        "kr_sn": vkr.strides[0],
+        "kr_sh": 0 if mla else vkr.strides[1],
+        "kn_sn": kn_in[0],
+        "kn_sh": kn_in[1],
+        "v_sn": 0 if vv is None else vv.strides[0],
+        "v_sh": 0 if vv is None else vv.strides[1],
+        "qro_sn": qro_st[0],
+        "qro_sh": qro_st[1],
+        "qno_sn": qno_st[0],
+        "qno_sh": qno_st[1],
+        "krc_sp": krc_sp,
+        "krc_se": krc_se,
+        "krc_sh": krc_sh,
+        "knc_sp": knc_sp,
+        "knc_se": knc_se,
+        "knc_sh": knc_sh,
+        "vc_sp": vc_sp,
+        "vc_se": vc_se,
+        "vc_sh": vc_sh,
+        "cs_sp": vt.strides[0],
+        "num_pages": c.num_pages,
+        "num_indices": a.kv_indices.shape[0],
+        "q_scale": c.q_scale,
+        "kv_scale": c.kv_scale,
+        "Hq": Hq,
+        "Hkv": Hkv,
+        "Hv": 0 if mla else Hkv,
+        "R": R,
+        "Dn": Dn,
+        "B": B,
+        "page_size": c.page_size,
+        "P": c.P,
+        "index64": index64,
+        "group": choice.group,
+        "rows": choice.rows,
+        "pid_st": T,
+        "mrope": int(bool(sections)),
+        "mrope_t": sections[0] if sections else 0,
+        "mrope_h": sections[1] if sections else 0,
+        "mrope_w": sections[2] if sections else 0,
+        "mrope_interleaved": int(f.mrope_interleaved),
+        # the lean kernels' decode guess (LeanSlot in paged.cu): one token a request
+        "guess": _decode_guess(T, B),
+    }
+
+
+def _uncached(fn):
+    """``fn`` without its functools cache (itself where it has none, as under stand-ins)."""
+    return getattr(fn, "__wrapped__", fn)
+
+
 def variants():
     """``{name: [(module, attribute, replacement)]}``."""
-    from ropekv import _checks, paged
+    from ropekv import _checks, _launch, paged
 
     def step(name):
         return (paged, name, by_arrays(getattr(paged, name), lambda a: id(a.q_rope.array)))
@@ -59,6 +146,11 @@ def variants():
         "pack": [step("_pack")],
         "all3": [step("_check"), step("_choose"), step("_pack")],
         "unbound": [(paged, "_check_bound", lambda a, f: None)],
+        "unpacked": [
+            (paged, "_values", _values_before),
+            (paged, "expression", _uncached(paged.expression)),
+            (_launch, "function_pointer", _uncached(_launch.function_pointer)),
+        ],
         "written": [
             (
                 _checks,
