@@ -217,11 +217,11 @@ def bind_dims(views, program, bound=()):
     its view ``views[slot]``, which must be given and of rank ``len(dims)``, dim k binding var
     ``dims[k]`` (the first array to name a var binds it, every later one must agree); ``dtypes``
     the dtypes it may have (empty: any), each a dtype or the slot of the array whose dtype it may
-    have;
-    ``contig`` 0 none, 1 stride 1 in its last dim (or no elements there), 2 C-contiguous.
+    have; ``contig`` 0 none, 1 stride 1 in its last dim (or no elements there), 2 C-contiguous.
     ``relations``: ``(v, a, b, k)``, var v == var a + var b + k (b < 0: no var b). ``bound``:
-    the values of vars 0, 1, ... bound first (scalars such as ``page_size``; not negative). Returns the vars' values (-1: not bound). The C form
-    answers in one call (None: this loop decides, and is the C form's oracle)."""
+    the values of vars 0, 1, ... bound first (scalars such as ``page_size``; not negative).
+    Returns the vars' values (-1: not bound). The C form answers in one call (None: this loop
+    decides, and is the C form's oracle)."""
     native = NATIVE_BIND_DIMS[0]
     if native is not None:
         found = native(views, program, tuple(bound))

@@ -232,12 +232,9 @@ def _cu_launch_kernel_ex():
 
 
 @functools.cache
-@functools.cache
 def function_pointer(stem, expression, device, shared_mem=0):
     """The ``CUfunction`` of a kernel on ``device`` (compiled and loaded on first use; cached, as
-    the kernel is: a plan of a new layout looks it up without entering the device). Past 48 KiB
-    the kernel's dynamic shared memory limit is raised once per size asked; a raised limit admits
-    every smaller size."""
+    the kernel is: a plan of a new layout looks it up without entering the device)."""
     import cupy
 
     kernel = get_kernel(stem, expression, device)

@@ -467,13 +467,11 @@ _LEAN_RECORDS = {"lean", *_LEAN_FORMS}  # the shapes whose 32-bit form takes LEA
 
 
 @functools.cache
-@functools.cache
 def expression(dtype, out_dtype, is_neox, n, shape, mrope=False, opts=False):
     """The section kernel of ``shape`` (unroll, rot_unroll, min blocks), or the row kernel when
     ``shape`` is ``("rows", ROWS)``; ``mrope``: the one that reads mRoPE sections (the plain one
     has mRoPE compiled out); ``opts``: the kernel that reads the options, compiled out of the
-    plain one (the row kernel: computed scales and status; the section kernel: status only).
-    Cached: a first call names its kernel by this, and a kernel's name depends on nothing else."""
+    plain one (the row kernel: computed scales and status; the section kernel: status only)."""
     if shape[0] in _LEAN_FORMS:
         # ("lean_rows", head rows a thread, 64-bit offsets) or
         # ("lean_multi", chunks a thread, streaming hint, 64-bit offsets)

@@ -9,8 +9,8 @@ second plan cache). Variants: ``base``; ``check``, ``choose``, ``pack`` (the pag
 steps); ``all3``; ``written`` (the shared written-array checks, ``_checks.check_written``);
 ``unbound``, not a bound but the checks as they ran before ``paged._check_bound`` (every call
 checked in order: an A/B of that change in one process); ``unpacked``, the record as a first call
-built it before its strides were gathered in one call (``paged._values`` as it was, below) and
-before the kernel's name and function pointer were cached (an A/B of that change). Each
+built it before its strides were gathered in one call (``paged._values`` as it was, below: an A/B
+of that change). Each
 variant's phase runs ``reps`` times, the variants interleaved; the table gives the medians of the
 edge cases' first calls and of every paged case's.
 
@@ -127,14 +127,9 @@ def _values_before(a, f, c, choice):
     }
 
 
-def _uncached(fn):
-    """``fn`` without its functools cache (itself where it has none, as under stand-ins)."""
-    return getattr(fn, "__wrapped__", fn)
-
-
 def variants():
     """``{name: [(module, attribute, replacement)]}``."""
-    from ropekv import _checks, _launch, paged
+    from ropekv import _checks, paged
 
     def step(name):
         return (paged, name, by_arrays(getattr(paged, name), lambda a: id(a.q_rope.array)))
@@ -146,11 +141,7 @@ def variants():
         "pack": [step("_pack")],
         "all3": [step("_check"), step("_choose"), step("_pack")],
         "unbound": [(paged, "_check_bound", lambda a, f: None)],
-        "unpacked": [
-            (paged, "_values", _values_before),
-            (paged, "expression", _uncached(paged.expression)),
-            (_launch, "function_pointer", _uncached(_launch.function_pointer)),
-        ],
+        "unpacked": [(paged, "_values", _values_before)],
         "written": [
             (
                 _checks,
