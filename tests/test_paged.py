@@ -3104,10 +3104,13 @@ def test_record_strides_are_the_arrays_strides(monkeypatch):
         mla, layout = bool(seed % 2), ("NHD", "HND")[seed // 2 % 2]
         Dn, packed = 8 if mla else int(rng.choice([0, 8])), bool(rng.integers(0, 2))
         args = make_case(seed, mla=mla, Dn=Dn, kv_layout=layout, packed=packed and not mla)
-        if rng.integers(0, 2):
-            T, Hq, R = args["q_rope"].shape
+        T, Hq, R = args["q_rope"].shape
+        if rng.integers(0, 2):  # given q outputs, with row strides of their own
             wide = np.zeros((T, Hq, 2 * R), args["paged_kv_cache"][0].dtype)
             args["q_rope_out"] = wide[..., :R]
+        if Dn and rng.integers(0, 2):
+            wide = np.zeros((T, Hq + 1, Dn), args["paged_kv_cache"][0].dtype)
+            args["q_nope_out"] = wide[:, 1:]
         seen.clear()
         ropekv.rope_quantize_fp8_append_paged_kv_cache(**args)
         ((views, flags),) = seen
@@ -3126,13 +3129,13 @@ def test_record_strides_are_the_arrays_strides(monkeypatch):
             else st(a.cache0, *rows) * 2 + st(a.cache1, *rows)
         )
         qro = st(a.q_rope_out, 0, 1) if a.q_rope_out is not None else [c.Hq * c.R, c.R]
+        qno = st(a.q_nope_out, 0, 1) if a.q_nope_out is not None else [c.Hq * c.Dn, c.Dn]
         want = [
             *st(a.q_rope, 0, 1),
             *st(a.q_nope, 0, 1),
             *k_in,
             *qro,
-            c.Hq * c.Dn,
-            c.Dn,
+            *qno,
             *caches,
             a.cos_sin_cache.strides[0],
         ]
