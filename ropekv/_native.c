@@ -75,8 +75,8 @@ enum { CUPY = 1, TORCH = 2 }; /* _arrays.CUPY / TORCH */
 
 static PyObject *s_data, *s_ptr, *s_shape, *s_strides, *s_dtype, *s_device_id, *s_data_ptr,
     *s_stride, *s_get_device, *s_last, *s_native, *s_replay, *s_make_outputs, *s_result,
-    *s_getDevice, *s_setDevice, *s_empties, *one, *zero, *s_is_neg, *s_itemsize, *s_is_cuda, *s_size,
-    *s_span, *s_readonly, *s_legacy, *s_device;
+    *s_getDevice, *s_setDevice, *s_empties, *one, *zero, *s_is_neg, *s_itemsize, *s_is_cuda,
+    *s_size, *s_span, *s_readonly, *s_legacy, *s_device;
 
 /* ---- a plan's launches, as C data ----------------------------------------------------------- */
 

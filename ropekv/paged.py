@@ -1167,8 +1167,8 @@ def _check_options(vqso, vksc, vvsc, vstatus, mla, Hkv, num_pages, page_size, kv
 
 class _Checked(NamedTuple):
     """What the checks of a first call derive: sizes, the output dtype, the cache destinations
-    (``((argument, byte offset), (page, entry, head) strides)`` of the K-rope, K-nope and V
-    rows), the validated scales and the options' strides."""
+    (``(argument, byte offset)`` of the K-rope, K-nope and V rows), the validated scales and the
+    options' strides."""
 
     mla: bool
     T: int
@@ -1311,12 +1311,9 @@ def _check_rest(a, f, mla, dims, sections, page_size, kv_layout, num_pages=None)
     )
     _check_out_dtype((vc0, vc1), out_dtype)
     checked = num_pages is not None
-    if checked:
-        kr, kn, vd = _cache_rows(vc0, vc1, mla, kv_layout, R, out_dtype)
-    else:
-        num_pages, kr, kn, vd = _check_caches(
-            vc0, vc1, mla, page_size, kv_layout, Hkv, R, Dn, out_dtype
-        )
+    if not checked:
+        num_pages = _check_caches(vc0, vc1, mla, page_size, kv_layout, Hkv, R, Dn)
+    kr, kn, vd = _cache_rows(mla, R, out_dtype)
     q_scale, vqs, kv_scale, vks, scale_st = _check_scales(
         a, f, out_dtype, source, mla, (T, Hq, Hkv), (num_pages, page_size, kv_layout)
     )
@@ -1486,15 +1483,14 @@ def _check_indexing(a, R, T, mrope_section, mrope_interleaved):
     return vt.shape[0], sections
 
 
-def _check_caches(vc0, vc1, mla, page_size, kv_layout, Hkv, R, Dn, out_dtype):
-    """The caches' shapes; ``(num_pages, kr, kn, vd)``, the destinations of the K-rope, K-nope
-    and V rows: ``((argument, byte offset), (page, entry, head) strides)``."""
+def _check_caches(vc0, vc1, mla, page_size, kv_layout, Hkv, R, Dn):
+    """The caches' shapes; their ``num_pages``."""
     if mla:
         ck.check_ndim(vc0, 3, "(num_pages, page_size, no_rope_dim)")
         num_pages = vc0.shape[0]
         ck.check_shape(vc0, (num_pages, page_size, Dn), "(num_pages, page_size, no_rope_dim)")
         ck.check_shape(vc1, (num_pages, page_size, R), "(num_pages, page_size, rope_dim)")
-        return (num_pages, *_cache_rows(vc0, vc1, True, kv_layout, R, out_dtype))
+        return num_pages
     nhd = kv_layout == "NHD"
     spelled, spelled_for = decl.paged_layout(kv_layout)
     ck.check_ndim(vc0, 4, spelled)
@@ -1503,23 +1499,16 @@ def _check_caches(vc0, vc1, mla, page_size, kv_layout, Hkv, R, Dn, out_dtype):
     shape = (num_pages, page_size, Hkv, D) if nhd else (num_pages, Hkv, page_size, D)
     ck.check_shape(vc0, shape, spelled_for)
     ck.check_shape(vc1, shape, spelled_for)
-    return (num_pages, *_cache_rows(vc0, vc1, False, kv_layout, R, out_dtype))
+    return num_pages
 
 
-def _cache_rows(vc0, vc1, mla, kv_layout, R, out_dtype):
-    """``(kr, kn, vd)`` of checked caches: ``((argument, byte offset), (page, entry, head)
-    strides)`` of the K-rope, K-nope and V rows."""
+def _cache_rows(mla, R, out_dtype):
+    """``(kr, kn, vd)``: the destinations ``(argument, byte offset)`` of the K-rope, K-nope and V
+    rows (their strides: :func:`_stride_program`)."""
     if mla:
-        kr = ((_KPE_CACHE, 0), (vc1.strides[0], vc1.strides[1], 0))
-        kn = ((_CKV_CACHE, 0), (vc0.strides[0], vc0.strides[1], 0))
-        return kr, kn, ((-1, 0), (0, 0, 0))  # (no V: no argument)
-    k_st, v_st = vc0.strides, vc1.strides
-    if kv_layout == "NHD":
-        k_st, v_st = k_st[:3], v_st[:3]
-    else:
-        k_st, v_st = (k_st[0], k_st[2], k_st[1]), (v_st[0], v_st[2], v_st[1])
-    k_rows = R * out_dtype.itemsize  # K-nope: past the rope dims of the K rows
-    return ((_K_CACHE, 0), k_st), ((_K_CACHE, k_rows), k_st), ((_V_CACHE, 0), v_st)
+        return (_KPE_CACHE, 0), (_CKV_CACHE, 0), (-1, 0)  # (no V: no argument)
+    # K-nope: past the rope dims of the K rows
+    return (_K_CACHE, 0), (_K_CACHE, R * out_dtype.itemsize), (_V_CACHE, 0)
 
 
 def _check_out_dtype(views, out_dtype):
@@ -1733,7 +1722,7 @@ def _pack(a, f, c, choice, out_slots):
     if choice.opts:  # the fields OPTS_PARAMS adds (Launch reads only its struct's fields)
         values.update(c.scale_st, T=c.T)
     slots = dict(_ARGUMENT_SLOTS)  # and those that depend on the call:
-    slots["kr_cache"], slots["kn_cache"], slots["v_cache"] = c.kr[0], c.kn[0], c.vd[0]
+    slots["kr_cache"], slots["kn_cache"], slots["v_cache"] = c.kr, c.kn, c.vd
     slots["q_rope_out"], slots["q_nope_out"] = (out_slots[0], 0), (out_slots[1], 0)
     shape, block = choice.shape, (choice.block, choice.tokens)
     params = OPTS_PARAMS if choice.opts else PARAMS
@@ -1840,8 +1829,8 @@ def _decode_guess(T, B):
 
 
 def _index64(a):
-    """The record's index64: bit i set where the i-th array of _INDICES (pos_ids, batch_indices,
-    positions, kv_indptr, kv_indices) is int64."""
+    """The record's index64: bit i set where the i-th of pos_ids, batch_indices, positions,
+    kv_indptr and kv_indices is int64."""
     return (
         (a.pos_ids.dtype == INT64)
         | (a.batch_indices.dtype == INT64) << 1
@@ -1862,8 +1851,9 @@ _checked_values = operator.itemgetter(*map(_Checked._fields.index, _CHECKED_FIEL
 @functools.cache
 def _stride_program(mla, kv_layout):
     """The :func:`ropekv._arrays.gather_strides` program of the record's :data:`_STRIDE_FIELDS`
-    (``(slot of _Views, axis)``; slot -1, or an array not given: 0): the arrays' strides, the
-    cache rows' ``(page, entry, head)`` ones as :func:`_cache_rows` reads them (MLA: K-rope rows in
+    (``(slot of _Views, axis)``; slot -1, or an array not given: 0): the arrays' strides, and the
+    ``(page, entry, head)`` strides of the cache rows :func:`_cache_rows` names (K-rope and K-nope
+    rows in ``k_cache``, V rows in ``v_cache``, in either layout; MLA: K-rope rows in
     ``kpe_cache``, K-nope in ``ckv_cache``, no heads and no V). A q output not given reads 0 here
     (:func:`_values` puts the new output's strides)."""
     slot = _Views._fields.index
@@ -1941,16 +1931,12 @@ _TAIL = (
 _GQA_ARGS = (*_NAMES, "k_cache", "v_cache", *_TAIL)
 _MLA_ARGS = (*_NAMES, "ckv_cache", "kpe_cache", *_TAIL)
 # argument positions, by name (the same in both: the caches differ only in name). Made once (a
-# first call reads them): the caches, the outputs, the index arrays, the pointer fields' slots
-# that are the same for every call (an argument at offset 0); the written arrays and the in-place
-# pairs follow from the declaration (the end of this module)
+# first call reads them): the caches, the outputs, the pointer fields' slots that are the same
+# for every call (an argument at offset 0); the written arrays and the in-place pairs follow from
+# the declaration (the end of this module)
 _K_CACHE, _V_CACHE = ck.argument_indices(_GQA_ARGS, ("k_cache", "v_cache"))
 _CKV_CACHE, _KPE_CACHE = ck.argument_indices(_MLA_ARGS, ("ckv_cache", "kpe_cache"))
 _Q_ROPE_OUT, _Q_NOPE_OUT = ck.argument_indices(_GQA_ARGS, ("q_rope_out", "q_nope_out"))
-# the index arrays, in the order of the record's index64 bits
-_INDICES = ck.argument_indices(
-    _GQA_ARGS, ("pos_ids", "batch_indices", "positions", "kv_indptr", "kv_indices")
-)
 _RESULTS = _results(_Q_ROPE_OUT, _Q_NOPE_OUT)
 # record pointer field <- argument
 _ARGUMENT_SLOTS = {

@@ -129,14 +129,19 @@ def test_check_last_dim_contiguous_equals_the_former_loop():
 def test_paged_index64_equals_the_former_loop():
     from types import SimpleNamespace
 
+    from ropekv import _checks as ck
     from ropekv import paged
 
+    # the index arrays in the order of the record's index64 bits (paged.cu's)
+    indices = ck.argument_indices(
+        paged._GQA_ARGS, ("pos_ids", "batch_indices", "positions", "kv_indptr", "kv_indices")
+    )
     rng = np.random.default_rng(1)
     for _ in range(64):
         dtypes = [np.dtype(rng.choice(["int32", "int64"])) for _ in paged._GQA_ARGS]
         a = paged._Views._make([SimpleNamespace(dtype=d) for d in dtypes])
         want = 0
-        for i, index in enumerate(paged._INDICES):
+        for i, index in enumerate(indices):
             if a[index].dtype == np.dtype(np.int64):
                 want |= 1 << i
         got = paged._index64(a)

@@ -48,16 +48,31 @@ def by_arrays(fn, key):
 
 
 # the record as a first call built it before its strides were gathered in one call (the
-# ``unpacked`` variant; ropekv's code at bf7d201)
+# ``unpacked`` variant; ropekv's code at bf7d201, where the checks read the cache rows' strides)
 def _index64_before(a):
-    """``paged._index64`` as it was."""
-    from ropekv.paged import _INDICES, INT64
+    """``paged._index64`` as it was: a loop over the index arrays."""
+    from ropekv.paged import INT64
 
     bits = 0
-    for bit, index in enumerate(_INDICES):
-        if a[index].dtype == INT64:
+    for bit, name in enumerate(
+        ("pos_ids", "batch_indices", "positions", "kv_indptr", "kv_indices")
+    ):
+        if getattr(a, name).dtype == INT64:
             bits |= 1 << bit
     return bits
+
+
+def _cache_strides_before(a, c):
+    """The ``(page, entry, head)`` strides of the K-rope, K-nope and V rows, as
+    ``paged._cache_rows`` read them."""
+    if c.mla:
+        kr = (a.cache1.strides[0], a.cache1.strides[1], 0)
+        return kr, (a.cache0.strides[0], a.cache0.strides[1], 0), (0, 0, 0)
+    k_st, v_st = a.cache0.strides, a.cache1.strides
+    if c.kv_layout == "NHD":
+        return k_st[:3], k_st[:3], v_st[:3]
+    k_st, v_st = (k_st[0], k_st[2], k_st[1]), (v_st[0], v_st[2], v_st[1])
+    return k_st, k_st, v_st
 
 
 def _values_before(a, f, c, choice):
@@ -73,8 +88,8 @@ def _values_before(a, f, c, choice):
     kn_in = (vkn.strides[0], 0 if mla else vkn.strides[1]) if vkn is not None else zero2
     qro_st = vqro.strides[:2] if vqro is not None else (Hq * R, R)
     qno_st = vqno.strides[:2] if vqno is not None else (Hq * Dn, Dn)
-    (krc_sp, krc_se, krc_sh), (knc_sp, knc_se, knc_sh) = c.kr[1], c.kn[1]
-    vc_sp, vc_se, vc_sh = c.vd[1]
+    krc, knc, vc = _cache_strides_before(a, c)
+    (krc_sp, krc_se, krc_sh), (knc_sp, knc_se, knc_sh), (vc_sp, vc_se, vc_sh) = krc, knc, vc
     B = a.kv_indptr.shape[0] - 1
     return {
         "qr_sn": vqr.strides[0],
