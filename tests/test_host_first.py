@@ -537,17 +537,25 @@ def _random_layout(rng):
     return shape, strides
 
 
+def _random_views(rng, n, dtypes):
+    """``n`` views of random layouts (:func:`_random_layout`; the k-th of dtype ``dtypes[k %
+    len(dtypes)]``), about one in four None."""
+    views = []
+    for k in range(n):
+        if rng.integers(0, 4) == 0:
+            views.append(None)
+            continue
+        shape, strides = _random_layout(rng)
+        dtype = dtypes[k % len(dtypes)]
+        views.append(ar.ArrayView(f"a{k}", 1 << 30, shape, strides, dtype, 0))
+    return views
+
+
 def test_max_span_in_c_answers_as_the_loop(native, monkeypatch):
     rng = np.random.default_rng(23)
     dtypes = [np.dtype(t) for t in ("u1", "f2", "f4", "i8")]
     for _ in range(3000):
-        views = []
-        for k in range(int(rng.integers(0, 9))):
-            if rng.integers(0, 4) == 0:
-                views.append(None)
-                continue
-            shape, strides = _random_layout(rng)
-            views.append(ar.ArrayView(f"a{k}", 1 << 30, shape, strides, dtypes[k % 4], 0))
+        views = _random_views(rng, int(rng.integers(0, 9)), dtypes)
         want = _span_loop(views)
         assert native.max_span(views) == want
         assert native.max_span(tuple(views)) == want
@@ -686,13 +694,7 @@ def test_gather_strides_in_c_answers_as_the_loop(native, monkeypatch):
     native.configure_views(ar.ArrayView)
     rng = np.random.default_rng(41)
     for _ in range(2000):
-        views = []
-        for k in range(int(rng.integers(1, 8))):
-            if rng.integers(0, 4) == 0:
-                views.append(None)
-                continue
-            shape, strides = _random_layout(rng)
-            views.append(ar.ArrayView(f"a{k}", 1 << 30, shape, strides, np.dtype("f2"), 0))
+        views = _random_views(rng, int(rng.integers(1, 8)), [np.dtype("f2")])
         program = []
         for _ in range(int(rng.integers(0, 30))):
             slot = int(rng.integers(-1, len(views)))
